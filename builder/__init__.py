@@ -1,0 +1,1 @@
+"""ONNX dir → engine dir: geometry validation, sizing and lowering per backend."""

@@ -1,0 +1,103 @@
+"""llm_build's work: validate an ONNX dir and the geometry, lower for a backend, write the engine dir."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+
+from kvforge.builder.geometry import BuildGeometry, kv_bytes_per_page, resolve_geometry
+from kvforge.builder.lower_ort import lower_for_onnxruntime
+from kvforge.runtime.engine_dir import COPIED_FILES, ENGINE_MODEL_FILE, ENGINE_WEIGHTS_FILE
+from kvforge.runtime.errors import KvforgeError
+from kvforge.runtime.model_config import ModelConfig, read_json, write_json
+
+BACKENDS = ("auto", "onnxruntime", "tensorrt")
+STEPS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class BuildOptions:
+    max_input_len: int = 1024
+    max_kv_cache_capacity: int = 4096
+    max_kv_pool_pages: int = 0
+    max_batch_size: int = 4
+    tokens_per_page: int = 128
+    backend: str = "auto"
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    bytes_per_page_per_layer: int
+    pool_bytes_per_layer: int
+    num_layers: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.pool_bytes_per_layer * self.num_layers
+
+
+def read_onnx_dir(onnx_dir: Path) -> ModelConfig:
+    if not onnx_dir.is_dir():
+        raise KvforgeError(f"{onnx_dir} is not a directory", "--onnxDir")
+    config = ModelConfig.from_dict(read_json(onnx_dir / "config.json", "--onnxDir"), f"{onnx_dir}/config.json")
+    for name in (ENGINE_MODEL_FILE, *COPIED_FILES):
+        if not (onnx_dir / name).is_file():
+            raise KvforgeError(f"missing {name} in {onnx_dir}; re-export it with llm_export", "--onnxDir")
+    return config
+
+
+def resolve_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise KvforgeError(f"must be one of {BACKENDS}, got {backend!r}", "--backend")
+    if backend == "tensorrt":
+        try:
+            import tensorrt  # noqa: F401
+        except ImportError:
+            raise KvforgeError("TensorRT is not installed (pip install 'kvforge[tensorrt]' on a machine with an "
+                               "NVIDIA GPU); use --backend onnxruntime", "--backend") from None
+        raise KvforgeError("the TensorRT build path is not available in this release; use --backend onnxruntime",
+                           "--backend")
+    return "onnxruntime"  # auto: TensorRT joins the choice once its build path lands
+
+
+def memory_plan(config: ModelConfig, geometry: BuildGeometry) -> MemoryPlan:
+    per_page = kv_bytes_per_page(config.num_key_value_heads, config.head_dim, geometry.tokens_per_page,
+                                 config.kv_cache_dtype)
+    return MemoryPlan(per_page, per_page * geometry.max_kv_pool_pages, config.num_hidden_layers)
+
+
+def build_engine(onnx_dir: Path, engine_dir: Path, options: BuildOptions,
+                 step: Callable[[str], None] = lambda _m: None) -> tuple[BuildGeometry, MemoryPlan]:
+    config = read_onnx_dir(onnx_dir)
+    backend = resolve_backend(options.backend)
+    geometry = resolve_geometry(max_input_len=options.max_input_len,
+                                max_kv_cache_capacity=options.max_kv_cache_capacity,
+                                max_batch_size=options.max_batch_size, tokens_per_page=options.tokens_per_page,
+                                max_kv_pool_pages=options.max_kv_pool_pages,
+                                max_position_embeddings=config.max_position_embeddings)
+    step("validated geometry")
+    try:
+        model = onnx.load(onnx_dir / ENGINE_MODEL_FILE)
+    except Exception as exc:
+        raise KvforgeError(f"cannot load {onnx_dir / ENGINE_MODEL_FILE}: {exc}", "--onnxDir") from None
+    step("loaded model.onnx")
+    lowered = lower_for_onnxruntime(model, kv_cache_dtype=config.kv_cache_dtype,
+                                    tokens_per_page=geometry.tokens_per_page,
+                                    num_pages=geometry.max_kv_pool_pages)
+    step("lowered paged-KV ops")
+    engine_dir.mkdir(parents=True, exist_ok=True)
+    for stale in (engine_dir / ENGINE_MODEL_FILE, engine_dir / ENGINE_WEIGHTS_FILE):
+        stale.unlink(missing_ok=True)
+    onnx.save_model(lowered, engine_dir / ENGINE_MODEL_FILE, save_as_external_data=True,
+                    all_tensors_to_one_file=True, location=ENGINE_WEIGHTS_FILE, size_threshold=1024)
+    for name in COPIED_FILES:
+        shutil.copyfile(onnx_dir / name, engine_dir / name)
+    engine_config = config.to_dict()
+    engine_config["builder_config"] = {**geometry.to_builder_config(), "backend": backend}
+    write_json(engine_dir / "config.json", engine_config)
+    step("wrote engine dir")
+    return geometry, memory_plan(config, geometry)

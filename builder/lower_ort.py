@@ -1,0 +1,224 @@
+"""Lowers the paged-KV custom ops to standard ONNX ops so ONNX Runtime (CPU) runs the graph.
+
+ONNX Runtime cannot update an input in place, so the lowered graph only *reads* the pool: it gathers
+each row's pages, attends over them plus the new rows, and returns the new K/V rows as
+`new_key_values_{i}` [B, S, 2, Hkv, D]; the runtime scatters those into its numpy pool afterwards.
+The new rows are rounded through the storage dtype before attention reads them, so a token's
+output does not depend on whether its keys came from this call or from the pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import ml_dtypes
+import numpy as np
+import onnx
+from onnx import helper
+
+from kvforge.builder.onnx_graph import FLOAT, FLOAT8E4M3FN, FLOAT16, INT32, INT64, GraphWriter, value_info
+from kvforge.plugins import ops
+from kvforge.runtime.errors import KvforgeError
+
+NEW_ROWS_ELEM_TYPES = {"fp16": FLOAT16, "fp8": FLOAT, "fp32": FLOAT}
+
+
+def new_rows_name(layer_input: str) -> str:
+    return layer_input.replace("past_key_values_", "new_key_values_")
+
+
+@dataclass(slots=True)
+class _Shared:
+    """Tensors every layer needs once: masks depend only on lengths and the page-table width."""
+
+    g: GraphWriter
+    group: int
+    masks: dict[str, str] = field(default_factory=dict)
+    fp8_table: str | None = None
+
+
+def lower_for_onnxruntime(model: onnx.ModelProto, *, kv_cache_dtype: str, tokens_per_page: int,
+                          num_pages: int, dense: bool = False) -> onnx.ModelProto:
+    """Replace PagedKVWrite/PagedAttention pairs. `dense=True` writes the unpaged baseline instead:
+    per-layer `past_key_{i}`/`past_value_{i}` [B,Hkv,L,D] in, `present_key_{i}`/`present_value_{i}` out."""
+    graph = model.graph
+    writes = {n.output[0]: n for n in graph.node if n.domain == ops.DOMAIN and n.op_type == ops.PAGED_KV_WRITE.name}
+    if not writes:
+        raise KvforgeError("graph has no kvforge.PagedKVWrite nodes; was it exported by llm_export?", "model.onnx")
+    first_attention = next(n for n in graph.node if n.op_type == ops.PAGED_ATTENTION.name)
+    num_q = _attr(first_attention, "num_q_heads")
+    num_kv = _attr(first_attention, "num_kv_heads")
+    shared = _Shared(GraphWriter(prefix="lowered/"), group=num_q // num_kv)
+    new_nodes: list[onnx.NodeProto] = []
+    new_rows: dict[str, tuple[str, str, str]] = {}  # pool output -> (pool input, new rows float, new rows out)
+    inputs = {vi.name: vi for vi in graph.input}
+    extra_inputs, outputs = [], [o for o in graph.output if o.name not in writes]
+    for node in graph.node:
+        g = shared.g
+        start = len(g.nodes)
+        if node.domain == ops.DOMAIN and node.op_type == ops.PAGED_KV_WRITE.name:
+            key, value, _, _, _, _, pool_in = node.input
+            head_dim = _attr(node, "head_dim")
+            rows = _lower_write(g, key, value, num_kv, head_dim, kv_cache_dtype)
+            rows_out = rows_float = rows
+            if not dense:
+                rows_out = g.op("Identity", [_to_storage_output(g, rows, kv_cache_dtype)],
+                                outputs=[new_rows_name(pool_in)])
+                rows_float = _round_through_storage(g, rows, kv_cache_dtype)
+                outputs.append(value_info(rows_out, NEW_ROWS_ELEM_TYPES[kv_cache_dtype],
+                                          ["batch", "seq", 2, num_kv, head_dim]))
+            new_rows[node.output[0]] = (pool_in, rows_float, rows_out)
+        elif node.domain == ops.DOMAIN and node.op_type == ops.PAGED_ATTENTION.name:
+            query, pool_out, _, start_index, page_table = node.input
+            pool_in, rows, _ = new_rows[pool_out]
+            head_dim = _attr(node, "head_dim")
+            if dense:
+                layer = pool_in.rsplit("_", 1)[1]
+                cached, present = _dense_cache(g, rows, layer)
+                for name in present:
+                    outputs.append(value_info(name, FLOAT, ["batch", num_kv, "total", head_dim]))
+                for name in (f"past_key_{layer}", f"past_value_{layer}"):
+                    extra_inputs.append(value_info(name, FLOAT, ["batch", num_kv, "past", head_dim]))
+            else:
+                cached = _gather_pages(g, pool_in, page_table, rows, kv_cache_dtype, shared, num_kv, head_dim)
+            _attend(g, shared, query, cached, start_index, num_kv, head_dim, _attr_f(node, "scale"),
+                    node.output[0])
+        else:
+            new_nodes.append(node)
+            continue
+        new_nodes.extend(g.nodes[start:])
+    if dense:
+        kept = [vi for name, vi in inputs.items() if not name.startswith("past_key_values_")
+                and name != "kv_page_table"]
+    else:
+        kept = [vi for vi in inputs.values()]
+        for vi in kept:
+            if vi.name.startswith("past_key_values_"):
+                _fix_pool_shape(vi, num_pages, tokens_per_page)
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+    graph.initializer.extend(shared.g.initializers)
+    del graph.input[:]
+    graph.input.extend(kept + extra_inputs)
+    del graph.output[:]
+    graph.output.extend(outputs)
+    lowered = helper.make_model(graph, opset_imports=[op for op in model.opset_import if op.domain != ops.DOMAIN],
+                                producer_name="kvforge-builder")
+    return lowered
+
+
+def _attr(node: onnx.NodeProto, name: str) -> int:
+    return next(a.i for a in node.attribute if a.name == name)
+
+
+def _attr_f(node: onnx.NodeProto, name: str) -> float:
+    return next(a.f for a in node.attribute if a.name == name)
+
+
+def _lower_write(g: GraphWriter, key: str, value: str, num_kv: int, head_dim: int, kv_cache_dtype: str) -> str:
+    """Rotated keys and values stacked as [B, S, 2, Hkv, D] float32."""
+    from kvforge.tools.export.llama_graph import apply_rope  # the same RoPE the queries got
+
+    k = g.reshape(apply_rope(g, key, num_kv, head_dim, "rope_cos", "rope_sin"), [0, 0, 1, num_kv, head_dim])
+    v = g.reshape(value, [0, 0, 1, num_kv, head_dim])
+    return g.op("Concat", [k, v], axis=2)
+
+
+def _to_storage_output(g: GraphWriter, rows: str, kv_cache_dtype: str) -> str:
+    if kv_cache_dtype == "fp16":
+        return g.cast(rows, FLOAT16)
+    return _round_through_storage(g, rows, kv_cache_dtype)  # fp8 leaves as exact float32 values
+
+
+def _round_through_storage(g: GraphWriter, rows: str, kv_cache_dtype: str) -> str:
+    if kv_cache_dtype == "fp32":
+        return rows
+    storage = FLOAT16 if kv_cache_dtype == "fp16" else FLOAT8E4M3FN
+    return g.cast(g.cast(rows, storage), FLOAT)
+
+
+def _fp8_table(g: GraphWriter, shared: _Shared) -> str:
+    """float32 value of each E4M3 bit pattern: dequantising a uint8 pool is one Gather."""
+    if shared.fp8_table is None:
+        table = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+        table = np.nan_to_num(table, nan=0.0)  # NaN patterns are never written; keep the table finite
+        shared.fp8_table = g.weight("lowered/fp8_e4m3_to_float", table)
+    return shared.fp8_table
+
+
+def _gather_pages(g: GraphWriter, pool: str, page_table: str, rows: str, kv_cache_dtype: str,
+                  shared: _Shared, num_kv: int, head_dim: int) -> str:
+    """[B, 2, Hkv, P*T + S, D] float32: the row's cached pages followed by its new rows."""
+    safe_pages = g.op("Max", [page_table, g.const(0, np.int32)])  # -1 entries are masked out later
+    pages = g.op("Gather", [pool, safe_pages], axis=0)  # [B, P, 2, Hkv, T, D]
+    new = g.transpose(rows, [0, 2, 3, 1, 4])  # [B, 2, Hkv, S, D]
+    if kv_cache_dtype == "fp8":
+        pages = g.op("Gather", [_fp8_table(g, shared), g.cast(pages, INT32)], axis=0)
+    cached = g.reshape(g.transpose(pages, [0, 2, 3, 1, 4, 5]), [0, 2, num_kv, -1, head_dim])
+    if kv_cache_dtype == "fp16":
+        new = g.cast(new, FLOAT16)  # exact: the rows were already rounded to fp16
+        return g.cast(g.op("Concat", [cached, new], axis=3), FLOAT)
+    return g.op("Concat", [cached, new], axis=3)
+
+
+def _dense_cache(g: GraphWriter, rows: str, layer: str) -> tuple[str, tuple[str, str]]:
+    new = g.transpose(rows, [2, 0, 3, 1, 4])  # [2, B, Hkv, S, D]
+    new_k, new_v = g.op("Split", [new], n_out=2, axis=0, num_outputs=2)
+    present_k = g.op("Concat", [f"past_key_{layer}", g.op("Squeeze", [new_k, g.const([0])])], axis=2,
+                     outputs=[f"present_key_{layer}"])
+    present_v = g.op("Concat", [f"past_value_{layer}", g.op("Squeeze", [new_v, g.const([0])])], axis=2,
+                     outputs=[f"present_value_{layer}"])
+    both = g.op("Concat", [g.unsqueeze(present_k, [1]), g.unsqueeze(present_v, [1])], axis=1)
+    return both, (present_k, present_v)
+
+
+def _masks(g: GraphWriter, shared: _Shared, query: str, keys: str, start_index: str) -> str:
+    """Bool [B, 1, S*G, C+S]: cached slot c visible iff c < start[b]; new key j visible iff j <= query s.
+
+    Query rows are ordered (s, g) so a row's token is row // G. Built once and reused by every layer.
+    """
+    if "mask" in shared.masks:
+        return shared.masks["mask"]
+    seq = g.op("Squeeze", [g.dim(query, 1), g.const([0])])
+    total = g.op("Squeeze", [g.dim(keys, 3), g.const([0])])
+    cached_len = g.op("Sub", [total, seq])
+    batch = g.dim(query, 0)
+    rows = g.op("Mul", [seq, g.const(shared.group)])
+    row_token = g.op("Div", [g.op("Range", [g.const(0), rows, g.const(1)]), g.const(shared.group)])
+    new_keys = g.op("Range", [g.const(0), seq, g.const(1)])
+    visible_new = g.op("LessOrEqual", [g.unsqueeze(new_keys, [0]), g.unsqueeze(row_token, [1])])  # [SG, S]
+    slots = g.op("Range", [g.const(0), cached_len, g.const(1)])
+    start = g.unsqueeze(g.cast(start_index, INT64), [1])
+    visible_cached = g.op("Less", [g.unsqueeze(slots, [0]), start])  # [B, C]
+    rows_1d = g.unsqueeze(rows, [0])
+    shape_c = g.op("Concat", [batch, g.const([1]), rows_1d, g.unsqueeze(cached_len, [0])], axis=0)
+    shape_n = g.op("Concat", [batch, g.const([1]), rows_1d, g.unsqueeze(seq, [0])], axis=0)
+    mask = g.op("Concat", [g.op("Expand", [g.unsqueeze(visible_cached, [1, 2]), shape_c]),
+                           g.op("Expand", [g.unsqueeze(visible_new, [0, 1]), shape_n])], axis=-1)
+    shared.masks["mask"] = mask
+    return mask
+
+
+def _attend(g: GraphWriter, shared: _Shared, query: str, keys_values: str, start_index: str, num_kv: int,
+            head_dim: int, scale: float, output: str) -> None:
+    group = shared.group
+    q = g.transpose(g.reshape(query, [0, 0, num_kv, group, head_dim]), [0, 2, 1, 3, 4])  # [B,Hkv,S,G,D]
+    q = g.reshape(q, [0, num_kv, -1, head_dim])  # rows ordered (s, g)
+    k, v = g.op("Split", [keys_values], n_out=2, axis=1, num_outputs=2)
+    k = g.op("Squeeze", [k, g.const([1])])
+    v = g.op("Squeeze", [v, g.const([1])])
+    scores = g.mul(g.matmul(q, g.transpose(k, [0, 1, 3, 2])), g.const(scale, np.float32))
+    mask = _masks(g, shared, query, keys_values, start_index)
+    scores = g.op("Where", [mask, scores, g.const(np.finfo(np.float32).min, np.float32)])
+    attn = g.matmul(g.op("Softmax", [scores], axis=-1), v)  # [B, Hkv, S*G, D]
+    attn = g.transpose(g.reshape(attn, [0, num_kv, -1, group, head_dim]), [0, 2, 1, 3, 4])
+    g.op("Reshape", [attn, g.const([0, 0, num_kv * group * head_dim])], outputs=[output])
+
+
+def _fix_pool_shape(vi: onnx.ValueInfoProto, num_pages: int, tokens_per_page: int) -> None:
+    dims = vi.type.tensor_type.shape.dim
+    dims[0].ClearField("dim_param")
+    dims[0].dim_value = num_pages
+    dims[3].ClearField("dim_param")
+    dims[3].dim_value = tokens_per_page
+

@@ -1,0 +1,1 @@
+"""Paged-KV custom ops: schemas, numpy reference semantics and backend lowerings."""

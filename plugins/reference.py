@@ -1,0 +1,104 @@
+"""Numpy reference semantics of the paged-KV ops: the definition every backend is tested against."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from kvforge.plugins.ops import UNUSED_PAGE
+
+STORAGE_DTYPES: dict[str, np.dtype] = {
+    "fp32": np.dtype(np.float32),
+    "fp16": np.dtype(np.float16),
+    "fp8": np.dtype(ml_dtypes.float8_e4m3fn),
+}
+
+
+def pool_numpy_dtype(kv_cache_dtype: str) -> np.dtype:
+    """The numpy dtype a pool is held in: FP8 pools travel as raw uint8 bytes (E4M3 bit patterns)."""
+    return np.dtype(np.uint8) if kv_cache_dtype == "fp8" else STORAGE_DTYPES[kv_cache_dtype]
+
+
+def to_storage(x: np.ndarray, kv_cache_dtype: str) -> np.ndarray:
+    """Encode float values as the pool stores them."""
+    stored = x.astype(STORAGE_DTYPES[kv_cache_dtype])
+    return stored.view(np.uint8) if kv_cache_dtype == "fp8" else stored
+
+
+def from_storage(x: np.ndarray, kv_cache_dtype: str) -> np.ndarray:
+    if kv_cache_dtype == "fp8":
+        x = x.view(ml_dtypes.float8_e4m3fn)
+    return x.astype(np.float32)
+
+
+def round_to_storage(x: np.ndarray, kv_cache_dtype: str) -> np.ndarray:
+    """The value a float takes after a trip through the pool (what attention reads back)."""
+    return x.astype(STORAGE_DTYPES[kv_cache_dtype]).astype(np.float32)
+
+
+def rope_table(capacity: int, head_dim: int, theta: float) -> np.ndarray:
+    """[capacity, head_dim]: cos of the head_dim/2 rotate-half frequencies, then their sin."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    angles = np.arange(capacity, dtype=np.float64)[:, None] * inv_freq[None, :]
+    return np.concatenate([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)
+
+
+def apply_rope(x: np.ndarray, cos_sin: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Rotate-half RoPE of x [..., n, heads, D] at positions [..., n]."""
+    half = x.shape[-1] // 2
+    cos = cos_sin[positions, :half][..., None, :]
+    sin = cos_sin[positions, half:][..., None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(np.float32)
+
+
+def paged_kv_write(key: np.ndarray, value: np.ndarray, cos_sin: np.ndarray, context_lengths: np.ndarray,
+                   kvcache_start_index: np.ndarray, kv_page_table: np.ndarray, pool: np.ndarray, *,
+                   num_kv_heads: int, head_dim: int, kv_cache_dtype: str) -> np.ndarray:
+    """PagedKVWrite: returns the updated pool (a copy; backends update in place)."""
+    pool = pool.copy()
+    tokens_per_page = pool.shape[3]
+    for b in range(key.shape[0]):
+        for i in range(int(context_lengths[b])):
+            pos = int(kvcache_start_index[b]) + i
+            page = int(kv_page_table[b, pos // tokens_per_page])
+            if page == UNUSED_PAGE:
+                continue
+            k = key[b, i].reshape(num_kv_heads, head_dim)
+            k = apply_rope(k[None], cos_sin, np.array([pos]))[0]
+            v = value[b, i].reshape(num_kv_heads, head_dim)
+            pool[page, 0, :, pos % tokens_per_page, :] = to_storage(k, kv_cache_dtype)
+            pool[page, 1, :, pos % tokens_per_page, :] = to_storage(v, kv_cache_dtype)
+    return pool
+
+
+def gather_sequence_kv(pool: np.ndarray, page_row: np.ndarray, num_tokens: int,
+                       kv_cache_dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """K and V [heads, num_tokens, D] of one sequence, read through its page-table row."""
+    tokens_per_page = pool.shape[3]
+    num_pages = -(-num_tokens // tokens_per_page)
+    pages = pool[page_row[:num_pages]]  # [P, 2, H, T, D]
+    kv = from_storage(pages, kv_cache_dtype).transpose(1, 2, 0, 3, 4)
+    kv = kv.reshape(2, pool.shape[2], num_pages * tokens_per_page, pool.shape[4])[:, :, :num_tokens]
+    return kv[0], kv[1]
+
+
+def paged_attention(query: np.ndarray, pool: np.ndarray, context_lengths: np.ndarray,
+                    kvcache_start_index: np.ndarray, kv_page_table: np.ndarray, *, num_q_heads: int,
+                    num_kv_heads: int, head_dim: int, scale: float, kv_cache_dtype: str) -> np.ndarray:
+    """PagedAttention over a pool that already holds the new tokens (bottom-right causal)."""
+    batch, seq = query.shape[:2]
+    group = num_q_heads // num_kv_heads
+    out = np.zeros((batch, seq, num_q_heads * head_dim), dtype=np.float32)
+    for b in range(batch):
+        start, length = int(kvcache_start_index[b]), int(context_lengths[b])
+        keys, values = gather_sequence_kv(pool, kv_page_table[b], start + length, kv_cache_dtype)
+        q = query[b, :length].reshape(length, num_kv_heads, group, head_dim).astype(np.float64)
+        scores = np.einsum("shgd,htd->hgst", q, keys.astype(np.float64)) * scale
+        visible = np.arange(start + length)[None, :] <= (start + np.arange(length))[:, None]
+        scores = np.where(visible, scores, -np.inf)
+        probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        probs /= probs.sum(axis=-1, keepdims=True)
+        attn = np.einsum("hgst,htd->shgd", probs, values.astype(np.float64))
+        out[b, :length] = attn.reshape(length, num_q_heads * head_dim)
+    return out

@@ -1,0 +1,1 @@
+"""Engine runners, KV pool and page tables, requests, sampling and profiling."""

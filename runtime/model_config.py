@@ -1,0 +1,92 @@
+"""The model description every stage agrees on: written by llm_export, extended by llm_build."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from kvforge.runtime.errors import KvforgeError
+
+# Marks an ONNX dir as ours; an export from another tool lacks it and is refused clearly.
+EXPORT_FORMAT = "kvforge-onnx-v1"
+KV_CACHE_DTYPES = ("fp16", "fp8", "fp32")
+MODEL_FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    model: str  # family: llama | qwen2 | qwen3
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v projection biases (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    kv_cache_dtype: str = "fp16"
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    pad_token_id: int | None = None
+    name: str = ""
+    engine_role: str = "llm"
+    spec_decode_type: str = "none"
+    format: str = EXPORT_FORMAT
+
+    def validate(self) -> None:
+        if self.model not in MODEL_FAMILIES:
+            raise KvforgeError(f"unsupported model family {self.model!r}; expected one of {MODEL_FAMILIES}",
+                               "config.model")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise KvforgeError(f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
+                               "config.kv_cache_dtype")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise KvforgeError("num_attention_heads must be a multiple of num_key_value_heads",
+                               "config.num_key_value_heads")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise KvforgeError("must be positive", f"config.{name}")
+        if self.head_dim % 2:
+            raise KvforgeError("must be even for rotate-half RoPE", "config.head_dim")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "config.json") -> ModelConfig:
+        if data.get("format") != EXPORT_FORMAT:
+            raise KvforgeError(
+                f"not a kvforge export (format is {data.get('format')!r}, expected {EXPORT_FORMAT!r}); "
+                "re-export it with llm_export", where)
+        known = {f.name for f in fields(cls)}
+        try:
+            config = cls(**{k: v for k, v in data.items() if k in known})
+        except TypeError as exc:
+            raise KvforgeError(f"missing or invalid field ({exc})", where) from None
+        config.validate()
+        return config
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    """Read a JSON object file with one-line errors naming the file."""
+    if not path.is_file():
+        raise KvforgeError(f"missing file {path}", what)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise KvforgeError(f"malformed JSON in {path}: {exc}", what) from None
+    if not isinstance(data, dict):
+        raise KvforgeError(f"{path} must hold a JSON object", what)
+    return data
+
+
+def write_json(path: Path, data: Any, indent: int = 2) -> None:
+    path.write_text(json.dumps(data, indent=indent, ensure_ascii=False) + "\n", encoding="utf-8")

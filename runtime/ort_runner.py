@@ -1,0 +1,84 @@
+"""Runs a lowered engine on ONNX Runtime (CPU), scattering each call's new K/V rows into the pool."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+
+from kvforge.plugins.ops import UNUSED_PAGE
+from kvforge.plugins.reference import rope_table
+from kvforge.runtime.engine_dir import ENGINE_MODEL_FILE, EngineDir
+from kvforge.runtime.errors import KvforgeError
+from kvforge.runtime.kv_pool import KVPool
+from kvforge.runtime.runner import StepInputs
+
+
+def make_session(model_path: str, num_threads: int = 0) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if num_threads > 0:
+        options.intra_op_num_threads = num_threads
+        options.inter_op_num_threads = 1
+    try:
+        return ort.InferenceSession(model_path, options, providers=["CPUExecutionProvider"])
+    except Exception as exc:
+        raise KvforgeError(f"onnxruntime cannot load {model_path}: {str(exc).splitlines()[0]}",
+                           "--engineDir") from None
+
+
+class OrtEngineRunner:
+    def __init__(self, engine: EngineDir, num_threads: int = 0) -> None:
+        model, build = engine.model, engine.build
+        self.session = make_session(str(engine.file(ENGINE_MODEL_FILE)), num_threads)
+        self.num_layers = model.num_hidden_layers
+        self.tokens_per_page = build.tokens_per_page
+        self.pool = KVPool(model.num_hidden_layers, build.max_kv_pool_pages, model.num_key_value_heads,
+                           build.tokens_per_page, model.head_dim, model.kv_cache_dtype)
+        self.rope = rope_table(build.max_kv_cache_capacity, model.head_dim, model.rope_theta)
+        # Pools and the RoPE table are bound once as OrtValues over the numpy memory: no per-call copies.
+        self._pool_values = [ort.OrtValue.ortvalue_from_numpy(layer) for layer in self.pool.layers]
+        self._rope_value = ort.OrtValue.ortvalue_from_numpy(self.rope)
+        self._output_names = [o.name for o in self.session.get_outputs()]
+
+    def forward(self, step: StepInputs) -> np.ndarray:
+        starts = step.kvcache_start_index.astype(np.int32)
+        lengths = step.context_lengths.astype(np.int32)
+        binding = self.session.io_binding()
+        binding.bind_cpu_input("inputs_embeds", np.ascontiguousarray(step.inputs_embeds, dtype=np.float32))
+        binding.bind_cpu_input("context_lengths", lengths)
+        binding.bind_cpu_input("kvcache_start_index", starts)
+        binding.bind_cpu_input("kv_page_table", self._cached_page_table(step.page_ids, starts))
+        binding.bind_ortvalue_input("rope_rotary_cos_sin", self._rope_value)
+        binding.bind_cpu_input("last_token_ids", (lengths - 1).astype(np.int64))
+        for layer, value in enumerate(self._pool_values):
+            binding.bind_ortvalue_input(f"past_key_values_{layer}", value)
+        for name in self._output_names:
+            binding.bind_output(name, "cpu")
+        self.session.run_with_iobinding(binding)
+        outputs = binding.copy_outputs_to_cpu()
+        self._scatter(outputs[1:], step.page_ids, starts, lengths)
+        return outputs[0]
+
+    def _cached_page_table(self, page_ids: list[list[int]], starts: np.ndarray) -> np.ndarray:
+        """[B, P] covering only already-cached tokens: the graph reads the pool, never the new pages."""
+        width = -(-int(starts.max(initial=0)) // self.tokens_per_page)
+        table = np.full((len(page_ids), width), UNUSED_PAGE, dtype=np.int32)
+        for row, pages in enumerate(page_ids):
+            used = pages[:width]
+            table[row, :len(used)] = used
+        return table
+
+    def _scatter(self, new_rows: list[np.ndarray], page_ids: list[list[int]], starts: np.ndarray,
+                 lengths: np.ndarray) -> None:
+        rows, tokens, pages, slots = [], [], [], []
+        for b, (start, length) in enumerate(zip(starts.tolist(), lengths.tolist(), strict=True)):
+            positions = np.arange(start, start + length)
+            row_pages = np.asarray(page_ids[b], dtype=np.int64)
+            rows.append(np.full(length, b))
+            tokens.append(positions - start)
+            pages.append(row_pages[positions // self.tokens_per_page])
+            slots.append(positions % self.tokens_per_page)
+        b_idx, t_idx = np.concatenate(rows), np.concatenate(tokens)
+        page_idx, slot_idx = np.concatenate(pages), np.concatenate(slots)
+        for layer, new in enumerate(new_rows):
+            self.pool.scatter(layer, new[b_idx, t_idx], page_idx, slot_idx)

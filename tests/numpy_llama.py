@@ -1,0 +1,54 @@
+"""Dense numpy forward of the llama family: the reference the engines' logits are compared against."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvforge.plugins.reference import apply_rope, rope_table, round_to_storage
+from kvforge.runtime.model_config import ModelConfig
+
+
+def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    x64 = x.astype(np.float64)
+    return (x64 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + eps) * w).astype(np.float32)
+
+
+def dense_logits(config: ModelConfig, weights: dict[str, np.ndarray], token_ids: list[int]) -> np.ndarray:
+    """Logits [T, V] for every position of one sequence, K/V rounded through the storage dtype."""
+    w = weights
+    n, d = len(token_ids), config.head_dim
+    hq, hkv = config.num_attention_heads, config.num_key_value_heads
+    x = w["model.embed_tokens.weight"][np.asarray(token_ids)].astype(np.float32)
+    table = rope_table(max(n, 1), d, config.rope_theta)
+    positions = np.arange(n)
+    causal = np.tril(np.ones((n, n), dtype=bool))
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        h = _rms(x, w[p + "input_layernorm.weight"], config.rms_norm_eps)
+        q = h @ w[p + "self_attn.q_proj.weight"].T
+        k = h @ w[p + "self_attn.k_proj.weight"].T
+        v = h @ w[p + "self_attn.v_proj.weight"].T
+        if config.attention_bias:
+            q = q + w[p + "self_attn.q_proj.bias"]
+            k = k + w[p + "self_attn.k_proj.bias"]
+            v = v + w[p + "self_attn.v_proj.bias"]
+        q, k, v = q.reshape(n, hq, d), k.reshape(n, hkv, d), v.reshape(n, hkv, d)
+        if config.qk_norm:
+            q = _rms(q, w[p + "self_attn.q_norm.weight"], config.rms_norm_eps)
+            k = _rms(k, w[p + "self_attn.k_norm.weight"], config.rms_norm_eps)
+        q = apply_rope(q, table, positions)
+        k = round_to_storage(apply_rope(k, table, positions), config.kv_cache_dtype)
+        v = round_to_storage(v, config.kv_cache_dtype)
+        group = hq // hkv
+        k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+        scores = np.einsum("qhd,khd->hqk", q.astype(np.float64), k.astype(np.float64)) / np.sqrt(d)
+        scores = np.where(causal[None], scores, -np.inf)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        attn = np.einsum("hqk,khd->qhd", probs, v.astype(np.float64)).reshape(n, hq * d).astype(np.float32)
+        x = x + attn @ w[p + "self_attn.o_proj.weight"].T
+        h = _rms(x, w[p + "post_attention_layernorm.weight"], config.rms_norm_eps)
+        gate = h @ w[p + "mlp.gate_proj.weight"].T
+        x = x + ((gate / (1 + np.exp(-gate))) * (h @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
+    head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
+    return _rms(x, w["model.norm.weight"], config.rms_norm_eps) @ head.T

@@ -1,0 +1,1 @@
+"""User tools beside the runtime: llm_export and its model-family graph builders."""

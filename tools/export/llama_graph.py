@@ -1,0 +1,159 @@
+"""The llama-family decoder (Llama, SmolLM, Qwen2, Qwen3) as an ONNX graph with paged-KV custom ops."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from kvforge.builder.onnx_graph import FLOAT, FLOAT16, INT32, INT64, OPSET, UINT8, GraphWriter, value_info
+from kvforge.plugins import ops
+from kvforge.runtime.model_config import ModelConfig
+
+POOL_ELEM_TYPES = {"fp16": FLOAT16, "fp8": UINT8, "fp32": FLOAT}
+
+
+def pool_input_name(layer: int) -> str:
+    return f"past_key_values_{layer}"
+
+
+def pool_output_name(layer: int) -> str:
+    return f"present_key_values_{layer}"
+
+
+def build_llama_graph(config: ModelConfig, weights: dict[str, np.ndarray],
+                      progress: Callable[[int], None] | None = None) -> onnx.ModelProto:
+    """Embeddings come in as `inputs_embeds` (the runtime looks them up); logits go out for the last token."""
+    g = GraphWriter()
+    num_q, num_kv, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    hidden = "inputs_embeds"
+    rope_cos, rope_sin = _rope_inputs(g, hidden)
+    graph_inputs = [
+        value_info("inputs_embeds", FLOAT, ["batch", "seq", config.hidden_size]),
+        value_info("context_lengths", INT32, ["batch"]),
+        value_info("kvcache_start_index", INT32, ["batch"]),
+        value_info("kv_page_table", INT32, ["batch", "pages_per_seq"]),
+        value_info("rope_rotary_cos_sin", FLOAT, ["capacity", head_dim]),
+        value_info("last_token_ids", INT64, ["batch"]),
+    ]
+    graph_outputs = []
+    for layer in range(config.num_hidden_layers):
+        w = _layer_weights(g, weights, layer)
+        x = g.rms_norm(hidden, w["input_layernorm"], config.rms_norm_eps)
+        q = _linear(g, x, w["q_proj"], w.get("q_bias"))
+        k = _linear(g, x, w["k_proj"], w.get("k_bias"))
+        v = _linear(g, x, w["v_proj"], w.get("v_bias"))
+        if config.qk_norm:  # Qwen3 normalises each head before RoPE
+            q = _head_norm(g, q, num_q, head_dim, w["q_norm"], config.rms_norm_eps)
+            k = _head_norm(g, k, num_kv, head_dim, w["k_norm"], config.rms_norm_eps)
+        q = apply_rope(g, q, num_q, head_dim, rope_cos, rope_sin)
+        pool_in, pool_out = pool_input_name(layer), pool_output_name(layer)
+        graph_inputs.append(value_info(pool_in, POOL_ELEM_TYPES[config.kv_cache_dtype],
+                                       ["num_pages", 2, num_kv, "tokens_per_page", head_dim]))
+        graph_outputs.append(value_info(pool_out, POOL_ELEM_TYPES[config.kv_cache_dtype],
+                                        ["num_pages", 2, num_kv, "tokens_per_page", head_dim]))
+        g.op(ops.PAGED_KV_WRITE.name, [k, v, "rope_rotary_cos_sin", "context_lengths", "kvcache_start_index",
+                                       "kv_page_table", pool_in],
+             outputs=[pool_out], domain=ops.DOMAIN, name=f"paged_kv_write_{layer}",
+             num_kv_heads=num_kv, head_dim=head_dim, tokens_per_page=0)
+        attn = g.op(ops.PAGED_ATTENTION.name, [q, pool_out, "context_lengths", "kvcache_start_index",
+                                               "kv_page_table"],
+                    domain=ops.DOMAIN, name=f"paged_attention_{layer}", num_q_heads=num_q,
+                    num_kv_heads=num_kv, head_dim=head_dim, tokens_per_page=0,
+                    scale=float(head_dim ** -0.5))
+        hidden = g.add(hidden, _linear(g, attn, w["o_proj"]))
+        x = g.rms_norm(hidden, w["post_attention_layernorm"], config.rms_norm_eps)
+        gate = _linear(g, x, w["gate_proj"])
+        mlp = g.mul(g.mul(gate, g.op("Sigmoid", [gate])), _linear(g, x, w["up_proj"]))
+        hidden = g.add(hidden, _linear(g, mlp, w["down_proj"]))
+        if progress:
+            progress(layer)
+    logits = _last_token_logits(g, hidden, config, weights)
+    g.op("Identity", [logits], outputs=["logits"])
+    graph_outputs.insert(0, value_info("logits", FLOAT, ["batch", config.vocab_size]))
+    graph = helper.make_graph(g.nodes, "kvforge_llm", graph_inputs, graph_outputs, g.initializers)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
+                                                   helper.make_opsetid(ops.DOMAIN, ops.OPSET_VERSION)],
+                             producer_name="kvforge")
+
+
+def _rope_inputs(g: GraphWriter, embeds: str) -> tuple[str, str]:
+    """Positions start+i and their cos/sin [B,S,1,D/2], computed once and shared by every layer.
+
+    The tensors are named `rope_cos` / `rope_sin` so backend lowerings can reuse them for the keys.
+    """
+    seq = g.dim(embeds, 1)
+    steps = g.op("Range", [g.const(0), g.op("Squeeze", [seq, g.const([0])]), g.const(1)])
+    start = g.unsqueeze(g.cast("kvcache_start_index", INT64), [1])
+    positions = g.add(start, g.unsqueeze(steps, [0]))  # [B, S]
+    # Padded rows may run past the table; clamp so Gather stays in range (their results are discarded).
+    capacity = g.dim("rope_rotary_cos_sin", 0)
+    last = g.op("Sub", [capacity, g.const([1])])
+    positions = g.op("Min", [positions, last], name="rope_positions")
+    table = g.op("Gather", ["rope_rotary_cos_sin", positions], axis=0)  # [B, S, D]
+    cos, sin = g.split_halves(table)
+    return _named(g, g.unsqueeze(cos, [2]), "rope_cos"), _named(g, g.unsqueeze(sin, [2]), "rope_sin")
+
+
+def _named(g: GraphWriter, value: str, name: str) -> str:
+    return g.op("Identity", [value], outputs=[name])
+
+
+def apply_rope(g: GraphWriter, x: str, num_heads: int, head_dim: int, cos: str, sin: str) -> str:
+    """Rotate-half RoPE of [B,S,heads*D] with cos/sin [B,S,1,D/2]; returns [B,S,heads*D]."""
+    heads = g.reshape(x, [0, 0, num_heads, head_dim])
+    x1, x2 = g.split_halves(heads)
+    rotated = g.op("Concat", [g.op("Sub", [g.mul(x1, cos), g.mul(x2, sin)]),
+                              g.add(g.mul(x2, cos), g.mul(x1, sin))], axis=-1)
+    return g.reshape(rotated, [0, 0, num_heads * head_dim])
+
+
+def _head_norm(g: GraphWriter, x: str, num_heads: int, head_dim: int, weight: str, eps: float) -> str:
+    heads = g.reshape(x, [0, 0, num_heads, head_dim])
+    return g.reshape(g.rms_norm(heads, weight, eps), [0, 0, num_heads * head_dim])
+
+
+def _linear(g: GraphWriter, x: str, weight: str, bias: str | None = None) -> str:
+    y = g.matmul(x, weight)
+    return g.add(y, bias) if bias else y
+
+
+def _layer_weights(g: GraphWriter, weights: dict[str, np.ndarray], layer: int) -> dict[str, str]:
+    """Initializers of one layer; Linear weights are stored transposed [in, out] for MatMul."""
+    prefix = f"model.layers.{layer}."
+    names = {
+        "input_layernorm": "input_layernorm.weight",
+        "post_attention_layernorm": "post_attention_layernorm.weight",
+        "q_proj": "self_attn.q_proj.weight", "k_proj": "self_attn.k_proj.weight",
+        "v_proj": "self_attn.v_proj.weight", "o_proj": "self_attn.o_proj.weight",
+        "gate_proj": "mlp.gate_proj.weight", "up_proj": "mlp.up_proj.weight",
+        "down_proj": "mlp.down_proj.weight",
+        "q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias", "v_bias": "self_attn.v_proj.bias",
+        "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
+    }
+    out = {}
+    for key, suffix in names.items():
+        full = prefix + suffix
+        if full not in weights:
+            continue
+        array = weights[full].astype(np.float32)
+        out[key] = g.weight(full, array.T if key.endswith("_proj") else array)
+    return out
+
+
+def _last_token_logits(g: GraphWriter, hidden: str, config: ModelConfig,
+                       weights: dict[str, np.ndarray]) -> str:
+    """Norm and LM head on the last new token of each row only (rows b*S + last_token_ids[b])."""
+    batch, seq = g.dim(hidden, 0), g.dim(hidden, 1)
+    rows = g.op("Range", [g.const(0), g.op("Squeeze", [batch, g.const([0])]), g.const(1)])
+    flat_ids = g.add(g.mul(rows, g.op("Squeeze", [seq, g.const([0])])), "last_token_ids")
+    flat = g.reshape(hidden, [-1, config.hidden_size])
+    last = g.op("Gather", [flat, flat_ids], axis=0)  # [B, H]
+    normed = g.rms_norm(last, g.weight("model.norm.weight", weights["model.norm.weight"].astype(np.float32)),
+                        config.rms_norm_eps)
+    head = weights.get("lm_head.weight")
+    if head is None:  # tied embeddings
+        head = weights["model.embed_tokens.weight"]
+    return g.matmul(normed, g.weight("lm_head.weight", head.astype(np.float32).T))
