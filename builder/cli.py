@@ -1,0 +1,61 @@
+"""llm_build: ONNX dir → engine dir, with the page geometry validated and the memory plan printed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from kvforge.builder.build import STEPS, BuildOptions, build_engine
+from kvforge.runtime.cli_common import console, progress_bar, run_guarded
+
+app = typer.Typer(add_completion=False, rich_markup_mode="rich", help="""
+Build an engine dir from an llm_export ONNX dir.
+
+[bold]Examples[/]
+
+  llm_build --onnxDir onnx/smollm2 --engineDir engines/smollm2
+  llm_build --onnxDir onnx/smollm2 --engineDir engines/smollm2 --maxInputLen 2048 \\
+      --maxKVCacheCapacity 4096 --maxBatchSize 1 --maxKVPoolPages 64
+""")
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:,.1f} MiB"
+
+
+@app.command()
+def build(
+    onnx_dir: Path = typer.Option(..., "--onnxDir", help="ONNX dir written by llm_export."),
+    engine_dir: Path = typer.Option(..., "--engineDir", help="Output engine dir (created if missing)."),
+    max_input_len: int = typer.Option(1024, "--maxInputLen", help="Max prompt tokens prefilled per sequence."),
+    max_kv_cache_capacity: int = typer.Option(4096, "--maxKVCacheCapacity",
+                                              help="Max tokens per sequence (prompt + generated)."),
+    max_kv_pool_pages: int = typer.Option(0, "--maxKVPoolPages",
+                                          help="Physical KV pages in the pool; 0 = maxBatchSize × "
+                                               "ceil(capacity / tokensPerPage). More pages retain contexts."),
+    max_batch_size: int = typer.Option(4, "--maxBatchSize", help="Max sequences per engine call."),
+    tokens_per_page: int = typer.Option(128, "--tokensPerPage", help="Tokens per KV page (a power of two)."),
+    backend: str = typer.Option("auto", "--backend",
+                                help="onnxruntime (CPU), tensorrt (GPU; not in this release) or auto."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
+) -> None:
+    """Validate geometry, lower the paged-KV ops for the backend and write the engine dir."""
+    options = BuildOptions(max_input_len, max_kv_cache_capacity, max_kv_pool_pages, max_batch_size,
+                           tokens_per_page, backend)
+
+    def body() -> None:
+        with progress_bar("building engine", STEPS) as step:
+            geometry, plan = build_engine(onnx_dir, engine_dir, options, step)
+        console.print(f"engine written to {engine_dir} (backend onnxruntime)")
+        console.print(f"  pages: {geometry.max_kv_pool_pages} × {geometry.tokens_per_page} tokens "
+                      f"(minimum active {geometry.minimum_active_pages}, {geometry.max_pages_per_seq} per sequence)")
+        console.print(f"  KV pool: {plan.bytes_per_page_per_layer:,} bytes per page per layer; "
+                      f"{_mib(plan.pool_bytes_per_layer)} per layer × {plan.num_layers} layers "
+                      f"= {_mib(plan.total_bytes)} in total")
+
+    run_guarded(body, debug)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,84 @@
+"""llm_inference: run a request JSON file on an engine dir and write responses (and a profile)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from kvforge.runtime.cli_common import console, run_guarded
+from kvforge.runtime.errors import KvforgeError
+from kvforge.runtime.profile import Profiler, format_summary, write_profile
+from kvforge.runtime.requests import load_request_file
+
+app = typer.Typer(add_completion=False, rich_markup_mode="rich", help="""
+Run the requests of a JSON file on an engine built by llm_build.
+
+[bold]Examples[/]
+
+  llm_inference --engineDir engines/smollm2 --inputFile test_cases/llm_basic.json --outputFile out.json
+  llm_inference --engineDir engines/smollm2 --inputFile in.json --outputFile out.json \\
+      --profileOutputFile profile.json --dumpProfile --warmup 1
+""")
+
+
+@app.command()
+def inference(
+    engine_dir: Path = typer.Option(..., "--engineDir", help="Engine dir written by llm_build."),
+    input_file: Path = typer.Option(..., "--inputFile", help="Request JSON (requests[].messages, sampling, ...)."),
+    output_file: Path = typer.Option(..., "--outputFile", help="Where to write the responses JSON."),
+    profile_output_file: Path = typer.Option(None, "--profileOutputFile",
+                                             help="Write the profile JSON here (always recorded when given)."),
+    dump_profile: bool = typer.Option(False, "--dumpProfile", help="Print a profile summary to stderr."),
+    warmup: int = typer.Option(0, "--warmup", help="Unprofiled runs of the first request before the real ones."),
+    batch_size: int = typer.Option(-1, "--batchSize", help="Override the file's batch_size (-1 keeps it)."),
+    max_generate_length: int = typer.Option(-1, "--maxGenerateLength",
+                                            help="Override every max_generate_length (-1 keeps them)."),
+    num_logprobs: int = typer.Option(-1, "--numLogprobs", help="Override every num_logprobs, 0..50 (-1 keeps)."),
+    num_threads: int = typer.Option(0, "--numThreads", help="CPU threads for the engine; 0 = onnxruntime default."),
+    dump_output: bool = typer.Option(False, "--dumpOutput", help="Print each response's text to stdout."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
+) -> None:
+    """Run every request in file order, batch by batch; responses keep request order."""
+
+    def body() -> None:
+        from kvforge.runtime.llm_runtime import LLMRuntime  # heavy imports after argument checks
+
+        if warmup < 0:
+            raise KvforgeError(f"must be >= 0, got {warmup}", "--warmup")
+        if num_threads < 0:
+            raise KvforgeError(f"must be >= 0, got {num_threads}", "--numThreads")
+        if not output_file.parent.is_dir():
+            raise KvforgeError(f"directory {output_file.parent} does not exist", "--outputFile")
+        if profile_output_file is not None and not profile_output_file.parent.is_dir():
+            raise KvforgeError(f"directory {profile_output_file.parent} does not exist", "--profileOutputFile")
+        requests = load_request_file(input_file).apply_overrides(batch_size, max_generate_length, num_logprobs)
+        runtime = LLMRuntime(engine_dir, num_threads)
+        runtime.check_batch_size(requests)
+        prepared = [runtime.prepare(r, requests.enable_thinking) for r in requests.requests]
+        profiler = Profiler(enabled=False)
+        for _ in range(warmup):
+            runtime.generate(prepared[:1], 0, profiler)
+        profiler.enabled = True
+        responses = []
+        size = requests.batch_size
+        for batch_idx, start in enumerate(range(0, len(prepared), size)):
+            responses.extend(runtime.generate(prepared[start:start + size], batch_idx, profiler))
+            if dump_output:
+                for response in responses[-len(prepared[start:start + size]):]:
+                    typer.echo(f"[{response['request_idx']}] {response['output_text']}")
+        output_file.write_text(json.dumps({"input_file": str(input_file), "responses": responses},
+                                          indent=4, ensure_ascii=False) + "\n", encoding="utf-8")
+        profiler.note_peak_memory(runtime.runner.pool.nbytes)
+        profile = profiler.to_dict()
+        if profile_output_file is not None:
+            write_profile(profile_output_file, profile)
+        if dump_profile:
+            console.print(format_summary(profile))
+
+    run_guarded(body, debug)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,195 @@
+"""Runs request batches on an engine: tokenize, page, prefill, decode, sample, build responses."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import load_file
+
+from kvforge.builder.geometry import pages_for
+from kvforge.runtime.engine_dir import EMBEDDING_FILE, EMBEDDING_TENSOR, EngineDir, load_engine_dir
+from kvforge.runtime.errors import KvforgeError
+from kvforge.runtime.kv_pool import PageAllocator
+from kvforge.runtime.ort_runner import OrtEngineRunner
+from kvforge.runtime.profile import GENERATION_STAGE, PREFILL_STAGE, Profiler
+from kvforge.runtime.requests import Request, RequestFile
+from kvforge.runtime.runner import EngineRunner, StepInputs
+from kvforge.runtime.sampling import Sampler, SampleResult
+from kvforge.runtime.tokenizer import ChatTokenizer
+
+FINISH_EOS = "end-of-sequence"
+FINISH_LENGTH = "max-length"
+FINISH_STOP = "stop-words"
+
+
+@dataclass(slots=True)
+class Sequence:
+    """One request in flight: its tokens, its pages and what it has generated."""
+
+    request: Request
+    prompt_ids: list[int]
+    sampler: Sampler
+    page_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0  # tokens whose K/V are in the pool
+    output_ids: list[int] = field(default_factory=list)
+    samples: list[SampleResult] = field(default_factory=list)
+    output_text: str = ""
+    finish_reason: str | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    request: Request
+    formatted_prompt: str
+    prompt_ids: list[int]
+
+
+class LLMRuntime:
+    def __init__(self, engine_dir: Path, num_threads: int = 0, runner: EngineRunner | None = None) -> None:
+        self.engine: EngineDir = load_engine_dir(engine_dir)
+        self.tokenizer = ChatTokenizer(engine_dir)
+        self.embedding = load_file(str(self.engine.file(EMBEDDING_FILE)))[EMBEDDING_TENSOR]
+        self.runner: EngineRunner = runner or OrtEngineRunner(self.engine, num_threads)
+        self.allocator = PageAllocator(self.engine.build.max_kv_pool_pages)
+        self.eos_ids = frozenset(self.engine.model.eos_token_ids)
+
+    @property
+    def tokens_per_page(self) -> int:
+        return self.engine.build.tokens_per_page
+
+    def prepare(self, request: Request, enable_thinking: bool = False) -> PreparedRequest:
+        """Tokenize and check a request against the engine limits before anything runs."""
+        text = self.tokenizer.format(request, enable_thinking)
+        ids = self.tokenizer.encode(text)
+        where = f"requests[{request.index}].messages"
+        if not ids:
+            raise KvforgeError("the prompt is empty after tokenization", where)
+        limit = self.engine.build.max_input_len
+        if len(ids) > limit:
+            raise KvforgeError(f"prompt has {len(ids)} tokens, more than the engine's maxInputLen {limit}; "
+                               "rebuild with a larger --maxInputLen or shorten the prompt", where)
+        return PreparedRequest(request, text, ids)
+
+    def check_batch_size(self, request_file: RequestFile) -> None:
+        limit = self.engine.build.max_batch_size
+        if request_file.batch_size > limit:
+            raise KvforgeError(f"{request_file.batch_size} exceeds the engine's maxBatchSize {limit}", "batch_size")
+
+    def generate(self, batch: list[PreparedRequest], batch_idx: int, profiler: Profiler) -> list[dict[str, Any]]:
+        sequences = [Sequence(p.request, p.prompt_ids, Sampler(p.request.sampling)) for p in batch]
+        try:
+            started = time.perf_counter()
+            prefill_ms = self._prefill(sequences, profiler)
+            ttft_ms = (time.perf_counter() - started) * 1e3
+            decode_started = time.perf_counter()
+            self._decode(sequences, profiler)
+            decode_ms = (time.perf_counter() - decode_started) * 1e3
+        finally:
+            for seq in sequences:
+                self._release(seq)
+        profiler.add_generation(sum(max(len(s.output_ids) - 1, 0) for s in sequences))
+        return [self._response(seq, prepared, batch_idx, ttft_ms, prefill_ms, decode_ms)
+                for seq, prepared in zip(sequences, batch, strict=True)]
+
+    # --- paging -------------------------------------------------------------------------------------
+
+    def _reserve(self, seq: Sequence, num_tokens: int) -> None:
+        """Make the sequence's pages cover positions [0, num_tokens)."""
+        missing = pages_for(num_tokens, self.tokens_per_page) - len(seq.page_ids)
+        if missing > 0:
+            seq.page_ids.extend(self.allocator.allocate(missing))
+
+    def _release(self, seq: Sequence) -> None:
+        self.allocator.free(seq.page_ids)
+        seq.page_ids = []
+
+    # --- engine calls -------------------------------------------------------------------------------
+
+    def _run(self, rows: list[Sequence], new_ids: list[list[int]], stage: str, profiler: Profiler) -> np.ndarray:
+        for seq, ids in zip(rows, new_ids, strict=True):
+            self._reserve(seq, seq.num_cached_tokens + len(ids))
+        width = max(len(ids) for ids in new_ids)
+        embeds = np.zeros((len(rows), width, self.embedding.shape[1]), dtype=np.float32)
+        for row, ids in enumerate(new_ids):
+            embeds[row, :len(ids)] = self.embedding[ids]
+        step = StepInputs(embeds, np.array([len(ids) for ids in new_ids], dtype=np.int32),
+                          np.array([s.num_cached_tokens for s in rows], dtype=np.int32),
+                          [s.page_ids for s in rows])
+        with profiler.stage(stage):
+            logits = self.runner.forward(step)
+        for seq, ids in zip(rows, new_ids, strict=True):
+            seq.num_cached_tokens += len(ids)
+        return logits
+
+    def _prefill(self, sequences: list[Sequence], profiler: Profiler) -> float:
+        started = time.perf_counter()
+        logits = self._run(sequences, [s.prompt_ids for s in sequences], PREFILL_STAGE, profiler)
+        for seq, row in zip(sequences, logits, strict=True):
+            profiler.add_prefill(reused_tokens=0, computed_tokens=len(seq.prompt_ids))
+            self._accept(seq, seq.sampler.sample(row))
+        return (time.perf_counter() - started) * 1e3
+
+    def _decode(self, sequences: list[Sequence], profiler: Profiler) -> None:
+        capacity = self.engine.build.max_kv_cache_capacity
+        while True:
+            active = [s for s in sequences if not s.is_finished]
+            for seq in active:
+                if seq.num_cached_tokens >= capacity:  # no room to feed the last sampled token
+                    seq.finish_reason = FINISH_LENGTH
+            active = [s for s in active if not s.is_finished]
+            if not active:
+                return
+            logits = self._run(active, [[s.output_ids[-1]] for s in active], GENERATION_STAGE, profiler)
+            for seq, row in zip(active, logits, strict=True):
+                self._accept(seq, seq.sampler.sample(row))
+
+    def _accept(self, seq: Sequence, sample: SampleResult) -> None:
+        seq.samples.append(sample)
+        seq.output_ids.append(sample.token_id)
+        if sample.token_id in self.eos_ids:
+            seq.finish_reason = FINISH_EOS
+            return
+        stops = seq.request.sampling.stop
+        if stops:
+            text = self.tokenizer.decode(seq.output_ids)
+            hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+            if hits:
+                seq.output_text = text[:min(hits)]
+                seq.finish_reason = FINISH_STOP
+                return
+        if len(seq.output_ids) >= seq.request.sampling.max_generate_length:
+            seq.finish_reason = FINISH_LENGTH
+
+    # --- output -------------------------------------------------------------------------------------
+
+    def _response(self, seq: Sequence, prepared: PreparedRequest, batch_idx: int, ttft_ms: float,
+                  prefill_ms: float, decode_ms: float) -> dict[str, Any]:
+        if seq.finish_reason != FINISH_STOP:
+            seq.output_text = self.tokenizer.decode(seq.output_ids)
+        response: dict[str, Any] = {
+            "output_text": seq.output_text,
+            "request_idx": seq.request.index,
+            "batch_idx": batch_idx,
+            "finish_reason": seq.finish_reason,
+            "formatted_complete_request": prepared.formatted_prompt,
+            "usage": {"prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.output_ids)},
+            "timing": {"ttft_ms": round(ttft_ms, 3), "prefill_ms": round(prefill_ms, 3),
+                       "decode_ms": round(decode_ms, 3)},
+        }
+        if seq.request.sampling.num_logprobs > 0:
+            response["logprobs"] = [[self._logprob_entry(token_id, logprob) for token_id, logprob in s.top_logprobs]
+                                    for s in seq.samples]
+        return response
+
+    def _logprob_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.tokenizer.token_text(token_id)
+        return {"token_id": token_id, "token": text, "bytes": list(text.encode("utf-8")),
+                "logprob": round(logprob, 6)}

@@ -1,0 +1,239 @@
+"""Times engine calls and counts tokens so `llm_inference` can write the profile JSON users' scripts read."""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvforge.runtime.errors import KvforgeError
+
+# Stage ids shared with the tool we mirror; prefill/generation sections read their times from these.
+PREFILL_STAGE = "llm_prefill"
+GENERATION_STAGE = "llm_generation"
+
+_MIB = 1024 * 1024
+_DECIMALS = 4
+
+
+def _finite(value: float) -> float:
+    """Round for readability and turn NaN/inf into 0: json would otherwise write invalid `NaN`."""
+    value = float(value)
+    return round(value, _DECIMALS) if math.isfinite(value) else 0.0
+
+
+def _ratio(numerator: float, denominator: float) -> float:
+    return _finite(numerator / denominator) if denominator else 0.0
+
+
+@dataclass(slots=True)
+class StageTimer:
+    """All samples (ms) of one stage, e.g. every `llm_prefill` engine call."""
+
+    stage_id: str
+    samples_ms: list[float] = field(default_factory=list)
+
+    def add(self, ms: float) -> None:
+        self.samples_ms.append(float(ms))
+
+    @property
+    def total_ms(self) -> float:
+        return float(sum(self.samples_ms))
+
+    def stats(self) -> dict[str, Any]:
+        """`gpu_time_stats`: linear-interpolated percentiles (numpy default), population stddev."""
+        if not self.samples_ms:
+            return {"count": 0, "min_ms": 0.0, "max_ms": 0.0, "mean_ms": 0.0, "median_ms": 0.0,
+                    "p95_ms": 0.0, "p99_ms": 0.0, "stddev_ms": 0.0}
+        samples = np.asarray(self.samples_ms, dtype=np.float64)
+        return {
+            "count": len(self.samples_ms),
+            "min_ms": _finite(samples.min()),
+            "max_ms": _finite(samples.max()),
+            "mean_ms": _finite(samples.mean()),
+            "median_ms": _finite(np.median(samples)),
+            "p95_ms": _finite(np.percentile(samples, 95)),
+            "p99_ms": _finite(np.percentile(samples, 99)),
+            "stddev_ms": _finite(samples.std(ddof=0)),
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        runs = len(self.samples_ms)
+        return {
+            "stage_id": self.stage_id,
+            "total_runs": runs,
+            "total_gpu_time_ms": _finite(self.total_ms),
+            "average_time_per_run_ms": _ratio(self.total_ms, runs),
+            "gpu_time_stats": self.stats(),
+        }
+
+
+def _peak_rss_bytes() -> int:
+    # ru_maxrss is KiB on Linux but bytes on macOS.
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024
+
+
+@dataclass(slots=True)
+class Profiler:
+    """Per-stage timings and token counters for one `llm_inference` process.
+
+    Stage times are measured with `time.perf_counter_ns` around each engine call. On the CPU
+    backend they are wall times of those calls; a GPU backend would record device times instead.
+    Either way the JSON key stays `gpu_time_stats` (and `total_gpu_time_ms`) because users'
+    scripts written for the tool we mirror read those names.
+
+    Set `enabled = False` for warmup runs: stages, `record` and every counter then record nothing.
+    """
+
+    enabled: bool = True
+    stages: dict[str, StageTimer] = field(default_factory=dict)  # insertion order = first-seen order
+    prefill_runs: int = 0
+    prefill_reused_tokens: int = 0
+    prefill_computed_tokens: int = 0
+    generation_runs: int = 0
+    generated_tokens: int = 0
+    peak_cpu_memory_bytes: int = 0
+    kv_pool_bytes: int | None = None
+
+    @contextmanager
+    def stage(self, stage_id: str) -> Iterator[None]:
+        """Time the body as one run of `stage_id`; a body that raises is not recorded."""
+        if not self.enabled:
+            yield
+            return
+        start = time.perf_counter_ns()
+        yield
+        self.record(stage_id, (time.perf_counter_ns() - start) / 1e6)
+
+    def record(self, stage_id: str, ms: float) -> None:
+        """Add one externally measured run of `stage_id` (milliseconds)."""
+        if not self.enabled:
+            return
+        timer = self.stages.get(stage_id)
+        if timer is None:
+            timer = self.stages[stage_id] = StageTimer(stage_id)
+        timer.add(ms)
+
+    def add_prefill(self, reused_tokens: int, computed_tokens: int) -> None:
+        """Count one sequence's prefill: prompt tokens served from the cache vs run through the engine."""
+        if not self.enabled:
+            return
+        self.prefill_runs += 1
+        self.prefill_reused_tokens += int(reused_tokens)
+        self.prefill_computed_tokens += int(computed_tokens)
+
+    def add_generation(self, generated_tokens: int) -> None:
+        """Count one decode run (one batch's decode loop)."""
+        if not self.enabled:
+            return
+        self.generation_runs += 1
+        self.generated_tokens += int(generated_tokens)
+
+    def note_peak_memory(self, kv_pool_bytes: int | None = None) -> None:
+        """Sample peak RSS so far; `kv_pool_bytes` is the KV pool size the caller allocated, if known."""
+        if not self.enabled:
+            return
+        self.peak_cpu_memory_bytes = max(self.peak_cpu_memory_bytes, _peak_rss_bytes())
+        if kv_pool_bytes is not None:
+            self.kv_pool_bytes = int(kv_pool_bytes)
+
+    def stage_ms(self, stage_id: str) -> float:
+        timer = self.stages.get(stage_id)
+        return timer.total_ms if timer else 0.0
+
+    def to_dict(self, context_cache: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The profile JSON object; each section appears only when it has data."""
+        data: dict[str, Any] = {}
+        if self.prefill_runs:
+            tokens = self.prefill_reused_tokens + self.prefill_computed_tokens
+            prefill_ms = self.stage_ms(PREFILL_STAGE)
+            data["prefill"] = {
+                "total_runs": self.prefill_runs,
+                "reused_tokens": self.prefill_reused_tokens,
+                "computed_tokens": self.prefill_computed_tokens,
+                "average_tokens_per_run": _ratio(tokens, self.prefill_runs),
+                "average_time_per_run_ms": _ratio(prefill_ms, self.prefill_runs),
+                # Reused tokens count too, as in the mirrored tool: reuse shows up as higher tok/s.
+                "tokens_per_second": _ratio(tokens * 1000.0, prefill_ms),
+                "average_time_per_token_ms": _ratio(prefill_ms, tokens),
+            }
+        if context_cache is not None:
+            # Verbatim: the cache owns these counters (cumulative, warmup included).
+            data["context_cache"] = context_cache
+        if self.generation_runs:
+            generation_ms = self.stage_ms(GENERATION_STAGE)
+            data["generation"] = {
+                "total_runs": self.generation_runs,
+                "generated_tokens": self.generated_tokens,
+                "average_tokens_per_run": _ratio(self.generated_tokens, self.generation_runs),
+                "tokens_per_second": _ratio(self.generated_tokens * 1000.0, generation_ms),
+                "average_time_per_token_ms": _ratio(generation_ms, self.generated_tokens),
+            }
+        if self.stages:
+            data["stages"] = [timer.to_dict() for timer in self.stages.values()]
+        if self.peak_cpu_memory_bytes:
+            data["peak_cpu_memory_bytes"] = self.peak_cpu_memory_bytes
+            data["peak_cpu_memory_mb"] = _finite(self.peak_cpu_memory_bytes / _MIB)
+        if self.kv_pool_bytes is not None:
+            data["kv_pool_bytes"] = self.kv_pool_bytes
+            data["kv_pool_mb"] = _finite(self.kv_pool_bytes / _MIB)
+        return data
+
+
+def write_profile(path: Path, data: dict[str, Any]) -> None:
+    """Write the profile JSON (2-space indent); a bad location names `--profileOutputFile`."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise KvforgeError(f"directory {str(path.parent)!r} does not exist", "--profileOutputFile")
+    try:
+        # allow_nan=False: fail loudly rather than write JSON that strict parsers reject.
+        text = json.dumps(data, indent=2, allow_nan=False)
+    except ValueError as exc:
+        raise KvforgeError(f"profile holds a non-finite number ({exc})", "--profileOutputFile") from None
+    try:
+        path.write_text(text + "\n", encoding="utf-8")
+    except OSError as exc:
+        raise KvforgeError(f"cannot write {str(path)!r}: {exc.strerror or exc}",
+                           "--profileOutputFile") from None
+
+
+def format_summary(data: dict[str, Any]) -> str:
+    """A short plain-text view of a profile dict for `--dumpProfile` and `make demo`."""
+    lines: list[str] = []
+    prefill = data.get("prefill")
+    if prefill:
+        lines.append(
+            f"prefill:    {prefill['total_runs']} runs, "
+            f"{prefill['reused_tokens'] + prefill['computed_tokens']} tokens "
+            f"({prefill['reused_tokens']} reused, {prefill['computed_tokens']} computed), "
+            f"{prefill['tokens_per_second']:.1f} tok/s")
+    generation = data.get("generation")
+    if generation:
+        lines.append(
+            f"generation: {generation['total_runs']} runs, {generation['generated_tokens']} tokens, "
+            f"{generation['tokens_per_second']:.1f} tok/s, "
+            f"{generation['average_time_per_token_ms']:.2f} ms/token")
+    stages = data.get("stages") or []
+    if stages:
+        width = max(len("stage"), *(len(stage["stage_id"]) for stage in stages))
+        lines.append(f"{'stage':<{width}}  {'runs':>6}  {'mean ms':>10}  {'p95 ms':>10}")
+        for stage in stages:
+            stats = stage["gpu_time_stats"]
+            lines.append(f"{stage['stage_id']:<{width}}  {stage['total_runs']:>6}  "
+                         f"{stats['mean_ms']:>10.3f}  {stats['p95_ms']:>10.3f}")
+    if "peak_cpu_memory_mb" in data:
+        memory = f"peak memory: {data['peak_cpu_memory_mb']:.1f} MiB CPU"
+        if "kv_pool_mb" in data:
+            memory += f", KV pool {data['kv_pool_mb']:.1f} MiB"
+        lines.append(memory)
+    return "\n".join(lines) if lines else "profile: no data recorded"

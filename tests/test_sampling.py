@@ -1,0 +1,260 @@
+"""Host sampling: greedy, logit_bias, top-k/top-p filtering, seeded reproducibility and logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from kvforge.runtime.errors import KvforgeError
+from kvforge.runtime.requests import SamplingParams
+from kvforge.runtime.sampling import (
+    Sampler,
+    SampleResult,
+    greedy_tokens,
+    log_softmax,
+    sample_batch,
+    top_ids,
+)
+
+LOGITS = arrays(np.float32, st.integers(2, 40), elements=st.floats(-30, 30, width=32))
+SEEDS = st.integers(0, 2**32)
+
+
+def params(**overrides: object) -> SamplingParams:
+    return SamplingParams(**{"temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": 0, **overrides})
+
+
+def reference_log_softmax(row: np.ndarray) -> np.ndarray:
+    values = [float(v) for v in row]
+    total = math.log(sum(math.exp(v - max(values)) for v in values)) + max(values)
+    return np.array([v - total for v in values])
+
+
+# --- helpers --------------------------------------------------------------------------------------------
+
+
+@given(LOGITS)
+def test_log_softmax_matches_reference(row: np.ndarray) -> None:
+    result = log_softmax(row)
+    assert result.dtype == np.float64
+    np.testing.assert_allclose(result, reference_log_softmax(row), rtol=1e-9, atol=1e-9)
+
+
+def test_log_softmax_is_safe_for_huge_logits_and_batches() -> None:
+    result = log_softmax(np.array([[1e30, 1e30 - 1e15, -np.inf], [0.0, 0.0, 0.0]]))
+    assert result[0, 0] == pytest.approx(-math.log(1 + math.exp(-1e15)))
+    assert result[0, 2] == -np.inf
+    np.testing.assert_allclose(result[1], np.full(3, -math.log(3)))
+
+
+def test_greedy_tokens_is_argmax_with_ties_to_lowest_id() -> None:
+    logits = np.array([[0, 3, 3, 1], [5, 5, 5, 5], [-1, -2, -3, -0.5]], dtype=np.float32)
+    result = greedy_tokens(logits)
+    assert result.dtype == np.int64 and result.tolist() == [1, 0, 3]
+
+
+def test_top_ids_orders_by_value_then_lower_id() -> None:
+    values = np.array([1.0, 3.0, 2.0, 3.0, 2.0])
+    assert top_ids(values, 4).tolist() == [1, 3, 2, 4]
+    assert top_ids(values, 0).tolist() == []
+    assert top_ids(values, 99).tolist() == [1, 3, 2, 4, 0]
+
+
+# --- greedy ---------------------------------------------------------------------------------------------
+
+
+@given(LOGITS, SEEDS)
+def test_temperature_zero_and_top_k_one_are_argmax(row: np.ndarray, seed: int) -> None:
+    expected = int(np.argmax(row))
+    assert Sampler(params(temperature=0, seed=seed)).sample(row).token_id == expected
+    assert Sampler(params(top_k=1, temperature=1.7, seed=seed)).sample(row).token_id == expected
+
+
+def test_greedy_does_not_consume_randomness() -> None:
+    sampler = Sampler(params(temperature=0))
+    state = sampler.rng.bit_generator.state
+    sampler.sample(np.array([0.0, 1.0]))
+    assert sampler.rng.bit_generator.state == state
+
+
+# --- filtering ------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=200)
+@given(LOGITS, st.integers(1, 10), SEEDS, st.floats(0.1, 3.0))
+def test_top_k_never_leaves_the_top_k(row: np.ndarray, top_k: int, seed: int, temperature: float) -> None:
+    token_id = Sampler(params(top_k=top_k, seed=seed, temperature=temperature)).sample(row).token_id
+    allowed = top_ids(row.astype(np.float64), top_k)
+    assert token_id in allowed.tolist()
+
+
+def nucleus(row: np.ndarray, top_p: float, temperature: float) -> set[int]:
+    """The nucleus computed the slow, obvious way: best-first until the kept mass reaches top_p."""
+    probs = np.exp(log_softmax(row.astype(np.float64) / temperature))
+    kept: set[int] = set()
+    mass = 0.0
+    # Ordered by logit (not by a rounded probability), ties by lower id, as the sampler orders them.
+    for token_id in sorted(range(row.size), key=lambda i: (-float(row[i]), i)):
+        if kept and mass >= top_p:
+            break
+        kept.add(token_id)
+        mass += probs[token_id]
+    return kept
+
+
+@settings(max_examples=200)
+@given(LOGITS, st.floats(0.01, 0.99), SEEDS, st.floats(0.2, 3.0))
+def test_top_p_never_leaves_the_nucleus(row: np.ndarray, top_p: float, seed: int, temperature: float) -> None:
+    token_id = Sampler(params(top_p=top_p, seed=seed, temperature=temperature)).sample(row).token_id
+    # Slack: a token right at the boundary may fall either side through float rounding of the sums.
+    assert token_id in nucleus(row, min(top_p + 1e-9, 1.0), temperature)
+
+
+@given(LOGITS, SEEDS)
+def test_tiny_top_p_keeps_only_the_argmax(row: np.ndarray, seed: int) -> None:
+    assert Sampler(params(top_p=1e-9, seed=seed)).sample(row).token_id == int(np.argmax(row))
+
+
+def test_top_k_then_top_p_renormalizes_over_the_top_k() -> None:
+    # After top_k=2 the two best tokens share the mass 0.5/0.5, so top_p=0.5 keeps only the first.
+    row = np.array([2.0, 2.0, 1.9, 1.9, 1.9])
+    assert {Sampler(params(top_k=2, top_p=0.5, seed=s)).sample(row).token_id for s in range(50)} == {0}
+
+
+def test_masked_tokens_are_never_drawn() -> None:
+    row = np.array([-np.inf, 0.0, -np.inf, 0.0])
+    drawn = {Sampler(params(seed=s)).sample(row).token_id for s in range(100)}
+    assert drawn == {1, 3}
+
+
+def test_draws_follow_the_softmax() -> None:
+    row = np.log(np.array([0.5, 0.3, 0.2]))
+    sampler = Sampler(params(seed=1234))
+    counts = np.bincount([sampler.sample(row).token_id for _ in range(5_000)], minlength=3)
+    np.testing.assert_allclose(counts / counts.sum(), [0.5, 0.3, 0.2], atol=0.03)
+
+
+def test_low_temperature_concentrates_high_temperature_spreads() -> None:
+    row = np.array([1.0, 0.0, 0.0, 0.0])
+    cold, hot = Sampler(params(temperature=0.05, seed=3)), Sampler(params(temperature=100.0, seed=3))
+    assert {cold.sample(row).token_id for _ in range(200)} == {0}
+    assert len({hot.sample(row).token_id for _ in range(200)}) == 4
+
+
+def test_tiny_temperature_is_numerically_safe() -> None:
+    row = np.array([1e4, 1e4 - 1, -1e4])
+    assert Sampler(params(temperature=1e-300)).sample(row).token_id == 0
+
+
+# --- logit_bias -----------------------------------------------------------------------------------------
+
+
+@given(LOGITS, SEEDS, st.data())
+def test_logit_bias_can_force_a_token(row: np.ndarray, seed: int, data: st.DataObject) -> None:
+    forced = data.draw(st.integers(0, row.size - 1))
+    # +100 on one token against logits within [-30, 30]: every other token has probability < e^-40.
+    for sampling in (params(seed=seed), params(temperature=0), params(top_k=5, top_p=0.5, seed=seed)):
+        sampling.logit_bias = {forced: 100.0}
+        assert Sampler(sampling).sample(row).token_id == forced
+
+
+def test_logit_bias_can_ban_a_token() -> None:
+    row = np.array([10.0, 0.0, 0.0])
+    sampling = params(temperature=0, logit_bias={0: -100.0})
+    assert Sampler(sampling).sample(row).token_id in (1, 2)
+
+
+def test_logit_bias_does_not_modify_the_callers_logits() -> None:
+    row = np.array([0.0, 1.0], dtype=np.float32)
+    Sampler(params(logit_bias={0: 5.0})).sample(row)
+    assert row.tolist() == [0.0, 1.0]
+
+
+def test_logit_bias_outside_the_vocabulary() -> None:
+    with pytest.raises(KvforgeError) as info:
+        Sampler(params(logit_bias={7: 1.0})).sample(np.zeros(4))
+    assert info.value.field == "logit_bias" and "size 4" in info.value.message
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_logits_are_rejected(bad: float) -> None:
+    with pytest.raises(KvforgeError) as info:
+        Sampler(params()).sample(np.array([0.0, bad]))
+    assert info.value.field == "logits"
+
+
+def test_all_masked_logits_are_rejected() -> None:
+    with pytest.raises(KvforgeError) as info:
+        Sampler(params(logit_bias={1: -100.0})).sample(np.array([-np.inf, -np.inf]))
+    assert info.value.field == "logits"
+
+
+# --- reproducibility ------------------------------------------------------------------------------------
+
+
+def token_stream(sampling: SamplingParams, steps: int = 64) -> list[int]:
+    logits = np.random.default_rng(99).normal(size=(steps, 50)).astype(np.float32)
+    sampler = Sampler(sampling)
+    return [sampler.sample(row).token_id for row in logits]
+
+
+@settings(max_examples=25)
+@given(SEEDS, st.floats(0.3, 2.0), st.integers(0, 60), st.floats(0.05, 1.0))
+def test_same_seed_same_stream(seed: int, temperature: float, top_k: int, top_p: float) -> None:
+    sampling = params(seed=seed, temperature=temperature, top_k=top_k, top_p=top_p)
+    assert token_stream(sampling) == token_stream(sampling)
+
+
+def test_different_seeds_differ_and_no_seed_is_fresh() -> None:
+    assert token_stream(params(seed=1)) != token_stream(params(seed=2))
+    assert token_stream(params(seed=None)) != token_stream(params(seed=None))
+
+
+# --- logprobs -------------------------------------------------------------------------------------------
+
+
+@given(LOGITS, SEEDS, st.integers(0, 50))
+def test_logprobs_are_log_softmax_after_bias(row: np.ndarray, seed: int, num_logprobs: int) -> None:
+    sampling = params(seed=seed, temperature=0.5, top_k=3, num_logprobs=num_logprobs, logit_bias={1: 2.5})
+    result = Sampler(sampling).sample(row)
+    biased = row.astype(np.float64)
+    biased[1] += 2.5
+    expected = reference_log_softmax(biased)
+    assert isinstance(result, SampleResult)
+    assert result.logprob == pytest.approx(expected[result.token_id], abs=1e-9)
+    assert len(result.top_logprobs) == min(num_logprobs, row.size)
+    # Sorted by the reported value, best first, ties by lower id.
+    assert result.top_logprobs == sorted(result.top_logprobs, key=lambda pair: (-pair[1], pair[0]))
+    for token_id, logprob in result.top_logprobs:
+        assert isinstance(token_id, int) and isinstance(logprob, float)
+        assert logprob == pytest.approx(expected[token_id], abs=1e-9)
+    if result.top_logprobs:  # nothing left out beats what was reported
+        left_out = set(range(row.size)) - {token_id for token_id, _ in result.top_logprobs}
+        assert all(expected[i] <= result.top_logprobs[-1][1] + 1e-9 for i in left_out)
+
+
+def test_top_logprobs_ties_go_to_lower_id() -> None:
+    result = Sampler(params(temperature=0, num_logprobs=3)).sample(np.array([0.0, 1.0, 0.0, 1.0, 0.0]))
+    assert [token_id for token_id, _ in result.top_logprobs] == [1, 3, 0]
+    assert result.token_id == 1
+
+
+def test_greedy_logprob_is_the_models_not_zero() -> None:
+    result = Sampler(params(temperature=0, num_logprobs=1)).sample(np.zeros(4))
+    assert result.logprob == pytest.approx(-math.log(4))
+
+
+# --- batches --------------------------------------------------------------------------------------------
+
+
+def test_sample_batch_uses_one_sampler_per_row() -> None:
+    logits = np.array([[0.0, 9.0, 0.0], [9.0, 0.0, 0.0]], dtype=np.float32)
+    samplers = [Sampler(params(temperature=0)), Sampler(params(temperature=0, logit_bias={2: 50.0}))]
+    assert [r.token_id for r in sample_batch(samplers, logits)] == [1, 2]
+    with pytest.raises(ValueError):
+        sample_batch(samplers[:1], logits)

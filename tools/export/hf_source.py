@@ -1,0 +1,254 @@
+"""Turn a Hugging Face llama/qwen2/qwen3 checkpoint dir (config.json + safetensors) into a LoadedModel."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvforge.runtime.errors import KvforgeError
+from kvforge.runtime.model_config import ModelConfig, read_json
+from kvforge.tools.export.source import LoadedModel, layer_weight
+
+FIELD = "SOURCE"
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+_LAYER_TENSORS = ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+                  "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+# Buffers some older checkpoints saved; recomputed by the graph, so skipping them loses nothing.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# HF stores this when no limit was set; an int(1e30) is no use to a runtime.
+_NO_MAX_LENGTH = 10**9
+_FLOAT_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16}
+
+
+def load_hf_dir(path: Path, kv_cache_dtype: str = "fp16") -> LoadedModel:
+    """Read config.json, the (possibly sharded) safetensors and tokenizer files of an HF checkpoint dir."""
+    path = Path(path)
+    if not path.is_dir():
+        raise KvforgeError(f"no such directory {path}", FIELD)
+    hf = read_json(path / "config.json", FIELD)
+    config = _config(hf, path, kv_cache_dtype)
+    weights = _load_weights(path, config)
+    return LoadedModel(config=config, weights=weights, tokenizer_json=_tokenizer_json(path),
+                       tokenizer_config=_tokenizer_config(path, config))
+
+
+# ------------------------------------------------------------------------------------------------ config
+
+def _model_type(hf: dict[str, Any]) -> str:
+    model_type = hf.get("model_type")
+    if model_type is None:
+        known = [_ARCHITECTURES[a] for a in hf.get("architectures") or [] if a in _ARCHITECTURES]
+        model_type = known[0] if known else None
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        supported = ", ".join(SUPPORTED_MODEL_TYPES)
+        raise KvforgeError(f"unsupported model_type {model_type!r} (architectures "
+                           f"{hf.get('architectures')}); supported: {supported}", FIELD)
+    return model_type
+
+
+def _rope_theta(hf: dict[str, Any]) -> float:
+    # transformers 5 nests RoPE settings in rope_parameters; older configs use rope_theta + rope_scaling.
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or params
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type != "default":
+        raise KvforgeError(f"unsupported rope_scaling type {rope_type!r}; only plain RoPE is supported",
+                           FIELD)
+    return float(hf.get("rope_theta", params.get("rope_theta", 10000.0)))
+
+
+def _check_supported(hf: dict[str, Any], model_type: str) -> None:
+    # The weight layout carries q/k/v biases only: llama/qwen3 attention_bias also adds an o_proj bias.
+    if model_type != "qwen2" and hf.get("attention_bias"):
+        raise KvforgeError(f"attention_bias=true on {model_type} (adds an o_proj bias) is not supported",
+                           FIELD)
+    if hf.get("mlp_bias"):
+        raise KvforgeError("mlp_bias=true is not supported", FIELD)
+    sliding = [t for t in hf.get("layer_types") or [] if t != "full_attention"]
+    if hf.get("use_sliding_window") or sliding:
+        raise KvforgeError("sliding-window attention layers are not supported", FIELD)
+
+
+def _token_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in (value if isinstance(value, list) else [value])]
+
+
+def _config(hf: dict[str, Any], path: Path, kv_cache_dtype: str) -> ModelConfig:
+    model_type = _model_type(hf)
+    _check_supported(hf, model_type)
+    gen = _optional_json(path / "generation_config.json")
+    # Chat checkpoints often list the end-of-turn token only in generation_config.json.
+    eos_ids = sorted(set(_token_ids(hf.get("eos_token_id")) + _token_ids(gen.get("eos_token_id"))))
+    try:
+        heads = int(hf["num_attention_heads"])
+        config = ModelConfig(
+            model=model_type,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]),
+            num_hidden_layers=int(hf["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
+            max_position_embeddings=int(hf["max_position_embeddings"]),
+            rope_theta=_rope_theta(hf),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=model_type == "qwen2",  # Qwen2's q/k/v projections always carry a bias
+            qk_norm=model_type == "qwen3",
+            kv_cache_dtype=kv_cache_dtype,
+            bos_token_id=_first(hf.get("bos_token_id"), gen.get("bos_token_id")),
+            eos_token_ids=eos_ids,
+            pad_token_id=_first(hf.get("pad_token_id"), gen.get("pad_token_id")),
+            name=path.resolve().name,
+        )
+    except KeyError as exc:
+        raise KvforgeError(f"{path / 'config.json'} lacks {exc.args[0]!r}", FIELD) from None
+    config.validate()
+    return config
+
+
+def _first(*values: Any) -> int | None:
+    ids = [v for v in values if v is not None]
+    return _token_ids(ids[0])[0] if ids and _token_ids(ids[0]) else None
+
+
+def _optional_json(path: Path) -> dict[str, Any]:
+    return read_json(path, FIELD) if path.is_file() else {}
+
+
+# ----------------------------------------------------------------------------------------------- weights
+
+def _expected_names(config: ModelConfig) -> list[str]:
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    per_layer = [f"{t}.weight" for t in _LAYER_TENSORS]
+    if config.attention_bias:
+        per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
+    if config.qk_norm:
+        per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    return names + [layer_weight(i, n) for i in range(config.num_hidden_layers) for n in per_layer]
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index, FIELD).get("weight_map") or {}
+        files = [path / f for f in sorted(set(weight_map.values()))]
+        absent = [f for f in files if not f.is_file()]
+        if absent:
+            raise KvforgeError(f"{index} lists missing shard {absent[0]}", FIELD)
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise KvforgeError(f"no *.safetensors files in {path}", FIELD)
+    return files
+
+
+def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
+    """The JSON header of a safetensors file and the byte offset where tensor data starts."""
+    try:
+        with path.open("rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+    except (OSError, struct.error, ValueError) as exc:
+        raise KvforgeError(f"cannot read safetensors header of {path}: {exc}", FIELD) from None
+    header.pop("__metadata__", None)
+    return header, 8 + size
+
+
+def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 is the top half of a float32, so widening the raw uint16 bits by 16 is exact."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def _read_tensor(path: Path, name: str, entry: dict[str, Any], data_start: int) -> np.ndarray:
+    # Read straight from the header's offsets rather than through safe_open(framework="numpy"): that
+    # backend cannot return bfloat16, and one reader for every dtype keeps the paths identical.
+    dtype, shape = entry["dtype"], tuple(entry["shape"])
+    begin, end = entry["data_offsets"]
+    raw_type = np.uint16 if dtype == "BF16" else _FLOAT_DTYPES.get(dtype)
+    if raw_type is None:
+        raise KvforgeError(f"tensor {name} in {path} has unsupported dtype {dtype}", FIELD)
+    count = (end - begin) // np.dtype(raw_type).itemsize
+    little = np.dtype(raw_type).newbyteorder("<")
+    raw = np.fromfile(path, dtype=little, count=count, offset=data_start + begin)
+    if raw.size != int(np.prod(shape)):
+        raise KvforgeError(f"tensor {name} in {path} is truncated", FIELD)
+    values = bf16_bits_to_f32(raw) if dtype == "BF16" else raw.astype(np.float32, copy=False)
+    return values.reshape(shape)
+
+
+def _load_weights(path: Path, config: ModelConfig) -> dict[str, np.ndarray]:
+    locations: dict[str, tuple[Path, dict[str, Any], int]] = {}
+    for file in _safetensors_files(path):
+        header, data_start = read_safetensors_header(file)
+        locations.update({name: (file, entry, data_start) for name, entry in header.items()})
+    expected = _expected_names(config)
+    if "lm_head.weight" in locations and not config.tie_word_embeddings:
+        expected.append("lm_head.weight")
+    else:
+        config.tie_word_embeddings = True  # no lm_head in the files: the embedding doubles as it
+    missing = [n for n in expected if n not in locations]
+    if missing:
+        raise KvforgeError(f"checkpoint in {path} lacks tensor {missing[0]} ({len(missing)} missing in all)",
+                           FIELD)
+    unexpected = [n for n in locations if n not in expected and n != "lm_head.weight"
+                  and not n.endswith(_IGNORED_SUFFIXES)]
+    if unexpected:
+        raise KvforgeError(f"checkpoint in {path} has tensor {unexpected[0]} this loader does not handle",
+                           FIELD)
+    weights = {}
+    for name in expected:
+        file, entry, data_start = locations[name]
+        weights[name] = _read_tensor(file, name, entry, data_start)
+    return weights
+
+
+# --------------------------------------------------------------------------------------------- tokenizer
+
+def _tokenizer_json(path: Path) -> str:
+    file = path / "tokenizer.json"
+    if not file.is_file():
+        raise KvforgeError(f"tokenizer.json missing in {path} (only fast-tokenizer checkpoints are "
+                           "supported)", FIELD)
+    return file.read_text(encoding="utf-8")
+
+
+def _token_text(value: Any) -> str | None:
+    # tokenizer_config.json writes special tokens either as strings or as AddedToken dicts.
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _chat_template(path: Path, tok_config: dict[str, Any]) -> str | None:
+    template = tok_config.get("chat_template")
+    if template is None and (path / "chat_template.jinja").is_file():
+        template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+    if template is None and (path / "chat_template.json").is_file():
+        template = read_json(path / "chat_template.json", FIELD).get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template
+
+
+def _tokenizer_config(path: Path, config: ModelConfig) -> dict[str, Any]:
+    tok = _optional_json(path / "tokenizer_config.json")
+    max_length = tok.get("model_max_length")
+    if not isinstance(max_length, (int, float)) or max_length >= _NO_MAX_LENGTH:
+        max_length = config.max_position_embeddings
+    return {
+        "chat_template": _chat_template(path, tok),
+        "bos_token": _token_text(tok.get("bos_token")),
+        "eos_token": _token_text(tok.get("eos_token")),
+        "add_bos_token": bool(tok.get("add_bos_token", False)),
+        "model_max_length": int(max_length),
+    }
