@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -122,8 +123,8 @@ class _ObjectWithDuplicates(dict):
 def _object_hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     obj = _ObjectWithDuplicates(pairs)
     if len(obj) != len(pairs):
-        keys = [key for key, _ in pairs]
-        obj.duplicates = tuple(dict.fromkeys(k for k in keys if keys.count(k) > 1))
+        counts = Counter(key for key, _ in pairs)
+        obj.duplicates = tuple(key for key, count in counts.items() if count > 1)
     return obj
 
 
@@ -131,12 +132,12 @@ def load_request_file(path: Path | str) -> RequestFile:
     """Read and validate a request file; every failure is a one-line KvforgeError on "inputFile"."""
     path = Path(path)
     shown = _one_line(str(path))
-    if not path.exists():
-        _fail("inputFile", f"request file not found: {shown}")
-    if path.is_dir():
-        _fail("inputFile", f"{shown} is a directory, expected a JSON file")
     try:
         text = path.read_text(encoding="utf-8-sig")  # -sig: tolerate a BOM from Windows editors
+    except FileNotFoundError:
+        _fail("inputFile", f"request file not found: {shown}")
+    except IsADirectoryError:
+        _fail("inputFile", f"{shown} is a directory, expected a JSON file")
     except UnicodeDecodeError as exc:
         _fail("inputFile", f"{shown} is not valid UTF-8 (bad byte at offset {exc.start})")
     except OSError as exc:

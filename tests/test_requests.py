@@ -408,6 +408,12 @@ def test_load_deep_nesting(tmp_path: Path) -> None:
     load_error(write(tmp_path, "[" * 100_000 + "]" * 100_000), "malformed JSON")
 
 
+def test_load_unreadable(tmp_path: Path) -> None:
+    file = write(tmp_path, "{}")
+    load_error(file / "input.json", "Not a directory")
+    load_error(tmp_path / ("x" * 5000 + ".json"), "File name too long")
+
+
 def test_load_duplicate_lora_names(tmp_path: Path) -> None:
     text = '{"available_lora_weights": {"a": "x", "a": "y"}, "requests": [{"messages": []}]}'
     with pytest.raises(KvforgeError) as info:
@@ -448,25 +454,25 @@ def parses_or_fails_cleanly(data: Any) -> None:
         str(error).encode("utf-8")  # printable
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.sampled_from(TOP_KEYS), JSON_VALUES)
 def test_fuzz_top_level(key: str, value: Any) -> None:
     parses_or_fails_cleanly(minimal(**{key: value}))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.sampled_from(REQUEST_KEYS), JSON_VALUES)
 def test_fuzz_request(key: str, value: Any) -> None:
     parses_or_fails_cleanly(with_request(**{key: value}))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.sampled_from(["role", "content"]), JSON_VALUES)
 def test_fuzz_message(key: str, value: Any) -> None:
     parses_or_fails_cleanly(with_message(**{key: value}))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(JSON_VALUES)
 def test_fuzz_whole_file(value: Any) -> None:
     parses_or_fails_cleanly(value)

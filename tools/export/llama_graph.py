@@ -29,7 +29,7 @@ def build_llama_graph(config: ModelConfig, weights: dict[str, np.ndarray],
     g = GraphWriter()
     num_q, num_kv, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     hidden = "inputs_embeds"
-    rope_cos, rope_sin = _rope_inputs(g, hidden)
+    rope_cos, rope_sin = rope_inputs(g, hidden)
     graph_inputs = [
         value_info("inputs_embeds", FLOAT, ["batch", "seq", config.hidden_size]),
         value_info("context_lengths", INT32, ["batch"]),
@@ -79,7 +79,7 @@ def build_llama_graph(config: ModelConfig, weights: dict[str, np.ndarray],
                              producer_name="kvforge")
 
 
-def _rope_inputs(g: GraphWriter, embeds: str) -> tuple[str, str]:
+def rope_inputs(g: GraphWriter, embeds: str) -> tuple[str, str]:
     """Positions start+i and their cos/sin [B,S,1,D/2], computed once and shared by every layer.
 
     The tensors are named `rope_cos` / `rope_sin` so backend lowerings can reuse them for the keys.

@@ -1,0 +1,117 @@
+"""The runtime loop on a synthetic engine: batching, paging, stopping and parity with the dense reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numpy_llama import dense_logits
+
+from kvforge.builder.build import BuildOptions, build_engine
+from kvforge.runtime.llm_runtime import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, LLMRuntime
+from kvforge.runtime.profile import Profiler
+from kvforge.runtime.requests import parse_request_file
+from kvforge.tools.export.synthetic import synthetic_model
+from kvforge.tools.export.writer import write_onnx_dir
+
+PROMPTS = ["hi", "The quick brown fox jumps over the lazy dog.", "abc " * 9, "x"]
+
+
+@pytest.fixture(scope="module")
+def model_and_engine(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("runtime")
+    loaded = synthetic_model("tiny-llama", kv_cache_dtype="fp32")
+    write_onnx_dir(loaded, root / "onnx")
+    build_engine(root / "onnx", root / "engine", BuildOptions(max_input_len=64, max_kv_cache_capacity=96,
+                                                              max_batch_size=4, tokens_per_page=8))
+    return loaded, root / "engine"
+
+
+@pytest.fixture(scope="module")
+def runtime(model_and_engine) -> LLMRuntime:
+    return LLMRuntime(model_and_engine[1], num_threads=2)
+
+
+def run(runtime: LLMRuntime, prompts: list[str], batch_size: int, **sampling) -> list[dict]:
+    data = {"batch_size": batch_size, "temperature": 0.0, "top_k": 1, "max_generate_length": 12,
+            "apply_chat_template": False, "num_logprobs": 2, **sampling,
+            "requests": [{"messages": [{"role": "user", "content": p}]} for p in prompts]}
+    request_file = parse_request_file(data)
+    prepared = [runtime.prepare(r) for r in request_file.requests]
+    out = []
+    for batch_idx, batch in enumerate(request_file.batches()):
+        out += runtime.generate(prepared[len(out):len(out) + len(batch)], batch_idx, Profiler())
+    assert runtime.allocator.num_free == runtime.allocator.capacity  # every page came back
+    return out
+
+
+def test_ragged_batch_equals_each_prompt_alone(runtime: LLMRuntime) -> None:
+    together = run(runtime, PROMPTS, batch_size=4)
+    alone = run(runtime, PROMPTS, batch_size=1)
+    for a, b in zip(together, alone, strict=True):
+        assert a["output_text"] == b["output_text"]
+        assert [[e["token_id"] for e in step] for step in a["logprobs"]] == \
+               [[e["token_id"] for e in step] for step in b["logprobs"]]
+        np.testing.assert_allclose([s[0]["logprob"] for s in a["logprobs"]], [s[0]["logprob"] for s in b["logprobs"]],
+                                   atol=1e-4)
+    assert [r["request_idx"] for r in together] == [0, 1, 2, 3]
+    assert [r["batch_idx"] for r in alone] == [0, 1, 2, 3]
+
+
+def test_greedy_tokens_match_dense_reference(runtime: LLMRuntime, model_and_engine) -> None:
+    """Each generated token is the argmax of a full recompute of the prompt plus the tokens before it."""
+    loaded = model_and_engine[0]
+    response = run(runtime, [PROMPTS[1]], batch_size=1, max_generate_length=10)[0]
+    ids = runtime.tokenizer.encode(PROMPTS[1])
+    generated = [step[0]["token_id"] for step in response["logprobs"]]
+    logits = dense_logits(loaded.config, loaded.weights, ids + generated)
+    expected = [int(np.argmax(logits[len(ids) - 1 + i])) for i in range(len(generated))]
+    assert generated == expected
+    top_logprob = logits[len(ids) - 1] - np.log(np.exp(logits[len(ids) - 1] - logits[len(ids) - 1].max()).sum()) \
+        - logits[len(ids) - 1].max()
+    assert response["logprobs"][0][0]["logprob"] == pytest.approx(float(top_logprob.max()), abs=1e-4)
+
+
+def test_finish_reasons_and_usage(runtime: LLMRuntime) -> None:
+    response = run(runtime, [PROMPTS[0]], batch_size=1, max_generate_length=5)[0]
+    assert response["usage"] == {"prompt_tokens": 2, "completion_tokens": len(response["logprobs"])}
+    assert response["finish_reason"] in (FINISH_LENGTH, FINISH_EOS)
+    if response["finish_reason"] == FINISH_LENGTH:
+        assert response["usage"]["completion_tokens"] == 5
+    # Pin the stop string to text the model is known to produce: the tail of an unconstrained run.
+    full = run(runtime, [PROMPTS[2]], batch_size=1, max_generate_length=12)[0]["output_text"]
+    assert len(full) >= 4, full
+    stop = full[2:4]
+    stopped = run(runtime, [PROMPTS[2]], batch_size=1, max_generate_length=12, stop=[stop])[0]
+    assert stopped["finish_reason"] == FINISH_STOP
+    assert stopped["output_text"] == full[:full.find(stop)]
+
+
+def test_logit_bias_forces_eos(runtime: LLMRuntime) -> None:
+    eos = runtime.engine.model.eos_token_ids[0]
+    response = run(runtime, [PROMPTS[1]], batch_size=1, logit_bias={str(eos): 100})[0]
+    assert response["finish_reason"] == FINISH_EOS
+    assert response["output_text"] == ""
+    assert response["usage"]["completion_tokens"] == 1
+
+
+def test_generation_stops_at_kv_capacity(runtime: LLMRuntime) -> None:
+    """capacity 96: a 40-token prompt can feed 56 more tokens, so at most 57 are generated."""
+    prompt = "abcd" * 10
+    response = run(runtime, [prompt], batch_size=1, max_generate_length=200,
+                   logit_bias={str(runtime.engine.model.eos_token_ids[0]): -100})[0]
+    assert response["finish_reason"] == FINISH_LENGTH
+    assert response["usage"]["completion_tokens"] == 96 - 40 + 1
+
+
+def test_profile_counts_tokens(runtime: LLMRuntime) -> None:
+    request_file = parse_request_file({"temperature": 0.0, "max_generate_length": 4, "apply_chat_template": False,
+                                       "requests": [{"messages": [{"role": "user", "content": "hello"}]}]})
+    profiler = Profiler()
+    runtime.generate([runtime.prepare(request_file.requests[0])], 0, profiler)
+    profile = profiler.to_dict()
+    assert profile["prefill"]["computed_tokens"] == 5
+    assert profile["prefill"]["reused_tokens"] == 0
+    stages = {s["stage_id"]: s for s in profile["stages"]}
+    assert stages["llm_prefill"]["total_runs"] == 1
+    assert stages["llm_generation"]["total_runs"] == profile["generation"]["generated_tokens"]
+
