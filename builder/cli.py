@@ -7,9 +7,10 @@ from pathlib import Path
 import typer
 
 from kvforge.builder.build import STEPS, BuildOptions, build_engine
-from kvforge.runtime.cli_common import console, progress_bar, run_guarded
+from kvforge.runtime.cli_common import console, progress_bar, run_app, run_guarded
 
-app = typer.Typer(add_completion=False, rich_markup_mode="rich", help="""
+# The help text goes on the command: typer drops a Typer(help=...) when the app has one command.
+HELP = """
 Build an engine dir from an llm_export ONNX dir.
 
 [bold]Examples[/]
@@ -17,14 +18,15 @@ Build an engine dir from an llm_export ONNX dir.
   llm_build --onnxDir onnx/smollm2 --engineDir engines/smollm2
   llm_build --onnxDir onnx/smollm2 --engineDir engines/smollm2 --maxInputLen 2048 \\
       --maxKVCacheCapacity 4096 --maxBatchSize 1 --maxKVPoolPages 64
-""")
+"""
+app = typer.Typer(add_completion=False, rich_markup_mode="rich")
 
 
 def _mib(num_bytes: int) -> str:
     return f"{num_bytes / 2**20:,.1f} MiB"
 
 
-@app.command()
+@app.command(help=HELP)
 def build(
     onnx_dir: Path = typer.Option(..., "--onnxDir", help="ONNX dir written by llm_export."),
     engine_dir: Path = typer.Option(..., "--engineDir", help="Output engine dir (created if missing)."),
@@ -58,4 +60,4 @@ def build(
 
 
 def main() -> None:
-    app()
+    run_app(app)

@@ -7,12 +7,13 @@ from pathlib import Path
 
 import typer
 
-from kvforge.runtime.cli_common import console, run_guarded
+from kvforge.runtime.cli_common import console, run_app, run_guarded
 from kvforge.runtime.errors import KvforgeError
 from kvforge.runtime.profile import Profiler, format_summary, write_profile
 from kvforge.runtime.requests import load_request_file
 
-app = typer.Typer(add_completion=False, rich_markup_mode="rich", help="""
+# The help text goes on the command: typer drops a Typer(help=...) when the app has one command.
+HELP = """
 Run the requests of a JSON file on an engine built by llm_build.
 
 [bold]Examples[/]
@@ -20,10 +21,11 @@ Run the requests of a JSON file on an engine built by llm_build.
   llm_inference --engineDir engines/smollm2 --inputFile test_cases/llm_basic.json --outputFile out.json
   llm_inference --engineDir engines/smollm2 --inputFile in.json --outputFile out.json \\
       --profileOutputFile profile.json --dumpProfile --warmup 1
-""")
+"""
+app = typer.Typer(add_completion=False, rich_markup_mode="rich")
 
 
-@app.command()
+@app.command(help=HELP)
 def inference(
     engine_dir: Path = typer.Option(..., "--engineDir", help="Engine dir written by llm_build."),
     input_file: Path = typer.Option(..., "--inputFile", help="Request JSON (requests[].messages, sampling, ...)."),
@@ -81,4 +83,4 @@ def inference(
 
 
 def main() -> None:
-    app()
+    run_app(app)

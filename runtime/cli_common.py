@@ -8,19 +8,38 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
+import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvforge.runtime.errors import KvforgeError
 
-console = Console(stderr=True, highlight=False)
+try:  # newer typer vendors click; its usage errors are not click's classes
+    from typer._click import exceptions as click_exceptions
+except ImportError:  # pragma: no cover - typer that still depends on click
+    from click import exceptions as click_exceptions
+
+console = Console(stderr=True, highlight=False, soft_wrap=True)
 T = TypeVar("T")
 EXIT_USER_ERROR = 2
 EXIT_INTERNAL_ERROR = 3
 
 
+def run_app(app: typer.Typer) -> None:
+    """Entry point of a typer app whose usage errors (missing or malformed flags) are one line too."""
+    command = typer.main.get_command(app)
+    try:
+        code = command.main(standalone_mode=False)
+    except click_exceptions.UsageError as exc:
+        hint = f" (see {exc.ctx.command_path} --help)" if exc.ctx else ""
+        fail(f"{exc.format_message()}{hint}")
+    if isinstance(code, int) and code:
+        raise SystemExit(code)
+
+
 def fail(message: str, code: int = EXIT_USER_ERROR) -> None:
-    console.print(f"[bold red]error:[/] {message}", soft_wrap=True)
+    console.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)  # messages hold `[...]`: not markup
     raise SystemExit(code)
 
 

@@ -132,8 +132,8 @@ class LLMRuntime:
     def _prefill(self, sequences: list[Sequence], profiler: Profiler) -> float:
         started = time.perf_counter()
         logits = self._run(sequences, [s.prompt_ids for s in sequences], PREFILL_STAGE, profiler)
+        profiler.add_prefill(reused_tokens=0, computed_tokens=sum(len(s.prompt_ids) for s in sequences))
         for seq, row in zip(sequences, logits, strict=True):
-            profiler.add_prefill(reused_tokens=0, computed_tokens=len(seq.prompt_ids))
             self._accept(seq, seq.sampler.sample(row))
         return (time.perf_counter() - started) * 1e3
 

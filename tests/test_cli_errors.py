@@ -1,0 +1,238 @@
+"""Bad input through the real console scripts: one `error:` line naming the problem, exit 2, no traceback.
+
+Plus one happy-path llm_inference run (response and profile keys) and `--help` of each CLI.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+USER_ERROR = 2  # cli_common.EXIT_USER_ERROR; 3 would mean an internal error dressed as one line
+HI = {"role": "user", "content": "hi"}
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess[str], *needles: str) -> str:
+    """The error contract of every CLI; returns the line for further checks."""
+    stderr = _ANSI.sub("", proc.stderr)
+    assert "Traceback" not in stderr and "Traceback" not in proc.stdout, stderr
+    assert proc.returncode == USER_ERROR, f"exit {proc.returncode}: {stderr}"
+    lines = stderr.strip("\n").splitlines()
+    assert len(lines) == 1 and lines[0].strip(), f"expected one stderr line, got {lines!r}"
+    line = lines[0]
+    assert line.startswith("error:"), line
+    assert "internal error" not in line, line
+    for needle in needles:
+        assert needle in line, f"{needle!r} not in {line!r}"
+    return line
+
+
+def _requests(*requests: dict, **top: object) -> str:
+    return json.dumps({**top, "requests": list(requests) or [{"messages": [HI]}]})
+
+
+# ------------------------------------------------------------------------------------------ llm_inference
+
+REQUEST_FILE_CASES = [
+    pytest.param('{"requests": [', ("inputFile", "malformed JSON", "line 1"), id="malformed-json"),
+    pytest.param(json.dumps([{"messages": [HI]}]), ("inputFile", "top level", "JSON object", "array"),
+                 id="top-level-list"),
+    pytest.param(json.dumps({"batch_size": 1}), ("requests", "required"), id="missing-requests"),
+    pytest.param(json.dumps({"requests": []}), ("requests", "non-empty", "empty array"), id="empty-requests"),
+    pytest.param(_requests({"messages": "hi"}), ("requests[0].messages", "array", "string"),
+                 id="messages-wrong-type"),
+    pytest.param(_requests({"messages": [HI], "temperature": "hot"}), ("requests[0].temperature", "number"),
+                 id="temperature-string"),
+    pytest.param(_requests(top_p=1.5), ("top_p", "(0, 1]", "1.5"), id="top-p-above-1"),
+    pytest.param(_requests({"messages": [HI], "top_k": -1}), ("requests[0].top_k", "-1"), id="top-k-negative"),
+    pytest.param(_requests(num_logprobs=99), ("num_logprobs", "0..50", "99"), id="num-logprobs-99"),
+    pytest.param(_requests({"messages": [HI], "max_generate_length": 0}),
+                 ("requests[0].max_generate_length", ">= 1", "0"), id="max-generate-length-0"),
+    pytest.param(_requests(context_cache_lookup_policy="sometimes"),
+                 ("context_cache_lookup_policy", "use_cache", "sometimes"), id="unknown-lookup-policy"),
+    # Valid files the tiny engine (maxBatchSize 4, maxInputLen 64) cannot run.
+    pytest.param(_requests(batch_size=8), ("batch_size", "8", "maxBatchSize 4"), id="batch-size-over-engine"),
+    pytest.param(_requests({"messages": [{"role": "user", "content": "x" * 100}]}, {"messages": [HI]}),
+                 ("requests[0].messages", "maxInputLen 64", "--maxInputLen"), id="prompt-over-max-input-len"),
+]
+
+
+@pytest.mark.parametrize("content, needles", REQUEST_FILE_CASES)
+def test_bad_request_file(run_cli, tiny_engine_dir: Path, tmp_path: Path, content: str,
+                          needles: tuple[str, ...]) -> None:
+    input_file = tmp_path / "in.json"
+    input_file.write_text(content, encoding="utf-8")
+    output_file = tmp_path / "out.json"
+    proc = run_cli(["llm_inference", "--engineDir", tiny_engine_dir, "--inputFile", input_file,
+                    "--outputFile", output_file])
+    assert_one_line_error(proc, *needles)
+    assert not output_file.exists()
+
+
+@pytest.fixture
+def valid_input(tmp_path: Path) -> Path:
+    path = tmp_path / "valid.json"
+    path.write_text(_requests(max_generate_length=2, temperature=0), encoding="utf-8")
+    return path
+
+
+def test_missing_input_file(run_cli, tiny_engine_dir: Path, tmp_path: Path) -> None:
+    proc = run_cli(["llm_inference", "--engineDir", tiny_engine_dir, "--inputFile", tmp_path / "nope.json",
+                    "--outputFile", tmp_path / "out.json"])
+    assert_one_line_error(proc, "inputFile", "not found", "nope.json")
+
+
+def test_output_file_in_missing_directory(run_cli, tiny_engine_dir: Path, valid_input: Path,
+                                          tmp_path: Path) -> None:
+    proc = run_cli(["llm_inference", "--engineDir", tiny_engine_dir, "--inputFile", valid_input,
+                    "--outputFile", tmp_path / "no_such_dir" / "out.json"])
+    assert_one_line_error(proc, "--outputFile", "no_such_dir", "does not exist")
+
+
+def test_engine_dir_missing_weights(run_cli, tiny_engine_dir: Path, valid_input: Path, tmp_path: Path) -> None:
+    engine = tmp_path / "engine"
+    shutil.copytree(tiny_engine_dir, engine)
+    (engine / "model.onnx.data").unlink()
+    proc = run_cli(["llm_inference", "--engineDir", engine, "--inputFile", valid_input,
+                    "--outputFile", tmp_path / "out.json"])
+    assert_one_line_error(proc, "--engineDir", "model.onnx.data")
+
+
+def test_onnx_dir_passed_as_engine_dir(run_cli, tiny_onnx_dir: Path, valid_input: Path, tmp_path: Path) -> None:
+    proc = run_cli(["llm_inference", "--engineDir", tiny_onnx_dir, "--inputFile", valid_input,
+                    "--outputFile", tmp_path / "out.json"])
+    assert_one_line_error(proc, "--engineDir", "builder_config", "llm_build")
+
+
+# ------------------------------------------------------------------------------------------ llm_build
+
+def test_build_refuses_foreign_onnx_dir(run_cli, tmp_path: Path) -> None:
+    foreign = tmp_path / "optimum_export"
+    foreign.mkdir()
+    (foreign / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64,
+                                                     "num_hidden_layers": 2, "vocab_size": 259}))
+    (foreign / "model.onnx").write_bytes(b"\x08\x07")
+    engine = tmp_path / "engine"
+    proc = run_cli(["llm_build", "--onnxDir", foreign, "--engineDir", engine])
+    assert_one_line_error(proc, "config.json", "not a kvforge export", "llm_export")
+    assert not engine.exists()
+
+
+BUILD_FLAG_CASES = [
+    pytest.param(["--tokensPerPage", "100"], ("--tokensPerPage", "power of two", "100"), id="page-not-pow2"),
+    pytest.param(["--maxInputLen", "64", "--maxKVCacheCapacity", "256", "--maxBatchSize", "4",
+                  "--tokensPerPage", "16", "--maxKVPoolPages", "63"],
+                 ("--maxKVPoolPages", "63", "at least 64"), id="pool-below-minimum"),
+    pytest.param(["--maxInputLen", "512", "--maxKVCacheCapacity", "256"],
+                 ("--maxInputLen", "512", "maxKVCacheCapacity=256"), id="input-len-over-capacity"),
+]
+
+
+@pytest.mark.parametrize("flags, needles", BUILD_FLAG_CASES)
+def test_build_bad_flags(run_cli, tiny_onnx_dir: Path, tmp_path: Path, flags: list[str],
+                         needles: tuple[str, ...]) -> None:
+    engine = tmp_path / "engine"
+    proc = run_cli(["llm_build", "--onnxDir", tiny_onnx_dir, "--engineDir", engine, *flags])
+    assert_one_line_error(proc, *needles)
+    assert not engine.exists(), "geometry errors must be raised before anything is written"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt") is not None, reason="TensorRT is installed here")
+def test_build_tensorrt_backend_not_installed(run_cli, tiny_onnx_dir: Path, tmp_path: Path) -> None:
+    proc = run_cli(["llm_build", "--onnxDir", tiny_onnx_dir, "--engineDir", tmp_path / "engine",
+                    "--backend", "tensorrt"])
+    # `kvforge[tensorrt]` survives: error text is printed literally, not as rich markup.
+    assert_one_line_error(proc, "--backend", "TensorRT", "not installed", "kvforge[tensorrt]")
+
+
+# ------------------------------------------------------------------------------------------ llm_export
+
+def test_export_nonexistent_source(run_cli, tmp_path: Path) -> None:
+    missing = tmp_path / "no_such_model.gguf"
+    out = tmp_path / "onnx"
+    proc = run_cli(["llm_export", missing, "--outputDir", out])
+    assert_one_line_error(proc, "SOURCE", str(missing))
+    assert not out.exists()
+
+
+def test_export_unknown_synthetic(run_cli, tmp_path: Path) -> None:
+    proc = run_cli(["llm_export", "--synthetic", "unknown-name", "--outputDir", tmp_path / "onnx"])
+    assert_one_line_error(proc, "--synthetic", "unknown-name", "tiny-llama")
+
+
+def test_export_garbage_gguf(run_cli, tmp_path: Path) -> None:
+    garbage = tmp_path / "model.gguf"
+    garbage.write_bytes(b"this is not a gguf file\n" * 8)
+    out = tmp_path / "onnx"
+    proc = run_cli(["llm_export", garbage, "--outputDir", out])
+    assert_one_line_error(proc, "SOURCE", "GGUF", "model.gguf")
+    assert not out.exists()
+
+
+# ------------------------------------------------------------------------------------------ happy paths
+
+RESPONSE_KEYS = {"output_text", "request_idx", "batch_idx", "finish_reason", "usage", "timing"}
+FINISH_REASONS = {"end-of-sequence", "max-length", "stop-words"}
+
+
+def test_inference_writes_responses_and_profile(run_cli, tiny_engine_dir: Path, tmp_path: Path) -> None:
+    input_file = tmp_path / "in.json"
+    input_file.write_text(_requests({"messages": [HI]}, {"messages": [{"role": "user", "content": "hello"}]},
+                                    batch_size=1, temperature=0, max_generate_length=4), encoding="utf-8")
+    output_file, profile_file = tmp_path / "out.json", tmp_path / "profile.json"
+    proc = run_cli(["llm_inference", "--engineDir", tiny_engine_dir, "--inputFile", input_file,
+                    "--outputFile", output_file, "--profileOutputFile", profile_file])
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+    responses = json.loads(output_file.read_text(encoding="utf-8"))["responses"]
+    assert [r["request_idx"] for r in responses] == [0, 1]
+    assert [r["batch_idx"] for r in responses] == [0, 1]  # batch_size 1: one batch per request
+    for r in responses:
+        assert set(r) >= RESPONSE_KEYS, set(r)
+        assert isinstance(r["output_text"], str)
+        assert r["finish_reason"] in FINISH_REASONS
+        assert r["usage"]["prompt_tokens"] > 0
+        assert 1 <= r["usage"]["completion_tokens"] <= 4
+        assert {"ttft_ms", "prefill_ms", "decode_ms"} <= set(r["timing"])
+        assert all(r["timing"][k] >= 0 for k in ("ttft_ms", "prefill_ms", "decode_ms"))
+    # byte-level tokenizer: "hello" is 3 tokens longer than "hi" under the same chat template
+    assert responses[1]["usage"]["prompt_tokens"] - responses[0]["usage"]["prompt_tokens"] == 3
+
+    profile = json.loads(profile_file.read_text(encoding="utf-8"))
+    assert {"prefill", "generation", "stages", "peak_cpu_memory_bytes"} <= set(profile)
+    stages = {s["stage_id"]: s for s in profile["stages"]}
+    assert {"llm_prefill", "llm_generation"} <= set(stages)
+    for stage in stages.values():
+        assert "gpu_time_stats" in stage and stage["gpu_time_stats"]["count"] == stage["total_runs"]
+    assert stages["llm_prefill"]["total_runs"] >= 2  # one prefill call per batch
+    assert profile["peak_cpu_memory_bytes"] > 0
+
+
+@pytest.mark.parametrize("script", ["llm_export", "llm_build", "llm_inference"])
+def test_help_shows_examples(run_cli, script: str) -> None:
+    proc = run_cli([script, "--help"])
+    assert proc.returncode == 0, proc.stderr
+    out = _ANSI.sub("", proc.stdout)
+    assert "Examples" in out
+    examples = out.split("Examples", 1)[1]
+    assert f"{script} " in examples and "--" in examples
+
+
+# ------------------------------------------------------------------------------------------ flag parsing
+
+@pytest.mark.parametrize("args, needles", [
+    pytest.param(["llm_build", "--onnxDir", "x"], ("--engineDir", "llm_build --help"), id="missing-required-flag"),
+    pytest.param(["llm_build", "--onnxDir", "x", "--engineDir", "y", "--maxInputLen", "abc"],
+                 ("--maxInputLen", "integer"), id="flag-not-an-int"),
+    pytest.param(["llm_inference", "--bogus"], ("--bogus",), id="unknown-flag"),
+])
+def test_flag_parsing_errors_are_one_line(run_cli, args: list[str], needles: tuple[str, ...]) -> None:
+    assert_one_line_error(run_cli(args), *needles)
