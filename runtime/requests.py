@@ -233,13 +233,9 @@ def _parse_messages(value: Any, where: str) -> list[Message]:
 def _parse_message(raw: Any, where: str) -> Message:
     if not isinstance(raw, dict):
         _fail(where, f"must be a {{role, content}} object, got {_kind(raw)}")
-    role = raw.get("role", _MISSING)
-    if role is _MISSING:
-        _fail(f"{where}.role", f"is required (one of {', '.join(ROLES)})")
+    role = _required(raw, "role", where, f"one of {', '.join(ROLES)}")
     _choice(role, f"{where}.role", ROLES)
-    content = raw.get("content", _MISSING)
-    if content is _MISSING:
-        _fail(f"{where}.content", "is required (a string or an array of content items)")
+    content = _required(raw, "content", where, "a string or an array of content items")
     return Message(role=role, content=_parse_content(content, f"{where}.content"))
 
 
@@ -261,16 +257,18 @@ def _parse_content(value: Any, where: str) -> str:
 def _parse_content_item(item: Any, where: str) -> str:
     if not isinstance(item, dict):
         _fail(where, f'must be an object like {{"type": "text", "text": ...}}, got {_kind(item)}')
-    kind = item.get("type", _MISSING)
-    if kind is _MISSING:
-        _fail(f"{where}.type", f"is required (one of {', '.join(CONTENT_TYPES)})")
+    kind = _required(item, "type", where, f"one of {', '.join(CONTENT_TYPES)}")
     _choice(kind, f"{where}.type", CONTENT_TYPES)
     if kind in MEDIA_TYPES:
         _fail(f"{where}.type", f'"{kind}" content is not supported yet; only "text" items are')
-    text = item.get("text", _MISSING)
-    if text is _MISSING:
-        _fail(f"{where}.text", 'is required for a "text" item')
-    return _string(text, f"{where}.text")
+    return _string(_required(item, "text", where, 'a string, for a "text" item'), f"{where}.text")
+
+
+def _required(obj: dict[str, Any], key: str, where: str, expected: str) -> Any:
+    value = obj.get(key, _MISSING)
+    if value is _MISSING:
+        _fail(f"{where}.{key}", f"is required ({expected})")
+    return value
 
 
 def _parse_loras(value: Any, where: str) -> dict[str, str]:
