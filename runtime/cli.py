@@ -39,16 +39,24 @@ def inference(
                                             help="Override every max_generate_length (-1 keeps them)."),
     num_logprobs: int = typer.Option(-1, "--numLogprobs", help="Override every num_logprobs, 0..50 (-1 keeps)."),
     num_threads: int = typer.Option(0, "--numThreads", help="CPU threads for the engine; 0 = onnxruntime default."),
+    enable_context_reuse: bool = typer.Option(False, "--enableContextReuse",
+                                              help="Reuse KV pages of repeated prefixes (documents, earlier turns, "
+                                                   "generated continuations) across requests and batches."),
+    context_cache_max_records: int = typer.Option(1024, "--contextCacheMaxRecords",
+                                                  help="Max retained cache records (0 = publish then evict at once)."),
     dump_output: bool = typer.Option(False, "--dumpOutput", help="Print each response's text to stdout."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
     """Run every request in file order, batch by batch; responses keep request order."""
 
     def body() -> None:
-        from kvforge.runtime.llm_runtime import LLMRuntime  # heavy imports after argument checks
+        from kvforge.runtime.context_cache.manager import BYPASS
+        from kvforge.runtime.llm_runtime import CachePolicies, LLMRuntime  # heavy imports after argument checks
 
         if warmup < 0:
             raise KvforgeError(f"must be >= 0, got {warmup}", "--warmup")
+        if context_cache_max_records < 0:
+            raise KvforgeError(f"must be >= 0, got {context_cache_max_records}", "--contextCacheMaxRecords")
         if num_threads < 0:
             raise KvforgeError(f"must be >= 0, got {num_threads}", "--numThreads")
         if not output_file.parent.is_dir():
@@ -56,24 +64,26 @@ def inference(
         if profile_output_file is not None and not profile_output_file.parent.is_dir():
             raise KvforgeError(f"directory {profile_output_file.parent} does not exist", "--profileOutputFile")
         requests = load_request_file(input_file).apply_overrides(batch_size, max_generate_length, num_logprobs)
-        runtime = LLMRuntime(engine_dir, num_threads)
+        runtime = LLMRuntime(engine_dir, num_threads, enable_context_reuse=enable_context_reuse,
+                             context_cache_max_records=context_cache_max_records)
         runtime.check_batch_size(requests)
         prepared = [runtime.prepare(r, requests.enable_thinking) for r in requests.requests]
         profiler = Profiler(enabled=False)
-        for _ in range(warmup):
-            runtime.generate(prepared[:1], 0, profiler)
+        policies = CachePolicies(requests.context_cache_lookup_policy, requests.context_cache_commit_policy)
+        for _ in range(warmup):  # warmup neither looks up nor publishes, so it cannot warm the cache
+            runtime.generate(prepared[:1], 0, profiler, CachePolicies(BYPASS, policies.commit))
         profiler.enabled = True
         responses = []
         size = requests.batch_size
         for batch_idx, start in enumerate(range(0, len(prepared), size)):
-            responses.extend(runtime.generate(prepared[start:start + size], batch_idx, profiler))
+            responses.extend(runtime.generate(prepared[start:start + size], batch_idx, profiler, policies))
             if dump_output:
                 for response in responses[-len(prepared[start:start + size]):]:
                     typer.echo(f"[{response['request_idx']}] {response['output_text']}")
         output_file.write_text(json.dumps({"input_file": str(input_file), "responses": responses},
                                           indent=4, ensure_ascii=False) + "\n", encoding="utf-8")
         profiler.note_peak_memory(runtime.runner.pool.nbytes)
-        profile = profiler.to_dict()
+        profile = profiler.to_dict(runtime.cache.profile() if enable_context_reuse else None)
         if profile_output_file is not None:
             write_profile(profile_output_file, profile)
         if dump_profile:

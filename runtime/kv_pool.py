@@ -1,44 +1,10 @@
-"""The paged KV pool: an O(1) free list of page ids and one numpy tensor per attention layer."""
+"""The paged KV pool: one numpy tensor per attention layer, addressed through page-table rows."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from kvforge.plugins.reference import pool_numpy_dtype, to_storage
-from kvforge.runtime.errors import KvforgeError
-
-
-class PageAllocator:
-    """Free list of physical page ids; pops and pushes are O(1), double frees are caught."""
-
-    __slots__ = ("capacity", "_free", "_in_use")
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._free = list(range(capacity - 1, -1, -1))  # pop() hands out low ids first
-        self._in_use = np.zeros(capacity, dtype=bool)
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def can_allocate(self, num_pages: int) -> bool:
-        return num_pages <= len(self._free)
-
-    def allocate(self, num_pages: int) -> list[int]:
-        if not self.can_allocate(num_pages):
-            raise KvforgeError(f"KV pool exhausted: need {num_pages} pages, {len(self._free)} of "
-                               f"{self.capacity} free; rebuild with a larger --maxKVPoolPages", "kv_pool")
-        page_ids = [self._free.pop() for _ in range(num_pages)]
-        self._in_use[page_ids] = True
-        return page_ids
-
-    def free(self, page_ids: list[int]) -> None:
-        for page in page_ids:
-            if not self._in_use[page]:
-                raise AssertionError(f"page {page} freed twice")
-            self._in_use[page] = False
-            self._free.append(page)
 
 
 class KVPool:
@@ -58,8 +24,24 @@ class KVPool:
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
 
+    def locate(self, page_ids: list[int], start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """(page, slot) of positions [start, stop) of a sequence whose page-table row is `page_ids`."""
+        positions = np.arange(start, stop)
+        return np.asarray(page_ids, dtype=np.int64)[positions // self.tokens_per_page], positions % self.tokens_per_page
+
     def scatter(self, layer: int, rows: np.ndarray, page_ids: np.ndarray, slots: np.ndarray) -> None:
-        """Write new rows [n, 2, Hkv, D] at (page, slot) pairs."""
+        """Write new float rows [n, 2, Hkv, D] at (page, slot) pairs, encoding them as the pool stores them."""
         if self.kv_cache_dtype == "fp8":
             rows = to_storage(rows, "fp8")
         self.layers[layer][page_ids, :, :, slots, :] = rows
+
+    def read_tokens(self, page_ids: list[int], num_tokens: int) -> list[np.ndarray]:
+        """Stored rows [n, 2, Hkv, D] of positions [0, num_tokens) per layer (copies, storage dtype)."""
+        pages, slots = self.locate(page_ids, 0, num_tokens)
+        return [layer[pages, :, :, slots, :] for layer in self.layers]
+
+    def write_tokens(self, page_ids: list[int], stored_rows: list[np.ndarray]) -> None:
+        """Write rows previously returned by read_tokens back at positions [0, n)."""
+        pages, slots = self.locate(page_ids, 0, len(stored_rows[0]))
+        for layer, rows in zip(self.layers, stored_rows, strict=True):
+            layer[pages, :, :, slots, :] = rows

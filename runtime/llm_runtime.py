@@ -1,4 +1,4 @@
-"""Runs request batches on an engine: tokenize, page, prefill, decode, sample, build responses."""
+"""Runs request batches on an engine: tokenize, acquire pages (reusing cached prefixes), prefill, decode."""
 
 from __future__ import annotations
 
@@ -10,15 +10,23 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import load_file
 
-from kvforge.builder.geometry import pages_for
+from kvforge.runtime.context_cache.keys import KeyExtras
+from kvforge.runtime.context_cache.manager import (
+    DEFAULT_MAX_RECORDS,
+    INCLUDING_GENERATED_TOKENS,
+    USE_CACHE,
+    Admission,
+    ContextCacheManager,
+    Lease,
+)
 from kvforge.runtime.engine_dir import EMBEDDING_FILE, EMBEDDING_TENSOR, EngineDir, load_engine_dir
 from kvforge.runtime.errors import KvforgeError
-from kvforge.runtime.kv_pool import PageAllocator
 from kvforge.runtime.ort_runner import OrtEngineRunner
 from kvforge.runtime.profile import GENERATION_STAGE, PREFILL_STAGE, Profiler
 from kvforge.runtime.requests import Request, RequestFile
 from kvforge.runtime.runner import EngineRunner, StepInputs
 from kvforge.runtime.sampling import Sampler, SampleResult
+from kvforge.runtime.system_prompt_cache import SystemPromptCache
 from kvforge.runtime.tokenizer import ChatTokenizer
 
 FINISH_EOS = "end-of-sequence"
@@ -26,23 +34,12 @@ FINISH_LENGTH = "max-length"
 FINISH_STOP = "stop-words"
 
 
-@dataclass(slots=True)
-class Sequence:
-    """One request in flight: its tokens, its pages and what it has generated."""
+@dataclass(frozen=True, slots=True)
+class CachePolicies:
+    """The request file's top-level policies; warmup runs use lookup `bypass`."""
 
-    request: Request
-    prompt_ids: list[int]
-    sampler: Sampler
-    page_ids: list[int] = field(default_factory=list)
-    num_cached_tokens: int = 0  # tokens whose K/V are in the pool
-    output_ids: list[int] = field(default_factory=list)
-    samples: list[SampleResult] = field(default_factory=list)
-    output_text: str = ""
-    finish_reason: str | None = None
-
-    @property
-    def is_finished(self) -> bool:
-        return self.finish_reason is not None
+    lookup: str = USE_CACHE
+    commit: str = INCLUDING_GENERATED_TOKENS
 
 
 @dataclass(slots=True)
@@ -50,15 +47,57 @@ class PreparedRequest:
     request: Request
     formatted_prompt: str
     prompt_ids: list[int]
+    system_prompt: str = ""
+    system_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Sequence:
+    """One request in flight: its tokens, its lease on the pool and what it has generated."""
+
+    prepared: PreparedRequest
+    sampler: Sampler
+    lease: Lease | None = None
+    num_cached_tokens: int = 0  # tokens whose K/V are in the pool
+    reused_tokens: int = 0  # of those, tokens served from a cache instead of computed
+    output_ids: list[int] = field(default_factory=list)
+    samples: list[SampleResult] = field(default_factory=list)
+    output_text: str = ""
+    finish_reason: str | None = None
+
+    @property
+    def request(self) -> Request:
+        return self.prepared.request
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.prepared.prompt_ids
+
+    @property
+    def page_ids(self) -> list[int]:
+        assert self.lease is not None
+        return self.lease.page_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def resident_tokens(self) -> list[int]:
+        """Tokens whose K/V the pool holds: the prompt and every generated token but the last sampled."""
+        return (self.prompt_ids + self.output_ids)[:self.num_cached_tokens]
 
 
 class LLMRuntime:
-    def __init__(self, engine_dir: Path, num_threads: int = 0, runner: EngineRunner | None = None) -> None:
+    def __init__(self, engine_dir: Path, num_threads: int = 0, runner: EngineRunner | None = None, *,
+                 enable_context_reuse: bool = False, context_cache_max_records: int = DEFAULT_MAX_RECORDS) -> None:
         self.engine: EngineDir = load_engine_dir(engine_dir)
+        build = self.engine.build
+        self.cache = ContextCacheManager(build.max_kv_pool_pages, build.tokens_per_page, enabled=enable_context_reuse,
+                                         max_records=context_cache_max_records)
         self.tokenizer = ChatTokenizer(engine_dir)
         self.embedding = load_file(str(self.engine.file(EMBEDDING_FILE)))[EMBEDDING_TENSOR]
         self.runner: EngineRunner = runner or OrtEngineRunner(self.engine, num_threads)
-        self.allocator = PageAllocator(self.engine.build.max_kv_pool_pages)
+        self.system_prompts = SystemPromptCache()
         self.eos_ids = frozenset(self.engine.model.eos_token_ids)
 
     @property
@@ -66,7 +105,11 @@ class LLMRuntime:
         return self.engine.build.tokens_per_page
 
     def prepare(self, request: Request, enable_thinking: bool = False) -> PreparedRequest:
-        """Tokenize and check a request against the engine limits before anything runs."""
+        """Tokenize and check a request against the engine limits before anything runs.
+
+        The whole prompt must fit maxInputLen even when a cached prefix would shorten the computed part,
+        so whether a request is accepted never depends on what the cache holds.
+        """
         text = self.tokenizer.format(request, enable_thinking)
         ids = self.tokenizer.encode(text)
         where = f"requests[{request.index}].messages"
@@ -76,46 +119,51 @@ class LLMRuntime:
         if len(ids) > limit:
             raise KvforgeError(f"prompt has {len(ids)} tokens, more than the engine's maxInputLen {limit}; "
                                "rebuild with a larger --maxInputLen or shorten the prompt", where)
-        return PreparedRequest(request, text, ids)
+        prepared = PreparedRequest(request, text, ids)
+        if request.save_system_prompt_kv_cache:
+            if self.cache.enabled:
+                raise KvforgeError("the legacy system-prompt cache cannot be combined with --enableContextReuse "
+                                   "(which already reuses system prompts)",
+                                   f"requests[{request.index}].save_system_prompt_kv_cache")
+            prepared.system_prompt = self.tokenizer.format_system_prompt(request)
+            prepared.system_ids = self.tokenizer.encode(prepared.system_prompt) if prepared.system_prompt else []
+        return prepared
 
     def check_batch_size(self, request_file: RequestFile) -> None:
         limit = self.engine.build.max_batch_size
         if request_file.batch_size > limit:
             raise KvforgeError(f"{request_file.batch_size} exceeds the engine's maxBatchSize {limit}", "batch_size")
 
-    def generate(self, batch: list[PreparedRequest], batch_idx: int, profiler: Profiler) -> list[dict[str, Any]]:
-        sequences = [Sequence(p.request, p.prompt_ids, Sampler(p.request.sampling)) for p in batch]
+    def generate(self, batch: list[PreparedRequest], batch_idx: int, profiler: Profiler,
+                 policies: CachePolicies = CachePolicies()) -> list[dict[str, Any]]:
+        sequences = [Sequence(p, Sampler(p.request.sampling)) for p in batch]
         try:
+            for seq in sequences:
+                extras = KeyExtras(cache_salt=seq.request.cache_salt)
+                seq.lease = self.cache.acquire(Admission(seq.prompt_ids, extras, policies.lookup))
+                seq.num_cached_tokens = seq.reused_tokens = seq.lease.reuse_tokens
+                self._restore_system_prompt(seq)
             started = time.perf_counter()
             prefill_ms = self._prefill(sequences, profiler)
             ttft_ms = (time.perf_counter() - started) * 1e3
             decode_started = time.perf_counter()
             self._decode(sequences, profiler)
             decode_ms = (time.perf_counter() - decode_started) * 1e3
+            if policies.commit == INCLUDING_GENERATED_TOKENS:
+                for seq in sequences:  # every sequence here finished normally (errors raise before this)
+                    self.cache.publish(seq.lease, seq.resident_tokens())
         finally:
             for seq in sequences:
-                self._release(seq)
+                if seq.lease is not None:
+                    self.cache.release(seq.lease)
         profiler.add_generation(sum(max(len(s.output_ids) - 1, 0) for s in sequences))
-        return [self._response(seq, prepared, batch_idx, ttft_ms, prefill_ms, decode_ms)
-                for seq, prepared in zip(sequences, batch, strict=True)]
-
-    # --- paging -------------------------------------------------------------------------------------
-
-    def _reserve(self, seq: Sequence, num_tokens: int) -> None:
-        """Make the sequence's pages cover positions [0, num_tokens)."""
-        missing = pages_for(num_tokens, self.tokens_per_page) - len(seq.page_ids)
-        if missing > 0:
-            seq.page_ids.extend(self.allocator.allocate(missing))
-
-    def _release(self, seq: Sequence) -> None:
-        self.allocator.free(seq.page_ids)
-        seq.page_ids = []
+        return [self._response(seq, batch_idx, ttft_ms, prefill_ms, decode_ms) for seq in sequences]
 
     # --- engine calls -------------------------------------------------------------------------------
 
     def _run(self, rows: list[Sequence], new_ids: list[list[int]], stage: str, profiler: Profiler) -> np.ndarray:
         for seq, ids in zip(rows, new_ids, strict=True):
-            self._reserve(seq, seq.num_cached_tokens + len(ids))
+            self.cache.grow(seq.lease, seq.num_cached_tokens + len(ids))
         width = max(len(ids) for ids in new_ids)
         embeds = np.zeros((len(rows), width, self.embedding.shape[1]), dtype=np.float32)
         for row, ids in enumerate(new_ids):
@@ -130,10 +178,15 @@ class LLMRuntime:
         return logits
 
     def _prefill(self, sequences: list[Sequence], profiler: Profiler) -> float:
+        """Chunked prefill from each row's reuse point, then publication of the prompt's full pages."""
         started = time.perf_counter()
-        logits = self._run(sequences, [s.prompt_ids for s in sequences], PREFILL_STAGE, profiler)
-        profiler.add_prefill(reused_tokens=0, computed_tokens=sum(len(s.prompt_ids) for s in sequences))
+        suffixes = [s.prompt_ids[s.num_cached_tokens:] for s in sequences]
+        logits = self._run(sequences, suffixes, PREFILL_STAGE, profiler)
+        profiler.add_prefill(reused_tokens=sum(s.reused_tokens for s in sequences),
+                             computed_tokens=sum(len(ids) for ids in suffixes))
         for seq, row in zip(sequences, logits, strict=True):
+            self.cache.publish(seq.lease, seq.prompt_ids)  # both commit policies publish the prefill state
+            self._save_system_prompt(seq)
             self._accept(seq, seq.sampler.sample(row))
         return (time.perf_counter() - started) * 1e3
 
@@ -168,10 +221,28 @@ class LLMRuntime:
         if len(seq.output_ids) >= seq.request.sampling.max_generate_length:
             seq.finish_reason = FINISH_LENGTH
 
+    # --- legacy system-prompt cache -----------------------------------------------------------------
+
+    def _system_key(self, seq: Sequence) -> tuple[str, str]:
+        return seq.prepared.system_prompt, seq.request.lora_name or ""
+
+    def _restore_system_prompt(self, seq: Sequence) -> None:
+        if not seq.prepared.system_ids:
+            return
+        restored = self.system_prompts.restore(self._system_key(seq), seq.prompt_ids, self.runner.pool,
+                                               seq.page_ids)
+        if restored:
+            seq.num_cached_tokens = seq.reused_tokens = restored
+
+    def _save_system_prompt(self, seq: Sequence) -> None:
+        if seq.prepared.system_ids and not seq.reused_tokens:
+            self.system_prompts.save(self._system_key(seq), seq.prepared.system_ids, seq.prompt_ids,
+                                     self.runner.pool, seq.page_ids)
+
     # --- output -------------------------------------------------------------------------------------
 
-    def _response(self, seq: Sequence, prepared: PreparedRequest, batch_idx: int, ttft_ms: float,
-                  prefill_ms: float, decode_ms: float) -> dict[str, Any]:
+    def _response(self, seq: Sequence, batch_idx: int, ttft_ms: float, prefill_ms: float,
+                  decode_ms: float) -> dict[str, Any]:
         if seq.finish_reason != FINISH_STOP:
             seq.output_text = self.tokenizer.decode(seq.output_ids)
         response: dict[str, Any] = {
@@ -179,8 +250,9 @@ class LLMRuntime:
             "request_idx": seq.request.index,
             "batch_idx": batch_idx,
             "finish_reason": seq.finish_reason,
-            "formatted_complete_request": prepared.formatted_prompt,
-            "usage": {"prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.output_ids)},
+            "formatted_complete_request": seq.prepared.formatted_prompt,
+            "usage": {"prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.output_ids),
+                      "cached_tokens": seq.reused_tokens},
             "timing": {"ttft_ms": round(ttft_ms, 3), "prefill_ms": round(prefill_ms, 3),
                        "decode_ms": round(decode_ms, 3)},
         }

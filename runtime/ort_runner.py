@@ -72,12 +72,11 @@ class OrtEngineRunner:
                  lengths: np.ndarray) -> None:
         rows, tokens, pages, slots = [], [], [], []
         for b, (start, length) in enumerate(zip(starts.tolist(), lengths.tolist(), strict=True)):
-            positions = np.arange(start, start + length)
-            row_pages = np.asarray(page_ids[b], dtype=np.int64)
+            row_pages, row_slots = self.pool.locate(page_ids[b], start, start + length)
             rows.append(np.full(length, b))
-            tokens.append(positions - start)
-            pages.append(row_pages[positions // self.tokens_per_page])
-            slots.append(positions % self.tokens_per_page)
+            tokens.append(np.arange(length))
+            pages.append(row_pages)
+            slots.append(row_slots)
         b_idx, t_idx = np.concatenate(rows), np.concatenate(tokens)
         page_idx, slot_idx = np.concatenate(pages), np.concatenate(slots)
         for layer, new in enumerate(new_rows):

@@ -39,6 +39,15 @@ class ChatTokenizer:
         except TemplateError as exc:
             raise KvforgeError(f"chat template failed: {exc}", f"requests[{request.index}].messages") from None
 
+    def format_system_prompt(self, request: Request) -> str:
+        """The template applied to the leading system messages alone (the legacy cache's key)."""
+        system = [m for m in request.messages[:1] if m.role == "system"]
+        if not system or self.template is None or not request.apply_chat_template:
+            return ""
+        return self.template.render(messages=[{"role": m.role, "content": m.content} for m in system],
+                                    add_generation_prompt=False, bos_token=self.bos_token or "",
+                                    eos_token=self.eos_token or "")
+
     def encode(self, text: str) -> list[int]:
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         if self.add_bos_token and self.bos_token:

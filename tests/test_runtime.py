@@ -40,7 +40,7 @@ def run(runtime: LLMRuntime, prompts: list[str], batch_size: int, **sampling) ->
     out = []
     for batch_idx, batch in enumerate(request_file.batches()):
         out += runtime.generate(prepared[len(out):len(out) + len(batch)], batch_idx, Profiler())
-    assert runtime.allocator.num_free == runtime.allocator.capacity  # every page came back
+    assert runtime.cache.pages.num_free == runtime.cache.pages.capacity  # every page came back
     return out
 
 
@@ -73,7 +73,7 @@ def test_greedy_tokens_match_dense_reference(runtime: LLMRuntime, model_and_engi
 
 def test_finish_reasons_and_usage(runtime: LLMRuntime) -> None:
     response = run(runtime, [PROMPTS[0]], batch_size=1, max_generate_length=5)[0]
-    assert response["usage"] == {"prompt_tokens": 2, "completion_tokens": len(response["logprobs"])}
+    assert response["usage"] == {"prompt_tokens": 2, "completion_tokens": len(response["logprobs"]), "cached_tokens": 0}
     assert response["finish_reason"] in (FINISH_LENGTH, FINISH_EOS)
     if response["finish_reason"] == FINISH_LENGTH:
         assert response["usage"]["completion_tokens"] == 5

@@ -1,0 +1,58 @@
+"""Page keys: a BLAKE2b-128 hash chain over full pages, with every identity field tagged and length-prefixed."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+KEY_BYTES = 16
+CHAIN_ROOT = b"kvforge-chain-v1".ljust(KEY_BYTES, b"\0")[:KEY_BYTES]
+
+# One tag byte per field; each field is tag + u64 length + bytes, so no two field sequences can
+# produce the same byte stream (domain separation): a LoRA named like a salt cannot collide with it.
+TAG_PARENT, TAG_TOKENS, TAG_MEDIA, TAG_ADAPTER, TAG_SALT = b"P", b"T", b"M", b"A", b"S"
+
+
+@dataclass(frozen=True, slots=True)
+class KeyExtras:
+    """Request-wide identity mixed into every page key of a sequence."""
+
+    adapter_digest: bytes = b""  # digest of the adapter's weights; empty = base model
+    cache_salt: str | None = None  # tenant isolation; None and "" are distinct from any salt
+
+    def encoded(self) -> bytes:
+        salt = b"\x00" if self.cache_salt is None else b"\x01" + self.cache_salt.encode("utf-8")
+        return _field(TAG_ADAPTER, self.adapter_digest) + _field(TAG_SALT, salt)
+
+
+def _field(tag: bytes, payload: bytes) -> bytes:
+    return tag + struct.pack("<Q", len(payload)) + payload
+
+
+def page_key(parent: bytes, token_ids: np.ndarray, extras_encoded: bytes, media_encoded: bytes = b"") -> bytes:
+    digest = hashlib.blake2b(digest_size=KEY_BYTES)
+    digest.update(_field(TAG_PARENT, parent))
+    digest.update(_field(TAG_TOKENS, np.ascontiguousarray(token_ids, dtype="<i4").tobytes()))
+    digest.update(_field(TAG_MEDIA, media_encoded))
+    digest.update(extras_encoded)
+    return digest.digest()
+
+
+def page_keys(token_ids: Sequence[int] | np.ndarray, tokens_per_page: int, extras: KeyExtras,
+              parent: bytes = CHAIN_ROOT, first_page: int = 0) -> list[bytes]:
+    """Keys of the full pages of `token_ids` from page `first_page` on, chained from `parent`.
+
+    A partial tail page gets no key: it is never shared. Media identity (media_encoded) is empty for
+    text; the media work fills it per page from the placeholder positions it covers.
+    """
+    ids = np.asarray(token_ids, dtype=np.int32)
+    encoded = extras.encoded()
+    keys = []
+    for page in range(first_page, len(ids) // tokens_per_page):
+        parent = page_key(parent, ids[page * tokens_per_page:(page + 1) * tokens_per_page], encoded)
+        keys.append(parent)
+    return keys
