@@ -236,3 +236,52 @@ def test_help_shows_examples(run_cli, script: str) -> None:
 ])
 def test_flag_parsing_errors_are_one_line(run_cli, args: list[str], needles: tuple[str, ...]) -> None:
     assert_one_line_error(run_cli(args), *needles)
+
+
+# ------------------------------------------------------------------------------------------ context reuse
+
+REUSE_CASES = [
+    pytest.param(_requests(context_cache_commit_policy="everything"), [],
+                 ("context_cache_commit_policy", "prefill_state_only"), id="unknown-commit-policy"),
+    pytest.param(_requests({"messages": [HI], "cache_salt": 7}), ["--enableContextReuse"],
+                 ("requests[0].cache_salt", "string"), id="non-string-salt"),
+    pytest.param(_requests({"messages": [HI], "save_system_prompt_kv_cache": True}), ["--enableContextReuse"],
+                 ("requests[0].save_system_prompt_kv_cache", "--enableContextReuse"), id="legacy-cache-with-reuse"),
+    pytest.param(_requests(), ["--enableContextReuse", "--contextCacheMaxRecords", "-1"],
+                 ("--contextCacheMaxRecords", "-1"), id="negative-record-limit"),
+]
+
+
+@pytest.mark.parametrize("content, flags, needles", REUSE_CASES)
+def test_bad_reuse_input(run_cli, tiny_engine_dir: Path, tmp_path: Path, content: str, flags: list[str],
+                         needles: tuple[str, ...]) -> None:
+    input_file = tmp_path / "in.json"
+    input_file.write_text(content, encoding="utf-8")
+    proc = run_cli(["llm_inference", "--engineDir", tiny_engine_dir, "--inputFile", input_file,
+                    "--outputFile", tmp_path / "out.json", *flags])
+    assert_one_line_error(proc, *needles)
+
+
+def test_reuse_profile_has_context_cache_counters(run_cli, tiny_engine_dir: Path, tmp_path: Path) -> None:
+    long = {"role": "user", "content": "a shared context of a few pages"}
+    input_file = tmp_path / "in.json"
+    input_file.write_text(_requests({"messages": [long]}, {"messages": [long]}, temperature=0.0,
+                                    max_generate_length=2), encoding="utf-8")
+    profile = tmp_path / "profile.json"
+    proc = run_cli(["llm_inference", "--engineDir", tiny_engine_dir, "--inputFile", input_file,
+                    "--outputFile", tmp_path / "out.json", "--profileOutputFile", profile, "--enableContextReuse",
+                    "--warmup", "1"])
+    assert proc.returncode == 0, proc.stderr
+    cache = json.loads(profile.read_text())["context_cache"]
+    for key in ("admitted_sequences", "hit_sequences", "media_aware_sequences", "lookup_bypass_sequences",
+                "forced_cold_sequences", "matched_tokens", "reused_tokens", "planning_nanoseconds"):
+        assert isinstance(cache[key], int), key
+    assert set(cache["plans"]) == {"standard", "no_reusable_prefix", "full_input_rewind"}
+    assert set(cache["publications"]) == {"attempts", "committed", "existing", "successful_endpoints"}
+    assert set(cache["resource_pools"]) == set(cache["reclaimed_resources"]) == {
+        "base_kv_pages", "draft_kv_pages", "recurrent_snapshots", "partial_kv_snapshots"}
+    assert cache["admitted_sequences"] == 3 and cache["lookup_bypass_sequences"] == 1  # the warmup bypassed
+    assert cache["hit_sequences"] == 1 and cache["reused_tokens"] > 0
+    responses = json.loads((tmp_path / "out.json").read_text())["responses"]
+    assert responses[0]["output_text"] == responses[1]["output_text"]
+    assert responses[1]["usage"]["cached_tokens"] == cache["reused_tokens"]

@@ -32,7 +32,7 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("smollm2")
     loaded = load_gguf(gguf_path)
     write_onnx_dir(loaded, root / "onnx")
-    build_engine(root / "onnx", root / "engine", BuildOptions(max_input_len=256, max_kv_cache_capacity=512,
+    build_engine(root / "onnx", root / "engine", BuildOptions(max_input_len=640, max_kv_cache_capacity=704,
                                                               max_batch_size=3, tokens_per_page=64))
     return loaded, root / "engine"
 
@@ -87,3 +87,21 @@ def test_ragged_batch_equals_each_alone(smollm2) -> None:
         alone = runtime.generate([p], i, Profiler())[0]
         assert alone["output_text"] == together[i]["output_text"]
         assert [s[0]["token_id"] for s in alone["logprobs"]] == [s[0]["token_id"] for s in together[i]["logprobs"]]
+
+
+def test_context_reuse_case_is_token_identical(smollm2) -> None:
+    """test_cases/llm_context_reuse.json: request 2 reuses P (and P+Q) and matches request 0 exactly."""
+    from kvforge.runtime.llm_runtime import CachePolicies
+
+    runtime = LLMRuntime(smollm2[1], num_threads=2, enable_context_reuse=True)
+    request_file = parse_request_file(json.loads((ROOT / "test_cases" / "llm_context_reuse.json").read_text()))
+    policies = CachePolicies(request_file.context_cache_lookup_policy, request_file.context_cache_commit_policy)
+    profiler = Profiler()
+    responses = [runtime.generate([runtime.prepare(r)], i, profiler, policies)[0]
+                 for i, r in enumerate(request_file.requests)]
+    first, last = responses[0], responses[2]
+    assert (first["output_text"], first["finish_reason"]) == (last["output_text"], last["finish_reason"])
+    assert [s[0]["token_id"] for s in first["logprobs"]] == [s[0]["token_id"] for s in last["logprobs"]]
+    assert profiler.to_dict()["prefill"]["reused_tokens"] > 0
+    assert last["usage"]["cached_tokens"] == last["usage"]["prompt_tokens"] // 64 * 64
+    runtime.cache.check_invariants()
