@@ -21,6 +21,7 @@ import onnx
 from safetensors.numpy import load_file
 
 from kvforge.builder.build import BuildOptions, build_engine, read_onnx_dir
+from kvforge.builder.lora import strip_lora
 from kvforge.builder.lower_ort import lower_for_onnxruntime
 from kvforge.plugins.reference import rope_table
 from kvforge.runtime.engine_dir import EMBEDDING_FILE, EMBEDDING_TENSOR, load_engine_dir
@@ -30,7 +31,7 @@ from kvforge.runtime.runner import StepInputs
 
 def dense_session(onnx_dir: Path, work: Path, threads: int):
     config = read_onnx_dir(onnx_dir)
-    model = onnx.load(onnx_dir / "model.onnx")
+    model = strip_lora(onnx.load(onnx_dir / "model.onnx"))  # the paged engine is built without LoRA too
     dense = lower_for_onnxruntime(model, kv_cache_dtype=config.kv_cache_dtype, tokens_per_page=128, num_pages=1,
                                   dense=True)
     onnx.save_model(dense, work / "dense.onnx", save_as_external_data=True, all_tensors_to_one_file=True,

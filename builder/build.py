@@ -10,6 +10,7 @@ from pathlib import Path
 import onnx
 
 from kvforge.builder.geometry import BuildGeometry, kv_bytes_per_page, resolve_geometry
+from kvforge.builder.lora import check_max_lora_rank, has_lora_inputs, strip_lora
 from kvforge.builder.lower_ort import lower_for_onnxruntime
 from kvforge.runtime.engine_dir import COPIED_FILES, ENGINE_MODEL_FILE, ENGINE_WEIGHTS_FILE
 from kvforge.runtime.errors import KvforgeError
@@ -27,6 +28,7 @@ class BuildOptions:
     max_batch_size: int = 4
     tokens_per_page: int = 128
     backend: str = "auto"
+    max_lora_rank: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +87,10 @@ def build_engine(onnx_dir: Path, engine_dir: Path, options: BuildOptions,
     except Exception as exc:
         raise KvforgeError(f"cannot load {onnx_dir / ENGINE_MODEL_FILE}: {exc}", "--onnxDir") from None
     step("loaded model.onnx")
+    check_max_lora_rank(options.max_lora_rank, model)
+    if options.max_lora_rank == 0 and has_lora_inputs(model):
+        model = strip_lora(model)  # a base-only engine pays nothing for the export's LoRA inputs
+        config.lora_targets = []
     lowered = lower_for_onnxruntime(model, kv_cache_dtype=config.kv_cache_dtype,
                                     tokens_per_page=geometry.tokens_per_page,
                                     num_pages=geometry.max_kv_pool_pages)
@@ -97,7 +103,8 @@ def build_engine(onnx_dir: Path, engine_dir: Path, options: BuildOptions,
     for name in COPIED_FILES:
         shutil.copyfile(onnx_dir / name, engine_dir / name)
     engine_config = config.to_dict()
-    engine_config["builder_config"] = {**geometry.to_builder_config(), "backend": backend}
+    engine_config["builder_config"] = {**geometry.to_builder_config(), "backend": backend,
+                                       "max_lora_rank": options.max_lora_rank}
     write_json(engine_dir / "config.json", engine_config)
     step("wrote engine dir")
     return geometry, memory_plan(config, geometry)

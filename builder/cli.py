@@ -38,13 +38,15 @@ def build(
                                                "ceil(capacity / tokensPerPage). More pages retain contexts."),
     max_batch_size: int = typer.Option(4, "--maxBatchSize", help="Max sequences per engine call."),
     tokens_per_page: int = typer.Option(128, "--tokensPerPage", help="Tokens per KV page (a power of two)."),
+    max_lora_rank: int = typer.Option(0, "--maxLoraRank",
+                                      help="Max LoRA rank served at run time; 0 strips the export's LoRA inputs."),
     backend: str = typer.Option("auto", "--backend",
                                 help="onnxruntime (CPU), tensorrt (GPU; not in this release) or auto."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
     """Validate geometry, lower the paged-KV ops for the backend and write the engine dir."""
     options = BuildOptions(max_input_len, max_kv_cache_capacity, max_kv_pool_pages, max_batch_size,
-                           tokens_per_page, backend)
+                           tokens_per_page, backend, max_lora_rank)
 
     def body() -> None:
         with progress_bar("building engine", STEPS) as step:

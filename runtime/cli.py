@@ -67,6 +67,7 @@ def inference(
         runtime = LLMRuntime(engine_dir, num_threads, enable_context_reuse=enable_context_reuse,
                              context_cache_max_records=context_cache_max_records)
         runtime.check_batch_size(requests)
+        runtime.load_adapters(requests.available_lora_weights, input_file.resolve().parent)
         prepared = [runtime.prepare(r, requests.enable_thinking) for r in requests.requests]
         profiler = Profiler(enabled=False)
         policies = CachePolicies(requests.context_cache_lookup_policy, requests.context_cache_commit_policy)

@@ -26,6 +26,7 @@ class BuilderConfig:
     max_kv_pool_pages: int
     max_pages_per_seq: int
     backend: str
+    max_lora_rank: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +51,7 @@ def load_engine_dir(path: Path) -> EngineDir:
     missing = [k for k in BUILDER_KEYS if k not in raw]
     if missing:
         raise KvforgeError(f"builder_config lacks {', '.join(missing)}; rebuild the engine", "--engineDir")
-    build = BuilderConfig(**{k: raw[k] for k in BUILDER_KEYS})
+    build = BuilderConfig(**{k: raw[k] for k in BUILDER_KEYS}, max_lora_rank=int(raw.get("max_lora_rank", 0)))
     if build.backend != "onnxruntime":
         raise KvforgeError(f"engine backend {build.backend!r} cannot run here", "--engineDir")
     for name in (ENGINE_MODEL_FILE, ENGINE_WEIGHTS_FILE, *COPIED_FILES):

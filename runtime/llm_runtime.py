@@ -21,6 +21,7 @@ from kvforge.runtime.context_cache.manager import (
 )
 from kvforge.runtime.engine_dir import EMBEDDING_FILE, EMBEDDING_TENSOR, EngineDir, load_engine_dir
 from kvforge.runtime.errors import KvforgeError
+from kvforge.runtime.lora import LoraAdapter, LoraRegistry
 from kvforge.runtime.ort_runner import OrtEngineRunner
 from kvforge.runtime.profile import GENERATION_STAGE, PREFILL_STAGE, Profiler
 from kvforge.runtime.requests import Request, RequestFile
@@ -47,8 +48,13 @@ class PreparedRequest:
     request: Request
     formatted_prompt: str
     prompt_ids: list[int]
+    adapter: LoraAdapter | None = None
     system_prompt: str = ""
     system_ids: list[int] = field(default_factory=list)
+
+    @property
+    def adapter_label(self) -> str:
+        return self.adapter.name if self.adapter else "base"
 
 
 @dataclass(slots=True)
@@ -98,11 +104,16 @@ class LLMRuntime:
         self.embedding = load_file(str(self.engine.file(EMBEDDING_FILE)))[EMBEDDING_TENSOR]
         self.runner: EngineRunner = runner or OrtEngineRunner(self.engine, num_threads)
         self.system_prompts = SystemPromptCache()
+        self.loras = LoraRegistry(self.engine)
         self.eos_ids = frozenset(self.engine.model.eos_token_ids)
 
     @property
     def tokens_per_page(self) -> int:
         return self.engine.build.tokens_per_page
+
+    def load_adapters(self, available_lora_weights: dict[str, str], base_dir: Path | None = None) -> None:
+        """Load a request file's adapters; each is identified by its weights' digest, not its name."""
+        self.loras.load(available_lora_weights, base_dir)
 
     def prepare(self, request: Request, enable_thinking: bool = False) -> PreparedRequest:
         """Tokenize and check a request against the engine limits before anything runs.
@@ -119,7 +130,7 @@ class LLMRuntime:
         if len(ids) > limit:
             raise KvforgeError(f"prompt has {len(ids)} tokens, more than the engine's maxInputLen {limit}; "
                                "rebuild with a larger --maxInputLen or shorten the prompt", where)
-        prepared = PreparedRequest(request, text, ids)
+        prepared = PreparedRequest(request, text, ids, self.loras.get(request.lora_name))
         if request.save_system_prompt_kv_cache:
             if self.cache.enabled:
                 raise KvforgeError("the legacy system-prompt cache cannot be combined with --enableContextReuse "
@@ -139,7 +150,8 @@ class LLMRuntime:
         sequences = [Sequence(p, Sampler(p.request.sampling)) for p in batch]
         try:
             for seq in sequences:
-                extras = KeyExtras(cache_salt=seq.request.cache_salt)
+                adapter = seq.prepared.adapter
+                extras = KeyExtras(adapter.digest if adapter else b"", seq.request.cache_salt)
                 seq.lease = self.cache.acquire(Admission(seq.prompt_ids, extras, policies.lookup))
                 seq.num_cached_tokens = seq.reused_tokens = seq.lease.reuse_tokens
                 self._restore_system_prompt(seq)
@@ -157,22 +169,32 @@ class LLMRuntime:
                 if seq.lease is not None:
                     self.cache.release(seq.lease)
         profiler.add_generation(sum(max(len(s.output_ids) - 1, 0) for s in sequences))
+        for seq in sequences:
+            profiler.add_adapter_request(seq.prepared.adapter_label, seq.reused_tokens)
         return [self._response(seq, batch_idx, ttft_ms, prefill_ms, decode_ms) for seq in sequences]
 
     # --- engine calls -------------------------------------------------------------------------------
 
     def _run(self, rows: list[Sequence], new_ids: list[list[int]], stage: str, profiler: Profiler) -> np.ndarray:
+        """One engine call per adapter among the rows (LoRA inputs are per call), logits in row order."""
         for seq, ids in zip(rows, new_ids, strict=True):
             self.cache.grow(seq.lease, seq.num_cached_tokens + len(ids))
-        width = max(len(ids) for ids in new_ids)
-        embeds = np.zeros((len(rows), width, self.embedding.shape[1]), dtype=np.float32)
-        for row, ids in enumerate(new_ids):
-            embeds[row, :len(ids)] = self.embedding[ids]
-        step = StepInputs(embeds, np.array([len(ids) for ids in new_ids], dtype=np.int32),
-                          np.array([s.num_cached_tokens for s in rows], dtype=np.int32),
-                          [s.page_ids for s in rows])
-        with profiler.stage(stage):
-            logits = self.runner.forward(step)
+        groups: dict[int, list[int]] = {}
+        for i, seq in enumerate(rows):
+            groups.setdefault(id(seq.prepared.adapter), []).append(i)
+        logits = np.empty((len(rows), self.engine.model.vocab_size), dtype=np.float32)
+        for members in groups.values():
+            adapter = rows[members[0]].prepared.adapter
+            group_ids = [new_ids[i] for i in members]
+            width = max(len(ids) for ids in group_ids)
+            embeds = np.zeros((len(members), width, self.embedding.shape[1]), dtype=np.float32)
+            for row, ids in enumerate(group_ids):
+                embeds[row, :len(ids)] = self.embedding[ids]
+            step = StepInputs(embeds, np.array([len(ids) for ids in group_ids], dtype=np.int32),
+                              np.array([rows[i].num_cached_tokens for i in members], dtype=np.int32),
+                              [rows[i].page_ids for i in members], adapter.tensors if adapter else None)
+            with profiler.stage(stage):
+                logits[members] = self.runner.forward(step)
         for seq, ids in zip(rows, new_ids, strict=True):
             seq.num_cached_tokens += len(ids)
         return logits
@@ -224,7 +246,9 @@ class LLMRuntime:
     # --- legacy system-prompt cache -----------------------------------------------------------------
 
     def _system_key(self, seq: Sequence) -> tuple[str, str]:
-        return seq.prepared.system_prompt, seq.request.lora_name or ""
+        # The adapter's digest, not its name (the seed keys on the name): a reloaded adapter cannot hit.
+        adapter = seq.prepared.adapter
+        return seq.prepared.system_prompt, adapter.digest.hex() if adapter else ""
 
     def _restore_system_prompt(self, seq: Sequence) -> None:
         if not seq.prepared.system_ids:

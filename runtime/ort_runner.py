@@ -39,6 +39,10 @@ class OrtEngineRunner:
         self._pool_values = [ort.OrtValue.ortvalue_from_numpy(layer) for layer in self.pool.layers]
         self._rope_value = ort.OrtValue.ortvalue_from_numpy(self.rope)
         self._output_names = [o.name for o in self.session.get_outputs()]
+        # Rank-0 LoRA inputs for base-model calls: (x @ [in, 0]) @ [0, out] adds exact zeros.
+        self._no_adapter = {i.name: np.zeros((i.shape[0], 0) if i.name.startswith("lora_A") else (0, i.shape[1]),
+                                             dtype=np.float32)
+                            for i in self.session.get_inputs() if i.name.startswith("lora_")}
 
     def forward(self, step: StepInputs) -> np.ndarray:
         starts = step.kvcache_start_index.astype(np.int32)
@@ -50,6 +54,8 @@ class OrtEngineRunner:
         binding.bind_cpu_input("kv_page_table", self._cached_page_table(step.page_ids, starts))
         binding.bind_ortvalue_input("rope_rotary_cos_sin", self._rope_value)
         binding.bind_cpu_input("last_token_ids", (lengths - 1).astype(np.int64))
+        for name, zeros in self._no_adapter.items():
+            binding.bind_cpu_input(name, step.lora_tensors[name] if step.lora_tensors is not None else zeros)
         for layer, value in enumerate(self._pool_values):
             binding.bind_ortvalue_input(f"past_key_values_{layer}", value)
         for name in self._output_names:

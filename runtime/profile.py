@@ -104,6 +104,7 @@ class Profiler:
     generated_tokens: int = 0
     peak_cpu_memory_bytes: int = 0
     kv_pool_bytes: int | None = None
+    per_adapter: dict[str, dict[str, int]] = field(default_factory=dict)  # adapter name ("base") -> counts
 
     @contextmanager
     def stage(self, stage_id: str) -> Iterator[None]:
@@ -131,6 +132,14 @@ class Profiler:
         self.prefill_runs += 1
         self.prefill_reused_tokens += int(reused_tokens)
         self.prefill_computed_tokens += int(computed_tokens)
+
+    def add_adapter_request(self, adapter: str, reused_tokens: int) -> None:
+        """Count one request served with `adapter` ("base" for none) and its prompt tokens reused."""
+        if not self.enabled:
+            return
+        counts = self.per_adapter.setdefault(adapter, {"requests": 0, "reused_tokens": 0})
+        counts["requests"] += 1
+        counts["reused_tokens"] += int(reused_tokens)
 
     def add_generation(self, generated_tokens: int) -> None:
         """Count one decode run (one batch's decode loop)."""
@@ -179,6 +188,8 @@ class Profiler:
                 "tokens_per_second": _ratio(self.generated_tokens * 1000.0, generation_ms),
                 "average_time_per_token_ms": _ratio(generation_ms, self.generated_tokens),
             }
+        if self.per_adapter:
+            data["per_adapter"] = {name: dict(counts) for name, counts in self.per_adapter.items()}
         if self.stages:
             data["stages"] = [timer.to_dict() for timer in self.stages.values()]
         if self.peak_cpu_memory_bytes:

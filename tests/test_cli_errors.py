@@ -285,3 +285,18 @@ def test_reuse_profile_has_context_cache_counters(run_cli, tiny_engine_dir: Path
     responses = json.loads((tmp_path / "out.json").read_text())["responses"]
     assert responses[0]["output_text"] == responses[1]["output_text"]
     assert responses[1]["usage"]["cached_tokens"] == cache["reused_tokens"]
+
+
+def test_adapter_on_an_engine_without_lora(run_cli, tiny_engine_dir: Path, tmp_path: Path) -> None:
+    input_file = tmp_path / "in.json"
+    input_file.write_text(_requests({"messages": [HI], "lora_name": "x"},
+                                    available_lora_weights={"x": str(tmp_path / "x.safetensors")}), encoding="utf-8")
+    proc = run_cli(["llm_inference", "--engineDir", tiny_engine_dir, "--inputFile", input_file,
+                    "--outputFile", tmp_path / "out.json"])
+    assert_one_line_error(proc, 'available_lora_weights["x"]', "--maxLoraRank")
+
+
+def test_export_lora_missing_adapter_config(run_cli, tiny_onnx_dir: Path, tmp_path: Path) -> None:
+    proc = run_cli(["llm_export", "lora", "--adapterDir", tmp_path, "--onnxDir", tiny_onnx_dir,
+                    "--output", tmp_path / "a.safetensors"])
+    assert_one_line_error(proc, "--adapterDir", "adapter_config.json")

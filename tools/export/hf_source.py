@@ -168,7 +168,7 @@ def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
-def _read_tensor(path: Path, name: str, entry: dict[str, Any], data_start: int) -> np.ndarray:
+def read_tensor(path: Path, name: str, entry: dict[str, Any], data_start: int) -> np.ndarray:
     # Read straight from the header's offsets rather than through safe_open(framework="numpy"): that
     # backend cannot return bfloat16, and one reader for every dtype keeps the paths identical.
     dtype, shape = entry["dtype"], tuple(entry["shape"])
@@ -207,7 +207,7 @@ def _load_weights(path: Path, config: ModelConfig) -> dict[str, np.ndarray]:
     weights = {}
     for name in expected:
         file, entry, data_start = locations[name]
-        weights[name] = _read_tensor(file, name, entry, data_start)
+        weights[name] = read_tensor(file, name, entry, data_start)
     return weights
 
 

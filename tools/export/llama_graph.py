@@ -10,6 +10,7 @@ from onnx import helper
 
 from kvforge.builder.onnx_graph import FLOAT, FLOAT16, INT32, INT64, OPSET, UINT8, GraphWriter, value_info
 from kvforge.plugins import ops
+from kvforge.runtime.lora_contract import lora_a_name, lora_b_name, target_dims
 from kvforge.runtime.model_config import ModelConfig
 
 POOL_ELEM_TYPES = {"fp16": FLOAT16, "fp8": UINT8, "fp32": FLOAT}
@@ -42,9 +43,10 @@ def build_llama_graph(config: ModelConfig, weights: dict[str, np.ndarray],
     for layer in range(config.num_hidden_layers):
         w = _layer_weights(g, weights, layer)
         x = g.rms_norm(hidden, w["input_layernorm"], config.rms_norm_eps)
-        q = _linear(g, x, w["q_proj"], w.get("q_bias"))
-        k = _linear(g, x, w["k_proj"], w.get("k_bias"))
-        v = _linear(g, x, w["v_proj"], w.get("v_bias"))
+        lora = _LoraInputs(config, layer, graph_inputs)
+        q = lora.apply(g, "q", x, _linear(g, x, w["q_proj"], w.get("q_bias")))
+        k = lora.apply(g, "k", x, _linear(g, x, w["k_proj"], w.get("k_bias")))
+        v = lora.apply(g, "v", x, _linear(g, x, w["v_proj"], w.get("v_bias")))
         if config.qk_norm:  # Qwen3 normalises each head before RoPE
             q = _head_norm(g, q, num_q, head_dim, w["q_norm"], config.rms_norm_eps)
             k = _head_norm(g, k, num_kv, head_dim, w["k_norm"], config.rms_norm_eps)
@@ -63,11 +65,12 @@ def build_llama_graph(config: ModelConfig, weights: dict[str, np.ndarray],
                     domain=ops.DOMAIN, name=f"paged_attention_{layer}", num_q_heads=num_q,
                     num_kv_heads=num_kv, head_dim=head_dim, tokens_per_page=0,
                     scale=float(head_dim ** -0.5))
-        hidden = g.add(hidden, _linear(g, attn, w["o_proj"]))
+        hidden = g.add(hidden, lora.apply(g, "o", attn, _linear(g, attn, w["o_proj"])))
         x = g.rms_norm(hidden, w["post_attention_layernorm"], config.rms_norm_eps)
-        gate = _linear(g, x, w["gate_proj"])
-        mlp = g.mul(g.mul(gate, g.op("Sigmoid", [gate])), _linear(g, x, w["up_proj"]))
-        hidden = g.add(hidden, _linear(g, mlp, w["down_proj"]))
+        gate = lora.apply(g, "gate", x, _linear(g, x, w["gate_proj"]))
+        up = lora.apply(g, "up", x, _linear(g, x, w["up_proj"]))
+        mlp = g.mul(g.mul(gate, g.op("Sigmoid", [gate])), up)
+        hidden = g.add(hidden, lora.apply(g, "down", mlp, _linear(g, mlp, w["down_proj"])))
         if progress:
             progress(layer)
     logits = _last_token_logits(g, hidden, config, weights)
@@ -113,6 +116,26 @@ def apply_rope(g: GraphWriter, x: str, num_heads: int, head_dim: int, cos: str, 
 def _head_norm(g: GraphWriter, x: str, num_heads: int, head_dim: int, weight: str, eps: float) -> str:
     heads = g.reshape(x, [0, 0, num_heads, head_dim])
     return g.reshape(g.rms_norm(heads, weight, eps), [0, 0, num_heads * head_dim])
+
+
+class _LoraInputs:
+    """Adds `y + (x @ lora_A) @ lora_B` for the exported targets; rank is a dynamic dim (0 = no adapter).
+
+    The adapter's scaling (alpha / r) is folded into lora_B when it is converted, so the graph has no
+    scale input. Nodes are named `lora_*` so llm_build can strip them for a --maxLoraRank 0 engine.
+    """
+
+    def __init__(self, config: ModelConfig, layer: int, graph_inputs: list) -> None:
+        self.config, self.layer, self.graph_inputs = config, layer, graph_inputs
+
+    def apply(self, g: GraphWriter, target: str, x: str, y: str) -> str:
+        if target not in self.config.lora_targets:
+            return y
+        in_dim, out_dim = target_dims(self.config, target)
+        a, b = lora_a_name(self.layer, target), lora_b_name(self.layer, target)
+        self.graph_inputs += [value_info(a, FLOAT, [in_dim, "lora_rank"]), value_info(b, FLOAT, ["lora_rank", out_dim])]
+        low_rank = g.op("MatMul", [g.op("MatMul", [x, a], name=f"lora_{a}"), b], name=f"lora_{b}")
+        return g.op("Add", [y, low_rank], name=f"lora_add_{self.layer}_{target}")
 
 
 def _linear(g: GraphWriter, x: str, weight: str, bias: str | None = None) -> str:

@@ -1,0 +1,39 @@
+"""LoRA at build time: keep the low-rank inputs for --maxLoraRank > 0, strip them for a lean base engine."""
+
+from __future__ import annotations
+
+import onnx
+from onnx import helper
+
+from kvforge.runtime.errors import KvforgeError
+
+MAX_LORA_RANK = 1024
+
+
+def has_lora_inputs(model: onnx.ModelProto) -> bool:
+    return any(vi.name.startswith("lora_") for vi in model.graph.input)
+
+
+def check_max_lora_rank(max_lora_rank: int, model: onnx.ModelProto) -> None:
+    if not 0 <= max_lora_rank <= MAX_LORA_RANK:
+        raise KvforgeError(f"must be in [0, {MAX_LORA_RANK}], got {max_lora_rank}", "--maxLoraRank")
+    if max_lora_rank and not has_lora_inputs(model):
+        raise KvforgeError("the ONNX dir has no lora_A/lora_B inputs; re-export with --loraTargets (e.g. all)",
+                           "--maxLoraRank")
+
+
+def strip_lora(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Remove every `lora_*` branch: each `y + (x @ A) @ B` becomes `y`."""
+    graph = model.graph
+    kept = []
+    for node in graph.node:
+        if node.name.startswith("lora_add_"):
+            kept.append(helper.make_node("Identity", [node.input[0]], list(node.output), name=node.name))
+        elif not node.name.startswith("lora_"):
+            kept.append(node)
+    del graph.node[:]
+    graph.node.extend(kept)
+    inputs = [vi for vi in graph.input if not vi.name.startswith("lora_")]
+    del graph.input[:]
+    graph.input.extend(inputs)
+    return model

@@ -1,0 +1,65 @@
+"""The LoRA part of the engine contract: which linears take low-rank inputs, their names and shapes."""
+
+from __future__ import annotations
+
+from kvforge.runtime.model_config import ModelConfig
+
+# Short target names (the --loraTargets flag) and the Hugging Face / PEFT module each one adapts.
+LORA_MODULES = {
+    "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj",
+}
+LORA_TARGETS = tuple(LORA_MODULES)
+
+
+def lora_a_name(layer: int, target: str) -> str:
+    return f"lora_A_{layer}_{target}"
+
+
+def lora_b_name(layer: int, target: str) -> str:
+    return f"lora_B_{layer}_{target}"
+
+
+def target_dims(config: ModelConfig, target: str) -> tuple[int, int]:
+    """(in_features, out_features) of the adapted linear."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q_out = config.num_attention_heads * config.head_dim
+    kv_out = config.num_key_value_heads * config.head_dim
+    return {"q": (hidden, q_out), "k": (hidden, kv_out), "v": (hidden, kv_out), "o": (q_out, hidden),
+            "gate": (hidden, inter), "up": (hidden, inter), "down": (inter, hidden)}[target]
+
+
+def lora_inputs(config: ModelConfig) -> list[tuple[str, str, int, str]]:
+    """(A name, B name, layer, target) for every adapted linear of the exported graph."""
+    return [(lora_a_name(layer, t), lora_b_name(layer, t), layer, t)
+            for layer in range(config.num_hidden_layers) for t in config.lora_targets]
+
+
+def parse_targets(text: str) -> list[str]:
+    """`q,k,v` → ["q", "k", "v"]; `all` → every target; `none` or "" → no LoRA inputs."""
+    text = text.strip()
+    if text in ("", "none"):
+        return []
+    if text == "all":
+        return list(LORA_TARGETS)
+    targets = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in targets if t not in LORA_MODULES]
+    if unknown:
+        from kvforge.runtime.errors import KvforgeError
+        raise KvforgeError(f"unknown target(s) {', '.join(unknown)}; choose from {', '.join(LORA_TARGETS)}, "
+                           "'all' or 'none'", "--loraTargets")
+    return [t for t in LORA_TARGETS if t in targets]  # canonical order, no duplicates
+
+
+ADAPTER_FORMAT = "kvforge-lora-v1"
+
+
+def model_fingerprint(config: ModelConfig) -> str:
+    """Architecture identity an adapter is converted for; an adapter for another model is refused."""
+    import hashlib
+    import json
+
+    shape = {k: getattr(config, k) for k in ("model", "vocab_size", "hidden_size", "intermediate_size",
+                                             "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                                             "head_dim")}
+    return hashlib.blake2b(json.dumps(shape, sort_keys=True).encode(), digest_size=8).hexdigest()
