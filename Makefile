@@ -8,7 +8,7 @@ OUT ?= out
 THREADS ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test lint bench bench-reuse bench-lora clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,13 @@ test: install lint
 bench: $(OUT)/onnx/smollm2/config.json
 	$(BIN)/python bench/paged_vs_dense.py --onnxDir $(OUT)/onnx/smollm2 --threads $(THREADS) \
 		--json $(OUT)/bench_paged_vs_dense.json
+
+bench-reuse: $(OUT)/onnx/smollm2/config.json
+	$(BIN)/python bench/context_reuse.py --onnxDir $(OUT)/onnx/smollm2 --threads $(THREADS) \
+		--json $(OUT)/bench_context_reuse.json
+
+bench-lora: $(OUT)/onnx/smollm2/config.json
+	$(BIN)/python bench/lora.py --onnxDir $(OUT)/onnx/smollm2 --threads $(THREADS) --json $(OUT)/bench_lora.json
 
 clean:
 	rm -rf $(OUT)
