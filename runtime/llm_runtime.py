@@ -21,7 +21,7 @@ from kvforge.runtime.context_cache.manager import (
 )
 from kvforge.runtime.engine_dir import EMBEDDING_FILE, EMBEDDING_TENSOR, EngineDir, load_engine_dir
 from kvforge.runtime.errors import KvforgeError
-from kvforge.runtime.lora import LoraAdapter, LoraRegistry
+from kvforge.runtime.lora import LoraAdapter, LoraRegistry, lora_input_shapes, stack_adapters
 from kvforge.runtime.ort_runner import OrtEngineRunner
 from kvforge.runtime.profile import GENERATION_STAGE, PREFILL_STAGE, Profiler
 from kvforge.runtime.requests import Request, RequestFile
@@ -105,6 +105,9 @@ class LLMRuntime:
         self.runner: EngineRunner = runner or OrtEngineRunner(self.engine, num_threads)
         self.system_prompts = SystemPromptCache()
         self.loras = LoraRegistry(self.engine)
+        self._lora_shapes = lora_input_shapes(self.engine)
+        self._lora_stack: dict[str, np.ndarray] | None = None
+        self._lora_stack_key: tuple[int, ...] = ()
         self.eos_ids = frozenset(self.engine.model.eos_token_ids)
 
     @property
@@ -114,6 +117,7 @@ class LLMRuntime:
     def load_adapters(self, available_lora_weights: dict[str, str], base_dir: Path | None = None) -> None:
         """Load a request file's adapters; each is identified by its weights' digest, not its name."""
         self.loras.load(available_lora_weights, base_dir)
+        self._lora_stack_key = ()  # ids of replaced adapters may be reused by new objects
 
     def prepare(self, request: Request, enable_thinking: bool = False) -> PreparedRequest:
         """Tokenize and check a request against the engine limits before anything runs.
@@ -176,28 +180,32 @@ class LLMRuntime:
     # --- engine calls -------------------------------------------------------------------------------
 
     def _run(self, rows: list[Sequence], new_ids: list[list[int]], stage: str, profiler: Profiler) -> np.ndarray:
-        """One engine call per adapter among the rows (LoRA inputs are per call), logits in row order."""
+        """One engine call for all rows, whatever their adapters (LoRA inputs are per row)."""
         for seq, ids in zip(rows, new_ids, strict=True):
             self.cache.grow(seq.lease, seq.num_cached_tokens + len(ids))
-        groups: dict[int, list[int]] = {}
-        for i, seq in enumerate(rows):
-            groups.setdefault(id(seq.prepared.adapter), []).append(i)
-        logits = np.empty((len(rows), self.engine.model.vocab_size), dtype=np.float32)
-        for members in groups.values():
-            adapter = rows[members[0]].prepared.adapter
-            group_ids = [new_ids[i] for i in members]
-            width = max(len(ids) for ids in group_ids)
-            embeds = np.zeros((len(members), width, self.embedding.shape[1]), dtype=np.float32)
-            for row, ids in enumerate(group_ids):
-                embeds[row, :len(ids)] = self.embedding[ids]
-            step = StepInputs(embeds, np.array([len(ids) for ids in group_ids], dtype=np.int32),
-                              np.array([rows[i].num_cached_tokens for i in members], dtype=np.int32),
-                              [rows[i].page_ids for i in members], adapter.tensors if adapter else None)
-            with profiler.stage(stage):
-                logits[members] = self.runner.forward(step)
+        width = max(len(ids) for ids in new_ids)
+        embeds = np.zeros((len(rows), width, self.embedding.shape[1]), dtype=np.float32)
+        for row, ids in enumerate(new_ids):
+            embeds[row, :len(ids)] = self.embedding[ids]
+        step = StepInputs(embeds, np.array([len(ids) for ids in new_ids], dtype=np.int32),
+                          np.array([s.num_cached_tokens for s in rows], dtype=np.int32),
+                          [s.page_ids for s in rows], self._lora_inputs(rows))
+        with profiler.stage(stage):
+            logits = self.runner.forward(step)
         for seq, ids in zip(rows, new_ids, strict=True):
             seq.num_cached_tokens += len(ids)
         return logits
+
+    def _lora_inputs(self, rows: list[Sequence]) -> dict[str, np.ndarray] | None:
+        """Stacked per-row adapters, rebuilt only when the batch's adapter composition changes."""
+        adapters = [s.prepared.adapter for s in rows]
+        if all(a is None for a in adapters):
+            return None
+        key = tuple(id(a) for a in adapters)
+        if self._lora_stack_key != key:
+            self._lora_stack = stack_adapters(adapters, self._lora_shapes)
+            self._lora_stack_key = key
+        return self._lora_stack
 
     def _prefill(self, sequences: list[Sequence], profiler: Profiler) -> float:
         """Chunked prefill from each row's reuse point, then publication of the prompt's full pages."""

@@ -70,6 +70,35 @@ def load_adapter(name: str, path: Path, engine: EngineDir, where: str) -> LoraAd
     return LoraAdapter(name, path, rank, tensors, adapter_digest(tensors))
 
 
+def stack_adapters(adapters: list[LoraAdapter | None], shapes: dict[str, tuple[int, int]]) -> dict[str, np.ndarray]:
+    """Per-row LoRA inputs for one engine call: [B, in, r] and [B, r, out] with r the largest rank among
+    the rows; a row on a smaller rank is zero-padded and a base-model row is all zeros (both exact)."""
+    rank = max((a.rank for a in adapters if a is not None), default=0)
+    stacked = {}
+    for name, (rows, cols) in shapes.items():
+        is_a = name.startswith("lora_A")
+        out = np.zeros((len(adapters), rows, rank) if is_a else (len(adapters), rank, cols), dtype=np.float32)
+        for i, adapter in enumerate(adapters):
+            if adapter is None:
+                continue
+            tensor = adapter.tensors[name]
+            if is_a:
+                out[i, :, :adapter.rank] = tensor
+            else:
+                out[i, :adapter.rank, :] = tensor
+        stacked[name] = out
+    return stacked
+
+
+def lora_input_shapes(engine: EngineDir) -> dict[str, tuple[int, int]]:
+    """Engine input name -> (rows, cols) of one adapter's matrix, rank left out: A is (in, r), B is (r, out)."""
+    shapes = {}
+    for a_name, b_name, _layer, target in lora_inputs(engine.model):
+        in_dim, out_dim = target_dims(engine.model, target)
+        shapes[a_name], shapes[b_name] = (in_dim, 0), (0, out_dim)
+    return shapes
+
+
 class LoraRegistry:
     """The adapters of one request file, loaded once each; names resolve per request."""
 

@@ -39,10 +39,10 @@ class OrtEngineRunner:
         self._pool_values = [ort.OrtValue.ortvalue_from_numpy(layer) for layer in self.pool.layers]
         self._rope_value = ort.OrtValue.ortvalue_from_numpy(self.rope)
         self._output_names = [o.name for o in self.session.get_outputs()]
-        # Rank-0 LoRA inputs for base-model calls: (x @ [in, 0]) @ [0, out] adds exact zeros.
-        self._no_adapter = {i.name: np.zeros((i.shape[0], 0) if i.name.startswith("lora_A") else (0, i.shape[1]),
-                                             dtype=np.float32)
-                            for i in self.session.get_inputs() if i.name.startswith("lora_")}
+        self._lora_names = [i.name for i in self.session.get_inputs() if i.name.startswith("lora_")]
+        self._lora_shapes = {i.name: (i.shape[1], i.shape[2]) for i in self.session.get_inputs()
+                             if i.name.startswith("lora_")}
+        self._no_adapter: dict[int, dict[str, np.ndarray]] = {}
 
     def forward(self, step: StepInputs) -> np.ndarray:
         starts = step.kvcache_start_index.astype(np.int32)
@@ -54,8 +54,9 @@ class OrtEngineRunner:
         binding.bind_cpu_input("kv_page_table", self._cached_page_table(step.page_ids, starts))
         binding.bind_ortvalue_input("rope_rotary_cos_sin", self._rope_value)
         binding.bind_cpu_input("last_token_ids", (lengths - 1).astype(np.int64))
-        for name, zeros in self._no_adapter.items():
-            binding.bind_cpu_input(name, step.lora_tensors[name] if step.lora_tensors is not None else zeros)
+        lora = step.lora_tensors if step.lora_tensors is not None else self._rank_zero(len(lengths))
+        for name in self._lora_names:
+            binding.bind_cpu_input(name, lora[name])
         for layer, value in enumerate(self._pool_values):
             binding.bind_ortvalue_input(f"past_key_values_{layer}", value)
         for name in self._output_names:
@@ -64,6 +65,14 @@ class OrtEngineRunner:
         outputs = binding.copy_outputs_to_cpu()
         self._scatter(outputs[1:], step.page_ids, starts, lengths)
         return outputs[0]
+
+    def _rank_zero(self, batch: int) -> dict[str, np.ndarray]:
+        """Rank-0 LoRA inputs for a call without adapters: (x @ [B, in, 0]) @ [B, 0, out] adds exact zeros."""
+        if batch not in self._no_adapter:
+            self._no_adapter[batch] = {
+                name: np.zeros((batch, rows, 0) if name.startswith("lora_A") else (batch, 0, cols), dtype=np.float32)
+                for name, (rows, cols) in self._lora_shapes.items()}
+        return self._no_adapter[batch]
 
     def _cached_page_table(self, page_ids: list[list[int]], starts: np.ndarray) -> np.ndarray:
         """[B, P] covering only already-cached tokens: the graph reads the pool, never the new pages."""

@@ -19,7 +19,7 @@ class StepInputs:
     context_lengths: np.ndarray  # [B] int32
     kvcache_start_index: np.ndarray  # [B] int32
     page_ids: list[list[int]]  # per row, pages covering positions [0, start + length)
-    lora_tensors: dict[str, np.ndarray] | None = None  # one adapter for every row of the call; None = base
+    lora_tensors: dict[str, np.ndarray] | None = None  # per-row adapters [B, in, r] / [B, r, out]; None = base
 
 
 class EngineRunner(Protocol):

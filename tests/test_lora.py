@@ -86,6 +86,25 @@ def test_adapter_output_equals_merged_weights(lora_setup) -> None:
     assert with_adapter["output_text"] != base["output_text"]  # the adapter really changes the model
 
 
+def test_mixed_adapter_batch_equals_each_row_alone(lora_setup) -> None:
+    """Per-row adapter inputs: base, rank-4 and rank-8 adapters in one engine call give what each gives alone."""
+    _, root, adapters = lora_setup
+    runtime = LLMRuntime(root / "engine", num_threads=2)
+    rows = [None, "a", "b", "a"]
+    data = {"batch_size": 4, "temperature": 0.0, "max_generate_length": 8, "num_logprobs": 2,
+            "available_lora_weights": {name: str(path) for name, path in adapters.items()},
+            "requests": [{"messages": [{"role": "user", "content": f"row {i} asks something"}],
+                          **({"lora_name": name} if name else {})} for i, name in enumerate(rows)]}
+    together = run(runtime, data)
+    alone = run(runtime, {**data, "batch_size": 1})
+    for t, a in zip(together, alone, strict=True):
+        assert (t["output_text"], [s[0]["token_id"] for s in t["logprobs"]]) == \
+               (a["output_text"], [s[0]["token_id"] for s in a["logprobs"]])
+        np.testing.assert_allclose([s[0]["logprob"] for s in t["logprobs"]], [s[0]["logprob"] for s in a["logprobs"]],
+                                   atol=1e-4)
+    assert together[1]["output_text"] != together[0]["output_text"]
+
+
 def test_isolation_matrix(lora_setup, tmp_path: Path) -> None:
     """{none, A, B, A re-saved with changed weights under the same name} × {no salt, salt "x"}: a hit only on
     identical pairs. Adapter "x" and salt "x" share a name and must still never collide."""
@@ -232,7 +251,7 @@ def test_matches_transformers_with_peft(tmp_path: Path) -> None:
                                                                       max_lora_rank=4))
     write_converted_adapter(tmp_path / "peft", tmp_path / "onnx", tmp_path / "adapter.safetensors")
     from kvforge.runtime.engine_dir import load_engine_dir
-    from kvforge.runtime.lora import load_adapter
+    from kvforge.runtime.lora import load_adapter, lora_input_shapes, stack_adapters
     from kvforge.runtime.ort_runner import OrtEngineRunner
     from kvforge.runtime.runner import StepInputs
     engine = load_engine_dir(tmp_path / "engine")
@@ -243,5 +262,6 @@ def test_matches_transformers_with_peft(tmp_path: Path) -> None:
         expected = model(input_ids=ids).logits[0].numpy()
     embeds = loaded.weights["model.embed_tokens.weight"][ids[0].numpy()][None]
     for n in (24,):
-        logits = runner.forward(StepInputs(embeds[:, :n], np.array([n]), np.array([0]), [[0, 1]], adapter.tensors))
+        lora = stack_adapters([adapter], lora_input_shapes(engine))
+        logits = runner.forward(StepInputs(embeds[:, :n], np.array([n]), np.array([0]), [[0, 1]], lora))
         np.testing.assert_allclose(logits[0], expected[n - 1], atol=1e-4)

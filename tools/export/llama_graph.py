@@ -119,7 +119,9 @@ def _head_norm(g: GraphWriter, x: str, num_heads: int, head_dim: int, weight: st
 
 
 class _LoraInputs:
-    """Adds `y + (x @ lora_A) @ lora_B` for the exported targets; rank is a dynamic dim (0 = no adapter).
+    """Adds `y + (x @ lora_A) @ lora_B` for the exported targets with per-row adapters: lora_A is
+    [B, in, r] and lora_B [B, r, out], so one call serves rows on different adapters (base rows hold
+    zeros); rank is a dynamic dim and 0 means no adapter in the whole call.
 
     The adapter's scaling (alpha / r) is folded into lora_B when it is converted, so the graph has no
     scale input. Nodes are named `lora_*` so llm_build can strip them for a --maxLoraRank 0 engine.
@@ -133,7 +135,8 @@ class _LoraInputs:
             return y
         in_dim, out_dim = target_dims(self.config, target)
         a, b = lora_a_name(self.layer, target), lora_b_name(self.layer, target)
-        self.graph_inputs += [value_info(a, FLOAT, [in_dim, "lora_rank"]), value_info(b, FLOAT, ["lora_rank", out_dim])]
+        self.graph_inputs += [value_info(a, FLOAT, ["batch", in_dim, "lora_rank"]),
+                              value_info(b, FLOAT, ["batch", "lora_rank", out_dim])]
         low_rank = g.op("MatMul", [g.op("MatMul", [x, a], name=f"lora_{a}"), b], name=f"lora_{b}")
         return g.op("Add", [y, low_rank], name=f"lora_add_{self.layer}_{target}")
 
