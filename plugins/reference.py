@@ -19,9 +19,18 @@ def pool_numpy_dtype(kv_cache_dtype: str) -> np.dtype:
     return np.dtype(np.uint8) if kv_cache_dtype == "fp8" else STORAGE_DTYPES[kv_cache_dtype]
 
 
+FP8_E4M3_MAX = 448.0
+
+
+def _saturate(x: np.ndarray, kv_cache_dtype: str) -> np.ndarray:
+    # E4M3 stores saturate to +-448 like ONNX Cast(saturate=1) and PTX cvt.satfinite; ml_dtypes alone
+    # would turn values above 464 into NaN.
+    return np.clip(x, -FP8_E4M3_MAX, FP8_E4M3_MAX) if kv_cache_dtype == "fp8" else x
+
+
 def to_storage(x: np.ndarray, kv_cache_dtype: str) -> np.ndarray:
     """Encode float values as the pool stores them."""
-    stored = x.astype(STORAGE_DTYPES[kv_cache_dtype])
+    stored = _saturate(x, kv_cache_dtype).astype(STORAGE_DTYPES[kv_cache_dtype])
     return stored.view(np.uint8) if kv_cache_dtype == "fp8" else stored
 
 
@@ -33,7 +42,7 @@ def from_storage(x: np.ndarray, kv_cache_dtype: str) -> np.ndarray:
 
 def round_to_storage(x: np.ndarray, kv_cache_dtype: str) -> np.ndarray:
     """The value a float takes after a trip through the pool (what attention reads back)."""
-    return x.astype(STORAGE_DTYPES[kv_cache_dtype]).astype(np.float32)
+    return _saturate(x, kv_cache_dtype).astype(STORAGE_DTYPES[kv_cache_dtype]).astype(np.float32)
 
 
 def rope_table(capacity: int, head_dim: int, theta: float) -> np.ndarray:
