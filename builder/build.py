@@ -27,7 +27,7 @@ class BuildOptions:
     max_kv_pool_pages: int = 0
     max_batch_size: int = 4
     tokens_per_page: int = 128
-    backend: str = "auto"
+    backend: str = "onnxruntime"  # the CLI defaults to "auto"; the API stays explicit so tests never switch
     max_lora_rank: int = 0
 
 
@@ -53,17 +53,17 @@ def read_onnx_dir(onnx_dir: Path) -> ModelConfig:
 
 
 def resolve_backend(backend: str) -> str:
+    """`auto` picks TensorRT only where it imports and a CUDA GPU is visible; `tensorrt` insists on it."""
+    from kvforge.plugins.trt import cuda_device_count, require_tensorrt, tensorrt_importable
+
     if backend not in BACKENDS:
         raise KvforgeError(f"must be one of {BACKENDS}, got {backend!r}", "--backend")
     if backend == "tensorrt":
-        try:
-            import tensorrt  # noqa: F401
-        except ImportError:
-            raise KvforgeError("TensorRT is not installed (pip install 'kvforge[tensorrt]' on a machine with an "
-                               "NVIDIA GPU); use --backend onnxruntime", "--backend") from None
-        raise KvforgeError("the TensorRT build path is not available in this release; use --backend onnxruntime",
-                           "--backend")
-    return "onnxruntime"  # auto: TensorRT joins the choice once its build path lands
+        require_tensorrt()  # one-line "TensorRT is not installed (pip install 'kvforge[tensorrt]' ...)" error
+        return "tensorrt"
+    if backend == "auto" and tensorrt_importable() and cuda_device_count() > 0:
+        return "tensorrt"
+    return "onnxruntime"
 
 
 def memory_plan(config: ModelConfig, geometry: BuildGeometry) -> MemoryPlan:
@@ -82,6 +82,10 @@ def build_engine(onnx_dir: Path, engine_dir: Path, options: BuildOptions,
                                 max_kv_pool_pages=options.max_kv_pool_pages,
                                 max_position_embeddings=config.max_position_embeddings)
     step("validated geometry")
+    if backend == "tensorrt":
+        from kvforge.builder.trt_build import build_tensorrt_engine  # TensorRT stays an optional extra
+        build_tensorrt_engine(onnx_dir, engine_dir, config, geometry, step, max_lora_rank=options.max_lora_rank)
+        return geometry, memory_plan(config, geometry)
     try:
         model = onnx.load(onnx_dir / ENGINE_MODEL_FILE)
     except Exception as exc:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from kvforge.builder.build import STEPS, BuildOptions, build_engine
+from kvforge.builder.build import STEPS, BuildOptions, build_engine, resolve_backend
 from kvforge.runtime.cli_common import console, progress_bar, run_app, run_guarded
 
 # The help text goes on the command: typer drops a Typer(help=...) when the app has one command.
@@ -41,7 +41,8 @@ def build(
     max_lora_rank: int = typer.Option(0, "--maxLoraRank",
                                       help="Max LoRA rank served at run time; 0 strips the export's LoRA inputs."),
     backend: str = typer.Option("auto", "--backend",
-                                help="onnxruntime (CPU), tensorrt (GPU; not in this release) or auto."),
+                                help="onnxruntime (CPU), tensorrt (GPU; needs the tensorrt extra) or auto "
+                                     "(TensorRT when it imports and a GPU is visible, else onnxruntime)."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
     """Validate geometry, lower the paged-KV ops for the backend and write the engine dir."""
@@ -51,7 +52,7 @@ def build(
     def body() -> None:
         with progress_bar("building engine", STEPS) as step:
             geometry, plan = build_engine(onnx_dir, engine_dir, options, step)
-        console.print(f"engine written to {engine_dir} (backend onnxruntime)")
+        console.print(f"engine written to {engine_dir} (backend {resolve_backend(backend)})")
         console.print(f"  pages: {geometry.max_kv_pool_pages} × {geometry.tokens_per_page} tokens "
                       f"(minimum active {geometry.minimum_active_pages}, {geometry.max_pages_per_seq} per sequence)")
         console.print(f"  KV pool: {plan.bytes_per_page_per_layer:,} bytes per page per layer; "

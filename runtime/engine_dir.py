@@ -10,6 +10,8 @@ from kvforge.runtime.model_config import ModelConfig, read_json
 
 ENGINE_MODEL_FILE = "model.onnx"
 ENGINE_WEIGHTS_FILE = "model.onnx.data"
+TRT_ENGINE_FILE = "llm.engine"  # backend "tensorrt": the serialized TensorRT engine (AOT plugin kernels inside)
+BACKEND_FILES = {"onnxruntime": (ENGINE_MODEL_FILE, ENGINE_WEIGHTS_FILE), "tensorrt": (TRT_ENGINE_FILE,)}
 EMBEDDING_FILE = "embedding.safetensors"
 EMBEDDING_TENSOR = "embedding"
 COPIED_FILES = (EMBEDDING_FILE, "tokenizer.json", "tokenizer_config.json")
@@ -52,9 +54,9 @@ def load_engine_dir(path: Path) -> EngineDir:
     if missing:
         raise KvforgeError(f"builder_config lacks {', '.join(missing)}; rebuild the engine", "--engineDir")
     build = BuilderConfig(**{k: raw[k] for k in BUILDER_KEYS}, max_lora_rank=int(raw.get("max_lora_rank", 0)))
-    if build.backend != "onnxruntime":
+    if build.backend not in BACKEND_FILES:
         raise KvforgeError(f"engine backend {build.backend!r} cannot run here", "--engineDir")
-    for name in (ENGINE_MODEL_FILE, ENGINE_WEIGHTS_FILE, *COPIED_FILES):
+    for name in (*BACKEND_FILES[build.backend], *COPIED_FILES):
         if not (path / name).is_file():
             raise KvforgeError(f"engine dir {path} is missing {name}; rebuild it with llm_build", "--engineDir")
     return EngineDir(path, model, build)

@@ -29,6 +29,7 @@ from kvforge.runtime.runner import EngineRunner, StepInputs
 from kvforge.runtime.sampling import Sampler, SampleResult
 from kvforge.runtime.system_prompt_cache import SystemPromptCache
 from kvforge.runtime.tokenizer import ChatTokenizer
+from kvforge.runtime.trt_runner import TrtEngineRunner
 
 FINISH_EOS = "end-of-sequence"
 FINISH_LENGTH = "max-length"
@@ -102,7 +103,8 @@ class LLMRuntime:
                                          max_records=context_cache_max_records)
         self.tokenizer = ChatTokenizer(engine_dir)
         self.embedding = load_file(str(self.engine.file(EMBEDDING_FILE)))[EMBEDDING_TENSOR]
-        self.runner: EngineRunner = runner or OrtEngineRunner(self.engine, num_threads)
+        self.runner: EngineRunner = runner or (TrtEngineRunner(self.engine) if build.backend == "tensorrt"
+                                               else OrtEngineRunner(self.engine, num_threads))
         self.system_prompts = SystemPromptCache()
         self.loras = LoraRegistry(self.engine)
         self._lora_shapes = lora_input_shapes(self.engine)
