@@ -156,7 +156,7 @@ def load_request_file(path: Path | str) -> RequestFile:
 def parse_request_file(data: dict[str, Any], *, source: str = "") -> RequestFile:
     """Validate an already-decoded request file; unknown top-level keys are ignored."""
     if not isinstance(data, dict):
-        _fail("inputFile", f"top level must be a JSON object, got {_kind(data)}")
+        _fail("inputFile", f"top level must be a JSON object, got {json_kind(data)}")
     # Top-level fields first, so an error there is reported before one inside a request.
     batch_size = _int(data.get("batch_size", 1), "batch_size", 1, MAX_BATCH_SIZE)
     defaults = _parse_sampling(data, "", SamplingParams())
@@ -184,7 +184,7 @@ def _parse_request(raw: Any, index: int, defaults: SamplingParams, chat: bool, g
                    loras: dict[str, str]) -> Request:
     prefix = f"requests[{index}]"
     if not isinstance(raw, dict):
-        _fail(prefix, f"must be an object, got {_kind(raw)}")
+        _fail(prefix, f"must be an object, got {json_kind(raw)}")
     return Request(
         index=index,
         messages=_parse_messages(raw.get("messages", _MISSING), f"{prefix}.messages"),
@@ -232,7 +232,7 @@ def _parse_messages(value: Any, where: str) -> list[Message]:
 
 def _parse_message(raw: Any, where: str) -> Message:
     if not isinstance(raw, dict):
-        _fail(where, f"must be a {{role, content}} object, got {_kind(raw)}")
+        _fail(where, f"must be a {{role, content}} object, got {json_kind(raw)}")
     role = _required(raw, "role", where, f"one of {', '.join(ROLES)}")
     _choice(role, f"{where}.role", ROLES)
     content = _required(raw, "content", where, "a string or an array of content items")
@@ -247,7 +247,7 @@ def _parse_content(value: Any, where: str) -> str:
             _fail(where, f"must hold at most {MAX_CONTENT_ITEMS} items, got {len(value)}")
         text = "".join(_parse_content_item(item, f"{where}[{i}]") for i, item in enumerate(value))
     else:
-        _fail(where, f"must be a string or an array of content items, got {_kind(value)}")
+        _fail(where, f"must be a string or an array of content items, got {json_kind(value)}")
     size = _utf8_size(text, where)
     if size > MAX_CONTENT_BYTES:
         _fail(where, f"must be at most {MAX_CONTENT_BYTES} bytes of UTF-8, got {size}")
@@ -256,7 +256,7 @@ def _parse_content(value: Any, where: str) -> str:
 
 def _parse_content_item(item: Any, where: str) -> str:
     if not isinstance(item, dict):
-        _fail(where, f'must be an object like {{"type": "text", "text": ...}}, got {_kind(item)}')
+        _fail(where, f'must be an object like {{"type": "text", "text": ...}}, got {json_kind(item)}')
     kind = _required(item, "type", where, f"one of {', '.join(CONTENT_TYPES)}")
     _choice(kind, f"{where}.type", CONTENT_TYPES)
     if kind in MEDIA_TYPES:
@@ -273,7 +273,7 @@ def _required(obj: dict[str, Any], key: str, where: str, expected: str) -> Any:
 
 def _parse_loras(value: Any, where: str) -> dict[str, str]:
     if not isinstance(value, dict):
-        _fail(where, f"must be an object mapping adapter name to path, got {_kind(value)}")
+        _fail(where, f"must be an object mapping adapter name to path, got {json_kind(value)}")
     for name in getattr(value, "duplicates", ()):
         _fail(f"{where}[{json.dumps(name)}]", "adapter name appears more than once")
     loras: dict[str, str] = {}
@@ -313,7 +313,7 @@ def _top_p(value: Any, where: str) -> float:
 
 def _logit_bias(value: Any, where: str) -> dict[int, float]:
     if not isinstance(value, dict):
-        _fail(where, f'must be an object like {{"token_id": bias}}, got {_kind(value)}')
+        _fail(where, f'must be an object like {{"token_id": bias}}, got {json_kind(value)}')
     if len(value) > MAX_LOGIT_BIAS_ENTRIES:
         _fail(where, f"must have at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(value)}")
     bias: dict[int, float] = {}
@@ -335,7 +335,7 @@ def _logit_bias(value: Any, where: str) -> dict[int, float]:
 def _stop(value: Any, where: str) -> tuple[str, ...]:
     words = [value] if isinstance(value, str) else value
     if not isinstance(words, list):
-        _fail(where, f"must be a string or an array of strings, got {_kind(value)}")
+        _fail(where, f"must be a string or an array of strings, got {json_kind(value)}")
     for i, word in enumerate(words):
         item = where if isinstance(value, str) else f"{where}[{i}]"
         # An empty stop word would match before the first token and end every generation at once.
@@ -407,7 +407,7 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _kind(value: Any) -> str:
+def json_kind(value: Any) -> str:
     """The JSON name of a value's type, as a user writing the file thinks of it."""
     if value is None:
         return "null"
@@ -431,7 +431,7 @@ def _show(value: Any, limit: int = 40) -> str:
     try:
         text = json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError):  # not JSON, or an int past Python's str-conversion limit
-        text = f"<{_kind(value)}>"
+        text = f"<{json_kind(value)}>"
     text = _one_line(text)
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
@@ -445,8 +445,8 @@ def _one_line(text: str) -> str:
 
 def _describe(value: Any) -> str:
     if isinstance(value, (list, dict)):
-        return f"an empty {_kind(value)}" if not value else f"{_kind(value)}"
-    return f"{_show(value)} ({_kind(value)})"
+        return f"an empty {json_kind(value)}" if not value else f"{json_kind(value)}"
+    return f"{_show(value)} ({json_kind(value)})"
 
 
 def _overridden(value: int | None) -> bool:

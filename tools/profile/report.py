@@ -17,6 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvforge.runtime.errors import KvforgeError
+from kvforge.runtime.requests import json_kind
 
 PREFILL_STAGE = "llm_prefill"
 GENERATION_STAGE = "llm_generation"
@@ -67,23 +68,13 @@ def load_profile(path: Path) -> dict[str, Any]:
     except json.JSONDecodeError as exc:
         raise KvforgeError(f"malformed JSON ({exc.msg} at line {exc.lineno} column {exc.colno})", name) from None
     if not isinstance(data, dict):
-        raise KvforgeError(f"not a profile: the top level is a JSON {_json_type(data)}, expected an object", name)
+        raise KvforgeError(f"not a profile: the top level is a JSON {json_kind(data)}, expected an object", name)
     if not KNOWN_KEYS & data.keys():
         raise KvforgeError("not a profile: none of the sections prefill, generation, stages, context_cache, "
                            "peak_*_memory found (write one with llm_inference --profileOutputFile)", name)
     return data
 
 
-def _json_type(value: Any) -> str:
-    if isinstance(value, list):
-        return "array"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, bool):
-        return "boolean"
-    if value is None:
-        return "null"
-    return "number"
 
 
 # ------------------------------------------------------------------------------------------- small helpers
