@@ -120,4 +120,6 @@ class LoraRegistry:
     def get(self, name: str | None) -> LoraAdapter | None:
         if not name:
             return None
-        return self.adapters[name]  # request parsing already checked the name exists
+        if name not in self.adapters:  # request parsing checks names; this catches API callers that skip load()
+            raise KvforgeError(f"adapter {name!r} is not loaded (load available_lora_weights first)", "lora_name")
+        return self.adapters[name]
