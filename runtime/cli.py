@@ -42,6 +42,9 @@ def inference(
     enable_context_reuse: bool = typer.Option(False, "--enableContextReuse",
                                               help="Reuse KV pages of repeated prefixes (documents, earlier turns, "
                                                    "generated continuations) across requests and batches."),
+    prefill_chunk_size: int = typer.Option(512, "--prefillChunkSize",
+                                           help="Max prompt tokens per row in one prefill call; longer prompts "
+                                                "run in chunks (faster on the CPU). 0 = one call per prompt."),
     context_cache_max_records: int = typer.Option(1024, "--contextCacheMaxRecords",
                                                   help="Max retained cache records (0 = publish then evict at once)."),
     dump_output: bool = typer.Option(False, "--dumpOutput", help="Print each response's text to stdout."),
@@ -65,7 +68,8 @@ def inference(
             raise KvforgeError(f"directory {profile_output_file.parent} does not exist", "--profileOutputFile")
         requests = load_request_file(input_file).apply_overrides(batch_size, max_generate_length, num_logprobs)
         runtime = LLMRuntime(engine_dir, num_threads, enable_context_reuse=enable_context_reuse,
-                             context_cache_max_records=context_cache_max_records)
+                             context_cache_max_records=context_cache_max_records,
+                             prefill_chunk_tokens=prefill_chunk_size)
         runtime.check_batch_size(requests)
         runtime.load_adapters(requests.available_lora_weights, input_file.resolve().parent)
         prepared = [runtime.prepare(r, requests.enable_thinking) for r in requests.requests]

@@ -7,6 +7,7 @@ import pytest
 from numpy_llama import dense_logits
 
 from kvforge.builder.build import BuildOptions, build_engine
+from kvforge.runtime.errors import KvforgeError
 from kvforge.runtime.llm_runtime import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, LLMRuntime
 from kvforge.runtime.profile import Profiler
 from kvforge.runtime.requests import parse_request_file
@@ -115,3 +116,21 @@ def test_profile_counts_tokens(runtime: LLMRuntime) -> None:
     assert stages["llm_prefill"]["total_runs"] == 1
     assert stages["llm_generation"]["total_runs"] == profile["generation"]["generated_tokens"]
 
+
+
+def test_chunked_prefill_matches_one_call(model_and_engine) -> None:
+    """Prefill in 8-token chunks (rows of different lengths drop out as they finish) equals one call."""
+    whole = LLMRuntime(model_and_engine[1], num_threads=2, prefill_chunk_tokens=0)
+    chunked = LLMRuntime(model_and_engine[1], num_threads=2, prefill_chunk_tokens=8)
+    profiler = Profiler()
+    for a, b in zip(run(whole, PROMPTS, batch_size=4), run(chunked, PROMPTS, batch_size=4), strict=True):
+        assert (a["output_text"], [s[0]["token_id"] for s in a["logprobs"]]) == \
+               (b["output_text"], [s[0]["token_id"] for s in b["logprobs"]])
+    request_file = parse_request_file({"temperature": 0.0, "max_generate_length": 1, "apply_chat_template": False,
+                                       "requests": [{"messages": [{"role": "user", "content": "x" * 20}]}]})
+    chunked.generate([chunked.prepare(request_file.requests[0])], 0, profiler)
+    profile = profiler.to_dict()
+    assert profile["prefill"]["computed_tokens"] == 20 and profile["prefill"]["total_runs"] == 1
+    assert {s["stage_id"]: s["total_runs"] for s in profile["stages"]}["llm_prefill"] == 3  # 8 + 8 + 4
+    with pytest.raises(KvforgeError):
+        LLMRuntime(model_and_engine[1], prefill_chunk_tokens=-1)
