@@ -5,14 +5,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from kvforge.runtime.errors import KvforgeError
+from kvforge.runtime.kv_pool import pages_for
 
 INT32_MAX = 2**31 - 1
 MAX_KV_POOL_PAGES = INT32_MAX // 2  # K and V page ids (and 2 * pages in kernels) must fit in int32
 DEFAULT_TOKENS_PER_PAGE = 128
-
-
-def pages_for(tokens: int, tokens_per_page: int) -> int:
-    return -(-tokens // tokens_per_page)
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,7 +29,7 @@ class BlockIndex:
         pages = []
         for i, key in enumerate(keys):
             entry = self._entries.get(key)
-            if entry is None or entry.token_bytes != _page_bytes(token_ids, i, tokens_per_page):
+            if entry is None or entry.token_bytes != page_token_bytes(token_ids, i, tokens_per_page):
                 break
             pages.append(entry.page)
         return pages
@@ -61,9 +61,6 @@ class BlockIndex:
         return list(self._entries.items())
 
 
-def _page_bytes(token_ids: np.ndarray, page: int, tokens_per_page: int) -> bytes:
-    return np.ascontiguousarray(token_ids[page * tokens_per_page:(page + 1) * tokens_per_page], dtype="<i4").tobytes()
-
-
 def page_token_bytes(token_ids: np.ndarray, page: int, tokens_per_page: int) -> bytes:
-    return _page_bytes(token_ids, page, tokens_per_page)
+    """The token ids of page `page` as stored in an index entry (little-endian int32)."""
+    return np.ascontiguousarray(token_ids[page * tokens_per_page:(page + 1) * tokens_per_page], dtype="<i4").tobytes()

@@ -15,10 +15,11 @@ from kvforge.runtime.context_cache.eviction import plan_eviction
 from kvforge.runtime.context_cache.index import BlockIndex, page_token_bytes
 from kvforge.runtime.context_cache.keys import CHAIN_ROOT, KeyExtras, page_keys
 from kvforge.runtime.context_cache.metrics import CacheMetrics
-from kvforge.runtime.context_cache.planner import ReusePlan, pages_for, plan_cold, plan_reuse
+from kvforge.runtime.context_cache.planner import ReusePlan, plan_cold, plan_reuse
 from kvforge.runtime.context_cache.pools import BASE_KV_PAGES, ResourcePools
 from kvforge.runtime.context_cache.records import Record, RecordStore
 from kvforge.runtime.errors import KvforgeError
+from kvforge.runtime.kv_pool import pages_for
 
 USE_CACHE = "use_cache"
 BYPASS = "bypass"
@@ -235,9 +236,10 @@ class ContextCacheManager:
         for record in self.records.least_recent_first():
             assert len(record.page_ids) == len(record.keys)
             assert page_keys(record.token_ids, self.tokens_per_page, record.extras) == list(record.keys)
-            for key, page in zip(record.keys, record.page_ids, strict=True):
+            tokens = np.asarray(record.token_ids, dtype=np.int32)
+            for i, (key, page) in enumerate(zip(record.keys, record.page_ids, strict=True)):
                 cache[page] += 1
-                assert self.index.canonical(key, _record_page_bytes(record, key, self.tokens_per_page)) == page
+                assert self.index.canonical(key, page_token_bytes(tokens, i, self.tokens_per_page)) == page
         assert active == self.pages.active, "active refcounts disagree with the live leases"
         assert cache == self.pages.cache, "cache refcounts disagree with the records"
         free = self.pages.free_slots()
@@ -247,8 +249,4 @@ class ContextCacheManager:
             assert entry.page not in free, "an index entry points at a free page"
         assert len(self.records) <= self.max_records or not self.enabled
 
-
-def _record_page_bytes(record: Record, key: bytes, tokens_per_page: int) -> bytes:
-    i = record.keys.index(key)
-    return np.asarray(record.token_ids[i * tokens_per_page:(i + 1) * tokens_per_page], dtype="<i4").tobytes()
 

@@ -6,16 +6,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvforge.runtime.context_cache.pools import BASE_KV_PAGES
+from kvforge.runtime.kv_pool import pages_for
 
 PLAN_STANDARD = "standard"
 PLAN_NO_REUSABLE_PREFIX = "no_reusable_prefix"
 PLAN_FULL_INPUT_REWIND = "full_input_rewind"
 PLAN_BYPASS = "bypass"
 PLAN_KINDS = (PLAN_STANDARD, PLAN_NO_REUSABLE_PREFIX, PLAN_FULL_INPUT_REWIND)
-
-
-def pages_for(tokens: int, tokens_per_page: int) -> int:
-    return -(-tokens // tokens_per_page)
 
 
 @dataclass(frozen=True, slots=True)
