@@ -23,8 +23,8 @@ from safetensors.numpy import load_file
 from kvforge.builder.build import BuildOptions, build_engine, read_onnx_dir
 from kvforge.builder.lora import strip_lora
 from kvforge.builder.lower_ort import lower_for_onnxruntime
+from kvforge.contract.engine_dir import EMBEDDING_FILE, EMBEDDING_TENSOR, load_engine_dir
 from kvforge.plugins.reference import rope_table
-from kvforge.runtime.engine_dir import EMBEDDING_FILE, EMBEDDING_TENSOR, load_engine_dir
 from kvforge.runtime.ort_runner import OrtEngineRunner, make_session
 from kvforge.runtime.runner import StepInputs
 

@@ -19,7 +19,7 @@ import numpy as np
 from safetensors.numpy import load_file
 
 from kvforge.builder.build import BuildOptions, build_engine
-from kvforge.runtime.engine_dir import EMBEDDING_FILE, EMBEDDING_TENSOR, load_engine_dir
+from kvforge.contract.engine_dir import EMBEDDING_FILE, EMBEDDING_TENSOR, load_engine_dir
 from kvforge.runtime.ort_runner import OrtEngineRunner
 from kvforge.runtime.runner import StepInputs
 

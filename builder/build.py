@@ -12,9 +12,9 @@ import onnx
 from kvforge.builder.geometry import BuildGeometry, kv_bytes_per_page, resolve_geometry
 from kvforge.builder.lora import check_max_lora_rank, has_lora_inputs, strip_lora
 from kvforge.builder.lower_ort import lower_for_onnxruntime
-from kvforge.runtime.engine_dir import COPIED_FILES, ENGINE_MODEL_FILE, ENGINE_WEIGHTS_FILE
-from kvforge.runtime.errors import KvforgeError
-from kvforge.runtime.model_config import ModelConfig, read_json, write_json
+from kvforge.contract.engine_dir import COPIED_FILES, ENGINE_MODEL_FILE, ENGINE_WEIGHTS_FILE
+from kvforge.contract.errors import KvforgeError
+from kvforge.contract.model_config import ModelConfig, read_json, write_json
 
 BACKENDS = ("auto", "onnxruntime", "tensorrt")
 STEPS = 4

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from kvforge.builder.build import STEPS, BuildOptions, build_engine, resolve_backend
-from kvforge.runtime.cli_common import console, progress_bar, run_app, run_guarded
+from kvforge.cli_common import console, progress_bar, run_app, run_guarded
 
 # The help text goes on the command: typer drops a Typer(help=...) when the app has one command.
 HELP = """

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from kvforge.runtime.errors import KvforgeError
-from kvforge.runtime.kv_pool import pages_for
+from kvforge.contract.errors import KvforgeError
+from kvforge.contract.paging import pages_for
 
 INT32_MAX = 2**31 - 1
 MAX_KV_POOL_PAGES = INT32_MAX // 2  # K and V page ids (and 2 * pages in kernels) must fit in int32

@@ -5,7 +5,7 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
-from kvforge.runtime.errors import KvforgeError
+from kvforge.contract.errors import KvforgeError
 
 MAX_LORA_RANK = 1024
 

@@ -16,9 +16,9 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from kvforge.builder.onnx_graph import FLOAT, FLOAT8E4M3FN, FLOAT16, INT32, INT64, GraphWriter, value_info
+from kvforge.contract.errors import KvforgeError
+from kvforge.graph.onnx_graph import FLOAT, FLOAT8E4M3FN, FLOAT16, INT32, INT64, GraphWriter, value_info
 from kvforge.plugins import ops
-from kvforge.runtime.errors import KvforgeError
 
 NEW_ROWS_ELEM_TYPES = {"fp16": FLOAT16, "fp8": FLOAT, "fp32": FLOAT}
 
@@ -117,7 +117,7 @@ def _attr_f(node: onnx.NodeProto, name: str) -> float:
 
 def _lower_write(g: GraphWriter, key: str, value: str, num_kv: int, head_dim: int, kv_cache_dtype: str) -> str:
     """Rotated keys and values stacked as [B, S, 2, Hkv, D] float32."""
-    from kvforge.tools.export.llama_graph import apply_rope  # the same RoPE the queries got
+    from kvforge.graph.rope import apply_rope  # the same RoPE the queries got
 
     k = g.reshape(apply_rope(g, key, num_kv, head_dim, "rope_cos", "rope_sin"), [0, 0, 1, num_kv, head_dim])
     v = g.reshape(value, [0, 0, 1, num_kv, head_dim])

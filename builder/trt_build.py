@@ -14,16 +14,16 @@ from onnx import helper
 
 from kvforge.builder.geometry import BuildGeometry
 from kvforge.builder.lora import check_max_lora_rank, has_lora_inputs, strip_lora
-from kvforge.plugins import ops
-from kvforge.plugins.trt import AOT_ATTR, PLUGIN_NAMESPACE_ATTR, register_plugins, require_tensorrt
-from kvforge.runtime.engine_dir import (
+from kvforge.contract.engine_dir import (
     COPIED_FILES,
     ENGINE_MODEL_FILE,
     ENGINE_WEIGHTS_FILE,
     TRT_ENGINE_FILE,
 )
-from kvforge.runtime.errors import KvforgeError
-from kvforge.runtime.model_config import ModelConfig, write_json
+from kvforge.contract.errors import KvforgeError
+from kvforge.contract.model_config import ModelConfig, write_json
+from kvforge.plugins import ops
+from kvforge.plugins.trt import AOT_ATTR, PLUGIN_NAMESPACE_ATTR, register_plugins, require_tensorrt
 
 PREFILL_PROFILE = 0  # as in TensorRT Edge-LLM: 0 = context/prefill, 1 = generation (seq dim 1)
 DECODE_PROFILE = 1

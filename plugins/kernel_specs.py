@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from kvforge.runtime.errors import KvforgeError
+from kvforge.contract.errors import KvforgeError
 
 
 @dataclass(frozen=True, slots=True)

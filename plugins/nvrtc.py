@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from kvforge.runtime.errors import KvforgeError
+from kvforge.contract.errors import KvforgeError
 
 KERNEL_DIR = Path(__file__).resolve().with_name("kernels")
 INSTALL_HINT = "NVRTC not available: pip install 'kvforge[gpu]'"

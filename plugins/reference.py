@@ -5,6 +5,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from kvforge.contract.paging import pages_for
 from kvforge.plugins.ops import UNUSED_PAGE
 
 STORAGE_DTYPES: dict[str, np.dtype] = {
@@ -85,7 +86,7 @@ def gather_sequence_kv(pool: np.ndarray, page_row: np.ndarray, num_tokens: int,
                        kv_cache_dtype: str) -> tuple[np.ndarray, np.ndarray]:
     """K and V [heads, num_tokens, D] of one sequence, read through its page-table row."""
     tokens_per_page = pool.shape[3]
-    num_pages = -(-num_tokens // tokens_per_page)
+    num_pages = pages_for(num_tokens, tokens_per_page)
     pages = pool[page_row[:num_pages]]  # [P, 2, H, T, D]
     kv = from_storage(pages, kv_cache_dtype).transpose(1, 2, 0, 3, 4)
     kv = kv.reshape(2, pool.shape[2], num_pages * tokens_per_page, pool.shape[4])[:, :, :num_tokens]

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from kvforge.contract.errors import KvforgeError
 from kvforge.plugins import ops
-from kvforge.runtime.errors import KvforgeError
 
 INSTALL_HINT = "pip install 'kvforge[tensorrt]' on a machine with an NVIDIA GPU"
 KV_WRITE_ID = f"{ops.DOMAIN}::{ops.PAGED_KV_WRITE.name}"

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import typer
 
-from kvforge.runtime.cli_common import console, run_app, run_guarded
-from kvforge.runtime.errors import KvforgeError
+from kvforge.cli_common import console, run_app, run_guarded
+from kvforge.contract.errors import KvforgeError
 from kvforge.runtime.profile import Profiler, format_summary, write_profile
 from kvforge.runtime.requests import load_request_file
 

@@ -7,11 +7,6 @@ import numpy as np
 from kvforge.plugins.reference import pool_numpy_dtype, to_storage
 
 
-def pages_for(tokens: int, tokens_per_page: int) -> int:
-    """Pages needed to hold `tokens` tokens (a partial last page counts)."""
-    return -(-tokens // tokens_per_page)
-
-
 class KVPool:
     """Per-layer pools [num_pages, 2, Hkv, tokens_per_page, D] in the storage dtype (FP8 as raw bytes)."""
 

@@ -10,6 +10,8 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import load_file
 
+from kvforge.contract.engine_dir import EMBEDDING_FILE, EMBEDDING_TENSOR, EngineDir, load_engine_dir
+from kvforge.contract.errors import KvforgeError
 from kvforge.runtime.context_cache.keys import KeyExtras
 from kvforge.runtime.context_cache.manager import (
     DEFAULT_MAX_RECORDS,
@@ -19,8 +21,6 @@ from kvforge.runtime.context_cache.manager import (
     ContextCacheManager,
     Lease,
 )
-from kvforge.runtime.engine_dir import EMBEDDING_FILE, EMBEDDING_TENSOR, EngineDir, load_engine_dir
-from kvforge.runtime.errors import KvforgeError
 from kvforge.runtime.lora import LoraAdapter, LoraRegistry, lora_input_shapes, stack_adapters
 from kvforge.runtime.ort_runner import OrtEngineRunner
 from kvforge.runtime.profile import GENERATION_STAGE, PREFILL_STAGE, Profiler

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 from safetensors import safe_open
 
-from kvforge.runtime.engine_dir import EngineDir
-from kvforge.runtime.errors import KvforgeError
-from kvforge.runtime.lora_contract import ADAPTER_FORMAT, lora_inputs, model_fingerprint, target_dims
+from kvforge.contract.engine_dir import EngineDir
+from kvforge.contract.errors import KvforgeError
+from kvforge.contract.lora import ADAPTER_FORMAT, lora_inputs, model_fingerprint, target_dims
 
 
 @dataclass(frozen=True, slots=True, eq=False)

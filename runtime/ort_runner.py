@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 
+from kvforge.contract.engine_dir import ENGINE_MODEL_FILE, EngineDir
+from kvforge.contract.errors import KvforgeError
+from kvforge.contract.paging import pages_for
 from kvforge.plugins.ops import UNUSED_PAGE
 from kvforge.plugins.reference import rope_table
-from kvforge.runtime.engine_dir import ENGINE_MODEL_FILE, EngineDir
-from kvforge.runtime.errors import KvforgeError
 from kvforge.runtime.kv_pool import KVPool
 from kvforge.runtime.runner import StepInputs
 
@@ -76,7 +77,7 @@ class OrtEngineRunner:
 
     def _cached_page_table(self, page_ids: list[list[int]], starts: np.ndarray) -> np.ndarray:
         """[B, P] covering only already-cached tokens: the graph reads the pool, never the new pages."""
-        width = -(-int(starts.max(initial=0)) // self.tokens_per_page)
+        width = pages_for(int(starts.max(initial=0)), self.tokens_per_page)
         table = np.full((len(page_ids), width), UNUSED_PAGE, dtype=np.int32)
         for row, pages in enumerate(page_ids):
             used = pages[:width]

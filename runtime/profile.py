@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from kvforge.runtime.errors import KvforgeError
+from kvforge.contract.errors import KvforgeError
 
 # Stage ids shared with the tool we mirror; prefill/generation sections read their times from these.
 PREFILL_STAGE = "llm_prefill"

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
-from kvforge.runtime.errors import KvforgeError
+from kvforge.contract.errors import KvforgeError
 
 T = TypeVar("T")
 

@@ -9,7 +9,7 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from kvforge.runtime.errors import KvforgeError
+from kvforge.contract.errors import KvforgeError
 from kvforge.runtime.requests import Request
 
 

@@ -7,10 +7,11 @@ from typing import Any
 
 import numpy as np
 
+from kvforge.contract.engine_dir import TRT_ENGINE_FILE, EngineDir
+from kvforge.contract.errors import KvforgeError
+from kvforge.contract.paging import pages_for
 from kvforge.plugins.ops import UNUSED_PAGE
 from kvforge.plugins.reference import pool_numpy_dtype, rope_table
-from kvforge.runtime.engine_dir import TRT_ENGINE_FILE, EngineDir
-from kvforge.runtime.errors import KvforgeError
 from kvforge.runtime.runner import StepInputs
 
 PREFILL_PROFILE, DECODE_PROFILE = 0, 1  # as built by kvforge.builder.trt_build
@@ -109,7 +110,7 @@ class DeviceKVPool:
             self.cuda.synchronize()
 
     def _pages(self, page_ids: list[int], num_tokens: int) -> list[int]:
-        return [int(p) for p in page_ids[:-(-num_tokens // self.tokens_per_page)]]
+        return [int(p) for p in page_ids[:pages_for(num_tokens, self.tokens_per_page)]]
 
     def _page_ptr(self, layer: int, page: int) -> int:
         return self.layers[layer] + page * self.page_bytes  # a page is contiguous in the pool layout

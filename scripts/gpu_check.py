@@ -56,7 +56,7 @@ def import_repo_modules() -> tuple[types.ModuleType, types.ModuleType]:
     except ImportError:
         pass
     # Map the package names onto the repo's folders without running setup or any __init__: nvrtc and
-    # kernel_specs need only kvforge.runtime.errors, which is plain Python.
+    # kernel_specs need only kvforge.contract.errors, which is plain Python.
     for name, folder in (("kvforge", "kvforge"), ("kvforge.plugins", "plugins"), ("kvforge.runtime", "runtime")):
         package = types.ModuleType(name)
         package.__path__ = [str(ROOT / folder)]

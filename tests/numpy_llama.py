@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvforge.contract.model_config import ModelConfig
 from kvforge.plugins.reference import apply_rope, rope_table, round_to_storage
-from kvforge.runtime.model_config import ModelConfig
 
 
 def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:

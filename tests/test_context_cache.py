@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvforge.contract.errors import KvforgeError
 from kvforge.runtime.context_cache.eviction import plan_eviction
 from kvforge.runtime.context_cache.index import BlockIndex
 from kvforge.runtime.context_cache.keys import KeyExtras, page_keys
@@ -17,7 +18,6 @@ from kvforge.runtime.context_cache.planner import (
 )
 from kvforge.runtime.context_cache.pools import BASE_KV_PAGES, ResourcePool, ResourcePools
 from kvforge.runtime.context_cache.records import Record, RecordStore
-from kvforge.runtime.errors import KvforgeError
 
 T = 4  # tokens per page
 

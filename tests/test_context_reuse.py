@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvforge.builder.build import BuildOptions, build_engine
+from kvforge.contract.engine_dir import load_engine_dir
+from kvforge.contract.errors import KvforgeError
 from kvforge.runtime.context_cache.manager import BYPASS, INCLUDING_GENERATED_TOKENS, PREFILL_STATE_ONLY, USE_CACHE
-from kvforge.runtime.engine_dir import load_engine_dir
-from kvforge.runtime.errors import KvforgeError
 from kvforge.runtime.llm_runtime import CachePolicies, LLMRuntime
 from kvforge.runtime.ort_runner import OrtEngineRunner
 from kvforge.runtime.profile import Profiler

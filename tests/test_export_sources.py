@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvforge.runtime.errors import KvforgeError
+from kvforge.contract.errors import KvforgeError
 from kvforge.tools.export import gguf_source
 from kvforge.tools.export.gguf_source import (
     find_smollm2_gguf,

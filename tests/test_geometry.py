@@ -7,7 +7,7 @@ import math
 import pytest
 
 from kvforge.builder.geometry import INT32_MAX, MAX_KV_POOL_PAGES, kv_bytes_per_page, pages_for, resolve_geometry
-from kvforge.runtime.errors import KvforgeError
+from kvforge.contract.errors import KvforgeError
 
 
 def geometry(**overrides):

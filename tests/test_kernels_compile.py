@@ -16,10 +16,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from kvforge.contract.errors import KvforgeError
 from kvforge.plugins import kernel_specs as ks
 from kvforge.plugins import nvrtc as nv
 from kvforge.plugins import reference
-from kvforge.runtime.errors import KvforgeError
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_CHECK = ROOT / "scripts" / "gpu_check.py"

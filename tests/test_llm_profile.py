@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from kvforge.runtime.errors import KvforgeError
+from kvforge.contract.errors import KvforgeError
 from kvforge.tools.profile.report import (
     compare_rows,
     flatten,

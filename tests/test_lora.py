@@ -13,9 +13,9 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from kvforge.builder.build import BuildOptions, build_engine
-from kvforge.runtime.errors import KvforgeError
+from kvforge.contract.errors import KvforgeError
+from kvforge.contract.lora import LORA_MODULES, LORA_TARGETS, lora_inputs
 from kvforge.runtime.llm_runtime import CachePolicies, LLMRuntime
-from kvforge.runtime.lora_contract import LORA_MODULES, LORA_TARGETS, lora_inputs
 from kvforge.runtime.profile import Profiler
 from kvforge.runtime.requests import parse_request_file
 from kvforge.tools.export.lora import write_converted_adapter, write_random_peft_adapter
@@ -250,7 +250,7 @@ def test_matches_transformers_with_peft(tmp_path: Path) -> None:
                                                                       max_batch_size=1, tokens_per_page=T,
                                                                       max_lora_rank=4))
     write_converted_adapter(tmp_path / "peft", tmp_path / "onnx", tmp_path / "adapter.safetensors")
-    from kvforge.runtime.engine_dir import load_engine_dir
+    from kvforge.contract.engine_dir import load_engine_dir
     from kvforge.runtime.lora import load_adapter, lora_input_shapes, stack_adapters
     from kvforge.runtime.ort_runner import OrtEngineRunner
     from kvforge.runtime.runner import StepInputs

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvforge.runtime.errors import KvforgeError
+from kvforge.contract.errors import KvforgeError
 from kvforge.runtime.profile import Profiler, StageTimer, format_summary, write_profile
 
 STAGE_KEYS = {"stage_id", "total_runs", "total_gpu_time_ms", "average_time_per_run_ms", "gpu_time_stats"}

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvforge.runtime.errors import KvforgeError
+from kvforge.contract.errors import KvforgeError
 from kvforge.runtime.requests import (
     Message,
     RequestFile,

@@ -7,7 +7,7 @@ import pytest
 from numpy_llama import dense_logits
 
 from kvforge.builder.build import BuildOptions, build_engine
-from kvforge.runtime.errors import KvforgeError
+from kvforge.contract.errors import KvforgeError
 from kvforge.runtime.llm_runtime import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, LLMRuntime
 from kvforge.runtime.profile import Profiler
 from kvforge.runtime.requests import parse_request_file

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from kvforge.runtime.errors import KvforgeError
+from kvforge.contract.errors import KvforgeError
 from kvforge.runtime.requests import SamplingParams
 from kvforge.runtime.sampling import (
     Sampler,

@@ -14,11 +14,11 @@ import pytest
 
 from kvforge.builder.build import BuildOptions, build_engine, resolve_backend
 from kvforge.builder.geometry import resolve_geometry
+from kvforge.contract.engine_dir import TRT_ENGINE_FILE, load_engine_dir
+from kvforge.contract.errors import KvforgeError
+from kvforge.contract.lora import LORA_TARGETS
 from kvforge.plugins import ops
 from kvforge.plugins import trt as trt_plugins
-from kvforge.runtime.engine_dir import TRT_ENGINE_FILE, load_engine_dir
-from kvforge.runtime.errors import KvforgeError
-from kvforge.runtime.lora_contract import LORA_TARGETS
 from kvforge.runtime.runner import StepInputs
 from kvforge.tools.export.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir
@@ -155,7 +155,7 @@ def test_build_records_network_profiles_and_engine(recorder: fake.Recorder, tiny
 
 def test_patched_onnx_sets_tokens_per_page_on_every_custom_node(tiny_onnx_dir: Path) -> None:
     from kvforge.builder.trt_build import patch_for_tensorrt
-    from kvforge.runtime.model_config import ModelConfig
+    from kvforge.contract.model_config import ModelConfig
     config = ModelConfig.from_dict(_config(tiny_onnx_dir), "config.json")
     model = onnx.load(tiny_onnx_dir / "model.onnx", load_external_data=False)
     custom = [n for n in model.graph.node if n.domain == ops.DOMAIN]
@@ -181,8 +181,8 @@ def test_build_strips_lora_without_rank(recorder: fake.Recorder, lora_onnx_dir: 
 def test_build_adds_lora_profiles(recorder: fake.Recorder, lora_onnx_dir: Path, tmp_path: Path) -> None:
     from dataclasses import replace
 
-    from kvforge.runtime.lora_contract import lora_inputs, target_dims
-    from kvforge.runtime.model_config import ModelConfig
+    from kvforge.contract.lora import lora_inputs, target_dims
+    from kvforge.contract.model_config import ModelConfig
     build_engine(lora_onnx_dir, tmp_path / "engine", replace(TRT_BUILD, max_lora_rank=8))
     config = ModelConfig.from_dict(_config(lora_onnx_dir), "config.json")
     expected = {}
@@ -405,7 +405,7 @@ def test_runner_binds_rank_zero_or_per_row_adapters(recorder: fake.Recorder, fak
                                                      lora_onnx_dir: Path, tmp_path: Path) -> None:
     from dataclasses import replace
 
-    from kvforge.runtime.lora_contract import lora_inputs, target_dims
+    from kvforge.contract.lora import lora_inputs, target_dims
     from kvforge.runtime.trt_runner import TrtEngineRunner
     build_engine(lora_onnx_dir, tmp_path / "engine", replace(TRT_BUILD, max_lora_rank=8))
     engine = load_engine_dir(tmp_path / "engine")

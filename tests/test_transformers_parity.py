@@ -22,7 +22,7 @@ tokenizers = pytest.importorskip("tokenizers")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
 from kvforge.builder.build import BuildOptions, build_engine  # noqa: E402
-from kvforge.runtime.engine_dir import EMBEDDING_FILE, EMBEDDING_TENSOR, load_engine_dir  # noqa: E402
+from kvforge.contract.engine_dir import EMBEDDING_FILE, EMBEDDING_TENSOR, load_engine_dir  # noqa: E402
 from kvforge.runtime.ort_runner import OrtEngineRunner  # noqa: E402
 from kvforge.runtime.runner import StepInputs  # noqa: E402
 from kvforge.tools.export.hf_source import load_hf_dir  # noqa: E402

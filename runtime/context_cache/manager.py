@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvforge.contract.errors import KvforgeError
+from kvforge.contract.paging import pages_for
 from kvforge.runtime.context_cache.eviction import plan_eviction
 from kvforge.runtime.context_cache.index import BlockIndex, page_token_bytes
 from kvforge.runtime.context_cache.keys import CHAIN_ROOT, KeyExtras, page_keys
@@ -18,8 +20,6 @@ from kvforge.runtime.context_cache.metrics import CacheMetrics
 from kvforge.runtime.context_cache.planner import ReusePlan, plan_cold, plan_reuse
 from kvforge.runtime.context_cache.pools import BASE_KV_PAGES, ResourcePools
 from kvforge.runtime.context_cache.records import Record, RecordStore
-from kvforge.runtime.errors import KvforgeError
-from kvforge.runtime.kv_pool import pages_for
 
 USE_CACHE = "use_cache"
 BYPASS = "bypass"

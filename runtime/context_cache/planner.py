@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvforge.contract.paging import pages_for
 from kvforge.runtime.context_cache.pools import BASE_KV_PAGES
-from kvforge.runtime.kv_pool import pages_for
 
 PLAN_STANDARD = "standard"
 PLAN_NO_REUSABLE_PREFIX = "no_reusable_prefix"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from kvforge.runtime.errors import KvforgeError
+from kvforge.contract.errors import KvforgeError
 
 BASE_KV_PAGES = "base_kv_pages"
 DRAFT_KV_PAGES = "draft_kv_pages"

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import typer
 
-from kvforge.runtime.cli_common import console, progress_bar, run_app, run_guarded
-from kvforge.runtime.errors import KvforgeError
-from kvforge.runtime.model_config import KV_CACHE_DTYPES
+from kvforge.cli_common import console, progress_bar, run_app, run_guarded
+from kvforge.contract.errors import KvforgeError
+from kvforge.contract.model_config import KV_CACHE_DTYPES
 from kvforge.tools.export.source import LoadedModel
 
 SMOLLM2_NAME = "smollm2-135m-instruct"
@@ -87,7 +87,7 @@ def export(
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
     def body() -> None:
-        from kvforge.runtime.lora_contract import parse_targets
+        from kvforge.contract.lora import parse_targets
         from kvforge.tools.export.writer import write_onnx_dir
         targets = parse_targets(lora_targets)
         with progress_bar("loading weights", None) as step:

@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from kvforge.runtime.errors import KvforgeError
-from kvforge.runtime.model_config import ModelConfig
+from kvforge.contract.errors import KvforgeError
+from kvforge.contract.model_config import ModelConfig
 from kvforge.tools.export.source import LoadedModel, layer_weight
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

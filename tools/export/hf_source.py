@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from kvforge.runtime.errors import KvforgeError
-from kvforge.runtime.model_config import ModelConfig, read_json
+from kvforge.contract.errors import KvforgeError
+from kvforge.contract.model_config import ModelConfig, read_json
 from kvforge.tools.export.source import LoadedModel, layer_weight
 
 FIELD = "SOURCE"

@@ -8,10 +8,11 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from kvforge.builder.onnx_graph import FLOAT, FLOAT16, INT32, INT64, OPSET, UINT8, GraphWriter, value_info
+from kvforge.contract.lora import lora_a_name, lora_b_name, target_dims
+from kvforge.contract.model_config import ModelConfig
+from kvforge.graph.onnx_graph import FLOAT, FLOAT16, INT32, INT64, OPSET, UINT8, GraphWriter, value_info
+from kvforge.graph.rope import apply_rope
 from kvforge.plugins import ops
-from kvforge.runtime.lora_contract import lora_a_name, lora_b_name, target_dims
-from kvforge.runtime.model_config import ModelConfig
 
 POOL_ELEM_TYPES = {"fp16": FLOAT16, "fp8": UINT8, "fp32": FLOAT}
 
@@ -102,15 +103,6 @@ def rope_inputs(g: GraphWriter, embeds: str) -> tuple[str, str]:
 
 def _named(g: GraphWriter, value: str, name: str) -> str:
     return g.op("Identity", [value], outputs=[name])
-
-
-def apply_rope(g: GraphWriter, x: str, num_heads: int, head_dim: int, cos: str, sin: str) -> str:
-    """Rotate-half RoPE of [B,S,heads*D] with cos/sin [B,S,1,D/2]; returns [B,S,heads*D]."""
-    heads = g.reshape(x, [0, 0, num_heads, head_dim])
-    x1, x2 = g.split_halves(heads)
-    rotated = g.op("Concat", [g.op("Sub", [g.mul(x1, cos), g.mul(x2, sin)]),
-                              g.add(g.mul(x2, cos), g.mul(x1, sin))], axis=-1)
-    return g.reshape(rotated, [0, 0, num_heads * head_dim])
 
 
 def _head_norm(g: GraphWriter, x: str, num_heads: int, head_dim: int, weight: str, eps: float) -> str:

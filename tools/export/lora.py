@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from kvforge.runtime.errors import KvforgeError
-from kvforge.runtime.lora_contract import (
+from kvforge.contract.errors import KvforgeError
+from kvforge.contract.lora import (
     ADAPTER_FORMAT,
     LORA_MODULES,
     lora_a_name,
@@ -18,7 +18,7 @@ from kvforge.runtime.lora_contract import (
     model_fingerprint,
     target_dims,
 )
-from kvforge.runtime.model_config import ModelConfig, read_json
+from kvforge.contract.model_config import ModelConfig, read_json
 from kvforge.tools.export.hf_source import read_safetensors_header, read_tensor  # bf16-aware, shared
 
 FIELD = "--adapterDir"

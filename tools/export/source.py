@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from kvforge.runtime.model_config import ModelConfig
+from kvforge.contract.model_config import ModelConfig
 
 # Weight names follow the Hugging Face llama layout; every array is float32, Linear weights [out, in]:
 #   model.embed_tokens.weight [V, H]                model.norm.weight [H]     lm_head.weight [V, H] (untied)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from kvforge.runtime.errors import KvforgeError
-from kvforge.runtime.model_config import ModelConfig
+from kvforge.contract.errors import KvforgeError
+from kvforge.contract.model_config import ModelConfig
 from kvforge.tools.export.source import LoadedModel
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")

@@ -10,10 +10,10 @@ import numpy as np
 import onnx
 from safetensors.numpy import save_file
 
-from kvforge.runtime.engine_dir import EMBEDDING_FILE, EMBEDDING_TENSOR
-from kvforge.runtime.engine_dir import ENGINE_MODEL_FILE as MODEL_FILE
-from kvforge.runtime.engine_dir import ENGINE_WEIGHTS_FILE as WEIGHTS_FILE
-from kvforge.runtime.model_config import write_json
+from kvforge.contract.engine_dir import EMBEDDING_FILE, EMBEDDING_TENSOR
+from kvforge.contract.engine_dir import ENGINE_MODEL_FILE as MODEL_FILE
+from kvforge.contract.engine_dir import ENGINE_WEIGHTS_FILE as WEIGHTS_FILE
+from kvforge.contract.model_config import write_json
 from kvforge.tools.export.llama_graph import build_llama_graph
 from kvforge.tools.export.source import LoadedModel
 

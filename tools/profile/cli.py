@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from kvforge.runtime.cli_common import console, run_app, run_guarded
+from kvforge.cli_common import console, run_app, run_guarded
 from kvforge.tools.profile.report import (
     compare_rows,
     compare_table,

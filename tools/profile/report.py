@@ -16,7 +16,7 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
-from kvforge.runtime.errors import KvforgeError
+from kvforge.contract.errors import KvforgeError
 from kvforge.runtime.requests import json_kind
 
 PREFILL_STAGE = "llm_prefill"

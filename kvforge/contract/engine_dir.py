@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvforge.runtime.errors import KvforgeError
-from kvforge.runtime.model_config import ModelConfig, read_json
+from kvforge.contract.errors import KvforgeError
+from kvforge.contract.model_config import ModelConfig, read_json
 
 ENGINE_MODEL_FILE = "model.onnx"
 ENGINE_WEIGHTS_FILE = "model.onnx.data"

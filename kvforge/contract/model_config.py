@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from kvforge.runtime.errors import KvforgeError
+from kvforge.contract.errors import KvforgeError
 
 # Marks an ONNX dir as ours; an export from another tool lacks it and is refused clearly.
 EXPORT_FORMAT = "kvforge-onnx-v1"

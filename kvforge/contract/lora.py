@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvforge.runtime.model_config import ModelConfig
+from kvforge.contract.model_config import ModelConfig
 
 # Short target names (the --loraTargets flag) and the Hugging Face / PEFT module each one adapts.
 LORA_MODULES = {
@@ -45,7 +45,7 @@ def parse_targets(text: str) -> list[str]:
     targets = [t.strip() for t in text.split(",") if t.strip()]
     unknown = [t for t in targets if t not in LORA_MODULES]
     if unknown:
-        from kvforge.runtime.errors import KvforgeError
+        from kvforge.contract.errors import KvforgeError
         raise KvforgeError(f"unknown target(s) {', '.join(unknown)}; choose from {', '.join(LORA_TARGETS)}, "
                            "'all' or 'none'", "--loraTargets")
     return [t for t in LORA_TARGETS if t in targets]  # canonical order, no duplicates

@@ -1,0 +1,1 @@
+"""ONNX graph writing shared by the exporter and the builder's lowering (writer, RoPE)."""
