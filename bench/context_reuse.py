@@ -39,7 +39,7 @@ from kvforge.runtime.context_cache.keys import KeyExtras
 from kvforge.runtime.context_cache.manager import BYPASS, USE_CACHE, Admission, ContextCacheManager
 from kvforge.runtime.llm_runtime import CachePolicies, LLMRuntime, PreparedRequest
 from kvforge.runtime.profile import Profiler
-from kvforge.runtime.requests import Request, parse_request_file
+from kvforge.runtime.request_file import Request, parse_request_file
 from kvforge.runtime.runner import StepInputs
 
 TOKENS_PER_PAGE = 128

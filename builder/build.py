@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
 
-from kvforge.builder.geometry import BuildGeometry, kv_bytes_per_page, resolve_geometry
-from kvforge.builder.lora import check_max_lora_rank, has_lora_inputs, strip_lora
+from kvforge.builder.engine_files import load_model, write_engine_config
 from kvforge.builder.lower_ort import lower_for_onnxruntime
-from kvforge.contract.engine_dir import COPIED_FILES, ENGINE_MODEL_FILE, ENGINE_WEIGHTS_FILE
-from kvforge.contract.errors import KvforgeError
-from kvforge.contract.model_config import ModelConfig, read_json, write_json
+from kvforge.contract.engine_dir import COPIED_FILES, ENGINE_MODEL_FILE, ENGINE_WEIGHTS_FILE, BuilderConfig
+from kvforge.contract.errors import InvalidConfig
+from kvforge.contract.geometry import DEFAULT_TOKENS_PER_PAGE, PageGeometry, kv_bytes_per_page, resolve_geometry
+from kvforge.contract.model_config import ModelConfig, read_json
 
 BACKENDS = ("auto", "onnxruntime", "tensorrt")
 STEPS = 4
@@ -22,13 +21,22 @@ STEPS = 4
 
 @dataclass(frozen=True, slots=True)
 class BuildOptions:
+    """llm_build's settings as given: the unresolved geometry (pool 0 = the default, see PageGeometry) and more."""
+
     max_input_len: int = 1024
     max_kv_cache_capacity: int = 4096
     max_kv_pool_pages: int = 0
     max_batch_size: int = 4
-    tokens_per_page: int = 128
+    tokens_per_page: int = DEFAULT_TOKENS_PER_PAGE
     backend: str = "onnxruntime"  # the CLI defaults to "auto"; the API stays explicit so tests never switch
     max_lora_rank: int = 0
+
+    def geometry(self, max_position_embeddings: int) -> PageGeometry:
+        """The validated geometry for a model with `max_position_embeddings` (InvalidConfig otherwise)."""
+        return resolve_geometry(max_input_len=self.max_input_len, max_kv_cache_capacity=self.max_kv_cache_capacity,
+                                max_batch_size=self.max_batch_size, tokens_per_page=self.tokens_per_page,
+                                max_kv_pool_pages=self.max_kv_pool_pages,
+                                max_position_embeddings=max_position_embeddings)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,11 +52,11 @@ class MemoryPlan:
 
 def read_onnx_dir(onnx_dir: Path) -> ModelConfig:
     if not onnx_dir.is_dir():
-        raise KvforgeError(f"{onnx_dir} is not a directory", "--onnxDir")
-    config = ModelConfig.from_dict(read_json(onnx_dir / "config.json", "--onnxDir"), f"{onnx_dir}/config.json")
+        raise InvalidConfig(f"{onnx_dir} is not a directory", "onnx_dir")
+    config = ModelConfig.from_dict(read_json(onnx_dir / "config.json", "onnx_dir"), f"{onnx_dir}/config.json")
     for name in (ENGINE_MODEL_FILE, *COPIED_FILES):
         if not (onnx_dir / name).is_file():
-            raise KvforgeError(f"missing {name} in {onnx_dir}; re-export it with llm_export", "--onnxDir")
+            raise InvalidConfig(f"missing {name} in {onnx_dir}; re-export it with llm_export", "onnx_dir")
     return config
 
 
@@ -57,7 +65,7 @@ def resolve_backend(backend: str) -> str:
     from kvforge.plugins.trt import cuda_device_count, require_tensorrt, tensorrt_importable
 
     if backend not in BACKENDS:
-        raise KvforgeError(f"must be one of {BACKENDS}, got {backend!r}", "--backend")
+        raise InvalidConfig(f"must be one of {BACKENDS}, got {backend!r}", "backend")
     if backend == "tensorrt":
         require_tensorrt()  # one-line "TensorRT is not installed (pip install 'kvforge[tensorrt]' ...)" error
         return "tensorrt"
@@ -66,35 +74,24 @@ def resolve_backend(backend: str) -> str:
     return "onnxruntime"
 
 
-def memory_plan(config: ModelConfig, geometry: BuildGeometry) -> MemoryPlan:
+def memory_plan(config: ModelConfig, geometry: PageGeometry) -> MemoryPlan:
     per_page = kv_bytes_per_page(config.num_key_value_heads, config.head_dim, geometry.tokens_per_page,
                                  config.kv_cache_dtype)
     return MemoryPlan(per_page, per_page * geometry.max_kv_pool_pages, config.num_hidden_layers)
 
 
 def build_engine(onnx_dir: Path, engine_dir: Path, options: BuildOptions,
-                 step: Callable[[str], None] = lambda _m: None) -> tuple[BuildGeometry, MemoryPlan]:
+                 step: Callable[[str], None] = lambda _m: None) -> tuple[PageGeometry, MemoryPlan]:
     config = read_onnx_dir(onnx_dir)
     backend = resolve_backend(options.backend)
-    geometry = resolve_geometry(max_input_len=options.max_input_len,
-                                max_kv_cache_capacity=options.max_kv_cache_capacity,
-                                max_batch_size=options.max_batch_size, tokens_per_page=options.tokens_per_page,
-                                max_kv_pool_pages=options.max_kv_pool_pages,
-                                max_position_embeddings=config.max_position_embeddings)
+    geometry = options.geometry(config.max_position_embeddings)
     step("validated geometry")
     if backend == "tensorrt":
         from kvforge.builder.trt_build import build_tensorrt_engine  # TensorRT stays an optional extra
         build_tensorrt_engine(onnx_dir, engine_dir, config, geometry, step, max_lora_rank=options.max_lora_rank)
         return geometry, memory_plan(config, geometry)
-    try:
-        model = onnx.load(onnx_dir / ENGINE_MODEL_FILE)
-    except Exception as exc:
-        raise KvforgeError(f"cannot load {onnx_dir / ENGINE_MODEL_FILE}: {exc}", "--onnxDir") from None
+    model = load_model(onnx_dir, config, options.max_lora_rank)
     step("loaded model.onnx")
-    check_max_lora_rank(options.max_lora_rank, model)
-    if options.max_lora_rank == 0 and has_lora_inputs(model):
-        model = strip_lora(model)  # a base-only engine pays nothing for the export's LoRA inputs
-        config.lora_targets = []
     lowered = lower_for_onnxruntime(model, kv_cache_dtype=config.kv_cache_dtype,
                                     tokens_per_page=geometry.tokens_per_page,
                                     num_pages=geometry.max_kv_pool_pages)
@@ -104,11 +101,7 @@ def build_engine(onnx_dir: Path, engine_dir: Path, options: BuildOptions,
         stale.unlink(missing_ok=True)
     onnx.save_model(lowered, engine_dir / ENGINE_MODEL_FILE, save_as_external_data=True,
                     all_tensors_to_one_file=True, location=ENGINE_WEIGHTS_FILE, size_threshold=1024)
-    for name in COPIED_FILES:
-        shutil.copyfile(onnx_dir / name, engine_dir / name)
-    engine_config = config.to_dict()
-    engine_config["builder_config"] = {**geometry.to_builder_config(), "backend": backend,
-                                       "max_lora_rank": options.max_lora_rank}
-    write_json(engine_dir / "config.json", engine_config)
+    write_engine_config(onnx_dir, engine_dir, config,
+                        BuilderConfig.from_geometry(geometry, backend, options.max_lora_rank))
     step("wrote engine dir")
     return geometry, memory_plan(config, geometry)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
-from kvforge.contract.errors import KvforgeError
+from kvforge.contract.errors import InvalidConfig
 
 MAX_LORA_RANK = 1024
 
@@ -16,10 +16,10 @@ def has_lora_inputs(model: onnx.ModelProto) -> bool:
 
 def check_max_lora_rank(max_lora_rank: int, model: onnx.ModelProto) -> None:
     if not 0 <= max_lora_rank <= MAX_LORA_RANK:
-        raise KvforgeError(f"must be in [0, {MAX_LORA_RANK}], got {max_lora_rank}", "--maxLoraRank")
+        raise InvalidConfig(f"must be in [0, {MAX_LORA_RANK}], got {max_lora_rank}", "max_lora_rank")
     if max_lora_rank and not has_lora_inputs(model):
-        raise KvforgeError("the ONNX dir has no lora_A/lora_B inputs; re-export with --loraTargets (e.g. all)",
-                           "--maxLoraRank")
+        raise InvalidConfig("the ONNX dir has no lora_A/lora_B inputs; re-export with --loraTargets (e.g. all)",
+                            "max_lora_rank")
 
 
 def strip_lora(model: onnx.ModelProto) -> onnx.ModelProto:

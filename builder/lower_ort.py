@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from kvforge.contract.errors import KvforgeError
+from kvforge.contract.errors import InvalidConfig
 from kvforge.graph.onnx_graph import FLOAT, FLOAT8E4M3FN, FLOAT16, INT32, INT64, GraphWriter, value_info
 from kvforge.plugins import ops
 
@@ -44,7 +44,7 @@ def lower_for_onnxruntime(model: onnx.ModelProto, *, kv_cache_dtype: str, tokens
     graph = model.graph
     writes = {n.output[0]: n for n in graph.node if n.domain == ops.DOMAIN and n.op_type == ops.PAGED_KV_WRITE.name}
     if not writes:
-        raise KvforgeError("graph has no kvforge.PagedKVWrite nodes; was it exported by llm_export?", "model.onnx")
+        raise InvalidConfig("graph has no kvforge.PagedKVWrite nodes; was it exported by llm_export?", "model.onnx")
     first_attention = next(n for n in graph.node if n.op_type == ops.PAGED_ATTENTION.name)
     num_q = _attr(first_attention, "num_q_heads")
     num_kv = _attr(first_attention, "num_kv_heads")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -12,16 +11,11 @@ from typing import Any
 import onnx
 from onnx import helper
 
-from kvforge.builder.geometry import BuildGeometry
-from kvforge.builder.lora import check_max_lora_rank, has_lora_inputs, strip_lora
-from kvforge.contract.engine_dir import (
-    COPIED_FILES,
-    ENGINE_MODEL_FILE,
-    ENGINE_WEIGHTS_FILE,
-    TRT_ENGINE_FILE,
-)
-from kvforge.contract.errors import KvforgeError
-from kvforge.contract.model_config import ModelConfig, write_json
+from kvforge.builder.engine_files import load_model, write_engine_config
+from kvforge.contract.engine_dir import ENGINE_MODEL_FILE, ENGINE_WEIGHTS_FILE, TRT_ENGINE_FILE, BuilderConfig
+from kvforge.contract.errors import InvalidConfig
+from kvforge.contract.geometry import PageGeometry
+from kvforge.contract.model_config import ModelConfig
 from kvforge.plugins import ops
 from kvforge.plugins.trt import AOT_ATTR, PLUGIN_NAMESPACE_ATTR, register_plugins, require_tensorrt
 
@@ -36,12 +30,12 @@ Shape = tuple[int, ...]
 Profile = dict[str, tuple[Shape, Shape, Shape]]  # input name -> (min, opt, max)
 
 
-def pool_shape(config: ModelConfig, geometry: BuildGeometry) -> Shape:
+def pool_shape(config: ModelConfig, geometry: PageGeometry) -> Shape:
     """[maxKVPoolPages, 2, Hkv, tokensPerPage, D]: the pool the runtime allocates, fixed in the engine."""
     return (geometry.max_kv_pool_pages, 2, config.num_key_value_heads, geometry.tokens_per_page, config.head_dim)
 
 
-def patch_for_tensorrt(model: onnx.ModelProto, config: ModelConfig, geometry: BuildGeometry) -> onnx.ModelProto:
+def patch_for_tensorrt(model: onnx.ModelProto, config: ModelConfig, geometry: PageGeometry) -> onnx.ModelProto:
     """Bind the custom nodes to the QDPs and fix the pool shapes; the export leaves tokens_per_page 0."""
     for node in model.graph.node:
         if node.domain == ops.DOMAIN and node.op_type in ops.SCHEMAS:
@@ -53,7 +47,7 @@ def patch_for_tensorrt(model: onnx.ModelProto, config: ModelConfig, geometry: Bu
     return model
 
 
-def _patch_plugin_node(node: onnx.NodeProto, geometry: BuildGeometry) -> None:
+def _patch_plugin_node(node: onnx.NodeProto, geometry: PageGeometry) -> None:
     values = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     values.update({"tokens_per_page": geometry.tokens_per_page, PLUGIN_NAMESPACE_ATTR: ops.DOMAIN,
                    AOT_ATTR: 1})
@@ -68,7 +62,7 @@ def _set_dims(vi: onnx.ValueInfoProto, dims: Shape) -> None:
         shape.dim.add().dim_value = value
 
 
-def optimization_profiles(model: onnx.ModelProto, config: ModelConfig, geometry: BuildGeometry,
+def optimization_profiles(model: onnx.ModelProto, config: ModelConfig, geometry: PageGeometry,
                           max_lora_rank: int) -> list[Profile]:
     """Profile 0 = prefill (seq 1..maxInputLen), 1 = decode (seq 1); every other input is shared."""
     batch, hidden = geometry.max_batch_size, config.hidden_size
@@ -79,7 +73,7 @@ def optimization_profiles(model: onnx.ModelProto, config: ModelConfig, geometry:
     return [{**prefill, **common}, {**decode, **common}]
 
 
-def _common_shapes(model: onnx.ModelProto, config: ModelConfig, geometry: BuildGeometry,
+def _common_shapes(model: onnx.ModelProto, config: ModelConfig, geometry: PageGeometry,
                    max_lora_rank: int) -> Profile:
     batch, pages = geometry.max_batch_size, geometry.max_pages_per_seq
     per_row = ((1,), (batch,), (batch,))
@@ -114,18 +108,14 @@ def _lora_shapes(vi: onnx.ValueInfoProto, rank: int, batch: int) -> tuple[Shape,
     return tuple(shapes)  # type: ignore[return-value]
 
 
-def build_tensorrt_engine(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometry: BuildGeometry,
+def build_tensorrt_engine(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometry: PageGeometry,
                           step: Callable[[str], None] = lambda _m: None, *, max_lora_rank: int = 0) -> None:
     """The TensorRT half of build_engine: validated geometry in, a complete engine dir out."""
     trt = require_tensorrt()
     if config.kv_cache_dtype not in TRT_KV_CACHE_DTYPES:
-        raise KvforgeError(f"kv_cache_dtype {config.kv_cache_dtype!r} has no TensorRT kernel; re-export with "
-                           f"--kvCacheDtype {' or '.join(TRT_KV_CACHE_DTYPES)}", "--backend")
-    model = _load(onnx_dir)
-    check_max_lora_rank(max_lora_rank, model)
-    if max_lora_rank == 0 and has_lora_inputs(model):
-        model = strip_lora(model)  # a base-only engine pays nothing for the export's LoRA inputs
-        config.lora_targets = []
+        raise InvalidConfig(f"kv_cache_dtype {config.kv_cache_dtype!r} has no TensorRT kernel; re-export with "
+                            f"--kvCacheDtype {' or '.join(TRT_KV_CACHE_DTYPES)}", "backend")
+    model = load_model(onnx_dir, config, max_lora_rank)
     model = patch_for_tensorrt(model, config, geometry)
     profiles = optimization_profiles(model, config, geometry, max_lora_rank)
     step("patched ONNX for the TensorRT plugins")
@@ -142,13 +132,6 @@ def build_tensorrt_engine(onnx_dir: Path, engine_dir: Path, config: ModelConfig,
     step("wrote engine dir")
 
 
-def _load(onnx_dir: Path) -> onnx.ModelProto:
-    try:
-        return onnx.load(onnx_dir / ENGINE_MODEL_FILE)
-    except Exception as exc:
-        raise KvforgeError(f"cannot load {onnx_dir / ENGINE_MODEL_FILE}: {exc}", "--onnxDir") from None
-
-
 def _build_serialized(trt: ModuleType, model_path: Path, profiles: list[Profile]) -> Any:
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
@@ -156,7 +139,7 @@ def _build_serialized(trt: ModuleType, model_path: Path, profiles: list[Profile]
     network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
     parser = trt.OnnxParser(network, logger)
     if not parser.parse_from_file(str(model_path)):  # resolves the external weights next to the file
-        raise KvforgeError(_parse_error(parser), "--onnxDir")
+        raise InvalidConfig(_parse_error(parser), "onnx_dir")
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, WORKSPACE_BYTES)
     # The pool output aliases the pool input (in-place KV writes); TensorRT 10.x gates this preview feature.
@@ -166,8 +149,7 @@ def _build_serialized(trt: ModuleType, model_path: Path, profiles: list[Profile]
         _add_profile(builder, config, shapes, names)
     serialized = builder.build_serialized_network(network, config)
     if serialized is None:
-        raise KvforgeError("TensorRT could not build the engine; its log above names the failing layer",
-                           "--backend")
+        raise InvalidConfig("TensorRT could not build the engine; its log above names the failing layer", "backend")
     return serialized
 
 
@@ -185,22 +167,17 @@ def _parse_error(parser: Any) -> str:
 def _add_profile(builder: Any, config: Any, shapes: Profile, network_inputs: set[str]) -> None:
     missing = sorted(network_inputs - shapes.keys())
     if missing:
-        raise KvforgeError(f"no optimization-profile shape for engine input(s) {', '.join(missing)}", "--onnxDir")
+        raise InvalidConfig(f"no optimization-profile shape for engine input(s) {', '.join(missing)}", "onnx_dir")
     profile = builder.create_optimization_profile()
     for name in sorted(network_inputs):
         profile.set_shape(name, *shapes[name])
     config.add_optimization_profile(profile)
 
 
-def _write_engine_dir(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometry: BuildGeometry,
+def _write_engine_dir(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometry: PageGeometry,
                       max_lora_rank: int, serialized: Any) -> None:
     for stale in (ENGINE_MODEL_FILE, ENGINE_WEIGHTS_FILE):  # an engine dir holds one backend's artefact
         (engine_dir / stale).unlink(missing_ok=True)
     with open(engine_dir / TRT_ENGINE_FILE, "wb") as handle:
         handle.write(memoryview(serialized))  # IHostMemory exposes the buffer protocol
-    for name in COPIED_FILES:
-        shutil.copyfile(onnx_dir / name, engine_dir / name)
-    engine_config = config.to_dict()
-    engine_config["builder_config"] = {**geometry.to_builder_config(), "backend": "tensorrt",
-                                       "max_lora_rank": max_lora_rank}
-    write_json(engine_dir / "config.json", engine_config)
+    write_engine_config(onnx_dir, engine_dir, config, BuilderConfig.from_geometry(geometry, "tensorrt", max_lora_rank))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TypeVar
 
@@ -25,6 +25,40 @@ T = TypeVar("T")
 EXIT_USER_ERROR = 2
 EXIT_INTERNAL_ERROR = 3
 
+# Domain name an error's field carries → the flag a user of that CLI sets it with (see `run_guarded`).
+_ENGINE_BUILD_FLAGS = {  # what an engine is built with; llm_inference names these too (rebuild to change them)
+    "backend": "--backend",
+    "max_input_len": "--maxInputLen",
+    "max_kv_cache_capacity": "--maxKVCacheCapacity",
+    "max_batch_size": "--maxBatchSize",
+    "tokens_per_page": "--tokensPerPage",
+    "max_kv_pool_pages": "--maxKVPoolPages",
+    "max_lora_rank": "--maxLoraRank",
+}
+BUILD_FLAGS = {**_ENGINE_BUILD_FLAGS, "onnx_dir": "--onnxDir", "engine_dir": "--engineDir"}
+ENGINE_FLAGS = {  # llm_inference
+    **_ENGINE_BUILD_FLAGS,
+    "engine_dir": "--engineDir",
+    "input_file": "--inputFile",
+    "output_file": "--outputFile",
+    "profile_output_file": "--profileOutputFile",
+    "context_cache_max_records": "--contextCacheMaxRecords",
+    "prefill_chunk_size": "--prefillChunkSize",
+    "max_num_tokens": "--maxNumTokens",
+    "num_threads": "--numThreads",
+    "batch_size_override": "--batchSize",
+    "max_generate_length_override": "--maxGenerateLength",
+    "num_logprobs_override": "--numLogprobs",
+}
+EXPORT_FLAGS = {
+    "onnx_dir": "--onnxDir",
+    "output_dir": "--outputDir",
+    "adapter_dir": "--adapterDir",
+    "kv_cache_dtype": "--kvCacheDtype",
+    "lora_targets": "--loraTargets",
+    "synthetic": "--synthetic",
+}
+
 
 def run_app(app: typer.Typer) -> None:
     """Entry point of a typer app whose usage errors (missing or malformed flags) are one line too."""
@@ -43,12 +77,15 @@ def fail(message: str, code: int = EXIT_USER_ERROR) -> None:
     raise SystemExit(code)
 
 
-def run_guarded(fn: Callable[[], T], debug: bool = False) -> T:
-    """Run a command body; user errors become one line and exit 2, bugs one line and exit 3."""
+def run_guarded(fn: Callable[[], T], debug: bool = False, flags: Mapping[str, str] | None = None) -> T:
+    """Run a command body; user errors become one line and exit 2, bugs one line and exit 3.
+
+    `flags` maps the domain names errors carry (`max_kv_pool_pages`) to this CLI's flags (`--maxKVPoolPages`).
+    """
     try:
         return fn()
     except KvforgeError as exc:
-        fail(str(exc))
+        fail(str(exc.with_flag_names(flags or {})))
     except KeyboardInterrupt:
         fail("interrupted", 130)
     except Exception as exc:  # an unexpected failure: still one line unless --debug or KVFORGE_DEBUG

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from kvforge.contract.errors import KvforgeError
+from kvforge.contract.errors import InvalidConfig, KvforgeError
 from kvforge.plugins import ops
 
 INSTALL_HINT = "pip install 'kvforge[tensorrt]' on a machine with an NVIDIA GPU"
@@ -29,12 +29,12 @@ def require_tensorrt() -> ModuleType:
         import tensorrt
         import tensorrt.plugin  # noqa: F401 - the QDP API is a submodule
     except ImportError:
-        raise KvforgeError(f"TensorRT is not installed ({INSTALL_HINT}); use --backend onnxruntime",
-                           "--backend") from None
+        raise InvalidConfig(f"TensorRT is not installed ({INSTALL_HINT}); use --backend onnxruntime",
+                            "backend") from None
     if not hasattr(tensorrt.plugin, "aot_impl"):
         version = getattr(tensorrt, "__version__", "?")
-        raise KvforgeError(f"TensorRT {version} lacks tensorrt.plugin.aot_impl (AOT plugins need TensorRT >= 10.9); "
-                           "upgrade with pip install -U 'kvforge[tensorrt]'", "--backend")
+        raise InvalidConfig(f"TensorRT {version} lacks tensorrt.plugin.aot_impl (AOT plugins need TensorRT >= 10.9); "
+                            "upgrade with pip install -U 'kvforge[tensorrt]'", "backend")
     return tensorrt
 
 
@@ -51,7 +51,7 @@ def require_cuda_driver() -> ModuleType:
     try:
         from cuda.bindings import driver
     except ImportError:
-        raise KvforgeError(f"cuda-python is not installed ({INSTALL_HINT})", "--backend") from None
+        raise InvalidConfig(f"cuda-python is not installed ({INSTALL_HINT})", "backend") from None
     return driver
 
 
@@ -73,7 +73,7 @@ def build_gpu_arch(device: int = 0) -> str:
     driver = require_cuda_driver()
     err, = driver.cuInit(0)
     if err != driver.CUresult.CUDA_SUCCESS:
-        raise KvforgeError(f"cannot initialise CUDA ({err}); is an NVIDIA GPU and driver present?", "--backend")
+        raise InvalidConfig(f"cannot initialise CUDA ({err}); is an NVIDIA GPU and driver present?", "backend")
     err, dev = driver.cuDeviceGet(device)
     attr = driver.CUdevice_attribute
     _, major = driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev)
@@ -315,7 +315,7 @@ def kernels_ptx(arch: str) -> bytes:
     from kvforge.plugins import nvrtc
     available, why = nvrtc.nvrtc_available()
     if not available:
-        raise KvforgeError(f"cannot compile the paged-KV kernels: {why}", "--backend")
+        raise InvalidConfig(f"cannot compile the paged-KV kernels: {why}", "backend")
     # PTX text without a trailing NUL, like the str.encode() of the TensorRT AOT samples.
     return nvrtc.compile_kernels(arch, emit="ptx").image
 

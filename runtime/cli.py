@@ -7,10 +7,10 @@ from pathlib import Path
 
 import typer
 
-from kvforge.cli_common import console, run_app, run_guarded
+from kvforge.cli_common import ENGINE_FLAGS, console, run_app, run_guarded
 from kvforge.contract.errors import KvforgeError
-from kvforge.runtime.profile import Profiler, format_summary, write_profile
-from kvforge.runtime.requests import load_request_file
+from kvforge.runtime.profile import format_summary, write_profile
+from kvforge.runtime.request_file import load_request_file
 
 # The help text goes on the command: typer drops a Typer(help=...) when the app has one command.
 HELP = """
@@ -21,6 +21,8 @@ Run the requests of a JSON file on an engine built by llm_build.
   llm_inference --engineDir engines/smollm2 --inputFile test_cases/llm_basic.json --outputFile out.json
   llm_inference --engineDir engines/smollm2 --inputFile in.json --outputFile out.json \\
       --profileOutputFile profile.json --dumpProfile --warmup 1
+  llm_inference --engineDir engines/smollm2 --inputFile in.json --outputFile out.json \\
+      --enableContextReuse --scheduling continuous
 """
 app = typer.Typer(add_completion=False, rich_markup_mode="rich")
 
@@ -47,54 +49,51 @@ def inference(
                                                 "run in chunks (faster on the CPU). 0 = one call per prompt."),
     context_cache_max_records: int = typer.Option(1024, "--contextCacheMaxRecords",
                                                   help="Max retained cache records (0 = publish then evict at once)."),
+    scheduling: str = typer.Option("static", "--scheduling",
+                                   help="static: the file's batch_size batches in file order (the seed's semantics); "
+                                        "continuous: every request to the scheduler at once, rows join and leave "
+                                        "at each step. Greedy answers are identical either way."),
+    max_num_tokens: int = typer.Option(0, "--maxNumTokens",
+                                       help="Token budget of one engine step (prefill chunks + decode rows); "
+                                            "0 = the engine's maxInputLen."),
     dump_output: bool = typer.Option(False, "--dumpOutput", help="Print each response's text to stdout."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
-    """Run every request in file order, batch by batch; responses keep request order."""
+    """Run every request of the file on the engine loop; responses keep request order."""
 
     def body() -> None:
-        from kvforge.runtime.context_cache.manager import BYPASS
-        from kvforge.runtime.llm_runtime import CachePolicies, LLMRuntime  # heavy imports after argument checks
+        from kvforge.runtime.engine import Engine, EngineConfig  # heavy imports after argument checks
+        from kvforge.runtime.file_runner import Scheduling, prepare_requests, run_request_file, warm_up
 
         if warmup < 0:
             raise KvforgeError(f"must be >= 0, got {warmup}", "--warmup")
-        if context_cache_max_records < 0:
-            raise KvforgeError(f"must be >= 0, got {context_cache_max_records}", "--contextCacheMaxRecords")
-        if num_threads < 0:
-            raise KvforgeError(f"must be >= 0, got {num_threads}", "--numThreads")
+        if scheduling not in {s.value for s in Scheduling}:
+            raise KvforgeError(f'must be "static" or "continuous", got {scheduling!r}', "--scheduling")
         if not output_file.parent.is_dir():
             raise KvforgeError(f"directory {output_file.parent} does not exist", "--outputFile")
         if profile_output_file is not None and not profile_output_file.parent.is_dir():
             raise KvforgeError(f"directory {profile_output_file.parent} does not exist", "--profileOutputFile")
         requests = load_request_file(input_file).apply_overrides(batch_size, max_generate_length, num_logprobs)
-        runtime = LLMRuntime(engine_dir, num_threads, enable_context_reuse=enable_context_reuse,
-                             context_cache_max_records=context_cache_max_records,
-                             prefill_chunk_tokens=prefill_chunk_size)
-        runtime.check_batch_size(requests)
-        runtime.load_adapters(requests.available_lora_weights, input_file.resolve().parent)
-        prepared = [runtime.prepare(r, requests.enable_thinking) for r in requests.requests]
-        profiler = Profiler(enabled=False)
-        policies = CachePolicies(requests.context_cache_lookup_policy, requests.context_cache_commit_policy)
-        for _ in range(warmup):  # warmup neither looks up nor publishes, so it cannot warm the cache
-            runtime.generate(prepared[:1], 0, profiler, CachePolicies(BYPASS, policies.commit))
-        profiler.enabled = True
-        responses = []
-        size = requests.batch_size
-        for batch_idx, start in enumerate(range(0, len(prepared), size)):
-            responses.extend(runtime.generate(prepared[start:start + size], batch_idx, profiler, policies))
+        engine = Engine(engine_dir, EngineConfig(num_threads=num_threads, enable_context_reuse=enable_context_reuse,
+                                                 context_cache_max_records=context_cache_max_records,
+                                                 prefill_chunk_size=prefill_chunk_size, max_num_tokens=max_num_tokens))
+        prepared = prepare_requests(engine, requests, input_file.resolve().parent)
+        warm_up(engine, prepared[0], warmup)
+
+        def show(response: dict) -> None:
             if dump_output:
-                for response in responses[-len(prepared[start:start + size]):]:
-                    typer.echo(f"[{response['request_idx']}] {response['output_text']}")
+                typer.echo(f"[{response['request_idx']}] {response['output_text']}")
+
+        responses = run_request_file(engine, requests, prepared, Scheduling(scheduling), on_response=show)
         output_file.write_text(json.dumps({"input_file": str(input_file), "responses": responses},
                                           indent=4, ensure_ascii=False) + "\n", encoding="utf-8")
-        profiler.note_peak_memory(runtime.runner.pool.nbytes)
-        profile = profiler.to_dict(runtime.cache.profile() if enable_context_reuse else None)
+        profile = engine.profile()
         if profile_output_file is not None:
             write_profile(profile_output_file, profile)
         if dump_profile:
             console.print(format_summary(profile))
 
-    run_guarded(body, debug)
+    run_guarded(body, debug, ENGINE_FLAGS)
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ def make_session(model_path: str, num_threads: int = 0) -> ort.InferenceSession:
         return ort.InferenceSession(model_path, options, providers=["CPUExecutionProvider"])
     except Exception as exc:
         raise KvforgeError(f"onnxruntime cannot load {model_path}: {str(exc).splitlines()[0]}",
-                           "--engineDir") from None
+                           "engine_dir") from None
 
 
 class OrtEngineRunner:

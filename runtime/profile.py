@@ -16,10 +16,21 @@ from typing import Any
 import numpy as np
 
 from kvforge.contract.errors import KvforgeError
-
-# Stage ids shared with the tool we mirror; prefill/generation sections read their times from these.
-PREFILL_STAGE = "llm_prefill"
-GENERATION_STAGE = "llm_generation"
+from kvforge.contract.profile_schema import (
+    CONTEXT_CACHE,
+    GENERATION,
+    GENERATION_STAGE,
+    KV_POOL,
+    PEAK_CPU_MEMORY,
+    PER_ADAPTER,
+    PREFILL,
+    PREFILL_STAGE,
+    SCHEDULER,
+    SCHEDULER_KEYS,
+    STAGES,
+    bytes_key,
+    mb_key,
+)
 
 _MIB = 1024 * 1024
 _DECIMALS = 4
@@ -160,13 +171,18 @@ class Profiler:
         timer = self.stages.get(stage_id)
         return timer.total_ms if timer else 0.0
 
-    def to_dict(self, context_cache: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The profile JSON object; each section appears only when it has data."""
+    def to_dict(self, context_cache: dict[str, Any] | None = None,
+                scheduler: dict[str, int] | None = None) -> dict[str, Any]:
+        """The profile JSON object; each section appears only when it has data.
+
+        Engine steps are counted by what they ran: a step with any prefill rows is one `llm_prefill` run
+        (its decode rows included, so `generation` covers pure decode steps only and its tok/s stays the
+        decode rate); the `scheduler` block counts those mixed steps."""
         data: dict[str, Any] = {}
         if self.prefill_runs:
             tokens = self.prefill_reused_tokens + self.prefill_computed_tokens
             prefill_ms = self.stage_ms(PREFILL_STAGE)
-            data["prefill"] = {
+            data[PREFILL] = {
                 "total_runs": self.prefill_runs,
                 "reused_tokens": self.prefill_reused_tokens,
                 "computed_tokens": self.prefill_computed_tokens,
@@ -178,63 +194,69 @@ class Profiler:
             }
         if context_cache is not None:
             # Verbatim: the cache owns these counters (cumulative, warmup included).
-            data["context_cache"] = context_cache
+            data[CONTEXT_CACHE] = context_cache
         if self.generation_runs:
             generation_ms = self.stage_ms(GENERATION_STAGE)
-            data["generation"] = {
+            data[GENERATION] = {
                 "total_runs": self.generation_runs,
                 "generated_tokens": self.generated_tokens,
                 "average_tokens_per_run": _ratio(self.generated_tokens, self.generation_runs),
                 "tokens_per_second": _ratio(self.generated_tokens * 1000.0, generation_ms),
                 "average_time_per_token_ms": _ratio(generation_ms, self.generated_tokens),
             }
+        if scheduler is not None and self.enabled:
+            data[SCHEDULER] = {key: int(scheduler[key]) for key in SCHEDULER_KEYS}
         if self.per_adapter:
-            data["per_adapter"] = {name: dict(counts) for name, counts in self.per_adapter.items()}
+            data[PER_ADAPTER] = {name: dict(counts) for name, counts in self.per_adapter.items()}
         if self.stages:
-            data["stages"] = [timer.to_dict() for timer in self.stages.values()]
+            data[STAGES] = [timer.to_dict() for timer in self.stages.values()]
         if self.peak_cpu_memory_bytes:
-            data["peak_cpu_memory_bytes"] = self.peak_cpu_memory_bytes
-            data["peak_cpu_memory_mb"] = _finite(self.peak_cpu_memory_bytes / _MIB)
+            _add_memory(data, PEAK_CPU_MEMORY, self.peak_cpu_memory_bytes)
         if self.kv_pool_bytes is not None:
-            data["kv_pool_bytes"] = self.kv_pool_bytes
-            data["kv_pool_mb"] = _finite(self.kv_pool_bytes / _MIB)
+            _add_memory(data, KV_POOL, self.kv_pool_bytes)
         return data
+
+
+def _add_memory(data: dict[str, Any], figure: str, num_bytes: int) -> None:
+    """A memory figure is written twice: exact bytes and MiB for reading."""
+    data[bytes_key(figure)] = num_bytes
+    data[mb_key(figure)] = _finite(num_bytes / _MIB)
 
 
 def write_profile(path: Path, data: dict[str, Any]) -> None:
     """Write the profile JSON (2-space indent); a bad location names `--profileOutputFile`."""
     path = Path(path)
     if not path.parent.is_dir():
-        raise KvforgeError(f"directory {str(path.parent)!r} does not exist", "--profileOutputFile")
+        raise KvforgeError(f"directory {str(path.parent)!r} does not exist", "profile_output_file")
     try:
         # allow_nan=False: fail loudly rather than write JSON that strict parsers reject.
         text = json.dumps(data, indent=2, allow_nan=False)
     except ValueError as exc:
-        raise KvforgeError(f"profile holds a non-finite number ({exc})", "--profileOutputFile") from None
+        raise KvforgeError(f"profile holds a non-finite number ({exc})", "profile_output_file") from None
     try:
         path.write_text(text + "\n", encoding="utf-8")
     except OSError as exc:
         raise KvforgeError(f"cannot write {str(path)!r}: {exc.strerror or exc}",
-                           "--profileOutputFile") from None
+                           "profile_output_file") from None
 
 
 def format_summary(data: dict[str, Any]) -> str:
     """A short plain-text view of a profile dict for `--dumpProfile` and `make demo`."""
     lines: list[str] = []
-    prefill = data.get("prefill")
+    prefill = data.get(PREFILL)
     if prefill:
         lines.append(
             f"prefill:    {prefill['total_runs']} runs, "
             f"{prefill['reused_tokens'] + prefill['computed_tokens']} tokens "
             f"({prefill['reused_tokens']} reused, {prefill['computed_tokens']} computed), "
             f"{prefill['tokens_per_second']:.1f} tok/s")
-    generation = data.get("generation")
+    generation = data.get(GENERATION)
     if generation:
         lines.append(
             f"generation: {generation['total_runs']} runs, {generation['generated_tokens']} tokens, "
             f"{generation['tokens_per_second']:.1f} tok/s, "
             f"{generation['average_time_per_token_ms']:.2f} ms/token")
-    stages = data.get("stages") or []
+    stages = data.get(STAGES) or []
     if stages:
         width = max(len("stage"), *(len(stage["stage_id"]) for stage in stages))
         lines.append(f"{'stage':<{width}}  {'runs':>6}  {'mean ms':>10}  {'p95 ms':>10}")
@@ -242,9 +264,9 @@ def format_summary(data: dict[str, Any]) -> str:
             stats = stage["gpu_time_stats"]
             lines.append(f"{stage['stage_id']:<{width}}  {stage['total_runs']:>6}  "
                          f"{stats['mean_ms']:>10.3f}  {stats['p95_ms']:>10.3f}")
-    if "peak_cpu_memory_mb" in data:
-        memory = f"peak memory: {data['peak_cpu_memory_mb']:.1f} MiB CPU"
-        if "kv_pool_mb" in data:
-            memory += f", KV pool {data['kv_pool_mb']:.1f} MiB"
+    if mb_key(PEAK_CPU_MEMORY) in data:
+        memory = f"peak memory: {data[mb_key(PEAK_CPU_MEMORY)]:.1f} MiB CPU"
+        if mb_key(KV_POOL) in data:
+            memory += f", KV pool {data[mb_key(KV_POOL)]:.1f} MiB"
         lines.append(memory)
     return "\n".join(lines) if lines else "profile: no data recorded"

@@ -1,4 +1,4 @@
-"""The engine runner boundary: what one engine call takes and returns, whatever the backend."""
+"""The engine runner boundary: what one engine call takes and returns, and the KV storage a runner owns."""
 
 from __future__ import annotations
 
@@ -7,23 +7,40 @@ from typing import Protocol
 
 import numpy as np
 
-from kvforge.runtime.kv_pool import KVPool
-
 
 @dataclass(slots=True)
 class StepInputs:
     """One engine call over B rows: each row has `kvcache_start_index` tokens cached already and
-    `context_lengths` new tokens (padded to S) whose pages are allocated in `page_ids`."""
+    `context_lengths` new tokens (padded to S) whose pages are allocated in `page_ids`.
+
+    `context_lengths` keeps TensorRT Edge-LLM's binding name although it counts only the *new* tokens.
+    """
 
     inputs_embeds: np.ndarray  # [B, S, H] float32
-    context_lengths: np.ndarray  # [B] int32
-    kvcache_start_index: np.ndarray  # [B] int32
+    context_lengths: np.ndarray  # [B] int32: new tokens per row
+    kvcache_start_index: np.ndarray  # [B] int32: tokens already in the pool per row
     page_ids: list[list[int]]  # per row, pages covering positions [0, start + length)
     lora_tensors: dict[str, np.ndarray] | None = None  # per-row adapters [B, in, r] / [B, r, out]; None = base
 
 
+class KVStorage(Protocol):
+    """The KV pool as the runner holds it (host numpy arrays, or device memory). Only the runner and the
+    caches it hands this to (the legacy system-prompt cache) touch K/V bytes; the engine loop never does."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def read_tokens(self, page_ids: list[int], num_tokens: int) -> list[np.ndarray]:
+        """Stored rows [n, 2, Hkv, D] of positions [0, num_tokens) per layer (host copies, storage dtype)."""
+        ...
+
+    def write_tokens(self, page_ids: list[int], stored_rows: list[np.ndarray]) -> None:
+        """Write rows read by read_tokens back at positions [0, n) of another page-table row."""
+        ...
+
+
 class EngineRunner(Protocol):
-    pool: KVPool
+    pool: KVStorage
 
     def forward(self, step: StepInputs) -> np.ndarray:
         """Runs one call, writes the new tokens' K/V into the pool and returns last-token logits [B, V]."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvforge.contract.errors import KvforgeError
-from kvforge.runtime.requests import SamplingParams
+from kvforge.runtime.types import SamplingParams
 
 
 @dataclass(slots=True)

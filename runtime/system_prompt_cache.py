@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvforge.runtime.kv_pool import KVPool
+from kvforge.runtime.runner import KVStorage
 
 log = logging.getLogger("kvforge.system_prompt_cache")
 
@@ -24,30 +24,32 @@ class SavedPrompt:
 
 
 class SystemPromptCache:
-    __slots__ = ("_entries",)
+    """Copies go through the runner's KVStorage, so the cache works the same on host and device pools."""
 
-    def __init__(self) -> None:
+    __slots__ = ("_entries", "_storage")
+
+    def __init__(self, storage: KVStorage) -> None:
         self._entries: dict[tuple[str, str], SavedPrompt] = {}
+        self._storage = storage
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def restore(self, key: tuple[str, str], prompt_ids: list[int], pool: KVPool, page_ids: list[int]) -> int:
+    def restore(self, key: tuple[str, str], prompt_ids: list[int], page_ids: list[int]) -> int:
         """Copy a saved system prompt into the sequence's pages; returns how many tokens are now cached."""
         saved = self._entries.get(key)
         if saved is None or not _aligned(saved.token_ids, prompt_ids):
             return 0
-        pool.write_tokens(page_ids, saved.rows)
+        self._storage.write_tokens(page_ids, saved.rows)
         return len(saved.token_ids)
 
-    def save(self, key: tuple[str, str], system_ids: list[int], prompt_ids: list[int], pool: KVPool,
-             page_ids: list[int]) -> bool:
+    def save(self, key: tuple[str, str], system_ids: list[int], prompt_ids: list[int], page_ids: list[int]) -> bool:
         if key in self._entries or not system_ids:
             return False
         if not _aligned(tuple(system_ids), prompt_ids):
             log.warning("system prompt tokens are not a prefix of the prompt tokens; not caching it")
             return False
-        self._entries[key] = SavedPrompt(tuple(system_ids), pool.read_tokens(page_ids, len(system_ids)))
+        self._entries[key] = SavedPrompt(tuple(system_ids), self._storage.read_tokens(page_ids, len(system_ids)))
         return True
 
 

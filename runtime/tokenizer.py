@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 from jinja2 import TemplateError
@@ -10,7 +11,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from kvforge.contract.errors import KvforgeError
-from kvforge.runtime.requests import Request
+from kvforge.runtime.types import Message
 
 
 class ChatTokenizer:
@@ -18,7 +19,7 @@ class ChatTokenizer:
         try:
             self.tokenizer = Tokenizer.from_file(str(engine_dir / "tokenizer.json"))
         except Exception as exc:
-            raise KvforgeError(f"cannot load tokenizer.json: {exc}", "--engineDir") from None
+            raise KvforgeError(f"cannot load tokenizer.json: {exc}", "engine_dir") from None
         config = json.loads((engine_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
         self.bos_token: str | None = config.get("bos_token")
         self.eos_token: str | None = config.get("eos_token")
@@ -27,26 +28,25 @@ class ChatTokenizer:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
         self.template = env.from_string(template) if template else None
 
-    def format(self, request: Request, enable_thinking: bool = False) -> str:
+    def format(self, messages: Sequence[Message], *, apply_chat_template: bool = True,
+               add_generation_prompt: bool = True, enable_thinking: bool = False, where: str = "messages") -> str:
         """The prompt text: the chat template applied to the messages, or their plain concatenation."""
-        if not request.apply_chat_template or self.template is None:
-            return request.plain_text()
-        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        if not apply_chat_template or self.template is None:
+            return "".join(m.content for m in messages)
         try:
-            return self.template.render(messages=messages, add_generation_prompt=request.add_generation_prompt,
+            return self.template.render(messages=[{"role": m.role, "content": m.content} for m in messages],
+                                        add_generation_prompt=add_generation_prompt,
                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "",
                                         enable_thinking=enable_thinking)
         except TemplateError as exc:
-            raise KvforgeError(f"chat template failed: {exc}", f"requests[{request.index}].messages") from None
+            raise KvforgeError(f"chat template failed: {exc}", where) from None
 
-    def format_system_prompt(self, request: Request) -> str:
-        """The template applied to the leading system messages alone (the legacy cache's key)."""
-        system = [m for m in request.messages[:1] if m.role == "system"]
-        if not system or self.template is None or not request.apply_chat_template:
+    def format_system_prompt(self, messages: Sequence[Message], apply_chat_template: bool = True) -> str:
+        """The template applied to the leading system message alone (the legacy cache's key)."""
+        system = [m for m in messages[:1] if m.role == "system"]
+        if not system or self.template is None or not apply_chat_template:
             return ""
-        return self.template.render(messages=[{"role": m.role, "content": m.content} for m in system],
-                                    add_generation_prompt=False, bos_token=self.bos_token or "",
-                                    eos_token=self.eos_token or "")
+        return self.format(system, add_generation_prompt=False)
 
     def encode(self, text: str) -> list[int]:
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids

@@ -32,7 +32,7 @@ class CudaDriver:
     def call(self, name: str, *args: Any) -> Any:
         err, *values = getattr(self.cu, name)(*args)
         if err != self.cu.CUresult.CUDA_SUCCESS:
-            raise KvforgeError(f"CUDA {name} failed: {err}", "--engineDir")
+            raise KvforgeError(f"CUDA {name} failed: {err}", "engine_dir")
         return values[0] if len(values) == 1 else tuple(values) or None
 
     @property
@@ -140,7 +140,7 @@ class TrtEngineRunner:
         self.engine = self._deserialize(trt, engine)
         self.context = self.engine.create_execution_context()
         if self.context is None:
-            raise KvforgeError("TensorRT could not create an execution context (out of GPU memory?)", "--engineDir")
+            raise KvforgeError("TensorRT could not create an execution context (out of GPU memory?)", "engine_dir")
         self.pool = DeviceKVPool(self.cuda, model.num_hidden_layers, build.max_kv_pool_pages,
                                  model.num_key_value_heads, build.tokens_per_page, model.head_dim,
                                  model.kv_cache_dtype)
@@ -162,7 +162,7 @@ class TrtEngineRunner:
         cuda_engine = runtime.deserialize_cuda_engine(data)
         if cuda_engine is None:
             raise KvforgeError(f"TensorRT cannot load {engine.file(TRT_ENGINE_FILE)}; it was built by another "
-                               "TensorRT version or for another GPU: rebuild it with llm_build", "--engineDir")
+                               "TensorRT version or for another GPU: rebuild it with llm_build", "engine_dir")
         return cuda_engine
 
     def _io_names(self) -> list[str]:
@@ -185,7 +185,7 @@ class TrtEngineRunner:
         unknown = [n for n in self.inputs if n not in sizes and not n.startswith("past_key_values_")]
         if unknown:
             raise KvforgeError(f"engine input(s) {', '.join(unknown)} are not part of the kvforge engine contract; "
-                               "rebuild the engine with this kvforge", "--engineDir")
+                               "rebuild the engine with this kvforge", "engine_dir")
         return {name: self.cuda.alloc(count * self._np_dtype(name).itemsize) for name, count in sizes.items()}
 
     def _upload_once(self, ptr: int, host: np.ndarray) -> None:
@@ -211,7 +211,7 @@ class TrtEngineRunner:
         logits = np.empty((batch, self.vocab_size), self._np_dtype("logits"))
         self.context.set_tensor_address("logits", self.buffers["logits"])
         if not self.context.execute_async_v3(self.cuda.stream_handle):
-            raise KvforgeError("TensorRT failed to enqueue the engine call", "--engineDir")
+            raise KvforgeError("TensorRT failed to enqueue the engine call", "engine_dir")
         self.cuda.download(logits, self.buffers["logits"])
         self.cuda.synchronize()
         self._host.clear()
@@ -228,13 +228,13 @@ class TrtEngineRunner:
     def _check_limits(self, batch: int, seq: int) -> None:
         if batch > self.build.max_batch_size or seq > self.build.max_input_len:
             raise KvforgeError(f"call of {batch} x {seq} tokens exceeds the engine's maxBatchSize "
-                               f"{self.build.max_batch_size} / maxInputLen {self.build.max_input_len}", "--engineDir")
+                               f"{self.build.max_batch_size} / maxInputLen {self.build.max_input_len}", "engine_dir")
 
     def _select_profile(self, profile: int) -> None:
         if profile != self._profile:
             # Switching invalidates the input shapes, which _bind sets again on every call anyway.
             if not self.context.set_optimization_profile_async(profile, self.cuda.stream_handle):
-                raise KvforgeError(f"TensorRT cannot select optimization profile {profile}", "--engineDir")
+                raise KvforgeError(f"TensorRT cannot select optimization profile {profile}", "engine_dir")
             self._profile = profile
 
     def _page_table(self, page_ids: list[list[int]]) -> np.ndarray:
@@ -277,4 +277,4 @@ class TrtEngineRunner:
     def _set_shape(self, name: str, shape: tuple[int, ...]) -> None:
         if not self.context.set_input_shape(name, tuple(int(d) for d in shape)):
             raise KvforgeError(f"shape {tuple(shape)} of {name} is outside the engine's optimization profile "
-                               f"{self._profile}", "--engineDir")
+                               f"{self._profile}", "engine_dir")

@@ -128,8 +128,11 @@ def test_build_refuses_foreign_onnx_dir(run_cli, tmp_path: Path) -> None:
 BUILD_FLAG_CASES = [
     pytest.param(["--tokensPerPage", "100"], ("--tokensPerPage", "power of two", "100"), id="page-not-pow2"),
     pytest.param(["--maxInputLen", "64", "--maxKVCacheCapacity", "256", "--maxBatchSize", "4",
-                  "--tokensPerPage", "16", "--maxKVPoolPages", "63"],
-                 ("--maxKVPoolPages", "63", "at least 64"), id="pool-below-minimum"),
+                  "--tokensPerPage", "16", "--maxKVPoolPages", "15"],
+                 ("--maxKVPoolPages", "15", "at least 16"), id="pool-below-one-sequence"),
+    pytest.param(["--maxBatchSize", "0"], ("--maxBatchSize", "got 0"), id="batch-0"),
+    pytest.param(["--backend", "cuda"], ("--backend", "'cuda'"), id="unknown-backend"),
+    pytest.param(["--maxLoraRank", "4"], ("--maxLoraRank", "no lora_A/lora_B inputs"), id="lora-rank-without-lora"),
     pytest.param(["--maxInputLen", "512", "--maxKVCacheCapacity", "256"],
                  ("--maxInputLen", "512", "maxKVCacheCapacity=256"), id="input-len-over-capacity"),
 ]
@@ -142,6 +145,22 @@ def test_build_bad_flags(run_cli, tiny_onnx_dir: Path, tmp_path: Path, flags: li
     proc = run_cli(["llm_build", "--onnxDir", tiny_onnx_dir, "--engineDir", engine, *flags])
     assert_one_line_error(proc, *needles)
     assert not engine.exists(), "geometry errors must be raised before anything is written"
+
+
+def test_build_missing_onnx_dir(run_cli, tmp_path: Path) -> None:
+    proc = run_cli(["llm_build", "--onnxDir", tmp_path / "nowhere", "--engineDir", tmp_path / "engine"])
+    assert_one_line_error(proc, "--onnxDir", "not a directory")
+
+
+def test_build_accepts_a_pool_smaller_than_a_full_batch(run_cli, tiny_onnx_dir: Path, tmp_path: Path) -> None:
+    # One sequence at full capacity (256 / 16 = 16 pages) is enough: rows wait or are preempted when it is full.
+    engine = tmp_path / "engine"
+    proc = run_cli(["llm_build", "--onnxDir", tiny_onnx_dir, "--engineDir", engine, "--backend", "onnxruntime",
+                    "--maxInputLen", "64", "--maxKVCacheCapacity", "256", "--maxBatchSize", "4",
+                    "--tokensPerPage", "16", "--maxKVPoolPages", "16"])
+    assert proc.returncode == 0, proc.stderr
+    assert "rows will wait or be preempted when the pool is full" in " ".join(proc.stderr.split())
+    assert json.loads((engine / "config.json").read_text())["builder_config"]["max_kv_pool_pages"] == 16
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorrt") is not None, reason="TensorRT is installed here")

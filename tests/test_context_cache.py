@@ -7,17 +7,18 @@ import pytest
 
 from kvforge.contract.errors import KvforgeError
 from kvforge.runtime.context_cache.eviction import plan_eviction
-from kvforge.runtime.context_cache.index import BlockIndex
+from kvforge.runtime.context_cache.index import PageIndex
 from kvforge.runtime.context_cache.keys import KeyExtras, page_keys
-from kvforge.runtime.context_cache.manager import BYPASS, Admission, ContextCacheManager
+from kvforge.runtime.context_cache.manager import Admission, ContextCacheManager, Lease
 from kvforge.runtime.context_cache.planner import (
     PLAN_FULL_INPUT_REWIND,
     PLAN_NO_REUSABLE_PREFIX,
     PLAN_STANDARD,
     plan_reuse,
 )
-from kvforge.runtime.context_cache.pools import BASE_KV_PAGES, ResourcePool, ResourcePools
+from kvforge.runtime.context_cache.pools import BASE_KV_PAGES, ResourcePool
 from kvforge.runtime.context_cache.records import Record, RecordStore
+from kvforge.runtime.types import LookupPolicy
 
 T = 4  # tokens per page
 
@@ -73,35 +74,38 @@ def test_pool_frees_only_when_both_refcounts_are_zero() -> None:
         pool.unpin([page])  # underflow is a bug, never silent
 
 
-def test_pools_allocate_all_or_nothing() -> None:
-    pools = ResourcePools({BASE_KV_PAGES: 2})
-    with pytest.raises(KvforgeError):
-        pools.allocate({BASE_KV_PAGES: 3})
-    assert pools[BASE_KV_PAGES].num_free == 2
-    assert pools.to_dict()["draft_kv_pages"] == {"free": 0, "capacity": 0}
+def test_pool_refuses_to_overallocate_and_profile_lists_every_pool_key() -> None:
+    pool = ResourcePool(BASE_KV_PAGES, 2)
+    assert not pool.can_allocate(3)
+    with pytest.raises(AssertionError):  # callers ask first; over-allocation is a bug, not a user error
+        pool.allocate(3)
+    assert pool.num_free == 2
+    profile = ContextCacheManager(2, T, enabled=True).profile()
+    assert profile["resource_pools"]["draft_kv_pages"] == {"free": 0, "capacity": 0}
+    assert profile["resource_pools"][BASE_KV_PAGES] == {"free": 2, "capacity": 2}
 
 
 # --- planner ----------------------------------------------------------------------------------------
 
 def test_planner_kinds() -> None:
     miss = plan_reuse(10, T, [])
-    assert (miss.kind, miss.reuse_tokens, miss.demand[BASE_KV_PAGES]) == (PLAN_NO_REUSABLE_PREFIX, 0, 3)
+    assert (miss.kind, miss.reuse_tokens, miss.new_pages) == (PLAN_NO_REUSABLE_PREFIX, 0, 3)
     hit = plan_reuse(10, T, [7, 3])
-    assert (hit.kind, hit.reuse_tokens, hit.hit_pages, hit.demand[BASE_KV_PAGES]) == (PLAN_STANDARD, 8, (7, 3), 1)
+    assert (hit.kind, hit.reuse_tokens, hit.hit_pages, hit.new_pages) == (PLAN_STANDARD, 8, (7, 3), 1)
     aligned = plan_reuse(8, T, [7, 3])  # fully matched, page aligned: recompute the last page for logits
     assert (aligned.kind, aligned.matched_tokens, aligned.reuse_tokens, aligned.hit_pages) == \
         (PLAN_FULL_INPUT_REWIND, 8, 4, (7,))
-    assert aligned.demand[BASE_KV_PAGES] == 1
+    assert aligned.new_pages == 1
 
 
 def test_index_lookup_stops_at_a_hole_and_verifies_tokens() -> None:
-    index = BlockIndex()
+    index = PageIndex()
     ids = np.array(tokens(12), dtype=np.int32)
     keys = page_keys(ids, T, KeyExtras())
     index.insert(keys[0], 5, ids[:4].astype("<i4").tobytes())
     index.insert(keys[2], 6, ids[8:12].astype("<i4").tobytes())
     assert index.lookup_longest(keys, ids, T) == [5]
-    forged = BlockIndex()  # a key whose stored tokens differ (a collision) is a miss, never a hit
+    forged = PageIndex()  # a key whose stored tokens differ (a collision) is a miss, never a hit
     forged.insert(keys[0], 5, np.array([9, 9, 9, 9], dtype="<i4").tobytes())
     assert forged.lookup_longest(keys, ids, T) == []
 
@@ -116,8 +120,7 @@ def _record(store: RecordStore, pages: tuple[int, ...]) -> Record:
 
 
 def test_eviction_shared_ancestor_needs_several_victims_and_plans_are_read_only() -> None:
-    pools = ResourcePools({BASE_KV_PAGES: 3})
-    pool = pools[BASE_KV_PAGES]
+    pool = ResourcePool(BASE_KV_PAGES, 3)
     pages = pool.allocate(3)
     store = RecordStore()
     a = _record(store, (pages[0], pages[1]))  # two branches sharing ancestor page 0
@@ -126,22 +129,21 @@ def test_eviction_shared_ancestor_needs_several_victims_and_plans_are_read_only(
     pool.add_cache_ref(b.page_ids)
     pool.unpin(pages)
     before = (list(pool.active), list(pool.cache), pool.num_free)
-    assert plan_eviction({BASE_KV_PAGES: 1}, pools, store.least_recent_first()) == [a.record_id]
-    assert plan_eviction({BASE_KV_PAGES: 3}, pools, store.least_recent_first()) == [a.record_id, b.record_id]
-    assert plan_eviction({BASE_KV_PAGES: 4}, pools, store.least_recent_first()) is None  # infeasible
+    assert plan_eviction(1, pool, store.least_recent_first()) == [a.record_id]
+    assert plan_eviction(3, pool, store.least_recent_first()) == [a.record_id, b.record_id]
+    assert plan_eviction(4, pool, store.least_recent_first()) is None  # infeasible
     assert (list(pool.active), list(pool.cache), pool.num_free) == before  # nothing changed
 
 
 def test_eviction_never_reclaims_pinned_pages() -> None:
-    pools = ResourcePools({BASE_KV_PAGES: 2})
-    pool = pools[BASE_KV_PAGES]
+    pool = ResourcePool(BASE_KV_PAGES, 2)
     pages = pool.allocate(2)
     store = RecordStore()
     record = _record(store, tuple(pages))
     pool.add_cache_ref(record.page_ids)
     pool.unpin([pages[1]])  # page 0 stays pinned by an in-flight request
-    assert plan_eviction({BASE_KV_PAGES: 2}, pools, store.least_recent_first()) is None
-    assert plan_eviction({BASE_KV_PAGES: 1}, pools, store.least_recent_first()) == [record.record_id]
+    assert plan_eviction(2, pool, store.least_recent_first()) is None
+    assert plan_eviction(1, pool, store.least_recent_first()) == [record.record_id]
 
 
 # --- manager ----------------------------------------------------------------------------------------
@@ -150,9 +152,15 @@ def make_manager(num_pages: int = 8, max_records: int = 1024) -> ContextCacheMan
     return ContextCacheManager(num_pages, T, enabled=True, max_records=max_records)
 
 
+def acquire(manager: ContextCacheManager, ids: list[int], **admission: object) -> Lease:
+    lease = manager.try_acquire(Admission(ids, **admission))  # type: ignore[arg-type]
+    assert lease is not None
+    return lease
+
+
 def run_request(manager: ContextCacheManager, ids: list[int], salt: str | None = None,
-                lookup: str = "use_cache") -> tuple[int, str]:
-    lease = manager.acquire(Admission(ids, KeyExtras(cache_salt=salt), lookup))
+                lookup: LookupPolicy = LookupPolicy.USE_CACHE) -> tuple[int, str]:
+    lease = acquire(manager, ids, extras=KeyExtras(cache_salt=salt), lookup_policy=lookup)
     outcome = manager.publish(lease, ids)
     manager.release(lease)
     manager.check_invariants()
@@ -183,7 +191,7 @@ def test_duplicate_publication_touches_instead_of_adding() -> None:
 def test_bypass_never_looks_up_or_publishes() -> None:
     manager = make_manager()
     run_request(manager, tokens(8))
-    assert run_request(manager, tokens(8), lookup=BYPASS) == (0, "skipped")
+    assert run_request(manager, tokens(8), lookup=LookupPolicy.BYPASS) == (0, "skipped")
     profile = manager.profile()
     assert profile["lookup_bypass_sequences"] == 1
     assert profile["publications"]["attempts"] == 1 and len(manager.records) == 1
@@ -225,7 +233,7 @@ def test_hit_that_cannot_get_pages_retries_cold_once(monkeypatch: pytest.MonkeyP
         return None if len(calls) == 1 else real_try(plan, extras, may_publish)
 
     monkeypatch.setattr(manager, "_try_acquire", first_try_fails)
-    lease = manager.acquire(Admission(tokens(8) + [1]))
+    lease = acquire(manager, tokens(8) + [1])
     assert calls == [PLAN_STANDARD, "bypass"]
     assert lease.forced_cold and lease.reuse_tokens == 0 and not lease.may_publish
     assert manager.publish(lease, tokens(8) + [1]) == "skipped"
@@ -235,12 +243,16 @@ def test_hit_that_cannot_get_pages_retries_cold_once(monkeypatch: pytest.MonkeyP
     manager.check_invariants()
 
 
-def test_pool_too_small_fails_cleanly_and_stays_consistent() -> None:
+def test_full_pool_answers_none_and_stays_consistent() -> None:
     manager = make_manager(num_pages=3)
     run_request(manager, tokens(8))  # a record holds 2 of 3 pages
-    held = manager.acquire(Admission(tokens(8, 500)))  # evicts it, pins 2 pages
-    with pytest.raises(KvforgeError, match="maxKVPoolPages"):
-        manager.acquire(Admission(tokens(8, 600)))
+    held = acquire(manager, tokens(8, 500))  # evicts it, pins 2 pages
+    before = manager.profile()
+    assert manager.try_acquire(Admission(tokens(8, 600))) is None  # the scheduler makes it wait
+    after = manager.profile()
+    before.pop("planning_nanoseconds"), after.pop("planning_nanoseconds")  # asking costs time, nothing else
+    assert after == before  # nothing counted, nothing changed
+    assert manager.fits_alone(12) and not manager.fits_alone(13)
     manager.check_invariants()
     manager.release(held)
     manager.check_invariants()
@@ -249,8 +261,9 @@ def test_pool_too_small_fails_cleanly_and_stays_consistent() -> None:
 
 def test_first_committer_owns_the_canonical_page() -> None:
     manager = make_manager()
-    first = manager.acquire(Admission(tokens(8)))
-    second = manager.acquire(Admission(tokens(8) + [7]))  # same content, computed concurrently
+    first = acquire(manager, tokens(8))
+    assert manager.prefix_in_flight(Admission(tokens(8) + [7]))  # the scheduler would make it wait...
+    second = acquire(manager, tokens(8) + [7])  # ...but computed concurrently anyway, it still works
     assert manager.publish(first, tokens(8)) == "committed"
     assert manager.publish(second, tokens(8) + [7]) == "existing"  # same endpoint (8 tokens)
     manager.release(first)
@@ -261,11 +274,10 @@ def test_first_committer_owns_the_canonical_page() -> None:
 
 def test_growth_evicts_and_rolls_nothing_back_on_failure() -> None:
     manager = make_manager(num_pages=3)
-    lease = manager.acquire(Admission(tokens(4)))
-    manager.grow(lease, 12)
+    lease = acquire(manager, tokens(4))
+    assert manager.try_grow(lease, 12)
     assert len(lease.page_ids) == 3
-    with pytest.raises(KvforgeError, match="decoding"):
-        manager.grow(lease, 13)
+    assert not manager.try_grow(lease, 13)  # the scheduler preempts someone and retries
     assert len(lease.page_ids) == 3
     manager.release(lease)
     manager.check_invariants()
@@ -273,7 +285,7 @@ def test_growth_evicts_and_rolls_nothing_back_on_failure() -> None:
 
 def test_disabled_manager_is_a_plain_allocator() -> None:
     manager = ContextCacheManager(4, T, enabled=False)
-    lease = manager.acquire(Admission(tokens(8)))
+    lease = acquire(manager, tokens(8))
     assert manager.publish(lease, tokens(8)) == "skipped"
     manager.release(lease)
     assert manager.pages.num_free == 4 and len(manager.index) == 0
@@ -282,4 +294,35 @@ def test_disabled_manager_is_a_plain_allocator() -> None:
 def test_negative_record_limit_is_rejected() -> None:
     with pytest.raises(KvforgeError) as info:
         ContextCacheManager(4, T, enabled=True, max_records=-1)
-    assert info.value.field == "--contextCacheMaxRecords"
+    assert info.value.field == "context_cache_max_records"
+
+
+def test_pages_computed_in_flight_are_hits_and_leave_with_an_unpublished_lease() -> None:
+    manager = make_manager(num_pages=12)
+    document = tokens(12)
+    owner = acquire(manager, document + [90, 91])
+    manager.index_computed(owner, document + [90, 91], 8)  # the first chunk (two pages) is done
+    waiting = Admission(document + [70])
+    assert manager.prefix_in_flight(waiting)  # page 2 is still being computed: wait for it
+    manager.index_computed(owner, document + [90, 91], 14)
+    assert not manager.prefix_in_flight(waiting)
+    reader = acquire(manager, document + [70])
+    assert reader.reuse_tokens == 12 and reader.page_ids[:3] == owner.page_ids[:3]
+    manager.check_invariants()
+    manager.release(owner)  # aborted: never published, but the reader still holds the shared pages
+    manager.check_invariants()
+    assert len(manager.records) == 0 and len(manager.index) == 3
+    manager.release(reader)
+    manager.check_invariants()
+    assert len(manager.index) == 0 and manager.pages.num_free == 12  # nothing published, nothing left
+
+
+def test_generated_tokens_are_not_indexed_in_flight() -> None:
+    manager = make_manager()
+    prompt = tokens(5)
+    lease = manager.try_acquire(Admission(prompt + [50, 51, 52], indexable_tokens=len(prompt)))
+    assert lease is not None
+    manager.index_computed(lease, prompt + [50, 51, 52], 8)
+    assert len(manager.index) == 1  # only the prompt's full page
+    manager.release(lease)
+    manager.check_invariants()

@@ -6,17 +6,17 @@ import json
 from pathlib import Path
 
 import pytest
+from engine_driver import make_engine, run_file, shrink_pool, top1_ids
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.engine_dir import load_engine_dir
 from kvforge.contract.errors import KvforgeError
-from kvforge.runtime.context_cache.manager import BYPASS, INCLUDING_GENERATED_TOKENS, PREFILL_STATE_ONLY, USE_CACHE
-from kvforge.runtime.llm_runtime import CachePolicies, LLMRuntime
+from kvforge.runtime.engine import Engine
 from kvforge.runtime.ort_runner import OrtEngineRunner
-from kvforge.runtime.profile import Profiler
-from kvforge.runtime.requests import parse_request_file
+from kvforge.runtime.request_file import parse_request_file
+from kvforge.runtime.types import CommitPolicy, LookupPolicy
 from kvforge.tools.export.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir
 
@@ -44,44 +44,28 @@ def cold_runner(engine_dir: Path) -> OrtEngineRunner:
     return OrtEngineRunner(load_engine_dir(engine_dir), num_threads=2)
 
 
-def make_runtime(engine_dir: Path, runner: OrtEngineRunner, reuse: bool = True, max_records: int = 1024,
-                 ) -> LLMRuntime:
-    # Runtimes may share a runner one after another (a fresh cache treats every page as free and pages are
-    # written before they are read), never interleaved: a warm cache needs its pages left alone.
-    return LLMRuntime(engine_dir, runner=runner, enable_context_reuse=reuse, context_cache_max_records=max_records)
+BYPASS, USE_CACHE = LookupPolicy.BYPASS.value, LookupPolicy.USE_CACHE.value
+INCLUDING_GENERATED_TOKENS = CommitPolicy.INCLUDING_GENERATED_TOKENS.value
+PREFILL_STATE_ONLY = CommitPolicy.PREFILL_STATE_ONLY.value
 
 
-def run_file(runtime: LLMRuntime, data: dict, profiler: Profiler | None = None) -> list[dict]:
-    request_file = parse_request_file(data)
-    policies = CachePolicies(request_file.context_cache_lookup_policy, request_file.context_cache_commit_policy)
-    prepared = [runtime.prepare(r) for r in request_file.requests]
-    profiler = profiler or Profiler()
-    out: list[dict] = []
-    for batch_idx, batch in enumerate(request_file.batches()):
-        out += runtime.generate(prepared[len(out):len(out) + len(batch)], batch_idx, profiler, policies)
-        runtime.cache.check_invariants()
-        assert not runtime.cache.leases  # every lease released
-    return out
-
-
-def top1_ids(response: dict) -> list[int]:
-    return [step[0]["token_id"] for step in response["logprobs"]]
+def make_runtime(engine_dir: Path, runner: OrtEngineRunner, reuse: bool = True, max_records: int = 1024) -> Engine:
+    return make_engine(engine_dir, runner, reuse=reuse, context_cache_max_records=max_records)
 
 
 def test_context_reuse_case_matches_cold(engine_dir: Path, runner: OrtEngineRunner,
                                         cold_runner: OrtEngineRunner) -> None:
     data = json.loads((ROOT / "test_cases" / "llm_context_reuse.json").read_text())
     data["max_generate_length"] = 6
-    profiler = Profiler()
     warm_runtime = make_runtime(engine_dir, runner)
-    warm = run_file(warm_runtime, data, profiler)
+    warm = run_file(warm_runtime, data)
     cold = run_file(make_runtime(engine_dir, cold_runner, reuse=False), data)
     for key in ("output_text", "finish_reason"):
         assert warm[0][key] == warm[2][key]
     assert top1_ids(warm[0]) == top1_ids(warm[2])
     for w, c in zip(warm, cold, strict=True):
         assert (w["output_text"], top1_ids(w)) == (c["output_text"], top1_ids(c))
-    profile = profiler.to_dict(warm_runtime.cache.profile())
+    profile = warm_runtime.profile()
     assert profile["prefill"]["reused_tokens"] > 0
     assert warm[0]["usage"]["cached_tokens"] == 0
     prefix_pages = warm[1]["usage"]["prompt_tokens"] // T
@@ -140,7 +124,7 @@ def test_bypass_and_prefill_state_only(engine_dir: Path, runner: OrtEngineRunner
     assert len(runtime.cache.records) == 0 and runtime.cache.profile()["lookup_bypass_sequences"] == 1
     run_file(runtime, {**base, "context_cache_commit_policy": PREFILL_STATE_ONLY})
     [record] = runtime.cache.records.least_recent_first()
-    prompt_tokens = len(runtime.tokenizer.encode(runtime.tokenizer.format(parse_request_file(base).requests[0])))
+    prompt_tokens = len(runtime.inputs.process(parse_request_file(base).requests[0]).prompt_ids)
     assert len(record.token_ids) == prompt_tokens // T * T  # the prompt only: no generated page
     run_file(runtime, {**base, "requests": [{"messages": [{"role": "user", "content": "y" * 40}]}]})
     assert max(len(r.token_ids) for r in runtime.cache.records.least_recent_first()) > prompt_tokens // T * T
@@ -190,9 +174,7 @@ def test_random_streams_match_cold_and_keep_accounting(engine_dir: Path, runner:
                                                        batch_size: int, lookup: str,
                                                        commit: str, max_records: int, pool_pages: int) -> None:
     runtime = make_runtime(engine_dir, runner, max_records=max_records)
-    # A small pool forces eviction: rebuild the manager over fewer pages of the same engine pool.
-    from kvforge.runtime.context_cache.manager import ContextCacheManager
-    runtime.cache = ContextCacheManager(pool_pages, T, enabled=True, max_records=max_records)
+    shrink_pool(runtime, pool_pages, max_records)  # a small pool forces eviction
     data = {"batch_size": batch_size, "temperature": 0.0, "num_logprobs": 1, "apply_chat_template": False,
             "context_cache_lookup_policy": lookup, "context_cache_commit_policy": commit,
             "requests": [{"messages": [{"role": "user", "content": r["document"] + r["question"]}],
@@ -210,7 +192,5 @@ def test_random_streams_match_cold_and_keep_accounting(engine_dir: Path, runner:
             assert response["usage"]["cached_tokens"] == 0
     cache = runtime.cache
     assert len(cache.records) <= max_records
-    cached_pages = {p for r in cache.records.least_recent_first() for p in r.page_ids}
-    assert cache.pages.num_free == cache.pages.capacity - len(cached_pages)  # nothing leaked
     if lookup == BYPASS:
         assert len(cache.records) == 0

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from engine_driver import make_engine, run_file
 from numpy_llama import dense_logits
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
@@ -15,9 +16,8 @@ from safetensors.numpy import load_file, save_file
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.lora import LORA_MODULES, LORA_TARGETS, lora_inputs
-from kvforge.runtime.llm_runtime import CachePolicies, LLMRuntime
-from kvforge.runtime.profile import Profiler
-from kvforge.runtime.requests import parse_request_file
+from kvforge.runtime.engine import Engine
+from kvforge.runtime.request_file import parse_request_file
 from kvforge.tools.export.lora import write_converted_adapter, write_random_peft_adapter
 from kvforge.tools.export.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir
@@ -43,16 +43,8 @@ def lora_setup(tmp_path_factory: pytest.TempPathFactory):
     return loaded, root, adapters
 
 
-def run(runtime: LLMRuntime, data: dict) -> list[dict]:
-    request_file = parse_request_file(data)
-    policies = CachePolicies(request_file.context_cache_lookup_policy, request_file.context_cache_commit_policy)
-    runtime.load_adapters(request_file.available_lora_weights)
-    prepared = [runtime.prepare(r) for r in request_file.requests]
-    out: list[dict] = []
-    for batch_idx, batch in enumerate(request_file.batches()):
-        out += runtime.generate(prepared[len(out):len(out) + len(batch)], batch_idx, Profiler(), policies)
-        runtime.cache.check_invariants()
-    return out
+def run(runtime: Engine, data: dict) -> list[dict]:
+    return run_file(runtime, data)
 
 
 def merged_weights(weights: dict[str, np.ndarray], adapter_file: Path, config) -> dict[str, np.ndarray]:
@@ -66,7 +58,7 @@ def merged_weights(weights: dict[str, np.ndarray], adapter_file: Path, config) -
 
 def test_adapter_output_equals_merged_weights(lora_setup) -> None:
     loaded, root, adapters = lora_setup
-    runtime = LLMRuntime(root / "engine", num_threads=2)
+    runtime = make_engine(root / "engine", num_threads=2)
     prompt = "merge me, please"
     data = {"temperature": 0.0, "max_generate_length": 6, "num_logprobs": 3, "apply_chat_template": False,
             "available_lora_weights": {"a": str(adapters["a"])},
@@ -89,7 +81,7 @@ def test_adapter_output_equals_merged_weights(lora_setup) -> None:
 def test_mixed_adapter_batch_equals_each_row_alone(lora_setup) -> None:
     """Per-row adapter inputs: base, rank-4 and rank-8 adapters in one engine call give what each gives alone."""
     _, root, adapters = lora_setup
-    runtime = LLMRuntime(root / "engine", num_threads=2)
+    runtime = make_engine(root / "engine", num_threads=2)
     rows = [None, "a", "b", "a"]
     data = {"batch_size": 4, "temperature": 0.0, "max_generate_length": 8, "num_logprobs": 2,
             "available_lora_weights": {name: str(path) for name, path in adapters.items()},
@@ -129,7 +121,7 @@ def test_isolation_matrix(lora_setup, tmp_path: Path) -> None:
     combos = [(v, salt) for v in variants for salt in (None, "x")]
     for first_combo in combos:
         for second_combo in combos:
-            runtime = LLMRuntime(root / "engine", num_threads=1, enable_context_reuse=True)
+            runtime = make_engine(root / "engine", num_threads=1, reuse=True)
             run(runtime, request(*first_combo))
             cached = run(runtime, request(*second_combo))[0]["usage"]["cached_tokens"]
             same = first_combo[1] == second_combo[1] and first_combo[0][1] == second_combo[0][1]
@@ -144,9 +136,9 @@ def test_reuse_is_invisible_on_llm_lora_case(lora_setup, monkeypatch: pytest.Mon
         (lora_dir / f"{name}.safetensors").write_bytes(adapters[source].read_bytes())
     monkeypatch.setenv("KVFORGE_LORA_DIR", str(lora_dir))
     data = json.loads((ROOT / "test_cases" / "llm_lora.json").read_text())
-    warm_runtime = LLMRuntime(root / "engine", num_threads=2, enable_context_reuse=True)
+    warm_runtime = make_engine(root / "engine", num_threads=2, reuse=True)
     warm = run(warm_runtime, data)
-    cold = run(LLMRuntime(root / "engine", num_threads=2), data)
+    cold = run(make_engine(root / "engine", num_threads=2), data)
     for w, c in zip(warm, cold, strict=True):
         assert (w["output_text"], [s[0]["token_id"] for s in w["logprobs"]]) == \
                (c["output_text"], [s[0]["token_id"] for s in c["logprobs"]])
@@ -157,7 +149,7 @@ def test_reuse_is_invisible_on_llm_lora_case(lora_setup, monkeypatch: pytest.Mon
 
 def test_bad_adapters(lora_setup, tmp_path: Path) -> None:
     _, root, adapters = lora_setup
-    runtime = LLMRuntime(root / "engine", num_threads=1)
+    runtime = make_engine(root / "engine", num_threads=1)
 
     def load(path: Path) -> str:
         with pytest.raises(KvforgeError) as info:
@@ -212,7 +204,7 @@ def test_base_engine_refuses_adapters_and_strips_lora(lora_setup, tmp_path: Path
     import onnx
     model = onnx.load(tmp_path / "base" / "model.onnx", load_external_data=False)
     assert not [i for i in model.graph.input if i.name.startswith("lora_")]
-    runtime = LLMRuntime(tmp_path / "base", num_threads=1)
+    runtime = make_engine(tmp_path / "base", num_threads=1)
     with pytest.raises(KvforgeError, match="--maxLoraRank"):
         runtime.load_adapters({"a": str(adapters["a"])})
 

@@ -194,8 +194,8 @@ def test_json_round_trip_has_no_nan(tmp_path: Path) -> None:
 def test_write_profile_missing_directory_names_field(tmp_path: Path) -> None:
     with pytest.raises(KvforgeError) as info:
         write_profile(tmp_path / "missing" / "profile.json", {})
-    assert info.value.field == "--profileOutputFile"
-    assert "--profileOutputFile" in str(info.value)
+    assert info.value.field == "profile_output_file"  # llm_inference maps it to --profileOutputFile
+    assert "profile_output_file" in str(info.value)
 
 
 def test_summary_mentions_stages_and_counts() -> None:

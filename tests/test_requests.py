@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvforge.contract.errors import KvforgeError
-from kvforge.runtime.requests import (
+from kvforge.runtime.request_file import (
     Message,
     RequestFile,
     SamplingParams,
@@ -70,7 +70,7 @@ def test_defaults() -> None:
     assert request.sampling == SamplingParams(1.0, 0.8, 50, 256, 0, {}, (), None)
     assert request.apply_chat_template and request.add_generation_prompt
     assert request.lora_name is None and request.cache_salt is None
-    assert not request.save_system_prompt_kv_cache and not request.disable_spec_decode
+    assert not request.save_system_prompt_kv_cache
     assert request.extra == {}
 
 
@@ -85,10 +85,12 @@ def test_top_level_values_are_request_defaults_and_requests_override() -> None:
                              "apply_chat_template": True, "add_generation_prompt": True})
     parsed = parse_request_file(data)
     first, second = parsed.requests
-    assert first.sampling == SamplingParams(0.5, 1.0, 0, 7, 3, {5: -2.0}, ("END",), 11)
+    assert first.sampling == SamplingParams(0.5, 1.0, 0, 7, 3, {5: -2.0}, ("END",), 11, reuse_context=False,
+                                            cache_generated_tokens=False)
     assert isinstance(first.sampling.top_p, float) and isinstance(first.sampling.temperature, float)
     assert not first.apply_chat_template and not first.add_generation_prompt
-    assert second.sampling == SamplingParams(0.0, 0.5, 1, 1, 50, {}, ("a", "b"), None)
+    assert second.sampling == SamplingParams(0.0, 0.5, 1, 1, 50, {}, ("a", "b"), None, reuse_context=False,
+                                             cache_generated_tokens=False)
     assert second.apply_chat_template and second.add_generation_prompt
     assert (parsed.batch_size, parsed.enable_thinking) == (16, True)
     assert parsed.context_cache_lookup_policy == "bypass"
@@ -114,7 +116,7 @@ def test_content_array_is_joined_and_extra_keys_kept() -> None:
     assert request.plain_text() == "S:abcd"
     assert request.extra == {"reference": "NVIDIA", "_scenario": "cold"}
     assert request.cache_salt == "s"
-    assert request.save_system_prompt_kv_cache and request.disable_spec_decode
+    assert request.save_system_prompt_kv_cache
 
 
 def test_unknown_top_level_keys_are_ignored() -> None:
@@ -171,16 +173,17 @@ def test_apply_overrides() -> None:
 
 
 @pytest.mark.parametrize(("kwargs", "field"), [
-    ({"batch_size": 0}, "--batchSize"),
-    ({"batch_size": 17}, "--batchSize"),
-    ({"batch_size": -2}, "--batchSize"),
-    ({"batch_size": True}, "--batchSize"),
-    ({"max_generate_length": 0}, "--maxGenerateLength"),
-    ({"max_generate_length": 2.0}, "--maxGenerateLength"),
-    ({"num_logprobs": 51}, "--numLogprobs"),
-    ({"num_logprobs": -3}, "--numLogprobs"),
+    ({"batch_size": 0}, "batch_size_override"),
+    ({"batch_size": 17}, "batch_size_override"),
+    ({"batch_size": -2}, "batch_size_override"),
+    ({"batch_size": True}, "batch_size_override"),
+    ({"max_generate_length": 0}, "max_generate_length_override"),
+    ({"max_generate_length": 2.0}, "max_generate_length_override"),
+    ({"num_logprobs": 51}, "num_logprobs_override"),
+    ({"num_logprobs": -3}, "num_logprobs_override"),
 ])
 def test_apply_overrides_errors(kwargs: dict[str, Any], field: str) -> None:
+    """Domain names; llm_inference maps them to --batchSize / --maxGenerateLength / --numLogprobs."""
     parsed = parse_request_file(minimal())
     with pytest.raises(KvforgeError) as info:
         parsed.apply_overrides(**kwargs)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from engine_driver import make_engine, run_file
 from numpy_llama import dense_logits
 
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.errors import KvforgeError
-from kvforge.runtime.llm_runtime import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, LLMRuntime
-from kvforge.runtime.profile import Profiler
-from kvforge.runtime.requests import parse_request_file
+from kvforge.runtime.engine import Engine
+from kvforge.runtime.sequence import FinishReason
 from kvforge.tools.export.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir
 
@@ -27,25 +27,27 @@ def model_and_engine(tmp_path_factory: pytest.TempPathFactory):
     return loaded, root / "engine"
 
 
+FINISH_EOS, FINISH_LENGTH, FINISH_STOP = FinishReason.EOS.value, FinishReason.LENGTH.value, FinishReason.STOP.value
+
+
 @pytest.fixture(scope="module")
-def runtime(model_and_engine) -> LLMRuntime:
-    return LLMRuntime(model_and_engine[1], num_threads=2)
+def runtime(model_and_engine) -> Engine:
+    return make_engine(model_and_engine[1])
 
 
-def run(runtime: LLMRuntime, prompts: list[str], batch_size: int, **sampling) -> list[dict]:
-    data = {"batch_size": batch_size, "temperature": 0.0, "top_k": 1, "max_generate_length": 12,
+def data_for(prompts: list[str], batch_size: int, **sampling) -> dict:
+    return {"batch_size": batch_size, "temperature": 0.0, "top_k": 1, "max_generate_length": 12,
             "apply_chat_template": False, "num_logprobs": 2, **sampling,
             "requests": [{"messages": [{"role": "user", "content": p}]} for p in prompts]}
-    request_file = parse_request_file(data)
-    prepared = [runtime.prepare(r) for r in request_file.requests]
-    out = []
-    for batch_idx, batch in enumerate(request_file.batches()):
-        out += runtime.generate(prepared[len(out):len(out) + len(batch)], batch_idx, Profiler())
+
+
+def run(runtime: Engine, prompts: list[str], batch_size: int, **sampling) -> list[dict]:
+    out = run_file(runtime, data_for(prompts, batch_size, **sampling))
     assert runtime.cache.pages.num_free == runtime.cache.pages.capacity  # every page came back
     return out
 
 
-def test_ragged_batch_equals_each_prompt_alone(runtime: LLMRuntime) -> None:
+def test_ragged_batch_equals_each_prompt_alone(runtime: Engine) -> None:
     together = run(runtime, PROMPTS, batch_size=4)
     alone = run(runtime, PROMPTS, batch_size=1)
     for a, b in zip(together, alone, strict=True):
@@ -58,7 +60,7 @@ def test_ragged_batch_equals_each_prompt_alone(runtime: LLMRuntime) -> None:
     assert [r["batch_idx"] for r in alone] == [0, 1, 2, 3]
 
 
-def test_greedy_tokens_match_dense_reference(runtime: LLMRuntime, model_and_engine) -> None:
+def test_greedy_tokens_match_dense_reference(runtime: Engine, model_and_engine) -> None:
     """Each generated token is the argmax of a full recompute of the prompt plus the tokens before it."""
     loaded = model_and_engine[0]
     response = run(runtime, [PROMPTS[1]], batch_size=1, max_generate_length=10)[0]
@@ -72,7 +74,7 @@ def test_greedy_tokens_match_dense_reference(runtime: LLMRuntime, model_and_engi
     assert response["logprobs"][0][0]["logprob"] == pytest.approx(float(top_logprob.max()), abs=1e-4)
 
 
-def test_finish_reasons_and_usage(runtime: LLMRuntime) -> None:
+def test_finish_reasons_and_usage(runtime: Engine) -> None:
     response = run(runtime, [PROMPTS[0]], batch_size=1, max_generate_length=5)[0]
     assert response["usage"] == {"prompt_tokens": 2, "completion_tokens": len(response["logprobs"]), "cached_tokens": 0}
     assert response["finish_reason"] in (FINISH_LENGTH, FINISH_EOS)
@@ -87,7 +89,7 @@ def test_finish_reasons_and_usage(runtime: LLMRuntime) -> None:
     assert stopped["output_text"] == full[:full.find(stop)]
 
 
-def test_logit_bias_forces_eos(runtime: LLMRuntime) -> None:
+def test_logit_bias_forces_eos(runtime: Engine) -> None:
     eos = runtime.engine.model.eos_token_ids[0]
     response = run(runtime, [PROMPTS[1]], batch_size=1, logit_bias={str(eos): 100})[0]
     assert response["finish_reason"] == FINISH_EOS
@@ -95,7 +97,7 @@ def test_logit_bias_forces_eos(runtime: LLMRuntime) -> None:
     assert response["usage"]["completion_tokens"] == 1
 
 
-def test_generation_stops_at_kv_capacity(runtime: LLMRuntime) -> None:
+def test_generation_stops_at_kv_capacity(runtime: Engine) -> None:
     """capacity 96: a 40-token prompt can feed 56 more tokens, so at most 57 are generated."""
     prompt = "abcd" * 10
     response = run(runtime, [prompt], batch_size=1, max_generate_length=200,
@@ -104,12 +106,11 @@ def test_generation_stops_at_kv_capacity(runtime: LLMRuntime) -> None:
     assert response["usage"]["completion_tokens"] == 96 - 40 + 1
 
 
-def test_profile_counts_tokens(runtime: LLMRuntime) -> None:
-    request_file = parse_request_file({"temperature": 0.0, "max_generate_length": 4, "apply_chat_template": False,
-                                       "requests": [{"messages": [{"role": "user", "content": "hello"}]}]})
-    profiler = Profiler()
-    runtime.generate([runtime.prepare(request_file.requests[0])], 0, profiler)
-    profile = profiler.to_dict()
+def test_profile_counts_tokens(model_and_engine) -> None:
+    runtime = make_engine(model_and_engine[1])
+    run_file(runtime, {"temperature": 0.0, "max_generate_length": 4, "apply_chat_template": False,
+                       "requests": [{"messages": [{"role": "user", "content": "hello"}]}]})
+    profile = runtime.profile()
     assert profile["prefill"]["computed_tokens"] == 5
     assert profile["prefill"]["reused_tokens"] == 0
     stages = {s["stage_id"]: s for s in profile["stages"]}
@@ -120,17 +121,17 @@ def test_profile_counts_tokens(runtime: LLMRuntime) -> None:
 
 def test_chunked_prefill_matches_one_call(model_and_engine) -> None:
     """Prefill in 8-token chunks (rows of different lengths drop out as they finish) equals one call."""
-    whole = LLMRuntime(model_and_engine[1], num_threads=2, prefill_chunk_tokens=0)
-    chunked = LLMRuntime(model_and_engine[1], num_threads=2, prefill_chunk_tokens=8)
-    profiler = Profiler()
+    whole = make_engine(model_and_engine[1], prefill_chunk_size=0)
+    chunked = make_engine(model_and_engine[1], whole.runner, prefill_chunk_size=8)
     for a, b in zip(run(whole, PROMPTS, batch_size=4), run(chunked, PROMPTS, batch_size=4), strict=True):
         assert (a["output_text"], [s[0]["token_id"] for s in a["logprobs"]]) == \
                (b["output_text"], [s[0]["token_id"] for s in b["logprobs"]])
-    request_file = parse_request_file({"temperature": 0.0, "max_generate_length": 1, "apply_chat_template": False,
-                                       "requests": [{"messages": [{"role": "user", "content": "x" * 20}]}]})
-    chunked.generate([chunked.prepare(request_file.requests[0])], 0, profiler)
-    profile = profiler.to_dict()
-    assert profile["prefill"]["computed_tokens"] == 20 and profile["prefill"]["total_runs"] == 1
-    assert {s["stage_id"]: s["total_runs"] for s in profile["stages"]}["llm_prefill"] == 3  # 8 + 8 + 4
-    with pytest.raises(KvforgeError):
-        LLMRuntime(model_and_engine[1], prefill_chunk_tokens=-1)
+    fresh = make_engine(model_and_engine[1], whole.runner, prefill_chunk_size=8)
+    run_file(fresh, {"temperature": 0.0, "max_generate_length": 1, "apply_chat_template": False,
+                     "requests": [{"messages": [{"role": "user", "content": "x" * 20}]}]})
+    profile = fresh.profile()
+    assert profile["prefill"]["computed_tokens"] == 20 and profile["prefill"]["total_runs"] == 3  # 8 + 8 + 4
+    assert {s["stage_id"]: s["total_runs"] for s in profile["stages"]}["llm_prefill"] == 3
+    with pytest.raises(KvforgeError) as info:
+        make_engine(model_and_engine[1], prefill_chunk_size=-1)
+    assert info.value.field == "prefill_chunk_size"

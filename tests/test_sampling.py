@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from kvforge.contract.errors import KvforgeError
-from kvforge.runtime.requests import SamplingParams
 from kvforge.runtime.sampling import (
     Sampler,
     SampleResult,
@@ -20,6 +19,7 @@ from kvforge.runtime.sampling import (
     sample_batch,
     top_ids,
 )
+from kvforge.runtime.types import SamplingParams
 
 LOGITS = arrays(np.float32, st.integers(2, 40), elements=st.floats(-30, 30, width=32))
 SEEDS = st.integers(0, 2**32)
@@ -98,8 +98,10 @@ def nucleus(row: np.ndarray, top_p: float, temperature: float) -> set[int]:
     probs = np.exp(log_softmax(row.astype(np.float64) / temperature))
     kept: set[int] = set()
     mass = 0.0
-    # Ordered by logit (not by a rounded probability), ties by lower id, as the sampler orders them.
-    for token_id in sorted(range(row.size), key=lambda i: (-float(row[i]), i)):
+    # Ordered as the sampler orders them: by (logit - max) / T in float64 (logits that become equal after the
+    # shift, such as 0 and 6e-34 next to a max of 1, tie), ties by lower id.
+    scaled = (row.astype(np.float64) - float(row.max())) / temperature
+    for token_id in sorted(range(row.size), key=lambda i: (-float(scaled[i]), i)):
         if kept and mass >= top_p:
             break
         kept.add(token_id)

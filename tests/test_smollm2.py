@@ -9,12 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from engine_driver import make_engine, run_file
 from numpy_llama import dense_logits
 
 from kvforge.builder.build import BuildOptions, build_engine
-from kvforge.runtime.llm_runtime import LLMRuntime
-from kvforge.runtime.profile import Profiler
-from kvforge.runtime.requests import parse_request_file
 from kvforge.tools.export.writer import write_onnx_dir
 
 pytestmark = pytest.mark.model
@@ -57,13 +55,12 @@ def test_capital_of_france_through_the_cli(smollm2, tmp_path: Path) -> None:
 def test_logits_match_numpy_reference(smollm2) -> None:
     """GGUF weights through export, lowering and the paged runner equal a dense numpy forward."""
     loaded, engine = smollm2
-    runtime = LLMRuntime(engine, num_threads=2)
+    runtime = make_engine(engine)
     ids = runtime.tokenizer.encode("The Eiffel Tower is located in the city of")
-    request = parse_request_file({"temperature": 0.0, "max_generate_length": 4, "num_logprobs": 5,
+    response = run_file(runtime, {"temperature": 0.0, "max_generate_length": 4, "num_logprobs": 5,
                                   "apply_chat_template": False, "requests": [
                                       {"messages": [{"role": "user", "content":
-                                                     "The Eiffel Tower is located in the city of"}]}]})
-    response = runtime.generate([runtime.prepare(request.requests[0])], 0, Profiler())[0]
+                                                     "The Eiffel Tower is located in the city of"}]}]})[0]
     generated = [step[0]["token_id"] for step in response["logprobs"]]
     reference = dense_logits(loaded.config, loaded.weights, ids + generated)
     for i, step in enumerate(response["logprobs"]):
@@ -76,32 +73,23 @@ def test_logits_match_numpy_reference(smollm2) -> None:
 
 
 def test_ragged_batch_equals_each_alone(smollm2) -> None:
-    runtime = LLMRuntime(smollm2[1], num_threads=2)
+    runtime = make_engine(smollm2[1])
     prompts = ["Name three colors.", "What is 2 + 2? Answer with one number only please.", "Hi"]
-    data = {"temperature": 0.0, "max_generate_length": 12, "num_logprobs": 1,
+    data = {"temperature": 0.0, "max_generate_length": 12, "num_logprobs": 1, "batch_size": 3,
             "requests": [{"messages": [{"role": "user", "content": p}]} for p in prompts]}
-    request_file = parse_request_file(data)
-    prepared = [runtime.prepare(r) for r in request_file.requests]
-    together = runtime.generate(prepared, 0, Profiler())
-    for i, p in enumerate(prepared):
-        alone = runtime.generate([p], i, Profiler())[0]
+    together = run_file(runtime, data)
+    for i, alone in enumerate(run_file(runtime, {**data, "batch_size": 1})):
         assert alone["output_text"] == together[i]["output_text"]
         assert [s[0]["token_id"] for s in alone["logprobs"]] == [s[0]["token_id"] for s in together[i]["logprobs"]]
 
 
 def test_context_reuse_case_is_token_identical(smollm2) -> None:
     """test_cases/llm_context_reuse.json: request 2 reuses P (and P+Q) and matches request 0 exactly."""
-    from kvforge.runtime.llm_runtime import CachePolicies
-
-    runtime = LLMRuntime(smollm2[1], num_threads=2, enable_context_reuse=True)
-    request_file = parse_request_file(json.loads((ROOT / "test_cases" / "llm_context_reuse.json").read_text()))
-    policies = CachePolicies(request_file.context_cache_lookup_policy, request_file.context_cache_commit_policy)
-    profiler = Profiler()
-    responses = [runtime.generate([runtime.prepare(r)], i, profiler, policies)[0]
-                 for i, r in enumerate(request_file.requests)]
+    runtime = make_engine(smollm2[1], reuse=True)
+    responses = run_file(runtime, json.loads((ROOT / "test_cases" / "llm_context_reuse.json").read_text()))
     first, last = responses[0], responses[2]
     assert (first["output_text"], first["finish_reason"]) == (last["output_text"], last["finish_reason"])
     assert [s[0]["token_id"] for s in first["logprobs"]] == [s[0]["token_id"] for s in last["logprobs"]]
-    assert profiler.to_dict()["prefill"]["reused_tokens"] > 0
+    assert runtime.profile()["prefill"]["reused_tokens"] > 0
     assert last["usage"]["cached_tokens"] == last["usage"]["prompt_tokens"] // 64 * 64
     runtime.cache.check_invariants()

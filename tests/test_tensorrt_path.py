@@ -13,7 +13,6 @@ import onnx
 import pytest
 
 from kvforge.builder.build import BuildOptions, build_engine, resolve_backend
-from kvforge.builder.geometry import resolve_geometry
 from kvforge.contract.engine_dir import TRT_ENGINE_FILE, load_engine_dir
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.lora import LORA_TARGETS
@@ -50,9 +49,7 @@ def lora_onnx_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _geometry(options: BuildOptions = TRT_BUILD):
-    return resolve_geometry(max_input_len=options.max_input_len, max_kv_cache_capacity=options.max_kv_cache_capacity,
-                            max_batch_size=options.max_batch_size, tokens_per_page=options.tokens_per_page,
-                            max_kv_pool_pages=options.max_kv_pool_pages, max_position_embeddings=1 << 20)
+    return options.geometry(max_position_embeddings=1 << 20)
 
 
 def _config(onnx_dir: Path) -> dict:
@@ -67,7 +64,7 @@ def test_tensorrt_backend_without_tensorrt_is_one_line_error(no_tensorrt: None, 
         build_engine(tiny_onnx_dir, tmp_path / "engine", TRT_BUILD)
     message = str(info.value)
     assert "TensorRT is not installed" in message and "kvforge[tensorrt]" in message
-    assert info.value.field == "--backend" and "\n" not in message
+    assert info.value.field == "backend" and "\n" not in message
 
 
 def test_auto_without_tensorrt_is_onnxruntime(no_tensorrt: None) -> None:

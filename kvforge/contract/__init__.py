@@ -1,1 +1,1 @@
-"""The contract layer (errors, model and engine-dir config, page math, LoRA): imports no other kvforge layer."""
+"""The contract layer (errors, model and engine-dir config, page geometry, LoRA): imports no other kvforge layer."""

@@ -45,9 +45,9 @@ def parse_targets(text: str) -> list[str]:
     targets = [t.strip() for t in text.split(",") if t.strip()]
     unknown = [t for t in targets if t not in LORA_MODULES]
     if unknown:
-        from kvforge.contract.errors import KvforgeError
-        raise KvforgeError(f"unknown target(s) {', '.join(unknown)}; choose from {', '.join(LORA_TARGETS)}, "
-                           "'all' or 'none'", "--loraTargets")
+        from kvforge.contract.errors import InvalidConfig
+        raise InvalidConfig(f"unknown target(s) {', '.join(unknown)}; choose from {', '.join(LORA_TARGETS)}, "
+                            "'all' or 'none'", "lora_targets")
     return [t for t in LORA_TARGETS if t in targets]  # canonical order, no duplicates
 
 

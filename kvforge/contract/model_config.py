@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from kvforge.contract.errors import KvforgeError
+from kvforge.contract.errors import InvalidConfig, KvforgeError
 
 # Marks an ONNX dir as ours; an export from another tool lacks it and is refused clearly.
 EXPORT_FORMAT = "kvforge-onnx-v1"
@@ -43,20 +43,20 @@ class ModelConfig:
 
     def validate(self) -> None:
         if self.model not in MODEL_FAMILIES:
-            raise KvforgeError(f"unsupported model family {self.model!r}; expected one of {MODEL_FAMILIES}",
-                               "config.model")
+            raise InvalidConfig(f"unsupported model family {self.model!r}; expected one of {MODEL_FAMILIES}",
+                                "config.model")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise KvforgeError(f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
-                               "config.kv_cache_dtype")
+            raise InvalidConfig(f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
+                                "config.kv_cache_dtype")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise KvforgeError("num_attention_heads must be a multiple of num_key_value_heads",
-                               "config.num_key_value_heads")
+            raise InvalidConfig("num_attention_heads must be a multiple of num_key_value_heads",
+                                "config.num_key_value_heads")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim"):
             if getattr(self, name) <= 0:
-                raise KvforgeError("must be positive", f"config.{name}")
+                raise InvalidConfig("must be positive", f"config.{name}")
         if self.head_dim % 2:
-            raise KvforgeError("must be even for rotate-half RoPE", "config.head_dim")
+            raise InvalidConfig("must be even for rotate-half RoPE", "config.head_dim")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -64,14 +64,14 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "config.json") -> ModelConfig:
         if data.get("format") != EXPORT_FORMAT:
-            raise KvforgeError(
+            raise InvalidConfig(
                 f"not a kvforge export (format is {data.get('format')!r}, expected {EXPORT_FORMAT!r}); "
                 "re-export it with llm_export", where)
         known = {f.name for f in fields(cls)}
         try:
             config = cls(**{k: v for k, v in data.items() if k in known})
         except TypeError as exc:
-            raise KvforgeError(f"missing or invalid field ({exc})", where) from None
+            raise InvalidConfig(f"missing or invalid field ({exc})", where) from None
         config.validate()
         return config
 

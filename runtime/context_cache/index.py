@@ -1,4 +1,4 @@
-"""Block index: page key → the canonical physical page holding that content (first committer wins)."""
+"""Page index: page key → the canonical physical page holding that content (first committer wins)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ class IndexEntry:
     token_bytes: bytes  # the page's token ids, compared on every hit (a collision can never serve stale KV)
 
 
-class BlockIndex:
+class PageIndex:
     __slots__ = ("_entries", "_key_of_page")
 
     def __init__(self) -> None:

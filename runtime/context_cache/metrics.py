@@ -1,12 +1,11 @@
-"""Context-cache counters, cumulative over the process (warmup included), keyed as the profile JSON expects."""
+"""Context-cache counters, cumulative over the process (warmup included), for the profile's context_cache block."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvforge.runtime.context_cache.planner import PLAN_KINDS
-from kvforge.runtime.context_cache.pools import POOL_NAMES
+from kvforge.contract import profile_schema as schema
 
 
 @dataclass(slots=True)
@@ -18,34 +17,36 @@ class CacheMetrics:
     forced_cold_sequences: int = 0
     matched_tokens: int = 0
     reused_tokens: int = 0
-    plans: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PLAN_KINDS, 0))
+    plans: dict[str, int] = field(default_factory=lambda: dict.fromkeys(schema.PLAN_KINDS, 0))
     publication_attempts: int = 0
     publications_committed: int = 0
     publications_existing: int = 0
     planning_nanoseconds: int = 0
     records_evicted: int = 0
-    reclaimed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(POOL_NAMES, 0))
+    reclaimed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(schema.POOL_KEYS, 0))
 
     def to_dict(self, records_current: int, resource_pools: dict[str, dict[str, int]]) -> dict[str, Any]:
+        """The context_cache block; the schema's pools missing from `resource_pools` are listed empty."""
         return {
-            "admitted_sequences": self.admitted_sequences,
-            "hit_sequences": self.hit_sequences,
-            "media_aware_sequences": self.media_aware_sequences,
-            "lookup_bypass_sequences": self.lookup_bypass_sequences,
-            "forced_cold_sequences": self.forced_cold_sequences,
-            "matched_tokens": self.matched_tokens,
-            "reused_tokens": self.reused_tokens,
-            "plans": dict(self.plans),
-            "publications": {
-                "attempts": self.publication_attempts,
-                "committed": self.publications_committed,
-                "existing": self.publications_existing,
-                "successful_endpoints": self.publications_committed + self.publications_existing,
+            schema.ADMITTED_SEQUENCES: self.admitted_sequences,
+            schema.HIT_SEQUENCES: self.hit_sequences,
+            schema.MEDIA_AWARE_SEQUENCES: self.media_aware_sequences,
+            schema.LOOKUP_BYPASS_SEQUENCES: self.lookup_bypass_sequences,
+            schema.FORCED_COLD_SEQUENCES: self.forced_cold_sequences,
+            schema.MATCHED_TOKENS: self.matched_tokens,
+            schema.REUSED_TOKENS: self.reused_tokens,
+            schema.PLANS: dict(self.plans),
+            schema.PUBLICATIONS: {
+                schema.PUBLICATION_ATTEMPTS: self.publication_attempts,
+                schema.PUBLICATIONS_COMMITTED: self.publications_committed,
+                schema.PUBLICATIONS_EXISTING: self.publications_existing,
+                schema.SUCCESSFUL_ENDPOINTS: self.publications_committed + self.publications_existing,
             },
-            "hybrid": {"restores": 0, "snapshot_pressure_skips": 0, "capture_synchronizations": 0},
-            "speculative": {"full_page_replays": 0, "pair_publications": 0},
-            "planning_nanoseconds": self.planning_nanoseconds,
-            "records": {"current": records_current, "evicted": self.records_evicted},
-            "resource_pools": resource_pools,
-            "reclaimed_resources": dict(self.reclaimed),
+            schema.HYBRID: dict(schema.HYBRID_BLOCK),
+            schema.SPECULATIVE: dict(schema.SPECULATIVE_BLOCK),
+            schema.PLANNING_NANOSECONDS: self.planning_nanoseconds,
+            schema.RECORDS: {schema.RECORDS_CURRENT: records_current, schema.RECORDS_EVICTED: self.records_evicted},
+            # Schema order first (base pages, then the compatibility pools), then any pool the schema lacks.
+            schema.RESOURCE_POOLS: {**{name: dict(schema.EMPTY_POOL) for name in schema.POOL_KEYS}, **resource_pools},
+            schema.RECLAIMED_RESOURCES: dict(self.reclaimed),
         }

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvforge.contract.paging import pages_for
-from kvforge.runtime.context_cache.pools import BASE_KV_PAGES
+from kvforge.contract.profile_schema import (
+    PLAN_FULL_INPUT_REWIND,
+    PLAN_NO_REUSABLE_PREFIX,
+    PLAN_STANDARD,
+)
 
-PLAN_STANDARD = "standard"
-PLAN_NO_REUSABLE_PREFIX = "no_reusable_prefix"
-PLAN_FULL_INPUT_REWIND = "full_input_rewind"
-PLAN_BYPASS = "bypass"
-PLAN_KINDS = (PLAN_STANDARD, PLAN_NO_REUSABLE_PREFIX, PLAN_FULL_INPUT_REWIND)
+PLAN_BYPASS = "bypass"  # not a profile key: bypassed admissions are counted as lookup_bypass_sequences
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,7 +21,7 @@ class ReusePlan:
     matched_tokens: int  # tokens covered by matching pages in the index
     reuse_tokens: int  # where execution starts (kvcache_start_index)
     hit_pages: tuple[int, ...]  # canonical pages bound to the first reuse_tokens / tokens_per_page slots
-    demand: dict[str, int] = field(default_factory=dict)  # private slots to allocate
+    new_pages: int  # private pages to allocate for the rest of the input
 
 
 def plan_reuse(num_tokens: int, tokens_per_page: int, matched_pages: Sequence[int]) -> ReusePlan:
@@ -37,9 +37,9 @@ def plan_reuse(num_tokens: int, tokens_per_page: int, matched_pages: Sequence[in
     else:
         kind = PLAN_STANDARD
     reuse = len(hits) * tokens_per_page
-    return ReusePlan(kind, matched * tokens_per_page, reuse, hits, {BASE_KV_PAGES: total_pages - len(hits)})
+    return ReusePlan(kind, matched * tokens_per_page, reuse, hits, total_pages - len(hits))
 
 
 def plan_cold(num_tokens: int, tokens_per_page: int) -> ReusePlan:
     """No lookup (bypass policy, warmup, or a forced-cold retry): every page private."""
-    return ReusePlan(PLAN_BYPASS, 0, 0, (), {BASE_KV_PAGES: pages_for(num_tokens, tokens_per_page)})
+    return ReusePlan(PLAN_BYPASS, 0, 0, (), pages_for(num_tokens, tokens_per_page))

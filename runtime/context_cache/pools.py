@@ -1,17 +1,13 @@
-"""Typed resource pools with active and cache reference counts; a slot is free only when both are zero."""
+"""A resource pool with active and cache reference counts; a slot is free only when both are zero."""
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from kvforge.contract.errors import KvforgeError
-
-BASE_KV_PAGES = "base_kv_pages"
-DRAFT_KV_PAGES = "draft_kv_pages"
-RECURRENT_SNAPSHOTS = "recurrent_snapshots"
-PARTIAL_KV_SNAPSHOTS = "partial_kv_snapshots"
-POOL_NAMES = (BASE_KV_PAGES, DRAFT_KV_PAGES, RECURRENT_SNAPSHOTS, PARTIAL_KV_SNAPSHOTS)
+# The base KV pages are the only pool with behaviour today; snapshot and draft pools join when their
+# features land (the profile still lists their keys, with zeros, for scripts written for TensorRT Edge-LLM).
+from kvforge.contract.profile_schema import BASE_KV_PAGES, POOL_CAPACITY, POOL_FREE  # noqa: F401 - BASE_KV_PAGES re-exported
 
 
 class ResourcePool:
@@ -36,9 +32,9 @@ class ResourcePool:
         return count <= len(self._free)
 
     def allocate(self, count: int) -> list[int]:
-        """New slots start with active=1, cache=0."""
+        """New slots start with active=1, cache=0. Callers ask can_allocate (or plan an eviction) first."""
         if count > len(self._free):
-            raise KvforgeError(f"{count} slots requested, {len(self._free)} of {self.capacity} free", self.name)
+            raise AssertionError(f"{self.name}: {count} slots requested, {len(self._free)} free")
         slots = [self._free.popleft() for _ in range(count)]
         for slot in slots:
             self.active[slot] = 1
@@ -83,29 +79,4 @@ class ResourcePool:
         return set(self._free)
 
     def to_dict(self) -> dict[str, int]:
-        return {"free": len(self._free), "capacity": self.capacity}
-
-
-class ResourcePools:
-    """The four typed pools of the cache; attention-only deployments leave all but base pages empty."""
-
-    __slots__ = ("pools",)
-
-    def __init__(self, capacities: dict[str, int]) -> None:
-        self.pools = {name: ResourcePool(name, capacities.get(name, 0)) for name in POOL_NAMES}
-
-    def __getitem__(self, name: str) -> ResourcePool:
-        return self.pools[name]
-
-    def can_allocate(self, demand: dict[str, int]) -> bool:
-        return all(self.pools[name].can_allocate(count) for name, count in demand.items())
-
-    def allocate(self, demand: dict[str, int]) -> dict[str, list[int]]:
-        """All-or-nothing over every pool in the demand."""
-        if not self.can_allocate(demand):
-            short = {n: c for n, c in demand.items() if not self.pools[n].can_allocate(c)}
-            raise KvforgeError(f"cannot allocate {short}", "resource_pools")
-        return {name: self.pools[name].allocate(count) for name, count in demand.items()}
-
-    def to_dict(self) -> dict[str, dict[str, int]]:
-        return {name: pool.to_dict() for name, pool in self.pools.items()}
+        return {POOL_FREE: len(self._free), POOL_CAPACITY: self.capacity}

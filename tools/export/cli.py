@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from kvforge.cli_common import console, progress_bar, run_app, run_guarded
+from kvforge.cli_common import EXPORT_FLAGS, console, progress_bar, run_app, run_guarded
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.model_config import KV_CACHE_DTYPES
 from kvforge.tools.export.source import LoadedModel
@@ -100,7 +100,7 @@ def export(
         console.print(f"exported {c.name or c.model} ({c.model}, {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
                       f"heads {c.num_attention_heads}/{c.num_key_value_heads}, KV {c.kv_cache_dtype}) to {output_dir}")
 
-    run_guarded(body, debug)
+    run_guarded(body, debug, flags=EXPORT_FLAGS)
 
 
 @app.command("lora", help=LORA_HELP, short_help="Convert a PEFT adapter for an engine.")
@@ -115,7 +115,7 @@ def lora(
         rank, count = write_converted_adapter(adapter_dir, onnx_dir, output)
         console.print(f"converted {count} adapted linears (rank {rank}) to {output}")
 
-    run_guarded(body, debug)
+    run_guarded(body, debug, flags=EXPORT_FLAGS)
 
 
 @app.command("random-lora", help=RANDOM_LORA_HELP, short_help="Write a random PEFT adapter (tests, demos).")
@@ -134,7 +134,7 @@ def random_lora(
         write_random_peft_adapter(onnx_dir, output_dir, rank, alpha, seed)
         console.print(f"wrote a random rank-{rank} PEFT adapter to {output_dir}")
 
-    run_guarded(body, debug)
+    run_guarded(body, debug, flags=EXPORT_FLAGS)
 
 
 def _default_to_model(argv: list[str]) -> list[str]:

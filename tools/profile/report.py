@@ -16,35 +16,26 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
+from kvforge.contract import profile_schema as schema
 from kvforge.contract.errors import KvforgeError
-from kvforge.runtime.requests import json_kind
+from kvforge.contract.validation import json_kind
 
-PREFILL_STAGE = "llm_prefill"
-GENERATION_STAGE = "llm_generation"
 _MIB = 1024 * 1024
 MISSING = "—"
 
-# Top-level keys of the profile JSON (kvforge and the TensorRT Edge-LLM profileFormatter it mirrors).
-SECTION_KEYS = ("prefill", "generation", "stages", "context_cache", "per_adapter", "eagle_generation",
-                "mtp_generation", "spec_decode_generation", "multimodal", "talker")
-MEMORY_KEYS = (("peak_cpu_memory", "peak CPU memory"), ("kv_pool", "KV pool"),
-               ("peak_gpu_memory", "peak GPU memory"), ("peak_unified_memory", "peak unified memory"))
-KNOWN_KEYS = frozenset(SECTION_KEYS) | {f"{name}_{unit}" for name, _ in MEMORY_KEYS for unit in ("bytes", "mb")}
+_MEMORY_LABELS = {schema.PEAK_CPU_MEMORY: "peak CPU memory", schema.KV_POOL: "KV pool",
+                  schema.PEAK_GPU_MEMORY: "peak GPU memory", schema.PEAK_UNIFIED_MEMORY: "peak unified memory"}
+# Top-level keys the summary lays out itself; any other section is listed by _other_tables.
+_LAID_OUT = frozenset({schema.PREFILL, schema.GENERATION, schema.STAGES, schema.CONTEXT_CACHE,
+                       schema.PER_ADAPTER}) | schema.MEMORY_KEYS
 
 # context_cache keys the "Context cache" table lays out itself; anything else numeric is listed under "other".
-_CACHE_SEQUENCE_KEYS = (("admitted_sequences", "admitted sequences"), ("hit_sequences", "hit sequences"),
-                        ("media_aware_sequences", "media-aware sequences"),
-                        ("lookup_bypass_sequences", "lookup-bypass sequences"),
-                        ("forced_cold_sequences", "forced-cold sequences"))
-_CACHE_TOKEN_KEYS = (("matched_tokens", "matched tokens"), ("reused_tokens", "reused tokens"))
-_CACHE_GROUPS = (("plans", ("standard", "no_reusable_prefix", "full_input_rewind")),
-                 ("publications", ("attempts", "committed", "existing", "successful_endpoints")),
-                 ("records", ("current", "evicted")),
-                 ("hybrid", ("restores", "snapshot_pressure_skips", "capture_synchronizations")),
-                 ("speculative", ("full_page_replays", "pair_publications")))
-_CACHE_LAID_OUT = ({key for key, _ in _CACHE_SEQUENCE_KEYS + _CACHE_TOKEN_KEYS}
-                   | {group for group, _ in _CACHE_GROUPS}
-                   | {"planning_nanoseconds", "resource_pools", "reclaimed_resources", "per_adapter"})
+_CACHE_GROUPS = ((schema.PLANS, schema.PLAN_KINDS), (schema.PUBLICATIONS, schema.PUBLICATION_KEYS),
+                 (schema.RECORDS, schema.RECORD_KEYS), (schema.HYBRID, schema.HYBRID_KEYS),
+                 (schema.SPECULATIVE, schema.SPECULATIVE_KEYS))
+_CACHE_LAID_OUT = frozenset({*schema.SEQUENCE_COUNTERS, *schema.TOKEN_COUNTERS, *(group for group, _ in _CACHE_GROUPS),
+                             schema.PLANNING_NANOSECONDS, schema.RESOURCE_POOLS, schema.RECLAIMED_RESOURCES,
+                             schema.PER_ADAPTER})
 
 
 # ------------------------------------------------------------------------------------------------ loading
@@ -69,7 +60,7 @@ def load_profile(path: Path) -> dict[str, Any]:
         raise KvforgeError(f"malformed JSON ({exc.msg} at line {exc.lineno} column {exc.colno})", name) from None
     if not isinstance(data, dict):
         raise KvforgeError(f"not a profile: the top level is a JSON {json_kind(data)}, expected an object", name)
-    if not KNOWN_KEYS & data.keys():
+    if not schema.TOP_LEVEL_KEYS & data.keys():
         raise KvforgeError("not a profile: none of the sections prefill, generation, stages, context_cache, "
                            "peak_*_memory found (write one with llm_inference --profileOutputFile)", name)
     return data
@@ -125,7 +116,7 @@ def fmt_pct(value: float | None) -> str:
 
 def stages_by_id(data: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
     """`stages[]` keyed by stage_id (first occurrence wins); entries that are not objects are skipped."""
-    stages = data.get("stages")
+    stages = data.get(schema.STAGES)
     result: dict[str, Mapping[str, Any]] = {}
     if isinstance(stages, list):
         for index, stage in enumerate(stages):
@@ -149,29 +140,29 @@ def _stage_stat(stage: Mapping[str, Any] | None, key: str) -> float | None:
 
 def reuse_ratio(data: Mapping[str, Any]) -> float | None:
     """Prefill reuse ratio = reused / (reused + computed) prompt tokens; None without prefill counters."""
-    prefill = _section(data, "prefill")
+    prefill = _section(data, schema.PREFILL)
     reused, computed = _get(prefill, "reused_tokens"), _get(prefill, "computed_tokens")
     return _ratio(reused, _sum(reused, computed))
 
 
 def hit_rate(data: Mapping[str, Any]) -> float | None:
     """Context-cache hit rate = hit_sequences / admitted_sequences."""
-    cache = _section(data, "context_cache")
-    return _ratio(_get(cache, "hit_sequences"), _get(cache, "admitted_sequences"))
+    cache = _section(data, schema.CONTEXT_CACHE)
+    return _ratio(_get(cache, schema.HIT_SEQUENCES), _get(cache, schema.ADMITTED_SEQUENCES))
 
 
 def planning_us_per_admitted(data: Mapping[str, Any]) -> float | None:
     """Reuse-planning time per admitted sequence in µs (planning_nanoseconds / admitted_sequences / 1000)."""
-    cache = _section(data, "context_cache")
-    per_sequence_ns = _ratio(_get(cache, "planning_nanoseconds"), _get(cache, "admitted_sequences"))
+    cache = _section(data, schema.CONTEXT_CACHE)
+    per_sequence_ns = _ratio(_get(cache, schema.PLANNING_NANOSECONDS), _get(cache, schema.ADMITTED_SEQUENCES))
     return None if per_sequence_ns is None else per_sequence_ns / 1000.0
 
 
 def per_adapter(data: Mapping[str, Any]) -> Mapping[str, Any]:
     """The `per_adapter` block ({name: {requests, reused_tokens}}), top level or inside context_cache."""
-    block = data.get("per_adapter")
+    block = data.get(schema.PER_ADAPTER)
     if not isinstance(block, Mapping):
-        block = _section(data, "context_cache").get("per_adapter")
+        block = _section(data, schema.CONTEXT_CACHE).get(schema.PER_ADAPTER)
     return block if isinstance(block, Mapping) else {}
 
 
@@ -191,8 +182,8 @@ def _add_rows(table: Table, rows: Sequence[tuple[str, str, str]]) -> None:
 
 
 def _prefill_table(data: Mapping[str, Any]) -> Table | None:
-    prefill = _section(data, "prefill")
-    stage = stages_by_id(data).get(PREFILL_STAGE)
+    prefill = _section(data, schema.PREFILL)
+    stage = stages_by_id(data).get(schema.PREFILL_STAGE)
     if not prefill and stage is None:
         return None
     table = _kv_table("Prefill")
@@ -211,13 +202,14 @@ def _prefill_table(data: Mapping[str, Any]) -> Table | None:
         ])
     if stage is not None:
         for key, label in (("mean_ms", "mean"), ("median_ms", "median"), ("p95_ms", "p95"), ("p99_ms", "p99")):
-            table.add_row(f"TTFT-ish {label} ms", fmt(_stage_stat(stage, key), 3), f"{PREFILL_STAGE} call {label}")
+            table.add_row(f"TTFT-ish {label} ms", fmt(_stage_stat(stage, key), 3),
+                          f"{schema.PREFILL_STAGE} call {label}")
     return table
 
 
 def _generation_table(data: Mapping[str, Any]) -> Table | None:
-    generation = _section(data, "generation")
-    stage = stages_by_id(data).get(GENERATION_STAGE)
+    generation = _section(data, schema.GENERATION)
+    stage = stages_by_id(data).get(schema.GENERATION_STAGE)
     if not generation and stage is None:
         return None
     table = _kv_table("Generation")
@@ -232,7 +224,7 @@ def _generation_table(data: Mapping[str, Any]) -> Table | None:
     if stage is not None:
         for key, label in (("mean_ms", "mean"), ("p95_ms", "p95"), ("p99_ms", "p99")):
             table.add_row(f"decode step {label} ms", fmt(_stage_stat(stage, key), 3),
-                          f"{GENERATION_STAGE} call {label}")
+                          f"{schema.GENERATION_STAGE} call {label}")
     return table
 
 
@@ -265,22 +257,22 @@ def _stages_table(data: Mapping[str, Any]) -> Table | None:
     return table
 
 
-def _memory_mib(data: Mapping[str, Any], name: str) -> float | None:
-    mib = _get(data, f"{name}_mb")
+def _memory_mib(data: Mapping[str, Any], figure: str) -> float | None:
+    mib = _get(data, schema.mb_key(figure))
     if mib is None:
-        num_bytes = _get(data, f"{name}_bytes")
+        num_bytes = _get(data, schema.bytes_key(figure))
         mib = None if num_bytes is None else num_bytes / _MIB
     return mib
 
 
 def _memory_table(data: Mapping[str, Any]) -> Table | None:
-    rows = [(label, _memory_mib(data, name), name) for name, label in MEMORY_KEYS]
+    rows = [(_MEMORY_LABELS[figure], _memory_mib(data, figure), figure) for figure in schema.MEMORY_FIGURES]
     rows = [row for row in rows if row[1] is not None]
     if not rows:
         return None
     table = _kv_table("Memory")
-    for label, mib, name in rows:
-        num_bytes = _get(data, f"{name}_bytes")
+    for label, mib, figure in rows:
+        num_bytes = _get(data, schema.bytes_key(figure))
         table.add_row(f"{label} MiB", fmt(float(mib), 1), f"{fmt(num_bytes)} bytes" if num_bytes is not None else "")
     return table
 
@@ -293,24 +285,30 @@ def _flat_numbers(value: Any, prefix: str) -> Iterator[tuple[str, float | int]]:
         yield prefix, number
 
 
+def _counter_label(key: str) -> str:
+    """`media_aware_sequences` → "media-aware sequences": the counter's subject hyphenated, then its unit."""
+    subject, _, unit = key.rpartition("_")
+    return f"{subject.replace('_', '-')} {unit}"
+
+
 def _context_cache_table(data: Mapping[str, Any]) -> Table | None:
-    cache = data.get("context_cache")
+    cache = data.get(schema.CONTEXT_CACHE)
     if not isinstance(cache, Mapping):
         return None
     table = _kv_table("Context cache (cumulative over the process, warmup included)")
-    admitted, bypass = _get(cache, "admitted_sequences"), _get(cache, "lookup_bypass_sequences")
-    for key, label in _CACHE_SEQUENCE_KEYS:
+    admitted, bypass = _get(cache, schema.ADMITTED_SEQUENCES), _get(cache, schema.LOOKUP_BYPASS_SEQUENCES)
+    for key in schema.SEQUENCE_COUNTERS:
         if key in cache:
-            table.add_row(label, fmt(_get(cache, key)), "")
-    if "admitted_sequences" in cache and "hit_sequences" in cache:
+            table.add_row(_counter_label(key), fmt(_get(cache, key)), "")
+    if schema.ADMITTED_SEQUENCES in cache and schema.HIT_SEQUENCES in cache:
         table.add_row("hit rate", fmt_pct(hit_rate(data)), "hit / admitted sequences")
     if bypass and admitted is not None and admitted > bypass:
-        looked_up = _ratio(_get(cache, "hit_sequences"), admitted - bypass)
+        looked_up = _ratio(_get(cache, schema.HIT_SEQUENCES), admitted - bypass)
         table.add_row("hit rate of looked-up", fmt_pct(looked_up), "hit / (admitted − bypass)")
     table.add_section()
-    for key, label in _CACHE_TOKEN_KEYS:
+    for key in schema.TOKEN_COUNTERS:
         if key in cache:
-            table.add_row(label, fmt(_get(cache, key)), "")
+            table.add_row(_counter_label(key), fmt(_get(cache, key)), "")
     for group, keys in _CACHE_GROUPS:
         block = cache.get(group)
         if not isinstance(block, Mapping):
@@ -319,9 +317,9 @@ def _context_cache_table(data: Mapping[str, Any]) -> Table | None:
         for key in (*keys, *(extra for extra in block if extra not in keys)):
             if key in block:
                 table.add_row(escape(f"{group}.{key}"), fmt(_get(block, key)), "")
-    if "planning_nanoseconds" in cache:
+    if schema.PLANNING_NANOSECONDS in cache:
         table.add_section()
-        planning_ns = _get(cache, "planning_nanoseconds")
+        planning_ns = _get(cache, schema.PLANNING_NANOSECONDS)
         table.add_row("planning total ms", fmt(None if planning_ns is None else planning_ns / 1e6, 3), "")
         table.add_row("planning µs per admitted", fmt(planning_us_per_admitted(data), 2),
                       "planning_nanoseconds / admitted_sequences")
@@ -336,14 +334,12 @@ def _context_cache_table(data: Mapping[str, Any]) -> Table | None:
 
 def pool_rows(data: Mapping[str, Any]) -> list[dict[str, Any]]:
     """resource_pools joined with reclaimed_resources: name, free, capacity, used, used_fraction, reclaimed."""
-    cache = _section(data, "context_cache")
-    pools = cache.get("resource_pools")
-    pools = pools if isinstance(pools, Mapping) else {}
-    reclaimed = cache.get("reclaimed_resources")
-    reclaimed = reclaimed if isinstance(reclaimed, Mapping) else {}
+    cache = _section(data, schema.CONTEXT_CACHE)
+    pools = _section(cache, schema.RESOURCE_POOLS)
+    reclaimed = _section(cache, schema.RECLAIMED_RESOURCES)
     rows = []
     for name in (*pools, *(name for name in reclaimed if name not in pools)):
-        free, capacity = _get(pools, name, "free"), _get(pools, name, "capacity")
+        free, capacity = _get(pools, name, schema.POOL_FREE), _get(pools, name, schema.POOL_CAPACITY)
         used = None if free is None or capacity is None else capacity - free
         rows.append({"name": str(name), "free": free, "capacity": capacity, "used": used,
                      "used_fraction": _ratio(used, capacity), "reclaimed": _get(reclaimed, name)})
@@ -380,10 +376,9 @@ def _adapter_table(data: Mapping[str, Any]) -> Table | None:
 
 def _other_tables(data: Mapping[str, Any]) -> Iterator[Table]:
     """Sections this tool has no layout for (speculative decoding, multimodal, talker, unknown keys): listed."""
-    laid_out = {"prefill", "generation", "stages", "context_cache", "per_adapter"} | (KNOWN_KEYS - set(SECTION_KEYS))
     loose: list[tuple[str, float | int]] = []
     for key, value in data.items():
-        if key in laid_out:
+        if key in _LAID_OUT:
             continue
         if isinstance(value, Mapping):
             rows = list(_flat_numbers(value, ""))
@@ -418,13 +413,13 @@ def flatten(data: Mapping[str, Any]) -> dict[str, float | int]:
     """
     flat: dict[str, float | int] = {}
     for key, value in data.items():
-        if key == "stages":
+        if key == schema.STAGES:
             for stage_id, stage in stages_by_id(data).items():
                 for sub, item in stage.items():
                     if sub == "gpu_time_stats" and isinstance(item, Mapping):
-                        flat.update(_flat_numbers(item, f"stages.{stage_id}"))
+                        flat.update(_flat_numbers(item, f"{schema.STAGES}.{stage_id}"))
                     elif (number := _number(item)) is not None:
-                        flat[f"stages.{stage_id}.{sub}"] = number
+                        flat[f"{schema.STAGES}.{stage_id}.{sub}"] = number
         else:
             flat.update(_flat_numbers(value, str(key)))
     return flat
@@ -432,8 +427,8 @@ def flatten(data: Mapping[str, Any]) -> dict[str, float | int]:
 
 def derived_metrics(data: Mapping[str, Any]) -> dict[str, float]:
     """Ratios the profile does not store but `show` reports: reuse ratio, hit rate, planning µs per sequence."""
-    values = {"prefill.reuse_ratio": reuse_ratio(data), "context_cache.hit_rate": hit_rate(data),
-              "context_cache.planning_us_per_admitted": planning_us_per_admitted(data)}
+    values = {f"{schema.PREFILL}.reuse_ratio": reuse_ratio(data), f"{schema.CONTEXT_CACHE}.hit_rate": hit_rate(data),
+              f"{schema.CONTEXT_CACHE}.planning_us_per_admitted": planning_us_per_admitted(data)}
     return {key: value for key, value in values.items() if value is not None}
 
 
@@ -452,10 +447,12 @@ def metrics(data: Mapping[str, Any]) -> dict[str, float | int]:
     return ordered
 
 
-_HIGHER_IS_BETTER = ("tokens_per_second", "reuse_ratio", "hit_rate", "hit_sequences", "reused_tokens",
-                     "matched_tokens", "average_acceptance_rate", "committed", "successful_endpoints")
-_LOWER_IS_BETTER = ("_ms", "_mb", "_bytes", "planning_nanoseconds", "planning_us_per_admitted", "computed_tokens",
-                    "evicted", "forced_cold_sequences", "snapshot_pressure_skips")
+_HIGHER_IS_BETTER = ("tokens_per_second", "reuse_ratio", "hit_rate", schema.HIT_SEQUENCES, schema.REUSED_TOKENS,
+                     schema.MATCHED_TOKENS, "average_acceptance_rate", schema.PUBLICATIONS_COMMITTED,
+                     schema.SUCCESSFUL_ENDPOINTS)
+_LOWER_IS_BETTER = ("_ms", "_mb", "_bytes", schema.PLANNING_NANOSECONDS, "planning_us_per_admitted", "computed_tokens",
+                    schema.RECORDS_EVICTED, schema.FORCED_COLD_SEQUENCES, schema.SNAPSHOT_PRESSURE_SKIPS,
+                    schema.SCHEDULER_PREEMPTIONS)
 
 
 def direction(key: str) -> int:
@@ -510,7 +507,7 @@ def group_keys(keys: Sequence[str]) -> str:
     counts: dict[str, int] = {}
     for key in keys:
         parts = key.split(".")
-        group = ".".join(parts[:2]) if parts[0] == "stages" and len(parts) > 2 else parts[0]
+        group = ".".join(parts[:2]) if parts[0] == schema.STAGES and len(parts) > 2 else parts[0]
         counts[group] = counts.get(group, 0) + 1
     return ", ".join(f"{group} ({count} field{'s' if count != 1 else ''})" for group, count in counts.items())
 
@@ -561,7 +558,7 @@ def _has_reuse_tokens(data: Mapping[str, Any]) -> bool:
 
 
 def _has_cache_sequences(data: Mapping[str, Any]) -> bool:
-    return _get(_section(data, "context_cache"), "admitted_sequences") is not None
+    return _get(_section(data, schema.CONTEXT_CACHE), schema.ADMITTED_SEQUENCES) is not None
 
 
 def _label_bars(ax: Any, bars: Any, values: Sequence[float], fmt_value: str = "{:,.2f}") -> None:
@@ -618,8 +615,8 @@ def plot_profile(profiles: Sequence[tuple[str, Mapping[str, Any]]], out: Path) -
                 ax.legend(fontsize=8)
         elif panel == "tokens":
             names = [label for label, _ in profiles]
-            reused = [_get(_section(data, "prefill"), "reused_tokens") or 0 for _, data in profiles]
-            computed = [_get(_section(data, "prefill"), "computed_tokens") or 0 for _, data in profiles]
+            reused = [_get(_section(data, schema.PREFILL), "reused_tokens") or 0 for _, data in profiles]
+            computed = [_get(_section(data, schema.PREFILL), "computed_tokens") or 0 for _, data in profiles]
             ax.bar(names, reused, 0.6, label="reused", color="#55A868")
             ax.bar(names, computed, 0.6, bottom=reused, label="computed", color="#8C8C8C")
             for position, (_, data) in enumerate(profiles):
@@ -634,15 +631,16 @@ def plot_profile(profiles: Sequence[tuple[str, Mapping[str, Any]]], out: Path) -
             ax.margins(y=0.3)
             ax.legend(fontsize=8, loc="upper left", ncol=2)
         else:
-            categories = ["admitted", "hit", "lookup bypass", "forced cold"]
-            keys = ["admitted_sequences", "hit_sequences", "lookup_bypass_sequences", "forced_cold_sequences"]
+            keys = [schema.ADMITTED_SEQUENCES, schema.HIT_SEQUENCES, schema.LOOKUP_BYPASS_SEQUENCES,
+                    schema.FORCED_COLD_SEQUENCES]
+            categories = [key.rpartition("_")[0].replace("_", " ") for key in keys]
             handles = []  # in profile order; an outline-only entry where the section is absent (not zero)
             for index, (label, data) in enumerate(profiles):
                 color = colors[index % len(colors)]
                 if not _has_cache_sequences(data):
                     handles.append(Patch(facecolor="none", edgecolor=color, label=f"{label} (no context_cache)"))
                     continue
-                cache = _section(data, "context_cache")
+                cache = _section(data, schema.CONTEXT_CACHE)
                 values = [_get(cache, key) or 0 for key in keys]
                 offsets = [p + (index - (len(profiles) - 1) / 2) * bar_width for p in range(len(categories))]
                 rate = hit_rate(data)

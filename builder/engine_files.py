@@ -1,0 +1,33 @@
+"""What both backends' builds share: loading the export's model.onnx and writing the engine dir's common files."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import onnx
+
+from kvforge.builder.lora import check_max_lora_rank, has_lora_inputs, strip_lora
+from kvforge.contract.engine_dir import COPIED_FILES, ENGINE_MODEL_FILE, BuilderConfig
+from kvforge.contract.errors import InvalidConfig
+from kvforge.contract.model_config import ModelConfig, write_json
+
+
+def load_model(onnx_dir: Path, config: ModelConfig, max_lora_rank: int) -> onnx.ModelProto:
+    """The export's graph, its LoRA inputs stripped for a base-only engine (rank 0; `config` follows)."""
+    try:
+        model = onnx.load(onnx_dir / ENGINE_MODEL_FILE)
+    except Exception as exc:
+        raise InvalidConfig(f"cannot load {onnx_dir / ENGINE_MODEL_FILE}: {exc}", "onnx_dir") from None
+    check_max_lora_rank(max_lora_rank, model)
+    if max_lora_rank == 0 and has_lora_inputs(model):
+        model = strip_lora(model)  # a base-only engine pays nothing for the export's LoRA inputs
+        config.lora_targets = []
+    return model
+
+
+def write_engine_config(onnx_dir: Path, engine_dir: Path, config: ModelConfig, build: BuilderConfig) -> None:
+    """Copy the files every engine dir holds and write config.json with its builder_config."""
+    for name in COPIED_FILES:
+        shutil.copyfile(onnx_dir / name, engine_dir / name)
+    write_json(engine_dir / "config.json", {**config.to_dict(), "builder_config": build.to_dict()})

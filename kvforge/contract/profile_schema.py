@@ -1,0 +1,133 @@
+"""The profile JSON's section, stage and counter names, spelled once so its writer and llm_profile agree."""
+
+# Names follow TensorRT Edge-LLM's profile (examples/utils/profileFormatter.cpp, tensorrt-edge-llm.md §2.4) so
+# scripts written for that tool read kvforge profiles unchanged. Field names inside the prefill, generation and
+# stages entries are spelled where they are written (runtime/profile.py) and read (tools/profile/report.py).
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+
+# ------------------------------------------------------------------------------------------------ stages
+
+# `stages[].stage_id` of the engine calls; the prefill and generation sections take their times from these.
+PREFILL_STAGE = "llm_prefill"
+GENERATION_STAGE = "llm_generation"
+
+# ------------------------------------------------------------------------------------------ top-level sections
+
+PREFILL = "prefill"
+CONTEXT_CACHE = "context_cache"
+GENERATION = "generation"
+SCHEDULER = "scheduler"
+PER_ADAPTER = "per_adapter"  # kvforge only; llm_profile also finds it inside context_cache
+STAGES = "stages"
+KVFORGE_SECTIONS = (PREFILL, CONTEXT_CACHE, GENERATION, SCHEDULER, PER_ADAPTER, STAGES)
+
+# Written only by TensorRT Edge-LLM (speculative decoding, multimodal encoders, Omni talker); llm_profile reads them.
+EAGLE_GENERATION = "eagle_generation"
+MTP_GENERATION = "mtp_generation"
+SPEC_DECODE_GENERATION = "spec_decode_generation"
+MULTIMODAL = "multimodal"
+TALKER = "talker"
+EDGE_LLM_SECTIONS = (EAGLE_GENERATION, MTP_GENERATION, SPEC_DECODE_GENERATION, MULTIMODAL, TALKER)
+
+SECTIONS = KVFORGE_SECTIONS + EDGE_LLM_SECTIONS
+
+# Top-level memory figures, each written twice: `<figure>_bytes` and `<figure>_mb` (MiB).
+PEAK_CPU_MEMORY = "peak_cpu_memory"
+KV_POOL = "kv_pool"  # kvforge only: the KV pool the runtime allocated
+PEAK_GPU_MEMORY = "peak_gpu_memory"  # TensorRT Edge-LLM on a discrete GPU
+PEAK_UNIFIED_MEMORY = "peak_unified_memory"  # TensorRT Edge-LLM on an integrated GPU
+MEMORY_FIGURES = (PEAK_CPU_MEMORY, KV_POOL, PEAK_GPU_MEMORY, PEAK_UNIFIED_MEMORY)
+
+
+def bytes_key(figure: str) -> str:
+    """`peak_cpu_memory` → `peak_cpu_memory_bytes`."""
+    return f"{figure}_bytes"
+
+
+def mb_key(figure: str) -> str:
+    """`peak_cpu_memory` → `peak_cpu_memory_mb`."""
+    return f"{figure}_mb"
+
+
+MEMORY_KEYS = frozenset(key(figure) for figure in MEMORY_FIGURES for key in (bytes_key, mb_key))
+TOP_LEVEL_KEYS = frozenset(SECTIONS) | MEMORY_KEYS
+
+# ------------------------------------------------------------------------------------------------ context_cache
+# Counters are cumulative over the process, warmup included. Keys are listed in the order they are written.
+
+ADMITTED_SEQUENCES = "admitted_sequences"
+HIT_SEQUENCES = "hit_sequences"  # matched > 0
+MEDIA_AWARE_SEQUENCES = "media_aware_sequences"
+LOOKUP_BYPASS_SEQUENCES = "lookup_bypass_sequences"  # bypass policy or forced cold
+FORCED_COLD_SEQUENCES = "forced_cold_sequences"
+SEQUENCE_COUNTERS = (ADMITTED_SEQUENCES, HIT_SEQUENCES, MEDIA_AWARE_SEQUENCES, LOOKUP_BYPASS_SEQUENCES,
+                     FORCED_COLD_SEQUENCES)
+
+MATCHED_TOKENS = "matched_tokens"
+REUSED_TOKENS = "reused_tokens"
+TOKEN_COUNTERS = (MATCHED_TOKENS, REUSED_TOKENS)
+
+# `plans`: admitted sequences that looked the cache up, by the kind of reuse plan they got.
+PLANS = "plans"
+PLAN_STANDARD = "standard"
+PLAN_NO_REUSABLE_PREFIX = "no_reusable_prefix"
+PLAN_FULL_INPUT_REWIND = "full_input_rewind"
+PLAN_KINDS = (PLAN_STANDARD, PLAN_NO_REUSABLE_PREFIX, PLAN_FULL_INPUT_REWIND)
+
+PUBLICATIONS = "publications"
+PUBLICATION_ATTEMPTS = "attempts"
+PUBLICATIONS_COMMITTED = "committed"
+PUBLICATIONS_EXISTING = "existing"
+SUCCESSFUL_ENDPOINTS = "successful_endpoints"  # committed + existing
+PUBLICATION_KEYS = (PUBLICATION_ATTEMPTS, PUBLICATIONS_COMMITTED, PUBLICATIONS_EXISTING, SUCCESSFUL_ENDPOINTS)
+
+# `hybrid` and `speculative` stay all zero until hybrid (recurrent snapshot) reuse and speculative decoding land:
+# they exist only so that scripts written for TensorRT Edge-LLM find the keys.
+HYBRID = "hybrid"
+HYBRID_RESTORES = "restores"
+SNAPSHOT_PRESSURE_SKIPS = "snapshot_pressure_skips"
+CAPTURE_SYNCHRONIZATIONS = "capture_synchronizations"
+HYBRID_KEYS = (HYBRID_RESTORES, SNAPSHOT_PRESSURE_SKIPS, CAPTURE_SYNCHRONIZATIONS)
+HYBRID_BLOCK: Mapping[str, int] = MappingProxyType(dict.fromkeys(HYBRID_KEYS, 0))
+
+SPECULATIVE = "speculative"
+FULL_PAGE_REPLAYS = "full_page_replays"
+PAIR_PUBLICATIONS = "pair_publications"
+SPECULATIVE_KEYS = (FULL_PAGE_REPLAYS, PAIR_PUBLICATIONS)
+SPECULATIVE_BLOCK: Mapping[str, int] = MappingProxyType(dict.fromkeys(SPECULATIVE_KEYS, 0))
+
+PLANNING_NANOSECONDS = "planning_nanoseconds"
+
+RECORDS = "records"
+RECORDS_CURRENT = "current"
+RECORDS_EVICTED = "evicted"
+RECORD_KEYS = (RECORDS_CURRENT, RECORDS_EVICTED)
+
+# `resource_pools` ({pool: {free, capacity}}) and `reclaimed_resources` ({pool: slots freed by eviction}) list
+# TensorRT Edge-LLM's four pools. Only base KV pages exist in kvforge today; the other three are written empty
+# (free 0, capacity 0, nothing reclaimed) for compatibility until the features that need them land.
+RESOURCE_POOLS = "resource_pools"
+RECLAIMED_RESOURCES = "reclaimed_resources"
+BASE_KV_PAGES = "base_kv_pages"
+DRAFT_KV_PAGES = "draft_kv_pages"
+RECURRENT_SNAPSHOTS = "recurrent_snapshots"
+PARTIAL_KV_SNAPSHOTS = "partial_kv_snapshots"
+POOL_KEYS = (BASE_KV_PAGES, DRAFT_KV_PAGES, RECURRENT_SNAPSHOTS, PARTIAL_KV_SNAPSHOTS)
+POOL_FREE = "free"
+POOL_CAPACITY = "capacity"
+EMPTY_POOL: Mapping[str, int] = MappingProxyType({POOL_FREE: 0, POOL_CAPACITY: 0})
+
+# ------------------------------------------------------------------------------------------------ scheduler
+# The engine loop's scheduler, over the whole process.
+
+SCHEDULER_STEPS = "steps"
+SCHEDULER_MIXED_STEPS = "mixed_steps"
+SCHEDULER_PREEMPTIONS = "preemptions"
+SCHEDULER_MAX_RUNNING = "max_running"  # most sequences running at once
+SCHEDULER_INFLIGHT_PREFIX_WAITS = "inflight_prefix_waits"
+SCHEDULER_KEYS = (SCHEDULER_STEPS, SCHEDULER_MIXED_STEPS, SCHEDULER_PREEMPTIONS, SCHEDULER_MAX_RUNNING,
+                  SCHEDULER_INFLIGHT_PREFIX_WAITS)

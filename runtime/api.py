@@ -1,0 +1,134 @@
+"""The Python API: `kvforge.LLM` runs prompts or chats on an engine dir through the engine loop.
+
+    from kvforge import LLM, SamplingParams
+
+    llm = LLM("engines/smollm2", enable_context_reuse=True)
+    params = SamplingParams(temperature=0, max_generate_length=32)
+    [out] = llm.chat([{"role": "user", "content": "What is the capital of France?"}], params)
+    print(out.text, out.cached_tokens)
+    for delta in llm.stream("Once upon a time", params):
+        print(delta.text, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvforge.contract.errors import KvforgeError
+from kvforge.runtime.engine import DEFAULT_PREFILL_CHUNK_TOKENS, Engine, EngineConfig
+from kvforge.runtime.file_runner import drain
+from kvforge.runtime.inputs import check_prompt_length
+from kvforge.runtime.output import RequestOutput
+from kvforge.runtime.sequence import EngineRequest
+from kvforge.runtime.types import Message, Request, SamplingParams
+
+Prompt = str | Sequence[int]
+ChatMessages = Sequence[Mapping[str, str]]
+
+
+@dataclass(slots=True)
+class StreamDelta:
+    """One step of a streamed request: the tokens sampled in it and the text they added."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool
+    output: RequestOutput  # the full state; text, logprobs and timing are final when finished
+
+
+class LLM:
+    """An engine dir loaded for generation. Every call drives the same step loop as llm_inference."""
+
+    def __init__(self, engine_dir: str | Path, *, num_threads: int = 0, enable_context_reuse: bool = False,
+                 context_cache_max_records: int = 1024, prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_TOKENS,
+                 max_num_tokens: int = 0, max_batch_size: int = 0, lora_weights: Mapping[str, str] | None = None,
+                 engine: Engine | None = None) -> None:
+        self.engine = engine or Engine(engine_dir, EngineConfig(
+            num_threads=num_threads, enable_context_reuse=enable_context_reuse,
+            context_cache_max_records=context_cache_max_records, prefill_chunk_size=prefill_chunk_size,
+            max_num_tokens=max_num_tokens, max_batch_size=max_batch_size))
+        if lora_weights:
+            self.engine.load_adapters(dict(lora_weights))
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | None = None, *,
+                 lora_name: str | None = None, cache_salt: str | None = None) -> list[RequestOutput]:
+        """Complete raw prompts (text, or token-id lists) as they are, without a chat template."""
+        requests = [self._raw_request(p, sampling_params, lora_name, cache_salt) for p in _as_list(prompts)]
+        return self._run(requests)
+
+    def chat(self, messages: ChatMessages | Sequence[ChatMessages], sampling_params: SamplingParams | None = None,
+             *, lora_name: str | None = None, cache_salt: str | None = None,
+             enable_thinking: bool = False) -> list[RequestOutput]:
+        """Answer one conversation (a list of {role, content}) or several, through the engine's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        requests = [self._chat_request(c, sampling_params, lora_name, cache_salt, enable_thinking)
+                    for c in conversations]  # type: ignore[arg-type]
+        return self._run(requests)
+
+    def stream(self, prompt: Prompt | ChatMessages, sampling_params: SamplingParams | None = None, *,
+               lora_name: str | None = None, cache_salt: str | None = None) -> Iterator[StreamDelta]:
+        """Yield tokens as they are sampled: a str or token ids is a raw prompt, a list of messages a chat."""
+        if isinstance(prompt, str) or not prompt or not isinstance(prompt[0], Mapping):
+            request = self._raw_request(prompt, sampling_params, lora_name, cache_salt)  # type: ignore[arg-type]
+        else:
+            request = self._chat_request(prompt, sampling_params, lora_name, cache_salt, False)  # type: ignore[arg-type]
+        request_id = self.engine.add_request(request)
+        shown = ""
+        tokenizer = self.engine.tokenizer
+        try:
+            while True:
+                for output in self.engine.step():
+                    if output.request_id != request_id:
+                        continue
+                    if output.finished:
+                        yield StreamDelta(request_id, output.new_token_ids, output.text[len(shown):]
+                                          if output.text.startswith(shown) else output.text, True, output)
+                        return
+                    text = tokenizer.decode(output.token_ids)
+                    # Hold back text that may still change (an incomplete UTF-8 sequence decodes to U+FFFD).
+                    stable = text if not text.endswith("\ufffd") else shown
+                    delta, shown = stable[len(shown):], stable
+                    yield StreamDelta(request_id, output.new_token_ids, delta, False, output)
+        finally:
+            self.engine.abort(request_id)  # a consumer that stops early cancels the request (no-op when done)
+
+    def context_cache_metrics(self) -> dict[str, Any]:
+        """The profile's `context_cache` block: admissions, hits, reused tokens, records, pool occupancy."""
+        return self.engine.cache.profile()
+
+    # --- helpers ------------------------------------------------------------------------------------
+
+    def _run(self, requests: list[EngineRequest]) -> list[RequestOutput]:
+        ids = [self.engine.add_request(r) for r in requests]
+        by_id = {o.request_id: o for o in drain(self.engine, set(ids))}
+        return [by_id[i] for i in ids]
+
+    def _raw_request(self, prompt: Prompt, params: SamplingParams | None, lora_name: str | None,
+                     cache_salt: str | None) -> EngineRequest:
+        if isinstance(prompt, str):
+            ids = self.engine.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+            vocab = self.engine.engine.model.vocab_size
+            if any(not 0 <= t < vocab for t in ids):
+                raise KvforgeError(f"token ids must be in [0, {vocab})", "prompt")
+        check_prompt_length(len(ids), self.engine.engine.build.max_input_len, "prompt")
+        return EngineRequest(ids, params or SamplingParams(), self.engine.loras.get(lora_name), cache_salt)
+
+    def _chat_request(self, conversation: ChatMessages, params: SamplingParams | None, lora_name: str | None,
+                      cache_salt: str | None, enable_thinking: bool) -> EngineRequest:
+        messages = [Message(str(m["role"]), str(m["content"])) for m in conversation]
+        request = Request(0, messages, params or SamplingParams(), lora_name=lora_name, cache_salt=cache_salt)
+        return self.engine.inputs.process(request, enable_thinking, where="messages")
+
+
+def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if prompts and all(isinstance(t, int) for t in prompts):  # one prompt given as token ids
+        return [prompts]  # type: ignore[list-item]
+    return list(prompts)  # type: ignore[arg-type]

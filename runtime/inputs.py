@@ -1,0 +1,54 @@
+"""Turns a parsed request into an engine request: prompt text, token ids, adapter, checked against the engine."""
+
+from __future__ import annotations
+
+from kvforge.contract.errors import KvforgeError
+from kvforge.runtime.lora import LoraRegistry
+from kvforge.runtime.sequence import EngineRequest
+from kvforge.runtime.tokenizer import ChatTokenizer
+from kvforge.runtime.types import Request
+
+
+class InputProcessor:
+    __slots__ = ("tokenizer", "loras", "max_input_len", "reuse_enabled")
+
+    def __init__(self, tokenizer: ChatTokenizer, loras: LoraRegistry, max_input_len: int, reuse_enabled: bool) -> None:
+        self.tokenizer = tokenizer
+        self.loras = loras
+        self.max_input_len = max_input_len
+        self.reuse_enabled = reuse_enabled
+
+    def prompt_text(self, request: Request, enable_thinking: bool = False) -> str:
+        return self.tokenizer.format(request.messages, apply_chat_template=request.apply_chat_template,
+                                     add_generation_prompt=request.add_generation_prompt,
+                                     enable_thinking=enable_thinking, where=f"requests[{request.index}].messages")
+
+    def process(self, request: Request, enable_thinking: bool = False, where: str | None = None) -> EngineRequest:
+        """Tokenize and check a request against the engine limits before anything runs.
+
+        The whole prompt must fit maxInputLen even when a cached prefix would shorten the computed part,
+        so whether a request is accepted never depends on what the cache holds.
+        """
+        where = where or f"requests[{request.index}]"
+        ids = self.tokenizer.encode(self.prompt_text(request, enable_thinking))
+        check_prompt_length(len(ids), self.max_input_len, f"{where}.messages")
+        engine_request = EngineRequest(ids, request.sampling, self.loras.get(request.lora_name), request.cache_salt)
+        if request.save_system_prompt_kv_cache:
+            if self.reuse_enabled:
+                raise KvforgeError("the legacy system-prompt cache cannot be combined with --enableContextReuse "
+                                   "(which already reuses system prompts)", f"{where}.save_system_prompt_kv_cache")
+            system = self.tokenizer.format_system_prompt(request.messages, request.apply_chat_template)
+            if system:
+                engine_request.system_prompt_ids = self.tokenizer.encode(system)
+                adapter = engine_request.adapter
+                # The adapter's digest, not its name (the seed keys on the name): a reloaded adapter cannot hit.
+                engine_request.system_prompt_key = (system, adapter.digest.hex() if adapter else "")
+        return engine_request
+
+
+def check_prompt_length(num_tokens: int, max_input_len: int, where: str) -> None:
+    if num_tokens == 0:
+        raise KvforgeError("the prompt is empty after tokenization", where)
+    if num_tokens > max_input_len:
+        raise KvforgeError(f"prompt has {num_tokens} tokens, more than the engine's maxInputLen {max_input_len}; "
+                           "rebuild with a larger --maxInputLen or shorten the prompt", where)

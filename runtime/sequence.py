@@ -1,0 +1,108 @@
+"""One request in flight: its tokens, how many have K/V in the pool, its lease and what it generated.
+
+A sequence has no prefill or decode phase. It holds `num_tokens` tokens (prompt + generated) and
+`num_computed_tokens` of them have K/V in the pool; each step computes some of the difference, and when
+the two meet the step's logits give the next token. A decode step is the case where the difference
+is the one token sampled last; a preempted sequence starts again from its reuse point.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from kvforge.runtime.context_cache.keys import KeyExtras
+from kvforge.runtime.context_cache.manager import Admission, Lease
+from kvforge.runtime.lora import LoraAdapter
+from kvforge.runtime.sampling import Sampler, SampleResult
+from kvforge.runtime.types import SamplingParams
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, Enum):
+    EOS = "end-of-sequence"
+    LENGTH = "max-length"
+    STOP = "stop-words"
+    ABORTED = "aborted"
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """A request ready for the engine: token ids checked against its limits, adapter resolved."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    adapter: LoraAdapter | None = None
+    cache_salt: str | None = None
+    system_prompt_ids: list[int] = field(default_factory=list)  # legacy save_system_prompt_kv_cache
+    system_prompt_key: tuple[str, str] | None = None
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    request_id: str
+    request: EngineRequest
+    sampler: Sampler
+    arrival: int  # admission order: FCFS, and the newest running sequence is preempted first
+    status: Status = Status.WAITING
+    lease: Lease | None = None
+    num_computed_tokens: int = 0
+    reused_tokens: int = 0  # prompt tokens served from a cache at the first admission
+    num_preemptions: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    samples: list[SampleResult] = field(default_factory=list)
+    output_text: str = ""
+    finish_reason: FinishReason | None = None
+    admission: Admission | None = None  # kept across retries so page keys are hashed once
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.request.prompt_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.request.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens still to run through the engine before the next token can be sampled."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_pending_tokens > 1 or not self.output_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def adapter_label(self) -> str:
+        return self.request.adapter.name if self.request.adapter else "base"
+
+    def all_token_ids(self) -> list[int]:
+        return self.request.prompt_ids + self.output_ids
+
+    def resident_token_ids(self) -> list[int]:
+        """Tokens whose K/V the pool holds: the prompt and every generated token but the last sampled."""
+        return self.all_token_ids()[:self.num_computed_tokens]
+
+    def next_admission(self) -> Admission:
+        """What to ask the pool for: every token so far (a preempted sequence recomputes its output too)."""
+        tokens = self.all_token_ids()
+        if self.admission is None or len(self.admission.token_ids) != len(tokens):
+            sampling = self.request.sampling
+            adapter = self.request.adapter
+            self.admission = Admission(tokens, KeyExtras(adapter.digest if adapter else b"", self.request.cache_salt),
+                                       sampling.lookup_policy, indexable_tokens=len(self.request.prompt_ids))
+        return self.admission

@@ -1,0 +1,80 @@
+"""The request types every front end produces (request files, the Python API, the server) and the cache policies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class LookupPolicy(str, Enum):
+    """Whether a request may read pages other requests published (the file's context_cache_lookup_policy)."""
+
+    USE_CACHE = "use_cache"
+    BYPASS = "bypass"  # neither looks up nor publishes: a cold, private run
+
+
+class CommitPolicy(str, Enum):
+    """What a finished request publishes (the file's context_cache_commit_policy)."""
+
+    INCLUDING_GENERATED_TOKENS = "including_generated_tokens"
+    PREFILL_STATE_ONLY = "prefill_state_only"
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How one request samples and stops, and how it uses the context cache.
+
+    Defaults are the request file's (TensorRT Edge-LLM's). `reuse_context=False` is the lookup policy
+    `bypass`; `cache_generated_tokens=False` is the commit policy `prefill_state_only`.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 0.8
+    top_k: int = 50  # 0 = disabled, 1 = greedy
+    max_generate_length: int = 256
+    num_logprobs: int = 0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    stop: tuple[str, ...] = ()
+    seed: int | None = None  # None = fresh entropy per run
+    reuse_context: bool = True
+    cache_generated_tokens: bool = True
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def lookup_policy(self) -> LookupPolicy:
+        return LookupPolicy.USE_CACHE if self.reuse_context else LookupPolicy.BYPASS
+
+    @property
+    def commit_policy(self) -> CommitPolicy:
+        if self.cache_generated_tokens:
+            return CommitPolicy.INCLUDING_GENERATED_TOKENS
+        return CommitPolicy.PREFILL_STATE_ONLY
+
+
+@dataclass(slots=True)
+class Message:
+    role: str
+    content: str  # text items of a content array are joined with ""
+
+
+@dataclass(slots=True)
+class Request:
+    """One request as a front end parsed it: messages (or a raw prompt) plus how to sample and cache."""
+
+    index: int  # position among the requests it came with; `request_idx` in the output file
+    messages: list[Message]
+    sampling: SamplingParams
+    apply_chat_template: bool = True
+    add_generation_prompt: bool = True
+    lora_name: str | None = None
+    save_system_prompt_kv_cache: bool = False
+    cache_salt: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # keys the parser does not interpret (e.g. `reference`)
+
+    def plain_text(self) -> str:
+        """The prompt used when apply_chat_template is false: contents concatenated as-is."""
+        return "".join(m.content for m in self.messages)
