@@ -123,7 +123,7 @@ class LLM:
                       cache_salt: str | None, enable_thinking: bool) -> EngineRequest:
         messages = [Message(str(m["role"]), str(m["content"])) for m in conversation]
         request = Request(0, messages, params or SamplingParams(), lora_name=lora_name, cache_salt=cache_salt)
-        return self.engine.inputs.process(request, enable_thinking, where="messages")
+        return self.engine.inputs.process(request, enable_thinking, where="")  # errors name "messages"
 
 
 def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

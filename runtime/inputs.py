@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvforge.contract.errors import KvforgeError
+from kvforge.contract.validation import join_path
 from kvforge.runtime.lora import LoraRegistry
 from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.tokenizer import ChatTokenizer
@@ -29,14 +30,15 @@ class InputProcessor:
         The whole prompt must fit maxInputLen even when a cached prefix would shorten the computed part,
         so whether a request is accepted never depends on what the cache holds.
         """
-        where = where or f"requests[{request.index}]"
+        where = f"requests[{request.index}]" if where is None else where
         ids = self.tokenizer.encode(self.prompt_text(request, enable_thinking))
-        check_prompt_length(len(ids), self.max_input_len, f"{where}.messages")
+        check_prompt_length(len(ids), self.max_input_len, join_path(where, "messages"))
         engine_request = EngineRequest(ids, request.sampling, self.loras.get(request.lora_name), request.cache_salt)
         if request.save_system_prompt_kv_cache:
             if self.reuse_enabled:
                 raise KvforgeError("the legacy system-prompt cache cannot be combined with --enableContextReuse "
-                                   "(which already reuses system prompts)", f"{where}.save_system_prompt_kv_cache")
+                                   "(which already reuses system prompts)",
+                                   join_path(where, "save_system_prompt_kv_cache"))
             system = self.tokenizer.format_system_prompt(request.messages, request.apply_chat_template)
             if system:
                 engine_request.system_prompt_ids = self.tokenizer.encode(system)

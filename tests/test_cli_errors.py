@@ -268,6 +268,14 @@ REUSE_CASES = [
                  ("requests[0].save_system_prompt_kv_cache", "--enableContextReuse"), id="legacy-cache-with-reuse"),
     pytest.param(_requests(), ["--enableContextReuse", "--contextCacheMaxRecords", "-1"],
                  ("--contextCacheMaxRecords", "-1"), id="negative-record-limit"),
+    # Engine settings are checked by the engine under domain names; llm_inference shows its flags.
+    pytest.param(_requests(), ["--scheduling", "eager"], ("--scheduling", "continuous", "eager"),
+                 id="unknown-scheduling"),
+    pytest.param(_requests(), ["--maxNumTokens", "-5"], ("--maxNumTokens", "-5"), id="negative-token-budget"),
+    pytest.param(_requests(), ["--prefillChunkSize", "-1"], ("--prefillChunkSize", "-1"), id="negative-chunk"),
+    pytest.param(_requests(), ["--numThreads", "-1"], ("--numThreads", "-1"), id="negative-threads"),
+    pytest.param(_requests(), ["--batchSize", "0"], ("--batchSize", "0"), id="batch-size-override-0"),
+    pytest.param(_requests(), ["--numLogprobs", "51"], ("--numLogprobs", "51"), id="num-logprobs-override-51"),
 ]
 
 
@@ -319,3 +327,25 @@ def test_export_lora_missing_adapter_config(run_cli, tiny_onnx_dir: Path, tmp_pa
     proc = run_cli(["llm_export", "lora", "--adapterDir", tmp_path, "--onnxDir", tiny_onnx_dir,
                     "--output", tmp_path / "a.safetensors"])
     assert_one_line_error(proc, "--adapterDir", "adapter_config.json")
+
+
+def test_continuous_scheduling_matches_static_through_the_cli(run_cli, tiny_engine_dir: Path, tmp_path: Path) -> None:
+    questions = ["What is in the report?", "Who wrote it?", "When?", "Why?", "Summarize it."]
+    doc = "A tides and cranes report: "  # with the question under maxInputLen 64
+    input_file = tmp_path / "in.json"
+    input_file.write_text(json.dumps({"batch_size": 2, "temperature": 0.0, "max_generate_length": 6,
+                                      "num_logprobs": 1, "apply_chat_template": False,
+                                      "requests": [{"messages": [{"role": "user", "content": doc + q}]}
+                                                   for q in questions]}), encoding="utf-8")
+    outputs = {}
+    for scheduling in ("static", "continuous"):
+        out, profile = tmp_path / f"{scheduling}.json", tmp_path / f"{scheduling}.profile.json"
+        proc = run_cli(["llm_inference", "--engineDir", tiny_engine_dir, "--inputFile", input_file, "--outputFile",
+                        out, "--profileOutputFile", profile, "--scheduling", scheduling, "--enableContextReuse"])
+        assert proc.returncode == 0, proc.stderr
+        outputs[scheduling] = [(r["output_text"], r["finish_reason"], [s[0]["token_id"] for s in r["logprobs"]],
+                                r["batch_idx"]) for r in json.loads(out.read_text())["responses"]]
+        scheduler = json.loads(profile.read_text())["scheduler"]
+        assert scheduler["max_running"] == (2 if scheduling == "static" else 4)  # tiny engine: maxBatchSize 4
+    assert outputs["static"] == outputs["continuous"]
+    assert [o[3] for o in outputs["continuous"]] == [0, 0, 1, 1, 2]

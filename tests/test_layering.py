@@ -1,0 +1,307 @@
+"""Layering: kvforge's layers import downward only (README "Architecture and layering").
+
+    0  contract     kvforge.contract.*                                   imports no other kvforge module
+    1  plugins      kvforge.plugins.*, kvforge.graph.*                   layer 0 (and layer 1)
+    2  components   kvforge.tools.export.*, kvforge.builder.*,           layers 0–1 and their own component;
+                    kvforge.runtime.*                                    never each other (no sideways imports)
+    3  front ends   every *.cli module, kvforge.tools.profile.*,         anything below
+                    kvforge.cli_common, kvforge (the package __init__)
+
+Nothing below layer 3 imports a front end. Inside the runtime, the cache core
+(kvforge.runtime.context_cache.*) imports only itself, kvforge.runtime.types and layers 0–1: no ONNX
+Runtime, TensorRT, CUDA or runner module.
+
+Source folders map to modules through `[tool.setuptools.package-dir]` in pyproject.toml
+(`kvforge.runtime` lives in `runtime/`), so a new file is checked as soon as it is added. Every import
+counts: module level, inside functions (lazy), under `if TYPE_CHECKING`, relative ones, and
+`importlib.import_module("kvforge.…")` with a literal name.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: pytest itself depends on tomli there
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+
+LAYER_NAMES = {0: "contract", 1: "plugins/graph", 2: "export/builder/runtime", 3: "front ends"}
+CACHE_CORE = "kvforge.runtime.context_cache"
+CACHE_CORE_MAY_IMPORT = ("kvforge.runtime.types",)
+CACHE_CORE_FORBIDDEN_THIRD_PARTY = ("onnxruntime", "tensorrt", "cuda", "polygraphy")
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    path: str
+    line: int
+    importer: str
+    imported: str
+    rule: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.importer} → {self.imported}: {self.rule}"
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def classify(module: str) -> tuple[int, str] | None:
+    """(layer, component) of a kvforge module; None for a kvforge module no layer claims (add it above)."""
+    parts = module.split(".")
+    if module in ("kvforge", "kvforge.cli_common") or "cli" in parts[1:] or _within(module, "kvforge.tools.profile"):
+        return 3, "front end"
+    if _within(module, "kvforge.contract"):
+        return 0, "contract"
+    if _within(module, "kvforge.plugins"):
+        return 1, "plugins"
+    if _within(module, "kvforge.graph"):
+        return 1, "graph"
+    # kvforge.tools (the folder's __init__) belongs to the exporter: tools.profile is a front end.
+    if module == "kvforge.tools" or _within(module, "kvforge.tools.export"):
+        return 2, "tools.export"
+    if _within(module, "kvforge.builder"):
+        return 2, "builder"
+    if _within(module, "kvforge.runtime"):
+        return 2, "runtime"
+    return None
+
+
+def _describe(layer_and_component: tuple[int, str]) -> str:
+    layer, component = layer_and_component
+    return f"layer {layer} ({component})"
+
+
+def edge_violation(importer: str, imported: str) -> str | None:
+    """The rule an import breaks, or None when it is allowed. Non-kvforge imports break only the cache rule."""
+    if _within(importer, CACHE_CORE):
+        top = imported.split(".")[0]
+        if top in CACHE_CORE_FORBIDDEN_THIRD_PARTY:
+            return f"the cache core ({CACHE_CORE}.*) must not import ONNX Runtime, TensorRT or CUDA"
+        if _within(imported, "kvforge") and not (
+            _within(imported, CACHE_CORE) or imported in CACHE_CORE_MAY_IMPORT
+            or (classify(imported) or (9, ""))[0] <= 1
+        ):
+            return (f"the cache core ({CACHE_CORE}.*) imports only itself, kvforge.runtime.types and layers 0–1, "
+                    "never a runner, the engine loop or anything else of the runtime")
+    if not _within(imported, "kvforge"):
+        return None
+    source, target = classify(importer), classify(imported)
+    for module, found in ((importer, source), (imported, target)):
+        if found is None:
+            return f"{module} is in no layer: give it one in tests/test_layering.py:classify"
+    assert source is not None and target is not None
+    if target[0] > source[0]:
+        return f"{_describe(source)} must not import {_describe(target)}: layers import downward only"
+    if target[0] == source[0] == 2 and target[1] != source[1]:
+        return (f"{_describe(source)} must not import {_describe(target)}: export, builder and runtime "
+                "share layers 0–1 and never import each other")
+    return None
+
+
+def imports_in(source: str, module: str, is_package: bool, known: set[str], filename: str = "<source>",
+               ) -> list[tuple[int, str]]:
+    """(line, imported module) for every import anywhere in `source`, relative ones resolved against `module`.
+
+    `from a.b import c` names module `a.b.c` when that is a known module (a submodule), else `a.b`.
+    """
+    tree = ast.parse(source, filename=filename)
+    package = module if is_package else module.rpartition(".")[0]
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.extend((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)] if node.level > 1 else base
+                prefix = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                prefix = node.module or ""
+            for alias in node.names:
+                candidate = f"{prefix}.{alias.name}"
+                found.append((node.lineno, candidate if candidate in known else prefix))
+        elif isinstance(node, ast.Call) and _is_import_call(node):
+            found.append((node.lineno, node.args[0].value))  # type: ignore[attr-defined]
+    return sorted(found)
+
+
+def _is_import_call(node: ast.Call) -> bool:
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+    return (name in ("import_module", "__import__") and bool(node.args)
+            and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str))
+
+
+def check_source(source: str, module: str, path: str = "<source>", *, is_package: bool = False,
+                 known: set[str] | None = None) -> list[Violation]:
+    """Every layering violation in one module's source."""
+    violations = []
+    for line, imported in imports_in(source, module, is_package, known or set(), path):
+        rule = edge_violation(module, imported)
+        if rule is not None:
+            violations.append(Violation(path, line, module, imported, rule))
+    return violations
+
+
+def package_dirs(pyproject: Path) -> dict[str, Path]:
+    """`[tool.setuptools.package-dir]`: dotted package → its folder."""
+    config = tomllib.loads(pyproject.read_text(encoding="utf-8"))
+    mapping = config["tool"]["setuptools"]["package-dir"]
+    return {package: (pyproject.parent / folder).resolve() for package, folder in mapping.items()}
+
+
+def source_modules(pyproject: Path) -> dict[str, Path]:
+    """Every .py file under a mapped folder → its dotted module name (via the nearest mapped folder)."""
+    dirs = package_dirs(pyproject)
+    by_dir = {folder: package for package, folder in dirs.items()}
+    modules: dict[str, Path] = {}
+    for folder in dirs.values():
+        for path in sorted(folder.rglob("*.py")):
+            owner = max((d for d in by_dir if path.is_relative_to(d)), key=lambda d: len(d.parts))
+            rel = path.relative_to(owner).with_suffix("").parts
+            if rel[-1] == "__init__":
+                rel = rel[:-1]
+            modules[".".join([by_dir[owner], *rel])] = path
+    return modules
+
+
+def check_repository(pyproject: Path = ROOT / "pyproject.toml") -> list[Violation]:
+    modules = source_modules(pyproject)
+    known = set(modules)
+    violations = []
+    for module, path in sorted(modules.items()):
+        violations.extend(check_source(path.read_text(encoding="utf-8"), module,
+                                       str(path.relative_to(pyproject.parent)),
+                                       is_package=path.name == "__init__.py", known=known))
+    return violations
+
+
+def _report(violations: list[Violation]) -> str:
+    return f"{len(violations)} layering violation(s):\n" + "\n".join(f"  {v}" for v in violations)
+
+
+# --- the repository ---------------------------------------------------------------------------------
+
+
+def test_package_dir_mapping_covers_the_sources() -> None:
+    modules = source_modules(ROOT / "pyproject.toml")
+    # Spot checks that the mapping was read (a tool that ignores it sees runtime/ as a top-level package).
+    for module, path in {"kvforge.runtime.engine": "runtime/engine.py",
+                         "kvforge.runtime.context_cache.manager": "runtime/context_cache/manager.py",
+                         "kvforge.builder.cli": "builder/cli.py",
+                         "kvforge.tools.export.cli": "tools/export/cli.py",
+                         "kvforge.contract.errors": "kvforge/contract/errors.py",
+                         "kvforge.graph.rope": "kvforge/graph/rope.py",
+                         "kvforge.plugins.reference": "plugins/reference.py",
+                         "kvforge": "kvforge/__init__.py"}.items():
+        assert modules.get(module) == (ROOT / path).resolve(), module
+    unclassified = sorted(m for m in modules if classify(m) is None)
+    assert not unclassified, f"modules in no layer (give them one in classify): {unclassified}"
+
+
+def test_layers_import_downward_only() -> None:
+    violations = check_repository()
+    assert not violations, _report(violations)
+
+
+# --- the checker catches what it should (planted violations) -------------------------------------------
+
+
+def _rules(source: str, module: str, **kwargs: object) -> list[tuple[int, str]]:
+    known = {"kvforge.contract.errors", "kvforge.runtime.types", "kvforge.runtime.engine", "kvforge.plugins.ops"}
+    return [(v.line, v.imported) for v in check_source(source, module, known=known, **kwargs)]  # type: ignore[arg-type]
+
+
+def test_checker_flags_upward_sideways_and_front_end_imports() -> None:
+    source = "\n".join([
+        "from kvforge.contract.errors import KvforgeError",  # 1 ok: runtime → contract
+        "from kvforge.plugins import ops",  # 2 ok: runtime → plugins (a submodule import)
+        "from kvforge.builder.build import build_engine",  # 3 sideways
+        "import kvforge.tools.export.writer",  # 4 sideways
+        "def lazy():",
+        "    from kvforge.cli_common import fail",  # 6 front end, lazily
+        "    from kvforge import LLM",  # 7 the package __init__ is a front end
+        "    import importlib; importlib.import_module('kvforge.builder.cli')",  # 8 dynamic, front end
+        "from . import types",  # 9 ok: relative, kvforge.runtime.types
+        "from ..builder import lora",  # 10 relative sideways: kvforge.builder
+    ])
+    assert _rules(source, "kvforge.runtime.engine") == [
+        (3, "kvforge.builder.build"), (4, "kvforge.tools.export.writer"), (6, "kvforge.cli_common"),
+        (7, "kvforge"), (8, "kvforge.builder.cli"), (10, "kvforge.builder")]
+
+
+def test_checker_flags_contract_and_plugins_importing_up() -> None:
+    contract = "from kvforge.contract.errors import InvalidConfig\ndef f():\n    import kvforge.plugins.reference\n"
+    assert _rules(contract, "kvforge.contract.geometry") == [(3, "kvforge.plugins.reference")]
+    plugins = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvforge.runtime.types import Request\n"
+               "from kvforge.graph.rope import apply_rope\n")
+    assert _rules(plugins, "kvforge.plugins.trt") == [(3, "kvforge.runtime.types")]
+    assert _rules("from kvforge.tools.export.synthetic import synthetic_model\n", "kvforge.graph.onnx_graph") == [
+        (1, "kvforge.tools.export.synthetic")]
+
+
+def test_checker_allows_front_ends_everything_below() -> None:
+    source = ("from kvforge.cli_common import run_app\nfrom kvforge.runtime.engine import Engine\n"
+              "from kvforge.builder.build import build_engine\n"
+              "from kvforge.tools.export.writer import write_onnx_dir\n")
+    for module in ("kvforge.runtime.cli", "kvforge.builder.cli", "kvforge.tools.profile.report", "kvforge"):
+        assert _rules(source, module, is_package=module == "kvforge") == [], module
+
+
+def test_checker_keeps_the_cache_core_free_of_runners() -> None:
+    source = "\n".join([
+        "from kvforge.runtime.context_cache.keys import KeyExtras",  # 1 ok
+        "from kvforge.runtime.types import LookupPolicy",  # 2 ok
+        "from kvforge.contract.paging import pages_for",  # 3 ok
+        "import onnxruntime as ort",  # 4 backend
+        "def f():",
+        "    from kvforge.runtime.engine import Engine",  # 6 the loop
+        "    from kvforge.runtime import ort_runner",  # 7 a runner
+        "    import tensorrt",  # 8 backend
+    ])
+    violations = check_source(source, "kvforge.runtime.context_cache.manager", "runtime/context_cache/manager.py",
+                              known={"kvforge.runtime.engine", "kvforge.runtime.ort_runner"})
+    assert [(v.line, v.imported) for v in violations] == [
+        (4, "onnxruntime"), (6, "kvforge.runtime.engine"), (7, "kvforge.runtime.ort_runner"), (8, "tensorrt")]
+    message = _report(violations)
+    assert ("runtime/context_cache/manager.py:6: kvforge.runtime.context_cache.manager → kvforge.runtime.engine: "
+            "the cache core") in message
+    # The same imports are fine for the rest of the runtime.
+    assert _rules(source, "kvforge.runtime.engine") == []
+
+
+def test_checker_flags_modules_in_no_layer() -> None:
+    assert _rules("import kvforge.server\n", "kvforge.runtime.engine") == [(1, "kvforge.server")]
+    assert classify("kvforge.server") is None
+
+
+def test_checker_reads_the_mapping_of_a_planted_tree(tmp_path: Path) -> None:
+    """End to end on a throwaway tree: pyproject mapping → files → modules → violations with file:line."""
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.setuptools.package-dir]\n"kvforge" = "kvforge"\n"kvforge.contract" = "kvforge/contract"\n'
+        '"kvforge.runtime" = "rt"\n"kvforge.runtime.context_cache" = "rt/context_cache"\n', encoding="utf-8")
+    files = {
+        "kvforge/__init__.py": "from kvforge.runtime.engine import Engine\n",  # ok: the package is a front end
+        "kvforge/cli_common.py": "",
+        "kvforge/contract/__init__.py": "",
+        "kvforge/contract/errors.py": "def f():\n    from kvforge.runtime import engine\n",  # upward, lazy
+        "rt/__init__.py": "",
+        "rt/engine.py": "from kvforge.contract.errors import KvforgeError\nfrom kvforge.cli_common import fail\n",
+        "rt/context_cache/__init__.py": "",
+        "rt/context_cache/manager.py": "from ..engine import Engine\n",  # relative: kvforge.runtime.engine
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text, encoding="utf-8")
+    assert sorted(source_modules(tmp_path / "pyproject.toml")) == [
+        "kvforge", "kvforge.cli_common", "kvforge.contract", "kvforge.contract.errors", "kvforge.runtime",
+        "kvforge.runtime.context_cache", "kvforge.runtime.context_cache.manager", "kvforge.runtime.engine"]
+    assert [str(v).split(": ")[0] for v in check_repository(tmp_path / "pyproject.toml")] == [
+        "kvforge/contract/errors.py:2", "rt/context_cache/manager.py:1", "rt/engine.py:2"]
