@@ -18,6 +18,7 @@ from kvforge.contract.errors import PoolTooSmall
 from kvforge.contract.lora import LORA_TARGETS
 from kvforge.runtime.engine import Engine
 from kvforge.runtime.file_runner import Scheduling
+from kvforge.runtime.model_runner import PADDING_SLACK_TOKENS, group_by_width
 from kvforge.runtime.ort_runner import OrtEngineRunner
 from kvforge.runtime.output import RequestOutput
 from kvforge.runtime.sequence import EngineRequest, Status
@@ -285,3 +286,14 @@ def test_property_examples_exercised_preemption_and_waiting() -> None:
     if not SEEN["preemptions"] and not SEEN["waits"]:
         pytest.skip("run together with test_scheduler_matches_each_request_alone (it fills the counters)")
     assert SEEN["preemptions"] > 0 and SEEN["waits"] > 0, SEEN
+
+
+@given(st.lists(st.integers(1, 600), min_size=1, max_size=8))
+def test_calls_group_rows_of_similar_width(lengths: list[int]) -> None:
+    groups = group_by_width(lengths)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for group in groups:
+        real = sum(lengths[i] for i in group)
+        padding = len(group) * max(lengths[i] for i in group) - real
+        assert padding <= max(real // 4, PADDING_SLACK_TOKENS)
+    assert group_by_width([512, 1, 1, 1]) == [[0], [1, 2, 3]]  # a prefill chunk never pads decode rows to 512

@@ -37,8 +37,6 @@ class ModelConfig:
     pad_token_id: int | None = None
     name: str = ""
     lora_targets: list[str] = field(default_factory=list)  # linears with lora_A/lora_B inputs (q, k, ..., down)
-    engine_role: str = "llm"
-    spec_decode_type: str = "none"
     format: str = EXPORT_FORMAT
 
     def validate(self) -> None:

@@ -1,1 +1,1 @@
-"""Content-addressed KV-cache reuse: page keys, resource pools, block index, records, planner, manager."""
+"""Content-addressed KV-cache reuse: page keys, the page pool, page index, records, planner, manager."""

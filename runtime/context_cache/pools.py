@@ -22,7 +22,7 @@ class ResourcePool:
         self.active = [0] * capacity
         self.cache = [0] * capacity
         self._free: deque[int] = deque(range(capacity))
-        self.on_free: Callable[[int], None] | None = None  # the block index forgets freed pages
+        self.on_free: Callable[[int], None] | None = None  # the page index forgets freed pages
 
     @property
     def num_free(self) -> int:
