@@ -5,11 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from kvforge.builder.build import BuildOptions, build_engine
+from kvforge.contract.lora import LORA_TARGETS
 from kvforge.runtime.context_cache.manager import ContextCacheManager
 from kvforge.runtime.engine import Engine, EngineConfig
 from kvforge.runtime.file_runner import Scheduling, prepare_requests, run_request_file
 from kvforge.runtime.request_file import parse_request_file
 from kvforge.runtime.runner import EngineRunner
+from kvforge.tools.export.lora import write_converted_adapter, write_random_peft_adapter
+from kvforge.tools.export.source import LoadedModel
+from kvforge.tools.export.synthetic import synthetic_model
+from kvforge.tools.export.writer import write_onnx_dir
 
 
 def make_engine(engine_dir: Path, runner: EngineRunner | None = None, *, reuse: bool = False,
@@ -46,3 +52,20 @@ def assert_idle(engine: Engine) -> None:
 
 def top1_ids(response: dict) -> list[int]:
     return [step[0]["token_id"] for step in response["logprobs"]]
+
+
+def lora_model_with_adapters(root: Path, build: BuildOptions, kv_cache_dtype: str,
+                             adapters: tuple[tuple[str, int, int], ...]) -> tuple[LoadedModel, dict[str, Path]]:
+    """A tiny synthetic model exported with every LoRA target to root/onnx, built to root/engine, plus random
+    PEFT adapters (name, seed, rank) converted to root/NAME.safetensors."""
+    loaded = synthetic_model("tiny-llama", kv_cache_dtype=kv_cache_dtype)
+    loaded.config.lora_targets = list(LORA_TARGETS)
+    write_onnx_dir(loaded, root / "onnx")
+    build_engine(root / "onnx", root / "engine", build)
+    paths = {}
+    for name, seed, rank in adapters:
+        write_random_peft_adapter(root / "onnx", root / f"peft_{name}", rank=rank, alpha=2.0 * rank, seed=seed,
+                                  scale=0.3)
+        paths[name] = root / f"{name}.safetensors"
+        write_converted_adapter(root / f"peft_{name}", root / "onnx", paths[name])
+    return loaded, paths

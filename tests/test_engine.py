@@ -8,14 +8,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from engine_driver import assert_idle, make_engine, run_file, shrink_pool, top1_ids
+from engine_driver import assert_idle, lora_model_with_adapters, make_engine, run_file, shrink_pool, top1_ids
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvforge.builder.build import BuildOptions, build_engine
+from kvforge.builder.build import BuildOptions
 from kvforge.contract.engine_dir import load_engine_dir
 from kvforge.contract.errors import PoolTooSmall
-from kvforge.contract.lora import LORA_TARGETS
 from kvforge.runtime.engine import Engine
 from kvforge.runtime.file_runner import Scheduling
 from kvforge.runtime.model_runner import PADDING_SLACK_TOKENS, group_by_width
@@ -23,9 +22,6 @@ from kvforge.runtime.ort_runner import OrtEngineRunner
 from kvforge.runtime.output import RequestOutput
 from kvforge.runtime.sequence import EngineRequest, Status
 from kvforge.runtime.types import SamplingParams
-from kvforge.tools.export.lora import write_converted_adapter, write_random_peft_adapter
-from kvforge.tools.export.synthetic import synthetic_model
-from kvforge.tools.export.writer import write_onnx_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 T = 16
@@ -43,17 +39,9 @@ class Setup:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Setup:
     root = tmp_path_factory.mktemp("engine")
-    loaded = synthetic_model("tiny-llama", kv_cache_dtype="fp16")
-    loaded.config.lora_targets = list(LORA_TARGETS)
-    write_onnx_dir(loaded, root / "onnx")
-    build_engine(root / "onnx", root / "engine", BuildOptions(max_input_len=3072, max_kv_cache_capacity=3200,
-                                                              max_batch_size=4, tokens_per_page=T, max_lora_rank=8))
-    adapters = {}
-    for name, seed, rank in (("a", 1, 4), ("b", 2, 8)):
-        write_random_peft_adapter(root / "onnx", root / f"peft_{name}", rank=rank, alpha=2.0 * rank, seed=seed,
-                                  scale=0.3)
-        adapters[name] = root / f"{name}.safetensors"
-        write_converted_adapter(root / f"peft_{name}", root / "onnx", adapters[name])
+    _, adapters = lora_model_with_adapters(
+        root, BuildOptions(max_input_len=3072, max_kv_cache_capacity=3200, max_batch_size=4, tokens_per_page=T,
+                           max_lora_rank=8), "fp16", (("a", 1, 4), ("b", 2, 8)))
     engine = load_engine_dir(root / "engine")
     return Setup(root / "engine", adapters, OrtEngineRunner(engine, num_threads=2),
                  OrtEngineRunner(engine, num_threads=2))

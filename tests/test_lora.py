@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from engine_driver import make_engine, run_file
+from engine_driver import lora_model_with_adapters, make_engine, run_file
 from numpy_llama import dense_logits
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
@@ -29,17 +29,9 @@ T = 16
 @pytest.fixture(scope="module")
 def lora_setup(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("lora")
-    loaded = synthetic_model("tiny-llama", kv_cache_dtype="fp32")
-    loaded.config.lora_targets = list(LORA_TARGETS)
-    write_onnx_dir(loaded, root / "onnx")
-    build_engine(root / "onnx", root / "engine", BuildOptions(max_input_len=512, max_kv_cache_capacity=576,
-                                                              max_batch_size=4, tokens_per_page=T, max_lora_rank=8))
-    adapters = {}
-    for name, seed, rank in (("a", 1, 4), ("b", 2, 8), ("x", 3, 4)):
-        write_random_peft_adapter(root / "onnx", root / f"peft_{name}", rank=rank, alpha=2.0 * rank, seed=seed,
-                                  scale=0.3)
-        adapters[name] = root / f"{name}.safetensors"
-        write_converted_adapter(root / f"peft_{name}", root / "onnx", adapters[name])
+    loaded, adapters = lora_model_with_adapters(
+        root, BuildOptions(max_input_len=512, max_kv_cache_capacity=576, max_batch_size=4, tokens_per_page=T,
+                           max_lora_rank=8), "fp32", (("a", 1, 4), ("b", 2, 8), ("x", 3, 4)))
     return loaded, root, adapters
 
 
