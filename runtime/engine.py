@@ -126,6 +126,10 @@ class Engine:
             if self.scheduler.has_unfinished():
                 raise AssertionError("nothing schedulable while requests wait (a scheduler bug)")
             return []
+        started = time.perf_counter()
+        for row in batch.rows:
+            if row.seq.first_scheduled_time is None:
+                row.seq.first_scheduled_time = started
         stage = PREFILL_STAGE if batch.has_prefill else GENERATION_STAGE
         with self.profiler.stage(stage):
             logits = self.model_runner.run(batch.rows)
@@ -134,7 +138,6 @@ class Engine:
     # --- postprocess --------------------------------------------------------------------------------
 
     def _postprocess(self, batch: SchedulerOutput, logits: np.ndarray) -> list[RequestOutput]:
-        now = time.perf_counter()
         admitted = {id(seq) for seq in batch.admitted}
         # Tokens a sequence starts with at admission were served from a cache (pages or the legacy copy).
         reused = sum(row.seq.num_computed_tokens for row in batch.rows if id(row.seq) in admitted)
@@ -146,8 +149,6 @@ class Engine:
         outputs = []
         for row, row_logits in zip(batch.rows, logits, strict=True):
             seq = row.seq
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = now
             before = seq.num_computed_tokens
             seq.num_computed_tokens += row.num_new_tokens
             prompt_len = len(seq.prompt_ids)

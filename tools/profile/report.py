@@ -190,7 +190,7 @@ def _prefill_table(data: Mapping[str, Any]) -> Table | None:
     reused, computed = _get(prefill, "reused_tokens"), _get(prefill, "computed_tokens")
     if prefill:
         _add_rows(table, [
-            ("runs", fmt(_get(prefill, "total_runs")), "prefill runs (batches)"),
+            ("runs", fmt(_get(prefill, "total_runs")), "engine steps with prefill rows"),
             ("prompt tokens", fmt(_sum(reused, computed)), "reused + computed"),
             ("reused tokens", fmt(reused), "served from the context cache"),
             ("computed tokens", fmt(computed), "run through the engine"),
@@ -215,7 +215,7 @@ def _generation_table(data: Mapping[str, Any]) -> Table | None:
     table = _kv_table("Generation")
     if generation:
         _add_rows(table, [
-            ("runs", fmt(_get(generation, "total_runs")), "decode loops (batches)"),
+            ("runs", fmt(_get(generation, "total_runs")), "engine steps of decode rows only"),
             ("generated tokens", fmt(_get(generation, "generated_tokens")), ""),
             ("tokens per run", fmt(_get(generation, "average_tokens_per_run"), 1), ""),
             ("tokens/s", fmt(_get(generation, "tokens_per_second"), 1), "generated tokens over llm_generation time"),
