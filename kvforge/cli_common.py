@@ -57,6 +57,7 @@ EXPORT_FLAGS = {
     "kv_cache_dtype": "--kvCacheDtype",
     "lora_targets": "--loraTargets",
     "synthetic": "--synthetic",
+    "output": "--output",
 }
 
 

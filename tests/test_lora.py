@@ -178,7 +178,7 @@ def test_converter_refuses_mismatches(lora_setup, tmp_path: Path) -> None:
     write_random_peft_adapter(tmp_path / "other_onnx", tmp_path / "other_peft", rank=4)
     with pytest.raises(KvforgeError, match="another model") as info:  # q_proj is 128 wide there, 64 here
         write_converted_adapter(tmp_path / "other_peft", root / "onnx", tmp_path / "x.safetensors")
-    assert info.value.field == "--adapterDir"
+    assert info.value.field == "adapter_dir"  # llm_export lora maps it to --adapterDir
     narrow = synthetic_model("tiny-llama")
     narrow.config.lora_targets = ["q", "v"]
     write_onnx_dir(narrow, tmp_path / "narrow_onnx")

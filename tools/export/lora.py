@@ -21,14 +21,14 @@ from kvforge.contract.lora import (
 from kvforge.contract.model_config import ModelConfig, read_json
 from kvforge.tools.export.hf_source import read_safetensors_header, read_tensor  # bf16-aware, shared
 
-FIELD = "--adapterDir"
+FIELD = "adapter_dir"
 _MODULE_TO_TARGET = {module.split(".")[-1]: target for target, module in LORA_MODULES.items()}
 _KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
 
 
 def convert_peft_adapter(adapter_dir: Path, onnx_dir: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Tensors named like the engine inputs and metadata; every shape is checked against the model."""
-    config = ModelConfig.from_dict(read_json(onnx_dir / "config.json", "--onnxDir"), f"{onnx_dir}/config.json")
+    config = ModelConfig.from_dict(read_json(onnx_dir / "config.json", "onnx_dir"), f"{onnx_dir}/config.json")
     peft = read_json(adapter_dir / "adapter_config.json", FIELD)
     rank, scaling = _rank_and_scaling(peft)
     raw = _read_adapter_tensors(adapter_dir)
@@ -75,7 +75,7 @@ def convert_peft_adapter(adapter_dir: Path, onnx_dir: Path) -> tuple[dict[str, n
 def write_converted_adapter(adapter_dir: Path, onnx_dir: Path, output: Path) -> tuple[int, int]:
     tensors, metadata = convert_peft_adapter(adapter_dir, onnx_dir)
     if not output.parent.is_dir():
-        raise KvforgeError(f"directory {output.parent} does not exist", "--output")
+        raise KvforgeError(f"directory {output.parent} does not exist", "output")
     save_file(tensors, str(output), metadata=metadata)
     return int(metadata["rank"]), len(tensors) // 2
 
@@ -130,7 +130,7 @@ def _read_adapter_tensors(adapter_dir: Path) -> dict[str, np.ndarray]:
 def write_random_peft_adapter(onnx_dir: Path, output_dir: Path, rank: int = 8, alpha: float = 16.0, seed: int = 0,
                               targets: list[str] | None = None, scale: float = 0.05) -> Path:
     """A random PEFT adapter (adapter_config.json + adapter_model.safetensors) for tests and demos."""
-    config = ModelConfig.from_dict(read_json(onnx_dir / "config.json", "--onnxDir"), f"{onnx_dir}/config.json")
+    config = ModelConfig.from_dict(read_json(onnx_dir / "config.json", "onnx_dir"), f"{onnx_dir}/config.json")
     targets = targets if targets is not None else config.lora_targets
     rng = np.random.default_rng(seed)
     tensors = {}

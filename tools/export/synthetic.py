@@ -41,7 +41,7 @@ def byte_level_tokenizer() -> Tokenizer:
 def synthetic_model(name: str, kv_cache_dtype: str = "fp16", seed: int = 0) -> LoadedModel:
     if name not in SYNTHETIC_MODELS:
         raise KvforgeError(f"unknown synthetic model {name!r}; choose one of {sorted(SYNTHETIC_MODELS)}",
-                           "--synthetic")
+                           "synthetic")
     family, overrides = SYNTHETIC_MODELS[name]
     tokenizer = byte_level_tokenizer()
     fields = dict(model=family, vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=128,
