@@ -86,6 +86,10 @@ def build_engine(onnx_dir: Path, engine_dir: Path, options: BuildOptions,
     backend = resolve_backend(options.backend)
     geometry = options.geometry(config.max_position_embeddings)
     step("validated geometry")
+    if backend == "tensorrt" and config.quantization != "none":
+        raise InvalidConfig(f"this export has {config.quantization} MatMulNBits weights, an ONNX Runtime operator; "
+                            "build it with --backend onnxruntime, or export with --quantization none for TensorRT",
+                            "backend")
     if backend == "tensorrt":
         from kvforge.builder.trt_build import build_tensorrt_engine  # TensorRT stays an optional extra
         build_tensorrt_engine(onnx_dir, engine_dir, config, geometry, step, max_lora_rank=options.max_lora_rank)

@@ -58,6 +58,7 @@ EXPORT_FLAGS = {
     "lora_targets": "--loraTargets",
     "synthetic": "--synthetic",
     "output": "--output",
+    "quant_block_size": "--quantBlockSize",
 }
 
 

@@ -12,6 +12,7 @@ from kvforge.contract.errors import InvalidConfig, KvforgeError
 # Marks an ONNX dir as ours; an export from another tool lacks it and is refused clearly.
 EXPORT_FORMAT = "kvforge-onnx-v1"
 KV_CACHE_DTYPES = ("fp16", "fp8", "fp32")
+QUANTIZATIONS = ("none", "int8", "int4")  # linear weights: float32, or MatMulNBits blocks
 MODEL_FAMILIES = ("llama", "qwen2", "qwen3")
 
 
@@ -37,6 +38,8 @@ class ModelConfig:
     pad_token_id: int | None = None
     name: str = ""
     lora_targets: list[str] = field(default_factory=list)  # linears with lora_A/lora_B inputs (q, k, ..., down)
+    quantization: str = "none"  # requested weight format; GGUF blocks that map exactly keep their own bits
+    quant_block_size: int = 0  # MatMulNBits block size of re-quantized weights (0 = not quantized)
     format: str = EXPORT_FORMAT
 
     def validate(self) -> None:
@@ -46,6 +49,8 @@ class ModelConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidConfig(f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
                                 "config.kv_cache_dtype")
+        if self.quantization not in QUANTIZATIONS:
+            raise KvforgeError(f"must be one of {QUANTIZATIONS}, got {self.quantization!r}", "config.quantization")
         if self.num_attention_heads % self.num_key_value_heads:
             raise InvalidConfig("num_attention_heads must be a multiple of num_key_value_heads",
                                 "config.num_key_value_heads")

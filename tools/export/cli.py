@@ -84,21 +84,33 @@ def export(
     lora_targets: str = typer.Option("all", "--loraTargets",
                                      help="Linears that take lora_A/lora_B inputs: comma list of q,k,v,o,gate,up,"
                                           "down, or all, or none. llm_build --maxLoraRank 0 strips them again."),
+    quantization: str = typer.Option("none", "--quantization",
+                                     help="Linear weights (LM head included): none (float32), int8 or int4 "
+                                          "MatMulNBits blocks. GGUF Q8_0/Q4_0 blocks are kept exactly as stored."),
+    quant_block_size: int = typer.Option(32, "--quantBlockSize",
+                                         help="Weights per quantization block (a power of two >= 16)."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
     def body() -> None:
         from kvforge.contract.lora import parse_targets
+        from kvforge.contract.model_config import QUANTIZATIONS
+        from kvforge.tools.export.quantize import quantize_linears
         from kvforge.tools.export.writer import write_onnx_dir
         targets = parse_targets(lora_targets)
+        if quantization not in QUANTIZATIONS:
+            raise KvforgeError(f"must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}", "--quantization")
         with progress_bar("loading weights", None) as step:
             loaded = load_source(source, synthetic, kv_cache_dtype, seed, step)
         loaded.config.lora_targets = targets
+        with progress_bar("quantizing", None) as step:
+            quantize_linears(loaded, quantization, quant_block_size, step)
         layers = loaded.config.num_hidden_layers
         with progress_bar("building graph", layers + 1) as step:
             write_onnx_dir(loaded, output_dir, step)
         c = loaded.config
         console.print(f"exported {c.name or c.model} ({c.model}, {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
-                      f"heads {c.num_attention_heads}/{c.num_key_value_heads}, KV {c.kv_cache_dtype}) to {output_dir}")
+                      f"heads {c.num_attention_heads}/{c.num_key_value_heads}, KV {c.kv_cache_dtype}, weights "
+                      f"{c.quantization}) to {output_dir}")
 
     run_guarded(body, debug, flags=EXPORT_FLAGS)
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.model_config import ModelConfig
+from kvforge.tools.export.quantize import BlockQuantized, from_gguf_blocks, permute_rows
 from kvforge.tools.export.source import LoadedModel, layer_weight
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -79,7 +80,7 @@ def load_gguf(path: Path, kv_cache_dtype: str = "fp16", progress: Progress | Non
     """Read a llama GGUF: float32 HF-named weights (dequantized, Q/K unpermuted), config and tokenizer."""
     reader = _open_reader(path)
     model = _header_model(reader, path, kv_cache_dtype)
-    model.weights = _load_weights(reader, model.config, path, progress)
+    model.weights, model.exact_blocks = _load_weights(reader, model.config, path, progress)
     return model
 
 
@@ -248,8 +249,10 @@ def _dequantize(tensor: Any, path: Path) -> np.ndarray:
 
 
 def _load_weights(reader: Any, config: ModelConfig, path: Path,
-                  progress: Progress | None) -> dict[str, np.ndarray]:
+                  progress: Progress | None) -> tuple[dict[str, np.ndarray], dict[str, BlockQuantized]]:
+    """Float32 weights of every tensor, plus the exact MatMulNBits blocks of those stored as Q8_0 or Q4_0."""
     weights: dict[str, np.ndarray] = {}
+    exact: dict[str, BlockQuantized] = {}
     total = len(reader.tensors)
     for done, tensor in enumerate(reader.tensors, start=1):
         name = _hf_name(tensor.name)
@@ -257,15 +260,20 @@ def _load_weights(reader: Any, config: ModelConfig, path: Path,
             raise KvforgeError(f"unsupported tensor {tensor.name!r} in {path} (not a plain llama layout)",
                                FIELD)
         w = _dequantize(tensor, path)
-        if name.endswith("q_proj.weight"):
-            w = unpermute_llama_cpp_rows(w, config.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
-            w = unpermute_llama_cpp_rows(w, config.num_key_value_heads)
+        blocks = from_gguf_blocks(tensor.tensor_type.name, tensor.data, w.shape[-1]) if w.ndim == 2 else None
+        heads = {"q_proj.weight": config.num_attention_heads, "k_proj.weight": config.num_key_value_heads}
+        for suffix, n_head in heads.items():
+            if name.endswith(suffix):
+                w = unpermute_llama_cpp_rows(w, n_head)
+                if blocks is not None:  # whole rows move, so the blocks stay exact
+                    blocks = permute_rows(blocks, unpermute_llama_cpp_rows(np.arange(w.shape[0]), n_head))
         weights[name] = w
+        if blocks is not None:
+            exact[name] = blocks
         if progress is not None:
             progress(done, total)
     _check_complete(weights, config, path)
-    return weights
+    return weights, exact
 
 
 def _check_complete(weights: dict[str, np.ndarray], config: ModelConfig, path: Path) -> None:

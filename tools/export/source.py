@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from kvforge.contract.model_config import ModelConfig
+from kvforge.tools.export.quantize import BlockQuantized
 
 # Weight names follow the Hugging Face llama layout; every array is float32, Linear weights [out, in]:
 #   model.embed_tokens.weight [V, H]                model.norm.weight [H]     lm_head.weight [V, H] (untied)
@@ -23,6 +24,10 @@ class LoadedModel:
     weights: dict[str, np.ndarray]
     tokenizer_json: str  # serialized `tokenizers` Tokenizer
     tokenizer_config: dict[str, Any] = field(default_factory=dict)  # chat_template, bos/eos tokens, ...
+    # GGUF tensors whose blocks map exactly onto MatMulNBits (Q8_0, Q4_0), by weight name, Q/K unpermuted.
+    exact_blocks: dict[str, BlockQuantized] = field(default_factory=dict)
+    # Linear weights to export as MatMulNBits (filled by quantize.quantize_linears), by weight name.
+    quantized: dict[str, BlockQuantized] = field(default_factory=dict)
 
 
 def layer_weight(i: int, name: str) -> str:

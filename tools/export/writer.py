@@ -25,7 +25,8 @@ def write_onnx_dir(loaded: LoadedModel, output_dir: Path,
     config.validate()
     step = progress or (lambda _msg: None)
     model = build_llama_graph(config, loaded.weights,
-                              progress=lambda layer: step(f"layer {layer + 1}/{config.num_hidden_layers}"))
+                              progress=lambda layer: step(f"layer {layer + 1}/{config.num_hidden_layers}"),
+                              quantized=loaded.quantized)
     step("saving model.onnx")
     for stale in (output_dir / MODEL_FILE, output_dir / WEIGHTS_FILE):
         stale.unlink(missing_ok=True)  # external data is appended to, never truncated, by onnx.save

@@ -1,0 +1,133 @@
+"""Quantized export (MatMulNBits): GGUF blocks taken bit-exactly, and engines equal to the dequantized model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import onnx
+import pytest
+from numpy_llama import dense_logits
+
+from kvforge.builder.build import BuildOptions, build_engine
+from kvforge.contract.errors import KvforgeError
+from kvforge.runtime.engine import Engine, EngineConfig
+from kvforge.runtime.sequence import EngineRequest
+from kvforge.runtime.types import SamplingParams
+from kvforge.tools.export.gguf_source import unpermute_llama_cpp_rows
+from kvforge.tools.export.quantize import (
+    LM_HEAD,
+    from_gguf_blocks,
+    linear_weight_names,
+    permute_rows,
+    quantize,
+    quantize_linears,
+)
+from kvforge.tools.export.synthetic import synthetic_model
+from kvforge.tools.export.writer import write_onnx_dir
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0"])
+def test_gguf_blocks_map_bit_exactly(kind: str) -> None:
+    rng = np.random.default_rng(1)
+    weight = (rng.standard_normal((48, 128)) * 0.1).astype(np.float32)  # [out, in], as GGUF rows
+    raw = gguf.quants.quantize(weight, gguf.GGMLQuantizationType[kind])
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]).reshape(weight.shape)
+    blocks = from_gguf_blocks(kind, raw, 128)
+    assert blocks is not None and blocks.bits == (8 if kind == "Q8_0" else 4)
+    assert np.array_equal(blocks.dequantize().T, expected)  # no second rounding
+    order = unpermute_llama_cpp_rows(np.arange(48), 4)
+    assert np.array_equal(permute_rows(blocks, order).dequantize().T, unpermute_llama_cpp_rows(expected, 4))
+    assert from_gguf_blocks("Q4_1", gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q4_1), 128) is None
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_onnx_runtime_quantizer_round_trip(bits: int) -> None:
+    rng = np.random.default_rng(2)
+    weight = rng.standard_normal((40, 64)).astype(np.float32)
+    blocks = quantize(weight, bits, 32)
+    error = np.abs(blocks.dequantize().T - weight).reshape(40, 2, 32).max(-1)
+    block_range = np.ptp(weight.reshape(40, 2, 32), axis=-1)
+    assert (error <= block_range / (2 ** bits - 1) * 0.51).all()  # half a step of an asymmetric block
+    with pytest.raises(KvforgeError) as info:
+        quantize(weight, bits, 48)
+    assert info.value.field == "quant_block_size"
+
+
+def _set_accuracy_level(engine_dir: Path, level: int) -> None:
+    model = onnx.load(engine_dir / "model.onnx", load_external_data=False)
+    for node in model.graph.node:
+        for attribute in node.attribute:
+            if node.op_type == "MatMulNBits" and attribute.name == "accuracy_level":
+                attribute.i = level
+    onnx.save(model, engine_dir / "model.onnx")
+
+
+@pytest.mark.parametrize("model, quantization", [("tiny-llama", "int4"), ("tiny-llama", "int8"),
+                                                 ("tiny-qwen2", "int4")])
+def test_quantized_engine_equals_the_dequantized_reference(model: str, quantization: str, tmp_path: Path) -> None:
+    """Every linear, the LM head included, runs as MatMulNBits; with float activations (accuracy level 0) the
+    logits equal a dense numpy forward over the dequantized weights, and the default level stays close."""
+    loaded = synthetic_model(model, kv_cache_dtype="fp32")
+    reference = dict(loaded.weights)
+    quantize_linears(loaded, quantization, 32)
+    assert sorted(loaded.quantized) == sorted(linear_weight_names(loaded.config))
+    for name, blocks in loaded.quantized.items():
+        reference[name] = blocks.dequantize().T
+    write_onnx_dir(loaded, tmp_path / "onnx")
+    build_engine(tmp_path / "onnx", tmp_path / "engine", BuildOptions(max_input_len=64, max_kv_cache_capacity=128,
+                                                                      max_batch_size=1, tokens_per_page=16))
+    graph = onnx.load(tmp_path / "engine" / "model.onnx", load_external_data=False).graph
+    assert sum(n.op_type == "MatMulNBits" for n in graph.node) == len(loaded.quantized)
+    assert not any(n.op_type == "MatMul" and n.input[1].endswith(".weight") for n in graph.node)
+    ids = list(range(5, 29))
+    expected = dense_logits(loaded.config, reference, ids)[-1]
+    # Level 4 (the exported default) quantizes activations to int8 per block: close, not equal.
+    for level, rtol, atol in ((4, 0.02, 0.05), (0, 1e-5, 1e-4)):
+        _set_accuracy_level(tmp_path / "engine", level)
+        engine = Engine(tmp_path / "engine", EngineConfig(num_threads=2))
+        engine.add_request(EngineRequest(ids, SamplingParams(temperature=0.0, max_generate_length=1,
+                                                             num_logprobs=5)))
+        [output] = engine.step()
+        got = [(t, lp) for t, lp in output.samples[0].top_logprobs]
+        log_probs = expected - expected.max() - np.log(np.exp(expected - expected.max()).sum())
+        if level == 0:
+            assert [t for t, _ in got] == np.argsort(-log_probs)[:5].tolist()
+        np.testing.assert_allclose([lp for _, lp in got], log_probs[[t for t, _ in got]], rtol=rtol, atol=atol)
+
+
+def test_lm_head_of_a_tied_model_comes_from_the_embedding() -> None:
+    loaded = synthetic_model("tiny-qwen2")
+    assert loaded.config.tie_word_embeddings and LM_HEAD not in loaded.weights
+    quantize_linears(loaded, "int4", 32)
+    assert "model.embed_tokens.weight" in loaded.weights  # the runtime still looks embeddings up
+    embedding = loaded.weights["model.embed_tokens.weight"]
+    error = np.abs(loaded.quantized[LM_HEAD].dequantize().T - embedding).max()
+    assert error <= np.abs(embedding).max() / 7  # int4 of the embedding, not of something else
+    assert loaded.config.quantization == "int4" and loaded.config.quant_block_size == 32
+
+
+def test_tensorrt_refuses_a_quantized_export(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvforge.builder.build as build
+
+    loaded = synthetic_model("tiny-llama")
+    quantize_linears(loaded, "int4", 32)
+    write_onnx_dir(loaded, tmp_path / "onnx")
+    monkeypatch.setattr(build, "resolve_backend", lambda _backend: "tensorrt")  # as on a GPU machine
+    with pytest.raises(KvforgeError) as info:
+        build.build_engine(tmp_path / "onnx", tmp_path / "engine", BuildOptions(max_input_len=16,
+                                                                                max_kv_cache_capacity=32,
+                                                                                max_batch_size=1, tokens_per_page=16))
+    assert info.value.field == "backend" and "MatMulNBits" in info.value.message
+
+
+@pytest.mark.parametrize("flags, needles", [(["--quantization", "int3"], ("--quantization", "int3")),
+                                            (["--quantization", "int4", "--quantBlockSize", "24"],
+                                             ("--quantBlockSize", "24"))])
+def test_export_refuses_bad_quantization_flags(run_cli, tmp_path: Path, flags: list[str],
+                                               needles: tuple[str, ...]) -> None:
+    proc = run_cli(["llm_export", "--synthetic", "tiny-llama", "--outputDir", tmp_path / "out", *flags])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert all(n in proc.stderr for n in needles), proc.stderr
+    assert not (tmp_path / "out" / "config.json").exists()
