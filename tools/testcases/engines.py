@@ -1,0 +1,57 @@
+"""Engines llm_test builds from an ONNX dir and a config string, cached under a digest of everything they depend on."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from kvforge import __version__
+from kvforge.builder.build import BuildOptions, build_engine, read_onnx_dir, resolve_backend
+
+KEY_FILE = "llm_test_key.json"  # what the digest covers, written beside the engine for people to read
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "kvforge" / "llm_test"
+
+
+def engine_key(onnx_dir: Path, options: BuildOptions) -> dict[str, object]:
+    """What a cached engine depends on: the ONNX dir (config.json, every file's size and mtime), the resolved
+    build options and the kvforge version (lowering may change between versions)."""
+    files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in onnx_dir.iterdir() if p.is_file())
+    return {"kvforge": __version__, "onnx_dir": str(onnx_dir.resolve()),
+            "onnx_config": json.loads((onnx_dir / "config.json").read_text(encoding="utf-8")),
+            "files": files, "build": asdict(options)}
+
+
+def cached_engine(onnx_dir: Path, options: BuildOptions, cache_dir: Path,
+                  step: Callable[[str], None] = lambda _m: None) -> tuple[Path, bool]:
+    """(engine dir, built now): an engine for `options` from `cache_dir`, built there first when missing."""
+    read_onnx_dir(onnx_dir)  # one-line errors for a missing or foreign ONNX dir before anything is written
+    options = replace(options, backend=resolve_backend(options.backend))
+    key = engine_key(onnx_dir, options)
+    digest = hashlib.blake2b(json.dumps(key, sort_keys=True).encode(), digest_size=8).hexdigest()
+    engine_dir = cache_dir / f"{onnx_dir.resolve().name}-{digest}"
+    if (engine_dir / KEY_FILE).is_file():  # written last, and the dir appears whole (os.replace)
+        return engine_dir, False
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{engine_dir.name}-", dir=cache_dir))
+    try:
+        build_engine(onnx_dir, staging, options, step)
+        (staging / KEY_FILE).write_text(json.dumps(key, indent=2) + "\n", encoding="utf-8")
+        shutil.rmtree(engine_dir, ignore_errors=True)  # a dir left without its key file by an older interruption
+        try:
+            os.replace(staging, engine_dir)  # atomic: a concurrent run sees the whole engine or none
+        except OSError:
+            if not (engine_dir / KEY_FILE).is_file():  # not a concurrent run that got there first
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return engine_dir, True

@@ -1,0 +1,103 @@
+"""Runs one test file on a fresh Engine through the engine loop (runtime/file_runner.py), then checks it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvforge.contract.errors import KvforgeError
+from kvforge.runtime.engine import Engine, EngineConfig
+from kvforge.runtime.file_runner import Scheduling, prepare_requests, run_request_file
+from kvforge.runtime.runner import EngineRunner
+from kvforge.tools.export.synthetic import SYNTHETIC_MODELS
+from kvforge.tools.testcases.checks import FAILED, PASSED, SKIPPED, CheckOptions, CheckResult, Scorer, check_file
+from kvforge.tools.testcases.declared import CaseSpec
+
+
+@dataclass(frozen=True, slots=True)
+class RunSettings:
+    engine_dir: Path
+    num_threads: int = 0
+    reuse: bool = False  # on for every file (ctxreuse, --enableContextReuse); a file may also ask for it
+    scheduling: Scheduling = Scheduling.STATIC
+    rouge: str = "auto"
+    thresholds: tuple[float, float] = (0.25, 0.20)
+    lengths_overridden: bool = False
+
+
+@dataclass(slots=True)
+class FileResult:
+    case: CaseSpec
+    reuse: bool
+    checks: list[CheckResult] = field(default_factory=list)
+    responses: list[dict[str, Any]] = field(default_factory=list)
+    profile: dict[str, Any] = field(default_factory=dict)
+    error: str = ""  # one line: the file could not run on this engine
+    timing_s: dict[str, float] = field(default_factory=dict)  # engine (load + tokenize), run (engine loop), checks
+
+    @property
+    def status(self) -> str:
+        return "error" if self.error else FAILED if self.count(FAILED) else PASSED
+
+    def count(self, status: str) -> int:
+        return sum(c.status == status for c in self.checks)
+
+    @property
+    def ttft_ms(self) -> float | None:
+        values = [r["timing"]["ttft_ms"] for r in self.responses if r.get("timing")]
+        return sum(values) / len(values) if values else None
+
+    @property
+    def reused_tokens(self) -> int | None:
+        return self.profile.get("prefill", {}).get("reused_tokens")
+
+
+class CaseRunner:
+    """One Engine per file (a fresh cache, like the seed's one process per file) over one shared model runner."""
+
+    def __init__(self, settings: RunSettings, flags: Mapping[str, str], scorer: Scorer | None = None) -> None:
+        self.settings = settings
+        self.flags = flags
+        self.scorer = scorer
+        self._runner: EngineRunner | None = None
+
+    def run(self, case: CaseSpec) -> FileResult:
+        reuse = self.settings.reuse or case.context_reuse
+        result = FileResult(case, reuse)
+        try:
+            self._run(case, result)
+        except KvforgeError as exc:
+            result.error = f"{case.name}: {exc.with_flag_names(self.flags)}"
+        return result
+
+    def _run(self, case: CaseSpec, result: FileResult) -> None:
+        started = time.perf_counter()
+        engine = Engine(self.settings.engine_dir, EngineConfig(num_threads=self.settings.num_threads,
+                                                               enable_context_reuse=result.reuse),
+                        runner=self._runner)
+        self._runner = engine.runner  # fresh caches, one model: Engines may share a runner one after another
+        prepared = prepare_requests(engine, case.requests, case.path.resolve().parent)
+        loaded = time.perf_counter()
+        result.responses = run_request_file(engine, case.requests, prepared, self.settings.scheduling)
+        result.profile = engine.profile()
+        ran = time.perf_counter()
+        result.checks = check_file(case, result.responses, result.profile, self._options(engine, result.reuse))
+        result.timing_s = {"engine": loaded - started, "run": ran - loaded, "checks": time.perf_counter() - ran}
+
+    def _options(self, engine: Engine, reuse: bool) -> CheckOptions:
+        model, build = engine.engine.model, engine.engine.build
+        facts = {"model": model.name, "tokens_per_page": build.tokens_per_page, "kv_cache_dtype": model.kv_cache_dtype,
+                 "max_batch_size": build.max_batch_size, "max_kv_pool_pages": build.max_kv_pool_pages,
+                 "scheduling": self.settings.scheduling.value}
+        return CheckOptions(reuse=reuse, facts=facts, synthetic=model.name in SYNTHETIC_MODELS,
+                            rouge=self.settings.rouge, thresholds=self.settings.thresholds,
+                            lengths_overridden=self.settings.lengths_overridden, scorer=self.scorer)
+
+
+def summary_counts(results: list[FileResult]) -> dict[str, int]:
+    return {"files": len(results), "passed": sum(r.count(PASSED) for r in results),
+            "failed": sum(r.count(FAILED) for r in results), "skipped": sum(r.count(SKIPPED) for r in results),
+            "errors": sum(bool(r.error) for r in results)}
