@@ -1,0 +1,201 @@
+"""The HTTP routes: OpenAI's /v1 endpoints, /health, /metrics and the chat page, all over one EngineLoop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from kvforge import __version__
+from kvforge.contract.errors import KvforgeError
+from kvforge.runtime.engine import Engine
+from kvforge.runtime.output import RequestOutput
+from kvforge.server.engine_loop import EngineLoop
+from kvforge.server.handle import ClientGone, RequestHandle, ServerState
+from kvforge.server.metrics import CONTENT_TYPE, ServerMetrics, StepProfiler
+from kvforge.server.protocol import ApiError, parse_call
+from kvforge.server.render import Renderer, TextStreamer, finish_reason
+from kvforge.server.tenants import Tenants
+
+STATIC_DIR = Path(__file__).resolve().parent / "static"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that hung up before the response
+ENGINE_STOP_TIMEOUT_S = 30.0  # the engine thread ends after its current step; one step is seconds at most
+log = logging.getLogger("uvicorn.error")  # beside uvicorn's own start and shutdown lines
+
+
+def create_app(engine: Engine, tenants: Tenants, *, model_name: str, max_queued_requests: int) -> FastAPI:
+    """An app serving `engine` (with its adapters loaded) under `model_name`; the engine thread starts with it."""
+    engine_loop = EngineLoop(engine)
+    metrics = ServerMetrics(lambda: engine_loop.snapshot)
+    engine.profiler = StepProfiler(metrics.step_time)  # before the thread starts: from then on it owns the engine
+    adapters = sorted(engine.loras.adapters)
+    if model_name in adapters:
+        raise KvforgeError(f"an adapter is named like the served model {model_name!r}", "served_model_name")
+    build = engine.engine.build
+    state = ServerState(engine_loop, engine.tokenizer, tenants, metrics,
+                        models={model_name: None, **{name: name for name in adapters}},
+                        max_in_flight=engine.scheduler.max_batch_size + max_queued_requests,
+                        reuse_enabled=engine.cache.enabled, max_model_len=build.max_kv_cache_capacity)
+    metrics.in_flight.set_function(lambda: state.in_flight)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        engine_loop.start()
+        try:
+            yield
+        finally:  # uvicorn has let requests finish (or cancelled them): abort what is left, end the thread
+            state.shutting_down = True
+            log.info("stopping the engine (%d request(s) still in flight are cancelled)", state.in_flight)
+            await asyncio.to_thread(engine_loop.stop, ENGINE_STOP_TIMEOUT_S)
+
+    # No /docs or /redoc: their pages load scripts from a CDN, which an offline deployment should not reach for.
+    app = FastAPI(title="kvforge llm_serve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.kvforge = state
+    _add_routes(app, state)
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+    return app
+
+
+def _add_routes(app: FastAPI, state: ServerState) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(ApiError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
+
+    @app.get("/", include_in_schema=False)
+    async def chat_page() -> FileResponse:
+        return FileResponse(STATIC_DIR / "index.html")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = state.engine_loop.alive and not state.shutting_down
+        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        _tenant(state, request)
+        base = next(iter(state.models))
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "kvforge",
+                 "max_model_len": state.max_model_len, "parent": base if adapter else None}
+                for name, adapter in state.models.items()]
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _complete(state, request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _complete(state, request, chat=False)
+
+
+async def _complete(state: ServerState, request: Request, chat: bool) -> Response:
+    tenant = _tenant(state, request)
+    try:
+        call = parse_call(await _json_body(request), chat, state.models)
+    except ApiError:
+        state.metrics.requests.labels("invalid").inc()
+        raise
+    handle = RequestHandle(state, call, state.tenants.cache_salt(tenant, call.cache_salt))
+    await handle.start()
+    renderer = Renderer(call, handle.request_id, state.tokenizer)
+    if call.stream:
+        return _EventStream(_events(handle, renderer, TextStreamer(state.tokenizer, call.sampling.stop)), handle)
+    try:
+        output = await _collect(handle, request)
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it; the request was aborted
+    return JSONResponse(renderer.body(output))
+
+
+def _tenant(state: ServerState, request: Request) -> str:
+    tenant = state.tenants.tenant_for(request.headers.get("authorization"))
+    if tenant is None:
+        raise ApiError(401, "a valid API key is required: Authorization: Bearer KEY", code="invalid_api_key")
+    return tenant
+
+
+async def _json_body(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except (ValueError, RecursionError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {str(exc).splitlines()[0]}") from None
+
+
+async def _collect(handle: RequestHandle, request: Request) -> RequestOutput:
+    """Wait for the final output; a client that hangs up meanwhile aborts the request."""
+    watcher = asyncio.create_task(_watch_disconnect(request, handle))
+    try:
+        while True:
+            output = await handle.next_output()
+            if output.finished:
+                return output
+    finally:
+        watcher.cancel()
+        handle.close()
+
+
+async def _watch_disconnect(request: Request, handle: RequestHandle) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    handle.queue.put_nowait(ClientGone("the client disconnected"))
+
+
+async def _events(handle: RequestHandle, renderer: Renderer, streamer: TextStreamer) -> AsyncIterator[str]:
+    """Server-sent events: chunks as tokens settle, the finish reason, usage if asked for, then [DONE]."""
+    call = handle.call
+    if call.chat:
+        yield _sse(renderer.chunk(None, [], None))
+    while True:
+        try:
+            output = await handle.next_output()
+        except ApiError as exc:
+            yield _sse(exc.body())
+            break
+        first_new = len(output.token_ids) - len(output.new_token_ids)
+        samples = output.samples[first_new:len(output.token_ids)] if call.logprobs else []
+        if output.finished:
+            yield _sse(renderer.chunk(streamer.finish(output.text), samples, finish_reason(output)))
+            if call.include_usage:
+                yield _sse(renderer.usage_chunk(output))
+            break
+        text = streamer.push(output.token_ids)
+        if text or samples:
+            yield _sse(renderer.chunk(text, samples, None))
+    yield "data: [DONE]\n\n"
+
+
+def _sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that closes its request however the stream ends (a client that hangs up aborts it)."""
+
+    def __init__(self, events: AsyncIterator[str], handle: RequestHandle) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        self.handle = handle
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.handle.close()

@@ -1,0 +1,154 @@
+"""llm_serve: serve an engine dir over HTTP with OpenAI's API, on the engine loop (continuous batching)."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import typer
+
+from kvforge.cli_common import ENGINE_FLAGS, console, run_app, run_guarded
+from kvforge.contract.errors import KvforgeError
+
+HELP = """
+Serve an engine built by llm_build with OpenAI's API (/v1/chat/completions, /v1/completions, /v1/models),
+/health, /metrics (Prometheus) and a chat page at /.
+
+[bold]Examples[/]
+
+  llm_serve --engineDir engines/smollm2 --enableContextReuse
+  llm_serve --engineDir engines/smollm2 --enableContextReuse --apiKeys keys.json --host 0.0.0.0 --port 8000
+  llm_serve --engineDir engines/smollm2-lora --loraWeights support=adapters/support.safetensors
+"""
+LOOPBACK = "127.0.0.1"
+SERVE_FLAGS = {**ENGINE_FLAGS, "api_keys": "--apiKeys", "salt_secret": "--saltSecret",
+               "served_model_name": "--servedModelName", "host": "--host", "port": "--port"}
+app = typer.Typer(add_completion=False, rich_markup_mode="rich")
+
+
+@app.command(help=HELP)
+def serve(
+    engine_dir: Path = typer.Option(..., "--engineDir", help="Engine dir written by llm_build."),
+    host: str = typer.Option(None, "--host", help=f"Address to listen on (default {LOOPBACK}: this machine only)."),
+    port: int = typer.Option(8000, "--port", help="TCP port (0 = any free port)."),
+    api_keys: Path = typer.Option(None, "--apiKeys", help='JSON file {"API_KEY": "TENANT", ...}: every /v1 call then '
+                                  "needs a key, and each tenant's KV pages are its own."),
+    salt_secret: Path = typer.Option(None, "--saltSecret",
+                                     help="File with the secret tenant cache salts are derived from (default: a "
+                                          "random one per process)."),
+    max_queued_requests: int = typer.Option(64, "--maxQueuedRequests",
+                                            help="Requests that may wait beyond the engine's maxBatchSize running "
+                                                 "ones; past that, 429."),
+    served_model_name: str = typer.Option(None, "--servedModelName",
+                                          help="The model id clients send (default: the engine dir's name)."),
+    lora_weights: list[str] = typer.Option([], "--loraWeights",
+                                           help="NAME=PATH of a converted adapter; repeat for more. Clients pick "
+                                                "one with lora_name or as the model id."),
+    enable_context_reuse: bool = typer.Option(False, "--enableContextReuse",
+                                              help="Reuse KV pages of repeated prefixes across requests."),
+    context_cache_max_records: int = typer.Option(1024, "--contextCacheMaxRecords",
+                                                  help="Max retained cache records (0 = publish then evict at once)."),
+    prefill_chunk_size: int = typer.Option(512, "--prefillChunkSize",
+                                           help="Max prompt tokens per row in one prefill call; 0 = one call."),
+    max_num_tokens: int = typer.Option(0, "--maxNumTokens",
+                                       help="Token budget of one engine step; 0 = the engine's maxInputLen."),
+    num_threads: int = typer.Option(0, "--numThreads", help="CPU threads for the engine; 0 = onnxruntime default."),
+    shutdown_timeout: float = typer.Option(30.0, "--shutdownTimeout",
+                                           help="On SIGTERM/SIGINT, seconds requests in flight get to finish before "
+                                                "they are cancelled."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
+) -> None:
+    """Load the engine, then serve until SIGTERM or Ctrl-C."""
+
+    def body() -> None:
+        _check_serve_extra()
+        import uvicorn
+
+        from kvforge.runtime.engine import Engine, EngineConfig
+        from kvforge.server.app import create_app
+        from kvforge.server.tenants import load_tenants
+
+        if max_queued_requests < 0:
+            raise KvforgeError(f"must be >= 0, got {max_queued_requests}", "--maxQueuedRequests")
+        if shutdown_timeout < 0:
+            raise KvforgeError(f"must be >= 0, got {shutdown_timeout}", "--shutdownTimeout")
+        adapters = parse_lora_flags(lora_weights)
+        tenants = load_tenants(api_keys, salt_secret)
+        bind_host = host or LOOPBACK
+        sock = bind_socket(bind_host, port)
+        engine = Engine(engine_dir, EngineConfig(num_threads=num_threads, enable_context_reuse=enable_context_reuse,
+                                                 context_cache_max_records=context_cache_max_records,
+                                                 prefill_chunk_size=prefill_chunk_size, max_num_tokens=max_num_tokens))
+        try:
+            engine.load_adapters({name: str(path) for name, path in adapters.items()})
+        except KvforgeError as exc:  # its field names the request file's available_lora_weights
+            raise KvforgeError(exc.message, "--loraWeights") from None
+        model_name = served_model_name or engine_dir.resolve().name
+        web = create_app(engine, tenants, model_name=model_name, max_queued_requests=max_queued_requests)
+        _announce(sock, model_name, enable_context_reuse, tenants.required, host is not None)
+        # uvicorn re-raises the signal it shut down for; exit 0 then: requests in flight were finished or cancelled.
+        for stop_signal in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(stop_signal, lambda *_: sys.exit(0))
+        config = uvicorn.Config(web, log_level="info", timeout_graceful_shutdown=shutdown_timeout or None)
+        uvicorn.Server(config).run(sockets=[sock])
+
+    run_guarded(body, debug, SERVE_FLAGS)
+
+
+def parse_lora_flags(values: list[str]) -> dict[str, Path]:
+    adapters: dict[str, Path] = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise KvforgeError(f"expected NAME=PATH, got {value!r}", "--loraWeights")
+        if name in adapters:
+            raise KvforgeError(f"adapter {name!r} is given twice", "--loraWeights")
+        adapters[name] = Path(path)
+    return adapters
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening socket, so a taken port is a one-line error before the engine loads."""
+    if not 0 <= port <= 65535:
+        raise KvforgeError(f"must be in 0..65535, got {port}", "port")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise KvforgeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}", "port") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _announce(sock: socket.socket, model: str, reuse: bool, keys: bool, host_given: bool) -> None:
+    address, port = sock.getsockname()[:2]
+    url = f"http://{f'[{address}]' if ':' in address else address}:{port}"
+    console.print(f"llm_serve: model {model!r} at {url}/v1 (chat page {url}/), context reuse "
+                  f"{'on' if reuse else 'off'}")
+    if keys:
+        console.print("llm_serve: API keys required; each tenant's cache pages are salted with its own secret salt")
+    elif host_given and address not in (LOOPBACK, "::1", "localhost"):
+        console.print(f"[bold yellow]warning:[/] no --apiKeys and listening on {address}: anyone who can reach it "
+                      "can use the server, and all callers share one cache")
+    else:
+        console.print(f"llm_serve: no --apiKeys, so listening on {address} only (give --host to change that)")
+
+
+def _check_serve_extra() -> None:
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        raise KvforgeError(f"llm_serve needs the serve extra ({exc.name} is missing): "
+                           "pip install 'kvforge[serve]'") from None
+
+
+def main() -> None:
+    run_app(app)

@@ -1,0 +1,195 @@
+"""The one thread that owns the Engine: HTTP handlers talk to it only through its command queue.
+
+Loop: drain the commands (add, abort, call), then run one `engine.step()` while work exists, else block on
+the queue. Every output goes to the sink its request was submitted with (the handler's asyncio queue, fed
+with `loop.call_soon_threadsafe`), so requests that arrive together share decode steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from kvforge.runtime.engine import Engine
+from kvforge.runtime.output import RequestOutput
+from kvforge.runtime.sequence import EngineRequest
+
+T = TypeVar("T")
+log = logging.getLogger("kvforge.server")
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """The engine took the request: its prompt is tokenized and fits; outputs follow."""
+
+    prompt_tokens: int
+
+
+class EngineFailure(Exception):
+    """The engine failed while running a step, or stopped, before the request finished."""
+
+
+Sink = Callable[[Accepted | RequestOutput | Exception], None]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """What /metrics reads: copied by the engine thread after each step, never read from the engine itself."""
+
+    cache: dict[str, Any] = field(default_factory=dict)  # the profile's context_cache block (reuse on)
+    scheduler: dict[str, int] = field(default_factory=dict)
+    pool_free: int = 0
+    pool_capacity: int = 0
+    waiting: int = 0
+    running: int = 0
+    prefill_reused_tokens: int = 0
+    prefill_computed_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Add:
+    request_id: str
+    build: Callable[[Engine], EngineRequest]  # runs here: chat template, tokenization and limit checks
+    sink: Sink
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    fn: Callable[[Engine], Any]
+    future: Future
+
+
+_STOP = object()
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine  # touched only by the loop's thread once start() has run
+        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._sinks: dict[str, Sink] = {}
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="kvforge-engine", daemon=True)
+        self.snapshot = self._take_snapshot()
+
+    # --- called from other threads --------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, request_id: str, build: Callable[[Engine], EngineRequest], sink: Sink) -> None:
+        self._commands.put(_Add(request_id, build, sink))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    def call(self, fn: Callable[[Engine], T]) -> Future[T]:
+        """Run `fn(engine)` on the engine thread between steps (audits, tests); its result comes in the future."""
+        future: Future[T] = Future()
+        self._commands.put(_Call(fn, future))
+        return future
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Abort what is still in flight (its sinks get an EngineFailure) and end the thread."""
+        if self._thread.is_alive():
+            self._commands.put(_STOP)
+            self._thread.join(timeout)
+
+    # --- the engine thread ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        reason = "the server is shutting down"
+        try:
+            while not self._stopping:
+                self._drain(block=not self.engine.has_unfinished())
+                if self.engine.has_unfinished() and not self._stopping:
+                    self._step()
+                self.snapshot = self._take_snapshot()
+        except Exception:  # a bug outside a step: nobody may wait forever for this thread
+            log.exception("the engine thread failed")
+            reason = "the engine thread failed"
+        finally:
+            self._fail_all(reason)
+            self.snapshot = self._take_snapshot()
+
+    def _drain(self, block: bool) -> None:
+        while True:
+            try:
+                command = self._commands.get(block=block)
+            except queue.Empty:
+                return
+            block = False
+            if command is _STOP:
+                self._stopping = True
+            elif isinstance(command, _Add):
+                self._add(command)
+            elif isinstance(command, _Abort):
+                if self._sinks.pop(command.request_id, None) is not None:
+                    self.engine.abort(command.request_id)
+            else:
+                self._run_call(command)
+
+    def _add(self, command: _Add) -> None:
+        if self._stopping:
+            command.sink(EngineFailure("the server is shutting down"))
+            return
+        try:
+            request = command.build(self.engine)
+            self.engine.add_request(request, command.request_id)
+        except Exception as exc:  # KvforgeError: the request's fault (400); anything else reaches the handler too
+            command.sink(exc)
+            return
+        self._sinks[command.request_id] = command.sink
+        command.sink(Accepted(len(request.prompt_ids)))
+
+    def _run_call(self, command: _Call) -> None:
+        try:
+            command.future.set_result(command.fn(self.engine))
+        except Exception as exc:
+            command.future.set_exception(exc)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception:
+            log.exception("engine step failed; aborting the requests in flight")
+            self._fail_all("the engine failed while running this request")
+            return
+        for output in outputs:
+            sink = self._sinks.pop(output.request_id) if output.finished else self._sinks.get(output.request_id)
+            if sink is not None:
+                output.samples = list(output.samples)  # the sequence keeps appending to its own list
+                sink(output)
+
+    def _fail_all(self, message: str) -> None:
+        for request_id, sink in list(self._sinks.items()):
+            try:
+                self.engine.abort(request_id)
+            except Exception:
+                log.exception("aborting %s failed", request_id)
+            sink(EngineFailure(message))
+        self._sinks.clear()
+
+    def _take_snapshot(self) -> EngineSnapshot:
+        engine = self.engine
+        pages, profiler = engine.cache.pages, engine.profiler
+        return EngineSnapshot(
+            cache=engine.cache.profile() if engine.cache.enabled else {},
+            scheduler=engine.scheduler.stats.to_dict(),
+            pool_free=pages.num_free, pool_capacity=pages.capacity,
+            waiting=len(engine.scheduler.waiting), running=len(engine.scheduler.running),
+            prefill_reused_tokens=profiler.prefill_reused_tokens,
+            prefill_computed_tokens=profiler.prefill_computed_tokens)

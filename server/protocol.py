@@ -1,0 +1,194 @@
+"""OpenAI request bodies → what the engine runs: checked field by field, errors naming the field as `param`.
+
+Checks reuse the request file's (`kvforge.runtime.request_file`) so a value the file refuses is refused here
+with the same words. Extensions: `reuse_context` / `cache_generated_tokens` (strict booleans, the cache
+policies), `cache_salt`, `lora_name`, `top_k`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+
+from kvforge.contract.errors import KvforgeError
+from kvforge.contract.validation import check_int, check_string, describe, fail, get_bool, json_kind
+from kvforge.runtime.engine import Engine
+from kvforge.runtime.inputs import check_prompt_length
+from kvforge.runtime.request_file import _logit_bias, _parse_messages, _seed, _stop, _temperature, _top_p
+from kvforge.runtime.sequence import EngineRequest
+from kvforge.runtime.types import Message, Request, SamplingParams
+
+T = TypeVar("T")
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat top_logprobs
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# Known OpenAI fields this server cannot honour: refused unless they hold their neutral value.
+NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "presence_penalty": 0, "frequency_penalty": 0, "suffix": None,
+           "tools": None, "tool_choice": None, "functions": None, "response_format": None}
+
+
+class ApiError(Exception):
+    """An OpenAI-style error: HTTP status, message, type, offending param and code."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True, slots=True)
+class ApiCall:
+    """One parsed /v1/chat/completions or /v1/completions body."""
+
+    chat: bool
+    model: str
+    messages: list[Message]  # chat
+    prompt: str | list[int] | None  # completion: text or token ids
+    sampling: SamplingParams
+    max_tokens: int | None  # None: chat runs to the KV capacity
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    lora_name: str | None
+    cache_salt: str | None  # the client's; the server combines it with the tenant's
+
+    def engine_request(self, engine: Engine, cache_salt: str) -> EngineRequest:
+        """Tokenize (chat template for chat) and check against the engine; runs on the engine thread."""
+        if self.chat:
+            request = Request(0, self.messages, self.sampling, lora_name=self.lora_name, cache_salt=cache_salt)
+            built = engine.inputs.process(request, where="")  # errors name "messages"
+        else:
+            built = _completion_request(engine, self.prompt, self.sampling, self.lora_name, cache_salt)
+        room = engine.engine.build.max_kv_cache_capacity - len(built.prompt_ids)
+        built.sampling = replace(built.sampling, max_generate_length=max(1, self.max_tokens or room))
+        return built
+
+
+def parse_call(body: Any, chat: bool, models: dict[str, str | None]) -> ApiCall:
+    """Check a decoded body. `models` maps each servable model id to its adapter (None for the base model)."""
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {json_kind(body)}")
+    try:
+        return _parse(body, chat, models)
+    except KvforgeError as exc:
+        raise ApiError(400, exc.message, exc.field) from None
+
+
+def _parse(body: dict[str, Any], chat: bool, models: dict[str, str | None]) -> ApiCall:
+    model = check_string(body.get("model"), "model")
+    if model not in models:
+        raise ApiError(404, f"the model {model!r} does not exist; this server has {', '.join(sorted(models))}",
+                       "model", code="model_not_found")
+    for name, neutral in NEUTRAL.items():
+        if body.get(name, neutral) not in (neutral, None):
+            fail(name, f"is not supported by this server (only {neutral!r})")
+    lora_name = _adapter(body, models[model], models)
+    logprobs, top = _logprobs(body, chat)
+    if chat:
+        messages, prompt = _parse_messages(body.get("messages"), "messages"), None
+    else:
+        messages, prompt = [], _prompt(body.get("prompt"))
+    sampling = SamplingParams(
+        temperature=_given(body, "temperature", _temperature, 1.0),
+        top_p=_given(body, "top_p", _top_p, 1.0),
+        top_k=_given(body, "top_k", lambda v, f: check_int(v, f, 0), 0),
+        num_logprobs=top,
+        logit_bias=_given(body, "logit_bias", _logit_bias, {}),
+        stop=_given(body, "stop", _stop, ()),
+        seed=_given(body, "seed", _seed, None),
+        reuse_context=get_bool(body, "reuse_context", "", True),  # strict: null is refused too
+        cache_generated_tokens=get_bool(body, "cache_generated_tokens", "", True),
+    )
+    return ApiCall(chat, model, messages, prompt, sampling, _max_tokens(body, chat),
+                   _given(body, "stream", _boolean, False), _include_usage(body), logprobs, lora_name,
+                   _given(body, "cache_salt", check_string, None))
+
+
+def _given(body: dict[str, Any], name: str, check: Callable[[Any, str], T], default: T) -> T:
+    """A standard OpenAI field: absent or null means its default."""
+    value = body.get(name)
+    return default if value is None else check(value, name)
+
+
+def _boolean(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        fail(where, f"must be true or false, got {describe(value)}")
+    return value
+
+
+def _adapter(body: dict[str, Any], by_model: str | None, models: dict[str, str | None]) -> str | None:
+    """`lora_name` (an extension) or a model id that names an adapter, as vLLM serves them; not two different."""
+    name = _given(body, "lora_name", check_string, None) or None
+    if name is not None and name not in {a for a in models.values() if a}:
+        loaded = ", ".join(sorted(a for a in models.values() if a)) or "none"
+        fail("lora_name", f"adapter {name!r} is not loaded (loaded: {loaded}; load adapters with --loraWeights)")
+    if name and by_model and name != by_model:
+        fail("lora_name", f"names adapter {name!r} but model names adapter {by_model!r}")
+    return name or by_model
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> tuple[bool, int]:
+    """(whether to return logprobs, how many alternatives per token)."""
+    if not chat:  # completions: `logprobs` is the number of alternatives, null for none
+        value = body.get("logprobs")
+        return (False, 0) if value is None else (True, check_int(value, "logprobs", 0, MAX_TOP_LOGPROBS))
+    wanted = _given(body, "logprobs", _boolean, False)
+    top = _given(body, "top_logprobs", lambda v, f: check_int(v, f, 0, MAX_TOP_LOGPROBS), 0)
+    if top and not wanted:
+        fail("top_logprobs", "needs logprobs: true")
+    return wanted, top
+
+
+def _max_tokens(body: dict[str, Any], chat: bool) -> int | None:
+    for name in ("max_completion_tokens", "max_tokens"):
+        if body.get(name) is not None:
+            return check_int(body[name], name, 1)
+    return None if chat else COMPLETION_DEFAULT_MAX_TOKENS
+
+
+def _include_usage(body: dict[str, Any]) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        fail("stream_options", f"must be an object, got {json_kind(options)}")
+    return _given(options, "include_usage", lambda v, f: _boolean(v, f"stream_options.{f}"), False)
+
+
+def _prompt(value: Any) -> str | list[int]:
+    """One prompt: a string or token ids, or a list holding exactly one of those (n = 1, one choice)."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return value
+    fail("prompt", f"must be a string or an array of token ids (one prompt per request), got {json_kind(value)}")
+
+
+def _completion_request(engine: Engine, prompt: str | list[int] | None, sampling: SamplingParams,
+                        lora_name: str | None, cache_salt: str) -> EngineRequest:
+    if isinstance(prompt, str):
+        ids = engine.tokenizer.encode(prompt)
+    else:
+        ids = list(prompt or [])
+        vocab = engine.engine.model.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            fail("prompt", f"token ids must be in [0, {vocab})")
+    check_prompt_length(len(ids), engine.engine.build.max_input_len, "prompt")
+    return EngineRequest(ids, sampling, engine.loras.get(lora_name), cache_salt)
+
+
+def error_from(exc: KvforgeError, chat: bool) -> ApiError:
+    """An engine-side refusal as a 400 naming the request field to change."""
+    field = _PARAMS.get(exc.field or "", exc.field)
+    if field == "messages" and not chat:
+        field = "prompt"
+    return ApiError(400, exc.message, field)
+
+
+# Domain names the engine's errors carry → the request field a client changes to fix them.
+_PARAMS: dict[str, str] = {"max_kv_pool_pages": "max_tokens"}

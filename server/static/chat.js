@@ -1,0 +1,130 @@
+// The chat page: streams each answer from /v1/chat/completions and shows, per turn, the prompt tokens, the
+// tokens served from the context cache and the time to the first token, so reuse can be seen happening.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const conversation = [];  // the conversation so far: {role, content}
+let model = null;
+
+function headers() {
+  const result = { "Content-Type": "application/json" };
+  const key = $("api-key").value.trim();
+  if (key) result.Authorization = `Bearer ${key}`;
+  return result;
+}
+
+async function loadModel() {
+  try {
+    const response = await fetch("/v1/models", { headers: headers() });
+    const body = await response.json();
+    if (!response.ok) throw new Error(body.error ? body.error.message : response.statusText);
+    model = body.data[0].id;
+    $("model").textContent = model;
+  } catch (error) {
+    $("model").textContent = `not connected: ${error.message}`;
+  }
+}
+
+function addTurn(role, text) {
+  const turn = document.createElement("div");
+  turn.className = `turn ${role}`;
+  const body = document.createElement("div");
+  body.className = "text";
+  body.textContent = text;
+  turn.appendChild(body);
+  $("log").appendChild(turn);
+  turn.scrollIntoView({ block: "end" });
+  return turn;
+}
+
+function showStats(turn, usage, ttftMs) {
+  const cached = usage.prompt_tokens_details ? usage.prompt_tokens_details.cached_tokens : 0;
+  const stats = document.createElement("div");
+  stats.className = "stats";
+  stats.dataset.promptTokens = usage.prompt_tokens;
+  stats.dataset.cachedTokens = cached;
+  stats.dataset.ttftMs = ttftMs.toFixed(1);
+  stats.innerHTML = `prompt <b>${usage.prompt_tokens}</b> tokens · ` +
+    `<span class="${cached > 0 ? "hit" : ""}">cached <b>${cached}</b></span> · ` +
+    `TTFT <b>${ttftMs.toFixed(0)}</b> ms · generated <b>${usage.completion_tokens}</b>`;
+  turn.appendChild(stats);
+}
+
+// Server-sent events arrive in arbitrary pieces: yield each complete `data:` payload.
+async function* events(response) {
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { done, value } = await reader.read();
+    if (done) return;
+    buffer += decoder.decode(value, { stream: true });
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const event = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      for (const line of event.split("\n")) {
+        if (line.startsWith("data: ") && line !== "data: [DONE]") yield JSON.parse(line.slice(6));
+      }
+    }
+  }
+}
+
+async function send(text) {
+  conversation.push({ role: "user", content: text });
+  addTurn("user", text);
+  const turn = addTurn("assistant", "");
+  const system = $("system").value.trim();
+  const request = {
+    model, stream: true, stream_options: { include_usage: true },
+    messages: system ? [{ role: "system", content: system }, ...conversation] : conversation,
+    max_tokens: Number($("max-tokens").value) || 128,
+    temperature: Number($("temperature").value) || 0,
+  };
+  const started = performance.now();
+  let ttftMs = null, answer = "", usage = null;
+  try {
+    const response = await fetch("/v1/chat/completions", { method: "POST", headers: headers(), body: JSON.stringify(request) });
+    if (!response.ok) throw new Error((await response.json()).error.message);
+    for await (const chunk of events(response)) {
+      if (chunk.error) throw new Error(chunk.error.message);
+      if (chunk.usage) usage = chunk.usage;
+      for (const choice of chunk.choices) {
+        const delta = choice.delta && choice.delta.content;
+        if (!delta) continue;
+        if (ttftMs === null) ttftMs = performance.now() - started;
+        answer += delta;
+        turn.firstChild.textContent = answer;
+      }
+    }
+    conversation.push({ role: "assistant", content: answer });
+    if (usage) showStats(turn, usage, ttftMs === null ? performance.now() - started : ttftMs);
+  } catch (error) {
+    conversation.pop();  // the user's turn had no answer: leave it out of the next request
+    turn.className = "turn error";
+    turn.firstChild.textContent = `error: ${error.message}`;
+  }
+}
+
+$("composer").addEventListener("submit", async (event) => {
+  event.preventDefault();
+  const text = $("prompt").value.trim();
+  if (!text || $("send").disabled) return;
+  $("prompt").value = "";
+  $("send").disabled = true;
+  try {
+    if (model === null) await loadModel();
+    await send(text);
+  } finally {
+    $("send").disabled = false;
+    $("prompt").focus();
+  }
+});
+$("prompt").addEventListener("keydown", (event) => {
+  if (event.key === "Enter" && !event.shiftKey) {
+    event.preventDefault();
+    $("composer").requestSubmit();
+  }
+});
+$("api-key").addEventListener("change", loadModel);
+loadModel();
