@@ -7,8 +7,13 @@ BIN := $(VENV)/bin
 OUT ?= out
 THREADS ?= 2
 PYTEST_ARGS ?=
+# Engines `make test` runs test_cases/*.json on with llm_test (config strings of the seed's harness; see README
+# "llm_test"). The files' engine_specific counters are measured on these page sizes.
+LLM_TEST_TINY ?= mxsl4096-mxbs4-mxil3072-mxlr8-tpp16
+LLM_TEST_SMOLLM2 ?= mxsl2048-mxbs2-mxil1024-mxlr8-tpp64
+LLM_TEST = $(BIN)/llm_test --cacheDir $(OUT)/llm_test/engines --numThreads $(THREADS)
 
-.PHONY: install demo test lint bench bench-reuse bench-lora clean
+.PHONY: install demo test llm-test lint bench bench-reuse bench-lora bench-scheduling clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +43,27 @@ lint: install
 
 test: install lint
 	$(BIN)/pytest -q $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory llm-test
+
+$(OUT)/onnx/tiny-llama/config.json: $(VENV)/.installed
+	$(BIN)/llm_export --synthetic tiny-llama --outputDir $(OUT)/onnx/tiny-llama
+
+# Two random rank-8 adapters per model for test_cases/llm_lora.json, which names $$KVFORGE_LORA_DIR/<name>.safetensors.
+$(OUT)/adapters/%/classifier.safetensors: $(OUT)/onnx/%/config.json
+	mkdir -p $(OUT)/adapters/$*
+	for pair in summarizer:1 classifier:2; do name=$${pair%%:*}; \
+		$(BIN)/llm_export random-lora --onnxDir $(OUT)/onnx/$* --outputDir $(OUT)/adapters/$*/peft_$$name \
+			--seed $${pair##*:} && \
+		$(BIN)/llm_export lora --adapterDir $(OUT)/adapters/$*/peft_$$name --onnxDir $(OUT)/onnx/$* \
+			--output $(OUT)/adapters/$*/$$name.safetensors || exit 1; done
+
+# Every test case with the checks it declares, on the synthetic model and on SmolLM2 (JUnit XML, JSON: $(OUT)/llm_test).
+llm-test: $(OUT)/adapters/tiny-llama/classifier.safetensors $(OUT)/adapters/smollm2/classifier.safetensors
+	mkdir -p $(OUT)/llm_test
+	$(LLM_TEST) --onnxDir $(OUT)/onnx/tiny-llama --config $(LLM_TEST_TINY) --loraWeightsDir $(OUT)/adapters/tiny-llama \
+		--junitXml $(OUT)/llm_test/tiny-llama.xml --jsonReport $(OUT)/llm_test/tiny-llama.json test_cases/*.json
+	$(LLM_TEST) --onnxDir $(OUT)/onnx/smollm2 --config $(LLM_TEST_SMOLLM2) --loraWeightsDir $(OUT)/adapters/smollm2 \
+		--junitXml $(OUT)/llm_test/smollm2.xml --jsonReport $(OUT)/llm_test/smollm2.json test_cases/*.json
 
 bench: $(OUT)/onnx/smollm2/config.json
 	$(BIN)/python bench/paged_vs_dense.py --onnxDir $(OUT)/onnx/smollm2 --threads $(THREADS) \
@@ -49,6 +75,10 @@ bench-reuse: $(OUT)/onnx/smollm2/config.json
 
 bench-lora: $(OUT)/onnx/smollm2/config.json
 	$(BIN)/python bench/lora.py --onnxDir $(OUT)/onnx/smollm2 --threads $(THREADS) --json $(OUT)/bench_lora.json
+
+bench-scheduling: $(OUT)/onnx/smollm2/config.json
+	$(BIN)/python bench/scheduling.py --onnxDir $(OUT)/onnx/smollm2 --threads $(THREADS) \
+		--json $(OUT)/bench_scheduling.json
 
 clean:
 	rm -rf $(OUT)
