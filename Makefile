@@ -13,7 +13,7 @@ LLM_TEST_TINY ?= mxsl4096-mxbs4-mxil3072-mxlr8-tpp16
 LLM_TEST_SMOLLM2 ?= mxsl2048-mxbs2-mxil1024-mxlr8-tpp64
 LLM_TEST = $(BIN)/llm_test --cacheDir $(OUT)/llm_test/engines --numThreads $(THREADS)
 
-.PHONY: install demo test llm-test lint bench bench-reuse bench-lora bench-scheduling clean
+.PHONY: install demo test test-slow llm-test lint bench bench-reuse bench-lora bench-scheduling clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,10 @@ lint: install
 test: install lint
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory llm-test
+
+# Long measurements kept out of `make test` (the SmolLM2 quantization quality bar, ~7 minutes).
+test-slow: install
+	$(BIN)/pytest -q -m slow $(PYTEST_ARGS)
 
 $(OUT)/onnx/tiny-llama/config.json: $(VENV)/.installed
 	$(BIN)/llm_export --synthetic tiny-llama --outputDir $(OUT)/onnx/tiny-llama
