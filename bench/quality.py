@@ -18,7 +18,8 @@ The bar (issue 9): agreement >= 98 %, |perplexity change| <= 3 %, >= 9 of 10 ans
 
 Quantized ONNX dirs come from --onnxDirs int8=PATH,..., else the siblings ONNXDIR-int8 / ONNXDIR-int4 when
 their config says so, else `llm_export SOURCE --quantization Q` into --workDir. Engines are built (maxInputLen
-2048, capacity 2304, batch 1) into --workDir/engines and reused while their ONNX dir is unchanged.
+2048, capacity 2304, batch 1) into --workDir/engines and reused while their ONNX dir is unchanged; --reuse also
+keeps each variant's measurement (--workDir/VARIANT.measurement.json) while it is newer than its engine.
 """
 
 from __future__ import annotations
