@@ -114,7 +114,7 @@ def test_recommendation_is_the_fastest_passing_variant() -> None:
 
 
 @pytest.mark.model
-@pytest.mark.slow  # ~7 minutes on 2 cores: five exports, builds and 2,120-token teacher-forced passes
+@pytest.mark.slow  # 3-7 minutes on 2 cores: three exports and builds, 2,120-token teacher-forced passes
 def test_quantized_smollm2_against_float32(tmp_path: Path) -> None:
     """The bar on SmolLM2's int8 and int4 exports (GGUF → ONNX → engine here); asserted for PASSING variants."""
     from kvforge.contract.errors import KvforgeError

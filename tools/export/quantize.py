@@ -66,8 +66,9 @@ def unpack(packed: np.ndarray, bits: int) -> np.ndarray:
 
 
 def quantize(weight_out_in: np.ndarray, bits: int, block_size: int) -> BlockQuantized:
-    """Quantize a float Linear weight [out, in] with ONNX Runtime's own block quantizer (asymmetric int4,
-    symmetric int8: int8 has the resolution to keep zero exact without a zero point)."""
+    """Quantize a float Linear weight [out, in] with ONNX Runtime's own block quantizer, asymmetric (uint8 zero
+    points) at both widths: its symmetric 8-bit mode clips each block's positive maximum by one step, a bias
+    that flipped SmolLM2's first answer token."""
     from onnxruntime.quantization.matmul_nbits_quantizer import (
         DefaultWeightOnlyQuantConfig,
         DefaultWeightOnlyQuantizer,
