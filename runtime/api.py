@@ -17,10 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvforge.contract.errors import KvforgeError
 from kvforge.runtime.engine import DEFAULT_PREFILL_CHUNK_TOKENS, Engine, EngineConfig
 from kvforge.runtime.file_runner import drain
-from kvforge.runtime.inputs import check_prompt_length
 from kvforge.runtime.output import RequestOutput
 from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.types import Message, Request, SamplingParams
@@ -109,15 +107,7 @@ class LLM:
 
     def _raw_request(self, prompt: Prompt, params: SamplingParams | None, lora_name: str | None,
                      cache_salt: str | None) -> EngineRequest:
-        if isinstance(prompt, str):
-            ids = self.engine.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-            vocab = self.engine.engine.model.vocab_size
-            if any(not 0 <= t < vocab for t in ids):
-                raise KvforgeError(f"token ids must be in [0, {vocab})", "prompt")
-        check_prompt_length(len(ids), self.engine.engine.build.max_input_len, "prompt")
-        return EngineRequest(ids, params or SamplingParams(), self.engine.loras.get(lora_name), cache_salt)
+        return self.engine.inputs.process_prompt(prompt, params or SamplingParams(), lora_name, cache_salt)
 
     def _chat_request(self, conversation: ChatMessages, params: SamplingParams | None, lora_name: str | None,
                       cache_salt: str | None, enable_thinking: bool) -> EngineRequest:

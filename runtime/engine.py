@@ -63,7 +63,8 @@ class Engine:
 
         self.tokenizer = ChatTokenizer(self.engine.path)
         self.loras = LoraRegistry(self.engine)
-        self.inputs = InputProcessor(self.tokenizer, self.loras, build.max_input_len, config.enable_context_reuse)
+        self.inputs = InputProcessor(self.tokenizer, self.loras, build.max_input_len, config.enable_context_reuse,
+                                     self.engine.model.vocab_size)
         self.runner = runner or load_runner(self.engine, config.num_threads)
         embedding = load_file(str(self.engine.file(EMBEDDING_FILE)))[EMBEDDING_TENSOR]
         self.model_runner = ModelRunner(self.runner, embedding, lora_input_shapes(self.engine))

@@ -2,22 +2,39 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.validation import join_path
 from kvforge.runtime.lora import LoraRegistry
 from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.tokenizer import ChatTokenizer
-from kvforge.runtime.types import Request
+from kvforge.runtime.types import Request, SamplingParams
 
 
 class InputProcessor:
-    __slots__ = ("tokenizer", "loras", "max_input_len", "reuse_enabled")
+    __slots__ = ("tokenizer", "loras", "max_input_len", "reuse_enabled", "vocab_size")
 
-    def __init__(self, tokenizer: ChatTokenizer, loras: LoraRegistry, max_input_len: int, reuse_enabled: bool) -> None:
+    def __init__(self, tokenizer: ChatTokenizer, loras: LoraRegistry, max_input_len: int, reuse_enabled: bool,
+                 vocab_size: int) -> None:
         self.tokenizer = tokenizer
         self.loras = loras
         self.max_input_len = max_input_len
         self.reuse_enabled = reuse_enabled
+        self.vocab_size = vocab_size
+
+    def process_prompt(self, prompt: str | Sequence[int], sampling: SamplingParams, lora_name: str | None = None,
+                       cache_salt: str | None = None) -> EngineRequest:
+        """A raw prompt (completions): text tokenized without a chat template, or token ids checked against
+        the vocabulary; errors name "prompt"."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+            if any(not 0 <= t < self.vocab_size for t in ids):
+                raise KvforgeError(f"token ids must be in [0, {self.vocab_size})", "prompt")
+        check_prompt_length(len(ids), self.max_input_len, "prompt")
+        return EngineRequest(ids, sampling, self.loras.get(lora_name), cache_salt)
 
     def prompt_text(self, request: Request, enable_thinking: bool = False) -> str:
         return self.tokenizer.format(request.messages, apply_chat_template=request.apply_chat_template,

@@ -14,7 +14,6 @@ from typing import Any, TypeVar
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.validation import check_int, check_string, describe, fail, get_bool, json_kind
 from kvforge.runtime.engine import Engine
-from kvforge.runtime.inputs import check_prompt_length
 from kvforge.runtime.request_file import _logit_bias, _parse_messages, _seed, _stop, _temperature, _top_p
 from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.types import Message, Request, SamplingParams
@@ -61,7 +60,7 @@ class ApiCall:
             request = Request(0, self.messages, self.sampling, lora_name=self.lora_name, cache_salt=cache_salt)
             built = engine.inputs.process(request, where="")  # errors name "messages"
         else:
-            built = _completion_request(engine, self.prompt, self.sampling, self.lora_name, cache_salt)
+            built = engine.inputs.process_prompt(self.prompt or [], self.sampling, self.lora_name, cache_salt)
         room = engine.engine.build.max_kv_cache_capacity - len(built.prompt_ids)
         built.sampling = replace(built.sampling, max_generate_length=max(1, self.max_tokens or room))
         return built
@@ -167,19 +166,6 @@ def _prompt(value: Any) -> str | list[int]:
     if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         return value
     fail("prompt", f"must be a string or an array of token ids (one prompt per request), got {json_kind(value)}")
-
-
-def _completion_request(engine: Engine, prompt: str | list[int] | None, sampling: SamplingParams,
-                        lora_name: str | None, cache_salt: str) -> EngineRequest:
-    if isinstance(prompt, str):
-        ids = engine.tokenizer.encode(prompt)
-    else:
-        ids = list(prompt or [])
-        vocab = engine.engine.model.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            fail("prompt", f"token ids must be in [0, {vocab})")
-    check_prompt_length(len(ids), engine.engine.build.max_input_len, "prompt")
-    return EngineRequest(ids, sampling, engine.loras.get(lora_name), cache_salt)
 
 
 def error_from(exc: KvforgeError, chat: bool) -> ApiError:
