@@ -42,10 +42,10 @@ import numpy as np
 from _common import Progress, bench_parser, greedy, write_json
 
 from kvforge.builder.build import BuildOptions, build_engine
-from kvforge.contract.engine_dir import ENGINE_MODEL_FILE
 from kvforge.runtime.context_cache.manager import Admission
 from kvforge.runtime.engine import Engine, EngineConfig
 from kvforge.runtime.runner import StepInputs
+from kvforge.tools.export.quantize import set_accuracy_level
 
 DATA = Path(__file__).resolve().parent / "data"
 TEXT_FILE = DATA / "quality_text.txt"
@@ -196,23 +196,6 @@ def resolve_onnx_dir(quantization: str, reference_dir: Path, given: dict[str, Pa
         subprocess.run([str(Path(sys.executable).parent / "llm_export"), source, "--outputDir", str(exported),
                         "--quantization", quantization, "--quantBlockSize", str(block_size)], check=True)
     return exported
-
-
-def set_accuracy_level(engine_dir: Path, level: int) -> int:
-    """Patch every MatMulNBits node's accuracy_level in the engine's model.onnx; returns the nodes patched."""
-    import onnx
-
-    path = engine_dir / ENGINE_MODEL_FILE
-    model = onnx.load(path, load_external_data=False)
-    patched = 0
-    for node in model.graph.node:
-        if node.op_type == "MatMulNBits":
-            for attribute in node.attribute:
-                if attribute.name == "accuracy_level":
-                    attribute.i = level
-                    patched += 1
-    onnx.save(model, path)
-    return patched
 
 
 def prepare_engine(variant: Variant, onnx_dir: Path, engine_dir: Path, progress: Progress) -> None:

@@ -23,6 +23,7 @@ from kvforge.tools.export.quantize import (
     permute_rows,
     quantize,
     quantize_linears,
+    set_accuracy_level,
 )
 from kvforge.tools.export.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir
@@ -55,15 +56,6 @@ def test_onnx_runtime_quantizer_round_trip(bits: int) -> None:
     assert info.value.field == "quant_block_size"
 
 
-def _set_accuracy_level(engine_dir: Path, level: int) -> None:
-    model = onnx.load(engine_dir / "model.onnx", load_external_data=False)
-    for node in model.graph.node:
-        for attribute in node.attribute:
-            if node.op_type == "MatMulNBits" and attribute.name == "accuracy_level":
-                attribute.i = level
-    onnx.save(model, engine_dir / "model.onnx")
-
-
 @pytest.mark.parametrize("model, quantization", [("tiny-llama", "int4"), ("tiny-llama", "int8"),
                                                  ("tiny-qwen2", "int4")])
 def test_quantized_engine_equals_the_dequantized_reference(model: str, quantization: str, tmp_path: Path) -> None:
@@ -85,7 +77,7 @@ def test_quantized_engine_equals_the_dequantized_reference(model: str, quantizat
     expected = dense_logits(loaded.config, reference, ids)[-1]
     # Level 4 (the exported default) quantizes activations to int8 per block: close, not equal.
     for level, rtol, atol in ((4, 0.02, 0.05), (0, 1e-5, 1e-4)):
-        _set_accuracy_level(tmp_path / "engine", level)
+        assert set_accuracy_level(tmp_path / "engine", level) == len(loaded.quantized)
         engine = Engine(tmp_path / "engine", EngineConfig(num_threads=2))
         engine.add_request(EngineRequest(ids, SamplingParams(temperature=0.0, max_generate_length=1,
                                                              num_logprobs=5)))

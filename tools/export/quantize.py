@@ -17,10 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvforge.contract.engine_dir import ENGINE_MODEL_FILE
 from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.model_config import ModelConfig
 
@@ -146,3 +148,22 @@ def quantize_linears(loaded: LoadedModel, quantization: str, block_size: int,
             loaded.weights.pop(source, None)
         if progress is not None:
             progress(f"quantized {done} linears")
+
+
+def set_accuracy_level(engine_dir: Path, level: int) -> int:
+    """Set every MatMulNBits node's accuracy_level in a built engine's model.onnx (graph only; the weights in
+    the external data file are untouched); returns how many nodes changed. Benchmarks and tests compare
+    int8 activations (level 4, the exported default) with float ones (level 0) this way."""
+    import onnx
+
+    path = engine_dir / ENGINE_MODEL_FILE
+    model = onnx.load(path, load_external_data=False)
+    patched = 0
+    for node in model.graph.node:
+        if node.op_type == "MatMulNBits":
+            for attribute in node.attribute:
+                if attribute.name == "accuracy_level":
+                    attribute.i = level
+                    patched += 1
+    onnx.save(model, path)
+    return patched
