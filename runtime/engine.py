@@ -65,8 +65,8 @@ class Engine:
         self.loras = LoraRegistry(self.engine)
         self.inputs = InputProcessor(self.tokenizer, self.loras, build.max_input_len, config.enable_context_reuse,
                                      self.engine.model.vocab_size)
-        self.runner = runner or load_runner(self.engine, config.num_threads)
         embedding = map_tensor(self.engine.file(EMBEDDING_FILE), EMBEDDING_TENSOR)  # rows paged in as looked up
+        self.runner = runner or load_runner(self.engine, config.num_threads, embedding)
         self.model_runner = ModelRunner(self.runner, embedding, lora_input_shapes(self.engine))
         self.outputs = OutputProcessor(self.tokenizer, frozenset(self.engine.model.eos_token_ids),
                                        build.max_kv_cache_capacity)

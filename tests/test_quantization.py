@@ -140,3 +140,29 @@ def test_export_refuses_bad_quantization_flags(run_cli, tmp_path: Path, flags: l
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert all(n in proc.stderr for n in needles), proc.stderr
     assert not (tmp_path / "out" / "config.json").exists()
+
+
+def test_a_tied_float_head_reads_the_runtime_embedding_table(tmp_path: Path) -> None:
+    """ONNX Runtime engines of tied models hold the head once: the graph takes it as an input bound to the
+    memory-mapped embedding, and the logits still equal the dense reference."""
+    from kvforge.contract.engine_dir import TIED_HEAD_INPUT
+
+    loaded = synthetic_model("tiny-qwen2", kv_cache_dtype="fp32")
+    assert loaded.config.tie_word_embeddings
+    reference = dict(loaded.weights)
+    quantize_linears(loaded, "none", 32)
+    write_onnx_dir(loaded, tmp_path / "onnx")
+    build_engine(tmp_path / "onnx", tmp_path / "engine", BuildOptions(max_input_len=64, max_kv_cache_capacity=128,
+                                                                      max_batch_size=1, tokens_per_page=16))
+    graph = onnx.load(tmp_path / "engine" / "model.onnx", load_external_data=False).graph
+    assert TIED_HEAD_INPUT in [i.name for i in graph.input]
+    assert "lm_head.weight" not in [t.name for t in graph.initializer]
+    ids = list(range(3, 20))
+    expected = dense_logits(loaded.config, reference, ids)[-1]
+    engine = Engine(tmp_path / "engine", EngineConfig(num_threads=2))
+    engine.add_request(EngineRequest(ids, SamplingParams(temperature=0.0, max_generate_length=1, num_logprobs=3)))
+    [output] = engine.step()
+    log_probs = expected - expected.max() - np.log(np.exp(expected - expected.max()).sum())
+    got = output.samples[0].top_logprobs
+    assert [t for t, _ in got] == np.argsort(-log_probs)[:3].tolist()
+    np.testing.assert_allclose([lp for _, lp in got], log_probs[[t for t, _ in got]], rtol=1e-5, atol=1e-4)
