@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import typer
 
 from kvforge.builder.build import STEPS, BuildOptions, build_engine, resolve_backend
 from kvforge.cli_common import BUILD_FLAGS, console, progress_bar, run_app, run_guarded
+from kvforge.contract.errors import KvforgeError
 
 # The help text goes on the command: typer drops a Typer(help=...) when the app has one command.
 HELP = """
@@ -18,6 +20,7 @@ Build an engine dir from an llm_export ONNX dir.
   llm_build --onnxDir onnx/smollm2 --engineDir engines/smollm2
   llm_build --onnxDir onnx/smollm2 --engineDir engines/smollm2 --maxInputLen 2048 \\
       --maxKVCacheCapacity 4096 --maxBatchSize 1 --maxKVPoolPages 64
+  llm_build --onnxDir onnx/smollm2 --engineDir engines/smollm2 --profileOps ops.json   # where time goes
 """
 app = typer.Typer(add_completion=False, rich_markup_mode="rich")
 DEFAULTS = BuildOptions()
@@ -49,6 +52,15 @@ def build(
     backend: str = typer.Option("auto", "--backend",
                                 help="onnxruntime (CPU), tensorrt (GPU; needs the tensorrt extra) or auto "
                                      "(TensorRT when it imports and a GPU is visible, else onnxruntime)."),
+    profile_ops_file: Path = typer.Option(None, "--profileOps",
+                                          help="After the build, run one prefill and its decode steps with ONNX "
+                                               "Runtime profiling and write the per-op-type times (JSON) here; "
+                                               "the top ops print too."),
+    profile_prompt_tokens: int = typer.Option(512, "--profilePromptTokens",
+                                              help="Prompt length of the --profileOps run (<= maxInputLen)."),
+    profile_decode_tokens: int = typer.Option(32, "--profileDecodeTokens",
+                                              help="Decode steps of the --profileOps run."),
+    num_threads: int = typer.Option(0, "--numThreads", help="Threads for the --profileOps run (0 = all cores)."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
     """Validate geometry, lower the paged-KV ops for the backend and write the engine dir."""
@@ -57,6 +69,12 @@ def build(
                            tokens_per_page=tokens_per_page, backend=backend, max_lora_rank=max_lora_rank)
 
     def body() -> None:
+        if profile_ops_file is not None:  # before the build, not after it
+            if not profile_ops_file.parent.is_dir():
+                raise KvforgeError(f"directory {profile_ops_file.parent} does not exist", "--profileOps")
+            if not 1 <= profile_prompt_tokens <= max_input_len or profile_decode_tokens < 0:
+                raise KvforgeError(f"must be in [1, --maxInputLen={max_input_len}], got {profile_prompt_tokens}",
+                                   "--profilePromptTokens")
         with progress_bar("building engine", STEPS) as step:
             geometry, plan = build_engine(onnx_dir, engine_dir, options, step)
         console.print(f"engine written to {engine_dir} (backend {resolve_backend(backend)})")
@@ -70,6 +88,13 @@ def build(
         console.print(f"  KV pool: {plan.bytes_per_page_per_layer:,} bytes per page per layer; "
                       f"{_mib(plan.pool_bytes_per_layer)} per layer × {plan.num_layers} layers "
                       f"= {_mib(plan.total_bytes)} in total")
+        if profile_ops_file is not None:
+            from kvforge.runtime.op_profile import format_op_profile, profile_ops
+            console.print(f"profiling ops: {profile_prompt_tokens}-token prefill, {profile_decode_tokens} decode steps")
+            report = profile_ops(engine_dir, profile_prompt_tokens, profile_decode_tokens, num_threads)
+            profile_ops_file.write_text(json.dumps(report, indent=2) + "\n")
+            console.print(format_op_profile(report), markup=False, highlight=False)
+            console.print(f"op profile written to {profile_ops_file}")
 
     run_guarded(body, debug, flags=BUILD_FLAGS)
 

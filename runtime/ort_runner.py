@@ -21,9 +21,13 @@ from kvforge.runtime.kv_pool import KVPool
 from kvforge.runtime.runner import StepInputs
 
 
-def make_session(model_path: str, num_threads: int = 0) -> ort.InferenceSession:
+def make_session(model_path: str, num_threads: int = 0, profile_prefix: str | None = None) -> ort.InferenceSession:
+    """`profile_prefix`: write ONNX Runtime's per-node trace there (runtime/op_profile.py reads it)."""
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if profile_prefix is not None:
+        options.enable_profiling = True
+        options.profile_file_prefix = profile_prefix
     if num_threads > 0:
         options.intra_op_num_threads = num_threads
         options.inter_op_num_threads = 1
@@ -35,10 +39,11 @@ def make_session(model_path: str, num_threads: int = 0) -> ort.InferenceSession:
 
 
 class OrtEngineRunner:
-    def __init__(self, engine: EngineDir, num_threads: int = 0, embedding: np.ndarray | None = None) -> None:
+    def __init__(self, engine: EngineDir, num_threads: int = 0, embedding: np.ndarray | None = None,
+                 profile_prefix: str | None = None) -> None:
         """`embedding`: the engine's table when the caller already has it (bound to a tied head, not mapped twice)."""
         model, build = engine.model, engine.build
-        self.session = make_session(str(engine.file(ENGINE_MODEL_FILE)), num_threads)
+        self.session = make_session(str(engine.file(ENGINE_MODEL_FILE)), num_threads, profile_prefix)
         self.num_layers = model.num_hidden_layers
         self.tokens_per_page = build.tokens_per_page
         self.pool = KVPool(model.num_hidden_layers, build.max_kv_pool_pages, model.num_key_value_heads,

@@ -13,7 +13,7 @@ from kvforge.contract.model_config import ModelConfig
 from kvforge.graph.onnx_graph import FLOAT, FLOAT16, INT32, INT64, OPSET, UINT8, GraphWriter, value_info
 from kvforge.graph.rope import apply_rope
 from kvforge.plugins import ops
-from kvforge.tools.export.quantize import BlockQuantized
+from kvforge.tools.export.quantize import BlockQuantized, concat_columns
 
 POOL_ELEM_TYPES = {"fp16": FLOAT16, "fp8": UINT8, "fp32": FLOAT}
 ORT_DOMAIN = "com.microsoft"
@@ -53,12 +53,11 @@ def build_llama_graph(config: ModelConfig, weights: dict[str, np.ndarray],
     graph_outputs = []
     for layer in range(config.num_hidden_layers):
         w = _layer_weights(g, weights, layer)
-        linear = linears.for_layer(layer)
+        linear = linears.for_layer(layer)  # o_proj and down_proj; q/k/v and gate/up go through linears.fused
         x = g.rms_norm(hidden, w["input_layernorm"], config.rms_norm_eps)
         lora = _LoraInputs(config, layer, graph_inputs)
-        q = lora.apply(g, "q", x, linear(g, x, "q_proj", w.get("q_bias")))
-        k = lora.apply(g, "k", x, linear(g, x, "k_proj", w.get("k_bias")))
-        v = lora.apply(g, "v", x, linear(g, x, "v_proj", w.get("v_bias")))
+        q, k, v = linears.fused(g, x, layer, ("q_proj", "k_proj", "v_proj"), weights)
+        q, k, v = (lora.apply(g, target, x, y) for target, y in zip("qkv", (q, k, v), strict=True))
         if config.qk_norm:  # Qwen3 normalises each head before RoPE
             q = _head_norm(g, q, num_q, head_dim, w["q_norm"], config.rms_norm_eps)
             k = _head_norm(g, k, num_kv, head_dim, w["k_norm"], config.rms_norm_eps)
@@ -79,8 +78,8 @@ def build_llama_graph(config: ModelConfig, weights: dict[str, np.ndarray],
                     scale=float(head_dim ** -0.5))
         hidden = g.add(hidden, lora.apply(g, "o", attn, linear(g, attn, "o_proj")))
         x = g.rms_norm(hidden, w["post_attention_layernorm"], config.rms_norm_eps)
-        gate = lora.apply(g, "gate", x, linear(g, x, "gate_proj"))
-        up = lora.apply(g, "up", x, linear(g, x, "up_proj"))
+        gate, up = linears.fused(g, x, layer, ("gate_proj", "up_proj"), weights)
+        gate, up = lora.apply(g, "gate", x, gate), lora.apply(g, "up", x, up)
         mlp = g.mul(g.mul(gate, g.op("Sigmoid", [gate])), up)
         hidden = g.add(hidden, lora.apply(g, "down", mlp, linear(g, mlp, "down_proj")))
         if progress:
@@ -150,7 +149,8 @@ class _Linears:
 
     def __init__(self, weights: dict[str, np.ndarray], quantized: dict[str, BlockQuantized]) -> None:
         self.weights, self.quantized = weights, quantized
-        self._block_sums: dict[tuple[str, int], str] = {}  # q/k/v (and gate/up) share one input's block sums
+        self._block_sums: dict[tuple[str, int], str] = {}  # per input: o_proj's correction reuses nothing else
+        self._block_sum_weights: set[str] = set()
 
     def for_layer(self, layer: int) -> Callable[..., str]:
         def linear(g: GraphWriter, x: str, proj: str, bias: str | None = None) -> str:
@@ -158,11 +158,45 @@ class _Linears:
             return g.add(y, bias) if bias else y
         return linear
 
+    def fused(self, g: GraphWriter, x: str, layer: int, projs: tuple[str, ...],
+              weights: dict[str, np.ndarray]) -> list[str]:
+        """Projections of one input (q/k/v, gate/up) as ONE matmul over their weights side by side, then Split:
+        a third of the MatMulNBits calls per token (each has a fixed cost at one row) and one block-sum
+        correction. Biases (Qwen2's q/k/v) are concatenated alike; mixed widths fall back to one per projection."""
+        names = [f"model.layers.{layer}.{_PROJ_MODULES[p]}.weight" for p in projs]
+        biases = [weights.get(n.removesuffix(".weight") + ".bias") for n in names]
+        blocks = [self.quantized.get(n) for n in names]
+        if any(b is not None for b in biases) and not all(b is not None for b in biases):
+            return [self._with_bias(g, self.apply(g, x, n), n, b) for n, b in zip(names, biases, strict=True)]
+        fused_name = f"model.layers.{layer}.{'_'.join(p.removesuffix('_proj') for p in projs)}.fused.weight"
+        if all(b is None for b in blocks):
+            weight = np.concatenate([self.weights[n].astype(np.float32).T for n in names], axis=1)
+            widths = [self.weights[n].shape[0] for n in names]
+            y = g.matmul(x, g.weight(fused_name, weight))
+        else:
+            joined = concat_columns(blocks)
+            if joined is None:
+                return [self._with_bias(g, self.apply(g, x, n), n, b) for n, b in zip(names, biases, strict=True)]
+            widths = [b.n for b in blocks]
+            y = self.apply_blocks(g, x, fused_name, joined)
+        if biases[0] is not None:
+            y = g.add(y, g.weight(fused_name.removesuffix(".weight") + ".bias",
+                                  np.concatenate(biases).astype(np.float32)))
+        return g.op("Split", [y, g.const(widths)], n_out=len(names), axis=-1)
+
+    def _with_bias(self, g: GraphWriter, y: str, name: str, bias: np.ndarray | None) -> str:
+        if bias is None:
+            return y
+        return g.add(y, g.weight(name.removesuffix(".weight") + ".bias", bias.astype(np.float32)))
+
     def apply(self, g: GraphWriter, x: str, name: str, float_weight: np.ndarray | None = None) -> str:
         blocks = self.quantized.get(name)
         if blocks is None:
             weight = self.weights[name] if float_weight is None else float_weight
             return g.matmul(x, g.weight(name, weight.astype(np.float32).T))
+        return self.apply_blocks(g, x, name, blocks)
+
+    def apply_blocks(self, g: GraphWriter, x: str, name: str, blocks: BlockQuantized) -> str:
         inputs = [x, g.weight(f"{name}.qweight", blocks.packed), g.weight(f"{name}.scales", blocks.scales)]
         if blocks.zero_points is not None:
             inputs.append(g.weight(f"{name}.zero_points", blocks.zero_points))
@@ -173,13 +207,17 @@ class _Linears:
         return g.add(y, g.matmul(self.block_sums(g, x, blocks), g.weight(f"{name}.offsets", blocks.offsets)))
 
     def block_sums(self, g: GraphWriter, x: str, blocks: BlockQuantized) -> str:
-        """x [..., K] summed over each quantization block of K → [..., K / block_size] (see quantize.py)."""
+        """x [..., K] summed over each quantization block of K → [..., K / block_size] (see quantize.py): one
+        MatMul with a 0/1 matrix, any rank, instead of Shape/Concat/Reshape/ReduceSum."""
         key = (x, blocks.block_size)
         if key not in self._block_sums:
-            leading = g.op("Shape", [x], end=-1)
-            shape = g.op("Concat", [leading, g.const([blocks.k // blocks.block_size, blocks.block_size])], axis=0)
-            per_block = g.op("Reshape", [x, shape])
-            self._block_sums[key] = g.op("ReduceSum", [per_block, g.const([-1])], keepdims=0)
+            ones = np.kron(np.eye(blocks.k // blocks.block_size, dtype=np.float32),
+                           np.ones((blocks.block_size, 1), dtype=np.float32))  # [K, K / block_size]
+            name = f"block_sum_{blocks.k}_{blocks.block_size}"
+            if name not in self._block_sum_weights:
+                self._block_sum_weights.add(name)
+                g.weight(name, ones)
+            self._block_sums[key] = g.matmul(x, name)
         return self._block_sums[key]
 
 
@@ -189,12 +227,11 @@ _PROJ_MODULES = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_
 
 
 def _layer_weights(g: GraphWriter, weights: dict[str, np.ndarray], layer: int) -> dict[str, str]:
-    """Initializers of one layer other than its Linear weights (norms, biases)."""
+    """Initializers of one layer other than its Linear weights and biases (norms)."""
     prefix = f"model.layers.{layer}."
     names = {
         "input_layernorm": "input_layernorm.weight",
         "post_attention_layernorm": "post_attention_layernorm.weight",
-        "q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias", "v_bias": "self_attn.v_proj.bias",
         "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
     }
     out = {}

@@ -148,6 +148,30 @@ def permute_rows(blocks: BlockQuantized, order: np.ndarray) -> BlockQuantized:
                           np.ascontiguousarray(per_column[order].reshape(-1)), zero, offsets)
 
 
+def concat_columns(parts: list[BlockQuantized | None]) -> BlockQuantized | None:
+    """Weights of one input side by side (W = [W0 | W1 | ...], N summed); None unless every part is quantized
+    alike (bits, block size, K). Missing zero points become the implicit 2^(bits-1) so parts can mix."""
+    if any(p is None for p in parts):
+        return None
+    first = parts[0]
+    if any((p.bits, p.block_size, p.k) != (first.bits, first.block_size, first.k) for p in parts):
+        return None
+    zero_points = None
+    if any(p.zero_points is not None for p in parts):
+        blocks = first.k // first.block_size
+        implicit = _pack_nibbles if first.bits == 4 else (lambda z: z)
+        zero_points = np.concatenate([
+            p.zero_points if p.zero_points is not None
+            else implicit(np.full((p.n, blocks), 2 ** (first.bits - 1), dtype=np.uint8)) for p in parts])
+    offsets = None
+    if any(p.offsets is not None for p in parts):
+        offsets = np.concatenate([p.offsets if p.offsets is not None
+                                  else np.zeros((first.k // first.block_size, p.n), np.float32) for p in parts], axis=1)
+    return BlockQuantized(first.bits, first.block_size, first.k, sum(p.n for p in parts),
+                          np.concatenate([p.packed for p in parts]), np.concatenate([p.scales for p in parts]),
+                          zero_points, offsets)
+
+
 def linear_weight_names(config: ModelConfig) -> list[str]:
     """Every Linear weight of the llama family, LM head included (tied models read it from the embedding)."""
     names = [f"model.layers.{i}.{module}.weight" for i in range(config.num_hidden_layers)
