@@ -13,7 +13,7 @@ LLM_TEST_TINY ?= mxsl4096-mxbs4-mxil3072-mxlr8-tpp16
 LLM_TEST_SMOLLM2 ?= mxsl2048-mxbs2-mxil1024-mxlr8-tpp64
 LLM_TEST = $(BIN)/llm_test --cacheDir $(OUT)/llm_test/engines --numThreads $(THREADS)
 
-.PHONY: install demo test test-slow llm-test lint bench bench-reuse bench-lora bench-scheduling clean
+.PHONY: install demo test test-slow llm-test lint bench bench-reuse bench-lora bench-scheduling bench-quality clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -83,6 +83,15 @@ bench-lora: $(OUT)/onnx/smollm2/config.json
 bench-scheduling: $(OUT)/onnx/smollm2/config.json
 	$(BIN)/python bench/scheduling.py --onnxDir $(OUT)/onnx/smollm2 --threads $(THREADS) \
 		--json $(OUT)/bench_scheduling.json
+
+# The float32 reference export (llm_export's SmolLM2 default is int4): parity work and the quality bar's baseline.
+$(OUT)/onnx/smollm2-fp32/config.json: $(VENV)/.installed
+	$(BIN)/llm_export smollm2-135m-instruct --quantization none --outputDir $(OUT)/onnx/smollm2-fp32
+
+# The quantization quality bar (~10 minutes on 2 idle cores): float32 vs the int8 and int4 exports.
+bench-quality: $(OUT)/onnx/smollm2-fp32/config.json $(OUT)/onnx/smollm2/config.json
+	$(BIN)/python bench/quality.py --onnxDir $(OUT)/onnx/smollm2-fp32 --onnxDirs int4=$(OUT)/onnx/smollm2 \
+		--variants none,int8,int4 --threads $(THREADS) --workDir $(OUT)/bench_quality --json $(OUT)/bench_quality.json
 
 clean:
 	rm -rf $(OUT)
