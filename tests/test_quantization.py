@@ -168,3 +168,25 @@ def test_a_tied_float_head_reads_the_runtime_embedding_table(tmp_path: Path) -> 
     got = output.samples[0].top_logprobs
     assert [t for t, _ in got] == np.argsort(-log_probs)[:3].tolist()
     np.testing.assert_allclose([lp for _, lp in got], log_probs[[t for t, _ in got]], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["llm_context_reuse.json", "llm_multiturn_reuse.json"])
+def test_reuse_is_invisible_on_an_int4_engine(case: str, tmp_path: Path) -> None:
+    """Warm answers equal cold ones (greedy text and top-1 logprob ids) on a quantized engine too."""
+    import json
+
+    from engine_driver import make_engine, run_file, top1_ids
+
+    loaded = synthetic_model("tiny-llama")
+    quantize_linears(loaded, "int4", 32)
+    write_onnx_dir(loaded, tmp_path / "onnx")
+    build_engine(tmp_path / "onnx", tmp_path / "engine", BuildOptions(max_input_len=3072, max_kv_cache_capacity=3200,
+                                                                      max_batch_size=2, tokens_per_page=16))
+    data = json.loads((Path(__file__).resolve().parents[1] / "test_cases" / case).read_text())
+    data["max_generate_length"] = 6
+    warm_engine = make_engine(tmp_path / "engine", reuse=True)
+    warm = run_file(warm_engine, data)
+    cold = run_file(make_engine(tmp_path / "engine"), data)
+    for w, c in zip(warm, cold, strict=True):
+        assert (w["output_text"], top1_ids(w)) == (c["output_text"], top1_ids(c))
+    assert warm_engine.profile()["prefill"]["reused_tokens"] > 0
