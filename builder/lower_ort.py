@@ -4,7 +4,9 @@ ONNX Runtime cannot update an input in place, so the lowered graph only *reads* 
 each row's pages, attends over them plus the new rows, and returns the new K/V rows as
 `new_key_values_{i}` [B, S, 2, Hkv, D]; the runtime scatters those into its numpy pool afterwards.
 The new rows are rounded through the storage dtype before attention reads them, so a token's
-output does not depend on whether its keys came from this call or from the pool.
+output does not depend on whether its keys came from this call or from the pool. Attention itself is
+ONNX Runtime's fused GroupQueryAttention over the gathered pages (the op-by-op form stays for the dense
+baseline and `fused_attention=False`).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class _Shared:
 
 
 def lower_for_onnxruntime(model: onnx.ModelProto, *, kv_cache_dtype: str, tokens_per_page: int,
-                          num_pages: int, dense: bool = False) -> onnx.ModelProto:
+                          num_pages: int, dense: bool = False, fused_attention: bool = True) -> onnx.ModelProto:
     """Replace PagedKVWrite/PagedAttention pairs. `dense=True` writes the unpaged baseline instead:
     per-layer `past_key_{i}`/`past_value_{i}` [B,Hkv,L,D] in, `present_key_{i}`/`present_value_{i}` out."""
     graph = model.graph
@@ -80,10 +82,14 @@ def lower_for_onnxruntime(model: onnx.ModelProto, *, kv_cache_dtype: str, tokens
                     outputs.append(value_info(name, FLOAT, ["batch", num_kv, "total", head_dim]))
                 for name in (f"past_key_{layer}", f"past_value_{layer}"):
                     extra_inputs.append(value_info(name, FLOAT, ["batch", num_kv, "past", head_dim]))
+            elif fused_attention:
+                _group_query_attention(g, shared, query, pool_in, page_table, rows, start_index, kv_cache_dtype,
+                                       num_kv, head_dim, _attr_f(node, "scale"), node.output[0])
             else:
                 cached = _gather_pages(g, pool_in, page_table, rows, kv_cache_dtype, shared, num_kv, head_dim)
-            _attend(g, shared, query, cached, start_index, num_kv, head_dim, _attr_f(node, "scale"),
-                    node.output[0])
+            if not (fused_attention and not dense):
+                _attend(g, shared, query, cached, start_index, num_kv, head_dim, _attr_f(node, "scale"),
+                        node.output[0])
         else:
             new_nodes.append(node)
             continue
@@ -103,7 +109,10 @@ def lower_for_onnxruntime(model: onnx.ModelProto, *, kv_cache_dtype: str, tokens
     graph.input.extend(kept + extra_inputs)
     del graph.output[:]
     graph.output.extend(outputs)
-    lowered = helper.make_model(graph, opset_imports=[op for op in model.opset_import if op.domain != ops.DOMAIN],
+    opsets = [op for op in model.opset_import if op.domain != ops.DOMAIN]
+    if fused_attention and not dense and all(op.domain != "com.microsoft" for op in opsets):
+        opsets.append(helper.make_opsetid("com.microsoft", 1))
+    lowered = helper.make_model(graph, opset_imports=opsets,
                                 producer_name="kvforge-builder")
     return lowered
 
@@ -179,6 +188,40 @@ def _gather_pages(g: GraphWriter, pool: str, page_table: str, rows: str, kv_cach
         new = g.cast(new, FLOAT16)  # exact: the rows were already rounded to fp16
         return g.cast(g.op("Concat", [cached, new], axis=3), FLOAT)
     return g.op("Concat", [cached, new], axis=3)
+
+
+def _group_query_attention(g: GraphWriter, shared: _Shared, query: str, pool: str, page_table: str, rows: str,
+                           start_index: str, kv_cache_dtype: str, num_kv: int, head_dim: int, scale: float,
+                           output: str) -> None:
+    """Attention as ONNX Runtime's fused GroupQueryAttention: the row's gathered pages are the BNSH past (its
+    first kvcache_start_index[b] slots valid), the new rows are right-padded chunks (`query_seqlens`), so
+    masking, GQA head sharing, scaling and softmax run in one kernel instead of a dozen nodes per layer.
+    Queries and keys arrive rotated (the export applies RoPE), so do_rotary stays 0."""
+    safe_pages = g.op("Max", [page_table, g.const(0, np.int32)])
+    pages = g.op("Gather", [pool, safe_pages], axis=0)  # [B, P, 2, Hkv, T, D]
+    if kv_cache_dtype == "fp8":
+        pages = g.op("Gather", [_fp8_table(g, shared), g.cast(pages, INT32)], axis=0)
+    cached = g.reshape(g.transpose(pages, [0, 2, 3, 1, 4, 5]), [0, 2, num_kv, -1, head_dim])  # [B,2,Hkv,PT,D]
+    if kv_cache_dtype == "fp16":
+        cached = g.cast(cached, FLOAT)
+    past_k, past_v = g.op("Split", [cached], n_out=2, axis=1, num_outputs=2)
+    past_k, past_v = g.op("Squeeze", [past_k, g.const([1])]), g.op("Squeeze", [past_v, g.const([1])])
+    new_k, new_v = g.op("Split", [rows], n_out=2, axis=2, num_outputs=2)  # [B, S, 1, Hkv, D] each
+    new_k = g.reshape(new_k, [0, 0, num_kv * head_dim])
+    new_v = g.reshape(new_v, [0, 0, num_kv * head_dim])
+    if "gqa_lengths" not in shared.masks:
+        lengths = g.cast("context_lengths", INT32)
+        shared.masks["gqa_lengths"] = lengths
+        shared.masks["gqa_seqlens_k"] = g.op("Sub", [g.add(g.cast(start_index, INT32), lengths),
+                                                    g.const(1, np.int32)])
+        past_len = g.dim(past_k, 2)
+        seq = g.dim(query, 1)
+        shared.masks["gqa_total"] = g.op("Squeeze", [g.cast(g.add(past_len, seq), INT32), g.const([0])])
+    g.op("GroupQueryAttention",
+         [query, new_k, new_v, past_k, past_v, shared.masks["gqa_seqlens_k"], shared.masks["gqa_total"],
+          "", "", "", "", "", "", "", "", "", shared.masks["gqa_lengths"]],
+         n_out=3, outputs=[output, g.fresh("gqa_present_key"), g.fresh("gqa_present_value")],
+         domain="com.microsoft", num_heads=num_kv * shared.group, kv_num_heads=num_kv, scale=scale)
 
 
 def _dense_cache(g: GraphWriter, rows: str, layer: str) -> tuple[str, tuple[str, str]]:
