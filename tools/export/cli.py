@@ -70,6 +70,20 @@ def load_source(source: str | None, synthetic: str | None, kv_cache_dtype: str, 
     raise KvforgeError(f"{source} is neither a file, a directory nor {SMOLLM2_NAME!r}", "SOURCE")
 
 
+def _load_visual_source(source: str | None, synthetic: str | None, kv_cache_dtype: str, seed: int):
+    """(text model, vision encoder) for an image-text source (an Idefics3/SmolVLM dir, tiny-idefics3), else None."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        return None  # load_source reports it
+    if synthetic == "tiny-idefics3" and not source:
+        from kvforge.tools.export.synthetic import synthetic_idefics3
+        return synthetic_idefics3(kv_cache_dtype, seed)
+    if source and not synthetic and Path(source).is_dir():
+        from kvforge.tools.export.idefics3_source import is_idefics3_dir, load_idefics3_dir
+        if is_idefics3_dir(Path(source)):
+            return load_idefics3_dir(Path(source), kv_cache_dtype)
+    return None
+
+
 @app.command("model", help=HELP, short_help="Export a model (the default command).")
 def export(
     source: str = typer.Argument(None, help=f"GGUF file, HF checkpoint dir (config.json + safetensors), "
@@ -77,7 +91,7 @@ def export(
     output_dir: Path = typer.Option(..., "--outputDir", help="Directory to write the ONNX dir into."),
     synthetic: str = typer.Option(None, "--synthetic",
                                   help="Export a tiny deterministic random model instead: tiny-llama, "
-                                       "tiny-qwen2, tiny-qwen3, tiny-llama-mha."),
+                                       "tiny-qwen2, tiny-qwen3, tiny-llama-mha, tiny-idefics3 (+ vision encoder)."),
     kv_cache_dtype: str = typer.Option("fp16", "--kvCacheDtype",
                                        help="KV storage dtype: fp16, fp8 (E4M3) or fp32 (reference/debug)."),
     seed: int = typer.Option(0, "--seed", help="Weight seed for --synthetic models."),
@@ -89,6 +103,9 @@ def export(
                                           "MatMulNBits blocks. GGUF Q8_0/Q4_0 blocks are kept exactly as stored."),
     quant_block_size: int = typer.Option(32, "--quantBlockSize",
                                          help="Weights per quantization block (a power of two >= 16)."),
+    visual_output_dir: Path = typer.Option(None, "--visualOutputDir",
+                                           help="Where an image-text checkpoint's vision encoder ONNX dir goes "
+                                                "(default: OUTPUTDIR/visual); build it with llm_build."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
     def body() -> None:
@@ -100,13 +117,22 @@ def export(
         if quantization not in QUANTIZATIONS:
             raise KvforgeError(f"must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}", "--quantization")
         with progress_bar("loading weights", None) as step:
-            loaded = load_source(source, synthetic, kv_cache_dtype, seed, step)
+            visual = _load_visual_source(source, synthetic, kv_cache_dtype, seed)
+            loaded = visual[0] if visual else load_source(source, synthetic, kv_cache_dtype, seed, step)
         loaded.config.lora_targets = targets
         with progress_bar("quantizing", None) as step:
             quantize_linears(loaded, quantization, quant_block_size, step)
         layers = loaded.config.num_hidden_layers
         with progress_bar("building graph", layers + 1) as step:
             write_onnx_dir(loaded, output_dir, step)
+        if visual:
+            from kvforge.tools.export.idefics3_source import write_visual_onnx_dir
+            encoder_dir = visual_output_dir or output_dir / "visual"
+            with progress_bar("building vision encoder", None):
+                write_visual_onnx_dir(visual[1], encoder_dir)
+            e = visual[1].config
+            console.print(f"exported the {e.model} vision encoder ({e.tokens_per_image} tokens per "
+                          f"{e.preprocessing.image_size}px image, unsplit) to {encoder_dir}")
         c = loaded.config
         console.print(f"exported {c.name or c.model} ({c.model}, {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
                       f"heads {c.num_attention_heads}/{c.num_key_value_heads}, KV {c.kv_cache_dtype}, weights "

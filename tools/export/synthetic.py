@@ -93,3 +93,65 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     if not config.tie_word_embeddings:
         weights["lm_head.weight"] = linear(config.vocab_size, hidden)
     return weights
+
+
+IDEFICS3_SPECIAL_TOKENS = ("<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>")
+# SmolVLM's turn format ("User:" / "Assistant:" ending turns with <end_of_utterance>) over string contents.
+IDEFICS3_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}: {{ message['content'] }}"
+    "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+
+def synthetic_idefics3(kv_cache_dtype: str = "fp16", seed: int = 0):
+    """A tiny SmolVLM: the tiny llama text model plus a 2-layer vision tower on 64-pixel images (16 tokens each)."""
+    from kvforge.contract.multimodal import VISUAL, EncoderConfig, ImagePreprocessing
+    from kvforge.tools.export.idefics3_graph import CONNECTOR, VISION, VisionGeometry
+    from kvforge.tools.export.idefics3_source import VisualExport, _vision_names
+
+    tokenizer = byte_level_tokenizer()
+    tokenizer.add_special_tokens(list(IDEFICS3_SPECIAL_TOKENS))
+    fields = dict(model="llama", vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  max_position_embeddings=4096, kv_cache_dtype=kv_cache_dtype,
+                  eos_token_ids=[tokenizer.token_to_id("<end_of_utterance>")], pad_token_id=0, name="tiny-idefics3")
+    config = ModelConfig(**fields)
+    config.validate()
+    tokenizer_config = {"chat_template": IDEFICS3_TEMPLATE, "bos_token": None, "eos_token": "<end_of_utterance>",
+                        "add_bos_token": False, "model_max_length": config.max_position_embeddings}
+    text = LoadedModel(config, random_weights(config, seed), tokenizer.to_str(), tokenizer_config)
+    geometry = VisionGeometry(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              patch_size=8, image_size=64, layer_norm_eps=1e-6, hidden_act="gelu_pytorch_tanh",
+                              scale_factor=2, text_hidden_size=config.hidden_size)
+    rng = np.random.default_rng(seed + 1)
+    weights = {}
+    for name in _vision_names(geometry):
+        if name.endswith(("layer_norm1.weight", "layer_norm2.weight", "post_layernorm.weight")):
+            weights[name] = (1.0 + 0.1 * rng.standard_normal(geometry.hidden_size)).astype(np.float32)
+            continue
+        shape = {VISION + "embeddings.patch_embedding.weight": (32, 3, 8, 8),
+                 VISION + "embeddings.position_embedding.weight": (64, 32),
+                 CONNECTOR: (config.hidden_size, 32 * 4)}.get(name)
+        if shape is None:
+            shape = _vision_shape(name, geometry)
+        scale = 1.0 / np.sqrt(np.prod(shape[1:])) if len(shape) > 1 else 0.1
+        weights[name] = (scale * rng.standard_normal(shape)).astype(np.float32)
+    preprocessing = ImagePreprocessing(longest_edge=128, image_size=64)
+    encoder = EncoderConfig(kind=VISUAL, model="idefics3", image_token_id=tokenizer.token_to_id("<image>"),
+                            tokens_per_image=geometry.tokens_per_image(64), text_hidden_size=config.hidden_size,
+                            image_token="<image>", image_prefix="<fake_token_around_image><global-img>",
+                            image_suffix="<fake_token_around_image>", preprocessing=preprocessing,
+                            extra={"vision": {k: getattr(geometry, k) for k in VisionGeometry.__slots__},
+                                   "do_image_splitting": False})
+    return text, VisualExport(geometry, weights, encoder)
+
+
+def _vision_shape(name: str, geometry) -> tuple[int, ...]:
+    hidden, inter = geometry.hidden_size, geometry.intermediate_size
+    if name.endswith("fc1.weight"):
+        return (inter, hidden)
+    if name.endswith("fc1.bias"):
+        return (inter,)
+    if name.endswith("fc2.weight") or name.endswith("proj.weight"):
+        return (hidden, hidden) if not name.endswith("fc2.weight") else (hidden, inter)
+    return (hidden,)
