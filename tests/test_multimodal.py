@@ -52,6 +52,12 @@ def fixture_data() -> dict:
     return json.loads(FIXTURE.read_text())
 
 
+def expected_counters() -> dict:
+    [block] = fixture_data()["_checks"]["engine_specific"]
+    assert block["when"] == {"model": "tiny-idefics3", "tokens_per_page": T}
+    return block["expected_context_cache"]
+
+
 def image_request(*items, question: str = "What is shown?", **extra) -> dict:
     content = [{"type": "image", "image": str(i)} for i in items] + [{"type": "text", "text": question}]
     return {"messages": [{"role": "user", "content": content}], **extra}
@@ -118,7 +124,7 @@ def test_vlm_fixture_counters_and_warm_equals_cold(dirs) -> None:
     warm_engine = make(dirs, reuse=True)
     warm = run_file(warm_engine, data, base_dir=FIXTURE.parent)
     counters = warm_engine.profile()["context_cache"]
-    for key, value in data["expected_context_cache"].items():
+    for key, value in expected_counters().items():
         assert counters[key] == value, key
     cold = run_file(make(dirs, reuse=False), data, base_dir=FIXTURE.parent)
     for w, c in zip(warm, cold, strict=True):
@@ -276,5 +282,19 @@ def test_cli_runs_the_fixture_and_reports_bad_images(dirs, tmp_path: Path, run_c
                       tmp_path / "profile.json"])
     assert result.returncode == 0, result.stderr
     counters = json.loads((tmp_path / "profile.json").read_text())["context_cache"]
-    assert all(counters[k] == v for k, v in fixture_data()["expected_context_cache"].items())
+    assert all(counters[k] == v for k, v in expected_counters().items())
     assert "[INFO] encoder cache: all 1 media items of the request hit" in result.stderr
+
+
+def test_llm_test_runs_the_fixture_with_a_multimodal_engine(dirs, tmp_path: Path, run_cli) -> None:
+    _, engine_dir, visual_dir = dirs
+    report = tmp_path / "report.json"
+    result = run_cli(["llm_test", "--engineDir", engine_dir, "--multimodalEngineDir", visual_dir,
+                      "--jsonReport", report, FIXTURE])
+    assert result.returncode == 0, result.stdout + result.stderr
+    checks = [c for f in json.loads(report.read_text())["files"] for c in f["checks"]]
+    assert {c["status"] for c in checks} == {"passed"} and len(checks) >= 3
+    result = run_cli(["llm_test", "--engineDir", engine_dir, "--jsonReport", report, FIXTURE])  # no encoder: skipped
+    assert result.returncode == 0, result.stdout + result.stderr
+    [check] = [c for f in json.loads(report.read_text())["files"] for c in f["checks"]]
+    assert check["status"] == "skipped" and "--multimodalEngineDir" in check["reason"]
