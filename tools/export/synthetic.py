@@ -103,8 +103,18 @@ IDEFICS3_TEMPLATE = (
 )
 
 
-def synthetic_idefics3(kv_cache_dtype: str = "fp16", seed: int = 0):
-    """A tiny SmolVLM: the tiny llama text model plus a 2-layer vision tower on 64-pixel images (16 tokens each)."""
+# Text and vision geometry of SmolVLM-256M (SmolLM2-135M text model, SigLIP-B/16 at 512 px, 4x pixel shuffle),
+# for benchmarks: random weights cost the same to run as trained ones.
+SMOLVLM_256M_TEXT = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, head_dim=64)
+SMOLVLM_256M_VISION = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                           patch_size=16, image_size=512, scale_factor=4)
+
+
+def synthetic_idefics3(kv_cache_dtype: str = "fp16", seed: int = 0, text: dict | None = None,
+                       vision: dict | None = None, name: str = "tiny-idefics3"):
+    """A tiny SmolVLM: the tiny llama text model plus a 2-layer vision tower on 64-pixel images (16 tokens each).
+    `text` / `vision` override the geometry (SMOLVLM_256M_* give SmolVLM-256M's shapes)."""
     from kvforge.contract.multimodal import VISUAL, EncoderConfig, ImagePreprocessing
     from kvforge.tools.export.idefics3_graph import CONNECTOR, VISION, VisionGeometry
     from kvforge.tools.export.idefics3_source import VisualExport, _vision_names
@@ -113,45 +123,45 @@ def synthetic_idefics3(kv_cache_dtype: str = "fp16", seed: int = 0):
     tokenizer.add_special_tokens(list(IDEFICS3_SPECIAL_TOKENS))
     fields = dict(model="llama", vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=128,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                  max_position_embeddings=4096, kv_cache_dtype=kv_cache_dtype,
-                  eos_token_ids=[tokenizer.token_to_id("<end_of_utterance>")], pad_token_id=0, name="tiny-idefics3")
+                  max_position_embeddings=8192, kv_cache_dtype=kv_cache_dtype,
+                  eos_token_ids=[tokenizer.token_to_id("<end_of_utterance>")], pad_token_id=0, name=name)
+    fields.update(text or {})
     config = ModelConfig(**fields)
     config.validate()
     tokenizer_config = {"chat_template": IDEFICS3_TEMPLATE, "bos_token": None, "eos_token": "<end_of_utterance>",
                         "add_bos_token": False, "model_max_length": config.max_position_embeddings}
-    text = LoadedModel(config, random_weights(config, seed), tokenizer.to_str(), tokenizer_config)
-    geometry = VisionGeometry(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                              patch_size=8, image_size=64, layer_norm_eps=1e-6, hidden_act="gelu_pytorch_tanh",
-                              scale_factor=2, text_hidden_size=config.hidden_size)
+    text_model = LoadedModel(config, random_weights(config, seed), tokenizer.to_str(), tokenizer_config)
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, patch_size=8,
+                 image_size=64, scale_factor=2)
+    shape.update(vision or {})
+    geometry = VisionGeometry(**shape, layer_norm_eps=1e-6, hidden_act="gelu_pytorch_tanh",
+                              text_hidden_size=config.hidden_size)
+    hidden, inter, patch = geometry.hidden_size, geometry.intermediate_size, geometry.patch_size
+    special_shapes = {VISION + "embeddings.patch_embedding.weight": (hidden, 3, patch, patch),
+                      VISION + "embeddings.position_embedding.weight": ((geometry.image_size // patch) ** 2, hidden),
+                      CONNECTOR: (config.hidden_size, hidden * geometry.scale_factor ** 2)}
     rng = np.random.default_rng(seed + 1)
     weights = {}
-    for name in _vision_names(geometry):
-        if name.endswith(("layer_norm1.weight", "layer_norm2.weight", "post_layernorm.weight")):
-            weights[name] = (1.0 + 0.1 * rng.standard_normal(geometry.hidden_size)).astype(np.float32)
+    for weight in _vision_names(geometry):
+        if weight.endswith(("layer_norm1.weight", "layer_norm2.weight", "post_layernorm.weight")):
+            weights[weight] = (1.0 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)
             continue
-        shape = {VISION + "embeddings.patch_embedding.weight": (32, 3, 8, 8),
-                 VISION + "embeddings.position_embedding.weight": (64, 32),
-                 CONNECTOR: (config.hidden_size, 32 * 4)}.get(name)
-        if shape is None:
-            shape = _vision_shape(name, geometry)
-        scale = 1.0 / np.sqrt(np.prod(shape[1:])) if len(shape) > 1 else 0.1
-        weights[name] = (scale * rng.standard_normal(shape)).astype(np.float32)
-    preprocessing = ImagePreprocessing(longest_edge=128, image_size=64)
+        if weight in special_shapes:
+            dims = special_shapes[weight]
+        elif ".fc1." in weight:
+            dims = (inter, hidden) if weight.endswith("weight") else (inter,)
+        elif ".fc2." in weight:
+            dims = (hidden, inter) if weight.endswith("weight") else (hidden,)
+        else:  # attention projections and biases, layer-norm biases
+            dims = (hidden, hidden) if weight.endswith("proj.weight") else (hidden,)
+        scale = 1.0 / np.sqrt(np.prod(dims[1:])) if len(dims) > 1 else 0.1
+        weights[weight] = (scale * rng.standard_normal(dims)).astype(np.float32)
+    size = geometry.image_size
     encoder = EncoderConfig(kind=VISUAL, model="idefics3", image_token_id=tokenizer.token_to_id("<image>"),
-                            tokens_per_image=geometry.tokens_per_image(64), text_hidden_size=config.hidden_size,
+                            tokens_per_image=geometry.tokens_per_image(size), text_hidden_size=config.hidden_size,
                             image_token="<image>", image_prefix="<fake_token_around_image><global-img>",
-                            image_suffix="<fake_token_around_image>", preprocessing=preprocessing,
+                            image_suffix="<fake_token_around_image>",
+                            preprocessing=ImagePreprocessing(longest_edge=2 * size, image_size=size),
                             extra={"vision": {k: getattr(geometry, k) for k in VisionGeometry.__slots__},
                                    "do_image_splitting": False})
-    return text, VisualExport(geometry, weights, encoder)
-
-
-def _vision_shape(name: str, geometry) -> tuple[int, ...]:
-    hidden, inter = geometry.hidden_size, geometry.intermediate_size
-    if name.endswith("fc1.weight"):
-        return (inter, hidden)
-    if name.endswith("fc1.bias"):
-        return (inter,)
-    if name.endswith("fc2.weight") or name.endswith("proj.weight"):
-        return (hidden, hidden) if not name.endswith("fc2.weight") else (hidden, inter)
-    return (hidden,)
+    return text_model, VisualExport(geometry, weights, encoder)
