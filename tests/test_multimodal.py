@@ -18,6 +18,7 @@ from kvforge.contract.errors import KvforgeError
 from kvforge.runtime.context_cache.keys import KeyExtras, MediaKey, page_keys
 from kvforge.runtime.context_cache.planner import plan_reuse
 from kvforge.runtime.engine import Engine, EngineConfig
+from kvforge.runtime.file_runner import Scheduling
 from kvforge.runtime.multimodal.encoder_cache import EncoderCache
 from kvforge.runtime.multimodal.image import media_digest
 from kvforge.tools.export.idefics3_source import write_visual_onnx_dir
@@ -133,6 +134,13 @@ def test_vlm_fixture_counters_and_warm_equals_cold(dirs) -> None:
     multimodal = warm_engine.profile()["multimodal"]
     assert multimodal["total_images"] == 10 and multimodal["total_image_tokens"] == 10 * IMAGE_ROWS
     assert multimodal["encoder_cache"]["misses"] == 2 and multimodal["encoder_cache"]["hits"] == 8
+
+
+def test_vlm_fixture_continuous_equals_static(dirs) -> None:
+    data = {**fixture_data(), "batch_size": 4}
+    static = run_file(make(dirs, reuse=True), data, base_dir=FIXTURE.parent)
+    continuous = run_file(make(dirs, reuse=True), data, Scheduling.CONTINUOUS, base_dir=FIXTURE.parent)
+    assert [top1_ids(r) for r in static] == [top1_ids(r) for r in continuous]
 
 
 def test_image_changes_the_answer_and_same_image_reuses(dirs, tmp_path: Path) -> None:
