@@ -306,3 +306,36 @@ def test_llm_test_runs_the_fixture_with_a_multimodal_engine(dirs, tmp_path: Path
     assert result.returncode == 0, result.stdout + result.stderr
     [check] = [c for f in json.loads(report.read_text())["files"] for c in f["checks"]]
     assert check["status"] == "skipped" and "--multimodalEngineDir" in check["reason"]
+
+
+# A template in the style of SmolVLM's: message content is a list of {type, ...} items, images print `<image>`.
+ITEM_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
+    "{% if message['content'][0]['type'] == 'image' %}{{ ':' }}{% else %}{{ ': ' }}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{ line['text'] }}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+
+def test_templates_reading_content_items_get_image_items(dirs, tmp_path: Path) -> None:
+    import shutil
+
+    from kvforge.runtime.request_file import parse_request_file
+
+    _, engine_dir, _ = dirs
+    copy = tmp_path / "engine"
+    shutil.copytree(engine_dir, copy)
+    config = json.loads((copy / "tokenizer_config.json").read_text())
+    (copy / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": ITEM_TEMPLATE}))
+    engine = make((None, copy, dirs[2]), reuse=False)
+    assert engine.tokenizer.content_as_items
+    image = noise_image(tmp_path / "a.png", (20, 20), 1)
+    [request] = parse_request_file({"requests": [image_request(image, question="What?")]}).requests
+    prepared = engine.inputs.process(request)
+    expansion = "<fake_token_around_image><global-img>" + "<image>" * IMAGE_ROWS + "<fake_token_around_image>"
+    expected = engine.tokenizer.encode(f"<|im_start|>User:{expansion}What?<end_of_utterance>\nAssistant:")
+    assert prepared.prompt_ids == expected and prepared.media[0].start == expected.index(engine.inputs.multimodal
+                                                                                       .image_token_id)
+    text_only = parse_request_file({"requests": [{"messages": [{"role": "user", "content": "Hi"}]}]}).requests[0]
+    assert engine.inputs.prompt_text(text_only) == "<|im_start|>User: Hi<end_of_utterance>\nAssistant:"
