@@ -11,7 +11,8 @@ from kvforge.contract.model_config import read_json
 
 ENCODER_FORMAT = "kvforge-encoder-v1"
 VISUAL = "visual"
-ENCODER_KINDS = (VISUAL,)
+AUDIO = "audio"
+ENCODER_KINDS = (VISUAL, AUDIO)
 ENCODER_MODEL_FILE = "model.onnx"  # in the ONNX dir
 ENCODER_WEIGHTS_FILE = "model.onnx.data"
 VISUAL_ENGINE_FILE = "visual.onnx"  # in the engine dir (backend onnxruntime)
@@ -77,12 +78,52 @@ class EncoderConfig:
         return config
 
     def validate(self, where: str) -> None:
-        if self.kind not in ENCODER_KINDS:
+        if self.kind != VISUAL:
             raise InvalidConfig(f"unsupported encoder kind {self.kind!r}; expected one of {ENCODER_KINDS}", where)
         if self.tokens_per_image <= 0 or self.text_hidden_size <= 0 or self.preprocessing.image_size <= 0:
             raise InvalidConfig("tokens_per_image, text_hidden_size and image_size must be positive", where)
         if self.preprocessing.resample not in RESAMPLE_FILTERS:
             raise InvalidConfig(f"resample must be one of {RESAMPLE_FILTERS}", where)
+
+
+@dataclass(frozen=True, slots=True)
+class AudioEncoderConfig:
+    """config.json of an audio encoder dir: 16 kHz PCM -> log-mel frames -> one embedding row per placeholder."""
+
+    kind: str  # "audio"
+    model: str  # family, e.g. "qwen2_audio"
+    audio_token_id: int
+    audio_token: str  # the placeholder the processor repeats once per output row
+    text_hidden_size: int
+    num_mel_bins: int
+    num_frames: int  # mel frames per encoder call (30 s at a 10 ms hop)
+    sample_rate: int = 16000
+    max_batch_size: int = 0  # set by llm_build
+    backend: str = ""  # set by llm_build
+    format: str = ENCODER_FORMAT
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str) -> AudioEncoderConfig:
+        known = {f.name for f in fields(cls)}
+        try:
+            config = cls(**{k: v for k, v in data.items() if k in known})
+        except TypeError as exc:
+            raise InvalidConfig(f"missing or invalid field ({exc})", where) from None
+        if config.kind != AUDIO or config.num_frames <= 0 or config.num_mel_bins <= 0:
+            raise InvalidConfig("not an audio encoder config (kind, num_frames, num_mel_bins)", where)
+        return config
+
+
+def encoder_kind(path: Path) -> str:
+    """The `kind` of the encoder dir at `path` ("visual", "audio"); errors name `onnx_dir`."""
+    kind = read_json(path / "config.json", "onnx_dir").get("kind")
+    if kind not in ENCODER_KINDS:
+        raise InvalidConfig(f"unsupported encoder kind {kind!r}; expected one of {ENCODER_KINDS}", "onnx_dir")
+    return kind
 
 
 def is_encoder_dir(path: Path) -> bool:
