@@ -63,8 +63,7 @@ def build(
             from kvforge.builder.encoder_build import build_encoder_engine
             built = build_encoder_engine(onnx_dir, engine_dir, backend, max_batch_size)
             console.print(f"multimodal engine written to {engine_dir} ({built.kind} {built.model}, backend "
-                          f"{built.backend}, {built.tokens_per_image} tokens per image); run it with "
-                          "llm_inference --multimodalEngineDir")
+                          f"{built.backend}); run it with llm_inference --multimodalEngineDir")
             return
         with progress_bar("building engine", STEPS) as step:
             geometry, plan = build_engine(onnx_dir, engine_dir, options, step)

@@ -93,12 +93,12 @@ class Engine:
             return None
         from kvforge.runtime.multimodal.encoder_cache import EncoderCache  # Pillow and the encoder only when asked
         from kvforge.runtime.multimodal.processor import MultimodalProcessor
-        from kvforge.runtime.multimodal.visual import VisualEncoder
+        from kvforge.runtime.multimodal.visual import load_encoder
 
         cache = EncoderCache(config.encoder_cache_budget_bytes)
-        encoder = VisualEncoder(Path(config.multimodal_engine_dir), config.num_threads)
+        encoder = load_encoder(Path(config.multimodal_engine_dir), config.num_threads)
         processor = MultimodalProcessor(encoder, cache, self.tokenizer, self.profiler, self.engine.model.hidden_size)
-        self.tokenizer.image_marker = encoder.config.image_token
+        self.tokenizer.media_markers = {encoder.kind: encoder.marker}
         self.inputs.multimodal = processor
         return processor
 

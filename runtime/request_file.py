@@ -250,14 +250,14 @@ def _parse_content_item(item: Any, where: str, media: list[MediaRef]) -> str:
         fail(where, f'must be an object like {{"type": "text", "text": ...}}, got {json_kind(item)}')
     kind = _required(item, "type", where, f"one of {', '.join(CONTENT_TYPES)}")
     check_choice(kind, f"{where}.type", CONTENT_TYPES)
-    if kind == "image":
-        path = check_string(_required(item, "image", where, 'a file path, for an "image" item'), f"{where}.image")
+    if kind in ("image", "audio"):
+        path = check_string(_required(item, kind, where, f'a file path, for an "{kind}" item'), f"{where}.{kind}")
         if not path:
-            fail(f"{where}.image", "must be a file path, got an empty string")
-        media.append(MediaRef("image", path, where))
+            fail(f"{where}.{kind}", "must be a file path, got an empty string")
+        media.append(MediaRef(kind, path, where))
         return MEDIA_SENTINEL
     if kind in MEDIA_TYPES:
-        fail(f"{where}.type", f'"{kind}" content is not supported yet; "text" and "image" items are')
+        fail(f"{where}.type", f'"{kind}" content is not supported yet; "text", "image" and "audio" items are')
     return check_string(_required(item, "text", where, 'a string, for a "text" item'), f"{where}.text")
 
 

@@ -27,8 +27,8 @@ class ChatTokenizer:
         template = config.get("chat_template")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
         self.template = env.from_string(template) if template else None
-        # Text the template writes for an {"type": "image"} item (set by the multimodal processor).
-        self.image_marker: str | None = None
+        # Text the template writes for an {"type": "image"} / {"type": "audio"} item (set by the engine).
+        self.media_markers: dict[str, str] = {}
         self.content_as_items = self._wants_content_items()
 
     def _wants_content_items(self) -> bool:
@@ -49,7 +49,7 @@ class ChatTokenizer:
         items: list[dict] = []
         for i, text in enumerate(message.content.split(MEDIA_SENTINEL)):
             if i:
-                items.append({"type": "image"})
+                items.append({"type": message.media[i - 1].kind})
             if text:
                 items.append({"type": "text", "text": text})
         return {"role": message.role, "content": items}
@@ -66,8 +66,9 @@ class ChatTokenizer:
                                         enable_thinking=enable_thinking)
         except TemplateError as exc:
             raise KvforgeError(f"chat template failed: {exc}", where) from None
-        if self.content_as_items and self.image_marker and any(m.media for m in messages):
-            text = text.replace(self.image_marker, MEDIA_SENTINEL)  # back to one sentinel per media item
+        if self.content_as_items and any(m.media for m in messages):
+            for marker in self.media_markers.values():
+                text = text.replace(marker, MEDIA_SENTINEL)  # back to one sentinel per media item
         return text
 
     def format_system_prompt(self, messages: Sequence[Message], apply_chat_template: bool = True) -> str:

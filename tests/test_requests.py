@@ -321,8 +321,8 @@ REQUEST_ERRORS: list[tuple[Callable[[], Any], str, str]] = [
      "requests[0].messages[0].content[0].image", "must be a string"),
     (lambda: with_message(content=[{"type": "text", "text": "a\ufffc"}, {"type": "image", "image": "a.png"}]),
      "requests[0].messages[0].content", "U+FFFC"),
-    (lambda: with_message(content=[{"type": "audio", "audio": "a.wav"}]),
-     "requests[0].messages[0].content[0].type", '"audio" content is not supported yet'),
+    (lambda: with_message(content=[{"type": "audio"}]),
+     "requests[0].messages[0].content[0].audio", "is required (a file path"),
     (lambda: with_message(content=[{"type": "video", "frames": []}]),
      "requests[0].messages[0].content[0].type", '"video" content is not supported yet'),
     (lambda: with_message(content=[{"type": "text"}]), "requests[0].messages[0].content[0].text",
@@ -432,7 +432,7 @@ def test_load_duplicate_lora_names(tmp_path: Path) -> None:
 
 def test_load_request_error_keeps_json_path(tmp_path: Path) -> None:
     data = minimal()
-    data["requests"].append({"messages": [{"role": "user", "content": [{"type": "audio", "audio": "a"}]}]})
+    data["requests"].append({"messages": [{"role": "user", "content": [{"type": "video", "frames": []}]}]})
     with pytest.raises(KvforgeError) as info:
         load_request_file(write(tmp_path, json.dumps(data)))
     check_error(info.value, "requests[1].messages[0].content[0].type", "not supported yet")

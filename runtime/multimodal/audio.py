@@ -79,3 +79,51 @@ def log_mel(pcm: np.ndarray, num_mels: int, num_frames: int) -> tuple[np.ndarray
     spec = np.log10(mel)[:, :-1]
     spec = np.maximum(spec, spec.max() - 8.0)
     return ((spec + 4.0) / 4.0).astype(np.float32), -(-valid // HOP)
+
+
+class AudioEncoder:
+    """A Whisper-style audio engine: 30 s of log-mel frames per call; each item keeps the rows of its own frames."""
+
+    __slots__ = ("config", "session")
+    kind = "audio"
+    stage = "audio_encoder"
+
+    def __init__(self, engine_dir: Path, config, num_threads: int = 0) -> None:  # config: AudioEncoderConfig
+        from kvforge.contract.multimodal import AUDIO_ENGINE_FILE
+        from kvforge.runtime.multimodal.visual import _check_engine_dir, _session
+
+        _check_engine_dir(engine_dir, config, AUDIO_ENGINE_FILE)
+        self.config = config
+        self.session = _session(engine_dir / AUDIO_ENGINE_FILE, num_threads)
+
+    @property
+    def token_id(self) -> int:
+        return self.config.audio_token_id
+
+    @property
+    def marker(self) -> str:
+        return self.config.audio_token
+
+    def placeholder_text(self, rows: int) -> str:
+        return self.config.audio_token * rows
+
+    def decode(self, path: Path, where: str) -> DecodedAudio:
+        return decode_audio(path, where)
+
+    def rows(self, item: DecodedAudio) -> int:
+        return audio_rows(min(len(item.pcm), self.config.num_frames * HOP))
+
+    def encode(self, items: list[DecodedAudio]) -> list[np.ndarray]:
+        outputs = []
+        for item in items:  # one call per item: each is padded to the full 30 s window anyway
+            features, frames = log_mel(item.pcm, self.config.num_mel_bins, self.config.num_frames)
+            rows = self.session.run(["audio_embeds"], {"input_features": features[None],
+                                                       "feature_lengths": np.array([frames], dtype=np.int64)})[0]
+            outputs.append(np.ascontiguousarray(rows[0, :self.rows(item)], dtype=np.float32))
+        return outputs
+
+
+def audio_rows(num_samples: int) -> int:
+    """Placeholder rows for `num_samples` PCM samples (valid mel frames, halved by conv2, halved by pooling)."""
+    frames = -(-num_samples // HOP)
+    return ((frames - 1) // 2 + 1 - 2) // 2 + 1

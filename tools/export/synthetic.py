@@ -165,3 +165,62 @@ def synthetic_idefics3(kv_cache_dtype: str = "fp16", seed: int = 0, text: dict |
                             extra={"vision": {k: getattr(geometry, k) for k in VisionGeometry.__slots__},
                                    "do_image_splitting": False})
     return text_model, VisualExport(geometry, weights, encoder)
+
+
+QWEN2_AUDIO_SPECIAL_TOKENS = ("<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>")
+# Qwen2-Audio's turn format over content items: each audio item prints its bos/placeholder/eos, as the real one does.
+QWEN2_AUDIO_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% for item in message['content'] %}{% if item['type'] == 'audio' %}"
+    "{{ 'Audio: <|audio_bos|><|AUDIO|><|audio_eos|>\\n' }}{% else %}{{ item['text'] }}{% endif %}{% endfor %}"
+    "{{ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def synthetic_qwen2_audio(kv_cache_dtype: str = "fp16", seed: int = 0):
+    """A tiny Qwen2-Audio: a 2-layer Qwen2 text model plus a 2-layer Whisper-style encoder on 128 mel bins over
+    10 s windows (1000 frames -> at most 250 tokens per item; one second of audio takes 25)."""
+    from kvforge.contract.multimodal import AUDIO, AudioEncoderConfig
+    from kvforge.tools.export.qwen2_audio_graph import AudioGeometry
+    from kvforge.tools.export.qwen2_audio_source import AudioExport, _audio_names
+
+    tokenizer = byte_level_tokenizer()
+    tokenizer.add_special_tokens(list(QWEN2_AUDIO_SPECIAL_TOKENS))
+    config = ModelConfig(model="qwen2", vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         max_position_embeddings=4096, attention_bias=True, kv_cache_dtype=kv_cache_dtype,
+                         eos_token_ids=[2], pad_token_id=0, name="tiny-qwen2-audio")
+    config.validate()
+    tokenizer_config = {"chat_template": QWEN2_AUDIO_TEMPLATE, "bos_token": None, "eos_token": "<|im_end|>",
+                        "add_bos_token": False, "model_max_length": config.max_position_embeddings}
+    text_model = LoadedModel(config, random_weights(config, seed), tokenizer.to_str(), tokenizer_config)
+    geometry = AudioGeometry(d_model=32, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64,
+                             num_mel_bins=128, max_source_positions=500, text_hidden_size=config.hidden_size)
+    rng = np.random.default_rng(seed + 2)
+    d, ffn = geometry.d_model, geometry.encoder_ffn_dim
+    weights = {}
+    for weight in _audio_names(geometry):
+        if weight.endswith("conv1.weight"):
+            dims = (d, geometry.num_mel_bins, 3)
+        elif weight.endswith("conv2.weight"):
+            dims = (d, d, 3)
+        elif weight.endswith("embed_positions.weight"):
+            dims = (geometry.max_source_positions, d)
+        elif weight.startswith("multi_modal_projector"):
+            dims = (config.hidden_size, d) if weight.endswith("weight") else (config.hidden_size,)
+        elif ".fc1." in weight:
+            dims = (ffn, d) if weight.endswith("weight") else (ffn,)
+        elif ".fc2." in weight:
+            dims = (d, ffn) if weight.endswith("weight") else (d,)
+        else:
+            dims = (d, d) if weight.endswith("proj.weight") else (d,)
+        if "norm" in weight and weight.endswith("weight"):
+            weights[weight] = (1.0 + 0.1 * rng.standard_normal(dims)).astype(np.float32)
+            continue
+        scale = 1.0 / np.sqrt(np.prod(dims[1:])) if len(dims) > 1 else 0.1
+        weights[weight] = (scale * rng.standard_normal(dims)).astype(np.float32)
+    encoder = AudioEncoderConfig(kind=AUDIO, model="qwen2_audio", audio_token_id=tokenizer.token_to_id("<|AUDIO|>"),
+                                 audio_token="<|AUDIO|>", text_hidden_size=config.hidden_size,
+                                 num_mel_bins=geometry.num_mel_bins, num_frames=geometry.num_frames,
+                                 extra={"audio": {k: getattr(geometry, k) for k in AudioGeometry.__slots__}})
+    return text_model, AudioExport(geometry, weights, encoder)
