@@ -60,6 +60,9 @@ class InputProcessor:
         if media and self.multimodal is None:
             raise KvforgeError(f'"{media[0].kind}" input needs a multimodal engine with an encoder '
                                "(--multimodalEngineDir); this engine runs text only", media[0].where)
+        if media:
+            assert self.multimodal is not None
+            self.multimodal.check_kinds(media)
         text = self.prompt_text(request, enable_thinking)
         spans = ()
         if media:

@@ -67,6 +67,13 @@ class MultimodalProcessor:
             cached = self._expansions[rows] = (ids, positions[0])
         return cached
 
+    def check_kinds(self, media: list[MediaRef]) -> None:
+        """Every item must be of this engine's kind; checked before the chat template sees the request."""
+        for ref in media:
+            if ref.kind != self.encoder.kind:
+                raise KvforgeError(f'"{ref.kind}" items need an {ref.kind} encoder; this multimodal engine has an '
+                                   f"{self.encoder.kind} one", f"{ref.where}.type")
+
     def tokenize(self, text: str, media: list[MediaRef], base_dir: Path | None, max_input_len: int,
                  where: str) -> tuple[list[int], tuple[MediaSpan, ...]]:
         """Token ids of a rendered prompt whose media sentinels become placeholder spans, and those spans with
@@ -77,12 +84,13 @@ class MultimodalProcessor:
                                "items (it dropped a message holding one)", where)
         ids = self.tokenizer.encode(segments[0])
         placed = []
+        self.check_kinds(media)
         for ref, segment in zip(media, segments[1:], strict=True):
-            if ref.kind != self.encoder.kind:
-                raise KvforgeError(f'"{ref.kind}" items need an {ref.kind} encoder; this multimodal engine has an '
-                                   f"{self.encoder.kind} one", f"{ref.where}.type")
             item = self.encoder.decode(_resolve(ref.path, base_dir), f"{ref.where}.{ref.kind}")
             rows = self.encoder.rows(item)
+            if rows < 1:
+                raise KvforgeError(f"this {ref.kind} is too short to give the encoder a single output row",
+                                   f"{ref.where}.{ref.kind}")
             expansion, offset = self.expansion(rows)
             start = len(ids) + offset
             ids += expansion
