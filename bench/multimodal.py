@@ -36,14 +36,14 @@ SYSTEM = "You are a helpful assistant that looks closely at the images it is sho
 QUESTIONS = ("Describe this picture in detail, please.", "What colours dominate in this picture?")
 
 
-def build(root: Path, tiny: bool) -> tuple[Path, Path, dict]:
+def build(root: Path, tiny: bool, tokens_per_page: int) -> tuple[Path, Path, dict]:
     text, visual = synthetic_idefics3(text=None if tiny else SMOLVLM_256M_TEXT,
                                       vision=None if tiny else SMOLVLM_256M_VISION,
                                       name="tiny-idefics3" if tiny else "smolvlm-256m-shape")
     write_onnx_dir(text, root / "onnx")
     write_visual_onnx_dir(visual, root / "onnx" / "visual")
     build_engine(root / "onnx", root / "engine", BuildOptions(max_input_len=1024, max_kv_cache_capacity=2048,
-                                                              max_batch_size=1, tokens_per_page=64 if not tiny else 16))
+                                                              max_batch_size=1, tokens_per_page=tokens_per_page))
     build_encoder_engine(root / "onnx" / "visual", root / "visual", "auto", 1)
     c = text.config
     return root / "engine", root / "visual", {"tokens_per_image": visual.config.tokens_per_image,
@@ -71,11 +71,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tiny", action="store_true", help="the 16-token test model instead of SmolVLM-256M shapes")
+    parser.add_argument("--tokensPerPage", type=int, default=64)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        engine_dir, visual_dir, shape = build(root, args.tiny)
+        engine_dir, visual_dir, shape = build(root, args.tiny, args.tokensPerPage)
         rng = np.random.default_rng(0)
         rows = {"cold": [], "warm_both": [], "warm_kv_only": [], "warm_encoder_cache_only": [], "encoder_ms": []}
         for repeat in range(args.repeats):
@@ -99,7 +100,8 @@ def main() -> None:
     kv_per_token = kv_bytes_per_page(shape["kv_heads"], shape["head_dim"], 1, shape["kv_cache_dtype"])
     figures = {
         "model": "tiny-idefics3" if args.tiny else "SmolVLM-256M shapes (random weights)",
-        "threads": args.threads, "repeats": args.repeats, "tokens_per_image": shape["tokens_per_image"],
+        "threads": args.threads, "repeats": args.repeats, "tokens_per_page": args.tokensPerPage,
+        "tokens_per_image": shape["tokens_per_image"],
         "ttft_ms": {k: round(v, 1) for k, v in med.items() if k != "encoder_ms"},
         "ttft_cold_over_warm": round(med["cold"] / med["warm_both"], 2),
         "ttft_cold_over_warm_kv_only": round(med["cold"] / med["warm_kv_only"], 2),
