@@ -9,7 +9,7 @@ from pathlib import Path
 import onnx
 
 from kvforge.builder.engine_files import load_model, write_engine_config
-from kvforge.builder.lower_ort import lower_for_onnxruntime
+from kvforge.builder.lower_ort import lower_for_onnxruntime, share_tied_head
 from kvforge.contract.engine_dir import COPIED_FILES, ENGINE_MODEL_FILE, ENGINE_WEIGHTS_FILE, BuilderConfig
 from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.geometry import DEFAULT_TOKENS_PER_PAGE, PageGeometry, kv_bytes_per_page, resolve_geometry
@@ -99,6 +99,8 @@ def build_engine(onnx_dir: Path, engine_dir: Path, options: BuildOptions,
     lowered = lower_for_onnxruntime(model, kv_cache_dtype=config.kv_cache_dtype,
                                     tokens_per_page=geometry.tokens_per_page,
                                     num_pages=geometry.max_kv_pool_pages)
+    if config.tie_word_embeddings:
+        share_tied_head(lowered)
     step("lowered paged-KV ops")
     engine_dir.mkdir(parents=True, exist_ok=True)
     for stale in (engine_dir / ENGINE_MODEL_FILE, engine_dir / ENGINE_WEIGHTS_FILE):

@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from kvforge.contract.engine_dir import TIED_HEAD_INPUT
 from kvforge.contract.errors import InvalidConfig
 from kvforge.graph.onnx_graph import FLOAT, FLOAT8E4M3FN, FLOAT16, INT32, INT64, GraphWriter, value_info
 from kvforge.plugins import ops
@@ -105,6 +106,25 @@ def lower_for_onnxruntime(model: onnx.ModelProto, *, kv_cache_dtype: str, tokens
     lowered = helper.make_model(graph, opset_imports=[op for op in model.opset_import if op.domain != ops.DOMAIN],
                                 producer_name="kvforge-builder")
     return lowered
+
+
+def share_tied_head(model: onnx.ModelProto, head_initializer: str = "lm_head.weight") -> bool:
+    """A tied model's float LM head reads the runtime's embedding table: MatMul(x, W^T initializer) becomes
+    Gemm(x, TIED_HEAD_INPUT, transB=1) and the initializer goes (113 MB for SmolLM2; a non-initializer B
+    measured as fast as MLAS's prepacked one at one row). False when the head is absent or quantized."""
+    graph = model.graph
+    weight = next((t for t in graph.initializer if t.name == head_initializer), None)
+    users = [n for n in graph.node if head_initializer in n.input]
+    if weight is None or len(users) != 1 or users[0].op_type != "MatMul" or users[0].input[1] != head_initializer:
+        return False
+    hidden, vocab = weight.dims
+    node = users[0]
+    gemm = helper.make_node("Gemm", [node.input[0], TIED_HEAD_INPUT], list(node.output), name=node.name, transB=1)
+    graph.node.insert(list(graph.node).index(node), gemm)
+    graph.node.remove(node)
+    graph.initializer.remove(weight)
+    graph.input.append(value_info(TIED_HEAD_INPUT, FLOAT, [vocab, hidden]))
+    return True
 
 
 def _attr(node: onnx.NodeProto, name: str) -> int:

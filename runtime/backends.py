@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from kvforge.contract.engine_dir import EngineDir
 from kvforge.runtime.runner import EngineRunner
 
 
-def load_runner(engine: EngineDir, num_threads: int = 0) -> EngineRunner:
+def load_runner(engine: EngineDir, num_threads: int = 0, embedding: np.ndarray | None = None) -> EngineRunner:
     """The runner for `engine`: TensorRT (imported only here, only when the engine needs it) or ONNX Runtime."""
     if engine.build.backend == "tensorrt":
         from kvforge.runtime.trt_runner import TrtEngineRunner
@@ -14,4 +16,4 @@ def load_runner(engine: EngineDir, num_threads: int = 0) -> EngineRunner:
         return TrtEngineRunner(engine)
     from kvforge.runtime.ort_runner import OrtEngineRunner
 
-    return OrtEngineRunner(engine, num_threads)
+    return OrtEngineRunner(engine, num_threads, embedding)

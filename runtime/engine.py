@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import load_file
 
 from kvforge.contract.engine_dir import EMBEDDING_FILE, EMBEDDING_TENSOR, EngineDir, load_engine_dir
 from kvforge.contract.errors import InvalidConfig, PoolTooSmall
 from kvforge.contract.paging import pages_for
+from kvforge.contract.safetensors_map import map_tensor
 from kvforge.runtime.backends import load_runner
 from kvforge.runtime.context_cache.manager import DEFAULT_MAX_RECORDS, ContextCacheManager
 from kvforge.runtime.inputs import InputProcessor, check_prompt_length
@@ -68,8 +68,8 @@ class Engine:
         self.loras = LoraRegistry(self.engine)
         self.inputs = InputProcessor(self.tokenizer, self.loras, build.max_input_len, config.enable_context_reuse,
                                      self.engine.model.vocab_size)
-        self.runner = runner or load_runner(self.engine, config.num_threads)
-        embedding = load_file(str(self.engine.file(EMBEDDING_FILE)))[EMBEDDING_TENSOR]
+        embedding = map_tensor(self.engine.file(EMBEDDING_FILE), EMBEDDING_TENSOR)  # rows paged in as looked up
+        self.runner = runner or load_runner(self.engine, config.num_threads, embedding)
         self.model_runner = ModelRunner(self.runner, embedding, lora_input_shapes(self.engine))
         self.outputs = OutputProcessor(self.tokenizer, frozenset(self.engine.model.eos_token_ids),
                                        build.max_kv_cache_capacity)

@@ -5,9 +5,16 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 
-from kvforge.contract.engine_dir import ENGINE_MODEL_FILE, EngineDir
+from kvforge.contract.engine_dir import (
+    EMBEDDING_FILE,
+    EMBEDDING_TENSOR,
+    ENGINE_MODEL_FILE,
+    TIED_HEAD_INPUT,
+    EngineDir,
+)
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.paging import pages_for
+from kvforge.contract.safetensors_map import map_tensor
 from kvforge.plugins.ops import UNUSED_PAGE
 from kvforge.plugins.reference import rope_table
 from kvforge.runtime.kv_pool import KVPool
@@ -28,7 +35,8 @@ def make_session(model_path: str, num_threads: int = 0) -> ort.InferenceSession:
 
 
 class OrtEngineRunner:
-    def __init__(self, engine: EngineDir, num_threads: int = 0) -> None:
+    def __init__(self, engine: EngineDir, num_threads: int = 0, embedding: np.ndarray | None = None) -> None:
+        """`embedding`: the engine's table when the caller already has it (bound to a tied head, not mapped twice)."""
         model, build = engine.model, engine.build
         self.session = make_session(str(engine.file(ENGINE_MODEL_FILE)), num_threads)
         self.num_layers = model.num_hidden_layers
@@ -44,6 +52,10 @@ class OrtEngineRunner:
         self._lora_shapes = {i.name: (i.shape[1], i.shape[2]) for i in self.session.get_inputs()
                              if i.name.startswith("lora_")}
         self._no_adapter: dict[int, dict[str, np.ndarray]] = {}
+        self._tied_head: ort.OrtValue | None = None
+        if any(i.name == TIED_HEAD_INPUT for i in self.session.get_inputs()):
+            table = embedding if embedding is not None else map_tensor(engine.file(EMBEDDING_FILE), EMBEDDING_TENSOR)
+            self._tied_head = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(table, dtype=np.float32))
 
     def forward(self, step: StepInputs) -> np.ndarray:
         starts = step.kvcache_start_index.astype(np.int32)
@@ -54,6 +66,8 @@ class OrtEngineRunner:
         binding.bind_cpu_input("kvcache_start_index", starts)
         binding.bind_cpu_input("kv_page_table", self._cached_page_table(step.page_ids, starts))
         binding.bind_ortvalue_input("rope_rotary_cos_sin", self._rope_value)
+        if self._tied_head is not None:
+            binding.bind_ortvalue_input(TIED_HEAD_INPUT, self._tied_head)
         binding.bind_cpu_input("last_token_ids", (lengths - 1).astype(np.int64))
         lora = step.lora_tensors if step.lora_tensors is not None else self._rank_zero(len(lengths))
         for name in self._lora_names:

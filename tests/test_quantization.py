@@ -29,7 +29,7 @@ from kvforge.tools.export.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
 def test_gguf_blocks_map_bit_exactly(kind: str) -> None:
     rng = np.random.default_rng(1)
     weight = (rng.standard_normal((48, 128)) * 0.1).astype(np.float32)  # [out, in], as GGUF rows
@@ -40,7 +40,9 @@ def test_gguf_blocks_map_bit_exactly(kind: str) -> None:
     assert np.array_equal(blocks.dequantize().T, expected)  # no second rounding
     order = unpermute_llama_cpp_rows(np.arange(48), 4)
     assert np.array_equal(permute_rows(blocks, order).dequantize().T, unpermute_llama_cpp_rows(expected, 4))
-    assert from_gguf_blocks("Q4_1", gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q4_1), 128) is None
+    if kind == "Q4_1":  # d * (q - z) + r with r = m + d * z: the offsets carry what an integer zero point cannot
+        assert blocks.offsets is not None and blocks.offsets.shape == (128 // 32, 48)
+    assert from_gguf_blocks("Q5_K", raw, 128) is None
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -56,14 +58,29 @@ def test_onnx_runtime_quantizer_round_trip(bits: int) -> None:
     assert info.value.field == "quant_block_size"
 
 
-@pytest.mark.parametrize("model, quantization", [("tiny-llama", "int4"), ("tiny-llama", "int8"),
-                                                 ("tiny-qwen2", "int4")])
-def test_quantized_engine_equals_the_dequantized_reference(model: str, quantization: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("model, quantization, gguf_blocks", [
+    ("tiny-llama", "int4", None), ("tiny-llama", "int8", None), ("tiny-qwen2", "int4", None),
+    ("tiny-llama", "int4", "Q4_1"), ("tiny-llama", "int8", "Q8_0")])
+def test_quantized_engine_equals_the_dequantized_reference(model: str, quantization: str, gguf_blocks: str | None,
+                                                           tmp_path: Path) -> None:
     """Every linear, the LM head included, runs as MatMulNBits; with float activations (accuracy level 0) the
-    logits equal a dense numpy forward over the dequantized weights, and the default level stays close."""
+    logits equal a dense numpy forward over the dequantized weights, and the default level stays close. With
+    GGUF blocks (as a Q4_1 or Q8_0 file holds them) the engine computes exactly the GGUF's dequantized model."""
     loaded = synthetic_model(model, kv_cache_dtype="fp32")
+    if gguf_blocks is not None:
+        kind = gguf.GGMLQuantizationType[gguf_blocks]
+        for name in linear_weight_names(loaded.config)[:-1]:
+            weight = loaded.weights[name]
+            raw = gguf.quants.quantize(weight, kind)
+            loaded.weights[name] = gguf.quants.dequantize(raw, kind).reshape(weight.shape)
+            loaded.exact_blocks[name] = from_gguf_blocks(gguf_blocks, raw, weight.shape[1])
     reference = dict(loaded.weights)
     quantize_linears(loaded, quantization, 32)
+    for name, exact in loaded.exact_blocks.items():
+        assert loaded.quantized[name] is exact  # no second rounding
+    if gguf_blocks is not None:
+        for name in linear_weight_names(loaded.config)[:-1]:
+            np.testing.assert_array_equal(loaded.quantized[name].dequantize().T, reference[name])
     assert sorted(loaded.quantized) == sorted(linear_weight_names(loaded.config))
     for name, blocks in loaded.quantized.items():
         reference[name] = blocks.dequantize().T
@@ -123,3 +140,29 @@ def test_export_refuses_bad_quantization_flags(run_cli, tmp_path: Path, flags: l
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert all(n in proc.stderr for n in needles), proc.stderr
     assert not (tmp_path / "out" / "config.json").exists()
+
+
+def test_a_tied_float_head_reads_the_runtime_embedding_table(tmp_path: Path) -> None:
+    """ONNX Runtime engines of tied models hold the head once: the graph takes it as an input bound to the
+    memory-mapped embedding, and the logits still equal the dense reference."""
+    from kvforge.contract.engine_dir import TIED_HEAD_INPUT
+
+    loaded = synthetic_model("tiny-qwen2", kv_cache_dtype="fp32")
+    assert loaded.config.tie_word_embeddings
+    reference = dict(loaded.weights)
+    quantize_linears(loaded, "none", 32)
+    write_onnx_dir(loaded, tmp_path / "onnx")
+    build_engine(tmp_path / "onnx", tmp_path / "engine", BuildOptions(max_input_len=64, max_kv_cache_capacity=128,
+                                                                      max_batch_size=1, tokens_per_page=16))
+    graph = onnx.load(tmp_path / "engine" / "model.onnx", load_external_data=False).graph
+    assert TIED_HEAD_INPUT in [i.name for i in graph.input]
+    assert "lm_head.weight" not in [t.name for t in graph.initializer]
+    ids = list(range(3, 20))
+    expected = dense_logits(loaded.config, reference, ids)[-1]
+    engine = Engine(tmp_path / "engine", EngineConfig(num_threads=2))
+    engine.add_request(EngineRequest(ids, SamplingParams(temperature=0.0, max_generate_length=1, num_logprobs=3)))
+    [output] = engine.step()
+    log_probs = expected - expected.max() - np.log(np.exp(expected - expected.max()).sum())
+    got = output.samples[0].top_logprobs
+    assert [t for t, _ in got] == np.argsort(-log_probs)[:3].tolist()
+    np.testing.assert_allclose([lp for _, lp in got], log_probs[[t for t, _ in got]], rtol=1e-5, atol=1e-4)

@@ -16,6 +16,9 @@ TRT_ENGINE_FILE = "llm.engine"  # backend "tensorrt": the serialized TensorRT en
 BACKEND_FILES = {"onnxruntime": (ENGINE_MODEL_FILE, ENGINE_WEIGHTS_FILE), "tensorrt": (TRT_ENGINE_FILE,)}
 EMBEDDING_FILE = "embedding.safetensors"
 EMBEDDING_TENSOR = "embedding"
+# ONNX Runtime engines of tied models take the LM head as this input [vocab, hidden] float32 and the runtime binds
+# the (memory-mapped) embedding table to it: one copy of the largest weight instead of two.
+TIED_HEAD_INPUT = "lm_head_weight"
 COPIED_FILES = (EMBEDDING_FILE, "tokenizer.json", "tokenizer_config.json")
 
 

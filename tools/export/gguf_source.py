@@ -250,7 +250,7 @@ def _dequantize(tensor: Any, path: Path) -> np.ndarray:
 
 def _load_weights(reader: Any, config: ModelConfig, path: Path,
                   progress: Progress | None) -> tuple[dict[str, np.ndarray], dict[str, BlockQuantized]]:
-    """Float32 weights of every tensor, plus the exact MatMulNBits blocks of those stored as Q8_0 or Q4_0."""
+    """Float32 weights of every tensor, plus the exact MatMulNBits blocks of those stored as Q8_0, Q4_0 or Q4_1."""
     weights: dict[str, np.ndarray] = {}
     exact: dict[str, BlockQuantized] = {}
     total = len(reader.tensors)

@@ -17,10 +17,11 @@ from kvforge.tools.export.quantize import BlockQuantized
 
 POOL_ELEM_TYPES = {"fp16": FLOAT16, "fp8": UINT8, "fp32": FLOAT}
 ORT_DOMAIN = "com.microsoft"
-# int8 activations make MatMulNBits ~7x faster than float32 MatMul at decode on AVX-512 VNNI CPUs (measured:
-# 48 vs 327 us for a 576x1536 layer); llm_build writes a second graph with level 0 for prefill, where
-# level 4 is slower (15.4 vs 8.4 ms at 512 rows).
-DECODE_ACCURACY_LEVEL = 4
+# MatMulNBits' accuracy_level per weight width, chosen by measurement on an AVX-512 VNNI CPU (2 threads,
+# a 576x1536 layer): 4-bit blocks run as fast with float activations (level 0: 43 us at 1 row, 3.1 ms at 512)
+# as with int8 ones (level 4: 46 us, 5.0 ms), and level 0 is exact; 8-bit blocks have no float-activation
+# kernel (level 0 dequantizes the whole weight per call: 2.0 ms at 1 row), so they take level 4 (17 us).
+ACCURACY_LEVELS = {4: 0, 8: 4}
 
 
 def pool_input_name(layer: int) -> str:
@@ -149,6 +150,7 @@ class _Linears:
 
     def __init__(self, weights: dict[str, np.ndarray], quantized: dict[str, BlockQuantized]) -> None:
         self.weights, self.quantized = weights, quantized
+        self._block_sums: dict[tuple[str, int], str] = {}  # q/k/v (and gate/up) share one input's block sums
 
     def for_layer(self, layer: int) -> Callable[..., str]:
         def linear(g: GraphWriter, x: str, proj: str, bias: str | None = None) -> str:
@@ -164,8 +166,21 @@ class _Linears:
         inputs = [x, g.weight(f"{name}.qweight", blocks.packed), g.weight(f"{name}.scales", blocks.scales)]
         if blocks.zero_points is not None:
             inputs.append(g.weight(f"{name}.zero_points", blocks.zero_points))
-        return g.op("MatMulNBits", inputs, domain=ORT_DOMAIN, K=blocks.k, N=blocks.n, bits=blocks.bits,
-                    block_size=blocks.block_size, accuracy_level=DECODE_ACCURACY_LEVEL)
+        y = g.op("MatMulNBits", inputs, domain=ORT_DOMAIN, K=blocks.k, N=blocks.n, bits=blocks.bits,
+                 block_size=blocks.block_size, accuracy_level=ACCURACY_LEVELS[blocks.bits])
+        if blocks.offsets is None:
+            return y
+        return g.add(y, g.matmul(self.block_sums(g, x, blocks), g.weight(f"{name}.offsets", blocks.offsets)))
+
+    def block_sums(self, g: GraphWriter, x: str, blocks: BlockQuantized) -> str:
+        """x [..., K] summed over each quantization block of K → [..., K / block_size] (see quantize.py)."""
+        key = (x, blocks.block_size)
+        if key not in self._block_sums:
+            leading = g.op("Shape", [x], end=-1)
+            shape = g.op("Concat", [leading, g.const([blocks.k // blocks.block_size, blocks.block_size])], axis=0)
+            per_block = g.op("Reshape", [x, shape])
+            self._block_sums[key] = g.op("ReduceSum", [per_block, g.const([-1])], keepdims=0)
+        return self._block_sums[key]
 
 
 _PROJ_MODULES = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",

@@ -7,10 +7,13 @@ nibble), `scales` float32 [N * blocks], optional `zero_points` (uint8, packed li
 2^(bits-1)). A weight is W[k, n] = scale * (q - zero_point).
 
 GGUF blocks that map exactly are copied, never rounded again: Q8_0 (d, 32 x int8) is 8-bit with zero
-point 128; Q4_0 (d, 32 x 4-bit, low nibbles then high nibbles) is 4-bit with zero point 8. Q4_1's
-scale-and-minimum blocks need float zero points, which ONNX Runtime's CPU kernel supports only on a
-dequantizing path measured 50x slower at decode (2.7 ms vs 48 us for a 576x1536 layer), so they are
-dequantized and quantized again by ONNX Runtime's quantizer.
+point 128; Q4_0 (d, 32 x 4-bit, low nibbles then high nibbles) is 4-bit with zero point 8. Q4_1 blocks hold
+`d * q + m`: MatMulNBits takes float zero points only on a dequantizing CPU path measured 50x slower at
+decode (2.7 ms vs 48 us for a 576x1536 layer), and quantizing the dequantized weights again (round(-m/d) as
+an integer zero point) shifts every block by up to d/2, which cost SmolLM2 a quarter of its top-1 agreement.
+So the blocks are kept with zero point z = round(-m/d) and the exact remainder r = m + d*z per block goes to
+`offsets`: W = d * (q - z) + r, and x @ W = MatMulNBits(x) + blocksum(x) @ R, where blocksum sums x over
+each block of K (a [K/32, N] float matmul, 1/8 of the 4-bit layer's bytes).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class BlockQuantized:
     packed: np.ndarray  # uint8 [N, K / block_size, block_size * bits / 8]
     scales: np.ndarray  # float32 [N * K / block_size]
     zero_points: np.ndarray | None  # uint8 [N, ceil(blocks * bits / 8)] packed; None = symmetric
+    offsets: np.ndarray | None = None  # float32 [K / block_size, N] added per block (Q4_1's exact remainder)
 
     def dequantize(self) -> np.ndarray:
         """W [K, N] float32, exactly as MatMulNBits reads it (the reference for tests and the embedding)."""
@@ -56,6 +60,8 @@ class BlockQuantized:
         else:
             zero = unpack(self.zero_points, self.bits)[:, :blocks].reshape(self.n, blocks, 1).astype(np.float32)
         w = (q - zero) * self.scales.reshape(self.n, blocks, 1)
+        if self.offsets is not None:
+            w = w + self.offsets.T.reshape(self.n, blocks, 1)
         return np.ascontiguousarray(w.reshape(self.n, self.k).T)
 
 
@@ -110,15 +116,36 @@ def from_gguf_blocks(type_name: str, rows: np.ndarray, k: int) -> BlockQuantized
         values = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)  # GGUF: elements 0-15 low, 16-31 high
         packed = (values[..., 0::2] | (values[..., 1::2] << 4)).astype(np.uint8)  # MatMulNBits: pairs
         return BlockQuantized(4, GGUF_BLOCK, k, n, np.ascontiguousarray(packed), scales, None)
+    if type_name == "Q4_1":
+        raw = rows.reshape(n, blocks, 20)
+        d = raw[..., :2].copy().view(np.float16).astype(np.float32)  # [N, blocks, 1]
+        m = raw[..., 2:4].copy().view(np.float16).astype(np.float32)
+        nibbles = raw[..., 4:]
+        values = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)
+        packed = (values[..., 0::2] | (values[..., 1::2] << 4)).astype(np.uint8)
+        safe = np.where(d == 0, 1.0, d)
+        zero = np.where(d == 0, 0, np.clip(np.rint(-m / safe), 0, 15)).astype(np.uint8)[..., 0]  # [N, blocks]
+        offsets = (m[..., 0] + d[..., 0] * zero.astype(np.float32)).T  # [blocks, N]
+        zero_packed = _pack_nibbles(zero)
+        return BlockQuantized(4, GGUF_BLOCK, k, n, np.ascontiguousarray(packed), d.reshape(-1), zero_packed,
+                              np.ascontiguousarray(offsets, dtype=np.float32))
     return None
+
+
+def _pack_nibbles(values: np.ndarray) -> np.ndarray:
+    """uint8 [N, blocks] of 4-bit values → MatMulNBits' packed zero points [N, ceil(blocks / 2)]."""
+    if values.shape[1] % 2:
+        values = np.concatenate([values, np.zeros((values.shape[0], 1), np.uint8)], axis=1)
+    return np.ascontiguousarray(values[:, 0::2] | (values[:, 1::2] << 4), dtype=np.uint8)
 
 
 def permute_rows(blocks: BlockQuantized, order: np.ndarray) -> BlockQuantized:
     """The same weight with its output columns (GGUF rows) reordered, e.g. to undo llama.cpp's Q/K permutation."""
     per_column = blocks.scales.reshape(blocks.n, -1)
     zero = None if blocks.zero_points is None else blocks.zero_points[order]
+    offsets = None if blocks.offsets is None else np.ascontiguousarray(blocks.offsets[:, order])
     return BlockQuantized(blocks.bits, blocks.block_size, blocks.k, blocks.n, blocks.packed[order],
-                          np.ascontiguousarray(per_column[order].reshape(-1)), zero)
+                          np.ascontiguousarray(per_column[order].reshape(-1)), zero, offsets)
 
 
 def linear_weight_names(config: ModelConfig) -> list[str]:
@@ -131,8 +158,9 @@ def linear_weight_names(config: ModelConfig) -> list[str]:
 
 def quantize_linears(loaded: LoadedModel, quantization: str, block_size: int,
                      progress: Callable[[str], None] | None = None) -> None:
-    """Fill `loaded.quantized` for every linear: the GGUF's exact blocks where they exist, else ONNX Runtime's
-    quantizer at the requested bits. Float copies of quantized linears are dropped (the embedding stays)."""
+    """Fill `loaded.quantized` for every linear: the GGUF's exact blocks where they are at least as wide as the
+    request (int4 keeps Q4_0/Q4_1/Q8_0 blocks, int8 keeps Q8_0 ones), else ONNX Runtime's quantizer at the
+    requested bits. Float copies of quantized linears are dropped (the embedding stays)."""
     config = loaded.config
     config.quantization = quantization
     if quantization == "none":
@@ -143,6 +171,14 @@ def quantize_linears(loaded: LoadedModel, quantization: str, block_size: int,
     for done, name in enumerate(linear_weight_names(config), start=1):
         source = name if name in loaded.weights or name != LM_HEAD else EMBEDDING
         exact = loaded.exact_blocks.get(source)
+        if exact is not None and exact.bits < bits:
+            exact = None  # int8 asked of a 4-bit GGUF: 8-bit blocks of the dequantized weights are closer
+        if name == LM_HEAD and exact is not None and exact.bits > bits:
+            # int4 of a GGUF whose head is Q8_0: 8-bit blocks only run with int8 activations (see
+            # llama_graph.ACCURACY_LEVELS), which cost SmolLM2's head alone 2.2 points of top-1 agreement
+            # (97.8 % vs 100 %), and rounding them to 4 bits would be a second rounding. The head stays a
+            # float MatMul over the file's exact values.
+            continue
         loaded.quantized[name] = exact or quantize(loaded.weights[source], bits, block_size)
         if source != EMBEDDING:
             loaded.weights.pop(source, None)
