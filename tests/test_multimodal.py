@@ -339,3 +339,12 @@ def test_templates_reading_content_items_get_image_items(dirs, tmp_path: Path) -
                                                                                        .image_token_id)
     text_only = parse_request_file({"requests": [{"messages": [{"role": "user", "content": "Hi"}]}]}).requests[0]
     assert engine.inputs.prompt_text(text_only) == "<|im_start|>User: Hi<end_of_utterance>\nAssistant:"
+
+
+def test_wrong_multimodal_engine_dirs_are_named(dirs) -> None:
+    root, engine_dir, _ = dirs
+    for path, fragment in ((root / "onnx" / "visual", "build it with llm_build"),
+                           (engine_dir, "is not a kvforge encoder dir"), (root / "nowhere", "is not a directory")):
+        with pytest.raises(KvforgeError) as info:
+            Engine(engine_dir, EngineConfig(num_threads=1, multimodal_engine_dir=str(path)))
+        assert info.value.field == "multimodal_engine_dir" and fragment in info.value.message, str(info.value)

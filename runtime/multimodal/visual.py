@@ -16,6 +16,7 @@ from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.model_config import read_json
 from kvforge.contract.multimodal import (
     AUDIO,
+    ENCODER_FORMAT,
     ENCODER_INPUT,
     ENCODER_OUTPUT,
     VISUAL,
@@ -83,6 +84,9 @@ def load_encoder(engine_dir: Path, num_threads: int = 0):  # -> VisualEncoder | 
         raise InvalidConfig(f"{engine_dir} is not a directory", FIELD)
     data = read_json(engine_dir / "config.json", FIELD)
     where = f"{engine_dir}/config.json"
+    if data.get("format") != ENCODER_FORMAT:
+        raise InvalidConfig(f"{engine_dir} is not a kvforge encoder dir (a text engine?); give the dir llm_build "
+                            "wrote from llm_export's OUTPUTDIR/visual or OUTPUTDIR/audio", FIELD)
     if data.get("kind") == AUDIO:
         from kvforge.runtime.multimodal.audio import AudioEncoder
         return AudioEncoder(engine_dir, AudioEncoderConfig.from_dict(data, where), num_threads)
