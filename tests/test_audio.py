@@ -126,3 +126,27 @@ def test_llm_test_runs_the_audio_fixture(dirs, tmp_path: Path, run_cli) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     checks = [c for f in json.loads(report.read_text())["files"] for c in f["checks"]]
     assert {c["status"] for c in checks} == {"passed"} and len(checks) >= 3
+
+
+def test_mel_safetensors_input_equals_the_pcm_path(dirs, tmp_path: Path) -> None:
+    """The seed's mel path: features saved as the processor returns them give the PCM path's answer."""
+    from safetensors.numpy import save_file
+
+    from kvforge.runtime.multimodal.audio import decode_audio, log_mel
+
+    wav = tone(tmp_path / "a.wav", 1.2, 523)
+    features, frames = log_mel(decode_audio(wav, "audio").pcm, 128, 1000)
+    mask = (np.arange(1000) < frames).astype(np.int64)
+    save_file({"input_features": features[None], "feature_attention_mask": mask[None]}, str(tmp_path / "a.safetensors"))
+    save_file({"input_features": features[None]}, str(tmp_path / "bad.safetensors"))
+    engine = make(dirs, reuse=False)
+    data = {"top_k": 1, "max_generate_length": 4, "num_logprobs": 1,
+            "requests": [audio_request(wav), audio_request(tmp_path / "a.safetensors"),
+                         audio_request(tmp_path / "a.safetensors", question="Again?")]}
+    out = run_file(engine, data)
+    assert top1_ids(out[0]) == top1_ids(out[1])
+    cache = engine.profile()["multimodal"]["encoder_cache"]
+    assert (cache["hits"], cache["misses"]) == (1, 2)  # the mel tensor is its own identity
+    with pytest.raises(KvforgeError) as info:
+        run_file(engine, {"requests": [audio_request(tmp_path / "bad.safetensors")]})
+    assert info.value.field == "requests[0].messages[0].content[0].audio" and "feature_attention_mask" in str(info.value)

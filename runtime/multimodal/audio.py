@@ -13,12 +13,48 @@ from kvforge.runtime.multimodal.image import media_digest
 SAMPLE_RATE = 16000
 N_FFT, HOP = 400, 160
 SUPPORTED_AUDIO = (".wav", ".mp3", ".flac")
+MEL_SUFFIX = ".safetensors"  # precomputed features: the seed's mel path
 
 
 @dataclass(frozen=True, slots=True)
 class DecodedAudio:
     pcm: np.ndarray  # [samples] float32 mono at 16 kHz
     digest: bytes  # media identity over the PCM samples (with shape and dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class MelFeatures:
+    """A precomputed `.safetensors` item: Whisper log-mel frames padded to the window, and how many hold audio."""
+
+    features: np.ndarray  # [mel bins, window frames] float32
+    frames: int
+    digest: bytes  # media identity over the feature tensor (with shape and dtype) and the valid frame count
+
+
+def load_mel(path: Path, num_mel_bins: int, num_frames: int, where: str) -> MelFeatures:
+    """`input_features` [(1,) mel bins, window frames] and `feature_attention_mask` [(1,) window frames], as
+    Qwen2AudioProcessor / WhisperFeatureExtractor return them (saved with safetensors)."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    if not path.is_file():
+        raise KvforgeError(f"audio file not found: {path}", where)
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise KvforgeError(f"cannot read mel features from {path}: {exc}", where) from None
+    features, mask = tensors.get("input_features"), tensors.get("feature_attention_mask")
+    if features is None or mask is None:
+        raise KvforgeError(f"{path} must hold input_features and feature_attention_mask tensors", where)
+    features = np.asarray(features, dtype=np.float32).reshape(features.shape[-2:]) if features.ndim == 3 \
+        else np.asarray(features, dtype=np.float32)
+    if features.shape != (num_mel_bins, num_frames) or mask.size != num_frames:
+        raise KvforgeError(f"input_features must be [{num_mel_bins}, {num_frames}] and feature_attention_mask "
+                           f"[{num_frames}] for this encoder, got {list(features.shape)} and {list(mask.shape)}",
+                           where)
+    frames = int(np.count_nonzero(mask))
+    digest = media_digest(np.concatenate([features.reshape(-1), np.array([frames], dtype=np.float32)]))
+    return MelFeatures(np.ascontiguousarray(features), frames, digest)
 
 
 def decode_audio(path: Path, where: str) -> DecodedAudio:
@@ -28,7 +64,7 @@ def decode_audio(path: Path, where: str) -> DecodedAudio:
         raise KvforgeError(f"audio file not found: {path}", where)
     if path.suffix.lower() not in SUPPORTED_AUDIO:
         raise KvforgeError(f"unsupported audio format {path.suffix or '(no extension)'}; supported: "
-                           f"{', '.join(SUPPORTED_AUDIO)}", where)
+                           f"{', '.join(SUPPORTED_AUDIO)}, or {MEL_SUFFIX} log-mel features", where)
     try:
         decoded = miniaudio.decode_file(str(path), output_format=miniaudio.SampleFormat.FLOAT32, nchannels=1,
                                         sample_rate=SAMPLE_RATE)
@@ -107,16 +143,23 @@ class AudioEncoder:
     def placeholder_text(self, rows: int) -> str:
         return self.config.audio_token * rows
 
-    def decode(self, path: Path, where: str) -> DecodedAudio:
+    def decode(self, path: Path, where: str) -> DecodedAudio | MelFeatures:
+        if path.suffix.lower() == MEL_SUFFIX:
+            return load_mel(path, self.config.num_mel_bins, self.config.num_frames, where)
         return decode_audio(path, where)
 
-    def rows(self, item: DecodedAudio) -> int:
+    def rows(self, item: DecodedAudio | MelFeatures) -> int:
+        if isinstance(item, MelFeatures):
+            return frame_rows(item.frames)
         return audio_rows(min(len(item.pcm), self.config.num_frames * HOP))
 
-    def encode(self, items: list[DecodedAudio]) -> list[np.ndarray]:
+    def encode(self, items: list[DecodedAudio | MelFeatures]) -> list[np.ndarray]:
         outputs = []
         for item in items:  # one call per item: each is padded to the full 30 s window anyway
-            features, frames = log_mel(item.pcm, self.config.num_mel_bins, self.config.num_frames)
+            if isinstance(item, MelFeatures):
+                features, frames = item.features, item.frames
+            else:
+                features, frames = log_mel(item.pcm, self.config.num_mel_bins, self.config.num_frames)
             rows = self.session.run(["audio_embeds"], {"input_features": features[None],
                                                        "feature_lengths": np.array([frames], dtype=np.int64)})[0]
             outputs.append(np.ascontiguousarray(rows[0, :self.rows(item)], dtype=np.float32))
@@ -125,5 +168,8 @@ class AudioEncoder:
 
 def audio_rows(num_samples: int) -> int:
     """Placeholder rows for `num_samples` PCM samples (valid mel frames, halved by conv2, halved by pooling)."""
-    frames = -(-num_samples // HOP)
+    return frame_rows(-(-num_samples // HOP))
+
+
+def frame_rows(frames: int) -> int:
     return ((frames - 1) // 2 + 1 - 2) // 2 + 1
