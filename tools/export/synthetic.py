@@ -177,25 +177,34 @@ QWEN2_AUDIO_TEMPLATE = (
 )
 
 
-def synthetic_qwen2_audio(kv_cache_dtype: str = "fp16", seed: int = 0):
+# Qwen2-Audio-7B's encoder (Whisper-large-v3 shape, 30 s windows); benchmarks may cut encoder_layers.
+QWEN2_AUDIO_ENCODER = dict(d_model=1280, encoder_layers=32, encoder_attention_heads=20, encoder_ffn_dim=5120,
+                           max_source_positions=1500)
+
+
+def synthetic_qwen2_audio(kv_cache_dtype: str = "fp16", seed: int = 0, text: dict | None = None,
+                          audio: dict | None = None, name: str = "tiny-qwen2-audio"):
     """A tiny Qwen2-Audio: a 2-layer Qwen2 text model plus a 2-layer Whisper-style encoder on 128 mel bins over
-    10 s windows (1000 frames -> at most 250 tokens per item; one second of audio takes 25)."""
+    10 s windows (1000 frames -> at most 250 tokens per item; one second of audio takes 25). `text` / `audio`
+    override the geometry."""
     from kvforge.contract.multimodal import AUDIO, AudioEncoderConfig
     from kvforge.tools.export.qwen2_audio_graph import AudioGeometry
     from kvforge.tools.export.qwen2_audio_source import AudioExport, _audio_names
 
     tokenizer = byte_level_tokenizer()
     tokenizer.add_special_tokens(list(QWEN2_AUDIO_SPECIAL_TOKENS))
-    config = ModelConfig(model="qwen2", vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         max_position_embeddings=4096, attention_bias=True, kv_cache_dtype=kv_cache_dtype,
-                         eos_token_ids=[2], pad_token_id=0, name="tiny-qwen2-audio")
+    fields = dict(model="qwen2", vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  max_position_embeddings=4096, attention_bias=True, kv_cache_dtype=kv_cache_dtype,
+                  eos_token_ids=[2], pad_token_id=0, name=name)
+    config = ModelConfig(**{**fields, **(text or {})})
     config.validate()
     tokenizer_config = {"chat_template": QWEN2_AUDIO_TEMPLATE, "bos_token": None, "eos_token": "<|im_end|>",
                         "add_bos_token": False, "model_max_length": config.max_position_embeddings}
     text_model = LoadedModel(config, random_weights(config, seed), tokenizer.to_str(), tokenizer_config)
-    geometry = AudioGeometry(d_model=32, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64,
-                             num_mel_bins=128, max_source_positions=500, text_hidden_size=config.hidden_size)
+    shape = dict(d_model=32, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64, num_mel_bins=128,
+                 max_source_positions=500)
+    geometry = AudioGeometry(**{**shape, **(audio or {})}, text_hidden_size=config.hidden_size)
     rng = np.random.default_rng(seed + 2)
     d, ffn = geometry.d_model, geometry.encoder_ffn_dim
     weights = {}
