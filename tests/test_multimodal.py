@@ -348,3 +348,20 @@ def test_wrong_multimodal_engine_dirs_are_named(dirs) -> None:
         with pytest.raises(KvforgeError) as info:
             Engine(engine_dir, EngineConfig(num_threads=1, multimodal_engine_dir=str(path)))
         assert info.value.field == "multimodal_engine_dir" and fragment in info.value.message, str(info.value)
+
+
+def test_python_api_takes_image_items(dirs, tmp_path: Path) -> None:
+    from kvforge import LLM, SamplingParams
+
+    _, engine_dir, visual_dir = dirs
+    a = noise_image(tmp_path / "a.png", (30, 30), 1)
+    llm = LLM(engine_dir, multimodal_engine_dir=visual_dir, enable_context_reuse=True, num_threads=1)
+    params = SamplingParams(top_k=1, max_generate_length=3, num_logprobs=1)
+    chat = [{"role": "user", "content": [{"type": "image", "image": str(a)}, {"type": "text", "text": "What?"}]}]
+    [first] = llm.chat(chat, params)
+    [again] = llm.chat(chat, params)
+    assert first.token_ids == again.token_ids and again.cached_tokens > 0
+    assert llm.engine.profile()["multimodal"]["encoder_cache"]["hits"] == 1
+    with pytest.raises(KvforgeError) as info:
+        llm.chat([{"role": "user", "content": [{"type": "image", "image": str(tmp_path / "nope.png")}]}], params)
+    assert info.value.field == "messages[0].content[0].image"
