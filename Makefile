@@ -61,9 +61,31 @@ $(OUT)/adapters/%/classifier.safetensors: $(OUT)/onnx/%/config.json
 		$(BIN)/llm_export lora --adapterDir $(OUT)/adapters/$*/peft_$$name --onnxDir $(OUT)/onnx/$* \
 			--output $(OUT)/adapters/$*/$$name.safetensors || exit 1; done
 
-# Every test case with the checks it declares, on the synthetic model and on SmolLM2 (JUnit XML, JSON: $(OUT)/llm_test).
-llm-test: $(OUT)/adapters/tiny-llama/classifier.safetensors $(OUT)/adapters/smollm2/classifier.safetensors
+# The tiny SmolVLM: text ONNX dir plus its vision encoder (OUTPUTDIR/visual), built into a visual engine dir.
+$(OUT)/onnx/tiny-idefics3/config.json: $(VENV)/.installed
+	$(BIN)/llm_export --synthetic tiny-idefics3 --outputDir $(OUT)/onnx/tiny-idefics3
+
+$(OUT)/engines/tiny-idefics3-visual/config.json: $(OUT)/onnx/tiny-idefics3/config.json
+	$(BIN)/llm_build --onnxDir $(OUT)/onnx/tiny-idefics3/visual --engineDir $(OUT)/engines/tiny-idefics3-visual
+
+$(OUT)/onnx/tiny-qwen2-audio/config.json: $(VENV)/.installed
+	$(BIN)/llm_export --synthetic tiny-qwen2-audio --outputDir $(OUT)/onnx/tiny-qwen2-audio
+
+$(OUT)/engines/tiny-qwen2-audio-audio/config.json: $(OUT)/onnx/tiny-qwen2-audio/config.json
+	$(BIN)/llm_build --onnxDir $(OUT)/onnx/tiny-qwen2-audio/audio --engineDir $(OUT)/engines/tiny-qwen2-audio-audio
+
+# Every test case with the checks it declares, on the synthetic model and on SmolLM2 (JUnit XML, JSON: $(OUT)/llm_test);
+# media files (vlm_*, audio_*) are skipped there and run on the tiny SmolVLM / Qwen2-Audio with their encoders.
+llm-test: $(OUT)/adapters/tiny-llama/classifier.safetensors $(OUT)/adapters/smollm2/classifier.safetensors \
+		$(OUT)/engines/tiny-idefics3-visual/config.json $(OUT)/engines/tiny-qwen2-audio-audio/config.json
 	mkdir -p $(OUT)/llm_test
+	$(LLM_TEST) --onnxDir $(OUT)/onnx/tiny-idefics3 --config $(LLM_TEST_TINY) \
+		--multimodalEngineDir $(OUT)/engines/tiny-idefics3-visual \
+		--junitXml $(OUT)/llm_test/tiny-idefics3.xml --jsonReport $(OUT)/llm_test/tiny-idefics3.json test_cases/vlm_*.json
+	$(LLM_TEST) --onnxDir $(OUT)/onnx/tiny-qwen2-audio --config $(LLM_TEST_TINY) \
+		--multimodalEngineDir $(OUT)/engines/tiny-qwen2-audio-audio \
+		--junitXml $(OUT)/llm_test/tiny-qwen2-audio.xml --jsonReport $(OUT)/llm_test/tiny-qwen2-audio.json \
+		test_cases/audio_*.json
 	$(LLM_TEST) --onnxDir $(OUT)/onnx/tiny-llama --config $(LLM_TEST_TINY) --loraWeightsDir $(OUT)/adapters/tiny-llama \
 		--junitXml $(OUT)/llm_test/tiny-llama.xml --jsonReport $(OUT)/llm_test/tiny-llama.json test_cases/*.json
 	$(LLM_TEST) --onnxDir $(OUT)/onnx/smollm2 --config $(LLM_TEST_SMOLLM2) --loraWeightsDir $(OUT)/adapters/smollm2 \

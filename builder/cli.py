@@ -32,7 +32,8 @@ def _mib(num_bytes: int) -> str:
 
 @app.command(help=HELP)
 def build(
-    onnx_dir: Path = typer.Option(..., "--onnxDir", help="ONNX dir written by llm_export."),
+    onnx_dir: Path = typer.Option(..., "--onnxDir", help="ONNX dir written by llm_export (a text model's, or an "
+                                                       "encoder's such as OUTPUTDIR/visual: a multimodal engine)."),
     engine_dir: Path = typer.Option(..., "--engineDir", help="Output engine dir (created if missing)."),
     max_input_len: int = typer.Option(DEFAULTS.max_input_len, "--maxInputLen",
                                       help="Max prompt tokens prefilled per sequence."),
@@ -69,6 +70,13 @@ def build(
                            tokens_per_page=tokens_per_page, backend=backend, max_lora_rank=max_lora_rank)
 
     def body() -> None:
+        from kvforge.contract.multimodal import is_encoder_dir
+        if is_encoder_dir(onnx_dir):
+            from kvforge.builder.encoder_build import build_encoder_engine
+            built = build_encoder_engine(onnx_dir, engine_dir, backend, max_batch_size)
+            console.print(f"multimodal engine written to {engine_dir} ({built.kind} {built.model}, backend "
+                          f"{built.backend}); run it with llm_inference --multimodalEngineDir")
+            return
         if profile_ops_file is not None:  # before the build, not after it
             if not profile_ops_file.parent.is_dir():
                 raise KvforgeError(f"directory {profile_ops_file.parent} does not exist", "--profileOps")

@@ -49,6 +49,8 @@ ENGINE_FLAGS = {  # llm_inference
     "batch_size_override": "--batchSize",
     "max_generate_length_override": "--maxGenerateLength",
     "num_logprobs_override": "--numLogprobs",
+    "multimodal_engine_dir": "--multimodalEngineDir",
+    "encoder_cache_budget_bytes": "--encoderCacheBudgetBytes",
 }
 EXPORT_FLAGS = {
     "onnx_dir": "--onnxDir",

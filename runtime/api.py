@@ -19,12 +19,14 @@ from typing import Any
 
 from kvforge.runtime.engine import DEFAULT_PREFILL_CHUNK_TOKENS, Engine, EngineConfig
 from kvforge.runtime.file_runner import drain
+from kvforge.runtime.multimodal.encoder_cache import DEFAULT_ENCODER_CACHE_BUDGET_BYTES
 from kvforge.runtime.output import RequestOutput
+from kvforge.runtime.request_file import _parse_message
 from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.types import Message, Request, SamplingParams
 
 Prompt = str | Sequence[int]
-ChatMessages = Sequence[Mapping[str, str]]
+ChatMessages = Sequence[Mapping[str, Any]]
 
 
 @dataclass(slots=True)
@@ -44,11 +46,15 @@ class LLM:
     def __init__(self, engine_dir: str | Path, *, num_threads: int = 0, enable_context_reuse: bool = False,
                  context_cache_max_records: int = 1024, prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_TOKENS,
                  max_num_tokens: int = 0, max_batch_size: int = 0, lora_weights: Mapping[str, str] | None = None,
+                 multimodal_engine_dir: str | Path | None = None,
+                 encoder_cache_budget_bytes: int = DEFAULT_ENCODER_CACHE_BUDGET_BYTES,
                  engine: Engine | None = None) -> None:
         self.engine = engine or Engine(engine_dir, EngineConfig(
             num_threads=num_threads, enable_context_reuse=enable_context_reuse,
             context_cache_max_records=context_cache_max_records, prefill_chunk_size=prefill_chunk_size,
-            max_num_tokens=max_num_tokens, max_batch_size=max_batch_size))
+            max_num_tokens=max_num_tokens, max_batch_size=max_batch_size,
+            multimodal_engine_dir=str(multimodal_engine_dir) if multimodal_engine_dir else None,
+            encoder_cache_budget_bytes=encoder_cache_budget_bytes))
         if lora_weights:
             self.engine.load_adapters(dict(lora_weights))
 
@@ -111,7 +117,9 @@ class LLM:
 
     def _chat_request(self, conversation: ChatMessages, params: SamplingParams | None, lora_name: str | None,
                       cache_salt: str | None, enable_thinking: bool) -> EngineRequest:
-        messages = [Message(str(m["role"]), str(m["content"])) for m in conversation]
+        # Content is a string or, for media, the request file's items: [{"type": "image", "image": path}, ...].
+        messages = [Message(str(m["role"]), str(m["content"])) if isinstance(m.get("content"), str)
+                    else _parse_message(dict(m), f"messages[{i}]") for i, m in enumerate(conversation)]
         request = Request(0, messages, params or SamplingParams(), lora_name=lora_name, cache_salt=cache_salt)
         return self.engine.inputs.process(request, enable_thinking, where="")  # errors name "messages"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import typer
@@ -56,6 +57,13 @@ def inference(
     max_num_tokens: int = typer.Option(0, "--maxNumTokens",
                                        help="Token budget of one engine step (prefill chunks + decode rows); "
                                             "0 = the engine's maxInputLen."),
+    multimodal_engine_dir: Path = typer.Option(None, "--multimodalEngineDir",
+                                               help="Visual encoder engine dir (llm_build of llm_export's "
+                                                    "OUTPUTDIR/visual) for requests with image items."),
+    encoder_cache_budget_bytes: int = typer.Option(256 * 1024 * 1024, "--encoderCacheBudgetBytes",
+                                                   help="Bytes of encoder outputs kept by media digest (LRU), so a "
+                                                        "repeated image skips the encoder; 0 disables. Independent "
+                                                        "of --enableContextReuse."),
     dump_output: bool = typer.Option(False, "--dumpOutput", help="Print each response's text to stdout."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
@@ -73,10 +81,14 @@ def inference(
             raise KvforgeError(f"directory {output_file.parent} does not exist", "--outputFile")
         if profile_output_file is not None and not profile_output_file.parent.is_dir():
             raise KvforgeError(f"directory {profile_output_file.parent} does not exist", "--profileOutputFile")
+        _show_info_logs("kvforge.multimodal")  # the seed's INFO line when every media item hit the encoder cache
         requests = load_request_file(input_file).apply_overrides(batch_size, max_generate_length, num_logprobs)
         engine = Engine(engine_dir, EngineConfig(num_threads=num_threads, enable_context_reuse=enable_context_reuse,
                                                  context_cache_max_records=context_cache_max_records,
-                                                 prefill_chunk_size=prefill_chunk_size, max_num_tokens=max_num_tokens))
+                                                 prefill_chunk_size=prefill_chunk_size, max_num_tokens=max_num_tokens,
+                                                 multimodal_engine_dir=str(multimodal_engine_dir)
+                                                 if multimodal_engine_dir else None,
+                                                 encoder_cache_budget_bytes=encoder_cache_budget_bytes))
         prepared = prepare_requests(engine, requests, input_file.resolve().parent)
         warm_up(engine, prepared[0], warmup)
 
@@ -94,6 +106,15 @@ def inference(
             console.print(format_summary(profile))
 
     run_guarded(body, debug, ENGINE_FLAGS)
+
+
+def _show_info_logs(name: str) -> None:
+    logger = logging.getLogger(name)
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[%(levelname)s] %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
 
 
 def main() -> None:

@@ -22,6 +22,7 @@ from kvforge.runtime.context_cache.manager import DEFAULT_MAX_RECORDS, ContextCa
 from kvforge.runtime.inputs import InputProcessor, check_prompt_length
 from kvforge.runtime.lora import LoraRegistry, lora_input_shapes
 from kvforge.runtime.model_runner import ModelRunner
+from kvforge.runtime.multimodal.encoder_cache import DEFAULT_ENCODER_CACHE_BUDGET_BYTES
 from kvforge.runtime.output import OutputProcessor, RequestOutput
 from kvforge.runtime.profile import GENERATION_STAGE, PREFILL_STAGE, Profiler
 from kvforge.runtime.runner import EngineRunner
@@ -47,6 +48,8 @@ class EngineConfig:
     prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_TOKENS  # 0 = a whole prompt per call
     max_num_tokens: int = 0  # per-step token budget; 0 = maxInputLen
     max_batch_size: int = 0  # rows per step; 0 = the engine's maxBatchSize
+    multimodal_engine_dir: str | None = None  # a visual engine dir (llm_build of an encoder ONNX dir)
+    encoder_cache_budget_bytes: int = DEFAULT_ENCODER_CACHE_BUDGET_BYTES  # 0 disables; on even without reuse
 
 
 class Engine:
@@ -77,9 +80,27 @@ class Engine:
                                    prefill_chunk_tokens=chunk,
                                    on_admit=self._restore_system_prompt)
         self.profiler = profiler or Profiler()
+        self.multimodal = self._load_multimodal(config)
         self._sequences: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._arrivals = itertools.count()
+
+    def _load_multimodal(self, config: EngineConfig):  # -> MultimodalProcessor | None
+        if not config.multimodal_engine_dir:
+            if config.encoder_cache_budget_bytes < 0:
+                raise InvalidConfig(f"must be >= 0, got {config.encoder_cache_budget_bytes}",
+                                    "encoder_cache_budget_bytes")
+            return None
+        from kvforge.runtime.multimodal.encoder_cache import EncoderCache  # Pillow and the encoder only when asked
+        from kvforge.runtime.multimodal.processor import MultimodalProcessor
+        from kvforge.runtime.multimodal.visual import load_encoder
+
+        cache = EncoderCache(config.encoder_cache_budget_bytes)
+        encoder = load_encoder(Path(config.multimodal_engine_dir), config.num_threads)
+        processor = MultimodalProcessor(encoder, cache, self.tokenizer, self.profiler, self.engine.model.hidden_size)
+        self.tokenizer.media_markers = {encoder.kind: encoder.marker}
+        self.inputs.multimodal = processor
+        return processor
 
     # --- front-end calls ----------------------------------------------------------------------------
 
@@ -200,8 +221,9 @@ class Engine:
     def profile(self) -> dict:
         """The profile JSON object: stages and token counters, the cache block (reuse on) and the scheduler's."""
         self.profiler.note_peak_memory(self.kv_pool_bytes)
-        return self.profiler.to_dict(self.cache.profile() if self.cache.enabled else None,
+        data = self.profiler.to_dict(self.cache.profile() if self.cache.enabled else None,
                                      scheduler=self.scheduler.stats.to_dict())
+        return {**data, **self.multimodal.profile()} if self.multimodal else data
 
 
 def _resolve_limits(config: EngineConfig, max_input_len: int, engine_batch: int) -> tuple[int, int]:

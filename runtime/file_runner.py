@@ -29,7 +29,7 @@ def prepare_requests(engine: Engine, request_file: RequestFile, base_dir: Path |
         raise KvforgeError(f"{request_file.batch_size} exceeds the engine's maxBatchSize "
                            f"{engine.engine.build.max_batch_size}", "batch_size")
     engine.load_adapters(request_file.available_lora_weights, base_dir)
-    return [engine.inputs.process(r, request_file.enable_thinking) for r in request_file.requests]
+    return [engine.inputs.process(r, request_file.enable_thinking, base_dir=base_dir) for r in request_file.requests]
 
 
 def run_request_file(engine: Engine, request_file: RequestFile, prepared: list[EngineRequest],

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.validation import join_path
@@ -11,9 +13,12 @@ from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.tokenizer import ChatTokenizer
 from kvforge.runtime.types import Request, SamplingParams
 
+if TYPE_CHECKING:
+    from kvforge.runtime.multimodal.processor import MultimodalProcessor
+
 
 class InputProcessor:
-    __slots__ = ("tokenizer", "loras", "max_input_len", "reuse_enabled", "vocab_size")
+    __slots__ = ("tokenizer", "loras", "max_input_len", "reuse_enabled", "vocab_size", "multimodal")
 
     def __init__(self, tokenizer: ChatTokenizer, loras: LoraRegistry, max_input_len: int, reuse_enabled: bool,
                  vocab_size: int) -> None:
@@ -22,6 +27,7 @@ class InputProcessor:
         self.max_input_len = max_input_len
         self.reuse_enabled = reuse_enabled
         self.vocab_size = vocab_size
+        self.multimodal: MultimodalProcessor | None = None  # set by the engine when it has an encoder
 
     def process_prompt(self, prompt: str | Sequence[int], sampling: SamplingParams, lora_name: str | None = None,
                        cache_salt: str | None = None) -> EngineRequest:
@@ -41,16 +47,33 @@ class InputProcessor:
                                      add_generation_prompt=request.add_generation_prompt,
                                      enable_thinking=enable_thinking, where=f"requests[{request.index}].messages")
 
-    def process(self, request: Request, enable_thinking: bool = False, where: str | None = None) -> EngineRequest:
+    def process(self, request: Request, enable_thinking: bool = False, where: str | None = None,
+                base_dir: Path | None = None) -> EngineRequest:
         """Tokenize and check a request against the engine limits before anything runs.
 
         The whole prompt must fit maxInputLen even when a cached prefix would shorten the computed part,
-        so whether a request is accepted never depends on what the cache holds.
+        so whether a request is accepted never depends on what the cache holds. Media items are decoded
+        and encoded here (or found in the encoder cache); relative media paths resolve against `base_dir`.
         """
         where = f"requests[{request.index}]" if where is None else where
-        ids = self.tokenizer.encode(self.prompt_text(request, enable_thinking))
+        media = [ref for message in request.messages for ref in message.media]
+        if media and self.multimodal is None:
+            raise KvforgeError(f'"{media[0].kind}" input needs a multimodal engine with an encoder '
+                               "(--multimodalEngineDir); this engine runs text only", media[0].where)
+        if media:
+            assert self.multimodal is not None
+            self.multimodal.check_kinds(media)
+        text = self.prompt_text(request, enable_thinking)
+        spans = ()
+        if media:
+            assert self.multimodal is not None
+            ids, spans = self.multimodal.tokenize(text, media, base_dir, self.max_input_len,
+                                                  join_path(where, "messages"))
+        else:
+            ids = self.tokenizer.encode(text)
         check_prompt_length(len(ids), self.max_input_len, join_path(where, "messages"))
-        engine_request = EngineRequest(ids, request.sampling, self.loras.get(request.lora_name), request.cache_salt)
+        engine_request = EngineRequest(ids, request.sampling, self.loras.get(request.lora_name), request.cache_salt,
+                                       media=spans)
         if request.save_system_prompt_kv_cache:
             if self.reuse_enabled:
                 raise KvforgeError("the legacy system-prompt cache cannot be combined with --enableContextReuse "

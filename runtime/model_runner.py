@@ -7,6 +7,7 @@ import numpy as np
 from kvforge.runtime.lora import LoraAdapter, stack_adapters
 from kvforge.runtime.runner import EngineRunner, StepInputs
 from kvforge.runtime.scheduler import ScheduledRow
+from kvforge.runtime.sequence import Sequence
 
 # A row joins a call while the call's padding stays within this many positions or a quarter of its real
 # tokens. A separate call costs one more read of every weight: for SmolLM2 on 2 CPU cores a decode call
@@ -76,6 +77,7 @@ class ModelRunner:
         embeds = np.zeros((len(rows), width, self.embedding.shape[1]), dtype=np.float32)
         for i, ids in enumerate(new_ids):
             embeds[i, :len(ids)] = self.embedding[ids]
+            _splice_media(embeds[i], rows[i].seq, len(ids))
         step = StepInputs(embeds, np.array([len(ids) for ids in new_ids], dtype=np.int32),
                           np.array([row.seq.num_computed_tokens for row in rows], dtype=np.int32),
                           [row.seq.lease.page_ids for row in rows],  # type: ignore[union-attr]
@@ -93,3 +95,14 @@ class ModelRunner:
                 self._lora_stacks.pop(next(iter(self._lora_stacks)))
             stacked = self._lora_stacks[key] = stack_adapters(adapters, self._lora_shapes)
         return stacked
+
+
+def _splice_media(row_embeds: np.ndarray, seq: Sequence, num_new: int) -> None:
+    """Overwrite the placeholder positions among this call's tokens with their encoder rows (a chunk may hold
+    part of a span: the rows for exactly its positions are copied)."""
+    begin = seq.num_computed_tokens
+    end = begin + num_new
+    for span in seq.request.media:
+        lo, hi = max(begin, span.start), min(end, span.end)
+        if lo < hi:
+            row_embeds[lo - begin:hi - begin] = span.embeds[lo - span.start:hi - span.start]

@@ -26,7 +26,15 @@ from kvforge.contract.validation import (
     show,
     utf8_size,
 )
-from kvforge.runtime.types import CommitPolicy, LookupPolicy, Message, Request, SamplingParams
+from kvforge.runtime.types import (
+    MEDIA_SENTINEL,
+    CommitPolicy,
+    LookupPolicy,
+    MediaRef,
+    Message,
+    Request,
+    SamplingParams,
+)
 
 T = TypeVar("T")
 
@@ -215,31 +223,41 @@ def _parse_message(raw: Any, where: str) -> Message:
     role = _required(raw, "role", where, f"one of {', '.join(ROLES)}")
     check_choice(role, f"{where}.role", ROLES)
     content = _required(raw, "content", where, "a string or an array of content items")
-    return Message(role=role, content=_parse_content(content, f"{where}.content"))
+    text, media = _parse_content(content, f"{where}.content")
+    return Message(role=role, content=text, media=media)
 
 
-def _parse_content(value: Any, where: str) -> str:
+def _parse_content(value: Any, where: str) -> tuple[str, tuple[MediaRef, ...]]:
+    media: list[MediaRef] = []
     if isinstance(value, str):
         text = value
     elif isinstance(value, list):
         if len(value) > MAX_CONTENT_ITEMS:
             fail(where, f"must hold at most {MAX_CONTENT_ITEMS} items, got {len(value)}")
-        text = "".join(_parse_content_item(item, f"{where}[{i}]") for i, item in enumerate(value))
+        text = "".join(_parse_content_item(item, f"{where}[{i}]", media) for i, item in enumerate(value))
     else:
         fail(where, f"must be a string or an array of content items, got {json_kind(value)}")
     size = utf8_size(text, where)
     if size > MAX_CONTENT_BYTES:
         fail(where, f"must be at most {MAX_CONTENT_BYTES} bytes of UTF-8, got {size}")
-    return text
+    if text.count(MEDIA_SENTINEL) != len(media):
+        fail(where, "text must not contain U+FFFC (it stands for media items)")
+    return text, tuple(media)
 
 
-def _parse_content_item(item: Any, where: str) -> str:
+def _parse_content_item(item: Any, where: str, media: list[MediaRef]) -> str:
     if not isinstance(item, dict):
         fail(where, f'must be an object like {{"type": "text", "text": ...}}, got {json_kind(item)}')
     kind = _required(item, "type", where, f"one of {', '.join(CONTENT_TYPES)}")
     check_choice(kind, f"{where}.type", CONTENT_TYPES)
+    if kind in ("image", "audio"):
+        path = check_string(_required(item, kind, where, f'a file path, for an "{kind}" item'), f"{where}.{kind}")
+        if not path:
+            fail(f"{where}.{kind}", "must be a file path, got an empty string")
+        media.append(MediaRef(kind, path, where))
+        return MEDIA_SENTINEL
     if kind in MEDIA_TYPES:
-        fail(f"{where}.type", f'"{kind}" content is not supported yet; only "text" items are')
+        fail(f"{where}.type", f'"{kind}" content is not supported yet; "text", "image" and "audio" items are')
     return check_string(_required(item, "text", where, 'a string, for a "text" item'), f"{where}.text")
 
 

@@ -15,6 +15,7 @@ from enum import Enum
 from kvforge.runtime.context_cache.keys import KeyExtras
 from kvforge.runtime.context_cache.manager import Admission, Lease
 from kvforge.runtime.lora import LoraAdapter
+from kvforge.runtime.multimodal.spans import MediaSpan
 from kvforge.runtime.sampling import Sampler, SampleResult
 from kvforge.runtime.types import SamplingParams
 
@@ -42,6 +43,7 @@ class EngineRequest:
     cache_salt: str | None = None
     system_prompt_ids: list[int] = field(default_factory=list)  # legacy save_system_prompt_kv_cache
     system_prompt_key: tuple[str, str] | None = None
+    media: tuple[MediaSpan, ...] = ()  # placeholder spans with their encoder rows, in prompt order
 
 
 @dataclass(slots=True, eq=False)
@@ -103,6 +105,8 @@ class Sequence:
         if self.admission is None or len(self.admission.token_ids) != len(tokens):
             sampling = self.request.sampling
             adapter = self.request.adapter
-            self.admission = Admission(tokens, KeyExtras(adapter.digest if adapter else b"", self.request.cache_salt),
+            extras = KeyExtras(adapter.digest if adapter else b"", self.request.cache_salt,
+                               tuple(span.key for span in self.request.media))
+            self.admission = Admission(tokens, extras,
                                        sampling.lookup_policy, indexable_tokens=len(self.request.prompt_ids))
         return self.admission

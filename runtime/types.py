@@ -55,10 +55,25 @@ class SamplingParams:
         return CommitPolicy.PREFILL_STATE_ONLY
 
 
+# Stands for one media item inside Message.content (U+FFFC OBJECT REPLACEMENT CHARACTER, meant for exactly this);
+# text items may not contain it, so every occurrence is an item of Message.media, in order.
+MEDIA_SENTINEL = "\ufffc"
+
+
+@dataclass(frozen=True, slots=True)
+class MediaRef:
+    """A media content item as given: its kind ("image"), the file, and its JSON path for error messages."""
+
+    kind: str
+    path: str
+    where: str
+
+
 @dataclass(slots=True)
 class Message:
     role: str
-    content: str  # text items of a content array are joined with ""
+    content: str  # text items of a content array are joined with ""; a media item is MEDIA_SENTINEL
+    media: tuple[MediaRef, ...] = ()
 
 
 @dataclass(slots=True)

@@ -281,6 +281,9 @@ def test_shipped_test_cases_pass_with_their_counters(run_cli, tiny_lora_model: P
     assert result.returncode == 0, result.stdout + result.stderr
     checks = _checks(report)
     for path in files:
+        if path.stem.startswith(("vlm_", "audio_")):  # media files need an encoder engine: test_multimodal/test_audio
+            assert checks[(path.stem, "media")]["status"] == "skipped", path.name
+            continue
         declared = {name for (stem, name), c in checks.items() if stem == path.stem and c["status"] == PASSED}
         assert "engine_specific[0]" in declared, path.name  # the tiny-llama counters, asserted exactly
         assert any(n.startswith("expected_") for n in declared), path.name

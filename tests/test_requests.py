@@ -313,10 +313,16 @@ REQUEST_ERRORS: list[tuple[Callable[[], Any], str, str]] = [
     (lambda: with_message(content=["a"]), "requests[0].messages[0].content[0]", "got string"),
     (lambda: with_message(content=[{"text": "a"}]), "requests[0].messages[0].content[0].type", "is required"),
     (lambda: with_message(content=[{"type": "pdf"}]), "requests[0].messages[0].content[0].type", '"image"'),
-    (lambda: with_message(content=[{"type": "text", "text": "a"}, {"type": "image", "image": "a.png"}]),
-     "requests[0].messages[0].content[1].type", '"image" content is not supported yet'),
-    (lambda: with_message(content=[{"type": "audio", "audio": "a.wav"}]),
-     "requests[0].messages[0].content[0].type", '"audio" content is not supported yet'),
+    (lambda: with_message(content=[{"type": "text", "text": "a"}, {"type": "image"}]),
+     "requests[0].messages[0].content[1].image", "is required (a file path"),
+    (lambda: with_message(content=[{"type": "image", "image": ""}]),
+     "requests[0].messages[0].content[0].image", "empty string"),
+    (lambda: with_message(content=[{"type": "image", "image": 5}]),
+     "requests[0].messages[0].content[0].image", "must be a string"),
+    (lambda: with_message(content=[{"type": "text", "text": "a\ufffc"}, {"type": "image", "image": "a.png"}]),
+     "requests[0].messages[0].content", "U+FFFC"),
+    (lambda: with_message(content=[{"type": "audio"}]),
+     "requests[0].messages[0].content[0].audio", "is required (a file path"),
     (lambda: with_message(content=[{"type": "video", "frames": []}]),
      "requests[0].messages[0].content[0].type", '"video" content is not supported yet'),
     (lambda: with_message(content=[{"type": "text"}]), "requests[0].messages[0].content[0].text",
@@ -426,7 +432,7 @@ def test_load_duplicate_lora_names(tmp_path: Path) -> None:
 
 def test_load_request_error_keeps_json_path(tmp_path: Path) -> None:
     data = minimal()
-    data["requests"].append({"messages": [{"role": "user", "content": [{"type": "image", "image": "a"}]}]})
+    data["requests"].append({"messages": [{"role": "user", "content": [{"type": "video", "frames": []}]}]})
     with pytest.raises(KvforgeError) as info:
         load_request_file(write(tmp_path, json.dumps(data)))
     check_error(info.value, "requests[1].messages[0].content[0].type", "not supported yet")

@@ -18,11 +18,21 @@ TAG_PARENT, TAG_TOKENS, TAG_MEDIA, TAG_ADAPTER, TAG_SALT = b"P", b"T", b"M", b"A
 
 
 @dataclass(frozen=True, slots=True)
+class MediaKey:
+    """One media item's placeholder span [start, start + length) and its content digest (pixels + shape + dtype)."""
+
+    start: int
+    length: int
+    digest: bytes
+
+
+@dataclass(frozen=True, slots=True)
 class KeyExtras:
-    """Request-wide identity mixed into every page key of a sequence."""
+    """Request-wide identity mixed into every page key of a sequence, plus its media spans (in prompt order)."""
 
     adapter_digest: bytes = b""  # digest of the adapter's weights; empty = base model
     cache_salt: str | None = None  # tenant isolation; None and "" are distinct from any salt
+    media: tuple[MediaKey, ...] = ()
 
     def encoded(self) -> bytes:
         salt = b"\x00" if self.cache_salt is None else b"\x01" + self.cache_salt.encode("utf-8")
@@ -53,6 +63,20 @@ def page_keys(token_ids: Sequence[int] | np.ndarray, tokens_per_page: int, extra
     encoded = extras.encoded()
     keys = []
     for page in range(first_page, len(ids) // tokens_per_page):
-        parent = page_key(parent, ids[page * tokens_per_page:(page + 1) * tokens_per_page], encoded)
+        begin = page * tokens_per_page
+        media = media_in_page(extras.media, begin, begin + tokens_per_page)
+        parent = page_key(parent, ids[begin:begin + tokens_per_page], encoded, media)
         keys.append(parent)
     return keys
+
+
+def media_in_page(media: tuple[MediaKey, ...], begin: int, end: int) -> bytes:
+    """The media identity of positions [begin, end): for each span overlapping them, where the overlap starts in
+    the page, where in the span, how long, and the item's digest. Placeholder ids are the same for every image,
+    so this is what tells two images (or two orders of them) apart; text-only pages encode nothing."""
+    out = b""
+    for item in media:
+        lo, hi = max(begin, item.start), min(end, item.start + item.length)
+        if lo < hi:
+            out += struct.pack("<QQQ", lo - begin, lo - item.start, hi - lo) + _field(TAG_MEDIA, item.digest)
+    return out

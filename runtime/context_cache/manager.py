@@ -136,7 +136,7 @@ class ContextCacheManager:
         if lookup:
             keys = self._keys(admission)
             plan = plan_reuse(len(tokens), self.tokens_per_page,
-                              self.index.lookup_longest(keys, tokens, self.tokens_per_page))
+                              self.index.lookup_longest(keys, tokens, self.tokens_per_page), admission.extras.media)
         else:
             plan = plan_cold(len(tokens), self.tokens_per_page)
         lease = self._try_acquire(plan, admission.extras, may_publish=lookup)
@@ -193,6 +193,8 @@ class ContextCacheManager:
     def _count_admission(self, plan: ReusePlan, lease: Lease, lookup: bool) -> None:
         m = self.metrics
         m.admitted_sequences += 1
+        if lease.extras.media:
+            m.media_aware_sequences += 1
         if not lookup or lease.forced_cold:
             m.lookup_bypass_sequences += 1
         if lease.forced_cold:

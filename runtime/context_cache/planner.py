@@ -11,6 +11,7 @@ from kvforge.contract.profile_schema import (
     PLAN_NO_REUSABLE_PREFIX,
     PLAN_STANDARD,
 )
+from kvforge.runtime.context_cache.keys import MediaKey
 
 PLAN_BYPASS = "bypass"  # not a profile key: bypassed admissions are counted as lookup_bypass_sequences
 
@@ -24,9 +25,11 @@ class ReusePlan:
     new_pages: int  # private pages to allocate for the rest of the input
 
 
-def plan_reuse(num_tokens: int, tokens_per_page: int, matched_pages: Sequence[int]) -> ReusePlan:
+def plan_reuse(num_tokens: int, tokens_per_page: int, matched_pages: Sequence[int],
+               media: Sequence[MediaKey] = ()) -> ReusePlan:
     """Longest page-aligned prefix; an input matched to its last token rewinds one page so that at
-    least one token runs through the engine and produces logits."""
+    least one token runs through the engine and produces logits. A reuse point inside a media span moves
+    back to a page boundary at or before the span's start: the whole span is recomputed."""
     total_pages = pages_for(num_tokens, tokens_per_page)
     matched = len(matched_pages)
     hits = tuple(matched_pages)
@@ -36,8 +39,17 @@ def plan_reuse(num_tokens: int, tokens_per_page: int, matched_pages: Sequence[in
         kind, hits = PLAN_FULL_INPUT_REWIND, hits[:-1]
     else:
         kind = PLAN_STANDARD
+    hits = hits[:media_safe_pages(len(hits), tokens_per_page, media)]
     reuse = len(hits) * tokens_per_page
     return ReusePlan(kind, matched * tokens_per_page, reuse, hits, total_pages - len(hits))
+
+
+def media_safe_pages(num_pages: int, tokens_per_page: int, media: Sequence[MediaKey]) -> int:
+    """The most reusable pages, at most `num_pages`, whose end does not fall strictly inside a media span."""
+    for item in sorted(media, key=lambda m: -m.start):  # later spans first: moving back may enter earlier ones
+        if item.start < num_pages * tokens_per_page < item.start + item.length:
+            num_pages = item.start // tokens_per_page
+    return num_pages
 
 
 def plan_cold(num_tokens: int, tokens_per_page: int) -> ReusePlan:

@@ -70,6 +70,47 @@ def load_source(source: str | None, synthetic: str | None, kv_cache_dtype: str, 
     raise KvforgeError(f"{source} is neither a file, a directory nor {SMOLLM2_NAME!r}", "SOURCE")
 
 
+def _load_multimodal_source(source: str | None, synthetic: str | None, kv_cache_dtype: str, seed: int):
+    """(text model, encoder export) for an image-text or audio-text source (an Idefics3/SmolVLM or Qwen2-Audio dir,
+    tiny-idefics3, tiny-qwen2-audio), else None."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        return None  # load_source reports it
+    if synthetic == "tiny-idefics3" and not source:
+        from kvforge.tools.export.synthetic import synthetic_idefics3
+        return synthetic_idefics3(kv_cache_dtype, seed)
+    if synthetic == "tiny-qwen2-audio" and not source:
+        from kvforge.tools.export.synthetic import synthetic_qwen2_audio
+        return synthetic_qwen2_audio(kv_cache_dtype, seed)
+    if source and not synthetic and Path(source).is_dir():
+        from kvforge.tools.export.idefics3_source import is_idefics3_dir, load_idefics3_dir
+        from kvforge.tools.export.qwen2_audio_source import is_qwen2_audio_dir, load_qwen2_audio_dir
+        if is_idefics3_dir(Path(source)):
+            return load_idefics3_dir(Path(source), kv_cache_dtype)
+        if is_qwen2_audio_dir(Path(source)):
+            return load_qwen2_audio_dir(Path(source), kv_cache_dtype)
+    return None
+
+
+def _write_encoder(encoder, output_dir: Path, encoder_output_dir: Path | None) -> None:
+    from kvforge.tools.export.qwen2_audio_source import AudioExport, write_audio_onnx_dir
+
+    if isinstance(encoder, AudioExport):
+        target = encoder_output_dir or output_dir / "audio"
+        with progress_bar("building audio encoder", None):
+            write_audio_onnx_dir(encoder, target)
+        console.print(f"exported the {encoder.config.model} audio encoder (up to {encoder.config.num_frames} mel "
+                      f"frames per item) to {target}")
+        return
+    from kvforge.tools.export.idefics3_source import write_visual_onnx_dir
+
+    target = encoder_output_dir or output_dir / "visual"
+    with progress_bar("building vision encoder", None):
+        write_visual_onnx_dir(encoder, target)
+    e = encoder.config
+    console.print(f"exported the {e.model} vision encoder ({e.tokens_per_image} tokens per "
+                  f"{e.preprocessing.image_size}px image, unsplit) to {target}")
+
+
 # The default per source: the fastest variant that passes the quality bar of bench/quality.py (top-1 agreement
 # >= 98 %, perplexity within 3 %, >= 9 of 10 held answers equal to float32's). SmolLM2's GGUF holds Q4_1
 # blocks, kept exactly: int4 scores 100 % / -0.00 % / 10 of 10 at about twice float32's decode speed.
@@ -88,7 +129,8 @@ def export(
     output_dir: Path = typer.Option(..., "--outputDir", help="Directory to write the ONNX dir into."),
     synthetic: str = typer.Option(None, "--synthetic",
                                   help="Export a tiny deterministic random model instead: tiny-llama, "
-                                       "tiny-qwen2, tiny-qwen3, tiny-llama-mha."),
+                                       "tiny-qwen2, tiny-qwen3, tiny-llama-mha, tiny-idefics3 (+ vision encoder), "
+                                       "tiny-qwen2-audio (+ audio encoder)."),
     kv_cache_dtype: str = typer.Option("fp16", "--kvCacheDtype",
                                        help="KV storage dtype: fp16, fp8 (E4M3) or fp32 (reference/debug)."),
     seed: int = typer.Option(0, "--seed", help="Weight seed for --synthetic models."),
@@ -102,6 +144,10 @@ def export(
                                           "Q8_0/Q4_0/Q4_1 blocks are kept exactly as stored."),
     quant_block_size: int = typer.Option(32, "--quantBlockSize",
                                          help="Weights per quantization block (a power of two >= 16)."),
+    encoder_output_dir: Path = typer.Option(None, "--encoderOutputDir",
+                                            help="Where an image- or audio-text checkpoint's encoder ONNX dir goes "
+                                                 "(default: OUTPUTDIR/visual or OUTPUTDIR/audio); build it with "
+                                                 "llm_build."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
     def body() -> None:
@@ -115,13 +161,16 @@ def export(
             raise KvforgeError(f"must be auto or one of {', '.join(QUANTIZATIONS)}, got {quantization!r}",
                                "--quantization")
         with progress_bar("loading weights", None) as step:
-            loaded = load_source(source, synthetic, kv_cache_dtype, seed, step)
+            multimodal = _load_multimodal_source(source, synthetic, kv_cache_dtype, seed)
+            loaded = multimodal[0] if multimodal else load_source(source, synthetic, kv_cache_dtype, seed, step)
         loaded.config.lora_targets = targets
         with progress_bar("quantizing", None) as step:
             quantize_linears(loaded, chosen, quant_block_size, step)
         layers = loaded.config.num_hidden_layers
         with progress_bar("building graph", layers + 1) as step:
             write_onnx_dir(loaded, output_dir, step)
+        if multimodal:
+            _write_encoder(multimodal[1], output_dir, encoder_output_dir)
         c = loaded.config
         console.print(f"exported {c.name or c.model} ({c.model}, {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
                       f"heads {c.num_attention_heads}/{c.num_key_value_heads}, KV {c.kv_cache_dtype}, weights "

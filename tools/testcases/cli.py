@@ -79,6 +79,9 @@ def test(
     json_report_file: Path = typer.Option(None, "--jsonReport", help="Write the JSON report here."),
     junit_file: Path = typer.Option(None, "--junitXml", help="Write JUnit XML here."),
     output_dir: Path = typer.Option(None, "--outputDir", help="Write each file's responses and profile here."),
+    multimodal_engine_dir: Path = typer.Option(None, "--multimodalEngineDir",
+                                               help="Visual engine dir for files with image items (they are "
+                                                    "skipped without one)."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
     """Run every file on a fresh engine cache and check it; the table goes to stdout."""
@@ -107,7 +110,8 @@ def test(
         if lora_weights_dir is not None:
             os.environ.update({name: str(lora_weights_dir.resolve()) for name in LORA_DIR_VARIABLES})
         settings = RunSettings(engine, num_threads, resolved.context_reuse or enable_context_reuse,
-                               Scheduling(scheduling), rouge, thresholds, max_generate_length not in (None, -1))
+                               Scheduling(scheduling), rouge, thresholds, max_generate_length not in (None, -1),
+                               multimodal_engine_dir)
         runner = CaseRunner(settings, TEST_FLAGS)
         results = []
         with progress_bar("llm_test", len(cases)) as step:

@@ -26,6 +26,7 @@ class RunSettings:
     rouge: str = "auto"
     thresholds: tuple[float, float] = (0.25, 0.20)
     lengths_overridden: bool = False
+    multimodal_engine_dir: Path | None = None  # files with image items run only when one is given
 
 
 @dataclass(slots=True)
@@ -67,6 +68,11 @@ class CaseRunner:
     def run(self, case: CaseSpec) -> FileResult:
         reuse = self.settings.reuse or case.context_reuse
         result = FileResult(case, reuse)
+        media = [r.index for r in case.requests.requests if any(m.media for m in r.messages)]
+        if media and self.settings.multimodal_engine_dir is None:
+            result.checks = [CheckResult("media", SKIPPED, f"request {media[0]} has image items: this file needs a "
+                                                           "multimodal engine (--multimodalEngineDir)")]
+            return result
         try:
             self._run(case, result)
         except KvforgeError as exc:
@@ -75,8 +81,11 @@ class CaseRunner:
 
     def _run(self, case: CaseSpec, result: FileResult) -> None:
         started = time.perf_counter()
+        multimodal = self.settings.multimodal_engine_dir
         engine = Engine(self.settings.engine_dir, EngineConfig(num_threads=self.settings.num_threads,
-                                                               enable_context_reuse=result.reuse),
+                                                               enable_context_reuse=result.reuse,
+                                                               multimodal_engine_dir=str(multimodal) if multimodal
+                                                               else None),
                         runner=self._runner)
         self._runner = engine.runner  # fresh caches, one model: Engines may share a runner one after another
         prepared = prepare_requests(engine, case.requests, case.path.resolve().parent)

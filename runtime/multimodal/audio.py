@@ -1,0 +1,175 @@
+"""Decode an audio file to 16 kHz mono PCM (miniaudio) and compute Whisper log-mel features in numpy (no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvforge.contract.errors import KvforgeError
+from kvforge.runtime.multimodal.image import media_digest
+
+SAMPLE_RATE = 16000
+N_FFT, HOP = 400, 160
+SUPPORTED_AUDIO = (".wav", ".mp3", ".flac")
+MEL_SUFFIX = ".safetensors"  # precomputed features: the seed's mel path
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedAudio:
+    pcm: np.ndarray  # [samples] float32 mono at 16 kHz
+    digest: bytes  # media identity over the PCM samples (with shape and dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class MelFeatures:
+    """A precomputed `.safetensors` item: Whisper log-mel frames padded to the window, and how many hold audio."""
+
+    features: np.ndarray  # [mel bins, window frames] float32
+    frames: int
+    digest: bytes  # media identity over the feature tensor (with shape and dtype) and the valid frame count
+
+
+def load_mel(path: Path, num_mel_bins: int, num_frames: int, where: str) -> MelFeatures:
+    """`input_features` [(1,) mel bins, window frames] and `feature_attention_mask` [(1,) window frames], as
+    Qwen2AudioProcessor / WhisperFeatureExtractor return them (saved with safetensors)."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    if not path.is_file():
+        raise KvforgeError(f"audio file not found: {path}", where)
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise KvforgeError(f"cannot read mel features from {path}: {exc}", where) from None
+    features, mask = tensors.get("input_features"), tensors.get("feature_attention_mask")
+    if features is None or mask is None:
+        raise KvforgeError(f"{path} must hold input_features and feature_attention_mask tensors", where)
+    features = np.asarray(features, dtype=np.float32).reshape(features.shape[-2:]) if features.ndim == 3 \
+        else np.asarray(features, dtype=np.float32)
+    if features.shape != (num_mel_bins, num_frames) or mask.size != num_frames:
+        raise KvforgeError(f"input_features must be [{num_mel_bins}, {num_frames}] and feature_attention_mask "
+                           f"[{num_frames}] for this encoder, got {list(features.shape)} and {list(mask.shape)}",
+                           where)
+    frames = int(np.count_nonzero(mask))
+    digest = media_digest(np.concatenate([features.reshape(-1), np.array([frames], dtype=np.float32)]))
+    return MelFeatures(np.ascontiguousarray(features), frames, digest)
+
+
+def decode_audio(path: Path, where: str) -> DecodedAudio:
+    import miniaudio
+
+    if not path.is_file():
+        raise KvforgeError(f"audio file not found: {path}", where)
+    if path.suffix.lower() not in SUPPORTED_AUDIO:
+        raise KvforgeError(f"unsupported audio format {path.suffix or '(no extension)'}; supported: "
+                           f"{', '.join(SUPPORTED_AUDIO)}, or {MEL_SUFFIX} log-mel features", where)
+    try:
+        decoded = miniaudio.decode_file(str(path), output_format=miniaudio.SampleFormat.FLOAT32, nchannels=1,
+                                        sample_rate=SAMPLE_RATE)
+    except miniaudio.DecodeError as exc:
+        raise KvforgeError(f"cannot decode audio {path}: {exc}", where) from None
+    pcm = np.frombuffer(decoded.samples, dtype=np.float32).copy()
+    if pcm.size == 0:
+        raise KvforgeError(f"{path} holds no audio samples", where)
+    return DecodedAudio(pcm, media_digest(pcm))
+
+
+def mel_filter_bank(num_mels: int, sampling_rate: int = SAMPLE_RATE, n_fft: int = N_FFT) -> np.ndarray:
+    """[n_fft/2 + 1, num_mels] triangular filters on the Slaney mel scale with Slaney area normalisation,
+    0-8 kHz (the filters WhisperFeatureExtractor uses)."""
+    def hz_to_mel(hz: np.ndarray) -> np.ndarray:
+        hz = np.asarray(hz, dtype=np.float64)
+        mel = 3.0 * hz / 200.0
+        log_region = hz >= 1000.0
+        return np.where(log_region, 15.0 + np.log(np.maximum(hz, 1e-10) / 1000.0) * 27.0 / np.log(6.4), mel)
+
+    def mel_to_hz(mel: np.ndarray) -> np.ndarray:
+        hz = 200.0 * mel / 3.0
+        return np.where(mel >= 15.0, 1000.0 * np.exp(np.log(6.4) / 27.0 * (mel - 15.0)), hz)
+
+    fft_freqs = np.linspace(0, sampling_rate // 2, n_fft // 2 + 1)
+    edges = mel_to_hz(np.linspace(hz_to_mel(0.0), hz_to_mel(8000.0), num_mels + 2))
+    widths = np.diff(edges)
+    slopes = edges[None, :] - fft_freqs[:, None]
+    down = -slopes[:, :-2] / widths[:-1]
+    up = slopes[:, 2:] / widths[1:]
+    filters = np.maximum(0.0, np.minimum(down, up))
+    return filters * (2.0 / (edges[2:num_mels + 2] - edges[:num_mels]))
+
+
+def log_mel(pcm: np.ndarray, num_mels: int, num_frames: int) -> tuple[np.ndarray, int]:
+    """Whisper features of `pcm` zero-padded (or cut) to num_frames × HOP samples: [num_mels, num_frames] float32,
+    and the number of frames that hold audio (what transformers' feature_attention_mask sums to)."""
+    samples = num_frames * HOP
+    valid = min(len(pcm), samples)
+    padded = np.zeros(samples, dtype=np.float64)
+    padded[:valid] = pcm[:valid]
+    framed = np.pad(padded, N_FFT // 2, mode="reflect")  # centred frames
+    window = 0.5 - 0.5 * np.cos(2 * np.pi * np.arange(N_FFT) / N_FFT)  # periodic Hann
+    count = 1 + (len(framed) - N_FFT) // HOP
+    index = np.arange(N_FFT)[None, :] + HOP * np.arange(count)[:, None]
+    power = np.abs(np.fft.rfft(framed[index] * window, axis=1)) ** 2  # [frames, bins]
+    mel = np.maximum(mel_filter_bank(num_mels).T @ power.T, 1e-10)
+    spec = np.log10(mel)[:, :-1]
+    spec = np.maximum(spec, spec.max() - 8.0)
+    return ((spec + 4.0) / 4.0).astype(np.float32), -(-valid // HOP)
+
+
+class AudioEncoder:
+    """A Whisper-style audio engine: 30 s of log-mel frames per call; each item keeps the rows of its own frames."""
+
+    __slots__ = ("config", "session")
+    kind = "audio"
+    stage = "audio_encoder"
+
+    def __init__(self, engine_dir: Path, config, num_threads: int = 0) -> None:  # config: AudioEncoderConfig
+        from kvforge.contract.multimodal import AUDIO_ENGINE_FILE
+        from kvforge.runtime.multimodal.visual import _check_engine_dir, _session
+
+        _check_engine_dir(engine_dir, config, AUDIO_ENGINE_FILE)
+        self.config = config
+        self.session = _session(engine_dir / AUDIO_ENGINE_FILE, num_threads)
+
+    @property
+    def token_id(self) -> int:
+        return self.config.audio_token_id
+
+    @property
+    def marker(self) -> str:
+        return self.config.audio_token
+
+    def placeholder_text(self, rows: int) -> str:
+        return self.config.audio_token * rows
+
+    def decode(self, path: Path, where: str) -> DecodedAudio | MelFeatures:
+        if path.suffix.lower() == MEL_SUFFIX:
+            return load_mel(path, self.config.num_mel_bins, self.config.num_frames, where)
+        return decode_audio(path, where)
+
+    def rows(self, item: DecodedAudio | MelFeatures) -> int:
+        if isinstance(item, MelFeatures):
+            return frame_rows(item.frames)
+        return audio_rows(min(len(item.pcm), self.config.num_frames * HOP))
+
+    def encode(self, items: list[DecodedAudio | MelFeatures]) -> list[np.ndarray]:
+        outputs = []
+        for item in items:  # one call per item: each is padded to the full 30 s window anyway
+            if isinstance(item, MelFeatures):
+                features, frames = item.features, item.frames
+            else:
+                features, frames = log_mel(item.pcm, self.config.num_mel_bins, self.config.num_frames)
+            rows = self.session.run(["audio_embeds"], {"input_features": features[None],
+                                                       "feature_lengths": np.array([frames], dtype=np.int64)})[0]
+            outputs.append(np.ascontiguousarray(rows[0, :self.rows(item)], dtype=np.float32))
+        return outputs
+
+
+def audio_rows(num_samples: int) -> int:
+    """Placeholder rows for `num_samples` PCM samples (valid mel frames, halved by conv2, halved by pooling)."""
+    return frame_rows(-(-num_samples // HOP))
+
+
+def frame_rows(frames: int) -> int:
+    return ((frames - 1) // 2 + 1 - 2) // 2 + 1

@@ -1,0 +1,101 @@
+"""Decode an image file with Pillow and preprocess it as the family's HF image processor does (no torch)."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from kvforge.contract.errors import KvforgeError
+from kvforge.contract.multimodal import ImagePreprocessing
+
+_FILTERS = {"lanczos": Image.Resampling.LANCZOS, "bicubic": Image.Resampling.BICUBIC,
+            "bilinear": Image.Resampling.BILINEAR, "nearest": Image.Resampling.NEAREST}
+# transformers' cap on any side after the first resize (Idefics3 MAX_IMAGE_SIZE)
+MAX_IMAGE_SIDE = 4096
+SUPPORTED_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF", "TIFF")
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedImage:
+    pixels: np.ndarray  # [H, W, 3] uint8 RGB, as decoded (before any resize)
+    digest: bytes  # media identity: BLAKE2b-128 over shape, dtype and pixel bytes
+
+
+def media_digest(array: np.ndarray) -> bytes:
+    """Identity of decoded media: the same bytes under another shape or dtype get another digest."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(b"kvforge-media-v1")
+    h.update(struct.pack("<Q", array.ndim) + struct.pack(f"<{array.ndim}Q", *array.shape))
+    h.update(array.dtype.str.encode("ascii"))
+    h.update(np.ascontiguousarray(array).tobytes())
+    return h.digest()
+
+
+def decode_image(path: Path, where: str) -> DecodedImage:
+    """Pillow decode to RGB (transparent pixels composited onto white, as transformers' convert_to_rgb does)."""
+    if not path.is_file():
+        raise KvforgeError(f"image file not found: {path}", where)
+    try:
+        with Image.open(path) as image:
+            if image.format not in SUPPORTED_FORMATS:
+                raise KvforgeError(f"unsupported image format {image.format} in {path}; supported: "
+                                   f"{', '.join(SUPPORTED_FORMATS)}", where)
+            image.load()
+            rgb = _to_rgb(image)
+    except UnidentifiedImageError:
+        raise KvforgeError(f"{path} is not an image Pillow can decode (supported: "
+                           f"{', '.join(SUPPORTED_FORMATS)})", where) from None
+    except (OSError, SyntaxError, ValueError) as exc:  # truncated or corrupt data
+        raise KvforgeError(f"cannot decode image {path}: {exc}", where) from None
+    pixels = np.asarray(rgb, dtype=np.uint8)
+    return DecodedImage(pixels, media_digest(pixels))
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    if image.mode == "RGB":
+        return image
+    rgba = image.convert("RGBA")
+    background = Image.new("RGBA", rgba.size, (255, 255, 255))
+    return Image.alpha_composite(background, rgba).convert("RGB")
+
+
+def idefics3_pixel_values(pixels: np.ndarray, pre: ImagePreprocessing) -> np.ndarray:
+    """[3, S, S] float32 like Idefics3ImageProcessor with do_image_splitting=False: the longest edge to
+    `longest_edge` (aspect kept, the other side even), then a square of `image_size`; rescale; normalize."""
+    image = Image.fromarray(pixels)
+    resample = _FILTERS[pre.resample]
+    if pre.do_resize:
+        height, width = _longest_edge_size(image.height, image.width, pre.longest_edge)
+        image = image.resize((width, height), resample=resample)
+    image = image.resize((pre.image_size, pre.image_size), resample=resample)
+    array = np.asarray(image, dtype=np.float32).transpose(2, 0, 1)
+    if pre.do_rescale:
+        array = array * np.float32(pre.rescale_factor)
+    if pre.do_normalize:
+        mean = np.asarray(pre.image_mean, dtype=np.float32)[:, None, None]
+        std = np.asarray(pre.image_std, dtype=np.float32)[:, None, None]
+        array = (array - mean) / std
+    return np.ascontiguousarray(array, dtype=np.float32)
+
+
+def _longest_edge_size(height: int, width: int, max_len: int) -> tuple[int, int]:
+    """transformers' _resize_output_size_rescale_to_max_len then _scale_below_upper_bound (MAX_IMAGE_SIDE)."""
+    aspect = width / height
+    if width >= height:
+        width, height = max_len, int(max_len / aspect)
+        height += height % 2
+    else:
+        height, width = max_len, int(max_len * aspect)
+        width += width % 2
+    height, width = max(height, 1), max(width, 1)
+    aspect = width / height
+    if width >= height and width > MAX_IMAGE_SIDE:
+        width, height = MAX_IMAGE_SIDE, int(MAX_IMAGE_SIDE / aspect)
+    elif height > width and height > MAX_IMAGE_SIDE:
+        height, width = MAX_IMAGE_SIDE, int(MAX_IMAGE_SIDE * aspect)
+    return max(height, 1), max(width, 1)

@@ -1,0 +1,159 @@
+"""Media items of a request -> placeholder token spans, media identity and encoder embeddings (cached by digest)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvforge.contract.errors import InvalidConfig, KvforgeError
+from kvforge.contract.profile_schema import MULTIMODAL
+from kvforge.runtime.context_cache.keys import MediaKey
+from kvforge.runtime.multimodal.encoder_cache import EncoderCache
+from kvforge.runtime.multimodal.spans import MediaSpan
+from kvforge.runtime.multimodal.visual import FIELD
+from kvforge.runtime.profile import Profiler
+from kvforge.runtime.tokenizer import ChatTokenizer
+from kvforge.runtime.types import MEDIA_SENTINEL, MediaRef
+
+VISION_ENCODER_STAGE = "vision_encoder"
+AUDIO_ENCODER_STAGE = "audio_encoder"
+log = logging.getLogger("kvforge.multimodal")
+
+
+@dataclass(slots=True)
+class MultimodalStats:
+    """The profile's `multimodal` block (the seed's totals)."""
+
+    total_runs: int = 0  # encoder calls
+    total_images: int = 0  # images in requests (cache hits included)
+    total_image_tokens: int = 0
+    total_audios: int = 0
+    total_audio_tokens: int = 0
+    encoded_tokens: int = 0  # placeholder rows the encoder computed (for the per-token time)
+
+
+class MultimodalProcessor:
+    """Owns the encoder engine and its cache; InputProcessor hands it prompts holding media sentinels."""
+
+    __slots__ = ("encoder", "cache", "tokenizer", "profiler", "stats", "_expansions")
+
+    def __init__(self, encoder, cache: EncoderCache, tokenizer: ChatTokenizer, profiler: Profiler,
+                 text_hidden_size: int) -> None:  # encoder: VisualEncoder | AudioEncoder
+        if encoder.config.text_hidden_size != text_hidden_size:
+            raise InvalidConfig(f"the encoder outputs {encoder.config.text_hidden_size}-wide rows but the text "
+                                f"engine's hidden size is {text_hidden_size}; export both from one checkpoint", FIELD)
+        self.encoder, self.cache, self.tokenizer, self.profiler = encoder, cache, tokenizer, profiler
+        self.stats = MultimodalStats()
+        self._expansions: dict[int, tuple[list[int], int]] = {}  # rows -> (placeholder ids, offset of the span)
+        self.expansion(1)  # checks the tokenizer knows the placeholder token
+
+    @property
+    def image_token_id(self) -> int:
+        return self.encoder.token_id
+
+    def expansion(self, rows: int) -> tuple[list[int], int]:
+        """Token ids of one item's placeholder text and where its `rows` placeholder tokens start in them."""
+        cached = self._expansions.get(rows)
+        if cached is None:
+            ids = self.tokenizer.tokenizer.encode(self.encoder.placeholder_text(rows), add_special_tokens=False).ids
+            positions = [i for i, t in enumerate(ids) if t == self.encoder.token_id]
+            if len(positions) != rows or positions[-1] - positions[0] + 1 != rows:
+                raise InvalidConfig(f"the text engine's tokenizer does not turn {self.encoder.marker!r} into the "
+                                    f"encoder's token id {self.encoder.token_id}; are the two dirs from one "
+                                    "checkpoint?", FIELD)
+            cached = self._expansions[rows] = (ids, positions[0])
+        return cached
+
+    def check_kinds(self, media: list[MediaRef]) -> None:
+        """Every item must be of this engine's kind; checked before the chat template sees the request."""
+        for ref in media:
+            if ref.kind != self.encoder.kind:
+                raise KvforgeError(f'"{ref.kind}" items need an {ref.kind} encoder; this multimodal engine has an '
+                                   f"{self.encoder.kind} one", f"{ref.where}.type")
+
+    def tokenize(self, text: str, media: list[MediaRef], base_dir: Path | None, max_input_len: int,
+                 where: str) -> tuple[list[int], tuple[MediaSpan, ...]]:
+        """Token ids of a rendered prompt whose media sentinels become placeholder spans, and those spans with
+        their embeddings. Every error is one line naming the media item (or `where` for the prompt)."""
+        segments = text.split(MEDIA_SENTINEL)
+        if len(segments) - 1 != len(media):
+            raise KvforgeError(f"the chat template kept {len(segments) - 1} of the request's {len(media)} media "
+                               "items (it dropped a message holding one)", where)
+        ids = self.tokenizer.encode(segments[0])
+        placed = []
+        self.check_kinds(media)
+        for ref, segment in zip(media, segments[1:], strict=True):
+            item = self.encoder.decode(_resolve(ref.path, base_dir), f"{ref.where}.{ref.kind}")
+            rows = self.encoder.rows(item)
+            if rows < 1:
+                raise KvforgeError(f"this {ref.kind} is too short to give the encoder a single output row",
+                                   f"{ref.where}.{ref.kind}")
+            expansion, offset = self.expansion(rows)
+            start = len(ids) + offset
+            ids += expansion
+            if len(ids) > max_input_len:
+                raise KvforgeError(f"this {ref.kind} brings the prompt to at least {len(ids)} tokens, more than the "
+                                   f"engine's maxInputLen {max_input_len} (it takes {len(expansion)}); send fewer "
+                                   "media items or rebuild with a larger --maxInputLen", ref.where)
+            ids += self.tokenizer.tokenizer.encode(segment, add_special_tokens=False).ids
+            placed.append((MediaKey(start, rows, item.digest), item))
+        if ids.count(self.encoder.token_id) != sum(key.length for key, _ in placed):
+            raise KvforgeError(f"the prompt text contains the placeholder {self.encoder.marker!r}; send media as "
+                               "content items", where)
+        embeds = self._embeddings([item for _, item in placed])
+        return ids, tuple(MediaSpan(key, rows) for (key, _), rows in zip(placed, embeds, strict=True))
+
+    def _embeddings(self, items: list) -> list[np.ndarray]:
+        """Encoder rows per item: cache hits as they are, misses encoded together (duplicates once)."""
+        found: dict[bytes, np.ndarray] = {}
+        missing: dict[bytes, object] = {}
+        for item in items:
+            if item.digest in found or item.digest in missing:
+                continue
+            cached = self.cache.get(item.digest)
+            if cached is None:
+                missing[item.digest] = item
+            else:
+                found[item.digest] = cached
+        if missing:
+            with self.profiler.stage(self.encoder.stage):
+                outputs = self.encoder.encode(list(missing.values()))
+            for digest, rows in zip(missing, outputs, strict=True):
+                rows = np.ascontiguousarray(rows)
+                self.cache.put(digest, rows)
+                rows.setflags(write=False)
+                found[digest] = rows
+            if self.profiler.enabled:
+                self.stats.total_runs += 1
+                self.stats.encoded_tokens += sum(len(found[d]) for d in missing)
+        elif items:
+            log.info("encoder cache: all %d media items of the request hit; encoder execution skipped", len(items))
+        if self.profiler.enabled:
+            tokens = sum(len(found[item.digest]) for item in items)
+            if self.encoder.kind == "audio":
+                self.stats.total_audios += len(items)
+                self.stats.total_audio_tokens += tokens
+            else:
+                self.stats.total_images += len(items)
+                self.stats.total_image_tokens += tokens
+        return [found[item.digest] for item in items]
+
+    def profile(self) -> dict:
+        s = self.stats
+        encoder_ms = self.profiler.stage_ms(self.encoder.stage)
+        return {MULTIMODAL: {
+            "total_runs": s.total_runs, "total_images": s.total_images, "total_image_tokens": s.total_image_tokens,
+            "total_audios": s.total_audios, "total_audio_tokens": s.total_audio_tokens,
+            "total_multimodal_tokens": s.total_image_tokens + s.total_audio_tokens,
+            "average_time_per_token_ms": round(encoder_ms / s.encoded_tokens, 4) if s.encoded_tokens else 0.0,
+            "encoder_cache": self.cache.to_dict(),
+        }}
+
+
+def _resolve(path: str, base_dir: Path | None) -> Path:
+    """Relative media paths resolve against the request file's directory (like adapter paths), else the cwd."""
+    p = Path(path)
+    return p if p.is_absolute() or base_dir is None else base_dir / p

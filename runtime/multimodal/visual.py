@@ -1,0 +1,95 @@
+"""The encoder engines of a multimodal engine dir: decoded media in, one embedding row per placeholder token out.
+
+Both kinds answer the same questions for MultimodalProcessor: how to decode an item (and its identity), how many
+placeholder rows it takes, the text around its placeholders, and its rows for a batch of items.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from kvforge.contract.errors import InvalidConfig
+from kvforge.contract.model_config import read_json
+from kvforge.contract.multimodal import (
+    AUDIO,
+    ENCODER_FORMAT,
+    ENCODER_INPUT,
+    ENCODER_OUTPUT,
+    VISUAL,
+    VISUAL_ENGINE_FILE,
+    AudioEncoderConfig,
+    EncoderConfig,
+)
+from kvforge.runtime.multimodal.image import DecodedImage, decode_image, idefics3_pixel_values
+
+FIELD = "multimodal_engine_dir"
+
+
+def _session(path: Path, num_threads: int) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    if num_threads:
+        options.intra_op_num_threads = num_threads
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def _check_engine_dir(engine_dir: Path, config: Any, file: str) -> None:
+    if not config.backend:
+        raise InvalidConfig(f"{engine_dir} is an encoder ONNX dir, not an engine dir; build it with llm_build", FIELD)
+    if not (engine_dir / file).is_file():
+        raise InvalidConfig(f"multimodal engine dir {engine_dir} is missing {file}; rebuild it", FIELD)
+
+
+class VisualEncoder:
+    __slots__ = ("config", "session")
+    kind = "image"
+    stage = "vision_encoder"
+
+    def __init__(self, engine_dir: Path, config: EncoderConfig, num_threads: int = 0) -> None:
+        _check_engine_dir(engine_dir, config, VISUAL_ENGINE_FILE)
+        self.config = config
+        self.session = _session(engine_dir / VISUAL_ENGINE_FILE, num_threads)
+
+    @property
+    def token_id(self) -> int:
+        return self.config.image_token_id
+
+    @property
+    def marker(self) -> str:
+        return self.config.image_token
+
+    def placeholder_text(self, rows: int) -> str:
+        return self.config.image_prefix + self.config.image_token * rows + self.config.image_suffix
+
+    def decode(self, path: Path, where: str) -> DecodedImage:
+        return decode_image(path, where)
+
+    def rows(self, item: DecodedImage) -> int:
+        return self.config.tokens_per_image
+
+    def encode(self, items: list[DecodedImage]) -> list[np.ndarray]:
+        """Rows per image, in calls of at most max_batch_size images."""
+        pixel_values = np.stack([idefics3_pixel_values(item.pixels, self.config.preprocessing) for item in items])
+        step = max(self.config.max_batch_size, 1)
+        parts = [self.session.run([ENCODER_OUTPUT], {ENCODER_INPUT: pixel_values[i:i + step]})[0]
+                 for i in range(0, len(pixel_values), step)]
+        return list(np.concatenate(parts).astype(np.float32, copy=False))
+
+
+def load_encoder(engine_dir: Path, num_threads: int = 0):  # -> VisualEncoder | AudioEncoder
+    if not engine_dir.is_dir():
+        raise InvalidConfig(f"{engine_dir} is not a directory", FIELD)
+    data = read_json(engine_dir / "config.json", FIELD)
+    where = f"{engine_dir}/config.json"
+    if data.get("format") != ENCODER_FORMAT:
+        raise InvalidConfig(f"{engine_dir} is not a kvforge encoder dir (a text engine?); give the dir llm_build "
+                            "wrote from llm_export's OUTPUTDIR/visual or OUTPUTDIR/audio", FIELD)
+    if data.get("kind") == AUDIO:
+        from kvforge.runtime.multimodal.audio import AudioEncoder
+        return AudioEncoder(engine_dir, AudioEncoderConfig.from_dict(data, where), num_threads)
+    if data.get("kind") != VISUAL and "kind" in data:
+        raise InvalidConfig(f"unsupported encoder kind {data.get('kind')!r}", FIELD)
+    return VisualEncoder(engine_dir, EncoderConfig.from_dict(data, where), num_threads)
