@@ -44,11 +44,12 @@ class LLM:
     def __init__(self, engine_dir: str | Path, *, num_threads: int = 0, enable_context_reuse: bool = False,
                  context_cache_max_records: int = 1024, prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_TOKENS,
                  max_num_tokens: int = 0, max_batch_size: int = 0, lora_weights: Mapping[str, str] | None = None,
-                 engine: Engine | None = None) -> None:
+                 context_cache_partial_kv_snapshot_pool_bytes: int = 0, engine: Engine | None = None) -> None:
         self.engine = engine or Engine(engine_dir, EngineConfig(
             num_threads=num_threads, enable_context_reuse=enable_context_reuse,
             context_cache_max_records=context_cache_max_records, prefill_chunk_size=prefill_chunk_size,
-            max_num_tokens=max_num_tokens, max_batch_size=max_batch_size))
+            max_num_tokens=max_num_tokens, max_batch_size=max_batch_size,
+            context_cache_partial_kv_snapshot_pool_bytes=context_cache_partial_kv_snapshot_pool_bytes))
         if lora_weights:
             self.engine.load_adapters(dict(lora_weights))
 

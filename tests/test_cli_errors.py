@@ -276,6 +276,14 @@ REUSE_CASES = [
     pytest.param(_requests(), ["--numThreads", "-1"], ("--numThreads", "-1"), id="negative-threads"),
     pytest.param(_requests(), ["--batchSize", "0"], ("--batchSize", "0"), id="batch-size-override-0"),
     pytest.param(_requests(), ["--numLogprobs", "51"], ("--numLogprobs", "51"), id="num-logprobs-override-51"),
+    # Partial-KV snapshots: a budget needs reuse on and room for one slot (a K+V page per layer).
+    pytest.param(_requests(), ["--contextCachePartialKVSnapshotPoolBytes", "1048576"],
+                 ("--contextCachePartialKVSnapshotPoolBytes", "--enableContextReuse"), id="snapshot-budget-no-reuse"),
+    pytest.param(_requests(), ["--enableContextReuse", "--contextCachePartialKVSnapshotPoolBytes", "100"],
+                 ("--contextCachePartialKVSnapshotPoolBytes", "100 bytes", "no partial-KV snapshot slot"),
+                 id="snapshot-budget-below-one-slot"),
+    pytest.param(_requests(), ["--enableContextReuse", "--contextCachePartialKVSnapshotPoolBytes", "-1"],
+                 ("--contextCachePartialKVSnapshotPoolBytes", "-1"), id="snapshot-budget-negative"),
 ]
 
 

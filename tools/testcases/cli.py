@@ -107,7 +107,8 @@ def test(
         if lora_weights_dir is not None:
             os.environ.update({name: str(lora_weights_dir.resolve()) for name in LORA_DIR_VARIABLES})
         settings = RunSettings(engine, num_threads, resolved.context_reuse or enable_context_reuse,
-                               Scheduling(scheduling), rouge, thresholds, max_generate_length not in (None, -1))
+                               Scheduling(scheduling), rouge, thresholds, max_generate_length not in (None, -1),
+                               resolved.partial_kv_snapshot_pool_bytes)
         runner = CaseRunner(settings, TEST_FLAGS)
         results = []
         with progress_bar("llm_test", len(cases)) as step:
