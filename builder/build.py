@@ -44,6 +44,7 @@ class MemoryPlan:
     bytes_per_page_per_layer: int
     pool_bytes_per_layer: int
     num_layers: int
+    partial_kv_bytes_per_slot: int  # --contextCachePartialKVSnapshotPoolBytes buys whole slots of this size
 
     @property
     def total_bytes(self) -> int:
@@ -77,7 +78,8 @@ def resolve_backend(backend: str) -> str:
 def memory_plan(config: ModelConfig, geometry: PageGeometry) -> MemoryPlan:
     per_page = kv_bytes_per_page(config.num_key_value_heads, config.head_dim, geometry.tokens_per_page,
                                  config.kv_cache_dtype)
-    return MemoryPlan(per_page, per_page * geometry.max_kv_pool_pages, config.num_hidden_layers)
+    return MemoryPlan(per_page, per_page * geometry.max_kv_pool_pages, config.num_hidden_layers,
+                      per_page * config.num_hidden_layers)
 
 
 def build_engine(onnx_dir: Path, engine_dir: Path, options: BuildOptions,
@@ -106,6 +108,6 @@ def build_engine(onnx_dir: Path, engine_dir: Path, options: BuildOptions,
     onnx.save_model(lowered, engine_dir / ENGINE_MODEL_FILE, save_as_external_data=True,
                     all_tensors_to_one_file=True, location=ENGINE_WEIGHTS_FILE, size_threshold=1024)
     write_engine_config(onnx_dir, engine_dir, config,
-                        BuilderConfig.from_geometry(geometry, backend, options.max_lora_rank))
+                        BuilderConfig.from_geometry(geometry, backend, options.max_lora_rank, config))
     step("wrote engine dir")
     return geometry, memory_plan(config, geometry)

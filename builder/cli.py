@@ -8,6 +8,7 @@ import typer
 
 from kvforge.builder.build import STEPS, BuildOptions, build_engine, resolve_backend
 from kvforge.cli_common import BUILD_FLAGS, console, progress_bar, run_app, run_guarded
+from kvforge.contract.errors import KvforgeError
 
 # The help text goes on the command: typer drops a Typer(help=...) when the app has one command.
 HELP = """
@@ -21,6 +22,7 @@ Build an engine dir from an llm_export ONNX dir.
 """
 app = typer.Typer(add_completion=False, rich_markup_mode="rich")
 DEFAULTS = BuildOptions()
+DEFAULT_REUSE_RECORDS = 64
 
 
 def _mib(num_bytes: int) -> str:
@@ -49,6 +51,9 @@ def build(
     backend: str = typer.Option("auto", "--backend",
                                 help="onnxruntime (CPU), tensorrt (GPU; needs the tensorrt extra) or auto "
                                      "(TensorRT when it imports and a GPU is visible, else onnxruntime)."),
+    reuse_records: int = typer.Option(DEFAULT_REUSE_RECORDS, "--reuseRecords",
+                                      help="Retained contexts to size the printed snapshot budget for (a record "
+                                           "whose length is not page-aligned keeps one partial-KV snapshot slot)."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
     """Validate geometry, lower the paged-KV ops for the backend and write the engine dir."""
@@ -57,6 +62,8 @@ def build(
                            tokens_per_page=tokens_per_page, backend=backend, max_lora_rank=max_lora_rank)
 
     def body() -> None:
+        if reuse_records < 0:
+            raise KvforgeError(f"must be >= 0, got {reuse_records}", "--reuseRecords")
         with progress_bar("building engine", STEPS) as step:
             geometry, plan = build_engine(onnx_dir, engine_dir, options, step)
         console.print(f"engine written to {engine_dir} (backend {resolve_backend(backend)})")
@@ -70,6 +77,10 @@ def build(
         console.print(f"  KV pool: {plan.bytes_per_page_per_layer:,} bytes per page per layer; "
                       f"{_mib(plan.pool_bytes_per_layer)} per layer × {plan.num_layers} layers "
                       f"= {_mib(plan.total_bytes)} in total")
+        slot = plan.partial_kv_bytes_per_slot
+        console.print(f"  partial-KV snapshot slot: {slot:,} bytes (a K+V page × {plan.num_layers} attention layers); "
+                      f"for {reuse_records} retained contexts: --contextCachePartialKVSnapshotPoolBytes "
+                      f"{slot * reuse_records} ({_mib(slot * reuse_records)}) with --enableContextReuse")
 
     run_guarded(body, debug, flags=BUILD_FLAGS)
 
