@@ -222,3 +222,19 @@ def test_snapshot_budget_errors_name_the_setting(engine_dir: Path, runner: OrtEn
     with pytest.raises(InvalidConfig) as info:
         make_engine(engine_dir, runner, reuse=True, context_cache_partial_kv_snapshot_pool_bytes=-1)
     assert info.value.field == field
+
+
+def test_python_api_takes_the_snapshot_budget(engine_dir: Path) -> None:
+    from kvforge import LLM
+
+    llm = LLM(engine_dir, num_threads=2, enable_context_reuse=True,
+              context_cache_partial_kv_snapshot_pool_bytes=2 * slot_bytes(engine_dir))
+    params = SamplingParams(temperature=0.0, max_generate_length=2)
+    first = [{"role": "user", "content": "Name a bird."}]
+    [out] = llm.chat(first, params)
+    [again] = llm.chat([*first, {"role": "assistant", "content": "Owl."}, {"role": "user", "content": "Another?"}],
+                       params)
+    assert again.cached_tokens == len(out.prompt_token_ids) > 0  # the whole first prompt, not whole pages only
+    assert len(out.prompt_token_ids) % T != 0
+    pools = llm.context_cache_metrics()["resource_pools"]["partial_kv_snapshots"]
+    assert pools["capacity"] == 2
