@@ -1,0 +1,101 @@
+"""The exported Mamba2 graph (lowered for ONNX Runtime) against transformers' Mamba2ForCausalLM on a tiny random
+config: prefill, prefill-then-decode, chunked prefill continuing from the carried states, ragged rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from kvforge.builder.lower_recurrent import lower_recurrent_ops
+from kvforge.tools.export.mamba2_graph import Mamba2Geometry, build_mamba2_graph, conv_state_name, recurrent_state_name
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def models() -> tuple[object, ort.InferenceSession, Mamba2Geometry]:
+    torch.manual_seed(0)
+    config = transformers.Mamba2Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=8, head_dim=8,
+                                       expand=2, state_size=16, n_groups=2, conv_kernel=4, chunk_size=8,
+                                       tie_word_embeddings=False, use_conv_bias=True)
+    hf = transformers.Mamba2ForCausalLM(config).eval()
+    with torch.no_grad():  # move every parameter off its init value (ones, zeros) so each one matters
+        for name, param in hf.named_parameters():
+            if name.endswith(("A_log", "dt_bias")):
+                param.copy_(torch.randn_like(param) * 0.5)
+            elif name.endswith(("norm.weight", "norm_f.weight", ".D")):
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            elif name.endswith("conv1d.bias"):
+                param.copy_(0.1 * torch.randn_like(param))
+    weights = {k: v.detach().numpy().astype(np.float32) for k, v in hf.state_dict().items()}
+    weights["model.embed_tokens.weight"] = weights.pop("backbone.embeddings.weight")
+    geometry = Mamba2Geometry(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=8, head_dim=8,
+                              state_size=16, n_groups=2, conv_kernel=4, rms_norm_eps=config.layer_norm_epsilon)
+    lowered = lower_recurrent_ops(build_mamba2_graph(geometry, weights))
+    session = ort.InferenceSession(lowered.SerializeToString(), providers=["CPUExecutionProvider"])
+    return hf, session, geometry
+
+
+def zero_states(geometry: Mamba2Geometry, batch: int) -> dict[str, np.ndarray]:
+    states = {}
+    for layer in range(geometry.num_hidden_layers):
+        states[conv_state_name(layer)] = np.zeros((batch, geometry.conv_dim, geometry.conv_kernel - 1), np.float32)
+        states[recurrent_state_name(layer)] = np.zeros(
+            (batch, geometry.num_heads, geometry.head_dim, geometry.state_size), np.float32)
+    return states
+
+
+def run(models: tuple, rows: list[list[int]], states: dict[str, np.ndarray]) -> tuple[np.ndarray, dict]:
+    """One engine call over ragged rows; returns last-token logits and the carried states."""
+    hf, session, geometry = models
+    width = max(len(r) for r in rows)
+    embedding = hf.backbone.embeddings.weight.detach().numpy()
+    embeds = np.zeros((len(rows), width, geometry.hidden_size), np.float32)
+    for i, ids in enumerate(rows):
+        embeds[i, :len(ids)] = embedding[ids]
+    feeds = {"inputs_embeds": embeds, "context_lengths": np.array([len(r) for r in rows], np.int32),
+             "last_token_ids": np.array([len(r) - 1 for r in rows], np.int64), **states}
+    names = [o.name for o in session.get_outputs()]
+    outputs = dict(zip(names, session.run(names, feeds), strict=True))
+    carried = {name.removeprefix("present_"): value for name, value in outputs.items() if name != "logits"}
+    return outputs["logits"], carried
+
+
+def reference(hf: object, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0, -1].numpy()
+
+
+def test_prefill_matches_transformers(models: tuple) -> None:
+    ids = [3, 17, 5, 42, 8, 9, 21, 33, 1, 60, 7]
+    logits, _ = run(models, [ids], zero_states(models[2], 1))
+    np.testing.assert_allclose(logits[0], reference(models[0], ids), atol=TOL, rtol=0)
+
+
+def test_prefill_then_decode_matches_transformers(models: tuple) -> None:
+    ids = [3, 17, 5, 42, 8, 9, 21]
+    _, states = run(models, [ids], zero_states(models[2], 1))
+    for token in (11, 12, 40):
+        logits, states = run(models, [[token]], states)
+        ids = ids + [token]
+        np.testing.assert_allclose(logits[0], reference(models[0], ids), atol=TOL, rtol=0)
+
+
+def test_chunked_prefill_continues_from_the_states(models: tuple) -> None:
+    ids = [3, 17, 5, 42, 8, 9, 21, 33, 1, 60, 7, 19, 2]
+    _, states = run(models, [ids[:5]], zero_states(models[2], 1))
+    logits, _ = run(models, [ids[5:]], states)
+    np.testing.assert_allclose(logits[0], reference(models[0], ids), atol=TOL, rtol=0)
+
+
+def test_ragged_rows_keep_their_own_states(models: tuple) -> None:
+    long, short = [3, 17, 5, 42, 8, 9, 21, 33], [50, 4, 6]
+    logits, states = run(models, [long, short], zero_states(models[2], 2))
+    np.testing.assert_allclose(logits[0], reference(models[0], long), atol=TOL, rtol=0)
+    np.testing.assert_allclose(logits[1], reference(models[0], short), atol=TOL, rtol=0)
+    logits, _ = run(models, [[10], [11]], states)  # decode both rows from states taken at different lengths
+    np.testing.assert_allclose(logits[1], reference(models[0], short + [11]), atol=TOL, rtol=0)
+    np.testing.assert_allclose(logits[0], reference(models[0], long + [10]), atol=TOL, rtol=0)
