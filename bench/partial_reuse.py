@@ -55,12 +55,14 @@ QUESTIONS = [
 BUILD = BuildOptions(max_input_len=2048, max_kv_cache_capacity=4096, max_batch_size=1, max_kv_pool_pages=64)
 
 
-def new_only_ms(engine: Engine, request: EngineRequest, start: int) -> float:
-    """runner.forward alone for prompt[start:] on the cached context (the pages and the snapshot a lease gets;
-    the restore copy is done first and not timed). Nothing is published."""
+def new_only_ms(engine: Engine, request: EngineRequest) -> tuple[float, int]:
+    """(ms, start): runner.forward alone for the prompt's uncached tokens on the cached context (the pages and
+    the snapshot a lease gets; the restore copy is done first and not timed). Nothing is published, so the
+    request itself then finds the cache as this measurement did."""
     lease = engine.cache.try_acquire(Admission(request.prompt_ids, KeyExtras(cache_salt=request.cache_salt),
                                                LookupPolicy.USE_CACHE))
-    assert lease is not None and lease.reuse_tokens == start, (lease and lease.reuse_tokens, start)
+    assert lease is not None, "the pool is idle between requests"
+    start = lease.reuse_tokens
     try:
         if lease.restore_slot is not None and engine.snapshots is not None:
             engine.snapshots.restore(lease.restore_slot, lease.page_ids[start // engine.cache.tokens_per_page])
@@ -70,7 +72,7 @@ def new_only_ms(engine: Engine, request: EngineRequest, start: int) -> float:
                           np.array([start], dtype=np.int32), [lease.page_ids])
         started = time.perf_counter()
         engine.runner.forward(step)
-        return (time.perf_counter() - started) * 1e3
+        return (time.perf_counter() - started) * 1e3, start
     finally:
         engine.cache.release(lease)
 
@@ -82,6 +84,8 @@ def conversation(snapshots: Bench, pages: Bench, document: str, salt: str, sampl
     for turn, question in enumerate(QUESTIONS):
         messages.append({"role": "user", "content": question.format(document=document)})
         request = make_request(snapshots.engine, messages, max_generate_length=MAX_GENERATE, chat=True, salt=salt)
+        if turn:
+            floor_ms, floor_start = new_only_ms(snapshots.engine, request)
         with_snapshots = snapshots.run(request, reuse=True)
         pages_only = pages.run(request, reuse=True)
         if with_snapshots.token_ids != pages_only.token_ids:
@@ -92,7 +96,9 @@ def conversation(snapshots: Bench, pages: Bench, document: str, salt: str, sampl
         row["snapshots"].append(with_snapshots.ttft_ms)
         row["pages"].append(pages_only.ttft_ms)
         if turn:
-            row["new_only"].append(new_only_ms(snapshots.engine, request, start))
+            row["new_only"].append(floor_ms)
+            if floor_start != start:
+                checks.append(f"turn {turn + 1} ({salt}): new-only measured from {floor_start}, the turn from {start}")
         info[turn] = {"turn": turn + 1, "prompt_tokens": len(prompt), "cached_snapshots": start,
                       "cached_pages": pages_only.cached_tokens, "new_tokens": len(prompt) - start,
                       "previous_turn_resident": previous_resident}  # = cached_snapshots when answers re-tokenize
@@ -122,19 +128,22 @@ def main() -> None:
     rows = []
     for s, i in zip(samples, info, strict=True):
         m = {k: median(v) for k, v in s.items() if v}
+        best = {k: min(v) for k, v in s.items() if v}  # fastest samples: less exposed to a busy machine
         rows.append({**i, "warm_snapshots_ms": m["snapshots"], "warm_pages_ms": m["pages"],
                      "new_only_ms": m.get("new_only"),
                      "snapshots_over_new_only": m["snapshots"] / m["new_only"] if "new_only" in m else None,
                      "pages_over_new_only": m["pages"] / m["new_only"] if "new_only" in m else None,
+                     "best_snapshots_over_new_only": best["snapshots"] / best["new_only"] if "new_only" in m else None,
                      "samples": s})
     print(f"{'turn':>4} {'prompt':>6} {'cached pages/snap':>17} {'new':>4} {'warm pages ms':>13} "
-          f"{'warm snap ms':>12} {'new-only ms':>11} {'pages/new':>9} {'snap/new':>8}")
+          f"{'warm snap ms':>12} {'new-only ms':>11} {'pages/new':>9} {'snap/new':>8} {'best snap/new':>13}")
     for row in rows:
         ratio = row["snapshots_over_new_only"]
         print(f"{row['turn']:>4} {row['prompt_tokens']:>6} {row['cached_pages']:>8}/{row['cached_snapshots']:<8} "
               f"{row['new_tokens']:>4} {row['warm_pages_ms']:>13.1f} {row['warm_snapshots_ms']:>12.1f} "
               + (f"{row['new_only_ms']:>11.1f} {row['pages_over_new_only']:>9.2f} {ratio:>8.2f}"
-                 + ("" if ratio <= TARGET else "  over target") if ratio is not None else f"{'(cold)':>11}"))
+                 + f" {row['best_snapshots_over_new_only']:>13.2f}" + ("" if ratio <= TARGET else "  over target")
+                 if ratio is not None else f"{'(cold)':>11}"))
     warm = [row for row in rows if row["snapshots_over_new_only"] is not None]
     met = all(row["snapshots_over_new_only"] <= TARGET for row in warm)
     print(f"every warm turn with snapshots <= {TARGET}x new-only: {'yes' if met else 'NO'}; "
