@@ -85,6 +85,9 @@ def memory_plan(config: ModelConfig, geometry: PageGeometry) -> MemoryPlan:
 def build_engine(onnx_dir: Path, engine_dir: Path, options: BuildOptions,
                  step: Callable[[str], None] = lambda _m: None) -> tuple[PageGeometry, MemoryPlan]:
     config = read_onnx_dir(onnx_dir)
+    if config.is_recurrent:  # exported and checked against transformers; the engine loop has no state slots yet
+        raise InvalidConfig(f"{config.model} has recurrent layers (layer_types {sorted(set(config.layer_types))}), "
+                            "which this kvforge runtime cannot run yet; only attention models build", "onnx_dir")
     backend = resolve_backend(options.backend)
     geometry = options.geometry(config.max_position_embeddings)
     step("validated geometry")

@@ -3,7 +3,12 @@ config: prefill, prefill-then-decode, chunked prefill continuing from the carrie
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 
@@ -99,3 +104,82 @@ def test_ragged_rows_keep_their_own_states(models: tuple) -> None:
     logits, _ = run(models, [[10], [11]], states)  # decode both rows from states taken at different lengths
     np.testing.assert_allclose(logits[1], reference(models[0], short + [11]), atol=TOL, rtol=0)
     np.testing.assert_allclose(logits[0], reference(models[0], long + [10]), atol=TOL, rtol=0)
+
+
+# --- export: the synthetic tiny-mamba2 and an HF checkpoint dir through llm_export's writer ---------------
+
+def hf_twin(config: object) -> object:
+    """transformers' Mamba2ForCausalLM for a kvforge mamba2 ModelConfig (weights loaded by the caller)."""
+    return transformers.Mamba2ForCausalLM(transformers.Mamba2Config(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.num_hidden_layers,
+        num_heads=config.recurrent_state_num_heads, head_dim=config.recurrent_state_head_dim,
+        expand=config.intermediate_size // config.hidden_size, state_size=config.recurrent_state_size,
+        n_groups=config.n_groups, conv_kernel=config.conv_kernel, layer_norm_epsilon=config.rms_norm_eps,
+        tie_word_embeddings=config.tie_word_embeddings, chunk_size=8)).eval()
+
+
+def exported(onnx_dir: Path) -> tuple[ort.InferenceSession, Mamba2Geometry]:
+    from kvforge.contract.model_config import ModelConfig, read_json
+    from kvforge.tools.export.mamba2_source import geometry
+
+    config = ModelConfig.from_dict(read_json(onnx_dir / "config.json", "onnx_dir"))
+    lowered = lower_recurrent_ops(onnx.load(onnx_dir / "model.onnx"))
+    return ort.InferenceSession(lowered.SerializeToString(), providers=["CPUExecutionProvider"]), geometry(config)
+
+
+def test_synthetic_tiny_mamba2_exports_and_matches_transformers(tmp_path: Path) -> None:
+    from kvforge.tools.export.synthetic import synthetic_model
+    from kvforge.tools.export.writer import write_onnx_dir
+
+    loaded = synthetic_model("tiny-mamba2")
+    write_onnx_dir(loaded, tmp_path / "onnx")
+    written = json.loads((tmp_path / "onnx" / "config.json").read_text())
+    assert written["model"] == "mamba2" and written["layer_types"] == ["mamba", "mamba"]
+    hf = hf_twin(loaded.config)
+    state = {("backbone.embeddings.weight" if k == "model.embed_tokens.weight" else k): torch.tensor(v)
+             for k, v in loaded.weights.items()}
+    hf.load_state_dict(state, strict=True)
+    session, geometry = exported(tmp_path / "onnx")
+    ids = [40, 41, 70, 100, 5, 77, 90, 12, 33]
+    logits, states = run((hf, session, geometry), [ids[:4]], zero_states(geometry, 1))
+    logits, _ = run((hf, session, geometry), [ids[4:]], states)  # chunked
+    np.testing.assert_allclose(logits[0], reference(hf, ids), atol=TOL, rtol=0)
+
+
+def test_hf_mamba2_checkpoint_dir_exports_and_matches_transformers(tmp_path: Path, models: tuple) -> None:
+    from kvforge.tools.export.hf_source import load_hf_dir
+    from kvforge.tools.export.synthetic import byte_level_tokenizer
+    from kvforge.tools.export.writer import write_onnx_dir
+
+    hf = models[0]
+    checkpoint = tmp_path / "hf"
+    hf.save_pretrained(checkpoint, safe_serialization=True)
+    byte_level_tokenizer().save(str(checkpoint / "tokenizer.json"))
+    loaded = load_hf_dir(checkpoint)
+    assert loaded.config.model == "mamba2" and loaded.config.recurrent_state_num_heads == 8
+    write_onnx_dir(loaded, tmp_path / "onnx")
+    session, geometry = exported(tmp_path / "onnx")
+    ids = [3, 17, 5, 42, 8, 9, 21]
+    _, states = run((hf, session, geometry), [ids], zero_states(geometry, 1))
+    logits, _ = run((hf, session, geometry), [[11]], states)  # prefill then decode
+    np.testing.assert_allclose(logits[0], reference(hf, ids + [11]), atol=TOL, rtol=0)
+
+
+def test_recurrent_exports_are_refused_by_build_and_runtime_in_one_line(run_cli, tmp_path: Path,
+                                                                        tiny_engine_dir: Path) -> None:
+    from test_cli_errors import assert_one_line_error
+
+    export = run_cli(["llm_export", "--synthetic", "tiny-mamba2", "--outputDir", tmp_path / "onnx"])
+    assert export.returncode == 0, export.stderr
+    build = run_cli(["llm_build", "--onnxDir", tmp_path / "onnx", "--engineDir", tmp_path / "engine"])
+    assert_one_line_error(build, "--onnxDir", "mamba2", "recurrent")
+    engine = tmp_path / "engine_with_unknown_layers"
+    shutil.copytree(tiny_engine_dir, engine)
+    data = json.loads((engine / "config.json").read_text())
+    data["layer_types"] = ["mamba"] * data["num_hidden_layers"]
+    (engine / "config.json").write_text(json.dumps(data))
+    request = tmp_path / "in.json"
+    request.write_text(json.dumps({"requests": [{"messages": [{"role": "user", "content": "hi"}]}]}))
+    inference = run_cli(["llm_inference", "--engineDir", engine, "--inputFile", request,
+                         "--outputFile", tmp_path / "out.json"])
+    assert_one_line_error(inference, "layer_types")

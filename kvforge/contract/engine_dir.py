@@ -66,6 +66,9 @@ def load_engine_dir(path: Path) -> EngineDir:
         raise InvalidConfig(f"{path} is not a directory", "engine_dir")
     data = read_json(path / "config.json", "engine_dir")
     model = ModelConfig.from_dict(data, f"{path}/config.json")
+    if model.is_recurrent or any(t != "attention" for t in model.layer_types):
+        raise InvalidConfig(f"engine has layer types {sorted(set(model.layer_types))}; this runtime runs attention "
+                            "layers only", "engine_dir")
     raw = data.get("builder_config")
     if not isinstance(raw, dict):
         raise InvalidConfig(f"{path}/config.json has no builder_config; is this an ONNX dir? build it with llm_build",
