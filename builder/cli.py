@@ -25,6 +25,11 @@ DEFAULTS = BuildOptions()
 DEFAULT_REUSE_RECORDS = 64
 
 
+def _budget_line(kind: str, slot: int, what: str, flag: str, records: int) -> None:
+    console.print(f"  {kind} snapshot slot: {slot:,} bytes ({what}); for {records} retained contexts: "
+                  f"{flag} {slot * records} ({_mib(slot * records)}) with --enableContextReuse")
+
+
 def _mib(num_bytes: int) -> str:
     return f"{num_bytes / 2**20:,.1f} MiB"
 
@@ -74,13 +79,16 @@ def build(
             console.print(f"  note: the pool holds fewer pages than {geometry.max_batch_size} sequences of "
                           f"{geometry.max_kv_cache_capacity} tokens need; rows will wait or be preempted when the "
                           "pool is full")
-        console.print(f"  KV pool: {plan.bytes_per_page_per_layer:,} bytes per page per layer; "
-                      f"{_mib(plan.pool_bytes_per_layer)} per layer × {plan.num_layers} layers "
-                      f"= {_mib(plan.total_bytes)} in total")
-        slot = plan.partial_kv_bytes_per_slot
-        console.print(f"  partial-KV snapshot slot: {slot:,} bytes (a K+V page × {plan.num_layers} attention layers); "
-                      f"for {reuse_records} retained contexts: --contextCachePartialKVSnapshotPoolBytes "
-                      f"{slot * reuse_records} ({_mib(slot * reuse_records)}) with --enableContextReuse")
+        if plan.num_layers:  # attention layers: a KV pool and partial-KV snapshots
+            console.print(f"  KV pool: {plan.bytes_per_page_per_layer:,} bytes per page per layer; "
+                          f"{_mib(plan.pool_bytes_per_layer)} per layer × {plan.num_layers} layers "
+                          f"= {_mib(plan.total_bytes)} in total")
+            _budget_line("partial-KV", plan.partial_kv_bytes_per_slot,
+                         f"a K+V page × {plan.num_layers} attention layers", "--contextCachePartialKVSnapshotPoolBytes",
+                         reuse_records)
+        if plan.recurrent_bytes_per_slot:
+            _budget_line("recurrent", plan.recurrent_bytes_per_slot, "every layer's recurrent and conv state",
+                         "--contextCacheRecurrentSnapshotPoolBytes", reuse_records)
 
     run_guarded(body, debug, flags=BUILD_FLAGS)
 

@@ -165,14 +165,42 @@ def test_hf_mamba2_checkpoint_dir_exports_and_matches_transformers(tmp_path: Pat
     np.testing.assert_allclose(logits[0], reference(hf, ids + [11]), atol=TOL, rtol=0)
 
 
-def test_recurrent_exports_are_refused_by_build_and_runtime_in_one_line(run_cli, tmp_path: Path,
-                                                                        tiny_engine_dir: Path) -> None:
+def test_llm_build_lowers_a_recurrent_export_and_the_runtime_refuses_it_in_one_line(
+        run_cli, tmp_path: Path) -> None:
     from test_cli_errors import assert_one_line_error
+
+    from kvforge.contract.geometry import recurrent_bytes_per_slot
+    from kvforge.tools.export.synthetic import synthetic_model
 
     export = run_cli(["llm_export", "--synthetic", "tiny-mamba2", "--outputDir", tmp_path / "onnx"])
     assert export.returncode == 0, export.stderr
-    build = run_cli(["llm_build", "--onnxDir", tmp_path / "onnx", "--engineDir", tmp_path / "engine"])
-    assert_one_line_error(build, "--onnxDir", "mamba2", "recurrent")
+    build = run_cli(["llm_build", "--onnxDir", tmp_path / "onnx", "--engineDir", tmp_path / "engine",
+                     "--reuseRecords", "4"])
+    assert build.returncode == 0, build.stderr
+    config = synthetic_model("tiny-mamba2").config
+    slot = recurrent_bytes_per_slot(2, 8, 16, 16, config.conv_dim, 4)
+    built = json.loads((tmp_path / "engine" / "config.json").read_text())["builder_config"]
+    assert built["layer_types"] == ["mamba", "mamba"] and built["recurrent_snapshot_bytes_per_slot"] == slot
+    assert built["partial_kv_snapshot_bytes_per_slot"] == 0
+    text = " ".join(build.stderr.split())
+    assert f"recurrent snapshot slot: {slot:,} bytes" in text
+    assert f"--contextCacheRecurrentSnapshotPoolBytes {4 * slot}" in text
+    assert "KV pool" not in text  # no attention layers, no pool
+    lowered = onnx.load(tmp_path / "engine" / "model.onnx")
+    assert not any(n.domain == "kvforge" for n in lowered.graph.node)
+    pages = run_cli(["llm_build", "--onnxDir", tmp_path / "onnx", "--engineDir", tmp_path / "engine2",
+                     "--maxKVPoolPages", "64"])
+    assert_one_line_error(pages, "--maxKVPoolPages", "no attention layers")  # the seed's retained-pages gate
+    request = tmp_path / "in.json"
+    request.write_text(json.dumps({"requests": [{"messages": [{"role": "user", "content": "hi"}]}]}))
+    inference = run_cli(["llm_inference", "--engineDir", tmp_path / "engine", "--inputFile", request,
+                         "--outputFile", tmp_path / "out.json"])
+    assert_one_line_error(inference, "--engineDir", "layer types", "mamba")
+
+
+def test_unknown_layer_types_are_refused_in_one_line(run_cli, tmp_path: Path, tiny_engine_dir: Path) -> None:
+    from test_cli_errors import assert_one_line_error
+
     engine = tmp_path / "engine_with_unknown_layers"
     shutil.copytree(tiny_engine_dir, engine)
     data = json.loads((engine / "config.json").read_text())

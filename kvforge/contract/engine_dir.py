@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.contract.errors import InvalidConfig
-from kvforge.contract.geometry import PageGeometry, partial_kv_bytes_per_slot
+from kvforge.contract.geometry import PageGeometry, partial_kv_bytes_per_slot, recurrent_bytes_per_slot
 from kvforge.contract.model_config import ModelConfig, read_json
 
 ENGINE_MODEL_FILE = "model.onnx"
@@ -35,11 +35,17 @@ class BuilderConfig(PageGeometry):
     def from_geometry(cls, geometry: PageGeometry, backend: str, max_lora_rank: int,
                       model: ModelConfig | None = None) -> BuilderConfig:
         resolved = {f.name: getattr(geometry, f.name) for f in fields(PageGeometry)}
-        snapshots = {} if model is None else {
-            "layer_types": ("attention",) * model.num_hidden_layers,
-            "partial_kv_snapshot_bytes_per_slot": partial_kv_bytes_per_slot(
-                model.num_hidden_layers, model.num_key_value_heads, model.head_dim, geometry.tokens_per_page,
-                model.kv_cache_dtype)}
+        snapshots: dict[str, Any] = {}
+        if model is not None and model.is_recurrent:
+            snapshots = {"layer_types": tuple(model.layer_types), "recurrent_snapshot_bytes_per_slot":
+                         recurrent_bytes_per_slot(model.num_hidden_layers, model.recurrent_state_num_heads,
+                                                  model.recurrent_state_head_dim, model.recurrent_state_size,
+                                                  model.conv_dim, model.conv_kernel)}
+        elif model is not None:
+            snapshots = {"layer_types": ("attention",) * model.num_hidden_layers,
+                         "partial_kv_snapshot_bytes_per_slot": partial_kv_bytes_per_slot(
+                             model.num_hidden_layers, model.num_key_value_heads, model.head_dim,
+                             geometry.tokens_per_page, model.kv_cache_dtype)}
         return cls(**resolved, backend=backend, max_lora_rank=max_lora_rank, **snapshots)
 
     def to_dict(self) -> dict[str, Any]:

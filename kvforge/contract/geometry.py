@@ -80,6 +80,13 @@ def partial_kv_bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int,
     return num_layers * kv_bytes_per_page(num_kv_heads, head_dim, tokens_per_page, kv_cache_dtype)
 
 
+def recurrent_bytes_per_slot(num_recurrent_layers: int, num_heads: int, head_dim: int, state_size: int,
+                             conv_dim: int, conv_kernel: int) -> int:
+    """Bytes of one recurrent snapshot slot: every recurrent layer's state [H, P, N] and conv state
+    [conv_dim, K-1], both fp32 (TensorRT Edge-LLM's `recurrentBytesPerSlot`, with the conv's K-1 live columns)."""
+    return num_recurrent_layers * 4 * (num_heads * head_dim * state_size + conv_dim * (conv_kernel - 1))
+
+
 def snapshot_slots(budget_bytes: int, bytes_per_slot: int) -> int:
     """Whole slots a byte budget holds (the rest of the budget stays unused)."""
     return budget_bytes // bytes_per_slot if bytes_per_slot > 0 else 0
