@@ -10,9 +10,16 @@ import onnx
 
 from kvforge.builder.engine_files import load_model, write_engine_config
 from kvforge.builder.lower_ort import lower_for_onnxruntime, share_tied_head
+from kvforge.builder.lower_recurrent import lower_recurrent_ops
 from kvforge.contract.engine_dir import COPIED_FILES, ENGINE_MODEL_FILE, ENGINE_WEIGHTS_FILE, BuilderConfig
 from kvforge.contract.errors import InvalidConfig
-from kvforge.contract.geometry import DEFAULT_TOKENS_PER_PAGE, PageGeometry, kv_bytes_per_page, resolve_geometry
+from kvforge.contract.geometry import (
+    DEFAULT_TOKENS_PER_PAGE,
+    PageGeometry,
+    kv_bytes_per_page,
+    recurrent_bytes_per_slot,
+    resolve_geometry,
+)
 from kvforge.contract.model_config import ModelConfig, read_json
 
 BACKENDS = ("auto", "onnxruntime", "tensorrt")
@@ -44,6 +51,8 @@ class MemoryPlan:
     bytes_per_page_per_layer: int
     pool_bytes_per_layer: int
     num_layers: int
+    partial_kv_bytes_per_slot: int  # --contextCachePartialKVSnapshotPoolBytes buys whole slots of this size
+    recurrent_bytes_per_slot: int = 0  # --contextCacheRecurrentSnapshotPoolBytes (recurrent layers only)
 
     @property
     def total_bytes(self) -> int:
@@ -75,9 +84,14 @@ def resolve_backend(backend: str) -> str:
 
 
 def memory_plan(config: ModelConfig, geometry: PageGeometry) -> MemoryPlan:
+    if config.is_recurrent:
+        return MemoryPlan(0, 0, 0, 0, recurrent_bytes_per_slot(
+            config.num_hidden_layers, config.recurrent_state_num_heads, config.recurrent_state_head_dim,
+            config.recurrent_state_size, config.conv_dim, config.conv_kernel))
     per_page = kv_bytes_per_page(config.num_key_value_heads, config.head_dim, geometry.tokens_per_page,
                                  config.kv_cache_dtype)
-    return MemoryPlan(per_page, per_page * geometry.max_kv_pool_pages, config.num_hidden_layers)
+    return MemoryPlan(per_page, per_page * geometry.max_kv_pool_pages, config.num_hidden_layers,
+                      per_page * config.num_hidden_layers)
 
 
 def build_engine(onnx_dir: Path, engine_dir: Path, options: BuildOptions,
@@ -86,6 +100,8 @@ def build_engine(onnx_dir: Path, engine_dir: Path, options: BuildOptions,
     backend = resolve_backend(options.backend)
     geometry = options.geometry(config.max_position_embeddings)
     step("validated geometry")
+    if config.is_recurrent:
+        return _build_recurrent(onnx_dir, engine_dir, config, geometry, backend, options, step)
     if backend == "tensorrt" and config.quantization != "none":
         raise InvalidConfig(f"this export has {config.quantization} MatMulNBits weights, an ONNX Runtime operator; "
                             "build it with --backend onnxruntime, or export with --quantization none for TensorRT",
@@ -102,12 +118,41 @@ def build_engine(onnx_dir: Path, engine_dir: Path, options: BuildOptions,
     if config.tie_word_embeddings:
         share_tied_head(lowered)
     step("lowered paged-KV ops")
+    _save(lowered, engine_dir)
+    write_engine_config(onnx_dir, engine_dir, config,
+                        BuilderConfig.from_geometry(geometry, backend, options.max_lora_rank, config))
+    step("wrote engine dir")
+    return geometry, memory_plan(config, geometry)
+
+
+def _build_recurrent(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometry: PageGeometry, backend: str,
+                     options: BuildOptions, step: Callable[[str], None]) -> tuple[PageGeometry, MemoryPlan]:
+    """A pure recurrent model (Mamba2): no KV pool, the recurrent ops lowered for ONNX Runtime.
+
+    The seed's gate on extra retained pages: an engine without KV inputs retains nothing in pages (it reuses
+    exact recurrent checkpoints), so --maxKVPoolPages must stay 0.
+    """
+    if options.max_kv_pool_pages:
+        raise InvalidConfig(f"{config.model} has no attention layers, so no KV pages to retain; use 0",
+                            "max_kv_pool_pages")
+    if backend != "onnxruntime":
+        raise InvalidConfig(f"{config.model} builds for onnxruntime only (no TensorRT plugin for the recurrent ops "
+                            "yet)", "backend")
+    if options.max_lora_rank:
+        raise InvalidConfig(f"{config.model} exports have no LoRA inputs; use 0", "max_lora_rank")
+    model = load_model(onnx_dir, config, 0)
+    step("loaded model.onnx")
+    lowered = lower_recurrent_ops(model)
+    step("lowered recurrent ops")
+    _save(lowered, engine_dir)
+    write_engine_config(onnx_dir, engine_dir, config, BuilderConfig.from_geometry(geometry, backend, 0, config))
+    step("wrote engine dir")
+    return geometry, memory_plan(config, geometry)
+
+
+def _save(model: onnx.ModelProto, engine_dir: Path) -> None:
     engine_dir.mkdir(parents=True, exist_ok=True)
     for stale in (engine_dir / ENGINE_MODEL_FILE, engine_dir / ENGINE_WEIGHTS_FILE):
         stale.unlink(missing_ok=True)
-    onnx.save_model(lowered, engine_dir / ENGINE_MODEL_FILE, save_as_external_data=True,
+    onnx.save_model(model, engine_dir / ENGINE_MODEL_FILE, save_as_external_data=True,
                     all_tensors_to_one_file=True, location=ENGINE_WEIGHTS_FILE, size_threshold=1024)
-    write_engine_config(onnx_dir, engine_dir, config,
-                        BuilderConfig.from_geometry(geometry, backend, options.max_lora_rank))
-    step("wrote engine dir")
-    return geometry, memory_plan(config, geometry)

@@ -24,6 +24,12 @@ Build an engine dir from an llm_export ONNX dir.
 """
 app = typer.Typer(add_completion=False, rich_markup_mode="rich")
 DEFAULTS = BuildOptions()
+DEFAULT_REUSE_RECORDS = 64
+
+
+def _budget_line(kind: str, slot: int, what: str, flag: str, records: int) -> None:
+    console.print(f"  {kind} snapshot slot: {slot:,} bytes ({what}); for {records} retained contexts: "
+                  f"{flag} {slot * records} ({_mib(slot * records)}) with --enableContextReuse")
 
 
 def _mib(num_bytes: int) -> str:
@@ -53,6 +59,9 @@ def build(
     backend: str = typer.Option("auto", "--backend",
                                 help="onnxruntime (CPU), tensorrt (GPU; needs the tensorrt extra) or auto "
                                      "(TensorRT when it imports and a GPU is visible, else onnxruntime)."),
+    reuse_records: int = typer.Option(DEFAULT_REUSE_RECORDS, "--reuseRecords",
+                                      help="Retained contexts to size the printed snapshot budget for (a record "
+                                           "whose length is not page-aligned keeps one partial-KV snapshot slot)."),
     profile_ops_file: Path = typer.Option(None, "--profileOps",
                                           help="After the build, run one prefill and its decode steps with ONNX "
                                                "Runtime profiling and write the per-op-type times (JSON) here; "
@@ -83,6 +92,8 @@ def build(
             if not 1 <= profile_prompt_tokens <= max_input_len or profile_decode_tokens < 0:
                 raise KvforgeError(f"must be in [1, --maxInputLen={max_input_len}], got {profile_prompt_tokens}",
                                    "--profilePromptTokens")
+        if reuse_records < 0:
+            raise KvforgeError(f"must be >= 0, got {reuse_records}", "--reuseRecords")
         with progress_bar("building engine", STEPS) as step:
             geometry, plan = build_engine(onnx_dir, engine_dir, options, step)
         console.print(f"engine written to {engine_dir} (backend {resolve_backend(backend)})")
@@ -93,9 +104,16 @@ def build(
             console.print(f"  note: the pool holds fewer pages than {geometry.max_batch_size} sequences of "
                           f"{geometry.max_kv_cache_capacity} tokens need; rows will wait or be preempted when the "
                           "pool is full")
-        console.print(f"  KV pool: {plan.bytes_per_page_per_layer:,} bytes per page per layer; "
-                      f"{_mib(plan.pool_bytes_per_layer)} per layer × {plan.num_layers} layers "
-                      f"= {_mib(plan.total_bytes)} in total")
+        if plan.num_layers:  # attention layers: a KV pool and partial-KV snapshots
+            console.print(f"  KV pool: {plan.bytes_per_page_per_layer:,} bytes per page per layer; "
+                          f"{_mib(plan.pool_bytes_per_layer)} per layer × {plan.num_layers} layers "
+                          f"= {_mib(plan.total_bytes)} in total")
+            _budget_line("partial-KV", plan.partial_kv_bytes_per_slot,
+                         f"a K+V page × {plan.num_layers} attention layers", "--contextCachePartialKVSnapshotPoolBytes",
+                         reuse_records)
+        if plan.recurrent_bytes_per_slot:
+            _budget_line("recurrent", plan.recurrent_bytes_per_slot, "every layer's recurrent and conv state",
+                         "--contextCacheRecurrentSnapshotPoolBytes", reuse_records)
         if profile_ops_file is not None:
             from kvforge.runtime.op_profile import format_op_profile, profile_ops
             console.print(f"profiling ops: {profile_prompt_tokens}-token prefill, {profile_decode_tokens} decode steps")

@@ -180,4 +180,5 @@ def _write_engine_dir(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geo
         (engine_dir / stale).unlink(missing_ok=True)
     with open(engine_dir / TRT_ENGINE_FILE, "wb") as handle:
         handle.write(memoryview(serialized))  # IHostMemory exposes the buffer protocol
-    write_engine_config(onnx_dir, engine_dir, config, BuilderConfig.from_geometry(geometry, "tensorrt", max_lora_rank))
+    write_engine_config(onnx_dir, engine_dir, config,
+                        BuilderConfig.from_geometry(geometry, "tensorrt", max_lora_rank, config))

@@ -43,6 +43,7 @@ ENGINE_FLAGS = {  # llm_inference
     "output_file": "--outputFile",
     "profile_output_file": "--profileOutputFile",
     "context_cache_max_records": "--contextCacheMaxRecords",
+    "context_cache_partial_kv_snapshot_pool_bytes": "--contextCachePartialKVSnapshotPoolBytes",
     "prefill_chunk_size": "--prefillChunkSize",
     "max_num_tokens": "--maxNumTokens",
     "num_threads": "--numThreads",

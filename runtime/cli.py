@@ -50,6 +50,11 @@ def inference(
                                                 "run in chunks (faster on the CPU). 0 = one call per prompt."),
     context_cache_max_records: int = typer.Option(1024, "--contextCacheMaxRecords",
                                                   help="Max retained cache records (0 = publish then evict at once)."),
+    partial_kv_snapshot_pool_bytes: int = typer.Option(
+        0, "--contextCachePartialKVSnapshotPoolBytes",
+        help="Bytes for partial-KV snapshots (llm_build prints the bytes per slot): records whose length is not "
+             "page-aligned keep their tail page, so later prompts extending them reuse up to the exact token. "
+             "Needs --enableContextReuse; 0 = off (reuse stops at the last whole page)."),
     scheduling: str = typer.Option("static", "--scheduling",
                                    help="static: the file's batch_size batches in file order (the seed's semantics); "
                                         "continuous: every request to the scheduler at once, rows join and leave "
@@ -75,6 +80,8 @@ def inference(
 
         if warmup < 0:
             raise KvforgeError(f"must be >= 0, got {warmup}", "--warmup")
+        if partial_kv_snapshot_pool_bytes and not enable_context_reuse:
+            raise KvforgeError("requires --enableContextReuse", "--contextCachePartialKVSnapshotPoolBytes")
         if scheduling not in {s.value for s in Scheduling}:
             raise KvforgeError(f'must be "static" or "continuous", got {scheduling!r}', "--scheduling")
         if not output_file.parent.is_dir():
@@ -88,7 +95,9 @@ def inference(
                                                  prefill_chunk_size=prefill_chunk_size, max_num_tokens=max_num_tokens,
                                                  multimodal_engine_dir=str(multimodal_engine_dir)
                                                  if multimodal_engine_dir else None,
-                                                 encoder_cache_budget_bytes=encoder_cache_budget_bytes))
+                                                 encoder_cache_budget_bytes=encoder_cache_budget_bytes,
+                                                 context_cache_partial_kv_snapshot_pool_bytes=(
+                                                     partial_kv_snapshot_pool_bytes)))
         prepared = prepare_requests(engine, requests, input_file.resolve().parent)
         warm_up(engine, prepared[0], warmup)
 

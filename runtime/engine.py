@@ -15,6 +15,7 @@ import numpy as np
 
 from kvforge.contract.engine_dir import EMBEDDING_FILE, EMBEDDING_TENSOR, EngineDir, load_engine_dir
 from kvforge.contract.errors import InvalidConfig, PoolTooSmall
+from kvforge.contract.geometry import partial_kv_bytes_per_slot, snapshot_slots
 from kvforge.contract.paging import pages_for
 from kvforge.contract.safetensors_map import map_tensor
 from kvforge.runtime.backends import load_runner
@@ -29,6 +30,7 @@ from kvforge.runtime.runner import EngineRunner
 from kvforge.runtime.sampling import Sampler
 from kvforge.runtime.scheduler import Scheduler, SchedulerOutput
 from kvforge.runtime.sequence import EngineRequest, FinishReason, Sequence, Status
+from kvforge.runtime.snapshots import PartialKVSnapshotStore
 from kvforge.runtime.system_prompt_cache import SystemPromptCache
 from kvforge.runtime.types import CommitPolicy
 
@@ -50,6 +52,9 @@ class EngineConfig:
     max_batch_size: int = 0  # rows per step; 0 = the engine's maxBatchSize
     multimodal_engine_dir: str | None = None  # a visual engine dir (llm_build of an encoder ONNX dir)
     encoder_cache_budget_bytes: int = DEFAULT_ENCODER_CACHE_BUDGET_BYTES  # 0 disables; on even without reuse
+    # Bytes for partial-KV snapshots (one K+V page per attention layer each): records whose length is not
+    # page-aligned keep their tail page, so a prompt extending one reuses up to its exact last token. 0 = off.
+    context_cache_partial_kv_snapshot_pool_bytes: int = 0
 
 
 class Engine:
@@ -59,9 +64,11 @@ class Engine:
         self.engine: EngineDir = load_engine_dir(Path(engine_dir))
         build = self.engine.build
         budget = _resolve_limits(config, build.max_input_len, build.max_batch_size)
+        partial_slots = _partial_kv_snapshot_slots(config, self.engine)
         self.cache = ContextCacheManager(build.max_kv_pool_pages, build.tokens_per_page,
                                          enabled=config.enable_context_reuse,
-                                         max_records=config.context_cache_max_records)
+                                         max_records=config.context_cache_max_records,
+                                         partial_kv_snapshot_slots=partial_slots)
         from kvforge.runtime.tokenizer import ChatTokenizer  # after the cheap checks: loading it takes a moment
 
         self.tokenizer = ChatTokenizer(self.engine.path)
@@ -70,6 +77,9 @@ class Engine:
                                      self.engine.model.vocab_size)
         embedding = map_tensor(self.engine.file(EMBEDDING_FILE), EMBEDDING_TENSOR)  # rows paged in as looked up
         self.runner = runner or load_runner(self.engine, config.num_threads, embedding)
+        self.snapshots = PartialKVSnapshotStore(self.runner.pool, partial_slots) if partial_slots else None
+        if self.snapshots is not None:
+            self.cache.capture_partial = self.snapshots.capture
         self.model_runner = ModelRunner(self.runner, embedding, lora_input_shapes(self.engine))
         self.outputs = OutputProcessor(self.tokenizer, frozenset(self.engine.model.eos_token_ids),
                                        build.max_kv_cache_capacity)
@@ -78,7 +88,7 @@ class Engine:
         chunk = min(config.prefill_chunk_size or build.max_input_len, build.max_input_len)
         self.scheduler = Scheduler(self.cache, max_batch_size=budget[1], max_num_tokens=budget[0],
                                    prefill_chunk_tokens=chunk,
-                                   on_admit=self._restore_system_prompt)
+                                   on_admit=self._on_admit)
         self.profiler = profiler or Profiler()
         self.multimodal = self._load_multimodal(config)
         self._sequences: dict[str, Sequence] = {}
@@ -195,7 +205,16 @@ class Engine:
         self._sequences.pop(seq.request_id, None)
         self.profiler.add_adapter_request(seq.adapter_label, seq.reused_tokens)
 
-    # --- legacy system-prompt cache -----------------------------------------------------------------
+    # --- restores at admission: partial-KV snapshots, the legacy system-prompt cache -------------------
+
+    def _on_admit(self, seq: Sequence) -> None:
+        lease = seq.lease
+        if lease is not None and lease.restore_slot is not None:
+            assert self.snapshots is not None, "a snapshot hit without a snapshot store"
+            # Copy-on-partial-reuse: the snapshot goes into the sequence's own page, which it then extends.
+            self.snapshots.restore(lease.restore_slot, lease.page_ids[lease.reuse_tokens // self.cache.tokens_per_page])
+            self.cache.finish_restore(lease)
+        self._restore_system_prompt(seq)
 
     def _restore_system_prompt(self, seq: Sequence) -> None:
         key = seq.request.system_prompt_key
@@ -224,6 +243,25 @@ class Engine:
         data = self.profiler.to_dict(self.cache.profile() if self.cache.enabled else None,
                                      scheduler=self.scheduler.stats.to_dict())
         return {**data, **self.multimodal.profile()} if self.multimodal else data
+
+
+def _partial_kv_snapshot_slots(config: EngineConfig, engine: EngineDir) -> int:
+    """Slots the partial-KV snapshot budget holds; a budget that holds none, or without reuse, is an error."""
+    budget, field = config.context_cache_partial_kv_snapshot_pool_bytes, "context_cache_partial_kv_snapshot_pool_bytes"
+    if budget < 0:
+        raise InvalidConfig(f"must be >= 0, got {budget}", field)
+    if budget == 0:
+        return 0
+    if not config.enable_context_reuse:
+        raise InvalidConfig("a snapshot pool budget requires context reuse (enable_context_reuse)", field)
+    model, build = engine.model, engine.build
+    per_slot = partial_kv_bytes_per_slot(model.num_hidden_layers, model.num_key_value_heads, model.head_dim,
+                                         build.tokens_per_page, model.kv_cache_dtype)
+    slots = snapshot_slots(budget, per_slot)
+    if slots == 0:
+        raise InvalidConfig(f"{budget} bytes hold no partial-KV snapshot slot: one slot (a K+V page per attention "
+                            f"layer) takes {per_slot} bytes on this engine", field)
+    return slots
 
 
 def _resolve_limits(config: EngineConfig, max_input_len: int, engine_batch: int) -> tuple[int, int]:

@@ -45,3 +45,11 @@ class KVPool:
         pages, slots = self.locate(page_ids, 0, len(stored_rows[0]))
         for layer, rows in zip(self.layers, stored_rows, strict=True):
             layer[pages, :, :, slots, :] = rows
+
+    def read_page(self, page: int) -> list[np.ndarray]:
+        """Views of one page [2, Hkv, T, D] per layer (callers copy them before the page is written again)."""
+        return [layer[page] for layer in self.layers]
+
+    def write_page(self, page: int, stored: list[np.ndarray]) -> None:
+        for layer, rows in zip(self.layers, stored, strict=True):
+            layer[page] = rows

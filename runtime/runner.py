@@ -25,7 +25,7 @@ class StepInputs:
 
 class KVStorage(Protocol):
     """The KV pool as the runner holds it (host numpy arrays, or device memory). Only the runner and the
-    caches it hands this to (the legacy system-prompt cache) touch K/V bytes; the engine loop never does."""
+    stores it hands this to (the legacy system-prompt cache, the partial-KV snapshot store) touch K/V bytes."""
 
     @property
     def nbytes(self) -> int: ...
@@ -36,6 +36,14 @@ class KVStorage(Protocol):
 
     def write_tokens(self, page_ids: list[int], stored_rows: list[np.ndarray]) -> None:
         """Write rows read by read_tokens back at positions [0, n) of another page-table row."""
+        ...
+
+    def read_page(self, page: int) -> list[np.ndarray]:
+        """One whole page per layer [2, Hkv, T, D] in the storage dtype (a view or a copy: copy before writing)."""
+        ...
+
+    def write_page(self, page: int, stored: list[np.ndarray]) -> None:
+        """Overwrite one whole page in every layer with what read_page returned (a snapshot restore)."""
         ...
 
 

@@ -109,6 +109,15 @@ class DeviceKVPool:
                 self.cuda.upload(self._page_ptr(layer, page), host[index])
             self.cuda.synchronize()
 
+    def read_page(self, page: int) -> list[np.ndarray]:
+        """One page per layer, downloaded (host copies; snapshots of a device pool are staged on the host)."""
+        return [self._download_pages(layer, [page])[0] for layer in range(len(self.layers))]
+
+    def write_page(self, page: int, stored: list[np.ndarray]) -> None:
+        for layer, rows in enumerate(stored):
+            self.cuda.upload(self._page_ptr(layer, page), np.ascontiguousarray(rows))
+        self.cuda.synchronize()
+
     def _pages(self, page_ids: list[int], num_tokens: int) -> list[int]:
         return [int(p) for p in page_ids[:pages_for(num_tokens, self.tokens_per_page)]]
 

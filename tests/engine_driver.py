@@ -26,10 +26,15 @@ def make_engine(engine_dir: Path, runner: EngineRunner | None = None, *, reuse: 
                                            **config), runner=runner)
 
 
-def shrink_pool(engine: Engine, num_pages: int, max_records: int) -> None:
-    """Run on the first `num_pages` pages only, to force waiting, eviction and preemption in tests."""
+def shrink_pool(engine: Engine, num_pages: int, max_records: int, partial_slots: int | None = None) -> None:
+    """Run on the first `num_pages` pages (and `partial_slots` snapshot slots) only, to force waiting, eviction,
+    preemption and snapshot pressure in tests."""
+    store = engine.snapshots
+    slots = engine.cache.snapshots.capacity if partial_slots is None else partial_slots
+    assert slots == 0 or (store is not None and slots <= store.num_slots)
     engine.cache = ContextCacheManager(num_pages, engine.cache.tokens_per_page, enabled=engine.cache.enabled,
-                                       max_records=max_records)
+                                       max_records=max_records, partial_kv_snapshot_slots=slots)
+    engine.cache.capture_partial = store.capture if store is not None else None
     engine.scheduler.cache = engine.cache
 
 
@@ -48,6 +53,8 @@ def assert_idle(engine: Engine) -> None:
     assert not cache.leases and not engine.has_unfinished()
     cached_pages = {p for r in cache.records.least_recent_first() for p in r.page_ids}
     assert cache.pages.num_free == cache.pages.capacity - len(cached_pages)  # nothing leaked
+    snapshots = [r.partial_slot for r in cache.records.least_recent_first() if r.partial_slot is not None]
+    assert cache.snapshots.num_free == cache.snapshots.capacity - len(snapshots)
 
 
 def top1_ids(response: dict) -> list[int]:

@@ -163,6 +163,21 @@ def test_build_accepts_a_pool_smaller_than_a_full_batch(run_cli, tiny_onnx_dir: 
     assert json.loads((engine / "config.json").read_text())["builder_config"]["max_kv_pool_pages"] == 16
 
 
+def test_build_prints_the_snapshot_slot_and_a_budget_for_reuse_records(run_cli, tiny_onnx_dir: Path,
+                                                                       tmp_path: Path) -> None:
+    engine = tmp_path / "engine"
+    proc = run_cli(["llm_build", "--onnxDir", tiny_onnx_dir, "--engineDir", engine, "--backend", "onnxruntime",
+                    "--maxInputLen", "64", "--maxKVCacheCapacity", "256", "--tokensPerPage", "16",
+                    "--reuseRecords", "10"])
+    assert proc.returncode == 0, proc.stderr
+    slot = json.loads((engine / "config.json").read_text())["builder_config"]["partial_kv_snapshot_bytes_per_slot"]
+    text = " ".join(proc.stderr.split())
+    assert f"partial-KV snapshot slot: {slot:,} bytes" in text
+    assert f"for 10 retained contexts: --contextCachePartialKVSnapshotPoolBytes {10 * slot}" in text
+    bad = run_cli(["llm_build", "--onnxDir", tiny_onnx_dir, "--engineDir", engine, "--reuseRecords", "-1"])
+    assert_one_line_error(bad, "--reuseRecords", "-1")
+
+
 @pytest.mark.skipif(importlib.util.find_spec("tensorrt") is not None, reason="TensorRT is installed here")
 def test_build_tensorrt_backend_not_installed(run_cli, tiny_onnx_dir: Path, tmp_path: Path) -> None:
     proc = run_cli(["llm_build", "--onnxDir", tiny_onnx_dir, "--engineDir", tmp_path / "engine",
@@ -276,6 +291,14 @@ REUSE_CASES = [
     pytest.param(_requests(), ["--numThreads", "-1"], ("--numThreads", "-1"), id="negative-threads"),
     pytest.param(_requests(), ["--batchSize", "0"], ("--batchSize", "0"), id="batch-size-override-0"),
     pytest.param(_requests(), ["--numLogprobs", "51"], ("--numLogprobs", "51"), id="num-logprobs-override-51"),
+    # Partial-KV snapshots: a budget needs reuse on and room for one slot (a K+V page per layer).
+    pytest.param(_requests(), ["--contextCachePartialKVSnapshotPoolBytes", "1048576"],
+                 ("--contextCachePartialKVSnapshotPoolBytes", "--enableContextReuse"), id="snapshot-budget-no-reuse"),
+    pytest.param(_requests(), ["--enableContextReuse", "--contextCachePartialKVSnapshotPoolBytes", "100"],
+                 ("--contextCachePartialKVSnapshotPoolBytes", "100 bytes", "no partial-KV snapshot slot"),
+                 id="snapshot-budget-below-one-slot"),
+    pytest.param(_requests(), ["--enableContextReuse", "--contextCachePartialKVSnapshotPoolBytes", "-1"],
+                 ("--contextCachePartialKVSnapshotPoolBytes", "-1"), id="snapshot-budget-negative"),
 ]
 
 

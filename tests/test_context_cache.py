@@ -16,7 +16,7 @@ from kvforge.runtime.context_cache.planner import (
     PLAN_STANDARD,
     plan_reuse,
 )
-from kvforge.runtime.context_cache.pools import BASE_KV_PAGES, ResourcePool
+from kvforge.runtime.context_cache.pools import BASE_KV_PAGES, Demand, ResourcePool, ResourcePools
 from kvforge.runtime.context_cache.records import Record, RecordStore
 from kvforge.runtime.types import LookupPolicy
 
@@ -120,7 +120,8 @@ def _record(store: RecordStore, pages: tuple[int, ...]) -> Record:
 
 
 def test_eviction_shared_ancestor_needs_several_victims_and_plans_are_read_only() -> None:
-    pool = ResourcePool(BASE_KV_PAGES, 3)
+    pools = ResourcePools(3)
+    pool = pools.base_kv_pages
     pages = pool.allocate(3)
     store = RecordStore()
     a = _record(store, (pages[0], pages[1]))  # two branches sharing ancestor page 0
@@ -129,21 +130,22 @@ def test_eviction_shared_ancestor_needs_several_victims_and_plans_are_read_only(
     pool.add_cache_ref(b.page_ids)
     pool.unpin(pages)
     before = (list(pool.active), list(pool.cache), pool.num_free)
-    assert plan_eviction(1, pool, store.least_recent_first()) == [a.record_id]
-    assert plan_eviction(3, pool, store.least_recent_first()) == [a.record_id, b.record_id]
-    assert plan_eviction(4, pool, store.least_recent_first()) is None  # infeasible
+    assert plan_eviction(Demand(1), pools, store.least_recent_first()) == [a.record_id]
+    assert plan_eviction(Demand(3), pools, store.least_recent_first()) == [a.record_id, b.record_id]
+    assert plan_eviction(Demand(4), pools, store.least_recent_first()) is None  # infeasible
     assert (list(pool.active), list(pool.cache), pool.num_free) == before  # nothing changed
 
 
 def test_eviction_never_reclaims_pinned_pages() -> None:
-    pool = ResourcePool(BASE_KV_PAGES, 2)
+    pools = ResourcePools(2)
+    pool = pools.base_kv_pages
     pages = pool.allocate(2)
     store = RecordStore()
     record = _record(store, tuple(pages))
     pool.add_cache_ref(record.page_ids)
     pool.unpin([pages[1]])  # page 0 stays pinned by an in-flight request
-    assert plan_eviction(2, pool, store.least_recent_first()) is None
-    assert plan_eviction(1, pool, store.least_recent_first()) == [record.record_id]
+    assert plan_eviction(Demand(2), pools, store.least_recent_first()) is None
+    assert plan_eviction(Demand(1), pools, store.least_recent_first()) == [record.record_id]
 
 
 # --- manager ----------------------------------------------------------------------------------------
@@ -326,3 +328,130 @@ def test_generated_tokens_are_not_indexed_in_flight() -> None:
     assert len(manager.index) == 1  # only the prompt's full page
     manager.release(lease)
     manager.check_invariants()
+
+
+# --- partial-KV snapshots (token-exact reuse) -------------------------------------------------------
+
+class SnapshotCopies:
+    """Stands in for the runner's snapshot store: remembers which page each slot was captured from."""
+
+    def __init__(self, manager: ContextCacheManager) -> None:
+        self.captured: dict[int, int] = {}
+        manager.capture_partial = self.capture
+
+    def capture(self, page: int, slot: int) -> None:
+        self.captured[slot] = page
+
+
+def snapshot_manager(slots: int, num_pages: int = 8, max_records: int = 1024) -> ContextCacheManager:
+    manager = ContextCacheManager(num_pages, T, enabled=True, max_records=max_records, partial_kv_snapshot_slots=slots)
+    SnapshotCopies(manager)
+    return manager
+
+
+def run_restoring(manager: ContextCacheManager, ids: list[int], salt: str | None = None) -> Lease:
+    """Admit, restore (as the engine would), publish the whole input and release."""
+    lease = acquire(manager, ids, extras=KeyExtras(cache_salt=salt))
+    manager.check_invariants()  # a pending restore pins its snapshot
+    manager.finish_restore(lease)
+    manager.publish(lease, ids)
+    manager.release(lease)
+    manager.check_invariants()
+    return lease
+
+
+def test_snapshot_extends_reuse_to_the_exact_token() -> None:
+    manager = snapshot_manager(slots=2)
+    first = run_restoring(manager, tokens(10))  # 2 full pages + a 2-token tail: captured
+    copies = manager.capture_partial.__self__  # type: ignore[union-attr]
+    [(slot, page)] = copies.captured.items()
+    assert page == first.page_ids[2]  # the page that held the tail
+    second = acquire(manager, tokens(10) + [50, 51])
+    assert (second.reuse_tokens, second.matched_tokens, second.restore_slot, second.restore_tokens) == (10, 10, slot, 2)
+    assert second.page_ids[:2] == first.page_ids[:2] and second.page_ids[2] != first.page_ids[2]  # its own page
+    assert manager.snapshots.active[slot] == 1  # pinned until the engine copied it
+    manager.finish_restore(second)
+    assert manager.snapshots.active[slot] == 0
+    manager.release(second)
+    profile = manager.profile()
+    assert profile["hybrid"] == {"restores": 1, "snapshot_pressure_skips": 0, "capture_synchronizations": 1}
+    assert profile["resource_pools"]["partial_kv_snapshots"] == {"free": 1, "capacity": 2}
+    assert profile["plans"]["standard"] == 1 and profile["reused_tokens"] == 10
+    manager.check_invariants()
+
+
+def test_snapshot_of_a_prompt_shorter_than_a_page_and_its_isolation() -> None:
+    manager = snapshot_manager(slots=4)
+    run_restoring(manager, tokens(3))  # no full page at all: a record holding only a snapshot
+    assert len(manager.records) == 1 and manager.pages.num_free == manager.pages.capacity
+    assert run_restoring(manager, tokens(3) + [9]).reuse_tokens == 3
+    assert run_restoring(manager, tokens(3) + [9], salt="tenant").reuse_tokens == 0  # salt: another chain
+    assert run_restoring(manager, [1, 1, 2, 7]).reuse_tokens == 0  # different tokens
+    assert run_restoring(manager, tokens(3)).reuse_tokens == 0  # the whole input: one token must compute
+    assert run_restoring(manager, tokens(2) + [9]).reuse_tokens == 0  # shorter tails are not kept
+    manager.check_invariants()
+
+
+def test_page_aligned_fully_matched_input_rewinds_into_a_snapshot() -> None:
+    manager = snapshot_manager(slots=2)
+    run_restoring(manager, tokens(6))  # page 0 + 2-token tail
+    run_restoring(manager, tokens(8))  # both pages indexed
+    lease = acquire(manager, tokens(8))  # aligned and fully matched: rewind page 1, then restore its tail
+    assert (lease.plan_kind, lease.reuse_tokens, lease.restore_tokens) == (PLAN_FULL_INPUT_REWIND, 6, 2)
+    manager.finish_restore(lease)
+    manager.release(lease)
+    manager.check_invariants()
+
+
+def test_evicting_a_record_frees_its_snapshot_slot() -> None:
+    manager = snapshot_manager(slots=4, max_records=2)
+    for offset in (0, 100, 200):
+        run_restoring(manager, tokens(6, offset))
+    assert len(manager.records) == 2
+    profile = manager.profile()
+    assert profile["resource_pools"]["partial_kv_snapshots"] == {"free": 2, "capacity": 4}
+    assert profile["reclaimed_resources"]["partial_kv_snapshots"] == 1
+    assert profile["reclaimed_resources"][BASE_KV_PAGES] == 1
+
+
+def test_tight_budget_evicts_the_lru_snapshot_record_not_plain_ones() -> None:
+    manager = snapshot_manager(slots=1, num_pages=12)
+    run_restoring(manager, tokens(8, 500))  # page-aligned: no snapshot, oldest record
+    run_restoring(manager, tokens(6, 0))  # takes the only slot
+    run_restoring(manager, tokens(6, 100))  # needs it: evicts the 0 record only
+    assert {r.token_ids[0] for r in manager.records.least_recent_first()} == {500, 100}
+    assert run_restoring(manager, tokens(6, 100) + [1]).reuse_tokens == 6
+    assert run_restoring(manager, tokens(8, 500) + [1]).reuse_tokens == 8
+
+
+def test_capture_without_a_free_slot_is_skipped_and_counted() -> None:
+    manager = snapshot_manager(slots=1)
+    run_restoring(manager, tokens(6))
+    pending = acquire(manager, tokens(6) + [7])  # restores the only slot: pinned until finish_restore
+    other = acquire(manager, tokens(10, 100))
+    assert manager.publish(other, tokens(10, 100)) == "committed"  # full pages only: never an error
+    manager.release(other)
+    profile = manager.profile()
+    assert profile["hybrid"]["snapshot_pressure_skips"] == 1
+    assert len(manager.records) == 2
+    short = acquire(manager, tokens(3, 300))
+    assert manager.publish(short, tokens(3, 300)) == "skipped"  # no full page and no slot: nothing to keep
+    manager.release(short)
+    manager.finish_restore(pending)
+    manager.release(pending)
+    manager.check_invariants()
+    assert manager.profile()["hybrid"]["snapshot_pressure_skips"] == 2
+
+
+def test_released_lease_unpins_a_snapshot_it_never_restored() -> None:
+    manager = snapshot_manager(slots=1)
+    run_restoring(manager, tokens(6))
+    lease = acquire(manager, tokens(6) + [7])
+    manager.release(lease)  # aborted before its first step
+    manager.check_invariants()
+    assert manager.snapshots.active == [0] and manager.profile()["hybrid"]["restores"] == 0
+
+
+def test_disabled_manager_has_no_snapshot_slots() -> None:
+    manager = ContextCacheManager(4, T, enabled=False, partial_kv_snapshot_slots=3)
+    assert manager.snapshots.capacity == 0

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from kvforge.builder.build import BuildOptions
 from kvforge.contract.engine_dir import load_engine_dir
 from kvforge.contract.errors import PoolTooSmall
+from kvforge.contract.geometry import partial_kv_bytes_per_slot
 from kvforge.runtime.engine import Engine
 from kvforge.runtime.file_runner import Scheduling
 from kvforge.runtime.model_runner import PADDING_SLACK_TOKENS, group_by_width
@@ -223,25 +224,32 @@ arrival = st.fixed_dictionaries({
     "max_generate_length": st.integers(1, 60),
     "arrives_at": st.integers(0, 12),
     "abort_at": st.one_of(st.none(), st.none(), st.integers(0, 20)),
+    "extends": st.one_of(st.none(), st.integers(0, 5)),  # an earlier arrival's text + this suffix (a chat turn)
 })
 REFERENCES: dict[tuple, tuple] = {}
-SEEN = {"preemptions": 0, "waits": 0}
+SEEN = {"preemptions": 0, "waits": 0, "restores": 0, "snapshot_evictions": 0}
 
 
 @settings(max_examples=30, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(arrivals=st.lists(arrival, min_size=1, max_size=7), pool_pages=st.sampled_from([36, 44, 75]),
        reuse=st.sampled_from([True, True, False]), chunk=st.sampled_from([16, 48, 512]),
-       max_records=st.sampled_from([0, 2, 1024]))
+       max_records=st.sampled_from([0, 2, 1024]), snapshot_slots=st.sampled_from([0, 1, 2, 8]))
 def test_scheduler_matches_each_request_alone(setup: Setup, arrivals: list[dict], pool_pages: int, reuse: bool,
-                                             chunk: int, max_records: int) -> None:
+                                             chunk: int, max_records: int, snapshot_slots: int) -> None:
+    # Partial-KV snapshots (reuse only): tight budgets make captures evict each other's records.
+    snapshot_slots = snapshot_slots if reuse else 0
     engine = make_engine(setup.engine_dir, setup.runner, reuse=reuse, prefill_chunk_size=chunk,
-                         context_cache_max_records=max_records)
+                         context_cache_max_records=max_records,
+                         context_cache_partial_kv_snapshot_pool_bytes=snapshot_slots * partial_slot_bytes(setup))
     engine.load_adapters({name: str(path) for name, path in setup.adapters.items()})
     shrink_pool(engine, pool_pages, max_records)
     # Prompts up to ~490 tokens growing by up to 60 in a pool of 36-75 pages (576-1,200 tokens): four rows
     # do not fit, so requests wait for pages and running rows preempt each other.
-    texts = [(a["prefix"] * 4)[:480] + a["suffix"] for a in arrivals]
+    texts: list[str] = []
+    for i, a in enumerate(arrivals):
+        earlier = a["extends"] if a["extends"] is not None and a["extends"] < i else None
+        texts.append((a["prefix"] * 4)[:480] + a["suffix"] if earlier is None else texts[earlier] + a["suffix"])
     ids: dict[int, str] = {}
     finished: dict[str, RequestOutput] = {}
     aborted: set[str] = set()
@@ -269,13 +277,24 @@ def test_scheduler_matches_each_request_alone(setup: Setup, arrivals: list[dict]
     assert_idle(engine)
     SEEN["preemptions"] += engine.scheduler.stats.preemptions
     SEEN["waits"] += engine.scheduler.stats.inflight_prefix_waits
+    if reuse:
+        hybrid = engine.cache.profile()["hybrid"]
+        SEEN["restores"] += hybrid["restores"]
+        SEEN["snapshot_evictions"] += engine.cache.metrics.reclaimed["partial_kv_snapshots"]
+
+
+def partial_slot_bytes(setup: Setup) -> int:
+    model, build = (engine := load_engine_dir(setup.engine_dir)).model, engine.build
+    return partial_kv_bytes_per_slot(model.num_hidden_layers, model.num_key_value_heads, model.head_dim,
+                                     build.tokens_per_page, model.kv_cache_dtype)
 
 
 def test_property_examples_exercised_preemption_and_waiting() -> None:
-    """Guards the property test's strategy: it must keep reaching preemption and in-flight waits."""
+    """Guards the property test's strategy: it must keep reaching preemption, in-flight waits, snapshot
+    restores and snapshot slots reclaimed by eviction."""
     if not SEEN["preemptions"] and not SEEN["waits"]:
         pytest.skip("run together with test_scheduler_matches_each_request_alone (it fills the counters)")
-    assert SEEN["preemptions"] > 0 and SEEN["waits"] > 0, SEEN
+    assert all(SEEN.values()), SEEN
 
 
 @given(st.lists(st.integers(1, 600), min_size=1, max_size=8))

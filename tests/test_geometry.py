@@ -61,7 +61,8 @@ def test_builder_config_records_the_resolved_numbers() -> None:
     assert build.to_dict() == {
         "max_input_len": 64, "max_kv_cache_capacity": 256, "max_batch_size": 4, "tokens_per_page": 16,
         "max_kv_pool_pages": 100, "max_pages_per_seq": 16, "minimum_active_pages": 64,
-        "backend": "onnxruntime", "max_lora_rank": 8}
+        "backend": "onnxruntime", "max_lora_rank": 8, "layer_types": (), "partial_kv_snapshot_bytes_per_slot": 0,
+        "recurrent_snapshot_bytes_per_slot": 0}
 
 
 def test_largest_pool_allowed() -> None:
@@ -121,7 +122,13 @@ def test_kv_bytes_per_page_scales_with_dtype() -> None:
 def test_engine_dir_build_is_the_recorded_geometry(tiny_engine_dir: Path, tiny_build_options, tmp_path: Path) -> None:
     build = load_engine_dir(tiny_engine_dir).build
     assert isinstance(build, PageGeometry)
-    assert build == BuilderConfig.from_geometry(tiny_build_options.geometry(4096), "onnxruntime", 0)
+    model = load_engine_dir(tiny_engine_dir).model
+    assert build == BuilderConfig.from_geometry(tiny_build_options.geometry(4096), "onnxruntime", 0, model)
+    # The snapshot geometry: one K+V page per attention layer per partial-KV slot, no recurrent layers.
+    assert build.layer_types == ("attention",) * model.num_hidden_layers
+    assert build.partial_kv_snapshot_bytes_per_slot == model.num_hidden_layers * kv_bytes_per_page(
+        model.num_key_value_heads, model.head_dim, build.tokens_per_page, model.kv_cache_dtype) > 0
+    assert build.recurrent_snapshot_bytes_per_slot == 0
     # An engine dir from before LoRA (no max_lora_rank) still loads; extra keys such as minimum_active_pages are fine.
     old = tmp_path / "old_engine"
     shutil.copytree(tiny_engine_dir, old)

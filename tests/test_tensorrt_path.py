@@ -378,6 +378,14 @@ def test_runner_binds_profiles_page_table_and_aliased_pools(recorder: fake.Recor
     runner.pool.write_tokens([11, 12], rows)
     assert all(np.array_equal(a, b) for a, b in zip(runner.pool.read_tokens([11, 12], 21), rows, strict=True))
     assert runner.pool.read_tokens([7], 3)[0][:, 0, 0, 0].tolist() == [1, 2, 3]
+    # Partial-KV snapshots of a device pool: a page captured to a slot and restored into another page.
+    from kvforge.runtime.snapshots import PartialKVSnapshotStore
+    store = PartialKVSnapshotStore(runner.pool, num_slots=2)
+    store.capture(9, 1)
+    store.restore(1, 13)
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(runner.pool.read_page(13), runner.pool.read_page(9),
+                                                          strict=True))
+    assert runner.pool.read_tokens([12, 13], 21)[0][16:, 0, 0, 0].tolist() == [17, 18, 19, 20, 21]
     runner.close()
     assert not fake_cuda.buffers
 

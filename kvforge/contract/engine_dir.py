@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.contract.errors import InvalidConfig
-from kvforge.contract.geometry import PageGeometry
+from kvforge.contract.geometry import PageGeometry, partial_kv_bytes_per_slot, recurrent_bytes_per_slot
 from kvforge.contract.model_config import ModelConfig, read_json
 
 ENGINE_MODEL_FILE = "model.onnx"
@@ -28,11 +28,28 @@ class BuilderConfig(PageGeometry):
 
     backend: str  # a key of BACKEND_FILES
     max_lora_rank: int = 0  # 0: no LoRA inputs (engine dirs from before LoRA lack the key)
+    # Snapshot geometry (informational: the runtime recomputes it from the model config). Every kvforge layer is
+    # an attention layer today; recurrent slots are 0 until a recurrent family lands.
+    layer_types: tuple[str, ...] = ()
+    partial_kv_snapshot_bytes_per_slot: int = 0  # one K+V page per attention layer
+    recurrent_snapshot_bytes_per_slot: int = 0
 
     @classmethod
-    def from_geometry(cls, geometry: PageGeometry, backend: str, max_lora_rank: int) -> BuilderConfig:
+    def from_geometry(cls, geometry: PageGeometry, backend: str, max_lora_rank: int,
+                      model: ModelConfig | None = None) -> BuilderConfig:
         resolved = {f.name: getattr(geometry, f.name) for f in fields(PageGeometry)}
-        return cls(**resolved, backend=backend, max_lora_rank=max_lora_rank)
+        snapshots: dict[str, Any] = {}
+        if model is not None and model.is_recurrent:
+            snapshots = {"layer_types": tuple(model.layer_types), "recurrent_snapshot_bytes_per_slot":
+                         recurrent_bytes_per_slot(model.num_hidden_layers, model.recurrent_state_num_heads,
+                                                  model.recurrent_state_head_dim, model.recurrent_state_size,
+                                                  model.conv_dim, model.conv_kernel)}
+        elif model is not None:
+            snapshots = {"layer_types": ("attention",) * model.num_hidden_layers,
+                         "partial_kv_snapshot_bytes_per_slot": partial_kv_bytes_per_slot(
+                             model.num_hidden_layers, model.num_key_value_heads, model.head_dim,
+                             geometry.tokens_per_page, model.kv_cache_dtype)}
+        return cls(**resolved, backend=backend, max_lora_rank=max_lora_rank, **snapshots)
 
     def to_dict(self) -> dict[str, Any]:
         # minimum_active_pages: written since the first engine dirs (batch × pages per sequence); nothing reads it.
@@ -58,6 +75,9 @@ def load_engine_dir(path: Path) -> EngineDir:
         raise InvalidConfig(f"{path} is not a directory", "engine_dir")
     data = read_json(path / "config.json", "engine_dir")
     model = ModelConfig.from_dict(data, f"{path}/config.json")
+    if model.is_recurrent or any(t != "attention" for t in model.layer_types):
+        raise InvalidConfig(f"engine has layer types {sorted(set(model.layer_types))}; this runtime runs attention "
+                            "layers only", "engine_dir")
     raw = data.get("builder_config")
     if not isinstance(raw, dict):
         raise InvalidConfig(f"{path}/config.json has no builder_config; is this an ONNX dir? build it with llm_build",
@@ -65,7 +85,10 @@ def load_engine_dir(path: Path) -> EngineDir:
     missing = [k for k in BUILDER_KEYS if k not in raw]
     if missing:
         raise InvalidConfig(f"builder_config lacks {', '.join(missing)}; rebuild the engine", "engine_dir")
-    build = BuilderConfig(**{k: raw[k] for k in BUILDER_KEYS}, max_lora_rank=int(raw.get("max_lora_rank", 0)))
+    build = BuilderConfig(**{k: raw[k] for k in BUILDER_KEYS}, max_lora_rank=int(raw.get("max_lora_rank", 0)),
+                          layer_types=tuple(raw.get("layer_types", ())),
+                          partial_kv_snapshot_bytes_per_slot=int(raw.get("partial_kv_snapshot_bytes_per_slot", 0)),
+                          recurrent_snapshot_bytes_per_slot=int(raw.get("recurrent_snapshot_bytes_per_slot", 0)))
     if build.backend not in BACKEND_FILES:
         raise InvalidConfig(f"engine backend {build.backend!r} cannot run here", "engine_dir")
     for name in (*BACKEND_FILES[build.backend], *COPIED_FILES):

@@ -71,3 +71,22 @@ def kv_bytes_per_page(num_kv_heads: int, head_dim: int, tokens_per_page: int, kv
     """Bytes of one page (K and V) in one layer."""
     itemsize = {"fp32": 4, "fp16": 2, "fp8": 1}[kv_cache_dtype]
     return 2 * num_kv_heads * tokens_per_page * head_dim * itemsize
+
+
+def partial_kv_bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, tokens_per_page: int,
+                              kv_cache_dtype: str) -> int:
+    """Bytes of one partial-KV snapshot slot: one whole K+V page per attention layer (TensorRT Edge-LLM's
+    `partialKvBytesPerSlot`); only the tail's tokens matter, but a page-sized slot is one contiguous copy."""
+    return num_layers * kv_bytes_per_page(num_kv_heads, head_dim, tokens_per_page, kv_cache_dtype)
+
+
+def recurrent_bytes_per_slot(num_recurrent_layers: int, num_heads: int, head_dim: int, state_size: int,
+                             conv_dim: int, conv_kernel: int) -> int:
+    """Bytes of one recurrent snapshot slot: every recurrent layer's state [H, P, N] and conv state
+    [conv_dim, K-1], both fp32 (TensorRT Edge-LLM's `recurrentBytesPerSlot`, with the conv's K-1 live columns)."""
+    return num_recurrent_layers * 4 * (num_heads * head_dim * state_size + conv_dim * (conv_kernel - 1))
+
+
+def snapshot_slots(budget_bytes: int, bytes_per_slot: int) -> int:
+    """Whole slots a byte budget holds (the rest of the budget stays unused)."""
+    return budget_bytes // bytes_per_slot if bytes_per_slot > 0 else 0

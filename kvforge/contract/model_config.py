@@ -13,7 +13,9 @@ from kvforge.contract.errors import InvalidConfig, KvforgeError
 EXPORT_FORMAT = "kvforge-onnx-v1"
 KV_CACHE_DTYPES = ("fp16", "fp8", "fp32")
 QUANTIZATIONS = ("none", "int8", "int4")  # linear weights: float32, or MatMulNBits blocks
-MODEL_FAMILIES = ("llama", "qwen2", "qwen3")
+MODEL_FAMILIES = ("llama", "qwen2", "qwen3", "mamba2")
+RECURRENT_FAMILIES = ("mamba2",)  # every layer a Mamba2 mixer: no KV cache, carried conv + recurrent states
+LAYER_TYPES = ("attention", "mamba")  # TensorRT Edge-LLM's normalized names
 
 
 @dataclass(slots=True)
@@ -40,7 +42,24 @@ class ModelConfig:
     lora_targets: list[str] = field(default_factory=list)  # linears with lora_A/lora_B inputs (q, k, ..., down)
     quantization: str = "none"  # requested weight format; GGUF blocks that map exactly keep their own bits
     quant_block_size: int = 0  # MatMulNBits block size of re-quantized weights (0 = not quantized)
+    # Recurrent layers (Mamba2); names as TensorRT Edge-LLM's config.json. layer_types empty = all attention.
+    layer_types: list[str] = field(default_factory=list)
+    recurrent_state_num_heads: int = 0
+    recurrent_state_head_dim: int = 0
+    recurrent_state_size: int = 0
+    n_groups: int = 0
+    conv_kernel: int = 0
     format: str = EXPORT_FORMAT
+
+    @property
+    def is_recurrent(self) -> bool:
+        return self.model in RECURRENT_FAMILIES
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal conv: the SSM input plus its B and C projections."""
+        return self.recurrent_state_num_heads * self.recurrent_state_head_dim + \
+            2 * self.n_groups * self.recurrent_state_size
 
     def validate(self) -> None:
         if self.model not in MODEL_FAMILIES:
@@ -51,8 +70,16 @@ class ModelConfig:
                                 "config.kv_cache_dtype")
         if self.quantization not in QUANTIZATIONS:
             raise KvforgeError(f"must be one of {QUANTIZATIONS}, got {self.quantization!r}", "config.quantization")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise InvalidConfig("num_attention_heads must be a multiple of num_key_value_heads",
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise InvalidConfig(f"unknown layer type {unknown[0]!r} (known: {', '.join(LAYER_TYPES)})",
+                                "config.layer_types")
+        if self.is_recurrent:
+            self._validate_recurrent()
+            return
+        if self.num_attention_heads <= 0 or self.num_key_value_heads <= 0 or \
+                self.num_attention_heads % self.num_key_value_heads:
+            raise InvalidConfig("num_attention_heads must be a positive multiple of num_key_value_heads",
                                 "config.num_key_value_heads")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim"):
@@ -60,6 +87,18 @@ class ModelConfig:
                 raise InvalidConfig("must be positive", f"config.{name}")
         if self.head_dim % 2:
             raise InvalidConfig("must be even for rotate-half RoPE", "config.head_dim")
+        if any(t != "attention" for t in self.layer_types):
+            raise InvalidConfig(f"family {self.model} has attention layers only", "config.layer_types")
+
+    def _validate_recurrent(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "recurrent_state_num_heads",
+                     "recurrent_state_head_dim", "recurrent_state_size", "n_groups", "conv_kernel"):
+            if getattr(self, name) <= 0:
+                raise InvalidConfig("must be positive", f"config.{name}")
+        if self.recurrent_state_num_heads % self.n_groups:
+            raise InvalidConfig("recurrent_state_num_heads must be a multiple of n_groups", "config.n_groups")
+        if self.layer_types != ["mamba"] * self.num_hidden_layers:
+            raise InvalidConfig(f"a {self.model} model has one 'mamba' entry per layer", "config.layer_types")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -85,14 +85,14 @@ PUBLICATIONS_EXISTING = "existing"
 SUCCESSFUL_ENDPOINTS = "successful_endpoints"  # committed + existing
 PUBLICATION_KEYS = (PUBLICATION_ATTEMPTS, PUBLICATIONS_COMMITTED, PUBLICATIONS_EXISTING, SUCCESSFUL_ENDPOINTS)
 
-# `hybrid` and `speculative` stay all zero until hybrid (recurrent snapshot) reuse and speculative decoding land:
-# they exist only so that scripts written for TensorRT Edge-LLM find the keys.
+# `hybrid` counts snapshot restores, captures skipped for want of a slot, and capture copies (partial-KV snapshots
+# today). `speculative` stays all zero until speculative decoding lands: it exists so that scripts written for
+# TensorRT Edge-LLM find the keys.
 HYBRID = "hybrid"
 HYBRID_RESTORES = "restores"
 SNAPSHOT_PRESSURE_SKIPS = "snapshot_pressure_skips"
 CAPTURE_SYNCHRONIZATIONS = "capture_synchronizations"
 HYBRID_KEYS = (HYBRID_RESTORES, SNAPSHOT_PRESSURE_SKIPS, CAPTURE_SYNCHRONIZATIONS)
-HYBRID_BLOCK: Mapping[str, int] = MappingProxyType(dict.fromkeys(HYBRID_KEYS, 0))
 
 SPECULATIVE = "speculative"
 FULL_PAGE_REPLAYS = "full_page_replays"
@@ -108,8 +108,8 @@ RECORDS_EVICTED = "evicted"
 RECORD_KEYS = (RECORDS_CURRENT, RECORDS_EVICTED)
 
 # `resource_pools` ({pool: {free, capacity}}) and `reclaimed_resources` ({pool: slots freed by eviction}) list
-# TensorRT Edge-LLM's four pools. Only base KV pages exist in kvforge today; the other three are written empty
-# (free 0, capacity 0, nothing reclaimed) for compatibility until the features that need them land.
+# TensorRT Edge-LLM's four pools. kvforge has base KV pages and partial-KV snapshots (capacity 0 without a
+# budget); draft pages and recurrent snapshots are written empty (free 0, capacity 0) until their features land.
 RESOURCE_POOLS = "resource_pools"
 RECLAIMED_RESOURCES = "reclaimed_resources"
 BASE_KV_PAGES = "base_kv_pages"

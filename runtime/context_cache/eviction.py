@@ -1,34 +1,40 @@
-"""Record-level LRU eviction planned as a read-only simulation, so it is applied all-or-nothing."""
+"""Record-level LRU eviction over every pool, planned as a read-only simulation so it is applied all-or-nothing."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvforge.runtime.context_cache.pools import ResourcePool
+from kvforge.runtime.context_cache.pools import Demand, ResourcePools
 from kvforge.runtime.context_cache.records import Record
 
 
-def plan_eviction(pages_needed: int, pool: ResourcePool, records_lru_first: Iterable[Record]) -> list[int] | None:
-    """The shortest LRU-first list of record ids whose eviction frees enough pages for `pages_needed`.
+def plan_eviction(demand: Demand, pools: ResourcePools, records_lru_first: Iterable[Record]) -> list[int] | None:
+    """The LRU-first record ids whose eviction frees enough slots of every pool for `demand`.
 
-    A page counts as reclaimed only when its simulated cache refs reach 0 and no request pins it
+    A slot counts as reclaimed only when its simulated cache refs reach 0 and no request pins it
     (pin-before-evict: a request's own hits are pinned before planning, so they are never victims).
-    Shared ancestors may need several victims. Returns [] when nothing needs evicting and None when
-    even evicting every record would not suffice. Nothing is modified.
+    Shared ancestor pages may need several victims. A record holding nothing of a pool that is still
+    short is passed over: evicting a document to make room for a snapshot slot, or the reverse, would
+    only lose reuse. Returns [] when nothing needs evicting and None when even evicting every record
+    would not suffice. Nothing is modified.
     """
-    missing = pages_needed - pool.num_free
-    if missing <= 0:
+    missing = pools.missing(demand)
+    if not missing:
         return []
-    remaining: dict[int, int] = {}
-    reclaimed = 0
+    remaining: dict[tuple[str, int], int] = {}
     victims = []
     for record in records_lru_first:
+        held = record.held()
+        if not any(held.get(name) for name, short in missing.items() if short > 0):
+            continue
         victims.append(record.record_id)
-        for page in record.page_ids:
-            refs = remaining.get(page, pool.cache[page]) - 1
-            remaining[page] = refs
-            if refs == 0 and pool.active[page] == 0:
-                reclaimed += 1
-        if reclaimed >= missing:
+        for name, slots in held.items():
+            pool = pools[name]
+            for slot in slots:
+                refs = remaining.get((name, slot), pool.cache[slot]) - 1
+                remaining[(name, slot)] = refs
+                if refs == 0 and pool.active[slot] == 0 and name in missing:
+                    missing[name] -= 1
+        if all(short <= 0 for short in missing.values()):
             return victims
     return None

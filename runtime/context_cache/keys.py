@@ -70,6 +70,13 @@ def page_keys(token_ids: Sequence[int] | np.ndarray, tokens_per_page: int, extra
     return keys
 
 
+def tail_page_key(parent: bytes, token_ids: Sequence[int] | np.ndarray, begin: int, extras: KeyExtras) -> bytes:
+    """The key of a partial tail page (positions [begin, len(token_ids))), chained like a full page and carrying
+    the media identity of the placeholders it covers, so a partial-KV snapshot never serves another image."""
+    ids = np.asarray(token_ids, dtype=np.int32)
+    return page_key(parent, ids[begin:], extras.encoded(), media_in_page(extras.media, begin, len(ids)))
+
+
 def media_in_page(media: tuple[MediaKey, ...], begin: int, end: int) -> bytes:
     """The media identity of positions [begin, end): for each span overlapping them, where the overlap starts in
     the page, where in the span, how long, and the item's digest. Placeholder ids are the same for every image,

@@ -9,6 +9,13 @@ the same code path. The scheduler talks to it through five calls:
     index_computed(lease, tokens, n)        pages finished by a prefill chunk become findable at once
     publish(lease, tokens) / release(lease) a record for a finished sequence; return the lease's pages
 
+With a partial-KV snapshot pool (`partial_kv_snapshot_slots` > 0) a publication whose length is not
+page-aligned also keeps a copy of its partial tail page, and an admission that extends that exact
+prefix gets `lease.restore_slot`: the engine copies the snapshot into the lease's first private page
+(`capture_partial` / the engine's restore do the copies; this module never touches K/V bytes) and calls
+`finish_restore`. A capture that finds no slot, even after evicting records that hold snapshots, is
+skipped and counted (`snapshot_pressure_skips`); the publication then keeps only the full pages.
+
 None of them raises for a full pool: only a request that cannot fit alone in an empty pool is an error,
 and that is the engine's call (`fits_alone`).
 """
@@ -27,15 +34,16 @@ from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.paging import pages_for
 from kvforge.runtime.context_cache.eviction import plan_eviction
 from kvforge.runtime.context_cache.index import PageIndex, page_token_bytes
-from kvforge.runtime.context_cache.keys import CHAIN_ROOT, KeyExtras, page_keys
+from kvforge.runtime.context_cache.keys import CHAIN_ROOT, KeyExtras, page_keys, tail_page_key
 from kvforge.runtime.context_cache.metrics import CacheMetrics
-from kvforge.runtime.context_cache.planner import ReusePlan, plan_cold, plan_reuse
-from kvforge.runtime.context_cache.pools import BASE_KV_PAGES, ResourcePool
+from kvforge.runtime.context_cache.planner import ReusePlan, plan_cold, plan_reuse, with_snapshot
+from kvforge.runtime.context_cache.pools import BASE_KV_PAGES, Demand, ResourcePools
 from kvforge.runtime.context_cache.records import Record, RecordStore
 from kvforge.runtime.types import LookupPolicy
 
 DEFAULT_MAX_RECORDS = 1024
 F = TypeVar("F", bound=Callable[..., Any])
+CapturePage = Callable[[int, int], None]  # (KV page, snapshot slot): copy the page's K/V of every layer into the slot
 
 
 def _bookkept(method: F) -> F:
@@ -73,6 +81,10 @@ class Lease:
         | page 0 | page 1 | ...                | page h-1 | page h | ... | partial tail (never shared) |
         |<-- indexed_pages: findable by other sequences (hits + full pages indexed in flight) -->|
 
+    A snapshot hit moves the reuse point into page h: its first `restore_tokens` tokens are copied from
+    snapshot `restore_slot` (pinned until `finish_restore`) into the private page h, and computing
+    starts right after them (copy-on-partial-reuse: the snapshot itself is never written).
+
     `page_ids` grows with `try_grow`; `keys` are the chain keys of its full pages computed so far.
     """
 
@@ -88,17 +100,22 @@ class Lease:
     indexable_pages: int = 0
     inflight_keys: list[bytes] = field(default_factory=list)  # keys this lease registered as being computed
     released: bool = False
+    restore_slot: int | None = None  # partial-KV snapshot to copy into page_ids[reuse_tokens // T]
+    restore_tokens: int = 0
 
 
 class ContextCacheManager:
     def __init__(self, num_pages: int, tokens_per_page: int, *, enabled: bool,
-                 max_records: int = DEFAULT_MAX_RECORDS) -> None:
+                 max_records: int = DEFAULT_MAX_RECORDS, partial_kv_snapshot_slots: int = 0) -> None:
         if max_records < 0:
             raise InvalidConfig(f"must be >= 0, got {max_records}", "context_cache_max_records")
         self.enabled = enabled
         self.tokens_per_page = tokens_per_page
         self.max_records = max_records
-        self.pages = ResourcePool(BASE_KV_PAGES, num_pages)
+        self.pools = ResourcePools(num_pages, partial_kv_snapshot_slots if enabled else 0)
+        self.pages = self.pools.base_kv_pages
+        self.snapshots = self.pools.partial_kv_snapshots
+        self.capture_partial: CapturePage | None = None  # set by the engine with the snapshot store's copy
         self.index = PageIndex()
         self.records = RecordStore()
         self.metrics = CacheMetrics()
@@ -137,6 +154,8 @@ class ContextCacheManager:
             keys = self._keys(admission)
             plan = plan_reuse(len(tokens), self.tokens_per_page,
                               self.index.lookup_longest(keys, tokens, self.tokens_per_page), admission.extras.media)
+            if self.snapshots.capacity:
+                plan = self._snapshot_hit(plan, tokens, keys, admission.extras)
         else:
             plan = plan_cold(len(tokens), self.tokens_per_page)
         lease = self._try_acquire(plan, admission.extras, may_publish=lookup)
@@ -166,22 +185,61 @@ class ContextCacheManager:
             admission.keys = page_keys(admission.token_ids, self.tokens_per_page, admission.extras)
         return admission.keys
 
+    def _snapshot_hit(self, plan: ReusePlan, tokens: np.ndarray, keys: list[bytes], extras: KeyExtras) -> ReusePlan:
+        """`plan` extended by the longest snapshot tail that continues its hit pages along `tokens`, leaving at
+        least one token to compute (for logits). Candidates follow the last hit page's key; each is checked by
+        its tail key (adapter and salt included) and its token ids."""
+        base = len(plan.hit_pages)
+        start = base * self.tokens_per_page
+        parent = keys[base - 1] if base else None
+        best: tuple[int, Record] | None = None
+        for record in self.records.tails_after(parent):
+            tail = len(record.token_ids) - start
+            if not 0 < tail < len(tokens) - start or (best is not None and tail <= best[0]):
+                continue
+            candidate = tokens[start:start + tail]
+            if record.page_ids != plan.hit_pages or list(record.token_ids[start:]) != candidate.tolist():
+                continue
+            if tail_page_key(parent or CHAIN_ROOT, tokens[:start + tail], start, extras) == record.tail_key:
+                best = (tail, record)
+        if best is None:
+            return plan
+        assert best[1].partial_slot is not None
+        return with_snapshot(plan, best[1].partial_slot, best[0])
+
     def _try_acquire(self, plan: ReusePlan, extras: KeyExtras, may_publish: bool) -> Lease | None:
         self.pages.pin(plan.hit_pages)  # pin before evicting: the plan's own hits are never victims
-        victims = plan_eviction(plan.new_pages, self.pages, self.records.least_recent_first())
+        restore = () if plan.restore_slot is None else (plan.restore_slot,)
+        self.snapshots.pin(restore)
+        victims = plan_eviction(Demand(base_kv_pages=plan.new_pages), self.pools, self.records.least_recent_first())
         if victims is None:
             self.pages.unpin(plan.hit_pages)
+            self.snapshots.unpin(restore)
             return None
         self._evict(victims)
         private = self.pages.allocate(plan.new_pages)
         lease = Lease(extras, [*plan.hit_pages, *private], plan.reuse_tokens, plan.matched_tokens, plan.kind,
-                      may_publish)
-        if plan.hit_pages:  # a hit refreshes the record it ends on, so reused documents stay resident
+                      may_publish, restore_slot=plan.restore_slot, restore_tokens=plan.restore_tokens)
+        if plan.restore_slot is not None:  # the snapshot's record is the endpoint this request extends
+            self.records.touch(self._snapshot_record(plan.restore_slot).record_id)
+        elif plan.hit_pages:  # a hit refreshes the record it ends on, so reused documents stay resident
             record = self.records.find(self.index.key_of(plan.hit_pages[-1]))
             if record is not None:
                 self.records.touch(record.record_id)
         self.leases.add(lease)
         return lease
+
+    def _snapshot_record(self, slot: int) -> Record:
+        return next(r for r in self.records.least_recent_first() if r.partial_slot == slot)
+
+    @_bookkept
+    def finish_restore(self, lease: Lease) -> None:
+        """The engine copied the lease's snapshot into its page: unpin the snapshot (its record keeps it)."""
+        if lease.restore_slot is None:
+            return
+        self.snapshots.unpin([lease.restore_slot])
+        lease.restore_slot = None
+        self.metrics.restores += 1
 
     def _register_inflight(self, lease: Lease) -> None:
         """Announce the full pages this lease will compute, so identical prefixes wait instead of duplicating."""
@@ -215,7 +273,7 @@ class ContextCacheManager:
         missing = pages_for(num_tokens, self.tokens_per_page) - len(lease.page_ids)
         if missing <= 0:
             return True
-        victims = plan_eviction(missing, self.pages, self.records.least_recent_first())
+        victims = plan_eviction(Demand(base_kv_pages=missing), self.pools, self.records.least_recent_first())
         if victims is None:
             return False
         self._evict(victims)
@@ -247,40 +305,78 @@ class ContextCacheManager:
 
     @_bookkept
     def publish(self, lease: Lease, token_ids: list[int] | np.ndarray) -> str:
-        """Publish the full pages of `token_ids` (tokens whose K/V the lease's pages hold) as one record.
+        """Publish `token_ids` (tokens whose K/V the lease's pages hold) as one record: its full pages, and
+        with a snapshot pool a copy of the partial tail page (an exact checkpoint).
 
         Returns "committed" (new record), "existing" (same endpoint already cached: touched) or
-        "skipped" (publication not allowed, or no full page).
+        "skipped" (publication not allowed, or nothing to publish).
         """
         if not (self.enabled and lease.may_publish):
             return "skipped"
         tokens = np.asarray(token_ids, dtype=np.int32)
-        num_pages = min(len(tokens) // self.tokens_per_page, len(lease.page_ids))
-        if num_pages == 0:
+        T = self.tokens_per_page
+        num_pages = min(len(tokens) // T, len(lease.page_ids))
+        tail = len(tokens) - num_pages * T if len(lease.page_ids) > num_pages else 0
+        snapshot = 0 < tail < T and self.snapshots.capacity > 0 and self.capture_partial is not None
+        if num_pages == 0 and not snapshot:
             return "skipped"
         self._extend_keys(lease, tokens, num_pages)
         keys = lease.keys[:num_pages]
         self.metrics.publication_attempts += 1
-        existing = self.records.find(keys[-1])
+        tail_key = tail_page_key(keys[-1] if keys else CHAIN_ROOT, tokens, num_pages * T, lease.extras) \
+            if snapshot else b""
+        existing = self.records.find(tail_key or keys[-1])
         if existing is not None:
             self.records.touch(existing.record_id)
             self.metrics.publications_existing += 1
             return "existing"
+        # Reserve the snapshot before projecting onto canonical pages: the eviction it may need must not free
+        # a canonical page this record is about to reference.
+        slot = self._reserve_snapshot() if snapshot else None
+        if snapshot and slot is None:
+            self.metrics.snapshot_pressure_skips += 1
+            if num_pages == 0:
+                return "skipped"
+            tail_key = b""
+            existing = self.records.find(keys[-1])
+            if existing is not None:
+                self.records.touch(existing.record_id)
+                self.metrics.publications_existing += 1
+                return "existing"
         canonical = self._canonical_pages(lease, tokens, keys)
         if len(canonical) < num_pages:  # a key held different tokens (a hash collision): publish the prefix
+            if slot is not None:
+                self.snapshots.unpin([slot])
+                slot, tail_key = None, b""
             if not canonical:
                 return "skipped"
             keys = keys[:len(canonical)]
             if self.records.find(keys[-1]) is not None:
                 return "existing"
-        record = Record(self.records.new_id(), tuple(keys), tuple(canonical),
-                        tuple(int(t) for t in tokens[:len(keys) * self.tokens_per_page]), lease.extras)
+        covered = len(tokens) if slot is not None else len(keys) * T
+        record = Record(self.records.new_id(), tuple(keys), tuple(canonical), tuple(int(t) for t in tokens[:covered]),
+                        lease.extras, tail_key, slot)
+        if slot is not None:
+            assert self.capture_partial is not None
+            self.capture_partial(lease.page_ids[num_pages], slot)
+            self.metrics.capture_synchronizations += 1  # the copy waits for the call that wrote the page
+            self.snapshots.add_cache_ref([slot])
+            self.snapshots.unpin([slot])
         self.pages.add_cache_ref(record.page_ids)
         self.records.insert(record)
         self.metrics.publications_committed += 1
         while len(self.records) > self.max_records:  # max_records == 0 evicts the new record right away
             self._evict([self.records.oldest_id()])
         return "committed"
+
+    def _reserve_snapshot(self) -> int | None:
+        """A free snapshot slot (pinned), evicting the least recently used records holding snapshots if none
+        is free; None when every slot is pinned by a restore in flight."""
+        victims = plan_eviction(Demand(partial_kv_snapshots=1), self.pools, self.records.least_recent_first())
+        if victims is None:
+            return None
+        self._evict(victims)
+        return self.snapshots.allocate(1)[0]
 
     def _extend_keys(self, lease: Lease, tokens: np.ndarray, num_pages: int) -> None:
         if len(lease.keys) < num_pages:
@@ -315,38 +411,57 @@ class ContextCacheManager:
             if self._inflight.get(key) is lease:
                 del self._inflight[key]
         lease.inflight_keys.clear()
+        if lease.restore_slot is not None:  # admitted but never run: the snapshot was not copied
+            self.snapshots.unpin([lease.restore_slot])
+            lease.restore_slot = None
         self.pages.unpin(lease.page_ids)
 
     def _evict(self, record_ids: list[int]) -> None:
         for record_id in record_ids:
             record = self.records.remove(record_id)
-            self.metrics.reclaimed[BASE_KV_PAGES] += self.pages.drop_cache_ref(record.page_ids)
+            for name, slots in record.held().items():
+                self.metrics.reclaimed[name] += self.pools[name].drop_cache_ref(slots)
             self.metrics.records_evicted += 1
 
     # --- reporting and audits -----------------------------------------------------------------------
 
     def profile(self) -> dict:
-        return self.metrics.to_dict(len(self.records), {BASE_KV_PAGES: self.pages.to_dict()})
+        return self.metrics.to_dict(len(self.records), self.pools.to_dict())
 
     def check_invariants(self) -> None:
         """Audit every refcount, index entry and in-flight key from scratch (tests call this after each step)."""
-        capacity = self.pages.capacity
-        active, cache = [0] * capacity, [0] * capacity
+        T = self.tokens_per_page
+        active = {pool.name: [0] * pool.capacity for pool in self.pools}
+        cache = {pool.name: [0] * pool.capacity for pool in self.pools}
         for lease in self.leases:
             for page in lease.page_ids:
-                active[page] += 1
+                active[BASE_KV_PAGES][page] += 1
+            if lease.restore_slot is not None:
+                active[self.snapshots.name][lease.restore_slot] += 1
         for record in self.records.least_recent_first():
             assert len(record.page_ids) == len(record.keys)
-            assert page_keys(record.token_ids, self.tokens_per_page, record.extras) == list(record.keys)
+            assert page_keys(record.token_ids, T, record.extras) == list(record.keys)
             tokens = np.asarray(record.token_ids, dtype=np.int32)
             for i, (key, page) in enumerate(zip(record.keys, record.page_ids, strict=True)):
-                cache[page] += 1
-                assert self.index.canonical(key, page_token_bytes(tokens, i, self.tokens_per_page)) == page
-        assert active == self.pages.active, "active refcounts disagree with the live leases"
-        assert cache == self.pages.cache, "cache refcounts disagree with the records"
+                assert self.index.canonical(key, page_token_bytes(tokens, i, T)) == page
+            tail = len(tokens) - len(record.keys) * T
+            if record.partial_slot is None:
+                assert tail == 0 and not record.tail_key
+            else:
+                assert 0 < tail < T, "a snapshot holds a partial tail page"
+                parent = record.keys[-1] if record.keys else CHAIN_ROOT
+                assert record.tail_key == tail_page_key(parent, tokens, len(tokens) - tail, record.extras)
+            assert self.records.find(record.terminal_key) is record
+            for name, slots in record.held().items():
+                for slot in slots:
+                    cache[name][slot] += 1
+        for pool in self.pools:
+            assert active[pool.name] == pool.active, f"{pool.name}: active refcounts disagree with the live leases"
+            assert cache[pool.name] == pool.cache, f"{pool.name}: cache refcounts disagree with the records"
+            free = pool.free_slots()
+            assert len(free) == pool.num_free, f"{pool.name}: a slot is on the free list twice"
+            assert free == {p for p in range(pool.capacity) if pool.active[p] == 0 and pool.cache[p] == 0}
         free = self.pages.free_slots()
-        assert len(free) == self.pages.num_free, "a page is on the free list twice"
-        assert free == {p for p in range(capacity) if active[p] == 0 and cache[p] == 0}
         for _key, entry in self.index.items():
             assert entry.page not in free, "an index entry points at a free page"
         for key, lease in self._inflight.items():

@@ -22,6 +22,9 @@ class CacheMetrics:
     publications_committed: int = 0
     publications_existing: int = 0
     planning_nanoseconds: int = 0
+    restores: int = 0  # partial-KV snapshots copied into a request's page
+    snapshot_pressure_skips: int = 0  # captures skipped: no snapshot slot could be freed
+    capture_synchronizations: int = 0  # captures, each a copy that waits for the engine call that wrote the page
     records_evicted: int = 0
     reclaimed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(schema.POOL_KEYS, 0))
 
@@ -42,11 +45,15 @@ class CacheMetrics:
                 schema.PUBLICATIONS_EXISTING: self.publications_existing,
                 schema.SUCCESSFUL_ENDPOINTS: self.publications_committed + self.publications_existing,
             },
-            schema.HYBRID: dict(schema.HYBRID_BLOCK),
+            schema.HYBRID: {
+                schema.HYBRID_RESTORES: self.restores,
+                schema.SNAPSHOT_PRESSURE_SKIPS: self.snapshot_pressure_skips,
+                schema.CAPTURE_SYNCHRONIZATIONS: self.capture_synchronizations,
+            },
             schema.SPECULATIVE: dict(schema.SPECULATIVE_BLOCK),
             schema.PLANNING_NANOSECONDS: self.planning_nanoseconds,
             schema.RECORDS: {schema.RECORDS_CURRENT: records_current, schema.RECORDS_EVICTED: self.records_evicted},
-            # Schema order first (base pages, then the compatibility pools), then any pool the schema lacks.
+            # Schema order first (every pool TensorRT Edge-LLM lists, zeros for types this deployment lacks).
             schema.RESOURCE_POOLS: {**{name: dict(schema.EMPTY_POOL) for name in schema.POOL_KEYS}, **resource_pools},
             schema.RECLAIMED_RESOURCES: dict(self.reclaimed),
         }

@@ -1,9 +1,13 @@
-"""Reuse planning for attention-only models: pure functions from a lookup result to a page-aligned plan."""
+"""Reuse planning for attention-only models: pure functions from a lookup result to a plan.
+
+Plans are page-aligned, except that a partial-KV snapshot of a record's tail page can extend the reuse to
+the exact token right after the last reused full page (copy-on-partial-reuse into the lease's own page).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvforge.contract.paging import pages_for
 from kvforge.contract.profile_schema import (
@@ -21,8 +25,10 @@ class ReusePlan:
     kind: str
     matched_tokens: int  # tokens covered by matching pages in the index
     reuse_tokens: int  # where execution starts (kvcache_start_index)
-    hit_pages: tuple[int, ...]  # canonical pages bound to the first reuse_tokens / tokens_per_page slots
+    hit_pages: tuple[int, ...]  # canonical pages bound to the first reuse_tokens // tokens_per_page slots
     new_pages: int  # private pages to allocate for the rest of the input
+    restore_slot: int | None = None  # partial-KV snapshot copied into the first private page
+    restore_tokens: int = 0  # tokens that snapshot holds (reuse_tokens includes them)
 
 
 def plan_reuse(num_tokens: int, tokens_per_page: int, matched_pages: Sequence[int],
@@ -55,3 +61,12 @@ def media_safe_pages(num_pages: int, tokens_per_page: int, media: Sequence[Media
 def plan_cold(num_tokens: int, tokens_per_page: int) -> ReusePlan:
     """No lookup (bypass policy, warmup, or a forced-cold retry): every page private."""
     return ReusePlan(PLAN_BYPASS, 0, 0, (), pages_for(num_tokens, tokens_per_page))
+
+
+def with_snapshot(plan: ReusePlan, slot: int, tail_tokens: int) -> ReusePlan:
+    """`plan` extended by a snapshot of `tail_tokens` tokens after its hit pages: those tokens are restored
+    into the first private page instead of computed. A plan that found no page becomes a standard hit."""
+    kind = PLAN_STANDARD if plan.kind == PLAN_NO_REUSABLE_PREFIX else plan.kind
+    reuse = plan.reuse_tokens + tail_tokens
+    return replace(plan, kind=kind, matched_tokens=max(plan.matched_tokens, reuse), reuse_tokens=reuse,
+                   restore_slot=slot, restore_tokens=tail_tokens)

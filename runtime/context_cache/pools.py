@@ -1,18 +1,27 @@
-"""A resource pool with active and cache reference counts; a slot is free only when both are zero."""
+"""Resource pools per state type (KV pages, partial-KV snapshots) behind one coordinator that plans and counts them.
+
+Every pool has the same refcount discipline: `active` refs pin a slot for an in-flight request, `cache` refs
+are held by published records, and a slot returns to its free list only when both are zero. What differs
+per type is what a slot holds (a KV page in the runner's pool, or a copy of one in the snapshot store) and
+who asks for it (a lease's pages, a publication's snapshot).
+"""
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
-# The base KV pages are the only pool with behaviour today; snapshot and draft pools join when their
-# features land (the profile still lists their keys, with zeros, for scripts written for TensorRT Edge-LLM).
-from kvforge.contract.profile_schema import BASE_KV_PAGES, POOL_CAPACITY, POOL_FREE  # noqa: F401 - BASE_KV_PAGES re-exported
+from kvforge.contract.profile_schema import (  # noqa: F401 - pool names re-exported for the cache core
+    BASE_KV_PAGES,
+    PARTIAL_KV_SNAPSHOTS,
+    POOL_CAPACITY,
+    POOL_FREE,
+)
 
 
 class ResourcePool:
-    """Fixed-capacity slots with an O(1) free list. `active` refs pin a slot for an in-flight request;
-    `cache` refs are held by published records. Ids are pool-local."""
+    """Fixed-capacity slots with an O(1) free list. Ids are pool-local (page 5 is not snapshot slot 5)."""
 
     __slots__ = ("name", "capacity", "active", "cache", "_free", "on_free")
 
@@ -22,7 +31,7 @@ class ResourcePool:
         self.active = [0] * capacity
         self.cache = [0] * capacity
         self._free: deque[int] = deque(range(capacity))
-        self.on_free: Callable[[int], None] | None = None  # the page index forgets freed pages
+        self.on_free: Callable[[int], None] | None = None  # e.g. the page index forgets freed pages
 
     @property
     def num_free(self) -> int:
@@ -80,3 +89,45 @@ class ResourcePool:
 
     def to_dict(self) -> dict[str, int]:
         return {POOL_FREE: len(self._free), POOL_CAPACITY: self.capacity}
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """Free slots an action needs, per pool: what an admission, a growth or a snapshot capture asks for."""
+
+    base_kv_pages: int = 0
+    partial_kv_snapshots: int = 0
+
+    def per_pool(self) -> dict[str, int]:
+        return {BASE_KV_PAGES: self.base_kv_pages, PARTIAL_KV_SNAPSHOTS: self.partial_kv_snapshots}
+
+
+class ResourcePools:
+    """The coordinator's view of every typed pool: the eviction planner and the profile walk them by name.
+
+    A pool of capacity 0 is a type this deployment does not use (no snapshot budget): it is listed in the
+    profile with its real zeros and never asked for anything.
+    """
+
+    __slots__ = ("base_kv_pages", "partial_kv_snapshots")
+
+    def __init__(self, num_pages: int, partial_kv_snapshot_slots: int = 0) -> None:
+        self.base_kv_pages = ResourcePool(BASE_KV_PAGES, num_pages)
+        self.partial_kv_snapshots = ResourcePool(PARTIAL_KV_SNAPSHOTS, partial_kv_snapshot_slots)
+
+    def __iter__(self) -> Iterator[ResourcePool]:
+        return iter((self.base_kv_pages, self.partial_kv_snapshots))
+
+    def __getitem__(self, name: str) -> ResourcePool:
+        for pool in self:
+            if pool.name == name:
+                return pool
+        raise KeyError(name)
+
+    def missing(self, demand: Demand) -> dict[str, int]:
+        """Slots to reclaim per pool before `demand` can be allocated (only pools that are short)."""
+        return {name: count - self[name].num_free for name, count in demand.per_pool().items()
+                if count > self[name].num_free}
+
+    def to_dict(self) -> dict[str, dict[str, int]]:
+        return {pool.name: pool.to_dict() for pool in self}

@@ -1,4 +1,4 @@
-"""Records: one per published endpoint, holding a cache reference on each of its pages, kept in LRU order."""
+"""Records: one per published endpoint, holding a cache reference on each of its pages and snapshots, in LRU order."""
 
 from __future__ import annotations
 
@@ -7,29 +7,48 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvforge.runtime.context_cache.keys import KeyExtras
+from kvforge.runtime.context_cache.pools import BASE_KV_PAGES, PARTIAL_KV_SNAPSHOTS
 
 
 @dataclass(frozen=True, slots=True)
 class Record:
+    """An endpoint: its full pages, and for a length that is not page-aligned optionally a snapshot of the
+    partial tail page (`tail_key` chains the tail tokens from the last full page's key, like a page key)."""
+
     record_id: int
-    keys: tuple[bytes, ...]  # chain keys of its full pages; keys[-1] identifies the endpoint
+    keys: tuple[bytes, ...]  # chain keys of its full pages
     page_ids: tuple[int, ...]  # canonical base pages, one per key
-    token_ids: tuple[int, ...]  # the tokens those pages hold (kept for audits and invariant checks)
+    token_ids: tuple[int, ...]  # the tokens it covers: full pages, then the snapshot's tail (audits, lookups)
     extras: KeyExtras
+    tail_key: bytes = b""  # set with partial_slot: the exact endpoint's key
+    partial_slot: int | None = None  # partial-KV snapshot slot holding the tail page's K/V
 
     @property
     def terminal_key(self) -> bytes:
-        return self.keys[-1]
+        """What identifies the endpoint: the tail key of an exact checkpoint, else the last full page's key."""
+        return self.tail_key or self.keys[-1]
+
+    @property
+    def parent_key(self) -> bytes | None:
+        """The key a snapshot's tail chains from (None = the chain root: the record has no full page)."""
+        return self.keys[-1] if self.keys else None
+
+    def held(self) -> dict[str, tuple[int, ...]]:
+        """Slots this record holds a cache reference on, per pool."""
+        snapshots = () if self.partial_slot is None else (self.partial_slot,)
+        return {BASE_KV_PAGES: self.page_ids, PARTIAL_KV_SNAPSHOTS: snapshots}
 
 
 class RecordStore:
-    """Exact index (terminal key → record) plus record-level LRU order (first = least recently used)."""
+    """Exact index (terminal key → record), the snapshot tails by parent key, and record-level LRU order
+    (first = least recently used)."""
 
-    __slots__ = ("_lru", "_by_key", "_next_id")
+    __slots__ = ("_lru", "_by_key", "_tails", "_next_id")
 
     def __init__(self) -> None:
         self._lru: OrderedDict[int, Record] = OrderedDict()
         self._by_key: dict[bytes, int] = {}
+        self._tails: dict[bytes | None, set[int]] = {}  # parent key -> records with a snapshot tail after it
         self._next_id = 0
 
     def __len__(self) -> int:
@@ -51,11 +70,22 @@ class RecordStore:
             raise AssertionError("duplicate endpoint; callers touch the existing record instead")
         self._lru[record.record_id] = record
         self._by_key[record.terminal_key] = record.record_id
+        if record.partial_slot is not None:
+            self._tails.setdefault(record.parent_key, set()).add(record.record_id)
 
     def remove(self, record_id: int) -> Record:
         record = self._lru.pop(record_id)
         del self._by_key[record.terminal_key]
+        if record.partial_slot is not None:
+            tails = self._tails[record.parent_key]
+            tails.discard(record_id)
+            if not tails:
+                del self._tails[record.parent_key]
         return record
+
+    def tails_after(self, parent_key: bytes | None) -> list[Record]:
+        """Records whose snapshot tail follows the full page `parent_key` (None: the chain root)."""
+        return [self._lru[i] for i in self._tails.get(parent_key, ())]
 
     def least_recent_first(self) -> Iterator[Record]:
         return iter(list(self._lru.values()))

@@ -11,11 +11,13 @@ import numpy as np
 
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.model_config import ModelConfig, read_json
+from kvforge.tools.export import mamba2_source
 from kvforge.tools.export.source import LoadedModel, layer_weight
 
 FIELD = "SOURCE"
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mamba2")
+_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                  "Mamba2ForCausalLM": "mamba2"}
 _LAYER_TENSORS = ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
                   "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 # Buffers some older checkpoints saved; recomputed by the graph, so skipping them loses nothing.
@@ -33,6 +35,8 @@ def load_hf_dir(path: Path, kv_cache_dtype: str = "fp16") -> LoadedModel:
     hf = read_json(path / "config.json", FIELD)
     config = _config(hf, path, kv_cache_dtype)
     weights = _load_weights(path, config)
+    if config.is_recurrent:
+        weights[mamba2_source.EMBEDDING] = weights.pop(mamba2_source.HF_EMBEDDING)
     return LoadedModel(config=config, weights=weights, tokenizer_json=_tokenizer_json(path),
                        tokenizer_config=_tokenizer_config(path, config))
 
@@ -82,10 +86,22 @@ def _token_ids(value: Any) -> list[int]:
 
 def _config(hf: dict[str, Any], path: Path, kv_cache_dtype: str) -> ModelConfig:
     model_type = _model_type(hf)
-    _check_supported(hf, model_type)
     gen = _optional_json(path / "generation_config.json")
     # Chat checkpoints often list the end-of-turn token only in generation_config.json.
     eos_ids = sorted(set(_token_ids(hf.get("eos_token_id")) + _token_ids(gen.get("eos_token_id"))))
+    if model_type == "mamba2":
+        common = dict(kv_cache_dtype=kv_cache_dtype, eos_token_ids=eos_ids, name=path.resolve().name,
+                      bos_token_id=_first(hf.get("bos_token_id"), gen.get("bos_token_id")),
+                      pad_token_id=_first(hf.get("pad_token_id"), gen.get("pad_token_id")))
+        try:
+            config = mamba2_source.config_from_hf(hf, **common)
+        except KeyError as exc:
+            raise KvforgeError(f"{path / 'config.json'} lacks {exc.args[0]!r}", FIELD) from None
+        except ValueError as exc:
+            raise KvforgeError(f"{path / 'config.json'}: {exc}", FIELD) from None
+        config.validate()
+        return config
+    _check_supported(hf, model_type)
     try:
         heads = int(hf["num_attention_heads"])
         config = ModelConfig(
@@ -127,6 +143,8 @@ def _optional_json(path: Path) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------- weights
 
 def _expected_names(config: ModelConfig) -> list[str]:
+    if config.is_recurrent:
+        return mamba2_source.expected_names(config)
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     per_layer = [f"{t}.weight" for t in _LAYER_TENSORS]
     if config.attention_bias:

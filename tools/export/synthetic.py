@@ -7,6 +7,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.model_config import ModelConfig
+from kvforge.tools.export import mamba2_source
 from kvforge.tools.export.source import LoadedModel
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -23,6 +24,12 @@ SYNTHETIC_MODELS: dict[str, tuple[str, dict]] = {
     "tiny-qwen2": ("qwen2", {"attention_bias": True, "tie_word_embeddings": True}),
     "tiny-qwen3": ("qwen3", {"qk_norm": True, "head_dim": 32}),
     "tiny-llama-mha": ("llama", {"num_key_value_heads": 4}),
+    # Pure recurrent: 8 SSM heads of 16 (expand 2), state 16, 2 groups, conv kernel 4.
+    "tiny-mamba2": ("mamba2", {"num_attention_heads": 0, "num_key_value_heads": 0, "head_dim": 0,
+                               "intermediate_size": 128, "max_position_embeddings": mamba2_source.UNLIMITED_POSITIONS,
+                               "rms_norm_eps": 1e-5, "layer_types": ["mamba", "mamba"],
+                               "recurrent_state_num_heads": 8, "recurrent_state_head_dim": 16,
+                               "recurrent_state_size": 16, "n_groups": 2, "conv_kernel": 4}),
 }
 
 
@@ -54,7 +61,8 @@ def synthetic_model(name: str, kv_cache_dtype: str = "fp16", seed: int = 0) -> L
     config.validate()
     tokenizer_config = {"chat_template": CHATML_TEMPLATE, "bos_token": None, "eos_token": "<|im_end|>",
                         "add_bos_token": False, "model_max_length": config.max_position_embeddings}
-    return LoadedModel(config, random_weights(config, seed), tokenizer.to_str(), tokenizer_config)
+    weights = mamba2_source.random_weights(config, seed) if config.is_recurrent else random_weights(config, seed)
+    return LoadedModel(config, weights, tokenizer.to_str(), tokenizer_config)
 
 
 def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:

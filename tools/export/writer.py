@@ -14,7 +14,9 @@ from kvforge.contract.engine_dir import EMBEDDING_FILE, EMBEDDING_TENSOR
 from kvforge.contract.engine_dir import ENGINE_MODEL_FILE as MODEL_FILE
 from kvforge.contract.engine_dir import ENGINE_WEIGHTS_FILE as WEIGHTS_FILE
 from kvforge.contract.model_config import write_json
+from kvforge.tools.export import mamba2_source
 from kvforge.tools.export.llama_graph import build_llama_graph
+from kvforge.tools.export.mamba2_graph import build_mamba2_graph
 from kvforge.tools.export.source import LoadedModel
 
 
@@ -24,9 +26,12 @@ def write_onnx_dir(loaded: LoadedModel, output_dir: Path,
     config = loaded.config
     config.validate()
     step = progress or (lambda _msg: None)
-    model = build_llama_graph(config, loaded.weights,
-                              progress=lambda layer: step(f"layer {layer + 1}/{config.num_hidden_layers}"),
-                              quantized=loaded.quantized)
+    if config.is_recurrent:
+        model = build_mamba2_graph(mamba2_source.geometry(config), loaded.weights)
+    else:
+        model = build_llama_graph(config, loaded.weights,
+                                  progress=lambda layer: step(f"layer {layer + 1}/{config.num_hidden_layers}"),
+                                  quantized=loaded.quantized)
     step("saving model.onnx")
     for stale in (output_dir / MODEL_FILE, output_dir / WEIGHTS_FILE):
         stale.unlink(missing_ok=True)  # external data is appended to, never truncated, by onnx.save

@@ -66,12 +66,19 @@ class ResolvedConfig:
     def batch_size(self) -> int | None:
         return self.values.get("bs")
 
+    @property
+    def partial_kv_snapshot_pool_bytes(self) -> int:
+        return self.values.get("ccpkvsb", 0)
+
     def notes(self) -> list[str]:
-        given = [f"{n}{self.values[n]}" for n in SNAPSHOT_TOKENS if n in self.values]
-        if not given:
-            return []
-        return [f"{' and '.join(given)}: snapshot budgets recorded but ignored (they size hybrid/recurrent "
-                "snapshot pools; kvforge engines are attention-only)"]
+        notes = []
+        if "ccrsb" in self.values:
+            notes.append(f"ccrsb{self.values['ccrsb']}: recurrent snapshot budget recorded but ignored (it sizes "
+                         "recurrent snapshot pools; kvforge engines are attention-only)")
+        if "ccpkvsb" in self.values:
+            notes.append(f"ccpkvsb{self.values['ccpkvsb']}: partial-KV snapshot budget of the files that declare "
+                         "_checks.partial_kv_snapshots (the others keep page-granular reuse and their counters)")
+        return notes
 
     def to_dict(self) -> dict[str, Any]:
         return {"config": self.text, "llm_build": self.build_args(), "llm_inference": self.inference_args(),

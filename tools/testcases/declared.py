@@ -14,7 +14,7 @@ from kvforge.runtime.request_file import RequestFile, load_request_file
 
 CHECKS_KEY = "_checks"
 EXPECTED_PREFIX = "expected_"  # expected_context_cache, expected_prefill, ... : one per profile section
-CHECK_KEYS = ("context_reuse", "identical", "engine_specific")
+CHECK_KEYS = ("context_reuse", "partial_kv_snapshots", "identical", "engine_specific")
 # What an engine_specific block's `when` may name (see `run_facts` in runner.py).
 FACTS = ("model", "tokens_per_page", "kv_cache_dtype", "max_batch_size", "max_kv_pool_pages", "scheduling")
 # The seed's harness checks this file by name: 3 responses, 0 and 2 identical, reused tokens > 0 (reuse on).
@@ -37,6 +37,7 @@ class CaseSpec:
     references: dict[int, str]  # request index -> reference answer
     identical: list[tuple[int, int]]
     context_reuse: bool  # the file asks for reuse (and for prefill.reused_tokens > 0)
+    partial_kv_snapshots: bool  # the file asks for partial-KV snapshots too (token-exact reuse; implies reuse)
     seed_rule: bool  # no _checks: the seed's implicit rule applies to llm_context_reuse.json when reuse is on
     expectations: list[Expectations]
 
@@ -72,6 +73,7 @@ def _declared(path: Path, data: dict[str, Any], requests: RequestFile) -> CaseSp
     blocks = [_block(b, i) for i, b in enumerate(_list(checks, "engine_specific"))]
     return CaseSpec(path=path, requests=requests, references=_references(requests), identical=identical,
                     context_reuse=get_bool(checks, "context_reuse", CHECKS_KEY, False),
+                    partial_kv_snapshots=get_bool(checks, "partial_kv_snapshots", CHECKS_KEY, False),
                     seed_rule=CHECKS_KEY not in data and path.name == SEED_REUSE_FILE,
                     expectations=[Expectations(_sections(data, "")), *blocks])
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.contract.errors import KvforgeError
+from kvforge.contract.geometry import partial_kv_bytes_per_slot
 from kvforge.runtime.engine import Engine, EngineConfig
 from kvforge.runtime.file_runner import Scheduling, prepare_requests, run_request_file
 from kvforge.runtime.runner import EngineRunner
@@ -27,6 +28,11 @@ class RunSettings:
     thresholds: tuple[float, float] = (0.25, 0.20)
     lengths_overridden: bool = False
     multimodal_engine_dir: Path | None = None  # files with image items run only when one is given
+    # Budget for files declaring _checks.partial_kv_snapshots (ccpkvsb); 0 = DEFAULT_SNAPSHOT_SLOTS slots.
+    partial_kv_snapshot_pool_bytes: int = 0
+
+
+DEFAULT_SNAPSHOT_SLOTS = 16  # enough for every endpoint of a test file: its counters never see snapshot pressure
 
 
 @dataclass(slots=True)
@@ -66,7 +72,7 @@ class CaseRunner:
         self._runner: EngineRunner | None = None
 
     def run(self, case: CaseSpec) -> FileResult:
-        reuse = self.settings.reuse or case.context_reuse
+        reuse = self.settings.reuse or case.context_reuse or case.partial_kv_snapshots
         result = FileResult(case, reuse)
         media = [r.index for r in case.requests.requests if any(m.media for m in r.messages)]
         if media and self.settings.multimodal_engine_dir is None:
@@ -82,11 +88,10 @@ class CaseRunner:
     def _run(self, case: CaseSpec, result: FileResult) -> None:
         started = time.perf_counter()
         multimodal = self.settings.multimodal_engine_dir
-        engine = Engine(self.settings.engine_dir, EngineConfig(num_threads=self.settings.num_threads,
-                                                               enable_context_reuse=result.reuse,
-                                                               multimodal_engine_dir=str(multimodal) if multimodal
-                                                               else None),
-                        runner=self._runner)
+        engine = Engine(self.settings.engine_dir, EngineConfig(
+            num_threads=self.settings.num_threads, enable_context_reuse=result.reuse,
+            multimodal_engine_dir=str(multimodal) if multimodal else None,
+            context_cache_partial_kv_snapshot_pool_bytes=self._snapshot_budget(case)), runner=self._runner)
         self._runner = engine.runner  # fresh caches, one model: Engines may share a runner one after another
         prepared = prepare_requests(engine, case.requests, case.path.resolve().parent)
         loaded = time.perf_counter()
@@ -95,6 +100,20 @@ class CaseRunner:
         ran = time.perf_counter()
         result.checks = check_file(case, result.responses, result.profile, self._options(engine, result.reuse))
         result.timing_s = {"engine": loaded - started, "run": ran - loaded, "checks": time.perf_counter() - ran}
+
+    def _snapshot_budget(self, case: CaseSpec) -> int:
+        """Snapshots only for files that ask for them: the other files' counters are page-granular."""
+        if not case.partial_kv_snapshots:
+            return 0
+        if self.settings.partial_kv_snapshot_pool_bytes:
+            return self.settings.partial_kv_snapshot_pool_bytes
+        from kvforge.contract.engine_dir import load_engine_dir
+
+        engine = load_engine_dir(self.settings.engine_dir)
+        model = engine.model
+        return DEFAULT_SNAPSHOT_SLOTS * partial_kv_bytes_per_slot(
+            model.num_hidden_layers, model.num_key_value_heads, model.head_dim, engine.build.tokens_per_page,
+            model.kv_cache_dtype)
 
     def _options(self, engine: Engine, reuse: bool) -> CheckOptions:
         model, build = engine.engine.model, engine.engine.build
