@@ -49,12 +49,15 @@ def build(
     backend: str = typer.Option("auto", "--backend",
                                 help="onnxruntime (CPU), tensorrt (GPU; needs the tensorrt extra) or auto "
                                      "(TensorRT when it imports and a GPU is visible, else onnxruntime)."),
+    force: bool = typer.Option(False, "--force", help="Build even when the KV pool (--maxKVPoolPages) needs more "
+                                                      "memory than this machine has."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
     """Validate geometry, lower the paged-KV ops for the backend and write the engine dir."""
     options = BuildOptions(max_input_len=max_input_len, max_kv_cache_capacity=max_kv_cache_capacity,
                            max_kv_pool_pages=max_kv_pool_pages, max_batch_size=max_batch_size,
-                           tokens_per_page=tokens_per_page, backend=backend, max_lora_rank=max_lora_rank)
+                           tokens_per_page=tokens_per_page, backend=backend, max_lora_rank=max_lora_rank,
+                           force=force)
 
     def body() -> None:
         with progress_bar("building engine", STEPS) as step:
