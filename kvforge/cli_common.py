@@ -49,6 +49,7 @@ ENGINE_FLAGS = {  # llm_inference
     "batch_size_override": "--batchSize",
     "max_generate_length_override": "--maxGenerateLength",
     "num_logprobs_override": "--numLogprobs",
+    "max_input_file_bytes": "--maxInputFileBytes",
 }
 EXPORT_FLAGS = {
     "onnx_dir": "--onnxDir",

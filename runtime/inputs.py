@@ -9,7 +9,7 @@ from kvforge.contract.validation import join_path
 from kvforge.runtime.lora import LoraRegistry
 from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.tokenizer import ChatTokenizer
-from kvforge.runtime.types import Request, SamplingParams
+from kvforge.runtime.types import Message, Request, SamplingParams
 
 
 class InputProcessor:
@@ -48,7 +48,7 @@ class InputProcessor:
         so whether a request is accepted never depends on what the cache holds.
         """
         where = f"requests[{request.index}]" if where is None else where
-        ids = self.tokenizer.encode(self.prompt_text(request, enable_thinking))
+        ids = self._encode(self.prompt_text(request, enable_thinking), request, request.messages, where)
         check_prompt_length(len(ids), self.max_input_len, join_path(where, "messages"))
         engine_request = EngineRequest(ids, request.sampling, self.loras.get(request.lora_name), request.cache_salt)
         if request.save_system_prompt_kv_cache:
@@ -58,11 +58,18 @@ class InputProcessor:
                                    join_path(where, "save_system_prompt_kv_cache"))
             system = self.tokenizer.format_system_prompt(request.messages, request.apply_chat_template)
             if system:
-                engine_request.system_prompt_ids = self.tokenizer.encode(system)
+                engine_request.system_prompt_ids = self._encode(system, request, request.messages[:1], where)
                 adapter = engine_request.adapter
                 # The adapter's digest, not its name (the seed keys on the name): a reloaded adapter cannot hit.
                 engine_request.system_prompt_key = (system, adapter.digest.hex() if adapter else "")
         return engine_request
+
+
+    def _encode(self, text: str, request: Request, messages: Sequence[Message], where: str) -> list[int]:
+        """Content is plain text unless the request opted into parsing special tokens (see tokenizer.py)."""
+        if request.parse_special_tokens:
+            return self.tokenizer.encode(text)
+        return self.tokenizer.encode_chat(text, [m.content for m in messages], join_path(where, "messages"))
 
 
 def check_prompt_length(num_tokens: int, max_input_len: int, where: str) -> None:

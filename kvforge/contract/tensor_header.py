@@ -36,10 +36,10 @@ def read_tensor_header(path: Path, where: str) -> tuple[dict[str, TensorInfo], d
             size = path.stat().st_size
             prefix = handle.read(8)
             if len(prefix) < 8:
-                raise KvforgeError(f"{shown} is not a safetensors file (too short)", where)
+                raise KvforgeError(f"cannot read {shown}: not a safetensors file (too short)", where)
             (header_len,) = struct.unpack("<Q", prefix)
             if header_len > min(MAX_HEADER_BYTES, size - 8):
-                raise KvforgeError(f"{shown} is not a safetensors file (header of {header_len} bytes)", where)
+                raise KvforgeError(f"cannot read {shown}: not a safetensors file (header of {header_len} bytes)", where)
             raw = handle.read(header_len)
     except OSError as exc:
         raise KvforgeError(f"cannot read {shown}: {one_line(exc.strerror or str(exc))}", where) from None
