@@ -47,7 +47,7 @@ def load_adapter(name: str, path: Path, engine: EngineDir, where: str, shown: st
         raise KvforgeError("the engine was built without LoRA inputs; rebuild with llm_build --maxLoraRank R", where)
     if not path.is_file():
         raise KvforgeError(f"adapter file {shown} does not exist", where)
-    header, metadata = read_tensor_header(path, where)
+    header, metadata = read_tensor_header(path, where, shown)
     if metadata.get("format") != ADAPTER_FORMAT:
         raise KvforgeError(f"{shown} is not a converted adapter; convert it with: llm_export lora --adapterDir DIR "
                            "--onnxDir ONNXDIR --output FILE.safetensors", where)

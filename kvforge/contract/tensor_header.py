@@ -25,12 +25,13 @@ class TensorInfo:
     shape: tuple[int, ...]
 
 
-def read_tensor_header(path: Path, where: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+def read_tensor_header(path: Path, where: str, shown: str | None = None) -> tuple[dict[str, TensorInfo],
+                                                                                  dict[str, str]]:
     """(tensor name → dtype and shape, metadata) of a safetensors file, every entry checked against the
-    file's size; errors are one KvforgeError on `where`."""
+    file's size; errors are one KvforgeError on `where` and name the file as `shown` (default: its path)."""
     from kvforge.contract.validation import one_line
 
-    shown = one_line(str(path))
+    shown = one_line(str(path) if shown is None else shown)
     try:
         with open(path, "rb") as handle:
             size = path.stat().st_size
