@@ -120,3 +120,17 @@ def test_ort_logging_stays_off_stderr(run_cli, tiny_engine_dir: Path, tmp_path: 
     proc = run_cli(["llm_inference", "--engineDir", engine, "--inputFile", request_file(tmp_path / "in.json"),
                     "--outputFile", tmp_path / "out.json"])
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_onnx_config_disagreeing_with_its_graph(tiny_onnx_dir: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from kvforge.contract.manifest import ONNX_KIND, write_manifest
+
+    onnx = tmp_path / "onnx"
+    shutil.copytree(tiny_onnx_dir, onnx)
+    (onnx / "config.json").write_text(json.dumps(changed(config_of(onnx), "num_hidden_layers", 3)))
+    write_manifest(onnx, ONNX_KIND)
+    invoke(build_app, "--onnxDir", onnx, "--engineDir", tmp_path / "engine", "--backend", "onnxruntime"
+           ).one_line_error("--onnxDir", "num_hidden_layers 3", "2 KV pool inputs")
+    assert not (tmp_path / "engine").exists()
