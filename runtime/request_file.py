@@ -38,6 +38,8 @@ MAX_LOGIT_BIAS = 100.0
 MAX_MESSAGES = 64
 MAX_CONTENT_ITEMS = 18
 MAX_CONTENT_BYTES = 128 * 1024
+MAX_STOP_WORDS = 64  # every generated token is checked against each: a bound on per-step work
+MAX_STOP_WORD_BYTES = 1024
 
 ROLES = ("system", "user", "assistant", "tool")
 MEDIA_TYPES = ("image", "audio", "video")
@@ -311,12 +313,15 @@ def _stop(value: Any, where: str) -> tuple[str, ...]:
     words = [value] if isinstance(value, str) else value
     if not isinstance(words, list):
         fail(where, f"must be a string or an array of strings, got {json_kind(value)}")
+    if len(words) > MAX_STOP_WORDS:
+        fail(where, f"must hold at most {MAX_STOP_WORDS} stop strings, got {len(words)}")
     for i, word in enumerate(words):
         item = where if isinstance(value, str) else f"{where}[{i}]"
         # An empty stop word would match before the first token and end every generation at once.
         if not isinstance(word, str) or not word:
             fail(item, f"must be a non-empty string, got {describe(word)}")
-        utf8_size(word, item)
+        if utf8_size(word, item) > MAX_STOP_WORD_BYTES:
+            fail(item, f"must be at most {MAX_STOP_WORD_BYTES} bytes of UTF-8")
     return tuple(words)
 
 

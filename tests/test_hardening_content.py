@@ -158,3 +158,21 @@ def test_llm_profile_refuses_unparseable_profiles(tmp_path: Path, text: str, nee
     path.write_text(text, encoding="utf-8")
     line = invoke(profile_app, "show", path).one_line_error(needle)
     assert "\x1b" not in line
+
+
+def test_hostile_hf_checkpoint_config_is_one_line(tmp_path: Path) -> None:
+    from kvforge.tools.export.cli import app as export_app
+
+    checkpoint = tmp_path / "hf"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 300, "hidden_size": "wide",
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64}))
+    invoke(export_app, "model", checkpoint, "--outputDir", tmp_path / "onnx").one_line_error("config.json")
+    assert not (tmp_path / "onnx").exists()
+
+
+def test_stop_strings_are_bounded(tiny_engine_dir: Path, tmp_path: Path) -> None:
+    many = request_file(tmp_path / "in.json", {"messages": [{"role": "user", "content": "hi"}],
+                                               "stop": [f"s{i}" for i in range(1000)]})
+    run(tiny_engine_dir, many, tmp_path).one_line_error("requests[0].stop", "at most")

@@ -177,3 +177,15 @@ def test_export_refuses_an_output_dir_over_its_source(tmp_path: Path) -> None:
     source.write_bytes(b"GGUF" + b"\0" * 64)
     invoke(export_app, "model", source, "--outputDir", source).one_line_error("--outputDir")
     assert source.read_bytes() == b"GGUF" + b"\0" * 64
+
+
+def test_output_to_a_device_is_refused_and_a_symlink_is_written_through(tiny_engine_dir: Path,
+                                                                          tmp_path: Path) -> None:
+    input_file = request_file(tmp_path / "in.json")
+    inference(tiny_engine_dir, input_file, "/dev/null").one_line_error("--outputFile", "not a regular file")
+    assert Path("/dev/null").is_char_device()
+    real, link = tmp_path / "real.json", tmp_path / "link.json"
+    real.write_text("old")
+    link.symlink_to(real)
+    assert inference(tiny_engine_dir, input_file, link).code == 0
+    assert link.is_symlink() and json.loads(real.read_text())["responses"]

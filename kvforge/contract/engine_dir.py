@@ -82,8 +82,9 @@ def load_engine_dir(path: Path) -> EngineDir:
     verify_manifest(path, ENGINE_KIND, "engine_dir", REBUILD)
     check_embedding(path / EMBEDDING_FILE, model, "engine_dir")
     engine = EngineDir(path, model, build)
-    if build.backend == "onnxruntime":  # the pool lives in host memory (TensorRT's on the GPU)
-        check_pool_fits_memory(engine.kv_pool_bytes)
+    if build.backend == "onnxruntime":  # pool and RoPE table live in host memory (TensorRT's on the GPU)
+        rope_bytes = build.max_kv_cache_capacity * model.head_dim * 4  # float32 cos and sin per position
+        check_pool_fits_memory(engine.kv_pool_bytes + rope_bytes)
     return engine
 
 

@@ -71,6 +71,8 @@ def loads_json(text: str | bytes, where: str, what: str = "") -> Any:
 def atomic_output(path: Path, mode: str = "w") -> Iterator[IO[Any]]:
     """Write `path` through a temporary sibling renamed into place on success; on failure nothing changes."""
     path = Path(path)
+    if path.is_symlink():  # write through the link: the file it names is replaced, the link stays
+        path = path.resolve()
     fd, temp = tempfile.mkstemp(prefix=f".{path.name}{TEMP_MARK}", dir=path.parent)
     try:
         with os.fdopen(fd, mode, **({"encoding": "utf-8"} if "b" not in mode else {})) as handle:
@@ -161,6 +163,8 @@ def check_output_file(path: Path, flag: str) -> None:
         raise KvforgeError(f"directory {one_line(str(parent))} does not exist", flag)
     if not os.access(parent, os.W_OK | os.X_OK):
         raise KvforgeError(f"directory {one_line(str(parent))} is not writable", flag)
+    if path.exists() and not path.is_file():  # a device or pipe would be replaced by the rename, not written
+        raise KvforgeError(f"{shown} is not a regular file (a device, pipe or socket); write to a file", flag)
     if path.exists() and not os.access(path, os.W_OK):
         raise KvforgeError(f"{shown} exists and is read-only", flag)
 

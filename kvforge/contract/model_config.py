@@ -43,7 +43,9 @@ class ModelConfig:
     format: str = EXPORT_FORMAT
 
     def validate(self) -> None:
-        """Values that can be set from code (exporters) without going through from_dict's type checks."""
+        """The schema (types and ranges) plus the rules between fields; exporters call it on what they built."""
+        for name, spec in CONFIG_SCHEMA.items():
+            check_field(spec, getattr(self, name), f"config.{name}", "the model config")
         if self.model not in MODEL_FAMILIES:
             raise InvalidConfig(f"unsupported model family {self.model!r}; expected one of {MODEL_FAMILIES}",
                                 "config.model")
