@@ -14,6 +14,8 @@ from kvforge.contract.files import check_distinct, check_output_file
 from kvforge.runtime.profile import format_summary, write_profile
 from kvforge.runtime.request_file import DEFAULT_MAX_INPUT_FILE_BYTES, load_request_file
 
+MAX_WARMUP = 100  # unprofiled runs of one request: a few settle the caches; a huge count only hangs
+
 # The help text goes on the command: typer drops a Typer(help=...) when the app has one command.
 HELP = """
 Run the requests of a JSON file on an engine built by llm_build.
@@ -82,8 +84,8 @@ def inference(
         from kvforge.runtime.ort_runner import set_ort_logging
 
         set_ort_logging(debug)
-        if warmup < 0:
-            raise KvforgeError(f"must be >= 0, got {warmup}", "--warmup")
+        if not 0 <= warmup <= MAX_WARMUP:
+            raise KvforgeError(f"must be in [0, {MAX_WARMUP}], got {warmup}", "--warmup")
         if scheduling not in {s.value for s in Scheduling}:
             raise KvforgeError(f'must be "static" or "continuous", got {scheduling!r}', "--scheduling")
         # Every output is checked before any work: writable, and neither an input nor the other output.

@@ -28,7 +28,13 @@ def set_ort_logging(debug: bool) -> None:
 ort.set_default_logger_severity(QUIET_SEVERITY)
 
 
+MAX_THREADS = 1024  # ONNX Runtime starts every thread up front: a huge count exhausts the process
+
+
 def make_session(model_path: str, num_threads: int = 0) -> ort.InferenceSession:
+    if not 0 <= num_threads <= MAX_THREADS:
+        raise KvforgeError(f"must be in [0, {MAX_THREADS}] (0 = onnxruntime's default), got {num_threads}",
+                           "num_threads")
     options = ort.SessionOptions()
     options.log_severity_level = _log_severity
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL

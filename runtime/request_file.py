@@ -96,13 +96,14 @@ class RequestFile:
 
 
 DEFAULT_MAX_INPUT_FILE_BYTES = 64 * 2**20  # --maxInputFileBytes: ~100k chat requests; the file is read whole
+MAX_INPUT_FILE_BYTES = 2**40
 
 
 def load_request_file(path: Path | str, max_bytes: int = DEFAULT_MAX_INPUT_FILE_BYTES) -> RequestFile:
     """Read and validate a request file; every failure is a one-line KvforgeError on "inputFile"."""
     path = Path(path)
     shown = one_line(str(path))
-    check_int(max_bytes, "max_input_file_bytes", 1)
+    check_int(max_bytes, "max_input_file_bytes", 1, MAX_INPUT_FILE_BYTES)
     try:
         size = path.stat().st_size
         if path.is_file() and size > max_bytes:

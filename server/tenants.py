@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvforge.contract.errors import KvforgeError
-from kvforge.contract.files import loads_json
+from kvforge.contract.files import loads_json, read_limited
 
 SECRET_BYTES = 32
 ANONYMOUS = ""  # the one tenant of a server without --apiKeys
@@ -53,7 +53,7 @@ def load_tenants(api_keys_file: Path | None, salt_secret_file: Path | None) -> T
     if api_keys_file is None:
         return Tenants(secret, {})
     try:
-        data = loads_json(api_keys_file.read_bytes(), "api_keys", str(api_keys_file))  # duplicate keys refused
+        data = loads_json(read_limited(api_keys_file, 2**24, "api_keys"), "api_keys", str(api_keys_file))
     except OSError as exc:
         raise KvforgeError(f"cannot read {api_keys_file}: {exc.strerror or exc}", "api_keys") from None
     if not isinstance(data, dict) or not data:

@@ -111,3 +111,17 @@ def test_valid_adapter_still_loads(lora_setup) -> None:
     _root, engine, good = lora_setup
     engine.load_adapters({"good": str(good)})
     assert engine.loras.adapters["good"].rank == 4
+
+
+def test_endless_inputs_are_read_bounded(tiny_engine_dir: Path, tmp_path: Path) -> None:
+    from kvforge.tools.profile.cli import app as profile_app
+
+    invoke(profile_app, "show", "/dev/zero").one_line_error("larger than")
+    invoke(inference_app, "--engineDir", tiny_engine_dir, "--inputFile", "/dev/zero", "--outputFile",
+           tmp_path / "o.json", "--maxInputFileBytes", 1024).one_line_error("--maxInputFileBytes")
+
+
+@pytest.mark.parametrize("flag, value", [("--warmup", 10**9), ("--numThreads", 10**5), ("--maxInputFileBytes", 10**20)])
+def test_hostile_counts_are_refused(tiny_engine_dir: Path, tmp_path: Path, flag: str, value: int) -> None:
+    invoke(inference_app, "--engineDir", tiny_engine_dir, "--inputFile", request_file(tmp_path / "in.json"),
+           "--outputFile", tmp_path / "o.json", flag, value).one_line_error(flag)

@@ -65,6 +65,18 @@ def loads_json(text: str | bytes, where: str, what: str = "") -> Any:
         raise KvforgeError(f"malformed JSON{shown}: {one_line(str(exc))}", where) from None
 
 
+def read_limited(path: Path, limit: int, where: str) -> bytes:
+    """A file's bytes, refusing more than `limit` (checked while reading: /dev/zero or a FIFO has no size).
+    OSError propagates for the caller's own message."""
+    with open(path, "rb") as handle:
+        data = handle.read(limit + 1)
+    if len(data) > limit:
+        from kvforge.contract.validation import one_line
+
+        raise KvforgeError(f"{one_line(str(path))} is larger than {limit:,} bytes", where)
+    return data
+
+
 # ------------------------------------------------------------------------------------------- outputs
 
 @contextmanager

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.contract.errors import InvalidConfig, KvforgeError
-from kvforge.contract.files import loads_json, write_json  # noqa: F401 - write_json re-exported (writers import it here)
+from kvforge.contract.files import loads_json, read_limited, write_json  # noqa: F401 - write_json re-exported (writers import it here)
 
 # Marks an ONNX dir as ours; an export from another tool lacks it and is refused clearly.
 EXPORT_FORMAT = "kvforge-onnx-v1"
@@ -165,11 +165,9 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
     if not path.is_file():
         raise KvforgeError(f"missing file {one_line(str(path))}", what)
     try:
-        raw = path.read_bytes()
+        raw = read_limited(path, MAX_CONFIG_BYTES, what)
     except OSError as exc:
         raise KvforgeError(f"cannot read {one_line(str(path))}: {one_line(exc.strerror or str(exc))}", what) from None
-    if len(raw) > MAX_CONFIG_BYTES:
-        raise KvforgeError(f"{one_line(str(path))} is larger than {MAX_CONFIG_BYTES} bytes", what)
     data = loads_json(raw, what, str(path))
     if not isinstance(data, dict):
         raise KvforgeError(f"{one_line(str(path))} must hold a JSON object", what)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -147,9 +148,12 @@ def random_lora(
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
     def body() -> None:
+        from kvforge.contract.engine_dir import MAX_LORA_RANK
         from kvforge.tools.export.lora import write_random_peft_adapter
-        if rank <= 0:
-            raise KvforgeError(f"must be positive, got {rank}", "--rank")
+        if not 0 < rank <= MAX_LORA_RANK:
+            raise KvforgeError(f"must be in [1, {MAX_LORA_RANK}], got {rank}", "--rank")
+        if not math.isfinite(alpha):
+            raise KvforgeError(f"must be a finite number, got {alpha}", "--alpha")
         from kvforge.contract.files import check_distinct
         check_distinct({"--outputDir": output_dir}, {"--onnxDir": onnx_dir}, outputs_are_dirs=True)
         write_random_peft_adapter(onnx_dir, output_dir, rank, alpha, seed)

@@ -105,8 +105,8 @@ def _rank_and_scaling(peft: dict) -> tuple[int, float]:
     alpha = peft.get("lora_alpha", rank)
     if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
         raise KvforgeError(f"adapter_config.json r must be a positive integer, got {rank!r}", FIELD)
-    if not isinstance(alpha, int | float) or isinstance(alpha, bool):
-        raise KvforgeError(f"adapter_config.json lora_alpha must be a number, got {alpha!r}", FIELD)
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not np.isfinite(alpha):
+        raise KvforgeError(f"adapter_config.json lora_alpha must be a finite number, got {alpha!r}", FIELD)
     if peft.get("alpha_pattern") or peft.get("rank_pattern"):
         # Per-module ranks or alphas change the scaling per module; one scaling per adapter is folded here.
         raise KvforgeError("rank_pattern/alpha_pattern adapters are not supported", FIELD)

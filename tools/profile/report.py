@@ -17,7 +17,7 @@ from rich.table import Table
 
 from kvforge.contract import profile_schema as schema
 from kvforge.contract.errors import KvforgeError
-from kvforge.contract.files import atomic_output, loads_json
+from kvforge.contract.files import atomic_output, loads_json, read_limited
 from kvforge.contract.validation import json_kind, printable
 
 _MIB = 1024 * 1024
@@ -49,9 +49,7 @@ def load_profile(path: Path) -> dict[str, Any]:
     if path.is_dir():
         raise KvforgeError("is a directory, expected a profile JSON file", name)
     try:
-        if path.stat().st_size > MAX_PROFILE_BYTES:
-            raise KvforgeError(f"larger than {MAX_PROFILE_BYTES:,} bytes; not a profile", name)
-        text = path.read_text(encoding="utf-8")
+        text = read_limited(path, MAX_PROFILE_BYTES, name).decode("utf-8")
     except UnicodeDecodeError:
         raise KvforgeError("not UTF-8 text, expected a profile JSON file", name) from None
     except OSError as exc:
