@@ -22,6 +22,11 @@ class InputProcessor:
         self.max_input_len = max_input_len
         self.reuse_enabled = reuse_enabled
         self.vocab_size = vocab_size
+        # A tokenizer that can emit ids past the embedding would fail inside the engine call instead of here.
+        tokenizer_size = tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
+        if tokenizer_size > vocab_size:
+            raise KvforgeError(f"tokenizer.json has {tokenizer_size} tokens, more than the model's vocab_size "
+                               f"{vocab_size}; the engine dir's files do not belong together", "engine_dir")
 
     def process_prompt(self, prompt: str | Sequence[int], sampling: SamplingParams, lora_name: str | None = None,
                        cache_salt: str | None = None) -> EngineRequest:

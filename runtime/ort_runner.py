@@ -64,6 +64,10 @@ def check_graph_inputs(session: ort.InferenceSession, engine: EngineDir) -> None
                                                                                             strict=False)):
             raise KvforgeError(f"graph input {name} has shape {shape}, config.json implies {expected}; rebuild it "
                                "with llm_build", "engine_dir")
+    logits = next((o.shape for o in session.get_outputs() if o.name == "logits"), None)
+    if logits is None or (isinstance(logits[-1], int) and logits[-1] != model.vocab_size):
+        raise KvforgeError(f"graph output logits is {logits}, config.json says vocab_size {model.vocab_size}; "
+                           "rebuild it with llm_build", "engine_dir")
     embeds = inputs.get("inputs_embeds")
     if embeds is None or len(embeds) != 3 or (isinstance(embeds[2], int) and embeds[2] != model.hidden_size):
         raise KvforgeError(f"graph input inputs_embeds is {embeds}, config.json says hidden_size "

@@ -134,3 +134,12 @@ def test_onnx_config_disagreeing_with_its_graph(tiny_onnx_dir: Path, tmp_path: P
     invoke(build_app, "--onnxDir", onnx, "--engineDir", tmp_path / "engine", "--backend", "onnxruntime"
            ).one_line_error("--onnxDir", "num_hidden_layers 3", "2 KV pool inputs")
     assert not (tmp_path / "engine").exists()
+
+
+def test_tokenizer_larger_than_the_model_vocabulary(tiny_engine_dir: Path, tmp_path: Path) -> None:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tiny_engine_dir / "tokenizer.json"))
+    tokenizer.add_tokens([f"<extra_{i}>" for i in range(50)])
+    engine = edit_engine(copy_engine(tiny_engine_dir, tmp_path / "engine"), text={"tokenizer.json": tokenizer.to_str()})
+    run(engine, tmp_path).one_line_error("--engineDir", "tokenizer.json", "vocab_size")
