@@ -26,14 +26,14 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-$(OUT)/onnx/smollm2/config.json: $(VENV)/.installed
+$(OUT)/onnx/smollm2/manifest.json: $(VENV)/.installed
 	$(BIN)/llm_export smollm2-135m-instruct --outputDir $(OUT)/onnx/smollm2
 
-$(OUT)/engines/smollm2/config.json: $(OUT)/onnx/smollm2/config.json
+$(OUT)/engines/smollm2/manifest.json: $(OUT)/onnx/smollm2/manifest.json
 	$(BIN)/llm_build --onnxDir $(OUT)/onnx/smollm2 --engineDir $(OUT)/engines/smollm2 \
 		--maxInputLen 1024 --maxKVCacheCapacity 2048 --maxBatchSize 1
 
-demo: $(OUT)/engines/smollm2/config.json
+demo: $(OUT)/engines/smollm2/manifest.json
 	$(BIN)/llm_inference --engineDir $(OUT)/engines/smollm2 --inputFile test_cases/llm_basic.json \
 		--outputFile $(OUT)/llm_basic.output.json --profileOutputFile $(OUT)/llm_basic.profile.json \
 		--numThreads $(THREADS) --dumpOutput --dumpProfile
@@ -49,11 +49,11 @@ test: install lint
 test-slow: install
 	$(BIN)/pytest -q -m slow $(PYTEST_ARGS)
 
-$(OUT)/onnx/tiny-llama/config.json: $(VENV)/.installed
+$(OUT)/onnx/tiny-llama/manifest.json: $(VENV)/.installed
 	$(BIN)/llm_export --synthetic tiny-llama --outputDir $(OUT)/onnx/tiny-llama
 
 # Two random rank-8 adapters per model for test_cases/llm_lora.json, which names $$KVFORGE_LORA_DIR/<name>.safetensors.
-$(OUT)/adapters/%/classifier.safetensors: $(OUT)/onnx/%/config.json
+$(OUT)/adapters/%/classifier.safetensors: $(OUT)/onnx/%/manifest.json
 	mkdir -p $(OUT)/adapters/$*
 	for pair in summarizer:1 classifier:2; do name=$${pair%%:*}; \
 		$(BIN)/llm_export random-lora --onnxDir $(OUT)/onnx/$* --outputDir $(OUT)/adapters/$*/peft_$$name \
@@ -91,18 +91,18 @@ llm-test: $(OUT)/adapters/tiny-llama/classifier.safetensors $(OUT)/adapters/smol
 	$(LLM_TEST) --onnxDir $(OUT)/onnx/smollm2 --config $(LLM_TEST_SMOLLM2) --loraWeightsDir $(OUT)/adapters/smollm2 \
 		--junitXml $(OUT)/llm_test/smollm2.xml --jsonReport $(OUT)/llm_test/smollm2.json test_cases/*.json
 
-bench: $(OUT)/onnx/smollm2/config.json
+bench: $(OUT)/onnx/smollm2/manifest.json
 	$(BIN)/python bench/paged_vs_dense.py --onnxDir $(OUT)/onnx/smollm2 --threads $(THREADS) \
 		--json $(OUT)/bench_paged_vs_dense.json
 
-bench-reuse: $(OUT)/onnx/smollm2/config.json
+bench-reuse: $(OUT)/onnx/smollm2/manifest.json
 	$(BIN)/python bench/context_reuse.py --onnxDir $(OUT)/onnx/smollm2 --threads $(THREADS) \
 		--json $(OUT)/bench_context_reuse.json
 
-bench-lora: $(OUT)/onnx/smollm2/config.json
+bench-lora: $(OUT)/onnx/smollm2/manifest.json
 	$(BIN)/python bench/lora.py --onnxDir $(OUT)/onnx/smollm2 --threads $(THREADS) --json $(OUT)/bench_lora.json
 
-bench-scheduling: $(OUT)/onnx/smollm2/config.json
+bench-scheduling: $(OUT)/onnx/smollm2/manifest.json
 	$(BIN)/python bench/scheduling.py --onnxDir $(OUT)/onnx/smollm2 --threads $(THREADS) \
 		--json $(OUT)/bench_scheduling.json
 

@@ -11,8 +11,16 @@ import onnx
 from kvforge.builder.engine_files import load_model, write_engine_config
 from kvforge.builder.lower_ort import lower_for_onnxruntime, share_tied_head
 from kvforge.builder.lower_recurrent import lower_recurrent_ops
-from kvforge.contract.engine_dir import COPIED_FILES, ENGINE_MODEL_FILE, ENGINE_WEIGHTS_FILE, BuilderConfig
+from kvforge.contract.engine_dir import (
+    COPIED_FILES,
+    EMBEDDING_FILE,
+    ENGINE_MODEL_FILE,
+    ENGINE_WEIGHTS_FILE,
+    BuilderConfig,
+    check_embedding,
+)
 from kvforge.contract.errors import InvalidConfig
+from kvforge.contract.files import check_output_dir, overlaps, staged_dir
 from kvforge.contract.geometry import (
     DEFAULT_TOKENS_PER_PAGE,
     PageGeometry,
@@ -20,6 +28,8 @@ from kvforge.contract.geometry import (
     recurrent_bytes_per_slot,
     resolve_geometry,
 )
+from kvforge.contract.manifest import ENGINE_KIND, ONNX_KIND, verify_manifest, write_manifest
+from kvforge.contract.memory import check_pool_fits_memory
 from kvforge.contract.model_config import ModelConfig, read_json
 
 BACKENDS = ("auto", "onnxruntime", "tensorrt")
@@ -37,6 +47,7 @@ class BuildOptions:
     tokens_per_page: int = DEFAULT_TOKENS_PER_PAGE
     backend: str = "onnxruntime"  # the CLI defaults to "auto"; the API stays explicit so tests never switch
     max_lora_rank: int = 0
+    force: bool = False  # build even when the KV pool is larger than this machine's memory
 
     def geometry(self, max_position_embeddings: int) -> PageGeometry:
         """The validated geometry for a model with `max_position_embeddings` (InvalidConfig otherwise)."""
@@ -60,12 +71,15 @@ class MemoryPlan:
 
 
 def read_onnx_dir(onnx_dir: Path) -> ModelConfig:
+    """The export's config, checked: schema, files, completion manifest and embedding shape."""
     if not onnx_dir.is_dir():
         raise InvalidConfig(f"{onnx_dir} is not a directory", "onnx_dir")
     config = ModelConfig.from_dict(read_json(onnx_dir / "config.json", "onnx_dir"), f"{onnx_dir}/config.json")
     for name in (ENGINE_MODEL_FILE, *COPIED_FILES):
         if not (onnx_dir / name).is_file():
             raise InvalidConfig(f"missing {name} in {onnx_dir}; re-export it with llm_export", "onnx_dir")
+    verify_manifest(onnx_dir, ONNX_KIND, "onnx_dir", "re-export it with llm_export")
+    check_embedding(onnx_dir / EMBEDDING_FILE, config, "onnx_dir")
     return config
 
 
@@ -96,12 +110,29 @@ def memory_plan(config: ModelConfig, geometry: PageGeometry) -> MemoryPlan:
 
 def build_engine(onnx_dir: Path, engine_dir: Path, options: BuildOptions,
                  step: Callable[[str], None] = lambda _m: None) -> tuple[PageGeometry, MemoryPlan]:
+    """Build into a staging dir next to `engine_dir` and swap it in when complete (manifest written last), so
+    an interrupted or failed build leaves `engine_dir` as it was and nothing the runtime accepts."""
+    if overlaps(engine_dir, onnx_dir):
+        raise InvalidConfig("is the same directory as (or overlaps) --onnxDir; the build would destroy the export",
+                            "engine_dir")
+    check_output_dir(engine_dir, "engine_dir")
     config = read_onnx_dir(onnx_dir)
     backend = resolve_backend(options.backend)
     geometry = options.geometry(config.max_position_embeddings)
+    plan = memory_plan(config, geometry)
+    if not options.force and backend == "onnxruntime":
+        check_pool_fits_memory(plan.total_bytes, hint=" (or --force to build it anyway)")
     step("validated geometry")
-    if config.is_recurrent:
-        return _build_recurrent(onnx_dir, engine_dir, config, geometry, backend, options, step)
+    with staged_dir(engine_dir) as staging:
+        build = _build_recurrent if config.is_recurrent else _build_into
+        build(onnx_dir, staging, config, geometry, backend, options, step)
+        write_manifest(staging, ENGINE_KIND)
+    step("wrote engine dir")
+    return geometry, plan
+
+
+def _build_into(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometry: PageGeometry, backend: str,
+                options: BuildOptions, step: Callable[[str], None]) -> None:
     if backend == "tensorrt" and config.quantization != "none":
         raise InvalidConfig(f"this export has {config.quantization} MatMulNBits weights, an ONNX Runtime operator; "
                             "build it with --backend onnxruntime, or export with --quantization none for TensorRT",
@@ -109,7 +140,7 @@ def build_engine(onnx_dir: Path, engine_dir: Path, options: BuildOptions,
     if backend == "tensorrt":
         from kvforge.builder.trt_build import build_tensorrt_engine  # TensorRT stays an optional extra
         build_tensorrt_engine(onnx_dir, engine_dir, config, geometry, step, max_lora_rank=options.max_lora_rank)
-        return geometry, memory_plan(config, geometry)
+        return
     model = load_model(onnx_dir, config, options.max_lora_rank)
     step("loaded model.onnx")
     lowered = lower_for_onnxruntime(model, kv_cache_dtype=config.kv_cache_dtype,
@@ -121,12 +152,10 @@ def build_engine(onnx_dir: Path, engine_dir: Path, options: BuildOptions,
     _save(lowered, engine_dir)
     write_engine_config(onnx_dir, engine_dir, config,
                         BuilderConfig.from_geometry(geometry, backend, options.max_lora_rank, config))
-    step("wrote engine dir")
-    return geometry, memory_plan(config, geometry)
 
 
 def _build_recurrent(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometry: PageGeometry, backend: str,
-                     options: BuildOptions, step: Callable[[str], None]) -> tuple[PageGeometry, MemoryPlan]:
+                     options: BuildOptions, step: Callable[[str], None]) -> None:
     """A pure recurrent model (Mamba2): no KV pool, the recurrent ops lowered for ONNX Runtime.
 
     The seed's gate on extra retained pages: an engine without KV inputs retains nothing in pages (it reuses
@@ -146,13 +175,8 @@ def _build_recurrent(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geom
     step("lowered recurrent ops")
     _save(lowered, engine_dir)
     write_engine_config(onnx_dir, engine_dir, config, BuilderConfig.from_geometry(geometry, backend, 0, config))
-    step("wrote engine dir")
-    return geometry, memory_plan(config, geometry)
 
 
 def _save(model: onnx.ModelProto, engine_dir: Path) -> None:
-    engine_dir.mkdir(parents=True, exist_ok=True)
-    for stale in (engine_dir / ENGINE_MODEL_FILE, engine_dir / ENGINE_WEIGHTS_FILE):
-        stale.unlink(missing_ok=True)
     onnx.save_model(model, engine_dir / ENGINE_MODEL_FILE, save_as_external_data=True,
                     all_tensors_to_one_file=True, location=ENGINE_WEIGHTS_FILE, size_threshold=1024)

@@ -71,12 +71,15 @@ def build(
     profile_decode_tokens: int = typer.Option(32, "--profileDecodeTokens",
                                               help="Decode steps of the --profileOps run."),
     num_threads: int = typer.Option(0, "--numThreads", help="Threads for the --profileOps run (0 = all cores)."),
+    force: bool = typer.Option(False, "--force", help="Build even when the KV pool (--maxKVPoolPages) needs more "
+                                                      "memory than this machine has."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
     """Validate geometry, lower the paged-KV ops for the backend and write the engine dir."""
     options = BuildOptions(max_input_len=max_input_len, max_kv_cache_capacity=max_kv_cache_capacity,
                            max_kv_pool_pages=max_kv_pool_pages, max_batch_size=max_batch_size,
-                           tokens_per_page=tokens_per_page, backend=backend, max_lora_rank=max_lora_rank)
+                           tokens_per_page=tokens_per_page, backend=backend, max_lora_rank=max_lora_rank,
+                           force=force)
 
     def body() -> None:
         from kvforge.contract.multimodal import is_encoder_dir

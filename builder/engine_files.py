@@ -19,11 +19,28 @@ def load_model(onnx_dir: Path, config: ModelConfig, max_lora_rank: int) -> onnx.
         model = onnx.load(onnx_dir / ENGINE_MODEL_FILE)
     except Exception as exc:
         raise InvalidConfig(f"cannot load {onnx_dir / ENGINE_MODEL_FILE}: {exc}", "onnx_dir") from None
+    check_graph_matches_config(model, config, onnx_dir)
     check_max_lora_rank(max_lora_rank, model)
     if max_lora_rank == 0 and has_lora_inputs(model):
         model = strip_lora(model)  # a base-only engine pays nothing for the export's LoRA inputs
         config.lora_targets = []
     return model
+
+
+def check_graph_matches_config(model: onnx.ModelProto, config: ModelConfig, onnx_dir: Path) -> None:
+    """config.json against the graph it describes: one KV pool input per layer, embeddings of hidden_size."""
+    inputs = {vi.name: [d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim]
+              for vi in model.graph.input}
+    pools = [name for name in inputs if name.startswith("past_key_values_")]
+    attention_layers = 0 if config.is_recurrent else config.num_hidden_layers
+    if len(pools) != attention_layers:
+        raise InvalidConfig(f"{onnx_dir}/config.json says num_hidden_layers {config.num_hidden_layers} "
+                            f"({attention_layers} attention) but model.onnx has {len(pools)} KV pool inputs; "
+                            "re-export it with llm_export", "onnx_dir")
+    embeds = inputs.get("inputs_embeds")
+    if not embeds or embeds[-1] not in (None, config.hidden_size):
+        raise InvalidConfig(f"model.onnx takes inputs_embeds {embeds}, config.json says hidden_size "
+                            f"{config.hidden_size}; re-export it with llm_export", "onnx_dir")
 
 
 def write_engine_config(onnx_dir: Path, engine_dir: Path, config: ModelConfig, build: BuilderConfig) -> None:

@@ -14,6 +14,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvforge.contract.errors import KvforgeError
+from kvforge.contract.validation import printable
 
 try:  # newer typer vendors click; its usage errors are not click's classes
     from typer._click import exceptions as click_exceptions
@@ -52,6 +53,7 @@ ENGINE_FLAGS = {  # llm_inference
     "num_logprobs_override": "--numLogprobs",
     "multimodal_engine_dir": "--multimodalEngineDir",
     "encoder_cache_budget_bytes": "--encoderCacheBudgetBytes",
+    "max_input_file_bytes": "--maxInputFileBytes",
 }
 EXPORT_FLAGS = {
     "onnx_dir": "--onnxDir",
@@ -78,7 +80,8 @@ def run_app(app: typer.Typer) -> None:
 
 
 def fail(message: str, code: int = EXIT_USER_ERROR) -> None:
-    console.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)  # messages hold `[...]`: not markup
+    # printable: one line whatever a message quotes (hostile file content, paths with escape sequences).
+    console.print(f"[bold red]error:[/] {escape(printable(message))}", soft_wrap=True)  # `[...]` is not markup
     raise SystemExit(code)
 
 

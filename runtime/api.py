@@ -67,11 +67,12 @@ class LLM:
 
     def chat(self, messages: ChatMessages | Sequence[ChatMessages], sampling_params: SamplingParams | None = None,
              *, lora_name: str | None = None, cache_salt: str | None = None,
-             enable_thinking: bool = False) -> list[RequestOutput]:
-        """Answer one conversation (a list of {role, content}) or several, through the engine's chat template."""
+             enable_thinking: bool = False, parse_special_tokens: bool = False) -> list[RequestOutput]:
+        """Answer one conversation (a list of {role, content}) or several, through the engine's chat template.
+        Content is plain text unless `parse_special_tokens` (then `<|im_start|>` in content is a special token)."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
-        requests = [self._chat_request(c, sampling_params, lora_name, cache_salt, enable_thinking)
-                    for c in conversations]  # type: ignore[arg-type]
+        requests = [self._chat_request(c, sampling_params, lora_name, cache_salt, enable_thinking,
+                                       parse_special_tokens) for c in conversations]  # type: ignore[arg-type]
         return self._run(requests)
 
     def stream(self, prompt: Prompt | ChatMessages, sampling_params: SamplingParams | None = None, *,
@@ -117,11 +118,13 @@ class LLM:
         return self.engine.inputs.process_prompt(prompt, params or SamplingParams(), lora_name, cache_salt)
 
     def _chat_request(self, conversation: ChatMessages, params: SamplingParams | None, lora_name: str | None,
-                      cache_salt: str | None, enable_thinking: bool) -> EngineRequest:
+                      cache_salt: str | None, enable_thinking: bool,
+                      parse_special_tokens: bool = False) -> EngineRequest:
         # Content is a string or, for media, the request file's items: [{"type": "image", "image": path}, ...].
         messages = [Message(str(m["role"]), str(m["content"])) if isinstance(m.get("content"), str)
                     else _parse_message(dict(m), f"messages[{i}]") for i, m in enumerate(conversation)]
-        request = Request(0, messages, params or SamplingParams(), lora_name=lora_name, cache_salt=cache_salt)
+        request = Request(0, messages, params or SamplingParams(), lora_name=lora_name, cache_salt=cache_salt,
+                          parse_special_tokens=parse_special_tokens)
         return self.engine.inputs.process(request, enable_thinking, where="")  # errors name "messages"
 
 

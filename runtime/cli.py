@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import typer
 
 from kvforge.cli_common import ENGINE_FLAGS, console, run_app, run_guarded
 from kvforge.contract.errors import KvforgeError
+from kvforge.contract.files import check_distinct, check_output_file
 from kvforge.runtime.profile import format_summary, write_profile
-from kvforge.runtime.request_file import load_request_file
+from kvforge.runtime.request_file import DEFAULT_MAX_INPUT_FILE_BYTES, load_request_file
+
+MAX_WARMUP = 100  # unprofiled runs of one request: a few settle the caches; a huge count only hangs
 
 # The help text goes on the command: typer drops a Typer(help=...) when the app has one command.
 HELP = """
@@ -70,26 +74,51 @@ def inference(
                                                         "repeated image skips the encoder; 0 disables. Independent "
                                                         "of --enableContextReuse."),
     dump_output: bool = typer.Option(False, "--dumpOutput", help="Print each response's text to stdout."),
+    max_input_file_bytes: int = typer.Option(DEFAULT_MAX_INPUT_FILE_BYTES, "--maxInputFileBytes",
+                                             help="Refuse request files larger than this (bytes)."),
+    parse_special_tokens: bool = typer.Option(False, "--parseSpecialTokens",
+                                              help="Tokenize special-token text in message content (e.g. "
+                                                   "<|im_start|>) as special tokens, for every request. By default "
+                                                   "content is plain text, so a message cannot forge a turn."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
     """Run every request of the file on the engine loop; responses keep request order."""
 
     def body() -> None:
         from kvforge.runtime.engine import Engine, EngineConfig  # heavy imports after argument checks
-        from kvforge.runtime.file_runner import Scheduling, prepare_requests, run_request_file, warm_up
+        from kvforge.runtime.file_runner import (
+            Scheduling,
+            iter_responses,
+            prepare_requests,
+            warm_up,
+            write_output_file,
+        )
+        from kvforge.runtime.lora import resolve_adapter_path
+        from kvforge.runtime.ort_runner import set_ort_logging
 
-        if warmup < 0:
-            raise KvforgeError(f"must be >= 0, got {warmup}", "--warmup")
+        set_ort_logging(debug)
+        if not 0 <= warmup <= MAX_WARMUP:
+            raise KvforgeError(f"must be in [0, {MAX_WARMUP}], got {warmup}", "--warmup")
         if partial_kv_snapshot_pool_bytes and not enable_context_reuse:
             raise KvforgeError("requires --enableContextReuse", "--contextCachePartialKVSnapshotPoolBytes")
         if scheduling not in {s.value for s in Scheduling}:
             raise KvforgeError(f'must be "static" or "continuous", got {scheduling!r}', "--scheduling")
-        if not output_file.parent.is_dir():
-            raise KvforgeError(f"directory {output_file.parent} does not exist", "--outputFile")
-        if profile_output_file is not None and not profile_output_file.parent.is_dir():
-            raise KvforgeError(f"directory {profile_output_file.parent} does not exist", "--profileOutputFile")
+        # Every output is checked before any work: writable, and neither an input nor the other output.
+        outputs = {"--outputFile": output_file, "--profileOutputFile": profile_output_file}
+        for flag, path in outputs.items():
+            if path is not None:
+                check_output_file(path, flag)
+        inputs = {"--inputFile": input_file, "--engineDir": engine_dir}
+        check_distinct(outputs, inputs)
+        requests = load_request_file(input_file, max_input_file_bytes)
+        requests.apply_overrides(batch_size, max_generate_length, num_logprobs)
+        if parse_special_tokens:
+            requests.parse_special_tokens_everywhere()
         _show_info_logs("kvforge.multimodal")  # the seed's INFO line when every media item hit the encoder cache
-        requests = load_request_file(input_file).apply_overrides(batch_size, max_generate_length, num_logprobs)
+        base_dir = input_file.resolve().parent
+        check_distinct(outputs, {f"available_lora_weights[{json.dumps(name)}]":
+                                 resolve_adapter_path(path, base_dir, f"available_lora_weights[{json.dumps(name)}]")
+                                 for name, path in requests.available_lora_weights.items()})
         engine = Engine(engine_dir, EngineConfig(num_threads=num_threads, enable_context_reuse=enable_context_reuse,
                                                  context_cache_max_records=context_cache_max_records,
                                                  prefill_chunk_size=prefill_chunk_size, max_num_tokens=max_num_tokens,
@@ -98,21 +127,24 @@ def inference(
                                                  encoder_cache_budget_bytes=encoder_cache_budget_bytes,
                                                  context_cache_partial_kv_snapshot_pool_bytes=(
                                                      partial_kv_snapshot_pool_bytes)))
-        prepared = prepare_requests(engine, requests, input_file.resolve().parent)
+        prepared = prepare_requests(engine, requests, base_dir)
         warm_up(engine, prepared[0], warmup)
 
-        def show(response: dict) -> None:
-            if dump_output:
-                typer.echo(f"[{response['request_idx']}] {response['output_text']}")
+        def shown(responses: Iterator[dict]) -> Iterator[dict]:
+            for response in responses:
+                if dump_output:
+                    typer.echo(f"[{response['request_idx']}] {response['output_text']}")
+                yield response
 
-        responses = run_request_file(engine, requests, prepared, Scheduling(scheduling), on_response=show)
-        output_file.write_text(json.dumps({"input_file": str(input_file), "responses": responses},
-                                          indent=4, ensure_ascii=False) + "\n", encoding="utf-8")
-        profile = engine.profile()
-        if profile_output_file is not None:
-            write_profile(profile_output_file, profile)
-        if dump_profile:
-            console.print(format_summary(profile))
+        def finish() -> None:  # before the output file is renamed into place: a failure here leaves neither
+            profile = engine.profile()
+            if profile_output_file is not None:
+                write_profile(profile_output_file, profile)
+            if dump_profile:
+                console.print(format_summary(profile))
+
+        write_output_file(output_file, str(input_file),
+                          shown(iter_responses(engine, requests, prepared, Scheduling(scheduling))), finish)
 
     run_guarded(body, debug, ENGINE_FLAGS)
 

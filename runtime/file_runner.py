@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+import textwrap
+from collections.abc import Callable, Iterable, Iterator
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from kvforge.contract.files import atomic_output
 from kvforge.runtime.engine import Engine
 from kvforge.runtime.output import RequestOutput
 from kvforge.runtime.request_file import RequestFile
@@ -35,7 +38,19 @@ def prepare_requests(engine: Engine, request_file: RequestFile, base_dir: Path |
 def run_request_file(engine: Engine, request_file: RequestFile, prepared: list[EngineRequest],
                      scheduling: Scheduling = Scheduling.STATIC,
                      on_response: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
-    """Drive `engine.step()` over the file's requests; responses come back in request order.
+    """Drive `engine.step()` over the file's requests; responses come back in request order."""
+    responses = []
+    for response in iter_responses(engine, request_file, prepared, scheduling):
+        if on_response is not None:
+            on_response(response)
+        responses.append(response)
+    return responses
+
+
+def iter_responses(engine: Engine, request_file: RequestFile, prepared: list[EngineRequest],
+                   scheduling: Scheduling = Scheduling.STATIC) -> Iterator[dict[str, Any]]:
+    """Each response in request order as soon as it and every one before it have finished, so a caller that
+    writes them out holds only the out-of-order few (at most a batch under static scheduling).
 
     `batch_idx` is the request's batch in the file (index // batch_size) under both schedulings, so the
     output format does not change; under continuous scheduling it no longer says which requests ran together.
@@ -44,29 +59,52 @@ def run_request_file(engine: Engine, request_file: RequestFile, prepared: list[E
     size = request_file.batch_size
     groups = ([range(len(requests))] if scheduling is Scheduling.CONTINUOUS
               else [range(i, min(i + size, len(requests))) for i in range(0, len(requests), size)])
-    responses: dict[int, dict[str, Any]] = {}
+    finished: dict[int, dict[str, Any]] = {}
+    next_index = 0
     for group in groups:
         ids = {engine.add_request(prepared[i]): i for i in group}
-        for output in drain(engine, set(ids)):
+        for output in iter_finished(engine, set(ids)):
             i = ids[output.request_id]
             text = engine.inputs.prompt_text(requests[i], request_file.enable_thinking)
-            responses[i] = response_dict(output, requests[i], i // size, text)
-            if on_response is not None:
-                on_response(responses[i])
-    return [responses[i] for i in range(len(requests))]
+            finished[i] = response_dict(output, requests[i], i // size, text)
+            while next_index in finished:
+                yield finished.pop(next_index)
+                next_index += 1
+
+
+def write_output_file(path: Path, input_file: str, responses: Iterable[dict[str, Any]],
+                      before_commit: Callable[[], None] | None = None) -> int:
+    """Stream responses into the output JSON (the layout `json.dumps(..., indent=4)` gives the whole object)
+    through a temporary file renamed into place at the end: memory stays O(1) in the number of requests and
+    a failed run leaves no output file. `before_commit` runs (writing the profile, say) before the rename, so
+    its failure leaves no output either. Returns the number of responses written."""
+    count = 0
+    with atomic_output(path) as handle:
+        handle.write('{\n    "input_file": ' + json.dumps(input_file, ensure_ascii=False) + ',\n    "responses": [')
+        for response in responses:
+            handle.write(",\n" if count else "\n")
+            handle.write(textwrap.indent(json.dumps(response, indent=4, ensure_ascii=False), " " * 8))
+            count += 1
+        handle.write("\n    ]\n}\n" if count else "]\n}\n")
+        if before_commit is not None:
+            before_commit()
+    return count
 
 
 def drain(engine: Engine, request_ids: set[str]) -> list[RequestOutput]:
     """Step until every request in `request_ids` has finished; their final outputs in finishing order.
     Other requests in the engine advance too (they share the steps)."""
-    finished = []
+    return list(iter_finished(engine, request_ids))
+
+
+def iter_finished(engine: Engine, request_ids: set[str]) -> Iterator[RequestOutput]:
+    """`drain` yielding each final output as its request finishes."""
     pending = set(request_ids)
     while pending:
         for output in engine.step():
             if output.finished and output.request_id in pending:
                 pending.discard(output.request_id)
-                finished.append(output)
-    return finished
+                yield output
 
 
 def response_dict(output: RequestOutput, request: Request, batch_idx: int, formatted_prompt: str) -> dict[str, Any]:

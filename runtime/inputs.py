@@ -11,7 +11,7 @@ from kvforge.contract.validation import join_path
 from kvforge.runtime.lora import LoraRegistry
 from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.tokenizer import ChatTokenizer
-from kvforge.runtime.types import Request, SamplingParams
+from kvforge.runtime.types import Message, Request, SamplingParams
 
 if TYPE_CHECKING:
     from kvforge.runtime.multimodal.processor import MultimodalProcessor
@@ -28,6 +28,11 @@ class InputProcessor:
         self.reuse_enabled = reuse_enabled
         self.vocab_size = vocab_size
         self.multimodal: MultimodalProcessor | None = None  # set by the engine when it has an encoder
+        # A tokenizer that can emit ids past the embedding would fail inside the engine call instead of here.
+        tokenizer_size = tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
+        if tokenizer_size > vocab_size:
+            raise KvforgeError(f"tokenizer.json has {tokenizer_size} tokens, more than the model's vocab_size "
+                               f"{vocab_size}; the engine dir's files do not belong together", "engine_dir")
 
     def process_prompt(self, prompt: str | Sequence[int], sampling: SamplingParams, lora_name: str | None = None,
                        cache_salt: str | None = None) -> EngineRequest:
@@ -67,10 +72,12 @@ class InputProcessor:
         spans = ()
         if media:
             assert self.multimodal is not None
+            # Media prompts parse special-token text in content (the placeholder expansion tokenizes the text
+            # between items); the plain-text rule of tokenizer.py covers text-only prompts. Noted in the README.
             ids, spans = self.multimodal.tokenize(text, media, base_dir, self.max_input_len,
                                                   join_path(where, "messages"))
         else:
-            ids = self.tokenizer.encode(text)
+            ids = self._encode(text, request, request.messages, where)
         check_prompt_length(len(ids), self.max_input_len, join_path(where, "messages"))
         engine_request = EngineRequest(ids, request.sampling, self.loras.get(request.lora_name), request.cache_salt,
                                        media=spans)
@@ -81,11 +88,18 @@ class InputProcessor:
                                    join_path(where, "save_system_prompt_kv_cache"))
             system = self.tokenizer.format_system_prompt(request.messages, request.apply_chat_template)
             if system:
-                engine_request.system_prompt_ids = self.tokenizer.encode(system)
+                engine_request.system_prompt_ids = self._encode(system, request, request.messages[:1], where)
                 adapter = engine_request.adapter
                 # The adapter's digest, not its name (the seed keys on the name): a reloaded adapter cannot hit.
                 engine_request.system_prompt_key = (system, adapter.digest.hex() if adapter else "")
         return engine_request
+
+
+    def _encode(self, text: str, request: Request, messages: Sequence[Message], where: str) -> list[int]:
+        """Content is plain text unless the request opted into parsing special tokens (see tokenizer.py)."""
+        if request.parse_special_tokens:
+            return self.tokenizer.encode(text)
+        return self.tokenizer.encode_chat(text, [m.content for m in messages], join_path(where, "messages"))
 
 
 def check_prompt_length(num_tokens: int, max_input_len: int, where: str) -> None:

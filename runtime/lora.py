@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,6 +15,8 @@ from safetensors import safe_open
 from kvforge.contract.engine_dir import EngineDir
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.lora import ADAPTER_FORMAT, lora_inputs, model_fingerprint, target_dims
+from kvforge.contract.tensor_header import read_tensor_header
+from kvforge.contract.validation import one_line
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -33,41 +37,77 @@ def adapter_digest(tensors: dict[str, np.ndarray]) -> bytes:
     return digest.digest()
 
 
-def load_adapter(name: str, path: Path, engine: EngineDir, where: str) -> LoraAdapter:
+def load_adapter(name: str, path: Path, engine: EngineDir, where: str, shown: str | None = None) -> LoraAdapter:
+    """Load a converted adapter; its header (names, dtypes, shapes, offsets) is checked against the engine
+    before any tensor is read. Messages show `shown` (the path as the request file wrote it), never the
+    expanded path, so a request file cannot read environment variables back through errors."""
+    shown = one_line(str(path) if shown is None else shown)
     model, limit = engine.model, engine.build.max_lora_rank
     if limit == 0 or not model.lora_targets:
         raise KvforgeError("the engine was built without LoRA inputs; rebuild with llm_build --maxLoraRank R", where)
     if not path.is_file():
-        raise KvforgeError(f"adapter file {path} does not exist", where)
-    try:
-        with safe_open(str(path), framework="numpy") as handle:
-            metadata = handle.metadata() or {}
-            raw = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118 - safe_open has no iter
-    except Exception as exc:
-        raise KvforgeError(f"cannot read adapter {path}: {str(exc).splitlines()[0]}", where) from None
+        raise KvforgeError(f"adapter file {shown} does not exist", where)
+    header, metadata = read_tensor_header(path, where, shown)
     if metadata.get("format") != ADAPTER_FORMAT:
-        raise KvforgeError(f"{path} is not a converted adapter; convert it with: llm_export lora --adapterDir DIR "
+        raise KvforgeError(f"{shown} is not a converted adapter; convert it with: llm_export lora --adapterDir DIR "
                            "--onnxDir ONNXDIR --output FILE.safetensors", where)
     if metadata.get("model_fingerprint") != model_fingerprint(model):
-        raise KvforgeError(f"adapter {path} was converted for another model", where)
-    rank = int(metadata.get("rank", "0"))
-    if not 0 < rank <= limit:
+        raise KvforgeError(f"adapter {shown} was converted for another model", where)
+    rank_text = metadata.get("rank", "0")
+    rank = int(rank_text) if rank_text.isdigit() and len(rank_text) < 6 else 0
+    if rank <= 0:
+        raise KvforgeError(f"adapter rank {one_line(rank_text)[:20]!r} is not a positive integer", where)
+    if rank > limit:
         raise KvforgeError(f"adapter rank {rank} exceeds the engine's --maxLoraRank {limit}", where)
-    tensors: dict[str, np.ndarray] = {}
+    expected: dict[str, tuple[int, int]] = {}
     for a_name, b_name, _layer, target in lora_inputs(model):
         in_dim, out_dim = target_dims(model, target)
-        a = raw.pop(a_name, None)
-        b = raw.pop(b_name, None)
-        if a is None and b is None:
-            a, b = np.zeros((in_dim, rank), np.float32), np.zeros((rank, out_dim), np.float32)
-        if a is None or b is None or a.shape != (in_dim, rank) or b.shape != (rank, out_dim):
-            raise KvforgeError(f"adapter tensors {a_name}/{b_name} do not match the engine (expected "
-                               f"[{in_dim}, {rank}] and [{rank}, {out_dim}])", where)
-        tensors[a_name], tensors[b_name] = a.astype(np.float32), b.astype(np.float32)
-    if raw:
-        raise KvforgeError(f"adapter has tensors the engine does not take ({', '.join(sorted(raw)[:3])}...); "
-                           "was the engine exported with fewer --loraTargets?", where)
+        expected[a_name], expected[b_name] = (in_dim, rank), (rank, out_dim)
+    extra = sorted(set(header) - set(expected))
+    if extra:
+        raise KvforgeError(f"adapter has tensors the engine does not take ({one_line(', '.join(extra[:3]))[:120]}"
+                           "...); was the engine exported with fewer --loraTargets?", where)
+    for a_name, b_name, _layer, _target in lora_inputs(model):
+        if (a_name in header) != (b_name in header):
+            raise KvforgeError(f"adapter has only one of {a_name}/{b_name}", where)
+        for tensor in (a_name, b_name):
+            info = header.get(tensor)
+            if info is not None and (info.dtype not in ("F32", "F16") or info.shape != expected[tensor]):
+                raise KvforgeError(f"adapter tensor {tensor} is {info.dtype} {list(info.shape)}, the engine expects "
+                                   f"F32 {list(expected[tensor])}", where)
+    try:
+        with safe_open(str(path), framework="numpy") as handle:
+            raw = {key: handle.get_tensor(key) for key in header}
+    except Exception as exc:
+        raise KvforgeError(f"cannot read adapter {shown}: {one_line(str(exc))[:200]}", where) from None
+    tensors: dict[str, np.ndarray] = {}
+    for tensor, shape in expected.items():  # targets the adapter leaves out are exact zeros
+        tensors[tensor] = raw[tensor].astype(np.float32) if tensor in raw else np.zeros(shape, np.float32)
     return LoraAdapter(name, path, rank, tensors, adapter_digest(tensors))
+
+
+# $VARS in adapter paths: only these names expand (an operator opts a variable in by its name); anything else
+# is refused by name, and no message ever shows an expanded value, so a request file cannot probe the environment.
+EXPANDABLE_VARIABLE = re.compile(r"KVFORGE_[A-Za-z0-9_]*|LORA_WEIGHTS_DIR")
+_VARIABLE = re.compile(r"\$(?:\{([^}]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
+
+
+def resolve_adapter_path(raw_path: str, base_dir: Path | None, where: str) -> Path:
+    """`available_lora_weights` path → file path: allowed $VARS expanded, relative to the request file's dir."""
+    def expand(match: re.Match[str]) -> str:
+        name = match[1] if match[1] is not None else match[2]
+        if not EXPANDABLE_VARIABLE.fullmatch(name):
+            raise KvforgeError(f"uses ${{{one_line(name)[:40]}}}; only KVFORGE_* variables and LORA_WEIGHTS_DIR "
+                               "are expanded in adapter paths", where)
+        value = os.environ.get(name)
+        if value is None:
+            raise KvforgeError(f"uses ${name}, which is not set", where)
+        return value
+
+    path = Path(_VARIABLE.sub(expand, raw_path))
+    if not path.is_absolute() and base_dir is not None:
+        path = base_dir / path
+    return path
 
 
 def stack_adapters(adapters: list[LoraAdapter | None], shapes: dict[str, tuple[int, int]]) -> dict[str, np.ndarray]:
@@ -109,13 +149,13 @@ class LoraRegistry:
         self.adapters: dict[str, LoraAdapter] = {}
 
     def load(self, available: dict[str, str], base_dir: Path | None = None) -> None:
-        """Load `available_lora_weights`; paths may use $VARS and are relative to the request file."""
+        """Load `available_lora_weights`; paths may use allowed $VARS (EXPANDABLE_VARIABLE) and are relative to
+        the request file."""
         self.adapters = {}
         for name, raw_path in available.items():
-            path = Path(os.path.expandvars(raw_path))
-            if not path.is_absolute() and base_dir is not None:
-                path = base_dir / path
-            self.adapters[name] = load_adapter(name, path, self.engine, f'available_lora_weights["{name}"]')
+            where = f"available_lora_weights[{json.dumps(name)}]"
+            path = resolve_adapter_path(raw_path, base_dir, where)
+            self.adapters[name] = load_adapter(name, path, self.engine, where, shown=raw_path)
 
     def get(self, name: str | None) -> LoraAdapter | None:
         if not name:

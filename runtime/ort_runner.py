@@ -20,10 +20,31 @@ from kvforge.plugins.reference import rope_table
 from kvforge.runtime.kv_pool import KVPool
 from kvforge.runtime.runner import StepInputs
 
+# ONNX Runtime's own log lines would break the one-line error promise: failures surface as exceptions anyway,
+# so its logger is silenced (fatal only) unless a CLI runs with --debug (warnings and up).
+QUIET_SEVERITY, DEBUG_SEVERITY = 4, 2
+_log_severity = QUIET_SEVERITY
+
+
+def set_ort_logging(debug: bool) -> None:
+    global _log_severity
+    _log_severity = DEBUG_SEVERITY if debug else QUIET_SEVERITY
+    ort.set_default_logger_severity(_log_severity)
+
+
+ort.set_default_logger_severity(QUIET_SEVERITY)
+
+
+MAX_THREADS = 1024  # ONNX Runtime starts every thread up front: a huge count exhausts the process
+
 
 def make_session(model_path: str, num_threads: int = 0, profile_prefix: str | None = None) -> ort.InferenceSession:
     """`profile_prefix`: write ONNX Runtime's per-node trace there (runtime/op_profile.py reads it)."""
+    if not 0 <= num_threads <= MAX_THREADS:
+        raise KvforgeError(f"must be in [0, {MAX_THREADS}] (0 = onnxruntime's default), got {num_threads}",
+                           "num_threads")
     options = ort.SessionOptions()
+    options.log_severity_level = _log_severity
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     if profile_prefix is not None:
         options.enable_profiling = True
@@ -34,8 +55,34 @@ def make_session(model_path: str, num_threads: int = 0, profile_prefix: str | No
     try:
         return ort.InferenceSession(model_path, options, providers=["CPUExecutionProvider"])
     except Exception as exc:
-        raise KvforgeError(f"onnxruntime cannot load {model_path}: {str(exc).splitlines()[0]}",
-                           "engine_dir") from None
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise KvforgeError(f"onnxruntime cannot load {model_path}: {first}", "engine_dir") from None
+
+
+def check_graph_inputs(session: ort.InferenceSession, engine: EngineDir) -> None:
+    """config.json against the graph: one pool input per layer, each shaped like the pool the runtime allocates,
+    and embeddings of hidden_size; a mismatch would otherwise fail inside the first call."""
+    model, build = engine.model, engine.build
+    inputs = {i.name: i.shape for i in session.get_inputs()}
+    pools = sorted(name for name in inputs if name.startswith("past_key_values_"))
+    if len(pools) != model.num_hidden_layers:
+        raise KvforgeError(f"config.json says num_hidden_layers {model.num_hidden_layers} but the graph has "
+                           f"{len(pools)} KV pool inputs; rebuild it with llm_build", "engine_dir")
+    expected = [build.max_kv_pool_pages, 2, model.num_key_value_heads, build.tokens_per_page, model.head_dim]
+    for name in pools:
+        shape = inputs[name]
+        if len(shape) != len(expected) or any(isinstance(d, int) and d != e for d, e in zip(shape, expected,
+                                                                                            strict=False)):
+            raise KvforgeError(f"graph input {name} has shape {shape}, config.json implies {expected}; rebuild it "
+                               "with llm_build", "engine_dir")
+    logits = next((o.shape for o in session.get_outputs() if o.name == "logits"), None)
+    if logits is None or (isinstance(logits[-1], int) and logits[-1] != model.vocab_size):
+        raise KvforgeError(f"graph output logits is {logits}, config.json says vocab_size {model.vocab_size}; "
+                           "rebuild it with llm_build", "engine_dir")
+    embeds = inputs.get("inputs_embeds")
+    if embeds is None or len(embeds) != 3 or (isinstance(embeds[2], int) and embeds[2] != model.hidden_size):
+        raise KvforgeError(f"graph input inputs_embeds is {embeds}, config.json says hidden_size "
+                           f"{model.hidden_size}; rebuild it with llm_build", "engine_dir")
 
 
 class OrtEngineRunner:
@@ -44,6 +91,7 @@ class OrtEngineRunner:
         """`embedding`: the engine's table when the caller already has it (bound to a tied head, not mapped twice)."""
         model, build = engine.model, engine.build
         self.session = make_session(str(engine.file(ENGINE_MODEL_FILE)), num_threads, profile_prefix)
+        check_graph_inputs(self.session, engine)
         self.num_layers = model.num_hidden_layers
         self.tokens_per_page = build.tokens_per_page
         self.pool = KVPool(model.num_hidden_layers, build.max_kv_pool_pages, model.num_key_value_heads,

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from kvforge.contract.errors import KvforgeError
+from kvforge.contract.files import atomic_write_text
 from kvforge.contract.profile_schema import (
     CONTEXT_CACHE,
     GENERATION,
@@ -234,7 +235,7 @@ def write_profile(path: Path, data: dict[str, Any]) -> None:
     except ValueError as exc:
         raise KvforgeError(f"profile holds a non-finite number ({exc})", "profile_output_file") from None
     try:
-        path.write_text(text + "\n", encoding="utf-8")
+        atomic_write_text(path, text + "\n")
     except OSError as exc:
         raise KvforgeError(f"cannot write {str(path)!r}: {exc.strerror or exc}",
                            "profile_output_file") from None

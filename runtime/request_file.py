@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import re
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+from kvforge.contract.files import loads_json
 from kvforge.contract.validation import (
     MISSING,
     check_choice,
@@ -46,6 +46,8 @@ MAX_LOGIT_BIAS = 100.0
 MAX_MESSAGES = 64
 MAX_CONTENT_ITEMS = 18
 MAX_CONTENT_BYTES = 128 * 1024
+MAX_STOP_WORDS = 64  # every generated token is checked against each: a bound on per-step work
+MAX_STOP_WORD_BYTES = 1024
 
 ROLES = ("system", "user", "assistant", "tool")
 MEDIA_TYPES = ("image", "audio", "video")
@@ -57,7 +59,7 @@ COMMIT_POLICIES = tuple(p.value for p in CommitPolicy)
 REQUEST_KEYS = frozenset({
     "messages", "temperature", "top_p", "top_k", "max_generate_length", "num_logprobs", "logit_bias",
     "stop", "seed", "apply_chat_template", "add_generation_prompt", "lora_name",
-    "save_system_prompt_kv_cache", "cache_salt", "disable_spec_decode",
+    "save_system_prompt_kv_cache", "cache_salt", "disable_spec_decode", "parse_special_tokens",
 })
 
 _TOKEN_ID = re.compile(r"[0-9]+")
@@ -91,31 +93,35 @@ class RequestFile:
             self._replace_sampling(num_logprobs=count)
         return self
 
+    def parse_special_tokens_everywhere(self) -> None:
+        """--parseSpecialTokens: every request's content may hold special tokens (the pre-hardening behaviour)."""
+        for request in self.requests:
+            request.parse_special_tokens = True
+
     def _replace_sampling(self, **changes: Any) -> None:
         for request in self.requests:
             request.sampling = replace(request.sampling, **changes)
 
 
-class _ObjectWithDuplicates(dict):
-    """A JSON object that remembers repeated keys, which json.loads would otherwise drop silently."""
-
-    duplicates: tuple[str, ...] = ()
+DEFAULT_MAX_INPUT_FILE_BYTES = 64 * 2**20  # --maxInputFileBytes: ~100k chat requests; the file is read whole
+MAX_INPUT_FILE_BYTES = 2**40
 
 
-def _object_hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    obj = _ObjectWithDuplicates(pairs)
-    if len(obj) != len(pairs):
-        counts = Counter(key for key, _ in pairs)
-        obj.duplicates = tuple(key for key, count in counts.items() if count > 1)
-    return obj
-
-
-def load_request_file(path: Path | str) -> RequestFile:
+def load_request_file(path: Path | str, max_bytes: int = DEFAULT_MAX_INPUT_FILE_BYTES) -> RequestFile:
     """Read and validate a request file; every failure is a one-line KvforgeError on "inputFile"."""
     path = Path(path)
     shown = one_line(str(path))
+    check_int(max_bytes, "max_input_file_bytes", 1, MAX_INPUT_FILE_BYTES)
     try:
-        text = path.read_text(encoding="utf-8-sig")  # -sig: tolerate a BOM from Windows editors
+        size = path.stat().st_size
+        if path.is_file() and size > max_bytes:
+            fail("inputFile", f"{shown} is {size:,} bytes, more than --maxInputFileBytes {max_bytes:,}; split the "
+                              "file or raise the limit")
+        with open(path, "rb") as handle:
+            raw = handle.read(max_bytes + 1)  # a FIFO or /dev/zero has no size: never read past the cap
+        if len(raw) > max_bytes:
+            fail("inputFile", f"{shown} is more than --maxInputFileBytes {max_bytes:,} bytes")
+        text = raw.decode("utf-8-sig")  # -sig: tolerate a BOM from Windows editors
     except FileNotFoundError:
         fail("inputFile", f"request file not found: {shown}")
     except IsADirectoryError:
@@ -124,14 +130,7 @@ def load_request_file(path: Path | str) -> RequestFile:
         fail("inputFile", f"{shown} is not valid UTF-8 (bad byte at offset {exc.start})")
     except OSError as exc:
         fail("inputFile", f"cannot read {shown}: {one_line(exc.strerror or str(exc))}")
-    try:
-        data = json.loads(text, object_pairs_hook=_object_hook)
-    except json.JSONDecodeError as exc:
-        fail("inputFile", f"malformed JSON in {shown} at line {exc.lineno}, column {exc.colno}: {exc.msg}")
-    except RecursionError:
-        fail("inputFile", f"malformed JSON in {shown}: nested too deeply")
-    except ValueError as exc:  # e.g. an integer literal longer than Python's int-conversion limit
-        fail("inputFile", f"malformed JSON in {shown}: {one_line(str(exc))}")
+    data = loads_json(text, "inputFile", shown)  # duplicate keys refused, naming the key
     return parse_request_file(data, source=str(path))
 
 
@@ -145,6 +144,7 @@ def parse_request_file(data: dict[str, Any], *, source: str = "") -> RequestFile
     chat = get_bool(data, "apply_chat_template", "", True)
     generation_prompt = get_bool(data, "add_generation_prompt", "", True)
     enable_thinking = get_bool(data, "enable_thinking", "", False)
+    special = get_bool(data, "parse_special_tokens", "", False)
     lookup_policy = LookupPolicy(check_choice(data.get("context_cache_lookup_policy", LOOKUP_POLICIES[0]),
                                               "context_cache_lookup_policy", LOOKUP_POLICIES))
     commit_policy = CommitPolicy(check_choice(data.get("context_cache_commit_policy", COMMIT_POLICIES[0]),
@@ -158,7 +158,7 @@ def parse_request_file(data: dict[str, Any], *, source: str = "") -> RequestFile
         fail("requests", "is required (a non-empty array of request objects)")
     if not isinstance(raw_requests, list) or not raw_requests:
         fail("requests", f"must be a non-empty array, got {describe(raw_requests)}")
-    requests = [_parse_request(raw, i, defaults, chat, generation_prompt, loras)
+    requests = [_parse_request(raw, i, defaults, chat, generation_prompt, loras, special)
                 for i, raw in enumerate(raw_requests)]
     return RequestFile(requests=requests, batch_size=batch_size, context_cache_lookup_policy=lookup_policy,
                        context_cache_commit_policy=commit_policy, available_lora_weights=loras,
@@ -166,7 +166,7 @@ def parse_request_file(data: dict[str, Any], *, source: str = "") -> RequestFile
 
 
 def _parse_request(raw: Any, index: int, defaults: SamplingParams, chat: bool, generation_prompt: bool,
-                   loras: dict[str, str]) -> Request:
+                   loras: dict[str, str], special: bool = False) -> Request:
     prefix = f"requests[{index}]"
     if not isinstance(raw, dict):
         fail(prefix, f"must be an object, got {json_kind(raw)}")
@@ -180,6 +180,7 @@ def _parse_request(raw: Any, index: int, defaults: SamplingParams, chat: bool, g
         lora_name=_parse_lora_name(raw.get("lora_name", ""), f"{prefix}.lora_name", loras),
         save_system_prompt_kv_cache=get_bool(raw, "save_system_prompt_kv_cache", prefix, False),
         cache_salt=optional(raw, "cache_salt", prefix, check_string),
+        parse_special_tokens=get_bool(raw, "parse_special_tokens", prefix, special),
         extra={k: v for k, v in raw.items() if k not in REQUEST_KEYS},
     )
 
@@ -271,8 +272,6 @@ def _required(obj: dict[str, Any], key: str, where: str, expected: str) -> Any:
 def _parse_loras(value: Any, where: str) -> dict[str, str]:
     if not isinstance(value, dict):
         fail(where, f"must be an object mapping adapter name to path, got {json_kind(value)}")
-    for name in getattr(value, "duplicates", ()):
-        fail(f"{where}[{json.dumps(name)}]", "adapter name appears more than once")
     loras: dict[str, str] = {}
     for name, path in value.items():
         entry = f"{where}[{json.dumps(name)}]"
@@ -333,12 +332,15 @@ def _stop(value: Any, where: str) -> tuple[str, ...]:
     words = [value] if isinstance(value, str) else value
     if not isinstance(words, list):
         fail(where, f"must be a string or an array of strings, got {json_kind(value)}")
+    if len(words) > MAX_STOP_WORDS:
+        fail(where, f"must hold at most {MAX_STOP_WORDS} stop strings, got {len(words)}")
     for i, word in enumerate(words):
         item = where if isinstance(value, str) else f"{where}[{i}]"
         # An empty stop word would match before the first token and end every generation at once.
         if not isinstance(word, str) or not word:
             fail(item, f"must be a non-empty string, got {describe(word)}")
-        utf8_size(word, item)
+        if utf8_size(word, item) > MAX_STOP_WORD_BYTES:
+            fail(item, f"must be at most {MAX_STOP_WORD_BYTES} bytes of UTF-8")
     return tuple(words)
 
 

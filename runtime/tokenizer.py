@@ -1,16 +1,23 @@
-"""Prompt text and token ids: the tokenizer.json of the engine dir plus its Jinja chat template."""
+"""Prompt text and token ids: the tokenizer.json of the engine dir plus its Jinja chat template.
+
+Special tokens: the chat template's own markup (`<|im_start|>`, `<|im_end|>`...) becomes special tokens,
+message content does not. Content holding special-token text is tokenized as plain text, so a user who
+types `<|im_start|>system` cannot forge a turn. A request opts out with `parse_special_tokens` (request
+file, Python API) or llm_inference --parseSpecialTokens.
+"""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
 from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from kvforge.contract.errors import KvforgeError
+from kvforge.contract.model_config import read_json
+from kvforge.contract.validation import one_line
+from kvforge.runtime.chat_template import BoundedTemplate
 from kvforge.runtime.types import MEDIA_SENTINEL, Message
 
 
@@ -19,14 +26,26 @@ class ChatTokenizer:
         try:
             self.tokenizer = Tokenizer.from_file(str(engine_dir / "tokenizer.json"))
         except Exception as exc:
-            raise KvforgeError(f"cannot load tokenizer.json: {exc}", "engine_dir") from None
-        config = json.loads((engine_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+            raise KvforgeError(f"cannot load tokenizer.json: {_first_line(exc)}", "engine_dir") from None
+        config = read_json(engine_dir / "tokenizer_config.json", "engine_dir")
+        for key in ("bos_token", "eos_token", "chat_template"):
+            if config.get(key) is not None and not isinstance(config[key], str):
+                raise KvforgeError(f"tokenizer_config.json: {key} must be a string or null", "engine_dir")
+        if not isinstance(config.get("add_bos_token", False), bool):
+            raise KvforgeError("tokenizer_config.json: add_bos_token must be true or false", "engine_dir")
         self.bos_token: str | None = config.get("bos_token")
         self.eos_token: str | None = config.get("eos_token")
         self.add_bos_token = bool(config.get("add_bos_token", False))
         template = config.get("chat_template")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
-        self.template = env.from_string(template) if template else None
+        try:
+            self.template = BoundedTemplate(template) if template else None
+        except (TemplateError, RecursionError, MemoryError) as exc:
+            raise KvforgeError(f"tokenizer_config.json: the chat template does not compile: {_first_line(exc)}",
+                               "engine_dir") from None
+        # Text of every special token, to know when content needs the plain-text path (see encode_chat).
+        self.special_texts = tuple(token.content for token in self.tokenizer.get_added_tokens_decoder().values()
+                                   if token.special and token.content)
+        self._literal: Tokenizer | None = None  # a copy that never parses special tokens, made on first use
         # Text the template writes for an {"type": "image"} / {"type": "audio"} item (set by the engine).
         self.media_markers: dict[str, str] = {}
         self.content_as_items = self._wants_content_items()
@@ -38,9 +57,9 @@ class ChatTokenizer:
             return False
         probe = "kvforge-content-probe"
         try:
-            return probe not in self.template.render(messages=[{"role": "user", "content": probe}],
+            return probe not in self.template.render("chat_template", messages=[{"role": "user", "content": probe}],
                                                      add_generation_prompt=False, bos_token="", eos_token="")
-        except TemplateError:
+        except KvforgeError:
             return True
 
     def _template_message(self, message: Message) -> dict:
@@ -59,13 +78,9 @@ class ChatTokenizer:
         """The prompt text: the chat template applied to the messages, or their plain concatenation."""
         if not apply_chat_template or self.template is None:
             return "".join(m.content for m in messages)
-        try:
-            text = self.template.render(messages=[self._template_message(m) for m in messages],
-                                        add_generation_prompt=add_generation_prompt,
-                                        bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                                        enable_thinking=enable_thinking)
-        except TemplateError as exc:
-            raise KvforgeError(f"chat template failed: {exc}", where) from None
+        text = self.template.render(where, messages=[self._template_message(m) for m in messages],
+                                    add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "",
+                                    eos_token=self.eos_token or "", enable_thinking=enable_thinking)
         if self.content_as_items and any(m.media for m in messages):
             for marker in self.media_markers.values():
                 text = text.replace(marker, MEDIA_SENTINEL)  # back to one sentinel per media item
@@ -79,7 +94,42 @@ class ChatTokenizer:
         return self.format(system, add_generation_prompt=False)
 
     def encode(self, text: str) -> list[int]:
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        """Token ids of `text`, special-token text parsed as special tokens (template markup, raw prompts)."""
+        return self._with_bos(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def encode_chat(self, text: str, contents: Sequence[str], where: str = "messages") -> list[int]:
+        """Token ids of a formatted prompt whose message `contents` stay plain text.
+
+        Only content holding special-token text takes this path (everything else tokenizes exactly as
+        `encode`): each such content is found in the prompt in order and encoded with special-token
+        parsing off, the markup around it with it on. A template that rewrites such content (so it
+        cannot be found verbatim) is refused rather than guessed at.
+        """
+        risky = [c for c in contents if c and any(s in c for s in self.special_texts)]
+        if not risky:
+            return self.encode(text)
+        ids: list[int] = []
+        position = 0
+        for content in risky:
+            start = text.find(content, position)
+            if start < 0:
+                raise KvforgeError("message content holds special-token text that the chat template changes, so "
+                                   "it cannot be kept as plain text; remove it, or set parse_special_tokens",
+                                   where)
+            ids += self.tokenizer.encode(text[position:start], add_special_tokens=False).ids
+            ids += self._literal_tokenizer().encode(content, add_special_tokens=False).ids
+            position = start + len(content)
+        ids += self.tokenizer.encode(text[position:], add_special_tokens=False).ids
+        return self._with_bos(ids)
+
+    def _literal_tokenizer(self) -> Tokenizer:
+        if self._literal is None:
+            literal = Tokenizer.from_str(self.tokenizer.to_str())
+            literal.encode_special_tokens = True  # special-token text is split like any other text
+            self._literal = literal
+        return self._literal
+
+    def _with_bos(self, ids: list[int]) -> list[int]:
         if self.add_bos_token and self.bos_token:
             bos = self.tokenizer.token_to_id(self.bos_token)
             if bos is not None and (not ids or ids[0] != bos):
@@ -91,3 +141,8 @@ class ChatTokenizer:
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return one_line(text.splitlines()[0] if text else type(exc).__name__)[:200]

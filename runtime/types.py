@@ -88,6 +88,9 @@ class Request:
     lora_name: str | None = None
     save_system_prompt_kv_cache: bool = False
     cache_salt: str | None = None
+    # False: message content is plain text, so `<|im_start|>` typed by a user cannot forge a turn (the default);
+    # True: special-token text in content becomes special tokens (the request file's parse_special_tokens).
+    parse_special_tokens: bool = False
     extra: dict[str, Any] = field(default_factory=dict)  # keys the parser does not interpret (e.g. `reference`)
 
     def plain_text(self) -> str:

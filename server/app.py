@@ -18,6 +18,7 @@ from starlette.types import Receive, Scope, Send
 
 from kvforge import __version__
 from kvforge.contract.errors import KvforgeError
+from kvforge.contract.files import loads_json
 from kvforge.runtime.engine import Engine
 from kvforge.runtime.output import RequestOutput
 from kvforge.server.engine_loop import EngineLoop
@@ -135,9 +136,9 @@ def _tenant(state: ServerState, request: Request) -> str:
 
 async def _json_body(request: Request) -> Any:
     try:
-        return json.loads(await request.body())
-    except (ValueError, RecursionError) as exc:
-        raise ApiError(400, f"the request body is not valid JSON: {str(exc).splitlines()[0]}") from None
+        return loads_json(await request.body(), "body")  # duplicate keys refused, naming the key
+    except KvforgeError as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc.message}") from None
 
 
 async def _collect(handle: RequestHandle, request: Request) -> RequestOutput:

@@ -53,11 +53,13 @@ class ApiCall:
     logprobs: bool
     lora_name: str | None
     cache_salt: str | None  # the client's; the server combines it with the tenant's
+    parse_special_tokens: bool = False  # kvforge extension: special-token text in content becomes special tokens
 
     def engine_request(self, engine: Engine, cache_salt: str) -> EngineRequest:
         """Tokenize (chat template for chat) and check against the engine; runs on the engine thread."""
         if self.chat:
-            request = Request(0, self.messages, self.sampling, lora_name=self.lora_name, cache_salt=cache_salt)
+            request = Request(0, self.messages, self.sampling, lora_name=self.lora_name, cache_salt=cache_salt,
+                              parse_special_tokens=self.parse_special_tokens)
             built = engine.inputs.process(request, where="")  # errors name "messages"
         else:
             built = engine.inputs.process_prompt(self.prompt or [], self.sampling, self.lora_name, cache_salt)
@@ -103,7 +105,8 @@ def _parse(body: dict[str, Any], chat: bool, models: dict[str, str | None]) -> A
     )
     return ApiCall(chat, model, messages, prompt, sampling, _max_tokens(body, chat),
                    _given(body, "stream", _boolean, False), _include_usage(body), logprobs, lora_name,
-                   _given(body, "cache_salt", check_string, None))
+                   _given(body, "cache_salt", check_string, None),
+                   get_bool(body, "parse_special_tokens", "", False))
 
 
 def _given(body: dict[str, Any], name: str, check: Callable[[Any, str], T], default: T) -> T:

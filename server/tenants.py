@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvforge.contract.errors import KvforgeError
+from kvforge.contract.files import loads_json, read_limited
 
 SECRET_BYTES = 32
 ANONYMOUS = ""  # the one tenant of a server without --apiKeys
@@ -53,11 +53,9 @@ def load_tenants(api_keys_file: Path | None, salt_secret_file: Path | None) -> T
     if api_keys_file is None:
         return Tenants(secret, {})
     try:
-        data = json.loads(api_keys_file.read_text(encoding="utf-8"))
+        data = loads_json(read_limited(api_keys_file, 2**24, "api_keys"), "api_keys", str(api_keys_file))
     except OSError as exc:
         raise KvforgeError(f"cannot read {api_keys_file}: {exc.strerror or exc}", "api_keys") from None
-    except ValueError as exc:
-        raise KvforgeError(f"{api_keys_file} is not valid JSON: {exc}", "api_keys") from None
     if not isinstance(data, dict) or not data:
         raise KvforgeError('must be a non-empty JSON object {"API_KEY": "TENANT", ...}', "api_keys")
     digests = {}

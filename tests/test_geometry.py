@@ -13,6 +13,7 @@ from kvforge.cli_common import BUILD_FLAGS
 from kvforge.contract.engine_dir import BuilderConfig, load_engine_dir
 from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.geometry import INT32_MAX, MAX_KV_POOL_PAGES, PageGeometry, kv_bytes_per_page, resolve_geometry
+from kvforge.contract.manifest import ENGINE_KIND, write_manifest
 from kvforge.contract.paging import pages_for
 
 
@@ -135,6 +136,7 @@ def test_engine_dir_build_is_the_recorded_geometry(tiny_engine_dir: Path, tiny_b
     data = json.loads((old / "config.json").read_text())
     del data["builder_config"]["max_lora_rank"]
     (old / "config.json").write_text(json.dumps(data))
+    write_manifest(old, ENGINE_KIND)  # the edit is deliberate: record it, as llm_build would have
     assert load_engine_dir(old).build == build
 
 

@@ -328,6 +328,8 @@ def test_templates_reading_content_items_get_image_items(dirs, tmp_path: Path) -
     shutil.copytree(engine_dir, copy)
     config = json.loads((copy / "tokenizer_config.json").read_text())
     (copy / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": ITEM_TEMPLATE}))
+    from kvforge.contract.manifest import ENGINE_KIND, write_manifest
+    write_manifest(copy, ENGINE_KIND)  # the edit is deliberate: record it, as llm_build would have
     engine = make((None, copy, dirs[2]), reuse=False)
     assert engine.tokenizer.content_as_items
     image = noise_image(tmp_path / "a.png", (20, 20), 1)

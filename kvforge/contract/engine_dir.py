@@ -7,8 +7,21 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.contract.errors import InvalidConfig
-from kvforge.contract.geometry import PageGeometry, partial_kv_bytes_per_slot, recurrent_bytes_per_slot
+from kvforge.contract.geometry import (
+    INT32_MAX,
+    PageGeometry,
+    kv_bytes_per_page,
+    partial_kv_bytes_per_slot,
+    recurrent_bytes_per_slot,
+    resolve_geometry,
+)
+from kvforge.contract.manifest import ENGINE_KIND, verify_manifest
+from kvforge.contract.memory import check_pool_fits_memory
 from kvforge.contract.model_config import ModelConfig, read_json
+from kvforge.contract.tensor_header import read_tensor_header
+from kvforge.contract.validation import describe, one_line
+
+MAX_LORA_RANK = 1024
 
 ENGINE_MODEL_FILE = "model.onnx"
 ENGINE_WEIGHTS_FILE = "model.onnx.data"
@@ -68,11 +81,21 @@ class EngineDir:
     def file(self, name: str) -> Path:
         return self.path / name
 
+    @property
+    def kv_pool_bytes(self) -> int:
+        per_page = kv_bytes_per_page(self.model.num_key_value_heads, self.model.head_dim, self.build.tokens_per_page,
+                                     self.model.kv_cache_dtype)
+        return per_page * self.build.max_kv_pool_pages * self.model.num_hidden_layers
+
+
+REBUILD = "rebuild it with llm_build"
+
 
 def load_engine_dir(path: Path) -> EngineDir:
-    """The engine dir at `path`, checked; errors name the field `engine_dir`."""
+    """The engine dir at `path`, checked: config schema, completion manifest, embedding shape and the pool's
+    memory; errors name the field `engine_dir` (or the config field, `config.NAME`)."""
     if not path.is_dir():
-        raise InvalidConfig(f"{path} is not a directory", "engine_dir")
+        raise InvalidConfig(f"{one_line(str(path))} is not a directory", "engine_dir")
     data = read_json(path / "config.json", "engine_dir")
     model = ModelConfig.from_dict(data, f"{path}/config.json")
     if model.is_recurrent or any(t != "attention" for t in model.layer_types):
@@ -82,16 +105,57 @@ def load_engine_dir(path: Path) -> EngineDir:
     if not isinstance(raw, dict):
         raise InvalidConfig(f"{path}/config.json has no builder_config; is this an ONNX dir? build it with llm_build",
                             "engine_dir")
-    missing = [k for k in BUILDER_KEYS if k not in raw]
-    if missing:
-        raise InvalidConfig(f"builder_config lacks {', '.join(missing)}; rebuild the engine", "engine_dir")
-    build = BuilderConfig(**{k: raw[k] for k in BUILDER_KEYS}, max_lora_rank=int(raw.get("max_lora_rank", 0)),
-                          layer_types=tuple(raw.get("layer_types", ())),
-                          partial_kv_snapshot_bytes_per_slot=int(raw.get("partial_kv_snapshot_bytes_per_slot", 0)),
-                          recurrent_snapshot_bytes_per_slot=int(raw.get("recurrent_snapshot_bytes_per_slot", 0)))
-    if build.backend not in BACKEND_FILES:
-        raise InvalidConfig(f"engine backend {build.backend!r} cannot run here", "engine_dir")
+    build = read_builder_config(raw, model)
     for name in (*BACKEND_FILES[build.backend], *COPIED_FILES):
         if not (path / name).is_file():
-            raise InvalidConfig(f"engine dir {path} is missing {name}; rebuild it with llm_build", "engine_dir")
-    return EngineDir(path, model, build)
+            raise InvalidConfig(f"engine dir {path} is missing {name}; {REBUILD}", "engine_dir")
+    verify_manifest(path, ENGINE_KIND, "engine_dir", REBUILD)
+    check_embedding(path / EMBEDDING_FILE, model, "engine_dir")
+    engine = EngineDir(path, model, build)
+    if build.backend == "onnxruntime":  # pool and RoPE table live in host memory (TensorRT's on the GPU)
+        rope_bytes = build.max_kv_cache_capacity * model.head_dim * 4  # float32 cos and sin per position
+        check_pool_fits_memory(engine.kv_pool_bytes + rope_bytes)
+    return engine
+
+
+def read_builder_config(raw: dict[str, Any], model: ModelConfig) -> BuilderConfig:
+    """builder_config checked like llm_build checked it: strict integer types, then the same geometry rules."""
+    where = "builder_config"
+    missing = [k for k in BUILDER_KEYS if k not in raw]
+    if missing:
+        raise InvalidConfig(f"builder_config lacks {', '.join(missing)}; {REBUILD}", "engine_dir")
+    numbers = {k: raw[k] for k in BUILDER_KEYS if k != "backend"}
+    numbers["max_lora_rank"] = raw.get("max_lora_rank", 0)
+    for key, value in numbers.items():
+        if type(value) is not int or not 0 <= value <= INT32_MAX:
+            raise InvalidConfig(f"must be an integer in [0, {INT32_MAX}], got {describe(value)}", f"{where}.{key}")
+    if not isinstance(raw["backend"], str) or raw["backend"] not in BACKEND_FILES:
+        raise InvalidConfig(f"engine backend {describe(raw['backend'])} cannot run here", f"{where}.backend")
+    if numbers["max_lora_rank"] > MAX_LORA_RANK:
+        raise InvalidConfig(f"must be at most {MAX_LORA_RANK}, got {numbers['max_lora_rank']}",
+                            f"{where}.max_lora_rank")
+    try:
+        geometry = resolve_geometry(max_input_len=numbers["max_input_len"],
+                                    max_kv_cache_capacity=numbers["max_kv_cache_capacity"],
+                                    max_batch_size=numbers["max_batch_size"],
+                                    tokens_per_page=numbers["tokens_per_page"],
+                                    max_kv_pool_pages=numbers["max_kv_pool_pages"] or -1,
+                                    max_position_embeddings=model.max_position_embeddings)
+    except InvalidConfig as exc:
+        raise InvalidConfig(f"{exc.message}; {REBUILD}", f"{where}.{exc.field}") from None
+    if geometry.max_pages_per_seq != numbers["max_pages_per_seq"]:
+        raise InvalidConfig(f"must be {geometry.max_pages_per_seq} (capacity / tokens_per_page), got "
+                            f"{numbers['max_pages_per_seq']}; {REBUILD}", f"{where}.max_pages_per_seq")
+    # Snapshot geometry and layer types are recomputed from the model, not trusted from the file.
+    return BuilderConfig.from_geometry(geometry, raw["backend"], numbers["max_lora_rank"], model)
+
+
+def check_embedding(path: Path, model: ModelConfig, field: str) -> None:
+    """The embedding table is [vocab_size, hidden_size] float32, read from the header alone."""
+    tensors, _ = read_tensor_header(path, field)
+    info = tensors.get(EMBEDDING_TENSOR)
+    expected = (model.vocab_size, model.hidden_size)
+    if info is None or info.dtype != "F32" or info.shape != expected:
+        got = f"{info.dtype} {list(info.shape)}" if info else "no tensor named 'embedding'"
+        raise InvalidConfig(f"{EMBEDDING_FILE} must hold F32 'embedding' of shape {list(expected)} (vocab_size x "
+                            f"hidden_size of config.json), got {got}", field)

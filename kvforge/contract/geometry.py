@@ -10,6 +10,7 @@ from kvforge.contract.paging import pages_for
 INT32_MAX = 2**31 - 1
 MAX_KV_POOL_PAGES = INT32_MAX // 2  # K and V page ids (and 2 * pages in kernels) must fit in int32
 DEFAULT_TOKENS_PER_PAGE = 128
+MAX_TOKENS_PER_PAGE = 2**16
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,8 +39,9 @@ def resolve_geometry(*, max_input_len: int, max_kv_cache_capacity: int, max_batc
     """
     if not 0 < max_batch_size <= 1024:
         raise InvalidConfig(f"must be in [1, 1024], got {max_batch_size}", "max_batch_size")
-    if tokens_per_page <= 0 or tokens_per_page & (tokens_per_page - 1):
-        raise InvalidConfig(f"must be a positive power of two, got {tokens_per_page}", "tokens_per_page")
+    if tokens_per_page <= 0 or tokens_per_page & (tokens_per_page - 1) or tokens_per_page > MAX_TOKENS_PER_PAGE:
+        raise InvalidConfig(f"must be a power of two in [1, {MAX_TOKENS_PER_PAGE}], got {tokens_per_page}",
+                            "tokens_per_page")
     largest_capacity = (INT32_MAX // tokens_per_page) * tokens_per_page
     if not 0 < max_kv_cache_capacity <= largest_capacity:
         raise InvalidConfig(f"must be in [1, {largest_capacity}], got {max_kv_cache_capacity}",

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from kvforge.contract.errors import InvalidConfig, KvforgeError
+from kvforge.contract.files import loads_json, read_limited, write_json  # noqa: F401 - write_json re-exported (writers import it here)
 
 # Marks an ONNX dir as ours; an export from another tool lacks it and is refused clearly.
 EXPORT_FORMAT = "kvforge-onnx-v1"
@@ -62,6 +62,9 @@ class ModelConfig:
             2 * self.n_groups * self.recurrent_state_size
 
     def validate(self) -> None:
+        """The schema (types and ranges) plus the rules between fields; exporters call it on what they built."""
+        for name, spec in CONFIG_SCHEMA.items():
+            check_field(spec, getattr(self, name), f"config.{name}", "the model config")
         if self.model not in MODEL_FAMILIES:
             raise InvalidConfig(f"unsupported model family {self.model!r}; expected one of {MODEL_FAMILIES}",
                                 "config.model")
@@ -76,19 +79,31 @@ class ModelConfig:
                                 "config.layer_types")
         if self.is_recurrent:
             self._validate_recurrent()
+            self._validate_token_ids()
             return
-        if self.num_attention_heads <= 0 or self.num_key_value_heads <= 0 or \
-                self.num_attention_heads % self.num_key_value_heads:
-            raise InvalidConfig("num_attention_heads must be a positive multiple of num_key_value_heads",
-                                "config.num_key_value_heads")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise InvalidConfig("must be positive", f"config.{name}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise InvalidConfig("num_attention_heads must be a multiple of num_key_value_heads",
+                                "config.num_key_value_heads")
         if self.head_dim % 2:
             raise InvalidConfig("must be even for rotate-half RoPE", "config.head_dim")
         if any(t != "attention" for t in self.layer_types):
             raise InvalidConfig(f"family {self.model} has attention layers only", "config.layer_types")
+        self._validate_token_ids()
+
+    def _validate_token_ids(self) -> None:
+        for name in ("bos_token_id", "pad_token_id"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < self.vocab_size:
+                raise InvalidConfig(f"must be a token id in [0, vocab_size {self.vocab_size}), got {value}",
+                                    f"config.{name}")
+        bad = [t for t in self.eos_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidConfig(f"must hold token ids in [0, vocab_size {self.vocab_size}), got {bad[0]}",
+                                "config.eos_token_ids")
 
     def _validate_recurrent(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "recurrent_state_num_heads",
@@ -105,31 +120,110 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "config.json") -> ModelConfig:
+        """A config.json object checked against CONFIG_SCHEMA: every error names the field (`config.NAME`)."""
+        if not isinstance(data, dict):
+            raise InvalidConfig(f"must hold a JSON object, got {type(data).__name__}", where)
         if data.get("format") != EXPORT_FORMAT:
             raise InvalidConfig(
                 f"not a kvforge export (format is {data.get('format')!r}, expected {EXPORT_FORMAT!r}); "
                 "re-export it with llm_export", where)
-        known = {f.name for f in fields(cls)}
-        try:
-            config = cls(**{k: v for k, v in data.items() if k in known})
-        except TypeError as exc:
-            raise InvalidConfig(f"missing or invalid field ({exc})", where) from None
+        values = {}
+        for f in fields(cls):
+            if f.name not in data:
+                if f.default is MISSING and f.default_factory is MISSING:
+                    raise InvalidConfig(f"is required in {where}", f"config.{f.name}")
+                continue
+            values[f.name] = check_field(CONFIG_SCHEMA[f.name], data[f.name], f"config.{f.name}", where)
+        config = cls(**values)
         config.validate()
         return config
 
 
+# The schema of config.json's model fields: (kind, low, high) per field; kinds are checked strictly
+# (a bool is not an int, 2.0 is not an int, "4" is not a number), ranges bound what a hostile file can make
+# the runtime allocate (the embedding's real shape is checked against vocab_size x hidden_size on load).
+_DIM = ("int", 1, 2**20)
+CONFIG_SCHEMA: dict[str, tuple[str, float | None, float | None]] = {
+    "model": ("str", None, None), "vocab_size": ("int", 1, 2**24), "hidden_size": _DIM,
+    # Attention sizes may be 0 in the schema (a pure recurrent model has none); validate() requires them > 0 on
+    # attention families.
+    "intermediate_size": ("int", 0, 2**20), "num_hidden_layers": ("int", 1, 1024),
+    "num_attention_heads": ("int", 0, 1024), "num_key_value_heads": ("int", 0, 1024), "head_dim": ("int", 0, 4096),
+    "max_position_embeddings": ("int", 1, 2**28), "rope_theta": ("float", 0.0, 1e12),
+    "rms_norm_eps": ("float", 0.0, 1.0), "tie_word_embeddings": ("bool", None, None),
+    "attention_bias": ("bool", None, None), "qk_norm": ("bool", None, None), "kv_cache_dtype": ("str", None, None),
+    "bos_token_id": ("token?", None, None), "eos_token_ids": ("tokens", None, None),
+    "pad_token_id": ("token?", None, None), "name": ("str", None, None), "lora_targets": ("strs", None, None),
+    "quantization": ("str", None, None), "quant_block_size": ("int", 0, 2**16), "format": ("str", None, None),
+    # Recurrent (Mamba2) fields; 0 on attention-only models. validate() checks them per family.
+    "layer_types": ("layers", None, None), "recurrent_state_num_heads": ("int", 0, 2**16),
+    "recurrent_state_head_dim": ("int", 0, 2**16), "recurrent_state_size": ("int", 0, 2**16),
+    "n_groups": ("int", 0, 1024), "conv_kernel": ("int", 0, 1024),
+}
+
+
+def check_field(spec: tuple[str, float | None, float | None], value: Any, field_name: str, where: str) -> Any:
+    """`value` checked against a CONFIG_SCHEMA entry; InvalidConfig on `field_name` otherwise."""
+    import math
+
+    from kvforge.contract.validation import describe
+
+    kind, low, high = spec
+
+    def bad(expected: str) -> InvalidConfig:
+        return InvalidConfig(f"must be {expected} in {where}, got {describe(value)}", field_name)
+
+    def is_int(v: Any) -> bool:
+        return type(v) is int
+
+    if kind == "int":
+        if not is_int(value) or not low <= value <= high:  # type: ignore[operator]
+            raise bad(f"an integer in [{low}, {high}]")
+    elif kind == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or not low < value <= high:  # type: ignore[operator]
+            raise bad(f"a finite number in ({low:g}, {high:g}]")
+        value = float(value)
+    elif kind == "bool":
+        if not isinstance(value, bool):
+            raise bad("true or false")
+    elif kind == "str":
+        if not isinstance(value, str):
+            raise bad("a string")
+    elif kind == "token?":
+        if value is not None and not (is_int(value) and value >= 0):
+            raise bad("null or a non-negative integer token id")
+    elif kind == "tokens":
+        if not isinstance(value, list) or len(value) > 64 or not all(is_int(v) and v >= 0 for v in value):
+            raise bad("an array of at most 64 non-negative integer token ids")
+        value = list(value)
+    elif kind == "layers":  # the names themselves are checked by validate() against LAYER_TYPES
+        if not isinstance(value, list) or len(value) > 1024 or not all(isinstance(v, str) for v in value):
+            raise bad("an array of at most 1024 layer type names")
+        value = list(value)
+    elif kind == "strs":
+        from kvforge.contract.lora import LORA_TARGETS
+
+        if not isinstance(value, list) or not all(isinstance(v, str) and v in LORA_TARGETS for v in value):
+            raise bad(f"an array of LoRA targets ({', '.join(LORA_TARGETS)})")
+        value = list(value)
+    return value
+
+
 def read_json(path: Path, what: str) -> dict[str, Any]:
-    """Read a JSON object file with one-line errors naming the file."""
+    """Read a JSON object file strictly (duplicate keys refused) with one-line errors naming the file."""
+    from kvforge.contract.validation import one_line
+
     if not path.is_file():
-        raise KvforgeError(f"missing file {path}", what)
+        raise KvforgeError(f"missing file {one_line(str(path))}", what)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise KvforgeError(f"malformed JSON in {path}: {exc}", what) from None
+        raw = read_limited(path, MAX_CONFIG_BYTES, what)
+    except OSError as exc:
+        raise KvforgeError(f"cannot read {one_line(str(path))}: {one_line(exc.strerror or str(exc))}", what) from None
+    data = loads_json(raw, what, str(path))
     if not isinstance(data, dict):
-        raise KvforgeError(f"{path} must hold a JSON object", what)
+        raise KvforgeError(f"{one_line(str(path))} must hold a JSON object", what)
     return data
 
 
-def write_json(path: Path, data: Any, indent: int = 2) -> None:
-    path.write_text(json.dumps(data, indent=indent, ensure_ascii=False) + "\n", encoding="utf-8")
+MAX_CONFIG_BYTES = 64 * 2**20  # config files are a few KiB; a chat template or tokenizer a few MiB

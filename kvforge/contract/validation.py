@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
 
@@ -104,6 +105,16 @@ def one_line(text: str) -> str:
     """Escape everything str.splitlines() would break on, and lone surrogates a terminal can't print."""
     for char in ("\n", "\r", "\v", "\f", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"):
         text = text.replace(char, char.encode("unicode_escape").decode("ascii"))
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """`text` safe to print on a terminal, on one line: control characters (escape sequences, line breaks,
+    bidi overrides) are shown escaped, and lone surrogates replaced."""
+    text = _CONTROL.sub(lambda m: m[0].encode("unicode_escape").decode("ascii"), text)
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 

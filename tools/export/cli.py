@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -151,10 +152,15 @@ def export(
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
     def body() -> None:
+        from kvforge.contract.files import check_distinct, check_output_dir
         from kvforge.contract.lora import parse_targets
         from kvforge.contract.model_config import QUANTIZATIONS
         from kvforge.tools.export.quantize import quantize_linears
         from kvforge.tools.export.writer import write_onnx_dir
+
+        check_output_dir(output_dir, "output_dir")  # before the expensive part; checked again when written
+        if source and Path(source).exists():
+            check_distinct({"--outputDir": output_dir}, {"SOURCE": Path(source)}, outputs_are_dirs=True)
         targets = parse_targets(lora_targets)
         chosen = default_quantization(source, synthetic) if quantization == "auto" else quantization
         if chosen not in QUANTIZATIONS:
@@ -187,7 +193,9 @@ def lora(
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
     def body() -> None:
+        from kvforge.contract.files import check_distinct
         from kvforge.tools.export.lora import write_converted_adapter
+        check_distinct({"--output": output}, {"--adapterDir": adapter_dir, "--onnxDir": onnx_dir})
         rank, count = write_converted_adapter(adapter_dir, onnx_dir, output)
         console.print(f"converted {count} adapted linears (rank {rank}) to {output}")
 
@@ -204,9 +212,14 @@ def random_lora(
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
     def body() -> None:
+        from kvforge.contract.engine_dir import MAX_LORA_RANK
         from kvforge.tools.export.lora import write_random_peft_adapter
-        if rank <= 0:
-            raise KvforgeError(f"must be positive, got {rank}", "--rank")
+        if not 0 < rank <= MAX_LORA_RANK:
+            raise KvforgeError(f"must be in [1, {MAX_LORA_RANK}], got {rank}", "--rank")
+        if not math.isfinite(alpha):
+            raise KvforgeError(f"must be a finite number, got {alpha}", "--alpha")
+        from kvforge.contract.files import check_distinct
+        check_distinct({"--outputDir": output_dir}, {"--onnxDir": onnx_dir}, outputs_are_dirs=True)
         write_random_peft_adapter(onnx_dir, output_dir, rank, alpha, seed)
         console.print(f"wrote a random rank-{rank} PEFT adapter to {output_dir}")
 

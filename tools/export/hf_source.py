@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import struct
 from pathlib import Path
 from typing import Any
@@ -10,7 +9,9 @@ from typing import Any
 import numpy as np
 
 from kvforge.contract.errors import KvforgeError
+from kvforge.contract.files import loads_json
 from kvforge.contract.model_config import ModelConfig, read_json
+from kvforge.contract.tensor_header import MAX_HEADER_BYTES
 from kvforge.tools.export import mamba2_source
 from kvforge.tools.export.source import LoadedModel, layer_weight
 
@@ -127,6 +128,8 @@ def _config(hf: dict[str, Any], path: Path, kv_cache_dtype: str) -> ModelConfig:
         )
     except KeyError as exc:
         raise KvforgeError(f"{path / 'config.json'} lacks {exc.args[0]!r}", FIELD) from None
+    except (TypeError, ValueError, OverflowError) as exc:  # "64" is fine for int(); "abc", [], null are not
+        raise KvforgeError(f"{path / 'config.json'} has a field of the wrong type ({exc})", FIELD) from None
     config.validate()
     return config
 
@@ -174,9 +177,13 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
     try:
         with path.open("rb") as f:
             (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
+            if size > MAX_HEADER_BYTES:  # a forged length would make read() allocate it
+                raise ValueError(f"header length {size} is not plausible")
+            header = loads_json(f.read(size), FIELD, f"the header of {path}")
     except (OSError, struct.error, ValueError) as exc:
         raise KvforgeError(f"cannot read safetensors header of {path}: {exc}", FIELD) from None
+    if not isinstance(header, dict):
+        raise KvforgeError(f"cannot read safetensors header of {path}: not a JSON object", FIELD)
     header.pop("__metadata__", None)
     return header, 8 + size
 

@@ -7,9 +7,10 @@ import re
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import save_file
+from safetensors.numpy import save
 
 from kvforge.contract.errors import KvforgeError
+from kvforge.contract.files import atomic_write_bytes, atomic_write_text, check_distinct, check_output_file
 from kvforge.contract.lora import (
     ADAPTER_FORMAT,
     LORA_MODULES,
@@ -73,10 +74,10 @@ def convert_peft_adapter(adapter_dir: Path, onnx_dir: Path) -> tuple[dict[str, n
 
 
 def write_converted_adapter(adapter_dir: Path, onnx_dir: Path, output: Path) -> tuple[int, int]:
+    check_output_file(output, "output")
+    check_distinct({"output": output}, {"adapter_dir": adapter_dir, "onnx_dir": onnx_dir})
     tensors, metadata = convert_peft_adapter(adapter_dir, onnx_dir)
-    if not output.parent.is_dir():
-        raise KvforgeError(f"directory {output.parent} does not exist", "output")
-    save_file(tensors, str(output), metadata=metadata)
+    atomic_write_bytes(output, save(tensors, metadata=metadata))
     return int(metadata["rank"]), len(tensors) // 2
 
 
@@ -104,8 +105,8 @@ def _rank_and_scaling(peft: dict) -> tuple[int, float]:
     alpha = peft.get("lora_alpha", rank)
     if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
         raise KvforgeError(f"adapter_config.json r must be a positive integer, got {rank!r}", FIELD)
-    if not isinstance(alpha, int | float) or isinstance(alpha, bool):
-        raise KvforgeError(f"adapter_config.json lora_alpha must be a number, got {alpha!r}", FIELD)
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not np.isfinite(alpha):
+        raise KvforgeError(f"adapter_config.json lora_alpha must be a finite number, got {alpha!r}", FIELD)
     if peft.get("alpha_pattern") or peft.get("rank_pattern"):
         # Per-module ranks or alphas change the scaling per module; one scaling per adapter is folded here.
         raise KvforgeError("rank_pattern/alpha_pattern adapters are not supported", FIELD)
@@ -141,10 +142,11 @@ def write_random_peft_adapter(onnx_dir: Path, output_dir: Path, rank: int = 8, a
             tensors[f"{prefix}.lora_A.weight"] = (rng.standard_normal((rank, in_dim)) / np.sqrt(in_dim)).astype(
                 np.float32)
             tensors[f"{prefix}.lora_B.weight"] = (scale * rng.standard_normal((out_dim, rank))).astype(np.float32)
+    check_distinct({"output_dir": output_dir}, {"onnx_dir": onnx_dir}, outputs_are_dirs=True)
     output_dir.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(output_dir / "adapter_model.safetensors"))
+    atomic_write_bytes(output_dir / "adapter_model.safetensors", save(tensors))
     peft_config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "bias": "none", "use_rslora": False,
                    "target_modules": sorted({LORA_MODULES[t].split(".")[-1] for t in targets}),
                    "task_type": "CAUSAL_LM", "fan_in_fan_out": False, "lora_dropout": 0.0}
-    (output_dir / "adapter_config.json").write_text(json.dumps(peft_config, indent=2) + "\n")
+    atomic_write_text(output_dir / "adapter_config.json", json.dumps(peft_config, indent=2) + "\n")
     return output_dir

@@ -13,6 +13,8 @@ from safetensors.numpy import save_file
 from kvforge.contract.engine_dir import EMBEDDING_FILE, EMBEDDING_TENSOR
 from kvforge.contract.engine_dir import ENGINE_MODEL_FILE as MODEL_FILE
 from kvforge.contract.engine_dir import ENGINE_WEIGHTS_FILE as WEIGHTS_FILE
+from kvforge.contract.files import check_output_dir, staged_dir
+from kvforge.contract.manifest import ONNX_KIND, write_manifest
 from kvforge.contract.model_config import write_json
 from kvforge.tools.export import mamba2_source
 from kvforge.tools.export.llama_graph import build_llama_graph
@@ -22,9 +24,19 @@ from kvforge.tools.export.source import LoadedModel
 
 def write_onnx_dir(loaded: LoadedModel, output_dir: Path,
                    progress: Callable[[str], None] | None = None) -> Path:
-    output_dir.mkdir(parents=True, exist_ok=True)
+    """Write into a staging dir next to `output_dir`, manifest last, and swap it in: an interrupted export
+    leaves `output_dir` as it was and nothing llm_build accepts."""
+    check_output_dir(output_dir, "output_dir")
     config = loaded.config
     config.validate()
+    with staged_dir(output_dir) as staging:
+        _write_files(loaded, staging, progress)
+        write_manifest(staging, ONNX_KIND)
+    return output_dir
+
+
+def _write_files(loaded: LoadedModel, output_dir: Path, progress: Callable[[str], None] | None) -> None:
+    config = loaded.config
     step = progress or (lambda _msg: None)
     if config.is_recurrent:
         model = build_mamba2_graph(mamba2_source.geometry(config), loaded.weights)
@@ -33,8 +45,6 @@ def write_onnx_dir(loaded: LoadedModel, output_dir: Path,
                                   progress=lambda layer: step(f"layer {layer + 1}/{config.num_hidden_layers}"),
                                   quantized=loaded.quantized)
     step("saving model.onnx")
-    for stale in (output_dir / MODEL_FILE, output_dir / WEIGHTS_FILE):
-        stale.unlink(missing_ok=True)  # external data is appended to, never truncated, by onnx.save
     onnx.save_model(model, output_dir / MODEL_FILE, save_as_external_data=True, all_tensors_to_one_file=True,
                     location=WEIGHTS_FILE, size_threshold=1024)
     save_file({EMBEDDING_TENSOR: np.ascontiguousarray(loaded.weights["model.embed_tokens.weight"],
@@ -44,4 +54,3 @@ def write_onnx_dir(loaded: LoadedModel, output_dir: Path,
     (output_dir / "tokenizer.json").write_text(loaded.tokenizer_json, encoding="utf-8")
     (output_dir / "tokenizer_config.json").write_text(json.dumps(loaded.tokenizer_config, indent=2) + "\n",
                                                       encoding="utf-8")
-    return output_dir

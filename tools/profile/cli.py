@@ -11,6 +11,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from kvforge.cli_common import console, run_app, run_guarded
+from kvforge.contract.files import check_distinct, check_output_file
+from kvforge.contract.validation import printable
 from kvforge.tools.profile.report import (
     compare_rows,
     compare_table,
@@ -72,8 +74,9 @@ def show(
     """Print the summary tables of one profile."""
 
     def body() -> None:
+        _check_plot(plot, profile)
         data = load_profile(profile)
-        out.print(f"[bold]profile:[/] {escape(str(profile))}")
+        out.print(f"[bold]profile:[/] {escape(printable(str(profile)))}")
         for table in summary_tables(data):
             out.print()
             out.print(table)
@@ -97,10 +100,11 @@ def compare(
     """Print A vs B for every numeric field the two profiles share."""
 
     def body() -> None:
+        _check_plot(plot, profile_a, profile_b)
         data_a, data_b = load_profile(profile_a), load_profile(profile_b)
-        label_a, label_b = profile_a.name, profile_b.name
+        label_a, label_b = printable(profile_a.name), printable(profile_b.name)
         if label_a == label_b:
-            label_a, label_b = str(profile_a), str(profile_b)
+            label_a, label_b = printable(str(profile_a)), printable(str(profile_b))
         rows = compare_rows(data_a, data_b, threshold / 100.0)
         out.print(compare_table(rows, label_a, label_b, changed_only))
         marked = sum(row.notable for row in rows)
@@ -113,6 +117,13 @@ def compare(
             console.print(f"plot written to {escape(str(plot))}")
 
     run_guarded(body, debug)
+
+
+def _check_plot(plot: Path | None, *profiles: Path) -> None:
+    """--plot is written atomically, and never over an input profile."""
+    if plot is not None:
+        check_output_file(plot, "--plot")
+        check_distinct({"--plot": plot}, {f"PROFILE {i + 1}": p for i, p in enumerate(profiles)})
 
 
 def _default_to_show(argv: list[str]) -> list[str]:

@@ -6,7 +6,6 @@ older kvforge, from TensorRT Edge-LLM, or hand-edited): what is absent is skippe
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -18,7 +17,8 @@ from rich.table import Table
 
 from kvforge.contract import profile_schema as schema
 from kvforge.contract.errors import KvforgeError
-from kvforge.contract.validation import json_kind
+from kvforge.contract.files import atomic_output, loads_json, read_limited
+from kvforge.contract.validation import json_kind, printable
 
 _MIB = 1024 * 1024
 MISSING = "—"
@@ -49,15 +49,12 @@ def load_profile(path: Path) -> dict[str, Any]:
     if path.is_dir():
         raise KvforgeError("is a directory, expected a profile JSON file", name)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_limited(path, MAX_PROFILE_BYTES, name).decode("utf-8")
     except UnicodeDecodeError:
         raise KvforgeError("not UTF-8 text, expected a profile JSON file", name) from None
     except OSError as exc:
         raise KvforgeError(f"cannot read: {exc.strerror or exc}", name) from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise KvforgeError(f"malformed JSON ({exc.msg} at line {exc.lineno} column {exc.colno})", name) from None
+    data = sanitize(loads_json(text, name))  # duplicate keys, nesting and huge literals: one line each
     if not isinstance(data, dict):
         raise KvforgeError(f"not a profile: the top level is a JSON {json_kind(data)}, expected an object", name)
     if not schema.TOP_LEVEL_KEYS & data.keys():
@@ -66,6 +63,36 @@ def load_profile(path: Path) -> dict[str, Any]:
     return data
 
 
+
+
+MAX_PROFILE_BYTES = 64 * 2**20
+MAX_DEPTH = 32  # a profile nests 4 deep; anything deeper is dropped, not walked
+MAX_STRING = 200
+
+
+def sanitize(value: Any, depth: int = 0) -> Any:
+    """A profile as the tables may print it: strings and keys made terminal-safe (escape sequences shown, not
+    obeyed) and shortened, numbers beyond float range or non-finite dropped (None), nesting capped."""
+    if depth > MAX_DEPTH:
+        return None
+    if isinstance(value, dict):
+        return {_clean_text(str(k)): sanitize(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list):
+        return [sanitize(v, depth + 1) for v in value]
+    if isinstance(value, str):
+        return _clean_text(value)
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int):
+        return value if abs(value) < 2**63 else None  # formatting or mixing it with floats would overflow
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    return None
+
+
+def _clean_text(text: str) -> str:
+    text = printable(text)
+    return text if len(text) <= MAX_STRING else text[:MAX_STRING - 3] + "..."
 
 
 # ------------------------------------------------------------------------------------------- small helpers
@@ -658,7 +685,8 @@ def plot_profile(profiles: Sequence[tuple[str, Mapping[str, Any]]], out: Path) -
         ax.set_axisbelow(True)
     fig.tight_layout()
     try:
-        fig.savefig(out, dpi=120)
+        with atomic_output(out, "wb") as handle:  # a failed plot leaves no partial image
+            fig.savefig(handle, dpi=120, format=(out.suffix.lstrip(".").lower() or "png"))
     except (OSError, ValueError) as exc:
         raise KvforgeError(f"cannot write {str(out)!r}: {getattr(exc, 'strerror', None) or exc}", "--plot") from None
     finally:

@@ -13,6 +13,7 @@ from rich.console import Console
 
 from kvforge.cli_common import ENGINE_FLAGS, console, progress_bar, run_app, run_guarded
 from kvforge.contract.errors import KvforgeError
+from kvforge.contract.files import atomic_output, check_distinct, check_output_file
 from kvforge.tools.testcases.checks import FAILED, ROUGE_MODES, SEED_ROUGE_THRESHOLDS
 from kvforge.tools.testcases.config_string import CONFIG_FLAG, TOKENS, ResolvedConfig, named_test_case, parse_config
 from kvforge.tools.testcases.report import json_report, junit_xml, print_table, write_json
@@ -95,14 +96,16 @@ def test(
         _check_choice(scheduling, "--scheduling", tuple(s.value for s in Scheduling))
         _check_choice(rouge, "--rouge", ROUGE_MODES)
         thresholds = _thresholds(rouge_thresholds)
-        for path, flag in ((json_report_file, "--jsonReport"), (junit_file, "--junitXml")):
-            if path is not None and not path.parent.is_dir():
-                raise KvforgeError(f"directory {path.parent} does not exist", flag)
+        outputs = {"--jsonReport": json_report_file, "--junitXml": junit_file}
+        for flag, path in outputs.items():
+            if path is not None:
+                check_output_file(path, flag)
         resolved = parse_config(config)
         named = named_test_case(resolved, test_cases_dir)
         paths = [*(files or []), *([named] if named else [])]
         if not paths:
             raise KvforgeError("no test files: give FILE arguments or end --config with a test case name", "FILES")
+        check_distinct(outputs, {f"FILE {path}": path for path in paths})
         cases = [load_case(path) for path in paths]  # every file is read and checked before anything runs
         for case in cases:
             case.requests.apply_overrides(resolved.batch_size, max_generate_length)
@@ -125,8 +128,9 @@ def test(
         if json_report_file is not None:
             write_json(json_report_file, json_report(results, run))
         if junit_file is not None:
-            junit_xml(results, {"engine_dir": str(engine), "config": config}).write(junit_file, encoding="unicode",
-                                                                                    xml_declaration=True)
+            with atomic_output(junit_file) as handle:
+                junit_xml(results, {"engine_dir": str(engine), "config": config}).write(handle, encoding="unicode",
+                                                                                        xml_declaration=True)
         errors = [r.error for r in results if r.error]
         if errors:
             raise KvforgeError(f"{len(errors)} of {len(results)} files could not run (first: {errors[0]})")

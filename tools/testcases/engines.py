@@ -13,6 +13,7 @@ from pathlib import Path
 
 from kvforge import __version__
 from kvforge.builder.build import BuildOptions, build_engine, read_onnx_dir, resolve_backend
+from kvforge.contract.manifest import MANIFEST_FILE
 
 KEY_FILE = "llm_test_key.json"  # what the digest covers, written beside the engine for people to read
 
@@ -39,7 +40,9 @@ def cached_engine(onnx_dir: Path, options: BuildOptions, cache_dir: Path,
     key = engine_key(onnx_dir, options)
     digest = hashlib.blake2b(json.dumps(key, sort_keys=True).encode(), digest_size=8).hexdigest()
     engine_dir = cache_dir / f"{onnx_dir.resolve().name}-{digest}"
-    if (engine_dir / KEY_FILE).is_file():  # written last, and the dir appears whole (os.replace)
+    # The key file is written last and the dir appears whole (os.replace); a cached engine from before
+    # completion manifests has no manifest.json and is rebuilt (the runtime would refuse it).
+    if (engine_dir / KEY_FILE).is_file() and (engine_dir / MANIFEST_FILE).is_file():
         return engine_dir, False
     cache_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{engine_dir.name}-", dir=cache_dir))

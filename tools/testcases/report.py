@@ -13,6 +13,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvforge import __version__
+from kvforge.contract.files import atomic_write_text
 from kvforge.tools.testcases.checks import FAILED, PASSED, SKIPPED
 from kvforge.tools.testcases.runner import FileResult, summary_counts
 
@@ -60,7 +61,7 @@ def json_report(results: list[FileResult], run: dict[str, Any]) -> dict[str, Any
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    atomic_write_text(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
 
 
 def junit_xml(results: list[FileResult], properties: dict[str, str]) -> ET.ElementTree:
