@@ -90,8 +90,10 @@ def build(
                           f"{built.backend}); run it with llm_inference --multimodalEngineDir")
             return
         if profile_ops_file is not None:  # before the build, not after it
-            if not profile_ops_file.parent.is_dir():
-                raise KvforgeError(f"directory {profile_ops_file.parent} does not exist", "--profileOps")
+            from kvforge.contract.files import check_distinct, check_output_file
+            check_output_file(profile_ops_file, "--profileOps")
+            check_distinct({"--profileOps": profile_ops_file}, {"--onnxDir": onnx_dir, "--engineDir": engine_dir},
+                           outputs_are_dirs=True)
             if not 1 <= profile_prompt_tokens <= max_input_len or profile_decode_tokens < 0:
                 raise KvforgeError(f"must be in [1, --maxInputLen={max_input_len}], got {profile_prompt_tokens}",
                                    "--profilePromptTokens")
@@ -121,7 +123,8 @@ def build(
             from kvforge.runtime.op_profile import format_op_profile, profile_ops
             console.print(f"profiling ops: {profile_prompt_tokens}-token prefill, {profile_decode_tokens} decode steps")
             report = profile_ops(engine_dir, profile_prompt_tokens, profile_decode_tokens, num_threads)
-            profile_ops_file.write_text(json.dumps(report, indent=2) + "\n")
+            from kvforge.contract.files import atomic_write_text
+            atomic_write_text(profile_ops_file, json.dumps(report, indent=2) + "\n")
             console.print(format_op_profile(report), markup=False, highlight=False)
             console.print(f"op profile written to {profile_ops_file}")
 

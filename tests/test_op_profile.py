@@ -52,3 +52,11 @@ def test_attention_runs_as_one_fused_kernel_per_layer(tiny_engine_dir: Path) -> 
     layers = config["num_hidden_layers"]
     assert sum(n.op_type == "GroupQueryAttention" for n in graph.node) == layers
     assert not any(n.op_type in ("Softmax", "Where") for n in graph.node)
+
+
+def test_profile_ops_may_not_land_in_the_engine_or_onnx_dir(run_cli, tiny_onnx_dir: Path, tmp_path: Path) -> None:
+    engine = tmp_path / "engine"
+    proc = run_cli(["llm_build", "--onnxDir", tiny_onnx_dir, "--engineDir", engine,
+                    "--profileOps", tiny_onnx_dir / "ops.json"])
+    assert_one_line_error(proc, "--profileOps")
+    assert not engine.exists() and not (tiny_onnx_dir / "ops.json").exists()
