@@ -149,7 +149,6 @@ def bench(specs: list[EngineSpec], workload_names: list[str], input_file: Path |
     workloads = build_workloads(workload_names, input_file, tokenizer, prompt_tokens, unrelated_tokens)
     longest = max(w.max_prompt_tokens for w in workloads)
     warm = warmup(tokenizer, min(prompt_tokens, longest))
-    longest = max(longest, max(len(r.prompt_ids) for r in warm))
     for i, (spec, reason) in enumerate(entries):
         if reason is None and spec.kind == KVFORGE:
             if spec.onnx_dir is not None:
@@ -225,7 +224,9 @@ def print_report(figures: dict[str, Any]) -> None:
     if any(e["status"] == "ok" for e in engines):
         out.print()
         out.print(report.figures_table(engines, baseline))
-        if figures["baseline_ran"]:
+        if sum(e["status"] == "ok" for e in engines) < 2:
+            pass  # nothing to compare
+        elif figures["baseline_ran"]:
             out.print(report.ratios_table(engines, baseline))
         else:
             out.print(f"no ratios: the baseline {baseline} did not run")

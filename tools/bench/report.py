@@ -38,9 +38,11 @@ def _cold_prefill(by_role: dict[str, list[Trace]], _result: dict[str, Any]) -> f
 
 
 def _decode(by_role: dict[str, list[Trace]], _result: dict[str, Any]) -> float | None:
-    """Decode tokens/s of the document requests: every token after the first, at ~--promptTokens of context."""
-    return _median([(t["tokens"] - 1) / (t["decode_ms"] / 1e3) for role in DOCUMENT_ROLES
-                    for t in by_role.get(role, []) if t["tokens"] > 1 and t["decode_ms"] > 0])
+    """Decode tokens/s of the document requests (every token after the first, at ~--promptTokens of context), or
+    of every request when no document workload ran."""
+    roles = [role for role in DOCUMENT_ROLES if role in by_role] or list(by_role)
+    return _median([(t["tokens"] - 1) / (t["decode_ms"] / 1e3) for role in roles
+                    for t in by_role[role] if t["tokens"] > 1 and t["decode_ms"] > 0])
 
 
 def _peak_rss(_by_role: dict[str, list[Trace]], result: dict[str, Any]) -> float | None:
@@ -63,7 +65,8 @@ LEGEND = {
     "cold_prefill_tok_s": "prompt tokens / cold TTFT",
     "warm_ttft_ms": "a new question on the document after an unrelated prompt (non-consecutive requests)",
     "warm_next_ttft_ms": "a new question on the document right after the previous one (llama.cpp's best case)",
-    "decode_tok_s": "(tokens - 1) / (last token - first token) of the document requests",
+    "decode_tok_s": "(tokens - 1) / (last token - first token) of the document requests (of every request when "
+                    "no document workload ran)",
     "unrelated_ttft_ms": "prompts sharing no prefix with anything before them",
     "chat_ttft_ms": "chat turns 2 and later (the whole history plus one message)",
     "file_ttft_ms": "the requests of --inputFile",

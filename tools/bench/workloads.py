@@ -150,10 +150,10 @@ def build_workloads(names: Sequence[str], input_file: Path | None, tokenizer: Ch
     return workloads
 
 
-def warmup(tokenizer: ChatTokenizer, prompt_tokens: int) -> list[BenchRequest]:
-    """Before measuring, each engine runs a document-length prompt of other text and a second question on it, so
-    first-call costs (session start, arena growth, the cached-context path) stay out of the figures."""
-    texts = Texts.make(tokenizer.encode, prompt_tokens, 8)
-    other = text_tokens(tokenizer.encode, len(texts.document), start=5)[:len(texts.document)]
-    return [BenchRequest("warmup-1", "warmup", other + texts.questions[0]),
-            BenchRequest("warmup-2", "warmup", other + texts.questions[1])]
+def warmup(tokenizer: ChatTokenizer, num_tokens: int) -> list[BenchRequest]:
+    """Before measuring, each engine runs a prompt of num_tokens of other text and then the same prompt with another
+    ending, so first-call costs (session start, arena growth, the cached-context path) stay out of the figures."""
+    other = text_tokens(tokenizer.encode, num_tokens, start=5)[:num_tokens]
+    tail = max(1, min(16, num_tokens // 4))
+    return [BenchRequest("warmup-1", "warmup", other),
+            BenchRequest("warmup-2", "warmup", other[:-tail] + other[:tail])]
