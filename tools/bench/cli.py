@@ -9,9 +9,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import deque
-from dataclasses import replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -94,33 +95,59 @@ def check_workloads(names: list[str]) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def run_worker(job: dict[str, Any], work: Path) -> dict[str, Any]:
-    """One engine in a process of its own; its progress lines are shown, a failure becomes its last line."""
-    name = job["engine"]["name"]
-    job_path, result_path = work / f"{name}.job.json", work / f"{name}.result.json"
-    job_path.write_text(json.dumps(job), encoding="utf-8")
-    threads = str(job["threads"])
-    # Same thread count for every library an engine may use; no progress bars or hub lookups from peers.
-    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false",
-           "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    started = time.perf_counter()
-    process = subprocess.Popen([sys.executable, "-m", "kvforge.tools.bench.worker", str(job_path), str(result_path)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-    assert process.stderr is not None
-    tail: deque[str] = deque(maxlen=20)
-    for line in process.stderr:
-        line = line.rstrip()
-        if line:
-            tail.append(line)
-            console.print(f"  [dim]{escape(line)}[/]")
-    code = process.wait()
-    seconds = time.perf_counter() - started
-    if code != 0 or not result_path.is_file():
-        return {"name": name, "kind": job["engine"]["kind"], "status": "failed", "reason": failure(code, list(tail)),
-                "seconds": seconds}
-    result = json.loads(result_path.read_text(encoding="utf-8"))
-    result["seconds"] = seconds
-    return result
+class WorkerFailed(Exception):
+    pass
+
+
+class Worker:
+    """One engine's process (kvforge.tools.bench.worker): a JSON line per command, a JSON line per reply; its
+    stderr (progress) is shown as it comes, and its last lines explain a failure."""
+
+    def __init__(self, job: dict[str, Any], work: Path) -> None:
+        self.name = job["engine"]["name"]
+        job_path = work / f"{len(list(work.iterdir()))}.job.json"
+        job_path.write_text(json.dumps(job), encoding="utf-8")
+        threads = str(job["threads"])
+        # Same thread count for every library an engine may use; no progress bars or hub lookups from peers.
+        env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
+               "TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1",
+               "TRANSFORMERS_VERBOSITY": "error"}
+        self.process = subprocess.Popen([sys.executable, "-m", "kvforge.tools.bench.worker", str(job_path)],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True, env=env)
+        self.tail: deque[str] = deque(maxlen=20)
+        self.reader = threading.Thread(target=self._show_stderr, daemon=True)
+        self.reader.start()
+
+    def _show_stderr(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            if line.strip():
+                self.tail.append(line.rstrip())
+                console.print(f"  [dim]{escape(line.rstrip())}[/]")
+
+    def read(self) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line:
+            code = self.process.wait()
+            self.reader.join(timeout=5)
+            raise WorkerFailed(failure(code, list(self.tail)))
+        return json.loads(line)
+
+    def call(self, command: dict[str, Any]) -> dict[str, Any]:
+        assert self.process.stdin is not None
+        try:
+            self.process.stdin.write(json.dumps(command) + "\n")
+            self.process.stdin.flush()
+        except BrokenPipeError:
+            pass  # it died: read() says how
+        return self.read()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
 
 
 def failure(code: int, tail: list[str]) -> str:
@@ -131,71 +158,134 @@ def failure(code: int, tail: list[str]) -> str:
     return f"{how}{'; last output: ' + tail[-1][:200] if tail else ''}"
 
 
-def bench(specs: list[EngineSpec], workload_names: list[str], input_file: Path | None, threads: int,
-          max_tokens: int, repeats: int, prompt_tokens: int, unrelated_tokens: int, tokens_per_page: int,
-          baseline: str | None, work_dir: Path) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class Settings:
+    threads: int
+    max_tokens: int
+    repeats: int
+    prompt_tokens: int
+    unrelated_tokens: int
+    tokens_per_page: int  # engines built from an ONNX dir
+
+
+Entry = tuple[EngineSpec, str | None]  # an engine and why it is skipped (None: it runs)
+
+
+def plan_engines(specs: list[EngineSpec], baseline: str | None) -> tuple[list[Entry], str]:
+    """Each engine resolved, or skipped with the reason when its peer package is missing; the baseline's name."""
     if baseline is not None and baseline not in [s.name for s in specs]:
         raise KvforgeError(f"{baseline!r} is not one of the engines ({', '.join(s.name for s in specs)})",
                            "baseline")
-    baseline = baseline or specs[0].name
-    entries: list[tuple[EngineSpec, str | None]] = []  # (spec, why it is skipped)
+    entries: list[Entry] = []
     for spec in specs:
         reason = missing_peer(spec.kind)
         entries.append((spec if reason else resolve_engine(spec), reason))
-    reference = next((spec for spec, reason in entries if spec.kind == KVFORGE), None)
-    if reference is None:
+    if not any(spec.kind == KVFORGE for spec, _ in entries):
         raise KvforgeError("give at least one kvforge engine: its tokenizer makes every engine's prompts", "engine")
-    tokenizer = ChatTokenizer(reference.path)
-    workloads = build_workloads(workload_names, input_file, tokenizer, prompt_tokens, unrelated_tokens)
-    longest = max(w.max_prompt_tokens for w in workloads)
-    warm = warmup(tokenizer, min(prompt_tokens, longest))
-    for i, (spec, reason) in enumerate(entries):
-        if reason is None and spec.kind == KVFORGE:
-            if spec.onnx_dir is not None:
-                options = build_options(longest, max_tokens, tokens_per_page)
-                console.print(f"{spec.name}: building {spec.onnx_dir} (maxInputLen {options.max_input_len}, "
-                              f"{options.max_kv_pool_pages} pool pages of {options.tokens_per_page} tokens)")
-                engine_dir, built = cached_engine(spec.onnx_dir, options, work_dir)
-                console.print(f"{spec.name}: engine {'built' if built else 'reused'} at {engine_dir}")
-                entries[i] = (replace(spec, path=engine_dir), None)
-            else:
-                check_fits(spec, longest, max_tokens)
-    check_text = DOCUMENT_SECTIONS[1][:400]
-    job_common = {"threads": threads, "max_tokens": max_tokens, "repeats": repeats,
-                  "n_ctx": -(-(longest + max_tokens + 64) // 256) * 256, "check_text": check_text,
-                  "check_ids": tokenizer.encode(check_text),
-                  "warmup": [_request_json(r) for r in warm],
-                  "workloads": [{"name": w.name, "requests": [_request_json(r) for r in w.requests]}
-                                for w in workloads]}
-    load_start = os.getloadavg()
-    started = time.perf_counter()
-    engines: list[dict[str, Any]] = []
+    return entries, baseline or specs[0].name
+
+
+def ready_kvforge(entries: list[Entry], longest: int, settings: Settings, work_dir: Path) -> list[Entry]:
+    """kvforge ONNX dirs built (or found built) in work_dir; given engine dirs checked against the longest prompt."""
+    ready = []
+    for spec, reason in entries:
+        if reason is None and spec.kind == KVFORGE and spec.onnx_dir is not None:
+            options = build_options(longest, settings.max_tokens, settings.tokens_per_page)
+            console.print(f"{spec.name}: building {spec.onnx_dir} (maxInputLen {options.max_input_len}, "
+                          f"{options.max_kv_pool_pages} pool pages of {options.tokens_per_page} tokens)")
+            engine_dir, built = cached_engine(spec.onnx_dir, options, work_dir)
+            console.print(f"{spec.name}: engine {'built' if built else 'reused'} at {engine_dir}")
+            spec = replace(spec, path=engine_dir)
+        elif reason is None and spec.kind == KVFORGE:
+            check_fits(spec, longest, settings.max_tokens)
+        ready.append((spec, reason))
+    return ready
+
+
+def run_engines(entries: list[Entry], job: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every engine in a process of its own, loaded one after another; then each repeat runs on one engine at a time,
+    engines in turn (the order rotating per repeat), so load that drifts on a shared machine weighs on all alike."""
+    results: dict[str, dict[str, Any]] = {}
+    workers: list[Worker] = []
     with tempfile.TemporaryDirectory(prefix="llm_bench-") as tmp:
-        for index, (spec, reason) in enumerate(entries, 1):
-            if reason is not None:
-                console.print(f"[{index}/{len(entries)}] {spec.name}: [yellow]skipped[/]: {escape(reason)}")
-                engines.append({"name": spec.name, "kind": spec.kind, "status": "skipped", "reason": reason,
-                                "spec": spec.to_json()})
-                continue
-            console.print(f"[{index}/{len(entries)}] {spec.name} ({spec.kind}): running, load average "
-                          f"{os.getloadavg()[0]:.2f}")
-            result = run_worker({**job_common, "engine": spec.to_json()}, Path(tmp))
-            result["spec"] = spec.to_json()
-            if result["status"] != "ok":
-                console.print(f"[{index}/{len(entries)}] {spec.name}: [red]failed[/]: {escape(result['reason'])}")
-            engines.append(result)
+        try:
+            for index, (spec, reason) in enumerate(entries, 1):
+                where = f"[{index}/{len(entries)}] {spec.name}"
+                base = {"name": spec.name, "kind": spec.kind, "spec": spec.to_json()}
+                if reason is not None:
+                    console.print(f"{where}: [yellow]skipped[/]: {escape(reason)}")
+                    results[spec.name] = {**base, "status": "skipped", "reason": reason}
+                    continue
+                console.print(f"{where} ({spec.kind}): loading, load average {os.getloadavg()[0]:.2f}")
+                worker = Worker({**job, "engine": spec.to_json()}, Path(tmp))
+                results[spec.name] = {**base, "status": "ok", "workloads": {w["name"]: [] for w in job["workloads"]}}
+                _step(worker, {}, results, workers)
+            for repeat in range(job["repeats"]):
+                shift = repeat % len(workers) if workers else 0
+                for worker in workers[shift:] + workers[:shift]:
+                    _step(worker, {"run": repeat}, results, workers)
+            for worker in list(workers):
+                _step(worker, {"quit": True}, results, workers)
+        finally:
+            for worker in workers:
+                worker.stop()
+    return [results[spec.name] for spec, _ in entries]
+
+
+def _step(worker: Worker, command: dict[str, Any], results: dict[str, dict[str, Any]], workers: list[Worker]) -> None:
+    """One command to a worker ({} = wait until it is ready); its reply goes into its result, and a worker that
+    fails is marked failed and dropped while the others go on."""
+    result = results[worker.name]
+    if result["status"] != "ok":
+        return
+    try:
+        reply = worker.call(command) if command else worker.read()
+    except WorkerFailed as exc:
+        console.print(f"{worker.name}: [red]failed[/]: {escape(str(exc))}")
+        results[worker.name] = {k: v for k, v in result.items() if k != "workloads"}
+        results[worker.name].update(status="failed", reason=str(exc))
+        if worker in workers:
+            workers.remove(worker)
+        worker.stop()
+        return
+    if not command:
+        workers.append(worker)
+        result.update({k: v for k, v in reply.items() if k != "ready"})
+    elif "run" in command:
+        for name, traces in reply["workloads"].items():
+            result["workloads"][name].append(traces)
+    else:
+        result["peak_rss_bytes"] = reply["peak_rss_bytes"]
+        worker.process.wait()
+
+
+def bench(specs: list[EngineSpec], workload_names: list[str], input_file: Path | None, settings: Settings,
+          baseline: str | None, work_dir: Path) -> dict[str, Any]:
+    entries, baseline = plan_engines(specs, baseline)
+    reference = next(spec for spec, _ in entries if spec.kind == KVFORGE)
+    tokenizer = ChatTokenizer(reference.path)
+    workloads = build_workloads(workload_names, input_file, tokenizer, settings.prompt_tokens,
+                                settings.unrelated_tokens)
+    longest = max(w.max_prompt_tokens for w in workloads)
+    entries = ready_kvforge(entries, longest, settings, work_dir)
+    check_text = DOCUMENT_SECTIONS[1][:400]  # each engine's own tokenizer is compared on it
+    job = {"threads": settings.threads, "max_tokens": settings.max_tokens, "repeats": settings.repeats,
+           "n_ctx": -(-(longest + settings.max_tokens + 64) // 256) * 256, "check_text": check_text,
+           "check_ids": tokenizer.encode(check_text),
+           "warmup": [_request_json(r) for r in warmup(tokenizer, min(settings.prompt_tokens, longest))],
+           "workloads": [{"name": w.name, "requests": [_request_json(r) for r in w.requests]} for w in workloads]}
+    load_start, started = os.getloadavg(), time.perf_counter()
+    engines = run_engines(entries, job)
     base = next((e for e in engines if e["name"] == baseline and e["status"] == "ok"), None)
-    for engine in engines:
-        if engine["status"] == "ok":
-            engine["metrics"] = report.engine_metrics(engine)
-            engine["workload_summary"] = report.workload_summary(engine)
-    for engine in engines:
-        if engine["status"] == "ok":
-            engine["ratios"] = report.ratios(engine["metrics"], base["metrics"] if base else None)
+    ran = [e for e in engines if e["status"] == "ok"]
+    for engine in ran:
+        engine["metrics"] = report.engine_metrics(engine)
+        engine["workload_summary"] = report.workload_summary(engine)
+    for engine in ran:
+        engine["ratios"] = report.ratios(engine["metrics"], base["metrics"] if base else None)
     return {"kvforge": __version__, "baseline": baseline, "baseline_ran": base is not None,
-            "settings": {"threads": threads, "max_tokens": max_tokens, "repeats": repeats,
-                         "prompt_tokens": prompt_tokens, "unrelated_tokens": unrelated_tokens,
-                         "tokenizer_of": reference.name, "decoding": "greedy, end of sequence suppressed"},
+            "settings": {**asdict(settings), "tokenizer_of": reference.name,
+                         "decoding": "greedy, end of sequence suppressed"},
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_average_start": load_start,
                         "load_average_end": os.getloadavg(), "seconds": time.perf_counter() - started},
             "legend": report.LEGEND, "roles": ROLES,
@@ -292,8 +382,9 @@ def main_command(
         for path, flag in ((output_file, "outputFile"), (plot, "plot")):
             if path is not None and not path.parent.is_dir():
                 raise KvforgeError(f"{path.parent} is not a directory", flag)
-        figures = bench(specs, names, input_file, num_threads, max_tokens, repeats, prompt_tokens, unrelated_tokens,
-                        tokens_per_page, baseline, work_dir or default_cache_dir().parent / "llm_bench")
+        settings = Settings(num_threads, max_tokens, repeats, prompt_tokens, unrelated_tokens, tokens_per_page)
+        figures = bench(specs, names, input_file, settings, baseline,
+                        work_dir or default_cache_dir().parent / "llm_bench")
         print_report(figures)
         if output_file is not None:
             output_file.write_text(json.dumps(figures, indent=1) + "\n", encoding="utf-8")

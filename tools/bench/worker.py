@@ -1,8 +1,8 @@
-"""One engine's run of llm_bench, in a process of its own: `python -m kvforge.tools.bench.worker JOB.json OUT.json`.
+"""One engine of llm_bench, in a process of its own: `python -m kvforge.tools.bench.worker JOB.json`.
 
 A process per engine makes the peak RSS that engine's alone, keeps engines from disturbing each other (their
 thread pools, allocators and caches) and lets a peer crash without taking the run down. The parent writes the
-job (engine, token ids of every request, settings) and reads the result; nothing else passes between them.
+job (engine, token ids of every request, settings), then asks for one repeat at a time (see `serve`).
 
 Every engine is driven the same way: greedy decoding of exactly `max_tokens` tokens (end of sequence
 suppressed, so every engine decodes the same count), the clock read when the request is handed over, when its
@@ -14,13 +14,14 @@ cache salt for kvforge, a reset context for llama.cpp; the other peers keep noth
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TextIO
 
 KVFORGE, TRANSFORMERS, LLAMA_CPP, ORT_GENAI = "kvforge", "transformers", "llama.cpp", "onnxruntime-genai"
 
@@ -55,7 +56,15 @@ class Driver(Protocol):
 
 
 def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    """This process's peak resident set. Linux's VmHWM belongs to the process's own memory map; ru_maxrss would
+    also count the parent's resident set at fork time (it survives exec), so it is only the fallback."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux (bytes on macOS)
 
 
 # --- kvforge ---------------------------------------------------------------------------------------------
@@ -245,8 +254,27 @@ def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def run(job: dict[str, Any]) -> dict[str, Any]:
-    spec, max_tokens = job["engine"], job["max_tokens"]
+def run_repeat(driver: Driver, job: dict[str, Any], repeat: int) -> dict[str, list[dict[str, Any]]]:
+    """One pass over every workload, each from a fresh session."""
+    name = job["engine"]["name"]
+    traces = {}
+    for workload in job["workloads"]:
+        progress(f"{name}: repeat {repeat + 1}/{job['repeats']}, {workload['name']}")
+        driver.start_session(f"llm_bench-{workload['name']}-{repeat}")
+        traces[workload["name"]] = [asdict(run_request(driver, r, job["max_tokens"])) for r in workload["requests"]]
+    return traces
+
+
+def serve(job: dict[str, Any], commands: TextIO, replies: TextIO) -> None:
+    """Load and warm up, say so, then answer one JSON line per command line: {"run": REPEAT} → that repeat's
+    traces; {"quit": true} → the peak RSS, and exit. The parent runs one engine's repeat at a time, engines in
+    turn, so a machine whose load drifts (shared by other work) weighs on every engine alike."""
+
+    def reply(message: dict[str, Any]) -> None:
+        replies.write(json.dumps(message) + "\n")
+        replies.flush()
+
+    spec = job["engine"]
     started = time.perf_counter()
     driver = make_driver(spec, job["threads"], job["n_ctx"])
     load_s = time.perf_counter() - started
@@ -256,22 +284,22 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     driver.start_session("llm_bench-warmup")
     for request in job["warmup"]:
         run_request(driver, request, 2)
-    workloads: dict[str, list[list[dict[str, Any]]]] = {w["name"]: [] for w in job["workloads"]}
-    for repeat in range(job["repeats"]):  # repeats outermost: drift of the machine spreads over every workload
-        for workload in job["workloads"]:
-            progress(f"{spec['name']}: repeat {repeat + 1}/{job['repeats']}, {workload['name']}")
-            driver.start_session(f"llm_bench-{workload['name']}-{repeat}")
-            traces = [run_request(driver, request, max_tokens) for request in workload["requests"]]
-            workloads[workload["name"]].append([asdict(t) for t in traces])
-    return {"name": spec["name"], "kind": spec["kind"], "status": "ok", "load_s": load_s,
-            "rss_after_load_bytes": rss_after_load, "peak_rss_bytes": peak_rss_bytes(),
-            "tokenizer_agrees": own == job["check_ids"], "workloads": workloads}
+    reply({"ready": True, "load_s": load_s, "rss_after_load_bytes": rss_after_load,
+           "tokenizer_agrees": own == job["check_ids"]})
+    for line in commands:
+        command = json.loads(line)
+        if command.get("quit"):
+            reply({"peak_rss_bytes": peak_rss_bytes()})
+            return
+        reply({"repeat": command["run"], "workloads": run_repeat(driver, job, command["run"])})
 
 
 def main(argv: list[str] | None = None) -> None:
-    job_path, out_path = (argv if argv is not None else sys.argv[1:])[:2]
-    result = run(json.loads(Path(job_path).read_text(encoding="utf-8")))
-    Path(out_path).write_text(json.dumps(result) + "\n", encoding="utf-8")
+    [job_path] = (argv if argv is not None else sys.argv[1:])[:1]
+    # Replies travel on the original stdout; whatever a library prints there goes to stderr instead.
+    replies = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)
+    serve(json.loads(Path(job_path).read_text(encoding="utf-8")), sys.stdin, replies)
 
 
 if __name__ == "__main__":
