@@ -191,10 +191,10 @@ def ready_kvforge(entries: list[Entry], longest: int, settings: Settings, work_d
     for spec, reason in entries:
         if reason is None and spec.kind == KVFORGE and spec.onnx_dir is not None:
             options = build_options(longest, settings.max_tokens, settings.tokens_per_page)
-            console.print(f"{spec.name}: building {spec.onnx_dir} (maxInputLen {options.max_input_len}, "
-                          f"{options.max_kv_pool_pages} pool pages of {options.tokens_per_page} tokens)")
             engine_dir, built = cached_engine(spec.onnx_dir, options, work_dir)
-            console.print(f"{spec.name}: engine {'built' if built else 'reused'} at {engine_dir}")
+            console.print(f"{spec.name}: {'built' if built else 'found built'} {engine_dir} from {spec.onnx_dir} "
+                          f"(maxInputLen {options.max_input_len}, {options.max_kv_pool_pages} pool pages of "
+                          f"{options.tokens_per_page} tokens)")
             spec = replace(spec, path=engine_dir)
         elif reason is None and spec.kind == KVFORGE:
             check_fits(spec, longest, settings.max_tokens)

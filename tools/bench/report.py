@@ -70,7 +70,7 @@ LEGEND = {
     "unrelated_ttft_ms": "prompts sharing no prefix with anything before them",
     "chat_ttft_ms": "chat turns 2 and later (the whole history plus one message)",
     "file_ttft_ms": "the requests of --inputFile",
-    "peak_rss_mb": "the engine's process at its peak (ru_maxrss), loading included",
+    "peak_rss_mb": "the engine's process at its peak (VmHWM), loading included",
 }
 
 
