@@ -13,7 +13,8 @@ LLM_TEST_TINY ?= mxsl4096-mxbs4-mxil3072-mxlr8-tpp16
 LLM_TEST_SMOLLM2 ?= mxsl2048-mxbs2-mxil1024-mxlr8-tpp64
 LLM_TEST = $(BIN)/llm_test --cacheDir $(OUT)/llm_test/engines --numThreads $(THREADS)
 
-.PHONY: install demo test test-slow llm-test lint bench bench-reuse bench-lora bench-scheduling bench-quality clean
+.PHONY: install demo test test-slow llm-test lint bench bench-reuse bench-lora bench-scheduling bench-quality \
+	bench-peers bench-peers-install clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -107,13 +108,35 @@ bench-scheduling: $(OUT)/onnx/smollm2/manifest.json
 		--json $(OUT)/bench_scheduling.json
 
 # The float32 reference export (llm_export's SmolLM2 default is int4): parity work and the quality bar's baseline.
-$(OUT)/onnx/smollm2-fp32/config.json: $(VENV)/.installed
+$(OUT)/onnx/smollm2-fp32/manifest.json: $(VENV)/.installed
 	$(BIN)/llm_export smollm2-135m-instruct --quantization none --outputDir $(OUT)/onnx/smollm2-fp32
 
 # The quantization quality bar (~10 minutes on 2 idle cores): float32 vs the int8 and int4 exports.
-bench-quality: $(OUT)/onnx/smollm2-fp32/config.json $(OUT)/onnx/smollm2/config.json
+bench-quality: $(OUT)/onnx/smollm2-fp32/manifest.json $(OUT)/onnx/smollm2/manifest.json
 	$(BIN)/python bench/quality.py --onnxDir $(OUT)/onnx/smollm2-fp32 --onnxDirs int4=$(OUT)/onnx/smollm2 \
 		--variants none,int8,int4 --threads $(THREADS) --workDir $(OUT)/bench_quality --json $(OUT)/bench_quality.json
+
+# llm_bench against the peers (README "llm_bench"): kvforge int4 (the SmolLM2 default) and fp32 built on the fly,
+# transformers and llama.cpp
+# on the same GGUF, onnxruntime-genai int4; ratios to llama.cpp. `make bench-peers-install` first (minutes: it
+# compiles llama.cpp); a peer that is not installed is skipped with the reason.
+BENCH_FLAGS ?= --repeats 3 --maxTokens 16 --promptTokens 1550
+# No AMX kernels: llama.cpp's AMX path crashed (SIGSEGV in decode) on the Xeon of our development machines.
+LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
+	-DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF
+
+bench-peers-install: install
+	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(BIN)/pip install -q -e '.[bench]'
+
+$(OUT)/ortgenai/smollm2-int4/genai_config.json: $(VENV)/.installed
+	$(BIN)/python bench/ortgenai_model.py --outputDir $(OUT)/ortgenai/smollm2-int4 --precision int4
+
+bench-peers: $(OUT)/onnx/smollm2/manifest.json $(OUT)/onnx/smollm2-fp32/manifest.json
+	$(MAKE) --no-print-directory $(OUT)/ortgenai/smollm2-int4/genai_config.json || true  # needs the peers installed
+	$(BIN)/llm_bench --engine int4=$(OUT)/onnx/smollm2 --engine fp32=$(OUT)/onnx/smollm2-fp32 \
+		--engine transformers --engine llama.cpp --engine ortgenai-int4=onnxruntime-genai:$(OUT)/ortgenai/smollm2-int4 \
+		--baseline llama.cpp --numThreads $(THREADS) $(BENCH_FLAGS) --workDir $(OUT)/llm_bench/engines \
+		--outputFile $(OUT)/bench_peers.json --plot $(OUT)/bench_peers.png
 
 clean:
 	rm -rf $(OUT)

@@ -46,6 +46,7 @@ from kvforge.runtime.output import RequestOutput
 from kvforge.runtime.runner import StepInputs
 from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.types import LookupPolicy, Message, Request
+from kvforge.tools.bench.text import CHAT_SYSTEM, CHAT_TURNS, QUESTIONS, UNRELATED_OPENERS
 
 TOKENS_PER_PAGE = 128
 DOC_PAGES = 12  # the shared document is fitted to exactly this many pages, so the questions start a page
@@ -57,32 +58,10 @@ TARGET_WARM_OVER_IDEAL = 1.15
 TARGET_BOOKKEEPING_SHARE = 0.01
 TARGET_ZERO_HIT_RATIO = 0.99
 
-# --- workload text (the report itself is in _common) -------------------------------------------------
-
-QUESTIONS = [
-    "\n\nWhich company supplied the turbine blades? Answer:",
-    "\n\nHow many turbines make up the array? Answer:",
-    "\n\nWho chaired the review board? Answer:",
-    "\n\nIn which month and year did construction begin? Answer:",
-]
-
-CHAT_SYSTEM = (
-    "You are a patient tutor who explains physics and engineering to adult learners. Answer in short, "
-    "plain sentences, use everyday examples, avoid formulas unless the learner asks for them, and check "
-    "that each answer builds on what was said earlier in the conversation. If a question is unclear, say "
-    "what you assume before answering. Keep a friendly tone and never invent numbers you are not sure of."
-)
-CHAT_TURNS = [
-    "What causes the tides in the ocean?",
-    "Why are there two high tides a day instead of one?",
-    "How can a turbine make electricity from a tidal current?",
-    "Is tidal power more predictable than wind power? Why?",
-    "What problems do engineers face when they put machines on the seabed?",
-    "Summarise our conversation in two sentences.",
-]
+# --- workload text (the report, questions and chat are in kvforge.tools.bench.text) ---------------------
 
 # Openers differ from the first token on, so no two throughput prompts share even a partial page.
-THROUGHPUT_OPENERS = ["Zebras", "Quietly", "Yesterday", "Pottery", "Every", "Marble", "Nobody", "Under"]
+THROUGHPUT_OPENERS = UNRELATED_OPENERS
 
 
 def make_request(engine: Engine, messages: list[dict[str, str]], *, max_generate_length: int, chat: bool,

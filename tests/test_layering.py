@@ -5,7 +5,7 @@
     2  components   kvforge.tools.export.*, kvforge.builder.*,           layers 0–1 and their own component;
                     kvforge.runtime.*                                    never each other (no sideways imports)
     3  front ends   every *.cli module, kvforge.tools.profile.*,         anything below
-                    kvforge.tools.testcases.*,
+                    kvforge.tools.testcases.*, kvforge.tools.bench.*,
                     kvforge.server.*, kvforge.cli_common,
                     kvforge (the package __init__)
 
@@ -62,6 +62,8 @@ def classify(module: str) -> tuple[int, str] | None:
     if _within(module, "kvforge.server"):  # llm_serve: a front end like the CLIs
         return 3, "front end"
     if _within(module, "kvforge.tools.testcases"):  # llm_test: drives the runtime (and builds) like the CLIs
+        return 3, "front end"
+    if _within(module, "kvforge.tools.bench"):  # llm_bench: builds and drives engines (and peers) like the CLIs
         return 3, "front end"
     if _within(module, "kvforge.contract"):
         return 0, "contract"

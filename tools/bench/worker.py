@@ -1,0 +1,306 @@
+"""One engine of llm_bench, in a process of its own: `python -m kvforge.tools.bench.worker JOB.json`.
+
+A process per engine makes the peak RSS that engine's alone, keeps engines from disturbing each other (their
+thread pools, allocators and caches) and lets a peer crash without taking the run down. The parent writes the
+job (engine, token ids of every request, settings), then asks for one repeat at a time (see `serve`).
+
+Every engine is driven the same way: greedy decoding of exactly `max_tokens` tokens (end of sequence
+suppressed, so every engine decodes the same count), the clock read when the request is handed over, when its
+first token is available and when its last one is. TTFT = first - start; decode tok/s = (tokens - 1) / (last -
+first). A *session* is one repeat of one workload: it starts with nothing cached from earlier sessions (a fresh
+cache salt for kvforge, a reset context for llama.cpp; the other peers keep nothing between requests).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol, TextIO
+
+KVFORGE, TRANSFORMERS, LLAMA_CPP, ORT_GENAI = "kvforge", "transformers", "llama.cpp", "onnxruntime-genai"
+
+
+@dataclass(slots=True)
+class Trace:
+    label: str
+    role: str
+    prompt_tokens: int
+    ttft_ms: float
+    decode_ms: float  # first token to last
+    tokens: int
+    token_ids: list[int]
+    cached_tokens: int | None  # prompt tokens the engine did not compute (None: it does not say)
+
+    @classmethod
+    def timed(cls, label: str, role: str, prompt: list[int], start: float, times: list[float], ids: list[int],
+              cached: int | None) -> Trace:
+        return cls(label, role, len(prompt), (times[0] - start) * 1e3, (times[-1] - times[0]) * 1e3, len(ids),
+                   ids, cached)
+
+
+class Driver(Protocol):
+    def start_session(self, session: str) -> None: ...
+
+    def generate(self, prompt: list[int], max_tokens: int) -> Iterator[tuple[int, int | None, float]]:
+        """Yield (token id, cached prompt tokens or None, time.perf_counter() when the token was available) per
+        greedy token."""
+        ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set. Linux's VmHWM belongs to the process's own memory map; ru_maxrss would
+    also count the parent's resident set at fork time (it survives exec), so it is only the fallback."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux (bytes on macOS)
+
+
+# --- kvforge ---------------------------------------------------------------------------------------------
+
+
+class KvforgeDriver:
+    def __init__(self, path: Path, threads: int, reuse: bool) -> None:
+        from kvforge.runtime.engine import Engine, EngineConfig
+
+        self.engine = Engine(path, EngineConfig(num_threads=threads, enable_context_reuse=reuse))
+        self.no_eos = {token: -1e9 for token in self.engine.engine.model.eos_token_ids}
+        self.salt: str | None = None
+
+    def start_session(self, session: str) -> None:
+        self.salt = session  # a salt no earlier session used: nothing it published can hit
+
+    def generate(self, prompt: list[int], max_tokens: int) -> Iterator[tuple[int, int | None, float]]:
+        from kvforge.runtime.sequence import EngineRequest
+        from kvforge.runtime.types import SamplingParams
+
+        params = SamplingParams(temperature=1.0, top_k=1, top_p=1.0, max_generate_length=max_tokens,
+                                logit_bias=self.no_eos)
+        request_id = self.engine.add_request(EngineRequest(list(prompt), params, cache_salt=self.salt))
+        finished = False
+        while not finished:
+            for output in self.engine.step():
+                if output.request_id == request_id:
+                    finished = output.finished
+                    for token in output.new_token_ids:
+                        yield token, output.cached_tokens, time.perf_counter()
+
+    def encode(self, text: str) -> list[int]:
+        return self.engine.tokenizer.encode(text)
+
+
+# --- transformers --------------------------------------------------------------------------------------
+
+
+class TransformersDriver:
+    """transformers' generate() in float32 on the same weights (a GGUF is dequantized as transformers loads it)."""
+
+    def __init__(self, path: Path, threads: int) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.set_num_threads(threads)
+        torch.set_num_interop_threads(1)
+        source = {"pretrained_model_name_or_path": path.parent, "gguf_file": path.name} if path.is_file() \
+            else {"pretrained_model_name_or_path": path}
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(**source, dtype=torch.float32).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(**source)
+
+    def start_session(self, session: str) -> None:
+        pass  # generate() keeps nothing between calls
+
+    def generate(self, prompt: list[int], max_tokens: int) -> Iterator[tuple[int, int | None, float]]:
+        stamped: list[tuple[int, float]] = []
+        first = [True]
+
+        class Streamer:  # generate() calls put() with the prompt first, then with each new token as it is chosen
+            def put(self, value: Any) -> None:
+                if first[0]:
+                    first[0] = False
+                else:
+                    stamped.append((int(value.reshape(-1)[0]), time.perf_counter()))
+
+            def end(self) -> None:
+                pass
+
+        torch = self.torch
+        ids = torch.tensor([prompt], dtype=torch.long)
+        with torch.inference_mode():  # min_new_tokens keeps end of sequence out until max_tokens are there
+            self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                min_new_tokens=max_tokens, do_sample=False, streamer=Streamer(),
+                                pad_token_id=self.model.generation_config.eos_token_id)
+        for token, stamp in stamped:
+            yield token, None, stamp
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+
+# --- llama.cpp -----------------------------------------------------------------------------------------
+
+
+class LlamaCppDriver:
+    """llama-cpp-python's token loop (Llama.generate) with its own prompt cache: the KV of the previous call stays
+    in the context, and a prompt sharing a prefix with it computes only the rest."""
+
+    def __init__(self, path: Path, threads: int, n_ctx: int) -> None:
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                         verbose=False, seed=0)
+
+    def start_session(self, session: str) -> None:
+        self.llm.reset()  # forget the previous prompt: the next one computes from the start
+
+    def generate(self, prompt: list[int], max_tokens: int) -> Iterator[tuple[int, int | None, float]]:
+        cached = 0
+        for a, b in zip(self.llm.input_ids[:self.llm.n_tokens].tolist(), prompt, strict=False):
+            if a != b:
+                break
+            cached += 1
+        cached = min(cached, len(prompt) - 1)  # a fully cached prompt replays its last token for the logits
+        # generate() never stops by itself (end of sequence is the caller's rule): we take exactly max_tokens.
+        tokens = self.llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0)
+        for count, token in enumerate(tokens, 1):
+            yield int(token), cached, time.perf_counter()
+            if count >= max_tokens:
+                break
+
+    def encode(self, text: str) -> list[int]:
+        return self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
+
+
+# --- onnxruntime-genai ---------------------------------------------------------------------------------
+
+
+class OrtGenaiDriver:
+    """onnxruntime-genai's Generator on a model folder (its own builder's output), one generator per request."""
+
+    def __init__(self, path: Path, threads: int) -> None:
+        import onnxruntime_genai as og
+
+        config = og.Config(str(path))
+        options = {"intra_op_num_threads": threads, "inter_op_num_threads": 1}
+        config.overlay(json.dumps({"model": {"decoder": {"session_options": options}}}))
+        self.og = og
+        self.model = og.Model(config)
+        self.tokenizer = og.Tokenizer(self.model)
+
+    def start_session(self, session: str) -> None:
+        pass  # a new Generator per request keeps nothing
+
+    def generate(self, prompt: list[int], max_tokens: int) -> Iterator[tuple[int, int | None, float]]:
+        og = self.og
+        params = og.GeneratorParams(self.model)
+        total = len(prompt) + max_tokens
+        params.set_search_options(do_sample=False, max_length=total, min_length=total)
+        generator = og.Generator(self.model, params)
+        generator.append_tokens(list(prompt))
+        count = 0
+        while count < max_tokens and not generator.is_done():
+            generator.generate_next_token()
+            yield int(generator.get_next_tokens()[0]), None, time.perf_counter()
+            count += 1
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) for t in self.tokenizer.encode(text)]
+
+
+# --- the run -------------------------------------------------------------------------------------------
+
+
+def make_driver(spec: dict[str, Any], threads: int, n_ctx: int) -> Driver:
+    path = Path(spec["path"])
+    kind = spec["kind"]
+    if kind == KVFORGE:
+        return KvforgeDriver(path, threads, spec["reuse"])
+    if kind == TRANSFORMERS:
+        return TransformersDriver(path, threads)
+    if kind == LLAMA_CPP:
+        return LlamaCppDriver(path, threads, n_ctx)
+    if kind == ORT_GENAI:
+        return OrtGenaiDriver(path, threads)
+    raise ValueError(f"unknown engine kind {kind!r}")
+
+
+def run_request(driver: Driver, request: dict[str, Any], max_tokens: int) -> Trace:
+    prompt = request["prompt_ids"]
+    ids: list[int] = []
+    times: list[float] = []
+    cached: int | None = None
+    start = time.perf_counter()
+    for token, cached_now, stamp in driver.generate(prompt, max_tokens):
+        times.append(stamp)
+        ids.append(token)
+        cached = cached_now
+    if not ids:
+        raise RuntimeError(f"{request['label']}: the engine generated no token")
+    return Trace.timed(request["label"], request["role"], prompt, start, times, ids, cached)
+
+
+def progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def run_repeat(driver: Driver, job: dict[str, Any], repeat: int) -> dict[str, list[dict[str, Any]]]:
+    """One pass over every workload, each from a fresh session."""
+    name = job["engine"]["name"]
+    traces = {}
+    for workload in job["workloads"]:
+        progress(f"{name}: repeat {repeat + 1}/{job['repeats']}, {workload['name']}")
+        driver.start_session(f"llm_bench-{workload['name']}-{repeat}")
+        traces[workload["name"]] = [asdict(run_request(driver, r, job["max_tokens"])) for r in workload["requests"]]
+    return traces
+
+
+def serve(job: dict[str, Any], commands: TextIO, replies: TextIO) -> None:
+    """Load and warm up, say so, then answer one JSON line per command line: {"run": REPEAT} → that repeat's
+    traces; {"quit": true} → the peak RSS, and exit. The parent runs one engine's repeat at a time, engines in
+    turn, so a machine whose load drifts (shared by other work) weighs on every engine alike."""
+
+    def reply(message: dict[str, Any]) -> None:
+        replies.write(json.dumps(message) + "\n")
+        replies.flush()
+
+    spec = job["engine"]
+    started = time.perf_counter()
+    driver = make_driver(spec, job["threads"], job["n_ctx"])
+    load_s = time.perf_counter() - started
+    rss_after_load = peak_rss_bytes()
+    own = driver.encode(job["check_text"])
+    progress(f"{spec['name']}: loaded in {load_s:.1f} s; warming up")
+    driver.start_session("llm_bench-warmup")
+    for request in job["warmup"]:
+        run_request(driver, request, 2)
+    reply({"ready": True, "load_s": load_s, "rss_after_load_bytes": rss_after_load,
+           "tokenizer_agrees": own == job["check_ids"]})
+    for line in commands:
+        command = json.loads(line)
+        if command.get("quit"):
+            reply({"peak_rss_bytes": peak_rss_bytes()})
+            return
+        reply({"repeat": command["run"], "workloads": run_repeat(driver, job, command["run"])})
+
+
+def main(argv: list[str] | None = None) -> None:
+    [job_path] = (argv if argv is not None else sys.argv[1:])[:1]
+    # Replies travel on the original stdout; whatever a library prints there goes to stderr instead.
+    replies = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)
+    serve(json.loads(Path(job_path).read_text(encoding="utf-8")), sys.stdin, replies)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""The request sequences llm_bench runs on every engine, as token ids so that every engine gets the same work.
+
+The parent process tokenizes once, with the tokenizer (and chat template) of the first kvforge engine, and
+hands each engine the same ids: peers on the same weights (transformers, llama.cpp, onnxruntime-genai) share
+SmolLM2's vocabulary, and a worker checks that its own tokenizer agrees. Each request carries a *role* that
+says which headline figure its timing feeds (see ROLES).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvforge.contract.errors import KvforgeError
+from kvforge.runtime.request_file import load_request_file
+from kvforge.runtime.tokenizer import ChatTokenizer
+from kvforge.runtime.types import Message
+from kvforge.tools.bench.text import CHAT_SYSTEM, CHAT_TURNS, QUESTIONS, UNRELATED_OPENERS, text_tokens
+
+# role → what its requests measure (the headline table's columns read them)
+ROLES = {
+    "cold": "the document and its first question, nothing of it cached",
+    "warm_next": "a new question on the document right after the previous question (consecutive)",
+    "warm": "a new question on the document after an unrelated prompt (non-consecutive)",
+    "unrelated": "a prompt sharing no prefix with anything before it",
+    "chat_first": "the first turn of a chat",
+    "chat": "a later chat turn: the whole history again plus one user message",
+    "file": "a request of --inputFile",
+}
+DOCUMENT_ROLES = ("cold", "warm_next", "warm")  # requests with ~promptTokens of context: decode is measured there
+BUILTIN = ("document", "interleaved", "chat", "unrelated")
+DEFAULT_WORKLOADS = ("document", "interleaved")
+MIN_DOCUMENT_TOKENS = 16
+# A scripted assistant reply per chat turn: the prompts must be the same ids for every engine, so the history
+# cannot hold each engine's own answers.
+CHAT_REPLY = "Good question. In short: the moon's gravity pulls the water, and the details follow from that."
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRequest:
+    label: str
+    role: str
+    prompt_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """Requests run one after another, alone, on a fresh session (nothing cached from earlier workloads)."""
+
+    name: str
+    description: str
+    requests: list[BenchRequest] = field(default_factory=list)
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        return max(len(r.prompt_ids) for r in self.requests)
+
+
+@dataclass(frozen=True, slots=True)
+class Texts:
+    """The token ids the built-in workloads are made of, for one tokenizer and one --promptTokens."""
+
+    document: list[int]
+    questions: list[list[int]]
+    unrelated: list[list[int]]
+
+    @classmethod
+    def make(cls, encode: Callable[[str], list[int]], prompt_tokens: int, unrelated_tokens: int) -> Texts:
+        questions = [encode(q) for q in QUESTIONS]
+        # The document is cut at a token so that document + the longest question is about prompt_tokens long.
+        document_tokens = prompt_tokens - max(len(q) for q in questions)
+        if document_tokens < MIN_DOCUMENT_TOKENS:
+            raise KvforgeError(f"{prompt_tokens} tokens leave {document_tokens} for the document next to its longest "
+                               f"question; give at least {prompt_tokens - document_tokens + MIN_DOCUMENT_TOKENS}",
+                               "--promptTokens")
+        document = text_tokens(encode, document_tokens)[:document_tokens]
+        unrelated = []
+        for i, opener in enumerate(UNRELATED_OPENERS):
+            head = encode(f"{opener} ")
+            body = text_tokens(encode, unrelated_tokens, start=i + 1)
+            unrelated.append((head + body)[:max(unrelated_tokens, len(head) + 1)])
+        return cls(document, questions, unrelated)
+
+    def ask(self, index: int) -> list[int]:
+        return self.document + self.questions[index % len(self.questions)]
+
+
+def document(texts: Texts) -> Workload:
+    requests = [BenchRequest("Q1", "cold", texts.ask(0))]
+    requests += [BenchRequest(f"Q{i + 1}", "warm_next", texts.ask(i)) for i in range(1, len(texts.questions))]
+    return Workload("document", "the document with its first question, then the other questions right after it",
+                    requests)
+
+
+def interleaved(texts: Texts) -> Workload:
+    requests = [BenchRequest("Q1", "cold", texts.ask(0))]
+    for i in range(1, len(texts.questions)):
+        requests.append(BenchRequest(f"U{i}", "unrelated", texts.unrelated[i - 1]))
+        requests.append(BenchRequest(f"Q{i + 1}", "warm", texts.ask(i)))
+    return Workload("interleaved", "the document's questions with an unrelated prompt before each later one",
+                    requests)
+
+
+def unrelated(texts: Texts) -> Workload:
+    requests = [BenchRequest(f"U{i + 1}", "unrelated", ids) for i, ids in enumerate(texts.unrelated[:4])]
+    return Workload("unrelated", "four prompts that share no prefix", requests)
+
+
+def chat(tokenizer: ChatTokenizer) -> Workload:
+    messages = [Message("system", CHAT_SYSTEM)]
+    requests = []
+    for i, turn in enumerate(CHAT_TURNS):
+        messages.append(Message("user", turn))
+        ids = tokenizer.encode(tokenizer.format(messages, add_generation_prompt=True))
+        requests.append(BenchRequest(f"T{i + 1}", "chat_first" if i == 0 else "chat", ids))
+        messages.append(Message("assistant", CHAT_REPLY))
+    return Workload("chat", f"a {len(CHAT_TURNS)}-turn chat through the chat template, scripted replies", requests)
+
+
+def from_request_file(path: Path, tokenizer: ChatTokenizer) -> Workload:
+    """A request file of llm_inference, each request tokenized as llm_inference would (chat template or raw)."""
+    parsed = load_request_file(path)
+    requests = []
+    for request in parsed.requests:
+        if request.lora_name is not None:
+            raise KvforgeError(f"requests[{request.index}].lora_name: llm_bench runs base models only "
+                               "(peers have no adapters)", "inputFile")
+        text = tokenizer.format(request.messages, apply_chat_template=request.apply_chat_template,
+                                add_generation_prompt=request.add_generation_prompt,
+                                enable_thinking=parsed.enable_thinking, where=f"requests[{request.index}].messages")
+        ids = tokenizer.encode(text)
+        if not ids:
+            raise KvforgeError(f"requests[{request.index}]: the prompt is empty after tokenization", "inputFile")
+        requests.append(BenchRequest(f"R{request.index}", "file", ids))
+    if not requests:
+        raise KvforgeError(f"{path} holds no requests", "inputFile")
+    return Workload(f"file:{path.name}", f"the {len(requests)} requests of {path}, in file order", requests)
+
+
+def build_workloads(names: Sequence[str], input_file: Path | None, tokenizer: ChatTokenizer, prompt_tokens: int,
+                    unrelated_tokens: int) -> list[Workload]:
+    texts = Texts.make(tokenizer.encode, prompt_tokens, unrelated_tokens)
+    makers: dict[str, Callable[[], Workload]] = {
+        "document": lambda: document(texts), "interleaved": lambda: interleaved(texts),
+        "unrelated": lambda: unrelated(texts), "chat": lambda: chat(tokenizer)}
+    workloads = [makers[name]() for name in names]
+    if input_file is not None:
+        workloads.append(from_request_file(input_file, tokenizer))
+    return workloads
+
+
+def warmup(tokenizer: ChatTokenizer, num_tokens: int) -> list[BenchRequest]:
+    """Before measuring, each engine runs a prompt of num_tokens of other text and then the same prompt with another
+    ending, so first-call costs (session start, arena growth, the cached-context path) stay out of the figures."""
+    other = text_tokens(tokenizer.encode, num_tokens, start=5)[:num_tokens]
+    tail = max(1, min(16, num_tokens // 4))
+    return [BenchRequest("warmup-1", "warmup", other),
+            BenchRequest("warmup-2", "warmup", other[:-tail] + other[:tail])]
