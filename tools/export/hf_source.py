@@ -28,6 +28,15 @@ _NO_MAX_LENGTH = 10**9
 _FLOAT_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16}
 
 
+def hf_dir_is(path: Path, model_types: tuple[str, ...], architecture: str) -> bool:
+    """Whether `path` holds a Hugging Face checkpoint of a family: its config.json's model_type or architecture."""
+    config = path / "config.json"
+    if not config.is_file():
+        return False
+    hf = read_json(config, FIELD)
+    return hf.get("model_type") in model_types or architecture in (hf.get("architectures") or [])
+
+
 def load_hf_dir(path: Path, kv_cache_dtype: str = "fp16") -> LoadedModel:
     """Read config.json, the (possibly sharded) safetensors and tokenizer files of an HF checkpoint dir."""
     path = Path(path)

@@ -18,6 +18,7 @@ from kvforge.tools.export.hf_source import (
     _safetensors_files,
     _tokenizer_config,
     _tokenizer_json,
+    hf_dir_is,
     read_safetensors_header,
     read_tensor,
 )
@@ -40,11 +41,7 @@ class VisualExport:
 
 
 def is_idefics3_dir(path: Path) -> bool:
-    config = path / "config.json"
-    if not config.is_file():
-        return False
-    hf = read_json(config, FIELD)
-    return hf.get("model_type") in MODEL_TYPES or "Idefics3ForConditionalGeneration" in (hf.get("architectures") or [])
+    return hf_dir_is(path, MODEL_TYPES, "Idefics3ForConditionalGeneration")
 
 
 def load_idefics3_dir(path: Path, kv_cache_dtype: str = "fp16") -> tuple[LoadedModel, VisualExport]:

@@ -11,7 +11,14 @@ import numpy as np
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.model_config import read_json
 from kvforge.contract.multimodal import AUDIO, AudioEncoderConfig
-from kvforge.tools.export.hf_source import FIELD, _config, _expected_names, _tokenizer_config, _tokenizer_json
+from kvforge.tools.export.hf_source import (
+    FIELD,
+    _config,
+    _expected_names,
+    _tokenizer_config,
+    _tokenizer_json,
+    hf_dir_is,
+)
 from kvforge.tools.export.idefics3_source import _check_names, _read_all
 from kvforge.tools.export.qwen2_audio_graph import AUDIO as AUDIO_PREFIX
 from kvforge.tools.export.qwen2_audio_graph import PROJECTOR, AudioGeometry
@@ -28,12 +35,7 @@ class AudioExport:
 
 
 def is_qwen2_audio_dir(path: Path) -> bool:
-    config = path / "config.json"
-    if not config.is_file():
-        return False
-    hf = read_json(config, FIELD)
-    return hf.get("model_type") == "qwen2_audio" or "Qwen2AudioForConditionalGeneration" in (hf.get("architectures")
-                                                                                           or [])
+    return hf_dir_is(path, ("qwen2_audio",), "Qwen2AudioForConditionalGeneration")
 
 
 def load_qwen2_audio_dir(path: Path, kv_cache_dtype: str = "fp16") -> tuple[LoadedModel, AudioExport]:
