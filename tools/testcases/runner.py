@@ -74,9 +74,10 @@ class CaseRunner:
     def run(self, case: CaseSpec) -> FileResult:
         reuse = self.settings.reuse or case.context_reuse or case.partial_kv_snapshots
         result = FileResult(case, reuse)
-        media = [r.index for r in case.requests.requests if any(m.media for m in r.messages)]
+        media = [(r.index, m.media[0].kind) for r in case.requests.requests for m in r.messages if m.media]
         if media and self.settings.multimodal_engine_dir is None:
-            result.checks = [CheckResult("media", SKIPPED, f"request {media[0]} has image items: this file needs a "
+            index, kind = media[0]
+            result.checks = [CheckResult("media", SKIPPED, f"request {index} has {kind} items: this file needs a "
                                                            "multimodal engine (--multimodalEngineDir)")]
             return result
         try:
