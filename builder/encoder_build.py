@@ -8,6 +8,8 @@ from pathlib import Path
 import onnx
 
 from kvforge.contract.errors import InvalidConfig
+from kvforge.contract.files import check_output_dir, overlaps, staged_dir
+from kvforge.contract.manifest import ENGINE_KIND, write_manifest
 from kvforge.contract.model_config import read_json, write_json
 from kvforge.contract.multimodal import (
     AUDIO,
@@ -39,12 +41,16 @@ def build_encoder_engine(onnx_dir: Path, engine_dir: Path, backend: str,
                             "backend")
     if not (onnx_dir / ENCODER_MODEL_FILE).is_file():
         raise InvalidConfig(f"missing {ENCODER_MODEL_FILE} in {onnx_dir}; re-export it with llm_export", "onnx_dir")
+    # The same promises as text engines (builder/build.py): never over the export, staged, manifest last.
+    if overlaps(engine_dir, onnx_dir):
+        raise InvalidConfig("is the same directory as (or overlaps) --onnxDir; the build would destroy the export",
+                            "engine_dir")
+    check_output_dir(engine_dir, "engine_dir")
     model = onnx.load(str(onnx_dir / ENCODER_MODEL_FILE))
-    engine_dir.mkdir(parents=True, exist_ok=True)
-    for stale in (engine_dir / engine_file, engine_dir / weights_file):
-        stale.unlink(missing_ok=True)
-    onnx.save_model(model, engine_dir / engine_file, save_as_external_data=True,
-                    all_tensors_to_one_file=True, location=weights_file, size_threshold=1024)
     built = replace(config, backend="onnxruntime", max_batch_size=max_batch_size)
-    write_json(engine_dir / "config.json", built.to_dict())
+    with staged_dir(engine_dir) as staging:
+        onnx.save_model(model, staging / engine_file, save_as_external_data=True,
+                        all_tensors_to_one_file=True, location=weights_file, size_threshold=1024)
+        write_json(staging / "config.json", built.to_dict())
+        write_manifest(staging, ENGINE_KIND)
     return built

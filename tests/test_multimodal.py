@@ -367,3 +367,25 @@ def test_python_api_takes_image_items(dirs, tmp_path: Path) -> None:
     with pytest.raises(KvforgeError) as info:
         llm.chat([{"role": "user", "content": [{"type": "image", "image": str(tmp_path / "nope.png")}]}], params)
     assert info.value.field == "messages[0].content[0].image"
+
+
+def test_encoder_engines_keep_the_hardening_promises(dirs, tmp_path: Path) -> None:
+    """An encoder build never writes over its export, is staged with a manifest, and a damaged encoder engine is
+    refused on load (like text engines: tests/test_hardening_*)."""
+    import shutil
+
+    root, engine_dir, visual = dirs
+    export = root / "onnx" / "visual"
+    before = {p.name: p.read_bytes() for p in export.iterdir()}
+    with pytest.raises(KvforgeError) as info:
+        build_encoder_engine(export, export, "auto", 4)
+    assert info.value.field == "engine_dir"
+    assert {p.name: p.read_bytes() for p in export.iterdir()} == before
+    assert (visual / "manifest.json").is_file()
+    damaged = tmp_path / "visual"
+    shutil.copytree(visual, damaged)
+    weights = next(p for p in damaged.iterdir() if p.suffix == ".data")
+    weights.write_bytes(weights.read_bytes()[:-4])
+    with pytest.raises(KvforgeError) as info:
+        Engine(engine_dir, EngineConfig(num_threads=1, multimodal_engine_dir=str(damaged)))
+    assert info.value.field == "multimodal_engine_dir" and "manifest" in info.value.message

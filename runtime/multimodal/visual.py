@@ -13,6 +13,7 @@ import numpy as np
 import onnxruntime as ort
 
 from kvforge.contract.errors import InvalidConfig
+from kvforge.contract.manifest import ENGINE_KIND, verify_manifest
 from kvforge.contract.model_config import read_json
 from kvforge.contract.multimodal import (
     AUDIO,
@@ -41,6 +42,7 @@ def _check_engine_dir(engine_dir: Path, config: Any, file: str) -> None:
         raise InvalidConfig(f"{engine_dir} is an encoder ONNX dir, not an engine dir; build it with llm_build", FIELD)
     if not (engine_dir / file).is_file():
         raise InvalidConfig(f"multimodal engine dir {engine_dir} is missing {file}; rebuild it", FIELD)
+    verify_manifest(engine_dir, ENGINE_KIND, FIELD, "rebuild it with llm_build")
 
 
 class VisualEncoder:
