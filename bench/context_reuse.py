@@ -118,18 +118,21 @@ def suffix_request(request: EngineRequest, start: int) -> EngineRequest:
     return EngineRequest(request.prompt_ids[start:], replace(request.sampling, max_generate_length=1))
 
 
-def engine_floor(bench: Bench, request: EngineRequest) -> tuple[float, int]:
-    """(ms, reused tokens): the engine call alone for the uncached suffix, on top of the cached pages.
+def engine_floor(engine: Engine, request: EngineRequest) -> tuple[float, int]:
+    """(ms, reused tokens): the engine call alone for the uncached suffix, on top of the cached context.
 
-    A use_cache lease gives the same hit pages the warm request got; only runner.forward is timed (no
-    scheduling, sampling, publication or output), and nothing is published, so the cache is unchanged.
+    A use_cache lease gives the same hit pages (and partial-KV snapshot, when the engine keeps them) the warm
+    request got; a snapshot is restored first, untimed; only runner.forward is timed (no scheduling, sampling,
+    publication or output), and nothing is published, so the cache is unchanged.
     """
-    engine = bench.engine
     lease = engine.cache.try_acquire(Admission(request.prompt_ids, KeyExtras(cache_salt=request.cache_salt),
                                                LookupPolicy.USE_CACHE))
     assert lease is not None, "the pool is idle between requests: the floor lease must fit"
     try:
         start = lease.reuse_tokens
+        if lease.restore_slot is not None and engine.snapshots is not None:
+            engine.snapshots.restore(lease.restore_slot, lease.page_ids[start // engine.cache.tokens_per_page])
+            engine.cache.finish_restore(lease)
         suffix = request.prompt_ids[start:]
         step = StepInputs(engine.model_runner.embedding[suffix][None], np.array([len(suffix)], dtype=np.int32),
                           np.array([start], dtype=np.int32), [lease.page_ids])
@@ -170,7 +173,7 @@ def measure(bench: Bench, request: EngineRequest, samples: dict[str, list[float]
     samples["ideal"].append(ideal.ttft_ms)
     samples["bookkeeping_us"].append(warm.bookkeeping_us)
     if cached:
-        floor_ms, floor_start = engine_floor(bench, request)
+        floor_ms, floor_start = engine_floor(bench.engine, request)
         assert floor_start == cached, "the floor lease reused a different prefix than the warm request"
         samples["floor"].append(floor_ms)
     return warm, cold

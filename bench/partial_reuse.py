@@ -19,23 +19,15 @@ snapshots <= 1.2x new_only. Medians over --repeats (fresh cache salts: every rep
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from _common import Progress, bench_parser, build_and_open, fit_document, median, write_json
-from context_reuse import Bench, make_request
+from context_reuse import Bench, engine_floor, make_request
 
 from kvforge.builder.build import BuildOptions
 from kvforge.contract.engine_dir import load_engine_dir
 from kvforge.contract.geometry import partial_kv_bytes_per_slot
-from kvforge.runtime.context_cache.keys import KeyExtras
-from kvforge.runtime.context_cache.manager import Admission
-from kvforge.runtime.engine import Engine
-from kvforge.runtime.runner import StepInputs
-from kvforge.runtime.sequence import EngineRequest
-from kvforge.runtime.types import LookupPolicy
 
 DOCUMENT_TOKENS = 1550
 MAX_GENERATE = 24
@@ -55,28 +47,6 @@ QUESTIONS = [
 BUILD = BuildOptions(max_input_len=2048, max_kv_cache_capacity=4096, max_batch_size=1, max_kv_pool_pages=64)
 
 
-def new_only_ms(engine: Engine, request: EngineRequest) -> tuple[float, int]:
-    """(ms, start): runner.forward alone for the prompt's uncached tokens on the cached context (the pages and
-    the snapshot a lease gets; the restore copy is done first and not timed). Nothing is published, so the
-    request itself then finds the cache as this measurement did."""
-    lease = engine.cache.try_acquire(Admission(request.prompt_ids, KeyExtras(cache_salt=request.cache_salt),
-                                               LookupPolicy.USE_CACHE))
-    assert lease is not None, "the pool is idle between requests"
-    start = lease.reuse_tokens
-    try:
-        if lease.restore_slot is not None and engine.snapshots is not None:
-            engine.snapshots.restore(lease.restore_slot, lease.page_ids[start // engine.cache.tokens_per_page])
-            engine.cache.finish_restore(lease)
-        suffix = request.prompt_ids[start:]
-        step = StepInputs(engine.model_runner.embedding[suffix][None], np.array([len(suffix)], dtype=np.int32),
-                          np.array([start], dtype=np.int32), [lease.page_ids])
-        started = time.perf_counter()
-        engine.runner.forward(step)
-        return (time.perf_counter() - started) * 1e3, start
-    finally:
-        engine.cache.release(lease)
-
-
 def conversation(snapshots: Bench, pages: Bench, document: str, salt: str, samples: list[dict[str, list[float]]],
                  info: list[dict[str, Any]], checks: list[str]) -> None:
     messages = [{"role": "system", "content": SYSTEM}]
@@ -85,7 +55,7 @@ def conversation(snapshots: Bench, pages: Bench, document: str, salt: str, sampl
         messages.append({"role": "user", "content": question.format(document=document)})
         request = make_request(snapshots.engine, messages, max_generate_length=MAX_GENERATE, chat=True, salt=salt)
         if turn:
-            floor_ms, floor_start = new_only_ms(snapshots.engine, request)
+            floor_ms, floor_start = engine_floor(snapshots.engine, request)
         with_snapshots = snapshots.run(request, reuse=True)
         pages_only = pages.run(request, reuse=True)
         if with_snapshots.token_ids != pages_only.token_ids:
