@@ -18,7 +18,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -47,15 +49,7 @@ def build_audio(root: Path, layers: int, tokens_per_page: int) -> tuple[Path, Pa
 
     text, audio = synthetic_qwen2_audio(text=SMOLVLM_256M_TEXT, audio={**QWEN2_AUDIO_ENCODER, "encoder_layers": layers},
                                         name="qwen2-audio-encoder-shape")
-    write_onnx_dir(text, root / "onnx")
-    write_audio_onnx_dir(audio, root / "onnx" / "audio")
-    build_engine(root / "onnx", root / "engine", BuildOptions(max_input_len=1024, max_kv_cache_capacity=2048,
-                                                              max_batch_size=1, tokens_per_page=tokens_per_page))
-    build_encoder_engine(root / "onnx" / "audio", root / "audio", "auto", 1)
-    c = text.config
-    return root / "engine", root / "audio", {"tokens_per_image": 125, "layers": c.num_hidden_layers,
-                                             "kv_heads": c.num_key_value_heads, "head_dim": c.head_dim,
-                                             "kv_cache_dtype": c.kv_cache_dtype}
+    return build_dirs(root, text, "audio", lambda path: write_audio_onnx_dir(audio, path), tokens_per_page, 125)
 
 
 def write_clip(path: Path, seconds: float, seed: int) -> Path:
@@ -75,15 +69,22 @@ def build(root: Path, tiny: bool, tokens_per_page: int) -> tuple[Path, Path, dic
     text, visual = synthetic_idefics3(text=None if tiny else SMOLVLM_256M_TEXT,
                                       vision=None if tiny else SMOLVLM_256M_VISION,
                                       name="tiny-idefics3" if tiny else "smolvlm-256m-shape")
+    return build_dirs(root, text, "visual", lambda path: write_visual_onnx_dir(visual, path), tokens_per_page,
+                      visual.config.tokens_per_image)
+
+
+def build_dirs(root: Path, text: Any, kind: str, write_encoder: Callable[[Path], None], tokens_per_page: int,
+               tokens_per_item: int) -> tuple[Path, Path, dict]:
+    """Text ONNX dir + encoder ONNX dir (`write_encoder`) under root/onnx, built into root/engine and root/KIND."""
     write_onnx_dir(text, root / "onnx")
-    write_visual_onnx_dir(visual, root / "onnx" / "visual")
+    write_encoder(root / "onnx" / kind)
     build_engine(root / "onnx", root / "engine", BuildOptions(max_input_len=1024, max_kv_cache_capacity=2048,
                                                               max_batch_size=1, tokens_per_page=tokens_per_page))
-    build_encoder_engine(root / "onnx" / "visual", root / "visual", "auto", 1)
+    build_encoder_engine(root / "onnx" / kind, root / kind, "auto", 1)
     c = text.config
-    return root / "engine", root / "visual", {"tokens_per_image": visual.config.tokens_per_image,
-                                              "layers": c.num_hidden_layers, "kv_heads": c.num_key_value_heads,
-                                              "head_dim": c.head_dim, "kv_cache_dtype": c.kv_cache_dtype}
+    return root / "engine", root / kind, {"tokens_per_image": tokens_per_item, "layers": c.num_hidden_layers,
+                                          "kv_heads": c.num_key_value_heads, "head_dim": c.head_dim,
+                                          "kv_cache_dtype": c.kv_cache_dtype}
 
 
 def request(item: Path, question: str, kind: str = "image") -> dict:
