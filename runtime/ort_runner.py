@@ -38,8 +38,10 @@ ort.set_default_logger_severity(QUIET_SEVERITY)
 MAX_THREADS = 1024  # ONNX Runtime starts every thread up front: a huge count exhausts the process
 
 
-def make_session(model_path: str, num_threads: int = 0, profile_prefix: str | None = None) -> ort.InferenceSession:
-    """`profile_prefix`: write ONNX Runtime's per-node trace there (runtime/op_profile.py reads it)."""
+def make_session(model_path: str, num_threads: int = 0, profile_prefix: str | None = None,
+                 field: str = "engine_dir") -> ort.InferenceSession:
+    """Every ONNX Runtime session of kvforge (text and encoder engines): logging, threads, one-line load errors
+    naming `field`. `profile_prefix`: write ONNX Runtime's per-node trace there (runtime/op_profile.py reads it)."""
     if not 0 <= num_threads <= MAX_THREADS:
         raise KvforgeError(f"must be in [0, {MAX_THREADS}] (0 = onnxruntime's default), got {num_threads}",
                            "num_threads")
@@ -56,7 +58,7 @@ def make_session(model_path: str, num_threads: int = 0, profile_prefix: str | No
         return ort.InferenceSession(model_path, options, providers=["CPUExecutionProvider"])
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise KvforgeError(f"onnxruntime cannot load {model_path}: {first}", "engine_dir") from None
+        raise KvforgeError(f"onnxruntime cannot load {model_path}: {first}", field) from None
 
 
 def check_graph_inputs(session: ort.InferenceSession, engine: EngineDir) -> None:

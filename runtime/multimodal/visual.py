@@ -26,15 +26,13 @@ from kvforge.contract.multimodal import (
     EncoderConfig,
 )
 from kvforge.runtime.multimodal.image import DecodedImage, decode_image, idefics3_pixel_values
+from kvforge.runtime.ort_runner import make_session
 
 FIELD = "multimodal_engine_dir"
 
 
 def _session(path: Path, num_threads: int) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    if num_threads:
-        options.intra_op_num_threads = num_threads
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return make_session(str(path), num_threads, field=FIELD)
 
 
 def _check_engine_dir(engine_dir: Path, config: Any, file: str) -> None:
