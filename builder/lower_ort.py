@@ -87,7 +87,7 @@ def lower_for_onnxruntime(model: onnx.ModelProto, *, kv_cache_dtype: str, tokens
                                        num_kv, head_dim, _attr_f(node, "scale"), node.output[0])
             else:
                 cached = _gather_pages(g, pool_in, page_table, rows, kv_cache_dtype, shared, num_kv, head_dim)
-            if not (fused_attention and not dense):
+            if dense or not fused_attention:
                 _attend(g, shared, query, cached, start_index, num_kv, head_dim, _attr_f(node, "scale"),
                         node.output[0])
         else:
@@ -175,15 +175,21 @@ def _fp8_table(g: GraphWriter, shared: _Shared) -> str:
     return shared.fp8_table
 
 
+def _cached_pages(g: GraphWriter, pool: str, page_table: str, kv_cache_dtype: str, shared: _Shared, num_kv: int,
+                  head_dim: int) -> str:
+    """[B, 2, Hkv, P*T, D]: each row's pages in order, fp16 still fp16 (fp8 decoded to float32 by table)."""
+    safe_pages = g.op("Max", [page_table, g.const(0, np.int32)])  # -1 entries are masked out later
+    pages = g.op("Gather", [pool, safe_pages], axis=0)  # [B, P, 2, Hkv, T, D]
+    if kv_cache_dtype == "fp8":
+        pages = g.op("Gather", [_fp8_table(g, shared), g.cast(pages, INT32)], axis=0)
+    return g.reshape(g.transpose(pages, [0, 2, 3, 1, 4, 5]), [0, 2, num_kv, -1, head_dim])
+
+
 def _gather_pages(g: GraphWriter, pool: str, page_table: str, rows: str, kv_cache_dtype: str,
                   shared: _Shared, num_kv: int, head_dim: int) -> str:
     """[B, 2, Hkv, P*T + S, D] float32: the row's cached pages followed by its new rows."""
-    safe_pages = g.op("Max", [page_table, g.const(0, np.int32)])  # -1 entries are masked out later
-    pages = g.op("Gather", [pool, safe_pages], axis=0)  # [B, P, 2, Hkv, T, D]
+    cached = _cached_pages(g, pool, page_table, kv_cache_dtype, shared, num_kv, head_dim)
     new = g.transpose(rows, [0, 2, 3, 1, 4])  # [B, 2, Hkv, S, D]
-    if kv_cache_dtype == "fp8":
-        pages = g.op("Gather", [_fp8_table(g, shared), g.cast(pages, INT32)], axis=0)
-    cached = g.reshape(g.transpose(pages, [0, 2, 3, 1, 4, 5]), [0, 2, num_kv, -1, head_dim])
     if kv_cache_dtype == "fp16":
         new = g.cast(new, FLOAT16)  # exact: the rows were already rounded to fp16
         return g.cast(g.op("Concat", [cached, new], axis=3), FLOAT)
@@ -197,11 +203,7 @@ def _group_query_attention(g: GraphWriter, shared: _Shared, query: str, pool: st
     first kvcache_start_index[b] slots valid), the new rows are right-padded chunks (`query_seqlens`), so
     masking, GQA head sharing, scaling and softmax run in one kernel instead of a dozen nodes per layer.
     Queries and keys arrive rotated (the export applies RoPE), so do_rotary stays 0."""
-    safe_pages = g.op("Max", [page_table, g.const(0, np.int32)])
-    pages = g.op("Gather", [pool, safe_pages], axis=0)  # [B, P, 2, Hkv, T, D]
-    if kv_cache_dtype == "fp8":
-        pages = g.op("Gather", [_fp8_table(g, shared), g.cast(pages, INT32)], axis=0)
-    cached = g.reshape(g.transpose(pages, [0, 2, 3, 1, 4, 5]), [0, 2, num_kv, -1, head_dim])  # [B,2,Hkv,PT,D]
+    cached = _cached_pages(g, pool, page_table, kv_cache_dtype, shared, num_kv, head_dim)
     if kv_cache_dtype == "fp16":
         cached = g.cast(cached, FLOAT)
     past_k, past_v = g.op("Split", [cached], n_out=2, axis=1, num_outputs=2)

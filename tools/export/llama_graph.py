@@ -153,9 +153,8 @@ class _Linears:
         self._block_sum_weights: set[str] = set()
 
     def for_layer(self, layer: int) -> Callable[..., str]:
-        def linear(g: GraphWriter, x: str, proj: str, bias: str | None = None) -> str:
-            y = self.apply(g, x, f"model.layers.{layer}.{_PROJ_MODULES[proj]}.weight")
-            return g.add(y, bias) if bias else y
+        def linear(g: GraphWriter, x: str, proj: str) -> str:  # o_proj and down_proj: no biases in the family
+            return self.apply(g, x, f"model.layers.{layer}.{_PROJ_MODULES[proj]}.weight")
         return linear
 
     def fused(self, g: GraphWriter, x: str, layer: int, projs: tuple[str, ...],
