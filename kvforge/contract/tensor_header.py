@@ -23,6 +23,7 @@ DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16
 class TensorInfo:
     dtype: str
     shape: tuple[int, ...]
+    offset: int = 0  # where the tensor's data starts in the file (bytes), for memory maps
 
 
 def read_tensor_header(path: Path, where: str, shown: str | None = None) -> tuple[dict[str, TensorInfo],
@@ -67,5 +68,5 @@ def read_tensor_header(path: Path, where: str, shown: str | None = None) -> tupl
                 or offsets[1] - offsets[0] != math.prod(shape) * DTYPE_BYTES[dtype]):
             raise KvforgeError(f"{shown}: tensor {shown_name} claims data outside the file (truncated or forged)",
                                where)
-        tensors[name] = TensorInfo(dtype, tuple(shape))
+        tensors[name] = TensorInfo(dtype, tuple(shape), 8 + header_len + offsets[0])
     return tensors, metadata
