@@ -102,8 +102,8 @@ def _attribute(trace: list[dict[str, Any]], calls: list[_Call]) -> None:
 
 def _summary(calls: list[_Call], top: int, prompt_tokens: int) -> dict[str, Any]:
     phases: dict[str, Any] = {}
-    for phase in PHASES:
-        chosen = [c for c in calls if (c.tokens > 1 or prompt_tokens == 1 and c is calls[0]) == (phase == "prefill")]
+    # The whole prompt is one call (prefill_chunk_size=0, prompt <= maxInputLen); every later call decodes.
+    for phase, chosen in zip(PHASES, (calls[:1], calls[1:]), strict=True):
         if not chosen:
             continue
         n = len(chosen)
