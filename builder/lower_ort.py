@@ -18,16 +18,12 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from kvforge.contract.engine_dir import TIED_HEAD_INPUT
+from kvforge.contract.engine_dir import TIED_HEAD_INPUT, new_rows_name
 from kvforge.contract.errors import InvalidConfig
 from kvforge.graph.onnx_graph import FLOAT, FLOAT8E4M3FN, FLOAT16, INT32, INT64, GraphWriter, value_info
 from kvforge.plugins import ops
 
 NEW_ROWS_ELEM_TYPES = {"fp16": FLOAT16, "fp8": FLOAT, "fp32": FLOAT}
-
-
-def new_rows_name(layer_input: str) -> str:
-    return layer_input.replace("past_key_values_", "new_key_values_")
 
 
 @dataclass(slots=True)

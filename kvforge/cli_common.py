@@ -45,6 +45,8 @@ ENGINE_FLAGS = {  # llm_inference
     "profile_output_file": "--profileOutputFile",
     "context_cache_max_records": "--contextCacheMaxRecords",
     "context_cache_partial_kv_snapshot_pool_bytes": "--contextCachePartialKVSnapshotPoolBytes",
+    "context_cache_recurrent_snapshot_pool_bytes": "--contextCacheRecurrentSnapshotPoolBytes",
+    "snapshot_interval_tokens": "--snapshotIntervalTokens",
     "prefill_chunk_size": "--prefillChunkSize",
     "max_num_tokens": "--maxNumTokens",
     "num_threads": "--numThreads",

@@ -48,14 +48,19 @@ class LLM:
                  max_num_tokens: int = 0, max_batch_size: int = 0, lora_weights: Mapping[str, str] | None = None,
                  multimodal_engine_dir: str | Path | None = None,
                  encoder_cache_budget_bytes: int = DEFAULT_ENCODER_CACHE_BUDGET_BYTES,
-                 context_cache_partial_kv_snapshot_pool_bytes: int = 0, engine: Engine | None = None) -> None:
+                 context_cache_partial_kv_snapshot_pool_bytes: int = 0,
+                 context_cache_recurrent_snapshot_pool_bytes: int = 0, snapshot_message_boundaries: bool = True,
+                 snapshot_interval_tokens: int = 0, engine: Engine | None = None) -> None:
         self.engine = engine or Engine(engine_dir, EngineConfig(
             num_threads=num_threads, enable_context_reuse=enable_context_reuse,
             context_cache_max_records=context_cache_max_records, prefill_chunk_size=prefill_chunk_size,
             max_num_tokens=max_num_tokens, max_batch_size=max_batch_size,
             multimodal_engine_dir=str(multimodal_engine_dir) if multimodal_engine_dir else None,
             encoder_cache_budget_bytes=encoder_cache_budget_bytes,
-            context_cache_partial_kv_snapshot_pool_bytes=context_cache_partial_kv_snapshot_pool_bytes))
+            context_cache_partial_kv_snapshot_pool_bytes=context_cache_partial_kv_snapshot_pool_bytes,
+            context_cache_recurrent_snapshot_pool_bytes=context_cache_recurrent_snapshot_pool_bytes,
+            snapshot_message_boundaries=snapshot_message_boundaries,
+            snapshot_interval_tokens=snapshot_interval_tokens))
         if lora_weights:
             self.engine.load_adapters(dict(lora_weights))
 

@@ -58,7 +58,21 @@ def inference(
         0, "--contextCachePartialKVSnapshotPoolBytes",
         help="Bytes for partial-KV snapshots (llm_build prints the bytes per slot): records whose length is not "
              "page-aligned keep their tail page, so later prompts extending them reuse up to the exact token. "
-             "Needs --enableContextReuse; 0 = off (reuse stops at the last whole page)."),
+             "Needs --enableContextReuse; 0 = off (reuse stops at the last whole page). Hybrid engines with reuse "
+             "need at least one slot."),
+    recurrent_snapshot_pool_bytes: int = typer.Option(
+        0, "--contextCacheRecurrentSnapshotPoolBytes",
+        help="Bytes for recurrent snapshots (llm_build prints the bytes per slot): exact checkpoints of a recurrent "
+             "or hybrid model's state, the only thing such models can reuse. Needs --enableContextReuse; required "
+             "(at least one slot) for recurrent and hybrid engines with reuse."),
+    snapshot_message_boundaries: bool = typer.Option(
+        True, "--snapshotMessageBoundaries/--noSnapshotMessageBoundaries",
+        help="Recurrent/hybrid engines: also capture a checkpoint where each earlier chat message ends, so a shared "
+             "system prompt or document hits although requests diverge after it (default on)."),
+    snapshot_interval_tokens: int = typer.Option(
+        0, "--snapshotIntervalTokens",
+        help="Recurrent/hybrid engines: also capture a checkpoint every N prompt tokens (within the snapshot "
+             "budget; least recently used checkpoints are evicted). 0 = off."),
     scheduling: str = typer.Option("static", "--scheduling",
                                    help="static: the file's batch_size batches in file order (the seed's semantics); "
                                         "continuous: every request to the scheduler at once, rows join and leave "
@@ -99,8 +113,11 @@ def inference(
         set_ort_logging(debug)
         if not 0 <= warmup <= MAX_WARMUP:
             raise KvforgeError(f"must be in [0, {MAX_WARMUP}], got {warmup}", "--warmup")
-        if partial_kv_snapshot_pool_bytes and not enable_context_reuse:
-            raise KvforgeError("requires --enableContextReuse", "--contextCachePartialKVSnapshotPoolBytes")
+        for flag, value in (("--contextCachePartialKVSnapshotPoolBytes", partial_kv_snapshot_pool_bytes),
+                            ("--contextCacheRecurrentSnapshotPoolBytes", recurrent_snapshot_pool_bytes),
+                            ("--snapshotIntervalTokens", snapshot_interval_tokens)):
+            if value and not enable_context_reuse:
+                raise KvforgeError("requires --enableContextReuse", flag)
         if scheduling not in {s.value for s in Scheduling}:
             raise KvforgeError(f'must be "static" or "continuous", got {scheduling!r}', "--scheduling")
         # Every output is checked before any work: writable, and neither an input nor the other output.
@@ -126,7 +143,11 @@ def inference(
                                                  if multimodal_engine_dir else None,
                                                  encoder_cache_budget_bytes=encoder_cache_budget_bytes,
                                                  context_cache_partial_kv_snapshot_pool_bytes=(
-                                                     partial_kv_snapshot_pool_bytes)))
+                                                     partial_kv_snapshot_pool_bytes),
+                                                 context_cache_recurrent_snapshot_pool_bytes=(
+                                                     recurrent_snapshot_pool_bytes),
+                                                 snapshot_message_boundaries=snapshot_message_boundaries,
+                                                 snapshot_interval_tokens=snapshot_interval_tokens))
         prepared = prepare_requests(engine, requests, base_dir)
         warm_up(engine, prepared[0], warmup)
 

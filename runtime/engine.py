@@ -15,11 +15,12 @@ import numpy as np
 
 from kvforge.contract.engine_dir import EMBEDDING_FILE, EMBEDDING_TENSOR, EngineDir, load_engine_dir
 from kvforge.contract.errors import InvalidConfig, PoolTooSmall
-from kvforge.contract.geometry import partial_kv_bytes_per_slot, snapshot_slots
+from kvforge.contract.geometry import snapshot_slots
+from kvforge.contract.model_config import ModelConfig
 from kvforge.contract.paging import pages_for
 from kvforge.contract.safetensors_map import map_tensor
 from kvforge.runtime.backends import load_runner
-from kvforge.runtime.context_cache.manager import DEFAULT_MAX_RECORDS, ContextCacheManager
+from kvforge.runtime.context_cache.manager import DEFAULT_MAX_RECORDS, ContextCacheManager, Lease
 from kvforge.runtime.inputs import InputProcessor, check_prompt_length
 from kvforge.runtime.lora import LoraRegistry, lora_input_shapes
 from kvforge.runtime.model_runner import ModelRunner
@@ -30,9 +31,9 @@ from kvforge.runtime.runner import EngineRunner
 from kvforge.runtime.sampling import Sampler
 from kvforge.runtime.scheduler import Scheduler, SchedulerOutput
 from kvforge.runtime.sequence import EngineRequest, FinishReason, Sequence, Status
-from kvforge.runtime.snapshots import PartialKVSnapshotStore
+from kvforge.runtime.snapshots import PartialKVSnapshotStore, RecurrentSnapshotStore
 from kvforge.runtime.system_prompt_cache import SystemPromptCache
-from kvforge.runtime.types import CommitPolicy
+from kvforge.runtime.types import CommitPolicy, Deployment
 
 # Long prompts prefill faster in chunks on the CPU: the masked score matrix grows with the square of the
 # call's length. bench/prefill_chunks.py measured a 1,536-token SmolLM2 prefill 1.36x faster at 512
@@ -55,6 +56,14 @@ class EngineConfig:
     # Bytes for partial-KV snapshots (one K+V page per attention layer each): records whose length is not
     # page-aligned keep their tail page, so a prompt extending one reuses up to its exact last token. 0 = off.
     context_cache_partial_kv_snapshot_pool_bytes: int = 0
+    # Bytes for recurrent snapshots (every recurrent layer's state and conv state at one exact token count):
+    # what recurrent and hybrid engines reuse; required (>= one slot) for them when reuse is on.
+    context_cache_recurrent_snapshot_pool_bytes: int = 0
+    # Recurrent/hybrid engines capture a checkpoint where an earlier chat message ends (so a shared system
+    # prompt or document hits although the next request diverges inside the first one's prompt) and, with an
+    # interval, every that many prompt tokens; besides the prompt's and the generation's end, always captured.
+    snapshot_message_boundaries: bool = True
+    snapshot_interval_tokens: int = 0  # 0 = no periodic checkpoints
 
 
 class Engine:
@@ -64,23 +73,39 @@ class Engine:
         self.engine: EngineDir = load_engine_dir(Path(engine_dir))
         build = self.engine.build
         budget = _resolve_limits(config, build.max_input_len, build.max_batch_size)
-        partial_slots = _partial_kv_snapshot_slots(config, self.engine)
+        self.deployment = deployment_of(self.engine.model)
+        partial_slots = _partial_kv_snapshot_slots(config, self.engine, self.deployment)
+        recurrent_slots = _recurrent_snapshot_slots(config, self.engine, self.deployment)
         self.cache = ContextCacheManager(build.max_kv_pool_pages, build.tokens_per_page,
                                          enabled=config.enable_context_reuse,
                                          max_records=config.context_cache_max_records,
-                                         partial_kv_snapshot_slots=partial_slots)
+                                         partial_kv_snapshot_slots=partial_slots,
+                                         recurrent_snapshot_slots=recurrent_slots,
+                                         deployment=self.deployment)
         from kvforge.runtime.tokenizer import ChatTokenizer  # after the cheap checks: loading it takes a moment
 
         self.tokenizer = ChatTokenizer(self.engine.path)
         self.loras = LoraRegistry(self.engine)
         self.inputs = InputProcessor(self.tokenizer, self.loras, build.max_input_len, config.enable_context_reuse,
                                      self.engine.model.vocab_size)
+        self.inputs.message_boundaries = bool(recurrent_slots) and config.snapshot_message_boundaries
         embedding = map_tensor(self.engine.file(EMBEDDING_FILE), EMBEDDING_TENSOR)  # rows paged in as looked up
         self.runner = runner or load_runner(self.engine, config.num_threads, embedding)
         self.snapshots = PartialKVSnapshotStore(self.runner.pool, partial_slots) if partial_slots else None
         if self.snapshots is not None:
             self.cache.capture_partial = self.snapshots.capture
-        self.model_runner = ModelRunner(self.runner, embedding, lora_input_shapes(self.engine))
+        self.states = self.runner.states
+        if (self.states is None) != (self.deployment is Deployment.VANILLA):
+            raise InvalidConfig(f"config.json says {self.deployment.name.lower()} layers but the engine's graph "
+                                f"{'has no' if self.states is None else 'has'} recurrent states; rebuild it with "
+                                "llm_build", "engine_dir")
+        self._state_rows: dict[Lease, int] = {}  # running sequences' recurrent state rows, by lease
+        self.recurrent_snapshots = RecurrentSnapshotStore(self.states, recurrent_slots) \
+            if self.states is not None and recurrent_slots else None
+        if self.recurrent_snapshots is not None:
+            self.cache.capture_recurrent = self._capture_recurrent
+        self.model_runner = ModelRunner(self.runner, embedding, lora_input_shapes(self.engine),
+                                        self._state_rows if self.states is not None else None)
         self.outputs = OutputProcessor(self.tokenizer, frozenset(self.engine.model.eos_token_ids),
                                        build.max_kv_cache_capacity)
         self.system_prompts = SystemPromptCache(self.runner.pool)
@@ -88,7 +113,7 @@ class Engine:
         chunk = min(config.prefill_chunk_size or build.max_input_len, build.max_input_len)
         self.scheduler = Scheduler(self.cache, max_batch_size=budget[1], max_num_tokens=budget[0],
                                    prefill_chunk_tokens=chunk,
-                                   on_admit=self._on_admit)
+                                   on_admit=self._on_admit, on_release=self._on_release)
         self.profiler = profiler or Profiler()
         self.multimodal = self._load_multimodal(config)
         self._sequences: dict[str, Sequence] = {}
@@ -130,13 +155,28 @@ class Engine:
                                f"{pages_for(need, self.cache.tokens_per_page)} pages and the pool has "
                                f"{self.cache.pages.capacity}; rebuild with a larger --maxKVPoolPages",
                                "max_kv_pool_pages")
+        if request.system_prompt_key is not None and self.states is not None:
+            raise InvalidConfig("the legacy system-prompt cache keeps K/V only, which cannot restore a recurrent "
+                                "model's state; use --enableContextReuse (exact checkpoints)",
+                                "save_system_prompt_kv_cache")
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._sequences:
             raise InvalidConfig(f"request id {request_id!r} is already in flight", "request_id")
-        seq = Sequence(request_id, request, Sampler(request.sampling), arrival=next(self._arrivals))
+        seq = Sequence(request_id, request, Sampler(request.sampling), arrival=next(self._arrivals),
+                       checkpoints=self._checkpoints(request))
         self._sequences[request_id] = seq
         self.scheduler.add(seq)
         return request_id
+
+    def _checkpoints(self, request: EngineRequest) -> tuple[int, ...]:
+        """Prompt positions where this request's recurrent state is captured mid-prefill (besides the endpoint)."""
+        if self.recurrent_snapshots is None:
+            return ()
+        interval = self.config.snapshot_interval_tokens
+        positions = set(request.message_boundaries)
+        if interval:
+            positions.update(range(interval, len(request.prompt_ids), interval))
+        return tuple(sorted(p for p in positions if 0 < p < len(request.prompt_ids)))
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now; its pages are released and nothing of it is published. False if unknown."""
@@ -189,6 +229,8 @@ class Engine:
                 if seq.num_computed_tokens >= prompt_len:  # the prompt is in the pool: publish it (both policies)
                     self.cache.publish(seq.lease, seq.prompt_ids)
                     self._save_system_prompt(seq)
+                elif seq.num_computed_tokens in seq.checkpoints:  # the scheduler ended the chunk here for this
+                    self.cache.publish(seq.lease, seq.prompt_ids[:seq.num_computed_tokens], boundary=True)
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # more prompt chunks to go before the next token
             self.outputs.accept(seq, seq.sampler.sample(row_logits))
@@ -209,12 +251,31 @@ class Engine:
 
     def _on_admit(self, seq: Sequence) -> None:
         lease = seq.lease
-        if lease is not None and lease.restore_slot is not None:
+        assert lease is not None
+        if self.states is not None:
+            row = self._state_rows[lease] = self.states.allocate()  # zeroed: the state before any token
+            if lease.restore_recurrent_slot is not None:
+                assert self.recurrent_snapshots is not None, "a checkpoint hit without a recurrent snapshot store"
+                self.recurrent_snapshots.restore(lease.restore_recurrent_slot, row)
+        if lease.restore_slot is not None:
             assert self.snapshots is not None, "a snapshot hit without a snapshot store"
             # Copy-on-partial-reuse: the snapshot goes into the sequence's own page, which it then extends.
             self.snapshots.restore(lease.restore_slot, lease.page_ids[lease.reuse_tokens // self.cache.tokens_per_page])
+        if lease.restore_slot is not None or lease.restore_recurrent_slot is not None:
             self.cache.finish_restore(lease)
         self._restore_system_prompt(seq)
+
+    def _on_release(self, lease: Lease) -> None:
+        """A sequence finished or was preempted: its state row goes back (a preempted one restarts from a checkpoint
+        or from zero, like its pages)."""
+        row = self._state_rows.pop(lease, None)
+        if row is not None:
+            assert self.states is not None
+            self.states.free(row)
+
+    def _capture_recurrent(self, lease: Lease, slot: int) -> None:
+        assert self.recurrent_snapshots is not None
+        self.recurrent_snapshots.capture(self._state_rows[lease], slot)
 
     def _restore_system_prompt(self, seq: Sequence) -> None:
         key = seq.request.system_prompt_key
@@ -245,22 +306,59 @@ class Engine:
         return {**data, **self.multimodal.profile()} if self.multimodal else data
 
 
-def _partial_kv_snapshot_slots(config: EngineConfig, engine: EngineDir) -> int:
-    """Slots the partial-KV snapshot budget holds; a budget that holds none, or without reuse, is an error."""
+def deployment_of(model: ModelConfig) -> Deployment:
+    """Attention layers only, recurrent layers only, or both (what the cache may reuse follows from it)."""
+    attention = len(model.attention_layer_ids)
+    if attention == model.num_hidden_layers:
+        return Deployment.VANILLA
+    return Deployment.PURE_RECURRENT if attention == 0 else Deployment.HYBRID
+
+
+def _partial_kv_snapshot_slots(config: EngineConfig, engine: EngineDir, deployment: Deployment) -> int:
+    """Slots the partial-KV snapshot budget holds; a budget that holds none, or without reuse, is an error, and
+    a hybrid engine with reuse needs one slot at least (its checkpoints' tail pages)."""
     budget, field = config.context_cache_partial_kv_snapshot_pool_bytes, "context_cache_partial_kv_snapshot_pool_bytes"
+    if budget and deployment is Deployment.PURE_RECURRENT:
+        raise InvalidConfig("this engine has no attention layers, so no partial pages to snapshot; use 0", field)
+    per_slot = engine.build.partial_kv_snapshot_bytes_per_slot
+    slots = _snapshot_budget(config, budget, field, per_slot, "partial-KV snapshot slot (a K+V page per attention "
+                             "layer)")
+    if config.enable_context_reuse and deployment is Deployment.HYBRID and slots == 0:
+        raise InvalidConfig(f"a hybrid engine reuses exact checkpoints, whose partial tail page needs a partial-KV "
+                            f"snapshot: give at least one slot ({per_slot} bytes)", field)
+    return slots
+
+
+def _recurrent_snapshot_slots(config: EngineConfig, engine: EngineDir, deployment: Deployment) -> int:
+    """Slots the recurrent snapshot budget holds; required (>= 1) for recurrent and hybrid engines with reuse."""
+    budget, field = config.context_cache_recurrent_snapshot_pool_bytes, "context_cache_recurrent_snapshot_pool_bytes"
+    if budget and deployment is Deployment.VANILLA:
+        raise InvalidConfig("this engine has attention layers only, so no recurrent state to snapshot; use 0", field)
+    per_slot = engine.build.recurrent_snapshot_bytes_per_slot
+    slots = _snapshot_budget(config, budget, field, per_slot, "recurrent snapshot slot (every recurrent layer's "
+                             "state and conv state)")
+    if config.enable_context_reuse and deployment is not Deployment.VANILLA and slots == 0:
+        raise InvalidConfig(f"a {deployment.name.lower().replace('_', ' ')} engine reuses exact checkpoints only, "
+                            f"which need recurrent snapshots: give at least one slot ({per_slot} bytes)", field)
+    if config.snapshot_interval_tokens < 0:
+        raise InvalidConfig(f"must be >= 0 (0 = off), got {config.snapshot_interval_tokens}",
+                            "snapshot_interval_tokens")
+    if config.snapshot_interval_tokens and not slots:
+        raise InvalidConfig("periodic checkpoints need a recurrent snapshot pool (and --enableContextReuse)",
+                            "snapshot_interval_tokens")
+    return slots
+
+
+def _snapshot_budget(config: EngineConfig, budget: int, field: str, per_slot: int, what: str) -> int:
     if budget < 0:
         raise InvalidConfig(f"must be >= 0, got {budget}", field)
     if budget == 0:
         return 0
     if not config.enable_context_reuse:
         raise InvalidConfig("a snapshot pool budget requires context reuse (enable_context_reuse)", field)
-    model, build = engine.model, engine.build
-    per_slot = partial_kv_bytes_per_slot(model.num_hidden_layers, model.num_key_value_heads, model.head_dim,
-                                         build.tokens_per_page, model.kv_cache_dtype)
     slots = snapshot_slots(budget, per_slot)
     if slots == 0:
-        raise InvalidConfig(f"{budget} bytes hold no partial-KV snapshot slot: one slot (a K+V page per attention "
-                            f"layer) takes {per_slot} bytes on this engine", field)
+        raise InvalidConfig(f"{budget} bytes hold no {what}: one slot takes {per_slot} bytes on this engine", field)
     return slots
 
 

@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 
 
 class InputProcessor:
-    __slots__ = ("tokenizer", "loras", "max_input_len", "reuse_enabled", "vocab_size", "multimodal")
+    __slots__ = ("tokenizer", "loras", "max_input_len", "reuse_enabled", "vocab_size", "multimodal",
+                 "message_boundaries")
 
     def __init__(self, tokenizer: ChatTokenizer, loras: LoraRegistry, max_input_len: int, reuse_enabled: bool,
                  vocab_size: int) -> None:
@@ -28,6 +29,7 @@ class InputProcessor:
         self.reuse_enabled = reuse_enabled
         self.vocab_size = vocab_size
         self.multimodal: MultimodalProcessor | None = None  # set by the engine when it has an encoder
+        self.message_boundaries = False  # set by recurrent engines that capture checkpoints where messages end
         # A tokenizer that can emit ids past the embedding would fail inside the engine call instead of here.
         tokenizer_size = tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
         if tokenizer_size > vocab_size:
@@ -81,6 +83,8 @@ class InputProcessor:
         check_prompt_length(len(ids), self.max_input_len, join_path(where, "messages"))
         engine_request = EngineRequest(ids, request.sampling, self.loras.get(request.lora_name), request.cache_salt,
                                        media=spans)
+        if self.message_boundaries and not media:
+            engine_request.message_boundaries = self._message_boundaries(request, ids, enable_thinking, where)
         if request.save_system_prompt_kv_cache:
             if self.reuse_enabled:
                 raise KvforgeError("the legacy system-prompt cache cannot be combined with --enableContextReuse "
@@ -94,6 +98,23 @@ class InputProcessor:
                 engine_request.system_prompt_key = (system, adapter.digest.hex() if adapter else "")
         return engine_request
 
+
+    def _message_boundaries(self, request: Request, ids: list[int], enable_thinking: bool,
+                            where: str) -> tuple[int, ...]:
+        """Token counts at which each earlier message ends: the conversation up to it, templated without a
+        generation prompt, kept only where its tokens are a prefix of the whole prompt's (a template that
+        rewrites earlier turns, or a merge across the boundary, just yields no checkpoint there)."""
+        if not request.apply_chat_template or self.tokenizer.template is None:
+            return ()
+        boundaries = []
+        for end in range(1, len(request.messages)):
+            messages = request.messages[:end]
+            text = self.tokenizer.format(messages, add_generation_prompt=False, enable_thinking=enable_thinking,
+                                         where=join_path(where, "messages"))
+            prefix = self._encode(text, request, messages, where)
+            if 0 < len(prefix) < len(ids) and ids[:len(prefix)] == prefix:
+                boundaries.append(len(prefix))
+        return tuple(boundaries)
 
     def _encode(self, text: str, request: Request, messages: Sequence[Message], where: str) -> list[int]:
         """Content is plain text unless the request opted into parsing special tokens (see tokenizer.py)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvforge.runtime.context_cache.manager import Lease
 from kvforge.runtime.lora import LoraAdapter, stack_adapters
 from kvforge.runtime.runner import EngineRunner, StepInputs
 from kvforge.runtime.scheduler import ScheduledRow
@@ -37,11 +38,14 @@ def group_by_width(lengths: list[int]) -> list[list[int]]:
 class ModelRunner:
     """Owns what an engine call needs besides the pool: the embedding table and the stacked adapters."""
 
-    __slots__ = ("runner", "embedding", "_lora_shapes", "_lora_stacks")
+    __slots__ = ("runner", "embedding", "state_rows", "_lora_shapes", "_lora_stacks")
 
-    def __init__(self, runner: EngineRunner, embedding: np.ndarray, lora_shapes: dict[str, tuple[int, int]]) -> None:
+    def __init__(self, runner: EngineRunner, embedding: np.ndarray, lora_shapes: dict[str, tuple[int, int]],
+                 state_rows: dict[Lease, int] | None = None) -> None:
+        """`state_rows`: the engine's recurrent state row of each running lease (recurrent engines only)."""
         self.runner = runner
         self.embedding = embedding
+        self.state_rows = state_rows
         self._lora_shapes = lora_shapes
         # Stacked inputs per adapter composition; a step with two calls alternates two compositions.
         self._lora_stacks: dict[tuple[int, ...], dict[str, np.ndarray]] = {}
@@ -82,6 +86,8 @@ class ModelRunner:
                           np.array([row.seq.num_computed_tokens for row in rows], dtype=np.int32),
                           [row.seq.lease.page_ids for row in rows],  # type: ignore[union-attr]
                           self._lora_inputs([row.seq.request.adapter for row in rows]))
+        if self.state_rows is not None:
+            step.state_rows = [self.state_rows[row.seq.lease] for row in rows]  # type: ignore[index]
         return self.runner.forward(step)
 
     def _lora_inputs(self, adapters: list[LoraAdapter | None]) -> dict[str, np.ndarray] | None:

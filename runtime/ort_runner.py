@@ -11,6 +11,7 @@ from kvforge.contract.engine_dir import (
     ENGINE_MODEL_FILE,
     TIED_HEAD_INPUT,
     EngineDir,
+    new_rows_name,
 )
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.paging import pages_for
@@ -18,6 +19,7 @@ from kvforge.contract.safetensors_map import map_tensor
 from kvforge.plugins.ops import UNUSED_PAGE
 from kvforge.plugins.reference import rope_table
 from kvforge.runtime.kv_pool import KVPool
+from kvforge.runtime.recurrent_state import RecurrentStates, is_state_input
 from kvforge.runtime.runner import StepInputs
 
 # ONNX Runtime's own log lines would break the one-line error promise: failures surface as exceptions anyway,
@@ -62,14 +64,25 @@ def make_session(model_path: str, num_threads: int = 0, profile_prefix: str | No
 
 
 def check_graph_inputs(session: ort.InferenceSession, engine: EngineDir) -> None:
-    """config.json against the graph: one pool input per layer, each shaped like the pool the runtime allocates,
-    and embeddings of hidden_size; a mismatch would otherwise fail inside the first call."""
+    """config.json against the graph: one pool input per attention layer, each shaped like the pool the runtime
+    allocates, one conv and one recurrent state per recurrent layer, and embeddings of hidden_size; a mismatch
+    would otherwise fail inside the first call."""
     model, build = engine.model, engine.build
     inputs = {i.name: i.shape for i in session.get_inputs()}
     pools = sorted(name for name in inputs if name.startswith("past_key_values_"))
-    if len(pools) != model.num_hidden_layers:
-        raise KvforgeError(f"config.json says num_hidden_layers {model.num_hidden_layers} but the graph has "
-                           f"{len(pools)} KV pool inputs; rebuild it with llm_build", "engine_dir")
+    attention = [f"past_key_values_{i}" for i in model.attention_layer_ids]
+    if sorted(attention) != pools:
+        raise KvforgeError(f"config.json says {len(attention)} attention layers but the graph has {len(pools)} KV "
+                           "pool inputs; rebuild it with llm_build", "engine_dir")
+    recurrent = model.num_hidden_layers - len(attention)
+    states = [name for name in inputs if is_state_input(name)]
+    if len(states) != 2 * recurrent:
+        raise KvforgeError(f"config.json says {recurrent} recurrent layers but the graph has {len(states)} state "
+                           "inputs (two per recurrent layer); rebuild it with llm_build", "engine_dir")
+    for name in states:
+        if any(not isinstance(d, int) for d in inputs[name][1:]):
+            raise KvforgeError(f"graph input {name} has shape {inputs[name]}: only its batch dim may be symbolic",
+                               "engine_dir")
     expected = [build.max_kv_pool_pages, 2, model.num_key_value_heads, build.tokens_per_page, model.head_dim]
     for name in pools:
         shape = inputs[name]
@@ -94,21 +107,27 @@ class OrtEngineRunner:
         model, build = engine.model, engine.build
         self.session = make_session(str(engine.file(ENGINE_MODEL_FILE)), num_threads, profile_prefix)
         check_graph_inputs(self.session, engine)
-        self.num_layers = model.num_hidden_layers
+        graph_inputs = {i.name: i.shape for i in self.session.get_inputs()}
         self.tokens_per_page = build.tokens_per_page
-        self.pool = KVPool(model.num_hidden_layers, build.max_kv_pool_pages, model.num_key_value_heads,
+        self._pool_inputs = [f"past_key_values_{i}" for i in model.attention_layer_ids]
+        self.pool = KVPool(len(self._pool_inputs), build.max_kv_pool_pages, model.num_key_value_heads,
                            build.tokens_per_page, model.head_dim, model.kv_cache_dtype)
-        self.rope = rope_table(build.max_kv_cache_capacity, model.head_dim, model.rope_theta)
+        # One state row per sequence that can run at once: the engine admits at most maxBatchSize of them.
+        shapes = {name: tuple(shape[1:]) for name, shape in graph_inputs.items() if is_state_input(name)}
+        self.states = RecurrentStates(shapes, build.max_batch_size) if shapes else None
         # Pools and the RoPE table are bound once as OrtValues over the numpy memory: no per-call copies.
         self._pool_values = [ort.OrtValue.ortvalue_from_numpy(layer) for layer in self.pool.layers]
-        self._rope_value = ort.OrtValue.ortvalue_from_numpy(self.rope)
+        self._rope_value: ort.OrtValue | None = None
+        if "rope_rotary_cos_sin" in graph_inputs:
+            self.rope = rope_table(build.max_kv_cache_capacity, model.head_dim, model.rope_theta)
+            self._rope_value = ort.OrtValue.ortvalue_from_numpy(self.rope)
         self._output_names = [o.name for o in self.session.get_outputs()]
         self._lora_names = [i.name for i in self.session.get_inputs() if i.name.startswith("lora_")]
         self._lora_shapes = {i.name: (i.shape[1], i.shape[2]) for i in self.session.get_inputs()
                              if i.name.startswith("lora_")}
         self._no_adapter: dict[int, dict[str, np.ndarray]] = {}
         self._tied_head: ort.OrtValue | None = None
-        if any(i.name == TIED_HEAD_INPUT for i in self.session.get_inputs()):
+        if TIED_HEAD_INPUT in graph_inputs:
             table = embedding if embedding is not None else map_tensor(engine.file(EMBEDDING_FILE), EMBEDDING_TENSOR)
             self._tied_head = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(table, dtype=np.float32))
 
@@ -118,23 +137,33 @@ class OrtEngineRunner:
         binding = self.session.io_binding()
         binding.bind_cpu_input("inputs_embeds", np.ascontiguousarray(step.inputs_embeds, dtype=np.float32))
         binding.bind_cpu_input("context_lengths", lengths)
-        binding.bind_cpu_input("kvcache_start_index", starts)
-        binding.bind_cpu_input("kv_page_table", self._cached_page_table(step.page_ids, starts))
-        binding.bind_ortvalue_input("rope_rotary_cos_sin", self._rope_value)
+        binding.bind_cpu_input("last_token_ids", (lengths - 1).astype(np.int64))
+        if self._rope_value is not None:  # graphs with attention layers
+            binding.bind_cpu_input("kvcache_start_index", starts)
+            binding.bind_cpu_input("kv_page_table", self._cached_page_table(step.page_ids, starts))
+            binding.bind_ortvalue_input("rope_rotary_cos_sin", self._rope_value)
         if self._tied_head is not None:
             binding.bind_ortvalue_input(TIED_HEAD_INPUT, self._tied_head)
-        binding.bind_cpu_input("last_token_ids", (lengths - 1).astype(np.int64))
         lora = step.lora_tensors if step.lora_tensors is not None else self._rank_zero(len(lengths))
         for name in self._lora_names:
             binding.bind_cpu_input(name, lora[name])
-        for layer, value in enumerate(self._pool_values):
-            binding.bind_ortvalue_input(f"past_key_values_{layer}", value)
+        for name, value in zip(self._pool_inputs, self._pool_values, strict=True):
+            binding.bind_ortvalue_input(name, value)
+        if self.states is not None:
+            if step.state_rows is None or len(step.state_rows) != len(lengths):
+                raise AssertionError("a recurrent engine call needs one state row per row")
+            for name, value in self.states.gather(step.state_rows).items():
+                binding.bind_cpu_input(name, value)
         for name in self._output_names:
             binding.bind_output(name, "cpu")
         self.session.run_with_iobinding(binding)
-        outputs = binding.copy_outputs_to_cpu()
-        self._scatter(outputs[1:], step.page_ids, starts, lengths)
-        return outputs[0]
+        outputs = dict(zip(self._output_names, binding.copy_outputs_to_cpu(), strict=True))
+        if self._pool_inputs:
+            self._scatter([outputs[new_rows_name(name)] for name in self._pool_inputs], step.page_ids, starts,
+                          lengths)
+        if self.states is not None:
+            self.states.scatter(step.state_rows, outputs)  # type: ignore[arg-type]
+        return outputs["logits"]
 
     def _rank_zero(self, batch: int) -> dict[str, np.ndarray]:
         """Rank-0 LoRA inputs for a call without adapters: (x @ [B, in, 0]) @ [B, 0, out] adds exact zeros."""

@@ -7,6 +7,8 @@ from typing import Protocol
 
 import numpy as np
 
+from kvforge.runtime.recurrent_state import RecurrentStates
+
 
 @dataclass(slots=True)
 class StepInputs:
@@ -21,6 +23,7 @@ class StepInputs:
     kvcache_start_index: np.ndarray  # [B] int32: tokens already in the pool per row
     page_ids: list[list[int]]  # per row, pages covering positions [0, start + length)
     lora_tensors: dict[str, np.ndarray] | None = None  # per-row adapters [B, in, r] / [B, r, out]; None = base
+    state_rows: list[int] | None = None  # recurrent engines: each row's recurrent state row (runtime/recurrent_state)
 
 
 class KVStorage(Protocol):
@@ -48,8 +51,10 @@ class KVStorage(Protocol):
 
 
 class EngineRunner(Protocol):
-    pool: KVStorage
+    pool: KVStorage  # attention layers only; empty on a pure recurrent engine
+    states: RecurrentStates | None  # recurrent layers' carried states; None on an attention-only engine
 
     def forward(self, step: StepInputs) -> np.ndarray:
-        """Runs one call, writes the new tokens' K/V into the pool and returns last-token logits [B, V]."""
+        """Runs one call, writes the new tokens' K/V into the pool (and the rows' states into their state rows)
+        and returns last-token logits [B, V]."""
         ...

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvforge.contract.profile_schema import SCHEDULER_KEYS
-from kvforge.runtime.context_cache.manager import ContextCacheManager
+from kvforge.runtime.context_cache.manager import ContextCacheManager, Lease
 from kvforge.runtime.sequence import Sequence, Status
 
 
@@ -56,12 +56,14 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, cache: ContextCacheManager, *, max_batch_size: int, max_num_tokens: int,
-                 prefill_chunk_tokens: int, on_admit: Callable[[Sequence], None] | None = None) -> None:
+                 prefill_chunk_tokens: int, on_admit: Callable[[Sequence], None] | None = None,
+                 on_release: Callable[[Lease], None] | None = None) -> None:
         self.cache = cache
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
         self.prefill_chunk_tokens = prefill_chunk_tokens
-        self.on_admit = on_admit  # the legacy system-prompt cache restores its copy here
+        self.on_admit = on_admit  # snapshots and the legacy system-prompt cache are restored here
+        self.on_release = on_release  # a recurrent engine frees the sequence's state row here
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # arrival order: the last is preempted first
         self.stats = SchedulerStats()
@@ -93,7 +95,8 @@ class Scheduler:
         return out
 
     def _tokens_for(self, seq: Sequence, budget: int) -> int:
-        return min(seq.num_pending_tokens, budget, self.prefill_chunk_tokens)
+        """A chunk ends at the sequence's next checkpoint, so its state there can be captured after the call."""
+        return min(seq.num_pending_tokens, budget, self.prefill_chunk_tokens, seq.tokens_to_next_checkpoint())
 
     def _grow_or_preempt(self, seq: Sequence, count: int, out: SchedulerOutput) -> bool:
         """Pages for `count` more tokens of `seq`, preempting the newest running sequences until they fit."""
@@ -139,7 +142,7 @@ class Scheduler:
         """Give a running sequence's pages back; it waits at the head of the queue and is recomputed later."""
         self.running.remove(seq)
         if seq.lease is not None:
-            self.cache.release(seq.lease)  # never published: its in-flight pages leave unless others hold them
+            self._release(seq.lease)  # never published: its in-flight pages leave unless others hold them
         seq.lease, seq.status = None, Status.WAITING
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -156,6 +159,11 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         if seq.lease is not None:
-            self.cache.release(seq.lease)
+            self._release(seq.lease)
             seq.lease = None
         seq.status = Status.FINISHED
+
+    def _release(self, lease: Lease) -> None:
+        self.cache.release(lease)
+        if self.on_release is not None:
+            self.on_release(lease)

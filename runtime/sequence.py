@@ -44,6 +44,7 @@ class EngineRequest:
     system_prompt_ids: list[int] = field(default_factory=list)  # legacy save_system_prompt_kv_cache
     system_prompt_key: tuple[str, str] | None = None
     media: tuple[MediaSpan, ...] = ()  # placeholder spans with their encoder rows, in prompt order
+    message_boundaries: tuple[int, ...] = ()  # prompt token counts where an earlier chat message ends
 
 
 @dataclass(slots=True, eq=False)
@@ -66,6 +67,7 @@ class Sequence:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    checkpoints: tuple[int, ...] = ()  # sorted prompt positions where a recurrent state is captured mid-prefill
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -79,6 +81,13 @@ class Sequence:
     def num_pending_tokens(self) -> int:
         """Tokens still to run through the engine before the next token can be sampled."""
         return self.num_tokens - self.num_computed_tokens
+
+    def tokens_to_next_checkpoint(self) -> int:
+        """Tokens from the computed ones to the next checkpoint (a large number when none is left)."""
+        for position in self.checkpoints:
+            if position > self.num_computed_tokens:
+                return position - self.num_computed_tokens
+        return 1 << 62
 
     @property
     def is_prefilling(self) -> bool:

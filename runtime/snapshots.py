@@ -1,14 +1,17 @@
-"""The partial-KV snapshot store: slots holding one K+V page per attention layer, copied from and to the KV pool.
+"""Snapshot stores: partial-KV slots (one K+V page per attention layer, copied from and to the KV pool) and
+recurrent slots (every recurrent layer's state and conv state, copied from and to a running sequence's row).
 
-The cache manager decides which slot holds what (runtime/context_cache); this store only moves bytes through
-the runner's KVStorage, so the cache core never touches K/V. Slots are preallocated per layer in the storage
-dtype ([slots, 2, Hkv, T, D]); numpy maps untouched slots lazily, so an unused budget costs no memory.
+The cache manager decides which slot holds what (runtime/context_cache); these stores only move bytes through
+the runner's storage, so the cache core never touches K/V or states. Slots are preallocated in the storage
+dtype ([slots, 2, Hkv, T, D] per layer; [slots, ...state] per state tensor); numpy maps untouched slots
+lazily, so an unused budget costs no memory.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from kvforge.runtime.recurrent_state import RecurrentStates
 from kvforge.runtime.runner import KVStorage
 
 
@@ -35,3 +38,30 @@ class PartialKVSnapshotStore:
     def restore(self, slot: int, page: int) -> None:
         """Copy `slot` into a request's own page; the snapshot stays as it was (copy-on-partial-reuse)."""
         self.storage.write_page(page, [layer[slot] for layer in self.layers])
+
+
+class RecurrentSnapshotStore:
+    """Exact checkpoints of recurrent layers: a slot is one sequence's every state tensor at one token count."""
+
+    __slots__ = ("states", "arrays")
+
+    def __init__(self, states: RecurrentStates, num_slots: int) -> None:
+        self.states = states
+        self.arrays = [np.zeros((num_slots, *array.shape[1:]), dtype=array.dtype) for array in states.arrays.values()]
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.arrays[0]) if self.arrays else 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(array.nbytes for array in self.arrays)
+
+    def capture(self, row: int, slot: int) -> None:
+        """Copy a running sequence's states (after its last computed token) into `slot`."""
+        for array, state in zip(self.arrays, self.states.read(row), strict=True):
+            array[slot] = state
+
+    def restore(self, slot: int, row: int) -> None:
+        """Copy `slot` into a sequence's row; the snapshot stays as it was (later records may restore it too)."""
+        self.states.write(row, [array[slot] for array in self.arrays])

@@ -141,6 +141,8 @@ def _require_trt_and_cuda() -> tuple[ModuleType, ModuleType]:
 class TrtEngineRunner:
     """EngineRunner over llm.engine: profile 0 for prefill calls (S > 1), profile 1 for decode (S == 1)."""
 
+    states = None  # attention layers only: recurrent families build for onnxruntime (builder/build.py)
+
     def __init__(self, engine: EngineDir, device: int = 0) -> None:
         trt, driver = _require_trt_and_cuda()
         model, build = engine.model, engine.build

@@ -7,7 +7,8 @@ import onnxruntime as ort
 import pytest
 from onnx import helper
 
-from kvforge.builder.lower_ort import lower_for_onnxruntime, new_rows_name
+from kvforge.builder.lower_ort import lower_for_onnxruntime
+from kvforge.contract.engine_dir import new_rows_name
 from kvforge.graph.onnx_graph import FLOAT, INT32, OPSET, GraphWriter, value_info
 from kvforge.plugins import ops
 from kvforge.plugins.reference import (

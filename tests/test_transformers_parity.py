@@ -171,7 +171,7 @@ def test_checkpoint_round_trips_config(checkpoint, fp32_engine) -> None:
     config, runner = model.config, fp32_engine.runner
     assert next(model.parameters()).dtype == torch.float32
     assert model.config._attn_implementation == "eager"
-    assert runner.num_layers == config.num_hidden_layers
+    assert len(runner.pool.layers) == config.num_hidden_layers
     assert fp32_engine.embedding.shape == (VOCAB, HIDDEN)
     np.testing.assert_array_equal(fp32_engine.embedding, model.get_input_embeddings().weight.detach().numpy())
     assert runner.pool.layers[0].shape[2:] == (KV_HEADS, BUILD.tokens_per_page, ARCHS[arch][2].get("head_dim", 16))

@@ -35,6 +35,11 @@ TIED_HEAD_INPUT = "lm_head_weight"
 COPIED_FILES = (EMBEDDING_FILE, "tokenizer.json", "tokenizer_config.json")
 
 
+def new_rows_name(pool_input: str) -> str:
+    """The lowered graph's output holding a call's new K/V rows for the layer whose pool input is `pool_input`."""
+    return pool_input.replace("past_key_values_", "new_key_values_")
+
+
 @dataclass(frozen=True, slots=True)
 class BuilderConfig(PageGeometry):
     """config.json's `builder_config`: the engine's page geometry plus what it was built for."""
@@ -85,7 +90,7 @@ class EngineDir:
     def kv_pool_bytes(self) -> int:
         per_page = kv_bytes_per_page(self.model.num_key_value_heads, self.model.head_dim, self.build.tokens_per_page,
                                      self.model.kv_cache_dtype)
-        return per_page * self.build.max_kv_pool_pages * self.model.num_hidden_layers
+        return per_page * self.build.max_kv_pool_pages * len(self.model.attention_layer_ids)
 
 
 REBUILD = "rebuild it with llm_build"
@@ -98,14 +103,15 @@ def load_engine_dir(path: Path) -> EngineDir:
         raise InvalidConfig(f"{one_line(str(path))} is not a directory", "engine_dir")
     data = read_json(path / "config.json", "engine_dir")
     model = ModelConfig.from_dict(data, f"{path}/config.json")
-    if model.is_recurrent or any(t != "attention" for t in model.layer_types):
-        raise InvalidConfig(f"engine has layer types {sorted(set(model.layer_types))}; this runtime runs attention "
-                            "layers only", "engine_dir")
     raw = data.get("builder_config")
     if not isinstance(raw, dict):
         raise InvalidConfig(f"{path}/config.json has no builder_config; is this an ONNX dir? build it with llm_build",
                             "engine_dir")
     build = read_builder_config(raw, model)
+    if build.backend != "onnxruntime" and len(model.attention_layer_ids) < model.num_hidden_layers:
+        raise InvalidConfig(f"engine has recurrent layers ({model.model}) and backend {build.backend}; recurrent "
+                            "layers run on onnxruntime only; rebuild it with llm_build --backend onnxruntime",
+                            "engine_dir")
     for name in (*BACKEND_FILES[build.backend], *COPIED_FILES):
         if not (path / name).is_file():
             raise InvalidConfig(f"engine dir {path} is missing {name}; {REBUILD}", "engine_dir")

@@ -56,6 +56,12 @@ class ModelConfig:
         return self.model in RECURRENT_FAMILIES
 
     @property
+    def attention_layer_ids(self) -> list[int]:
+        """Layers that keep K/V in the paged pool (layer_types empty = every layer is an attention layer)."""
+        types = self.layer_types or ["attention"] * self.num_hidden_layers
+        return [i for i, kind in enumerate(types) if kind == "attention"]
+
+    @property
     def conv_dim(self) -> int:
         """Channels of the causal conv: the SSM input plus its B and C projections."""
         return self.recurrent_state_num_heads * self.recurrent_state_head_dim + \

@@ -114,7 +114,8 @@ def test(
             os.environ.update({name: str(lora_weights_dir.resolve()) for name in LORA_DIR_VARIABLES})
         settings = RunSettings(engine, num_threads, resolved.context_reuse or enable_context_reuse,
                                Scheduling(scheduling), rouge, thresholds, max_generate_length not in (None, -1),
-                               multimodal_engine_dir, resolved.partial_kv_snapshot_pool_bytes)
+                               multimodal_engine_dir, resolved.partial_kv_snapshot_pool_bytes,
+                               resolved.recurrent_snapshot_pool_bytes)
         runner = CaseRunner(settings, TEST_FLAGS)
         results = []
         with progress_bar("llm_test", len(cases)) as step:

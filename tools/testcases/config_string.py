@@ -70,11 +70,15 @@ class ResolvedConfig:
     def partial_kv_snapshot_pool_bytes(self) -> int:
         return self.values.get("ccpkvsb", 0)
 
+    @property
+    def recurrent_snapshot_pool_bytes(self) -> int:
+        return self.values.get("ccrsb", 0)
+
     def notes(self) -> list[str]:
         notes = []
         if "ccrsb" in self.values:
-            notes.append(f"ccrsb{self.values['ccrsb']}: recurrent snapshot budget recorded but ignored (it sizes "
-                         "recurrent snapshot pools; kvforge engines are attention-only)")
+            notes.append(f"ccrsb{self.values['ccrsb']}: recurrent snapshot budget of recurrent and hybrid engines "
+                         "(ignored on attention-only engines)")
         if "ccpkvsb" in self.values:
             notes.append(f"ccpkvsb{self.values['ccpkvsb']}: partial-KV snapshot budget of the files that declare "
                          "_checks.partial_kv_snapshots (the others keep page-granular reuse and their counters)")

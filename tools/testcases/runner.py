@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.contract.errors import KvforgeError
-from kvforge.contract.geometry import partial_kv_bytes_per_slot
 from kvforge.runtime.engine import Engine, EngineConfig
 from kvforge.runtime.file_runner import Scheduling, prepare_requests, run_request_file
 from kvforge.runtime.runner import EngineRunner
@@ -30,6 +29,9 @@ class RunSettings:
     multimodal_engine_dir: Path | None = None  # files with image items run only when one is given
     # Budget for files declaring _checks.partial_kv_snapshots (ccpkvsb); 0 = DEFAULT_SNAPSHOT_SLOTS slots.
     partial_kv_snapshot_pool_bytes: int = 0
+    # Recurrent and hybrid engines with reuse (ccrsb); 0 = DEFAULT_SNAPSHOT_SLOTS slots. Attention-only engines
+    # ignore it.
+    recurrent_snapshot_pool_bytes: int = 0
 
 
 DEFAULT_SNAPSHOT_SLOTS = 16  # enough for every endpoint of a test file: its counters never see snapshot pressure
@@ -92,7 +94,7 @@ class CaseRunner:
         engine = Engine(self.settings.engine_dir, EngineConfig(
             num_threads=self.settings.num_threads, enable_context_reuse=result.reuse,
             multimodal_engine_dir=str(multimodal) if multimodal else None,
-            context_cache_partial_kv_snapshot_pool_bytes=self._snapshot_budget(case)), runner=self._runner)
+            **self._snapshot_budgets(case, result.reuse)), runner=self._runner)
         self._runner = engine.runner  # fresh caches, one model: Engines may share a runner one after another
         prepared = prepare_requests(engine, case.requests, case.path.resolve().parent)
         loaded = time.perf_counter()
@@ -102,19 +104,24 @@ class CaseRunner:
         result.checks = check_file(case, result.responses, result.profile, self._options(engine, result.reuse))
         result.timing_s = {"engine": loaded - started, "run": ran - loaded, "checks": time.perf_counter() - ran}
 
-    def _snapshot_budget(self, case: CaseSpec) -> int:
-        """Snapshots only for files that ask for them: the other files' counters are page-granular."""
-        if not case.partial_kv_snapshots:
-            return 0
-        if self.settings.partial_kv_snapshot_pool_bytes:
-            return self.settings.partial_kv_snapshot_pool_bytes
+    def _snapshot_budgets(self, case: CaseSpec, reuse: bool) -> dict[str, int]:
+        """EngineConfig's snapshot budgets for this file. Attention-only engines: partial-KV snapshots only for files
+        that ask for them (the other files' counters are page-granular). Recurrent and hybrid engines reuse exact
+        checkpoints only, so with reuse on they always get both pools they need."""
         from kvforge.contract.engine_dir import load_engine_dir
 
-        engine = load_engine_dir(self.settings.engine_dir)
-        model = engine.model
-        return DEFAULT_SNAPSHOT_SLOTS * partial_kv_bytes_per_slot(
-            model.num_hidden_layers, model.num_key_value_heads, model.head_dim, engine.build.tokens_per_page,
-            model.kv_cache_dtype)
+        if not reuse:
+            return {}
+        build = load_engine_dir(self.settings.engine_dir).build
+        recurrent = build.recurrent_snapshot_bytes_per_slot > 0
+        budgets = {}
+        if case.partial_kv_snapshots or (recurrent and build.partial_kv_snapshot_bytes_per_slot):
+            budgets["context_cache_partial_kv_snapshot_pool_bytes"] = self.settings.partial_kv_snapshot_pool_bytes \
+                or DEFAULT_SNAPSHOT_SLOTS * build.partial_kv_snapshot_bytes_per_slot
+        if recurrent:
+            budgets["context_cache_recurrent_snapshot_pool_bytes"] = self.settings.recurrent_snapshot_pool_bytes \
+                or DEFAULT_SNAPSHOT_SLOTS * build.recurrent_snapshot_bytes_per_slot
+        return budgets
 
     def _options(self, engine: Engine, reuse: bool) -> CheckOptions:
         model, build = engine.engine.model, engine.engine.build
