@@ -76,7 +76,9 @@ class Engine:
         self.deployment = deployment_of(self.engine.model)
         partial_slots = _partial_kv_snapshot_slots(config, self.engine, self.deployment)
         recurrent_slots = _recurrent_snapshot_slots(config, self.engine, self.deployment)
-        self.cache = ContextCacheManager(build.max_kv_pool_pages, build.tokens_per_page,
+        # A pure recurrent engine keeps no pages (its geometry's page count only sizes nothing).
+        num_pages = 0 if self.deployment is Deployment.PURE_RECURRENT else build.max_kv_pool_pages
+        self.cache = ContextCacheManager(num_pages, build.tokens_per_page,
                                          enabled=config.enable_context_reuse,
                                          max_records=config.context_cache_max_records,
                                          partial_kv_snapshot_slots=partial_slots,

@@ -84,6 +84,18 @@ def test_lowering_matches_the_reference_on_ragged_rows(session: ort.InferenceSes
     assert not y[1, 4:].any() and not y[2, 1:].any()  # padding outputs 0
 
 
+def test_both_scan_forms_match_the_reference(session: ort.InferenceSession) -> None:
+    """Calls up to QUADRATIC_MAX_TOKENS run the dual (matmul) form, longer ones the Scan: both exact, ragged."""
+    from kvforge.builder.lower_recurrent import QUADRATIC_MAX_TOKENS
+
+    for seq in (QUADRATIC_MAX_TOKENS, QUADRATIC_MAX_TOKENS + 3):
+        data = inputs(2, seq, seed=seq)
+        data["dt"] -= 2.0  # long rows: keep the decay mild so the state carries information to the end
+        lengths = np.array([seq, seq - 700])
+        for got, want in zip(run(session, data, lengths), reference(data, lengths), strict=True):
+            np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
 def test_chunked_prefill_continues_from_the_carried_states(session: ort.InferenceSession) -> None:
     data = inputs(1, 11, seed=2)
     whole = run(session, data, np.array([11]))

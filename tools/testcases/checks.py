@@ -143,6 +143,11 @@ def _seed_rule(responses: list[dict[str, Any]], profile: dict[str, Any], reuse: 
 def _expectation_checks(block: Expectations, profile: dict[str, Any], options: CheckOptions) -> list[CheckResult]:
     """The file's top-level counters: one check per profile section; an engine_specific block: one check."""
     if not block.label:
+        deployment = options.facts.get("deployment", "vanilla")
+        if deployment != "vanilla":  # recurrent state is reused at exact checkpoints, not by pages
+            return [CheckResult(f"expected_{section}", SKIPPED, "the file's top-level counters describe page reuse "
+                                f"on attention-only engines; this engine is {deployment} (exact checkpoints; "
+                                "engine_specific blocks may cover it)") for section in block.sections]
         return [_counters_result(f"expected_{section}", {section: expected}, profile, options.reuse)
                 for section, expected in block.sections.items()]
     skip = _not_applicable(block, options)

@@ -127,7 +127,7 @@ class CaseRunner:
         model, build = engine.engine.model, engine.engine.build
         facts = {"model": model.name, "tokens_per_page": build.tokens_per_page, "kv_cache_dtype": model.kv_cache_dtype,
                  "max_batch_size": build.max_batch_size, "max_kv_pool_pages": build.max_kv_pool_pages,
-                 "scheduling": self.settings.scheduling.value}
+                 "scheduling": self.settings.scheduling.value, "deployment": engine.deployment.value}
         return CheckOptions(reuse=reuse, facts=facts, synthetic=model.name in SYNTHETIC_MODELS,
                             rouge=self.settings.rouge, thresholds=self.settings.thresholds,
                             lengths_overridden=self.settings.lengths_overridden, scorer=self.scorer)
