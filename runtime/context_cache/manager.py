@@ -60,9 +60,7 @@ from kvforge.runtime.context_cache.metrics import CacheMetrics
 from kvforge.runtime.context_cache.planner import ReusePlan, plan_checkpoint, plan_cold, plan_reuse, with_snapshot
 from kvforge.runtime.context_cache.pools import BASE_KV_PAGES, Demand, ResourcePools
 from kvforge.runtime.context_cache.records import Record, RecordStore
-from kvforge.runtime.types import Deployment, LookupPolicy
-
-__all__ = ["Admission", "ContextCacheManager", "Deployment", "Lease"]
+from kvforge.runtime.types import Deployment, LookupPolicy  # Deployment is re-exported for the engine
 
 DEFAULT_MAX_RECORDS = 1024
 F = TypeVar("F", bound=Callable[..., Any])
