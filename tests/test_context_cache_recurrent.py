@@ -51,6 +51,7 @@ class FakeStates:
         lease = self.manager.try_acquire(Admission(ids, KeyExtras(adapter, salt, media)))
         assert lease is not None
         n, m = lease.reuse_tokens, self.manager
+        assert n < len(ids), "at least one token must compute (its logits give the next token)"
         if lease.restore_recurrent_slot is None:
             assert n == 0, "reuse without a recurrent snapshot would resume from a zero state"
             state: tuple[int, ...] = ()
@@ -183,7 +184,8 @@ def test_publishing_the_same_checkpoint_twice_touches_it_without_a_capture(deplo
     m, fake = manager(deployment)
     fake.run(tokens(6))
     calls = len(fake.calls)
-    lease = fake.admit(tokens(6), salt=None)  # resumes from nothing shorter: computes all 6 again
+    lease = fake.admit(tokens(6))  # resumes from nothing shorter: computes all 6 again
+    assert lease.reuse_tokens == 0
     fake.compute(lease, tokens(6), 6)
     assert m.publish(lease, tokens(6)) == "existing" and len(fake.calls) == calls
     m.release(lease)

@@ -66,6 +66,7 @@ class FakeRunner:
             if lease.reuse_tokens < len(seq.prompt_ids) and lease.reuse_tokens in self.capture_points[id(seq)]:
                 SEEN["boundary_hits"] += 1
         assert state == tuple(seq.all_token_ids()[:lease.reuse_tokens]), "restored a checkpoint of other tokens"
+        assert lease.reuse_tokens < seq.num_tokens, "at least one token must compute (its logits give the next token)"
         if lease.restore_slot is not None:
             self.kv[lease.page_ids[lease.reuse_tokens // T]] = list(self.partial[lease.restore_slot])
         self.states[id(lease)] = state
