@@ -226,16 +226,15 @@ def test_pure_recurrent_leases_hold_no_pages_and_always_fit() -> None:
 
 # --- budgets, pressure and eviction -----------------------------------------------------------------
 
-def test_budgets_that_hold_no_slot_and_pages_on_pure_recurrent_are_rejected() -> None:
+def test_budgets_that_hold_no_slot_are_rejected_and_pure_recurrent_ignores_a_page_count() -> None:
     with pytest.raises(InvalidConfig, match="recurrent") as error:
         ContextCacheManager(0, T, enabled=True, deployment=PURE)
     assert error.value.field == "context_cache_recurrent_snapshot_pool_bytes"
     with pytest.raises(InvalidConfig) as error:
         ContextCacheManager(8, T, enabled=True, recurrent_snapshot_slots=1, deployment=HYBRID)
     assert error.value.field == "context_cache_partial_kv_snapshot_pool_bytes"
-    with pytest.raises(InvalidConfig) as error:
-        ContextCacheManager(8, T, enabled=True, recurrent_snapshot_slots=1, deployment=PURE)
-    assert error.value.field == "max_kv_pool_pages"
+    pure = ContextCacheManager(8, T, enabled=True, recurrent_snapshot_slots=1, deployment=PURE)  # the build's pool size
+    assert pure.pages.capacity == 0 and pure.fits_alone(10**6)
     assert ContextCacheManager(8, T, enabled=False, deployment=HYBRID).recurrent_snapshots.capacity == 0
 
 

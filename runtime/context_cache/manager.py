@@ -139,8 +139,6 @@ class ContextCacheManager:
             raise InvalidConfig(f"must be >= 0, got {max_records}", "context_cache_max_records")
         deployment = Deployment(deployment)
         checkpoints = deployment is not Deployment.VANILLA
-        if deployment is Deployment.PURE_RECURRENT and num_pages:
-            raise InvalidConfig(f"a pure recurrent deployment has no KV pages, got {num_pages}", "max_kv_pool_pages")
         # The engine checks budgets against the slot sizes first (its message names bytes); this guards the core.
         if enabled and checkpoints and recurrent_snapshot_slots < 1:
             raise InvalidConfig(f"a {deployment.value} deployment reuses only exact checkpoints and needs at least one "
@@ -156,7 +154,9 @@ class ContextCacheManager:
         self.paged = deployment is not Deployment.PURE_RECURRENT  # the sequence keeps K/V in pages
         # Budgets a deployment cannot use are dropped (the engine decides whether passing one is an error).
         partial = partial_kv_snapshot_slots if enabled and self.paged else 0
-        self.pools = ResourcePools(num_pages, partial, recurrent_snapshot_slots if enabled and checkpoints else 0)
+        # A pure recurrent engine's build still names a KV pool size; nothing would ever use it, so its capacity is 0.
+        self.pools = ResourcePools(num_pages if self.paged else 0, partial,
+                                   recurrent_snapshot_slots if enabled and checkpoints else 0)
         self.pages = self.pools.base_kv_pages
         self.snapshots = self.pools.partial_kv_snapshots
         self.recurrent_snapshots = self.pools.recurrent_snapshots
