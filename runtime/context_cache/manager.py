@@ -397,7 +397,9 @@ class ContextCacheManager:
         """Publish `token_ids` (tokens whose K/V the lease's pages hold) as one record: its full pages, and
         with a snapshot pool a copy of the partial tail page (an exact checkpoint). On a hybrid or pure
         recurrent deployment every publication is an exact checkpoint (`_publish_checkpoint`); the lease must
-        have computed exactly `token_ids` at that moment. `boundary` marks a mid-sequence capture (metrics only).
+        have computed exactly `token_ids` at that moment, so a chunk that runs past a capture point (e.g. a
+        recompute after preemption crossing the prompt's end) must not publish that point: the live state would
+        be filed under a shorter key. `boundary` marks a mid-sequence capture (metrics only).
 
         Returns "committed" (new record), "existing" (same endpoint already cached: touched) or
         "skipped" (publication not allowed, nothing to publish, or no snapshot slot for a checkpoint).
