@@ -14,6 +14,19 @@ class LookupPolicy(str, Enum):
     BYPASS = "bypass"  # neither looks up nor publishes: a cold, private run
 
 
+class Deployment(str, Enum):
+    """What state a sequence carries, which decides how the context cache reuses it (TensorRT Edge-LLM's modes).
+
+    VANILLA: attention only, reuse by KV pages (plus partial-KV snapshots when budgeted). HYBRID: attention and
+    recurrent layers; PURE_RECURRENT: recurrent layers only, no KV pages. Both recurrent kinds reuse only exact
+    checkpoints: a recurrent state cannot be rebuilt from KV pages, so a page hit without a snapshot is useless.
+    """
+
+    VANILLA = "vanilla"
+    HYBRID = "hybrid"
+    PURE_RECURRENT = "pure_recurrent"
+
+
 class CommitPolicy(str, Enum):
     """What a finished request publishes (the file's context_cache_commit_policy)."""
 

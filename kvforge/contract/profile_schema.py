@@ -85,8 +85,9 @@ PUBLICATIONS_EXISTING = "existing"
 SUCCESSFUL_ENDPOINTS = "successful_endpoints"  # committed + existing
 PUBLICATION_KEYS = (PUBLICATION_ATTEMPTS, PUBLICATIONS_COMMITTED, PUBLICATIONS_EXISTING, SUCCESSFUL_ENDPOINTS)
 
-# `hybrid` counts snapshot restores, captures skipped for want of a slot, and capture copies (partial-KV snapshots
-# today). `speculative` stays all zero until speculative decoding lands: it exists so that scripts written for
+# `hybrid` counts snapshot restores (a request's checkpoint copied in: recurrent and/or partial-KV, one per request),
+# captures skipped for want of a slot, and captures (each waits for the engine call that wrote the state).
+# `speculative` stays all zero until speculative decoding lands: it exists so that scripts written for
 # TensorRT Edge-LLM find the keys.
 HYBRID = "hybrid"
 HYBRID_RESTORES = "restores"
@@ -108,8 +109,9 @@ RECORDS_EVICTED = "evicted"
 RECORD_KEYS = (RECORDS_CURRENT, RECORDS_EVICTED)
 
 # `resource_pools` ({pool: {free, capacity}}) and `reclaimed_resources` ({pool: slots freed by eviction}) list
-# TensorRT Edge-LLM's four pools. kvforge has base KV pages and partial-KV snapshots (capacity 0 without a
-# budget); draft pages and recurrent snapshots are written empty (free 0, capacity 0) until their features land.
+# TensorRT Edge-LLM's four pools. kvforge has base KV pages (capacity 0 on a pure recurrent deployment),
+# recurrent snapshots (hybrid and pure recurrent deployments) and partial-KV snapshots (capacity 0 without a
+# budget); draft pages are written empty (free 0, capacity 0) until speculative decoding lands.
 RESOURCE_POOLS = "resource_pools"
 RECLAIMED_RESOURCES = "reclaimed_resources"
 BASE_KV_PAGES = "base_kv_pages"

@@ -18,6 +18,27 @@ skipped and counted (`snapshot_pressure_skips`); the publication then keeps only
 
 None of them raises for a full pool: only a request that cannot fit alone in an empty pool is an error,
 and that is the engine's call (`fits_alone`).
+
+Hybrid and pure recurrent deployments (`Deployment`) reuse ONLY exact checkpoints: a recurrent layer's state after
+L tokens cannot be rebuilt from KV pages, so a page hit without the state is worthless. A checkpoint is a record
+of exactly L tokens holding a recurrent snapshot (every recurrent layer's state + conv state, `capture_recurrent`)
+and, on a hybrid with L not page-aligned, a partial-KV snapshot of its tail page, plus (hybrid) cache refs on its
+floor(L/T) full pages. Token layout of a hybrid lease resuming from a checkpoint of L = h*T + r tokens:
+
+    |<-- reuse_tokens = L ----------------------------------------->|
+    | page 0 | ... | page h-1 (hits: the checkpoint's canonical pages)| page h: r restored tokens, computing ->| ... |
+                                                                    |<- restore_slot (partial-KV snapshot) ->|
+    recurrent + conv state of the sequence <- restore_recurrent_slot (state after exactly L tokens)
+
+Lookup walks the input's own chain keys from the deepest page down: checkpoints are filed by (last full page
+key, length), so only lengths hanging off a page this input shares are looked at, and each costs one tail hash
+(none when aligned). The longest checkpoint strictly shorter than the input whose exact key, tokens and (hybrid)
+canonical pages match wins; no checkpoint means a cold start (`restore_recurrent_slot` None: the engine zeroes the
+state). Publication is capture: `publish(lease, tokens)` may be called mid-prefill at every chat-message boundary
+or snapshot interval and at the prefill and decode ends, each time with exactly the tokens the lease has computed.
+A pure recurrent deployment has no KV pages at all (pool capacity 0, leases hold none); its records still carry
+the chain keys of their logical blocks, so content addressing (tokens, adapter, salt, media) is the same. Nothing
+is indexed in flight there (a page hit alone is useless), so `prefix_in_flight` is always False.
 """
 
 from __future__ import annotations
@@ -36,14 +57,15 @@ from kvforge.runtime.context_cache.eviction import plan_eviction
 from kvforge.runtime.context_cache.index import PageIndex, page_token_bytes
 from kvforge.runtime.context_cache.keys import CHAIN_ROOT, KeyExtras, page_keys, tail_page_key
 from kvforge.runtime.context_cache.metrics import CacheMetrics
-from kvforge.runtime.context_cache.planner import ReusePlan, plan_cold, plan_reuse, with_snapshot
+from kvforge.runtime.context_cache.planner import ReusePlan, plan_checkpoint, plan_cold, plan_reuse, with_snapshot
 from kvforge.runtime.context_cache.pools import BASE_KV_PAGES, Demand, ResourcePools
 from kvforge.runtime.context_cache.records import Record, RecordStore
-from kvforge.runtime.types import LookupPolicy
+from kvforge.runtime.types import Deployment, LookupPolicy  # Deployment is re-exported for the engine
 
 DEFAULT_MAX_RECORDS = 1024
 F = TypeVar("F", bound=Callable[..., Any])
 CapturePage = Callable[[int, int], None]  # (KV page, snapshot slot): copy the page's K/V of every layer into the slot
+CaptureState = Callable[["Lease", int], None]  # (lease, recurrent slot): copy the lease's live recurrent + conv state
 
 
 def _bookkept(method: F) -> F:
@@ -85,6 +107,10 @@ class Lease:
     snapshot `restore_slot` (pinned until `finish_restore`) into the private page h, and computing
     starts right after them (copy-on-partial-reuse: the snapshot itself is never written).
 
+    On a hybrid or pure recurrent deployment a hit is an exact checkpoint (layout in the module docstring):
+    `restore_recurrent_slot` is copied into the sequence's recurrent + conv state as well (both pinned until
+    `finish_restore`); None there means a cold start from a zero state. A pure recurrent lease holds no pages.
+
     `page_ids` grows with `try_grow`; `keys` are the chain keys of its full pages computed so far.
     """
 
@@ -102,20 +128,40 @@ class Lease:
     released: bool = False
     restore_slot: int | None = None  # partial-KV snapshot to copy into page_ids[reuse_tokens // T]
     restore_tokens: int = 0
+    restore_recurrent_slot: int | None = None  # recurrent snapshot to copy into the sequence's state
 
 
 class ContextCacheManager:
     def __init__(self, num_pages: int, tokens_per_page: int, *, enabled: bool,
-                 max_records: int = DEFAULT_MAX_RECORDS, partial_kv_snapshot_slots: int = 0) -> None:
+                 max_records: int = DEFAULT_MAX_RECORDS, partial_kv_snapshot_slots: int = 0,
+                 recurrent_snapshot_slots: int = 0, deployment: Deployment = Deployment.VANILLA) -> None:
         if max_records < 0:
             raise InvalidConfig(f"must be >= 0, got {max_records}", "context_cache_max_records")
+        deployment = Deployment(deployment)
+        checkpoints = deployment is not Deployment.VANILLA
+        # The engine checks budgets against the slot sizes first (its message names bytes); this guards the core.
+        if enabled and checkpoints and recurrent_snapshot_slots < 1:
+            raise InvalidConfig(f"a {deployment.value} deployment reuses only exact checkpoints and needs at least one "
+                                "recurrent snapshot slot", "context_cache_recurrent_snapshot_pool_bytes")
+        if enabled and deployment is Deployment.HYBRID and partial_kv_snapshot_slots < 1:
+            raise InvalidConfig("a hybrid deployment needs at least one partial-KV snapshot slot for checkpoints that "
+                                "end inside a page", "context_cache_partial_kv_snapshot_pool_bytes")
         self.enabled = enabled
         self.tokens_per_page = tokens_per_page
         self.max_records = max_records
-        self.pools = ResourcePools(num_pages, partial_kv_snapshot_slots if enabled else 0)
+        self.deployment = deployment
+        self.checkpoints = checkpoints  # exact-checkpoint reuse only (hybrid, pure recurrent)
+        self.paged = deployment is not Deployment.PURE_RECURRENT  # the sequence keeps K/V in pages
+        # Budgets a deployment cannot use are dropped (the engine decides whether passing one is an error).
+        partial = partial_kv_snapshot_slots if enabled and self.paged else 0
+        # A pure recurrent engine's build still names a KV pool size; nothing would ever use it, so its capacity is 0.
+        self.pools = ResourcePools(num_pages if self.paged else 0, partial,
+                                   recurrent_snapshot_slots if enabled and checkpoints else 0)
         self.pages = self.pools.base_kv_pages
         self.snapshots = self.pools.partial_kv_snapshots
+        self.recurrent_snapshots = self.pools.recurrent_snapshots
         self.capture_partial: CapturePage | None = None  # set by the engine with the snapshot store's copy
+        self.capture_recurrent: CaptureState | None = None  # set by the engine (hybrid, pure recurrent)
         self.index = PageIndex()
         self.records = RecordStore()
         self.metrics = CacheMetrics()
@@ -128,13 +174,13 @@ class ContextCacheManager:
 
     def fits_alone(self, num_tokens: int) -> bool:
         """Whether a sequence of `num_tokens` could run in this pool if nothing else held a page."""
-        return pages_for(num_tokens, self.tokens_per_page) <= self.pages.capacity
+        return not self.paged or pages_for(num_tokens, self.tokens_per_page) <= self.pages.capacity
 
     @_bookkept
     def prefix_in_flight(self, admission: Admission) -> bool:
         """True when the first page this admission would compute is being computed by a running sequence:
         waiting a few steps turns that page (and the ones after it) into hits instead of duplicate work."""
-        if not self._looks_up(admission) or not self._inflight:
+        if self.checkpoints or not self._looks_up(admission) or not self._inflight:
             return False
         keys = self._keys(admission)
         hits = self.index.lookup_longest(keys, np.asarray(admission.token_ids, dtype=np.int32), self.tokens_per_page)
@@ -152,16 +198,19 @@ class ContextCacheManager:
         keys: list[bytes] = []
         if lookup:
             keys = self._keys(admission)
-            plan = plan_reuse(len(tokens), self.tokens_per_page,
-                              self.index.lookup_longest(keys, tokens, self.tokens_per_page), admission.extras.media)
-            if self.snapshots.capacity:
-                plan = self._snapshot_hit(plan, tokens, keys, admission.extras)
+            if self.checkpoints:
+                plan = self._checkpoint_hit(tokens, keys, admission.extras)
+            else:
+                plan = plan_reuse(len(tokens), self.tokens_per_page,
+                                  self.index.lookup_longest(keys, tokens, self.tokens_per_page), admission.extras.media)
+                if self.snapshots.capacity:
+                    plan = self._snapshot_hit(plan, tokens, keys, admission.extras)
         else:
-            plan = plan_cold(len(tokens), self.tokens_per_page)
+            plan = plan_cold(len(tokens), self.tokens_per_page, paged=self.paged)
         lease = self._try_acquire(plan, admission.extras, may_publish=lookup)
         if lease is None and plan.hit_pages:
             # Pinned hits can leave too little to evict; a cold run may still fit (evicting those records).
-            lease = self._try_acquire(plan_cold(len(tokens), self.tokens_per_page), admission.extras,
+            lease = self._try_acquire(plan_cold(len(tokens), self.tokens_per_page, paged=self.paged), admission.extras,
                                       may_publish=False)
             if lease is not None:
                 lease.forced_cold = True
@@ -169,7 +218,7 @@ class ContextCacheManager:
             if not lease.forced_cold:
                 lease.keys = list(keys)  # publication reuses the prompt's keys instead of hashing twice
                 lease.indexed_pages = len(plan.hit_pages)
-            if lease.may_publish:
+            if lease.may_publish and not self.checkpoints:
                 indexable = len(tokens) if admission.indexable_tokens is None else admission.indexable_tokens
                 lease.indexable_pages = min(indexable, len(tokens)) // self.tokens_per_page
                 self._register_inflight(lease)
@@ -207,20 +256,52 @@ class ContextCacheManager:
         assert best[1].partial_slot is not None
         return with_snapshot(plan, best[1].partial_slot, best[0])
 
+    def _checkpoint_hit(self, tokens: np.ndarray, keys: list[bytes], extras: KeyExtras) -> ReusePlan:
+        """The longest exact checkpoint strictly shorter than `tokens`, or a cold plan. Walks this input's chain
+        keys from the deepest full page down to the root; at each, only the checkpoint lengths filed under that
+        page are candidates, each checked by its exact key, its tokens and (hybrid) its canonical pages."""
+        T = self.tokens_per_page
+        hits: list[int] | None = None  # the index's canonical pages for this input, looked up once if needed
+        for depth in range((len(tokens) - 1) // T, -1, -1):
+            anchor = keys[depth - 1] if depth else None
+            for length in self.records.checkpoint_lengths_after(anchor):
+                if length >= len(tokens) or any(m.start < length < m.start + m.length for m in extras.media):
+                    continue  # the whole input (one token must compute), or resuming inside a media span
+                key = tail_page_key(anchor or CHAIN_ROOT, tokens[:length], depth * T, extras) if length % T \
+                    else anchor
+                record = self.records.find(key) if key is not None else None
+                if record is None or not record.is_checkpoint or record.token_ids != tuple(tokens[:length].tolist()):
+                    continue
+                if self.paged:
+                    if hits is None:
+                        hits = self.index.lookup_longest(keys, tokens, T)
+                    if tuple(hits[:depth]) != record.page_ids:
+                        continue
+                return plan_checkpoint(len(tokens), T, paged=self.paged, length=length, hit_pages=record.page_ids,
+                                       recurrent_slot=record.recurrent_slot, partial_slot=record.partial_slot,
+                                       record_id=record.record_id)
+        return plan_checkpoint(len(tokens), T, paged=self.paged)
+
     def _try_acquire(self, plan: ReusePlan, extras: KeyExtras, may_publish: bool) -> Lease | None:
         self.pages.pin(plan.hit_pages)  # pin before evicting: the plan's own hits are never victims
         restore = () if plan.restore_slot is None else (plan.restore_slot,)
+        recurrent = () if plan.restore_recurrent_slot is None else (plan.restore_recurrent_slot,)
         self.snapshots.pin(restore)
+        self.recurrent_snapshots.pin(recurrent)
         victims = plan_eviction(Demand(base_kv_pages=plan.new_pages), self.pools, self.records.least_recent_first())
         if victims is None:
             self.pages.unpin(plan.hit_pages)
             self.snapshots.unpin(restore)
+            self.recurrent_snapshots.unpin(recurrent)
             return None
         self._evict(victims)
         private = self.pages.allocate(plan.new_pages)
         lease = Lease(extras, [*plan.hit_pages, *private], plan.reuse_tokens, plan.matched_tokens, plan.kind,
-                      may_publish, restore_slot=plan.restore_slot, restore_tokens=plan.restore_tokens)
-        if plan.restore_slot is not None:  # the snapshot's record is the endpoint this request extends
+                      may_publish, restore_slot=plan.restore_slot, restore_tokens=plan.restore_tokens,
+                      restore_recurrent_slot=plan.restore_recurrent_slot)
+        if plan.checkpoint_record is not None:  # the checkpoint this request resumes from stays resident longest
+            self.records.touch(plan.checkpoint_record)
+        elif plan.restore_slot is not None:  # the snapshot's record is the endpoint this request extends
             self.records.touch(self._snapshot_record(plan.restore_slot).record_id)
         elif plan.hit_pages:  # a hit refreshes the record it ends on, so reused documents stay resident
             record = self.records.find(self.index.key_of(plan.hit_pages[-1]))
@@ -234,12 +315,20 @@ class ContextCacheManager:
 
     @_bookkept
     def finish_restore(self, lease: Lease) -> None:
-        """The engine copied the lease's snapshot into its page: unpin the snapshot (its record keeps it)."""
-        if lease.restore_slot is None:
+        """The engine copied the lease's snapshots (partial page, recurrent state) in: unpin them (their record
+        keeps them). One restore per request, whatever it copied."""
+        if lease.restore_slot is None and lease.restore_recurrent_slot is None:
             return
-        self.snapshots.unpin([lease.restore_slot])
-        lease.restore_slot = None
+        self._unpin_restores(lease)
         self.metrics.restores += 1
+
+    def _unpin_restores(self, lease: Lease) -> None:
+        if lease.restore_slot is not None:
+            self.snapshots.unpin([lease.restore_slot])
+            lease.restore_slot = None
+        if lease.restore_recurrent_slot is not None:
+            self.recurrent_snapshots.unpin([lease.restore_recurrent_slot])
+            lease.restore_recurrent_slot = None
 
     def _register_inflight(self, lease: Lease) -> None:
         """Announce the full pages this lease will compute, so identical prefixes wait instead of duplicating."""
@@ -271,7 +360,7 @@ class ContextCacheManager:
         """Make the lease's pages cover positions [0, num_tokens), evicting records if needed; False (and
         nothing changed) when the pool cannot, so the scheduler can preempt another sequence and retry."""
         missing = pages_for(num_tokens, self.tokens_per_page) - len(lease.page_ids)
-        if missing <= 0:
+        if missing <= 0 or not self.paged:
             return True
         victims = plan_eviction(Demand(base_kv_pages=missing), self.pools, self.records.least_recent_first())
         if victims is None:
@@ -287,8 +376,8 @@ class ContextCacheManager:
         """Index the lease's full pages among its first `num_computed` tokens (up to its indexable limit), so
         a request arriving mid-prefill hits the chunks already done. No record: the pages stay pinned by
         the lease, and a lease released without publishing takes them back with it."""
-        if not (self.enabled and lease.may_publish):
-            return
+        if not (self.enabled and lease.may_publish) or self.checkpoints:
+            return  # a checkpoint deployment never uses a bare page hit: its pages are indexed on publication
         upto = min(num_computed // self.tokens_per_page, lease.indexable_pages, len(lease.page_ids))
         if upto <= lease.indexed_pages:
             return
@@ -304,16 +393,22 @@ class ContextCacheManager:
         lease.indexed_pages = upto
 
     @_bookkept
-    def publish(self, lease: Lease, token_ids: list[int] | np.ndarray) -> str:
+    def publish(self, lease: Lease, token_ids: list[int] | np.ndarray, boundary: bool = False) -> str:
         """Publish `token_ids` (tokens whose K/V the lease's pages hold) as one record: its full pages, and
-        with a snapshot pool a copy of the partial tail page (an exact checkpoint).
+        with a snapshot pool a copy of the partial tail page (an exact checkpoint). On a hybrid or pure
+        recurrent deployment every publication is an exact checkpoint (`_publish_checkpoint`); the lease must
+        have computed exactly `token_ids` at that moment, so a chunk that runs past a capture point (e.g. a
+        recompute after preemption crossing the prompt's end) must not publish that point: the live state would
+        be filed under a shorter key. `boundary` marks a mid-sequence capture (metrics only).
 
         Returns "committed" (new record), "existing" (same endpoint already cached: touched) or
-        "skipped" (publication not allowed, or nothing to publish).
+        "skipped" (publication not allowed, nothing to publish, or no snapshot slot for a checkpoint).
         """
         if not (self.enabled and lease.may_publish):
             return "skipped"
         tokens = np.asarray(token_ids, dtype=np.int32)
+        if self.checkpoints:
+            return self._publish_checkpoint(lease, tokens, boundary)
         T = self.tokens_per_page
         num_pages = min(len(tokens) // T, len(lease.page_ids))
         tail = len(tokens) - num_pages * T if len(lease.page_ids) > num_pages else 0
@@ -369,13 +464,76 @@ class ContextCacheManager:
             self._evict([self.records.oldest_id()])
         return "committed"
 
+    def _publish_checkpoint(self, lease: Lease, tokens: np.ndarray, boundary: bool) -> str:
+        """Capture the lease's state after exactly len(tokens) tokens as a checkpoint record: a recurrent snapshot,
+        a partial-KV snapshot of the tail page when hybrid and unaligned, and (hybrid) its canonical full pages.
+        Snapshot slots are reserved first (evicting LRU records that hold some), so the eviction can never free a
+        canonical page this record is about to reference; no slot means skipped and counted, never an error."""
+        T = self.tokens_per_page
+        full, tail = divmod(len(tokens), T)
+        if not len(tokens) or (self.paged and len(lease.page_ids) < pages_for(len(tokens), T)):
+            return "skipped"
+        self._extend_keys(lease, tokens, full)
+        keys = lease.keys[:full]
+        key = tail_page_key(keys[-1] if keys else CHAIN_ROOT, tokens, full * T, lease.extras) if tail else keys[-1]
+        self.metrics.publication_attempts += 1
+        existing = self.records.find(key)
+        if existing is not None:
+            self.records.touch(existing.record_id)
+            self.metrics.publications_existing += 1
+            return "existing"
+        partial = self.paged and tail > 0
+        if not self._reserve(Demand(recurrent_snapshots=1, partial_kv_snapshots=int(partial))):
+            self.metrics.snapshot_pressure_skips += 1
+            return "skipped"
+        [recurrent_slot] = self.recurrent_snapshots.allocate(1)
+        partial_slot = self.snapshots.allocate(1)[0] if partial else None
+        canonical = self._canonical_pages(lease, tokens, keys) if self.paged else []
+        if self.paged and len(canonical) < full:  # a key held different tokens (a hash collision): keep nothing
+            self._drop_reserved(recurrent_slot, partial_slot)
+            return "skipped"
+        assert self.capture_recurrent is not None, "the engine sets capture_recurrent before publishing"
+        self.capture_recurrent(lease, recurrent_slot)
+        if partial_slot is not None:
+            assert self.capture_partial is not None, "the engine sets capture_partial on a hybrid deployment"
+            self.capture_partial(lease.page_ids[full], partial_slot)
+        self.metrics.capture_synchronizations += 1  # one wait for the call that wrote the state, whatever it copies
+        if boundary:
+            self.metrics.boundary_captures += 1
+        else:
+            self.metrics.endpoint_captures += 1
+        record = Record(self.records.new_id(), tuple(keys), tuple(canonical), tuple(tokens.tolist()), lease.extras,
+                        key if tail else b"", partial_slot, recurrent_slot)
+        self.recurrent_snapshots.add_cache_ref([recurrent_slot])
+        self.recurrent_snapshots.unpin([recurrent_slot])
+        if partial_slot is not None:
+            self.snapshots.add_cache_ref([partial_slot])
+            self.snapshots.unpin([partial_slot])
+        self.pages.add_cache_ref(record.page_ids)
+        self.records.insert(record)
+        self.metrics.publications_committed += 1
+        while len(self.records) > self.max_records:
+            self._evict([self.records.oldest_id()])
+        return "committed"
+
+    def _reserve(self, demand: Demand) -> bool:
+        """Make `demand` allocatable by evicting least recently used records; False when pins forbid it."""
+        victims = plan_eviction(demand, self.pools, self.records.least_recent_first())
+        if victims is None:
+            return False
+        self._evict(victims)
+        return True
+
+    def _drop_reserved(self, recurrent_slot: int, partial_slot: int | None) -> None:
+        self.recurrent_snapshots.unpin([recurrent_slot])
+        if partial_slot is not None:
+            self.snapshots.unpin([partial_slot])
+
     def _reserve_snapshot(self) -> int | None:
         """A free snapshot slot (pinned), evicting the least recently used records holding snapshots if none
         is free; None when every slot is pinned by a restore in flight."""
-        victims = plan_eviction(Demand(partial_kv_snapshots=1), self.pools, self.records.least_recent_first())
-        if victims is None:
+        if not self._reserve(Demand(partial_kv_snapshots=1)):
             return None
-        self._evict(victims)
         return self.snapshots.allocate(1)[0]
 
     def _extend_keys(self, lease: Lease, tokens: np.ndarray, num_pages: int) -> None:
@@ -411,9 +569,7 @@ class ContextCacheManager:
             if self._inflight.get(key) is lease:
                 del self._inflight[key]
         lease.inflight_keys.clear()
-        if lease.restore_slot is not None:  # admitted but never run: the snapshot was not copied
-            self.snapshots.unpin([lease.restore_slot])
-            lease.restore_slot = None
+        self._unpin_restores(lease)  # admitted but never run: the snapshots were not copied
         self.pages.unpin(lease.page_ids)
 
     def _evict(self, record_ids: list[int]) -> None:
@@ -434,21 +590,30 @@ class ContextCacheManager:
         active = {pool.name: [0] * pool.capacity for pool in self.pools}
         cache = {pool.name: [0] * pool.capacity for pool in self.pools}
         for lease in self.leases:
+            assert self.paged or not lease.page_ids, "a pure recurrent lease holds no pages"
             for page in lease.page_ids:
                 active[BASE_KV_PAGES][page] += 1
             if lease.restore_slot is not None:
                 active[self.snapshots.name][lease.restore_slot] += 1
+            if lease.restore_recurrent_slot is not None:
+                active[self.recurrent_snapshots.name][lease.restore_recurrent_slot] += 1
         for record in self.records.least_recent_first():
-            assert len(record.page_ids) == len(record.keys)
+            assert len(record.page_ids) == (len(record.keys) if self.paged else 0)
             assert page_keys(record.token_ids, T, record.extras) == list(record.keys)
             tokens = np.asarray(record.token_ids, dtype=np.int32)
-            for i, (key, page) in enumerate(zip(record.keys, record.page_ids, strict=True)):
+            for i, (key, page) in enumerate(zip(record.keys, record.page_ids, strict=False)):
                 assert self.index.canonical(key, page_token_bytes(tokens, i, T)) == page
             tail = len(tokens) - len(record.keys) * T
-            if record.partial_slot is None:
+            assert record.is_checkpoint == self.checkpoints, "checkpoint deployments keep only checkpoints"
+            if self.checkpoints:  # an exact checkpoint: keyed at its exact length, partial slot iff hybrid unaligned
+                assert 0 <= tail < T and (record.partial_slot is not None) == (self.paged and tail > 0)
+                assert len(record.keys) + bool(record.tail_key) > 0 and bool(record.tail_key) == (tail > 0)
+                assert len(tokens) in self.records.checkpoint_lengths_after(record.parent_key)
+            elif record.partial_slot is None:
                 assert tail == 0 and not record.tail_key
             else:
                 assert 0 < tail < T, "a snapshot holds a partial tail page"
+            if record.tail_key:
                 parent = record.keys[-1] if record.keys else CHAIN_ROOT
                 assert record.tail_key == tail_page_key(parent, tokens, len(tokens) - tail, record.extras)
             assert self.records.find(record.terminal_key) is record
@@ -466,4 +631,6 @@ class ContextCacheManager:
             assert entry.page not in free, "an index entry points at a free page"
         for key, lease in self._inflight.items():
             assert lease in self.leases and not self.index.contains(key), "a stale in-flight key"
+        assert self.paged or (len(self.index) == 0 and self.pages.capacity == 0), "pure recurrent: no KV pages"
+        assert not self.checkpoints or not self._inflight, "checkpoint deployments index nothing in flight"
         assert len(self.records) <= self.max_records or not self.enabled

@@ -25,6 +25,8 @@ class CacheMetrics:
     restores: int = 0  # partial-KV snapshots copied into a request's page
     snapshot_pressure_skips: int = 0  # captures skipped: no snapshot slot could be freed
     capture_synchronizations: int = 0  # captures, each a copy that waits for the engine call that wrote the page
+    boundary_captures: int = 0  # checkpoints captured mid-sequence (chat-message boundary, interval): benchmarks only
+    endpoint_captures: int = 0  # checkpoints captured at a prefill or decode end: benchmarks only
     records_evicted: int = 0
     reclaimed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(schema.POOL_KEYS, 0))
 

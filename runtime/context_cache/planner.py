@@ -1,7 +1,8 @@
-"""Reuse planning for attention-only models: pure functions from a lookup result to a plan.
+"""Reuse planning: pure functions from a lookup result to a plan.
 
-Plans are page-aligned, except that a partial-KV snapshot of a record's tail page can extend the reuse to
-the exact token right after the last reused full page (copy-on-partial-reuse into the lease's own page).
+Attention-only plans are page-aligned, except that a partial-KV snapshot of a record's tail page can extend the
+reuse to the exact token right after the last reused full page (copy-on-partial-reuse into the lease's own page).
+Hybrid and pure recurrent plans resume from an exact checkpoint (`plan_checkpoint`) or start cold.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ class ReusePlan:
     new_pages: int  # private pages to allocate for the rest of the input
     restore_slot: int | None = None  # partial-KV snapshot copied into the first private page
     restore_tokens: int = 0  # tokens that snapshot holds (reuse_tokens includes them)
+    restore_recurrent_slot: int | None = None  # recurrent snapshot copied into the sequence's state
+    checkpoint_record: int | None = None  # the record the plan resumes from (touched on admission)
 
 
 def plan_reuse(num_tokens: int, tokens_per_page: int, matched_pages: Sequence[int],
@@ -58,9 +61,22 @@ def media_safe_pages(num_pages: int, tokens_per_page: int, media: Sequence[Media
     return num_pages
 
 
-def plan_cold(num_tokens: int, tokens_per_page: int) -> ReusePlan:
-    """No lookup (bypass policy, warmup, or a forced-cold retry): every page private."""
-    return ReusePlan(PLAN_BYPASS, 0, 0, (), pages_for(num_tokens, tokens_per_page))
+def plan_cold(num_tokens: int, tokens_per_page: int, *, paged: bool = True) -> ReusePlan:
+    """No lookup (bypass policy, warmup, or a forced-cold retry): every page private (none without KV pages)."""
+    return ReusePlan(PLAN_BYPASS, 0, 0, (), pages_for(num_tokens, tokens_per_page) if paged else 0)
+
+
+def plan_checkpoint(num_tokens: int, tokens_per_page: int, *, paged: bool, length: int = 0,
+                    hit_pages: Sequence[int] = (), recurrent_slot: int | None = None, partial_slot: int | None = None,
+                    record_id: int | None = None) -> ReusePlan:
+    """Resume from an exact checkpoint of `length` tokens (hybrid: its full pages as hits, its partial page restored
+    into the first private one), or, without a recurrent slot, start cold (the engine zeroes the state)."""
+    total_pages = pages_for(num_tokens, tokens_per_page) if paged else 0
+    if recurrent_slot is None:
+        return ReusePlan(PLAN_NO_REUSABLE_PREFIX, 0, 0, (), total_pages)
+    restore_tokens = length % tokens_per_page if partial_slot is not None else 0
+    return ReusePlan(PLAN_STANDARD, length, length, tuple(hit_pages), total_pages - len(hit_pages), partial_slot,
+                     restore_tokens, recurrent_slot, record_id)
 
 
 def with_snapshot(plan: ReusePlan, slot: int, tail_tokens: int) -> ReusePlan:

@@ -1,9 +1,9 @@
-"""Resource pools per state type (KV pages, partial-KV snapshots) behind one coordinator that plans and counts them.
+"""Resource pools per state type (KV pages, recurrent and partial-KV snapshots) behind one planning coordinator.
 
 Every pool has the same refcount discipline: `active` refs pin a slot for an in-flight request, `cache` refs
 are held by published records, and a slot returns to its free list only when both are zero. What differs
-per type is what a slot holds (a KV page in the runner's pool, or a copy of one in the snapshot store) and
-who asks for it (a lease's pages, a publication's snapshot).
+per type is what a slot holds (a KV page in the runner's pool, a copy of one in the snapshot store, or a copy of
+one sequence's recurrent + conv state) and who asks for it (a lease's pages, a publication's snapshots).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from kvforge.contract.profile_schema import (  # noqa: F401 - pool names re-expo
     PARTIAL_KV_SNAPSHOTS,
     POOL_CAPACITY,
     POOL_FREE,
+    RECURRENT_SNAPSHOTS,
 )
 
 
@@ -97,9 +98,11 @@ class Demand:
 
     base_kv_pages: int = 0
     partial_kv_snapshots: int = 0
+    recurrent_snapshots: int = 0
 
     def per_pool(self) -> dict[str, int]:
-        return {BASE_KV_PAGES: self.base_kv_pages, PARTIAL_KV_SNAPSHOTS: self.partial_kv_snapshots}
+        return {BASE_KV_PAGES: self.base_kv_pages, PARTIAL_KV_SNAPSHOTS: self.partial_kv_snapshots,
+                RECURRENT_SNAPSHOTS: self.recurrent_snapshots}
 
 
 class ResourcePools:
@@ -109,20 +112,20 @@ class ResourcePools:
     profile with its real zeros and never asked for anything.
     """
 
-    __slots__ = ("base_kv_pages", "partial_kv_snapshots")
+    __slots__ = ("base_kv_pages", "partial_kv_snapshots", "recurrent_snapshots", "_by_name")
 
-    def __init__(self, num_pages: int, partial_kv_snapshot_slots: int = 0) -> None:
+    def __init__(self, num_pages: int, partial_kv_snapshot_slots: int = 0, recurrent_snapshot_slots: int = 0) -> None:
         self.base_kv_pages = ResourcePool(BASE_KV_PAGES, num_pages)
         self.partial_kv_snapshots = ResourcePool(PARTIAL_KV_SNAPSHOTS, partial_kv_snapshot_slots)
+        self.recurrent_snapshots = ResourcePool(RECURRENT_SNAPSHOTS, recurrent_snapshot_slots)
+        self._by_name = {pool.name: pool for pool in (self.base_kv_pages, self.partial_kv_snapshots,
+                                                       self.recurrent_snapshots)}
 
     def __iter__(self) -> Iterator[ResourcePool]:
-        return iter((self.base_kv_pages, self.partial_kv_snapshots))
+        return iter(self._by_name.values())
 
     def __getitem__(self, name: str) -> ResourcePool:
-        for pool in self:
-            if pool.name == name:
-                return pool
-        raise KeyError(name)
+        return self._by_name[name]
 
     def missing(self, demand: Demand) -> dict[str, int]:
         """Slots to reclaim per pool before `demand` can be allocated (only pools that are short)."""
