@@ -11,6 +11,8 @@ PYTEST_ARGS ?=
 # "llm_test"). The files' engine_specific counters are measured on these page sizes.
 LLM_TEST_TINY ?= mxsl4096-mxbs4-mxil3072-mxlr8-tpp16
 LLM_TEST_SMOLLM2 ?= mxsl2048-mxbs2-mxil1024-mxlr8-tpp64
+# Recurrent engines have no LoRA inputs (so no mxlr); the LoRA file is not run on them.
+LLM_TEST_TINY_RECURRENT ?= mxsl4096-mxbs4-mxil3072-tpp16
 LLM_TEST = $(BIN)/llm_test --cacheDir $(OUT)/llm_test/engines --numThreads $(THREADS)
 
 .PHONY: install demo test test-slow llm-test lint bench bench-reuse bench-lora bench-scheduling bench-quality \
@@ -69,6 +71,9 @@ $(OUT)/onnx/tiny-idefics3/config.json: $(VENV)/.installed
 $(OUT)/engines/tiny-idefics3-visual/config.json: $(OUT)/onnx/tiny-idefics3/config.json
 	$(BIN)/llm_build --onnxDir $(OUT)/onnx/tiny-idefics3/visual --engineDir $(OUT)/engines/tiny-idefics3-visual
 
+$(OUT)/onnx/tiny-mamba2/config.json: $(VENV)/.installed
+	$(BIN)/llm_export --synthetic tiny-mamba2 --outputDir $(OUT)/onnx/tiny-mamba2
+
 $(OUT)/onnx/tiny-qwen2-audio/config.json: $(VENV)/.installed
 	$(BIN)/llm_export --synthetic tiny-qwen2-audio --outputDir $(OUT)/onnx/tiny-qwen2-audio
 
@@ -78,7 +83,8 @@ $(OUT)/engines/tiny-qwen2-audio-audio/config.json: $(OUT)/onnx/tiny-qwen2-audio/
 # Every test case with the checks it declares, on the synthetic model and on SmolLM2 (JUnit XML, JSON: $(OUT)/llm_test);
 # media files (vlm_*, audio_*) are skipped there and run on the tiny SmolVLM / Qwen2-Audio with their encoders.
 llm-test: $(OUT)/adapters/tiny-llama/classifier.safetensors $(OUT)/adapters/smollm2/classifier.safetensors \
-		$(OUT)/engines/tiny-idefics3-visual/config.json $(OUT)/engines/tiny-qwen2-audio-audio/config.json
+		$(OUT)/engines/tiny-idefics3-visual/config.json $(OUT)/engines/tiny-qwen2-audio-audio/config.json \
+		$(OUT)/onnx/tiny-mamba2/config.json
 	mkdir -p $(OUT)/llm_test
 	$(LLM_TEST) --onnxDir $(OUT)/onnx/tiny-idefics3 --config $(LLM_TEST_TINY) \
 		--multimodalEngineDir $(OUT)/engines/tiny-idefics3-visual \
@@ -87,6 +93,10 @@ llm-test: $(OUT)/adapters/tiny-llama/classifier.safetensors $(OUT)/adapters/smol
 		--multimodalEngineDir $(OUT)/engines/tiny-qwen2-audio-audio \
 		--junitXml $(OUT)/llm_test/tiny-qwen2-audio.xml --jsonReport $(OUT)/llm_test/tiny-qwen2-audio.json \
 		test_cases/audio_*.json
+	$(LLM_TEST) --onnxDir $(OUT)/onnx/tiny-mamba2 --config $(LLM_TEST_TINY_RECURRENT) \
+		--junitXml $(OUT)/llm_test/tiny-mamba2.xml --jsonReport $(OUT)/llm_test/tiny-mamba2.json \
+		test_cases/llm_basic.json test_cases/llm_context_reuse.json test_cases/llm_multiturn_reuse.json \
+		test_cases/hybrid_context_reuse.json
 	$(LLM_TEST) --onnxDir $(OUT)/onnx/tiny-llama --config $(LLM_TEST_TINY) --loraWeightsDir $(OUT)/adapters/tiny-llama \
 		--junitXml $(OUT)/llm_test/tiny-llama.xml --jsonReport $(OUT)/llm_test/tiny-llama.json test_cases/*.json
 	$(LLM_TEST) --onnxDir $(OUT)/onnx/smollm2 --config $(LLM_TEST_SMOLLM2) --loraWeightsDir $(OUT)/adapters/smollm2 \
