@@ -4,7 +4,8 @@ The conv is one grouped Conv over [carried state | new inputs]; the new conv sta
 row's own length. The selective scan is an ONNX Scan over the sequence axis carrying the [B,H,P,N] state:
 everything that does not depend on the state (softplus, decay, dt * x, group-to-head broadcast) is computed
 for all positions before the loop, and padded positions get decay 1 and input 0, so the carried state
-stops at each row's last real token without a branch in the loop body.
+stops at each row's last real token without a branch in the loop body. The gated delta rule is lowered the
+same way (padding gets decay 1 and beta 0, which leaves the state as it was).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ def _attr(node: onnx.NodeProto, name: str) -> int:
 
 
 def lower_recurrent_ops(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Replace every kvforge CausalConv1dWithState / SelectiveScan node in place (other nodes untouched)."""
+    """Replace every kvforge CausalConv1dWithState / SelectiveScan / GatedDeltaRule node in place (other nodes
+    untouched)."""
     g = GraphWriter(prefix="recurrent/")
     nodes: list[onnx.NodeProto] = []
     for node in model.graph.node:
@@ -31,6 +33,8 @@ def lower_recurrent_ops(model: onnx.ModelProto) -> onnx.ModelProto:
             lower_causal_conv(g, node)
         elif node.domain == ops.DOMAIN and node.op_type == recurrent.SELECTIVE_SCAN.name:
             lower_selective_scan(g, node)
+        elif node.domain == ops.DOMAIN and node.op_type == recurrent.GATED_DELTA_RULE.name:
+            lower_gated_delta_rule(g, node)
         else:
             nodes.append(node)
             continue
@@ -107,3 +111,40 @@ def lower_selective_scan(g: GraphWriter, node: onnx.NodeProto) -> None:
     skip = g.mul(xh, g.unsqueeze(d, [1]))
     y = g.mul(g.add(ys, skip), g.unsqueeze(mask, [2, 3]))
     g.op("Reshape", [y, g.const([0, 0, heads * head_dim])], outputs=[y_out])
+
+
+def lower_gated_delta_rule(g: GraphWriter, node: onnx.NodeProto) -> None:
+    q, k, v, log_decay, beta, context_lengths, state = node.input
+    y_out, state_out = node.output
+    k_heads, v_heads = _attr(node, "num_k_heads"), _attr(node, "num_v_heads")
+    k_dim, v_dim = _attr(node, "k_head_dim"), _attr(node, "v_head_dim")
+    valid = g.unsqueeze(_valid(g, q, context_lengths), [2])  # [B, S, 1]
+    decay = g.op("Where", [valid, g.op("Exp", [log_decay]), g.const(1.0, np.float32)])  # padding keeps the state
+    gain = g.op("Where", [valid, beta, g.const(0.0, np.float32)])  # ... and writes nothing into it
+
+    def per_value_head(t: str) -> str:  # [B, S, Hk*Dk] -> [B, S, Hv, Dk]: value head h reads key head h // (Hv/Hk)
+        grouped = g.reshape(t, [0, 0, k_heads, 1, k_dim])
+        spread = g.op("Expand", [grouped, g.const([1, 1, 1, v_heads // k_heads, 1])])
+        return g.reshape(spread, [0, 0, v_heads, k_dim])
+
+    body = GraphWriter(prefix="recurrent/delta/")
+    s, decay_t, q_t, k_t, v_t, beta_t = (body.fresh(n) for n in ("s", "decay", "q", "k", "v", "beta"))
+    decayed = body.mul(s, body.unsqueeze(decay_t, [2, 3]))  # [B, H, Dv, Dk]
+    recalled = body.op("Squeeze", [body.matmul(decayed, body.unsqueeze(k_t, [3])), body.const([3])])  # S k: [B,H,Dv]
+    delta = body.mul(body.op("Sub", [v_t, recalled]), body.unsqueeze(beta_t, [2]))
+    s_next = body.add(decayed, body.mul(body.unsqueeze(delta, [3]), body.unsqueeze(k_t, [2])))
+    y_t = body.op("Squeeze", [body.matmul(s_next, body.unsqueeze(q_t, [3])), body.const([3])])
+    s_out = body.op("Identity", [s_next])
+    step = helper.make_graph(
+        body.nodes, "gated_delta_step",
+        [value_info(s, FLOAT, ["B", v_heads, v_dim, k_dim]), value_info(decay_t, FLOAT, ["B", v_heads]),
+         value_info(q_t, FLOAT, ["B", v_heads, k_dim]), value_info(k_t, FLOAT, ["B", v_heads, k_dim]),
+         value_info(v_t, FLOAT, ["B", v_heads, v_dim]), value_info(beta_t, FLOAT, ["B", v_heads])],
+        [value_info(s_out, FLOAT, ["B", v_heads, v_dim, k_dim]), value_info(y_t, FLOAT, ["B", v_heads, v_dim])],
+        initializer=body.initializers)
+    final, ys = g.op("Scan", [state, decay, per_value_head(q), per_value_head(k),
+                              g.reshape(v, [0, 0, v_heads, v_dim]), gain],
+                     n_out=2, body=step, num_scan_inputs=5, scan_input_axes=[1] * 5, scan_output_axes=[1])
+    g.op("Identity", [final], outputs=[state_out])
+    masked = g.mul(ys, g.unsqueeze(g.cast(valid, FLOAT), [3]))  # [B, S, Hv, Dv], 0 on padding
+    g.op("Reshape", [masked, g.const([0, 0, v_heads * v_dim])], outputs=[y_out])
