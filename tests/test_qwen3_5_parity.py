@@ -240,7 +240,8 @@ def test_llm_export_and_llm_build_of_the_tiny_hybrid(run_cli, tmp_path: Path) ->
     export = run_cli(["llm_export", "--synthetic", "tiny-qwen3_5", "--outputDir", tmp_path / "onnx"])
     assert export.returncode == 0, export.stderr
     build = run_cli(["llm_build", "--onnxDir", tmp_path / "onnx", "--engineDir", tmp_path / "engine",
-                     "--reuseRecords", "4", "--tokensPerPage", "16", "--maxKVCacheCapacity", "256"])
+                     "--reuseRecords", "4", "--tokensPerPage", "16", "--maxKVCacheCapacity", "256",
+                     "--maxInputLen", "128"])
     assert build.returncode == 0, build.stderr
     config = synthetic_model("tiny-qwen3_5").config
     recurrent_slot = recurrent_bytes_per_slot(len(config.recurrent_layer_ids), config.recurrent_state_num_heads,
@@ -262,6 +263,11 @@ def test_llm_export_and_llm_build_of_the_tiny_hybrid(run_cli, tmp_path: Path) ->
     assert not any(n.domain == "kvforge" for n in lowered.graph.node)
     pools = sorted(i.name for i in lowered.graph.input if i.name.startswith("past_key_values_"))
     assert pools == [f"past_key_values_{i}" for i in config.attention_layer_ids]
+    engine = ort.InferenceSession(str(tmp_path / "engine" / "model.onnx"), providers=["CPUExecutionProvider"])
+    shapes = {i.name: i.shape for i in engine.get_inputs()}
+    assert shapes["past_key_values_1"] == [4 * 16, 2, config.num_key_value_heads, 16, config.head_dim]
+    assert shapes["recurrent_state_0"][1:] == [config.recurrent_state_num_heads, config.recurrent_state_head_dim,
+                                               config.recurrent_state_size]
     lora = run_cli(["llm_build", "--onnxDir", tmp_path / "onnx", "--engineDir", tmp_path / "engine2",
                     "--maxLoraRank", "8"])
     assert_one_line_error(lora, "--maxLoraRank")
