@@ -204,6 +204,30 @@ def test_hf_checkpoint_dir_exports_and_matches_transformers(tmp_path: Path, mode
     np.testing.assert_allclose(run.step([IDS[6:]])[0], reference(hf, IDS), atol=TOL, rtol=0)
 
 
+def test_vision_language_checkpoint_dir_exports_its_text_model(tmp_path: Path) -> None:
+    """A `qwen3_5` dir (Qwen3_5ForConditionalGeneration, what Qwen ships): the text model under
+    model.language_model.*, the vision tower skipped; text-only logits match the full model's."""
+    from kvforge.tools.export.hf_source import load_hf_dir
+    from kvforge.tools.export.synthetic import byte_level_tokenizer
+    from kvforge.tools.export.writer import write_onnx_dir
+
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
+                  num_position_embeddings=16)
+    torch.manual_seed(1)
+    hf = randomised(transformers.Qwen3_5ForConditionalGeneration(
+        transformers.Qwen3_5Config(text_config=hf_config().to_dict(), vision_config=vision)))
+    checkpoint = tmp_path / "hf"
+    hf.save_pretrained(checkpoint, safe_serialization=True)
+    byte_level_tokenizer().save(str(checkpoint / "tokenizer.json"))
+    loaded = load_hf_dir(checkpoint, kv_cache_dtype="fp32")
+    assert loaded.config.model == "qwen3_5" and not any("visual" in name for name in loaded.weights)
+    write_onnx_dir(loaded, tmp_path / "onnx")
+    config, session = exported(tmp_path / "onnx")
+    run = Sequences(config, session, loaded.weights["model.embed_tokens.weight"], 1)
+    run.step([IDS[:8]])
+    np.testing.assert_allclose(run.step([IDS[8:]])[0], reference(hf, IDS), atol=TOL, rtol=0)
+
+
 def test_synthetic_tiny_qwen3_5_matches_transformers(tmp_path: Path) -> None:
     from kvforge.tools.export.synthetic import synthetic_model
     from kvforge.tools.export.writer import write_onnx_dir

@@ -26,7 +26,11 @@ _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 def text_config(hf: dict[str, Any]) -> dict[str, Any]:
     """The text model's HF config: `text_config` of a `qwen3_5` dir, else the dir's own."""
     nested = hf.get("text_config")
-    return {**nested, "model_type": "qwen3_5_text"} if isinstance(nested, dict) else hf
+    if not isinstance(nested, dict):
+        return hf
+    # The outer config decides whether the LM head is the embedding (its lm_head sits outside the text model).
+    return {**nested, "model_type": "qwen3_5_text",
+            "tie_word_embeddings": hf.get("tie_word_embeddings", nested.get("tie_word_embeddings", False))}
 
 
 def config_from_hf(hf: dict[str, Any], **common: Any) -> ModelConfig:
