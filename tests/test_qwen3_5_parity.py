@@ -295,3 +295,23 @@ def test_llm_export_and_llm_build_of_the_tiny_hybrid(run_cli, tmp_path: Path) ->
     lora = run_cli(["llm_build", "--onnxDir", tmp_path / "onnx", "--engineDir", tmp_path / "engine2",
                     "--maxLoraRank", "8"])
     assert_one_line_error(lora, "--maxLoraRank")
+
+
+def test_unsupported_qwen3_5_settings_are_refused_in_one_line(run_cli, tmp_path: Path, models: tuple) -> None:
+    from test_cli_errors import assert_one_line_error
+
+    from kvforge.tools.export.synthetic import byte_level_tokenizer
+
+    quantized = run_cli(["llm_export", "--synthetic", "tiny-qwen3_5", "--outputDir", tmp_path / "q",
+                         "--quantization", "int4"])
+    assert_one_line_error(quantized, "--quantization", "qwen3_5", "none")
+    checkpoint = tmp_path / "hf"
+    models[0].save_pretrained(checkpoint, safe_serialization=True)
+    byte_level_tokenizer().save(str(checkpoint / "tokenizer.json"))
+    hf = json.loads((checkpoint / "config.json").read_text())
+    for change, needle in ((dict(layer_types=["sliding_attention"] * 4), "sliding_attention"),
+                           (dict(layer_types=["full_attention"] * 4), "mixes"),
+                           (dict(attention_bias=True), "attention_bias")):
+        (checkpoint / "config.json").write_text(json.dumps({**hf, **change}))
+        export = run_cli(["llm_export", checkpoint, "--outputDir", tmp_path / "onnx"])
+        assert_one_line_error(export, needle)
