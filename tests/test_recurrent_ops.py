@@ -144,8 +144,10 @@ def delta_inputs(batch: int, seq: int, seed: int) -> dict[str, np.ndarray]:
             "recurrent_state": r.standard_normal((batch, HV, DV, DK)).astype(np.float32)}
 
 
-@pytest.fixture(scope="module")
-def delta_session() -> ort.InferenceSession:
+@pytest.fixture(scope="module", params=[0, 4, 64], ids=["per_token", "chunks_of_4", "chunks_of_64"])
+def delta_session(request: pytest.FixtureRequest) -> ort.InferenceSession:
+    """The per-token Scan (chunk 0) and the chunked form: chunks of 4 split the 8-10 token calls into several chunks
+    and pad the last; chunks of 64 hold a whole call in one."""
     node = helper.make_node(recurrent.GATED_DELTA_RULE.name, ["q", "k", "v", "g", "beta", "context_lengths",
                                                               "recurrent_state"],
                             ["y", "new_recurrent_state"], domain=ops.DOMAIN, **DELTA_ATTRS)
@@ -157,8 +159,9 @@ def delta_session() -> ort.InferenceSession:
         [value_info("y", FLOAT, ["B", "S", HV * DV]), value_info("new_recurrent_state", FLOAT, ["B", HV, DV, DK])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
                                                     helper.make_opsetid(ops.DOMAIN, ops.OPSET_VERSION)])
-    lowered = lower_recurrent_ops(model)
+    lowered = lower_recurrent_ops(model, delta_chunk=request.param)
     assert not any(n.domain == ops.DOMAIN for n in lowered.graph.node)
+    assert any(n.op_type == "If" for n in lowered.graph.node) == bool(request.param)
     onnx.checker.check_model(lowered)
     return ort.InferenceSession(lowered.SerializeToString(), providers=["CPUExecutionProvider"])
 
@@ -189,6 +192,10 @@ def test_gated_delta_chunks_continue_from_the_carried_state(delta_session: ort.I
                        np.array([6]))
     np.testing.assert_allclose(np.concatenate([first[0], second[0]], axis=1), whole[0], atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(second[1], whole[1], atol=1e-5, rtol=1e-5)
+    one = run_delta(delta_session, {**{n: data[n][:, 9:] for n in sequence}, "recurrent_state": run_delta(
+        delta_session, {**data, **{n: data[n][:, :9] for n in sequence}}, np.array([9]))[1]}, np.array([1]))
+    np.testing.assert_allclose(one[0][:, 0], whole[0][:, 9], atol=1e-5, rtol=1e-5)  # decode after a prefill
+    np.testing.assert_allclose(one[1], whole[1], atol=1e-5, rtol=1e-5)
 
 
 def test_gated_delta_reference_matches_transformers() -> None:
