@@ -98,14 +98,17 @@ def resolve_backend(backend: str) -> str:
 
 
 def memory_plan(config: ModelConfig, geometry: PageGeometry) -> MemoryPlan:
+    """The KV pool over the attention layers (none on a pure recurrent model) and the snapshot slot sizes: a
+    partial-KV slot is a K+V page per attention layer, a recurrent slot every recurrent layer's states."""
+    recurrent = recurrent_bytes_per_slot(
+        len(config.recurrent_layer_ids), config.recurrent_state_num_heads, config.recurrent_state_head_dim,
+        config.recurrent_state_size, config.conv_dim, config.conv_kernel) if config.recurrent_layer_ids else 0
     if config.is_recurrent:
-        return MemoryPlan(0, 0, 0, 0, recurrent_bytes_per_slot(
-            config.num_hidden_layers, config.recurrent_state_num_heads, config.recurrent_state_head_dim,
-            config.recurrent_state_size, config.conv_dim, config.conv_kernel))
+        return MemoryPlan(0, 0, 0, 0, recurrent)
     per_page = kv_bytes_per_page(config.num_key_value_heads, config.head_dim, geometry.tokens_per_page,
                                  config.kv_cache_dtype)
-    return MemoryPlan(per_page, per_page * geometry.max_kv_pool_pages, config.num_hidden_layers,
-                      per_page * config.num_hidden_layers)
+    layers = config.num_attention_layers
+    return MemoryPlan(per_page, per_page * geometry.max_kv_pool_pages, layers, per_page * layers, recurrent)
 
 
 def build_engine(onnx_dir: Path, engine_dir: Path, options: BuildOptions,
@@ -124,7 +127,7 @@ def build_engine(onnx_dir: Path, engine_dir: Path, options: BuildOptions,
         check_pool_fits_memory(plan.total_bytes, hint=" (or --force to build it anyway)")
     step("validated geometry")
     with staged_dir(engine_dir) as staging:
-        build = _build_recurrent if config.is_recurrent else _build_into
+        build = _build_recurrent if config.is_recurrent else _build_hybrid if config.is_hybrid else _build_into
         build(onnx_dir, staging, config, geometry, backend, options, step)
         write_manifest(staging, ENGINE_KIND)
     step("wrote engine dir")
@@ -173,6 +176,31 @@ def _build_recurrent(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geom
     step("loaded model.onnx")
     lowered = lower_recurrent_ops(model)
     step("lowered recurrent ops")
+    _save(lowered, engine_dir)
+    write_engine_config(onnx_dir, engine_dir, config, BuilderConfig.from_geometry(geometry, backend, 0, config))
+
+
+def _build_hybrid(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometry: PageGeometry, backend: str,
+                  options: BuildOptions, step: Callable[[str], None]) -> None:
+    """Attention and recurrent layers (Qwen3.5): the paged-KV ops lowered as for an attention model (the pool spans
+    the attention layers only), then the recurrent ops.
+
+    The seed's gate on extra retained pages lets them through: the engine has KV inputs and no speculative
+    decoding, so --maxKVPoolPages above a full batch's pages is allowed as for an attention model.
+    """
+    if backend != "onnxruntime":
+        raise InvalidConfig(f"{config.model} builds for onnxruntime only (no TensorRT plugin for the recurrent ops "
+                            "yet)", "backend")
+    if options.max_lora_rank:
+        raise InvalidConfig(f"{config.model} exports have no LoRA inputs; use 0", "max_lora_rank")
+    model = load_model(onnx_dir, config, 0)
+    step("loaded model.onnx")
+    lowered = lower_recurrent_ops(lower_for_onnxruntime(model, kv_cache_dtype=config.kv_cache_dtype,
+                                                        tokens_per_page=geometry.tokens_per_page,
+                                                        num_pages=geometry.max_kv_pool_pages))
+    if config.tie_word_embeddings:
+        share_tied_head(lowered)
+    step("lowered paged-KV and recurrent ops")
     _save(lowered, engine_dir)
     write_engine_config(onnx_dir, engine_dir, config, BuilderConfig.from_geometry(geometry, backend, 0, config))
 

@@ -117,7 +117,8 @@ def build(
                          f"a K+V page × {plan.num_layers} attention layers", "--contextCachePartialKVSnapshotPoolBytes",
                          reuse_records)
         if plan.recurrent_bytes_per_slot:
-            _budget_line("recurrent", plan.recurrent_bytes_per_slot, "every layer's recurrent and conv state",
+            _budget_line("recurrent", plan.recurrent_bytes_per_slot,
+                         "every recurrent layer's recurrent and conv state",
                          "--contextCacheRecurrentSnapshotPoolBytes", reuse_records)
         if profile_ops_file is not None:
             from kvforge.runtime.op_profile import format_op_profile, profile_ops

@@ -28,12 +28,13 @@ def load_model(onnx_dir: Path, config: ModelConfig, max_lora_rank: int) -> onnx.
 
 
 def check_graph_matches_config(model: onnx.ModelProto, config: ModelConfig, onnx_dir: Path) -> None:
-    """config.json against the graph it describes: one KV pool input per layer, embeddings of hidden_size."""
+    """config.json against the graph it describes: one KV pool input per attention layer (`past_key_values_{i}`, i
+    the absolute layer index), embeddings of hidden_size."""
     inputs = {vi.name: [d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim]
               for vi in model.graph.input}
     pools = [name for name in inputs if name.startswith("past_key_values_")]
-    attention_layers = 0 if config.is_recurrent else config.num_hidden_layers
-    if len(pools) != attention_layers:
+    attention_layers = config.num_attention_layers
+    if sorted(pools) != sorted(f"past_key_values_{i}" for i in config.attention_layer_ids):
         raise InvalidConfig(f"{onnx_dir}/config.json says num_hidden_layers {config.num_hidden_layers} "
                             f"({attention_layers} attention) but model.onnx has {len(pools)} KV pool inputs; "
                             "re-export it with llm_export", "onnx_dir")

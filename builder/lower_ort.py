@@ -58,7 +58,7 @@ def lower_for_onnxruntime(model: onnx.ModelProto, *, kv_cache_dtype: str, tokens
         if node.domain == ops.DOMAIN and node.op_type == ops.PAGED_KV_WRITE.name:
             key, value, _, _, _, _, pool_in = node.input
             head_dim = _attr(node, "head_dim")
-            rows = _lower_write(g, key, value, num_kv, head_dim, kv_cache_dtype)
+            rows = _lower_write(g, key, value, num_kv, head_dim, kv_cache_dtype, _attr(node, "rotary_dim", 0))
             rows_out = rows_float = rows
             if not dense:
                 rows_out = g.op("Identity", [_to_storage_output(g, rows, kv_cache_dtype)],
@@ -132,19 +132,23 @@ def share_tied_head(model: onnx.ModelProto, head_initializer: str = "lm_head.wei
     return True
 
 
-def _attr(node: onnx.NodeProto, name: str) -> int:
-    return next(a.i for a in node.attribute if a.name == name)
+def _attr(node: onnx.NodeProto, name: str, default: int | None = None) -> int:
+    """An int attribute; `default` where the attribute is optional (PagedKVWrite's rotary_dim)."""
+    values = [a.i for a in node.attribute if a.name == name]
+    return values[0] if values or default is None else default
 
 
 def _attr_f(node: onnx.NodeProto, name: str) -> float:
     return next(a.f for a in node.attribute if a.name == name)
 
 
-def _lower_write(g: GraphWriter, key: str, value: str, num_kv: int, head_dim: int, kv_cache_dtype: str) -> str:
+def _lower_write(g: GraphWriter, key: str, value: str, num_kv: int, head_dim: int, kv_cache_dtype: str,
+                 rotary_dim: int = 0) -> str:
     """Rotated keys and values stacked as [B, S, 2, Hkv, D] float32."""
     from kvforge.graph.rope import apply_rope  # the same RoPE the queries got
 
-    k = g.reshape(apply_rope(g, key, num_kv, head_dim, "rope_cos", "rope_sin"), [0, 0, 1, num_kv, head_dim])
+    rotated = apply_rope(g, key, num_kv, head_dim, "rope_cos", "rope_sin", rotary_dim)
+    k = g.reshape(rotated, [0, 0, 1, num_kv, head_dim])
     v = g.reshape(value, [0, 0, 1, num_kv, head_dim])
     return g.op("Concat", [k, v], axis=2)
 

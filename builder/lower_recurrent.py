@@ -12,10 +12,13 @@ row's own length. The selective scan has two exact forms, picked per call by an 
 
 Everything that does not depend on the state (softplus, decay, dt * x, group-to-head broadcast) is computed
 for all positions first, and padded positions get decay 1 and input 0, so the carried state stops at each
-row's last real token without a branch.
+row's last real token without a branch. The gated delta rule (Qwen3.5) is lowered the same way (padding
+gets decay 1 and beta 0, which leaves the state as it was); its prefill has a chunked form of its own.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
@@ -24,13 +27,17 @@ from onnx import helper
 from kvforge.graph.onnx_graph import FLOAT, INT64, GraphWriter, value_info
 from kvforge.plugins import ops, recurrent
 
+# Tokens per chunk of the chunked gated delta rule (prefill); a power of two (the triangular inverse doubles blocks).
+DELTA_CHUNK = 64
+
 
 def _attr(node: onnx.NodeProto, name: str) -> int:
     return next(int(a.i) for a in node.attribute if a.name == name)
 
 
-def lower_recurrent_ops(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Replace every kvforge CausalConv1dWithState / SelectiveScan node in place (other nodes untouched)."""
+def lower_recurrent_ops(model: onnx.ModelProto, delta_chunk: int = DELTA_CHUNK) -> onnx.ModelProto:
+    """Replace every kvforge CausalConv1dWithState / SelectiveScan / GatedDeltaRule node in place (other nodes
+    untouched)."""
     g = GraphWriter(prefix="recurrent/")
     nodes: list[onnx.NodeProto] = []
     for node in model.graph.node:
@@ -39,6 +46,8 @@ def lower_recurrent_ops(model: onnx.ModelProto) -> onnx.ModelProto:
             lower_causal_conv(g, node)
         elif node.domain == ops.DOMAIN and node.op_type == recurrent.SELECTIVE_SCAN.name:
             lower_selective_scan(g, node)
+        elif node.domain == ops.DOMAIN and node.op_type == recurrent.GATED_DELTA_RULE.name:
+            lower_gated_delta_rule(g, node, delta_chunk)
         else:
             nodes.append(node)
             continue
@@ -173,3 +182,176 @@ def _scan_form(g: GraphWriter, state: str, log_decay: str, drive: str, b: str, c
     final, ys = g.op("Scan", [state, decay, drive, b, c], n_out=2, body=scan_body,
                      num_scan_inputs=4, scan_input_axes=[1, 1, 1, 1], scan_output_axes=[1])
     return ys, final
+
+
+def lower_gated_delta_rule(g: GraphWriter, node: onnx.NodeProto, chunk_size: int = DELTA_CHUNK) -> None:
+    """A call of more than one token (prefill) runs the chunked form (`_chunked_delta_rule`: a Scan over chunks
+    of `chunk_size` tokens); decode, or any call with chunk_size 0, runs the per-token Scan."""
+    q, k, v, log_decay, beta, context_lengths, state = node.input
+    y_out, state_out = node.output
+    shape = DeltaShape(_attr(node, "num_k_heads"), _attr(node, "num_v_heads"), _attr(node, "k_head_dim"),
+                       _attr(node, "v_head_dim"))
+    valid = g.unsqueeze(_valid(g, q, context_lengths), [2])  # [B, S, 1]
+    # Padding gets log decay 0 (the state is kept) and beta 0 (nothing is written into it).
+    log_decay = g.op("Where", [valid, log_decay, g.const(0.0, np.float32)])
+    gain = g.op("Where", [valid, beta, g.const(0.0, np.float32)])
+
+    def per_value_head(t: str) -> str:  # [B, S, Hk*Dk] -> [B, S, Hv, Dk]: value head h reads key head h // (Hv/Hk)
+        grouped = g.reshape(t, [0, 0, shape.k_heads, 1, shape.k_dim])
+        spread = g.op("Expand", [grouped, g.const([1, 1, 1, shape.v_heads // shape.k_heads, 1])])
+        return g.reshape(spread, [0, 0, shape.v_heads, shape.k_dim])
+
+    inputs = DeltaInputs(per_value_head(q), per_value_head(k), g.reshape(v, [0, 0, shape.v_heads, shape.v_dim]),
+                         log_decay, gain, state)
+    per_token = GraphWriter(prefix=f"recurrent/{node.name}/token/")
+    branch_outputs = _per_token_delta_rule(per_token, shape, inputs)
+    if chunk_size:
+        chunked = GraphWriter(prefix=f"recurrent/{node.name}/chunk/")
+        chunk_outputs = _chunked_delta_rule(chunked, shape, inputs, chunk_size)
+        many = g.op("Greater", [g.op("Squeeze", [g.dim(q, 1), g.const([0])]), g.const(1)])
+        ys, final = g.op("If", [many], n_out=2, then_branch=_branch(chunked, chunk_outputs, shape, "chunked"),
+                         else_branch=_branch(per_token, branch_outputs, shape, "per_token"))
+    else:
+        g.nodes.extend(per_token.nodes)
+        g.initializers.extend(per_token.initializers)
+        ys, final = branch_outputs
+    g.op("Identity", [final], outputs=[state_out])
+    masked = g.mul(ys, g.unsqueeze(g.cast(valid, FLOAT), [3]))  # [B, S, Hv, Dv], 0 on padding
+    g.op("Reshape", [masked, g.const([0, 0, shape.v_heads * shape.v_dim])], outputs=[y_out])
+
+
+@dataclass(frozen=True, slots=True)
+class DeltaShape:
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeltaInputs:
+    """Per value head, padding already neutral: q, k [B,S,Hv,Dk], v [B,S,Hv,Dv], log decay and beta [B,S,Hv]; the
+    carried state [B,Hv,Dv,Dk]."""
+
+    q: str
+    k: str
+    v: str
+    log_decay: str
+    beta: str
+    state: str
+
+
+def _branch(g: GraphWriter, outputs: tuple[str, str], shape: DeltaShape, name: str) -> onnx.GraphProto:
+    """An If branch: the writer's nodes over outer-scope values, returning ys [B,S,Hv,Dv] and the final state."""
+    ys, final = (g.op("Identity", [o]) for o in outputs)
+    return helper.make_graph(g.nodes, f"gated_delta_{name}", [],
+                             [value_info(ys, FLOAT, [None, None, shape.v_heads, shape.v_dim]),
+                              value_info(final, FLOAT, [None, shape.v_heads, shape.v_dim, shape.k_dim])],
+                             initializer=g.initializers)
+
+
+def _per_token_delta_rule(g: GraphWriter, shape: DeltaShape, x: DeltaInputs) -> tuple[str, str]:
+    """A Scan over tokens: S = S * exp(g); S += beta (v - S k) ⊗ k; y = S q."""
+    v_heads, v_dim, k_dim = shape.v_heads, shape.v_dim, shape.k_dim
+    body = GraphWriter(prefix="recurrent/delta/")
+    s, decay_t, q_t, k_t, v_t, beta_t = (body.fresh(n) for n in ("s", "decay", "q", "k", "v", "beta"))
+    decayed = body.mul(s, body.unsqueeze(decay_t, [2, 3]))  # [B, H, Dv, Dk]
+    recalled = body.op("Squeeze", [body.matmul(decayed, body.unsqueeze(k_t, [3])), body.const([3])])  # S k: [B,H,Dv]
+    delta = body.mul(body.op("Sub", [v_t, recalled]), body.unsqueeze(beta_t, [2]))
+    s_next = body.add(decayed, body.mul(body.unsqueeze(delta, [3]), body.unsqueeze(k_t, [2])))
+    y_t = body.op("Squeeze", [body.matmul(s_next, body.unsqueeze(q_t, [3])), body.const([3])])
+    s_out = body.op("Identity", [s_next])
+    step = helper.make_graph(
+        body.nodes, "gated_delta_step",
+        [value_info(s, FLOAT, ["B", v_heads, v_dim, k_dim]), value_info(decay_t, FLOAT, ["B", v_heads]),
+         value_info(q_t, FLOAT, ["B", v_heads, k_dim]), value_info(k_t, FLOAT, ["B", v_heads, k_dim]),
+         value_info(v_t, FLOAT, ["B", v_heads, v_dim]), value_info(beta_t, FLOAT, ["B", v_heads])],
+        [value_info(s_out, FLOAT, ["B", v_heads, v_dim, k_dim]), value_info(y_t, FLOAT, ["B", v_heads, v_dim])],
+        initializer=body.initializers)
+    final, ys = g.op("Scan", [x.state, g.op("Exp", [x.log_decay]), x.q, x.k, x.v, x.beta], n_out=2, body=step,
+                     num_scan_inputs=5, scan_input_axes=[1] * 5, scan_output_axes=[1])
+    return ys, final
+
+
+def _chunked_delta_rule(g: GraphWriter, shape: DeltaShape, x: DeltaInputs, size: int) -> tuple[str, str]:
+    """The gated delta rule over chunks of `size` tokens (the WY form of FLA's chunked kernels).
+
+    Within a chunk, with G_t the cumulative log decay and H = S^T [Dk, Dv] the state entering it, the written
+    values u_t = beta_t (v_t - e^{G_t} H^T k_t - sum_{r<t} e^{G_t - G_r} (k_t . k_r) u_r) solve a unit lower
+    triangular system, so U = T diag(beta) V - W H with T its inverse and W = T diag(beta e^G) K. Everything but
+    the "- W H" is computed for all chunks at once; a Scan over chunks then does, per chunk, U = U0 - W H,
+    Y = diag(e^G) Q H + (M ∘ Q K^T) U and H' = e^{G_last} H + (K ∘ e^{G_last - G})^T U (M_ts = e^{G_t - G_s},
+    s <= t). T comes from exact block doubling (a unit lower triangular inverse from its half-size blocks:
+    [[A, 0], [-C, D]]^-1 = [[A^-1, 0], [D^-1 C A^-1, D^-1]]), which has no Neumann-series cancellation.
+    """
+    v_heads, v_dim, k_dim = shape.v_heads, shape.v_dim, shape.k_dim
+    seq = g.dim(x.q, 1)
+    pad = g.op("Mod", [g.op("Sub", [g.const([size]), g.op("Mod", [seq, g.const([size])])]), g.const([size])])
+
+    def chunks(t: str, dims: list[int]) -> str:  # [B, S, Hv, *dims] -> [B, Hv, N, size, *dims], zero-padded
+        rank = 3 + len(dims)  # Pad's pads: every axis' start, then every axis' end; only S's end grows
+        pads = g.op("Concat", [g.const([0] * (rank + 1)), pad, g.const([0] * (rank - 2))], axis=0)
+        padded = g.op("Pad", [t, pads])
+        split = g.reshape(padded, [0, -1, size, v_heads, *dims])
+        return g.transpose(split, [0, 3, 1, 2, *range(4, 4 + len(dims))])
+
+    q, k, v = chunks(x.q, [k_dim]), chunks(x.k, [k_dim]), chunks(x.v, [v_dim])
+    beta, log_decay = chunks(x.beta, []), chunks(x.log_decay, [])  # [B, Hv, N, C]
+    cumulative = g.op("CumSum", [log_decay, g.const(-1)])  # G
+    causal = np.tril(np.ones((size, size), dtype=bool))
+    gaps = g.op("Sub", [g.unsqueeze(cumulative, [4]), g.unsqueeze(cumulative, [3])])  # [.., t, s]: G_t - G_s
+    ratio = g.op("Exp", [g.op("Where", [g.const(causal, np.bool_), gaps, g.const(-np.inf, np.float32)])])  # M
+    strict = g.mul(ratio, g.const(np.tril(np.ones((size, size)), -1), np.float32))
+    k_t = g.transpose(k, [0, 1, 2, 4, 3])
+    lower = g.mul(g.mul(g.matmul(k, k_t), strict), g.op("Neg", [g.unsqueeze(beta, [4])]))  # L; T = (I - L)^-1
+    inverse = _unit_lower_inverse(g, lower, beta, size)
+    growth = g.op("Exp", [cumulative])  # e^G
+    w = g.matmul(inverse, g.mul(k, g.unsqueeze(g.mul(beta, growth), [4])))
+    u0 = g.matmul(inverse, g.mul(v, g.unsqueeze(beta, [4])))
+    q_grown = g.mul(q, g.unsqueeze(growth, [4]))
+    scores = g.mul(g.matmul(q, k_t), ratio)
+    last = g.op("Gather", [cumulative, g.const(size - 1)], axis=3)  # [B, Hv, N]
+    k_to_end = g.mul(k, g.unsqueeze(g.op("Exp", [g.op("Sub", [g.unsqueeze(last, [3]), cumulative])]), [4]))
+    body = GraphWriter(prefix="recurrent/delta_chunk/")
+    h, w_c, u0_c, qg_c, scores_c, kend_c, last_c = (body.fresh(n) for n in ("h", "w", "u0", "q", "p", "kend", "g"))
+    u = body.op("Sub", [u0_c, body.matmul(w_c, h)])  # [B, Hv, C, Dv]
+    y_c = body.add(body.matmul(qg_c, h), body.matmul(scores_c, u))
+    h_next = body.add(body.mul(h, body.unsqueeze(body.op("Exp", [last_c]), [2, 3])),
+                      body.matmul(body.transpose(kend_c, [0, 1, 3, 2]), u))
+    h_out = body.op("Identity", [h_next])
+    step = helper.make_graph(
+        body.nodes, "gated_delta_chunk",
+        [value_info(h, FLOAT, ["B", v_heads, k_dim, v_dim]), value_info(w_c, FLOAT, ["B", v_heads, size, k_dim]),
+         value_info(u0_c, FLOAT, ["B", v_heads, size, v_dim]), value_info(qg_c, FLOAT, ["B", v_heads, size, k_dim]),
+         value_info(scores_c, FLOAT, ["B", v_heads, size, size]),
+         value_info(kend_c, FLOAT, ["B", v_heads, size, k_dim]), value_info(last_c, FLOAT, ["B", v_heads])],
+        [value_info(h_out, FLOAT, ["B", v_heads, k_dim, v_dim]), value_info(y_c, FLOAT, ["B", v_heads, size, v_dim])],
+        initializer=body.initializers)
+    final, ys = g.op("Scan", [g.transpose(x.state, [0, 1, 3, 2]), w, u0, q_grown, scores, k_to_end, last], n_out=2,
+                     body=step, num_scan_inputs=6, scan_input_axes=[2] * 6, scan_output_axes=[2])
+    # ys [B, Hv, N, C, Dv] -> [B, N*C, Hv, Dv], cut back to the call's S tokens.
+    tokens = g.reshape(g.transpose(ys, [0, 2, 3, 1, 4]), [0, -1, v_heads, v_dim])
+    ys = g.op("Slice", [tokens, g.const([0]), seq, g.const([1])])
+    return ys, g.transpose(final, [0, 1, 3, 2])
+
+
+def _unit_lower_inverse(g: GraphWriter, lower: str, like: str, size: int) -> str:
+    """(I - L)^-1 for strictly lower triangular L [B, Hv, N, C, C], C a power of two: the diagonal blocks of the
+    inverse double in size log2(C) times, starting from 1x1 blocks of 1."""
+    blocks = g.unsqueeze(g.add(g.mul(like, g.const(0.0, np.float32)), g.const(1.0, np.float32)), [4, 5])  # [.., C,1,1]
+    width = 1
+    while width < size:
+        count = size // (2 * width)
+        tiles = g.reshape(lower, [0, 0, 0, count, 2 * width, count, 2 * width])
+        diagonal = g.op("ReduceSum", [g.mul(tiles, g.const(np.eye(count).reshape(count, 1, count, 1), np.float32)),
+                                      g.const([-2])], keepdims=0)  # [.., count, 2w, 2w]: L's diagonal blocks
+        corner = g.op("Slice", [diagonal, g.const([width, 0]), g.const([2 * width, width]), g.const([-2, -1])])
+        pairs = g.reshape(blocks, [0, 0, 0, count, 2, width, width])
+        first, second = (g.op("Squeeze", [half, g.const([4])])
+                         for half in g.op("Split", [pairs], n_out=2, axis=4, num_outputs=2))
+        joined = g.matmul(g.matmul(second, corner), first)  # D^-1 C A^-1
+        top = g.op("Concat", [first, g.mul(first, g.const(0.0, np.float32))], axis=-1)
+        bottom = g.op("Concat", [joined, second], axis=-1)
+        blocks = g.op("Concat", [top, bottom], axis=-2)
+        width *= 2
+    return g.reshape(blocks, [0, 0, 0, size, size])

@@ -23,8 +23,9 @@ class OpSchema:
     doc: str
 
 
-# RoPE is rotate-half; `rope_rotary_cos_sin` is [capacity, head_dim]: cos of the head_dim/2 frequencies,
-# then their sin. Positions are kvcache_start_index[b] + i for the i-th new token of row b.
+# RoPE is rotate-half; `rope_rotary_cos_sin` is [capacity, R]: cos of the R/2 frequencies, then their sin, with
+# R = head_dim, or the optional attribute `rotary_dim` (partial rotary: the first R dims of each head rotate, the
+# rest pass; absent or 0 = head_dim). Positions are kvcache_start_index[b] + i for the i-th new token of row b.
 PAGED_KV_WRITE = OpSchema(
     name="PagedKVWrite",
     inputs=("key", "value", "rope_rotary_cos_sin", "context_lengths", "kvcache_start_index",

@@ -1,5 +1,6 @@
-"""Schemas and numpy reference semantics of the recurrent ops (Mamba2): the causal conv with a carried
-conv state, and the selective state-space scan with a carried recurrent state.
+"""Schemas and numpy reference semantics of the recurrent ops: the causal conv with a carried conv state, the
+selective state-space scan (Mamba2) and the gated delta rule (Qwen3.5's gated delta-net), each with a carried
+recurrent state.
 
 Both ops take ragged rows like the paged-KV ops: row b has `context_lengths[b]` new tokens, later
 positions are padding (outputs 0, states untouched), and the returned states are the ones after the
@@ -32,7 +33,17 @@ SELECTIVE_SCAN = OpSchema(
         "recurrent_state [B,H,P,N], fp32.",
 )
 
-SCHEMAS = {s.name: s for s in (CAUSAL_CONV, SELECTIVE_SCAN)}
+GATED_DELTA_RULE = OpSchema(
+    name="GatedDeltaRule",
+    inputs=("q", "k", "v", "g", "beta", "context_lengths", "recurrent_state"),
+    outputs=("y", "new_recurrent_state"),
+    attributes=("num_k_heads", "num_v_heads", "k_head_dim", "v_head_dim"),
+    doc="Gated delta rule per row (value head h reads key head h // (Hv/Hk)): S = S * exp(g); "
+        "S += beta * (v - S k) ⊗ k; y = S q. q, k [B,S,Hk*Dk] (normalised and scaled by the caller), v, y "
+        "[B,S,Hv*Dv], g (log decay) and beta [B,S,Hv]; recurrent_state S [B,Hv,Dv,Dk], fp32.",
+)
+
+SCHEMAS = {s.name: s for s in (CAUSAL_CONV, SELECTIVE_SCAN, GATED_DELTA_RULE)}
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -76,4 +87,25 @@ def selective_scan(x: np.ndarray, dt: np.ndarray, b: np.ndarray, c: np.ndarray, 
             h = h * np.exp(step * a)[:, None, None] + (step[:, None] * xt)[:, :, None] * bt[:, None, :]
             y[row, t] = ((h * ct[:, None, :]).sum(-1) + d[:, None] * xt).reshape(-1)
         new_state[row] = h
+    return y, new_state
+
+
+def gated_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
+                     context_lengths: np.ndarray, recurrent_state: np.ndarray, *, num_k_heads: int, num_v_heads: int,
+                     k_head_dim: int, v_head_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    batch, seq = q.shape[:2]
+    per_key = num_v_heads // num_k_heads
+    y = np.zeros((batch, seq, num_v_heads * v_head_dim), dtype=np.float32)
+    new_state = recurrent_state.astype(np.float32).copy()
+    for row in range(batch):
+        state = recurrent_state[row].astype(np.float64)  # [Hv, Dv, Dk]
+        for t in range(int(context_lengths[row])):
+            qt = np.repeat(q[row, t].reshape(num_k_heads, k_head_dim), per_key, axis=0).astype(np.float64)
+            kt = np.repeat(k[row, t].reshape(num_k_heads, k_head_dim), per_key, axis=0).astype(np.float64)
+            vt = v[row, t].reshape(num_v_heads, v_head_dim).astype(np.float64)
+            state = state * np.exp(g[row, t].astype(np.float64))[:, None, None]
+            delta = (vt - np.einsum("hvk,hk->hv", state, kt)) * beta[row, t].astype(np.float64)[:, None]
+            state = state + delta[:, :, None] * kt[:, None, :]
+            y[row, t] = np.einsum("hvk,hk->hv", state, qt).reshape(-1)
+        new_state[row] = state
     return y, new_state

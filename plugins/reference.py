@@ -54,12 +54,14 @@ def rope_table(capacity: int, head_dim: int, theta: float) -> np.ndarray:
 
 
 def apply_rope(x: np.ndarray, cos_sin: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """Rotate-half RoPE of x [..., n, heads, D] at positions [..., n]."""
-    half = x.shape[-1] // 2
+    """Rotate-half RoPE of x [..., n, heads, D] at positions [..., n]; a table narrower than D ([capacity, R])
+    rotates the first R dims of each head and passes the rest (partial rotary)."""
+    rotary = cos_sin.shape[-1]
+    half = rotary // 2
     cos = cos_sin[positions, :half][..., None, :]
     sin = cos_sin[positions, half:][..., None, :]
-    x1, x2 = x[..., :half], x[..., half:]
-    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(np.float32)
+    x1, x2, rest = x[..., :half], x[..., half:rotary], x[..., rotary:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1).astype(np.float32)
 
 
 def paged_kv_write(key: np.ndarray, value: np.ndarray, cos_sin: np.ndarray, context_lengths: np.ndarray,

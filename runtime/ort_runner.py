@@ -119,7 +119,7 @@ class OrtEngineRunner:
         self._pool_values = [ort.OrtValue.ortvalue_from_numpy(layer) for layer in self.pool.layers]
         self._rope_value: ort.OrtValue | None = None
         if "rope_rotary_cos_sin" in graph_inputs:
-            self.rope = rope_table(build.max_kv_cache_capacity, model.head_dim, model.rope_theta)
+            self.rope = rope_table(build.max_kv_cache_capacity, model.rotary_dim, model.rope_theta)
             self._rope_value = ort.OrtValue.ortvalue_from_numpy(self.rope)
         self._output_names = [o.name for o in self.session.get_outputs()]
         self._lora_names = [i.name for i in self.session.get_inputs() if i.name.startswith("lora_")]

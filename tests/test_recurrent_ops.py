@@ -137,3 +137,92 @@ def test_reference_matches_transformers_mamba2() -> None:
     np.testing.assert_allclose(y, out.reshape(2, 13, -1).numpy(), atol=1e-4)
     np.testing.assert_allclose(state, final.numpy(), atol=1e-4)
     assert conv_state.shape == (2, C, K - 1)
+
+
+# --- the gated delta rule (Qwen3.5's gated delta-net): 2 key heads serving 4 value heads --------------------------
+
+HK, HV, DK, DV = 2, 4, 3, 5
+DELTA_ATTRS = {"num_k_heads": HK, "num_v_heads": HV, "k_head_dim": DK, "v_head_dim": DV}
+
+
+def delta_inputs(batch: int, seq: int, seed: int) -> dict[str, np.ndarray]:
+    r = np.random.default_rng(seed)
+    q, k = (r.standard_normal((batch, seq, HK, DK)) for _ in range(2))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)  # as the graph feeds it: l2-normalised keys
+    return {"q": q.reshape(batch, seq, -1).astype(np.float32), "k": k.reshape(batch, seq, -1).astype(np.float32),
+            "v": r.standard_normal((batch, seq, HV * DV)).astype(np.float32),
+            "g": -np.abs(r.standard_normal((batch, seq, HV))).astype(np.float32),
+            "beta": r.uniform(0.0, 1.0, (batch, seq, HV)).astype(np.float32),
+            "recurrent_state": r.standard_normal((batch, HV, DV, DK)).astype(np.float32)}
+
+
+@pytest.fixture(scope="module", params=[0, 4, 64], ids=["per_token", "chunks_of_4", "chunks_of_64"])
+def delta_session(request: pytest.FixtureRequest) -> ort.InferenceSession:
+    """The per-token Scan (chunk 0) and the chunked form: chunks of 4 split the 8-10 token calls into several chunks
+    and pad the last; chunks of 64 hold a whole call in one."""
+    node = helper.make_node(recurrent.GATED_DELTA_RULE.name, ["q", "k", "v", "g", "beta", "context_lengths",
+                                                              "recurrent_state"],
+                            ["y", "new_recurrent_state"], domain=ops.DOMAIN, **DELTA_ATTRS)
+    graph = helper.make_graph([node], "delta", [
+        value_info("q", FLOAT, ["B", "S", HK * DK]), value_info("k", FLOAT, ["B", "S", HK * DK]),
+        value_info("v", FLOAT, ["B", "S", HV * DV]), value_info("g", FLOAT, ["B", "S", HV]),
+        value_info("beta", FLOAT, ["B", "S", HV]), value_info("context_lengths", INT32, ["B"]),
+        value_info("recurrent_state", FLOAT, ["B", HV, DV, DK])],
+        [value_info("y", FLOAT, ["B", "S", HV * DV]), value_info("new_recurrent_state", FLOAT, ["B", HV, DV, DK])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
+                                                    helper.make_opsetid(ops.DOMAIN, ops.OPSET_VERSION)])
+    lowered = lower_recurrent_ops(model, delta_chunk=request.param)
+    assert not any(n.domain == ops.DOMAIN for n in lowered.graph.node)
+    assert any(n.op_type == "If" for n in lowered.graph.node) == bool(request.param)
+    onnx.checker.check_model(lowered)
+    return ort.InferenceSession(lowered.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def run_delta(session: ort.InferenceSession, data: dict[str, np.ndarray], lengths: np.ndarray) -> list[np.ndarray]:
+    return session.run(["y", "new_recurrent_state"], {**data, "context_lengths": lengths.astype(np.int32)})
+
+
+def test_gated_delta_lowering_matches_the_reference_on_ragged_rows(delta_session: ort.InferenceSession) -> None:
+    data = delta_inputs(3, 8, seed=4)
+    lengths = np.array([8, 3, 1])
+    want = recurrent.gated_delta_rule(**data, context_lengths=lengths, **DELTA_ATTRS)
+    got = run_delta(delta_session, data, lengths)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+    assert not got[0][1, 3:].any() and not got[0][2, 1:].any()  # padding outputs 0
+    assert not np.allclose(got[1][1], data["recurrent_state"][1])  # the short row's state moved ...
+    shorter = recurrent.gated_delta_rule(**data, context_lengths=np.array([8, 2, 1]), **DELTA_ATTRS)[1]
+    assert not np.allclose(got[1][1], shorter[1])  # ... and stopped after its 3rd token, not before
+
+
+def test_gated_delta_chunks_continue_from_the_carried_state(delta_session: ort.InferenceSession) -> None:
+    data = delta_inputs(1, 10, seed=5)
+    whole = run_delta(delta_session, data, np.array([10]))
+    sequence = ("q", "k", "v", "g", "beta")
+    first = run_delta(delta_session, {**data, **{n: data[n][:, :4] for n in sequence}}, np.array([4]))
+    second = run_delta(delta_session, {**{n: data[n][:, 4:] for n in sequence}, "recurrent_state": first[1]},
+                       np.array([6]))
+    np.testing.assert_allclose(np.concatenate([first[0], second[0]], axis=1), whole[0], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(second[1], whole[1], atol=1e-5, rtol=1e-5)
+    one = run_delta(delta_session, {**{n: data[n][:, 9:] for n in sequence}, "recurrent_state": run_delta(
+        delta_session, {**data, **{n: data[n][:, :9] for n in sequence}}, np.array([9]))[1]}, np.array([1]))
+    np.testing.assert_allclose(one[0][:, 0], whole[0][:, 9], atol=1e-5, rtol=1e-5)  # decode after a prefill
+    np.testing.assert_allclose(one[1], whole[1], atol=1e-5, rtol=1e-5)
+
+
+def test_gated_delta_reference_matches_transformers() -> None:
+    torch = pytest.importorskip("torch")
+    qwen3_5 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+    data = delta_inputs(2, 7, seed=6)
+    y, state = recurrent.gated_delta_rule(**data, context_lengths=np.array([7, 7]), **DELTA_ATTRS)
+
+    def heads(name: str, dim: int) -> torch.Tensor:
+        return torch.tensor(data[name]).view(2, 7, -1, dim)
+
+    # transformers scales q by Dk^-0.5 itself (our graph does it before the op) and keeps S as [Hv, Dk, Dv].
+    out, final = qwen3_5.torch_recurrent_gated_delta_rule(
+        heads("q", DK) * DK ** 0.5, heads("k", DK), heads("v", DV), g=torch.tensor(data["g"]),
+        beta=torch.tensor(data["beta"]), initial_state=torch.tensor(data["recurrent_state"]).transpose(2, 3),
+        output_final_state=True, use_qk_l2norm_in_kernel=False)
+    np.testing.assert_allclose(y, out.reshape(2, 7, -1).numpy(), atol=1e-5)
+    np.testing.assert_allclose(state, final.transpose(2, 3).numpy(), atol=1e-5)

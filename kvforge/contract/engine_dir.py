@@ -46,8 +46,8 @@ class BuilderConfig(PageGeometry):
 
     backend: str  # a key of BACKEND_FILES
     max_lora_rank: int = 0  # 0: no LoRA inputs (engine dirs from before LoRA lack the key)
-    # Snapshot geometry (informational: the runtime recomputes it from the model config). Every kvforge layer is
-    # an attention layer today; recurrent slots are 0 until a recurrent family lands.
+    # Snapshot geometry (informational: the runtime recomputes it from the model config): partial-KV slots over the
+    # attention layers, recurrent slots over the recurrent ones (0 where a model has none).
     layer_types: tuple[str, ...] = ()
     partial_kv_snapshot_bytes_per_slot: int = 0  # one K+V page per attention layer
     recurrent_snapshot_bytes_per_slot: int = 0
@@ -57,16 +57,16 @@ class BuilderConfig(PageGeometry):
                       model: ModelConfig | None = None) -> BuilderConfig:
         resolved = {f.name: getattr(geometry, f.name) for f in fields(PageGeometry)}
         snapshots: dict[str, Any] = {}
-        if model is not None and model.is_recurrent:
-            snapshots = {"layer_types": tuple(model.layer_types), "recurrent_snapshot_bytes_per_slot":
-                         recurrent_bytes_per_slot(model.num_hidden_layers, model.recurrent_state_num_heads,
-                                                  model.recurrent_state_head_dim, model.recurrent_state_size,
-                                                  model.conv_dim, model.conv_kernel)}
-        elif model is not None:
-            snapshots = {"layer_types": ("attention",) * model.num_hidden_layers,
-                         "partial_kv_snapshot_bytes_per_slot": partial_kv_bytes_per_slot(
-                             model.num_hidden_layers, model.num_key_value_heads, model.head_dim,
-                             geometry.tokens_per_page, model.kv_cache_dtype)}
+        if model is not None:
+            attention, recurrent = model.num_attention_layers, len(model.recurrent_layer_ids)
+            snapshots = {
+                "layer_types": tuple(model.layer_types) or ("attention",) * model.num_hidden_layers,
+                "partial_kv_snapshot_bytes_per_slot": partial_kv_bytes_per_slot(
+                    attention, model.num_key_value_heads, model.head_dim, geometry.tokens_per_page,
+                    model.kv_cache_dtype) if attention else 0,
+                "recurrent_snapshot_bytes_per_slot": recurrent_bytes_per_slot(
+                    recurrent, model.recurrent_state_num_heads, model.recurrent_state_head_dim,
+                    model.recurrent_state_size, model.conv_dim, model.conv_kernel) if recurrent else 0}
         return cls(**resolved, backend=backend, max_lora_rank=max_lora_rank, **snapshots)
 
     def to_dict(self) -> dict[str, Any]:
@@ -90,7 +90,7 @@ class EngineDir:
     def kv_pool_bytes(self) -> int:
         per_page = kv_bytes_per_page(self.model.num_key_value_heads, self.model.head_dim, self.build.tokens_per_page,
                                      self.model.kv_cache_dtype)
-        return per_page * self.build.max_kv_pool_pages * len(self.model.attention_layer_ids)
+        return per_page * self.build.max_kv_pool_pages * self.model.num_attention_layers
 
 
 REBUILD = "rebuild it with llm_build"

@@ -13,14 +13,18 @@ from kvforge.contract.files import loads_json, read_limited, write_json  # noqa:
 EXPORT_FORMAT = "kvforge-onnx-v1"
 KV_CACHE_DTYPES = ("fp16", "fp8", "fp32")
 QUANTIZATIONS = ("none", "int8", "int4")  # linear weights: float32, or MatMulNBits blocks
-MODEL_FAMILIES = ("llama", "qwen2", "qwen3", "mamba2")
+MODEL_FAMILIES = ("llama", "qwen2", "qwen3", "mamba2", "qwen3_5")
 RECURRENT_FAMILIES = ("mamba2",)  # every layer a Mamba2 mixer: no KV cache, carried conv + recurrent states
-LAYER_TYPES = ("attention", "mamba")  # TensorRT Edge-LLM's normalized names
+# Attention layers with a paged KV pool interleaved with recurrent layers (Qwen3.5: gated delta-net + gated attention).
+HYBRID_FAMILIES = ("qwen3_5",)
+# TensorRT Edge-LLM's normalized names: "mamba" means any recurrent mixer with a carried conv + recurrent state
+# (a Mamba2 SSM or a gated delta-net); the family says which one. HF's "linear_attention" maps to "mamba".
+LAYER_TYPES = ("attention", "mamba")
 
 
 @dataclass(slots=True)
 class ModelConfig:
-    model: str  # family: llama | qwen2 | qwen3
+    model: str  # family: one of MODEL_FAMILIES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -42,24 +46,51 @@ class ModelConfig:
     lora_targets: list[str] = field(default_factory=list)  # linears with lora_A/lora_B inputs (q, k, ..., down)
     quantization: str = "none"  # requested weight format; GGUF blocks that map exactly keep their own bits
     quant_block_size: int = 0  # MatMulNBits block size of re-quantized weights (0 = not quantized)
-    # Recurrent layers (Mamba2); names as TensorRT Edge-LLM's config.json. layer_types empty = all attention.
+    # Recurrent layers; names as TensorRT Edge-LLM's config.json. layer_types empty = all attention.
+    # Mamba2: state [H, P, N] = [num_heads, head_dim, state_size], n_groups B/C groups.
+    # Gated delta-net (qwen3_5): the same fields describe state [Hv, Dv, Dk]: num_heads = value heads, head_dim =
+    # value head dim, state_size = key head dim, n_groups = key heads (each serves Hv / Hk value heads, as a Mamba2
+    # group does), so conv_dim and the snapshot bytes follow one formula for both mixers.
     layer_types: list[str] = field(default_factory=list)
     recurrent_state_num_heads: int = 0
     recurrent_state_head_dim: int = 0
     recurrent_state_size: int = 0
     n_groups: int = 0
     conv_kernel: int = 0
+    # Fraction of each attention head's dims RoPE rotates (the first rotary_dim; Qwen3.5: 0.25). 1.0 = all.
+    partial_rotary_factor: float = 1.0
     format: str = EXPORT_FORMAT
 
     @property
     def is_recurrent(self) -> bool:
+        """Pure recurrent: no attention layer, no KV pool (a hybrid is not)."""
         return self.model in RECURRENT_FAMILIES
 
     @property
+    def is_hybrid(self) -> bool:
+        return self.model in HYBRID_FAMILIES
+
+    @property
     def attention_layer_ids(self) -> list[int]:
-        """Layers that keep K/V in the paged pool (layer_types empty = every layer is an attention layer)."""
-        types = self.layer_types or ["attention"] * self.num_hidden_layers
-        return [i for i, kind in enumerate(types) if kind == "attention"]
+        """Absolute indices of the layers with a KV pool (`past_key_values_{i}`): all of them unless layer_types
+        says otherwise."""
+        if not self.layer_types:
+            return list(range(self.num_hidden_layers))
+        return [i for i, t in enumerate(self.layer_types) if t == "attention"]
+
+    @property
+    def recurrent_layer_ids(self) -> list[int]:
+        """Absolute indices of the layers with `conv_state_{i}` / `recurrent_state_{i}`."""
+        return [i for i, t in enumerate(self.layer_types) if t == "mamba"]
+
+    @property
+    def num_attention_layers(self) -> int:
+        return len(self.attention_layer_ids)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head RoPE rotates (even); `rope_rotary_cos_sin` is [capacity, rotary_dim]."""
+        return int(self.head_dim * self.partial_rotary_factor) // 2 * 2
 
     @property
     def conv_dim(self) -> int:
@@ -87,6 +118,8 @@ class ModelConfig:
             self._validate_recurrent()
             self._validate_token_ids()
             return
+        if self.is_hybrid:
+            self._validate_hybrid()
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim"):
             if getattr(self, name) <= 0:
@@ -96,9 +129,26 @@ class ModelConfig:
                                 "config.num_key_value_heads")
         if self.head_dim % 2:
             raise InvalidConfig("must be even for rotate-half RoPE", "config.head_dim")
-        if any(t != "attention" for t in self.layer_types):
+        if self.rotary_dim <= 0:
+            raise InvalidConfig(f"rotates {self.rotary_dim} dims of head_dim {self.head_dim}; must be > 0",
+                                "config.partial_rotary_factor")
+        if not self.is_hybrid and any(t != "attention" for t in self.layer_types):
             raise InvalidConfig(f"family {self.model} has attention layers only", "config.layer_types")
         self._validate_token_ids()
+
+    def _validate_hybrid(self) -> None:
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise InvalidConfig(f"must have one entry per layer ({self.num_hidden_layers}), got "
+                                f"{len(self.layer_types)}", "config.layer_types")
+        if not self.attention_layer_ids or not self.recurrent_layer_ids:
+            raise InvalidConfig(f"a {self.model} model mixes 'attention' and 'mamba' layers", "config.layer_types")
+        for name in ("recurrent_state_num_heads", "recurrent_state_head_dim", "recurrent_state_size", "n_groups",
+                     "conv_kernel"):
+            if getattr(self, name) <= 0:
+                raise InvalidConfig("must be positive", f"config.{name}")
+        if self.recurrent_state_num_heads % self.n_groups:
+            raise InvalidConfig("recurrent_state_num_heads (value heads) must be a multiple of n_groups (key heads)",
+                                "config.n_groups")
 
     def _validate_token_ids(self) -> None:
         for name in ("bos_token_id", "pad_token_id"):
@@ -165,6 +215,7 @@ CONFIG_SCHEMA: dict[str, tuple[str, float | None, float | None]] = {
     "layer_types": ("layers", None, None), "recurrent_state_num_heads": ("int", 0, 2**16),
     "recurrent_state_head_dim": ("int", 0, 2**16), "recurrent_state_size": ("int", 0, 2**16),
     "n_groups": ("int", 0, 1024), "conv_kernel": ("int", 0, 1024),
+    "partial_rotary_factor": ("float", 0.0, 1.0),
 }
 
 

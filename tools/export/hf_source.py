@@ -1,4 +1,5 @@
-"""Turn a Hugging Face llama/qwen2/qwen3 checkpoint dir (config.json + safetensors) into a LoadedModel."""
+"""Turn a Hugging Face llama/qwen2/qwen3/mamba2/qwen3_5 checkpoint dir (config.json + safetensors) into a
+LoadedModel."""
 
 from __future__ import annotations
 
@@ -12,13 +13,17 @@ from kvforge.contract.errors import KvforgeError
 from kvforge.contract.files import loads_json
 from kvforge.contract.model_config import ModelConfig, read_json
 from kvforge.contract.tensor_header import MAX_HEADER_BYTES
-from kvforge.tools.export import mamba2_source
+from kvforge.tools.export import mamba2_source, qwen3_5_source
 from kvforge.tools.export.source import LoadedModel, layer_weight
 
 FIELD = "SOURCE"
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mamba2")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mamba2", "qwen3_5_text", "qwen3_5")
 _ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                  "Mamba2ForCausalLM": "mamba2"}
+                  "Mamba2ForCausalLM": "mamba2", "Qwen3_5ForCausalLM": "qwen3_5_text",
+                  "Qwen3_5ForConditionalGeneration": "qwen3_5"}
+# Families whose config has its own reader (tools/export/<family>_source.py); `qwen3_5` dirs export the text model.
+_OWN_CONFIGS = {"mamba2": mamba2_source.config_from_hf, "qwen3_5_text": qwen3_5_source.config_from_hf,
+                "qwen3_5": qwen3_5_source.config_from_hf}
 _LAYER_TENSORS = ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
                   "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 # Buffers some older checkpoints saved; recomputed by the graph, so skipping them loses nothing.
@@ -99,12 +104,12 @@ def _config(hf: dict[str, Any], path: Path, kv_cache_dtype: str) -> ModelConfig:
     gen = _optional_json(path / "generation_config.json")
     # Chat checkpoints often list the end-of-turn token only in generation_config.json.
     eos_ids = sorted(set(_token_ids(hf.get("eos_token_id")) + _token_ids(gen.get("eos_token_id"))))
-    if model_type == "mamba2":
+    if model_type in _OWN_CONFIGS:
         common = dict(kv_cache_dtype=kv_cache_dtype, eos_token_ids=eos_ids, name=path.resolve().name,
                       bos_token_id=_first(hf.get("bos_token_id"), gen.get("bos_token_id")),
                       pad_token_id=_first(hf.get("pad_token_id"), gen.get("pad_token_id")))
         try:
-            config = mamba2_source.config_from_hf(hf, **common)
+            config = _OWN_CONFIGS[model_type](hf, **common)
         except KeyError as exc:
             raise KvforgeError(f"{path / 'config.json'} lacks {exc.args[0]!r}", FIELD) from None
         except ValueError as exc:
@@ -157,6 +162,8 @@ def _optional_json(path: Path) -> dict[str, Any]:
 def _expected_names(config: ModelConfig) -> list[str]:
     if config.is_recurrent:
         return mamba2_source.expected_names(config)
+    if config.is_hybrid:
+        return qwen3_5_source.expected_names(config)
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     per_layer = [f"{t}.weight" for t in _LAYER_TENSORS]
     if config.attention_bias:
@@ -221,9 +228,12 @@ def read_tensor(path: Path, name: str, entry: dict[str, Any], data_start: int) -
 
 def _load_weights(path: Path, config: ModelConfig) -> dict[str, np.ndarray]:
     locations: dict[str, tuple[Path, dict[str, Any], int]] = {}
+    rename = qwen3_5_source.checkpoint_name if config.is_hybrid else (lambda n: n)  # None: not the text model's
     for file in _safetensors_files(path):
         header, data_start = read_safetensors_header(file)
-        locations.update({name: (file, entry, data_start) for name, entry in header.items()})
+        for name, entry in header.items():
+            if rename(name) is not None:
+                locations[rename(name)] = (file, entry, data_start)
     expected = _expected_names(config)
     if "lm_head.weight" in locations and not config.tie_word_embeddings:
         expected.append("lm_head.weight")

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvforge.contract.engine_dir import ENGINE_MODEL_FILE
-from kvforge.contract.errors import InvalidConfig
+from kvforge.contract.errors import InvalidConfig, KvforgeError
 from kvforge.contract.model_config import ModelConfig
 
 if TYPE_CHECKING:
@@ -190,6 +190,9 @@ def quantize_linears(loaded: LoadedModel, quantization: str, block_size: int,
     if quantization == "none":
         config.quant_block_size = 0
         return
+    if config.is_recurrent or config.is_hybrid:  # linear_weight_names lists llama layers only
+        raise KvforgeError(f"{config.model} exports float32 weights only for now; use --quantization none",
+                           "--quantization")
     config.quant_block_size = block_size
     bits = BITS[quantization]
     for done, name in enumerate(linear_weight_names(config), start=1):

@@ -7,7 +7,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.model_config import ModelConfig
-from kvforge.tools.export import mamba2_source
+from kvforge.tools.export import mamba2_source, qwen3_5_source
 from kvforge.tools.export.source import LoadedModel
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -30,6 +30,12 @@ SYNTHETIC_MODELS: dict[str, tuple[str, dict]] = {
                                "rms_norm_eps": 1e-5, "layer_types": ["mamba", "mamba"],
                                "recurrent_state_num_heads": 8, "recurrent_state_head_dim": 16,
                                "recurrent_state_size": 16, "n_groups": 2, "conv_kernel": 4}),
+    # Hybrid (Qwen3.5): gated delta-net, attention, delta-net, attention; attention heads of 32 rotating 8 dims
+    # (partial rotary 0.25), output-gated; delta-nets with 2 key heads of 16 serving 4 value heads of 16.
+    "tiny-qwen3_5": ("qwen3_5", {"num_hidden_layers": 4, "head_dim": 32, "qk_norm": True,
+                                 "partial_rotary_factor": 0.25, "layer_types": ["mamba", "attention"] * 2,
+                                 "recurrent_state_num_heads": 4, "recurrent_state_head_dim": 16,
+                                 "recurrent_state_size": 16, "n_groups": 2, "conv_kernel": 4}),
 }
 
 
@@ -61,7 +67,9 @@ def synthetic_model(name: str, kv_cache_dtype: str = "fp16", seed: int = 0) -> L
     config.validate()
     tokenizer_config = {"chat_template": CHATML_TEMPLATE, "bos_token": None, "eos_token": "<|im_end|>",
                         "add_bos_token": False, "model_max_length": config.max_position_embeddings}
-    weights = mamba2_source.random_weights(config, seed) if config.is_recurrent else random_weights(config, seed)
+    make_weights = {"mamba2": mamba2_source.random_weights, "qwen3_5": qwen3_5_source.random_weights}.get(
+        family, random_weights)
+    weights = make_weights(config, seed)
     return LoadedModel(config, weights, tokenizer.to_str(), tokenizer_config)
 
 

@@ -19,6 +19,7 @@ from kvforge.contract.model_config import write_json
 from kvforge.tools.export import mamba2_source
 from kvforge.tools.export.llama_graph import build_llama_graph
 from kvforge.tools.export.mamba2_graph import build_mamba2_graph
+from kvforge.tools.export.qwen3_5_graph import build_qwen3_5_graph
 from kvforge.tools.export.source import LoadedModel
 
 
@@ -40,6 +41,11 @@ def _write_files(loaded: LoadedModel, output_dir: Path, progress: Callable[[str]
     step = progress or (lambda _msg: None)
     if config.is_recurrent:
         model = build_mamba2_graph(mamba2_source.geometry(config), loaded.weights)
+    elif config.is_hybrid:
+        # No LoRA inputs yet: --loraTargets defaults to all, so the config says what the graph really has.
+        config.lora_targets = []
+        model = build_qwen3_5_graph(config, loaded.weights,
+                                    progress=lambda layer: step(f"layer {layer + 1}/{config.num_hidden_layers}"))
     else:
         model = build_llama_graph(config, loaded.weights,
                                   progress=lambda layer: step(f"layer {layer + 1}/{config.num_hidden_layers}"),
