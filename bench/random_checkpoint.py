@@ -4,7 +4,8 @@ Weights cannot be downloaded here, but speed and memory depend on shapes alone: 
 model.safetensors in transformers' layout for a named preset, with the tokenizer files (and chat template)
 of an existing export, so `llm_export DIR` takes it like a real checkpoint. Answers are noise.
 
-    python bench/random_checkpoint.py --preset mamba2-130m --tokenizerFrom out/onnx/smollm2 --outputDir out/hf/mamba2-130m
+    python bench/random_checkpoint.py --preset mamba2-130m --tokenizerFrom out/onnx/smollm2 \
+        --outputDir out/hf/mamba2-130m
     llm_export out/hf/mamba2-130m --outputDir out/onnx/mamba2-130m
 """
 
@@ -60,7 +61,8 @@ def main() -> None:
     save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, str(args.outputDir / "model.safetensors"))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(args.tokenizerFrom / name, args.outputDir / name)
-    print(f"wrote {args.outputDir} ({args.preset}, vocab {vocab}, {sum(v.size for v in weights.values()):,} parameters)")
+    parameters = sum(v.size for v in weights.values())
+    print(f"wrote {args.outputDir} ({args.preset}, vocab {vocab}, {parameters:,} parameters)")
 
 
 if __name__ == "__main__":
