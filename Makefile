@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # "llm_test"). The files' engine_specific counters are measured on these page sizes.
 LLM_TEST_TINY ?= mxsl4096-mxbs4-mxil3072-mxlr8-tpp16
 LLM_TEST_SMOLLM2 ?= mxsl2048-mxbs2-mxil1024-mxlr8-tpp64
-# Recurrent engines have no LoRA inputs (so no mxlr); the LoRA file is not run on them.
+# Recurrent and hybrid engines have no LoRA inputs (so no mxlr); the LoRA file is not run on them.
 LLM_TEST_TINY_RECURRENT ?= mxsl4096-mxbs4-mxil3072-tpp16
 LLM_TEST = $(BIN)/llm_test --cacheDir $(OUT)/llm_test/engines --numThreads $(THREADS)
 
@@ -74,6 +74,9 @@ $(OUT)/engines/tiny-idefics3-visual/config.json: $(OUT)/onnx/tiny-idefics3/confi
 $(OUT)/onnx/tiny-mamba2/config.json: $(VENV)/.installed
 	$(BIN)/llm_export --synthetic tiny-mamba2 --outputDir $(OUT)/onnx/tiny-mamba2
 
+$(OUT)/onnx/tiny-qwen3_5/config.json: $(VENV)/.installed
+	$(BIN)/llm_export --synthetic tiny-qwen3_5 --outputDir $(OUT)/onnx/tiny-qwen3_5
+
 $(OUT)/onnx/tiny-qwen2-audio/config.json: $(VENV)/.installed
 	$(BIN)/llm_export --synthetic tiny-qwen2-audio --outputDir $(OUT)/onnx/tiny-qwen2-audio
 
@@ -84,7 +87,7 @@ $(OUT)/engines/tiny-qwen2-audio-audio/config.json: $(OUT)/onnx/tiny-qwen2-audio/
 # media files (vlm_*, audio_*) are skipped there and run on the tiny SmolVLM / Qwen2-Audio with their encoders.
 llm-test: $(OUT)/adapters/tiny-llama/classifier.safetensors $(OUT)/adapters/smollm2/classifier.safetensors \
 		$(OUT)/engines/tiny-idefics3-visual/config.json $(OUT)/engines/tiny-qwen2-audio-audio/config.json \
-		$(OUT)/onnx/tiny-mamba2/config.json
+		$(OUT)/onnx/tiny-mamba2/config.json $(OUT)/onnx/tiny-qwen3_5/config.json
 	mkdir -p $(OUT)/llm_test
 	$(LLM_TEST) --onnxDir $(OUT)/onnx/tiny-idefics3 --config $(LLM_TEST_TINY) \
 		--multimodalEngineDir $(OUT)/engines/tiny-idefics3-visual \
@@ -93,10 +96,12 @@ llm-test: $(OUT)/adapters/tiny-llama/classifier.safetensors $(OUT)/adapters/smol
 		--multimodalEngineDir $(OUT)/engines/tiny-qwen2-audio-audio \
 		--junitXml $(OUT)/llm_test/tiny-qwen2-audio.xml --jsonReport $(OUT)/llm_test/tiny-qwen2-audio.json \
 		test_cases/audio_*.json
-	$(LLM_TEST) --onnxDir $(OUT)/onnx/tiny-mamba2 --config $(LLM_TEST_TINY_RECURRENT) \
-		--junitXml $(OUT)/llm_test/tiny-mamba2.xml --jsonReport $(OUT)/llm_test/tiny-mamba2.json \
-		test_cases/llm_basic.json test_cases/llm_context_reuse.json test_cases/llm_multiturn_reuse.json \
-		test_cases/hybrid_context_reuse.json
+	for model in tiny-mamba2 tiny-qwen3_5; do \
+		$(LLM_TEST) --onnxDir $(OUT)/onnx/$$model --config $(LLM_TEST_TINY_RECURRENT) \
+			--junitXml $(OUT)/llm_test/$$model.xml --jsonReport $(OUT)/llm_test/$$model.json \
+			test_cases/llm_basic.json test_cases/llm_context_reuse.json test_cases/llm_multiturn_reuse.json \
+			test_cases/hybrid_context_reuse.json || exit 1; \
+	done
 	$(LLM_TEST) --onnxDir $(OUT)/onnx/tiny-llama --config $(LLM_TEST_TINY) --loraWeightsDir $(OUT)/adapters/tiny-llama \
 		--junitXml $(OUT)/llm_test/tiny-llama.xml --jsonReport $(OUT)/llm_test/tiny-llama.json test_cases/*.json
 	$(LLM_TEST) --onnxDir $(OUT)/onnx/smollm2 --config $(LLM_TEST_SMOLLM2) --loraWeightsDir $(OUT)/adapters/smollm2 \

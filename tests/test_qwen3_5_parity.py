@@ -228,14 +228,9 @@ def test_vision_language_checkpoint_dir_exports_its_text_model(tmp_path: Path) -
     np.testing.assert_allclose(run.step([IDS[8:]])[0], reference(hf, IDS), atol=TOL, rtol=0)
 
 
-def test_synthetic_tiny_qwen3_5_matches_transformers(tmp_path: Path) -> None:
-    from kvforge.tools.export.synthetic import synthetic_model
-    from kvforge.tools.export.writer import write_onnx_dir
-
-    loaded = synthetic_model("tiny-qwen3_5", kv_cache_dtype="fp32")
-    write_onnx_dir(loaded, tmp_path / "onnx")
-    c = loaded.config
-    hf = transformers.Qwen3_5ForCausalLM(hf_config(
+def hf_twin(c: ModelConfig) -> object:
+    """transformers' Qwen3_5ForCausalLM for a kvforge qwen3_5 ModelConfig (weights loaded by the caller)."""
+    return transformers.Qwen3_5ForCausalLM(hf_config(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
         num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
         num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
@@ -246,6 +241,15 @@ def test_synthetic_tiny_qwen3_5_matches_transformers(tmp_path: Path) -> None:
         linear_conv_kernel_dim=c.conv_kernel, tie_word_embeddings=c.tie_word_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta,
                          "partial_rotary_factor": c.partial_rotary_factor})).eval()
+
+
+def test_synthetic_tiny_qwen3_5_matches_transformers(tmp_path: Path) -> None:
+    from kvforge.tools.export.synthetic import synthetic_model
+    from kvforge.tools.export.writer import write_onnx_dir
+
+    loaded = synthetic_model("tiny-qwen3_5", kv_cache_dtype="fp32")
+    write_onnx_dir(loaded, tmp_path / "onnx")
+    hf = hf_twin(loaded.config)
     hf.load_state_dict({k: torch.tensor(v) for k, v in loaded.weights.items()}, strict=True)
     config, session = exported(tmp_path / "onnx")
     run = Sequences(config, session, loaded.weights["model.embed_tokens.weight"], 1)

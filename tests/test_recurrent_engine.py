@@ -1,6 +1,7 @@
-"""A pure recurrent engine (tiny Mamba2) through the engine loop: greedy output equals transformers', batching and
-chunking do not change it, exact-checkpoint reuse (endpoint, message boundaries, intervals) never changes an
-answer, snapshots restore byte-exact and come back with their records, and bad budgets fail in one line."""
+"""Recurrent engines through the engine loop, pure (tiny Mamba2) and hybrid (tiny Qwen3.5: gated delta-net and
+attention layers): greedy output equals transformers', batching and chunking do not change it, exact-checkpoint
+reuse (endpoint, message boundaries, intervals) never changes an answer, snapshots restore byte-exact and come
+back with their records, and bad budgets fail in one line."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from engine_driver import make_engine, run_file, top1_ids
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.engine_dir import load_engine_dir
 from kvforge.contract.errors import InvalidConfig
-from kvforge.contract.geometry import recurrent_bytes_per_slot
 from kvforge.runtime.engine import Engine
 from kvforge.runtime.ort_runner import OrtEngineRunner
 from kvforge.runtime.snapshots import RecurrentSnapshotStore
@@ -27,10 +27,13 @@ T = 16
 SLOTS = 16
 
 
-@pytest.fixture(scope="module")
-def engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("recurrent")
-    write_onnx_dir(synthetic_model("tiny-mamba2"), root / "onnx")
+MODELS = ("tiny-mamba2", "tiny-qwen3_5")
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def engine_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp(request.param)
+    write_onnx_dir(synthetic_model(request.param, kv_cache_dtype="fp32"), root / "onnx")
     build_engine(root / "onnx", root / "engine", BuildOptions(max_input_len=2048, max_kv_cache_capacity=2048,
                                                               max_batch_size=4, tokens_per_page=T))
     return root / "engine"
@@ -41,17 +44,21 @@ def runner(engine_dir: Path) -> OrtEngineRunner:
     return OrtEngineRunner(load_engine_dir(engine_dir), num_threads=2)
 
 
-def slot_bytes(engine_dir: Path) -> int:
-    model = load_engine_dir(engine_dir).model
-    return recurrent_bytes_per_slot(model.num_hidden_layers, model.recurrent_state_num_heads,
-                                    model.recurrent_state_head_dim, model.recurrent_state_size, model.conv_dim,
-                                    model.conv_kernel)
+def is_hybrid(engine_dir: Path) -> bool:
+    return bool(load_engine_dir(engine_dir).model.attention_layer_ids)
+
+
+def budgets(engine_dir: Path, slots: int) -> dict[str, int]:
+    """Both pools a deployment needs, `slots` each (plus a remainder that buys nothing)."""
+    build = load_engine_dir(engine_dir).build
+    given = {"context_cache_recurrent_snapshot_pool_bytes": slots * build.recurrent_snapshot_bytes_per_slot + 7}
+    if build.partial_kv_snapshot_bytes_per_slot:
+        given["context_cache_partial_kv_snapshot_pool_bytes"] = slots * build.partial_kv_snapshot_bytes_per_slot + 7
+    return given
 
 
 def warm_engine(engine_dir: Path, runner: OrtEngineRunner, slots: int = SLOTS, **config: object) -> Engine:
-    return make_engine(engine_dir, runner, reuse=True,
-                       context_cache_recurrent_snapshot_pool_bytes=slots * slot_bytes(engine_dir) + 7,
-                       **config)  # type: ignore[arg-type]
+    return make_engine(engine_dir, runner, reuse=True, **budgets(engine_dir, slots), **config)  # type: ignore[arg-type]
 
 
 def answers(responses: list[dict]) -> list[tuple[str, str, list[int]]]:
@@ -80,12 +87,19 @@ def greedy(engine: Engine, prompts: list[list[int]], steps: int) -> list[list[in
 def test_greedy_generation_matches_transformers_batched_and_chunked(engine_dir: Path, runner: OrtEngineRunner) -> None:
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from test_mamba2_parity import hf_twin
+    name = load_engine_dir(engine_dir).model.name
+    loaded = synthetic_model(name, kv_cache_dtype="fp32")
+    if name == "tiny-mamba2":
+        from test_mamba2_parity import hf_twin
 
-    loaded = synthetic_model("tiny-mamba2")
+        state = {("backbone.embeddings.weight" if k == "model.embed_tokens.weight" else k): v
+                 for k, v in loaded.weights.items()}
+    else:
+        from test_qwen3_5_parity import hf_twin
+
+        state = loaded.weights
     hf = hf_twin(loaded.config)
-    hf.load_state_dict({("backbone.embeddings.weight" if k == "model.embed_tokens.weight" else k): torch.tensor(v)
-                        for k, v in loaded.weights.items()}, strict=True)
+    hf.load_state_dict({k: torch.tensor(v) for k, v in state.items()}, strict=True)
     prompts = [[40, 41, 70, 100, 5, 77, 90, 12, 33, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [3, 17, 5],
                list(range(60, 100))]
     expected = []
@@ -117,7 +131,10 @@ def test_fixture_matches_cold_with_exact_checkpoints(engine_dir: Path, runner: O
     assert hybrid["restores"] == sum(c > 0 for c in cached) and hybrid["snapshot_pressure_skips"] == 0
     pools = profile["context_cache"]["resource_pools"]
     assert pools["recurrent_snapshots"]["capacity"] == SLOTS and pools["recurrent_snapshots"]["free"] < SLOTS
-    assert pools["base_kv_pages"]["capacity"] == 0  # no attention layers: no pages at all
+    if not is_hybrid(engine_dir):
+        assert pools["base_kv_pages"]["capacity"] == 0  # no attention layers: no pages at all
+    else:
+        assert pools["partial_kv_snapshots"]["free"] < SLOTS  # unaligned checkpoints keep their tail page
 
 
 def test_document_shared_by_two_questions_hits_through_a_message_boundary(engine_dir: Path,
@@ -206,39 +223,45 @@ def test_one_slot_budget_evicts_and_counts_pressure_never_errors(engine_dir: Pat
 
 # --- bad budgets and flags ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("config", "field", "words"), [
-    ({"reuse": True}, "context_cache_recurrent_snapshot_pool_bytes", "at least one slot"),
-    ({"reuse": True, "context_cache_recurrent_snapshot_pool_bytes": 100},
-     "context_cache_recurrent_snapshot_pool_bytes", "hold no recurrent snapshot slot"),
-    ({"context_cache_recurrent_snapshot_pool_bytes": 10**7}, "context_cache_recurrent_snapshot_pool_bytes",
-     "requires context reuse"),
-    ({"reuse": True, "context_cache_recurrent_snapshot_pool_bytes": 10**7,
-      "context_cache_partial_kv_snapshot_pool_bytes": 10**7}, "context_cache_partial_kv_snapshot_pool_bytes",
-     "no attention layers"),
-    ({"reuse": True, "context_cache_recurrent_snapshot_pool_bytes": 10**7, "snapshot_interval_tokens": -1},
-     "snapshot_interval_tokens", ">= 0"),
-])
-def test_bad_budgets_fail_naming_the_field(engine_dir: Path, runner: OrtEngineRunner, config: dict, field: str,
-                                           words: str) -> None:
-    with pytest.raises(InvalidConfig) as info:
-        make_engine(engine_dir, runner, **config)
-    assert info.value.field == field and words in info.value.message, info.value.message
+RECURRENT = "context_cache_recurrent_snapshot_pool_bytes"
+PARTIAL = "context_cache_partial_kv_snapshot_pool_bytes"
+BAD_BUDGETS = {  # per deployment: (config, field named, words in the message)
+    "pure": [({"reuse": True}, RECURRENT, "at least one slot"),
+             ({"reuse": True, RECURRENT: 100}, RECURRENT, "hold no recurrent snapshot slot"),
+             ({RECURRENT: 10**7}, RECURRENT, "requires context reuse"),
+             ({"reuse": True, RECURRENT: 10**7, PARTIAL: 10**7}, PARTIAL, "no attention layers"),
+             ({"reuse": True, RECURRENT: 10**7, "snapshot_interval_tokens": -1}, "snapshot_interval_tokens", ">= 0")],
+    "hybrid": [({"reuse": True, PARTIAL: 10**7}, RECURRENT, "at least one slot"),
+               ({"reuse": True, RECURRENT: 10**7}, PARTIAL, "at least one slot"),
+               ({"reuse": True, RECURRENT: 10**7, PARTIAL: 100}, PARTIAL, "hold no partial-KV snapshot slot"),
+               ({PARTIAL: 10**7}, PARTIAL, "requires context reuse"),
+               ({"snapshot_interval_tokens": 8}, "snapshot_interval_tokens", "need a recurrent snapshot pool")],
+}
+
+
+def test_bad_budgets_fail_naming_the_field(engine_dir: Path, runner: OrtEngineRunner) -> None:
+    for config, field, words in BAD_BUDGETS["hybrid" if is_hybrid(engine_dir) else "pure"]:
+        with pytest.raises(InvalidConfig) as info:
+            make_engine(engine_dir, runner, **dict(config))
+        assert info.value.field == field and words in info.value.message, (config, info.value.message)
 
 
 def test_cli_runs_a_recurrent_engine_and_refuses_budget_flags_without_reuse(run_cli, engine_dir: Path,
                                                                            tmp_path: Path) -> None:
     from test_cli_errors import assert_one_line_error
 
+    from kvforge.cli_common import ENGINE_FLAGS
+
     request = tmp_path / "in.json"
     request.write_text(json.dumps({"max_generate_length": 3, "requests": [
         {"messages": [{"role": "user", "content": "hi there"}]}, {"messages": [{"role": "user", "content": "hi"}]}]}))
+    flags = [f"{ENGINE_FLAGS[field]}={value}" for field, value in budgets(engine_dir, 4).items()]
     ok = run_cli(["llm_inference", "--engineDir", engine_dir, "--inputFile", request, "--outputFile",
-                  tmp_path / "out.json", "--enableContextReuse", "--contextCacheRecurrentSnapshotPoolBytes",
-                  str(4 * slot_bytes(engine_dir)), "--snapshotIntervalTokens", "8"])
+                  tmp_path / "out.json", "--enableContextReuse", *flags, "--snapshotIntervalTokens", "8"])
     assert ok.returncode == 0, ok.stderr
     assert len(json.loads((tmp_path / "out.json").read_text())["responses"]) == 2
     missing = run_cli(["llm_inference", "--engineDir", engine_dir, "--inputFile", request, "--outputFile",
-                       tmp_path / "out2.json", "--enableContextReuse"])
+                       tmp_path / "out2.json", "--enableContextReuse", *flags[1:]])
     assert_one_line_error(missing, "--contextCacheRecurrentSnapshotPoolBytes", "at least one slot")
     no_reuse = run_cli(["llm_inference", "--engineDir", engine_dir, "--inputFile", request, "--outputFile",
                         tmp_path / "out3.json", "--contextCacheRecurrentSnapshotPoolBytes", "1000000"])
