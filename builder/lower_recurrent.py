@@ -3,12 +3,12 @@
 The conv is one grouped Conv over [carried state | new inputs]; the new conv state is gathered at each
 row's own length. The selective scan has two exact forms, picked per call by an ONNX `If` on its length:
 
-- up to QUADRATIC_MAX_TOKENS new tokens (every decode step and the engine's 512-token prefill chunks), the
-  state-space dual form: with a[t] the running sum of log-decays, y = (L ∘ C·Bᵀ)·(dt·x) + exp(a)·(C·h0) and
-  h = exp(a[S])·h0 + (w·dt·x)ᵀ·B, L[t,s] = exp(a[t] − a[s]) for s ≤ t, w[s] = exp(a[S] − a[s]): a few
-  batched matmuls instead of one tiny loop step per token (what made Mamba2 prefill slow);
-- longer calls, an ONNX Scan over the sequence axis carrying the [B,H,P,N] state (memory linear in the
-  length, where the dual form's [H, S, S] matrices grow with its square).
+- up to SSD_CHUNK new tokens (every decode step), the state-space dual form of the whole call: with a[t] the
+  running sum of log-decays, y = (L ∘ C·Bᵀ)·(dt·x) + exp(a)·(C·h0) and h = exp(a[S])·h0 + (w·dt·x)ᵀ·B,
+  L[t,s] = exp(a[t] − a[s]) for s ≤ t, w[s] = exp(a[S] − a[s]): a few batched matmuls;
+- longer calls (prefill), the same inside chunks of SSD_CHUNK tokens with the state handed from chunk to chunk
+  by an ONNX Scan over the chunks (Mamba2's chunked SSD): work and memory linear in the length, and no loop
+  step per token (a per-token Scan made Mamba2 prefill several times slower).
 
 Everything that does not depend on the state (softplus, decay, dt * x, group-to-head broadcast) is computed
 for all positions first, and padded positions get decay 1 and input 0, so the carried state stops at each
@@ -87,7 +87,7 @@ def lower_causal_conv(g: GraphWriter, node: onnx.NodeProto) -> None:
     g.op("GatherElements", [window, index], outputs=[state_out], axis=2)
 
 
-QUADRATIC_MAX_TOKENS = 1024  # the dual form's [B, H, S, S] temporaries: 24 heads x 1024^2 x 4 B = 100 MB
+SSD_CHUNK = 64  # calls up to this many tokens run the dual form whole; longer ones in chunks of this many
 
 
 def lower_selective_scan(g: GraphWriter, node: onnx.NodeProto) -> None:
@@ -113,7 +113,7 @@ def lower_selective_scan(g: GraphWriter, node: onnx.NodeProto) -> None:
     outputs = [value_info(f"{y_out}/ys", FLOAT, ["B", "S", heads, head_dim]),
                value_info(f"{y_out}/state", FLOAT, ["B", heads, head_dim, size])]
     branches = []
-    for form in (_dual_form, _scan_form):
+    for form in (_dual_form, _chunked_form):
         branch = GraphWriter(prefix=f"{y_out}/{form.__name__}/")
         ys, final = form(branch, state, log_decay, drive, b_heads, c_heads, groups_bc, heads, head_dim, size)
         branch.op("Identity", [ys], outputs=[f"{y_out}/{form.__name__}/ys"])
@@ -122,7 +122,7 @@ def lower_selective_scan(g: GraphWriter, node: onnx.NodeProto) -> None:
             value_info(f"{y_out}/{form.__name__}/ys", FLOAT, ["B", "S", heads, head_dim]),
             value_info(f"{y_out}/{form.__name__}/state", FLOAT, ["B", heads, head_dim, size])],
             initializer=branch.initializers))
-    short = g.op("LessOrEqual", [g.op("Squeeze", [g.dim(x, 1), g.const([0])]), g.const(QUADRATIC_MAX_TOKENS)])
+    short = g.op("LessOrEqual", [g.op("Squeeze", [g.dim(x, 1), g.const([0])]), g.const(SSD_CHUNK)])
     ys, final = g.op("If", [short], outputs=[o.name for o in outputs], then_branch=branches[0],
                      else_branch=branches[1])
     g.op("Identity", [final], outputs=[state_out])
@@ -162,26 +162,51 @@ def _dual_form(g: GraphWriter, state: str, log_decay: str, drive: str, b: str, c
     return ys, final
 
 
-def _scan_form(g: GraphWriter, state: str, log_decay: str, drive: str, b: str, c: str,
-               groups_bc: tuple[str, str, int], heads: int, head_dim: int, size: int) -> tuple[str, str]:
-    """One ONNX Scan step per token carrying h; returns ys [B,S,H,P] and the final h."""
-    decay = g.op("Exp", [log_decay])
-    body = GraphWriter(prefix="recurrent/scan/")
-    h, decay_t, drive_t, b_t, c_t = (body.fresh(n) for n in ("h", "decay", "drive", "b", "c"))
-    h_next = body.add(body.mul(h, body.unsqueeze(decay_t, [2, 3])),
-                      body.mul(body.unsqueeze(drive_t, [3]), body.unsqueeze(b_t, [2])))
-    y_t = body.op("ReduceSum", [body.mul(h_next, body.unsqueeze(c_t, [2])), body.const([3])], keepdims=0)
+def _chunked_form(g: GraphWriter, state: str, log_decay: str, drive: str, b: str, c: str,
+                  groups_bc: tuple[str, str, int], heads: int, head_dim: int, size: int) -> tuple[str, str]:
+    """The dual form inside chunks of SSD_CHUNK tokens, the state passed between chunks by a Scan over chunks
+    (Mamba2's chunked SSD): memory and work linear in the call's length. Returns ys [B,S,H,P] and h."""
+    q = SSD_CHUNK
+    seq = g.dim(log_decay, 1)
+    pad = g.op("Mod", [g.op("Sub", [g.const([q]), g.op("Mod", [seq, g.const([q])])]), g.const([q])])
+
+    def chunks(t: str, dims: list[int], width: int) -> str:  # [B, S, W, *dims] -> [B, N, W, q, *dims], zero-padded
+        rank = 3 + len(dims)  # Pad's pads: every axis' start, then every axis' end; only S's end grows
+        pads = g.op("Concat", [g.const([0] * (rank + 1)), pad, g.const([0] * (rank - 2))], axis=0)
+        split = g.reshape(g.op("Pad", [t, pads]), [0, -1, q, width, *dims])
+        return g.transpose(split, [0, 1, 3, 2, *range(4, 4 + len(dims))])
+
+    b_g, c_g, groups = groups_bc
+    cumulative = g.op("CumSum", [chunks(log_decay, [], heads), g.const(-1)])  # a within each chunk [B, N, H, q]
+    gaps = g.op("Sub", [g.unsqueeze(cumulative, [4]), g.unsqueeze(cumulative, [3])])  # a[t] - a[s] [B,N,H,q,q]
+    causal = g.const(np.tril(np.ones((q, q), dtype=bool)), np.bool_)
+    weights = g.op("Exp", [g.op("Where", [causal, gaps, g.const(-np.inf, np.float32)])])
+    per_group = g.matmul(chunks(c_g, [size], groups), g.transpose(chunks(b_g, [size], groups), [0, 1, 2, 4, 3]))
+    grouped = g.reshape(weights, [0, 0, groups, heads // groups, q, q])
+    scores = g.reshape(g.mul(grouped, g.unsqueeze(per_group, [3])), [0, 0, heads, q, q])  # [B, N, H, q, q]
+    drive_c, b_c, c_c = chunks(drive, [head_dim], heads), chunks(b, [size], heads), chunks(c, [size], heads)
+    within = g.matmul(scores, drive_c)  # [B, N, H, q, P]
+    last = g.op("Gather", [cumulative, g.const(q - 1)], axis=3)  # [B, N, H]
+    to_end = g.op("Exp", [g.op("Sub", [g.unsqueeze(last, [3]), cumulative])])  # [B, N, H, q]
+    local = g.matmul(g.transpose(g.mul(drive_c, g.unsqueeze(to_end, [4])), [0, 1, 2, 4, 3]), b_c)  # [B,N,H,P,Nst]
+    body = GraphWriter(prefix="recurrent/ssd_chunk/")
+    h, last_t, local_t = body.fresh("h"), body.fresh("last"), body.fresh("local")
+    h_next = body.add(body.mul(h, body.unsqueeze(body.op("Exp", [last_t]), [2, 3])), local_t)
+    h_in = body.op("Identity", [h])  # the state entering the chunk
     h_out = body.op("Identity", [h_next])
-    scan_body = helper.make_graph(
-        body.nodes, "selective_scan_step",
-        [value_info(h, FLOAT, ["B", heads, head_dim, size]), value_info(decay_t, FLOAT, ["B", heads]),
-         value_info(drive_t, FLOAT, ["B", heads, head_dim]), value_info(b_t, FLOAT, ["B", heads, size]),
-         value_info(c_t, FLOAT, ["B", heads, size])],
-        [value_info(h_out, FLOAT, ["B", heads, head_dim, size]), value_info(y_t, FLOAT, ["B", heads, head_dim])],
+    step = helper.make_graph(
+        body.nodes, "ssd_chunk",
+        [value_info(h, FLOAT, ["B", heads, head_dim, size]), value_info(last_t, FLOAT, ["B", heads]),
+         value_info(local_t, FLOAT, ["B", heads, head_dim, size])],
+        [value_info(h_out, FLOAT, ["B", heads, head_dim, size]), value_info(h_in, FLOAT, ["B", heads, head_dim, size])],
         initializer=body.initializers)
-    final, ys = g.op("Scan", [state, decay, drive, b, c], n_out=2, body=scan_body,
-                     num_scan_inputs=4, scan_input_axes=[1, 1, 1, 1], scan_output_axes=[1])
-    return ys, final
+    final, entering = g.op("Scan", [state, last, local], n_out=2, body=step, num_scan_inputs=2,
+                           scan_input_axes=[1, 1], scan_output_axes=[1])  # entering [B, N, H, P, Nst]
+    from_state = g.mul(g.matmul(c_c, g.transpose(entering, [0, 1, 2, 4, 3])),  # C·h_in [B, N, H, q, P]
+                       g.unsqueeze(g.op("Exp", [cumulative]), [4]))
+    ys = g.transpose(g.add(within, from_state), [0, 1, 3, 2, 4])  # [B, N, q, H, P]
+    tokens = g.reshape(ys, [0, -1, heads, head_dim])
+    return g.op("Slice", [tokens, g.const([0]), seq, g.const([1])]), final
 
 
 def lower_gated_delta_rule(g: GraphWriter, node: onnx.NodeProto, chunk_size: int = DELTA_CHUNK) -> None:

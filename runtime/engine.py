@@ -175,10 +175,12 @@ class Engine:
         if self.recurrent_snapshots is None:
             return ()
         interval = self.config.snapshot_interval_tokens
-        positions = set(request.message_boundaries)
+        # The prompt's end too: a recompute after preemption (prompt + output in one go) must stop there, or the
+        # prompt's checkpoint would capture the state after some generated tokens.
+        positions = {*request.message_boundaries, len(request.prompt_ids)}
         if interval:
             positions.update(range(interval, len(request.prompt_ids), interval))
-        return tuple(sorted(p for p in positions if 0 < p < len(request.prompt_ids)))
+        return tuple(sorted(p for p in positions if 0 < p <= len(request.prompt_ids)))
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now; its pages are released and nothing of it is published. False if unknown."""
@@ -229,7 +231,9 @@ class Engine:
             if before < prompt_len:
                 self.cache.index_computed(seq.lease, seq.prompt_ids, seq.num_computed_tokens)
                 if seq.num_computed_tokens >= prompt_len:  # the prompt is in the pool: publish it (both policies)
-                    self.cache.publish(seq.lease, seq.prompt_ids)
+                    # A recurrent state is the prompt's only when the call ended exactly there (a checkpoint).
+                    if self.states is None or seq.num_computed_tokens == prompt_len:
+                        self.cache.publish(seq.lease, seq.prompt_ids)
                     self._save_system_prompt(seq)
                 elif seq.num_computed_tokens in seq.checkpoints:  # the scheduler ended the chunk here for this
                     self.cache.publish(seq.lease, seq.prompt_ids[:seq.num_computed_tokens], boundary=True)

@@ -33,8 +33,11 @@ def shrink_pool(engine: Engine, num_pages: int, max_records: int, partial_slots:
     slots = engine.cache.snapshots.capacity if partial_slots is None else partial_slots
     assert slots == 0 or (store is not None and slots <= store.num_slots)
     engine.cache = ContextCacheManager(num_pages, engine.cache.tokens_per_page, enabled=engine.cache.enabled,
-                                       max_records=max_records, partial_kv_snapshot_slots=slots)
+                                       max_records=max_records, partial_kv_snapshot_slots=slots,
+                                       recurrent_snapshot_slots=engine.cache.recurrent_snapshots.capacity,
+                                       deployment=engine.deployment)
     engine.cache.capture_partial = store.capture if store is not None else None
+    engine.cache.capture_recurrent = engine._capture_recurrent if engine.recurrent_snapshots is not None else None
     engine.scheduler.cache = engine.cache
 
 

@@ -189,6 +189,28 @@ def test_decode_end_checkpoint_serves_the_next_turn(engine_dir: Path, runner: Or
     assert answers([second]) == answers(run_file(make_engine(engine_dir, runner), follow))
 
 
+def test_a_recompute_after_preemption_checkpoints_the_prompt_state(engine_dir: Path,
+                                                                    runner: OrtEngineRunner) -> None:
+    """A preempted sequence whose checkpoints were evicted recomputes prompt + output; the scheduler must end a
+    call at the prompt's end so the prompt's checkpoint holds the state after the prompt alone."""
+    prompt = [int(t) for t in np.random.default_rng(3).integers(3, 200, size=37)]
+    sampling = SamplingParams(temperature=0.0, top_k=1, max_generate_length=8, num_logprobs=1,
+                              cache_generated_tokens=False)
+    warm = warm_engine(engine_dir, runner)
+    request_id = warm.add_request(warm.inputs.process_prompt(prompt, sampling))
+    for _ in range(4):  # the prompt, then three tokens
+        warm.step()
+    warm.scheduler.preempt(warm._sequences[request_id])
+    warm.cache._evict([r.record_id for r in warm.cache.records.least_recent_first()])  # nothing to restore
+    while warm.has_unfinished():
+        warm.step()
+    assert warm.scheduler.stats.preemptions == 1
+    extended = prompt + [5, 6, 7]
+    outputs = greedy(warm, [extended], 5)
+    assert warm.profile()["prefill"]["reused_tokens"] == len(prompt)  # the recompute's prompt checkpoint
+    assert outputs == greedy(make_engine(engine_dir, runner), [extended], 5)
+
+
 # --- snapshots: byte-exact, freed with their records, pressure skipped -------------------------------------
 
 def test_snapshot_restore_is_byte_exact(engine_dir: Path, runner: OrtEngineRunner) -> None:

@@ -85,13 +85,14 @@ def test_lowering_matches_the_reference_on_ragged_rows(session: ort.InferenceSes
 
 
 def test_both_scan_forms_match_the_reference(session: ort.InferenceSession) -> None:
-    """Calls up to QUADRATIC_MAX_TOKENS run the dual (matmul) form, longer ones the Scan: both exact, ragged."""
-    from kvforge.builder.lower_recurrent import QUADRATIC_MAX_TOKENS
+    """Calls up to SSD_CHUNK tokens run the dual (matmul) form whole, longer ones chunk by chunk: both exact on
+    ragged rows, including a length that is not a multiple of the chunk and rows ending inside a chunk."""
+    from kvforge.builder.lower_recurrent import SSD_CHUNK
 
-    for seq in (QUADRATIC_MAX_TOKENS, QUADRATIC_MAX_TOKENS + 3):
-        data = inputs(2, seq, seed=seq)
+    for seq in (SSD_CHUNK, SSD_CHUNK + 1, 3 * SSD_CHUNK + 5, 1100):
+        data = inputs(3, seq, seed=seq)
         data["dt"] -= 2.0  # long rows: keep the decay mild so the state carries information to the end
-        lengths = np.array([seq, seq - 700])
+        lengths = np.array([seq, max(1, seq - 70), 1])
         for got, want in zip(run(session, data, lengths), reference(data, lengths), strict=True):
             np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
 
