@@ -67,7 +67,7 @@ def test_splitting_off_keeps_one_frame() -> None:
 @pytest.fixture(scope="module")
 def split_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("vlm_split")
-    text, visual = synthetic_idefics3(split=True)
+    text, visual = synthetic_idefics3(split_tiles=2)
     write_onnx_dir(text, root / "onnx")
     write_visual_onnx_dir(visual, root / "onnx" / "visual")
     build_engine(root / "onnx", root / "engine",
