@@ -97,7 +97,9 @@ class VisualEncoder:
         rows = np.concatenate([self.session.run([ENCODER_OUTPUT], {ENCODER_INPUT: pixel_values[i:i + step]})[0]
                                for i in range(0, len(pixel_values), step)]).astype(np.float32, copy=False)
         bounds = np.cumsum([0] + [len(f) for f in frames])
-        return [rows[lo:hi].reshape(-1, rows.shape[-1]) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+        # copies: a cached image must not keep the whole batch's array alive (the cache counts its own bytes)
+        return [rows[lo:hi].reshape(-1, rows.shape[-1]).copy() for lo, hi in zip(bounds[:-1], bounds[1:],
+                                                                                   strict=True)]
 
 
 def load_encoder(engine_dir: Path, num_threads: int = 0):  # -> VisualEncoder | AudioEncoder
