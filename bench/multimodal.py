@@ -1,7 +1,9 @@
 """Images or audio: TTFT cold vs warm (same item, new question), encoder time saved per cache hit, KV bytes per item.
 
 Runs random-weight models (weights do not change the cost): images with SmolVLM-256M's shapes (SmolLM2-135M
-text model, SigLIP-B/16 vision tower at 512 px, 64 tokens per image; `--tiny` for the 16-token test model);
+text model, SigLIP-B/16 vision tower at 512 px tiles, 64 tokens per tile; `--tiny` for the 16-token test model),
+split as SmolVLM's processor does (longest edge 4 tiles: the 640x480 photo takes 4x3 tiles + the global image,
+832 placeholders; `--splitTiles 0` runs it unsplit, 64);
 `--audio` with Qwen2-Audio's encoder shape (Whisper-large-v3, 30 s window; `--audioLayers` of its 32 layers,
 the encoder's cost grows linearly with them) in front of the same SmolLM2-135M-shaped text model, on a 5 s
 clip (125 tokens). TTFT is measured from the request (decode + preprocess + encode or cache hit + tokenize) to
@@ -65,10 +67,10 @@ def write_clip(path: Path, seconds: float, seed: int) -> Path:
     return path
 
 
-def build(root: Path, tiny: bool, tokens_per_page: int) -> tuple[Path, Path, dict]:
+def build(root: Path, tiny: bool, tokens_per_page: int, split_tiles: int) -> tuple[Path, Path, dict]:
     text, visual = synthetic_idefics3(text=None if tiny else SMOLVLM_256M_TEXT,
                                       vision=None if tiny else SMOLVLM_256M_VISION,
-                                      name="tiny-idefics3" if tiny else "smolvlm-256m-shape")
+                                      name="tiny-idefics3" if tiny else "smolvlm-256m-shape", split_tiles=split_tiles)
     return build_dirs(root, text, "visual", lambda path: write_visual_onnx_dir(visual, path), tokens_per_page,
                       visual.config.tokens_per_image)
 
@@ -78,7 +80,7 @@ def build_dirs(root: Path, text: Any, kind: str, write_encoder: Callable[[Path],
     """Text ONNX dir + encoder ONNX dir (`write_encoder`) under root/onnx, built into root/engine and root/KIND."""
     write_onnx_dir(text, root / "onnx")
     write_encoder(root / "onnx" / kind)
-    build_engine(root / "onnx", root / "engine", BuildOptions(max_input_len=1024, max_kv_cache_capacity=2048,
+    build_engine(root / "onnx", root / "engine", BuildOptions(max_input_len=2048, max_kv_cache_capacity=4096,
                                                               max_batch_size=1, tokens_per_page=tokens_per_page))
     build_encoder_engine(root / "onnx" / kind, root / kind, "auto", 1)
     c = text.config
@@ -108,6 +110,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tiny", action="store_true", help="the 16-token test model instead of SmolVLM-256M shapes")
     parser.add_argument("--tokensPerPage", type=int, default=64)
+    parser.add_argument("--splitTiles", type=int, default=4,
+                        help="image splitting: the longest edge in tiles (SmolVLM's processors: 4); 0 = unsplit")
     parser.add_argument("--audio", action="store_true", help="an audio item instead of an image")
     parser.add_argument("--audioLayers", type=int, default=8, help="encoder layers of the 32 Qwen2-Audio has")
     parser.add_argument("--json", type=Path)
@@ -117,7 +121,7 @@ def main() -> None:
         if args.audio:
             engine_dir, visual_dir, shape = build_audio(root, args.audioLayers, args.tokensPerPage)
         else:
-            engine_dir, visual_dir, shape = build(root, args.tiny, args.tokensPerPage)
+            engine_dir, visual_dir, shape = build(root, args.tiny, args.tokensPerPage, args.splitTiles)
         kind, questions = ("audio", AUDIO_QUESTIONS) if args.audio else ("image", QUESTIONS)
         rng = np.random.default_rng(0)
         rows = {"cold": [], "warm_both": [], "warm_kv_only": [], "warm_encoder_cache_only": [], "encoder_ms": []}
@@ -142,6 +146,9 @@ def main() -> None:
                                  if s["stage_id"] in (VISION_ENCODER_STAGE, AUDIO_ENCODER_STAGE))
                     rows["encoder_ms"].append(stage["average_time_per_run_ms"])
                     reused = engine.profile()["context_cache"]["reused_tokens"]
+                    multimodal = engine.profile()["multimodal"]
+                    if not args.audio:  # an image's placeholders: tokens per tile x (tiles + the global image)
+                        shape["tokens_per_image"] = multimodal["total_image_tokens"] // multimodal["total_images"]
             print(f"repeat {repeat}: " + ", ".join(f"{k} {v[-1]:.1f} ms" for k, v in rows.items()), file=sys.stderr)
     med = {k: statistics.median(v) for k, v in rows.items()}
     kv_per_token = kv_bytes_per_page(shape["kv_heads"], shape["head_dim"], 1, shape["kv_cache_dtype"])
@@ -149,6 +156,7 @@ def main() -> None:
         "model": (f"Qwen2-Audio encoder shape, {args.audioLayers} of 32 layers + SmolLM2-135M shape" if args.audio
                   else "tiny-idefics3" if args.tiny else "SmolVLM-256M shapes (random weights)"),
         "threads": args.threads, "repeats": args.repeats, "tokens_per_page": args.tokensPerPage,
+        **({} if args.audio else {"split_tiles": args.splitTiles}),
         "tokens_per_item": shape["tokens_per_image"],
         "ttft_ms": {k: round(v, 1) for k, v in med.items() if k != "encoder_ms"},
         "ttft_cold_over_warm": round(med["cold"] / med["warm_both"], 2),

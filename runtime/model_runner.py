@@ -104,11 +104,7 @@ class ModelRunner:
 
 
 def _splice_media(row_embeds: np.ndarray, seq: Sequence, num_new: int) -> None:
-    """Overwrite the placeholder positions among this call's tokens with their encoder rows (a chunk may hold
-    part of a span: the rows for exactly its positions are copied)."""
+    """Overwrite the placeholder positions among this call's tokens with their encoder rows."""
     begin = seq.num_computed_tokens
-    end = begin + num_new
     for span in seq.request.media:
-        lo, hi = max(begin, span.start), min(end, span.end)
-        if lo < hi:
-            row_embeds[lo - begin:hi - begin] = span.embeds[lo - span.start:hi - span.start]
+        span.splice(row_embeds, begin, begin + num_new)

@@ -2,8 +2,8 @@
 
 A tiny random Idefics3 checkpoint is saved with save_pretrained, exported by llm_export's HF path (text ONNX
 dir + vision encoder ONNX dir), built by llm_build's two paths and run through the Engine loop with
---multimodalEngineDir semantics; the reference is transformers' Idefics3Processor (PIL backend, no image
-splitting) feeding Idefics3ForConditionalGeneration.
+--multimodalEngineDir semantics; the reference is transformers' Idefics3Processor (PIL backend) feeding
+Idefics3ForConditionalGeneration, with image splitting (a 2x3 tile grid) and without.
 """
 
 from __future__ import annotations
@@ -34,13 +34,21 @@ TOL = 1e-4
 PROMPT_BEFORE, PROMPT_AFTER = "<|im_start|>User:", "Describe it.<end_of_utterance>\nAssistant:"
 
 
-def _checkpoint(path: Path) -> None:
+# preprocessor_config.json per case: 48-pixel frames on a 64-pixel position table, so the fractional position
+# bucketing is exercised too. Split: a 30x53 image -> 82x144 -> 96x144, 2 rows x 3 columns of tiles + global.
+SPLIT = dict(do_image_splitting=True, size={"longest_edge": 144}, max_image_size={"longest_edge": 48})
+UNSPLIT = dict(do_image_splitting=False, size={"longest_edge": 96}, max_image_size={"longest_edge": 48})
+# SmolVLM's tokenizer has the tile markers as added tokens (Idefics3Processor looks them up).
+ROW_COL_TOKENS = tuple(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7))
+
+
+def _checkpoint(path: Path, preprocessor: dict) -> None:
     from transformers import Idefics3Config, Idefics3ForConditionalGeneration
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
     path.mkdir()
     tok = byte_level_tokenizer()
-    tok.add_special_tokens(list(IDEFICS3_SPECIAL_TOKENS))
+    tok.add_special_tokens([*IDEFICS3_SPECIAL_TOKENS, *ROW_COL_TOKENS])
     tok.save(str(path / "tokenizer.json"))
     config = Idefics3Config(
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -58,19 +66,17 @@ def _checkpoint(path: Path) -> None:
             param.copy_(1.0 + 0.1 * noise if "norm" in name and name.endswith("weight")
                         else 0.1 * noise if name.endswith("bias") else 0.15 * noise)
     model.save_pretrained(path)
-    # 48-pixel images on a 64-pixel position table: the fractional position bucketing is exercised too.
-    processor = Idefics3ImageProcessorPil(do_image_splitting=False, size={"longest_edge": 96},
-                                          max_image_size={"longest_edge": 48})
+    processor = Idefics3ImageProcessorPil(**preprocessor)
     (path / "preprocessor_config.json").write_text(json.dumps(processor.to_dict()))
 
 
-def _reference_logits(checkpoint: Path, image: Path, tokens_per_image: int) -> tuple[list[int], np.ndarray]:
+def _reference_logits(checkpoint: Path, image: Path, tokens_per_image: int,
+                      preprocessor: dict) -> tuple[list[int], np.ndarray]:
     from transformers import Idefics3ForConditionalGeneration, Idefics3Processor, PreTrainedTokenizerFast
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(checkpoint / "tokenizer.json"))
-    image_processor = Idefics3ImageProcessorPil(do_image_splitting=False, size={"longest_edge": 96},
-                                                max_image_size={"longest_edge": 48})
+    image_processor = Idefics3ImageProcessorPil(**preprocessor)
     processor = Idefics3Processor(image_processor, tokenizer, image_seq_len=tokens_per_image)
     inputs = processor(text=[PROMPT_BEFORE + "<image>" + PROMPT_AFTER], images=[[Image.open(image)]],
                        return_tensors="pt")
@@ -95,16 +101,19 @@ class _CapturingRunner:
         return getattr(self.inner, name)
 
 
-def test_idefics3_image_file_to_logits_matches_transformers(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("preprocessor", "shape", "frames"), [(UNSPLIT, (37, 53), 1), (SPLIT, (30, 53), 7)],
+                         ids=["unsplit", "split-2x3"])
+def test_idefics3_image_file_to_logits_matches_transformers(tmp_path: Path, preprocessor: dict,
+                                                            shape: tuple[int, int], frames: int) -> None:
     checkpoint = tmp_path / "hf"
-    _checkpoint(checkpoint)
+    _checkpoint(checkpoint, preprocessor)
     image = tmp_path / "photo.png"
-    Image.fromarray(np.random.default_rng(3).integers(0, 255, (37, 53, 3), dtype=np.uint8)).save(image)
+    Image.fromarray(np.random.default_rng(3).integers(0, 255, (*shape, 3), dtype=np.uint8)).save(image)
     loaded, visual = load_idefics3_dir(checkpoint, kv_cache_dtype="fp32")
     write_onnx_dir(loaded, tmp_path / "onnx")
     write_visual_onnx_dir(visual, tmp_path / "onnx" / "visual")
     build_engine(tmp_path / "onnx", tmp_path / "engine",
-                 BuildOptions(max_input_len=128, max_kv_cache_capacity=256, max_batch_size=1, tokens_per_page=16))
+                 BuildOptions(max_input_len=256, max_kv_cache_capacity=512, max_batch_size=1, tokens_per_page=16))
     build_encoder_engine(tmp_path / "onnx" / "visual", tmp_path / "visual", "auto", 4)
     engine = Engine(tmp_path / "engine", EngineConfig(num_threads=2, multimodal_engine_dir=str(tmp_path / "visual")))
     capture = engine.model_runner = _CapturingRunner(engine.model_runner)
@@ -117,9 +126,14 @@ def test_idefics3_image_file_to_logits_matches_transformers(tmp_path: Path) -> N
     engine.add_request(prepared)
     while engine.has_unfinished():
         engine.step()
-    ids, reference = _reference_logits(checkpoint, image, visual.config.tokens_per_image)
-    assert prepared.prompt_ids == ids  # the placeholder expansion is the processor's
+    ids, reference = _reference_logits(checkpoint, image, visual.config.tokens_per_image, preprocessor)
+    assert visual.config.preprocessing.do_image_splitting == preprocessor["do_image_splitting"]
+    assert prepared.prompt_ids == ids  # the placeholder expansion (tile markers included) is the processor's
     assert visual.config.tokens_per_image == 9 and len(prepared.media) == 1
+    [span] = prepared.media
+    assert len(span.embeds) == 9 * frames == ids.count(visual.config.image_token_id)
+    image_positions = [i for i, t in enumerate(ids) if t == visual.config.image_token_id]
+    assert (span.start, span.end) == (image_positions[0], image_positions[-1] + 1)  # the span holds every tile
     logits = capture.logits[-1][0]
     assert np.abs(logits - reference).max() <= TOL * max(1.0, np.abs(reference).max())
     assert int(np.argmax(logits)) == int(np.argmax(reference))

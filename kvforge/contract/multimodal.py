@@ -29,7 +29,7 @@ class ImagePreprocessing:
     """How a decoded RGB image becomes `pixel_values`, as the family's HF image processor does it."""
 
     longest_edge: int  # first resize: the longest edge to this, aspect ratio kept (Idefics3 `size`)
-    image_size: int  # then a square of this side (Idefics3 `max_image_size` without splitting)
+    image_size: int  # side of every encoder input: the global image and each tile (Idefics3 `max_image_size`)
     rescale_factor: float = 1 / 255
     image_mean: tuple[float, ...] = (0.5, 0.5, 0.5)
     image_std: tuple[float, ...] = (0.5, 0.5, 0.5)
@@ -37,6 +37,9 @@ class ImagePreprocessing:
     do_resize: bool = True
     do_rescale: bool = True
     do_normalize: bool = True
+    # Idefics3 image splitting: tiles of image_size plus the global image. Off by default so encoder dirs written
+    # before the field existed keep their meaning (their images ran unsplit).
+    do_image_splitting: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -140,6 +140,10 @@ class AudioEncoder:
     def marker(self) -> str:
         return self.config.audio_token
 
+    def layout(self, item: DecodedAudio | MelFeatures) -> int:
+        """What the placeholder text depends on: the row count alone."""
+        return self.rows(item)
+
     def placeholder_text(self, rows: int) -> str:
         return self.config.audio_token * rows
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,16 +65,53 @@ def _to_rgb(image: Image.Image) -> Image.Image:
     return Image.alpha_composite(background, rgba).convert("RGB")
 
 
+@dataclass(frozen=True, slots=True)
+class TileGrid:
+    """How Idefics3 splits one image: `rows` x `cols` tiles of image_size, then the global image; 0 x 0 means
+    the global image alone (splitting off, or an image no larger than one tile)."""
+
+    rows: int
+    cols: int
+
+    @property
+    def frames(self) -> int:
+        """Encoder inputs of the image: its tiles plus the global image."""
+        return self.rows * self.cols + 1
+
+
+def idefics3_tile_grid(height: int, width: int, pre: ImagePreprocessing) -> TileGrid:
+    """The split Idefics3ImageProcessor makes of a height x width image, from the shape alone (no pixels touched),
+    so a request's prompt is laid out before (or, on an encoder-cache hit, without) preprocessing."""
+    if not pre.do_image_splitting:
+        return TileGrid(0, 0)
+    if pre.do_resize:
+        height, width = _longest_edge_size(height, width, pre.longest_edge)
+    height, width = _tile_multiple_size(height, width, pre.image_size)
+    if height <= pre.image_size and width <= pre.image_size:
+        return TileGrid(0, 0)
+    return TileGrid(height // pre.image_size, width // pre.image_size)
+
+
 def idefics3_pixel_values(pixels: np.ndarray, pre: ImagePreprocessing) -> np.ndarray:
-    """[3, S, S] float32 like Idefics3ImageProcessor with do_image_splitting=False: the longest edge to
-    `longest_edge` (aspect kept, the other side even), then a square of `image_size`; rescale; normalize."""
+    """[frames, 3, S, S] float32 as Idefics3ImageProcessor makes them: the longest edge to `longest_edge` (aspect
+    kept, the other side even); with splitting, resized again so both sides are multiples of S and cut into
+    row-major S x S tiles followed by the whole image squeezed to S x S; without, that square alone. Every resize
+    runs on the previous one's uint8 result, as there. Then rescale and normalize."""
     image = Image.fromarray(pixels)
     resample = _FILTERS[pre.resample]
+    size = pre.image_size
     if pre.do_resize:
         height, width = _longest_edge_size(image.height, image.width, pre.longest_edge)
         image = image.resize((width, height), resample=resample)
-    image = image.resize((pre.image_size, pre.image_size), resample=resample)
-    array = np.asarray(image, dtype=np.float32).transpose(2, 0, 1)
+    frames = []
+    if pre.do_image_splitting:
+        height, width = _tile_multiple_size(image.height, image.width, size)
+        image = image.resize((width, height), resample=resample)
+        if height > size or width > size:
+            tiles = np.asarray(image)
+            frames = [tiles[r:r + size, c:c + size] for r in range(0, height, size) for c in range(0, width, size)]
+    frames.append(np.asarray(image.resize((size, size), resample=resample)))
+    array = np.stack(frames).astype(np.float32).transpose(0, 3, 1, 2)
     if pre.do_rescale:
         array = array * np.float32(pre.rescale_factor)
     if pre.do_normalize:
@@ -81,6 +119,19 @@ def idefics3_pixel_values(pixels: np.ndarray, pre: ImagePreprocessing) -> np.nda
         std = np.asarray(pre.image_std, dtype=np.float32)[:, None, None]
         array = (array - mean) / std
     return np.ascontiguousarray(array, dtype=np.float32)
+
+
+def _tile_multiple_size(height: int, width: int, tile: int) -> tuple[int, int]:
+    """transformers' resize_for_vision_encoder sizes: the longer side rounded up to a multiple of the tile, the
+    other side scaled by the aspect ratio from that and rounded up too (int truncation in between, as there)."""
+    aspect = width / height
+    if width >= height:
+        width = math.ceil(width / tile) * tile
+        height = math.ceil(int(width / aspect) / tile) * tile
+    else:
+        height = math.ceil(height / tile) * tile
+        width = math.ceil(int(height * aspect) / tile) * tile
+    return height, width
 
 
 def _longest_edge_size(height: int, width: int, max_len: int) -> tuple[int, int]:

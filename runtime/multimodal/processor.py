@@ -47,24 +47,24 @@ class MultimodalProcessor:
                                 f"engine's hidden size is {text_hidden_size}; export both from one checkpoint", FIELD)
         self.encoder, self.cache, self.tokenizer, self.profiler = encoder, cache, tokenizer, profiler
         self.stats = MultimodalStats()
-        self._expansions: dict[int, tuple[list[int], int]] = {}  # rows -> (placeholder ids, offset of the span)
-        self.expansion(1)  # checks the tokenizer knows the placeholder token
+        self._expansions: dict[object, tuple[list[int], np.ndarray]] = {}  # layout -> (ids, placeholder positions)
+        if tokenizer.tokenizer.encode(encoder.marker, add_special_tokens=False).ids != [encoder.token_id]:
+            raise InvalidConfig(f"the text engine's tokenizer does not turn {encoder.marker!r} into the encoder's "
+                                f"token id {encoder.token_id}; are the two dirs from one checkpoint?", FIELD)
 
     @property
     def image_token_id(self) -> int:
         return self.encoder.token_id
 
-    def expansion(self, rows: int) -> tuple[list[int], int]:
-        """Token ids of one item's placeholder text and where its `rows` placeholder tokens start in them."""
-        cached = self._expansions.get(rows)
+    def expansion(self, layout) -> tuple[list[int], np.ndarray]:
+        """Token ids of one item's placeholder text (`layout` is what the text depends on: a row count, an image's
+        tile grid) and the positions of its placeholder tokens in them, in order."""
+        cached = self._expansions.get(layout)
         if cached is None:
-            ids = self.tokenizer.tokenizer.encode(self.encoder.placeholder_text(rows), add_special_tokens=False).ids
-            positions = [i for i, t in enumerate(ids) if t == self.encoder.token_id]
-            if len(positions) != rows or positions[-1] - positions[0] + 1 != rows:
-                raise InvalidConfig(f"the text engine's tokenizer does not turn {self.encoder.marker!r} into the "
-                                    f"encoder's token id {self.encoder.token_id}; are the two dirs from one "
-                                    "checkpoint?", FIELD)
-            cached = self._expansions[rows] = (ids, positions[0])
+            ids = self.tokenizer.tokenizer.encode(self.encoder.placeholder_text(layout), add_special_tokens=False).ids
+            positions = np.flatnonzero(np.asarray(ids) == self.encoder.token_id)
+            positions.setflags(write=False)
+            cached = self._expansions[layout] = (ids, positions)
         return cached
 
     def check_kinds(self, media: list[MediaRef]) -> None:
@@ -91,20 +91,25 @@ class MultimodalProcessor:
             if rows < 1:
                 raise KvforgeError(f"this {ref.kind} is too short to give the encoder a single output row",
                                    f"{ref.where}.{ref.kind}")
-            expansion, offset = self.expansion(rows)
-            start = len(ids) + offset
+            expansion, positions = self.expansion(self.encoder.layout(item))
+            if len(positions) != rows:
+                raise InvalidConfig(f"the text engine's tokenizer turns {len(positions)} of this {ref.kind}'s "
+                                    f"{rows} placeholders into the encoder's token id {self.encoder.token_id} "
+                                    f"({self.encoder.marker!r}); are the two dirs from one checkpoint?", FIELD)
+            start = len(ids) + int(positions[0])
             ids += expansion
             if len(ids) > max_input_len:
                 raise KvforgeError(f"this {ref.kind} brings the prompt to at least {len(ids)} tokens, more than the "
                                    f"engine's maxInputLen {max_input_len} (it takes {len(expansion)}); send fewer "
                                    "media items or rebuild with a larger --maxInputLen", ref.where)
             ids += self.tokenizer.tokenizer.encode(segment, add_special_tokens=False).ids
-            placed.append((MediaKey(start, rows, item.digest), item))
-        if ids.count(self.encoder.token_id) != sum(key.length for key, _ in placed):
+            placed.append((start, positions, item))
+        if ids.count(self.encoder.token_id) != sum(len(positions) for _, positions, _ in placed):
             raise KvforgeError(f"the prompt text contains the placeholder {self.encoder.marker!r}; send media as "
                                "content items", where)
-        embeds = self._embeddings([item for _, item in placed])
-        return ids, tuple(MediaSpan(key, rows) for (key, _), rows in zip(placed, embeds, strict=True))
+        embeds = self._embeddings([item for _, _, item in placed])
+        return ids, tuple(_media_span(start, positions, item.digest, rows)
+                          for (start, positions, item), rows in zip(placed, embeds, strict=True))
 
     def _embeddings(self, items: list) -> list[np.ndarray]:
         """Encoder rows per item: cache hits as they are, misses encoded together (duplicates once)."""
@@ -151,6 +156,14 @@ class MultimodalProcessor:
             "average_time_per_token_ms": round(encoder_ms / s.encoded_tokens, 4) if s.encoded_tokens else 0.0,
             "encoder_cache": self.cache.to_dict(),
         }}
+
+
+def _media_span(start: int, positions: np.ndarray, digest: bytes, rows: np.ndarray) -> MediaSpan:
+    """The span from an item's first placeholder to its last (a split image's tile markers included: the reuse
+    point never lands between its tiles, and its identity covers them), its rows placed at its placeholders."""
+    offsets = positions - positions[0]
+    contiguous = int(offsets[-1]) + 1 == len(offsets)
+    return MediaSpan(MediaKey(start, int(offsets[-1]) + 1, digest), rows, None if contiguous else offsets)
 
 
 def _resolve(path: str, base_dir: Path | None) -> Path:

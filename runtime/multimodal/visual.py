@@ -25,10 +25,18 @@ from kvforge.contract.multimodal import (
     AudioEncoderConfig,
     EncoderConfig,
 )
-from kvforge.runtime.multimodal.image import DecodedImage, decode_image, idefics3_pixel_values
+from kvforge.runtime.multimodal.image import (
+    DecodedImage,
+    TileGrid,
+    decode_image,
+    idefics3_pixel_values,
+    idefics3_tile_grid,
+)
 from kvforge.runtime.ort_runner import make_session
 
 FIELD = "multimodal_engine_dir"
+# Idefics3Processor opens every tile (and the global image) with this token; the suffix of an image is it too.
+TILE_SEPARATOR = "<fake_token_around_image>"
 
 
 def _session(path: Path, num_threads: int) -> ort.InferenceSession:
@@ -61,22 +69,37 @@ class VisualEncoder:
     def marker(self) -> str:
         return self.config.image_token
 
-    def placeholder_text(self, rows: int) -> str:
-        return self.config.image_prefix + self.config.image_token * rows + self.config.image_suffix
-
     def decode(self, path: Path, where: str) -> DecodedImage:
         return decode_image(path, where)
 
+    def layout(self, item: DecodedImage) -> TileGrid:
+        """What the image's placeholder text depends on: its tile grid (from the decoded shape alone)."""
+        return idefics3_tile_grid(*item.pixels.shape[:2], self.config.preprocessing)
+
+    def placeholder_text(self, grid: TileGrid) -> str:
+        """Idefics3Processor's expansion of one image: per tile `<fake_token_around_image><row_r_col_c>` and its
+        image tokens, a newline after each row of tiles, then a newline and the global image as an unsplit
+        image is written (prefix, image tokens, suffix)."""
+        image = self.config.image_token * self.config.tokens_per_image
+        tiles = "".join("".join(f"{TILE_SEPARATOR}<row_{r + 1}_col_{c + 1}>{image}" for c in range(grid.cols)) + "\n"
+                        for r in range(grid.rows))
+        return (tiles + "\n" if grid.rows else "") + self.config.image_prefix + image + self.config.image_suffix
+
     def rows(self, item: DecodedImage) -> int:
-        return self.config.tokens_per_image
+        return self.layout(item).frames * self.config.tokens_per_image
 
     def encode(self, items: list[DecodedImage]) -> list[np.ndarray]:
-        """Rows per image, in calls of at most max_batch_size images."""
-        pixel_values = np.stack([idefics3_pixel_values(item.pixels, self.config.preprocessing) for item in items])
+        """Rows per image (its tiles' then its global image's, in prompt order), every frame of every image
+        batched into calls of at most max_batch_size frames."""
+        frames = [idefics3_pixel_values(item.pixels, self.config.preprocessing) for item in items]
+        pixel_values = np.concatenate(frames)
         step = max(self.config.max_batch_size, 1)
-        parts = [self.session.run([ENCODER_OUTPUT], {ENCODER_INPUT: pixel_values[i:i + step]})[0]
-                 for i in range(0, len(pixel_values), step)]
-        return list(np.concatenate(parts).astype(np.float32, copy=False))
+        rows = np.concatenate([self.session.run([ENCODER_OUTPUT], {ENCODER_INPUT: pixel_values[i:i + step]})[0]
+                               for i in range(0, len(pixel_values), step)]).astype(np.float32, copy=False)
+        bounds = np.cumsum([0] + [len(f) for f in frames])
+        # copies: a cached image must not keep the whole batch's array alive (the cache counts its own bytes)
+        return [rows[lo:hi].reshape(-1, rows.shape[-1]).copy() for lo, hi in zip(bounds[:-1], bounds[1:],
+                                                                                   strict=True)]
 
 
 def load_encoder(engine_dir: Path, num_threads: int = 0):  # -> VisualEncoder | AudioEncoder

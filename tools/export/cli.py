@@ -108,8 +108,11 @@ def _write_encoder(encoder, output_dir: Path, encoder_output_dir: Path | None) -
     with progress_bar("building vision encoder", None):
         write_visual_onnx_dir(encoder, target)
     e = encoder.config
-    console.print(f"exported the {e.model} vision encoder ({e.tokens_per_image} tokens per "
-                  f"{e.preprocessing.image_size}px image, unsplit) to {target}")
+    pre = e.preprocessing
+    split = (f"images split into {pre.image_size}px tiles + the global image, longest edge {pre.longest_edge}px"
+             if pre.do_image_splitting else "images unsplit")
+    console.print(f"exported the {e.model} vision encoder ({e.tokens_per_image} tokens per {pre.image_size}px "
+                  f"frame; {split}) to {target}")
 
 
 # The default per source: the fastest variant that passes the quality bar of bench/quality.py (top-1 agreement

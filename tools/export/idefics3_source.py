@@ -73,8 +73,7 @@ def load_idefics3_dir(path: Path, kv_cache_dtype: str = "fp16") -> tuple[LoadedM
         text_hidden_size=text_config.hidden_size, image_token="<image>",
         image_prefix="<fake_token_around_image><global-img>", image_suffix="<fake_token_around_image>",
         preprocessing=preprocessing,
-        extra={"vision": {k: getattr(geometry, k) for k in VisionGeometry.__slots__},
-               "do_image_splitting": False})
+        extra={"vision": {k: getattr(geometry, k) for k in VisionGeometry.__slots__}})
     return loaded, VisualExport(geometry, vision, encoder)
 
 
@@ -127,8 +126,8 @@ def _vision_names(geometry: VisionGeometry) -> list[str]:
 
 
 def _preprocessing(path: Path) -> ImagePreprocessing:
-    """preprocessor_config.json as Idefics3ImageProcessor reads it. Image splitting is not supported: every image
-    runs as the one global image (resized to max_image_size), whatever do_image_splitting says."""
+    """preprocessor_config.json as Idefics3ImageProcessor reads it (its class defaults where a key is absent:
+    splitting on, as a real SmolVLM processor does)."""
     file = path / "preprocessor_config.json"
     pre = read_json(file, FIELD) if file.is_file() else {}
     size = pre.get("size") or {}
@@ -141,7 +140,8 @@ def _preprocessing(path: Path) -> ImagePreprocessing:
         image_std=tuple(float(s) for s in pre.get("image_std", (0.5, 0.5, 0.5))),
         resample=_RESAMPLE.get(int(pre.get("resample", 1)), "lanczos"),
         do_resize=bool(pre.get("do_resize", True)), do_rescale=bool(pre.get("do_rescale", True)),
-        do_normalize=bool(pre.get("do_normalize", True)))
+        do_normalize=bool(pre.get("do_normalize", True)),
+        do_image_splitting=bool(pre.get("do_image_splitting", True)))
 
 
 def write_visual_onnx_dir(visual: VisualExport, output_dir: Path) -> Path:

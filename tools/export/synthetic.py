@@ -128,9 +128,12 @@ SMOLVLM_256M_VISION = dict(hidden_size=768, intermediate_size=3072, num_hidden_l
 
 
 def synthetic_idefics3(kv_cache_dtype: str = "fp16", seed: int = 0, text: dict | None = None,
-                       vision: dict | None = None, name: str = "tiny-idefics3"):
+                       vision: dict | None = None, name: str = "tiny-idefics3", split_tiles: int = 0):
     """A tiny SmolVLM: the tiny llama text model plus a 2-layer vision tower on 64-pixel images (16 tokens each).
-    `text` / `vision` override the geometry (SMOLVLM_256M_* give SmolVLM-256M's shapes)."""
+    `text` / `vision` override the geometry (SMOLVLM_256M_* give SmolVLM-256M's shapes). `split_tiles` > 0 turns on
+    image splitting with the longest edge at that many tiles of image_size (SmolVLM's processors: 4, i.e. 2048 px
+    at 512; tests take 2, where vlm_a.png becomes 2x2 tiles + the global image, 80 placeholders, not 4x3 + 1,
+    208). 0 (the default) keeps images unsplit: the fixtures' counters are written for 16-placeholder images."""
     from kvforge.contract.multimodal import VISUAL, EncoderConfig, ImagePreprocessing
     from kvforge.tools.export.idefics3_graph import CONNECTOR, VISION, VisionGeometry
     from kvforge.tools.export.idefics3_source import VisualExport, _vision_names
@@ -177,9 +180,9 @@ def synthetic_idefics3(kv_cache_dtype: str = "fp16", seed: int = 0, text: dict |
                             tokens_per_image=geometry.tokens_per_image(size), text_hidden_size=config.hidden_size,
                             image_token="<image>", image_prefix="<fake_token_around_image><global-img>",
                             image_suffix="<fake_token_around_image>",
-                            preprocessing=ImagePreprocessing(longest_edge=2 * size, image_size=size),
-                            extra={"vision": {k: getattr(geometry, k) for k in VisionGeometry.__slots__},
-                                   "do_image_splitting": False})
+                            preprocessing=ImagePreprocessing(longest_edge=(split_tiles or 2) * size, image_size=size,
+                                                             do_image_splitting=split_tiles > 0),
+                            extra={"vision": {k: getattr(geometry, k) for k in VisionGeometry.__slots__}})
     return text_model, VisualExport(geometry, weights, encoder)
 
 
