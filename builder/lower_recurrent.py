@@ -119,8 +119,8 @@ def lower_selective_scan(g: GraphWriter, node: onnx.NodeProto) -> None:
 
 
 def lower_gated_delta_rule(g: GraphWriter, node: onnx.NodeProto, chunk_size: int = DELTA_CHUNK) -> None:
-    """A call of more than one token (prefill) runs the chunked form (`_chunked_delta_rule`: a Scan over chunks
-    of `chunk_size` tokens); decode, or any call with chunk_size 0, runs the per-token Scan."""
+    """A call of at least chunk_size / 4 tokens (prefill) runs the chunked form (`_chunked_delta_rule`: a Scan over
+    chunks of `chunk_size` tokens); shorter calls (decode), or any call with chunk_size 0, run the per-token Scan."""
     q, k, v, log_decay, beta, context_lengths, state = node.input
     y_out, state_out = node.output
     shape = DeltaShape(_attr(node, "num_k_heads"), _attr(node, "num_v_heads"), _attr(node, "k_head_dim"),
@@ -142,7 +142,9 @@ def lower_gated_delta_rule(g: GraphWriter, node: onnx.NodeProto, chunk_size: int
     if chunk_size:
         chunked = GraphWriter(prefix=f"recurrent/{node.name}/chunk/")
         chunk_outputs = _chunked_delta_rule(chunked, shape, inputs, chunk_size)
-        many = g.op("Greater", [g.op("Squeeze", [g.dim(q, 1), g.const([0])]), g.const(1)])
+        # Calls of a quarter chunk or more (16 tokens at 64) go chunked: the break-even measured by
+        # bench/gated_delta.py at Qwen3.5's geometry (a chunk costs about as much as 16 per-token steps).
+        many = g.op("GreaterOrEqual", [g.op("Squeeze", [g.dim(q, 1), g.const([0])]), g.const(max(1, chunk_size // 4))])
         ys, final = g.op("If", [many], n_out=2, then_branch=_branch(chunked, chunk_outputs, shape, "chunked"),
                          else_branch=_branch(per_token, branch_outputs, shape, "per_token"))
     else:

@@ -144,10 +144,11 @@ def delta_inputs(batch: int, seq: int, seed: int) -> dict[str, np.ndarray]:
             "recurrent_state": r.standard_normal((batch, HV, DV, DK)).astype(np.float32)}
 
 
-@pytest.fixture(scope="module", params=[0, 4, 64], ids=["per_token", "chunks_of_4", "chunks_of_64"])
+@pytest.fixture(scope="module", params=[0, 4, 16], ids=["per_token", "chunks_of_4", "chunks_of_16"])
 def delta_session(request: pytest.FixtureRequest) -> ort.InferenceSession:
-    """The per-token Scan (chunk 0) and the chunked form: chunks of 4 split the 8-10 token calls into several chunks
-    and pad the last; chunks of 64 hold a whole call in one."""
+    """The per-token Scan (chunk 0) and the chunked form, taken by calls of chunk / 4 tokens or more: chunks of 4
+    split the 3-10 token calls into several chunks and pad the last (and take 1-token calls too); chunks of 16 hold
+    a whole call in one, padded, and leave 1-3 token calls to the per-token branch."""
     node = helper.make_node(recurrent.GATED_DELTA_RULE.name, ["q", "k", "v", "g", "beta", "context_lengths",
                                                               "recurrent_state"],
                             ["y", "new_recurrent_state"], domain=ops.DOMAIN, **DELTA_ATTRS)
