@@ -43,9 +43,10 @@ def reference(data: dict[str, np.ndarray], lengths: np.ndarray) -> tuple[np.ndar
     return y, conv_state, state
 
 
-@pytest.fixture(scope="module")
-def session() -> ort.InferenceSession:
-    """conv -> split -> scan with the kvforge nodes, lowered for ONNX Runtime."""
+@pytest.fixture(scope="module", params=[0, 4, 16], ids=["per_token", "chunks_of_4", "chunks_of_16"])
+def session(request: pytest.FixtureRequest) -> ort.InferenceSession:
+    """conv -> split -> scan with the kvforge nodes, lowered for ONNX Runtime: the per-token Scan (chunk 0) and the
+    chunked form, taken by calls of chunk / 4 tokens or more (several padded chunks of 4; one chunk of 16)."""
     nodes = [
         helper.make_node(recurrent.CAUSAL_CONV.name, ["xbc", "weight", "bias", "context_lengths", "conv_state"],
                          ["conv", "new_conv_state"], domain=ops.DOMAIN, kernel_size=K),
@@ -64,8 +65,9 @@ def session() -> ort.InferenceSession:
          value_info("new_recurrent_state", FLOAT, ["B", H, P, N])], initializer=initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
                                                     helper.make_opsetid(ops.DOMAIN, ops.OPSET_VERSION)])
-    lowered = lower_recurrent_ops(model)
+    lowered = lower_recurrent_ops(model, scan_chunk=request.param)
     assert not any(n.domain == ops.DOMAIN for n in lowered.graph.node)
+    assert any(n.op_type == "If" for n in lowered.graph.node) == bool(request.param)
     onnx.checker.check_model(lowered)
     return ort.InferenceSession(lowered.SerializeToString(), providers=["CPUExecutionProvider"])
 
@@ -93,6 +95,11 @@ def test_chunked_prefill_continues_from_the_carried_states(session: ort.Inferenc
     np.testing.assert_allclose(np.concatenate([first[0], second[0]], axis=1), whole[0], atol=1e-5, rtol=1e-5)
     for got, want in zip(second[1:], whole[1:], strict=True):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    last = run(session, {"xbc": data["xbc"][:, 10:], "dt": data["dt"][:, 10:], **dict(zip(
+        ("conv_state", "recurrent_state"), run(session, {**data, "xbc": data["xbc"][:, :10], "dt": data["dt"][:, :10]},
+                                               np.array([10]))[1:], strict=True))}, np.array([1]))
+    np.testing.assert_allclose(last[0][:, 0], whole[0][:, 10], atol=1e-5, rtol=1e-5)  # decode after a prefill
+    np.testing.assert_allclose(last[2], whole[2], atol=1e-5, rtol=1e-5)
 
 
 def test_reference_matches_transformers_mamba2() -> None:
