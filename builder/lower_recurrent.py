@@ -1,23 +1,20 @@
 """Lowers the recurrent custom ops (plugins/recurrent.py) to standard ONNX ops so ONNX Runtime runs them.
 
 The conv is one grouped Conv over [carried state | new inputs]; the new conv state is gathered at each
-row's own length. The selective scan has two exact forms, picked per call by an ONNX `If` on its length:
+row's own length. The selective scan is an ONNX Scan over the sequence axis carrying the [B,H,P,N] state:
+everything that does not depend on the state (softplus, decay, dt * x, group-to-head broadcast) is computed
+for all positions before the loop, and padded positions get decay 1 and input 0, so the carried state
+stops at each row's last real token without a branch in the loop body. The gated delta rule is lowered the
+same way (padding gets decay 1 and beta 0, which leaves the state as it was).
 
-- up to SSD_CHUNK new tokens (every decode step), the state-space dual form of the whole call: with a[t] the
-  running sum of log-decays, y = (L ∘ C·Bᵀ)·(dt·x) + exp(a)·(C·h0) and h = exp(a[S])·h0 + (w·dt·x)ᵀ·B,
-  L[t,s] = exp(a[t] − a[s]) for s ≤ t, w[s] = exp(a[S] − a[s]): a few batched matmuls;
-- longer calls (prefill), the same inside chunks of SSD_CHUNK tokens with the state handed from chunk to chunk
-  by an ONNX Scan over the chunks (Mamba2's chunked SSD): work and memory linear in the length, and no loop
-  step per token (a per-token Scan made Mamba2 prefill several times slower).
-
-Everything that does not depend on the state (softplus, decay, dt * x, group-to-head broadcast) is computed
-for all positions first, and padded positions get decay 1 and input 0, so the carried state stops at each
-row's last real token without a branch. The gated delta rule (Qwen3.5) is lowered the same way (padding
-gets decay 1 and beta 0, which leaves the state as it was); its prefill has a chunked form of its own.
+Both recurrences also have a chunked form for prefill (an If on the call's length picks it): the sequence is cut
+into chunks whose intra-chunk part is batched matrix products for all chunks at once, and a Scan over chunks, not
+tokens, carries the state (bench/recurrent_prefill.py measures the two).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,15 +24,18 @@ from onnx import helper
 from kvforge.graph.onnx_graph import FLOAT, INT64, GraphWriter, value_info
 from kvforge.plugins import ops, recurrent
 
-# Tokens per chunk of the chunked gated delta rule (prefill); a power of two (the triangular inverse doubles blocks).
+# Tokens per chunk of the chunked prefill forms (0 = per-token Scans only); the delta rule's is a power of two (its
+# triangular inverse doubles blocks).
 DELTA_CHUNK = 64
+SCAN_CHUNK = 64
 
 
 def _attr(node: onnx.NodeProto, name: str) -> int:
     return next(int(a.i) for a in node.attribute if a.name == name)
 
 
-def lower_recurrent_ops(model: onnx.ModelProto, delta_chunk: int = DELTA_CHUNK) -> onnx.ModelProto:
+def lower_recurrent_ops(model: onnx.ModelProto, delta_chunk: int = DELTA_CHUNK,
+                        scan_chunk: int = SCAN_CHUNK) -> onnx.ModelProto:
     """Replace every kvforge CausalConv1dWithState / SelectiveScan / GatedDeltaRule node in place (other nodes
     untouched)."""
     g = GraphWriter(prefix="recurrent/")
@@ -45,7 +45,7 @@ def lower_recurrent_ops(model: onnx.ModelProto, delta_chunk: int = DELTA_CHUNK) 
         if node.domain == ops.DOMAIN and node.op_type == recurrent.CAUSAL_CONV.name:
             lower_causal_conv(g, node)
         elif node.domain == ops.DOMAIN and node.op_type == recurrent.SELECTIVE_SCAN.name:
-            lower_selective_scan(g, node)
+            lower_selective_scan(g, node, scan_chunk)
         elif node.domain == ops.DOMAIN and node.op_type == recurrent.GATED_DELTA_RULE.name:
             lower_gated_delta_rule(g, node, delta_chunk)
         else:
@@ -87,10 +87,9 @@ def lower_causal_conv(g: GraphWriter, node: onnx.NodeProto) -> None:
     g.op("GatherElements", [window, index], outputs=[state_out], axis=2)
 
 
-SSD_CHUNK = 64  # calls up to this many tokens run the dual form whole; longer ones in chunks of this many
-
-
-def lower_selective_scan(g: GraphWriter, node: onnx.NodeProto) -> None:
+def lower_selective_scan(g: GraphWriter, node: onnx.NodeProto, chunk_size: int = 0) -> None:
+    """Calls of at least chunk_size / 4 tokens run the chunked form (`_chunked_selective_scan`), shorter ones (and
+    every call when chunk_size is 0) the per-token Scan."""
     x, dt, b, c, a_log, d, dt_bias, context_lengths, state = node.input
     y_out, state_out = node.output
     heads, head_dim = _attr(node, "num_heads"), _attr(node, "head_dim")
@@ -98,7 +97,7 @@ def lower_selective_scan(g: GraphWriter, node: onnx.NodeProto) -> None:
     valid = _valid(g, x, context_lengths)  # [B, S]
     step = g.op("Softplus", [g.add(dt, dt_bias)])  # [B, S, H]
     log_decay = g.mul(step, g.op("Neg", [g.op("Exp", [a_log])]))
-    log_decay = g.op("Where", [g.unsqueeze(valid, [2]), log_decay, g.const(0.0, np.float32)])  # padding keeps h
+    log_decay = g.op("Where", [g.unsqueeze(valid, [2]), log_decay, g.const(0.0, np.float32)])  # padding: kept
     xh = g.reshape(x, [0, 0, heads, head_dim])
     mask = g.cast(valid, FLOAT)
     drive = g.mul(g.mul(xh, g.unsqueeze(step, [3])), g.unsqueeze(mask, [2, 3]))  # dt * x, 0 on padding
@@ -108,110 +107,118 @@ def lower_selective_scan(g: GraphWriter, node: onnx.NodeProto) -> None:
         spread = g.op("Expand", [grouped, g.const([1, 1, 1, heads // groups, 1])])
         return g.reshape(spread, [0, 0, heads, size])
 
-    b_heads, c_heads = per_head(b), per_head(c)
-    groups_bc = (g.reshape(b, [0, 0, groups, size]), g.reshape(c, [0, 0, groups, size]), groups)
-    outputs = [value_info(f"{y_out}/ys", FLOAT, ["B", "S", heads, head_dim]),
-               value_info(f"{y_out}/state", FLOAT, ["B", heads, head_dim, size])]
-    branches = []
-    for form in (_dual_form, _chunked_form):
-        branch = GraphWriter(prefix=f"{y_out}/{form.__name__}/")
-        ys, final = form(branch, state, log_decay, drive, b_heads, c_heads, groups_bc, heads, head_dim, size)
-        branch.op("Identity", [ys], outputs=[f"{y_out}/{form.__name__}/ys"])
-        branch.op("Identity", [final], outputs=[f"{y_out}/{form.__name__}/state"])
-        branches.append(helper.make_graph(branch.nodes, form.__name__, [], [
-            value_info(f"{y_out}/{form.__name__}/ys", FLOAT, ["B", "S", heads, head_dim]),
-            value_info(f"{y_out}/{form.__name__}/state", FLOAT, ["B", heads, head_dim, size])],
-            initializer=branch.initializers))
-    short = g.op("LessOrEqual", [g.op("Squeeze", [g.dim(x, 1), g.const([0])]), g.const(SSD_CHUNK)])
-    ys, final = g.op("If", [short], outputs=[o.name for o in outputs], then_branch=branches[0],
-                     else_branch=branches[1])
+    b, c = per_head(b), per_head(c)
+    base = g.fresh(node.name or "selective_scan")  # a prefix of this node's own for its branches' values
+    per_token = GraphWriter(prefix=f"{base}/token/")
+    token_outputs = _per_token_selective_scan(per_token, state, log_decay, drive, b, c, heads, head_dim, size)
+    out_shapes = ([None, None, heads, head_dim], [None, heads, head_dim, size])
+    if chunk_size:
+        chunked = GraphWriter(prefix=f"{base}/chunk/")
+        chunk_outputs = _chunked_selective_scan(chunked, state, log_decay, drive, b, c, heads, head_dim, size,
+                                                chunk_size)
+        ys, final = _dispatch(g, x, chunk_size, (chunked, chunk_outputs), (per_token, token_outputs), out_shapes)
+    else:
+        g.nodes.extend(per_token.nodes)
+        g.initializers.extend(per_token.initializers)
+        ys, final = token_outputs
     g.op("Identity", [final], outputs=[state_out])
     skip = g.mul(xh, g.unsqueeze(d, [1]))
     y = g.mul(g.add(ys, skip), g.unsqueeze(mask, [2, 3]))
     g.op("Reshape", [y, g.const([0, 0, heads * head_dim])], outputs=[y_out])
 
 
-def _dual_form(g: GraphWriter, state: str, log_decay: str, drive: str, b: str, c: str,
-               groups_bc: tuple[str, str, int], heads: int, head_dim: int, size: int) -> tuple[str, str]:
-    """The whole call as masked matmuls per head (the state-space dual form); returns ys [B,S,H,P] and h."""
-    cumulative = g.transpose(g.op("CumSum", [log_decay, g.const(1)]), [0, 2, 1])  # a [B, H, S]
-    gaps = g.op("Sub", [g.unsqueeze(cumulative, [3]), g.unsqueeze(cumulative, [2])])  # a[t] - a[s] [B, H, S, S]
-    seq = g.dim(log_decay, 1)
-    ones = g.op("ConstantOfShape", [g.op("Concat", [seq, seq], axis=0)], value=helper.make_tensor(
-        "one", FLOAT, [1], [1.0]))
-    causal = g.cast(g.op("Trilu", [ones], upper=0), onnx.TensorProto.BOOL)  # s <= t
-    # Masked before the exponential: a[t] - a[s] > 0 above the diagonal would overflow.
-    weights = g.op("Exp", [g.op("Where", [causal, gaps, g.const(-np.inf, np.float32)])])
-    b_h, c_h = g.transpose(b, [0, 2, 1, 3]), g.transpose(c, [0, 2, 1, 3])  # [B, H, S, N]
-    drive_h = g.transpose(drive, [0, 2, 1, 3])  # [B, H, S, P]
-    # C·Bᵀ once per group (heads of a group share B and C), broadcast over the group's heads.
-    b_g, c_g, groups = groups_bc
-    per_group = g.matmul(g.transpose(c_g, [0, 2, 1, 3]), g.transpose(b_g, [0, 2, 3, 1]))  # [B, G, S, S]
-    per_head_weights = g.op("Reshape", [weights, g.op("Concat", [g.const([0, groups, heads // groups]),
-                                                                  g.dim(weights, 2), g.dim(weights, 3)], axis=0)])
-    grouped_scores = g.mul(per_head_weights, g.unsqueeze(per_group, [2]))  # [B, G, H/G, S, S]
-    scores = g.op("Reshape", [grouped_scores, g.op("Concat", [g.dim(weights, 0), g.const([heads]), g.dim(weights, 2),
-                                                              g.dim(weights, 3)], axis=0)])  # [B, H, S, S]
-    from_state = g.mul(g.matmul(c_h, g.transpose(state, [0, 1, 3, 2])),  # C·h0 [B, H, S, P]
-                       g.unsqueeze(g.op("Exp", [cumulative]), [3]))
-    ys = g.transpose(g.add(g.matmul(scores, drive_h), from_state), [0, 2, 1, 3])  # [B, S, H, P]
-    last = g.op("Gather", [cumulative, g.op("Sub", [g.op("Squeeze", [seq, g.const([0])]), g.const(1)])], axis=2)
-    tail = g.op("Exp", [g.op("Sub", [g.unsqueeze(last, [2]), cumulative])])  # w[s] = exp(a[S] - a[s]) [B, H, S]
-    gathered = g.matmul(g.transpose(g.mul(drive_h, g.unsqueeze(tail, [3])), [0, 1, 3, 2]), b_h)  # [B, H, P, N]
-    final = g.add(g.mul(state, g.unsqueeze(g.op("Exp", [last]), [2, 3])), gathered)
+def _per_token_selective_scan(g: GraphWriter, state: str, log_decay: str, drive: str, b: str, c: str, heads: int,
+                              head_dim: int, size: int) -> tuple[str, str]:
+    body = GraphWriter(prefix="recurrent/scan/")
+    h, decay_t, drive_t, b_t, c_t = (body.fresh(n) for n in ("h", "decay", "drive", "b", "c"))
+    h_next = body.add(body.mul(h, body.unsqueeze(decay_t, [2, 3])),
+                      body.mul(body.unsqueeze(drive_t, [3]), body.unsqueeze(b_t, [2])))
+    y_t = body.op("ReduceSum", [body.mul(h_next, body.unsqueeze(c_t, [2])), body.const([3])], keepdims=0)
+    h_out = body.op("Identity", [h_next])
+    scan_body = helper.make_graph(
+        body.nodes, "selective_scan_step",
+        [value_info(h, FLOAT, ["B", heads, head_dim, size]), value_info(decay_t, FLOAT, ["B", heads]),
+         value_info(drive_t, FLOAT, ["B", heads, head_dim]), value_info(b_t, FLOAT, ["B", heads, size]),
+         value_info(c_t, FLOAT, ["B", heads, size])],
+        [value_info(h_out, FLOAT, ["B", heads, head_dim, size]), value_info(y_t, FLOAT, ["B", heads, head_dim])],
+        initializer=body.initializers)
+    final, ys = g.op("Scan", [state, g.op("Exp", [log_decay]), drive, b, c], n_out=2, body=scan_body,
+                     num_scan_inputs=4, scan_input_axes=[1, 1, 1, 1], scan_output_axes=[1])
     return ys, final
 
 
-def _chunked_form(g: GraphWriter, state: str, log_decay: str, drive: str, b: str, c: str,
-                  groups_bc: tuple[str, str, int], heads: int, head_dim: int, size: int) -> tuple[str, str]:
-    """The dual form inside chunks of SSD_CHUNK tokens, the state passed between chunks by a Scan over chunks
-    (Mamba2's chunked SSD): memory and work linear in the call's length. Returns ys [B,S,H,P] and h."""
-    q = SSD_CHUNK
-    seq = g.dim(log_decay, 1)
-    pad = g.op("Mod", [g.op("Sub", [g.const([q]), g.op("Mod", [seq, g.const([q])])]), g.const([q])])
-
-    def chunks(t: str, dims: list[int], width: int) -> str:  # [B, S, W, *dims] -> [B, N, W, q, *dims], zero-padded
-        rank = 3 + len(dims)  # Pad's pads: every axis' start, then every axis' end; only S's end grows
-        pads = g.op("Concat", [g.const([0] * (rank + 1)), pad, g.const([0] * (rank - 2))], axis=0)
-        split = g.reshape(g.op("Pad", [t, pads]), [0, -1, q, width, *dims])
-        return g.transpose(split, [0, 1, 3, 2, *range(4, 4 + len(dims))])
-
-    b_g, c_g, groups = groups_bc
-    cumulative = g.op("CumSum", [chunks(log_decay, [], heads), g.const(-1)])  # a within each chunk [B, N, H, q]
-    gaps = g.op("Sub", [g.unsqueeze(cumulative, [4]), g.unsqueeze(cumulative, [3])])  # a[t] - a[s] [B,N,H,q,q]
-    causal = g.const(np.tril(np.ones((q, q), dtype=bool)), np.bool_)
-    weights = g.op("Exp", [g.op("Where", [causal, gaps, g.const(-np.inf, np.float32)])])
-    per_group = g.matmul(chunks(c_g, [size], groups), g.transpose(chunks(b_g, [size], groups), [0, 1, 2, 4, 3]))
-    grouped = g.reshape(weights, [0, 0, groups, heads // groups, q, q])
-    scores = g.reshape(g.mul(grouped, g.unsqueeze(per_group, [3])), [0, 0, heads, q, q])  # [B, N, H, q, q]
-    drive_c, b_c, c_c = chunks(drive, [head_dim], heads), chunks(b, [size], heads), chunks(c, [size], heads)
-    within = g.matmul(scores, drive_c)  # [B, N, H, q, P]
-    last = g.op("Gather", [cumulative, g.const(q - 1)], axis=3)  # [B, N, H]
-    to_end = g.op("Exp", [g.op("Sub", [g.unsqueeze(last, [3]), cumulative])])  # [B, N, H, q]
-    local = g.matmul(g.transpose(g.mul(drive_c, g.unsqueeze(to_end, [4])), [0, 1, 2, 4, 3]), b_c)  # [B,N,H,P,Nst]
-    body = GraphWriter(prefix="recurrent/ssd_chunk/")
-    h, last_t, local_t = body.fresh("h"), body.fresh("last"), body.fresh("local")
-    h_next = body.add(body.mul(h, body.unsqueeze(body.op("Exp", [last_t]), [2, 3])), local_t)
-    h_in = body.op("Identity", [h])  # the state entering the chunk
+def _chunked_selective_scan(g: GraphWriter, state: str, log_decay: str, drive: str, b: str, c: str, heads: int,
+                            head_dim: int, size: int, chunk: int) -> tuple[str, str]:
+    """Mamba2's SSD over chunks: with G_t the cumulative log decay in a chunk and h the state entering it,
+    y_t = e^{G_t} h c_t + sum_{s<=t} e^{G_t - G_s} (c_t . b_s) dt_s x_s and the state leaving it is
+    e^{G_last} h + sum_s e^{G_last - G_s} dt_s x_s ⊗ b_s. The intra-chunk sums are computed for all chunks at once;
+    a Scan over chunks adds the carried state's part."""
+    seq = g.dim(drive, 1)
+    to_chunks = _chunker(g, seq, chunk, heads)
+    x, b, c = to_chunks(drive, [head_dim]), to_chunks(b, [size]), to_chunks(c, [size])
+    cumulative = g.op("CumSum", [to_chunks(log_decay, []), g.const(-1)])  # [B, H, N, C]
+    ratio = _decay_ratio(g, cumulative, chunk)
+    intra = g.matmul(g.mul(g.matmul(c, g.transpose(b, [0, 1, 2, 4, 3])), ratio), x)  # [B, H, N, C, P]
+    c_grown = g.mul(c, g.unsqueeze(g.op("Exp", [cumulative]), [4]))
+    last = g.op("Gather", [cumulative, g.const(chunk - 1)], axis=3)  # [B, H, N]
+    x_to_end = g.mul(x, g.unsqueeze(g.op("Exp", [g.op("Sub", [g.unsqueeze(last, [3]), cumulative])]), [4]))
+    body = GraphWriter(prefix="recurrent/scan_chunk/")
+    h, intra_c, cg_c, xend_c, b_c, last_c = (body.fresh(n) for n in ("h", "intra", "c", "xend", "b", "g"))
+    y_c = body.add(intra_c, body.matmul(cg_c, body.transpose(h, [0, 1, 3, 2])))  # [B, H, C, P]
+    h_next = body.add(body.mul(h, body.unsqueeze(body.op("Exp", [last_c]), [2, 3])),
+                      body.matmul(body.transpose(xend_c, [0, 1, 3, 2]), b_c))
     h_out = body.op("Identity", [h_next])
     step = helper.make_graph(
-        body.nodes, "ssd_chunk",
-        [value_info(h, FLOAT, ["B", heads, head_dim, size]), value_info(last_t, FLOAT, ["B", heads]),
-         value_info(local_t, FLOAT, ["B", heads, head_dim, size])],
-        [value_info(h_out, FLOAT, ["B", heads, head_dim, size]), value_info(h_in, FLOAT, ["B", heads, head_dim, size])],
+        body.nodes, "selective_scan_chunk",
+        [value_info(h, FLOAT, ["B", heads, head_dim, size]), value_info(intra_c, FLOAT, ["B", heads, chunk, head_dim]),
+         value_info(cg_c, FLOAT, ["B", heads, chunk, size]), value_info(xend_c, FLOAT, ["B", heads, chunk, head_dim]),
+         value_info(b_c, FLOAT, ["B", heads, chunk, size]), value_info(last_c, FLOAT, ["B", heads])],
+        [value_info(h_out, FLOAT, ["B", heads, head_dim, size]), value_info(y_c, FLOAT, ["B", heads, chunk, head_dim])],
         initializer=body.initializers)
-    final, entering = g.op("Scan", [state, last, local], n_out=2, body=step, num_scan_inputs=2,
-                           scan_input_axes=[1, 1], scan_output_axes=[1])  # entering [B, N, H, P, Nst]
-    from_state = g.mul(g.matmul(c_c, g.transpose(entering, [0, 1, 2, 4, 3])),  # C·h_in [B, N, H, q, P]
-                       g.unsqueeze(g.op("Exp", [cumulative]), [4]))
-    ys = g.transpose(g.add(within, from_state), [0, 1, 3, 2, 4])  # [B, N, q, H, P]
-    tokens = g.reshape(ys, [0, -1, heads, head_dim])
-    return g.op("Slice", [tokens, g.const([0]), seq, g.const([1])]), final
+    final, ys = g.op("Scan", [state, intra, c_grown, x_to_end, b, last], n_out=2, body=step, num_scan_inputs=5,
+                     scan_input_axes=[2] * 5, scan_output_axes=[2])
+    return _from_chunks(g, ys, seq, heads, head_dim), final
+
+
+def _chunker(g: GraphWriter, seq: str, size: int, heads: int) -> Callable[[str, list[int]], str]:
+    """A function [B, S, H, *dims] -> [B, H, N, size, *dims]: S zero-padded to whole chunks (zero drive, zero log
+    decay: padding changes nothing)."""
+    pad = g.op("Mod", [g.op("Sub", [g.const([size]), g.op("Mod", [seq, g.const([size])])]), g.const([size])])
+
+    def to_chunks(t: str, dims: list[int]) -> str:
+        rank = 3 + len(dims)  # Pad's pads: every axis' start, then every axis' end; only S's end grows
+        pads = g.op("Concat", [g.const([0] * (rank + 1)), pad, g.const([0] * (rank - 2))], axis=0)
+        split = g.reshape(g.op("Pad", [t, pads]), [0, -1, size, heads, *dims])
+        return g.transpose(split, [0, 3, 1, 2, *range(4, 4 + len(dims))])
+
+    return to_chunks
+
+
+def _from_chunks(g: GraphWriter, ys: str, seq: str, heads: int, dim: int) -> str:
+    """[B, H, N, C, D] -> [B, S, H, D]: chunks back in sequence order, cut to the call's S tokens."""
+    tokens = g.reshape(g.transpose(ys, [0, 2, 3, 1, 4]), [0, -1, heads, dim])
+    return g.op("Slice", [tokens, g.const([0]), seq, g.const([1])])
+
+
+def _decay_ratio(g: GraphWriter, cumulative: str, size: int) -> str:
+    """M [.., C, C]: e^{G_t - G_s} for s <= t (at most 1: no overflow), else 0."""
+    gaps = g.op("Sub", [g.unsqueeze(cumulative, [4]), g.unsqueeze(cumulative, [3])])  # [.., t, s]: G_t - G_s
+    causal = g.const(np.tril(np.ones((size, size), dtype=bool)), np.bool_)
+    return g.op("Exp", [g.op("Where", [causal, gaps, g.const(-np.inf, np.float32)])])
+
+
+def _dispatch(g: GraphWriter, like: str, chunk_size: int, chunked: tuple[GraphWriter, tuple[str, str]],
+              per_token: tuple[GraphWriter, tuple[str, str]], shapes: tuple[list, list]) -> list[str]:
+    """An If on the call's length: calls of a quarter chunk or more (16 tokens at 64) take the chunked branch, the
+    break-even measured by bench/recurrent_prefill.py (a chunk costs about as much as 16 per-token steps)."""
+    many = g.op("GreaterOrEqual", [g.op("Squeeze", [g.dim(like, 1), g.const([0])]), g.const(max(1, chunk_size // 4))])
+    return g.op("If", [many], n_out=2, then_branch=_branch(*chunked, shapes, "chunked"),
+                else_branch=_branch(*per_token, shapes, "per_token"))
 
 
 def lower_gated_delta_rule(g: GraphWriter, node: onnx.NodeProto, chunk_size: int = DELTA_CHUNK) -> None:
-    """A call of more than one token (prefill) runs the chunked form (`_chunked_delta_rule`: a Scan over chunks
-    of `chunk_size` tokens); decode, or any call with chunk_size 0, runs the per-token Scan."""
+    """A call of at least chunk_size / 4 tokens (prefill) runs the chunked form (`_chunked_delta_rule`: a Scan over
+    chunks of `chunk_size` tokens); shorter calls (decode), or any call with chunk_size 0, run the per-token Scan."""
     q, k, v, log_decay, beta, context_lengths, state = node.input
     y_out, state_out = node.output
     shape = DeltaShape(_attr(node, "num_k_heads"), _attr(node, "num_v_heads"), _attr(node, "k_head_dim"),
@@ -228,14 +235,14 @@ def lower_gated_delta_rule(g: GraphWriter, node: onnx.NodeProto, chunk_size: int
 
     inputs = DeltaInputs(per_value_head(q), per_value_head(k), g.reshape(v, [0, 0, shape.v_heads, shape.v_dim]),
                          log_decay, gain, state)
-    per_token = GraphWriter(prefix=f"recurrent/{node.name}/token/")
+    base = g.fresh(node.name or "gated_delta_rule")  # a prefix of this node's own for its branches' values
+    per_token = GraphWriter(prefix=f"{base}/token/")
     branch_outputs = _per_token_delta_rule(per_token, shape, inputs)
     if chunk_size:
-        chunked = GraphWriter(prefix=f"recurrent/{node.name}/chunk/")
+        chunked = GraphWriter(prefix=f"{base}/chunk/")
         chunk_outputs = _chunked_delta_rule(chunked, shape, inputs, chunk_size)
-        many = g.op("Greater", [g.op("Squeeze", [g.dim(q, 1), g.const([0])]), g.const(1)])
-        ys, final = g.op("If", [many], n_out=2, then_branch=_branch(chunked, chunk_outputs, shape, "chunked"),
-                         else_branch=_branch(per_token, branch_outputs, shape, "per_token"))
+        out_shapes = ([None, None, shape.v_heads, shape.v_dim], [None, shape.v_heads, shape.v_dim, shape.k_dim])
+        ys, final = _dispatch(g, q, chunk_size, (chunked, chunk_outputs), (per_token, branch_outputs), out_shapes)
     else:
         g.nodes.extend(per_token.nodes)
         g.initializers.extend(per_token.initializers)
@@ -266,12 +273,11 @@ class DeltaInputs:
     state: str
 
 
-def _branch(g: GraphWriter, outputs: tuple[str, str], shape: DeltaShape, name: str) -> onnx.GraphProto:
-    """An If branch: the writer's nodes over outer-scope values, returning ys [B,S,Hv,Dv] and the final state."""
+def _branch(g: GraphWriter, outputs: tuple[str, str], shapes: tuple[list, list], name: str) -> onnx.GraphProto:
+    """An If branch: the writer's nodes over outer-scope values, returning ys [B,S,H,D] and the final state."""
     ys, final = (g.op("Identity", [o]) for o in outputs)
-    return helper.make_graph(g.nodes, f"gated_delta_{name}", [],
-                             [value_info(ys, FLOAT, [None, None, shape.v_heads, shape.v_dim]),
-                              value_info(final, FLOAT, [None, shape.v_heads, shape.v_dim, shape.k_dim])],
+    return helper.make_graph(g.nodes, f"recurrence_{name}", [],
+                             [value_info(ys, FLOAT, shapes[0]), value_info(final, FLOAT, shapes[1])],
                              initializer=g.initializers)
 
 
@@ -311,21 +317,11 @@ def _chunked_delta_rule(g: GraphWriter, shape: DeltaShape, x: DeltaInputs, size:
     """
     v_heads, v_dim, k_dim = shape.v_heads, shape.v_dim, shape.k_dim
     seq = g.dim(x.q, 1)
-    pad = g.op("Mod", [g.op("Sub", [g.const([size]), g.op("Mod", [seq, g.const([size])])]), g.const([size])])
-
-    def chunks(t: str, dims: list[int]) -> str:  # [B, S, Hv, *dims] -> [B, Hv, N, size, *dims], zero-padded
-        rank = 3 + len(dims)  # Pad's pads: every axis' start, then every axis' end; only S's end grows
-        pads = g.op("Concat", [g.const([0] * (rank + 1)), pad, g.const([0] * (rank - 2))], axis=0)
-        padded = g.op("Pad", [t, pads])
-        split = g.reshape(padded, [0, -1, size, v_heads, *dims])
-        return g.transpose(split, [0, 3, 1, 2, *range(4, 4 + len(dims))])
-
-    q, k, v = chunks(x.q, [k_dim]), chunks(x.k, [k_dim]), chunks(x.v, [v_dim])
-    beta, log_decay = chunks(x.beta, []), chunks(x.log_decay, [])  # [B, Hv, N, C]
+    to_chunks = _chunker(g, seq, size, v_heads)
+    q, k, v = to_chunks(x.q, [k_dim]), to_chunks(x.k, [k_dim]), to_chunks(x.v, [v_dim])
+    beta, log_decay = to_chunks(x.beta, []), to_chunks(x.log_decay, [])  # [B, Hv, N, C]
     cumulative = g.op("CumSum", [log_decay, g.const(-1)])  # G
-    causal = np.tril(np.ones((size, size), dtype=bool))
-    gaps = g.op("Sub", [g.unsqueeze(cumulative, [4]), g.unsqueeze(cumulative, [3])])  # [.., t, s]: G_t - G_s
-    ratio = g.op("Exp", [g.op("Where", [g.const(causal, np.bool_), gaps, g.const(-np.inf, np.float32)])])  # M
+    ratio = _decay_ratio(g, cumulative, size)  # M
     strict = g.mul(ratio, g.const(np.tril(np.ones((size, size)), -1), np.float32))
     k_t = g.transpose(k, [0, 1, 2, 4, 3])
     lower = g.mul(g.mul(g.matmul(k, k_t), strict), g.op("Neg", [g.unsqueeze(beta, [4])]))  # L; T = (I - L)^-1
@@ -354,10 +350,7 @@ def _chunked_delta_rule(g: GraphWriter, shape: DeltaShape, x: DeltaInputs, size:
         initializer=body.initializers)
     final, ys = g.op("Scan", [g.transpose(x.state, [0, 1, 3, 2]), w, u0, q_grown, scores, k_to_end, last], n_out=2,
                      body=step, num_scan_inputs=6, scan_input_axes=[2] * 6, scan_output_axes=[2])
-    # ys [B, Hv, N, C, Dv] -> [B, N*C, Hv, Dv], cut back to the call's S tokens.
-    tokens = g.reshape(g.transpose(ys, [0, 2, 3, 1, 4]), [0, -1, v_heads, v_dim])
-    ys = g.op("Slice", [tokens, g.const([0]), seq, g.const([1])])
-    return ys, g.transpose(final, [0, 1, 3, 2])
+    return _from_chunks(g, ys, seq, v_heads, v_dim), g.transpose(final, [0, 1, 3, 2])
 
 
 def _unit_lower_inverse(g: GraphWriter, lower: str, like: str, size: int) -> str:

@@ -80,6 +80,15 @@ def test_prefill_matches_transformers(models: tuple) -> None:
     np.testing.assert_allclose(logits[0], reference(models[0], ids), atol=TOL, rtol=0)
 
 
+def test_long_prefill_in_chunks_matches_transformers(models: tuple) -> None:
+    """100 tokens in one call: the lowered scan's chunked form (two 64-token chunks, the second padded)."""
+    ids = [int(t) for t in np.random.default_rng(3).integers(0, 64, 100)]
+    logits, states = run(models, [ids], zero_states(models[2], 1))
+    np.testing.assert_allclose(logits[0], reference(models[0], ids), atol=TOL, rtol=0)
+    logits, _ = run(models, [[5]], states)
+    np.testing.assert_allclose(logits[0], reference(models[0], ids + [5]), atol=TOL, rtol=0)
+
+
 def test_prefill_then_decode_matches_transformers(models: tuple) -> None:
     ids = [3, 17, 5, 42, 8, 9, 21]
     _, states = run(models, [ids], zero_states(models[2], 1))

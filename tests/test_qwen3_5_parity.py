@@ -26,7 +26,7 @@ from kvforge.tools.export.qwen3_5_source import config_from_hf
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 TOL = 1e-4
-TOKENS_PER_PAGE, NUM_PAGES, CAPACITY = 4, 32, 64
+TOKENS_PER_PAGE, NUM_PAGES, CAPACITY = 4, 64, 128
 LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 
 
@@ -150,6 +150,14 @@ def test_graph_contract(models: tuple) -> None:
 def test_prefill_matches_transformers(models: tuple) -> None:
     logits = sequences(models).step([IDS])
     np.testing.assert_allclose(logits[0], reference(models[0], IDS), atol=TOL, rtol=0)
+
+
+def test_long_prefill_in_chunks_of_the_delta_rule_matches_transformers(models: tuple) -> None:
+    """100 tokens in one call: the lowered delta rule's chunked form (two 64-token chunks, the second padded)."""
+    ids = [int(t) for t in np.random.default_rng(3).integers(0, 64, 100)]
+    run = sequences(models)
+    np.testing.assert_allclose(run.step([ids])[0], reference(models[0], ids), atol=TOL, rtol=0)
+    np.testing.assert_allclose(run.step([[5]])[0], reference(models[0], ids + [5]), atol=TOL, rtol=0)
 
 
 def test_prefill_then_decode_matches_transformers(models: tuple) -> None:

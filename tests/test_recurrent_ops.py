@@ -43,9 +43,10 @@ def reference(data: dict[str, np.ndarray], lengths: np.ndarray) -> tuple[np.ndar
     return y, conv_state, state
 
 
-@pytest.fixture(scope="module")
-def session() -> ort.InferenceSession:
-    """conv -> split -> scan with the kvforge nodes, lowered for ONNX Runtime."""
+@pytest.fixture(scope="module", params=[0, 4, 16], ids=["per_token", "chunks_of_4", "chunks_of_16"])
+def session(request: pytest.FixtureRequest) -> ort.InferenceSession:
+    """conv -> split -> scan with the kvforge nodes, lowered for ONNX Runtime: the per-token Scan (chunk 0) and the
+    chunked form, taken by calls of chunk / 4 tokens or more (several padded chunks of 4; one chunk of 16)."""
     nodes = [
         helper.make_node(recurrent.CAUSAL_CONV.name, ["xbc", "weight", "bias", "context_lengths", "conv_state"],
                          ["conv", "new_conv_state"], domain=ops.DOMAIN, kernel_size=K),
@@ -64,8 +65,9 @@ def session() -> ort.InferenceSession:
          value_info("new_recurrent_state", FLOAT, ["B", H, P, N])], initializer=initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
                                                     helper.make_opsetid(ops.DOMAIN, ops.OPSET_VERSION)])
-    lowered = lower_recurrent_ops(model)
+    lowered = lower_recurrent_ops(model, scan_chunk=request.param)
     assert not any(n.domain == ops.DOMAIN for n in lowered.graph.node)
+    assert any(n.op_type == "If" for n in lowered.graph.node) == bool(request.param)
     onnx.checker.check_model(lowered)
     return ort.InferenceSession(lowered.SerializeToString(), providers=["CPUExecutionProvider"])
 
@@ -85,11 +87,11 @@ def test_lowering_matches_the_reference_on_ragged_rows(session: ort.InferenceSes
 
 
 def test_both_scan_forms_match_the_reference(session: ort.InferenceSession) -> None:
-    """Calls up to SSD_CHUNK tokens run the dual (matmul) form whole, longer ones chunk by chunk: both exact on
-    ragged rows, including a length that is not a multiple of the chunk and rows ending inside a chunk."""
-    from kvforge.builder.lower_recurrent import SSD_CHUNK
+    """Short calls run the per-token Scan, calls of SCAN_CHUNK / 4 tokens or more the chunked SSD form: both exact
+    on ragged rows, including lengths that are not a multiple of the chunk and rows ending inside a chunk."""
+    from kvforge.builder.lower_recurrent import SCAN_CHUNK
 
-    for seq in (SSD_CHUNK, SSD_CHUNK + 1, 3 * SSD_CHUNK + 5, 1100):
+    for seq in (SCAN_CHUNK // 4 - 1, SCAN_CHUNK + 1, 3 * SCAN_CHUNK + 5, 1100):
         data = inputs(3, seq, seed=seq)
         data["dt"] -= 2.0  # long rows: keep the decay mild so the state carries information to the end
         lengths = np.array([seq, max(1, seq - 70), 1])
@@ -106,6 +108,11 @@ def test_chunked_prefill_continues_from_the_carried_states(session: ort.Inferenc
     np.testing.assert_allclose(np.concatenate([first[0], second[0]], axis=1), whole[0], atol=1e-5, rtol=1e-5)
     for got, want in zip(second[1:], whole[1:], strict=True):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    last = run(session, {"xbc": data["xbc"][:, 10:], "dt": data["dt"][:, 10:], **dict(zip(
+        ("conv_state", "recurrent_state"), run(session, {**data, "xbc": data["xbc"][:, :10], "dt": data["dt"][:, :10]},
+                                               np.array([10]))[1:], strict=True))}, np.array([1]))
+    np.testing.assert_allclose(last[0][:, 0], whole[0][:, 10], atol=1e-5, rtol=1e-5)  # decode after a prefill
+    np.testing.assert_allclose(last[2], whole[2], atol=1e-5, rtol=1e-5)
 
 
 def test_reference_matches_transformers_mamba2() -> None:
@@ -157,10 +164,11 @@ def delta_inputs(batch: int, seq: int, seed: int) -> dict[str, np.ndarray]:
             "recurrent_state": r.standard_normal((batch, HV, DV, DK)).astype(np.float32)}
 
 
-@pytest.fixture(scope="module", params=[0, 4, 64], ids=["per_token", "chunks_of_4", "chunks_of_64"])
+@pytest.fixture(scope="module", params=[0, 4, 16], ids=["per_token", "chunks_of_4", "chunks_of_16"])
 def delta_session(request: pytest.FixtureRequest) -> ort.InferenceSession:
-    """The per-token Scan (chunk 0) and the chunked form: chunks of 4 split the 8-10 token calls into several chunks
-    and pad the last; chunks of 64 hold a whole call in one."""
+    """The per-token Scan (chunk 0) and the chunked form, taken by calls of chunk / 4 tokens or more: chunks of 4
+    split the 3-10 token calls into several chunks and pad the last (and take 1-token calls too); chunks of 16 hold
+    a whole call in one, padded, and leave 1-3 token calls to the per-token branch."""
     node = helper.make_node(recurrent.GATED_DELTA_RULE.name, ["q", "k", "v", "g", "beta", "context_lengths",
                                                               "recurrent_state"],
                             ["y", "new_recurrent_state"], domain=ops.DOMAIN, **DELTA_ATTRS)
