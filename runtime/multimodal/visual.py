@@ -6,13 +6,15 @@ placeholder rows it takes, the text around its placeholders, and its rows for a 
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnxruntime as ort
+from PIL import Image, UnidentifiedImageError
 
-from kvforge.contract.errors import InvalidConfig
+from kvforge.contract.errors import InvalidConfig, KvforgeError
 from kvforge.contract.manifest import ENGINE_KIND, verify_manifest
 from kvforge.contract.model_config import read_json
 from kvforge.contract.multimodal import (
@@ -25,10 +27,20 @@ from kvforge.contract.multimodal import (
     AudioEncoderConfig,
     EncoderConfig,
 )
-from kvforge.runtime.multimodal.image import DecodedImage, decode_image, idefics3_pixel_values
+from kvforge.runtime.multimodal.image import (
+    SUPPORTED_FORMATS,
+    DecodedImage,
+    _to_rgb,
+    decode_image,
+    idefics3_pixel_values,
+    media_digest,
+)
 from kvforge.runtime.ort_runner import make_session
 
 FIELD = "multimodal_engine_dir"
+# Inline images (llm_serve) are bounded before their pixels are decoded: 40 Mpx is 120 MB of RGB, and a small
+# compressed file cannot claim more (Pillow's own decompression-bomb limit is 2 x 89 Mpx, an error past it).
+MAX_INLINE_IMAGE_PIXELS = 40_000_000
 
 
 def _session(path: Path, num_threads: int) -> ort.InferenceSession:
@@ -64,8 +76,8 @@ class VisualEncoder:
     def placeholder_text(self, rows: int) -> str:
         return self.config.image_prefix + self.config.image_token * rows + self.config.image_suffix
 
-    def decode(self, path: Path, where: str) -> DecodedImage:
-        return decode_image(path, where)
+    def decode(self, source: Path | bytes, where: str) -> DecodedImage:
+        return decode_image(source, where) if isinstance(source, Path) else decode_image_bytes(source, where)
 
     def rows(self, item: DecodedImage) -> int:
         return self.config.tokens_per_image
@@ -77,6 +89,28 @@ class VisualEncoder:
         parts = [self.session.run([ENCODER_OUTPUT], {ENCODER_INPUT: pixel_values[i:i + step]})[0]
                  for i in range(0, len(pixel_values), step)]
         return list(np.concatenate(parts).astype(np.float32, copy=False))
+
+
+def decode_image_bytes(data: bytes, where: str) -> DecodedImage:
+    """decode_image for bytes sent inline: the same formats, RGB conversion and identity, so an image sent
+    inline and the same file given by path share their encoder-cache entry and page keys."""
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            if image.format not in SUPPORTED_FORMATS:
+                raise KvforgeError(f"unsupported image format {image.format}; supported: "
+                                   f"{', '.join(SUPPORTED_FORMATS)}", where)
+            if image.width * image.height > MAX_INLINE_IMAGE_PIXELS:
+                raise KvforgeError(f"the image is {image.width}x{image.height} pixels, more than the "
+                                   f"{MAX_INLINE_IMAGE_PIXELS:,} this server decodes", where)
+            image.load()
+            rgb = _to_rgb(image)
+    except UnidentifiedImageError:
+        raise KvforgeError(f"the data is not an image Pillow can decode (supported: "
+                           f"{', '.join(SUPPORTED_FORMATS)})", where) from None
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:  # truncated or corrupt data
+        raise KvforgeError(f"cannot decode the image: {exc}", where) from None
+    pixels = np.asarray(rgb, dtype=np.uint8)
+    return DecodedImage(pixels, media_digest(pixels))
 
 
 def load_encoder(engine_dir: Path, num_threads: int = 0):  # -> VisualEncoder | AudioEncoder
