@@ -54,7 +54,8 @@ def prompt_ids(engine: Engine, data: dict) -> list[int]:
 
 def test_formatted_prompt_shows_the_templates_image_text(image_engine: Engine, picture: Path) -> None:
     [response] = run_file(image_engine, request_file({"type": "image", "image": str(picture)}, "What is it?"))
-    assert response["formatted_complete_request"] == "<|im_start|>User: <image>What is it?<end_of_utterance>\nAssistant:"
+    shown = response["formatted_complete_request"]
+    assert shown == "<|im_start|>User: <image>What is it?<end_of_utterance>\nAssistant:"
     assert "\ufffc" not in response["formatted_complete_request"]
 
 

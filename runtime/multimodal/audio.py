@@ -152,12 +152,11 @@ class AudioEncoder:
     stage = "audio_encoder"
 
     def __init__(self, engine_dir: Path, config, num_threads: int = 0) -> None:  # config: AudioEncoderConfig
-        from kvforge.contract.multimodal import AUDIO_ENGINE_FILE
-        from kvforge.runtime.multimodal.visual import _check_engine_dir, _session
+        from kvforge.contract.multimodal import AUDIO_ENGINE_FILE, AUDIO_TRT_ENGINE_FILE
+        from kvforge.runtime.multimodal.visual import encoder_session
 
-        _check_engine_dir(engine_dir, config, AUDIO_ENGINE_FILE)
         self.config = config
-        self.session = _session(engine_dir / AUDIO_ENGINE_FILE, num_threads)
+        self.session = encoder_session(engine_dir, config, AUDIO_ENGINE_FILE, AUDIO_TRT_ENGINE_FILE, num_threads)
 
     @property
     def token_id(self) -> int:
