@@ -275,3 +275,18 @@ def test_inline_image_decodes_like_the_file(media_dir: Path) -> None:
     Image.open(path).convert("RGBA").save(buffer, format="PNG")  # alpha composited as for files
     assert decode_image_bytes(path.read_bytes(), "f").digest == decode_image(path, "f").digest
     assert decode_image_bytes(buffer.getvalue(), "f").digest == decode_image(path, "f").digest
+
+
+# --- flags --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("args", "flag"), [
+    (["--allowedMediaDir", "/nowhere/media"], "--allowedMediaDir"),
+    (["--multimodalEngineDir", "/nowhere/visual"], "--multimodalEngineDir"),
+    (["--encoderCacheBudgetBytes", "-1"], "--encoderCacheBudgetBytes"),
+])
+def test_media_flags_are_one_line_errors(vlm, run_cli, args: list[str], flag: str) -> None:
+    engine_dir, _ = vlm
+    result = run_cli(["llm_serve", "--engineDir", engine_dir, "--port", "0", *args])
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {flag}"), result.stderr
