@@ -108,6 +108,8 @@ class MediaPolicy:
         resolved = (self.allowed_dir / path).resolve()  # an absolute path replaces the base
         if not resolved.is_relative_to(self.allowed_dir):
             fail(field, f"{shown} is outside --allowedMediaDir")
+        if resolved.exists() and not resolved.is_file():  # a FIFO or device would block or never end
+            fail(field, f"{shown} is not a regular file")
         if kind == "audio" and resolved.suffix.lower() not in AUDIO_SUFFIXES:
             fail(field, f"unsupported audio file {shown}; supported: {', '.join(AUDIO_SUFFIXES)}")
         try:

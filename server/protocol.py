@@ -63,6 +63,7 @@ class ApiCall:
             request = Request(0, self.messages, self.sampling, lora_name=self.lora_name, cache_salt=cache_salt,
                               parse_special_tokens=self.parse_special_tokens)
             built = engine.inputs.process(request, where="")  # errors name "messages"
+            self.messages.clear()  # the media bytes in them are spent: a long answer must not hold them
         else:
             built = engine.inputs.process_prompt(self.prompt or [], self.sampling, self.lora_name, cache_salt)
         room = engine.engine.build.max_kv_cache_capacity - len(built.prompt_ids)

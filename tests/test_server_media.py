@@ -140,6 +140,29 @@ def test_repeated_image_is_warm_and_equals_cold(server: LiveServer, vlm, media_d
     server.on_engine(idle_audit)
 
 
+def test_openai_client_streams_an_image_chat(server: LiveServer, media_dir: Path) -> None:
+    """The official client's own content-part types, streamed and not: one answer; /metrics counts the hits."""
+    import openai
+    from test_server import metric_values, stream_text
+
+    messages = [{"role": "system", "content": SYSTEM},
+                {"role": "user", "content": [image_part(data_url(media_dir / "b.png")),
+                                             {"type": "text", "text": "Describe it."}]}]
+    with openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60) as client:
+        whole = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=6)
+        text, reason, usage = stream_text(client.chat.completions.create(
+            model=MODEL, messages=messages, temperature=0, max_tokens=6, stream=True,
+            stream_options={"include_usage": True}))
+    assert text == whole.choices[0].message.content and reason == whole.choices[0].finish_reason
+    assert usage.prompt_tokens == whole.usage.prompt_tokens
+    metrics = metric_values(server)
+    cache = server.on_engine(lambda e: e.profile()["multimodal"]["encoder_cache"])
+    assert metrics["kvforge_encoder_cache_hits_total"] == cache["hits"] >= 1
+    assert metrics["kvforge_encoder_cache_misses_total"] == cache["misses"] >= 1
+    assert metrics["kvforge_encoder_cache_bytes"] == cache["bytes"] > 0
+    server.on_engine(idle_audit)
+
+
 def test_local_files_only_under_the_allowed_dir(server: LiveServer, media_dir: Path, tmp_path: Path) -> None:
     inline = answer(server, chat_body(image_part(data_url(media_dir / "b.png"))))
     by_url = answer(server, chat_body(image_part((media_dir / "b.png").resolve().as_uri())))
@@ -152,6 +175,7 @@ def test_local_files_only_under_the_allowed_dir(server: LiveServer, media_dir: P
     expect_400(server, chat_body(image_part(outside.as_uri())), part, "outside --allowedMediaDir")
     expect_400(server, chat_body(image_part("../" + outside.name)), part, "outside --allowedMediaDir")
     expect_400(server, chat_body(image_part("missing.png")), part, "not found")
+    expect_400(server, chat_body(image_part(".")), part, "not a regular file")
     server.on_engine(idle_audit)
 
 
