@@ -114,7 +114,8 @@ def test_runtime_runs_a_tensorrt_visual_encoder(recorder: fake.Recorder, fake_cu
     assert [float(r[0, 0]) for r in rows] == [1.0, 2.0, 3.0, 4.0, 1.0]
     assert all(r.shape == (encoder.config.tokens_per_image, encoder.config.text_hidden_size) for r in rows)
     uploaded = recorder.calls[0]["inputs"]["pixel_values"]
-    expected = idefics3_pixel_values(items[0].pixels, encoder.config.preprocessing)
+    # one unsplit frame per image ([3, S, S], or [1, 3, S, S] where the preprocessing returns frames)
+    expected = np.reshape(idefics3_pixel_values(items[0].pixels, encoder.config.preprocessing), uploaded.shape[1:])
     assert np.array_equal(uploaded[0], expected)  # the preprocessed pixels reached the device as they are
     encoder.session.close()
     assert not fake_cuda.buffers  # every device buffer freed
