@@ -15,9 +15,11 @@ from kvforge.contract.multimodal import (
     AUDIO,
     AUDIO_ENGINE_FILE,
     AUDIO_ENGINE_WEIGHTS,
+    AUDIO_TRT_ENGINE_FILE,
     ENCODER_MODEL_FILE,
     VISUAL_ENGINE_FILE,
     VISUAL_ENGINE_WEIGHTS,
+    VISUAL_TRT_ENGINE_FILE,
     AudioEncoderConfig,
     EncoderConfig,
     encoder_kind,
@@ -27,18 +29,18 @@ from kvforge.contract.multimodal import (
 
 def build_encoder_engine(onnx_dir: Path, engine_dir: Path, backend: str,
                          max_batch_size: int) -> EncoderConfig | AudioEncoderConfig:
-    """Encoders run on ONNX Runtime for now: a TensorRT visual engine is not built yet, so `tensorrt` is refused
-    and `auto` means onnxruntime (the text engine may still be a TensorRT one)."""
+    """`tensorrt` builds a TensorRT engine (`visual.engine` / `audio.engine`; unverified on real TensorRT);
+    `auto` means onnxruntime, the verified path, whatever the text engine's backend (encoders run once per new
+    media item, and the encoder cache skips repeats)."""
     if encoder_kind(onnx_dir) == AUDIO:
         raw = read_json(onnx_dir / "config.json", "onnx_dir")
         config = AudioEncoderConfig.from_dict(raw, f"{onnx_dir}/config.json")
         engine_file, weights_file = AUDIO_ENGINE_FILE, AUDIO_ENGINE_WEIGHTS
+        trt_file = AUDIO_TRT_ENGINE_FILE
     else:
         config = read_encoder_config(onnx_dir, "onnx_dir")
         engine_file, weights_file = VISUAL_ENGINE_FILE, VISUAL_ENGINE_WEIGHTS
-    if backend == "tensorrt":
-        raise InvalidConfig("encoder engines build for onnxruntime only so far; use --backend onnxruntime or auto",
-                            "backend")
+        trt_file = VISUAL_TRT_ENGINE_FILE
     if not (onnx_dir / ENCODER_MODEL_FILE).is_file():
         raise InvalidConfig(f"missing {ENCODER_MODEL_FILE} in {onnx_dir}; re-export it with llm_export", "onnx_dir")
     # The same promises as text engines (builder/build.py): never over the export, staged, manifest last.
@@ -46,6 +48,16 @@ def build_encoder_engine(onnx_dir: Path, engine_dir: Path, backend: str,
         raise InvalidConfig("is the same directory as (or overlaps) --onnxDir; the build would destroy the export",
                             "engine_dir")
     check_output_dir(engine_dir, "engine_dir")
+    if backend == "tensorrt":
+        from kvforge.builder.trt_build import build_encoder_tensorrt  # the single guarded tensorrt import
+
+        serialized = build_encoder_tensorrt(onnx_dir / ENCODER_MODEL_FILE, max_batch_size)
+        built = replace(config, backend="tensorrt", max_batch_size=max_batch_size)
+        with staged_dir(engine_dir) as staging:
+            (staging / trt_file).write_bytes(memoryview(serialized))  # IHostMemory exposes the buffer protocol
+            write_json(staging / "config.json", built.to_dict())
+            write_manifest(staging, ENGINE_KIND)
+        return built
     model = onnx.load(str(onnx_dir / ENCODER_MODEL_FILE))
     built = replace(config, backend="onnxruntime", max_batch_size=max_batch_size)
     with staged_dir(engine_dir) as staging:

@@ -132,7 +132,32 @@ def build_tensorrt_engine(onnx_dir: Path, engine_dir: Path, config: ModelConfig,
     step("wrote engine dir")
 
 
-def _build_serialized(trt: ModuleType, model_path: Path, profiles: list[Profile]) -> Any:
+def encoder_profile(model: onnx.ModelProto, max_batch_size: int) -> Profile:
+    """The one profile of an encoder engine: the leading (items) dim of every input from 1 to maxBatchSize,
+    every other dim as exported (encoders take fixed-size images / mel windows)."""
+    profile: Profile = {}
+    for vi in model.graph.input:
+        dims = vi.type.tensor_type.shape.dim
+        rest = tuple(d.dim_value for d in dims[1:])
+        if not dims or any(d <= 0 for d in rest):
+            raise InvalidConfig(f"encoder input {vi.name} has a dynamic dimension past the leading items one; "
+                                "re-export it with llm_export", "onnx_dir")
+        profile[vi.name] = ((1, *rest), (max_batch_size, *rest), (max_batch_size, *rest))
+    return profile
+
+
+def build_encoder_tensorrt(model_path: Path, max_batch_size: int) -> Any:
+    """A serialized TensorRT engine of an encoder ONNX file (its external weights next to it): no plugins, one
+    profile; the caller writes the bytes. Unverified on real TensorRT (tested against tests/fake_tensorrt.py)."""
+    trt = require_tensorrt()
+    if max_batch_size < 1:
+        raise InvalidConfig(f"must be >= 1 for a TensorRT encoder engine, got {max_batch_size}", "max_batch_size")
+    model = onnx.load(str(model_path), load_external_data=False)
+    return _build_serialized(trt, model_path, [encoder_profile(model, max_batch_size)], aliased_plugin_io=False)
+
+
+def _build_serialized(trt: ModuleType, model_path: Path, profiles: list[Profile], *,
+                      aliased_plugin_io: bool = True) -> Any:
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     # Strongly typed: the graph's float32/fp16/uint8 types are kept as exported, and plugin I/O types follow.
@@ -142,8 +167,8 @@ def _build_serialized(trt: ModuleType, model_path: Path, profiles: list[Profile]
         raise InvalidConfig(_parse_error(parser), "onnx_dir")
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, WORKSPACE_BYTES)
-    # The pool output aliases the pool input (in-place KV writes); TensorRT 10.x gates this preview feature.
-    config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)
+    if aliased_plugin_io:  # the pool output aliases the pool input (in-place KV writes); a TensorRT 10.x preview
+        config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)
     names = {network.get_input(i).name for i in range(network.num_inputs)}
     for shapes in profiles:
         _add_profile(builder, config, shapes, names)

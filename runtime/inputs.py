@@ -11,7 +11,7 @@ from kvforge.contract.validation import join_path
 from kvforge.runtime.lora import LoraRegistry
 from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.tokenizer import ChatTokenizer
-from kvforge.runtime.types import Message, Request, SamplingParams
+from kvforge.runtime.types import MEDIA_SENTINEL, Message, Request, SamplingParams
 
 if TYPE_CHECKING:
     from kvforge.runtime.multimodal.processor import MultimodalProcessor
@@ -50,6 +50,16 @@ class InputProcessor:
         return EngineRequest(ids, sampling, self.loras.get(lora_name), cache_salt)
 
     def prompt_text(self, request: Request, enable_thinking: bool = False) -> str:
+        """The formatted prompt as outputs show it (`formatted_complete_request`): each media item as the text the
+        chat template writes for it (`<image>`, `<|audio_bos|><|AUDIO|><|audio_eos|>`), which is what
+        transformers' apply_chat_template returns; the item's expansion to placeholder tokens is not shown (its
+        size is in usage.prompt_tokens). Internally media items stand as U+FFFC (see `_rendered`)."""
+        pieces = self._rendered(request, enable_thinking).split(MEDIA_SENTINEL)
+        media = [ref for message in request.messages for ref in message.media]
+        markers = [self.tokenizer.media_markers.get(ref.kind, f"<{ref.kind}>") for ref in media]
+        return pieces[0] + "".join(marker + piece for marker, piece in zip(markers, pieces[1:], strict=False))
+
+    def _rendered(self, request: Request, enable_thinking: bool = False) -> str:
         return self.tokenizer.format(request.messages, apply_chat_template=request.apply_chat_template,
                                      add_generation_prompt=request.add_generation_prompt,
                                      enable_thinking=enable_thinking, where=f"requests[{request.index}].messages")
@@ -70,14 +80,15 @@ class InputProcessor:
         if media:
             assert self.multimodal is not None
             self.multimodal.check_kinds(media)
-        text = self.prompt_text(request, enable_thinking)
+        text = self._rendered(request, enable_thinking)
         spans = ()
         if media:
             assert self.multimodal is not None
-            # Media prompts parse special-token text in content (the placeholder expansion tokenizes the text
-            # between items); the plain-text rule of tokenizer.py covers text-only prompts. Noted in the README.
+            # The plain-text rule of tokenizer.py holds for the text parts of media prompts too.
+            plain = None if request.parse_special_tokens else [
+                part for message in request.messages for part in message.content.split(MEDIA_SENTINEL)]
             ids, spans = self.multimodal.tokenize(text, media, base_dir, self.max_input_len,
-                                                  join_path(where, "messages"))
+                                                  join_path(where, "messages"), plain)
         else:
             ids = self._encode(text, request, request.messages, where)
         check_prompt_length(len(ids), self.max_input_len, join_path(where, "messages"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -208,34 +208,41 @@ def _parse_sampling(obj: dict[str, Any], prefix: str, defaults: SamplingParams) 
     )
 
 
-def _parse_messages(value: Any, where: str) -> list[Message]:
+# A front end's own content items (llm_serve's `image_url`, `input_audio`): (item, its JSON path) -> its MediaRef.
+MediaItemParser = Callable[[dict[str, Any], str], MediaRef]
+
+
+def _parse_messages(value: Any, where: str, media_items: Mapping[str, MediaItemParser] | None = None) -> list[Message]:
+    """`media_items` maps content types to their parsers; they take precedence over the file's own media items."""
     if value is MISSING:
         fail(where, "is required (a non-empty array of {role, content} objects)")
     if not isinstance(value, list) or not value:
         fail(where, f"must be a non-empty array, got {describe(value)}")
     if len(value) > MAX_MESSAGES:
         fail(where, f"must hold at most {MAX_MESSAGES} messages, got {len(value)}")
-    return [_parse_message(raw, f"{where}[{i}]") for i, raw in enumerate(value)]
+    return [_parse_message(raw, f"{where}[{i}]", media_items or {}) for i, raw in enumerate(value)]
 
 
-def _parse_message(raw: Any, where: str) -> Message:
+def _parse_message(raw: Any, where: str, media_items: Mapping[str, MediaItemParser] | None = None) -> Message:
     if not isinstance(raw, dict):
         fail(where, f"must be a {{role, content}} object, got {json_kind(raw)}")
     role = _required(raw, "role", where, f"one of {', '.join(ROLES)}")
     check_choice(role, f"{where}.role", ROLES)
     content = _required(raw, "content", where, "a string or an array of content items")
-    text, media = _parse_content(content, f"{where}.content")
+    text, media = _parse_content(content, f"{where}.content", media_items or {})
     return Message(role=role, content=text, media=media)
 
 
-def _parse_content(value: Any, where: str) -> tuple[str, tuple[MediaRef, ...]]:
+def _parse_content(value: Any, where: str,
+                   media_items: Mapping[str, MediaItemParser]) -> tuple[str, tuple[MediaRef, ...]]:
     media: list[MediaRef] = []
     if isinstance(value, str):
         text = value
     elif isinstance(value, list):
         if len(value) > MAX_CONTENT_ITEMS:
             fail(where, f"must hold at most {MAX_CONTENT_ITEMS} items, got {len(value)}")
-        text = "".join(_parse_content_item(item, f"{where}[{i}]", media) for i, item in enumerate(value))
+        text = "".join(_parse_content_item(item, f"{where}[{i}]", media, media_items)
+                       for i, item in enumerate(value))
     else:
         fail(where, f"must be a string or an array of content items, got {json_kind(value)}")
     size = utf8_size(text, where)
@@ -246,11 +253,16 @@ def _parse_content(value: Any, where: str) -> tuple[str, tuple[MediaRef, ...]]:
     return text, tuple(media)
 
 
-def _parse_content_item(item: Any, where: str, media: list[MediaRef]) -> str:
+def _parse_content_item(item: Any, where: str, media: list[MediaRef],
+                        media_items: Mapping[str, MediaItemParser]) -> str:
     if not isinstance(item, dict):
         fail(where, f'must be an object like {{"type": "text", "text": ...}}, got {json_kind(item)}')
-    kind = _required(item, "type", where, f"one of {', '.join(CONTENT_TYPES)}")
-    check_choice(kind, f"{where}.type", CONTENT_TYPES)
+    types = (*CONTENT_TYPES, *(t for t in media_items if t not in CONTENT_TYPES))
+    kind = _required(item, "type", where, f"one of {', '.join(types)}")
+    check_choice(kind, f"{where}.type", types)
+    if kind in media_items:
+        media.append(media_items[kind](item, where))
+        return MEDIA_SENTINEL
     if kind in ("image", "audio"):
         path = check_string(_required(item, kind, where, f'a file path, for an "{kind}" item'), f"{where}.{kind}")
         if not path:

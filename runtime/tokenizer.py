@@ -62,13 +62,15 @@ class ChatTokenizer:
         except KvforgeError:
             return True
 
-    def _template_message(self, message: Message) -> dict:
+    def _template_message(self, message: Message, stand_ins: dict[str, str] | None = None) -> dict:
         if not self.content_as_items:
             return {"role": message.role, "content": message.content}
         items: list[dict] = []
         for i, text in enumerate(message.content.split(MEDIA_SENTINEL)):
             if i:
                 items.append({"type": message.media[i - 1].kind})
+            for marker, stand_in in (stand_ins or {}).items():
+                text = text.replace(marker, stand_in)
             if text:
                 items.append({"type": "text", "text": text})
         return {"role": message.role, "content": items}
@@ -78,13 +80,22 @@ class ChatTokenizer:
         """The prompt text: the chat template applied to the messages, or their plain concatenation."""
         if not apply_chat_template or self.template is None:
             return "".join(m.content for m in messages)
-        text = self.template.render(where, messages=[self._template_message(m) for m in messages],
+        # A marker typed in text must not read as a media item: it stands in as a character no content holds
+        # while the template's own markers turn back into sentinels (one per media item).
+        stand_ins = self._marker_stand_ins(messages) if self.content_as_items and any(m.media for m in messages) \
+            else {}
+        text = self.template.render(where, messages=[self._template_message(m, stand_ins) for m in messages],
                                     add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "",
                                     eos_token=self.eos_token or "", enable_thinking=enable_thinking)
-        if self.content_as_items and any(m.media for m in messages):
-            for marker in self.media_markers.values():
-                text = text.replace(marker, MEDIA_SENTINEL)  # back to one sentinel per media item
+        for marker, stand_in in stand_ins.items():
+            text = text.replace(marker, MEDIA_SENTINEL).replace(stand_in, marker)
         return text
+
+    def _marker_stand_ins(self, messages: Sequence[Message]) -> dict[str, str]:
+        """Media marker -> a private-use character found in no message content."""
+        used = set("".join(m.content for m in messages))
+        free = (chr(c) for c in range(0xE000, 0xF900) if chr(c) not in used)
+        return {marker: next(free) for marker in self.media_markers.values()}
 
     def format_system_prompt(self, messages: Sequence[Message], apply_chat_template: bool = True) -> str:
         """The template applied to the leading system message alone (the legacy cache's key)."""
@@ -121,6 +132,27 @@ class ChatTokenizer:
             position = start + len(content)
         ids += self.tokenizer.encode(text[position:], add_special_tokens=False).ids
         return self._with_bos(ids)
+
+    def encode_chat_segments(self, segments: Sequence[str], contents: Sequence[str] | None,
+                             where: str = "messages") -> list[list[int]]:
+        """Token ids of each piece of a formatted media prompt (the text between its media items; BOS on the
+        first), message `contents` kept plain text as in `encode_chat`; `contents` None parses special-token
+        text everywhere (parse_special_tokens). A content never spans a media item, so each lies in one piece."""
+        risky = [c for c in contents or () if c and any(s in c for s in self.special_texts)]
+        pieces = []
+        for segment in segments:
+            ids: list[int] = []
+            position = 0
+            while risky and (start := segment.find(risky[0], position)) >= 0:
+                ids += self.tokenizer.encode(segment[position:start], add_special_tokens=False).ids
+                ids += self._literal_tokenizer().encode(risky[0], add_special_tokens=False).ids
+                position = start + len(risky.pop(0))
+            pieces.append(ids + self.tokenizer.encode(segment[position:], add_special_tokens=False).ids)
+        if risky:
+            raise KvforgeError("message content holds special-token text that the chat template changes, so it "
+                               "cannot be kept as plain text; remove it, or set parse_special_tokens", where)
+        pieces[0] = self._with_bos(pieces[0])
+        return pieces
 
     def _literal_tokenizer(self) -> Tokenizer:
         if self._literal is None:

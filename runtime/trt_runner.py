@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -20,8 +21,9 @@ PREFILL_PROFILE, DECODE_PROFILE = 0, 1  # as built by kvforge.builder.trt_build
 class CudaDriver:
     """cuda-python driver calls with their CUresult checked: each failure is one KvforgeError line."""
 
-    def __init__(self, driver: ModuleType, device: int = 0) -> None:
+    def __init__(self, driver: ModuleType, device: int = 0, field: str = "engine_dir") -> None:
         self.cu = driver
+        self.field = field  # what a failure names: the engine dir this driver serves
         self.call("cuInit", 0)
         self.device = self.call("cuDeviceGet", device)
         # The primary context is the one the CUDA runtime (and so TensorRT) uses on this device.
@@ -32,7 +34,7 @@ class CudaDriver:
     def call(self, name: str, *args: Any) -> Any:
         err, *values = getattr(self.cu, name)(*args)
         if err != self.cu.CUresult.CUDA_SUCCESS:
-            raise KvforgeError(f"CUDA {name} failed: {err}", "engine_dir")
+            raise KvforgeError(f"CUDA {name} failed: {err}", self.field)
         return values[0] if len(values) == 1 else tuple(values) or None
 
     @property
@@ -289,3 +291,74 @@ class TrtEngineRunner:
         if not self.context.set_input_shape(name, tuple(int(d) for d in shape)):
             raise KvforgeError(f"shape {tuple(shape)} of {name} is outside the engine's optimization profile "
                                f"{self._profile}", "engine_dir")
+
+
+class TrtEncoderSession:
+    """A TensorRT encoder engine (visual.engine / audio.engine) behind onnxruntime's `session.run(outputs, feeds)`,
+    so the encoders run either backend unchanged. One profile (items 1..maxBatchSize); a device buffer per tensor,
+    grown to the largest call seen. Written against TensorRT's Python API; verified only against a fake."""
+
+    def __init__(self, path: Path, field: str, device: int = 0) -> None:
+        trt, driver = _require_trt_and_cuda()
+        self.trt, self.field = trt, field
+        self.cuda = CudaDriver(driver, device, field)
+        self.engine = trt.Runtime(trt.Logger(trt.Logger.WARNING)).deserialize_cuda_engine(path.read_bytes())
+        if self.engine is None:
+            raise KvforgeError(f"TensorRT cannot load {path}; it was built by another TensorRT version or for another "
+                               "GPU: rebuild it with llm_build", field)
+        self.context = self.engine.create_execution_context()
+        if self.context is None:
+            raise KvforgeError("TensorRT could not create an execution context (out of GPU memory?)", field)
+        names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
+        self.inputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
+        self.outputs = [n for n in names if n not in self.inputs]
+        self.buffers: dict[str, tuple[int, int]] = {}  # name -> (device pointer, bytes)
+
+    def run(self, output_names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        missing = [n for n in self.inputs if n not in feeds]
+        if missing:
+            raise KvforgeError(f"the encoder engine needs input(s) {', '.join(missing)}; rebuild it with this "
+                               "kvforge", self.field)
+        staged = [self._bind_input(name, feeds[name]) for name in self.inputs]  # alive until the sync below
+        results = {}
+        for name in self.outputs:
+            out = np.empty(tuple(self.context.get_tensor_shape(name)), self._dtype(name))
+            self.context.set_tensor_address(name, self._buffer(name, out.nbytes))
+            results[name] = out
+        if not self.context.execute_async_v3(self.cuda.stream_handle):
+            raise KvforgeError("TensorRT failed to enqueue the encoder call", self.field)
+        for name, out in results.items():
+            self.cuda.download(out, self.buffers[name][0])
+        self.cuda.synchronize()
+        del staged
+        return [results[name] for name in output_names]
+
+    def close(self) -> None:
+        self.cuda.synchronize()
+        for ptr, _ in self.buffers.values():
+            self.cuda.call("cuMemFree", ptr)
+        self.buffers = {}
+        self.cuda.call("cuStreamDestroy", self.cuda.stream)
+
+    def _bind_input(self, name: str, value: np.ndarray) -> np.ndarray:
+        host = np.ascontiguousarray(value, dtype=self._dtype(name))
+        ptr = self._buffer(name, host.nbytes)
+        self.cuda.upload(ptr, host)
+        if not self.context.set_input_shape(name, tuple(int(d) for d in host.shape)):
+            raise KvforgeError(f"shape {host.shape} of {name} is outside the encoder engine's profile; rebuild it "
+                               "with a larger --maxBatchSize", self.field)
+        self.context.set_tensor_address(name, ptr)
+        return host
+
+    def _buffer(self, name: str, nbytes: int) -> int:
+        ptr, size = self.buffers.get(name, (0, 0))
+        if nbytes > size:
+            if ptr:
+                self.cuda.synchronize()  # the previous call may still read it
+                self.cuda.call("cuMemFree", ptr)
+            ptr, size = self.cuda.alloc(nbytes), max(nbytes, 1)
+            self.buffers[name] = (ptr, size)
+        return ptr
+
+    def _dtype(self, name: str) -> np.dtype:
+        return np.dtype(self.trt.nptype(self.engine.get_tensor_dtype(name)))

@@ -75,11 +75,22 @@ MEDIA_SENTINEL = "\ufffc"
 
 @dataclass(frozen=True, slots=True)
 class MediaRef:
-    """A media content item as given: its kind ("image"), the file, and its JSON path for error messages."""
+    """A media content item as given: its kind ("image"), the file or the bytes themselves, and its JSON path.
+
+    `data` holds media sent inline (llm_serve's base64 content parts); `path` then only describes it. `key` is
+    the item's field holding the media (`image_url`, `input_audio`), when it is not named like the kind.
+    """
 
     kind: str
     path: str
     where: str
+    data: bytes | None = field(default=None, repr=False)
+    key: str = ""
+
+    @property
+    def media_field(self) -> str:
+        """The JSON path an error about the media itself names, e.g. `messages[0].content[1].image_url`."""
+        return f"{self.where}.{self.key or self.kind}"
 
 
 @dataclass(slots=True)

@@ -23,6 +23,7 @@ from kvforge.runtime.engine import Engine
 from kvforge.runtime.output import RequestOutput
 from kvforge.server.engine_loop import EngineLoop
 from kvforge.server.handle import ClientGone, RequestHandle, ServerState
+from kvforge.server.media import MediaPolicy
 from kvforge.server.metrics import CONTENT_TYPE, ServerMetrics, StepProfiler
 from kvforge.server.protocol import ApiError, parse_call
 from kvforge.server.render import Renderer, TextStreamer, finish_reason
@@ -30,16 +31,22 @@ from kvforge.server.tenants import Tenants
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# A few inline media items (each at most MAX_MEDIA_ITEM_BYTES, a third more in base64) and the text around them.
+MAX_BODY_BYTES = 128 * 2**20
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that hung up before the response
 ENGINE_STOP_TIMEOUT_S = 30.0  # the engine thread ends after its current step; one step is seconds at most
 log = logging.getLogger("uvicorn.error")  # beside uvicorn's own start and shutdown lines
 
 
-def create_app(engine: Engine, tenants: Tenants, *, model_name: str, max_queued_requests: int) -> FastAPI:
-    """An app serving `engine` (with its adapters loaded) under `model_name`; the engine thread starts with it."""
+def create_app(engine: Engine, tenants: Tenants, *, model_name: str, max_queued_requests: int,
+               media: MediaPolicy | None = None) -> FastAPI:
+    """An app serving `engine` (with its adapters loaded) under `model_name`; the engine thread starts with it.
+    `media`: where media content parts may come from (default: inline only)."""
     engine_loop = EngineLoop(engine)
     metrics = ServerMetrics(lambda: engine_loop.snapshot)
     engine.profiler = StepProfiler(metrics.step_time)  # before the thread starts: from then on it owns the engine
+    if engine.multimodal is not None:  # its encoder stages too, or their times would pile up in a list
+        engine.multimodal.profiler = engine.profiler
     adapters = sorted(engine.loras.adapters)
     if model_name in adapters:
         raise KvforgeError(f"an adapter is named like the served model {model_name!r}", "served_model_name")
@@ -47,7 +54,8 @@ def create_app(engine: Engine, tenants: Tenants, *, model_name: str, max_queued_
     state = ServerState(engine_loop, engine.tokenizer, tenants, metrics,
                         models={model_name: None, **{name: name for name in adapters}},
                         max_in_flight=engine.scheduler.max_batch_size + max_queued_requests,
-                        reuse_enabled=engine.cache.enabled, max_model_len=build.max_kv_cache_capacity)
+                        reuse_enabled=engine.cache.enabled, max_model_len=build.max_kv_cache_capacity,
+                        media=media or MediaPolicy())
     metrics.in_flight.set_function(lambda: state.in_flight)
 
     @asynccontextmanager
@@ -111,7 +119,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 async def _complete(state: ServerState, request: Request, chat: bool) -> Response:
     tenant = _tenant(state, request)
     try:
-        call = parse_call(await _json_body(request), chat, state.models)
+        call = parse_call(await _json_body(request), chat, state.models, state.media)
     except ApiError:
         state.metrics.requests.labels("invalid").inc()
         raise
@@ -135,8 +143,13 @@ def _tenant(state: ServerState, request: Request) -> str:
 
 
 async def _json_body(request: Request) -> Any:
+    body = bytearray()
+    async for chunk in request.stream():  # bounded as it arrives: media parts make bodies large, never unbounded
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is more than {MAX_BODY_BYTES:,} bytes", code="body_too_large")
     try:
-        return loads_json(await request.body(), "body")  # duplicate keys refused, naming the key
+        return loads_json(bytes(body), "body")  # duplicate keys refused, naming the key
     except KvforgeError as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc.message}") from None
 

@@ -21,10 +21,12 @@ Serve an engine built by llm_build with OpenAI's API (/v1/chat/completions, /v1/
   llm_serve --engineDir engines/smollm2 --enableContextReuse
   llm_serve --engineDir engines/smollm2 --enableContextReuse --apiKeys keys.json --host 0.0.0.0 --port 8000
   llm_serve --engineDir engines/smollm2-lora --loraWeights support=adapters/support.safetensors
+  llm_serve --engineDir engines/smolvlm --multimodalEngineDir engines/smolvlm-visual --enableContextReuse
 """
 LOOPBACK = "127.0.0.1"
 SERVE_FLAGS = {**ENGINE_FLAGS, "api_keys": "--apiKeys", "salt_secret": "--saltSecret",
-               "served_model_name": "--servedModelName", "host": "--host", "port": "--port"}
+               "served_model_name": "--servedModelName", "host": "--host", "port": "--port",
+               "allowed_media_dir": "--allowedMediaDir"}
 app = typer.Typer(add_completion=False, rich_markup_mode="rich")
 
 
@@ -55,6 +57,18 @@ def serve(
     max_num_tokens: int = typer.Option(0, "--maxNumTokens",
                                        help="Token budget of one engine step; 0 = the engine's maxInputLen."),
     num_threads: int = typer.Option(0, "--numThreads", help="CPU threads for the engine; 0 = onnxruntime default."),
+    multimodal_engine_dir: Path = typer.Option(None, "--multimodalEngineDir",
+                                               help="Encoder engine dir (llm_build of llm_export's OUTPUTDIR/visual "
+                                                    "or OUTPUTDIR/audio): chats may then hold image_url or "
+                                                    "input_audio parts."),
+    encoder_cache_budget_bytes: int = typer.Option(256 * 1024 * 1024, "--encoderCacheBudgetBytes",
+                                                   help="Bytes of encoder outputs kept by media digest (LRU), so a "
+                                                        "repeated image or audio skips the encoder; 0 disables. "
+                                                        "Independent of --enableContextReuse."),
+    allowed_media_dir: Path = typer.Option(None, "--allowedMediaDir",
+                                           help="Directory whose files clients may name as media (file:// URLs or "
+                                                "paths, resolved inside it); without it only inline media is "
+                                                "accepted. http(s) URLs are never fetched."),
     shutdown_timeout: float = typer.Option(30.0, "--shutdownTimeout",
                                            help="On SIGTERM/SIGINT, seconds requests in flight get to finish before "
                                                 "they are cancelled."),
@@ -74,19 +88,26 @@ def serve(
             raise KvforgeError(f"must be >= 0, got {max_queued_requests}", "--maxQueuedRequests")
         if shutdown_timeout < 0:
             raise KvforgeError(f"must be >= 0, got {shutdown_timeout}", "--shutdownTimeout")
+        from kvforge.server.media import media_policy
+
+        media = media_policy(allowed_media_dir)
         adapters = parse_lora_flags(lora_weights)
         tenants = load_tenants(api_keys, salt_secret)
         bind_host = host or LOOPBACK
         sock = bind_socket(bind_host, port)
         engine = Engine(engine_dir, EngineConfig(num_threads=num_threads, enable_context_reuse=enable_context_reuse,
                                                  context_cache_max_records=context_cache_max_records,
-                                                 prefill_chunk_size=prefill_chunk_size, max_num_tokens=max_num_tokens))
+                                                 prefill_chunk_size=prefill_chunk_size, max_num_tokens=max_num_tokens,
+                                                 multimodal_engine_dir=str(multimodal_engine_dir)
+                                                 if multimodal_engine_dir else None,
+                                                 encoder_cache_budget_bytes=encoder_cache_budget_bytes))
         try:
             engine.load_adapters({name: str(path) for name, path in adapters.items()})
         except KvforgeError as exc:  # its field names the request file's available_lora_weights
             raise KvforgeError(exc.message, "--loraWeights") from None
         model_name = served_model_name or engine_dir.resolve().name
-        web = create_app(engine, tenants, model_name=model_name, max_queued_requests=max_queued_requests)
+        web = create_app(engine, tenants, model_name=model_name, max_queued_requests=max_queued_requests,
+                         media=media)
         _announce(sock, model_name, enable_context_reuse, tenants.required, host is not None)
         # uvicorn re-raises the signal it shut down for; exit 0 then: requests in flight were finished or cancelled.
         for stop_signal in (signal.SIGTERM, signal.SIGINT):

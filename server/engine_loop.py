@@ -49,6 +49,7 @@ class EngineSnapshot:
     running: int = 0
     prefill_reused_tokens: int = 0
     prefill_computed_tokens: int = 0
+    encoder_cache: dict[str, int] = field(default_factory=dict)  # the profile's multimodal.encoder_cache (if any)
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,4 +193,5 @@ class EngineLoop:
             pool_free=pages.num_free, pool_capacity=pages.capacity,
             waiting=len(engine.scheduler.waiting), running=len(engine.scheduler.running),
             prefill_reused_tokens=profiler.prefill_reused_tokens,
-            prefill_computed_tokens=profiler.prefill_computed_tokens)
+            prefill_computed_tokens=profiler.prefill_computed_tokens,
+            encoder_cache=engine.multimodal.cache.to_dict() if engine.multimodal is not None else {})

@@ -10,12 +10,13 @@ import asyncio
 import contextlib
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvforge.contract.errors import KvforgeError
 from kvforge.runtime.output import RequestOutput
 from kvforge.runtime.tokenizer import ChatTokenizer
 from kvforge.server.engine_loop import Accepted, EngineFailure, EngineLoop
+from kvforge.server.media import MediaPolicy
 from kvforge.server.metrics import ServerMetrics
 from kvforge.server.protocol import ApiCall, ApiError, error_from
 from kvforge.server.render import FINISH_REASONS
@@ -34,6 +35,7 @@ class ServerState:
     max_in_flight: int
     reuse_enabled: bool
     max_model_len: int
+    media: MediaPolicy = field(default_factory=MediaPolicy)
     in_flight: int = 0
     shutting_down: bool = False
 

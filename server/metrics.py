@@ -92,6 +92,13 @@ class _EngineCollector(Collector):
                                ("steps", "Engine steps."),
                                ("inflight_prefix_waits", "Times a request waited for a prefix another computed.")):
             yield _counter(f"scheduler_{key}", help_text, s.scheduler.get(key, 0))
+        if s.encoder_cache:  # an encoder engine is loaded
+            cache = s.encoder_cache
+            yield _counter("encoder_cache_hits", "Media items whose encoder output came from the encoder cache.",
+                           cache["hits"])
+            yield _counter("encoder_cache_misses", "Media items the encoder ran for.", cache["misses"])
+            yield _counter("encoder_cache_evictions", "Encoder-cache entries evicted (LRU).", cache["evictions"])
+            yield _gauge("encoder_cache_bytes", "Bytes of encoder outputs held by the encoder cache.", cache["bytes"])
         if s.cache:  # reuse on
             records = s.cache[schema.RECORDS]
             yield _gauge("context_cache_records", "Published cache records.", records[schema.RECORDS_CURRENT])

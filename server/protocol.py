@@ -2,7 +2,8 @@
 
 Checks reuse the request file's (`kvforge.runtime.request_file`) so a value the file refuses is refused here
 with the same words. Extensions: `reuse_context` / `cache_generated_tokens` (strict booleans, the cache
-policies), `cache_salt`, `lora_name`, `top_k`.
+policies), `cache_salt`, `lora_name`, `top_k`. Media content parts (`image_url`, `input_audio`) are read by
+`kvforge.server.media`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from kvforge.runtime.engine import Engine
 from kvforge.runtime.request_file import _logit_bias, _parse_messages, _seed, _stop, _temperature, _top_p
 from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.types import Message, Request, SamplingParams
+from kvforge.server.media import MediaPolicy
 
 T = TypeVar("T")
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat top_logprobs
@@ -61,6 +63,7 @@ class ApiCall:
             request = Request(0, self.messages, self.sampling, lora_name=self.lora_name, cache_salt=cache_salt,
                               parse_special_tokens=self.parse_special_tokens)
             built = engine.inputs.process(request, where="")  # errors name "messages"
+            self.messages.clear()  # the media bytes in them are spent: a long answer must not hold them
         else:
             built = engine.inputs.process_prompt(self.prompt or [], self.sampling, self.lora_name, cache_salt)
         room = engine.engine.build.max_kv_cache_capacity - len(built.prompt_ids)
@@ -68,17 +71,18 @@ class ApiCall:
         return built
 
 
-def parse_call(body: Any, chat: bool, models: dict[str, str | None]) -> ApiCall:
-    """Check a decoded body. `models` maps each servable model id to its adapter (None for the base model)."""
+def parse_call(body: Any, chat: bool, models: dict[str, str | None], media: MediaPolicy | None = None) -> ApiCall:
+    """Check a decoded body. `models` maps each servable model id to its adapter (None for the base model);
+    `media` says where media content parts may come from (default: inline only)."""
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {json_kind(body)}")
     try:
-        return _parse(body, chat, models)
+        return _parse(body, chat, models, media or MediaPolicy())
     except KvforgeError as exc:
         raise ApiError(400, exc.message, exc.field) from None
 
 
-def _parse(body: dict[str, Any], chat: bool, models: dict[str, str | None]) -> ApiCall:
+def _parse(body: dict[str, Any], chat: bool, models: dict[str, str | None], media: MediaPolicy) -> ApiCall:
     model = check_string(body.get("model"), "model")
     if model not in models:
         raise ApiError(404, f"the model {model!r} does not exist; this server has {', '.join(sorted(models))}",
@@ -89,7 +93,7 @@ def _parse(body: dict[str, Any], chat: bool, models: dict[str, str | None]) -> A
     lora_name = _adapter(body, models[model], models)
     logprobs, top = _logprobs(body, chat)
     if chat:
-        messages, prompt = _parse_messages(body.get("messages"), "messages"), None
+        messages, prompt = _parse_messages(body.get("messages"), "messages", media.parsers()), None
     else:
         messages, prompt = [], _prompt(body.get("prompt"))
     sampling = SamplingParams(

@@ -558,16 +558,37 @@ class FakeContext:
         self.addresses[name] = int(memory)
         return True
 
+    def get_tensor_shape(self, name: str) -> tuple[int, ...]:
+        """Inputs as set; outputs as built, a dynamic leading dim taken from the first input (encoder engines)."""
+        if name in self.engine.spec["inputs"]:
+            return self.shapes[name]
+        first = self.shapes[next(iter(self.engine.spec["inputs"]))]
+        shape = self.engine.spec["outputs"][name][1]
+        return tuple(first[0] if i == 0 and d == -1 else d for i, d in enumerate(shape))
+
     def execute_async_v3(self, stream_handle: int) -> bool:
         inputs = self.engine.spec["inputs"]
         missing = [n for n in self.engine.names if n not in self.addresses] + \
                   [n for n in inputs if n not in self.shapes]
         if missing:
             raise RuntimeError(f"unbound tensors: {missing}")
+        if "kv_page_table" not in inputs:
+            return self._encoder_kernel()
         read = {n: self._read(n) for n in ("context_lengths", "kvcache_start_index", "kv_page_table")}
         self.engine.recorder.calls.append({"profile": self.profile, "shapes": dict(self.shapes),
                                            "addresses": dict(self.addresses), **read})
         self._mark_new_tokens(read)
+        return True
+
+    def _encoder_kernel(self) -> bool:
+        """An encoder engine: record the inputs as uploaded; every output row of item i holds i + 1."""
+        read = {n: self._read(n) for n in self.engine.spec["inputs"]}
+        self.engine.recorder.calls.append({"profile": self.profile, "shapes": dict(self.shapes), "inputs": read})
+        for name in self.engine.spec["outputs"]:
+            shape = self.get_tensor_shape(name)
+            out = np.empty(shape, nptype(self.engine.get_tensor_dtype(name)))
+            out[...] = (np.arange(shape[0]) + 1).reshape(-1, *[1] * (len(shape) - 1))
+            ctypes.memmove(self.addresses[name], out.ctypes.data, out.nbytes)
         return True
 
     def _read(self, name: str) -> np.ndarray:

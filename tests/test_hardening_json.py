@@ -67,8 +67,9 @@ def test_server_body_duplicate_keys() -> None:
     from kvforge.server.protocol import ApiError
 
     class Body:
-        async def body(self) -> bytes:
-            return b'{"model": "m", "model": "n"}'
+        async def stream(self):  # the body as it arrives (read with a size bound)
+            yield b'{"model": "m", '
+            yield b'"model": "n"}'
 
     import asyncio
 

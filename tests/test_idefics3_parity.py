@@ -118,6 +118,7 @@ def test_idefics3_image_file_to_logits_matches_transformers(tmp_path: Path, prep
     engine = Engine(tmp_path / "engine", EngineConfig(num_threads=2, multimodal_engine_dir=str(tmp_path / "visual")))
     capture = engine.model_runner = _CapturingRunner(engine.model_runner)
     request_file = parse_request_file({"apply_chat_template": False, "top_k": 1, "max_generate_length": 1,
+                                       "parse_special_tokens": True,  # the text parts are raw template markup
                                        "requests": [{"messages": [{"role": "user", "content": [
                                            {"type": "text", "text": PROMPT_BEFORE},
                                            {"type": "image", "image": image.name},

@@ -259,7 +259,8 @@ def test_bad_media_input_names_the_item(dirs, tmp_path: Path) -> None:
                            ("pic.ico", "unsupported image format ICO")):
         data = {"requests": [image_request(good, tmp_path / name)]}
         expect(engine, data, item, fragment)
-    text_with_placeholder = {"requests": [image_request(good, question="and <image> here")]}
+    # `<image>` typed as text is plain text (tests/test_media_prompt_text.py); opting into special tokens refuses it
+    text_with_placeholder = {"requests": [image_request(good, question="and <image> here", parse_special_tokens=True)]}
     expect(engine, text_with_placeholder, "requests[0].messages", "contains the placeholder")
     too_many = {"requests": [image_request(*[good] * 14)]}  # 14 × 19 tokens > maxInputLen 256
     expect(engine, too_many, "requests[0].messages[0].content[13]", "maxInputLen 256")

@@ -113,6 +113,7 @@ def test_qwen2_audio_file_to_logits_matches_transformers(tmp_path: Path) -> None
 
     engine.model_runner = Capture()
     request_file = parse_request_file({"apply_chat_template": False, "top_k": 1, "max_generate_length": 1,
+                                       "parse_special_tokens": True,  # the text parts are raw template markup
                                        "requests": [{"messages": [{"role": "user", "content": [
                                            {"type": "text", "text": BEFORE + "<|audio_bos|>"},
                                            {"type": "audio", "audio": audio.name},

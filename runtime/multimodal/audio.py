@@ -14,6 +14,10 @@ SAMPLE_RATE = 16000
 N_FFT, HOP = 400, 160
 SUPPORTED_AUDIO = (".wav", ".mp3", ".flac")
 MEL_SUFFIX = ".safetensors"  # precomputed features: the seed's mel path
+# Inline audio (llm_serve) is decoded in chunks and refused past this: 10 minutes of 16 kHz float32 is 38 MB,
+# however well the sender's format compresses (the encoder keeps only its 30 s window anyway).
+MAX_INLINE_AUDIO_SECONDS = 600
+DECODE_CHUNK_FRAMES = 16384
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +80,29 @@ def decode_audio(path: Path, where: str) -> DecodedAudio:
     return DecodedAudio(pcm, media_digest(pcm))
 
 
+def decode_audio_bytes(data: bytes, where: str, max_seconds: int = MAX_INLINE_AUDIO_SECONDS) -> DecodedAudio:
+    """decode_audio for bytes sent inline (WAV, MP3 or FLAC, told apart by miniaudio from their headers), read
+    chunk by chunk so a long recording is refused before it is all in memory. Samples equal decode_audio's, so
+    the same sound sent inline or by path has one identity."""
+    import miniaudio
+
+    limit = max_seconds * SAMPLE_RATE
+    chunks, total = [], 0
+    try:
+        for chunk in miniaudio.stream_memory(data, output_format=miniaudio.SampleFormat.FLOAT32, nchannels=1,
+                                             sample_rate=SAMPLE_RATE, frames_to_read=DECODE_CHUNK_FRAMES):
+            chunks.append(np.frombuffer(chunk, dtype=np.float32).copy())
+            total += len(chunks[-1])
+            if total > limit:
+                raise KvforgeError(f"the audio is longer than the {max_seconds} s this server decodes", where)
+    except miniaudio.DecodeError as exc:
+        raise KvforgeError(f"cannot decode the audio (WAV, MP3 or FLAC): {exc}", where) from None
+    pcm = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
+    if pcm.size == 0:
+        raise KvforgeError("the audio holds no samples", where)
+    return DecodedAudio(pcm, media_digest(pcm))
+
+
 def mel_filter_bank(num_mels: int, sampling_rate: int = SAMPLE_RATE, n_fft: int = N_FFT) -> np.ndarray:
     """[n_fft/2 + 1, num_mels] triangular filters on the Slaney mel scale with Slaney area normalisation,
     0-8 kHz (the filters WhisperFeatureExtractor uses)."""
@@ -125,12 +152,11 @@ class AudioEncoder:
     stage = "audio_encoder"
 
     def __init__(self, engine_dir: Path, config, num_threads: int = 0) -> None:  # config: AudioEncoderConfig
-        from kvforge.contract.multimodal import AUDIO_ENGINE_FILE
-        from kvforge.runtime.multimodal.visual import _check_engine_dir, _session
+        from kvforge.contract.multimodal import AUDIO_ENGINE_FILE, AUDIO_TRT_ENGINE_FILE
+        from kvforge.runtime.multimodal.visual import encoder_session
 
-        _check_engine_dir(engine_dir, config, AUDIO_ENGINE_FILE)
         self.config = config
-        self.session = _session(engine_dir / AUDIO_ENGINE_FILE, num_threads)
+        self.session = encoder_session(engine_dir, config, AUDIO_ENGINE_FILE, AUDIO_TRT_ENGINE_FILE, num_threads)
 
     @property
     def token_id(self) -> int:
@@ -147,7 +173,10 @@ class AudioEncoder:
     def placeholder_text(self, rows: int) -> str:
         return self.config.audio_token * rows
 
-    def decode(self, path: Path, where: str) -> DecodedAudio | MelFeatures:
+    def decode(self, source: Path | bytes, where: str) -> DecodedAudio | MelFeatures:
+        if isinstance(source, bytes):
+            return decode_audio_bytes(source, where)
+        path = source
         if path.suffix.lower() == MEL_SUFFIX:
             return load_mel(path, self.config.num_mel_bins, self.config.num_frames, where)
         return decode_audio(path, where)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import math
 import struct
 from dataclasses import dataclass
@@ -37,22 +38,33 @@ def media_digest(array: np.ndarray) -> bytes:
     return h.digest()
 
 
-def decode_image(path: Path, where: str) -> DecodedImage:
-    """Pillow decode to RGB (transparent pixels composited onto white, as transformers' convert_to_rgb does)."""
-    if not path.is_file():
-        raise KvforgeError(f"image file not found: {path}", where)
+# Images are bounded before their pixels are decoded: 40 Mpx is 120 MB of RGB, and a small compressed file cannot
+# claim more (Pillow's own decompression-bomb limit is 2 x 89 Mpx, an error past it).
+MAX_IMAGE_PIXELS = 40_000_000
+
+
+def decode_image(source: Path | bytes, where: str) -> DecodedImage:
+    """Pillow decode to RGB (transparent pixels composited onto white, as transformers' convert_to_rgb does) of a
+    file or of bytes sent inline (llm_serve): the same formats, bounds and identity, so an image sent inline and
+    the same file given by path share their encoder-cache entry and page keys."""
+    name = str(source) if isinstance(source, Path) else "the data"
+    if isinstance(source, Path) and not source.is_file():
+        raise KvforgeError(f"image file not found: {source}", where)
     try:
-        with Image.open(path) as image:
+        with Image.open(source if isinstance(source, Path) else io.BytesIO(source)) as image:
             if image.format not in SUPPORTED_FORMATS:
-                raise KvforgeError(f"unsupported image format {image.format} in {path}; supported: "
+                raise KvforgeError(f"unsupported image format {image.format} in {name}; supported: "
                                    f"{', '.join(SUPPORTED_FORMATS)}", where)
+            if image.width * image.height > MAX_IMAGE_PIXELS:
+                raise KvforgeError(f"the image is {image.width}x{image.height} pixels, more than the "
+                                   f"{MAX_IMAGE_PIXELS:,} kvforge decodes", where)
             image.load()
             rgb = _to_rgb(image)
     except UnidentifiedImageError:
-        raise KvforgeError(f"{path} is not an image Pillow can decode (supported: "
+        raise KvforgeError(f"{name} is not an image Pillow can decode (supported: "
                            f"{', '.join(SUPPORTED_FORMATS)})", where) from None
-    except (OSError, SyntaxError, ValueError) as exc:  # truncated or corrupt data
-        raise KvforgeError(f"cannot decode image {path}: {exc}", where) from None
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:  # truncated or corrupt data
+        raise KvforgeError(f"cannot decode image {name}: {exc}", where) from None
     pixels = np.asarray(rgb, dtype=np.uint8)
     return DecodedImage(pixels, media_digest(pixels))
 

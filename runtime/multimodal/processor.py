@@ -75,22 +75,24 @@ class MultimodalProcessor:
                                    f"{self.encoder.kind} one", f"{ref.where}.type")
 
     def tokenize(self, text: str, media: list[MediaRef], base_dir: Path | None, max_input_len: int,
-                 where: str) -> tuple[list[int], tuple[MediaSpan, ...]]:
+                 where: str, plain_texts: list[str] | None = None) -> tuple[list[int], tuple[MediaSpan, ...]]:
         """Token ids of a rendered prompt whose media sentinels become placeholder spans, and those spans with
-        their embeddings. Every error is one line naming the media item (or `where` for the prompt)."""
+        their embeddings. Every error is one line naming the media item (or `where` for the prompt).
+        `plain_texts`: the messages' text parts, tokenized as plain text (None: special-token text is parsed)."""
         segments = text.split(MEDIA_SENTINEL)
         if len(segments) - 1 != len(media):
             raise KvforgeError(f"the chat template kept {len(segments) - 1} of the request's {len(media)} media "
                                "items (it dropped a message holding one)", where)
-        ids = self.tokenizer.encode(segments[0])
+        pieces = self.tokenizer.encode_chat_segments(segments, plain_texts, where)
+        ids = pieces[0]
         placed = []
         self.check_kinds(media)
-        for ref, segment in zip(media, segments[1:], strict=True):
-            item = self.encoder.decode(_resolve(ref.path, base_dir), f"{ref.where}.{ref.kind}")
+        for ref, segment_ids in zip(media, pieces[1:], strict=True):
+            item = self.encoder.decode(media_source(ref, base_dir), ref.media_field)
             rows = self.encoder.rows(item)
             if rows < 1:
                 raise KvforgeError(f"this {ref.kind} is too short to give the encoder a single output row",
-                                   f"{ref.where}.{ref.kind}")
+                                   ref.media_field)
             expansion, positions = self.expansion(self.encoder.layout(item))
             if len(positions) != rows:
                 raise InvalidConfig(f"the text engine's tokenizer turns {len(positions)} of this {ref.kind}'s "
@@ -102,7 +104,7 @@ class MultimodalProcessor:
                 raise KvforgeError(f"this {ref.kind} brings the prompt to at least {len(ids)} tokens, more than the "
                                    f"engine's maxInputLen {max_input_len} (it takes {len(expansion)}); send fewer "
                                    "media items or rebuild with a larger --maxInputLen", ref.where)
-            ids += self.tokenizer.tokenizer.encode(segment, add_special_tokens=False).ids
+            ids += segment_ids
             placed.append((start, positions, item))
         if ids.count(self.encoder.token_id) != sum(len(positions) for _, positions, _ in placed):
             raise KvforgeError(f"the prompt text contains the placeholder {self.encoder.marker!r}; send media as "
@@ -164,6 +166,11 @@ def _media_span(start: int, positions: np.ndarray, digest: bytes, rows: np.ndarr
     offsets = positions - positions[0]
     contiguous = int(offsets[-1]) + 1 == len(offsets)
     return MediaSpan(MediaKey(start, int(offsets[-1]) + 1, digest), rows, None if contiguous else offsets)
+
+
+def media_source(ref: MediaRef, base_dir: Path | None) -> Path | bytes:
+    """What the encoder decodes: the bytes sent inline (llm_serve), else the item's file."""
+    return ref.data if ref.data is not None else _resolve(ref.path, base_dir)
 
 
 def _resolve(path: str, base_dir: Path | None) -> Path:

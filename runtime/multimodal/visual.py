@@ -22,6 +22,7 @@ from kvforge.contract.multimodal import (
     ENCODER_OUTPUT,
     VISUAL,
     VISUAL_ENGINE_FILE,
+    VISUAL_TRT_ENGINE_FILE,
     AudioEncoderConfig,
     EncoderConfig,
 )
@@ -43,6 +44,18 @@ def _session(path: Path, num_threads: int) -> ort.InferenceSession:
     return make_session(str(path), num_threads, field=FIELD)
 
 
+def encoder_session(engine_dir: Path, config: Any, onnx_file: str, trt_file: str, num_threads: int):
+    """The engine dir's encoder behind onnxruntime's `run(outputs, feeds)`: an ONNX Runtime session, or for
+    backend tensorrt a TensorRT engine (needs the tensorrt extra; one-line error without it)."""
+    if config.backend == "tensorrt":
+        _check_engine_dir(engine_dir, config, trt_file)
+        from kvforge.runtime.trt_runner import TrtEncoderSession  # imports tensorrt through the single guard
+
+        return TrtEncoderSession(engine_dir / trt_file, FIELD)
+    _check_engine_dir(engine_dir, config, onnx_file)
+    return _session(engine_dir / onnx_file, num_threads)
+
+
 def _check_engine_dir(engine_dir: Path, config: Any, file: str) -> None:
     if not config.backend:
         raise InvalidConfig(f"{engine_dir} is an encoder ONNX dir, not an engine dir; build it with llm_build", FIELD)
@@ -57,9 +70,8 @@ class VisualEncoder:
     stage = "vision_encoder"
 
     def __init__(self, engine_dir: Path, config: EncoderConfig, num_threads: int = 0) -> None:
-        _check_engine_dir(engine_dir, config, VISUAL_ENGINE_FILE)
         self.config = config
-        self.session = _session(engine_dir / VISUAL_ENGINE_FILE, num_threads)
+        self.session = encoder_session(engine_dir, config, VISUAL_ENGINE_FILE, VISUAL_TRT_ENGINE_FILE, num_threads)
 
     @property
     def token_id(self) -> int:
@@ -69,8 +81,8 @@ class VisualEncoder:
     def marker(self) -> str:
         return self.config.image_token
 
-    def decode(self, path: Path, where: str) -> DecodedImage:
-        return decode_image(path, where)
+    def decode(self, source: Path | bytes, where: str) -> DecodedImage:
+        return decode_image(source, where)
 
     def layout(self, item: DecodedImage) -> TileGrid:
         """What the image's placeholder text depends on: its tile grid (from the decoded shape alone)."""
