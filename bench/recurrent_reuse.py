@@ -24,6 +24,8 @@ from typing import Any
 
 from _common import Progress, bench_parser, build_and_open, fit_document, median, write_json
 from context_reuse import Bench, make_request
+from partial_reuse import QUESTIONS as CHAT  # the same 8-turn chat over the document
+from partial_reuse import SYSTEM
 
 from kvforge.builder.build import BuildOptions
 from kvforge.contract.engine_dir import load_engine_dir
@@ -33,18 +35,7 @@ from kvforge.runtime.engine import Engine
 DOCUMENT_TOKENS = 1550
 MAX_GENERATE = 16
 SNAPSHOT_SLOTS = 64
-SYSTEM = "You answer questions about the report the user shares. Be brief and factual."
-CHAT = [
-    "Here is a report.\n\n{document}\n\nWhat does the report describe, in one sentence?",
-    "How many turbines does the array have?",
-    "Why was the Harbor Point channel chosen?",
-    "What went wrong with availability?",
-    "How were the frames installed?",
-    "What did the environmental monitoring find?",
-    "What did the project cost?",
-    "Which recommendation matters most?",
-]
-QUESTIONS = ["Who operates the array?", "When did construction start?", "What limits the output?",
+DOCUMENT_QUESTIONS = ["Who operates the array?", "When did construction start?", "What limits the output?",
              "What should be done next?"]
 
 
@@ -69,48 +60,47 @@ def open_engines(onnx_dir: Path, engine_dir: Path, threads: int) -> dict[str, En
                                        snapshot_message_boundaries=False, **budgets)}
 
 
+def measure(boundaries: Bench, endpoint: Bench, messages: list[dict[str, str]], salt: str,
+            samples: dict[str, list[float]], checks: list[str], label: str) -> dict[str, Any]:
+    """One request on the boundaries and endpoint engines (warm) and cold (lookup bypass); TTFTs into samples."""
+    request = make_request(boundaries.engine, messages, max_generate_length=MAX_GENERATE, chat=True, salt=salt)
+    runs = {"boundaries": boundaries.run(request, reuse=True), "endpoint": endpoint.run(request, reuse=True),
+            "cold": boundaries.run(request, reuse=False)}
+    if len({tuple(run.token_ids) for run in runs.values()}) != 1:
+        checks.append(f"{label} ({salt}): answers differ between warm and cold")
+    for name, run in runs.items():
+        samples[name].append(run.ttft_ms)
+    return {"prompt_tokens": len(request.prompt_ids), **runs}
+
+
+def hit_rates(runs: dict[str, Any]) -> dict[str, Any]:
+    prompt = runs["prompt_tokens"]
+    return {"prompt_tokens": prompt, **{f"cached_{name}": runs[name].cached_tokens for name in ("boundaries",
+                                                                                              "endpoint")},
+            **{f"hit_rate_{name}": runs[name].cached_tokens / prompt for name in ("boundaries", "endpoint")}}
+
+
 def chat(engines: dict[str, Engine], document: str, salt: str, samples: list[dict[str, list[float]]],
          info: list[dict[str, Any]], checks: list[str]) -> None:
     boundaries, endpoint = Bench(engines["boundaries"]), Bench(engines["endpoint"])
     messages = [{"role": "system", "content": SYSTEM}]
     for turn, question in enumerate(CHAT):
         messages.append({"role": "user", "content": question.format(document=document)})
-        request = make_request(boundaries.engine, messages, max_generate_length=MAX_GENERATE, chat=True, salt=salt)
-        runs = {"boundaries": boundaries.run(request, reuse=True), "endpoint": endpoint.run(request, reuse=True),
-                "cold": boundaries.run(request, reuse=False)}
-        if len({tuple(run.token_ids) for run in runs.values()}) != 1:
-            checks.append(f"chat turn {turn + 1} ({salt}): answers differ between warm and cold")
-        for name, run in runs.items():
-            samples[turn][name].append(run.ttft_ms)
-        prompt = len(request.prompt_ids)
-        info[turn] = {"turn": turn + 1, "prompt_tokens": prompt,
-                      "cached_boundaries": runs["boundaries"].cached_tokens,
-                      "cached_endpoint": runs["endpoint"].cached_tokens,
-                      "hit_rate_boundaries": runs["boundaries"].cached_tokens / prompt,
-                      "hit_rate_endpoint": runs["endpoint"].cached_tokens / prompt}
+        runs = measure(boundaries, endpoint, messages, salt, samples[turn], checks, f"chat turn {turn + 1}")
+        info[turn] = {"turn": turn + 1, **hit_rates(runs)}
         messages.append({"role": "assistant", "content": runs["boundaries"].output.text})
 
 
 def shared_document(engines: dict[str, Engine], document: str, salt: str, samples: list[dict[str, list[float]]],
                     info: list[dict[str, Any]], checks: list[str]) -> None:
     boundaries, endpoint = Bench(engines["boundaries"]), Bench(engines["endpoint"])
-    for i, question in enumerate(QUESTIONS):
+    for i, question in enumerate(DOCUMENT_QUESTIONS):
         messages = [{"role": "system", "content": SYSTEM},
                     {"role": "user", "content": f"Here is a report.\n\n{document}"},
                     {"role": "assistant", "content": "I have read the report."},
                     {"role": "user", "content": question}]
-        request = make_request(boundaries.engine, messages, max_generate_length=MAX_GENERATE, chat=True, salt=salt)
-        runs = {"boundaries": boundaries.run(request, reuse=True), "endpoint": endpoint.run(request, reuse=True),
-                "cold": boundaries.run(request, reuse=False)}
-        if len({tuple(run.token_ids) for run in runs.values()}) != 1:
-            checks.append(f"document question {i + 1} ({salt}): answers differ between warm and cold")
-        for name, run in runs.items():
-            samples[i][name].append(run.ttft_ms)
-        prompt = len(request.prompt_ids)
-        info[i] = {"question": i + 1, "prompt_tokens": prompt, "cached_boundaries": runs["boundaries"].cached_tokens,
-                   "cached_endpoint": runs["endpoint"].cached_tokens,
-                   "hit_rate_boundaries": runs["boundaries"].cached_tokens / prompt,
-                   "hit_rate_endpoint": runs["endpoint"].cached_tokens / prompt}
+        runs = measure(boundaries, endpoint, messages, salt, samples[i], checks, f"document question {i + 1}")
+        info[i] = {"question": i + 1, **hit_rates(runs)}
 
 
 def rows_of(samples: list[dict[str, list[float]]], info: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -167,8 +157,8 @@ def main() -> None:
     checks: list[str] = []
     chat_samples = [{"boundaries": [], "endpoint": [], "cold": []} for _ in CHAT]
     chat_info: list[dict[str, Any]] = [{} for _ in CHAT]
-    doc_samples = [{"boundaries": [], "endpoint": [], "cold": []} for _ in QUESTIONS]
-    doc_info: list[dict[str, Any]] = [{} for _ in QUESTIONS]
+    doc_samples = [{"boundaries": [], "endpoint": [], "cold": []} for _ in DOCUMENT_QUESTIONS]
+    doc_info: list[dict[str, Any]] = [{} for _ in DOCUMENT_QUESTIONS]
     retained: dict[str, Any] = {}
     for r in range(args.repeats):
         chat(engines, document, f"chat-{r}", chat_samples, chat_info, checks)

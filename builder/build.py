@@ -167,17 +167,21 @@ def _build_recurrent(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geom
     if options.max_kv_pool_pages:
         raise InvalidConfig(f"{config.model} has no attention layers, so no KV pages to retain; use 0",
                             "max_kv_pool_pages")
-    if backend != "onnxruntime":
-        raise InvalidConfig(f"{config.model} builds for onnxruntime only (no TensorRT plugin for the recurrent ops "
-                            "yet)", "backend")
-    if options.max_lora_rank:
-        raise InvalidConfig(f"{config.model} exports have no LoRA inputs; use 0", "max_lora_rank")
+    _check_recurrent_build(config, backend, options)
     model = load_model(onnx_dir, config, 0)
     step("loaded model.onnx")
     lowered = lower_recurrent_ops(model)
     step("lowered recurrent ops")
     _save(lowered, engine_dir)
     write_engine_config(onnx_dir, engine_dir, config, BuilderConfig.from_geometry(geometry, backend, 0, config))
+
+
+def _check_recurrent_build(config: ModelConfig, backend: str, options: BuildOptions) -> None:
+    if backend != "onnxruntime":
+        raise InvalidConfig(f"{config.model} builds for onnxruntime only (no TensorRT plugin for the recurrent ops "
+                            "yet)", "backend")
+    if options.max_lora_rank:
+        raise InvalidConfig(f"{config.model} exports have no LoRA inputs; use 0", "max_lora_rank")
 
 
 def _build_hybrid(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometry: PageGeometry, backend: str,
@@ -188,11 +192,7 @@ def _build_hybrid(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometr
     The seed's gate on extra retained pages lets them through: the engine has KV inputs and no speculative
     decoding, so --maxKVPoolPages above a full batch's pages is allowed as for an attention model.
     """
-    if backend != "onnxruntime":
-        raise InvalidConfig(f"{config.model} builds for onnxruntime only (no TensorRT plugin for the recurrent ops "
-                            "yet)", "backend")
-    if options.max_lora_rank:
-        raise InvalidConfig(f"{config.model} exports have no LoRA inputs; use 0", "max_lora_rank")
+    _check_recurrent_build(config, backend, options)
     model = load_model(onnx_dir, config, 0)
     step("loaded model.onnx")
     lowered = lower_recurrent_ops(lower_for_onnxruntime(model, kv_cache_dtype=config.kv_cache_dtype,
