@@ -139,8 +139,12 @@ def retained_bytes(engine: Engine) -> dict[str, Any]:
     longest = max((len(r.token_ids) for r in engine.cache.records.least_recent_first()), default=0)
     dense_kv = 2 * model.num_hidden_layers * model.hidden_size * 2
     own_kv = page // build.tokens_per_page if page else 0
+    # One checkpoint of the whole conversation: its recurrent slot, its partial page and its full pages.
+    one = build.recurrent_snapshot_bytes_per_slot + (build.partial_kv_snapshot_bytes_per_slot if page else 0) \
+        + own_kv * longest
     return {"bytes_held": held, "longest_record_tokens": longest, "records": len(engine.cache.records),
-            "used_slots": used, "bytes_per_cached_token": held / longest if longest else None,
+            "used_slots": used, "bytes_held_per_cached_token": held / longest if longest else None,
+            "one_checkpoint_bytes_per_token": one / longest if longest else None,
             "attention_kv_bytes_per_token_same_shape": dense_kv, "own_kv_bytes_per_token": own_kv,
             "recurrent_snapshot_bytes_per_slot": build.recurrent_snapshot_bytes_per_slot}
 
@@ -169,10 +173,12 @@ def main() -> None:
     chat_rows, doc_rows = rows_of(chat_samples, chat_info), rows_of(doc_samples, doc_info)
     print_rows("8-turn chat over the document (TTFT, hit rate = cached / prompt tokens)", "turn", chat_rows)
     print_rows("one document, four questions in separate conversations", "question", doc_rows)
-    print(f"\nretained after one chat: {retained['bytes_held']:,} bytes for {retained['records']} records, longest "
-          f"{retained['longest_record_tokens']} tokens -> {retained['bytes_per_cached_token'] or 0:,.0f} bytes per "
-          f"cached token (an attention model of the same shape: {retained['attention_kv_bytes_per_token_same_shape']:,}"
-          f" bytes of fp16 K/V per token; this model's own attention layers: {retained['own_kv_bytes_per_token']:,})")
+    print(f"\nretained after one chat: {retained['bytes_held']:,} bytes for {retained['records']} records (every "
+          f"boundary and endpoint checkpoint), longest {retained['longest_record_tokens']} tokens -> "
+          f"{retained['bytes_held_per_cached_token'] or 0:,.0f} bytes per cached token; one checkpoint of the whole "
+          f"conversation: {retained['one_checkpoint_bytes_per_token'] or 0:,.0f} bytes per token. An attention model "
+          f"of the same depth and width keeps {retained['attention_kv_bytes_per_token_same_shape']:,} bytes of fp16 "
+          f"K/V per token (this model's own attention layers: {retained['own_kv_bytes_per_token']:,})")
     for problem in checks:
         print(f"CHECK FAILED: {problem}")
     write_json(args.json, {"document_tokens": doc_tokens, "deployment": engines["boundaries"].deployment.name,

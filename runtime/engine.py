@@ -177,7 +177,8 @@ class Engine:
         interval = self.config.snapshot_interval_tokens
         # The prompt's end too: a recompute after preemption (prompt + output in one go) must stop there, or the
         # prompt's checkpoint would capture the state after some generated tokens.
-        positions = {*request.message_boundaries, len(request.prompt_ids)}
+        positions = {*(request.message_boundaries if self.config.snapshot_message_boundaries else ()),
+                     len(request.prompt_ids)}
         if interval:
             positions.update(range(interval, len(request.prompt_ids), interval))
         return tuple(sorted(p for p in positions if 0 < p <= len(request.prompt_ids)))
