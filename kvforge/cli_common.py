@@ -120,3 +120,44 @@ def progress_bar(description: str, total: int | None) -> Iterator[Callable[[str]
 
         yield step
         progress.update(task, completed=total or 0)
+
+
+# --- snapshot pool options: llm_inference and llm_serve declare them alike --------------------------------------
+
+SNAPSHOT_FLAGS = ("--contextCachePartialKVSnapshotPoolBytes", "--contextCacheRecurrentSnapshotPoolBytes",
+                  "--snapshotIntervalTokens")
+
+
+def partial_kv_snapshot_option() -> typer.models.OptionInfo:
+    return typer.Option(0, SNAPSHOT_FLAGS[0], help=(
+        "Bytes for partial-KV snapshots (llm_build prints the bytes per slot): records whose length is not "
+        "page-aligned keep their tail page, so later prompts extending them reuse up to the exact token. Needs "
+        "--enableContextReuse; 0 = off (reuse stops at the last whole page). Hybrid engines with reuse need at "
+        "least one slot."))
+
+
+def recurrent_snapshot_option() -> typer.models.OptionInfo:
+    return typer.Option(0, SNAPSHOT_FLAGS[1], help=(
+        "Bytes for recurrent snapshots (llm_build prints the bytes per slot): exact checkpoints of a recurrent or "
+        "hybrid model's state, the only thing such models can reuse. Needs --enableContextReuse; required (at "
+        "least one slot) for recurrent and hybrid engines with reuse."))
+
+
+def message_boundaries_option() -> typer.models.OptionInfo:
+    return typer.Option(True, "--snapshotMessageBoundaries/--noSnapshotMessageBoundaries", help=(
+        "Recurrent/hybrid engines: also capture a checkpoint where each earlier chat message ends, so a shared "
+        "system prompt or document hits although requests diverge after it (default on)."))
+
+
+def snapshot_interval_option() -> typer.models.OptionInfo:
+    return typer.Option(0, SNAPSHOT_FLAGS[2], help=(
+        "Recurrent/hybrid engines: also capture a checkpoint every N prompt tokens (within the snapshot budget; "
+        "least recently used checkpoints are evicted). 0 = off."))
+
+
+def check_snapshot_flags(enable_context_reuse: bool, *values: int) -> None:
+    """Each snapshot flag given (in SNAPSHOT_FLAGS order) needs --enableContextReuse."""
+    for flag, value in zip(SNAPSHOT_FLAGS, values, strict=True):
+        if value and not enable_context_reuse:
+            raise KvforgeError("requires --enableContextReuse", flag)
+

@@ -9,7 +9,17 @@ from pathlib import Path
 
 import typer
 
-from kvforge.cli_common import ENGINE_FLAGS, console, run_app, run_guarded
+from kvforge.cli_common import (
+    ENGINE_FLAGS,
+    check_snapshot_flags,
+    console,
+    message_boundaries_option,
+    partial_kv_snapshot_option,
+    recurrent_snapshot_option,
+    run_app,
+    run_guarded,
+    snapshot_interval_option,
+)
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.files import check_distinct, check_output_file
 from kvforge.runtime.profile import format_summary, write_profile
@@ -54,25 +64,10 @@ def inference(
                                                 "run in chunks (faster on the CPU). 0 = one call per prompt."),
     context_cache_max_records: int = typer.Option(1024, "--contextCacheMaxRecords",
                                                   help="Max retained cache records (0 = publish then evict at once)."),
-    partial_kv_snapshot_pool_bytes: int = typer.Option(
-        0, "--contextCachePartialKVSnapshotPoolBytes",
-        help="Bytes for partial-KV snapshots (llm_build prints the bytes per slot): records whose length is not "
-             "page-aligned keep their tail page, so later prompts extending them reuse up to the exact token. "
-             "Needs --enableContextReuse; 0 = off (reuse stops at the last whole page). Hybrid engines with reuse "
-             "need at least one slot."),
-    recurrent_snapshot_pool_bytes: int = typer.Option(
-        0, "--contextCacheRecurrentSnapshotPoolBytes",
-        help="Bytes for recurrent snapshots (llm_build prints the bytes per slot): exact checkpoints of a recurrent "
-             "or hybrid model's state, the only thing such models can reuse. Needs --enableContextReuse; required "
-             "(at least one slot) for recurrent and hybrid engines with reuse."),
-    snapshot_message_boundaries: bool = typer.Option(
-        True, "--snapshotMessageBoundaries/--noSnapshotMessageBoundaries",
-        help="Recurrent/hybrid engines: also capture a checkpoint where each earlier chat message ends, so a shared "
-             "system prompt or document hits although requests diverge after it (default on)."),
-    snapshot_interval_tokens: int = typer.Option(
-        0, "--snapshotIntervalTokens",
-        help="Recurrent/hybrid engines: also capture a checkpoint every N prompt tokens (within the snapshot "
-             "budget; least recently used checkpoints are evicted). 0 = off."),
+    partial_kv_snapshot_pool_bytes: int = partial_kv_snapshot_option(),
+    recurrent_snapshot_pool_bytes: int = recurrent_snapshot_option(),
+    snapshot_message_boundaries: bool = message_boundaries_option(),
+    snapshot_interval_tokens: int = snapshot_interval_option(),
     scheduling: str = typer.Option("static", "--scheduling",
                                    help="static: the file's batch_size batches in file order (the seed's semantics); "
                                         "continuous: every request to the scheduler at once, rows join and leave "
@@ -113,11 +108,8 @@ def inference(
         set_ort_logging(debug)
         if not 0 <= warmup <= MAX_WARMUP:
             raise KvforgeError(f"must be in [0, {MAX_WARMUP}], got {warmup}", "--warmup")
-        for flag, value in (("--contextCachePartialKVSnapshotPoolBytes", partial_kv_snapshot_pool_bytes),
-                            ("--contextCacheRecurrentSnapshotPoolBytes", recurrent_snapshot_pool_bytes),
-                            ("--snapshotIntervalTokens", snapshot_interval_tokens)):
-            if value and not enable_context_reuse:
-                raise KvforgeError("requires --enableContextReuse", flag)
+        check_snapshot_flags(enable_context_reuse, partial_kv_snapshot_pool_bytes, recurrent_snapshot_pool_bytes,
+                             snapshot_interval_tokens)
         if scheduling not in {s.value for s in Scheduling}:
             raise KvforgeError(f'must be "static" or "continuous", got {scheduling!r}', "--scheduling")
         # Every output is checked before any work: writable, and neither an input nor the other output.

@@ -9,7 +9,17 @@ from pathlib import Path
 
 import typer
 
-from kvforge.cli_common import ENGINE_FLAGS, console, run_app, run_guarded
+from kvforge.cli_common import (
+    ENGINE_FLAGS,
+    check_snapshot_flags,
+    console,
+    message_boundaries_option,
+    partial_kv_snapshot_option,
+    recurrent_snapshot_option,
+    run_app,
+    run_guarded,
+    snapshot_interval_option,
+)
 from kvforge.contract.errors import KvforgeError
 
 HELP = """
@@ -52,6 +62,10 @@ def serve(
                                               help="Reuse KV pages of repeated prefixes across requests."),
     context_cache_max_records: int = typer.Option(1024, "--contextCacheMaxRecords",
                                                   help="Max retained cache records (0 = publish then evict at once)."),
+    partial_kv_snapshot_pool_bytes: int = partial_kv_snapshot_option(),
+    recurrent_snapshot_pool_bytes: int = recurrent_snapshot_option(),
+    snapshot_message_boundaries: bool = message_boundaries_option(),
+    snapshot_interval_tokens: int = snapshot_interval_option(),
     prefill_chunk_size: int = typer.Option(512, "--prefillChunkSize",
                                            help="Max prompt tokens per row in one prefill call; 0 = one call."),
     max_num_tokens: int = typer.Option(0, "--maxNumTokens",
@@ -90,6 +104,8 @@ def serve(
             raise KvforgeError(f"must be >= 0, got {shutdown_timeout}", "--shutdownTimeout")
         from kvforge.server.media import media_policy
 
+        check_snapshot_flags(enable_context_reuse, partial_kv_snapshot_pool_bytes, recurrent_snapshot_pool_bytes,
+                             snapshot_interval_tokens)
         media = media_policy(allowed_media_dir)
         adapters = parse_lora_flags(lora_weights)
         tenants = load_tenants(api_keys, salt_secret)
@@ -100,7 +116,13 @@ def serve(
                                                  prefill_chunk_size=prefill_chunk_size, max_num_tokens=max_num_tokens,
                                                  multimodal_engine_dir=str(multimodal_engine_dir)
                                                  if multimodal_engine_dir else None,
-                                                 encoder_cache_budget_bytes=encoder_cache_budget_bytes))
+                                                 encoder_cache_budget_bytes=encoder_cache_budget_bytes,
+                                                 context_cache_partial_kv_snapshot_pool_bytes=(
+                                                     partial_kv_snapshot_pool_bytes),
+                                                 context_cache_recurrent_snapshot_pool_bytes=(
+                                                     recurrent_snapshot_pool_bytes),
+                                                 snapshot_message_boundaries=snapshot_message_boundaries,
+                                                 snapshot_interval_tokens=snapshot_interval_tokens))
         try:
             engine.load_adapters({name: str(path) for name, path in adapters.items()})
         except KvforgeError as exc:  # its field names the request file's available_lora_weights

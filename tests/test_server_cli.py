@@ -37,6 +37,10 @@ def one_line_error(result: subprocess.CompletedProcess[str], flag: str) -> None:
     (["--loraWeights", "a=/nowhere.safetensors"], "--loraWeights"),
     (["--port", "70000"], "--port"),
     (["--shutdownTimeout", "-2"], "--shutdownTimeout"),
+    (["--contextCacheRecurrentSnapshotPoolBytes", "1000000"], "--contextCacheRecurrentSnapshotPoolBytes"),
+    (["--contextCachePartialKVSnapshotPoolBytes", "1000000"], "--contextCachePartialKVSnapshotPoolBytes"),
+    (["--enableContextReuse", "--contextCacheRecurrentSnapshotPoolBytes", "1000000"],
+     "--contextCacheRecurrentSnapshotPoolBytes"),  # an attention-only engine has no recurrent state
 ])
 def test_bad_flags_are_one_line(engine_dir: Path, run_cli: Callable[..., Any], args: list[str], flag: str) -> None:
     one_line_error(run_cli(["llm_serve", "--engineDir", engine_dir, *args]), flag)
