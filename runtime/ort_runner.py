@@ -72,8 +72,9 @@ def check_graph_inputs(session: ort.InferenceSession, engine: EngineDir) -> None
     pools = sorted(name for name in inputs if name.startswith("past_key_values_"))
     attention = [f"past_key_values_{i}" for i in model.attention_layer_ids]
     if sorted(attention) != pools:
-        raise KvforgeError(f"config.json says {len(attention)} attention layers but the graph has {len(pools)} KV "
-                           "pool inputs; rebuild it with llm_build", "engine_dir")
+        raise KvforgeError(f"config.json says num_hidden_layers {model.num_hidden_layers} with {len(attention)} "
+                           f"attention layers, but the graph has {len(pools)} KV pool inputs; rebuild it with "
+                           "llm_build", "engine_dir")
     recurrent = model.num_hidden_layers - len(attention)
     states = [name for name in inputs if is_state_input(name)]
     if len(states) != 2 * recurrent:
