@@ -144,6 +144,7 @@ def test_synthetic_tiny_mamba2_exports_and_matches_transformers(tmp_path: Path) 
     write_onnx_dir(loaded, tmp_path / "onnx")
     written = json.loads((tmp_path / "onnx" / "config.json").read_text())
     assert written["model"] == "mamba2" and written["layer_types"] == ["mamba", "mamba"]
+    assert written.get("lora_targets", []) == []  # the graph has no LoRA inputs, whatever --loraTargets says
     hf = hf_twin(loaded.config)
     state = {("backbone.embeddings.weight" if k == "model.embed_tokens.weight" else k): torch.tensor(v)
              for k, v in loaded.weights.items()}

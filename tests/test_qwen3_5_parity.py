@@ -227,8 +227,13 @@ def test_vision_language_checkpoint_dir_exports_its_text_model(tmp_path: Path) -
     checkpoint = tmp_path / "hf"
     hf.save_pretrained(checkpoint, safe_serialization=True)
     byte_level_tokenizer().save(str(checkpoint / "tokenizer.json"))
+    saved = json.loads((checkpoint / "config.json").read_text())
+    saved.pop("eos_token_id", None)
+    saved["text_config"]["eos_token_id"] = 7  # kept with the text model only
+    (checkpoint / "config.json").write_text(json.dumps(saved))
     loaded = load_hf_dir(checkpoint, kv_cache_dtype="fp32")
     assert loaded.config.model == "qwen3_5" and not any("visual" in name for name in loaded.weights)
+    assert 7 in loaded.config.eos_token_ids
     write_onnx_dir(loaded, tmp_path / "onnx")
     config, session = exported(tmp_path / "onnx")
     run = Sequences(config, session, loaded.weights["model.embed_tokens.weight"], 1)

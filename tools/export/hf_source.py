@@ -103,7 +103,10 @@ def _config(hf: dict[str, Any], path: Path, kv_cache_dtype: str) -> ModelConfig:
     model_type = _model_type(hf)
     gen = _optional_json(path / "generation_config.json")
     # Chat checkpoints often list the end-of-turn token only in generation_config.json.
-    eos_ids = sorted(set(_token_ids(hf.get("eos_token_id")) + _token_ids(gen.get("eos_token_id"))))
+    # A vision-language dir (qwen3_5) may keep its text model's tokens in text_config only.
+    text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
+    eos_ids = sorted(set(_token_ids(hf.get("eos_token_id")) + _token_ids(gen.get("eos_token_id"))
+                         + _token_ids(text.get("eos_token_id"))))
     if model_type in _OWN_CONFIGS:
         common = dict(kv_cache_dtype=kv_cache_dtype, eos_token_ids=eos_ids, name=path.resolve().name,
                       bos_token_id=_first(hf.get("bos_token_id"), gen.get("bos_token_id")),

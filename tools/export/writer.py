@@ -39,11 +39,12 @@ def write_onnx_dir(loaded: LoadedModel, output_dir: Path,
 def _write_files(loaded: LoadedModel, output_dir: Path, progress: Callable[[str], None] | None) -> None:
     config = loaded.config
     step = progress or (lambda _msg: None)
+    if config.is_recurrent or config.is_hybrid:
+        # No LoRA inputs yet: --loraTargets defaults to all, so the config says what the graph really has.
+        config.lora_targets = []
     if config.is_recurrent:
         model = build_mamba2_graph(mamba2_source.geometry(config), loaded.weights)
     elif config.is_hybrid:
-        # No LoRA inputs yet: --loraTargets defaults to all, so the config says what the graph really has.
-        config.lora_targets = []
         model = build_qwen3_5_graph(config, loaded.weights,
                                     progress=lambda layer: step(f"layer {layer + 1}/{config.num_hidden_layers}"))
     else:
