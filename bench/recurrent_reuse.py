@@ -30,7 +30,7 @@ from partial_reuse import SYSTEM
 from kvforge.builder.build import BuildOptions
 from kvforge.contract.engine_dir import load_engine_dir
 from kvforge.contract.geometry import kv_bytes_per_page
-from kvforge.runtime.engine import Engine
+from kvforge.runtime.engine import Engine, snapshot_budgets
 
 DOCUMENT_TOKENS = 1550
 MAX_GENERATE = 16
@@ -50,11 +50,7 @@ def build_options(onnx_dir: Path) -> BuildOptions:
 def open_engines(onnx_dir: Path, engine_dir: Path, threads: int) -> dict[str, Engine]:
     options = build_options(onnx_dir)
     build_and_open(onnx_dir, engine_dir, options, threads)  # builds once
-    build = load_engine_dir(engine_dir).build
-    budgets = {"context_cache_recurrent_snapshot_pool_bytes": SNAPSHOT_SLOTS * build.recurrent_snapshot_bytes_per_slot}
-    if build.partial_kv_snapshot_bytes_per_slot:
-        budgets["context_cache_partial_kv_snapshot_pool_bytes"] = \
-            SNAPSHOT_SLOTS * build.partial_kv_snapshot_bytes_per_slot
+    budgets = snapshot_budgets(load_engine_dir(engine_dir), SNAPSHOT_SLOTS)
     return {"boundaries": build_and_open(onnx_dir, engine_dir, options, threads, reuse=True, **budgets),
             "endpoint": build_and_open(onnx_dir, engine_dir, options, threads, reuse=True,
                                        snapshot_message_boundaries=False, **budgets)}

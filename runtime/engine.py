@@ -326,6 +326,18 @@ class Engine:
         return {**data, **self.multimodal.profile()} if self.multimodal else data
 
 
+def snapshot_budgets(engine: EngineDir, slots: int, partial_kv: bool = False) -> dict[str, int]:
+    """EngineConfig's snapshot budgets for `slots` slots of each pool this engine needs with reuse on: recurrent and
+    hybrid engines both of theirs; an attention-only engine partial-KV snapshots only when asked (`partial_kv`)."""
+    build = engine.build
+    budgets = {}
+    if build.recurrent_snapshot_bytes_per_slot:
+        budgets["context_cache_recurrent_snapshot_pool_bytes"] = slots * build.recurrent_snapshot_bytes_per_slot
+    if build.partial_kv_snapshot_bytes_per_slot and (partial_kv or build.recurrent_snapshot_bytes_per_slot):
+        budgets["context_cache_partial_kv_snapshot_pool_bytes"] = slots * build.partial_kv_snapshot_bytes_per_slot
+    return budgets
+
+
 def deployment_of(model: ModelConfig) -> Deployment:
     """Attention layers only, recurrent layers only, or both (what the cache may reuse follows from it)."""
     attention = len(model.attention_layer_ids)

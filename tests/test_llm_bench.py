@@ -168,3 +168,23 @@ def test_a_peer_runs_on_the_smollm2_gguf(peer: str, tiny_onnx_dir: Path, tmp_pat
     assert entry["status"] == "ok", entry.get("reason")
     assert entry["metrics"]["cold_ttft_ms"] > 0 and entry["metrics"]["decode_tok_s"] > 0
     assert all(len(t["token_ids"]) == 4 for p in entry["workloads"]["document"] for t in p)
+
+
+def test_a_hybrid_engine_gets_the_snapshot_pools_it_needs(tmp_path: Path) -> None:
+    """Recurrent and hybrid engines reuse exact checkpoints only: with reuse on, llm_bench's kvforge driver gives
+    them their snapshot pools (an engine without them would refuse to start), and a repeated prompt hits."""
+    from kvforge.builder.build import BuildOptions, build_engine
+    from kvforge.tools.bench.worker import KvforgeDriver
+    from kvforge.tools.export.synthetic import synthetic_model
+    from kvforge.tools.export.writer import write_onnx_dir
+
+    write_onnx_dir(synthetic_model("tiny-qwen3_5"), tmp_path / "onnx")
+    build_engine(tmp_path / "onnx", tmp_path / "engine", BuildOptions(max_input_len=256, max_kv_cache_capacity=512,
+                                                                      max_batch_size=1, tokens_per_page=16))
+    driver = KvforgeDriver(tmp_path / "engine", threads=2, reuse=True)
+    driver.start_session("s")
+    prompt = list(range(10, 60))
+    first = list(driver.generate(prompt, 3))
+    assert len(first) == 3
+    list(driver.generate(prompt + [7, 8], 3))
+    assert driver.engine.profile()["prefill"]["reused_tokens"] >= len(prompt)

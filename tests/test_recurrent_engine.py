@@ -15,7 +15,7 @@ from engine_driver import make_engine, run_file, top1_ids
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.engine_dir import load_engine_dir
 from kvforge.contract.errors import InvalidConfig
-from kvforge.runtime.engine import MIN_BOUNDARY_GAP, Engine
+from kvforge.runtime.engine import MIN_BOUNDARY_GAP, Engine, snapshot_budgets
 from kvforge.runtime.ort_runner import OrtEngineRunner
 from kvforge.runtime.snapshots import RecurrentSnapshotStore
 from kvforge.runtime.types import SamplingParams
@@ -50,11 +50,7 @@ def is_hybrid(engine_dir: Path) -> bool:
 
 def budgets(engine_dir: Path, slots: int) -> dict[str, int]:
     """Both pools a deployment needs, `slots` each (plus a remainder that buys nothing)."""
-    build = load_engine_dir(engine_dir).build
-    given = {"context_cache_recurrent_snapshot_pool_bytes": slots * build.recurrent_snapshot_bytes_per_slot + 7}
-    if build.partial_kv_snapshot_bytes_per_slot:
-        given["context_cache_partial_kv_snapshot_pool_bytes"] = slots * build.partial_kv_snapshot_bytes_per_slot + 7
-    return given
+    return {field: value + 7 for field, value in snapshot_budgets(load_engine_dir(engine_dir), slots).items()}
 
 
 def warm_engine(engine_dir: Path, runner: OrtEngineRunner, slots: int = SLOTS, **config: object) -> Engine:

@@ -70,11 +70,17 @@ def peak_rss_bytes() -> int:
 # --- kvforge ---------------------------------------------------------------------------------------------
 
 
+SNAPSHOT_SLOTS = 64
+
+
 class KvforgeDriver:
     def __init__(self, path: Path, threads: int, reuse: bool) -> None:
-        from kvforge.runtime.engine import Engine, EngineConfig
+        from kvforge.contract.engine_dir import load_engine_dir
+        from kvforge.runtime.engine import Engine, EngineConfig, snapshot_budgets
 
-        self.engine = Engine(path, EngineConfig(num_threads=threads, enable_context_reuse=reuse))
+        # Recurrent and hybrid engines reuse exact checkpoints only: with reuse on they get the pools they need.
+        budgets = snapshot_budgets(load_engine_dir(path), SNAPSHOT_SLOTS) if reuse else {}
+        self.engine = Engine(path, EngineConfig(num_threads=threads, enable_context_reuse=reuse, **budgets))
         self.no_eos = {token: -1e9 for token in self.engine.engine.model.eos_token_ids}
         self.salt: str | None = None
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.contract.errors import KvforgeError
-from kvforge.runtime.engine import Engine, EngineConfig
+from kvforge.runtime.engine import Engine, EngineConfig, snapshot_budgets
 from kvforge.runtime.file_runner import Scheduling, prepare_requests, run_request_file
 from kvforge.runtime.runner import EngineRunner
 from kvforge.tools.export.synthetic import SYNTHETIC_MODELS
@@ -112,16 +112,11 @@ class CaseRunner:
 
         if not reuse:
             return {}
-        build = load_engine_dir(self.settings.engine_dir).build
-        recurrent = build.recurrent_snapshot_bytes_per_slot > 0
-        budgets = {}
-        if case.partial_kv_snapshots or (recurrent and build.partial_kv_snapshot_bytes_per_slot):
-            budgets["context_cache_partial_kv_snapshot_pool_bytes"] = self.settings.partial_kv_snapshot_pool_bytes \
-                or DEFAULT_SNAPSHOT_SLOTS * build.partial_kv_snapshot_bytes_per_slot
-        if recurrent:
-            budgets["context_cache_recurrent_snapshot_pool_bytes"] = self.settings.recurrent_snapshot_pool_bytes \
-                or DEFAULT_SNAPSHOT_SLOTS * build.recurrent_snapshot_bytes_per_slot
-        return budgets
+        budgets = snapshot_budgets(load_engine_dir(self.settings.engine_dir), DEFAULT_SNAPSHOT_SLOTS,
+                                   partial_kv=case.partial_kv_snapshots)
+        given = {"context_cache_partial_kv_snapshot_pool_bytes": self.settings.partial_kv_snapshot_pool_bytes,
+                 "context_cache_recurrent_snapshot_pool_bytes": self.settings.recurrent_snapshot_pool_bytes}
+        return {field: given[field] or value for field, value in budgets.items()}
 
     def _options(self, engine: Engine, reuse: bool) -> CheckOptions:
         model, build = engine.engine.model, engine.engine.build
