@@ -20,7 +20,8 @@ from kvforge.contract.model_config import ModelConfig
 from kvforge.contract.paging import pages_for
 from kvforge.contract.safetensors_map import map_tensor
 from kvforge.runtime.backends import load_runner
-from kvforge.runtime.context_cache.manager import DEFAULT_MAX_RECORDS, ContextCacheManager, Lease
+from kvforge.runtime.context_cache.lease import Lease
+from kvforge.runtime.context_cache.manager import DEFAULT_MAX_RECORDS, ContextCacheManager
 from kvforge.runtime.inputs import InputProcessor, check_prompt_length
 from kvforge.runtime.lora import LoraRegistry, lora_input_shapes
 from kvforge.runtime.model_runner import ModelRunner

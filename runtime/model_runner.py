@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvforge.runtime.context_cache.manager import Lease
+from kvforge.runtime.context_cache.lease import Lease
 from kvforge.runtime.lora import LoraAdapter, stack_adapters
 from kvforge.runtime.runner import EngineRunner, StepInputs
 from kvforge.runtime.scheduler import ScheduledRow

@@ -16,7 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvforge.contract.profile_schema import SCHEDULER_KEYS
-from kvforge.runtime.context_cache.manager import ContextCacheManager, Lease
+from kvforge.runtime.context_cache.lease import Lease
+from kvforge.runtime.context_cache.manager import ContextCacheManager
 from kvforge.runtime.sequence import Sequence, Status
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from kvforge.runtime.context_cache.keys import KeyExtras
-from kvforge.runtime.context_cache.manager import Admission, Lease
+from kvforge.runtime.context_cache.lease import Admission, Lease
 from kvforge.runtime.lora import LoraAdapter
 from kvforge.runtime.multimodal.spans import MediaSpan
 from kvforge.runtime.sampling import Sampler, SampleResult

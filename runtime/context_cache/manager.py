@@ -46,19 +46,20 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
 
 from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.paging import pages_for
+from kvforge.runtime.context_cache.audit import check_invariants
 from kvforge.runtime.context_cache.eviction import plan_eviction
 from kvforge.runtime.context_cache.index import PageIndex, page_token_bytes
 from kvforge.runtime.context_cache.keys import CHAIN_ROOT, KeyExtras, page_keys, tail_page_key
+from kvforge.runtime.context_cache.lease import Admission, Lease
 from kvforge.runtime.context_cache.metrics import CacheMetrics
 from kvforge.runtime.context_cache.planner import ReusePlan, plan_checkpoint, plan_cold, plan_reuse, with_snapshot
-from kvforge.runtime.context_cache.pools import BASE_KV_PAGES, Demand, ResourcePools
+from kvforge.runtime.context_cache.pools import Demand, ResourcePools
 from kvforge.runtime.context_cache.records import Record, RecordStore
 from kvforge.runtime.types import Deployment, LookupPolicy  # Deployment is re-exported for the engine
 
@@ -78,57 +79,6 @@ def _bookkept(method: F) -> F:
         finally:
             self.bookkeeping_nanoseconds += time.perf_counter_ns() - started
     return timed  # type: ignore[return-value]
-
-
-@dataclass(slots=True)
-class Admission:
-    """What a sequence asks the pool for: K/V for every token in `token_ids`.
-
-    `indexable_tokens` caps what may become findable while it runs (the prompt; generated tokens are
-    published only when the sequence finishes normally). `keys` caches the chain keys between retries.
-    """
-
-    token_ids: list[int]
-    extras: KeyExtras = field(default_factory=KeyExtras)
-    lookup_policy: LookupPolicy = LookupPolicy.USE_CACHE
-    indexable_tokens: int | None = None  # None = all of token_ids
-    keys: list[bytes] | None = None
-
-
-@dataclass(slots=True, eq=False)
-class Lease:
-    """One sequence's hold on the pool. Token layout of its page-table row (T tokens per page):
-
-        |<-- reuse_tokens: hit pages (shared, pinned) -->|<-- computed here: private pages ---------->|
-        | page 0 | page 1 | ...                | page h-1 | page h | ... | partial tail (never shared) |
-        |<-- indexed_pages: findable by other sequences (hits + full pages indexed in flight) -->|
-
-    A snapshot hit moves the reuse point into page h: its first `restore_tokens` tokens are copied from
-    snapshot `restore_slot` (pinned until `finish_restore`) into the private page h, and computing
-    starts right after them (copy-on-partial-reuse: the snapshot itself is never written).
-
-    On a hybrid or pure recurrent deployment a hit is an exact checkpoint (layout in the module docstring):
-    `restore_recurrent_slot` is copied into the sequence's recurrent + conv state as well (both pinned until
-    `finish_restore`); None there means a cold start from a zero state. A pure recurrent lease holds no pages.
-
-    `page_ids` grows with `try_grow`; `keys` are the chain keys of its full pages computed so far.
-    """
-
-    extras: KeyExtras
-    page_ids: list[int]
-    reuse_tokens: int
-    matched_tokens: int
-    plan_kind: str
-    may_publish: bool
-    forced_cold: bool = False
-    keys: list[bytes] = field(default_factory=list)
-    indexed_pages: int = 0
-    indexable_pages: int = 0
-    inflight_keys: list[bytes] = field(default_factory=list)  # keys this lease registered as being computed
-    released: bool = False
-    restore_slot: int | None = None  # partial-KV snapshot to copy into page_ids[reuse_tokens // T]
-    restore_tokens: int = 0
-    restore_recurrent_slot: int | None = None  # recurrent snapshot to copy into the sequence's state
 
 
 class ContextCacheManager:
@@ -586,51 +536,4 @@ class ContextCacheManager:
 
     def check_invariants(self) -> None:
         """Audit every refcount, index entry and in-flight key from scratch (tests call this after each step)."""
-        T = self.tokens_per_page
-        active = {pool.name: [0] * pool.capacity for pool in self.pools}
-        cache = {pool.name: [0] * pool.capacity for pool in self.pools}
-        for lease in self.leases:
-            assert self.paged or not lease.page_ids, "a pure recurrent lease holds no pages"
-            for page in lease.page_ids:
-                active[BASE_KV_PAGES][page] += 1
-            if lease.restore_slot is not None:
-                active[self.snapshots.name][lease.restore_slot] += 1
-            if lease.restore_recurrent_slot is not None:
-                active[self.recurrent_snapshots.name][lease.restore_recurrent_slot] += 1
-        for record in self.records.least_recent_first():
-            assert len(record.page_ids) == (len(record.keys) if self.paged else 0)
-            assert page_keys(record.token_ids, T, record.extras) == list(record.keys)
-            tokens = np.asarray(record.token_ids, dtype=np.int32)
-            for i, (key, page) in enumerate(zip(record.keys, record.page_ids, strict=False)):
-                assert self.index.canonical(key, page_token_bytes(tokens, i, T)) == page
-            tail = len(tokens) - len(record.keys) * T
-            assert record.is_checkpoint == self.checkpoints, "checkpoint deployments keep only checkpoints"
-            if self.checkpoints:  # an exact checkpoint: keyed at its exact length, partial slot iff hybrid unaligned
-                assert 0 <= tail < T and (record.partial_slot is not None) == (self.paged and tail > 0)
-                assert len(record.keys) + bool(record.tail_key) > 0 and bool(record.tail_key) == (tail > 0)
-                assert len(tokens) in self.records.checkpoint_lengths_after(record.parent_key)
-            elif record.partial_slot is None:
-                assert tail == 0 and not record.tail_key
-            else:
-                assert 0 < tail < T, "a snapshot holds a partial tail page"
-            if record.tail_key:
-                parent = record.keys[-1] if record.keys else CHAIN_ROOT
-                assert record.tail_key == tail_page_key(parent, tokens, len(tokens) - tail, record.extras)
-            assert self.records.find(record.terminal_key) is record
-            for name, slots in record.held().items():
-                for slot in slots:
-                    cache[name][slot] += 1
-        for pool in self.pools:
-            assert active[pool.name] == pool.active, f"{pool.name}: active refcounts disagree with the live leases"
-            assert cache[pool.name] == pool.cache, f"{pool.name}: cache refcounts disagree with the records"
-            free = pool.free_slots()
-            assert len(free) == pool.num_free, f"{pool.name}: a slot is on the free list twice"
-            assert free == {p for p in range(pool.capacity) if pool.active[p] == 0 and pool.cache[p] == 0}
-        free = self.pages.free_slots()
-        for _key, entry in self.index.items():
-            assert entry.page not in free, "an index entry points at a free page"
-        for key, lease in self._inflight.items():
-            assert lease in self.leases and not self.index.contains(key), "a stale in-flight key"
-        assert self.paged or (len(self.index) == 0 and self.pages.capacity == 0), "pure recurrent: no KV pages"
-        assert not self.checkpoints or not self._inflight, "checkpoint deployments index nothing in flight"
-        assert len(self.records) <= self.max_records or not self.enabled
+        check_invariants(self)

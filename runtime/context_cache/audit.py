@@ -1,0 +1,69 @@
+"""The cache's audit: every refcount, index entry and in-flight key recomputed from the leases and records.
+
+Tests call it after every step; it only reads (a failing assertion names what disagrees).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvforge.runtime.context_cache.index import page_token_bytes
+from kvforge.runtime.context_cache.keys import CHAIN_ROOT, page_keys, tail_page_key
+from kvforge.runtime.context_cache.pools import BASE_KV_PAGES
+
+if TYPE_CHECKING:
+    from kvforge.runtime.context_cache.manager import ContextCacheManager
+
+
+def check_invariants(manager: ContextCacheManager) -> None:
+    """Audit every refcount, index entry and in-flight key from scratch (tests call this after each step)."""
+    T = manager.tokens_per_page
+    active = {pool.name: [0] * pool.capacity for pool in manager.pools}
+    cache = {pool.name: [0] * pool.capacity for pool in manager.pools}
+    for lease in manager.leases:
+        assert manager.paged or not lease.page_ids, "a pure recurrent lease holds no pages"
+        for page in lease.page_ids:
+            active[BASE_KV_PAGES][page] += 1
+        if lease.restore_slot is not None:
+            active[manager.snapshots.name][lease.restore_slot] += 1
+        if lease.restore_recurrent_slot is not None:
+            active[manager.recurrent_snapshots.name][lease.restore_recurrent_slot] += 1
+    for record in manager.records.least_recent_first():
+        assert len(record.page_ids) == (len(record.keys) if manager.paged else 0)
+        assert page_keys(record.token_ids, T, record.extras) == list(record.keys)
+        tokens = np.asarray(record.token_ids, dtype=np.int32)
+        for i, (key, page) in enumerate(zip(record.keys, record.page_ids, strict=False)):
+            assert manager.index.canonical(key, page_token_bytes(tokens, i, T)) == page
+        tail = len(tokens) - len(record.keys) * T
+        assert record.is_checkpoint == manager.checkpoints, "checkpoint deployments keep only checkpoints"
+        if manager.checkpoints:  # an exact checkpoint: keyed at its exact length, partial slot iff hybrid unaligned
+            assert 0 <= tail < T and (record.partial_slot is not None) == (manager.paged and tail > 0)
+            assert len(record.keys) + bool(record.tail_key) > 0 and bool(record.tail_key) == (tail > 0)
+            assert len(tokens) in manager.records.checkpoint_lengths_after(record.parent_key)
+        elif record.partial_slot is None:
+            assert tail == 0 and not record.tail_key
+        else:
+            assert 0 < tail < T, "a snapshot holds a partial tail page"
+        if record.tail_key:
+            parent = record.keys[-1] if record.keys else CHAIN_ROOT
+            assert record.tail_key == tail_page_key(parent, tokens, len(tokens) - tail, record.extras)
+        assert manager.records.find(record.terminal_key) is record
+        for name, slots in record.held().items():
+            for slot in slots:
+                cache[name][slot] += 1
+    for pool in manager.pools:
+        assert active[pool.name] == pool.active, f"{pool.name}: active refcounts disagree with the live leases"
+        assert cache[pool.name] == pool.cache, f"{pool.name}: cache refcounts disagree with the records"
+        free = pool.free_slots()
+        assert len(free) == pool.num_free, f"{pool.name}: a slot is on the free list twice"
+        assert free == {p for p in range(pool.capacity) if pool.active[p] == 0 and pool.cache[p] == 0}
+    free = manager.pages.free_slots()
+    for _key, entry in manager.index.items():
+        assert entry.page not in free, "an index entry points at a free page"
+    for key, lease in manager._inflight.items():
+        assert lease in manager.leases and not manager.index.contains(key), "a stale in-flight key"
+    assert manager.paged or (len(manager.index) == 0 and manager.pages.capacity == 0), "pure recurrent: no KV pages"
+    assert not manager.checkpoints or not manager._inflight, "checkpoint deployments index nothing in flight"
+    assert len(manager.records) <= manager.max_records or not manager.enabled

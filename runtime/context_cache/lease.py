@@ -1,0 +1,59 @@
+"""What a sequence asks the cache for (an Admission) and what it holds while it runs (a Lease)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvforge.runtime.context_cache.keys import KeyExtras
+from kvforge.runtime.types import LookupPolicy
+
+
+@dataclass(slots=True)
+class Admission:
+    """What a sequence asks the pool for: K/V for every token in `token_ids`.
+
+    `indexable_tokens` caps what may become findable while it runs (the prompt; generated tokens are
+    published only when the sequence finishes normally). `keys` caches the chain keys between retries.
+    """
+
+    token_ids: list[int]
+    extras: KeyExtras = field(default_factory=KeyExtras)
+    lookup_policy: LookupPolicy = LookupPolicy.USE_CACHE
+    indexable_tokens: int | None = None  # None = all of token_ids
+    keys: list[bytes] | None = None
+
+
+@dataclass(slots=True, eq=False)
+class Lease:
+    """One sequence's hold on the pool. Token layout of its page-table row (T tokens per page):
+
+        |<-- reuse_tokens: hit pages (shared, pinned) -->|<-- computed here: private pages ---------->|
+        | page 0 | page 1 | ...                | page h-1 | page h | ... | partial tail (never shared) |
+        |<-- indexed_pages: findable by other sequences (hits + full pages indexed in flight) -->|
+
+    A snapshot hit moves the reuse point into page h: its first `restore_tokens` tokens are copied from
+    snapshot `restore_slot` (pinned until `finish_restore`) into the private page h, and computing
+    starts right after them (copy-on-partial-reuse: the snapshot itself is never written).
+
+    On a hybrid or pure recurrent deployment a hit is an exact checkpoint (layout in the module docstring):
+    `restore_recurrent_slot` is copied into the sequence's recurrent + conv state as well (both pinned until
+    `finish_restore`); None there means a cold start from a zero state. A pure recurrent lease holds no pages.
+
+    `page_ids` grows with `try_grow`; `keys` are the chain keys of its full pages computed so far.
+    """
+
+    extras: KeyExtras
+    page_ids: list[int]
+    reuse_tokens: int
+    matched_tokens: int
+    plan_kind: str
+    may_publish: bool
+    forced_cold: bool = False
+    keys: list[bytes] = field(default_factory=list)
+    indexed_pages: int = 0
+    indexable_pages: int = 0
+    inflight_keys: list[bytes] = field(default_factory=list)  # keys this lease registered as being computed
+    released: bool = False
+    restore_slot: int | None = None  # partial-KV snapshot to copy into page_ids[reuse_tokens // T]
+    restore_tokens: int = 0
+    restore_recurrent_slot: int | None = None  # recurrent snapshot to copy into the sequence's state
