@@ -3,7 +3,8 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const conversation = [];  // the conversation so far: {role, content}
+const conversation = [];  // the conversation so far: {role, content} (content: a string, or parts with media)
+const AUDIO_FORMATS = { "audio/wav": "wav", "audio/x-wav": "wav", "audio/mpeg": "mp3", "audio/flac": "flac" };
 let model = null;
 
 function headers() {
@@ -25,16 +26,49 @@ async function loadModel() {
   }
 }
 
-function addTurn(role, text) {
+function addTurn(role, text, media = null) {
   const turn = document.createElement("div");
   turn.className = `turn ${role}`;
   const body = document.createElement("div");
   body.className = "text";
   body.textContent = text;
   turn.appendChild(body);
+  if (media) {
+    const shown = document.createElement(media.kind === "image" ? "img" : "span");
+    if (media.kind === "image") shown.src = media.url; else shown.textContent = `audio: ${media.name}`;
+    shown.className = "media";
+    turn.appendChild(shown);
+  }
   $("log").appendChild(turn);
   turn.scrollIntoView({ block: "end" });
   return turn;
+}
+
+// The attached file as an OpenAI content part: an image_url data URL, or input_audio with base64 data.
+function readAttachment() {
+  const file = $("attach").files[0];
+  if (!file) return Promise.resolve(null);
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onerror = () => reject(new Error(`cannot read ${file.name}`));
+    reader.onload = () => {
+      const url = reader.result;
+      if (file.type.startsWith("image/")) {
+        resolve({ kind: "image", name: file.name, url, part: { type: "image_url", image_url: { url } } });
+      } else {
+        const format = AUDIO_FORMATS[file.type];
+        if (!format) reject(new Error(`${file.name}: send PNG, JPEG, WAV, MP3 or FLAC`));
+        const data = url.slice(url.indexOf(",") + 1);
+        resolve({ kind: "audio", name: file.name, url, part: { type: "input_audio", input_audio: { data, format } } });
+      }
+    };
+    reader.readAsDataURL(file);
+  });
+}
+
+function clearAttachment() {
+  $("attach").value = "";
+  $("attached").textContent = "Attach";
 }
 
 function showStats(turn, usage, ttftMs) {
@@ -70,9 +104,11 @@ async function* events(response) {
   }
 }
 
-async function send(text) {
-  conversation.push({ role: "user", content: text });
-  addTurn("user", text);
+async function send(text, media) {
+  // A turn with media keeps its parts in the conversation: later turns send the same bytes again, which the
+  // server's encoder cache and page keys recognise (the media identity is a digest of the decoded item).
+  conversation.push({ role: "user", content: media ? [{ type: "text", text }, media.part] : text });
+  addTurn("user", text, media);
   const turn = addTurn("assistant", "");
   const system = $("system").value.trim();
   const request = {
@@ -114,7 +150,15 @@ $("composer").addEventListener("submit", async (event) => {
   $("send").disabled = true;
   try {
     if (model === null) await loadModel();
-    await send(text);
+    let media = null;
+    try {
+      media = await readAttachment();
+    } catch (error) {
+      addTurn("error", `error: ${error.message}`).className = "turn error";
+      return;
+    }
+    clearAttachment();
+    await send(text, media);
   } finally {
     $("send").disabled = false;
     $("prompt").focus();
@@ -127,4 +171,8 @@ $("prompt").addEventListener("keydown", (event) => {
   }
 });
 $("api-key").addEventListener("change", loadModel);
+$("attach").addEventListener("change", () => {
+  const file = $("attach").files[0];
+  $("attached").textContent = file ? file.name : "Attach";
+});
 loadModel();
