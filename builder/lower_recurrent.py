@@ -102,25 +102,12 @@ def lower_selective_scan(g: GraphWriter, node: onnx.NodeProto, chunk_size: int =
     mask = g.cast(valid, FLOAT)
     drive = g.mul(g.mul(xh, g.unsqueeze(step, [3])), g.unsqueeze(mask, [2, 3]))  # dt * x, 0 on padding
 
-    def per_head(t: str) -> str:  # [B, S, G*N] -> [B, S, H, N]: head h reads group h // (H / G)
-        grouped = g.reshape(t, [0, 0, groups, 1, size])
-        spread = g.op("Expand", [grouped, g.const([1, 1, 1, heads // groups, 1])])
-        return g.reshape(spread, [0, 0, heads, size])
-
-    b, c = per_head(b), per_head(c)
-    base = g.fresh(node.name or "selective_scan")  # a prefix of this node's own for its branches' values
-    per_token = GraphWriter(prefix=f"{base}/token/")
-    token_outputs = _per_token_selective_scan(per_token, state, log_decay, drive, b, c, heads, head_dim, size)
-    out_shapes = ([None, None, heads, head_dim], [None, heads, head_dim, size])
-    if chunk_size:
-        chunked = GraphWriter(prefix=f"{base}/chunk/")
-        chunk_outputs = _chunked_selective_scan(chunked, state, log_decay, drive, b, c, heads, head_dim, size,
-                                                chunk_size)
-        ys, final = _dispatch(g, x, chunk_size, (chunked, chunk_outputs), (per_token, token_outputs), out_shapes)
-    else:
-        g.nodes.extend(per_token.nodes)
-        g.initializers.extend(per_token.initializers)
-        ys, final = token_outputs
+    b, c = _spread_groups(g, b, groups, heads, size), _spread_groups(g, c, groups, heads, size)
+    ys, final = _either_form(
+        g, x, node.name or "selective_scan", chunk_size,
+        lambda w: _per_token_selective_scan(w, state, log_decay, drive, b, c, heads, head_dim, size),
+        lambda w: _chunked_selective_scan(w, state, log_decay, drive, b, c, heads, head_dim, size, chunk_size),
+        ([None, None, heads, head_dim], [None, heads, head_dim, size]))
     g.op("Identity", [final], outputs=[state_out])
     skip = g.mul(xh, g.unsqueeze(d, [1]))
     y = g.mul(g.add(ys, skip), g.unsqueeze(mask, [2, 3]))
@@ -160,8 +147,8 @@ def _chunked_selective_scan(g: GraphWriter, state: str, log_decay: str, drive: s
     ratio = _decay_ratio(g, cumulative, chunk)
     intra = g.matmul(g.mul(g.matmul(c, g.transpose(b, [0, 1, 2, 4, 3])), ratio), x)  # [B, H, N, C, P]
     c_grown = g.mul(c, g.unsqueeze(g.op("Exp", [cumulative]), [4]))
-    last = g.op("Gather", [cumulative, g.const(chunk - 1)], axis=3)  # [B, H, N]
-    x_to_end = g.mul(x, g.unsqueeze(g.op("Exp", [g.op("Sub", [g.unsqueeze(last, [3]), cumulative])]), [4]))
+    last, to_end = _decay_to_end(g, cumulative, chunk)  # [B, H, N], [B, H, N, C]
+    x_to_end = g.mul(x, g.unsqueeze(to_end, [4]))
     body = GraphWriter(prefix="recurrent/scan_chunk/")
     h, intra_c, cg_c, xend_c, b_c, last_c = (body.fresh(n) for n in ("h", "intra", "c", "xend", "b", "g"))
     y_c = body.add(intra_c, body.matmul(cg_c, body.transpose(h, [0, 1, 3, 2])))  # [B, H, C, P]
@@ -207,13 +194,41 @@ def _decay_ratio(g: GraphWriter, cumulative: str, size: int) -> str:
     return g.op("Exp", [g.op("Where", [causal, gaps, g.const(-np.inf, np.float32)])])
 
 
-def _dispatch(g: GraphWriter, like: str, chunk_size: int, chunked: tuple[GraphWriter, tuple[str, str]],
-              per_token: tuple[GraphWriter, tuple[str, str]], shapes: tuple[list, list]) -> list[str]:
-    """An If on the call's length: calls of a quarter chunk or more (16 tokens at 64) take the chunked branch, the
-    break-even measured by bench/recurrent_prefill.py (a chunk costs about as much as 16 per-token steps)."""
+Form = Callable[[GraphWriter], tuple[str, str]]  # writes one lowering into a writer: (ys, final state)
+
+
+def _either_form(g: GraphWriter, like: str, name: str, chunk_size: int, per_token: Form, chunked: Form,
+                 shapes: tuple[list, list]) -> tuple[str, str]:
+    """The per-token form inline when chunk_size is 0; else an If on the call's length: calls of a quarter chunk or
+    more (16 tokens at 64) take the chunked branch, the break-even measured by bench/recurrent_prefill.py (a chunk
+    costs about as much as 16 per-token steps). Each branch writes under a prefix of this node's own."""
+    base = g.fresh(name)
+    token = GraphWriter(prefix=f"{base}/token/")
+    token_outputs = per_token(token)
+    if not chunk_size:
+        g.nodes.extend(token.nodes)
+        g.initializers.extend(token.initializers)
+        return token_outputs
+    chunk = GraphWriter(prefix=f"{base}/chunk/")
+    chunk_outputs = chunked(chunk)
     many = g.op("GreaterOrEqual", [g.op("Squeeze", [g.dim(like, 1), g.const([0])]), g.const(max(1, chunk_size // 4))])
-    return g.op("If", [many], n_out=2, then_branch=_branch(*chunked, shapes, "chunked"),
-                else_branch=_branch(*per_token, shapes, "per_token"))
+    ys, final = g.op("If", [many], n_out=2, then_branch=_branch(chunk, chunk_outputs, shapes, "chunked"),
+                     else_branch=_branch(token, token_outputs, shapes, "per_token"))
+    return ys, final
+
+
+def _spread_groups(g: GraphWriter, t: str, groups: int, heads: int, dim: int) -> str:
+    """[B, S, G*D] -> [B, S, H, D]: head h reads group h // (H / G)."""
+    grouped = g.reshape(t, [0, 0, groups, 1, dim])
+    spread = g.op("Expand", [grouped, g.const([1, 1, 1, heads // groups, 1])])
+    return g.reshape(spread, [0, 0, heads, dim])
+
+
+def _decay_to_end(g: GraphWriter, cumulative: str, size: int) -> tuple[str, str]:
+    """A chunk's total log decay G_last [.., N] and e^{G_last - G_s} [.., N, C]: what each position's write still
+    decays by when the chunk ends."""
+    last = g.op("Gather", [cumulative, g.const(size - 1)], axis=3)
+    return last, g.op("Exp", [g.op("Sub", [g.unsqueeze(last, [3]), cumulative])])
 
 
 def lower_gated_delta_rule(g: GraphWriter, node: onnx.NodeProto, chunk_size: int = DELTA_CHUNK) -> None:
@@ -228,25 +243,14 @@ def lower_gated_delta_rule(g: GraphWriter, node: onnx.NodeProto, chunk_size: int
     log_decay = g.op("Where", [valid, log_decay, g.const(0.0, np.float32)])
     gain = g.op("Where", [valid, beta, g.const(0.0, np.float32)])
 
-    def per_value_head(t: str) -> str:  # [B, S, Hk*Dk] -> [B, S, Hv, Dk]: value head h reads key head h // (Hv/Hk)
-        grouped = g.reshape(t, [0, 0, shape.k_heads, 1, shape.k_dim])
-        spread = g.op("Expand", [grouped, g.const([1, 1, 1, shape.v_heads // shape.k_heads, 1])])
-        return g.reshape(spread, [0, 0, shape.v_heads, shape.k_dim])
-
-    inputs = DeltaInputs(per_value_head(q), per_value_head(k), g.reshape(v, [0, 0, shape.v_heads, shape.v_dim]),
-                         log_decay, gain, state)
-    base = g.fresh(node.name or "gated_delta_rule")  # a prefix of this node's own for its branches' values
-    per_token = GraphWriter(prefix=f"{base}/token/")
-    branch_outputs = _per_token_delta_rule(per_token, shape, inputs)
-    if chunk_size:
-        chunked = GraphWriter(prefix=f"{base}/chunk/")
-        chunk_outputs = _chunked_delta_rule(chunked, shape, inputs, chunk_size)
-        out_shapes = ([None, None, shape.v_heads, shape.v_dim], [None, shape.v_heads, shape.v_dim, shape.k_dim])
-        ys, final = _dispatch(g, q, chunk_size, (chunked, chunk_outputs), (per_token, branch_outputs), out_shapes)
-    else:
-        g.nodes.extend(per_token.nodes)
-        g.initializers.extend(per_token.initializers)
-        ys, final = branch_outputs
+    # Value head h reads key head h // (Hv / Hk), as a selective scan's head reads its group.
+    inputs = DeltaInputs(_spread_groups(g, q, shape.k_heads, shape.v_heads, shape.k_dim),
+                         _spread_groups(g, k, shape.k_heads, shape.v_heads, shape.k_dim),
+                         g.reshape(v, [0, 0, shape.v_heads, shape.v_dim]), log_decay, gain, state)
+    ys, final = _either_form(
+        g, q, node.name or "gated_delta_rule", chunk_size, lambda w: _per_token_delta_rule(w, shape, inputs),
+        lambda w: _chunked_delta_rule(w, shape, inputs, chunk_size),
+        ([None, None, shape.v_heads, shape.v_dim], [None, shape.v_heads, shape.v_dim, shape.k_dim]))
     g.op("Identity", [final], outputs=[state_out])
     masked = g.mul(ys, g.unsqueeze(g.cast(valid, FLOAT), [3]))  # [B, S, Hv, Dv], 0 on padding
     g.op("Reshape", [masked, g.const([0, 0, shape.v_heads * shape.v_dim])], outputs=[y_out])
@@ -331,8 +335,8 @@ def _chunked_delta_rule(g: GraphWriter, shape: DeltaShape, x: DeltaInputs, size:
     u0 = g.matmul(inverse, g.mul(v, g.unsqueeze(beta, [4])))
     q_grown = g.mul(q, g.unsqueeze(growth, [4]))
     scores = g.mul(g.matmul(q, k_t), ratio)
-    last = g.op("Gather", [cumulative, g.const(size - 1)], axis=3)  # [B, Hv, N]
-    k_to_end = g.mul(k, g.unsqueeze(g.op("Exp", [g.op("Sub", [g.unsqueeze(last, [3]), cumulative])]), [4]))
+    last, to_end = _decay_to_end(g, cumulative, size)  # [B, Hv, N], [B, Hv, N, C]
+    k_to_end = g.mul(k, g.unsqueeze(to_end, [4]))
     body = GraphWriter(prefix="recurrent/delta_chunk/")
     h, w_c, u0_c, qg_c, scores_c, kend_c, last_c = (body.fresh(n) for n in ("h", "w", "u0", "q", "p", "kend", "g"))
     u = body.op("Sub", [u0_c, body.matmul(w_c, h)])  # [B, Hv, C, Dv]
