@@ -116,22 +116,7 @@ class ChatTokenizer:
         parsing off, the markup around it with it on. A template that rewrites such content (so it
         cannot be found verbatim) is refused rather than guessed at.
         """
-        risky = [c for c in contents if c and any(s in c for s in self.special_texts)]
-        if not risky:
-            return self.encode(text)
-        ids: list[int] = []
-        position = 0
-        for content in risky:
-            start = text.find(content, position)
-            if start < 0:
-                raise KvforgeError("message content holds special-token text that the chat template changes, so "
-                                   "it cannot be kept as plain text; remove it, or set parse_special_tokens",
-                                   where)
-            ids += self.tokenizer.encode(text[position:start], add_special_tokens=False).ids
-            ids += self._literal_tokenizer().encode(content, add_special_tokens=False).ids
-            position = start + len(content)
-        ids += self.tokenizer.encode(text[position:], add_special_tokens=False).ids
-        return self._with_bos(ids)
+        return self.encode_chat_segments([text], contents, where)[0]
 
     def encode_chat_segments(self, segments: Sequence[str], contents: Sequence[str] | None,
                              where: str = "messages") -> list[list[int]]:
