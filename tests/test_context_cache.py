@@ -360,6 +360,20 @@ def run_restoring(manager: ContextCacheManager, ids: list[int], salt: str | None
     return lease
 
 
+def test_the_snapshot_an_admission_extends_is_never_its_own_eviction_victim() -> None:
+    """The record whose tail snapshot an admission restores is LRU-first among the victims its new pages need: it
+    must stay (its pages are pinned hits, so evicting it frees nothing), and a newer record goes instead."""
+    manager = snapshot_manager(slots=2, num_pages=6)
+    run_restoring(manager, tokens(10))  # A: 2 full pages + a snapshot tail, the least recently used record
+    run_restoring(manager, tokens(8, offset=100))  # B: 2 more pages; 2 of 6 free
+    lease = acquire(manager, tokens(10) + [99] * 11)  # 6 pages: A's 2 hits + 4 new
+    assert lease.reuse_tokens == 10 and lease.restore_slot is not None
+    assert manager.metrics.records_evicted == 1 and len(manager.records) == 1  # B, not A
+    manager.finish_restore(lease)
+    manager.release(lease)
+    manager.check_invariants()
+
+
 def test_snapshot_extends_reuse_to_the_exact_token() -> None:
     manager = snapshot_manager(slots=2)
     first = run_restoring(manager, tokens(10))  # 2 full pages + a 2-token tail: captured

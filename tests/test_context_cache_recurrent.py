@@ -126,6 +126,18 @@ def test_mid_prefill_checkpoints_and_the_longest_exact_one_wins(deployment: Depl
     assert profile["resource_pools"]["recurrent_snapshots"] == {"free": 4, "capacity": 8}
 
 
+def test_the_checkpoint_an_admission_resumes_from_is_never_its_own_eviction_victim() -> None:
+    """Evicting for the admission's new pages walks records LRU first; the checkpoint it resumes from (pinned, so
+    evicting it frees nothing) must stay: the admission touches it, and a later turn needs it."""
+    m, fake = manager(HYBRID, num_pages=6)
+    fake.run(tokens(10))  # A: two full pages and a checkpoint at 10, the least recently used record
+    fake.run(tokens(8, offset=100))  # B: two more pages; 2 of 6 pages free
+    lease = fake.admit(tokens(10) + [99] * 11)  # 6 pages: A's 2 hits + 4 new, so B must go and A must stay
+    assert lease.reuse_tokens == 10 and m.metrics.records_evicted == 1 and len(m.records) == 1
+    m.release(lease)
+    assert fake.admit(tokens(10) + [98]).reuse_tokens == 10
+
+
 def test_hybrid_never_uses_a_base_only_page_hit() -> None:
     m, fake = manager(HYBRID)
     fake.run(tokens(10))  # pages 0 and 1 are indexed, but the only checkpoint is at 10

@@ -8,8 +8,10 @@ from kvforge.runtime.context_cache.pools import Demand, ResourcePools
 from kvforge.runtime.context_cache.records import Record
 
 
-def plan_eviction(demand: Demand, pools: ResourcePools, records_lru_first: Iterable[Record]) -> list[int] | None:
-    """The LRU-first record ids whose eviction frees enough slots of every pool for `demand`.
+def plan_eviction(demand: Demand, pools: ResourcePools, records_lru_first: Iterable[Record],
+                  protected: int | None = None) -> list[int] | None:
+    """The LRU-first record ids whose eviction frees enough slots of every pool for `demand`, never `protected`
+    (the record an admission resumes from: its snapshots are pinned, and it must outlive the admission).
 
     A slot counts as reclaimed only when its simulated cache refs reach 0 and no request pins it
     (pin-before-evict: a request's own hits are pinned before planning, so they are never victims).
@@ -24,6 +26,8 @@ def plan_eviction(demand: Demand, pools: ResourcePools, records_lru_first: Itera
     remaining: dict[tuple[str, int], int] = {}
     victims = []
     for record in records_lru_first:
+        if record.record_id == protected:
+            continue
         held = record.held()
         if not any(held.get(name) for name, short in missing.items() if short > 0):
             continue

@@ -238,7 +238,11 @@ class ContextCacheManager:
         recurrent = () if plan.restore_recurrent_slot is None else (plan.restore_recurrent_slot,)
         self.snapshots.pin(restore)
         self.recurrent_snapshots.pin(recurrent)
-        victims = plan_eviction(Demand(base_kv_pages=plan.new_pages), self.pools, self.records.least_recent_first())
+        # The record a snapshot or checkpoint hit resumes from is never a victim of its own admission.
+        resumed = plan.checkpoint_record if plan.checkpoint_record is not None else \
+            self._snapshot_record(plan.restore_slot).record_id if plan.restore_slot is not None else None
+        victims = plan_eviction(Demand(base_kv_pages=plan.new_pages), self.pools, self.records.least_recent_first(),
+                                protected=resumed)
         if victims is None:
             self.pages.unpin(plan.hit_pages)
             self.snapshots.unpin(restore)
@@ -249,10 +253,8 @@ class ContextCacheManager:
         lease = Lease(extras, [*plan.hit_pages, *private], plan.reuse_tokens, plan.matched_tokens, plan.kind,
                       may_publish, restore_slot=plan.restore_slot, restore_tokens=plan.restore_tokens,
                       restore_recurrent_slot=plan.restore_recurrent_slot)
-        if plan.checkpoint_record is not None:  # the checkpoint this request resumes from stays resident longest
-            self.records.touch(plan.checkpoint_record)
-        elif plan.restore_slot is not None:  # the snapshot's record is the endpoint this request extends
-            self.records.touch(self._snapshot_record(plan.restore_slot).record_id)
+        if resumed is not None:  # the checkpoint or snapshot this request resumes from stays resident longest
+            self.records.touch(resumed)
         elif plan.hit_pages:  # a hit refreshes the record it ends on, so reused documents stay resident
             record = self.records.find(self.index.key_of(plan.hit_pages[-1]))
             if record is not None:
