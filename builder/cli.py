@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from kvforge.builder.build import STEPS, BuildOptions, build_engine, resolve_backend
+from kvforge.builder.build import STEPS, BuildOptions, build_engine
 from kvforge.cli_common import BUILD_FLAGS, console, progress_bar, run_app, run_guarded
 from kvforge.contract.errors import KvforgeError
 
@@ -21,6 +21,7 @@ Build an engine dir from an llm_export ONNX dir.
   llm_build --onnxDir onnx/smollm2 --engineDir engines/smollm2 --maxInputLen 2048 \\
       --maxKVCacheCapacity 4096 --maxBatchSize 1 --maxKVPoolPages 64
   llm_build --onnxDir onnx/smollm2 --engineDir engines/smollm2 --profileOps ops.json   # where time goes
+  llm_build --onnxDir onnx/smollm2 --engineDir engines/smollm2-onnx --cpuAttention onnx  # no C++ kernel
 """
 app = typer.Typer(add_completion=False, rich_markup_mode="rich")
 DEFAULTS = BuildOptions()
@@ -59,6 +60,12 @@ def build(
     backend: str = typer.Option("auto", "--backend",
                                 help="onnxruntime (CPU), tensorrt (GPU; needs the tensorrt extra) or auto "
                                      "(TensorRT when it imports and a GPU is visible, else onnxruntime)."),
+    cpu_attention: str = typer.Option(DEFAULTS.cpu_attention, "--cpuAttention",
+                                      help="How an onnxruntime engine's attention reads the KV pool: kernel "
+                                           "(kvforge's CPU kernel reads the pages in place; built on first use, "
+                                           "needs a C++ compiler), onnx (stock ONNX Runtime ops over pages "
+                                           "gathered each call: slower as the context grows) or auto (the kernel "
+                                           "where it builds here, else onnx; KVFORGE_CPU_KERNEL=off forces onnx)."),
     reuse_records: int = typer.Option(DEFAULT_REUSE_RECORDS, "--reuseRecords",
                                       help="Retained contexts to size the printed snapshot budget for (a record "
                                            "whose length is not page-aligned keeps one partial-KV snapshot slot)."),
@@ -79,7 +86,7 @@ def build(
     options = BuildOptions(max_input_len=max_input_len, max_kv_cache_capacity=max_kv_cache_capacity,
                            max_kv_pool_pages=max_kv_pool_pages, max_batch_size=max_batch_size,
                            tokens_per_page=tokens_per_page, backend=backend, max_lora_rank=max_lora_rank,
-                           force=force)
+                           force=force, cpu_attention=cpu_attention)
 
     def body() -> None:
         from kvforge.contract.multimodal import is_encoder_dir
@@ -101,7 +108,8 @@ def build(
             raise KvforgeError(f"must be >= 0, got {reuse_records}", "--reuseRecords")
         with progress_bar("building engine", STEPS) as step:
             geometry, plan = build_engine(onnx_dir, engine_dir, options, step)
-        console.print(f"engine written to {engine_dir} (backend {resolve_backend(backend)})")
+        built = json.loads((engine_dir / "config.json").read_text(encoding="utf-8"))["builder_config"]
+        console.print(f"engine written to {engine_dir} (backend {built['backend']}, attention {built['attention']})")
         console.print(f"  pages: {geometry.max_kv_pool_pages} × {geometry.tokens_per_page} tokens "
                       f"({geometry.max_pages_per_seq} per sequence, {geometry.full_batch_pages} for a full batch of "
                       f"{geometry.max_batch_size})")

@@ -1,12 +1,13 @@
-"""Lowers the paged-KV custom ops to standard ONNX ops so ONNX Runtime (CPU) runs the graph.
+"""Lowers the paged-KV custom ops so ONNX Runtime (CPU) runs the graph: kvforge's CPU kernel, or standard ops.
 
-ONNX Runtime cannot update an input in place, so the lowered graph only *reads* the pool: it gathers
-each row's pages, attends over them plus the new rows, and returns the new K/V rows as
-`new_key_values_{i}` [B, S, 2, Hkv, D]; the runtime scatters those into its numpy pool afterwards.
-The new rows are rounded through the storage dtype before attention reads them, so a token's
-output does not depend on whether its keys came from this call or from the pool. Attention itself is
-ONNX Runtime's fused GroupQueryAttention over the gathered pages (the op-by-op form stays for the dense
-baseline and `fused_attention=False`).
+ONNX Runtime cannot update an input in place, so the lowered graph only *reads* the pool and returns the new
+K/V rows as `new_key_values_{i}` [B, S, 2, Hkv, D]; the runtime scatters those into its numpy pool afterwards.
+The new rows are rounded through the storage dtype before attention reads them, so a token's output does not
+depend on whether its keys came from this call or from the pool. Attention itself is, by preference,
+`kvforge.cpu.PagedAttention` (plugins/cpu_kernel.py: reads each row's pages in place through the page table,
+nothing gathered or copied, so a decode step does not grow with copies of the context); where that library
+cannot be built, ONNX Runtime's fused GroupQueryAttention over pages gathered in the graph (the op-by-op form
+stays for the dense baseline and `fused_attention=False`).
 """
 
 from __future__ import annotations
@@ -37,9 +38,13 @@ class _Shared:
 
 
 def lower_for_onnxruntime(model: onnx.ModelProto, *, kv_cache_dtype: str, tokens_per_page: int,
-                          num_pages: int, dense: bool = False, fused_attention: bool = True) -> onnx.ModelProto:
-    """Replace PagedKVWrite/PagedAttention pairs. `dense=True` writes the unpaged baseline instead:
+                          num_pages: int, dense: bool = False, fused_attention: bool = True,
+                          cpu_kernel: bool = False) -> onnx.ModelProto:
+    """Replace PagedKVWrite/PagedAttention pairs. `cpu_kernel=True` attends with kvforge.cpu.PagedAttention (the
+    session must register plugins/cpu_kernel.py's library). `dense=True` writes the unpaged baseline instead:
     per-layer `past_key_{i}`/`past_value_{i}` [B,Hkv,L,D] in, `present_key_{i}`/`present_value_{i}` out."""
+    if cpu_kernel and (dense or not fused_attention):
+        raise ValueError("cpu_kernel lowers the paged graph; dense and op-by-op forms use standard ops only")
     graph = model.graph
     writes = {n.output[0]: n for n in graph.node if n.domain == ops.DOMAIN and n.op_type == ops.PAGED_KV_WRITE.name}
     if not writes:
@@ -78,6 +83,9 @@ def lower_for_onnxruntime(model: onnx.ModelProto, *, kv_cache_dtype: str, tokens
                     outputs.append(value_info(name, FLOAT, ["batch", num_kv, "total", head_dim]))
                 for name in (f"past_key_{layer}", f"past_value_{layer}"):
                     extra_inputs.append(value_info(name, FLOAT, ["batch", num_kv, "past", head_dim]))
+            elif cpu_kernel:
+                _kernel_attention(g, query, rows, pool_in, page_table, start_index, node, num_kv, head_dim,
+                                  tokens_per_page)
             elif fused_attention:
                 _group_query_attention(g, shared, query, pool_in, page_table, rows, start_index, kv_cache_dtype,
                                        num_kv, head_dim, _attr_f(node, "scale"), node.output[0])
@@ -106,7 +114,9 @@ def lower_for_onnxruntime(model: onnx.ModelProto, *, kv_cache_dtype: str, tokens
     del graph.output[:]
     graph.output.extend(outputs)
     opsets = [op for op in model.opset_import if op.domain != ops.DOMAIN]
-    if fused_attention and not dense and all(op.domain != "com.microsoft" for op in opsets):
+    if cpu_kernel:
+        opsets.append(helper.make_opsetid(ops.CPU_DOMAIN, 1))
+    elif fused_attention and not dense and all(op.domain != "com.microsoft" for op in opsets):
         opsets.append(helper.make_opsetid("com.microsoft", 1))
     lowered = helper.make_model(graph, opset_imports=opsets,
                                 producer_name="kvforge-builder")
@@ -224,6 +234,16 @@ def _group_query_attention(g: GraphWriter, shared: _Shared, query: str, pool: st
           "", "", "", "", "", "", "", "", "", shared.masks["gqa_lengths"]],
          n_out=3, outputs=[output, g.fresh("gqa_present_key"), g.fresh("gqa_present_value")],
          domain="com.microsoft", num_heads=num_kv * shared.group, kv_num_heads=num_kv, scale=scale)
+
+
+def _kernel_attention(g: GraphWriter, query: str, rows: str, pool: str, page_table: str, start_index: str,
+                      node: onnx.NodeProto, num_kv: int, head_dim: int, tokens_per_page: int) -> None:
+    """kvforge.cpu.PagedAttention: the cached positions straight from the pool through the page table, this
+    call's rows (already rounded through the storage dtype) beside them; causal among the new tokens. The page
+    size is the build's (export leaves the attribute 0)."""
+    g.op(ops.CPU_PAGED_ATTENTION.name, [query, rows, pool, page_table, start_index, "context_lengths"],
+         outputs=[node.output[0]], domain=ops.CPU_DOMAIN, num_q_heads=_attr(node, "num_q_heads"),
+         num_kv_heads=num_kv, head_dim=head_dim, tokens_per_page=tokens_per_page, scale=_attr_f(node, "scale"))
 
 
 def _dense_cache(g: GraphWriter, rows: str, layer: str) -> tuple[str, tuple[str, str]]:

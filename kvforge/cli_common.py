@@ -35,6 +35,7 @@ _ENGINE_BUILD_FLAGS = {  # what an engine is built with; llm_inference names the
     "tokens_per_page": "--tokensPerPage",
     "max_kv_pool_pages": "--maxKVPoolPages",
     "max_lora_rank": "--maxLoraRank",
+    "cpu_attention": "--cpuAttention",
 }
 BUILD_FLAGS = {**_ENGINE_BUILD_FLAGS, "onnx_dir": "--onnxDir", "engine_dir": "--engineDir"}
 ENGINE_FLAGS = {  # llm_inference

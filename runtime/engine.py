@@ -324,6 +324,8 @@ class Engine:
         self.profiler.note_peak_memory(self.kv_pool_bytes)
         data = self.profiler.to_dict(self.cache.profile() if self.cache.enabled else None,
                                      scheduler=self.scheduler.stats.to_dict())
+        # Which path attention took (kvforge's CPU kernel or the pure-ONNX fallback): speed depends on it.
+        data["engine"] = {"backend": self.engine.build.backend, "attention": self.engine.build.attention}
         return {**data, **self.multimodal.profile()} if self.multimodal else data
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import onnxruntime as ort
 
 from kvforge.contract.engine_dir import (
+    ATTENTION_CPU_KERNEL,
     EMBEDDING_FILE,
     EMBEDDING_TENSOR,
     ENGINE_MODEL_FILE,
@@ -35,15 +38,17 @@ def set_ort_logging(debug: bool) -> None:
 
 
 ort.set_default_logger_severity(QUIET_SEVERITY)
+log = logging.getLogger("kvforge.runtime")
 
 
 MAX_THREADS = 1024  # ONNX Runtime starts every thread up front: a huge count exhausts the process
 
 
 def make_session(model_path: str, num_threads: int = 0, profile_prefix: str | None = None,
-                 field: str = "engine_dir") -> ort.InferenceSession:
+                 field: str = "engine_dir", cpu_kernel: bool = False) -> ort.InferenceSession:
     """Every ONNX Runtime session of kvforge (text and encoder engines): logging, threads, one-line load errors
-    naming `field`. `profile_prefix`: write ONNX Runtime's per-node trace there (runtime/op_profile.py reads it)."""
+    naming `field`. `profile_prefix`: write ONNX Runtime's per-node trace there (runtime/op_profile.py reads it).
+    `cpu_kernel`: the graph attends with kvforge.cpu.PagedAttention, so the kernel library is registered."""
     if not 0 <= num_threads <= MAX_THREADS:
         raise KvforgeError(f"must be in [0, {MAX_THREADS}] (0 = onnxruntime's default), got {num_threads}",
                            "num_threads")
@@ -56,11 +61,24 @@ def make_session(model_path: str, num_threads: int = 0, profile_prefix: str | No
     if num_threads > 0:
         options.intra_op_num_threads = num_threads
         options.inter_op_num_threads = 1
+    if cpu_kernel:
+        register_cpu_kernel(options, field)
     try:
         return ort.InferenceSession(model_path, options, providers=["CPUExecutionProvider"])
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise KvforgeError(f"onnxruntime cannot load {model_path}: {first}", field) from None
+
+
+def register_cpu_kernel(options: ort.SessionOptions, field: str = "engine_dir") -> None:
+    """Register kvforge's CPU attention library (built on first use) on `options`, or say in one line why not."""
+    from kvforge.plugins.cpu_kernel import kernel_status
+
+    library, reason = kernel_status()
+    if library is None:
+        raise KvforgeError(f"this engine attends with the kvforge CPU kernel, which cannot be loaded here ({reason}); "
+                           "rebuild it with llm_build --cpuAttention onnx", field)
+    options.register_custom_ops_library(str(library))
 
 
 def check_graph_inputs(session: ort.InferenceSession, engine: EngineDir) -> None:
@@ -106,7 +124,12 @@ class OrtEngineRunner:
                  profile_prefix: str | None = None) -> None:
         """`embedding`: the engine's table when the caller already has it (bound to a tied head, not mapped twice)."""
         model, build = engine.model, engine.build
-        self.session = make_session(str(engine.file(ENGINE_MODEL_FILE)), num_threads, profile_prefix)
+        kernel = build.attention == ATTENTION_CPU_KERNEL
+        self.session = make_session(str(engine.file(ENGINE_MODEL_FILE)), num_threads, profile_prefix,
+                                    cpu_kernel=kernel)
+        log.info("attention: %s", "kvforge CPU kernel (pages read in place)" if kernel
+                 else "ONNX Runtime ops over pages gathered each call (the fallback)")
+        self.attention = build.attention
         check_graph_inputs(self.session, engine)
         graph_inputs = {i.name: i.shape for i in self.session.get_inputs()}
         self.tokens_per_page = build.tokens_per_page

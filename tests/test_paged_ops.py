@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 from onnx import helper
+from ort_support import cpu_kernel_on, session_for
 
 from kvforge.builder.lower_ort import lower_for_onnxruntime
 from kvforge.contract.engine_dir import new_rows_name
 from kvforge.graph.onnx_graph import FLOAT, INT32, OPSET, GraphWriter, value_info
 from kvforge.plugins import ops
+from kvforge.plugins.cpu_kernel import kernel_status
 from kvforge.plugins.reference import (
     from_storage,
     paged_attention,
@@ -57,7 +58,12 @@ CASES = [  # (kv dtype, batch, max new tokens, tokens per page, head dim, q head
 
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-def test_lowering_matches_reference(case: tuple, seed: int) -> None:
+@pytest.mark.parametrize("cpu_kernel", [False, True], ids=["onnx-ops", "cpu-kernel"])
+def test_lowering_matches_reference(case: tuple, seed: int, cpu_kernel: bool) -> None:
+    """Both lowerings (stock ops over gathered pages, kvforge's CPU kernel reading them in place) against the
+    reference: -1 entries past each row's pages, shuffled pages, chunks starting mid-page, GQA groups."""
+    if cpu_kernel and not cpu_kernel_on():
+        pytest.skip(f"kvforge CPU kernel unavailable: {kernel_status()[1]}")
     kv_dtype, batch, max_new, tokens_per_page, head_dim, num_q, num_kv = case
     rng = np.random.default_rng(seed)
     num_pages, capacity = 40, 64
@@ -86,8 +92,9 @@ def test_lowering_matches_reference(case: tuple, seed: int) -> None:
                                head_dim=head_dim, scale=head_dim ** -0.5, kv_cache_dtype=kv_dtype)
 
     lowered = lower_for_onnxruntime(op_graph(num_q, num_kv, head_dim, kv_dtype), kv_cache_dtype=kv_dtype,
-                                    tokens_per_page=tokens_per_page, num_pages=num_pages)
-    session = ort.InferenceSession(lowered.SerializeToString(), providers=["CPUExecutionProvider"])
+                                    tokens_per_page=tokens_per_page, num_pages=num_pages, cpu_kernel=cpu_kernel)
+    assert any(n.domain == ops.CPU_DOMAIN for n in lowered.graph.node) == cpu_kernel
+    session = session_for(lowered)
     cached_width = -(-int(starts.max()) // tokens_per_page)
     attention, new_rows = session.run(["attention", new_rows_name("past_key_values_0")], {
         "query": query, "key": key, "value": value, "rope_rotary_cos_sin": cos_sin, "context_lengths": lengths,

@@ -13,6 +13,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from ort_support import cpu_kernel_on, session_for
 
 from kvforge.builder.lower_ort import lower_for_onnxruntime, new_rows_name
 from kvforge.builder.lower_recurrent import lower_recurrent_ops
@@ -54,9 +55,10 @@ def randomised(hf: object) -> object:
 
 def lowered_session(model: onnx.ModelProto, kv_cache_dtype: str = "fp32") -> ort.InferenceSession:
     lowered = lower_recurrent_ops(lower_for_onnxruntime(model, kv_cache_dtype=kv_cache_dtype,
-                                                        tokens_per_page=TOKENS_PER_PAGE, num_pages=NUM_PAGES))
+                                                        tokens_per_page=TOKENS_PER_PAGE, num_pages=NUM_PAGES,
+                                                        cpu_kernel=cpu_kernel_on()))
     assert not any(n.domain == "kvforge" for n in lowered.graph.node)
-    return ort.InferenceSession(lowered.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session_for(lowered)
 
 
 @dataclass
@@ -304,7 +306,7 @@ def test_llm_export_and_llm_build_of_the_tiny_hybrid(run_cli, tmp_path: Path) ->
     assert not any(n.domain == "kvforge" for n in lowered.graph.node)
     pools = sorted(i.name for i in lowered.graph.input if i.name.startswith("past_key_values_"))
     assert pools == [f"past_key_values_{i}" for i in config.attention_layer_ids]
-    engine = ort.InferenceSession(str(tmp_path / "engine" / "model.onnx"), providers=["CPUExecutionProvider"])
+    engine = session_for(str(tmp_path / "engine" / "model.onnx"))
     shapes = {i.name: i.shape for i in engine.get_inputs()}
     assert shapes["past_key_values_1"] == [4 * 16, 2, config.num_key_value_heads, 16, config.head_dim]
     assert shapes["recurrent_state_0"][1:] == [config.recurrent_state_num_heads, config.recurrent_state_head_dim,

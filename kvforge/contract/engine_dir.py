@@ -33,6 +33,11 @@ EMBEDDING_TENSOR = "embedding"
 # the (memory-mapped) embedding table to it: one copy of the largest weight instead of two.
 TIED_HEAD_INPUT = "lm_head_weight"
 COPIED_FILES = (EMBEDDING_FILE, "tokenizer.json", "tokenizer_config.json")
+# How an engine's attention reads the KV pool (builder_config.attention): kvforge's CPU kernel (an ONNX Runtime
+# custom-op library reading pages in place), stock ONNX ops over gathered pages (the fallback where the kernel
+# cannot be built; engine dirs from before the kernel), or the TensorRT plugin.
+ATTENTION_CPU_KERNEL, ATTENTION_ONNX_OPS, ATTENTION_TRT_PLUGIN = "kvforge-cpu-kernel", "onnx-ops", "tensorrt-plugin"
+ATTENTION_PATHS = (ATTENTION_CPU_KERNEL, ATTENTION_ONNX_OPS, ATTENTION_TRT_PLUGIN)
 
 
 def new_rows_name(pool_input: str) -> str:
@@ -51,23 +56,26 @@ class BuilderConfig(PageGeometry):
     layer_types: tuple[str, ...] = ()
     partial_kv_snapshot_bytes_per_slot: int = 0  # one K+V page per attention layer
     recurrent_snapshot_bytes_per_slot: int = 0
+    attention: str = ATTENTION_ONNX_OPS  # one of ATTENTION_PATHS
 
     @classmethod
     def from_geometry(cls, geometry: PageGeometry, backend: str, max_lora_rank: int,
-                      model: ModelConfig | None = None) -> BuilderConfig:
+                      model: ModelConfig | None = None, attention: str = ATTENTION_ONNX_OPS) -> BuilderConfig:
         resolved = {f.name: getattr(geometry, f.name) for f in fields(PageGeometry)}
         snapshots: dict[str, Any] = {}
         if model is not None:
-            attention, recurrent = model.num_attention_layers, len(model.recurrent_layer_ids)
+            attention_layers, recurrent = model.num_attention_layers, len(model.recurrent_layer_ids)
             snapshots = {
                 "layer_types": tuple(model.layer_types) or ("attention",) * model.num_hidden_layers,
                 "partial_kv_snapshot_bytes_per_slot": partial_kv_bytes_per_slot(
-                    attention, model.num_key_value_heads, model.head_dim, geometry.tokens_per_page,
-                    model.kv_cache_dtype) if attention else 0,
+                    attention_layers, model.num_key_value_heads, model.head_dim, geometry.tokens_per_page,
+                    model.kv_cache_dtype) if attention_layers else 0,
                 "recurrent_snapshot_bytes_per_slot": recurrent_bytes_per_slot(
                     recurrent, model.recurrent_state_num_heads, model.recurrent_state_head_dim,
                     model.recurrent_state_size, model.conv_dim, model.conv_kernel) if recurrent else 0}
-        return cls(**resolved, backend=backend, max_lora_rank=max_lora_rank, **snapshots)
+        if backend == "tensorrt":
+            attention = ATTENTION_TRT_PLUGIN
+        return cls(**resolved, backend=backend, max_lora_rank=max_lora_rank, attention=attention, **snapshots)
 
     def to_dict(self) -> dict[str, Any]:
         # minimum_active_pages: written since the first engine dirs (batch × pages per sequence); nothing reads it.
@@ -152,8 +160,12 @@ def read_builder_config(raw: dict[str, Any], model: ModelConfig) -> BuilderConfi
     if geometry.max_pages_per_seq != numbers["max_pages_per_seq"]:
         raise InvalidConfig(f"must be {geometry.max_pages_per_seq} (capacity / tokens_per_page), got "
                             f"{numbers['max_pages_per_seq']}; {REBUILD}", f"{where}.max_pages_per_seq")
+    attention = raw.get("attention", ATTENTION_ONNX_OPS)
+    if attention not in ATTENTION_PATHS[:2]:  # a TensorRT engine's is implied by its backend
+        raise InvalidConfig(f"must be one of {ATTENTION_PATHS[:2]}, got {describe(attention)}; {REBUILD}",
+                            f"{where}.attention")
     # Snapshot geometry and layer types are recomputed from the model, not trusted from the file.
-    return BuilderConfig.from_geometry(geometry, raw["backend"], numbers["max_lora_rank"], model)
+    return BuilderConfig.from_geometry(geometry, raw["backend"], numbers["max_lora_rank"], model, attention)
 
 
 def check_embedding(path: Path, model: ModelConfig, field: str) -> None:

@@ -12,7 +12,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from kvforge import __version__
-from kvforge.builder.build import BuildOptions, build_engine, read_onnx_dir, resolve_backend
+from kvforge.builder.build import BuildOptions, build_engine, read_onnx_dir, resolve_backend, resolve_cpu_attention
 from kvforge.contract.manifest import MANIFEST_FILE
 
 KEY_FILE = "llm_test_key.json"  # what the digest covers, written beside the engine for people to read
@@ -36,7 +36,9 @@ def cached_engine(onnx_dir: Path, options: BuildOptions, cache_dir: Path,
                   step: Callable[[str], None] = lambda _m: None) -> tuple[Path, bool]:
     """(engine dir, built now): an engine for `options` from `cache_dir`, built there first when missing."""
     read_onnx_dir(onnx_dir)  # one-line errors for a missing or foreign ONNX dir before anything is written
-    options = replace(options, backend=resolve_backend(options.backend))
+    # Resolved so the key tells a kernel engine from a fallback one (KVFORGE_CPU_KERNEL=off builds the other).
+    options = replace(options, backend=resolve_backend(options.backend),
+                      cpu_attention=resolve_cpu_attention(options.cpu_attention))
     key = engine_key(onnx_dir, options)
     digest = hashlib.blake2b(json.dumps(key, sort_keys=True).encode(), digest_size=8).hexdigest()
     engine_dir = cache_dir / f"{onnx_dir.resolve().name}-{digest}"
