@@ -1,4 +1,4 @@
-"""Schemas of the paged-KV custom ops (domain `kvforge`) that export writes and backends lower."""
+"""Schemas of the paged-KV custom ops: the export-level ops (domain `kvforge`) and the CPU kernel's lowered op."""
 
 from __future__ import annotations
 
@@ -48,3 +48,27 @@ PAGED_ATTENTION = OpSchema(
 )
 
 SCHEMAS = {s.name: s for s in (PAGED_KV_WRITE, PAGED_ATTENTION)}
+
+# The ONNX Runtime CPU custom-op library (plugins/cpu/, built by plugins/cpu_kernel.py) registers this domain.
+CPU_DOMAIN = "kvforge.cpu"
+CPU_EXECUTION_PROVIDER = "CPUExecutionProvider"
+
+CPU_PAGED_ATTENTION = OpSchema(
+    name="PagedAttention",
+    inputs=("query", "new_kv", "pool", "kv_page_table", "kvcache_start_index", "context_lengths",
+            "attention_mask"),
+    outputs=("attention_output",),
+    attributes=("num_q_heads", "num_kv_heads", "head_dim", "tokens_per_page", "scale"),
+    doc="Attention that reads the layer's pool in place through the page table (no gather, cast or copy). "
+        "query [B,S,Hq*D] float32, RoPE applied; new_kv [B,S,2,Hkv,D] float32: this call's rotated keys and "
+        "values, already rounded through the storage dtype; pool [num_pages,2,Hkv,T,D] float16, uint8 (FP8 "
+        "E4M3 bit patterns) or float32, the element type choosing the decoding; kv_page_table [B,W] int32 "
+        "covering the cached positions only (W may be 0 or short: missing pages count as -1); "
+        "kvcache_start_index [B] int32 (positions 0..start-1 are in the pool); context_lengths [B] int32 "
+        "(new tokens per row, <= S, right-padded); optional attention_mask [B,S,S] bool (query i sees new key "
+        "j iff mask[b,i,j]; absent = causal j <= i, a tree mask for speculative verification). Cached "
+        "position p is page table[b, p // T], slot p % T, visible to every query unless its page is -1 or "
+        "beyond W. GQA: q head h reads kv head h // (Hq/Hkv). Output [B,S,Hq*D] float32, rows past "
+        "context_lengths[b] (and queries that see nothing) are 0; fp32 online softmax. head_dim must be a "
+        "multiple of 16 up to 256. Semantics: reference.paged_attention_rows.",
+)

@@ -87,30 +87,90 @@ def paged_kv_write(key: np.ndarray, value: np.ndarray, cos_sin: np.ndarray, cont
 def gather_sequence_kv(pool: np.ndarray, page_row: np.ndarray, num_tokens: int,
                        kv_cache_dtype: str) -> tuple[np.ndarray, np.ndarray]:
     """K and V [heads, num_tokens, D] of one sequence, read through its page-table row."""
+    keys, values, _ = _paged_kv(pool, page_row, num_tokens, kv_cache_dtype)
+    return keys, values
+
+
+def _paged_kv(pool: np.ndarray, page_row: np.ndarray, num_tokens: int,
+              kv_cache_dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """K, V [heads, num_tokens, D] float32 and which positions have a page: a -1 entry, or one past the row's
+    width, leaves its positions unread (zeros) and invisible."""
     tokens_per_page = pool.shape[3]
     num_pages = pages_for(num_tokens, tokens_per_page)
-    pages = pool[page_row[:num_pages]]  # [P, 2, H, T, D]
-    kv = from_storage(pages, kv_cache_dtype).transpose(1, 2, 0, 3, 4)
-    kv = kv.reshape(2, pool.shape[2], num_pages * tokens_per_page, pool.shape[4])[:, :, :num_tokens]
-    return kv[0], kv[1]
+    row = np.full(num_pages, UNUSED_PAGE, dtype=np.int64)
+    width = min(num_pages, len(page_row))
+    row[:width] = page_row[:width]
+    has_page = row != UNUSED_PAGE
+    pages = np.zeros((num_pages, *pool.shape[1:]), dtype=np.float32)
+    pages[has_page] = from_storage(pool[row[has_page]], kv_cache_dtype)
+    kv = pages.transpose(1, 2, 0, 3, 4).reshape(2, pool.shape[2], num_pages * tokens_per_page, pool.shape[4])
+    valid = np.repeat(has_page, tokens_per_page)[:num_tokens]
+    return kv[0, :, :num_tokens], kv[1, :, :num_tokens], valid
+
+
+def _new_visibility(length: int, mask: np.ndarray | None) -> np.ndarray:
+    """[length, length]: which new tokens each new query sees (the tree mask, or causal when absent)."""
+    if mask is not None:
+        return np.asarray(mask[:length, :length], dtype=bool)
+    return np.arange(length)[None, :] <= np.arange(length)[:, None]
+
+
+def _attend(query: np.ndarray, keys: np.ndarray, values: np.ndarray, visible: np.ndarray, *, num_kv_heads: int,
+            head_dim: int, scale: float) -> np.ndarray:
+    """The one softmax of both forms: queries [L, Hq*D] over keys/values [Hkv, C, D] where visible [L, C];
+    q head h reads kv head h // group; a query that sees nothing gets zeros."""
+    length = query.shape[0]
+    group = query.shape[1] // (num_kv_heads * head_dim)
+    q = query.reshape(length, num_kv_heads, group, head_dim).astype(np.float64)
+    scores = np.einsum("shgd,htd->hgst", q, keys.astype(np.float64)) * scale
+    scores = np.where(visible, scores, -np.inf)
+    peak = scores.max(axis=-1, keepdims=True)
+    probs = np.exp(scores - np.where(np.isfinite(peak), peak, 0.0))
+    total = probs.sum(axis=-1, keepdims=True)
+    probs = np.divide(probs, total, out=np.zeros_like(probs), where=total > 0)
+    attn = np.einsum("hgst,htd->shgd", probs, values.astype(np.float64))
+    return attn.reshape(length, num_kv_heads * group * head_dim)
 
 
 def paged_attention(query: np.ndarray, pool: np.ndarray, context_lengths: np.ndarray,
                     kvcache_start_index: np.ndarray, kv_page_table: np.ndarray, *, num_q_heads: int,
-                    num_kv_heads: int, head_dim: int, scale: float, kv_cache_dtype: str) -> np.ndarray:
-    """PagedAttention over a pool that already holds the new tokens (bottom-right causal)."""
+                    num_kv_heads: int, head_dim: int, scale: float, kv_cache_dtype: str,
+                    attention_mask: np.ndarray | None = None) -> np.ndarray:
+    """PagedAttention over a pool that already holds the new tokens: query i of row b sees the cached positions
+    0..start-1 and the new ones per `attention_mask` [B,S,S] (bottom-right causal when None); positions
+    without a page (-1, or past the table's width) are invisible."""
     batch, seq = query.shape[:2]
-    group = num_q_heads // num_kv_heads
     out = np.zeros((batch, seq, num_q_heads * head_dim), dtype=np.float32)
     for b in range(batch):
         start, length = int(kvcache_start_index[b]), int(context_lengths[b])
-        keys, values = gather_sequence_kv(pool, kv_page_table[b], start + length, kv_cache_dtype)
-        q = query[b, :length].reshape(length, num_kv_heads, group, head_dim).astype(np.float64)
-        scores = np.einsum("shgd,htd->hgst", q, keys.astype(np.float64)) * scale
-        visible = np.arange(start + length)[None, :] <= (start + np.arange(length))[:, None]
-        scores = np.where(visible, scores, -np.inf)
-        probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
-        probs /= probs.sum(axis=-1, keepdims=True)
-        attn = np.einsum("hgst,htd->shgd", probs, values.astype(np.float64))
-        out[b, :length] = attn.reshape(length, num_q_heads * head_dim)
+        if length == 0:
+            continue
+        keys, values, valid = _paged_kv(pool, kv_page_table[b], start + length, kv_cache_dtype)
+        mask = None if attention_mask is None else attention_mask[b]
+        visible = np.concatenate([np.ones((length, start), dtype=bool), _new_visibility(length, mask)], axis=1)
+        out[b, :length] = _attend(query[b, :length], keys, values, visible & valid[None, :],
+                                  num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale)
+    return out
+
+
+def paged_attention_rows(query: np.ndarray, new_kv: np.ndarray, pool: np.ndarray, kv_page_table: np.ndarray,
+                         kvcache_start_index: np.ndarray, context_lengths: np.ndarray, *, num_q_heads: int,
+                         num_kv_heads: int, head_dim: int, scale: float, kv_cache_dtype: str,
+                         attention_mask: np.ndarray | None = None) -> np.ndarray:
+    """kvforge.cpu.PagedAttention (the lowered form): the pool holds only the cached positions 0..start-1 and
+    this call's keys/values come as new_kv [B,S,2,Hkv,D] (float32, already rounded through the storage dtype)."""
+    batch, seq = query.shape[:2]
+    out = np.zeros((batch, seq, num_q_heads * head_dim), dtype=np.float32)
+    for b in range(batch):
+        start, length = int(kvcache_start_index[b]), int(context_lengths[b])
+        if length == 0:
+            continue
+        cached_k, cached_v, valid = _paged_kv(pool, kv_page_table[b], start, kv_cache_dtype)
+        new = new_kv[b, :length].astype(np.float32).transpose(1, 2, 0, 3)  # [2, Hkv, length, D]
+        keys = np.concatenate([cached_k, new[0]], axis=1)
+        values = np.concatenate([cached_v, new[1]], axis=1)
+        mask = None if attention_mask is None else attention_mask[b]
+        visible = np.concatenate([np.broadcast_to(valid, (length, start)), _new_visibility(length, mask)], axis=1)
+        out[b, :length] = _attend(query[b, :length], keys, values, visible, num_kv_heads=num_kv_heads,
+                                  head_dim=head_dim, scale=scale)
     return out

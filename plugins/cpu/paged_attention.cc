@@ -1,0 +1,797 @@
+// kvforge.cpu.PagedAttention: an ONNX Runtime CPU custom op that reads the paged KV pool in place.
+//
+// The contract is plugins/ops.py CPU_PAGED_ATTENTION; the semantics are plugins/reference.py
+// paged_attention_rows. The library links no libonnxruntime: RegisterCustomOps receives the API table.
+//
+// Work is cut into items (row b, kv head h, block of queries, split of the cached range). An item streams
+// its K/V through tiles of up to kTile positions: each tile is decoded to float32 once (from fp16, fp8 or
+// fp32 pages, or from the new rows) and then serves every query row of the item, i.e. the block's queries
+// times the whole GQA group. Scores use K transposed inside the tile so q.K^T is broadcast FMAs with no
+// horizontal sums. Each item keeps an online softmax (max, sum, acc) per row; when the cached range is
+// split across threads (decode), the partials are merged afterwards (flash decoding).
+
+#include <onnxruntime_c_api.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__F16C__)
+// gcc 12 reports its own _mm512_undefined_ps() (inside the shuffle intrinsics) as maybe-uninitialized.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#define KVFORGE_AVX512 1
+#else
+#define KVFORGE_AVX512 0
+#endif
+
+namespace {
+
+const OrtApi* g_api = nullptr;
+
+constexpr int kTile = 64;          // positions decoded per tile (4 vectors of 16)
+constexpr int kRowBlock = 4;       // query rows per register block
+constexpr int kMaxRows = 32;       // query rows (queries x group) an item aims for
+constexpr int kMaxHeadDim = 256;
+constexpr int kSplitTokens = 256;  // cached positions per split when the range is split
+constexpr int kMaxSplits = 64;
+constexpr int kEnoughGroups = 16;  // this many (row, head, query block) groups keep the threads busy unsplit
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+enum class PoolType { kF16, kFp8, kF32 };
+
+float g_fp8_table[256];  // E4M3FN bit pattern -> float; NaN patterns decode to 0 (never written)
+
+void init_fp8_table() {
+  for (int bits = 0; bits < 256; ++bits) {
+    const int exponent = (bits >> 3) & 0xf, mantissa = bits & 0x7;
+    float magnitude;
+    if (exponent == 0xf && mantissa == 0x7) {
+      magnitude = 0.0f;
+    } else if (exponent == 0) {
+      magnitude = std::ldexp(static_cast<float>(mantissa), -9);
+    } else {
+      magnitude = std::ldexp(1.0f + mantissa / 8.0f, exponent - 7);
+    }
+    g_fp8_table[bits] = (bits & 0x80) ? -magnitude : magnitude;
+  }
+}
+
+[[maybe_unused]] float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+  uint32_t bits;
+  if (exponent == 0) {
+    const float sub = std::ldexp(static_cast<float>(mantissa), -24);
+    std::memcpy(&bits, &sub, sizeof bits);
+    bits |= sign;
+  } else if (exponent == 0x1f) {
+    bits = sign | 0x7f800000u | (mantissa << 13);
+  } else {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  }
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+// ---- decoding one stored row of head_dim elements into float32 ----
+
+void decode_row(const float* src, float* dst, int dim) { std::memcpy(dst, src, sizeof(float) * dim); }
+
+void decode_row(const uint16_t* src, float* dst, int dim) {
+#if KVFORGE_AVX512
+  for (int d = 0; d < dim; d += 16) {
+    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d));
+    _mm512_storeu_ps(dst + d, _mm512_cvtph_ps(half));
+  }
+#else
+  for (int d = 0; d < dim; ++d) dst[d] = half_to_float(src[d]);
+#endif
+}
+
+void decode_row(const uint8_t* src, float* dst, int dim) {
+#if KVFORGE_AVX512
+  for (int d = 0; d < dim; d += 16) {
+    const __m512i index = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d)));
+    _mm512_storeu_ps(dst + d, _mm512_i32gather_ps(index, g_fp8_table, 4));
+  }
+#else
+  for (int d = 0; d < dim; ++d) dst[d] = g_fp8_table[src[d]];
+#endif
+}
+
+// ---- per-thread scratch of one item ----
+
+struct Scratch {
+  std::vector<float> q, kf, kt, vf, scores, probs, acc, max, sum, alpha;
+  std::vector<uint64_t> visible;
+
+  void reserve(int rows, int dim) {
+    const size_t padded = static_cast<size_t>((rows + kRowBlock - 1) / kRowBlock * kRowBlock);
+    q.assign(padded * dim, 0.0f);
+    kf.resize(static_cast<size_t>(kTile) * dim);
+    kt.resize(static_cast<size_t>(kTile) * dim);
+    vf.resize(static_cast<size_t>(kTile) * dim);
+    scores.resize(padded * kTile);
+    probs.resize(padded * kTile);
+    acc.assign(padded * dim, 0.0f);
+    max.assign(padded, kNegInf);
+    sum.assign(padded, 0.0f);
+    alpha.assign(padded, 1.0f);
+    visible.assign(padded, 0);
+  }
+};
+
+// kt[d][t] = kf[t][d] for t < n, zeros for the rest of the 16-blocks the scores read.
+void transpose_keys(const float* kf, int n, int dim, float* kt) {
+  const int blocks = (n + 15) / 16;
+#if KVFORGE_AVX512
+  for (int tb = 0; tb < blocks; ++tb) {
+    for (int d0 = 0; d0 < dim; d0 += 16) {
+      __m512 r[16];
+      for (int i = 0; i < 16; ++i) {
+        const int t = tb * 16 + i;
+        r[i] = t < n ? _mm512_loadu_ps(kf + static_cast<size_t>(t) * dim + d0) : _mm512_setzero_ps();
+      }
+      __m512 t2[16];
+      for (int i = 0; i < 8; ++i) {
+        t2[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t2[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+      }
+      __m512 u[16];  // u[4i+j], 128-bit lane L: column 4L+j of rows 4i..4i+3
+      for (int i = 0; i < 4; ++i) {
+        const __m512d a = _mm512_castps_pd(t2[4 * i]), b = _mm512_castps_pd(t2[4 * i + 1]);
+        const __m512d c = _mm512_castps_pd(t2[4 * i + 2]), e = _mm512_castps_pd(t2[4 * i + 3]);
+        u[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, e));
+        u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, e));
+      }
+      for (int j = 0; j < 4; ++j) {
+        const __m512 v0 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x44);
+        const __m512 v1 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x44);
+        const __m512 v2 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xEE);
+        const __m512 v3 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xEE);
+        float* base = kt + tb * 16;
+        _mm512_storeu_ps(base + static_cast<size_t>(d0 + j) * kTile, _mm512_shuffle_f32x4(v0, v1, 0x88));
+        _mm512_storeu_ps(base + static_cast<size_t>(d0 + 4 + j) * kTile, _mm512_shuffle_f32x4(v0, v1, 0xDD));
+        _mm512_storeu_ps(base + static_cast<size_t>(d0 + 8 + j) * kTile, _mm512_shuffle_f32x4(v2, v3, 0x88));
+        _mm512_storeu_ps(base + static_cast<size_t>(d0 + 12 + j) * kTile, _mm512_shuffle_f32x4(v2, v3, 0xDD));
+      }
+    }
+  }
+#else
+  for (int d = 0; d < dim; ++d) {
+    for (int t = 0; t < blocks * 16; ++t) kt[static_cast<size_t>(d) * kTile + t] = t < n ? kf[static_cast<size_t>(t) * dim + d] : 0.0f;
+  }
+#endif
+}
+
+#if KVFORGE_AVX512
+// exp with a degree-6 polynomial on the reduced argument and scalef for 2^n (about 1 ulp on [-103, 88]).
+inline __m512 exp512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-103.0f)), _mm512_set1_ps(88.7f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+template <int NB>
+void scores_block(const float* q, int dim, const float* kt, float* scores) {
+  __m512 acc[kRowBlock][NB];
+  for (int i = 0; i < kRowBlock; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int d = 0; d < dim; ++d) {
+    __m512 k[NB];
+    for (int j = 0; j < NB; ++j) k[j] = _mm512_loadu_ps(kt + static_cast<size_t>(d) * kTile + 16 * j);
+    for (int i = 0; i < kRowBlock; ++i) {
+      const __m512 qb = _mm512_set1_ps(q[static_cast<size_t>(i) * dim + d]);
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(qb, k[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < kRowBlock; ++i)
+    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(scores + i * kTile + 16 * j, acc[i][j]);
+}
+
+template <int NV>
+void pv_block(const float* probs, const float* alpha, const float* vf, int n, int dim, int d0, float* acc) {
+  __m512 a[kRowBlock][NV];
+  for (int i = 0; i < kRowBlock; ++i) {
+    const __m512 scale = _mm512_set1_ps(alpha[i]);
+    for (int k = 0; k < NV; ++k) a[i][k] = _mm512_mul_ps(_mm512_loadu_ps(acc + static_cast<size_t>(i) * dim + d0 + 16 * k), scale);
+  }
+  for (int t = 0; t < n; ++t) {
+    __m512 v[NV];
+    for (int k = 0; k < NV; ++k) v[k] = _mm512_loadu_ps(vf + static_cast<size_t>(t) * dim + d0 + 16 * k);
+    for (int i = 0; i < kRowBlock; ++i) {
+      const __m512 p = _mm512_set1_ps(probs[i * kTile + t]);
+      for (int k = 0; k < NV; ++k) a[i][k] = _mm512_fmadd_ps(p, v[k], a[i][k]);
+    }
+  }
+  for (int i = 0; i < kRowBlock; ++i)
+    for (int k = 0; k < NV; ++k) _mm512_storeu_ps(acc + static_cast<size_t>(i) * dim + d0 + 16 * k, a[i][k]);
+}
+#endif
+
+// scores[r][t] = q_r . k_t for the (padded) rows and the tile's 16-blocks.
+void compute_scores(const Scratch& s, int rows, int n, int dim, float* scores) {
+  const int blocks = (n + 15) / 16;
+#if KVFORGE_AVX512
+  for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
+    const float* q = s.q.data() + static_cast<size_t>(r0) * dim;
+    float* out = scores + r0 * kTile;
+    switch (blocks) {
+      case 1: scores_block<1>(q, dim, s.kt.data(), out); break;
+      case 2: scores_block<2>(q, dim, s.kt.data(), out); break;
+      case 3: scores_block<3>(q, dim, s.kt.data(), out); break;
+      default: scores_block<4>(q, dim, s.kt.data(), out); break;
+    }
+  }
+#else
+  for (int r = 0; r < rows; ++r) {
+    for (int t = 0; t < blocks * 16; ++t) {
+      float dot = 0.0f;
+      for (int d = 0; d < dim; ++d) dot += s.q[static_cast<size_t>(r) * dim + d] * s.kt[static_cast<size_t>(d) * kTile + t];
+      scores[r * kTile + t] = dot;
+    }
+  }
+#endif
+}
+
+// Online-softmax step of each row over the tile: new running max, rescale factor, probabilities, sum.
+void softmax_update(Scratch& s, int rows, int n) {
+  for (int r = 0; r < rows; ++r) {
+    const uint64_t seen = s.visible[r];
+    float* p = s.probs.data() + r * kTile;
+    const float* x = s.scores.data() + r * kTile;
+    if (seen == 0) {
+      std::fill(p, p + kTile, 0.0f);
+      s.alpha[r] = 1.0f;
+      continue;
+    }
+    float tile_max = kNegInf;
+    for (int t = 0; t < n; ++t)
+      if ((seen >> t) & 1) tile_max = std::max(tile_max, x[t]);
+    const float running = std::max(s.max[r], tile_max);
+    const float alpha = s.max[r] == kNegInf ? 0.0f : std::exp(s.max[r] - running);
+    float total = 0.0f;
+#if KVFORGE_AVX512
+    const __m512 m = _mm512_set1_ps(running);
+    __m512 acc = _mm512_setzero_ps();
+    for (int j = 0; j * 16 < n; ++j) {
+      const __mmask16 lanes = static_cast<__mmask16>(seen >> (16 * j));
+      const __m512 e = _mm512_maskz_mov_ps(lanes, exp512(_mm512_sub_ps(_mm512_loadu_ps(x + 16 * j), m)));
+      _mm512_storeu_ps(p + 16 * j, e);
+      acc = _mm512_add_ps(acc, e);
+    }
+    total = _mm512_reduce_add_ps(acc);
+#else
+    for (int t = 0; t < n; ++t) {
+      p[t] = ((seen >> t) & 1) ? std::exp(x[t] - running) : 0.0f;
+      total += p[t];
+    }
+#endif
+    s.alpha[r] = alpha;
+    s.sum[r] = s.sum[r] * alpha + total;
+    s.max[r] = running;
+  }
+}
+
+// acc[r] = acc[r] * alpha[r] + sum_t probs[r][t] * v_t
+void accumulate_values(Scratch& s, int rows, int n, int dim) {
+#if KVFORGE_AVX512
+  for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
+    const float* p = s.probs.data() + r0 * kTile;
+    const float* alpha = s.alpha.data() + r0;
+    float* acc = s.acc.data() + static_cast<size_t>(r0) * dim;
+    for (int d0 = 0; d0 < dim; d0 += 64) {
+      switch (std::min(4, (dim - d0) / 16)) {
+        case 1: pv_block<1>(p, alpha, s.vf.data(), n, dim, d0, acc); break;
+        case 2: pv_block<2>(p, alpha, s.vf.data(), n, dim, d0, acc); break;
+        case 3: pv_block<3>(p, alpha, s.vf.data(), n, dim, d0, acc); break;
+        default: pv_block<4>(p, alpha, s.vf.data(), n, dim, d0, acc); break;
+      }
+    }
+  }
+#else
+  for (int r = 0; r < rows; ++r) {
+    float* acc = s.acc.data() + static_cast<size_t>(r) * dim;
+    for (int d = 0; d < dim; ++d) acc[d] *= s.alpha[r];
+    for (int t = 0; t < n; ++t) {
+      const float w = s.probs[r * kTile + t];
+      if (w == 0.0f) continue;
+      const float* v = s.vf.data() + static_cast<size_t>(t) * dim;
+      for (int d = 0; d < dim; ++d) acc[d] += w * v[d];
+    }
+  }
+#endif
+}
+
+// One tile: decode K and V rows (any element type) once, then attend every row of the item over them.
+template <typename E>
+void attend_tile(Scratch& s, const E* const* keys, const E* const* values, int n, int rows, int dim) {
+  for (int t = 0; t < n; ++t) {
+    decode_row(keys[t], s.kf.data() + static_cast<size_t>(t) * dim, dim);
+    decode_row(values[t], s.vf.data() + static_cast<size_t>(t) * dim, dim);
+  }
+  transpose_keys(s.kf.data(), n, dim, s.kt.data());
+  compute_scores(s, rows, n, dim, s.scores.data());
+  softmax_update(s, rows, n);
+  accumulate_values(s, rows, n, dim);
+}
+
+// ---- the call: validated geometry, the work plan, and the items ----
+
+struct Item {
+  int32_t b, h, q0, q1;  // row, kv head, queries [q0, q1)
+  int32_t c0, c1;        // cached positions [c0, c1)
+  bool with_new;         // this item also attends over the call's new rows
+  int32_t group;         // index into Call::groups
+  int32_t split;         // index of this split within its group
+};
+
+struct Group {
+  int32_t b, h, q0, q1;
+  int32_t first_item, splits;
+  int64_t partial;  // offset of the group's partials (splits x rows x (dim + 2))
+};
+
+struct Call {
+  int64_t batch, seq, q_heads, kv_heads, dim, page_tokens, width, num_pages, group_size;
+  float scale;
+  const float* query;
+  const float* new_kv;
+  const void* pool;
+  PoolType pool_type;
+  const int32_t* page_table;
+  const int32_t* start;
+  const int32_t* length;
+  const bool* mask;
+  float* out;
+  std::vector<Item> items;
+  std::vector<Group> groups;
+  std::vector<float> partials;
+};
+
+thread_local Scratch t_scratch;
+
+size_t pool_offset(const Call& c, int64_t page, int kv, int64_t head, int64_t slot) {
+  return static_cast<size_t>((((page * 2 + kv) * c.kv_heads + head) * c.page_tokens + slot) * c.dim);
+}
+
+template <typename E>
+void attend_cached(const Call& c, const Item& it, Scratch& s, int rows) {
+  const E* pool = static_cast<const E*>(c.pool);
+  const E* keys[kTile];
+  const E* values[kTile];
+  int64_t pos = it.c0;
+  while (pos < it.c1) {
+    int n = 0;
+    while (n < kTile && pos < it.c1) {
+      const int64_t index = pos / c.page_tokens;
+      const int64_t segment_end = std::min<int64_t>(it.c1, (index + 1) * c.page_tokens);
+      const int32_t page = index < c.width ? c.page_table[it.b * c.width + index] : -1;
+      if (page < 0) {  // no page: these positions are not visible
+        pos = segment_end;
+        continue;
+      }
+      const int64_t take = std::min<int64_t>(segment_end - pos, kTile - n);
+      const int64_t slot = pos % c.page_tokens;
+      for (int64_t k = 0; k < take; ++k) {
+        keys[n + k] = pool + pool_offset(c, page, 0, it.h, slot + k);
+        values[n + k] = pool + pool_offset(c, page, 1, it.h, slot + k);
+      }
+      n += static_cast<int>(take);
+      pos += take;
+    }
+    if (n > 0) {
+      const uint64_t all = n == 64 ? ~uint64_t{0} : ((uint64_t{1} << n) - 1);
+      for (int r = 0; r < rows; ++r) s.visible[r] = all;
+      attend_tile<E>(s, keys, values, n, rows, static_cast<int>(c.dim));
+    }
+  }
+}
+
+void attend_new(const Call& c, const Item& it, Scratch& s, int rows) {
+  const int64_t g = c.group_size;
+  const int64_t limit = c.mask ? c.length[it.b] : it.q1;  // causal: no query of the block sees past q1 - 1
+  const float* keys[kTile];
+  const float* values[kTile];
+  for (int64_t j0 = 0; j0 < limit; j0 += kTile) {
+    const int n = static_cast<int>(std::min<int64_t>(kTile, limit - j0));
+    for (int t = 0; t < n; ++t) {
+      const int64_t base = ((it.b * c.seq + j0 + t) * 2) * c.kv_heads + it.h;
+      keys[t] = c.new_kv + static_cast<size_t>(base * c.dim);
+      values[t] = c.new_kv + static_cast<size_t>((base + c.kv_heads) * c.dim);
+    }
+    bool any = false;
+    for (int r = 0; r < rows; ++r) {
+      const int64_t i = it.q0 + r / g;
+      uint64_t seen = 0;
+      for (int t = 0; t < n; ++t) {
+        const int64_t j = j0 + t;
+        const bool on = c.mask ? c.mask[(it.b * c.seq + i) * c.seq + j] : j <= i;
+        seen |= static_cast<uint64_t>(on) << t;
+      }
+      s.visible[r] = seen;
+      any = any || seen != 0;
+    }
+    if (any) attend_tile<float>(s, keys, values, n, rows, static_cast<int>(c.dim));
+  }
+}
+
+void run_item(const Call& c, size_t index) {
+  const Item& it = c.items[index];
+  const int64_t g = c.group_size, dim = c.dim;
+  const int rows = static_cast<int>((it.q1 - it.q0) * g);
+  Scratch& s = t_scratch;
+  s.reserve(rows, static_cast<int>(dim));
+  for (int r = 0; r < rows; ++r) {  // row r = (query q0 + r / g, q head h * g + r % g), pre-scaled
+    const float* q = c.query + static_cast<size_t>(((it.b * c.seq + it.q0 + r / g) * c.q_heads + it.h * g + r % g) * dim);
+    for (int64_t d = 0; d < dim; ++d) s.q[static_cast<size_t>(r) * dim + d] = q[d] * c.scale;
+  }
+  switch (c.pool_type) {
+    case PoolType::kF16: attend_cached<uint16_t>(c, it, s, rows); break;
+    case PoolType::kFp8: attend_cached<uint8_t>(c, it, s, rows); break;
+    case PoolType::kF32: attend_cached<float>(c, it, s, rows); break;
+  }
+  if (it.with_new) attend_new(c, it, s, rows);
+  const Group& grp = c.groups[it.group];
+  if (grp.splits == 1) {
+    for (int r = 0; r < rows; ++r) {
+      float* out = c.out + static_cast<size_t>(((it.b * c.seq + it.q0 + r / g) * c.q_heads + it.h * g + r % g) * dim);
+      const float inv = s.sum[r] > 0.0f ? 1.0f / s.sum[r] : 0.0f;
+      for (int64_t d = 0; d < dim; ++d) out[d] = s.acc[static_cast<size_t>(r) * dim + d] * inv;
+    }
+    return;
+  }
+  // A split's partial: (max, sum, acc) per row, merged by merge_group.
+  float* part = const_cast<float*>(c.partials.data()) + grp.partial +
+                static_cast<int64_t>(it.split) * rows * (dim + 2);
+  for (int r = 0; r < rows; ++r) {
+    float* slot = part + static_cast<int64_t>(r) * (dim + 2);
+    slot[0] = s.max[r];
+    slot[1] = s.sum[r];
+    std::memcpy(slot + 2, s.acc.data() + static_cast<size_t>(r) * dim, sizeof(float) * dim);
+  }
+}
+
+void merge_group(const Call& c, const Group& grp) {
+  const int64_t g = c.group_size, dim = c.dim;
+  const int64_t rows = (grp.q1 - grp.q0) * g;
+  for (int64_t r = 0; r < rows; ++r) {
+    float peak = kNegInf;
+    for (int sp = 0; sp < grp.splits; ++sp) peak = std::max(peak, c.partials[grp.partial + (sp * rows + r) * (dim + 2)]);
+    float* out = c.out + static_cast<size_t>(((grp.b * c.seq + grp.q0 + r / g) * c.q_heads + grp.h * g + r % g) * dim);
+    std::fill(out, out + dim, 0.0f);
+    if (peak == kNegInf) continue;  // this query sees nothing
+    float total = 0.0f;
+    for (int sp = 0; sp < grp.splits; ++sp) {
+      const float* slot = c.partials.data() + grp.partial + (sp * rows + r) * (dim + 2);
+      if (slot[0] == kNegInf) continue;
+      const float w = std::exp(slot[0] - peak);
+      total += slot[1] * w;
+      for (int64_t d = 0; d < dim; ++d) out[d] += slot[2 + d] * w;
+    }
+    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+    for (int64_t d = 0; d < dim; ++d) out[d] *= inv;
+  }
+}
+
+void plan(Call& c) {
+  const int64_t g = c.group_size;
+  const int64_t block = std::max<int64_t>(1, kMaxRows / g);
+  int64_t groups = 0;
+  for (int64_t b = 0; b < c.batch; ++b) groups += c.kv_heads * ((c.length[b] + block - 1) / block);
+  int64_t partial = 0;
+  for (int64_t b = 0; b < c.batch; ++b) {
+    const int64_t len = c.length[b];
+    const int64_t cached = std::min<int64_t>(c.start[b], c.width * c.page_tokens);  // past W nothing is visible
+    int64_t splits = 1;
+    if (groups < kEnoughGroups) {
+      splits = std::clamp<int64_t>((cached + kSplitTokens - 1) / kSplitTokens, 1, kMaxSplits);
+    }
+    for (int64_t h = 0; h < c.kv_heads; ++h) {
+      for (int64_t q0 = 0; q0 < len; q0 += block) {
+        const int64_t q1 = std::min(len, q0 + block);
+        Group grp{static_cast<int32_t>(b), static_cast<int32_t>(h), static_cast<int32_t>(q0),
+                  static_cast<int32_t>(q1), static_cast<int32_t>(c.items.size()), static_cast<int32_t>(splits),
+                  partial};
+        if (splits > 1) partial += splits * (q1 - q0) * g * (c.dim + 2);
+        for (int64_t sp = 0; sp < splits; ++sp) {
+          c.items.push_back(Item{grp.b, grp.h, grp.q0, grp.q1, static_cast<int32_t>(cached * sp / splits),
+                                 static_cast<int32_t>(cached * (sp + 1) / splits), sp == splits - 1,
+                                 static_cast<int32_t>(c.groups.size()), static_cast<int32_t>(sp)});
+        }
+        c.groups.push_back(grp);
+      }
+    }
+  }
+  c.partials.assign(static_cast<size_t>(partial), 0.0f);
+}
+
+// ---- ORT plumbing: the kernel, validation and registration ----
+
+struct Kernel {
+  int64_t q_heads, kv_heads, dim, page_tokens;
+  float scale;
+};
+
+OrtStatus* error(const std::string& message) {
+  return g_api->CreateStatus(ORT_INVALID_ARGUMENT, ("kvforge.cpu.PagedAttention: " + message).c_str());
+}
+
+#define KVF_TRY(expr)                     \
+  do {                                    \
+    if (OrtStatus* _st = (expr)) return _st; \
+  } while (0)
+
+struct TensorInfo {
+  ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  std::vector<int64_t> shape;
+};
+
+OrtStatus* describe(const OrtValue* value, TensorInfo* info) {
+  OrtTensorTypeAndShapeInfo* raw = nullptr;
+  KVF_TRY(g_api->GetTensorTypeAndShape(value, &raw));
+  size_t rank = 0;
+  OrtStatus* st = g_api->GetTensorElementType(raw, &info->type);
+  if (!st) st = g_api->GetDimensionsCount(raw, &rank);
+  if (!st) {
+    info->shape.resize(rank);
+    st = g_api->GetDimensions(raw, info->shape.data(), rank);
+  }
+  g_api->ReleaseTensorTypeAndShapeInfo(raw);
+  return st;
+}
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string text = "[";
+  for (size_t i = 0; i < shape.size(); ++i) text += (i ? "," : "") + std::to_string(shape[i]);
+  return text + "]";
+}
+
+OrtStatus* expect(const char* name, const TensorInfo& info, ONNXTensorElementDataType type,
+                  const std::vector<int64_t>& shape) {
+  if (type != ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED && info.type != type)
+    return error(std::string(name) + " has element type " + std::to_string(info.type) + ", expected " +
+                 std::to_string(type));
+  bool same = info.shape.size() == shape.size();
+  for (size_t i = 0; same && i < shape.size(); ++i) same = shape[i] < 0 || info.shape[i] == shape[i];
+  if (!same) return error(std::string(name) + " has shape " + shape_text(info.shape) + ", expected " + shape_text(shape) + " (-1: any)");
+  return nullptr;
+}
+
+OrtStatus* input(OrtKernelContext* ctx, size_t index, const OrtValue** value, TensorInfo* info, const void** data) {
+  KVF_TRY(g_api->KernelContext_GetInput(ctx, index, value));
+  if (!*value) return nullptr;
+  KVF_TRY(describe(*value, info));
+  return g_api->GetTensorData(*value, data);
+}
+
+OrtStatus* check_values(const Call& c) {
+  for (int64_t b = 0; b < c.batch; ++b) {
+    if (c.length[b] < 0 || c.length[b] > c.seq)
+      return error("context_lengths[" + std::to_string(b) + "]=" + std::to_string(c.length[b]) + " is outside [0, S=" + std::to_string(c.seq) + "]");
+    if (c.start[b] < 0) return error("kvcache_start_index[" + std::to_string(b) + "] is negative");
+    const int64_t used = std::min<int64_t>(c.width, (static_cast<int64_t>(c.start[b]) + c.page_tokens - 1) / c.page_tokens);
+    for (int64_t w = 0; w < used; ++w) {
+      const int32_t page = c.page_table[b * c.width + w];
+      if (page < -1 || page >= c.num_pages)
+        return error("kv_page_table[" + std::to_string(b) + "," + std::to_string(w) + "]=" + std::to_string(page) +
+                     " is outside [-1, num_pages=" + std::to_string(c.num_pages) + ")");
+    }
+  }
+  return nullptr;
+}
+
+OrtStatus* gather_inputs(const Kernel& k, OrtKernelContext* ctx, Call& c) {
+  size_t count = 0;
+  KVF_TRY(g_api->KernelContext_GetInputCount(ctx, &count));
+  if (count < 6) return error("needs at least 6 inputs, got " + std::to_string(count));
+  const OrtValue* v[7] = {};
+  TensorInfo info[7];
+  const void* data[7] = {};
+  for (size_t i = 0; i < std::min<size_t>(count, 7); ++i) KVF_TRY(input(ctx, i, &v[i], &info[i], &data[i]));
+  for (size_t i = 0; i < 6; ++i)
+    if (!v[i]) return error("input " + std::to_string(i) + " is missing");
+  if (info[0].shape.size() != 3) return error("query must be [B,S,Hq*D], got " + shape_text(info[0].shape));
+  c.batch = info[0].shape[0];
+  c.seq = info[0].shape[1];
+  c.q_heads = k.q_heads, c.kv_heads = k.kv_heads, c.dim = k.dim, c.page_tokens = k.page_tokens;
+  c.group_size = k.q_heads / k.kv_heads;
+  c.scale = k.scale;
+  const auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, I32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+  KVF_TRY(expect("query", info[0], F32, {c.batch, c.seq, k.q_heads * k.dim}));
+  KVF_TRY(expect("new_kv", info[1], F32, {c.batch, c.seq, 2, k.kv_heads, k.dim}));
+  KVF_TRY(expect("pool", info[2], ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, {-1, 2, k.kv_heads, k.page_tokens, k.dim}));
+  KVF_TRY(expect("kv_page_table", info[3], I32, {c.batch, -1}));
+  KVF_TRY(expect("kvcache_start_index", info[4], I32, {c.batch}));
+  KVF_TRY(expect("context_lengths", info[5], I32, {c.batch}));
+  switch (info[2].type) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: c.pool_type = PoolType::kF16; break;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8: c.pool_type = PoolType::kFp8; break;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT: c.pool_type = PoolType::kF32; break;
+    default: return error("pool element type " + std::to_string(info[2].type) + " is not float16, uint8 (FP8 E4M3) or float32");
+  }
+  c.mask = nullptr;
+  if (count > 6 && v[6]) {
+    KVF_TRY(expect("attention_mask", info[6], ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL, {c.batch, c.seq, c.seq}));
+    c.mask = static_cast<const bool*>(data[6]);
+  }
+  c.num_pages = info[2].shape[0];
+  c.width = info[3].shape[1];
+  c.query = static_cast<const float*>(data[0]);
+  c.new_kv = static_cast<const float*>(data[1]);
+  c.pool = data[2];
+  c.page_table = static_cast<const int32_t*>(data[3]);
+  c.start = static_cast<const int32_t*>(data[4]);
+  c.length = static_cast<const int32_t*>(data[5]);
+  return check_values(c);
+}
+
+void run_item_trampoline(void* data, size_t index) { run_item(*static_cast<const Call*>(data), index); }
+
+void merge_trampoline(void* data, size_t index) {
+  const Call& c = *static_cast<const Call*>(data);
+  const Group& grp = c.groups[index];
+  if (grp.splits > 1) merge_group(c, grp);
+}
+
+OrtStatus* ORT_API_CALL compute(void* kernel, OrtKernelContext* ctx) {
+  const Kernel& k = *static_cast<const Kernel*>(kernel);
+  Call c;
+  KVF_TRY(gather_inputs(k, ctx, c));
+  const int64_t out_shape[3] = {c.batch, c.seq, k.q_heads * k.dim};
+  OrtValue* out_value = nullptr;
+  KVF_TRY(g_api->KernelContext_GetOutput(ctx, 0, out_shape, 3, &out_value));
+  void* out = nullptr;
+  KVF_TRY(g_api->GetTensorMutableData(out_value, &out));
+  c.out = static_cast<float*>(out);
+  const size_t row_floats = static_cast<size_t>(k.q_heads * k.dim);
+  for (int64_t b = 0; b < c.batch; ++b) {  // padding rows are zero
+    const int64_t len = c.length[b];
+    std::fill(c.out + (b * c.seq + len) * row_floats, c.out + (b + 1) * c.seq * row_floats, 0.0f);
+  }
+  plan(c);
+  if (c.items.empty()) return nullptr;
+  KVF_TRY(g_api->KernelContext_ParallelFor(ctx, run_item_trampoline, c.items.size(), 0, &c));
+  if (!c.partials.empty()) KVF_TRY(g_api->KernelContext_ParallelFor(ctx, merge_trampoline, c.groups.size(), 0, &c));
+  return nullptr;
+}
+
+OrtStatus* attribute_int(const OrtKernelInfo* info, const char* name, int64_t* value) {
+  if (OrtStatus* st = g_api->KernelInfoGetAttribute_int64(info, name, value)) {
+    g_api->ReleaseStatus(st);
+    return error(std::string("missing int attribute ") + name);
+  }
+  return nullptr;
+}
+
+OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {
+  Kernel k{};
+  KVF_TRY(attribute_int(info, "num_q_heads", &k.q_heads));
+  KVF_TRY(attribute_int(info, "num_kv_heads", &k.kv_heads));
+  KVF_TRY(attribute_int(info, "head_dim", &k.dim));
+  KVF_TRY(attribute_int(info, "tokens_per_page", &k.page_tokens));
+  if (OrtStatus* st = g_api->KernelInfoGetAttribute_float(info, "scale", &k.scale)) {
+    g_api->ReleaseStatus(st);  // absent: the usual 1/sqrt(head_dim)
+    k.scale = k.dim > 0 ? 1.0f / std::sqrt(static_cast<float>(k.dim)) : 1.0f;
+  }
+  if (k.q_heads <= 0 || k.kv_heads <= 0 || k.q_heads % k.kv_heads != 0)
+    return error("num_q_heads (" + std::to_string(k.q_heads) + ") must be a positive multiple of num_kv_heads (" +
+                 std::to_string(k.kv_heads) + ")");
+  if (k.dim <= 0 || k.dim % 16 != 0 || k.dim > kMaxHeadDim)
+    return error("head_dim " + std::to_string(k.dim) + " is not supported: it must be a multiple of 16 up to " +
+                 std::to_string(kMaxHeadDim));
+  if (k.page_tokens <= 0) return error("tokens_per_page must be positive, got " + std::to_string(k.page_tokens));
+  *kernel = new Kernel(k);
+  return nullptr;
+}
+
+void ORT_API_CALL destroy_kernel(void* kernel) { delete static_cast<Kernel*>(kernel); }
+
+const char* ORT_API_CALL op_name(const OrtCustomOp*) { return "PagedAttention"; }
+const char* ORT_API_CALL op_provider(const OrtCustomOp*) { return "CPUExecutionProvider"; }
+size_t ORT_API_CALL input_count(const OrtCustomOp*) { return 7; }
+size_t ORT_API_CALL output_count(const OrtCustomOp*) { return 1; }
+
+ONNXTensorElementDataType ORT_API_CALL input_type(const OrtCustomOp*, size_t index) {
+  switch (index) {
+    case 0: case 1: return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    case 2: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;  // float16, uint8 or float32: checked per call
+    case 6: return ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL;
+    default: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+  }
+}
+
+ONNXTensorElementDataType ORT_API_CALL output_type(const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+
+OrtCustomOpInputOutputCharacteristic ORT_API_CALL input_characteristic(const OrtCustomOp*, size_t index) {
+  return index == 6 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+}
+
+OrtCustomOpInputOutputCharacteristic ORT_API_CALL output_characteristic(const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; }
+OrtMemType ORT_API_CALL input_memory(const OrtCustomOp*, size_t) { return OrtMemTypeDefault; }
+int ORT_API_CALL variadic_arity(const OrtCustomOp*) { return 1; }
+int ORT_API_CALL variadic_homogeneity(const OrtCustomOp*) { return 0; }
+int ORT_API_CALL start_version(const OrtCustomOp*) { return 1; }
+int ORT_API_CALL end_version(const OrtCustomOp*) { return INT_MAX; }
+size_t ORT_API_CALL no_alias(int** inputs, int** outputs) {
+  *inputs = nullptr;
+  *outputs = nullptr;
+  return 0;
+}
+void ORT_API_CALL release_alias(int*, int*) {}
+
+// The output has the query's type and shape (the info belongs to the context: not released here).
+OrtStatus* ORT_API_CALL infer_shape(const OrtCustomOp*, OrtShapeInferContext* ctx) {
+  OrtTensorTypeAndShapeInfo* query = nullptr;
+  KVF_TRY(g_api->ShapeInferContext_GetInputTypeShape(ctx, 0, &query));
+  return g_api->ShapeInferContext_SetOutputTypeShape(ctx, 0, query);
+}
+
+OrtCustomOp make_op() {
+  OrtCustomOp op;
+  std::memset(&op, 0, sizeof op);
+  op.version = ORT_API_VERSION;
+  op.GetName = op_name;
+  op.GetExecutionProviderType = op_provider;
+  op.GetInputType = input_type;
+  op.GetInputTypeCount = input_count;
+  op.GetOutputType = output_type;
+  op.GetOutputTypeCount = output_count;
+  op.KernelDestroy = destroy_kernel;
+  op.GetInputCharacteristic = input_characteristic;
+  op.GetOutputCharacteristic = output_characteristic;
+  op.GetInputMemoryType = input_memory;
+  op.GetVariadicInputMinArity = variadic_arity;
+  op.GetVariadicInputHomogeneity = variadic_homogeneity;
+  op.GetVariadicOutputMinArity = variadic_arity;
+  op.GetVariadicOutputHomogeneity = variadic_homogeneity;
+  op.CreateKernelV2 = create_kernel;
+  op.KernelComputeV2 = compute;
+  op.InferOutputShapeFn = infer_shape;
+  op.GetStartVersion = start_version;
+  op.GetEndVersion = end_version;
+  op.GetMayInplace = no_alias;
+  op.ReleaseMayInplace = release_alias;
+  op.GetAliasMap = no_alias;
+  op.ReleaseAliasMap = release_alias;
+  return op;
+}
+
+OrtCustomOp g_paged_attention = make_op();
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL
+RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
+  g_api = api_base->GetApi(ORT_API_VERSION);
+  if (!g_api) {
+    std::fprintf(stderr, "kvforge.cpu: this ONNX Runtime does not offer C API version %d\n", ORT_API_VERSION);
+    return nullptr;  // no API table, so no way to build a status; the session then lacks the op and says so
+  }
+  static const bool table_ready = (init_fp8_table(), true);
+  (void)table_ready;
+  OrtCustomOpDomain* domain = nullptr;  // must outlive every session using it, so it is never released
+  KVF_TRY(g_api->CreateCustomOpDomain("kvforge.cpu", &domain));
+  KVF_TRY(g_api->CustomOpDomain_Add(domain, &g_paged_attention));
+  return g_api->AddCustomOpDomain(options, domain);
+}

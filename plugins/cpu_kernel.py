@@ -1,0 +1,248 @@
+"""Builds (on first use, cached on disk) and loads kvforge's ONNX Runtime CPU custom-op library."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import lru_cache
+from pathlib import Path
+
+from kvforge.contract.errors import KvforgeError
+
+SOURCE = Path(__file__).resolve().with_name("cpu") / "paged_attention.cc"
+LIBRARY_NAME = "libkvforge_cpu_ops.so"
+SWITCH_ENV = "KVFORGE_CPU_KERNEL"  # "off" forces the pure-ONNX fallback
+CACHE_ENV = "KVFORGE_CACHE_DIR"
+INCLUDE_ENV = "KVFORGE_ORT_INCLUDE_DIR"
+CXX_ENV = "CXX"
+# The ONNX Runtime headers ship in no wheel; this npm package (a Unity plugin) carries the full public set.
+HEADERS_PACKAGE = "com.github.asus4.onnxruntime@0.4.9"
+HEADERS_TARBALL_URL = ("https://registry.npmjs.org/com.github.asus4.onnxruntime/-/"
+                       "com.github.asus4.onnxruntime-0.4.9.tgz")
+HEADERS_MEMBER_DIR = ("package/Plugins/iOS~/onnxruntime.xcframework/ios-arm64_x86_64-simulator/"
+                      "onnxruntime.framework/Headers/")
+HEADERS_CACHE_NAME = "ort-headers-0.4.9"
+# -fvisibility=hidden: only RegisterCustomOps is exported; -fno-math-errno lets std::exp in the scalar path
+# vectorise. No -ffast-math: masked scores are -inf and must stay exact.
+CXX_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-fno-math-errno",
+             "-Wall", "-Wextra")
+_API_VERSION_RE = re.compile(rb"#define\s+ORT_API_VERSION\s+(\d+)")
+
+
+def cache_root() -> Path:
+    base = os.environ.get(CACHE_ENV)
+    return (Path(base) if base else Path.home() / ".cache" / "kvforge") / "cpu-kernels"
+
+
+@contextmanager
+def _locked(directory: Path) -> Iterator[None]:
+    """Serialises fetch and build across processes (concurrent pytest workers share the cache)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _has_headers(directory: Path) -> bool:
+    return (directory / "onnxruntime_c_api.h").is_file()
+
+
+def _download(url: str, target: Path) -> None:
+    print(f"kvforge: fetching the ONNX Runtime headers ({HEADERS_PACKAGE}, ~150 MB) from {url}", file=sys.stderr)
+    with urllib.request.urlopen(url, timeout=60) as response, open(target, "wb") as out:
+        total = int(response.headers.get("Content-Length") or 0)
+        done, reported = 0, -1
+        while chunk := response.read(1 << 20):
+            out.write(chunk)
+            done += len(chunk)
+            percent = done * 100 // total if total else -1
+            if percent // 10 != reported // 10:
+                reported = percent
+                print(f"kvforge: headers download {done >> 20} MB" + (f" ({percent}%)" if total else ""),
+                      file=sys.stderr)
+
+
+def _fetch_tarball(workdir: Path) -> Path:
+    """The npm package tarball in workdir: `npm pack` when npm is installed, else the registry URL."""
+    npm = shutil.which("npm")
+    if npm:
+        print(f"kvforge: fetching the ONNX Runtime headers with npm pack {HEADERS_PACKAGE} (~150 MB)",
+              file=sys.stderr)
+        done = subprocess.run([npm, "pack", HEADERS_PACKAGE, "--silent"], cwd=workdir, capture_output=True,
+                              text=True, timeout=1800)
+        tarballs = list(workdir.glob("*.tgz"))
+        if done.returncode == 0 and tarballs:
+            return tarballs[0]
+        print(f"kvforge: npm pack failed ({done.stderr.strip()[-200:]}); downloading directly", file=sys.stderr)
+    target = workdir / "package.tgz"
+    _download(HEADERS_TARBALL_URL, target)
+    return target
+
+
+def _extract_headers(tarball: Path, target: Path) -> None:
+    """Only the header folder, flattened into target (no other file of the package is kept)."""
+    with tarfile.open(tarball, "r:gz") as archive:
+        for member in archive:
+            if not (member.isfile() and member.name.startswith(HEADERS_MEMBER_DIR)):
+                continue
+            name = member.name[len(HEADERS_MEMBER_DIR):]
+            if "/" in name or not name.endswith(".h"):
+                continue
+            source = archive.extractfile(member)
+            if source is not None:
+                (target / name).write_bytes(source.read())
+
+
+def _fetched_headers() -> Path:
+    root = cache_root()
+    final = root / HEADERS_CACHE_NAME
+    if _has_headers(final):
+        return final
+    with _locked(root):
+        if _has_headers(final):  # another process fetched them while we waited
+            return final
+        with tempfile.TemporaryDirectory(dir=root, prefix=".fetch-") as work:
+            staging = Path(work) / "headers"
+            staging.mkdir()
+            tarball = _fetch_tarball(Path(work))
+            _extract_headers(tarball, staging)
+            tarball.unlink()
+            if not _has_headers(staging):
+                raise KvforgeError(f"{HEADERS_PACKAGE} has no onnxruntime_c_api.h under {HEADERS_MEMBER_DIR}")
+            if final.exists():
+                shutil.rmtree(final)
+            staging.rename(final)
+    return final
+
+
+def include_dir() -> Path:
+    """ONNX Runtime headers: $KVFORGE_ORT_INCLUDE_DIR, else the cached copy, else fetched once from npm."""
+    configured = os.environ.get(INCLUDE_ENV)
+    if configured:
+        if not _has_headers(Path(configured)):
+            raise KvforgeError(f"{INCLUDE_ENV}={configured} has no onnxruntime_c_api.h")
+        return Path(configured)
+    return _fetched_headers()
+
+
+def header_api_version(headers: Path) -> int:
+    found = _API_VERSION_RE.search((headers / "onnxruntime_c_api.h").read_bytes())
+    if not found:
+        raise KvforgeError(f"no ORT_API_VERSION in {headers / 'onnxruntime_c_api.h'}")
+    return int(found.group(1))
+
+
+def _compiler() -> str:
+    cxx = os.environ.get(CXX_ENV) or shutil.which("g++") or shutil.which("c++")
+    if not cxx or not shutil.which(cxx):
+        raise KvforgeError("no C++ compiler (g++) on PATH")
+    return cxx
+
+
+def _compiler_version(cxx: str) -> str:
+    done = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60)
+    return done.stdout.splitlines()[0] if done.returncode == 0 and done.stdout else cxx
+
+
+def _cpu_flags() -> str:
+    # -march=native output depends on the CPU, so the cache key must too (a shared home on another machine).
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def build_key(cxx: str, headers: Path, flags: tuple[str, ...]) -> str:
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), _compiler_version(cxx).encode(), _cpu_flags().encode(),
+                 str(header_api_version(headers)).encode(), " ".join(flags).encode()):
+        digest.update(len(part).to_bytes(8, "little") + part)
+    return digest.hexdigest()[:20]
+
+
+def _compile(cxx: str, headers: Path, flags: tuple[str, ...], target: Path) -> None:
+    with tempfile.NamedTemporaryFile(dir=target.parent, prefix=".build-", suffix=".so", delete=False) as tmp:
+        partial = Path(tmp.name)
+    try:
+        command = [cxx, *flags, f"-I{headers}", str(SOURCE), "-o", str(partial)]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            first_error = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr[-300:])
+            raise KvforgeError(f"building the CPU kernel failed: {first_error.strip()}")
+        os.replace(partial, target)  # atomic: a concurrent loader sees the old file or the complete new one
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+@lru_cache(maxsize=8)
+def _built(source_mtime_ns: int, include: str, cache: str, flags: tuple[str, ...]) -> Path:
+    del source_mtime_ns, include, cache  # memo key only: a changed source, header dir or cache dir rebuilds
+    cxx = _compiler()
+    headers = include_dir()
+    directory = cache_root() / build_key(cxx, headers, flags)
+    target = directory / LIBRARY_NAME
+    if target.is_file():
+        return target
+    with _locked(directory):
+        if not target.is_file():
+            _compile(cxx, headers, flags, target)
+    return target
+
+
+def library_path(extra_flags: tuple[str, ...] = ()) -> Path:
+    """The compiled library, built on first use; raises KvforgeError saying why it cannot be built.
+    `extra_flags` builds a variant (the tests build the portable path with -mno-avx512f)."""
+    if os.environ.get(SWITCH_ENV, "").lower() == "off":
+        raise KvforgeError(f"{SWITCH_ENV}=off: using the pure-ONNX attention fallback")
+    if not SOURCE.is_file():
+        raise KvforgeError(f"kernel source missing: {SOURCE}")
+    return _built(SOURCE.stat().st_mtime_ns, os.environ.get(INCLUDE_ENV, ""), os.environ.get(CACHE_ENV, ""),
+                  CXX_FLAGS + tuple(extra_flags))
+
+
+def kernel_status() -> tuple[Path | None, str]:
+    """(library path, "") when the kernel is usable, else (None, one-line reason); never raises."""
+    try:
+        return library_path(), ""
+    except KvforgeError as exc:
+        return None, str(exc).splitlines()[0]
+    except Exception as exc:  # a network, disk or subprocess failure: fall back, with the reason
+        return None, f"CPU kernel unavailable: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def register(options: object) -> bool:
+    """Registers the library on an onnxruntime.SessionOptions; False (options untouched) when unavailable."""
+    path, _ = kernel_status()
+    if path is None:
+        return False
+    options.register_custom_ops_library(str(path))  # type: ignore[attr-defined]
+    return True
+
+
+def main() -> int:
+    path, reason = kernel_status()
+    if path is None:
+        print(f"kvforge CPU kernel not available: {reason}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

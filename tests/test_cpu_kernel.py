@@ -1,0 +1,248 @@
+"""The CPU custom-op library (kvforge.cpu.PagedAttention) against the numpy reference, through ONNX Runtime."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from kvforge.plugins import cpu_kernel, ops, reference
+from kvforge.plugins.reference import pool_numpy_dtype, round_to_storage, to_storage
+
+POOL_ELEM = {"fp16": TensorProto.FLOAT16, "fp8": TensorProto.UINT8, "fp32": TensorProto.FLOAT}
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def library() -> Path:
+    path, reason = cpu_kernel.kernel_status()
+    if path is None:
+        pytest.skip(reason)
+    return path
+
+
+@dataclass
+class Case:
+    starts: list[int]
+    lengths: list[int]
+    seq: int
+    num_q: int = 9
+    num_kv: int = 3
+    head_dim: int = 64
+    tokens_per_page: int = 16
+    dtype: str = "fp16"
+    tree_mask: bool = False
+    width: int | None = None  # page-table width; default: enough pages for every cached position
+    holes: dict[int, list[int]] = field(default_factory=dict)  # row -> page-table entries set to -1
+    seed: int = 0
+
+
+def _model(case: Case, with_mask: bool) -> bytes:
+    d, hq, hkv = case.head_dim, case.num_q, case.num_kv
+    inputs = [
+        helper.make_tensor_value_info("query", TensorProto.FLOAT, ["B", "S", hq * d]),
+        helper.make_tensor_value_info("new_kv", TensorProto.FLOAT, ["B", "S", 2, hkv, d]),
+        helper.make_tensor_value_info("pool", POOL_ELEM[case.dtype], ["N", 2, hkv, case.tokens_per_page, d]),
+        helper.make_tensor_value_info("kv_page_table", TensorProto.INT32, ["B", "W"]),
+        helper.make_tensor_value_info("kvcache_start_index", TensorProto.INT32, ["B"]),
+        helper.make_tensor_value_info("context_lengths", TensorProto.INT32, ["B"]),
+    ]
+    if with_mask:
+        inputs.append(helper.make_tensor_value_info("attention_mask", TensorProto.BOOL, ["B", "S", "S"]))
+    node = helper.make_node(ops.CPU_PAGED_ATTENTION.name, [i.name for i in inputs], ["out"],
+                            domain=ops.CPU_DOMAIN, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                            tokens_per_page=case.tokens_per_page, scale=float(d) ** -0.5)
+    graph = helper.make_graph([node], "paged_attention", inputs,
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)])
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(ops.CPU_DOMAIN, 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
+    return model.SerializeToString()
+
+
+def _session(model: bytes, library: Path, threads: int = 2) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.register_custom_ops_library(str(library))
+    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+
+
+def _inputs(case: Case) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(case.seed)
+    batch, t, d = len(case.starts), case.tokens_per_page, case.head_dim
+    pages_per_row = [-(-s // t) for s in case.starts]
+    num_pages = sum(pages_per_row) + 3
+    width = case.width if case.width is not None else max([*pages_per_row, 1])
+    order = rng.permutation(num_pages)
+    table = np.full((batch, width), -1, dtype=np.int32)
+    used = 0
+    for b, count in enumerate(pages_per_row):
+        keep = min(count, width)
+        table[b, :keep] = order[used:used + keep]
+        used += count
+        for hole in case.holes.get(b, []):
+            table[b, hole] = -1
+    pool = to_storage(rng.standard_normal((num_pages, 2, case.num_kv, t, d)).astype(np.float32), case.dtype)
+    new_kv = rng.standard_normal((batch, case.seq, 2, case.num_kv, d)).astype(np.float32)
+    feeds = {
+        "query": rng.standard_normal((batch, case.seq, case.num_q * d)).astype(np.float32),
+        "new_kv": round_to_storage(new_kv, case.dtype),
+        "pool": pool.astype(pool_numpy_dtype(case.dtype)),
+        "kv_page_table": table,
+        "kvcache_start_index": np.array(case.starts, dtype=np.int32),
+        "context_lengths": np.array(case.lengths, dtype=np.int32),
+    }
+    if case.tree_mask:  # a random tree: each token's parent is an earlier token; it sees its ancestors and itself
+        mask = np.zeros((batch, case.seq, case.seq), dtype=bool)
+        for b in range(batch):
+            for i in range(case.seq):
+                mask[b, i, i] = True
+                if i:
+                    mask[b, i] |= mask[b, int(rng.integers(0, i))]
+        feeds["attention_mask"] = mask
+    return feeds
+
+
+def _expected(case: Case, feeds: dict[str, np.ndarray]) -> np.ndarray:
+    return reference.paged_attention_rows(
+        feeds["query"], feeds["new_kv"], feeds["pool"], feeds["kv_page_table"], feeds["kvcache_start_index"],
+        feeds["context_lengths"], num_q_heads=case.num_q, num_kv_heads=case.num_kv, head_dim=case.head_dim,
+        scale=float(case.head_dim) ** -0.5, kv_cache_dtype=case.dtype, attention_mask=feeds.get("attention_mask"))
+
+
+def _check(case: Case, library: Path, threads: int = 2) -> None:
+    feeds = _inputs(case)
+    got = _session(_model(case, "attention_mask" in feeds), library, threads).run(None, feeds)[0]
+    expected = _expected(case, feeds)
+    assert got.shape == expected.shape
+    np.testing.assert_allclose(got, expected, rtol=0, atol=TOLERANCE)
+
+
+CASES = {
+    "decode-fp16": Case(starts=[37], lengths=[1], seq=1),
+    "decode-fp8": Case(starts=[37], lengths=[1], seq=1, dtype="fp8"),
+    "decode-fp32": Case(starts=[37], lengths=[1], seq=1, dtype="fp32"),
+    "ragged-batch-with-padding-rows": Case(starts=[5, 40, 0, 17], lengths=[3, 1, 6, 0], seq=6),
+    "no-cached-tokens": Case(starts=[0, 0], lengths=[5, 2], seq=5),
+    "chunk-mid-page": Case(starts=[21, 9], lengths=[30, 14], seq=30, dtype="fp8"),
+    "holes-and-short-table": Case(starts=[70, 70], lengths=[4, 2], seq=4, width=3, holes={0: [1], 1: [0, 2]}),
+    "gqa-1": Case(starts=[19], lengths=[5], seq=5, num_q=4, num_kv=4),
+    "gqa-4": Case(starts=[19, 3], lengths=[5, 2], seq=5, num_q=8, num_kv=2),
+    "head-dim-32": Case(starts=[45, 12], lengths=[3, 2], seq=3, head_dim=32, dtype="fp32"),
+    "head-dim-80": Case(starts=[45, 12], lengths=[3, 2], seq=3, num_q=4, num_kv=2, head_dim=80, dtype="fp8"),
+    "head-dim-128": Case(starts=[45], lengths=[2], seq=2, num_q=4, num_kv=1, head_dim=128),
+    "page-size-64": Case(starts=[130, 64], lengths=[7, 1], seq=7, tokens_per_page=64),
+    "tree-mask-verify": Case(starts=[33, 50], lengths=[6, 4], seq=6, tree_mask=True),
+    "tree-mask-fp8-gqa-4": Case(starts=[8], lengths=[9], seq=9, num_q=8, num_kv=2, tree_mask=True, dtype="fp8"),
+    "prefill-long-chunk": Case(starts=[100], lengths=[150], seq=150),
+    "split-kv-decode-1600": Case(starts=[1600], lengths=[1], seq=1, tokens_per_page=64),
+    "split-kv-batch-fp8": Case(starts=[1600, 900], lengths=[1, 1], seq=1, tokens_per_page=32, dtype="fp8",
+                               holes={0: [3, 20]}),
+    "split-kv-verify-tree": Case(starts=[1600], lengths=[5], seq=5, tokens_per_page=128, tree_mask=True),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_matches_reference(library: Path, name: str) -> None:
+    _check(CASES[name], library)
+
+
+def test_single_thread_matches_reference(library: Path) -> None:
+    _check(CASES["split-kv-decode-1600"], library, threads=1)
+    _check(CASES["ragged-batch-with-padding-rows"], library, threads=1)
+
+
+def test_portable_path_matches_reference(library: Path) -> None:
+    """The scalar path (no AVX-512), built as its own variant of the library."""
+    portable = cpu_kernel.library_path(("-mno-avx512f",))
+    assert portable != library
+    for name in ("ragged-batch-with-padding-rows", "chunk-mid-page", "tree-mask-verify", "split-kv-batch-fp8",
+                 "head-dim-32"):
+        _check(CASES[name], portable)
+
+
+def test_padding_rows_and_empty_rows_are_zero(library: Path) -> None:
+    case = CASES["ragged-batch-with-padding-rows"]
+    feeds = _inputs(case)
+    got = _session(_model(case, False), library).run(None, feeds)[0]
+    assert not got[0, 3:].any() and not got[1, 1:].any() and not got[3].any()
+    assert np.abs(got[0, :3]).sum() > 0
+
+
+def test_unsupported_head_dim_is_refused(library: Path) -> None:
+    case = Case(starts=[4], lengths=[1], seq=1, num_q=2, num_kv=1, head_dim=72)
+    with pytest.raises(Exception, match="head_dim 72 is not supported: it must be a multiple of 16"):
+        _session(_model(case, False), library).run(None, _inputs(case))
+
+
+def test_bad_inputs_give_an_error_not_a_crash(library: Path) -> None:
+    case = CASES["decode-fp16"]
+    feeds = _inputs(case)
+    session = _session(_model(case, False), library)
+    bad_page = dict(feeds, kv_page_table=np.full_like(feeds["kv_page_table"], 10_000))
+    with pytest.raises(Exception, match="outside \\[-1, num_pages"):
+        session.run(None, bad_page)
+    too_long = dict(feeds, context_lengths=np.array([2], dtype=np.int32))
+    with pytest.raises(Exception, match="context_lengths\\[0\\]=2"):
+        session.run(None, too_long)
+    wrong_shape = dict(feeds, new_kv=np.zeros((1, 2, 2, 3, 64), dtype=np.float32))  # S=2, the query's is 1
+    with pytest.raises(Exception, match="new_kv has shape"):
+        session.run(None, wrong_shape)
+    model = onnx.load_from_string(_model(case, False))
+    model.graph.input[2].type.tensor_type.elem_type = TensorProto.INT32
+    with pytest.raises(Exception, match="pool element type 6 is not float16, uint8"):
+        _session(model.SerializeToString(), library).run(None, dict(feeds, pool=feeds["pool"].astype(np.int32)))
+
+
+def test_output_shape_is_inferred(library: Path) -> None:
+    model = onnx.load_from_string(_model(CASES["decode-fp16"], False))
+    session = _session(model.SerializeToString(), library)
+    assert session.get_outputs()[0].shape == ["B", "S", 9 * 64]
+
+
+def test_switch_off_forces_the_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_kernel.SWITCH_ENV, "off")
+    path, reason = cpu_kernel.kernel_status()
+    assert path is None and "KVFORGE_CPU_KERNEL=off" in reason
+    assert cpu_kernel.register(ort.SessionOptions()) is False
+
+
+def test_missing_headers_are_a_reason(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv(cpu_kernel.INCLUDE_ENV, str(tmp_path))
+    path, reason = cpu_kernel.kernel_status()
+    assert path is None and "no onnxruntime_c_api.h" in reason
+
+
+def test_reference_forms_agree() -> None:
+    """paged_attention over a pool holding the new tokens == paged_attention_rows with them passed apart."""
+    case = Case(starts=[20, 0, 33], lengths=[5, 3, 2], seq=5, holes={0: [0]}, tree_mask=True, dtype="fp8")
+    feeds = _inputs(case)
+    t = case.tokens_per_page
+    rows = _expected(case, feeds)
+    # Give every row pages for its new tokens and write them in, keeping the cached part's holes.
+    table, pool = feeds["kv_page_table"], feeds["pool"]
+    total_pages = [-(-(s + n) // t) for s, n in zip(case.starts, case.lengths, strict=True)]
+    full = np.full((len(case.starts), max(total_pages)), -1, dtype=np.int32)
+    full[:, :table.shape[1]] = table
+    extra = [pool]
+    next_page = pool.shape[0]
+    for b, start in enumerate(case.starts):
+        for w in range(start // t, total_pages[b]):
+            if w >= -(-start // t):  # a fresh page (a partial last cached page takes new tokens too)
+                full[b, w] = next_page
+                next_page += 1
+                extra.append(np.zeros((1, *pool.shape[1:]), dtype=pool.dtype))
+    pool = np.concatenate(extra)
+    for b, (start, length) in enumerate(zip(case.starts, case.lengths, strict=True)):
+        for i in range(length):
+            pos = start + i
+            pool[full[b, pos // t], :, :, pos % t, :] = to_storage(feeds["new_kv"][b, i], case.dtype)
+    whole = reference.paged_attention(
+        feeds["query"], pool, feeds["context_lengths"], feeds["kvcache_start_index"], full,
+        num_q_heads=case.num_q, num_kv_heads=case.num_kv, head_dim=case.head_dim,
+        scale=float(case.head_dim) ** -0.5, kv_cache_dtype=case.dtype, attention_mask=feeds["attention_mask"])
+    np.testing.assert_allclose(whole, rows, rtol=0, atol=1e-6)
