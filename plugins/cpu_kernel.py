@@ -240,7 +240,7 @@ def main() -> int:
     if path is None:
         print(f"kvforge CPU kernel not available: {reason}", file=sys.stderr)
         return 1
-    print(path)
+    print(f"kvforge CPU kernel: {path}")
     return 0
 
 
