@@ -429,6 +429,8 @@ def print_decode_context(figures: dict[str, Any]) -> None:
     out.print(report.decode_context_table(engines, points))
     if figures["baseline_ran"] and sum(e["status"] == "ok" for e in engines) > 1:
         out.print(report.context_ratios_table(engines, points, baseline))
+    for line in report.CONTEXT_LEGEND:
+        out.print(f"  [dim]{line}[/]")
     for engine in engines:
         for context, reason in engine.get("decode_context", {}).get("skipped", {}).items():
             out.print(f"  {engine['name']} skipped decode after {int(context):,} tokens: {escape(reason)}")

@@ -214,15 +214,21 @@ def context_ratios(mine: dict[str, Any], base: dict[str, Any] | None) -> dict[st
             for n, value in mine["tok_s"].items()}
 
 
+CONTEXT_LEGEND = (
+    "decode tok/s: (tokens - 1) / (last - first token) after a prompt of N tokens, nothing cached",
+    f"flatness: decode after the longest point ≤ {FLATNESS_UP_TO:,} / decode after the shortest "
+    f"(target ≥ {FLATNESS_TARGET})",
+    "vs: decode tok/s / the baseline's after the same N tokens",
+)
+
+
 def _context_engines(engines: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [e for e in engines if e["status"] == "ok" and "decode_context" in e]
 
 
 def decode_context_table(engines: list[dict[str, Any]], points: list[dict[str, Any]]) -> Table:
     contexts = [str(p["prompt_tokens"]) for p in points]
-    table = Table(title="decode_context: median decode tok/s after N tokens of context (↑ higher is better); "
-                  f"flatness = the longest ≤ {FLATNESS_UP_TO:,} point / the shortest (target ≥ {FLATNESS_TARGET})",
-                  title_justify="left")
+    table = Table(title="decode tok/s after N tokens of context ↑", title_justify="left")
     table.add_column("engine")
     for n in contexts:
         table.add_column(f"{int(n):,}", justify="right")
@@ -243,7 +249,7 @@ def _flatness_cell(figure: dict[str, Any]) -> str:
 
 def context_ratios_table(engines: list[dict[str, Any]], points: list[dict[str, Any]], baseline: str) -> Table:
     contexts = [str(p["prompt_tokens"]) for p in points]
-    table = Table(title=f"decode_context: decode tok/s / {baseline}'s after the same context (↑)", title_justify="left")
+    table = Table(title=f"decode vs {baseline} per context ↑", title_justify="left")
     table.add_column("engine")
     for n in contexts:
         table.add_column(f"{int(n):,}", justify="right")
