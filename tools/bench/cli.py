@@ -76,13 +76,13 @@ package is not installed is listed as skipped with the reason (pip install 'kvfo
 
 [bold]Workloads[/] (--workload, repeatable; default document and interleaved):
 
-  document      the document (--promptTokens with its question) and 4 questions, each right after the last
-  interleaved   the same questions with an unrelated prompt before each later one (non-consecutive)
-  chat          a 6-turn chat through the chat template (scripted replies, so every engine gets the same ids)
-  unrelated     4 prompts of --unrelatedTokens that share no prefix
-  decode_context  decode tok/s after each of --contextTokens of context (default 64,512,1536,4096): a prompt of
-                that many tokens per point, nothing cached; a table engine x context, each engine's flatness
-                (the longest point <= 1,536 over the shortest; target >= 0.8) and a line chart with --plot
+  document        the document (--promptTokens with its question) and 4 questions, each right after the last
+  interleaved     the same questions with an unrelated prompt before each later one (non-consecutive)
+  chat            a 6-turn chat through the chat template (scripted replies, so every engine gets the same ids)
+  unrelated       4 prompts of --unrelatedTokens that share no prefix
+  decode_context  decode tok/s after each of --contextTokens of context (default 64,512,1536,4096): a prompt
+                  of that many tokens per point, nothing cached; a table engine x context, each engine's
+                  flatness (the longest point <= 1,536 over the shortest; target >= 0.8), a line chart with --plot
 
 [bold]Examples[/]
 
@@ -90,7 +90,7 @@ package is not installed is listed as skipped with the reason (pip install 'kvfo
       --engine transformers --baseline llama.cpp --outputFile bench.json --plot bench.png
   llm_bench --engine out/engines/smollm2 --engine out/engines/smollm2,reuse=off --workload chat
   llm_bench --onnxDir out/onnx/smollm2 --inputFile test_cases/llm_basic.json --repeats 1
-  llm_bench --engine int4=out/onnx/smollm2 --engine llama.cpp --workload decode_context \
+  llm_bench --engine int4=out/onnx/smollm2 --engine llama.cpp --workload decode_context \\
       --contextTokens 64,512,1536,4096 --maxTokens 32 --baseline llama.cpp --plot decode.png
 """
 
