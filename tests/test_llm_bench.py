@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -185,6 +186,46 @@ def test_flatness_is_the_longest_point_up_to_1536_over_the_shortest() -> None:
     assert figure == {"from": 64, "to": 1536, "ratio": pytest.approx(0.85), "target": 0.8, "met": True}
     assert flatness({"64": 100.0, "1024": 70.0})["met"] is False
     assert flatness({"2048": 10.0, "4096": 9.0})["ratio"] is None  # no point up to 1,536 but the shortest
+
+
+class _FakeDriver:
+    """A driver whose 48-token prompts raise and whose limit is 100 tokens in all."""
+
+    def __init__(self) -> None:
+        self.prompts: list[int] = []
+
+    def start_session(self, session: str) -> None:
+        pass
+
+    def generate(self, prompt: list[int], max_tokens: int) -> Iterator[tuple[int, int | None, float]]:
+        self.prompts.append(len(prompt))
+        if len(prompt) == 48:
+            raise RuntimeError("out of arena memory\nsecond line")
+        yield from ((7, None, float(i)) for i in range(max_tokens))
+
+    def encode(self, text: str) -> list[int]:
+        return []
+
+    def limit(self, prompt_tokens: int, max_tokens: int) -> str | None:
+        from kvforge.tools.bench.worker import too_long
+
+        return too_long("limit", 100, prompt_tokens, max_tokens)
+
+
+def test_a_decode_context_point_that_fails_or_does_not_fit_is_skipped_and_the_others_run() -> None:
+    from kvforge.tools.bench.worker import run_repeat, too_long_points
+
+    points = [{"label": f"C{n}", "role": "decode_context", "prompt_ids": [1] * n} for n in (16, 48, 98)]
+    job = {"engine": {"name": "fake"}, "repeats": 2, "max_tokens": 3,
+           "workloads": [{"name": "decode_context", "requests": points}]}
+    driver = _FakeDriver()
+    skipped = too_long_points(driver, job)
+    assert skipped == {"C98": "98 + 3 generated tokens exceed its limit (100)"}
+    first = run_repeat(driver, job, 0, skipped)
+    assert [t["label"] for t in first["decode_context"]] == ["C16"]
+    assert skipped["C48"] == "RuntimeError: out of arena memory"
+    run_repeat(driver, job, 1, skipped)
+    assert driver.prompts == [16, 48, 16]  # a point that failed is not tried again
 
 
 def test_a_context_beyond_the_model_fails_before_anything_is_built(run_cli, tiny_onnx_dir: Path,

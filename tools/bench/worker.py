@@ -112,12 +112,16 @@ class KvforgeDriver:
                                 logit_bias=self.no_eos)
         request_id = self.engine.add_request(EngineRequest(list(prompt), params, cache_salt=self.salt))
         finished = False
-        while not finished:
-            for output in self.engine.step():
-                if output.request_id == request_id:
-                    finished = output.finished
-                    for token in output.new_token_ids:
-                        yield token, output.cached_tokens, time.perf_counter()
+        try:
+            while not finished:
+                for output in self.engine.step():
+                    if output.request_id == request_id:
+                        finished = output.finished
+                        for token in output.new_token_ids:
+                            yield token, output.cached_tokens, time.perf_counter()
+        finally:
+            if not finished:  # an error (a skipped decode_context point): it must not run on into the next request
+                self.engine.abort(request_id)
 
     def encode(self, text: str) -> list[int]:
         return self.engine.tokenizer.encode(text)
