@@ -314,17 +314,24 @@ def run_repeat(driver: Driver, job: dict[str, Any], repeat: int,
     for workload in job["workloads"]:
         progress(f"{name}: repeat {repeat + 1}/{job['repeats']}, {workload['name']}")
         driver.start_session(f"llm_bench-{workload['name']}-{repeat}")
-        traces[workload["name"]] = []
-        for request in workload["requests"]:
-            if request["role"] != DECODE_CONTEXT:
-                traces[workload["name"]].append(asdict(run_request(driver, request, job["max_tokens"])))
-            elif request["label"] not in skipped:
-                try:
-                    traces[workload["name"]].append(asdict(run_request(driver, request, job["max_tokens"])))
-                except Exception as exc:  # a point this engine cannot run is skipped, not fatal
-                    skipped[request["label"]] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
-                    progress(f"{name}: {request['label']} skipped: {skipped[request['label']]}")
+        runs = [run_point(driver, r, job["max_tokens"], skipped, name) if r["role"] == DECODE_CONTEXT
+                else run_request(driver, r, job["max_tokens"]) for r in workload["requests"]]
+        traces[workload["name"]] = [asdict(trace) for trace in runs if trace is not None]
     return traces
+
+
+def run_point(driver: Driver, request: dict[str, Any], max_tokens: int, skipped: dict[str, str],
+              name: str) -> Trace | None:
+    """A decode_context point, or None when it is skipped: known not to fit, or failing now (then recorded)."""
+    if request["label"] in skipped:
+        return None
+    try:
+        return run_request(driver, request, max_tokens)
+    except Exception as exc:  # a point this engine cannot run is skipped, not fatal
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        skipped[request["label"]] = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+        progress(f"{name}: {request['label']} skipped: {skipped[request['label']]}")
+        return None
 
 
 def serve(job: dict[str, Any], commands: TextIO, replies: TextIO) -> None:
