@@ -16,7 +16,7 @@ LLM_TEST_TINY_RECURRENT ?= mxsl4096-mxbs4-mxil3072-tpp16
 LLM_TEST = $(BIN)/llm_test --cacheDir $(OUT)/llm_test/engines --numThreads $(THREADS)
 
 .PHONY: install demo test test-slow llm-test lint bench bench-reuse bench-lora bench-scheduling bench-quality \
-	bench-peers bench-peers-install clean
+	bench-peers bench-peers-install bench-decode-context clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -165,6 +165,19 @@ bench-peers: $(OUT)/onnx/smollm2/manifest.json $(OUT)/onnx/smollm2-fp32/manifest
 		--engine transformers --engine llama.cpp --engine ortgenai-int4=onnxruntime-genai:$(OUT)/ortgenai/smollm2-int4 \
 		--baseline llama.cpp --numThreads $(THREADS) $(BENCH_FLAGS) --workDir $(OUT)/llm_bench/engines \
 		--outputFile $(OUT)/bench_peers.json --plot $(OUT)/bench_peers.png
+
+# Decode tok/s vs context (issue 19; llm_bench's decode_context workload): the engines of bench-peers, each point a
+# prompt of that many tokens then --maxTokens greedy tokens; kvforge engines are built for the longest point plus
+# them. Prints each engine's flatness (decode after 1,536 / after 64; target >= 0.8) and ratios to llama.cpp per
+# context; the line chart is $(OUT)/bench_decode_context-decode-context.png.
+DECODE_CONTEXT_FLAGS ?= --repeats 3 --maxTokens 32 --contextTokens 64,512,1536,4096
+bench-decode-context: $(OUT)/onnx/smollm2/manifest.json $(OUT)/onnx/smollm2-fp32/manifest.json
+	$(MAKE) --no-print-directory $(OUT)/ortgenai/smollm2-int4/genai_config.json || true  # needs the peers installed
+	$(BIN)/llm_bench --engine int4=$(OUT)/onnx/smollm2 --engine fp32=$(OUT)/onnx/smollm2-fp32 \
+		--engine transformers --engine llama.cpp --engine ortgenai-int4=onnxruntime-genai:$(OUT)/ortgenai/smollm2-int4 \
+		--workload decode_context --baseline llama.cpp --numThreads $(THREADS) $(DECODE_CONTEXT_FLAGS) \
+		--workDir $(OUT)/llm_bench/engines --outputFile $(OUT)/bench_decode_context.json \
+		--plot $(OUT)/bench_decode_context.png
 
 clean:
 	rm -rf $(OUT)

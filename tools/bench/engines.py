@@ -143,3 +143,10 @@ def check_fits(spec: EngineSpec, max_prompt_tokens: int, max_tokens: int) -> Non
         raise KvforgeError(f"{spec.name}: maxKVCacheCapacity {build.max_kv_cache_capacity} < {max_prompt_tokens} "
                            f"prompt + {max_tokens} generated tokens; lower --promptTokens/--maxTokens or rebuild",
                            FIELD)
+
+
+def max_positions(spec: EngineSpec) -> int | None:
+    """The positions a kvforge engine's model takes (max_position_embeddings of its config.json, an engine dir's
+    or an ONNX dir's); None when the file does not say."""
+    value = _read_config(spec.path, spec.name).get("max_position_embeddings")
+    return value if isinstance(value, int) and value > 0 else None

@@ -11,7 +11,7 @@ from typing import Any
 from rich.table import Table
 
 from kvforge.contract.errors import KvforgeError
-from kvforge.tools.bench.workloads import DOCUMENT_ROLES
+from kvforge.tools.bench.workloads import DECODE_CONTEXT, DOCUMENT_ROLES
 
 Trace = dict[str, Any]  # worker.Trace as JSON
 
@@ -37,12 +37,16 @@ def _cold_prefill(by_role: dict[str, list[Trace]], _result: dict[str, Any]) -> f
     return _median([t["prompt_tokens"] / (t["ttft_ms"] / 1e3) for t in by_role.get("cold", [])])
 
 
+def _rates(traces: list[Trace]) -> list[float]:
+    """Decode tokens/s of each trace: every token after the first over the time from the first to the last."""
+    return [(t["tokens"] - 1) / (t["decode_ms"] / 1e3) for t in traces if t["tokens"] > 1 and t["decode_ms"] > 0]
+
+
 def _decode(by_role: dict[str, list[Trace]], _result: dict[str, Any]) -> float | None:
     """Decode tokens/s of the document requests (every token after the first, at ~--promptTokens of context), or
-    of every request when no document workload ran."""
-    roles = [role for role in DOCUMENT_ROLES if role in by_role] or list(by_role)
-    return _median([(t["tokens"] - 1) / (t["decode_ms"] / 1e3) for role in roles
-                    for t in by_role[role] if t["tokens"] > 1 and t["decode_ms"] > 0])
+    of every request when no document workload ran (decode_context's points have a table of their own)."""
+    roles = [role for role in DOCUMENT_ROLES if role in by_role] or [r for r in by_role if r != DECODE_CONTEXT]
+    return _median(_rates([t for role in roles for t in by_role[role]]))
 
 
 def _peak_rss(_by_role: dict[str, list[Trace]], result: dict[str, Any]) -> float | None:
@@ -65,8 +69,8 @@ LEGEND = {
     "cold_prefill_tok_s": "prompt tokens / cold TTFT",
     "warm_ttft_ms": "a new question on the document after an unrelated prompt (non-consecutive requests)",
     "warm_next_ttft_ms": "a new question on the document right after the previous one (llama.cpp's best case)",
-    "decode_tok_s": "(tokens - 1) / (last token - first token) of the document requests (of every request when "
-                    "no document workload ran)",
+    "decode_tok_s": "(tokens - 1) / (last token - first token) of the document requests (of every request "
+                    "but decode_context's when no document workload ran)",
     "unrelated_ttft_ms": "prompts sharing no prefix with anything before them",
     "chat_ttft_ms": "chat turns 2 and later (the whole history plus one message)",
     "file_ttft_ms": "the requests of --inputFile",
@@ -167,8 +171,125 @@ def workloads_table(engines: list[dict[str, Any]]) -> Table:
     return table
 
 
-def plot(engines: list[dict[str, Any]], baseline: str | None, path: Path) -> None:
-    """One bar chart per metric, an engine per bar, the baseline hatched."""
+# --- decode_context: decode tok/s per context length --------------------------------------------------------
+
+FLATNESS_UP_TO = 1536  # issue 19: decode after 1,536 tokens of context should be >= 0.8x decode after 64
+FLATNESS_TARGET = 0.8
+
+
+def context_points(workloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The decode_context requests of the run (label, prompt_tokens), shortest first; [] when it did not run."""
+    for workload in workloads:
+        if workload["name"] == DECODE_CONTEXT:
+            return sorted(workload["requests"], key=lambda r: r["prompt_tokens"])
+    return []
+
+
+def decode_context(result: dict[str, Any], points: list[dict[str, Any]]) -> dict[str, Any]:
+    """An engine's median decode tok/s after each context length (keys: the context, as a string), the points it
+    skipped with their reasons, and its flatness: decode after the longest point <= FLATNESS_UP_TO over decode
+    after the shortest point."""
+    traces = [t for passes in result["workloads"].get(DECODE_CONTEXT, []) for t in passes]
+    reasons = result.get("skipped_points", {})
+    tok_s = {str(p["prompt_tokens"]): _median(_rates([t for t in traces if t["label"] == p["label"]]))
+             for p in points}
+    skipped = {str(p["prompt_tokens"]): reasons[p["label"]] for p in points if p["label"] in reasons}
+    return {"tok_s": tok_s, "skipped": skipped, "flatness": flatness(tok_s)}
+
+
+def flatness(tok_s: dict[str, float | None]) -> dict[str, Any]:
+    contexts = sorted(int(n) for n in tok_s)
+    longest = [n for n in contexts if n <= FLATNESS_UP_TO]
+    start, end = (contexts[0], longest[-1]) if len(longest) > 1 else (None, None)
+    first, last = (tok_s[str(start)], tok_s[str(end)]) if start is not None else (None, None)
+    ratio = last / first if first and last is not None else None
+    return {"from": start, "to": end, "ratio": ratio, "target": FLATNESS_TARGET,
+            "met": None if ratio is None else ratio >= FLATNESS_TARGET}
+
+
+def context_ratios(mine: dict[str, Any], base: dict[str, Any] | None) -> dict[str, float | None]:
+    """Decode tok/s after each context over the baseline's after the same context (None where either is missing)."""
+    theirs = base["tok_s"] if base else {}
+    return {n: value / theirs[n] if value is not None and theirs.get(n) else None
+            for n, value in mine["tok_s"].items()}
+
+
+CONTEXT_LEGEND = (
+    "decode tok/s: (tokens - 1) / (last - first token) after a prompt of N tokens, nothing cached",
+    f"flatness: decode after the longest point ≤ {FLATNESS_UP_TO:,} / decode after the shortest "
+    f"(target ≥ {FLATNESS_TARGET})",
+    "vs: decode tok/s / the baseline's after the same N tokens",
+)
+
+
+def _context_engines(engines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e for e in engines if e["status"] == "ok" and "decode_context" in e]
+
+
+def decode_context_table(engines: list[dict[str, Any]], points: list[dict[str, Any]]) -> Table:
+    contexts = [str(p["prompt_tokens"]) for p in points]
+    table = Table(title="decode tok/s after N tokens of context ↑", title_justify="left")
+    table.add_column("engine")
+    for n in contexts:
+        table.add_column(f"{int(n):,}", justify="right")
+    table.add_column("flatness", justify="right")
+    for engine in _context_engines(engines):
+        figures = engine["decode_context"]
+        cells = ["skipped" if n in figures["skipped"] else _figure(figures["tok_s"][n]) for n in contexts]
+        table.add_row(engine["name"], *cells, _flatness_cell(figures["flatness"]))
+    return table
+
+
+def _flatness_cell(figure: dict[str, Any]) -> str:
+    if figure["ratio"] is None:
+        return "—"
+    verdict = "met" if figure["met"] else "missed"
+    return f"{figure['ratio']:.2f}× ({figure['to']:,}/{figure['from']:,}, {verdict})"
+
+
+def context_ratios_table(engines: list[dict[str, Any]], points: list[dict[str, Any]], baseline: str) -> Table:
+    contexts = [str(p["prompt_tokens"]) for p in points]
+    table = Table(title=f"decode vs {baseline} per context ↑", title_justify="left")
+    table.add_column("engine")
+    for n in contexts:
+        table.add_column(f"{int(n):,}", justify="right")
+    for engine in _context_engines(engines):
+        ratios_now = engine["decode_context"]["ratios"]
+        table.add_row(engine["name"], *(f"{r:.3g}×" if (r := ratios_now.get(n)) is not None else "—"
+                                        for n in contexts))
+    return table
+
+
+def context_plot_path(path: Path) -> Path:
+    """The decode_context chart is written next to --plot's: bench.png → bench-decode-context.png."""
+    return path.with_name(f"{path.stem}-decode-context{path.suffix}")
+
+
+def plot_decode_context(engines: list[dict[str, Any]], baseline: str | None, path: Path) -> None:
+    """Decode tok/s against context tokens (log x), a line per engine, the baseline dashed; skipped points left out."""
+    plt = _pyplot()
+    figure, ax = plt.subplots(figsize=(6.4, 4.2))
+    for index, engine in enumerate(_context_engines(engines)):
+        points = sorted((int(n), v) for n, v in engine["decode_context"]["tok_s"].items() if v is not None)
+        if points:
+            ax.plot([n for n, _ in points], [v for _, v in points], marker="o", color=f"C{index}",
+                    linestyle="--" if engine["name"] == baseline else "-",
+                    label=engine["name"] + (" (baseline)" if engine["name"] == baseline else ""))
+    ax.set_xscale("log")
+    contexts = sorted({int(n) for e in _context_engines(engines) for n in e["decode_context"]["tok_s"]})
+    ax.set_xticks(contexts, [f"{n:,}" for n in contexts], fontsize=8)
+    ax.minorticks_off()
+    ax.set_ylim(bottom=0)  # from zero, so a line's drop reads as the fraction of speed lost
+    ax.set_xlabel("context tokens before decoding")
+    ax.set_ylabel("decode tok/s (higher is better)")
+    ax.set_title("llm_bench decode_context: decode speed vs context", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    if ax.get_lines():
+        ax.legend(fontsize=8)
+    _save(plt, figure, path)
+
+
+def _pyplot() -> Any:
     try:
         import matplotlib
 
@@ -176,6 +297,22 @@ def plot(engines: list[dict[str, Any]], baseline: str | None, path: Path) -> Non
         import matplotlib.pyplot as plt
     except ImportError:
         raise KvforgeError("needs matplotlib: pip install 'kvforge[plot]'", "plot") from None
+    return plt
+
+
+def _save(plt: Any, figure: Any, path: Path) -> None:
+    figure.tight_layout()
+    try:
+        figure.savefig(path, dpi=120)
+    except (OSError, ValueError) as exc:
+        raise KvforgeError(f"cannot write {path}: {exc}", "plot") from None
+    finally:
+        plt.close(figure)
+
+
+def plot(engines: list[dict[str, Any]], baseline: str | None, path: Path) -> None:
+    """One bar chart per metric, an engine per bar, the baseline hatched."""
+    plt = _pyplot()
     ok = [e for e in engines if e["status"] == "ok"]
     metrics = shown_metrics(engines)
     columns = min(3, len(metrics)) or 1
@@ -193,10 +330,4 @@ def plot(engines: list[dict[str, Any]], baseline: str | None, path: Path) -> Non
         ax.set_title(f"{metric.name} {metric.unit} ({better} is better)", fontsize=9)
     for ax in list(axes.flat)[len(metrics):]:
         ax.set_visible(False)
-    figure.tight_layout()
-    try:
-        figure.savefig(path, dpi=120)
-    except (OSError, ValueError) as exc:
-        raise KvforgeError(f"cannot write {path}: {exc}", "plot") from None
-    finally:
-        plt.close(figure)
+    _save(plt, figure, path)

@@ -9,6 +9,9 @@ suppressed, so every engine decodes the same count), the clock read when the req
 first token is available and when its last one is. TTFT = first - start; decode tok/s = (tokens - 1) / (last -
 first). A *session* is one repeat of one workload: it starts with nothing cached from earlier sessions (a fresh
 cache salt for kvforge, a reset context for llama.cpp; the other peers keep nothing between requests).
+
+A point of the decode_context workload that an engine cannot run (its context plus the generated tokens beyond
+what the engine takes, or an error while it runs) is skipped with the reason; the other points still run.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 KVFORGE, TRANSFORMERS, LLAMA_CPP, ORT_GENAI = "kvforge", "transformers", "llama.cpp", "onnxruntime-genai"
+DECODE_CONTEXT = "decode_context"  # workloads.DECODE_CONTEXT (a worker imports no more of kvforge than it needs)
 
 
 @dataclass(slots=True)
@@ -54,6 +58,17 @@ class Driver(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def limit(self, prompt_tokens: int, max_tokens: int) -> str | None:
+        """Why a prompt of prompt_tokens and max_tokens generated tokens is too long for this engine (None: it fits)."""
+        ...
+
+
+def too_long(what: str, limit: int | None, prompt_tokens: int, max_tokens: int) -> str | None:
+    """The reason a prompt and its generated tokens exceed a limit of `what` tokens (None: they fit, or no limit)."""
+    if limit is None or prompt_tokens + max_tokens <= limit:
+        return None
+    return f"{prompt_tokens:,} + {max_tokens} generated tokens exceed its {what} ({limit:,})"
+
 
 def peak_rss_bytes() -> int:
     """This process's peak resident set. Linux's VmHWM belongs to the process's own memory map; ru_maxrss would
@@ -79,7 +94,9 @@ class KvforgeDriver:
         from kvforge.runtime.engine import Engine, EngineConfig, snapshot_budgets
 
         # Recurrent and hybrid engines reuse exact checkpoints only: with reuse on they get the pools they need.
-        budgets = snapshot_budgets(load_engine_dir(path), SNAPSHOT_SLOTS) if reuse else {}
+        engine_dir = load_engine_dir(path)
+        self.build = engine_dir.build
+        budgets = snapshot_budgets(engine_dir, SNAPSHOT_SLOTS) if reuse else {}
         self.engine = Engine(path, EngineConfig(num_threads=threads, enable_context_reuse=reuse, **budgets))
         self.no_eos = {token: -1e9 for token in self.engine.engine.model.eos_token_ids}
         self.salt: str | None = None
@@ -95,15 +112,24 @@ class KvforgeDriver:
                                 logit_bias=self.no_eos)
         request_id = self.engine.add_request(EngineRequest(list(prompt), params, cache_salt=self.salt))
         finished = False
-        while not finished:
-            for output in self.engine.step():
-                if output.request_id == request_id:
-                    finished = output.finished
-                    for token in output.new_token_ids:
-                        yield token, output.cached_tokens, time.perf_counter()
+        try:
+            while not finished:
+                for output in self.engine.step():
+                    if output.request_id == request_id:
+                        finished = output.finished
+                        for token in output.new_token_ids:
+                            yield token, output.cached_tokens, time.perf_counter()
+        finally:
+            if not finished:  # an error (a skipped decode_context point): it must not run on into the next request
+                self.engine.abort(request_id)
 
     def encode(self, text: str) -> list[int]:
         return self.engine.tokenizer.encode(text)
+
+    def limit(self, prompt_tokens: int, max_tokens: int) -> str | None:
+        if prompt_tokens > self.build.max_input_len:
+            return f"{prompt_tokens:,} prompt tokens exceed its maxInputLen ({self.build.max_input_len:,})"
+        return too_long("maxKVCacheCapacity", self.build.max_kv_cache_capacity, prompt_tokens, max_tokens)
 
 
 # --- transformers --------------------------------------------------------------------------------------
@@ -153,6 +179,10 @@ class TransformersDriver:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def limit(self, prompt_tokens: int, max_tokens: int) -> str | None:
+        positions = getattr(self.model.config, "max_position_embeddings", None)
+        return too_long("max_position_embeddings", positions, prompt_tokens, max_tokens)
+
 
 # --- llama.cpp -----------------------------------------------------------------------------------------
 
@@ -187,6 +217,9 @@ class LlamaCppDriver:
     def encode(self, text: str) -> list[int]:
         return self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
 
+    def limit(self, prompt_tokens: int, max_tokens: int) -> str | None:
+        return too_long("n_ctx", self.llm.n_ctx(), prompt_tokens, max_tokens)
+
 
 # --- onnxruntime-genai ---------------------------------------------------------------------------------
 
@@ -203,6 +236,8 @@ class OrtGenaiDriver:
         self.og = og
         self.model = og.Model(config)
         self.tokenizer = og.Tokenizer(self.model)
+        genai_config = json.loads((path / "genai_config.json").read_text(encoding="utf-8"))
+        self.context_length: int | None = genai_config.get("model", {}).get("context_length")
 
     def start_session(self, session: str) -> None:
         pass  # a new Generator per request keeps nothing
@@ -222,6 +257,9 @@ class OrtGenaiDriver:
 
     def encode(self, text: str) -> list[int]:
         return [int(t) for t in self.tokenizer.encode(text)]
+
+    def limit(self, prompt_tokens: int, max_tokens: int) -> str | None:
+        return too_long("context_length", self.context_length, prompt_tokens, max_tokens)
 
 
 # --- the run -------------------------------------------------------------------------------------------
@@ -260,15 +298,40 @@ def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def run_repeat(driver: Driver, job: dict[str, Any], repeat: int) -> dict[str, list[dict[str, Any]]]:
-    """One pass over every workload, each from a fresh session."""
+def too_long_points(driver: Driver, job: dict[str, Any]) -> dict[str, str]:
+    """label → why this engine cannot run it, for the decode_context points too long for it."""
+    points = [r for w in job["workloads"] for r in w["requests"] if r["role"] == DECODE_CONTEXT]
+    reasons = {r["label"]: driver.limit(len(r["prompt_ids"]), job["max_tokens"]) for r in points}
+    return {label: reason for label, reason in reasons.items() if reason is not None}
+
+
+def run_repeat(driver: Driver, job: dict[str, Any], repeat: int,
+               skipped: dict[str, str]) -> dict[str, list[dict[str, Any]]]:
+    """One pass over every workload, each from a fresh session. A decode_context point in `skipped` is not run;
+    one that raises joins it with the error (and is not tried again)."""
     name = job["engine"]["name"]
-    traces = {}
+    traces: dict[str, list[dict[str, Any]]] = {}
     for workload in job["workloads"]:
         progress(f"{name}: repeat {repeat + 1}/{job['repeats']}, {workload['name']}")
         driver.start_session(f"llm_bench-{workload['name']}-{repeat}")
-        traces[workload["name"]] = [asdict(run_request(driver, r, job["max_tokens"])) for r in workload["requests"]]
+        runs = [run_point(driver, r, job["max_tokens"], skipped, name) if r["role"] == DECODE_CONTEXT
+                else run_request(driver, r, job["max_tokens"]) for r in workload["requests"]]
+        traces[workload["name"]] = [asdict(trace) for trace in runs if trace is not None]
     return traces
+
+
+def run_point(driver: Driver, request: dict[str, Any], max_tokens: int, skipped: dict[str, str],
+              name: str) -> Trace | None:
+    """A decode_context point, or None when it is skipped: known not to fit, or failing now (then recorded)."""
+    if request["label"] in skipped:
+        return None
+    try:
+        return run_request(driver, request, max_tokens)
+    except Exception as exc:  # a point this engine cannot run is skipped, not fatal
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        skipped[request["label"]] = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+        progress(f"{name}: {request['label']} skipped: {skipped[request['label']]}")
+        return None
 
 
 def serve(job: dict[str, Any], commands: TextIO, replies: TextIO) -> None:
@@ -289,15 +352,17 @@ def serve(job: dict[str, Any], commands: TextIO, replies: TextIO) -> None:
     progress(f"{spec['name']}: loaded in {load_s:.1f} s; warming up")
     driver.start_session("llm_bench-warmup")
     for request in job["warmup"]:
-        run_request(driver, request, 2)
+        if driver.limit(len(request["prompt_ids"]), 2) is None:  # too long only beside decode_context alone
+            run_request(driver, request, 2)
+    skipped = too_long_points(driver, job)
     reply({"ready": True, "load_s": load_s, "rss_after_load_bytes": rss_after_load,
            "tokenizer_agrees": own == job["check_ids"]})
     for line in commands:
         command = json.loads(line)
         if command.get("quit"):
-            reply({"peak_rss_bytes": peak_rss_bytes()})
+            reply({"peak_rss_bytes": peak_rss_bytes(), "skipped_points": skipped})
             return
-        reply({"repeat": command["run"], "workloads": run_repeat(driver, job, command["run"])})
+        reply({"repeat": command["run"], "workloads": run_repeat(driver, job, command["run"], skipped)})
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -27,10 +27,13 @@ ROLES = {
     "chat_first": "the first turn of a chat",
     "chat": "a later chat turn: the whole history again plus one user message",
     "file": "a request of --inputFile",
+    "decode_context": "a prompt of one --contextTokens length, nothing cached: decode speed after that context",
 }
 DOCUMENT_ROLES = ("cold", "warm_next", "warm")  # requests with ~promptTokens of context: decode is measured there
-BUILTIN = ("document", "interleaved", "chat", "unrelated")
+DECODE_CONTEXT = "decode_context"  # the workload and the role of its requests
+BUILTIN = ("document", "interleaved", "chat", "unrelated", DECODE_CONTEXT)
 DEFAULT_WORKLOADS = ("document", "interleaved")
+DEFAULT_CONTEXT_TOKENS = (64, 512, 1536, 4096)
 MIN_DOCUMENT_TOKENS = 16
 # A scripted assistant reply per chat turn: the prompts must be the same ids for every engine, so the history
 # cannot hold each engine's own answers.
@@ -118,6 +121,15 @@ def chat(tokenizer: ChatTokenizer) -> Workload:
     return Workload("chat", f"a {len(CHAT_TURNS)}-turn chat through the chat template, scripted replies", requests)
 
 
+def decode_context(encode: Callable[[str], list[int]], context_tokens: Sequence[int]) -> Workload:
+    """A prompt of exactly each context length; each starts from another section of the report, so no prompt
+    shares a prefix with the one before it (nothing is reused: every point prefills all of its context)."""
+    requests = [BenchRequest(f"C{n}", DECODE_CONTEXT, text_tokens(encode, n, start=i)[:n])
+                for i, n in enumerate(context_tokens)]
+    lengths = ", ".join(f"{n:,}" for n in context_tokens)
+    return Workload(DECODE_CONTEXT, f"decode after {lengths} tokens of context, one prompt each", requests)
+
+
 def from_request_file(path: Path, tokenizer: ChatTokenizer) -> Workload:
     """A request file of llm_inference, each request tokenized as llm_inference would (chat template or raw)."""
     parsed = load_request_file(path)
@@ -139,11 +151,12 @@ def from_request_file(path: Path, tokenizer: ChatTokenizer) -> Workload:
 
 
 def build_workloads(names: Sequence[str], input_file: Path | None, tokenizer: ChatTokenizer, prompt_tokens: int,
-                    unrelated_tokens: int) -> list[Workload]:
+                    unrelated_tokens: int, context_tokens: Sequence[int] = DEFAULT_CONTEXT_TOKENS) -> list[Workload]:
     texts = Texts.make(tokenizer.encode, prompt_tokens, unrelated_tokens)
     makers: dict[str, Callable[[], Workload]] = {
         "document": lambda: document(texts), "interleaved": lambda: interleaved(texts),
-        "unrelated": lambda: unrelated(texts), "chat": lambda: chat(tokenizer)}
+        "unrelated": lambda: unrelated(texts), "chat": lambda: chat(tokenizer),
+        DECODE_CONTEXT: lambda: decode_context(tokenizer.encode, context_tokens)}
     workloads = [makers[name]() for name in names]
     if input_file is not None:
         workloads.append(from_request_file(input_file, tokenizer))
