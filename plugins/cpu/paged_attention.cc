@@ -107,30 +107,45 @@ void decode_row(const uint8_t* src, float* dst, int dim) {
 #endif
 }
 
+#if KVFORGE_AVX512
+// 16 consecutive elements of a stored row as float32 lanes.
+inline __m512 decode16(const float* src) { return _mm512_loadu_ps(src); }
+inline __m512 decode16(const uint16_t* src) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+}
+inline __m512 decode16(const uint8_t* src) {
+  const __m512i index = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  return _mm512_i32gather_ps(index, g_fp8_table, 4);
+}
+#endif
+
 // ---- per-thread scratch of one item ----
 
 struct Scratch {
-  std::vector<float> q, kf, kt, vf, scores, probs, acc, max, sum, alpha;
+  std::vector<float> q, kt, vf, scores, probs, acc, max, sum, alpha, old_max, tile_sum;
   std::vector<uint64_t> visible;
 
   void reserve(int rows, int dim) {
     const size_t padded = static_cast<size_t>((rows + kRowBlock - 1) / kRowBlock * kRowBlock);
     q.assign(padded * dim, 0.0f);
-    kf.resize(static_cast<size_t>(kTile) * dim);
     kt.resize(static_cast<size_t>(kTile) * dim);
     vf.resize(static_cast<size_t>(kTile) * dim);
     scores.resize(padded * kTile);
-    probs.resize(padded * kTile);
+    probs.assign(padded * kTile, 0.0f);  // padding rows stay 0
     acc.assign(padded * dim, 0.0f);
     max.assign(padded, kNegInf);
     sum.assign(padded, 0.0f);
     alpha.assign(padded, 1.0f);
+    old_max.resize(padded);
+    tile_sum.resize(padded);
     visible.assign(padded, 0);
   }
 };
 
-// kt[d][t] = kf[t][d] for t < n, zeros for the rest of the 16-blocks the scores read.
-void transpose_keys(const float* kf, int n, int dim, float* kt) {
+// kt[d][t] = key t's element d, decoded straight from its stored row, for t < n; zeros for the rest of the
+// 16-blocks the scores read. Transposed so q.K^T is broadcast FMAs over 16 tokens at once.
+template <typename E>
+void load_keys_transposed(const E* const* keys, int n, int dim, float* kt) {
   const int blocks = (n + 15) / 16;
 #if KVFORGE_AVX512
   for (int tb = 0; tb < blocks; ++tb) {
@@ -138,7 +153,7 @@ void transpose_keys(const float* kf, int n, int dim, float* kt) {
       __m512 r[16];
       for (int i = 0; i < 16; ++i) {
         const int t = tb * 16 + i;
-        r[i] = t < n ? _mm512_loadu_ps(kf + static_cast<size_t>(t) * dim + d0) : _mm512_setzero_ps();
+        r[i] = t < n ? decode16(keys[t] + d0) : _mm512_setzero_ps();
       }
       __m512 t2[16];
       for (int i = 0; i < 8; ++i) {
@@ -168,16 +183,24 @@ void transpose_keys(const float* kf, int n, int dim, float* kt) {
     }
   }
 #else
-  for (int d = 0; d < dim; ++d) {
-    for (int t = 0; t < blocks * 16; ++t) kt[static_cast<size_t>(d) * kTile + t] = t < n ? kf[static_cast<size_t>(t) * dim + d] : 0.0f;
+  float row[kMaxHeadDim];
+  for (int t = 0; t < blocks * 16; ++t) {
+    if (t < n) {
+      decode_row(keys[t], row, dim);
+    } else {
+      std::fill(row, row + dim, 0.0f);
+    }
+    for (int d = 0; d < dim; ++d) kt[static_cast<size_t>(d) * kTile + t] = row[d];
   }
 #endif
 }
 
 #if KVFORGE_AVX512
-// exp with a degree-6 polynomial on the reduced argument and scalef for 2^n (about 1 ulp on [-103, 88]).
+// exp with a degree-6 polynomial on the reduced argument and scalef for 2^n (about 1 ulp). Results that would
+// be subnormal are flushed to 0, so the FMAs that consume probabilities never take the slow subnormal path.
 inline __m512 exp512(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-103.0f)), _mm512_set1_ps(88.7f));
+  const __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.0f)), _mm512_set1_ps(88.7f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -189,7 +212,7 @@ inline __m512 exp512(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+  return _mm512_maskz_mov_ps(normal, _mm512_scalef_ps(p, n));
 }
 
 template <int NB>
@@ -255,6 +278,50 @@ void compute_scores(const Scratch& s, int rows, int n, int dim, float* scores) {
 }
 
 // Online-softmax step of each row over the tile: new running max, rescale factor, probabilities, sum.
+#if KVFORGE_AVX512
+void softmax_update(Scratch& s, int rows, int n) {
+  const int blocks = (n + 15) / 16;
+  float* old = s.old_max.data();
+  float* tile_sum = s.tile_sum.data();
+  for (int r = 0; r < rows; ++r) {
+    const uint64_t seen = s.visible[r];
+    float* p = s.probs.data() + r * kTile;
+    const float* x = s.scores.data() + r * kTile;
+    old[r] = s.max[r];
+    if (seen == 0) {  // nothing visible in this tile: the row's state is unchanged
+      for (int j = 0; j < blocks; ++j) _mm512_storeu_ps(p + 16 * j, _mm512_setzero_ps());
+      tile_sum[r] = 0.0f;
+      continue;
+    }
+    __m512 peak = _mm512_set1_ps(kNegInf);
+    for (int j = 0; j < blocks; ++j)
+      peak = _mm512_mask_max_ps(peak, static_cast<__mmask16>(seen >> (16 * j)), peak, _mm512_loadu_ps(x + 16 * j));
+    const float running = std::max(s.max[r], _mm512_reduce_max_ps(peak));
+    const __m512 m = _mm512_set1_ps(running);
+    __m512 total = _mm512_setzero_ps();
+    for (int j = 0; j < blocks; ++j) {
+      const __mmask16 lanes = static_cast<__mmask16>(seen >> (16 * j));
+      const __m512 e = _mm512_maskz_mov_ps(lanes, exp512(_mm512_sub_ps(_mm512_loadu_ps(x + 16 * j), m)));
+      _mm512_storeu_ps(p + 16 * j, e);
+      total = _mm512_add_ps(total, e);
+    }
+    tile_sum[r] = _mm512_reduce_add_ps(total);
+    s.max[r] = running;
+  }
+  // Rescale factors exp(old - new) for 16 rows at a time; a row that saw nothing before has nothing to rescale.
+  for (int r0 = 0; r0 < rows; r0 += 16) {
+    const __mmask16 live = static_cast<__mmask16>(rows - r0 >= 16 ? 0xffff : (1u << (rows - r0)) - 1);
+    const __m512 before = _mm512_maskz_loadu_ps(live, old + r0);
+    const __m512 now = _mm512_maskz_loadu_ps(live, s.max.data() + r0);
+    const __mmask16 started = _mm512_mask_cmp_ps_mask(live, before, _mm512_set1_ps(kNegInf), _CMP_NEQ_OQ);
+    const __m512 alpha = _mm512_maskz_mov_ps(started, exp512(_mm512_sub_ps(before, now)));
+    const __m512 sum = _mm512_maskz_loadu_ps(live, s.sum.data() + r0);
+    _mm512_mask_storeu_ps(s.alpha.data() + r0, live, alpha);
+    _mm512_mask_storeu_ps(s.sum.data() + r0, live,
+                          _mm512_fmadd_ps(sum, alpha, _mm512_maskz_loadu_ps(live, tile_sum + r0)));
+  }
+}
+#else
 void softmax_update(Scratch& s, int rows, int n) {
   for (int r = 0; r < rows; ++r) {
     const uint64_t seen = s.visible[r];
@@ -271,27 +338,16 @@ void softmax_update(Scratch& s, int rows, int n) {
     const float running = std::max(s.max[r], tile_max);
     const float alpha = s.max[r] == kNegInf ? 0.0f : std::exp(s.max[r] - running);
     float total = 0.0f;
-#if KVFORGE_AVX512
-    const __m512 m = _mm512_set1_ps(running);
-    __m512 acc = _mm512_setzero_ps();
-    for (int j = 0; j * 16 < n; ++j) {
-      const __mmask16 lanes = static_cast<__mmask16>(seen >> (16 * j));
-      const __m512 e = _mm512_maskz_mov_ps(lanes, exp512(_mm512_sub_ps(_mm512_loadu_ps(x + 16 * j), m)));
-      _mm512_storeu_ps(p + 16 * j, e);
-      acc = _mm512_add_ps(acc, e);
-    }
-    total = _mm512_reduce_add_ps(acc);
-#else
     for (int t = 0; t < n; ++t) {
       p[t] = ((seen >> t) & 1) ? std::exp(x[t] - running) : 0.0f;
       total += p[t];
     }
-#endif
     s.alpha[r] = alpha;
     s.sum[r] = s.sum[r] * alpha + total;
     s.max[r] = running;
   }
 }
+#endif
 
 // acc[r] = acc[r] * alpha[r] + sum_t probs[r][t] * v_t
 void accumulate_values(Scratch& s, int rows, int n, int dim) {
@@ -326,11 +382,8 @@ void accumulate_values(Scratch& s, int rows, int n, int dim) {
 // One tile: decode K and V rows (any element type) once, then attend every row of the item over them.
 template <typename E>
 void attend_tile(Scratch& s, const E* const* keys, const E* const* values, int n, int rows, int dim) {
-  for (int t = 0; t < n; ++t) {
-    decode_row(keys[t], s.kf.data() + static_cast<size_t>(t) * dim, dim);
-    decode_row(values[t], s.vf.data() + static_cast<size_t>(t) * dim, dim);
-  }
-  transpose_keys(s.kf.data(), n, dim, s.kt.data());
+  load_keys_transposed(keys, n, dim, s.kt.data());
+  for (int t = 0; t < n; ++t) decode_row(values[t], s.vf.data() + static_cast<size_t>(t) * dim, dim);
   compute_scores(s, rows, n, dim, s.scores.data());
   softmax_update(s, rows, n);
   accumulate_values(s, rows, n, dim);
