@@ -215,40 +215,64 @@ inline __m512 exp512(__m512 x) {
   return _mm512_maskz_mov_ps(normal, _mm512_scalef_ps(p, n));
 }
 
-template <int NB>
+// RB rows (<= kRowBlock) against NB 16-token blocks: RB x NB accumulators stay in registers over the dims.
+template <int RB, int NB>
 void scores_block(const float* q, int dim, const float* kt, float* scores) {
-  __m512 acc[kRowBlock][NB];
-  for (int i = 0; i < kRowBlock; ++i)
+  __m512 acc[RB][NB];
+  for (int i = 0; i < RB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int d = 0; d < dim; ++d) {
     __m512 k[NB];
     for (int j = 0; j < NB; ++j) k[j] = _mm512_loadu_ps(kt + static_cast<size_t>(d) * kTile + 16 * j);
-    for (int i = 0; i < kRowBlock; ++i) {
+    for (int i = 0; i < RB; ++i) {
       const __m512 qb = _mm512_set1_ps(q[static_cast<size_t>(i) * dim + d]);
       for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(qb, k[j], acc[i][j]);
     }
   }
-  for (int i = 0; i < kRowBlock; ++i)
+  for (int i = 0; i < RB; ++i)
     for (int j = 0; j < NB; ++j) _mm512_storeu_ps(scores + i * kTile + 16 * j, acc[i][j]);
 }
 
-template <int NV>
-void pv_block(const float* probs, const float* alpha, const float* vf, int n, int dim, int d0, float* acc) {
-  __m512 a[kRowBlock][NV];
-  for (int i = 0; i < kRowBlock; ++i) {
+// RB rows x NV 16-dim vectors of the accumulators stay in registers over the tile's tokens; V rows are read
+// through pointers, either straight from the pool (decoded in the FMA loop) or from the staged float32 tile.
+template <typename V, int RB, int NV>
+void pv_block(const float* probs, const float* alpha, const V* const* vrows, int n, int dim, int d0, float* acc) {
+  __m512 a[RB][NV];
+  for (int i = 0; i < RB; ++i) {
     const __m512 scale = _mm512_set1_ps(alpha[i]);
     for (int k = 0; k < NV; ++k) a[i][k] = _mm512_mul_ps(_mm512_loadu_ps(acc + static_cast<size_t>(i) * dim + d0 + 16 * k), scale);
   }
   for (int t = 0; t < n; ++t) {
     __m512 v[NV];
-    for (int k = 0; k < NV; ++k) v[k] = _mm512_loadu_ps(vf + static_cast<size_t>(t) * dim + d0 + 16 * k);
-    for (int i = 0; i < kRowBlock; ++i) {
+    for (int k = 0; k < NV; ++k) v[k] = decode16(vrows[t] + d0 + 16 * k);
+    for (int i = 0; i < RB; ++i) {
       const __m512 p = _mm512_set1_ps(probs[i * kTile + t]);
       for (int k = 0; k < NV; ++k) a[i][k] = _mm512_fmadd_ps(p, v[k], a[i][k]);
     }
   }
-  for (int i = 0; i < kRowBlock; ++i)
+  for (int i = 0; i < RB; ++i)
     for (int k = 0; k < NV; ++k) _mm512_storeu_ps(acc + static_cast<size_t>(i) * dim + d0 + 16 * k, a[i][k]);
+}
+
+template <int RB>
+void scores_rows(const float* q, int dim, const float* kt, float* out, int blocks) {
+  switch (blocks) {
+    case 1: scores_block<RB, 1>(q, dim, kt, out); break;
+    case 2: scores_block<RB, 2>(q, dim, kt, out); break;
+    case 3: scores_block<RB, 3>(q, dim, kt, out); break;
+    default: scores_block<RB, 4>(q, dim, kt, out); break;
+  }
+}
+
+template <typename V, int RB>
+void pv_rows(const float* probs, const float* alpha, const V* const* vrows, int n, int dim, int d0, float* acc,
+             int vectors) {
+  switch (vectors) {
+    case 1: pv_block<V, RB, 1>(probs, alpha, vrows, n, dim, d0, acc); break;
+    case 2: pv_block<V, RB, 2>(probs, alpha, vrows, n, dim, d0, acc); break;
+    case 3: pv_block<V, RB, 3>(probs, alpha, vrows, n, dim, d0, acc); break;
+    default: pv_block<V, RB, 4>(probs, alpha, vrows, n, dim, d0, acc); break;
+  }
 }
 #endif
 
@@ -259,11 +283,11 @@ void compute_scores(const Scratch& s, int rows, int n, int dim, float* scores) {
   for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
     const float* q = s.q.data() + static_cast<size_t>(r0) * dim;
     float* out = scores + r0 * kTile;
-    switch (blocks) {
-      case 1: scores_block<1>(q, dim, s.kt.data(), out); break;
-      case 2: scores_block<2>(q, dim, s.kt.data(), out); break;
-      case 3: scores_block<3>(q, dim, s.kt.data(), out); break;
-      default: scores_block<4>(q, dim, s.kt.data(), out); break;
+    switch (std::min(kRowBlock, rows - r0)) {
+      case 1: scores_rows<1>(q, dim, s.kt.data(), out, blocks); break;
+      case 2: scores_rows<2>(q, dim, s.kt.data(), out, blocks); break;
+      case 3: scores_rows<3>(q, dim, s.kt.data(), out, blocks); break;
+      default: scores_rows<kRowBlock>(q, dim, s.kt.data(), out, blocks); break;
     }
   }
 #else
@@ -349,19 +373,21 @@ void softmax_update(Scratch& s, int rows, int n) {
 }
 #endif
 
-// acc[r] = acc[r] * alpha[r] + sum_t probs[r][t] * v_t
-void accumulate_values(Scratch& s, int rows, int n, int dim) {
+// acc[r] = acc[r] * alpha[r] + sum_t probs[r][t] * v_t (the portable path reads staged float32 rows only)
+template <typename V>
+void accumulate_values(Scratch& s, const V* const* vrows, int rows, int n, int dim) {
 #if KVFORGE_AVX512
   for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
     const float* p = s.probs.data() + r0 * kTile;
     const float* alpha = s.alpha.data() + r0;
     float* acc = s.acc.data() + static_cast<size_t>(r0) * dim;
     for (int d0 = 0; d0 < dim; d0 += 64) {
-      switch (std::min(4, (dim - d0) / 16)) {
-        case 1: pv_block<1>(p, alpha, s.vf.data(), n, dim, d0, acc); break;
-        case 2: pv_block<2>(p, alpha, s.vf.data(), n, dim, d0, acc); break;
-        case 3: pv_block<3>(p, alpha, s.vf.data(), n, dim, d0, acc); break;
-        default: pv_block<4>(p, alpha, s.vf.data(), n, dim, d0, acc); break;
+      const int vectors = std::min(4, (dim - d0) / 16);
+      switch (std::min(kRowBlock, rows - r0)) {
+        case 1: pv_rows<V, 1>(p, alpha, vrows, n, dim, d0, acc, vectors); break;
+        case 2: pv_rows<V, 2>(p, alpha, vrows, n, dim, d0, acc, vectors); break;
+        case 3: pv_rows<V, 3>(p, alpha, vrows, n, dim, d0, acc, vectors); break;
+        default: pv_rows<V, kRowBlock>(p, alpha, vrows, n, dim, d0, acc, vectors); break;
       }
     }
   }
@@ -372,21 +398,32 @@ void accumulate_values(Scratch& s, int rows, int n, int dim) {
     for (int t = 0; t < n; ++t) {
       const float w = s.probs[r * kTile + t];
       if (w == 0.0f) continue;
-      const float* v = s.vf.data() + static_cast<size_t>(t) * dim;
+      const V* v = vrows[t];
       for (int d = 0; d < dim; ++d) acc[d] += w * v[d];
     }
   }
 #endif
 }
 
-// One tile: decode K and V rows (any element type) once, then attend every row of the item over them.
+// One tile: decode K (any element type) once into the transposed tile, then attend every row of the item over
+// it. V is decoded inside the FMA loop when one register block of rows reads it (decode), else staged once.
 template <typename E>
 void attend_tile(Scratch& s, const E* const* keys, const E* const* values, int n, int rows, int dim) {
   load_keys_transposed(keys, n, dim, s.kt.data());
-  for (int t = 0; t < n; ++t) decode_row(values[t], s.vf.data() + static_cast<size_t>(t) * dim, dim);
   compute_scores(s, rows, n, dim, s.scores.data());
   softmax_update(s, rows, n);
-  accumulate_values(s, rows, n, dim);
+#if KVFORGE_AVX512
+  if (rows <= kRowBlock) {
+    accumulate_values<E>(s, values, rows, n, dim);
+    return;
+  }
+#endif
+  const float* staged[kTile];
+  for (int t = 0; t < n; ++t) {
+    staged[t] = s.vf.data() + static_cast<size_t>(t) * dim;
+    decode_row(values[t], s.vf.data() + static_cast<size_t>(t) * dim, dim);
+  }
+  accumulate_values<float>(s, staged, rows, n, dim);
 }
 
 // ---- the call: validated geometry, the work plan, and the items ----
@@ -556,9 +593,12 @@ void plan(Call& c) {
   for (int64_t b = 0; b < c.batch; ++b) {
     const int64_t len = c.length[b];
     const int64_t cached = std::min<int64_t>(c.start[b], c.width * c.page_tokens);  // past W nothing is visible
-    int64_t splits = 1;
-    if (groups < kEnoughGroups) {
-      splits = std::clamp<int64_t>((cached + kSplitTokens - 1) / kSplitTokens, 1, kMaxSplits);
+    // Splits cover whole tiles (kSplitTokens or more, a multiple of kTile), so only the last one is ragged.
+    int64_t splits = 1, chunk = std::max<int64_t>(cached, 1);
+    if (groups < kEnoughGroups && cached > kSplitTokens) {
+      chunk = std::max<int64_t>(kSplitTokens, (cached + kMaxSplits - 1) / kMaxSplits);
+      chunk = (chunk + kTile - 1) / kTile * kTile;
+      splits = (cached + chunk - 1) / chunk;
     }
     for (int64_t h = 0; h < c.kv_heads; ++h) {
       for (int64_t q0 = 0; q0 < len; q0 += block) {
@@ -568,8 +608,8 @@ void plan(Call& c) {
                   partial};
         if (splits > 1) partial += splits * (q1 - q0) * g * (c.dim + 2);
         for (int64_t sp = 0; sp < splits; ++sp) {
-          c.items.push_back(Item{grp.b, grp.h, grp.q0, grp.q1, static_cast<int32_t>(cached * sp / splits),
-                                 static_cast<int32_t>(cached * (sp + 1) / splits), sp == splits - 1,
+          c.items.push_back(Item{grp.b, grp.h, grp.q0, grp.q1, static_cast<int32_t>(std::min(cached, sp * chunk)),
+                                 static_cast<int32_t>(std::min(cached, (sp + 1) * chunk)), sp == splits - 1,
                                  static_cast<int32_t>(c.groups.size()), static_cast<int32_t>(sp)});
         }
         c.groups.push_back(grp);
