@@ -37,7 +37,7 @@ const OrtApi* g_api = nullptr;
 
 constexpr int kTile = 64;          // positions decoded per tile (4 vectors of 16)
 constexpr int kRowBlock = 4;       // query rows per register block
-constexpr int kMaxRows = 32;       // query rows (queries x group) an item aims for
+constexpr int kMaxRows = 48;       // query rows (queries x group) per item: 16 queries of a group of 3
 constexpr int kMaxHeadDim = 256;
 constexpr int kSplitTokens = 256;  // cached positions per split when the range is split
 constexpr int kMaxSplits = 64;
@@ -498,6 +498,19 @@ void attend_cached(const Call& c, const Item& it, Scratch& s, int rows) {
   }
 }
 
+// Bit t set iff a query sees new key j0 + t: from a row of the tree mask, or causally (t <= offset = i - j0).
+uint64_t mask_bits(const bool* row, int n) {
+  uint64_t bits = 0;
+  for (int t = 0; t < n; ++t) bits |= static_cast<uint64_t>(row[t]) << t;
+  return bits;
+}
+
+uint64_t causal_bits(int64_t offset, int n) {
+  const uint64_t tile = n == 64 ? ~uint64_t{0} : (uint64_t{1} << n) - 1;
+  if (offset < 0) return 0;
+  return offset >= 63 ? tile : ((uint64_t{1} << (offset + 1)) - 1) & tile;
+}
+
 void attend_new(const Call& c, const Item& it, Scratch& s, int rows) {
   const int64_t g = c.group_size;
   const int64_t limit = c.mask ? c.length[it.b] : it.q1;  // causal: no query of the block sees past q1 - 1
@@ -513,14 +526,8 @@ void attend_new(const Call& c, const Item& it, Scratch& s, int rows) {
     bool any = false;
     for (int r = 0; r < rows; ++r) {
       const int64_t i = it.q0 + r / g;
-      uint64_t seen = 0;
-      for (int t = 0; t < n; ++t) {
-        const int64_t j = j0 + t;
-        const bool on = c.mask ? c.mask[(it.b * c.seq + i) * c.seq + j] : j <= i;
-        seen |= static_cast<uint64_t>(on) << t;
-      }
-      s.visible[r] = seen;
-      any = any || seen != 0;
+      s.visible[r] = c.mask ? mask_bits(c.mask + (it.b * c.seq + i) * c.seq + j0, n) : causal_bits(i - j0, n);
+      any = any || s.visible[r] != 0;
     }
     if (any) attend_tile<float>(s, keys, values, n, rows, static_cast<int>(c.dim));
   }
