@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -11,6 +14,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
+from kvforge.contract.errors import KvforgeError
 from kvforge.plugins import cpu_kernel, ops, reference
 from kvforge.plugins.reference import pool_numpy_dtype, round_to_storage, to_storage
 
@@ -134,6 +138,7 @@ CASES = {
     "gqa-4": Case(starts=[19, 3], lengths=[5, 2], seq=5, num_q=8, num_kv=2),
     "head-dim-32": Case(starts=[45, 12], lengths=[3, 2], seq=3, head_dim=32, dtype="fp32"),
     "head-dim-80": Case(starts=[45, 12], lengths=[3, 2], seq=3, num_q=4, num_kv=2, head_dim=80, dtype="fp8"),
+    "gqa-64-head-dim-16": Case(starts=[40], lengths=[3], seq=3, num_q=64, num_kv=1, head_dim=16),
     "head-dim-128": Case(starts=[45], lengths=[2], seq=2, num_q=4, num_kv=1, head_dim=128),
     "page-size-64": Case(starts=[130, 64], lengths=[7, 1], seq=7, tokens_per_page=64),
     "tree-mask-verify": Case(starts=[33, 50], lengths=[6, 4], seq=6, tree_mask=True),
@@ -215,6 +220,30 @@ def test_missing_headers_are_a_reason(monkeypatch: pytest.MonkeyPatch, tmp_path:
     monkeypatch.setenv(cpu_kernel.INCLUDE_ENV, str(tmp_path))
     path, reason = cpu_kernel.kernel_status()
     assert path is None and "no onnxruntime_c_api.h" in reason
+
+
+def test_no_compiler_is_a_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_kernel.CXX_ENV, "/nonexistent/g++")
+    path, reason = cpu_kernel.kernel_status()
+    assert path is None and "no C++ compiler" in reason
+
+
+def test_failed_build_is_a_reason(library: Path) -> None:
+    with pytest.raises(KvforgeError, match="building the CPU kernel failed"):
+        cpu_kernel.library_path(("-fkvforge-no-such-option",))
+
+
+def test_concurrent_first_builds_share_one_library(library: Path, tmp_path: Path) -> None:
+    """Two processes building into an empty cache at once: one compiles, both get the same complete file."""
+    headers = cpu_kernel.include_dir()
+    env = dict(os.environ, **{cpu_kernel.CACHE_ENV: str(tmp_path), cpu_kernel.INCLUDE_ENV: str(headers)})
+    command = [sys.executable, "-m", "kvforge.plugins.cpu_kernel"]
+    procs = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    paths = {proc.communicate(timeout=300)[0].strip() for proc in procs}
+    assert all(proc.returncode == 0 for proc in procs) and len(paths) == 1
+    built = Path(paths.pop())
+    assert built.is_file() and built.parent.parent == tmp_path / "cpu-kernels"
+    assert not list(built.parent.glob(".build-*"))  # no partial file left behind
 
 
 def test_reference_forms_agree() -> None:
