@@ -8,17 +8,19 @@
 // fp32 pages, or from the new rows) and then serves every query row of the item, i.e. the block's queries
 // times the whole GQA group. Scores use K transposed inside the tile so q.K^T is broadcast FMAs with no
 // horizontal sums. Each item keeps an online softmax (max, sum, acc) per row; when the cached range is
-// split across threads (decode), the partials are merged afterwards (flash decoding).
+// split across threads (decode), the last split of a group to finish merges the partials (flash decoding).
 
 #include <onnxruntime_c_api.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -456,7 +458,8 @@ struct Call {
   float* out;
   std::vector<Item> items;
   std::vector<Group> groups;
-  std::vector<float> partials;
+  mutable std::vector<float> partials;  // written by the items of split groups
+  std::unique_ptr<std::atomic<int32_t>[]> pending;  // items of each group still running
 };
 
 thread_local Scratch t_scratch;
@@ -533,6 +536,8 @@ void attend_new(const Call& c, const Item& it, Scratch& s, int rows) {
   }
 }
 
+void merge_group(const Call& c, const Group& grp);
+
 void run_item(const Call& c, size_t index) {
   const Item& it = c.items[index];
   const int64_t g = c.group_size, dim = c.dim;
@@ -558,8 +563,9 @@ void run_item(const Call& c, size_t index) {
     }
     return;
   }
-  // A split's partial: (max, sum, acc) per row, merged by merge_group.
-  float* part = const_cast<float*>(c.partials.data()) + grp.partial +
+  // A split's partial: (max, sum, acc) per row; the group's last item to finish merges them, so no second
+  // parallel pass (and thread wake-up) is needed. acq_rel publishes every split's partial to that item.
+  float* part = c.partials.data() + grp.partial +
                 static_cast<int64_t>(it.split) * rows * (dim + 2);
   for (int r = 0; r < rows; ++r) {
     float* slot = part + static_cast<int64_t>(r) * (dim + 2);
@@ -567,6 +573,7 @@ void run_item(const Call& c, size_t index) {
     slot[1] = s.sum[r];
     std::memcpy(slot + 2, s.acc.data() + static_cast<size_t>(r) * dim, sizeof(float) * dim);
   }
+  if (c.pending[it.group].fetch_sub(1, std::memory_order_acq_rel) == 1) merge_group(c, grp);
 }
 
 void merge_group(const Call& c, const Group& grp) {
@@ -624,6 +631,8 @@ void plan(Call& c) {
     }
   }
   c.partials.assign(static_cast<size_t>(partial), 0.0f);
+  c.pending.reset(new std::atomic<int32_t>[c.groups.size()]);
+  for (size_t i = 0; i < c.groups.size(); ++i) c.pending[i].store(c.groups[i].splits, std::memory_order_relaxed);
 }
 
 // ---- ORT plumbing: the kernel, validation and registration ----
@@ -748,12 +757,6 @@ OrtStatus* gather_inputs(const Kernel& k, OrtKernelContext* ctx, Call& c) {
 
 void run_item_trampoline(void* data, size_t index) { run_item(*static_cast<const Call*>(data), index); }
 
-void merge_trampoline(void* data, size_t index) {
-  const Call& c = *static_cast<const Call*>(data);
-  const Group& grp = c.groups[index];
-  if (grp.splits > 1) merge_group(c, grp);
-}
-
 OrtStatus* ORT_API_CALL compute(void* kernel, OrtKernelContext* ctx) {
   const Kernel& k = *static_cast<const Kernel*>(kernel);
   Call c;
@@ -772,7 +775,6 @@ OrtStatus* ORT_API_CALL compute(void* kernel, OrtKernelContext* ctx) {
   plan(c);
   if (c.items.empty()) return nullptr;
   KVF_TRY(g_api->KernelContext_ParallelFor(ctx, run_item_trampoline, c.items.size(), 0, &c));
-  if (!c.partials.empty()) KVF_TRY(g_api->KernelContext_ParallelFor(ctx, merge_trampoline, c.groups.size(), 0, &c));
   return nullptr;
 }
 
