@@ -242,7 +242,8 @@ void pv_block(const float* probs, const float* alpha, const V* const* vrows, int
   __m512 a[RB][NV];
   for (int i = 0; i < RB; ++i) {
     const __m512 scale = _mm512_set1_ps(alpha[i]);
-    for (int k = 0; k < NV; ++k) a[i][k] = _mm512_mul_ps(_mm512_loadu_ps(acc + static_cast<size_t>(i) * dim + d0 + 16 * k), scale);
+    const float* row = acc + static_cast<size_t>(i) * dim + d0;
+    for (int k = 0; k < NV; ++k) a[i][k] = _mm512_mul_ps(_mm512_loadu_ps(row + 16 * k), scale);
   }
   for (int t = 0; t < n; ++t) {
     __m512 v[NV];
@@ -295,8 +296,9 @@ void compute_scores(const Scratch& s, int rows, int n, int dim, float* scores) {
 #else
   for (int r = 0; r < rows; ++r) {
     for (int t = 0; t < blocks * 16; ++t) {
+      const float* q = s.q.data() + static_cast<size_t>(r) * dim;
       float dot = 0.0f;
-      for (int d = 0; d < dim; ++d) dot += s.q[static_cast<size_t>(r) * dim + d] * s.kt[static_cast<size_t>(d) * kTile + t];
+      for (int d = 0; d < dim; ++d) dot += q[d] * s.kt[static_cast<size_t>(d) * kTile + t];
       scores[r * kTile + t] = dot;
     }
   }
@@ -468,6 +470,11 @@ size_t pool_offset(const Call& c, int64_t page, int kv, int64_t head, int64_t sl
   return static_cast<size_t>((((page * 2 + kv) * c.kv_heads + head) * c.page_tokens + slot) * c.dim);
 }
 
+// Offset of (row b, token i, q head) in query and output [B, S, Hq * D].
+size_t head_offset(const Call& c, int64_t b, int64_t i, int64_t q_head) {
+  return static_cast<size_t>(((b * c.seq + i) * c.q_heads + q_head) * c.dim);
+}
+
 template <typename E>
 void attend_cached(const Call& c, const Item& it, Scratch& s, int rows) {
   const E* pool = static_cast<const E*>(c.pool);
@@ -545,7 +552,7 @@ void run_item(const Call& c, size_t index) {
   Scratch& s = t_scratch;
   s.reserve(rows, static_cast<int>(dim));
   for (int r = 0; r < rows; ++r) {  // row r = (query q0 + r / g, q head h * g + r % g), pre-scaled
-    const float* q = c.query + static_cast<size_t>(((it.b * c.seq + it.q0 + r / g) * c.q_heads + it.h * g + r % g) * dim);
+    const float* q = c.query + head_offset(c, it.b, it.q0 + r / g, it.h * g + r % g);
     for (int64_t d = 0; d < dim; ++d) s.q[static_cast<size_t>(r) * dim + d] = q[d] * c.scale;
   }
   switch (c.pool_type) {
@@ -557,7 +564,7 @@ void run_item(const Call& c, size_t index) {
   const Group& grp = c.groups[it.group];
   if (grp.splits == 1) {
     for (int r = 0; r < rows; ++r) {
-      float* out = c.out + static_cast<size_t>(((it.b * c.seq + it.q0 + r / g) * c.q_heads + it.h * g + r % g) * dim);
+      float* out = c.out + head_offset(c, it.b, it.q0 + r / g, it.h * g + r % g);
       const float inv = s.sum[r] > 0.0f ? 1.0f / s.sum[r] : 0.0f;
       for (int64_t d = 0; d < dim; ++d) out[d] = s.acc[static_cast<size_t>(r) * dim + d] * inv;
     }
@@ -581,8 +588,9 @@ void merge_group(const Call& c, const Group& grp) {
   const int64_t rows = (grp.q1 - grp.q0) * g;
   for (int64_t r = 0; r < rows; ++r) {
     float peak = kNegInf;
-    for (int sp = 0; sp < grp.splits; ++sp) peak = std::max(peak, c.partials[grp.partial + (sp * rows + r) * (dim + 2)]);
-    float* out = c.out + static_cast<size_t>(((grp.b * c.seq + grp.q0 + r / g) * c.q_heads + grp.h * g + r % g) * dim);
+    for (int sp = 0; sp < grp.splits; ++sp)
+      peak = std::max(peak, c.partials[grp.partial + (sp * rows + r) * (dim + 2)]);
+    float* out = c.out + head_offset(c, grp.b, grp.q0 + r / g, grp.h * g + r % g);
     std::fill(out, out + dim, 0.0f);
     if (peak == kNegInf) continue;  // this query sees nothing
     float total = 0.0f;
@@ -683,7 +691,9 @@ OrtStatus* expect(const char* name, const TensorInfo& info, ONNXTensorElementDat
                  std::to_string(type));
   bool same = info.shape.size() == shape.size();
   for (size_t i = 0; same && i < shape.size(); ++i) same = shape[i] < 0 || info.shape[i] == shape[i];
-  if (!same) return error(std::string(name) + " has shape " + shape_text(info.shape) + ", expected " + shape_text(shape) + " (-1: any)");
+  if (!same)
+    return error(std::string(name) + " has shape " + shape_text(info.shape) + ", expected " + shape_text(shape) +
+                 " (-1: any)");
   return nullptr;
 }
 
@@ -697,9 +707,11 @@ OrtStatus* input(OrtKernelContext* ctx, size_t index, const OrtValue** value, Te
 OrtStatus* check_values(const Call& c) {
   for (int64_t b = 0; b < c.batch; ++b) {
     if (c.length[b] < 0 || c.length[b] > c.seq)
-      return error("context_lengths[" + std::to_string(b) + "]=" + std::to_string(c.length[b]) + " is outside [0, S=" + std::to_string(c.seq) + "]");
+      return error("context_lengths[" + std::to_string(b) + "]=" + std::to_string(c.length[b]) +
+                   " is outside [0, S=" + std::to_string(c.seq) + "]");
     if (c.start[b] < 0) return error("kvcache_start_index[" + std::to_string(b) + "] is negative");
-    const int64_t used = std::min<int64_t>(c.width, (static_cast<int64_t>(c.start[b]) + c.page_tokens - 1) / c.page_tokens);
+    const int64_t pages = (static_cast<int64_t>(c.start[b]) + c.page_tokens - 1) / c.page_tokens;
+    const int64_t used = std::min<int64_t>(c.width, pages);  // entries past the cached positions are not read
     for (int64_t w = 0; w < used; ++w) {
       const int32_t page = c.page_table[b * c.width + w];
       if (page < -1 || page >= c.num_pages)
@@ -737,7 +749,9 @@ OrtStatus* gather_inputs(const Kernel& k, OrtKernelContext* ctx, Call& c) {
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: c.pool_type = PoolType::kF16; break;
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8: c.pool_type = PoolType::kFp8; break;
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT: c.pool_type = PoolType::kF32; break;
-    default: return error("pool element type " + std::to_string(info[2].type) + " is not float16, uint8 (FP8 E4M3) or float32");
+    default:
+      return error("pool element type " + std::to_string(info[2].type) +
+                   " is not float16, uint8 (FP8 E4M3) or float32");
   }
   c.mask = nullptr;
   if (count > 6 && v[6]) {
@@ -823,13 +837,17 @@ ONNXTensorElementDataType ORT_API_CALL input_type(const OrtCustomOp*, size_t ind
   }
 }
 
-ONNXTensorElementDataType ORT_API_CALL output_type(const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+ONNXTensorElementDataType ORT_API_CALL output_type(const OrtCustomOp*, size_t) {
+  return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
 
 OrtCustomOpInputOutputCharacteristic ORT_API_CALL input_characteristic(const OrtCustomOp*, size_t index) {
   return index == 6 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
 }
 
-OrtCustomOpInputOutputCharacteristic ORT_API_CALL output_characteristic(const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; }
+OrtCustomOpInputOutputCharacteristic ORT_API_CALL output_characteristic(const OrtCustomOp*, size_t) {
+  return INPUT_OUTPUT_REQUIRED;
+}
 OrtMemType ORT_API_CALL input_memory(const OrtCustomOp*, size_t) { return OrtMemTypeDefault; }
 int ORT_API_CALL variadic_arity(const OrtCustomOp*) { return 1; }
 int ORT_API_CALL variadic_homogeneity(const OrtCustomOp*) { return 0; }
