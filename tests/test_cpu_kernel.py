@@ -215,6 +215,16 @@ def test_bad_inputs_give_an_error_not_a_crash(library: Path) -> None:
         _session(model.SerializeToString(), library).run(None, dict(feeds, pool=feeds["pool"].astype(np.int32)))
 
 
+def test_mask_input_named_empty_is_causal(library: Path) -> None:
+    """A node listing the optional 7th input as "" runs the causal form."""
+    case = CASES["chunk-mid-page"]
+    feeds = _inputs(case)
+    model = onnx.load_from_string(_model(case, False))
+    model.graph.node[0].input.append("")
+    got = _session(model.SerializeToString(), library).run(None, feeds)[0]
+    np.testing.assert_allclose(got, _expected(case, feeds), rtol=0, atol=TOLERANCE)
+
+
 def test_output_shape_is_inferred(library: Path) -> None:
     model = onnx.load_from_string(_model(CASES["decode-fp16"], False))
     session = _session(model.SerializeToString(), library)
