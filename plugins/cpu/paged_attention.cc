@@ -277,6 +277,53 @@ void pv_rows(const float* probs, const float* alpha, const V* const* vrows, int 
     default: pv_block<V, RB, 4>(probs, alpha, vrows, n, dim, d0, acc); break;
   }
 }
+
+// Lane t of the result = the horizontal sum of v[t]: a reduction tree whose shuffles also put token t in lane t.
+inline __m512 reduce16(const __m512 v[16]) {
+  __m512 w[8], u[4];
+  for (int i = 0; i < 8; ++i)  // 128-bit lane: [t0, t1, t0, t1] partials of tokens 2i, 2i+1
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int j = 0; j < 4; ++j) {  // 128-bit lane: tokens 4j..4j+3, each summed over that lane's 4 elements
+    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(w[2 * j]), _mm512_castps_pd(w[2 * j + 1]));
+    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(w[2 * j]), _mm512_castps_pd(w[2 * j + 1]));
+    u[j] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+  }
+  const __m512 g01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
+  const __m512 g23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(g01, g23, 0x88), _mm512_shuffle_f32x4(g01, g23, 0xDD));
+}
+
+// Scores of a few rows (decode: one GQA group) straight from the stored keys: each key row is decoded once and
+// dotted with every row, and one reduction tree per row and 16 tokens replaces transposing the tile.
+template <typename E, int RB>
+void scores_direct(const float* q, int dim, const E* const* keys, int n, float* scores) {
+  for (int t0 = 0; t0 < n; t0 += 16) {
+    __m512 part[RB][16];
+    for (int t = 0; t < 16; ++t) {
+      __m512 acc[RB];
+      for (int i = 0; i < RB; ++i) acc[i] = _mm512_setzero_ps();
+      if (t0 + t < n) {
+        for (int d = 0; d < dim; d += 16) {
+          const __m512 k = decode16(keys[t0 + t] + d);
+          for (int i = 0; i < RB; ++i)
+            acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + static_cast<size_t>(i) * dim + d), k, acc[i]);
+        }
+      }
+      for (int i = 0; i < RB; ++i) part[i][t] = acc[i];
+    }
+    for (int i = 0; i < RB; ++i) _mm512_storeu_ps(scores + i * kTile + t0, reduce16(part[i]));
+  }
+}
+
+template <typename E>
+void scores_few_rows(const Scratch& s, int rows, const E* const* keys, int n, int dim, float* scores) {
+  switch (rows) {
+    case 1: scores_direct<E, 1>(s.q.data(), dim, keys, n, scores); break;
+    case 2: scores_direct<E, 2>(s.q.data(), dim, keys, n, scores); break;
+    case 3: scores_direct<E, 3>(s.q.data(), dim, keys, n, scores); break;
+    default: scores_direct<E, kRowBlock>(s.q.data(), dim, keys, n, scores); break;
+  }
+}
 #endif
 
 // scores[r][t] = q_r . k_t for the (padded) rows and the tile's 16-blocks.
@@ -409,19 +456,22 @@ void accumulate_values(Scratch& s, const V* const* vrows, int rows, int n, int d
 #endif
 }
 
-// One tile: decode K (any element type) once into the transposed tile, then attend every row of the item over
-// it. V is decoded inside the FMA loop when one register block of rows reads it (decode), else staged once.
+// One tile. When one register block of rows reads it (decode), K and V are decoded inside the FMA loops straight
+// from their rows; otherwise K is decoded once into the transposed tile and V staged once as float32, and every
+// row of the item is attended over them.
 template <typename E>
 void attend_tile(Scratch& s, const E* const* keys, const E* const* values, int n, int rows, int dim) {
-  load_keys_transposed(keys, n, dim, s.kt.data());
-  compute_scores(s, rows, n, dim, s.scores.data());
-  softmax_update(s, rows, n);
 #if KVFORGE_AVX512
   if (rows <= kRowBlock) {
+    scores_few_rows<E>(s, rows, keys, n, dim, s.scores.data());
+    softmax_update(s, rows, n);
     accumulate_values<E>(s, values, rows, n, dim);
     return;
   }
 #endif
+  load_keys_transposed(keys, n, dim, s.kt.data());
+  compute_scores(s, rows, n, dim, s.scores.data());
+  softmax_update(s, rows, n);
   const float* staged[kTile];
   for (int t = 0; t < n; ++t) {
     staged[t] = s.vf.data() + static_cast<size_t>(t) * dim;
