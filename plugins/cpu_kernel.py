@@ -12,6 +12,7 @@ import sys
 import tarfile
 import tempfile
 import urllib.request
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
@@ -227,11 +228,16 @@ def kernel_status() -> tuple[Path | None, str]:
 
 
 def register(options: object) -> bool:
-    """Registers the library on an onnxruntime.SessionOptions; False (options untouched) when unavailable."""
+    """Registers the library on an onnxruntime.SessionOptions; False when it is unavailable or this ONNX Runtime
+    refuses it (too old for the headers' API version), with the reason as a warning in the latter case."""
     path, _ = kernel_status()
     if path is None:
         return False
-    options.register_custom_ops_library(str(path))  # type: ignore[attr-defined]
+    try:
+        options.register_custom_ops_library(str(path))  # type: ignore[attr-defined]
+    except Exception as exc:  # onnxruntime raises its own Fail type
+        warnings.warn(f"kvforge CPU kernel not registered: {str(exc).splitlines()[0]}", RuntimeWarning, stacklevel=2)
+        return False
     return True
 
 

@@ -17,7 +17,6 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -955,8 +954,11 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL
 RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
   g_api = api_base->GetApi(ORT_API_VERSION);
   if (!g_api) {
-    std::fprintf(stderr, "kvforge.cpu: this ONNX Runtime does not offer C API version %d\n", ORT_API_VERSION);
-    return nullptr;  // no API table, so no way to build a status; the session then lacks the op and says so
+    // An older runtime: its version-1 table (the C API only ever appends) still builds the error status.
+    const OrtApi* oldest = api_base->GetApi(1);
+    const std::string message = "kvforge.cpu needs ONNX Runtime C API version " + std::to_string(ORT_API_VERSION) +
+                                ", this runtime is " + api_base->GetVersionString();
+    return oldest ? oldest->CreateStatus(ORT_FAIL, message.c_str()) : nullptr;
   }
   static const bool table_ready = (init_fp8_table(), true);
   (void)table_ready;
