@@ -186,6 +186,16 @@ def test_fp8_nan_patterns_decode_as_zero(library: Path) -> None:
     np.testing.assert_allclose(got, _expected(case, dict(feeds, pool=zeroed)), rtol=0, atol=TOLERANCE)
 
 
+def test_query_that_sees_nothing_is_zero(library: Path) -> None:
+    """No cached tokens (row 0) or only a -1 page (row 1), and a tree mask that hides every new key from query 1."""
+    case = Case(starts=[0, 10], lengths=[3, 3], seq=3, tree_mask=True, holes={1: [0]})
+    feeds = _inputs(case)
+    feeds["attention_mask"][:, 1, :] = False
+    got = _session(_model(case, True), library).run(None, feeds)[0]
+    assert not got[:, 1].any() and np.abs(got[:, 0]).sum() > 0
+    np.testing.assert_allclose(got, _expected(case, feeds), rtol=0, atol=TOLERANCE)
+
+
 def test_padding_rows_and_empty_rows_are_zero(library: Path) -> None:
     case = CASES["ragged-batch-with-padding-rows"]
     feeds = _inputs(case)
