@@ -491,7 +491,7 @@ struct Item {
 
 struct Group {
   int32_t b, h, q0, q1;
-  int32_t first_item, splits;
+  int32_t splits;
   int64_t partial;  // offset of the group's partials (splits x rows x (dim + 2))
 };
 
@@ -675,8 +675,7 @@ void plan(Call& c) {
       for (int64_t q0 = 0; q0 < len; q0 += block) {
         const int64_t q1 = std::min(len, q0 + block);
         Group grp{static_cast<int32_t>(b), static_cast<int32_t>(h), static_cast<int32_t>(q0),
-                  static_cast<int32_t>(q1), static_cast<int32_t>(c.items.size()), static_cast<int32_t>(splits),
-                  partial};
+                  static_cast<int32_t>(q1), static_cast<int32_t>(splits), partial};
         if (splits > 1) partial += splits * (q1 - q0) * g * (c.dim + 2);
         for (int64_t sp = 0; sp < splits; ++sp) {
           c.items.push_back(Item{grp.b, grp.h, grp.q0, grp.q1, static_cast<int32_t>(std::min(cached, sp * chunk)),
@@ -687,6 +686,13 @@ void plan(Call& c) {
       }
     }
   }
+  // Threads take items in order, so the longest go first (a long decode row next to a prefill chunk is not
+  // left to the end, alone on one thread).
+  const auto cost = [&c](const Item& it) {
+    const int64_t keys = (it.c1 - it.c0) + (it.with_new ? (c.mask ? c.length[it.b] : it.q1) : 0);
+    return keys * (it.q1 - it.q0);
+  };
+  std::stable_sort(c.items.begin(), c.items.end(), [&cost](const Item& a, const Item& b) { return cost(a) > cost(b); });
   c.partials.assign(static_cast<size_t>(partial), 0.0f);
   c.pending.reset(new std::atomic<int32_t>[c.groups.size()]);
   for (size_t i = 0; i < c.groups.size(); ++i) c.pending[i].store(c.groups[i].splits, std::memory_order_relaxed);
