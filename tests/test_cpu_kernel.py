@@ -151,6 +151,9 @@ CASES = {
     "split-kv-decode-1600": Case(starts=[1600], lengths=[1], seq=1, tokens_per_page=64),
     "split-kv-batch-fp8": Case(starts=[1600, 900], lengths=[1, 1], seq=1, tokens_per_page=32, dtype="fp8",
                                holes={0: [3, 20]}),
+    "mixed-chunk-and-split-decode": Case(starts=[100, 1600], lengths=[64, 1], seq=64, tokens_per_page=64),
+    "mixed-chunk-and-long-decode-unsplit": Case(starts=[100, 1600], lengths=[80, 1], seq=80, tokens_per_page=64,
+                                                dtype="fp8"),
     "split-kv-verify-tree": Case(starts=[1600], lengths=[5], seq=5, tokens_per_page=128, tree_mask=True),
 }
 
