@@ -3,12 +3,15 @@
 // The contract is plugins/ops.py CPU_PAGED_ATTENTION; the semantics are plugins/reference.py
 // paged_attention_rows. The library links no libonnxruntime: RegisterCustomOps receives the API table.
 //
-// Work is cut into items (row b, kv head h, block of queries, split of the cached range). An item streams
-// its K/V through tiles of up to kTile positions: each tile is decoded to float32 once (from fp16, fp8 or
-// fp32 pages, or from the new rows) and then serves every query row of the item, i.e. the block's queries
-// times the whole GQA group. Scores use K transposed inside the tile so q.K^T is broadcast FMAs with no
-// horizontal sums. Each item keeps an online softmax (max, sum, acc) per row; when the cached range is
-// split across threads (decode), the last split of a group to finish merges the partials (flash decoding).
+// Work is cut into items (row b, kv head h, block of queries, split of the cached range), run on ORT's
+// intra-op pool (KernelContext_ParallelFor), longest first. An item streams its K/V through tiles of up to
+// kTile positions, read through the page table straight from the pool (fp16, fp8 or fp32 pages) or from the
+// new rows, and each tile serves every query row of the item: the block's queries times the whole GQA group.
+// With many rows (prefill chunks, verify rows) K is decoded once into a transposed float32 tile, so q.K^T is
+// broadcast FMAs with no horizontal sums, and V is staged once; with one register block of rows (decode) K
+// and V are decoded inside the FMA loops and one reduction tree per 16 tokens sums the dot products. Each item
+// keeps an online softmax (max, sum, acc) per row; when the cached range is split across threads (decode),
+// the last split of a group to finish merges the partials (flash decoding).
 
 #include <onnxruntime_c_api.h>
 
