@@ -144,7 +144,7 @@ def main() -> int:
                                   "dtype": args.dtype, "layers": LAYERS, "decode": {}, "prefill": {}}
     print(f"{LAYERS} layers, {NUM_Q} q / {NUM_KV} kv heads, head_dim {HEAD_DIM}, {args.dtype} pool, "
           f"{args.tokensPerPage} tokens/page, {args.threads} threads; ms per step (median / best)")
-    print(f"{'case':>26} {'kernel':>16} {'gather+GQA':>16} {'speedup':>8} {'max |diff|':>10}")
+    print(f"{'case':>26} {'kernel':>16} {'gather+GQA':>16} {'speedup':>8} {'max |diff|':>10} {'KV GB/s':>8}")
     cases = [(f"decode @{c} cached", c, 1, args.repeats) for c in args.contexts]
     cases.append(("prefill 512 @1024 cached", 1024, 512, args.prefillRepeats))
     for label, cached, new, repeats in cases:
@@ -152,9 +152,13 @@ def main() -> int:
         feeds = _feeds(cached, new, args.dtype, args.tokensPerPage)
         k, g = measure(kernel, feeds, repeats), measure(gqa, feeds, repeats)
         diff = agree(kernel, gqa, feeds)
-        figures["decode" if new == 1 else "prefill"][str(cached)] = {"kernel": k, "gqa": g, "max_abs_diff": diff}
+        # The cached K/V bytes a step must read (every layer's pages once), at the kernel's best time.
+        kv_bytes = LAYERS * cached * 2 * NUM_KV * HEAD_DIM * feeds["past_key_values_0"].itemsize
+        bandwidth = kv_bytes / k["best_ms"] / 1e6
+        figures["decode" if new == 1 else "prefill"][str(cached)] = {
+            "kernel": k, "gqa": g, "max_abs_diff": diff, "kv_bytes": kv_bytes, "kernel_best_kv_gb_per_s": bandwidth}
         print(f"{label:>26} {k['median_ms']:7.2f} / {k['best_ms']:6.2f} {g['median_ms']:7.2f} / {g['best_ms']:6.2f}"
-              f" {g['median_ms'] / k['median_ms']:7.1f}x {diff:10.2e}")
+              f" {g['median_ms'] / k['median_ms']:7.1f}x {diff:10.2e} {bandwidth:8.1f}")
     write_json(args.json, figures)
     return 0
 
