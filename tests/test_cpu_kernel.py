@@ -199,6 +199,22 @@ def test_query_that_sees_nothing_is_zero(library: Path) -> None:
     np.testing.assert_allclose(got, _expected(case, feeds), rtol=0, atol=TOLERANCE)
 
 
+@pytest.mark.parametrize("new_tokens", [1, 5])  # the decode path (decoded in the FMA loops) and the tiled one
+def test_fp8_every_bit_pattern_decodes(library: Path, new_tokens: int) -> None:
+    """K and V pages hold all 256 E4M3 bytes (normals up to +-448, subnormals, both zeros, NaNs read as 0)."""
+    case = Case(starts=[512], lengths=[new_tokens], seq=new_tokens, dtype="fp8", tokens_per_page=64)
+    feeds = _inputs(case)
+    feeds["query"] *= 1e-3  # keeps scores over +-448 keys moderate, so the softmax is not one-hot
+    pool = feeds["pool"].copy()
+    patterns = np.arange(256, dtype=np.uint8)
+    pool[:, 0] = np.resize(patterns[::-1], pool[:, 0].shape)
+    pool[:, 1] = np.resize(patterns, pool[:, 1].shape)
+    got = _session(_model(case, False), library).run(None, dict(feeds, pool=pool))[0]
+    zeroed = np.where((pool & 0x7F) == 0x7F, np.uint8(0), pool)
+    # V values up to 448 cancel in the weighted sums: float32 rounding there is ~1e-5 absolute (1e-7 of 448).
+    np.testing.assert_allclose(got, _expected(case, dict(feeds, pool=zeroed)), rtol=1e-6, atol=448 * 2e-7)
+
+
 def test_padding_rows_and_empty_rows_are_zero(library: Path) -> None:
     case = CASES["ragged-batch-with-padding-rows"]
     feeds = _inputs(case)

@@ -100,16 +100,6 @@ void decode_row(const uint16_t* src, float* dst, int dim) {
 #endif
 }
 
-void decode_row(const uint8_t* src, float* dst, int dim) {
-#if KVFORGE_AVX512
-  for (int d = 0; d < dim; d += 16) {
-    const __m512i index = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d)));
-    _mm512_storeu_ps(dst + d, _mm512_i32gather_ps(index, g_fp8_table, 4));
-  }
-#else
-  for (int d = 0; d < dim; ++d) dst[d] = g_fp8_table[src[d]];
-#endif
-}
 
 #if KVFORGE_AVX512
 // 16 consecutive elements of a stored row as float32 lanes.
@@ -117,11 +107,30 @@ inline __m512 decode16(const float* src) { return _mm512_loadu_ps(src); }
 inline __m512 decode16(const uint16_t* src) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
 }
+// E4M3 by bit arithmetic (a gather from the table costs a load per lane): a normal e.m byte is the float32
+// with exponent e - 7 + 127 and the top mantissa bits m; a subnormal (e = 0) is m * 2^-9; NaN (0x7F) reads 0.
 inline __m512 decode16(const uint8_t* src) {
-  const __m512i index = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
-  return _mm512_i32gather_ps(index, g_fp8_table, 4);
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  const __m512i magnitude = _mm512_and_si512(bytes, _mm512_set1_epi32(0x7F));
+  const __m512 normal = _mm512_castsi512_ps(
+      _mm512_add_epi32(_mm512_slli_epi32(magnitude, 20), _mm512_set1_epi32(120 << 23)));
+  const __m512 subnormal = _mm512_mul_ps(_mm512_cvtepi32_ps(magnitude), _mm512_set1_ps(1.0f / 512.0f));
+  const __mmask16 is_subnormal = _mm512_cmplt_epi32_mask(magnitude, _mm512_set1_epi32(8));
+  const __mmask16 is_nan = _mm512_cmpeq_epi32_mask(magnitude, _mm512_set1_epi32(0x7F));
+  const __m512 value = _mm512_maskz_mov_ps(static_cast<__mmask16>(~is_nan),
+                                           _mm512_mask_blend_ps(is_subnormal, normal, subnormal));
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(bytes, _mm512_set1_epi32(0x80)), 24);
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(value), sign));
 }
 #endif
+
+void decode_row(const uint8_t* src, float* dst, int dim) {
+#if KVFORGE_AVX512
+  for (int d = 0; d < dim; d += 16) _mm512_storeu_ps(dst + d, decode16(src + d));
+#else
+  for (int d = 0; d < dim; ++d) dst[d] = g_fp8_table[src[d]];
+#endif
+}
 
 // ---- per-thread scratch of one item ----
 
