@@ -12,6 +12,7 @@ import sys
 import tarfile
 import tempfile
 import urllib.request
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
@@ -191,8 +192,8 @@ def _compile(cxx: str, headers: Path, flags: tuple[str, ...], target: Path) -> N
 
 
 @lru_cache(maxsize=8)
-def _built(source_mtime_ns: int, include: str, cache: str, flags: tuple[str, ...]) -> Path:
-    del source_mtime_ns, include, cache  # memo key only: a changed source, header dir or cache dir rebuilds
+def _built(source_mtime_ns: int, environment: tuple[str, ...], flags: tuple[str, ...]) -> Path:
+    del source_mtime_ns, environment  # memo key only: a changed source, header dir, cache dir or compiler rebuilds
     cxx = _compiler()
     headers = include_dir()
     directory = cache_root() / build_key(cxx, headers, flags)
@@ -212,8 +213,8 @@ def library_path(extra_flags: tuple[str, ...] = ()) -> Path:
         raise KvforgeError(f"{SWITCH_ENV}=off: using the pure-ONNX attention fallback")
     if not SOURCE.is_file():
         raise KvforgeError(f"kernel source missing: {SOURCE}")
-    return _built(SOURCE.stat().st_mtime_ns, os.environ.get(INCLUDE_ENV, ""), os.environ.get(CACHE_ENV, ""),
-                  CXX_FLAGS + tuple(extra_flags))
+    environment = tuple(os.environ.get(name, "") for name in (INCLUDE_ENV, CACHE_ENV, CXX_ENV))
+    return _built(SOURCE.stat().st_mtime_ns, environment, CXX_FLAGS + tuple(extra_flags))
 
 
 def kernel_status() -> tuple[Path | None, str]:
@@ -227,11 +228,16 @@ def kernel_status() -> tuple[Path | None, str]:
 
 
 def register(options: object) -> bool:
-    """Registers the library on an onnxruntime.SessionOptions; False (options untouched) when unavailable."""
+    """Registers the library on an onnxruntime.SessionOptions; False when it is unavailable or this ONNX Runtime
+    refuses it (too old for the headers' API version), with the reason as a warning in the latter case."""
     path, _ = kernel_status()
     if path is None:
         return False
-    options.register_custom_ops_library(str(path))  # type: ignore[attr-defined]
+    try:
+        options.register_custom_ops_library(str(path))  # type: ignore[attr-defined]
+    except Exception as exc:  # onnxruntime raises its own Fail type
+        warnings.warn(f"kvforge CPU kernel not registered: {str(exc).splitlines()[0]}", RuntimeWarning, stacklevel=2)
+        return False
     return True
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -11,6 +14,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
+from kvforge.contract.errors import KvforgeError
 from kvforge.plugins import cpu_kernel, ops, reference
 from kvforge.plugins.reference import pool_numpy_dtype, round_to_storage, to_storage
 
@@ -134,14 +138,22 @@ CASES = {
     "gqa-4": Case(starts=[19, 3], lengths=[5, 2], seq=5, num_q=8, num_kv=2),
     "head-dim-32": Case(starts=[45, 12], lengths=[3, 2], seq=3, head_dim=32, dtype="fp32"),
     "head-dim-80": Case(starts=[45, 12], lengths=[3, 2], seq=3, num_q=4, num_kv=2, head_dim=80, dtype="fp8"),
+    "gqa-64-head-dim-16": Case(starts=[40], lengths=[3], seq=3, num_q=64, num_kv=1, head_dim=16),
     "head-dim-128": Case(starts=[45], lengths=[2], seq=2, num_q=4, num_kv=1, head_dim=128),
     "page-size-64": Case(starts=[130, 64], lengths=[7, 1], seq=7, tokens_per_page=64),
     "tree-mask-verify": Case(starts=[33, 50], lengths=[6, 4], seq=6, tree_mask=True),
     "tree-mask-fp8-gqa-4": Case(starts=[8], lengths=[9], seq=9, num_q=8, num_kv=2, tree_mask=True, dtype="fp8"),
     "prefill-long-chunk": Case(starts=[100], lengths=[150], seq=150),
+    "decode-gqa-1-fp32": Case(starts=[300, 77], lengths=[1, 1], seq=1, num_q=2, num_kv=2, dtype="fp32"),
+    "decode-gqa-2-head-dim-80": Case(starts=[300], lengths=[1], seq=1, num_q=4, num_kv=2, head_dim=80),
+    "decode-gqa-4-fp8-head-dim-128": Case(starts=[700], lengths=[1], seq=1, num_q=8, num_kv=2, head_dim=128,
+                                          dtype="fp8", holes={0: [5]}),
     "split-kv-decode-1600": Case(starts=[1600], lengths=[1], seq=1, tokens_per_page=64),
     "split-kv-batch-fp8": Case(starts=[1600, 900], lengths=[1, 1], seq=1, tokens_per_page=32, dtype="fp8",
                                holes={0: [3, 20]}),
+    "mixed-chunk-and-split-decode": Case(starts=[100, 1600], lengths=[64, 1], seq=64, tokens_per_page=64),
+    "mixed-chunk-and-long-decode-unsplit": Case(starts=[100, 1600], lengths=[80, 1], seq=80, tokens_per_page=64,
+                                                dtype="fp8"),
     "split-kv-verify-tree": Case(starts=[1600], lengths=[5], seq=5, tokens_per_page=128, tree_mask=True),
 }
 
@@ -163,6 +175,44 @@ def test_portable_path_matches_reference(library: Path) -> None:
     for name in ("ragged-batch-with-padding-rows", "chunk-mid-page", "tree-mask-verify", "split-kv-batch-fp8",
                  "head-dim-32"):
         _check(CASES[name], portable)
+
+
+def test_fp8_nan_patterns_decode_as_zero(library: Path) -> None:
+    """E4M3 NaN bytes (never written) read as 0, like the lowering's table: the same output as zero bytes."""
+    case = CASES["decode-fp8"]
+    feeds = _inputs(case)
+    pool = feeds["pool"].copy()
+    pool.reshape(-1)[::7] = 0x7F
+    pool.reshape(-1)[3::11] = 0xFF
+    got = _session(_model(case, False), library).run(None, dict(feeds, pool=pool))[0]
+    zeroed = np.where((pool & 0x7F) == 0x7F, np.uint8(0), pool)
+    np.testing.assert_allclose(got, _expected(case, dict(feeds, pool=zeroed)), rtol=0, atol=TOLERANCE)
+
+
+def test_query_that_sees_nothing_is_zero(library: Path) -> None:
+    """No cached tokens (row 0) or only a -1 page (row 1), and a tree mask that hides every new key from query 1."""
+    case = Case(starts=[0, 10], lengths=[3, 3], seq=3, tree_mask=True, holes={1: [0]})
+    feeds = _inputs(case)
+    feeds["attention_mask"][:, 1, :] = False
+    got = _session(_model(case, True), library).run(None, feeds)[0]
+    assert not got[:, 1].any() and np.abs(got[:, 0]).sum() > 0
+    np.testing.assert_allclose(got, _expected(case, feeds), rtol=0, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("new_tokens", [1, 5])  # the decode path (decoded in the FMA loops) and the tiled one
+def test_fp8_every_bit_pattern_decodes(library: Path, new_tokens: int) -> None:
+    """K and V pages hold all 256 E4M3 bytes (normals up to +-448, subnormals, both zeros, NaNs read as 0)."""
+    case = Case(starts=[512], lengths=[new_tokens], seq=new_tokens, dtype="fp8", tokens_per_page=64)
+    feeds = _inputs(case)
+    feeds["query"] *= 1e-3  # keeps scores over +-448 keys moderate, so the softmax is not one-hot
+    pool = feeds["pool"].copy()
+    patterns = np.arange(256, dtype=np.uint8)
+    pool[:, 0] = np.resize(patterns[::-1], pool[:, 0].shape)
+    pool[:, 1] = np.resize(patterns, pool[:, 1].shape)
+    got = _session(_model(case, False), library).run(None, dict(feeds, pool=pool))[0]
+    zeroed = np.where((pool & 0x7F) == 0x7F, np.uint8(0), pool)
+    # V values up to 448 cancel in the weighted sums: float32 rounding there is ~1e-5 absolute (1e-7 of 448).
+    np.testing.assert_allclose(got, _expected(case, dict(feeds, pool=zeroed)), rtol=1e-6, atol=448 * 2e-7)
 
 
 def test_padding_rows_and_empty_rows_are_zero(library: Path) -> None:
@@ -198,6 +248,16 @@ def test_bad_inputs_give_an_error_not_a_crash(library: Path) -> None:
         _session(model.SerializeToString(), library).run(None, dict(feeds, pool=feeds["pool"].astype(np.int32)))
 
 
+def test_mask_input_named_empty_is_causal(library: Path) -> None:
+    """A node listing the optional 7th input as "" runs the causal form."""
+    case = CASES["chunk-mid-page"]
+    feeds = _inputs(case)
+    model = onnx.load_from_string(_model(case, False))
+    model.graph.node[0].input.append("")
+    got = _session(model.SerializeToString(), library).run(None, feeds)[0]
+    np.testing.assert_allclose(got, _expected(case, feeds), rtol=0, atol=TOLERANCE)
+
+
 def test_output_shape_is_inferred(library: Path) -> None:
     model = onnx.load_from_string(_model(CASES["decode-fp16"], False))
     session = _session(model.SerializeToString(), library)
@@ -215,6 +275,30 @@ def test_missing_headers_are_a_reason(monkeypatch: pytest.MonkeyPatch, tmp_path:
     monkeypatch.setenv(cpu_kernel.INCLUDE_ENV, str(tmp_path))
     path, reason = cpu_kernel.kernel_status()
     assert path is None and "no onnxruntime_c_api.h" in reason
+
+
+def test_no_compiler_is_a_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_kernel.CXX_ENV, "/nonexistent/g++")
+    path, reason = cpu_kernel.kernel_status()
+    assert path is None and "no C++ compiler" in reason
+
+
+def test_failed_build_is_a_reason(library: Path) -> None:
+    with pytest.raises(KvforgeError, match="building the CPU kernel failed"):
+        cpu_kernel.library_path(("-fkvforge-no-such-option",))
+
+
+def test_concurrent_first_builds_share_one_library(library: Path, tmp_path: Path) -> None:
+    """Two processes building into an empty cache at once: one compiles, both get the same complete file."""
+    headers = cpu_kernel.include_dir()
+    env = dict(os.environ, **{cpu_kernel.CACHE_ENV: str(tmp_path), cpu_kernel.INCLUDE_ENV: str(headers)})
+    command = [sys.executable, "-m", "kvforge.plugins.cpu_kernel"]
+    procs = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    paths = {proc.communicate(timeout=300)[0].strip() for proc in procs}
+    assert all(proc.returncode == 0 for proc in procs) and len(paths) == 1
+    built = Path(paths.pop())
+    assert built.is_file() and built.parent.parent == tmp_path / "cpu-kernels"
+    assert not list(built.parent.glob(".build-*"))  # no partial file left behind
 
 
 def test_reference_forms_agree() -> None:

@@ -3,22 +3,26 @@
 // The contract is plugins/ops.py CPU_PAGED_ATTENTION; the semantics are plugins/reference.py
 // paged_attention_rows. The library links no libonnxruntime: RegisterCustomOps receives the API table.
 //
-// Work is cut into items (row b, kv head h, block of queries, split of the cached range). An item streams
-// its K/V through tiles of up to kTile positions: each tile is decoded to float32 once (from fp16, fp8 or
-// fp32 pages, or from the new rows) and then serves every query row of the item, i.e. the block's queries
-// times the whole GQA group. Scores use K transposed inside the tile so q.K^T is broadcast FMAs with no
-// horizontal sums. Each item keeps an online softmax (max, sum, acc) per row; when the cached range is
-// split across threads (decode), the partials are merged afterwards (flash decoding).
+// Work is cut into items (row b, kv head h, block of queries, split of the cached range), run on ORT's
+// intra-op pool (KernelContext_ParallelFor), longest first. An item streams its K/V through tiles of up to
+// kTile positions, read through the page table straight from the pool (fp16, fp8 or fp32 pages) or from the
+// new rows, and each tile serves every query row of the item: the block's queries times the whole GQA group.
+// With many rows (prefill chunks, verify rows) K is decoded once into a transposed float32 tile, so q.K^T is
+// broadcast FMAs with no horizontal sums, and V is staged once; with one register block of rows (decode) K
+// and V are decoded inside the FMA loops and one reduction tree per 16 tokens sums the dot products. Each item
+// keeps an online softmax (max, sum, acc) per row; when the cached range is split across threads (decode),
+// the last split of a group to finish merges the partials (flash decoding).
 
 #include <onnxruntime_c_api.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -37,7 +41,7 @@ const OrtApi* g_api = nullptr;
 
 constexpr int kTile = 64;          // positions decoded per tile (4 vectors of 16)
 constexpr int kRowBlock = 4;       // query rows per register block
-constexpr int kMaxRows = 32;       // query rows (queries x group) an item aims for
+constexpr int kMaxRows = 48;       // query rows (queries x group) per item: 16 queries of a group of 3
 constexpr int kMaxHeadDim = 256;
 constexpr int kSplitTokens = 256;  // cached positions per split when the range is split
 constexpr int kMaxSplits = 64;
@@ -96,12 +100,33 @@ void decode_row(const uint16_t* src, float* dst, int dim) {
 #endif
 }
 
+
+#if KVFORGE_AVX512
+// 16 consecutive elements of a stored row as float32 lanes.
+inline __m512 decode16(const float* src) { return _mm512_loadu_ps(src); }
+inline __m512 decode16(const uint16_t* src) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+}
+// E4M3 by bit arithmetic (a gather from the table costs a load per lane): a normal e.m byte is the float32
+// with exponent e - 7 + 127 and the top mantissa bits m; a subnormal (e = 0) is m * 2^-9; NaN (0x7F) reads 0.
+inline __m512 decode16(const uint8_t* src) {
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  const __m512i magnitude = _mm512_and_si512(bytes, _mm512_set1_epi32(0x7F));
+  const __m512 normal = _mm512_castsi512_ps(
+      _mm512_add_epi32(_mm512_slli_epi32(magnitude, 20), _mm512_set1_epi32(120 << 23)));
+  const __m512 subnormal = _mm512_mul_ps(_mm512_cvtepi32_ps(magnitude), _mm512_set1_ps(1.0f / 512.0f));
+  const __mmask16 is_subnormal = _mm512_cmplt_epi32_mask(magnitude, _mm512_set1_epi32(8));
+  const __mmask16 is_nan = _mm512_cmpeq_epi32_mask(magnitude, _mm512_set1_epi32(0x7F));
+  const __m512 value = _mm512_maskz_mov_ps(static_cast<__mmask16>(~is_nan),
+                                           _mm512_mask_blend_ps(is_subnormal, normal, subnormal));
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(bytes, _mm512_set1_epi32(0x80)), 24);
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(value), sign));
+}
+#endif
+
 void decode_row(const uint8_t* src, float* dst, int dim) {
 #if KVFORGE_AVX512
-  for (int d = 0; d < dim; d += 16) {
-    const __m512i index = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d)));
-    _mm512_storeu_ps(dst + d, _mm512_i32gather_ps(index, g_fp8_table, 4));
-  }
+  for (int d = 0; d < dim; d += 16) _mm512_storeu_ps(dst + d, decode16(src + d));
 #else
   for (int d = 0; d < dim; ++d) dst[d] = g_fp8_table[src[d]];
 #endif
@@ -110,27 +135,30 @@ void decode_row(const uint8_t* src, float* dst, int dim) {
 // ---- per-thread scratch of one item ----
 
 struct Scratch {
-  std::vector<float> q, kf, kt, vf, scores, probs, acc, max, sum, alpha;
+  std::vector<float> q, kt, vf, scores, probs, acc, max, sum, alpha, old_max, tile_sum;
   std::vector<uint64_t> visible;
 
   void reserve(int rows, int dim) {
     const size_t padded = static_cast<size_t>((rows + kRowBlock - 1) / kRowBlock * kRowBlock);
     q.assign(padded * dim, 0.0f);
-    kf.resize(static_cast<size_t>(kTile) * dim);
     kt.resize(static_cast<size_t>(kTile) * dim);
     vf.resize(static_cast<size_t>(kTile) * dim);
     scores.resize(padded * kTile);
-    probs.resize(padded * kTile);
+    probs.assign(padded * kTile, 0.0f);  // padding rows stay 0
     acc.assign(padded * dim, 0.0f);
     max.assign(padded, kNegInf);
     sum.assign(padded, 0.0f);
     alpha.assign(padded, 1.0f);
+    old_max.resize(padded);
+    tile_sum.resize(padded);
     visible.assign(padded, 0);
   }
 };
 
-// kt[d][t] = kf[t][d] for t < n, zeros for the rest of the 16-blocks the scores read.
-void transpose_keys(const float* kf, int n, int dim, float* kt) {
+// kt[d][t] = key t's element d, decoded straight from its stored row, for t < n; zeros for the rest of the
+// 16-blocks the scores read. Transposed so q.K^T is broadcast FMAs over 16 tokens at once.
+template <typename E>
+void load_keys_transposed(const E* const* keys, int n, int dim, float* kt) {
   const int blocks = (n + 15) / 16;
 #if KVFORGE_AVX512
   for (int tb = 0; tb < blocks; ++tb) {
@@ -138,7 +166,7 @@ void transpose_keys(const float* kf, int n, int dim, float* kt) {
       __m512 r[16];
       for (int i = 0; i < 16; ++i) {
         const int t = tb * 16 + i;
-        r[i] = t < n ? _mm512_loadu_ps(kf + static_cast<size_t>(t) * dim + d0) : _mm512_setzero_ps();
+        r[i] = t < n ? decode16(keys[t] + d0) : _mm512_setzero_ps();
       }
       __m512 t2[16];
       for (int i = 0; i < 8; ++i) {
@@ -168,16 +196,24 @@ void transpose_keys(const float* kf, int n, int dim, float* kt) {
     }
   }
 #else
-  for (int d = 0; d < dim; ++d) {
-    for (int t = 0; t < blocks * 16; ++t) kt[static_cast<size_t>(d) * kTile + t] = t < n ? kf[static_cast<size_t>(t) * dim + d] : 0.0f;
+  float row[kMaxHeadDim];
+  for (int t = 0; t < blocks * 16; ++t) {
+    if (t < n) {
+      decode_row(keys[t], row, dim);
+    } else {
+      std::fill(row, row + dim, 0.0f);
+    }
+    for (int d = 0; d < dim; ++d) kt[static_cast<size_t>(d) * kTile + t] = row[d];
   }
 #endif
 }
 
 #if KVFORGE_AVX512
-// exp with a degree-6 polynomial on the reduced argument and scalef for 2^n (about 1 ulp on [-103, 88]).
+// exp with a degree-6 polynomial on the reduced argument and scalef for 2^n (about 1 ulp). Results that would
+// be subnormal are flushed to 0, so the FMAs that consume probabilities never take the slow subnormal path.
 inline __m512 exp512(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-103.0f)), _mm512_set1_ps(88.7f));
+  const __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.0f)), _mm512_set1_ps(88.7f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -189,43 +225,115 @@ inline __m512 exp512(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+  return _mm512_maskz_mov_ps(normal, _mm512_scalef_ps(p, n));
 }
 
-template <int NB>
+// RB rows (<= kRowBlock) against NB 16-token blocks: RB x NB accumulators stay in registers over the dims.
+template <int RB, int NB>
 void scores_block(const float* q, int dim, const float* kt, float* scores) {
-  __m512 acc[kRowBlock][NB];
-  for (int i = 0; i < kRowBlock; ++i)
+  __m512 acc[RB][NB];
+  for (int i = 0; i < RB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int d = 0; d < dim; ++d) {
     __m512 k[NB];
     for (int j = 0; j < NB; ++j) k[j] = _mm512_loadu_ps(kt + static_cast<size_t>(d) * kTile + 16 * j);
-    for (int i = 0; i < kRowBlock; ++i) {
+    for (int i = 0; i < RB; ++i) {
       const __m512 qb = _mm512_set1_ps(q[static_cast<size_t>(i) * dim + d]);
       for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(qb, k[j], acc[i][j]);
     }
   }
-  for (int i = 0; i < kRowBlock; ++i)
+  for (int i = 0; i < RB; ++i)
     for (int j = 0; j < NB; ++j) _mm512_storeu_ps(scores + i * kTile + 16 * j, acc[i][j]);
 }
 
-template <int NV>
-void pv_block(const float* probs, const float* alpha, const float* vf, int n, int dim, int d0, float* acc) {
-  __m512 a[kRowBlock][NV];
-  for (int i = 0; i < kRowBlock; ++i) {
+// RB rows x NV 16-dim vectors of the accumulators stay in registers over the tile's tokens; V rows are read
+// through pointers, either straight from the pool (decoded in the FMA loop) or from the staged float32 tile.
+template <typename V, int RB, int NV>
+void pv_block(const float* probs, const float* alpha, const V* const* vrows, int n, int dim, int d0, float* acc) {
+  __m512 a[RB][NV];
+  for (int i = 0; i < RB; ++i) {
     const __m512 scale = _mm512_set1_ps(alpha[i]);
-    for (int k = 0; k < NV; ++k) a[i][k] = _mm512_mul_ps(_mm512_loadu_ps(acc + static_cast<size_t>(i) * dim + d0 + 16 * k), scale);
+    const float* row = acc + static_cast<size_t>(i) * dim + d0;
+    for (int k = 0; k < NV; ++k) a[i][k] = _mm512_mul_ps(_mm512_loadu_ps(row + 16 * k), scale);
   }
   for (int t = 0; t < n; ++t) {
     __m512 v[NV];
-    for (int k = 0; k < NV; ++k) v[k] = _mm512_loadu_ps(vf + static_cast<size_t>(t) * dim + d0 + 16 * k);
-    for (int i = 0; i < kRowBlock; ++i) {
+    for (int k = 0; k < NV; ++k) v[k] = decode16(vrows[t] + d0 + 16 * k);
+    for (int i = 0; i < RB; ++i) {
       const __m512 p = _mm512_set1_ps(probs[i * kTile + t]);
       for (int k = 0; k < NV; ++k) a[i][k] = _mm512_fmadd_ps(p, v[k], a[i][k]);
     }
   }
-  for (int i = 0; i < kRowBlock; ++i)
+  for (int i = 0; i < RB; ++i)
     for (int k = 0; k < NV; ++k) _mm512_storeu_ps(acc + static_cast<size_t>(i) * dim + d0 + 16 * k, a[i][k]);
+}
+
+template <int RB>
+void scores_rows(const float* q, int dim, const float* kt, float* out, int blocks) {
+  switch (blocks) {
+    case 1: scores_block<RB, 1>(q, dim, kt, out); break;
+    case 2: scores_block<RB, 2>(q, dim, kt, out); break;
+    case 3: scores_block<RB, 3>(q, dim, kt, out); break;
+    default: scores_block<RB, 4>(q, dim, kt, out); break;
+  }
+}
+
+template <typename V, int RB>
+void pv_rows(const float* probs, const float* alpha, const V* const* vrows, int n, int dim, int d0, float* acc,
+             int vectors) {
+  switch (vectors) {
+    case 1: pv_block<V, RB, 1>(probs, alpha, vrows, n, dim, d0, acc); break;
+    case 2: pv_block<V, RB, 2>(probs, alpha, vrows, n, dim, d0, acc); break;
+    case 3: pv_block<V, RB, 3>(probs, alpha, vrows, n, dim, d0, acc); break;
+    default: pv_block<V, RB, 4>(probs, alpha, vrows, n, dim, d0, acc); break;
+  }
+}
+
+// Lane t of the result = the horizontal sum of v[t]: a reduction tree whose shuffles also put token t in lane t.
+inline __m512 reduce16(const __m512 v[16]) {
+  __m512 w[8], u[4];
+  for (int i = 0; i < 8; ++i)  // 128-bit lane: [t0, t1, t0, t1] partials of tokens 2i, 2i+1
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int j = 0; j < 4; ++j) {  // 128-bit lane: tokens 4j..4j+3, each summed over that lane's 4 elements
+    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(w[2 * j]), _mm512_castps_pd(w[2 * j + 1]));
+    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(w[2 * j]), _mm512_castps_pd(w[2 * j + 1]));
+    u[j] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+  }
+  const __m512 g01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
+  const __m512 g23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(g01, g23, 0x88), _mm512_shuffle_f32x4(g01, g23, 0xDD));
+}
+
+// Scores of a few rows (decode: one GQA group) straight from the stored keys: each key row is decoded once and
+// dotted with every row, and one reduction tree per row and 16 tokens replaces transposing the tile.
+template <typename E, int RB>
+void scores_direct(const float* q, int dim, const E* const* keys, int n, float* scores) {
+  for (int t0 = 0; t0 < n; t0 += 16) {
+    __m512 part[RB][16];
+    for (int t = 0; t < 16; ++t) {
+      __m512 acc[RB];
+      for (int i = 0; i < RB; ++i) acc[i] = _mm512_setzero_ps();
+      if (t0 + t < n) {
+        for (int d = 0; d < dim; d += 16) {
+          const __m512 k = decode16(keys[t0 + t] + d);
+          for (int i = 0; i < RB; ++i)
+            acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + static_cast<size_t>(i) * dim + d), k, acc[i]);
+        }
+      }
+      for (int i = 0; i < RB; ++i) part[i][t] = acc[i];
+    }
+    for (int i = 0; i < RB; ++i) _mm512_storeu_ps(scores + i * kTile + t0, reduce16(part[i]));
+  }
+}
+
+template <typename E>
+void scores_few_rows(const Scratch& s, int rows, const E* const* keys, int n, int dim, float* scores) {
+  switch (rows) {
+    case 1: scores_direct<E, 1>(s.q.data(), dim, keys, n, scores); break;
+    case 2: scores_direct<E, 2>(s.q.data(), dim, keys, n, scores); break;
+    case 3: scores_direct<E, 3>(s.q.data(), dim, keys, n, scores); break;
+    default: scores_direct<E, kRowBlock>(s.q.data(), dim, keys, n, scores); break;
+  }
 }
 #endif
 
@@ -236,18 +344,19 @@ void compute_scores(const Scratch& s, int rows, int n, int dim, float* scores) {
   for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
     const float* q = s.q.data() + static_cast<size_t>(r0) * dim;
     float* out = scores + r0 * kTile;
-    switch (blocks) {
-      case 1: scores_block<1>(q, dim, s.kt.data(), out); break;
-      case 2: scores_block<2>(q, dim, s.kt.data(), out); break;
-      case 3: scores_block<3>(q, dim, s.kt.data(), out); break;
-      default: scores_block<4>(q, dim, s.kt.data(), out); break;
+    switch (std::min(kRowBlock, rows - r0)) {
+      case 1: scores_rows<1>(q, dim, s.kt.data(), out, blocks); break;
+      case 2: scores_rows<2>(q, dim, s.kt.data(), out, blocks); break;
+      case 3: scores_rows<3>(q, dim, s.kt.data(), out, blocks); break;
+      default: scores_rows<kRowBlock>(q, dim, s.kt.data(), out, blocks); break;
     }
   }
 #else
   for (int r = 0; r < rows; ++r) {
     for (int t = 0; t < blocks * 16; ++t) {
+      const float* q = s.q.data() + static_cast<size_t>(r) * dim;
       float dot = 0.0f;
-      for (int d = 0; d < dim; ++d) dot += s.q[static_cast<size_t>(r) * dim + d] * s.kt[static_cast<size_t>(d) * kTile + t];
+      for (int d = 0; d < dim; ++d) dot += q[d] * s.kt[static_cast<size_t>(d) * kTile + t];
       scores[r * kTile + t] = dot;
     }
   }
@@ -255,6 +364,50 @@ void compute_scores(const Scratch& s, int rows, int n, int dim, float* scores) {
 }
 
 // Online-softmax step of each row over the tile: new running max, rescale factor, probabilities, sum.
+#if KVFORGE_AVX512
+void softmax_update(Scratch& s, int rows, int n) {
+  const int blocks = (n + 15) / 16;
+  float* old = s.old_max.data();
+  float* tile_sum = s.tile_sum.data();
+  for (int r = 0; r < rows; ++r) {
+    const uint64_t seen = s.visible[r];
+    float* p = s.probs.data() + r * kTile;
+    const float* x = s.scores.data() + r * kTile;
+    old[r] = s.max[r];
+    if (seen == 0) {  // nothing visible in this tile: the row's state is unchanged
+      for (int j = 0; j < blocks; ++j) _mm512_storeu_ps(p + 16 * j, _mm512_setzero_ps());
+      tile_sum[r] = 0.0f;
+      continue;
+    }
+    __m512 peak = _mm512_set1_ps(kNegInf);
+    for (int j = 0; j < blocks; ++j)
+      peak = _mm512_mask_max_ps(peak, static_cast<__mmask16>(seen >> (16 * j)), peak, _mm512_loadu_ps(x + 16 * j));
+    const float running = std::max(s.max[r], _mm512_reduce_max_ps(peak));
+    const __m512 m = _mm512_set1_ps(running);
+    __m512 total = _mm512_setzero_ps();
+    for (int j = 0; j < blocks; ++j) {
+      const __mmask16 lanes = static_cast<__mmask16>(seen >> (16 * j));
+      const __m512 e = _mm512_maskz_mov_ps(lanes, exp512(_mm512_sub_ps(_mm512_loadu_ps(x + 16 * j), m)));
+      _mm512_storeu_ps(p + 16 * j, e);
+      total = _mm512_add_ps(total, e);
+    }
+    tile_sum[r] = _mm512_reduce_add_ps(total);
+    s.max[r] = running;
+  }
+  // Rescale factors exp(old - new) for 16 rows at a time; a row that saw nothing before has nothing to rescale.
+  for (int r0 = 0; r0 < rows; r0 += 16) {
+    const __mmask16 live = static_cast<__mmask16>(rows - r0 >= 16 ? 0xffff : (1u << (rows - r0)) - 1);
+    const __m512 before = _mm512_maskz_loadu_ps(live, old + r0);
+    const __m512 now = _mm512_maskz_loadu_ps(live, s.max.data() + r0);
+    const __mmask16 started = _mm512_mask_cmp_ps_mask(live, before, _mm512_set1_ps(kNegInf), _CMP_NEQ_OQ);
+    const __m512 alpha = _mm512_maskz_mov_ps(started, exp512(_mm512_sub_ps(before, now)));
+    const __m512 sum = _mm512_maskz_loadu_ps(live, s.sum.data() + r0);
+    _mm512_mask_storeu_ps(s.alpha.data() + r0, live, alpha);
+    _mm512_mask_storeu_ps(s.sum.data() + r0, live,
+                          _mm512_fmadd_ps(sum, alpha, _mm512_maskz_loadu_ps(live, tile_sum + r0)));
+  }
+}
+#else
 void softmax_update(Scratch& s, int rows, int n) {
   for (int r = 0; r < rows; ++r) {
     const uint64_t seen = s.visible[r];
@@ -271,41 +424,32 @@ void softmax_update(Scratch& s, int rows, int n) {
     const float running = std::max(s.max[r], tile_max);
     const float alpha = s.max[r] == kNegInf ? 0.0f : std::exp(s.max[r] - running);
     float total = 0.0f;
-#if KVFORGE_AVX512
-    const __m512 m = _mm512_set1_ps(running);
-    __m512 acc = _mm512_setzero_ps();
-    for (int j = 0; j * 16 < n; ++j) {
-      const __mmask16 lanes = static_cast<__mmask16>(seen >> (16 * j));
-      const __m512 e = _mm512_maskz_mov_ps(lanes, exp512(_mm512_sub_ps(_mm512_loadu_ps(x + 16 * j), m)));
-      _mm512_storeu_ps(p + 16 * j, e);
-      acc = _mm512_add_ps(acc, e);
-    }
-    total = _mm512_reduce_add_ps(acc);
-#else
     for (int t = 0; t < n; ++t) {
       p[t] = ((seen >> t) & 1) ? std::exp(x[t] - running) : 0.0f;
       total += p[t];
     }
-#endif
     s.alpha[r] = alpha;
     s.sum[r] = s.sum[r] * alpha + total;
     s.max[r] = running;
   }
 }
+#endif
 
-// acc[r] = acc[r] * alpha[r] + sum_t probs[r][t] * v_t
-void accumulate_values(Scratch& s, int rows, int n, int dim) {
+// acc[r] = acc[r] * alpha[r] + sum_t probs[r][t] * v_t (the portable path reads staged float32 rows only)
+template <typename V>
+void accumulate_values(Scratch& s, const V* const* vrows, int rows, int n, int dim) {
 #if KVFORGE_AVX512
   for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
     const float* p = s.probs.data() + r0 * kTile;
     const float* alpha = s.alpha.data() + r0;
     float* acc = s.acc.data() + static_cast<size_t>(r0) * dim;
     for (int d0 = 0; d0 < dim; d0 += 64) {
-      switch (std::min(4, (dim - d0) / 16)) {
-        case 1: pv_block<1>(p, alpha, s.vf.data(), n, dim, d0, acc); break;
-        case 2: pv_block<2>(p, alpha, s.vf.data(), n, dim, d0, acc); break;
-        case 3: pv_block<3>(p, alpha, s.vf.data(), n, dim, d0, acc); break;
-        default: pv_block<4>(p, alpha, s.vf.data(), n, dim, d0, acc); break;
+      const int vectors = std::min(4, (dim - d0) / 16);
+      switch (std::min(kRowBlock, rows - r0)) {
+        case 1: pv_rows<V, 1>(p, alpha, vrows, n, dim, d0, acc, vectors); break;
+        case 2: pv_rows<V, 2>(p, alpha, vrows, n, dim, d0, acc, vectors); break;
+        case 3: pv_rows<V, 3>(p, alpha, vrows, n, dim, d0, acc, vectors); break;
+        default: pv_rows<V, kRowBlock>(p, alpha, vrows, n, dim, d0, acc, vectors); break;
       }
     }
   }
@@ -316,24 +460,35 @@ void accumulate_values(Scratch& s, int rows, int n, int dim) {
     for (int t = 0; t < n; ++t) {
       const float w = s.probs[r * kTile + t];
       if (w == 0.0f) continue;
-      const float* v = s.vf.data() + static_cast<size_t>(t) * dim;
+      const V* v = vrows[t];
       for (int d = 0; d < dim; ++d) acc[d] += w * v[d];
     }
   }
 #endif
 }
 
-// One tile: decode K and V rows (any element type) once, then attend every row of the item over them.
+// One tile. When one register block of rows reads it (decode), K and V are decoded inside the FMA loops straight
+// from their rows; otherwise K is decoded once into the transposed tile and V staged once as float32, and every
+// row of the item is attended over them.
 template <typename E>
 void attend_tile(Scratch& s, const E* const* keys, const E* const* values, int n, int rows, int dim) {
-  for (int t = 0; t < n; ++t) {
-    decode_row(keys[t], s.kf.data() + static_cast<size_t>(t) * dim, dim);
-    decode_row(values[t], s.vf.data() + static_cast<size_t>(t) * dim, dim);
+#if KVFORGE_AVX512
+  if (rows <= kRowBlock) {
+    scores_few_rows<E>(s, rows, keys, n, dim, s.scores.data());
+    softmax_update(s, rows, n);
+    accumulate_values<E>(s, values, rows, n, dim);
+    return;
   }
-  transpose_keys(s.kf.data(), n, dim, s.kt.data());
+#endif
+  load_keys_transposed(keys, n, dim, s.kt.data());
   compute_scores(s, rows, n, dim, s.scores.data());
   softmax_update(s, rows, n);
-  accumulate_values(s, rows, n, dim);
+  const float* staged[kTile];
+  for (int t = 0; t < n; ++t) {
+    staged[t] = s.vf.data() + static_cast<size_t>(t) * dim;
+    decode_row(values[t], s.vf.data() + static_cast<size_t>(t) * dim, dim);
+  }
+  accumulate_values<float>(s, staged, rows, n, dim);
 }
 
 // ---- the call: validated geometry, the work plan, and the items ----
@@ -348,7 +503,7 @@ struct Item {
 
 struct Group {
   int32_t b, h, q0, q1;
-  int32_t first_item, splits;
+  int32_t splits;
   int64_t partial;  // offset of the group's partials (splits x rows x (dim + 2))
 };
 
@@ -366,13 +521,19 @@ struct Call {
   float* out;
   std::vector<Item> items;
   std::vector<Group> groups;
-  std::vector<float> partials;
+  mutable std::vector<float> partials;  // written by the items of split groups
+  std::unique_ptr<std::atomic<int32_t>[]> pending;  // items of each group still running
 };
 
 thread_local Scratch t_scratch;
 
 size_t pool_offset(const Call& c, int64_t page, int kv, int64_t head, int64_t slot) {
   return static_cast<size_t>((((page * 2 + kv) * c.kv_heads + head) * c.page_tokens + slot) * c.dim);
+}
+
+// Offset of (row b, token i, q head) in query and output [B, S, Hq * D].
+size_t head_offset(const Call& c, int64_t b, int64_t i, int64_t q_head) {
+  return static_cast<size_t>(((b * c.seq + i) * c.q_heads + q_head) * c.dim);
 }
 
 template <typename E>
@@ -408,6 +569,19 @@ void attend_cached(const Call& c, const Item& it, Scratch& s, int rows) {
   }
 }
 
+// Bit t set iff a query sees new key j0 + t: from a row of the tree mask, or causally (t <= offset = i - j0).
+uint64_t mask_bits(const bool* row, int n) {
+  uint64_t bits = 0;
+  for (int t = 0; t < n; ++t) bits |= static_cast<uint64_t>(row[t]) << t;
+  return bits;
+}
+
+uint64_t causal_bits(int64_t offset, int n) {
+  const uint64_t tile = n == 64 ? ~uint64_t{0} : (uint64_t{1} << n) - 1;
+  if (offset < 0) return 0;
+  return offset >= 63 ? tile : ((uint64_t{1} << (offset + 1)) - 1) & tile;
+}
+
 void attend_new(const Call& c, const Item& it, Scratch& s, int rows) {
   const int64_t g = c.group_size;
   const int64_t limit = c.mask ? c.length[it.b] : it.q1;  // causal: no query of the block sees past q1 - 1
@@ -423,18 +597,14 @@ void attend_new(const Call& c, const Item& it, Scratch& s, int rows) {
     bool any = false;
     for (int r = 0; r < rows; ++r) {
       const int64_t i = it.q0 + r / g;
-      uint64_t seen = 0;
-      for (int t = 0; t < n; ++t) {
-        const int64_t j = j0 + t;
-        const bool on = c.mask ? c.mask[(it.b * c.seq + i) * c.seq + j] : j <= i;
-        seen |= static_cast<uint64_t>(on) << t;
-      }
-      s.visible[r] = seen;
-      any = any || seen != 0;
+      s.visible[r] = c.mask ? mask_bits(c.mask + (it.b * c.seq + i) * c.seq + j0, n) : causal_bits(i - j0, n);
+      any = any || s.visible[r] != 0;
     }
     if (any) attend_tile<float>(s, keys, values, n, rows, static_cast<int>(c.dim));
   }
 }
+
+void merge_group(const Call& c, const Group& grp);
 
 void run_item(const Call& c, size_t index) {
   const Item& it = c.items[index];
@@ -443,7 +613,7 @@ void run_item(const Call& c, size_t index) {
   Scratch& s = t_scratch;
   s.reserve(rows, static_cast<int>(dim));
   for (int r = 0; r < rows; ++r) {  // row r = (query q0 + r / g, q head h * g + r % g), pre-scaled
-    const float* q = c.query + static_cast<size_t>(((it.b * c.seq + it.q0 + r / g) * c.q_heads + it.h * g + r % g) * dim);
+    const float* q = c.query + head_offset(c, it.b, it.q0 + r / g, it.h * g + r % g);
     for (int64_t d = 0; d < dim; ++d) s.q[static_cast<size_t>(r) * dim + d] = q[d] * c.scale;
   }
   switch (c.pool_type) {
@@ -455,14 +625,15 @@ void run_item(const Call& c, size_t index) {
   const Group& grp = c.groups[it.group];
   if (grp.splits == 1) {
     for (int r = 0; r < rows; ++r) {
-      float* out = c.out + static_cast<size_t>(((it.b * c.seq + it.q0 + r / g) * c.q_heads + it.h * g + r % g) * dim);
+      float* out = c.out + head_offset(c, it.b, it.q0 + r / g, it.h * g + r % g);
       const float inv = s.sum[r] > 0.0f ? 1.0f / s.sum[r] : 0.0f;
       for (int64_t d = 0; d < dim; ++d) out[d] = s.acc[static_cast<size_t>(r) * dim + d] * inv;
     }
     return;
   }
-  // A split's partial: (max, sum, acc) per row, merged by merge_group.
-  float* part = const_cast<float*>(c.partials.data()) + grp.partial +
+  // A split's partial: (max, sum, acc) per row; the group's last item to finish merges them, so no second
+  // parallel pass (and thread wake-up) is needed. acq_rel publishes every split's partial to that item.
+  float* part = c.partials.data() + grp.partial +
                 static_cast<int64_t>(it.split) * rows * (dim + 2);
   for (int r = 0; r < rows; ++r) {
     float* slot = part + static_cast<int64_t>(r) * (dim + 2);
@@ -470,6 +641,7 @@ void run_item(const Call& c, size_t index) {
     slot[1] = s.sum[r];
     std::memcpy(slot + 2, s.acc.data() + static_cast<size_t>(r) * dim, sizeof(float) * dim);
   }
+  if (c.pending[it.group].fetch_sub(1, std::memory_order_acq_rel) == 1) merge_group(c, grp);
 }
 
 void merge_group(const Call& c, const Group& grp) {
@@ -477,8 +649,9 @@ void merge_group(const Call& c, const Group& grp) {
   const int64_t rows = (grp.q1 - grp.q0) * g;
   for (int64_t r = 0; r < rows; ++r) {
     float peak = kNegInf;
-    for (int sp = 0; sp < grp.splits; ++sp) peak = std::max(peak, c.partials[grp.partial + (sp * rows + r) * (dim + 2)]);
-    float* out = c.out + static_cast<size_t>(((grp.b * c.seq + grp.q0 + r / g) * c.q_heads + grp.h * g + r % g) * dim);
+    for (int sp = 0; sp < grp.splits; ++sp)
+      peak = std::max(peak, c.partials[grp.partial + (sp * rows + r) * (dim + 2)]);
+    float* out = c.out + head_offset(c, grp.b, grp.q0 + r / g, grp.h * g + r % g);
     std::fill(out, out + dim, 0.0f);
     if (peak == kNegInf) continue;  // this query sees nothing
     float total = 0.0f;
@@ -503,27 +676,38 @@ void plan(Call& c) {
   for (int64_t b = 0; b < c.batch; ++b) {
     const int64_t len = c.length[b];
     const int64_t cached = std::min<int64_t>(c.start[b], c.width * c.page_tokens);  // past W nothing is visible
-    int64_t splits = 1;
-    if (groups < kEnoughGroups) {
-      splits = std::clamp<int64_t>((cached + kSplitTokens - 1) / kSplitTokens, 1, kMaxSplits);
+    // Splits cover whole tiles (kSplitTokens or more, a multiple of kTile), so only the last one is ragged.
+    int64_t splits = 1, chunk = std::max<int64_t>(cached, 1);
+    if (groups < kEnoughGroups && cached > kSplitTokens) {
+      chunk = std::max<int64_t>(kSplitTokens, (cached + kMaxSplits - 1) / kMaxSplits);
+      chunk = (chunk + kTile - 1) / kTile * kTile;
+      splits = (cached + chunk - 1) / chunk;
     }
     for (int64_t h = 0; h < c.kv_heads; ++h) {
       for (int64_t q0 = 0; q0 < len; q0 += block) {
         const int64_t q1 = std::min(len, q0 + block);
         Group grp{static_cast<int32_t>(b), static_cast<int32_t>(h), static_cast<int32_t>(q0),
-                  static_cast<int32_t>(q1), static_cast<int32_t>(c.items.size()), static_cast<int32_t>(splits),
-                  partial};
+                  static_cast<int32_t>(q1), static_cast<int32_t>(splits), partial};
         if (splits > 1) partial += splits * (q1 - q0) * g * (c.dim + 2);
         for (int64_t sp = 0; sp < splits; ++sp) {
-          c.items.push_back(Item{grp.b, grp.h, grp.q0, grp.q1, static_cast<int32_t>(cached * sp / splits),
-                                 static_cast<int32_t>(cached * (sp + 1) / splits), sp == splits - 1,
+          c.items.push_back(Item{grp.b, grp.h, grp.q0, grp.q1, static_cast<int32_t>(std::min(cached, sp * chunk)),
+                                 static_cast<int32_t>(std::min(cached, (sp + 1) * chunk)), sp == splits - 1,
                                  static_cast<int32_t>(c.groups.size()), static_cast<int32_t>(sp)});
         }
         c.groups.push_back(grp);
       }
     }
   }
+  // Threads take items in order, so the longest go first (a long decode row next to a prefill chunk is not
+  // left to the end, alone on one thread).
+  const auto cost = [&c](const Item& it) {
+    const int64_t keys = (it.c1 - it.c0) + (it.with_new ? (c.mask ? c.length[it.b] : it.q1) : 0);
+    return keys * (it.q1 - it.q0);
+  };
+  std::stable_sort(c.items.begin(), c.items.end(), [&cost](const Item& a, const Item& b) { return cost(a) > cost(b); });
   c.partials.assign(static_cast<size_t>(partial), 0.0f);
+  c.pending.reset(new std::atomic<int32_t>[c.groups.size()]);
+  for (size_t i = 0; i < c.groups.size(); ++i) c.pending[i].store(c.groups[i].splits, std::memory_order_relaxed);
 }
 
 // ---- ORT plumbing: the kernel, validation and registration ----
@@ -574,7 +758,9 @@ OrtStatus* expect(const char* name, const TensorInfo& info, ONNXTensorElementDat
                  std::to_string(type));
   bool same = info.shape.size() == shape.size();
   for (size_t i = 0; same && i < shape.size(); ++i) same = shape[i] < 0 || info.shape[i] == shape[i];
-  if (!same) return error(std::string(name) + " has shape " + shape_text(info.shape) + ", expected " + shape_text(shape) + " (-1: any)");
+  if (!same)
+    return error(std::string(name) + " has shape " + shape_text(info.shape) + ", expected " + shape_text(shape) +
+                 " (-1: any)");
   return nullptr;
 }
 
@@ -588,9 +774,11 @@ OrtStatus* input(OrtKernelContext* ctx, size_t index, const OrtValue** value, Te
 OrtStatus* check_values(const Call& c) {
   for (int64_t b = 0; b < c.batch; ++b) {
     if (c.length[b] < 0 || c.length[b] > c.seq)
-      return error("context_lengths[" + std::to_string(b) + "]=" + std::to_string(c.length[b]) + " is outside [0, S=" + std::to_string(c.seq) + "]");
+      return error("context_lengths[" + std::to_string(b) + "]=" + std::to_string(c.length[b]) +
+                   " is outside [0, S=" + std::to_string(c.seq) + "]");
     if (c.start[b] < 0) return error("kvcache_start_index[" + std::to_string(b) + "] is negative");
-    const int64_t used = std::min<int64_t>(c.width, (static_cast<int64_t>(c.start[b]) + c.page_tokens - 1) / c.page_tokens);
+    const int64_t pages = (static_cast<int64_t>(c.start[b]) + c.page_tokens - 1) / c.page_tokens;
+    const int64_t used = std::min<int64_t>(c.width, pages);  // entries past the cached positions are not read
     for (int64_t w = 0; w < used; ++w) {
       const int32_t page = c.page_table[b * c.width + w];
       if (page < -1 || page >= c.num_pages)
@@ -628,7 +816,9 @@ OrtStatus* gather_inputs(const Kernel& k, OrtKernelContext* ctx, Call& c) {
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: c.pool_type = PoolType::kF16; break;
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8: c.pool_type = PoolType::kFp8; break;
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT: c.pool_type = PoolType::kF32; break;
-    default: return error("pool element type " + std::to_string(info[2].type) + " is not float16, uint8 (FP8 E4M3) or float32");
+    default:
+      return error("pool element type " + std::to_string(info[2].type) +
+                   " is not float16, uint8 (FP8 E4M3) or float32");
   }
   c.mask = nullptr;
   if (count > 6 && v[6]) {
@@ -648,12 +838,6 @@ OrtStatus* gather_inputs(const Kernel& k, OrtKernelContext* ctx, Call& c) {
 
 void run_item_trampoline(void* data, size_t index) { run_item(*static_cast<const Call*>(data), index); }
 
-void merge_trampoline(void* data, size_t index) {
-  const Call& c = *static_cast<const Call*>(data);
-  const Group& grp = c.groups[index];
-  if (grp.splits > 1) merge_group(c, grp);
-}
-
 OrtStatus* ORT_API_CALL compute(void* kernel, OrtKernelContext* ctx) {
   const Kernel& k = *static_cast<const Kernel*>(kernel);
   Call c;
@@ -672,7 +856,6 @@ OrtStatus* ORT_API_CALL compute(void* kernel, OrtKernelContext* ctx) {
   plan(c);
   if (c.items.empty()) return nullptr;
   KVF_TRY(g_api->KernelContext_ParallelFor(ctx, run_item_trampoline, c.items.size(), 0, &c));
-  if (!c.partials.empty()) KVF_TRY(g_api->KernelContext_ParallelFor(ctx, merge_trampoline, c.groups.size(), 0, &c));
   return nullptr;
 }
 
@@ -721,13 +904,17 @@ ONNXTensorElementDataType ORT_API_CALL input_type(const OrtCustomOp*, size_t ind
   }
 }
 
-ONNXTensorElementDataType ORT_API_CALL output_type(const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+ONNXTensorElementDataType ORT_API_CALL output_type(const OrtCustomOp*, size_t) {
+  return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
 
 OrtCustomOpInputOutputCharacteristic ORT_API_CALL input_characteristic(const OrtCustomOp*, size_t index) {
   return index == 6 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
 }
 
-OrtCustomOpInputOutputCharacteristic ORT_API_CALL output_characteristic(const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; }
+OrtCustomOpInputOutputCharacteristic ORT_API_CALL output_characteristic(const OrtCustomOp*, size_t) {
+  return INPUT_OUTPUT_REQUIRED;
+}
 OrtMemType ORT_API_CALL input_memory(const OrtCustomOp*, size_t) { return OrtMemTypeDefault; }
 int ORT_API_CALL variadic_arity(const OrtCustomOp*) { return 1; }
 int ORT_API_CALL variadic_homogeneity(const OrtCustomOp*) { return 0; }
@@ -785,8 +972,11 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL
 RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
   g_api = api_base->GetApi(ORT_API_VERSION);
   if (!g_api) {
-    std::fprintf(stderr, "kvforge.cpu: this ONNX Runtime does not offer C API version %d\n", ORT_API_VERSION);
-    return nullptr;  // no API table, so no way to build a status; the session then lacks the op and says so
+    // An older runtime: its version-1 table (the C API only ever appends) still builds the error status.
+    const OrtApi* oldest = api_base->GetApi(1);
+    const std::string message = "kvforge.cpu needs ONNX Runtime C API version " + std::to_string(ORT_API_VERSION) +
+                                ", this runtime is " + api_base->GetVersionString();
+    return oldest ? oldest->CreateStatus(ORT_FAIL, message.c_str()) : nullptr;
   }
   static const bool table_ready = (init_fp8_table(), true);
   (void)table_ready;
