@@ -56,7 +56,7 @@ FALLBACK_TESTS ?= tests/test_paged_ops.py tests/test_engine.py tests/test_runtim
 	tests/test_api.py
 
 test: install lint
-	@$(BIN)/python -m kvforge.plugins.cpu_kernel || echo "so the engine tests below run on the pure-ONNX fallback"
+	@echo "kvforge CPU kernel: $$($(BIN)/python -m kvforge.plugins.cpu_kernel 2>&1 || echo 'none, so the engine tests run on the pure-ONNX fallback')"
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 	KVFORGE_CPU_KERNEL=off $(BIN)/pytest -q $(PYTEST_ARGS) $(FALLBACK_TESTS)
 	$(MAKE) --no-print-directory llm-test

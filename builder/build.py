@@ -102,18 +102,24 @@ def resolve_backend(backend: str) -> str:
     return "onnxruntime"
 
 
-def resolve_cpu_attention(choice: str, paged: bool = True) -> str:
+def resolve_cpu_attention(choice: str, paged: bool = True, head_dim: int = 64) -> str:
     """The attention path of an ONNX Runtime engine (an engine_dir ATTENTION_* value): `auto` takes kvforge's CPU
-    kernel when its library builds and loads here (KVFORGE_CPU_KERNEL=off forces the fallback), `kernel` insists
-    on it, `onnx` takes the stock-ops lowering. Resolved values pass through (cached-engine keys use them);
-    `paged=False` (TensorRT, pure recurrent models: no paged attention to lower) only checks the choice."""
-    from kvforge.plugins.cpu_kernel import kernel_status
+    kernel when its library builds and loads here (KVFORGE_CPU_KERNEL=off forces the fallback) and takes the
+    model's head width, `kernel` insists on it, `onnx` takes the stock-ops lowering. Resolved values pass through
+    (cached-engine keys use them); `paged=False` (TensorRT, pure recurrent models: no paged attention to lower)
+    only checks the choice."""
+    from kvforge.plugins.cpu_kernel import MAX_HEAD_DIM, kernel_status, supports_head_dim
 
     if choice in (ATTENTION_CPU_KERNEL, ATTENTION_ONNX_OPS):
         return choice
     if choice not in CPU_ATTENTION_CHOICES:
         raise InvalidConfig(f"must be one of {CPU_ATTENTION_CHOICES}, got {choice!r}", "cpu_attention")
     if choice == "onnx" or not paged:
+        return ATTENTION_ONNX_OPS
+    if not supports_head_dim(head_dim):
+        if choice == "kernel":
+            raise InvalidConfig(f"the kvforge CPU attention kernel takes head_dim in multiples of 16 up to "
+                                f"{MAX_HEAD_DIM}, this model's is {head_dim}; use onnx", "cpu_attention")
         return ATTENTION_ONNX_OPS
     library, reason = kernel_status()
     if library is None and choice == "kernel":
@@ -146,7 +152,8 @@ def build_engine(onnx_dir: Path, engine_dir: Path, options: BuildOptions,
     config = read_onnx_dir(onnx_dir)
     backend = resolve_backend(options.backend)
     paged = backend == "onnxruntime" and not config.is_recurrent
-    attention = resolve_cpu_attention(options.cpu_attention, paged)  # the kernel is built now, before any work
+    # The kernel is built now, before any work.
+    attention = resolve_cpu_attention(options.cpu_attention, paged, config.head_dim)
     options = replace(options, cpu_attention=attention)
     geometry = options.geometry(config.max_position_embeddings)
     plan = memory_plan(config, geometry)

@@ -217,6 +217,15 @@ def library_path(extra_flags: tuple[str, ...] = ()) -> Path:
     return _built(SOURCE.stat().st_mtime_ns, environment, CXX_FLAGS + tuple(extra_flags))
 
 
+# The kernel's vector loops step 16 floats at a time over a head (plugins/cpu/paged_attention.cc refuses others).
+MAX_HEAD_DIM = 256
+
+
+def supports_head_dim(head_dim: int) -> bool:
+    """Whether the kernel attends over heads of this width (multiples of 16 up to MAX_HEAD_DIM: 64, 80, 128...)."""
+    return 0 < head_dim <= MAX_HEAD_DIM and head_dim % 16 == 0
+
+
 def kernel_status() -> tuple[Path | None, str]:
     """(library path, "") when the kernel is usable, else (None, one-line reason); never raises."""
     try:
@@ -246,7 +255,7 @@ def main() -> int:
     if path is None:
         print(f"kvforge CPU kernel not available: {reason}", file=sys.stderr)
         return 1
-    print(f"kvforge CPU kernel: {path}")
+    print(path)
     return 0
 
 

@@ -112,3 +112,11 @@ def test_old_engine_dirs_read_as_the_fallback(tiny_engine_dir: Path, tmp_path: P
     with pytest.raises(InvalidConfig) as info:
         load_engine_dir(copy)
     assert info.value.field == "builder_config.attention"
+
+
+def test_head_widths_the_kernel_lacks_take_the_fallback() -> None:
+    """auto lowers a model whose heads the kernel cannot take (not a multiple of 16) to stock ops; kernel refuses."""
+    assert resolve_cpu_attention("auto", head_dim=8) == ATTENTION_ONNX_OPS
+    with pytest.raises(InvalidConfig) as info:
+        resolve_cpu_attention("kernel", head_dim=72)
+    assert info.value.field == "cpu_attention" and "72" in info.value.message

@@ -35,10 +35,10 @@ def engine_key(onnx_dir: Path, options: BuildOptions) -> dict[str, object]:
 def cached_engine(onnx_dir: Path, options: BuildOptions, cache_dir: Path,
                   step: Callable[[str], None] = lambda _m: None) -> tuple[Path, bool]:
     """(engine dir, built now): an engine for `options` from `cache_dir`, built there first when missing."""
-    read_onnx_dir(onnx_dir)  # one-line errors for a missing or foreign ONNX dir before anything is written
+    config = read_onnx_dir(onnx_dir)  # one-line errors for a missing or foreign ONNX dir before anything is written
     # Resolved so the key tells a kernel engine from a fallback one (KVFORGE_CPU_KERNEL=off builds the other).
     options = replace(options, backend=resolve_backend(options.backend),
-                      cpu_attention=resolve_cpu_attention(options.cpu_attention))
+                      cpu_attention=resolve_cpu_attention(options.cpu_attention, head_dim=config.head_dim))
     key = engine_key(onnx_dir, options)
     digest = hashlib.blake2b(json.dumps(key, sort_keys=True).encode(), digest_size=8).hexdigest()
     engine_dir = cache_dir / f"{onnx_dir.resolve().name}-{digest}"
