@@ -75,6 +75,7 @@ def test_two_kvforge_engines_give_sane_figures_and_ratios(bench_run: tuple[str, 
         m = engine["metrics"]
         assert m["cold_ttft_ms"] > 0 and m["warm_ttft_ms"] > 0 and m["warm_next_ttft_ms"] > 0
         assert m["cold_prefill_tok_s"] > 0 and m["decode_tok_s"] > 0
+        assert m["warm_e2e_ms"] > m["warm_ttft_ms"] and m["warm_next_e2e_ms"] > m["warm_next_ttft_ms"]
         assert engine["peak_rss_bytes"] >= engine["rss_after_load_bytes"] > 10 * 2**20
         assert m["peak_rss_mb"] == pytest.approx(engine["peak_rss_bytes"] / 2**20)
         assert engine["tokenizer_agrees"]

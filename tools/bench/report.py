@@ -33,6 +33,12 @@ def _ttft(*roles: str) -> Callable[[dict[str, list[Trace]], dict[str, Any]], flo
     return lambda by_role, _result: _median([t["ttft_ms"] for role in roles for t in by_role.get(role, [])])
 
 
+def _end_to_end(*roles: str) -> Callable[[dict[str, list[Trace]], dict[str, Any]], float | None]:
+    """Request to last token (TTFT plus decode): what a user waits for a whole answer of --maxTokens tokens."""
+    return lambda by_role, _result: _median([t["ttft_ms"] + t["decode_ms"] for role in roles
+                                             for t in by_role.get(role, [])])
+
+
 def _cold_prefill(by_role: dict[str, list[Trace]], _result: dict[str, Any]) -> float | None:
     return _median([t["prompt_tokens"] / (t["ttft_ms"] / 1e3) for t in by_role.get("cold", [])])
 
@@ -58,6 +64,8 @@ METRICS = [
     Metric("cold_prefill_tok_s", "cold prefill", "tok/s", True, _cold_prefill),
     Metric("warm_ttft_ms", "warm TTFT", "ms", False, _ttft("warm")),
     Metric("warm_next_ttft_ms", "warm TTFT right after", "ms", False, _ttft("warm_next")),
+    Metric("warm_e2e_ms", "warm end to end", "ms", False, _end_to_end("warm")),
+    Metric("warm_next_e2e_ms", "warm end to end right after", "ms", False, _end_to_end("warm_next")),
     Metric("decode_tok_s", "decode", "tok/s", True, _decode),
     Metric("unrelated_ttft_ms", "unrelated TTFT", "ms", False, _ttft("unrelated")),
     Metric("chat_ttft_ms", "chat TTFT", "ms", False, _ttft("chat")),
@@ -69,6 +77,8 @@ LEGEND = {
     "cold_prefill_tok_s": "prompt tokens / cold TTFT",
     "warm_ttft_ms": "a new question on the document after an unrelated prompt (non-consecutive requests)",
     "warm_next_ttft_ms": "a new question on the document right after the previous one (llama.cpp's best case)",
+    "warm_e2e_ms": "that warm question from the request to its last token (--maxTokens generated)",
+    "warm_next_e2e_ms": "the question right after the previous one, request to last token",
     "decode_tok_s": "(tokens - 1) / (last token - first token) of the document requests (of every request "
                     "but decode_context's when no document workload ran)",
     "unrelated_ttft_ms": "prompts sharing no prefix with anything before them",
