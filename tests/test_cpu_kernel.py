@@ -272,12 +272,14 @@ def test_switch_off_forces_the_fallback(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_missing_headers_are_a_reason(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv(cpu_kernel.SWITCH_ENV, raising=False)  # the reason the switch would give first
     monkeypatch.setenv(cpu_kernel.INCLUDE_ENV, str(tmp_path))
     path, reason = cpu_kernel.kernel_status()
     assert path is None and "no onnxruntime_c_api.h" in reason
 
 
 def test_no_compiler_is_a_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(cpu_kernel.SWITCH_ENV, raising=False)
     monkeypatch.setenv(cpu_kernel.CXX_ENV, "/nonexistent/g++")
     path, reason = cpu_kernel.kernel_status()
     assert path is None and "no C++ compiler" in reason

@@ -161,8 +161,8 @@ def read_builder_config(raw: dict[str, Any], model: ModelConfig) -> BuilderConfi
         raise InvalidConfig(f"must be {geometry.max_pages_per_seq} (capacity / tokens_per_page), got "
                             f"{numbers['max_pages_per_seq']}; {REBUILD}", f"{where}.max_pages_per_seq")
     attention = raw.get("attention", ATTENTION_ONNX_OPS)
-    if attention not in ATTENTION_PATHS[:2]:  # a TensorRT engine's is implied by its backend
-        raise InvalidConfig(f"must be one of {ATTENTION_PATHS[:2]}, got {describe(attention)}; {REBUILD}",
+    if attention not in ATTENTION_PATHS:  # a TensorRT engine's is its plugin whatever the file says
+        raise InvalidConfig(f"must be one of {ATTENTION_PATHS}, got {describe(attention)}; {REBUILD}",
                             f"{where}.attention")
     # Snapshot geometry and layer types are recomputed from the model, not trusted from the file.
     return BuilderConfig.from_geometry(geometry, raw["backend"], numbers["max_lora_rank"], model, attention)

@@ -927,10 +927,21 @@ size_t ORT_API_CALL no_alias(int** inputs, int** outputs) {
 }
 void ORT_API_CALL release_alias(int*, int*) {}
 
-// The output has the query's type and shape (the info belongs to the context: not released here).
+// The output has the query's type and shape (the info belongs to the context: not released here). A dim the
+// graph leaves wholly unknown (no value, no name) comes back as -1 and would be written as a negative value, which
+// breaks shape inference downstream (tiny-qwen3_5's engine refused to load at a Concat after the optimizer's
+// rewrites; tests/test_recurrent_engine.py): then the output's shape is left unknown instead.
 OrtStatus* ORT_API_CALL infer_shape(const OrtCustomOp*, OrtShapeInferContext* ctx) {
   OrtTensorTypeAndShapeInfo* query = nullptr;
   KVF_TRY(g_api->ShapeInferContext_GetInputTypeShape(ctx, 0, &query));
+  size_t rank = 0;
+  KVF_TRY(g_api->GetDimensionsCount(query, &rank));
+  std::vector<int64_t> dims(rank);
+  std::vector<const char*> names(rank, nullptr);
+  KVF_TRY(g_api->GetDimensions(query, dims.data(), rank));
+  KVF_TRY(g_api->GetSymbolicDimensions(query, names.data(), rank));
+  for (size_t i = 0; i < rank; ++i)
+    if (dims[i] < 0 && (names[i] == nullptr || names[i][0] == '\0')) return nullptr;
   return g_api->ShapeInferContext_SetOutputTypeShape(ctx, 0, query);
 }
 
