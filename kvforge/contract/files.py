@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvforge.contract.errors import KvforgeError
+from kvforge.contract.validation import one_line
 
 TEMP_MARK = ".kvforge-tmp-"  # in every temporary sibling's name: never a valid input, safe to delete
 
@@ -48,8 +49,6 @@ def loads_json(text: str | bytes, where: str, what: str = "") -> Any:
 
     `what` names the document in messages (a file path), defaulting to "JSON".
     """
-    from kvforge.contract.validation import one_line
-
     shown = f" in {one_line(what)}" if what else ""
     try:
         return json.loads(text, object_pairs_hook=reject_duplicate_keys)
@@ -71,8 +70,6 @@ def read_limited(path: Path, limit: int, where: str) -> bytes:
     with open(path, "rb") as handle:
         data = handle.read(limit + 1)
     if len(data) > limit:
-        from kvforge.contract.validation import one_line
-
         raise KvforgeError(f"{one_line(str(path))} is larger than {limit:,} bytes", where)
     return data
 
@@ -165,8 +162,6 @@ def overlaps(a: Path, b: Path) -> bool:
 def check_output_file(path: Path, flag: str) -> None:
     """`path` can be written atomically: its directory exists and is writable, it is not a directory, and
     an existing file there is writable (a read-only file is the user's and is left alone)."""
-    from kvforge.contract.validation import one_line
-
     shown = one_line(str(path))
     if path.is_dir():
         raise KvforgeError(f"{shown} is a directory, expected a file path", flag)
@@ -184,8 +179,6 @@ def check_output_file(path: Path, flag: str) -> None:
 def check_output_dir(path: Path, flag: str, replaceable: Mapping[str, str] | None = None) -> None:
     """`path` can receive a staged directory: it is absent, an empty directory, or one kvforge wrote
     (a `manifest.json`, or a config.json of ours from before manifests); anything else is the user's."""
-    from kvforge.contract.validation import one_line
-
     shown = one_line(str(path))
     if path.exists() and not path.is_dir():
         raise KvforgeError(f"{shown} exists and is not a directory", flag)
