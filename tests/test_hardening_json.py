@@ -9,8 +9,7 @@ import pytest
 from hardening_support import copy_engine, edit_engine, invoke, request_file
 
 from kvforge.contract.errors import KvforgeError
-from kvforge.contract.files import loads_json
-from kvforge.contract.model_config import read_json
+from kvforge.contract.files import loads_json, read_json
 from kvforge.runtime.cli import app as inference_app
 from kvforge.tools.profile.cli import app as profile_app
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvforge.contract.errors import KvforgeError
+from kvforge.contract.formats import EXPORT_FORMAT, MANIFEST_FILE
 from kvforge.contract.validation import one_line
 
 TEMP_MARK = ".kvforge-tmp-"  # in every temporary sibling's name: never a valid input, safe to delete
@@ -71,6 +72,23 @@ def read_limited(path: Path, limit: int, where: str) -> bytes:
         data = handle.read(limit + 1)
     if len(data) > limit:
         raise KvforgeError(f"{one_line(str(path))} is larger than {limit:,} bytes", where)
+    return data
+
+
+MAX_CONFIG_BYTES = 64 * 2**20  # config files are a few KiB; a chat template or tokenizer a few MiB
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    """Read a JSON object file strictly (duplicate keys refused) with one-line errors naming the file."""
+    if not path.is_file():
+        raise KvforgeError(f"missing file {one_line(str(path))}", what)
+    try:
+        raw = read_limited(path, MAX_CONFIG_BYTES, what)
+    except OSError as exc:
+        raise KvforgeError(f"cannot read {one_line(str(path))}: {one_line(exc.strerror or str(exc))}", what) from None
+    data = loads_json(raw, what, str(path))
+    if not isinstance(data, dict):
+        raise KvforgeError(f"{one_line(str(path))} must hold a JSON object", what)
     return data
 
 
@@ -193,9 +211,7 @@ def check_output_dir(path: Path, flag: str, replaceable: Mapping[str, str] | Non
 
 
 def _written_by_kvforge(path: Path) -> bool:
-    from kvforge.contract.model_config import EXPORT_FORMAT
-
-    if (path / "manifest.json").is_file():
+    if (path / MANIFEST_FILE).is_file():
         return True
     try:
         return json.loads((path / "config.json").read_text(encoding="utf-8")).get("format") == EXPORT_FORMAT

@@ -13,8 +13,8 @@ import numpy as np
 import onnxruntime as ort
 
 from kvforge.contract.errors import InvalidConfig
+from kvforge.contract.files import read_json
 from kvforge.contract.manifest import ENGINE_KIND, verify_manifest
-from kvforge.contract.model_config import read_json
 from kvforge.contract.multimodal import (
     AUDIO,
     ENCODER_FORMAT,

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 
 from kvforge.contract.errors import KvforgeError
-from kvforge.contract.files import loads_json
-from kvforge.contract.model_config import ModelConfig, read_json
+from kvforge.contract.files import loads_json, read_json
+from kvforge.contract.model_config import ModelConfig
 from kvforge.contract.tensor_header import MAX_HEADER_BYTES
 from kvforge.tools.export import mamba2_source, qwen3_5_source
 from kvforge.tools.export.source import LoadedModel, layer_weight

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from kvforge.contract.errors import KvforgeError
-from kvforge.contract.model_config import read_json
+from kvforge.contract.files import read_json
 from kvforge.contract.multimodal import VISUAL, EncoderConfig, ImagePreprocessing
 from kvforge.tools.export.hf_source import (
     FIELD,
@@ -148,7 +148,7 @@ def write_visual_onnx_dir(visual: VisualExport, output_dir: Path) -> Path:
     """The encoder ONNX dir llm_build turns into a multimodal engine dir: model.onnx (+ data) and config.json."""
     import onnx
 
-    from kvforge.contract.model_config import write_json
+    from kvforge.contract.files import write_json
     from kvforge.contract.multimodal import ENCODER_MODEL_FILE, ENCODER_WEIGHTS_FILE
     from kvforge.tools.export.idefics3_graph import build_vision_graph
 

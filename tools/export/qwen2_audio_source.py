@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from kvforge.contract.errors import KvforgeError
-from kvforge.contract.model_config import read_json
+from kvforge.contract.files import read_json
 from kvforge.contract.multimodal import AUDIO, AudioEncoderConfig
 from kvforge.tools.export.hf_source import (
     FIELD,
@@ -91,7 +91,7 @@ def write_audio_onnx_dir(audio: AudioExport, output_dir: Path) -> Path:
     """The audio encoder ONNX dir llm_build turns into an audio engine dir: model.onnx (+ data) and config.json."""
     import onnx
 
-    from kvforge.contract.model_config import write_json
+    from kvforge.contract.files import write_json
     from kvforge.contract.multimodal import ENCODER_MODEL_FILE, ENCODER_WEIGHTS_FILE
     from kvforge.tools.export.qwen2_audio_graph import build_audio_graph
 
