@@ -9,9 +9,10 @@
                     kvforge.server.*, kvforge.cli_common,
                     kvforge (the package __init__)
 
-Nothing below layer 3 imports a front end. Inside the runtime, the cache core
-(kvforge.runtime.context_cache.*) imports only itself, kvforge.runtime.types and layers 0–1: no ONNX
-Runtime, TensorRT, CUDA or runner module.
+Nothing below layer 3 imports a front end. No module imports itself back through others: the import graph
+has no cycle (a strongly connected component of two or more modules), lazy and TYPE_CHECKING edges included.
+Inside the runtime, the cache core (kvforge.runtime.context_cache.*) imports only itself, kvforge.runtime.types
+and layers 0–1: no ONNX Runtime, TensorRT, CUDA or runner module.
 
 Source folders map to modules through `[tool.setuptools.package-dir]` in pyproject.toml
 (`kvforge.runtime` lives in `runtime/`), so a new file is checked as soon as it is added. Every import
@@ -191,6 +192,64 @@ def check_repository(pyproject: Path = ROOT / "pyproject.toml") -> list[Violatio
     return violations
 
 
+def import_graph(pyproject: Path = ROOT / "pyproject.toml") -> dict[str, dict[str, int]]:
+    """importer → {imported kvforge module: first line} over every import `imports_in` collects (lazy and
+    TYPE_CHECKING ones too: a cycle hidden behind them is still a cycle of the design)."""
+    modules = source_modules(pyproject)
+    known = set(modules)
+    graph: dict[str, dict[str, int]] = {}
+    for module, path in sorted(modules.items()):
+        edges = graph.setdefault(module, {})
+        for line, imported in imports_in(path.read_text(encoding="utf-8"), module, path.name == "__init__.py",
+                                         known, str(path)):
+            if imported in known and imported != module:
+                edges.setdefault(imported, line)
+    return graph
+
+
+def import_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for imported in graph.get(module, {}):
+            if imported not in index:
+                visit(imported)
+                low[module] = min(low[module], low[imported])
+            elif imported in on_stack:
+                low[module] = min(low[module], index[imported])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return sorted(found)
+
+
+def _report_cycles(cycles: list[list[str]], graph: dict[str, dict[str, int]]) -> str:
+    lines = [f"{len(cycles)} import cycle(s) (break each: move the shared part below both, or invert one edge):"]
+    for cycle in cycles:
+        lines.append("  " + " ↔ ".join(cycle))
+        lines.extend(f"    {a}:{graph[a][b]} → {b}" for a in cycle for b in cycle if b in graph[a])
+    return "\n".join(lines)
+
+
 def _report(violations: list[Violation]) -> str:
     return f"{len(violations)} layering violation(s):\n" + "\n".join(f"  {v}" for v in violations)
 
@@ -217,6 +276,12 @@ def test_package_dir_mapping_covers_the_sources() -> None:
 def test_layers_import_downward_only() -> None:
     violations = check_repository()
     assert not violations, _report(violations)
+
+
+def test_no_import_cycles() -> None:
+    graph = import_graph()
+    cycles = import_cycles(graph)
+    assert not cycles, _report_cycles(cycles, graph)
 
 
 # --- the checker catches what it should (planted violations) -------------------------------------------
@@ -313,3 +378,28 @@ def test_checker_reads_the_mapping_of_a_planted_tree(tmp_path: Path) -> None:
         "kvforge.runtime.context_cache", "kvforge.runtime.context_cache.manager", "kvforge.runtime.engine"]
     assert [str(v).split(": ")[0] for v in check_repository(tmp_path / "pyproject.toml")] == [
         "kvforge/contract/errors.py:2", "rt/context_cache/manager.py:1", "rt/engine.py:2"]
+
+
+def test_cycle_check_flags_a_planted_cycle(tmp_path: Path) -> None:
+    """Two modules importing each other (one lazily, one under TYPE_CHECKING) are a cycle; a third that only
+    imports them is not part of it, and a tree without the back edge has none."""
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.setuptools.package-dir]\n"kvforge" = "kvforge"\n"kvforge.runtime" = "rt"\n', encoding="utf-8")
+    files = {
+        "kvforge/__init__.py": "",
+        "rt/__init__.py": "",
+        "rt/a.py": "def f():\n    from kvforge.runtime import b\n",  # lazy
+        "rt/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import f\n",
+        "rt/c.py": "from kvforge.runtime.a import f\nimport kvforge.runtime.b\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text, encoding="utf-8")
+    graph = import_graph(tmp_path / "pyproject.toml")
+    cycles = import_cycles(graph)
+    assert cycles == [["kvforge.runtime.a", "kvforge.runtime.b"]]
+    message = _report_cycles(cycles, graph)
+    assert "kvforge.runtime.a ↔ kvforge.runtime.b" in message
+    assert "kvforge.runtime.a:2 → kvforge.runtime.b" in message and "kvforge.runtime.b:3 → kvforge.runtime.a" in message
+    (tmp_path / "rt/b.py").write_text("", encoding="utf-8")
+    assert import_cycles(import_graph(tmp_path / "pyproject.toml")) == []
