@@ -16,7 +16,8 @@ from kvforge.tools.export.gguf_source import (
     read_gguf_config_and_tokenizer,
     unpermute_llama_cpp_rows,
 )
-from kvforge.tools.export.hf_source import bf16_bits_to_f32, load_hf_dir
+from kvforge.tools.export.hf_common import bf16_bits_to_f32
+from kvforge.tools.export.hf_source import load_hf_dir
 
 HIDDEN, HEADS, KV_HEADS, LAYERS, FFN = 64, 4, 2, 2, 96
 HEAD_DIM = HIDDEN // HEADS
