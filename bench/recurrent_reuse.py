@@ -40,7 +40,8 @@ DOCUMENT_QUESTIONS = ["Who operates the array?", "When did construction start?",
 
 
 def build_options(onnx_dir: Path) -> BuildOptions:
-    from kvforge.contract.model_config import ModelConfig, read_json
+    from kvforge.contract.files import read_json
+    from kvforge.contract.model_config import ModelConfig
 
     config = ModelConfig.from_dict(read_json(onnx_dir / "config.json", "onnx_dir"))
     pages = 64 if config.attention_layer_ids else 0  # a pure recurrent engine keeps no pages at all

@@ -22,7 +22,7 @@ from kvforge.contract.engine_dir import (
     check_embedding,
 )
 from kvforge.contract.errors import InvalidConfig
-from kvforge.contract.files import check_output_dir, overlaps, staged_dir
+from kvforge.contract.files import check_output_dir, overlaps, read_json, staged_dir
 from kvforge.contract.geometry import (
     DEFAULT_TOKENS_PER_PAGE,
     PageGeometry,
@@ -32,7 +32,7 @@ from kvforge.contract.geometry import (
 )
 from kvforge.contract.manifest import ENGINE_KIND, ONNX_KIND, verify_manifest, write_manifest
 from kvforge.contract.memory import check_pool_fits_memory
-from kvforge.contract.model_config import ModelConfig, read_json
+from kvforge.contract.model_config import ModelConfig
 
 BACKENDS = ("auto", "onnxruntime", "tensorrt")
 # --cpuAttention: kvforge's CPU kernel where it builds here (auto), insist on it (kernel), or stock ONNX ops (onnx)

@@ -8,9 +8,8 @@ from pathlib import Path
 import onnx
 
 from kvforge.contract.errors import InvalidConfig
-from kvforge.contract.files import check_output_dir, overlaps, staged_dir
+from kvforge.contract.files import check_output_dir, overlaps, read_json, staged_dir, write_json
 from kvforge.contract.manifest import ENGINE_KIND, write_manifest
-from kvforge.contract.model_config import read_json, write_json
 from kvforge.contract.multimodal import (
     AUDIO,
     AUDIO_ENGINE_FILE,

@@ -10,7 +10,8 @@ import onnx
 from kvforge.builder.lora import check_max_lora_rank, has_lora_inputs, strip_lora
 from kvforge.contract.engine_dir import COPIED_FILES, ENGINE_MODEL_FILE, BuilderConfig
 from kvforge.contract.errors import InvalidConfig
-from kvforge.contract.model_config import ModelConfig, write_json
+from kvforge.contract.files import write_json
+from kvforge.contract.model_config import ModelConfig
 
 
 def load_model(onnx_dir: Path, config: ModelConfig, max_lora_rank: int) -> onnx.ModelProto:

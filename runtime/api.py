@@ -21,7 +21,7 @@ from kvforge.runtime.engine import DEFAULT_PREFILL_CHUNK_TOKENS, Engine, EngineC
 from kvforge.runtime.file_runner import drain
 from kvforge.runtime.multimodal.encoder_cache import DEFAULT_ENCODER_CACHE_BUDGET_BYTES
 from kvforge.runtime.output import RequestOutput
-from kvforge.runtime.request_file import _parse_message
+from kvforge.runtime.request_checks import parse_message
 from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.types import Message, Request, SamplingParams
 
@@ -127,7 +127,7 @@ class LLM:
                       parse_special_tokens: bool = False) -> EngineRequest:
         # Content is a string or, for media, the request file's items: [{"type": "image", "image": path}, ...].
         messages = [Message(str(m["role"]), str(m["content"])) if isinstance(m.get("content"), str)
-                    else _parse_message(dict(m), f"messages[{i}]") for i, m in enumerate(conversation)]
+                    else parse_message(dict(m), f"messages[{i}]") for i, m in enumerate(conversation)]
         request = Request(0, messages, params or SamplingParams(), lora_name=lora_name, cache_salt=cache_salt,
                           parse_special_tokens=parse_special_tokens)
         return self.engine.inputs.process(request, enable_thinking, where="")  # errors name "messages"

@@ -133,8 +133,8 @@ class Engine:
                                     "encoder_cache_budget_bytes")
             return None
         from kvforge.runtime.multimodal.encoder_cache import EncoderCache  # Pillow and the encoder only when asked
+        from kvforge.runtime.multimodal.encoders import load_encoder
         from kvforge.runtime.multimodal.processor import MultimodalProcessor
-        from kvforge.runtime.multimodal.visual import load_encoder
 
         cache = EncoderCache(config.encoder_cache_budget_bytes)
         encoder = load_encoder(Path(config.multimodal_engine_dir), config.num_threads)

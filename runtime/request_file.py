@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -14,7 +13,6 @@ from kvforge.contract.validation import (
     MISSING,
     check_choice,
     check_int,
-    check_number,
     check_string,
     describe,
     fail,
@@ -23,15 +21,18 @@ from kvforge.contract.validation import (
     json_kind,
     one_line,
     optional,
-    show,
-    utf8_size,
+)
+from kvforge.runtime.request_checks import (
+    check_logit_bias,
+    check_seed,
+    check_stop,
+    check_temperature,
+    check_top_p,
+    parse_messages,
 )
 from kvforge.runtime.types import (
-    MEDIA_SENTINEL,
     CommitPolicy,
     LookupPolicy,
-    MediaRef,
-    Message,
     Request,
     SamplingParams,
 )
@@ -41,17 +42,6 @@ T = TypeVar("T")
 # Limits mirror TensorRT Edge-LLM's requestFileParser so a file accepted there is accepted here.
 MAX_BATCH_SIZE = 16
 MAX_NUM_LOGPROBS = 50
-MAX_LOGIT_BIAS_ENTRIES = 1024
-MAX_LOGIT_BIAS = 100.0
-MAX_MESSAGES = 64
-MAX_CONTENT_ITEMS = 18
-MAX_CONTENT_BYTES = 128 * 1024
-MAX_STOP_WORDS = 64  # every generated token is checked against each: a bound on per-step work
-MAX_STOP_WORD_BYTES = 1024
-
-ROLES = ("system", "user", "assistant", "tool")
-MEDIA_TYPES = ("image", "audio", "video")
-CONTENT_TYPES = ("text", *MEDIA_TYPES)
 LOOKUP_POLICIES = tuple(p.value for p in LookupPolicy)
 COMMIT_POLICIES = tuple(p.value for p in CommitPolicy)
 
@@ -61,9 +51,6 @@ REQUEST_KEYS = frozenset({
     "stop", "seed", "apply_chat_template", "add_generation_prompt", "lora_name",
     "save_system_prompt_kv_cache", "cache_salt", "disable_spec_decode", "parse_special_tokens",
 })
-
-_TOKEN_ID = re.compile(r"[0-9]+")
-
 
 @dataclass(slots=True)
 class RequestFile:
@@ -173,7 +160,7 @@ def _parse_request(raw: Any, index: int, defaults: SamplingParams, chat: bool, g
     get_bool(raw, "disable_spec_decode", prefix, False)  # checked for the seed's files; no speculative decoding yet
     return Request(
         index=index,
-        messages=_parse_messages(raw.get("messages", MISSING), f"{prefix}.messages"),
+        messages=parse_messages(raw.get("messages", MISSING), f"{prefix}.messages"),
         sampling=_parse_sampling(raw, prefix, defaults),
         apply_chat_template=get_bool(raw, "apply_chat_template", prefix, chat),
         add_generation_prompt=get_bool(raw, "add_generation_prompt", prefix, generation_prompt),
@@ -195,90 +182,17 @@ def _parse_sampling(obj: dict[str, Any], prefix: str, defaults: SamplingParams) 
         return check(value, join_path(prefix, name))
 
     return SamplingParams(
-        temperature=pick("temperature", _temperature),
-        top_p=pick("top_p", _top_p),
+        temperature=pick("temperature", check_temperature),
+        top_p=pick("top_p", check_top_p),
         top_k=pick("top_k", lambda v, f: check_int(v, f, 0)),
         max_generate_length=pick("max_generate_length", lambda v, f: check_int(v, f, 1)),
         num_logprobs=pick("num_logprobs", lambda v, f: check_int(v, f, 0, MAX_NUM_LOGPROBS)),
-        logit_bias=pick("logit_bias", _logit_bias),
-        stop=pick("stop", _stop),
-        seed=pick("seed", _seed),
+        logit_bias=pick("logit_bias", check_logit_bias),
+        stop=pick("stop", check_stop),
+        seed=pick("seed", check_seed),
         reuse_context=defaults.reuse_context,  # policies are file-wide: never set per request in the file
         cache_generated_tokens=defaults.cache_generated_tokens,
     )
-
-
-# A front end's own content items (llm_serve's `image_url`, `input_audio`): (item, its JSON path) -> its MediaRef.
-MediaItemParser = Callable[[dict[str, Any], str], MediaRef]
-
-
-def _parse_messages(value: Any, where: str, media_items: Mapping[str, MediaItemParser] | None = None) -> list[Message]:
-    """`media_items` maps content types to their parsers; they take precedence over the file's own media items."""
-    if value is MISSING:
-        fail(where, "is required (a non-empty array of {role, content} objects)")
-    if not isinstance(value, list) or not value:
-        fail(where, f"must be a non-empty array, got {describe(value)}")
-    if len(value) > MAX_MESSAGES:
-        fail(where, f"must hold at most {MAX_MESSAGES} messages, got {len(value)}")
-    return [_parse_message(raw, f"{where}[{i}]", media_items or {}) for i, raw in enumerate(value)]
-
-
-def _parse_message(raw: Any, where: str, media_items: Mapping[str, MediaItemParser] | None = None) -> Message:
-    if not isinstance(raw, dict):
-        fail(where, f"must be a {{role, content}} object, got {json_kind(raw)}")
-    role = _required(raw, "role", where, f"one of {', '.join(ROLES)}")
-    check_choice(role, f"{where}.role", ROLES)
-    content = _required(raw, "content", where, "a string or an array of content items")
-    text, media = _parse_content(content, f"{where}.content", media_items or {})
-    return Message(role=role, content=text, media=media)
-
-
-def _parse_content(value: Any, where: str,
-                   media_items: Mapping[str, MediaItemParser]) -> tuple[str, tuple[MediaRef, ...]]:
-    media: list[MediaRef] = []
-    if isinstance(value, str):
-        text = value
-    elif isinstance(value, list):
-        if len(value) > MAX_CONTENT_ITEMS:
-            fail(where, f"must hold at most {MAX_CONTENT_ITEMS} items, got {len(value)}")
-        text = "".join(_parse_content_item(item, f"{where}[{i}]", media, media_items)
-                       for i, item in enumerate(value))
-    else:
-        fail(where, f"must be a string or an array of content items, got {json_kind(value)}")
-    size = utf8_size(text, where)
-    if size > MAX_CONTENT_BYTES:
-        fail(where, f"must be at most {MAX_CONTENT_BYTES} bytes of UTF-8, got {size}")
-    if text.count(MEDIA_SENTINEL) != len(media):
-        fail(where, "text must not contain U+FFFC (it stands for media items)")
-    return text, tuple(media)
-
-
-def _parse_content_item(item: Any, where: str, media: list[MediaRef],
-                        media_items: Mapping[str, MediaItemParser]) -> str:
-    if not isinstance(item, dict):
-        fail(where, f'must be an object like {{"type": "text", "text": ...}}, got {json_kind(item)}')
-    types = (*CONTENT_TYPES, *(t for t in media_items if t not in CONTENT_TYPES))
-    kind = _required(item, "type", where, f"one of {', '.join(types)}")
-    check_choice(kind, f"{where}.type", types)
-    if kind in media_items:
-        media.append(media_items[kind](item, where))
-        return MEDIA_SENTINEL
-    if kind in ("image", "audio"):
-        path = check_string(_required(item, kind, where, f'a file path, for an "{kind}" item'), f"{where}.{kind}")
-        if not path:
-            fail(f"{where}.{kind}", "must be a file path, got an empty string")
-        media.append(MediaRef(kind, path, where))
-        return MEDIA_SENTINEL
-    if kind in MEDIA_TYPES:
-        fail(f"{where}.type", f'"{kind}" content is not supported yet; "text", "image" and "audio" items are')
-    return check_string(_required(item, "text", where, 'a string, for a "text" item'), f"{where}.text")
-
-
-def _required(obj: dict[str, Any], key: str, where: str, expected: str) -> Any:
-    value = obj.get(key, MISSING)
-    if value is MISSING:
-        fail(f"{where}.{key}", f"is required ({expected})")
-    return value
 
 
 def _parse_loras(value: Any, where: str) -> dict[str, str]:
@@ -303,61 +217,6 @@ def _parse_lora_name(value: Any, where: str, loras: dict[str, str]) -> str | Non
         known = ", ".join(json.dumps(k) for k in loras) or "none"
         fail(where, f"adapter {json.dumps(name)} is not in available_lora_weights (available: {known})")
     return name
-
-
-def _temperature(value: Any, where: str) -> float:
-    number = check_number(value, where, "a finite number >= 0")
-    if number < 0:
-        fail(where, f"must be a finite number >= 0 (0 = greedy), got {show(value)}")
-    return number
-
-
-def _top_p(value: Any, where: str) -> float:
-    number = check_number(value, where, "a number in (0, 1]")
-    if not 0 < number <= 1:
-        fail(where, f"must be a number in (0, 1], got {show(value)}")
-    return number
-
-
-def _logit_bias(value: Any, where: str) -> dict[int, float]:
-    if not isinstance(value, dict):
-        fail(where, f'must be an object like {{"token_id": bias}}, got {json_kind(value)}')
-    if len(value) > MAX_LOGIT_BIAS_ENTRIES:
-        fail(where, f"must have at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(value)}")
-    bias: dict[int, float] = {}
-    for key, raw in value.items():
-        entry = f"{where}[{json.dumps(key)}]"
-        if not isinstance(key, str) or not _TOKEN_ID.fullmatch(key):
-            fail(entry, f"key must be a non-negative decimal token id, got {json.dumps(str(key))}")
-        token_id = int(key)
-        if token_id in bias:  # "7" and "007" name the same token
-            fail(entry, f"token id {token_id} appears more than once")
-        number = check_number(raw, entry, f"a finite number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
-        if abs(number) > MAX_LOGIT_BIAS:
-            fail(entry, f"must be a finite number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
-                         f"got {show(raw)}")
-        bias[token_id] = number
-    return bias
-
-
-def _stop(value: Any, where: str) -> tuple[str, ...]:
-    words = [value] if isinstance(value, str) else value
-    if not isinstance(words, list):
-        fail(where, f"must be a string or an array of strings, got {json_kind(value)}")
-    if len(words) > MAX_STOP_WORDS:
-        fail(where, f"must hold at most {MAX_STOP_WORDS} stop strings, got {len(words)}")
-    for i, word in enumerate(words):
-        item = where if isinstance(value, str) else f"{where}[{i}]"
-        # An empty stop word would match before the first token and end every generation at once.
-        if not isinstance(word, str) or not word:
-            fail(item, f"must be a non-empty string, got {describe(word)}")
-        if utf8_size(word, item) > MAX_STOP_WORD_BYTES:
-            fail(item, f"must be at most {MAX_STOP_WORD_BYTES} bytes of UTF-8")
-    return tuple(words)
-
-
-def _seed(value: Any, where: str) -> int | None:
-    return None if value is None else check_int(value, where, 0)
 
 
 def _overridden(value: int | None) -> bool:

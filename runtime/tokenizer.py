@@ -15,7 +15,7 @@ from jinja2 import TemplateError
 from tokenizers import Tokenizer
 
 from kvforge.contract.errors import KvforgeError
-from kvforge.contract.model_config import read_json
+from kvforge.contract.files import read_json
 from kvforge.contract.validation import one_line
 from kvforge.runtime.chat_template import BoundedTemplate
 from kvforge.runtime.types import MEDIA_SENTINEL, Message

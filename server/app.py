@@ -119,7 +119,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 async def _complete(state: ServerState, request: Request, chat: bool) -> Response:
     tenant = _tenant(state, request)
     try:
-        call = parse_call(await _json_body(request), chat, state.models, state.media)
+        call = parse_call(await json_body(request), chat, state.models, state.media)
     except ApiError:
         state.metrics.requests.labels("invalid").inc()
         raise
@@ -142,7 +142,7 @@ def _tenant(state: ServerState, request: Request) -> str:
     return tenant
 
 
-async def _json_body(request: Request) -> Any:
+async def json_body(request: Request) -> Any:
     body = bytearray()
     async for chunk in request.stream():  # bounded as it arrives: media parts make bodies large, never unbounded
         body += chunk

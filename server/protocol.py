@@ -15,7 +15,14 @@ from typing import Any, TypeVar
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.validation import check_int, check_string, describe, fail, get_bool, json_kind
 from kvforge.runtime.engine import Engine
-from kvforge.runtime.request_file import _logit_bias, _parse_messages, _seed, _stop, _temperature, _top_p
+from kvforge.runtime.request_checks import (
+    check_logit_bias,
+    check_seed,
+    check_stop,
+    check_temperature,
+    check_top_p,
+    parse_messages,
+)
 from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.types import Message, Request, SamplingParams
 from kvforge.server.media import MediaPolicy
@@ -93,17 +100,17 @@ def _parse(body: dict[str, Any], chat: bool, models: dict[str, str | None], medi
     lora_name = _adapter(body, models[model], models)
     logprobs, top = _logprobs(body, chat)
     if chat:
-        messages, prompt = _parse_messages(body.get("messages"), "messages", media.parsers()), None
+        messages, prompt = parse_messages(body.get("messages"), "messages", media.parsers()), None
     else:
         messages, prompt = [], _prompt(body.get("prompt"))
     sampling = SamplingParams(
-        temperature=_given(body, "temperature", _temperature, 1.0),
-        top_p=_given(body, "top_p", _top_p, 1.0),
+        temperature=_given(body, "temperature", check_temperature, 1.0),
+        top_p=_given(body, "top_p", check_top_p, 1.0),
         top_k=_given(body, "top_k", lambda v, f: check_int(v, f, 0), 0),
         num_logprobs=top,
-        logit_bias=_given(body, "logit_bias", _logit_bias, {}),
-        stop=_given(body, "stop", _stop, ()),
-        seed=_given(body, "seed", _seed, None),
+        logit_bias=_given(body, "logit_bias", check_logit_bias, {}),
+        stop=_given(body, "stop", check_stop, ()),
+        seed=_given(body, "seed", check_seed, None),
         reuse_context=get_bool(body, "reuse_context", "", True),  # strict: null is refused too
         cache_generated_tokens=get_bool(body, "cache_generated_tokens", "", True),
     )

@@ -16,7 +16,8 @@ from kvforge.tools.export.gguf_source import (
     read_gguf_config_and_tokenizer,
     unpermute_llama_cpp_rows,
 )
-from kvforge.tools.export.hf_source import bf16_bits_to_f32, load_hf_dir
+from kvforge.tools.export.hf_common import bf16_bits_to_f32
+from kvforge.tools.export.hf_source import load_hf_dir
 
 HIDDEN, HEADS, KV_HEADS, LAYERS, FFN = 64, 4, 2, 2, 96
 HEAD_DIM = HIDDEN // HEADS
@@ -63,12 +64,12 @@ def _tiny_hf_weights(tied: bool) -> dict[str, np.ndarray]:
 
 
 def _gguf_name(hf_name: str) -> str:
-    inverse = {v: k for k, v in gguf_source._GLOBAL_NAMES.items()}
+    inverse = {v: k for k, v in gguf_source.GLOBAL_NAMES.items()}
     if hf_name in inverse:
         return inverse[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
     module = rest.removesuffix(".weight")
-    return f"blk.{layer}.{next(k for k, v in gguf_source._LAYER_NAMES.items() if v == module)}.weight"
+    return f"blk.{layer}.{next(k for k, v in gguf_source.LAYER_NAMES.items() if v == module)}.weight"
 
 
 def write_tiny_gguf(path: Path, weights: dict[str, np.ndarray], arch: str = "llama") -> None:
@@ -177,13 +178,13 @@ def smollm2_reader() -> tuple[Path, object]:
     except KvforgeError as exc:
         pytest.skip(f"SmolLM2 GGUF unavailable: {exc}")
     # Parsing the 49k-token metadata takes ~5 s in gguf's reader, so the tests share one reader.
-    return path, gguf_source._open_reader(path)
+    return path, gguf_source.open_reader(path)
 
 
 @pytest.mark.model
 def test_smollm2_config(smollm2_reader: tuple[Path, object]) -> None:
     path, reader = smollm2_reader
-    c = gguf_source._header_model(reader, path, "fp16").config
+    c = gguf_source.header_model(reader, path, "fp16").config
     assert (c.num_hidden_layers, c.hidden_size, c.intermediate_size) == (30, 576, 1536)
     assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.vocab_size) == (9, 3, 64, 49152)
     assert c.tie_word_embeddings and (c.rope_theta, c.rms_norm_eps) == (100000.0, 1e-5)
@@ -195,8 +196,8 @@ def test_smollm2_config(smollm2_reader: tuple[Path, object]) -> None:
 def test_smollm2_quantized_tensors_dequantize_to_hf_shapes(smollm2_reader: tuple[Path, object]) -> None:
     path, reader = smollm2_reader
     tensors = {t.name: t for t in reader.tensors}
-    embed = gguf_source._dequantize(tensors["token_embd.weight"], path)  # Q8_0
-    down = gguf_source._dequantize(tensors["blk.0.ffn_down.weight"], path)  # Q4_1, ne = [1536, 576]
+    embed = gguf_source.dequantize(tensors["token_embd.weight"], path)  # Q8_0
+    down = gguf_source.dequantize(tensors["blk.0.ffn_down.weight"], path)  # Q4_1, ne = [1536, 576]
     assert embed.shape == (49152, 576) and down.shape == (576, 1536)
     assert embed.dtype == np.float32 and np.isfinite(down).all() and 0 < np.abs(down).mean() < 1
 
@@ -206,7 +207,7 @@ def test_smollm2_tokenizer(smollm2_reader: tuple[Path, object]) -> None:
     from tokenizers import Tokenizer
 
     path, reader = smollm2_reader
-    model = gguf_source._header_model(reader, path, "fp16")
+    model = gguf_source.header_model(reader, path, "fp16")
     tok = Tokenizer.from_str(model.tokenizer_json)
     chat = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
     ids = tok.encode(chat).ids

@@ -9,8 +9,7 @@ import pytest
 from hardening_support import copy_engine, edit_engine, invoke, request_file
 
 from kvforge.contract.errors import KvforgeError
-from kvforge.contract.files import loads_json
-from kvforge.contract.model_config import read_json
+from kvforge.contract.files import loads_json, read_json
 from kvforge.runtime.cli import app as inference_app
 from kvforge.tools.profile.cli import app as profile_app
 
@@ -63,7 +62,7 @@ def test_one_helper_for_every_reader(tmp_path: Path) -> None:
 
 
 def test_server_body_duplicate_keys() -> None:
-    from kvforge.server.app import _json_body
+    from kvforge.server.app import json_body
     from kvforge.server.protocol import ApiError
 
     class Body:
@@ -74,5 +73,5 @@ def test_server_body_duplicate_keys() -> None:
     import asyncio
 
     with pytest.raises(ApiError) as info:
-        asyncio.run(_json_body(Body()))  # type: ignore[arg-type]
+        asyncio.run(json_body(Body()))  # type: ignore[arg-type]
     assert 'duplicate key "model"' in info.value.message

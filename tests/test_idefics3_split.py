@@ -151,12 +151,12 @@ def test_chunks_cutting_tiles_and_markers_splice_the_right_rows(split_dirs, tmp_
 
 def test_export_reads_splitting_and_old_encoder_dirs_stay_unsplit(tmp_path: Path) -> None:
     from kvforge.contract.multimodal import EncoderConfig
-    from kvforge.tools.export.idefics3_source import _preprocessing
+    from kvforge.tools.export.idefics3_source import read_preprocessing
 
-    assert _preprocessing(tmp_path).do_image_splitting  # no preprocessor_config.json: transformers' default
+    assert read_preprocessing(tmp_path).do_image_splitting  # no preprocessor_config.json: transformers' default
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(
         {"do_image_splitting": False, "size": {"longest_edge": 2048}, "max_image_size": {"longest_edge": 512}}))
-    pre = _preprocessing(tmp_path)
+    pre = read_preprocessing(tmp_path)
     assert (pre.do_image_splitting, pre.longest_edge, pre.image_size) == (False, 2048, 512)
     _, visual = synthetic_idefics3(split_tiles=2)
     written = visual.config.to_dict()

@@ -9,9 +9,11 @@
                     kvforge.server.*, kvforge.cli_common,
                     kvforge (the package __init__)
 
-Nothing below layer 3 imports a front end. Inside the runtime, the cache core
-(kvforge.runtime.context_cache.*) imports only itself, kvforge.runtime.types and layers 0–1: no ONNX
-Runtime, TensorRT, CUDA or runner module.
+Nothing below layer 3 imports a front end. No module imports itself back through others: the import graph
+has no cycle (a strongly connected component of two or more modules), lazy and TYPE_CHECKING edges included.
+No module, and no test, takes a private name (`_name`) from another module.
+Inside the runtime, the cache core (kvforge.runtime.context_cache.*) imports only itself, kvforge.runtime.types
+and layers 0–1: no ONNX Runtime, TensorRT, CUDA or runner module.
 
 Source folders map to modules through `[tool.setuptools.package-dir]` in pyproject.toml
 (`kvforge.runtime` lives in `runtime/`), so a new file is checked as soon as it is added. Every import
@@ -126,18 +128,63 @@ def imports_in(source: str, module: str, is_package: bool, known: set[str], file
         if isinstance(node, ast.Import):
             found.extend((node.lineno, alias.name) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[:len(base) - (node.level - 1)] if node.level > 1 else base
-                prefix = ".".join([*base, *([node.module] if node.module else [])])
-            else:
-                prefix = node.module or ""
+            prefix = _from_prefix(node, package)
             for alias in node.names:
                 candidate = f"{prefix}.{alias.name}"
                 found.append((node.lineno, candidate if candidate in known else prefix))
         elif isinstance(node, ast.Call) and _is_import_call(node):
             found.append((node.lineno, node.args[0].value))  # type: ignore[attr-defined]
     return sorted(found)
+
+
+def _from_prefix(node: ast.ImportFrom, package: str) -> str:
+    """The module a `from … import` reads from, a relative one resolved against `package`."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")
+    base = base[:len(base) - (node.level - 1)] if node.level > 1 else base
+    return ".".join([*base, *([node.module] if node.module else [])])
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_imports(source: str, module: str, is_package: bool, known: set[str], filename: str = "<source>",
+                    ) -> list[tuple[int, str]]:
+    """(line, `other._name`) for every private name `source` takes from another kvforge module, anywhere in it:
+    `from other import _name`, or `alias._name` where an import bound `alias` (a dotted chain from it too) to a
+    kvforge module. Private attributes of objects (`self._x`, `engine._y`) are the object's business, not this."""
+    tree = ast.parse(source, filename=filename)
+    package = module if is_package else module.rpartition(".")[0]
+    bound: dict[str, str] = {}  # local name -> the kvforge module (or package) an import bound it to
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if _within(alias.name, "kvforge"):  # `import kvforge.a.b` binds `kvforge`; the chain names the rest
+                    bound[alias.asname or "kvforge"] = alias.name if alias.asname else "kvforge"
+        elif isinstance(node, ast.ImportFrom):
+            prefix = _from_prefix(node, package)
+            if not _within(prefix, "kvforge"):
+                continue
+            for alias in node.names:
+                if f"{prefix}.{alias.name}" in known:
+                    bound[alias.asname or alias.name] = f"{prefix}.{alias.name}"
+                if _is_private(alias.name) and prefix != module:
+                    found.append((node.lineno, f"{prefix}.{alias.name}"))
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and _is_private(node.attr)):
+            continue
+        chain, value = [], node.value
+        while isinstance(value, ast.Attribute):
+            chain.append(value.attr)
+            value = value.value
+        if isinstance(value, ast.Name) and value.id in bound:
+            owner = ".".join([bound[value.id], *reversed(chain)])
+            if owner in known and owner != module:
+                found.append((node.lineno, f"{owner}.{node.attr}"))
+    return sorted(set(found))
 
 
 def _is_import_call(node: ast.Call) -> bool:
@@ -191,6 +238,79 @@ def check_repository(pyproject: Path = ROOT / "pyproject.toml") -> list[Violatio
     return violations
 
 
+def import_graph(pyproject: Path = ROOT / "pyproject.toml") -> dict[str, dict[str, int]]:
+    """importer → {imported kvforge module: first line} over every import `imports_in` collects (lazy and
+    TYPE_CHECKING ones too: a cycle hidden behind them is still a cycle of the design)."""
+    modules = source_modules(pyproject)
+    known = set(modules)
+    graph: dict[str, dict[str, int]] = {}
+    for module, path in sorted(modules.items()):
+        edges = graph.setdefault(module, {})
+        for line, imported in imports_in(path.read_text(encoding="utf-8"), module, path.name == "__init__.py",
+                                         known, str(path)):
+            if imported in known and imported != module:
+                edges.setdefault(imported, line)
+    return graph
+
+
+def import_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for imported in graph.get(module, {}):
+            if imported not in index:
+                visit(imported)
+                low[module] = min(low[module], low[imported])
+            elif imported in on_stack:
+                low[module] = min(low[module], index[imported])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return sorted(found)
+
+
+def _report_cycles(cycles: list[list[str]], graph: dict[str, dict[str, int]]) -> str:
+    lines = [f"{len(cycles)} import cycle(s) (break each: move the shared part below both, or invert one edge):"]
+    for cycle in cycles:
+        lines.append("  " + " ↔ ".join(cycle))
+        lines.extend(f"    {a}:{graph[a][b]} → {b}" for a in cycle for b in cycle if b in graph[a])
+    return "\n".join(lines)
+
+
+def private_imports_in_repository(pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
+    """`path:line: module takes other._name` for every private name crossing modules, the tests' files included
+    (a test that needs a helper makes it public; nothing is allow-listed)."""
+    modules = source_modules(pyproject)
+    known = set(modules)
+    files = dict(modules)
+    files.update({f"tests.{path.stem}": path for path in sorted((pyproject.parent / "tests").glob("*.py"))})
+    found = []
+    for module, path in sorted(files.items()):
+        for line, name in private_imports(path.read_text(encoding="utf-8"), module, path.name == "__init__.py",
+                                          known, str(path)):
+            found.append(f"{path.relative_to(pyproject.parent)}:{line}: {module} takes {name}")
+    return found
+
+
 def _report(violations: list[Violation]) -> str:
     return f"{len(violations)} layering violation(s):\n" + "\n".join(f"  {v}" for v in violations)
 
@@ -217,6 +337,18 @@ def test_package_dir_mapping_covers_the_sources() -> None:
 def test_layers_import_downward_only() -> None:
     violations = check_repository()
     assert not violations, _report(violations)
+
+
+def test_no_import_cycles() -> None:
+    graph = import_graph()
+    cycles = import_cycles(graph)
+    assert not cycles, _report_cycles(cycles, graph)
+
+
+def test_no_private_name_crosses_modules() -> None:
+    found = private_imports_in_repository()
+    assert not found, (f"{len(found)} private name(s) used from another module (make the name public, or move "
+                       "it where both can import it):\n" + "\n".join(f"  {f}" for f in found))
 
 
 # --- the checker catches what it should (planted violations) -------------------------------------------
@@ -313,3 +445,73 @@ def test_checker_reads_the_mapping_of_a_planted_tree(tmp_path: Path) -> None:
         "kvforge.runtime.context_cache", "kvforge.runtime.context_cache.manager", "kvforge.runtime.engine"]
     assert [str(v).split(": ")[0] for v in check_repository(tmp_path / "pyproject.toml")] == [
         "kvforge/contract/errors.py:2", "rt/context_cache/manager.py:1", "rt/engine.py:2"]
+
+
+def test_cycle_check_flags_a_planted_cycle(tmp_path: Path) -> None:
+    """Two modules importing each other (one lazily, one under TYPE_CHECKING) are a cycle; a third that only
+    imports them is not part of it, and a tree without the back edge has none."""
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.setuptools.package-dir]\n"kvforge" = "kvforge"\n"kvforge.runtime" = "rt"\n', encoding="utf-8")
+    files = {
+        "kvforge/__init__.py": "",
+        "rt/__init__.py": "",
+        "rt/a.py": "def f():\n    from kvforge.runtime import b\n",  # lazy
+        "rt/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import f\n",
+        "rt/c.py": "from kvforge.runtime.a import f\nimport kvforge.runtime.b\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text, encoding="utf-8")
+    graph = import_graph(tmp_path / "pyproject.toml")
+    cycles = import_cycles(graph)
+    assert cycles == [["kvforge.runtime.a", "kvforge.runtime.b"]]
+    message = _report_cycles(cycles, graph)
+    assert "kvforge.runtime.a ↔ kvforge.runtime.b" in message
+    assert "kvforge.runtime.a:2 → kvforge.runtime.b" in message and "kvforge.runtime.b:3 → kvforge.runtime.a" in message
+    (tmp_path / "rt/b.py").write_text("", encoding="utf-8")
+    assert import_cycles(import_graph(tmp_path / "pyproject.toml")) == []
+
+
+def test_private_check_flags_private_names_taken_from_other_modules() -> None:
+    known = {"kvforge.runtime.request_file", "kvforge.runtime.engine", "kvforge.tools.export.gguf_source",
+             "kvforge.tools.export", "kvforge.runtime"}
+    source = "\n".join([
+        "from __future__ import annotations",  # 1 ok
+        "from kvforge.runtime.request_file import _seed, load_request_file",  # 2 a private function
+        "from kvforge.tools.export import gguf_source",  # 3 ok: binds a module
+        "import kvforge.tools.export.gguf_source as g",  # 4 ok
+        "import kvforge.runtime.engine",  # 5 ok: binds kvforge
+        "def f(engine):",
+        "    from .request_file import _stop",  # 7 relative and lazy
+        "    gguf_source._open_reader('x')",  # 8 through a module bound by `from … import`
+        "    g._GLOBAL_NAMES",  # 9 through an alias
+        "    kvforge.runtime.engine._helper()",  # 10 through a dotted chain
+        "    engine._sequences, gguf_source.__name__, gguf_source.open_reader",  # 11 ok: an object's, a dunder
+        "    from kvforge.runtime.engine import __all__",  # 12 ok: a dunder
+    ])
+    assert private_imports(source, "kvforge.runtime.api", False, known) == [
+        (2, "kvforge.runtime.request_file._seed"), (7, "kvforge.runtime.request_file._stop"),
+        (8, "kvforge.tools.export.gguf_source._open_reader"), (9, "kvforge.tools.export.gguf_source._GLOBAL_NAMES"),
+        (10, "kvforge.runtime.engine._helper")]
+    # A module's own private names are its own.
+    assert private_imports("import kvforge.runtime.engine as me\nme._helper()\n", "kvforge.runtime.engine", False,
+                           known) == []
+
+
+def test_private_check_reads_a_planted_tree(tmp_path: Path) -> None:
+    """End to end: a source module and a test file taking private names are reported with path:line."""
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.setuptools.package-dir]\n"kvforge" = "kvforge"\n"kvforge.runtime" = "rt"\n', encoding="utf-8")
+    files = {
+        "kvforge/__init__.py": "",
+        "rt/__init__.py": "",
+        "rt/a.py": "def _check(): ...\ndef public(): ...\n",
+        "rt/b.py": "from kvforge.runtime.a import public\n\nfrom kvforge.runtime.a import _check\n",
+        "tests/test_a.py": "from kvforge.runtime import a\n\ndef test():\n    a._check()\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text, encoding="utf-8")
+    assert private_imports_in_repository(tmp_path / "pyproject.toml") == [
+        "rt/b.py:3: kvforge.runtime.b takes kvforge.runtime.a._check",
+        "tests/test_a.py:4: tests.test_a takes kvforge.runtime.a._check"]

@@ -128,7 +128,8 @@ def hf_twin(config: object) -> object:
 
 
 def exported(onnx_dir: Path) -> tuple[ort.InferenceSession, Mamba2Geometry]:
-    from kvforge.contract.model_config import ModelConfig, read_json
+    from kvforge.contract.files import read_json
+    from kvforge.contract.model_config import ModelConfig
     from kvforge.tools.export.mamba2_source import geometry
 
     config = ModelConfig.from_dict(read_json(onnx_dir / "config.json", "onnx_dir"))

@@ -13,7 +13,8 @@ from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.runtime.context_cache.manager import Admission
 from kvforge.runtime.engine import Engine, EngineConfig
 from kvforge.runtime.runner import StepInputs
-from kvforge.tools.export.quantize import linear_weight_names, quantize_linears
+from kvforge.tools.export.quantize import linear_weight_names
+from kvforge.tools.export.quantize_model import quantize_linears
 from kvforge.tools.export.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir
 

@@ -22,9 +22,9 @@ from kvforge.tools.export.quantize import (
     linear_weight_names,
     permute_rows,
     quantize,
-    quantize_linears,
     set_accuracy_level,
 )
+from kvforge.tools.export.quantize_model import quantize_linears
 from kvforge.tools.export.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir
 

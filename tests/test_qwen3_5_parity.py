@@ -190,7 +190,7 @@ def test_ragged_rows_keep_their_own_pages_and_states(models: tuple) -> None:
 # --- export: an HF checkpoint dir and the synthetic tiny-qwen3_5 through llm_export's writer, then llm_build -------
 
 def exported(onnx_dir: Path) -> tuple[ModelConfig, ort.InferenceSession]:
-    from kvforge.contract.model_config import read_json
+    from kvforge.contract.files import read_json
 
     config = ModelConfig.from_dict(read_json(onnx_dir / "config.json", "onnx_dir"))
     return config, lowered_session(onnx.load(onnx_dir / "model.onnx"), config.kv_cache_dtype)

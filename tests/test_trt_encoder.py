@@ -23,8 +23,8 @@ from kvforge.contract.errors import KvforgeError
 from kvforge.contract.multimodal import AUDIO_TRT_ENGINE_FILE, VISUAL_ENGINE_FILE, VISUAL_TRT_ENGINE_FILE
 from kvforge.plugins import trt as trt_plugins
 from kvforge.runtime.engine import Engine, EngineConfig
+from kvforge.runtime.multimodal.encoders import load_encoder
 from kvforge.runtime.multimodal.image import decode_image, idefics3_pixel_values
-from kvforge.runtime.multimodal.visual import load_encoder
 from kvforge.runtime.trt_runner import TrtEncoderSession
 from kvforge.tools.export.idefics3_source import write_visual_onnx_dir
 from kvforge.tools.export.qwen2_audio_source import write_audio_onnx_dir

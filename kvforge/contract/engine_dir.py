@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.contract.errors import InvalidConfig
+from kvforge.contract.files import read_json
 from kvforge.contract.geometry import (
     INT32_MAX,
     PageGeometry,
@@ -17,7 +18,7 @@ from kvforge.contract.geometry import (
 )
 from kvforge.contract.manifest import ENGINE_KIND, verify_manifest
 from kvforge.contract.memory import check_pool_fits_memory
-from kvforge.contract.model_config import ModelConfig, read_json
+from kvforge.contract.model_config import ModelConfig
 from kvforge.contract.tensor_header import read_tensor_header
 from kvforge.contract.validation import describe, one_line
 

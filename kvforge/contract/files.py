@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvforge.contract.errors import KvforgeError
+from kvforge.contract.formats import EXPORT_FORMAT, MANIFEST_FILE
+from kvforge.contract.validation import one_line
 
 TEMP_MARK = ".kvforge-tmp-"  # in every temporary sibling's name: never a valid input, safe to delete
 
@@ -48,8 +50,6 @@ def loads_json(text: str | bytes, where: str, what: str = "") -> Any:
 
     `what` names the document in messages (a file path), defaulting to "JSON".
     """
-    from kvforge.contract.validation import one_line
-
     shown = f" in {one_line(what)}" if what else ""
     try:
         return json.loads(text, object_pairs_hook=reject_duplicate_keys)
@@ -71,9 +71,24 @@ def read_limited(path: Path, limit: int, where: str) -> bytes:
     with open(path, "rb") as handle:
         data = handle.read(limit + 1)
     if len(data) > limit:
-        from kvforge.contract.validation import one_line
-
         raise KvforgeError(f"{one_line(str(path))} is larger than {limit:,} bytes", where)
+    return data
+
+
+MAX_CONFIG_BYTES = 64 * 2**20  # config files are a few KiB; a chat template or tokenizer a few MiB
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    """Read a JSON object file strictly (duplicate keys refused) with one-line errors naming the file."""
+    if not path.is_file():
+        raise KvforgeError(f"missing file {one_line(str(path))}", what)
+    try:
+        raw = read_limited(path, MAX_CONFIG_BYTES, what)
+    except OSError as exc:
+        raise KvforgeError(f"cannot read {one_line(str(path))}: {one_line(exc.strerror or str(exc))}", what) from None
+    data = loads_json(raw, what, str(path))
+    if not isinstance(data, dict):
+        raise KvforgeError(f"{one_line(str(path))} must hold a JSON object", what)
     return data
 
 
@@ -165,8 +180,6 @@ def overlaps(a: Path, b: Path) -> bool:
 def check_output_file(path: Path, flag: str) -> None:
     """`path` can be written atomically: its directory exists and is writable, it is not a directory, and
     an existing file there is writable (a read-only file is the user's and is left alone)."""
-    from kvforge.contract.validation import one_line
-
     shown = one_line(str(path))
     if path.is_dir():
         raise KvforgeError(f"{shown} is a directory, expected a file path", flag)
@@ -184,8 +197,6 @@ def check_output_file(path: Path, flag: str) -> None:
 def check_output_dir(path: Path, flag: str, replaceable: Mapping[str, str] | None = None) -> None:
     """`path` can receive a staged directory: it is absent, an empty directory, or one kvforge wrote
     (a `manifest.json`, or a config.json of ours from before manifests); anything else is the user's."""
-    from kvforge.contract.validation import one_line
-
     shown = one_line(str(path))
     if path.exists() and not path.is_dir():
         raise KvforgeError(f"{shown} exists and is not a directory", flag)
@@ -200,9 +211,7 @@ def check_output_dir(path: Path, flag: str, replaceable: Mapping[str, str] | Non
 
 
 def _written_by_kvforge(path: Path) -> bool:
-    from kvforge.contract.model_config import EXPORT_FORMAT
-
-    if (path / "manifest.json").is_file():
+    if (path / MANIFEST_FILE).is_file():
         return True
     try:
         return json.loads((path / "config.json").read_text(encoding="utf-8")).get("format") == EXPORT_FORMAT

@@ -2,7 +2,23 @@
 
 from __future__ import annotations
 
-from kvforge.contract.model_config import ModelConfig
+from typing import Protocol
+
+
+class LoraModel(Protocol):
+    """What this contract reads of a model config (ModelConfig has it all). Not ModelConfig itself: ModelConfig
+    checks its lora_targets with is_target_list below, so importing it here would be a cycle."""
+
+    model: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    lora_targets: list[str]
+
 
 # Short target names (the --loraTargets flag) and the Hugging Face / PEFT module each one adapts.
 LORA_MODULES = {
@@ -10,6 +26,11 @@ LORA_MODULES = {
     "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj",
 }
 LORA_TARGETS = tuple(LORA_MODULES)
+
+
+def is_target_list(value: object) -> bool:
+    """Whether `value` is a list of known target names, as config.json's lora_targets must be."""
+    return isinstance(value, list) and all(isinstance(v, str) and v in LORA_TARGETS for v in value)
 
 
 def lora_a_name(layer: int, target: str) -> str:
@@ -20,7 +41,7 @@ def lora_b_name(layer: int, target: str) -> str:
     return f"lora_B_{layer}_{target}"
 
 
-def target_dims(config: ModelConfig, target: str) -> tuple[int, int]:
+def target_dims(config: LoraModel, target: str) -> tuple[int, int]:
     """(in_features, out_features) of the adapted linear."""
     hidden, inter = config.hidden_size, config.intermediate_size
     q_out = config.num_attention_heads * config.head_dim
@@ -29,7 +50,7 @@ def target_dims(config: ModelConfig, target: str) -> tuple[int, int]:
             "gate": (hidden, inter), "up": (hidden, inter), "down": (inter, hidden)}[target]
 
 
-def lora_inputs(config: ModelConfig) -> list[tuple[str, str, int, str]]:
+def lora_inputs(config: LoraModel) -> list[tuple[str, str, int, str]]:
     """(A name, B name, layer, target) for every adapted linear of the exported graph."""
     return [(lora_a_name(layer, t), lora_b_name(layer, t), layer, t)
             for layer in range(config.num_hidden_layers) for t in config.lora_targets]
@@ -54,7 +75,7 @@ def parse_targets(text: str) -> list[str]:
 ADAPTER_FORMAT = "kvforge-lora-v1"
 
 
-def model_fingerprint(config: ModelConfig) -> str:
+def model_fingerprint(config: LoraModel) -> str:
     """Architecture identity an adapter is converted for; an adapter for another model is refused."""
     import hashlib
     import json

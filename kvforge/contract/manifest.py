@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.contract.errors import InvalidConfig
-from kvforge.contract.files import TEMP_MARK, write_json
+from kvforge.contract.files import TEMP_MARK, read_json, write_json
+from kvforge.contract.formats import MANIFEST_FILE, MANIFEST_FORMAT
+from kvforge.contract.validation import one_line
 
-MANIFEST_FILE = "manifest.json"
-MANIFEST_FORMAT = "kvforge-manifest-v1"
 ONNX_KIND = "onnx"  # what llm_export writes
 ENGINE_KIND = "engine"  # what llm_build writes
 FULL_DIGEST_BYTES = 64 * 2**20
@@ -56,9 +56,6 @@ def write_manifest(directory: Path, kind: str) -> None:
 
 def verify_manifest(directory: Path, kind: str, field: str, remedy: str) -> None:
     """Check `directory` against its manifest; files not listed are ignored. Errors name `field`."""
-    from kvforge.contract.model_config import read_json
-    from kvforge.contract.validation import one_line
-
     shown = one_line(str(directory))
     if not (directory / MANIFEST_FILE).is_file():
         raise InvalidConfig(f"{shown} has no {MANIFEST_FILE}: it was not completed (an interrupted run, or written "

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import MISSING, asdict, dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
 from kvforge.contract.errors import InvalidConfig, KvforgeError
-from kvforge.contract.files import loads_json, read_limited, write_json  # noqa: F401 - write_json re-exported (writers import it here)
+from kvforge.contract.formats import EXPORT_FORMAT
+from kvforge.contract.lora import LORA_TARGETS, is_target_list
 
-# Marks an ONNX dir as ours; an export from another tool lacks it and is refused clearly.
-EXPORT_FORMAT = "kvforge-onnx-v1"
 KV_CACHE_DTYPES = ("fp16", "fp8", "fp32")
 QUANTIZATIONS = ("none", "int8", "int4")  # linear weights: float32, or MatMulNBits blocks
 MODEL_FAMILIES = ("llama", "qwen2", "qwen3", "mamba2", "qwen3_5")
@@ -259,28 +257,8 @@ def check_field(spec: tuple[str, float | None, float | None], value: Any, field_
             raise bad("an array of at most 1024 layer type names")
         value = list(value)
     elif kind == "strs":
-        from kvforge.contract.lora import LORA_TARGETS
-
-        if not isinstance(value, list) or not all(isinstance(v, str) and v in LORA_TARGETS for v in value):
+        if not is_target_list(value):
             raise bad(f"an array of LoRA targets ({', '.join(LORA_TARGETS)})")
         value = list(value)
     return value
 
-
-def read_json(path: Path, what: str) -> dict[str, Any]:
-    """Read a JSON object file strictly (duplicate keys refused) with one-line errors naming the file."""
-    from kvforge.contract.validation import one_line
-
-    if not path.is_file():
-        raise KvforgeError(f"missing file {one_line(str(path))}", what)
-    try:
-        raw = read_limited(path, MAX_CONFIG_BYTES, what)
-    except OSError as exc:
-        raise KvforgeError(f"cannot read {one_line(str(path))}: {one_line(exc.strerror or str(exc))}", what) from None
-    data = loads_json(raw, what, str(path))
-    if not isinstance(data, dict):
-        raise KvforgeError(f"{one_line(str(path))} must hold a JSON object", what)
-    return data
-
-
-MAX_CONFIG_BYTES = 64 * 2**20  # config files are a few KiB; a chat template or tokenizer a few MiB

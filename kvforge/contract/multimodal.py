@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.contract.errors import InvalidConfig
-from kvforge.contract.model_config import read_json
+from kvforge.contract.files import read_json
 
 ENCODER_FORMAT = "kvforge-encoder-v1"
 VISUAL = "visual"

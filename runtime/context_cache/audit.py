@@ -5,19 +5,40 @@ Tests call it after every step; it only reads (a failing assertion names what di
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import Protocol
 
 import numpy as np
 
-from kvforge.runtime.context_cache.index import page_token_bytes
+from kvforge.runtime.context_cache.index import PageIndex, page_token_bytes
 from kvforge.runtime.context_cache.keys import CHAIN_ROOT, page_keys, tail_page_key
-from kvforge.runtime.context_cache.pools import BASE_KV_PAGES
+from kvforge.runtime.context_cache.lease import Lease
+from kvforge.runtime.context_cache.pools import BASE_KV_PAGES, ResourcePool, ResourcePools
+from kvforge.runtime.context_cache.records import RecordStore
 
-if TYPE_CHECKING:
-    from kvforge.runtime.context_cache.manager import ContextCacheManager
+
+class AuditedCache(Protocol):
+    """The public state of ContextCacheManager the audit reads. Not the manager class itself: the manager imports
+    this module (its check_invariants method calls the function below), so the audit imports only downward."""
+
+    enabled: bool
+    tokens_per_page: int
+    max_records: int
+    checkpoints: bool
+    paged: bool
+    pools: ResourcePools
+    pages: ResourcePool
+    snapshots: ResourcePool
+    recurrent_snapshots: ResourcePool
+    index: PageIndex
+    records: RecordStore
+    leases: set[Lease]
+
+    @property
+    def in_flight(self) -> Mapping[bytes, Lease]: ...
 
 
-def check_invariants(manager: ContextCacheManager) -> None:
+def check_invariants(manager: AuditedCache) -> None:
     """Audit every refcount, index entry and in-flight key from scratch (tests call this after each step)."""
     T = manager.tokens_per_page
     active = {pool.name: [0] * pool.capacity for pool in manager.pools}
@@ -62,8 +83,8 @@ def check_invariants(manager: ContextCacheManager) -> None:
     free = manager.pages.free_slots()
     for _key, entry in manager.index.items():
         assert entry.page not in free, "an index entry points at a free page"
-    for key, lease in manager._inflight.items():
+    for key, lease in manager.in_flight.items():
         assert lease in manager.leases and not manager.index.contains(key), "a stale in-flight key"
     assert manager.paged or (len(manager.index) == 0 and manager.pages.capacity == 0), "pure recurrent: no KV pages"
-    assert not manager.checkpoints or not manager._inflight, "checkpoint deployments index nothing in flight"
+    assert not manager.checkpoints or not manager.in_flight, "checkpoint deployments index nothing in flight"
     assert len(manager.records) <= manager.max_records or not manager.enabled

@@ -45,7 +45,8 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 import numpy as np
@@ -119,6 +120,11 @@ class ContextCacheManager:
         self.leases: set[Lease] = set()
         self._inflight: dict[bytes, Lease] = {}  # page key -> the running lease computing that page
         self.bookkeeping_nanoseconds = 0  # all calls below, for benchmarks (the profile has planning time)
+
+    @property
+    def in_flight(self) -> Mapping[bytes, Lease]:
+        """Read-only view of the pages running sequences are computing: page key -> the lease computing it."""
+        return MappingProxyType(self._inflight)
 
     # --- questions (no side effects beyond caching an admission's keys) -----------------------------
 

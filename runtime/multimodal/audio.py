@@ -153,7 +153,7 @@ class AudioEncoder:
 
     def __init__(self, engine_dir: Path, config, num_threads: int = 0) -> None:  # config: AudioEncoderConfig
         from kvforge.contract.multimodal import AUDIO_ENGINE_FILE, AUDIO_TRT_ENGINE_FILE
-        from kvforge.runtime.multimodal.visual import encoder_session
+        from kvforge.runtime.multimodal.encoder_session import encoder_session
 
         self.config = config
         self.session = encoder_session(engine_dir, config, AUDIO_ENGINE_FILE, AUDIO_TRT_ENGINE_FILE, num_threads)

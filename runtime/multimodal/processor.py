@@ -12,8 +12,8 @@ from kvforge.contract.errors import InvalidConfig, KvforgeError
 from kvforge.contract.profile_schema import MULTIMODAL
 from kvforge.runtime.context_cache.keys import MediaKey
 from kvforge.runtime.multimodal.encoder_cache import EncoderCache
+from kvforge.runtime.multimodal.encoder_session import FIELD
 from kvforge.runtime.multimodal.spans import MediaSpan
-from kvforge.runtime.multimodal.visual import FIELD
 from kvforge.runtime.profile import Profiler
 from kvforge.runtime.tokenizer import ChatTokenizer
 from kvforge.runtime.types import MEDIA_SENTINEL, MediaRef

@@ -1,31 +1,24 @@
-"""The encoder engines of a multimodal engine dir: decoded media in, one embedding row per placeholder token out.
+"""The visual encoder engine of a multimodal engine dir: decoded images in, one embedding row per placeholder token out.
 
-Both kinds answer the same questions for MultimodalProcessor: how to decode an item (and its identity), how many
-placeholder rows it takes, the text around its placeholders, and its rows for a batch of items.
+Both encoder kinds (this one and audio.AudioEncoder; encoders.load_encoder picks one) answer the same questions
+for MultimodalProcessor: how to decode an item (and its identity), how many placeholder rows it takes, the text
+around its placeholders, and its rows for a batch of items.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-import onnxruntime as ort
 
-from kvforge.contract.errors import InvalidConfig
-from kvforge.contract.manifest import ENGINE_KIND, verify_manifest
-from kvforge.contract.model_config import read_json
 from kvforge.contract.multimodal import (
-    AUDIO,
-    ENCODER_FORMAT,
     ENCODER_INPUT,
     ENCODER_OUTPUT,
-    VISUAL,
     VISUAL_ENGINE_FILE,
     VISUAL_TRT_ENGINE_FILE,
-    AudioEncoderConfig,
     EncoderConfig,
 )
+from kvforge.runtime.multimodal.encoder_session import encoder_session
 from kvforge.runtime.multimodal.image import (
     DecodedImage,
     TileGrid,
@@ -33,35 +26,9 @@ from kvforge.runtime.multimodal.image import (
     idefics3_pixel_values,
     idefics3_tile_grid,
 )
-from kvforge.runtime.ort_runner import make_session
 
-FIELD = "multimodal_engine_dir"
 # Idefics3Processor opens every tile (and the global image) with this token; the suffix of an image is it too.
 TILE_SEPARATOR = "<fake_token_around_image>"
-
-
-def _session(path: Path, num_threads: int) -> ort.InferenceSession:
-    return make_session(str(path), num_threads, field=FIELD)
-
-
-def encoder_session(engine_dir: Path, config: Any, onnx_file: str, trt_file: str, num_threads: int):
-    """The engine dir's encoder behind onnxruntime's `run(outputs, feeds)`: an ONNX Runtime session, or for
-    backend tensorrt a TensorRT engine (needs the tensorrt extra; one-line error without it)."""
-    if config.backend == "tensorrt":
-        _check_engine_dir(engine_dir, config, trt_file)
-        from kvforge.runtime.trt_runner import TrtEncoderSession  # imports tensorrt through the single guard
-
-        return TrtEncoderSession(engine_dir / trt_file, FIELD)
-    _check_engine_dir(engine_dir, config, onnx_file)
-    return _session(engine_dir / onnx_file, num_threads)
-
-
-def _check_engine_dir(engine_dir: Path, config: Any, file: str) -> None:
-    if not config.backend:
-        raise InvalidConfig(f"{engine_dir} is an encoder ONNX dir, not an engine dir; build it with llm_build", FIELD)
-    if not (engine_dir / file).is_file():
-        raise InvalidConfig(f"multimodal engine dir {engine_dir} is missing {file}; rebuild it", FIELD)
-    verify_manifest(engine_dir, ENGINE_KIND, FIELD, "rebuild it with llm_build")
 
 
 class VisualEncoder:
@@ -112,19 +79,3 @@ class VisualEncoder:
         # copies: a cached image must not keep the whole batch's array alive (the cache counts its own bytes)
         return [rows[lo:hi].reshape(-1, rows.shape[-1]).copy() for lo, hi in zip(bounds[:-1], bounds[1:],
                                                                                    strict=True)]
-
-
-def load_encoder(engine_dir: Path, num_threads: int = 0):  # -> VisualEncoder | AudioEncoder
-    if not engine_dir.is_dir():
-        raise InvalidConfig(f"{engine_dir} is not a directory", FIELD)
-    data = read_json(engine_dir / "config.json", FIELD)
-    where = f"{engine_dir}/config.json"
-    if data.get("format") != ENCODER_FORMAT:
-        raise InvalidConfig(f"{engine_dir} is not a kvforge encoder dir (a text engine?); give the dir llm_build "
-                            "wrote from llm_export's OUTPUTDIR/visual or OUTPUTDIR/audio", FIELD)
-    if data.get("kind") == AUDIO:
-        from kvforge.runtime.multimodal.audio import AudioEncoder
-        return AudioEncoder(engine_dir, AudioEncoderConfig.from_dict(data, where), num_threads)
-    if data.get("kind") != VISUAL and "kind" in data:
-        raise InvalidConfig(f"unsupported encoder kind {data.get('kind')!r}", FIELD)
-    return VisualEncoder(engine_dir, EncoderConfig.from_dict(data, where), num_threads)

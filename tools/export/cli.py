@@ -158,7 +158,7 @@ def export(
         from kvforge.contract.files import check_distinct, check_output_dir
         from kvforge.contract.lora import parse_targets
         from kvforge.contract.model_config import QUANTIZATIONS
-        from kvforge.tools.export.quantize import quantize_linears
+        from kvforge.tools.export.quantize_model import quantize_linears
         from kvforge.tools.export.writer import write_onnx_dir
 
         check_output_dir(output_dir, "output_dir")  # before the expensive part; checked again when written

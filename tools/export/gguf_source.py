@@ -23,12 +23,12 @@ IM_END = "<|im_end|>"
 _TOKEN_CONTROL = 3
 _TOKEN_USER_DEFINED = 4
 
-_GLOBAL_NAMES = {
+GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LAYER_NAMES = {
+LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -73,20 +73,20 @@ def unpermute_llama_cpp_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def read_gguf_config_and_tokenizer(path: Path, kv_cache_dtype: str = "fp16") -> LoadedModel:
     """Config, tokenizer and tokenizer_config of a GGUF file; `weights` stays empty (nothing dequantized)."""
-    return _header_model(_open_reader(path), path, kv_cache_dtype)
+    return header_model(open_reader(path), path, kv_cache_dtype)
 
 
 def load_gguf(path: Path, kv_cache_dtype: str = "fp16", progress: Progress | None = None) -> LoadedModel:
     """Read a llama GGUF: float32 HF-named weights (dequantized, Q/K unpermuted), config and tokenizer."""
-    reader = _open_reader(path)
-    model = _header_model(reader, path, kv_cache_dtype)
+    reader = open_reader(path)
+    model = header_model(reader, path, kv_cache_dtype)
     model.weights, model.exact_blocks = _load_weights(reader, model.config, path, progress)
     return model
 
 
 # ---------------------------------------------------------------------------------------------- metadata
 
-def _open_reader(path: Path) -> Any:
+def open_reader(path: Path) -> Any:
     import gguf  # imported lazily: the HF-dir path must not pay for it
 
     path = Path(path)
@@ -115,7 +115,7 @@ def _f32(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _header_model(reader: Any, path: Path, kv_cache_dtype: str) -> LoadedModel:
+def header_model(reader: Any, path: Path, kv_cache_dtype: str) -> LoadedModel:
     arch = _meta(reader, "general.architecture")
     if arch != "llama":
         raise KvforgeError(f"GGUF architecture {arch!r} is not supported; only 'llama' GGUF files are", FIELD)
@@ -225,15 +225,15 @@ def _tokenizer_config(reader: Any, tokens: list[str], config: ModelConfig) -> di
 # ----------------------------------------------------------------------------------------------- weights
 
 def _hf_name(gguf_name: str) -> str | None:
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
+    if gguf_name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[gguf_name]
     match = _LAYER_RE.fullmatch(gguf_name)
-    if match and match.group(2) in _LAYER_NAMES:
-        return layer_weight(int(match.group(1)), f"{_LAYER_NAMES[match.group(2)]}.weight")
+    if match and match.group(2) in LAYER_NAMES:
+        return layer_weight(int(match.group(1)), f"{LAYER_NAMES[match.group(2)]}.weight")
     return None
 
 
-def _dequantize(tensor: Any, path: Path) -> np.ndarray:
+def dequantize(tensor: Any, path: Path) -> np.ndarray:
     import gguf
 
     try:
@@ -259,7 +259,7 @@ def _load_weights(reader: Any, config: ModelConfig, path: Path,
         if name is None:
             raise KvforgeError(f"unsupported tensor {tensor.name!r} in {path} (not a plain llama layout)",
                                FIELD)
-        w = _dequantize(tensor, path)
+        w = dequantize(tensor, path)
         blocks = from_gguf_blocks(tensor.tensor_type.name, tensor.data, w.shape[-1]) if w.ndim == 2 else None
         heads = {"q_proj.weight": config.num_attention_heads, "k_proj.weight": config.num_key_value_heads}
         for suffix, n_head in heads.items():
@@ -279,7 +279,7 @@ def _load_weights(reader: Any, config: ModelConfig, path: Path,
 def _check_complete(weights: dict[str, np.ndarray], config: ModelConfig, path: Path) -> None:
     expected = ["model.embed_tokens.weight", "model.norm.weight"]
     expected += [layer_weight(i, f"{n}.weight") for i in range(config.num_hidden_layers)
-                 for n in _LAYER_NAMES.values()]
+                 for n in LAYER_NAMES.values()]
     missing = [n for n in expected if n not in weights]
     if missing:
         raise KvforgeError(f"{path} lacks tensor {missing[0]} ({len(missing)} missing in all)", FIELD)

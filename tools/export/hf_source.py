@@ -3,20 +3,26 @@ LoadedModel."""
 
 from __future__ import annotations
 
-import struct
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from kvforge.contract.errors import KvforgeError
-from kvforge.contract.files import loads_json
-from kvforge.contract.model_config import ModelConfig, read_json
-from kvforge.contract.tensor_header import MAX_HEADER_BYTES
+from kvforge.contract.files import read_json
+from kvforge.contract.model_config import ModelConfig
 from kvforge.tools.export import mamba2_source, qwen3_5_source
+from kvforge.tools.export.hf_common import (
+    FIELD,
+    optional_json,
+    read_safetensors_header,
+    read_tensor,
+    safetensors_files,
+    tokenizer_config,
+    tokenizer_json,
+)
 from kvforge.tools.export.source import LoadedModel, layer_weight
 
-FIELD = "SOURCE"
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mamba2", "qwen3_5_text", "qwen3_5")
 _ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                   "Mamba2ForCausalLM": "mamba2", "Qwen3_5ForCausalLM": "qwen3_5_text",
@@ -28,18 +34,6 @@ _LAYER_TENSORS = ("input_layernorm", "post_attention_layernorm", "self_attn.q_pr
                   "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 # Buffers some older checkpoints saved; recomputed by the graph, so skipping them loses nothing.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-# HF stores this when no limit was set; an int(1e30) is no use to a runtime.
-_NO_MAX_LENGTH = 10**9
-_FLOAT_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16}
-
-
-def hf_dir_is(path: Path, model_types: tuple[str, ...], architecture: str) -> bool:
-    """Whether `path` holds a Hugging Face checkpoint of a family: its config.json's model_type or architecture."""
-    config = path / "config.json"
-    if not config.is_file():
-        return False
-    hf = read_json(config, FIELD)
-    return hf.get("model_type") in model_types or architecture in (hf.get("architectures") or [])
 
 
 def load_hf_dir(path: Path, kv_cache_dtype: str = "fp16") -> LoadedModel:
@@ -48,12 +42,12 @@ def load_hf_dir(path: Path, kv_cache_dtype: str = "fp16") -> LoadedModel:
     if not path.is_dir():
         raise KvforgeError(f"no such directory {path}", FIELD)
     hf = read_json(path / "config.json", FIELD)
-    config = _config(hf, path, kv_cache_dtype)
+    config = text_model_config(hf, path, kv_cache_dtype)
     weights = _load_weights(path, config)
     if config.is_recurrent:
         weights[mamba2_source.EMBEDDING] = weights.pop(mamba2_source.HF_EMBEDDING)
-    return LoadedModel(config=config, weights=weights, tokenizer_json=_tokenizer_json(path),
-                       tokenizer_config=_tokenizer_config(path, config))
+    return LoadedModel(config=config, weights=weights, tokenizer_json=tokenizer_json(path),
+                       tokenizer_config=tokenizer_config(path, config))
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -99,9 +93,10 @@ def _token_ids(value: Any) -> list[int]:
     return [int(v) for v in (value if isinstance(value, list) else [value])]
 
 
-def _config(hf: dict[str, Any], path: Path, kv_cache_dtype: str) -> ModelConfig:
+def text_model_config(hf: dict[str, Any], path: Path, kv_cache_dtype: str) -> ModelConfig:
+    """The ModelConfig of an HF config.json (or a multimodal dir's text_config), validated."""
     model_type = _model_type(hf)
-    gen = _optional_json(path / "generation_config.json")
+    gen = optional_json(path / "generation_config.json")
     # Chat checkpoints often list the end-of-turn token only in generation_config.json.
     # A vision-language dir (qwen3_5) may keep its text model's tokens in text_config only.
     text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
@@ -156,13 +151,10 @@ def _first(*values: Any) -> int | None:
     return _token_ids(ids[0])[0] if ids and _token_ids(ids[0]) else None
 
 
-def _optional_json(path: Path) -> dict[str, Any]:
-    return read_json(path, FIELD) if path.is_file() else {}
-
-
 # ----------------------------------------------------------------------------------------------- weights
 
-def _expected_names(config: ModelConfig) -> list[str]:
+def text_weight_names(config: ModelConfig) -> list[str]:
+    """Every weight name the checkpoint of `config` must hold (lm_head excepted: it may be tied)."""
     if config.is_recurrent:
         return mamba2_source.expected_names(config)
     if config.is_hybrid:
@@ -176,68 +168,15 @@ def _expected_names(config: ModelConfig) -> list[str]:
     return names + [layer_weight(i, n) for i in range(config.num_hidden_layers) for n in per_layer]
 
 
-def _safetensors_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = read_json(index, FIELD).get("weight_map") or {}
-        files = [path / f for f in sorted(set(weight_map.values()))]
-        absent = [f for f in files if not f.is_file()]
-        if absent:
-            raise KvforgeError(f"{index} lists missing shard {absent[0]}", FIELD)
-        return files
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise KvforgeError(f"no *.safetensors files in {path}", FIELD)
-    return files
-
-
-def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
-    """The JSON header of a safetensors file and the byte offset where tensor data starts."""
-    try:
-        with path.open("rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            if size > MAX_HEADER_BYTES:  # a forged length would make read() allocate it
-                raise ValueError(f"header length {size} is not plausible")
-            header = loads_json(f.read(size), FIELD, f"the header of {path}")
-    except (OSError, struct.error, ValueError) as exc:
-        raise KvforgeError(f"cannot read safetensors header of {path}: {exc}", FIELD) from None
-    if not isinstance(header, dict):
-        raise KvforgeError(f"cannot read safetensors header of {path}: not a JSON object", FIELD)
-    header.pop("__metadata__", None)
-    return header, 8 + size
-
-
-def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
-    """bfloat16 is the top half of a float32, so widening the raw uint16 bits by 16 is exact."""
-    return (bits.astype(np.uint32) << 16).view(np.float32)
-
-
-def read_tensor(path: Path, name: str, entry: dict[str, Any], data_start: int) -> np.ndarray:
-    # Read straight from the header's offsets rather than through safe_open(framework="numpy"): that
-    # backend cannot return bfloat16, and one reader for every dtype keeps the paths identical.
-    dtype, shape = entry["dtype"], tuple(entry["shape"])
-    begin, end = entry["data_offsets"]
-    raw_type = np.uint16 if dtype == "BF16" else _FLOAT_DTYPES.get(dtype)
-    if raw_type is None:
-        raise KvforgeError(f"tensor {name} in {path} has unsupported dtype {dtype}", FIELD)
-    count = (end - begin) // np.dtype(raw_type).itemsize
-    little = np.dtype(raw_type).newbyteorder("<")
-    raw = np.fromfile(path, dtype=little, count=count, offset=data_start + begin)
-    if raw.size != int(np.prod(shape)):
-        raise KvforgeError(f"tensor {name} in {path} is truncated", FIELD)
-    values = bf16_bits_to_f32(raw) if dtype == "BF16" else raw.astype(np.float32, copy=False)
-    return values.reshape(shape)
-
-
 def _load_weights(path: Path, config: ModelConfig) -> dict[str, np.ndarray]:
     locations: dict[str, tuple[Path, dict[str, Any], int]] = {}
     rename = qwen3_5_source.checkpoint_name if config.is_hybrid else (lambda n: n)  # None: not the text model's
-    for file in _safetensors_files(path):
+    for file in safetensors_files(path):
         header, data_start = read_safetensors_header(file)
         for name, entry in header.items():
             if rename(name) is not None:
                 locations[rename(name)] = (file, entry, data_start)
-    expected = _expected_names(config)
+    expected = text_weight_names(config)
     if "lm_head.weight" in locations and not config.tie_word_embeddings:
         expected.append("lm_head.weight")
     else:
@@ -256,46 +195,3 @@ def _load_weights(path: Path, config: ModelConfig) -> dict[str, np.ndarray]:
         file, entry, data_start = locations[name]
         weights[name] = read_tensor(file, name, entry, data_start)
     return weights
-
-
-# --------------------------------------------------------------------------------------------- tokenizer
-
-def _tokenizer_json(path: Path) -> str:
-    file = path / "tokenizer.json"
-    if not file.is_file():
-        raise KvforgeError(f"tokenizer.json missing in {path} (only fast-tokenizer checkpoints are "
-                           "supported)", FIELD)
-    return file.read_text(encoding="utf-8")
-
-
-def _token_text(value: Any) -> str | None:
-    # tokenizer_config.json writes special tokens either as strings or as AddedToken dicts.
-    if isinstance(value, dict):
-        return value.get("content")
-    return value
-
-
-def _chat_template(path: Path, tok_config: dict[str, Any]) -> str | None:
-    template = tok_config.get("chat_template")
-    if template is None and (path / "chat_template.jinja").is_file():
-        template = (path / "chat_template.jinja").read_text(encoding="utf-8")
-    if template is None and (path / "chat_template.json").is_file():
-        template = read_json(path / "chat_template.json", FIELD).get("chat_template")
-    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default") or next(iter(named.values()), None)
-    return template
-
-
-def _tokenizer_config(path: Path, config: ModelConfig) -> dict[str, Any]:
-    tok = _optional_json(path / "tokenizer_config.json")
-    max_length = tok.get("model_max_length")
-    if not isinstance(max_length, (int, float)) or max_length >= _NO_MAX_LENGTH:
-        max_length = config.max_position_embeddings
-    return {
-        "chat_template": _chat_template(path, tok),
-        "bos_token": _token_text(tok.get("bos_token")),
-        "eos_token": _token_text(tok.get("eos_token")),
-        "add_bos_token": bool(tok.get("add_bos_token", False)),
-        "model_max_length": int(max_length),
-    }

@@ -9,19 +9,10 @@ from typing import Any
 import numpy as np
 
 from kvforge.contract.errors import KvforgeError
-from kvforge.contract.model_config import read_json
+from kvforge.contract.files import read_json
 from kvforge.contract.multimodal import VISUAL, EncoderConfig, ImagePreprocessing
-from kvforge.tools.export.hf_source import (
-    FIELD,
-    _config,
-    _expected_names,
-    _safetensors_files,
-    _tokenizer_config,
-    _tokenizer_json,
-    hf_dir_is,
-    read_safetensors_header,
-    read_tensor,
-)
+from kvforge.tools.export.hf_common import FIELD, check_names, hf_dir_is, read_all, tokenizer_config, tokenizer_json
+from kvforge.tools.export.hf_source import text_model_config, text_weight_names
 from kvforge.tools.export.idefics3_graph import ACTIVATIONS, CONNECTOR, VISION, VisionGeometry
 from kvforge.tools.export.source import LoadedModel
 
@@ -49,24 +40,23 @@ def load_idefics3_dir(path: Path, kv_cache_dtype: str = "fp16") -> tuple[LoadedM
     text_hf = dict(hf.get("text_config") or {})
     text_hf.setdefault("model_type", "llama")
     text_hf["tie_word_embeddings"] = bool(hf.get("tie_word_embeddings", text_hf.get("tie_word_embeddings", False)))
-    text_config = _config(text_hf, path, kv_cache_dtype)
-    tensors = _read_all(path)
+    text_config = text_model_config(text_hf, path, kv_cache_dtype)
+    tensors = read_all(path)
     text = {("model." + n[len(TEXT_PREFIX):] if n.startswith(TEXT_PREFIX) else n): t for n, t in tensors.items()
             if n.startswith(TEXT_PREFIX) or n == "lm_head.weight"}
-    expected = _expected_names(text_config)
+    expected = text_weight_names(text_config)
     if "lm_head.weight" not in text or text_config.tie_word_embeddings:
         text_config.tie_word_embeddings = True
         text.pop("lm_head.weight", None)
     else:
         expected.append("lm_head.weight")
-    _check_names(path, text, expected, "text model")
+    check_names(path, text, expected, "text model")
     vision = {n: t for n, t in tensors.items() if n.startswith(VISION) or n == CONNECTOR}
     geometry = _vision_geometry(hf, text_config.hidden_size)
-    _check_names(path, vision, _vision_names(geometry), "vision encoder")
-    tokenizer_json = _tokenizer_json(path)
-    loaded = LoadedModel(config=text_config, weights=text, tokenizer_json=tokenizer_json,
-                         tokenizer_config=_tokenizer_config(path, text_config))
-    preprocessing = _preprocessing(path)
+    check_names(path, vision, vision_names(geometry), "vision encoder")
+    loaded = LoadedModel(config=text_config, weights=text, tokenizer_json=tokenizer_json(path),
+                         tokenizer_config=tokenizer_config(path, text_config))
+    preprocessing = read_preprocessing(path)
     encoder = EncoderConfig(
         kind=VISUAL, model="idefics3", image_token_id=int(hf.get("image_token_id", 128257)),
         tokens_per_image=geometry.tokens_per_image(preprocessing.image_size),
@@ -75,25 +65,6 @@ def load_idefics3_dir(path: Path, kv_cache_dtype: str = "fp16") -> tuple[LoadedM
         preprocessing=preprocessing,
         extra={"vision": {k: getattr(geometry, k) for k in VisionGeometry.__slots__}})
     return loaded, VisualExport(geometry, vision, encoder)
-
-
-def _read_all(path: Path) -> dict[str, np.ndarray]:
-    tensors = {}
-    for file in _safetensors_files(path):
-        header, data_start = read_safetensors_header(file)
-        for name, entry in header.items():
-            tensors[name] = read_tensor(file, name, entry, data_start)
-    return tensors
-
-
-def _check_names(path: Path, tensors: dict[str, np.ndarray], expected: list[str], part: str) -> None:
-    missing = [n for n in expected if n not in tensors]
-    if missing:
-        raise KvforgeError(f"checkpoint in {path} lacks {part} tensor {missing[0]} ({len(missing)} missing)", FIELD)
-    unexpected = sorted(set(tensors) - set(expected) - {"lm_head.weight"})
-    if unexpected:
-        raise KvforgeError(f"checkpoint in {path} has {part} tensor {unexpected[0]} this loader does not handle",
-                           FIELD)
 
 
 def _vision_geometry(hf: dict[str, Any], text_hidden: int) -> VisionGeometry:
@@ -114,7 +85,7 @@ def _vision_geometry(hf: dict[str, Any], text_hidden: int) -> VisionGeometry:
         raise KvforgeError(f"invalid vision_config: {exc}", FIELD) from None
 
 
-def _vision_names(geometry: VisionGeometry) -> list[str]:
+def vision_names(geometry: VisionGeometry) -> list[str]:
     names = [VISION + n for n in ("embeddings.patch_embedding.weight", "embeddings.patch_embedding.bias",
                                   "embeddings.position_embedding.weight", "post_layernorm.weight",
                                   "post_layernorm.bias")]
@@ -125,7 +96,7 @@ def _vision_names(geometry: VisionGeometry) -> list[str]:
     return [*names, CONNECTOR]
 
 
-def _preprocessing(path: Path) -> ImagePreprocessing:
+def read_preprocessing(path: Path) -> ImagePreprocessing:
     """preprocessor_config.json as Idefics3ImageProcessor reads it (its class defaults where a key is absent:
     splitting on, as a real SmolVLM processor does)."""
     file = path / "preprocessor_config.json"
@@ -148,7 +119,7 @@ def write_visual_onnx_dir(visual: VisualExport, output_dir: Path) -> Path:
     """The encoder ONNX dir llm_build turns into a multimodal engine dir: model.onnx (+ data) and config.json."""
     import onnx
 
-    from kvforge.contract.model_config import write_json
+    from kvforge.contract.files import write_json
     from kvforge.contract.multimodal import ENCODER_MODEL_FILE, ENCODER_WEIGHTS_FILE
     from kvforge.tools.export.idefics3_graph import build_vision_graph
 

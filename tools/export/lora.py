@@ -10,7 +10,7 @@ import numpy as np
 from safetensors.numpy import save
 
 from kvforge.contract.errors import KvforgeError
-from kvforge.contract.files import atomic_write_bytes, atomic_write_text, check_distinct, check_output_file
+from kvforge.contract.files import atomic_write_bytes, atomic_write_text, check_distinct, check_output_file, read_json
 from kvforge.contract.lora import (
     ADAPTER_FORMAT,
     LORA_MODULES,
@@ -19,8 +19,8 @@ from kvforge.contract.lora import (
     model_fingerprint,
     target_dims,
 )
-from kvforge.contract.model_config import ModelConfig, read_json
-from kvforge.tools.export.hf_source import read_safetensors_header, read_tensor  # bf16-aware, shared
+from kvforge.contract.model_config import ModelConfig
+from kvforge.tools.export.hf_common import read_safetensors_header, read_tensor  # bf16-aware, shared
 
 FIELD = "adapter_dir"
 _MODULE_TO_TARGET = {module.split(".")[-1]: target for target, module in LORA_MODULES.items()}

@@ -9,17 +9,10 @@ from typing import Any
 import numpy as np
 
 from kvforge.contract.errors import KvforgeError
-from kvforge.contract.model_config import read_json
+from kvforge.contract.files import read_json
 from kvforge.contract.multimodal import AUDIO, AudioEncoderConfig
-from kvforge.tools.export.hf_source import (
-    FIELD,
-    _config,
-    _expected_names,
-    _tokenizer_config,
-    _tokenizer_json,
-    hf_dir_is,
-)
-from kvforge.tools.export.idefics3_source import _check_names, _read_all
+from kvforge.tools.export.hf_common import FIELD, check_names, hf_dir_is, read_all, tokenizer_config, tokenizer_json
+from kvforge.tools.export.hf_source import text_model_config, text_weight_names
 from kvforge.tools.export.qwen2_audio_graph import AUDIO as AUDIO_PREFIX
 from kvforge.tools.export.qwen2_audio_graph import PROJECTOR, AudioGeometry
 from kvforge.tools.export.source import LoadedModel
@@ -42,21 +35,21 @@ def load_qwen2_audio_dir(path: Path, kv_cache_dtype: str = "fp16") -> tuple[Load
     hf = read_json(path / "config.json", FIELD)
     text_hf = dict(hf.get("text_config") or {})
     text_hf.setdefault("model_type", "qwen2")
-    text_config = _config(text_hf, path, kv_cache_dtype)
-    tensors = _read_all(path)
+    text_config = text_model_config(text_hf, path, kv_cache_dtype)
+    tensors = read_all(path)
     text = {n[len(TEXT_PREFIX):]: t for n, t in tensors.items() if n.startswith(TEXT_PREFIX)}
-    expected = _expected_names(text_config)
+    expected = text_weight_names(text_config)
     if "lm_head.weight" in text and not text_config.tie_word_embeddings:
         expected.append("lm_head.weight")
     else:
         text_config.tie_word_embeddings = True
         text.pop("lm_head.weight", None)
-    _check_names(path, text, expected, "text model")
+    check_names(path, text, expected, "text model")
     geometry = _geometry(hf.get("audio_config") or {}, text_config.hidden_size)
     audio = {n: t for n, t in tensors.items() if n.startswith((AUDIO_PREFIX, PROJECTOR))}
-    _check_names(path, audio, _audio_names(geometry), "audio encoder")
-    loaded = LoadedModel(config=text_config, weights=text, tokenizer_json=_tokenizer_json(path),
-                         tokenizer_config=_tokenizer_config(path, text_config))
+    check_names(path, audio, audio_names(geometry), "audio encoder")
+    loaded = LoadedModel(config=text_config, weights=text, tokenizer_json=tokenizer_json(path),
+                         tokenizer_config=tokenizer_config(path, text_config))
     encoder = AudioEncoderConfig(kind=AUDIO, model="qwen2_audio",
                                  audio_token_id=int(hf.get("audio_token_index", hf.get("audio_token_id", 151646))),
                                  audio_token="<|AUDIO|>", text_hidden_size=text_config.hidden_size,
@@ -77,7 +70,7 @@ def _geometry(a: dict[str, Any], text_hidden: int) -> AudioGeometry:
                          max_source_positions=int(a.get("max_source_positions", 1500)), text_hidden_size=text_hidden)
 
 
-def _audio_names(geometry: AudioGeometry) -> list[str]:
+def audio_names(geometry: AudioGeometry) -> list[str]:
     names = [AUDIO_PREFIX + n for n in ("conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias",
                                         "embed_positions.weight", "layer_norm.weight", "layer_norm.bias")]
     per_layer = ["self_attn.k_proj.weight"] + [f"{m}.{p}" for m in (
@@ -91,7 +84,7 @@ def write_audio_onnx_dir(audio: AudioExport, output_dir: Path) -> Path:
     """The audio encoder ONNX dir llm_build turns into an audio engine dir: model.onnx (+ data) and config.json."""
     import onnx
 
-    from kvforge.contract.model_config import write_json
+    from kvforge.contract.files import write_json
     from kvforge.contract.multimodal import ENCODER_MODEL_FILE, ENCODER_WEIGHTS_FILE
     from kvforge.tools.export.qwen2_audio_graph import build_audio_graph
 

@@ -26,7 +26,7 @@ class LoadedModel:
     tokenizer_config: dict[str, Any] = field(default_factory=dict)  # chat_template, bos/eos tokens, ...
     # GGUF tensors whose blocks map exactly onto MatMulNBits (Q8_0, Q4_0), by weight name, Q/K unpermuted.
     exact_blocks: dict[str, BlockQuantized] = field(default_factory=dict)
-    # Linear weights to export as MatMulNBits (filled by quantize.quantize_linears), by weight name.
+    # Linear weights to export as MatMulNBits (filled by quantize_model.quantize_linears), by weight name.
     quantized: dict[str, BlockQuantized] = field(default_factory=dict)
 
 

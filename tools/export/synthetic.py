@@ -136,7 +136,7 @@ def synthetic_idefics3(kv_cache_dtype: str = "fp16", seed: int = 0, text: dict |
     208). 0 (the default) keeps images unsplit: the fixtures' counters are written for 16-placeholder images."""
     from kvforge.contract.multimodal import VISUAL, EncoderConfig, ImagePreprocessing
     from kvforge.tools.export.idefics3_graph import CONNECTOR, VISION, VisionGeometry
-    from kvforge.tools.export.idefics3_source import VisualExport, _vision_names
+    from kvforge.tools.export.idefics3_source import VisualExport, vision_names
 
     tokenizer = byte_level_tokenizer()
     tokenizer.add_special_tokens(list(IDEFICS3_SPECIAL_TOKENS))
@@ -161,7 +161,7 @@ def synthetic_idefics3(kv_cache_dtype: str = "fp16", seed: int = 0, text: dict |
                       CONNECTOR: (config.hidden_size, hidden * geometry.scale_factor ** 2)}
     rng = np.random.default_rng(seed + 1)
     weights = {}
-    for weight in _vision_names(geometry):
+    for weight in vision_names(geometry):
         if weight.endswith(("layer_norm1.weight", "layer_norm2.weight", "post_layernorm.weight")):
             weights[weight] = (1.0 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)
             continue
@@ -208,7 +208,7 @@ def synthetic_qwen2_audio(kv_cache_dtype: str = "fp16", seed: int = 0, text: dic
     override the geometry."""
     from kvforge.contract.multimodal import AUDIO, AudioEncoderConfig
     from kvforge.tools.export.qwen2_audio_graph import AudioGeometry
-    from kvforge.tools.export.qwen2_audio_source import AudioExport, _audio_names
+    from kvforge.tools.export.qwen2_audio_source import AudioExport, audio_names
 
     tokenizer = byte_level_tokenizer()
     tokenizer.add_special_tokens(list(QWEN2_AUDIO_SPECIAL_TOKENS))
@@ -227,7 +227,7 @@ def synthetic_qwen2_audio(kv_cache_dtype: str = "fp16", seed: int = 0, text: dic
     rng = np.random.default_rng(seed + 2)
     d, ffn = geometry.d_model, geometry.encoder_ffn_dim
     weights = {}
-    for weight in _audio_names(geometry):
+    for weight in audio_names(geometry):
         if weight.endswith("conv1.weight"):
             dims = (d, geometry.num_mel_bins, 3)
         elif weight.endswith("conv2.weight"):

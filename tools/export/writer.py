@@ -13,9 +13,8 @@ from safetensors.numpy import save_file
 from kvforge.contract.engine_dir import EMBEDDING_FILE, EMBEDDING_TENSOR
 from kvforge.contract.engine_dir import ENGINE_MODEL_FILE as MODEL_FILE
 from kvforge.contract.engine_dir import ENGINE_WEIGHTS_FILE as WEIGHTS_FILE
-from kvforge.contract.files import check_output_dir, staged_dir
+from kvforge.contract.files import check_output_dir, staged_dir, write_json
 from kvforge.contract.manifest import ONNX_KIND, write_manifest
-from kvforge.contract.model_config import write_json
 from kvforge.tools.export import mamba2_source
 from kvforge.tools.export.llama_graph import build_llama_graph
 from kvforge.tools.export.mamba2_graph import build_mamba2_graph
