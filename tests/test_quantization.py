@@ -75,7 +75,8 @@ def test_quantized_engine_equals_the_dequantized_reference(model: str, quantizat
             loaded.weights[name] = gguf.quants.dequantize(raw, kind).reshape(weight.shape)
             loaded.exact_blocks[name] = from_gguf_blocks(gguf_blocks, raw, weight.shape[1])
     reference = dict(loaded.weights)
-    quantize_linears(loaded, quantization, 32)
+    # The head as plain blocks of the layers' width (no rescoring of candidates: that is tests/test_lm_head.py)
+    quantize_linears(loaded, quantization, 32, lm_head=quantization, lm_head_candidates=0)
     for name, exact in loaded.exact_blocks.items():
         assert loaded.quantized[name] is exact  # no second rounding
     if gguf_blocks is not None:

@@ -148,6 +148,15 @@ def export(
                                           "Q8_0/Q4_0/Q4_1 blocks are kept exactly as stored."),
     quant_block_size: int = typer.Option(32, "--quantBlockSize",
                                          help="Weights per quantization block (a power of two >= 16)."),
+    lm_head: str = typer.Option("auto", "--lmHead",
+                                help="LM head: float, or int8/int4 MatMulNBits blocks that score the whole "
+                                     "vocabulary approximately while the --lmHeadCandidates best are rescored "
+                                     "exactly against the float head (greedy equals the float head whenever its "
+                                     "argmax is among them); auto = int4 for quantized exports, float for none. "
+                                     "Example: --quantization int4 --lmHead float."),
+    lm_head_candidates: int = typer.Option(32, "--lmHeadCandidates",
+                                           help="Tokens a quantized head rescores exactly (top-k of its "
+                                                "approximate logits; 0 = its approximate logits alone)."),
     encoder_output_dir: Path = typer.Option(None, "--encoderOutputDir",
                                             help="Where an image- or audio-text checkpoint's encoder ONNX dir goes "
                                                  "(default: OUTPUTDIR/visual or OUTPUTDIR/audio); build it with "
@@ -158,7 +167,7 @@ def export(
         from kvforge.contract.files import check_distinct, check_output_dir
         from kvforge.contract.lora import parse_targets
         from kvforge.contract.model_config import QUANTIZATIONS
-        from kvforge.tools.export.quantize import quantize_linears
+        from kvforge.tools.export.quantize import quantize_linears, resolve_lm_head
         from kvforge.tools.export.writer import write_onnx_dir
 
         check_output_dir(output_dir, "output_dir")  # before the expensive part; checked again when written
@@ -169,12 +178,15 @@ def export(
         if chosen not in QUANTIZATIONS:
             raise KvforgeError(f"must be auto or one of {', '.join(QUANTIZATIONS)}, got {quantization!r}",
                                "--quantization")
+        resolve_lm_head(chosen, lm_head)  # bad values fail before the weights load
+        if lm_head_candidates < 0:
+            raise KvforgeError(f"must be >= 0, got {lm_head_candidates}", "--lmHeadCandidates")
         with progress_bar("loading weights", None) as step:
             multimodal = _load_multimodal_source(source, synthetic, kv_cache_dtype, seed)
             loaded = multimodal[0] if multimodal else load_source(source, synthetic, kv_cache_dtype, seed, step)
         loaded.config.lora_targets = targets
         with progress_bar("quantizing", None) as step:
-            quantize_linears(loaded, chosen, quant_block_size, step)
+            quantize_linears(loaded, chosen, quant_block_size, step, lm_head, lm_head_candidates)
         layers = loaded.config.num_hidden_layers
         with progress_bar("building graph", layers + 1) as step:
             write_onnx_dir(loaded, output_dir, step)
@@ -183,7 +195,7 @@ def export(
         c = loaded.config
         console.print(f"exported {c.name or c.model} ({c.model}, {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
                       f"heads {c.num_attention_heads}/{c.num_key_value_heads}, KV {c.kv_cache_dtype}, weights "
-                      f"{c.quantization}) to {output_dir}")
+                      f"{c.quantization}, LM head {c.lm_head}) to {output_dir}")
 
     run_guarded(body, debug, flags=EXPORT_FLAGS)
 
