@@ -51,6 +51,7 @@ class ModelConfig:
     quant_block_size: int = 0  # MatMulNBits block size of re-quantized weights (0 = not quantized)
     lm_head: str = ""  # one of LM_HEADS; "" = not recorded (older exports)
     lm_head_candidates: int = 0  # top-k of a quantized head rescored against the float head (0 = none)
+    prefill_int8_rows: int = 0  # calls of at least this many rows run quantized layers as int8 GEMMs (0 = never)
     # Recurrent layers; names as TensorRT Edge-LLM's config.json. layer_types empty = all attention.
     # Mamba2: state [H, P, N] = [num_heads, head_dim, state_size], n_groups B/C groups.
     # Gated delta-net (qwen3_5): the same fields describe state [Hv, Dv, Dk]: num_heads = value heads, head_dim =
@@ -219,6 +220,7 @@ CONFIG_SCHEMA: dict[str, tuple[str, float | None, float | None]] = {
     "pad_token_id": ("token?", None, None), "name": ("str", None, None), "lora_targets": ("strs", None, None),
     "quantization": ("str", None, None), "quant_block_size": ("int", 0, 2**16), "format": ("str", None, None),
     "lm_head": ("str", None, None), "lm_head_candidates": ("int", 0, 2**20),
+    "prefill_int8_rows": ("int", 0, 2**30),
     # Recurrent (Mamba2) fields; 0 on attention-only models. validate() checks them per family.
     "layer_types": ("layers", None, None), "recurrent_state_num_heads": ("int", 0, 2**16),
     "recurrent_state_head_dim": ("int", 0, 2**16), "recurrent_state_size": ("int", 0, 2**16),

@@ -157,6 +157,11 @@ def export(
     lm_head_candidates: int = typer.Option(32, "--lmHeadCandidates",
                                            help="Tokens a quantized head rescores exactly (top-k of its "
                                                 "approximate logits; 0 = its approximate logits alone)."),
+    prefill_int8_rows: int = typer.Option(0, "--prefillInt8Rows",
+                                          help="Engine calls of at least this many rows (batch x tokens) run the "
+                                               "quantized layers as int8 GEMMs with int8 activations "
+                                               "(DynamicQuantizeMatMul; AMX/VNNI), smaller ones keep MatMulNBits; "
+                                               "0 = never. Example: --prefillInt8Rows 64."),
     encoder_output_dir: Path = typer.Option(None, "--encoderOutputDir",
                                             help="Where an image- or audio-text checkpoint's encoder ONNX dir goes "
                                                  "(default: OUTPUTDIR/visual or OUTPUTDIR/audio); build it with "
@@ -187,6 +192,9 @@ def export(
         loaded.config.lora_targets = targets
         with progress_bar("quantizing", None) as step:
             quantize_linears(loaded, chosen, quant_block_size, step, lm_head, lm_head_candidates)
+        if prefill_int8_rows < 0:
+            raise KvforgeError(f"must be >= 0, got {prefill_int8_rows}", "--prefillInt8Rows")
+        loaded.config.prefill_int8_rows = prefill_int8_rows if chosen != "none" else 0
         layers = loaded.config.num_hidden_layers
         with progress_bar("building graph", layers + 1) as step:
             write_onnx_dir(loaded, output_dir, step)

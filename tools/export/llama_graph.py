@@ -41,7 +41,11 @@ def build_llama_graph(config: ModelConfig, weights: dict[str, np.ndarray],
     """Embeddings come in as `inputs_embeds` (the runtime looks them up); logits go out for the last token.
     Linears named in `quantized` become MatMulNBits (ONNX Runtime's block-quantized matmul)."""
     g = GraphWriter()
-    linears = _Linears(weights, quantized or {})
+    prefill = None
+    if quantized and config.prefill_int8_rows:
+        rows = g.op("ReduceProd", [g.op("Shape", ["inputs_embeds"], end=2)], keepdims=0)
+        prefill = g.op("GreaterOrEqual", [rows, g.const(config.prefill_int8_rows)], name="is_prefill")
+    linears = _Linears(weights, quantized or {}, prefill, g)
     num_q, num_kv, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     hidden = "inputs_embeds"
     rope_cos, rope_sin = rope_inputs(g, hidden)
@@ -150,8 +154,13 @@ class _LoraInputs:
 class _Linears:
     """Linear layers as MatMul over float32 [in, out] initializers, or MatMulNBits over quantized blocks."""
 
-    def __init__(self, weights: dict[str, np.ndarray], quantized: dict[str, BlockQuantized]) -> None:
+    def __init__(self, weights: dict[str, np.ndarray], quantized: dict[str, BlockQuantized],
+                 prefill: str | None = None, top: GraphWriter | None = None) -> None:
+        """`prefill`: a bool scalar in the graph, true for calls of prefill size; quantized layers then run an If
+        between int8 weights (DynamicQuantizeMatMul, true) and their MatMulNBits blocks (false). `top`: the
+        graph's own writer, for initializers every branch shares."""
         self.weights, self.quantized = weights, quantized
+        self.prefill, self.top = prefill, top
         self._block_sums: dict[tuple[str, int], str] = {}  # per input: o_proj's correction reuses nothing else
         self._block_sum_weights: set[str] = set()
 
@@ -200,6 +209,19 @@ class _Linears:
 
     def apply_blocks(self, g: GraphWriter, x: str, name: str, blocks: BlockQuantized,
                      accuracy_level: int | None = None) -> str:
+        if self.prefill is None or accuracy_level is not None:  # the head passes its own level: never an If
+            return self._nbits(g, x, name, blocks, accuracy_level)
+        decode, prefill = GraphWriter(prefix=f"{name}/decode/"), GraphWriter(prefix=f"{name}/prefill/")
+        decoded = self._nbits(decode, x, name, blocks, None, cache=False)
+        weight, scales = int8_columns(blocks)
+        prefilled = prefill.op("DynamicQuantizeMatMul", [x, prefill.weight(f"{name}.int8", weight),
+                                                         prefill.weight(f"{name}.int8_scales", scales)],
+                               domain=ORT_DOMAIN, name="prefill_matmul")
+        return g.op("If", [self.prefill], then_branch=_branch(prefill, prefilled, f"{name}/prefill"),
+                    else_branch=_branch(decode, decoded, f"{name}/decode"), name="prefill_or_decode")
+
+    def _nbits(self, g: GraphWriter, x: str, name: str, blocks: BlockQuantized, accuracy_level: int | None,
+               cache: bool = True) -> str:
         level = ACCURACY_LEVELS[blocks.bits] if accuracy_level is None else accuracy_level
         inputs = [x, g.weight(f"{name}.qweight", blocks.packed), g.weight(f"{name}.scales", blocks.scales)]
         if blocks.zero_points is not None:
@@ -208,21 +230,39 @@ class _Linears:
                  block_size=blocks.block_size, accuracy_level=level)
         if blocks.offsets is None:
             return y
-        return g.add(y, g.matmul(self.block_sums(g, x, blocks), g.weight(f"{name}.offsets", blocks.offsets)))
+        return g.add(y, g.matmul(self.block_sums(g, x, blocks, cache), g.weight(f"{name}.offsets", blocks.offsets)))
 
-    def block_sums(self, g: GraphWriter, x: str, blocks: BlockQuantized) -> str:
+    def block_sums(self, g: GraphWriter, x: str, blocks: BlockQuantized, cache: bool = True) -> str:
         """x [..., K] summed over each quantization block of K → [..., K / block_size] (see quantize.py): one
-        MatMul with a 0/1 matrix, any rank, instead of Shape/Concat/Reshape/ReduceSum."""
+        MatMul with a 0/1 matrix, any rank, instead of Shape/Concat/Reshape/ReduceSum. Inside an If branch
+        (`cache=False`) the sum stays local; the 0/1 matrix is the top graph's, shared by every branch."""
         key = (x, blocks.block_size)
-        if key not in self._block_sums:
+        if key not in self._block_sums or not cache:
             ones = np.kron(np.eye(blocks.k // blocks.block_size, dtype=np.float32),
                            np.ones((blocks.block_size, 1), dtype=np.float32))  # [K, K / block_size]
             name = f"block_sum_{blocks.k}_{blocks.block_size}"
             if name not in self._block_sum_weights:
                 self._block_sum_weights.add(name)
-                g.weight(name, ones)
+                (self.top or g).weight(name, ones)
+            if not cache:
+                return g.matmul(x, name)
             self._block_sums[key] = g.matmul(x, name)
         return self._block_sums[key]
+
+
+def int8_columns(blocks: BlockQuantized) -> tuple[np.ndarray, np.ndarray]:
+    """The dequantized weight (offsets included) as int8 [K, N] with one symmetric scale per output column, the form
+    DynamicQuantizeMatMul takes (ONNX Runtime runs it on MLAS's u8s8 GEMM, AMX where the CPU has it)."""
+    w = blocks.dequantize()
+    scales = np.abs(w).max(axis=0) / 127.0
+    scales = np.where(scales == 0, 1.0, scales).astype(np.float32)
+    return np.clip(np.rint(w / scales), -127, 127).astype(np.int8), scales
+
+
+def _branch(g: GraphWriter, output: str, name: str) -> onnx.GraphProto:
+    """An If branch: its nodes and initializers, outer-scope inputs read by name, one float output."""
+    return helper.make_graph(g.nodes, name.replace("/", "_"), [],
+                             [helper.make_tensor_value_info(output, FLOAT, None)], g.initializers)
 
 
 _PROJ_MODULES = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",

@@ -18,7 +18,7 @@ each block of K (a [K/32, N] float matmul, 1/8 of the 4-bit layer's bytes).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,6 +30,8 @@ from kvforge.contract.errors import InvalidConfig, KvforgeError
 from kvforge.contract.model_config import LM_HEADS, ModelConfig
 
 if TYPE_CHECKING:
+    import onnx
+
     from kvforge.tools.export.source import LoadedModel
 
 BITS = {"int8": 8, "int4": 4}
@@ -252,7 +254,7 @@ def set_accuracy_level(engine_dir: Path, level: int) -> int:
     path = engine_dir / ENGINE_MODEL_FILE
     model = onnx.load(path, load_external_data=False)
     patched = 0
-    for node in model.graph.node:
+    for node in _all_nodes(model.graph):
         if node.op_type == "MatMulNBits":
             for attribute in node.attribute:
                 if attribute.name == "accuracy_level":
@@ -264,3 +266,14 @@ def set_accuracy_level(engine_dir: Path, level: int) -> int:
     atomic_write_bytes(path, model.SerializeToString())
     write_manifest(engine_dir, ENGINE_KIND)  # a deliberate edit: record it so the engine still loads
     return patched
+
+
+def _all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    """Every node, those inside If branches (--prefillInt8Rows) included."""
+    import onnx
+
+    for node in graph.node:
+        yield node
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                yield from _all_nodes(attribute.g)
