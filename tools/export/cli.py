@@ -152,7 +152,7 @@ def export(
                                 help="LM head: float, or int8/int4 MatMulNBits blocks that score the whole "
                                      "vocabulary approximately while the --lmHeadCandidates best are rescored "
                                      "exactly against the float head (greedy equals the float head whenever its "
-                                     "argmax is among them); auto = int4 for quantized exports, float for none. "
+                                     "argmax is among them); auto = int8 for quantized exports, float for none. "
                                      "Example: --quantization int4 --lmHead float."),
     lm_head_candidates: int = typer.Option(32, "--lmHeadCandidates",
                                            help="Tokens a quantized head rescores exactly (top-k of its "

@@ -182,10 +182,11 @@ def linear_weight_names(config: ModelConfig) -> list[str]:
     return [*names, LM_HEAD]
 
 
-# The default head of a quantized export (measured on SmolLM2, README "The LM head"): 4-bit blocks at accuracy level
-# 4 score the whole vocabulary in 0.40 ms a row (the float head: 2.4-3.7 ms, 113 MB read per step), and the 32 best
-# are rescored exactly, so greedy tokens equal the float head's whenever its argmax is among them.
-DEFAULT_LM_HEAD, DEFAULT_LM_HEAD_CANDIDATES = "int4", 32
+# The default head of a quantized export (measured on SmolLM2, README "The LM head"): 8-bit blocks at accuracy level
+# 4 score the whole vocabulary in 0.63 ms a row (the float head: 2.4-3.7 ms, 113 MB read per step) and the 32 best
+# are rescored exactly: top-1 equals the float head at all 2,119 measured positions, perplexity +0.03 %. 4-bit blocks
+# are 0.2 ms faster but their approximate tail moves perplexity by +1.8 %.
+DEFAULT_LM_HEAD, DEFAULT_LM_HEAD_CANDIDATES = "int8", 32
 
 
 def resolve_lm_head(quantization: str, lm_head: str) -> str:
