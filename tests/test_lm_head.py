@@ -96,7 +96,8 @@ def test_config_records_the_head_and_the_flag_refuses_bad_values(run_cli, tmp_pa
     assert (config["lm_head"], config["lm_head_candidates"]) == ("int8", 4)
     for flags, needle in ((["--quantization", "int4", "--lmHead", "int3"], "int3"),
                           (["--quantization", "none", "--lmHead", "int4"], "--quantization int4"),
-                          (["--quantization", "int4", "--lmHeadCandidates", "-1"], "--lmHeadCandidates")):
+                          (["--quantization", "int4", "--lmHeadCandidates", "-1"], "--lmHeadCandidates"),
+                          (["--quantization", "none", "--prefillInt8Rows", "64"], "--prefillInt8Rows")):
         proc = run_cli(["llm_export", "--synthetic", "tiny-llama", "--outputDir", tmp_path / "bad", *flags])
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
         assert needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr

@@ -186,15 +186,16 @@ def export(
         resolve_lm_head(chosen, lm_head)  # bad values fail before the weights load
         if lm_head_candidates < 0:
             raise KvforgeError(f"must be >= 0, got {lm_head_candidates}", "--lmHeadCandidates")
+        if prefill_int8_rows < 0 or (prefill_int8_rows and chosen == "none"):
+            raise KvforgeError(f"must be >= 0, and 0 for float32 layers (--quantization none), got {prefill_int8_rows}",
+                               "--prefillInt8Rows")
         with progress_bar("loading weights", None) as step:
             multimodal = _load_multimodal_source(source, synthetic, kv_cache_dtype, seed)
             loaded = multimodal[0] if multimodal else load_source(source, synthetic, kv_cache_dtype, seed, step)
         loaded.config.lora_targets = targets
         with progress_bar("quantizing", None) as step:
             quantize_linears(loaded, chosen, quant_block_size, step, lm_head, lm_head_candidates)
-        if prefill_int8_rows < 0:
-            raise KvforgeError(f"must be >= 0, got {prefill_int8_rows}", "--prefillInt8Rows")
-        loaded.config.prefill_int8_rows = prefill_int8_rows if chosen != "none" else 0
+        loaded.config.prefill_int8_rows = prefill_int8_rows
         layers = loaded.config.num_hidden_layers
         with progress_bar("building graph", layers + 1) as step:
             write_onnx_dir(loaded, output_dir, step)
