@@ -58,6 +58,9 @@ MAX_PPL_CHANGE = 0.03
 MIN_EQUAL_ANSWERS = (9, 10)  # at least 9 of every 10 prompts
 ACCURACY_SUFFIX = "-acc"
 PROGRESS_EVERY = 512
+# The prefilled pass: this many tokens of the text go in as prefill calls of PREFILL_CHUNK (the engine's chunk
+# size in llm_bench) before teacher-forced decoding scores the rest, so a prefill-only kernel is measured too.
+PREFILL_TOKENS, PREFILL_CHUNK = 1024, 512
 
 
 # --- metrics ------------------------------------------------------------------------------------------
@@ -77,25 +80,37 @@ class TeacherForced:
 
 
 def teacher_forced(engine: Engine, token_ids: Sequence[int],
-                   progress: Callable[[str], None] | None = None) -> TeacherForced:
-    """Feed `token_ids` one per runner call on one lease; keep argmax and next-token NLL, never logit rows."""
+                   progress: Callable[[str], None] | None = None, prefill: int = 0) -> TeacherForced:
+    """Feed `token_ids` one per runner call on one lease; keep argmax and next-token NLL, never logit rows.
+    `prefill` > 0: the first `prefill` tokens go in as prefill calls of PREFILL_CHUNK tokens instead (the form an
+    engine may compute differently from decode), and only the positions from the last of them on are scored."""
     ids = list(token_ids)
     lease = engine.cache.try_acquire(Admission(ids))
     if lease is None:
         raise RuntimeError(f"the KV pool cannot hold {len(ids)} tokens")
     embedding = engine.model_runner.embedding
-    argmax = np.empty(len(ids) - 1, dtype=np.int64)
-    nll = np.empty(len(ids) - 1, dtype=np.float64)
+    first = max(prefill - 1, 0)
+    argmax = np.empty(len(ids) - 1 - first, dtype=np.int64)
+    nll = np.empty(len(ids) - 1 - first, dtype=np.float64)
     one = np.ones(1, dtype=np.int32)
+
+    def score(i: int, logits: np.ndarray) -> None:
+        row = logits[0].astype(np.float64)
+        top = row.max()
+        argmax[i - first] = int(row.argmax())
+        nll[i - first] = top + math.log(np.exp(row - top).sum()) - row[ids[i + 1]]
+
     try:
         started = time.perf_counter()
-        for i, (token, target) in enumerate(zip(ids[:-1], ids[1:], strict=True)):
-            logits = engine.runner.forward(StepInputs(embedding[[token]][None], one,
-                                                      np.array([i], dtype=np.int32), [lease.page_ids]))
-            row = logits[0].astype(np.float64)
-            top = row.max()
-            argmax[i] = int(row.argmax())
-            nll[i] = top + math.log(np.exp(row - top).sum()) - row[target]
+        for start in range(0, prefill, PREFILL_CHUNK):
+            chunk = ids[start:min(start + PREFILL_CHUNK, prefill)]
+            logits = engine.runner.forward(StepInputs(embedding[chunk][None], np.array([len(chunk)], np.int32),
+                                                      np.array([start], dtype=np.int32), [lease.page_ids]))
+        if prefill:
+            score(first, logits)
+        for i in range(max(prefill, 0), len(ids) - 1):
+            score(i, engine.runner.forward(StepInputs(embedding[[ids[i]]][None], one,
+                                                      np.array([i], dtype=np.int32), [lease.page_ids])))
             if progress is not None and (i + 1) % PROGRESS_EVERY == 0:
                 progress(f"{i + 1}/{len(ids) - 1} positions")
         seconds = time.perf_counter() - started
@@ -140,6 +155,8 @@ class Measurement:
     decode_tok_s: float
     peak_rss_mb: float | None  # None: not measured
     load_1min: float | None = None  # the machine's load average after the pass (speed is only comparable alike)
+    prefilled_argmax: list[int] | None = None  # the prefilled pass (PREFILL_TOKENS prefilled, then decode)
+    prefilled_nll: list[float] | None = None
 
 
 def compare(reference: Measurement, candidate: Measurement) -> dict[str, Any]:
@@ -150,7 +167,17 @@ def compare(reference: Measurement, candidate: Measurement) -> dict[str, Any]:
     equal = equal_answers(reference.answers, candidate.answers)
     passes = {"agreement": agreement >= MIN_AGREEMENT, "perplexity": abs(change) <= MAX_PPL_CHANGE,
               "answers": equal * MIN_EQUAL_ANSWERS[1] >= MIN_EQUAL_ANSWERS[0] * len(reference.answers)}
-    return {"top1_agreement_pct": 100 * agreement, "perplexity": ppl, "ppl_change_pct": 100 * change,
+    prefilled: dict[str, float] = {}
+    if reference.prefilled_argmax and candidate.prefilled_argmax:  # the bar holds after a prefill too
+        prefilled_agreement = top1_agreement(np.asarray(reference.prefilled_argmax),
+                                             np.asarray(candidate.prefilled_argmax))
+        prefilled_change = perplexity(np.asarray(candidate.prefilled_nll)) / perplexity(
+            np.asarray(reference.prefilled_nll)) - 1.0
+        prefilled = {"prefilled_top1_agreement_pct": 100 * prefilled_agreement,
+                     "prefilled_ppl_change_pct": 100 * prefilled_change}
+        passes["agreement"] = passes["agreement"] and prefilled_agreement >= MIN_AGREEMENT
+        passes["perplexity"] = passes["perplexity"] and abs(prefilled_change) <= MAX_PPL_CHANGE
+    return {**prefilled, "top1_agreement_pct": 100 * agreement, "perplexity": ppl, "ppl_change_pct": 100 * change,
             "answers_equal": equal, "answers_total": len(reference.answers), "decode_tok_s": candidate.decode_tok_s,
             "peak_rss_mb": candidate.peak_rss_mb, "load_1min": candidate.load_1min, "positions": len(candidate.nll),
             "pass": passes, "passes_all": all(passes.values())}
@@ -231,8 +258,10 @@ def measure(engine: Engine, text: str, prompts: Sequence[str],
     load = os.getloadavg()[0]
     if progress is not None:
         progress(f"teacher-forced pass: {forced.tok_s:.1f} tok/s; answering {len(prompts)} prompts")
+    prefilled = teacher_forced(engine, ids, progress, prefill=min(PREFILL_TOKENS, len(ids) - 1))
     answers = held_answers(engine, prompts)
-    return Measurement(forced.argmax.tolist(), forced.nll.tolist(), answers, forced.tok_s, peak_rss_mb(), load)
+    return Measurement(forced.argmax.tolist(), forced.nll.tolist(), answers, forced.tok_s, peak_rss_mb(), load,
+                       prefilled.argmax.tolist(), prefilled.nll.tolist())
 
 
 def peak_rss_mb() -> float:
@@ -273,14 +302,16 @@ def measure_in_subprocess(engine_dir: Path, threads: int, out: Path, reuse: bool
 
 def table(rows: dict[str, dict[str, Any]]) -> str:
     mark = {True: "pass", False: "FAIL"}
-    lines = [f"{'variant':10} {'top-1 agree':>11} {'perplexity':>10} {'Δppl':>7} {'answers':>7} {'decode':>9} "
-             f"{'peak RSS':>9}  bar (≥98 % / ≤3 % / ≥9 of 10)",
-             f"{'':10} {'%':>11} {'':>10} {'%':>7} {'equal':>7} {'tok/s':>9} {'MB':>9}"]
+    lines = [f"{'variant':10} {'top-1 agree':>11} {'perplexity':>10} {'Δppl':>7} {'prefilled':>13} {'answers':>7} "
+             f"{'decode':>9} {'peak RSS':>9}  bar (≥98 % / ≤3 % / ≥9 of 10)",
+             f"{'':10} {'%':>11} {'':>10} {'%':>7} {'agree%/Δppl%':>13} {'equal':>7} {'tok/s':>9} {'MB':>9}"]
     for name, r in rows.items():
         verdict = "reference" if name == REFERENCE else (
             f"{mark[r['pass']['agreement']]} / {mark[r['pass']['perplexity']]} / {mark[r['pass']['answers']]}")
+        after = (f"{r['prefilled_top1_agreement_pct']:6.2f}/{r['prefilled_ppl_change_pct']:+6.2f}"
+                 if "prefilled_top1_agreement_pct" in r else "n/a")
         lines.append(f"{name:10} {r['top1_agreement_pct']:11.2f} {r['perplexity']:10.4f} {r['ppl_change_pct']:+7.2f} "
-                     f"{r['answers_equal']:>4}/{r['answers_total']:<2} {r['decode_tok_s']:9.1f} "
+                     f"{after:>13} {r['answers_equal']:>4}/{r['answers_total']:<2} {r['decode_tok_s']:9.1f} "
                      f"{'n/a' if r['peak_rss_mb'] is None else format(r['peak_rss_mb'], '.0f'):>9}  {verdict}")
     return "\n".join(lines)
 

@@ -126,17 +126,27 @@ def lower_for_onnxruntime(model: onnx.ModelProto, *, kv_cache_dtype: str, tokens
 def share_tied_head(model: onnx.ModelProto, head_initializer: str = "lm_head.weight") -> bool:
     """A tied model's float LM head reads the runtime's embedding table: MatMul(x, W^T initializer) becomes
     Gemm(x, TIED_HEAD_INPUT, transB=1) and the initializer goes (113 MB for SmolLM2; a non-initializer B
-    measured as fast as MLAS's prepacked one at one row). False when the head is absent or quantized."""
+    measured as fast as MLAS's prepacked one at one row). A quantized head's exact rescoring (Gather of its
+    candidates' rows from the float [V, H] head, llama_graph.rescore_candidates) reads the same table in place.
+    False when the graph has no float head."""
     graph = model.graph
     weight = next((t for t in graph.initializer if t.name == head_initializer), None)
     users = [n for n in graph.node if head_initializer in n.input]
-    if weight is None or len(users) != 1 or users[0].op_type != "MatMul" or users[0].input[1] != head_initializer:
+    if weight is None or not users:
         return False
-    hidden, vocab = weight.dims
-    node = users[0]
-    gemm = helper.make_node("Gemm", [node.input[0], TIED_HEAD_INPUT], list(node.output), name=node.name, transB=1)
-    graph.node.insert(list(graph.node).index(node), gemm)
-    graph.node.remove(node)
+    if all(n.op_type == "Gather" and n.input[0] == head_initializer for n in users):
+        vocab, hidden = weight.dims
+        for node in users:
+            node.input[0] = TIED_HEAD_INPUT
+    elif len(users) == 1 and users[0].op_type == "MatMul" and users[0].input[1] == head_initializer:
+        hidden, vocab = weight.dims
+        node = users[0]
+        gemm = helper.make_node("Gemm", [node.input[0], TIED_HEAD_INPUT], list(node.output), name=node.name,
+                                transB=1)
+        graph.node.insert(list(graph.node).index(node), gemm)
+        graph.node.remove(node)
+    else:
+        return False
     graph.initializer.remove(weight)
     graph.input.append(value_info(TIED_HEAD_INPUT, FLOAT, [vocab, hidden]))
     return True

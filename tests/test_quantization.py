@@ -75,7 +75,8 @@ def test_quantized_engine_equals_the_dequantized_reference(model: str, quantizat
             loaded.weights[name] = gguf.quants.dequantize(raw, kind).reshape(weight.shape)
             loaded.exact_blocks[name] = from_gguf_blocks(gguf_blocks, raw, weight.shape[1])
     reference = dict(loaded.weights)
-    quantize_linears(loaded, quantization, 32)
+    # The head as plain blocks of the layers' width (no rescoring of candidates: that is tests/test_lm_head.py)
+    quantize_linears(loaded, quantization, 32, lm_head=quantization, lm_head_candidates=0)
     for name, exact in loaded.exact_blocks.items():
         assert loaded.quantized[name] is exact  # no second rounding
     if gguf_blocks is not None:
@@ -115,7 +116,7 @@ def test_lm_head_of_a_tied_model_comes_from_the_embedding() -> None:
     assert "model.embed_tokens.weight" in loaded.weights  # the runtime still looks embeddings up
     embedding = loaded.weights["model.embed_tokens.weight"]
     error = np.abs(loaded.quantized[LM_HEAD].dequantize().T - embedding).max()
-    assert error <= np.abs(embedding).max() / 7  # int4 of the embedding, not of something else
+    assert error <= np.abs(embedding).max() / 7  # blocks of the embedding (int8 by default), not of something else
     assert loaded.config.quantization == "int4" and loaded.config.quant_block_size == 32
 
 
@@ -190,3 +191,39 @@ def test_reuse_is_invisible_on_an_int4_engine(case: str, tmp_path: Path) -> None
     for w, c in zip(warm, cold, strict=True):
         assert (w["output_text"], top1_ids(w)) == (c["output_text"], top1_ids(c))
     assert warm_engine.profile()["prefill"]["reused_tokens"] > 0
+
+
+def test_prefill_sized_calls_run_int8_gemms_and_decode_keeps_the_blocks(tmp_path: Path) -> None:
+    """--prefillInt8Rows: each quantized layer is an If between DynamicQuantizeMatMul over int8 columns (calls of at
+    least that many rows) and its MatMulNBits blocks (smaller calls, still exactly the dequantized model)."""
+    from kvforge.runtime.context_cache.manager import Admission
+    from kvforge.runtime.runner import StepInputs
+
+    loaded = synthetic_model("tiny-llama", kv_cache_dtype="fp32")
+    quantize_linears(loaded, "int4", 32, lm_head="float")
+    loaded.config.prefill_int8_rows = 8
+    reference = dict(loaded.weights)
+    for name, blocks in loaded.quantized.items():
+        reference[name] = blocks.dequantize().T
+    write_onnx_dir(loaded, tmp_path / "onnx")
+    build_engine(tmp_path / "onnx", tmp_path / "engine", BuildOptions(max_input_len=64, max_kv_cache_capacity=128,
+                                                                      max_batch_size=1, tokens_per_page=16))
+    graph = onnx.load(tmp_path / "engine" / "model.onnx", load_external_data=False).graph
+    branches = [n for n in graph.node if n.op_type == "If"]
+    assert len(branches) == 4 * loaded.config.num_hidden_layers
+    ops = {a.name: [n.op_type for n in a.g.node] for a in branches[0].attribute}
+    assert ops["then_branch"] == ["DynamicQuantizeMatMul"] and ops["else_branch"] == ["MatMulNBits"]
+    engine = Engine(tmp_path / "engine", EngineConfig(num_threads=2))
+    for length, exact in ((7, True), (20, False)):
+        ids = list(range(5, 5 + length))
+        lease = engine.cache.try_acquire(Admission(ids))
+        assert lease is not None
+        got = engine.runner.forward(StepInputs(engine.model_runner.embedding[ids][None], np.array([length], np.int32),
+                                               np.zeros(1, np.int32), [lease.page_ids]))[0]
+        engine.cache.release(lease)
+        expected = dense_logits(loaded.config, reference, ids)[-1]
+        if exact:
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4)
+        else:  # int8 activations and columns: close, not equal
+            assert 1e-4 < np.abs(got - expected).max() <= 0.05 * np.abs(expected).max()
+            assert got.argmax() == expected.argmax()

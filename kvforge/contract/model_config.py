@@ -11,6 +11,9 @@ from kvforge.contract.lora import LORA_TARGETS, is_target_list
 
 KV_CACHE_DTYPES = ("fp16", "fp8", "fp32")
 QUANTIZATIONS = ("none", "int8", "int4")  # linear weights: float32, or MatMulNBits blocks
+# The LM head: a float matmul, or MatMulNBits blocks whose approximate logits pick lm_head_candidates tokens that
+# are then scored exactly against the float head ("" = an export from before the field, head as its graph says).
+LM_HEADS = ("float", "int8", "int4")
 MODEL_FAMILIES = ("llama", "qwen2", "qwen3", "mamba2", "qwen3_5")
 RECURRENT_FAMILIES = ("mamba2",)  # every layer a Mamba2 mixer: no KV cache, carried conv + recurrent states
 # Attention layers with a paged KV pool interleaved with recurrent layers (Qwen3.5: gated delta-net + gated attention).
@@ -44,6 +47,9 @@ class ModelConfig:
     lora_targets: list[str] = field(default_factory=list)  # linears with lora_A/lora_B inputs (q, k, ..., down)
     quantization: str = "none"  # requested weight format; GGUF blocks that map exactly keep their own bits
     quant_block_size: int = 0  # MatMulNBits block size of re-quantized weights (0 = not quantized)
+    lm_head: str = ""  # one of LM_HEADS; "" = not recorded (older exports)
+    lm_head_candidates: int = 0  # top-k of a quantized head rescored against the float head (0 = none)
+    prefill_int8_rows: int = 0  # calls of at least this many rows run quantized layers as int8 GEMMs (0 = never)
     # Recurrent layers; names as TensorRT Edge-LLM's config.json. layer_types empty = all attention.
     # Mamba2: state [H, P, N] = [num_heads, head_dim, state_size], n_groups B/C groups.
     # Gated delta-net (qwen3_5): the same fields describe state [Hv, Dv, Dk]: num_heads = value heads, head_dim =
@@ -108,6 +114,8 @@ class ModelConfig:
                                 "config.kv_cache_dtype")
         if self.quantization not in QUANTIZATIONS:
             raise KvforgeError(f"must be one of {QUANTIZATIONS}, got {self.quantization!r}", "config.quantization")
+        if self.lm_head and self.lm_head not in LM_HEADS:
+            raise InvalidConfig(f"must be one of {LM_HEADS}, got {self.lm_head!r}", "config.lm_head")
         unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
         if unknown:
             raise InvalidConfig(f"unknown layer type {unknown[0]!r} (known: {', '.join(LAYER_TYPES)})",
@@ -209,6 +217,8 @@ CONFIG_SCHEMA: dict[str, tuple[str, float | None, float | None]] = {
     "bos_token_id": ("token?", None, None), "eos_token_ids": ("tokens", None, None),
     "pad_token_id": ("token?", None, None), "name": ("str", None, None), "lora_targets": ("strs", None, None),
     "quantization": ("str", None, None), "quant_block_size": ("int", 0, 2**16), "format": ("str", None, None),
+    "lm_head": ("str", None, None), "lm_head_candidates": ("int", 0, 2**20),
+    "prefill_int8_rows": ("int", 0, 2**30),
     # Recurrent (Mamba2) fields; 0 on attention-only models. validate() checks them per family.
     "layer_types": ("layers", None, None), "recurrent_state_num_heads": ("int", 0, 2**16),
     "recurrent_state_head_dim": ("int", 0, 2**16), "recurrent_state_size": ("int", 0, 2**16),

@@ -13,7 +13,7 @@ from kvforge.contract.model_config import ModelConfig
 from kvforge.graph.onnx_graph import FLOAT, FLOAT16, INT32, INT64, OPSET, UINT8, GraphWriter, value_info
 from kvforge.graph.rope import apply_rope
 from kvforge.plugins import ops
-from kvforge.tools.export.quantize import BlockQuantized, concat_columns
+from kvforge.tools.export.quantize import LM_HEAD, BlockQuantized, concat_columns
 
 POOL_ELEM_TYPES = {"fp16": FLOAT16, "fp8": UINT8, "fp32": FLOAT}
 ORT_DOMAIN = "com.microsoft"
@@ -22,6 +22,10 @@ ORT_DOMAIN = "com.microsoft"
 # as with int8 ones (level 4: 46 us, 5.0 ms), and level 0 is exact; 8-bit blocks have no float-activation
 # kernel (level 0 dequantizes the whole weight per call: 2.0 ms at 1 row), so they take level 4 (17 us).
 ACCURACY_LEVELS = {4: 0, 8: 4}
+# A quantized LM head only ranks the vocabulary (its candidates are rescored against the float head), so it takes
+# the fastest level at both widths: int8 activations (SmolLM2's head, one row: 4-bit 0.40 ms vs 1.13 ms at level 0;
+# 8-bit has no fast level-0 kernel at all).
+HEAD_ACCURACY_LEVEL = 4
 
 
 def pool_input_name(layer: int) -> str:
@@ -38,7 +42,11 @@ def build_llama_graph(config: ModelConfig, weights: dict[str, np.ndarray],
     """Embeddings come in as `inputs_embeds` (the runtime looks them up); logits go out for the last token.
     Linears named in `quantized` become MatMulNBits (ONNX Runtime's block-quantized matmul)."""
     g = GraphWriter()
-    linears = _Linears(weights, quantized or {})
+    prefill = None
+    if quantized and config.prefill_int8_rows:
+        rows = g.op("ReduceProd", [g.op("Shape", ["inputs_embeds"], end=2)], keepdims=0)
+        prefill = g.op("GreaterOrEqual", [rows, g.const(config.prefill_int8_rows)], name="is_prefill")
+    linears = _Linears(weights, quantized or {}, prefill, g)
     num_q, num_kv, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     hidden = "inputs_embeds"
     rope_cos, rope_sin = rope_inputs(g, hidden)
@@ -147,8 +155,13 @@ class _LoraInputs:
 class _Linears:
     """Linear layers as MatMul over float32 [in, out] initializers, or MatMulNBits over quantized blocks."""
 
-    def __init__(self, weights: dict[str, np.ndarray], quantized: dict[str, BlockQuantized]) -> None:
+    def __init__(self, weights: dict[str, np.ndarray], quantized: dict[str, BlockQuantized],
+                 prefill: str | None = None, top: GraphWriter | None = None) -> None:
+        """`prefill`: a bool scalar in the graph, true for calls of prefill size; quantized layers then run an If
+        between int8 weights (DynamicQuantizeMatMul, true) and their MatMulNBits blocks (false). `top`: the
+        graph's own writer, for initializers every branch shares."""
         self.weights, self.quantized = weights, quantized
+        self.prefill, self.top = prefill, top
         self._block_sums: dict[tuple[str, int], str] = {}  # per input: o_proj's correction reuses nothing else
         self._block_sum_weights: set[str] = set()
 
@@ -195,29 +208,62 @@ class _Linears:
             return g.matmul(x, g.weight(name, weight.astype(np.float32).T))
         return self.apply_blocks(g, x, name, blocks)
 
-    def apply_blocks(self, g: GraphWriter, x: str, name: str, blocks: BlockQuantized) -> str:
+    def apply_blocks(self, g: GraphWriter, x: str, name: str, blocks: BlockQuantized,
+                     accuracy_level: int | None = None) -> str:
+        if self.prefill is None or accuracy_level is not None:  # the head passes its own level: never an If
+            return self._nbits(g, x, name, blocks, accuracy_level)
+        decode, prefill = GraphWriter(prefix=f"{name}/decode/"), GraphWriter(prefix=f"{name}/prefill/")
+        decoded = self._nbits(decode, x, name, blocks, None, cache=False)
+        weight, scales = int8_columns(blocks)
+        prefilled = prefill.op("DynamicQuantizeMatMul", [x, prefill.weight(f"{name}.int8", weight),
+                                                         prefill.weight(f"{name}.int8_scales", scales)],
+                               domain=ORT_DOMAIN, name="prefill_matmul")
+        return g.op("If", [self.prefill], then_branch=_branch(prefill, prefilled, f"{name}/prefill"),
+                    else_branch=_branch(decode, decoded, f"{name}/decode"), name="prefill_or_decode")
+
+    def _nbits(self, g: GraphWriter, x: str, name: str, blocks: BlockQuantized, accuracy_level: int | None,
+               cache: bool = True) -> str:
+        level = ACCURACY_LEVELS[blocks.bits] if accuracy_level is None else accuracy_level
         inputs = [x, g.weight(f"{name}.qweight", blocks.packed), g.weight(f"{name}.scales", blocks.scales)]
         if blocks.zero_points is not None:
             inputs.append(g.weight(f"{name}.zero_points", blocks.zero_points))
         y = g.op("MatMulNBits", inputs, domain=ORT_DOMAIN, K=blocks.k, N=blocks.n, bits=blocks.bits,
-                 block_size=blocks.block_size, accuracy_level=ACCURACY_LEVELS[blocks.bits])
+                 block_size=blocks.block_size, accuracy_level=level)
         if blocks.offsets is None:
             return y
-        return g.add(y, g.matmul(self.block_sums(g, x, blocks), g.weight(f"{name}.offsets", blocks.offsets)))
+        return g.add(y, g.matmul(self.block_sums(g, x, blocks, cache), g.weight(f"{name}.offsets", blocks.offsets)))
 
-    def block_sums(self, g: GraphWriter, x: str, blocks: BlockQuantized) -> str:
+    def block_sums(self, g: GraphWriter, x: str, blocks: BlockQuantized, cache: bool = True) -> str:
         """x [..., K] summed over each quantization block of K → [..., K / block_size] (see quantize.py): one
-        MatMul with a 0/1 matrix, any rank, instead of Shape/Concat/Reshape/ReduceSum."""
+        MatMul with a 0/1 matrix, any rank, instead of Shape/Concat/Reshape/ReduceSum. Inside an If branch
+        (`cache=False`) the sum stays local; the 0/1 matrix is the top graph's, shared by every branch."""
         key = (x, blocks.block_size)
-        if key not in self._block_sums:
+        if key not in self._block_sums or not cache:
             ones = np.kron(np.eye(blocks.k // blocks.block_size, dtype=np.float32),
                            np.ones((blocks.block_size, 1), dtype=np.float32))  # [K, K / block_size]
             name = f"block_sum_{blocks.k}_{blocks.block_size}"
             if name not in self._block_sum_weights:
                 self._block_sum_weights.add(name)
-                g.weight(name, ones)
+                (self.top or g).weight(name, ones)
+            if not cache:
+                return g.matmul(x, name)
             self._block_sums[key] = g.matmul(x, name)
         return self._block_sums[key]
+
+
+def int8_columns(blocks: BlockQuantized) -> tuple[np.ndarray, np.ndarray]:
+    """The dequantized weight (offsets included) as int8 [K, N] with one symmetric scale per output column, the form
+    DynamicQuantizeMatMul takes (ONNX Runtime runs it on MLAS's u8s8 GEMM, AMX where the CPU has it)."""
+    w = blocks.dequantize()
+    scales = np.abs(w).max(axis=0) / 127.0
+    scales = np.where(scales == 0, 1.0, scales).astype(np.float32)
+    return np.clip(np.rint(w / scales), -127, 127).astype(np.int8), scales
+
+
+def _branch(g: GraphWriter, output: str, name: str) -> onnx.GraphProto:
+    """An If branch: its nodes and initializers, outer-scope inputs read by name, one float output."""
+    return helper.make_graph(g.nodes, name.replace("/", "_"), [],
+                             [helper.make_tensor_value_info(output, FLOAT, None)], g.initializers)
 
 
 _PROJ_MODULES = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
@@ -252,7 +298,26 @@ def _last_token_logits(g: GraphWriter, hidden: str, config: ModelConfig, weights
     last = g.op("Gather", [flat, flat_ids], axis=0)  # [B, H]
     normed = g.rms_norm(last, g.weight("model.norm.weight", weights["model.norm.weight"].astype(np.float32)),
                         config.rms_norm_eps)
-    head = weights.get("lm_head.weight")
+    head = weights.get(LM_HEAD)
     if head is None:  # tied embeddings
         head = weights["model.embed_tokens.weight"]
-    return linears.apply(g, normed, "lm_head.weight", head)
+    blocks = linears.quantized.get(LM_HEAD)
+    if blocks is None:
+        return linears.apply(g, normed, LM_HEAD, head)
+    approximate = linears.apply_blocks(g, normed, LM_HEAD, blocks, HEAD_ACCURACY_LEVEL)
+    candidates = min(config.lm_head_candidates, config.vocab_size)
+    if not candidates:
+        return approximate
+    return rescore_candidates(g, approximate, normed, g.weight(LM_HEAD, head.astype(np.float32)), candidates)
+
+
+def rescore_candidates(g: GraphWriter, approximate: str, normed: str, head: str, candidates: int) -> str:
+    """The `candidates` best of the approximate logits [B, V] replaced by their exact values normed @ head[t]
+    (head [V, H], float): TopK, Gather of those rows, a [B, k, H] x [B, H, 1] MatMul, ScatterElements. Greedy
+    and top-1 then equal the float head's whenever its argmax is among the candidates; other tokens keep their
+    approximate logits. For a tied model the builder binds `head` to the runtime's embedding table."""
+    _, ids = g.op("TopK", [approximate, g.const([candidates])], n_out=2, axis=-1, name="lm_head_topk")
+    rows = g.op("Gather", [head, ids], axis=0, name="lm_head_rows")  # [B, k, H]: k rows read, not V
+    exact = g.op("MatMul", [rows, g.unsqueeze(normed, [2])], name="lm_head_rescore")  # [B, k, 1]
+    exact = g.op("Squeeze", [exact, g.const([2])])
+    return g.op("ScatterElements", [approximate, ids, exact], axis=1, name="lm_head_exact")

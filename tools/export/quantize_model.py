@@ -6,17 +6,35 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvforge.contract.errors import KvforgeError
-from kvforge.tools.export.quantize import BITS, EMBEDDING, LM_HEAD, linear_weight_names, quantize
+from kvforge.tools.export.quantize import (
+    BITS,
+    DEFAULT_LM_HEAD_CANDIDATES,
+    EMBEDDING,
+    LM_HEAD,
+    linear_weight_names,
+    quantize,
+    resolve_lm_head,
+)
 from kvforge.tools.export.source import LoadedModel
 
 
 def quantize_linears(loaded: LoadedModel, quantization: str, block_size: int,
-                     progress: Callable[[str], None] | None = None) -> None:
+                     progress: Callable[[str], None] | None = None, lm_head: str = "auto",
+                     lm_head_candidates: int = DEFAULT_LM_HEAD_CANDIDATES) -> None:
     """Fill `loaded.quantized` for every linear: the GGUF's exact blocks where they are at least as wide as the
     request (int4 keeps Q4_0/Q4_1/Q8_0 blocks, int8 keeps Q8_0 ones), else ONNX Runtime's quantizer at the
-    requested bits. Float copies of quantized linears are dropped (the embedding stays)."""
+    requested bits. Float copies of quantized linears are dropped (the embedding stays).
+
+    The head follows `lm_head` (see resolve_lm_head): float stays a float matmul; int8/int4 become blocks of
+    that width (a GGUF's own blocks when they have exactly that width) whose approximate logits choose
+    `lm_head_candidates` tokens rescored against the float head, which is then kept (0: the blocks alone)."""
     config = loaded.config
     config.quantization = quantization
+    head = resolve_lm_head(quantization, lm_head)
+    if lm_head_candidates < 0:
+        raise KvforgeError(f"must be >= 0, got {lm_head_candidates}", "--lmHeadCandidates")
+    config.lm_head = head
+    config.lm_head_candidates = 0 if head == "float" else lm_head_candidates
     if quantization == "none":
         config.quant_block_size = 0
         return
@@ -24,20 +42,21 @@ def quantize_linears(loaded: LoadedModel, quantization: str, block_size: int,
         raise KvforgeError(f"{config.model} exports float32 weights only for now; use --quantization none",
                            "--quantization")
     config.quant_block_size = block_size
-    bits = BITS[quantization]
     for done, name in enumerate(linear_weight_names(config), start=1):
+        bits = BITS[quantization]
+        if name == LM_HEAD:
+            if head == "float":
+                # A head the GGUF holds as Q8_0 stays a float matmul over exactly those values: its 8-bit blocks
+                # only run with int8 activations, which alone cost SmolLM2 2.2 points of top-1 agreement
+                # (97.8 % vs 100 %) when nothing rescores their logits.
+                continue
+            bits = BITS[head]
         source = name if name in loaded.weights or name != LM_HEAD else EMBEDDING
         exact = loaded.exact_blocks.get(source)
-        if exact is not None and exact.bits < bits:
+        if exact is not None and (exact.bits < bits or (name == LM_HEAD and exact.bits != bits)):
             exact = None  # int8 asked of a 4-bit GGUF: 8-bit blocks of the dequantized weights are closer
-        if name == LM_HEAD and exact is not None and exact.bits > bits:
-            # int4 of a GGUF whose head is Q8_0: 8-bit blocks only run with int8 activations (see
-            # llama_graph.ACCURACY_LEVELS), which cost SmolLM2's head alone 2.2 points of top-1 agreement
-            # (97.8 % vs 100 %), and rounding them to 4 bits would be a second rounding. The head stays a
-            # float MatMul over the file's exact values.
-            continue
         loaded.quantized[name] = exact or quantize(loaded.weights[source], bits, block_size)
-        if source != EMBEDDING:
-            loaded.weights.pop(source, None)
+        if source != EMBEDDING and not (name == LM_HEAD and config.lm_head_candidates):
+            loaded.weights.pop(source, None)  # a rescored untied head keeps its float rows for the candidates
         if progress is not None:
             progress(f"quantized {done} linears")
