@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kvforge.builder.build import resolve_cpu_attention
 from kvforge.cli_common import BUILD_FLAGS
 from kvforge.contract.engine_dir import BuilderConfig, load_engine_dir
 from kvforge.contract.errors import InvalidConfig
@@ -126,7 +127,9 @@ def test_engine_dir_build_is_the_recorded_geometry(tiny_engine_dir: Path, tiny_b
     build = load_engine_dir(tiny_engine_dir).build
     assert isinstance(build, PageGeometry)
     model = load_engine_dir(tiny_engine_dir).model
-    assert build == BuilderConfig.from_geometry(tiny_build_options.geometry(4096), "onnxruntime", 0, model)
+    # The attention path follows this run's kernel switch (tests/test_cpu_attention_path.py checks which).
+    assert build == BuilderConfig.from_geometry(tiny_build_options.geometry(4096), "onnxruntime", 0, model,
+                                                resolve_cpu_attention("auto", head_dim=model.head_dim))
     # The snapshot geometry: one K+V page per attention layer per partial-KV slot, no recurrent layers.
     assert build.layer_types == ("attention",) * model.num_hidden_layers
     assert build.partial_kv_snapshot_bytes_per_slot == model.num_hidden_layers * kv_bytes_per_page(
