@@ -72,8 +72,9 @@ def _session(model: onnx.ModelProto, threads: int, with_kernel: bool) -> ort.Inf
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
-    if with_kernel and not cpu_kernel.register(options):
-        raise SystemExit(f"CPU kernel not available: {cpu_kernel.kernel_status()[1]}")
+    reason = cpu_kernel.register(options) if with_kernel else ""
+    if reason:
+        raise SystemExit(f"CPU kernel not available: {reason}")
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 

@@ -102,7 +102,7 @@ def resolve_backend(backend: str) -> str:
     return "onnxruntime"
 
 
-def resolve_cpu_attention(choice: str, paged: bool = True, head_dim: int = 64) -> str:
+def resolve_cpu_attention(choice: str, *, head_dim: int, paged: bool = True) -> str:
     """The attention path of an ONNX Runtime engine (an engine_dir ATTENTION_* value): `auto` takes kvforge's CPU
     kernel when its library builds and loads here (KVFORGE_CPU_KERNEL=off forces the fallback) and takes the
     model's head width, `kernel` insists on it, `onnx` takes the stock-ops lowering. Resolved values pass through
@@ -153,7 +153,7 @@ def build_engine(onnx_dir: Path, engine_dir: Path, options: BuildOptions,
     backend = resolve_backend(options.backend)
     paged = backend == "onnxruntime" and not config.is_recurrent
     # The kernel is built now, before any work.
-    attention = resolve_cpu_attention(options.cpu_attention, paged, config.head_dim)
+    attention = resolve_cpu_attention(options.cpu_attention, head_dim=config.head_dim, paged=paged)
     options = replace(options, cpu_attention=attention)
     geometry = options.geometry(config.max_position_embeddings)
     plan = memory_plan(config, geometry)

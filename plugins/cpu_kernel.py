@@ -12,7 +12,6 @@ import sys
 import tarfile
 import tempfile
 import urllib.request
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
@@ -236,18 +235,17 @@ def kernel_status() -> tuple[Path | None, str]:
         return None, f"CPU kernel unavailable: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
-def register(options: object) -> bool:
-    """Registers the library on an onnxruntime.SessionOptions; False when it is unavailable or this ONNX Runtime
-    refuses it (too old for the headers' API version), with the reason as a warning in the latter case."""
-    path, _ = kernel_status()
+def register(options: object) -> str:
+    """Registers the library on an onnxruntime.SessionOptions: "" when done, else the one-line reason it is not
+    (unavailable here, or this ONNX Runtime refuses it: too old for the headers' API version)."""
+    path, reason = kernel_status()
     if path is None:
-        return False
+        return reason
     try:
         options.register_custom_ops_library(str(path))  # type: ignore[attr-defined]
     except Exception as exc:  # onnxruntime raises its own Fail type
-        warnings.warn(f"kvforge CPU kernel not registered: {str(exc).splitlines()[0]}", RuntimeWarning, stacklevel=2)
-        return False
-    return True
+        return f"onnxruntime refused the library: {str(exc).splitlines()[0]}"
+    return ""
 
 
 def main() -> int:

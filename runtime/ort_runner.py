@@ -72,13 +72,12 @@ def make_session(model_path: str, num_threads: int = 0, profile_prefix: str | No
 
 def register_cpu_kernel(options: ort.SessionOptions, field: str = "engine_dir") -> None:
     """Register kvforge's CPU attention library (built on first use) on `options`, or say in one line why not."""
-    from kvforge.plugins.cpu_kernel import kernel_status
+    from kvforge.plugins.cpu_kernel import register
 
-    library, reason = kernel_status()
-    if library is None:
+    reason = register(options)
+    if reason:
         raise KvforgeError(f"this engine attends with the kvforge CPU kernel, which cannot be loaded here ({reason}); "
                            "rebuild it with llm_build --cpuAttention onnx", field)
-    options.register_custom_ops_library(str(library))
 
 
 def check_graph_inputs(session: ort.InferenceSession, engine: EngineDir) -> None:
@@ -129,7 +128,6 @@ class OrtEngineRunner:
                                     cpu_kernel=kernel)
         log.info("attention: %s", "kvforge CPU kernel (pages read in place)" if kernel
                  else "ONNX Runtime ops over pages gathered each call (the fallback)")
-        self.attention = build.attention
         check_graph_inputs(self.session, engine)
         graph_inputs = {i.name: i.shape for i in self.session.get_inputs()}
         self.tokens_per_page = build.tokens_per_page

@@ -10,7 +10,7 @@ import onnx
 import onnxruntime as ort
 
 from kvforge.plugins import ops
-from kvforge.plugins.cpu_kernel import kernel_status
+from kvforge.plugins.cpu_kernel import kernel_status, register
 
 
 def cpu_kernel_on() -> bool:
@@ -23,8 +23,7 @@ def session_for(model: onnx.ModelProto | str) -> ort.InferenceSession:
     loaded = onnx.load(model, load_external_data=False) if isinstance(model, str) else model
     options = ort.SessionOptions()
     if any(node.domain == ops.CPU_DOMAIN for node in loaded.graph.node):
-        library, reason = kernel_status()
-        assert library is not None, reason
-        options.register_custom_ops_library(str(library))
+        reason = register(options)
+        assert not reason, reason
     source = model if isinstance(model, str) else model.SerializeToString()
     return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import onnx
@@ -36,9 +37,7 @@ def test_onnx_choice_lowers_stock_ops_and_records_it(tiny_onnx_dir: Path, tmp_pa
 
 
 def _options(choice: str) -> BuildOptions:
-    return BuildOptions(max_input_len=BUILD.max_input_len, max_kv_cache_capacity=BUILD.max_kv_cache_capacity,
-                        max_batch_size=BUILD.max_batch_size, tokens_per_page=BUILD.tokens_per_page,
-                        cpu_attention=choice)
+    return replace(BUILD, cpu_attention=choice)
 
 
 def test_auto_follows_the_kernel_switch(tiny_onnx_dir: Path, tmp_path: Path) -> None:
@@ -54,7 +53,7 @@ def test_kernel_choice_without_the_kernel_is_one_line(tiny_onnx_dir: Path, tmp_p
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVFORGE_CPU_KERNEL", "off")
     with pytest.raises(InvalidConfig) as info:
-        resolve_cpu_attention("kernel")
+        resolve_cpu_attention("kernel", head_dim=64)
     assert info.value.field == "cpu_attention" and "KVFORGE_CPU_KERNEL" in info.value.message
     proc = run_cli(["llm_build", "--onnxDir", tiny_onnx_dir, "--engineDir", tmp_path / "engine", "--cpuAttention",
                     "kernel"])
