@@ -25,8 +25,17 @@ from kvforge.tools.export.quantize import (
     set_accuracy_level,
 )
 from kvforge.tools.export.quantize_model import quantize_linears
+from kvforge.tools.export.source import LoadedModel
 from kvforge.tools.export.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir
+
+
+def _built_graph(loaded: LoadedModel, tmp_path: Path) -> onnx.GraphProto:
+    """Export `loaded` and build a one-row engine of it under tmp_path; the lowered graph (weights not loaded)."""
+    write_onnx_dir(loaded, tmp_path / "onnx")
+    build_engine(tmp_path / "onnx", tmp_path / "engine", BuildOptions(max_input_len=64, max_kv_cache_capacity=128,
+                                                                      max_batch_size=1, tokens_per_page=16))
+    return onnx.load(tmp_path / "engine" / "model.onnx", load_external_data=False).graph
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
@@ -85,10 +94,7 @@ def test_quantized_engine_equals_the_dequantized_reference(model: str, quantizat
     assert sorted(loaded.quantized) == sorted(linear_weight_names(loaded.config))
     for name, blocks in loaded.quantized.items():
         reference[name] = blocks.dequantize().T
-    write_onnx_dir(loaded, tmp_path / "onnx")
-    build_engine(tmp_path / "onnx", tmp_path / "engine", BuildOptions(max_input_len=64, max_kv_cache_capacity=128,
-                                                                      max_batch_size=1, tokens_per_page=16))
-    graph = onnx.load(tmp_path / "engine" / "model.onnx", load_external_data=False).graph
+    graph = _built_graph(loaded, tmp_path)
     # q/k/v and gate/up run fused: four MatMulNBits per layer, plus the head
     nodes = 4 * loaded.config.num_hidden_layers + (LM_HEAD in loaded.quantized)
     assert sum(n.op_type == "MatMulNBits" for n in graph.node) == nodes
@@ -154,10 +160,7 @@ def test_a_tied_float_head_reads_the_runtime_embedding_table(tmp_path: Path) -> 
     assert loaded.config.tie_word_embeddings
     reference = dict(loaded.weights)
     quantize_linears(loaded, "none", 32)
-    write_onnx_dir(loaded, tmp_path / "onnx")
-    build_engine(tmp_path / "onnx", tmp_path / "engine", BuildOptions(max_input_len=64, max_kv_cache_capacity=128,
-                                                                      max_batch_size=1, tokens_per_page=16))
-    graph = onnx.load(tmp_path / "engine" / "model.onnx", load_external_data=False).graph
+    graph = _built_graph(loaded, tmp_path)
     assert TIED_HEAD_INPUT in [i.name for i in graph.input]
     assert "lm_head.weight" not in [t.name for t in graph.initializer]
     ids = list(range(3, 20))
@@ -205,10 +208,7 @@ def test_prefill_sized_calls_run_int8_gemms_and_decode_keeps_the_blocks(tmp_path
     reference = dict(loaded.weights)
     for name, blocks in loaded.quantized.items():
         reference[name] = blocks.dequantize().T
-    write_onnx_dir(loaded, tmp_path / "onnx")
-    build_engine(tmp_path / "onnx", tmp_path / "engine", BuildOptions(max_input_len=64, max_kv_cache_capacity=128,
-                                                                      max_batch_size=1, tokens_per_page=16))
-    graph = onnx.load(tmp_path / "engine" / "model.onnx", load_external_data=False).graph
+    graph = _built_graph(loaded, tmp_path)
     branches = [n for n in graph.node if n.op_type == "If"]
     assert len(branches) == 4 * loaded.config.num_hidden_layers
     ops = {a.name: [n.op_type for n in a.g.node] for a in branches[0].attribute}
