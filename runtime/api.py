@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvforge.runtime.engine import DEFAULT_PREFILL_CHUNK_TOKENS, Engine, EngineConfig
+from kvforge.runtime.engine import Engine
+from kvforge.runtime.engine_config import DEFAULT_PREFILL_CHUNK_TOKENS, EngineConfig
 from kvforge.runtime.file_runner import drain
 from kvforge.runtime.multimodal.encoder_cache import DEFAULT_ENCODER_CACHE_BUDGET_BYTES
 from kvforge.runtime.output import RequestOutput

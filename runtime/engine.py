@@ -8,24 +8,25 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from kvforge.contract.engine_dir import EMBEDDING_FILE, EMBEDDING_TENSOR, EngineDir, load_engine_dir
 from kvforge.contract.errors import InvalidConfig, PoolTooSmall
-from kvforge.contract.geometry import snapshot_slots
-from kvforge.contract.model_config import ModelConfig
 from kvforge.contract.paging import pages_for
 from kvforge.contract.safetensors_map import map_tensor
 from kvforge.runtime.backends import load_runner
-from kvforge.runtime.context_cache.lease import Lease
-from kvforge.runtime.context_cache.manager import DEFAULT_MAX_RECORDS, ContextCacheManager
+from kvforge.runtime.context_cache.manager import ContextCacheManager
+from kvforge.runtime.engine_config import (  # noqa: F401 - EngineConfig and the budget helper are re-exported
+    EngineConfig,
+    deployment_of,
+    resolve_engine_config,
+    snapshot_budgets,
+)
 from kvforge.runtime.inputs import InputProcessor, check_prompt_length
 from kvforge.runtime.lora import LoraRegistry, lora_input_shapes
 from kvforge.runtime.model_runner import ModelRunner
-from kvforge.runtime.multimodal.encoder_cache import DEFAULT_ENCODER_CACHE_BUDGET_BYTES
 from kvforge.runtime.output import OutputProcessor, RequestOutput
 from kvforge.runtime.profile import GENERATION_STAGE, PREFILL_STAGE, Profiler
 from kvforge.runtime.runner import EngineRunner
@@ -33,115 +34,66 @@ from kvforge.runtime.sampling import Sampler
 from kvforge.runtime.scheduler import Scheduler, SchedulerOutput
 from kvforge.runtime.sequence import EngineRequest, FinishReason, Sequence, Status
 from kvforge.runtime.snapshots import PartialKVSnapshotStore, RecurrentSnapshotStore
+from kvforge.runtime.state_manager import StateManager
 from kvforge.runtime.system_prompt_cache import SystemPromptCache
 from kvforge.runtime.types import CommitPolicy, Deployment
-
-# Long prompts prefill faster in chunks on the CPU: the masked score matrix grows with the square of the
-# call's length. bench/prefill_chunks.py measured a 1,536-token SmolLM2 prefill 1.36x faster at 512
-# (1.43x at 256, which would split more of the short prompts that gain nothing).
-DEFAULT_PREFILL_CHUNK_TOKENS = 512
-# Message-boundary checkpoints closer than this to the previous one are skipped: bench/recurrent_reuse.py measured
-# a chat turn on Mamba2-130m at 2x the TTFT when the boundary 5 tokens past its restored checkpoint split the call.
-MIN_BOUNDARY_GAP = 32
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """Run-time settings (the build fixed the rest). 0 means "the engine's own limit" for the sizes."""
-
-    num_threads: int = 0
-    enable_context_reuse: bool = False
-    context_cache_max_records: int = DEFAULT_MAX_RECORDS
-    prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_TOKENS  # 0 = a whole prompt per call
-    max_num_tokens: int = 0  # per-step token budget; 0 = maxInputLen
-    max_batch_size: int = 0  # rows per step; 0 = the engine's maxBatchSize
-    multimodal_engine_dir: str | None = None  # a visual engine dir (llm_build of an encoder ONNX dir)
-    encoder_cache_budget_bytes: int = DEFAULT_ENCODER_CACHE_BUDGET_BYTES  # 0 disables; on even without reuse
-    # Bytes for partial-KV snapshots (one K+V page per attention layer each): records whose length is not
-    # page-aligned keep their tail page, so a prompt extending one reuses up to its exact last token. 0 = off.
-    context_cache_partial_kv_snapshot_pool_bytes: int = 0
-    # Bytes for recurrent snapshots (every recurrent layer's state and conv state at one exact token count):
-    # what recurrent and hybrid engines reuse; required (>= one slot) for them when reuse is on.
-    context_cache_recurrent_snapshot_pool_bytes: int = 0
-    # Recurrent/hybrid engines capture a checkpoint where an earlier chat message ends (so a shared system
-    # prompt or document hits although the next request diverges inside the first one's prompt) and, with an
-    # interval, every that many prompt tokens; besides the prompt's and the generation's end, always captured.
-    snapshot_message_boundaries: bool = True
-    snapshot_interval_tokens: int = 0  # 0 = no periodic checkpoints
 
 
 class Engine:
     def __init__(self, engine_dir: Path | str, config: EngineConfig = EngineConfig(),
-                 runner: EngineRunner | None = None, profiler: Profiler | None = None) -> None:
+                 runner: EngineRunner | None = None, profiler: Profiler | None = None, *,
+                 num_pages: int | None = None) -> None:
+        """Build every part from the engine dir and `config`, each with its collaborators as arguments (nothing is
+        completed afterwards). `runner`: a backend to reuse instead of loading one; `profiler`: the server's;
+        `num_pages`: run on fewer KV pages than the build allocated (tests force waiting and eviction with it)."""
         self.config = config
         self.engine: EngineDir = load_engine_dir(Path(engine_dir))
         build = self.engine.build
-        budget = _resolve_limits(config, build.max_input_len, build.max_batch_size)
-        self.deployment = deployment_of(self.engine.model)
-        partial_slots = _partial_kv_snapshot_slots(config, self.engine, self.deployment)
-        recurrent_slots = _recurrent_snapshot_slots(config, self.engine, self.deployment)
-        # A pure recurrent engine keeps no pages (its geometry's page count only sizes nothing).
-        num_pages = 0 if self.deployment is Deployment.PURE_RECURRENT else build.max_kv_pool_pages
-        self.cache = ContextCacheManager(num_pages, build.tokens_per_page,
-                                         enabled=config.enable_context_reuse,
-                                         max_records=config.context_cache_max_records,
-                                         partial_kv_snapshot_slots=partial_slots,
-                                         recurrent_snapshot_slots=recurrent_slots,
-                                         deployment=self.deployment)
+        resolved = resolve_engine_config(config, self.engine, num_pages=num_pages)
+        self.deployment = resolved.deployment
         from kvforge.runtime.tokenizer import ChatTokenizer  # after the cheap checks: loading it takes a moment
 
-        self.tokenizer = ChatTokenizer(self.engine.path)
-        self.loras = LoraRegistry(self.engine)
-        self.inputs = InputProcessor(self.tokenizer, self.loras, build.max_input_len, config.enable_context_reuse,
-                                     self.engine.model.vocab_size)
-        self.inputs.message_boundaries = bool(recurrent_slots) and config.snapshot_message_boundaries
+        self.profiler = profiler or Profiler()
         embedding = map_tensor(self.engine.file(EMBEDDING_FILE), EMBEDDING_TENSOR)  # rows paged in as looked up
         self.runner = runner or load_runner(self.engine, config.num_threads, embedding)
-        self.snapshots = PartialKVSnapshotStore(self.runner.pool, partial_slots) if partial_slots else None
-        if self.snapshots is not None:
-            self.cache.capture_partial = self.snapshots.capture
         self.states = self.runner.states
         if (self.states is None) != (self.deployment is Deployment.VANILLA):
             raise InvalidConfig(f"config.json says {self.deployment.name.lower()} layers but the engine's graph "
                                 f"{'has no' if self.states is None else 'has'} recurrent states; rebuild it with "
                                 "llm_build", "engine_dir")
-        self._state_rows: dict[Lease, int] = {}  # running sequences' recurrent state rows, by lease
-        self.recurrent_snapshots = RecurrentSnapshotStore(self.states, recurrent_slots) \
-            if self.states is not None and recurrent_slots else None
-        if self.recurrent_snapshots is not None:
-            self.cache.capture_recurrent = self._capture_recurrent
+        partial, recurrent = resolved.partial_kv_snapshot_slots, resolved.recurrent_snapshot_slots
+        self.snapshots = PartialKVSnapshotStore(self.runner.pool, partial) if partial else None
+        self.recurrent_snapshots = RecurrentSnapshotStore(self.states, recurrent) \
+            if self.states is not None and recurrent else None
+        self.system_prompts = SystemPromptCache(self.runner.pool)
+        self.state = StateManager(tokens_per_page=build.tokens_per_page, states=self.states, partial=self.snapshots,
+                                  recurrent=self.recurrent_snapshots, system_prompts=self.system_prompts,
+                                  checkpoints=resolved.checkpoints)
+        self.cache = ContextCacheManager(resolved.num_pages, build.tokens_per_page,
+                                         enabled=config.enable_context_reuse,
+                                         max_records=config.context_cache_max_records,
+                                         partial_kv_snapshot_slots=partial, recurrent_snapshot_slots=recurrent,
+                                         deployment=self.deployment, copier=self.state)
+        encoder = _load_encoder(config)
+        self.tokenizer = ChatTokenizer(self.engine.path,
+                                       media_markers={encoder.kind: encoder.marker} if encoder is not None else {})
+        self.multimodal = _multimodal_processor(encoder, config, self.tokenizer, self.profiler,
+                                                self.engine.model.hidden_size)
+        self.loras = LoraRegistry(self.engine)
+        self.inputs = InputProcessor(self.tokenizer, self.loras, build.max_input_len, config.enable_context_reuse,
+                                     self.engine.model.vocab_size, multimodal=self.multimodal,
+                                     message_boundaries=resolved.checkpoints.enabled
+                                     and config.snapshot_message_boundaries)
         self.model_runner = ModelRunner(self.runner, embedding, lora_input_shapes(self.engine),
-                                        self._state_rows if self.states is not None else None)
+                                        self.state.rows if self.states is not None else None)
         self.outputs = OutputProcessor(self.tokenizer, frozenset(self.engine.model.eos_token_ids),
                                        build.max_kv_cache_capacity)
-        self.system_prompts = SystemPromptCache(self.runner.pool)
-        # A row computes at most maxInputLen tokens per call (a recompute after preemption can be longer).
-        chunk = min(config.prefill_chunk_size or build.max_input_len, build.max_input_len)
-        self.scheduler = Scheduler(self.cache, max_batch_size=budget[1], max_num_tokens=budget[0],
-                                   prefill_chunk_tokens=chunk,
-                                   on_admit=self._on_admit, on_release=self._on_release)
-        self.profiler = profiler or Profiler()
-        self.multimodal = self._load_multimodal(config)
+        self.scheduler = Scheduler(self.cache, self.state, max_batch_size=resolved.max_batch_size,
+                                   max_num_tokens=resolved.max_num_tokens,
+                                   prefill_chunk_tokens=resolved.prefill_chunk_tokens)
         self._sequences: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._arrivals = itertools.count()
-
-    def _load_multimodal(self, config: EngineConfig):  # -> MultimodalProcessor | None
-        if not config.multimodal_engine_dir:
-            if config.encoder_cache_budget_bytes < 0:
-                raise InvalidConfig(f"must be >= 0, got {config.encoder_cache_budget_bytes}",
-                                    "encoder_cache_budget_bytes")
-            return None
-        from kvforge.runtime.multimodal.encoder_cache import EncoderCache  # Pillow and the encoder only when asked
-        from kvforge.runtime.multimodal.encoders import load_encoder
-        from kvforge.runtime.multimodal.processor import MultimodalProcessor
-
-        cache = EncoderCache(config.encoder_cache_budget_bytes)
-        encoder = load_encoder(Path(config.multimodal_engine_dir), config.num_threads)
-        processor = MultimodalProcessor(encoder, cache, self.tokenizer, self.profiler, self.engine.model.hidden_size)
-        self.tokenizer.media_markers = {encoder.kind: encoder.marker}
-        self.inputs.multimodal = processor
-        return processor
 
     # --- front-end calls ----------------------------------------------------------------------------
 
@@ -172,29 +124,6 @@ class Engine:
         self._sequences[request_id] = seq
         self.scheduler.add(seq)
         return request_id
-
-    def _checkpoints(self, request: EngineRequest, start: int = 0) -> tuple[int, ...]:
-        """Prompt positions after `start` (the reuse point) where this request's recurrent state is captured.
-
-        The prompt's end always: a recompute after preemption (prompt + output in one go) must stop there, or the
-        prompt's checkpoint would hold the state after some generated tokens. Every --snapshotIntervalTokens
-        multiple. Message boundaries at least MIN_BOUNDARY_GAP tokens after the previous kept one (the reuse
-        point first): each one ends an engine call early and copies the state, which a boundary a few tokens past
-        the restored checkpoint (the last answer's end marker in a chat) would pay for nothing.
-        """
-        if self.recurrent_snapshots is None:
-            return ()
-        end = len(request.prompt_ids)
-        positions = {end}
-        if self.config.snapshot_message_boundaries:
-            last = start
-            for boundary in request.message_boundaries:
-                if boundary - last >= MIN_BOUNDARY_GAP:
-                    positions.add(boundary)
-                    last = boundary
-        if self.config.snapshot_interval_tokens:
-            positions.update(range(self.config.snapshot_interval_tokens, end, self.config.snapshot_interval_tokens))
-        return tuple(sorted(p for p in positions if start < p <= end))
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now; its pages are released and nothing of it is published. False if unknown."""
@@ -248,7 +177,7 @@ class Engine:
                     # A recurrent state is the prompt's only when the call ended exactly there (a checkpoint).
                     if self.states is None or seq.num_computed_tokens == prompt_len:
                         self.cache.publish(seq.lease, seq.prompt_ids)
-                    self._save_system_prompt(seq)
+                    self.state.on_prompt_computed(seq)
                 elif seq.num_computed_tokens in seq.checkpoints:  # the scheduler ended the chunk here for this
                     self.cache.publish(seq.lease, seq.prompt_ids[:seq.num_computed_tokens], boundary=True)
             if seq.num_computed_tokens < seq.num_tokens:
@@ -267,52 +196,6 @@ class Engine:
         self._sequences.pop(seq.request_id, None)
         self.profiler.add_adapter_request(seq.adapter_label, seq.reused_tokens)
 
-    # --- restores at admission: partial-KV snapshots, the legacy system-prompt cache -------------------
-
-    def _on_admit(self, seq: Sequence) -> None:
-        lease = seq.lease
-        assert lease is not None
-        seq.checkpoints = self._checkpoints(seq.request, seq.num_computed_tokens)
-        if self.states is not None:
-            row = self._state_rows[lease] = self.states.allocate()  # zeroed: the state before any token
-            if lease.restore_recurrent_slot is not None:
-                assert self.recurrent_snapshots is not None, "a checkpoint hit without a recurrent snapshot store"
-                self.recurrent_snapshots.restore(lease.restore_recurrent_slot, row)
-        if lease.restore_slot is not None:
-            assert self.snapshots is not None, "a snapshot hit without a snapshot store"
-            # Copy-on-partial-reuse: the snapshot goes into the sequence's own page, which it then extends.
-            self.snapshots.restore(lease.restore_slot, lease.page_ids[lease.reuse_tokens // self.cache.tokens_per_page])
-        if lease.restore_slot is not None or lease.restore_recurrent_slot is not None:
-            self.cache.finish_restore(lease)
-        self._restore_system_prompt(seq)
-
-    def _on_release(self, lease: Lease) -> None:
-        """A sequence finished or was preempted: its state row goes back (a preempted one restarts from a checkpoint
-        or from zero, like its pages)."""
-        row = self._state_rows.pop(lease, None)
-        if row is not None:
-            assert self.states is not None
-            self.states.free(row)
-
-    def _capture_recurrent(self, lease: Lease, slot: int) -> None:
-        assert self.recurrent_snapshots is not None
-        self.recurrent_snapshots.capture(self._state_rows[lease], slot)
-
-    def _restore_system_prompt(self, seq: Sequence) -> None:
-        key = seq.request.system_prompt_key
-        if key is None or seq.num_computed_tokens or seq.lease is None:
-            return
-        restored = self.system_prompts.restore(key, seq.prompt_ids, seq.lease.page_ids)
-        if restored:
-            seq.num_computed_tokens = restored
-            if seq.num_preemptions == 0:
-                seq.reused_tokens = restored
-
-    def _save_system_prompt(self, seq: Sequence) -> None:
-        key = seq.request.system_prompt_key
-        if key is not None and not seq.reused_tokens and seq.lease is not None:
-            self.system_prompts.save(key, seq.request.system_prompt_ids, seq.prompt_ids, seq.lease.page_ids)
-
     # --- reporting ----------------------------------------------------------------------------------
 
     @property
@@ -329,86 +212,23 @@ class Engine:
         return {**data, **self.multimodal.profile()} if self.multimodal else data
 
 
-def snapshot_budgets(engine: EngineDir, slots: int, partial_kv: bool = False) -> dict[str, int]:
-    """EngineConfig's snapshot budgets for `slots` slots of each pool this engine needs with reuse on: recurrent and
-    hybrid engines both of theirs; an attention-only engine partial-KV snapshots only when asked (`partial_kv`)."""
-    build = engine.build
-    budgets = {}
-    if build.recurrent_snapshot_bytes_per_slot:
-        budgets["context_cache_recurrent_snapshot_pool_bytes"] = slots * build.recurrent_snapshot_bytes_per_slot
-    if build.partial_kv_snapshot_bytes_per_slot and (partial_kv or build.recurrent_snapshot_bytes_per_slot):
-        budgets["context_cache_partial_kv_snapshot_pool_bytes"] = slots * build.partial_kv_snapshot_bytes_per_slot
-    return budgets
+def _load_encoder(config: EngineConfig):  # -> VisualEncoder | AudioEncoder | None
+    if not config.multimodal_engine_dir:
+        return None
+    from kvforge.runtime.multimodal.encoders import load_encoder  # Pillow and the encoder only when asked
+
+    return load_encoder(Path(config.multimodal_engine_dir), config.num_threads)
 
 
-def deployment_of(model: ModelConfig) -> Deployment:
-    """Attention layers only, recurrent layers only, or both (what the cache may reuse follows from it)."""
-    attention = len(model.attention_layer_ids)
-    if attention == model.num_hidden_layers:
-        return Deployment.VANILLA
-    return Deployment.PURE_RECURRENT if attention == 0 else Deployment.HYBRID
+def _multimodal_processor(encoder, config: EngineConfig, tokenizer, profiler: Profiler,
+                          hidden_size: int):  # -> MultimodalProcessor | None
+    if encoder is None:
+        return None
+    from kvforge.runtime.multimodal.encoder_cache import EncoderCache
+    from kvforge.runtime.multimodal.processor import MultimodalProcessor
+
+    return MultimodalProcessor(encoder, EncoderCache(config.encoder_cache_budget_bytes), tokenizer, profiler,
+                               hidden_size)
 
 
-def _partial_kv_snapshot_slots(config: EngineConfig, engine: EngineDir, deployment: Deployment) -> int:
-    """Slots the partial-KV snapshot budget holds; a budget that holds none, or without reuse, is an error, and
-    a hybrid engine with reuse needs one slot at least (its checkpoints' tail pages)."""
-    budget, field = config.context_cache_partial_kv_snapshot_pool_bytes, "context_cache_partial_kv_snapshot_pool_bytes"
-    if budget and deployment is Deployment.PURE_RECURRENT:
-        raise InvalidConfig("this engine has no attention layers, so no partial pages to snapshot; use 0", field)
-    per_slot = engine.build.partial_kv_snapshot_bytes_per_slot
-    slots = _snapshot_budget(config, budget, field, per_slot, "partial-KV snapshot slot (a K+V page per attention "
-                             "layer)")
-    if config.enable_context_reuse and deployment is Deployment.HYBRID and slots == 0:
-        raise InvalidConfig(f"a hybrid engine reuses exact checkpoints, whose partial tail page needs a partial-KV "
-                            f"snapshot: give at least one slot ({per_slot} bytes)", field)
-    return slots
-
-
-def _recurrent_snapshot_slots(config: EngineConfig, engine: EngineDir, deployment: Deployment) -> int:
-    """Slots the recurrent snapshot budget holds; required (>= 1) for recurrent and hybrid engines with reuse."""
-    budget, field = config.context_cache_recurrent_snapshot_pool_bytes, "context_cache_recurrent_snapshot_pool_bytes"
-    if budget and deployment is Deployment.VANILLA:
-        raise InvalidConfig("this engine has attention layers only, so no recurrent state to snapshot; use 0", field)
-    per_slot = engine.build.recurrent_snapshot_bytes_per_slot
-    slots = _snapshot_budget(config, budget, field, per_slot, "recurrent snapshot slot (every recurrent layer's "
-                             "state and conv state)")
-    if config.enable_context_reuse and deployment is not Deployment.VANILLA and slots == 0:
-        raise InvalidConfig(f"a {deployment.name.lower().replace('_', ' ')} engine reuses exact checkpoints only, "
-                            f"which need recurrent snapshots: give at least one slot ({per_slot} bytes)", field)
-    if config.snapshot_interval_tokens < 0:
-        raise InvalidConfig(f"must be >= 0 (0 = off), got {config.snapshot_interval_tokens}",
-                            "snapshot_interval_tokens")
-    if config.snapshot_interval_tokens and not slots:
-        raise InvalidConfig("periodic checkpoints need a recurrent snapshot pool (and --enableContextReuse)",
-                            "snapshot_interval_tokens")
-    return slots
-
-
-def _snapshot_budget(config: EngineConfig, budget: int, field: str, per_slot: int, what: str) -> int:
-    if budget < 0:
-        raise InvalidConfig(f"must be >= 0, got {budget}", field)
-    if budget == 0:
-        return 0
-    if not config.enable_context_reuse:
-        raise InvalidConfig("a snapshot pool budget requires context reuse (enable_context_reuse)", field)
-    slots = snapshot_slots(budget, per_slot)
-    if slots == 0:
-        raise InvalidConfig(f"{budget} bytes hold no {what}: one slot takes {per_slot} bytes on this engine", field)
-    return slots
-
-
-def _resolve_limits(config: EngineConfig, max_input_len: int, engine_batch: int) -> tuple[int, int]:
-    """(token budget per step, rows per step), checked against the engine's build limits."""
-    if config.num_threads < 0:
-        raise InvalidConfig(f"must be >= 0, got {config.num_threads}", "num_threads")
-    if config.prefill_chunk_size < 0:
-        raise InvalidConfig(f"must be >= 0, got {config.prefill_chunk_size}", "prefill_chunk_size")
-    if config.max_num_tokens < 0:
-        raise InvalidConfig(f"must be >= 0 (0 = maxInputLen), got {config.max_num_tokens}", "max_num_tokens")
-    if not 0 <= config.max_batch_size <= engine_batch:
-        raise InvalidConfig(f"must be in [0, the engine's maxBatchSize {engine_batch}], got {config.max_batch_size}",
-                            "max_batch_size")
-    return config.max_num_tokens or max_input_len, config.max_batch_size or engine_batch
-
-
-__all__ = ["Engine", "EngineConfig", "EngineRequest", "RequestOutput", "Status"]
+__all__ = ["Engine", "EngineConfig", "EngineRequest", "RequestOutput", "Status", "deployment_of", "snapshot_budgets"]

@@ -22,14 +22,17 @@ class InputProcessor:
                  "message_boundaries")
 
     def __init__(self, tokenizer: ChatTokenizer, loras: LoraRegistry, max_input_len: int, reuse_enabled: bool,
-                 vocab_size: int) -> None:
+                 vocab_size: int, *, multimodal: MultimodalProcessor | None = None,
+                 message_boundaries: bool = False) -> None:
+        """`multimodal`: the engine's encoder front (media requests); `message_boundaries`: recurrent engines that
+        capture checkpoints where chat messages end want those positions on each request."""
         self.tokenizer = tokenizer
         self.loras = loras
         self.max_input_len = max_input_len
         self.reuse_enabled = reuse_enabled
         self.vocab_size = vocab_size
-        self.multimodal: MultimodalProcessor | None = None  # set by the engine when it has an encoder
-        self.message_boundaries = False  # set by recurrent engines that capture checkpoints where messages end
+        self.multimodal = multimodal
+        self.message_boundaries = message_boundaries
         # A tokenizer that can emit ids past the embedding would fail inside the engine call instead of here.
         tokenizer_size = tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
         if tokenizer_size > vocab_size:

@@ -12,13 +12,13 @@ page another running sequence is computing is skipped until that page is done (i
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvforge.contract.profile_schema import SCHEDULER_KEYS
 from kvforge.runtime.context_cache.lease import Lease
 from kvforge.runtime.context_cache.manager import ContextCacheManager
 from kvforge.runtime.sequence import Sequence, Status
+from kvforge.runtime.state_manager import StateManager
 
 
 @dataclass(slots=True)
@@ -56,15 +56,15 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, cache: ContextCacheManager, *, max_batch_size: int, max_num_tokens: int,
-                 prefill_chunk_tokens: int, on_admit: Callable[[Sequence], None] | None = None,
-                 on_release: Callable[[Lease], None] | None = None) -> None:
+    def __init__(self, cache: ContextCacheManager, state: StateManager | None = None, *, max_batch_size: int,
+                 max_num_tokens: int, prefill_chunk_tokens: int) -> None:
+        """`state`: restores a sequence's snapshots at admission and frees its recurrent row at release (None: a
+        model-free test whose sequences carry no state besides their pages)."""
         self.cache = cache
+        self.state = state
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
         self.prefill_chunk_tokens = prefill_chunk_tokens
-        self.on_admit = on_admit  # snapshots and the legacy system-prompt cache are restored here
-        self.on_release = on_release  # a recurrent engine frees the sequence's state row here
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # arrival order: the last is preempted first
         self.stats = SchedulerStats()
@@ -129,8 +129,9 @@ class Scheduler:
             seq.num_computed_tokens = lease.reuse_tokens
             if seq.num_preemptions == 0:
                 seq.reused_tokens = lease.reuse_tokens
-            if self.on_admit is not None:
-                self.on_admit(seq)
+            if self.state is not None:
+                self.state.on_admit(seq)
+                self.cache.finish_restore(lease)  # the copies are done (a no-op without restores)
             self.running.append(seq)
             out.admitted.append(seq)
             count = self._tokens_for(seq, budget)
@@ -166,5 +167,5 @@ class Scheduler:
 
     def _release(self, lease: Lease) -> None:
         self.cache.release(lease)
-        if self.on_release is not None:
-            self.on_release(lease)
+        if self.state is not None:
+            self.state.on_release(lease)

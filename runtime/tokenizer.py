@@ -22,7 +22,9 @@ from kvforge.runtime.types import MEDIA_SENTINEL, Message
 
 
 class ChatTokenizer:
-    def __init__(self, engine_dir: Path) -> None:
+    def __init__(self, engine_dir: Path, media_markers: dict[str, str] | None = None) -> None:
+        """`media_markers`: the text the template writes for an {"type": "image"} / {"type": "audio"} item, by kind
+        (a multimodal engine's encoder names its own)."""
         try:
             self.tokenizer = Tokenizer.from_file(str(engine_dir / "tokenizer.json"))
         except Exception as exc:
@@ -46,8 +48,7 @@ class ChatTokenizer:
         self.special_texts = tuple(token.content for token in self.tokenizer.get_added_tokens_decoder().values()
                                    if token.special and token.content)
         self._literal: Tokenizer | None = None  # a copy that never parses special tokens, made on first use
-        # Text the template writes for an {"type": "image"} / {"type": "audio"} item (set by the engine).
-        self.media_markers: dict[str, str] = {}
+        self.media_markers: dict[str, str] = dict(media_markers or {})
         self.content_as_items = self._wants_content_items()
 
     def _wants_content_items(self) -> bool:

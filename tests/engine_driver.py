@@ -7,7 +7,6 @@ from typing import Any
 
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.lora import LORA_TARGETS
-from kvforge.runtime.context_cache.manager import ContextCacheManager
 from kvforge.runtime.engine import Engine, EngineConfig
 from kvforge.runtime.file_runner import Scheduling, prepare_requests, run_request_file
 from kvforge.runtime.request_file import parse_request_file
@@ -19,26 +18,12 @@ from kvforge.tools.export.writer import write_onnx_dir
 
 
 def make_engine(engine_dir: Path, runner: EngineRunner | None = None, *, reuse: bool = False,
-                **config: Any) -> Engine:
+                num_pages: int | None = None, **config: Any) -> Engine:
     """Engines may share a runner one after another (a fresh cache treats every page as free and pages are
-    written before they are read), never interleaved: a warm cache needs its pages left alone."""
+    written before they are read), never interleaved: a warm cache needs its pages left alone. `num_pages` runs
+    on the first pages only, to force waiting, eviction, preemption and snapshot pressure."""
     return Engine(engine_dir, EngineConfig(num_threads=config.pop("num_threads", 2), enable_context_reuse=reuse,
-                                           **config), runner=runner)
-
-
-def shrink_pool(engine: Engine, num_pages: int, max_records: int, partial_slots: int | None = None) -> None:
-    """Run on the first `num_pages` pages (and `partial_slots` snapshot slots) only, to force waiting, eviction,
-    preemption and snapshot pressure in tests."""
-    store = engine.snapshots
-    slots = engine.cache.snapshots.capacity if partial_slots is None else partial_slots
-    assert slots == 0 or (store is not None and slots <= store.num_slots)
-    engine.cache = ContextCacheManager(num_pages, engine.cache.tokens_per_page, enabled=engine.cache.enabled,
-                                       max_records=max_records, partial_kv_snapshot_slots=slots,
-                                       recurrent_snapshot_slots=engine.cache.recurrent_snapshots.capacity,
-                                       deployment=engine.deployment)
-    engine.cache.capture_partial = store.capture if store is not None else None
-    engine.cache.capture_recurrent = engine._capture_recurrent if engine.recurrent_snapshots is not None else None
-    engine.scheduler.cache = engine.cache
+                                           **config), runner=runner, num_pages=num_pages)
 
 
 def run_file(engine: Engine, data: dict, scheduling: Scheduling = Scheduling.STATIC,

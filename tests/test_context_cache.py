@@ -335,18 +335,19 @@ def test_generated_tokens_are_not_indexed_in_flight() -> None:
 class SnapshotCopies:
     """Stands in for the runner's snapshot store: remembers which page each slot was captured from."""
 
-    def __init__(self, manager: ContextCacheManager) -> None:
+    def __init__(self) -> None:
         self.captured: dict[int, int] = {}
-        manager.capture_partial = self.capture
 
-    def capture(self, page: int, slot: int) -> None:
+    def capture_partial(self, page: int, slot: int) -> None:
         self.captured[slot] = page
+
+    def capture_recurrent(self, lease: Lease, slot: int) -> None:
+        raise AssertionError("an attention-only cache never captures a recurrent state")
 
 
 def snapshot_manager(slots: int, num_pages: int = 8, max_records: int = 1024) -> ContextCacheManager:
-    manager = ContextCacheManager(num_pages, T, enabled=True, max_records=max_records, partial_kv_snapshot_slots=slots)
-    SnapshotCopies(manager)
-    return manager
+    return ContextCacheManager(num_pages, T, enabled=True, max_records=max_records, partial_kv_snapshot_slots=slots,
+                               copier=SnapshotCopies())
 
 
 def run_restoring(manager: ContextCacheManager, ids: list[int], salt: str | None = None) -> Lease:
@@ -377,7 +378,8 @@ def test_the_snapshot_an_admission_extends_is_never_its_own_eviction_victim() ->
 def test_snapshot_extends_reuse_to_the_exact_token() -> None:
     manager = snapshot_manager(slots=2)
     first = run_restoring(manager, tokens(10))  # 2 full pages + a 2-token tail: captured
-    copies = manager.capture_partial.__self__  # type: ignore[union-attr]
+    copies = manager.copier
+    assert isinstance(copies, SnapshotCopies)
     [(slot, page)] = copies.captured.items()
     assert page == first.page_ids[2]  # the page that held the tail
     second = acquire(manager, tokens(10) + [50, 51])

@@ -27,15 +27,13 @@ def tokens(n: int, offset: int = 0) -> list[int]:
 class FakeStates:
     """The engine's side: per-lease computed tokens, KV pages holding token ids, and both snapshot stores."""
 
-    def __init__(self, manager: ContextCacheManager) -> None:
-        self.manager = manager
+    def __init__(self) -> None:
+        self.manager: ContextCacheManager  # set once the manager built with this copier exists
         self.computed: dict[int, tuple[int, ...]] = {}  # id(lease) -> tokens its state has consumed
         self.pages: dict[int, tuple[int, ...]] = {}
         self.recurrent: dict[int, tuple[int, ...]] = {}
         self.partial: dict[int, tuple[int, ...]] = {}
         self.calls: list[tuple[str, int]] = []
-        manager.capture_recurrent = self.capture_recurrent
-        manager.capture_partial = self.capture_partial
 
     def capture_recurrent(self, lease: Lease, slot: int) -> None:
         self.recurrent[slot] = self.computed[id(lease)]
@@ -97,10 +95,11 @@ class FakeStates:
 
 def manager(deployment: Deployment, recurrent: int = 8, partial: int = 8, num_pages: int = 32,
             max_records: int = 1024) -> tuple[ContextCacheManager, FakeStates]:
-    m = ContextCacheManager(num_pages if deployment is HYBRID else 0, T, enabled=True, max_records=max_records,
-                            partial_kv_snapshot_slots=partial, recurrent_snapshot_slots=recurrent,
-                            deployment=deployment)
-    return m, FakeStates(m)
+    fake = FakeStates()
+    fake.manager = m = ContextCacheManager(num_pages if deployment is HYBRID else 0, T, enabled=True,
+                                           max_records=max_records, partial_kv_snapshot_slots=partial,
+                                           recurrent_snapshot_slots=recurrent, deployment=deployment, copier=fake)
+    return m, fake
 
 
 both = pytest.mark.parametrize("deployment", [HYBRID, PURE])

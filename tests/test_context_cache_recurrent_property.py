@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvforge.runtime.context_cache.lease import Lease
 from kvforge.runtime.context_cache.manager import ContextCacheManager, Deployment
 from kvforge.runtime.scheduler import Scheduler
 from kvforge.runtime.sequence import EngineRequest, Sequence
@@ -45,7 +46,7 @@ def cold_answer(prompt: list[int], length: int) -> list[int]:
 class FakeRunner:
     """The engine's side of the contract: restores, computes rows, captures and publishes."""
 
-    cache: ContextCacheManager
+    cache: ContextCacheManager = field(init=False)  # built with this runner as its copier, then set
     states: dict[int, tuple[int, ...]] = field(default_factory=dict)  # id(lease) -> tokens its state consumed
     kv: dict[int, list[int | None]] = field(default_factory=dict)  # page -> token ids written there
     recurrent: dict[int, tuple[int, ...]] = field(default_factory=dict)  # the two snapshot stores
@@ -53,9 +54,11 @@ class FakeRunner:
     capture_points: dict[int, set[int]] = field(default_factory=dict)  # id(seq) -> lengths to publish at
     late_unpin: bool = False  # unpin restored snapshots at the prefill end (TensorRT Edge-LLM), not at once
 
-    def __post_init__(self) -> None:
-        self.cache.capture_recurrent = lambda lease, slot: self.recurrent.__setitem__(slot, self.states[id(lease)])
-        self.cache.capture_partial = lambda page, slot: self.partial.__setitem__(slot, list(self.kv[page]))
+    def capture_recurrent(self, lease: Lease, slot: int) -> None:
+        self.recurrent[slot] = self.states[id(lease)]
+
+    def capture_partial(self, page: int, slot: int) -> None:
+        self.partial[slot] = list(self.kv[page])
 
     def restore(self, seq: Sequence) -> None:
         lease = seq.lease
@@ -139,10 +142,11 @@ def test_scheduler_and_checkpoints_match_each_request_alone(
     paged = deployment is Deployment.HYBRID
     # The pool holds the longest request alone plus `pool_slack` pages: requests wait, and running ones preempt.
     need = max(-(-(len(p) + a["max_generate_length"]) // T) for p, a in zip(prompts, arrivals, strict=True))
-    cache = ContextCacheManager(need + pool_slack if paged else 0, T, enabled=True, max_records=max_records,
-                                partial_kv_snapshot_slots=partial_slots, recurrent_snapshot_slots=recurrent_slots,
-                                deployment=deployment)
-    runner = FakeRunner(cache, late_unpin=late_unpin)
+    runner = FakeRunner(late_unpin=late_unpin)
+    runner.cache = cache = ContextCacheManager(need + pool_slack if paged else 0, T, enabled=True,
+                                               max_records=max_records, partial_kv_snapshot_slots=partial_slots,
+                                               recurrent_snapshot_slots=recurrent_slots, deployment=deployment,
+                                               copier=runner)
     scheduler = Scheduler(cache, max_batch_size=4, max_num_tokens=32, prefill_chunk_tokens=chunk)
     sequences: dict[int, Sequence] = {}
     finished: dict[int, list[int]] = {}

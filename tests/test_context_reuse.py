@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from engine_driver import make_engine, run_file, shrink_pool, top1_ids
+from engine_driver import make_engine, run_file, top1_ids
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -49,8 +49,9 @@ INCLUDING_GENERATED_TOKENS = CommitPolicy.INCLUDING_GENERATED_TOKENS.value
 PREFILL_STATE_ONLY = CommitPolicy.PREFILL_STATE_ONLY.value
 
 
-def make_runtime(engine_dir: Path, runner: OrtEngineRunner, reuse: bool = True, max_records: int = 1024) -> Engine:
-    return make_engine(engine_dir, runner, reuse=reuse, context_cache_max_records=max_records)
+def make_runtime(engine_dir: Path, runner: OrtEngineRunner, reuse: bool = True, max_records: int = 1024,
+                 num_pages: int | None = None) -> Engine:
+    return make_engine(engine_dir, runner, reuse=reuse, context_cache_max_records=max_records, num_pages=num_pages)
 
 
 def test_context_reuse_case_matches_cold(engine_dir: Path, runner: OrtEngineRunner,
@@ -173,8 +174,7 @@ def test_random_streams_match_cold_and_keep_accounting(engine_dir: Path, runner:
                                                        cold_runner: OrtEngineRunner, requests: list[dict],
                                                        batch_size: int, lookup: str,
                                                        commit: str, max_records: int, pool_pages: int) -> None:
-    runtime = make_runtime(engine_dir, runner, max_records=max_records)
-    shrink_pool(runtime, pool_pages, max_records)  # a small pool forces eviction
+    runtime = make_runtime(engine_dir, runner, max_records=max_records, num_pages=pool_pages)  # forces eviction
     data = {"batch_size": batch_size, "temperature": 0.0, "num_logprobs": 1, "apply_chat_template": False,
             "context_cache_lookup_policy": lookup, "context_cache_commit_policy": commit,
             "requests": [{"messages": [{"role": "user", "content": r["document"] + r["question"]}],

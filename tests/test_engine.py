@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from engine_driver import assert_idle, lora_model_with_adapters, make_engine, run_file, shrink_pool, top1_ids
-from hypothesis import HealthCheck, given, settings
+from engine_driver import assert_idle, lora_model_with_adapters, make_engine, run_file, top1_ids
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvforge.builder.build import BuildOptions
@@ -85,8 +85,8 @@ DOCUMENT = "".join(f"Section {i}: the tide turbines at pier {i % 7} delivered {i
 # --- preemption and abort -----------------------------------------------------------------------------
 
 def test_preempted_request_finishes_with_the_same_answer(setup: Setup) -> None:
-    engine = make_engine(setup.engine_dir, setup.runner, reuse=True)
-    shrink_pool(engine, 75, 1024)  # 1,200 tokens: three growing requests cannot all fit
+    engine = make_engine(setup.engine_dir, setup.runner, reuse=True, num_pages=75)  # 1,200 tokens: three growing
+    # requests cannot all fit
     texts = [f"request {i} " + "abcdefgh" * 20 for i in range(3)]  # ~170 tokens each, 11 pages
     ids = [engine.add_request(request(engine, t, max_generate_length=400)) for t in texts]
     preempted_seen = False
@@ -137,8 +137,7 @@ def test_abort_releases_pages_and_publishes_nothing(setup: Setup) -> None:
 
 
 def test_request_that_cannot_fit_alone_is_refused_before_it_runs(setup: Setup) -> None:
-    engine = make_engine(setup.engine_dir, setup.runner)
-    shrink_pool(engine, 8, 0)  # 128 tokens
+    engine = make_engine(setup.engine_dir, setup.runner, num_pages=8, context_cache_max_records=0)  # 128 tokens
     big = request(engine, "x" * 100, max_generate_length=50)
     with pytest.raises(PoolTooSmall) as info:
         engine.add_request(big)
@@ -232,6 +231,15 @@ SEEN = {"preemptions": 0, "waits": 0, "restores": 0, "snapshot_evictions": 0}
 
 @settings(max_examples=30, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+# One explicit example reaches preemption, an in-flight wait and a snapshot restore whatever the generated examples
+# do (they change with this function's source text).
+@example(arrivals=[{"prefix": PREFIXES[1], "suffix": "x?", "salt": None, "lora_name": None, "max_generate_length": 60,
+                    "arrives_at": 0, "abort_at": None, "extends": None} for _ in range(3)]
+         + [{"prefix": PREFIXES[1], "suffix": " y", "salt": None, "lora_name": None, "max_generate_length": 60,
+             "arrives_at": 1, "abort_at": None, "extends": None},
+            {"prefix": "", "suffix": "z!", "salt": None, "lora_name": None, "max_generate_length": 20,
+             "arrives_at": 12, "abort_at": None, "extends": 0}],
+         pool_pages=36, reuse=True, chunk=48, max_records=1024, snapshot_slots=8)
 @given(arrivals=st.lists(arrival, min_size=1, max_size=7), pool_pages=st.sampled_from([36, 44, 75]),
        reuse=st.sampled_from([True, True, False]), chunk=st.sampled_from([16, 48, 512]),
        max_records=st.sampled_from([0, 2, 1024]), snapshot_slots=st.sampled_from([0, 1, 2, 8]))
@@ -240,10 +248,9 @@ def test_scheduler_matches_each_request_alone(setup: Setup, arrivals: list[dict]
     # Partial-KV snapshots (reuse only): tight budgets make captures evict each other's records.
     snapshot_slots = snapshot_slots if reuse else 0
     engine = make_engine(setup.engine_dir, setup.runner, reuse=reuse, prefill_chunk_size=chunk,
-                         context_cache_max_records=max_records,
+                         context_cache_max_records=max_records, num_pages=pool_pages,
                          context_cache_partial_kv_snapshot_pool_bytes=snapshot_slots * partial_slot_bytes(setup))
     engine.load_adapters({name: str(path) for name, path in setup.adapters.items()})
-    shrink_pool(engine, pool_pages, max_records)
     # Prompts up to ~490 tokens growing by up to 60 in a pool of 36-75 pages (576-1,200 tokens): four rows
     # do not fit, so requests wait for pages and running rows preempt each other.
     texts: list[str] = []

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from engine_driver import assert_idle, make_engine, run_file, shrink_pool, top1_ids
+from engine_driver import assert_idle, make_engine, run_file, top1_ids
 
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.engine_dir import load_engine_dir
@@ -200,8 +200,7 @@ def test_eviction_frees_snapshot_slots_with_their_records(engine_dir: Path, runn
 def test_tight_snapshot_budget_skips_captures_and_stays_invisible(engine_dir: Path, runner: OrtEngineRunner,
                                                                   cold_runner: OrtEngineRunner) -> None:
     data = fixture_data()
-    warm = warm_engine(engine_dir, runner, slots=1)
-    shrink_pool(warm, 80, 1024, partial_slots=1)  # the longest request needs 71 pages
+    warm = warm_engine(engine_dir, runner, slots=1, num_pages=80)  # the longest request needs 71 pages
     responses = run_file(warm, data)
     assert answers(responses) == answers(run_file(make_engine(engine_dir, cold_runner), data))
     pools = warm.profile()["context_cache"]["resource_pools"]["partial_kv_snapshots"]

@@ -15,9 +15,10 @@ from engine_driver import make_engine, run_file, top1_ids
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.engine_dir import load_engine_dir
 from kvforge.contract.errors import InvalidConfig
-from kvforge.runtime.engine import MIN_BOUNDARY_GAP, Engine, snapshot_budgets
+from kvforge.runtime.engine import Engine, snapshot_budgets
 from kvforge.runtime.ort_runner import OrtEngineRunner
 from kvforge.runtime.snapshots import RecurrentSnapshotStore
+from kvforge.runtime.state_manager import MIN_BOUNDARY_GAP
 from kvforge.runtime.types import SamplingParams
 from kvforge.tools.export.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir
@@ -150,14 +151,14 @@ def test_document_shared_by_two_questions_hits_through_a_message_boundary(engine
     first = boundaries.inputs.process(_requests(data)[0])
     # The second question diverges inside the first prompt: only a boundary checkpoint can hit, the one after the
     # document's turn (the short "Read it." turn ends within MIN_BOUNDARY_GAP of it, so no checkpoint there).
-    kept = [p for p in boundaries._checkpoints(first) if p < len(first.prompt_ids)]
+    kept = [p for p in boundaries.state.checkpoints.positions(first) if p < len(first.prompt_ids)]
     assert responses[1]["usage"]["cached_tokens"] == kept[-1] == first.message_boundaries[-2] > 0
     assert first.message_boundaries[-1] - first.message_boundaries[-2] < MIN_BOUNDARY_GAP
     endpoint_only = warm_engine(engine_dir, runner, snapshot_message_boundaries=False)
     assert [r["usage"]["cached_tokens"] for r in run_file(endpoint_only, data)] == [0, 0]
     # The engine's setting decides, not the request: one tokenized by a boundary engine captures only its end here.
     request = boundaries.inputs.process(_requests(data)[1])
-    assert request.message_boundaries and endpoint_only._checkpoints(request) == (len(request.prompt_ids),)
+    assert request.message_boundaries and endpoint_only.state.checkpoints.positions(request) == (len(request.prompt_ids),)
 
 
 def test_interval_checkpoints_and_short_prompts_hit(engine_dir: Path, runner: OrtEngineRunner) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from engine_driver import assert_idle, make_engine, shrink_pool
+from engine_driver import assert_idle, make_engine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -68,11 +68,10 @@ def test_hybrid_engine_matches_each_request_alone(hybrid: tuple, arrivals: list[
                                                   chunk: int, interval: int, max_records: int) -> None:
     engine_dir, runner, cold_runner = hybrid
     engine = make_engine(engine_dir, runner, reuse=True, prefill_chunk_size=chunk, snapshot_interval_tokens=interval,
-                         context_cache_max_records=max_records,
+                         context_cache_max_records=max_records, num_pages=pool_pages,
                          **snapshot_budgets(load_engine_dir(engine_dir), slots))
     # Prompts up to ~250 tokens growing by up to 40 in 19-40 pages (304-640 tokens; the longest request fits
     # alone in 19): rows wait and preempt each other.
-    shrink_pool(engine, pool_pages, max_records)
     texts: list[str] = []
     for i, a in enumerate(arrivals):
         earlier = a["extends"] if a["extends"] is not None and a["extends"] < i else None

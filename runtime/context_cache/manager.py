@@ -12,9 +12,10 @@ the same code path. The scheduler talks to it through five calls:
 With a partial-KV snapshot pool (`partial_kv_snapshot_slots` > 0) a publication whose length is not
 page-aligned also keeps a copy of its partial tail page, and an admission that extends that exact
 prefix gets `lease.restore_slot`: the engine copies the snapshot into the lease's first private page
-(`capture_partial` / the engine's restore do the copies; this module never touches K/V bytes) and calls
-`finish_restore`. A capture that finds no slot, even after evicting records that hold snapshots, is
-skipped and counted (`snapshot_pressure_skips`); the publication then keeps only the full pages.
+(the `SnapshotCopier` given at construction and the engine's restore do the copies; this module never
+touches K/V bytes) and calls `finish_restore`. A capture that finds no slot, even after evicting records
+that hold snapshots, is skipped and counted (`snapshot_pressure_skips`); the publication then keeps only
+the full pages.
 
 None of them raises for a full pool: only a request that cannot fit alone in an empty pool is an error,
 and that is the engine's call (`fits_alone`).
@@ -54,6 +55,7 @@ import numpy as np
 from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.paging import pages_for
 from kvforge.runtime.context_cache.audit import check_invariants
+from kvforge.runtime.context_cache.capture import SnapshotCopier
 from kvforge.runtime.context_cache.eviction import plan_eviction
 from kvforge.runtime.context_cache.index import PageIndex, page_token_bytes
 from kvforge.runtime.context_cache.keys import CHAIN_ROOT, KeyExtras, page_keys, tail_page_key
@@ -66,8 +68,6 @@ from kvforge.runtime.types import Deployment, LookupPolicy  # Deployment is re-e
 
 DEFAULT_MAX_RECORDS = 1024
 F = TypeVar("F", bound=Callable[..., Any])
-CapturePage = Callable[[int, int], None]  # (KV page, snapshot slot): copy the page's K/V of every layer into the slot
-CaptureState = Callable[["Lease", int], None]  # (lease, recurrent slot): copy the lease's live recurrent + conv state
 
 
 def _bookkept(method: F) -> F:
@@ -85,7 +85,9 @@ def _bookkept(method: F) -> F:
 class ContextCacheManager:
     def __init__(self, num_pages: int, tokens_per_page: int, *, enabled: bool,
                  max_records: int = DEFAULT_MAX_RECORDS, partial_kv_snapshot_slots: int = 0,
-                 recurrent_snapshot_slots: int = 0, deployment: Deployment = Deployment.VANILLA) -> None:
+                 recurrent_snapshot_slots: int = 0, deployment: Deployment = Deployment.VANILLA,
+                 copier: SnapshotCopier | None = None) -> None:
+        """`copier` moves snapshot bytes (the engine's state manager); without one no snapshot is ever captured."""
         if max_records < 0:
             raise InvalidConfig(f"must be >= 0, got {max_records}", "context_cache_max_records")
         deployment = Deployment(deployment)
@@ -111,8 +113,7 @@ class ContextCacheManager:
         self.pages = self.pools.base_kv_pages
         self.snapshots = self.pools.partial_kv_snapshots
         self.recurrent_snapshots = self.pools.recurrent_snapshots
-        self.capture_partial: CapturePage | None = None  # set by the engine with the snapshot store's copy
-        self.capture_recurrent: CaptureState | None = None  # set by the engine (hybrid, pure recurrent)
+        self.copier = copier
         self.index = PageIndex()
         self.records = RecordStore()
         self.metrics = CacheMetrics()
@@ -370,7 +371,7 @@ class ContextCacheManager:
         T = self.tokens_per_page
         num_pages = min(len(tokens) // T, len(lease.page_ids))
         tail = len(tokens) - num_pages * T if len(lease.page_ids) > num_pages else 0
-        snapshot = 0 < tail < T and self.snapshots.capacity > 0 and self.capture_partial is not None
+        snapshot = 0 < tail < T and self.snapshots.capacity > 0 and self.copier is not None
         if num_pages == 0 and not snapshot:
             return "skipped"
         self._extend_keys(lease, tokens, num_pages)
@@ -410,8 +411,8 @@ class ContextCacheManager:
         record = Record(self.records.new_id(), tuple(keys), tuple(canonical), tuple(int(t) for t in tokens[:covered]),
                         lease.extras, tail_key, slot)
         if slot is not None:
-            assert self.capture_partial is not None
-            self.capture_partial(lease.page_ids[num_pages], slot)
+            assert self.copier is not None
+            self.copier.capture_partial(lease.page_ids[num_pages], slot)
             self.metrics.capture_synchronizations += 1  # the copy waits for the call that wrote the page
             self.snapshots.add_cache_ref([slot])
             self.snapshots.unpin([slot])
@@ -450,11 +451,10 @@ class ContextCacheManager:
         if self.paged and len(canonical) < full:  # a key held different tokens (a hash collision): keep nothing
             self._drop_reserved(recurrent_slot, partial_slot)
             return "skipped"
-        assert self.capture_recurrent is not None, "the engine sets capture_recurrent before publishing"
-        self.capture_recurrent(lease, recurrent_slot)
+        assert self.copier is not None, "a checkpoint deployment with reuse is built with a copier"
+        self.copier.capture_recurrent(lease, recurrent_slot)
         if partial_slot is not None:
-            assert self.capture_partial is not None, "the engine sets capture_partial on a hybrid deployment"
-            self.capture_partial(lease.page_ids[full], partial_slot)
+            self.copier.capture_partial(lease.page_ids[full], partial_slot)
         self.metrics.capture_synchronizations += 1  # one wait for the call that wrote the state, whatever it copies
         if boundary:
             self.metrics.boundary_captures += 1

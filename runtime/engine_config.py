@@ -1,0 +1,166 @@
+"""Run-time engine settings and the one place they are checked against the engine a build produced.
+
+`resolve_engine_config` turns an `EngineConfig` and an engine dir into every size the engine's parts are built
+with, or raises `InvalidConfig` naming the setting; nothing is allocated before it has answered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvforge.contract.engine_dir import EngineDir
+from kvforge.contract.errors import InvalidConfig
+from kvforge.contract.geometry import snapshot_slots
+from kvforge.contract.model_config import ModelConfig
+from kvforge.runtime.context_cache.manager import DEFAULT_MAX_RECORDS
+from kvforge.runtime.multimodal.encoder_cache import DEFAULT_ENCODER_CACHE_BUDGET_BYTES
+from kvforge.runtime.state_manager import CheckpointPolicy
+from kvforge.runtime.types import Deployment
+
+# Long prompts prefill faster in chunks on the CPU: the masked score matrix grows with the square of the
+# call's length. bench/prefill_chunks.py measured a 1,536-token SmolLM2 prefill 1.36x faster at 512
+# (1.43x at 256, which would split more of the short prompts that gain nothing).
+DEFAULT_PREFILL_CHUNK_TOKENS = 512
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Run-time settings (the build fixed the rest). 0 means "the engine's own limit" for the sizes."""
+
+    num_threads: int = 0
+    enable_context_reuse: bool = False
+    context_cache_max_records: int = DEFAULT_MAX_RECORDS
+    prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_TOKENS  # 0 = a whole prompt per call
+    max_num_tokens: int = 0  # per-step token budget; 0 = maxInputLen
+    max_batch_size: int = 0  # rows per step; 0 = the engine's maxBatchSize
+    multimodal_engine_dir: str | None = None  # a visual engine dir (llm_build of an encoder ONNX dir)
+    encoder_cache_budget_bytes: int = DEFAULT_ENCODER_CACHE_BUDGET_BYTES  # 0 disables; on even without reuse
+    # Bytes for partial-KV snapshots (one K+V page per attention layer each): records whose length is not
+    # page-aligned keep their tail page, so a prompt extending one reuses up to its exact last token. 0 = off.
+    context_cache_partial_kv_snapshot_pool_bytes: int = 0
+    # Bytes for recurrent snapshots (every recurrent layer's state and conv state at one exact token count):
+    # what recurrent and hybrid engines reuse; required (>= one slot) for them when reuse is on.
+    context_cache_recurrent_snapshot_pool_bytes: int = 0
+    # Recurrent/hybrid engines capture a checkpoint where an earlier chat message ends (so a shared system
+    # prompt or document hits although the next request diverges inside the first one's prompt) and, with an
+    # interval, every that many prompt tokens; besides the prompt's and the generation's end, always captured.
+    snapshot_message_boundaries: bool = True
+    snapshot_interval_tokens: int = 0  # 0 = no periodic checkpoints
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedConfig:
+    """Every size the engine's parts are built with, checked against the build."""
+
+    deployment: Deployment
+    max_num_tokens: int  # per-step token budget
+    max_batch_size: int  # rows per step
+    prefill_chunk_tokens: int  # at most maxInputLen (a recompute after preemption can be longer)
+    num_pages: int  # KV pages the cache manages (0 on a pure recurrent engine)
+    partial_kv_snapshot_slots: int
+    recurrent_snapshot_slots: int
+    checkpoints: CheckpointPolicy
+
+
+def resolve_engine_config(config: EngineConfig, engine: EngineDir, *, num_pages: int | None = None) -> ResolvedConfig:
+    """Check `config` against `engine`'s build and size every part. `num_pages` runs on fewer pages than the build
+    allocated (tests force waiting, eviction and preemption with it)."""
+    build = engine.build
+    deployment = deployment_of(engine.model)
+    budget, rows = _resolve_limits(config, build.max_input_len, build.max_batch_size)
+    if config.encoder_cache_budget_bytes < 0:
+        raise InvalidConfig(f"must be >= 0, got {config.encoder_cache_budget_bytes}", "encoder_cache_budget_bytes")
+    partial = _partial_kv_snapshot_slots(config, engine, deployment)
+    recurrent = _recurrent_snapshot_slots(config, engine, deployment)
+    pages = build.max_kv_pool_pages if num_pages is None else num_pages
+    if not 0 <= pages <= build.max_kv_pool_pages:
+        raise InvalidConfig(f"must be in [0, the engine's maxKVPoolPages {build.max_kv_pool_pages}], got {pages}",
+                            "max_kv_pool_pages")
+    # A pure recurrent engine keeps no pages (its geometry's page count sizes nothing).
+    pages = 0 if deployment is Deployment.PURE_RECURRENT else pages
+    chunk = min(config.prefill_chunk_size or build.max_input_len, build.max_input_len)
+    checkpoints = CheckpointPolicy(bool(recurrent), config.snapshot_message_boundaries,
+                                   config.snapshot_interval_tokens)
+    return ResolvedConfig(deployment, budget, rows, chunk, pages, partial, recurrent, checkpoints)
+
+
+def snapshot_budgets(engine: EngineDir, slots: int, partial_kv: bool = False) -> dict[str, int]:
+    """EngineConfig's snapshot budgets for `slots` slots of each pool this engine needs with reuse on: recurrent and
+    hybrid engines both of theirs; an attention-only engine partial-KV snapshots only when asked (`partial_kv`)."""
+    build = engine.build
+    budgets = {}
+    if build.recurrent_snapshot_bytes_per_slot:
+        budgets["context_cache_recurrent_snapshot_pool_bytes"] = slots * build.recurrent_snapshot_bytes_per_slot
+    if build.partial_kv_snapshot_bytes_per_slot and (partial_kv or build.recurrent_snapshot_bytes_per_slot):
+        budgets["context_cache_partial_kv_snapshot_pool_bytes"] = slots * build.partial_kv_snapshot_bytes_per_slot
+    return budgets
+
+
+def deployment_of(model: ModelConfig) -> Deployment:
+    """Attention layers only, recurrent layers only, or both (what the cache may reuse follows from it)."""
+    attention = len(model.attention_layer_ids)
+    if attention == model.num_hidden_layers:
+        return Deployment.VANILLA
+    return Deployment.PURE_RECURRENT if attention == 0 else Deployment.HYBRID
+
+
+def _partial_kv_snapshot_slots(config: EngineConfig, engine: EngineDir, deployment: Deployment) -> int:
+    """Slots the partial-KV snapshot budget holds; a budget that holds none, or without reuse, is an error, and
+    a hybrid engine with reuse needs one slot at least (its checkpoints' tail pages)."""
+    budget, field = config.context_cache_partial_kv_snapshot_pool_bytes, "context_cache_partial_kv_snapshot_pool_bytes"
+    if budget and deployment is Deployment.PURE_RECURRENT:
+        raise InvalidConfig("this engine has no attention layers, so no partial pages to snapshot; use 0", field)
+    per_slot = engine.build.partial_kv_snapshot_bytes_per_slot
+    slots = _snapshot_budget(config, budget, field, per_slot, "partial-KV snapshot slot (a K+V page per attention "
+                             "layer)")
+    if config.enable_context_reuse and deployment is Deployment.HYBRID and slots == 0:
+        raise InvalidConfig(f"a hybrid engine reuses exact checkpoints, whose partial tail page needs a partial-KV "
+                            f"snapshot: give at least one slot ({per_slot} bytes)", field)
+    return slots
+
+
+def _recurrent_snapshot_slots(config: EngineConfig, engine: EngineDir, deployment: Deployment) -> int:
+    """Slots the recurrent snapshot budget holds; required (>= 1) for recurrent and hybrid engines with reuse."""
+    budget, field = config.context_cache_recurrent_snapshot_pool_bytes, "context_cache_recurrent_snapshot_pool_bytes"
+    if budget and deployment is Deployment.VANILLA:
+        raise InvalidConfig("this engine has attention layers only, so no recurrent state to snapshot; use 0", field)
+    per_slot = engine.build.recurrent_snapshot_bytes_per_slot
+    slots = _snapshot_budget(config, budget, field, per_slot, "recurrent snapshot slot (every recurrent layer's "
+                             "state and conv state)")
+    if config.enable_context_reuse and deployment is not Deployment.VANILLA and slots == 0:
+        raise InvalidConfig(f"a {deployment.name.lower().replace('_', ' ')} engine reuses exact checkpoints only, "
+                            f"which need recurrent snapshots: give at least one slot ({per_slot} bytes)", field)
+    if config.snapshot_interval_tokens < 0:
+        raise InvalidConfig(f"must be >= 0 (0 = off), got {config.snapshot_interval_tokens}",
+                            "snapshot_interval_tokens")
+    if config.snapshot_interval_tokens and not slots:
+        raise InvalidConfig("periodic checkpoints need a recurrent snapshot pool (and --enableContextReuse)",
+                            "snapshot_interval_tokens")
+    return slots
+
+
+def _snapshot_budget(config: EngineConfig, budget: int, field: str, per_slot: int, what: str) -> int:
+    if budget < 0:
+        raise InvalidConfig(f"must be >= 0, got {budget}", field)
+    if budget == 0:
+        return 0
+    if not config.enable_context_reuse:
+        raise InvalidConfig("a snapshot pool budget requires context reuse (enable_context_reuse)", field)
+    slots = snapshot_slots(budget, per_slot)
+    if slots == 0:
+        raise InvalidConfig(f"{budget} bytes hold no {what}: one slot takes {per_slot} bytes on this engine", field)
+    return slots
+
+
+def _resolve_limits(config: EngineConfig, max_input_len: int, engine_batch: int) -> tuple[int, int]:
+    """(token budget per step, rows per step), checked against the engine's build limits."""
+    if config.num_threads < 0:
+        raise InvalidConfig(f"must be >= 0, got {config.num_threads}", "num_threads")
+    if config.prefill_chunk_size < 0:
+        raise InvalidConfig(f"must be >= 0, got {config.prefill_chunk_size}", "prefill_chunk_size")
+    if config.max_num_tokens < 0:
+        raise InvalidConfig(f"must be >= 0 (0 = maxInputLen), got {config.max_num_tokens}", "max_num_tokens")
+    if not 0 <= config.max_batch_size <= engine_batch:
+        raise InvalidConfig(f"must be in [0, the engine's maxBatchSize {engine_batch}], got {config.max_batch_size}",
+                            "max_batch_size")
+    return config.max_num_tokens or max_input_len, config.max_batch_size or engine_batch
