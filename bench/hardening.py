@@ -69,7 +69,7 @@ def check_costs(engine_dir: Path, work: Path) -> dict[str, float]:
     from kvforge.runtime.types import Message
 
     engine = Engine(engine_dir)
-    loaded = engine.engine
+    loaded = engine.engine_dir
     text = (work / "one.json").read_text(encoding="utf-8")
     output = work / "one.out.json"
     messages = [Message("user", "question 1: what is 1?")]

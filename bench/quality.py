@@ -134,7 +134,7 @@ def held_answers(engine: Engine, prompts: Sequence[str], max_generate_length: in
     """Greedy answers, one user turn each through the chat template, via the public API."""
     from kvforge.runtime.api import LLM
 
-    llm = LLM(engine.engine.path, engine=engine)
+    llm = LLM(engine.engine_dir.path, engine=engine)
     outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], greedy(max_generate_length))
     return [o.text for o in outputs]
 

@@ -125,7 +125,7 @@ def retained_bytes(engine: Engine) -> dict[str, Any]:
     """Bytes the cache holds for its records (snapshot slots and record pages) per token of the longest record,
     against the K/V an attention model of the same depth and width would keep per token (fp16, one KV head per
     query head) and, on a hybrid, against its own attention layers' K/V per token."""
-    model, build = engine.engine.model, engine.engine.build
+    model, build = engine.engine_dir.model, engine.engine_dir.build
     pools = engine.profile()["context_cache"]["resource_pools"]
     used = {name: pool["capacity"] - pool["free"] for name, pool in pools.items()}
     page = kv_bytes_per_page(model.num_key_value_heads, model.head_dim, build.tokens_per_page, model.kv_cache_dtype) \

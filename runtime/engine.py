@@ -47,15 +47,15 @@ class Engine:
         completed afterwards). `runner`: a backend to reuse instead of loading one; `profiler`: the server's;
         `num_pages`: run on fewer KV pages than the build allocated (tests force waiting and eviction with it)."""
         self.config = config
-        self.engine: EngineDir = load_engine_dir(Path(engine_dir))
-        build = self.engine.build
-        resolved = resolve_engine_config(config, self.engine, num_pages=num_pages)
+        self.engine_dir: EngineDir = load_engine_dir(Path(engine_dir))
+        build = self.engine_dir.build
+        resolved = resolve_engine_config(config, self.engine_dir, num_pages=num_pages)
         self.deployment = resolved.deployment
         from kvforge.runtime.tokenizer import ChatTokenizer  # after the cheap checks: loading it takes a moment
 
         self.profiler = profiler or Profiler()
-        embedding = map_tensor(self.engine.file(EMBEDDING_FILE), EMBEDDING_TENSOR)  # rows paged in as looked up
-        self.runner = runner or load_runner(self.engine, config.num_threads, embedding)
+        embedding = map_tensor(self.engine_dir.file(EMBEDDING_FILE), EMBEDDING_TENSOR)  # rows paged in as looked up
+        self.runner = runner or load_runner(self.engine_dir, config.num_threads, embedding)
         self.states = self.runner.states
         if (self.states is None) != (self.deployment is Deployment.VANILLA):
             raise InvalidConfig(f"config.json says {self.deployment.name.lower()} layers but the engine's graph "
@@ -75,18 +75,18 @@ class Engine:
                                          partial_kv_snapshot_slots=partial, recurrent_snapshot_slots=recurrent,
                                          deployment=self.deployment, copier=self.state)
         encoder = _load_encoder(config)
-        self.tokenizer = ChatTokenizer(self.engine.path,
+        self.tokenizer = ChatTokenizer(self.engine_dir.path,
                                        media_markers={encoder.kind: encoder.marker} if encoder is not None else {})
         self.multimodal = _multimodal_processor(encoder, config, self.tokenizer, self.profiler,
-                                                self.engine.model.hidden_size)
-        self.loras = LoraRegistry(self.engine)
+                                                self.engine_dir.model.hidden_size)
+        self.loras = LoraRegistry(self.engine_dir)
         self.inputs = InputProcessor(self.tokenizer, self.loras, build.max_input_len, config.enable_context_reuse,
-                                     self.engine.model.vocab_size, multimodal=self.multimodal,
+                                     self.engine_dir.model.vocab_size, multimodal=self.multimodal,
                                      message_boundaries=resolved.checkpoints.enabled
                                      and config.snapshot_message_boundaries)
-        self.model_runner = ModelRunner(self.runner, embedding, lora_input_shapes(self.engine),
+        self.model_runner = ModelRunner(self.runner, embedding, lora_input_shapes(self.engine_dir),
                                         self.state.rows if self.states is not None else None)
-        self.outputs = OutputProcessor(self.tokenizer, frozenset(self.engine.model.eos_token_ids),
+        self.outputs = OutputProcessor(self.tokenizer, frozenset(self.engine_dir.model.eos_token_ids),
                                        build.max_kv_cache_capacity)
         self.scheduler = Scheduler(self.cache, self.state, max_batch_size=resolved.max_batch_size,
                                    max_num_tokens=resolved.max_num_tokens,
@@ -104,10 +104,10 @@ class Engine:
 
     def add_request(self, request: EngineRequest, request_id: str | None = None) -> str:
         """Queue a request; it runs from the next step on. Returns its id."""
-        check_prompt_length(len(request.prompt_ids), self.engine.build.max_input_len, "prompt")
+        check_prompt_length(len(request.prompt_ids), self.engine_dir.build.max_input_len, "prompt")
         # K/V is held for the prompt and every generated token but the last, up to the capacity.
         need = min(len(request.prompt_ids) + request.sampling.max_generate_length - 1,
-                   self.engine.build.max_kv_cache_capacity)
+                   self.engine_dir.build.max_kv_cache_capacity)
         if not self.cache.fits_alone(need):
             raise PoolTooSmall(f"the KV pool cannot hold this request even alone: it needs "
                                f"{pages_for(need, self.cache.tokens_per_page)} pages and the pool has "
@@ -151,12 +151,12 @@ class Engine:
                 row.seq.first_scheduled_time = started
         stage = PREFILL_STAGE if batch.has_prefill else GENERATION_STAGE
         with self.profiler.stage(stage):
-            logits = self.model_runner.run(batch.rows)
-        return self._postprocess(batch, logits)
+            output = self.model_runner.run(batch.rows)
+        return self._postprocess(batch, output.logits)
 
     # --- postprocess --------------------------------------------------------------------------------
 
-    def _postprocess(self, batch: SchedulerOutput, logits: np.ndarray) -> list[RequestOutput]:
+    def _postprocess(self, batch: SchedulerOutput, logits: list[np.ndarray]) -> list[RequestOutput]:
         admitted = {id(seq) for seq in batch.admitted}
         # Tokens a sequence starts with at admission were served from a cache (pages or the legacy copy).
         reused = sum(row.seq.num_computed_tokens for row in batch.rows if id(row.seq) in admitted)
@@ -182,7 +182,7 @@ class Engine:
                     self.cache.publish(seq.lease, seq.prompt_ids[:seq.num_computed_tokens], boundary=True)
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # more prompt chunks to go before the next token
-            self.outputs.accept(seq, seq.sampler.sample(row_logits))
+            self.outputs.accept(seq, seq.sampler.sample(row_logits[0]))
             if seq.finish_reason is not None:
                 self._finish(seq)
             outputs.append(self.outputs.output(seq, seq.output_ids[-1:]))
@@ -208,7 +208,7 @@ class Engine:
         data = self.profiler.to_dict(self.cache.profile() if self.cache.enabled else None,
                                      scheduler=self.scheduler.stats.to_dict())
         # Which path attention took (kvforge's CPU kernel or the pure-ONNX fallback): speed depends on it.
-        data["engine"] = {"backend": self.engine.build.backend, "attention": self.engine.build.attention}
+        data["engine"] = {"backend": self.engine_dir.build.backend, "attention": self.engine_dir.build.attention}
         return {**data, **self.multimodal.profile()} if self.multimodal else data
 
 

@@ -26,11 +26,11 @@ class Scheduling(str, Enum):
 
 def prepare_requests(engine: Engine, request_file: RequestFile, base_dir: Path | None = None) -> list[EngineRequest]:
     """Load the file's adapters and tokenize every request: all bad input fails before the first step."""
-    if request_file.batch_size > engine.engine.build.max_batch_size:
+    if request_file.batch_size > engine.engine_dir.build.max_batch_size:
         from kvforge.contract.errors import KvforgeError
 
         raise KvforgeError(f"{request_file.batch_size} exceeds the engine's maxBatchSize "
-                           f"{engine.engine.build.max_batch_size}", "batch_size")
+                           f"{engine.engine_dir.build.max_batch_size}", "batch_size")
     engine.load_adapters(request_file.available_lora_weights, base_dir)
     return [engine.inputs.process(r, request_file.enable_thinking, base_dir=base_dir) for r in request_file.requests]
 

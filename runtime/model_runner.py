@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from kvforge.runtime.context_cache.lease import Lease
@@ -15,6 +17,20 @@ from kvforge.runtime.sequence import Sequence
 # (~30 ms) costs about as much as prefilling a dozen tokens, so little padding is worth paying for.
 PADDING_SLACK_TOKENS = 16
 MAX_LORA_STACKS = 8
+
+
+@dataclass(slots=True)
+class BatchOutput:
+    """What one step's engine calls produced, per scheduled row (in the rows' order).
+
+    `logits[i]` is [1 + len(rows[i].draft_token_ids), V]: the logits after the row's last pending token, then
+    after each of its draft tokens (the positions whose next token is sampled or verified).
+    `hidden_states[i]`, when the engine exports them, is [same positions, layers * H]: the hidden states of the
+    layers a drafter names, at those positions.
+    """
+
+    logits: list[np.ndarray]
+    hidden_states: list[np.ndarray] | None = None
 
 
 def group_by_width(lengths: list[int]) -> list[list[int]]:
@@ -54,8 +70,8 @@ class ModelRunner:
         """Call when adapters are (re)loaded: ids of replaced adapter objects may be reused by new ones."""
         self._lora_stacks.clear()
 
-    def run(self, rows: list[ScheduledRow]) -> np.ndarray:
-        """Compute every scheduled row, whatever their adapters; returns each row's last-token logits [B, V].
+    def run(self, rows: list[ScheduledRow]) -> BatchOutput:
+        """Compute every scheduled row, whatever their adapters; returns each row's logits (see BatchOutput).
 
         Rows of similar length share one engine call. The graph takes ragged rows but pads them to the
         longest, and padded positions cost as much as real ones, so a 512-token prefill chunk and three
@@ -67,14 +83,12 @@ class ModelRunner:
             start = row.seq.num_computed_tokens
             new_ids.append(row.seq.all_token_ids()[start:start + row.num_new_tokens])
         groups = group_by_width([len(ids) for ids in new_ids])
-        if len(groups) == 1:
-            return self._call(rows, new_ids)
         logits: list[np.ndarray | None] = [None] * len(rows)
         for group in groups:
             for i, row_logits in zip(group, self._call([rows[i] for i in group], [new_ids[i] for i in group]),
                                      strict=True):
-                logits[i] = row_logits
-        return np.stack(logits)  # type: ignore[arg-type]
+                logits[i] = row_logits[None]
+        return BatchOutput(logits)  # type: ignore[arg-type]
 
     def _call(self, rows: list[ScheduledRow], new_ids: list[list[int]]) -> np.ndarray:
         width = max(len(ids) for ids in new_ids)

@@ -26,6 +26,9 @@ class ScheduledRow:
     seq: Sequence
     num_new_tokens: int  # tokens this step computes for the row, from seq.num_computed_tokens on
     is_prefill: bool  # computes more than the one token sampled last (a prompt chunk or a recompute)
+    # Proposed tokens verified after the row's pending ones (speculative decoding): the call computes
+    # num_new_tokens + len(draft_token_ids) positions and returns logits at the last pending one and each draft.
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

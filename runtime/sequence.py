@@ -68,6 +68,7 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     checkpoints: tuple[int, ...] = ()  # sorted prompt positions where a recurrent state is captured mid-prefill
+    spec_token_ids: list[int] = field(default_factory=list)  # a drafter's proposal for the next step, not yet verified
 
     @property
     def prompt_ids(self) -> list[int]:

@@ -50,7 +50,7 @@ def create_app(engine: Engine, tenants: Tenants, *, model_name: str, max_queued_
     adapters = sorted(engine.loras.adapters)
     if model_name in adapters:
         raise KvforgeError(f"an adapter is named like the served model {model_name!r}", "served_model_name")
-    build = engine.engine.build
+    build = engine.engine_dir.build
     state = ServerState(engine_loop, engine.tokenizer, tenants, metrics,
                         models={model_name: None, **{name: name for name in adapters}},
                         max_in_flight=engine.scheduler.max_batch_size + max_queued_requests,

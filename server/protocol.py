@@ -73,7 +73,7 @@ class ApiCall:
             self.messages.clear()  # the media bytes in them are spent: a long answer must not hold them
         else:
             built = engine.inputs.process_prompt(self.prompt or [], self.sampling, self.lora_name, cache_salt)
-        room = engine.engine.build.max_kv_cache_capacity - len(built.prompt_ids)
+        room = engine.engine_dir.build.max_kv_cache_capacity - len(built.prompt_ids)
         built.sampling = replace(built.sampling, max_generate_length=max(1, self.max_tokens or room))
         return built
 

@@ -83,7 +83,7 @@ def test_prefill_state_only_keeps_generated_tokens_out(engine_dir: Path) -> None
     llm = LLM(engine_dir, num_threads=2, enable_context_reuse=True)
     params = SamplingParams(temperature=0.0, max_generate_length=40, cache_generated_tokens=False)
     [out] = llm.generate(DOC, params)
-    tokens_per_page = llm.engine.engine.build.tokens_per_page
+    tokens_per_page = llm.engine.engine_dir.build.tokens_per_page
     assert {len(r.token_ids) for r in llm.engine.cache.records.least_recent_first()} == \
         {len(out.prompt_token_ids) // tokens_per_page * tokens_per_page}
 

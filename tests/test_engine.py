@@ -50,7 +50,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Setup:
 
 def request(engine: Engine, text: str, max_generate_length: int = 8, **fields: object) -> EngineRequest:
     sampling = SamplingParams(temperature=0.0, num_logprobs=1, max_generate_length=max_generate_length,
-                              logit_bias={engine.engine.model.eos_token_ids[0]: -100.0})  # exact lengths
+                              logit_bias={engine.engine_dir.model.eos_token_ids[0]: -100.0})  # exact lengths
     adapter = engine.loras.get(fields.pop("lora_name", None))  # type: ignore[arg-type]
     return EngineRequest(engine.tokenizer.encode(text), sampling, adapter, **fields)  # type: ignore[arg-type]
 

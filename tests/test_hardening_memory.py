@@ -67,7 +67,7 @@ def lora_setup(tmp_path_factory: pytest.TempPathFactory):
 
 def _adapter_file(path: Path, engine, tensors: dict[str, np.ndarray], rank: int) -> Path:
     metadata = {"format": ADAPTER_FORMAT, "rank": str(rank),
-                "model_fingerprint": model_fingerprint(engine.engine.model)}
+                "model_fingerprint": model_fingerprint(engine.engine_dir.model)}
     path.write_bytes(save(tensors, metadata=metadata))
     return path
 
@@ -75,7 +75,7 @@ def _adapter_file(path: Path, engine, tensors: dict[str, np.ndarray], rank: int)
 def test_adapter_shapes_are_checked_before_any_tensor_is_read(lora_setup, tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     _root, engine, _good = lora_setup
-    model = engine.engine.model
+    model = engine.engine_dir.model
     a_name, b_name, _layer, target = lora_inputs(model)[0]
     in_dim, out_dim = target_dims(model, target)
     wrong = _adapter_file(tmp_path / "wrong.safetensors", engine,
@@ -94,9 +94,9 @@ def test_adapter_shapes_are_checked_before_any_tensor_is_read(lora_setup, tmp_pa
 
 def test_forged_adapter_header_claiming_gigabytes(lora_setup, tmp_path: Path) -> None:
     _root, engine, _good = lora_setup
-    a_name = lora_inputs(engine.engine.model)[0][0]
+    a_name = lora_inputs(engine.engine_dir.model)[0][0]
     header = {"__metadata__": {"format": ADAPTER_FORMAT, "rank": "4",
-                               "model_fingerprint": model_fingerprint(engine.engine.model)},
+                               "model_fingerprint": model_fingerprint(engine.engine_dir.model)},
               a_name: {"dtype": "F32", "shape": [2**20, 2**20], "data_offsets": [0, 4 * 2**40]}}
     raw = json.dumps(header).encode()
     forged = tmp_path / "forged.safetensors"

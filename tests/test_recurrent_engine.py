@@ -158,7 +158,8 @@ def test_document_shared_by_two_questions_hits_through_a_message_boundary(engine
     assert [r["usage"]["cached_tokens"] for r in run_file(endpoint_only, data)] == [0, 0]
     # The engine's setting decides, not the request: one tokenized by a boundary engine captures only its end here.
     request = boundaries.inputs.process(_requests(data)[1])
-    assert request.message_boundaries and endpoint_only.state.checkpoints.positions(request) == (len(request.prompt_ids),)
+    assert request.message_boundaries
+    assert endpoint_only.state.checkpoints.positions(request) == (len(request.prompt_ids),)
 
 
 def test_interval_checkpoints_and_short_prompts_hit(engine_dir: Path, runner: OrtEngineRunner) -> None:

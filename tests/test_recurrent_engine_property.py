@@ -38,7 +38,7 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, OrtEngineRun
 
 def request(engine: Engine, text: str, max_generate_length: int, salt: str | None) -> EngineRequest:
     sampling = SamplingParams(temperature=0.0, num_logprobs=1, max_generate_length=max_generate_length,
-                              logit_bias={engine.engine.model.eos_token_ids[0]: -100.0})  # exact lengths
+                              logit_bias={engine.engine_dir.model.eos_token_ids[0]: -100.0})  # exact lengths
     return EngineRequest(engine.tokenizer.encode(text), sampling, cache_salt=salt)
 
 

@@ -90,7 +90,7 @@ def test_finish_reasons_and_usage(runtime: Engine) -> None:
 
 
 def test_logit_bias_forces_eos(runtime: Engine) -> None:
-    eos = runtime.engine.model.eos_token_ids[0]
+    eos = runtime.engine_dir.model.eos_token_ids[0]
     response = run(runtime, [PROMPTS[1]], batch_size=1, logit_bias={str(eos): 100})[0]
     assert response["finish_reason"] == FINISH_EOS
     assert response["output_text"] == ""
@@ -101,7 +101,7 @@ def test_generation_stops_at_kv_capacity(runtime: Engine) -> None:
     """capacity 96: a 40-token prompt can feed 56 more tokens, so at most 57 are generated."""
     prompt = "abcd" * 10
     response = run(runtime, [prompt], batch_size=1, max_generate_length=200,
-                   logit_bias={str(runtime.engine.model.eos_token_ids[0]): -100})[0]
+                   logit_bias={str(runtime.engine_dir.model.eos_token_ids[0]): -100})[0]
     assert response["finish_reason"] == FINISH_LENGTH
     assert response["usage"]["completion_tokens"] == 96 - 40 + 1
 

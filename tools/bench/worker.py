@@ -98,7 +98,7 @@ class KvforgeDriver:
         self.build = engine_dir.build
         budgets = snapshot_budgets(engine_dir, SNAPSHOT_SLOTS) if reuse else {}
         self.engine = Engine(path, EngineConfig(num_threads=threads, enable_context_reuse=reuse, **budgets))
-        self.no_eos = {token: -1e9 for token in self.engine.engine.model.eos_token_ids}
+        self.no_eos = {token: -1e9 for token in self.engine.engine_dir.model.eos_token_ids}
         self.salt: str | None = None
 
     def start_session(self, session: str) -> None:

@@ -119,7 +119,7 @@ class CaseRunner:
         return {field: given[field] or value for field, value in budgets.items()}
 
     def _options(self, engine: Engine, reuse: bool) -> CheckOptions:
-        model, build = engine.engine.model, engine.engine.build
+        model, build = engine.engine_dir.model, engine.engine_dir.build
         facts = {"model": model.name, "tokens_per_page": build.tokens_per_page, "kv_cache_dtype": model.kv_cache_dtype,
                  "max_batch_size": build.max_batch_size, "max_kv_pool_pages": build.max_kv_pool_pages,
                  "scheduling": self.settings.scheduling.value, "deployment": engine.deployment.value}
