@@ -7,10 +7,7 @@ their requests finish; none of them re-implements batching, paging or reuse.
 from __future__ import annotations
 
 import itertools
-import time
 from pathlib import Path
-
-import numpy as np
 
 from kvforge.contract.engine_dir import EMBEDDING_FILE, EMBEDDING_TENSOR, EngineDir, load_engine_dir
 from kvforge.contract.errors import InvalidConfig, PoolTooSmall
@@ -24,19 +21,20 @@ from kvforge.runtime.engine_config import (  # noqa: F401 - EngineConfig and the
     resolve_engine_config,
     snapshot_budgets,
 )
+from kvforge.runtime.engine_core import EngineCore, EngineStats
 from kvforge.runtime.inputs import InputProcessor, check_prompt_length
 from kvforge.runtime.lora import LoraRegistry, lora_input_shapes
 from kvforge.runtime.model_runner import ModelRunner
 from kvforge.runtime.output import OutputProcessor, RequestOutput
-from kvforge.runtime.profile import GENERATION_STAGE, PREFILL_STAGE, Profiler
+from kvforge.runtime.profile import Profiler
 from kvforge.runtime.runner import EngineRunner
 from kvforge.runtime.sampling import Sampler
-from kvforge.runtime.scheduler import Scheduler, SchedulerOutput
-from kvforge.runtime.sequence import EngineRequest, FinishReason, Sequence, Status
+from kvforge.runtime.scheduler import Scheduler
+from kvforge.runtime.sequence import EngineRequest, Sequence, Status
 from kvforge.runtime.snapshots import PartialKVSnapshotStore, RecurrentSnapshotStore
 from kvforge.runtime.state_manager import StateManager
 from kvforge.runtime.system_prompt_cache import SystemPromptCache
-from kvforge.runtime.types import CommitPolicy, Deployment
+from kvforge.runtime.types import Deployment
 
 
 class Engine:
@@ -88,10 +86,11 @@ class Engine:
                                         self.state.rows if self.states is not None else None)
         self.outputs = OutputProcessor(self.tokenizer, frozenset(self.engine_dir.model.eos_token_ids),
                                        build.max_kv_cache_capacity)
-        self.scheduler = Scheduler(self.cache, self.state, max_batch_size=resolved.max_batch_size,
+        self.scheduler = Scheduler(self.cache, self.state, self.outputs, max_batch_size=resolved.max_batch_size,
                                    max_num_tokens=resolved.max_num_tokens,
-                                   prefill_chunk_tokens=resolved.prefill_chunk_tokens)
-        self._sequences: dict[str, Sequence] = {}
+                                   prefill_chunk_tokens=resolved.prefill_chunk_tokens,
+                                   max_seq_tokens=build.max_kv_cache_capacity)
+        self.core = EngineCore(self.scheduler, self.model_runner, self.outputs, self.profiler)
         self._ids = itertools.count()
         self._arrivals = itertools.count()
 
@@ -118,89 +117,38 @@ class Engine:
                                 "model's state; use --enableContextReuse (exact checkpoints)",
                                 "save_system_prompt_kv_cache")
         request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self._sequences:
+        if request_id in self.core.sequences:
             raise InvalidConfig(f"request id {request_id!r} is already in flight", "request_id")
-        seq = Sequence(request_id, request, Sampler(request.sampling), arrival=next(self._arrivals))
-        self._sequences[request_id] = seq
-        self.scheduler.add(seq)
+        self.core.add(Sequence(request_id, request, Sampler(request.sampling), arrival=next(self._arrivals)))
         return request_id
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now; its pages are released and nothing of it is published. False if unknown."""
-        seq = self._sequences.pop(request_id, None)
-        if seq is None:
-            return False
-        seq.finish_reason = FinishReason.ABORTED
-        seq.finish_time = time.perf_counter()
-        self.scheduler.finish(seq)
-        return True
+        return self.core.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.core.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """Schedule → run one engine call → sample, stop, publish and release. Returns the rows' outputs."""
-        batch = self.scheduler.schedule()
-        if not batch.rows:
-            if self.scheduler.has_unfinished():
-                raise AssertionError("nothing schedulable while requests wait (a scheduler bug)")
-            return []
-        started = time.perf_counter()
-        for row in batch.rows:
-            if row.seq.first_scheduled_time is None:
-                row.seq.first_scheduled_time = started
-        stage = PREFILL_STAGE if batch.has_prefill else GENERATION_STAGE
-        with self.profiler.stage(stage):
-            output = self.model_runner.run(batch.rows)
-        return self._postprocess(batch, output.logits)
-
-    # --- postprocess --------------------------------------------------------------------------------
-
-    def _postprocess(self, batch: SchedulerOutput, logits: list[np.ndarray]) -> list[RequestOutput]:
-        admitted = {id(seq) for seq in batch.admitted}
-        # Tokens a sequence starts with at admission were served from a cache (pages or the legacy copy).
-        reused = sum(row.seq.num_computed_tokens for row in batch.rows if id(row.seq) in admitted)
-        if batch.has_prefill or admitted:
-            self.profiler.add_prefill(reused_tokens=reused,
-                                      computed_tokens=sum(r.num_new_tokens for r in batch.rows if r.is_prefill))
-        if not batch.has_prefill:
-            self.profiler.add_generation(len(batch.rows))
-        outputs = []
-        for row, row_logits in zip(batch.rows, logits, strict=True):
-            seq = row.seq
-            before = seq.num_computed_tokens
-            seq.num_computed_tokens += row.num_new_tokens
-            prompt_len = len(seq.prompt_ids)
-            if before < prompt_len:
-                self.cache.index_computed(seq.lease, seq.prompt_ids, seq.num_computed_tokens)
-                if seq.num_computed_tokens >= prompt_len:  # the prompt is in the pool: publish it (both policies)
-                    # A recurrent state is the prompt's only when the call ended exactly there (a checkpoint).
-                    if self.states is None or seq.num_computed_tokens == prompt_len:
-                        self.cache.publish(seq.lease, seq.prompt_ids)
-                    self.state.on_prompt_computed(seq)
-                elif seq.num_computed_tokens in seq.checkpoints:  # the scheduler ended the chunk here for this
-                    self.cache.publish(seq.lease, seq.prompt_ids[:seq.num_computed_tokens], boundary=True)
-            if seq.num_computed_tokens < seq.num_tokens:
-                continue  # more prompt chunks to go before the next token
-            self.outputs.accept(seq, seq.sampler.sample(row_logits[0]))
-            if seq.finish_reason is not None:
-                self._finish(seq)
-            outputs.append(self.outputs.output(seq, seq.output_ids[-1:]))
-        return outputs
-
-    def _finish(self, seq: Sequence) -> None:
-        seq.finish_time = time.perf_counter()
-        if seq.request.sampling.commit_policy is CommitPolicy.INCLUDING_GENERATED_TOKENS and seq.lease is not None:
-            self.cache.publish(seq.lease, seq.resident_token_ids())  # only sequences that finished normally
-        self.scheduler.finish(seq)
-        self._sequences.pop(seq.request_id, None)
-        self.profiler.add_adapter_request(seq.adapter_label, seq.reused_tokens)
+        """Schedule → run one engine call → sample → update (commit, stop, publish, release); the rows' outputs."""
+        return self.core.step()
 
     # --- reporting ----------------------------------------------------------------------------------
 
     @property
     def kv_pool_bytes(self) -> int:
         return int(self.runner.pool.nbytes)
+
+    def stats(self) -> EngineStats:
+        """Queue depths, pool occupancy and counters at this moment, for servers and benchmarks."""
+        scheduler, pages, profiler = self.scheduler, self.cache.pages, self.profiler
+        return EngineStats(waiting=len(scheduler.waiting), running=len(scheduler.running),
+                           loading=len(scheduler.loading), pool_free=pages.num_free, pool_capacity=pages.capacity,
+                           prefill_reused_tokens=profiler.prefill_reused_tokens,
+                           prefill_computed_tokens=profiler.prefill_computed_tokens,
+                           generated_tokens=profiler.generated_tokens, scheduler=scheduler.stats.to_dict(),
+                           cache=self.cache.profile() if self.cache.enabled else {},
+                           encoder_cache=self.multimodal.cache.to_dict() if self.multimodal is not None else {})
 
     def profile(self) -> dict:
         """The profile JSON object: stages and token counters, the cache block (reuse on) and the scheduler's."""

@@ -7,7 +7,7 @@ import math
 import resource
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,6 +117,8 @@ class Profiler:
     peak_cpu_memory_bytes: int = 0
     kv_pool_bytes: int | None = None
     per_adapter: dict[str, dict[str, int]] = field(default_factory=dict)  # adapter name ("base") -> counts
+    # A long-running process (the server) streams stage times here instead of keeping every run in a list.
+    stage_sink: Callable[[str, float], None] | None = None
 
     @contextmanager
     def stage(self, stage_id: str) -> Iterator[None]:
@@ -131,6 +133,9 @@ class Profiler:
     def record(self, stage_id: str, ms: float) -> None:
         """Add one externally measured run of `stage_id` (milliseconds)."""
         if not self.enabled:
+            return
+        if self.stage_sink is not None:
+            self.stage_sink(stage_id, ms)
             return
         timer = self.stages.get(stage_id)
         if timer is None:

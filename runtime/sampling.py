@@ -73,6 +73,31 @@ class Sampler:
         return SampleResult(token_id=token_id, logprob=float(logits[token_id] - log_total),
                             top_logprobs=self._top_logprobs(logits, log_total))
 
+    def scored(self, logits_row: np.ndarray, token_id: int) -> SampleResult:
+        """The result for a token chosen elsewhere (an accepted draft): its logprob and top logprobs as `sample`
+        would report them for this row."""
+        logits = self._biased(logits_row)
+        log_total = _log_sum_exp(logits, self._scratch)
+        return SampleResult(token_id=token_id, logprob=float(logits[token_id] - log_total),
+                            top_logprobs=self._top_logprobs(logits, log_total))
+
+    def probs(self, logits_row: np.ndarray) -> np.ndarray:
+        """The distribution `sample` draws from for this row, as a [V] float64 vector (a copy): logit_bias, then
+        temperature, top-k and top-p, renormalized; one-hot at the argmax for greedy. Rejection sampling of draft
+        tokens compares it against the drafter's."""
+        logits = self._biased(logits_row)
+        out = np.zeros(logits.size, dtype=np.float64)
+        if self.params.is_greedy:
+            out[int(np.argmax(logits))] = 1.0
+            return out
+        candidate_ids, probs = self._candidates(logits)
+        out[candidate_ids] = probs / probs.sum()
+        return out
+
+    def draw_from(self, probs: np.ndarray) -> int:
+        """A token drawn from a [V] distribution (not necessarily normalized) with this sequence's random stream."""
+        return self._pick(np.asarray(probs, dtype=np.float64))
+
     def _top_logprobs(self, logits: np.ndarray, log_total: float) -> list[tuple[int, float]]:
         if self.params.num_logprobs <= 0:
             return []
@@ -103,6 +128,11 @@ class Sampler:
         return logits
 
     def _draw(self, logits: np.ndarray) -> int:
+        candidate_ids, probs = self._candidates(logits)
+        return int(candidate_ids[self._pick(probs)])
+
+    def _candidates(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Ids that may be drawn and their (unnormalized after top-p) probabilities: temperature, top-k, top-p."""
         params = self.params
         # Shift before dividing: (x - max) / T is <= 0, so a tiny temperature cannot overflow to inf.
         scaled = np.subtract(logits, logits.max(), out=self._scratch)  # scratch is free after the lse
@@ -122,7 +152,7 @@ class Sampler:
             mass_before = np.cumsum(probs) - probs
             keep = max(int(np.count_nonzero(mass_before < params.top_p)), 1)
             candidate_ids, probs = candidate_ids[:keep], probs[:keep]
-        return int(candidate_ids[self._pick(probs)])
+        return candidate_ids, probs
 
     def _pick(self, probs: np.ndarray) -> int:
         """Inverse-CDF draw; a zero-probability entry can never be chosen, even after rounding."""
@@ -153,6 +183,38 @@ def _nucleus_order(scaled: np.ndarray, probs: np.ndarray, top_p: float) -> np.nd
             return ids
         count *= 8
     return np.argsort(-scaled, kind="stable")  # stable: ties keep the lower id first
+
+
+def accept_tokens(sampler: Sampler, logits: np.ndarray, draft_ids: Sequence[int]) -> list[SampleResult]:
+    """The tokens a row commits this step: `logits` [1 + k, V] holds the logits after its last pending token and
+    after each of its k draft tokens. Drafts are accepted in order while they pass; the first that fails is
+    replaced by the base's own token, and if all pass one more (bonus) token is sampled. So 1..k+1 results.
+
+    Greedy: a draft passes when it is the argmax (the output equals decoding without drafts, token for token).
+    Sampling: the drafter gave no distribution, so its proposal is one-hot and rejection sampling accepts draft d
+    with probability p(d) and otherwise draws from p with d removed, renormalized: every committed token is then
+    distributed exactly as the base model's (p = `Sampler.probs`, after bias, temperature, top-k and top-p).
+    """
+    if logits.ndim != 2 or logits.shape[0] != len(draft_ids) + 1:
+        raise ValueError(f"expected [{len(draft_ids) + 1}, V] logits for {len(draft_ids)} drafts, got {logits.shape}")
+    results: list[SampleResult] = []
+    for position, draft in enumerate(draft_ids):
+        row = logits[position]
+        if sampler.params.is_greedy:
+            result = sampler.sample(row)
+            results.append(result)
+            if result.token_id != draft:
+                return results
+            continue
+        probs = sampler.probs(row)
+        if sampler.rng.random() < probs[draft]:
+            results.append(sampler.scored(row, draft))
+            continue
+        probs[draft] = 0.0  # p(d) < 1 here, so some other token keeps mass
+        results.append(sampler.scored(row, sampler.draw_from(probs)))
+        return results
+    results.append(sampler.sample(logits[len(draft_ids)]))
+    return results
 
 
 def sample_batch(samplers: Sequence[Sampler], logits: np.ndarray) -> list[SampleResult]:

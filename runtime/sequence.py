@@ -22,6 +22,7 @@ from kvforge.runtime.types import SamplingParams
 
 class Status(Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE = "waiting_for_remote"  # admitted: its pages are being filled from a shared tier
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -92,6 +93,7 @@ class Sequence:
 
     @property
     def is_prefilling(self) -> bool:
+        """Computes more than the one token sampled last (a verify row's drafts do not make it a prefill)."""
         return self.num_pending_tokens > 1 or not self.output_ids
 
     @property

@@ -101,6 +101,16 @@ class StateManager:
         if key is not None and self.system_prompts is not None and not seq.reused_tokens and seq.lease is not None:
             self.system_prompts.save(key, seq.request.system_prompt_ids, seq.prompt_ids, seq.lease.page_ids)
 
+    @property
+    def carries_rows(self) -> bool:
+        """Whether sequences carry recurrent state rows (a rejected draft then needs the state before the call)."""
+        return self.states is not None
+
+    def rollback(self, lease: Lease) -> None:
+        """Put the sequence's recurrent row back to its value before the last call (saved for rows with drafts)."""
+        assert self.states is not None
+        self.states.rollback(self.rows[lease])
+
     # --- the cache's SnapshotCopier ------------------------------------------------------------------
 
     def capture_partial(self, page: int, slot: int) -> None:

@@ -24,7 +24,7 @@ from kvforge.runtime.output import RequestOutput
 from kvforge.server.engine_loop import EngineLoop
 from kvforge.server.handle import ClientGone, RequestHandle, ServerState
 from kvforge.server.media import MediaPolicy
-from kvforge.server.metrics import CONTENT_TYPE, ServerMetrics, StepProfiler
+from kvforge.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvforge.server.protocol import ApiError, parse_call
 from kvforge.server.render import Renderer, TextStreamer, finish_reason
 from kvforge.server.tenants import Tenants
@@ -44,9 +44,9 @@ def create_app(engine: Engine, tenants: Tenants, *, model_name: str, max_queued_
     `media`: where media content parts may come from (default: inline only)."""
     engine_loop = EngineLoop(engine)
     metrics = ServerMetrics(lambda: engine_loop.snapshot)
-    engine.profiler = StepProfiler(metrics.step_time)  # before the thread starts: from then on it owns the engine
-    if engine.multimodal is not None:  # its encoder stages too, or their times would pile up in a list
-        engine.multimodal.profiler = engine.profiler
+    # Before the thread starts (from then on it owns the engine): step times, the encoder's too, go to a histogram
+    # instead of a list that grows with every step; the token counters stay the profile's.
+    engine.profiler.stage_sink = metrics.observe_stage
     adapters = sorted(engine.loras.adapters)
     if model_name in adapters:
         raise KvforgeError(f"an adapter is named like the served model {model_name!r}", "served_model_name")

@@ -12,10 +12,11 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvforge.runtime.engine import Engine
+from kvforge.runtime.engine_core import EngineStats
 from kvforge.runtime.output import RequestOutput
 from kvforge.runtime.sequence import EngineRequest
 
@@ -35,21 +36,6 @@ class EngineFailure(Exception):
 
 
 Sink = Callable[[Accepted | RequestOutput | Exception], None]
-
-
-@dataclass(frozen=True, slots=True)
-class EngineSnapshot:
-    """What /metrics reads: copied by the engine thread after each step, never read from the engine itself."""
-
-    cache: dict[str, Any] = field(default_factory=dict)  # the profile's context_cache block (reuse on)
-    scheduler: dict[str, int] = field(default_factory=dict)
-    pool_free: int = 0
-    pool_capacity: int = 0
-    waiting: int = 0
-    running: int = 0
-    prefill_reused_tokens: int = 0
-    prefill_computed_tokens: int = 0
-    encoder_cache: dict[str, int] = field(default_factory=dict)  # the profile's multimodal.encoder_cache (if any)
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,14 +170,5 @@ class EngineLoop:
             sink(EngineFailure(message))
         self._sinks.clear()
 
-    def _take_snapshot(self) -> EngineSnapshot:
-        engine = self.engine
-        pages, profiler = engine.cache.pages, engine.profiler
-        return EngineSnapshot(
-            cache=engine.cache.profile() if engine.cache.enabled else {},
-            scheduler=engine.scheduler.stats.to_dict(),
-            pool_free=pages.num_free, pool_capacity=pages.capacity,
-            waiting=len(engine.scheduler.waiting), running=len(engine.scheduler.running),
-            prefill_reused_tokens=profiler.prefill_reused_tokens,
-            prefill_computed_tokens=profiler.prefill_computed_tokens,
-            encoder_cache=engine.multimodal.cache.to_dict() if engine.multimodal is not None else {})
+    def _take_snapshot(self) -> EngineStats:
+        return self.engine.stats()

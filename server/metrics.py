@@ -14,8 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvforge.contract import profile_schema as schema
-from kvforge.runtime.profile import Profiler
-from kvforge.server.engine_loop import EngineSnapshot
+from kvforge.runtime.engine_core import EngineStats
 
 PREFIX = "kvforge"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -25,7 +24,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5
 
 
 class ServerMetrics:
-    def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
+    def __init__(self, snapshot: Callable[[], EngineStats]) -> None:
         disable_created_metrics()  # no *_created series: a gauge of timestamps per counter is noise on a dashboard
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -53,25 +52,16 @@ class ServerMetrics:
                                    buckets=ITL_BUCKETS, registry=r)
         r.register(_EngineCollector(snapshot))
 
+    def observe_stage(self, stage_id: str, ms: float) -> None:
+        """The engine profiler's stage sink: one engine call of `stage_id` took `ms` milliseconds."""
+        self.step_time.labels(stage_id).observe(ms / 1e3)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
-class StepProfiler(Profiler):
-    """The engine's profiler in a long-running server: step times go to a histogram instead of a list that grows
-    with every step; the token counters are the profile's."""
-
-    def __init__(self, step_time: Histogram) -> None:
-        super().__init__()
-        self.step_time = step_time
-
-    def record(self, stage_id: str, ms: float) -> None:
-        if self.enabled:
-            self.step_time.labels(stage_id).observe(ms / 1e3)
-
-
 class _EngineCollector(Collector):
-    def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
+    def __init__(self, snapshot: Callable[[], EngineStats]) -> None:
         self.snapshot = snapshot
 
     def describe(self) -> Iterator[Metric]:

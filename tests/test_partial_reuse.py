@@ -172,7 +172,7 @@ def test_restored_page_holds_the_snapshot_tokens(engine_dir: Path, runner: OrtEn
     sampling = SamplingParams(temperature=0.0, max_generate_length=3)
     request_id = warm.add_request(warm.inputs.process_prompt(extended, sampling))
     warm.step()
-    seq = warm._sequences[request_id]
+    seq = warm.core.sequences[request_id]
     assert seq.reused_tokens == len(prompt)
     page = seq.lease.page_ids[len(prompt) // T]  # its own page: the record's pages hold none of its tokens
     assert page not in record.page_ids

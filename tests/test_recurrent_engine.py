@@ -204,7 +204,7 @@ def test_a_recompute_after_preemption_checkpoints_the_prompt_state(engine_dir: P
     request_id = warm.add_request(warm.inputs.process_prompt(prompt, sampling))
     for _ in range(4):  # the prompt, then three tokens
         warm.step()
-    warm.scheduler.preempt(warm._sequences[request_id])
+    warm.scheduler.preempt(warm.core.sequences[request_id])
     warm.cache._evict([r.record_id for r in warm.cache.records.least_recent_first()])  # nothing to restore
     while warm.has_unfinished():
         warm.step()

@@ -377,16 +377,8 @@ def test_shutdown_cancels_what_does_not_finish_in_time(engine_dir: Path, tmp_pat
 
 def test_an_engine_failure_fails_its_requests_and_the_server_goes_on(server: LiveServer,
                                                                     client: openai.OpenAI) -> None:
-    class FailOnce:
-        def __init__(self, engine: Engine) -> None:
-            self.engine, self.runner = engine, engine.model_runner
-
-        def run(self, *args: Any) -> Any:
-            self.engine.model_runner = self.runner
-            raise RuntimeError("simulated engine failure")
-
     def break_next_step(engine: Engine) -> None:
-        engine.model_runner = FailOnce(engine)  # type: ignore[assignment]
+        engine.runner.fail_next = True  # type: ignore[attr-defined] - the harness's FlakyBackend
 
     server.on_engine(break_next_step)
     with pytest.raises(openai.InternalServerError) as failed:

@@ -1,0 +1,112 @@
+"""The engine loop without an engine dir: schedule → run → sample → update, over any step executor.
+
+`Engine` builds one from an engine dir (tokenizer, backend, cache, scheduler); model-free tests build one from a
+fake executor and a small cache, so the loop they test is the product's, not a copy of it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvforge.runtime.model_runner import BatchOutput
+from kvforge.runtime.output import OutputProcessor, RequestOutput
+from kvforge.runtime.profile import GENERATION_STAGE, PREFILL_STAGE, Profiler
+from kvforge.runtime.sampling import SampleResult, accept_tokens
+from kvforge.runtime.scheduler import RowUpdate, ScheduledRow, Scheduler, SchedulerOutput
+from kvforge.runtime.sequence import Sequence
+
+
+class StepExecutor(Protocol):
+    """Computes a step's scheduled rows (ModelRunner over a backend, or a test's fake)."""
+
+    def run(self, rows: list[ScheduledRow]) -> BatchOutput: ...
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """What servers and benchmarks read about a running engine, copied at one moment (no attribute walks)."""
+
+    waiting: int
+    running: int
+    loading: int  # waiting for pages from a shared tier
+    pool_free: int
+    pool_capacity: int
+    prefill_reused_tokens: int
+    prefill_computed_tokens: int
+    generated_tokens: int
+    scheduler: dict[str, int]
+    cache: dict[str, Any]  # the profile's context_cache block; empty with reuse off
+    encoder_cache: dict[str, int]  # the profile's multimodal.encoder_cache; empty without an encoder
+
+
+def sample_rows(rows: list[ScheduledRow], output: BatchOutput) -> list[list[SampleResult]]:
+    """The tokens each row commits: none for a row short of its end, else its verified drafts and one more."""
+    return [accept_tokens(row.seq.sampler, logits, row.draft_token_ids) if row.reaches_end else []
+            for row, logits in zip(rows, output.logits, strict=True)]
+
+
+class EngineCore:
+    __slots__ = ("scheduler", "executor", "outputs", "profiler", "sequences")
+
+    def __init__(self, scheduler: Scheduler, executor: StepExecutor, outputs: OutputProcessor,
+                 profiler: Profiler) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self.outputs = outputs
+        self.profiler = profiler
+        self.sequences: dict[str, Sequence] = {}
+
+    def add(self, seq: Sequence) -> None:
+        self.sequences[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now; its pages are released and nothing of it is published. False if unknown."""
+        seq = self.sequences.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.abort(seq)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule → run the rows → sample → update. Returns an output for every row that committed tokens."""
+        batch = self.scheduler.schedule()
+        if not batch.rows:
+            if self.scheduler.running or (self.scheduler.waiting and not self.scheduler.loading):
+                raise AssertionError("nothing schedulable while requests wait (a scheduler bug)")
+            return []  # idle, or every request waits for pages from a shared tier
+        started = time.perf_counter()
+        for row in batch.rows:
+            if row.seq.first_scheduled_time is None:
+                row.seq.first_scheduled_time = started
+        with self.profiler.stage(PREFILL_STAGE if batch.has_prefill else GENERATION_STAGE):
+            output = self.executor.run(batch.rows)
+        sampled = sample_rows(batch.rows, output)
+        reused = self._reused_at_admission(batch)  # before the update moves num_computed_tokens
+        updates = self.scheduler.update_from_output(batch, sampled)
+        self._count(batch, updates, reused)
+        return [self._output(update) for update in updates]
+
+    def _reused_at_admission(self, batch: SchedulerOutput) -> int:
+        """Tokens a sequence starts with at admission were served from a cache (pages or the legacy copy)."""
+        admitted = {id(seq) for seq in batch.admitted}
+        return sum(row.seq.num_computed_tokens for row in batch.rows if id(row.seq) in admitted)
+
+    def _count(self, batch: SchedulerOutput, updates: list[RowUpdate], reused: int) -> None:
+        if batch.has_prefill or batch.admitted:
+            self.profiler.add_prefill(reused_tokens=reused,
+                                      computed_tokens=sum(r.num_new_tokens for r in batch.rows if r.is_prefill))
+        if not batch.has_prefill:
+            self.profiler.add_generation(sum(len(update.new_token_ids) for update in updates))
+
+    def _output(self, update: RowUpdate) -> RequestOutput:
+        seq = update.seq
+        if seq.is_finished:
+            self.sequences.pop(seq.request_id, None)
+            self.profiler.add_adapter_request(seq.adapter_label, seq.reused_tokens)
+        return self.outputs.output(seq, update.new_token_ids)
