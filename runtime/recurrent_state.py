@@ -31,12 +31,13 @@ def present_name(state_input: str) -> str:
 class RecurrentStates:
     """Per state input of the graph, a [rows, ...] fp32 array; `rows` = sequences that may run at once."""
 
-    __slots__ = ("arrays", "_free")
+    __slots__ = ("arrays", "_free", "_saved")
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], num_rows: int) -> None:
         """`shapes`: state input name -> shape of one sequence's state (the graph's dims after `batch`)."""
         self.arrays = {name: np.zeros((num_rows, *shape), dtype=np.float32) for name, shape in sorted(shapes.items())}
         self._free: deque[int] = deque(range(num_rows))
+        self._saved: dict[int, list[np.ndarray]] = {}  # row -> its states before the last verify call
 
     @property
     def nbytes(self) -> int:
@@ -74,6 +75,16 @@ class RecurrentStates:
         index = np.asarray(rows, dtype=np.int64)
         for name, array in self.arrays.items():
             array[index] = present[present_name(name)]
+
+    def save(self, rows: list[int]) -> None:
+        """Copy these rows' states before a call that verifies drafts (the previous saves are dropped)."""
+        self._saved = {row: [array[row].copy() for array in self.arrays.values()] for row in rows}
+
+    def rollback(self, row: int) -> None:
+        """Put a saved row back to its states before that call (after drafts were rejected)."""
+        if row not in self._saved:
+            raise AssertionError(f"recurrent state row {row} was not saved before the call")
+        self.write(row, self._saved.pop(row))
 
     def read(self, row: int) -> list[np.ndarray]:
         """One sequence's states, in input-name order (views: copy before the row is written again)."""

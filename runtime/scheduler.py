@@ -147,6 +147,9 @@ class Scheduler:
                 budget -= count + len(drafts)
         if not out.preempted:  # a step that had to preempt admits nobody: the pool is already short
             budget = self._admit_waiting(budget, out)
+        if self.state is not None and self.state.carries_rows:
+            self.state.save_before_verify([row.seq.lease for row in out.rows  # type: ignore[misc]
+                                           if row.draft_token_ids])
         if out.rows:
             self.stats.steps += 1
             self.stats.mixed_steps += out.has_prefill and out.has_decode

@@ -106,6 +106,11 @@ class StateManager:
         """Whether sequences carry recurrent state rows (a rejected draft then needs the state before the call)."""
         return self.states is not None
 
+    def save_before_verify(self, leases: list[Lease]) -> None:
+        """Keep the recurrent rows of sequences about to verify drafts, so a rejection can go back to them."""
+        if self.states is not None and leases:
+            self.states.save([self.rows[lease] for lease in leases])
+
     def rollback(self, lease: Lease) -> None:
         """Put the sequence's recurrent row back to its value before the last call (saved for rows with drafts)."""
         assert self.states is not None

@@ -471,3 +471,19 @@ def test_released_lease_unpins_a_snapshot_it_never_restored() -> None:
 def test_disabled_manager_has_no_snapshot_slots() -> None:
     manager = ContextCacheManager(4, T, enabled=False, partial_kv_snapshot_slots=3)
     assert manager.snapshots.capacity == 0
+
+
+def test_a_full_input_rewind_announces_no_in_flight_page_that_is_indexed() -> None:
+    """The rewound page is recomputed privately but its key is findable already: announcing it as in flight left a
+    stale key (found by the model-free engine test: two identical one-page prompts, the second admitted after the
+    first's page was indexed)."""
+    manager = ContextCacheManager(8, T, enabled=True)
+    first = acquire(manager, tokens(T))
+    manager.index_computed(first, tokens(T), T)
+    second = acquire(manager, tokens(T))
+    assert second.plan_kind == "full_input_rewind" and second.reuse_tokens == 0
+    assert not manager.in_flight
+    manager.check_invariants()
+    manager.release(second)
+    manager.release(first)
+    manager.check_invariants()

@@ -292,7 +292,8 @@ class ContextCacheManager:
     def _register_inflight(self, lease: Lease) -> None:
         """Announce the full pages this lease will compute, so identical prefixes wait instead of duplicating."""
         for key in lease.keys[lease.indexed_pages:lease.indexable_pages]:
-            if key not in self._inflight:
+            # A full-input rewind recomputes its last matched page: that page is indexed already, not in flight.
+            if key not in self._inflight and not self.index.contains(key):
                 self._inflight[key] = lease
                 lease.inflight_keys.append(key)
 

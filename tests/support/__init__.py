@@ -1,0 +1,1 @@
+"""Test doubles shared by the component tests (model-free backends, fake tokenizers)."""
