@@ -147,11 +147,12 @@ class ContextCacheManager:
         self.tails = PartialTails(self.snapshots, T, chain_root, copier) if paged else None
         self.recurrent = RecurrentCheckpoints(self.recurrent_snapshots, self.records, T, chain_root,
                                               with_pages=paged, copier=copier) if checkpoints else None
-        self.types: tuple[CacheType, ...] = tuple(t for t in (self.attention, self.tails, self.recurrent) if t)
+        self.types: tuple[CacheType, ...] = tuple(
+            t for t in (self.attention, self.tails, self.recurrent) if t is not None)
         # Lookup order: each type narrows or extends the hit of the ones before it. A checkpoint brings its own
         # tail page, so on a checkpoint deployment the tails extend nothing: the checkpoints have the last word.
-        self._lookup_order: tuple[CacheType, ...] = tuple(t for t in (
-            self.attention, self.tails if self.recurrent is None else None, self.recurrent) if t)
+        self._lookup_order: tuple[CacheType, ...] = tuple(
+            t for t in (self.attention, None if checkpoints else self.tails, self.recurrent) if t is not None)
         self.index = self.attention.index if self.attention is not None else PageIndex()
 
     @property
