@@ -17,6 +17,7 @@ from kvforge.runtime.context_cache.planner import (
     plan_reuse,
 )
 from kvforge.runtime.context_cache.pools import BASE_KV_PAGES, Demand, ResourcePool, ResourcePools
+from kvforge.runtime.context_cache.protocol import PublishResult
 from kvforge.runtime.context_cache.records import Record, RecordStore
 from kvforge.runtime.types import LookupPolicy
 
@@ -161,7 +162,7 @@ def acquire(manager: ContextCacheManager, ids: list[int], **admission: object) -
 
 
 def run_request(manager: ContextCacheManager, ids: list[int], salt: str | None = None,
-                lookup: LookupPolicy = LookupPolicy.USE_CACHE) -> tuple[int, str]:
+                lookup: LookupPolicy = LookupPolicy.USE_CACHE) -> tuple[int, PublishResult]:
     lease = acquire(manager, ids, extras=KeyExtras(cache_salt=salt), lookup_policy=lookup)
     outcome = manager.publish(lease, ids)
     manager.release(lease)
@@ -171,9 +172,9 @@ def run_request(manager: ContextCacheManager, ids: list[int], salt: str | None =
 
 def test_manager_hit_after_publish_and_salt_isolation() -> None:
     manager = make_manager()
-    assert run_request(manager, tokens(10)) == (0, "committed")
-    assert run_request(manager, tokens(10) + [50, 51]) == (8, "committed")
-    assert run_request(manager, tokens(10), salt="tenant") == (0, "committed")
+    assert run_request(manager, tokens(10)) == (0, PublishResult.COMMITTED)
+    assert run_request(manager, tokens(10) + [50, 51]) == (8, PublishResult.COMMITTED)
+    assert run_request(manager, tokens(10), salt="tenant") == (0, PublishResult.COMMITTED)
     assert run_request(manager, tokens(10), salt="tenant")[0] == 8
     assert run_request(manager, tokens(10), salt="other")[0] == 0
     profile = manager.profile()
@@ -184,7 +185,7 @@ def test_duplicate_publication_touches_instead_of_adding() -> None:
     manager = make_manager()
     run_request(manager, tokens(8, 100))
     run_request(manager, tokens(8, 200))
-    assert run_request(manager, tokens(8, 100))[1] == "existing"  # now most recently used
+    assert run_request(manager, tokens(8, 100))[1] == PublishResult.EXISTING  # now most recently used
     assert len(manager.records) == 2
     oldest = manager.records.least_recent_first().__next__()
     assert oldest.token_ids[:1] == (200,)
@@ -193,7 +194,7 @@ def test_duplicate_publication_touches_instead_of_adding() -> None:
 def test_bypass_never_looks_up_or_publishes() -> None:
     manager = make_manager()
     run_request(manager, tokens(8))
-    assert run_request(manager, tokens(8), lookup=LookupPolicy.BYPASS) == (0, "skipped")
+    assert run_request(manager, tokens(8), lookup=LookupPolicy.BYPASS) == (0, PublishResult.SKIPPED)
     profile = manager.profile()
     assert profile["lookup_bypass_sequences"] == 1
     assert profile["publications"]["attempts"] == 1 and len(manager.records) == 1
@@ -238,7 +239,7 @@ def test_hit_that_cannot_get_pages_retries_cold_once(monkeypatch: pytest.MonkeyP
     lease = acquire(manager, tokens(8) + [1])
     assert calls == [PLAN_STANDARD, "bypass"]
     assert lease.forced_cold and lease.reuse_tokens == 0 and not lease.may_publish
-    assert manager.publish(lease, tokens(8) + [1]) == "skipped"
+    assert manager.publish(lease, tokens(8) + [1]) == PublishResult.SKIPPED
     manager.release(lease)
     profile = manager.profile()
     assert profile["forced_cold_sequences"] == 1 and profile["lookup_bypass_sequences"] == 1
@@ -266,8 +267,8 @@ def test_first_committer_owns_the_canonical_page() -> None:
     first = acquire(manager, tokens(8))
     assert manager.prefix_in_flight(Admission(tokens(8) + [7]))  # the scheduler would make it wait...
     second = acquire(manager, tokens(8) + [7])  # ...but computed concurrently anyway, it still works
-    assert manager.publish(first, tokens(8)) == "committed"
-    assert manager.publish(second, tokens(8) + [7]) == "existing"  # same endpoint (8 tokens)
+    assert manager.publish(first, tokens(8)) == PublishResult.COMMITTED
+    assert manager.publish(second, tokens(8) + [7]) == PublishResult.EXISTING  # same endpoint (8 tokens)
     manager.release(first)
     manager.release(second)
     manager.check_invariants()
@@ -288,7 +289,7 @@ def test_growth_evicts_and_rolls_nothing_back_on_failure() -> None:
 def test_disabled_manager_is_a_plain_allocator() -> None:
     manager = ContextCacheManager(4, T, enabled=False)
     lease = acquire(manager, tokens(8))
-    assert manager.publish(lease, tokens(8)) == "skipped"
+    assert manager.publish(lease, tokens(8)) == PublishResult.SKIPPED
     manager.release(lease)
     assert manager.pages.num_free == 4 and len(manager.index) == 0
 
@@ -445,13 +446,13 @@ def test_capture_without_a_free_slot_is_skipped_and_counted() -> None:
     run_restoring(manager, tokens(6))
     pending = acquire(manager, tokens(6) + [7])  # restores the only slot: pinned until finish_restore
     other = acquire(manager, tokens(10, 100))
-    assert manager.publish(other, tokens(10, 100)) == "committed"  # full pages only: never an error
+    assert manager.publish(other, tokens(10, 100)) == PublishResult.COMMITTED  # full pages only: never an error
     manager.release(other)
     profile = manager.profile()
     assert profile["hybrid"]["snapshot_pressure_skips"] == 1
     assert len(manager.records) == 2
     short = acquire(manager, tokens(3, 300))
-    assert manager.publish(short, tokens(3, 300)) == "skipped"  # no full page and no slot: nothing to keep
+    assert manager.publish(short, tokens(3, 300)) == PublishResult.SKIPPED  # no full page and no slot: nothing to keep
     manager.release(short)
     manager.finish_restore(pending)
     manager.release(pending)
@@ -486,4 +487,22 @@ def test_a_full_input_rewind_announces_no_in_flight_page_that_is_indexed() -> No
     manager.check_invariants()
     manager.release(second)
     manager.release(first)
+    manager.check_invariants()
+
+
+def test_a_publication_that_indexes_a_page_in_flight_ends_its_announcement() -> None:
+    """A finished answer published with the same content as a page another request is computing (a chat turn that
+    extends a still-running answer) makes that page findable: it is no longer announced as in flight."""
+    manager = ContextCacheManager(8, T, enabled=True)
+    extending = acquire(manager, tokens(2 * T))  # announces both its pages
+    assert len(manager.in_flight) == 2
+    running = acquire(manager, tokens(2 * T, offset=100))  # other content: no hit, its own pages
+    manager.publish(running, tokens(2 * T, offset=100))
+    publisher = acquire(manager, tokens(T) + [7] * T, indexable_tokens=T)
+    assert publisher.reuse_tokens == 0  # the page is in flight, not indexed: nothing to hit yet
+    manager.publish(publisher, tokens(T) + [7] * T)
+    assert list(manager.in_flight) == [extending.keys[1]]  # page 0 is findable now
+    manager.check_invariants()
+    for lease in (publisher, running, extending):
+        manager.release(lease)
     manager.check_invariants()

@@ -14,6 +14,7 @@ from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.profile_schema import PLAN_NO_REUSABLE_PREFIX, PLAN_STANDARD
 from kvforge.runtime.context_cache.keys import KeyExtras, MediaKey
 from kvforge.runtime.context_cache.manager import Admission, ContextCacheManager, Deployment, Lease
+from kvforge.runtime.context_cache.protocol import PublishResult
 from kvforge.runtime.types import LookupPolicy
 
 T = 4  # tokens per page
@@ -79,7 +80,7 @@ class FakeStates:
                 self.pages[lease.page_ids[i]] = tuple(ids[i * T:min((i + 1) * T, upto)])
 
     def run(self, ids: list[int], *, at: tuple[int, ...] = (), salt: str | None = None, adapter: bytes = b"",
-            media: tuple[MediaKey, ...] = ()) -> tuple[Lease, list[str]]:
+            media: tuple[MediaKey, ...] = ()) -> tuple[Lease, list[PublishResult]]:
         """One request: admit, compute to each boundary in `at` publishing a checkpoint there, then the end."""
         lease = self.admit(ids, salt, adapter, media)
         outcomes = []
@@ -111,7 +112,7 @@ both = pytest.mark.parametrize("deployment", [HYBRID, PURE])
 def test_mid_prefill_checkpoints_and_the_longest_exact_one_wins(deployment: Deployment) -> None:
     m, fake = manager(deployment)
     _, outcomes = fake.run(tokens(12), at=(3, 6, 8))  # four captures at growing lengths on one lease
-    assert outcomes == ["committed"] * 4 and len(m.records) == 4
+    assert outcomes == [PublishResult.COMMITTED] * 4 and len(m.records) == 4
     assert m.metrics.boundary_captures == 3 and m.metrics.endpoint_captures == 1
     assert fake.admit(tokens(12) + [99]).reuse_tokens == 12
     assert fake.admit(tokens(12)).reuse_tokens == 8  # the whole input never: one token must compute
@@ -144,7 +145,7 @@ def test_hybrid_never_uses_a_base_only_page_hit() -> None:
     assert (lease.reuse_tokens, lease.restore_recurrent_slot, lease.plan_kind) == (0, None, PLAN_NO_REUSABLE_PREFIX)
     vanilla = ContextCacheManager(32, T, enabled=True)  # the same pages would be a hit for an attention-only model
     first = vanilla.try_acquire(Admission(tokens(10)))
-    assert first is not None and vanilla.publish(first, tokens(10)) == "committed"
+    assert first is not None and vanilla.publish(first, tokens(10)) == PublishResult.COMMITTED
     again = vanilla.try_acquire(Admission(tokens(8) + [99, 98]))
     assert again is not None and again.reuse_tokens == 8 and again.restore_recurrent_slot is None
 
@@ -198,7 +199,7 @@ def test_publishing_the_same_checkpoint_twice_touches_it_without_a_capture(deplo
     lease = fake.admit(tokens(6))  # resumes from nothing shorter: computes all 6 again
     assert lease.reuse_tokens == 0
     fake.compute(lease, tokens(6), 6)
-    assert m.publish(lease, tokens(6)) == "existing" and len(fake.calls) == calls
+    assert m.publish(lease, tokens(6)) == PublishResult.EXISTING and len(fake.calls) == calls
     m.release(lease)
     assert m.metrics.publications_existing == 1
     m.check_invariants()
@@ -208,12 +209,12 @@ def test_bypass_and_disabled_never_look_up_or_capture() -> None:
     m, fake = manager(PURE)
     fake.run(tokens(6))
     lease = m.try_acquire(Admission(tokens(6) + [1], lookup_policy=LookupPolicy.BYPASS))
-    assert lease is not None and lease.reuse_tokens == 0 and m.publish(lease, tokens(6) + [1]) == "skipped"
+    assert lease is not None and lease.reuse_tokens == 0 and m.publish(lease, tokens(6) + [1]) == PublishResult.SKIPPED
     m.release(lease)
     off = ContextCacheManager(0, T, enabled=False, deployment=PURE)
     assert off.recurrent_snapshots.capacity == 0 and off.fits_alone(10**6)
     lease = off.try_acquire(Admission(tokens(6)))
-    assert lease is not None and lease.page_ids == [] and off.publish(lease, tokens(6)) == "skipped"
+    assert lease is not None and lease.page_ids == [] and off.publish(lease, tokens(6)) == PublishResult.SKIPPED
     off.release(lease)
     off.check_invariants()
 
@@ -228,7 +229,7 @@ def test_pure_recurrent_leases_hold_no_pages_and_always_fit() -> None:
     m.index_computed(lease, tokens(50), 50)
     assert len(m.index) == 0 and not m.prefix_in_flight(Admission(tokens(50)))
     fake.compute(lease, tokens(50), 50)
-    assert m.publish(lease, tokens(50)) == "committed"
+    assert m.publish(lease, tokens(50)) == PublishResult.COMMITTED
     record = next(m.records.least_recent_first())
     assert record.page_ids == () and len(record.keys) == 12 and record.partial_slot is None  # keys of 12 blocks
     m.release(lease)
@@ -257,14 +258,14 @@ def test_capture_with_every_slot_pinned_is_skipped_and_counted(deployment: Deplo
     assert pending is not None and pending.restore_recurrent_slot is not None
     other = fake.admit(tokens(5, 100))
     fake.compute(other, tokens(5, 100), 5)
-    assert m.publish(other, tokens(5, 100)) == "skipped"  # never an error
+    assert m.publish(other, tokens(5, 100)) == PublishResult.SKIPPED  # never an error
     m.release(other)
     assert m.profile()["hybrid"]["snapshot_pressure_skips"] == 1 and len(m.records) == 1
     m.check_invariants()
     m.finish_restore(pending)
     m.release(pending)
     _, outcomes = fake.run(tokens(5, 100))  # the slot is evictable again
-    assert outcomes == ["committed"] and len(m.records) == 1
+    assert outcomes == [PublishResult.COMMITTED] and len(m.records) == 1
     assert m.profile()["reclaimed_resources"]["recurrent_snapshots"] == 1
 
 
@@ -275,7 +276,7 @@ def test_hybrid_unaligned_capture_needs_a_partial_slot_but_aligned_does_not() ->
     assert pending is not None and pending.restore_slot is not None
     _, unaligned = fake.run(tokens(6, 100))
     _, aligned = fake.run(tokens(8, 200))
-    assert (unaligned, aligned) == (["skipped"], ["committed"])
+    assert (unaligned, aligned) == ([PublishResult.SKIPPED], [PublishResult.COMMITTED])
     assert m.metrics.snapshot_pressure_skips == 1
     assert m.recurrent_snapshots.num_free == 2  # the skipped capture returned the recurrent slot it reserved
     m.release(pending)  # aborted before it ran: both restores unpinned, nothing counted
@@ -307,7 +308,7 @@ def test_record_limit_evicts_checkpoints_and_their_slots(deployment: Deployment)
     assert len(m.records) == 1 and m.recurrent_snapshots.num_free == 7
     assert fake.admit(tokens(10) + [1]).reuse_tokens == 10
     m0, fake0 = manager(deployment, max_records=0)
-    assert fake0.run(tokens(6))[1] == ["committed"]  # committed, then evicted at once
+    assert fake0.run(tokens(6))[1] == [PublishResult.COMMITTED]  # committed, then evicted at once
     assert len(m0.records) == 0 and m0.recurrent_snapshots.num_free == 8
     assert m0.snapshots.num_free == m0.snapshots.capacity
 
@@ -321,7 +322,7 @@ def test_one_slot_budgets_carry_a_chat_turn_by_turn(deployment: Deployment) -> N
     for turn in range(1, 6):
         chat = chat + tokens(3 + turn, 100 * turn)
         lease, outcomes = fake.run(chat)
-        assert lease.reuse_tokens == len(chat) - 3 - turn and outcomes == ["committed"]
+        assert lease.reuse_tokens == len(chat) - 3 - turn and outcomes == [PublishResult.COMMITTED]
         assert len(m.records) == 1
     assert m.metrics.restores == 5 and m.metrics.snapshot_pressure_skips == 0
 
@@ -332,7 +333,7 @@ def test_hybrid_checkpoint_projects_onto_the_canonical_pages() -> None:
     b = fake.admit(tokens(9))  # concurrent: computes the same first two pages on its own pages
     fake.compute(a, tokens(10), 10)
     fake.compute(b, tokens(9), 9)
-    assert m.publish(a, tokens(10)) == "committed" and m.publish(b, tokens(9)) == "committed"
+    assert m.publish(a, tokens(10)) == PublishResult.COMMITTED and m.publish(b, tokens(9)) == PublishResult.COMMITTED
     rec_a, rec_b = sorted(m.records.least_recent_first(), key=lambda r: len(r.token_ids), reverse=True)
     assert rec_b.page_ids == rec_a.page_ids == tuple(a.page_ids[:2])  # first committer's pages
     assert fake.partial[rec_b.partial_slot] == (8,)  # captured from b's own tail page
@@ -349,9 +350,9 @@ def test_decode_end_checkpoint_serves_the_next_turn(deployment: Deployment) -> N
     prompt, answer = tokens(7), [50, 51, 52]
     lease = fake.admit(prompt)
     fake.compute(lease, prompt, 7)
-    assert m.publish(lease, prompt) == "committed"  # prefill end
+    assert m.publish(lease, prompt) == PublishResult.COMMITTED  # prefill end
     fake.compute(lease, prompt + answer, 9)  # decode: the last sampled token is not computed yet
-    assert m.publish(lease, (prompt + answer)[:9]) == "committed"  # decode end (including generated tokens)
+    assert m.publish(lease, (prompt + answer)[:9]) == PublishResult.COMMITTED  # decode end (including generated tokens)
     m.release(lease)
     assert fake.admit(prompt + answer + [60, 61]).reuse_tokens == 9
 
@@ -360,7 +361,7 @@ def test_vanilla_records_hold_no_recurrent_slot() -> None:
     m = ContextCacheManager(8, T, enabled=True, recurrent_snapshot_slots=4)
     assert m.recurrent_snapshots.capacity == 0 and m.deployment is Deployment.VANILLA and not m.checkpoints
     lease = m.try_acquire(Admission(tokens(9)))
-    assert lease is not None and m.publish(lease, np.asarray(tokens(9))) == "committed"
+    assert lease is not None and m.publish(lease, np.asarray(tokens(9))) == PublishResult.COMMITTED
     assert next(m.records.least_recent_first()).recurrent_slot is None
     m.release(lease)
     m.check_invariants()

@@ -6,15 +6,19 @@ Tests call it after every step; it only reads (a failing assertion names what di
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from kvforge.runtime.context_cache.index import PageIndex, page_token_bytes
-from kvforge.runtime.context_cache.keys import CHAIN_ROOT, page_keys, tail_page_key
+from kvforge.runtime.context_cache.keys import page_keys, tail_page_key
 from kvforge.runtime.context_cache.lease import Lease
 from kvforge.runtime.context_cache.pools import BASE_KV_PAGES, ResourcePool, ResourcePools
 from kvforge.runtime.context_cache.records import RecordStore
+
+if TYPE_CHECKING:
+    from kvforge.runtime.context_cache.partial_tails import PartialTails
+    from kvforge.runtime.context_cache.recurrent_checkpoints import RecurrentCheckpoints
 
 
 class AuditedCache(Protocol):
@@ -24,8 +28,7 @@ class AuditedCache(Protocol):
     enabled: bool
     tokens_per_page: int
     max_records: int
-    checkpoints: bool
-    paged: bool
+    chain_root: bytes
     pools: ResourcePools
     pages: ResourcePool
     snapshots: ResourcePool
@@ -33,6 +36,14 @@ class AuditedCache(Protocol):
     index: PageIndex
     records: RecordStore
     leases: set[Lease]
+    tails: PartialTails | None
+    recurrent: RecurrentCheckpoints | None
+
+    @property
+    def checkpoints(self) -> bool: ...
+
+    @property
+    def paged(self) -> bool: ...
 
     @property
     def in_flight(self) -> Mapping[bytes, Lease]: ...
@@ -53,7 +64,7 @@ def check_invariants(manager: AuditedCache) -> None:
             active[manager.recurrent_snapshots.name][lease.restore_recurrent_slot] += 1
     for record in manager.records.least_recent_first():
         assert len(record.page_ids) == (len(record.keys) if manager.paged else 0)
-        assert page_keys(record.token_ids, T, record.extras) == list(record.keys)
+        assert page_keys(record.token_ids, T, record.extras, parent=manager.chain_root) == list(record.keys)
         tokens = np.asarray(record.token_ids, dtype=np.int32)
         for i, (key, page) in enumerate(zip(record.keys, record.page_ids, strict=False)):
             assert manager.index.canonical(key, page_token_bytes(tokens, i, T)) == page
@@ -62,13 +73,16 @@ def check_invariants(manager: AuditedCache) -> None:
         if manager.checkpoints:  # an exact checkpoint: keyed at its exact length, partial slot iff hybrid unaligned
             assert 0 <= tail < T and (record.partial_slot is not None) == (manager.paged and tail > 0)
             assert len(record.keys) + bool(record.tail_key) > 0 and bool(record.tail_key) == (tail > 0)
-            assert len(tokens) in manager.records.checkpoint_lengths_after(record.parent_key)
+            assert manager.recurrent is not None
+            assert len(tokens) in manager.recurrent.lengths_after(record.parent_key)
         elif record.partial_slot is None:
             assert tail == 0 and not record.tail_key
         else:
             assert 0 < tail < T, "a snapshot holds a partial tail page"
+        if record.partial_slot is not None:
+            assert manager.tails is not None and manager.tails.filed(record), "a snapshot tail lookups cannot find"
         if record.tail_key:
-            parent = record.keys[-1] if record.keys else CHAIN_ROOT
+            parent = record.keys[-1] if record.keys else manager.chain_root
             assert record.tail_key == tail_page_key(parent, tokens, len(tokens) - tail, record.extras)
         assert manager.records.find(record.terminal_key) is record
         for name, slots in record.held().items():

@@ -15,6 +15,34 @@ CHAIN_ROOT = b"kvforge-chain-v1".ljust(KEY_BYTES, b"\0")[:KEY_BYTES]
 # One tag byte per field; each field is tag + u64 length + bytes, so no two field sequences can
 # produce the same byte stream (domain separation): a LoRA named like a salt cannot collide with it.
 TAG_PARENT, TAG_TOKENS, TAG_MEDIA, TAG_ADAPTER, TAG_SALT = b"P", b"T", b"M", b"A", b"S"
+# The engine fingerprint's fields, tagged the same way (their own letters: a root never hashes like a page).
+TAG_WEIGHTS, TAG_KV_DTYPE, TAG_PAGE_SIZE, TAG_LAYOUT, TAG_CHAIN_VERSION = b"W", b"D", b"N", b"L", b"V"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFingerprint:
+    """What makes two engines' K/V for the same tokens different bytes: it roots the key chain, so a page saved by
+    one engine (in a tier shared between processes) can never be found by an engine with other weights or layout."""
+
+    weights_digest: str
+    kv_cache_dtype: str
+    tokens_per_page: int
+    layer_layout: str  # e.g. which layers are attention and which recurrent, and their KV head shapes
+    chain_version: int = 1  # bumped when the key derivation itself changes
+
+
+def chain_root(fingerprint: EngineFingerprint | None) -> bytes:
+    """The parent key of every chain: CHAIN_ROOT without a fingerprint (one process, keys as before), else a
+    BLAKE2b of the fingerprint's tagged, length-prefixed fields."""
+    if fingerprint is None:
+        return CHAIN_ROOT
+    digest = hashlib.blake2b(digest_size=KEY_BYTES)
+    digest.update(_field(TAG_WEIGHTS, fingerprint.weights_digest.encode("utf-8")))
+    digest.update(_field(TAG_KV_DTYPE, fingerprint.kv_cache_dtype.encode("utf-8")))
+    digest.update(_field(TAG_PAGE_SIZE, struct.pack("<Q", fingerprint.tokens_per_page)))
+    digest.update(_field(TAG_LAYOUT, fingerprint.layer_layout.encode("utf-8")))
+    digest.update(_field(TAG_CHAIN_VERSION, struct.pack("<Q", fingerprint.chain_version)))
+    return digest.digest()
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvforge.runtime.context_cache.keys import KeyExtras
+from kvforge.runtime.context_cache.planner import PlanKind
 from kvforge.runtime.types import LookupPolicy
 
 
@@ -46,7 +47,7 @@ class Lease:
     page_ids: list[int]
     reuse_tokens: int
     matched_tokens: int
-    plan_kind: str
+    plan_kind: PlanKind
     may_publish: bool
     forced_cold: bool = False
     keys: list[bytes] = field(default_factory=list)

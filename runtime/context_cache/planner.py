@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from enum import Enum
 
 from kvforge.contract.paging import pages_for
 from kvforge.contract.profile_schema import (
@@ -18,12 +19,22 @@ from kvforge.contract.profile_schema import (
 )
 from kvforge.runtime.context_cache.keys import MediaKey
 
-PLAN_BYPASS = "bypass"  # not a profile key: bypassed admissions are counted as lookup_bypass_sequences
+
+class PlanKind(str, Enum):
+    """How an admission was planned. The values are the profile's `plans` keys, so the JSON stays the same."""
+
+    STANDARD = PLAN_STANDARD
+    NO_REUSABLE_PREFIX = PLAN_NO_REUSABLE_PREFIX
+    FULL_INPUT_REWIND = PLAN_FULL_INPUT_REWIND
+    BYPASS = "bypass"  # not a profile key: bypassed admissions are counted as lookup_bypass_sequences
+
+
+PLAN_BYPASS = PlanKind.BYPASS
 
 
 @dataclass(frozen=True, slots=True)
 class ReusePlan:
-    kind: str
+    kind: PlanKind
     matched_tokens: int  # tokens covered by matching pages in the index
     reuse_tokens: int  # where execution starts (kvcache_start_index)
     hit_pages: tuple[int, ...]  # canonical pages bound to the first reuse_tokens // tokens_per_page slots
@@ -43,11 +54,11 @@ def plan_reuse(num_tokens: int, tokens_per_page: int, matched_pages: Sequence[in
     matched = len(matched_pages)
     hits = tuple(matched_pages)
     if not hits:
-        kind = PLAN_NO_REUSABLE_PREFIX
+        kind = PlanKind.NO_REUSABLE_PREFIX
     elif matched * tokens_per_page >= num_tokens:
-        kind, hits = PLAN_FULL_INPUT_REWIND, hits[:-1]
+        kind, hits = PlanKind.FULL_INPUT_REWIND, hits[:-1]
     else:
-        kind = PLAN_STANDARD
+        kind = PlanKind.STANDARD
     hits = hits[:media_safe_pages(len(hits), tokens_per_page, media)]
     reuse = len(hits) * tokens_per_page
     return ReusePlan(kind, matched * tokens_per_page, reuse, hits, total_pages - len(hits))
@@ -63,7 +74,7 @@ def media_safe_pages(num_pages: int, tokens_per_page: int, media: Sequence[Media
 
 def plan_cold(num_tokens: int, tokens_per_page: int, *, paged: bool = True) -> ReusePlan:
     """No lookup (bypass policy, warmup, or a forced-cold retry): every page private (none without KV pages)."""
-    return ReusePlan(PLAN_BYPASS, 0, 0, (), pages_for(num_tokens, tokens_per_page) if paged else 0)
+    return ReusePlan(PlanKind.BYPASS, 0, 0, (), pages_for(num_tokens, tokens_per_page) if paged else 0)
 
 
 def plan_checkpoint(num_tokens: int, tokens_per_page: int, *, paged: bool, length: int = 0,
@@ -73,16 +84,16 @@ def plan_checkpoint(num_tokens: int, tokens_per_page: int, *, paged: bool, lengt
     into the first private one), or, without a recurrent slot, start cold (the engine zeroes the state)."""
     total_pages = pages_for(num_tokens, tokens_per_page) if paged else 0
     if recurrent_slot is None:
-        return ReusePlan(PLAN_NO_REUSABLE_PREFIX, 0, 0, (), total_pages)
+        return ReusePlan(PlanKind.NO_REUSABLE_PREFIX, 0, 0, (), total_pages)
     restore_tokens = length % tokens_per_page if partial_slot is not None else 0
-    return ReusePlan(PLAN_STANDARD, length, length, tuple(hit_pages), total_pages - len(hit_pages), partial_slot,
+    return ReusePlan(PlanKind.STANDARD, length, length, tuple(hit_pages), total_pages - len(hit_pages), partial_slot,
                      restore_tokens, recurrent_slot, record_id)
 
 
 def with_snapshot(plan: ReusePlan, slot: int, tail_tokens: int) -> ReusePlan:
     """`plan` extended by a snapshot of `tail_tokens` tokens after its hit pages: those tokens are restored
     into the first private page instead of computed. A plan that found no page becomes a standard hit."""
-    kind = PLAN_STANDARD if plan.kind == PLAN_NO_REUSABLE_PREFIX else plan.kind
+    kind = PlanKind.STANDARD if plan.kind is PlanKind.NO_REUSABLE_PREFIX else plan.kind
     reuse = plan.reuse_tokens + tail_tokens
     return replace(plan, kind=kind, matched_tokens=max(plan.matched_tokens, reuse), reuse_tokens=reuse,
                    restore_slot=slot, restore_tokens=tail_tokens)

@@ -51,21 +51,17 @@ class Record:
 
 
 class RecordStore:
-    """Exact index (terminal key → record), the snapshot tails by parent key, checkpoint lengths by parent key,
-    and record-level LRU order (first = least recently used).
+    """The records by terminal key (exact endpoints) in record-level LRU order (first = least recently used).
 
-    A checkpoint of length L is filed under its anchor, the key of its last full page (None below one page),
-    so a lookup walks the input's own chain keys from the deepest and hashes a tail only where a checkpoint of
-    that length hangs off a page the input shares.
+    What finds a record by something else (a snapshot tail by its parent page, a checkpoint by its anchor and
+    length) belongs to that resource type (`PartialTails`, `RecurrentCheckpoints`), filed on commit.
     """
 
-    __slots__ = ("_lru", "_by_key", "_tails", "_checkpoints", "_next_id")
+    __slots__ = ("_lru", "_by_key", "_next_id")
 
     def __init__(self) -> None:
         self._lru: OrderedDict[int, Record] = OrderedDict()
         self._by_key: dict[bytes, int] = {}
-        self._tails: dict[bytes | None, set[int]] = {}  # parent key -> records with a snapshot tail after it
-        self._checkpoints: dict[bytes | None, dict[int, int]] = {}  # parent key -> {checkpoint length: records}
         self._next_id = 0
 
     def __len__(self) -> int:
@@ -87,39 +83,16 @@ class RecordStore:
             raise AssertionError("duplicate endpoint; callers touch the existing record instead")
         self._lru[record.record_id] = record
         self._by_key[record.terminal_key] = record.record_id
-        if record.is_checkpoint:
-            lengths = self._checkpoints.setdefault(record.parent_key, {})
-            lengths[len(record.token_ids)] = lengths.get(len(record.token_ids), 0) + 1
-        elif record.partial_slot is not None:
-            self._tails.setdefault(record.parent_key, set()).add(record.record_id)
 
     def remove(self, record_id: int) -> Record:
         record = self._lru.pop(record_id)
         del self._by_key[record.terminal_key]
-        if record.is_checkpoint:
-            lengths = self._checkpoints[record.parent_key]
-            lengths[len(record.token_ids)] -= 1
-            if not lengths[len(record.token_ids)]:
-                del lengths[len(record.token_ids)]
-                if not lengths:
-                    del self._checkpoints[record.parent_key]
-        elif record.partial_slot is not None:
-            tails = self._tails[record.parent_key]
-            tails.discard(record_id)
-            if not tails:
-                del self._tails[record.parent_key]
         return record
 
-    def tails_after(self, parent_key: bytes | None) -> list[Record]:
-        """Records whose snapshot tail follows the full page `parent_key` (None: the chain root)."""
-        return [self._lru[i] for i in self._tails.get(parent_key, ())]
-
-    def checkpoint_lengths_after(self, parent_key: bytes | None) -> list[int]:
-        """Lengths of the checkpoints whose last full page is `parent_key` (None: under a page), longest first."""
-        return sorted(self._checkpoints.get(parent_key, ()), reverse=True)
-
     def least_recent_first(self) -> Iterator[Record]:
-        return iter(list(self._lru.values()))
+        """Records, least recently used first. A generator: the LRU order is copied (so callers may evict while
+        iterating) only when it is first read, and an eviction plan that needs no victim never reads it."""
+        yield from list(self._lru.values())
 
     def oldest_id(self) -> int:
         return next(iter(self._lru))

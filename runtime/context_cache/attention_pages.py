@@ -1,0 +1,125 @@
+"""Attention KV pages as a cache type: the page index, the longest page hit, and the pages sequences are computing."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+
+import numpy as np
+
+from kvforge.runtime.context_cache.index import PageIndex, page_token_bytes
+from kvforge.runtime.context_cache.lease import Lease
+from kvforge.runtime.context_cache.planner import ReusePlan, plan_reuse
+from kvforge.runtime.context_cache.pools import ResourcePool
+from kvforge.runtime.context_cache.protocol import Lookup, Publication
+from kvforge.runtime.context_cache.records import Record
+
+
+class AttentionPages:
+    """Base KV pages: full pages are content-addressed by their chain keys (first committer wins), and with
+    `shares_in_flight` a page becomes findable as soon as a prefill chunk computed it, so an identical prefix
+    waits for it instead of computing it twice. A checkpoint deployment does not share in flight: there a page
+    is reusable only together with a recurrent checkpoint, which exists only once published."""
+
+    __slots__ = ("pool", "index", "tokens_per_page", "shares_in_flight", "_in_flight")
+
+    def __init__(self, pool: ResourcePool, tokens_per_page: int, *, shares_in_flight: bool) -> None:
+        self.pool = pool
+        self.index = PageIndex()
+        self.tokens_per_page = tokens_per_page
+        self.shares_in_flight = shares_in_flight
+        self._in_flight: dict[bytes, Lease] = {}  # page key -> the running lease computing that page
+        pool.on_free = self.index.forget_page  # a freed page is about to be overwritten: it leaves the index
+
+    @property
+    def in_flight(self) -> Mapping[bytes, Lease]:
+        return MappingProxyType(self._in_flight)
+
+    # --- lookup -------------------------------------------------------------------------------------
+
+    def matching_pages(self, lookup: Lookup) -> list[int]:
+        """The canonical pages of the longest run of the input's leading keys present with the same tokens."""
+        if lookup.page_hits is None:
+            lookup.page_hits = self.index.lookup_longest(lookup.keys, lookup.tokens, self.tokens_per_page)
+        return lookup.page_hits
+
+    def find_longest_hit(self, lookup: Lookup, agreed: ReusePlan) -> ReusePlan:
+        """The longest page-aligned reuse (rewinding a fully matched input one page, stopping before media spans).
+        The first type asked: `agreed` is the cold plan."""
+        return plan_reuse(len(lookup.tokens), self.tokens_per_page, self.matching_pages(lookup), lookup.extras.media)
+
+    def waits_for(self, lookup: Lookup) -> bool:
+        """Whether the first page this input would compute is being computed by a running sequence."""
+        if not self.shares_in_flight or not self._in_flight:
+            return False
+        hits = self.matching_pages(lookup)
+        return len(hits) < len(lookup.keys) and lookup.keys[len(hits)] in self._in_flight
+
+    def hit_slots(self, plan: ReusePlan) -> tuple[int, ...]:
+        return plan.hit_pages
+
+    # --- in flight ----------------------------------------------------------------------------------
+
+    def register_in_flight(self, lease: Lease, indexable_tokens: int) -> None:
+        """Announce the full pages among the lease's first `indexable_tokens` it will compute, so identical
+        prefixes wait instead of duplicating (and `index_computed` may make them findable)."""
+        if not self.shares_in_flight:
+            return
+        lease.indexable_pages = indexable_tokens // self.tokens_per_page
+        for key in lease.keys[lease.indexed_pages:lease.indexable_pages]:
+            # A full-input rewind recomputes its last matched page: that page is indexed already, not in flight.
+            if key not in self._in_flight and not self.index.contains(key):
+                self._in_flight[key] = lease
+                lease.inflight_keys.append(key)
+
+    def index_computed(self, lease: Lease, tokens: np.ndarray, upto: int) -> None:
+        """Index the lease's pages [indexed_pages, upto) (their keys are known): findable before any record."""
+        for i in range(lease.indexed_pages, upto):
+            key = lease.keys[i]
+            if self._in_flight.get(key) is lease:
+                del self._in_flight[key]
+            if not self.index.contains(key) and self.index.key_of(lease.page_ids[i]) == b"":
+                self._insert(key, lease.page_ids[i], page_token_bytes(tokens, i, self.tokens_per_page))
+        lease.indexed_pages = max(lease.indexed_pages, upto)
+
+    def _insert(self, key: bytes, page: int, token_bytes: bytes) -> None:
+        """Index a page. A key another lease announced as in flight is findable from now on, so the announcement
+        goes (a publication of the same content can index it first: a chat turn extending a running answer)."""
+        self.index.insert(key, page, token_bytes)
+        self._in_flight.pop(key, None)
+
+    def forget_in_flight(self, lease: Lease) -> None:
+        for key in lease.inflight_keys:
+            if self._in_flight.get(key) is lease:
+                del self._in_flight[key]
+        lease.inflight_keys.clear()
+
+    # --- publication --------------------------------------------------------------------------------
+
+    def project(self, lease: Lease, publication: Publication) -> None:
+        """Set the publication's canonical pages: a key already indexed maps to its page (first committer wins),
+        a new key indexes the lease's own. Stops at a key whose stored tokens differ (a hash collision), so the
+        publication may get fewer pages than keys."""
+        pages = []
+        for i, key in enumerate(publication.keys):
+            token_bytes = page_token_bytes(publication.tokens, i, self.tokens_per_page)
+            page = self.index.canonical(key, token_bytes)
+            if page is None:
+                if self.index.contains(key) or self.index.key_of(lease.page_ids[i]) != b"":
+                    break
+                page = lease.page_ids[i]
+                self._insert(key, page, token_bytes)
+            pages.append(page)
+        publication.page_ids = pages
+
+    def publication_slots(self, publication: Publication) -> int:
+        return 0  # a record's pages are the lease's own (or canonical ones): nothing new is allocated
+
+    def held(self, record: Record) -> tuple[int, ...]:
+        return record.page_ids
+
+    def on_commit(self, record: Record) -> None:
+        pass  # its pages were indexed by `project`
+
+    def on_evict(self, record: Record) -> None:
+        pass  # pages leave the index when they return to the free list (`pool.on_free`), not with a record
