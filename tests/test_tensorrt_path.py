@@ -357,7 +357,7 @@ def test_runner_binds_profiles_page_table_and_aliased_pools(recorder: fake.Recor
     runner = TrtEngineRunner(engine)
     hidden, vocab, layers = engine.model.hidden_size, engine.model.vocab_size, engine.model.num_hidden_layers
     pages = [[5, 9], [7]]  # row 0: 20 tokens over two pages; row 1: 3 tokens
-    logits = runner.forward(_step(hidden, 2, 20, [0, 0], [20, 3], pages))
+    logits = runner.forward(_step(hidden, 2, 20, [0, 0], [20, 3], pages)).logits
     assert logits.shape == (2, vocab) and logits.dtype == np.float32
     prefill = recorder.calls[-1]
     assert prefill["profile"] == PREFILL_PROFILE and prefill["shapes"]["inputs_embeds"] == (2, 20, hidden)
