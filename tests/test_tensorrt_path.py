@@ -135,11 +135,14 @@ def test_build_records_network_profiles_and_engine(recorder: fake.Recorder, tiny
 
     batch, pages = 4, geometry.max_pages_per_seq
     common = {"context_lengths": ((1,), (batch,), (batch,)), "kvcache_start_index": ((1,), (batch,), (batch,)),
-              "last_token_ids": ((1,), (batch,), (batch,)), "kv_page_table": ((1, 1), (batch, pages), (batch, pages)),
+              "kv_page_table": ((1, 1), (batch, pages), (batch, pages)),
               "rope_rotary_cos_sin": ((256, head_dim),) * 3,
               **{f"past_key_values_{i}": (pool,) * 3 for i in range(layers)}}
-    prefill = {"inputs_embeds": ((1, 1, hidden), (batch, 32, hidden), (batch, 64, hidden)), **common}
-    decode = {"inputs_embeds": ((1, 1, hidden), (batch, 1, hidden), (batch, 1, hidden)), **common}
+    # logits_indices: up to MAX_POSITIONS_PER_ROW (16) per row in the prefill profile (verify rows), one in decode.
+    prefill = {"inputs_embeds": ((1, 1, hidden), (batch, 32, hidden), (batch, 64, hidden)),
+               "logits_indices": ((1,), (batch,), (batch * 16,)), **common}
+    decode = {"inputs_embeds": ((1, 1, hidden), (batch, 1, hidden), (batch, 1, hidden)),
+              "logits_indices": ((1,), (batch,), (batch,)), **common}
     assert recorder.profiles == [prefill, decode]
 
     assert (engine_dir / TRT_ENGINE_FILE).read_bytes() == recorder.serialized
