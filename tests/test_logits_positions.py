@@ -290,10 +290,9 @@ def test_no_hidden_state_layers_means_no_output(tiny_engine_dir: Path) -> None:
 
 # --- engine dirs built before logits_indices ------------------------------------------------------------------------
 
-def _as_legacy(engine_dir: Path, target: Path) -> Path:
-    """A copy of `engine_dir` whose graph takes last_token_ids [B] as engines built before logits_indices did."""
-    shutil.copytree(engine_dir, target)
-    model = onnx.load(str(target / ENGINE_MODEL_FILE), load_external_data=False)
+def make_legacy(model: onnx.ModelProto) -> None:
+    """Turn an exported or lowered graph into one that takes last_token_ids [B], as graphs before logits_indices
+    did: logits_indices becomes range(B) * S + last_token_ids inside the graph."""
     graph = model.graph
     g = GraphWriter(prefix="legacy/")
     batch, seq = (g.op("Squeeze", [g.dim("inputs_embeds", axis), g.const([0])]) for axis in (0, 1))
@@ -307,15 +306,22 @@ def _as_legacy(engine_dir: Path, target: Path) -> Path:
     del graph.node[:]
     graph.node.extend(nodes)
     graph.initializer.extend(g.initializers)
+
+
+def legacy_copy(directory: Path, target: Path, kind: str = ENGINE_KIND) -> Path:
+    """A copy of an engine (or ONNX) dir whose graph is make_legacy's, its manifest rewritten."""
+    shutil.copytree(directory, target)
+    model = onnx.load(str(target / ENGINE_MODEL_FILE), load_external_data=False)
+    make_legacy(model)
     onnx.save_model(model, str(target / ENGINE_MODEL_FILE))  # keeps pointing at the copied external weights
     assert (target / ENGINE_WEIGHTS_FILE).is_file()
-    write_manifest(target, ENGINE_KIND)
+    write_manifest(target, kind)
     return target
 
 
 def test_an_engine_from_before_logits_indices_decodes_and_refuses_verify_calls(tiny_engine_dir: Path,
                                                                                  tmp_path: Path) -> None:
-    legacy = OrtEngineRunner(load_engine_dir(_as_legacy(tiny_engine_dir, tmp_path / "legacy")), num_threads=2)
+    legacy = OrtEngineRunner(load_engine_dir(legacy_copy(tiny_engine_dir, tmp_path / "legacy")), num_threads=2)
     current = OrtEngineRunner(load_engine_dir(tiny_engine_dir), num_threads=2)
     embeds = np.random.default_rng(0).standard_normal((2, 5, HIDDEN)).astype(np.float32)
 
