@@ -30,9 +30,13 @@ class StepInputs:
 
     def positions(self) -> np.ndarray:
         """The call's logits_indices as int64 [N], the default resolved."""
-        if self.logits_indices is not None:
-            return np.asarray(self.logits_indices, dtype=np.int64)
-        return last_token_indices(self.context_lengths, self.inputs_embeds.shape[1])
+        if self.logits_indices is None:
+            return last_token_indices(self.context_lengths, self.inputs_embeds.shape[1])
+        indices = np.asarray(self.logits_indices, dtype=np.int64)
+        grid = self.inputs_embeds.shape[0] * self.inputs_embeds.shape[1]
+        if indices.ndim != 1 or not indices.size or indices.min() < 0 or indices.max() >= grid:
+            raise AssertionError(f"logits_indices must be a non-empty [N] of positions in [0, {grid}), got {indices}")
+        return indices
 
 
 def last_token_indices(context_lengths: np.ndarray, width: int) -> np.ndarray:
