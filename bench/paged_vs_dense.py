@@ -55,7 +55,7 @@ class DenseModel:
         n = embeds.shape[1]
         feeds = {"inputs_embeds": embeds, "context_lengths": np.array([n], np.int32),
                  "kvcache_start_index": np.array([self.length], np.int32), "rope_rotary_cos_sin": self.rope,
-                 "last_token_ids": np.array([n - 1], np.int64), **self.past}
+                 "logits_indices": np.array([n - 1], np.int64), **self.past}
         names = [o.name for o in self.session.get_outputs()]
         outputs = dict(zip(names, self.session.run(names, feeds), strict=True))
         self.past = {name.replace("present_", "past_"): value for name, value in outputs.items()
@@ -66,7 +66,7 @@ class DenseModel:
 
 def paged_forward(runner: OrtEngineRunner, pages: list[int], start: int, embeds: np.ndarray) -> np.ndarray:
     n = embeds.shape[1]
-    return runner.forward(StepInputs(embeds, np.array([n], np.int32), np.array([start], np.int32), [pages]))
+    return runner.forward(StepInputs(embeds, np.array([n], np.int32), np.array([start], np.int32), [pages])).logits
 
 
 def timed(fn) -> float:

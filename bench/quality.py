@@ -105,12 +105,12 @@ def teacher_forced(engine: Engine, token_ids: Sequence[int],
         for start in range(0, prefill, PREFILL_CHUNK):
             chunk = ids[start:min(start + PREFILL_CHUNK, prefill)]
             logits = engine.runner.forward(StepInputs(embedding[chunk][None], np.array([len(chunk)], np.int32),
-                                                      np.array([start], dtype=np.int32), [lease.page_ids]))
+                                                      np.array([start], dtype=np.int32), [lease.page_ids])).logits
         if prefill:
             score(first, logits)
         for i in range(max(prefill, 0), len(ids) - 1):
             score(i, engine.runner.forward(StepInputs(embedding[[ids[i]]][None], one,
-                                                      np.array([i], dtype=np.int32), [lease.page_ids])))
+                                                      np.array([i], dtype=np.int32), [lease.page_ids])).logits)
             if progress is not None and (i + 1) % PROGRESS_EVERY == 0:
                 progress(f"{i + 1}/{len(ids) - 1} positions")
         seconds = time.perf_counter() - started

@@ -12,7 +12,14 @@ import onnx
 from onnx import helper
 
 from kvforge.builder.engine_files import load_model, write_engine_config
-from kvforge.contract.engine_dir import ENGINE_MODEL_FILE, ENGINE_WEIGHTS_FILE, TRT_ENGINE_FILE, BuilderConfig
+from kvforge.contract.engine_dir import (
+    ENGINE_MODEL_FILE,
+    ENGINE_WEIGHTS_FILE,
+    LEGACY_LAST_TOKEN_IDS,
+    LOGITS_INDICES,
+    TRT_ENGINE_FILE,
+    BuilderConfig,
+)
 from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.geometry import PageGeometry
 from kvforge.contract.model_config import ModelConfig
@@ -25,6 +32,10 @@ PATCHED_MODEL_FILE = "model.trt.onnx"
 PATCHED_WEIGHTS_FILE = "model.trt.onnx.data"
 WORKSPACE_BYTES = 1 << 30  # activations scratch; the KV pools are engine inputs, not workspace
 TRT_KV_CACHE_DTYPES = ("fp16", "fp8")  # the kernels the plugins launch
+# Logits rows a prefill-profile call may ask for per batch row: the last pending token plus up to 15 drafts of a
+# speculative verify row. It bounds the logits (and hidden-states) buffers the runner allocates: N x V floats,
+# where N up to maxBatchSize x maxInputLen would cost gigabytes for a large vocabulary.
+MAX_POSITIONS_PER_ROW = 16
 
 Shape = tuple[int, ...]
 Profile = dict[str, tuple[Shape, Shape, Shape]]  # input name -> (min, opt, max)
@@ -64,11 +75,15 @@ def _set_dims(vi: onnx.ValueInfoProto, dims: Shape) -> None:
 
 def optimization_profiles(model: onnx.ModelProto, config: ModelConfig, geometry: PageGeometry,
                           max_lora_rank: int) -> list[Profile]:
-    """Profile 0 = prefill (seq 1..maxInputLen), 1 = decode (seq 1); every other input is shared."""
+    """Profile 0 = prefill (seq 1..maxInputLen; verify rows ask for up to MAX_POSITIONS_PER_ROW logits each),
+    1 = decode (seq 1, one logits row per row); every other input is shared."""
     batch, hidden = geometry.max_batch_size, config.hidden_size
     seq_opt = max(1, geometry.max_input_len // 2)
-    prefill = {"inputs_embeds": ((1, 1, hidden), (batch, seq_opt, hidden), (batch, geometry.max_input_len, hidden))}
-    decode = {"inputs_embeds": ((1, 1, hidden), (batch, 1, hidden), (batch, 1, hidden))}
+    positions = batch * min(geometry.max_input_len, MAX_POSITIONS_PER_ROW)
+    prefill = {"inputs_embeds": ((1, 1, hidden), (batch, seq_opt, hidden), (batch, geometry.max_input_len, hidden)),
+               LOGITS_INDICES: ((1,), (batch,), (positions,))}
+    decode = {"inputs_embeds": ((1, 1, hidden), (batch, 1, hidden), (batch, 1, hidden)),
+              LOGITS_INDICES: ((1,), (batch,), (batch,))}
     common = _common_shapes(model, config, geometry, max_lora_rank)
     return [{**prefill, **common}, {**decode, **common}]
 
@@ -80,7 +95,7 @@ def _common_shapes(model: onnx.ModelProto, config: ModelConfig, geometry: PageGe
     shapes: Profile = {
         "context_lengths": per_row,
         "kvcache_start_index": per_row,
-        "last_token_ids": per_row,
+        LEGACY_LAST_TOKEN_IDS: per_row,  # an ONNX dir exported before logits_indices
         "kv_page_table": ((1, 1), (batch, pages), (batch, pages)),
         "rope_rotary_cos_sin": _fixed((geometry.max_kv_cache_capacity, config.head_dim)),
     }

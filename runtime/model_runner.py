@@ -8,7 +8,7 @@ import numpy as np
 
 from kvforge.runtime.context_cache.lease import Lease
 from kvforge.runtime.lora import LoraAdapter, stack_adapters
-from kvforge.runtime.runner import EngineRunner, StepInputs
+from kvforge.runtime.runner import EngineRunner, ForwardOutput, StepInputs
 from kvforge.runtime.scheduler import ScheduledRow
 from kvforge.runtime.sequence import Sequence
 
@@ -73,33 +73,51 @@ class ModelRunner:
     def run(self, rows: list[ScheduledRow]) -> BatchOutput:
         """Compute every scheduled row, whatever their adapters; returns each row's logits (see BatchOutput).
 
+        A row's new tokens are its pending ones (`num_new_tokens` from `num_computed_tokens` on) followed by its
+        draft tokens: the call writes K/V (and the recurrent state) for all of them, and returns logits at the last
+        pending token and at each draft. (A recurrent row with drafts had its state saved by the scheduler's state
+        manager when the step was scheduled, so the commit step can roll back what rejected drafts did to it.)
+
         Rows of similar length share one engine call. The graph takes ragged rows but pads them to the
         longest, and padded positions cost as much as real ones, so a 512-token prefill chunk and three
         decode rows in one call would compute 2,048 positions for 515 tokens: such a step runs the chunk
-        and the decode rows as two calls (see `group_by_width`).
+        and the decode rows as two calls (see `group_by_width`; a row's width counts its drafts).
         """
         new_ids = []
         for row in rows:
             start = row.seq.num_computed_tokens
-            new_ids.append(row.seq.all_token_ids()[start:start + row.num_new_tokens])
+            new_ids.append(row.seq.all_token_ids()[start:start + row.num_new_tokens] + list(row.draft_token_ids))
         groups = group_by_width([len(ids) for ids in new_ids])
         logits: list[np.ndarray | None] = [None] * len(rows)
+        hidden: list[np.ndarray | None] = [None] * len(rows)
         for group in groups:
-            for i, row_logits in zip(group, self._call([rows[i] for i in group], [new_ids[i] for i in group]),
-                                     strict=True):
-                logits[i] = row_logits[None]
-        return BatchOutput(logits)  # type: ignore[arg-type]
+            members = [rows[i] for i in group]
+            output = self._call(members, [new_ids[i] for i in group])
+            offset = 0
+            for i, row in zip(group, members, strict=True):
+                count = 1 + len(row.draft_token_ids)
+                logits[i] = output.logits[offset:offset + count]
+                if output.hidden_states is not None:
+                    hidden[i] = output.hidden_states[offset:offset + count]
+                offset += count
+        has_hidden = any(h is not None for h in hidden)
+        return BatchOutput(logits, hidden if has_hidden else None)  # type: ignore[arg-type]
 
-    def _call(self, rows: list[ScheduledRow], new_ids: list[list[int]]) -> np.ndarray:
+    def _call(self, rows: list[ScheduledRow], new_ids: list[list[int]]) -> ForwardOutput:
         width = max(len(ids) for ids in new_ids)
         embeds = np.zeros((len(rows), width, self.embedding.shape[1]), dtype=np.float32)
+        positions = []
         for i, ids in enumerate(new_ids):
             embeds[i, :len(ids)] = self.embedding[ids]
             _splice_media(embeds[i], rows[i].seq, len(ids))
+            # The last pending token and every draft: len(ids) - 1 - drafts .. len(ids) - 1 within row i.
+            first = len(ids) - 1 - len(rows[i].draft_token_ids)
+            positions.append(i * width + np.arange(first, len(ids), dtype=np.int64))
         step = StepInputs(embeds, np.array([len(ids) for ids in new_ids], dtype=np.int32),
                           np.array([row.seq.num_computed_tokens for row in rows], dtype=np.int32),
                           [row.seq.lease.page_ids for row in rows],  # type: ignore[union-attr]
-                          self._lora_inputs([row.seq.request.adapter for row in rows]))
+                          self._lora_inputs([row.seq.request.adapter for row in rows]),
+                          logits_indices=np.concatenate(positions))
         if self.state_rows is not None:
             step.state_rows = [self.state_rows[row.seq.lease] for row in rows]  # type: ignore[index]
         return self.runner.forward(step)

@@ -18,7 +18,7 @@ from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.safetensors_map import map_tensor
 from kvforge.runtime.engine import Engine, EngineConfig
 from kvforge.runtime.ort_runner import OrtEngineRunner
-from kvforge.runtime.runner import StepInputs
+from kvforge.runtime.runner import ForwardOutput, StepInputs
 from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.types import SamplingParams
 
@@ -42,11 +42,11 @@ class _TimedRunner:
         self.runner, self.calls = runner, []
         self.pool = runner.pool
 
-    def forward(self, step: StepInputs) -> np.ndarray:
+    def forward(self, step: StepInputs) -> ForwardOutput:
         start = time.perf_counter()
-        logits = self.runner.forward(step)
+        output = self.runner.forward(step)
         self.calls.append(_Call(int(step.context_lengths.max()), time.perf_counter() - start))
-        return logits
+        return output
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.runner, name)

@@ -12,6 +12,9 @@ from kvforge.contract.engine_dir import (
     EMBEDDING_FILE,
     EMBEDDING_TENSOR,
     ENGINE_MODEL_FILE,
+    HIDDEN_STATES,
+    LEGACY_LAST_TOKEN_IDS,
+    LOGITS_INDICES,
     TIED_HEAD_INPUT,
     EngineDir,
     new_rows_name,
@@ -23,7 +26,7 @@ from kvforge.plugins.ops import UNUSED_PAGE
 from kvforge.plugins.reference import rope_table
 from kvforge.runtime.kv_pool import KVPool
 from kvforge.runtime.recurrent_state import RecurrentStates, is_state_input
-from kvforge.runtime.runner import StepInputs
+from kvforge.runtime.runner import ForwardOutput, StepInputs, last_token_indices
 
 # ONNX Runtime's own log lines would break the one-line error promise: failures surface as exceptions anyway,
 # so its logger is silenced (fatal only) unless a CLI runs with --debug (warnings and up).
@@ -112,10 +115,24 @@ def check_graph_inputs(session: ort.InferenceSession, engine: EngineDir) -> None
     if logits is None or (isinstance(logits[-1], int) and logits[-1] != model.vocab_size):
         raise KvforgeError(f"graph output logits is {logits}, config.json says vocab_size {model.vocab_size}; "
                            "rebuild it with llm_build", "engine_dir")
+    if LOGITS_INDICES not in inputs and LEGACY_LAST_TOKEN_IDS not in inputs:
+        raise KvforgeError(f"the graph has no {LOGITS_INDICES} input; rebuild it with llm_build", "engine_dir")
+    hidden = next((o.shape for o in session.get_outputs() if o.name == HIDDEN_STATES), None)
+    width = len(model.hidden_state_layers) * model.hidden_size
+    if (hidden is None) != (width == 0) or (hidden is not None and isinstance(hidden[-1], int) and hidden[-1] != width):
+        raise KvforgeError(f"graph output {HIDDEN_STATES} is {hidden}, config.json's hidden_state_layers "
+                           f"{model.hidden_state_layers} imply width {width}; rebuild it with llm_build", "engine_dir")
     embeds = inputs.get("inputs_embeds")
     if embeds is None or len(embeds) != 3 or (isinstance(embeds[2], int) and embeds[2] != model.hidden_size):
         raise KvforgeError(f"graph input inputs_embeds is {embeds}, config.json says hidden_size "
                            f"{model.hidden_size}; rebuild it with llm_build", "engine_dir")
+
+
+def check_last_token_positions(positions: np.ndarray, lengths: np.ndarray, width: int) -> None:
+    """An engine built before logits_indices computes each row's last new token only: refuse any other ask."""
+    if not np.array_equal(positions, last_token_indices(lengths, width)):
+        raise KvforgeError(f"this engine was built before {LOGITS_INDICES} and returns logits at each row's last "
+                           "token only (no speculative verify); rebuild it with llm_build", "engine_dir")
 
 
 class OrtEngineRunner:
@@ -144,6 +161,9 @@ class OrtEngineRunner:
             self.rope = rope_table(build.max_kv_cache_capacity, model.rotary_dim, model.rope_theta)
             self._rope_value = ort.OrtValue.ortvalue_from_numpy(self.rope)
         self._output_names = [o.name for o in self.session.get_outputs()]
+        # Engine dirs built before logits_indices keep running (cheaply: their graph takes last_token_ids [B]) for
+        # calls that want each row's last token only; a verify call on one is refused with "rebuild".
+        self._legacy_last_token = LEGACY_LAST_TOKEN_IDS in graph_inputs
         self._lora_names = [i.name for i in self.session.get_inputs() if i.name.startswith("lora_")]
         self._lora_shapes = {i.name: (i.shape[1], i.shape[2]) for i in self.session.get_inputs()
                              if i.name.startswith("lora_")}
@@ -153,13 +173,18 @@ class OrtEngineRunner:
             table = embedding if embedding is not None else map_tensor(engine.file(EMBEDDING_FILE), EMBEDDING_TENSOR)
             self._tied_head = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(table, dtype=np.float32))
 
-    def forward(self, step: StepInputs) -> np.ndarray:
+    def forward(self, step: StepInputs) -> ForwardOutput:
         starts = step.kvcache_start_index.astype(np.int32)
         lengths = step.context_lengths.astype(np.int32)
         binding = self.session.io_binding()
         binding.bind_cpu_input("inputs_embeds", np.ascontiguousarray(step.inputs_embeds, dtype=np.float32))
         binding.bind_cpu_input("context_lengths", lengths)
-        binding.bind_cpu_input("last_token_ids", (lengths - 1).astype(np.int64))
+        positions = step.positions()
+        if self._legacy_last_token:
+            check_last_token_positions(positions, lengths, step.inputs_embeds.shape[1])
+            binding.bind_cpu_input(LEGACY_LAST_TOKEN_IDS, (lengths - 1).astype(np.int64))
+        else:
+            binding.bind_cpu_input(LOGITS_INDICES, np.ascontiguousarray(positions))
         if self._rope_value is not None:  # graphs with attention layers
             binding.bind_cpu_input("kvcache_start_index", starts)
             binding.bind_cpu_input("kv_page_table", self._cached_page_table(step.page_ids, starts))
@@ -185,7 +210,7 @@ class OrtEngineRunner:
                           lengths)
         if self.states is not None:
             self.states.scatter(step.state_rows, outputs)  # type: ignore[arg-type]
-        return outputs["logits"]
+        return ForwardOutput(outputs["logits"], outputs.get(HIDDEN_STATES))
 
     def _rank_zero(self, batch: int) -> dict[str, np.ndarray]:
         """Rank-0 LoRA inputs for a call without adapters: (x @ [B, in, 0]) @ [B, 0, out] adds exact zeros."""

@@ -16,6 +16,8 @@ class StepInputs:
     `context_lengths` new tokens (padded to S) whose pages are allocated in `page_ids`.
 
     `context_lengths` keeps TensorRT Edge-LLM's binding name although it counts only the *new* tokens.
+    `logits_indices` are the positions whose logits (and hidden states) come back: flat indices b * S + t into the
+    call's [B, S] grid (`inputs_embeds`' first two dims); None = each row's last new token (`last_token_indices`).
     """
 
     inputs_embeds: np.ndarray  # [B, S, H] float32
@@ -24,6 +26,32 @@ class StepInputs:
     page_ids: list[list[int]]  # per row, pages covering positions [0, start + length)
     lora_tensors: dict[str, np.ndarray] | None = None  # per-row adapters [B, in, r] / [B, r, out]; None = base
     state_rows: list[int] | None = None  # recurrent engines: each row's recurrent state row (runtime/recurrent_state)
+    logits_indices: np.ndarray | None = None  # [N] int64; None = last_token_indices(...)
+
+    def positions(self) -> np.ndarray:
+        """The call's logits_indices as int64 [N], the default resolved."""
+        if self.logits_indices is None:
+            return last_token_indices(self.context_lengths, self.inputs_embeds.shape[1])
+        indices = np.asarray(self.logits_indices, dtype=np.int64)
+        grid = self.inputs_embeds.shape[0] * self.inputs_embeds.shape[1]
+        if indices.ndim != 1 or not indices.size or indices.min() < 0 or indices.max() >= grid:
+            raise AssertionError(f"logits_indices must be a non-empty [N] of positions in [0, {grid}), got {indices}")
+        return indices
+
+
+def last_token_indices(context_lengths: np.ndarray, width: int) -> np.ndarray:
+    """Each row's last new token as a flat index b * width + length - 1: one logits row per row, in row order."""
+    lengths = np.asarray(context_lengths, dtype=np.int64)
+    return np.arange(len(lengths), dtype=np.int64) * width + lengths - 1
+
+
+@dataclass(slots=True)
+class ForwardOutput:
+    """One call's results at its logits_indices: `logits` [N, V] float32 and, when the engine exports them,
+    `hidden_states` [N, len(hidden_state_layers) * H] (model_config.hidden_state_layers)."""
+
+    logits: np.ndarray
+    hidden_states: np.ndarray | None = None
 
 
 class KVStorage(Protocol):
@@ -54,7 +82,9 @@ class EngineRunner(Protocol):
     pool: KVStorage  # attention layers only; empty on a pure recurrent engine
     states: RecurrentStates | None  # recurrent layers' carried states; None on an attention-only engine
 
-    def forward(self, step: StepInputs) -> np.ndarray:
-        """Runs one call, writes the new tokens' K/V into the pool (and the rows' states into their state rows)
-        and returns last-token logits [B, V]."""
+    def forward(self, step: StepInputs) -> ForwardOutput:
+        """Runs one call over every new token of every row, writes their K/V into the pool (and each row's state
+        after its last new token into its state row) and returns logits [N, V] at `step.positions()` in that
+        order, with hidden states [N, layers * H] when the engine has them. Engines built before logits_indices
+        return each row's last token only and refuse calls asking for other positions."""
         ...

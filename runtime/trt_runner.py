@@ -8,12 +8,18 @@ from typing import Any
 
 import numpy as np
 
-from kvforge.contract.engine_dir import TRT_ENGINE_FILE, EngineDir
+from kvforge.contract.engine_dir import (
+    HIDDEN_STATES,
+    LEGACY_LAST_TOKEN_IDS,
+    LOGITS_INDICES,
+    TRT_ENGINE_FILE,
+    EngineDir,
+)
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.paging import pages_for
 from kvforge.plugins.ops import UNUSED_PAGE
 from kvforge.plugins.reference import pool_numpy_dtype, rope_table
-from kvforge.runtime.runner import StepInputs
+from kvforge.runtime.runner import ForwardOutput, StepInputs, last_token_indices
 
 PREFILL_PROFILE, DECODE_PROFILE = 0, 1  # as built by kvforge.builder.trt_build
 
@@ -158,6 +164,12 @@ class TrtEngineRunner:
                                  model.num_key_value_heads, build.tokens_per_page, model.head_dim,
                                  model.kv_cache_dtype)
         self.inputs = [n for n in self._io_names() if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
+        # Engines built before logits_indices take last_token_ids [B] and return [B, V]: they keep running calls
+        # that want each row's last token (see OrtEngineRunner), verify calls are refused with "rebuild".
+        self._legacy_last_token = LEGACY_LAST_TOKEN_IDS in self.inputs
+        self._hidden_width = (len(model.hidden_state_layers) * model.hidden_size
+                              if HIDDEN_STATES in self._io_names() else 0)
+        self.max_positions = self._max_positions()
         self.buffers = self._allocate_inputs(model.hidden_size, model.vocab_size)
         self.rope_shape = (build.max_kv_cache_capacity, model.head_dim)
         self._upload_once(self.buffers["rope_rotary_cos_sin"],
@@ -184,14 +196,24 @@ class TrtEngineRunner:
     def _np_dtype(self, name: str) -> np.dtype:
         return np.dtype(self.trt.nptype(self.engine.get_tensor_dtype(name)))
 
+    def _max_positions(self) -> int:
+        """The most logits rows one call may ask for: the largest logits_indices any profile allows (the prefill
+        one, where verify rows run); maxBatchSize on an engine from before logits_indices."""
+        if self._legacy_last_token:
+            return self.build.max_batch_size
+        return int(self.engine.get_tensor_profile_shape(LOGITS_INDICES, PREFILL_PROFILE)[2][0])
+
     def _allocate_inputs(self, hidden: int, vocab: int) -> dict[str, int]:
         """One device buffer per non-pool tensor, sized for the largest shape any profile allows."""
         b = self.build
+        positions = LEGACY_LAST_TOKEN_IDS if self._legacy_last_token else LOGITS_INDICES
         sizes = {"inputs_embeds": b.max_batch_size * b.max_input_len * hidden,
                  "context_lengths": b.max_batch_size, "kvcache_start_index": b.max_batch_size,
-                 "last_token_ids": b.max_batch_size, "kv_page_table": b.max_batch_size * b.max_pages_per_seq,
+                 positions: self.max_positions, "kv_page_table": b.max_batch_size * b.max_pages_per_seq,
                  "rope_rotary_cos_sin": b.max_kv_cache_capacity * self.pool.page_shape[-1],
-                 "logits": b.max_batch_size * vocab}
+                 "logits": self.max_positions * vocab}
+        if self._hidden_width:
+            sizes[HIDDEN_STATES] = self.max_positions * self._hidden_width
         for name in self.inputs:
             if name.startswith("lora_"):
                 sizes[name] = int(np.prod(self.engine.get_tensor_profile_shape(name, PREFILL_PROFILE)[2]))
@@ -207,9 +229,10 @@ class TrtEngineRunner:
 
     # -- one call -------------------------------------------------------------------------------------------
 
-    def forward(self, step: StepInputs) -> np.ndarray:
+    def forward(self, step: StepInputs) -> ForwardOutput:
         batch, seq = step.inputs_embeds.shape[:2]
-        self._check_limits(batch, seq)
+        positions = step.positions()
+        self._check_limits(batch, seq, len(positions))
         self._select_profile(PREFILL_PROFILE if seq > 1 else DECODE_PROFILE)
         self._batch = batch
         lengths = step.context_lengths.astype(np.int32)
@@ -217,18 +240,33 @@ class TrtEngineRunner:
         self._bind("context_lengths", lengths)
         self._bind("kvcache_start_index", step.kvcache_start_index)
         self._bind("kv_page_table", self._page_table(step.page_ids))
-        self._bind("last_token_ids", lengths - 1)
+        if self._legacy_last_token:
+            if not np.array_equal(positions, last_token_indices(lengths, seq)):
+                raise KvforgeError(f"this engine was built before {LOGITS_INDICES} and returns logits at each row's "
+                                   "last token only (no speculative verify); rebuild it with llm_build",
+                                   "engine_dir")
+            self._bind(LEGACY_LAST_TOKEN_IDS, lengths - 1)
+        else:
+            self._bind(LOGITS_INDICES, positions)
         self._bind_static("rope_rotary_cos_sin", self.rope_shape)
         self._bind_lora(step.lora_tensors)
         self._bind_pools()
-        logits = np.empty((batch, self.vocab_size), self._np_dtype("logits"))
+        # Output shapes follow the input shapes: logits [N, V], hidden_states [N, layers * H].
+        logits = np.empty((len(positions), self.vocab_size), self._np_dtype("logits"))
         self.context.set_tensor_address("logits", self.buffers["logits"])
+        hidden = None
+        if self._hidden_width:
+            hidden = np.empty((len(positions), self._hidden_width), self._np_dtype(HIDDEN_STATES))
+            self.context.set_tensor_address(HIDDEN_STATES, self.buffers[HIDDEN_STATES])
         if not self.context.execute_async_v3(self.cuda.stream_handle):
             raise KvforgeError("TensorRT failed to enqueue the engine call", "engine_dir")
         self.cuda.download(logits, self.buffers["logits"])
+        if hidden is not None:
+            self.cuda.download(hidden, self.buffers[HIDDEN_STATES])
         self.cuda.synchronize()
         self._host.clear()
-        return logits.astype(np.float32, copy=False)
+        return ForwardOutput(logits.astype(np.float32, copy=False),
+                             None if hidden is None else hidden.astype(np.float32, copy=False))
 
     def close(self) -> None:
         """Free the device buffers and the stream (the pools included); the runner is unusable afterwards."""
@@ -238,10 +276,13 @@ class TrtEngineRunner:
         self.buffers, self.pool.layers = {}, []
         self.cuda.call("cuStreamDestroy", self.cuda.stream)
 
-    def _check_limits(self, batch: int, seq: int) -> None:
+    def _check_limits(self, batch: int, seq: int, positions: int) -> None:
         if batch > self.build.max_batch_size or seq > self.build.max_input_len:
             raise KvforgeError(f"call of {batch} x {seq} tokens exceeds the engine's maxBatchSize "
                                f"{self.build.max_batch_size} / maxInputLen {self.build.max_input_len}", "engine_dir")
+        if positions > self.max_positions:
+            raise KvforgeError(f"call asks for logits at {positions} positions; this engine returns at most "
+                               f"{self.max_positions} per call", "engine_dir")
 
     def _select_profile(self, profile: int) -> None:
         if profile != self._profile:

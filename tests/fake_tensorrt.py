@@ -574,7 +574,8 @@ class FakeContext:
             raise RuntimeError(f"unbound tensors: {missing}")
         if "kv_page_table" not in inputs:
             return self._encoder_kernel()
-        read = {n: self._read(n) for n in ("context_lengths", "kvcache_start_index", "kv_page_table")}
+        read = {n: self._read(n) for n in ("context_lengths", "kvcache_start_index", "kv_page_table",
+                                           "logits_indices", "last_token_ids") if n in inputs}
         self.engine.recorder.calls.append({"profile": self.profile, "shapes": dict(self.shapes),
                                            "addresses": dict(self.addresses), **read})
         self._mark_new_tokens(read)

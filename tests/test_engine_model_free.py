@@ -187,6 +187,9 @@ def test_a_verify_row_commits_the_accepted_prefix_and_one_more_token(deployment:
     engine.core.add(seq)
     [first] = engine.core.step()  # the prefill: one token
     assert first.new_token_ids == answer[:1]
+    states = engine.state.states
+    if states is not None:  # a step without drafts copies no state
+        assert seq.lease is not None and not states.is_saved(engine.state.rows[seq.lease])
     seq.spec_token_ids = [answer[1], answer[2], answer[3] + 1]  # two right, then a wrong one
     [second] = engine.core.step()
     assert second.new_token_ids == answer[1:4]  # two drafts kept and the base's own token for the third

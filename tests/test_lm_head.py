@@ -41,7 +41,7 @@ def _logits(engine: Engine, ids: list[int]) -> np.ndarray:
     try:
         embeds = engine.model_runner.embedding[ids][None]
         return engine.runner.forward(StepInputs(embeds, np.array([len(ids)], np.int32), np.zeros(1, np.int32),
-                                                [lease.page_ids]))[0]
+                                                [lease.page_ids])).logits[0]
     finally:
         engine.cache.release(lease)
 

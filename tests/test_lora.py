@@ -247,5 +247,5 @@ def test_matches_transformers_with_peft(tmp_path: Path) -> None:
     embeds = loaded.weights["model.embed_tokens.weight"][ids[0].numpy()][None]
     for n in (24,):
         lora = stack_adapters([adapter], lora_input_shapes(engine))
-        logits = runner.forward(StepInputs(embeds[:, :n], np.array([n]), np.array([0]), [[0, 1]], lora))
+        logits = runner.forward(StepInputs(embeds[:, :n], np.array([n]), np.array([0]), [[0, 1]], lora)).logits
         np.testing.assert_allclose(logits[0], expected[n - 1], atol=1e-4)

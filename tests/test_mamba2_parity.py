@@ -13,6 +13,7 @@ import onnxruntime as ort
 import pytest
 
 from kvforge.builder.lower_recurrent import lower_recurrent_ops
+from kvforge.runtime.runner import last_token_indices
 from kvforge.tools.export.mamba2_graph import Mamba2Geometry, build_mamba2_graph, conv_state_name, recurrent_state_name
 
 torch = pytest.importorskip("torch")
@@ -62,7 +63,7 @@ def run(models: tuple, rows: list[list[int]], states: dict[str, np.ndarray]) -> 
     for i, ids in enumerate(rows):
         embeds[i, :len(ids)] = embedding[ids]
     feeds = {"inputs_embeds": embeds, "context_lengths": np.array([len(r) for r in rows], np.int32),
-             "last_token_ids": np.array([len(r) - 1 for r in rows], np.int64), **states}
+             "logits_indices": last_token_indices([len(r) for r in rows], width), **states}
     names = [o.name for o in session.get_outputs()]
     outputs = dict(zip(names, session.run(names, feeds), strict=True))
     carried = {name.removeprefix("present_"): value for name, value in outputs.items() if name != "logits"}

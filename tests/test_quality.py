@@ -86,7 +86,7 @@ def test_one_token_calls_score_like_a_whole_prefix(tiny_engines: dict[str, Path]
     lease = engine.cache.try_acquire(Admission(ids[:prefix]))
     embeds = engine.model_runner.embedding[ids[:prefix]][None]
     row = engine.runner.forward(StepInputs(embeds, np.array([prefix], dtype=np.int32), np.zeros(1, dtype=np.int32),
-                                           [lease.page_ids]))[0].astype(np.float64)
+                                           [lease.page_ids])).logits[0].astype(np.float64)
     expected = np.log(np.exp(row - row.max()).sum()) + row.max() - row[ids[prefix]]
     assert nll[prefix - 1] == pytest.approx(expected, abs=1e-3)
     assert tiny_measurements["fp32"].argmax[prefix - 1] == int(row.argmax())

@@ -219,7 +219,7 @@ def test_prefill_sized_calls_run_int8_gemms_and_decode_keeps_the_blocks(tmp_path
         lease = engine.cache.try_acquire(Admission(ids))
         assert lease is not None
         got = engine.runner.forward(StepInputs(engine.model_runner.embedding[ids][None], np.array([length], np.int32),
-                                               np.zeros(1, np.int32), [lease.page_ids]))[0]
+                                               np.zeros(1, np.int32), [lease.page_ids])).logits[0]
         engine.cache.release(lease)
         expected = dense_logits(loaded.config, reference, ids)[-1]
         if exact:

@@ -19,6 +19,7 @@ from kvforge.builder.lower_ort import lower_for_onnxruntime, new_rows_name
 from kvforge.builder.lower_recurrent import lower_recurrent_ops
 from kvforge.contract.model_config import ModelConfig
 from kvforge.plugins.reference import rope_table
+from kvforge.runtime.runner import last_token_indices
 from kvforge.tools.export.llama_graph import pool_input_name
 from kvforge.tools.export.mamba2_graph import conv_state_name, recurrent_state_name
 from kvforge.tools.export.qwen3_5_graph import build_qwen3_5_graph
@@ -100,7 +101,7 @@ class Sequences:
         feeds = {"inputs_embeds": embeds, "context_lengths": np.array([len(ids) for ids in chunks], np.int32),
                  "kvcache_start_index": np.array(self.lengths, np.int32), "kv_page_table": table,
                  "rope_rotary_cos_sin": rope_table(CAPACITY, c.rotary_dim, c.rope_theta),
-                 "last_token_ids": np.array([len(ids) - 1 for ids in chunks], np.int64), **self.states,
+                 "logits_indices": last_token_indices([len(ids) for ids in chunks], width), **self.states,
                  **{pool_input_name(layer): pool for layer, pool in self.pools.items()}}
         names = [o.name for o in self.session.get_outputs()]
         out = dict(zip(names, self.session.run(names, feeds), strict=True))

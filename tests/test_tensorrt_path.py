@@ -135,11 +135,14 @@ def test_build_records_network_profiles_and_engine(recorder: fake.Recorder, tiny
 
     batch, pages = 4, geometry.max_pages_per_seq
     common = {"context_lengths": ((1,), (batch,), (batch,)), "kvcache_start_index": ((1,), (batch,), (batch,)),
-              "last_token_ids": ((1,), (batch,), (batch,)), "kv_page_table": ((1, 1), (batch, pages), (batch, pages)),
+              "kv_page_table": ((1, 1), (batch, pages), (batch, pages)),
               "rope_rotary_cos_sin": ((256, head_dim),) * 3,
               **{f"past_key_values_{i}": (pool,) * 3 for i in range(layers)}}
-    prefill = {"inputs_embeds": ((1, 1, hidden), (batch, 32, hidden), (batch, 64, hidden)), **common}
-    decode = {"inputs_embeds": ((1, 1, hidden), (batch, 1, hidden), (batch, 1, hidden)), **common}
+    # logits_indices: up to MAX_POSITIONS_PER_ROW (16) per row in the prefill profile (verify rows), one in decode.
+    prefill = {"inputs_embeds": ((1, 1, hidden), (batch, 32, hidden), (batch, 64, hidden)),
+               "logits_indices": ((1,), (batch,), (batch * 16,)), **common}
+    decode = {"inputs_embeds": ((1, 1, hidden), (batch, 1, hidden), (batch, 1, hidden)),
+              "logits_indices": ((1,), (batch,), (batch,)), **common}
     assert recorder.profiles == [prefill, decode]
 
     assert (engine_dir / TRT_ENGINE_FILE).read_bytes() == recorder.serialized
@@ -357,7 +360,7 @@ def test_runner_binds_profiles_page_table_and_aliased_pools(recorder: fake.Recor
     runner = TrtEngineRunner(engine)
     hidden, vocab, layers = engine.model.hidden_size, engine.model.vocab_size, engine.model.num_hidden_layers
     pages = [[5, 9], [7]]  # row 0: 20 tokens over two pages; row 1: 3 tokens
-    logits = runner.forward(_step(hidden, 2, 20, [0, 0], [20, 3], pages))
+    logits = runner.forward(_step(hidden, 2, 20, [0, 0], [20, 3], pages)).logits
     assert logits.shape == (2, vocab) and logits.dtype == np.float32
     prefill = recorder.calls[-1]
     assert prefill["profile"] == PREFILL_PROFILE and prefill["shapes"]["inputs_embeds"] == (2, 20, hidden)
@@ -428,3 +431,47 @@ def test_runner_binds_rank_zero_or_per_row_adapters(recorder: fake.Recorder, fak
         step.lora_tensors[b_name] = np.ones((2, 5, o), np.float32)
     runner.forward(step)
     assert recorder.calls[-1]["shapes"][a] == (2, in_dim, 5) and recorder.calls[-1]["shapes"][b] == (2, 5, out_dim)
+
+
+def test_runner_binds_logits_indices_and_returns_hidden_states(recorder: fake.Recorder, fake_cuda: fake.FakeCudaDriver,
+                                                               tmp_path: Path) -> None:
+    """A verify call asks for several positions of a row: N logits rows (and hidden-states rows) come back."""
+    from kvforge.runtime.trt_runner import PREFILL_PROFILE, TrtEngineRunner
+    write_onnx_dir(synthetic_model("tiny-llama", hidden_state_layers=[1, 0]), tmp_path / "onnx")
+    build_engine(tmp_path / "onnx", tmp_path / "engine", TRT_BUILD)
+    assert "hidden_states" in json.loads(recorder.serialized[len(b"FAKETRT"):])["outputs"]
+    engine = load_engine_dir(tmp_path / "engine")
+    runner = TrtEngineRunner(engine)
+    assert runner.max_positions == 4 * 16
+    step = _step(engine.model.hidden_size, 2, 4, [5, 7], [4, 1], [[1], [2]])
+    step.logits_indices = np.array([0, 1, 2, 3, 4], np.int64)  # row 0: 1 pending + 3 drafts; row 1: one token
+    out = runner.forward(step)
+    assert out.logits.shape == (5, engine.model.vocab_size)
+    assert out.hidden_states is not None and out.hidden_states.shape == (5, 2 * engine.model.hidden_size)
+    call = recorder.calls[-1]
+    assert call["profile"] == PREFILL_PROFILE and call["logits_indices"].tolist() == [0, 1, 2, 3, 4]
+    assert call["addresses"]["hidden_states"] == runner.buffers["hidden_states"]
+    step.logits_indices = np.arange(65, dtype=np.int64) % 8
+    with pytest.raises(KvforgeError, match="at most 64"):
+        runner.forward(step)
+    runner.close()
+
+
+def test_an_engine_from_before_logits_indices_builds_and_decodes(recorder: fake.Recorder,
+                                                                 fake_cuda: fake.FakeCudaDriver, tiny_onnx_dir: Path,
+                                                                 tmp_path: Path) -> None:
+    from test_logits_positions import legacy_copy
+
+    from kvforge.contract.manifest import ONNX_KIND
+    from kvforge.runtime.trt_runner import TrtEngineRunner
+    build_engine(legacy_copy(tiny_onnx_dir, tmp_path / "onnx", ONNX_KIND), tmp_path / "engine", TRT_BUILD)
+    assert all(p["last_token_ids"] == ((1,), (4,), (4,)) and "logits_indices" not in p for p in recorder.profiles)
+    engine = load_engine_dir(tmp_path / "engine")
+    runner = TrtEngineRunner(engine)
+    step = _step(engine.model.hidden_size, 2, 4, [0, 0], [4, 2], [[1], [2]])
+    assert runner.forward(step).logits.shape == (2, engine.model.vocab_size)
+    assert recorder.calls[-1]["last_token_ids"].tolist() == [3, 1]
+    step.logits_indices = np.array([2, 3, 5], np.int64)
+    with pytest.raises(KvforgeError, match="rebuild it with llm_build"):
+        runner.forward(step)
+    runner.close()

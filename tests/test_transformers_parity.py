@@ -108,7 +108,7 @@ class Engine:
         for b, ids in enumerate(rows):
             embeds[b, :len(ids)] = self.embedding[list(ids)]
         return self.runner.forward(StepInputs(embeds, np.array([len(r) for r in rows], dtype=np.int32),
-                                              np.asarray(starts, dtype=np.int32), [list(p) for p in pages]))
+                                              np.asarray(starts, dtype=np.int32), [list(p) for p in pages])).logits
 
     def run_chunks(self, ids: Sequence[int], chunks: Sequence[int], pages: Sequence[int]) -> list[np.ndarray]:
         """Feeds one sequence chunk by chunk; returns each call's last-token logits [V]."""

@@ -33,6 +33,14 @@ EMBEDDING_TENSOR = "embedding"
 # ONNX Runtime engines of tied models take the LM head as this input [vocab, hidden] float32 and the runtime binds
 # the (memory-mapped) embedding table to it: one copy of the largest weight instead of two.
 TIED_HEAD_INPUT = "lm_head_weight"
+# The positions a call returns logits for: flat indices b * S + t into its [B, S] token grid, int64 [N] -> `logits`
+# [N, V] (each row's last new token for plain decode and prefill; every verified position of a speculative row).
+LOGITS_INDICES = "logits_indices"
+# Engine graphs exported before logits_indices took each row's last new token, `last_token_ids` [B] (lengths - 1),
+# and returned [B, V]; the runners still run them for calls that ask for exactly those positions.
+LEGACY_LAST_TOKEN_IDS = "last_token_ids"
+# Optional output [N, len(hidden_state_layers) * H]: the named decoder layers' outputs at the logits_indices positions.
+HIDDEN_STATES = "hidden_states"
 COPIED_FILES = (EMBEDDING_FILE, "tokenizer.json", "tokenizer_config.json")
 # How an engine's attention reads the KV pool (builder_config.attention): kvforge's CPU kernel (an ONNX Runtime
 # custom-op library reading pages in place), stock ONNX ops over gathered pages (the fallback where the kernel

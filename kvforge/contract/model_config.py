@@ -63,6 +63,10 @@ class ModelConfig:
     conv_kernel: int = 0
     # Fraction of each attention head's dims RoPE rotates (the first rotary_dim; Qwen3.5: 0.25). 1.0 = all.
     partial_rotary_factor: float = 1.0
+    # Decoder layers (0-based) whose outputs the graph returns as `hidden_states` [N, len * hidden_size] at the
+    # logits positions, in this order: what a drafter (EAGLE3: three base layers, MTP: the last) reads. Empty = no
+    # such output.
+    hidden_state_layers: list[int] = field(default_factory=list)
     format: str = EXPORT_FORMAT
 
     @property
@@ -116,6 +120,7 @@ class ModelConfig:
             raise KvforgeError(f"must be one of {QUANTIZATIONS}, got {self.quantization!r}", "config.quantization")
         if self.lm_head and self.lm_head not in LM_HEADS:
             raise InvalidConfig(f"must be one of {LM_HEADS}, got {self.lm_head!r}", "config.lm_head")
+        self._validate_hidden_state_layers()
         unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
         if unknown:
             raise InvalidConfig(f"unknown layer type {unknown[0]!r} (known: {', '.join(LAYER_TYPES)})",
@@ -141,6 +146,15 @@ class ModelConfig:
         if not self.is_hybrid and any(t != "attention" for t in self.layer_types):
             raise InvalidConfig(f"family {self.model} has attention layers only", "config.layer_types")
         self._validate_token_ids()
+
+    def _validate_hidden_state_layers(self) -> None:
+        layers = self.hidden_state_layers
+        bad = [i for i in layers if not 0 <= i < self.num_hidden_layers]
+        if bad:
+            raise InvalidConfig(f"must hold layer ids in [0, num_hidden_layers {self.num_hidden_layers}), got "
+                                f"{bad[0]}", "config.hidden_state_layers")
+        if len(set(layers)) != len(layers):
+            raise InvalidConfig(f"must name each layer once, got {layers}", "config.hidden_state_layers")
 
     def _validate_hybrid(self) -> None:
         if len(self.layer_types) != self.num_hidden_layers:
@@ -223,7 +237,7 @@ CONFIG_SCHEMA: dict[str, tuple[str, float | None, float | None]] = {
     "layer_types": ("layers", None, None), "recurrent_state_num_heads": ("int", 0, 2**16),
     "recurrent_state_head_dim": ("int", 0, 2**16), "recurrent_state_size": ("int", 0, 2**16),
     "n_groups": ("int", 0, 1024), "conv_kernel": ("int", 0, 1024),
-    "partial_rotary_factor": ("float", 0.0, 1.0),
+    "partial_rotary_factor": ("float", 0.0, 1.0), "hidden_state_layers": ("ints", 0, 1024),
 }
 
 
@@ -265,6 +279,11 @@ def check_field(spec: tuple[str, float | None, float | None], value: Any, field_
     elif kind == "layers":  # the names themselves are checked by validate() against LAYER_TYPES
         if not isinstance(value, list) or len(value) > 1024 or not all(isinstance(v, str) for v in value):
             raise bad("an array of at most 1024 layer type names")
+        value = list(value)
+    elif kind == "ints":  # small non-negative integers (layer ids), at most `high` of them
+        if not isinstance(value, list) or len(value) > high or \
+                not all(is_int(v) and low <= v < high for v in value):  # type: ignore[operator]
+            raise bad(f"an array of at most {high:g} integers in [{low:g}, {high:g})")
         value = list(value)
     elif kind == "strs":
         if not is_target_list(value):

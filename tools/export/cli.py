@@ -126,6 +126,15 @@ def default_quantization(source: str | None, synthetic: str | None) -> str:
     return "none" if synthetic else DEFAULT_QUANTIZATION.get(source or "", "none")
 
 
+def parse_layer_ids(text: str) -> list[int]:
+    """`--hiddenStateLayers 1,2` -> [1, 2]; "" -> []."""
+    parts = [p.strip() for p in text.split(",")] if text.strip() else []
+    if not all(p.isdigit() for p in parts):
+        raise KvforgeError(f"must be a comma list of layer ids (non-negative integers), got {text!r}",
+                           "--hiddenStateLayers")
+    return [int(p) for p in parts]
+
+
 @app.command("model", help=HELP, short_help="Export a model (the default command).")
 def export(
     source: str = typer.Argument(None, help=f"GGUF file, HF checkpoint dir (config.json + safetensors), "
@@ -162,6 +171,11 @@ def export(
                                                "quantized layers as int8 GEMMs with int8 activations "
                                                "(DynamicQuantizeMatMul; AMX/VNNI), smaller ones keep MatMulNBits; "
                                                "0 = never. Example: --prefillInt8Rows 64."),
+    hidden_state_layers: str = typer.Option("", "--hiddenStateLayers",
+                                            help="Decoder layers (0-based, comma list) whose outputs the graph "
+                                                 "also returns as hidden_states [N, layers x hidden] at the logits "
+                                                 "positions, for a drafter (EAGLE3 reads three base layers); empty "
+                                                 "= no such output. Example: --hiddenStateLayers 1,14,27."),
     encoder_output_dir: Path = typer.Option(None, "--encoderOutputDir",
                                             help="Where an image- or audio-text checkpoint's encoder ONNX dir goes "
                                                  "(default: OUTPUTDIR/visual or OUTPUTDIR/audio); build it with "
@@ -185,6 +199,7 @@ def export(
             raise KvforgeError(f"must be auto or one of {', '.join(QUANTIZATIONS)}, got {quantization!r}",
                                "--quantization")
         resolve_lm_head(chosen, lm_head)  # bad values fail before the weights load
+        layer_ids = parse_layer_ids(hidden_state_layers)
         if lm_head_candidates < 0:
             raise KvforgeError(f"must be >= 0, got {lm_head_candidates}", "--lmHeadCandidates")
         if prefill_int8_rows < 0 or (prefill_int8_rows and chosen == "none"):
@@ -197,6 +212,7 @@ def export(
         with progress_bar("quantizing", None) as step:
             quantize_linears(loaded, chosen, quant_block_size, step, lm_head, lm_head_candidates)
         loaded.config.prefill_int8_rows = prefill_int8_rows
+        loaded.config.hidden_state_layers = layer_ids  # checked against the model by write_onnx_dir's validate()
         layers = loaded.config.num_hidden_layers
         with progress_bar("building graph", layers + 1) as step:
             write_onnx_dir(loaded, output_dir, step)

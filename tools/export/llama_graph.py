@@ -11,6 +11,7 @@ from onnx import helper
 from kvforge.contract.lora import lora_a_name, lora_b_name, target_dims
 from kvforge.contract.model_config import ModelConfig
 from kvforge.graph.onnx_graph import FLOAT, FLOAT16, INT32, INT64, OPSET, UINT8, GraphWriter, value_info
+from kvforge.graph.positions import gather_positions, hidden_states_output, logits_indices_input, logits_output
 from kvforge.graph.rope import apply_rope
 from kvforge.plugins import ops
 from kvforge.tools.export.quantize import LM_HEAD, BlockQuantized, concat_columns
@@ -39,8 +40,9 @@ def pool_output_name(layer: int) -> str:
 def build_llama_graph(config: ModelConfig, weights: dict[str, np.ndarray],
                       progress: Callable[[int], None] | None = None,
                       quantized: dict[str, BlockQuantized] | None = None) -> onnx.ModelProto:
-    """Embeddings come in as `inputs_embeds` (the runtime looks them up); logits go out for the last token.
-    Linears named in `quantized` become MatMulNBits (ONNX Runtime's block-quantized matmul)."""
+    """Embeddings come in as `inputs_embeds` (the runtime looks them up); logits go out at the positions
+    `logits_indices` names (graph/positions.py), with `hidden_states` of config.hidden_state_layers when it names
+    any. Linears named in `quantized` become MatMulNBits (ONNX Runtime's block-quantized matmul)."""
     g = GraphWriter()
     prefill = None
     if quantized and config.prefill_int8_rows:
@@ -56,9 +58,10 @@ def build_llama_graph(config: ModelConfig, weights: dict[str, np.ndarray],
         value_info("kvcache_start_index", INT32, ["batch"]),
         value_info("kv_page_table", INT32, ["batch", "pages_per_seq"]),
         value_info("rope_rotary_cos_sin", FLOAT, ["capacity", head_dim]),
-        value_info("last_token_ids", INT64, ["batch"]),
+        logits_indices_input(),
     ]
     graph_outputs = []
+    layer_outputs = []
     for layer in range(config.num_hidden_layers):
         w = _layer_weights(g, weights, layer)
         linear = linears.for_layer(layer)  # o_proj and down_proj; q/k/v and gate/up go through linears.fused
@@ -90,11 +93,15 @@ def build_llama_graph(config: ModelConfig, weights: dict[str, np.ndarray],
         gate, up = lora.apply(g, "gate", x, gate), lora.apply(g, "up", x, up)
         mlp = g.mul(g.mul(gate, g.op("Sigmoid", [gate])), up)
         hidden = g.add(hidden, lora.apply(g, "down", mlp, linear(g, mlp, "down_proj")))
+        layer_outputs.append(hidden)
         if progress:
             progress(layer)
-    logits = _last_token_logits(g, hidden, config, weights, linears)
+    logits = _position_logits(g, hidden, config, weights, linears)
     g.op("Identity", [logits], outputs=["logits"])
-    graph_outputs.insert(0, value_info("logits", FLOAT, ["batch", config.vocab_size]))
+    graph_outputs.insert(0, logits_output(config.vocab_size))
+    hidden_states = hidden_states_output(g, layer_outputs, config.hidden_state_layers, config.hidden_size)
+    if hidden_states is not None:
+        graph_outputs.insert(1, hidden_states)
     graph = helper.make_graph(g.nodes, "kvforge_llm", graph_inputs, graph_outputs, g.initializers)
     opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid(ops.DOMAIN, ops.OPSET_VERSION)]
     if quantized:
@@ -288,14 +295,10 @@ def _layer_weights(g: GraphWriter, weights: dict[str, np.ndarray], layer: int) -
     return out
 
 
-def _last_token_logits(g: GraphWriter, hidden: str, config: ModelConfig, weights: dict[str, np.ndarray],
-                       linears: _Linears) -> str:
-    """Norm and LM head on the last new token of each row only (rows b*S + last_token_ids[b])."""
-    batch, seq = g.dim(hidden, 0), g.dim(hidden, 1)
-    rows = g.op("Range", [g.const(0), g.op("Squeeze", [batch, g.const([0])]), g.const(1)])
-    flat_ids = g.add(g.mul(rows, g.op("Squeeze", [seq, g.const([0])])), "last_token_ids")
-    flat = g.reshape(hidden, [-1, config.hidden_size])
-    last = g.op("Gather", [flat, flat_ids], axis=0)  # [B, H]
+def _position_logits(g: GraphWriter, hidden: str, config: ModelConfig, weights: dict[str, np.ndarray],
+                     linears: _Linears) -> str:
+    """Norm and LM head on the positions logits_indices names only ([N, H] -> [N, V])."""
+    last = gather_positions(g, hidden, config.hidden_size)  # [N, H]
     normed = g.rms_norm(last, g.weight("model.norm.weight", weights["model.norm.weight"].astype(np.float32)),
                         config.rms_norm_eps)
     head = weights.get(LM_HEAD)
@@ -312,12 +315,12 @@ def _last_token_logits(g: GraphWriter, hidden: str, config: ModelConfig, weights
 
 
 def rescore_candidates(g: GraphWriter, approximate: str, normed: str, head: str, candidates: int) -> str:
-    """The `candidates` best of the approximate logits [B, V] replaced by their exact values normed @ head[t]
-    (head [V, H], float): TopK, Gather of those rows, a [B, k, H] x [B, H, 1] MatMul, ScatterElements. Greedy
+    """The `candidates` best of the approximate logits [N, V] replaced by their exact values normed @ head[t]
+    (head [V, H], float): TopK, Gather of those rows, a [N, k, H] x [N, H, 1] MatMul, ScatterElements. Greedy
     and top-1 then equal the float head's whenever its argmax is among the candidates; other tokens keep their
     approximate logits. For a tied model the builder binds `head` to the runtime's embedding table."""
     _, ids = g.op("TopK", [approximate, g.const([candidates])], n_out=2, axis=-1, name="lm_head_topk")
-    rows = g.op("Gather", [head, ids], axis=0, name="lm_head_rows")  # [B, k, H]: k rows read, not V
-    exact = g.op("MatMul", [rows, g.unsqueeze(normed, [2])], name="lm_head_rescore")  # [B, k, 1]
+    rows = g.op("Gather", [head, ids], axis=0, name="lm_head_rows")  # [N, k, H]: k rows read, not V
+    exact = g.op("MatMul", [rows, g.unsqueeze(normed, [2])], name="lm_head_rescore")  # [N, k, 1]
     exact = g.op("Squeeze", [exact, g.const([2])])
     return g.op("ScatterElements", [approximate, ids, exact], axis=1, name="lm_head_exact")

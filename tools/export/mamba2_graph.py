@@ -16,7 +16,8 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from kvforge.graph.onnx_graph import FLOAT, INT32, INT64, OPSET, GraphWriter, value_info
+from kvforge.graph.onnx_graph import FLOAT, INT32, OPSET, GraphWriter, value_info
+from kvforge.graph.positions import gather_positions, hidden_states_output, logits_indices_input, logits_output
 from kvforge.plugins import ops, recurrent
 
 
@@ -32,6 +33,7 @@ class Mamba2Geometry:
     conv_kernel: int
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
+    hidden_state_layers: tuple[int, ...] = ()  # layers whose outputs go out as `hidden_states` (a drafter's)
 
     @property
     def intermediate_size(self) -> int:
@@ -57,13 +59,15 @@ def recurrent_state_name(layer: int, present: bool = False) -> str:
 
 
 def build_mamba2_graph(geometry: Mamba2Geometry, weights: dict[str, np.ndarray]) -> onnx.ModelProto:
-    """`inputs_embeds` [B,S,H] + per-layer states in; last-token `logits` [B,V] + per-layer states out."""
+    """`inputs_embeds` [B,S,H] + per-layer states in; `logits` [N,V] at `logits_indices` (graph/positions.py),
+    optional `hidden_states`, + per-layer states out (after each row's last real token)."""
     g = GraphWriter()
     cfg = geometry
     inputs = [value_info("inputs_embeds", FLOAT, ["batch", "seq", cfg.hidden_size]),
-              value_info("context_lengths", INT32, ["batch"]), value_info("last_token_ids", INT64, ["batch"])]
-    outputs = [value_info("logits", FLOAT, ["batch", cfg.vocab_size])]
+              value_info("context_lengths", INT32, ["batch"]), logits_indices_input()]
+    outputs = [logits_output(cfg.vocab_size)]
     hidden = "inputs_embeds"
+    layer_outputs = []
     for layer in range(cfg.num_hidden_layers):
         p = f"backbone.layers.{layer}."
 
@@ -101,17 +105,18 @@ def build_mamba2_graph(geometry: Mamba2Geometry, weights: dict[str, np.ndarray])
                            [0, 0, cfg.intermediate_size])
         normed = g.mul(normed, w("mixer.norm.weight"))
         hidden = g.add(hidden, g.matmul(normed, w("mixer.out_proj.weight", weights[p + "mixer.out_proj.weight"].T)))
-    g.op("Identity", [_last_token_logits(g, hidden, cfg, weights)], outputs=["logits"])
+        layer_outputs.append(hidden)
+    g.op("Identity", [_position_logits(g, hidden, cfg, weights)], outputs=["logits"])
+    hidden_states = hidden_states_output(g, layer_outputs, cfg.hidden_state_layers, cfg.hidden_size)
+    if hidden_states is not None:
+        outputs.insert(1, hidden_states)
     graph = helper.make_graph(g.nodes, "kvforge_mamba2", inputs, outputs, g.initializers)
     return helper.make_model(graph, producer_name="kvforge", opset_imports=[
         helper.make_opsetid("", OPSET), helper.make_opsetid(ops.DOMAIN, ops.OPSET_VERSION)])
 
 
-def _last_token_logits(g: GraphWriter, hidden: str, cfg: Mamba2Geometry, weights: dict[str, np.ndarray]) -> str:
-    batch, seq = g.dim(hidden, 0), g.dim(hidden, 1)
-    rows = g.op("Range", [g.const(0), g.op("Squeeze", [batch, g.const([0])]), g.const(1)])
-    flat_ids = g.add(g.mul(rows, g.op("Squeeze", [seq, g.const([0])])), "last_token_ids")
-    last = g.op("Gather", [g.reshape(hidden, [-1, cfg.hidden_size]), flat_ids], axis=0)  # [B, H]
+def _position_logits(g: GraphWriter, hidden: str, cfg: Mamba2Geometry, weights: dict[str, np.ndarray]) -> str:
+    last = gather_positions(g, hidden, cfg.hidden_size)  # [N, H]
     normed = g.rms_norm(last, g.weight("backbone.norm_f.weight", weights["backbone.norm_f.weight"]), cfg.rms_norm_eps)
     head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])  # tied: the embedding
     return g.matmul(normed, g.weight("lm_head.weight.T", np.ascontiguousarray(head.T, dtype=np.float32)))

@@ -60,7 +60,8 @@ def geometry(config: ModelConfig) -> Mamba2Geometry:
                           num_hidden_layers=config.num_hidden_layers, num_heads=config.recurrent_state_num_heads,
                           head_dim=config.recurrent_state_head_dim, state_size=config.recurrent_state_size,
                           n_groups=config.n_groups, conv_kernel=config.conv_kernel, rms_norm_eps=config.rms_norm_eps,
-                          tie_word_embeddings=config.tie_word_embeddings)
+                          tie_word_embeddings=config.tie_word_embeddings,
+                          hidden_state_layers=tuple(config.hidden_state_layers))
 
 
 def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:

@@ -21,7 +21,8 @@ import onnx
 from onnx import helper
 
 from kvforge.contract.model_config import ModelConfig
-from kvforge.graph.onnx_graph import FLOAT, INT32, INT64, OPSET, GraphWriter, value_info
+from kvforge.graph.onnx_graph import FLOAT, INT32, OPSET, GraphWriter, value_info
+from kvforge.graph.positions import gather_positions, hidden_states_output, logits_indices_input, logits_output
 from kvforge.graph.rope import apply_rope
 from kvforge.plugins import ops, recurrent
 from kvforge.tools.export.llama_graph import POOL_ELEM_TYPES, pool_input_name, pool_output_name, rope_inputs
@@ -47,8 +48,9 @@ def recurrent_state_shape(config: ModelConfig) -> list[int | str]:
 
 def build_qwen3_5_graph(config: ModelConfig, weights: dict[str, np.ndarray],
                         progress: Callable[[int], None] | None = None) -> onnx.ModelProto:
-    """`inputs_embeds` [B,S,H] + the paged-KV inputs + per-recurrent-layer states in; last-token `logits` [B,V], the
-    attention layers' pools and the recurrent layers' states out."""
+    """`inputs_embeds` [B,S,H] + the paged-KV inputs + per-recurrent-layer states in; `logits` [N,V] at
+    `logits_indices` (graph/positions.py), optional `hidden_states`, the attention layers' pools and the recurrent
+    layers' states out."""
     g = GraphWriter()
     rope_cos, rope_sin = rope_inputs(g, "inputs_embeds")
     inputs = [
@@ -57,10 +59,11 @@ def build_qwen3_5_graph(config: ModelConfig, weights: dict[str, np.ndarray],
         value_info("kvcache_start_index", INT32, ["batch"]),
         value_info("kv_page_table", INT32, ["batch", "pages_per_seq"]),
         value_info("rope_rotary_cos_sin", FLOAT, ["capacity", config.rotary_dim]),
-        value_info("last_token_ids", INT64, ["batch"]),
+        logits_indices_input(),
     ]
-    outputs = [value_info("logits", FLOAT, ["batch", config.vocab_size])]
+    outputs = [logits_output(config.vocab_size)]
     hidden = "inputs_embeds"
+    layer_outputs = []
     for layer, kind in enumerate(config.layer_types):
         p = f"model.layers.{layer}."
         x = g.rms_norm(hidden, _centred(g, weights, p + "input_layernorm.weight"), config.rms_norm_eps)
@@ -73,9 +76,13 @@ def build_qwen3_5_graph(config: ModelConfig, weights: dict[str, np.ndarray],
         gate, up = _fused(g, weights, x, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], p + "mlp.gate_up")
         hidden = g.add(hidden, _linear(g, weights, g.mul(g.mul(gate, g.op("Sigmoid", [gate])), up),
                                        p + "mlp.down_proj.weight"))
+        layer_outputs.append(hidden)
         if progress:
             progress(layer)
-    g.op("Identity", [_last_token_logits(g, config, weights, hidden)], outputs=["logits"])
+    g.op("Identity", [_position_logits(g, config, weights, hidden)], outputs=["logits"])
+    hidden_states = hidden_states_output(g, layer_outputs, config.hidden_state_layers, config.hidden_size)
+    if hidden_states is not None:
+        outputs.insert(1, hidden_states)
     graph = helper.make_graph(g.nodes, "kvforge_qwen3_5", inputs, outputs, g.initializers)
     return helper.make_model(graph, producer_name="kvforge", opset_imports=[
         helper.make_opsetid("", OPSET), helper.make_opsetid(ops.DOMAIN, ops.OPSET_VERSION)])
@@ -173,11 +180,8 @@ def _gated_delta_net(g: GraphWriter, config: ModelConfig, weights: dict[str, np.
     return _linear(g, weights, gated, p + "out_proj.weight")
 
 
-def _last_token_logits(g: GraphWriter, config: ModelConfig, weights: dict[str, np.ndarray], hidden: str) -> str:
-    batch, seq = g.dim(hidden, 0), g.dim(hidden, 1)
-    rows = g.op("Range", [g.const(0), g.op("Squeeze", [batch, g.const([0])]), g.const(1)])
-    flat_ids = g.add(g.mul(rows, g.op("Squeeze", [seq, g.const([0])])), "last_token_ids")
-    last = g.op("Gather", [g.reshape(hidden, [-1, config.hidden_size]), flat_ids], axis=0)  # [B, H]
+def _position_logits(g: GraphWriter, config: ModelConfig, weights: dict[str, np.ndarray], hidden: str) -> str:
+    last = gather_positions(g, hidden, config.hidden_size)  # [N, H]
     normed = g.rms_norm(last, _centred(g, weights, "model.norm.weight"), config.rms_norm_eps)
     head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])  # tied: the embedding
     return g.matmul(normed, g.weight("lm_head.weight", np.ascontiguousarray(head.T, dtype=np.float32)))

@@ -51,7 +51,9 @@ def byte_level_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def synthetic_model(name: str, kv_cache_dtype: str = "fp16", seed: int = 0) -> LoadedModel:
+def synthetic_model(name: str, kv_cache_dtype: str = "fp16", seed: int = 0,
+                    hidden_state_layers: list[int] | None = None) -> LoadedModel:
+    """`hidden_state_layers`: the layers whose outputs the exported graph also returns (ModelConfig's field)."""
     if name not in SYNTHETIC_MODELS:
         raise KvforgeError(f"unknown synthetic model {name!r}; choose one of {sorted(SYNTHETIC_MODELS)}",
                            "synthetic")
@@ -63,7 +65,7 @@ def synthetic_model(name: str, kv_cache_dtype: str = "fp16", seed: int = 0) -> L
                   kv_cache_dtype=kv_cache_dtype, bos_token_id=None, eos_token_ids=[2], pad_token_id=0,
                   name=name)
     fields.update(overrides)
-    config = ModelConfig(**fields)
+    config = ModelConfig(**fields, hidden_state_layers=list(hidden_state_layers or []))
     config.validate()
     tokenizer_config = {"chat_template": CHATML_TEMPLATE, "bos_token": None, "eos_token": "<|im_end|>",
                         "add_bos_token": False, "model_max_length": config.max_position_embeddings}
