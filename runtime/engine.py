@@ -71,7 +71,8 @@ class Engine:
                                          enabled=config.enable_context_reuse,
                                          max_records=config.context_cache_max_records,
                                          partial_kv_snapshot_slots=partial, recurrent_snapshot_slots=recurrent,
-                                         deployment=self.deployment, copier=self.state)
+                                         deployment=self.deployment, copier=self.state,
+                                         chain_root=resolved.chain_root)
         encoder = _load_encoder(config)
         self.tokenizer = ChatTokenizer(self.engine_dir.path,
                                        media_markers={encoder.kind: encoder.marker} if encoder is not None else {})

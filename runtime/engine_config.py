@@ -6,12 +6,16 @@ with, or raises `InvalidConfig` naming the setting; nothing is allocated before 
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from kvforge.contract.engine_dir import EngineDir
 from kvforge.contract.errors import InvalidConfig
+from kvforge.contract.files import read_json
+from kvforge.contract.formats import MANIFEST_FILE
 from kvforge.contract.geometry import snapshot_slots
 from kvforge.contract.model_config import ModelConfig
+from kvforge.runtime.context_cache.keys import EngineFingerprint, chain_root
 from kvforge.runtime.context_cache.manager import DEFAULT_MAX_RECORDS
 from kvforge.runtime.multimodal.encoder_cache import DEFAULT_ENCODER_CACHE_BUDGET_BYTES
 from kvforge.runtime.state_manager import CheckpointPolicy
@@ -60,6 +64,7 @@ class ResolvedConfig:
     partial_kv_snapshot_slots: int
     recurrent_snapshot_slots: int
     checkpoints: CheckpointPolicy
+    chain_root: bytes  # the engine fingerprint's root of every page key
 
 
 def resolve_engine_config(config: EngineConfig, engine: EngineDir, *, num_pages: int | None = None) -> ResolvedConfig:
@@ -81,7 +86,23 @@ def resolve_engine_config(config: EngineConfig, engine: EngineDir, *, num_pages:
     chunk = min(config.prefill_chunk_size or build.max_input_len, build.max_input_len)
     checkpoints = CheckpointPolicy(bool(recurrent), config.snapshot_message_boundaries,
                                    config.snapshot_interval_tokens)
-    return ResolvedConfig(deployment, budget, rows, chunk, pages, partial, recurrent, checkpoints)
+    return ResolvedConfig(deployment, budget, rows, chunk, pages, partial, recurrent, checkpoints,
+                          chain_root(engine_fingerprint(engine)))
+
+
+def engine_fingerprint(engine: EngineDir) -> EngineFingerprint:
+    """What roots this engine's page keys: a digest of every file its manifest lists (weights, graph, config,
+    tokenizer), its KV dtype, page size and layer layout. Two engines share cache keys only if all agree, so pages
+    in a tier shared between processes are never read by an engine with other weights or layout. The manifest was
+    verified when the dir was loaded, and its digests are cheap (sampled for large files), so no weight is re-read."""
+    files = read_json(engine.path / MANIFEST_FILE, "engine_dir").get("files", {})
+    digest = hashlib.blake2b(digest_size=16)
+    for name in sorted(files):
+        digest.update(f"{len(name)}:{name}={files[name].get('digest')}\n".encode())
+    model = engine.model
+    layout = (f"layers={model.num_hidden_layers};attention={list(model.attention_layer_ids)};"
+              f"kv_heads={model.num_key_value_heads};head_dim={model.head_dim}")
+    return EngineFingerprint(digest.hexdigest(), model.kv_cache_dtype, engine.build.tokens_per_page, layout)
 
 
 def snapshot_budgets(engine: EngineDir, slots: int, partial_kv: bool = False) -> dict[str, int]:

@@ -135,3 +135,31 @@ def test_chunked_prefill_matches_one_call(model_and_engine) -> None:
     with pytest.raises(KvforgeError) as info:
         make_engine(model_and_engine[1], prefill_chunk_size=-1)
     assert info.value.field == "prefill_chunk_size"
+
+
+def test_the_key_chain_is_rooted_in_the_engine_fingerprint(tiny_engine_dir, tiny_onnx_dir, tmp_path) -> None:
+    """Engines with other weights or another page size never share page keys; one engine always roots the same."""
+    from dataclasses import replace
+
+    from conftest import TINY_BUILD
+
+    from kvforge.contract.engine_dir import load_engine_dir
+    from kvforge.runtime.context_cache.keys import CHAIN_ROOT, KeyExtras, page_keys
+    from kvforge.runtime.engine_config import EngineConfig, resolve_engine_config
+
+    def root(path) -> bytes:
+        return resolve_engine_config(EngineConfig(), load_engine_dir(path)).chain_root
+
+    other_weights = tmp_path / "onnx"
+    write_onnx_dir(synthetic_model("tiny-llama", seed=1), other_weights)
+    build_engine(other_weights, tmp_path / "weights", TINY_BUILD)
+    build_engine(tiny_onnx_dir, tmp_path / "pages", replace(TINY_BUILD, tokens_per_page=32))
+    roots = [root(tiny_engine_dir), root(tiny_engine_dir), root(tmp_path / "weights"), root(tmp_path / "pages")]
+    assert roots[0] == roots[1] and len(set(roots)) == 3 and CHAIN_ROOT not in roots
+    engine = make_engine(tiny_engine_dir, reuse=True)
+    run_file(engine, {"requests": [{"messages": [{"role": "user", "content": "a" * 40}]}],
+                      "max_generate_length": 2, "apply_chat_template": False})
+    [record, *_] = engine.cache.records.least_recent_first()
+    tokens = list(record.token_ids)
+    assert list(record.keys) == page_keys(tokens, 16, KeyExtras(), parent=roots[0])
+    assert list(record.keys) != page_keys(tokens, 16, KeyExtras())
