@@ -19,7 +19,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.validation import printable
-from kvforge.runtime.engine_config import EngineConfig, engine_config, engine_flags, engine_options
+from kvforge.runtime.engine_config import EngineConfig, engine_flags, engine_options, make_engine_config
 
 try:  # newer typer vendors click; its usage errors are not click's classes
     from typer._click import exceptions as click_exceptions
@@ -157,7 +157,7 @@ def with_engine_options(command: Callable[..., T]) -> Callable[..., T]:
     @functools.wraps(command)
     def wrapper(**kwargs: Any) -> T:
         values = {name: kwargs.pop(name) for name in offered}
-        return command(**kwargs, engine_config=engine_config(values))
+        return command(**kwargs, engine_config=make_engine_config(values))
 
     # typer reads both: the signature for the options, the annotations for their types.
     wrapper.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]

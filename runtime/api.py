@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.runtime.engine import Engine
-from kvforge.runtime.engine_config import engine_config
+from kvforge.runtime.engine_config import make_engine_config
 from kvforge.runtime.file_runner import drain
 from kvforge.runtime.output import RequestOutput
 from kvforge.runtime.request_checks import parse_message
@@ -48,7 +48,7 @@ class LLM:
         """`engine_options` are EngineConfig's fields as keywords (`num_threads=2, enable_context_reuse=True`, ...),
         with its defaults; runtime/engine_config.py declares each with what it does. Another keyword is a TypeError,
         checked even when `engine` is given."""
-        config = engine_config(engine_options)
+        config = make_engine_config(engine_options)
         self.engine = engine or Engine(engine_dir, config)
         if lora_weights:
             self.engine.load_adapters(dict(lora_weights))

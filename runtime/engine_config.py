@@ -1,4 +1,4 @@
-"""Run-time engine settings and the one place they are checked against the engine a build produced.
+"""Run-time engine settings (each declared once, with its CLI flag and help) and their one check against a build.
 
 `resolve_engine_config` turns an `EngineConfig` and an engine dir into every size the engine's parts are built
 with, or raises `InvalidConfig` naming the setting; nothing is allocated before it has answered.
@@ -115,7 +115,7 @@ def engine_flags() -> dict[str, str]:
     return {name: option.flag for name, (_, option) in engine_options().items() if option.flag}
 
 
-def engine_config(options: Mapping[str, Any]) -> EngineConfig:
+def make_engine_config(options: Mapping[str, Any]) -> EngineConfig:
     """An EngineConfig from front-end values keyed by field name (a path option may be a Path); a name that is no
     field is a TypeError, as for any keyword argument."""
     declared = engine_options()

@@ -17,7 +17,7 @@ from kvforge import LLM
 from kvforge.cli_common import ENGINE_FLAGS, check_reuse_flags, with_engine_options
 from kvforge.contract.errors import KvforgeError
 from kvforge.runtime.cli import app as inference_app
-from kvforge.runtime.engine_config import OPTION, EngineConfig, EngineOption, engine_config, engine_options
+from kvforge.runtime.engine_config import OPTION, EngineConfig, EngineOption, engine_options, make_engine_config
 from kvforge.server.cli import app as serve_app
 from kvforge.tools.testcases.cli import app as llm_test_app
 
@@ -153,7 +153,7 @@ def test_llm_accepts_every_field_as_a_keyword(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_engine_config_refuses_unknown_names_and_passes_paths_as_str() -> None:
-    assert engine_config({"multimodal_engine_dir": Path("a/b")}).multimodal_engine_dir == "a/b"
-    assert engine_config({"multimodal_engine_dir": None}).multimodal_engine_dir is None
+    assert make_engine_config({"multimodal_engine_dir": Path("a/b")}).multimodal_engine_dir == "a/b"
+    assert make_engine_config({"multimodal_engine_dir": None}).multimodal_engine_dir is None
     with pytest.raises(TypeError, match="'bogus'"):
-        engine_config({"bogus": 1})
+        make_engine_config({"bogus": 1})
