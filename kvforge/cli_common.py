@@ -1,12 +1,16 @@
-"""Shared CLI plumbing: one-line errors with a non-zero exit, progress bars, console output."""
+"""Shared CLI plumbing: one-line errors with a non-zero exit, progress bars, console output, engine options."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import sys
+import typing
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import TypeVar
+from pathlib import Path
+from typing import Any, TypeVar
 
 import typer
 from rich.console import Console
@@ -15,6 +19,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.validation import printable
+from kvforge.runtime.engine_config import EngineConfig, engine_flags, engine_options, make_engine_config
 
 try:  # newer typer vendors click; its usage errors are not click's classes
     from typer._click import exceptions as click_exceptions
@@ -38,25 +43,17 @@ _ENGINE_BUILD_FLAGS = {  # what an engine is built with; llm_inference names the
     "cpu_attention": "--cpuAttention",
 }
 BUILD_FLAGS = {**_ENGINE_BUILD_FLAGS, "onnx_dir": "--onnxDir", "engine_dir": "--engineDir"}
-ENGINE_FLAGS = {  # llm_inference
+ENGINE_FLAGS = {  # llm_inference; EngineConfig's fields name the flags they are declared with
     **_ENGINE_BUILD_FLAGS,
     "engine_dir": "--engineDir",
     "input_file": "--inputFile",
     "output_file": "--outputFile",
     "profile_output_file": "--profileOutputFile",
-    "context_cache_max_records": "--contextCacheMaxRecords",
-    "context_cache_partial_kv_snapshot_pool_bytes": "--contextCachePartialKVSnapshotPoolBytes",
-    "context_cache_recurrent_snapshot_pool_bytes": "--contextCacheRecurrentSnapshotPoolBytes",
-    "snapshot_interval_tokens": "--snapshotIntervalTokens",
-    "prefill_chunk_size": "--prefillChunkSize",
-    "max_num_tokens": "--maxNumTokens",
-    "num_threads": "--numThreads",
     "batch_size_override": "--batchSize",
     "max_generate_length_override": "--maxGenerateLength",
     "num_logprobs_override": "--numLogprobs",
-    "multimodal_engine_dir": "--multimodalEngineDir",
-    "encoder_cache_budget_bytes": "--encoderCacheBudgetBytes",
     "max_input_file_bytes": "--maxInputFileBytes",
+    **engine_flags(),
 }
 EXPORT_FLAGS = {
     "onnx_dir": "--onnxDir",
@@ -123,42 +120,55 @@ def progress_bar(description: str, total: int | None) -> Iterator[Callable[[str]
         progress.update(task, completed=total or 0)
 
 
-# --- snapshot pool options: llm_inference and llm_serve declare them alike --------------------------------------
-
-SNAPSHOT_FLAGS = ("--contextCachePartialKVSnapshotPoolBytes", "--contextCacheRecurrentSnapshotPoolBytes",
-                  "--snapshotIntervalTokens")
+# --- engine options: declared once on EngineConfig (runtime/engine_config.py); llm_inference and llm_serve offer
+# every one a CLI has with the same flag, help and default, and llm_test the ones it shares.
 
 
-def partial_kv_snapshot_option() -> typer.models.OptionInfo:
-    return typer.Option(0, SNAPSHOT_FLAGS[0], help=(
-        "Bytes for partial-KV snapshots (llm_build prints the bytes per slot): records whose length is not "
-        "page-aligned keep their tail page, so later prompts extending them reuse up to the exact token. Needs "
-        "--enableContextReuse; 0 = off (reuse stops at the last whole page). Hybrid engines with reuse need at "
-        "least one slot."))
+def engine_option(name: str, help: str | None = None) -> typer.models.OptionInfo:
+    """The typer option of EngineConfig field `name`: its declared flag and default, and its declared help unless
+    a front end where the flag does more says so in `help`."""
+    default, option = engine_options()[name]
+    if option.flag is None:
+        raise ValueError(f"EngineConfig.{name} has no CLI flag")
+    decls = f"{option.flag}/{option.off_flag}" if option.off_flag else option.flag
+    return typer.Option(default, decls, help=help or option.help)
 
 
-def recurrent_snapshot_option() -> typer.models.OptionInfo:
-    return typer.Option(0, SNAPSHOT_FLAGS[1], help=(
-        "Bytes for recurrent snapshots (llm_build prints the bytes per slot): exact checkpoints of a recurrent or "
-        "hybrid model's state, the only thing such models can reuse. Needs --enableContextReuse; required (at "
-        "least one slot) for recurrent and hybrid engines with reuse."))
+def with_engine_options(command: Callable[..., T]) -> Callable[..., T]:
+    """A typer command whose `engine_config: EngineConfig` parameter becomes one option per EngineConfig field a CLI
+    offers, in declaration order at that place; the command is called with the EngineConfig they make."""
+    signature = inspect.signature(command)
+    if "engine_config" not in signature.parameters:
+        raise TypeError(f"{command.__name__} has no engine_config parameter")
+    hints = typing.get_type_hints(command)
+    field_types = typing.get_type_hints(EngineConfig)
+    offered = [name for name, (_, option) in engine_options().items() if option.flag]
+    parameters: list[inspect.Parameter] = []
+    for parameter in signature.parameters.values():
+        if parameter.name != "engine_config":
+            parameters.append(parameter.replace(annotation=hints.get(parameter.name, parameter.annotation)))
+            continue
+        for name in offered:
+            # typer reads the type from the annotation: a path option shows PATH, as the CLIs did before.
+            annotation = Path if engine_options()[name][1].path else field_types[name]
+            parameters.append(inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                default=engine_option(name), annotation=annotation))
+
+    @functools.wraps(command)
+    def wrapper(**kwargs: Any) -> T:
+        values = {name: kwargs.pop(name) for name in offered}
+        return command(**kwargs, engine_config=make_engine_config(values))
+
+    # typer reads both: the signature for the options, the annotations for their types.
+    wrapper.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {p.name: p.annotation for p in parameters}
+    if "return" in hints:
+        wrapper.__annotations__["return"] = hints["return"]
+    return wrapper
 
 
-def message_boundaries_option() -> typer.models.OptionInfo:
-    return typer.Option(True, "--snapshotMessageBoundaries/--noSnapshotMessageBoundaries", help=(
-        "Recurrent/hybrid engines: also capture a checkpoint where each earlier chat message ends, so a shared "
-        "system prompt or document hits although requests diverge after it (default on)."))
-
-
-def snapshot_interval_option() -> typer.models.OptionInfo:
-    return typer.Option(0, SNAPSHOT_FLAGS[2], help=(
-        "Recurrent/hybrid engines: also capture a checkpoint every N prompt tokens (within the snapshot budget; "
-        "least recently used checkpoints are evicted). 0 = off."))
-
-
-def check_snapshot_flags(enable_context_reuse: bool, *values: int) -> None:
-    """Each snapshot flag given (in SNAPSHOT_FLAGS order) needs --enableContextReuse."""
-    for flag, value in zip(SNAPSHOT_FLAGS, values, strict=True):
-        if value and not enable_context_reuse:
-            raise KvforgeError("requires --enableContextReuse", flag)
-
+def check_reuse_flags(config: EngineConfig) -> None:
+    """Before anything loads: each option given that works only with reuse needs --enableContextReuse."""
+    for name, (_, option) in engine_options().items():
+        if option.requires_reuse and getattr(config, name) and not config.enable_context_reuse:
+            raise KvforgeError("requires --enableContextReuse", option.flag)

@@ -18,9 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.runtime.engine import Engine
-from kvforge.runtime.engine_config import DEFAULT_PREFILL_CHUNK_TOKENS, EngineConfig
+from kvforge.runtime.engine_config import make_engine_config
 from kvforge.runtime.file_runner import drain
-from kvforge.runtime.multimodal.encoder_cache import DEFAULT_ENCODER_CACHE_BUDGET_BYTES
 from kvforge.runtime.output import RequestOutput
 from kvforge.runtime.request_checks import parse_message
 from kvforge.runtime.sequence import EngineRequest
@@ -44,24 +43,13 @@ class StreamDelta:
 class LLM:
     """An engine dir loaded for generation. Every call drives the same step loop as llm_inference."""
 
-    def __init__(self, engine_dir: str | Path, *, num_threads: int = 0, enable_context_reuse: bool = False,
-                 context_cache_max_records: int = 1024, prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_TOKENS,
-                 max_num_tokens: int = 0, max_batch_size: int = 0, lora_weights: Mapping[str, str] | None = None,
-                 multimodal_engine_dir: str | Path | None = None,
-                 encoder_cache_budget_bytes: int = DEFAULT_ENCODER_CACHE_BUDGET_BYTES,
-                 context_cache_partial_kv_snapshot_pool_bytes: int = 0,
-                 context_cache_recurrent_snapshot_pool_bytes: int = 0, snapshot_message_boundaries: bool = True,
-                 snapshot_interval_tokens: int = 0, engine: Engine | None = None) -> None:
-        self.engine = engine or Engine(engine_dir, EngineConfig(
-            num_threads=num_threads, enable_context_reuse=enable_context_reuse,
-            context_cache_max_records=context_cache_max_records, prefill_chunk_size=prefill_chunk_size,
-            max_num_tokens=max_num_tokens, max_batch_size=max_batch_size,
-            multimodal_engine_dir=str(multimodal_engine_dir) if multimodal_engine_dir else None,
-            encoder_cache_budget_bytes=encoder_cache_budget_bytes,
-            context_cache_partial_kv_snapshot_pool_bytes=context_cache_partial_kv_snapshot_pool_bytes,
-            context_cache_recurrent_snapshot_pool_bytes=context_cache_recurrent_snapshot_pool_bytes,
-            snapshot_message_boundaries=snapshot_message_boundaries,
-            snapshot_interval_tokens=snapshot_interval_tokens))
+    def __init__(self, engine_dir: str | Path, *, lora_weights: Mapping[str, str] | None = None,
+                 engine: Engine | None = None, **engine_options: Any) -> None:
+        """`engine_options` are EngineConfig's fields as keywords (`num_threads=2, enable_context_reuse=True`, ...),
+        with its defaults; runtime/engine_config.py declares each with what it does. Another keyword is a TypeError,
+        checked even when `engine` is given."""
+        config = make_engine_config(engine_options)
+        self.engine = engine or Engine(engine_dir, config)
         if lora_weights:
             self.engine.load_adapters(dict(lora_weights))
 

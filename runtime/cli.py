@@ -9,19 +9,10 @@ from pathlib import Path
 
 import typer
 
-from kvforge.cli_common import (
-    ENGINE_FLAGS,
-    check_snapshot_flags,
-    console,
-    message_boundaries_option,
-    partial_kv_snapshot_option,
-    recurrent_snapshot_option,
-    run_app,
-    run_guarded,
-    snapshot_interval_option,
-)
+from kvforge.cli_common import ENGINE_FLAGS, check_reuse_flags, console, run_app, run_guarded, with_engine_options
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.files import check_distinct, check_output_file
+from kvforge.runtime.engine_config import EngineConfig
 from kvforge.runtime.profile import format_summary, write_profile
 from kvforge.runtime.request_file import DEFAULT_MAX_INPUT_FILE_BYTES, load_request_file
 
@@ -43,6 +34,7 @@ app = typer.Typer(add_completion=False, rich_markup_mode="rich")
 
 
 @app.command(help=HELP)
+@with_engine_options
 def inference(
     engine_dir: Path = typer.Option(..., "--engineDir", help="Engine dir written by llm_build."),
     input_file: Path = typer.Option(..., "--inputFile", help="Request JSON (requests[].messages, sampling, ...)."),
@@ -55,33 +47,11 @@ def inference(
     max_generate_length: int = typer.Option(-1, "--maxGenerateLength",
                                             help="Override every max_generate_length (-1 keeps them)."),
     num_logprobs: int = typer.Option(-1, "--numLogprobs", help="Override every num_logprobs, 0..50 (-1 keeps)."),
-    num_threads: int = typer.Option(0, "--numThreads", help="CPU threads for the engine; 0 = onnxruntime default."),
-    enable_context_reuse: bool = typer.Option(False, "--enableContextReuse",
-                                              help="Reuse KV pages of repeated prefixes (documents, earlier turns, "
-                                                   "generated continuations) across requests and batches."),
-    prefill_chunk_size: int = typer.Option(512, "--prefillChunkSize",
-                                           help="Max prompt tokens per row in one prefill call; longer prompts "
-                                                "run in chunks (faster on the CPU). 0 = one call per prompt."),
-    context_cache_max_records: int = typer.Option(1024, "--contextCacheMaxRecords",
-                                                  help="Max retained cache records (0 = publish then evict at once)."),
-    partial_kv_snapshot_pool_bytes: int = partial_kv_snapshot_option(),
-    recurrent_snapshot_pool_bytes: int = recurrent_snapshot_option(),
-    snapshot_message_boundaries: bool = message_boundaries_option(),
-    snapshot_interval_tokens: int = snapshot_interval_option(),
+    engine_config: EngineConfig = EngineConfig(),  # with_engine_options: one flag per EngineConfig option
     scheduling: str = typer.Option("static", "--scheduling",
                                    help="static: the file's batch_size batches in file order (the seed's semantics); "
                                         "continuous: every request to the scheduler at once, rows join and leave "
                                         "at each step. Greedy answers are identical either way."),
-    max_num_tokens: int = typer.Option(0, "--maxNumTokens",
-                                       help="Token budget of one engine step (prefill chunks + decode rows); "
-                                            "0 = the engine's maxInputLen."),
-    multimodal_engine_dir: Path = typer.Option(None, "--multimodalEngineDir",
-                                               help="Visual encoder engine dir (llm_build of llm_export's "
-                                                    "OUTPUTDIR/visual) for requests with image items."),
-    encoder_cache_budget_bytes: int = typer.Option(256 * 1024 * 1024, "--encoderCacheBudgetBytes",
-                                                   help="Bytes of encoder outputs kept by media digest (LRU), so a "
-                                                        "repeated image skips the encoder; 0 disables. Independent "
-                                                        "of --enableContextReuse."),
     dump_output: bool = typer.Option(False, "--dumpOutput", help="Print each response's text to stdout."),
     max_input_file_bytes: int = typer.Option(DEFAULT_MAX_INPUT_FILE_BYTES, "--maxInputFileBytes",
                                              help="Refuse request files larger than this (bytes)."),
@@ -94,7 +64,7 @@ def inference(
     """Run every request of the file on the engine loop; responses keep request order."""
 
     def body() -> None:
-        from kvforge.runtime.engine import Engine, EngineConfig  # heavy imports after argument checks
+        from kvforge.runtime.engine import Engine  # heavy imports after argument checks
         from kvforge.runtime.file_runner import (
             Scheduling,
             iter_responses,
@@ -108,8 +78,7 @@ def inference(
         set_ort_logging(debug)
         if not 0 <= warmup <= MAX_WARMUP:
             raise KvforgeError(f"must be in [0, {MAX_WARMUP}], got {warmup}", "--warmup")
-        check_snapshot_flags(enable_context_reuse, partial_kv_snapshot_pool_bytes, recurrent_snapshot_pool_bytes,
-                             snapshot_interval_tokens)
+        check_reuse_flags(engine_config)
         if scheduling not in {s.value for s in Scheduling}:
             raise KvforgeError(f'must be "static" or "continuous", got {scheduling!r}', "--scheduling")
         # Every output is checked before any work: writable, and neither an input nor the other output.
@@ -128,18 +97,7 @@ def inference(
         check_distinct(outputs, {f"available_lora_weights[{json.dumps(name)}]":
                                  resolve_adapter_path(path, base_dir, f"available_lora_weights[{json.dumps(name)}]")
                                  for name, path in requests.available_lora_weights.items()})
-        engine = Engine(engine_dir, EngineConfig(num_threads=num_threads, enable_context_reuse=enable_context_reuse,
-                                                 context_cache_max_records=context_cache_max_records,
-                                                 prefill_chunk_size=prefill_chunk_size, max_num_tokens=max_num_tokens,
-                                                 multimodal_engine_dir=str(multimodal_engine_dir)
-                                                 if multimodal_engine_dir else None,
-                                                 encoder_cache_budget_bytes=encoder_cache_budget_bytes,
-                                                 context_cache_partial_kv_snapshot_pool_bytes=(
-                                                     partial_kv_snapshot_pool_bytes),
-                                                 context_cache_recurrent_snapshot_pool_bytes=(
-                                                     recurrent_snapshot_pool_bytes),
-                                                 snapshot_message_boundaries=snapshot_message_boundaries,
-                                                 snapshot_interval_tokens=snapshot_interval_tokens))
+        engine = Engine(engine_dir, engine_config)
         prepared = prepare_requests(engine, requests, base_dir)
         warm_up(engine, prepared[0], warmup)
 

@@ -1,4 +1,4 @@
-"""Run-time engine settings and the one place they are checked against the engine a build produced.
+"""Run-time engine settings (each declared once, with its CLI flag and help) and their one check against a build.
 
 `resolve_engine_config` turns an `EngineConfig` and an engine dir into every size the engine's parts are built
 with, or raises `InvalidConfig` naming the setting; nothing is allocated before it has answered.
@@ -7,7 +7,9 @@ with, or raises `InvalidConfig` naming the setting; nothing is allocated before 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from kvforge.contract.engine_dir import EngineDir
 from kvforge.contract.errors import InvalidConfig
@@ -28,28 +30,106 @@ DEFAULT_PREFILL_CHUNK_TOKENS = 512
 
 
 @dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """Run-time settings (the build fixed the rest). 0 means "the engine's own limit" for the sizes."""
+class EngineOption:
+    """How front ends offer one EngineConfig field: llm_inference and llm_serve derive their typer options from it,
+    ENGINE_FLAGS its flag for error messages, and kvforge.LLM takes the field name as a keyword."""
 
-    num_threads: int = 0
-    enable_context_reuse: bool = False
-    context_cache_max_records: int = DEFAULT_MAX_RECORDS
-    prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_TOKENS  # 0 = a whole prompt per call
-    max_num_tokens: int = 0  # per-step token budget; 0 = maxInputLen
-    max_batch_size: int = 0  # rows per step; 0 = the engine's maxBatchSize
-    multimodal_engine_dir: str | None = None  # a visual engine dir (llm_build of an encoder ONNX dir)
-    encoder_cache_budget_bytes: int = DEFAULT_ENCODER_CACHE_BUDGET_BYTES  # 0 disables; on even without reuse
+    flag: str | None  # the CLI flag (camelCase, the spelling users know); None: kvforge.LLM only, no CLI flag
+    help: str
+    off_flag: str | None = None  # a bool that is on by default: the flag that turns it off
+    path: bool = False  # CLIs take a path; the engine gets it as a str
+    requires_reuse: bool = False  # a non-zero value is refused without --enableContextReuse (before loading)
+
+
+OPTION = "kvforge.engine_option"  # the key of an EngineConfig field's metadata that holds its EngineOption
+
+
+def _option(default: Any, flag: str | None, help: str, **kwargs: Any) -> Any:
+    return field(default=default, metadata={OPTION: EngineOption(flag, help, **kwargs)})
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Run-time settings (the build fixed the rest). 0 means "the engine's own limit" for the sizes.
+
+    Each field is declared once, with its default, CLI flag and help (`EngineOption`); every front end derives
+    its options from here (`engine_options`)."""
+
+    num_threads: int = _option(0, "--numThreads", "CPU threads for the engine; 0 = onnxruntime default.")
+    enable_context_reuse: bool = _option(
+        False, "--enableContextReuse", "Reuse KV pages of repeated prefixes (documents, earlier turns, generated "
+        "continuations) across requests and batches.")
+    context_cache_max_records: int = _option(
+        DEFAULT_MAX_RECORDS, "--contextCacheMaxRecords", "Max retained cache records (0 = publish then evict at "
+        "once).")
+    prefill_chunk_size: int = _option(
+        DEFAULT_PREFILL_CHUNK_TOKENS, "--prefillChunkSize", "Max prompt tokens per row in one prefill call; longer "
+        "prompts run in chunks (faster on the CPU). 0 = one call per prompt.")
+    max_num_tokens: int = _option(
+        0, "--maxNumTokens", "Token budget of one engine step (prefill chunks + decode rows); 0 = the engine's "
+        "maxInputLen.")
+    # Rows per step; 0 = the engine's maxBatchSize. Not a CLI flag: errors about it name llm_build's --maxBatchSize.
+    max_batch_size: int = _option(0, None, "Rows per engine step; 0 = the engine's maxBatchSize.")
+    multimodal_engine_dir: str | None = _option(
+        None, "--multimodalEngineDir", "Encoder engine dir (llm_build of llm_export's OUTPUTDIR/visual or "
+        "OUTPUTDIR/audio): requests may then hold image or audio items.", path=True)
+    encoder_cache_budget_bytes: int = _option(  # on even without reuse
+        DEFAULT_ENCODER_CACHE_BUDGET_BYTES, "--encoderCacheBudgetBytes", "Bytes of encoder outputs kept by media "
+        "digest (LRU), so a repeated image or audio skips the encoder; 0 disables. Independent of "
+        "--enableContextReuse.")
     # Bytes for partial-KV snapshots (one K+V page per attention layer each): records whose length is not
     # page-aligned keep their tail page, so a prompt extending one reuses up to its exact last token. 0 = off.
-    context_cache_partial_kv_snapshot_pool_bytes: int = 0
+    context_cache_partial_kv_snapshot_pool_bytes: int = _option(
+        0, "--contextCachePartialKVSnapshotPoolBytes", "Bytes for partial-KV snapshots (llm_build prints the bytes "
+        "per slot): records whose length is not page-aligned keep their tail page, so later prompts extending them "
+        "reuse up to the exact token. Needs --enableContextReuse; 0 = off (reuse stops at the last whole page). "
+        "Hybrid engines with reuse need at least one slot.", requires_reuse=True)
     # Bytes for recurrent snapshots (every recurrent layer's state and conv state at one exact token count):
     # what recurrent and hybrid engines reuse; required (>= one slot) for them when reuse is on.
-    context_cache_recurrent_snapshot_pool_bytes: int = 0
+    context_cache_recurrent_snapshot_pool_bytes: int = _option(
+        0, "--contextCacheRecurrentSnapshotPoolBytes", "Bytes for recurrent snapshots (llm_build prints the bytes "
+        "per slot): exact checkpoints of a recurrent or hybrid model's state, the only thing such models can reuse. "
+        "Needs --enableContextReuse; required (at least one slot) for recurrent and hybrid engines with reuse.",
+        requires_reuse=True)
     # Recurrent/hybrid engines capture a checkpoint where an earlier chat message ends (so a shared system
     # prompt or document hits although the next request diverges inside the first one's prompt) and, with an
     # interval, every that many prompt tokens; besides the prompt's and the generation's end, always captured.
-    snapshot_message_boundaries: bool = True
-    snapshot_interval_tokens: int = 0  # 0 = no periodic checkpoints
+    snapshot_message_boundaries: bool = _option(
+        True, "--snapshotMessageBoundaries", "Recurrent/hybrid engines: also capture a checkpoint where each "
+        "earlier chat message ends, so a shared system prompt or document hits although requests diverge after it "
+        "(default on).", off_flag="--noSnapshotMessageBoundaries")
+    snapshot_interval_tokens: int = _option(
+        0, "--snapshotIntervalTokens", "Recurrent/hybrid engines: also capture a checkpoint every N prompt tokens "
+        "(within the snapshot budget; least recently used checkpoints are evicted). 0 = off.", requires_reuse=True)
+
+
+# Snapshot slots a front end sizes each pool with when it sizes them for the user (llm_test, llm_bench): enough
+# for every checkpoint of llm_bench's six-turn chat session and every endpoint of an llm_test file, so neither
+# measures or counts under snapshot pressure.
+DEFAULT_SNAPSHOT_SLOTS = 64
+
+
+def engine_options() -> dict[str, tuple[Any, EngineOption]]:
+    """EngineConfig's field name → (default, EngineOption), in declaration order."""
+    return {f.name: (f.default, f.metadata[OPTION]) for f in fields(EngineConfig)}
+
+
+def engine_flags() -> dict[str, str]:
+    """Field name → CLI flag, for the fields a CLI offers (error messages name the flag, not the field)."""
+    return {name: option.flag for name, (_, option) in engine_options().items() if option.flag}
+
+
+def make_engine_config(options: Mapping[str, Any]) -> EngineConfig:
+    """An EngineConfig from front-end values keyed by field name (a path option may be a Path); a name that is no
+    field is a TypeError, as for any keyword argument."""
+    declared = engine_options()
+    unknown = sorted(set(options) - set(declared))
+    if unknown:
+        raise TypeError(f"unexpected engine option(s) {', '.join(map(repr, unknown))}: expected some of "
+                        f"{', '.join(declared)}")
+    values = {name: (str(value) if value else None) if declared[name][1].path else value
+              for name, value in options.items()}
+    return EngineConfig(**values)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +185,8 @@ def engine_fingerprint(engine: EngineDir) -> EngineFingerprint:
     return EngineFingerprint(digest.hexdigest(), model.kv_cache_dtype, engine.build.tokens_per_page, layout)
 
 
-def snapshot_budgets(engine: EngineDir, slots: int, partial_kv: bool = False) -> dict[str, int]:
+def snapshot_budgets(engine: EngineDir, slots: int = DEFAULT_SNAPSHOT_SLOTS,
+                     partial_kv: bool = False) -> dict[str, int]:
     """EngineConfig's snapshot budgets for `slots` slots of each pool this engine needs with reuse on: recurrent and
     hybrid engines both of theirs; an attention-only engine partial-KV snapshots only when asked (`partial_kv`)."""
     build = engine.build

@@ -9,18 +9,9 @@ from pathlib import Path
 
 import typer
 
-from kvforge.cli_common import (
-    ENGINE_FLAGS,
-    check_snapshot_flags,
-    console,
-    message_boundaries_option,
-    partial_kv_snapshot_option,
-    recurrent_snapshot_option,
-    run_app,
-    run_guarded,
-    snapshot_interval_option,
-)
+from kvforge.cli_common import ENGINE_FLAGS, check_reuse_flags, console, run_app, run_guarded, with_engine_options
 from kvforge.contract.errors import KvforgeError
+from kvforge.runtime.engine_config import EngineConfig
 
 HELP = """
 Serve an engine built by llm_build with OpenAI's API (/v1/chat/completions, /v1/completions, /v1/models),
@@ -41,6 +32,7 @@ app = typer.Typer(add_completion=False, rich_markup_mode="rich")
 
 
 @app.command(help=HELP)
+@with_engine_options
 def serve(
     engine_dir: Path = typer.Option(..., "--engineDir", help="Engine dir written by llm_build."),
     host: str = typer.Option(None, "--host", help=f"Address to listen on (default {LOOPBACK}: this machine only)."),
@@ -58,27 +50,7 @@ def serve(
     lora_weights: list[str] = typer.Option([], "--loraWeights",
                                            help="NAME=PATH of a converted adapter; repeat for more. Clients pick "
                                                 "one with lora_name or as the model id."),
-    enable_context_reuse: bool = typer.Option(False, "--enableContextReuse",
-                                              help="Reuse KV pages of repeated prefixes across requests."),
-    context_cache_max_records: int = typer.Option(1024, "--contextCacheMaxRecords",
-                                                  help="Max retained cache records (0 = publish then evict at once)."),
-    partial_kv_snapshot_pool_bytes: int = partial_kv_snapshot_option(),
-    recurrent_snapshot_pool_bytes: int = recurrent_snapshot_option(),
-    snapshot_message_boundaries: bool = message_boundaries_option(),
-    snapshot_interval_tokens: int = snapshot_interval_option(),
-    prefill_chunk_size: int = typer.Option(512, "--prefillChunkSize",
-                                           help="Max prompt tokens per row in one prefill call; 0 = one call."),
-    max_num_tokens: int = typer.Option(0, "--maxNumTokens",
-                                       help="Token budget of one engine step; 0 = the engine's maxInputLen."),
-    num_threads: int = typer.Option(0, "--numThreads", help="CPU threads for the engine; 0 = onnxruntime default."),
-    multimodal_engine_dir: Path = typer.Option(None, "--multimodalEngineDir",
-                                               help="Encoder engine dir (llm_build of llm_export's OUTPUTDIR/visual "
-                                                    "or OUTPUTDIR/audio): chats may then hold image_url or "
-                                                    "input_audio parts."),
-    encoder_cache_budget_bytes: int = typer.Option(256 * 1024 * 1024, "--encoderCacheBudgetBytes",
-                                                   help="Bytes of encoder outputs kept by media digest (LRU), so a "
-                                                        "repeated image or audio skips the encoder; 0 disables. "
-                                                        "Independent of --enableContextReuse."),
+    engine_config: EngineConfig = EngineConfig(),  # with_engine_options: one flag per EngineConfig option
     allowed_media_dir: Path = typer.Option(None, "--allowedMediaDir",
                                            help="Directory whose files clients may name as media (file:// URLs or "
                                                 "paths, resolved inside it); without it only inline media is "
@@ -94,7 +66,7 @@ def serve(
         _check_serve_extra()
         import uvicorn
 
-        from kvforge.runtime.engine import Engine, EngineConfig
+        from kvforge.runtime.engine import Engine
         from kvforge.server.app import create_app
         from kvforge.server.tenants import load_tenants
 
@@ -104,25 +76,13 @@ def serve(
             raise KvforgeError(f"must be >= 0, got {shutdown_timeout}", "--shutdownTimeout")
         from kvforge.server.media import media_policy
 
-        check_snapshot_flags(enable_context_reuse, partial_kv_snapshot_pool_bytes, recurrent_snapshot_pool_bytes,
-                             snapshot_interval_tokens)
+        check_reuse_flags(engine_config)
         media = media_policy(allowed_media_dir)
         adapters = parse_lora_flags(lora_weights)
         tenants = load_tenants(api_keys, salt_secret)
         bind_host = host or LOOPBACK
         sock = bind_socket(bind_host, port)
-        engine = Engine(engine_dir, EngineConfig(num_threads=num_threads, enable_context_reuse=enable_context_reuse,
-                                                 context_cache_max_records=context_cache_max_records,
-                                                 prefill_chunk_size=prefill_chunk_size, max_num_tokens=max_num_tokens,
-                                                 multimodal_engine_dir=str(multimodal_engine_dir)
-                                                 if multimodal_engine_dir else None,
-                                                 encoder_cache_budget_bytes=encoder_cache_budget_bytes,
-                                                 context_cache_partial_kv_snapshot_pool_bytes=(
-                                                     partial_kv_snapshot_pool_bytes),
-                                                 context_cache_recurrent_snapshot_pool_bytes=(
-                                                     recurrent_snapshot_pool_bytes),
-                                                 snapshot_message_boundaries=snapshot_message_boundaries,
-                                                 snapshot_interval_tokens=snapshot_interval_tokens))
+        engine = Engine(engine_dir, engine_config)
         try:
             engine.load_adapters({name: str(path) for name, path in adapters.items()})
         except KvforgeError as exc:  # its field names the request file's available_lora_weights
@@ -130,7 +90,7 @@ def serve(
         model_name = served_model_name or engine_dir.resolve().name
         web = create_app(engine, tenants, model_name=model_name, max_queued_requests=max_queued_requests,
                          media=media)
-        _announce(sock, model_name, enable_context_reuse, tenants.required, host is not None)
+        _announce(sock, model_name, engine_config.enable_context_reuse, tenants.required, host is not None)
         # uvicorn re-raises the signal it shut down for; exit 0 then: requests in flight were finished or cancelled.
         for stop_signal in (signal.SIGTERM, signal.SIGINT):
             signal.signal(stop_signal, lambda *_: sys.exit(0))

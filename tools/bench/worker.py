@@ -85,9 +85,6 @@ def peak_rss_bytes() -> int:
 # --- kvforge ---------------------------------------------------------------------------------------------
 
 
-SNAPSHOT_SLOTS = 64
-
-
 class KvforgeDriver:
     def __init__(self, path: Path, threads: int, reuse: bool) -> None:
         from kvforge.contract.engine_dir import load_engine_dir
@@ -96,7 +93,7 @@ class KvforgeDriver:
         # Recurrent and hybrid engines reuse exact checkpoints only: with reuse on they get the pools they need.
         engine_dir = load_engine_dir(path)
         self.build = engine_dir.build
-        budgets = snapshot_budgets(engine_dir, SNAPSHOT_SLOTS) if reuse else {}
+        budgets = snapshot_budgets(engine_dir) if reuse else {}  # the declared default slot count
         self.engine = Engine(path, EngineConfig(num_threads=threads, enable_context_reuse=reuse, **budgets))
         self.no_eos = {token: -1e9 for token in self.engine.engine_dir.model.eos_token_ids}
         self.salt: str | None = None

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import typer
 from rich.console import Console
 
-from kvforge.cli_common import ENGINE_FLAGS, console, progress_bar, run_app, run_guarded
+from kvforge.cli_common import ENGINE_FLAGS, console, engine_option, progress_bar, run_app, run_guarded
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.files import atomic_output, check_distinct, check_output_file
 from kvforge.tools.testcases.checks import FAILED, ROUGE_MODES, SEED_ROUGE_THRESHOLDS
@@ -62,14 +62,13 @@ def test(
     backend: str = typer.Option("auto", "--backend", help="Backend of engines built from --onnxDir (as llm_build)."),
     test_cases_dir: Path = typer.Option(Path("test_cases"), "--testCasesDir",
                                         help="Where a config string's last token finds <name>.json."),
-    enable_context_reuse: bool = typer.Option(False, "--enableContextReuse",
-                                              help="Reuse on for every file (files with _checks.context_reuse "
-                                                   "run with it anyway)."),
+    enable_context_reuse: bool = engine_option("enable_context_reuse", help="Reuse on for every file (files with "
+                                               "_checks.context_reuse run with it anyway)."),
     scheduling: str = typer.Option("static", "--scheduling", help="static or continuous, as llm_inference."),
     max_generate_length: int = typer.Option(-1, "--maxGenerateLength",
                                             help="Override every max_generate_length (-1 keeps the files'); "
                                                  "engine_specific counters are then skipped."),
-    num_threads: int = typer.Option(0, "--numThreads", help="CPU threads for the engine; 0 = onnxruntime default."),
+    num_threads: int = engine_option("num_threads"),
     rouge: str = typer.Option("auto", "--rouge", help="auto: ROUGE checks except on synthetic (random-weight) "
                               "engines, where they are reported skipped; on: always; off: never (skipped)."),
     rouge_thresholds: str = typer.Option(",".join(map(str, SEED_ROUGE_THRESHOLDS)), "--rougeThresholds",
@@ -80,9 +79,8 @@ def test(
     json_report_file: Path = typer.Option(None, "--jsonReport", help="Write the JSON report here."),
     junit_file: Path = typer.Option(None, "--junitXml", help="Write JUnit XML here."),
     output_dir: Path = typer.Option(None, "--outputDir", help="Write each file's responses and profile here."),
-    multimodal_engine_dir: Path = typer.Option(None, "--multimodalEngineDir",
-                                               help="Visual engine dir for files with image items (they are "
-                                                    "skipped without one)."),
+    multimodal_engine_dir: Path = engine_option("multimodal_engine_dir", help="Encoder engine dir for files with "
+                                                "image or audio items (they are skipped without one)."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
     """Run every file on a fresh engine cache and check it; the table goes to stdout."""

@@ -16,25 +16,25 @@ from kvforge.tools.export.synthetic import SYNTHETIC_MODELS
 from kvforge.tools.testcases.checks import FAILED, PASSED, SKIPPED, CheckOptions, CheckResult, Scorer, check_file
 from kvforge.tools.testcases.declared import CaseSpec
 
+ENGINE_DEFAULTS = EngineConfig()  # what llm_test does not set follows the engine options' declaration
+
 
 @dataclass(frozen=True, slots=True)
 class RunSettings:
     engine_dir: Path
-    num_threads: int = 0
-    reuse: bool = False  # on for every file (ctxreuse, --enableContextReuse); a file may also ask for it
+    num_threads: int = ENGINE_DEFAULTS.num_threads
+    # On for every file (ctxreuse, --enableContextReuse); a file may also ask for it.
+    reuse: bool = ENGINE_DEFAULTS.enable_context_reuse
     scheduling: Scheduling = Scheduling.STATIC
     rouge: str = "auto"
     thresholds: tuple[float, float] = (0.25, 0.20)
     lengths_overridden: bool = False
-    multimodal_engine_dir: Path | None = None  # files with image items run only when one is given
-    # Budget for files declaring _checks.partial_kv_snapshots (ccpkvsb); 0 = DEFAULT_SNAPSHOT_SLOTS slots.
+    multimodal_engine_dir: Path | None = None  # files with image or audio items run only when one is given
+    # Budget for files declaring _checks.partial_kv_snapshots (ccpkvsb); 0 = snapshot_budgets' default slots.
     partial_kv_snapshot_pool_bytes: int = 0
-    # Recurrent and hybrid engines with reuse (ccrsb); 0 = DEFAULT_SNAPSHOT_SLOTS slots. Attention-only engines
+    # Recurrent and hybrid engines with reuse (ccrsb); 0 = snapshot_budgets' default slots. Attention-only engines
     # ignore it.
     recurrent_snapshot_pool_bytes: int = 0
-
-
-DEFAULT_SNAPSHOT_SLOTS = 16  # enough for every endpoint of a test file: its counters never see snapshot pressure
 
 
 @dataclass(slots=True)
@@ -112,8 +112,7 @@ class CaseRunner:
 
         if not reuse:
             return {}
-        budgets = snapshot_budgets(load_engine_dir(self.settings.engine_dir), DEFAULT_SNAPSHOT_SLOTS,
-                                   partial_kv=case.partial_kv_snapshots)
+        budgets = snapshot_budgets(load_engine_dir(self.settings.engine_dir), partial_kv=case.partial_kv_snapshots)
         given = {"context_cache_partial_kv_snapshot_pool_bytes": self.settings.partial_kv_snapshot_pool_bytes,
                  "context_cache_recurrent_snapshot_pool_bytes": self.settings.recurrent_snapshot_pool_bytes}
         return {field: given[field] or value for field, value in budgets.items()}
