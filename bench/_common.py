@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.builder.build import BuildOptions, build_engine
+from kvforge.runtime.backend import Backend
 from kvforge.runtime.engine import Engine, EngineConfig
-from kvforge.runtime.runner import EngineRunner
 from kvforge.runtime.types import SamplingParams
 
 # The workload text lives in the package, where llm_bench reads it too; the scripts import it from here.
@@ -65,11 +65,11 @@ def median(values: Sequence[float]) -> float:
 
 
 def build_and_open(onnx_dir: Path, engine_dir: Path, options: BuildOptions, threads: int,
-                   reuse: bool = False, runner: EngineRunner | None = None, **config: Any) -> Engine:
+                   reuse: bool = False, runner: Backend | None = None, **config: Any) -> Engine:
     """Build `onnx_dir` into `engine_dir` (once) and open an Engine on it."""
     if not (engine_dir / "config.json").is_file():
         build_engine(onnx_dir, engine_dir, options)
-    return Engine(engine_dir, EngineConfig(num_threads=threads, enable_context_reuse=reuse, **config), runner=runner)
+    return Engine(engine_dir, EngineConfig(num_threads=threads, enable_context_reuse=reuse, **config), backend=runner)
 
 
 def greedy(max_generate_length: int, **changes: Any) -> SamplingParams:

@@ -1,7 +1,7 @@
 """Context reuse: TTFT with and without the context cache, bookkeeping cost, and 0%-hit throughput.
 
 Four measurements on one engine, in one run, on the CPU backend (medians over --repeats). Every request
-runs alone through the engine loop (Engine.add_request + file_runner.drain):
+runs alone through the engine loop (Engine.add_request + file_loop.drain):
 
 1. shared document: a report fitted to exactly 12 pages (1,536 tokens) followed by four questions (raw
    prompts, no chat template, max_generate_length 1). cold = reuse_context=False (lookup `bypass`); warm =
@@ -38,12 +38,12 @@ from _common import Progress, bench_parser, build_and_open, fit_document, greedy
 
 from kvforge.builder.build import BuildOptions
 from kvforge.contract.profile_schema import PREFILL_STAGE
+from kvforge.runtime.backend import StepInputs
 from kvforge.runtime.context_cache.keys import KeyExtras
 from kvforge.runtime.context_cache.manager import Admission
 from kvforge.runtime.engine import Engine
-from kvforge.runtime.file_runner import drain
+from kvforge.runtime.file_loop import drain
 from kvforge.runtime.output import RequestOutput
-from kvforge.runtime.runner import StepInputs
 from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.types import LookupPolicy, Message, Request
 from kvforge.tools.bench.text import CHAT_SYSTEM, CHAT_TURNS, QUESTIONS, UNRELATED_OPENERS
@@ -130,14 +130,14 @@ def engine_floor(engine: Engine, request: EngineRequest) -> tuple[float, int]:
     assert lease is not None, "the pool is idle between requests: the floor lease must fit"
     try:
         start = lease.reuse_tokens
-        if lease.restore_slot is not None and engine.snapshots is not None:
-            engine.snapshots.restore(lease.restore_slot, lease.page_ids[start // engine.cache.tokens_per_page])
+        if lease.restore_slot is not None and engine.partial_store is not None:
+            engine.partial_store.restore(lease.restore_slot, lease.page_ids[start // engine.cache.tokens_per_page])
             engine.cache.finish_restore(lease)
         suffix = request.prompt_ids[start:]
-        step = StepInputs(engine.model_runner.embedding[suffix][None], np.array([len(suffix)], dtype=np.int32),
+        step = StepInputs(engine.executor.embedding[suffix][None], np.array([len(suffix)], dtype=np.int32),
                           np.array([start], dtype=np.int32), [lease.page_ids])
         started = time.perf_counter()
-        engine.runner.forward(step)
+        engine.backend.forward(step)
         return (time.perf_counter() - started) * 1e3, start
     finally:
         engine.cache.release(lease)

@@ -65,7 +65,7 @@ def check_costs(engine_dir: Path, work: Path) -> dict[str, float]:
     from kvforge.contract.manifest import ENGINE_KIND, verify_manifest
     from kvforge.contract.memory import check_pool_fits_memory
     from kvforge.runtime.engine import Engine
-    from kvforge.runtime.ort_runner import check_graph_inputs
+    from kvforge.runtime.ort_backend import check_graph_inputs
     from kvforge.runtime.types import Message
 
     engine = Engine(engine_dir)
@@ -82,7 +82,7 @@ def check_costs(engine_dir: Path, work: Path) -> dict[str, float]:
         "engine dir: embedding header": median_ms(lambda: check_embedding(engine_dir / EMBEDDING_FILE,
                                                                           loaded.model, "e")),
         "engine dir: pool vs memory": median_ms(lambda: check_pool_fits_memory(loaded.kv_pool_bytes)),
-        "engine dir: graph inputs": median_ms(lambda: check_graph_inputs(engine.runner.session, loaded)),
+        "engine dir: graph inputs": median_ms(lambda: check_graph_inputs(engine.backend.session, loaded)),
         "chat template: bounded render": median_ms(lambda: engine.tokenizer.format(messages)),
         "tokenize: content as text": median_ms(lambda: engine.tokenizer.encode_chat(prompt, ["question"])),
         "(whole load_engine_dir, schema included)": median_ms(lambda: load_engine_dir(engine_dir)),

@@ -20,9 +20,9 @@ from safetensors.numpy import load_file
 
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.engine_dir import EMBEDDING_FILE, EMBEDDING_TENSOR, load_engine_dir
+from kvforge.runtime.backend import StepInputs
 from kvforge.runtime.lora import load_adapter, lora_input_shapes, stack_adapters
-from kvforge.runtime.ort_runner import OrtEngineRunner
-from kvforge.runtime.runner import StepInputs
+from kvforge.runtime.ort_backend import OrtBackend
 from kvforge.tools.export.lora import write_converted_adapter, write_random_peft_adapter
 
 
@@ -63,18 +63,18 @@ def main() -> None:
         single = [stack_adapters([a], shapes) for a in adapters]  # what one row on one adapter binds
         stack_ms = (time.perf_counter() - started) * 1e3 / 2
         mixed = stack_adapters(adapters, shapes)  # rows on adapters A and B in one call
-        runner = OrtEngineRunner(engine, args.threads)
-        base_runner = OrtEngineRunner(load_engine_dir(work / "base_engine"), args.threads)
+        runner = OrtBackend(engine, args.threads)
+        base_runner = OrtBackend(load_engine_dir(work / "base_engine"), args.threads)
         embedding = load_file(str(engine.file(EMBEDDING_FILE)))[EMBEDDING_TENSOR]
         ids = np.random.default_rng(0).integers(0, embedding.shape[0], args.promptTokens)
         prompt = embedding[ids][None]
         pages = list(range(engine.build.max_pages_per_seq))
         token = embedding[ids[:1]][None]
 
-        def prefill(r: OrtEngineRunner, tensors) -> None:
+        def prefill(r: OrtBackend, tensors) -> None:
             r.forward(StepInputs(prompt, np.array([args.promptTokens]), np.array([0]), [pages], tensors))
 
-        def decode(r: OrtEngineRunner, tensors) -> None:
+        def decode(r: OrtBackend, tensors) -> None:
             for step in range(args.decodeTokens):
                 r.forward(StepInputs(token, np.array([1]), np.array([args.promptTokens + step]), [pages], tensors))
 

@@ -25,8 +25,8 @@ from kvforge.builder.lora import strip_lora
 from kvforge.builder.lower_ort import lower_for_onnxruntime
 from kvforge.contract.engine_dir import EMBEDDING_FILE, EMBEDDING_TENSOR, load_engine_dir
 from kvforge.plugins.reference import rope_table
-from kvforge.runtime.ort_runner import OrtEngineRunner, make_session
-from kvforge.runtime.runner import StepInputs
+from kvforge.runtime.backend import StepInputs
+from kvforge.runtime.ort_backend import OrtBackend, make_session
 
 
 def dense_session(onnx_dir: Path, work: Path, threads: int):
@@ -64,7 +64,7 @@ class DenseModel:
         return outputs["logits"]
 
 
-def paged_forward(runner: OrtEngineRunner, pages: list[int], start: int, embeds: np.ndarray) -> np.ndarray:
+def paged_forward(runner: OrtBackend, pages: list[int], start: int, embeds: np.ndarray) -> np.ndarray:
     n = embeds.shape[1]
     return runner.forward(StepInputs(embeds, np.array([n], np.int32), np.array([start], np.int32), [pages])).logits
 
@@ -90,7 +90,7 @@ def main() -> None:
         build_engine(args.onnxDir, work / "engine", BuildOptions(max_input_len=1024, max_kv_cache_capacity=capacity,
                                                                  max_batch_size=1, tokens_per_page=128))
         engine = load_engine_dir(work / "engine")
-        runner = OrtEngineRunner(engine, args.threads)
+        runner = OrtBackend(engine, args.threads)
         session, config = dense_session(args.onnxDir, work, args.threads)
         dense = DenseModel(session, config, capacity)
         embedding = load_file(str(engine.file(EMBEDDING_FILE)))[EMBEDDING_TENSOR]

@@ -20,8 +20,8 @@ from safetensors.numpy import load_file
 
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.engine_dir import EMBEDDING_FILE, EMBEDDING_TENSOR, load_engine_dir
-from kvforge.runtime.ort_runner import OrtEngineRunner
-from kvforge.runtime.runner import StepInputs
+from kvforge.runtime.backend import StepInputs
+from kvforge.runtime.ort_backend import OrtBackend
 
 
 def main() -> None:
@@ -38,7 +38,7 @@ def main() -> None:
         build_engine(args.onnxDir, Path(tmp) / "engine", BuildOptions(max_input_len=n, max_kv_cache_capacity=n,
                                                                       max_batch_size=1, tokens_per_page=128))
         engine = load_engine_dir(Path(tmp) / "engine")
-        runner = OrtEngineRunner(engine, args.threads)
+        runner = OrtBackend(engine, args.threads)
         embedding = load_file(str(engine.file(EMBEDDING_FILE)))[EMBEDDING_TENSOR]
         prompt = embedding[np.random.default_rng(0).integers(0, embedding.shape[0], n)][None]
         pages = list(range(engine.build.max_pages_per_seq))

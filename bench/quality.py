@@ -42,9 +42,9 @@ import numpy as np
 from _common import Progress, bench_parser, greedy, write_json
 
 from kvforge.builder.build import BuildOptions, build_engine
+from kvforge.runtime.backend import StepInputs
 from kvforge.runtime.context_cache.manager import Admission
 from kvforge.runtime.engine import Engine, EngineConfig
-from kvforge.runtime.runner import StepInputs
 from kvforge.tools.export.quantize import set_accuracy_level
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -88,7 +88,7 @@ def teacher_forced(engine: Engine, token_ids: Sequence[int],
     lease = engine.cache.try_acquire(Admission(ids))
     if lease is None:
         raise RuntimeError(f"the KV pool cannot hold {len(ids)} tokens")
-    embedding = engine.model_runner.embedding
+    embedding = engine.executor.embedding
     first = max(prefill - 1, 0)
     argmax = np.empty(len(ids) - 1 - first, dtype=np.int64)
     nll = np.empty(len(ids) - 1 - first, dtype=np.float64)
@@ -104,12 +104,12 @@ def teacher_forced(engine: Engine, token_ids: Sequence[int],
         started = time.perf_counter()
         for start in range(0, prefill, PREFILL_CHUNK):
             chunk = ids[start:min(start + PREFILL_CHUNK, prefill)]
-            logits = engine.runner.forward(StepInputs(embedding[chunk][None], np.array([len(chunk)], np.int32),
+            logits = engine.backend.forward(StepInputs(embedding[chunk][None], np.array([len(chunk)], np.int32),
                                                       np.array([start], dtype=np.int32), [lease.page_ids])).logits
         if prefill:
             score(first, logits)
         for i in range(max(prefill, 0), len(ids) - 1):
-            score(i, engine.runner.forward(StepInputs(embedding[[ids[i]]][None], one,
+            score(i, engine.backend.forward(StepInputs(embedding[[ids[i]]][None], one,
                                                       np.array([i], dtype=np.int32), [lease.page_ids])).logits)
             if progress is not None and (i + 1) % PROGRESS_EVERY == 0:
                 progress(f"{i + 1}/{len(ids) - 1} positions")

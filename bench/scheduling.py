@@ -7,7 +7,7 @@ a. mixed workload: 16 raw prompts of 50-1,500 tokens (English text cut to exact 
    4-128 tokens each (greedy, EOS suppressed by logit_bias so every length is exact), lengths spread
    evenly and shuffled by a fixed seed, reuse off. static = the request file's semantics (batches of 4 in
    file order, each starting when the last one ends: Scheduling.STATIC); continuous = all 16 handed to
-   the scheduler at once (Scheduling.CONTINUOUS). Both run through file_runner.run_request_file; the
+   the scheduler at once (Scheduling.CONTINUOUS). Both run through file_loop.run_request_file; the
    greedy outputs of the two modes are compared token by token.
 b. burst: 8 requests sharing one uncached ~1,500-token document, each with its own short question
    (max_generate_length 8), all added at once; reuse on (the engine default: followers wait for the
@@ -30,7 +30,7 @@ from _common import Progress, bench_parser, build_and_open, fit_document, greedy
 
 from kvforge.builder.build import BuildOptions
 from kvforge.runtime.engine import Engine
-from kvforge.runtime.file_runner import Scheduling, drain, run_request_file
+from kvforge.runtime.file_loop import Scheduling, drain, run_request_file
 from kvforge.runtime.output import RequestOutput
 from kvforge.runtime.profile import Profiler
 from kvforge.runtime.request_file import RequestFile
@@ -224,7 +224,7 @@ def main() -> None:
         off = build_and_open(args.onnxDir, engine_dir, BUILD, args.threads, reuse=False)
         # The reuse-on engine shares the ORT session and pool: the two never run interleaved, and every burst
         # repeat has its own salt, so records the other engine's runs overwrote are never looked up.
-        on = build_and_open(args.onnxDir, engine_dir, BUILD, args.threads, reuse=True, runner=off.runner)
+        on = build_and_open(args.onnxDir, engine_dir, BUILD, args.threads, reuse=True, runner=off.backend)
         text = text_tokens(off.tokenizer.encode, 2 * MIXED_PROMPT_TOKENS[1])
         warm_up(off, [EngineRequest(text[i * 300:i * 300 + 1500], exact_length(off, 4)) for i in range(4)])
         progress("built and warmed up; a. continuous vs static")

@@ -8,7 +8,7 @@ requests, each client sending its next request when the last one finished (close
 
 - server: `llm_serve` in a subprocess on 127.0.0.1 (reuse on: --enableContextReuse), clients are `openai`
   AsyncOpenAI streams; TTFT is measured by the client from sending to the first streamed text.
-- static: the same requests as a request file through file_runner.run_request_file(STATIC) with batch_size =
+- static: the same requests as a request file through file_loop.run_request_file(STATIC) with batch_size =
   clients (llm_inference's default path), in this process; TTFT is the response's timing.ttft_ms (from its
   batch's start: time waiting for earlier batches is not in it, which favours static).
 Before each series one warm-up request (a question of its own) runs on each path, so reuse on starts with the
@@ -38,7 +38,7 @@ from _common import Progress, bench_parser, fit_document, greedy, write_json
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.engine_dir import load_engine_dir
 from kvforge.runtime.engine import Engine, EngineConfig
-from kvforge.runtime.file_runner import Scheduling, prepare_requests, run_request_file
+from kvforge.runtime.file_loop import Scheduling, prepare_requests, run_request_file
 from kvforge.runtime.request_file import RequestFile
 from kvforge.runtime.tokenizer import ChatTokenizer
 from kvforge.runtime.types import Message, Request

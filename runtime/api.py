@@ -19,7 +19,7 @@ from typing import Any
 
 from kvforge.runtime.engine import Engine
 from kvforge.runtime.engine_config import make_engine_config
-from kvforge.runtime.file_runner import drain
+from kvforge.runtime.file_loop import drain
 from kvforge.runtime.output import RequestOutput
 from kvforge.runtime.request_checks import parse_message
 from kvforge.runtime.sequence import EngineRequest

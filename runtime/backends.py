@@ -5,15 +5,15 @@ from __future__ import annotations
 import numpy as np
 
 from kvforge.contract.engine_dir import EngineDir
-from kvforge.runtime.runner import EngineRunner
+from kvforge.runtime.backend import Backend
 
 
-def load_runner(engine: EngineDir, num_threads: int = 0, embedding: np.ndarray | None = None) -> EngineRunner:
+def load_backend(engine: EngineDir, num_threads: int = 0, embedding: np.ndarray | None = None) -> Backend:
     """The runner for `engine`: TensorRT (imported only here, only when the engine needs it) or ONNX Runtime."""
     if engine.build.backend == "tensorrt":
-        from kvforge.runtime.trt_runner import TrtEngineRunner
+        from kvforge.runtime.trt_backend import TrtBackend
 
-        return TrtEngineRunner(engine)
-    from kvforge.runtime.ort_runner import OrtEngineRunner
+        return TrtBackend(engine)
+    from kvforge.runtime.ort_backend import OrtBackend
 
-    return OrtEngineRunner(engine, num_threads, embedding)
+    return OrtBackend(engine, num_threads, embedding)

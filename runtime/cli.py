@@ -65,7 +65,7 @@ def inference(
 
     def body() -> None:
         from kvforge.runtime.engine import Engine  # heavy imports after argument checks
-        from kvforge.runtime.file_runner import (
+        from kvforge.runtime.file_loop import (
             Scheduling,
             iter_responses,
             prepare_requests,
@@ -73,7 +73,7 @@ def inference(
             write_output_file,
         )
         from kvforge.runtime.lora import resolve_adapter_path
-        from kvforge.runtime.ort_runner import set_ort_logging
+        from kvforge.runtime.ort_backend import set_ort_logging
 
         set_ort_logging(debug)
         if not 0 <= warmup <= MAX_WARMUP:

@@ -13,7 +13,8 @@ from kvforge.contract.engine_dir import EMBEDDING_FILE, EMBEDDING_TENSOR, Engine
 from kvforge.contract.errors import InvalidConfig, PoolTooSmall
 from kvforge.contract.paging import pages_for
 from kvforge.contract.safetensors_map import map_tensor
-from kvforge.runtime.backends import load_runner
+from kvforge.runtime.backend import Backend
+from kvforge.runtime.backends import load_backend
 from kvforge.runtime.context_cache.manager import ContextCacheManager
 from kvforge.runtime.engine_config import (  # noqa: F401 - EngineConfig and the budget helper are re-exported
     EngineConfig,
@@ -24,10 +25,9 @@ from kvforge.runtime.engine_config import (  # noqa: F401 - EngineConfig and the
 from kvforge.runtime.engine_core import EngineCore, EngineStats
 from kvforge.runtime.inputs import InputProcessor, check_prompt_length
 from kvforge.runtime.lora import LoraRegistry, lora_input_shapes
-from kvforge.runtime.model_runner import ModelRunner
+from kvforge.runtime.model_executor import ModelExecutor
 from kvforge.runtime.output import OutputProcessor, RequestOutput
 from kvforge.runtime.profile import Profiler
-from kvforge.runtime.runner import EngineRunner
 from kvforge.runtime.sampling import Sampler
 from kvforge.runtime.scheduler import Scheduler
 from kvforge.runtime.sequence import EngineRequest, Sequence, Status
@@ -39,10 +39,10 @@ from kvforge.runtime.types import Deployment
 
 class Engine:
     def __init__(self, engine_dir: Path | str, config: EngineConfig = EngineConfig(),
-                 runner: EngineRunner | None = None, profiler: Profiler | None = None, *,
+                 backend: Backend | None = None, profiler: Profiler | None = None, *,
                  num_pages: int | None = None) -> None:
         """Build every part from the engine dir and `config`, each with its collaborators as arguments (nothing is
-        completed afterwards). `runner`: a backend to reuse instead of loading one; `profiler`: the server's;
+        completed afterwards). `backend`: one to reuse instead of loading one; `profiler`: the server's;
         `num_pages`: run on fewer KV pages than the build allocated (tests force waiting and eviction with it)."""
         self.config = config
         self.engine_dir: EngineDir = load_engine_dir(Path(engine_dir))
@@ -53,19 +53,19 @@ class Engine:
 
         self.profiler = profiler or Profiler()
         embedding = map_tensor(self.engine_dir.file(EMBEDDING_FILE), EMBEDDING_TENSOR)  # rows paged in as looked up
-        self.runner = runner or load_runner(self.engine_dir, config.num_threads, embedding)
-        self.states = self.runner.states
+        self.backend = backend or load_backend(self.engine_dir, config.num_threads, embedding)
+        self.states = self.backend.states
         if (self.states is None) != (self.deployment is Deployment.VANILLA):
             raise InvalidConfig(f"config.json says {self.deployment.name.lower()} layers but the engine's graph "
                                 f"{'has no' if self.states is None else 'has'} recurrent states; rebuild it with "
                                 "llm_build", "engine_dir")
         partial, recurrent = resolved.partial_kv_snapshot_slots, resolved.recurrent_snapshot_slots
-        self.snapshots = PartialKVSnapshotStore(self.runner.pool, partial) if partial else None
-        self.recurrent_snapshots = RecurrentSnapshotStore(self.states, recurrent) \
+        self.partial_store = PartialKVSnapshotStore(self.backend.kv_store, partial) if partial else None
+        self.recurrent_store = RecurrentSnapshotStore(self.states, recurrent) \
             if self.states is not None and recurrent else None
-        self.system_prompts = SystemPromptCache(self.runner.pool)
-        self.state = StateManager(tokens_per_page=build.tokens_per_page, states=self.states, partial=self.snapshots,
-                                  recurrent=self.recurrent_snapshots, system_prompts=self.system_prompts,
+        self.system_prompts = SystemPromptCache(self.backend.kv_store)
+        self.state = StateManager(tokens_per_page=build.tokens_per_page, states=self.states, partial=self.partial_store,
+                                  recurrent=self.recurrent_store, system_prompts=self.system_prompts,
                                   checkpoints=resolved.checkpoints)
         self.cache = ContextCacheManager(resolved.num_pages, build.tokens_per_page,
                                          enabled=config.enable_context_reuse,
@@ -83,7 +83,7 @@ class Engine:
                                      self.engine_dir.model.vocab_size, multimodal=self.multimodal,
                                      message_boundaries=resolved.checkpoints.enabled
                                      and config.snapshot_message_boundaries)
-        self.model_runner = ModelRunner(self.runner, embedding, lora_input_shapes(self.engine_dir),
+        self.executor = ModelExecutor(self.backend, embedding, lora_input_shapes(self.engine_dir),
                                         self.state.rows if self.states is not None else None)
         self.outputs = OutputProcessor(self.tokenizer, frozenset(self.engine_dir.model.eos_token_ids),
                                        build.max_kv_cache_capacity)
@@ -91,7 +91,7 @@ class Engine:
                                    max_num_tokens=resolved.max_num_tokens,
                                    prefill_chunk_tokens=resolved.prefill_chunk_tokens,
                                    max_seq_tokens=build.max_kv_cache_capacity)
-        self.core = EngineCore(self.scheduler, self.model_runner, self.outputs, self.profiler)
+        self.core = EngineCore(self.scheduler, self.executor, self.outputs, self.profiler)
         self._ids = itertools.count()
         self._arrivals = itertools.count()
 
@@ -100,7 +100,7 @@ class Engine:
     def load_adapters(self, available_lora_weights: dict[str, str], base_dir: Path | None = None) -> None:
         """Load named adapters; each is identified by its weights' digest, not its name."""
         self.loras.load(available_lora_weights, base_dir)
-        self.model_runner.forget_adapters()
+        self.executor.forget_adapters()
 
     def add_request(self, request: EngineRequest, request_id: str | None = None) -> str:
         """Queue a request; it runs from the next step on. Returns its id."""
@@ -138,7 +138,7 @@ class Engine:
 
     @property
     def kv_pool_bytes(self) -> int:
-        return int(self.runner.pool.nbytes)
+        return int(self.backend.kv_store.nbytes)
 
     def stats(self) -> EngineStats:
         """Queue depths, pool occupancy and counters at this moment, for servers and benchmarks."""

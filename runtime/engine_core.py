@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvforge.runtime.model_runner import BatchOutput
+from kvforge.runtime.model_executor import BatchOutput
 from kvforge.runtime.output import OutputProcessor, RequestOutput
 from kvforge.runtime.profile import GENERATION_STAGE, PREFILL_STAGE, Profiler
 from kvforge.runtime.sampling import SampleResult, accept_tokens
@@ -19,7 +19,7 @@ from kvforge.runtime.sequence import Sequence
 
 
 class StepExecutor(Protocol):
-    """Computes a step's scheduled rows (ModelRunner over a backend, or a test's fake)."""
+    """Computes a step's scheduled rows (ModelExecutor over a backend, or a test's fake)."""
 
     def run(self, rows: list[ScheduledRow]) -> BatchOutput: ...
 

@@ -16,9 +16,9 @@ import numpy as np
 from kvforge.contract.engine_dir import EMBEDDING_FILE, EMBEDDING_TENSOR, load_engine_dir
 from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.safetensors_map import map_tensor
+from kvforge.runtime.backend import ForwardOutput, StepInputs
 from kvforge.runtime.engine import Engine, EngineConfig
-from kvforge.runtime.ort_runner import OrtEngineRunner
-from kvforge.runtime.runner import ForwardOutput, StepInputs
+from kvforge.runtime.ort_backend import OrtBackend
 from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.types import SamplingParams
 
@@ -28,28 +28,28 @@ PHASES = ("prefill", "decode")
 @dataclass(slots=True)
 class _Call:
     tokens: int  # new tokens in the call (the widest row)
-    forward_s: float  # OrtEngineRunner.forward: binding, page table, ONNX Runtime, K/V scatter
+    forward_s: float  # OrtBackend.forward: binding, page table, ONNX Runtime, K/V scatter
     step_s: float = 0.0  # the Engine.step that made the call: + scheduling, embedding lookup, sampling
     ort_us: float = 0.0  # ONNX Runtime's model_run
     ops_us: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     nodes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
 
-class _TimedRunner:
-    """Records each forward call's width and wall time around the real runner."""
+class _TimedBackend:
+    """Records each forward call's width and wall time around the real backend."""
 
-    def __init__(self, runner: OrtEngineRunner) -> None:
-        self.runner, self.calls = runner, []
-        self.pool = runner.pool
+    def __init__(self, inner: OrtBackend) -> None:
+        self.inner, self.calls = inner, []
+        self.kv_store = inner.kv_store
 
     def forward(self, step: StepInputs) -> ForwardOutput:
         start = time.perf_counter()
-        output = self.runner.forward(step)
+        output = self.inner.forward(step)
         self.calls.append(_Call(int(step.context_lengths.max()), time.perf_counter() - start))
         return output
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.runner, name)
+        return getattr(self.inner, name)
 
 
 def profile_ops(engine_dir: Path, prompt_tokens: int = 512, decode_tokens: int = 32,
@@ -66,20 +66,20 @@ def profile_ops(engine_dir: Path, prompt_tokens: int = 512, decode_tokens: int =
                             "--profilePromptTokens")
     embedding = map_tensor(engine.file(EMBEDDING_FILE), EMBEDDING_TENSOR)
     with tempfile.TemporaryDirectory(prefix="kvforge-ops-") as tmp:
-        runner = _TimedRunner(OrtEngineRunner(engine, num_threads, embedding, profile_prefix=f"{tmp}/ort"))
-        llm = Engine(engine_dir, EngineConfig(num_threads=num_threads, prefill_chunk_size=0), runner=runner)
+        backend = _TimedBackend(OrtBackend(engine, num_threads, embedding, profile_prefix=f"{tmp}/ort"))
+        llm = Engine(engine_dir, EngineConfig(num_threads=num_threads, prefill_chunk_size=0), backend=backend)
         vocab = engine.model.vocab_size
         prompt = ((np.arange(prompt_tokens) * 7919) % max(vocab - 512, 1) + 256).tolist()  # ordinary tokens
         budget = min(decode_tokens + 1, engine.build.max_kv_cache_capacity - prompt_tokens)
         llm.add_request(EngineRequest(prompt, SamplingParams(temperature=0.0, max_generate_length=max(budget, 1))))
         while llm.has_unfinished():
-            before, start = len(runner.calls), time.perf_counter()
+            before, start = len(backend.calls), time.perf_counter()
             llm.step()
-            for call in runner.calls[before:]:
-                call.step_s = (time.perf_counter() - start) / (len(runner.calls) - before)
-        trace = json.loads(Path(runner.runner.session.end_profiling()).read_text())
-    _attribute(trace, runner.calls)
-    return _summary(runner.calls, top, prompt_tokens)
+            for call in backend.calls[before:]:
+                call.step_s = (time.perf_counter() - start) / (len(backend.calls) - before)
+        trace = json.loads(Path(backend.inner.session.end_profiling()).read_text())
+    _attribute(trace, backend.calls)
+    return _summary(backend.calls, top, prompt_tokens)
 
 
 def _attribute(trace: list[dict[str, Any]], calls: list[_Call]) -> None:

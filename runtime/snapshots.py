@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvforge.runtime.backend import KVStorage
 from kvforge.runtime.recurrent_state import RecurrentStates
-from kvforge.runtime.runner import KVStorage
 
 
 class PartialKVSnapshotStore:

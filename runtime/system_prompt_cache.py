@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvforge.runtime.runner import KVStorage
+from kvforge.runtime.backend import KVStorage
 
 log = logging.getLogger("kvforge.system_prompt_cache")
 

@@ -7,23 +7,23 @@ from typing import Any
 
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.lora import LORA_TARGETS
+from kvforge.runtime.backend import Backend
 from kvforge.runtime.engine import Engine, EngineConfig
-from kvforge.runtime.file_runner import Scheduling, prepare_requests, run_request_file
+from kvforge.runtime.file_loop import Scheduling, prepare_requests, run_request_file
 from kvforge.runtime.request_file import parse_request_file
-from kvforge.runtime.runner import EngineRunner
 from kvforge.tools.export.lora import write_converted_adapter, write_random_peft_adapter
 from kvforge.tools.export.source import LoadedModel
 from kvforge.tools.export.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir
 
 
-def make_engine(engine_dir: Path, runner: EngineRunner | None = None, *, reuse: bool = False,
+def make_engine(engine_dir: Path, runner: Backend | None = None, *, reuse: bool = False,
                 num_pages: int | None = None, **config: Any) -> Engine:
     """Engines may share a runner one after another (a fresh cache treats every page as free and pages are
     written before they are read), never interleaved: a warm cache needs its pages left alone. `num_pages` runs
     on the first pages only, to force waiting, eviction, preemption and snapshot pressure."""
     return Engine(engine_dir, EngineConfig(num_threads=config.pop("num_threads", 2), enable_context_reuse=reuse,
-                                           **config), runner=runner, num_pages=num_pages)
+                                           **config), backend=runner, num_pages=num_pages)
 
 
 def run_file(engine: Engine, data: dict, scheduling: Scheduling = Scheduling.STATIC,
@@ -42,7 +42,7 @@ def assert_idle(engine: Engine) -> None:
     cached_pages = {p for r in cache.records.least_recent_first() for p in r.page_ids}
     assert cache.pages.num_free == cache.pages.capacity - len(cached_pages)  # nothing leaked
     snapshots = [r.partial_slot for r in cache.records.least_recent_first() if r.partial_slot is not None]
-    assert cache.snapshots.num_free == cache.snapshots.capacity - len(snapshots)
+    assert cache.partial_snapshots.num_free == cache.partial_snapshots.capacity - len(snapshots)
 
 
 def top1_ids(response: dict) -> list[int]:

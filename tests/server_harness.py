@@ -18,12 +18,12 @@ from typing import Any, TypeVar
 
 import uvicorn
 from engine_driver import assert_idle
+from support.backends import FlakyBackend
 
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.engine_dir import load_engine_dir
-from kvforge.runtime.backends import load_runner
+from kvforge.runtime.backends import load_backend
 from kvforge.runtime.engine import Engine, EngineConfig
-from kvforge.runtime.runner import EngineRunner, StepInputs
 from kvforge.server.app import create_app
 from kvforge.server.cli import bind_socket
 from kvforge.server.handle import ServerState
@@ -74,21 +74,6 @@ class LiveServer:
         assert not self.thread.is_alive(), "the server did not stop"
 
 
-class FlakyBackend:
-    """The engine's backend, which raises on its next call once told to (`engine.runner.fail_next = True`): fault
-    injection through the object the engine was built with, not by swapping its parts."""
-
-    def __init__(self, inner: EngineRunner) -> None:
-        self.inner, self.fail_next = inner, False
-        self.pool, self.states = inner.pool, inner.states
-
-    def forward(self, step: StepInputs) -> Any:
-        if self.fail_next:
-            self.fail_next = False
-            raise RuntimeError("simulated engine failure")
-        return self.inner.forward(step)
-
-
 @contextmanager
 def live_server(engine_dir: Path, tmp_path: Path, *, reuse: bool = True, api_keys: dict[str, str] | None = None,
                 max_queued_requests: int = 64, shutdown_timeout: float = 10.0,
@@ -99,8 +84,9 @@ def live_server(engine_dir: Path, tmp_path: Path, *, reuse: bool = True, api_key
         keys_file = tmp_path / "keys.json"
         keys_file.write_text(json.dumps(api_keys), encoding="utf-8")
     threads = config.pop("num_threads", 2)
-    backend = FlakyBackend(load_runner(load_engine_dir(engine_dir), threads))
-    engine = Engine(engine_dir, EngineConfig(num_threads=threads, enable_context_reuse=reuse, **config), runner=backend)
+    backend = FlakyBackend(load_backend(load_engine_dir(engine_dir), threads))
+    engine = Engine(engine_dir, EngineConfig(num_threads=threads, enable_context_reuse=reuse, **config),
+                    backend=backend)
     if lora_weights:
         engine.load_adapters(lora_weights)
     app = create_app(engine, load_tenants(keys_file, None), model_name=MODEL, max_queued_requests=max_queued_requests,

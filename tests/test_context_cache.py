@@ -386,9 +386,9 @@ def test_snapshot_extends_reuse_to_the_exact_token() -> None:
     second = acquire(manager, tokens(10) + [50, 51])
     assert (second.reuse_tokens, second.matched_tokens, second.restore_slot, second.restore_tokens) == (10, 10, slot, 2)
     assert second.page_ids[:2] == first.page_ids[:2] and second.page_ids[2] != first.page_ids[2]  # its own page
-    assert manager.snapshots.active[slot] == 1  # pinned until the engine copied it
+    assert manager.partial_snapshots.active[slot] == 1  # pinned until the engine copied it
     manager.finish_restore(second)
-    assert manager.snapshots.active[slot] == 0
+    assert manager.partial_snapshots.active[slot] == 0
     manager.release(second)
     profile = manager.profile()
     assert profile["hybrid"] == {"restores": 1, "snapshot_pressure_skips": 0, "capture_synchronizations": 1}
@@ -466,12 +466,12 @@ def test_released_lease_unpins_a_snapshot_it_never_restored() -> None:
     lease = acquire(manager, tokens(6) + [7])
     manager.release(lease)  # aborted before its first step
     manager.check_invariants()
-    assert manager.snapshots.active == [0] and manager.profile()["hybrid"]["restores"] == 0
+    assert manager.partial_snapshots.active == [0] and manager.profile()["hybrid"]["restores"] == 0
 
 
 def test_disabled_manager_has_no_snapshot_slots() -> None:
     manager = ContextCacheManager(4, T, enabled=False, partial_kv_snapshot_slots=3)
-    assert manager.snapshots.capacity == 0
+    assert manager.partial_snapshots.capacity == 0
 
 
 def test_a_full_input_rewind_announces_no_in_flight_page_that_is_indexed() -> None:

@@ -223,7 +223,7 @@ def test_bypass_and_disabled_never_look_up_or_capture() -> None:
 
 def test_pure_recurrent_leases_hold_no_pages_and_always_fit() -> None:
     m, fake = manager(PURE)
-    assert m.pages.capacity == 0 and m.fits_alone(10**6) and m.snapshots.capacity == 0
+    assert m.pages.capacity == 0 and m.fits_alone(10**6) and m.partial_snapshots.capacity == 0
     lease = fake.admit(tokens(50))
     assert lease.page_ids == [] and m.try_grow(lease, 10**6) and lease.page_ids == []
     m.index_computed(lease, tokens(50), 50)
@@ -310,7 +310,7 @@ def test_record_limit_evicts_checkpoints_and_their_slots(deployment: Deployment)
     m0, fake0 = manager(deployment, max_records=0)
     assert fake0.run(tokens(6))[1] == [PublishResult.COMMITTED]  # committed, then evicted at once
     assert len(m0.records) == 0 and m0.recurrent_snapshots.num_free == 8
-    assert m0.snapshots.num_free == m0.snapshots.capacity
+    assert m0.partial_snapshots.num_free == m0.partial_snapshots.capacity
 
 
 @both

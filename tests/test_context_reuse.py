@@ -14,7 +14,7 @@ from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.engine_dir import load_engine_dir
 from kvforge.contract.errors import KvforgeError
 from kvforge.runtime.engine import Engine
-from kvforge.runtime.ort_runner import OrtEngineRunner
+from kvforge.runtime.ort_backend import OrtBackend
 from kvforge.runtime.request_file import parse_request_file
 from kvforge.runtime.types import CommitPolicy, LookupPolicy
 from kvforge.tools.export.synthetic import synthetic_model
@@ -34,14 +34,14 @@ def engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runner(engine_dir: Path) -> OrtEngineRunner:
-    return OrtEngineRunner(load_engine_dir(engine_dir), num_threads=2)
+def runner(engine_dir: Path) -> OrtBackend:
+    return OrtBackend(load_engine_dir(engine_dir), num_threads=2)
 
 
 @pytest.fixture(scope="module")
-def cold_runner(engine_dir: Path) -> OrtEngineRunner:
+def cold_runner(engine_dir: Path) -> OrtBackend:
     """Cold references run on their own pool: sharing one would overwrite pages the warm cache holds."""
-    return OrtEngineRunner(load_engine_dir(engine_dir), num_threads=2)
+    return OrtBackend(load_engine_dir(engine_dir), num_threads=2)
 
 
 BYPASS, USE_CACHE = LookupPolicy.BYPASS.value, LookupPolicy.USE_CACHE.value
@@ -49,13 +49,13 @@ INCLUDING_GENERATED_TOKENS = CommitPolicy.INCLUDING_GENERATED_TOKENS.value
 PREFILL_STATE_ONLY = CommitPolicy.PREFILL_STATE_ONLY.value
 
 
-def make_runtime(engine_dir: Path, runner: OrtEngineRunner, reuse: bool = True, max_records: int = 1024,
+def make_runtime(engine_dir: Path, runner: OrtBackend, reuse: bool = True, max_records: int = 1024,
                  num_pages: int | None = None) -> Engine:
     return make_engine(engine_dir, runner, reuse=reuse, context_cache_max_records=max_records, num_pages=num_pages)
 
 
-def test_context_reuse_case_matches_cold(engine_dir: Path, runner: OrtEngineRunner,
-                                        cold_runner: OrtEngineRunner) -> None:
+def test_context_reuse_case_matches_cold(engine_dir: Path, runner: OrtBackend,
+                                        cold_runner: OrtBackend) -> None:
     data = json.loads((ROOT / "test_cases" / "llm_context_reuse.json").read_text())
     data["max_generate_length"] = 6
     warm_runtime = make_runtime(engine_dir, runner)
@@ -80,8 +80,8 @@ def chat(history: list[tuple[str, str]], logit_bias: dict[str, float]) -> dict:
             "requests": [{"messages": [{"role": r, "content": c} for r, c in history]}]}
 
 
-def test_multiturn_reuses_generated_tokens(engine_dir: Path, runner: OrtEngineRunner,
-                                          cold_runner: OrtEngineRunner) -> None:
+def test_multiturn_reuses_generated_tokens(engine_dir: Path, runner: OrtBackend,
+                                          cold_runner: OrtBackend) -> None:
     warm_runtime = make_runtime(engine_dir, runner)
     cold_runtime = make_runtime(engine_dir, cold_runner, reuse=False)
     history = [("system", "You answer briefly."), ("user", "Tell me a story about a lighthouse keeper.")]
@@ -100,7 +100,7 @@ def test_multiturn_reuses_generated_tokens(engine_dir: Path, runner: OrtEngineRu
         history += [("assistant", warm["output_text"]), ("user", f"And then what happened on day {turn + 2}?")]
 
 
-def test_salt_isolation(engine_dir: Path, runner: OrtEngineRunner) -> None:
+def test_salt_isolation(engine_dir: Path, runner: OrtBackend) -> None:
     runtime = make_runtime(engine_dir, runner)
     prompt = [{"role": "user", "content": "shared context " * 8}]
 
@@ -117,7 +117,7 @@ def test_salt_isolation(engine_dir: Path, runner: OrtEngineRunner) -> None:
     assert cached(None) > 0
 
 
-def test_bypass_and_prefill_state_only(engine_dir: Path, runner: OrtEngineRunner) -> None:
+def test_bypass_and_prefill_state_only(engine_dir: Path, runner: OrtBackend) -> None:
     runtime = make_runtime(engine_dir, runner)
     request = {"messages": [{"role": "user", "content": "x" * 40}]}
     base = {"temperature": 0.0, "max_generate_length": 30, "requests": [request]}
@@ -131,8 +131,8 @@ def test_bypass_and_prefill_state_only(engine_dir: Path, runner: OrtEngineRunner
     assert max(len(r.token_ids) for r in runtime.cache.records.least_recent_first()) > prompt_tokens // T * T
 
 
-def test_legacy_system_prompt_cache(engine_dir: Path, runner: OrtEngineRunner,
-                                    cold_runner: OrtEngineRunner) -> None:
+def test_legacy_system_prompt_cache(engine_dir: Path, runner: OrtBackend,
+                                    cold_runner: OrtBackend) -> None:
     system = {"role": "system", "content": "You are a careful assistant who checks every fact twice. " * 2}
 
     def data(question: str) -> dict:
@@ -170,8 +170,8 @@ COLD_OUTPUTS: dict[tuple, tuple] = {}
        lookup=st.sampled_from([USE_CACHE, USE_CACHE, BYPASS]),
        commit=st.sampled_from([INCLUDING_GENERATED_TOKENS, PREFILL_STATE_ONLY]),
        max_records=st.sampled_from([0, 1, 3, 1024]), pool_pages=st.sampled_from([16, 24, 64]))
-def test_random_streams_match_cold_and_keep_accounting(engine_dir: Path, runner: OrtEngineRunner,
-                                                       cold_runner: OrtEngineRunner, requests: list[dict],
+def test_random_streams_match_cold_and_keep_accounting(engine_dir: Path, runner: OrtBackend,
+                                                       cold_runner: OrtBackend, requests: list[dict],
                                                        batch_size: int, lookup: str,
                                                        commit: str, max_records: int, pool_pages: int) -> None:
     runtime = make_runtime(engine_dir, runner, max_records=max_records, num_pages=pool_pages)  # forces eviction

@@ -17,9 +17,9 @@ from kvforge.contract.engine_dir import load_engine_dir
 from kvforge.contract.errors import PoolTooSmall
 from kvforge.contract.geometry import partial_kv_bytes_per_slot
 from kvforge.runtime.engine import Engine
-from kvforge.runtime.file_runner import Scheduling
-from kvforge.runtime.model_runner import PADDING_SLACK_TOKENS, group_by_width
-from kvforge.runtime.ort_runner import OrtEngineRunner
+from kvforge.runtime.file_loop import Scheduling
+from kvforge.runtime.model_executor import PADDING_SLACK_TOKENS, group_by_width
+from kvforge.runtime.ort_backend import OrtBackend
 from kvforge.runtime.output import RequestOutput
 from kvforge.runtime.sequence import EngineRequest, Status
 from kvforge.runtime.types import SamplingParams
@@ -33,8 +33,8 @@ GREEDY = SamplingParams(temperature=0.0, num_logprobs=1)
 class Setup:
     engine_dir: Path  # LoRA-capable, long inputs: max_input_len 3072, capacity 3200, batch 4
     adapters: dict[str, Path]
-    runner: OrtEngineRunner  # for engines under test
-    cold_runner: OrtEngineRunner  # for cold references (never interleaved with a warm cache's pages)
+    runner: OrtBackend  # for engines under test
+    cold_runner: OrtBackend  # for cold references (never interleaved with a warm cache's pages)
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +44,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Setup:
         root, BuildOptions(max_input_len=3072, max_kv_cache_capacity=3200, max_batch_size=4, tokens_per_page=T,
                            max_lora_rank=8), "fp16", (("a", 1, 4), ("b", 2, 8)))
     engine = load_engine_dir(root / "engine")
-    return Setup(root / "engine", adapters, OrtEngineRunner(engine, num_threads=2),
-                 OrtEngineRunner(engine, num_threads=2))
+    return Setup(root / "engine", adapters, OrtBackend(engine, num_threads=2),
+                 OrtBackend(engine, num_threads=2))
 
 
 def request(engine: Engine, text: str, max_generate_length: int = 8, **fields: object) -> EngineRequest:

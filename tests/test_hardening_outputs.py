@@ -12,7 +12,7 @@ from hardening_support import HI, invoke, request_file, snapshot
 from kvforge.builder.cli import app as build_app
 from kvforge.contract.files import atomic_output, check_distinct, staged_dir
 from kvforge.runtime.cli import app as inference_app
-from kvforge.runtime.file_runner import write_output_file
+from kvforge.runtime.file_loop import write_output_file
 from kvforge.tools.export.cli import app as export_app
 
 

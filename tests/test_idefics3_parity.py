@@ -19,11 +19,12 @@ transformers = pytest.importorskip("transformers",
                                    reason="transformers parity needs transformers (pip install 'kvforge[dev]')")
 
 from PIL import Image  # noqa: E402
+from support.backends import RecordingBackend  # noqa: E402
 
 from kvforge.builder.build import BuildOptions, build_engine  # noqa: E402
 from kvforge.builder.encoder_build import build_encoder_engine  # noqa: E402
 from kvforge.runtime.engine import Engine, EngineConfig  # noqa: E402
-from kvforge.runtime.file_runner import prepare_requests  # noqa: E402
+from kvforge.runtime.file_loop import prepare_requests  # noqa: E402
 from kvforge.runtime.request_file import parse_request_file  # noqa: E402
 from kvforge.tools.export.idefics3_source import load_idefics3_dir, write_visual_onnx_dir  # noqa: E402
 from kvforge.tools.export.synthetic import IDEFICS3_SPECIAL_TOKENS, byte_level_tokenizer  # noqa: E402
@@ -86,21 +87,6 @@ def _reference_logits(checkpoint: Path, image: Path, tokens_per_image: int,
     return inputs["input_ids"][0].tolist(), logits
 
 
-class _CapturingRunner:
-    """Wraps the engine's ModelRunner to keep the logits of each call (the product loop stays in charge)."""
-
-    def __init__(self, inner) -> None:
-        self.inner, self.logits = inner, []
-
-    def run(self, rows):
-        out = self.inner.run(rows)
-        self.logits.append(out)
-        return out
-
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)
-
-
 @pytest.mark.parametrize(("preprocessor", "shape", "frames"), [(UNSPLIT, (37, 53), 1), (SPLIT, (30, 53), 7)],
                          ids=["unsplit", "split-2x3"])
 def test_idefics3_image_file_to_logits_matches_transformers(tmp_path: Path, preprocessor: dict,
@@ -115,8 +101,9 @@ def test_idefics3_image_file_to_logits_matches_transformers(tmp_path: Path, prep
     build_engine(tmp_path / "onnx", tmp_path / "engine",
                  BuildOptions(max_input_len=256, max_kv_cache_capacity=512, max_batch_size=1, tokens_per_page=16))
     build_encoder_engine(tmp_path / "onnx" / "visual", tmp_path / "visual", "auto", 4)
-    engine = Engine(tmp_path / "engine", EngineConfig(num_threads=2, multimodal_engine_dir=str(tmp_path / "visual")))
-    capture = engine.model_runner = _CapturingRunner(engine.model_runner)
+    capture = RecordingBackend.load(tmp_path / "engine")
+    engine = Engine(tmp_path / "engine", EngineConfig(num_threads=2, multimodal_engine_dir=str(tmp_path / "visual")),
+                    backend=capture)
     request_file = parse_request_file({"apply_chat_template": False, "top_k": 1, "max_generate_length": 1,
                                        "parse_special_tokens": True,  # the text parts are raw template markup
                                        "requests": [{"messages": [{"role": "user", "content": [
@@ -135,6 +122,6 @@ def test_idefics3_image_file_to_logits_matches_transformers(tmp_path: Path, prep
     assert len(span.embeds) == 9 * frames == ids.count(visual.config.image_token_id)
     image_positions = [i for i, t in enumerate(ids) if t == visual.config.image_token_id]
     assert (span.start, span.end) == (image_positions[0], image_positions[-1] + 1)  # the span holds every tile
-    logits = capture.logits[-1].logits[0][0]  # the last call's first row, its one sampled position
+    logits = capture.logits[-1][0]  # the last call's one sampled position
     assert np.abs(logits - reference).max() <= TOL * max(1.0, np.abs(reference).max())
     assert int(np.argmax(logits)) == int(np.argmax(reference))

@@ -15,7 +15,7 @@ from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.builder.encoder_build import build_encoder_engine
 from kvforge.contract.multimodal import ImagePreprocessing
 from kvforge.runtime.engine import Engine, EngineConfig
-from kvforge.runtime.file_runner import prepare_requests
+from kvforge.runtime.file_loop import prepare_requests
 from kvforge.runtime.multimodal.image import idefics3_pixel_values, idefics3_tile_grid
 from kvforge.runtime.request_file import parse_request_file
 from kvforge.tools.export.idefics3_source import write_visual_onnx_dir

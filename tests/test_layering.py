@@ -403,13 +403,13 @@ def test_checker_keeps_the_cache_core_free_of_runners() -> None:
         "import onnxruntime as ort",  # 4 backend
         "def f():",
         "    from kvforge.runtime.engine import Engine",  # 6 the loop
-        "    from kvforge.runtime import ort_runner",  # 7 a runner
+        "    from kvforge.runtime import ort_backend",  # 7 a runner
         "    import tensorrt",  # 8 backend
     ])
     violations = check_source(source, "kvforge.runtime.context_cache.manager", "runtime/context_cache/manager.py",
-                              known={"kvforge.runtime.engine", "kvforge.runtime.ort_runner"})
+                              known={"kvforge.runtime.engine", "kvforge.runtime.ort_backend"})
     assert [(v.line, v.imported) for v in violations] == [
-        (4, "onnxruntime"), (6, "kvforge.runtime.engine"), (7, "kvforge.runtime.ort_runner"), (8, "tensorrt")]
+        (4, "onnxruntime"), (6, "kvforge.runtime.engine"), (7, "kvforge.runtime.ort_backend"), (8, "tensorrt")]
     message = _report(violations)
     assert ("runtime/context_cache/manager.py:6: kvforge.runtime.context_cache.manager → kvforge.runtime.engine: "
             "the cache core") in message

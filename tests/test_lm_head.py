@@ -12,9 +12,9 @@ from numpy_llama import dense_logits
 
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.engine_dir import TIED_HEAD_INPUT
+from kvforge.runtime.backend import StepInputs
 from kvforge.runtime.context_cache.manager import Admission
 from kvforge.runtime.engine import Engine, EngineConfig
-from kvforge.runtime.runner import StepInputs
 from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.types import SamplingParams
 from kvforge.tools.export.quantize import EMBEDDING, LM_HEAD, set_accuracy_level
@@ -39,8 +39,8 @@ def _logits(engine: Engine, ids: list[int]) -> np.ndarray:
     lease = engine.cache.try_acquire(Admission(ids))
     assert lease is not None
     try:
-        embeds = engine.model_runner.embedding[ids][None]
-        return engine.runner.forward(StepInputs(embeds, np.array([len(ids)], np.int32), np.zeros(1, np.int32),
+        embeds = engine.executor.embedding[ids][None]
+        return engine.backend.forward(StepInputs(embeds, np.array([len(ids)], np.int32), np.zeros(1, np.int32),
                                                 [lease.page_ids])).logits[0]
     finally:
         engine.cache.release(lease)

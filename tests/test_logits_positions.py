@@ -29,10 +29,10 @@ from kvforge.contract.errors import InvalidConfig, KvforgeError
 from kvforge.contract.manifest import ENGINE_KIND, write_manifest
 from kvforge.contract.safetensors_map import map_tensor
 from kvforge.graph.onnx_graph import INT64, GraphWriter, value_info
-from kvforge.runtime.model_runner import BatchOutput, ModelRunner
-from kvforge.runtime.ort_runner import OrtEngineRunner
+from kvforge.runtime.backend import StepInputs
+from kvforge.runtime.model_executor import BatchOutput, ModelExecutor
+from kvforge.runtime.ort_backend import OrtBackend
 from kvforge.runtime.recurrent_state import RecurrentStates
-from kvforge.runtime.runner import StepInputs
 from kvforge.runtime.scheduler import ScheduledRow
 from kvforge.tools.export.cli import parse_layer_ids
 from kvforge.tools.export.synthetic import synthetic_model
@@ -51,7 +51,7 @@ HIDDEN, VOCAB = 64, 259  # every tiny model's
 
 
 @dataclass
-class _Lease:  # what ModelRunner reads of a lease (hashable by identity, as the engine's are)
+class _Lease:  # what ModelExecutor reads of a lease (hashable by identity, as the engine's are)
     page_ids: list[int]
     __hash__ = object.__hash__
 
@@ -63,7 +63,7 @@ class _Request:
 
 
 @dataclass
-class _Seq:  # the fields ModelRunner reads of a Sequence
+class _Seq:  # the fields ModelExecutor reads of a Sequence
     tokens: list[int]
     lease: _Lease
     num_computed_tokens: int = 0
@@ -75,8 +75,8 @@ class _Seq:  # the fields ModelRunner reads of a Sequence
 
 @dataclass
 class _Model:
-    runner: OrtEngineRunner
-    model_runner: ModelRunner
+    runner: OrtBackend
+    executor: ModelExecutor
     weights: dict[str, np.ndarray]
     name: str
     seqs: list[_Seq] = field(default_factory=list)
@@ -84,21 +84,21 @@ class _Model:
     def new_seq(self, tokens: list[int]) -> _Seq:
         first = 4 * len(self.seqs)  # 64 positions each; a test runs at most 4 (the batch size: state rows)
         seq = _Seq(list(tokens), _Lease(list(range(first, first + 4))))
-        if self.model_runner.state_rows is not None:
-            self.model_runner.state_rows[seq.lease] = self.runner.states.allocate()  # type: ignore[union-attr]
+        if self.executor.state_rows is not None:
+            self.executor.state_rows[seq.lease] = self.runner.states.allocate()  # type: ignore[union-attr]
         self.seqs.append(seq)
         return seq
 
     def release(self) -> None:
-        if self.model_runner.state_rows is not None:
+        if self.executor.state_rows is not None:
             for seq in self.seqs:
-                self.runner.states.free(self.model_runner.state_rows.pop(seq.lease))  # type: ignore[union-attr]
+                self.runner.states.free(self.executor.state_rows.pop(seq.lease))  # type: ignore[union-attr]
         self.seqs.clear()
 
     def run(self, *rows: tuple[_Seq, int, list[int]]) -> BatchOutput:
-        """One ModelRunner.run over (seq, pending tokens, drafts) rows; pending tokens then count as computed."""
+        """One ModelExecutor.run over (seq, pending tokens, drafts) rows; pending tokens then count as computed."""
         scheduled = [ScheduledRow(seq, n, n > 1, list(drafts)) for seq, n, drafts in rows]  # type: ignore[arg-type]
-        out = self.model_runner.run(scheduled)
+        out = self.executor.run(scheduled)
         for seq, n, _ in rows:
             seq.num_computed_tokens += n
         return out
@@ -117,10 +117,10 @@ def built(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     if path == "kernel" and not cpu_kernel_on():
         pytest.skip("the kvforge CPU kernel is off or cannot be built here")
     engine = load_engine_dir(_engine(tmp_path_factory.mktemp(f"{name}-{path}"), name, path))
-    runner = OrtEngineRunner(engine, num_threads=2)
+    runner = OrtBackend(engine, num_threads=2)
     embedding = map_tensor(engine.file(EMBEDDING_FILE), EMBEDDING_TENSOR)
     state_rows = {} if runner.states is not None else None
-    return _Model(runner, ModelRunner(runner, embedding, {}, state_rows), synthetic_model(name, "fp32").weights,
+    return _Model(runner, ModelExecutor(runner, embedding, {}, state_rows), synthetic_model(name, "fp32").weights,
                   name)
 
 
@@ -187,7 +187,7 @@ def test_a_recurrent_row_rolls_back_to_its_state_before_the_drafts(model: _Model
     expected_logits, _ = _one_at_a_time(model, [SAMPLED, *DRAFTS])
     seq = model.new_seq(PROMPT)
     model.run((seq, len(PROMPT), []))
-    row = model.model_runner.state_rows[seq.lease]  # type: ignore[index]
+    row = model.executor.state_rows[seq.lease]  # type: ignore[index]
     before = [s.copy() for s in states.read(row)]
     seq.tokens.append(SAMPLED)
     states.save([row])  # what the scheduler's state manager does when it schedules a row with drafts
@@ -272,7 +272,7 @@ def test_hidden_state_layers_flag_parses_a_comma_list() -> None:
 
 
 def test_no_hidden_state_layers_means_no_output(tiny_engine_dir: Path) -> None:
-    runner = OrtEngineRunner(load_engine_dir(tiny_engine_dir), num_threads=2)
+    runner = OrtBackend(load_engine_dir(tiny_engine_dir), num_threads=2)
     embeds = np.ones((1, 3, HIDDEN), np.float32)
     out = runner.forward(StepInputs(embeds, np.array([3], np.int32), np.zeros(1, np.int32), [[0]]))
     assert out.logits.shape == (1, VOCAB) and out.hidden_states is None
@@ -311,8 +311,8 @@ def legacy_copy(directory: Path, target: Path, kind: str = ENGINE_KIND) -> Path:
 
 def test_an_engine_from_before_logits_indices_decodes_and_refuses_verify_calls(tiny_engine_dir: Path,
                                                                                  tmp_path: Path) -> None:
-    legacy = OrtEngineRunner(load_engine_dir(legacy_copy(tiny_engine_dir, tmp_path / "legacy")), num_threads=2)
-    current = OrtEngineRunner(load_engine_dir(tiny_engine_dir), num_threads=2)
+    legacy = OrtBackend(load_engine_dir(legacy_copy(tiny_engine_dir, tmp_path / "legacy")), num_threads=2)
+    current = OrtBackend(load_engine_dir(tiny_engine_dir), num_threads=2)
     embeds = np.random.default_rng(0).standard_normal((2, 5, HIDDEN)).astype(np.float32)
 
     def step(indices: np.ndarray | None = None) -> StepInputs:

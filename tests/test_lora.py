@@ -235,12 +235,12 @@ def test_matches_transformers_with_peft(tmp_path: Path) -> None:
                                                                       max_lora_rank=4))
     write_converted_adapter(tmp_path / "peft", tmp_path / "onnx", tmp_path / "adapter.safetensors")
     from kvforge.contract.engine_dir import load_engine_dir
+    from kvforge.runtime.backend import StepInputs
     from kvforge.runtime.lora import load_adapter, lora_input_shapes, stack_adapters
-    from kvforge.runtime.ort_runner import OrtEngineRunner
-    from kvforge.runtime.runner import StepInputs
+    from kvforge.runtime.ort_backend import OrtBackend
     engine = load_engine_dir(tmp_path / "engine")
     adapter = load_adapter("p", tmp_path / "adapter.safetensors", engine, "test")
-    runner = OrtEngineRunner(engine, num_threads=2)
+    runner = OrtBackend(engine, num_threads=2)
     ids = torch.randint(0, 128, (1, 24))
     with torch.no_grad():
         expected = model(input_ids=ids).logits[0].numpy()

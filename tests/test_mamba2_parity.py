@@ -13,7 +13,7 @@ import onnxruntime as ort
 import pytest
 
 from kvforge.builder.lower_recurrent import lower_recurrent_ops
-from kvforge.runtime.runner import last_token_indices
+from kvforge.runtime.backend import last_token_indices
 from kvforge.tools.export.mamba2_graph import Mamba2Geometry, build_mamba2_graph, conv_state_name, recurrent_state_name
 
 torch = pytest.importorskip("torch")

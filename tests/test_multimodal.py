@@ -18,7 +18,7 @@ from kvforge.contract.errors import KvforgeError
 from kvforge.runtime.context_cache.keys import KeyExtras, MediaKey, page_keys
 from kvforge.runtime.context_cache.planner import plan_reuse
 from kvforge.runtime.engine import Engine, EngineConfig
-from kvforge.runtime.file_runner import Scheduling
+from kvforge.runtime.file_loop import Scheduling
 from kvforge.runtime.multimodal.encoder_cache import EncoderCache
 from kvforge.runtime.multimodal.image import media_digest
 from kvforge.tools.export.idefics3_source import write_visual_onnx_dir

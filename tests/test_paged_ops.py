@@ -20,7 +20,7 @@ from kvforge.plugins.reference import (
     rope_table,
     to_storage,
 )
-from kvforge.runtime.kv_pool import KVPool
+from kvforge.runtime.kv_store import KVStore
 from kvforge.tools.export.llama_graph import POOL_ELEM_TYPES, rope_inputs
 
 
@@ -106,7 +106,7 @@ def test_lowering_matches_reference(case: tuple, seed: int, cpu_kernel: bool) ->
         np.testing.assert_allclose(attention[b, :lengths[b]], expected[b, :lengths[b]], atol=2e-5, rtol=1e-5)
 
     # The runtime's scatter of the returned rows reproduces the reference pool exactly.
-    kv_pool = KVPool(1, num_pages, num_kv, tokens_per_page, head_dim, kv_dtype)
+    kv_pool = KVStore(1, num_pages, num_kv, tokens_per_page, head_dim, kv_dtype)
     kv_pool.layers[0][...] = pool
     rows = [(b, i) for b in range(batch) for i in range(lengths[b])]
     positions = np.array([starts[b] + i for b, i in rows])

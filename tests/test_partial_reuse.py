@@ -15,8 +15,8 @@ from kvforge.contract.engine_dir import load_engine_dir
 from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.geometry import partial_kv_bytes_per_slot
 from kvforge.runtime.engine import Engine
-from kvforge.runtime.kv_pool import KVPool
-from kvforge.runtime.ort_runner import OrtEngineRunner
+from kvforge.runtime.kv_store import KVStore
+from kvforge.runtime.ort_backend import OrtBackend
 from kvforge.runtime.snapshots import PartialKVSnapshotStore
 from kvforge.runtime.types import SamplingParams
 from kvforge.tools.export.synthetic import synthetic_model
@@ -37,13 +37,13 @@ def engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runner(engine_dir: Path) -> OrtEngineRunner:
-    return OrtEngineRunner(load_engine_dir(engine_dir), num_threads=2)
+def runner(engine_dir: Path) -> OrtBackend:
+    return OrtBackend(load_engine_dir(engine_dir), num_threads=2)
 
 
 @pytest.fixture(scope="module")
-def cold_runner(engine_dir: Path) -> OrtEngineRunner:
-    return OrtEngineRunner(load_engine_dir(engine_dir), num_threads=2)
+def cold_runner(engine_dir: Path) -> OrtBackend:
+    return OrtBackend(load_engine_dir(engine_dir), num_threads=2)
 
 
 def slot_bytes(engine_dir: Path) -> int:
@@ -53,7 +53,7 @@ def slot_bytes(engine_dir: Path) -> int:
                                      engine.build.tokens_per_page, model.kv_cache_dtype)
 
 
-def warm_engine(engine_dir: Path, runner: OrtEngineRunner, slots: int = SLOTS, **config: object) -> Engine:
+def warm_engine(engine_dir: Path, runner: OrtBackend, slots: int = SLOTS, **config: object) -> Engine:
     budget = slots * slot_bytes(engine_dir) + slot_bytes(engine_dir) // 2  # a budget's remainder stays unused
     return make_engine(engine_dir, runner, reuse=True, context_cache_partial_kv_snapshot_pool_bytes=budget,
                        **config)  # type: ignore[arg-type]
@@ -77,8 +77,8 @@ def prompt_ids(engine: Engine, data: dict) -> list[list[int]]:
 
 # --- reuse is invisible and token-exact ----------------------------------------------------------------
 
-def test_fixture_matches_cold_and_reuses_to_the_exact_token(engine_dir: Path, runner: OrtEngineRunner,
-                                                            cold_runner: OrtEngineRunner) -> None:
+def test_fixture_matches_cold_and_reuses_to_the_exact_token(engine_dir: Path, runner: OrtBackend,
+                                                            cold_runner: OrtBackend) -> None:
     data = fixture_data()
     warm = warm_engine(engine_dir, runner)
     responses = run_file(warm, data)
@@ -106,8 +106,8 @@ def test_fixture_matches_cold_and_reuses_to_the_exact_token(engine_dir: Path, ru
     assert warm.profile()["prefill"]["computed_tokens"] < pages_only.profile()["prefill"]["computed_tokens"]
 
 
-def test_prompts_shorter_than_two_pages_reuse_their_cached_prefix(engine_dir: Path, runner: OrtEngineRunner,
-                                                                  cold_runner: OrtEngineRunner) -> None:
+def test_prompts_shorter_than_two_pages_reuse_their_cached_prefix(engine_dir: Path, runner: OrtBackend,
+                                                                  cold_runner: OrtBackend) -> None:
     first, second = "Hi, Ada!", "Hi, Ada! How are you?"  # 8 and 21 tokens: no full page to share at all
     data = {"temperature": 0.0, "num_logprobs": 1, "max_generate_length": 5, "apply_chat_template": False,
             "context_cache_commit_policy": "prefill_state_only",
@@ -122,8 +122,8 @@ def test_prompts_shorter_than_two_pages_reuse_their_cached_prefix(engine_dir: Pa
     assert pages_only.profile()["prefill"]["reused_tokens"] == 0  # what page-granular reuse gives here
 
 
-def test_decode_end_snapshot_serves_the_next_turn(engine_dir: Path, runner: OrtEngineRunner,
-                                                  cold_runner: OrtEngineRunner) -> None:
+def test_decode_end_snapshot_serves_the_next_turn(engine_dir: Path, runner: OrtBackend,
+                                                  cold_runner: OrtBackend) -> None:
     """The decode-end record (prompt + answer) keeps its tail too: feeding the answer back hits past it."""
     warm = warm_engine(engine_dir, runner)
     base = {"temperature": 0.0, "num_logprobs": 1, "max_generate_length": 7, "apply_chat_template": False,
@@ -142,7 +142,7 @@ def test_decode_end_snapshot_serves_the_next_turn(engine_dir: Path, runner: OrtE
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp16", "fp8", "fp32"])
 def test_snapshot_is_byte_exact_after_restore(kv_cache_dtype: str) -> None:
-    pool = KVPool(num_layers=3, num_pages=4, num_kv_heads=2, tokens_per_page=T, head_dim=8,
+    pool = KVStore(num_layers=3, num_pages=4, num_kv_heads=2, tokens_per_page=T, head_dim=8,
                   kv_cache_dtype=kv_cache_dtype)
     rng = np.random.default_rng(0)
     for layer in pool.layers:
@@ -159,7 +159,7 @@ def test_snapshot_is_byte_exact_after_restore(kv_cache_dtype: str) -> None:
         assert layer[3].tobytes() == page.tobytes()
 
 
-def test_restored_page_holds_the_snapshot_tokens(engine_dir: Path, runner: OrtEngineRunner) -> None:
+def test_restored_page_holds_the_snapshot_tokens(engine_dir: Path, runner: OrtBackend) -> None:
     warm = warm_engine(engine_dir, runner)
     prompt = "The lighthouse keeper counted ships: "  # 37 tokens: 2 pages + a 5-token tail
     data = {"temperature": 0.0, "max_generate_length": 2, "apply_chat_template": False,
@@ -176,14 +176,14 @@ def test_restored_page_holds_the_snapshot_tokens(engine_dir: Path, runner: OrtEn
     assert seq.reused_tokens == len(prompt)
     page = seq.lease.page_ids[len(prompt) // T]  # its own page: the record's pages hold none of its tokens
     assert page not in record.page_ids
-    for pool_page, slot in zip(warm.runner.pool.read_page(page), warm.snapshots.layers, strict=True):
+    for pool_page, slot in zip(warm.backend.kv_store.read_page(page), warm.partial_store.layers, strict=True):
         assert pool_page[:, :, :tail].tobytes() == slot[record.partial_slot][:, :, :tail].tobytes()
     while warm.has_unfinished():
         warm.step()
     assert_idle(warm)
 
 
-def test_eviction_frees_snapshot_slots_with_their_records(engine_dir: Path, runner: OrtEngineRunner) -> None:
+def test_eviction_frees_snapshot_slots_with_their_records(engine_dir: Path, runner: OrtBackend) -> None:
     warm = warm_engine(engine_dir, runner, slots=2, context_cache_max_records=3)
     data = {"temperature": 0.0, "max_generate_length": 3, "apply_chat_template": False,
             "requests": [{"messages": [{"role": "user", "content": f"{i}: " + "tide " * (3 + i)}]}
@@ -191,14 +191,14 @@ def test_eviction_frees_snapshot_slots_with_their_records(engine_dir: Path, runn
     run_file(warm, data)
     cache = warm.cache
     held = [r.partial_slot for r in cache.records.least_recent_first() if r.partial_slot is not None]
-    assert len(cache.records) <= 3 and cache.snapshots.num_free == 2 - len(held)
+    assert len(cache.records) <= 3 and cache.partial_snapshots.num_free == 2 - len(held)
     profile = warm.profile()["context_cache"]
     assert profile["reclaimed_resources"]["partial_kv_snapshots"] > 0
     assert profile["hybrid"]["capture_synchronizations"] > 2  # more captures than slots: slots came back
 
 
-def test_tight_snapshot_budget_skips_captures_and_stays_invisible(engine_dir: Path, runner: OrtEngineRunner,
-                                                                  cold_runner: OrtEngineRunner) -> None:
+def test_tight_snapshot_budget_skips_captures_and_stays_invisible(engine_dir: Path, runner: OrtBackend,
+                                                                  cold_runner: OrtBackend) -> None:
     data = fixture_data()
     warm = warm_engine(engine_dir, runner, slots=1, num_pages=80)  # the longest request needs 71 pages
     responses = run_file(warm, data)
@@ -209,7 +209,7 @@ def test_tight_snapshot_budget_skips_captures_and_stays_invisible(engine_dir: Pa
 
 # --- bad input -----------------------------------------------------------------------------------------
 
-def test_snapshot_budget_errors_name_the_setting(engine_dir: Path, runner: OrtEngineRunner) -> None:
+def test_snapshot_budget_errors_name_the_setting(engine_dir: Path, runner: OrtBackend) -> None:
     field = "context_cache_partial_kv_snapshot_pool_bytes"
     with pytest.raises(InvalidConfig) as info:
         make_engine(engine_dir, runner, reuse=False, context_cache_partial_kv_snapshot_pool_bytes=10**9)

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from kvforge.builder.build import BuildOptions, build_engine
+from kvforge.runtime.backend import StepInputs
 from kvforge.runtime.context_cache.manager import Admission
 from kvforge.runtime.engine import Engine, EngineConfig
-from kvforge.runtime.runner import StepInputs
 from kvforge.tools.export.quantize import linear_weight_names
 from kvforge.tools.export.quantize_model import quantize_linears
 from kvforge.tools.export.synthetic import synthetic_model
@@ -84,8 +84,8 @@ def test_one_token_calls_score_like_a_whole_prefix(tiny_engines: dict[str, Path]
     ids = engine.tokenizer.encode(quality.TEXT_FILE.read_text()[:TINY_TEXT_TOKENS])
     prefix = 40
     lease = engine.cache.try_acquire(Admission(ids[:prefix]))
-    embeds = engine.model_runner.embedding[ids[:prefix]][None]
-    row = engine.runner.forward(StepInputs(embeds, np.array([prefix], dtype=np.int32), np.zeros(1, dtype=np.int32),
+    embeds = engine.executor.embedding[ids[:prefix]][None]
+    row = engine.backend.forward(StepInputs(embeds, np.array([prefix], dtype=np.int32), np.zeros(1, dtype=np.int32),
                                            [lease.page_ids])).logits[0].astype(np.float64)
     expected = np.log(np.exp(row - row.max()).sum()) + row.max() - row[ids[prefix]]
     assert nll[prefix - 1] == pytest.approx(expected, abs=1e-3)

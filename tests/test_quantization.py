@@ -199,8 +199,8 @@ def test_reuse_is_invisible_on_an_int4_engine(case: str, tmp_path: Path) -> None
 def test_prefill_sized_calls_run_int8_gemms_and_decode_keeps_the_blocks(tmp_path: Path) -> None:
     """--prefillInt8Rows: each quantized layer is an If between DynamicQuantizeMatMul over int8 columns (calls of at
     least that many rows) and its MatMulNBits blocks (smaller calls, still exactly the dequantized model)."""
+    from kvforge.runtime.backend import StepInputs
     from kvforge.runtime.context_cache.manager import Admission
-    from kvforge.runtime.runner import StepInputs
 
     loaded = synthetic_model("tiny-llama", kv_cache_dtype="fp32")
     quantize_linears(loaded, "int4", 32, lm_head="float")
@@ -218,7 +218,7 @@ def test_prefill_sized_calls_run_int8_gemms_and_decode_keeps_the_blocks(tmp_path
         ids = list(range(5, 5 + length))
         lease = engine.cache.try_acquire(Admission(ids))
         assert lease is not None
-        got = engine.runner.forward(StepInputs(engine.model_runner.embedding[ids][None], np.array([length], np.int32),
+        got = engine.backend.forward(StepInputs(engine.executor.embedding[ids][None], np.array([length], np.int32),
                                                np.zeros(1, np.int32), [lease.page_ids])).logits[0]
         engine.cache.release(lease)
         expected = dense_logits(loaded.config, reference, ids)[-1]

@@ -18,10 +18,12 @@ torch = pytest.importorskip("torch", reason="transformers parity needs torch (pi
 transformers = pytest.importorskip("transformers",
                                    reason="transformers parity needs transformers (pip install 'kvforge[dev]')")
 
+from support.backends import RecordingBackend  # noqa: E402
+
 from kvforge.builder.build import BuildOptions, build_engine  # noqa: E402
 from kvforge.builder.encoder_build import build_encoder_engine  # noqa: E402
 from kvforge.runtime.engine import Engine, EngineConfig  # noqa: E402
-from kvforge.runtime.file_runner import prepare_requests  # noqa: E402
+from kvforge.runtime.file_loop import prepare_requests  # noqa: E402
 from kvforge.runtime.multimodal.audio import decode_audio, log_mel  # noqa: E402
 from kvforge.runtime.request_file import parse_request_file  # noqa: E402
 from kvforge.tools.export.qwen2_audio_source import load_qwen2_audio_dir, write_audio_onnx_dir  # noqa: E402
@@ -99,19 +101,9 @@ def test_qwen2_audio_file_to_logits_matches_transformers(tmp_path: Path) -> None
     build_engine(tmp_path / "onnx", tmp_path / "engine",
                  BuildOptions(max_input_len=256, max_kv_cache_capacity=512, max_batch_size=1, tokens_per_page=16))
     build_encoder_engine(tmp_path / "onnx" / "audio", tmp_path / "audio", "auto", 1)
-    engine = Engine(tmp_path / "engine", EngineConfig(num_threads=2, multimodal_engine_dir=str(tmp_path / "audio")))
-    logits = []
-    inner = engine.model_runner
-
-    class Capture:
-        def run(self, rows):
-            logits.append(inner.run(rows))
-            return logits[-1]
-
-        def __getattr__(self, name):
-            return getattr(inner, name)
-
-    engine.model_runner = Capture()
+    capture = RecordingBackend.load(tmp_path / "engine")
+    engine = Engine(tmp_path / "engine", EngineConfig(num_threads=2, multimodal_engine_dir=str(tmp_path / "audio")),
+                    backend=capture)
     request_file = parse_request_file({"apply_chat_template": False, "top_k": 1, "max_generate_length": 1,
                                        "parse_special_tokens": True,  # the text parts are raw template markup
                                        "requests": [{"messages": [{"role": "user", "content": [
@@ -134,6 +126,6 @@ def test_qwen2_audio_file_to_logits_matches_transformers(tmp_path: Path) -> None
         reference = model(**inputs).logits[0, -1].numpy()
     assert prepared.prompt_ids == inputs["input_ids"][0].tolist()  # the placeholder count is the processor's
     assert prepared.media[0].key.length == 42  # 1.7 s: 170 frames -> 85 after conv2 -> 42 after pooling
-    ours = logits[-1].logits[0][0]  # the last call's first row, its one sampled position
+    ours = capture.logits[-1][0]  # the last call's one sampled position
     assert np.abs(ours - reference).max() <= TOL * max(1.0, np.abs(reference).max())
     assert int(np.argmax(ours)) == int(np.argmax(reference))

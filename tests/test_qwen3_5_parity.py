@@ -19,7 +19,7 @@ from kvforge.builder.lower_ort import lower_for_onnxruntime, new_rows_name
 from kvforge.builder.lower_recurrent import lower_recurrent_ops
 from kvforge.contract.model_config import ModelConfig
 from kvforge.plugins.reference import rope_table
-from kvforge.runtime.runner import last_token_indices
+from kvforge.runtime.backend import last_token_indices
 from kvforge.tools.export.llama_graph import pool_input_name
 from kvforge.tools.export.mamba2_graph import conv_state_name, recurrent_state_name
 from kvforge.tools.export.qwen3_5_graph import build_qwen3_5_graph

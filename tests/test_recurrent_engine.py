@@ -16,7 +16,7 @@ from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.engine_dir import load_engine_dir
 from kvforge.contract.errors import InvalidConfig
 from kvforge.runtime.engine import Engine, snapshot_budgets
-from kvforge.runtime.ort_runner import OrtEngineRunner
+from kvforge.runtime.ort_backend import OrtBackend
 from kvforge.runtime.snapshots import RecurrentSnapshotStore
 from kvforge.runtime.state_manager import MIN_BOUNDARY_GAP
 from kvforge.runtime.types import SamplingParams
@@ -41,8 +41,8 @@ def engine_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 
 @pytest.fixture(scope="module")
-def runner(engine_dir: Path) -> OrtEngineRunner:
-    return OrtEngineRunner(load_engine_dir(engine_dir), num_threads=2)
+def runner(engine_dir: Path) -> OrtBackend:
+    return OrtBackend(load_engine_dir(engine_dir), num_threads=2)
 
 
 def is_hybrid(engine_dir: Path) -> bool:
@@ -54,7 +54,7 @@ def budgets(engine_dir: Path, slots: int) -> dict[str, int]:
     return {field: value + 7 for field, value in snapshot_budgets(load_engine_dir(engine_dir), slots).items()}
 
 
-def warm_engine(engine_dir: Path, runner: OrtEngineRunner, slots: int = SLOTS, **config: object) -> Engine:
+def warm_engine(engine_dir: Path, runner: OrtBackend, slots: int = SLOTS, **config: object) -> Engine:
     return make_engine(engine_dir, runner, reuse=True, **budgets(engine_dir, slots), **config)  # type: ignore[arg-type]
 
 
@@ -81,7 +81,7 @@ def greedy(engine: Engine, prompts: list[list[int]], steps: int) -> list[list[in
 
 # --- the engine loop against transformers ---------------------------------------------------------------
 
-def test_greedy_generation_matches_transformers_batched_and_chunked(engine_dir: Path, runner: OrtEngineRunner) -> None:
+def test_greedy_generation_matches_transformers_batched_and_chunked(engine_dir: Path, runner: OrtBackend) -> None:
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     name = load_engine_dir(engine_dir).model.name
@@ -115,7 +115,7 @@ def test_greedy_generation_matches_transformers_batched_and_chunked(engine_dir: 
 
 # --- exact-checkpoint reuse is invisible -----------------------------------------------------------------
 
-def test_fixture_matches_cold_with_exact_checkpoints(engine_dir: Path, runner: OrtEngineRunner) -> None:
+def test_fixture_matches_cold_with_exact_checkpoints(engine_dir: Path, runner: OrtBackend) -> None:
     data = fixture_data()
     cold = answers(run_file(make_engine(engine_dir, runner), data))
     warm = warm_engine(engine_dir, runner)
@@ -135,7 +135,7 @@ def test_fixture_matches_cold_with_exact_checkpoints(engine_dir: Path, runner: O
 
 
 def test_document_shared_by_two_questions_hits_through_a_message_boundary(engine_dir: Path,
-                                                                        runner: OrtEngineRunner) -> None:
+                                                                        runner: OrtBackend) -> None:
     document = "The tower was built in 1889 by Gustave Eiffel's company for the World's Fair. " * 3
     data = {"temperature": 0.0, "num_logprobs": 1, "max_generate_length": 4,
             "context_cache_commit_policy": "prefill_state_only",
@@ -162,7 +162,7 @@ def test_document_shared_by_two_questions_hits_through_a_message_boundary(engine
     assert endpoint_only.state.checkpoints.positions(request) == (len(request.prompt_ids),)
 
 
-def test_interval_checkpoints_and_short_prompts_hit(engine_dir: Path, runner: OrtEngineRunner) -> None:
+def test_interval_checkpoints_and_short_prompts_hit(engine_dir: Path, runner: OrtBackend) -> None:
     first, second = "Hi, Ada!", "Hi, Ada! How are you?"  # shorter than two pages
     data = {"temperature": 0.0, "num_logprobs": 1, "max_generate_length": 3, "apply_chat_template": False,
             "context_cache_commit_policy": "prefill_state_only",
@@ -179,7 +179,7 @@ def test_interval_checkpoints_and_short_prompts_hit(engine_dir: Path, runner: Or
     assert responses[1]["usage"]["cached_tokens"] == 20  # the last checkpoint (every 10 tokens) before the fork
 
 
-def test_decode_end_checkpoint_serves_the_next_turn(engine_dir: Path, runner: OrtEngineRunner) -> None:
+def test_decode_end_checkpoint_serves_the_next_turn(engine_dir: Path, runner: OrtBackend) -> None:
     """The decode-end checkpoint (prompt + answer but the last sampled token) is exact: feeding the answer back
     hits past the prompt."""
     warm = warm_engine(engine_dir, runner)
@@ -194,7 +194,7 @@ def test_decode_end_checkpoint_serves_the_next_turn(engine_dir: Path, runner: Or
 
 
 def test_a_recompute_after_preemption_checkpoints_the_prompt_state(engine_dir: Path,
-                                                                    runner: OrtEngineRunner) -> None:
+                                                                    runner: OrtBackend) -> None:
     """A preempted sequence whose checkpoints were evicted recomputes prompt + output; the scheduler must end a
     call at the prompt's end so the prompt's checkpoint holds the state after the prompt alone."""
     prompt = [int(t) for t in np.random.default_rng(3).integers(3, 200, size=37)]
@@ -217,7 +217,7 @@ def test_a_recompute_after_preemption_checkpoints_the_prompt_state(engine_dir: P
 
 # --- snapshots: byte-exact, freed with their records, pressure skipped -------------------------------------
 
-def test_snapshot_restore_is_byte_exact(engine_dir: Path, runner: OrtEngineRunner) -> None:
+def test_snapshot_restore_is_byte_exact(engine_dir: Path, runner: OrtBackend) -> None:
     states = runner.states
     assert states is not None
     row, other = states.allocate(), states.allocate()
@@ -236,7 +236,7 @@ def test_snapshot_restore_is_byte_exact(engine_dir: Path, runner: OrtEngineRunne
     states.free(other)
 
 
-def test_one_slot_budget_evicts_and_counts_pressure_never_errors(engine_dir: Path, runner: OrtEngineRunner) -> None:
+def test_one_slot_budget_evicts_and_counts_pressure_never_errors(engine_dir: Path, runner: OrtBackend) -> None:
     data = fixture_data()
     cold = answers(run_file(make_engine(engine_dir, runner), data))
     tight = warm_engine(engine_dir, runner, slots=1)
@@ -265,7 +265,7 @@ BAD_BUDGETS = {  # per deployment: (config, field named, words in the message)
 }
 
 
-def test_bad_budgets_fail_naming_the_field(engine_dir: Path, runner: OrtEngineRunner) -> None:
+def test_bad_budgets_fail_naming_the_field(engine_dir: Path, runner: OrtBackend) -> None:
     for config, field, words in BAD_BUDGETS["hybrid" if is_hybrid(engine_dir) else "pure"]:
         with pytest.raises(InvalidConfig) as info:
             make_engine(engine_dir, runner, **dict(config))

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.engine_dir import load_engine_dir
 from kvforge.runtime.engine import Engine, snapshot_budgets
-from kvforge.runtime.ort_runner import OrtEngineRunner
+from kvforge.runtime.ort_backend import OrtBackend
 from kvforge.runtime.output import RequestOutput
 from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.types import SamplingParams
@@ -27,13 +27,13 @@ PREFIXES = ["", DOCUMENT[:70], DOCUMENT[100:260], "qrstuvw" * 5]
 
 
 @pytest.fixture(scope="module")
-def hybrid(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, OrtEngineRunner, OrtEngineRunner]:
+def hybrid(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, OrtBackend, OrtBackend]:
     root = tmp_path_factory.mktemp("hybrid_property")
     write_onnx_dir(synthetic_model("tiny-qwen3_5"), root / "onnx")
     build_engine(root / "onnx", root / "engine", BuildOptions(max_input_len=1024, max_kv_cache_capacity=1024,
                                                               max_batch_size=4, tokens_per_page=T))
     engine = load_engine_dir(root / "engine")
-    return root / "engine", OrtEngineRunner(engine, num_threads=2), OrtEngineRunner(engine, num_threads=2)
+    return root / "engine", OrtBackend(engine, num_threads=2), OrtBackend(engine, num_threads=2)
 
 
 def request(engine: Engine, text: str, max_generate_length: int, salt: str | None) -> EngineRequest:

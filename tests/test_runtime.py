@@ -122,11 +122,11 @@ def test_profile_counts_tokens(model_and_engine) -> None:
 def test_chunked_prefill_matches_one_call(model_and_engine) -> None:
     """Prefill in 8-token chunks (rows of different lengths drop out as they finish) equals one call."""
     whole = make_engine(model_and_engine[1], prefill_chunk_size=0)
-    chunked = make_engine(model_and_engine[1], whole.runner, prefill_chunk_size=8)
+    chunked = make_engine(model_and_engine[1], whole.backend, prefill_chunk_size=8)
     for a, b in zip(run(whole, PROMPTS, batch_size=4), run(chunked, PROMPTS, batch_size=4), strict=True):
         assert (a["output_text"], [s[0]["token_id"] for s in a["logprobs"]]) == \
                (b["output_text"], [s[0]["token_id"] for s in b["logprobs"]])
-    fresh = make_engine(model_and_engine[1], whole.runner, prefill_chunk_size=8)
+    fresh = make_engine(model_and_engine[1], whole.backend, prefill_chunk_size=8)
     run_file(fresh, {"temperature": 0.0, "max_generate_length": 1, "apply_chat_template": False,
                      "requests": [{"messages": [{"role": "user", "content": "x" * 20}]}]})
     profile = fresh.profile()

@@ -378,7 +378,7 @@ def test_shutdown_cancels_what_does_not_finish_in_time(engine_dir: Path, tmp_pat
 def test_an_engine_failure_fails_its_requests_and_the_server_goes_on(server: LiveServer,
                                                                     client: openai.OpenAI) -> None:
     def break_next_step(engine: Engine) -> None:
-        engine.runner.fail_next = True  # type: ignore[attr-defined] - the harness's FlakyBackend
+        engine.backend.fail_next = True  # type: ignore[attr-defined] - the harness's FlakyBackend
 
     server.on_engine(break_next_step)
     with pytest.raises(openai.InternalServerError) as failed:

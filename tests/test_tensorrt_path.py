@@ -18,7 +18,7 @@ from kvforge.contract.errors import KvforgeError
 from kvforge.contract.lora import LORA_TARGETS
 from kvforge.plugins import ops
 from kvforge.plugins import trt as trt_plugins
-from kvforge.runtime.runner import StepInputs
+from kvforge.runtime.backend import StepInputs
 from kvforge.tools.export.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir
 
@@ -354,10 +354,10 @@ def _step(hidden: int, batch: int, seq: int, starts: list[int], lengths: list[in
 
 def test_runner_binds_profiles_page_table_and_aliased_pools(recorder: fake.Recorder, fake_cuda: fake.FakeCudaDriver,
                                                              tiny_onnx_dir: Path, tmp_path: Path) -> None:
-    from kvforge.runtime.trt_runner import DECODE_PROFILE, PREFILL_PROFILE, TrtEngineRunner
+    from kvforge.runtime.trt_backend import DECODE_PROFILE, PREFILL_PROFILE, TrtBackend
     build_engine(tiny_onnx_dir, tmp_path / "engine", TRT_BUILD)
     engine = load_engine_dir(tmp_path / "engine")
-    runner = TrtEngineRunner(engine)
+    runner = TrtBackend(engine)
     hidden, vocab, layers = engine.model.hidden_size, engine.model.vocab_size, engine.model.num_hidden_layers
     pages = [[5, 9], [7]]  # row 0: 20 tokens over two pages; row 1: 3 tokens
     logits = runner.forward(_step(hidden, 2, 20, [0, 0], [20, 3], pages)).logits
@@ -374,39 +374,39 @@ def test_runner_binds_profiles_page_table_and_aliased_pools(recorder: fake.Recor
     assert decode["kvcache_start_index"].tolist() == [20, 3]
 
     # The fake kernel wrote K = 1 + position in place; the device pool reads it back page by page.
-    rows = runner.pool.read_tokens([5, 9], 21)
+    rows = runner.kv_store.read_tokens([5, 9], 21)
     assert len(rows) == layers and rows[0].shape == (21, 2, engine.model.num_key_value_heads, engine.model.head_dim)
     assert rows[0][:, 0, 0, 0].tolist() == [1 + p for p in range(21)]
     # write_tokens puts saved rows into other pages (legacy system-prompt cache restore).
-    runner.pool.write_tokens([11, 12], rows)
-    assert all(np.array_equal(a, b) for a, b in zip(runner.pool.read_tokens([11, 12], 21), rows, strict=True))
-    assert runner.pool.read_tokens([7], 3)[0][:, 0, 0, 0].tolist() == [1, 2, 3]
+    runner.kv_store.write_tokens([11, 12], rows)
+    assert all(np.array_equal(a, b) for a, b in zip(runner.kv_store.read_tokens([11, 12], 21), rows, strict=True))
+    assert runner.kv_store.read_tokens([7], 3)[0][:, 0, 0, 0].tolist() == [1, 2, 3]
     # Partial-KV snapshots of a device pool: a page captured to a slot and restored into another page.
     from kvforge.runtime.snapshots import PartialKVSnapshotStore
-    store = PartialKVSnapshotStore(runner.pool, num_slots=2)
+    store = PartialKVSnapshotStore(runner.kv_store, num_slots=2)
     store.capture(9, 1)
     store.restore(1, 13)
-    assert all(a.tobytes() == b.tobytes() for a, b in zip(runner.pool.read_page(13), runner.pool.read_page(9),
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(runner.kv_store.read_page(13), runner.kv_store.read_page(9),
                                                           strict=True))
-    assert runner.pool.read_tokens([12, 13], 21)[0][16:, 0, 0, 0].tolist() == [17, 18, 19, 20, 21]
+    assert runner.kv_store.read_tokens([12, 13], 21)[0][16:, 0, 0, 0].tolist() == [17, 18, 19, 20, 21]
     runner.close()
     assert not fake_cuda.buffers
 
 
 def test_runner_rejects_calls_past_the_profiles(recorder: fake.Recorder, fake_cuda: fake.FakeCudaDriver,
                                                 tiny_onnx_dir: Path, tmp_path: Path) -> None:
-    from kvforge.runtime.trt_runner import TrtEngineRunner
+    from kvforge.runtime.trt_backend import TrtBackend
     build_engine(tiny_onnx_dir, tmp_path / "engine", TRT_BUILD)
     engine = load_engine_dir(tmp_path / "engine")
-    runner = TrtEngineRunner(engine)
+    runner = TrtBackend(engine)
     with pytest.raises(KvforgeError, match="maxInputLen"):
         runner.forward(_step(engine.model.hidden_size, 1, 65, [0], [65], [list(range(5))]))
 
 
 def test_runner_without_tensorrt_is_one_line_error(no_tensorrt: None, tiny_engine_dir: Path) -> None:
-    from kvforge.runtime.trt_runner import TrtEngineRunner
+    from kvforge.runtime.trt_backend import TrtBackend
     with pytest.raises(KvforgeError, match="TensorRT is not installed"):
-        TrtEngineRunner(load_engine_dir(tiny_engine_dir))
+        TrtBackend(load_engine_dir(tiny_engine_dir))
 
 
 def test_runner_binds_rank_zero_or_per_row_adapters(recorder: fake.Recorder, fake_cuda: fake.FakeCudaDriver,
@@ -414,10 +414,10 @@ def test_runner_binds_rank_zero_or_per_row_adapters(recorder: fake.Recorder, fak
     from dataclasses import replace
 
     from kvforge.contract.lora import lora_inputs, target_dims
-    from kvforge.runtime.trt_runner import TrtEngineRunner
+    from kvforge.runtime.trt_backend import TrtBackend
     build_engine(lora_onnx_dir, tmp_path / "engine", replace(TRT_BUILD, max_lora_rank=8))
     engine = load_engine_dir(tmp_path / "engine")
-    runner = TrtEngineRunner(engine)
+    runner = TrtBackend(engine)
     step = _step(engine.model.hidden_size, 2, 3, [0, 0], [3, 2], [[1], [2]])
     runner.forward(step)
     names = lora_inputs(engine.model)
@@ -436,12 +436,12 @@ def test_runner_binds_rank_zero_or_per_row_adapters(recorder: fake.Recorder, fak
 def test_runner_binds_logits_indices_and_returns_hidden_states(recorder: fake.Recorder, fake_cuda: fake.FakeCudaDriver,
                                                                tmp_path: Path) -> None:
     """A verify call asks for several positions of a row: N logits rows (and hidden-states rows) come back."""
-    from kvforge.runtime.trt_runner import PREFILL_PROFILE, TrtEngineRunner
+    from kvforge.runtime.trt_backend import PREFILL_PROFILE, TrtBackend
     write_onnx_dir(synthetic_model("tiny-llama", hidden_state_layers=[1, 0]), tmp_path / "onnx")
     build_engine(tmp_path / "onnx", tmp_path / "engine", TRT_BUILD)
     assert "hidden_states" in json.loads(recorder.serialized[len(b"FAKETRT"):])["outputs"]
     engine = load_engine_dir(tmp_path / "engine")
-    runner = TrtEngineRunner(engine)
+    runner = TrtBackend(engine)
     assert runner.max_positions == 4 * 16
     step = _step(engine.model.hidden_size, 2, 4, [5, 7], [4, 1], [[1], [2]])
     step.logits_indices = np.array([0, 1, 2, 3, 4], np.int64)  # row 0: 1 pending + 3 drafts; row 1: one token
@@ -463,11 +463,11 @@ def test_an_engine_from_before_logits_indices_builds_and_decodes(recorder: fake.
     from test_logits_positions import legacy_copy
 
     from kvforge.contract.manifest import ONNX_KIND
-    from kvforge.runtime.trt_runner import TrtEngineRunner
+    from kvforge.runtime.trt_backend import TrtBackend
     build_engine(legacy_copy(tiny_onnx_dir, tmp_path / "onnx", ONNX_KIND), tmp_path / "engine", TRT_BUILD)
     assert all(p["last_token_ids"] == ((1,), (4,), (4,)) and "logits_indices" not in p for p in recorder.profiles)
     engine = load_engine_dir(tmp_path / "engine")
-    runner = TrtEngineRunner(engine)
+    runner = TrtBackend(engine)
     step = _step(engine.model.hidden_size, 2, 4, [0, 0], [4, 2], [[1], [2]])
     assert runner.forward(step).logits.shape == (2, engine.model.vocab_size)
     assert recorder.calls[-1]["last_token_ids"].tolist() == [3, 1]

@@ -1,7 +1,7 @@
 """Parity against transformers: tiny random Llama/Qwen2/Qwen3 checkpoints, exported, built and run on ORT.
 
 Each checkpoint is saved with save_pretrained, loaded back by the HF-dir source, exported to ONNX, lowered
-by build_engine and driven through OrtEngineRunner; the reference is the same checkpoint reloaded by
+by build_engine and driven through OrtBackend; the reference is the same checkpoint reloaded by
 transformers (float32, eager attention). Covers full prefill, prefill + decode, chunked prefill over a
 shuffled page list, ragged batches, and an fp16 KV cache.
 """
@@ -23,8 +23,8 @@ safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
 from kvforge.builder.build import BuildOptions, build_engine  # noqa: E402
 from kvforge.contract.engine_dir import EMBEDDING_FILE, EMBEDDING_TENSOR, load_engine_dir  # noqa: E402
-from kvforge.runtime.ort_runner import OrtEngineRunner  # noqa: E402
-from kvforge.runtime.runner import StepInputs  # noqa: E402
+from kvforge.runtime.backend import StepInputs  # noqa: E402
+from kvforge.runtime.ort_backend import OrtBackend  # noqa: E402
 from kvforge.tools.export.hf_source import load_hf_dir  # noqa: E402
 from kvforge.tools.export.writer import write_onnx_dir  # noqa: E402
 
@@ -94,7 +94,7 @@ def _hf_logits(model: torch.nn.Module, ids: Sequence[int]) -> np.ndarray:
 
 @dataclass
 class Engine:
-    runner: OrtEngineRunner
+    runner: OrtBackend
     embedding: np.ndarray  # [V, H] from the engine dir, as the runtime would look tokens up
     num_pages: int
 
@@ -122,7 +122,7 @@ class Engine:
     def poison_pool(self, seed: int) -> None:
         """Fill every page with finite garbage: attention must never read a slot it did not write."""
         rng = np.random.default_rng(seed)
-        for layer in self.runner.pool.layers:  # in place: the runner binds OrtValues over this memory
+        for layer in self.runner.kv_store.layers:  # in place: the runner binds OrtValues over this memory
             layer[...] = rng.normal(0.0, 30.0, layer.shape).astype(layer.dtype)
 
 
@@ -131,7 +131,7 @@ def _build(checkpoint: Path, out: Path, kv_cache_dtype: str) -> Engine:
     build_engine(out / "onnx", out / "engine", BUILD)
     engine = load_engine_dir(out / "engine")
     embedding = safetensors_numpy.load_file(str(engine.file(EMBEDDING_FILE)))[EMBEDDING_TENSOR]
-    result = Engine(OrtEngineRunner(engine, num_threads=2), embedding, engine.build.max_kv_pool_pages)
+    result = Engine(OrtBackend(engine, num_threads=2), embedding, engine.build.max_kv_pool_pages)
     result.poison_pool(seed=7)
     return result
 
@@ -168,13 +168,13 @@ def fp32_engine(checkpoint, tmp_path_factory) -> Engine:
 
 def test_checkpoint_round_trips_config(checkpoint, fp32_engine) -> None:
     arch, _, model = checkpoint
-    config, runner = model.config, fp32_engine.runner
+    config, runner = model.config, fp32_engine.backend
     assert next(model.parameters()).dtype == torch.float32
     assert model.config._attn_implementation == "eager"
-    assert len(runner.pool.layers) == config.num_hidden_layers
+    assert len(runner.kv_store.layers) == config.num_hidden_layers
     assert fp32_engine.embedding.shape == (VOCAB, HIDDEN)
     np.testing.assert_array_equal(fp32_engine.embedding, model.get_input_embeddings().weight.detach().numpy())
-    assert runner.pool.layers[0].shape[2:] == (KV_HEADS, BUILD.tokens_per_page, ARCHS[arch][2].get("head_dim", 16))
+    assert runner.kv_store.layers[0].shape[2:] == (KV_HEADS, BUILD.tokens_per_page, ARCHS[arch][2].get("head_dim", 16))
 
 
 def test_full_prefill(checkpoint, fp32_engine, record_property) -> None:
@@ -236,7 +236,7 @@ def test_ragged_batch_matches_rows_alone(checkpoint, fp32_engine, record_propert
 def test_fp16_kv_cache_teacher_forced_decode(checkpoint, tmp_path_factory, record_property) -> None:
     arch, path, model = checkpoint
     engine = _build(path, tmp_path_factory.mktemp(f"fp16-{arch}"), "fp16")
-    assert engine.runner.pool.layers[0].dtype == np.float16
+    assert engine.backend.kv_store.layers[0].dtype == np.float16
     ids = _tokens(15, 40)
     want = _hf_logits(model, ids)
     got = np.stack(engine.run_chunks(ids, [1] * 40, [7, 2, 12]))

@@ -25,7 +25,7 @@ from kvforge.plugins import trt as trt_plugins
 from kvforge.runtime.engine import Engine, EngineConfig
 from kvforge.runtime.multimodal.encoders import load_encoder
 from kvforge.runtime.multimodal.image import decode_image, idefics3_pixel_values
-from kvforge.runtime.trt_runner import TrtEncoderSession
+from kvforge.runtime.trt_backend import TrtEncoderSession
 from kvforge.tools.export.idefics3_source import write_visual_onnx_dir
 from kvforge.tools.export.qwen2_audio_source import write_audio_onnx_dir
 from kvforge.tools.export.synthetic import synthetic_idefics3, synthetic_qwen2_audio

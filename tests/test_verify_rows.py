@@ -35,17 +35,19 @@ def engine_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return root / "engine"
 
 
-def requests(engine: Engine) -> list[EngineRequest]:
+def requests(engine: Engine, suffix: str) -> list[EngineRequest]:
     eos = engine.engine_dir.model.eos_token_ids[0]
     sampling = SamplingParams(temperature=0.0, num_logprobs=1, max_generate_length=LENGTH,
                               logit_bias={eos: -100.0})  # exact lengths
-    return [EngineRequest(engine.tokenizer.encode(text), sampling) for text in PROMPTS]
+    return [EngineRequest(engine.tokenizer.encode(text + suffix), sampling) for text in PROMPTS]
 
 
-def run(engine: Engine, answers: dict[str, list[int]] | None = None, seed: int = 0) -> tuple[dict, int]:
-    """All requests at once; with `answers`, a drafter proposes up to 4 tokens per decode row each step."""
+def run(engine: Engine, answers: dict[int, list[int]] | None = None, seed: int = 0,
+        suffix: str = "") -> tuple[dict, int]:
+    """All requests at once; with `answers` (by prompt), a drafter proposes up to 4 tokens per decode row each step.
+    Returns (token ids, top-1 ids) by prompt and the number of steps."""
     rng = random.Random(seed)
-    ids = [engine.add_request(r) for r in requests(engine)]
+    ids = [engine.add_request(r, f"{seed}-{i}") for i, r in enumerate(requests(engine, suffix))]
     finished: dict[str, RequestOutput] = {}
     steps = 0
     while engine.has_unfinished():
@@ -53,7 +55,7 @@ def run(engine: Engine, answers: dict[str, list[int]] | None = None, seed: int =
             for seq in engine.scheduler.running:
                 if seq.num_pending_tokens == 1 and seq.output_ids:
                     done = len(seq.output_ids)
-                    right = answers[seq.request_id][done:done + 4]
+                    right = answers[ids.index(seq.request_id)][done:done + 4]
                     wrong_at = rng.randint(0, len(right))
                     seq.spec_token_ids = right[:wrong_at] + [(t + 1) % 200 for t in right[wrong_at:wrong_at + 1]]
         for output in engine.step():
@@ -62,20 +64,23 @@ def run(engine: Engine, answers: dict[str, list[int]] | None = None, seed: int =
         engine.cache.check_invariants()
         steps += 1
     assert_idle(engine)
-    return {rid: (finished[rid].token_ids, [s[0].token_id for s in finished[rid].logprobs]) for rid in ids}, steps
+    results = {i: (finished[rid].token_ids, [s[0].token_id for s in finished[rid].logprobs])
+               for i, rid in enumerate(ids)}
+    return results, steps
 
 
 @pytest.mark.parametrize("reuse", [False, True])
 def test_drafts_change_no_greedy_token_or_top1_id(engine_dir: Path, reuse: bool) -> None:
     budgets = snapshot_budgets(load_engine_dir(engine_dir), 8) if reuse else {}
-    cold, cold_steps = run(make_engine(engine_dir, **budgets))
-    answers = {rid: tokens for rid, (tokens, _) in cold.items()}
+    cold, cold_steps = run(make_engine(engine_dir))  # reuse off: every request computed from scratch
+    answers = {i: tokens for i, (tokens, _) in cold.items()}
     engine = make_engine(engine_dir, reuse=reuse, **budgets)
     drafted, drafted_steps = run(engine, answers)
     assert drafted == cold
-    if reuse:  # the same requests again hit what the drafted run published
-        again, _ = run(engine, answers, seed=1)
-        assert again == cold and engine.cache.metrics.hit_sequences > 0
+    if reuse:  # longer prompts hit what the drafted run published (a hybrid resumes from its prompt checkpoints)
+        longer, _ = run(make_engine(engine_dir), suffix=" again")
+        again, _ = run(engine, {i: tokens for i, (tokens, _) in longer.items()}, seed=1, suffix=" again")
+        assert again == longer and engine.cache.metrics.hit_sequences > 0
     # Accepted drafts commit several tokens per step; on a recurrent engine each rejection costs a recompute row.
     if engine.states is None:
         assert drafted_steps < cold_steps

@@ -31,7 +31,7 @@ class AuditedCache(Protocol):
     chain_root: bytes
     pools: ResourcePools
     pages: ResourcePool
-    snapshots: ResourcePool
+    partial_snapshots: ResourcePool
     recurrent_snapshots: ResourcePool
     index: PageIndex
     records: RecordStore
@@ -59,7 +59,7 @@ def check_invariants(manager: AuditedCache) -> None:
         for page in lease.page_ids:
             active[BASE_KV_PAGES][page] += 1
         if lease.restore_slot is not None:
-            active[manager.snapshots.name][lease.restore_slot] += 1
+            active[manager.partial_snapshots.name][lease.restore_slot] += 1
         if lease.restore_recurrent_slot is not None:
             active[manager.recurrent_snapshots.name][lease.restore_recurrent_slot] += 1
     for record in manager.records.least_recent_first():

@@ -134,7 +134,7 @@ class ContextCacheManager:
         self.pools = ResourcePools(num_pages if paged else 0, partial,
                                    recurrent_snapshot_slots if enabled and checkpoints else 0)
         self.pages = self.pools.base_kv_pages
-        self.snapshots = self.pools.partial_kv_snapshots
+        self.partial_snapshots = self.pools.partial_kv_snapshots
         self.recurrent_snapshots = self.pools.recurrent_snapshots
         self.copier = copier
         self.records = RecordStore()
@@ -144,7 +144,7 @@ class ContextCacheManager:
         # The deployment picks the resource types; everything below asks the types, never the deployment.
         T = tokens_per_page
         self.attention = AttentionPages(self.pages, T, shares_in_flight=not checkpoints) if paged else None
-        self.tails = PartialTails(self.snapshots, T, chain_root, copier) if paged else None
+        self.tails = PartialTails(self.partial_snapshots, T, chain_root, copier) if paged else None
         self.recurrent = RecurrentCheckpoints(self.recurrent_snapshots, self.records, T, chain_root,
                                               with_pages=paged, copier=copier) if checkpoints else None
         self.types: tuple[CacheType, ...] = tuple(
@@ -283,7 +283,7 @@ class ContextCacheManager:
 
     def _unpin_restores(self, lease: Lease) -> None:
         if lease.restore_slot is not None:
-            self.snapshots.unpin([lease.restore_slot])
+            self.partial_snapshots.unpin([lease.restore_slot])
             lease.restore_slot = None
         if lease.restore_recurrent_slot is not None:
             self.recurrent_snapshots.unpin([lease.restore_recurrent_slot])
@@ -422,7 +422,7 @@ class ContextCacheManager:
         if publication.recurrent:
             [publication.recurrent_slot] = self.recurrent_snapshots.allocate(1)
         if publication.partial:
-            [publication.partial_slot] = self.snapshots.allocate(1)
+            [publication.partial_slot] = self.partial_snapshots.allocate(1)
         return True
 
     def _drop_reserved(self, publication: Publication) -> None:
@@ -430,7 +430,7 @@ class ContextCacheManager:
             self.recurrent_snapshots.unpin([publication.recurrent_slot])
             publication.recurrent_slot = None
         if publication.partial_slot is not None:
-            self.snapshots.unpin([publication.partial_slot])
+            self.partial_snapshots.unpin([publication.partial_slot])
             publication.partial_slot = None
 
     def _capture(self, lease: Lease, publication: Publication, boundary: bool) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.manifest import ENGINE_KIND, verify_manifest
-from kvforge.runtime.ort_runner import make_session
+from kvforge.runtime.ort_backend import make_session
 
 FIELD = "multimodal_engine_dir"
 
@@ -18,7 +18,7 @@ def encoder_session(engine_dir: Path, config: Any, onnx_file: str, trt_file: str
     backend tensorrt a TensorRT engine (needs the tensorrt extra; one-line error without it)."""
     if config.backend == "tensorrt":
         _check_engine_dir(engine_dir, config, trt_file)
-        from kvforge.runtime.trt_runner import TrtEncoderSession  # imports tensorrt through the single guard
+        from kvforge.runtime.trt_backend import TrtEncoderSession  # imports tensorrt through the single guard
 
         return TrtEncoderSession(engine_dir / trt_file, FIELD)
     _check_engine_dir(engine_dir, config, onnx_file)

@@ -15,7 +15,7 @@ import numpy as np
 
 from kvforge.runtime.context_cache.manager import ContextCacheManager
 from kvforge.runtime.engine_core import EngineCore
-from kvforge.runtime.model_runner import BatchOutput
+from kvforge.runtime.model_executor import BatchOutput
 from kvforge.runtime.output import OutputProcessor
 from kvforge.runtime.profile import Profiler
 from kvforge.runtime.recurrent_state import RecurrentStates

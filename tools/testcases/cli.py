@@ -19,7 +19,7 @@ from kvforge.tools.testcases.config_string import CONFIG_FLAG, TOKENS, ResolvedC
 from kvforge.tools.testcases.report import json_report, junit_xml, print_table, write_json
 
 if TYPE_CHECKING:
-    from kvforge.tools.testcases.runner import FileResult
+    from kvforge.tools.testcases.execute import FileResult
 
 HELP = """
 Run JSON test files (llm_inference request files) on an engine and check what each file declares: ROUGE
@@ -86,9 +86,9 @@ def test(
     """Run every file on a fresh engine cache and check it; the table goes to stdout."""
 
     def body() -> int:
-        from kvforge.runtime.file_runner import Scheduling  # heavy imports after the cheap checks
+        from kvforge.runtime.file_loop import Scheduling  # heavy imports after the cheap checks
         from kvforge.tools.testcases.declared import load_case
-        from kvforge.tools.testcases.runner import CaseRunner, RunSettings
+        from kvforge.tools.testcases.execute import CaseRunner, RunSettings
 
         started = time.perf_counter()
         _check_choice(scheduling, "--scheduling", tuple(s.value for s in Scheduling))

@@ -15,7 +15,7 @@ from rich.table import Table
 from kvforge import __version__
 from kvforge.contract.files import atomic_write_text
 from kvforge.tools.testcases.checks import FAILED, PASSED, SKIPPED
-from kvforge.tools.testcases.runner import FileResult, summary_counts
+from kvforge.tools.testcases.execute import FileResult, summary_counts
 
 
 def print_table(out: Console, results: list[FileResult], notes: list[str]) -> None:

@@ -24,9 +24,9 @@ from kvforge.contract.paging import pages_for
 from kvforge.contract.safetensors_map import map_tensor
 from kvforge.plugins.ops import UNUSED_PAGE
 from kvforge.plugins.reference import rope_table
-from kvforge.runtime.kv_pool import KVPool
+from kvforge.runtime.backend import ForwardOutput, StepInputs, last_token_indices
+from kvforge.runtime.kv_store import KVStore
 from kvforge.runtime.recurrent_state import RecurrentStates, is_state_input
-from kvforge.runtime.runner import ForwardOutput, StepInputs, last_token_indices
 
 # ONNX Runtime's own log lines would break the one-line error promise: failures surface as exceptions anyway,
 # so its logger is silenced (fatal only) unless a CLI runs with --debug (warnings and up).
@@ -135,7 +135,7 @@ def check_last_token_positions(positions: np.ndarray, lengths: np.ndarray, width
                            "token only (no speculative verify); rebuild it with llm_build", "engine_dir")
 
 
-class OrtEngineRunner:
+class OrtBackend:
     def __init__(self, engine: EngineDir, num_threads: int = 0, embedding: np.ndarray | None = None,
                  profile_prefix: str | None = None) -> None:
         """`embedding`: the engine's table when the caller already has it (bound to a tied head, not mapped twice)."""
@@ -149,13 +149,13 @@ class OrtEngineRunner:
         graph_inputs = {i.name: i.shape for i in self.session.get_inputs()}
         self.tokens_per_page = build.tokens_per_page
         self._pool_inputs = [f"past_key_values_{i}" for i in model.attention_layer_ids]
-        self.pool = KVPool(len(self._pool_inputs), build.max_kv_pool_pages, model.num_key_value_heads,
+        self.kv_store = KVStore(len(self._pool_inputs), build.max_kv_pool_pages, model.num_key_value_heads,
                            build.tokens_per_page, model.head_dim, model.kv_cache_dtype)
         # One state row per sequence that can run at once: the engine admits at most maxBatchSize of them.
         shapes = {name: tuple(shape[1:]) for name, shape in graph_inputs.items() if is_state_input(name)}
         self.states = RecurrentStates(shapes, build.max_batch_size) if shapes else None
         # Pools and the RoPE table are bound once as OrtValues over the numpy memory: no per-call copies.
-        self._pool_values = [ort.OrtValue.ortvalue_from_numpy(layer) for layer in self.pool.layers]
+        self._pool_values = [ort.OrtValue.ortvalue_from_numpy(layer) for layer in self.kv_store.layers]
         self._rope_value: ort.OrtValue | None = None
         if "rope_rotary_cos_sin" in graph_inputs:
             self.rope = rope_table(build.max_kv_cache_capacity, model.rotary_dim, model.rope_theta)
@@ -233,7 +233,7 @@ class OrtEngineRunner:
                  lengths: np.ndarray) -> None:
         rows, tokens, pages, slots = [], [], [], []
         for b, (start, length) in enumerate(zip(starts.tolist(), lengths.tolist(), strict=True)):
-            row_pages, row_slots = self.pool.locate(page_ids[b], start, start + length)
+            row_pages, row_slots = self.kv_store.locate(page_ids[b], start, start + length)
             rows.append(np.full(length, b))
             tokens.append(np.arange(length))
             pages.append(row_pages)
@@ -241,4 +241,4 @@ class OrtEngineRunner:
         b_idx, t_idx = np.concatenate(rows), np.concatenate(tokens)
         page_idx, slot_idx = np.concatenate(pages), np.concatenate(slots)
         for layer, new in enumerate(new_rows):
-            self.pool.scatter(layer, new[b_idx, t_idx], page_idx, slot_idx)
+            self.kv_store.scatter(layer, new[b_idx, t_idx], page_idx, slot_idx)

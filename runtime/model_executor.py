@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvforge.runtime.backend import Backend, ForwardOutput, StepInputs
 from kvforge.runtime.context_cache.lease import Lease
 from kvforge.runtime.lora import LoraAdapter, stack_adapters
-from kvforge.runtime.runner import EngineRunner, ForwardOutput, StepInputs
 from kvforge.runtime.scheduler import ScheduledRow
 from kvforge.runtime.sequence import Sequence
 
@@ -51,15 +51,15 @@ def group_by_width(lengths: list[int]) -> list[list[int]]:
     return [sorted(group) for group in groups]
 
 
-class ModelRunner:
+class ModelExecutor:
     """Owns what an engine call needs besides the pool: the embedding table and the stacked adapters."""
 
-    __slots__ = ("runner", "embedding", "state_rows", "_lora_shapes", "_lora_stacks")
+    __slots__ = ("backend", "embedding", "state_rows", "_lora_shapes", "_lora_stacks")
 
-    def __init__(self, runner: EngineRunner, embedding: np.ndarray, lora_shapes: dict[str, tuple[int, int]],
+    def __init__(self, runner: Backend, embedding: np.ndarray, lora_shapes: dict[str, tuple[int, int]],
                  state_rows: dict[Lease, int] | None = None) -> None:
         """`state_rows`: the engine's recurrent state row of each running lease (recurrent engines only)."""
-        self.runner = runner
+        self.backend = runner
         self.embedding = embedding
         self.state_rows = state_rows
         self._lora_shapes = lora_shapes
@@ -120,7 +120,7 @@ class ModelRunner:
                           logits_indices=np.concatenate(positions))
         if self.state_rows is not None:
             step.state_rows = [self.state_rows[row.seq.lease] for row in rows]  # type: ignore[index]
-        return self.runner.forward(step)
+        return self.backend.forward(step)
 
     def _lora_inputs(self, adapters: list[LoraAdapter | None]) -> dict[str, np.ndarray] | None:
         """Stacked per-row adapters, rebuilt only when the batch's adapter composition changes."""

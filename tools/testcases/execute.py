@@ -1,4 +1,4 @@
-"""Runs one test file on a fresh Engine through the engine loop (runtime/file_runner.py), then checks it."""
+"""Runs one test file on a fresh Engine through the engine loop (runtime/file_loop.py), then checks it."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.contract.errors import KvforgeError
+from kvforge.runtime.backend import Backend
 from kvforge.runtime.engine import Engine, EngineConfig, snapshot_budgets
-from kvforge.runtime.file_runner import Scheduling, prepare_requests, run_request_file
-from kvforge.runtime.runner import EngineRunner
+from kvforge.runtime.file_loop import Scheduling, prepare_requests, run_request_file
 from kvforge.tools.export.synthetic import SYNTHETIC_MODELS
 from kvforge.tools.testcases.checks import FAILED, PASSED, SKIPPED, CheckOptions, CheckResult, Scorer, check_file
 from kvforge.tools.testcases.declared import CaseSpec
@@ -71,7 +71,7 @@ class CaseRunner:
         self.settings = settings
         self.flags = flags
         self.scorer = scorer
-        self._runner: EngineRunner | None = None
+        self._runner: Backend | None = None
 
     def run(self, case: CaseSpec) -> FileResult:
         reuse = self.settings.reuse or case.context_reuse or case.partial_kv_snapshots
@@ -94,8 +94,8 @@ class CaseRunner:
         engine = Engine(self.settings.engine_dir, EngineConfig(
             num_threads=self.settings.num_threads, enable_context_reuse=result.reuse,
             multimodal_engine_dir=str(multimodal) if multimodal else None,
-            **self._snapshot_budgets(case, result.reuse)), runner=self._runner)
-        self._runner = engine.runner  # fresh caches, one model: Engines may share a runner one after another
+            **self._snapshot_budgets(case, result.reuse)), backend=self._runner)
+        self._runner = engine.backend  # fresh caches, one model: Engines may share a runner one after another
         prepared = prepare_requests(engine, case.requests, case.path.resolve().parent)
         loaded = time.perf_counter()
         result.responses = run_request_file(engine, case.requests, prepared, self.settings.scheduling)

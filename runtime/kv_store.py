@@ -7,7 +7,7 @@ import numpy as np
 from kvforge.plugins.reference import pool_numpy_dtype, to_storage
 
 
-class KVPool:
+class KVStore:
     """Per-layer pools [num_pages, 2, Hkv, tokens_per_page, D] in the storage dtype (FP8 as raw bytes)."""
 
     __slots__ = ("layers", "tokens_per_page", "kv_cache_dtype")

@@ -78,8 +78,8 @@ class KVStorage(Protocol):
         ...
 
 
-class EngineRunner(Protocol):
-    pool: KVStorage  # attention layers only; empty on a pure recurrent engine
+class Backend(Protocol):
+    kv_store: KVStorage  # attention layers only; empty on a pure recurrent engine
     states: RecurrentStates | None  # recurrent layers' carried states; None on an attention-only engine
 
     def forward(self, step: StepInputs) -> ForwardOutput:

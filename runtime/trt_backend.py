@@ -19,7 +19,7 @@ from kvforge.contract.errors import KvforgeError
 from kvforge.contract.paging import pages_for
 from kvforge.plugins.ops import UNUSED_PAGE
 from kvforge.plugins.reference import pool_numpy_dtype, rope_table
-from kvforge.runtime.runner import ForwardOutput, StepInputs, last_token_indices
+from kvforge.runtime.backend import ForwardOutput, StepInputs, last_token_indices
 
 PREFILL_PROFILE, DECODE_PROFILE = 0, 1  # as built by kvforge.builder.trt_build
 
@@ -66,8 +66,8 @@ class CudaDriver:
         self.call("cuStreamSynchronize", self.stream)
 
 
-class DeviceKVPool:
-    """The KV pools on the GPU, one buffer per layer [num_pages, 2, Hkv, T, D]; KVPool's host-facing methods.
+class DeviceKVStore:
+    """The KV pools on the GPU, one buffer per layer [num_pages, 2, Hkv, T, D]; KVStore's host-facing methods.
 
     The engine's PagedKVWrite plugin writes new tokens in place, so forward() never touches the pool here;
     read_tokens/write_tokens serve the legacy system-prompt cache by copying whole pages over PCIe.
@@ -146,8 +146,8 @@ def _require_trt_and_cuda() -> tuple[ModuleType, ModuleType]:
     return trt, require_cuda_driver()
 
 
-class TrtEngineRunner:
-    """EngineRunner over llm.engine: profile 0 for prefill calls (S > 1), profile 1 for decode (S == 1)."""
+class TrtBackend:
+    """Backend over llm.engine: profile 0 for prefill calls (S > 1), profile 1 for decode (S == 1)."""
 
     states = None  # attention layers only: recurrent families build for onnxruntime (builder/build.py)
 
@@ -160,12 +160,12 @@ class TrtEngineRunner:
         self.context = self.engine.create_execution_context()
         if self.context is None:
             raise KvforgeError("TensorRT could not create an execution context (out of GPU memory?)", "engine_dir")
-        self.pool = DeviceKVPool(self.cuda, model.num_hidden_layers, build.max_kv_pool_pages,
+        self.kv_store = DeviceKVStore(self.cuda, model.num_hidden_layers, build.max_kv_pool_pages,
                                  model.num_key_value_heads, build.tokens_per_page, model.head_dim,
                                  model.kv_cache_dtype)
         self.inputs = [n for n in self._io_names() if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
         # Engines built before logits_indices take last_token_ids [B] and return [B, V]: they keep running calls
-        # that want each row's last token (see OrtEngineRunner), verify calls are refused with "rebuild".
+        # that want each row's last token (see OrtBackend), verify calls are refused with "rebuild".
         self._legacy_last_token = LEGACY_LAST_TOKEN_IDS in self.inputs
         self._hidden_width = (len(model.hidden_state_layers) * model.hidden_size
                               if HIDDEN_STATES in self._io_names() else 0)
@@ -210,7 +210,7 @@ class TrtEngineRunner:
         sizes = {"inputs_embeds": b.max_batch_size * b.max_input_len * hidden,
                  "context_lengths": b.max_batch_size, "kvcache_start_index": b.max_batch_size,
                  positions: self.max_positions, "kv_page_table": b.max_batch_size * b.max_pages_per_seq,
-                 "rope_rotary_cos_sin": b.max_kv_cache_capacity * self.pool.page_shape[-1],
+                 "rope_rotary_cos_sin": b.max_kv_cache_capacity * self.kv_store.page_shape[-1],
                  "logits": self.max_positions * vocab}
         if self._hidden_width:
             sizes[HIDDEN_STATES] = self.max_positions * self._hidden_width
@@ -271,9 +271,9 @@ class TrtEngineRunner:
     def close(self) -> None:
         """Free the device buffers and the stream (the pools included); the runner is unusable afterwards."""
         self.cuda.synchronize()
-        for ptr in (*self.buffers.values(), *self.pool.layers):
+        for ptr in (*self.buffers.values(), *self.kv_store.layers):
             self.cuda.call("cuMemFree", ptr)
-        self.buffers, self.pool.layers = {}, []
+        self.buffers, self.kv_store.layers = {}, []
         self.cuda.call("cuStreamDestroy", self.cuda.stream)
 
     def _check_limits(self, batch: int, seq: int, positions: int) -> None:
@@ -322,8 +322,8 @@ class TrtEngineRunner:
             self._bind_static(name, (self._batch, *matrix) if rows else matrix)
 
     def _bind_pools(self) -> None:
-        for layer, ptr in enumerate(self.pool.layers):
-            self._set_shape(f"past_key_values_{layer}", (self.build.max_kv_pool_pages, *self.pool.page_shape))
+        for layer, ptr in enumerate(self.kv_store.layers):
+            self._set_shape(f"past_key_values_{layer}", (self.build.max_kv_pool_pages, *self.kv_store.page_shape))
             # The plugin's output aliases its input: both names bind the same buffer, updated in place.
             self.context.set_tensor_address(f"past_key_values_{layer}", ptr)
             self.context.set_tensor_address(f"present_key_values_{layer}", ptr)
