@@ -168,7 +168,7 @@ def fp32_engine(checkpoint, tmp_path_factory) -> Engine:
 
 def test_checkpoint_round_trips_config(checkpoint, fp32_engine) -> None:
     arch, _, model = checkpoint
-    config, runner = model.config, fp32_engine.backend
+    config, runner = model.config, fp32_engine.runner
     assert next(model.parameters()).dtype == torch.float32
     assert model.config._attn_implementation == "eager"
     assert len(runner.kv_store.layers) == config.num_hidden_layers
