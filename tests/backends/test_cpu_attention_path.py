@@ -13,8 +13,8 @@ from pathlib import Path
 
 import onnx
 import pytest
+from support.cli_checks import assert_one_line_error
 from support.ort_support import cpu_kernel_on
-from test_cli_errors import assert_one_line_error
 
 from kvforge.builder.build import BuildOptions, build_engine, resolve_cpu_attention
 from kvforge.contract.engine_dir import ATTENTION_CPU_KERNEL, ATTENTION_ONNX_OPS, load_engine_dir

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from test_cli_errors import assert_one_line_error
+from support.cli_checks import assert_one_line_error
 
 
 def test_profile_ops_writes_both_phases(run_cli, tiny_onnx_dir: Path, tmp_path: Path) -> None:

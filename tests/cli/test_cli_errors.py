@@ -7,31 +7,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
+from support.cli_checks import ANSI, USER_ERROR, assert_one_line_error
 
-_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
-USER_ERROR = 2  # cli_common.EXIT_USER_ERROR; 3 would mean an internal error dressed as one line
 HI = {"role": "user", "content": "hi"}
-
-
-def assert_one_line_error(proc: subprocess.CompletedProcess[str], *needles: str) -> str:
-    """The error contract of every CLI; returns the line for further checks."""
-    stderr = _ANSI.sub("", proc.stderr)
-    assert "Traceback" not in stderr and "Traceback" not in proc.stdout, stderr
-    assert proc.returncode == USER_ERROR, f"exit {proc.returncode}: {stderr}"
-    lines = stderr.strip("\n").splitlines()
-    assert len(lines) == 1 and lines[0].strip(), f"expected one stderr line, got {lines!r}"
-    line = lines[0]
-    assert line.startswith("error:"), line
-    assert "internal error" not in line, line
-    for needle in needles:
-        assert needle in line, f"{needle!r} not in {line!r}"
-    return line
 
 
 def _requests(*requests: dict, **top: object) -> str:
@@ -254,7 +236,7 @@ def test_inference_writes_responses_and_profile(run_cli, tiny_engine_dir: Path, 
 def test_help_shows_examples(run_cli, script: str) -> None:
     proc = run_cli([script, "--help"])
     assert proc.returncode == 0, proc.stderr
-    out = _ANSI.sub("", proc.stdout)
+    out = ANSI.sub("", proc.stdout)
     assert "Examples" in out
     examples = out.split("Examples", 1)[1]
     assert f"{script} " in examples and "--" in examples

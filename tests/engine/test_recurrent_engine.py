@@ -87,12 +87,12 @@ def test_greedy_generation_matches_transformers_batched_and_chunked(engine_dir: 
     name = load_engine_dir(engine_dir).model.name
     loaded = synthetic_model(name, kv_cache_dtype="fp32")
     if name == "tiny-mamba2":
-        from test_mamba2_parity import hf_twin
+        from parity.test_mamba2_parity import hf_twin  # the parity folder's module, by its package path
 
         state = {("backbone.embeddings.weight" if k == "model.embed_tokens.weight" else k): v
                  for k, v in loaded.weights.items()}
     else:
-        from test_qwen3_5_parity import hf_twin
+        from parity.test_qwen3_5_parity import hf_twin  # the parity folder's module, by its package path
 
         state = loaded.weights
     hf = hf_twin(loaded.config)
@@ -274,7 +274,7 @@ def test_bad_budgets_fail_naming_the_field(engine_dir: Path, runner: OrtBackend)
 
 def test_cli_runs_a_recurrent_engine_and_refuses_budget_flags_without_reuse(run_cli, engine_dir: Path,
                                                                            tmp_path: Path) -> None:
-    from test_cli_errors import assert_one_line_error
+    from support.cli_checks import assert_one_line_error
 
     from kvforge.cli_common import ENGINE_FLAGS
 

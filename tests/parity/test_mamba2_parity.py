@@ -179,7 +179,7 @@ def test_hf_mamba2_checkpoint_dir_exports_and_matches_transformers(tmp_path: Pat
 
 def test_llm_build_lowers_a_recurrent_export_and_llm_inference_runs_it(
         run_cli, tmp_path: Path) -> None:
-    from test_cli_errors import assert_one_line_error
+    from support.cli_checks import assert_one_line_error
 
     from kvforge.contract.geometry import recurrent_bytes_per_slot
     from kvforge.tools.export.synthetic import synthetic_model
@@ -212,7 +212,7 @@ def test_llm_build_lowers_a_recurrent_export_and_llm_inference_runs_it(
 
 
 def test_unknown_layer_types_are_refused_in_one_line(run_cli, tmp_path: Path, tiny_engine_dir: Path) -> None:
-    from test_cli_errors import assert_one_line_error
+    from support.cli_checks import assert_one_line_error
 
     engine = tmp_path / "engine_with_unknown_layers"
     shutil.copytree(tiny_engine_dir, engine)

@@ -275,7 +275,7 @@ def test_synthetic_tiny_qwen3_5_matches_transformers(tmp_path: Path) -> None:
 
 
 def test_llm_export_and_llm_build_of_the_tiny_hybrid(run_cli, tmp_path: Path) -> None:
-    from test_cli_errors import assert_one_line_error
+    from support.cli_checks import assert_one_line_error
 
     from kvforge.contract.geometry import kv_bytes_per_page, recurrent_bytes_per_slot
     from kvforge.contract.manifest import ENGINE_KIND, verify_manifest
@@ -318,7 +318,7 @@ def test_llm_export_and_llm_build_of_the_tiny_hybrid(run_cli, tmp_path: Path) ->
 
 
 def test_unsupported_qwen3_5_settings_are_refused_in_one_line(run_cli, tmp_path: Path, models: tuple) -> None:
-    from test_cli_errors import assert_one_line_error
+    from support.cli_checks import assert_one_line_error
 
     from kvforge.tools.export.synthetic import byte_level_tokenizer
 
