@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from support.cli_checks import ANSI, USER_ERROR, assert_one_line_error
+from support.cli_checks import ANSI, assert_one_line_error
 
 HI = {"role": "user", "content": "hi"}
 
