@@ -179,7 +179,7 @@ def test_reuse_is_invisible_on_an_int4_engine(case: str, tmp_path: Path) -> None
     """Warm answers equal cold ones (greedy text and top-1 logprob ids) on a quantized engine too."""
     import json
 
-    from engine_driver import make_engine, run_file, top1_ids
+    from support.engine_driver import make_engine, run_file, top1_ids
 
     loaded = synthetic_model("tiny-llama")
     quantize_linears(loaded, "int4", 32)
