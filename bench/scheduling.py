@@ -32,9 +32,7 @@ from kvforge.builder.build import BuildOptions
 from kvforge.runtime.engine import Engine
 from kvforge.runtime.file_loop import Scheduling, drain, run_request_file
 from kvforge.runtime.output import RequestOutput
-from kvforge.runtime.profile import Profiler
 from kvforge.runtime.request_file import RequestFile
-from kvforge.runtime.scheduler import SchedulerStats
 from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.types import Message, Request, SamplingParams
 
@@ -69,8 +67,7 @@ def exact_length(engine: Engine, max_generate_length: int) -> SamplingParams:
 
 def fresh_counters(engine: Engine) -> None:
     """Start the profile (prefill/generation counters, stages) and the scheduler's counters from zero."""
-    engine.profiler = Profiler()
-    engine.scheduler.stats = SchedulerStats()
+    engine.reset_counters()
 
 
 # --- a. continuous vs static on a mixed workload ------------------------------------------------------

@@ -29,7 +29,7 @@ from kvforge.runtime.model_executor import ModelExecutor
 from kvforge.runtime.output import OutputProcessor, RequestOutput
 from kvforge.runtime.profile import Profiler
 from kvforge.runtime.sampling import Sampler
-from kvforge.runtime.scheduler import Scheduler
+from kvforge.runtime.scheduler import Scheduler, SchedulerStats
 from kvforge.runtime.sequence import EngineRequest, Sequence, Status
 from kvforge.runtime.snapshots import PartialKVSnapshotStore, RecurrentSnapshotStore
 from kvforge.runtime.state_manager import StateManager
@@ -139,6 +139,11 @@ class Engine:
     @property
     def kv_pool_bytes(self) -> int:
         return int(self.backend.kv_store.nbytes)
+
+    def reset_counters(self) -> None:
+        """Start the profile's stages and counters and the scheduler's counters from zero (benchmark phases)."""
+        self.profiler.reset()
+        self.scheduler.stats = SchedulerStats()
 
     def stats(self) -> EngineStats:
         """Queue depths, pool occupancy and counters at this moment, for servers and benchmarks."""

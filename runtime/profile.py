@@ -9,7 +9,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +119,13 @@ class Profiler:
     per_adapter: dict[str, dict[str, int]] = field(default_factory=dict)  # adapter name ("base") -> counts
     # A long-running process (the server) streams stage times here instead of keeping every run in a list.
     stage_sink: Callable[[str, float], None] | None = None
+
+    def reset(self) -> None:
+        """Every stage and counter back to zero, in place (benchmarks between phases); `enabled` and `stage_sink`
+        stay. In place because the engine's parts hold this profiler."""
+        fresh = Profiler(enabled=self.enabled, stage_sink=self.stage_sink)
+        for item in fields(self):
+            setattr(self, item.name, getattr(fresh, item.name))
 
     @contextmanager
     def stage(self, stage_id: str) -> Iterator[None]:
