@@ -63,3 +63,22 @@ def tiny_engine_dir(tiny_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactor
 def tiny_build_options() -> BuildOptions:
     """The BuildOptions `tiny_engine_dir` was built with (max_input_len 64, capacity 256, batch 4, page 16)."""
     return TINY_BUILD
+
+
+def _family_engine(name: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp(name.replace("-", "_"))
+    write_onnx_dir(synthetic_model(name), root / "onnx")
+    build_engine(root / "onnx", root / "engine", TINY_BUILD)
+    return root / "engine"
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`llm_export --synthetic tiny-qwen3_5` (gated delta-net + attention layers) built with TINY_BUILD; read-only."""
+    return _family_engine("tiny-qwen3_5", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_mamba2_engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`llm_export --synthetic tiny-mamba2` (recurrent layers only, no KV pages) built with TINY_BUILD; read-only."""
+    return _family_engine("tiny-mamba2", tmp_path_factory)
