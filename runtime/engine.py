@@ -17,6 +17,7 @@ from kvforge.runtime.backend import Backend
 from kvforge.runtime.backends import load_backend
 from kvforge.runtime.context_cache.manager import ContextCacheManager
 from kvforge.runtime.engine_config import (  # noqa: F401 - EngineConfig and the budget helper are re-exported
+    SPEC_NGRAM,
     EngineConfig,
     deployment_of,
     resolve_engine_config,
@@ -32,6 +33,7 @@ from kvforge.runtime.sampling import Sampler
 from kvforge.runtime.scheduler import Scheduler, SchedulerStats
 from kvforge.runtime.sequence import EngineRequest, Sequence, Status
 from kvforge.runtime.snapshots import PartialKVSnapshotStore, RecurrentSnapshotStore
+from kvforge.runtime.spec.ngram import NgramProposer
 from kvforge.runtime.state_manager import StateManager
 from kvforge.runtime.system_prompt_cache import SystemPromptCache
 from kvforge.runtime.types import Deployment
@@ -91,7 +93,7 @@ class Engine:
                                    max_num_tokens=resolved.max_num_tokens,
                                    prefill_chunk_tokens=resolved.prefill_chunk_tokens,
                                    max_seq_tokens=build.max_kv_cache_capacity)
-        self.core = EngineCore(self.scheduler, self.executor, self.outputs, self.profiler)
+        self.core = EngineCore(self.scheduler, self.executor, self.outputs, self.profiler, _proposer(config))
         self._ids = itertools.count()
         self._arrivals = itertools.count()
 
@@ -164,6 +166,12 @@ class Engine:
         # Which path attention took (kvforge's CPU kernel or the pure-ONNX fallback): speed depends on it.
         data["engine"] = {"backend": self.engine_dir.build.backend, "attention": self.engine_dir.build.attention}
         return {**data, **self.multimodal.profile()} if self.multimodal else data
+
+
+def _proposer(config: EngineConfig) -> NgramProposer | None:
+    if config.spec_decode == SPEC_NGRAM:
+        return NgramProposer(config.spec_draft_step, config.spec_prompt_lookup_min, config.spec_prompt_lookup_max)
+    return None
 
 
 def _load_encoder(config: EngineConfig):  # -> VisualEncoder | AudioEncoder | None

@@ -20,8 +20,14 @@ from kvforge.contract.model_config import ModelConfig
 from kvforge.runtime.context_cache.keys import EngineFingerprint, chain_root
 from kvforge.runtime.context_cache.manager import DEFAULT_MAX_RECORDS
 from kvforge.runtime.multimodal.encoder_cache import DEFAULT_ENCODER_CACHE_BUDGET_BYTES
+from kvforge.runtime.spec.ngram import DEFAULT_MAX_N, DEFAULT_MIN_N
 from kvforge.runtime.state_manager import CheckpointPolicy
 from kvforge.runtime.types import Deployment
+
+SPEC_OFF, SPEC_NGRAM = "off", "ngram"
+SPEC_METHODS = (SPEC_OFF, SPEC_NGRAM)
+DEFAULT_SPEC_DRAFT_TOKENS = 6  # TensorRT Edge-LLM's --specDraftStep default; bench/spec_decode.py measures others
+MAX_SPEC_DRAFT_TOKENS = 32
 
 # Long prompts prefill faster in chunks on the CPU: the masked score matrix grows with the square of the
 # call's length. bench/prefill_chunks.py measured a 1,536-token SmolLM2 prefill 1.36x faster at 512
@@ -101,6 +107,18 @@ class EngineConfig:
     snapshot_interval_tokens: int = _option(
         0, "--snapshotIntervalTokens", "Recurrent/hybrid engines: also capture a checkpoint every N prompt tokens "
         "(within the snapshot budget; least recently used checkpoints are evicted). 0 = off.", requires_reuse=True)
+    spec_decode: str = _option(
+        SPEC_OFF, "--specDecode", "Speculative decoding: 'ngram' drafts by prompt lookup (the tokens that followed the "
+        "last few tokens where they occurred earlier in the prompt or output; no draft model) and the engine verifies "
+        "them in one call per step; 'off' (default). Greedy outputs are unchanged; a request opts out with "
+        "disable_spec_decode.")
+    spec_draft_step: int = _option(
+        DEFAULT_SPEC_DRAFT_TOKENS, "--specDraftStep", "With --specDecode: tokens proposed per step for each decoding "
+        "request (the verify call computes this many more positions).")
+    spec_prompt_lookup_min: int = _option(
+        DEFAULT_MIN_N, "--specPromptLookupMin", "With --specDecode ngram: the shortest n-gram that may match.")
+    spec_prompt_lookup_max: int = _option(
+        DEFAULT_MAX_N, "--specPromptLookupMax", "With --specDecode ngram: the longest n-gram tried first.")
 
 
 # Snapshot slots a front end sizes each pool with when it sizes them for the user (llm_test, llm_bench): enough
@@ -153,6 +171,7 @@ def resolve_engine_config(config: EngineConfig, engine: EngineDir, *, num_pages:
     build = engine.build
     deployment = deployment_of(engine.model)
     budget, rows = _resolve_limits(config, build.max_input_len, build.max_batch_size)
+    _check_speculation(config, deployment)
     if config.encoder_cache_budget_bytes < 0:
         raise InvalidConfig(f"must be >= 0, got {config.encoder_cache_budget_bytes}", "encoder_cache_budget_bytes")
     partial = _partial_kv_snapshot_slots(config, engine, deployment)
@@ -168,6 +187,21 @@ def resolve_engine_config(config: EngineConfig, engine: EngineDir, *, num_pages:
                                    config.snapshot_interval_tokens)
     return ResolvedConfig(deployment, budget, rows, chunk, pages, partial, recurrent, checkpoints,
                           chain_root(engine_fingerprint(engine)))
+
+
+def _check_speculation(config: EngineConfig, deployment: Deployment) -> None:
+    """The speculative settings, and the support matrix's rows that apply to prompt lookup."""
+    if config.spec_decode not in SPEC_METHODS:
+        raise InvalidConfig(f"must be one of {', '.join(SPEC_METHODS)}, got {config.spec_decode!r}", "spec_decode")
+    if not 1 <= config.spec_draft_step <= MAX_SPEC_DRAFT_TOKENS:
+        raise InvalidConfig(f"must be in [1, {MAX_SPEC_DRAFT_TOKENS}], got {config.spec_draft_step}", "spec_draft_step")
+    if not 1 <= config.spec_prompt_lookup_min <= config.spec_prompt_lookup_max:
+        raise InvalidConfig(f"must be in [1, specPromptLookupMax {config.spec_prompt_lookup_max}], got "
+                            f"{config.spec_prompt_lookup_min}", "spec_prompt_lookup_min")
+    if config.spec_decode != SPEC_OFF and deployment is Deployment.PURE_RECURRENT:
+        # The seed's support matrix: speculation on a pure recurrent base is rejected.
+        raise InvalidConfig("speculative decoding is not supported on a pure recurrent engine (no attention "
+                            "layers to verify drafts against cheaply; the support matrix rejects it)", "spec_decode")
 
 
 def engine_fingerprint(engine: EngineDir) -> EngineFingerprint:

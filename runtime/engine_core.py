@@ -10,12 +10,14 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvforge.contract.profile_schema import SPEC_DRAFT_PROPOSAL_STAGE
 from kvforge.runtime.model_executor import BatchOutput
 from kvforge.runtime.output import OutputProcessor, RequestOutput
 from kvforge.runtime.profile import GENERATION_STAGE, PREFILL_STAGE, Profiler
 from kvforge.runtime.sampling import SampleResult, accept_tokens
 from kvforge.runtime.scheduler import RowUpdate, ScheduledRow, Scheduler, SchedulerOutput
 from kvforge.runtime.sequence import Sequence
+from kvforge.runtime.spec.proposer import Proposer
 
 
 class StepExecutor(Protocol):
@@ -48,14 +50,16 @@ def sample_rows(rows: list[ScheduledRow], output: BatchOutput) -> list[list[Samp
 
 
 class EngineCore:
-    __slots__ = ("scheduler", "executor", "outputs", "profiler", "sequences")
+    __slots__ = ("scheduler", "executor", "outputs", "profiler", "proposer", "sequences")
 
     def __init__(self, scheduler: Scheduler, executor: StepExecutor, outputs: OutputProcessor,
-                 profiler: Profiler) -> None:
+                 profiler: Profiler, proposer: Proposer | None = None) -> None:
+        """`proposer`: drafts tokens for the decoding rows after each step (speculative decoding; None = off)."""
         self.scheduler = scheduler
         self.executor = executor
         self.outputs = outputs
         self.profiler = profiler
+        self.proposer = proposer
         self.sequences: dict[str, Sequence] = {}
 
     def add(self, seq: Sequence) -> None:
@@ -90,7 +94,22 @@ class EngineCore:
         reused = self._reused_at_admission(batch)  # before the update moves num_computed_tokens
         updates = self.scheduler.update_from_output(batch, sampled)
         self._count(batch, updates, reused)
-        return [self._output(update) for update in updates]
+        outputs = [self._output(update) for update in updates]
+        if self.proposer is not None:
+            self._propose()
+        return outputs
+
+    def _propose(self) -> None:
+        """Drafts for the next step: each running sequence about to decode one token, unless it opted out or carries
+        media (the support matrix runs speculative media requests cold; prompt lookup simply leaves them plain)."""
+        assert self.proposer is not None
+        with self.profiler.stage(SPEC_DRAFT_PROPOSAL_STAGE):
+            for seq in self.scheduler.running:
+                if seq.num_pending_tokens != 1 or not seq.output_ids or not seq.request.sampling.speculative \
+                        or seq.request.media:
+                    continue
+                room = seq.request.sampling.max_generate_length - len(seq.output_ids) - 1
+                seq.spec_token_ids = self.proposer.propose(seq.all_token_ids(), room)
 
     def _reused_at_admission(self, batch: SchedulerOutput) -> int:
         """Tokens a sequence starts with at admission were served from a cache (pages or the legacy copy)."""
@@ -103,6 +122,11 @@ class EngineCore:
                                       computed_tokens=sum(r.num_new_tokens for r in batch.rows if r.is_prefill))
         if not batch.has_prefill:
             self.profiler.add_generation(sum(len(update.new_token_ids) for update in updates))
+        rows = {id(row.seq): row for row in batch.rows}
+        for update in updates:
+            drafts = len(rows[id(update.seq)].draft_token_ids)
+            if drafts:
+                self.profiler.add_speculation(drafts, drafts - update.num_rejected, len(update.new_token_ids))
 
     def _output(self, update: RowUpdate) -> RequestOutput:
         seq = update.seq

@@ -28,6 +28,7 @@ from kvforge.contract.profile_schema import (
     PREFILL_STAGE,
     SCHEDULER,
     SCHEDULER_KEYS,
+    SPEC_DECODE_GENERATION,
     STAGES,
     bytes_key,
     mb_key,
@@ -117,6 +118,10 @@ class Profiler:
     peak_cpu_memory_bytes: int = 0
     kv_pool_bytes: int | None = None
     per_adapter: dict[str, dict[str, int]] = field(default_factory=dict)  # adapter name ("base") -> counts
+    spec_verify_rows: int = 0  # rows that verified drafts
+    spec_draft_tokens: int = 0  # drafts verified
+    spec_accepted_tokens: int = 0  # drafts kept
+    spec_committed_tokens: int = 0  # tokens those rows committed (kept drafts + one each)
     # A long-running process (the server) streams stage times here instead of keeping every run in a list.
     stage_sink: Callable[[str, float], None] | None = None
 
@@ -164,6 +169,15 @@ class Profiler:
         counts = self.per_adapter.setdefault(adapter, {"requests": 0, "reused_tokens": 0})
         counts["requests"] += 1
         counts["reused_tokens"] += int(reused_tokens)
+
+    def add_speculation(self, drafts: int, accepted: int, committed: int) -> None:
+        """Count one row that verified `drafts` draft tokens, kept `accepted` and committed `committed` tokens."""
+        if not self.enabled:
+            return
+        self.spec_verify_rows += 1
+        self.spec_draft_tokens += int(drafts)
+        self.spec_accepted_tokens += int(accepted)
+        self.spec_committed_tokens += int(committed)
 
     def add_generation(self, generated_tokens: int) -> None:
         """Count one decode run (one batch's decode loop)."""
@@ -216,6 +230,16 @@ class Profiler:
                 "average_tokens_per_run": _ratio(self.generated_tokens, self.generation_runs),
                 "tokens_per_second": _ratio(self.generated_tokens * 1000.0, generation_ms),
                 "average_time_per_token_ms": _ratio(generation_ms, self.generated_tokens),
+            }
+        if self.spec_verify_rows:
+            data[SPEC_DECODE_GENERATION] = {
+                # TensorRT Edge-LLM's names: an iteration is one verify row; its tokens are what it committed.
+                "total_iterations": self.spec_verify_rows,
+                "total_draft_tokens": self.spec_draft_tokens,
+                "total_accepted_tokens": self.spec_accepted_tokens,
+                "total_generated_tokens": self.spec_committed_tokens,
+                "average_acceptance_rate": _ratio(self.spec_accepted_tokens, self.spec_draft_tokens),
+                "acceptance_length": _ratio(self.spec_committed_tokens, self.spec_verify_rows),
             }
         if scheduler is not None and self.enabled:
             data[SCHEDULER] = {key: int(scheduler[key]) for key in SCHEDULER_KEYS}

@@ -157,11 +157,12 @@ def _parse_request(raw: Any, index: int, defaults: SamplingParams, chat: bool, g
     prefix = f"requests[{index}]"
     if not isinstance(raw, dict):
         fail(prefix, f"must be an object, got {json_kind(raw)}")
-    get_bool(raw, "disable_spec_decode", prefix, False)  # checked for the seed's files; no speculative decoding yet
+    sampling = replace(_parse_sampling(raw, prefix, defaults),
+                       speculative=not get_bool(raw, "disable_spec_decode", prefix, False))
     return Request(
         index=index,
         messages=parse_messages(raw.get("messages", MISSING), f"{prefix}.messages"),
-        sampling=_parse_sampling(raw, prefix, defaults),
+        sampling=sampling,
         apply_chat_template=get_bool(raw, "apply_chat_template", prefix, chat),
         add_generation_prompt=get_bool(raw, "add_generation_prompt", prefix, generation_prompt),
         lora_name=_parse_lora_name(raw.get("lora_name", ""), f"{prefix}.lora_name", loras),

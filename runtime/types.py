@@ -52,6 +52,7 @@ class SamplingParams:
     seed: int | None = None  # None = fresh entropy per run
     reuse_context: bool = True
     cache_generated_tokens: bool = True
+    speculative: bool = True  # False: the request's disable_spec_decode (no drafts, plain decode rows)
 
     @property
     def is_greedy(self) -> bool:

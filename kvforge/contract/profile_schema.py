@@ -14,6 +14,7 @@ from types import MappingProxyType
 # `stages[].stage_id` of the engine calls; the prefill and generation sections take their times from these.
 PREFILL_STAGE = "llm_prefill"
 GENERATION_STAGE = "llm_generation"
+SPEC_DRAFT_PROPOSAL_STAGE = "spec_decode_draft_proposal"  # TensorRT Edge-LLM's stage id for drafting
 
 # ------------------------------------------------------------------------------------------ top-level sections
 
