@@ -15,7 +15,7 @@ LLM_TEST_SMOLLM2 ?= mxsl2048-mxbs2-mxil1024-mxlr8-tpp64
 LLM_TEST_TINY_RECURRENT ?= mxsl4096-mxbs4-mxil3072-tpp16
 LLM_TEST = $(BIN)/llm_test --cacheDir $(OUT)/llm_test/engines --numThreads $(THREADS)
 
-.PHONY: install demo test test-slow llm-test lint bench bench-reuse bench-lora bench-scheduling bench-quality \
+.PHONY: install demo test test-slow llm-test lint bench bench-reuse bench-lora bench-scheduling bench-spec bench-quality \
 	bench-peers bench-peers-install bench-decode-context clean
 
 $(VENV)/.installed: pyproject.toml
@@ -134,6 +134,10 @@ bench-lora: $(OUT)/onnx/smollm2/manifest.json
 bench-scheduling: $(OUT)/onnx/smollm2/manifest.json
 	$(BIN)/python bench/scheduling.py --onnxDir $(OUT)/onnx/smollm2 --threads $(THREADS) \
 		--json $(OUT)/bench_scheduling.json
+
+bench-spec: $(OUT)/onnx/smollm2/manifest.json
+	$(BIN)/python bench/spec_decode.py --onnxDir $(OUT)/onnx/smollm2 --threads $(THREADS) \
+		--json $(OUT)/bench_spec_decode.json
 
 # The float32 reference export (llm_export's SmolLM2 default is int4): parity work and the quality bar's baseline.
 $(OUT)/onnx/smollm2-fp32/manifest.json: $(VENV)/.installed

@@ -1,0 +1,118 @@
+"""Prompt-lookup speculative decoding against plain decoding on the same engine, in one run.
+
+Workloads on SmolLM2 (chat template, greedy, EOS allowed): questions whose answers quote a ~1,500-token document,
+a summary of that document, and unrelated chat (nothing to copy: what speculation costs when it cannot help).
+Per workload and mode: decode tok/s (generated tokens after the first / time from the first token to the last),
+TTFT, and for ngram the acceptance length (tokens committed per verify row) and rate. Outputs are compared token for
+token with plain decoding. Modes alternate per request.
+
+    python bench/spec_decode.py --onnxDir out/onnx/smollm2 --threads 2 --repeats 2
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from _common import Progress, bench_parser, median, write_json
+
+from kvforge.builder.build import BuildOptions, build_engine
+from kvforge.runtime.engine import Engine, EngineConfig
+from kvforge.runtime.output import RequestOutput
+from kvforge.runtime.sequence import EngineRequest
+from kvforge.runtime.types import Message, Request, SamplingParams
+from kvforge.tools.bench.text import fit_document
+
+BUILD = BuildOptions(max_input_len=2048, max_kv_cache_capacity=2304, max_batch_size=1, tokens_per_page=128)
+DOCUMENT_TOKENS = 1500
+QUOTE_QUESTIONS = [
+    "Copy, word for word, the paragraph of the report that describes the turbine blades.",
+    "Quote exactly the sentences of the report about the review board.",
+]
+SUMMARY = "Summarise the report above in about a hundred words, reusing its own wording."
+UNRELATED = ["Write a short poem about a cat who learns to swim.", "Give three tips for baking bread at home."]
+MAX_GENERATE = 160
+
+
+def chat_request(engine: Engine, text: str) -> EngineRequest:
+    sampling = SamplingParams(temperature=0.0, max_generate_length=MAX_GENERATE)
+    return engine.inputs.process(Request(index=0, messages=[Message("user", text)], sampling=sampling,
+                                         apply_chat_template=True, add_generation_prompt=True))
+
+
+def run_one(engine: Engine, request: EngineRequest) -> dict[str, Any]:
+    engine.reset_counters()
+    request_id = engine.add_request(request)
+    output: RequestOutput | None = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == request_id and out.finished:
+                output = out
+    assert output is not None and output.timing is not None
+    generated = len(output.token_ids)
+    profile = engine.profile()
+    spec = profile.get("spec_decode_generation", {})
+    return {"tokens": output.token_ids, "generated": generated, "ttft_ms": output.timing.ttft_ms,
+            "decode_tok_s": (generated - 1) * 1e3 / output.timing.decode_ms if output.timing.decode_ms else 0.0,
+            "acceptance_length": spec.get("acceptance_length", 1.0),
+            "acceptance_rate": spec.get("average_acceptance_rate", 0.0),
+            "verify_rows": spec.get("total_iterations", 0)}
+
+
+def main() -> None:
+    parser = bench_parser(__doc__, repeats=2)
+    parser.add_argument("--draftSteps", type=int, nargs="+", default=[4, 8], help="--specDraftStep values to try")
+    args = parser.parse_args()
+    progress = Progress()
+    with tempfile.TemporaryDirectory(prefix="kvforge-spec-") as tmp:
+        engine_dir = Path(tmp) / "engine"
+        build_engine(args.onnxDir, engine_dir, BUILD)
+        modes = {"plain": EngineConfig(num_threads=args.threads)}
+        for k in args.draftSteps:
+            modes[f"ngram k={k}"] = EngineConfig(num_threads=args.threads, spec_decode="ngram", spec_draft_step=k)
+        engines = {name: Engine(engine_dir, config) for name, config in modes.items()}
+        first = next(iter(engines.values()))
+        document, doc_tokens = fit_document(first.tokenizer.encode, DOCUMENT_TOKENS)
+        workloads = {
+            "document quotes": [f"{document}\n\n{q}" for q in QUOTE_QUESTIONS],
+            "document summary": [f"{document}\n\n{SUMMARY}"],
+            "unrelated chat": UNRELATED,
+        }
+        results: dict[str, dict[str, list[dict[str, Any]]]] = {w: {m: [] for m in modes} for w in workloads}
+        for repeat in range(args.repeats):
+            for workload, texts in workloads.items():
+                for text in texts:
+                    order = list(engines) if repeat % 2 == 0 else list(reversed(engines))
+                    for mode in order:
+                        progress(f"repeat {repeat + 1}/{args.repeats}: {workload}, {mode}")
+                        engine = engines[mode]
+                        results[workload][mode].append(run_one(engine, chat_request(engine, text)))
+    print(f"\nspeculative decoding bench: SmolLM2 engine from {args.onnxDir}, {args.threads} threads, "
+          f"{args.repeats} repeats, document {doc_tokens} tokens, greedy, max_generate_length {MAX_GENERATE}; "
+          f"total {progress.elapsed:.0f} s\n")
+    figures: dict[str, Any] = {}
+    header = f"   {'mode':<12} {'decode tok/s':>12} {'vs plain':>9} {'TTFT ms':>9} {'accept len':>10} " \
+             f"{'accept rate':>11} {'same tokens':>11}"
+    for workload, by_mode in results.items():
+        print(f"{workload}: {len(workloads[workload])} prompt(s)")
+        print(header)
+        plain_rate = median([r["decode_tok_s"] for r in by_mode["plain"]])
+        figures[workload] = {}
+        for mode, runs in by_mode.items():
+            rate = median([r["decode_tok_s"] for r in runs])
+            same = all(r["tokens"] == p["tokens"] for r, p in zip(runs, by_mode["plain"], strict=True))
+            row = {"decode_tok_s": rate, "vs_plain": rate / plain_rate if plain_rate else 0.0,
+                   "ttft_ms": median([r["ttft_ms"] for r in runs]),
+                   "acceptance_length": median([r["acceptance_length"] for r in runs]),
+                   "acceptance_rate": median([r["acceptance_rate"] for r in runs]),
+                   "generated": median([r["generated"] for r in runs]), "same_tokens": same}
+            figures[workload][mode] = row
+            print(f"   {mode:<12} {rate:12.1f} {row['vs_plain']:9.2f} {row['ttft_ms']:9.0f} "
+                  f"{row['acceptance_length']:10.2f} {row['acceptance_rate']:11.2f} {str(same):>11}")
+        print()
+    write_json(args.json, figures)
+
+
+if __name__ == "__main__":
+    main()
