@@ -9,10 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from support.cli_checks import assert_one_line_error
-from support.engine_driver import assert_idle, make_engine
+from support.engine_driver import make_engine, step_audited
 
 from kvforge.contract.errors import InvalidConfig
-from kvforge.runtime.output import RequestOutput
 from kvforge.runtime.sampling import Sampler, accept_tokens
 from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.spec.ngram import NgramProposer
@@ -62,13 +61,7 @@ def run_all(engine, prompts: list[str], opt_out: set[int] = frozenset(), length:
         sampling = SamplingParams(temperature=0.0, num_logprobs=1, max_generate_length=length,
                                   logit_bias={eos: -100.0}, speculative=i not in opt_out)
         ids.append(engine.add_request(EngineRequest(engine.tokenizer.encode(text), sampling)))
-    finished: dict[str, RequestOutput] = {}
-    while engine.has_unfinished():
-        for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = output
-        engine.cache.check_invariants()
-    assert_idle(engine)
+    finished = step_audited(engine)
     return {i: (finished[rid].token_ids, [s[0].token_id for s in finished[rid].logprobs]) for i, rid in enumerate(ids)}
 
 

@@ -10,6 +10,7 @@ from kvforge.contract.lora import LORA_TARGETS
 from kvforge.runtime.backend import Backend
 from kvforge.runtime.engine import Engine, EngineConfig
 from kvforge.runtime.file_loop import Scheduling, prepare_requests, run_request_file
+from kvforge.runtime.output import RequestOutput
 from kvforge.runtime.request_file import parse_request_file
 from kvforge.tools.export.lora import write_converted_adapter, write_random_peft_adapter
 from kvforge.tools.export.source import LoadedModel
@@ -64,3 +65,15 @@ def lora_model_with_adapters(root: Path, build: BuildOptions, kv_cache_dtype: st
         paths[name] = root / f"{name}.safetensors"
         write_converted_adapter(root / f"peft_{name}", root / "onnx", paths[name])
     return loaded, paths
+
+
+def step_audited(engine: Engine) -> dict[str, RequestOutput]:
+    """Step until every request finished, auditing the cache after each step; the finished outputs by request id."""
+    finished: dict[str, RequestOutput] = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+        engine.cache.check_invariants()
+    assert_idle(engine)
+    return finished
