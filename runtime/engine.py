@@ -154,7 +154,9 @@ class Engine:
                            loading=len(scheduler.loading), pool_free=pages.num_free, pool_capacity=pages.capacity,
                            prefill_reused_tokens=profiler.prefill_reused_tokens,
                            prefill_computed_tokens=profiler.prefill_computed_tokens,
-                           generated_tokens=profiler.generated_tokens, scheduler=scheduler.stats.to_dict(),
+                           generated_tokens=profiler.generated_tokens,
+                           spec_draft_tokens=profiler.spec_draft_tokens,
+                           spec_accepted_tokens=profiler.spec_accepted_tokens, scheduler=scheduler.stats.to_dict(),
                            cache=self.cache.profile() if self.cache.enabled else {},
                            encoder_cache=self.multimodal.cache.to_dict() if self.multimodal is not None else {})
 

@@ -38,6 +38,8 @@ class EngineStats:
     prefill_reused_tokens: int
     prefill_computed_tokens: int
     generated_tokens: int
+    spec_draft_tokens: int  # drafts verified (speculative decoding)
+    spec_accepted_tokens: int  # drafts kept
     scheduler: dict[str, int]
     cache: dict[str, Any]  # the profile's context_cache block; empty with reuse off
     encoder_cache: dict[str, int]  # the profile's multimodal.encoder_cache; empty without an encoder

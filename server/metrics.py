@@ -82,6 +82,13 @@ class _EngineCollector(Collector):
                                ("steps", "Engine steps."),
                                ("inflight_prefix_waits", "Times a request waited for a prefix another computed.")):
             yield _counter(f"scheduler_{key}", help_text, s.scheduler.get(key, 0))
+        if s.spec_draft_tokens:  # speculative decoding proposed something
+            yield _counter("spec_decode_draft_tokens", "Draft tokens verified (speculative decoding).",
+                           s.spec_draft_tokens)
+            yield _counter("spec_decode_accepted_tokens", "Draft tokens the model agreed with and kept.",
+                           s.spec_accepted_tokens)
+            yield _gauge("spec_decode_acceptance_rate", "Kept drafts / verified drafts since the server started.",
+                         s.spec_accepted_tokens / s.spec_draft_tokens)
         if s.encoder_cache:  # an encoder engine is loaded
             cache = s.encoder_cache
             yield _counter("encoder_cache_hits", "Media items whose encoder output came from the encoder cache.",
