@@ -86,7 +86,7 @@ class Engine:
                                      message_boundaries=resolved.checkpoints.enabled
                                      and config.snapshot_message_boundaries)
         self.executor = ModelExecutor(self.backend, embedding, lora_input_shapes(self.engine_dir),
-                                        self.state.rows if self.states is not None else None)
+                                      self.state.rows if self.states is not None else None)
         self.outputs = OutputProcessor(self.tokenizer, frozenset(self.engine_dir.model.eos_token_ids),
                                        build.max_kv_cache_capacity)
         self.scheduler = Scheduler(self.cache, self.state, self.outputs, max_batch_size=resolved.max_batch_size,

@@ -110,8 +110,7 @@ class EngineCore:
                 if seq.num_pending_tokens != 1 or not seq.output_ids or not seq.request.sampling.speculative \
                         or seq.request.media:
                     continue
-                room = seq.request.sampling.max_generate_length - len(seq.output_ids) - 1
-                seq.spec_token_ids = self.proposer.propose(seq.all_token_ids(), room)
+                seq.spec_token_ids = self.proposer.propose(seq.all_token_ids(), self.scheduler.draft_room(seq))
 
     def _reused_at_admission(self, batch: SchedulerOutput) -> int:
         """Tokens a sequence starts with at admission were served from a cache (pages or the legacy copy)."""
@@ -124,11 +123,10 @@ class EngineCore:
                                       computed_tokens=sum(r.num_new_tokens for r in batch.rows if r.is_prefill))
         if not batch.has_prefill:
             self.profiler.add_generation(sum(len(update.new_token_ids) for update in updates))
-        rows = {id(row.seq): row for row in batch.rows}
         for update in updates:
-            drafts = len(rows[id(update.seq)].draft_token_ids)
-            if drafts:
-                self.profiler.add_speculation(drafts, drafts - update.num_rejected, len(update.new_token_ids))
+            if update.num_drafts:
+                self.profiler.add_speculation(update.num_drafts, update.num_drafts - update.num_rejected,
+                                              len(update.new_token_ids))
 
     def _output(self, update: RowUpdate) -> RequestOutput:
         seq = update.seq

@@ -86,6 +86,7 @@ class RowUpdate:
 
     seq: Sequence
     new_token_ids: list[int]
+    num_drafts: int = 0  # draft tokens the row verified
     num_rejected: int = 0
 
 
@@ -160,14 +161,17 @@ class Scheduler:
         """A chunk ends at the sequence's next checkpoint, so its state there can be captured after the call."""
         return min(seq.num_pending_tokens, budget, self.prefill_chunk_tokens, seq.tokens_to_next_checkpoint())
 
+    def draft_room(self, seq: Sequence) -> int:
+        """How many draft tokens `seq` could verify after its next token: within the KV capacity and the tokens it
+        may still generate (a draft past its last token could only be thrown away). Proposers ask it too."""
+        return max(min(self.max_seq_tokens - seq.num_tokens,
+                       seq.request.sampling.max_generate_length - len(seq.output_ids) - 1), 0)
+
     def _drafts_for(self, seq: Sequence, count: int, budget: int) -> list[int]:
-        """The proposal a decode row verifies this step: within the budget, the KV capacity and the tokens the
-        sequence may still generate (a draft past its last token could only be thrown away)."""
+        """The proposal a decode row verifies this step: within the budget and `draft_room`."""
         if not seq.spec_token_ids or count != seq.num_pending_tokens or count != 1:
             return []
-        room = min(budget - count, self.max_seq_tokens - seq.num_tokens,
-                   seq.request.sampling.max_generate_length - len(seq.output_ids) - 1)
-        return seq.spec_token_ids[:max(room, 0)]
+        return seq.spec_token_ids[:max(min(budget - count, self.draft_room(seq)), 0)]
 
     def _grow_or_preempt(self, seq: Sequence, count: int, out: SchedulerOutput) -> bool:
         """Pages for `count` more tokens of `seq`, preempting the newest running sequences until they fit."""
@@ -290,7 +294,7 @@ class Scheduler:
         seq.spec_token_ids = []
         if seq.finish_reason is not None:
             self._finish_normally(seq)
-        return RowUpdate(seq, appended, rejected)
+        return RowUpdate(seq, appended, len(row.draft_token_ids), rejected)
 
     def _finish_normally(self, seq: Sequence) -> None:
         seq.finish_time = time.perf_counter()

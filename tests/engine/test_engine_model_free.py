@@ -170,7 +170,7 @@ def count_drafts(monkeypatch: pytest.MonkeyPatch) -> None:
     def counted(self, row, samples, before):  # type: ignore[no-untyped-def]
         update = commit(self, row, samples, before)
         SEEN["rejected_drafts"] += update.num_rejected
-        SEEN["accepted_drafts"] += len(row.draft_token_ids) - update.num_rejected
+        SEEN["accepted_drafts"] += update.num_drafts - update.num_rejected
         return update
 
     monkeypatch.setattr(scheduler.Scheduler, "_commit_tokens", counted)
