@@ -14,12 +14,13 @@ from kvforge.builder.lower_recurrent import lower_recurrent_ops
 from kvforge.contract.engine_dir import (
     ATTENTION_CPU_KERNEL,
     ATTENTION_ONNX_OPS,
-    COPIED_FILES,
     EMBEDDING_FILE,
     ENGINE_MODEL_FILE,
     ENGINE_WEIGHTS_FILE,
+    MAX_TREE_SIZE,
     BuilderConfig,
     check_embedding,
+    copied_files,
 )
 from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.files import check_output_dir, overlaps, read_json, staged_dir
@@ -38,6 +39,7 @@ BACKENDS = ("auto", "onnxruntime", "tensorrt")
 # --cpuAttention: kvforge's CPU kernel where it builds here (auto), insist on it (kernel), or stock ONNX ops (onnx)
 CPU_ATTENTION_CHOICES = ("auto", "kernel", "onnx")
 STEPS = 4
+DEFAULT_TREE_SIZE = 60  # TensorRT Edge-LLM's --maxVerifyTreeSize / --maxDraftTreeSize defaults
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +55,10 @@ class BuildOptions:
     max_lora_rank: int = 0
     force: bool = False  # build even when the KV pool is larger than this machine's memory
     cpu_attention: str = "auto"  # a CPU_ATTENTION_CHOICES entry, or an ATTENTION_PATHS one once resolved
+    spec_base: bool = False  # a speculative base: its graph returns the hidden states an EAGLE3 draft reads
+    spec_draft: bool = False  # an EAGLE3 draft (its ONNX dir from llm_export eagle3)
+    max_verify_tree_size: int = DEFAULT_TREE_SIZE  # the most positions one verify row holds (base)
+    max_draft_tree_size: int = DEFAULT_TREE_SIZE  # the most tokens one drafting round proposes (draft)
 
     def geometry(self, max_position_embeddings: int) -> PageGeometry:
         """The validated geometry for a model with `max_position_embeddings` (InvalidConfig otherwise)."""
@@ -80,7 +86,7 @@ def read_onnx_dir(onnx_dir: Path) -> ModelConfig:
     if not onnx_dir.is_dir():
         raise InvalidConfig(f"{onnx_dir} is not a directory", "onnx_dir")
     config = ModelConfig.from_dict(read_json(onnx_dir / "config.json", "onnx_dir"), f"{onnx_dir}/config.json")
-    for name in (ENGINE_MODEL_FILE, *COPIED_FILES):
+    for name in (ENGINE_MODEL_FILE, *copied_files(config)):
         if not (onnx_dir / name).is_file():
             raise InvalidConfig(f"missing {name} in {onnx_dir}; re-export it with llm_export", "onnx_dir")
     verify_manifest(onnx_dir, ONNX_KIND, "onnx_dir", "re-export it with llm_export")
@@ -159,24 +165,52 @@ def build_engine(onnx_dir: Path, engine_dir: Path, options: BuildOptions,
     plan = memory_plan(config, geometry)
     if not options.force and backend == "onnxruntime":
         check_pool_fits_memory(plan.total_bytes, hint=" (or --force to build it anyway)")
+    speculative = check_speculative_build(config, options)
     step("validated geometry" + (f"; attention: {attention}" if paged else ""))
     with staged_dir(engine_dir) as staging:
         build = _build_recurrent if config.is_recurrent else _build_hybrid if config.is_hybrid else _build_into
-        build(onnx_dir, staging, config, geometry, backend, options, step)
+        build(onnx_dir, staging, config, geometry, backend, options, step, speculative)
         write_manifest(staging, ENGINE_KIND)
     step("wrote engine dir")
     return geometry, plan
 
 
+def check_speculative_build(config: ModelConfig, options: BuildOptions) -> dict[str, bool | int]:
+    """--specBase / --specDraft against the export (the support matrix's build-time rows); builder_config's keys."""
+    if options.spec_base and options.spec_draft:
+        raise InvalidConfig("an engine is either the speculative base or its draft; build them one at a time",
+                            "spec_draft")
+    if config.is_eagle3_draft and not options.spec_draft:
+        raise InvalidConfig("this ONNX dir holds an EAGLE3 draft; build it with --specDraft", "spec_draft")
+    if options.spec_draft and not config.is_eagle3_draft:
+        raise InvalidConfig("--specDraft builds an EAGLE3 draft's ONNX dir (llm_export eagle3); this one holds a "
+                            f"{config.model} model", "spec_draft")
+    if options.spec_base:
+        if config.is_recurrent or config.is_hybrid:
+            raise InvalidConfig(f"EAGLE3 needs an attention-only base; a {config.model} model has recurrent layers "
+                                "(the support matrix rejects hybrid and recurrent speculative bases)", "spec_base")
+        if not config.hidden_state_layers:
+            raise InvalidConfig("a speculative base returns the hidden states its draft reads: re-export it with "
+                                "llm_export --hiddenStateLayers (llm_export eagle3 says which)", "spec_base")
+    for name, value in (("max_verify_tree_size", options.max_verify_tree_size),
+                        ("max_draft_tree_size", options.max_draft_tree_size)):
+        if not 1 <= value <= MAX_TREE_SIZE:
+            raise InvalidConfig(f"must be in [1, {MAX_TREE_SIZE}], got {value}", name)
+    return {"spec_base": options.spec_base, "spec_draft": options.spec_draft,
+            "max_verify_tree_size": options.max_verify_tree_size if options.spec_base else 0,
+            "max_draft_tree_size": options.max_draft_tree_size if options.spec_draft else 0}
+
+
 def _build_into(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometry: PageGeometry, backend: str,
-                options: BuildOptions, step: Callable[[str], None]) -> None:
+                options: BuildOptions, step: Callable[[str], None], speculative: dict[str, bool | int]) -> None:
     if backend == "tensorrt" and config.quantization != "none":
         raise InvalidConfig(f"this export has {config.quantization} MatMulNBits weights, an ONNX Runtime operator; "
                             "build it with --backend onnxruntime, or export with --quantization none for TensorRT",
                             "backend")
     if backend == "tensorrt":
         from kvforge.builder.trt_build import build_tensorrt_engine  # TensorRT stays an optional extra
-        build_tensorrt_engine(onnx_dir, engine_dir, config, geometry, step, max_lora_rank=options.max_lora_rank)
+        build_tensorrt_engine(onnx_dir, engine_dir, config, geometry, step, max_lora_rank=options.max_lora_rank,
+                              speculative=speculative)
         return
     model = load_model(onnx_dir, config, options.max_lora_rank)
     step("loaded model.onnx")
@@ -190,11 +224,11 @@ def _build_into(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometry:
     _save(lowered, engine_dir)
     write_engine_config(onnx_dir, engine_dir, config,
                         BuilderConfig.from_geometry(geometry, backend, options.max_lora_rank, config,
-                                                    options.cpu_attention))
+                                                    options.cpu_attention, **speculative))
 
 
 def _build_recurrent(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometry: PageGeometry, backend: str,
-                     options: BuildOptions, step: Callable[[str], None]) -> None:
+                     options: BuildOptions, step: Callable[[str], None], _speculative: dict[str, bool | int]) -> None:
     """A pure recurrent model (Mamba2): no KV pool, the recurrent ops lowered for ONNX Runtime.
 
     The seed's gate on extra retained pages: an engine without KV inputs retains nothing in pages (it reuses
@@ -221,7 +255,7 @@ def _check_recurrent_build(config: ModelConfig, backend: str, options: BuildOpti
 
 
 def _build_hybrid(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometry: PageGeometry, backend: str,
-                  options: BuildOptions, step: Callable[[str], None]) -> None:
+                  options: BuildOptions, step: Callable[[str], None], _speculative: dict[str, bool | int]) -> None:
     """Attention and recurrent layers (Qwen3.5): the paged-KV ops lowered as for an attention model (the pool spans
     the attention layers only), then the recurrent ops.
 

@@ -22,6 +22,8 @@ Build an engine dir from an llm_export ONNX dir.
       --maxKVCacheCapacity 4096 --maxBatchSize 1 --maxKVPoolPages 64
   llm_build --onnxDir onnx/smollm2 --engineDir engines/smollm2 --profileOps ops.json   # where time goes
   llm_build --onnxDir onnx/smollm2 --engineDir engines/smollm2-onnx --cpuAttention onnx  # no C++ kernel
+  llm_build --onnxDir onnx/smollm2-base --engineDir engines/smollm2 --specBase     # an EAGLE3 base, then
+  llm_build --onnxDir onnx/smollm2-draft --engineDir engines/smollm2/draft --specDraft    # its draft
 """
 app = typer.Typer(add_completion=False, rich_markup_mode="rich")
 DEFAULTS = BuildOptions()
@@ -78,6 +80,17 @@ def build(
     profile_decode_tokens: int = typer.Option(32, "--profileDecodeTokens",
                                               help="Decode steps of the --profileOps run."),
     num_threads: int = typer.Option(0, "--numThreads", help="Threads for the --profileOps run (0 = all cores)."),
+    spec_base: bool = typer.Option(False, "--specBase", "--eagleBase",
+                                   help="Build a speculative base: its ONNX dir returns the hidden states its EAGLE3 "
+                                        "draft reads (llm_export --hiddenStateLayers)."),
+    spec_draft: bool = typer.Option(False, "--specDraft", "--eagleDraft",
+                                    help="Build an EAGLE3 draft (an ONNX dir from llm_export eagle3). Put it in "
+                                         "BASE_ENGINE_DIR/draft, where llm_inference --specDecode eagle3 looks for "
+                                         "it, after building the base (a rebuild of the base replaces the folder)."),
+    max_verify_tree_size: int = typer.Option(DEFAULTS.max_verify_tree_size, "--maxVerifyTreeSize",
+                                             help="With --specBase: the most positions one verify row holds."),
+    max_draft_tree_size: int = typer.Option(DEFAULTS.max_draft_tree_size, "--maxDraftTreeSize",
+                                            help="With --specDraft: the most tokens one drafting round proposes."),
     force: bool = typer.Option(False, "--force", help="Build even when the KV pool (--maxKVPoolPages) needs more "
                                                       "memory than this machine has."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
@@ -86,7 +99,8 @@ def build(
     options = BuildOptions(max_input_len=max_input_len, max_kv_cache_capacity=max_kv_cache_capacity,
                            max_kv_pool_pages=max_kv_pool_pages, max_batch_size=max_batch_size,
                            tokens_per_page=tokens_per_page, backend=backend, max_lora_rank=max_lora_rank,
-                           force=force, cpu_attention=cpu_attention)
+                           force=force, cpu_attention=cpu_attention, spec_base=spec_base, spec_draft=spec_draft,
+                           max_verify_tree_size=max_verify_tree_size, max_draft_tree_size=max_draft_tree_size)
 
     def body() -> None:
         from kvforge.contract.multimodal import is_encoder_dir

@@ -15,6 +15,7 @@ from kvforge.builder.engine_files import load_model, write_engine_config
 from kvforge.contract.engine_dir import (
     ENGINE_MODEL_FILE,
     ENGINE_WEIGHTS_FILE,
+    HIDDEN_STATES_INDICES,
     LEGACY_LAST_TOKEN_IDS,
     LOGITS_INDICES,
     TRT_ENGINE_FILE,
@@ -80,10 +81,11 @@ def optimization_profiles(model: onnx.ModelProto, config: ModelConfig, geometry:
     batch, hidden = geometry.max_batch_size, config.hidden_size
     seq_opt = max(1, geometry.max_input_len // 2)
     positions = batch * min(geometry.max_input_len, MAX_POSITIONS_PER_ROW)
+    grid = batch * geometry.max_input_len  # hidden states may come back at every position a call computes
     prefill = {"inputs_embeds": ((1, 1, hidden), (batch, seq_opt, hidden), (batch, geometry.max_input_len, hidden)),
-               LOGITS_INDICES: ((1,), (batch,), (positions,))}
+               LOGITS_INDICES: ((1,), (batch,), (positions,)), HIDDEN_STATES_INDICES: ((1,), (batch,), (grid,))}
     decode = {"inputs_embeds": ((1, 1, hidden), (batch, 1, hidden), (batch, 1, hidden)),
-              LOGITS_INDICES: ((1,), (batch,), (batch,))}
+              LOGITS_INDICES: ((1,), (batch,), (batch,)), HIDDEN_STATES_INDICES: ((1,), (batch,), (batch,))}
     common = _common_shapes(model, config, geometry, max_lora_rank)
     return [{**prefill, **common}, {**decode, **common}]
 
@@ -124,7 +126,8 @@ def _lora_shapes(vi: onnx.ValueInfoProto, rank: int, batch: int) -> tuple[Shape,
 
 
 def build_tensorrt_engine(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometry: PageGeometry,
-                          step: Callable[[str], None] = lambda _m: None, *, max_lora_rank: int = 0) -> None:
+                          step: Callable[[str], None] = lambda _m: None, *, max_lora_rank: int = 0,
+                          speculative: dict[str, bool | int] | None = None) -> None:
     """The TensorRT half of build_engine: validated geometry in, a complete engine dir out."""
     trt = require_tensorrt()
     if config.kv_cache_dtype not in TRT_KV_CACHE_DTYPES:
@@ -143,7 +146,7 @@ def build_tensorrt_engine(onnx_dir: Path, engine_dir: Path, config: ModelConfig,
                         location=PATCHED_WEIGHTS_FILE, size_threshold=1024)
         serialized = _build_serialized(trt, patched, profiles)
     step("built TensorRT engine")
-    _write_engine_dir(onnx_dir, engine_dir, config, geometry, max_lora_rank, serialized)
+    _write_engine_dir(onnx_dir, engine_dir, config, geometry, max_lora_rank, serialized, speculative or {})
     step("wrote engine dir")
 
 
@@ -215,10 +218,10 @@ def _add_profile(builder: Any, config: Any, shapes: Profile, network_inputs: set
 
 
 def _write_engine_dir(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometry: PageGeometry,
-                      max_lora_rank: int, serialized: Any) -> None:
+                      max_lora_rank: int, serialized: Any, speculative: dict[str, bool | int]) -> None:
     for stale in (ENGINE_MODEL_FILE, ENGINE_WEIGHTS_FILE):  # an engine dir holds one backend's artefact
         (engine_dir / stale).unlink(missing_ok=True)
     with open(engine_dir / TRT_ENGINE_FILE, "wb") as handle:
         handle.write(memoryview(serialized))  # IHostMemory exposes the buffer protocol
     write_engine_config(onnx_dir, engine_dir, config,
-                        BuilderConfig.from_geometry(geometry, "tensorrt", max_lora_rank, config))
+                        BuilderConfig.from_geometry(geometry, "tensorrt", max_lora_rank, config, **speculative))

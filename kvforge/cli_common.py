@@ -42,7 +42,9 @@ _ENGINE_BUILD_FLAGS = {  # what an engine is built with; llm_inference names the
     "max_lora_rank": "--maxLoraRank",
     "cpu_attention": "--cpuAttention",
 }
-BUILD_FLAGS = {**_ENGINE_BUILD_FLAGS, "onnx_dir": "--onnxDir", "engine_dir": "--engineDir"}
+BUILD_FLAGS = {**_ENGINE_BUILD_FLAGS, "onnx_dir": "--onnxDir", "engine_dir": "--engineDir", "spec_base": "--specBase",
+               "spec_draft": "--specDraft", "max_verify_tree_size": "--maxVerifyTreeSize",
+               "max_draft_tree_size": "--maxDraftTreeSize"}
 ENGINE_FLAGS = {  # llm_inference; EngineConfig's fields name the flags they are declared with
     **_ENGINE_BUILD_FLAGS,
     "engine_dir": "--engineDir",

@@ -27,6 +27,10 @@ class StepInputs:
     lora_tensors: dict[str, np.ndarray] | None = None  # per-row adapters [B, in, r] / [B, r, out]; None = base
     state_rows: list[int] | None = None  # recurrent engines: each row's recurrent state row (runtime/recurrent_state)
     logits_indices: np.ndarray | None = None  # [N] int64; None = last_token_indices(...)
+    # Engines with hidden_states: the positions they come back at (flat, like logits_indices); None = logits_indices.
+    hidden_indices: np.ndarray | None = None
+    # Named graph inputs beyond the contract's (an EAGLE3 draft's hidden-state inputs [B, S, width]).
+    extra_inputs: dict[str, np.ndarray] | None = None
 
     def positions(self) -> np.ndarray:
         """The call's logits_indices as int64 [N], the default resolved."""
@@ -38,6 +42,12 @@ class StepInputs:
             raise AssertionError(f"logits_indices must be a non-empty [N] of positions in [0, {grid}), got {indices}")
         return indices
 
+    def hidden_positions(self) -> np.ndarray:
+        """Where hidden states come back: `hidden_indices`, or the logits positions."""
+        if self.hidden_indices is None:
+            return self.positions()
+        return np.ascontiguousarray(self.hidden_indices, dtype=np.int64)
+
 
 def last_token_indices(context_lengths: np.ndarray, width: int) -> np.ndarray:
     """Each row's last new token as a flat index b * width + length - 1: one logits row per row, in row order."""
@@ -47,8 +57,8 @@ def last_token_indices(context_lengths: np.ndarray, width: int) -> np.ndarray:
 
 @dataclass(slots=True)
 class ForwardOutput:
-    """One call's results at its logits_indices: `logits` [N, V] float32 and, when the engine exports them,
-    `hidden_states` [N, len(hidden_state_layers) * H] (model_config.hidden_state_layers)."""
+    """One call's results: `logits` [N, V] float32 at its logits_indices and, when the engine exports them,
+    `hidden_states` [M, len(hidden_state_layers) * H] (model_config.hidden_state_layers) at its hidden positions."""
 
     logits: np.ndarray
     hidden_states: np.ndarray | None = None

@@ -7,9 +7,19 @@ their requests finish; none of them re-implements batching, paging or reuse.
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from pathlib import Path
 
-from kvforge.contract.engine_dir import EMBEDDING_FILE, EMBEDDING_TENSOR, EngineDir, load_engine_dir
+import numpy as np
+
+from kvforge.contract.engine_dir import (
+    D2T_FILE,
+    D2T_TENSOR,
+    EMBEDDING_FILE,
+    EMBEDDING_TENSOR,
+    EngineDir,
+    load_engine_dir,
+)
 from kvforge.contract.errors import InvalidConfig, PoolTooSmall
 from kvforge.contract.paging import pages_for
 from kvforge.contract.safetensors_map import map_tensor
@@ -19,6 +29,7 @@ from kvforge.runtime.context_cache.manager import ContextCacheManager
 from kvforge.runtime.engine_config import (  # noqa: F401 - EngineConfig and the budget helper are re-exported
     SPEC_NGRAM,
     EngineConfig,
+    ResolvedConfig,
     deployment_of,
     resolve_engine_config,
     snapshot_budgets,
@@ -34,9 +45,10 @@ from kvforge.runtime.scheduler import Scheduler, SchedulerStats
 from kvforge.runtime.sequence import EngineRequest, Sequence, Status
 from kvforge.runtime.snapshots import PartialKVSnapshotStore, RecurrentSnapshotStore
 from kvforge.runtime.spec.ngram import NgramProposer
+from kvforge.runtime.spec.proposer import Proposer
 from kvforge.runtime.state_manager import StateManager
 from kvforge.runtime.system_prompt_cache import SystemPromptCache
-from kvforge.runtime.types import Deployment
+from kvforge.runtime.types import Deployment, LookupPolicy
 
 
 class Engine:
@@ -74,7 +86,8 @@ class Engine:
                                          max_records=config.context_cache_max_records,
                                          partial_kv_snapshot_slots=partial, recurrent_snapshot_slots=recurrent,
                                          deployment=self.deployment, copier=self.state,
-                                         chain_root=resolved.chain_root)
+                                         chain_root=resolved.chain_root,
+                                         draft_pages=resolved.draft.build.max_kv_pool_pages if resolved.draft else 0)
         encoder = _load_encoder(config)
         self.tokenizer = ChatTokenizer(self.engine_dir.path,
                                        media_markers={encoder.kind: encoder.marker} if encoder is not None else {})
@@ -85,15 +98,17 @@ class Engine:
                                      self.engine_dir.model.vocab_size, multimodal=self.multimodal,
                                      message_boundaries=resolved.checkpoints.enabled
                                      and config.snapshot_message_boundaries)
+        self.proposer = self._proposer(config, resolved)
         self.executor = ModelExecutor(self.backend, embedding, lora_input_shapes(self.engine_dir),
-                                      self.state.rows if self.states is not None else None)
+                                      self.state.rows if self.states is not None else None,
+                                      all_hidden=self.proposer is not None and self.proposer.owns_kv)
         self.outputs = OutputProcessor(self.tokenizer, frozenset(self.engine_dir.model.eos_token_ids),
                                        build.max_kv_cache_capacity)
         self.scheduler = Scheduler(self.cache, self.state, self.outputs, max_batch_size=resolved.max_batch_size,
                                    max_num_tokens=resolved.max_num_tokens,
                                    prefill_chunk_tokens=resolved.prefill_chunk_tokens,
                                    max_seq_tokens=build.max_kv_cache_capacity)
-        self.core = EngineCore(self.scheduler, self.executor, self.outputs, self.profiler, _proposer(config))
+        self.core = EngineCore(self.scheduler, self.executor, self.outputs, self.profiler, self.proposer)
         self._ids = itertools.count()
         self._arrivals = itertools.count()
 
@@ -122,7 +137,17 @@ class Engine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.core.sequences:
             raise InvalidConfig(f"request id {request_id!r} is already in flight", "request_id")
-        self.core.add(Sequence(request_id, request, Sampler(request.sampling), arrival=next(self._arrivals)))
+        seq = Sequence(request_id, request, Sampler(request.sampling), arrival=next(self._arrivals))
+        if self.proposer is not None and self.proposer.owns_kv and request.sampling.speculative:
+            if request.media:
+                # The support matrix: a speculative request with image or audio runs cold (no lookup, no
+                # publication) and undrafted; counted in the profile.
+                seq.request = replace(request, sampling=replace(request.sampling, lookup_policy=LookupPolicy.BYPASS,
+                                                                speculative=False))
+                self.profiler.add_media_cold_request()
+            else:
+                seq.drafts_with_kv = True
+        self.core.add(seq)
         return request_id
 
     def abort(self, request_id: str) -> bool:
@@ -170,10 +195,19 @@ class Engine:
         return {**data, **self.multimodal.profile()} if self.multimodal else data
 
 
-def _proposer(config: EngineConfig) -> NgramProposer | None:
-    if config.spec_decode == SPEC_NGRAM:
-        return NgramProposer(config.spec_draft_step, config.spec_prompt_lookup_min, config.spec_prompt_lookup_max)
-    return None
+    def _proposer(self, config: EngineConfig, resolved: ResolvedConfig) -> Proposer | None:
+        if config.spec_decode == SPEC_NGRAM:
+            return NgramProposer(config.spec_draft_step, config.spec_prompt_lookup_min, config.spec_prompt_lookup_max)
+        if resolved.draft is None:
+            return None
+        from kvforge.runtime.spec.eagle3 import Eagle3Proposer
+
+        draft = resolved.draft
+        table = map_tensor(draft.file(EMBEDDING_FILE), EMBEDDING_TENSOR)
+        self.draft_backend = load_backend(draft, config.num_threads, table)
+        d2t = np.asarray(map_tensor(draft.file(D2T_FILE), D2T_TENSOR), dtype=np.int64)
+        return Eagle3Proposer(self.draft_backend, table, d2t, self.cache, config.spec_draft_step,
+                              draft.model.base_model_hidden_size)
 
 
 def _load_encoder(config: EngineConfig):  # -> VisualEncoder | AudioEncoder | None

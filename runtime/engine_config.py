@@ -9,9 +9,10 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
-from kvforge.contract.engine_dir import EngineDir
+from kvforge.contract.engine_dir import DRAFT_ENGINE_SUBDIR, EngineDir, load_engine_dir
 from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.files import read_json
 from kvforge.contract.formats import MANIFEST_FILE
@@ -24,8 +25,8 @@ from kvforge.runtime.spec.ngram import DEFAULT_MAX_N, DEFAULT_MIN_N
 from kvforge.runtime.state_manager import CheckpointPolicy
 from kvforge.runtime.types import Deployment
 
-SPEC_OFF, SPEC_NGRAM = "off", "ngram"
-SPEC_METHODS = (SPEC_OFF, SPEC_NGRAM)
+SPEC_OFF, SPEC_NGRAM, SPEC_EAGLE3 = "off", "ngram", "eagle3"
+SPEC_METHODS = (SPEC_OFF, SPEC_NGRAM, SPEC_EAGLE3)
 DEFAULT_SPEC_DRAFT_TOKENS = 6  # TensorRT Edge-LLM's --specDraftStep default; bench/spec_decode.py measures others
 MAX_SPEC_DRAFT_TOKENS = 32
 
@@ -109,9 +110,13 @@ class EngineConfig:
         "(within the snapshot budget; least recently used checkpoints are evicted). 0 = off.", requires_reuse=True)
     spec_decode: str = _option(
         SPEC_OFF, "--specDecode", "Speculative decoding: 'ngram' drafts by prompt lookup (the tokens that followed the "
-        "last few tokens where they occurred earlier in the prompt or output; no draft model) and the engine verifies "
-        "them in one call per step; 'off' (default). Greedy outputs are unchanged; a request opts out with "
-        "disable_spec_decode.")
+        "last few tokens where they occurred earlier in the prompt or output; no draft model), 'eagle3' drafts with "
+        "the engine's EAGLE3 draft (ENGINEDIR/draft, or --specDraftEngineDir; built with llm_build --specDraft); the "
+        "engine verifies the drafts in one call per step; 'off' (default). Outputs are unchanged; a request opts out "
+        "with disable_spec_decode.")
+    spec_draft_engine_dir: str | None = _option(
+        None, "--specDraftEngineDir", "With --specDecode eagle3: the draft's engine dir (default ENGINEDIR/draft).",
+        path=True)
     spec_draft_step: int = _option(
         DEFAULT_SPEC_DRAFT_TOKENS, "--specDraftStep", "With --specDecode: tokens proposed per step for each decoding "
         "request (the verify call computes this many more positions).")
@@ -163,6 +168,7 @@ class ResolvedConfig:
     recurrent_snapshot_slots: int
     checkpoints: CheckpointPolicy
     chain_root: bytes  # the engine fingerprint's root of every page key
+    draft: EngineDir | None = None  # the EAGLE3 draft's engine dir (--specDecode eagle3)
 
 
 def resolve_engine_config(config: EngineConfig, engine: EngineDir, *, num_pages: int | None = None) -> ResolvedConfig:
@@ -185,8 +191,59 @@ def resolve_engine_config(config: EngineConfig, engine: EngineDir, *, num_pages:
     chunk = min(config.prefill_chunk_size or build.max_input_len, build.max_input_len)
     checkpoints = CheckpointPolicy(bool(recurrent), config.snapshot_message_boundaries,
                                    config.snapshot_interval_tokens)
+    draft = _resolve_draft(config, engine, deployment)
     return ResolvedConfig(deployment, budget, rows, chunk, pages, partial, recurrent, checkpoints,
-                          chain_root(engine_fingerprint(engine)))
+                          chain_root(engine_fingerprint(engine)), draft)
+
+
+def _resolve_draft(config: EngineConfig, engine: EngineDir, deployment: Deployment) -> EngineDir | None:
+    """The EAGLE3 draft engine dir, checked against its base (the support matrix's EAGLE3 rows)."""
+    if config.spec_decode != SPEC_EAGLE3:
+        if config.spec_draft_engine_dir:
+            raise InvalidConfig("a draft engine dir is read with --specDecode eagle3 only", "spec_draft_engine_dir")
+        return None
+    if deployment is not Deployment.VANILLA:
+        raise InvalidConfig(f"EAGLE3 is not supported on a {deployment.value} engine (the support matrix rejects "
+                            "hybrid speculative bases: a recurrent state cannot replay the final matched page)",
+                            "spec_decode")
+    base = engine.model
+    if not engine.build.spec_base:
+        raise InvalidConfig("this engine was not built as a speculative base; rebuild it with llm_build --specBase "
+                            "(from an export with --hiddenStateLayers)", "spec_decode")
+    path = Path(config.spec_draft_engine_dir) if config.spec_draft_engine_dir else engine.path / DRAFT_ENGINE_SUBDIR
+    if not path.is_dir():
+        raise InvalidConfig(f"no draft engine at {path}; build one with llm_build --specDraft --engineDir {path}",
+                            "spec_draft_engine_dir")
+    try:
+        draft = load_engine_dir(path)
+    except InvalidConfig as exc:
+        raise InvalidConfig(f"the draft engine at {path}: {exc.message}", "spec_draft_engine_dir") from None
+    model, build = draft.model, draft.build
+    if not build.spec_draft or not model.is_eagle3_draft:
+        raise InvalidConfig(f"{path} is not an EAGLE3 draft engine; build it with llm_build --specDraft",
+                            "spec_draft_engine_dir")
+    if build.backend != "onnxruntime":
+        raise InvalidConfig("EAGLE3 drafts run on onnxruntime only for now; rebuild the draft with --backend "
+                            "onnxruntime", "spec_draft_engine_dir")
+    checks = [
+        (model.eagle_hidden_state_layers == base.hidden_state_layers,
+         f"the draft reads base layers {model.eagle_hidden_state_layers}, the base returns {base.hidden_state_layers}"),
+        (model.base_model_hidden_size == len(base.hidden_state_layers) * base.hidden_size,
+         f"the draft takes base hidden states {model.base_model_hidden_size} wide, the base's are "
+         f"{len(base.hidden_state_layers) * base.hidden_size}"),
+        (model.vocab_size == base.vocab_size, f"vocab_size {model.vocab_size} vs the base's {base.vocab_size}"),
+        (build.tokens_per_page == engine.build.tokens_per_page,
+         f"tokensPerPage {build.tokens_per_page} vs the base's {engine.build.tokens_per_page}"),
+        (build.max_kv_cache_capacity >= engine.build.max_kv_cache_capacity,
+         f"maxKVCacheCapacity {build.max_kv_cache_capacity} below the base's {engine.build.max_kv_cache_capacity}"),
+        (build.max_input_len >= engine.build.max_input_len,
+         f"maxInputLen {build.max_input_len} below the base's {engine.build.max_input_len}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise InvalidConfig(f"the draft at {path} does not fit this base: {message}; rebuild it",
+                                "spec_draft_engine_dir")
+    return draft
 
 
 def _check_speculation(config: EngineConfig, deployment: Deployment) -> None:

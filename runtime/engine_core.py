@@ -10,7 +10,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvforge.contract.profile_schema import SPEC_DRAFT_PROPOSAL_STAGE
+from kvforge.contract.profile_schema import (
+    SPEC_BASE_VERIFICATION_STAGE,
+    SPEC_DRAFT_ACCEPT_STAGE,
+    SPEC_DRAFT_PROPOSAL_STAGE,
+)
 from kvforge.runtime.model_executor import BatchOutput
 from kvforge.runtime.output import OutputProcessor, RequestOutput
 from kvforge.runtime.profile import GENERATION_STAGE, PREFILL_STAGE, Profiler
@@ -90,9 +94,20 @@ class EngineCore:
         for row in batch.rows:
             if row.seq.first_scheduled_time is None:
                 row.seq.first_scheduled_time = started
+        verifies = any(row.draft_token_ids for row in batch.rows)
         with self.profiler.stage(PREFILL_STAGE if batch.has_prefill else GENERATION_STAGE):
+            run_started = time.perf_counter()
             output = self.executor.run(batch.rows)
-        sampled = sample_rows(batch.rows, output)
+            if verifies:
+                self.profiler.record(SPEC_BASE_VERIFICATION_STAGE, (time.perf_counter() - run_started) * 1e3)
+        if verifies:
+            with self.profiler.stage(SPEC_DRAFT_ACCEPT_STAGE):
+                sampled = sample_rows(batch.rows, output)
+        else:
+            sampled = sample_rows(batch.rows, output)
+        if self.proposer is not None and self.proposer.owns_kv:
+            with self.profiler.stage(SPEC_DRAFT_PROPOSAL_STAGE):  # the draft catches up before anything is published
+                self.proposer.observe(batch.rows, output, sampled)
         reused = self._reused_at_admission(batch)  # before the update moves num_computed_tokens
         updates = self.scheduler.update_from_output(batch, sampled)
         self._count(batch, updates, reused)
@@ -106,11 +121,13 @@ class EngineCore:
         media (the support matrix runs speculative media requests cold; prompt lookup simply leaves them plain)."""
         assert self.proposer is not None
         with self.profiler.stage(SPEC_DRAFT_PROPOSAL_STAGE):
-            for seq in self.scheduler.running:
-                if seq.num_pending_tokens != 1 or not seq.output_ids or not seq.request.sampling.speculative \
-                        or seq.request.media:
-                    continue
-                seq.spec_token_ids = self.proposer.propose(seq.all_token_ids(), self.scheduler.draft_room(seq))
+            seqs = [seq for seq in self.scheduler.running if seq.num_pending_tokens == 1 and seq.output_ids
+                    and seq.request.sampling.speculative and not seq.request.media]
+            if not seqs:
+                return
+            proposals = self.proposer.propose_batch(seqs, [self.scheduler.draft_room(seq) for seq in seqs])
+            for seq, proposal in zip(seqs, proposals, strict=True):
+                seq.spec_token_ids = proposal
 
     def _reused_at_admission(self, batch: SchedulerOutput) -> int:
         """Tokens a sequence starts with at admission were served from a cache (pages or the legacy copy)."""

@@ -26,7 +26,8 @@ class BatchOutput:
     `logits[i]` is [1 + len(rows[i].draft_token_ids), V]: the logits after the row's last pending token, then
     after each of its draft tokens (the positions whose next token is sampled or verified).
     `hidden_states[i]`, when the engine exports them, is [same positions, layers * H]: the hidden states of the
-    layers a drafter names, at those positions.
+    layers a drafter names, at those positions; with `ModelExecutor.all_hidden` (an EAGLE3 drafter reads them) it is
+    [every position the row computed, layers * H], from its first new token on.
     """
 
     logits: list[np.ndarray]
@@ -54,14 +55,16 @@ def group_by_width(lengths: list[int]) -> list[list[int]]:
 class ModelExecutor:
     """Owns what an engine call needs besides the pool: the embedding table and the stacked adapters."""
 
-    __slots__ = ("backend", "embedding", "state_rows", "_lora_shapes", "_lora_stacks")
+    __slots__ = ("backend", "embedding", "state_rows", "all_hidden", "_lora_shapes", "_lora_stacks")
 
     def __init__(self, runner: Backend, embedding: np.ndarray, lora_shapes: dict[str, tuple[int, int]],
-                 state_rows: dict[Lease, int] | None = None) -> None:
-        """`state_rows`: the engine's recurrent state row of each running lease (recurrent engines only)."""
+                 state_rows: dict[Lease, int] | None = None, all_hidden: bool = False) -> None:
+        """`state_rows`: the engine's recurrent state row of each running lease (recurrent engines only).
+        `all_hidden`: hidden states at every computed position, not only the logits ones."""
         self.backend = runner
         self.embedding = embedding
         self.state_rows = state_rows
+        self.all_hidden = all_hidden
         self._lora_shapes = lora_shapes
         # Stacked inputs per adapter composition; a step with two calls alternates two compositions.
         self._lora_stacks: dict[tuple[int, ...], dict[str, np.ndarray]] = {}
@@ -93,31 +96,36 @@ class ModelExecutor:
         for group in groups:
             members = [rows[i] for i in group]
             output = self._call(members, [new_ids[i] for i in group])
-            offset = 0
+            offset = hidden_offset = 0
             for i, row in zip(group, members, strict=True):
                 count = 1 + len(row.draft_token_ids)
                 logits[i] = output.logits[offset:offset + count]
+                hidden_count = len(new_ids[i]) if self.all_hidden else count
                 if output.hidden_states is not None:
-                    hidden[i] = output.hidden_states[offset:offset + count]
+                    hidden[i] = output.hidden_states[hidden_offset:hidden_offset + hidden_count]
                 offset += count
+                hidden_offset += hidden_count
         has_hidden = any(h is not None for h in hidden)
         return BatchOutput(logits, hidden if has_hidden else None)  # type: ignore[arg-type]
 
     def _call(self, rows: list[ScheduledRow], new_ids: list[list[int]]) -> ForwardOutput:
         width = max(len(ids) for ids in new_ids)
         embeds = np.zeros((len(rows), width, self.embedding.shape[1]), dtype=np.float32)
-        positions = []
+        positions, every = [], []
         for i, ids in enumerate(new_ids):
             embeds[i, :len(ids)] = self.embedding[ids]
             _splice_media(embeds[i], rows[i].seq, len(ids))
             # The last pending token and every draft: len(ids) - 1 - drafts .. len(ids) - 1 within row i.
             first = len(ids) - 1 - len(rows[i].draft_token_ids)
             positions.append(i * width + np.arange(first, len(ids), dtype=np.int64))
+            if self.all_hidden:
+                every.append(i * width + np.arange(len(ids), dtype=np.int64))
         step = StepInputs(embeds, np.array([len(ids) for ids in new_ids], dtype=np.int32),
                           np.array([row.seq.num_computed_tokens for row in rows], dtype=np.int32),
                           [row.seq.lease.page_ids for row in rows],  # type: ignore[union-attr]
                           self._lora_inputs([row.seq.request.adapter for row in rows]),
-                          logits_indices=np.concatenate(positions))
+                          logits_indices=np.concatenate(positions),
+                          hidden_indices=np.concatenate(every) if self.all_hidden else None)
         if self.state_rows is not None:
             step.state_rows = [self.state_rows[row.seq.lease] for row in rows]  # type: ignore[index]
         return self.backend.forward(step)

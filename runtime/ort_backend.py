@@ -13,6 +13,7 @@ from kvforge.contract.engine_dir import (
     EMBEDDING_TENSOR,
     ENGINE_MODEL_FILE,
     HIDDEN_STATES,
+    HIDDEN_STATES_INDICES,
     LEGACY_LAST_TOKEN_IDS,
     LOGITS_INDICES,
     TIED_HEAD_INPUT,
@@ -112,8 +113,8 @@ def check_graph_inputs(session: ort.InferenceSession, engine: EngineDir) -> None
             raise KvforgeError(f"graph input {name} has shape {shape}, config.json implies {expected}; rebuild it "
                                "with llm_build", "engine_dir")
     logits = next((o.shape for o in session.get_outputs() if o.name == "logits"), None)
-    if logits is None or (isinstance(logits[-1], int) and logits[-1] != model.vocab_size):
-        raise KvforgeError(f"graph output logits is {logits}, config.json says vocab_size {model.vocab_size}; "
+    if logits is None or (isinstance(logits[-1], int) and logits[-1] != model.logits_width):
+        raise KvforgeError(f"graph output logits is {logits}, config.json says vocab_size {model.logits_width}; "
                            "rebuild it with llm_build", "engine_dir")
     if LOGITS_INDICES not in inputs and LEGACY_LAST_TOKEN_IDS not in inputs:
         raise KvforgeError(f"the graph has no {LOGITS_INDICES} input; rebuild it with llm_build", "engine_dir")
@@ -161,6 +162,7 @@ class OrtBackend:
             self.rope = rope_table(build.max_kv_cache_capacity, model.rotary_dim, model.rope_theta)
             self._rope_value = ort.OrtValue.ortvalue_from_numpy(self.rope)
         self._output_names = [o.name for o in self.session.get_outputs()]
+        self._hidden_indices = HIDDEN_STATES_INDICES in graph_inputs
         # Engine dirs built before logits_indices keep running (cheaply: their graph takes last_token_ids [B]) for
         # calls that want each row's last token only; a verify call on one is refused with "rebuild".
         self._legacy_last_token = LEGACY_LAST_TOKEN_IDS in graph_inputs
@@ -185,6 +187,10 @@ class OrtBackend:
             binding.bind_cpu_input(LEGACY_LAST_TOKEN_IDS, (lengths - 1).astype(np.int64))
         else:
             binding.bind_cpu_input(LOGITS_INDICES, np.ascontiguousarray(positions))
+        if self._hidden_indices:
+            binding.bind_cpu_input(HIDDEN_STATES_INDICES, step.hidden_positions())
+        for name, value in (step.extra_inputs or {}).items():
+            binding.bind_cpu_input(name, np.ascontiguousarray(value, dtype=np.float32))
         if self._rope_value is not None:  # graphs with attention layers
             binding.bind_cpu_input("kvcache_start_index", starts)
             binding.bind_cpu_input("kv_page_table", self._cached_page_table(step.page_ids, starts))

@@ -122,6 +122,7 @@ class Profiler:
     spec_draft_tokens: int = 0  # drafts verified
     spec_accepted_tokens: int = 0  # drafts kept
     spec_committed_tokens: int = 0  # tokens those rows committed (kept drafts + one each)
+    spec_media_cold_requests: int = 0  # speculative requests with image or audio, run cold (the support matrix)
     # A long-running process (the server) streams stage times here instead of keeping every run in a list.
     stage_sink: Callable[[str, float], None] | None = None
 
@@ -179,6 +180,10 @@ class Profiler:
         self.spec_accepted_tokens += int(accepted)
         self.spec_committed_tokens += int(committed)
 
+    def add_media_cold_request(self) -> None:
+        if self.enabled:
+            self.spec_media_cold_requests += 1
+
     def add_generation(self, generated_tokens: int) -> None:
         """Count one decode run (one batch's decode loop)."""
         if not self.enabled:
@@ -231,15 +236,17 @@ class Profiler:
                 "tokens_per_second": _ratio(self.generated_tokens * 1000.0, generation_ms),
                 "average_time_per_token_ms": _ratio(generation_ms, self.generated_tokens),
             }
-        if self.spec_verify_rows:
+        if self.spec_verify_rows or self.spec_media_cold_requests:
             data[SPEC_DECODE_GENERATION] = {
                 # TensorRT Edge-LLM's names: an iteration is one verify row; its tokens are what it committed.
+                "total_runs": self.generation_runs,
                 "total_iterations": self.spec_verify_rows,
                 "total_draft_tokens": self.spec_draft_tokens,
                 "total_accepted_tokens": self.spec_accepted_tokens,
                 "total_generated_tokens": self.spec_committed_tokens,
                 "average_acceptance_rate": _ratio(self.spec_accepted_tokens, self.spec_draft_tokens),
                 "acceptance_length": _ratio(self.spec_committed_tokens, self.spec_verify_rows),
+                "media_cold_requests": self.spec_media_cold_requests,
             }
         if scheduler is not None and self.enabled:
             data[SCHEDULER] = {key: int(scheduler[key]) for key in SCHEDULER_KEYS}

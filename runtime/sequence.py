@@ -70,6 +70,10 @@ class Sequence:
     finish_time: float | None = None
     checkpoints: tuple[int, ...] = ()  # sorted prompt positions where a recurrent state is captured mid-prefill
     spec_token_ids: list[int] = field(default_factory=list)  # a drafter's proposal for the next step, not yet verified
+    # An EAGLE3 sequence: its admissions take draft pages (and reuse only coherent draft paths); `draft_state` is what
+    # the drafter keeps between steps (its first proposal and hidden state at the sequence's end).
+    drafts_with_kv: bool = False
+    draft_state: object | None = None
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -120,5 +124,6 @@ class Sequence:
             extras = KeyExtras(adapter.digest if adapter else b"", self.request.cache_salt,
                                tuple(span.key for span in self.request.media))
             self.admission = Admission(tokens, extras,
-                                       sampling.lookup_policy, indexable_tokens=len(self.request.prompt_ids))
+                                       sampling.lookup_policy, indexable_tokens=len(self.request.prompt_ids),
+                                       speculative=self.drafts_with_kv)
         return self.admission

@@ -10,6 +10,7 @@ import numpy as np
 
 from kvforge.contract.engine_dir import (
     HIDDEN_STATES,
+    HIDDEN_STATES_INDICES,
     LEGACY_LAST_TOKEN_IDS,
     LOGITS_INDICES,
     TRT_ENGINE_FILE,
@@ -213,7 +214,11 @@ class TrtBackend:
                  "rope_rotary_cos_sin": b.max_kv_cache_capacity * self.kv_store.page_shape[-1],
                  "logits": self.max_positions * vocab}
         if self._hidden_width:
-            sizes[HIDDEN_STATES] = self.max_positions * self._hidden_width
+            hidden_rows = self.max_positions
+            if HIDDEN_STATES_INDICES in self.inputs:  # every position of the largest call
+                hidden_rows = b.max_batch_size * b.max_input_len
+                sizes[HIDDEN_STATES_INDICES] = hidden_rows
+            sizes[HIDDEN_STATES] = hidden_rows * self._hidden_width
         for name in self.inputs:
             if name.startswith("lora_"):
                 sizes[name] = int(np.prod(self.engine.get_tensor_profile_shape(name, PREFILL_PROFILE)[2]))
@@ -256,7 +261,10 @@ class TrtBackend:
         self.context.set_tensor_address("logits", self.buffers["logits"])
         hidden = None
         if self._hidden_width:
-            hidden = np.empty((len(positions), self._hidden_width), self._np_dtype(HIDDEN_STATES))
+            hidden_positions = step.hidden_positions()
+            if HIDDEN_STATES_INDICES in self.inputs:
+                self._bind(HIDDEN_STATES_INDICES, hidden_positions)
+            hidden = np.empty((len(hidden_positions), self._hidden_width), self._np_dtype(HIDDEN_STATES))
             self.context.set_tensor_address(HIDDEN_STATES, self.buffers[HIDDEN_STATES])
         if not self.context.execute_async_v3(self.cuda.stream_handle):
             raise KvforgeError("TensorRT failed to enqueue the engine call", "engine_dir")

@@ -82,3 +82,23 @@ def tiny_hybrid_engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_mamba2_engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`llm_export --synthetic tiny-mamba2` (recurrent layers only, no KV pages) built with TINY_BUILD; read-only."""
     return _family_engine("tiny-mamba2", tmp_path_factory)
+
+
+EAGLE3_BASE_LAYERS = [0, 1]  # tiny-llama has two layers: the draft reads both outputs
+
+
+@pytest.fixture(scope="session")
+def tiny_eagle3_engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny-llama speculative base (hidden states of both layers, llm_build --specBase) with a random EAGLE3 draft
+    (a 48-token draft vocabulary, Hugging Face format through llm_export eagle3) in ENGINE/draft; read-only."""
+    from dataclasses import replace
+
+    from kvforge.tools.export.eagle3 import export_eagle3, write_random_eagle3
+
+    root = tmp_path_factory.mktemp("tiny_eagle3")
+    write_onnx_dir(synthetic_model("tiny-llama", hidden_state_layers=EAGLE3_BASE_LAYERS), root / "base_onnx")
+    write_random_eagle3(root / "base_onnx", root / "draft_hf", draft_vocab_size=48, seed=3)
+    export_eagle3(root / "draft_hf", root / "base_onnx", root / "draft_onnx")
+    build_engine(root / "base_onnx", root / "engine", replace(TINY_BUILD, spec_base=True))
+    build_engine(root / "draft_onnx", root / "engine" / "draft", replace(TINY_BUILD, spec_draft=True))
+    return root / "engine"

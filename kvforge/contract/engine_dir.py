@@ -23,6 +23,7 @@ from kvforge.contract.tensor_header import read_tensor_header
 from kvforge.contract.validation import describe, one_line
 
 MAX_LORA_RANK = 1024
+MAX_TREE_SIZE = 128  # tokens one verify row or drafting round may hold (TensorRT Edge-LLM's kMAX_EAGLE_DECODING_TOKENS)
 
 ENGINE_MODEL_FILE = "model.onnx"
 ENGINE_WEIGHTS_FILE = "model.onnx.data"
@@ -39,9 +40,28 @@ LOGITS_INDICES = "logits_indices"
 # Engine graphs exported before logits_indices took each row's last new token, `last_token_ids` [B] (lengths - 1),
 # and returned [B, V]; the runners still run them for calls that ask for exactly those positions.
 LEGACY_LAST_TOKEN_IDS = "last_token_ids"
-# Optional output [N, len(hidden_state_layers) * H]: the named decoder layers' outputs at the logits_indices positions.
+# Optional output [M, len(hidden_state_layers) * H]: the named decoder layers' outputs at the positions
+# `hidden_states_indices` [M] names (flat b * S + t, like logits_indices): a drafter reads every position a call
+# computes, while logits are needed at a few. An EAGLE3 draft graph has no such input: its one layer's output comes
+# back at the logits_indices positions.
 HIDDEN_STATES = "hidden_states"
+HIDDEN_STATES_INDICES = "hidden_states_indices"
+# An EAGLE3 draft graph's extra inputs: the base's hidden states [B, S, base_model_hidden_size] (projected by its fc)
+# and its own previous output [B, S, H]; the graph adds the two, so a call passes zeros for the one it does not use.
+BASE_HIDDEN_INPUT = "hidden_states_input"
+DRAFT_HIDDEN_INPUT = "draft_hidden_states_input"
+# EAGLE3 drafts: int64 [draft_vocab] offsets, base id = draft id + d2t[draft id] (the Hugging Face format's map).
+D2T_FILE, D2T_TENSOR = "d2t.safetensors", "d2t"
+# A speculative base engine dir keeps its draft engine here (TensorRT Edge-LLM writes spec_draft.engine and
+# draft_config.json beside the base; a subfolder keeps one config.json per engine).
+DRAFT_ENGINE_SUBDIR = "draft"
 COPIED_FILES = (EMBEDDING_FILE, "tokenizer.json", "tokenizer_config.json")
+DRAFT_COPIED_FILES = (EMBEDDING_FILE,)  # an EAGLE3 draft has no tokenizer of its own; its d2t map is added
+
+
+def copied_files(model: ModelConfig) -> tuple[str, ...]:
+    """The files an ONNX dir of this model hands its engine dir besides the graph."""
+    return (*DRAFT_COPIED_FILES, D2T_FILE) if model.is_eagle3_draft else COPIED_FILES
 # How an engine's attention reads the KV pool (builder_config.attention): kvforge's CPU kernel (an ONNX Runtime
 # custom-op library reading pages in place), stock ONNX ops over gathered pages (the fallback where the kernel
 # cannot be built; engine dirs from before the kernel), or the TensorRT plugin.
@@ -66,10 +86,17 @@ class BuilderConfig(PageGeometry):
     partial_kv_snapshot_bytes_per_slot: int = 0  # one K+V page per attention layer
     recurrent_snapshot_bytes_per_slot: int = 0
     attention: str = ATTENTION_ONNX_OPS  # one of ATTENTION_PATHS
+    # Speculative roles (TensorRT Edge-LLM's keys): a base whose graph returns the hidden states its draft reads, and
+    # the draft itself; the tree sizes bound a verify row (base) and a drafting round (draft).
+    spec_base: bool = False
+    spec_draft: bool = False
+    max_verify_tree_size: int = 0
+    max_draft_tree_size: int = 0
 
     @classmethod
     def from_geometry(cls, geometry: PageGeometry, backend: str, max_lora_rank: int,
-                      model: ModelConfig | None = None, attention: str = ATTENTION_ONNX_OPS) -> BuilderConfig:
+                      model: ModelConfig | None = None, attention: str = ATTENTION_ONNX_OPS,
+                      **speculative: Any) -> BuilderConfig:
         resolved = {f.name: getattr(geometry, f.name) for f in fields(PageGeometry)}
         snapshots: dict[str, Any] = {}
         if model is not None:
@@ -84,7 +111,8 @@ class BuilderConfig(PageGeometry):
                     model.recurrent_state_size, model.conv_dim, model.conv_kernel) if recurrent else 0}
         if backend == "tensorrt":
             attention = ATTENTION_TRT_PLUGIN
-        return cls(**resolved, backend=backend, max_lora_rank=max_lora_rank, attention=attention, **snapshots)
+        return cls(**resolved, backend=backend, max_lora_rank=max_lora_rank, attention=attention, **snapshots,
+                   **speculative)
 
     def to_dict(self) -> dict[str, Any]:
         # minimum_active_pages: written since the first engine dirs (batch × pages per sequence); nothing reads it.
@@ -129,7 +157,7 @@ def load_engine_dir(path: Path) -> EngineDir:
         raise InvalidConfig(f"engine has recurrent layers ({model.model}) and backend {build.backend}; recurrent "
                             "layers run on onnxruntime only; rebuild it with llm_build --backend onnxruntime",
                             "engine_dir")
-    for name in (*BACKEND_FILES[build.backend], *COPIED_FILES):
+    for name in (*BACKEND_FILES[build.backend], *copied_files(model)):
         if not (path / name).is_file():
             raise InvalidConfig(f"engine dir {path} is missing {name}; {REBUILD}", "engine_dir")
     verify_manifest(path, ENGINE_KIND, "engine_dir", REBUILD)
@@ -173,8 +201,22 @@ def read_builder_config(raw: dict[str, Any], model: ModelConfig) -> BuilderConfi
     if attention not in ATTENTION_PATHS:  # a TensorRT engine's is its plugin whatever the file says
         raise InvalidConfig(f"must be one of {ATTENTION_PATHS}, got {describe(attention)}; {REBUILD}",
                             f"{where}.attention")
+    speculative: dict[str, Any] = {}
+    for key in ("spec_base", "spec_draft"):
+        if type(raw.get(key, False)) is not bool:
+            raise InvalidConfig(f"must be true or false, got {describe(raw[key])}", f"{where}.{key}")
+        speculative[key] = raw.get(key, False)
+    for key in ("max_verify_tree_size", "max_draft_tree_size"):
+        value = raw.get(key, 0)
+        if type(value) is not int or not 0 <= value <= MAX_TREE_SIZE:
+            raise InvalidConfig(f"must be an integer in [0, {MAX_TREE_SIZE}], got {describe(value)}", f"{where}.{key}")
+        speculative[key] = value
+    if speculative["spec_draft"] != model.is_eagle3_draft:
+        raise InvalidConfig(f"spec_draft is {speculative['spec_draft']} but config.json's spec_decode_type is "
+                            f"{model.spec_decode_type!r}; {REBUILD}", f"{where}.spec_draft")
     # Snapshot geometry and layer types are recomputed from the model, not trusted from the file.
-    return BuilderConfig.from_geometry(geometry, raw["backend"], numbers["max_lora_rank"], model, attention)
+    return BuilderConfig.from_geometry(geometry, raw["backend"], numbers["max_lora_rank"], model, attention,
+                                       **speculative)
 
 
 def check_embedding(path: Path, model: ModelConfig, field: str) -> None:

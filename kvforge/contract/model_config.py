@@ -21,6 +21,8 @@ HYBRID_FAMILIES = ("qwen3_5",)
 # TensorRT Edge-LLM's normalized names: "mamba" means any recurrent mixer with a carried conv + recurrent state
 # (a Mamba2 SSM or a gated delta-net); the family says which one. HF's "linear_attention" maps to "mamba".
 LAYER_TYPES = ("attention", "mamba")
+SPEC_NONE, SPEC_EAGLE3 = "none", "eagle3"
+SPEC_DECODE_TYPES = (SPEC_NONE, SPEC_EAGLE3)
 
 
 @dataclass(slots=True)
@@ -67,7 +69,23 @@ class ModelConfig:
     # logits positions, in this order: what a drafter (EAGLE3: three base layers, MTP: the last) reads. Empty = no
     # such output.
     hidden_state_layers: list[int] = field(default_factory=list)
+    # Speculative drafts (TensorRT Edge-LLM's names). An EAGLE3 draft is a one-layer llama whose graph also takes the
+    # base's hidden states of `eagle_hidden_state_layers` (base_model_hidden_size = their concatenated width) and
+    # returns logits over a reduced vocabulary of draft_vocab_size tokens (d2t.safetensors maps them to base ids).
+    spec_decode_type: str = "none"  # one of SPEC_DECODE_TYPES
+    draft_vocab_size: int = 0  # 0 = vocab_size (the logits' width)
+    base_model_hidden_size: int = 0
+    eagle_hidden_state_layers: list[int] = field(default_factory=list)
     format: str = EXPORT_FORMAT
+
+    @property
+    def logits_width(self) -> int:
+        """Columns of the graph's `logits`: the draft vocabulary of an EAGLE3 draft, else the vocabulary."""
+        return self.draft_vocab_size or self.vocab_size
+
+    @property
+    def is_eagle3_draft(self) -> bool:
+        return self.spec_decode_type == SPEC_EAGLE3
 
     @property
     def is_recurrent(self) -> bool:
@@ -121,6 +139,7 @@ class ModelConfig:
         if self.lm_head and self.lm_head not in LM_HEADS:
             raise InvalidConfig(f"must be one of {LM_HEADS}, got {self.lm_head!r}", "config.lm_head")
         self._validate_hidden_state_layers()
+        self._validate_draft()
         unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
         if unknown:
             raise InvalidConfig(f"unknown layer type {unknown[0]!r} (known: {', '.join(LAYER_TYPES)})",
@@ -155,6 +174,30 @@ class ModelConfig:
                                 f"{bad[0]}", "config.hidden_state_layers")
         if len(set(layers)) != len(layers):
             raise InvalidConfig(f"must name each layer once, got {layers}", "config.hidden_state_layers")
+
+    def _validate_draft(self) -> None:
+        if self.spec_decode_type not in SPEC_DECODE_TYPES:
+            raise InvalidConfig(f"must be one of {SPEC_DECODE_TYPES}, got {self.spec_decode_type!r}",
+                                "config.spec_decode_type")
+        if not self.is_eagle3_draft:
+            if self.draft_vocab_size or self.base_model_hidden_size or self.eagle_hidden_state_layers:
+                raise InvalidConfig("draft fields are set but spec_decode_type is 'none'", "config.spec_decode_type")
+            return
+        if self.model != "llama" or self.num_hidden_layers != 1 or self.layer_types:
+            raise InvalidConfig("an EAGLE3 draft is one llama decoder layer", "config.num_hidden_layers")
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise InvalidConfig(f"must be in [1, vocab_size {self.vocab_size}], got {self.draft_vocab_size}",
+                                "config.draft_vocab_size")
+        if not self.eagle_hidden_state_layers or len(set(self.eagle_hidden_state_layers)) != \
+                len(self.eagle_hidden_state_layers) or min(self.eagle_hidden_state_layers) < 0:
+            raise InvalidConfig(f"must name distinct base layers, got {self.eagle_hidden_state_layers}",
+                                "config.eagle_hidden_state_layers")
+        if self.base_model_hidden_size <= 0 or self.base_model_hidden_size % len(self.eagle_hidden_state_layers):
+            raise InvalidConfig(f"must be a positive multiple of the {len(self.eagle_hidden_state_layers)} base "
+                                f"layers read, got {self.base_model_hidden_size}", "config.base_model_hidden_size")
+        if self.hidden_state_layers != [0]:
+            raise InvalidConfig("an EAGLE3 draft returns its layer's output as hidden_states: must be [0]",
+                                "config.hidden_state_layers")
 
     def _validate_hybrid(self) -> None:
         if len(self.layer_types) != self.num_hidden_layers:
@@ -238,6 +281,8 @@ CONFIG_SCHEMA: dict[str, tuple[str, float | None, float | None]] = {
     "recurrent_state_head_dim": ("int", 0, 2**16), "recurrent_state_size": ("int", 0, 2**16),
     "n_groups": ("int", 0, 1024), "conv_kernel": ("int", 0, 1024),
     "partial_rotary_factor": ("float", 0.0, 1.0), "hidden_state_layers": ("ints", 0, 1024),
+    "spec_decode_type": ("str", None, None), "draft_vocab_size": ("int", 0, 2**24),
+    "base_model_hidden_size": ("int", 0, 2**22), "eagle_hidden_state_layers": ("ints", 0, 1024),
 }
 
 

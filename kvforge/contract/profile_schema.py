@@ -15,6 +15,8 @@ from types import MappingProxyType
 PREFILL_STAGE = "llm_prefill"
 GENERATION_STAGE = "llm_generation"
 SPEC_DRAFT_PROPOSAL_STAGE = "spec_decode_draft_proposal"  # TensorRT Edge-LLM's stage id for drafting
+SPEC_BASE_VERIFICATION_STAGE = "spec_decode_base_verification"  # engine calls of steps that verify drafts
+SPEC_DRAFT_ACCEPT_STAGE = "spec_decode_draft_accept"  # acceptance (greedy match or rejection sampling)
 
 # ------------------------------------------------------------------------------------------ top-level sections
 

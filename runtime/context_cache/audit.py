@@ -13,7 +13,7 @@ import numpy as np
 from kvforge.runtime.context_cache.index import PageIndex, page_token_bytes
 from kvforge.runtime.context_cache.keys import page_keys, tail_page_key
 from kvforge.runtime.context_cache.lease import Lease
-from kvforge.runtime.context_cache.pools import BASE_KV_PAGES, ResourcePool, ResourcePools
+from kvforge.runtime.context_cache.pools import BASE_KV_PAGES, DRAFT_KV_PAGES, ResourcePool, ResourcePools
 from kvforge.runtime.context_cache.records import RecordStore
 
 if TYPE_CHECKING:
@@ -58,6 +58,10 @@ def check_invariants(manager: AuditedCache) -> None:
         assert manager.paged or not lease.page_ids, "a pure recurrent lease holds no pages"
         for page in lease.page_ids:
             active[BASE_KV_PAGES][page] += 1
+        for page in lease.draft_page_ids or ():
+            active[DRAFT_KV_PAGES][page] += 1
+        if lease.draft_page_ids is not None:
+            assert len(lease.draft_page_ids) * T >= lease.draft_computed_tokens, "draft K/V past the draft pages"
         if lease.restore_slot is not None:
             active[manager.partial_snapshots.name][lease.restore_slot] += 1
         if lease.restore_recurrent_slot is not None:
@@ -88,6 +92,12 @@ def check_invariants(manager: AuditedCache) -> None:
         for name, slots in record.held().items():
             for slot in slots:
                 cache[name][slot] += 1
+    drafts = getattr(manager, "drafts", None)
+    if drafts is not None:
+        for key, (record_id, covered) in drafts.boundaries().items():
+            record = next((r for r in manager.records.least_recent_first() if r.record_id == record_id), None)
+            assert record is not None, "a draft path boundary names an evicted record"
+            assert len(record.draft_page_ids) >= covered and record.keys[covered - 1] == key
     for pool in manager.pools:
         assert active[pool.name] == pool.active, f"{pool.name}: active refcounts disagree with the live leases"
         assert cache[pool.name] == pool.cache, f"{pool.name}: cache refcounts disagree with the records"

@@ -22,6 +22,8 @@ class Admission:
     lookup_policy: LookupPolicy = LookupPolicy.USE_CACHE
     indexable_tokens: int | None = None  # None = all of token_ids
     keys: list[bytes] | None = None
+    # An EAGLE3 request: it also needs draft KV pages, and reuses only records with a coherent draft path.
+    speculative: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -41,6 +43,14 @@ class Lease:
     `finish_restore`); None there means a cold start from a zero state. A pure recurrent lease holds no pages.
 
     `page_ids` grows with `try_grow`; `keys` are the chain keys of its full pages computed so far.
+
+    A speculative (EAGLE3) lease also holds `draft_page_ids`, laid out like `page_ids` in the draft's own pool:
+
+        | draft page 0 | ... | draft page h-1 (one record's path) | private draft pages ... |
+        |<-- draft_computed_tokens: positions p whose draft K/V (fed token p+1) is coherent -->|
+
+    Its hit is one page shorter than the pages that matched: the final matched page is recomputed in base and draft
+    (the draft's K/V at a page's last position depends on the next page's first token).
     """
 
     extras: KeyExtras
@@ -58,3 +68,7 @@ class Lease:
     restore_slot: int | None = None  # partial-KV snapshot to copy into page_ids[reuse_tokens // T]
     restore_tokens: int = 0
     restore_recurrent_slot: int | None = None  # recurrent snapshot to copy into the sequence's state
+    # EAGLE3 (speculative admissions): the draft's own pages, one per base page (hits first: one record's coherent
+    # path), and how many positions hold draft K/V coherent with the sequence (the drafter advances it).
+    draft_page_ids: list[int] | None = None
+    draft_computed_tokens: int = 0

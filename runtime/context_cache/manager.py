@@ -61,6 +61,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Any, TypeVar
 
@@ -71,6 +72,7 @@ from kvforge.contract.paging import pages_for
 from kvforge.runtime.context_cache.attention_pages import AttentionPages
 from kvforge.runtime.context_cache.audit import check_invariants
 from kvforge.runtime.context_cache.capture import SnapshotCopier
+from kvforge.runtime.context_cache.draft_paths import DraftPaths
 from kvforge.runtime.context_cache.eviction import plan_eviction
 from kvforge.runtime.context_cache.index import PageIndex
 from kvforge.runtime.context_cache.keys import CHAIN_ROOT, KeyExtras, page_keys, tail_page_key
@@ -106,10 +108,11 @@ class ContextCacheManager:
                  max_records: int = DEFAULT_MAX_RECORDS, partial_kv_snapshot_slots: int = 0,
                  recurrent_snapshot_slots: int = 0, deployment: Deployment = Deployment.VANILLA,
                  copier: SnapshotCopier | None = None, chain_root: bytes = CHAIN_ROOT,
-                 events: CacheEvents | None = None) -> None:
+                 events: CacheEvents | None = None, draft_pages: int = 0) -> None:
         """`copier` moves snapshot bytes (the engine's state manager); without one no snapshot is ever captured.
         `chain_root` roots every key (keys.chain_root of an engine fingerprint); `events` hears lookups, commits
-        and evictions (an external tier)."""
+        and evictions (an external tier). `draft_pages`: an EAGLE3 draft's own KV pool (speculative admissions
+        take a page there beside each base page)."""
         if max_records < 0:
             raise InvalidConfig(f"must be >= 0, got {max_records}", "context_cache_max_records")
         deployment = Deployment(deployment)
@@ -131,8 +134,11 @@ class ContextCacheManager:
         # Budgets a deployment cannot use are dropped (the engine decides whether passing one is an error).
         partial = partial_kv_snapshot_slots if enabled and paged else 0
         # A pure recurrent engine's build still names a KV pool size; nothing would ever use it, so its capacity is 0.
+        if draft_pages and checkpoints:
+            raise InvalidConfig("an EAGLE3 draft needs an attention-only base (the support matrix rejects hybrid and "
+                                "recurrent speculative bases)", "spec_decode")
         self.pools = ResourcePools(num_pages if paged else 0, partial,
-                                   recurrent_snapshot_slots if enabled and checkpoints else 0)
+                                   recurrent_snapshot_slots if enabled and checkpoints else 0, draft_pages)
         self.pages = self.pools.base_kv_pages
         self.partial_snapshots = self.pools.partial_kv_snapshots
         self.recurrent_snapshots = self.pools.recurrent_snapshots
@@ -147,12 +153,15 @@ class ContextCacheManager:
         self.tails = PartialTails(self.partial_snapshots, T, chain_root, copier) if paged else None
         self.recurrent = RecurrentCheckpoints(self.recurrent_snapshots, self.records, T, chain_root,
                                               with_pages=paged, copier=copier) if checkpoints else None
+        self.drafts = DraftPaths(self.pools.draft_kv_pages, T) if draft_pages else None
         self.types: tuple[CacheType, ...] = tuple(
-            t for t in (self.attention, self.tails, self.recurrent) if t is not None)
+            t for t in (self.attention, self.tails, self.recurrent, self.drafts) if t is not None)
         # Lookup order: each type narrows or extends the hit of the ones before it. A checkpoint brings its own
-        # tail page, so on a checkpoint deployment the tails extend nothing: the checkpoints have the last word.
+        # tail page, so on a checkpoint deployment the tails extend nothing: the checkpoints have the last word. The
+        # draft paths come last: a speculative admission's hit is one coherent path, never a snapshot tail.
         self._lookup_order: tuple[CacheType, ...] = tuple(
-            t for t in (self.attention, None if checkpoints else self.tails, self.recurrent) if t is not None)
+            t for t in (self.attention, None if checkpoints else self.tails, self.recurrent, self.drafts)
+            if t is not None)
         self.index = self.attention.index if self.attention is not None else PageIndex()
 
     @property
@@ -174,7 +183,10 @@ class ContextCacheManager:
 
     def fits_alone(self, num_tokens: int) -> bool:
         """Whether a sequence of `num_tokens` could run in this pool if nothing else held a page."""
-        return self.attention is None or pages_for(num_tokens, self.tokens_per_page) <= self.pages.capacity
+        needed = pages_for(num_tokens, self.tokens_per_page)
+        if self.drafts is not None and needed > self.pools.draft_kv_pages.capacity:
+            return False  # a speculative request takes as many draft pages
+        return self.attention is None or needed <= self.pages.capacity
 
     @_bookkept
     def prefix_in_flight(self, admission: Admission) -> bool:
@@ -201,10 +213,12 @@ class ContextCacheManager:
             plan = self._find_longest_hit(found)
         else:
             plan = self._cold(len(tokens))
-        lease = self._try_acquire(plan, admission.extras, may_publish=lookup)
+        speculative = admission.speculative and self.drafts is not None
+        lease = self._try_acquire(plan, admission.extras, may_publish=lookup, speculative=speculative)
         if lease is None and plan.hit_pages:
             # Pinned hits can leave too little to evict; a cold run may still fit (evicting those records).
-            lease = self._try_acquire(self._cold(len(tokens)), admission.extras, may_publish=False)
+            lease = self._try_acquire(self._cold(len(tokens)), admission.extras, may_publish=False,
+                                      speculative=speculative)
             if lease is not None:
                 lease.forced_cold = True
         if lease is not None:
@@ -225,7 +239,7 @@ class ContextCacheManager:
         if admission.keys is None:
             admission.keys = page_keys(admission.token_ids, self.tokens_per_page, admission.extras,
                                        parent=self.chain_root)
-        return Lookup(tokens, admission.keys, admission.extras)
+        return Lookup(tokens, admission.keys, admission.extras, speculative=admission.speculative)
 
     def _cold(self, num_tokens: int) -> ReusePlan:
         return plan_cold(num_tokens, self.tokens_per_page, paged=self.attention is not None)
@@ -239,15 +253,17 @@ class ContextCacheManager:
         self.events.looked_up(lookup.keys, len(plan.hit_pages))
         return plan
 
-    def _try_acquire(self, plan: ReusePlan, extras: KeyExtras, may_publish: bool) -> Lease | None:
+    def _try_acquire(self, plan: ReusePlan, extras: KeyExtras, may_publish: bool,
+                     speculative: bool = False) -> Lease | None:
         reused = [(kind.pool, kind.hit_slots(plan)) for kind in self.types]
         for pool, slots in reused:
             pool.pin(slots)  # pin before evicting: the plan's own hits are never victims
         # The record a snapshot or checkpoint hit resumes from is never a victim of its own admission.
         resumed = plan.checkpoint_record if plan.checkpoint_record is not None else \
             self._record_holding(plan.restore_slot) if plan.restore_slot is not None else None
-        victims = plan_eviction(Demand(base_kv_pages=plan.new_pages), self.pools, self.records.least_recent_first(),
-                                protected=resumed)
+        draft_pages = len(plan.hit_pages) + plan.new_pages - len(plan.draft_hit_pages) if speculative else 0
+        victims = plan_eviction(Demand(base_kv_pages=plan.new_pages, draft_kv_pages=draft_pages), self.pools,
+                                self.records.least_recent_first(), protected=resumed)
         if victims is None:
             for pool, slots in reused:
                 pool.unpin(slots)
@@ -257,6 +273,9 @@ class ContextCacheManager:
         lease = Lease(extras, [*plan.hit_pages, *private], plan.reuse_tokens, plan.matched_tokens, plan.kind,
                       may_publish, restore_slot=plan.restore_slot, restore_tokens=plan.restore_tokens,
                       restore_recurrent_slot=plan.restore_recurrent_slot)
+        if speculative:
+            lease.draft_page_ids = [*plan.draft_hit_pages, *self.pools.draft_kv_pages.allocate(draft_pages)]
+            lease.draft_computed_tokens = plan.reuse_tokens
         if resumed is not None:  # the checkpoint or snapshot this request resumes from stays resident longest
             self.records.touch(resumed)
         elif plan.hit_pages:  # a hit refreshes the record it ends on, so reused documents stay resident
@@ -301,6 +320,8 @@ class ContextCacheManager:
         if lookup:
             m.plans[plan.kind] += 1
             m.matched_tokens += plan.matched_tokens
+        if plan.replayed_page and not lease.forced_cold:
+            m.full_page_replays += 1
         if lease.reuse_tokens > 0:
             m.hit_sequences += 1
             m.reused_tokens += lease.reuse_tokens
@@ -311,15 +332,34 @@ class ContextCacheManager:
     def try_grow(self, lease: Lease, num_tokens: int) -> bool:
         """Make the lease's pages cover positions [0, num_tokens), evicting records if needed; False (and
         nothing changed) when the pool cannot, so the scheduler can preempt another sequence and retry."""
-        missing = pages_for(num_tokens, self.tokens_per_page) - len(lease.page_ids)
-        if missing <= 0 or self.attention is None:
+        if self.attention is None:
+            return True
+        pages = pages_for(num_tokens, self.tokens_per_page)
+        return self._grow(lease, pages - len(lease.page_ids), self._draft_missing(lease, pages))
+
+    @_bookkept
+    def try_grow_draft(self, lease: Lease, num_tokens: int) -> bool:
+        """Draft pages (only) covering positions [0, num_tokens) of a speculative lease: where a drafter writes the
+        K/V of its own proposals before the base verifies them. False (nothing changed) when the pool cannot."""
+        return self._grow(lease, 0, self._draft_missing(lease, pages_for(num_tokens, self.tokens_per_page)))
+
+    def _draft_missing(self, lease: Lease, pages: int) -> int:
+        return 0 if lease.draft_page_ids is None else max(pages - len(lease.draft_page_ids), 0)
+
+    def _grow(self, lease: Lease, base: int, draft: int) -> bool:
+        base = max(base, 0)
+        if not base and not draft:
             return True
         # least_recent_first is lazy: the LRU order is copied only when some record must go.
-        victims = plan_eviction(Demand(base_kv_pages=missing), self.pools, self.records.least_recent_first())
+        victims = plan_eviction(Demand(base_kv_pages=base, draft_kv_pages=draft), self.pools,
+                                self.records.least_recent_first())
         if victims is None:
             return False
         self._evict(victims)
-        lease.page_ids.extend(self.pages.allocate(missing))
+        lease.page_ids.extend(self.pages.allocate(base))
+        if draft:
+            assert lease.draft_page_ids is not None
+            lease.draft_page_ids.extend(self.pools.draft_kv_pages.allocate(draft))
         return True
 
     # --- in-flight indexing and publication ---------------------------------------------------------
@@ -360,14 +400,14 @@ class ContextCacheManager:
         if publication is None:
             return PublishResult.SKIPPED
         self.metrics.publication_attempts += 1
-        if self._touch_existing(publication.terminal_key):
+        if self._touch_existing(publication.terminal_key, lease):
             return PublishResult.EXISTING
         if not self._reserve_slots(publication):
             self.metrics.snapshot_pressure_skips += 1
             if publication.exact or not publication.keys:
                 return PublishResult.SKIPPED
             publication = publication.full_pages_only()
-            if self._touch_existing(publication.terminal_key):
+            if self._touch_existing(publication.terminal_key, lease):
                 return PublishResult.EXISTING
         if self.attention is not None:
             self.attention.project(lease, publication)
@@ -380,6 +420,8 @@ class ContextCacheManager:
                 publication.page_ids = pages
                 if self.records.find(publication.terminal_key) is not None:
                     return PublishResult.EXISTING
+        if self.drafts is not None and lease.draft_page_ids is not None:
+            self.drafts.project(lease.draft_page_ids, lease.draft_computed_tokens, publication)
         self._capture(lease, publication, boundary)
         return self._commit(lease, publication)
 
@@ -404,13 +446,33 @@ class ContextCacheManager:
         return Publication(tokens, keys, self._tail_key(keys, tokens, lease.extras) if partial else b"", exact=False,
                            partial=partial, recurrent=False)
 
-    def _touch_existing(self, terminal_key: bytes) -> bool:
+    def _touch_existing(self, terminal_key: bytes, lease: Lease) -> bool:
         existing = self.records.find(terminal_key)
         if existing is None:
             return False
         self.records.touch(existing.record_id)
         self.metrics.publications_existing += 1
+        self._upgrade(existing, lease)
         return True
+
+    def _upgrade(self, existing: Record, lease: Lease) -> None:
+        """A speculative publication of an endpoint already cached with a shorter draft path (base-only, or one
+        published before the draft caught up) gives the record its path: speculative requests can use it from now."""
+        drafts = self.drafts
+        if drafts is None or lease.draft_page_ids is None:
+            return
+        probe = Publication(np.asarray(existing.token_ids, dtype=np.int32), list(existing.keys), b"", False, False,
+                            False, page_ids=list(existing.page_ids))
+        drafts.project(lease.draft_page_ids, lease.draft_computed_tokens, probe)
+        if len(probe.draft_page_ids) <= len(existing.draft_page_ids):
+            return
+        upgraded = replace(existing, draft_page_ids=tuple(probe.draft_page_ids))
+        drafts.pool.add_cache_ref(upgraded.draft_page_ids)
+        drafts.pool.drop_cache_ref(existing.draft_page_ids)
+        drafts.on_evict(existing)
+        self.records.replace(upgraded)
+        drafts.on_commit(upgraded)
+        self.metrics.pair_publications += 1
 
     def _reserve_slots(self, publication: Publication) -> bool:
         """Free (evicting LRU records) and pin the snapshot slots `publication` needs; False when pins forbid it."""
@@ -463,7 +525,9 @@ class ContextCacheManager:
         covered = len(publication.tokens) if publication.tail_key else len(publication.keys) * self.tokens_per_page
         record = Record(self.records.new_id(), tuple(publication.keys), tuple(publication.page_ids),
                         tuple(publication.tokens[:covered].tolist()), lease.extras, publication.tail_key,
-                        publication.partial_slot, publication.recurrent_slot)
+                        publication.partial_slot, publication.recurrent_slot, tuple(publication.draft_page_ids))
+        if record.draft_page_ids:
+            self.metrics.pair_publications += 1
         for kind in self.types:
             held = kind.held(record)
             kind.pool.add_cache_ref(held)
@@ -501,6 +565,8 @@ class ContextCacheManager:
             self.attention.forget_in_flight(lease)
         self._unpin_restores(lease)  # admitted but never run: the snapshots were not copied
         self.pages.unpin(lease.page_ids)
+        if lease.draft_page_ids is not None:
+            self.pools.draft_kv_pages.unpin(lease.draft_page_ids)
 
     def _evict(self, record_ids: list[int]) -> None:
         """The one eviction point: each type drops the record's cache references and forgets it."""

@@ -28,6 +28,8 @@ class CacheMetrics:
     boundary_captures: int = 0  # checkpoints captured mid-sequence (chat-message boundary, interval): benchmarks only
     endpoint_captures: int = 0  # checkpoints captured at a prefill or decode end: benchmarks only
     records_evicted: int = 0
+    full_page_replays: int = 0  # speculative hits that recomputed their final matched page in base and draft
+    pair_publications: int = 0  # records committed or upgraded with a draft path beside their base pages
     reclaimed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(schema.POOL_KEYS, 0))
 
     def to_dict(self, records_current: int, resource_pools: dict[str, dict[str, int]]) -> dict[str, Any]:
@@ -52,7 +54,8 @@ class CacheMetrics:
                 schema.SNAPSHOT_PRESSURE_SKIPS: self.snapshot_pressure_skips,
                 schema.CAPTURE_SYNCHRONIZATIONS: self.capture_synchronizations,
             },
-            schema.SPECULATIVE: dict(schema.SPECULATIVE_BLOCK),
+            schema.SPECULATIVE: {schema.FULL_PAGE_REPLAYS: self.full_page_replays,
+                                 schema.PAIR_PUBLICATIONS: self.pair_publications},
             schema.PLANNING_NANOSECONDS: self.planning_nanoseconds,
             schema.RECORDS: {schema.RECORDS_CURRENT: records_current, schema.RECORDS_EVICTED: self.records_evicted},
             # Schema order first (every pool TensorRT Edge-LLM lists, zeros for types this deployment lacks).

@@ -43,6 +43,8 @@ class ReusePlan:
     restore_tokens: int = 0  # tokens that snapshot holds (reuse_tokens includes them)
     restore_recurrent_slot: int | None = None  # recurrent snapshot copied into the sequence's state
     checkpoint_record: int | None = None  # the record the plan resumes from (touched on admission)
+    draft_hit_pages: tuple[int, ...] = ()  # a speculative plan: the draft pages reused beside hit_pages
+    replayed_page: bool = False  # a speculative hit recomputes its final matched page (counted)
 
 
 def plan_reuse(num_tokens: int, tokens_per_page: int, matched_pages: Sequence[int],

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from kvforge.contract.profile_schema import (  # noqa: F401 - pool names re-exported for the cache core
     BASE_KV_PAGES,
+    DRAFT_KV_PAGES,
     PARTIAL_KV_SNAPSHOTS,
     POOL_CAPACITY,
     POOL_FREE,
@@ -99,10 +100,11 @@ class Demand:
     base_kv_pages: int = 0
     partial_kv_snapshots: int = 0
     recurrent_snapshots: int = 0
+    draft_kv_pages: int = 0
 
     def per_pool(self) -> dict[str, int]:
         return {BASE_KV_PAGES: self.base_kv_pages, PARTIAL_KV_SNAPSHOTS: self.partial_kv_snapshots,
-                RECURRENT_SNAPSHOTS: self.recurrent_snapshots}
+                RECURRENT_SNAPSHOTS: self.recurrent_snapshots, DRAFT_KV_PAGES: self.draft_kv_pages}
 
 
 class ResourcePools:
@@ -112,14 +114,16 @@ class ResourcePools:
     profile with its real zeros and never asked for anything.
     """
 
-    __slots__ = ("base_kv_pages", "partial_kv_snapshots", "recurrent_snapshots", "_by_name")
+    __slots__ = ("base_kv_pages", "partial_kv_snapshots", "recurrent_snapshots", "draft_kv_pages", "_by_name")
 
-    def __init__(self, num_pages: int, partial_kv_snapshot_slots: int = 0, recurrent_snapshot_slots: int = 0) -> None:
+    def __init__(self, num_pages: int, partial_kv_snapshot_slots: int = 0, recurrent_snapshot_slots: int = 0,
+                 draft_pages: int = 0) -> None:
         self.base_kv_pages = ResourcePool(BASE_KV_PAGES, num_pages)
         self.partial_kv_snapshots = ResourcePool(PARTIAL_KV_SNAPSHOTS, partial_kv_snapshot_slots)
         self.recurrent_snapshots = ResourcePool(RECURRENT_SNAPSHOTS, recurrent_snapshot_slots)
-        self._by_name = {pool.name: pool for pool in (self.base_kv_pages, self.partial_kv_snapshots,
-                                                       self.recurrent_snapshots)}
+        self.draft_kv_pages = ResourcePool(DRAFT_KV_PAGES, draft_pages)  # an EAGLE3 draft's own KV pool
+        self._by_name = {pool.name: pool for pool in (self.base_kv_pages, self.draft_kv_pages,
+                                                       self.partial_kv_snapshots, self.recurrent_snapshots)}
 
     def __iter__(self) -> Iterator[ResourcePool]:
         return iter(self._by_name.values())

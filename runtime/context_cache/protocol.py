@@ -39,6 +39,7 @@ class Lookup:
     # The index's matching pages before any plan rule cut them, found once by the attention type so a type that
     # must agree with the pages (a hybrid's checkpoints) compares with the same list. None: no attention type.
     page_hits: list[int] | None = None
+    speculative: bool = False  # an EAGLE3 admission: hits need a coherent draft path
 
 
 @dataclass(slots=True)
@@ -52,6 +53,7 @@ class Publication:
     partial: bool  # it keeps a partial-KV snapshot of its tail page
     recurrent: bool  # it keeps a recurrent snapshot
     page_ids: list[int] = field(default_factory=list)  # canonical pages, one per key (attention)
+    draft_page_ids: list[int] = field(default_factory=list)  # the lease's draft path over the first pages (EAGLE3)
     partial_slot: int | None = None
     recurrent_slot: int | None = None
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvforge.runtime.context_cache.keys import KeyExtras
-from kvforge.runtime.context_cache.pools import BASE_KV_PAGES, PARTIAL_KV_SNAPSHOTS, RECURRENT_SNAPSHOTS
+from kvforge.runtime.context_cache.pools import BASE_KV_PAGES, DRAFT_KV_PAGES, PARTIAL_KV_SNAPSHOTS, RECURRENT_SNAPSHOTS
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +28,9 @@ class Record:
     tail_key: bytes = b""  # set when the endpoint is not page-aligned: the exact endpoint's key
     partial_slot: int | None = None  # partial-KV snapshot slot holding the tail page's K/V
     recurrent_slot: int | None = None  # recurrent snapshot slot: every recurrent layer's state + conv state
+    # An EAGLE3 draft's K/V for the first len(draft_page_ids) full pages, computed by one sequence along the same
+    # tokens (a coherent path; empty = a base-only record, which speculative requests never use).
+    draft_page_ids: tuple[int, ...] = ()
 
     @property
     def terminal_key(self) -> bytes:
@@ -47,7 +50,8 @@ class Record:
         """Slots this record holds a cache reference on, per pool."""
         partial = () if self.partial_slot is None else (self.partial_slot,)
         recurrent = () if self.recurrent_slot is None else (self.recurrent_slot,)
-        return {BASE_KV_PAGES: self.page_ids, PARTIAL_KV_SNAPSHOTS: partial, RECURRENT_SNAPSHOTS: recurrent}
+        return {BASE_KV_PAGES: self.page_ids, PARTIAL_KV_SNAPSHOTS: partial, RECURRENT_SNAPSHOTS: recurrent,
+                DRAFT_KV_PAGES: self.draft_page_ids}
 
 
 class RecordStore:
@@ -83,6 +87,12 @@ class RecordStore:
             raise AssertionError("duplicate endpoint; callers touch the existing record instead")
         self._lru[record.record_id] = record
         self._by_key[record.terminal_key] = record.record_id
+
+    def replace(self, record: Record) -> None:
+        """Swap in a record with the same id and endpoint (an upgraded one), keeping its place in the LRU order."""
+        if self._by_key.get(record.terminal_key) != record.record_id:
+            raise AssertionError("replace keeps a record's id and endpoint")
+        self._lru[record.record_id] = record
 
     def remove(self, record_id: int) -> Record:
         record = self._lru.pop(record_id)

@@ -18,6 +18,13 @@ DEFAULT_MAX_N = 4
 
 class NgramProposer:
     __slots__ = ("min_n", "max_n", "num_tokens")
+    owns_kv = False
+
+    def observe(self, rows: list, output: object, sampled: list) -> None:
+        pass  # the proposal reads the tokens alone
+
+    def propose_batch(self, seqs: list, limits: list[int]) -> list[list[int]]:
+        return [self.propose(seq.all_token_ids(), limit) for seq, limit in zip(seqs, limits, strict=True)]
 
     def __init__(self, num_tokens: int, min_n: int = DEFAULT_MIN_N, max_n: int = DEFAULT_MAX_N) -> None:
         if not 1 <= min_n <= max_n:

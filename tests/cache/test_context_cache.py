@@ -231,9 +231,9 @@ def test_hit_that_cannot_get_pages_retries_cold_once(monkeypatch: pytest.MonkeyP
     real_try = manager._try_acquire
     calls = []
 
-    def first_try_fails(plan, extras, may_publish):
+    def first_try_fails(plan, extras, may_publish, speculative=False):
         calls.append(plan.kind)
-        return None if len(calls) == 1 else real_try(plan, extras, may_publish)
+        return None if len(calls) == 1 else real_try(plan, extras, may_publish, speculative)
 
     monkeypatch.setattr(manager, "_try_acquire", first_try_fails)
     lease = acquire(manager, tokens(8) + [1])

@@ -52,3 +52,36 @@ def dense_logits(config: ModelConfig, weights: dict[str, np.ndarray], token_ids:
         x = x + ((gate / (1 + np.exp(-gate))) * (h @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
     head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
     return _rms(x, w["model.norm.weight"], config.rms_norm_eps) @ head.T
+
+
+def eagle3_dense(config: ModelConfig, weights: dict[str, np.ndarray], embeds: np.ndarray, base_hidden: np.ndarray,
+                 own_hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """An EAGLE3 draft over one sequence of n positions: `embeds` [n, H] (the next tokens' embeddings), the base's
+    hidden states [n, 3H'] and the draft's own previous outputs [n, H] (a position uses fc(base) + own, zeros where
+    unused). Returns (draft logits [n, draft_vocab], the layer's output [n, H]); K/V rounded through storage."""
+    w = weights
+    n, d = len(embeds), config.head_dim
+    hq, hkv = config.num_attention_heads, config.num_key_value_heads
+    eps = config.rms_norm_eps
+    h = base_hidden @ w["fc.weight"].T + own_hidden
+    x = np.concatenate([_rms(embeds, w["midlayer.input_layernorm.weight"], eps),
+                        _rms(h, w["midlayer.hidden_norm.weight"], eps)], axis=-1)
+    table = rope_table(max(n, 1), d, config.rope_theta)
+    positions = np.arange(n)
+    q = (x @ w["midlayer.self_attn.q_proj.weight"].T).reshape(n, hq, d)
+    k = (x @ w["midlayer.self_attn.k_proj.weight"].T).reshape(n, hkv, d)
+    v = (x @ w["midlayer.self_attn.v_proj.weight"].T).reshape(n, hkv, d)
+    q = apply_rope(q, table, positions)
+    k = round_to_storage(apply_rope(k, table, positions), config.kv_cache_dtype)
+    v = round_to_storage(v, config.kv_cache_dtype)
+    k, v = np.repeat(k, hq // hkv, axis=1), np.repeat(v, hq // hkv, axis=1)
+    scores = np.einsum("qhd,khd->hqk", q.astype(np.float64), k.astype(np.float64)) / np.sqrt(d)
+    scores = np.where(np.tril(np.ones((n, n), dtype=bool))[None], scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    attn = np.einsum("hqk,khd->qhd", probs, v.astype(np.float64)).reshape(n, hq * d).astype(np.float32)
+    h = h + attn @ w["midlayer.self_attn.o_proj.weight"].T
+    m = _rms(h, w["midlayer.post_attention_layernorm.weight"], eps)
+    gate = m @ w["midlayer.mlp.gate_proj.weight"].T
+    h = h + ((gate / (1 + np.exp(-gate))) * (m @ w["midlayer.mlp.up_proj.weight"].T)) @ w["midlayer.mlp.down_proj.weight"].T
+    return _rms(h, w["norm.weight"], eps) @ w["lm_head.weight"].T, h

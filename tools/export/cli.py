@@ -15,7 +15,7 @@ from kvforge.tools.export.source import LoadedModel
 
 SMOLLM2_NAME = "smollm2-135m-instruct"
 
-COMMANDS = ("model", "lora", "random-lora")
+COMMANDS = ("model", "lora", "random-lora", "eagle3", "random-eagle3")
 HELP = """
 Export an LLM to an ONNX dir with kvforge paged-KV ops (no torch needed). `model` is the default
 command: `llm_export SOURCE ...` means `llm_export model SOURCE ...`.
@@ -28,6 +28,26 @@ command: `llm_export SOURCE ...` means `llm_export model SOURCE ...`.
   llm_export --synthetic tiny-llama --outputDir onnx/tiny
   llm_export lora --adapterDir my_peft_adapter --onnxDir onnx/smollm2 --output adapters/mine.safetensors
   llm_export random-lora --onnxDir onnx/smollm2 --outputDir adapters/random_peft --rank 8
+  llm_export smollm2-135m-instruct --outputDir onnx/smollm2-base --hiddenStateLayers 1,14,26
+  llm_export eagle3 --draftDir my_eagle3_draft --baseOnnxDir onnx/smollm2-base --outputDir onnx/smollm2-draft
+"""
+EAGLE3_HELP = """
+Export an EAGLE3 draft in the Hugging Face format (LlamaForCausalLMEagle3: fc over three base layers' hidden
+states, one decoder layer, a reduced vocabulary with its d2t map) for the base whose ONNX dir is given. The base
+must return the hidden states the draft reads: export it with --hiddenStateLayers (this command says which).
+Build both with llm_build --specBase / --specDraft into one engine dir and run llm_inference --specDecode eagle3.
+
+[bold]Example[/]
+
+  llm_export eagle3 --draftDir my_eagle3_draft --baseOnnxDir onnx/smollm2-base --outputDir onnx/smollm2-draft
+"""
+RANDOM_EAGLE3_HELP = """
+Write a random-weight EAGLE3 draft checkpoint (Hugging Face format) for the base of an ONNX dir: plumbing tests
+and demos (its proposals are rarely accepted); export it with `eagle3`.
+
+[bold]Example[/]
+
+  llm_export random-eagle3 --baseOnnxDir onnx/tiny --outputDir drafts/random_eagle3 --draftVocab 64
 """
 LORA_HELP = """
 Convert a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) into the engine's layout
@@ -263,6 +283,44 @@ def random_lora(
         check_distinct({"--outputDir": output_dir}, {"--onnxDir": onnx_dir}, outputs_are_dirs=True)
         write_random_peft_adapter(onnx_dir, output_dir, rank, alpha, seed)
         console.print(f"wrote a random rank-{rank} PEFT adapter to {output_dir}")
+
+    run_guarded(body, debug, flags=EXPORT_FLAGS)
+
+
+@app.command("eagle3", help=EAGLE3_HELP, short_help="Export an EAGLE3 draft for a base ONNX dir.")
+def eagle3(
+    draft_dir: Path = typer.Option(..., "--draftDir", help="EAGLE3 draft checkpoint dir (config.json + safetensors)."),
+    base_onnx_dir: Path = typer.Option(..., "--baseOnnxDir",
+                                       help="The base model's ONNX dir (llm_export with --hiddenStateLayers)."),
+    output_dir: Path = typer.Option(..., "--outputDir", help="The draft's ONNX dir to write."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
+) -> None:
+    def body() -> None:
+        from kvforge.contract.files import check_distinct
+        from kvforge.tools.export.eagle3 import export_eagle3
+        check_distinct({"--outputDir": output_dir}, {"--draftDir": draft_dir, "--baseOnnxDir": base_onnx_dir},
+                       outputs_are_dirs=True)
+        c = export_eagle3(draft_dir, base_onnx_dir, output_dir)
+        console.print(f"exported an EAGLE3 draft (hidden {c.hidden_size}, draft vocabulary {c.draft_vocab_size}, "
+                      f"reads base layers {c.eagle_hidden_state_layers}) to {output_dir}")
+
+    run_guarded(body, debug, flags=EXPORT_FLAGS)
+
+
+@app.command("random-eagle3", help=RANDOM_EAGLE3_HELP, short_help="Write a random EAGLE3 draft (tests, demos).")
+def random_eagle3(
+    base_onnx_dir: Path = typer.Option(..., "--baseOnnxDir", help="The base model's ONNX dir."),
+    output_dir: Path = typer.Option(..., "--outputDir", help="Draft checkpoint dir to write."),
+    draft_vocab: int = typer.Option(0, "--draftVocab", help="Reduced draft vocabulary size (0 = the base's)."),
+    seed: int = typer.Option(0, "--seed", help="Random seed."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
+) -> None:
+    def body() -> None:
+        from kvforge.contract.files import check_distinct
+        from kvforge.tools.export.eagle3 import write_random_eagle3
+        check_distinct({"--outputDir": output_dir}, {"--baseOnnxDir": base_onnx_dir}, outputs_are_dirs=True)
+        write_random_eagle3(base_onnx_dir, output_dir, draft_vocab_size=draft_vocab, seed=seed)
+        console.print(f"wrote a random EAGLE3 draft checkpoint to {output_dir}")
 
     run_guarded(body, debug, flags=EXPORT_FLAGS)
 

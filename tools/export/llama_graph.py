@@ -11,7 +11,12 @@ from onnx import helper
 from kvforge.contract.lora import lora_a_name, lora_b_name, target_dims
 from kvforge.contract.model_config import ModelConfig
 from kvforge.graph.onnx_graph import FLOAT, FLOAT16, INT32, INT64, OPSET, UINT8, GraphWriter, value_info
-from kvforge.graph.positions import gather_positions, hidden_states_output, logits_indices_input, logits_output
+from kvforge.graph.positions import (
+    attach_hidden_states,
+    gather_positions,
+    logits_indices_input,
+    logits_output,
+)
 from kvforge.graph.rope import apply_rope
 from kvforge.plugins import ops
 from kvforge.tools.export.quantize import LM_HEAD, BlockQuantized, concat_columns
@@ -99,9 +104,7 @@ def build_llama_graph(config: ModelConfig, weights: dict[str, np.ndarray],
     logits = _position_logits(g, hidden, config, weights, linears)
     g.op("Identity", [logits], outputs=["logits"])
     graph_outputs.insert(0, logits_output(config.vocab_size))
-    hidden_states = hidden_states_output(g, layer_outputs, config.hidden_state_layers, config.hidden_size)
-    if hidden_states is not None:
-        graph_outputs.insert(1, hidden_states)
+    attach_hidden_states(g, layer_outputs, config.hidden_state_layers, config.hidden_size, graph_inputs, graph_outputs)
     graph = helper.make_graph(g.nodes, "kvforge_llm", graph_inputs, graph_outputs, g.initializers)
     opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid(ops.DOMAIN, ops.OPSET_VERSION)]
     if quantized:

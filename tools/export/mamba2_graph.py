@@ -17,7 +17,7 @@ import onnx
 from onnx import helper
 
 from kvforge.graph.onnx_graph import FLOAT, INT32, OPSET, GraphWriter, value_info
-from kvforge.graph.positions import gather_positions, hidden_states_output, logits_indices_input, logits_output
+from kvforge.graph.positions import attach_hidden_states, gather_positions, logits_indices_input, logits_output
 from kvforge.plugins import ops, recurrent
 
 
@@ -107,9 +107,7 @@ def build_mamba2_graph(geometry: Mamba2Geometry, weights: dict[str, np.ndarray])
         hidden = g.add(hidden, g.matmul(normed, w("mixer.out_proj.weight", weights[p + "mixer.out_proj.weight"].T)))
         layer_outputs.append(hidden)
     g.op("Identity", [_position_logits(g, hidden, cfg, weights)], outputs=["logits"])
-    hidden_states = hidden_states_output(g, layer_outputs, cfg.hidden_state_layers, cfg.hidden_size)
-    if hidden_states is not None:
-        outputs.insert(1, hidden_states)
+    attach_hidden_states(g, layer_outputs, cfg.hidden_state_layers, cfg.hidden_size, inputs, outputs)
     graph = helper.make_graph(g.nodes, "kvforge_mamba2", inputs, outputs, g.initializers)
     return helper.make_model(graph, producer_name="kvforge", opset_imports=[
         helper.make_opsetid("", OPSET), helper.make_opsetid(ops.DOMAIN, ops.OPSET_VERSION)])

@@ -22,7 +22,7 @@ from onnx import helper
 
 from kvforge.contract.model_config import ModelConfig
 from kvforge.graph.onnx_graph import FLOAT, INT32, OPSET, GraphWriter, value_info
-from kvforge.graph.positions import gather_positions, hidden_states_output, logits_indices_input, logits_output
+from kvforge.graph.positions import attach_hidden_states, gather_positions, logits_indices_input, logits_output
 from kvforge.graph.rope import apply_rope
 from kvforge.plugins import ops, recurrent
 from kvforge.tools.export.llama_graph import POOL_ELEM_TYPES, pool_input_name, pool_output_name, rope_inputs
@@ -80,9 +80,7 @@ def build_qwen3_5_graph(config: ModelConfig, weights: dict[str, np.ndarray],
         if progress:
             progress(layer)
     g.op("Identity", [_position_logits(g, config, weights, hidden)], outputs=["logits"])
-    hidden_states = hidden_states_output(g, layer_outputs, config.hidden_state_layers, config.hidden_size)
-    if hidden_states is not None:
-        outputs.insert(1, hidden_states)
+    attach_hidden_states(g, layer_outputs, config.hidden_state_layers, config.hidden_size, inputs, outputs)
     graph = helper.make_graph(g.nodes, "kvforge_qwen3_5", inputs, outputs, g.initializers)
     return helper.make_model(graph, producer_name="kvforge", opset_imports=[
         helper.make_opsetid("", OPSET), helper.make_opsetid(ops.DOMAIN, ops.OPSET_VERSION)])

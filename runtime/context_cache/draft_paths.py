@@ -1,0 +1,86 @@
+"""EAGLE3 draft pages as a cache type: the draft's own pool, and the coherent draft paths records carry.
+
+Draft pages are not content-addressed one by one: a draft page's K/V depends on the tokens *after* it (the draft at
+position p is fed token p + 1) and on the draft pages before it, so a speculative hit takes one record's path
+whole. Every full-page boundary of a record with a draft path is filed here by its base chain key; a speculative
+admission takes the longest boundary among its matching base pages and reuses one page fewer than that in both
+base and draft (the final matched page is replayed: its last position depends on the next page's first token,
+which the match guarantees only up to the boundary). A record without a draft path (published by a plain request)
+serves plain requests only; a speculative publication of the same endpoint upgrades it (the coordinator's job).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from kvforge.runtime.context_cache.planner import PlanKind, ReusePlan
+from kvforge.runtime.context_cache.pools import ResourcePool
+from kvforge.runtime.context_cache.protocol import Lookup, Publication
+from kvforge.runtime.context_cache.records import Record
+
+
+class DraftPaths:
+    __slots__ = ("pool", "tokens_per_page", "_boundaries", "_paths")
+
+    def __init__(self, pool: ResourcePool, tokens_per_page: int) -> None:
+        self.pool = pool
+        self.tokens_per_page = tokens_per_page
+        # base chain key of page j - 1 -> (record id, j): that record's draft path covers the first j pages
+        self._boundaries: dict[bytes, tuple[int, int]] = {}
+        self._paths: dict[int, tuple[int, ...]] = {}
+
+    def find_longest_hit(self, lookup: Lookup, agreed: ReusePlan) -> ReusePlan:
+        """A plain admission keeps `agreed`. A speculative one reuses the longest coherent path among its matching
+        pages minus its final page, never more than `agreed` (media spans, the full-input rewind) and never a
+        snapshot tail (the draft has none): a cold start when no record with a path matches."""
+        if not lookup.speculative:
+            return agreed
+        matched = lookup.page_hits or []
+        cold = ReusePlan(PlanKind.NO_REUSABLE_PREFIX, agreed.matched_tokens, 0, (), agreed.new_pages + len(
+            agreed.hit_pages))
+        for boundary in range(len(matched), 0, -1):
+            found = self._boundaries.get(lookup.keys[boundary - 1])
+            if found is None:
+                continue
+            record_id, covered = found
+            pages = min(boundary - 1, len(agreed.hit_pages), covered)
+            if pages <= 0:
+                return replace(cold, replayed_page=True)
+            path = self._paths[record_id]
+            return replace(cold, kind=PlanKind.STANDARD, reuse_tokens=pages * self.tokens_per_page,
+                           hit_pages=tuple(matched[:pages]), new_pages=cold.new_pages - pages,
+                           draft_hit_pages=path[:pages], replayed_page=True)
+        return cold
+
+    def hit_slots(self, plan: ReusePlan) -> tuple[int, ...]:
+        return plan.draft_hit_pages
+
+    def project(self, draft_page_ids: list[int], draft_computed_tokens: int, publication: Publication) -> None:
+        """The draft path a speculative lease publishes: its draft pages over the full pages whose every position's
+        draft K/V is coherent, at most one per base page the record keeps."""
+        pages = min(len(publication.page_ids), draft_computed_tokens // self.tokens_per_page, len(draft_page_ids))
+        publication.draft_page_ids = draft_page_ids[:pages]
+
+    def publication_slots(self, publication: Publication) -> int:
+        return 0  # the lease's own draft pages become the record's
+
+    def held(self, record: Record) -> tuple[int, ...]:
+        return record.draft_page_ids
+
+    def on_commit(self, record: Record) -> None:
+        if not record.draft_page_ids:
+            return
+        self._paths[record.record_id] = record.draft_page_ids
+        for j in range(1, len(record.draft_page_ids) + 1):  # the newest path wins a boundary
+            self._boundaries[record.keys[j - 1]] = (record.record_id, j)
+
+    def on_evict(self, record: Record) -> None:
+        if self._paths.pop(record.record_id, None) is None:
+            return
+        for key in record.keys[:len(record.draft_page_ids)]:
+            if self._boundaries.get(key, (None,))[0] == record.record_id:
+                del self._boundaries[key]
+
+    def boundaries(self) -> dict[bytes, tuple[int, int]]:
+        """A copy of the boundary index (audits)."""
+        return dict(self._boundaries)
