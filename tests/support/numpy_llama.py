@@ -83,5 +83,6 @@ def eagle3_dense(config: ModelConfig, weights: dict[str, np.ndarray], embeds: np
     h = h + attn @ w["midlayer.self_attn.o_proj.weight"].T
     m = _rms(h, w["midlayer.post_attention_layernorm.weight"], eps)
     gate = m @ w["midlayer.mlp.gate_proj.weight"].T
-    h = h + ((gate / (1 + np.exp(-gate))) * (m @ w["midlayer.mlp.up_proj.weight"].T)) @ w["midlayer.mlp.down_proj.weight"].T
+    mlp = (gate / (1 + np.exp(-gate))) * (m @ w["midlayer.mlp.up_proj.weight"].T)
+    h = h + mlp @ w["midlayer.mlp.down_proj.weight"].T
     return _rms(h, w["norm.weight"], eps) @ w["lm_head.weight"].T, h

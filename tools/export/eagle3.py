@@ -152,7 +152,8 @@ def load_weights(path: Path, config: ModelConfig) -> tuple[dict[str, np.ndarray]
         from safetensors import safe_open  # an integer tensor: the float reader does not take it
 
         with safe_open(str(tensors["d2t"][0]), "np") as f:
-            d2t = np.asarray(f.get_tensor(next(k for k in f.keys() if k.endswith("d2t"))), dtype=np.int64).ravel()
+            name = next(k for k in f.keys() if k.endswith("d2t"))  # noqa: SIM118 - safe_open is not a mapping
+            d2t = np.asarray(f.get_tensor(name), dtype=np.int64).ravel()
     elif config.draft_vocab_size == config.vocab_size:
         d2t = np.zeros(config.vocab_size, dtype=np.int64)  # the full vocabulary: ids map to themselves
     else:
