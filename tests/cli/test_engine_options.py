@@ -30,7 +30,8 @@ CHANGED: dict[str, Any] = {"num_threads": 3, "enable_context_reuse": True, "cont
                            "context_cache_partial_kv_snapshot_pool_bytes": 11,
                            "context_cache_recurrent_snapshot_pool_bytes": 13, "snapshot_message_boundaries": False,
                            "snapshot_interval_tokens": 17, "spec_decode": "ngram", "spec_draft_step": 3,
-                           "spec_prompt_lookup_min": 1, "spec_prompt_lookup_max": 5}
+                           "spec_prompt_lookup_min": 1, "spec_prompt_lookup_max": 5,
+                           "spec_draft_engine_dir": "engines/x/draft"}
 
 
 def _params(app: typer.Typer) -> dict[str, click.Parameter]:
