@@ -212,6 +212,9 @@ class _FakeDriver:
 
         return too_long("limit", 100, prompt_tokens, max_tokens)
 
+    def speculation(self) -> dict[str, int] | None:
+        return None
+
 
 def test_a_decode_context_point_that_fails_or_does_not_fit_is_skipped_and_the_others_run() -> None:
     from kvforge.tools.bench.worker import run_repeat, too_long_points
