@@ -153,9 +153,14 @@ bench-quality: $(OUT)/onnx/smollm2-fp32/manifest.json $(OUT)/onnx/smollm2/manife
 # on the same GGUF, onnxruntime-genai int4; ratios to llama.cpp. `make bench-peers-install` first (minutes: it
 # compiles llama.cpp); a peer that is not installed is skipped with the reason.
 BENCH_FLAGS ?= --repeats 3 --maxTokens 16 --promptTokens 1550
-# No AMX kernels: llama.cpp's AMX path crashed (SIGSEGV in decode) on the Xeon of our development machines.
-LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
-	-DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF
+# No AMX kernels: llama.cpp's AMX path crashed (SIGSEGV in decode) on the Xeon of our development machines. The
+# AVX-512 kernels only where this CPU has them (/proc/cpuinfo): built in on a CPU without them, every llama.cpp
+# engine died of SIGILL as it loaded.
+cpu_has = $(shell grep -qw $(1) /proc/cpuinfo 2>/dev/null && echo ON || echo OFF)
+LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DGGML_AVX512=$(call cpu_has,avx512f) -DGGML_AVX512_VBMI=$(call cpu_has,avx512_vbmi) \
+	-DGGML_AVX512_VNNI=$(call cpu_has,avx512_vnni) -DGGML_AVX512_BF16=$(call cpu_has,avx512_bf16) \
+	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF
 
 bench-peers-install: install
 	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(BIN)/pip install -q -e '.[bench]'
