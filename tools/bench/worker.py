@@ -40,12 +40,20 @@ class Trace:
     tokens: int
     token_ids: list[int]
     cached_tokens: int | None  # prompt tokens the engine did not compute (None: it does not say)
+    spec: dict[str, int] | None = None  # a speculative engine's counters for this request (SPEC_COUNTERS)
 
     @classmethod
     def timed(cls, label: str, role: str, prompt: list[int], start: float, times: list[float], ids: list[int],
-              cached: int | None) -> Trace:
+              cached: int | None, spec: dict[str, int] | None = None) -> Trace:
         return cls(label, role, len(prompt), (times[0] - start) * 1e3, (times[-1] - times[0]) * 1e3, len(ids),
-                   ids, cached)
+                   ids, cached, spec)
+
+
+# A speculative engine's counters, cumulative (Driver.speculation); a trace holds one request's difference.
+# verify_rows: decode rows that verified drafts; draft_tokens: drafts verified; accepted_tokens: drafts kept;
+# committed_tokens: tokens those rows committed (kept drafts + one each). kvforge's profile names them
+# spec_decode_generation.total_iterations / total_draft_tokens / total_accepted_tokens / total_generated_tokens.
+SPEC_COUNTERS = ("verify_rows", "draft_tokens", "accepted_tokens", "committed_tokens")
 
 
 class Driver(Protocol):
@@ -60,6 +68,10 @@ class Driver(Protocol):
 
     def limit(self, prompt_tokens: int, max_tokens: int) -> str | None:
         """Why a prompt of prompt_tokens and max_tokens generated tokens is too long for this engine (None: it fits)."""
+        ...
+
+    def speculation(self) -> dict[str, int] | None:
+        """The SPEC_COUNTERS so far (None: this engine does not speculate)."""
         ...
 
 
@@ -86,7 +98,8 @@ def peak_rss_bytes() -> int:
 
 
 class KvforgeDriver:
-    def __init__(self, path: Path, threads: int, reuse: bool) -> None:
+    def __init__(self, path: Path, threads: int, reuse: bool, spec_decode: str = "off",
+                 spec_draft_step: int | None = None) -> None:
         from kvforge.contract.engine_dir import load_engine_dir
         from kvforge.runtime.engine import Engine, EngineConfig, snapshot_budgets
 
@@ -94,7 +107,14 @@ class KvforgeDriver:
         engine_dir = load_engine_dir(path)
         self.build = engine_dir.build
         budgets = snapshot_budgets(engine_dir) if reuse else {}  # the declared default slot count
-        self.engine = Engine(path, EngineConfig(num_threads=threads, enable_context_reuse=reuse, **budgets))
+        spec = {"spec_decode": spec_decode}  # llm_inference's --specDecode / --specDraftStep
+        if spec_draft_step is not None:
+            spec["spec_draft_step"] = spec_draft_step
+        self.speculative = spec_decode != "off"
+        config = EngineConfig(num_threads=threads, enable_context_reuse=reuse, **budgets, **spec)
+        self.engine = Engine(path, config)
+        self.spec_settings = {"draft_step": config.spec_draft_step, "ngram_sizes": [
+            config.spec_prompt_lookup_max, config.spec_prompt_lookup_min]} if self.speculative else None
         self.no_eos = {token: -1e9 for token in self.engine.engine_dir.model.eos_token_ids}
         self.salt: str | None = None
 
@@ -127,6 +147,14 @@ class KvforgeDriver:
         if prompt_tokens > self.build.max_input_len:
             return f"{prompt_tokens:,} prompt tokens exceed its maxInputLen ({self.build.max_input_len:,})"
         return too_long("maxKVCacheCapacity", self.build.max_kv_cache_capacity, prompt_tokens, max_tokens)
+
+    def speculation(self) -> dict[str, int] | None:
+        """The profile's spec_decode_generation block (absent until a row has verified drafts)."""
+        if not self.speculative:
+            return None
+        block = self.engine.profile().get("spec_decode_generation", {})
+        names = ("total_iterations", "total_draft_tokens", "total_accepted_tokens", "total_generated_tokens")
+        return {counter: int(block.get(name, 0)) for counter, name in zip(SPEC_COUNTERS, names, strict=True)}
 
 
 # --- transformers --------------------------------------------------------------------------------------
@@ -180,19 +208,38 @@ class TransformersDriver:
         positions = getattr(self.model.config, "max_position_embeddings", None)
         return too_long("max_position_embeddings", positions, prompt_tokens, max_tokens)
 
+    def speculation(self) -> dict[str, int] | None:
+        return None
+
 
 # --- llama.cpp -----------------------------------------------------------------------------------------
 
 
 class LlamaCppDriver:
     """llama-cpp-python's token loop (Llama.generate) with its own prompt cache: the KV of the previous call stays
-    in the context, and a prompt sharing a prefix with it computes only the rest."""
+    in the context, and a prompt sharing a prefix with it computes only the rest. With spec="ngram", its own
+    prompt-lookup decoding (llama_cpp.llama_speculative.LlamaPromptLookupDecoding as the draft model): generate()
+    evaluates the pending token and the drafts in one call and keeps the drafts the model agrees with."""
 
-    def __init__(self, path: Path, threads: int, n_ctx: int) -> None:
+    def __init__(self, path: Path, threads: int, n_ctx: int, spec_decode: str = "off",
+                 spec_draft_step: int | None = None) -> None:
         from llama_cpp import Llama
 
+        self.counter: DraftCounter | None = None
+        self.spec_settings: dict[str, Any] | None = None
+        draft = None
+        if spec_decode != "off":
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+            lookup = LlamaPromptLookupDecoding() if spec_draft_step is None \
+                else LlamaPromptLookupDecoding(num_pred_tokens=spec_draft_step)
+            self.counter = draft = DraftCounter(lookup)
+            self.spec_settings = {"draft_step": lookup.num_pred_tokens, "ngram_sizes": [lookup.max_ngram_size, 1]}
+        # logits_all with a draft model: llama-cpp-python (0.3.x) turns it on itself but sizes its scores buffer
+        # from the argument, so a prompt past n_batch (512) failed with "could not broadcast ... into shape (0,)".
+        # It computes logits at every prompt position: TTFT pays, decode does not.
         self.llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                         verbose=False, seed=0)
+                         verbose=False, seed=0, draft_model=draft, logits_all=draft is not None)
 
     def start_session(self, session: str) -> None:
         self.llm.reset()  # forget the previous prompt: the next one computes from the start
@@ -206,16 +253,56 @@ class LlamaCppDriver:
         cached = min(cached, len(prompt) - 1)  # a fully cached prompt replays its last token for the logits
         # generate() never stops by itself (end of sequence is the caller's rule): we take exactly max_tokens.
         tokens = self.llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0)
-        for count, token in enumerate(tokens, 1):
-            yield int(token), cached, time.perf_counter()
-            if count >= max_tokens:
-                break
+        try:
+            for count, token in enumerate(tokens, 1):
+                if self.counter is not None:
+                    self.counter.committed()
+                yield int(token), cached, time.perf_counter()
+                if count >= max_tokens:
+                    break
+        finally:
+            if self.counter is not None:
+                self.counter.close_row()
 
     def encode(self, text: str) -> list[int]:
         return self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
 
     def limit(self, prompt_tokens: int, max_tokens: int) -> str | None:
         return too_long("n_ctx", self.llm.n_ctx(), prompt_tokens, max_tokens)
+
+    def speculation(self) -> dict[str, int] | None:
+        return dict(self.counter.totals) if self.counter is not None else None
+
+
+class DraftCounter:
+    """llama-cpp-python's draft model, counting what it proposes and what is kept (llama-cpp-python counts
+    nothing): generate() asks the draft model once after each evaluation, so the tokens it yields between two
+    draft calls are what one verify row (the pending token plus that call's drafts) committed; a row whose call
+    proposed nothing is a plain decode row. The last row of a request is cut where the bench stops taking tokens
+    (--maxTokens), so it may count fewer kept drafts than the model would have kept."""
+
+    def __init__(self, lookup: Any) -> None:
+        self.lookup = lookup
+        self.totals = dict.fromkeys(SPEC_COUNTERS, 0)
+        self.drafts: int | None = None  # the open row's drafts (None: no row open, e.g. during the prompt)
+        self.yielded = 0
+
+    def __call__(self, input_ids: Any, /, **kwargs: Any) -> Any:
+        self.close_row()
+        drafts = self.lookup(input_ids, **kwargs)
+        self.drafts, self.yielded = len(drafts), 0
+        return drafts
+
+    def committed(self) -> None:
+        self.yielded += 1
+
+    def close_row(self) -> None:
+        if self.drafts and self.yielded:
+            self.totals["verify_rows"] += 1
+            self.totals["draft_tokens"] += self.drafts
+            self.totals["accepted_tokens"] += min(self.yielded - 1, self.drafts)
+            self.totals["committed_tokens"] += self.yielded
+        self.drafts, self.yielded = None, 0
 
 
 # --- onnxruntime-genai ---------------------------------------------------------------------------------
@@ -258,6 +345,9 @@ class OrtGenaiDriver:
     def limit(self, prompt_tokens: int, max_tokens: int) -> str | None:
         return too_long("context_length", self.context_length, prompt_tokens, max_tokens)
 
+    def speculation(self) -> dict[str, int] | None:
+        return None
+
 
 # --- the run -------------------------------------------------------------------------------------------
 
@@ -265,12 +355,13 @@ class OrtGenaiDriver:
 def make_driver(spec: dict[str, Any], threads: int, n_ctx: int) -> Driver:
     path = Path(spec["path"])
     kind = spec["kind"]
+    speculative = {"spec_decode": spec.get("spec_decode", "off"), "spec_draft_step": spec.get("spec_draft_step")}
     if kind == KVFORGE:
-        return KvforgeDriver(path, threads, spec["reuse"])
+        return KvforgeDriver(path, threads, spec["reuse"], **speculative)
     if kind == TRANSFORMERS:
         return TransformersDriver(path, threads)
     if kind == LLAMA_CPP:
-        return LlamaCppDriver(path, threads, n_ctx)
+        return LlamaCppDriver(path, threads, n_ctx, **speculative)
     if kind == ORT_GENAI:
         return OrtGenaiDriver(path, threads)
     raise ValueError(f"unknown engine kind {kind!r}")
@@ -281,6 +372,7 @@ def run_request(driver: Driver, request: dict[str, Any], max_tokens: int) -> Tra
     ids: list[int] = []
     times: list[float] = []
     cached: int | None = None
+    before = driver.speculation()
     start = time.perf_counter()
     for token, cached_now, stamp in driver.generate(prompt, max_tokens):
         times.append(stamp)
@@ -288,7 +380,9 @@ def run_request(driver: Driver, request: dict[str, Any], max_tokens: int) -> Tra
         cached = cached_now
     if not ids:
         raise RuntimeError(f"{request['label']}: the engine generated no token")
-    return Trace.timed(request["label"], request["role"], prompt, start, times, ids, cached)
+    after = driver.speculation()  # read after the last token's time: outside what is measured
+    spec = {k: after[k] - before[k] for k in SPEC_COUNTERS} if after is not None and before is not None else None
+    return Trace.timed(request["label"], request["role"], prompt, start, times, ids, cached, spec)
 
 
 def progress(message: str) -> None:
@@ -353,7 +447,7 @@ def serve(job: dict[str, Any], commands: TextIO, replies: TextIO) -> None:
             run_request(driver, request, 2)
     skipped = too_long_points(driver, job)
     reply({"ready": True, "load_s": load_s, "rss_after_load_bytes": rss_after_load,
-           "tokenizer_agrees": own == job["check_ids"]})
+           "tokenizer_agrees": own == job["check_ids"], "spec_settings": getattr(driver, "spec_settings", None)})
     for line in commands:
         command = json.loads(line)
         if command.get("quit"):

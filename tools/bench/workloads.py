@@ -16,7 +16,16 @@ from kvforge.contract.errors import KvforgeError
 from kvforge.runtime.request_file import load_request_file
 from kvforge.runtime.tokenizer import ChatTokenizer
 from kvforge.runtime.types import Message
-from kvforge.tools.bench.text import CHAT_SYSTEM, CHAT_TURNS, QUESTIONS, UNRELATED_OPENERS, text_tokens
+from kvforge.tools.bench.text import (
+    CHAT_SYSTEM,
+    CHAT_TURNS,
+    QUESTIONS,
+    SPEC_KINDS,
+    UNRELATED_OPENERS,
+    fit_document,
+    spec_messages,
+    text_tokens,
+)
 
 # role → what its requests measure (the headline table's columns read them)
 ROLES = {
@@ -28,10 +37,15 @@ ROLES = {
     "chat": "a later chat turn: the whole history again plus one user message",
     "file": "a request of --inputFile",
     "decode_context": "a prompt of one --contextTokens length, nothing cached: decode speed after that context",
+    "spec_quote": "spec_decode: the document and a request to quote it word for word (prompt lookup can copy)",
+    "spec_summary": "spec_decode: the document and a request to summarise it in its own wording",
+    "spec_chat": "spec_decode: a chat message with nothing in the prompt to copy (what speculation costs)",
 }
 DOCUMENT_ROLES = ("cold", "warm_next", "warm")  # requests with ~promptTokens of context: decode is measured there
 DECODE_CONTEXT = "decode_context"  # the workload and the role of its requests
-BUILTIN = ("document", "interleaved", "chat", "unrelated", DECODE_CONTEXT)
+SPEC_DECODE = "spec_decode"  # speculative decoding's workload; its roles are SPEC_ROLES
+SPEC_ROLES = tuple(SPEC_KINDS)
+BUILTIN = ("document", "interleaved", "chat", "unrelated", DECODE_CONTEXT, SPEC_DECODE)
 DEFAULT_WORKLOADS = ("document", "interleaved")
 DEFAULT_CONTEXT_TOKENS = (64, 512, 1536, 4096)
 MIN_DOCUMENT_TOKENS = 16
@@ -130,6 +144,30 @@ def decode_context(encode: Callable[[str], list[int]], context_tokens: Sequence[
     return Workload(DECODE_CONTEXT, f"decode after {lengths} tokens of context, one prompt each", requests)
 
 
+def spec_decode(tokenizer: ChatTokenizer, prompt_tokens: int) -> Workload:
+    """Speculative decoding's prompts (text.spec_messages) through the chat template: 2 requests to quote the
+    document, 1 to summarise it, 2 unrelated chat messages. The document is cut so that the longest document
+    request is about prompt_tokens long."""
+
+    def chat_ids(text: str) -> list[int]:
+        return tokenizer.encode(tokenizer.format([Message("user", text)], add_generation_prompt=True))
+
+    # Tokens of a document request besides the document: the template and the longest question.
+    overhead = max(len(chat_ids(text)) for kind, texts in spec_messages("").items() if kind != "spec_chat"
+                   for text in texts)
+    if prompt_tokens - overhead < MIN_DOCUMENT_TOKENS:
+        raise KvforgeError(f"{prompt_tokens} tokens leave {prompt_tokens - overhead} for the {SPEC_DECODE} "
+                           f"document next to its template and longest request; give at least "
+                           f"{overhead + MIN_DOCUMENT_TOKENS}", "--promptTokens")
+    text, length = fit_document(tokenizer.encode, prompt_tokens - overhead)
+    if length > prompt_tokens - overhead:  # shorter than the report itself (tests' tiny models): cut it
+        text = tokenizer.decode(text_tokens(tokenizer.encode, prompt_tokens - overhead)[:prompt_tokens - overhead])
+    requests = [BenchRequest(f"{kind.removeprefix('spec_')}{i + 1}", kind, chat_ids(message))
+                for kind, messages in spec_messages(text).items() for i, message in enumerate(messages)]
+    return Workload(SPEC_DECODE, "speculative decoding: quotes and a summary of the document, unrelated chat "
+                    "(chat template)", requests)
+
+
 def from_request_file(path: Path, tokenizer: ChatTokenizer) -> Workload:
     """A request file of llm_inference, each request tokenized as llm_inference would (chat template or raw)."""
     parsed = load_request_file(path)
@@ -156,7 +194,8 @@ def build_workloads(names: Sequence[str], input_file: Path | None, tokenizer: Ch
     makers: dict[str, Callable[[], Workload]] = {
         "document": lambda: document(texts), "interleaved": lambda: interleaved(texts),
         "unrelated": lambda: unrelated(texts), "chat": lambda: chat(tokenizer),
-        DECODE_CONTEXT: lambda: decode_context(tokenizer.encode, context_tokens)}
+        DECODE_CONTEXT: lambda: decode_context(tokenizer.encode, context_tokens),
+        SPEC_DECODE: lambda: spec_decode(tokenizer, prompt_tokens)}
     workloads = [makers[name]() for name in names]
     if input_file is not None:
         workloads.append(from_request_file(input_file, tokenizer))
