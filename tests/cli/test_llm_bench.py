@@ -340,9 +340,19 @@ def test_engine_specs_take_speculative_options_and_name_the_engine_after_them() 
                        ("x,draftStep=4", "draftStep= needs spec=ngram"),
                        ("x,spec=ngram,draftStep=0", "draftStep must be a whole number in [1, 32]"),
                        ("x,spec=ngram,draftStep=33", "draftStep must be a whole number in [1, 32]"),
-                       ("x,spec=eagle", "unknown option 'spec=eagle'")]:
+                       ("x,spec=eagle", "unknown option 'spec=eagle'"),
+                       ("llama.cpp,spec=eagle3", "spec=eagle3 applies to kvforge engine dirs only")]:
         with pytest.raises(KvforgeError, match=re.escape(says)):
             parse_engine(text)
+    assert parse_engine("e,spec=eagle3,draftStep=4").name == "e+eagle3-k4"
+
+
+def test_an_eagle3_engine_must_be_a_built_base_with_its_draft(tiny_eagle3_engine_dir: Path, tiny_onnx_dir: Path,
+                                                              tiny_engine_dir: Path) -> None:
+    assert engines.resolve(parse_engine(f"{tiny_eagle3_engine_dir},spec=eagle3")).path == tiny_eagle3_engine_dir
+    for path in (tiny_onnx_dir, tiny_engine_dir):
+        with pytest.raises(KvforgeError, match="llm_build --specBase"):
+            engines.resolve(parse_engine(f"{path},spec=eagle3"))
 
 
 def _spec_engine(name: str, kind: str, path: str, spec: str, rates: dict[str, float],

