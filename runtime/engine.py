@@ -48,7 +48,7 @@ from kvforge.runtime.spec.ngram import NgramProposer
 from kvforge.runtime.spec.proposer import Proposer
 from kvforge.runtime.state_manager import StateManager
 from kvforge.runtime.system_prompt_cache import SystemPromptCache
-from kvforge.runtime.types import Deployment, LookupPolicy
+from kvforge.runtime.types import Deployment
 
 
 class Engine:
@@ -142,7 +142,7 @@ class Engine:
             if request.media:
                 # The support matrix: a speculative request with image or audio runs cold (no lookup, no
                 # publication) and undrafted; counted in the profile.
-                seq.request = replace(request, sampling=replace(request.sampling, lookup_policy=LookupPolicy.BYPASS,
+                seq.request = replace(request, sampling=replace(request.sampling, reuse_context=False,
                                                                 speculative=False))
                 self.profiler.add_media_cold_request()
             else:

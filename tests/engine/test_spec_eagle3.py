@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from support.engine_driver import make_engine, step_audited
 from support.numpy_llama import eagle3_dense
 
@@ -250,3 +252,75 @@ def test_at_temperature_one_verification_keeps_the_base_distribution(tiny_engine
     outcomes = set(plain) | set(spec)
     distance = sum(abs(plain.get(o, 0) - spec.get(o, 0)) for o in outcomes) / (2 * runs)
     assert distance < 0.14, (distance, plain, spec)
+
+
+def test_a_speculative_request_with_media_runs_cold_and_is_counted(tiny_eagle3_engine_dir: Path) -> None:
+    """The support matrix's bypassed row: no lookup, no publication, no drafts; the same media request without
+    speculation is looked up as usual."""
+    from kvforge.runtime.context_cache.keys import MediaKey
+    from kvforge.runtime.multimodal.spans import MediaSpan
+
+    engine = make_engine(tiny_eagle3_engine_dir, reuse=True, spec_decode="eagle3", spec_draft_step=3)
+    tokens = engine.tokenizer.encode(DOCUMENT)
+    hidden = engine.engine_dir.model.hidden_size
+    span = MediaSpan(MediaKey(2, 4, b"image-digest"), np.full((4, hidden), 0.1, dtype=np.float32))
+    for request_id, speculative in (("spec", True), ("spec-again", True), ("plain", False)):
+        engine.add_request(EngineRequest(list(tokens), sampling(engine, 6, speculative=speculative), media=(span,)),
+                           request_id)
+        step_audited(engine)
+    profile = engine.profile()
+    assert profile["spec_decode_generation"]["media_cold_requests"] == 2
+    assert profile["spec_decode_generation"]["total_draft_tokens"] == 0
+    cache = profile["context_cache"]
+    assert cache["lookup_bypass_sequences"] == 2 and cache["reused_tokens"] == 0  # nothing was published to hit
+    assert cache["publications"]["committed"] == 1  # the plain one only
+
+
+_PLAIN: dict[tuple[str, int], tuple[list[int], list[int]]] = {}
+_word = st.sampled_from(["ab", "abc", "the cat", " ", "x", "0123"])
+
+
+def _plain(engine_dir: Path, text: str, length: int) -> tuple[list[int], list[int]]:
+    if (text, length) not in _PLAIN:
+        _PLAIN[(text, length)] = run_all(make_engine(engine_dir), [text], length=length)[0]
+    return _PLAIN[(text, length)]
+
+
+@settings(max_examples=30, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(prompts=st.lists(st.lists(_word, min_size=1, max_size=8).map("".join), min_size=1, max_size=4),
+       method=st.sampled_from(["ngram", "eagle3"]), draft_step=st.integers(1, 5), reuse=st.booleans(),
+       pages=st.sampled_from([6, 8, 64]), opt_out=st.sets(st.integers(0, 3)), abort_at=st.integers(0, 12),
+       length=st.integers(2, 24))
+def test_property_speculation_is_lossless_under_preemption_and_abort(
+        tiny_eagle3_engine_dir: Path, prompts: list[str], method: str, draft_step: int, reuse: bool, pages: int,
+        opt_out: set[int], abort_at: int, length: int) -> None:
+    """Any mix of requests, drafters, draft lengths, pool sizes (preemption), opt-outs and one abort mid-run: every
+    request that finishes has the tokens and top-1 ids of a plain run, and the cache audits clean after each step
+    (the draft pool included) and holds nothing leaked at the end."""
+    engine = make_engine(tiny_eagle3_engine_dir, reuse=reuse, spec_decode=method, spec_draft_step=draft_step,
+                         num_pages=pages)
+    ids = [engine.add_request(EngineRequest(engine.tokenizer.encode(text),
+                                            sampling(engine, length, speculative=i not in opt_out)))
+           for i, text in enumerate(prompts)]
+    aborted = ids[-1] if len(ids) > 1 else None
+    finished: dict = {}
+    steps = 0
+    while engine.has_unfinished():
+        if steps == abort_at and aborted is not None:
+            engine.abort(aborted)
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+        engine.cache.check_invariants()
+        steps += 1
+    assert not engine.cache.leases
+    draft_pool = engine.cache.pools.draft_kv_pages
+    held = {p for r in engine.cache.records.least_recent_first() for p in r.draft_page_ids}
+    assert draft_pool.num_free == draft_pool.capacity - len(held)
+    for i, rid in enumerate(ids):
+        if rid == aborted and rid not in finished:
+            continue
+        out = finished[rid]
+        assert (out.token_ids, [s[0].token_id for s in out.logprobs]) == _plain(tiny_eagle3_engine_dir, prompts[i],
+                                                                                length)
