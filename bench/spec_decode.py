@@ -1,4 +1,4 @@
-"""Prompt-lookup speculative decoding against plain decoding on the same engine, in one run.
+"""Speculative decoding (prompt lookup, and EAGLE3 with a draft checkpoint) against plain decoding, in one run.
 
 Workloads on SmolLM2 (chat template, greedy, EOS allowed): questions whose answers quote a ~1,500-token document,
 a summary of that document, and unrelated chat (nothing to copy: what speculation costs when it cannot help).
@@ -7,11 +7,19 @@ TTFT, and for ngram the acceptance length (tokens committed per verify row) and 
 token with plain decoding. Modes alternate per request.
 
     python bench/spec_decode.py --onnxDir out/onnx/smollm2 --threads 2 --repeats 2
+    python bench/spec_decode.py --onnxDir out/onnx/smollm2-base --eagle3Draft out/eagle3/smollm2-draft --threads 2
+
+With --eagle3Draft (a Hugging Face EAGLE3 checkpoint, e.g. bench/train_eagle3.py's; --onnxDir then needs the
+hidden states it reads, llm_export --hiddenStateLayers) the base is built with --specBase, the draft exported and
+built into its draft folder, and "eagle3 k=N" modes join. Last, with reuse on, the TTFT of a second question on
+the same document warm (its pages reused) against cold, per speculative mode: what the EAGLE3 final-page replay
+costs a hit.
 """
 
 from __future__ import annotations
 
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -57,14 +65,25 @@ def run_one(engine: Engine, request: EngineRequest) -> dict[str, Any]:
 def main() -> None:
     parser = bench_parser(__doc__, repeats=2)
     parser.add_argument("--draftSteps", type=int, nargs="+", default=[4, 8], help="--specDraftStep values to try")
+    parser.add_argument("--eagle3Draft", type=Path, default=None,
+                        help="an EAGLE3 draft checkpoint (Hugging Face format) for the --onnxDir base")
+    parser.add_argument("--eagle3Steps", type=int, nargs="+", default=[2, 4], help="EAGLE3 --specDraftStep values")
     args = parser.parse_args()
     progress = Progress()
     with tempfile.TemporaryDirectory(prefix="kvforge-spec-") as tmp:
         engine_dir = Path(tmp) / "engine"
-        build_engine(args.onnxDir, engine_dir, BUILD)
+        build_engine(args.onnxDir, engine_dir, replace(BUILD, spec_base=args.eagle3Draft is not None))
         modes = {"plain": EngineConfig(num_threads=args.threads)}
         for k in args.draftSteps:
             modes[f"ngram k={k}"] = EngineConfig(num_threads=args.threads, spec_decode="ngram", spec_draft_step=k)
+        if args.eagle3Draft is not None:
+            from kvforge.tools.export.eagle3 import export_eagle3
+
+            export_eagle3(args.eagle3Draft, args.onnxDir, Path(tmp) / "draft_onnx")
+            build_engine(Path(tmp) / "draft_onnx", engine_dir / "draft", replace(BUILD, spec_draft=True))
+            for k in args.eagle3Steps:
+                modes[f"eagle3 k={k}"] = EngineConfig(num_threads=args.threads, spec_decode="eagle3",
+                                                      spec_draft_step=k)
         engines = {name: Engine(engine_dir, config) for name, config in modes.items()}
         first = next(iter(engines.values()))
         document, doc_tokens = fit_document(first.tokenizer.encode, DOCUMENT_TOKENS)
@@ -78,6 +97,23 @@ def main() -> None:
                         progress(f"repeat {repeat + 1}/{args.repeats}: {workload}, {mode}")
                         engine = engines[mode]
                         results[workload][mode].append(run_one(engine, chat_request(engine, text)))
+        questions = next(iter(workloads.values()))
+        reuse = {}
+        for mode, config in modes.items():
+            if len(questions) < 2:
+                break
+            progress(f"warm vs cold TTFT: {mode}")
+            engine = Engine(engine_dir, replace(config, enable_context_reuse=True))
+            run_one(engine, chat_request(engine, questions[0]))  # publishes the document's pages
+            cold_request = chat_request(engine, questions[1])
+            cold_request.sampling.reuse_context = False
+            cold = run_one(engine, cold_request)
+            warm = run_one(engine, chat_request(engine, questions[1]))
+            cache = engine.profile().get("context_cache", {})
+            reuse[mode] = {"cold_ttft_ms": cold["ttft_ms"], "warm_ttft_ms": warm["ttft_ms"],
+                           "reused_tokens": cache.get("reused_tokens", 0),
+                           "full_page_replays": cache.get("speculative", {}).get("full_page_replays", 0),
+                           "same_tokens": warm["tokens"] == cold["tokens"]}
     print(f"\nspeculative decoding bench: SmolLM2 engine from {args.onnxDir}, {args.threads} threads, "
           f"{args.repeats} repeats, document {doc_tokens} tokens, greedy, max_generate_length {MAX_GENERATE}; "
           f"total {progress.elapsed:.0f} s\n")
@@ -101,6 +137,15 @@ def main() -> None:
             print(f"   {mode:<12} {rate:12.1f} {row['vs_plain']:9.2f} {row['ttft_ms']:9.0f} "
                   f"{row['acceptance_length']:10.2f} {row['acceptance_rate']:11.2f} {str(same):>11}")
         print()
+    if reuse:
+        print("warm vs cold TTFT on a second question about the document (reuse on; the first published it):")
+        print(f"   {'mode':<12} {'cold ms':>9} {'warm ms':>9} {'warm/cold':>9} {'reused':>7} {'replays':>7} "
+              f"{'same':>5}")
+        for mode, row in reuse.items():
+            row["warm_over_cold"] = row["warm_ttft_ms"] / row["cold_ttft_ms"] if row["cold_ttft_ms"] else 0.0
+            print(f"   {mode:<12} {row['cold_ttft_ms']:9.0f} {row['warm_ttft_ms']:9.0f} {row['warm_over_cold']:9.2f} "
+                  f"{row['reused_tokens']:7d} {row['full_page_replays']:7d} {str(row['same_tokens']):>5}")
+        figures["warm_vs_cold_ttft"] = reuse
     write_json(args.json, figures)
 
 
