@@ -15,8 +15,8 @@ LLM_TEST_SMOLLM2 ?= mxsl2048-mxbs2-mxil1024-mxlr8-tpp64
 LLM_TEST_TINY_RECURRENT ?= mxsl4096-mxbs4-mxil3072-tpp16
 LLM_TEST = $(BIN)/llm_test --cacheDir $(OUT)/llm_test/engines --numThreads $(THREADS)
 
-.PHONY: install demo test test-slow llm-test lint bench bench-reuse bench-lora bench-scheduling bench-spec bench-quality \
-	bench-peers bench-peers-install bench-decode-context bench-spec-peers clean
+.PHONY: install demo test test-slow llm-test lint bench bench-reuse bench-lora bench-scheduling bench-spec \
+	bench-eagle3-train bench-quality bench-peers bench-peers-install bench-decode-context bench-spec-peers clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -138,6 +138,14 @@ bench-scheduling: $(OUT)/onnx/smollm2/manifest.json
 bench-spec: $(OUT)/onnx/smollm2/manifest.json
 	$(BIN)/python bench/spec_decode.py --onnxDir $(OUT)/onnx/smollm2 --threads $(THREADS) \
 		--json $(OUT)/bench_spec_decode.json
+
+# Train an EAGLE3 draft for SmolLM2 from its own greedy answers (torch, transformers: the dev extra; the whole run fits EAGLE3_MINUTES,
+# one thread by default so the machine stays usable): an HF EAGLE3 checkpoint in $(OUT)/eagle3/smollm2-draft.
+EAGLE3_THREADS ?= 1
+EAGLE3_MINUTES ?= 50
+bench-eagle3-train: $(OUT)/onnx/smollm2/manifest.json
+	$(BIN)/python bench/train_eagle3.py --onnxDir $(OUT)/onnx/smollm2 --outputDir $(OUT)/eagle3/smollm2-draft \
+		--threads $(EAGLE3_THREADS) --timeBudgetMinutes $(EAGLE3_MINUTES)
 
 # The float32 reference export (llm_export's SmolLM2 default is int4): parity work and the quality bar's baseline.
 $(OUT)/onnx/smollm2-fp32/manifest.json: $(VENV)/.installed
