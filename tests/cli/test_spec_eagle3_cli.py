@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from support.cli_checks import assert_one_line_error
+from support.cli_checks import answers, assert_one_line_error, write_spec_requests
 
 TINY = ["--maxInputLen", "64", "--maxKVCacheCapacity", "256", "--tokensPerPage", "16"]
 
@@ -44,22 +44,14 @@ def test_build_checks_the_speculative_roles(run_cli, tiny_eagle3_engine_dir: Pat
 
 def test_llm_inference_with_eagle3_answers_as_without(run_cli, tiny_eagle3_engine_dir: Path,
                                                       tmp_path: Path) -> None:
-    request_file = tmp_path / "in.json"
-    request_file.write_text(json.dumps({
-        "temperature": 0, "max_generate_length": 16, "apply_chat_template": False,
-        "requests": [{"messages": [{"role": "user", "content": "the cat sat on the mat"}]},
-                     {"messages": [{"role": "user", "content": "abc abc"}], "disable_spec_decode": True}]}))
+    request_file = write_spec_requests(tmp_path / "in.json", 16)
     args = ["llm_inference", "--engineDir", tiny_eagle3_engine_dir, "--inputFile", request_file, "--numThreads", "2"]
     plain = run_cli([*args, "--outputFile", tmp_path / "plain.json"])
     spec = run_cli([*args, "--outputFile", tmp_path / "spec.json", "--specDecode", "eagle3", "--specDraftStep", "3",
                     "--enableContextReuse", "--profileOutputFile", tmp_path / "profile.json"])
     assert plain.returncode == 0 and spec.returncode == 0, spec.stderr
 
-    def answers(name: str) -> list:
-        data = json.loads((tmp_path / name).read_text())
-        return [{k: v for k, v in r.items() if "ms" not in k and k != "timing"} for r in data["responses"]]
-
-    assert answers("plain.json") == answers("spec.json")
+    assert answers(tmp_path / "plain.json") == answers(tmp_path / "spec.json")
     profile = json.loads((tmp_path / "profile.json").read_text())
     assert profile["spec_decode_generation"]["total_iterations"] > 0
     assert profile["context_cache"]["resource_pools"]["draft_kv_pages"]["capacity"] > 0

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support.cli_checks import assert_one_line_error
+from support.cli_checks import answers, assert_one_line_error, write_spec_requests
 from support.engine_driver import make_engine, step_audited
 
 from kvforge.contract.errors import InvalidConfig
@@ -110,11 +110,7 @@ def test_speculation_on_a_pure_recurrent_engine_is_refused(tiny_mamba2_engine_di
 
 def test_llm_inference_takes_spec_decode_and_refuses_a_bad_method(run_cli, tiny_engine_dir: Path,
                                                                  tmp_path: Path) -> None:
-    request_file = tmp_path / "in.json"
-    request_file.write_text(json.dumps({
-        "temperature": 0, "max_generate_length": 24, "apply_chat_template": False,
-        "requests": [{"messages": [{"role": "user", "content": "the cat sat on the mat, the cat"}]},
-                     {"messages": [{"role": "user", "content": "abc abc"}], "disable_spec_decode": True}]}))
+    request_file = write_spec_requests(tmp_path / "in.json", 24)
     args = ["llm_inference", "--engineDir", tiny_engine_dir, "--inputFile", request_file, "--numThreads", "2"]
     bad = run_cli([*args, "--outputFile", tmp_path / "bad.json", "--specDecode", "medusa"])
     assert_one_line_error(bad, "--specDecode", "must be one of off, ngram")
@@ -122,9 +118,5 @@ def test_llm_inference_takes_spec_decode_and_refuses_a_bad_method(run_cli, tiny_
     spec = run_cli([*args, "--outputFile", tmp_path / "spec.json", "--specDecode", "ngram", "--specDraftStep", "3",
                     "--profileOutputFile", tmp_path / "profile.json"])
     assert plain.returncode == 0 and spec.returncode == 0, spec.stderr
-    def answers(name: str) -> list:
-        data = json.loads((tmp_path / name).read_text())
-        return [{k: v for k, v in r.items() if "ms" not in k and k != "timing"} for r in data["responses"]]
-
-    assert answers("plain.json") == answers("spec.json")
+    assert answers(tmp_path / "plain.json") == answers(tmp_path / "spec.json")
     assert json.loads((tmp_path / "profile.json").read_text())["spec_decode_generation"]["total_iterations"] > 0
