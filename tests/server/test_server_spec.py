@@ -37,3 +37,10 @@ def test_speculative_server_answers_like_the_plain_one_and_reports_acceptance(en
     accepted = metrics["kvforge_spec_decode_accepted_tokens_total"]
     assert drafts > 0 and 0 <= accepted <= drafts
     assert metrics["kvforge_spec_decode_acceptance_rate"] == pytest.approx(accepted / drafts)
+
+
+def test_an_eagle3_server_answers_like_the_plain_one(tiny_eagle3_engine_dir: Path, tmp_path: Path) -> None:
+    plain, _ = answers(tiny_eagle3_engine_dir, tmp_path / "plain")
+    spec, metrics = answers(tiny_eagle3_engine_dir, tmp_path / "eagle3", spec_decode="eagle3", spec_draft_step=3)
+    assert spec == plain
+    assert metrics["kvforge_spec_decode_draft_tokens_total"] > 0
