@@ -16,7 +16,7 @@ LLM_TEST_TINY_RECURRENT ?= mxsl4096-mxbs4-mxil3072-tpp16
 LLM_TEST = $(BIN)/llm_test --cacheDir $(OUT)/llm_test/engines --numThreads $(THREADS)
 
 .PHONY: install demo test test-slow llm-test lint bench bench-reuse bench-lora bench-scheduling bench-spec \
-	bench-eagle3-train bench-quality bench-peers bench-peers-install bench-decode-context bench-spec-peers clean
+	bench-eagle3 bench-eagle3-train bench-quality bench-peers bench-peers-install bench-decode-context bench-spec-peers clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,10 @@ install: $(VENV)/.installed
 
 $(OUT)/onnx/smollm2/manifest.json: $(VENV)/.installed
 	$(BIN)/llm_export smollm2-135m-instruct --outputDir $(OUT)/onnx/smollm2
+
+# The EAGLE3 base: SmolLM2 returning the hidden states of layers 1, 14, 26 (what bench/train_eagle3.py's draft reads).
+$(OUT)/onnx/smollm2-base/manifest.json: $(VENV)/.installed
+	$(BIN)/llm_export smollm2-135m-instruct --outputDir $(OUT)/onnx/smollm2-base --hiddenStateLayers 1,14,26
 
 $(OUT)/engines/smollm2/manifest.json: $(OUT)/onnx/smollm2/manifest.json
 	$(BIN)/llm_build --onnxDir $(OUT)/onnx/smollm2 --engineDir $(OUT)/engines/smollm2 \
@@ -138,6 +142,12 @@ bench-scheduling: $(OUT)/onnx/smollm2/manifest.json
 bench-spec: $(OUT)/onnx/smollm2/manifest.json
 	$(BIN)/python bench/spec_decode.py --onnxDir $(OUT)/onnx/smollm2 --threads $(THREADS) \
 		--json $(OUT)/bench_spec_decode.json
+
+# EAGLE3 with the draft `make bench-eagle3-train` trained, beside plain decoding and prompt lookup (and warm vs cold
+# TTFT with speculation on: the final-page replay's cost).
+bench-eagle3: $(OUT)/onnx/smollm2-base/manifest.json
+	$(BIN)/python bench/spec_decode.py --onnxDir $(OUT)/onnx/smollm2-base --eagle3Draft $(OUT)/eagle3/smollm2-draft \
+		--threads $(THREADS) --draftSteps 4 --eagle3Steps 2 4 --json $(OUT)/bench_eagle3.json
 
 # Train an EAGLE3 draft for SmolLM2 from its own greedy answers (torch, transformers: the dev extra; the whole run fits EAGLE3_MINUTES,
 # one thread by default so the machine stays usable): an HF EAGLE3 checkpoint in $(OUT)/eagle3/smollm2-draft.
