@@ -272,13 +272,15 @@ def _length_batches(order: list[int], lengths: list[int], tokens_per_batch: int)
 
 def choose_vocab(train: list[Sample], held: list[Sample], vocab_size: int, requested: int,
                  clock: Clock) -> tuple[np.ndarray, dict[str, Any]]:
-    """Draft vocabulary: target ids ranked by how often the target emits them in the training answers (then in
-    any training label), sorted ascending (so d2t >= 0). `requested` 0 chooses a size by held-out coverage."""
+    """Draft vocabulary: target ids ranked by how often the target emits them in the training answers, then by how
+    often they occur anywhere in the training sequences (prompt text is what answers copy), then by id; sorted
+    ascending (so d2t >= 0). `requested` 0 chooses a size by held-out coverage."""
     answer = np.zeros(vocab_size, np.int64)
     anything = np.zeros(vocab_size, np.int64)
     for s in train:
         lab = s.labels.numpy()
         np.add.at(answer, lab[s.prompt_len - 1:][lab[s.prompt_len - 1:] >= 0], 1)
+        np.add.at(anything, s.tokens, 1)
         np.add.at(anything, lab[lab >= 0], 1)
     ranking = np.lexsort((np.arange(vocab_size), -anything, -answer))
     held_answer = np.concatenate([s.labels.numpy()[s.prompt_len - 1:] for s in held])
