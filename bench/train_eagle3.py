@@ -37,6 +37,7 @@ import json
 import math
 import random
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,20 +161,21 @@ def generate(args: argparse.Namespace, prompts: list[str], clock: Clock) -> list
     from kvforge import LLM, SamplingParams
     from kvforge.builder.build import BuildOptions, build_engine
 
-    engine_dir = args.outputDir / "_engine"
-    build_engine(args.onnxDir, engine_dir, BuildOptions(max_input_len=2048, max_kv_cache_capacity=2048 + args.maxTokens,
-                                                        max_batch_size=16, tokens_per_page=128))
-    llm = LLM(engine_dir, num_threads=args.threads)
-    params = SamplingParams(temperature=0.0, max_generate_length=args.maxTokens)
     records: list[dict[str, Any]] = []
-    chunk = 16
-    for i in range(0, len(prompts), chunk):
-        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts[i:i + chunk]], params)
-        for out in outs:
-            records.append({"prompt_token_ids": list(out.prompt_token_ids), "token_ids": list(out.token_ids)})
-        tokens = sum(len(r["token_ids"]) for r in records)
-        clock.log(f"generated {len(records)}/{len(prompts)} answers, {tokens} tokens")
-    del llm
+    with tempfile.TemporaryDirectory(prefix="kvforge-eagle3-") as tmp:  # the engine is not part of the checkpoint
+        engine_dir = Path(tmp) / "engine"
+        build_engine(args.onnxDir, engine_dir, BuildOptions(max_input_len=2048, max_batch_size=16, tokens_per_page=128,
+                                                            max_kv_cache_capacity=2048 + args.maxTokens))
+        llm = LLM(engine_dir, num_threads=args.threads)
+        params = SamplingParams(temperature=0.0, max_generate_length=args.maxTokens)
+        chunk = 16
+        for i in range(0, len(prompts), chunk):
+            outs = llm.chat([[{"role": "user", "content": p}] for p in prompts[i:i + chunk]], params)
+            for out in outs:
+                records.append({"prompt_token_ids": list(out.prompt_token_ids), "token_ids": list(out.token_ids)})
+            tokens = sum(len(r["token_ids"]) for r in records)
+            clock.log(f"generated {len(records)}/{len(prompts)} answers, {tokens} tokens")
+        del llm
     return records
 
 
