@@ -37,6 +37,7 @@ import json
 import math
 import random
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,20 +161,21 @@ def generate(args: argparse.Namespace, prompts: list[str], clock: Clock) -> list
     from kvforge import LLM, SamplingParams
     from kvforge.builder.build import BuildOptions, build_engine
 
-    engine_dir = args.outputDir / "_engine"
-    build_engine(args.onnxDir, engine_dir, BuildOptions(max_input_len=2048, max_kv_cache_capacity=2048 + args.maxTokens,
-                                                        max_batch_size=16, tokens_per_page=128))
-    llm = LLM(engine_dir, num_threads=args.threads)
-    params = SamplingParams(temperature=0.0, max_generate_length=args.maxTokens)
     records: list[dict[str, Any]] = []
-    chunk = 16
-    for i in range(0, len(prompts), chunk):
-        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts[i:i + chunk]], params)
-        for out in outs:
-            records.append({"prompt_token_ids": list(out.prompt_token_ids), "token_ids": list(out.token_ids)})
-        tokens = sum(len(r["token_ids"]) for r in records)
-        clock.log(f"generated {len(records)}/{len(prompts)} answers, {tokens} tokens")
-    del llm
+    with tempfile.TemporaryDirectory(prefix="kvforge-eagle3-") as tmp:  # the engine is not part of the checkpoint
+        engine_dir = Path(tmp) / "engine"
+        build_engine(args.onnxDir, engine_dir, BuildOptions(max_input_len=2048, max_batch_size=16, tokens_per_page=128,
+                                                            max_kv_cache_capacity=2048 + args.maxTokens))
+        llm = LLM(engine_dir, num_threads=args.threads)
+        params = SamplingParams(temperature=0.0, max_generate_length=args.maxTokens)
+        chunk = 16
+        for i in range(0, len(prompts), chunk):
+            outs = llm.chat([[{"role": "user", "content": p}] for p in prompts[i:i + chunk]], params)
+            for out in outs:
+                records.append({"prompt_token_ids": list(out.prompt_token_ids), "token_ids": list(out.token_ids)})
+            tokens = sum(len(r["token_ids"]) for r in records)
+            clock.log(f"generated {len(records)}/{len(prompts)} answers, {tokens} tokens")
+        del llm
     return records
 
 
@@ -272,13 +274,15 @@ def _length_batches(order: list[int], lengths: list[int], tokens_per_batch: int)
 
 def choose_vocab(train: list[Sample], held: list[Sample], vocab_size: int, requested: int,
                  clock: Clock) -> tuple[np.ndarray, dict[str, Any]]:
-    """Draft vocabulary: target ids ranked by how often the target emits them in the training answers (then in
-    any training label), sorted ascending (so d2t >= 0). `requested` 0 chooses a size by held-out coverage."""
+    """Draft vocabulary: target ids ranked by how often the target emits them in the training answers, then by how
+    often they occur anywhere in the training sequences (prompt text is what answers copy), then by id; sorted
+    ascending (so d2t >= 0). `requested` 0 chooses a size by held-out coverage."""
     answer = np.zeros(vocab_size, np.int64)
     anything = np.zeros(vocab_size, np.int64)
     for s in train:
         lab = s.labels.numpy()
         np.add.at(answer, lab[s.prompt_len - 1:][lab[s.prompt_len - 1:] >= 0], 1)
+        np.add.at(anything, s.tokens, 1)
         np.add.at(anything, lab[lab >= 0], 1)
     ranking = np.lexsort((np.arange(vocab_size), -anything, -answer))
     held_answer = np.concatenate([s.labels.numpy()[s.prompt_len - 1:] for s in held])
