@@ -214,17 +214,20 @@ def _build_into(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometry:
         return
     model = load_model(onnx_dir, config, options.max_lora_rank)
     step("loaded model.onnx")
+    kernel = options.cpu_attention == ATTENTION_CPU_KERNEL
+    # Speculative roles on the kernel take tree inputs (tree drafting and verification); the fallback lowering has
+    # no masked attention, so its engines draft linearly (the runtime says so for --specDraftTopK > 1).
+    tree = kernel and bool(speculative["spec_base"] or speculative["spec_draft"])
     lowered = lower_for_onnxruntime(model, kv_cache_dtype=config.kv_cache_dtype,
                                     tokens_per_page=geometry.tokens_per_page,
-                                    num_pages=geometry.max_kv_pool_pages,
-                                    cpu_kernel=options.cpu_attention == ATTENTION_CPU_KERNEL)
+                                    num_pages=geometry.max_kv_pool_pages, cpu_kernel=kernel, tree_inputs=tree)
     if config.tie_word_embeddings:
         share_tied_head(lowered)
     step("lowered paged-KV ops")
     _save(lowered, engine_dir)
     write_engine_config(onnx_dir, engine_dir, config,
                         BuilderConfig.from_geometry(geometry, backend, options.max_lora_rank, config,
-                                                    options.cpu_attention, **speculative))
+                                                    options.cpu_attention, tree_attention=tree, **speculative))
 
 
 def _build_recurrent(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometry: PageGeometry, backend: str,

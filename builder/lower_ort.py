@@ -19,9 +19,9 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from kvforge.contract.engine_dir import TIED_HEAD_INPUT, new_rows_name
+from kvforge.contract.engine_dir import TIED_HEAD_INPUT, TREE_MASK_INPUT, TREE_POSITIONS_INPUT, new_rows_name
 from kvforge.contract.errors import InvalidConfig
-from kvforge.graph.onnx_graph import FLOAT, FLOAT8E4M3FN, FLOAT16, INT32, INT64, GraphWriter, value_info
+from kvforge.graph.onnx_graph import BOOL, FLOAT, FLOAT8E4M3FN, FLOAT16, INT32, INT64, GraphWriter, value_info
 from kvforge.plugins import ops
 
 NEW_ROWS_ELEM_TYPES = {"fp16": FLOAT16, "fp8": FLOAT, "fp32": FLOAT}
@@ -39,12 +39,16 @@ class _Shared:
 
 def lower_for_onnxruntime(model: onnx.ModelProto, *, kv_cache_dtype: str, tokens_per_page: int,
                           num_pages: int, dense: bool = False, fused_attention: bool = True,
-                          cpu_kernel: bool = False) -> onnx.ModelProto:
+                          cpu_kernel: bool = False, tree_inputs: bool = False) -> onnx.ModelProto:
     """Replace PagedKVWrite/PagedAttention pairs. `cpu_kernel=True` attends with kvforge.cpu.PagedAttention (the
     session must register plugins/cpu_kernel.py's library). `dense=True` writes the unpaged baseline instead:
-    per-layer `past_key_{i}`/`past_value_{i}` [B,Hkv,L,D] in, `present_key_{i}`/`present_value_{i}` out."""
+    per-layer `past_key_{i}`/`past_value_{i}` [B,Hkv,L,D] in, `present_key_{i}`/`present_value_{i}` out.
+    `tree_inputs=True` (with cpu_kernel) adds tree attention: RoPE positions from TREE_POSITIONS_INPUT and the
+    kernel's mask from TREE_MASK_INPUT (see kvforge/contract/engine_dir.py)."""
     if cpu_kernel and (dense or not fused_attention):
         raise ValueError("cpu_kernel lowers the paged graph; dense and op-by-op forms use standard ops only")
+    if tree_inputs and not cpu_kernel:
+        raise ValueError("tree attention needs the kvforge CPU kernel (its attention_mask input)")
     graph = model.graph
     writes = {n.output[0]: n for n in graph.node if n.domain == ops.DOMAIN and n.op_type == ops.PAGED_KV_WRITE.name}
     if not writes:
@@ -85,7 +89,7 @@ def lower_for_onnxruntime(model: onnx.ModelProto, *, kv_cache_dtype: str, tokens
                     extra_inputs.append(value_info(name, FLOAT, ["batch", num_kv, "past", head_dim]))
             elif cpu_kernel:
                 _kernel_attention(g, query, rows, pool_in, page_table, start_index, node, num_kv, head_dim,
-                                  tokens_per_page)
+                                  tokens_per_page, TREE_MASK_INPUT if tree_inputs else "")
             elif fused_attention:
                 _group_query_attention(g, shared, query, pool_in, page_table, rows, start_index, kv_cache_dtype,
                                        num_kv, head_dim, _attr_f(node, "scale"), node.output[0])
@@ -106,6 +110,10 @@ def lower_for_onnxruntime(model: onnx.ModelProto, *, kv_cache_dtype: str, tokens
         for vi in kept:
             if vi.name.startswith("past_key_values_"):
                 _fix_pool_shape(vi, num_pages, tokens_per_page)
+    if tree_inputs:
+        new_nodes = _positions_from_input(new_nodes, shared.g)
+        extra_inputs += [value_info(TREE_POSITIONS_INPUT, INT32, ["batch", "seq"]),
+                         value_info(TREE_MASK_INPUT, BOOL, ["batch", "mask_rows", "mask_cols"])]
     del graph.node[:]
     graph.node.extend(new_nodes)
     graph.initializer.extend(shared.g.initializers)
@@ -247,13 +255,30 @@ def _group_query_attention(g: GraphWriter, shared: _Shared, query: str, pool: st
 
 
 def _kernel_attention(g: GraphWriter, query: str, rows: str, pool: str, page_table: str, start_index: str,
-                      node: onnx.NodeProto, num_kv: int, head_dim: int, tokens_per_page: int) -> None:
+                      node: onnx.NodeProto, num_kv: int, head_dim: int, tokens_per_page: int, mask: str = "") -> None:
     """kvforge.cpu.PagedAttention: the cached positions straight from the pool through the page table, this
-    call's rows (already rounded through the storage dtype) beside them; causal among the new tokens. The page
-    size is the build's (export leaves the attribute 0)."""
-    g.op(ops.CPU_PAGED_ATTENTION.name, [query, rows, pool, page_table, start_index, "context_lengths"],
+    call's rows (already rounded through the storage dtype) beside them; causal among the new tokens, or as `mask`
+    (a tree) says. The page size is the build's (export leaves the attribute 0)."""
+    inputs = [query, rows, pool, page_table, start_index, "context_lengths"] + ([mask] if mask else [])
+    g.op(ops.CPU_PAGED_ATTENTION.name, inputs,
          outputs=[node.output[0]], domain=ops.CPU_DOMAIN, num_q_heads=_attr(node, "num_q_heads"),
          num_kv_heads=num_kv, head_dim=head_dim, tokens_per_page=tokens_per_page, scale=_attr_f(node, "scale"))
+
+
+def _positions_from_input(nodes: list[onnx.NodeProto], g: GraphWriter) -> list[onnx.NodeProto]:
+    """Tree attention: the one Gather of the RoPE table (export's rope_inputs: queries and, in this lowering, keys
+    rotate by it) takes TREE_POSITIONS_INPUT, clamped like the export's start + i, instead of start + i."""
+    gathers = [n for n in nodes if n.op_type == "Gather" and n.input[0] == "rope_rotary_cos_sin"]
+    if len(gathers) != 1:
+        raise InvalidConfig(f"tree attention needs one Gather of rope_rotary_cos_sin, the graph has {len(gathers)}",
+                            "model.onnx")
+    start = len(g.nodes)
+    capacity = g.dim("rope_rotary_cos_sin", 0)
+    positions = g.op("Min", [g.cast(TREE_POSITIONS_INPUT, INT64), g.op("Sub", [capacity, g.const([1])])],
+                     name="tree_rope_positions")
+    gathers[0].input[1] = positions
+    at = nodes.index(gathers[0])
+    return nodes[:at] + g.nodes[start:] + nodes[at:]
 
 
 def _dense_cache(g: GraphWriter, rows: str, layer: str) -> tuple[str, tuple[str, str]]:

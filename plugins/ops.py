@@ -66,8 +66,8 @@ CPU_PAGED_ATTENTION = OpSchema(
         "covering the cached positions only (W may be 0 or short: missing pages count as -1); "
         "kvcache_start_index [B] int32 (positions 0..start-1 are in the pool); context_lengths [B] int32 "
         "(new tokens per row, <= S, right-padded); optional attention_mask [B,S,S] bool (query i sees new key "
-        "j iff mask[b,i,j]; absent = causal j <= i, a tree mask for speculative verification). Cached "
-        "position p is page table[b, p // T], slot p % T, visible to every query unless its page is -1 or "
+        "j iff mask[b,i,j]; absent or empty ([B,0,0]) = causal j <= i, a tree mask for speculative verification). "
+        "Cached position p is page table[b, p // T], slot p % T, visible to every query unless its page is -1 or "
         "beyond W. GQA: q head h reads kv head h // (Hq/Hkv). Output [B,S,Hq*D] float32, rows past "
         "context_lengths[b] (and queries that see nothing) are 0; fp32 online softmax. head_dim must be a "
         "multiple of 16 up to 256. Semantics: reference.paged_attention_rows.",

@@ -31,6 +31,10 @@ class StepInputs:
     hidden_indices: np.ndarray | None = None
     # Named graph inputs beyond the contract's (an EAGLE3 draft's hidden-state inputs [B, S, width]).
     extra_inputs: dict[str, np.ndarray] | None = None
+    # Tree attention (engines built with tree_attention): each new token's RoPE position [B, S] int32 (None = start
+    # + i) and which new tokens each new token sees [B, S, S] bool (None = causal). K/V is still written at start + i.
+    position_ids: np.ndarray | None = None
+    attention_mask: np.ndarray | None = None
 
     def positions(self) -> np.ndarray:
         """The call's logits_indices as int64 [N], the default resolved."""
@@ -77,6 +81,10 @@ class KVStorage(Protocol):
 
     def write_tokens(self, page_ids: list[int], stored_rows: list[np.ndarray]) -> None:
         """Write rows read by read_tokens back at positions [0, n) of another page-table row."""
+        ...
+
+    def copy_positions(self, page_ids: list[int], sources: list[int], targets: list[int]) -> None:
+        """Move the rows at positions `sources` of one sequence to `targets` (all layers; sources read first)."""
         ...
 
     def read_page(self, page: int) -> list[np.ndarray]:

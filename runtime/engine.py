@@ -33,6 +33,7 @@ from kvforge.runtime.engine_config import (  # noqa: F401 - EngineConfig and the
     deployment_of,
     resolve_engine_config,
     snapshot_budgets,
+    verify_size,
 )
 from kvforge.runtime.engine_core import EngineCore, EngineStats
 from kvforge.runtime.inputs import InputProcessor, check_prompt_length
@@ -207,7 +208,8 @@ class Engine:
         self.draft_backend = load_backend(draft, config.num_threads, table)
         d2t = np.asarray(map_tensor(draft.file(D2T_FILE), D2T_TENSOR), dtype=np.int64)
         return Eagle3Proposer(self.draft_backend, table, d2t, self.cache, config.spec_draft_step,
-                              draft.model.base_model_hidden_size)
+                              draft.model.base_model_hidden_size, top_k=config.spec_draft_top_k,
+                              verify_nodes=verify_size(config, self.engine_dir) - 1)
 
 
 def _load_encoder(config: EngineConfig):  # -> VisualEncoder | AudioEncoder | None

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from kvforge.contract.engine_dir import DRAFT_ENGINE_SUBDIR, EngineDir, load_engine_dir
+from kvforge.contract.engine_dir import DRAFT_ENGINE_SUBDIR, MAX_TREE_SIZE, EngineDir, load_engine_dir
 from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.files import read_json
 from kvforge.contract.formats import MANIFEST_FILE
@@ -29,6 +29,7 @@ SPEC_OFF, SPEC_NGRAM, SPEC_EAGLE3 = "off", "ngram", "eagle3"
 SPEC_METHODS = (SPEC_OFF, SPEC_NGRAM, SPEC_EAGLE3)
 DEFAULT_SPEC_DRAFT_TOKENS = 6  # TensorRT Edge-LLM's --specDraftStep default; bench/spec_decode.py measures others
 MAX_SPEC_DRAFT_TOKENS = 32
+MAX_SPEC_DRAFT_TOP_K = 16
 
 # Long prompts prefill faster in chunks on the CPU: the masked score matrix grows with the square of the
 # call's length. bench/prefill_chunks.py measured a 1,536-token SmolLM2 prefill 1.36x faster at 512
@@ -119,7 +120,15 @@ class EngineConfig:
         path=True)
     spec_draft_step: int = _option(
         DEFAULT_SPEC_DRAFT_TOKENS, "--specDraftStep", "With --specDecode: tokens proposed per step for each decoding "
-        "request (the verify call computes this many more positions).")
+        "request (the verify call computes this many more positions); with --specDraftTopK > 1, the tree's depth.")
+    spec_draft_top_k: int = _option(
+        1, "--specDraftTopK", "With --specDecode eagle3: candidates per drafting step. 1 (default) drafts a chain; "
+        "k > 1 drafts a tree (each step expands the k best nodes into their k best children) and the base verifies "
+        "its best --specVerifySize - 1 nodes in one masked call. Needs engines built with --specBase/--specDraft on "
+        "the kvforge CPU kernel.")
+    spec_verify_size: int = _option(
+        0, "--specVerifySize", "With --specDraftTopK > 1: positions one verify row computes (the pending token and "
+        "the tree's nodes). 0 = min(specDraftTopK x specDraftStep + 1, the base's maxVerifyTreeSize).")
     spec_prompt_lookup_min: int = _option(
         DEFAULT_MIN_N, "--specPromptLookupMin", "With --specDecode ngram: the shortest n-gram that may match.")
     spec_prompt_lookup_max: int = _option(
@@ -243,7 +252,35 @@ def _resolve_draft(config: EngineConfig, engine: EngineDir, deployment: Deployme
         if not ok:
             raise InvalidConfig(f"the draft at {path} does not fit this base: {message}; rebuild it",
                                 "spec_draft_engine_dir")
+    if config.spec_draft_top_k > 1:
+        _check_tree(config, engine, draft)
     return draft
+
+
+def verify_size(config: EngineConfig, engine: EngineDir) -> int:
+    """Positions one tree verify row computes (--specVerifySize, or its default)."""
+    if config.spec_verify_size:
+        return config.spec_verify_size
+    return min(config.spec_draft_top_k * config.spec_draft_step + 1, engine.build.max_verify_tree_size)
+
+
+def _check_tree(config: EngineConfig, engine: EngineDir, draft: EngineDir) -> None:
+    """Tree drafting: both engines take tree masks, and a round's nodes fit the sizes they were built for."""
+    for role, dir_ in (("base", engine), ("draft", draft)):
+        if not dir_.build.tree_attention:
+            flag = "--specBase" if role == "base" else "--specDraft"
+            raise InvalidConfig(f"tree drafting needs a {role} engine with tree attention; rebuild it with llm_build "
+                                f"{flag} on the kvforge CPU kernel (--cpuAttention kernel), or use --specDraftTopK 1",
+                                "spec_draft_top_k")
+    size = verify_size(config, engine)
+    if not 2 <= size <= engine.build.max_verify_tree_size:
+        raise InvalidConfig(f"must be in [2, the base's maxVerifyTreeSize {engine.build.max_verify_tree_size}], got "
+                            f"{size}", "spec_verify_size")
+    rows = config.spec_draft_top_k * (config.spec_draft_step - 1)
+    if rows > draft.build.max_draft_tree_size:
+        raise InvalidConfig(f"specDraftTopK x (specDraftStep - 1) = {rows} draft positions per step exceed the "
+                            f"draft's maxDraftTreeSize {draft.build.max_draft_tree_size}; lower them or rebuild the "
+                            "draft", "spec_draft_top_k")
 
 
 def _check_speculation(config: EngineConfig, deployment: Deployment) -> None:
@@ -252,6 +289,15 @@ def _check_speculation(config: EngineConfig, deployment: Deployment) -> None:
         raise InvalidConfig(f"must be one of {', '.join(SPEC_METHODS)}, got {config.spec_decode!r}", "spec_decode")
     if not 1 <= config.spec_draft_step <= MAX_SPEC_DRAFT_TOKENS:
         raise InvalidConfig(f"must be in [1, {MAX_SPEC_DRAFT_TOKENS}], got {config.spec_draft_step}", "spec_draft_step")
+    if not 1 <= config.spec_draft_top_k <= MAX_SPEC_DRAFT_TOP_K:
+        raise InvalidConfig(f"must be in [1, {MAX_SPEC_DRAFT_TOP_K}], got {config.spec_draft_top_k}",
+                            "spec_draft_top_k")
+    if config.spec_draft_top_k > 1 and config.spec_decode != SPEC_EAGLE3:
+        raise InvalidConfig("tree drafting (a top-k above 1) needs --specDecode eagle3 (prompt lookup drafts one "
+                            "chain)", "spec_draft_top_k")
+    if config.spec_verify_size and (config.spec_draft_top_k == 1 or not 2 <= config.spec_verify_size <= MAX_TREE_SIZE):
+        raise InvalidConfig(f"sizes tree drafting only (--specDraftTopK > 1), in [2, {MAX_TREE_SIZE}]; got "
+                            f"{config.spec_verify_size}", "spec_verify_size")
     if not 1 <= config.spec_prompt_lookup_min <= config.spec_prompt_lookup_max:
         raise InvalidConfig(f"must be in [1, specPromptLookupMax {config.spec_prompt_lookup_max}], got "
                             f"{config.spec_prompt_lookup_min}", "spec_prompt_lookup_min")

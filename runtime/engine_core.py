@@ -18,16 +18,21 @@ from kvforge.contract.profile_schema import (
 from kvforge.runtime.model_executor import BatchOutput
 from kvforge.runtime.output import OutputProcessor, RequestOutput
 from kvforge.runtime.profile import GENERATION_STAGE, PREFILL_STAGE, Profiler
-from kvforge.runtime.sampling import SampleResult, accept_tokens
+from kvforge.runtime.sampling import SampleResult, accept_tokens, accept_tree
 from kvforge.runtime.scheduler import RowUpdate, ScheduledRow, Scheduler, SchedulerOutput
 from kvforge.runtime.sequence import Sequence
-from kvforge.runtime.spec.proposer import Proposer
+from kvforge.runtime.spec.proposer import DraftTree, Proposer
 
 
 class StepExecutor(Protocol):
     """Computes a step's scheduled rows (ModelExecutor over a backend, or a test's fake)."""
 
     def run(self, rows: list[ScheduledRow]) -> BatchOutput: ...
+
+    def keep_paths(self, rows: list[ScheduledRow], output: BatchOutput, paths: list[list[int] | None]) -> None:
+        """Tree rows (paths[i] not None): move the accepted drafts' K/V to consecutive positions and their hidden
+        states to the order a chain would have had. Only called when a step verified a tree."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,10 +54,23 @@ class EngineStats:
     encoder_cache: dict[str, int]  # the profile's multimodal.encoder_cache; empty without an encoder
 
 
-def sample_rows(rows: list[ScheduledRow], output: BatchOutput) -> list[list[SampleResult]]:
-    """The tokens each row commits: none for a row short of its end, else its verified drafts and one more."""
-    return [accept_tokens(row.seq.sampler, logits, row.draft_token_ids) if row.reaches_end else []
-            for row, logits in zip(rows, output.logits, strict=True)]
+def sample_rows(rows: list[ScheduledRow], output: BatchOutput
+                ) -> tuple[list[list[SampleResult]], list[list[int] | None]]:
+    """The tokens each row commits (none for a row short of its end, else its verified drafts and one more) and, for
+    a row that verified a tree, the drafts on its accepted path (None for every other row)."""
+    sampled: list[list[SampleResult]] = []
+    paths: list[list[int] | None] = []
+    for row, logits in zip(rows, output.logits, strict=True):
+        path = None
+        if not row.reaches_end:
+            samples: list[SampleResult] = []
+        elif row.draft_parents:
+            samples, path = accept_tree(row.seq.sampler, logits, row.draft_token_ids, row.draft_parents)
+        else:
+            samples = accept_tokens(row.seq.sampler, logits, row.draft_token_ids)
+        sampled.append(samples)
+        paths.append(path)
+    return sampled, paths
 
 
 class EngineCore:
@@ -102,9 +120,11 @@ class EngineCore:
                 self.profiler.record(SPEC_BASE_VERIFICATION_STAGE, (time.perf_counter() - run_started) * 1e3)
         if verifies:
             with self.profiler.stage(SPEC_DRAFT_ACCEPT_STAGE):
-                sampled = sample_rows(batch.rows, output)
+                sampled, paths = sample_rows(batch.rows, output)
+                if any(path is not None for path in paths):
+                    self.executor.keep_paths(batch.rows, output, paths)
         else:
-            sampled = sample_rows(batch.rows, output)
+            sampled, _ = sample_rows(batch.rows, output)
         if self.proposer is not None and self.proposer.owns_kv:
             with self.profiler.stage(SPEC_DRAFT_PROPOSAL_STAGE):  # the draft catches up before anything is published
                 self.proposer.observe(batch.rows, output, sampled)
@@ -127,7 +147,10 @@ class EngineCore:
                 return
             proposals = self.proposer.propose_batch(seqs, [self.scheduler.draft_room(seq) for seq in seqs])
             for seq, proposal in zip(seqs, proposals, strict=True):
-                seq.spec_token_ids = proposal
+                if isinstance(proposal, DraftTree):
+                    seq.spec_token_ids, seq.spec_parents = proposal.token_ids, proposal.parents
+                else:
+                    seq.spec_token_ids, seq.spec_parents = proposal, []
 
     def _reused_at_admission(self, batch: SchedulerOutput) -> int:
         """Tokens a sequence starts with at admission were served from a cache (pages or the legacy copy)."""

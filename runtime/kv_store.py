@@ -46,6 +46,14 @@ class KVStore:
         for layer, rows in zip(self.layers, stored_rows, strict=True):
             layer[pages, :, :, slots, :] = rows
 
+    def copy_positions(self, page_ids: list[int], sources: list[int], targets: list[int]) -> None:
+        """Move K/V rows within one sequence: position sources[i] to targets[i] (a tree verify's accepted path to
+        consecutive positions). Sources are read before anything is written, so the lists may overlap."""
+        src_pages, src_slots = _locate_positions(page_ids, sources, self.tokens_per_page)
+        dst_pages, dst_slots = _locate_positions(page_ids, targets, self.tokens_per_page)
+        for layer in self.layers:
+            layer[dst_pages, :, :, dst_slots, :] = layer[src_pages, :, :, src_slots, :]
+
     def read_page(self, page: int) -> list[np.ndarray]:
         """Views of one page [2, Hkv, T, D] per layer (callers copy them before the page is written again)."""
         return [layer[page] for layer in self.layers]
@@ -53,3 +61,8 @@ class KVStore:
     def write_page(self, page: int, stored: list[np.ndarray]) -> None:
         for layer, rows in zip(self.layers, stored, strict=True):
             layer[page] = rows
+
+
+def _locate_positions(page_ids: list[int], positions: list[int], tokens_per_page: int) -> tuple[np.ndarray, np.ndarray]:
+    at = np.asarray(positions, dtype=np.int64)
+    return np.asarray(page_ids, dtype=np.int64)[at // tokens_per_page], at % tokens_per_page

@@ -120,15 +120,35 @@ class ModelExecutor:
             positions.append(i * width + np.arange(first, len(ids), dtype=np.int64))
             if self.all_hidden:
                 every.append(i * width + np.arange(len(ids), dtype=np.int64))
-        step = StepInputs(embeds, np.array([len(ids) for ids in new_ids], dtype=np.int32),
-                          np.array([row.seq.num_computed_tokens for row in rows], dtype=np.int32),
+        starts = np.array([row.seq.num_computed_tokens for row in rows], dtype=np.int32)
+        position_ids = mask = None
+        if any(row.draft_parents for row in rows):
+            position_ids, mask = tree_inputs(rows, starts, width)
+        step = StepInputs(embeds, np.array([len(ids) for ids in new_ids], dtype=np.int32), starts,
                           [row.seq.lease.page_ids for row in rows],  # type: ignore[union-attr]
                           self._lora_inputs([row.seq.request.adapter for row in rows]),
                           logits_indices=np.concatenate(positions),
-                          hidden_indices=np.concatenate(every) if self.all_hidden else None)
+                          hidden_indices=np.concatenate(every) if self.all_hidden else None,
+                          position_ids=position_ids, attention_mask=mask)
         if self.state_rows is not None:
             step.state_rows = [self.state_rows[row.seq.lease] for row in rows]  # type: ignore[index]
         return self.backend.forward(step)
+
+    def keep_paths(self, rows: list[ScheduledRow], output: BatchOutput, paths: list[list[int] | None]) -> None:
+        """A tree row wrote draft i's K/V at position C + 1 + i (C: its pending token); the accepted path's drafts
+        move to C + 1, C + 2, ... as a chain would have left them, and its hidden states are reordered the same way
+        (pending token, then the path), so the commit and a drafter's catch-up read a chain."""
+        for i, (row, path) in enumerate(zip(rows, paths, strict=True)):
+            if path is None:
+                continue
+            start = row.seq.num_computed_tokens + 1
+            moves = [(start + node, start + depth) for depth, node in enumerate(path) if node != depth]
+            if moves:
+                assert row.seq.lease is not None
+                self.backend.kv_store.copy_positions(row.seq.lease.page_ids, [a for a, _ in moves],
+                                                     [b for _, b in moves])
+            if output.hidden_states is not None and output.hidden_states[i] is not None:
+                output.hidden_states[i] = output.hidden_states[i][[0] + [1 + node for node in path]]
 
     def _lora_inputs(self, adapters: list[LoraAdapter | None]) -> dict[str, np.ndarray] | None:
         """Stacked per-row adapters, rebuilt only when the batch's adapter composition changes."""
@@ -141,6 +161,37 @@ class ModelExecutor:
                 self._lora_stacks.pop(next(iter(self._lora_stacks)))
             stacked = self._lora_stacks[key] = stack_adapters(adapters, self._lora_shapes)
         return stacked
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """Depth of each draft of a tree (1 = a child of the pending token); parents come before children."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return depths
+
+
+def tree_inputs(rows: list[ScheduledRow], starts: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """RoPE positions [B, S] and the attention mask [B, S, S] of a call holding tree rows: a draft sits at its
+    pending token's position plus its depth and sees the pending token, its ancestors and itself; every other row
+    (and a chain) is causal at start + i."""
+    batch = len(rows)
+    positions = starts[:, None] + np.arange(width, dtype=np.int32)[None, :]
+    mask = np.broadcast_to(np.tril(np.ones((width, width), dtype=bool)), (batch, width, width)).copy()
+    for b, row in enumerate(rows):
+        if not row.draft_parents:
+            continue
+        depths = tree_depths(row.draft_parents)
+        positions[b, 1:1 + len(depths)] = starts[b] + np.asarray(depths, dtype=np.int32)
+        tree = np.zeros((width, width), dtype=bool)
+        tree[:, 0] = True
+        for node, parent in enumerate(row.draft_parents):
+            at = node + 1
+            tree[at] = tree[parent + 1] if parent >= 0 else tree[0]
+            tree[at, at] = True
+        tree[0, 1:] = False
+        mask[b] = tree
+    return positions.astype(np.int32), mask
 
 
 def _splice_media(row_embeds: np.ndarray, seq: Sequence, num_new: int) -> None:

@@ -17,6 +17,8 @@ from kvforge.contract.engine_dir import (
     LEGACY_LAST_TOKEN_IDS,
     LOGITS_INDICES,
     TIED_HEAD_INPUT,
+    TREE_MASK_INPUT,
+    TREE_POSITIONS_INPUT,
     EngineDir,
     new_rows_name,
 )
@@ -129,6 +131,14 @@ def check_graph_inputs(session: ort.InferenceSession, engine: EngineDir) -> None
                            f"{model.hidden_size}; rebuild it with llm_build", "engine_dir")
 
 
+def tree_positions(step: StepInputs, starts: np.ndarray) -> np.ndarray:
+    """[B, S] int32 RoPE positions of a call's new tokens: the step's own, or start + i."""
+    if step.position_ids is not None:
+        return np.ascontiguousarray(step.position_ids, dtype=np.int32)
+    width = step.inputs_embeds.shape[1]
+    return (starts[:, None] + np.arange(width, dtype=np.int32)[None, :]).astype(np.int32)
+
+
 def check_last_token_positions(positions: np.ndarray, lengths: np.ndarray, width: int) -> None:
     """An engine built before logits_indices computes each row's last new token only: refuse any other ask."""
     if not np.array_equal(positions, last_token_indices(lengths, width)):
@@ -163,6 +173,7 @@ class OrtBackend:
             self._rope_value = ort.OrtValue.ortvalue_from_numpy(self.rope)
         self._output_names = [o.name for o in self.session.get_outputs()]
         self._hidden_indices = HIDDEN_STATES_INDICES in graph_inputs
+        self.tree_attention = TREE_MASK_INPUT in graph_inputs  # tree drafting's masked calls (engine_dir.py)
         # Engine dirs built before logits_indices keep running (cheaply: their graph takes last_token_ids [B]) for
         # calls that want each row's last token only; a verify call on one is refused with "rebuild".
         self._legacy_last_token = LEGACY_LAST_TOKEN_IDS in graph_inputs
@@ -191,6 +202,12 @@ class OrtBackend:
             binding.bind_cpu_input(HIDDEN_STATES_INDICES, step.hidden_positions())
         for name, value in (step.extra_inputs or {}).items():
             binding.bind_cpu_input(name, np.ascontiguousarray(value, dtype=np.float32))
+        if self.tree_attention:
+            binding.bind_cpu_input(TREE_POSITIONS_INPUT, tree_positions(step, starts))
+            mask = step.attention_mask if step.attention_mask is not None else np.zeros((len(lengths), 0, 0), bool)
+            binding.bind_cpu_input(TREE_MASK_INPUT, np.ascontiguousarray(mask, dtype=bool))
+        elif step.attention_mask is not None or step.position_ids is not None:
+            raise AssertionError("a tree call on an engine built without tree attention")
         if self._rope_value is not None:  # graphs with attention layers
             binding.bind_cpu_input("kvcache_start_index", starts)
             binding.bind_cpu_input("kv_page_table", self._cached_page_table(step.page_ids, starts))

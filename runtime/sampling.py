@@ -217,6 +217,37 @@ def accept_tokens(sampler: Sampler, logits: np.ndarray, draft_ids: Sequence[int]
     return results
 
 
+def accept_tree(sampler: Sampler, logits: np.ndarray, draft_ids: Sequence[int],
+                parents: Sequence[int]) -> tuple[list[SampleResult], list[int]]:
+    """The tokens a tree row commits, and the drafts on its accepted path (indices into `draft_ids`, root first).
+
+    `logits` [1 + n, V]: after the pending token (row 0), then after each draft (row i + 1); `parents[i]` is draft i's
+    parent draft (-1: the pending token). From the root, the base picks its token exactly as it would without drafts
+    (`Sampler.sample`: the argmax, or a draw from the row's distribution); a child carrying that token is accepted
+    and the walk goes on from it, otherwise the token is the last one committed. Each committed token is therefore
+    the base's own choice given the path so far: greedy output is unchanged and at temperature > 0 every token is
+    distributed as the base model's (the drafts are one-hot proposals, so this is multi-candidate rejection sampling
+    with deterministic proposals). A chain (parents -1, 0, 1, ...) commits what `accept_tokens` would at greedy."""
+    if logits.ndim != 2 or logits.shape[0] != len(draft_ids) + 1 or len(parents) != len(draft_ids):
+        raise ValueError(f"expected [{len(draft_ids) + 1}, V] logits and one parent per draft, got {logits.shape} "
+                         f"and {len(parents)} parents")
+    children: dict[int, dict[int, int]] = {}
+    for index, (token, parent) in enumerate(zip(draft_ids, parents, strict=True)):
+        if not -1 <= parent < index:
+            raise ValueError(f"draft {index}'s parent {parent} does not come before it")
+        children.setdefault(parent, {}).setdefault(int(token), index)  # a repeated sibling token: the first wins
+    results: list[SampleResult] = []
+    path: list[int] = []
+    node = -1
+    while True:
+        result = sampler.sample(logits[node + 1])
+        results.append(result)
+        node = children.get(node, {}).get(result.token_id, -2)
+        if node == -2:
+            return results, path
+        path.append(node)
+
+
 def sample_batch(samplers: Sequence[Sampler], logits: np.ndarray) -> list[SampleResult]:
     """Sample row b of [B, V] logits with samplers[b]; each sequence keeps its own random stream."""
     if logits.ndim != 2 or logits.shape[0] != len(samplers):

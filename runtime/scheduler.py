@@ -58,6 +58,8 @@ class ScheduledRow:
     # Proposed tokens verified after the row's pending ones (speculative decoding): the call computes
     # num_new_tokens + len(draft_token_ids) positions and returns logits at the last pending one and each draft.
     draft_token_ids: list[int] = field(default_factory=list)
+    # A tree of drafts (Sequence.spec_parents: parent index per draft, -1 = the pending token); empty = a chain.
+    draft_parents: list[int] = field(default_factory=list)
 
     @property
     def reaches_end(self) -> bool:
@@ -144,7 +146,9 @@ class Scheduler:
             count = self._tokens_for(seq, budget)
             drafts = self._drafts_for(seq, count, budget)
             if self._grow_or_preempt(seq, count + len(drafts), out):
-                out.rows.append(ScheduledRow(seq, count, seq.is_prefilling, drafts))
+                # Parents come before children, so any prefix of a tree's drafts is a tree.
+                parents = seq.spec_parents[:len(drafts)] if seq.spec_parents else []
+                out.rows.append(ScheduledRow(seq, count, seq.is_prefilling, drafts, parents))
                 budget -= count + len(drafts)
         if not out.preempted:  # a step that had to preempt admits nobody: the pool is already short
             budget = self._admit_waiting(budget, out)
@@ -291,7 +295,7 @@ class Scheduler:
             # K/V of rejected drafts stays in private pages past num_computed_tokens: never indexed or published,
             # overwritten by the next call.
             seq.num_computed_tokens += kept_drafts
-        seq.spec_token_ids = []
+        seq.spec_token_ids, seq.spec_parents = [], []
         if seq.finish_reason is not None:
             self._finish_normally(seq)
         return RowUpdate(seq, appended, len(row.draft_token_ids), rejected)
@@ -311,7 +315,7 @@ class Scheduler:
             self._release(seq.lease)  # never published: its in-flight pages leave unless others hold them
         seq.lease, seq.status = None, Status.WAITING
         seq.num_computed_tokens = 0
-        seq.spec_token_ids = []
+        seq.spec_token_ids, seq.spec_parents = [], []
         seq.draft_state = None
         seq.num_preemptions += 1
         self.stats.preemptions += 1

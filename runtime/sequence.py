@@ -70,6 +70,9 @@ class Sequence:
     finish_time: float | None = None
     checkpoints: tuple[int, ...] = ()  # sorted prompt positions where a recurrent state is captured mid-prefill
     spec_token_ids: list[int] = field(default_factory=list)  # a drafter's proposal for the next step, not yet verified
+    # A tree proposal: spec_parents[i] is the index of draft i's parent among spec_token_ids (-1: the pending token),
+    # parents before children; empty = a chain (draft i follows draft i - 1).
+    spec_parents: list[int] = field(default_factory=list)
     # An EAGLE3 sequence: its admissions take draft pages (and reuse only coherent draft paths); `draft_state` is what
     # the drafter keeps between steps (its first proposal and hidden state at the sequence's end).
     drafts_with_kv: bool = False

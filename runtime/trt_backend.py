@@ -118,6 +118,19 @@ class DeviceKVStore:
                 self.cuda.upload(self._page_ptr(layer, page), host[index])
             self.cuda.synchronize()
 
+    def copy_positions(self, page_ids: list[int], sources: list[int], targets: list[int]) -> None:
+        """Move rows within one sequence (KVStore.copy_positions) by read-modify-write of the pages they touch (only
+        tree verification moves rows, and it runs on onnxruntime engines only for now)."""
+        pages = sorted({int(page_ids[p // self.tokens_per_page]) for p in [*sources, *targets]})
+        stored = {page: self.read_page(page) for page in pages}
+        rows = [[stored[int(page_ids[p // self.tokens_per_page])][layer][:, :, p % self.tokens_per_page].copy()
+                 for p in sources] for layer in range(len(self.layers))]
+        for layer in range(len(self.layers)):
+            for row, p in zip(rows[layer], targets, strict=True):
+                stored[int(page_ids[p // self.tokens_per_page])][layer][:, :, p % self.tokens_per_page] = row
+        for page in pages:
+            self.write_page(page, stored[page])
+
     def read_page(self, page: int) -> list[np.ndarray]:
         """One page per layer, downloaded (host copies; snapshots of a device pool are staged on the host)."""
         return [self._download_pages(layer, [page])[0] for layer in range(len(self.layers))]

@@ -50,6 +50,11 @@ HIDDEN_STATES_INDICES = "hidden_states_indices"
 # and its own previous output [B, S, H]; the graph adds the two, so a call passes zeros for the one it does not use.
 BASE_HIDDEN_INPUT = "hidden_states_input"
 DRAFT_HIDDEN_INPUT = "draft_hidden_states_input"
+# Tree attention (speculative bases and drafts built on the kvforge CPU kernel; TensorRT Edge-LLM's names): each new
+# token's RoPE position [B, S] int32, and which new tokens each new token sees [B, S, S] bool. An empty mask
+# ([B, 0, 0]) means causal, so calls without a tree pay nothing for it.
+TREE_POSITIONS_INPUT = "attention_pos_id"
+TREE_MASK_INPUT = "attention_mask"
 # EAGLE3 drafts: int64 [draft_vocab] offsets, base id = draft id + d2t[draft id] (the Hugging Face format's map).
 D2T_FILE, D2T_TENSOR = "d2t.safetensors", "d2t"
 # A speculative base engine dir keeps its draft engine here (TensorRT Edge-LLM writes spec_draft.engine and
@@ -92,6 +97,7 @@ class BuilderConfig(PageGeometry):
     spec_draft: bool = False
     max_verify_tree_size: int = 0
     max_draft_tree_size: int = 0
+    tree_attention: bool = False  # the graph takes TREE_POSITIONS_INPUT and TREE_MASK_INPUT (tree drafting)
 
     @classmethod
     def from_geometry(cls, geometry: PageGeometry, backend: str, max_lora_rank: int,
@@ -202,7 +208,7 @@ def read_builder_config(raw: dict[str, Any], model: ModelConfig) -> BuilderConfi
         raise InvalidConfig(f"must be one of {ATTENTION_PATHS}, got {describe(attention)}; {REBUILD}",
                             f"{where}.attention")
     speculative: dict[str, Any] = {}
-    for key in ("spec_base", "spec_draft"):
+    for key in ("spec_base", "spec_draft", "tree_attention"):
         if type(raw.get(key, False)) is not bool:
             raise InvalidConfig(f"must be true or false, got {describe(raw[key])}", f"{where}.{key}")
         speculative[key] = raw.get(key, False)

@@ -91,5 +91,6 @@ FLOAT = TensorProto.FLOAT
 FLOAT16 = TensorProto.FLOAT16
 INT32 = TensorProto.INT32
 INT64 = TensorProto.INT64
+BOOL = TensorProto.BOOL
 UINT8 = TensorProto.UINT8
 FLOAT8E4M3FN = TensorProto.FLOAT8E4M3FN

@@ -821,7 +821,10 @@ OrtStatus* gather_inputs(const Kernel& k, OrtKernelContext* ctx, Call& c) {
                    " is not float16, uint8 (FP8 E4M3) or float32");
   }
   c.mask = nullptr;
-  if (count > 6 && v[6]) {
+  // A mask with no elements ([B,0,0]) means causal: a graph with tree inputs runs its plain calls mask-free.
+  const bool has_mask = count > 6 && v[6] && !info[6].shape.empty() &&
+                        std::none_of(info[6].shape.begin(), info[6].shape.end(), [](int64_t d) { return d == 0; });
+  if (has_mask) {
     KVF_TRY(expect("attention_mask", info[6], ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL, {c.batch, c.seq, c.seq}));
     c.mask = static_cast<const bool*>(data[6]);
   }

@@ -15,6 +15,13 @@ Its last output is the first proposal d_1. `propose_batch` then runs k - 1 singl
 decoding sequence at once. Drafts are greedy (argmax over the reduced vocabulary, mapped by d2t); the base's
 verification (greedy match, or rejection sampling against a one-hot proposal at temperature > 0) keeps outputs
 lossless whatever the draft proposes.
+
+Tree drafting (top_k > 1, EAGLE-2's dynamic tree): the root's top-k tokens are the first frontier; each round
+expands every frontier node into its top-k children, scored by the sum of the draft's log-probabilities along the
+path, and keeps the best k children as the next frontier, for k - 1 rounds. A round recomputes every frontier node
+drawn so far as one masked row (position C - 1 + depth, each node seeing its ancestors): the kernel's mask covers
+only the new tokens of a call, and a few dozen positions of a one-layer draft cost about one call's weight reads.
+The best `verify_nodes` nodes by score form the proposal; a child never outscores its parent, so they are a tree.
 """
 
 from __future__ import annotations
@@ -27,9 +34,10 @@ from kvforge.contract.engine_dir import BASE_HIDDEN_INPUT, DRAFT_HIDDEN_INPUT
 from kvforge.runtime.backend import Backend, StepInputs
 from kvforge.runtime.context_cache.manager import ContextCacheManager
 from kvforge.runtime.model_executor import BatchOutput
-from kvforge.runtime.sampling import SampleResult
+from kvforge.runtime.sampling import SampleResult, log_softmax, top_ids
 from kvforge.runtime.scheduler import ScheduledRow
 from kvforge.runtime.sequence import Sequence
+from kvforge.runtime.spec.proposer import DraftTree
 
 
 @dataclass(slots=True)
@@ -39,15 +47,51 @@ class DraftState:
     position: int  # the sequence's committed tokens C when this was computed
     first_token: int  # d_1, a base vocabulary id
     hidden: np.ndarray  # [H]: the draft layer's output at position C - 1
+    # Tree drafting: the top-k candidates for d_1 (base ids) and their draft log-probabilities, best first.
+    top_ids: np.ndarray | None = None
+    top_scores: np.ndarray | None = None
+
+
+@dataclass(slots=True)
+class DraftCall:
+    """One row of a draft engine call: `ids` fed at positions start.. (or at `positions`), with the base's hidden
+    states [n, base width] or the draft's own previous outputs [n, H] (zeros where None), an optional tree mask
+    [n, n], and the row's entries whose logits and hidden states come back (`outputs`; default: the last)."""
+
+    seq: Sequence
+    start: int
+    ids: list[int]
+    base_hidden: np.ndarray | None = None
+    own_hidden: np.ndarray | None = None
+    positions: list[int] | None = None
+    mask: np.ndarray | None = None
+    outputs: list[int] | None = None
+
+
+@dataclass(slots=True)
+class _Tree:
+    """A tree being drafted for one sequence: nodes in creation order (parents first)."""
+
+    state: DraftState
+    limit: int  # most nodes proposed
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+    scores: list[float]
+    frontier: list[int]
+    drawn: list[int]  # nodes recomputed in each round's row (every frontier so far), in order
+    hidden: dict[int, np.ndarray]  # node -> the draft's output at it (its children's hidden input)
 
 
 class Eagle3Proposer:
     owns_kv = True
 
     def __init__(self, backend: Backend, embedding: np.ndarray, d2t: np.ndarray, cache: ContextCacheManager,
-                 num_tokens: int, base_hidden_width: int) -> None:
+                 num_tokens: int, base_hidden_width: int, top_k: int = 1, verify_nodes: int = 0) -> None:
         """`backend`: the draft engine's runner (its own KV pool); `embedding`: the draft's token table; `d2t`: draft
-        id -> base id offsets; `cache`: the coordinator whose draft pool the leases' draft pages come from."""
+        id -> base id offsets; `cache`: the coordinator whose draft pool the leases' draft pages come from;
+        `num_tokens`: drafting steps (a chain's length, a tree's depth); `top_k` > 1 drafts trees of at most
+        `verify_nodes` nodes (the draft engine then needs tree attention)."""
         self.backend = backend
         self.embedding = embedding
         self.draft_to_base = np.arange(len(d2t), dtype=np.int64) + d2t
@@ -55,6 +99,8 @@ class Eagle3Proposer:
         self.num_tokens = num_tokens
         self.base_width = base_hidden_width
         self.hidden_size = embedding.shape[1]
+        self.top_k = top_k
+        self.verify_nodes = verify_nodes or num_tokens
 
     # --- after each base call -------------------------------------------------------------------------
 
@@ -74,65 +120,161 @@ class Eagle3Proposer:
             jobs.append((seq, start, following[start + 1:end + 1], output.hidden_states[i][:end - start]))
         if not jobs:
             return
-        logits, hidden = self._run([(seq, start, ids, base, None) for seq, start, ids, base in jobs])
+        logits, hidden = self._run([DraftCall(seq, start, ids, base) for seq, start, ids, base in jobs])
         for (seq, start, ids, _), row_logits, row_hidden in zip(jobs, logits, hidden, strict=True):
             assert seq.lease is not None
             end = start + len(ids)
             seq.lease.draft_computed_tokens = end
-            seq.draft_state = DraftState(end, self._token(row_logits), row_hidden)
+            state = DraftState(end, self._token(row_logits[0]), row_hidden[0])
+            if self.top_k > 1:
+                state.top_ids, state.top_scores = self._top(row_logits[0])
+            seq.draft_state = state
 
     # --- before the next step -------------------------------------------------------------------------
 
-    def propose_batch(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
-        proposals: list[list[int]] = [[] for _ in seqs]
+    def propose_batch(self, seqs: list[Sequence], limits: list[int]) -> list[list[int] | DraftTree]:
+        proposals: list[list[int] | DraftTree] = [[] for _ in seqs]
+        chains: list[list[int]] = [[] for _ in seqs]
         live: list[tuple[int, Sequence, DraftState]] = []
+        trees: dict[int, _Tree] = {}
         for i, (seq, limit) in enumerate(zip(seqs, limits, strict=True)):
             state = seq.draft_state
             if not isinstance(state, DraftState) or state.position != seq.num_computed_tokens or limit <= 0 \
                     or seq.lease is None or seq.lease.draft_page_ids is None:
                 continue
-            proposals[i].append(state.first_token)
+            if self.top_k > 1 and state.top_ids is not None:
+                trees[i] = self._root(state, min(self.verify_nodes, limit))
+                continue
+            proposals[i] = chains[i]
+            chains[i].append(state.first_token)
             count = min(self.num_tokens, limit)
             # The draft writes scratch K/V at positions C .. C + count - 2; no pages, no more drafts (never preempts).
             if count > 1 and self.cache.try_grow_draft(seq.lease, state.position + count - 1):
                 live.append((i, seq, state))
         hidden = {i: state.hidden for i, _, state in live}
         for step in range(1, self.num_tokens):
-            live = [(i, seq, state) for i, seq, state in live if len(proposals[i]) < min(self.num_tokens, limits[i])]
+            live = [(i, seq, state) for i, seq, state in live if len(chains[i]) < min(self.num_tokens, limits[i])]
             if not live:
                 break
-            jobs = [(seq, state.position + step - 1, [proposals[i][-1]], None, hidden[i]) for i, seq, state in live]
+            jobs = [DraftCall(seq, state.position + step - 1, [chains[i][-1]], own_hidden=hidden[i][None])
+                    for i, seq, state in live]
             logits, outs = self._run(jobs)
             for (i, _, _), row_logits, row_hidden in zip(live, logits, outs, strict=True):
-                proposals[i].append(self._token(row_logits))
-                hidden[i] = row_hidden
+                chains[i].append(self._token(row_logits[0]))
+                hidden[i] = row_hidden[0]
+        if trees:
+            self._grow_trees({i: (seqs[i], tree) for i, tree in trees.items()})
+            for i, tree in trees.items():
+                proposals[i] = self._selected(tree)
         return proposals
+
+    # --- tree drafting --------------------------------------------------------------------------------
+
+    def _root(self, state: DraftState, limit: int) -> _Tree:
+        assert state.top_ids is not None and state.top_scores is not None
+        count = min(self.top_k, limit)
+        ids, scores = state.top_ids[:count].tolist(), state.top_scores[:count].tolist()
+        return _Tree(state, limit, ids, [-1] * count, [1] * count, scores, list(range(count)), [], {})
+
+    def _grow_trees(self, trees: dict[int, tuple[Sequence, _Tree]]) -> None:
+        """k - 1 rounds; a sequence whose draft pool cannot hold the rounds' rows keeps its root's candidates."""
+        rows_needed = self.top_k * (self.num_tokens - 1)
+        live = {i: (seq, tree) for i, (seq, tree) in trees.items() if self.num_tokens > 1 and tree.limit > len(
+            tree.tokens) and self.cache.try_grow_draft(seq.lease, tree.state.position + rows_needed)}  # type: ignore[arg-type]
+        for _ in range(1, self.num_tokens):
+            live = {i: item for i, item in live.items() if item[1].frontier}
+            if not live:
+                return
+            calls = []
+            for seq, tree in live.values():
+                tree.drawn += tree.frontier
+                index = {node: at for at, node in enumerate(tree.drawn)}
+                mask = np.zeros((len(tree.drawn), len(tree.drawn)), dtype=bool)
+                for at, node in enumerate(tree.drawn):
+                    parent = tree.parents[node]
+                    if parent >= 0:
+                        mask[at] = mask[index[parent]]
+                    mask[at, at] = True
+                own = np.stack([tree.hidden[tree.parents[n]] if tree.parents[n] >= 0 else tree.state.hidden
+                                for n in tree.drawn])
+                calls.append(DraftCall(seq, tree.state.position, [tree.tokens[n] for n in tree.drawn],
+                                       own_hidden=own, positions=[tree.state.position - 1 + tree.depths[n]
+                                                                  for n in tree.drawn],
+                                       mask=mask, outputs=[index[n] for n in tree.frontier]))
+            logits, hidden = self._run(calls)
+            for (_, tree), row_logits, row_hidden in zip(live.values(), logits, hidden, strict=True):
+                self._expand(tree, row_logits, row_hidden)
+
+    def _expand(self, tree: _Tree, logits: np.ndarray, hidden: np.ndarray) -> None:
+        """Each frontier node's top-k children join the tree; the best k of them are the next frontier."""
+        children: list[int] = []
+        for node, node_logits, node_hidden in zip(tree.frontier, logits, hidden, strict=True):
+            tree.hidden[node] = node_hidden
+            ids, scores = self._top(node_logits)
+            for token, score in zip(ids.tolist(), scores.tolist(), strict=True):
+                children.append(len(tree.tokens))
+                tree.tokens.append(token)
+                tree.parents.append(node)
+                tree.depths.append(tree.depths[node] + 1)
+                tree.scores.append(tree.scores[node] + score)
+        children.sort(key=lambda n: (-tree.scores[n], n))
+        tree.frontier = sorted(children[:self.top_k])
+
+    def _selected(self, tree: _Tree) -> DraftTree:
+        """The best `limit` nodes (a parent never scores below its child and was created first, so this is a tree),
+        renumbered in creation order."""
+        best = sorted(range(len(tree.tokens)), key=lambda n: (-tree.scores[n], tree.depths[n], n))[:tree.limit]
+        kept = sorted(best)
+        index = {node: at for at, node in enumerate(kept)}
+        return DraftTree([tree.tokens[n] for n in kept],
+                         [index[tree.parents[n]] if tree.parents[n] >= 0 else -1 for n in kept])
+
+    def _top(self, draft_logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The top-k draft tokens as base ids, best first (ties to the lower id), with their log-probabilities."""
+        logprobs = log_softmax(draft_logits)
+        ids = top_ids(logprobs, self.top_k)
+        return self.draft_to_base[ids], logprobs[ids]
 
     # --- the draft engine call ------------------------------------------------------------------------
 
-    def _run(self, jobs: list[tuple[Sequence, int, list[int], np.ndarray | None, np.ndarray | None]]
-             ) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """One draft call over ragged rows (sequence, first position, the tokens fed there, base hidden states
-        [n, base width] or None, the draft's own hidden state [H] or None): logits and hidden at each row's last."""
-        width = max(len(ids) for _, _, ids, _, _ in jobs)
-        batch = len(jobs)
+    def _run(self, calls: list[DraftCall]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """One draft call over ragged rows: per row, logits [m, draft vocab] and hidden states [m, H] at its
+        `outputs` entries."""
+        width = max(len(call.ids) for call in calls)
+        batch = len(calls)
         embeds = np.zeros((batch, width, self.hidden_size), dtype=np.float32)
         base = np.zeros((batch, width, self.base_width), dtype=np.float32)
         own = np.zeros((batch, width, self.hidden_size), dtype=np.float32)
-        for b, (_, _, ids, base_hidden, draft_hidden) in enumerate(jobs):
-            embeds[b, :len(ids)] = self.embedding[ids]
-            if base_hidden is not None:
-                base[b, :len(ids)] = base_hidden
-            if draft_hidden is not None:
-                own[b, 0] = draft_hidden
-        lengths = np.array([len(ids) for _, _, ids, _, _ in jobs], dtype=np.int32)
-        step = StepInputs(embeds, lengths, np.array([start for _, start, _, _, _ in jobs], dtype=np.int32),
-                          [seq.lease.draft_page_ids for seq, _, _, _, _ in jobs],  # type: ignore[union-attr,misc]
-                          logits_indices=np.arange(batch, dtype=np.int64) * width + lengths - 1,
-                          extra_inputs={BASE_HIDDEN_INPUT: base, DRAFT_HIDDEN_INPUT: own})
+        starts = np.array([call.start for call in calls], dtype=np.int32)
+        positions = mask = None
+        if any(call.mask is not None for call in calls):
+            positions = starts[:, None] + np.arange(width, dtype=np.int32)[None, :]
+            mask = np.broadcast_to(np.tril(np.ones((width, width), dtype=bool)), (batch, width, width)).copy()
+        picks, counts = [], []
+        for b, call in enumerate(calls):
+            n = len(call.ids)
+            embeds[b, :n] = self.embedding[call.ids]
+            if call.base_hidden is not None:
+                base[b, :n] = call.base_hidden
+            if call.own_hidden is not None:
+                own[b, :len(call.own_hidden)] = call.own_hidden
+            if call.mask is not None:
+                assert positions is not None and mask is not None and call.positions is not None
+                positions[b, :n] = call.positions
+                mask[b, :n, :n] = call.mask
+            outputs = call.outputs if call.outputs is not None else [n - 1]
+            picks.append(b * width + np.asarray(outputs, dtype=np.int64))
+            counts.append(len(outputs))
+        step = StepInputs(embeds, np.array([len(call.ids) for call in calls], dtype=np.int32), starts,
+                          [call.seq.lease.draft_page_ids for call in calls],  # type: ignore[union-attr,misc]
+                          logits_indices=np.concatenate(picks),
+                          extra_inputs={BASE_HIDDEN_INPUT: base, DRAFT_HIDDEN_INPUT: own},
+                          position_ids=positions, attention_mask=mask)
         out = self.backend.forward(step)
         assert out.hidden_states is not None, "an EAGLE3 draft returns its layer's output"
-        return list(out.logits), list(out.hidden_states)
+        bounds = np.cumsum([0] + counts)
+        return ([out.logits[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)],
+                [out.hidden_states[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)])
 
     def _token(self, draft_logits: np.ndarray) -> int:
         return int(self.draft_to_base[int(np.argmax(draft_logits))])

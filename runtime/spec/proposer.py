@@ -3,6 +3,7 @@ tells one after each step (a drafter with its own K/V catches up on what the bas
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -10,6 +11,15 @@ if TYPE_CHECKING:
     from kvforge.runtime.sampling import SampleResult
     from kvforge.runtime.scheduler import ScheduledRow
     from kvforge.runtime.sequence import Sequence
+
+
+@dataclass(slots=True)
+class DraftTree:
+    """A tree proposal: `parents[i]` is the index of token i's parent in `token_ids` (-1: the sequence's pending
+    token), parents before children. The base verifies every node in one call under a tree attention mask."""
+
+    token_ids: list[int]
+    parents: list[int]
 
 
 class Proposer(Protocol):
@@ -21,6 +31,7 @@ class Proposer(Protocol):
         """A step ran (before its commit): `sampled[i]` are the tokens row i commits (none short of its end)."""
         ...
 
-    def propose_batch(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
-        """Draft tokens to verify after each sequence's tokens (at most `limits[i]`; none when there is no guess)."""
+    def propose_batch(self, seqs: list[Sequence], limits: list[int]) -> list[list[int] | DraftTree]:
+        """Draft tokens to verify after each sequence's tokens (at most `limits[i]`; none when there is no guess): a
+        chain, or a tree of at most `limits[i]` nodes."""
         ...

