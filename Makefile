@@ -147,7 +147,7 @@ bench-spec: $(OUT)/onnx/smollm2/manifest.json
 # TTFT with speculation on: the final-page replay's cost).
 bench-eagle3: $(OUT)/onnx/smollm2-base/manifest.json
 	$(BIN)/python bench/spec_decode.py --onnxDir $(OUT)/onnx/smollm2-base --eagle3Draft $(OUT)/eagle3/smollm2-draft \
-		--threads $(THREADS) --draftSteps 4 --eagle3Steps 2 4 --json $(OUT)/bench_eagle3.json
+		--threads $(THREADS) --draftSteps 4 --eagle3Steps 2 4 --eagle3TopK 1 3 --json $(OUT)/bench_eagle3.json
 
 # Train an EAGLE3 draft for SmolLM2 from its own greedy answers (torch, transformers: the dev extra; the whole run fits EAGLE3_MINUTES,
 # one thread by default so the machine stays usable): an HF EAGLE3 checkpoint in $(OUT)/eagle3/smollm2-draft.

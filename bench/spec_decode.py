@@ -11,9 +11,9 @@ token with plain decoding. Modes alternate per request.
 
 With --eagle3Draft (a Hugging Face EAGLE3 checkpoint, e.g. bench/train_eagle3.py's; --onnxDir then needs the
 hidden states it reads, llm_export --hiddenStateLayers) the base is built with --specBase, the draft exported and
-built into its draft folder, and "eagle3 k=N" modes join. Last, with reuse on, the TTFT of a second question on
-the same document warm (its pages reused) against cold, per speculative mode: what the EAGLE3 final-page replay
-costs a hit.
+built into its draft folder, and "eagle3 k=N" modes join (with --eagle3TopK K > 1, "eagle3 k=N topK" trees). Last,
+with reuse on, the TTFT of a second question on the same document warm (its pages reused) against cold, per
+speculative mode: what the EAGLE3 final-page replay costs a hit.
 """
 
 from __future__ import annotations
@@ -68,6 +68,9 @@ def main() -> None:
     parser.add_argument("--eagle3Draft", type=Path, default=None,
                         help="an EAGLE3 draft checkpoint (Hugging Face format) for the --onnxDir base")
     parser.add_argument("--eagle3Steps", type=int, nargs="+", default=[2, 4], help="EAGLE3 --specDraftStep values")
+    parser.add_argument("--eagle3TopK", type=int, nargs="+", default=[1],
+                        help="EAGLE3 --specDraftTopK values (1: chains; k > 1: trees, as deep as each step value)")
+    parser.add_argument("--eagle3VerifySize", type=int, default=0, help="trees' --specVerifySize (0: the default)")
     args = parser.parse_args()
     progress = Progress()
     with tempfile.TemporaryDirectory(prefix="kvforge-spec-") as tmp:
@@ -82,8 +85,11 @@ def main() -> None:
             export_eagle3(args.eagle3Draft, args.onnxDir, Path(tmp) / "draft_onnx")
             build_engine(Path(tmp) / "draft_onnx", engine_dir / "draft", replace(BUILD, spec_draft=True))
             for k in args.eagle3Steps:
-                modes[f"eagle3 k={k}"] = EngineConfig(num_threads=args.threads, spec_decode="eagle3",
-                                                      spec_draft_step=k)
+                for top in args.eagle3TopK:
+                    name = f"eagle3 k={k}" + (f" top{top}" if top > 1 else "")
+                    modes[name] = EngineConfig(num_threads=args.threads, spec_decode="eagle3", spec_draft_step=k,
+                                               spec_draft_top_k=top,
+                                               spec_verify_size=args.eagle3VerifySize if top > 1 else 0)
         engines = {name: Engine(engine_dir, config) for name, config in modes.items()}
         first = next(iter(engines.values()))
         document, doc_tokens = fit_document(first.tokenizer.encode, DOCUMENT_TOKENS)
@@ -119,7 +125,7 @@ def main() -> None:
           f"{args.repeats} repeats, document {doc_tokens} tokens, greedy, max_generate_length {MAX_GENERATE}; "
           f"total {progress.elapsed:.0f} s\n")
     figures: dict[str, Any] = {}
-    header = f"   {'mode':<12} {'decode tok/s':>12} {'vs plain':>9} {'TTFT ms':>9} {'accept len':>10} " \
+    header = f"   {'mode':<18} {'decode tok/s':>12} {'vs plain':>9} {'TTFT ms':>9} {'accept len':>10} " \
              f"{'accept rate':>11} {'same tokens':>11}"
     for workload, by_mode in results.items():
         print(f"{workload}: {len(workloads[workload])} prompt(s)")
@@ -135,16 +141,16 @@ def main() -> None:
                    "acceptance_rate": median([r["acceptance_rate"] for r in runs]),
                    "generated": median([r["generated"] for r in runs]), "same_tokens": same}
             figures[workload][mode] = row
-            print(f"   {mode:<12} {rate:12.1f} {row['vs_plain']:9.2f} {row['ttft_ms']:9.0f} "
+            print(f"   {mode:<18} {rate:12.1f} {row['vs_plain']:9.2f} {row['ttft_ms']:9.0f} "
                   f"{row['acceptance_length']:10.2f} {row['acceptance_rate']:11.2f} {str(same):>11}")
         print()
     if reuse:
         print("warm vs cold TTFT on a second question about the document (reuse on; the first published it):")
-        print(f"   {'mode':<12} {'cold ms':>9} {'warm ms':>9} {'warm/cold':>9} {'reused':>7} {'replays':>7} "
+        print(f"   {'mode':<18} {'cold ms':>9} {'warm ms':>9} {'warm/cold':>9} {'reused':>7} {'replays':>7} "
               f"{'same':>5}")
         for mode, row in reuse.items():
             row["warm_over_cold"] = row["warm_ttft_ms"] / row["cold_ttft_ms"] if row["cold_ttft_ms"] else 0.0
-            print(f"   {mode:<12} {row['cold_ttft_ms']:9.0f} {row['warm_ttft_ms']:9.0f} {row['warm_over_cold']:9.2f} "
+            print(f"   {mode:<18} {row['cold_ttft_ms']:9.0f} {row['warm_ttft_ms']:9.0f} {row['warm_over_cold']:9.2f} "
                   f"{row['reused_tokens']:7d} {row['full_page_replays']:7d} {str(row['same_tokens']):>5}")
         figures["warm_vs_cold_ttft"] = reuse
     write_json(args.json, figures)

@@ -17,6 +17,7 @@ from kvforge.runtime.context_cache.pools import BASE_KV_PAGES, DRAFT_KV_PAGES, R
 from kvforge.runtime.context_cache.records import RecordStore
 
 if TYPE_CHECKING:
+    from kvforge.runtime.context_cache.draft_paths import DraftPaths
     from kvforge.runtime.context_cache.partial_tails import PartialTails
     from kvforge.runtime.context_cache.recurrent_checkpoints import RecurrentCheckpoints
 
@@ -38,6 +39,7 @@ class AuditedCache(Protocol):
     leases: set[Lease]
     tails: PartialTails | None
     recurrent: RecurrentCheckpoints | None
+    drafts: DraftPaths | None
 
     @property
     def checkpoints(self) -> bool: ...
@@ -92,10 +94,9 @@ def check_invariants(manager: AuditedCache) -> None:
         for name, slots in record.held().items():
             for slot in slots:
                 cache[name][slot] += 1
-    drafts = getattr(manager, "drafts", None)
-    if drafts is not None:
-        for key, (record_id, covered) in drafts.boundaries().items():
-            record = next((r for r in manager.records.least_recent_first() if r.record_id == record_id), None)
+    if manager.drafts is not None:
+        for key, (record_id, covered) in manager.drafts.boundaries().items():
+            record = manager.records.get(record_id)
             assert record is not None, "a draft path boundary names an evicted record"
             assert len(record.draft_page_ids) >= covered and record.keys[covered - 1] == key
     for pool in manager.pools:

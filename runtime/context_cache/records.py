@@ -79,6 +79,9 @@ class RecordStore:
         record_id = self._by_key.get(terminal_key)
         return None if record_id is None else self._lru[record_id]
 
+    def get(self, record_id: int) -> Record | None:
+        return self._lru.get(record_id)
+
     def touch(self, record_id: int) -> None:
         self._lru.move_to_end(record_id)
 
