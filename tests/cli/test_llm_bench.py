@@ -480,7 +480,8 @@ def test_spec_decode_runs_plain_and_speculative_kvforge_on_the_same_prompts(spec
     by_name = {e["name"]: e for e in figures["engines"]}
     plain, ngram = by_name["plain"], by_name[f"{tiny_onnx_dir.name}+ngram-k4"]
     assert by_name["llama.cpp+ngram"]["status"] == "skipped"
-    assert ngram["spec_settings"] == {"draft_step": 4, "draft_top_k": 1, "ngram_sizes": [4, 2]} and plain["spec_settings"] is None
+    assert ngram["spec_settings"] == {"draft_step": 4, "draft_top_k": 1, "ngram_sizes": [4, 2]}
+    assert plain["spec_settings"] is None
     traces = [t for p in ngram["workloads"]["spec_decode"] for t in p]
     assert len(traces) == 2 * 5 and all(len(t["token_ids"]) == 12 for t in traces)
     assert all(set(t["spec"]) == {"verify_rows", "draft_tokens", "accepted_tokens", "committed_tokens"}

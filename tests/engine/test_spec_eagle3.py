@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.engine_driver import make_engine, step_audited
 from support.numpy_llama import eagle3_dense
+from support.sampling_checks import RUNS, first_two_tokens, second_token_ranking, total_variation
 
 from kvforge.contract.engine_dir import BASE_HIDDEN_INPUT, DRAFT_HIDDEN_INPUT, load_engine_dir
 from kvforge.contract.errors import InvalidConfig
@@ -226,31 +227,13 @@ def test_at_temperature_one_verification_keeps_the_base_distribution(tiny_engine
     sampling. Two independent 600-draw histograms over 9 cells differ by a total variation of about 0.065 on average
     (sd ~0.015); 0.14 is over four of those above it. A sampler accepting the draft twice as often as p(draft)
     moves about 0.2 of the mass."""
-    runs, prompt = 600, list(range(5, 11))
-
-    def histogram(engine) -> dict[tuple[int, ...], int]:
-        eos = engine.engine_dir.model.eos_token_ids[0]
-        ids = [engine.add_request(EngineRequest(list(prompt), SamplingParams(
-            temperature=1.0, top_k=3, top_p=1.0, seed=seed, max_generate_length=3, logit_bias={eos: -100.0})))
-            for seed in range(runs)]
-        finished = step_audited(engine)
-        counts: dict[tuple[int, ...], int] = {}
-        for rid in ids:
-            key = tuple(finished[rid].token_ids[:2])  # the second is verified: the draft kept or replaced
-            counts[key] = counts.get(key, 0) + 1
-        return counts
-
-    plain = histogram(make_engine(tiny_engine_dir))
-    seconds: dict[int, int] = {}
-    for (_, second), count in plain.items():
-        seconds[second] = seconds.get(second, 0) + count
+    plain = first_two_tokens(make_engine(tiny_engine_dir), 3)
     engine = make_engine(tiny_engine_dir, spec_decode="ngram")
-    engine.core.proposer = FixedProposer(max(seconds, key=seconds.__getitem__))
-    spec = histogram(engine)
+    engine.core.proposer = FixedProposer(second_token_ranking(plain)[0])
+    spec = first_two_tokens(engine, 3)
     profile = engine.profile()["spec_decode_generation"]
-    assert profile["total_draft_tokens"] == runs and 0 < profile["total_accepted_tokens"] < runs
-    outcomes = set(plain) | set(spec)
-    distance = sum(abs(plain.get(o, 0) - spec.get(o, 0)) for o in outcomes) / (2 * runs)
+    assert profile["total_draft_tokens"] == RUNS and 0 < profile["total_accepted_tokens"] < RUNS
+    distance = total_variation(plain, spec)
     assert distance < 0.14, (distance, plain, spec)
 
 

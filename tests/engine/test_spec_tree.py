@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from support.engine_driver import make_engine, step_audited
+from support.sampling_checks import RUNS, first_two_tokens, second_token_ranking, total_variation
 
 from kvforge.builder.build import build_engine
 from kvforge.contract.errors import InvalidConfig
@@ -121,32 +122,14 @@ def test_at_temperature_one_a_tree_keeps_the_base_distribution(tiny_eagle3_engin
     """As test_spec_eagle3's chain test: 600 seeded requests, the first two sampled tokens (top-3: 9 outcomes), the
     second verified against two sibling candidates; the joint histogram must match plain sampling's within a total
     variation of 0.14 (over four standard deviations of two independent 600-draw histograms)."""
-    runs, prompt = 600, list(range(5, 11))
-
-    def histogram(engine) -> dict[tuple[int, ...], int]:
-        eos = engine.engine_dir.model.eos_token_ids[0]
-        ids = [engine.add_request(EngineRequest(list(prompt), SamplingParams(
-            temperature=1.0, top_k=3, top_p=1.0, seed=seed, max_generate_length=4, logit_bias={eos: -100.0})))
-            for seed in range(runs)]  # 4: room for both siblings when the second token is verified
-        finished = step_audited(engine)
-        counts: dict[tuple[int, ...], int] = {}
-        for rid in ids:
-            key = tuple(finished[rid].token_ids[:2])
-            counts[key] = counts.get(key, 0) + 1
-        return counts
-
-    plain = histogram(make_engine(tiny_eagle3_engine_dir))
-    seconds: dict[int, int] = {}
-    for (_, second), count in plain.items():
-        seconds[second] = seconds.get(second, 0) + count
-    likeliest = sorted(seconds, key=seconds.__getitem__, reverse=True)
+    plain = first_two_tokens(make_engine(tiny_eagle3_engine_dir), 4)  # 4: room for both siblings at the second
+    likeliest = second_token_ranking(plain)
     engine = make_engine(tiny_eagle3_engine_dir, spec_decode="ngram")
     engine.core.proposer = SiblingTree(likeliest[0], likeliest[1])
-    spec = histogram(engine)
+    spec = first_two_tokens(engine, 4)
     profile = engine.profile()["spec_decode_generation"]
-    assert profile["total_draft_tokens"] >= 2 * runs and 0 < profile["total_accepted_tokens"] < 2 * runs
-    outcomes = set(plain) | set(spec)
-    distance = sum(abs(plain.get(o, 0) - spec.get(o, 0)) for o in outcomes) / (2 * runs)
+    assert profile["total_draft_tokens"] >= 2 * RUNS and 0 < profile["total_accepted_tokens"] < 2 * RUNS
+    distance = total_variation(plain, spec)
     assert distance < 0.14, (distance, plain, spec)
 
 
