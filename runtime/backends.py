@@ -8,12 +8,14 @@ from kvforge.contract.engine_dir import EngineDir
 from kvforge.runtime.backend import Backend
 
 
-def load_backend(engine: EngineDir, num_threads: int = 0, embedding: np.ndarray | None = None) -> Backend:
-    """The runner for `engine`: TensorRT (imported only here, only when the engine needs it) or ONNX Runtime."""
+def load_backend(engine: EngineDir, num_threads: int = 0, embedding: np.ndarray | None = None,
+                 shares_cores: bool = False) -> Backend:
+    """The runner for `engine`: TensorRT (imported only here, only when the engine needs it) or ONNX Runtime.
+    `shares_cores`: another session alternates with this one (an EAGLE3 base and its draft), so idle threads sleep."""
     if engine.build.backend == "tensorrt":
         from kvforge.runtime.trt_backend import TrtBackend
 
         return TrtBackend(engine)
     from kvforge.runtime.ort_backend import OrtBackend
 
-    return OrtBackend(engine, num_threads, embedding)
+    return OrtBackend(engine, num_threads, embedding, spinning=not shares_cores)

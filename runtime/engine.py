@@ -68,7 +68,8 @@ class Engine:
 
         self.profiler = profiler or Profiler()
         embedding = map_tensor(self.engine_dir.file(EMBEDDING_FILE), EMBEDDING_TENSOR)  # rows paged in as looked up
-        self.backend = backend or load_backend(self.engine_dir, config.num_threads, embedding)
+        drafting = resolved.draft is not None  # a draft session alternates with the base on the same cores
+        self.backend = backend or load_backend(self.engine_dir, config.num_threads, embedding, shares_cores=drafting)
         self.states = self.backend.states
         if (self.states is None) != (self.deployment is Deployment.VANILLA):
             raise InvalidConfig(f"config.json says {self.deployment.name.lower()} layers but the engine's graph "
@@ -205,7 +206,7 @@ class Engine:
 
         draft = resolved.draft
         table = map_tensor(draft.file(EMBEDDING_FILE), EMBEDDING_TENSOR)
-        self.draft_backend = load_backend(draft, config.num_threads, table)
+        self.draft_backend = load_backend(draft, config.num_threads, table, shares_cores=True)
         d2t = np.asarray(map_tensor(draft.file(D2T_FILE), D2T_TENSOR), dtype=np.int64)
         return Eagle3Proposer(self.draft_backend, table, d2t, self.cache, config.spec_draft_step,
                               draft.model.base_model_hidden_size, top_k=config.spec_draft_top_k,
