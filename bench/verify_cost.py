@@ -49,8 +49,8 @@ def main() -> None:
     args = parser.parse_args()
     context = args.contextTokens
     with tempfile.TemporaryDirectory(prefix="kvforge-verify-") as tmp:
-        build = BuildOptions(max_input_len=512, max_kv_cache_capacity=context + 256, max_batch_size=1,
-                             tokens_per_page=128)
+        build = BuildOptions(max_input_len=min(512, context + 256), max_kv_cache_capacity=context + 256,
+                             max_batch_size=1, tokens_per_page=128)
         build_engine(args.onnxDir, Path(tmp) / "engine", build)
         engine = load_engine_dir(Path(tmp) / "engine")
         embedding = map_tensor(engine.file(EMBEDDING_FILE), EMBEDDING_TENSOR)
