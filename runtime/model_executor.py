@@ -11,6 +11,7 @@ from kvforge.runtime.context_cache.lease import Lease
 from kvforge.runtime.lora import LoraAdapter, stack_adapters
 from kvforge.runtime.scheduler import ScheduledRow
 from kvforge.runtime.sequence import Sequence
+from kvforge.runtime.tree_attention import ancestor_mask, causal_masks, start_positions
 
 # A row joins a call while the call's padding stays within this many positions or a quarter of its real
 # tokens. A separate call costs one more read of every weight: for SmolLM2 on 2 CPU cores a decode call
@@ -163,35 +164,17 @@ class ModelExecutor:
         return stacked
 
 
-def tree_depths(parents: list[int]) -> list[int]:
-    """Depth of each draft of a tree (1 = a child of the pending token); parents come before children."""
-    depths: list[int] = []
-    for parent in parents:
-        depths.append(1 if parent < 0 else depths[parent] + 1)
-    return depths
-
-
 def tree_inputs(rows: list[ScheduledRow], starts: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
     """RoPE positions [B, S] and the attention mask [B, S, S] of a call holding tree rows: a draft sits at its
     pending token's position plus its depth and sees the pending token, its ancestors and itself; every other row
     (and a chain) is causal at start + i."""
-    batch = len(rows)
-    positions = starts[:, None] + np.arange(width, dtype=np.int32)[None, :]
-    mask = np.broadcast_to(np.tril(np.ones((width, width), dtype=bool)), (batch, width, width)).copy()
+    positions, mask = start_positions(starts, width), causal_masks(len(rows), width)
     for b, row in enumerate(rows):
-        if not row.draft_parents:
-            continue
-        depths = tree_depths(row.draft_parents)
-        positions[b, 1:1 + len(depths)] = starts[b] + np.asarray(depths, dtype=np.int32)
-        tree = np.zeros((width, width), dtype=bool)
-        tree[:, 0] = True
-        for node, parent in enumerate(row.draft_parents):
-            at = node + 1
-            tree[at] = tree[parent + 1] if parent >= 0 else tree[0]
-            tree[at, at] = True
-        tree[0, 1:] = False
-        mask[b] = tree
-    return positions.astype(np.int32), mask
+        if row.draft_parents:  # the pending token is node 0, the root of the row's tree
+            nodes = ancestor_mask([-1] + [parent + 1 for parent in row.draft_parents])
+            positions[b, :len(nodes)] = starts[b] + nodes.sum(axis=1) - 1
+            mask[b, :len(nodes), :len(nodes)] = nodes
+    return positions, mask
 
 
 def _splice_media(row_embeds: np.ndarray, seq: Sequence, num_new: int) -> None:

@@ -30,6 +30,7 @@ from kvforge.plugins.reference import rope_table
 from kvforge.runtime.backend import ForwardOutput, StepInputs, last_token_indices
 from kvforge.runtime.kv_store import KVStore
 from kvforge.runtime.recurrent_state import RecurrentStates, is_state_input
+from kvforge.runtime.tree_attention import start_positions
 
 # ONNX Runtime's own log lines would break the one-line error promise: failures surface as exceptions anyway,
 # so its logger is silenced (fatal only) unless a CLI runs with --debug (warnings and up).
@@ -141,8 +142,7 @@ def tree_positions(step: StepInputs, starts: np.ndarray) -> np.ndarray:
     """[B, S] int32 RoPE positions of a call's new tokens: the step's own, or start + i."""
     if step.position_ids is not None:
         return np.ascontiguousarray(step.position_ids, dtype=np.int32)
-    width = step.inputs_embeds.shape[1]
-    return (starts[:, None] + np.arange(width, dtype=np.int32)[None, :]).astype(np.int32)
+    return start_positions(starts, step.inputs_embeds.shape[1])
 
 
 def check_last_token_positions(positions: np.ndarray, lengths: np.ndarray, width: int) -> None:

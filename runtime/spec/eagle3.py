@@ -38,6 +38,7 @@ from kvforge.runtime.sampling import SampleResult, log_softmax, top_ids
 from kvforge.runtime.scheduler import ScheduledRow
 from kvforge.runtime.sequence import Sequence
 from kvforge.runtime.spec.proposer import DraftTree
+from kvforge.runtime.tree_attention import ancestor_mask, causal_masks, start_positions
 
 
 @dataclass(slots=True)
@@ -189,12 +190,7 @@ class Eagle3Proposer:
             for seq, tree in live.values():
                 tree.drawn += tree.frontier
                 index = {node: at for at, node in enumerate(tree.drawn)}
-                mask = np.zeros((len(tree.drawn), len(tree.drawn)), dtype=bool)
-                for at, node in enumerate(tree.drawn):
-                    parent = tree.parents[node]
-                    if parent >= 0:
-                        mask[at] = mask[index[parent]]
-                    mask[at, at] = True
+                mask = ancestor_mask([index[tree.parents[n]] if tree.parents[n] >= 0 else -1 for n in tree.drawn])
                 own = np.stack([tree.hidden[tree.parents[n]] if tree.parents[n] >= 0 else tree.state.hidden
                                 for n in tree.drawn])
                 calls.append(DraftCall(seq, tree.state.position, [tree.tokens[n] for n in tree.drawn],
@@ -248,8 +244,7 @@ class Eagle3Proposer:
         starts = np.array([call.start for call in calls], dtype=np.int32)
         positions = mask = None
         if any(call.mask is not None for call in calls):
-            positions = starts[:, None] + np.arange(width, dtype=np.int32)[None, :]
-            mask = np.broadcast_to(np.tril(np.ones((width, width), dtype=bool)), (batch, width, width)).copy()
+            positions, mask = start_positions(starts, width), causal_masks(batch, width)
         picks, counts = [], []
         for b, call in enumerate(calls):
             n = len(call.ids)

@@ -14,10 +14,10 @@ from support.sampling_checks import RUNS, first_two_tokens, second_token_ranking
 
 from kvforge.builder.build import build_engine
 from kvforge.contract.errors import InvalidConfig
-from kvforge.runtime.model_executor import tree_depths
 from kvforge.runtime.sampling import Sampler, accept_tokens, accept_tree
 from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.spec.proposer import DraftTree
+from kvforge.runtime.tree_attention import tree_depths
 from kvforge.runtime.types import SamplingParams
 
 # Speculative engines get tree inputs only on the kvforge CPU kernel (the fallback lowering has no masked attention).
@@ -48,7 +48,7 @@ def test_the_tree_walk_follows_the_bases_choice_through_any_child() -> None:
         logits[row, best] = 5.0
     results, path = accept_tree(Sampler(SamplingParams(temperature=0.0)), logits, drafts, parents)
     assert [r.token_id for r in results] == [3, 4, 2] and path == [1, 3]  # 2 is the base's own (no child has it)
-    assert tree_depths(parents) == [1, 1, 2, 2, 3, 2]
+    assert tree_depths(parents).tolist() == [1, 1, 2, 2, 3, 2]
     # A chain walks as accept_tokens does at greedy.
     chain = np.zeros((4, vocab), dtype=np.float32)
     chain[0, 2], chain[1, 5], chain[2, 1], chain[3, 7] = 1, 1, 1, 1
