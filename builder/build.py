@@ -167,7 +167,7 @@ def build_engine(onnx_dir: Path, engine_dir: Path, options: BuildOptions,
         check_pool_fits_memory(plan.total_bytes, hint=" (or --force to build it anyway)")
     speculative = check_speculative_build(config, options)
     step("validated geometry" + (f"; attention: {attention}" if paged else ""))
-    with staged_dir(engine_dir) as staging:
+    with staged_dir(engine_dir, "engine_dir") as staging:
         build = _build_recurrent if config.is_recurrent else _build_hybrid if config.is_hybrid else _build_into
         build(onnx_dir, staging, config, geometry, backend, options, step, speculative)
         write_manifest(staging, ENGINE_KIND)

@@ -52,14 +52,14 @@ def build_encoder_engine(onnx_dir: Path, engine_dir: Path, backend: str,
 
         serialized = build_encoder_tensorrt(onnx_dir / ENCODER_MODEL_FILE, max_batch_size)
         built = replace(config, backend="tensorrt", max_batch_size=max_batch_size)
-        with staged_dir(engine_dir) as staging:
+        with staged_dir(engine_dir, "engine_dir") as staging:
             (staging / trt_file).write_bytes(memoryview(serialized))  # IHostMemory exposes the buffer protocol
             write_json(staging / "config.json", built.to_dict())
             write_manifest(staging, ENGINE_KIND)
         return built
     model = onnx.load(str(onnx_dir / ENCODER_MODEL_FILE))
     built = replace(config, backend="onnxruntime", max_batch_size=max_batch_size)
-    with staged_dir(engine_dir) as staging:
+    with staged_dir(engine_dir, "engine_dir") as staging:
         onnx.save_model(model, staging / engine_file, save_as_external_data=True,
                         all_tensors_to_one_file=True, location=weights_file, size_threshold=1024)
         write_json(staging / "config.json", built.to_dict())

@@ -3,15 +3,22 @@
 Every kvforge output goes through here. A file is written to a temporary sibling and renamed over the
 target (`os.replace`, atomic on POSIX within one directory), so a reader sees the old file or the new
 one, never a torn one, and a failed run leaves no output at all. A directory (ONNX dir, engine dir) is
-built in a temporary sibling directory and swapped in at the end. Output paths are checked before
-any expensive work: writable, and distinct from every input and from each other.
+built in a temporary sibling directory and swapped in at the end with one atomic exchange. Output paths
+are checked before any expensive work: writable, and distinct from every input and from each other.
+
+A directory that already exists is replaced only when it provably is kvforge's: its manifest (format,
+kind, at least one file) lists every entry in it, and any subdirectory (an EAGLE3 draft's engine under
+its base) passes the same test. Anything else in it is the user's, so the whole dir is refused.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -19,7 +26,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvforge.contract.errors import KvforgeError
-from kvforge.contract.formats import EXPORT_FORMAT, MANIFEST_FILE
+from kvforge.contract.formats import MANIFEST_FILE, MANIFEST_FORMAT, MANIFEST_KINDS
 from kvforge.contract.validation import one_line
 
 TEMP_MARK = ".kvforge-tmp-"  # in every temporary sibling's name: never a valid input, safe to delete
@@ -134,29 +141,76 @@ def _umask() -> int:
 
 
 @contextmanager
-def staged_dir(final: Path) -> Iterator[Path]:
-    """Build a directory in a temporary sibling; on success it replaces `final` (checked with
-    `check_output_dir` first), on failure or interruption it is removed and `final` is untouched.
+def staged_dir(final: Path, flag: str = "output_dir") -> Iterator[Path]:
+    """Build a directory in a temporary sibling; on success it replaces `final`, on failure or interruption it
+    is removed and `final` is untouched.
 
-    The swap is two renames: the old directory aside, the new one in. A crash between them leaves no
-    directory at `final`, never a half-written one.
+    `final` is checked again just before the swap (the build took minutes; someone may have written there),
+    and the swap is one atomic exchange of the two names (Linux renameat2), so at every instant `final` is the
+    old directory or the new one. Where the exchange is unavailable the swap is two renames, and a failure or
+    interruption between them moves the old directory back or says exactly where both are.
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}{TEMP_MARK}", dir=final.parent))
+    keep_staging = False
     try:
         yield staging
         os.chmod(staging, 0o777 & ~_umask())
-        if final.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{final.name}{TEMP_MARK}old-", dir=final.parent))
-            os.replace(final, old / final.name)
-            os.replace(staging, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(staging, final)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        check_output_dir(final, flag)
+        if not final.exists():
+            os.replace(staging, final)  # onto nothing (or an empty dir made meanwhile): nothing is lost
+        elif not _exchange(staging, final):
+            shutil.rmtree(_swap_by_renames(staging, final, flag), ignore_errors=True)
+    except SwapFailed:
+        keep_staging = True  # the message says where both dirs are
         raise
+    finally:  # before the exchange `staging` is the new dir, after it the old one: either way it goes
+        if not keep_staging:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+class SwapFailed(KvforgeError):
+    """The two-rename swap failed half way and the old dir could not be moved back."""
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (renameat2 RENAME_EXCHANGE); False where the OS or filesystem cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # glibc < 2.28, musl
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # a filesystem without exchange (some FUSE, NFS)
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
+def _swap_by_renames(staging: Path, final: Path, flag: str) -> Path:
+    """The old dir aside, the new one in; if the second rename fails or is interrupted, the old one goes back.
+    Returns the temporary dir now holding the old one."""
+    aside = Path(tempfile.mkdtemp(prefix=f".{final.name}{TEMP_MARK}old-", dir=final.parent))
+    os.replace(final, aside / final.name)
+    try:
+        os.replace(staging, final)
+    except BaseException as exc:
+        try:
+            os.replace(aside / final.name, final)
+        except OSError:
+            raise SwapFailed(f"the swap was interrupted: the previous {one_line(str(final))} is at "
+                               f"{one_line(str(aside / final.name))} and the new one at {one_line(str(staging))}; "
+                               "move one of them back", flag) from exc
+        raise
+    return aside
 
 
 # ---------------------------------------------------------------------------------------- path checks
@@ -194,9 +248,9 @@ def check_output_file(path: Path, flag: str) -> None:
         raise KvforgeError(f"{shown} exists and is read-only", flag)
 
 
-def check_output_dir(path: Path, flag: str, replaceable: Mapping[str, str] | None = None) -> None:
-    """`path` can receive a staged directory: it is absent, an empty directory, or one kvforge wrote
-    (a `manifest.json`, or a config.json of ours from before manifests); anything else is the user's."""
+def check_output_dir(path: Path, flag: str) -> None:
+    """`path` can receive a staged directory: it is absent, an empty directory, or provably one kvforge wrote
+    (`kvforge_dir_problem`); anything else is the user's and is refused, naming what is in the way."""
     shown = one_line(str(path))
     if path.exists() and not path.is_dir():
         raise KvforgeError(f"{shown} exists and is not a directory", flag)
@@ -205,18 +259,52 @@ def check_output_dir(path: Path, flag: str, replaceable: Mapping[str, str] | Non
         parent = parent.parent
     if not os.access(parent, os.W_OK | os.X_OK):
         raise KvforgeError(f"directory {one_line(str(parent))} is not writable", flag)
-    if path.is_dir() and any(path.iterdir()) and not _written_by_kvforge(path):
-        raise KvforgeError(f"{shown} is not empty and was not written by kvforge; choose a new directory or "
-                           "empty it (it would be replaced)", flag)
+    if path.is_dir() and any(path.iterdir()):
+        problem = kvforge_dir_problem(path)
+        if problem:
+            raise KvforgeError(f"{shown} is not empty and was not written by kvforge ({problem}); choose a new "
+                               "directory or empty it (it would be replaced)", flag)
 
 
-def _written_by_kvforge(path: Path) -> bool:
-    if (path / MANIFEST_FILE).is_file():
-        return True
+MAX_NESTING = 2  # an engine dir holds at most its draft's engine dir
+
+
+def kvforge_dir_problem(path: Path, depth: int = 0) -> str | None:
+    """None when `path` is provably a kvforge ONNX or engine dir that may be replaced whole; else why not.
+
+    Proof: a manifest of ours (format, a known kind, at least one file) that lists every regular file in
+    the dir. An empty or foreign manifest vouches for nothing, a file it does not list was not written by
+    kvforge, and a listed file whose size changed was edited; each keeps the dir from being deleted.
+    """
     try:
-        return json.loads((path / "config.json").read_text(encoding="utf-8")).get("format") == EXPORT_FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
+        manifest = json.loads((path / MANIFEST_FILE).read_bytes())
+    except FileNotFoundError:
+        return f"no {MANIFEST_FILE}"
+    except (OSError, ValueError) as exc:
+        return f"{MANIFEST_FILE} cannot be read: {one_line(str(exc))}"
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT or \
+            manifest.get("kind") not in MANIFEST_KINDS:
+        return f"{MANIFEST_FILE} is not a kvforge manifest"
+    if not isinstance(files, dict) or not files:
+        return f"its {MANIFEST_FILE} lists no files"
+    for entry in sorted(path.iterdir()):
+        name = one_line(entry.name)
+        if entry.name == MANIFEST_FILE:
+            continue
+        if entry.is_symlink():
+            return f"{name} is a link"
+        if entry.is_dir():
+            inner = kvforge_dir_problem(entry, depth + 1) if depth < MAX_NESTING else "nested too deeply"
+            if inner:
+                return f"{name}/: {inner}"
+            continue
+        listed = files.get(entry.name)
+        if not isinstance(listed, dict):
+            return f"{name} is not in its {MANIFEST_FILE}"
+        if not entry.is_file() or entry.stat().st_size != listed.get("size"):
+            return f"{name} was changed since kvforge wrote it"
+    return None
 
 
 def check_distinct(outputs: Mapping[str, Path | None], inputs: Mapping[str, Path | None],

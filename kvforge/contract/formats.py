@@ -6,3 +6,5 @@ EXPORT_FORMAT = "kvforge-onnx-v1"
 # The completion manifest of an ONNX or engine dir (kvforge.contract.manifest writes and verifies it).
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMAT = "kvforge-manifest-v1"
+# What a manifest may record: llm_export writes "onnx" dirs, llm_build "engine" dirs (kvforge.contract.manifest).
+MANIFEST_KINDS = ("onnx", "engine")

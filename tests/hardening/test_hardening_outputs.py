@@ -11,6 +11,7 @@ from support.hardening_support import HI, invoke, request_file, snapshot
 
 from kvforge.builder.cli import app as build_app
 from kvforge.contract.files import atomic_output, check_distinct, staged_dir
+from kvforge.contract.manifest import ONNX_KIND, write_manifest
 from kvforge.runtime.cli import app as inference_app
 from kvforge.runtime.file_loop import write_output_file
 from kvforge.tools.export.cli import app as export_app
@@ -121,6 +122,7 @@ def test_atomic_output_and_staged_dir_leave_nothing_on_failure(tmp_path: Path) -
     target = tmp_path / "dir"
     target.mkdir()
     (target / "old").write_text("old")
+    write_manifest(target, ONNX_KIND)  # a dir kvforge wrote: replaceable
     with pytest.raises(ValueError), staged_dir(target) as staging:
         (staging / "new").write_text("new")
         raise ValueError

@@ -242,7 +242,7 @@ def export_eagle3(draft_dir: Path, base_onnx_dir: Path, output_dir: Path) -> Mod
                            f"{[config.vocab_size, config.hidden_size]} (a draft narrower than its base needs its own "
                            "embed_tokens)", FIELD)
     model = build_eagle3_graph(config, weights)
-    with staged_dir(output_dir) as staging:
+    with staged_dir(output_dir, "--outputDir") as staging:
         onnx.save_model(model, staging / ENGINE_MODEL_FILE, save_as_external_data=True,
                         all_tensors_to_one_file=True, location=ENGINE_WEIGHTS_FILE, size_threshold=1024)
         save_file({EMBEDDING_TENSOR: np.ascontiguousarray(embed)}, str(staging / EMBEDDING_FILE))

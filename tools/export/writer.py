@@ -29,7 +29,7 @@ def write_onnx_dir(loaded: LoadedModel, output_dir: Path,
     check_output_dir(output_dir, "output_dir")
     config = loaded.config
     config.validate()
-    with staged_dir(output_dir) as staging:
+    with staged_dir(output_dir, "output_dir") as staging:
         _write_files(loaded, staging, progress)
         write_manifest(staging, ONNX_KIND)
     return output_dir
