@@ -103,7 +103,10 @@ def build(
                            max_verify_tree_size=max_verify_tree_size, max_draft_tree_size=max_draft_tree_size)
 
     def body() -> None:
+        from kvforge.contract.files import check_path_name
         from kvforge.contract.multimodal import is_encoder_dir
+        check_path_name(onnx_dir, "--onnxDir")
+        check_path_name(engine_dir, "--engineDir")
         if is_encoder_dir(onnx_dir):
             from kvforge.builder.encoder_build import build_encoder_engine
             built = build_encoder_engine(onnx_dir, engine_dir, backend, max_batch_size)

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.contract.errors import InvalidConfig
-from kvforge.contract.files import read_json
+from kvforge.contract.files import check_path_name, read_json
 from kvforge.contract.geometry import (
     INT32_MAX,
     PageGeometry,
@@ -150,6 +150,7 @@ REBUILD = "rebuild it with llm_build"
 def load_engine_dir(path: Path) -> EngineDir:
     """The engine dir at `path`, checked: config schema, completion manifest, embedding shape and the pool's
     memory; errors name the field `engine_dir` (or the config field, `config.NAME`)."""
+    check_path_name(path, "engine_dir")  # ONNX Runtime takes only text paths
     if not path.is_dir():
         raise InvalidConfig(f"{one_line(str(path))} is not a directory", "engine_dir")
     data = read_json(path / "config.json", "engine_dir")

@@ -231,9 +231,52 @@ def overlaps(a: Path, b: Path) -> bool:
     return ra == rb or ra.is_relative_to(rb) or rb.is_relative_to(ra) or same_path(a, b)
 
 
+def check_path_name(path: Path, flag: str) -> None:
+    """A path's name must be text: bytes that are not UTF-8 (Python carries them as surrogate escapes) cannot
+    be written into JSON outputs, profiles or reports, so they are refused before any work, not half way."""
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        shown = os.fsencode(path).decode("utf-8", "backslashreplace")
+        raise KvforgeError(f"the path {one_line(shown)} is not valid UTF-8; rename it", flag) from None
+
+
+def check_writable_dir(directory: Path, flag: str) -> None:
+    """Files can be created in `directory`, tried by creating one: os.access says yes to root everywhere,
+    and /proc, read-only mounts and full quotas are only found by trying."""
+    shown = one_line(str(directory))
+    if not directory.is_dir():
+        raise KvforgeError(f"directory {shown} does not exist" if not directory.exists() else
+                           f"{shown} is not a directory", flag)
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".probe{TEMP_MARK}", dir=directory)
+    except OSError as exc:
+        raise KvforgeError(f"cannot create files in directory {shown}: {one_line(exc.strerror or str(exc))}",
+                           flag) from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def check_work_dir(path: Path, flag: str) -> None:
+    """A directory a command fills as it goes (--cacheDir, --workDir, llm_test's --outputDir): a writable dir,
+    or one that can be made (its nearest existing ancestor is a writable dir), so a file in the way or an
+    unwritable place is one line before any work. Nothing is created here."""
+    check_path_name(path, flag)
+    shown = one_line(str(path))
+    if path.exists() and not path.is_dir():
+        raise KvforgeError(f"{shown} exists and is not a directory", flag)
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise KvforgeError(f"{one_line(str(existing))} is a file, so {shown} cannot be created", flag)
+    check_writable_dir(existing, flag)
+
+
 def check_output_file(path: Path, flag: str) -> None:
     """`path` can be written atomically: its directory exists and is writable, it is not a directory, and
     an existing file there is writable (a read-only file is the user's and is left alone)."""
+    check_path_name(path, flag)
     shown = one_line(str(path))
     if path.is_dir():
         raise KvforgeError(f"{shown} is a directory, expected a file path", flag)
@@ -242,6 +285,7 @@ def check_output_file(path: Path, flag: str) -> None:
         raise KvforgeError(f"directory {one_line(str(parent))} does not exist", flag)
     if not os.access(parent, os.W_OK | os.X_OK):
         raise KvforgeError(f"directory {one_line(str(parent))} is not writable", flag)
+    check_writable_dir(parent, flag)
     if path.exists() and not path.is_file():  # a device or pipe would be replaced by the rename, not written
         raise KvforgeError(f"{shown} is not a regular file (a device, pipe or socket); write to a file", flag)
     if path.exists() and not os.access(path, os.W_OK):
@@ -251,14 +295,18 @@ def check_output_file(path: Path, flag: str) -> None:
 def check_output_dir(path: Path, flag: str) -> None:
     """`path` can receive a staged directory: it is absent, an empty directory, or provably one kvforge wrote
     (`kvforge_dir_problem`); anything else is the user's and is refused, naming what is in the way."""
+    check_path_name(path, flag)
     shown = one_line(str(path))
     if path.exists() and not path.is_dir():
         raise KvforgeError(f"{shown} exists and is not a directory", flag)
     parent = path.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
+    if not parent.is_dir():
+        raise KvforgeError(f"{one_line(str(parent))} is a file, so {shown} cannot be created", flag)
     if not os.access(parent, os.W_OK | os.X_OK):
         raise KvforgeError(f"directory {one_line(str(parent))} is not writable", flag)
+    check_writable_dir(parent, flag)
     if path.is_dir() and any(path.iterdir()):
         problem = kvforge_dir_problem(path)
         if problem:
@@ -313,6 +361,8 @@ def check_distinct(outputs: Mapping[str, Path | None], inputs: Mapping[str, Path
     file may sit in an input directory only as a new file (replacing one there would change the input)."""
     outs = [(flag, Path(p)) for flag, p in outputs.items() if p is not None]
     ins = [(flag, Path(p)) for flag, p in inputs.items() if p is not None]
+    for flag, path in outs + ins:
+        check_path_name(path, flag)
     for i, (flag, path) in enumerate(outs):
         for other_flag, other in ins:
             clash = same_path(path, other) or path.resolve().is_relative_to(other.resolve()) and (

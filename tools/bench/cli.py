@@ -23,6 +23,7 @@ from rich.markup import escape
 from kvforge import __version__
 from kvforge.cli_common import console, run_app, run_guarded
 from kvforge.contract.errors import KvforgeError
+from kvforge.contract.files import atomic_write_text, check_distinct, check_output_file, check_work_dir
 from kvforge.runtime.tokenizer import ChatTokenizer
 from kvforge.tools.bench import report
 from kvforge.tools.bench.engines import (
@@ -528,16 +529,21 @@ def main_command(
         if tokens_per_page & (tokens_per_page - 1):
             raise KvforgeError(f"must be a power of two, got {tokens_per_page}", "--tokensPerPage")
         specs = parse_specs(engine, onnx_dir)
-        for path, flag in ((output_file, "outputFile"), (plot, "plot")):
-            if path is not None and not path.parent.is_dir():
-                raise KvforgeError(f"{path.parent} is not a directory", flag)
+        # The output checks every command runs before any work (kvforge.contract.files).
+        outputs = {"--outputFile": output_file, "--plot": plot,
+                   "--plot (decode_context chart)": report.context_plot_path(plot) if plot else None}
+        for flag, path in outputs.items():
+            if path is not None:
+                check_output_file(path, flag.split(" ")[0])
+        check_distinct(outputs, {"--inputFile": input_file, **{f"--engine {spec.name}": spec.path for spec in specs}})
+        bench_dir = work_dir or default_cache_dir().parent / "llm_bench"
+        check_work_dir(bench_dir, "--workDir")
         settings = Settings(num_threads, max_tokens, repeats, prompt_tokens, unrelated_tokens, tokens_per_page,
                             contexts)
-        figures = bench(specs, names, input_file, settings, baseline,
-                        work_dir or default_cache_dir().parent / "llm_bench")
+        figures = bench(specs, names, input_file, settings, baseline, bench_dir)
         print_report(figures)
         if output_file is not None:
-            output_file.write_text(json.dumps(figures, indent=1) + "\n", encoding="utf-8")
+            atomic_write_text(output_file, json.dumps(figures, indent=1) + "\n")
             console.print(f"figures written to {escape(str(output_file))}")
         if plot is not None:
             shown_baseline = figures["baseline"] if figures["baseline_ran"] else None

@@ -13,7 +13,7 @@ from rich.console import Console
 
 from kvforge.cli_common import ENGINE_FLAGS, console, engine_option, progress_bar, run_app, run_guarded
 from kvforge.contract.errors import KvforgeError
-from kvforge.contract.files import atomic_output, check_distinct, check_output_file
+from kvforge.contract.files import atomic_output, check_distinct, check_output_file, check_work_dir
 from kvforge.tools.testcases.checks import FAILED, ROUGE_MODES, SEED_ROUGE_THRESHOLDS
 from kvforge.tools.testcases.config_string import CONFIG_FLAG, TOKENS, ResolvedConfig, named_test_case, parse_config
 from kvforge.tools.testcases.report import json_report, junit_xml, print_table, write_json
@@ -104,6 +104,12 @@ def test(
         if not paths:
             raise KvforgeError("no test files: give FILE arguments or end --config with a test case name", "FILES")
         check_distinct(outputs, {f"FILE {path}": path for path in paths})
+        if output_dir is not None:
+            check_work_dir(output_dir, "--outputDir")
+        if onnx_dir is not None and engine_dir is None:
+            from kvforge.tools.testcases.engines import default_cache_dir
+
+            check_work_dir(cache_dir or default_cache_dir(), "--cacheDir")
         cases = [load_case(path) for path in paths]  # every file is read and checked before anything runs
         for case in cases:
             case.requests.apply_overrides(resolved.batch_size, max_generate_length)
