@@ -14,6 +14,7 @@ from kvforge.builder.lower_recurrent import lower_recurrent_ops
 from kvforge.contract.engine_dir import (
     ATTENTION_CPU_KERNEL,
     ATTENTION_ONNX_OPS,
+    BACKEND_FILES,
     EMBEDDING_FILE,
     ENGINE_MODEL_FILE,
     ENGINE_WEIGHTS_FILE,
@@ -164,7 +165,9 @@ def build_engine(onnx_dir: Path, engine_dir: Path, options: BuildOptions,
     geometry = options.geometry(config.max_position_embeddings)
     plan = memory_plan(config, geometry)
     if not options.force and backend == "onnxruntime":
-        check_pool_fits_memory(plan.total_bytes, hint=" (or --force to build it anyway)")
+        weights = sum((onnx_dir / name).stat().st_size for name in BACKEND_FILES["onnxruntime"]
+                      if (onnx_dir / name).is_file())  # the export's graph and weights: at most what the engine loads
+        check_pool_fits_memory(plan.total_bytes, hint=" (or --force to build it anyway)", weight_bytes=weights)
     speculative = check_speculative_build(config, options)
     step("validated geometry" + (f"; attention: {attention}" if paged else ""))
     with staged_dir(engine_dir, "engine_dir") as staging:

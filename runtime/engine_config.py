@@ -17,6 +17,7 @@ from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.files import read_json
 from kvforge.contract.formats import MANIFEST_FILE
 from kvforge.contract.geometry import snapshot_slots
+from kvforge.contract.memory import available_memory_bytes, check_fits_memory
 from kvforge.contract.model_config import ModelConfig
 from kvforge.runtime.context_cache.keys import EngineFingerprint, chain_root
 from kvforge.runtime.context_cache.manager import DEFAULT_MAX_RECORDS
@@ -201,8 +202,29 @@ def resolve_engine_config(config: EngineConfig, engine: EngineDir, *, num_pages:
     checkpoints = CheckpointPolicy(bool(recurrent), config.snapshot_message_boundaries,
                                    config.snapshot_interval_tokens)
     draft = _resolve_draft(config, engine, deployment)
+    _check_memory(config, engine, draft)
     return ResolvedConfig(deployment, budget, rows, chunk, pages, partial, recurrent, checkpoints,
                           chain_root(engine_fingerprint(engine)), draft)
+
+
+def _check_memory(config: EngineConfig, engine: EngineDir, draft: EngineDir | None) -> None:
+    """Everything this engine holds in host memory against what the machine has available now, before any of it
+    is allocated: a budget beyond it would end in a MemoryError, or in the kernel killing the run as pages fill.
+    The flag named is the snapshot budget when that alone is the excess, else the pool (rebuild it smaller)."""
+    needs = {"KV pool": engine.kv_pool_bytes + engine.rope_bytes, "weights": engine.weight_bytes,
+             "partial-KV snapshots": config.context_cache_partial_kv_snapshot_pool_bytes,
+             "recurrent snapshots": config.context_cache_recurrent_snapshot_pool_bytes,
+             "draft": draft.kv_pool_bytes + draft.rope_bytes + draft.weight_bytes if draft else 0}
+    have = available_memory_bytes()
+    if have is None or sum(needs.values()) <= have:
+        return
+    snapshots = {"context_cache_partial_kv_snapshot_pool_bytes": needs["partial-KV snapshots"],
+                 "context_cache_recurrent_snapshot_pool_bytes": needs["recurrent snapshots"]}
+    largest = max(snapshots, key=lambda name: snapshots[name])
+    if sum(needs.values()) - snapshots[largest] <= have:
+        check_fits_memory(needs, have, "available", largest, "give a smaller budget")
+    check_fits_memory(needs, have, "available", "max_kv_pool_pages",
+                      "rebuild the engine with a smaller --maxKVPoolPages, or free memory")
 
 
 def _resolve_draft(config: EngineConfig, engine: EngineDir, deployment: Deployment) -> EngineDir | None:

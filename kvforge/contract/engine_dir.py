@@ -143,6 +143,19 @@ class EngineDir:
                                      self.model.kv_cache_dtype)
         return per_page * self.build.max_kv_pool_pages * self.model.num_attention_layers
 
+    @property
+    def rope_bytes(self) -> int:
+        """ONNX Runtime engines keep float32 cos and sin per position in host memory (TensorRT's on the GPU)."""
+        return self.build.max_kv_cache_capacity * self.model.head_dim * 4 if self.build.backend == "onnxruntime" else 0
+
+    @property
+    def weight_bytes(self) -> int:
+        """What the backend reads into memory: its model files (the embedding is memory-mapped, paged in as used)."""
+        if self.build.backend != "onnxruntime":
+            return 0  # on the GPU
+        return sum((self.path / name).stat().st_size for name in BACKEND_FILES[self.build.backend]
+                   if (self.path / name).is_file())
+
 
 REBUILD = "rebuild it with llm_build"
 
@@ -170,9 +183,9 @@ def load_engine_dir(path: Path) -> EngineDir:
     verify_manifest(path, ENGINE_KIND, "engine_dir", REBUILD)
     check_embedding(path / EMBEDDING_FILE, model, "engine_dir")
     engine = EngineDir(path, model, build)
-    if build.backend == "onnxruntime":  # pool and RoPE table live in host memory (TensorRT's on the GPU)
-        rope_bytes = build.max_kv_cache_capacity * model.head_dim * 4  # float32 cos and sin per position
-        check_pool_fits_memory(engine.kv_pool_bytes + rope_bytes)
+    if build.backend == "onnxruntime":  # pool, RoPE table and weights live in host memory (TensorRT's on the GPU)
+        check_pool_fits_memory(engine.kv_pool_bytes + engine.rope_bytes, weight_bytes=engine.weight_bytes,
+                               hint=" when rebuilding it")
     return engine
 
 

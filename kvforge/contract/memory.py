@@ -1,8 +1,11 @@
-"""How much memory this machine can give a KV pool: llm_build refuses a plan beyond it, the runtime re-checks."""
+"""How much memory this machine can give an engine: llm_build refuses a plan beyond its RAM, the runtime refuses
+pools, weights and snapshot budgets beyond what is available when it loads (a pool is touched as it fills, so an
+oversized one would be killed by the kernel half way through a run, or fail to allocate with a MemoryError)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from kvforge.contract.errors import InvalidConfig
@@ -27,9 +30,44 @@ def machine_memory_bytes() -> int | None:
     return total
 
 
-def check_pool_fits_memory(pool_bytes: int, field: str = "max_kv_pool_pages", hint: str = "") -> None:
-    """Refuse a KV pool larger than the machine's memory: it would be killed by the kernel as it fills."""
-    available = machine_memory_bytes()
-    if available is not None and pool_bytes > available:
-        raise InvalidConfig(f"the KV pool needs {pool_bytes:,} bytes ({pool_bytes / GIB:,.1f} GiB) but this machine "
-                            f"has {available / GIB:,.1f} GiB; use a smaller --maxKVPoolPages{hint}", field)
+def available_memory_bytes() -> int | None:
+    """Memory this process can still take: the kernel's MemAvailable (free plus reclaimable cache), or the
+    cgroup's limit minus its usage when that is lower; None when unknown."""
+    available = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+                break
+    except (OSError, ValueError, IndexError):
+        return None
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        usage = Path("/sys/fs/cgroup/memory.current").read_text().strip()
+    except OSError:
+        return available
+    if limit.isdigit() and usage.isdigit():
+        room = max(0, int(limit) - int(usage))
+        available = room if available is None else min(available, room)
+    return available
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB" if n < GIB else f"{n / GIB:,.1f} GiB"
+
+
+def check_fits_memory(needs: Mapping[str, int], have: int | None, have_what: str, field: str, remedy: str) -> None:
+    """Refuse when the parts in `needs` (label → bytes) add up to more than `have`; one line listing them."""
+    total = sum(needs.values())
+    if have is None or total <= have:
+        return
+    parts = ", ".join(f"{label} {_gib(size)}" for label, size in needs.items() if size)
+    raise InvalidConfig(f"needs {total:,} bytes of memory ({parts}) but this machine has {_gib(have)} "
+                        f"{have_what}; {remedy}", field)
+
+
+def check_pool_fits_memory(pool_bytes: int, field: str = "max_kv_pool_pages", hint: str = "",
+                           weight_bytes: int = 0) -> None:
+    """Refuse a KV pool that, beside the weights, is larger than the machine's memory: it could never fill."""
+    check_fits_memory({"KV pool": pool_bytes, "weights": weight_bytes}, machine_memory_bytes(), "in all", field,
+                      f"use a smaller --maxKVPoolPages{hint}")

@@ -28,7 +28,8 @@ def test_build_refuses_a_pool_larger_than_the_machine(tiny_onnx_dir: Path, tmp_p
     line = invoke(build_app, "--onnxDir", tiny_onnx_dir, "--engineDir", engine, "--backend", "onnxruntime",
                   "--maxKVPoolPages", HUGE_POOL).one_line_error("--maxKVPoolPages", "bytes", "--force")
     per_page = 2 * 2 * 128 * 16 * 2  # K and V, 2 KV heads, 128 tokens (the default page), head_dim 16, fp16
-    assert f"{per_page * 2 * 2**29:,} bytes" in line  # the pool's bytes (2 layers) are printed
+    assert f"KV pool {per_page * 2 * 2**29 / 2**30:,.1f} GiB" in line  # the pool (2 layers) beside the weights
+    assert "weights" in line
     assert not engine.exists()
 
 
@@ -125,3 +126,47 @@ def test_endless_inputs_are_read_bounded(tiny_engine_dir: Path, tmp_path: Path) 
 def test_hostile_counts_are_refused(tiny_engine_dir: Path, tmp_path: Path, flag: str, value: int) -> None:
     invoke(inference_app, "--engineDir", tiny_engine_dir, "--inputFile", request_file(tmp_path / "in.json"),
            "--outputFile", tmp_path / "o.json", flag, value).one_line_error(flag)
+
+
+def test_snapshot_budgets_beyond_memory_name_their_flag(tiny_engine_dir: Path, tmp_path: Path) -> None:
+    """A budget far beyond memory used to end in a MemoryError (exit 3) when the snapshot pool was allocated."""
+    for flag in ("--contextCachePartialKVSnapshotPoolBytes",):
+        invoke(inference_app, "--engineDir", tiny_engine_dir, "--inputFile", request_file(tmp_path / "in.json"),
+               "--outputFile", tmp_path / "out.json", "--enableContextReuse", flag, str(2**50)).one_line_error(
+            flag, "available", "partial-KV snapshots")
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_recurrent_snapshot_budget_beyond_memory(tiny_hybrid_engine_dir: Path, tmp_path: Path) -> None:
+    flag = "--contextCacheRecurrentSnapshotPoolBytes"
+    invoke(inference_app, "--engineDir", tiny_hybrid_engine_dir, "--inputFile", request_file(tmp_path / "in.json"),
+           "--outputFile", tmp_path / "out.json", "--enableContextReuse", flag, str(2**50),
+           "--contextCachePartialKVSnapshotPoolBytes", str(2**20)).one_line_error(flag, "recurrent snapshots")
+
+
+def test_the_pool_is_checked_beside_the_weights_against_available_memory(tiny_engine_dir: Path, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Room for the pool alone is not enough: the weights load beside it, into what is available, not total RAM."""
+    from kvforge.contract.engine_dir import load_engine_dir
+    from kvforge.runtime import engine_config
+
+    engine = load_engine_dir(tiny_engine_dir)
+    assert engine.weight_bytes > 0
+    pool = engine.kv_pool_bytes + engine.rope_bytes
+    monkeypatch.setattr(engine_config, "available_memory_bytes", lambda: pool + engine.weight_bytes // 2)
+    invoke(inference_app, "--engineDir", tiny_engine_dir, "--inputFile", request_file(tmp_path / "in.json"),
+           "--outputFile", tmp_path / "out.json").one_line_error("--maxKVPoolPages", "weights", "available")
+    monkeypatch.setattr(engine_config, "available_memory_bytes", lambda: pool + engine.weight_bytes)
+    assert invoke(inference_app, "--engineDir", tiny_engine_dir, "--inputFile", request_file(tmp_path / "in.json"),
+                  "--outputFile", tmp_path / "out.json").code == 0
+
+
+def test_build_counts_the_weights_beside_the_pool(tiny_onnx_dir: Path, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvforge.contract import memory
+
+    weights = (tiny_onnx_dir / "model.onnx.data").stat().st_size
+    monkeypatch.setattr(memory, "machine_memory_bytes", lambda: weights // 2)  # the pool fits, pool + weights not
+    invoke(build_app, "--onnxDir", tiny_onnx_dir, "--engineDir", tmp_path / "engine", "--backend", "onnxruntime",
+           "--maxKVPoolPages", "1", "--maxInputLen", "16", "--maxKVCacheCapacity", "128").one_line_error(
+        "--maxKVPoolPages", "weights")
