@@ -157,6 +157,9 @@ def staged_dir(final: Path, flag: str = "output_dir") -> Iterator[Path]:
     try:
         yield staging
         os.chmod(staging, 0o777 & ~_umask())
+        for path in staging.iterdir():  # onnx and safetensors write some files 0600: outputs get the usual mode
+            if path.is_file() and not path.is_symlink():
+                os.chmod(path, 0o666 & ~_umask())
         check_output_dir(final, flag)
         if not final.exists():
             os.replace(staging, final)  # onto nothing (or an empty dir made meanwhile): nothing is lost

@@ -184,3 +184,15 @@ def test_the_exchange_swaps_two_names_atomically(tmp_path: Path) -> None:
     if not files._exchange(a, b):
         pytest.skip("this filesystem has no renameat2 RENAME_EXCHANGE; the two-rename path is tested above")
     assert (a / "x").read_text() == "b" and (b / "x").read_text() == "a"
+
+
+def test_staged_files_get_the_usual_permissions(tmp_path: Path) -> None:
+    """onnx's external-data writer and safetensors create 0600 files: a service account could not read the engine."""
+    target = tmp_path / "out"
+    with staged_dir(target, "--outputDir") as staging:
+        fd = os.open(staging / "weights.bin", os.O_CREAT | os.O_WRONLY, 0o600)
+        os.close(fd)
+        write_manifest(staging, ONNX_KIND)
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (target / "weights.bin").stat().st_mode & 0o777 == 0o666 & ~mask
