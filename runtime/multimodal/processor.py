@@ -12,6 +12,7 @@ import numpy as np
 
 from kvforge.contract.errors import InvalidConfig, KvforgeError
 from kvforge.contract.profile_schema import MULTIMODAL
+from kvforge.contract.validation import one_line, printable
 from kvforge.runtime.context_cache.keys import MediaKey
 from kvforge.runtime.multimodal.encoder_cache import EncoderCache, cache_scope
 from kvforge.runtime.multimodal.encoder_session import FIELD
@@ -194,8 +195,18 @@ def _media_span(start: int, positions: np.ndarray, digest: bytes, rows: np.ndarr
 
 
 def media_source(ref: MediaRef, base_dir: Path | None) -> Path | bytes:
-    """What the encoder decodes: the bytes sent inline (llm_serve), else the item's file."""
-    return ref.data if ref.data is not None else _resolve(ref.path, base_dir)
+    """What the encoder decodes: the bytes sent inline (llm_serve), else the item's file, checked to be one the
+    os calls of the decoders can take (request_checks.check_media_path ran on the path as given; joined to the
+    request file's dir it can still be too long, or unreadable: a one-line error, not an escaping OSError)."""
+    if ref.data is not None:
+        return ref.data
+    path = _resolve(ref.path, base_dir)
+    try:
+        path.is_file()  # False for a missing file (the decoder says so); raises for what the decoder could not say
+    except (OSError, ValueError) as exc:
+        raise KvforgeError(f"cannot read {ref.kind} file {printable(str(path))}: "
+                           f"{one_line(getattr(exc, 'strerror', None) or str(exc))}", ref.media_field) from None
+    return path
 
 
 def _resolve(path: str, base_dir: Path | None) -> Path:
