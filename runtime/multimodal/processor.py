@@ -42,12 +42,13 @@ class MultimodalProcessor:
     """Owns the encoder engine and its cache; InputProcessor hands it prompts holding media sentinels.
 
     Shared state `tokenize` touches, for running it off the engine thread: the encoder cache (its own lock),
-    `_expansions`, `stats` and the profiler's encoder stage (all under `_lock`, see `_record`). Decoding
-    (Pillow, miniaudio) and the encoder session's `run` touch none of it. The profiler is also written by the
-    engine thread without this lock: a caller moving `tokenize` to a worker must make Profiler.record safe for
-    that (or hand the recorded stage back to the engine thread)."""
+    `_expansions`, `stats` and the profiler's encoder stage (all under `_lock`, see `_record`), and the encoder
+    session (one call at a time, `_encoder_lock`: a TensorRT session has one execution context and its buffers).
+    Decoding (Pillow, miniaudio) touches none of it. The profiler is also written by the engine thread without
+    `_lock`: a caller moving `tokenize` to a worker must make Profiler.record safe for that (or hand the stage
+    time back to the engine thread)."""
 
-    __slots__ = ("encoder", "cache", "tokenizer", "profiler", "stats", "_expansions", "_lock")
+    __slots__ = ("encoder", "cache", "tokenizer", "profiler", "stats", "_expansions", "_lock", "_encoder_lock")
 
     def __init__(self, encoder, cache: EncoderCache, tokenizer: ChatTokenizer, profiler: Profiler,
                  text_hidden_size: int) -> None:  # encoder: VisualEncoder | AudioEncoder
@@ -58,6 +59,7 @@ class MultimodalProcessor:
         self.stats = MultimodalStats()
         self._expansions: dict[object, tuple[list[int], np.ndarray]] = {}  # layout -> (ids, placeholder positions)
         self._lock = threading.Lock()  # _expansions, stats and the profiler record (see the class docstring)
+        self._encoder_lock = threading.Lock()  # one encoder session call at a time
         if tokenizer.tokenizer.encode(encoder.marker, add_special_tokens=False).ids != [encoder.token_id]:
             raise InvalidConfig(f"the text engine's tokenizer does not turn {encoder.marker!r} into the encoder's "
                                 f"token id {encoder.token_id}; are the two dirs from one checkpoint?", FIELD)
@@ -143,9 +145,10 @@ class MultimodalProcessor:
                 found[item.digest] = cached
         encoder_ms = None
         if missing:
-            start = time.perf_counter_ns()
-            outputs = self.encoder.encode(list(missing.values()))  # no shared state: see the class docstring
-            encoder_ms = (time.perf_counter_ns() - start) / 1e6
+            with self._encoder_lock:  # timed inside: the stage is the encoder's work, not the wait for it
+                start = time.perf_counter_ns()
+                outputs = self.encoder.encode(list(missing.values()))
+                encoder_ms = (time.perf_counter_ns() - start) / 1e6
             for digest, rows in zip(missing, outputs, strict=True):
                 rows = np.ascontiguousarray(rows)
                 self.cache.put(digest, rows, scope)
