@@ -91,7 +91,7 @@ class InputProcessor:
             plain = None if request.parse_special_tokens else [
                 part for message in request.messages for part in message.content.split(MEDIA_SENTINEL)]
             ids, spans = self.multimodal.tokenize(text, media, base_dir, self.max_input_len,
-                                                  join_path(where, "messages"), plain)
+                                                  join_path(where, "messages"), plain, cache_salt=request.cache_salt)
         else:
             ids = self._encode(text, request, request.messages, where)
         check_prompt_length(len(ids), self.max_input_len, join_path(where, "messages"))

@@ -30,6 +30,11 @@ MAX_CONTENT_ITEMS = 18
 MAX_CONTENT_BYTES = 128 * 1024
 MAX_STOP_WORDS = 64  # every generated token is checked against each: a bound on per-step work
 MAX_STOP_WORD_BYTES = 1024
+# What a media path may be before any file call sees it: POSIX's NAME_MAX per component and PATH_MAX overall
+# (Linux and macOS; NTFS names are 255 UTF-16 units). Past them os calls raise ENAMETOOLONG, a NUL raises
+# ValueError: both would escape as a traceback (a 500 in llm_serve) instead of an error naming the item.
+MAX_PATH_NAME_BYTES = 255
+MAX_PATH_BYTES = 4095
 
 ROLES = ("system", "user", "assistant", "tool")
 MEDIA_TYPES = ("image", "audio", "video")
@@ -95,13 +100,27 @@ def _parse_content_item(item: Any, where: str, media: list[MediaRef],
         return MEDIA_SENTINEL
     if kind in ("image", "audio"):
         path = check_string(_required(item, kind, where, f'a file path, for an "{kind}" item'), f"{where}.{kind}")
-        if not path:
-            fail(f"{where}.{kind}", "must be a file path, got an empty string")
+        check_media_path(path, f"{where}.{kind}")
         media.append(MediaRef(kind, path, where))
         return MEDIA_SENTINEL
     if kind in MEDIA_TYPES:
         fail(f"{where}.type", f'"{kind}" content is not supported yet; "text", "image" and "audio" items are')
     return check_string(_required(item, "text", where, 'a string, for a "text" item'), f"{where}.text")
+
+
+def check_media_path(path: str, where: str) -> str:
+    """A media file path any file call can take: not empty, no NUL byte, names and length within POSIX's."""
+    if not path:
+        fail(where, "must be a file path, got an empty string")
+    if "\x00" in path:
+        fail(where, "must not contain a NUL byte (no file name can hold one)")
+    encoded = path.encode("utf-8", "surrogatepass")  # a length only: never raises on a lone surrogate
+    if len(encoded) > MAX_PATH_BYTES:
+        fail(where, f"is a path of {len(encoded)} bytes, more than the {MAX_PATH_BYTES} a path can have")
+    longest = max(len(part) for part in encoded.split(b"/"))
+    if longest > MAX_PATH_NAME_BYTES:
+        fail(where, f"holds a file name of {longest} bytes, more than the {MAX_PATH_NAME_BYTES} a name can have")
+    return path
 
 
 def _required(obj: dict[str, Any], key: str, where: str, expected: str) -> Any:

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from kvforge.contract.validation import check_choice, check_string, fail, json_kind, one_line
-from kvforge.runtime.request_checks import MediaItemParser
+from kvforge.contract.validation import check_choice, check_string, fail, json_kind, one_line, printable
+from kvforge.runtime.request_checks import MediaItemParser, check_media_path
 from kvforge.runtime.types import MediaRef
 
 MAX_MEDIA_ITEM_BYTES = 20 * 2**20  # per item as sent (OpenAI's own per-image limit); decoding has its own bounds
@@ -70,8 +70,6 @@ class MediaPolicy:
     def file_item(self, item: dict[str, Any], where: str) -> MediaRef:
         kind = item["type"]
         path = check_string(_required(item, kind, where), f"{where}.{kind}")
-        if not path:
-            fail(f"{where}.{kind}", "must be a file path, got an empty string")
         return self._local(path, kind, where, kind)
 
     def _data_url(self, url: str, field: str) -> bytes:
@@ -104,23 +102,24 @@ class MediaPolicy:
         if self.allowed_dir is None:
             fail(field, "local files are not served unless llm_serve was started with --allowedMediaDir; send the "
                         "media inline (a data: URL or input_audio)")
-        shown = one_line(path)
-        resolved = (self.allowed_dir / path).resolve()  # an absolute path replaces the base
-        if not resolved.is_relative_to(self.allowed_dir):
-            fail(field, f"{shown} is outside --allowedMediaDir")
-        if resolved.exists() and not resolved.is_file():  # a FIFO or device would block or never end
-            fail(field, f"{shown} is not a regular file")
-        if kind == "audio" and resolved.suffix.lower() not in AUDIO_SUFFIXES:
-            fail(field, f"unsupported audio file {shown}; supported: {', '.join(AUDIO_SUFFIXES)}")
-        try:
+        check_media_path(path, field)  # a NUL (a file URL's %00 too) or an over-long name: refused before any os call
+        shown = printable(path)
+        try:  # resolve() and exists() raise too (ELOOP, ENAMETOOLONG once joined to the dir): all one-line errors
+            resolved = (self.allowed_dir / path).resolve()  # an absolute path replaces the base
+            if not resolved.is_relative_to(self.allowed_dir):
+                fail(field, f"{shown} is outside --allowedMediaDir")
+            if resolved.exists() and not resolved.is_file():  # a FIFO or device would block or never end
+                fail(field, f"{shown} is not a regular file")
+            if kind == "audio" and resolved.suffix.lower() not in AUDIO_SUFFIXES:
+                fail(field, f"unsupported audio file {shown}; supported: {', '.join(AUDIO_SUFFIXES)}")
             with open(resolved, "rb") as handle:
                 data = handle.read(self.max_item_bytes + 1)
         except FileNotFoundError:
             fail(field, f"{kind} file not found: {shown}")
         except IsADirectoryError:
             fail(field, f"{shown} is a directory, expected a {kind} file")
-        except OSError as exc:
-            fail(field, f"cannot read {shown}: {one_line(exc.strerror or str(exc))}")
+        except (OSError, ValueError) as exc:
+            fail(field, f"cannot read {shown}: {one_line(getattr(exc, 'strerror', None) or str(exc))}")
         if len(data) > self.max_item_bytes:
             fail(field, f"{shown} is more than {self.max_item_bytes:,} bytes")
         return MediaRef(kind, path, where, data=data, key=key)

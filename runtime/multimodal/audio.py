@@ -14,10 +14,15 @@ SAMPLE_RATE = 16000
 N_FFT, HOP = 400, 160
 SUPPORTED_AUDIO = (".wav", ".mp3", ".flac")
 MEL_SUFFIX = ".safetensors"  # precomputed features: the seed's mel path
-# Inline audio (llm_serve) is decoded in chunks and refused past this: 10 minutes of 16 kHz float32 is 38 MB,
-# however well the sender's format compresses (the encoder keeps only its 30 s window anyway).
-MAX_INLINE_AUDIO_SECONDS = 600
+# Audio is bounded by what the encoder takes: one window of num_frames mel frames per item (Qwen2-Audio: 3000
+# frames of 10 ms, WhisperFeatureExtractor's 30 s chunk), so every sample past it would be decoded only to be
+# dropped (transformers truncates there silently; here the request is told). One window, not several: the
+# encoder engine has one window per item, and its 750 rows already take most of a typical maxInputLen. The
+# duration is read from the header first (a 1-hour WAV was decoded to 230 MB of PCM before being cut to 30 s),
+# then decoding streams in chunks and stops past the bound, for headers that understate their length.
+DEFAULT_MAX_AUDIO_SECONDS = 30.0  # when no encoder says (Qwen2-Audio's window)
 DECODE_CHUNK_FRAMES = 16384
+_RESAMPLE_SLACK = HOP  # a resampled stream may hold a few samples more than its header's duration
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +66,9 @@ def load_mel(path: Path, num_mel_bins: int, num_frames: int, where: str) -> MelF
     return MelFeatures(np.ascontiguousarray(features), frames, digest)
 
 
-def decode_audio(path: Path, where: str) -> DecodedAudio:
+def decode_audio(path: Path, where: str, max_seconds: float = DEFAULT_MAX_AUDIO_SECONDS) -> DecodedAudio:
+    """An audio file (WAV, MP3, FLAC) as 16 kHz mono PCM, refused from its header when longer than `max_seconds`
+    (before any sample is decoded) and while decoding past it."""
     import miniaudio
 
     if not path.is_file():
@@ -70,37 +77,64 @@ def decode_audio(path: Path, where: str) -> DecodedAudio:
         raise KvforgeError(f"unsupported audio format {path.suffix or '(no extension)'}; supported: "
                            f"{', '.join(SUPPORTED_AUDIO)}, or {MEL_SUFFIX} log-mel features", where)
     try:
-        decoded = miniaudio.decode_file(str(path), output_format=miniaudio.SampleFormat.FLOAT32, nchannels=1,
-                                        sample_rate=SAMPLE_RATE)
+        _check_duration(miniaudio.get_file_info(str(path)), max_seconds, where)
+        stream = miniaudio.stream_file(str(path), output_format=miniaudio.SampleFormat.FLOAT32, nchannels=1,
+                                       sample_rate=SAMPLE_RATE, frames_to_read=DECODE_CHUNK_FRAMES)
+        pcm = _read_stream(stream, max_seconds, where)
     except miniaudio.DecodeError as exc:
         raise KvforgeError(f"cannot decode audio {path}: {exc}", where) from None
-    pcm = np.frombuffer(decoded.samples, dtype=np.float32).copy()
     if pcm.size == 0:
         raise KvforgeError(f"{path} holds no audio samples", where)
     return DecodedAudio(pcm, media_digest(pcm))
 
 
-def decode_audio_bytes(data: bytes, where: str, max_seconds: int = MAX_INLINE_AUDIO_SECONDS) -> DecodedAudio:
-    """decode_audio for bytes sent inline (WAV, MP3 or FLAC, told apart by miniaudio from their headers), read
-    chunk by chunk so a long recording is refused before it is all in memory. Samples equal decode_audio's, so
-    the same sound sent inline or by path has one identity."""
+def decode_audio_bytes(data: bytes, where: str, max_seconds: float = DEFAULT_MAX_AUDIO_SECONDS) -> DecodedAudio:
+    """decode_audio for bytes sent inline (WAV, MP3 or FLAC, told apart by miniaudio from their headers), with the
+    same bounds. Samples equal decode_audio's, so the same sound sent inline or by path has one identity."""
     import miniaudio
 
-    limit = max_seconds * SAMPLE_RATE
-    chunks, total = [], 0
     try:
-        for chunk in miniaudio.stream_memory(data, output_format=miniaudio.SampleFormat.FLOAT32, nchannels=1,
-                                             sample_rate=SAMPLE_RATE, frames_to_read=DECODE_CHUNK_FRAMES):
-            chunks.append(np.frombuffer(chunk, dtype=np.float32).copy())
-            total += len(chunks[-1])
-            if total > limit:
-                raise KvforgeError(f"the audio is longer than the {max_seconds} s this server decodes", where)
+        _check_duration(_memory_info(data), max_seconds, where)
+        stream = miniaudio.stream_memory(data, output_format=miniaudio.SampleFormat.FLOAT32, nchannels=1,
+                                         sample_rate=SAMPLE_RATE, frames_to_read=DECODE_CHUNK_FRAMES)
+        pcm = _read_stream(stream, max_seconds, where)
     except miniaudio.DecodeError as exc:
         raise KvforgeError(f"cannot decode the audio (WAV, MP3 or FLAC): {exc}", where) from None
-    pcm = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
     if pcm.size == 0:
         raise KvforgeError("the audio holds no samples", where)
     return DecodedAudio(pcm, media_digest(pcm))
+
+
+def _memory_info(data: bytes):  # -> miniaudio.SoundFileInfo
+    """The header of inline audio, by its magic bytes as miniaudio's own detection goes (else MP3, which has
+    none fixed: an ID3 tag or a frame sync)."""
+    import miniaudio
+
+    if data[:4] == b"RIFF" and data[8:12] == b"WAVE":
+        return miniaudio.wav_get_info(data)
+    if data[:4] == b"fLaC":
+        return miniaudio.flac_get_info(data)
+    return miniaudio.mp3_get_info(data)
+
+
+def _check_duration(info, max_seconds: float, where: str) -> None:  # info: miniaudio.SoundFileInfo
+    if info.sample_rate > 0 and info.num_frames / info.sample_rate > max_seconds:
+        raise KvforgeError(f"the audio is {info.num_frames / info.sample_rate:.1f} s long, longer than the "
+                           f"{max_seconds:g} s this encoder takes (cut it, or send it in parts)", where)
+
+
+def _read_stream(stream, max_seconds: float, where: str) -> np.ndarray:  # stream: miniaudio's chunk generator
+    """Decoded chunks concatenated, stopping once they pass `max_seconds` (a header that understated)."""
+    limit = int(max_seconds * SAMPLE_RATE) + _RESAMPLE_SLACK
+    chunks, total = [], 0
+    for chunk in stream:
+        chunks.append(np.frombuffer(chunk, dtype=np.float32).copy())
+        total += len(chunks[-1])
+        if total > limit:
+            stream.close()
+            raise KvforgeError(f"the audio is longer than the {max_seconds:g} s this encoder takes (cut it, or "
+                               "send it in parts)", where)
+    return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
 
 
 def mel_filter_bank(num_mels: int, sampling_rate: int = SAMPLE_RATE, n_fft: int = N_FFT) -> np.ndarray:
@@ -173,13 +207,18 @@ class AudioEncoder:
     def placeholder_text(self, rows: int) -> str:
         return self.config.audio_token * rows
 
+    @property
+    def max_seconds(self) -> float:
+        """The audio one item may hold: the encoder's window (see DEFAULT_MAX_AUDIO_SECONDS)."""
+        return self.config.num_frames * HOP / SAMPLE_RATE
+
     def decode(self, source: Path | bytes, where: str) -> DecodedAudio | MelFeatures:
         if isinstance(source, bytes):
-            return decode_audio_bytes(source, where)
+            return decode_audio_bytes(source, where, self.max_seconds)
         path = source
         if path.suffix.lower() == MEL_SUFFIX:
             return load_mel(path, self.config.num_mel_bins, self.config.num_frames, where)
-        return decode_audio(path, where)
+        return decode_audio(path, where, self.max_seconds)
 
     def rows(self, item: DecodedAudio | MelFeatures) -> int:
         if isinstance(item, MelFeatures):

@@ -6,6 +6,7 @@ import hashlib
 import io
 import math
 import struct
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,15 +39,40 @@ def media_digest(array: np.ndarray) -> bytes:
     return h.digest()
 
 
-# Images are bounded before their pixels are decoded: 40 Mpx is 120 MB of RGB, and a small compressed file cannot
-# claim more (Pillow's own decompression-bomb limit is 2 x 89 Mpx, an error past it).
+# Images are bounded from their header, before their pixels are decoded (Pillow's open reads the header only):
+# - pixels: 40 Mpx is 120 MB of RGB (and about 5x that through the RGBA composite of convert_to_rgb), and a small
+#   compressed file cannot claim more. A lower Image.MAX_IMAGE_PIXELS set by the host application is respected.
+# - the longest edge: at most MAX_EDGE_FACTOR x the edge the family's processor resizes to (`longest_edge`, or
+#   transformers' MAX_IMAGE_SIDE without resizing). Resizing costs Pillow filter coefficients per output pixel
+#   and per source pixel under it, about 48 bytes per source pixel of the edge: a 1 x 39 M PNG of 38 KB took 9 s
+#   and 1.8 GB to resize to 1456 x 1, all of it averaged away. At 16x the target, every photo, scan or panorama
+#   that fits the pixel bound at an aspect ratio up to about 13:1 (Idefics3's 1456) or 26:1 (SmolVLM's 2048)
+#   still decodes, and the resize of the longest allowed edge needs about 1.5 MB of coefficients.
 MAX_IMAGE_PIXELS = 40_000_000
+MAX_EDGE_FACTOR = 16
+# Pillow warns (once, to stderr) for images between its MAX_IMAGE_PIXELS and twice that, and raises past it: both
+# are far past the bound above, so the warning is made the error Pillow's documentation advises for untrusted
+# input. A filter, not warnings.catch_warnings() around open: that swaps the process-wide filters and is unsafe
+# once media are decoded on several threads.
+warnings.filterwarnings("error", category=Image.DecompressionBombWarning)
 
 
-def decode_image(source: Path | bytes, where: str) -> DecodedImage:
+def max_image_edge(pre: ImagePreprocessing | None) -> int:
+    """The longest image edge decoded for a processor (None: no family, transformers' side cap)."""
+    target = pre.longest_edge if pre is not None and pre.do_resize else MAX_IMAGE_SIDE
+    return MAX_EDGE_FACTOR * target
+
+
+def max_image_pixels() -> int:
+    host = Image.MAX_IMAGE_PIXELS  # None: the host application switched Pillow's own bound off; ours still holds
+    return MAX_IMAGE_PIXELS if host is None else min(MAX_IMAGE_PIXELS, int(host))
+
+
+def decode_image(source: Path | bytes, where: str, pre: ImagePreprocessing | None = None) -> DecodedImage:
     """Pillow decode to RGB (transparent pixels composited onto white, as transformers' convert_to_rgb does) of a
     file or of bytes sent inline (llm_serve): the same formats, bounds and identity, so an image sent inline and
-    the same file given by path share their encoder-cache entry and page keys."""
+    the same file given by path share their encoder-cache entry and page keys. `pre`: the processor the image is
+    for, which bounds its longest edge (see MAX_EDGE_FACTOR); the size is checked before any pixel is decoded."""
     name = str(source) if isinstance(source, Path) else "the data"
     if isinstance(source, Path) and not source.is_file():
         raise KvforgeError(f"image file not found: {source}", where)
@@ -55,18 +81,28 @@ def decode_image(source: Path | bytes, where: str) -> DecodedImage:
             if image.format not in SUPPORTED_FORMATS:
                 raise KvforgeError(f"unsupported image format {image.format} in {name}; supported: "
                                    f"{', '.join(SUPPORTED_FORMATS)}", where)
-            if image.width * image.height > MAX_IMAGE_PIXELS:
-                raise KvforgeError(f"the image is {image.width}x{image.height} pixels, more than the "
-                                   f"{MAX_IMAGE_PIXELS:,} kvforge decodes", where)
+            _check_size(image.width, image.height, pre, where)
             image.load()
             rgb = _to_rgb(image)
     except UnidentifiedImageError:
         raise KvforgeError(f"{name} is not an image Pillow can decode (supported: "
                            f"{', '.join(SUPPORTED_FORMATS)})", where) from None
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:  # truncated or corrupt data
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:  # its header claims > 89 Mpx
+        raise KvforgeError(f"the image is refused before decoding: {exc}", where) from None
+    except (OSError, SyntaxError, ValueError) as exc:  # truncated or corrupt data
         raise KvforgeError(f"cannot decode image {name}: {exc}", where) from None
     pixels = np.asarray(rgb, dtype=np.uint8)
     return DecodedImage(pixels, media_digest(pixels))
+
+
+def _check_size(width: int, height: int, pre: ImagePreprocessing | None, where: str) -> None:
+    pixels, edge = max_image_pixels(), max_image_edge(pre)
+    if width * height > pixels:
+        raise KvforgeError(f"the image is {width}x{height} pixels, more than the {pixels:,} kvforge decodes", where)
+    if max(width, height) > edge:
+        target = f"{pre.longest_edge}-pixel" if pre is not None and pre.do_resize else f"{MAX_IMAGE_SIDE}-pixel"
+        raise KvforgeError(f"the image is {width}x{height} pixels; an edge longer than {edge:,} ({MAX_EDGE_FACTOR}x "
+                           f"the {target} edge this encoder resizes to) is refused before decoding", where)
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:

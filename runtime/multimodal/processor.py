@@ -1,17 +1,20 @@
-"""Media items of a request -> placeholder token spans, media identity and encoder embeddings (cached by digest)."""
+"""Media items of a request -> placeholder token spans, media identity and encoder embeddings (cached per scope)."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from kvforge.contract.errors import InvalidConfig, KvforgeError
 from kvforge.contract.profile_schema import MULTIMODAL
+from kvforge.contract.validation import one_line, printable
 from kvforge.runtime.context_cache.keys import MediaKey
-from kvforge.runtime.multimodal.encoder_cache import EncoderCache
+from kvforge.runtime.multimodal.encoder_cache import EncoderCache, cache_scope
 from kvforge.runtime.multimodal.encoder_session import FIELD
 from kvforge.runtime.multimodal.spans import MediaSpan
 from kvforge.runtime.profile import Profiler
@@ -36,9 +39,16 @@ class MultimodalStats:
 
 
 class MultimodalProcessor:
-    """Owns the encoder engine and its cache; InputProcessor hands it prompts holding media sentinels."""
+    """Owns the encoder engine and its cache; InputProcessor hands it prompts holding media sentinels.
 
-    __slots__ = ("encoder", "cache", "tokenizer", "profiler", "stats", "_expansions")
+    Shared state `tokenize` touches, for running it off the engine thread: the encoder cache (its own lock),
+    `_expansions`, `stats` and the profiler's encoder stage (all under `_lock`, see `_record`), and the encoder
+    session (one call at a time, `_encoder_lock`: a TensorRT session has one execution context and its buffers).
+    Decoding (Pillow, miniaudio) touches none of it. The profiler is also written by the engine thread without
+    `_lock`: a caller moving `tokenize` to a worker must make Profiler.record safe for that (or hand the stage
+    time back to the engine thread)."""
+
+    __slots__ = ("encoder", "cache", "tokenizer", "profiler", "stats", "_expansions", "_lock", "_encoder_lock")
 
     def __init__(self, encoder, cache: EncoderCache, tokenizer: ChatTokenizer, profiler: Profiler,
                  text_hidden_size: int) -> None:  # encoder: VisualEncoder | AudioEncoder
@@ -48,6 +58,8 @@ class MultimodalProcessor:
         self.encoder, self.cache, self.tokenizer, self.profiler = encoder, cache, tokenizer, profiler
         self.stats = MultimodalStats()
         self._expansions: dict[object, tuple[list[int], np.ndarray]] = {}  # layout -> (ids, placeholder positions)
+        self._lock = threading.Lock()  # _expansions, stats and the profiler record (see the class docstring)
+        self._encoder_lock = threading.Lock()  # one encoder session call at a time
         if tokenizer.tokenizer.encode(encoder.marker, add_special_tokens=False).ids != [encoder.token_id]:
             raise InvalidConfig(f"the text engine's tokenizer does not turn {encoder.marker!r} into the encoder's "
                                 f"token id {encoder.token_id}; are the two dirs from one checkpoint?", FIELD)
@@ -59,12 +71,15 @@ class MultimodalProcessor:
     def expansion(self, layout) -> tuple[list[int], np.ndarray]:
         """Token ids of one item's placeholder text (`layout` is what the text depends on: a row count, an image's
         tile grid) and the positions of its placeholder tokens in them, in order."""
-        cached = self._expansions.get(layout)
-        if cached is None:
+        with self._lock:
+            cached = self._expansions.get(layout)
+        if cached is None:  # two threads may both tokenize a new layout: same result, the last one is kept
             ids = self.tokenizer.tokenizer.encode(self.encoder.placeholder_text(layout), add_special_tokens=False).ids
             positions = np.flatnonzero(np.asarray(ids) == self.encoder.token_id)
             positions.setflags(write=False)
-            cached = self._expansions[layout] = (ids, positions)
+            cached = (ids, positions)
+            with self._lock:
+                self._expansions[layout] = cached
         return cached
 
     def check_kinds(self, media: list[MediaRef]) -> None:
@@ -75,10 +90,13 @@ class MultimodalProcessor:
                                    f"{self.encoder.kind} one", f"{ref.where}.type")
 
     def tokenize(self, text: str, media: list[MediaRef], base_dir: Path | None, max_input_len: int,
-                 where: str, plain_texts: list[str] | None = None) -> tuple[list[int], tuple[MediaSpan, ...]]:
+                 where: str, plain_texts: list[str] | None = None,
+                 cache_salt: str | None = None) -> tuple[list[int], tuple[MediaSpan, ...]]:
         """Token ids of a rendered prompt whose media sentinels become placeholder spans, and those spans with
         their embeddings. Every error is one line naming the media item (or `where` for the prompt).
-        `plain_texts`: the messages' text parts, tokenized as plain text (None: special-token text is parsed)."""
+        `plain_texts`: the messages' text parts, tokenized as plain text (None: special-token text is parsed).
+        `cache_salt`: the request's; encoder outputs are cached per salt (encoder_cache.cache_scope), while the
+        media identity in the spans (and so in the page keys) is the digest alone, the salt being keyed there."""
         segments = text.split(MEDIA_SENTINEL)
         if len(segments) - 1 != len(media):
             raise KvforgeError(f"the chat template kept {len(segments) - 1} of the request's {len(media)} media "
@@ -109,48 +127,59 @@ class MultimodalProcessor:
         if ids.count(self.encoder.token_id) != sum(len(positions) for _, positions, _ in placed):
             raise KvforgeError(f"the prompt text contains the placeholder {self.encoder.marker!r}; send media as "
                                "content items", where)
-        embeds = self._embeddings([item for _, _, item in placed])
+        embeds = self._embeddings([item for _, _, item in placed], cache_scope(cache_salt))
         return ids, tuple(_media_span(start, positions, item.digest, rows)
                           for (start, positions, item), rows in zip(placed, embeds, strict=True))
 
-    def _embeddings(self, items: list) -> list[np.ndarray]:
-        """Encoder rows per item: cache hits as they are, misses encoded together (duplicates once)."""
+    def _embeddings(self, items: list, scope: bytes) -> list[np.ndarray]:
+        """Encoder rows per item: cache hits (in `scope`) as they are, misses encoded together (duplicates once)."""
         found: dict[bytes, np.ndarray] = {}
         missing: dict[bytes, object] = {}
         for item in items:
             if item.digest in found or item.digest in missing:
                 continue
-            cached = self.cache.get(item.digest)
+            cached = self.cache.get(item.digest, scope)
             if cached is None:
                 missing[item.digest] = item
             else:
                 found[item.digest] = cached
+        encoder_ms = None
         if missing:
-            with self.profiler.stage(self.encoder.stage):
+            with self._encoder_lock:  # timed inside: the stage is the encoder's work, not the wait for it
+                start = time.perf_counter_ns()
                 outputs = self.encoder.encode(list(missing.values()))
+                encoder_ms = (time.perf_counter_ns() - start) / 1e6
             for digest, rows in zip(missing, outputs, strict=True):
                 rows = np.ascontiguousarray(rows)
-                self.cache.put(digest, rows)
+                self.cache.put(digest, rows, scope)
                 rows.setflags(write=False)
                 found[digest] = rows
-            if self.profiler.enabled:
-                self.stats.total_runs += 1
-                self.stats.encoded_tokens += sum(len(found[d]) for d in missing)
         elif items:
             log.info("encoder cache: all %d media items of the request hit; encoder execution skipped", len(items))
-        if self.profiler.enabled:
-            tokens = sum(len(found[item.digest]) for item in items)
-            if self.encoder.kind == "audio":
-                self.stats.total_audios += len(items)
-                self.stats.total_audio_tokens += tokens
-            else:
-                self.stats.total_images += len(items)
-                self.stats.total_image_tokens += tokens
+        self._record(encoder_ms, sum(len(found[d]) for d in missing), sum(len(found[item.digest]) for item in items),
+                     len(items))
         return [found[item.digest] for item in items]
 
+    def _record(self, encoder_ms: float | None, encoded_tokens: int, tokens: int, count: int) -> None:
+        """The profile's share of one request: the encoder stage (when it ran) and the multimodal totals."""
+        with self._lock:
+            if not self.profiler.enabled:
+                return
+            if encoder_ms is not None:
+                self.profiler.record(self.encoder.stage, encoder_ms)
+                self.stats.total_runs += 1
+                self.stats.encoded_tokens += encoded_tokens
+            if self.encoder.kind == "audio":
+                self.stats.total_audios += count
+                self.stats.total_audio_tokens += tokens
+            else:
+                self.stats.total_images += count
+                self.stats.total_image_tokens += tokens
+
     def profile(self) -> dict:
-        s = self.stats
-        encoder_ms = self.profiler.stage_ms(self.encoder.stage)
+        with self._lock:  # one consistent snapshot of the totals and the stage time they are averaged over
+            s = replace(self.stats)
+            encoder_ms = self.profiler.stage_ms(self.encoder.stage)
         return {MULTIMODAL: {
             "total_runs": s.total_runs, "total_images": s.total_images, "total_image_tokens": s.total_image_tokens,
             "total_audios": s.total_audios, "total_audio_tokens": s.total_audio_tokens,
@@ -169,8 +198,18 @@ def _media_span(start: int, positions: np.ndarray, digest: bytes, rows: np.ndarr
 
 
 def media_source(ref: MediaRef, base_dir: Path | None) -> Path | bytes:
-    """What the encoder decodes: the bytes sent inline (llm_serve), else the item's file."""
-    return ref.data if ref.data is not None else _resolve(ref.path, base_dir)
+    """What the encoder decodes: the bytes sent inline (llm_serve), else the item's file, checked to be one the
+    os calls of the decoders can take (request_checks.check_media_path ran on the path as given; joined to the
+    request file's dir it can still be too long, or unreadable: a one-line error, not an escaping OSError)."""
+    if ref.data is not None:
+        return ref.data
+    path = _resolve(ref.path, base_dir)
+    try:
+        path.is_file()  # False for a missing file (the decoder says so); raises for what the decoder could not say
+    except (OSError, ValueError) as exc:
+        raise KvforgeError(f"cannot read {ref.kind} file {printable(str(path))}: "
+                           f"{one_line(getattr(exc, 'strerror', None) or str(exc))}", ref.media_field) from None
+    return path
 
 
 def _resolve(path: str, base_dir: Path | None) -> Path:

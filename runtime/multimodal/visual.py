@@ -49,7 +49,7 @@ class VisualEncoder:
         return self.config.image_token
 
     def decode(self, source: Path | bytes, where: str) -> DecodedImage:
-        return decode_image(source, where)
+        return decode_image(source, where, self.config.preprocessing)
 
     def layout(self, item: DecodedImage) -> TileGrid:
         """What the image's placeholder text depends on: its tile grid (from the decoded shape alone)."""
