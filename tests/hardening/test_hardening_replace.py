@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -133,21 +134,28 @@ def test_the_swap_is_one_exchange(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
-def test_an_interrupted_two_rename_swap_puts_the_old_dir_back(tmp_path: Path,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without renameat2 (other filesystems): Ctrl-C between the two renames leaves the old dir, not neither."""
-    target = kvforge_dir(tmp_path / "out", "old")
+def swap_by_renames_failing(monkeypatch: pytest.MonkeyPatch, failing: Callable[[int], BaseException | None]) -> None:
+    """No renameat2 (other filesystems), and the swap's n-th rename (1: old dir aside, 2: new dir in, 3: old dir
+    back) raising `failing(n)` when that is not None."""
     monkeypatch.setattr(files, "_exchange", lambda a, b: False)
     real_replace, calls = os.replace, []
 
     def replace(a: object, b: object) -> None:
         if Path(str(b)).name == "out":  # the swap's renames, not the manifest's own atomic write
             calls.append(b)
-        if len(calls) == 2:  # the new dir into place
-            raise KeyboardInterrupt
+            error = failing(len(calls))
+            if error is not None:
+                raise error
         real_replace(a, b)
 
     monkeypatch.setattr(files.os, "replace", replace)
+
+
+def test_an_interrupted_two_rename_swap_puts_the_old_dir_back(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C between the two renames leaves the old dir, not neither."""
+    target = kvforge_dir(tmp_path / "out", "old")
+    swap_by_renames_failing(monkeypatch, lambda n: KeyboardInterrupt() if n == 2 else None)
     with pytest.raises(KeyboardInterrupt):
         new_into(target)
     assert (target / "weights.bin").read_text() == "old"
@@ -156,17 +164,7 @@ def test_an_interrupted_two_rename_swap_puts_the_old_dir_back(tmp_path: Path,
 def test_a_swap_that_cannot_put_the_old_dir_back_says_where_both_are(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     target = kvforge_dir(tmp_path / "out", "old")
-    monkeypatch.setattr(files, "_exchange", lambda a, b: False)
-    real_replace, calls = os.replace, []
-
-    def replace(a: object, b: object) -> None:
-        if Path(str(b)).name == "out":  # the swap's renames, not the manifest's own atomic write
-            calls.append(b)
-        if len(calls) >= 2:
-            raise OSError(5, "Input/output error")
-        real_replace(a, b)
-
-    monkeypatch.setattr(files.os, "replace", replace)
+    swap_by_renames_failing(monkeypatch, lambda n: OSError(5, "Input/output error") if n >= 2 else None)
     with pytest.raises(SwapFailed) as caught:
         new_into(target)
     message = caught.value.message
