@@ -11,15 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from support.engine_driver import assert_idle, run_file, top1_ids
+from support.media_engines import build_tiny_audio_model
 
-from kvforge.builder.build import BuildOptions, build_engine
-from kvforge.builder.encoder_build import build_encoder_engine
+from kvforge.builder.build import BuildOptions
 from kvforge.contract.errors import KvforgeError
 from kvforge.runtime.engine import Engine, EngineConfig
 from kvforge.runtime.multimodal.audio import audio_rows
-from kvforge.tools.export.qwen2_audio_source import write_audio_onnx_dir
-from kvforge.tools.export.synthetic import synthetic_qwen2_audio
-from kvforge.tools.export.writer import write_onnx_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "test_cases" / "audio_context_reuse.json"
@@ -28,14 +25,8 @@ T = 16
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("audio")
-    text, audio = synthetic_qwen2_audio()
-    write_onnx_dir(text, root / "onnx")
-    write_audio_onnx_dir(audio, root / "onnx" / "audio")
-    build_engine(root / "onnx", root / "engine",
-                 BuildOptions(max_input_len=384, max_kv_cache_capacity=512, max_batch_size=4, tokens_per_page=T))
-    build_encoder_engine(root / "onnx" / "audio", root / "audio", "auto", 1)
-    return root / "engine", root / "audio"
+    return build_tiny_audio_model(tmp_path_factory.mktemp("audio"), BuildOptions(
+        max_input_len=384, max_kv_cache_capacity=512, max_batch_size=4, tokens_per_page=T))
 
 
 def make(dirs, reuse: bool, **config) -> Engine:

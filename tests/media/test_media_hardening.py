@@ -19,18 +19,14 @@ import numpy as np
 import pytest
 from PIL import Image
 from support.engine_driver import assert_idle, run_file
+from support.media_engines import build_tiny_audio_model, build_tiny_vlm
 from support.server_harness import MODEL, LiveServer, idle_audit, live_server
 
-from kvforge.builder.build import BuildOptions, build_engine
-from kvforge.builder.encoder_build import build_encoder_engine
+from kvforge.builder.build import BuildOptions
 from kvforge.contract.errors import KvforgeError
 from kvforge.runtime.engine import Engine, EngineConfig
 from kvforge.runtime.multimodal.encoder_cache import EncoderCache
 from kvforge.server.media import MediaPolicy
-from kvforge.tools.export.idefics3_source import write_visual_onnx_dir
-from kvforge.tools.export.qwen2_audio_source import write_audio_onnx_dir
-from kvforge.tools.export.synthetic import synthetic_idefics3, synthetic_qwen2_audio
-from kvforge.tools.export.writer import write_onnx_dir
 
 BUILD = BuildOptions(max_input_len=384, max_kv_cache_capacity=512, max_batch_size=4, tokens_per_page=16)
 ITEM = "requests[0].messages[0].content[0]"
@@ -40,24 +36,12 @@ QUESTION = "Describe every colour you can see in this picture, one by one, and s
 
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("vlm")
-    text, visual = synthetic_idefics3()
-    write_onnx_dir(text, root / "onnx")
-    write_visual_onnx_dir(visual, root / "onnx" / "visual")
-    build_engine(root / "onnx", root / "engine", BUILD)
-    build_encoder_engine(root / "onnx" / "visual", root / "visual", "auto", 4)
-    return root / "engine", root / "visual"
+    return build_tiny_vlm(tmp_path_factory.mktemp("vlm"), BUILD)
 
 
 @pytest.fixture(scope="module")
 def audio(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("audio")
-    text, encoder = synthetic_qwen2_audio()
-    write_onnx_dir(text, root / "onnx")
-    write_audio_onnx_dir(encoder, root / "onnx" / "audio")
-    build_engine(root / "onnx", root / "engine", BUILD)
-    build_encoder_engine(root / "onnx" / "audio", root / "audio", "auto", 1)
-    return root / "engine", root / "audio"
+    return build_tiny_audio_model(tmp_path_factory.mktemp("audio"), BUILD)
 
 
 def engine_of(dirs: tuple[Path, Path], reuse: bool = True) -> Engine:

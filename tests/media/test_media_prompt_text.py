@@ -9,16 +9,12 @@ import numpy as np
 import pytest
 from PIL import Image
 from support.engine_driver import run_file
+from support.media_engines import build_tiny_audio_model, build_tiny_vlm
 
-from kvforge.builder.build import BuildOptions, build_engine
-from kvforge.builder.encoder_build import build_encoder_engine
+from kvforge.builder.build import BuildOptions
 from kvforge.contract.errors import KvforgeError
 from kvforge.runtime.engine import Engine, EngineConfig
 from kvforge.runtime.request_file import parse_request_file
-from kvforge.tools.export.idefics3_source import write_visual_onnx_dir
-from kvforge.tools.export.qwen2_audio_source import write_audio_onnx_dir
-from kvforge.tools.export.synthetic import synthetic_idefics3, synthetic_qwen2_audio
-from kvforge.tools.export.writer import write_onnx_dir
 
 BUILD = BuildOptions(max_input_len=256, max_kv_cache_capacity=512, max_batch_size=2, tokens_per_page=16)
 IMAGE_ROWS = 16
@@ -26,13 +22,8 @@ IMAGE_ROWS = 16
 
 @pytest.fixture(scope="module")
 def image_engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
-    root = tmp_path_factory.mktemp("vlm")
-    text, visual = synthetic_idefics3()
-    write_onnx_dir(text, root / "onnx")
-    write_visual_onnx_dir(visual, root / "onnx" / "visual")
-    build_engine(root / "onnx", root / "engine", BUILD)
-    build_encoder_engine(root / "onnx" / "visual", root / "visual", "auto", 2)
-    return Engine(root / "engine", EngineConfig(num_threads=2, multimodal_engine_dir=str(root / "visual")))
+    engine_dir, visual = build_tiny_vlm(tmp_path_factory.mktemp("vlm"), BUILD, encoder_batch=2)
+    return Engine(engine_dir, EngineConfig(num_threads=2, multimodal_engine_dir=str(visual)))
 
 
 @pytest.fixture(scope="module")
@@ -79,12 +70,8 @@ def test_typed_image_token_is_text_not_a_placeholder(image_engine: Engine, pictu
 def test_audio_prompt_shows_the_templates_audio_text(tmp_path: Path) -> None:
     import wave
 
-    text, audio = synthetic_qwen2_audio()
-    write_onnx_dir(text, tmp_path / "onnx")
-    write_audio_onnx_dir(audio, tmp_path / "onnx" / "audio")
-    build_engine(tmp_path / "onnx", tmp_path / "engine", BUILD)
-    build_encoder_engine(tmp_path / "onnx" / "audio", tmp_path / "audio", "auto", 1)
-    engine = Engine(tmp_path / "engine", EngineConfig(num_threads=2, multimodal_engine_dir=str(tmp_path / "audio")))
+    engine_dir, audio = build_tiny_audio_model(tmp_path, BUILD)
+    engine = Engine(engine_dir, EngineConfig(num_threads=2, multimodal_engine_dir=str(audio)))
     sound = tmp_path / "tone.wav"
     with wave.open(str(sound), "wb") as out:
         out.setnchannels(1)

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from PIL import Image
 from support.engine_driver import run_file
+from support.media_engines import build_tiny_vlm
 from support.server_harness import MODEL, LiveServer, idle_audit, live_server
 
 from kvforge.builder.build import BuildOptions, build_engine
@@ -26,9 +27,8 @@ from kvforge.runtime.engine import Engine, EngineConfig
 from kvforge.server import app as server_app
 from kvforge.server.media import MediaPolicy
 from kvforge.server.protocol import ApiError, parse_call
-from kvforge.tools.export.idefics3_source import write_visual_onnx_dir
 from kvforge.tools.export.qwen2_audio_source import write_audio_onnx_dir
-from kvforge.tools.export.synthetic import synthetic_idefics3, synthetic_qwen2_audio
+from kvforge.tools.export.synthetic import synthetic_qwen2_audio
 from kvforge.tools.export.writer import write_onnx_dir
 
 BUILD = BuildOptions(max_input_len=384, max_kv_cache_capacity=512, max_batch_size=4, tokens_per_page=16)
@@ -37,13 +37,7 @@ SYSTEM = "You describe pictures and sounds for the Harbor Point archive, briefly
 
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("vlm")
-    text, visual = synthetic_idefics3()
-    write_onnx_dir(text, root / "onnx")
-    write_visual_onnx_dir(visual, root / "onnx" / "visual")
-    build_engine(root / "onnx", root / "engine", BUILD)
-    build_encoder_engine(root / "onnx" / "visual", root / "visual", "auto", 4)
-    return root / "engine", root / "visual"
+    return build_tiny_vlm(tmp_path_factory.mktemp("vlm"), BUILD)
 
 
 @pytest.fixture(scope="module")

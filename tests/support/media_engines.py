@@ -1,0 +1,33 @@
+"""Tiny synthetic media models built for tests: a SmolVLM (Idefics3) text engine with its visual encoder engine,
+and a Qwen2-Audio text engine with its audio encoder engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvforge.builder.build import BuildOptions, build_engine
+from kvforge.builder.encoder_build import build_encoder_engine
+from kvforge.tools.export.idefics3_source import write_visual_onnx_dir
+from kvforge.tools.export.qwen2_audio_source import write_audio_onnx_dir
+from kvforge.tools.export.synthetic import synthetic_idefics3, synthetic_qwen2_audio
+from kvforge.tools.export.writer import write_onnx_dir
+
+
+def build_tiny_vlm(root: Path, build: BuildOptions, encoder_batch: int = 4) -> tuple[Path, Path]:
+    """(text engine dir, visual encoder engine dir) under `root`."""
+    text, visual = synthetic_idefics3()
+    write_onnx_dir(text, root / "onnx")
+    write_visual_onnx_dir(visual, root / "onnx" / "visual")
+    build_engine(root / "onnx", root / "engine", build)
+    build_encoder_engine(root / "onnx" / "visual", root / "visual", "auto", encoder_batch)
+    return root / "engine", root / "visual"
+
+
+def build_tiny_audio_model(root: Path, build: BuildOptions, encoder_batch: int = 1) -> tuple[Path, Path]:
+    """(text engine dir, audio encoder engine dir) under `root`."""
+    text, encoder = synthetic_qwen2_audio()
+    write_onnx_dir(text, root / "onnx")
+    write_audio_onnx_dir(encoder, root / "onnx" / "audio")
+    build_engine(root / "onnx", root / "engine", build)
+    build_encoder_engine(root / "onnx" / "audio", root / "audio", "auto", encoder_batch)
+    return root / "engine", root / "audio"
