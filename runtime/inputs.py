@@ -56,12 +56,17 @@ class InputProcessor:
             raise KvforgeError(f"token id {outside[0]} is outside the vocabulary (ids are in [0, {self.vocab_size}))",
                                join_path(where, "logit_bias"))
 
-    def check_text_size(self, num_bytes: int, where: str) -> None:
-        """Refuse text whose UTF-8 size alone proves it exceeds maxInputLen (each token covers at most the longest
-        token's bytes), so a huge prompt costs a length check instead of its tokenization."""
+    def check_text_size(self, text: str, where: str) -> None:
+        """Refuse text whose size alone proves it exceeds maxInputLen (each token covers at most the longest token's
+        bytes), so a huge prompt costs a length check instead of its tokenization; lone surrogates are refused too.
+        Characters never outnumber UTF-8 bytes, so a text with too many characters is refused without encoding."""
+        too_long = self.max_text_bytes is not None and len(text) > self.max_text_bytes
+        self.check_text_bytes(len(text) if too_long or text.isascii() else utf8_size(text, where), where)
+
+    def check_text_bytes(self, num_bytes: int, where: str) -> None:
         if self.max_text_bytes is not None and num_bytes > self.max_text_bytes:
-            raise KvforgeError(f"prompt has {num_bytes} bytes of text, more than the {self.max_text_bytes} that "
-                               f"maxInputLen {self.max_input_len} tokens can hold; rebuild with a larger "
+            raise KvforgeError(f"prompt has at least {num_bytes} bytes of text, more than the {self.max_text_bytes} "
+                               f"that maxInputLen {self.max_input_len} tokens can hold; rebuild with a larger "
                                "--maxInputLen or shorten the prompt", where)
 
     def process_prompt(self, prompt: str | Sequence[int], sampling: SamplingParams, lora_name: str | None = None,
@@ -70,7 +75,7 @@ class InputProcessor:
         the vocabulary; errors name "prompt"."""
         self.check_step_values(sampling, cache_salt)
         if isinstance(prompt, str):
-            self.check_text_size(utf8_size(prompt, "prompt"), "prompt")
+            self.check_text_size(prompt, "prompt")
             ids = self.tokenizer.encode(prompt)
         else:
             ids = [int(t) for t in prompt]
@@ -106,8 +111,8 @@ class InputProcessor:
         self.check_step_values(request.sampling, request.cache_salt, where)
         # The rendered prompt holds every content, and each is tokenized on its own (encode_chat): their sum bounds
         # the tokens from below, so 64 huge messages are refused before the template runs.
-        self.check_text_size(sum(utf8_size(m.content, join_path(where, "messages")) for m in request.messages),
-                             join_path(where, "messages"))
+        self.check_text_bytes(sum(utf8_size(m.content, join_path(where, "messages")) for m in request.messages),
+                              join_path(where, "messages"))
         media = [ref for message in request.messages for ref in message.media]
         if media and self.multimodal is None:
             raise KvforgeError(f'"{media[0].kind}" input needs a multimodal engine with an encoder '
@@ -116,7 +121,7 @@ class InputProcessor:
             assert self.multimodal is not None
             self.multimodal.check_kinds(media)
         text = self._rendered(request, enable_thinking)
-        self.check_text_size(utf8_size(text, join_path(where, "messages")), join_path(where, "messages"))
+        self.check_text_size(text, join_path(where, "messages"))
         spans = ()
         if media:
             assert self.multimodal is not None

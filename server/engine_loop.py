@@ -91,6 +91,9 @@ class EngineLoop:
         return self._preparers.submit(build, self.engine)
 
     def submit(self, request_id: str, request: EngineRequest, sink: Sink) -> None:
+        if not self._thread.is_alive():  # prepared while the server stopped: nobody would ever answer it
+            sink(EngineFailure("the server is shutting down"))
+            return
         self._commands.put(_Add(request_id, request, sink))
 
     def abort(self, request_id: str) -> None:
@@ -124,7 +127,20 @@ class EngineLoop:
             reason = "the engine thread failed"
         finally:
             self._fail_all(reason)
+            self._refuse_queued(reason)
             self.snapshot = self._take_snapshot()
+
+    def _refuse_queued(self, reason: str) -> None:
+        """Commands that arrived with or after the stop: answered, so no handler waits for a thread that is gone."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Add):
+                command.sink(EngineFailure(reason))
+            elif isinstance(command, _Call):
+                command.future.set_exception(EngineFailure(reason))
 
     def _drain(self, block: bool) -> None:
         while True:

@@ -80,6 +80,8 @@ class RequestHandle:
             prepared.cancel()  # still queued for a worker: never runs
             self.finished = True
             self.close()
+            if prepared.cancelled() and not state.engine_loop.alive:  # the pool was shut down under it
+                raise ApiError(503, "the server is shutting down", kind="server_error", code="unavailable") from None
             raise
         except Exception as exc:  # KvforgeError: the request's fault (400)
             self.finished = True

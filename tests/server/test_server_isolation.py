@@ -238,3 +238,29 @@ def test_a_slow_cold_image_does_not_pause_another_clients_stream(vlm_server: Liv
     assert len(streams) >= 3 and all(text == alone for text, _ in streams)
     assert max(gap for _, gaps in streams for gap in gaps) < ENCODE_SLEEP_S / 4  # before: they waited for it
     vlm_server.on_engine(idle_audit)
+
+
+def test_a_client_gone_while_its_image_encodes_leaves_nothing_behind(vlm_server: LiveServer,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    encode = VisualEncoder.encode
+    finished = threading.Event()
+
+    def slow_encode(self: VisualEncoder, items: list) -> list[np.ndarray]:
+        time.sleep(ENCODE_SLEEP_S / 2)
+        try:
+            return encode(self, items)
+        finally:
+            finished.set()
+
+    monkeypatch.setattr(VisualEncoder, "encode", slow_encode)
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_url(11)}}]}]
+    with openai.OpenAI(base_url=vlm_server.base_url, api_key="unused", max_retries=0, timeout=0.3) as api, \
+            pytest.raises(openai.APITimeoutError):
+        api.chat.completions.create(model=MODEL, messages=image, max_tokens=4)
+    assert finished.wait(30)
+    deadline = time.monotonic() + 10
+    while vlm_server.state.in_flight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert vlm_server.state.in_flight == 0
+    assert vlm_server.on_engine(lambda engine: (idle_audit(engine), len(engine.core.sequences)))[1] == 0
+    assert not vlm_server.state.engine_loop._sinks  # noqa: SLF001 - no sink waits for a request that never ran
