@@ -55,19 +55,23 @@ class EngineStats:
 
 
 def sample_rows(rows: list[ScheduledRow], output: BatchOutput
-                ) -> tuple[list[list[SampleResult]], list[list[int] | None]]:
+                ) -> tuple[list[list[SampleResult] | Exception], list[list[int] | None]]:
     """The tokens each row commits (none for a row short of its end, else its verified drafts and one more) and, for
-    a row that verified a tree, the drafts on its accepted path (None for every other row)."""
-    sampled: list[list[SampleResult]] = []
+    a row that verified a tree, the drafts on its accepted path (None for every other row). A row whose sampling
+    raised gets its exception in place of its tokens: one request's values must not fail the others'."""
+    sampled: list[list[SampleResult] | Exception] = []
     paths: list[list[int] | None] = []
     for row, logits in zip(rows, output.logits, strict=True):
         path = None
-        if not row.reaches_end:
-            samples: list[SampleResult] = []
-        elif row.draft_parents:
-            samples, path = accept_tree(row.seq.sampler, logits, row.draft_token_ids, row.draft_parents)
-        else:
-            samples = accept_tokens(row.seq.sampler, logits, row.draft_token_ids)
+        try:
+            if not row.reaches_end:
+                samples: list[SampleResult] | Exception = []
+            elif row.draft_parents:
+                samples, path = accept_tree(row.seq.sampler, logits, row.draft_token_ids, row.draft_parents)
+            else:
+                samples = accept_tokens(row.seq.sampler, logits, row.draft_token_ids)
+        except Exception as exc:
+            samples, path = exc, None
         sampled.append(samples)
         paths.append(path)
     return sampled, paths
@@ -102,22 +106,32 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """Schedule → run the rows → sample → update. Returns an output for every row that committed tokens."""
+        """Schedule → run the rows → sample → update. Returns an output for every row that committed tokens, and
+        for every request the step had to fail (finish_reason "error", its error set; the others go on).
+
+        Per-row work (page keys at admission, sampling) fails only its row. When the batched engine call itself
+        raises, which row caused it cannot be known: every row of that call fails with the reason, while the
+        requests not in it (waiting ones) go on; a broken backend thus fails each request once, never hangs one."""
         batch = self.scheduler.schedule()
+        failed = [self._failed(seq) for seq in batch.failed]
         if not batch.rows:
-            if self.scheduler.running or (self.scheduler.waiting and not self.scheduler.loading):
+            if not failed and (self.scheduler.running or (self.scheduler.waiting and not self.scheduler.loading)):
                 raise AssertionError("nothing schedulable while requests wait (a scheduler bug)")
-            return []  # idle, or every request waits for pages from a shared tier
+            return failed  # idle, or every request waits for pages from a shared tier
         started = time.perf_counter()
         for row in batch.rows:
             if row.seq.first_scheduled_time is None:
                 row.seq.first_scheduled_time = started
         verifies = any(row.draft_token_ids for row in batch.rows)
-        with self.profiler.stage(PREFILL_STAGE if batch.has_prefill else GENERATION_STAGE):
-            run_started = time.perf_counter()
-            output = self.executor.run(batch.rows)
-            if verifies:
-                self.profiler.record(SPEC_BASE_VERIFICATION_STAGE, (time.perf_counter() - run_started) * 1e3)
+        try:
+            with self.profiler.stage(PREFILL_STAGE if batch.has_prefill else GENERATION_STAGE):
+                run_started = time.perf_counter()
+                output = self.executor.run(batch.rows)
+                if verifies:
+                    self.profiler.record(SPEC_BASE_VERIFICATION_STAGE, (time.perf_counter() - run_started) * 1e3)
+        except Exception as exc:
+            reason = f"the engine call failed ({type(exc).__name__}: {exc})"
+            return failed + [self._fail(row.seq, reason) for row in batch.rows]
         if verifies:
             with self.profiler.stage(SPEC_DRAFT_ACCEPT_STAGE):
                 sampled, paths = sample_rows(batch.rows, output)
@@ -125,16 +139,39 @@ class EngineCore:
                     self.executor.keep_paths(batch.rows, output, paths)
         else:
             sampled, _ = sample_rows(batch.rows, output)
+        committed = self._drop_failed_rows(batch, sampled, failed)
         if self.proposer is not None and self.proposer.owns_kv:
             with self.profiler.stage(SPEC_DRAFT_PROPOSAL_STAGE):  # the draft catches up before anything is published
-                self.proposer.observe(batch.rows, output, sampled)
+                self.proposer.observe(batch.rows, output, committed)  # failed rows hold no lease: skipped
+        batch.rows, committed = ([row for row in batch.rows if not row.seq.is_finished],
+                                 [s for row, s in zip(batch.rows, committed, strict=True) if not row.seq.is_finished])
         reused = self._reused_at_admission(batch)  # before the update moves num_computed_tokens
-        updates = self.scheduler.update_from_output(batch, sampled)
+        updates = self.scheduler.update_from_output(batch, committed)
         self._count(batch, updates, reused)
-        outputs = [self._output(update) for update in updates]
+        outputs = failed + [self._output(update) for update in updates]
         if self.proposer is not None:
             self._propose()
         return outputs
+
+    def _drop_failed_rows(self, batch: SchedulerOutput, sampled: list[list[SampleResult] | Exception],
+                          failed: list[RequestOutput]) -> list[list[SampleResult]]:
+        """Fail each row whose sampling raised (its output joins `failed`); the rows' samples, none for those."""
+        committed: list[list[SampleResult]] = []
+        for row, samples in zip(batch.rows, sampled, strict=True):
+            if isinstance(samples, Exception):
+                failed.append(self._fail(row.seq, f"sampling failed ({type(samples).__name__}: {samples})"))
+                samples = []
+            committed.append(samples)
+        return committed
+
+    def _fail(self, seq: Sequence, reason: str) -> RequestOutput:
+        """End one request with an error: pages released, nothing of it published, its error output."""
+        self.scheduler.fail(seq, reason)
+        return self._failed(seq)
+
+    def _failed(self, seq: Sequence) -> RequestOutput:
+        self.sequences.pop(seq.request_id, None)
+        return self.outputs.output(seq, [])
 
     def _propose(self) -> None:
         """Drafts for the next step: each running sequence about to decode one token, unless it opted out or carries

@@ -121,6 +121,8 @@ def response_dict(output: RequestOutput, request: Request, batch_idx: int, forma
         "timing": {"ttft_ms": round(timing.ttft_ms, 3), "prefill_ms": round(timing.prefill_ms, 3),
                    "decode_ms": round(timing.decode_ms, 3)} if timing else {},
     }
+    if output.error is not None:  # finish_reason "error": the engine failed this request alone
+        response["error"] = output.error
     if output.logprobs is not None:
         response["logprobs"] = [[{"token_id": e.token_id, "token": e.token, "bytes": list(e.token.encode("utf-8")),
                                   "logprob": round(e.logprob, 6)} for e in step] for step in output.logprobs]

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvforge.contract.errors import KvforgeError
-from kvforge.contract.validation import join_path
+from kvforge.contract.validation import join_path, utf8_size
 from kvforge.runtime.lora import LoraRegistry
 from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.tokenizer import ChatTokenizer
 from kvforge.runtime.types import MEDIA_SENTINEL, Message, Request, SamplingParams
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 if TYPE_CHECKING:
     from kvforge.runtime.multimodal.processor import MultimodalProcessor
@@ -19,7 +23,7 @@ if TYPE_CHECKING:
 
 class InputProcessor:
     __slots__ = ("tokenizer", "loras", "max_input_len", "reuse_enabled", "vocab_size", "multimodal",
-                 "message_boundaries")
+                 "message_boundaries", "max_text_bytes")
 
     def __init__(self, tokenizer: ChatTokenizer, loras: LoraRegistry, max_input_len: int, reuse_enabled: bool,
                  vocab_size: int, *, multimodal: MultimodalProcessor | None = None,
@@ -38,12 +42,40 @@ class InputProcessor:
         if tokenizer_size > vocab_size:
             raise KvforgeError(f"tokenizer.json has {tokenizer_size} tokens, more than the model's vocab_size "
                                f"{vocab_size}; the engine dir's files do not belong together", "engine_dir")
+        # A text longer than this cannot fit maxInputLen however it tokenizes: refused before any tokenizing.
+        longest = longest_token_bytes(tokenizer.tokenizer)
+        self.max_text_bytes = None if longest is None else max_input_len * longest
+
+    def check_step_values(self, sampling: SamplingParams, cache_salt: str | None, where: str = "") -> None:
+        """Values a step uses must be found bad here, not in the step: the ids the sampler indexes with lie in the
+        vocabulary, and the salt hashed into page keys is encodable (API callers skip the parsers' checks)."""
+        if cache_salt is not None:
+            utf8_size(cache_salt, join_path(where, "cache_salt"))
+        outside = [token_id for token_id in sampling.logit_bias if token_id >= self.vocab_size]
+        if outside:
+            raise KvforgeError(f"token id {outside[0]} is outside the vocabulary (ids are in [0, {self.vocab_size}))",
+                               join_path(where, "logit_bias"))
+
+    def check_text_size(self, text: str, where: str) -> None:
+        """Refuse text whose size alone proves it exceeds maxInputLen (each token covers at most the longest token's
+        bytes), so a huge prompt costs a length check instead of its tokenization; lone surrogates are refused too.
+        Characters never outnumber UTF-8 bytes, so a text with too many characters is refused without encoding."""
+        too_long = self.max_text_bytes is not None and len(text) > self.max_text_bytes
+        self.check_text_bytes(len(text) if too_long or text.isascii() else utf8_size(text, where), where)
+
+    def check_text_bytes(self, num_bytes: int, where: str) -> None:
+        if self.max_text_bytes is not None and num_bytes > self.max_text_bytes:
+            raise KvforgeError(f"prompt has at least {num_bytes} bytes of text, more than the {self.max_text_bytes} "
+                               f"that maxInputLen {self.max_input_len} tokens can hold; rebuild with a larger "
+                               "--maxInputLen or shorten the prompt", where)
 
     def process_prompt(self, prompt: str | Sequence[int], sampling: SamplingParams, lora_name: str | None = None,
                        cache_salt: str | None = None) -> EngineRequest:
         """A raw prompt (completions): text tokenized without a chat template, or token ids checked against
         the vocabulary; errors name "prompt"."""
+        self.check_step_values(sampling, cache_salt)
         if isinstance(prompt, str):
+            self.check_text_size(prompt, "prompt")
             ids = self.tokenizer.encode(prompt)
         else:
             ids = [int(t) for t in prompt]
@@ -76,6 +108,11 @@ class InputProcessor:
         and encoded here (or found in the encoder cache); relative media paths resolve against `base_dir`.
         """
         where = f"requests[{request.index}]" if where is None else where
+        self.check_step_values(request.sampling, request.cache_salt, where)
+        # The rendered prompt holds every content, and each is tokenized on its own (encode_chat): their sum bounds
+        # the tokens from below, so 64 huge messages are refused before the template runs.
+        self.check_text_bytes(sum(utf8_size(m.content, join_path(where, "messages")) for m in request.messages),
+                              join_path(where, "messages"))
         media = [ref for message in request.messages for ref in message.media]
         if media and self.multimodal is None:
             raise KvforgeError(f'"{media[0].kind}" input needs a multimodal engine with an encoder '
@@ -84,6 +121,7 @@ class InputProcessor:
             assert self.multimodal is not None
             self.multimodal.check_kinds(media)
         text = self._rendered(request, enable_thinking)
+        self.check_text_size(text, join_path(where, "messages"))
         spans = ()
         if media:
             assert self.multimodal is not None
@@ -135,6 +173,28 @@ class InputProcessor:
         if request.parse_special_tokens:
             return self.tokenizer.encode(text)
         return self.tokenizer.encode_chat(text, [m.content for m in messages], join_path(where, "messages"))
+
+
+def longest_token_bytes(tokenizer: Tokenizer) -> int | None:
+    """The most UTF-8 bytes of text one token can stand for, or None where no such bound holds (a normalizer may
+    shrink text; WordPiece/WordLevel/Unigram map unknown words of any length to one token). Byte-level BPE writes
+    each byte as one character, so a token's characters are its bytes; elsewhere a token's own UTF-8 size is at
+    least the text it covers ("▁" for a space, "<0x41>" for a byte). Added and special tokens count too, whether or
+    not a request may produce them. At least 4: a media item's placeholder (U+FFFC, 3 bytes) is one token or more."""
+    config = json.loads(tokenizer.to_str())
+    model = config.get("model") or {}
+    if config.get("normalizer") is not None or model.get("type") != "BPE":
+        return None
+    if model.get("unk_token") is not None and not model.get("byte_fallback"):
+        return None  # an unknown character becomes one token: still a few bytes, but not worth trusting
+    byte_level = "ByteLevel" in json.dumps(config.get("pre_tokenizer")) or "ByteLevel" in json.dumps(
+        config.get("decoder"))
+    vocab = tokenizer.get_vocab(with_added_tokens=False)
+    longest = max((len(token) if byte_level else len(token.encode("utf-8", "replace")) for token in vocab),
+                  default=1)
+    added = max((len(token.content.encode("utf-8")) for token in tokenizer.get_added_tokens_decoder().values()),
+                default=1)
+    return max(longest, added, 4)
 
 
 def check_prompt_length(num_tokens: int, max_input_len: int, where: str) -> None:

@@ -42,6 +42,7 @@ class RequestOutput:
     timing: RequestTiming | None = None
     adapter: str = "base"
     samples: list[SampleResult] = field(default_factory=list, repr=False)
+    error: str | None = None  # finish_reason "error": why the engine failed this request alone
 
 
 class OutputProcessor:
@@ -88,7 +89,7 @@ class OutputProcessor:
                              for token_id, logprob in s.top_logprobs] for s in seq.samples]
         return RequestOutput(seq.request_id, seq.prompt_ids, list(seq.output_ids), new_token_ids, text, finished,
                              seq.finish_reason.value if seq.finish_reason else None, seq.reused_tokens, logprobs,
-                             _timing(seq) if finished else None, seq.adapter_label, seq.samples)
+                             _timing(seq) if finished else None, seq.adapter_label, seq.samples, seq.error)
 
 
 def _timing(seq: Sequence) -> RequestTiming:

@@ -72,6 +72,7 @@ class SchedulerOutput:
     rows: list[ScheduledRow] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    failed: list[Sequence] = field(default_factory=list)  # admission raised for them: finished with an error
 
     @property
     def has_prefill(self) -> bool:
@@ -194,12 +195,17 @@ class Scheduler:
         skipped: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.max_batch_size:
             seq = self.waiting[0]
-            admission = seq.next_admission()
-            if self.cache.prefix_in_flight(admission):
-                self.stats.inflight_prefix_waits += 1
-                skipped.append(self.waiting.popleft())
+            try:  # page keys are hashed here: a value only this request carries must not stop the queue
+                admission = seq.next_admission()
+                if self.cache.prefix_in_flight(admission):
+                    self.stats.inflight_prefix_waits += 1
+                    skipped.append(self.waiting.popleft())
+                    continue
+                lease = self.cache.try_acquire(admission)  # all-or-nothing: nothing changed if it raised
+            except Exception as exc:
+                self.fail(seq, f"admission failed ({type(exc).__name__}: {exc})")
+                out.failed.append(seq)
                 continue
-            lease = self.cache.try_acquire(admission)
             if lease is None:
                 break  # first come, first served: later arrivals do not overtake a sequence waiting for pages
             self.waiting.popleft()
@@ -327,6 +333,13 @@ class Scheduler:
     def abort(self, seq: Sequence) -> None:
         """Stop a sequence now: its pages are released and nothing of it is published."""
         seq.finish_reason = FinishReason.ABORTED
+        seq.finish_time = time.perf_counter()
+        self.finish(seq)
+
+    def fail(self, seq: Sequence, reason: str) -> None:
+        """End one sequence that a step could not run, as an abort does (pages released, nothing published)."""
+        seq.finish_reason = FinishReason.ERROR
+        seq.error = reason
         seq.finish_time = time.perf_counter()
         self.finish(seq)
 

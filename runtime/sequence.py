@@ -32,6 +32,7 @@ class FinishReason(str, Enum):
     LENGTH = "max-length"
     STOP = "stop-words"
     ABORTED = "aborted"
+    ERROR = "error"  # this row failed inside a step (Sequence.error says why); the other rows went on
 
 
 @dataclass(slots=True)
@@ -63,6 +64,7 @@ class Sequence:
     samples: list[SampleResult] = field(default_factory=list)
     output_text: str = ""
     finish_reason: FinishReason | None = None
+    error: str | None = None  # why a step failed this sequence alone (finish_reason ERROR)
     admission: Admission | None = None  # kept across retries so page keys are hashed once
     arrival_time: float = field(default_factory=time.perf_counter)
     first_scheduled_time: float | None = None

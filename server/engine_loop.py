@@ -3,6 +3,12 @@
 Loop: drain the commands (add, abort, call), then run one `engine.step()` while work exists, else block on
 the queue. Every output goes to the sink its request was submitted with (the handler's asyncio queue, fed
 with `loop.call_soon_threadsafe`), so requests that arrive together share decode steps.
+
+The engine thread only steps: a request's preparation (chat template, tokenization, media decoding and encoding,
+limit checks) runs first on a small pool of its own (`prepare`), and only `engine.add_request` reaches this thread.
+What preparation touches is safe beside a running step: the tokenizer and the template are read-only, the adapter
+registry is loaded before the server starts, the encoder cache takes its own lock, and stage times go to the
+metrics' (locked) histograms.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -21,6 +27,7 @@ from kvforge.runtime.output import RequestOutput
 from kvforge.runtime.sequence import EngineRequest
 
 T = TypeVar("T")
+PREPARE_WORKERS = 2  # requests prepared at once; more wait (and count as in flight) on the asyncio side
 log = logging.getLogger("kvforge.server")
 
 
@@ -41,7 +48,7 @@ Sink = Callable[[Accepted | RequestOutput | Exception], None]
 @dataclass(frozen=True, slots=True)
 class _Add:
     request_id: str
-    build: Callable[[Engine], EngineRequest]  # runs here: chat template, tokenization and limit checks
+    request: EngineRequest  # prepared off this thread (see `EngineLoop.prepare`)
     sink: Sink
 
 
@@ -60,8 +67,9 @@ _STOP = object()
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine  # touched only by the loop's thread once start() has run
+    def __init__(self, engine: Engine, prepare_workers: int = PREPARE_WORKERS) -> None:
+        self.engine = engine  # stepped only by the loop's thread once start() has run
+        self._preparers = ThreadPoolExecutor(prepare_workers, thread_name_prefix="kvforge-prepare")
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._stopping = False
@@ -77,8 +85,16 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def submit(self, request_id: str, build: Callable[[Engine], EngineRequest], sink: Sink) -> None:
-        self._commands.put(_Add(request_id, build, sink))
+    def prepare(self, build: Callable[[Engine], EngineRequest]) -> Future[EngineRequest]:
+        """Run `build(engine)` (template, tokenize, encode media, check limits) on the preparation pool, never on the
+        engine thread; it may read the engine's immutable parts only (inputs, engine_dir), not its queues."""
+        return self._preparers.submit(build, self.engine)
+
+    def submit(self, request_id: str, request: EngineRequest, sink: Sink) -> None:
+        if not self._thread.is_alive():  # prepared while the server stopped: nobody would ever answer it
+            sink(EngineFailure("the server is shutting down"))
+            return
+        self._commands.put(_Add(request_id, request, sink))
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
@@ -91,6 +107,7 @@ class EngineLoop:
 
     def stop(self, timeout: float | None = None) -> None:
         """Abort what is still in flight (its sinks get an EngineFailure) and end the thread."""
+        self._preparers.shutdown(wait=False, cancel_futures=True)
         if self._thread.is_alive():
             self._commands.put(_STOP)
             self._thread.join(timeout)
@@ -110,7 +127,20 @@ class EngineLoop:
             reason = "the engine thread failed"
         finally:
             self._fail_all(reason)
+            self._refuse_queued(reason)
             self.snapshot = self._take_snapshot()
+
+    def _refuse_queued(self, reason: str) -> None:
+        """Commands that arrived with or after the stop: answered, so no handler waits for a thread that is gone."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Add):
+                command.sink(EngineFailure(reason))
+            elif isinstance(command, _Call):
+                command.future.set_exception(EngineFailure(reason))
 
     def _drain(self, block: bool) -> None:
         while True:
@@ -134,13 +164,12 @@ class EngineLoop:
             command.sink(EngineFailure("the server is shutting down"))
             return
         try:
-            request = command.build(self.engine)
-            self.engine.add_request(request, command.request_id)
+            self.engine.add_request(command.request, command.request_id)
         except Exception as exc:  # KvforgeError: the request's fault (400); anything else reaches the handler too
             command.sink(exc)
             return
         self._sinks[command.request_id] = command.sink
-        command.sink(Accepted(len(request.prompt_ids)))
+        command.sink(Accepted(len(command.request.prompt_ids)))
 
     def _run_call(self, command: _Call) -> None:
         try:
@@ -157,9 +186,14 @@ class EngineLoop:
             return
         for output in outputs:
             sink = self._sinks.pop(output.request_id) if output.finished else self._sinks.get(output.request_id)
-            if sink is not None:
-                output.samples = list(output.samples)  # the sequence keeps appending to its own list
-                sink(output)
+            if sink is None:
+                continue
+            if output.error is not None:  # the step failed this request alone; the others' outputs follow
+                log.error("request %s failed in the engine: %s", output.request_id, output.error)
+                sink(EngineFailure(f"the engine failed while running this request: {output.error}"))
+                continue
+            output.samples = list(output.samples)  # the sequence keeps appending to its own list
+            sink(output)
 
     def _fail_all(self, message: str) -> None:
         for request_id, sink in list(self._sinks.items()):

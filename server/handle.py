@@ -73,8 +73,21 @@ class RequestHandle:
             with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody is waiting any more
                 loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
-        state.engine_loop.submit(self.request_id, lambda engine: self.call.engine_request(engine, self.cache_salt),
-                                 sink)
+        prepared = state.engine_loop.prepare(lambda engine: self.call.engine_request(engine, self.cache_salt))
+        try:
+            request = await asyncio.wrap_future(prepared)
+        except asyncio.CancelledError:  # client gone while preparing: nothing reached the engine, nothing to abort
+            prepared.cancel()  # still queued for a worker: never runs
+            self.finished = True
+            self.close()
+            if prepared.cancelled() and not state.engine_loop.alive:  # the pool was shut down under it
+                raise ApiError(503, "the server is shutting down", kind="server_error", code="unavailable") from None
+            raise
+        except Exception as exc:  # KvforgeError: the request's fault (400)
+            self.finished = True
+            self.close("invalid" if isinstance(exc, KvforgeError) else "failed")
+            raise self._api_error(exc) from None
+        state.engine_loop.submit(self.request_id, request, sink)
         try:
             item = await self.queue.get()
         except BaseException:  # cancelled (client gone) while the engine thread was busy with a step

@@ -65,7 +65,8 @@ class ApiCall:
     parse_special_tokens: bool = False  # kvforge extension: special-token text in content becomes special tokens
 
     def engine_request(self, engine: Engine, cache_salt: str) -> EngineRequest:
-        """Tokenize (chat template for chat) and check against the engine; runs on the engine thread."""
+        """Tokenize (chat template for chat) and check against the engine; runs on a preparation worker, beside the
+        engine thread's steps (EngineLoop.prepare), so it reads only the engine's immutable parts."""
         if self.chat:
             request = Request(0, self.messages, self.sampling, lora_name=self.lora_name, cache_salt=cache_salt,
                               parse_special_tokens=self.parse_special_tokens)
@@ -176,7 +177,7 @@ def _prompt(value: Any) -> str | list[int]:
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
         value = value[0]
     if isinstance(value, str):
-        return value
+        return check_string(value, "prompt")
     if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         return value
     fail("prompt", f"must be a string or an array of token ids (one prompt per request), got {json_kind(value)}")

@@ -49,8 +49,12 @@ def check_number(value: Any, where: str, expected: str) -> float:
 
 
 def check_string(value: Any, where: str) -> str:
+    """A JSON string that is also valid Unicode: "\ud800" parses in JSON but cannot be encoded (hashed into a cache
+    key, tokenized, written out), so it is refused here, where the field can still be named."""
     if not isinstance(value, str):
         fail(where, f"must be a string, got {describe(value)}")
+    if not value.isascii():
+        utf8_size(value, where)
     return value
 
 
