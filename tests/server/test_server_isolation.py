@@ -19,14 +19,11 @@ import numpy as np
 import openai
 import pytest
 from PIL import Image
+from support.media_engines import build_tiny_vlm
 from support.server_harness import MODEL, LiveServer, build_server_engine, idle_audit, live_server
 
-from kvforge.builder.build import BuildOptions, build_engine
-from kvforge.builder.encoder_build import build_encoder_engine
+from kvforge.builder.build import BuildOptions
 from kvforge.runtime.multimodal.visual import VisualEncoder
-from kvforge.tools.export.idefics3_source import write_visual_onnx_dir
-from kvforge.tools.export.synthetic import synthetic_idefics3
-from kvforge.tools.export.writer import write_onnx_dir
 
 KEYS = {"key-hostile": "hostile", "key-normal": "normal"}
 QUESTIONS = ["How many turbines does the array have?", "Who chaired the review?", "When did it begin?"]
@@ -190,12 +187,8 @@ VLM_BUILD = BuildOptions(max_input_len=384, max_kv_cache_capacity=512, max_batch
 @pytest.fixture(scope="module")
 def vlm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     root = tmp_path_factory.mktemp("isolation_vlm")
-    text, visual = synthetic_idefics3()
-    write_onnx_dir(text, root / "onnx")
-    write_visual_onnx_dir(visual, root / "onnx" / "visual")
-    build_engine(root / "onnx", root / "engine", VLM_BUILD)
-    build_encoder_engine(root / "onnx" / "visual", root / "visual", "auto", 4)
-    with live_server(root / "engine", root / "server", multimodal_engine_dir=str(root / "visual")) as live:
+    engine_dir, visual = build_tiny_vlm(root, VLM_BUILD)
+    with live_server(engine_dir, root / "server", multimodal_engine_dir=str(visual)) as live:
         yield live
 
 
