@@ -37,7 +37,7 @@ class RenderedPrompt(str):
 
     content_spans: Spans | None
 
-    def __new__(cls, text: str, content_spans: Spans | None) -> RenderedPrompt:
+    def __new__(cls, text: str, content_spans: Spans | None = None) -> RenderedPrompt:  # None: pickle's copy
         prompt = super().__new__(cls, text)
         prompt.content_spans = content_spans
         return prompt
