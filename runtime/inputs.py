@@ -125,9 +125,9 @@ class InputProcessor:
         spans = ()
         if media:
             assert self.multimodal is not None
-            # The plain-text rule of tokenizer.py holds for the text parts of media prompts too.
-            plain = None if request.parse_special_tokens else [
-                part for message in request.messages for part in message.content.split(MEDIA_SENTINEL)]
+            # The plain-text rule of tokenizer.py holds for the text parts of media prompts too: the formatted
+            # prompt carries where its content lies.
+            plain = None if request.parse_special_tokens else text
             ids, spans = self.multimodal.tokenize(text, media, base_dir, self.max_input_len,
                                                   join_path(where, "messages"), plain, cache_salt=request.cache_salt)
         else:
