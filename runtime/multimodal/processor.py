@@ -18,7 +18,7 @@ from kvforge.runtime.multimodal.encoder_cache import EncoderCache, cache_scope
 from kvforge.runtime.multimodal.encoder_session import FIELD
 from kvforge.runtime.multimodal.spans import MediaSpan
 from kvforge.runtime.profile import Profiler
-from kvforge.runtime.tokenizer import ChatTokenizer
+from kvforge.runtime.tokenizer import ChatTokenizer, RenderedPrompt
 from kvforge.runtime.types import MEDIA_SENTINEL, MediaRef
 
 VISION_ENCODER_STAGE = "vision_encoder"
@@ -90,18 +90,18 @@ class MultimodalProcessor:
                                    f"{self.encoder.kind} one", f"{ref.where}.type")
 
     def tokenize(self, text: str, media: list[MediaRef], base_dir: Path | None, max_input_len: int,
-                 where: str, plain_texts: list[str] | None = None,
+                 where: str, plain: RenderedPrompt | None = None,
                  cache_salt: str | None = None) -> tuple[list[int], tuple[MediaSpan, ...]]:
         """Token ids of a rendered prompt whose media sentinels become placeholder spans, and those spans with
         their embeddings. Every error is one line naming the media item (or `where` for the prompt).
-        `plain_texts`: the messages' text parts, tokenized as plain text (None: special-token text is parsed).
+        `plain`: the formatted prompt with its content spans, kept plain text (None: special-token text is parsed).
         `cache_salt`: the request's; encoder outputs are cached per salt (encoder_cache.cache_scope), while the
         media identity in the spans (and so in the page keys) is the digest alone, the salt being keyed there."""
         segments = text.split(MEDIA_SENTINEL)
         if len(segments) - 1 != len(media):
             raise KvforgeError(f"the chat template kept {len(segments) - 1} of the request's {len(media)} media "
                                "items (it dropped a message holding one)", where)
-        pieces = self.tokenizer.encode_chat_segments(segments, plain_texts, where)
+        pieces = self.tokenizer.encode_chat_segments(segments, plain, where)
         ids = pieces[0]
         placed = []
         self.check_kinds(media)
