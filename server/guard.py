@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import json
 from collections.abc import AsyncIterator, Callable, Collection
@@ -31,6 +32,10 @@ MAX_JSON_SEPARATORS = 2**20
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
 CORS_HEADERS = ("Authorization", "Content-Type")  # what the chat page and the openai clients send
 CORS_METHODS = ("GET", "POST")
+# After refusing a body, what the client keeps sending is read and dropped for up to this long before the
+# connection closes: closing on unread bytes resets the connection, and a client still writing its body (most do,
+# before they read) would see the reset instead of the answer (nginx's lingering close does the same).
+LINGER_S = 2.0
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that hung up before the response
 
 
@@ -126,27 +131,42 @@ async def read_json(chunks: AsyncIterator[bytes], limits: BodyLimits, declared: 
     if held and not budget.reserve(held):
         raise _busy()
     body = bytearray()
+    chunks = aiter(chunks)  # one iterator: a refused body is drained from where it stopped
+    refused: ApiError | None = None
     try:
         try:
             async with asyncio.timeout(limits.timeout_s):
                 async for chunk in chunks:
                     body += chunk
                     if len(body) > cap or (declared is not None and len(body) > declared):
-                        raise too_large(cap)
-                    if len(body) > held:  # no (or a short) declaration: reserve as it arrives
+                        refused = too_large(cap)
+                        break
+                    if len(body) > held:  # undeclared (or chunked): reserve as it comes
                         if not budget.reserve(len(body) - held):
-                            raise _busy()
+                            refused = _busy()
+                            break
                         held = len(body)
         except TimeoutError:
             raise ApiError(408, f"the request body did not arrive within {limits.timeout_s:g} s",
                            code="request_timeout") from None
         except ClientDisconnect:  # nobody reads the answer; an ApiError keeps it out of the internal-error log
             raise ApiError(CLIENT_CLOSED_REQUEST, "the client disconnected while sending the body") from None
+        if refused is not None:
+            del body[:]
+            await _drain(chunks, LINGER_S)
+            raise refused
         data = bytes(body)
         del body[:]  # one copy of the body from here on
         return await asyncio.to_thread(_parse, data)
     finally:
         budget.release(held)
+
+
+async def _drain(chunks: AsyncIterator[bytes], seconds: float) -> None:
+    with contextlib.suppress(TimeoutError, ClientDisconnect):
+        async with asyncio.timeout(seconds):
+            async for _ in chunks:
+                pass
 
 
 def _parse(data: bytes) -> Any:
@@ -190,7 +210,7 @@ class Guard:
             return
         error = self.refusal(scope)
         if error is not None:
-            await send_error(send, error, close=True)
+            await send_error(send, error, close=True, linger=receive if scope["method"] == "POST" else None)
             return
         started = False
 
@@ -243,9 +263,9 @@ class Guard:
         return parts.scheme in ("http", "https") and bool(parts.netloc) and parts.netloc == host.strip().lower()
 
 
-async def send_error(send: Send, error: ApiError, close: bool = False) -> None:
+async def send_error(send: Send, error: ApiError, close: bool = False, linger: Receive | None = None) -> None:
     """An OpenAI-style error object as the whole response; `close`: the connection is not reused (the body, if any,
-    was not read)."""
+    was not read). `linger`: once the answer is out, drop what the request still sends for up to LINGER_S first."""
     body = json.dumps(error.body()).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if close:
@@ -253,4 +273,10 @@ async def send_error(send: Send, error: ApiError, close: bool = False) -> None:
     if error.status == 503:
         headers.append((b"retry-after", b"1"))
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+    await send({"type": "http.response.body", "body": body, "more_body": linger is not None})
+    if linger is not None:  # the client can read the whole answer now (Content-Length); the exchange ends after
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(LINGER_S):
+                while (message := await linger())["type"] == "http.request" and message.get("more_body"):
+                    pass
+        await send({"type": "http.response.body", "body": b""})
