@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -15,11 +16,13 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import support.server_harness as harness
+from conftest import BIN_DIR, CLI_TIMEOUT_S
 from support.server_harness import MODEL, LiveServer, build_server_engine, idle_audit, live_server
 
 from kvforge.server.guard import MAX_JSON_SEPARATORS
@@ -64,7 +67,14 @@ def roomy(engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         yield live
 
 
-def call(server: LiveServer, method: str, path: str, body: bytes | None = None,
+@dataclass(frozen=True)
+class Spawned:
+    """An llm_serve process's port (what `call` needs of a server)."""
+
+    port: int
+
+
+def call(server: LiveServer | Spawned, method: str, path: str, body: bytes | None = None,
          headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], Any]:
     """(status, lower-cased headers, JSON or text); `headers` replace the defaults (Host, Content-Type) they name."""
     connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
@@ -179,6 +189,23 @@ def test_a_declared_length_over_the_cap_is_refused_before_reading(server: LiveSe
         assert_error(reply, "body_too_large")
     finally:
         sock.close()
+
+
+def test_a_client_sending_too_much_reads_the_413(server: LiveServer) -> None:
+    """Clients write their whole body before they read: the refusal must not reach them as a connection reset."""
+    big = json.dumps({**BODY, "padding": "x" * (3 * 2**20)}).encode()
+    status, _, reply = call(server, "POST", "/v1/completions", big)  # declared: refused before reading
+    assert status == 413
+    assert_error(reply, "body_too_large")
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:  # undeclared (chunked): refused once the cap is passed
+        connection.request("POST", "/v1/completions", body=iter([big[i:i + 65536] for i in range(0, len(big), 65536)]),
+                           headers={"Content-Type": "application/json"}, encode_chunked=True)
+        response = connection.getresponse()
+        assert response.status == 413 and "more than 1,048,576 bytes" in json.loads(response.read())["error"]["message"]
+    finally:
+        connection.close()
+    assert call(server, "POST", "/v1/completions", json.dumps(BODY).encode())[0] == 200
 
 
 def test_a_body_with_too_many_values_is_refused_unparsed(roomy: LiveServer) -> None:
@@ -298,3 +325,49 @@ def test_ctrl_c_during_start_up_is_one_line(engine_dir: Path, module: str) -> No
     assert result.returncode == 130, result.stderr
     assert "Traceback" not in result.stderr
     assert [line for line in result.stderr.splitlines() if line.strip()] == ["error: interrupted"]
+
+
+# --- the flags, through llm_serve itself ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("args", "flag"), [(["--maxBodyBytes", "0"], "--maxBodyBytes"),
+                                            (["--maxBodyBytesInFlight", "10"], "--maxBodyBytesInFlight"),
+                                            (["--bodyTimeout", "-1"], "--bodyTimeout"),
+                                            (["--maxConnections", "0"], "--maxConnections"),
+                                            (["--allowedOrigins", "notebook.test"], "--allowedOrigins")])
+def test_bad_edge_flags_are_one_line(engine_dir: Path, args: list[str], flag: str) -> None:
+    result = subprocess.run([str(BIN_DIR / "llm_serve"), "--engineDir", str(engine_dir), "--port", "0", *args],
+                            capture_output=True, text=True, timeout=CLI_TIMEOUT_S,
+                            env={**os.environ, "NO_COLOR": "1", "COLUMNS": "300"})
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and flag in lines[0], result.stderr
+
+
+def test_the_flags_reach_the_server(engine_dir: Path) -> None:
+    env = {**os.environ, "NO_COLOR": "1", "TERM": "dumb", "COLUMNS": "300"}
+    process = subprocess.Popen([str(BIN_DIR / "llm_serve"), "--engineDir", str(engine_dir), "--port", "0",
+                                "--allowedHosts", "llm.test,other.test", "--allowedOrigins", NOTEBOOK,
+                                "--maxBodyBytes", "4096", "--servedModelName", MODEL],
+                               stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert process.stderr is not None
+        port = None
+        for line in process.stderr:
+            if "127.0.0.1:" in line and port is None:
+                port = int(line.split("127.0.0.1:")[1].split("/")[0])
+            if "Application startup complete" in line:
+                break
+        assert port is not None
+        live = Spawned(port)
+        body = json.dumps(BODY).encode()
+        assert call(live, "POST", "/v1/completions", body, {"Host": "llm.test", "Origin": NOTEBOOK})[0] == 200
+        assert call(live, "GET", "/health", headers={"Host": f"other.test:{port}"})[0] == 200
+        assert call(live, "GET", "/health", headers={"Host": "evil.test"})[0] == 400
+        assert call(live, "POST", "/v1/completions", json.dumps({**BODY, "pad": "x" * 5000}).encode())[0] == 413
+        process.send_signal(signal.SIGINT)
+        assert process.wait(CLI_TIMEOUT_S) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(CLI_TIMEOUT_S)
