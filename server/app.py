@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -18,10 +18,10 @@ from starlette.types import Receive, Scope, Send
 
 from kvforge import __version__
 from kvforge.contract.errors import KvforgeError
-from kvforge.contract.files import loads_json
 from kvforge.runtime.engine import Engine
 from kvforge.runtime.output import RequestOutput
 from kvforge.server.engine_loop import EngineLoop
+from kvforge.server.guard import DEFAULT_MAX_BODY_BYTES, LOOPBACK_HOSTS, BodyLimits, Guard, read_json
 from kvforge.server.handle import ClientGone, RequestHandle, ServerState
 from kvforge.server.media import MediaPolicy
 from kvforge.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -31,17 +31,20 @@ from kvforge.server.tenants import Tenants
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-# A few inline media items (each at most MAX_MEDIA_ITEM_BYTES, a third more in base64) and the text around them.
-MAX_BODY_BYTES = 128 * 2**20
+# Per body unless create_app is given one (--maxBodyBytes); read per request. Why this size: server/guard.py.
+MAX_BODY_BYTES = DEFAULT_MAX_BODY_BYTES
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that hung up before the response
 ENGINE_STOP_TIMEOUT_S = 30.0  # the engine thread ends after its current step; one step is seconds at most
 log = logging.getLogger("uvicorn.error")  # beside uvicorn's own start and shutdown lines
 
 
 def create_app(engine: Engine, tenants: Tenants, *, model_name: str, max_queued_requests: int,
-               media: MediaPolicy | None = None) -> FastAPI:
+               media: MediaPolicy | None = None, allowed_hosts: frozenset[str] | None = LOOPBACK_HOSTS,
+               allowed_origins: frozenset[str] = frozenset(), max_body_bytes: int | None = None,
+               body_bytes_in_flight: int | None = None, body_timeout_s: float | None = None) -> FastAPI:
     """An app serving `engine` (with its adapters loaded) under `model_name`; the engine thread starts with it.
-    `media`: where media content parts may come from (default: inline only)."""
+    `media`: where media content parts may come from (default: inline only). `allowed_hosts` (None: any Host),
+    `allowed_origins` and the body bounds: server/guard.py (defaults: loopback names, same origin only, its sizes)."""
     engine_loop = EngineLoop(engine)
     metrics = ServerMetrics(lambda: engine_loop.snapshot)
     # Before the thread starts (from then on it owns the engine): step times, the encoder's too, go to a histogram
@@ -71,12 +74,21 @@ def create_app(engine: Engine, tenants: Tenants, *, model_name: str, max_queued_
     # No /docs or /redoc: their pages load scripts from a CDN, which an offline deployment should not reach for.
     app = FastAPI(title="kvforge llm_serve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.kvforge = state
-    _add_routes(app, state)
+
+    def body_cap() -> int:
+        return max_body_bytes or MAX_BODY_BYTES
+
+    limits = BodyLimits.of(body_cap(), body_bytes_in_flight)
+    if body_timeout_s is not None:
+        limits.timeout_s = body_timeout_s
+    # Inside starlette's error middleware, outside routing: refusals cost no body read and no JSON parse.
+    app.add_middleware(Guard, allowed_hosts=allowed_hosts, allowed_origins=allowed_origins, max_body_bytes=body_cap)
+    _add_routes(app, state, limits, body_cap)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return app
 
 
-def _add_routes(app: FastAPI, state: ServerState) -> None:
+def _add_routes(app: FastAPI, state: ServerState, limits: BodyLimits, body_cap: Callable[[], int]) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, exc: ApiError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
@@ -95,7 +107,10 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        # With --apiKeys, any tenant's key: the counters show everyone's traffic and cache hit rates, a side channel
+        # between tenants. /health (ok/unavailable only) and the chat page (static files) stay open for probes.
+        _tenant(state, request)
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
@@ -109,17 +124,17 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await _complete(state, request, chat=True)
+        return await _complete(state, request, limits, body_cap(), chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _complete(state, request, chat=False)
+        return await _complete(state, request, limits, body_cap(), chat=False)
 
 
-async def _complete(state: ServerState, request: Request, chat: bool) -> Response:
+async def _complete(state: ServerState, request: Request, limits: BodyLimits, cap: int, chat: bool) -> Response:
     tenant = _tenant(state, request)
     try:
-        call = parse_call(await json_body(request), chat, state.models, state.media)
+        call = parse_call(await json_body(request, limits, cap), chat, state.models, state.media)
     except ApiError:
         state.metrics.requests.labels("invalid").inc()
         raise
@@ -142,16 +157,15 @@ def _tenant(state: ServerState, request: Request) -> str:
     return tenant
 
 
-async def json_body(request: Request) -> Any:
-    body = bytearray()
-    async for chunk in request.stream():  # bounded as it arrives: media parts make bodies large, never unbounded
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise ApiError(413, f"the request body is more than {MAX_BODY_BYTES:,} bytes", code="body_too_large")
-    try:
-        return loads_json(bytes(body), "body")  # duplicate keys refused, naming the key
-    except KvforgeError as exc:
-        raise ApiError(400, f"the request body is not valid JSON: {exc.message}") from None
+async def json_body(request: Request, limits: BodyLimits | None = None, cap: int | None = None) -> Any:
+    """The body as JSON, bounded in size, time and (with the app's `limits`) bytes across requests at once; parsed on
+    a worker thread, so /health and the streams go on meanwhile."""
+    declared = getattr(request, "headers", {}).get("content-length")
+    return await read_json(request.stream(), limits or _LIMITS, int(declared) if declared else None,
+                           cap if cap is not None else MAX_BODY_BYTES)
+
+
+_LIMITS = BodyLimits()  # json_body called without an app's limits
 
 
 async def _collect(handle: RequestHandle, request: Request) -> RequestOutput:

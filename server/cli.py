@@ -7,11 +7,15 @@ import socket
 import sys
 from pathlib import Path
 
-import typer
+try:  # a second or more of imports before run_guarded catches Ctrl-C: the same one line and 130 here
+    import typer
 
-from kvforge.cli_common import ENGINE_FLAGS, check_reuse_flags, console, run_app, run_guarded, with_engine_options
-from kvforge.contract.errors import KvforgeError
-from kvforge.runtime.engine_config import EngineConfig
+    from kvforge.cli_common import ENGINE_FLAGS, check_reuse_flags, console, run_app, run_guarded, with_engine_options
+    from kvforge.contract.errors import KvforgeError
+    from kvforge.runtime.engine_config import EngineConfig
+except KeyboardInterrupt:
+    sys.stderr.write("error: interrupted\n")
+    raise SystemExit(130) from None
 
 HELP = """
 Serve an engine built by llm_build with OpenAI's API (/v1/chat/completions, /v1/completions, /v1/models),
@@ -23,11 +27,18 @@ Serve an engine built by llm_build with OpenAI's API (/v1/chat/completions, /v1/
   llm_serve --engineDir engines/smollm2 --enableContextReuse --apiKeys keys.json --host 0.0.0.0 --port 8000
   llm_serve --engineDir engines/smollm2-lora --loraWeights support=adapters/support.safetensors
   llm_serve --engineDir engines/smolvlm --multimodalEngineDir engines/smolvlm-visual --enableContextReuse
+  llm_serve --engineDir engines/smollm2 --allowedHosts llm.lan --allowedOrigins https://notebook.lan
 """
+MiB = 2**20
+KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this (uvicorn's default, stated)
+MAX_HEADER_BYTES = 16 * 1024  # a request line + headers larger than this is refused by h11 (its default, stated)
 LOOPBACK = "127.0.0.1"
 SERVE_FLAGS = {**ENGINE_FLAGS, "api_keys": "--apiKeys", "salt_secret": "--saltSecret",
                "served_model_name": "--servedModelName", "host": "--host", "port": "--port",
-               "allowed_media_dir": "--allowedMediaDir"}
+               "allowed_media_dir": "--allowedMediaDir", "allowed_hosts": "--allowedHosts",
+               "allowed_origins": "--allowedOrigins", "max_body_bytes": "--maxBodyBytes",
+               "body_bytes_in_flight": "--maxBodyBytesInFlight", "body_timeout": "--bodyTimeout",
+               "max_connections": "--maxConnections"}
 app = typer.Typer(add_completion=False, rich_markup_mode="rich")
 
 
@@ -58,6 +69,25 @@ def serve(
     shutdown_timeout: float = typer.Option(30.0, "--shutdownTimeout",
                                            help="On SIGTERM/SIGINT, seconds requests in flight get to finish before "
                                                 "they are cancelled."),
+    allowed_hosts: list[str] = typer.Option([], "--allowedHosts",
+                                            help="Host names clients may reach the server under, besides the "
+                                                 "loopback ones (comma-separated or repeated; '*': any). Default "
+                                                 "when bound to loopback: localhost, 127.0.0.1, ::1 only (DNS "
+                                                 "rebinding); bound elsewhere: any, unless this lists them."),
+    allowed_origins: list[str] = typer.Option([], "--allowedOrigins",
+                                              help="Web origins (scheme://host[:port]) whose pages may call the "
+                                                   "server, with CORS; others get 403. The chat page's own origin is "
+                                                   "always allowed."),
+    max_body_bytes: int = typer.Option(50 * MiB, "--maxBodyBytes",
+                                       help="Largest request body (413 past it; declared lengths are refused "
+                                            "before reading)."),
+    body_bytes_in_flight: int = typer.Option(None, "--maxBodyBytesInFlight",
+                                             help="Bytes of request bodies being received or parsed at once, all "
+                                                  "clients together (default 2 x --maxBodyBytes); past it, 503."),
+    body_timeout: float = typer.Option(30.0, "--bodyTimeout",
+                                       help="Seconds a request body may take to arrive; a slower one gets 408."),
+    max_connections: int = typer.Option(1000, "--maxConnections",
+                                        help="Open connections (and requests) at once; past it uvicorn answers 503."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
     """Load the engine, then serve until SIGTERM or Ctrl-C."""
@@ -74,6 +104,14 @@ def serve(
             raise KvforgeError(f"must be >= 0, got {max_queued_requests}", "--maxQueuedRequests")
         if shutdown_timeout < 0:
             raise KvforgeError(f"must be >= 0, got {shutdown_timeout}", "--shutdownTimeout")
+        for flag, value in (("--maxBodyBytes", max_body_bytes), ("--maxBodyBytesInFlight", body_bytes_in_flight),
+                            ("--bodyTimeout", body_timeout), ("--maxConnections", max_connections)):
+            if value is not None and value <= 0:
+                raise KvforgeError(f"must be > 0, got {value}", flag)
+        if body_bytes_in_flight is not None and body_bytes_in_flight < max_body_bytes:
+            raise KvforgeError(f"must be at least --maxBodyBytes ({max_body_bytes}), got {body_bytes_in_flight}",
+                               "--maxBodyBytesInFlight")
+        from kvforge.server.guard import default_allowed_hosts, parse_origins
         from kvforge.server.media import media_policy
 
         check_reuse_flags(engine_config)
@@ -81,6 +119,11 @@ def serve(
         adapters = parse_lora_flags(lora_weights)
         tenants = load_tenants(api_keys, salt_secret)
         bind_host = host or LOOPBACK
+        hosts = default_allowed_hosts(bind_host, allowed_hosts)
+        origins = parse_origins(allowed_origins)
+        for origin in origins - {"*", "null"}:
+            if "://" not in origin:
+                raise KvforgeError(f"expected scheme://host[:port], got {origin!r}", "--allowedOrigins")
         sock = bind_socket(bind_host, port)
         engine = Engine(engine_dir, engine_config)
         try:
@@ -89,12 +132,18 @@ def serve(
             raise KvforgeError(exc.message, "--loraWeights") from None
         model_name = served_model_name or engine_dir.resolve().name
         web = create_app(engine, tenants, model_name=model_name, max_queued_requests=max_queued_requests,
-                         media=media)
+                         media=media, allowed_hosts=hosts, allowed_origins=origins, max_body_bytes=max_body_bytes,
+                         body_bytes_in_flight=body_bytes_in_flight, body_timeout_s=body_timeout)
         _announce(sock, model_name, engine_config.enable_context_reuse, tenants.required, host is not None)
         # uvicorn re-raises the signal it shut down for; exit 0 then: requests in flight were finished or cancelled.
         for stop_signal in (signal.SIGTERM, signal.SIGINT):
             signal.signal(stop_signal, lambda *_: sys.exit(0))
-        config = uvicorn.Config(web, log_level="info", timeout_graceful_shutdown=shutdown_timeout or None)
+        # limit_concurrency bounds open connections and tasks (past it uvicorn answers its own 503), which is also
+        # what bounds connections stalled in their headers: uvicorn (0.55) has no header read timeout, and the
+        # keep-alive timer only runs between requests. Bodies are bounded by the app (server/guard.py).
+        config = uvicorn.Config(web, log_level="info", timeout_graceful_shutdown=shutdown_timeout or None,
+                                timeout_keep_alive=KEEP_ALIVE_S, limit_concurrency=max_connections,
+                                h11_max_incomplete_event_size=MAX_HEADER_BYTES)
         uvicorn.Server(config).run(sockets=[sock])
 
     run_guarded(body, debug, SERVE_FLAGS)
