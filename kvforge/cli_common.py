@@ -69,8 +69,20 @@ EXPORT_FLAGS = {
 }
 
 
+def version_line(name: str) -> str:
+    """`NAME kvforge X.Y.Z`: what every console script's `--version` prints."""
+    from kvforge import __version__
+
+    return f"{name} kvforge {__version__}"
+
+
 def run_app(app: typer.Typer) -> None:
     """Entry point of a typer app whose usage errors (missing or malformed flags) are one line too."""
+    # Handled before typer sees argv so it works at the top level of every app, subcommands or not, and needs no
+    # required flag (typer would demand --engineDir first).
+    if sys.argv[1:2] == ["--version"]:
+        print(version_line(Path(sys.argv[0]).name))
+        raise SystemExit(0)
     command = typer.main.get_command(app)
     try:
         code = command.main(standalone_mode=False)

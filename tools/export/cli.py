@@ -329,7 +329,7 @@ def _default_to_model(argv: list[str]) -> list[str]:
     """`llm_export SOURCE ...` → `llm_export model SOURCE ...`; no arguments → the overview help."""
     if not argv:
         return ["--help"]
-    if argv[0] not in COMMANDS and argv[0] not in ("--help", "-h"):
+    if argv[0] not in COMMANDS and argv[0] not in ("--help", "-h", "--version"):
         return ["model", *argv]
     return argv
 

@@ -131,7 +131,7 @@ def _default_to_show(argv: list[str]) -> list[str]:
     no arguments at all → the overview help."""
     if not argv:
         return ["--help"]
-    if argv[0] not in COMMANDS and argv[0] != "--help":
+    if argv[0] not in COMMANDS and argv[0] not in ("--help", "--version"):
         return ["show", *argv]
     return argv
 
