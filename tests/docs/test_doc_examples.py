@@ -1,0 +1,313 @@
+"""The examples in README.md and docs/**/*.md run as tests, so the docs cannot drift from the code.
+
+Convention (what a page writer marks; the marker is an HTML comment on the line before the fence, blank lines
+allowed between them):
+
+- ```python fences are executed, each in a fresh namespace; the blocks of one page run in order in one temporary
+  working directory holding `engines/smollm2` (a tiny synthetic engine: maxInputLen 2048, capacity 4096, batch 4,
+  16-token pages), `onnx/smollm2` (its ONNX dir), `requests.json` (a valid llm_inference request file) and
+  `adapters/` (empty). Files a block writes there are seen by the page's later blocks.
+  - `<!-- docs-test: server -->` before a python block: it runs while llm_serve serves that engine as model
+    `smollm2`; the text `http://127.0.0.1:8000` in the block is replaced by the live server's URL.
+  - `<!-- docs-test: skip REASON -->`: not run; reported as skipped with REASON.
+- ```bash, ```sh, ```shell and ```console fences must carry one of:
+  - `<!-- docs-test: run -->`: executed with `bash -e` in the page's working directory, the venv's bin first on
+    PATH (so `llm_inference --engineDir engines/smollm2 --inputFile requests.json ...` works), with a timeout
+    (SHELL_TIMEOUT_S). In a console block only the `$ ` lines run (the rest is shown output).
+  - `<!-- docs-test: needs smollm2 -->`, `needs peer`, `needs gpu`, `needs network`, or `skip REASON`: not run,
+    reported as skipped with the reason.
+  An unmarked shell block fails, naming file:line.
+- ```json preceded by `<!-- docs-test: request-file -->` is parsed as an llm_inference request file.
+- Other fences (```json, ```text, ```jinja, ...) are not executed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvforge.runtime.request_file import parse_request_file
+
+REPO = Path(__file__).resolve().parents[2]
+BIN_DIR = Path(sys.executable).parent
+SHELL_TIMEOUT_S = 120
+DOC_URL = "http://127.0.0.1:8000"
+SHELL_LANGS = {"bash", "sh", "shell", "console"}
+NEEDS = {"smollm2", "peer", "gpu", "network"}
+_FENCE = re.compile(r"^(?P<indent>\s*)(?P<ticks>`{3,}|~{3,})\s*(?P<lang>[\w+-]*)")
+_MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*(?P<kind>[\w-]+)(?:\s+(?P<arg>.*?))?\s*-->\s*$")
+REQUESTS = {
+    "max_generate_length": 8,
+    "requests": [{"messages": [{"role": "user", "content": "What is the capital of France?"}]}],
+}
+
+
+@dataclass(frozen=True)
+class Block:
+    page: Path
+    line: int  # 1-based line of the opening fence
+    lang: str
+    text: str
+    marker: str | None  # "run", "server", "skip", "needs", "request-file" or an unknown word (an error)
+    arg: str  # the skip reason, or what a "needs" marker needs
+
+    @property
+    def where(self) -> str:
+        try:
+            return f"{self.page.relative_to(REPO)}:{self.line}"
+        except ValueError:
+            return f"{self.page}:{self.line}"
+
+
+def parse_blocks(page: Path) -> list[Block]:
+    """Every fenced block of a markdown page with the docs-test marker on the nearest non-blank line above it."""
+    lines = page.read_text(encoding="utf-8").splitlines()
+    blocks: list[Block] = []
+    i = 0
+    while i < len(lines):
+        opening = _FENCE.match(lines[i])
+        if not opening:
+            i += 1
+            continue
+        ticks, indent = opening["ticks"], len(opening["indent"])
+        marker, arg = None, ""
+        j = i - 1
+        while j >= 0 and not lines[j].strip():
+            j -= 1
+        if j >= 0 and (found := _MARKER.match(lines[j])):
+            marker, arg = found["kind"], found["arg"] or ""
+        body: list[str] = []
+        k = i + 1
+        # The closing fence: the same character, at least as long (CommonMark), nothing else on the line.
+        while k < len(lines) and not (lines[k].strip().startswith(ticks) and not lines[k].strip().strip(ticks[0])):
+            body.append(lines[k][indent:] if lines[k][:indent].strip() == "" else lines[k])
+            k += 1
+        blocks.append(Block(page, i + 1, opening["lang"].lower(), "\n".join(body) + "\n", marker, arg))
+        i = k + 1
+    return blocks
+
+
+def doc_pages() -> list[Path]:
+    pages = [REPO / "README.md"] if (REPO / "README.md").exists() else []
+    return pages + sorted((REPO / "docs").glob("**/*.md"))
+
+
+class Skipped(Exception):
+    """A block that is deliberately not run; the message is the reason."""
+
+
+class ExampleFailed(Exception):
+    """A block that is broken or unmarked; the message names file:line."""
+
+
+def check_marker(block: Block) -> None:
+    """Raise Skipped/ExampleFailed for blocks that are not to be run; return for blocks to run."""
+    if block.marker == "skip":
+        raise Skipped(f"{block.where}: {block.arg or 'no reason given'}")
+    if block.marker == "needs":
+        if block.arg not in NEEDS:
+            raise ExampleFailed(f"{block.where}: unknown `needs {block.arg}` (one of {', '.join(sorted(NEEDS))})")
+        raise Skipped(f"{block.where}: needs {block.arg}")
+    if block.lang in SHELL_LANGS and block.marker != "run":
+        what = f"marker `{block.marker}`" if block.marker else "no docs-test marker"
+        raise ExampleFailed(f"{block.where}: ```{block.lang} block with {what}; precede it with "
+                            "<!-- docs-test: run -->, <!-- docs-test: needs smollm2|peer|gpu|network --> "
+                            "or <!-- docs-test: skip REASON -->")
+    if block.lang == "python" and block.marker not in (None, "server"):
+        raise ExampleFailed(f"{block.where}: python block with unknown marker `{block.marker}`")
+
+
+def make_workspace(path: Path, engine_dir: Path, onnx_dir: Path) -> Path:
+    """A page's working directory: the fixtures its examples name by relative path."""
+    (path / "engines").mkdir(parents=True, exist_ok=True)
+    (path / "onnx").mkdir(exist_ok=True)
+    (path / "adapters").mkdir(exist_ok=True)
+    # Copies, not links: an example may write into an engine dir (an adapter, a rebuilt engine).
+    if not (path / "engines" / "smollm2").exists():
+        shutil.copytree(engine_dir, path / "engines" / "smollm2")
+    if not (path / "onnx" / "smollm2").exists():
+        (path / "onnx" / "smollm2").symlink_to(onnx_dir, target_is_directory=True)  # large, read-only in practice
+    (path / "requests.json").write_text(json.dumps(REQUESTS, indent=2), encoding="utf-8")
+    return path
+
+
+@contextmanager
+def _cwd(path: Path) -> Iterator[None]:
+    before = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
+def run_python(block: Block, workdir: Path, url: str | None = None) -> None:
+    source = block.text.replace(DOC_URL, url) if url else block.text
+    try:
+        code = compile(source, block.where, "exec")
+    except SyntaxError as exc:
+        raise ExampleFailed(f"{block.where}: does not compile: {exc}") from exc
+    with _cwd(workdir):
+        try:
+            exec(code, {"__name__": "__docs_example__"})
+        except Exception as exc:  # any failure of the example is the test's failure, with where it came from
+            raise ExampleFailed(f"{block.where}: {type(exc).__name__}: {exc}") from exc
+
+
+def shell_script(block: Block) -> str:
+    if block.lang != "console":
+        return block.text
+    return "\n".join(line[2:] for line in block.text.splitlines() if line.startswith("$ ")) + "\n"
+
+
+def run_shell(block: Block, workdir: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "KVFORGE_DEBUG"}
+    env.update(PATH=f"{BIN_DIR}{os.pathsep}{env.get('PATH', '')}", NO_COLOR="1", TERM="dumb")
+    try:
+        result = subprocess.run(["bash", "-e", "-c", shell_script(block)], cwd=workdir, env=env, text=True,
+                                capture_output=True, timeout=SHELL_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired as exc:
+        raise ExampleFailed(f"{block.where}: timed out after {SHELL_TIMEOUT_S} s") from exc
+    if result.returncode:
+        tail = (result.stderr or result.stdout).strip()[-1500:]
+        raise ExampleFailed(f"{block.where}: exit {result.returncode}: {tail}")
+
+
+def check_request_file(block: Block) -> None:
+    try:
+        parse_request_file(json.loads(block.text), source=block.where)
+    except Exception as exc:
+        raise ExampleFailed(f"{block.where}: not a valid request file: {exc}") from exc
+
+
+def run_block(block: Block, workdir: Path, server_url: str | None = None) -> None:
+    """Run one block by the convention; raises Skipped or ExampleFailed, returns when it passed or is not code."""
+    check_marker(block)
+    if block.lang == "python":
+        run_python(block, workdir, server_url)
+    elif block.lang in SHELL_LANGS:
+        run_shell(block, workdir)
+    elif block.marker == "request-file":
+        check_request_file(block)
+
+
+ALL_BLOCKS = [b for page in doc_pages() for b in parse_blocks(page)
+              if b.lang == "python" or b.lang in SHELL_LANGS or b.marker is not None]
+_WORKDIRS: dict[Path, Path] = {}  # page → its working directory, shared by the page's blocks in order
+
+
+@pytest.mark.parametrize("block", ALL_BLOCKS, ids=lambda b: f"{b.where}-{b.lang}")
+def test_doc_example(block: Block, docs_engine_dir: Path, tiny_onnx_dir: Path,
+                     tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    if block.page not in _WORKDIRS:
+        _WORKDIRS[block.page] = make_workspace(tmp_path_factory.mktemp("docs_page"), docs_engine_dir, tiny_onnx_dir)
+    workdir = _WORKDIRS[block.page]
+    try:
+        if block.marker == "server" and block.lang == "python":
+            from support import server_harness
+
+            monkeypatch.setattr(server_harness, "MODEL", "smollm2")  # the name the pages use
+            with server_harness.live_server(workdir / "engines" / "smollm2", workdir) as live:
+                run_block(block, workdir, live.url)
+        else:
+            run_block(block, workdir)
+    except Skipped as exc:
+        pytest.skip(str(exc))
+    except ExampleFailed as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+BROKEN_PAGE = """# A page with broken examples
+
+```python
+import kvforge
+assert kvforge.__version__
+```
+
+```python
+raise RuntimeError("this example is broken")
+```
+
+<!-- docs-test: run -->
+
+```bash
+llm_inference --version
+```
+
+<!-- docs-test: run -->
+```bash
+false
+echo unreachable
+```
+
+```bash
+echo this block has no marker
+```
+
+<!-- docs-test: skip needs a person at the keyboard -->
+```bash
+read -p "name? " name
+```
+
+<!-- docs-test: request-file -->
+```json
+{"requests": "not a list"}
+```
+"""
+
+
+def test_collector_reports_broken_examples(tmp_path: Path) -> None:
+    page = tmp_path / "broken.md"
+    page.write_text(BROKEN_PAGE, encoding="utf-8")
+    outcomes: dict[int, str] = {}
+    for block in parse_blocks(page):
+        try:
+            run_block(block, tmp_path)
+            outcomes[block.line] = "passed"
+        except Skipped as exc:
+            outcomes[block.line] = f"skipped: {exc}"
+        except ExampleFailed as exc:
+            outcomes[block.line] = f"failed: {exc}"
+    assert outcomes[3] == "passed"
+    assert outcomes[8].startswith("failed:") and "RuntimeError" in outcomes[8] and "broken.md:8" in outcomes[8]
+    assert outcomes[14] == "passed"
+    assert outcomes[19].startswith("failed:") and "exit 1" in outcomes[19]
+    assert outcomes[24].startswith("failed:") and "no docs-test marker" in outcomes[24] and ":24" in outcomes[24]
+    assert outcomes[29] == f"skipped: {page}:29: needs a person at the keyboard"
+    assert outcomes[34].startswith("failed:") and "request file" in outcomes[34]
+
+
+# Backticked tokens that name repository paths: a top-level folder, then path characters only (no spaces,
+# placeholders like <name> or globs).
+_PATH_ROOTS = ("builder/", "runtime/", "plugins/", "server/", "kvforge/", "tools/", "tests/", "bench/", "scripts/",
+               "test_cases/", "docs/")
+_BACKTICKED = re.compile(r"`([^`\s]+)`")
+_PATH_CHARS = re.compile(r"^[\w./-]+$")
+
+
+def repo_paths_named(text: str) -> list[str]:
+    return [t for t in _BACKTICKED.findall(text) if t.startswith(_PATH_ROOTS) and _PATH_CHARS.match(t)]
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/architecture.md"])
+def test_named_repo_paths_exist(page: str) -> None:
+    if not (REPO / page).exists():
+        pytest.skip(f"{page} is not written yet")
+    text = (REPO / page).read_text(encoding="utf-8")
+    missing = sorted({p for p in repo_paths_named(text) if not (REPO / p.rstrip("/")).exists()})
+    assert not missing, f"{page} names paths that do not exist: {', '.join(missing)}"
+
+
+def test_readme_is_short() -> None:
+    lines = (REPO / "README.md").read_text(encoding="utf-8").count("\n")
+    assert lines < 250, f"README.md has {lines} lines; keep it under 250 (the details live in docs/)"
