@@ -53,8 +53,9 @@ lint: install
 
 # The docs site (mkdocs.yml; docs/*.md, CHANGELOG.md through docs/changelog.md): strict, so a broken link, a page
 # missing from the nav or an API reference (`::: kvforge.LLM`) that does not resolve fails the build. Offline.
+# NO_MKDOCS_2_WARNING: no Material end-of-life banner in the log.
 docs: install
-	$(BIN)/mkdocs build --strict --site-dir $(OUT)/site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir $(OUT)/site
 
 # Tests that build or run engines with attention layers run twice: on the CPU kernel (the default path) and on the
 # pure-ONNX fallback (KVFORGE_CPU_KERNEL=off), so both paths keep every parity, reuse, LoRA, hybrid and media check.

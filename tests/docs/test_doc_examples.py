@@ -123,7 +123,7 @@ def check_marker(block: Block) -> None:
         raise ExampleFailed(f"{block.where}: ```{block.lang} block with {what}; precede it with "
                             "<!-- docs-test: run -->, <!-- docs-test: needs smollm2|peer|gpu|network --> "
                             "or <!-- docs-test: skip REASON -->")
-    if block.lang == "python" and block.marker not in (None, "server"):
+    if block.lang == "python" and block.marker not in (None, "server", "run"):
         raise ExampleFailed(f"{block.where}: python block with unknown marker `{block.marker}`")
 
 
@@ -165,9 +165,16 @@ def run_python(block: Block, workdir: Path, url: str | None = None) -> None:
 
 
 def shell_script(block: Block) -> str:
+    """The commands of a block: all of it, or in a console block the `$ ` lines and their `\\` continuations."""
     if block.lang != "console":
         return block.text
-    return "\n".join(line[2:] for line in block.text.splitlines() if line.startswith("$ ")) + "\n"
+    commands: list[str] = []
+    continued = False
+    for line in block.text.splitlines():
+        if line.startswith("$ ") or continued:
+            commands.append(line[2:] if line.startswith("$ ") and not continued else line)
+            continued = line.endswith("\\")
+    return "\n".join(commands) + "\n"
 
 
 def run_shell(block: Block, workdir: Path) -> None:
@@ -311,3 +318,9 @@ def test_named_repo_paths_exist(page: str) -> None:
 def test_readme_is_short() -> None:
     lines = (REPO / "README.md").read_text(encoding="utf-8").count("\n")
     assert lines < 250, f"README.md has {lines} lines; keep it under 250 (the details live in docs/)"
+
+
+def test_console_blocks_run_only_their_commands(tmp_path: Path) -> None:
+    block = Block(tmp_path / "p.md", 1, "console", "$ echo one \\\n    two\none two\n$ test -d .\n", "run", "")
+    assert shell_script(block) == "echo one \\\n    two\ntest -d .\n"
+    run_block(block, tmp_path)  # the output line `one two` would fail as a command
