@@ -306,13 +306,30 @@ def repo_paths_named(text: str) -> list[str]:
     return [t for t in _BACKTICKED.findall(text) if t.startswith(_PATH_ROOTS) and _PATH_CHARS.match(t)]
 
 
+def path_exists(token: str, repo: Path = REPO) -> bool:
+    """A repo path, or `folder/module.Name` naming something defined in `folder/module.py`."""
+    if (repo / token.rstrip("/")).exists():
+        return True
+    module, _, name = token.rpartition(".")
+    source = repo / f"{module}.py"
+    return bool(module and name.isidentifier() and source.is_file()
+                and re.search(rf"^\s*(?:class|def)\s+{re.escape(name)}\b|^{re.escape(name)}\s*[:=]",
+                              source.read_text(encoding="utf-8"), re.MULTILINE))
+
+
 @pytest.mark.parametrize("page", ["README.md", "docs/architecture.md"])
 def test_named_repo_paths_exist(page: str) -> None:
     if not (REPO / page).exists():
         pytest.skip(f"{page} is not written yet")
     text = (REPO / page).read_text(encoding="utf-8")
-    missing = sorted({p for p in repo_paths_named(text) if not (REPO / p.rstrip("/")).exists()})
+    missing = sorted({p for p in repo_paths_named(text) if not path_exists(p)})
     assert not missing, f"{page} names paths that do not exist: {', '.join(missing)}"
+
+
+def test_path_check_reads_module_names() -> None:
+    assert path_exists("runtime/context_cache/lease.py") and path_exists("tools/export/")
+    assert path_exists("runtime/api.LLM") and not path_exists("runtime/api.NoSuchThing")
+    assert repo_paths_named("`runtime/x.py` `<dir>/x` `out/engines` `tools/a b`") == ["runtime/x.py"]
 
 
 def test_readme_is_short() -> None:
