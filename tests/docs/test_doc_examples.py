@@ -36,7 +36,21 @@ from pathlib import Path
 
 import pytest
 
+from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.runtime.request_file import parse_request_file
+
+# The tiny tokenizer is byte-level (one token per byte), so prose examples need room: 2,048-token prompts.
+DOCS_BUILD = BuildOptions(max_input_len=2048, max_kv_cache_capacity=4096, max_batch_size=4, tokens_per_page=16)
+
+
+@pytest.fixture(scope="session")
+def docs_engine_dir(tiny_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The engine `engines/smollm2` of every example's working directory; built once per session (defined here,
+    not in a tests/docs/conftest.py, which would shadow tests/conftest.py for `from conftest import ...`)."""
+    path = tmp_path_factory.mktemp("docs_engine")
+    build_engine(tiny_onnx_dir, path, DOCS_BUILD)
+    return path
+
 
 REPO = Path(__file__).resolve().parents[2]
 BIN_DIR = Path(sys.executable).parent
