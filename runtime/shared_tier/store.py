@@ -1,0 +1,82 @@
+"""The one bytes interface every shared-tier backend implements, and `open_store`, which picks one by URL scheme.
+
+A store maps opaque byte keys to byte values. kvforge never asks a store to understand a value: values carry their
+own header and checksum (values.py), so a backend is a few dozen lines over its client library. The calls are
+batched because a page lookup asks for a run of keys at once, and one round trip per batch is what keeps a load
+cheaper than the prefill it replaces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+from urllib.parse import urlsplit
+
+from kvforge.contract.errors import InvalidConfig, KvforgeError
+
+DEFAULT_TIMEOUT_S = 0.05  # per batch; a request whose load takes longer computes cold
+
+
+class StoreError(KvforgeError):
+    """A store call failed (refused, full, protocol error). The tier counts it and treats the batch as a miss."""
+
+
+class StoreUnavailable(StoreError):
+    """The store could not be reached or did not answer in time. The tier backs off before it asks again."""
+
+
+class SharedStore(Protocol):
+    """Batched bytes in, bytes out. Every call returns or raises StoreError within about the store's timeout (where
+    the client library allows it; the tier enforces its own deadline on top). Safe to call from one thread at a time
+    per instance; the tier owns one instance per I/O thread."""
+
+    url: str  # where it points, without credentials (for messages and the profile)
+
+    def put(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+        """Store each (key, value). First writer wins: a key already present keeps its value (content addressing:
+        equal keys mean equal contents, so rewriting is wasted bandwidth)."""
+        ...
+
+    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """The value of each key, None where absent (evicted, flushed or never written)."""
+        ...
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is present (cheaper than get: no value moves)."""
+        ...
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        """Remove each key; absent keys are ignored."""
+        ...
+
+    def close(self) -> None:
+        """Release connections (and, for Mooncake, the client's segment registration)."""
+        ...
+
+
+def redact(url: str) -> str:
+    """`url` without a password, for messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return parts._replace(netloc=netloc).geturl()
+
+
+def open_store(url: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> SharedStore:
+    """The store `url` names: redis:// rediss:// unix:// valkey:// (Redis or Valkey over RESP) or mooncake:// (a
+    Mooncake Store master). Raises InvalidConfig naming `shared_cache` for a URL no backend takes, or for a backend
+    whose client library is not installed; connecting is lazy, so an unreachable store is not an error here."""
+    if timeout_s <= 0:
+        raise InvalidConfig(f"must be > 0, got {timeout_s}", "shared_cache_timeout_ms")
+    scheme = urlsplit(url).scheme.lower()
+    if scheme in ("redis", "rediss", "unix", "valkey", "valkeys"):
+        from kvforge.runtime.shared_tier.redis_store import RedisStore
+
+        return RedisStore(url, timeout_s)
+    if scheme == "mooncake":
+        from kvforge.runtime.shared_tier.mooncake_store import MooncakeStore
+
+        return MooncakeStore(url, timeout_s)
+    raise InvalidConfig(f"unknown scheme in {redact(url)!r}: use redis://HOST:PORT/DB (Redis or Valkey) or "
+                        "mooncake://MASTER_HOST:PORT", "shared_cache")
