@@ -44,6 +44,8 @@ from kvforge.runtime.profile import Profiler
 from kvforge.runtime.sampling import Sampler
 from kvforge.runtime.scheduler import Scheduler, SchedulerStats
 from kvforge.runtime.sequence import EngineRequest, Sequence, Status
+from kvforge.runtime.shared_tier.store import open_store
+from kvforge.runtime.shared_tier.tier import SharedTier
 from kvforge.runtime.snapshots import PartialKVSnapshotStore, RecurrentSnapshotStore
 from kvforge.runtime.spec.ngram import NgramProposer
 from kvforge.runtime.spec.proposer import Proposer
@@ -83,12 +85,13 @@ class Engine:
         self.state = StateManager(tokens_per_page=build.tokens_per_page, states=self.states, partial=self.partial_store,
                                   recurrent=self.recurrent_store, system_prompts=self.system_prompts,
                                   checkpoints=resolved.checkpoints)
+        self.tier = self._shared_tier(config, resolved)
         self.cache = ContextCacheManager(resolved.num_pages, build.tokens_per_page,
                                          enabled=config.enable_context_reuse,
                                          max_records=config.context_cache_max_records,
                                          partial_kv_snapshot_slots=partial, recurrent_snapshot_slots=recurrent,
                                          deployment=self.deployment, copier=self.state,
-                                         chain_root=resolved.chain_root,
+                                         chain_root=resolved.chain_root, events=self.tier,
                                          draft_pages=resolved.draft.build.max_kv_pool_pages if resolved.draft else 0)
         encoder = _load_encoder(config)
         self.tokenizer = ChatTokenizer(self.engine_dir.path,
@@ -109,7 +112,7 @@ class Engine:
         self.scheduler = Scheduler(self.cache, self.state, self.outputs, max_batch_size=resolved.max_batch_size,
                                    max_num_tokens=resolved.max_num_tokens,
                                    prefill_chunk_tokens=resolved.prefill_chunk_tokens,
-                                   max_seq_tokens=build.max_kv_cache_capacity)
+                                   max_seq_tokens=build.max_kv_cache_capacity, loader=self.tier)
         self.core = EngineCore(self.scheduler, self.executor, self.outputs, self.profiler, self.proposer)
         self._ids = itertools.count()
         self._arrivals = itertools.count()
@@ -159,6 +162,12 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.core.has_unfinished()
 
+    def close(self) -> None:
+        """Let the shared tier finish saving what was committed (bounded), then release its connections. The
+        engine itself holds nothing that outlives the process; without a tier this does nothing."""
+        if self.tier is not None:
+            self.tier.close()
+
     def step(self) -> list[RequestOutput]:
         """Schedule → run one engine call → sample → update (commit, stop, publish, release); the rows' outputs."""
         return self.core.step()
@@ -184,18 +193,35 @@ class Engine:
                            generated_tokens=profiler.generated_tokens,
                            spec_draft_tokens=profiler.spec_draft_tokens,
                            spec_accepted_tokens=profiler.spec_accepted_tokens, scheduler=scheduler.stats.to_dict(),
-                           cache=self.cache.profile() if self.cache.enabled else {},
+                           cache=self._cache_profile() if self.cache.enabled else {},
                            encoder_cache=self.multimodal.cache.to_dict() if self.multimodal is not None else {})
 
     def profile(self) -> dict:
         """The profile JSON object: stages and token counters, the cache block (reuse on) and the scheduler's."""
         self.profiler.note_peak_memory(self.kv_pool_bytes)
-        data = self.profiler.to_dict(self.cache.profile() if self.cache.enabled else None,
+        data = self.profiler.to_dict(self._cache_profile() if self.cache.enabled else None,
                                      scheduler=self.scheduler.stats.to_dict())
         # Which path attention took (kvforge's CPU kernel or the pure-ONNX fallback): speed depends on it.
         data["engine"] = {"backend": self.engine_dir.build.backend, "attention": self.engine_dir.build.attention}
         return {**data, **self.multimodal.profile()} if self.multimodal else data
 
+
+    def _cache_profile(self) -> dict:
+        """The profile's context_cache block, with the shared tier's counters under `shared_tier` when there is one."""
+        block = self.cache.profile()
+        if self.tier is not None:
+            block["shared_tier"] = self.tier.profile()
+        return block
+
+    def _shared_tier(self, config: EngineConfig, resolved: ResolvedConfig) -> SharedTier | None:
+        """The tier below the pool (--sharedCache), reading and writing this engine's pool, rows and snapshots."""
+        if not (config.shared_cache and config.enable_context_reuse):
+            return None
+        store = open_store(config.shared_cache, config.shared_cache_timeout_ms / 1e3)
+        return SharedTier(store, root=resolved.chain_root, tokens_per_page=self.engine_dir.build.tokens_per_page,
+                          kv=self.backend.kv_store if resolved.num_pages else None, states=self.states,
+                          state_rows=self.state.rows, partial=self.partial_store, recurrent=self.recurrent_store,
+                          timeout_s=config.shared_cache_timeout_ms / 1e3)
 
     def _proposer(self, config: EngineConfig, resolved: ResolvedConfig) -> Proposer | None:
         if config.spec_decode == SPEC_NGRAM:

@@ -36,6 +36,8 @@ MAX_SPEC_DRAFT_TOP_K = 16
 # call's length. bench/prefill_chunks.py measured a 1,536-token SmolLM2 prefill 1.36x faster at 512
 # (1.43x at 256, which would split more of the short prompts that gain nothing).
 DEFAULT_PREFILL_CHUNK_TOKENS = 512
+# The default: one store round trip on a LAN is ~1 ms; a batch of 8 MiB of pages takes ~15 ms on Redis here.
+DEFAULT_SHARED_CACHE_TIMEOUT_MS = 50.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +112,16 @@ class EngineConfig:
     snapshot_interval_tokens: int = _option(
         0, "--snapshotIntervalTokens", "Recurrent/hybrid engines: also capture a checkpoint every N prompt tokens "
         "(within the snapshot budget; least recently used checkpoints are evicted). 0 = off.", requires_reuse=True)
+    # A second cache tier below the pool, shared by every process serving this engine (runtime/shared_tier).
+    shared_cache: str | None = _option(
+        None, "--sharedCache", "A KV tier shared by every process serving this engine: redis://HOST:PORT/DB "
+        "(Redis or Valkey) or mooncake://MASTER_HOST:PORT (Mooncake Store). Pages and checkpoints missing locally "
+        "are loaded from it before computing; committed ones are saved to it in the background. A slow or dead "
+        "store only makes requests compute cold. Needs --enableContextReuse.", requires_reuse=True)
+    shared_cache_timeout_ms: float = _option(
+        DEFAULT_SHARED_CACHE_TIMEOUT_MS, "--sharedCacheTimeoutMs", "With --sharedCache: how long one store call "
+        "of a load may take before the request stops waiting and computes what it lacks (the store is then left "
+        "alone for a back-off of 1 s, doubling up to 30 s).")
     spec_decode: str = _option(
         SPEC_OFF, "--specDecode", "Speculative decoding: 'ngram' drafts by prompt lookup (the tokens that followed the "
         "last few tokens where they occurred earlier in the prompt or output; no draft model), 'eagle3' drafts with "

@@ -23,6 +23,8 @@ from kvforge.runtime.scheduler import RowUpdate, ScheduledRow, Scheduler, Schedu
 from kvforge.runtime.sequence import Sequence
 from kvforge.runtime.spec.proposer import DraftTree, Proposer
 
+LOAD_WAIT_S = 0.005  # a step with nothing to run but shared-tier loads waits this long for one to progress
+
 
 class StepExecutor(Protocol):
     """Computes a step's scheduled rows (ModelExecutor over a backend, or a test's fake)."""
@@ -117,6 +119,7 @@ class EngineCore:
         if not batch.rows:
             if not failed and (self.scheduler.running or (self.scheduler.waiting and not self.scheduler.loading)):
                 raise AssertionError("nothing schedulable while requests wait (a scheduler bug)")
+            self.scheduler.wait_for_loads(LOAD_WAIT_S)  # no busy loop while loads run on the tier's threads
             return failed  # idle, or every request waits for pages from a shared tier
         started = time.perf_counter()
         for row in batch.rows:

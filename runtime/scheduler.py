@@ -49,6 +49,14 @@ class ExternalLoader(Protocol):
 
     def poll(self, seq: Sequence) -> int | None: ...
 
+    def cancel(self, seq: Sequence) -> None:
+        """The sequence ended while loading (aborted or failed): its pages go back, nothing may be copied in."""
+        ...
+
+    def wait(self, timeout_s: float) -> None:
+        """Block up to `timeout_s` for a load to progress (the engine has no row to run meanwhile)."""
+        ...
+
 
 @dataclass(slots=True)
 class ScheduledRow:
@@ -138,7 +146,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_tokens
-        self._finish_loads()
+        self._finish_loads(out)
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -229,8 +237,14 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))  # they keep their place in the queue
         return budget
 
-    def _finish_loads(self) -> None:
-        """Sequences whose external load ended run from the next row on, past the tokens it brought."""
+    def wait_for_loads(self, timeout_s: float) -> None:
+        """Nothing could run this step because every request waits for a shared tier: wait a moment for it."""
+        if self.loader is not None and self.loading:
+            self.loader.wait(timeout_s)
+
+    def _finish_loads(self, out: SchedulerOutput) -> None:
+        """Sequences whose external load ended run from this step on, past the tokens it brought (counted as reused
+        at admission). Their checkpoints are recomputed from the new reuse point, as for a local hit there."""
         if self.loader is None:
             return
         for seq in list(self.loading):
@@ -241,8 +255,11 @@ class Scheduler:
             seq.num_computed_tokens += loaded
             if seq.num_preemptions == 0:
                 seq.reused_tokens = seq.num_computed_tokens
+            if loaded and self.state is not None:
+                seq.checkpoints = self.state.checkpoints.positions(seq.request, seq.num_computed_tokens)
             seq.status = Status.RUNNING
             self.running.append(seq)
+            out.admitted.append(seq)
 
     # --- the commit step ----------------------------------------------------------------------------
 
@@ -349,6 +366,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.loading:
             self.loading.remove(seq)
+            assert self.loader is not None
+            self.loader.cancel(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         if seq.lease is not None:

@@ -27,8 +27,9 @@ class StoreUnavailable(StoreError):
 
 class SharedStore(Protocol):
     """Batched bytes in, bytes out. Every call returns or raises StoreError within about the store's timeout (where
-    the client library allows it; the tier enforces its own deadline on top). Safe to call from one thread at a time
-    per instance; the tier owns one instance per I/O thread."""
+    the client library allows it; the tier enforces its own deadline on top). Calls may come from several threads
+    at once (the tier's load and write threads share one instance); a backend whose client is not thread-safe
+    serialises them itself."""
 
     url: str  # where it points, without credentials (for messages and the profile)
 

@@ -31,7 +31,8 @@ CHANGED: dict[str, Any] = {"num_threads": 3, "enable_context_reuse": True, "cont
                            "context_cache_recurrent_snapshot_pool_bytes": 13, "snapshot_message_boundaries": False,
                            "snapshot_interval_tokens": 17, "spec_decode": "ngram", "spec_draft_step": 3,
                            "spec_prompt_lookup_min": 1, "spec_prompt_lookup_max": 5,
-                           "spec_draft_engine_dir": "engines/x/draft", "spec_draft_top_k": 4, "spec_verify_size": 9}
+                           "spec_draft_engine_dir": "engines/x/draft", "spec_draft_top_k": 4, "spec_verify_size": 9,
+                           "shared_cache": "redis://127.0.0.1:6390/0", "shared_cache_timeout_ms": 80.0}
 
 
 def _params(app: typer.Typer) -> dict[str, click.Parameter]:

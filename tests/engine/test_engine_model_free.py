@@ -245,6 +245,7 @@ class FakeLoader:
 
     def __init__(self, steps: int, tokens: int) -> None:
         self.steps, self.tokens, self.polls = steps, tokens, 0
+        self.cancelled: list[str] = []
 
     def start(self, seq: Sequence) -> bool:
         return seq.request_id == "0"
@@ -252,6 +253,12 @@ class FakeLoader:
     def poll(self, seq: Sequence) -> int | None:
         self.polls += 1
         return self.tokens if self.polls >= self.steps else None
+
+    def cancel(self, seq: Sequence) -> None:
+        self.cancelled.append(seq.request_id)
+
+    def wait(self, timeout_s: float) -> None:
+        pass
 
 
 def test_a_sequence_waiting_for_remote_pages_does_not_hold_up_the_others() -> None:

@@ -1,0 +1,58 @@
+"""An in-process SharedStore with fault switches, so engine-level tier tests need no server (one process only)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+from kvforge.runtime.shared_tier.store import StoreError, StoreUnavailable
+
+
+class MemoryStore:
+    """A dict behind the SharedStore calls. `down` makes every call fail, `delay_s` makes every call slow, and
+    `calls` counts calls by name (tests assert what the tier asked)."""
+
+    def __init__(self, url: str = "memory://test") -> None:
+        self.url = url
+        self.data: dict[bytes, bytes] = {}
+        self.down = False
+        self.full = False
+        self.delay_s = 0.0
+        self.calls: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def _enter(self, name: str) -> None:
+        with self._lock:
+            self.calls[name] = self.calls.get(name, 0) + 1
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        if self.down:
+            raise StoreUnavailable(f"{self.url} is down", "shared_cache")
+
+    def put(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+        self._enter("put")
+        if self.full:
+            raise StoreError("OOM command not allowed when used memory > 'maxmemory'", "shared_cache")
+        with self._lock:
+            for key, value in items:
+                self.data.setdefault(bytes(key), bytes(value))
+
+    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        self._enter("get")
+        with self._lock:
+            return [self.data.get(bytes(key)) for key in keys]
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        self._enter("exists")
+        with self._lock:
+            return [bytes(key) in self.data for key in keys]
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        self._enter("delete")
+        with self._lock:
+            for key in keys:
+                self.data.pop(bytes(key), None)
+
+    def close(self) -> None:
+        pass
