@@ -96,6 +96,16 @@ class LLM:
         finally:
             self.engine.abort(request_id)  # a consumer that stops early cancels the request (no-op when done)
 
+    def close(self) -> None:
+        """Finish saving to the shared tier (with shared_cache; bounded) and release its connections."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def context_cache_metrics(self) -> dict[str, Any]:
         """The profile's `context_cache` block: admissions, hits, reused tokens, records, pool occupancy."""
         return self.engine.cache.profile()

@@ -114,8 +114,11 @@ def inference(
             if dump_profile:
                 console.print(format_summary(profile))
 
-        write_output_file(output_file, str(input_file),
-                          shown(iter_responses(engine, requests, prepared, Scheduling(scheduling))), finish)
+        try:
+            write_output_file(output_file, str(input_file),
+                              shown(iter_responses(engine, requests, prepared, Scheduling(scheduling))), finish)
+        finally:
+            engine.close()  # with --sharedCache: the pages committed last are saved before the process ends
 
     run_guarded(body, debug, ENGINE_FLAGS)
 

@@ -22,6 +22,7 @@ from kvforge.contract.model_config import ModelConfig
 from kvforge.runtime.context_cache.keys import EngineFingerprint, chain_root
 from kvforge.runtime.context_cache.manager import DEFAULT_MAX_RECORDS
 from kvforge.runtime.multimodal.encoder_cache import DEFAULT_ENCODER_CACHE_BUDGET_BYTES
+from kvforge.runtime.shared_tier.store import check_store_url
 from kvforge.runtime.spec.ngram import DEFAULT_MAX_N, DEFAULT_MIN_N
 from kvforge.runtime.state_manager import CheckpointPolicy
 from kvforge.runtime.types import Deployment
@@ -200,6 +201,11 @@ def resolve_engine_config(config: EngineConfig, engine: EngineDir, *, num_pages:
     deployment = deployment_of(engine.model)
     budget, rows = _resolve_limits(config, build.max_input_len, build.max_batch_size)
     _check_speculation(config, deployment)
+    if config.shared_cache:
+        if not config.enable_context_reuse:
+            raise InvalidConfig("a shared tier is a second level of context reuse: it needs enable_context_reuse",
+                                "shared_cache")
+        check_store_url(config.shared_cache, config.shared_cache_timeout_ms / 1e3)
     if config.encoder_cache_budget_bytes < 0:
         raise InvalidConfig(f"must be >= 0, got {config.encoder_cache_budget_bytes}", "encoder_cache_budget_bytes")
     partial = _partial_kv_snapshot_slots(config, engine, deployment)

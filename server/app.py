@@ -70,6 +70,7 @@ def create_app(engine: Engine, tenants: Tenants, *, model_name: str, max_queued_
             state.shutting_down = True
             log.info("stopping the engine (%d request(s) still in flight are cancelled)", state.in_flight)
             await asyncio.to_thread(engine_loop.stop, ENGINE_STOP_TIMEOUT_S)
+            await asyncio.to_thread(engine.close)  # the shared tier saves what is queued (bounded)
 
     # No /docs or /redoc: their pages load scripts from a CDN, which an offline deployment should not reach for.
     app = FastAPI(title="kvforge llm_serve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)

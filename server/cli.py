@@ -52,7 +52,8 @@ def serve(
                                   "needs a key, and each tenant's KV pages are its own."),
     salt_secret: Path = typer.Option(None, "--saltSecret",
                                      help="File with the secret tenant cache salts are derived from (default: a "
-                                          "random one per process)."),
+                                          "random one per process). Required with --sharedCache: servers sharing "
+                                          "a tier must share it."),
     max_queued_requests: int = typer.Option(64, "--maxQueuedRequests",
                                             help="Requests that may wait beyond the engine's maxBatchSize running "
                                                  "ones; past that, 429."),
@@ -115,6 +116,11 @@ def serve(
         from kvforge.server.media import media_policy
 
         check_reuse_flags(engine_config)
+        if engine_config.shared_cache and salt_secret is None:
+            # Tenant salts are HMACs of a per-process random secret by default: servers sharing a tier would key
+            # the same prompt differently, so nothing would ever be found, and a silent 0 % hit rate helps nobody.
+            raise KvforgeError("--sharedCache needs --saltSecret: every server sharing the tier must derive tenant "
+                               "cache salts from the same secret file", "--saltSecret")
         media = media_policy(allowed_media_dir)
         adapters = parse_lora_flags(lora_weights)
         tenants = load_tenants(api_keys, salt_secret)

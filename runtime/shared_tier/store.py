@@ -64,20 +64,28 @@ def redact(url: str) -> str:
     return parts._replace(netloc=netloc).geturl()
 
 
+REDIS_SCHEMES = ("redis", "rediss", "unix", "valkey", "valkeys")
+MOONCAKE_SCHEMES = ("mooncake",)
+
+
+def check_store_url(url: str, timeout_s: float) -> None:
+    """The checks `open_store` makes before importing anything: a scheme some backend takes, a positive timeout."""
+    if timeout_s <= 0:
+        raise InvalidConfig(f"must be > 0, got {timeout_s * 1e3:g} ms", "shared_cache_timeout_ms")
+    if urlsplit(url).scheme.lower() not in REDIS_SCHEMES + MOONCAKE_SCHEMES:
+        raise InvalidConfig(f"unknown scheme in {redact(url)!r}: use redis://HOST:PORT/DB (Redis or Valkey) or "
+                            "mooncake://MASTER_HOST:PORT", "shared_cache")
+
+
 def open_store(url: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> SharedStore:
     """The store `url` names: redis:// rediss:// unix:// valkey:// (Redis or Valkey over RESP) or mooncake:// (a
     Mooncake Store master). Raises InvalidConfig naming `shared_cache` for a URL no backend takes, or for a backend
     whose client library is not installed; connecting is lazy, so an unreachable store is not an error here."""
-    if timeout_s <= 0:
-        raise InvalidConfig(f"must be > 0, got {timeout_s}", "shared_cache_timeout_ms")
-    scheme = urlsplit(url).scheme.lower()
-    if scheme in ("redis", "rediss", "unix", "valkey", "valkeys"):
+    check_store_url(url, timeout_s)
+    if urlsplit(url).scheme.lower() in REDIS_SCHEMES:
         from kvforge.runtime.shared_tier.redis_store import RedisStore
 
         return RedisStore(url, timeout_s)
-    if scheme == "mooncake":
-        from kvforge.runtime.shared_tier.mooncake_store import MooncakeStore
+    from kvforge.runtime.shared_tier.mooncake_store import MooncakeStore
 
-        return MooncakeStore(url, timeout_s)
-    raise InvalidConfig(f"unknown scheme in {redact(url)!r}: use redis://HOST:PORT/DB (Redis or Valkey) or "
-                        "mooncake://MASTER_HOST:PORT", "shared_cache")
+    return MooncakeStore(url, timeout_s)

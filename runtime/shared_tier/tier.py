@@ -25,10 +25,12 @@ checkpoint load is all or nothing.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import queue
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -52,6 +54,7 @@ MAX_PENDING_WRITE_BYTES = 256 << 20  # writes queued past this are dropped (coun
 KNOWN_KEYS = 1 << 16  # keys this process knows the store has (written or loaded): not written again
 BACKOFF_S = (1.0, 30.0)  # after an error or timeout: skip the store this long, doubling up to the second value
 FLUSH_TIMEOUT_S = 10.0
+AT_EXIT_FLUSH_S = 3.0  # an interpreter exiting without close(): a short, bounded flush
 LOAD_THREADS = 2  # loads of different requests overlap; one hung call does not hold every load up
 
 TIER_KEYS = ("lookups", "hits", "loaded_tokens", "load_ms", "writes", "write_bytes", "errors", "timeouts",
@@ -136,6 +139,8 @@ class SharedTier:
         self._threads.append(threading.Thread(target=self._write_worker, name="kvforge-tier-write", daemon=True))
         for thread in self._threads:
             thread.start()
+        # A script that never calls close() still saves what it committed last (the threads are daemons).
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     # --- ExternalLoader (the scheduler, engine thread) -----------------------------------------------
 
@@ -512,6 +517,12 @@ class SharedTier:
     def _is_known(self, key: bytes) -> bool:
         with self._lock:
             return key in self._known
+
+
+def _close_at_exit(tier: weakref.ref[SharedTier]) -> None:
+    alive = tier()
+    if alive is not None:
+        alive.close(flush_timeout_s=AT_EXIT_FLUSH_S)
 
 
 class _Abandoned(Exception):
