@@ -214,14 +214,16 @@ class SharedTier:
                 self.kv.write_page(lease.page_ids[page], value.arrays)
                 load.copied_pages += 1
                 continue
-            length = int(value.tokens.size)  # the checkpoint: its state arrays, then its tail page (if any)
-            assert self.states is not None
-            num_states = len(self.states.arrays)
-            self.states.write(self.state_rows[lease], value.arrays[:num_states])
+            # The endpoint: its state arrays (checkpoint engines), then its tail page (when not page-aligned).
+            length = int(value.tokens.size)
+            num_states = 0
+            if self.states is not None:
+                num_states = len(self.states.arrays)
+                self.states.write(self.state_rows[lease], value.arrays[:num_states])
             if length % T and self.kv is not None:  # a pure recurrent checkpoint has no tail page
                 self.kv.write_page(lease.page_ids[length // T], value.arrays[num_states:])
             load.loaded_tokens = length - load.reuse
-        if load.checkpoint:
+        if load.checkpoint or load.loaded_tokens:
             return load.loaded_tokens
         return load.copied_pages * T
 
@@ -251,9 +253,12 @@ class SharedTier:
                                                       tokens[index * T:(index + 1) * T], arrays)))
             nbytes += sum(a.nbytes for a in arrays)
         directory = None
-        if record.is_checkpoint and not self._is_known(CHECKPOINT_PREFIX + record.terminal_key):
-            assert self.recurrent is not None and record.recurrent_slot is not None
-            arrays = [np.array(array[record.recurrent_slot]) for array in self.recurrent.arrays]
+        endpoint = record.is_checkpoint or record.partial_slot is not None  # a state or a tail page to save
+        if endpoint and not self._is_known(CHECKPOINT_PREFIX + record.terminal_key):
+            arrays = []
+            if record.is_checkpoint:
+                assert self.recurrent is not None and record.recurrent_slot is not None
+                arrays = [np.array(array[record.recurrent_slot]) for array in self.recurrent.arrays]
             if record.partial_slot is not None:
                 assert self.partial is not None
                 arrays += [np.array(layer[record.partial_slot]) for layer in self.partial.layers]
@@ -364,18 +369,37 @@ class SharedTier:
             if len(ready) < len(batch):
                 return
             self._remember(batch)
+        self._load_tail(load, first + count, prompt, like)
 
-    def _load_checkpoint(self, load: _Load) -> None:
-        seq, T = load.seq, self.tokens_per_page
-        lease = seq.lease
-        assert lease is not None and self.states is not None
-        prompt = np.asarray(seq.prompt_ids, dtype=np.int32)
-        keys, extras = lease.keys, lease.extras
-        depths = range(min(len(keys), (len(prompt) - 1) // T), load.reuse // T - 1, -1)
-        anchors = [keys[depth - 1] if depth else self.root for depth in depths]
+    def _load_tail(self, load: _Load, depth: int, prompt: np.ndarray, like: list[np.ndarray]) -> None:
+        """After the full pages: a partial-KV tail the store lists past them (a record not ending on a page)."""
+        lease, T = load.seq.lease, self.tokens_per_page
+        assert lease is not None
+        if depth * T >= len(prompt) - 1:
+            return
+        anchor = lease.keys[depth - 1] if depth else self.root
+        for length in self._listed_lengths(load, [anchor], load.seq, lambda n: n // T == depth):
+            terminal = tail_page_key(anchor, prompt[:length], depth * T, lease.extras)
+            [value] = self._call(load, self.store.get, [CHECKPOINT_PREFIX + terminal])
+            if value is None:
+                continue
+            try:
+                tail = decode(value, root=self.root, key=terminal, kind=ValueKind.CHECKPOINT, like=like,
+                              tokens=prompt[:length])
+            except ValueRejected:
+                self._count(corrupt=1)
+                continue
+            self._publish_ready(load, [(-1, tail)])
+            return
+
+    def _listed_lengths(self, load: _Load, anchors: list[bytes], seq: Sequence,
+                        accept: Callable[[int], bool] = lambda n: True) -> list[int]:
+        """The endpoint lengths the directory lists under `anchors` that this sequence could resume from (past its
+        local hit, short of its prompt, not inside a media span), longest first."""
         slots = [(anchor, DIRECTORY_PREFIX + anchor + bytes([i])) for anchor in anchors for i in range(DIRECTORY_SLOTS)]
         listed = self._call(load, self.store.get, [slot for _, slot in slots])
         lengths: set[int] = set()
+        media = seq.lease.extras.media if seq.lease is not None else ()
         for (anchor, _), value in zip(slots, listed, strict=True):
             if value is None:
                 continue
@@ -385,12 +409,23 @@ class SharedTier:
                 self._count(corrupt=1)
                 continue
             length = int(entry.tokens[0]) if entry.tokens.size == 1 else -1
-            if load.reuse < length < len(prompt) and not any(m.start < length < m.start + m.length
-                                                              for m in extras.media):
+            if load.reuse < length < len(seq.prompt_ids) and accept(length) and \
+                    not any(m.start < length < m.start + m.length for m in media):
                 lengths.add(length)
+        return sorted(lengths, reverse=True)
+
+    def _load_checkpoint(self, load: _Load) -> None:
+        seq, T = load.seq, self.tokens_per_page
+        lease = seq.lease
+        assert lease is not None and self.states is not None
+        prompt = np.asarray(seq.prompt_ids, dtype=np.int32)
+        keys, extras = lease.keys, lease.extras
+        depths = range(min(len(keys), (len(prompt) - 1) // T), load.reuse // T - 1, -1)
+        anchors = [keys[depth - 1] if depth else self.root for depth in depths]
+        lengths = self._listed_lengths(load, anchors, seq)
         state_like = [array[0] for array in self.states.arrays.values()]
         tail_like = self.kv.read_page(0) if self.kv is not None else []
-        for length in sorted(lengths, reverse=True):
+        for length in lengths:
             depth = length // T
             anchor = keys[depth - 1] if depth else self.root
             terminal = tail_page_key(anchor, prompt[:length], depth * T, extras) if length % T else anchor

@@ -24,7 +24,8 @@ from kvforge.tools.export.writer import write_onnx_dir
 URL = "redis://in-process"  # a real scheme (checked before loading); open_store is patched to the memory store
 DOC = "Foxes and dogs share one long document that both engines read. "
 SNAPSHOTS = {"context_cache_recurrent_snapshot_pool_bytes": 1 << 22}
-HYBRID = {**SNAPSHOTS, "context_cache_partial_kv_snapshot_pool_bytes": 1 << 22}
+PARTIAL = {"context_cache_partial_kv_snapshot_pool_bytes": 1 << 22}
+HYBRID = {**SNAPSHOTS, **PARTIAL}
 # Recurrent engines capture every 16 tokens, so the second engine finds a checkpoint short of the whole prompt.
 CONFIGS = {"tiny-llama": {}, "tiny-qwen3_5": {**HYBRID, "snapshot_interval_tokens": 16},
            "tiny-mamba2": {**SNAPSHOTS, "snapshot_interval_tokens": 16}}
@@ -99,20 +100,22 @@ def test_a_second_engine_answers_from_the_tier_as_cold(family: str, engines: dic
     second.close()
 
 
-def test_a_hybrid_continuation_loads_the_earlier_prompt_checkpoint(engines: dict[str, Path],
-                                                                     store: MemoryStore) -> None:
-    """The directory lists the checkpoint lengths hanging off each page: a longer prompt in another engine finds
-    the end of the first prompt (no interval checkpoints here) and restores state, tail page and full pages."""
-    path = engines["tiny-qwen3_5"]
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-qwen3_5"])
+def test_a_continuation_loads_the_earlier_prompt_to_its_exact_end(family: str, engines: dict[str, Path],
+                                                                  store: MemoryStore) -> None:
+    """The directory lists the endpoint lengths hanging off each page: a longer prompt in another engine finds the
+    end of the first prompt (no interval checkpoints here) and restores its full pages and its tail page (and, on
+    the hybrid, its state), not only the whole pages."""
+    path, tails = engines[family], HYBRID if family == "tiny-qwen3_5" else PARTIAL
     first_data = _requests()
-    first = make_engine(path, reuse=True, shared_cache=URL, **HYBRID)
+    first = make_engine(path, reuse=True, shared_cache=URL, **tails)
     _answer(first, first_data)
     first.close()
     longer = _requests(question="What jumps? And what sleeps under the tree?")
     longer["requests"][0]["messages"][1]["content"] = "What jumps?"
     longer["requests"][0]["messages"].append({"role": "assistant", "content": "A fox."})
     longer["requests"][0]["messages"].append({"role": "user", "content": "And the dog?"})
-    second = make_engine(path, reuse=True, shared_cache=URL, **HYBRID)
+    second = make_engine(path, reuse=True, shared_cache=URL, **tails)
     assert _answer(second, longer) == _cold(path, longer)
     # The longest checkpoint the first engine kept that this prompt extends: its generated answer's end is not
     # this prompt's, so it is its prompt's end, which no message boundary of the second prompt marks.
@@ -120,6 +123,7 @@ def test_a_hybrid_continuation_loads_the_earlier_prompt_checkpoint(engines: dict
                       if len(r.token_ids) == max(len(q.token_ids) for q in first.cache.records.least_recent_first()
                                                  if _is_prefix(q.token_ids, second_prompt(second, longer)))]
     assert _tier(second)["loaded_tokens"] == len(first_prompt) > 0
+    assert len(first_prompt) % 16, "the endpoint must end inside a page, or no tail page is tested"
 
 
 def _is_prefix(tokens: tuple[int, ...], prompt: list[int]) -> bool:
