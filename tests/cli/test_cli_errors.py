@@ -281,6 +281,14 @@ REUSE_CASES = [
                  id="snapshot-budget-below-one-slot"),
     pytest.param(_requests(), ["--enableContextReuse", "--contextCachePartialKVSnapshotPoolBytes", "-1"],
                  ("--contextCachePartialKVSnapshotPoolBytes", "-1"), id="snapshot-budget-negative"),
+    # The shared tier: a second level of reuse, on a store some backend takes, checked before anything loads.
+    pytest.param(_requests(), ["--sharedCache", "redis://127.0.0.1:1/0"], ("--sharedCache", "--enableContextReuse"),
+                 id="shared-cache-no-reuse"),
+    pytest.param(_requests(), ["--enableContextReuse", "--sharedCache", "memcached://127.0.0.1:11211"],
+                 ("--sharedCache", "unknown scheme", "redis://"), id="shared-cache-unknown-scheme"),
+    pytest.param(_requests(), ["--enableContextReuse", "--sharedCache", "redis://127.0.0.1:1/0",
+                               "--sharedCacheTimeoutMs", "0"], ("--sharedCacheTimeoutMs", "> 0"),
+                 id="shared-cache-zero-timeout"),
 ]
 
 

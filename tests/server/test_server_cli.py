@@ -41,6 +41,9 @@ def one_line_error(result: subprocess.CompletedProcess[str], flag: str) -> None:
     (["--contextCachePartialKVSnapshotPoolBytes", "1000000"], "--contextCachePartialKVSnapshotPoolBytes"),
     (["--enableContextReuse", "--contextCacheRecurrentSnapshotPoolBytes", "1000000"],
      "--contextCacheRecurrentSnapshotPoolBytes"),  # an attention-only engine has no recurrent state
+    (["--sharedCache", "redis://127.0.0.1:1/0"], "--sharedCache"),  # needs --enableContextReuse
+    # Salts from a per-process random secret would never match another server's: refused, not a silent 0 % hit.
+    (["--enableContextReuse", "--sharedCache", "redis://127.0.0.1:1/0"], "--saltSecret"),
 ])
 def test_bad_flags_are_one_line(engine_dir: Path, run_cli: Callable[..., Any], args: list[str], flag: str) -> None:
     one_line_error(run_cli(["llm_serve", "--engineDir", engine_dir, *args]), flag)

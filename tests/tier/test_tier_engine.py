@@ -248,3 +248,20 @@ def test_the_tier_needs_reuse_and_a_known_scheme(engines: dict[str, Path]) -> No
     with pytest.raises(InvalidConfig) as info:
         make_engine(engines["tiny-llama"], reuse=True, shared_cache=URL, shared_cache_timeout_ms=0)
     assert info.value.field == "shared_cache_timeout_ms"
+
+
+def test_eagle3_requests_bypass_the_tier(tiny_eagle3_engine_dir: Path, store: MemoryStore) -> None:
+    """The support matrix gives an EAGLE3 row a draft pool beside its base pages; the tier holds base pages only,
+    so a speculative admission never loads (counted), while its base pages are still saved for others."""
+    data = _requests()
+    data["requests"][0]["messages"][0]["content"] = "A short shared note."
+    spec = {"spec_decode": "eagle3"}
+    first = make_engine(tiny_eagle3_engine_dir, reuse=True, shared_cache=URL, **spec)
+    _answer(first, data)
+    first.close()
+    second = make_engine(tiny_eagle3_engine_dir, reuse=True, shared_cache=URL, **spec)
+    assert _answer(second, data) == _cold(tiny_eagle3_engine_dir, data)
+    assert _tier(second)["skipped_lookups"] == 1 and _tier(second)["lookups"] == 0
+    plain = make_engine(tiny_eagle3_engine_dir, reuse=True, shared_cache=URL)  # no drafts: it loads them
+    assert _answer(plain, data) == _cold(tiny_eagle3_engine_dir, data)
+    assert _tier(plain)["hits"] == 1
