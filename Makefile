@@ -15,7 +15,7 @@ LLM_TEST_SMOLLM2 ?= mxsl2048-mxbs2-mxil1024-mxlr8-tpp64
 LLM_TEST_TINY_RECURRENT ?= mxsl4096-mxbs4-mxil3072-tpp16
 LLM_TEST = $(BIN)/llm_test --cacheDir $(OUT)/llm_test/engines --numThreads $(THREADS)
 
-.PHONY: install demo test test-slow llm-test lint docs bench bench-reuse bench-lora bench-scheduling bench-spec \
+.PHONY: install demo test test-slow llm-test lint docs bench bench-shared-tier bench-reuse bench-lora bench-scheduling bench-spec \
 	bench-eagle3 bench-eagle3-train bench-quality bench-peers bench-peers-install bench-decode-context bench-spec-peers clean
 
 $(VENV)/.installed: pyproject.toml
@@ -133,6 +133,11 @@ llm-test: $(OUT)/adapters/tiny-llama/classifier.safetensors $(OUT)/adapters/smol
 bench: $(OUT)/onnx/smollm2/manifest.json
 	$(BIN)/python bench/paged_vs_dense.py --onnxDir $(OUT)/onnx/smollm2 --threads $(THREADS) \
 		--json $(OUT)/bench_paged_vs_dense.json
+
+# The shared KV tier on Redis and Mooncake (its clients listen on 0.0.0.0: a private network namespace, as root).
+bench-shared-tier: $(OUT)/onnx/smollm2/manifest.json
+	unshare -n sh -c 'ip link set lo up && KVFORGE_NETNS=1 $(BIN)/python bench/shared_tier.py \
+		--onnxDir $(OUT)/onnx/smollm2 --threads $(THREADS) --json $(OUT)/bench_shared_tier.json'
 
 bench-reuse: $(OUT)/onnx/smollm2/manifest.json
 	$(BIN)/python bench/context_reuse.py --onnxDir $(OUT)/onnx/smollm2 --threads $(THREADS) \

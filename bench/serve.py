@@ -71,9 +71,10 @@ def summary(ttfts_ms: list[float], tokens: int, seconds: float, cached: int) -> 
 
 
 class Server:
-    def __init__(self, engine_dir: Path, threads: int, reuse: bool) -> None:
+    def __init__(self, engine_dir: Path, threads: int, reuse: bool, extra_args: list[str] | None = None) -> None:
         args = [str(Path(sys.executable).parent / "llm_serve"), "--engineDir", str(engine_dir), "--port", "0",
-                "--numThreads", str(threads), "--servedModelName", "smollm2", "--maxQueuedRequests", "64"]
+                "--numThreads", str(threads), "--servedModelName", "smollm2", "--maxQueuedRequests", "64",
+                *(extra_args or [])]
         self.process = subprocess.Popen(args + (["--enableContextReuse"] if reuse else []), stderr=subprocess.PIPE,
                                         stdout=subprocess.DEVNULL, text=True, env={**os.environ, "NO_COLOR": "1"})
         self.url: str | None = None

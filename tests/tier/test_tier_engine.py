@@ -80,9 +80,9 @@ def _tier(engine: Engine) -> dict[str, Any]:
 
 
 def _fill(path: Path, family: str, data: dict[str, Any]) -> None:
-    """A first engine computes the request and saves it to the tier (close flushes the writes)."""
+    """A first engine computes the requests and saves them to the tier (close flushes the writes)."""
     first = _tier_engine(path, family)
-    _answer(first, data)
+    run_file(first, data)
     first.close()
     assert _tier(first)["writes"] > 0 and _tier(first)["errors"] == 0
 
@@ -265,3 +265,25 @@ def test_eagle3_requests_bypass_the_tier(tiny_eagle3_engine_dir: Path, store: Me
     plain = make_engine(tiny_eagle3_engine_dir, reuse=True, shared_cache=URL)  # no drafts: it loads them
     assert _answer(plain, data) == _cold(tiny_eagle3_engine_dir, data)
     assert _tier(plain)["hits"] == 1
+
+
+def test_a_batch_mixing_tier_loads_local_hits_and_misses_matches_cold(engines: dict[str, Path],
+                                                                       store: MemoryStore) -> None:
+    """Four rows at once: two documents the first engine saved (each asked twice, so the second asker may wait for
+    the first's load as for any in-flight prefix) and one it never saw; continuous scheduling."""
+    from kvforge.runtime.file_loop import Scheduling
+
+    path = engines["tiny-llama"]
+    saved = {"temperature": 0, "max_generate_length": 6, "num_logprobs": 1, "batch_size": 2,
+             "requests": [_requests(question=f"Doc {d}?")["requests"][0] for d in range(2)]}
+    for d, request in enumerate(saved["requests"]):
+        request["messages"][0]["content"] = f"Document {d}. " + DOC * 2
+    _fill(path, "tiny-llama", saved)
+    mixed = {**saved, "batch_size": 4,
+             "requests": [saved["requests"][0], saved["requests"][1], saved["requests"][0],
+                          {"messages": [{"role": "user", "content": "Something never seen before. " * 4}]}]}
+    engine = _tier_engine(path, "tiny-llama")
+    warm = run_file(engine, mixed, Scheduling.CONTINUOUS)
+    cold = run_file(make_engine(path), mixed, Scheduling.CONTINUOUS)
+    assert [(r["output_text"], top1_ids(r)) for r in warm] == [(r["output_text"], top1_ids(r)) for r in cold]
+    assert _tier(engine)["hits"] >= 2 and engine.profile()["prefill"]["reused_tokens"] > 0
