@@ -108,6 +108,7 @@ def inference(
                 yield response
 
         def finish() -> None:  # before the output file is renamed into place: a failure here leaves neither
+            engine.flush()  # the shared tier's writes are in the store, so the profile counts all of them
             profile = engine.profile()
             if profile_output_file is not None:
                 write_profile(profile_output_file, profile)

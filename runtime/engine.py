@@ -53,6 +53,8 @@ from kvforge.runtime.state_manager import StateManager
 from kvforge.runtime.system_prompt_cache import SystemPromptCache
 from kvforge.runtime.types import Deployment
 
+TIER_CONNECT_WAIT_S = 2.0  # Mooncake's client set-up takes ~0.1-0.5 s here; Redis a round trip
+
 
 class Engine:
     def __init__(self, engine_dir: Path | str, config: EngineConfig = EngineConfig(),
@@ -114,6 +116,8 @@ class Engine:
                                    prefill_chunk_tokens=resolved.prefill_chunk_tokens,
                                    max_seq_tokens=build.max_kv_cache_capacity, loader=self.tier)
         self.core = EngineCore(self.scheduler, self.executor, self.outputs, self.profiler, self.proposer)
+        if self.tier is not None:  # connected in the background while the rest loaded; a dead store costs this once
+            self.tier.wait_connected(TIER_CONNECT_WAIT_S)
         self._ids = itertools.count()
         self._arrivals = itertools.count()
 
@@ -161,6 +165,10 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.core.has_unfinished()
+
+    def flush(self) -> bool:
+        """Wait (bounded) until what the shared tier queued is written; True without a tier or once it is."""
+        return self.tier is None or self.tier.flush()
 
     def close(self) -> None:
         """Let the shared tier finish saving what was committed (bounded), then release its connections. The

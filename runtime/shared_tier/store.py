@@ -33,6 +33,11 @@ class SharedStore(Protocol):
 
     url: str  # where it points, without credentials (for messages and the profile)
 
+    def connect(self) -> None:
+        """Open the connection (Mooncake: set its client up, which takes a while). The tier calls it once on a
+        thread of its own before anything else, and again after a failure; constructing a store does no I/O."""
+        ...
+
     def put(self, items: Sequence[tuple[bytes, bytes]]) -> None:
         """Store each (key, value). First writer wins: a key already present keeps its value (content addressing:
         equal keys mean equal contents, so rewriting is wasted bandwidth)."""

@@ -134,7 +134,10 @@ class SharedTier:
         self._load_jobs: queue.Queue[_Load | None] = queue.Queue()
         self._write_jobs: queue.Queue[_Write | None] = queue.Queue()
         self._closed = False
-        self._threads = [threading.Thread(target=self._load_worker, name=f"kvforge-tier-load-{i}", daemon=True)
+        self._connected = threading.Event()
+        self._first_attempt = threading.Event()
+        self._threads = [threading.Thread(target=self._connect, name="kvforge-tier-connect", daemon=True)]
+        self._threads += [threading.Thread(target=self._load_worker, name=f"kvforge-tier-load-{i}", daemon=True)
                          for i in range(LOAD_THREADS)]
         self._threads.append(threading.Thread(target=self._write_worker, name="kvforge-tier-write", daemon=True))
         for thread in self._threads:
@@ -159,8 +162,8 @@ class SharedTier:
                 return False
         elif reuse % T or reuse // T >= (len(prompt) - 1) // T:
             return False  # mid-page (a snapshot tail) or nothing left a page could cover
-        if time.monotonic() < self._down_until:
-            self._count(skipped_lookups=1)
+        if not self._connected.is_set() or time.monotonic() < self._down_until:
+            self._count(skipped_lookups=1)  # not connected yet, or backing off after a fault: compute
             return False
         load = _Load(seq, time.perf_counter(), reuse, self.checkpoints)
         self._loads[id(seq)] = load
@@ -277,10 +280,31 @@ class SharedTier:
 
     # --- lifecycle ------------------------------------------------------------------------------------
 
+    def wait_connected(self, timeout_s: float) -> bool:
+        """Block up to `timeout_s` for the first connection attempt to end (the engine waits at start-up, so the
+        first requests can use the tier); True if it connected. A store that is down only makes requests cold."""
+        self._first_attempt.wait(timeout_s)
+        return self._connected.is_set()
+
+    def _connect(self) -> None:
+        while not self._closed:
+            try:
+                self.store.connect()
+            except Exception:  # counted; tried again after the back-off, which doubles
+                self._fault(timeout=False)
+                self._first_attempt.set()
+                time.sleep(max(self._down_until - time.monotonic(), 0.05))
+                continue
+            self._connected.set()
+            self._first_attempt.set()
+            return
+
     def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
         """Wait until the queued writes are in the store (or dropped); False if they are still going at the end."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            if not self._connected.is_set():
+                return False  # nothing can be written before the store answers once: do not wait for it
             with self._lock:
                 if self._pending_bytes == 0 and self._write_jobs.empty():
                     return True
@@ -296,7 +320,7 @@ class SharedTier:
         for _ in range(LOAD_THREADS):
             self._load_jobs.put(None)
         self._write_jobs.put(None)
-        for thread in self._threads:
+        for thread in self._threads[1:]:  # the connect thread may sit in a slow setup: it is a daemon
             thread.join(timeout=1.0)
         with contextlib.suppress(Exception):  # closing a broken connection must not fail the caller's shutdown
             self.store.close()
@@ -472,6 +496,10 @@ class SharedTier:
     def _write_worker(self) -> None:
         while (job := self._write_jobs.get()) is not None:
             try:
+                while not self._connected.wait(0.1) and not self._closed:
+                    pass
+                if self._closed and not self._connected.is_set():
+                    continue
                 if time.monotonic() < self._down_until:
                     self._count(dropped_writes=1)
                     continue

@@ -30,6 +30,9 @@ class MemoryStore:
         if self.down:
             raise StoreUnavailable(f"{self.url} is down", "shared_cache")
 
+    def connect(self) -> None:
+        self._enter("connect")
+
     def put(self, items: Sequence[tuple[bytes, bytes]]) -> None:
         self._enter("put")
         if self.full:

@@ -1,0 +1,143 @@
+"""Mooncake Store as a shared-tier store: the KV pool vLLM, SGLang and LMCache talk to, over its Python client.
+
+    mooncake://MASTER_HOST:PORT?metadata=P2PHANDSHAKE&protocol=tcp&host=127.0.0.1&local_buffer_mb=256&segment_mb=0
+
+The client contributes no memory by default (`segment_mb=0`): values live in a long-running `mooncake_client`
+holder process, so they outlive the process that wrote them (an embedded segment dies with its owner). Keys are
+hex strings of the tier's binary keys under a prefix (`?prefix=`, default `kvf-`). A duplicate put keeps the
+first value, which suits content addressing. Mooncake's calls cannot be interrupted and block for seconds while
+its master is away; the tier runs them on its own threads and stops waiting at its deadline. Its clients listen on
+0.0.0.0 whatever host they are given: keep them on a private network (docs/shared-tier.md).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+from kvforge.contract.errors import InvalidConfig
+from kvforge.runtime.shared_tier.store import StoreError, StoreUnavailable, redact
+
+DEFAULT_PREFIX = "kvf-"
+SETUP_RETRY_S = 1.0  # a failed setup is tried again on a later call, at most this often
+# Return codes of mooncake-store/include/types.h that mean "not reachable now" (the rest are refusals).
+UNAVAILABLE = {-200: "NO_AVAILABLE_HANDLE", -600: "INVALID_PARAMS", -800: "TRANSFER_FAIL", -900: "RPC_FAIL"}
+OBJECT_ALREADY_EXISTS = -705  # a put of a key another writer put first: the value is there, which is success
+NAMES = {-704: "OBJECT_NOT_FOUND", -705: "OBJECT_ALREADY_EXISTS", -706: "OBJECT_HAS_LEASE", **UNAVAILABLE}
+
+
+def _import_client() -> Any:
+    # Its glog lines (INFO for every connection) would bury a CLI's one-line output; warnings and errors still show.
+    os.environ.setdefault("GLOG_minloglevel", "1")
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as exc:
+        hint = "apt-get install libibverbs1" if "libibverbs" in str(exc) else \
+            "pip install 'kvforge[mooncake]'"
+        raise InvalidConfig(f"the Mooncake backend cannot load its client ({exc}); {hint}", "shared_cache") from None
+    return MooncakeDistributedStore
+
+
+class MooncakeStore:
+    """A SharedStore on a Mooncake master. The client object is shared by the tier's threads behind one lock: its
+    thread safety is not documented, and the tier's calls are few and large."""
+
+    def __init__(self, url: str, timeout_s: float) -> None:
+        self._client_class = _import_client()
+        self.url = redact(url)
+        parts = urlsplit(url)
+        if not parts.hostname or not parts.port:
+            raise InvalidConfig(f"expected mooncake://MASTER_HOST:PORT, got {self.url!r}", "shared_cache")
+        query = dict(parse_qsl(parts.query))
+        try:
+            self.local_buffer = int(query.pop("local_buffer_mb", "256")) << 20
+            self.segment = int(query.pop("segment_mb", "0")) << 20
+        except ValueError as exc:
+            raise InvalidConfig(f"{self.url}: {exc}", "shared_cache") from None
+        self.master = f"{parts.hostname}:{parts.port}"
+        self.metadata = unquote(query.pop("metadata", "P2PHANDSHAKE"))
+        self.protocol = query.pop("protocol", "tcp")
+        self.host = query.pop("host", "127.0.0.1")
+        self.device = query.pop("device", "")
+        self.prefix = query.pop("prefix", DEFAULT_PREFIX)
+        if query:
+            raise InvalidConfig(f"unknown option(s) {', '.join(sorted(query))} in {self.url!r}", "shared_cache")
+        self.timeout_s = timeout_s
+        self._client: Any = None
+        self._last_setup = 0.0
+        self._lock = threading.Lock()
+
+    def _ready(self) -> Any:
+        """The set-up client (lazily: constructing a store does no I/O); a failed setup raises StoreUnavailable."""
+        if self._client is not None:
+            return self._client
+        if time.monotonic() - self._last_setup < SETUP_RETRY_S:
+            raise StoreUnavailable(f"{self.url}: setup failed less than {SETUP_RETRY_S:g} s ago", "shared_cache")
+        self._last_setup = time.monotonic()
+        # Without it the transfer engine looks for a LAN address and finds none in a loopback-only namespace.
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", self.host)
+        client = self._client_class()
+        code = client.setup(self.host, self.metadata, self.segment, self.local_buffer, self.protocol, self.device,
+                            self.master)
+        if code != 0:
+            raise StoreUnavailable(f"{self.url}: setup returned {code}", "shared_cache")
+        self._client = client
+        return client
+
+    def _key(self, key: bytes) -> str:
+        return self.prefix + bytes(key).hex()
+
+    def _check(self, code: int, what: str) -> None:
+        if code >= 0 or code == OBJECT_ALREADY_EXISTS:
+            return
+        message = f"{self.url}: {what} returned {code} ({NAMES.get(code, 'error')})"
+        raise (StoreUnavailable if code in UNAVAILABLE else StoreError)(message, "shared_cache")
+
+    def connect(self) -> None:
+        with self._lock:
+            self._last_setup = 0.0  # asked for explicitly: no retry spacing
+            self._ready()
+
+    def put(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+        if not items:
+            return
+        with self._lock:
+            client = self._ready()
+            self._check(client.put_batch([self._key(k) for k, _ in items], [v for _, v in items]), "put_batch")
+
+    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        if not keys:
+            return []
+        with self._lock:
+            values = self._ready().get_batch([self._key(k) for k in keys])
+        if len(values) != len(keys):
+            raise StoreUnavailable(f"{self.url}: get_batch answered {len(values)} of {len(keys)} keys", "shared_cache")
+        return [bytes(v) if len(v) else None for v in values]  # a missing key reads as b""
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        if not keys:
+            return []
+        with self._lock:
+            found = self._ready().batch_is_exist([self._key(k) for k in keys])
+        for code in found:
+            self._check(code, "batch_is_exist")
+        return [code == 1 for code in found]
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        if not keys:
+            return
+        with self._lock:  # force: a read within the last 10 s holds a lease that would refuse the removal
+            codes = self._ready().batch_remove([self._key(k) for k in keys], True)
+        for code in codes:
+            if code != -704:  # already gone
+                self._check(code, "batch_remove")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
