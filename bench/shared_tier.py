@@ -83,8 +83,9 @@ def worker(args: Any) -> None:
 
 
 def run_worker(engine_dir: Path, threads: int, url: str, requests: list[dict[str, Any]]) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, str(HERE), "--role", "worker", "--onnxDir", ".", "--engineDir", str(engine_dir),
-                           "--threads", str(threads), "--url", url, "--requests", json.dumps(requests)],
+    proc = subprocess.run([sys.executable, str(HERE), "--role", "worker", "--onnxDir", ".",
+                           "--engineDir", str(engine_dir), "--threads", str(threads), "--url", url,
+                           "--requests", json.dumps(requests)],
                           capture_output=True, text=True, check=False, timeout=600)
     if proc.returncode:
         raise SystemExit(f"worker failed:\n{proc.stderr[-3000:]}")
