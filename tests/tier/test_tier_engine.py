@@ -160,9 +160,12 @@ def test_a_dead_store_makes_requests_cold_never_failed(engines: dict[str, Path],
     tier = _tier(engine)
     assert tier["errors"] >= 1 and tier["hits"] == 0
     # In the back-off that error started, the next request does not ask, and its record is not written.
-    calls = dict(store.calls)
+    def data_calls() -> dict[str, int]:  # the connect thread keeps retrying on its own back-off: not counted here
+        return {name: count for name, count in store.calls.items() if name != "connect"}
+
+    calls = data_calls()
     assert _answer(engine, _requests(question="Who sleeps?")) == _cold(path, _requests(question="Who sleeps?"))
-    assert store.calls == calls and _tier(engine)["skipped_lookups"] >= 1 and _tier(engine)["dropped_writes"] >= 1
+    assert data_calls() == calls and _tier(engine)["skipped_lookups"] >= 1 and _tier(engine)["dropped_writes"] >= 1
 
 
 def test_a_slow_store_times_out_and_the_request_computes(engines: dict[str, Path], store: MemoryStore) -> None:
