@@ -44,7 +44,7 @@ from kvforge.runtime.profile import Profiler
 from kvforge.runtime.sampling import Sampler
 from kvforge.runtime.scheduler import Scheduler, SchedulerStats
 from kvforge.runtime.sequence import EngineRequest, Sequence, Status
-from kvforge.runtime.shared_tier.store import open_store
+from kvforge.runtime.shared_tier.stores import open_store
 from kvforge.runtime.shared_tier.tier import SharedTier
 from kvforge.runtime.snapshots import PartialKVSnapshotStore, RecurrentSnapshotStore
 from kvforge.runtime.spec.ngram import NgramProposer

@@ -1,4 +1,4 @@
-"""The one bytes interface every shared-tier backend implements, and `open_store`, which picks one by URL scheme.
+"""The one bytes interface every shared-tier backend implements, its errors, and the checks of a store URL.
 
 A store maps opaque byte keys to byte values. kvforge never asks a store to understand a value: values carry their
 own header and checksum (values.py), so a backend is a few dozen lines over its client library. The calls are
@@ -80,17 +80,3 @@ def check_store_url(url: str, timeout_s: float) -> None:
     if urlsplit(url).scheme.lower() not in REDIS_SCHEMES + MOONCAKE_SCHEMES:
         raise InvalidConfig(f"unknown scheme in {redact(url)!r}: use redis://HOST:PORT/DB (Redis or Valkey) or "
                             "mooncake://MASTER_HOST:PORT", "shared_cache")
-
-
-def open_store(url: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> SharedStore:
-    """The store `url` names: redis:// rediss:// unix:// valkey:// (Redis or Valkey over RESP) or mooncake:// (a
-    Mooncake Store master). Raises InvalidConfig naming `shared_cache` for a URL no backend takes, or for a backend
-    whose client library is not installed; connecting is lazy, so an unreachable store is not an error here."""
-    check_store_url(url, timeout_s)
-    if urlsplit(url).scheme.lower() in REDIS_SCHEMES:
-        from kvforge.runtime.shared_tier.redis_store import RedisStore
-
-        return RedisStore(url, timeout_s)
-    from kvforge.runtime.shared_tier.mooncake_store import MooncakeStore
-
-    return MooncakeStore(url, timeout_s)

@@ -14,7 +14,8 @@ import pytest
 from support.stores import MooncakeServer, RedisServer, SlowProxy
 
 from kvforge.contract.errors import InvalidConfig
-from kvforge.runtime.shared_tier.store import SharedStore, StoreError, StoreUnavailable, open_store, redact
+from kvforge.runtime.shared_tier.store import SharedStore, StoreError, StoreUnavailable, redact
+from kvforge.runtime.shared_tier.stores import open_store
 
 TIMEOUT_S = 0.2
 SLACK_S = 0.5  # process scheduling on a loaded 2-core machine
@@ -60,7 +61,7 @@ def test_delete_removes_and_ignores_absent_keys(served: tuple[str, SharedStore])
 
 def test_another_process_sees_the_values(served: tuple[str, SharedStore]) -> None:
     url, store = served
-    code = ("import sys; from kvforge.runtime.shared_tier.store import open_store; "
+    code = ("import sys; from kvforge.runtime.shared_tier.stores import open_store; "
             f"s = open_store({url!r}, 5.0); s.put([(b'from-child', b'x' * 100000)]); "
             "v = s.get([b'from-parent'])[0]; s.close(); sys.exit(0 if v == b'y' * 7 else 3)")
     store.put([(b"from-parent", b"y" * 7)])
