@@ -183,15 +183,21 @@ def check_speculative_build(config: ModelConfig, options: BuildOptions) -> dict[
     if options.spec_base and options.spec_draft:
         raise InvalidConfig("an engine is either the speculative base or its draft; build them one at a time",
                             "spec_draft")
-    if config.is_eagle3_draft and not options.spec_draft:
-        raise InvalidConfig("this ONNX dir holds an EAGLE3 draft; build it with --specDraft", "spec_draft")
-    if options.spec_draft and not config.is_eagle3_draft:
-        raise InvalidConfig("--specDraft builds an EAGLE3 draft's ONNX dir (llm_export eagle3); this one holds a "
+    if config.is_draft and not options.spec_draft:
+        raise InvalidConfig(f"this ONNX dir holds a {config.spec_decode_type} draft; build it with --specDraft",
+                            "spec_draft")
+    if options.spec_draft and not config.is_draft:
+        raise InvalidConfig("--specDraft builds a draft's ONNX dir (llm_export eagle3 or dflash); this one holds a "
                             f"{config.model} model", "spec_draft")
+    if config.is_block_draft and options.cpu_attention != ATTENTION_CPU_KERNEL:
+        # The block attends to itself both ways: masked attention, which only the kernel has.
+        raise InvalidConfig(f"a {config.spec_decode_type} draft needs the kvforge CPU kernel (its block attention "
+                            "is non-causal); build it with --cpuAttention kernel", "cpu_attention")
     if options.spec_base:
         if config.is_recurrent or config.is_hybrid:
-            raise InvalidConfig(f"EAGLE3 needs an attention-only base; a {config.model} model has recurrent layers "
-                                "(the support matrix rejects hybrid and recurrent speculative bases)", "spec_base")
+            raise InvalidConfig(f"a speculative base must be attention-only; a {config.model} model has recurrent "
+                                "layers (the support matrix rejects hybrid and recurrent speculative bases)",
+                                "spec_base")
         if not config.hidden_state_layers:
             raise InvalidConfig("a speculative base returns the hidden states its draft reads: re-export it with "
                                 "llm_export --hiddenStateLayers (llm_export eagle3 says which)", "spec_base")

@@ -8,7 +8,7 @@ from pathlib import Path
 import onnx
 
 from kvforge.builder.lora import check_max_lora_rank, has_lora_inputs, strip_lora
-from kvforge.contract.engine_dir import ENGINE_MODEL_FILE, BuilderConfig, copied_files
+from kvforge.contract.engine_dir import ENGINE_MODEL_FILE, BuilderConfig, copied_files, engine_role
 from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.files import write_json
 from kvforge.contract.model_config import ModelConfig
@@ -49,4 +49,5 @@ def write_engine_config(onnx_dir: Path, engine_dir: Path, config: ModelConfig, b
     """Copy the files every engine dir holds and write config.json with its builder_config."""
     for name in copied_files(config):
         shutil.copyfile(onnx_dir / name, engine_dir / name)
-    write_json(engine_dir / "config.json", {**config.to_dict(), "builder_config": build.to_dict()})
+    write_json(engine_dir / "config.json", {**config.to_dict(), "engine_role": engine_role(config, build.spec_base),
+                                            "builder_config": build.to_dict()})

@@ -15,6 +15,7 @@ import numpy as np
 from kvforge.contract.engine_dir import (
     D2T_FILE,
     D2T_TENSOR,
+    DSPARK_HEADS_FILE,
     EMBEDDING_FILE,
     EMBEDDING_TENSOR,
     EngineDir,
@@ -27,9 +28,11 @@ from kvforge.runtime.backend import Backend
 from kvforge.runtime.backends import load_backend
 from kvforge.runtime.context_cache.manager import ContextCacheManager
 from kvforge.runtime.engine_config import (  # noqa: F401 - EngineConfig and the budget helper are re-exported
+    SPEC_DSPARK,
     SPEC_NGRAM,
     EngineConfig,
     ResolvedConfig,
+    block_size,
     deployment_of,
     resolve_engine_config,
     snapshot_budgets,
@@ -94,7 +97,8 @@ class Engine:
                                          partial_kv_snapshot_slots=partial, recurrent_snapshot_slots=recurrent,
                                          deployment=self.deployment, copier=self.state,
                                          chain_root=resolved.chain_root, events=self.tier,
-                                         draft_pages=resolved.draft.build.max_kv_pool_pages if resolved.draft else 0)
+                                         draft_pages=resolved.draft.build.max_kv_pool_pages if resolved.draft else 0,
+                                         draft_replays=resolved.draft is None or resolved.draft.model.is_eagle3_draft)
         encoder = _load_encoder(config)
         self.tokenizer = ChatTokenizer(self.engine_dir.path,
                                        media_markers={encoder.kind: encoder.marker} if encoder is not None else {})
@@ -236,15 +240,32 @@ class Engine:
             return NgramProposer(config.spec_draft_step, config.spec_prompt_lookup_min, config.spec_prompt_lookup_max)
         if resolved.draft is None:
             return None
-        from kvforge.runtime.spec.eagle3 import Eagle3Proposer
-
         draft = resolved.draft
         table = map_tensor(draft.file(EMBEDDING_FILE), EMBEDDING_TENSOR)
         self.draft_backend = load_backend(draft, config.num_threads, table, shares_cores=True)
+        if draft.model.is_block_draft:
+            return self._block_proposer(config, draft, table)
+        from kvforge.runtime.spec.eagle3 import Eagle3Proposer
+
         d2t = np.asarray(map_tensor(draft.file(D2T_FILE), D2T_TENSOR), dtype=np.int64)
         return Eagle3Proposer(self.draft_backend, table, d2t, self.cache, config.spec_draft_step,
                               draft.model.base_model_hidden_size, top_k=config.spec_draft_top_k,
                               verify_nodes=verify_size(config, self.engine_dir) - 1)
+
+
+    def _block_proposer(self, config: EngineConfig, draft: EngineDir, table: np.ndarray) -> Proposer:
+        from kvforge.runtime.spec.block_draft import BlockDraftProposer, DsparkHeads
+
+        heads = None
+        if draft.model.spec_decode_type == SPEC_DSPARK:
+            tensors = {name: np.asarray(map_tensor(draft.file(DSPARK_HEADS_FILE), name), dtype=np.float32)
+                       for name in ("markov_w1", "markov_w2", "accept_weight", "accept_bias")}
+            heads = DsparkHeads(tensors["markov_w1"], tensors["markov_w2"], tensors["accept_weight"],
+                                float(tensors["accept_bias"][0]), config.dspark_scheduler,
+                                config.dspark_confidence_threshold, config.dspark_min_proposal_len,
+                                config.dspark_max_proposal_len)
+        return BlockDraftProposer(self.draft_backend, table, self.cache, block_size(config, draft),
+                                  draft.model.mask_token_id, draft.model.base_model_hidden_size, self.profiler, heads)
 
 
 def _load_encoder(config: EngineConfig):  # -> VisualEncoder | AudioEncoder | None

@@ -18,7 +18,7 @@ from kvforge.contract.files import read_json
 from kvforge.contract.formats import MANIFEST_FILE
 from kvforge.contract.geometry import snapshot_slots
 from kvforge.contract.memory import available_memory_bytes, check_fits_memory
-from kvforge.contract.model_config import ModelConfig
+from kvforge.contract.model_config import MAX_BLOCK_SIZE, ModelConfig
 from kvforge.runtime.context_cache.keys import EngineFingerprint, chain_root
 from kvforge.runtime.context_cache.manager import DEFAULT_MAX_RECORDS
 from kvforge.runtime.multimodal.encoder_cache import DEFAULT_ENCODER_CACHE_BUDGET_BYTES
@@ -27,8 +27,12 @@ from kvforge.runtime.spec.ngram import DEFAULT_MAX_N, DEFAULT_MIN_N
 from kvforge.runtime.state_manager import CheckpointPolicy
 from kvforge.runtime.types import Deployment
 
-SPEC_OFF, SPEC_NGRAM, SPEC_EAGLE3 = "off", "ngram", "eagle3"
-SPEC_METHODS = (SPEC_OFF, SPEC_NGRAM, SPEC_EAGLE3)
+SPEC_OFF, SPEC_NGRAM, SPEC_EAGLE3, SPEC_DFLASH, SPEC_DSPARK = "off", "ngram", "eagle3", "dflash", "dspark"
+SPEC_METHODS = (SPEC_OFF, SPEC_NGRAM, SPEC_EAGLE3, SPEC_DFLASH, SPEC_DSPARK)
+DRAFT_METHODS = (SPEC_EAGLE3, SPEC_DFLASH, SPEC_DSPARK)  # methods with a draft engine (ENGINEDIR/draft)
+# DSpark's proposal-length schedulers (TensorRT Edge-LLM's --dsparkScheduler values; runtime/spec/block_draft.py).
+SCHEDULER_OFF, SCHEDULER_THRESHOLD, SCHEDULER_SPS = "off", "threshold", "sps"
+DSPARK_SCHEDULERS = (SCHEDULER_OFF, SCHEDULER_THRESHOLD, SCHEDULER_SPS)
 DEFAULT_SPEC_DRAFT_TOKENS = 6  # TensorRT Edge-LLM's --specDraftStep default; bench/spec_decode.py measures others
 MAX_SPEC_DRAFT_TOKENS = 32
 MAX_SPEC_DRAFT_TOP_K = 16
@@ -126,11 +130,28 @@ class EngineConfig:
     spec_decode: str = _option(
         SPEC_OFF, "--specDecode", "Speculative decoding: 'ngram' drafts by prompt lookup (the tokens that followed the "
         "last few tokens where they occurred earlier in the prompt or output; no draft model), 'eagle3' drafts with "
-        "the engine's EAGLE3 draft (ENGINEDIR/draft, or --specDraftEngineDir; built with llm_build --specDraft); the "
-        "engine verifies the drafts in one call per step; 'off' (default). Outputs are unchanged; a request opts out "
-        "with disable_spec_decode.")
+        "the engine's EAGLE3 draft (ENGINEDIR/draft, or --specDraftEngineDir; built with llm_build --specDraft); "
+        "'dflash' and 'dspark' draft a whole block per call with a block draft there; the engine verifies the drafts "
+        "in one call per step; 'off' (default). Outputs are unchanged; a request opts out with disable_spec_decode.")
+    dflash_block_size: int = _option(
+        0, "--dflashBlockSize", "With --specDecode dflash or dspark: positions one block call drafts over (the pending "
+        "token and blockSize - 1 masks, so up to blockSize - 1 proposed tokens). 0 (default) = the block the draft "
+        "was trained on; smaller blocks verify fewer tokens. --specDraftStep does not apply to block drafts.")
+    dspark_scheduler: str = _option(
+        SCHEDULER_OFF, "--dsparkScheduler", "With --specDecode dspark: how many of the block's guesses to verify, "
+        "from its acceptance predictor: 'off' (default) all; 'threshold' while the running product of the scores "
+        "is at least --dsparkConfidenceThreshold; 'sps' the length with the most expected tokens per unit of verify "
+        "cost.")
+    dspark_confidence_threshold: float = _option(
+        0.0, "--dsparkConfidenceThreshold", "With --dsparkScheduler threshold: the lowest running acceptance "
+        "probability still proposed, in [0, 1].")
+    dspark_min_proposal_len: int = _option(
+        1, "--dsparkMinProposalLen", "With --specDecode dspark: propose at least this many tokens (default 1).")
+    dspark_max_proposal_len: int = _option(
+        0, "--dsparkMaxProposalLen", "With --specDecode dspark: propose at most this many tokens (0 = the block).")
     spec_draft_engine_dir: str | None = _option(
-        None, "--specDraftEngineDir", "With --specDecode eagle3: the draft's engine dir (default ENGINEDIR/draft).",
+        None, "--specDraftEngineDir", "With --specDecode eagle3, dflash or dspark: the draft's engine dir (default "
+        "ENGINEDIR/draft).",
         path=True)
     spec_draft_step: int = _option(
         DEFAULT_SPEC_DRAFT_TOKENS, "--specDraftStep", "With --specDecode: tokens proposed per step for each decoding "
@@ -191,7 +212,7 @@ class ResolvedConfig:
     recurrent_snapshot_slots: int
     checkpoints: CheckpointPolicy
     chain_root: bytes  # the engine fingerprint's root of every page key
-    draft: EngineDir | None = None  # the EAGLE3 draft's engine dir (--specDecode eagle3)
+    draft: EngineDir | None = None  # the draft's engine dir (--specDecode eagle3, dflash or dspark)
 
 
 def resolve_engine_config(config: EngineConfig, engine: EngineDir, *, num_pages: int | None = None) -> ResolvedConfig:
@@ -246,14 +267,16 @@ def _check_memory(config: EngineConfig, engine: EngineDir, draft: EngineDir | No
 
 
 def _resolve_draft(config: EngineConfig, engine: EngineDir, deployment: Deployment) -> EngineDir | None:
-    """The EAGLE3 draft engine dir, checked against its base (the support matrix's EAGLE3 rows)."""
-    if config.spec_decode != SPEC_EAGLE3:
+    """The draft engine dir, checked against its base (the support matrix's EAGLE3 and block-draft rows)."""
+    if config.spec_decode not in DRAFT_METHODS:
         if config.spec_draft_engine_dir:
-            raise InvalidConfig("a draft engine dir is read with --specDecode eagle3 only", "spec_draft_engine_dir")
+            raise InvalidConfig("a draft engine dir is read with --specDecode eagle3, dflash or dspark only",
+                                "spec_draft_engine_dir")
         return None
+    method = {SPEC_EAGLE3: "EAGLE3", SPEC_DFLASH: "DFlash", SPEC_DSPARK: "DSpark"}[config.spec_decode]
     if deployment is not Deployment.VANILLA:
-        raise InvalidConfig(f"EAGLE3 is not supported on a {deployment.value} engine (the support matrix rejects "
-                            "hybrid speculative bases: a recurrent state cannot replay the final matched page)",
+        raise InvalidConfig(f"{method} is not supported on a {deployment.value} engine (the support matrix rejects "
+                            "hybrid EAGLE3, DFlash, JetSpec and DSpark: only hybrid MTP runs on a recurrent base)",
                             "spec_decode")
     base = engine.model
     if not engine.build.spec_base:
@@ -268,12 +291,18 @@ def _resolve_draft(config: EngineConfig, engine: EngineDir, deployment: Deployme
     except InvalidConfig as exc:
         raise InvalidConfig(f"the draft engine at {path}: {exc.message}", "spec_draft_engine_dir") from None
     model, build = draft.model, draft.build
-    if not build.spec_draft or not model.is_eagle3_draft:
-        raise InvalidConfig(f"{path} is not an EAGLE3 draft engine; build it with llm_build --specDraft",
+    if not build.spec_draft or model.spec_decode_type != config.spec_decode:
+        kind = model.spec_decode_type if build.spec_draft else "no draft"
+        raise InvalidConfig(f"{path} is not a {method} draft engine ({kind}); build one with llm_build --specDraft "
+                            f"or use --specDecode {model.spec_decode_type if build.spec_draft else 'off'}",
                             "spec_draft_engine_dir")
     if build.backend != "onnxruntime":
-        raise InvalidConfig("EAGLE3 drafts run on onnxruntime only for now; rebuild the draft with --backend "
+        raise InvalidConfig(f"{method} drafts run on onnxruntime only for now; rebuild the draft with --backend "
                             "onnxruntime", "spec_draft_engine_dir")
+    if model.is_block_draft and not build.tree_attention:
+        raise InvalidConfig(f"the {method} draft at {path} was built without masked attention (its block is "
+                            "non-causal); rebuild it with llm_build --specDraft --cpuAttention kernel",
+                            "spec_draft_engine_dir")
     checks = [
         (model.eagle_hidden_state_layers == base.hidden_state_layers,
          f"the draft reads base layers {model.eagle_hidden_state_layers}, the base returns {base.hidden_state_layers}"),
@@ -294,7 +323,21 @@ def _resolve_draft(config: EngineConfig, engine: EngineDir, deployment: Deployme
                                 "spec_draft_engine_dir")
     if config.spec_draft_top_k > 1:
         _check_tree(config, engine, draft)
+    if model.is_block_draft:
+        block = block_size(config, draft)
+        if block > engine.build.max_input_len:
+            raise InvalidConfig(f"a block of {block} exceeds the base's maxInputLen {engine.build.max_input_len}",
+                                "dflash_block_size")
     return draft
+
+
+def block_size(config: EngineConfig, draft: EngineDir) -> int:
+    """A block draft's block: --dflashBlockSize, or the one it was trained on (never longer)."""
+    trained = draft.model.dflash_block_size
+    if config.dflash_block_size and not 2 <= config.dflash_block_size <= trained:
+        raise InvalidConfig(f"must be in [2, {trained}] (the block this draft was trained on), got "
+                            f"{config.dflash_block_size}", "dflash_block_size")
+    return config.dflash_block_size or trained
 
 
 def verify_size(config: EngineConfig, engine: EngineDir) -> int:
@@ -332,6 +375,7 @@ def _check_speculation(config: EngineConfig, deployment: Deployment) -> None:
     if not 1 <= config.spec_draft_top_k <= MAX_SPEC_DRAFT_TOP_K:
         raise InvalidConfig(f"must be in [1, {MAX_SPEC_DRAFT_TOP_K}], got {config.spec_draft_top_k}",
                             "spec_draft_top_k")
+    _check_block_options(config)
     if config.spec_draft_top_k > 1 and config.spec_decode != SPEC_EAGLE3:
         raise InvalidConfig("tree drafting (a top-k above 1) needs --specDecode eagle3 (prompt lookup drafts one "
                             "chain)", "spec_draft_top_k")
@@ -345,6 +389,31 @@ def _check_speculation(config: EngineConfig, deployment: Deployment) -> None:
         # The seed's support matrix: speculation on a pure recurrent base is rejected.
         raise InvalidConfig("speculative decoding is not supported on a pure recurrent engine (no attention "
                             "layers to verify drafts against cheaply; the support matrix rejects it)", "spec_decode")
+
+
+def _check_block_options(config: EngineConfig) -> None:
+    """The block-draft flags: in range, and given only with a method that reads them."""
+    if config.dflash_block_size and config.spec_decode not in (SPEC_DFLASH, SPEC_DSPARK):
+        raise InvalidConfig("sizes a block draft's block: needs --specDecode dflash or dspark", "dflash_block_size")
+    if config.dflash_block_size < 0:
+        raise InvalidConfig(f"must be >= 0, got {config.dflash_block_size}", "dflash_block_size")
+    if config.dspark_scheduler not in DSPARK_SCHEDULERS:
+        raise InvalidConfig(f"must be one of {', '.join(DSPARK_SCHEDULERS)}, got {config.dspark_scheduler!r}",
+                            "dspark_scheduler")
+    if not 0.0 <= config.dspark_confidence_threshold <= 1.0:
+        raise InvalidConfig(f"must be in [0, 1], got {config.dspark_confidence_threshold}",
+                            "dspark_confidence_threshold")
+    if not 1 <= config.dspark_min_proposal_len <= MAX_BLOCK_SIZE:
+        raise InvalidConfig(f"must be in [1, {MAX_BLOCK_SIZE}], got {config.dspark_min_proposal_len}",
+                            "dspark_min_proposal_len")
+    if config.dspark_max_proposal_len and not config.dspark_min_proposal_len <= config.dspark_max_proposal_len \
+            <= MAX_BLOCK_SIZE:
+        raise InvalidConfig(f"must be 0 or in [dsparkMinProposalLen {config.dspark_min_proposal_len}, "
+                            f"{MAX_BLOCK_SIZE}], got {config.dspark_max_proposal_len}", "dspark_max_proposal_len")
+    dspark_set = (config.dspark_scheduler != SCHEDULER_OFF, config.dspark_confidence_threshold != 0.0,
+                  config.dspark_min_proposal_len != 1, config.dspark_max_proposal_len != 0)
+    if any(dspark_set) and config.spec_decode != SPEC_DSPARK:
+        raise InvalidConfig("DSpark's scheduler settings need --specDecode dspark", "dspark_scheduler")
 
 
 def engine_fingerprint(engine: EngineDir) -> EngineFingerprint:

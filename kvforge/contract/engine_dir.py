@@ -18,7 +18,7 @@ from kvforge.contract.geometry import (
 )
 from kvforge.contract.manifest import ENGINE_KIND, verify_manifest
 from kvforge.contract.memory import check_pool_fits_memory
-from kvforge.contract.model_config import ModelConfig
+from kvforge.contract.model_config import SPEC_DSPARK, ModelConfig
 from kvforge.contract.tensor_header import read_tensor_header
 from kvforge.contract.validation import describe, one_line
 
@@ -57,6 +57,12 @@ TREE_POSITIONS_INPUT = "attention_pos_id"
 TREE_MASK_INPUT = "attention_mask"
 # EAGLE3 drafts: int64 [draft_vocab] offsets, base id = draft id + d2t[draft id] (the Hugging Face format's map).
 D2T_FILE, D2T_TENSOR = "d2t.safetensors", "d2t"
+# DSpark drafts: the previous-token (Markov) head and the acceptance predictor, applied by the runtime (TensorRT
+# Edge-LLM's file name): markov_w1 [V, r], markov_w2 [V, r], accept_weight [H], accept_bias [1].
+DSPARK_HEADS_FILE = "dspark_heads.safetensors"
+# A graph input of block drafts [B, S, 1] float32: 1 where the token is a context position (its K/V are projections
+# of the base's hidden states), 0 in the block being drafted (K/V of the draft's own layers).
+CONTEXT_TOKEN_MASK_INPUT = "context_token_mask"
 # A speculative base engine dir keeps its draft engine here (TensorRT Edge-LLM writes spec_draft.engine and
 # draft_config.json beside the base; a subfolder keeps one config.json per engine).
 DRAFT_ENGINE_SUBDIR = "draft"
@@ -66,7 +72,16 @@ DRAFT_COPIED_FILES = (EMBEDDING_FILE,)  # an EAGLE3 draft has no tokenizer of it
 
 def copied_files(model: ModelConfig) -> tuple[str, ...]:
     """The files an ONNX dir of this model hands its engine dir besides the graph."""
-    return (*DRAFT_COPIED_FILES, D2T_FILE) if model.is_eagle3_draft else COPIED_FILES
+    if model.is_eagle3_draft:
+        return (*DRAFT_COPIED_FILES, D2T_FILE)
+    if model.spec_decode_type == SPEC_DSPARK:
+        return (*DRAFT_COPIED_FILES, DSPARK_HEADS_FILE)
+    return DRAFT_COPIED_FILES if model.is_draft else COPIED_FILES
+
+
+def engine_role(model: ModelConfig, spec_base: bool) -> str:
+    """TensorRT Edge-LLM's `engine_role`: a plain engine, a speculative base, or a draft."""
+    return "draft" if model.is_draft else "base" if spec_base else "llm"
 # How an engine's attention reads the KV pool (builder_config.attention): kvforge's CPU kernel (an ONNX Runtime
 # custom-op library reading pages in place), stock ONNX ops over gathered pages (the fallback where the kernel
 # cannot be built; engine dirs from before the kernel), or the TensorRT plugin.
@@ -231,7 +246,7 @@ def read_builder_config(raw: dict[str, Any], model: ModelConfig) -> BuilderConfi
         if type(value) is not int or not 0 <= value <= MAX_TREE_SIZE:
             raise InvalidConfig(f"must be an integer in [0, {MAX_TREE_SIZE}], got {describe(value)}", f"{where}.{key}")
         speculative[key] = value
-    if speculative["spec_draft"] != model.is_eagle3_draft:
+    if speculative["spec_draft"] != model.is_draft:
         raise InvalidConfig(f"spec_draft is {speculative['spec_draft']} but config.json's spec_decode_type is "
                             f"{model.spec_decode_type!r}; {REBUILD}", f"{where}.spec_draft")
     # Snapshot geometry and layer types are recomputed from the model, not trusted from the file.

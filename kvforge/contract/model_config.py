@@ -21,8 +21,12 @@ HYBRID_FAMILIES = ("qwen3_5",)
 # TensorRT Edge-LLM's normalized names: "mamba" means any recurrent mixer with a carried conv + recurrent state
 # (a Mamba2 SSM or a gated delta-net); the family says which one. HF's "linear_attention" maps to "mamba".
 LAYER_TYPES = ("attention", "mamba")
-SPEC_NONE, SPEC_EAGLE3 = "none", "eagle3"
-SPEC_DECODE_TYPES = (SPEC_NONE, SPEC_EAGLE3)
+MAX_BLOCK_SIZE = 64  # the longest block a block draft proposes in one call (z-lab's drafts use 16, DSpark's 7)
+SPEC_NONE, SPEC_EAGLE3, SPEC_DFLASH, SPEC_DSPARK = "none", "eagle3", "dflash", "dspark"
+SPEC_DECODE_TYPES = (SPEC_NONE, SPEC_EAGLE3, SPEC_DFLASH, SPEC_DSPARK)
+# Block drafters: one non-causal call over [pending token, mask x (block - 1)] proposes a whole block from K/V that
+# are projections of the base's hidden states (DSpark adds a previous-token head and an acceptance predictor).
+BLOCK_DRAFTS = (SPEC_DFLASH, SPEC_DSPARK)
 
 
 @dataclass(slots=True)
@@ -76,6 +80,10 @@ class ModelConfig:
     draft_vocab_size: int = 0  # 0 = vocab_size (the logits' width)
     base_model_hidden_size: int = 0
     eagle_hidden_state_layers: list[int] = field(default_factory=list)
+    # Block drafts (DFlash, DSpark): the block they were trained on and the mask token filling it; base layers read
+    # are in eagle_hidden_state_layers (the one field every hidden-state drafter names its base layers in).
+    dflash_block_size: int = 0
+    mask_token_id: int = 0
     format: str = EXPORT_FORMAT
 
     @property
@@ -86,6 +94,15 @@ class ModelConfig:
     @property
     def is_eagle3_draft(self) -> bool:
         return self.spec_decode_type == SPEC_EAGLE3
+
+    @property
+    def is_block_draft(self) -> bool:
+        return self.spec_decode_type in BLOCK_DRAFTS
+
+    @property
+    def is_draft(self) -> bool:
+        """Any draft engine's model (its graph reads the base's hidden states)."""
+        return self.spec_decode_type != SPEC_NONE
 
     @property
     def is_recurrent(self) -> bool:
@@ -179,15 +196,25 @@ class ModelConfig:
         if self.spec_decode_type not in SPEC_DECODE_TYPES:
             raise InvalidConfig(f"must be one of {SPEC_DECODE_TYPES}, got {self.spec_decode_type!r}",
                                 "config.spec_decode_type")
-        if not self.is_eagle3_draft:
-            if self.draft_vocab_size or self.base_model_hidden_size or self.eagle_hidden_state_layers:
+        if not self.is_draft:
+            if self.draft_vocab_size or self.base_model_hidden_size or self.eagle_hidden_state_layers or \
+                    self.dflash_block_size:
                 raise InvalidConfig("draft fields are set but spec_decode_type is 'none'", "config.spec_decode_type")
+            return
+        self._validate_base_layers()
+        if self.is_block_draft:
+            self._validate_block_draft()
             return
         if self.model != "llama" or self.num_hidden_layers != 1 or self.layer_types:
             raise InvalidConfig("an EAGLE3 draft is one llama decoder layer", "config.num_hidden_layers")
         if not 0 < self.draft_vocab_size <= self.vocab_size:
             raise InvalidConfig(f"must be in [1, vocab_size {self.vocab_size}], got {self.draft_vocab_size}",
                                 "config.draft_vocab_size")
+        if self.hidden_state_layers != [0]:
+            raise InvalidConfig("an EAGLE3 draft returns its layer's output as hidden_states: must be [0]",
+                                "config.hidden_state_layers")
+
+    def _validate_base_layers(self) -> None:
         if not self.eagle_hidden_state_layers or len(set(self.eagle_hidden_state_layers)) != \
                 len(self.eagle_hidden_state_layers) or min(self.eagle_hidden_state_layers) < 0:
             raise InvalidConfig(f"must name distinct base layers, got {self.eagle_hidden_state_layers}",
@@ -195,9 +222,23 @@ class ModelConfig:
         if self.base_model_hidden_size <= 0 or self.base_model_hidden_size % len(self.eagle_hidden_state_layers):
             raise InvalidConfig(f"must be a positive multiple of the {len(self.eagle_hidden_state_layers)} base "
                                 f"layers read, got {self.base_model_hidden_size}", "config.base_model_hidden_size")
-        if self.hidden_state_layers != [0]:
-            raise InvalidConfig("an EAGLE3 draft returns its layer's output as hidden_states: must be [0]",
-                                "config.hidden_state_layers")
+
+    def _validate_block_draft(self) -> None:
+        if self.model != "qwen3" or self.layer_types:
+            raise InvalidConfig(f"a {self.spec_decode_type} draft is a stack of qwen3 decoder layers, got "
+                                f"{self.model}", "config.model")
+        if not 2 <= self.dflash_block_size <= MAX_BLOCK_SIZE:
+            raise InvalidConfig(f"must be in [2, {MAX_BLOCK_SIZE}], got {self.dflash_block_size}",
+                                "config.dflash_block_size")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise InvalidConfig(f"must be a token id in [0, vocab_size {self.vocab_size}), got {self.mask_token_id}",
+                                "config.mask_token_id")
+        if self.draft_vocab_size not in (0, self.vocab_size):
+            raise InvalidConfig("a block draft scores the base's whole vocabulary with the base's head",
+                                "config.draft_vocab_size")
+        if self.hidden_state_layers != [self.num_hidden_layers - 1]:
+            raise InvalidConfig("a block draft returns its normed last layer as hidden_states: must be "
+                                f"[{self.num_hidden_layers - 1}]", "config.hidden_state_layers")
 
     def _validate_hybrid(self) -> None:
         if len(self.layer_types) != self.num_hidden_layers:
@@ -283,6 +324,7 @@ CONFIG_SCHEMA: dict[str, tuple[str, float | None, float | None]] = {
     "partial_rotary_factor": ("float", 0.0, 1.0), "hidden_state_layers": ("ints", 0, 1024),
     "spec_decode_type": ("str", None, None), "draft_vocab_size": ("int", 0, 2**24),
     "base_model_hidden_size": ("int", 0, 2**22), "eagle_hidden_state_layers": ("ints", 0, 1024),
+    "dflash_block_size": ("int", 0, 1024), "mask_token_id": ("int", 0, 2**24),
 }
 
 

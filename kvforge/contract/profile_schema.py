@@ -17,6 +17,7 @@ GENERATION_STAGE = "llm_generation"
 SPEC_DRAFT_PROPOSAL_STAGE = "spec_decode_draft_proposal"  # TensorRT Edge-LLM's stage id for drafting
 SPEC_BASE_VERIFICATION_STAGE = "spec_decode_base_verification"  # engine calls of steps that verify drafts
 SPEC_DRAFT_ACCEPT_STAGE = "spec_decode_draft_accept"  # acceptance (greedy match or rejection sampling)
+BLOCK_DIFFUSION_DENOISE_STAGE = "block_diffusion_denoise"  # a block draft's one call over a block of masks
 
 # ------------------------------------------------------------------------------------------ top-level sections
 

@@ -1,4 +1,4 @@
-"""EAGLE3 draft pages as a cache type: the draft's own pool, and the coherent draft paths records carry.
+"""Draft pages as a cache type: a draft's own pool (EAGLE3, block drafts), and the coherent draft paths records carry.
 
 Draft pages are not content-addressed one by one: a draft page's K/V depends on the tokens *after* it (the draft at
 position p is fed token p + 1) and on the draft pages before it, so a speculative hit takes one record's path
@@ -7,6 +7,11 @@ admission takes the longest boundary among its matching base pages and reuses on
 base and draft (the final matched page is replayed: its last position depends on the next page's first token,
 which the match guarantees only up to the boundary). A record without a draft path (published by a plain request)
 serves plain requests only; a speculative publication of the same endpoint upgrades it (the coordinator's job).
+
+Block drafts (DFlash, DSpark) hold K/V at p that are projections of the base's hidden state at p alone, so nothing
+is replayed: a hit reuses the whole coherent path up to its boundary (`replays=False`). Their pages could be
+content-addressed one by one; the paths are kept for them too (one code path, and a path is only shorter than the
+per-page match when two records diverge inside a document, where the base pages diverge as well).
 """
 
 from __future__ import annotations
@@ -20,18 +25,20 @@ from kvforge.runtime.context_cache.records import Record
 
 
 class DraftPaths:
-    __slots__ = ("pool", "tokens_per_page", "_boundaries", "_paths")
+    __slots__ = ("pool", "tokens_per_page", "replays", "_boundaries", "_paths")
 
-    def __init__(self, pool: ResourcePool, tokens_per_page: int) -> None:
+    def __init__(self, pool: ResourcePool, tokens_per_page: int, *, replays: bool = True) -> None:
         self.pool = pool
         self.tokens_per_page = tokens_per_page
+        self.replays = replays
         # base chain key of page j - 1 -> (record id, j): that record's draft path covers the first j pages
         self._boundaries: dict[bytes, tuple[int, int]] = {}
         self._paths: dict[int, tuple[int, ...]] = {}
 
     def find_longest_hit(self, lookup: Lookup, agreed: ReusePlan) -> ReusePlan:
         """A plain admission keeps `agreed`. A speculative one reuses the longest coherent path among its matching
-        pages minus its final page, never more than `agreed` (media spans, the full-input rewind) and never a
+        pages minus its final page (none less without replay), never more than `agreed` (media spans, the
+        full-input rewind) and never a
         snapshot tail (the draft has none): a cold start when no record with a path matches."""
         if not lookup.speculative:
             return agreed
@@ -43,13 +50,13 @@ class DraftPaths:
             if found is None:
                 continue
             record_id, covered = found
-            pages = min(boundary - 1, len(agreed.hit_pages), covered)
+            pages = min(boundary - int(self.replays), len(agreed.hit_pages), covered)
             if pages <= 0:
-                return replace(cold, replayed_page=True)
+                return replace(cold, replayed_page=self.replays)
             path = self._paths[record_id]
             return replace(cold, kind=PlanKind.STANDARD, reuse_tokens=pages * self.tokens_per_page,
                            hit_pages=tuple(matched[:pages]), new_pages=cold.new_pages - pages,
-                           draft_hit_pages=path[:pages], replayed_page=True)
+                           draft_hit_pages=path[:pages], replayed_page=self.replays)
         return cold
 
     def hit_slots(self, plan: ReusePlan) -> tuple[int, ...]:

@@ -108,11 +108,12 @@ class ContextCacheManager:
                  max_records: int = DEFAULT_MAX_RECORDS, partial_kv_snapshot_slots: int = 0,
                  recurrent_snapshot_slots: int = 0, deployment: Deployment = Deployment.VANILLA,
                  copier: SnapshotCopier | None = None, chain_root: bytes = CHAIN_ROOT,
-                 events: CacheEvents | None = None, draft_pages: int = 0) -> None:
+                 events: CacheEvents | None = None, draft_pages: int = 0, draft_replays: bool = True) -> None:
         """`copier` moves snapshot bytes (the engine's state manager); without one no snapshot is ever captured.
         `chain_root` roots every key (keys.chain_root of an engine fingerprint); `events` hears lookups, commits
-        and evictions (an external tier). `draft_pages`: an EAGLE3 draft's own KV pool (speculative admissions
-        take a page there beside each base page)."""
+        and evictions (an external tier). `draft_pages`: a draft's own KV pool (speculative admissions take a page
+        there beside each base page); `draft_replays`: whether a hit replays its final page (EAGLE3: the draft at p
+        reads token p + 1) or not (block drafts: their K/V at p depend on the base at p alone)."""
         if max_records < 0:
             raise InvalidConfig(f"must be >= 0, got {max_records}", "context_cache_max_records")
         deployment = Deployment(deployment)
@@ -135,8 +136,8 @@ class ContextCacheManager:
         partial = partial_kv_snapshot_slots if enabled and paged else 0
         # A pure recurrent engine's build still names a KV pool size; nothing would ever use it, so its capacity is 0.
         if draft_pages and checkpoints:
-            raise InvalidConfig("an EAGLE3 draft needs an attention-only base (the support matrix rejects hybrid and "
-                                "recurrent speculative bases)", "spec_decode")
+            raise InvalidConfig("a draft with its own KV pool needs an attention-only base (the support matrix "
+                                "rejects hybrid EAGLE3, DFlash, JetSpec and DSpark)", "spec_decode")
         self.pools = ResourcePools(num_pages if paged else 0, partial,
                                    recurrent_snapshot_slots if enabled and checkpoints else 0, draft_pages)
         self.pages = self.pools.base_kv_pages
@@ -153,7 +154,7 @@ class ContextCacheManager:
         self.tails = PartialTails(self.partial_snapshots, T, chain_root, copier) if paged else None
         self.recurrent = RecurrentCheckpoints(self.recurrent_snapshots, self.records, T, chain_root,
                                               with_pages=paged, copier=copier) if checkpoints else None
-        self.drafts = DraftPaths(self.pools.draft_kv_pages, T) if draft_pages else None
+        self.drafts = DraftPaths(self.pools.draft_kv_pages, T, replays=draft_replays) if draft_pages else None
         self.types: tuple[CacheType, ...] = tuple(
             t for t in (self.attention, self.tails, self.recurrent, self.drafts) if t is not None)
         # Lookup order: each type narrows or extends the hit of the ones before it. A checkpoint brings its own

@@ -15,7 +15,7 @@ from kvforge.tools.export.source import LoadedModel
 
 SMOLLM2_NAME = "smollm2-135m-instruct"
 
-COMMANDS = ("model", "lora", "random-lora", "eagle3", "random-eagle3")
+COMMANDS = ("model", "lora", "random-lora", "eagle3", "random-eagle3", "block-draft", "random-block-draft")
 HELP = """
 Export an LLM to an ONNX dir with kvforge paged-KV ops (no torch needed). `model` is the default
 command: `llm_export SOURCE ...` means `llm_export model SOURCE ...`.
@@ -48,6 +48,25 @@ and demos (its proposals are rarely accepted); export it with `eagle3`.
 [bold]Example[/]
 
   llm_export random-eagle3 --baseOnnxDir onnx/tiny --outputDir drafts/random_eagle3 --draftVocab 64
+"""
+BLOCK_DRAFT_HELP = """
+Export a block draft (DFlash's DFlashDraftModel or DSpark's DSparkDraftModel, Hugging Face format) for a base ONNX
+dir. The base must return the hidden states of the draft's dflash_config.target_layer_ids (llm_export
+--hiddenStateLayers); the draft embeds with the base's table and scores with a float copy of the base's LM head.
+Build it with `llm_build --specDraft --cpuAttention kernel` into the base engine's draft/ folder.
+
+[bold]Example[/]
+
+  llm_export model HF/Qwen3-4B --hiddenStateLayers 1,9,17,25,33 --outputDir onnx/qwen3-4b
+  llm_export block-draft --draftDir HF/Qwen3-4B-DFlash-b16 --baseOnnxDir onnx/qwen3-4b --outputDir onnx/dflash
+"""
+RANDOM_BLOCK_DRAFT_HELP = """
+Write a random-weight DFlash or DSpark checkpoint (Hugging Face format) for the base of an ONNX dir: plumbing tests
+and demos (its proposals are rarely accepted); export it with `block-draft`.
+
+[bold]Example[/]
+
+  llm_export random-block-draft --kind dspark --baseOnnxDir onnx/tiny --outputDir drafts/random_dspark
 """
 LORA_HELP = """
 Convert a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) into the engine's layout
@@ -321,6 +340,50 @@ def random_eagle3(
         check_distinct({"--outputDir": output_dir}, {"--baseOnnxDir": base_onnx_dir}, outputs_are_dirs=True)
         write_random_eagle3(base_onnx_dir, output_dir, draft_vocab_size=draft_vocab, seed=seed)
         console.print(f"wrote a random EAGLE3 draft checkpoint to {output_dir}")
+
+    run_guarded(body, debug, flags=EXPORT_FLAGS)
+
+
+@app.command("block-draft", help=BLOCK_DRAFT_HELP, short_help="Export a DFlash or DSpark draft for a base ONNX dir.")
+def block_draft(
+    draft_dir: Path = typer.Option(..., "--draftDir", help="DFlash/DSpark checkpoint dir (config.json + safetensors)."),
+    base_onnx_dir: Path = typer.Option(..., "--baseOnnxDir",
+                                       help="The base model's ONNX dir (llm_export with --hiddenStateLayers)."),
+    output_dir: Path = typer.Option(..., "--outputDir", help="The draft's ONNX dir to write."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
+) -> None:
+    def body() -> None:
+        from kvforge.contract.files import check_distinct
+        from kvforge.tools.export.block_draft import export_block_draft
+        check_distinct({"--outputDir": output_dir}, {"--draftDir": draft_dir, "--baseOnnxDir": base_onnx_dir},
+                       outputs_are_dirs=True)
+        c = export_block_draft(draft_dir, base_onnx_dir, output_dir)
+        console.print(f"exported a {c.spec_decode_type} draft ({c.num_hidden_layers} layers, block "
+                      f"{c.dflash_block_size}, reads base layers {c.eagle_hidden_state_layers}) to {output_dir}")
+
+    run_guarded(body, debug, flags=EXPORT_FLAGS)
+
+
+@app.command("random-block-draft", help=RANDOM_BLOCK_DRAFT_HELP,
+             short_help="Write a random DFlash or DSpark draft (tests, demos).")
+def random_block_draft(
+    base_onnx_dir: Path = typer.Option(..., "--baseOnnxDir", help="The base model's ONNX dir."),
+    output_dir: Path = typer.Option(..., "--outputDir", help="Draft checkpoint dir to write."),
+    kind: str = typer.Option("dflash", "--kind", help="dflash or dspark."),
+    num_layers: int = typer.Option(2, "--numLayers", help="Decoder layers of the draft (real drafts have 5)."),
+    block_size: int = typer.Option(0, "--blockSize", help="Trained block size (0 = 16 for DFlash, 7 for DSpark)."),
+    seed: int = typer.Option(0, "--seed", help="Random seed."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
+) -> None:
+    def body() -> None:
+        from kvforge.contract.files import check_distinct
+        from kvforge.tools.export.block_draft import write_random_block_draft
+        if not 1 <= num_layers <= 64:
+            raise KvforgeError(f"must be in [1, 64], got {num_layers}", "--numLayers")
+        check_distinct({"--outputDir": output_dir}, {"--baseOnnxDir": base_onnx_dir}, outputs_are_dirs=True)
+        write_random_block_draft(base_onnx_dir, output_dir, kind=kind, seed=seed, num_layers=num_layers,
+                                 block_size=block_size)
+        console.print(f"wrote a random {kind} draft checkpoint to {output_dir}")
 
     run_guarded(body, debug, flags=EXPORT_FLAGS)
 

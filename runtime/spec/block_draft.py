@@ -1,0 +1,220 @@
+"""Block drafting (DFlash, DSpark): one non-causal draft call guesses a whole block from the base's hidden states.
+
+Token layout of one sequence (C = tokens whose base K/V is committed, t_C the pending token, b = block size):
+
+    position p:     0 ... C-1                         | C      C+1    ...  C+b-1
+    draft input:    context feature of base h_p       | t_C    MASK   ...  MASK       (the block)
+    draft K/V:      coherent (draft_computed_tokens)  | scratch: rewritten by the next call's context
+    draft output:                                     |        d_1    ...  d_{b-1}    (guesses for C+1 .. C+b-1)
+
+`observe` runs after each base call, before the commit: the positions the base just committed get their context
+K/V (a function of the base's hidden state at that position alone, so a draft page is as content-addressed as the
+base page beside it and a reuse hit needs no replay). `propose_batch` then runs one call over every decoding
+sequence's block; the block sees all the context and all of itself. DFlash takes each position's argmax. DSpark
+walks the block left to right adding its previous-token bias (`markov_w2 @ markov_w1[previous]`) before each argmax,
+and its acceptance predictor scores each guess; the scheduler proposes the prefix worth verifying:
+
+- `off`: the whole block (at most the sequence's room);
+- `threshold`: while the running product of the scores stays at or above --dsparkConfidenceThreshold;
+- `sps`: the length L maximising (1 + expected accepted tokens) / (1 + VERIFY_TOKEN_COST x L), the expected count
+  being the sum of the running products: a verify row's extra tokens are not free, and on CPU at batch one each
+  costs about VERIFY_TOKEN_COST of a decode step (bench/spec_decode.py measures it).
+
+Both bounded by --dsparkMinProposalLen / --dsparkMaxProposalLen. Verification is the engine's: greedy match, or
+rejection sampling against a one-hot proposal, so outputs are lossless whatever the draft guesses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvforge.contract.engine_dir import BASE_HIDDEN_INPUT, CONTEXT_TOKEN_MASK_INPUT
+from kvforge.contract.profile_schema import BLOCK_DIFFUSION_DENOISE_STAGE
+from kvforge.runtime.backend import Backend, StepInputs
+from kvforge.runtime.context_cache.manager import ContextCacheManager
+from kvforge.runtime.engine_config import SCHEDULER_OFF, SCHEDULER_SPS, SCHEDULER_THRESHOLD
+from kvforge.runtime.model_executor import BatchOutput
+from kvforge.runtime.profile import Profiler
+from kvforge.runtime.sampling import SampleResult
+from kvforge.runtime.scheduler import ScheduledRow
+from kvforge.runtime.sequence import Sequence
+from kvforge.runtime.spec.proposer import DraftTree
+from kvforge.runtime.tree_attention import causal_masks, start_positions
+
+VERIFY_TOKEN_COST = 0.1  # one more verified token, in decode steps (SmolLM2 on two cores; see the docstring)
+
+
+@dataclass(slots=True)
+class BlockState:
+    """The draft's K/V covers positions [0, position) of the sequence."""
+
+    position: int
+
+
+@dataclass(slots=True, frozen=True)
+class DsparkHeads:
+    """DSpark's runtime heads (dspark_heads.safetensors) and how its proposals are scheduled."""
+
+    markov_w1: np.ndarray  # [V, r]
+    markov_w2: np.ndarray  # [V, r]
+    accept_weight: np.ndarray  # [H + r]
+    accept_bias: float
+    scheduler: str = SCHEDULER_OFF
+    threshold: float = 0.0
+    min_len: int = 1
+    max_len: int = 0  # 0 = the block
+
+
+@dataclass(slots=True)
+class _Call:
+    seq: Sequence
+    start: int
+    embeds: np.ndarray  # [n, H] (zeros at context positions)
+    features: np.ndarray  # [n, base width] (zeros in the block)
+    context: int  # the first `context` entries are context positions
+    outputs: list[int]
+
+
+class BlockDraftProposer:
+    owns_kv = True
+
+    def __init__(self, backend: Backend, embedding: np.ndarray, cache: ContextCacheManager, block_size: int,
+                 mask_token_id: int, base_hidden_width: int, profiler: Profiler,
+                 dspark: DsparkHeads | None = None) -> None:
+        """`backend`: the draft engine's runner (its own KV pool); `embedding`: the base's token table; `cache`: the
+        coordinator whose draft pool the leases' draft pages come from; `block_size`: positions one block call
+        drafts over (the pending token and block_size - 1 masks)."""
+        self.backend = backend
+        self.embedding = embedding
+        self.cache = cache
+        self.block_size = block_size
+        self.mask_token_id = mask_token_id
+        self.base_width = base_hidden_width
+        self.hidden_size = embedding.shape[1]
+        self.profiler = profiler
+        self.dspark = dspark
+
+    # --- after each base call -------------------------------------------------------------------------
+
+    def observe(self, rows: list[ScheduledRow], output: BatchOutput, sampled: list[list[SampleResult]]) -> None:
+        calls = []
+        for i, (row, samples) in enumerate(zip(rows, sampled, strict=True)):
+            seq, lease = row.seq, row.seq.lease
+            if not seq.drafts_with_kv or lease is None or lease.draft_page_ids is None:
+                continue
+            start = seq.num_computed_tokens  # the commit has not moved it yet
+            if lease.draft_computed_tokens != start:
+                raise AssertionError("the draft K/V lags the base's committed positions")
+            end = start + row.num_new_tokens + max(len(samples) - 1, 0)  # base positions committed by this step
+            if end <= start or output.hidden_states is None or output.hidden_states[i] is None:
+                continue
+            n = end - start
+            calls.append(_Call(seq, start, np.zeros((n, self.hidden_size), np.float32),
+                               output.hidden_states[i][:n], n, [n - 1]))
+        if not calls:
+            return
+        self._run(calls)
+        for call in calls:
+            assert call.seq.lease is not None
+            end = call.start + call.context
+            call.seq.lease.draft_computed_tokens = end
+            call.seq.draft_state = BlockState(end)
+
+    # --- before the next step -------------------------------------------------------------------------
+
+    def propose_batch(self, seqs: list[Sequence], limits: list[int]) -> list[list[int] | DraftTree]:
+        proposals: list[list[int] | DraftTree] = [[] for _ in seqs]
+        calls, owners, pending = [], [], []
+        for i, (seq, limit) in enumerate(zip(seqs, limits, strict=True)):
+            state, lease = seq.draft_state, seq.lease
+            if not isinstance(state, BlockState) or lease is None or lease.draft_page_ids is None or limit <= 0:
+                continue
+            start = seq.num_computed_tokens
+            if state.position != start or lease.draft_computed_tokens != start:
+                continue
+            width = min(self.block_size, limit + 1)
+            # The block's scratch K/V at C .. C + width - 1; no pages, no proposal (drafting never preempts).
+            if not self.cache.try_grow_draft(lease, start + width):
+                continue
+            token = seq.all_token_ids()[start]
+            ids = [token] + [self.mask_token_id] * (width - 1)
+            calls.append(_Call(seq, start, self.embedding[ids], np.zeros((width, self.base_width), np.float32), 0,
+                               list(range(1, width))))
+            owners.append(i)
+            pending.append(token)
+        if not calls:
+            return proposals
+        with self.profiler.stage(BLOCK_DIFFUSION_DENOISE_STAGE):
+            logits, hidden = self._run(calls)
+        for i, token, row_logits, row_hidden in zip(owners, pending, logits, hidden, strict=True):
+            proposals[i] = self._dspark(token, row_logits, row_hidden) if self.dspark is not None else \
+                [int(t) for t in np.argmax(row_logits, axis=-1)]
+        return proposals
+
+    def _dspark(self, pending: int, logits: np.ndarray, hidden: np.ndarray) -> list[int]:
+        """The semi-autoregressive walk over the block, then the scheduled prefix."""
+        heads = self.dspark
+        assert heads is not None
+        tokens: list[int] = []
+        scores: list[float] = []
+        previous = pending
+        for position_logits, position_hidden in zip(logits, hidden, strict=True):
+            latent = heads.markov_w1[previous]
+            token = int(np.argmax(position_logits + heads.markov_w2 @ latent))
+            z = float(heads.accept_weight @ np.concatenate([position_hidden, latent]) + heads.accept_bias)
+            scores.append(1.0 / (1.0 + np.exp(-z)))
+            tokens.append(token)
+            previous = token
+        return tokens[:schedule(np.asarray(scores), heads)]
+
+    # --- the draft engine call ------------------------------------------------------------------------
+
+    def _run(self, calls: list[_Call]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """One draft call over ragged rows (context positions, then block positions): per row, logits [m, V] and
+        the normed last layer [m, H] at its `outputs` entries. The block sees all of itself; context rows, whose
+        queries nothing reads, see causally."""
+        width = max(len(call.embeds) for call in calls)
+        batch = len(calls)
+        embeds = np.zeros((batch, width, self.hidden_size), dtype=np.float32)
+        features = np.zeros((batch, width, self.base_width), dtype=np.float32)
+        context = np.zeros((batch, width, 1), dtype=np.float32)
+        starts = np.array([call.start for call in calls], dtype=np.int32)
+        mask = causal_masks(batch, width)
+        picks, counts = [], []
+        for b, call in enumerate(calls):
+            n = len(call.embeds)
+            embeds[b, :n] = call.embeds
+            features[b, :n] = call.features
+            context[b, :call.context] = 1.0
+            mask[b, call.context:n, :n] = True
+            picks.append(b * width + np.asarray(call.outputs, dtype=np.int64))
+            counts.append(len(call.outputs))
+        step = StepInputs(embeds, np.array([len(call.embeds) for call in calls], dtype=np.int32), starts,
+                          [call.seq.lease.draft_page_ids for call in calls],  # type: ignore[union-attr,misc]
+                          logits_indices=np.concatenate(picks),
+                          extra_inputs={BASE_HIDDEN_INPUT: features, CONTEXT_TOKEN_MASK_INPUT: context},
+                          position_ids=start_positions(starts, width), attention_mask=mask)
+        out = self.backend.forward(step)
+        assert out.hidden_states is not None, "a block draft returns its normed last layer"
+        bounds = np.cumsum([0] + counts)
+        return ([out.logits[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)],
+                [out.hidden_states[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)])
+
+
+def schedule(scores: np.ndarray, heads: DsparkHeads) -> int:
+    """How many of the block's guesses to propose, from their acceptance scores (see the module docstring)."""
+    longest = len(scores) if not heads.max_len else min(heads.max_len, len(scores))
+    shortest = min(heads.min_len, longest)
+    survival = np.cumprod(scores[:longest])
+    if heads.scheduler == SCHEDULER_THRESHOLD:
+        below = np.flatnonzero(survival < heads.threshold)
+        length = int(below[0]) if len(below) else longest
+    elif heads.scheduler == SCHEDULER_SPS:
+        lengths = np.arange(longest + 1)
+        expected = np.concatenate([[0.0], np.cumsum(survival)])
+        length = int(np.argmax((1.0 + expected) / (1.0 + VERIFY_TOKEN_COST * lengths)))
+    else:
+        length = longest
+    return max(length, shortest)
