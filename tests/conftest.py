@@ -102,3 +102,28 @@ def tiny_eagle3_engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     build_engine(root / "base_onnx", root / "engine", replace(TINY_BUILD, spec_base=True))
     build_engine(root / "draft_onnx", root / "engine" / "draft", replace(TINY_BUILD, spec_draft=True))
     return root / "engine"
+
+
+@pytest.fixture(scope="session")
+def tiny_block_draft_engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny-llama speculative base (hidden states of both layers) with random block drafts beside it: 'base' (its
+    DFlash draft, block 6, in ENGINE/draft), 'dspark' (block 5, for --specDecode dspark --specDraftEngineDir), and
+    'dflash_hf' (the DFlash checkpoint). Block drafts need the CPU kernel's masked attention; read-only."""
+    from dataclasses import replace
+
+    from support.ort_support import cpu_kernel_on
+
+    from kvforge.tools.export.block_draft import export_block_draft, write_random_block_draft
+
+    if not cpu_kernel_on():
+        pytest.skip("block drafts need the kvforge CPU kernel (masked attention); this run lowers without it")
+    root = tmp_path_factory.mktemp("tiny_block_drafts")
+    write_onnx_dir(synthetic_model("tiny-llama", hidden_state_layers=EAGLE3_BASE_LAYERS), root / "base_onnx")
+    build_engine(root / "base_onnx", root / "engine", replace(TINY_BUILD, spec_base=True))
+    draft_build = replace(TINY_BUILD, spec_draft=True, cpu_attention="kernel")
+    for kind, block, out in (("dflash", 6, root / "engine" / "draft"), ("dspark", 5, root / "dspark_engine")):
+        write_random_block_draft(root / "base_onnx", root / f"{kind}_hf", kind=kind, seed=5, block_size=block)
+        export_block_draft(root / f"{kind}_hf", root / "base_onnx", root / f"{kind}_onnx")
+        build_engine(root / f"{kind}_onnx", out, draft_build)
+    return {"base": root / "engine", "dspark": root / "dspark_engine", "dflash_hf": root / "dflash_hf",
+            "base_onnx": root / "base_onnx"}

@@ -86,3 +86,39 @@ def eagle3_dense(config: ModelConfig, weights: dict[str, np.ndarray], embeds: np
     mlp = (gate / (1 + np.exp(-gate))) * (m @ w["midlayer.mlp.up_proj.weight"].T)
     h = h + mlp @ w["midlayer.mlp.down_proj.weight"].T
     return _rms(h, w["norm.weight"], eps) @ w["lm_head.weight"].T, h
+
+
+def block_draft_dense(config: ModelConfig, weights: dict[str, np.ndarray], head: np.ndarray, features: np.ndarray,
+                      block_embeds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A DFlash/DSpark draft as the Hugging Face model computes it: n context positions (the base's concatenated
+    hidden states `features` [n, width]) and a block of b positions after them (`block_embeds` [b, H]). Every layer
+    attends from the block to the context's K/V (its k/v projections of hidden_norm(fc(features))) and to the whole
+    block (non-causal). Returns (logits [b, V] through `head` [V, H], the normed last layer [b, H])."""
+    w = weights
+    n, b, d = len(features), len(block_embeds), config.head_dim
+    hq, hkv, eps = config.num_attention_heads, config.num_key_value_heads, config.rms_norm_eps
+    target = _rms(features @ w["fc.weight"].T, w["hidden_norm.weight"], eps)
+    table = rope_table(n + b, d, config.rope_theta)
+    h = block_embeds.astype(np.float32)
+    for i in range(config.num_hidden_layers):
+        p = f"layers.{i}."
+        x = _rms(h, w[p + "input_layernorm.weight"], eps)
+        source = np.concatenate([target, x])  # [n + b, H]
+        q = _rms((x @ w[p + "self_attn.q_proj.weight"].T).reshape(b, hq, d), w[p + "self_attn.q_norm.weight"], eps)
+        k = _rms((source @ w[p + "self_attn.k_proj.weight"].T).reshape(n + b, hkv, d), w[p + "self_attn.k_norm.weight"],
+                 eps)
+        v = (source @ w[p + "self_attn.v_proj.weight"].T).reshape(n + b, hkv, d)
+        q = apply_rope(q, table, np.arange(n, n + b))
+        k = round_to_storage(apply_rope(k, table, np.arange(n + b)), config.kv_cache_dtype)
+        v = round_to_storage(v, config.kv_cache_dtype)
+        k, v = np.repeat(k, hq // hkv, axis=1), np.repeat(v, hq // hkv, axis=1)
+        scores = np.einsum("qhd,khd->hqk", q.astype(np.float64), k.astype(np.float64)) / np.sqrt(d)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        attn = np.einsum("hqk,khd->qhd", probs, v.astype(np.float64)).reshape(b, hq * d).astype(np.float32)
+        h = h + attn @ w[p + "self_attn.o_proj.weight"].T
+        m = _rms(h, w[p + "post_attention_layernorm.weight"], eps)
+        gate = m @ w[p + "mlp.gate_proj.weight"].T
+        h = h + ((gate / (1 + np.exp(-gate))) * (m @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
+    normed = _rms(h, w["norm.weight"], eps)
+    return normed @ head.T, normed
