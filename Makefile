@@ -16,7 +16,7 @@ LLM_TEST_TINY_RECURRENT ?= mxsl4096-mxbs4-mxil3072-tpp16
 LLM_TEST = $(BIN)/llm_test --cacheDir $(OUT)/llm_test/engines --numThreads $(THREADS)
 
 .PHONY: install demo test test-mooncake test-slow llm-test lint docs bench bench-shared-tier bench-reuse bench-lora bench-scheduling bench-spec \
-	bench-eagle3 bench-eagle3-train bench-quality bench-peers bench-peers-install bench-decode-context bench-spec-peers clean
+	bench-block-draft bench-eagle3 bench-eagle3-train bench-quality bench-peers bench-peers-install bench-decode-context bench-spec-peers clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -169,6 +169,15 @@ bench-spec: $(OUT)/onnx/smollm2/manifest.json
 bench-eagle3: $(OUT)/onnx/smollm2-base/manifest.json
 	$(BIN)/python bench/spec_decode.py --onnxDir $(OUT)/onnx/smollm2-base --eagle3Draft $(OUT)/eagle3/smollm2-draft \
 		--threads $(THREADS) --draftSteps 4 --eagle3Steps 2 4 --eagle3TopK 1 3 --json $(OUT)/bench_eagle3.json
+
+# DFlash and DSpark with random drafts of the real shape (no public one fits SmolLM2): verify and draft call costs,
+# tok/s against plain, warm vs cold TTFT without replay.
+$(OUT)/onnx/smollm2-blockbase/manifest.json: $(VENV)/.installed
+	$(BIN)/llm_export smollm2-135m-instruct --outputDir $(OUT)/onnx/smollm2-blockbase --hiddenStateLayers 1,7,13,19,25
+
+bench-block-draft: $(OUT)/onnx/smollm2-blockbase/manifest.json
+	$(BIN)/python bench/block_draft.py --onnxDir $(OUT)/onnx/smollm2-blockbase --threads $(THREADS) \
+		--json $(OUT)/bench_block_draft.json
 
 # Train an EAGLE3 draft for SmolLM2 from its own greedy answers (torch, transformers: the dev extra; the whole run fits EAGLE3_MINUTES,
 # one thread by default so the machine stays usable): an HF EAGLE3 checkpoint in $(OUT)/eagle3/smollm2-draft.

@@ -187,8 +187,8 @@ def check_speculative_build(config: ModelConfig, options: BuildOptions) -> dict[
         raise InvalidConfig(f"this ONNX dir holds a {config.spec_decode_type} draft; build it with --specDraft",
                             "spec_draft")
     if options.spec_draft and not config.is_draft:
-        raise InvalidConfig("--specDraft builds a draft's ONNX dir (llm_export eagle3 or dflash); this one holds a "
-                            f"{config.model} model", "spec_draft")
+        raise InvalidConfig("--specDraft builds a draft's ONNX dir (llm_export eagle3 or block-draft); this one "
+                            f"holds a {config.model} model", "spec_draft")
     if config.is_block_draft and options.cpu_attention != ATTENTION_CPU_KERNEL:
         # The block attends to itself both ways: masked attention, which only the kernel has.
         raise InvalidConfig(f"a {config.spec_decode_type} draft needs the kvforge CPU kernel (its block attention "

@@ -410,10 +410,13 @@ def _check_block_options(config: EngineConfig) -> None:
             <= MAX_BLOCK_SIZE:
         raise InvalidConfig(f"must be 0 or in [dsparkMinProposalLen {config.dspark_min_proposal_len}, "
                             f"{MAX_BLOCK_SIZE}], got {config.dspark_max_proposal_len}", "dspark_max_proposal_len")
-    dspark_set = (config.dspark_scheduler != SCHEDULER_OFF, config.dspark_confidence_threshold != 0.0,
-                  config.dspark_min_proposal_len != 1, config.dspark_max_proposal_len != 0)
-    if any(dspark_set) and config.spec_decode != SPEC_DSPARK:
-        raise InvalidConfig("DSpark's scheduler settings need --specDecode dspark", "dspark_scheduler")
+    dspark_set = [name for name, changed in (
+        ("dspark_scheduler", config.dspark_scheduler != SCHEDULER_OFF),
+        ("dspark_confidence_threshold", config.dspark_confidence_threshold != 0.0),
+        ("dspark_min_proposal_len", config.dspark_min_proposal_len != 1),
+        ("dspark_max_proposal_len", config.dspark_max_proposal_len != 0)) if changed]
+    if dspark_set and config.spec_decode != SPEC_DSPARK:
+        raise InvalidConfig("is a DSpark scheduler setting: it needs --specDecode dspark", dspark_set[0])
 
 
 def engine_fingerprint(engine: EngineDir) -> EngineFingerprint:

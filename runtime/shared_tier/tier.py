@@ -152,7 +152,7 @@ class SharedTier:
         lease = seq.lease
         if lease is None or not lease.may_publish or lease.forced_cold:
             return False  # bypass lookups, and runs retried cold, never look anywhere
-        if seq.drafts_with_kv:  # an EAGLE3 row needs draft K/V beside every base page: the tier has none
+        if seq.drafts_with_kv:  # a draft-pool row (EAGLE3, DFlash, DSpark) needs draft K/V too: the tier has none
             self._count(skipped_lookups=1)
             return False
         T, prompt = self.tokens_per_page, seq.prompt_ids

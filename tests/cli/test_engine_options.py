@@ -32,7 +32,9 @@ CHANGED: dict[str, Any] = {"num_threads": 3, "enable_context_reuse": True, "cont
                            "snapshot_interval_tokens": 17, "spec_decode": "ngram", "spec_draft_step": 3,
                            "spec_prompt_lookup_min": 1, "spec_prompt_lookup_max": 5,
                            "spec_draft_engine_dir": "engines/x/draft", "spec_draft_top_k": 4, "spec_verify_size": 9,
-                           "shared_cache": "redis://127.0.0.1:6390/0", "shared_cache_timeout_ms": 80.0}
+                           "shared_cache": "redis://127.0.0.1:6390/0", "shared_cache_timeout_ms": 80.0,
+                           "dflash_block_size": 4, "dspark_scheduler": "sps", "dspark_confidence_threshold": 0.5,
+                           "dspark_min_proposal_len": 2, "dspark_max_proposal_len": 5}
 
 
 def _params(app: typer.Typer) -> dict[str, click.Parameter]:

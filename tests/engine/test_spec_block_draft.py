@@ -226,6 +226,7 @@ def test_a_smaller_block_proposes_fewer_tokens(tiny_block_draft_engines: dict[st
     ({"spec_decode": "dflash", "dflash_block_size": 9}, "dflash_block_size", r"\[2, 6\]"),
     ({"spec_decode": "ngram", "dflash_block_size": 4}, "dflash_block_size", "dflash or dspark"),
     ({"spec_decode": "dflash", "dspark_scheduler": "sps"}, "dspark_scheduler", "--specDecode dspark"),
+    ({"spec_decode": "dflash", "dspark_min_proposal_len": 2}, "dspark_min_proposal_len", "--specDecode dspark"),
     ({"spec_decode": "dflash", "dspark_scheduler": "always"}, "dspark_scheduler", "one of"),
     ({"spec_decode": "dflash", "dspark_confidence_threshold": 1.5}, "dspark_confidence_threshold", r"\[0, 1\]"),
     ({"spec_decode": "dspark"}, "spec_draft_engine_dir", "not a DSpark draft engine"),
