@@ -292,10 +292,10 @@ def _resolve_draft(config: EngineConfig, engine: EngineDir, deployment: Deployme
         raise InvalidConfig(f"the draft engine at {path}: {exc.message}", "spec_draft_engine_dir") from None
     model, build = draft.model, draft.build
     if not build.spec_draft or model.spec_decode_type != config.spec_decode:
-        kind = model.spec_decode_type if build.spec_draft else "no draft"
-        raise InvalidConfig(f"{path} is not a {method} draft engine ({kind}); build one with llm_build --specDraft "
-                            f"or use --specDecode {model.spec_decode_type if build.spec_draft else 'off'}",
-                            "spec_draft_engine_dir")
+        article = "an" if method == "EAGLE3" else "a"
+        hint = f"it holds a {model.spec_decode_type} draft: use --specDecode {model.spec_decode_type}" \
+            if build.spec_draft else "build one with llm_build --specDraft"
+        raise InvalidConfig(f"{path} is not {article} {method} draft engine; {hint}", "spec_draft_engine_dir")
     if build.backend != "onnxruntime":
         raise InvalidConfig(f"{method} drafts run on onnxruntime only for now; rebuild the draft with --backend "
                             "onnxruntime", "spec_draft_engine_dir")

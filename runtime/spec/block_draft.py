@@ -40,7 +40,7 @@ from kvforge.runtime.profile import Profiler
 from kvforge.runtime.sampling import SampleResult
 from kvforge.runtime.scheduler import ScheduledRow
 from kvforge.runtime.sequence import Sequence
-from kvforge.runtime.spec.proposer import DraftTree
+from kvforge.runtime.spec.proposer import DraftTree, committed_spans
 from kvforge.runtime.tree_attention import causal_masks, start_positions
 
 VERIFY_TOKEN_COST = 0.1  # one more verified token, in decode steps (SmolLM2 on two cores; see the docstring)
@@ -100,16 +100,8 @@ class BlockDraftProposer:
 
     def observe(self, rows: list[ScheduledRow], output: BatchOutput, sampled: list[list[SampleResult]]) -> None:
         calls = []
-        for i, (row, samples) in enumerate(zip(rows, sampled, strict=True)):
-            seq, lease = row.seq, row.seq.lease
-            if not seq.drafts_with_kv or lease is None or lease.draft_page_ids is None:
-                continue
-            start = seq.num_computed_tokens  # the commit has not moved it yet
-            if lease.draft_computed_tokens != start:
-                raise AssertionError("the draft K/V lags the base's committed positions")
-            end = start + row.num_new_tokens + max(len(samples) - 1, 0)  # base positions committed by this step
-            if end <= start or output.hidden_states is None or output.hidden_states[i] is None:
-                continue
+        for i, seq, start, end in committed_spans(rows, output, sampled):
+            assert output.hidden_states is not None
             n = end - start
             calls.append(_Call(seq, start, np.zeros((n, self.hidden_size), np.float32),
                                output.hidden_states[i][:n], n, [n - 1]))

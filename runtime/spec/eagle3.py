@@ -37,7 +37,7 @@ from kvforge.runtime.model_executor import BatchOutput
 from kvforge.runtime.sampling import SampleResult, log_softmax, top_ids
 from kvforge.runtime.scheduler import ScheduledRow
 from kvforge.runtime.sequence import Sequence
-from kvforge.runtime.spec.proposer import DraftTree
+from kvforge.runtime.spec.proposer import DraftTree, committed_spans
 from kvforge.runtime.tree_attention import ancestor_mask, causal_masks, start_positions
 
 
@@ -107,17 +107,9 @@ class Eagle3Proposer:
 
     def observe(self, rows: list[ScheduledRow], output: BatchOutput, sampled: list[list[SampleResult]]) -> None:
         jobs = []
-        for i, (row, samples) in enumerate(zip(rows, sampled, strict=True)):
-            seq, lease = row.seq, row.seq.lease
-            if not seq.drafts_with_kv or lease is None or lease.draft_page_ids is None:
-                continue
-            start = seq.num_computed_tokens  # the commit has not moved it yet
-            if lease.draft_computed_tokens != start:
-                raise AssertionError("the draft K/V lags the base's committed positions")
-            end = start + row.num_new_tokens + max(len(samples) - 1, 0)  # base positions committed by this step
-            if end <= start or output.hidden_states is None or output.hidden_states[i] is None:
-                continue
-            following = seq.all_token_ids() + [s.token_id for s in samples]  # token p + 1 for every position p
+        for i, seq, start, end in committed_spans(rows, output, sampled):
+            assert output.hidden_states is not None
+            following = seq.all_token_ids() + [s.token_id for s in sampled[i]]  # token p + 1 for every position p
             jobs.append((seq, start, following[start + 1:end + 1], output.hidden_states[i][:end - start]))
         if not jobs:
             return

@@ -3,6 +3,7 @@ tells one after each step (a drafter with its own K/V catches up on what the bas
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -35,3 +36,21 @@ class Proposer(Protocol):
         """Draft tokens to verify after each sequence's tokens (at most `limits[i]`; none when there is no guess): a
         chain, or a tree of at most `limits[i]` nodes."""
         ...
+
+
+def committed_spans(rows: list[ScheduledRow], output: BatchOutput,
+                    sampled: list[list[SampleResult]]) -> Iterator[tuple[int, Sequence, int, int]]:
+    """For a drafter with its own K/V, before the commit: (row index, sequence, start, end) of the base positions
+    [start, end) each drafting row's step commits (prompt chunks, verify rows' accepted tokens) whose hidden states
+    came back. The draft K/V must cover exactly [0, start) at this point."""
+    for i, (row, samples) in enumerate(zip(rows, sampled, strict=True)):
+        seq, lease = row.seq, row.seq.lease
+        if not seq.drafts_with_kv or lease is None or lease.draft_page_ids is None:
+            continue
+        start = seq.num_computed_tokens  # the commit has not moved it yet
+        if lease.draft_computed_tokens != start:
+            raise AssertionError("the draft K/V lags the base's committed positions")
+        end = start + row.num_new_tokens + max(len(samples) - 1, 0)
+        if end <= start or output.hidden_states is None or output.hidden_states[i] is None:
+            continue
+        yield i, seq, start, end

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.engine_driver import make_engine, step_audited
 from support.numpy_llama import block_draft_dense
+from support.spec_checks import run_all, sampling, step_with_abort
 
 from kvforge.builder.build import build_engine
 from kvforge.contract.engine_dir import BASE_HIDDEN_INPUT, CONTEXT_TOKEN_MASK_INPUT, load_engine_dir
@@ -24,25 +25,10 @@ from kvforge.runtime.engine_config import SCHEDULER_OFF, SCHEDULER_SPS, SCHEDULE
 from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.spec.block_draft import BlockDraftProposer, DsparkHeads, schedule
 from kvforge.runtime.tree_attention import causal_masks, start_positions
-from kvforge.runtime.types import SamplingParams
 from kvforge.tools.export.block_draft import base_head, export_block_draft, load_weights, write_random_block_draft
 
 PROMPTS = ["abc abc abc abc abc abc abc", "the cat sat on the mat, the cat sat on the", "x" * 30, "0123456789" * 3]
 DOCUMENT = "a shared document: three full pages of sixteen bytes."  # 53 tokens (byte-level tokenizer)
-
-
-def sampling(engine, length: int = 20, **kwargs) -> SamplingParams:
-    eos = engine.engine_dir.model.eos_token_ids[0]
-    return SamplingParams(temperature=0.0, num_logprobs=1, max_generate_length=length, logit_bias={eos: -100.0},
-                          **kwargs)
-
-
-def run_all(engine, prompts: list[str], opt_out: frozenset[int] = frozenset(), length: int = 20) -> dict:
-    ids = [engine.add_request(EngineRequest(engine.tokenizer.encode(text),
-                                            sampling(engine, length, speculative=i not in opt_out)))
-           for i, text in enumerate(prompts)]
-    finished = step_audited(engine)
-    return {i: (finished[rid].token_ids, [s[0].token_id for s in finished[rid].logprobs]) for i, rid in enumerate(ids)}
 
 
 def spec_engine(engines: dict[str, Path], method: str, **config):
@@ -229,8 +215,8 @@ def test_a_smaller_block_proposes_fewer_tokens(tiny_block_draft_engines: dict[st
     ({"spec_decode": "dflash", "dspark_min_proposal_len": 2}, "dspark_min_proposal_len", "--specDecode dspark"),
     ({"spec_decode": "dflash", "dspark_scheduler": "always"}, "dspark_scheduler", "one of"),
     ({"spec_decode": "dflash", "dspark_confidence_threshold": 1.5}, "dspark_confidence_threshold", r"\[0, 1\]"),
-    ({"spec_decode": "dspark"}, "spec_draft_engine_dir", "not a DSpark draft engine"),
-    ({"spec_decode": "eagle3"}, "spec_draft_engine_dir", "not a EAGLE3 draft engine"),
+    ({"spec_decode": "dspark"}, "spec_draft_engine_dir", "not a DSpark draft engine; it holds a dflash draft"),
+    ({"spec_decode": "eagle3"}, "spec_draft_engine_dir", "not an EAGLE3 draft engine; .* --specDecode dflash"),
 ])
 def test_bad_block_draft_settings_are_refused_naming_the_field(tiny_block_draft_engines: dict[str, Path],
                                                                config: dict, field: str, needle: str) -> None:
@@ -299,21 +285,7 @@ def test_property_block_drafting_is_lossless_under_preemption_and_abort(
     ids = [engine.add_request(EngineRequest(engine.tokenizer.encode(text),
                                             sampling(engine, length, speculative=i not in opt_out)))
            for i, text in enumerate(prompts)]
-    aborted = ids[-1] if len(ids) > 1 else None
-    finished: dict = {}
-    steps = 0
-    while engine.has_unfinished():
-        if steps == abort_at and aborted is not None:
-            engine.abort(aborted)
-        for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = output
-        engine.cache.check_invariants()
-        steps += 1
-    assert not engine.cache.leases
-    draft_pool = engine.cache.pools.draft_kv_pages
-    held = {p for r in engine.cache.records.least_recent_first() for p in r.draft_page_ids}
-    assert draft_pool.num_free == draft_pool.capacity - len(held)
+    finished, aborted = step_with_abort(engine, ids, abort_at)
     for i, rid in enumerate(ids):
         if rid == aborted and rid not in finished:
             continue

@@ -13,6 +13,7 @@ from support.engine_driver import make_engine, step_audited
 from support.numpy_llama import eagle3_dense
 from support.ort_support import cpu_kernel_on
 from support.sampling_checks import RUNS, first_two_tokens, second_token_ranking, total_variation
+from support.spec_checks import run_all, sampling, step_with_abort
 
 from kvforge.contract.engine_dir import BASE_HIDDEN_INPUT, DRAFT_HIDDEN_INPUT, load_engine_dir
 from kvforge.contract.errors import InvalidConfig
@@ -20,25 +21,10 @@ from kvforge.runtime.backend import StepInputs
 from kvforge.runtime.backends import load_backend
 from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.spec.eagle3 import DraftState, Eagle3Proposer
-from kvforge.runtime.types import SamplingParams
 from kvforge.tools.export.eagle3 import load_weights
 
 PROMPTS = ["abc abc abc abc abc abc abc", "the cat sat on the mat, the cat sat on the", "x" * 30, "0123456789" * 3]
 DOCUMENT = "a shared document: three full pages of sixteen bytes."  # 53 tokens (byte-level tokenizer)
-
-
-def sampling(engine, length: int = 20, **kwargs) -> SamplingParams:
-    eos = engine.engine_dir.model.eos_token_ids[0]
-    return SamplingParams(temperature=0.0, num_logprobs=1, max_generate_length=length, logit_bias={eos: -100.0},
-                          **kwargs)
-
-
-def run_all(engine, prompts: list[str], opt_out: frozenset[int] = frozenset(), length: int = 20) -> dict:
-    ids = [engine.add_request(EngineRequest(engine.tokenizer.encode(text),
-                                            sampling(engine, length, speculative=i not in opt_out)))
-           for i, text in enumerate(prompts)]
-    finished = step_audited(engine)
-    return {i: (finished[rid].token_ids, [s[0].token_id for s in finished[rid].logprobs]) for i, rid in enumerate(ids)}
 
 
 def test_the_draft_graph_matches_a_dense_eagle3_reference(tiny_eagle3_engine_dir: Path) -> None:
@@ -200,7 +186,7 @@ def test_a_missing_or_wrong_draft_engine_is_refused_naming_the_setting(tiny_eagl
         with pytest.raises(InvalidConfig, match=needle) as error:
             make_engine(tiny_eagle3_engine_dir, spec_decode="eagle3", spec_draft_engine_dir=str(path))
         assert error.value.field == "spec_draft_engine_dir"
-    with pytest.raises(InvalidConfig, match="eagle3 only") as error:
+    with pytest.raises(InvalidConfig, match="eagle3, dflash or dspark only") as error:
         make_engine(tiny_eagle3_engine_dir, spec_draft_engine_dir=str(tmp_path))
     assert error.value.field == "spec_draft_engine_dir"
 
@@ -287,21 +273,7 @@ def test_property_speculation_is_lossless_under_preemption_and_abort(
     ids = [engine.add_request(EngineRequest(engine.tokenizer.encode(text),
                                             sampling(engine, length, speculative=i not in opt_out)))
            for i, text in enumerate(prompts)]
-    aborted = ids[-1] if len(ids) > 1 else None
-    finished: dict = {}
-    steps = 0
-    while engine.has_unfinished():
-        if steps == abort_at and aborted is not None:
-            engine.abort(aborted)
-        for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = output
-        engine.cache.check_invariants()
-        steps += 1
-    assert not engine.cache.leases
-    draft_pool = engine.cache.pools.draft_kv_pages
-    held = {p for r in engine.cache.records.least_recent_first() for p in r.draft_page_ids}
-    assert draft_pool.num_free == draft_pool.capacity - len(held)
+    finished, aborted = step_with_abort(engine, ids, abort_at)
     for i, rid in enumerate(ids):
         if rid == aborted and rid not in finished:
             continue

@@ -1,0 +1,57 @@
+"""Shared steps of the speculative-decoding tests: greedy requests with their top-1 ids, and runs with an abort."""
+
+from __future__ import annotations
+
+from kvforge.runtime.engine import Engine
+from kvforge.runtime.output import RequestOutput
+from kvforge.runtime.sequence import EngineRequest
+from kvforge.runtime.types import SamplingParams
+
+
+def sampling(engine: Engine, length: int = 20, **kwargs) -> SamplingParams:
+    """Greedy, top-1 logprobs, EOS banned (every request runs its full length)."""
+    eos = engine.engine_dir.model.eos_token_ids[0]
+    return SamplingParams(temperature=0.0, num_logprobs=1, max_generate_length=length, logit_bias={eos: -100.0},
+                          **kwargs)
+
+
+def step_with_abort(engine: Engine, ids: list[str], abort_at: int) -> tuple[dict[str, RequestOutput], str | None]:
+    """Step to the end, aborting the last of several requests at step `abort_at` and auditing the cache after each
+    step; (the finished outputs by id, the aborted id). Afterwards no lease is left and the draft pool holds only
+    what records hold."""
+    aborted = ids[-1] if len(ids) > 1 else None
+    finished: dict[str, RequestOutput] = {}
+    steps = 0
+    while engine.has_unfinished():
+        if steps == abort_at and aborted is not None:
+            engine.abort(aborted)
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+        engine.cache.check_invariants()
+        steps += 1
+    assert not engine.cache.leases
+    draft_pool = engine.cache.pools.draft_kv_pages
+    held = {p for r in engine.cache.records.least_recent_first() for p in r.draft_page_ids}
+    assert draft_pool.num_free == draft_pool.capacity - len(held)
+    return finished, aborted
+
+
+def greedy_ids(out: RequestOutput) -> tuple[list[int], list[int]]:
+    return out.token_ids, [s[0].token_id for s in out.logprobs]
+
+
+def add_all(engine: Engine, prompts: list[str], length: int, opt_out: frozenset[int] | set[int] = frozenset()
+            ) -> list[str]:
+    return [engine.add_request(EngineRequest(engine.tokenizer.encode(text),
+                                             sampling(engine, length, speculative=i not in opt_out)))
+            for i, text in enumerate(prompts)]
+
+
+def run_all(engine: Engine, prompts: list[str], opt_out: frozenset[int] = frozenset(), length: int = 20) -> dict:
+    """Every prompt to the end (audited); {prompt index: (tokens, top-1 ids)}."""
+    from support.engine_driver import step_audited
+
+    ids = add_all(engine, prompts, length, opt_out)
+    finished = step_audited(engine)
+    return {i: greedy_ids(finished[rid]) for i, rid in enumerate(ids)}
