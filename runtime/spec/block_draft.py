@@ -16,9 +16,10 @@ and its acceptance predictor scores each guess; the scheduler proposes the prefi
 
 - `off`: the whole block (at most the sequence's room);
 - `threshold`: while the running product of the scores stays at or above --dsparkConfidenceThreshold;
-- `sps`: the length L maximising (1 + expected accepted tokens) / (1 + VERIFY_TOKEN_COST x L), the expected count
-  being the sum of the running products: a verify row's extra tokens are not free, and on CPU at batch one each
-  costs about VERIFY_TOKEN_COST of a decode step (bench/spec_decode.py measures it).
+- `sps`: the length L maximising (1 + expected accepted tokens) / cost(L), the expected count being the sum of the
+  running products, cost(0) = 1 decode step and cost(L) = 1 + VERIFY_CALL_COST + VERIFY_TOKEN_COST x L: a verify
+  call is dearer than a decode step before its first extra token (a GEMM instead of a GEMV over every weight), and
+  each extra token adds a little (bench/block_draft.py measured both on SmolLM2, two cores).
 
 Both bounded by --dsparkMinProposalLen / --dsparkMaxProposalLen. Verification is the engine's: greedy match, or
 rejection sampling against a one-hot proposal, so outputs are lossless whatever the draft guesses.
@@ -43,7 +44,10 @@ from kvforge.runtime.sequence import Sequence
 from kvforge.runtime.spec.proposer import DraftTree, committed_spans
 from kvforge.runtime.tree_attention import causal_masks, start_positions
 
-VERIFY_TOKEN_COST = 0.1  # one more verified token, in decode steps (SmolLM2 on two cores; see the docstring)
+# In decode steps, SmolLM2 on two cores (bench/block_draft.py, 2026-12-03): a verify call of 7 tokens cost 2.6-2.7
+# steps and one of 16 tokens 3.8-3.9, so about 0.9 for the call and 0.13 per verified token.
+VERIFY_CALL_COST = 0.9
+VERIFY_TOKEN_COST = 0.13
 
 
 @dataclass(slots=True)
@@ -206,7 +210,8 @@ def schedule(scores: np.ndarray, heads: DsparkHeads) -> int:
     elif heads.scheduler == SCHEDULER_SPS:
         lengths = np.arange(longest + 1)
         expected = np.concatenate([[0.0], np.cumsum(survival)])
-        length = int(np.argmax((1.0 + expected) / (1.0 + VERIFY_TOKEN_COST * lengths)))
+        cost = 1.0 + np.where(lengths > 0, VERIFY_CALL_COST, 0.0) + VERIFY_TOKEN_COST * lengths
+        length = int(np.argmax((1.0 + expected) / cost))
     else:
         length = longest
     return max(length, shortest)

@@ -182,9 +182,13 @@ def test_the_dspark_scheduler_proposes_the_prefix_its_scores_support() -> None:
     assert schedule(scores, replace(heads, scheduler=SCHEDULER_THRESHOLD, threshold=0.95)) == 1  # min length 1
     assert schedule(scores, replace(heads, scheduler=SCHEDULER_THRESHOLD, threshold=0.95, min_len=3)) == 3
     assert schedule(scores, replace(heads, scheduler=SCHEDULER_OFF, max_len=2)) == 2
-    # sps: running products 0.9, 0.27, 0.054, 0.049; (1 + their sum) / (1 + 0.1 L) = 1, 1.73, 1.81, 1.71, 1.62.
+    # sps, cost(L) = 1 + 0.9 + 0.13 L past L = 0: running products 0.9, 0.27, 0.054, 0.049 give (1 + their sum) /
+    # cost(L) = 1, 0.94, 1.005, 0.97, 0.94 for L = 0..4: two tokens.
     assert schedule(np.array([0.9, 0.3, 0.2, 0.9]), replace(heads, scheduler=SCHEDULER_SPS)) == 2
     assert schedule(np.array([0.99] * 4), replace(heads, scheduler=SCHEDULER_SPS)) == 4
+    # Guesses not worth a verify call: none, but the minimum length.
+    assert schedule(np.array([0.3, 0.1]), replace(heads, scheduler=SCHEDULER_SPS)) == 1
+    assert schedule(np.array([0.3, 0.1]), replace(heads, scheduler=SCHEDULER_SPS, min_len=0)) == 0
 
 
 @pytest.mark.parametrize("scheduler", [SCHEDULER_THRESHOLD, SCHEDULER_SPS])
