@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.engine_driver import make_engine, step_audited
 from support.numpy_llama import block_draft_dense
-from support.spec_checks import run_all, sampling, step_with_abort
+from support.spec_checks import recording, run_all, sampling, step_with_abort
 
 from kvforge.builder.build import build_engine
 from kvforge.contract.engine_dir import BASE_HIDDEN_INPUT, CONTEXT_TOKEN_MASK_INPUT, load_engine_dir
@@ -128,24 +128,6 @@ def test_accepted_blocks_are_lossless_and_keep_the_draft_coherent(tiny_block_dra
     assert run_all(engine, PROMPTS, length=24) == plain
     spec = engine.profile()["spec_decode_generation"]
     assert spec["total_accepted_tokens"] > 0 and spec["acceptance_length"] > 1.5
-
-
-class RecordingProposer(BlockDraftProposer):
-    def __init__(self, inner: BlockDraftProposer) -> None:
-        self.__dict__.update(inner.__dict__)
-        self.proposals: dict[str, list[list[int]]] = {}
-
-    def propose_batch(self, seqs, limits):
-        proposals = super().propose_batch(seqs, limits)
-        for seq, proposal in zip(seqs, proposals, strict=True):
-            self.proposals.setdefault(seq.request_id, []).append(proposal)
-        return proposals
-
-
-def recording(engine) -> RecordingProposer:
-    proposer = RecordingProposer(engine.proposer)
-    engine.proposer = engine.core.proposer = proposer
-    return proposer
 
 
 @pytest.mark.parametrize("method", ["dflash", "dspark"])

@@ -13,14 +13,14 @@ from support.engine_driver import make_engine, step_audited
 from support.numpy_llama import eagle3_dense
 from support.ort_support import cpu_kernel_on
 from support.sampling_checks import RUNS, first_two_tokens, second_token_ranking, total_variation
-from support.spec_checks import run_all, sampling, step_with_abort
+from support.spec_checks import recording, run_all, sampling, step_with_abort
 
 from kvforge.contract.engine_dir import BASE_HIDDEN_INPUT, DRAFT_HIDDEN_INPUT, load_engine_dir
 from kvforge.contract.errors import InvalidConfig
 from kvforge.runtime.backend import StepInputs
 from kvforge.runtime.backends import load_backend
 from kvforge.runtime.sequence import EngineRequest
-from kvforge.runtime.spec.eagle3 import DraftState, Eagle3Proposer
+from kvforge.runtime.spec.eagle3 import DraftState
 from kvforge.tools.export.eagle3 import load_weights
 
 PROMPTS = ["abc abc abc abc abc abc abc", "the cat sat on the mat, the cat sat on the", "x" * 30, "0123456789" * 3]
@@ -73,27 +73,6 @@ def test_eagle3_changes_no_token_batched_with_plain_rows_and_under_preemption(ti
     if reuse:
         assert profile["context_cache"]["speculative"]["pair_publications"] > 0
         assert profile["context_cache"]["speculative"]["full_page_replays"] > 0
-
-
-class RecordingProposer(Eagle3Proposer):
-    """Keeps every proposal it makes, per request id (the draft's output depends on its K/V: a stale or
-    incoherent reused path would propose other tokens)."""
-
-    def __init__(self, inner: Eagle3Proposer) -> None:
-        self.__dict__.update(inner.__dict__)
-        self.proposals: dict[str, list[list[int]]] = {}
-
-    def propose_batch(self, seqs, limits):
-        proposals = super().propose_batch(seqs, limits)
-        for seq, proposal in zip(seqs, proposals, strict=True):
-            self.proposals.setdefault(seq.request_id, []).append(proposal)
-        return proposals
-
-
-def recording(engine) -> RecordingProposer:
-    proposer = RecordingProposer(engine.proposer)
-    engine.proposer = engine.core.proposer = proposer
-    return proposer
 
 
 def test_a_hit_replays_its_final_matched_page_and_drafts_as_a_cold_run(tiny_eagle3_engine_dir: Path) -> None:

@@ -55,3 +55,29 @@ def run_all(engine: Engine, prompts: list[str], opt_out: frozenset[int] = frozen
     ids = add_all(engine, prompts, length, opt_out)
     finished = step_audited(engine)
     return {i: greedy_ids(finished[rid]) for i, rid in enumerate(ids)}
+
+
+class RecordingProposer:
+    """Wraps an engine's proposer and keeps every proposal it makes, per request id (a draft's output depends on its
+    K/V: a stale or incoherent reused path would propose other tokens)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.owns_kv = inner.owns_kv
+        self.proposals: dict[str, list] = {}
+
+    def observe(self, rows, output, sampled) -> None:
+        self.inner.observe(rows, output, sampled)
+
+    def propose_batch(self, seqs, limits):
+        proposals = self.inner.propose_batch(seqs, limits)
+        for seq, proposal in zip(seqs, proposals, strict=True):
+            self.proposals.setdefault(seq.request_id, []).append(proposal)
+        return proposals
+
+
+def recording(engine: Engine) -> RecordingProposer:
+    """Swap a RecordingProposer in for the engine's proposer."""
+    proposer = RecordingProposer(engine.proposer)
+    engine.proposer = engine.core.proposer = proposer
+    return proposer
