@@ -211,18 +211,6 @@ def test_bad_block_draft_settings_are_refused_naming_the_field(tiny_block_draft_
     assert error.value.field == field
 
 
-@pytest.mark.parametrize(("fixture", "needle"), [
-    ("tiny_hybrid_engine_dir", "hybrid EAGLE3, DFlash, JetSpec and DSpark"),
-    ("tiny_mamba2_engine_dir", "pure recurrent"),
-    ("tiny_engine_dir", "not built as a speculative base"),
-])
-def test_block_drafts_on_a_base_they_cannot_run_on_are_refused(request: pytest.FixtureRequest, fixture: str,
-                                                               needle: str) -> None:
-    with pytest.raises(InvalidConfig, match=needle) as error:
-        make_engine(request.getfixturevalue(fixture), spec_decode="dflash")
-    assert error.value.field == "spec_decode"
-
-
 def test_export_and_build_refuse_what_they_cannot_run(tiny_block_draft_engines: dict[str, Path],
                                                       tmp_path: Path) -> None:
     base_onnx = tiny_block_draft_engines["base_onnx"]

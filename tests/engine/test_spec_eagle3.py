@@ -147,15 +147,17 @@ def test_a_proposal_needs_the_drafters_state_at_the_sequences_end(tiny_eagle3_en
     step_audited(engine)
 
 
+@pytest.mark.parametrize("method", ["eagle3", "dflash", "dspark"])
 @pytest.mark.parametrize(("fixture", "needle"), [
     ("tiny_engine_dir", "not built as a speculative base"),
-    ("tiny_hybrid_engine_dir", "hybrid"),
+    ("tiny_hybrid_engine_dir", "hybrid EAGLE3, DFlash, JetSpec and DSpark"),
     ("tiny_mamba2_engine_dir", "pure recurrent"),
 ])
-def test_eagle3_on_a_base_it_cannot_run_is_refused(request: pytest.FixtureRequest, fixture: str,
-                                                   needle: str) -> None:
+def test_a_draft_model_method_on_a_base_it_cannot_run_is_refused(request: pytest.FixtureRequest, fixture: str,
+                                                                 needle: str, method: str) -> None:
+    """The support matrix: EAGLE3 and block drafts need an attention-only speculative base."""
     with pytest.raises(InvalidConfig, match=needle) as error:
-        make_engine(request.getfixturevalue(fixture), spec_decode="eagle3")
+        make_engine(request.getfixturevalue(fixture), spec_decode=method)
     assert error.value.field == "spec_decode"
 
 
