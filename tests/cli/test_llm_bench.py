@@ -342,11 +342,13 @@ def test_engine_specs_take_speculative_options_and_name_the_engine_after_them() 
                        ("x,spec=ngram,draftStep=33", "draftStep must be a whole number in [1, 32]"),
                        ("x,spec=eagle", "unknown option 'spec=eagle'"),
                        ("llama.cpp,spec=eagle3", "spec=eagle3 applies to kvforge engine dirs only"),
+                       ("llama.cpp,spec=dspark", "spec=dspark applies to kvforge engine dirs only"),
                        ("x,spec=ngram,draftTopK=2", "draftTopK= (tree drafting) needs spec=eagle3"),
                        ("x,spec=eagle3,draftTopK=17", "draftTopK must be a whole number in [1, 16]")]:
         with pytest.raises(KvforgeError, match=re.escape(says)):
             parse_engine(text)
     assert parse_engine("e,spec=eagle3,draftStep=4").name == "e+eagle3-k4"
+    assert (parse_engine("e,spec=dflash").name, parse_engine("e,spec=dflash").spec_decode) == ("e+dflash", "dflash")
     tree = parse_engine("e,spec=eagle3,draftStep=4,draftTopK=3")
     assert (tree.name, tree.spec_draft_top_k) == ("e+eagle3-k4-top3", 3)
 

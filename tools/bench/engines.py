@@ -38,6 +38,8 @@ PEER_MODULES = {
 SPEC_OFF = "off"
 SPEC_NGRAM = "ngram"
 SPEC_EAGLE3 = "eagle3"  # kvforge only: an engine dir built with --specBase, its draft in DIR/draft (--specDraft)
+# kvforge only, like eagle3: a block draft (DFlash, DSpark) in DIR/draft.
+SPEC_DRAFT_MODELS = (SPEC_EAGLE3, "dflash", "dspark")
 SPEC_KINDS = (KVFORGE, LLAMA_CPP)  # the kinds that have prompt lookup
 MAX_DRAFT_STEP = MAX_SPEC_DRAFT_TOKENS  # kvforge's bound (--specDraftStep), llama.cpp's too
 MAX_DRAFT_TOP_K = MAX_SPEC_DRAFT_TOP_K  # kvforge's --specDraftTopK bound
@@ -65,8 +67,9 @@ class EngineSpec:
 
 
 def parse_engine(text: str) -> EngineSpec:
-    """`[NAME=][KIND:]PATH[,reuse=on|off][,spec=ngram|eagle3|off][,draftStep=N][,draftTopK=K]`; KIND defaults to
-    kvforge; a GGUF peer without PATH runs SmolLM2. Without NAME: the dir's name (kvforge) or the kind, then
+    """`[NAME=][KIND:]PATH[,reuse=on|off][,spec=ngram|eagle3|dflash|dspark|off][,draftStep=N][,draftTopK=K]`;
+    KIND defaults to kvforge; a GGUF peer without PATH runs SmolLM2. Without NAME: the dir's name (kvforge) or the
+    kind, then
     `-noreuse` for reuse=off and `+ngram` (`+ngram-kN` with draftStep, `-topK` with draftTopK) for spec=."""
     head, *options = text.split(",")
     name = None
@@ -83,7 +86,7 @@ def parse_engine(text: str) -> EngineSpec:
             if kind != KVFORGE:
                 raise KvforgeError(f"{text!r}: reuse=on|off applies to kvforge engines only", FIELD)
             reuse = value == "on"
-        elif key == "spec" and value in (SPEC_NGRAM, SPEC_EAGLE3, SPEC_OFF):
+        elif key == "spec" and value in (SPEC_NGRAM, *SPEC_DRAFT_MODELS, SPEC_OFF):
             spec = value
         elif key == "draftStep" and value.isdigit() and 1 <= int(value) <= MAX_DRAFT_STEP:
             draft_step = int(value)
@@ -97,7 +100,7 @@ def parse_engine(text: str) -> EngineSpec:
                                f"{value!r}", FIELD)
         else:
             raise KvforgeError(f"{text!r}: unknown option {option!r} (options: reuse=on|off, "
-                               "spec=ngram|eagle3|off, draftStep=N, draftTopK=K)", FIELD)
+                               "spec=ngram|eagle3|dflash|dspark|off, draftStep=N, draftTopK=K)", FIELD)
     if (spec != SPEC_OFF or draft_step is not None) and kind not in SPEC_KINDS:
         raise KvforgeError(f"{text!r}: spec= and draftStep= apply to kvforge and llama.cpp engines only (prompt "
                            "lookup)", FIELD)
@@ -105,8 +108,8 @@ def parse_engine(text: str) -> EngineSpec:
         raise KvforgeError(f"{text!r}: draftStep= needs spec=ngram or spec=eagle3", FIELD)
     if top_k is not None and spec != SPEC_EAGLE3:
         raise KvforgeError(f"{text!r}: draftTopK= (tree drafting) needs spec=eagle3", FIELD)
-    if spec == SPEC_EAGLE3 and kind != KVFORGE:
-        raise KvforgeError(f"{text!r}: spec=eagle3 applies to kvforge engine dirs only", FIELD)
+    if spec in SPEC_DRAFT_MODELS and kind != KVFORGE:
+        raise KvforgeError(f"{text!r}: spec={spec} applies to kvforge engine dirs only", FIELD)
     if not head:
         if kind not in (TRANSFORMERS, LLAMA_CPP):
             raise KvforgeError(f"{text!r}: give the {kind} path", FIELD)
@@ -142,9 +145,9 @@ def resolve(spec: EngineSpec) -> EngineSpec:
         raise KvforgeError(f"{spec.name}: {path} does not exist", FIELD)
     if spec.kind == KVFORGE:
         config = _read_config(path, spec.name)
-        if spec.spec_decode == SPEC_EAGLE3 and ("builder_config" not in config or not (path / "draft").is_dir()):
-            raise KvforgeError(f"{spec.name}: spec=eagle3 runs an engine dir built with llm_build --specBase and its "
-                               f"draft in {path}/draft (llm_build --specDraft)", FIELD)
+        if spec.spec_decode in SPEC_DRAFT_MODELS and ("builder_config" not in config or not (path / "draft").is_dir()):
+            raise KvforgeError(f"{spec.name}: spec={spec.spec_decode} runs an engine dir built with llm_build "
+                               f"--specBase and its draft in {path}/draft (llm_build --specDraft)", FIELD)
         if "builder_config" not in config:  # an ONNX dir: build it (cached) before the run
             return replace(spec, path=path, onnx_dir=path)
     elif spec.kind == LLAMA_CPP and not path.is_file():
