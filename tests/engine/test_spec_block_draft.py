@@ -25,6 +25,7 @@ from kvforge.runtime.engine_config import SCHEDULER_OFF, SCHEDULER_SPS, SCHEDULE
 from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.spec.block_draft import BlockDraftProposer, DsparkHeads, schedule
 from kvforge.runtime.tree_attention import causal_masks, start_positions
+from kvforge.runtime.types import SamplingParams
 from kvforge.tools.export.block_draft import base_head, export_block_draft, load_weights, write_random_block_draft
 
 PROMPTS = ["abc abc abc abc abc abc abc", "the cat sat on the mat, the cat sat on the", "x" * 30, "0123456789" * 3]
@@ -266,3 +267,16 @@ def test_property_block_drafting_is_lossless_under_preemption_and_abort(
         plain = run_all(plain_engine, [prompts[i]], length=length)[0]
         out = finished[rid]
         assert (out.token_ids, [s[0].token_id for s in out.logprobs]) == plain
+
+
+def test_kvforge_llm_takes_a_block_draft(tiny_block_draft_engines: dict[str, Path]) -> None:
+    """The Python API drives the same loop: kvforge.LLM(spec_decode="dspark", ...) answers as the plain engine."""
+    from kvforge import LLM
+
+    params = SamplingParams(temperature=0.0, max_generate_length=16, num_logprobs=1)
+    plain = LLM(str(tiny_block_draft_engines["base"]), num_threads=2).generate(PROMPTS[:2], params)
+    with LLM(str(tiny_block_draft_engines["base"]), num_threads=2, enable_context_reuse=True, spec_decode="dspark",
+             spec_draft_engine_dir=str(tiny_block_draft_engines["dspark"]), dspark_scheduler="sps") as llm:
+        spec = llm.generate(PROMPTS[:2], params)
+        assert llm.engine.profile()["spec_decode_generation"]["total_iterations"] > 0
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
