@@ -39,18 +39,17 @@ from kvforge.contract.engine_dir import (
     EMBEDDING_FILE,
     EMBEDDING_TENSOR,
     ENGINE_MODEL_FILE,
-    ENGINE_WEIGHTS_FILE,
 )
 from kvforge.contract.errors import KvforgeError
-from kvforge.contract.files import check_output_dir, read_json, staged_dir, write_json
+from kvforge.contract.files import check_output_dir, read_json, write_json
 from kvforge.contract.formats import EXPORT_FORMAT
-from kvforge.contract.manifest import ONNX_KIND, write_manifest
 from kvforge.contract.model_config import MAX_BLOCK_SIZE, SPEC_DFLASH, SPEC_DSPARK, ModelConfig
 from kvforge.contract.safetensors_map import map_tensor
-from kvforge.graph.onnx_graph import FLOAT, INT32, OPSET, GraphWriter, value_info
-from kvforge.graph.positions import gather_positions, hidden_states_output, logits_indices_input, logits_output
+from kvforge.graph.onnx_graph import OPSET, GraphWriter, value_info
+from kvforge.graph.positions import gather_positions, hidden_states_output, logits_output
 from kvforge.graph.rope import apply_rope
 from kvforge.plugins import ops
+from kvforge.tools.export.draft_files import check_base_layers, draft_graph_inputs, write_draft_dir
 from kvforge.tools.export.hf_common import read_safetensors_header, read_tensor, safetensors_files
 from kvforge.tools.export.llama_graph import POOL_ELEM_TYPES, pool_input_name, pool_output_name, rope_inputs
 
@@ -223,12 +222,7 @@ def build_block_draft_graph(config: ModelConfig, weights: dict[str, np.ndarray],
 
     pool = POOL_ELEM_TYPES[config.kv_cache_dtype]
     pool_shape = ["num_pages", 2, kv, "tokens_per_page", D]
-    inputs = [value_info("inputs_embeds", FLOAT, ["batch", "seq", H]),
-              value_info(BASE_HIDDEN_INPUT, FLOAT, ["batch", "seq", config.base_model_hidden_size]),
-              value_info(CONTEXT_TOKEN_MASK_INPUT, FLOAT, ["batch", "seq", 1]),
-              value_info("context_lengths", INT32, ["batch"]), value_info("kvcache_start_index", INT32, ["batch"]),
-              value_info("kv_page_table", INT32, ["batch", "pages_per_seq"]),
-              value_info("rope_rotary_cos_sin", FLOAT, ["capacity", D]), logits_indices_input()]
+    inputs = draft_graph_inputs(config, CONTEXT_TOKEN_MASK_INPUT, 1)
     outputs = []
     feature = g.rms_norm(linear(BASE_HIDDEN_INPUT, "fc.weight"), w("hidden_norm.weight"), eps)
     context = CONTEXT_TOKEN_MASK_INPUT
@@ -281,23 +275,12 @@ def export_block_draft(draft_dir: Path, base_onnx_dir: Path, output_dir: Path) -
         raise KvforgeError(f"a block draft needs an attention-only base; {base.model} has recurrent layers (the "
                            "support matrix rejects hybrid DFlash/JetSpec/DSpark)", "--baseOnnxDir")
     config = draft_config(read_json(draft_dir / "config.json", FIELD), base)
-    if base.hidden_state_layers != config.eagle_hidden_state_layers:
-        layers = ",".join(map(str, config.eagle_hidden_state_layers))
-        raise KvforgeError(f"the draft reads base layers {config.eagle_hidden_state_layers} but this base returns "
-                           f"{base.hidden_state_layers or 'none'}; re-export the base with --hiddenStateLayers "
-                           f"{layers}", "--baseOnnxDir")
+    check_base_layers(base, config)
     weights, dspark = load_weights(draft_dir, config)
     head = base_head(base_onnx_dir, base)
     embed = np.asarray(map_tensor(base_onnx_dir / EMBEDDING_FILE, EMBEDDING_TENSOR), dtype=np.float32)
-    model = build_block_draft_graph(config, weights, head)
-    with staged_dir(output_dir, "--outputDir") as staging:
-        onnx.save_model(model, staging / ENGINE_MODEL_FILE, save_as_external_data=True,
-                        all_tensors_to_one_file=True, location=ENGINE_WEIGHTS_FILE, size_threshold=1024)
-        save_file({EMBEDDING_TENSOR: np.ascontiguousarray(embed)}, str(staging / EMBEDDING_FILE))
-        if dspark:
-            save_file(dspark, str(staging / DSPARK_HEADS_FILE))
-        write_json(staging / "config.json", config.to_dict())
-        write_manifest(staging, ONNX_KIND)
+    write_draft_dir(output_dir, build_block_draft_graph(config, weights, head), config, embed,
+                    {DSPARK_HEADS_FILE: dspark} if dspark else {})
     return config
 
 

@@ -31,19 +31,17 @@ from kvforge.contract.engine_dir import (
     DRAFT_HIDDEN_INPUT,
     EMBEDDING_FILE,
     EMBEDDING_TENSOR,
-    ENGINE_MODEL_FILE,
-    ENGINE_WEIGHTS_FILE,
 )
 from kvforge.contract.errors import KvforgeError
-from kvforge.contract.files import check_output_dir, read_json, staged_dir, write_json
+from kvforge.contract.files import check_output_dir, read_json, write_json
 from kvforge.contract.formats import EXPORT_FORMAT
-from kvforge.contract.manifest import ONNX_KIND, write_manifest
 from kvforge.contract.model_config import SPEC_EAGLE3, ModelConfig
 from kvforge.contract.safetensors_map import map_tensor
-from kvforge.graph.onnx_graph import FLOAT, INT32, OPSET, GraphWriter, value_info
-from kvforge.graph.positions import gather_positions, hidden_states_output, logits_indices_input, logits_output
+from kvforge.graph.onnx_graph import OPSET, GraphWriter, value_info
+from kvforge.graph.positions import gather_positions, hidden_states_output, logits_output
 from kvforge.graph.rope import apply_rope
 from kvforge.plugins import ops
+from kvforge.tools.export.draft_files import check_base_layers, draft_graph_inputs, write_draft_dir
 from kvforge.tools.export.hf_common import read_safetensors_header, read_tensor, safetensors_files
 from kvforge.tools.export.llama_graph import POOL_ELEM_TYPES, pool_input_name, pool_output_name, rope_inputs
 
@@ -183,13 +181,7 @@ def build_eagle3_graph(config: ModelConfig, weights: dict[str, np.ndarray]) -> o
 
     pool = POOL_ELEM_TYPES[config.kv_cache_dtype]
     pool_shape = ["num_pages", 2, kv, "tokens_per_page", D]
-    inputs = [value_info("inputs_embeds", FLOAT, ["batch", "seq", H]),
-              value_info(BASE_HIDDEN_INPUT, FLOAT, ["batch", "seq", config.base_model_hidden_size]),
-              value_info(DRAFT_HIDDEN_INPUT, FLOAT, ["batch", "seq", H]),
-              value_info("context_lengths", INT32, ["batch"]), value_info("kvcache_start_index", INT32, ["batch"]),
-              value_info("kv_page_table", INT32, ["batch", "pages_per_seq"]),
-              value_info("rope_rotary_cos_sin", FLOAT, ["capacity", D]), logits_indices_input(),
-              value_info(pool_input_name(0), pool, pool_shape)]
+    inputs = [*draft_graph_inputs(config, DRAFT_HIDDEN_INPUT, H), value_info(pool_input_name(0), pool, pool_shape)]
     h = g.add(linear(BASE_HIDDEN_INPUT, "fc.weight"), DRAFT_HIDDEN_INPUT)
     x = g.op("Concat", [g.rms_norm("inputs_embeds", w("midlayer.input_layernorm.weight"), eps),
                         g.rms_norm(h, w("midlayer.hidden_norm.weight"), eps)], axis=-1)
@@ -229,11 +221,7 @@ def export_eagle3(draft_dir: Path, base_onnx_dir: Path, output_dir: Path) -> Mod
     check_output_dir(output_dir, "--outputDir")
     base = ModelConfig.from_dict(read_json(base_onnx_dir / "config.json", "--baseOnnxDir"))
     config = draft_config(read_json(draft_dir / "config.json", FIELD), base)
-    if base.hidden_state_layers != config.eagle_hidden_state_layers:
-        layers = ",".join(map(str, config.eagle_hidden_state_layers))
-        raise KvforgeError(f"the draft reads base layers {config.eagle_hidden_state_layers} but this base returns "
-                           f"{base.hidden_state_layers or 'none'}; re-export the base with --hiddenStateLayers "
-                           f"{layers}", "--baseOnnxDir")
+    check_base_layers(base, config)
     weights, d2t, embed = load_weights(draft_dir, config)
     if embed is None:
         embed = np.asarray(map_tensor(base_onnx_dir / EMBEDDING_FILE, EMBEDDING_TENSOR), dtype=np.float32)
@@ -241,14 +229,7 @@ def export_eagle3(draft_dir: Path, base_onnx_dir: Path, output_dir: Path) -> Mod
         raise KvforgeError(f"the embedding table is {list(embed.shape)}, the draft needs "
                            f"{[config.vocab_size, config.hidden_size]} (a draft narrower than its base needs its own "
                            "embed_tokens)", FIELD)
-    model = build_eagle3_graph(config, weights)
-    with staged_dir(output_dir, "--outputDir") as staging:
-        onnx.save_model(model, staging / ENGINE_MODEL_FILE, save_as_external_data=True,
-                        all_tensors_to_one_file=True, location=ENGINE_WEIGHTS_FILE, size_threshold=1024)
-        save_file({EMBEDDING_TENSOR: np.ascontiguousarray(embed)}, str(staging / EMBEDDING_FILE))
-        save_file({D2T_TENSOR: d2t}, str(staging / D2T_FILE))
-        write_json(staging / "config.json", config.to_dict())
-        write_manifest(staging, ONNX_KIND)
+    write_draft_dir(output_dir, build_eagle3_graph(config, weights), config, embed, {D2T_FILE: {D2T_TENSOR: d2t}})
     return config
 
 
