@@ -252,7 +252,6 @@ class Engine:
                               draft.model.base_model_hidden_size, top_k=config.spec_draft_top_k,
                               verify_nodes=verify_size(config, self.engine_dir) - 1)
 
-
     def _block_proposer(self, config: EngineConfig, draft: EngineDir, table: np.ndarray) -> Proposer:
         from kvforge.runtime.spec.block_draft import BlockDraftProposer, DsparkHeads
 

@@ -38,8 +38,8 @@ class DraftPaths:
     def find_longest_hit(self, lookup: Lookup, agreed: ReusePlan) -> ReusePlan:
         """A plain admission keeps `agreed`. A speculative one reuses the longest coherent path among its matching
         pages minus its final page (none less without replay), never more than `agreed` (media spans, the
-        full-input rewind) and never a
-        snapshot tail (the draft has none): a cold start when no record with a path matches."""
+        full-input rewind) and never a snapshot tail (the draft has none): a cold start when no record with a path
+        matches."""
         if not lookup.speculative:
             return agreed
         matched = lookup.page_hits or []

@@ -14,7 +14,7 @@ from kvforge.builder.build import BuildOptions
 from kvforge.contract.engine_dir import load_engine_dir
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.paging import pages_for
-from kvforge.runtime.engine_config import MAX_SPEC_DRAFT_TOKENS, MAX_SPEC_DRAFT_TOP_K
+from kvforge.runtime.engine_config import DRAFT_METHODS, MAX_SPEC_DRAFT_TOKENS, MAX_SPEC_DRAFT_TOP_K
 
 KVFORGE = "kvforge"
 TRANSFORMERS = "transformers"
@@ -38,8 +38,7 @@ PEER_MODULES = {
 SPEC_OFF = "off"
 SPEC_NGRAM = "ngram"
 SPEC_EAGLE3 = "eagle3"  # kvforge only: an engine dir built with --specBase, its draft in DIR/draft (--specDraft)
-# kvforge only, like eagle3: a block draft (DFlash, DSpark) in DIR/draft.
-SPEC_DRAFT_MODELS = (SPEC_EAGLE3, "dflash", "dspark")
+SPEC_DRAFT_MODELS = DRAFT_METHODS  # kvforge only, like eagle3 (and block drafts: DFlash, DSpark) in DIR/draft
 SPEC_KINDS = (KVFORGE, LLAMA_CPP)  # the kinds that have prompt lookup
 MAX_DRAFT_STEP = MAX_SPEC_DRAFT_TOKENS  # kvforge's bound (--specDraftStep), llama.cpp's too
 MAX_DRAFT_TOP_K = MAX_SPEC_DRAFT_TOP_K  # kvforge's --specDraftTopK bound
