@@ -19,7 +19,9 @@ from typing import Any
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.runtime.backend import Backend
 from kvforge.runtime.engine import Engine, EngineConfig
-from kvforge.runtime.types import SamplingParams
+from kvforge.runtime.output import RequestOutput
+from kvforge.runtime.sequence import EngineRequest
+from kvforge.runtime.types import Message, Request, SamplingParams
 
 # The workload text lives in the package, where llm_bench reads it too; the scripts import it from here.
 from kvforge.tools.bench.text import DOCUMENT_SECTIONS, GLOSSARY, fit_document, text_tokens  # noqa: F401
@@ -75,3 +77,22 @@ def build_and_open(onnx_dir: Path, engine_dir: Path, options: BuildOptions, thre
 def greedy(max_generate_length: int, **changes: Any) -> SamplingParams:
     """Greedy decoding (top_k 1, so no draw and no seed matters)."""
     return SamplingParams(temperature=1.0, top_k=1, top_p=1.0, max_generate_length=max_generate_length, **changes)
+
+
+def chat_request(engine: Engine, text: str, sampling: SamplingParams) -> EngineRequest:
+    """One user message through the engine's chat template."""
+    return engine.inputs.process(Request(index=0, messages=[Message("user", text)], sampling=sampling,
+                                         apply_chat_template=True, add_generation_prompt=True))
+
+
+def run_alone(engine: Engine, request: EngineRequest) -> RequestOutput:
+    """Run one request to its end on counters reset first (so `engine.profile()` describes it alone)."""
+    engine.reset_counters()
+    request_id = engine.add_request(request)
+    output: RequestOutput | None = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == request_id and out.finished:
+                output = out
+    assert output is not None and output.timing is not None
+    return output

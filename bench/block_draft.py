@@ -22,16 +22,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import Progress, bench_parser, median, write_json
+from _common import Progress, bench_parser, median, run_alone, write_json
+from _common import chat_request as common_chat_request
 
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.engine_dir import BASE_HIDDEN_INPUT, CONTEXT_TOKEN_MASK_INPUT
 from kvforge.runtime.backend import Backend, StepInputs
 from kvforge.runtime.engine import Engine, EngineConfig
-from kvforge.runtime.output import RequestOutput
 from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.tree_attention import causal_masks, start_positions
-from kvforge.runtime.types import Message, Request, SamplingParams
+from kvforge.runtime.types import SamplingParams
 from kvforge.tools.bench.text import fit_document, spec_messages
 from kvforge.tools.export.block_draft import export_block_draft, write_random_block_draft
 
@@ -43,20 +43,13 @@ METHODS = {"dflash": 16, "dspark": 7}  # the public drafts' blocks
 
 
 def chat_request(engine: Engine, text: str, reuse: bool = True) -> EngineRequest:
-    sampling = SamplingParams(temperature=0.0, max_generate_length=MAX_GENERATE, reuse_context=reuse)
-    return engine.inputs.process(Request(index=0, messages=[Message("user", text)], sampling=sampling,
-                                         apply_chat_template=True, add_generation_prompt=True))
+    return common_chat_request(engine, text, SamplingParams(temperature=0.0, max_generate_length=MAX_GENERATE,
+                                                            reuse_context=reuse))
 
 
 def run_one(engine: Engine, request: EngineRequest) -> dict[str, Any]:
-    engine.reset_counters()
-    request_id = engine.add_request(request)
-    output: RequestOutput | None = None
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.request_id == request_id and out.finished:
-                output = out
-    assert output is not None and output.timing is not None
+    output = run_alone(engine, request)
+    assert output.timing is not None
     spec = engine.profile().get("spec_decode_generation", {})
     generated = len(output.token_ids)
     return {"tokens": output.token_ids, "ttft_ms": output.timing.ttft_ms,

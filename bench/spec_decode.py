@@ -23,13 +23,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from _common import Progress, bench_parser, median, write_json
+from _common import Progress, bench_parser, median, run_alone, write_json
+from _common import chat_request as common_chat_request
 
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.runtime.engine import Engine, EngineConfig
-from kvforge.runtime.output import RequestOutput
 from kvforge.runtime.sequence import EngineRequest
-from kvforge.runtime.types import Message, Request, SamplingParams
+from kvforge.runtime.types import SamplingParams
 from kvforge.tools.bench.text import SPEC_KINDS, fit_document, spec_messages
 
 BUILD = BuildOptions(max_input_len=2048, max_kv_cache_capacity=2304, max_batch_size=1, tokens_per_page=128)
@@ -38,20 +38,12 @@ MAX_GENERATE = 160  # the prompts are llm_bench's spec_decode workload's (kvforg
 
 
 def chat_request(engine: Engine, text: str) -> EngineRequest:
-    sampling = SamplingParams(temperature=0.0, max_generate_length=MAX_GENERATE)
-    return engine.inputs.process(Request(index=0, messages=[Message("user", text)], sampling=sampling,
-                                         apply_chat_template=True, add_generation_prompt=True))
+    return common_chat_request(engine, text, SamplingParams(temperature=0.0, max_generate_length=MAX_GENERATE))
 
 
 def run_one(engine: Engine, request: EngineRequest) -> dict[str, Any]:
-    engine.reset_counters()
-    request_id = engine.add_request(request)
-    output: RequestOutput | None = None
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.request_id == request_id and out.finished:
-                output = out
-    assert output is not None and output.timing is not None
+    output = run_alone(engine, request)
+    assert output.timing is not None
     generated = len(output.token_ids)
     profile = engine.profile()
     spec = profile.get("spec_decode_generation", {})
