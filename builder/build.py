@@ -187,12 +187,15 @@ def check_speculative_build(config: ModelConfig, options: BuildOptions) -> dict[
         raise InvalidConfig(f"this ONNX dir holds a {config.spec_decode_type} draft; build it with --specDraft",
                             "spec_draft")
     if options.spec_draft and not config.is_draft:
-        raise InvalidConfig("--specDraft builds a draft's ONNX dir (llm_export eagle3 or block-draft); this one "
-                            f"holds a {config.model} model", "spec_draft")
+        raise InvalidConfig("--specDraft builds a draft's ONNX dir (llm_export eagle3, block-draft or "
+                            f"gemma4-assistant); this one holds a {config.model} model", "spec_draft")
     if config.is_block_draft and options.cpu_attention != ATTENTION_CPU_KERNEL:
         # The block attends to itself both ways: masked attention, which only the kernel has.
         raise InvalidConfig(f"a {config.spec_decode_type} draft needs the kvforge CPU kernel (its block attention "
                             "is non-causal); build it with --cpuAttention kernel", "cpu_attention")
+    if config.reads_base_kv and options.cpu_attention != ATTENTION_CPU_KERNEL:
+        raise InvalidConfig(f"a {config.spec_decode_type} assistant reads its base's KV pools in place, which only "
+                            "the kvforge CPU kernel does; build it with --cpuAttention kernel", "cpu_attention")
     if options.spec_base:
         if config.is_recurrent or config.is_hybrid:
             raise InvalidConfig(f"a speculative base must be attention-only; a {config.model} model has recurrent "
@@ -226,7 +229,8 @@ def _build_into(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometry:
     kernel = options.cpu_attention == ATTENTION_CPU_KERNEL
     # Speculative roles on the kernel take tree inputs (tree drafting and verification); the fallback lowering has
     # no masked attention, so its engines draft linearly (the runtime says so for --specDraftTopK > 1).
-    tree = kernel and bool(speculative["spec_base"] or speculative["spec_draft"])
+    # (An assistant reading the base's pools drafts one token per call: no tree inputs.)
+    tree = kernel and bool(speculative["spec_base"] or (speculative["spec_draft"] and not config.reads_base_kv))
     lowered = lower_for_onnxruntime(model, kv_cache_dtype=config.kv_cache_dtype,
                                     tokens_per_page=geometry.tokens_per_page,
                                     num_pages=geometry.max_kv_pool_pages, cpu_kernel=kernel, tree_inputs=tree)

@@ -35,14 +35,14 @@ def check_graph_matches_config(model: onnx.ModelProto, config: ModelConfig, onnx
               for vi in model.graph.input}
     pools = [name for name in inputs if name.startswith("past_key_values_")]
     attention_layers = config.num_attention_layers
-    if sorted(pools) != sorted(f"past_key_values_{i}" for i in config.attention_layer_ids):
+    if sorted(pools) != sorted(f"past_key_values_{i}" for i in config.pool_layer_ids):
         raise InvalidConfig(f"{onnx_dir}/config.json says num_hidden_layers {config.num_hidden_layers} "
                             f"({attention_layers} attention) but model.onnx has {len(pools)} KV pool inputs; "
                             "re-export it with llm_export", "onnx_dir")
     embeds = inputs.get("inputs_embeds")
-    if not embeds or embeds[-1] not in (None, config.hidden_size):
-        raise InvalidConfig(f"model.onnx takes inputs_embeds {embeds}, config.json says hidden_size "
-                            f"{config.hidden_size}; re-export it with llm_export", "onnx_dir")
+    if not embeds or embeds[-1] not in (None, config.embedding_width):
+        raise InvalidConfig(f"model.onnx takes inputs_embeds {embeds}, config.json implies width "
+                            f"{config.embedding_width}; re-export it with llm_export", "onnx_dir")
 
 
 def write_engine_config(onnx_dir: Path, engine_dir: Path, config: ModelConfig, build: BuilderConfig) -> None:

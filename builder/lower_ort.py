@@ -51,14 +51,15 @@ def lower_for_onnxruntime(model: onnx.ModelProto, *, kv_cache_dtype: str, tokens
         raise ValueError("tree attention needs the kvforge CPU kernel (its attention_mask input)")
     graph = model.graph
     writes = {n.output[0]: n for n in graph.node if n.domain == ops.DOMAIN and n.op_type == ops.PAGED_KV_WRITE.name}
-    if not writes:
-        raise InvalidConfig("graph has no kvforge.PagedKVWrite nodes; was it exported by llm_export?", "model.onnx")
+    if not any(n.domain == ops.DOMAIN and n.op_type == ops.PAGED_ATTENTION.name for n in graph.node):
+        raise InvalidConfig("graph has no kvforge.PagedAttention nodes; was it exported by llm_export?", "model.onnx")
     first_attention = next(n for n in graph.node if n.op_type == ops.PAGED_ATTENTION.name)
     num_q = _attr(first_attention, "num_q_heads")
     num_kv = _attr(first_attention, "num_kv_heads")
     shared = _Shared(GraphWriter(prefix="lowered/"), group=num_q // num_kv)
     new_nodes: list[onnx.NodeProto] = []
     new_rows: dict[str, tuple[str, str, str]] = {}  # pool output -> (pool input, new rows float, new rows out)
+    shared_pools: set[str] = set()  # pools read only: another engine's, as many pages as it has
     inputs = {vi.name: vi for vi in graph.input}
     extra_inputs, outputs = [], [o for o in graph.output if o.name not in writes]
     for node in graph.node:
@@ -78,8 +79,17 @@ def lower_for_onnxruntime(model: onnx.ModelProto, *, kv_cache_dtype: str, tokens
             new_rows[node.output[0]] = (pool_in, rows_float, rows_out)
         elif node.domain == ops.DOMAIN and node.op_type == ops.PAGED_ATTENTION.name:
             query, pool_out, _, start_index, page_table = node.input
-            pool_in, rows, _ = new_rows[pool_out]
             head_dim = _attr(node, "head_dim")
+            if pool_out not in new_rows:  # a KV-shared layer (Gemma4 MTP): reads a pool it does not write
+                if not cpu_kernel:
+                    raise InvalidConfig("a layer reading another engine's KV pool needs the kvforge CPU kernel; "
+                                        "build it with --cpuAttention kernel", "cpu_attention")
+                _read_only_attention(g, query, pool_out, page_table, start_index, node, num_kv, head_dim,
+                                     tokens_per_page)
+                shared_pools.add(pool_out)
+                new_nodes.extend(g.nodes[start:])
+                continue
+            pool_in, rows, _ = new_rows[pool_out]
             if dense:
                 layer = pool_in.rsplit("_", 1)[1]
                 cached, present = _dense_cache(g, rows, layer)
@@ -109,7 +119,7 @@ def lower_for_onnxruntime(model: onnx.ModelProto, *, kv_cache_dtype: str, tokens
         kept = [vi for vi in inputs.values()]
         for vi in kept:
             if vi.name.startswith("past_key_values_"):
-                _fix_pool_shape(vi, num_pages, tokens_per_page)
+                _fix_pool_shape(vi, 0 if vi.name in shared_pools else num_pages, tokens_per_page)
     if tree_inputs:
         new_nodes = _positions_from_input(new_nodes, shared.g)
         extra_inputs += [value_info(TREE_POSITIONS_INPUT, INT32, ["batch", "seq"]),
@@ -265,6 +275,18 @@ def _kernel_attention(g: GraphWriter, query: str, rows: str, pool: str, page_tab
          num_kv_heads=num_kv, head_dim=head_dim, tokens_per_page=tokens_per_page, scale=_attr_f(node, "scale"))
 
 
+def _read_only_attention(g: GraphWriter, query: str, pool: str, page_table: str, start_index: str,
+                         node: onnx.NodeProto, num_kv: int, head_dim: int, tokens_per_page: int) -> None:
+    """The kernel over the cached positions [0, start) of `pool` only: this call's queries bring no keys (zero rows
+    that an all-false mask hides), so nothing is written and the pool may be another engine's."""
+    batch, seq = g.dim(query, 0), g.dim(query, 1)
+    rows = g.op("ConstantOfShape", [g.op("Concat", [batch, seq, g.const([2, num_kv, head_dim])], axis=0)],
+                value=helper.make_tensor("zero", onnx.TensorProto.FLOAT, [1], [0.0]))
+    hidden = g.op("ConstantOfShape", [g.op("Concat", [batch, seq, seq], axis=0)],
+                  value=helper.make_tensor("unseen", onnx.TensorProto.BOOL, [1], [False]))
+    _kernel_attention(g, query, rows, pool, page_table, start_index, node, num_kv, head_dim, tokens_per_page, hidden)
+
+
 def _positions_from_input(nodes: list[onnx.NodeProto], g: GraphWriter) -> list[onnx.NodeProto]:
     """Tree attention: the one Gather of the RoPE table (export's rope_inputs: queries and, in this lowering, keys
     rotate by it) takes TREE_POSITIONS_INPUT, clamped like the export's start + i, instead of start + i."""
@@ -336,9 +358,11 @@ def _attend(g: GraphWriter, shared: _Shared, query: str, keys_values: str, start
 
 
 def _fix_pool_shape(vi: onnx.ValueInfoProto, num_pages: int, tokens_per_page: int) -> None:
+    """Fix the page size and, unless `num_pages` is 0 (a shared pool), the page count."""
     dims = vi.type.tensor_type.shape.dim
-    dims[0].ClearField("dim_param")
-    dims[0].dim_value = num_pages
+    if num_pages:
+        dims[0].ClearField("dim_param")
+        dims[0].dim_value = num_pages
     dims[3].ClearField("dim_param")
     dims[3].dim_value = tokens_per_page
 

@@ -13,6 +13,9 @@ from pathlib import Path
 import numpy as np
 
 from kvforge.contract.engine_dir import (
+    BASE_NORM_EPS_TENSOR,
+    BASE_NORM_FILE,
+    BASE_NORM_TENSOR,
     D2T_FILE,
     D2T_TENSOR,
     DSPARK_HEADS_FILE,
@@ -23,6 +26,7 @@ from kvforge.contract.engine_dir import (
 )
 from kvforge.contract.errors import InvalidConfig, PoolTooSmall
 from kvforge.contract.paging import pages_for
+from kvforge.contract.profile_schema import MTP_GENERATION
 from kvforge.contract.safetensors_map import map_tensor
 from kvforge.runtime.backend import Backend
 from kvforge.runtime.backends import load_backend
@@ -97,7 +101,8 @@ class Engine:
                                          partial_kv_snapshot_slots=partial, recurrent_snapshot_slots=recurrent,
                                          deployment=self.deployment, copier=self.state,
                                          chain_root=resolved.chain_root, events=self.tier,
-                                         draft_pages=resolved.draft.build.max_kv_pool_pages if resolved.draft else 0,
+                                         draft_pages=resolved.draft.build.max_kv_pool_pages
+                                         if resolved.draft and not resolved.draft.model.reads_base_kv else 0,
                                          draft_replays=resolved.draft is None or resolved.draft.model.is_eagle3_draft)
         encoder = _load_encoder(config)
         self.tokenizer = ChatTokenizer(self.engine_dir.path,
@@ -109,6 +114,7 @@ class Engine:
                                      self.engine_dir.model.vocab_size, multimodal=self.multimodal,
                                      message_boundaries=resolved.checkpoints.enabled
                                      and config.snapshot_message_boundaries)
+        self.draft_backend: Backend | None = None
         self.proposer = self._proposer(config, resolved)
         self.executor = ModelExecutor(self.backend, embedding, lora_input_shapes(self.engine_dir),
                                       self.state.rows if self.states is not None else None,
@@ -151,14 +157,14 @@ class Engine:
         if request_id in self.core.sequences:
             raise InvalidConfig(f"request id {request_id!r} is already in flight", "request_id")
         seq = Sequence(request_id, request, Sampler(request.sampling), arrival=next(self._arrivals))
-        if self.proposer is not None and self.proposer.owns_kv and request.sampling.speculative:
+        if self.proposer is not None and self.draft_backend is not None and request.sampling.speculative:
             if request.media:
                 # The support matrix: a speculative request with image or audio runs cold (no lookup, no
                 # publication) and undrafted; counted in the profile.
                 seq.request = replace(request, sampling=replace(request.sampling, reuse_context=False,
                                                                 speculative=False))
                 self.profiler.add_media_cold_request()
-            else:
+            elif self.proposer.owns_kv:
                 seq.drafts_with_kv = True
         self.core.add(seq)
         return request_id
@@ -242,7 +248,18 @@ class Engine:
             return None
         draft = resolved.draft
         table = map_tensor(draft.file(EMBEDDING_FILE), EMBEDDING_TENSOR)
-        self.draft_backend = load_backend(draft, config.num_threads, table, shares_cores=True)
+        shared = None
+        if draft.model.reads_base_kv:  # the assistant attends over the base's pools, bound as they are
+            shared = dict(zip(self.engine_dir.model.attention_layer_ids, self.backend.kv_store.layers, strict=True))
+        self.draft_backend = load_backend(draft, config.num_threads, table, shares_cores=True, shared_pools=shared)
+        if draft.model.reads_base_kv:
+            from kvforge.runtime.spec.gemma4_mtp import Gemma4MtpProposer
+
+            self.profiler.spec_strategy_section = MTP_GENERATION
+            norm = draft.file(BASE_NORM_FILE)
+            return Gemma4MtpProposer(self.draft_backend, table, np.asarray(map_tensor(norm, BASE_NORM_TENSOR)),
+                                     float(np.asarray(map_tensor(norm, BASE_NORM_EPS_TENSOR))[0]),
+                                     config.spec_draft_step)
         if draft.model.is_block_draft:
             return self._block_proposer(config, draft, table)
         from kvforge.runtime.spec.eagle3 import Eagle3Proposer

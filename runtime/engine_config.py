@@ -28,8 +28,12 @@ from kvforge.runtime.state_manager import CheckpointPolicy
 from kvforge.runtime.types import Deployment
 
 SPEC_OFF, SPEC_NGRAM, SPEC_EAGLE3, SPEC_DFLASH, SPEC_DSPARK = "off", "ngram", "eagle3", "dflash", "dspark"
-SPEC_METHODS = (SPEC_OFF, SPEC_NGRAM, SPEC_EAGLE3, SPEC_DFLASH, SPEC_DSPARK)
-DRAFT_METHODS = (SPEC_EAGLE3, SPEC_DFLASH, SPEC_DSPARK)  # methods with a draft engine (ENGINEDIR/draft)
+SPEC_GEMMA4_MTP, SPEC_MTP = "gemma4_mtp", "mtp"
+SPEC_METHODS = (SPEC_OFF, SPEC_NGRAM, SPEC_EAGLE3, SPEC_DFLASH, SPEC_DSPARK, SPEC_GEMMA4_MTP, SPEC_MTP)
+# Methods with a draft engine (ENGINEDIR/draft). Standard MTP (a layer of the base's own checkpoint) is named so that
+# it can be refused clearly: the support matrix rejects it on attention-only bases, and its hybrid row is not built.
+DRAFT_METHODS = (SPEC_EAGLE3, SPEC_DFLASH, SPEC_DSPARK, SPEC_GEMMA4_MTP)
+METHOD_NAMES = {SPEC_EAGLE3: "EAGLE3", SPEC_DFLASH: "DFlash", SPEC_DSPARK: "DSpark", SPEC_GEMMA4_MTP: "Gemma4 MTP"}
 # DSpark's proposal-length schedulers (TensorRT Edge-LLM's --dsparkScheduler values; runtime/spec/block_draft.py).
 SCHEDULER_OFF, SCHEDULER_THRESHOLD, SCHEDULER_SPS = "off", "threshold", "sps"
 DSPARK_SCHEDULERS = (SCHEDULER_OFF, SCHEDULER_THRESHOLD, SCHEDULER_SPS)
@@ -131,8 +135,10 @@ class EngineConfig:
         SPEC_OFF, "--specDecode", "Speculative decoding: 'ngram' drafts by prompt lookup (the tokens that followed the "
         "last few tokens where they occurred earlier in the prompt or output; no draft model), 'eagle3' drafts with "
         "the engine's EAGLE3 draft (ENGINEDIR/draft, or --specDraftEngineDir; built with llm_build --specDraft); "
-        "'dflash' and 'dspark' draft a whole block per call with a block draft there; the engine verifies the drafts "
-        "in one call per step; 'off' (default). Outputs are unchanged; a request opts out with disable_spec_decode.")
+        "'dflash' and 'dspark' draft a whole block per call with a block draft there; 'gemma4_mtp' drafts with a "
+        "Gemma4 assistant that reads the base's own K/V (no draft pool); the engine verifies the drafts in one call "
+        "per step; 'off' (default). Outputs are unchanged; a request opts out with disable_spec_decode. ('mtp', "
+        "standard MTP, is refused: the support matrix rejects it on attention-only bases.)")
     dflash_block_size: int = _option(
         0, "--dflashBlockSize", "With --specDecode dflash or dspark: positions one block call drafts over (the pending "
         "token and blockSize - 1 masks, so up to blockSize - 1 proposed tokens). 0 (default) = the block the draft "
@@ -268,12 +274,19 @@ def _check_memory(config: EngineConfig, engine: EngineDir, draft: EngineDir | No
 
 def _resolve_draft(config: EngineConfig, engine: EngineDir, deployment: Deployment) -> EngineDir | None:
     """The draft engine dir, checked against its base (the support matrix's EAGLE3 and block-draft rows)."""
+    if config.spec_decode == SPEC_MTP:
+        if deployment is Deployment.VANILLA:
+            raise InvalidConfig("standard MTP needs a hybrid attention/recurrent base (the support matrix rejects it "
+                                "on an attention-only base); a Gemma4 assistant runs with --specDecode gemma4_mtp",
+                                "spec_decode")
+        raise InvalidConfig("MTP on a hybrid base is not supported yet: kvforge does not export Qwen3.5's mtp.* "
+                            "layer yet", "spec_decode")
     if config.spec_decode not in DRAFT_METHODS:
         if config.spec_draft_engine_dir:
-            raise InvalidConfig("a draft engine dir is read with --specDecode eagle3, dflash or dspark only",
-                                "spec_draft_engine_dir")
+            raise InvalidConfig("a draft engine dir is read with --specDecode eagle3, dflash, dspark or gemma4_mtp "
+                                "only", "spec_draft_engine_dir")
         return None
-    method = {SPEC_EAGLE3: "EAGLE3", SPEC_DFLASH: "DFlash", SPEC_DSPARK: "DSpark"}[config.spec_decode]
+    method = METHOD_NAMES[config.spec_decode]
     if deployment is not Deployment.VANILLA:
         raise InvalidConfig(f"{method} is not supported on a {deployment.value} engine (the support matrix rejects "
                             "hybrid EAGLE3, DFlash, JetSpec and DSpark: only hybrid MTP runs on a recurrent base)",
@@ -312,6 +325,11 @@ def _resolve_draft(config: EngineConfig, engine: EngineDir, deployment: Deployme
         (model.vocab_size == base.vocab_size, f"vocab_size {model.vocab_size} vs the base's {base.vocab_size}"),
         (build.tokens_per_page == engine.build.tokens_per_page,
          f"tokensPerPage {build.tokens_per_page} vs the base's {engine.build.tokens_per_page}"),
+        # An assistant reads the base's pools: their element type and layers are in its graph.
+        (not model.reads_base_kv or (model.kv_cache_dtype == base.kv_cache_dtype and
+                                     set(model.kv_shared_layers) <= set(base.attention_layer_ids)),
+         f"it reads layers {model.kv_shared_layers} stored as {model.kv_cache_dtype}, the base has attention layers "
+         f"{base.attention_layer_ids} stored as {base.kv_cache_dtype}"),
         (build.max_kv_cache_capacity >= engine.build.max_kv_cache_capacity,
          f"maxKVCacheCapacity {build.max_kv_cache_capacity} below the base's {engine.build.max_kv_cache_capacity}"),
         (build.max_input_len >= engine.build.max_input_len,

@@ -146,6 +146,8 @@ class EngineCore:
         if self.proposer is not None and self.proposer.owns_kv:
             with self.profiler.stage(SPEC_DRAFT_PROPOSAL_STAGE):  # the draft catches up before anything is published
                 self.proposer.observe(batch.rows, output, committed)  # failed rows hold no lease: skipped
+        elif self.proposer is not None:  # keeps what it reads from the step (an assistant: the last hidden state)
+            self.proposer.observe(batch.rows, output, committed)
         batch.rows, committed = ([row for row in batch.rows if not row.seq.is_finished],
                                  [s for row, s in zip(batch.rows, committed, strict=True) if not row.seq.is_finished])
         reused = self._reused_at_admission(batch)  # before the update moves num_computed_tokens

@@ -100,12 +100,12 @@ def check_graph_inputs(session: ort.InferenceSession, engine: EngineDir) -> None
     model, build = engine.model, engine.build
     inputs = {i.name: i.shape for i in session.get_inputs()}
     pools = sorted(name for name in inputs if name.startswith("past_key_values_"))
-    attention = [f"past_key_values_{i}" for i in model.attention_layer_ids]
+    attention = [f"past_key_values_{i}" for i in model.pool_layer_ids]
     if sorted(attention) != pools:
         raise KvforgeError(f"config.json says num_hidden_layers {model.num_hidden_layers} with {len(attention)} "
                            f"attention layers, but the graph has {len(pools)} KV pool inputs; rebuild it with "
                            "llm_build", "engine_dir")
-    recurrent = model.num_hidden_layers - len(attention)
+    recurrent = len(model.recurrent_layer_ids)
     states = [name for name in inputs if is_state_input(name)]
     if len(states) != 2 * recurrent:
         raise KvforgeError(f"config.json says {recurrent} recurrent layers but the graph has {len(states)} state "
@@ -114,10 +114,12 @@ def check_graph_inputs(session: ort.InferenceSession, engine: EngineDir) -> None
         if any(not isinstance(d, int) for d in inputs[name][1:]):
             raise KvforgeError(f"graph input {name} has shape {inputs[name]}: only its batch dim may be symbolic",
                                "engine_dir")
-    expected = [build.max_kv_pool_pages, 2, model.num_key_value_heads, build.tokens_per_page, model.head_dim]
+    # A KV-shared assistant's pools are its base's: their page count is the base's (symbolic in its graph).
+    pages = -1 if model.reads_base_kv else build.max_kv_pool_pages
+    expected = [pages, 2, model.num_key_value_heads, build.tokens_per_page, model.head_dim]
     for name in pools:
         shape = inputs[name]
-        if len(shape) != len(expected) or any(isinstance(d, int) and d != e for d, e in zip(shape, expected,
+        if len(shape) != len(expected) or any(isinstance(d, int) and e >= 0 and d != e for d, e in zip(shape, expected,
                                                                                             strict=False)):
             raise KvforgeError(f"graph input {name} has shape {shape}, config.json implies {expected}; rebuild it "
                                "with llm_build", "engine_dir")
@@ -128,14 +130,15 @@ def check_graph_inputs(session: ort.InferenceSession, engine: EngineDir) -> None
     if LOGITS_INDICES not in inputs and LEGACY_LAST_TOKEN_IDS not in inputs:
         raise KvforgeError(f"the graph has no {LOGITS_INDICES} input; rebuild it with llm_build", "engine_dir")
     hidden = next((o.shape for o in session.get_outputs() if o.name == HIDDEN_STATES), None)
-    width = len(model.hidden_state_layers) * model.hidden_size
+    width = model.base_model_hidden_size if model.reads_base_kv else len(model.hidden_state_layers) * model.hidden_size
     if (hidden is None) != (width == 0) or (hidden is not None and isinstance(hidden[-1], int) and hidden[-1] != width):
         raise KvforgeError(f"graph output {HIDDEN_STATES} is {hidden}, config.json's hidden_state_layers "
                            f"{model.hidden_state_layers} imply width {width}; rebuild it with llm_build", "engine_dir")
     embeds = inputs.get("inputs_embeds")
-    if embeds is None or len(embeds) != 3 or (isinstance(embeds[2], int) and embeds[2] != model.hidden_size):
-        raise KvforgeError(f"graph input inputs_embeds is {embeds}, config.json says hidden_size "
-                           f"{model.hidden_size}; rebuild it with llm_build", "engine_dir")
+    embeds_width = model.embedding_width
+    if embeds is None or len(embeds) != 3 or (isinstance(embeds[2], int) and embeds[2] != embeds_width):
+        raise KvforgeError(f"graph input inputs_embeds is {embeds}, config.json implies width {embeds_width}; "
+                           "rebuild it with llm_build", "engine_dir")
 
 
 def tree_positions(step: StepInputs, starts: np.ndarray) -> np.ndarray:
@@ -154,9 +157,11 @@ def check_last_token_positions(positions: np.ndarray, lengths: np.ndarray, width
 
 class OrtBackend:
     def __init__(self, engine: EngineDir, num_threads: int = 0, embedding: np.ndarray | None = None,
-                 profile_prefix: str | None = None, spinning: bool = True) -> None:
+                 profile_prefix: str | None = None, spinning: bool = True,
+                 shared_pools: dict[int, np.ndarray] | None = None) -> None:
         """`embedding`: the engine's table when the caller already has it (bound to a tied head, not mapped twice);
-        `spinning`: see make_session (off for sessions that alternate with another one)."""
+        `spinning`: see make_session (off for sessions that alternate with another one); `shared_pools`: for an
+        engine reading another's K/V (a Gemma4 MTP assistant), that engine's pools by layer id, bound read-only."""
         model, build = engine.model, engine.build
         kernel = build.attention == ATTENTION_CPU_KERNEL
         self.session = make_session(str(engine.file(ENGINE_MODEL_FILE)), num_threads, profile_prefix,
@@ -169,11 +174,20 @@ class OrtBackend:
         self._pool_inputs = [f"past_key_values_{i}" for i in model.attention_layer_ids]
         self.kv_store = KVStore(len(self._pool_inputs), build.max_kv_pool_pages, model.num_key_value_heads,
                            build.tokens_per_page, model.head_dim, model.kv_cache_dtype)
+        pools = list(self.kv_store.layers)
+        if model.reads_base_kv:  # its pool inputs are the base's layers; it owns none and writes none
+            if shared_pools is None or any(i not in shared_pools for i in model.pool_layer_ids):
+                raise KvforgeError(f"this {model.spec_decode_type} draft reads its base's KV pools (layers "
+                                   f"{model.pool_layer_ids}); load it beside its base", "engine_dir")
+            self._shared_inputs = [f"past_key_values_{i}" for i in model.pool_layer_ids]
+            pools = [shared_pools[i] for i in model.pool_layer_ids]
+        else:
+            self._shared_inputs = []
         # One state row per sequence that can run at once: the engine admits at most maxBatchSize of them.
         shapes = {name: tuple(shape[1:]) for name, shape in graph_inputs.items() if is_state_input(name)}
         self.states = RecurrentStates(shapes, build.max_batch_size) if shapes else None
         # Pools and the RoPE table are bound once as OrtValues over the numpy memory: no per-call copies.
-        self._pool_values = [ort.OrtValue.ortvalue_from_numpy(layer) for layer in self.kv_store.layers]
+        self._pool_values = [ort.OrtValue.ortvalue_from_numpy(layer) for layer in pools]
         self._rope_value: ort.OrtValue | None = None
         if "rope_rotary_cos_sin" in graph_inputs:
             self.rope = rope_table(build.max_kv_cache_capacity, model.rotary_dim, model.rope_theta)
@@ -224,7 +238,7 @@ class OrtBackend:
         lora = step.lora_tensors if step.lora_tensors is not None else self._rank_zero(len(lengths))
         for name in self._lora_names:
             binding.bind_cpu_input(name, lora[name])
-        for name, value in zip(self._pool_inputs, self._pool_values, strict=True):
+        for name, value in zip(self._pool_inputs or self._shared_inputs, self._pool_values, strict=True):
             binding.bind_ortvalue_input(name, value)
         if self.states is not None:
             if step.state_rows is None or len(step.state_rows) != len(lengths):

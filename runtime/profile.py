@@ -123,13 +123,17 @@ class Profiler:
     spec_accepted_tokens: int = 0  # drafts kept
     spec_committed_tokens: int = 0  # tokens those rows committed (kept drafts + one each)
     spec_media_cold_requests: int = 0  # speculative requests with image or audio, run cold (the support matrix)
+    # TensorRT Edge-LLM names the block by strategy (mtp_generation for MTP drafters): written beside
+    # spec_decode_generation, which every method writes, when set.
+    spec_strategy_section: str | None = None
     # A long-running process (the server) streams stage times here instead of keeping every run in a list.
     stage_sink: Callable[[str, float], None] | None = None
 
     def reset(self) -> None:
-        """Every stage and counter back to zero, in place (benchmarks between phases); `enabled` and `stage_sink`
-        stay. In place because the engine's parts hold this profiler."""
-        fresh = Profiler(enabled=self.enabled, stage_sink=self.stage_sink)
+        """Every stage and counter back to zero, in place (benchmarks between phases); `enabled`, `stage_sink` and
+        the strategy's section name stay. In place because the engine's parts hold this profiler."""
+        fresh = Profiler(enabled=self.enabled, stage_sink=self.stage_sink,
+                         spec_strategy_section=self.spec_strategy_section)
         for item in fields(self):
             setattr(self, item.name, getattr(fresh, item.name))
 
@@ -248,6 +252,8 @@ class Profiler:
                 "acceptance_length": _ratio(self.spec_committed_tokens, self.spec_verify_rows),
                 "media_cold_requests": self.spec_media_cold_requests,
             }
+            if self.spec_strategy_section:
+                data[self.spec_strategy_section] = dict(data[SPEC_DECODE_GENERATION])
         if scheduler is not None and self.enabled:
             data[SCHEDULER] = {key: int(scheduler[key]) for key in SCHEDULER_KEYS}
         if self.per_adapter:

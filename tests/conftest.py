@@ -127,3 +127,31 @@ def tiny_block_draft_engines(tmp_path_factory: pytest.TempPathFactory) -> dict[s
         build_engine(root / f"{kind}_onnx", out, draft_build)
     return {"base": root / "engine", "dspark": root / "dspark_engine", "dflash_hf": root / "dflash_hf",
             "base_onnx": root / "base_onnx"}
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma4_mtp_engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny-llama speculative base returning its last layer's hidden state, with random Gemma4 assistants: 'base'
+    (a dense-head assistant, 48 wide, in ENGINE/draft), 'centroids' (centroid-sparse logits, for
+    --specDraftEngineDir), and their checkpoints 'hf' / 'centroids_hf'. Assistants read the base's pools with the
+    CPU kernel; read-only."""
+    from dataclasses import replace
+
+    from support.ort_support import cpu_kernel_on
+
+    from kvforge.tools.export.gemma4_assistant import export_gemma4_assistant, write_random_gemma4_assistant
+
+    if not cpu_kernel_on():
+        pytest.skip("Gemma4 assistants need the kvforge CPU kernel (attention over the base's pools); this run "
+                    "lowers without it")
+    root = tmp_path_factory.mktemp("tiny_gemma4_mtp")
+    write_onnx_dir(synthetic_model("tiny-llama", hidden_state_layers=[1]), root / "base_onnx")
+    build_engine(root / "base_onnx", root / "engine", replace(TINY_BUILD, spec_base=True))
+    draft_build = replace(TINY_BUILD, spec_draft=True, cpu_attention="kernel")
+    for name, centroids, out in (("hf", 0, root / "engine" / "draft"), ("centroids_hf", 7, root / "centroids")):
+        write_random_gemma4_assistant(root / "base_onnx", root / name, seed=3, hidden_size=48,
+                                      num_centroids=centroids)
+        export_gemma4_assistant(root / name, root / "base_onnx", root / f"{name}_onnx")
+        build_engine(root / f"{name}_onnx", out, draft_build)
+    return {"base": root / "engine", "centroids": root / "centroids", "hf": root / "hf",
+            "centroids_hf": root / "centroids_hf", "base_onnx": root / "base_onnx"}

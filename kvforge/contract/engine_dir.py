@@ -60,6 +60,10 @@ D2T_FILE, D2T_TENSOR = "d2t.safetensors", "d2t"
 # DSpark drafts: the previous-token (Markov) head and the acceptance predictor, applied by the runtime (TensorRT
 # Edge-LLM's file name): markov_w1 [V, r], markov_w2 [V, r], accept_weight [H], accept_bias [1].
 DSPARK_HEADS_FILE = "dspark_heads.safetensors"
+# A Gemma4 MTP assistant's copy of its base's final norm (`norm.weight`, `norm.eps`): the assistant reads the base's
+# normed last hidden state, and kvforge bases return layer outputs before that norm.
+BASE_NORM_FILE = "base_norm.safetensors"
+BASE_NORM_TENSOR, BASE_NORM_EPS_TENSOR = "norm.weight", "norm.eps"
 # A graph input of block drafts [B, S, 1] float32: 1 where the token is a context position (its K/V are projections
 # of the base's hidden states), 0 in the block being drafted (K/V of the draft's own layers).
 CONTEXT_TOKEN_MASK_INPUT = "context_token_mask"
@@ -76,6 +80,8 @@ def copied_files(model: ModelConfig) -> tuple[str, ...]:
         return (*DRAFT_COPIED_FILES, D2T_FILE)
     if model.spec_decode_type == SPEC_DSPARK:
         return (*DRAFT_COPIED_FILES, DSPARK_HEADS_FILE)
+    if model.reads_base_kv:
+        return (*DRAFT_COPIED_FILES, BASE_NORM_FILE)
     return DRAFT_COPIED_FILES if model.is_draft else COPIED_FILES
 
 
@@ -255,10 +261,11 @@ def read_builder_config(raw: dict[str, Any], model: ModelConfig) -> BuilderConfi
 
 
 def check_embedding(path: Path, model: ModelConfig, field: str) -> None:
-    """The embedding table is [vocab_size, hidden_size] float32, read from the header alone."""
+    """The embedding table is [vocab_size, hidden_size] float32 (an assistant's: its base's, backbone wide), read
+    from the header alone."""
     tensors, _ = read_tensor_header(path, field)
     info = tensors.get(EMBEDDING_TENSOR)
-    expected = (model.vocab_size, model.hidden_size)
+    expected = (model.vocab_size, model.embedding_width)
     if info is None or info.dtype != "F32" or info.shape != expected:
         got = f"{info.dtype} {list(info.shape)}" if info else "no tensor named 'embedding'"
         raise InvalidConfig(f"{EMBEDDING_FILE} must hold F32 'embedding' of shape {list(expected)} (vocab_size x "

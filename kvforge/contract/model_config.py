@@ -14,7 +14,8 @@ QUANTIZATIONS = ("none", "int8", "int4")  # linear weights: float32, or MatMulNB
 # The LM head: a float matmul, or MatMulNBits blocks whose approximate logits pick lm_head_candidates tokens that
 # are then scored exactly against the float head ("" = an export from before the field, head as its graph says).
 LM_HEADS = ("float", "int8", "int4")
-MODEL_FAMILIES = ("llama", "qwen2", "qwen3", "mamba2", "qwen3_5")
+# gemma4_assistant: a Gemma4 MTP assistant (a draft only; its layers read the base's K/V, see kv_shared_layers).
+MODEL_FAMILIES = ("llama", "qwen2", "qwen3", "mamba2", "qwen3_5", "gemma4_assistant")
 RECURRENT_FAMILIES = ("mamba2",)  # every layer a Mamba2 mixer: no KV cache, carried conv + recurrent states
 # Attention layers with a paged KV pool interleaved with recurrent layers (Qwen3.5: gated delta-net + gated attention).
 HYBRID_FAMILIES = ("qwen3_5",)
@@ -23,7 +24,8 @@ HYBRID_FAMILIES = ("qwen3_5",)
 LAYER_TYPES = ("attention", "mamba")
 MAX_BLOCK_SIZE = 64  # the longest block a block draft proposes in one call (z-lab's drafts use 16, DSpark's 7)
 SPEC_NONE, SPEC_EAGLE3, SPEC_DFLASH, SPEC_DSPARK = "none", "eagle3", "dflash", "dspark"
-SPEC_DECODE_TYPES = (SPEC_NONE, SPEC_EAGLE3, SPEC_DFLASH, SPEC_DSPARK)
+SPEC_GEMMA4_MTP = "gemma4_mtp"
+SPEC_DECODE_TYPES = (SPEC_NONE, SPEC_EAGLE3, SPEC_DFLASH, SPEC_DSPARK, SPEC_GEMMA4_MTP)
 # Block drafters: one non-causal call over [pending token, mask x (block - 1)] proposes a whole block from K/V that
 # are projections of the base's hidden states (DSpark adds a previous-token head and an acceptance predictor).
 BLOCK_DRAFTS = (SPEC_DFLASH, SPEC_DSPARK)
@@ -84,6 +86,11 @@ class ModelConfig:
     # are in eagle_hidden_state_layers (the one field every hidden-state drafter names its base layers in).
     dflash_block_size: int = 0
     mask_token_id: int = 0
+    # Gemma4 MTP assistants: per layer, the base layer whose KV pool it reads (its layers have query projections
+    # only and own no pool), and its centroid-sparse logits (0 centroids = a dense head over the vocabulary).
+    kv_shared_layers: list[int] = field(default_factory=list)
+    num_centroids: int = 0
+    centroid_top_k: int = 0
     format: str = EXPORT_FORMAT
 
     @property
@@ -98,6 +105,11 @@ class ModelConfig:
     @property
     def is_block_draft(self) -> bool:
         return self.spec_decode_type in BLOCK_DRAFTS
+
+    @property
+    def reads_base_kv(self) -> bool:
+        """A Gemma4 MTP assistant: attention over the base's pools (kv_shared_layers), no pool of its own."""
+        return self.spec_decode_type == SPEC_GEMMA4_MTP
 
     @property
     def is_draft(self) -> bool:
@@ -117,9 +129,22 @@ class ModelConfig:
     def attention_layer_ids(self) -> list[int]:
         """Absolute indices of the layers with a KV pool (`past_key_values_{i}`): all of them unless layer_types
         says otherwise."""
+        if self.reads_base_kv:
+            return []
         if not self.layer_types:
             return list(range(self.num_hidden_layers))
         return [i for i, t in enumerate(self.layer_types) if t == "attention"]
+
+    @property
+    def embedding_width(self) -> int:
+        """Width of `inputs_embeds` and the embedding table: an assistant embeds with its base's table."""
+        return self.base_model_hidden_size if self.reads_base_kv else self.hidden_size
+
+    @property
+    def pool_layer_ids(self) -> list[int]:
+        """The layers whose pools the graph takes as `past_key_values_{i}`: its own attention layers, or for a
+        KV-shared assistant the base layers it reads."""
+        return sorted(set(self.kv_shared_layers)) if self.reads_base_kv else self.attention_layer_ids
 
     @property
     def recurrent_layer_ids(self) -> list[int]:
@@ -198,12 +223,15 @@ class ModelConfig:
                                 "config.spec_decode_type")
         if not self.is_draft:
             if self.draft_vocab_size or self.base_model_hidden_size or self.eagle_hidden_state_layers or \
-                    self.dflash_block_size:
+                    self.dflash_block_size or self.kv_shared_layers or self.num_centroids:
                 raise InvalidConfig("draft fields are set but spec_decode_type is 'none'", "config.spec_decode_type")
             return
         self._validate_base_layers()
         if self.is_block_draft:
             self._validate_block_draft()
+            return
+        if self.reads_base_kv:
+            self._validate_assistant()
             return
         if self.model != "llama" or self.num_hidden_layers != 1 or self.layer_types:
             raise InvalidConfig("an EAGLE3 draft is one llama decoder layer", "config.num_hidden_layers")
@@ -238,6 +266,23 @@ class ModelConfig:
                                 "config.draft_vocab_size")
         if self.hidden_state_layers != [self.num_hidden_layers - 1]:
             raise InvalidConfig("a block draft returns its normed last layer as hidden_states: must be "
+                                f"[{self.num_hidden_layers - 1}]", "config.hidden_state_layers")
+
+    def _validate_assistant(self) -> None:
+        if self.model != "gemma4_assistant" or self.layer_types:
+            raise InvalidConfig(f"a {SPEC_GEMMA4_MTP} draft is a gemma4_assistant, got {self.model}", "config.model")
+        if len(self.kv_shared_layers) != self.num_hidden_layers or min(self.kv_shared_layers, default=0) < 0:
+            raise InvalidConfig(f"must name one base layer per assistant layer ({self.num_hidden_layers}), got "
+                                f"{self.kv_shared_layers}", "config.kv_shared_layers")
+        if self.num_centroids and (self.vocab_size % self.num_centroids or
+                                   not 0 < self.centroid_top_k <= self.num_centroids):
+            raise InvalidConfig(f"{self.num_centroids} centroids must divide vocab_size {self.vocab_size} and "
+                                f"centroid_top_k ({self.centroid_top_k}) be in [1, num_centroids]",
+                                "config.num_centroids")
+        if self.draft_vocab_size not in (0, self.vocab_size):
+            raise InvalidConfig("an assistant scores the base's whole vocabulary", "config.draft_vocab_size")
+        if self.hidden_state_layers != [self.num_hidden_layers - 1]:
+            raise InvalidConfig("an assistant returns its projected last layer as hidden_states: must be "
                                 f"[{self.num_hidden_layers - 1}]", "config.hidden_state_layers")
 
     def _validate_hybrid(self) -> None:
@@ -325,6 +370,7 @@ CONFIG_SCHEMA: dict[str, tuple[str, float | None, float | None]] = {
     "spec_decode_type": ("str", None, None), "draft_vocab_size": ("int", 0, 2**24),
     "base_model_hidden_size": ("int", 0, 2**22), "eagle_hidden_state_layers": ("ints", 0, 1024),
     "dflash_block_size": ("int", 0, 1024), "mask_token_id": ("int", 0, 2**24),
+    "kv_shared_layers": ("ints", 0, 1024), "num_centroids": ("int", 0, 2**20), "centroid_top_k": ("int", 0, 2**20),
 }
 
 

@@ -15,7 +15,8 @@ from kvforge.tools.export.source import LoadedModel
 
 SMOLLM2_NAME = "smollm2-135m-instruct"
 
-COMMANDS = ("model", "lora", "random-lora", "eagle3", "random-eagle3", "block-draft", "random-block-draft")
+COMMANDS = ("model", "lora", "random-lora", "eagle3", "random-eagle3", "block-draft", "random-block-draft",
+            "gemma4-assistant", "random-gemma4-assistant")
 HELP = """
 Export an LLM to an ONNX dir with kvforge paged-KV ops (no torch needed). `model` is the default
 command: `llm_export SOURCE ...` means `llm_export model SOURCE ...`.
@@ -67,6 +68,28 @@ and demos (its proposals are rarely accepted); export it with `block-draft`.
 [bold]Example[/]
 
   llm_export random-block-draft --kind dspark --baseOnnxDir onnx/tiny --outputDir drafts/random_dspark
+"""
+GEMMA4_ASSISTANT_HELP = """
+Export a Gemma4 MTP assistant (transformers' Gemma4AssistantForCausalLM, Hugging Face format) for a base ONNX dir.
+Its layers have query projections only and attend over the K/V the base wrote (no draft pool); it reads the base's
+normed last hidden state, so the base must return its last layer (llm_export --hiddenStateLayers N-1). Only
+full-attention assistant layers with the base's RoPE and head size are supported (kvforge has no sliding-window base
+family yet). Build it with `llm_build --specDraft --cpuAttention kernel` (the base's --tokensPerPage) into the base
+engine's draft/ folder and run with `llm_inference --specDecode gemma4_mtp`.
+
+[bold]Example[/]
+
+  llm_export model --synthetic tiny-llama --hiddenStateLayers 1 --outputDir onnx/tiny
+  llm_export random-gemma4-assistant --baseOnnxDir onnx/tiny --outputDir drafts/assistant
+  llm_export gemma4-assistant --draftDir drafts/assistant --baseOnnxDir onnx/tiny --outputDir onnx/assistant
+"""
+RANDOM_GEMMA4_ASSISTANT_HELP = """
+Write a random-weight Gemma4 assistant checkpoint (Hugging Face format) for the base of an ONNX dir: plumbing tests
+and demos (its guesses are rarely accepted); export it with `gemma4-assistant`.
+
+[bold]Example[/]
+
+  llm_export random-gemma4-assistant --baseOnnxDir onnx/tiny --outputDir drafts/assistant --numCentroids 7
 """
 LORA_HELP = """
 Convert a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) into the engine's layout
@@ -384,6 +407,53 @@ def random_block_draft(
         write_random_block_draft(base_onnx_dir, output_dir, kind=kind, seed=seed, num_layers=num_layers,
                                  block_size=block_size)
         console.print(f"wrote a random {kind} draft checkpoint to {output_dir}")
+
+    run_guarded(body, debug, flags=EXPORT_FLAGS)
+
+
+@app.command("gemma4-assistant", help=GEMMA4_ASSISTANT_HELP,
+             short_help="Export a Gemma4 MTP assistant for a base ONNX dir.")
+def gemma4_assistant(
+    draft_dir: Path = typer.Option(..., "--draftDir", help="Gemma4 assistant checkpoint dir (config.json + "
+                                   "safetensors)."),
+    base_onnx_dir: Path = typer.Option(..., "--baseOnnxDir",
+                                       help="The base model's ONNX dir (llm_export with --hiddenStateLayers N-1)."),
+    output_dir: Path = typer.Option(..., "--outputDir", help="The assistant's ONNX dir to write."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
+) -> None:
+    def body() -> None:
+        from kvforge.contract.files import check_distinct
+        from kvforge.tools.export.gemma4_assistant import export_gemma4_assistant
+        check_distinct({"--outputDir": output_dir}, {"--draftDir": draft_dir, "--baseOnnxDir": base_onnx_dir},
+                       outputs_are_dirs=True)
+        c = export_gemma4_assistant(draft_dir, base_onnx_dir, output_dir)
+        logits = f"{c.num_centroids} centroids, top {c.centroid_top_k}" if c.num_centroids else "a dense head"
+        console.print(f"exported a Gemma4 assistant ({c.num_hidden_layers} layers reading base layer "
+                      f"{c.kv_shared_layers[0]}'s K/V, {logits}) to {output_dir}")
+
+    run_guarded(body, debug, flags=EXPORT_FLAGS)
+
+
+@app.command("random-gemma4-assistant", help=RANDOM_GEMMA4_ASSISTANT_HELP,
+             short_help="Write a random Gemma4 assistant (tests, demos).")
+def random_gemma4_assistant(
+    base_onnx_dir: Path = typer.Option(..., "--baseOnnxDir", help="The base model's ONNX dir."),
+    output_dir: Path = typer.Option(..., "--outputDir", help="Assistant checkpoint dir to write."),
+    num_layers: int = typer.Option(2, "--numLayers", help="Decoder layers of the assistant (Google's have 4)."),
+    num_centroids: int = typer.Option(0, "--numCentroids", help="Centroids of the sparse logits (must divide the "
+                                      "vocabulary; 0 = a dense head)."),
+    seed: int = typer.Option(0, "--seed", help="Random seed."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
+) -> None:
+    def body() -> None:
+        from kvforge.contract.files import check_distinct
+        from kvforge.tools.export.gemma4_assistant import write_random_gemma4_assistant
+        if not 1 <= num_layers <= 64:
+            raise KvforgeError(f"must be in [1, 64], got {num_layers}", "--numLayers")
+        check_distinct({"--outputDir": output_dir}, {"--baseOnnxDir": base_onnx_dir}, outputs_are_dirs=True)
+        write_random_gemma4_assistant(base_onnx_dir, output_dir, seed=seed, num_layers=num_layers,
+                                      num_centroids=num_centroids)
+        console.print(f"wrote a random Gemma4 assistant checkpoint to {output_dir}")
 
     run_guarded(body, debug, flags=EXPORT_FLAGS)
 

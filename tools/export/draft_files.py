@@ -24,13 +24,13 @@ from kvforge.graph.onnx_graph import FLOAT, INT32, value_info
 from kvforge.graph.positions import logits_indices_input
 
 
-def draft_graph_inputs(config: ModelConfig, own_input: str, own_width: int) -> list[onnx.ValueInfoProto]:
-    """The engine contract's inputs of a draft graph (its pools aside): the embeddings, the base's hidden states
-    [B, S, base width], the draft's own extra input `own_input` [B, S, own_width], lengths, page table, RoPE table
-    and logits positions."""
-    return [value_info("inputs_embeds", FLOAT, ["batch", "seq", config.hidden_size]),
-            value_info(BASE_HIDDEN_INPUT, FLOAT, ["batch", "seq", config.base_model_hidden_size]),
-            value_info(own_input, FLOAT, ["batch", "seq", own_width]),
+def draft_graph_inputs(config: ModelConfig, own_input: str = "", own_width: int = 0) -> list[onnx.ValueInfoProto]:
+    """The engine contract's inputs of a draft graph (its pools aside): the embeddings (the base's width for an
+    assistant, whose pre-projection maps them), the base's hidden states [B, S, base width], the draft's own extra
+    input `own_input` [B, S, own_width] if any, lengths, page table, RoPE table and logits positions."""
+    own = [value_info(own_input, FLOAT, ["batch", "seq", own_width])] if own_input else []
+    return [value_info("inputs_embeds", FLOAT, ["batch", "seq", config.embedding_width]),
+            value_info(BASE_HIDDEN_INPUT, FLOAT, ["batch", "seq", config.base_model_hidden_size]), *own,
             value_info("context_lengths", INT32, ["batch"]), value_info("kvcache_start_index", INT32, ["batch"]),
             value_info("kv_page_table", INT32, ["batch", "pages_per_seq"]),
             value_info("rope_rotary_cos_sin", FLOAT, ["capacity", config.head_dim]), logits_indices_input()]
