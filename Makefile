@@ -16,7 +16,7 @@ LLM_TEST_TINY_RECURRENT ?= mxsl4096-mxbs4-mxil3072-tpp16
 LLM_TEST = $(BIN)/llm_test --cacheDir $(OUT)/llm_test/engines --numThreads $(THREADS)
 
 .PHONY: install demo test test-mooncake test-slow llm-test lint docs bench bench-shared-tier bench-reuse bench-lora bench-scheduling bench-spec \
-	bench-block-draft bench-eagle3 bench-eagle3-train bench-quality bench-peers bench-peers-install bench-decode-context bench-spec-peers clean
+	bench-block-draft bench-gemma4-mtp bench-eagle3 bench-eagle3-train bench-quality bench-peers bench-peers-install bench-decode-context bench-spec-peers clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -178,6 +178,13 @@ $(OUT)/onnx/smollm2-blockbase/manifest.json: $(VENV)/.installed
 bench-block-draft: $(OUT)/onnx/smollm2-blockbase/manifest.json
 	$(BIN)/python bench/block_draft.py --onnxDir $(OUT)/onnx/smollm2-blockbase --threads $(THREADS) \
 		--json $(OUT)/bench_block_draft.json
+
+$(OUT)/onnx/smollm2-mtpbase/manifest.json: $(VENV)/.installed
+	$(BIN)/llm_export smollm2-135m-instruct --outputDir $(OUT)/onnx/smollm2-mtpbase --hiddenStateLayers 29
+
+bench-gemma4-mtp: $(OUT)/onnx/smollm2-mtpbase/manifest.json
+	$(BIN)/python bench/gemma4_mtp.py --onnxDir $(OUT)/onnx/smollm2-mtpbase --threads $(THREADS) \
+		--json $(OUT)/bench_gemma4_mtp.json
 
 # Train an EAGLE3 draft for SmolLM2 from its own greedy answers (torch, transformers: the dev extra; the whole run fits EAGLE3_MINUTES,
 # one thread by default so the machine stays usable): an HF EAGLE3 checkpoint in $(OUT)/eagle3/smollm2-draft.
