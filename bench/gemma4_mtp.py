@@ -1,9 +1,9 @@
 """Gemma4-style MTP on SmolLM2 with a random assistant of the public shape, against plain decoding, in one run.
 
 No public Gemma4 assistant targets SmolLM2 (Google's read Gemma4 bases, which kvforge cannot export yet), so the
-assistant is random: 4 Q-only layers 256 wide reading SmolLM2's last layer's K/V, centroid-sparse logits (2,048
-centroids, top 32, as transformers' defaults). Its guesses are almost never accepted, so this measures what MTP
-drafting costs, not what a trained assistant gains:
+assistant is random: 4 Q-only layers 256 wide (6 query heads) reading SmolLM2's last layer's K/V, centroid-sparse
+logits (2,048 centroids, top 32, as transformers' defaults). Its guesses are almost never accepted, so this measures
+what MTP drafting costs, not what a trained assistant gains:
 
 - the cost of one base verify call of k + 1 tokens against one decode step, at 64 and 1,536 tokens of context (the
   engine's own backend, medians), and of one assistant step there (k steps draft a round);
@@ -44,7 +44,7 @@ def main() -> None:
         build_engine(args.onnxDir, root / "engine", replace(BUILD, spec_base=True))
         progress("exporting and building a random Gemma4 assistant")
         write_random_gemma4_assistant(args.onnxDir, root / "hf", seed=1, num_layers=4, hidden_size=256,
-                                      num_heads=4, num_centroids=2048, centroid_top_k=32)
+                                      num_heads=6, num_centroids=2048, centroid_top_k=32)
         export_gemma4_assistant(root / "hf", args.onnxDir, root / "onnx")
         build_engine(root / "onnx", root / "engine" / "draft", replace(BUILD, spec_draft=True, cpu_attention="kernel"))
         plain = Engine(root / "engine", EngineConfig(num_threads=args.threads))
@@ -85,8 +85,9 @@ def main() -> None:
           f"{args.threads} threads, document {doc_tokens} tokens, greedy, {MAX_GENERATE} tokens; total "
           f"{progress.elapsed:.0f} s\n")
     for c in CONTEXTS:
-        print(f"@{c}: decode step {row[f'decode_ms@{c}']:.1f} ms, verify {k + 1} tokens {row[f'verify_{k + 1}_ms@{c}']:.1f}"
-              f" ms = {row[f'verify_over_decode@{c}']:.2f}x, assistant step {row[f'assistant_step_ms@{c}']:.1f} ms "
+        print(f"@{c}: decode step {row[f'decode_ms@{c}']:.1f} ms, verify {k + 1} tokens "
+              f"{row[f'verify_{k + 1}_ms@{c}']:.1f} ms = {row[f'verify_over_decode@{c}']:.2f}x, assistant step "
+              f"{row[f'assistant_step_ms@{c}']:.1f} ms "
               f"(a round of {k} steps + verify = {row[f'round_over_decode@{c}']:.2f}x a decode step)")
     print(f"decode {row['decode_tok_s']:.1f} tok/s vs plain {row['plain_decode_tok_s']:.1f} ({row['vs_plain']:.2f}x), "
           f"acceptance length {row['acceptance_length']:.2f}, same tokens {row['same_tokens']}")

@@ -197,10 +197,9 @@ def check_speculative_build(config: ModelConfig, options: BuildOptions) -> dict[
         raise InvalidConfig(f"a {config.spec_decode_type} assistant reads its base's KV pools in place, which only "
                             "the kvforge CPU kernel does; build it with --cpuAttention kernel", "cpu_attention")
     if options.spec_base:
-        if config.is_recurrent or config.is_hybrid:
-            raise InvalidConfig(f"a speculative base must be attention-only; a {config.model} model has recurrent "
-                                "layers (the support matrix rejects hybrid and recurrent speculative bases)",
-                                "spec_base")
+        if config.is_recurrent:
+            raise InvalidConfig(f"a speculative base has attention layers; a {config.model} model is pure recurrent "
+                                "(the support matrix rejects pure-recurrent speculative bases)", "spec_base")
         if not config.hidden_state_layers:
             raise InvalidConfig("a speculative base returns the hidden states its draft reads: re-export it with "
                                 "llm_export --hiddenStateLayers (llm_export eagle3 says which)", "spec_base")
@@ -230,7 +229,9 @@ def _build_into(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometry:
     # Speculative roles on the kernel take tree inputs (tree drafting and verification); the fallback lowering has
     # no masked attention, so its engines draft linearly (the runtime says so for --specDraftTopK > 1).
     # (An assistant reading the base's pools drafts one token per call: no tree inputs.)
-    tree = kernel and bool(speculative["spec_base"] or (speculative["spec_draft"] and not config.reads_base_kv))
+    # (Nor does a hybrid base: a recurrence verifies chains only.)
+    tree = kernel and not config.is_hybrid and bool(speculative["spec_base"] or (speculative["spec_draft"]
+                                                                                 and not config.reads_base_kv))
     lowered = lower_for_onnxruntime(model, kv_cache_dtype=config.kv_cache_dtype,
                                     tokens_per_page=geometry.tokens_per_page,
                                     num_pages=geometry.max_kv_pool_pages, cpu_kernel=kernel, tree_inputs=tree)
@@ -271,12 +272,14 @@ def _check_recurrent_build(config: ModelConfig, backend: str, options: BuildOpti
 
 
 def _build_hybrid(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometry: PageGeometry, backend: str,
-                  options: BuildOptions, step: Callable[[str], None], _speculative: dict[str, bool | int]) -> None:
+                  options: BuildOptions, step: Callable[[str], None], speculative: dict[str, bool | int]) -> None:
     """Attention and recurrent layers (Qwen3.5): the paged-KV ops lowered as for an attention model (the pool spans
-    the attention layers only), then the recurrent ops.
+    the attention layers only), then the recurrent ops. As a speculative base (--specBase, for its MTP layer) it
+    verifies chains only: no tree inputs.
 
-    The seed's gate on extra retained pages lets them through: the engine has KV inputs and no speculative
-    decoding, so --maxKVPoolPages above a full batch's pages is allowed as for an attention model.
+    Extra retained pages (--maxKVPoolPages above a full batch's pages) are allowed as for an attention model,
+    speculative or not: TensorRT Edge-LLM 0.10's build gate refused them with MTP, which its newer support matrix
+    runs with reuse.
     """
     _check_recurrent_build(config, backend, options)
     model = load_model(onnx_dir, config, 0)
@@ -290,7 +293,8 @@ def _build_hybrid(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometr
     step("lowered paged-KV and recurrent ops")
     _save(lowered, engine_dir)
     write_engine_config(onnx_dir, engine_dir, config,
-                        BuilderConfig.from_geometry(geometry, backend, 0, config, options.cpu_attention))
+                        BuilderConfig.from_geometry(geometry, backend, 0, config, options.cpu_attention,
+                                                    **speculative))
 
 
 def _save(model: onnx.ModelProto, engine_dir: Path) -> None:

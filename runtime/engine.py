@@ -103,7 +103,8 @@ class Engine:
                                          chain_root=resolved.chain_root, events=self.tier,
                                          draft_pages=resolved.draft.build.max_kv_pool_pages
                                          if resolved.draft and not resolved.draft.model.reads_base_kv else 0,
-                                         draft_replays=resolved.draft is None or resolved.draft.model.is_eagle3_draft)
+                                         draft_replays=resolved.draft is None
+                                         or resolved.draft.model.kv_reads_next_token)
         encoder = _load_encoder(config)
         self.tokenizer = ChatTokenizer(self.engine_dir.path,
                                        media_markers={encoder.kind: encoder.marker} if encoder is not None else {})
@@ -166,6 +167,11 @@ class Engine:
                 self.profiler.add_media_cold_request()
             elif self.proposer.owns_kv:
                 seq.drafts_with_kv = True
+                if self.states is not None and self.cache.enabled and request.sampling.reuse_context:
+                    # Hybrid MTP: the draft's K/V at a checkpoint's last position needs the token after it, which
+                    # a restore would have to rebuild; not built yet, so these requests compute cold (counted).
+                    seq.request = replace(request, sampling=replace(request.sampling, reuse_context=False))
+                    self.profiler.add_reuse_bypass()
         self.core.add(seq)
         return request_id
 
@@ -264,10 +270,14 @@ class Engine:
             return self._block_proposer(config, draft, table)
         from kvforge.runtime.spec.eagle3 import Eagle3Proposer
 
-        d2t = np.asarray(map_tensor(draft.file(D2T_FILE), D2T_TENSOR), dtype=np.int64)
+        if draft.model.is_eagle3_draft:
+            d2t = np.asarray(map_tensor(draft.file(D2T_FILE), D2T_TENSOR), dtype=np.int64)
+        else:  # an MTP layer: EAGLE3's contract over the base's whole vocabulary
+            self.profiler.spec_strategy_section = MTP_GENERATION
+            d2t = np.zeros(draft.model.vocab_size, dtype=np.int64)
         return Eagle3Proposer(self.draft_backend, table, d2t, self.cache, config.spec_draft_step,
                               draft.model.base_model_hidden_size, top_k=config.spec_draft_top_k,
-                              verify_nodes=verify_size(config, self.engine_dir) - 1)
+                              verify_nodes=verify_size(config, self.engine_dir) - 1, rolls_back=self.states is not None)
 
     def _block_proposer(self, config: EngineConfig, draft: EngineDir, table: np.ndarray) -> Proposer:
         from kvforge.runtime.spec.block_draft import BlockDraftProposer, DsparkHeads

@@ -32,8 +32,9 @@ SPEC_GEMMA4_MTP, SPEC_MTP = "gemma4_mtp", "mtp"
 SPEC_METHODS = (SPEC_OFF, SPEC_NGRAM, SPEC_EAGLE3, SPEC_DFLASH, SPEC_DSPARK, SPEC_GEMMA4_MTP, SPEC_MTP)
 # Methods with a draft engine (ENGINEDIR/draft). Standard MTP (a layer of the base's own checkpoint) is named so that
 # it can be refused clearly: the support matrix rejects it on attention-only bases, and its hybrid row is not built.
-DRAFT_METHODS = (SPEC_EAGLE3, SPEC_DFLASH, SPEC_DSPARK, SPEC_GEMMA4_MTP)
-METHOD_NAMES = {SPEC_EAGLE3: "EAGLE3", SPEC_DFLASH: "DFlash", SPEC_DSPARK: "DSpark", SPEC_GEMMA4_MTP: "Gemma4 MTP"}
+DRAFT_METHODS = (SPEC_EAGLE3, SPEC_DFLASH, SPEC_DSPARK, SPEC_GEMMA4_MTP, SPEC_MTP)
+METHOD_NAMES = {SPEC_EAGLE3: "EAGLE3", SPEC_DFLASH: "DFlash", SPEC_DSPARK: "DSpark", SPEC_GEMMA4_MTP: "Gemma4 MTP",
+                SPEC_MTP: "MTP"}
 # DSpark's proposal-length schedulers (TensorRT Edge-LLM's --dsparkScheduler values; runtime/spec/block_draft.py).
 SCHEDULER_OFF, SCHEDULER_THRESHOLD, SCHEDULER_SPS = "off", "threshold", "sps"
 DSPARK_SCHEDULERS = (SCHEDULER_OFF, SCHEDULER_THRESHOLD, SCHEDULER_SPS)
@@ -274,20 +275,17 @@ def _check_memory(config: EngineConfig, engine: EngineDir, draft: EngineDir | No
 
 def _resolve_draft(config: EngineConfig, engine: EngineDir, deployment: Deployment) -> EngineDir | None:
     """The draft engine dir, checked against its base (the support matrix's EAGLE3 and block-draft rows)."""
-    if config.spec_decode == SPEC_MTP:
-        if deployment is Deployment.VANILLA:
-            raise InvalidConfig("standard MTP needs a hybrid attention/recurrent base (the support matrix rejects it "
-                                "on an attention-only base); a Gemma4 assistant runs with --specDecode gemma4_mtp",
-                                "spec_decode")
-        raise InvalidConfig("MTP on a hybrid base is not supported yet: kvforge does not export Qwen3.5's mtp.* "
-                            "layer yet", "spec_decode")
+    if config.spec_decode == SPEC_MTP and deployment is not Deployment.HYBRID:
+        raise InvalidConfig("standard MTP needs a hybrid attention/recurrent base (the support matrix rejects it on an "
+                            f"{'attention-only' if deployment is Deployment.VANILLA else 'pure recurrent'} base); a "
+                            "Gemma4 assistant runs with --specDecode gemma4_mtp", "spec_decode")
     if config.spec_decode not in DRAFT_METHODS:
         if config.spec_draft_engine_dir:
             raise InvalidConfig("a draft engine dir is read with --specDecode eagle3, dflash, dspark or gemma4_mtp "
                                 "only", "spec_draft_engine_dir")
         return None
     method = METHOD_NAMES[config.spec_decode]
-    if deployment is not Deployment.VANILLA:
+    if deployment is not Deployment.VANILLA and config.spec_decode != SPEC_MTP:
         raise InvalidConfig(f"{method} is not supported on a {deployment.value} engine (the support matrix rejects "
                             "hybrid EAGLE3, DFlash, JetSpec and DSpark: only hybrid MTP runs on a recurrent base)",
                             "spec_decode")

@@ -155,3 +155,20 @@ def tiny_gemma4_mtp_engines(tmp_path_factory: pytest.TempPathFactory) -> dict[st
         build_engine(root / f"{name}_onnx", out, draft_build)
     return {"base": root / "engine", "centroids": root / "centroids", "hf": root / "hf",
             "centroids_hf": root / "centroids_hf", "base_onnx": root / "base_onnx"}
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_mtp_engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """`tiny-qwen3_5` as a speculative base returning its last layer's hidden state, with a random Qwen3.5 MTP layer
+    built into ENGINE/draft: 'base', 'hf' (the MTP checkpoint), 'base_onnx'; read-only."""
+    from dataclasses import replace
+
+    from kvforge.tools.export.qwen3_5_mtp import export_mtp, write_random_mtp
+
+    root = tmp_path_factory.mktemp("tiny_hybrid_mtp")
+    write_onnx_dir(synthetic_model("tiny-qwen3_5", hidden_state_layers=[3]), root / "base_onnx")
+    build_engine(root / "base_onnx", root / "engine", replace(TINY_BUILD, spec_base=True))
+    write_random_mtp(root / "base_onnx", root / "hf", seed=3)
+    export_mtp(root / "hf", root / "base_onnx", root / "onnx")
+    build_engine(root / "onnx", root / "engine" / "draft", replace(TINY_BUILD, spec_draft=True))
+    return {"base": root / "engine", "hf": root / "hf", "base_onnx": root / "base_onnx"}

@@ -14,8 +14,9 @@ QUANTIZATIONS = ("none", "int8", "int4")  # linear weights: float32, or MatMulNB
 # The LM head: a float matmul, or MatMulNBits blocks whose approximate logits pick lm_head_candidates tokens that
 # are then scored exactly against the float head ("" = an export from before the field, head as its graph says).
 LM_HEADS = ("float", "int8", "int4")
-# gemma4_assistant: a Gemma4 MTP assistant (a draft only; its layers read the base's K/V, see kv_shared_layers).
-MODEL_FAMILIES = ("llama", "qwen2", "qwen3", "mamba2", "qwen3_5", "gemma4_assistant")
+# Draft-only families: gemma4_assistant, a Gemma4 MTP assistant (its layers read the base's K/V, see
+# kv_shared_layers); qwen3_5_mtp, Qwen3.5's MTP layer (one gated-attention decoder layer with its own pool).
+MODEL_FAMILIES = ("llama", "qwen2", "qwen3", "mamba2", "qwen3_5", "gemma4_assistant", "qwen3_5_mtp")
 RECURRENT_FAMILIES = ("mamba2",)  # every layer a Mamba2 mixer: no KV cache, carried conv + recurrent states
 # Attention layers with a paged KV pool interleaved with recurrent layers (Qwen3.5: gated delta-net + gated attention).
 HYBRID_FAMILIES = ("qwen3_5",)
@@ -24,8 +25,8 @@ HYBRID_FAMILIES = ("qwen3_5",)
 LAYER_TYPES = ("attention", "mamba")
 MAX_BLOCK_SIZE = 64  # the longest block a block draft proposes in one call (z-lab's drafts use 16, DSpark's 7)
 SPEC_NONE, SPEC_EAGLE3, SPEC_DFLASH, SPEC_DSPARK = "none", "eagle3", "dflash", "dspark"
-SPEC_GEMMA4_MTP = "gemma4_mtp"
-SPEC_DECODE_TYPES = (SPEC_NONE, SPEC_EAGLE3, SPEC_DFLASH, SPEC_DSPARK, SPEC_GEMMA4_MTP)
+SPEC_GEMMA4_MTP, SPEC_MTP = "gemma4_mtp", "mtp"
+SPEC_DECODE_TYPES = (SPEC_NONE, SPEC_EAGLE3, SPEC_DFLASH, SPEC_DSPARK, SPEC_GEMMA4_MTP, SPEC_MTP)
 # Block drafters: one non-causal call over [pending token, mask x (block - 1)] proposes a whole block from K/V that
 # are projections of the base's hidden states (DSpark adds a previous-token head and an acceptance predictor).
 BLOCK_DRAFTS = (SPEC_DFLASH, SPEC_DSPARK)
@@ -101,6 +102,11 @@ class ModelConfig:
     @property
     def is_eagle3_draft(self) -> bool:
         return self.spec_decode_type == SPEC_EAGLE3
+
+    @property
+    def kv_reads_next_token(self) -> bool:
+        """A draft whose K/V at position p depends on token p + 1 (EAGLE3, MTP): a reuse hit replays its boundary."""
+        return self.spec_decode_type in (SPEC_EAGLE3, SPEC_MTP)
 
     @property
     def is_block_draft(self) -> bool:
@@ -232,6 +238,13 @@ class ModelConfig:
             return
         if self.reads_base_kv:
             self._validate_assistant()
+            return
+        if self.spec_decode_type == SPEC_MTP:
+            if self.model != "qwen3_5_mtp" or self.num_hidden_layers != 1 or self.layer_types:
+                raise InvalidConfig("an MTP draft is one qwen3_5_mtp layer", "config.num_hidden_layers")
+            if self.draft_vocab_size not in (0, self.vocab_size) or self.hidden_state_layers != [0]:
+                raise InvalidConfig("an MTP draft scores the base's vocabulary and returns its normed output as "
+                                    "hidden_states [0]", "config.hidden_state_layers")
             return
         if self.model != "llama" or self.num_hidden_layers != 1 or self.layer_types:
             raise InvalidConfig("an EAGLE3 draft is one llama decoder layer", "config.num_hidden_layers")

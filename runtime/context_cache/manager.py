@@ -135,9 +135,9 @@ class ContextCacheManager:
         # Budgets a deployment cannot use are dropped (the engine decides whether passing one is an error).
         partial = partial_kv_snapshot_slots if enabled and paged else 0
         # A pure recurrent engine's build still names a KV pool size; nothing would ever use it, so its capacity is 0.
-        if draft_pages and checkpoints:
-            raise InvalidConfig("a draft with its own KV pool needs an attention-only base (the support matrix "
-                                "rejects hybrid EAGLE3, DFlash, JetSpec and DSpark)", "spec_decode")
+        if draft_pages and not paged:
+            raise InvalidConfig("a draft with its own KV pool needs a base with attention layers (the support matrix "
+                                "rejects pure-recurrent speculative decoding)", "spec_decode")
         self.pools = ResourcePools(num_pages if paged else 0, partial,
                                    recurrent_snapshot_slots if enabled and checkpoints else 0, draft_pages)
         self.pages = self.pools.base_kv_pages

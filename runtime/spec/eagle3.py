@@ -88,11 +88,13 @@ class Eagle3Proposer:
     owns_kv = True
 
     def __init__(self, backend: Backend, embedding: np.ndarray, d2t: np.ndarray, cache: ContextCacheManager,
-                 num_tokens: int, base_hidden_width: int, top_k: int = 1, verify_nodes: int = 0) -> None:
+                 num_tokens: int, base_hidden_width: int, top_k: int = 1, verify_nodes: int = 0,
+                 rolls_back: bool = False) -> None:
         """`backend`: the draft engine's runner (its own KV pool); `embedding`: the draft's token table; `d2t`: draft
         id -> base id offsets; `cache`: the coordinator whose draft pool the leases' draft pages come from;
         `num_tokens`: drafting steps (a chain's length, a tree's depth); `top_k` > 1 drafts trees of at most
-        `verify_nodes` nodes (the draft engine then needs tree attention)."""
+        `verify_nodes` nodes (the draft engine then needs tree attention); `rolls_back`: the base is hybrid (an MTP
+        layer's), so rejected verify rows commit nothing until their kept tokens are recomputed (committed_spans)."""
         self.backend = backend
         self.embedding = embedding
         self.draft_to_base = np.arange(len(d2t), dtype=np.int64) + d2t
@@ -102,12 +104,13 @@ class Eagle3Proposer:
         self.hidden_size = embedding.shape[1]
         self.top_k = top_k
         self.verify_nodes = verify_nodes or num_tokens
+        self.rolls_back = rolls_back
 
     # --- after each base call -------------------------------------------------------------------------
 
     def observe(self, rows: list[ScheduledRow], output: BatchOutput, sampled: list[list[SampleResult]]) -> None:
         jobs = []
-        for i, seq, start, end in committed_spans(rows, output, sampled):
+        for i, seq, start, end in committed_spans(rows, output, sampled, self.rolls_back):
             assert output.hidden_states is not None
             following = seq.all_token_ids() + [s.token_id for s in sampled[i]]  # token p + 1 for every position p
             jobs.append((seq, start, following[start + 1:end + 1], output.hidden_states[i][:end - start]))

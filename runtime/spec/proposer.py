@@ -38,14 +38,18 @@ class Proposer(Protocol):
         ...
 
 
-def committed_spans(rows: list[ScheduledRow], output: BatchOutput,
-                    sampled: list[list[SampleResult]]) -> Iterator[tuple[int, Sequence, int, int]]:
+def committed_spans(rows: list[ScheduledRow], output: BatchOutput, sampled: list[list[SampleResult]],
+                    rolls_back: bool = False) -> Iterator[tuple[int, Sequence, int, int]]:
     """For a drafter with its own K/V, before the commit: (row index, sequence, start, end) of the base positions
     [start, end) each drafting row's step commits (prompt chunks, verify rows' accepted tokens) whose hidden states
-    came back. The draft K/V must cover exactly [0, start) at this point."""
+    came back. The draft K/V must cover exactly [0, start) at this point. `rolls_back`: the base carries recurrent
+    state, so a verify row that rejects a draft commits nothing this step (its state goes back to before the call
+    and the kept tokens are recomputed next step, when the draft catches up on them)."""
     for i, (row, samples) in enumerate(zip(rows, sampled, strict=True)):
         seq, lease = row.seq, row.seq.lease
         if not seq.drafts_with_kv or lease is None or lease.draft_page_ids is None:
+            continue
+        if rolls_back and max(len(samples) - 1, 0) < len(row.draft_token_ids):
             continue
         start = seq.num_computed_tokens  # the commit has not moved it yet
         if lease.draft_computed_tokens != start:

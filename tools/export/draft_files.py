@@ -33,7 +33,7 @@ def draft_graph_inputs(config: ModelConfig, own_input: str = "", own_width: int 
             value_info(BASE_HIDDEN_INPUT, FLOAT, ["batch", "seq", config.base_model_hidden_size]), *own,
             value_info("context_lengths", INT32, ["batch"]), value_info("kvcache_start_index", INT32, ["batch"]),
             value_info("kv_page_table", INT32, ["batch", "pages_per_seq"]),
-            value_info("rope_rotary_cos_sin", FLOAT, ["capacity", config.head_dim]), logits_indices_input()]
+            value_info("rope_rotary_cos_sin", FLOAT, ["capacity", config.rotary_dim]), logits_indices_input()]
 
 
 def check_base_layers(base: ModelConfig, draft: ModelConfig) -> None:

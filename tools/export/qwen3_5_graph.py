@@ -66,15 +66,16 @@ def build_qwen3_5_graph(config: ModelConfig, weights: dict[str, np.ndarray],
     layer_outputs = []
     for layer, kind in enumerate(config.layer_types):
         p = f"model.layers.{layer}."
-        x = g.rms_norm(hidden, _centred(g, weights, p + "input_layernorm.weight"), config.rms_norm_eps)
+        x = g.rms_norm(hidden, centred_norm(g, weights, p + "input_layernorm.weight"), config.rms_norm_eps)
         if kind == "attention":
-            mixed = _gated_attention(g, config, weights, layer, x, (rope_cos, rope_sin), inputs, outputs)
+            mixed = gated_attention(g, config, weights, layer, x, (rope_cos, rope_sin), inputs, outputs)
         else:
             mixed = _gated_delta_net(g, config, weights, layer, x, inputs, outputs)
         hidden = g.add(hidden, mixed)
-        x = g.rms_norm(hidden, _centred(g, weights, p + "post_attention_layernorm.weight"), config.rms_norm_eps)
-        gate, up = _fused(g, weights, x, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], p + "mlp.gate_up")
-        hidden = g.add(hidden, _linear(g, weights, g.mul(g.mul(gate, g.op("Sigmoid", [gate])), up),
+        x = g.rms_norm(hidden, centred_norm(g, weights, p + "post_attention_layernorm.weight"), config.rms_norm_eps)
+        gate, up = fused_linears(g, weights, x, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+                                 p + "mlp.gate_up")
+        hidden = g.add(hidden, linear(g, weights, g.mul(g.mul(gate, g.op("Sigmoid", [gate])), up),
                                        p + "mlp.down_proj.weight"))
         layer_outputs.append(hidden)
         if progress:
@@ -86,34 +87,34 @@ def build_qwen3_5_graph(config: ModelConfig, weights: dict[str, np.ndarray],
         helper.make_opsetid("", OPSET), helper.make_opsetid(ops.DOMAIN, ops.OPSET_VERSION)])
 
 
-def _centred(g: GraphWriter, weights: dict[str, np.ndarray], name: str) -> str:
+def centred_norm(g: GraphWriter, weights: dict[str, np.ndarray], name: str) -> str:
     """A zero-centred RMSNorm weight as the multiplier the graph applies: 1 + w."""
     return g.weight(name, 1.0 + weights[name].astype(np.float32))
 
 
-def _linear(g: GraphWriter, weights: dict[str, np.ndarray], x: str, name: str) -> str:
+def linear(g: GraphWriter, weights: dict[str, np.ndarray], x: str, name: str) -> str:
     return g.matmul(x, g.weight(name, np.ascontiguousarray(weights[name].astype(np.float32).T)))
 
 
-def _fused(g: GraphWriter, weights: dict[str, np.ndarray], x: str, names: list[str], fused: str) -> list[str]:
+def fused_linears(g: GraphWriter, weights: dict[str, np.ndarray], x: str, names: list[str], fused: str) -> list[str]:
     """Projections of one input as one MatMul over their weights side by side, then Split (as the llama graph)."""
     joined = np.concatenate([weights[n].astype(np.float32).T for n in names], axis=1)
     y = g.matmul(x, g.weight(fused + ".fused.weight", joined))
     return g.op("Split", [y, g.const([weights[n].shape[0] for n in names])], n_out=len(names), axis=-1)
 
 
-def _gated_attention(g: GraphWriter, config: ModelConfig, weights: dict[str, np.ndarray], layer: int, x: str,
+def gated_attention(g: GraphWriter, config: ModelConfig, weights: dict[str, np.ndarray], layer: int, x: str,
                      rope: tuple[str, str], inputs: list, outputs: list) -> str:
     p = f"model.layers.{layer}.self_attn."
     num_q, num_kv, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    q_gate, k, v = _fused(g, weights, x, [p + "q_proj.weight", p + "k_proj.weight", p + "v_proj.weight"],
+    q_gate, k, v = fused_linears(g, weights, x, [p + "q_proj.weight", p + "k_proj.weight", p + "v_proj.weight"],
                           p + "qkv")
     # q_proj's rows are per head: the head's D query rows, then its D gate rows.
     q, gate = g.op("Split", [g.reshape(q_gate, [0, 0, num_q, 2 * head_dim]), g.const([head_dim, head_dim])],
                    n_out=2, axis=-1)
-    q = g.reshape(g.rms_norm(q, _centred(g, weights, p + "q_norm.weight"), config.rms_norm_eps),
+    q = g.reshape(g.rms_norm(q, centred_norm(g, weights, p + "q_norm.weight"), config.rms_norm_eps),
                   [0, 0, num_q * head_dim])
-    k = g.reshape(g.rms_norm(g.reshape(k, [0, 0, num_kv, head_dim]), _centred(g, weights, p + "k_norm.weight"),
+    k = g.reshape(g.rms_norm(g.reshape(k, [0, 0, num_kv, head_dim]), centred_norm(g, weights, p + "k_norm.weight"),
                              config.rms_norm_eps), [0, 0, num_kv * head_dim])
     q = apply_rope(g, q, num_q, head_dim, rope[0], rope[1], config.rotary_dim)
     pool_in, pool_out = pool_input_name(layer), pool_output_name(layer)
@@ -128,7 +129,7 @@ def _gated_attention(g: GraphWriter, config: ModelConfig, weights: dict[str, np.
                 domain=ops.DOMAIN, name=f"paged_attention_{layer}", num_q_heads=num_q, num_kv_heads=num_kv,
                 head_dim=head_dim, tokens_per_page=0, scale=float(head_dim ** -0.5))
     gated = g.mul(attn, g.op("Sigmoid", [g.reshape(gate, [0, 0, num_q * head_dim])]))
-    return _linear(g, weights, gated, p + "o_proj.weight")
+    return linear(g, weights, gated, p + "o_proj.weight")
 
 
 def _l2_normalised(g: GraphWriter, x: str, heads: int, dim: int, scale: float = 1.0) -> str:
@@ -148,7 +149,7 @@ def _gated_delta_net(g: GraphWriter, config: ModelConfig, weights: dict[str, np.
                         (recurrent_state_name(layer), recurrent_state_shape(config))):
         inputs.append(value_info(name, FLOAT, shape))
         outputs.append(value_info("present_" + name, FLOAT, shape))
-    qkv, z, b, a = _fused(g, weights, x, [p + f"in_proj_{n}.weight" for n in ("qkv", "z", "b", "a")],
+    qkv, z, b, a = fused_linears(g, weights, x, [p + f"in_proj_{n}.weight" for n in ("qkv", "z", "b", "a")],
                           p + "in_proj")
     conv_weight = weights[p + "conv1d.weight"].reshape(config.conv_dim, config.conv_kernel).astype(np.float32)
     mixed, _ = g.op(recurrent.CAUSAL_CONV.name,
@@ -175,11 +176,11 @@ def _gated_delta_net(g: GraphWriter, config: ModelConfig, weights: dict[str, np.
                         g.weight(p + "norm.weight", weights[p + "norm.weight"].astype(np.float32)), config.rms_norm_eps)
     z_heads = g.reshape(z, [0, 0, v_heads, v_dim])
     gated = g.reshape(g.mul(normed, g.mul(z_heads, g.op("Sigmoid", [z_heads]))), [0, 0, v_heads * v_dim])
-    return _linear(g, weights, gated, p + "out_proj.weight")
+    return linear(g, weights, gated, p + "out_proj.weight")
 
 
 def _position_logits(g: GraphWriter, config: ModelConfig, weights: dict[str, np.ndarray], hidden: str) -> str:
     last = gather_positions(g, hidden, config.hidden_size)  # [N, H]
-    normed = g.rms_norm(last, _centred(g, weights, "model.norm.weight"), config.rms_norm_eps)
+    normed = g.rms_norm(last, centred_norm(g, weights, "model.norm.weight"), config.rms_norm_eps)
     head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])  # tied: the embedding
     return g.matmul(normed, g.weight("lm_head.weight", np.ascontiguousarray(head.T, dtype=np.float32)))
