@@ -13,8 +13,13 @@ from hypothesis import strategies as st
 from support.engine_driver import make_engine
 from support.spec_checks import run_all, sampling, step_with_abort
 
-from kvforge.contract.engine_dir import BASE_HIDDEN_INPUT, DRAFT_HIDDEN_INPUT, EMBEDDING_FILE, EMBEDDING_TENSOR, \
-    load_engine_dir
+from kvforge.contract.engine_dir import (
+    BASE_HIDDEN_INPUT,
+    DRAFT_HIDDEN_INPUT,
+    EMBEDDING_FILE,
+    EMBEDDING_TENSOR,
+    load_engine_dir,
+)
 from kvforge.contract.errors import InvalidConfig, KvforgeError
 from kvforge.contract.safetensors_map import map_tensor
 from kvforge.runtime.backend import StepInputs
