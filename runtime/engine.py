@@ -58,7 +58,7 @@ from kvforge.runtime.spec.ngram import NgramProposer
 from kvforge.runtime.spec.proposer import Proposer
 from kvforge.runtime.state_manager import StateManager
 from kvforge.runtime.system_prompt_cache import SystemPromptCache
-from kvforge.runtime.types import Deployment
+from kvforge.runtime.types import CommitPolicy, Deployment
 
 TIER_CONNECT_WAIT_S = 2.0  # Mooncake's client set-up takes ~0.1-0.5 s here; Redis a round trip
 
@@ -168,12 +168,21 @@ class Engine:
             elif self.proposer.owns_kv:
                 seq.drafts_with_kv = True
                 if self.states is not None and self.cache.enabled and request.sampling.reuse_context:
-                    # Hybrid MTP: the draft's K/V at a checkpoint's last position needs the token after it, which
-                    # a restore would have to rebuild; not built yet, so these requests compute cold (counted).
-                    seq.request = replace(request, sampling=replace(request.sampling, reuse_context=False))
-                    self.profiler.add_reuse_bypass()
+                    seq.request = self._hybrid_mtp_reuse(request)
         self.core.add(seq)
         return request_id
+
+    def _hybrid_mtp_reuse(self, request: EngineRequest) -> EngineRequest:
+        """The support matrix's hybrid MTP row: reuse needs a batch of one (a larger batch bypasses it, counted)
+        and publishes the prefill endpoint only (`prefill_state_only`; a request asking for more is counted)."""
+        sampling = request.sampling
+        if self.scheduler.max_batch_size > 1:
+            self.profiler.add_reuse_bypass()
+            return replace(request, sampling=replace(sampling, reuse_context=False))
+        if sampling.commit_policy is not CommitPolicy.PREFILL_STATE_ONLY:
+            self.profiler.add_prefill_only()
+            return replace(request, sampling=replace(sampling, cache_generated_tokens=False))
+        return request
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now; its pages are released and nothing of it is published. False if unknown."""
@@ -277,7 +286,8 @@ class Engine:
             d2t = np.zeros(draft.model.vocab_size, dtype=np.int64)
         return Eagle3Proposer(self.draft_backend, table, d2t, self.cache, config.spec_draft_step,
                               draft.model.base_model_hidden_size, top_k=config.spec_draft_top_k,
-                              verify_nodes=verify_size(config, self.engine_dir) - 1, rolls_back=self.states is not None)
+                              verify_nodes=verify_size(config, self.engine_dir) - 1, rolls_back=self.states is not None,
+                              keep_hidden=self.cache.tokens_per_page if self.states is not None else 0)
 
     def _block_proposer(self, config: EngineConfig, draft: EngineDir, table: np.ndarray) -> Proposer:
         from kvforge.runtime.spec.block_draft import BlockDraftProposer, DsparkHeads

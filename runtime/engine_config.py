@@ -247,6 +247,12 @@ def resolve_engine_config(config: EngineConfig, engine: EngineDir, *, num_pages:
     chunk = min(config.prefill_chunk_size or build.max_input_len, build.max_input_len)
     checkpoints = CheckpointPolicy(bool(recurrent), config.snapshot_message_boundaries,
                                    config.snapshot_interval_tokens)
+    if config.spec_decode == SPEC_MTP and recurrent:
+        # The support matrix's hybrid MTP row: endpoint-only capture (a prompt's end, never mid-prompt).
+        if config.snapshot_interval_tokens:
+            raise InvalidConfig("hybrid MTP with reuse captures checkpoints at prompt ends only (the support "
+                                "matrix's endpoint-only capture); use 0", "snapshot_interval_tokens")
+        checkpoints = CheckpointPolicy(True, message_boundaries=False, interval_tokens=0)
     draft = _resolve_draft(config, engine, deployment)
     _check_memory(config, engine, draft)
     return ResolvedConfig(deployment, budget, rows, chunk, pages, partial, recurrent, checkpoints,

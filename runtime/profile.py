@@ -124,6 +124,7 @@ class Profiler:
     spec_committed_tokens: int = 0  # tokens those rows committed (kept drafts + one each)
     spec_media_cold_requests: int = 0  # speculative requests with image or audio, run cold (the support matrix)
     spec_reuse_bypassed_requests: int = 0  # speculative requests whose reuse the deployment could not serve
+    spec_prefill_only_requests: int = 0  # ... whose decode-end publication it skipped (hybrid MTP: prefill_state_only)
     # TensorRT Edge-LLM names the block by strategy (mtp_generation for MTP drafters): written beside
     # spec_decode_generation, which every method writes, when set.
     spec_strategy_section: str | None = None
@@ -193,6 +194,10 @@ class Profiler:
         if self.enabled:
             self.spec_reuse_bypassed_requests += 1
 
+    def add_prefill_only(self) -> None:
+        if self.enabled:
+            self.spec_prefill_only_requests += 1
+
     def add_generation(self, generated_tokens: int) -> None:
         """Count one decode run (one batch's decode loop)."""
         if not self.enabled:
@@ -245,7 +250,8 @@ class Profiler:
                 "tokens_per_second": _ratio(self.generated_tokens * 1000.0, generation_ms),
                 "average_time_per_token_ms": _ratio(generation_ms, self.generated_tokens),
             }
-        if self.spec_verify_rows or self.spec_media_cold_requests or self.spec_reuse_bypassed_requests:
+        if self.spec_verify_rows or self.spec_media_cold_requests or self.spec_reuse_bypassed_requests or \
+                self.spec_prefill_only_requests:
             data[SPEC_DECODE_GENERATION] = {
                 # TensorRT Edge-LLM's names: an iteration is one verify row; its tokens are what it committed.
                 "total_runs": self.generation_runs,
@@ -257,6 +263,7 @@ class Profiler:
                 "acceptance_length": _ratio(self.spec_committed_tokens, self.spec_verify_rows),
                 "media_cold_requests": self.spec_media_cold_requests,
                 "reuse_bypassed_requests": self.spec_reuse_bypassed_requests,
+                "prefill_state_only_requests": self.spec_prefill_only_requests,
             }
             if self.spec_strategy_section:
                 data[self.spec_strategy_section] = dict(data[SPEC_DECODE_GENERATION])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvforge.runtime.context_cache.keys import KeyExtras
 from kvforge.runtime.context_cache.planner import PlanKind
 from kvforge.runtime.types import LookupPolicy
@@ -51,6 +53,13 @@ class Lease:
 
     Its hit is one page shorter than the pages that matched: the final matched page is recomputed in base and draft
     (the draft's K/V at a page's last position depends on the next page's first token).
+
+    A speculative checkpoint hit (hybrid MTP, checkpoint of length L) restores the base exactly at L, but the draft's
+    pages only below ((L - 1) // T) * T: the draft recomputes its last positions up to L - 1, whose K/V read the
+    successor token L (this request's, not the publisher's), from the record's stored hidden states:
+
+        | draft pages (shared) | draft_hidden: replayed first | new positions ... |
+        0                      ((L-1)//T)*T                   L
     """
 
     extras: KeyExtras
@@ -72,3 +81,8 @@ class Lease:
     # path), and how many positions hold draft K/V coherent with the sequence (the drafter advances it).
     draft_page_ids: list[int] | None = None
     draft_computed_tokens: int = 0
+    # Hybrid MTP: the base's hidden states at positions [draft_hidden_start, draft_hidden_start + len) kept by the
+    # drafter (at most a page, up to draft_computed_tokens), so a checkpoint can store its draft tail; after a
+    # checkpoint restore, the record's tail, which the drafter replays before anything else.
+    draft_hidden: np.ndarray | None = None
+    draft_hidden_start: int = 0

@@ -154,7 +154,8 @@ class ContextCacheManager:
         self.tails = PartialTails(self.partial_snapshots, T, chain_root, copier) if paged else None
         self.recurrent = RecurrentCheckpoints(self.recurrent_snapshots, self.records, T, chain_root,
                                               with_pages=paged, copier=copier) if checkpoints else None
-        self.drafts = DraftPaths(self.pools.draft_kv_pages, T, replays=draft_replays) if draft_pages else None
+        self.drafts = DraftPaths(self.pools.draft_kv_pages, T, replays=draft_replays,
+                                 records=self.records if checkpoints else None) if draft_pages else None
         self.types: tuple[CacheType, ...] = tuple(
             t for t in (self.attention, self.tails, self.recurrent, self.drafts) if t is not None)
         # Lookup order: each type narrows or extends the hit of the ones before it. A checkpoint brings its own
@@ -277,6 +278,9 @@ class ContextCacheManager:
         if speculative:
             lease.draft_page_ids = [*plan.draft_hit_pages, *self.pools.draft_kv_pages.allocate(draft_pages)]
             lease.draft_computed_tokens = plan.reuse_tokens
+            if plan.draft_tail is not None:  # the drafter replays the checkpoint's tail first (the successor boundary)
+                lease.draft_computed_tokens = plan.draft_tail.start
+                lease.draft_hidden, lease.draft_hidden_start = plan.draft_tail.hidden.copy(), plan.draft_tail.start
         if resumed is not None:  # the checkpoint or snapshot this request resumes from stays resident longest
             self.records.touch(resumed)
         elif plan.hit_pages:  # a hit refreshes the record it ends on, so reused documents stay resident
@@ -422,7 +426,8 @@ class ContextCacheManager:
                 if self.records.find(publication.terminal_key) is not None:
                     return PublishResult.EXISTING
         if self.drafts is not None and lease.draft_page_ids is not None:
-            self.drafts.project(lease.draft_page_ids, lease.draft_computed_tokens, publication)
+            self.drafts.project(lease.draft_page_ids, lease.draft_computed_tokens, publication, lease.draft_hidden,
+                                lease.draft_hidden_start)
         self._capture(lease, publication, boundary)
         return self._commit(lease, publication)
 
@@ -464,15 +469,22 @@ class ContextCacheManager:
             return
         probe = Publication(np.asarray(existing.token_ids, dtype=np.int32), list(existing.keys), b"", False, False,
                             False, page_ids=list(existing.page_ids))
-        drafts.project(lease.draft_page_ids, lease.draft_computed_tokens, probe)
-        if len(probe.draft_page_ids) <= len(existing.draft_page_ids):
+        drafts.project(lease.draft_page_ids, lease.draft_computed_tokens, probe, lease.draft_hidden,
+                       lease.draft_hidden_start)
+        if drafts.records is not None:  # a checkpoint: worth a path only with its tail, which it lacked
+            if existing.draft_tail is not None or probe.draft_tail is None:
+                return
+        elif len(probe.draft_page_ids) <= len(existing.draft_page_ids):
             return
-        upgraded = replace(existing, draft_page_ids=tuple(probe.draft_page_ids))
+        upgraded = replace(existing, draft_page_ids=tuple(probe.draft_page_ids), draft_tail=probe.draft_tail)
         drafts.pool.add_cache_ref(upgraded.draft_page_ids)
         drafts.pool.drop_cache_ref(existing.draft_page_ids)
-        drafts.on_evict(existing)
+        refiled = [kind for kind in (drafts, self.tails) if kind is not None]  # the types that file record objects
+        for kind in refiled:
+            kind.on_evict(existing)
         self.records.replace(upgraded)
-        drafts.on_commit(upgraded)
+        for kind in refiled:
+            kind.on_commit(upgraded)
         self.metrics.pair_publications += 1
 
     def _reserve_slots(self, publication: Publication) -> bool:
@@ -526,7 +538,8 @@ class ContextCacheManager:
         covered = len(publication.tokens) if publication.tail_key else len(publication.keys) * self.tokens_per_page
         record = Record(self.records.new_id(), tuple(publication.keys), tuple(publication.page_ids),
                         tuple(publication.tokens[:covered].tolist()), lease.extras, publication.tail_key,
-                        publication.partial_slot, publication.recurrent_slot, tuple(publication.draft_page_ids))
+                        publication.partial_slot, publication.recurrent_slot, tuple(publication.draft_page_ids),
+                        draft_tail=publication.draft_tail)
         if record.draft_page_ids:
             self.metrics.pair_publications += 1
         for kind in self.types:

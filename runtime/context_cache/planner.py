@@ -18,6 +18,7 @@ from kvforge.contract.profile_schema import (
     PLAN_STANDARD,
 )
 from kvforge.runtime.context_cache.keys import MediaKey
+from kvforge.runtime.context_cache.records import DraftTail
 
 
 class PlanKind(str, Enum):
@@ -45,6 +46,9 @@ class ReusePlan:
     checkpoint_record: int | None = None  # the record the plan resumes from (touched on admission)
     draft_hit_pages: tuple[int, ...] = ()  # a speculative plan: the draft pages reused beside hit_pages
     replayed_page: bool = False  # a speculative hit recomputes its final matched page (counted)
+    # A speculative checkpoint hit (hybrid MTP): the draft K/V it brings covers fewer positions than reuse_tokens,
+    # and the draft recomputes the rest from the record's stored base hidden states (`DraftTail`).
+    draft_tail: DraftTail | None = None
 
 
 def plan_reuse(num_tokens: int, tokens_per_page: int, matched_pages: Sequence[int],

@@ -18,7 +18,7 @@ import numpy as np
 from kvforge.runtime.context_cache.keys import KeyExtras
 from kvforge.runtime.context_cache.planner import ReusePlan
 from kvforge.runtime.context_cache.pools import ResourcePool
-from kvforge.runtime.context_cache.records import Record
+from kvforge.runtime.context_cache.records import DraftTail, Record
 
 
 class PublishResult(str, Enum):
@@ -54,6 +54,7 @@ class Publication:
     recurrent: bool  # it keeps a recurrent snapshot
     page_ids: list[int] = field(default_factory=list)  # canonical pages, one per key (attention)
     draft_page_ids: list[int] = field(default_factory=list)  # the lease's draft path over the first pages (EAGLE3)
+    draft_tail: DraftTail | None = None  # a hybrid MTP checkpoint's base hidden states past its shared draft pages
     partial_slot: int | None = None
     recurrent_slot: int | None = None
 

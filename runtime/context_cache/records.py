@@ -4,10 +4,22 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from kvforge.runtime.context_cache.keys import KeyExtras
 from kvforge.runtime.context_cache.pools import BASE_KV_PAGES, DRAFT_KV_PAGES, PARTIAL_KV_SNAPSHOTS, RECURRENT_SNAPSHOTS
+
+
+@dataclass(frozen=True, slots=True)
+class DraftTail:
+    """The base's hidden states [n, H] at positions start .. start + n - 1 of a checkpoint whose draft K/V there
+    cannot be shared (hybrid MTP: the draft at a checkpoint's last position reads the token after it, the successor,
+    which differs between the publisher and a hit): a restore recomputes the draft there from these."""
+
+    start: int
+    hidden: np.ndarray = field(compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +43,9 @@ class Record:
     # An EAGLE3 draft's K/V for the first len(draft_page_ids) full pages, computed by one sequence along the same
     # tokens (a coherent path; empty = a base-only record, which speculative requests never use).
     draft_page_ids: tuple[int, ...] = ()
+    # A hybrid MTP checkpoint's draft tail (None: the record serves speculative requests by its pages alone, or not
+    # at all on a checkpoint deployment). Host memory beside the record, at most a page of hidden states.
+    draft_tail: DraftTail | None = field(default=None, compare=False)
 
     @property
     def terminal_key(self) -> bytes:

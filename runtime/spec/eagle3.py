@@ -89,12 +89,13 @@ class Eagle3Proposer:
 
     def __init__(self, backend: Backend, embedding: np.ndarray, d2t: np.ndarray, cache: ContextCacheManager,
                  num_tokens: int, base_hidden_width: int, top_k: int = 1, verify_nodes: int = 0,
-                 rolls_back: bool = False) -> None:
+                 rolls_back: bool = False, keep_hidden: int = 0) -> None:
         """`backend`: the draft engine's runner (its own KV pool); `embedding`: the draft's token table; `d2t`: draft
         id -> base id offsets; `cache`: the coordinator whose draft pool the leases' draft pages come from;
         `num_tokens`: drafting steps (a chain's length, a tree's depth); `top_k` > 1 drafts trees of at most
         `verify_nodes` nodes (the draft engine then needs tree attention); `rolls_back`: the base is hybrid (an MTP
-        layer's), so rejected verify rows commit nothing until their kept tokens are recomputed (committed_spans)."""
+        layer's), so rejected verify rows commit nothing until their kept tokens are recomputed (committed_spans);
+        `keep_hidden`: base hidden states each lease keeps (its last positions, for a checkpoint's draft tail)."""
         self.backend = backend
         self.embedding = embedding
         self.draft_to_base = np.arange(len(d2t), dtype=np.int64) + d2t
@@ -105,15 +106,23 @@ class Eagle3Proposer:
         self.top_k = top_k
         self.verify_nodes = verify_nodes or num_tokens
         self.rolls_back = rolls_back
+        self.keep_hidden = keep_hidden
 
     # --- after each base call -------------------------------------------------------------------------
 
     def observe(self, rows: list[ScheduledRow], output: BatchOutput, sampled: list[list[SampleResult]]) -> None:
         jobs = []
         for i, seq, start, end in committed_spans(rows, output, sampled, self.rolls_back):
-            assert output.hidden_states is not None
+            assert output.hidden_states is not None and seq.lease is not None
             following = seq.all_token_ids() + [s.token_id for s in sampled[i]]  # token p + 1 for every position p
-            jobs.append((seq, start, following[start + 1:end + 1], output.hidden_states[i][:end - start]))
+            base = output.hidden_states[i][:end - start]
+            first = seq.lease.draft_computed_tokens
+            if first < start:  # a checkpoint restore: the draft replays its tail from the record's hidden states
+                offset = seq.lease.draft_hidden_start
+                base = np.concatenate([seq.lease.draft_hidden[first - offset:start - offset], base])  # type: ignore[index]
+            if self.keep_hidden:
+                self._keep(seq.lease, first, base)
+            jobs.append((seq, first, following[first + 1:end + 1], base))
         if not jobs:
             return
         logits, hidden = self._run([DraftCall(seq, start, ids, base) for seq, start, ids, base in jobs])
@@ -125,6 +134,14 @@ class Eagle3Proposer:
             if self.top_k > 1:
                 state.top_ids, state.top_scores = self._top(row_logits[0])
             seq.draft_state = state
+
+    def _keep(self, lease, first: int, base: np.ndarray) -> None:
+        """The lease's last `keep_hidden` base hidden states, through position first + len(base) - 1."""
+        old, offset = lease.draft_hidden, lease.draft_hidden_start
+        if old is not None and offset <= first <= offset + len(old):
+            base, first = np.concatenate([old[:first - offset], base]), offset
+        cut = max(len(base) - self.keep_hidden, 0)
+        lease.draft_hidden, lease.draft_hidden_start = np.array(base[cut:], dtype=np.float32), first + cut
 
     # --- before the next step -------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from kvforge.runtime.context_cache.lease import Lease
     from kvforge.runtime.model_executor import BatchOutput
     from kvforge.runtime.sampling import SampleResult
     from kvforge.runtime.scheduler import ScheduledRow
@@ -38,6 +39,13 @@ class Proposer(Protocol):
         ...
 
 
+def replays_to(lease: Lease, position: int) -> bool:
+    """Whether a lease whose draft K/V lags the base (after a hybrid checkpoint restore) keeps the base's hidden
+    states from where the draft stopped up to `position`, to replay them."""
+    hidden, first = lease.draft_hidden, lease.draft_hidden_start
+    return hidden is not None and first <= lease.draft_computed_tokens < position <= first + len(hidden)
+
+
 def committed_spans(rows: list[ScheduledRow], output: BatchOutput, sampled: list[list[SampleResult]],
                     rolls_back: bool = False) -> Iterator[tuple[int, Sequence, int, int]]:
     """For a drafter with its own K/V, before the commit: (row index, sequence, start, end) of the base positions
@@ -52,7 +60,7 @@ def committed_spans(rows: list[ScheduledRow], output: BatchOutput, sampled: list
         if rolls_back and max(len(samples) - 1, 0) < len(row.draft_token_ids):
             continue
         start = seq.num_computed_tokens  # the commit has not moved it yet
-        if lease.draft_computed_tokens != start:
+        if lease.draft_computed_tokens != start and not replays_to(lease, start):
             raise AssertionError("the draft K/V lags the base's committed positions")
         end = start + row.num_new_tokens + max(len(samples) - 1, 0)
         if end <= start or output.hidden_states is None or output.hidden_states[i] is None:

@@ -121,9 +121,7 @@ class OracleProposer(Eagle3Proposer):
     exercised (random drafts are never accepted, so every row would roll back with nothing kept)."""
 
     def __init__(self, inner: Eagle3Proposer, answers: dict[tuple[int, ...], list[int]]) -> None:
-        self.__dict__.update({name: getattr(inner, name) for name in (
-            "backend", "embedding", "draft_to_base", "cache", "num_tokens", "base_width", "hidden_size", "top_k",
-            "verify_nodes", "rolls_back")})
+        self.__dict__.update(inner.__dict__)
         self.answers = answers
 
     def propose_batch(self, seqs, limits):
@@ -150,17 +148,96 @@ def test_partly_accepted_rows_roll_the_recurrent_state_back_and_stay_lossless(
     assert spec["total_accepted_tokens"] > 0 and spec["acceptance_length"] > 1.5
 
 
+DOCUMENT = "a shared document: three full pages of sixteen bytes."  # 53 tokens (byte-level tokenizer)
+
+
+@pytest.mark.parametrize("length", [53, 48])  # a checkpoint inside a page, and one ending on a page boundary
+def test_a_checkpoint_hit_rebuilds_the_successor_boundary_and_drafts_as_a_cold_run(
+        tiny_hybrid_mtp_engines: dict[str, Path], length: int) -> None:
+    """The publisher's draft K/V at the checkpoint's last position read its own first output token; the hit's
+    successor is a prompt token. The restore takes the record's draft pages below the last position's page and
+    replays the rest from the stored hidden states: the hit drafts exactly as a cold run (keeping the publisher's
+    K/V there would propose other tokens), and answers as one."""
+    from support.engine_driver import step_audited
+    from support.spec_checks import recording
+
+    engines = tiny_hybrid_mtp_engines
+    cold_engine = mtp_engine(engines)
+    document = cold_engine.tokenizer.encode(DOCUMENT)[:length]
+    question = document + cold_engine.tokenizer.encode(" why?")
+    cold_drafts = recording(cold_engine)
+    cold_engine.add_request(EngineRequest(question, sampling(cold_engine)), "q")
+    cold = step_audited(cold_engine)["q"]
+
+    engine = mtp_engine(engines, reuse=True, max_batch_size=1)
+    drafts = recording(engine)
+    engine.add_request(EngineRequest(document, sampling(engine)), "doc")
+    first = step_audited(engine)["doc"]
+    assert first.token_ids[0] != question[length]  # the successors differ, so a stale boundary would show
+    engine.add_request(EngineRequest(question, sampling(engine)), "q")
+    engine.step()  # admission: base restored at the checkpoint, draft behind it by its last page's positions
+    T = engine.cache.tokens_per_page
+    seq = engine.core.sequences["q"]
+    assert seq.lease is not None and seq.lease.draft_computed_tokens == len(question)  # replayed, then caught up
+    warm = step_audited(engine)["q"]
+    assert (warm.token_ids, [s[0].token_id for s in warm.logprobs]) == \
+        (cold.token_ids, [s[0].token_id for s in cold.logprobs])
+    assert drafts.proposals["q"] == cold_drafts.proposals["q"]
+    profile = engine.profile()
+    cache = profile["context_cache"]
+    assert cache["reused_tokens"] == length  # the exact checkpoint
+    record = next(r for r in engine.cache.records.least_recent_first() if len(r.token_ids) == length)
+    assert record.draft_tail is not None and record.draft_tail.start == (length - 1) // T * T
+    assert len(record.draft_page_ids) == length // T
+    spec = profile["spec_decode_generation"]
+    assert spec["prefill_state_only_requests"] == 2 and spec["reuse_bypassed_requests"] == 0
+    # prefill_state_only: no decode-end checkpoint was published.
+    assert all(len(r.token_ids) in (length, len(question)) for r in engine.cache.records.least_recent_first())
+
+
+def test_a_checkpoint_a_plain_request_published_serves_speculative_requests_once_upgraded(
+        tiny_hybrid_mtp_engines: dict[str, Path]) -> None:
+    from support.engine_driver import step_audited
+
+    engine = mtp_engine(tiny_hybrid_mtp_engines, reuse=True, max_batch_size=1)
+    document = engine.tokenizer.encode(DOCUMENT)
+    engine.add_request(EngineRequest(document, sampling(engine, 4, speculative=False)), "plain")
+    step_audited(engine)
+    record = next(iter(engine.cache.records.least_recent_first()))
+    assert record.draft_tail is None and not record.draft_page_ids
+    cold = engine.profile()["context_cache"]["reused_tokens"]
+    engine.add_request(EngineRequest(document + engine.tokenizer.encode(" a"), sampling(engine, 4)), "a")
+    step_audited(engine)  # the checkpoint has no draft tail: a speculative request computes cold
+    assert engine.profile()["context_cache"]["reused_tokens"] == cold
+    engine.add_request(EngineRequest(document, sampling(engine, 4)), "again")
+    step_audited(engine)  # a speculative publication of the same endpoint gives the record its draft path and tail
+    upgraded = engine.cache.records.get(record.record_id)
+    assert upgraded is not None and upgraded.draft_tail is not None
+    engine.add_request(EngineRequest(document + engine.tokenizer.encode(" b"), sampling(engine, 4)), "b")
+    step_audited(engine)
+    assert engine.profile()["context_cache"]["reused_tokens"] == cold + len(document)
+
+
+def test_hybrid_mtp_refuses_mid_prompt_checkpoints(tiny_hybrid_mtp_engines: dict[str, Path]) -> None:
+    with pytest.raises(InvalidConfig, match="endpoint-only capture") as error:
+        mtp_engine(tiny_hybrid_mtp_engines, reuse=True, snapshot_interval_tokens=16)
+    assert error.value.field == "snapshot_interval_tokens"
+
+
 _word = st.sampled_from(["ab", "cab ", "the ", "x", "01", " "])
 
 
 @given(prompts=st.lists(st.lists(_word, min_size=1, max_size=8).map("".join), min_size=1, max_size=4),
        reuse=st.booleans(), pages=st.sampled_from([6, 8, 64]), opt_out=st.sets(st.integers(0, 3)),
-       abort_at=st.integers(0, 12), length=st.integers(2, 24), step=st.sampled_from([1, 3, 6]))
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+       abort_at=st.integers(0, 12), length=st.integers(2, 24), step=st.sampled_from([1, 3, 6]),
+       batch_of_one=st.booleans())
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_property_hybrid_mtp_is_lossless_under_preemption_and_abort(
         tiny_hybrid_mtp_engines: dict[str, Path], prompts: list[str], reuse: bool, pages: int, opt_out: set[int],
-        abort_at: int, length: int, step: int) -> None:
-    engine = mtp_engine(tiny_hybrid_mtp_engines, reuse=reuse, num_pages=pages, spec_draft_step=step)
+        abort_at: int, length: int, step: int, batch_of_one: bool) -> None:
+    """With reuse and a batch of one, speculative requests hit each other's checkpoints (prompts share words)."""
+    engine = mtp_engine(tiny_hybrid_mtp_engines, reuse=reuse, num_pages=pages, spec_draft_step=step,
+                        max_batch_size=1 if batch_of_one else 0)
     plain_engine = make_engine(tiny_hybrid_mtp_engines["base"])
     ids = [engine.add_request(EngineRequest(engine.tokenizer.encode(text),
                                             sampling(engine, length, speculative=i not in opt_out)))
