@@ -16,7 +16,7 @@ LLM_TEST_TINY_RECURRENT ?= mxsl4096-mxbs4-mxil3072-tpp16
 LLM_TEST = $(BIN)/llm_test --cacheDir $(OUT)/llm_test/engines --numThreads $(THREADS)
 
 .PHONY: install demo test test-mooncake test-slow llm-test lint docs bench bench-shared-tier bench-reuse bench-lora bench-scheduling bench-spec \
-	bench-block-draft bench-gemma4-mtp bench-eagle3 bench-eagle3-train bench-quality bench-peers bench-peers-install bench-decode-context bench-spec-peers clean
+	bench-block-draft bench-gemma4-mtp bench-hybrid-mtp bench-eagle3 bench-eagle3-train bench-quality bench-peers bench-peers-install bench-decode-context bench-spec-peers clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -181,6 +181,9 @@ bench-block-draft: $(OUT)/onnx/smollm2-blockbase/manifest.json
 
 $(OUT)/onnx/smollm2-mtpbase/manifest.json: $(VENV)/.installed
 	$(BIN)/llm_export smollm2-135m-instruct --outputDir $(OUT)/onnx/smollm2-mtpbase --hiddenStateLayers 29
+
+bench-hybrid-mtp: $(VENV)/.installed
+	$(BIN)/python bench/hybrid_mtp.py --threads $(THREADS) --json $(OUT)/bench_hybrid_mtp.json
 
 bench-gemma4-mtp: $(OUT)/onnx/smollm2-mtpbase/manifest.json
 	$(BIN)/python bench/gemma4_mtp.py --onnxDir $(OUT)/onnx/smollm2-mtpbase --threads $(THREADS) \

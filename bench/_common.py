@@ -29,10 +29,12 @@ from kvforge.tools.bench.text import DOCUMENT_SECTIONS, GLOSSARY, fit_document, 
 # --- command line -------------------------------------------------------------------------------------
 
 
-def bench_parser(doc: str, repeats: int = 3) -> argparse.ArgumentParser:
-    """--onnxDir, --threads, --repeats and --json, which every engine-level bench takes."""
+def bench_parser(doc: str, repeats: int = 3, onnx_dir: bool = True) -> argparse.ArgumentParser:
+    """--onnxDir (unless the bench exports its own model), --threads, --repeats and --json, which every engine-level
+    bench takes."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-    parser.add_argument("--onnxDir", type=Path, required=True)
+    if onnx_dir:
+        parser.add_argument("--onnxDir", type=Path, required=True)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=repeats)
     parser.add_argument("--json", type=Path, help="also write the figures here")

@@ -58,8 +58,9 @@ def run_one(engine: Engine, request: EngineRequest) -> dict[str, Any]:
 
 
 def call_ms(backend: Backend, hidden_size: int, width: int, start: int, repeats: int,
-            extra: dict[str, np.ndarray] | None = None, masked: bool = False) -> float:
-    """Median ms of one call of `width` new tokens after `start` cached ones (pages 0.., values irrelevant)."""
+            extra: dict[str, np.ndarray] | None = None, masked: bool = False, state_row: int | None = None) -> float:
+    """Median ms of one call of `width` new tokens after `start` cached ones (pages 0.., values irrelevant;
+    `state_row`: a recurrent engine's state row)."""
     T = backend.tokens_per_page  # type: ignore[attr-defined]
     pages = list(range((start + width) // T + 1))
     embeds = np.random.default_rng(0).standard_normal((1, width, hidden_size)).astype(np.float32)
@@ -67,6 +68,7 @@ def call_ms(backend: Backend, hidden_size: int, width: int, start: int, repeats:
     if masked:
         mask[:] = True
     step = StepInputs(embeds, np.array([width], np.int32), np.array([start], np.int32), [pages],
+                      state_rows=None if state_row is None else [state_row],
                       logits_indices=np.arange(width), extra_inputs=extra or {},
                       position_ids=start_positions(np.array([start]), width) if masked else None,
                       attention_mask=mask if masked else None)

@@ -137,9 +137,10 @@ class EngineConfig:
         "last few tokens where they occurred earlier in the prompt or output; no draft model), 'eagle3' drafts with "
         "the engine's EAGLE3 draft (ENGINEDIR/draft, or --specDraftEngineDir; built with llm_build --specDraft); "
         "'dflash' and 'dspark' draft a whole block per call with a block draft there; 'gemma4_mtp' drafts with a "
-        "Gemma4 assistant that reads the base's own K/V (no draft pool); the engine verifies the drafts in one call "
-        "per step; 'off' (default). Outputs are unchanged; a request opts out with disable_spec_decode. ('mtp', "
-        "standard MTP, is refused: the support matrix rejects it on attention-only bases.)")
+        "Gemma4 assistant that reads the base's own K/V (no draft pool); 'mtp' drafts with a Qwen3.5 checkpoint's "
+        "MTP layer on its hybrid base (llm_export mtp; refused on attention-only bases); the engine verifies the "
+        "drafts in one call per step; 'off' (default). Outputs are unchanged; a request opts out with "
+        "disable_spec_decode.")
     dflash_block_size: int = _option(
         0, "--dflashBlockSize", "With --specDecode dflash or dspark: positions one block call drafts over (the pending "
         "token and blockSize - 1 masks, so up to blockSize - 1 proposed tokens). 0 (default) = the block the draft "

@@ -91,6 +91,10 @@ def check_invariants(manager: AuditedCache) -> None:
             parent = record.keys[-1] if record.keys else manager.chain_root
             assert record.tail_key == tail_page_key(parent, tokens, len(tokens) - tail, record.extras)
         assert manager.records.find(record.terminal_key) is record
+        if record.draft_tail is not None:  # a hybrid MTP checkpoint: the base's states past its shared draft pages
+            shared = (len(tokens) - 1) // T
+            assert manager.checkpoints and record.draft_tail.start == shared * T
+            assert len(record.draft_tail.hidden) == len(tokens) - shared * T and len(record.draft_page_ids) >= shared
         for name, slots in record.held().items():
             for slot in slots:
                 cache[name][slot] += 1

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.engine_driver import make_engine, step_audited
 from support.numpy_llama import block_draft_dense
-from support.spec_checks import recording, run_all, sampling, step_with_abort
+from support.spec_checks import assert_lossless_with_abort, recording, run_all, sampling, with_oracle
 
 from kvforge.builder.build import build_engine
 from kvforge.contract.engine_dir import BASE_HIDDEN_INPUT, CONTEXT_TOKEN_MASK_INPUT, load_engine_dir
@@ -23,7 +23,7 @@ from kvforge.runtime.backend import StepInputs
 from kvforge.runtime.backends import load_backend
 from kvforge.runtime.engine_config import SCHEDULER_OFF, SCHEDULER_SPS, SCHEDULER_THRESHOLD
 from kvforge.runtime.sequence import EngineRequest
-from kvforge.runtime.spec.block_draft import BlockDraftProposer, DsparkHeads, schedule
+from kvforge.runtime.spec.block_draft import DsparkHeads, schedule
 from kvforge.runtime.tree_attention import causal_masks, start_positions
 from kvforge.runtime.types import SamplingParams
 from kvforge.tools.export.block_draft import base_head, export_block_draft, load_weights, write_random_block_draft
@@ -97,34 +97,12 @@ def test_block_drafts_change_no_token_with_plain_rows_and_under_preemption(tiny_
         assert profile["context_cache"]["speculative"]["full_page_replays"] == 0  # block drafts never replay
 
 
-class OracleProposer(BlockDraftProposer):
-    """Runs the draft as usual (its K/V and calls unchanged) but proposes the plain run's next tokens with every
-    third one wrong: acceptance, partial acceptance and the draft catching up on several accepted positions are
-    exercised, which random drafts (never accepted) leave out."""
-
-    def __init__(self, inner: BlockDraftProposer, answers: dict[tuple[int, ...], list[int]]) -> None:
-        self.__dict__.update(inner.__dict__)
-        self.answers = answers
-
-    def propose_batch(self, seqs, limits):
-        proposals = super().propose_batch(seqs, limits)
-        for i, seq in enumerate(seqs):
-            if not proposals[i]:
-                continue
-            full = self.answers[tuple(seq.request.prompt_ids)]
-            done = len(seq.output_ids)
-            guess = full[done:done + len(proposals[i])]
-            proposals[i] = [t if (done + j) % 3 else (t + 1) % 200 for j, t in enumerate(guess)]
-        return proposals
-
-
 @pytest.mark.parametrize("reuse", [False, True])
 def test_accepted_blocks_are_lossless_and_keep_the_draft_coherent(tiny_block_draft_engines: dict[str, Path],
                                                                   reuse: bool) -> None:
     plain = run_all(make_engine(tiny_block_draft_engines["base"]), PROMPTS, length=24)
     engine = spec_engine(tiny_block_draft_engines, "dflash", reuse=reuse, num_pages=8)
-    answers = {tuple(engine.tokenizer.encode(text)): plain[i][0] for i, text in enumerate(PROMPTS)}
-    engine.proposer = engine.core.proposer = OracleProposer(engine.proposer, answers)
+    with_oracle(engine, PROMPTS, plain)
     assert run_all(engine, PROMPTS, length=24) == plain  # observe asserts the draft K/V never lags the base
     assert run_all(engine, PROMPTS, length=24) == plain
     spec = engine.profile()["spec_decode_generation"]
@@ -256,17 +234,8 @@ def test_property_block_drafting_is_lossless_under_preemption_and_abort(
         tiny_block_draft_engines: dict[str, Path], prompts: list[str], method: str, reuse: bool, pages: int,
         opt_out: set[int], abort_at: int, length: int, block: int) -> None:
     engine = spec_engine(tiny_block_draft_engines, method, reuse=reuse, num_pages=pages, dflash_block_size=block)
-    plain_engine = make_engine(tiny_block_draft_engines["base"])
-    ids = [engine.add_request(EngineRequest(engine.tokenizer.encode(text),
-                                            sampling(engine, length, speculative=i not in opt_out)))
-           for i, text in enumerate(prompts)]
-    finished, aborted = step_with_abort(engine, ids, abort_at)
-    for i, rid in enumerate(ids):
-        if rid == aborted and rid not in finished:
-            continue
-        plain = run_all(plain_engine, [prompts[i]], length=length)[0]
-        out = finished[rid]
-        assert (out.token_ids, [s[0].token_id for s in out.logprobs]) == plain
+    assert_lossless_with_abort(engine, make_engine(tiny_block_draft_engines["base"]), prompts, length, opt_out,
+                               abort_at)
 
 
 def test_kvforge_llm_takes_a_block_draft(tiny_block_draft_engines: dict[str, Path]) -> None:

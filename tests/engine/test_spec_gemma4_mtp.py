@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.engine_driver import make_engine, step_audited
-from support.spec_checks import recording, run_all, sampling, step_with_abort
+from support.spec_checks import assert_lossless_with_abort, recording, run_all, sampling, with_oracle
 
 from kvforge.builder.build import build_engine
 from kvforge.contract.engine_dir import (
@@ -28,7 +28,6 @@ from kvforge.contract.safetensors_map import map_tensor
 from kvforge.runtime.backend import StepInputs
 from kvforge.runtime.ort_backend import OrtBackend
 from kvforge.runtime.sequence import EngineRequest
-from kvforge.runtime.spec.gemma4_mtp import Gemma4MtpProposer
 from kvforge.tools.export.gemma4_assistant import export_gemma4_assistant, write_random_gemma4_assistant
 
 PROMPTS = ["abc abc abc abc abc abc abc", "the cat sat on the mat, the cat sat on the", "x" * 30, "0123456789" * 3]
@@ -98,35 +97,12 @@ def test_gemma4_mtp_changes_no_token_with_plain_rows_and_under_preemption(tiny_g
     assert {"spec_decode_draft_proposal", "spec_decode_base_verification"} <= stages
 
 
-class OracleProposer(Gemma4MtpProposer):
-    """Runs the assistant as usual but proposes the plain run's next tokens with every third one wrong: acceptance,
-    partial acceptance and the hidden state after several accepted tokens are exercised, which random assistants
-    (never accepted) leave out."""
-
-    def __init__(self, inner: Gemma4MtpProposer, answers: dict[tuple[int, ...], list[int]]) -> None:
-        self.__dict__.update({name: getattr(inner, name) for name in ("backend", "embedding", "norm_weight",
-                                                                        "norm_eps", "max_draft_tokens")})
-        self.answers = answers
-
-    def propose_batch(self, seqs, limits):
-        proposals = super().propose_batch(seqs, limits)
-        for i, seq in enumerate(seqs):
-            if not proposals[i]:
-                continue
-            full = self.answers[tuple(seq.request.prompt_ids)]
-            done = len(seq.output_ids)
-            guess = full[done:done + len(proposals[i])]
-            proposals[i] = [t if (done + j) % 3 else (t + 1) % 200 for j, t in enumerate(guess)]
-        return proposals
-
-
 @pytest.mark.parametrize("reuse", [False, True])
 def test_accepted_guesses_are_lossless_and_the_next_round_starts_where_they_end(
         tiny_gemma4_mtp_engines: dict[str, Path], reuse: bool) -> None:
     plain = run_all(make_engine(tiny_gemma4_mtp_engines["base"]), PROMPTS, length=24)
     engine = spec_engine(tiny_gemma4_mtp_engines, reuse=reuse, num_pages=8)
-    answers = {tuple(engine.tokenizer.encode(text)): plain[i][0] for i, text in enumerate(PROMPTS)}
-    engine.proposer = engine.core.proposer = OracleProposer(engine.proposer, answers)
+    with_oracle(engine, PROMPTS, plain)
     assert run_all(engine, PROMPTS, length=24) == plain
     assert run_all(engine, PROMPTS, length=24) == plain
     spec = engine.profile()["spec_decode_generation"]
@@ -169,17 +145,8 @@ def test_property_gemma4_mtp_is_lossless_under_preemption_and_abort(
         tiny_gemma4_mtp_engines: dict[str, Path], prompts: list[str], centroids: bool, reuse: bool, pages: int,
         opt_out: set[int], abort_at: int, length: int, step: int) -> None:
     engine = spec_engine(tiny_gemma4_mtp_engines, centroids, reuse=reuse, num_pages=pages, spec_draft_step=step)
-    plain_engine = make_engine(tiny_gemma4_mtp_engines["base"])
-    ids = [engine.add_request(EngineRequest(engine.tokenizer.encode(text),
-                                            sampling(engine, length, speculative=i not in opt_out)))
-           for i, text in enumerate(prompts)]
-    finished, aborted = step_with_abort(engine, ids, abort_at)
-    for i, rid in enumerate(ids):
-        if rid == aborted and rid not in finished:
-            continue
-        plain = run_all(plain_engine, [prompts[i]], length=length)[0]
-        out = finished[rid]
-        assert (out.token_ids, [s[0].token_id for s in out.logprobs]) == plain
+    assert_lossless_with_abort(engine, make_engine(tiny_gemma4_mtp_engines["base"]), prompts, length, opt_out,
+                               abort_at)
 
 
 def test_standard_mtp_on_an_attention_only_base_is_refused(tiny_gemma4_mtp_engines: dict[str, Path]) -> None:
@@ -246,3 +213,19 @@ def test_kvforge_llm_takes_a_gemma4_assistant(tiny_gemma4_mtp_engines: dict[str,
         spec = llm.generate(PROMPTS[:2], params)
         assert llm.engine.profile()["mtp_generation"]["total_iterations"] > 0
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+
+
+def test_a_speculative_media_request_runs_cold_undrafted_and_counted(tiny_gemma4_mtp_engines: dict[str, Path]) -> None:
+    from kvforge.runtime.context_cache.keys import MediaKey
+    from kvforge.runtime.multimodal.spans import MediaSpan
+
+    engine = spec_engine(tiny_gemma4_mtp_engines, reuse=True)
+    tokens = engine.tokenizer.encode(DOCUMENT)
+    span = MediaSpan(MediaKey(2, 4, b"image-digest"), np.full((4, engine.engine_dir.model.hidden_size), 0.1,
+                                                              dtype=np.float32))
+    for request_id in ("spec", "spec-again"):
+        engine.add_request(EngineRequest(list(tokens), sampling(engine, 6), media=(span,)), request_id)
+        step_audited(engine)
+    spec = engine.profile()["spec_decode_generation"]
+    assert spec["media_cold_requests"] == 2 and spec["total_draft_tokens"] == 0
+    assert engine.profile()["context_cache"]["reused_tokens"] == 0

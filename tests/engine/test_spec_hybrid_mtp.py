@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.engine_driver import make_engine
-from support.spec_checks import run_all, sampling, step_with_abort
+from support.spec_checks import assert_lossless_with_abort, run_all, sampling, with_oracle
 
 from kvforge.contract.engine_dir import (
     BASE_HIDDEN_INPUT,
@@ -25,7 +25,6 @@ from kvforge.contract.safetensors_map import map_tensor
 from kvforge.runtime.backend import StepInputs
 from kvforge.runtime.backends import load_backend
 from kvforge.runtime.sequence import EngineRequest
-from kvforge.runtime.spec.eagle3 import Eagle3Proposer
 from kvforge.tools.export.block_draft import base_head
 from kvforge.tools.export.gemma4_assistant import base_final_norm
 from kvforge.tools.export.qwen3_5_mtp import export_mtp, load_weights, write_random_mtp
@@ -115,34 +114,12 @@ def test_hybrid_mtp_changes_no_token_with_plain_rows_and_under_preemption(tiny_h
     assert spec["reuse_bypassed_requests"] == (7 if reuse else 0)
 
 
-class OracleProposer(Eagle3Proposer):
-    """Runs the MTP draft as usual but proposes the plain run's next tokens with every third one wrong: the base's
-    recurrent rollback after a partly accepted row, and the draft catching up only on what the base kept, are
-    exercised (random drafts are never accepted, so every row would roll back with nothing kept)."""
-
-    def __init__(self, inner: Eagle3Proposer, answers: dict[tuple[int, ...], list[int]]) -> None:
-        self.__dict__.update(inner.__dict__)
-        self.answers = answers
-
-    def propose_batch(self, seqs, limits):
-        proposals = super().propose_batch(seqs, limits)
-        for i, seq in enumerate(seqs):
-            if not proposals[i]:
-                continue
-            full = self.answers[tuple(seq.request.prompt_ids)]
-            done = len(seq.output_ids)
-            guess = full[done:done + len(proposals[i])]
-            proposals[i] = [t if (done + j) % 3 else (t + 1) % 200 for j, t in enumerate(guess)]
-        return proposals
-
-
 def test_partly_accepted_rows_roll_the_recurrent_state_back_and_stay_lossless(
         tiny_hybrid_mtp_engines: dict[str, Path]) -> None:
     plain = run_all(make_engine(tiny_hybrid_mtp_engines["base"]), PROMPTS, length=24)
     engine = mtp_engine(tiny_hybrid_mtp_engines, num_pages=8)
     assert engine.proposer.rolls_back  # type: ignore[union-attr]
-    answers = {tuple(engine.tokenizer.encode(text)): plain[i][0] for i, text in enumerate(PROMPTS)}
-    engine.proposer = engine.core.proposer = OracleProposer(engine.proposer, answers)  # type: ignore[arg-type]
+    with_oracle(engine, PROMPTS, plain)
     assert run_all(engine, PROMPTS, length=24) == plain  # observe asserts the draft K/V never lags the base
     spec = engine.profile()["spec_decode_generation"]
     assert spec["total_accepted_tokens"] > 0 and spec["acceptance_length"] > 1.5
@@ -238,17 +215,8 @@ def test_property_hybrid_mtp_is_lossless_under_preemption_and_abort(
     """With reuse and a batch of one, speculative requests hit each other's checkpoints (prompts share words)."""
     engine = mtp_engine(tiny_hybrid_mtp_engines, reuse=reuse, num_pages=pages, spec_draft_step=step,
                         max_batch_size=1 if batch_of_one else 0)
-    plain_engine = make_engine(tiny_hybrid_mtp_engines["base"])
-    ids = [engine.add_request(EngineRequest(engine.tokenizer.encode(text),
-                                            sampling(engine, length, speculative=i not in opt_out)))
-           for i, text in enumerate(prompts)]
-    finished, aborted = step_with_abort(engine, ids, abort_at)
-    for i, rid in enumerate(ids):
-        if rid == aborted and rid not in finished:
-            continue
-        plain = run_all(plain_engine, [prompts[i]], length=length)[0]
-        out = finished[rid]
-        assert (out.token_ids, [s[0].token_id for s in out.logprobs]) == plain
+    assert_lossless_with_abort(engine, make_engine(tiny_hybrid_mtp_engines["base"]), prompts, length, opt_out,
+                               abort_at)
 
 
 def test_what_the_hybrid_row_refuses(tiny_hybrid_mtp_engines: dict[str, Path], tiny_engine_dir: Path,
@@ -266,3 +234,21 @@ def test_what_the_hybrid_row_refuses(tiny_hybrid_mtp_engines: dict[str, Path], t
     with pytest.raises(KvforgeError, match="lacks tensor") as error:
         export_mtp(hf, tiny_hybrid_mtp_engines["base_onnx"], tmp_path / "onnx")
     assert error.value.field == "--draftDir"
+
+
+def test_a_speculative_media_request_runs_cold_undrafted_and_counted(tiny_hybrid_mtp_engines: dict[str, Path]) -> None:
+    from support.engine_driver import step_audited
+
+    from kvforge.runtime.context_cache.keys import MediaKey
+    from kvforge.runtime.multimodal.spans import MediaSpan
+
+    engine = mtp_engine(tiny_hybrid_mtp_engines, reuse=True, max_batch_size=1)
+    tokens = engine.tokenizer.encode(DOCUMENT)
+    span = MediaSpan(MediaKey(2, 4, b"image-digest"), np.full((4, engine.engine_dir.model.hidden_size), 0.1,
+                                                              dtype=np.float32))
+    for request_id in ("spec", "spec-again"):
+        engine.add_request(EngineRequest(list(tokens), sampling(engine, 6), media=(span,)), request_id)
+        step_audited(engine)
+    spec = engine.profile()["spec_decode_generation"]
+    assert spec["media_cold_requests"] == 2 and spec["total_draft_tokens"] == 0
+    assert engine.profile()["context_cache"]["reused_tokens"] == 0

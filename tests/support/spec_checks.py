@@ -81,3 +81,46 @@ def recording(engine: Engine) -> RecordingProposer:
     proposer = RecordingProposer(engine.proposer)
     engine.proposer = engine.core.proposer = proposer
     return proposer
+
+
+class OracleProposer:
+    """Wraps an engine's proposer (which runs as usual: its K/V and calls unchanged) but proposes a plain run's next
+    tokens with every third one wrong: acceptance, partial acceptance and the drafter catching up on several accepted
+    positions are exercised, which random drafts (never accepted) leave out. `answers`: prompt ids -> plain tokens."""
+
+    def __init__(self, inner, answers: dict[tuple[int, ...], list[int]]) -> None:
+        self.inner = inner
+        self.owns_kv = inner.owns_kv
+        self.answers = answers
+
+    def observe(self, rows, output, sampled) -> None:
+        self.inner.observe(rows, output, sampled)
+
+    def propose_batch(self, seqs, limits):
+        proposals = self.inner.propose_batch(seqs, limits)
+        for i, seq in enumerate(seqs):
+            if not proposals[i]:
+                continue
+            full = self.answers[tuple(seq.request.prompt_ids)]
+            done = len(seq.output_ids)
+            guess = full[done:done + len(proposals[i])]
+            proposals[i] = [t if (done + j) % 3 else (t + 1) % 200 for j, t in enumerate(guess)]
+        return proposals
+
+
+def with_oracle(engine: Engine, prompts: list[str], plain: dict) -> None:
+    """Swap an OracleProposer in, answering with `plain` (run_all's result on `prompts`)."""
+    answers = {tuple(engine.tokenizer.encode(text)): plain[i][0] for i, text in enumerate(prompts)}
+    engine.proposer = engine.core.proposer = OracleProposer(engine.proposer, answers)
+
+
+def assert_lossless_with_abort(engine: Engine, plain_engine: Engine, prompts: list[str], length: int,
+                               opt_out: set[int], abort_at: int) -> None:
+    """Every request of `prompts` (those in `opt_out` undrafted) stepped to the end with one abort at `abort_at`
+    (step_with_abort): each that finished has the tokens and top-1 ids of a plain run on `plain_engine`."""
+    ids = add_all(engine, prompts, length, opt_out)
+    finished, aborted = step_with_abort(engine, ids, abort_at)
+    for i, rid in enumerate(ids):
+        if rid == aborted and rid not in finished:
+            continue
+        assert greedy_ids(finished[rid]) == run_all(plain_engine, [prompts[i]], length=length)[0]

@@ -16,7 +16,7 @@ from kvforge.tools.export.source import LoadedModel
 SMOLLM2_NAME = "smollm2-135m-instruct"
 
 COMMANDS = ("model", "lora", "random-lora", "eagle3", "random-eagle3", "block-draft", "random-block-draft",
-            "gemma4-assistant", "random-gemma4-assistant")
+            "gemma4-assistant", "random-gemma4-assistant", "mtp", "random-mtp")
 HELP = """
 Export an LLM to an ONNX dir with kvforge paged-KV ops (no torch needed). `model` is the default
 command: `llm_export SOURCE ...` means `llm_export model SOURCE ...`.
@@ -90,6 +90,27 @@ and demos (its guesses are rarely accepted); export it with `gemma4-assistant`.
 [bold]Example[/]
 
   llm_export random-gemma4-assistant --baseOnnxDir onnx/tiny --outputDir drafts/assistant --numCentroids 7
+"""
+MTP_HELP = """
+Export the multi-token-prediction layer of a Qwen3.5 checkpoint (its `mtp.*` tensors) as a draft for that model's
+ONNX dir: standard MTP on a hybrid base. The base must return its last layer (llm_export --hiddenStateLayers N-1);
+the draft embeds with the base's table and scores with a float copy of its head. Build it with `llm_build
+--specDraft` into the base engine's draft/ folder (the base with --specBase) and run `llm_inference --specDecode
+mtp`.
+
+[bold]Example[/]
+
+  llm_export model HF/Qwen3.5-0.8B --hiddenStateLayers 23 --outputDir onnx/qwen3_5
+  llm_export mtp --draftDir HF/Qwen3.5-0.8B --baseOnnxDir onnx/qwen3_5 --outputDir onnx/qwen3_5-mtp
+"""
+RANDOM_MTP_HELP = """
+Write a random Qwen3.5 MTP layer (`mtp.*` tensors and a config.json, the checkpoint's layout) for a hybrid base's
+ONNX dir: plumbing tests and demos (its guesses are rarely accepted); export it with `mtp`.
+
+[bold]Example[/]
+
+  llm_export model --synthetic tiny-qwen3_5 --hiddenStateLayers 3 --outputDir onnx/tiny-hybrid
+  llm_export random-mtp --baseOnnxDir onnx/tiny-hybrid --outputDir drafts/mtp
 """
 LORA_HELP = """
 Convert a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) into the engine's layout
@@ -454,6 +475,43 @@ def random_gemma4_assistant(
         write_random_gemma4_assistant(base_onnx_dir, output_dir, seed=seed, num_layers=num_layers,
                                       num_centroids=num_centroids)
         console.print(f"wrote a random Gemma4 assistant checkpoint to {output_dir}")
+
+    run_guarded(body, debug, flags=EXPORT_FLAGS)
+
+
+@app.command("mtp", help=MTP_HELP, short_help="Export a Qwen3.5 checkpoint's MTP layer for its hybrid base.")
+def mtp(
+    draft_dir: Path = typer.Option(..., "--draftDir", help="The Qwen3.5 checkpoint dir holding mtp.* tensors."),
+    base_onnx_dir: Path = typer.Option(..., "--baseOnnxDir",
+                                       help="The base model's ONNX dir (llm_export with --hiddenStateLayers N-1)."),
+    output_dir: Path = typer.Option(..., "--outputDir", help="The MTP draft's ONNX dir to write."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
+) -> None:
+    def body() -> None:
+        from kvforge.contract.files import check_distinct
+        from kvforge.tools.export.qwen3_5_mtp import export_mtp
+        check_distinct({"--outputDir": output_dir}, {"--draftDir": draft_dir, "--baseOnnxDir": base_onnx_dir},
+                       outputs_are_dirs=True)
+        c = export_mtp(draft_dir, base_onnx_dir, output_dir)
+        console.print(f"exported an MTP draft (one layer, reads base layer {c.eagle_hidden_state_layers[0]}) to "
+                      f"{output_dir}")
+
+    run_guarded(body, debug, flags=EXPORT_FLAGS)
+
+
+@app.command("random-mtp", help=RANDOM_MTP_HELP, short_help="Write a random Qwen3.5 MTP layer (tests, demos).")
+def random_mtp(
+    base_onnx_dir: Path = typer.Option(..., "--baseOnnxDir", help="The hybrid base model's ONNX dir."),
+    output_dir: Path = typer.Option(..., "--outputDir", help="Checkpoint dir to write."),
+    seed: int = typer.Option(0, "--seed", help="Random seed."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
+) -> None:
+    def body() -> None:
+        from kvforge.contract.files import check_distinct
+        from kvforge.tools.export.qwen3_5_mtp import write_random_mtp
+        check_distinct({"--outputDir": output_dir}, {"--baseOnnxDir": base_onnx_dir}, outputs_are_dirs=True)
+        write_random_mtp(base_onnx_dir, output_dir, seed=seed)
+        console.print(f"wrote a random MTP layer checkpoint to {output_dir}")
 
     run_guarded(body, debug, flags=EXPORT_FLAGS)
 

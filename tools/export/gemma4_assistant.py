@@ -270,7 +270,7 @@ def export_gemma4_assistant(draft_dir: Path, base_onnx_dir: Path, output_dir: Pa
     if not draft_dir.is_dir():
         raise KvforgeError(f"no such directory {draft_dir}", FIELD)
     check_output_dir(output_dir, "--outputDir")
-    base = ModelConfig.from_dict(read_json(base_onnx_dir / "config.json", "--baseOnnxDir"))
+    base = ModelConfig.from_dict(read_json(base_onnx_dir / "config.json", "--baseOnnxDir"), "--baseOnnxDir")
     config = assistant_config(read_json(draft_dir / "config.json", FIELD), base)
     check_base_layers(base, config)
     weights = load_weights(draft_dir, config)
@@ -285,7 +285,7 @@ def write_random_gemma4_assistant(base_onnx_dir: Path, output_dir: Path, *, seed
                                   centroid_top_k: int = 2) -> Path:
     """A random-weight Gemma4 assistant in the Hugging Face format for a base's ONNX dir (tests, demos): the base's
     head geometry, `num_layers` full-attention layers, centroid-sparse logits when `num_centroids` > 0."""
-    base = ModelConfig.from_dict(read_json(Path(base_onnx_dir) / "config.json", "--baseOnnxDir"))
+    base = ModelConfig.from_dict(read_json(Path(base_onnx_dir) / "config.json", "--baseOnnxDir"), "--baseOnnxDir")
     rng = np.random.default_rng(seed)
     Hb, D, V = base.hidden_size, base.head_dim, base.vocab_size
     if num_centroids < 0 or (num_centroids and V % num_centroids):

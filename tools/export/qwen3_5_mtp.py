@@ -154,7 +154,7 @@ def export_mtp(draft_dir: Path, base_onnx_dir: Path, output_dir: Path) -> ModelC
     if not draft_dir.is_dir():
         raise KvforgeError(f"no such directory {draft_dir}", FIELD)
     check_output_dir(output_dir, "--outputDir")
-    base = ModelConfig.from_dict(read_json(base_onnx_dir / "config.json", "--baseOnnxDir"))
+    base = ModelConfig.from_dict(read_json(base_onnx_dir / "config.json", "--baseOnnxDir"), "--baseOnnxDir")
     config = mtp_config(read_json(draft_dir / "config.json", FIELD), base)
     check_base_layers(base, config)
     weights = load_weights(draft_dir, config)
@@ -169,7 +169,7 @@ def export_mtp(draft_dir: Path, base_onnx_dir: Path, output_dir: Path) -> ModelC
 def write_random_mtp(base_onnx_dir: Path, output_dir: Path, *, seed: int = 0) -> Path:
     """A random Qwen3.5 MTP layer in the checkpoint's layout (`mtp.*` tensors, a config.json with
     mtp_num_hidden_layers 1) for a hybrid base's ONNX dir: tests and demos (its guesses are rarely accepted)."""
-    base = ModelConfig.from_dict(read_json(Path(base_onnx_dir) / "config.json", "--baseOnnxDir"))
+    base = ModelConfig.from_dict(read_json(Path(base_onnx_dir) / "config.json", "--baseOnnxDir"), "--baseOnnxDir")
     check_hybrid_base(base)
     rng = np.random.default_rng(seed)
     H, inter, D = base.hidden_size, base.intermediate_size, base.head_dim

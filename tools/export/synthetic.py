@@ -36,6 +36,14 @@ SYNTHETIC_MODELS: dict[str, tuple[str, dict]] = {
                                  "partial_rotary_factor": 0.25, "layer_types": ["mamba", "attention"] * 2,
                                  "recurrent_state_num_heads": 4, "recurrent_state_head_dim": 16,
                                  "recurrent_state_size": 16, "n_groups": 2, "conv_kernel": 4}),
+    # For benchmarks: Qwen3.5-0.8B's widths as we read its config (hidden 1024, 8/2 heads of 256 rotating 64, delta-nets
+    # with 16 key and 16 value heads of 128), 8 of its 24 layers in its 3:1 pattern.
+    "small-qwen3_5": ("qwen3_5", {"num_hidden_layers": 8, "hidden_size": 1024, "intermediate_size": 3584,
+                                  "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256,
+                                  "qk_norm": True, "partial_rotary_factor": 0.25,
+                                  "layer_types": ["mamba", "mamba", "mamba", "attention"] * 2,
+                                  "recurrent_state_num_heads": 16, "recurrent_state_head_dim": 128,
+                                  "recurrent_state_size": 128, "n_groups": 16, "conv_kernel": 4}),
 }
 
 
