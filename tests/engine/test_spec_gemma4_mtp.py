@@ -12,7 +12,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.engine_driver import make_engine, step_audited
-from support.spec_checks import assert_lossless_with_abort, recording, run_all, sampling, with_oracle
+from support.spec_checks import (
+    assert_lossless_with_abort,
+    assert_media_runs_cold,
+    recording,
+    run_all,
+    sampling,
+    with_oracle,
+)
 
 from kvforge.builder.build import build_engine
 from kvforge.contract.engine_dir import (
@@ -216,16 +223,4 @@ def test_kvforge_llm_takes_a_gemma4_assistant(tiny_gemma4_mtp_engines: dict[str,
 
 
 def test_a_speculative_media_request_runs_cold_undrafted_and_counted(tiny_gemma4_mtp_engines: dict[str, Path]) -> None:
-    from kvforge.runtime.context_cache.keys import MediaKey
-    from kvforge.runtime.multimodal.spans import MediaSpan
-
-    engine = spec_engine(tiny_gemma4_mtp_engines, reuse=True)
-    tokens = engine.tokenizer.encode(DOCUMENT)
-    span = MediaSpan(MediaKey(2, 4, b"image-digest"), np.full((4, engine.engine_dir.model.hidden_size), 0.1,
-                                                              dtype=np.float32))
-    for request_id in ("spec", "spec-again"):
-        engine.add_request(EngineRequest(list(tokens), sampling(engine, 6), media=(span,)), request_id)
-        step_audited(engine)
-    spec = engine.profile()["spec_decode_generation"]
-    assert spec["media_cold_requests"] == 2 and spec["total_draft_tokens"] == 0
-    assert engine.profile()["context_cache"]["reused_tokens"] == 0
+    assert_media_runs_cold(spec_engine(tiny_gemma4_mtp_engines, reuse=True), DOCUMENT)

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.engine_driver import make_engine
-from support.spec_checks import assert_lossless_with_abort, run_all, sampling, with_oracle
+from support.spec_checks import assert_lossless_with_abort, assert_media_runs_cold, run_all, sampling, with_oracle
 
 from kvforge.contract.engine_dir import (
     BASE_HIDDEN_INPUT,
@@ -237,18 +237,4 @@ def test_what_the_hybrid_row_refuses(tiny_hybrid_mtp_engines: dict[str, Path], t
 
 
 def test_a_speculative_media_request_runs_cold_undrafted_and_counted(tiny_hybrid_mtp_engines: dict[str, Path]) -> None:
-    from support.engine_driver import step_audited
-
-    from kvforge.runtime.context_cache.keys import MediaKey
-    from kvforge.runtime.multimodal.spans import MediaSpan
-
-    engine = mtp_engine(tiny_hybrid_mtp_engines, reuse=True, max_batch_size=1)
-    tokens = engine.tokenizer.encode(DOCUMENT)
-    span = MediaSpan(MediaKey(2, 4, b"image-digest"), np.full((4, engine.engine_dir.model.hidden_size), 0.1,
-                                                              dtype=np.float32))
-    for request_id in ("spec", "spec-again"):
-        engine.add_request(EngineRequest(list(tokens), sampling(engine, 6), media=(span,)), request_id)
-        step_audited(engine)
-    spec = engine.profile()["spec_decode_generation"]
-    assert spec["media_cold_requests"] == 2 and spec["total_draft_tokens"] == 0
-    assert engine.profile()["context_cache"]["reused_tokens"] == 0
+    assert_media_runs_cold(mtp_engine(tiny_hybrid_mtp_engines, reuse=True, max_batch_size=1), DOCUMENT)

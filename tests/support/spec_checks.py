@@ -124,3 +124,23 @@ def assert_lossless_with_abort(engine: Engine, plain_engine: Engine, prompts: li
         if rid == aborted and rid not in finished:
             continue
         assert greedy_ids(finished[rid]) == run_all(plain_engine, [prompts[i]], length=length)[0]
+
+
+def assert_media_runs_cold(engine: Engine, text: str) -> None:
+    """The support matrix's bypassed row: two speculative requests with the same image run undrafted and cold (no
+    lookup, nothing published to hit), counted in the profile."""
+    import numpy as np
+
+    from kvforge.runtime.context_cache.keys import MediaKey
+    from kvforge.runtime.multimodal.spans import MediaSpan
+    from support.engine_driver import step_audited
+
+    tokens = engine.tokenizer.encode(text)
+    span = MediaSpan(MediaKey(2, 4, b"image-digest"), np.full((4, engine.engine_dir.model.hidden_size), 0.1,
+                                                              dtype=np.float32))
+    for request_id in ("spec", "spec-again"):
+        engine.add_request(EngineRequest(list(tokens), sampling(engine, 6), media=(span,)), request_id)
+        step_audited(engine)
+    spec = engine.profile()["spec_decode_generation"]
+    assert spec["media_cold_requests"] == 2 and spec["total_draft_tokens"] == 0
+    assert engine.profile()["context_cache"]["reused_tokens"] == 0
