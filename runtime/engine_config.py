@@ -255,18 +255,22 @@ def resolve_engine_config(config: EngineConfig, engine: EngineDir, *, num_pages:
                                 "matrix's endpoint-only capture); use 0", "snapshot_interval_tokens")
         checkpoints = CheckpointPolicy(True, message_boundaries=False, interval_tokens=0)
     draft = _resolve_draft(config, engine, deployment)
-    _check_memory(config, engine, draft)
+    # Hybrid MTP checkpoints keep a draft tail (at most a page of the base's hidden states) beside each recurrent
+    # snapshot, so the recurrent budget's slots bound them.
+    tails = recurrent * build.tokens_per_page * engine.model.hidden_size * 4 if draft and config.spec_decode == \
+        SPEC_MTP else 0
+    _check_memory(config, engine, draft, tails)
     return ResolvedConfig(deployment, budget, rows, chunk, pages, partial, recurrent, checkpoints,
                           chain_root(engine_fingerprint(engine)), draft)
 
 
-def _check_memory(config: EngineConfig, engine: EngineDir, draft: EngineDir | None) -> None:
+def _check_memory(config: EngineConfig, engine: EngineDir, draft: EngineDir | None, draft_tail_bytes: int = 0) -> None:
     """Everything this engine holds in host memory against what the machine has available now, before any of it
     is allocated: a budget beyond it would end in a MemoryError, or in the kernel killing the run as pages fill.
     The flag named is the snapshot budget when that alone is the excess, else the pool (rebuild it smaller)."""
     needs = {"KV pool": engine.kv_pool_bytes + engine.rope_bytes, "weights": engine.weight_bytes,
              "partial-KV snapshots": config.context_cache_partial_kv_snapshot_pool_bytes,
-             "recurrent snapshots": config.context_cache_recurrent_snapshot_pool_bytes,
+             "recurrent snapshots": config.context_cache_recurrent_snapshot_pool_bytes + draft_tail_bytes,
              "draft": draft.kv_pool_bytes + draft.rope_bytes + draft.weight_bytes if draft else 0}
     have = available_memory_bytes()
     if have is None or sum(needs.values()) <= have:
