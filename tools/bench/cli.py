@@ -65,7 +65,7 @@ template), decodes exactly --maxTokens greedy tokens (end of sequence suppressed
 --repeats times from an empty cache; figures are medians.
 
 [bold]Engines[/] (--engine, repeatable): \
-[bold][NAME=][KIND:]PATH[,reuse=on|off][,spec=ngram|eagle3|dflash|dspark][,draftStep=N][,draftTopK=K][/]
+[bold][NAME=][KIND:]PATH[,reuse=on|off][,spec=ngram|eagle3|dflash|dspark|gemma4_mtp|mtp][,draftStep=N][,draftTopK=K][/]
 
   DIR                    a kvforge engine dir, or an ONNX dir (built on the fly into --workDir)
   DIR,reuse=off          the same without context reuse
@@ -478,7 +478,7 @@ app = typer.Typer(add_completion=False, rich_markup_mode="rich", help=APP_HELP)
 @app.command(help=APP_HELP)
 def main_command(
     engine: list[str] | None = typer.Option(None, "--engine",
-                                            metavar="[NAME=][KIND:]PATH[,reuse=on|off][,spec=ngram|eagle3|dflash|dspark][,draftStep=N]"
+                                            metavar="[NAME=][KIND:]PATH[,reuse=on|off][,spec=ngram|eagle3|dflash|dspark|gemma4_mtp|mtp][,draftStep=N]"
                                             "[,draftTopK=K]",
                                             help="An engine to measure (repeatable); see above, e.g. --engine "
                                             "out/onnx/smollm2,spec=ngram or --engine llama.cpp,spec=ngram."),

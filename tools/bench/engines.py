@@ -66,7 +66,7 @@ class EngineSpec:
 
 
 def parse_engine(text: str) -> EngineSpec:
-    """`[NAME=][KIND:]PATH[,reuse=on|off][,spec=ngram|eagle3|dflash|dspark|off][,draftStep=N][,draftTopK=K]`;
+    """`[NAME=][KIND:]PATH[,reuse=on|off][,spec=ngram|eagle3|dflash|dspark|gemma4_mtp|mtp|off][,draftStep=N][,draftTopK=K]`;
     KIND defaults to kvforge; a GGUF peer without PATH runs SmolLM2. Without NAME: the dir's name (kvforge) or the
     kind, then
     `-noreuse` for reuse=off and `+ngram` (`+ngram-kN` with draftStep, `-topK` with draftTopK) for spec=."""
@@ -99,7 +99,7 @@ def parse_engine(text: str) -> EngineSpec:
                                f"{value!r}", FIELD)
         else:
             raise KvforgeError(f"{text!r}: unknown option {option!r} (options: reuse=on|off, "
-                               "spec=ngram|eagle3|dflash|dspark|off, draftStep=N, draftTopK=K)", FIELD)
+                               "spec=ngram|eagle3|dflash|dspark|gemma4_mtp|mtp|off, draftStep=N, draftTopK=K)", FIELD)
     if (spec != SPEC_OFF or draft_step is not None) and kind not in SPEC_KINDS:
         raise KvforgeError(f"{text!r}: spec= and draftStep= apply to kvforge and llama.cpp engines only (prompt "
                            "lookup)", FIELD)
