@@ -22,6 +22,11 @@ path, and keeps the best k children as the next frontier, for k - 1 rounds. A ro
 drawn so far as one masked row (position C - 1 + depth, each node seeing its ancestors): the kernel's mask covers
 only the new tokens of a call, and a few dozen positions of a one-layer draft cost about one call's weight reads.
 The best `verify_nodes` nodes by score form the proposal; a child never outscores its parent, so they are a tree.
+
+Qwen3.5's MTP layer keeps this contract (its K/V at p also read token p + 1), so this drafter runs it on a hybrid
+base too, over the whole vocabulary (d2t zeros), with `rolls_back` (the base's recurrent rollback commits nothing
+for a rejected row until its kept tokens are recomputed) and `keep_hidden` (the last page of base hidden states,
+which a checkpoint stores so that a hit can replay the draft's tail).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import numpy as np
 
 from kvforge.contract.engine_dir import BASE_HIDDEN_INPUT, DRAFT_HIDDEN_INPUT
 from kvforge.runtime.backend import Backend, StepInputs
+from kvforge.runtime.context_cache.lease import Lease
 from kvforge.runtime.context_cache.manager import ContextCacheManager
 from kvforge.runtime.model_executor import BatchOutput
 from kvforge.runtime.sampling import SampleResult, log_softmax, top_ids
@@ -135,7 +141,7 @@ class Eagle3Proposer:
                 state.top_ids, state.top_scores = self._top(row_logits[0])
             seq.draft_state = state
 
-    def _keep(self, lease, first: int, base: np.ndarray) -> None:
+    def _keep(self, lease: Lease, first: int, base: np.ndarray) -> None:
         """The lease's last `keep_hidden` base hidden states, through position first + len(base) - 1."""
         old, offset = lease.draft_hidden, lease.draft_hidden_start
         if old is not None and offset <= first <= offset + len(old):
