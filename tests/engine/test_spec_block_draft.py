@@ -26,7 +26,8 @@ from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.spec.block_draft import DsparkHeads, schedule
 from kvforge.runtime.tree_attention import causal_masks, start_positions
 from kvforge.runtime.types import SamplingParams
-from kvforge.tools.export.block_draft import base_head, export_block_draft, load_weights, write_random_block_draft
+from kvforge.tools.export.block_draft import export_block_draft, load_weights, write_random_block_draft
+from kvforge.tools.export.draft_files import base_head
 
 PROMPTS = ["abc abc abc abc abc abc abc", "the cat sat on the mat, the cat sat on the", "x" * 30, "0123456789" * 3]
 DOCUMENT = "a shared document: three full pages of sixteen bytes."  # 53 tokens (byte-level tokenizer)

@@ -25,8 +25,7 @@ from kvforge.contract.safetensors_map import map_tensor
 from kvforge.runtime.backend import StepInputs
 from kvforge.runtime.backends import load_backend
 from kvforge.runtime.sequence import EngineRequest
-from kvforge.tools.export.block_draft import base_head
-from kvforge.tools.export.gemma4_assistant import base_final_norm
+from kvforge.tools.export.draft_files import base_final_norm, base_head
 from kvforge.tools.export.qwen3_5_mtp import export_mtp, load_weights, write_random_mtp
 
 PROMPTS = ["abc abc abc abc abc abc abc", "the cat sat on the mat, the cat sat on the", "x" * 30, "0123456789" * 3]

@@ -29,33 +29,36 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 from safetensors.numpy import save_file
 
 from kvforge.contract.engine_dir import (
     BASE_HIDDEN_INPUT,
     CONTEXT_TOKEN_MASK_INPUT,
     DSPARK_HEADS_FILE,
-    EMBEDDING_FILE,
-    EMBEDDING_TENSOR,
-    ENGINE_MODEL_FILE,
 )
 from kvforge.contract.errors import KvforgeError
-from kvforge.contract.files import check_output_dir, read_json, write_json
+from kvforge.contract.files import read_json, write_json
 from kvforge.contract.formats import EXPORT_FORMAT
 from kvforge.contract.model_config import MAX_BLOCK_SIZE, SPEC_DFLASH, SPEC_DSPARK, ModelConfig
-from kvforge.contract.safetensors_map import map_tensor
 from kvforge.graph.onnx_graph import OPSET, GraphWriter, value_info
 from kvforge.graph.positions import gather_positions, hidden_states_output, logits_output
 from kvforge.graph.rope import apply_rope
 from kvforge.plugins import ops
-from kvforge.tools.export.draft_files import check_base_layers, draft_graph_inputs, write_draft_dir
+from kvforge.tools.export.draft_files import (
+    base_embedding,
+    base_head,
+    check_base_layers,
+    draft_graph_inputs,
+    open_draft_export,
+    weight_ops,
+    write_draft_dir,
+)
 from kvforge.tools.export.hf_common import read_safetensors_header, read_tensor, safetensors_files
 from kvforge.tools.export.llama_graph import POOL_ELEM_TYPES, pool_input_name, pool_output_name, rope_inputs
 
 ARCHITECTURES = {"DFlashDraftModel": SPEC_DFLASH, "DSparkDraftModel": SPEC_DSPARK}
 FIELD = "--draftDir"
-BASE_HEAD_INITIALIZER = "lm_head.weight"  # llama_graph's float head, stored [H, V]
 _LAYER = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
           "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight", "self_attn.q_norm.weight",
           "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
@@ -186,23 +189,6 @@ def _dspark_heads(read: Any, names: list[str], config: ModelConfig) -> dict[str,
     return {"markov_w1": w1, "markov_w2": w2, "accept_weight": accept, "accept_bias": bias}
 
 
-def base_head(base_onnx_dir: Path, base: ModelConfig) -> np.ndarray:
-    """The base's LM head [V, H] float32: its tied embedding table, or its float head initializer."""
-    if base.tie_word_embeddings:
-        return np.asarray(map_tensor(base_onnx_dir / EMBEDDING_FILE, EMBEDDING_TENSOR), dtype=np.float32)
-    model = onnx.load(str(base_onnx_dir / ENGINE_MODEL_FILE), load_external_data=False)
-    found = next((t for t in model.graph.initializer if t.name == BASE_HEAD_INITIALIZER), None)
-    if found is None:
-        raise KvforgeError("the base's LM head is not a float matrix (a quantized head); re-export the base with "
-                           "--lmHead float so its draft can score with it", "--baseOnnxDir")
-    onnx.external_data_helper.load_external_data_for_tensor(found, str(base_onnx_dir))
-    head = numpy_helper.to_array(found).astype(np.float32).T
-    if head.shape != (base.vocab_size, base.hidden_size):
-        raise KvforgeError(f"the base's {BASE_HEAD_INITIALIZER} is {list(head.shape)}, expected "
-                           f"{[base.vocab_size, base.hidden_size]}", "--baseOnnxDir")
-    return np.ascontiguousarray(head)
-
-
 def build_block_draft_graph(config: ModelConfig, weights: dict[str, np.ndarray], head: np.ndarray) -> onnx.ModelProto:
     """The draft as an engine graph (see the module docstring): logits [N, V] and the normed last layer [N, H] at
     logits_indices."""
@@ -211,11 +197,7 @@ def build_block_draft_graph(config: ModelConfig, weights: dict[str, np.ndarray],
     eps = config.rms_norm_eps
     rope_cos, rope_sin = rope_inputs(g, "inputs_embeds")
 
-    def w(name: str) -> str:
-        return g.weight(name, weights[name])
-
-    def linear(x: str, name: str) -> str:
-        return g.matmul(x, g.weight(name, np.ascontiguousarray(weights[name].T)))
+    w, linear = weight_ops(g, weights)
 
     def head_norm(x: str, n: int, weight: str) -> str:
         return g.reshape(g.rms_norm(g.reshape(x, [0, 0, n, D]), w(weight), eps), [0, 0, n * D])
@@ -267,19 +249,15 @@ def export_block_draft(draft_dir: Path, base_onnx_dir: Path, output_dir: Path) -
     """Write the draft's ONNX dir: model.onnx (with a float copy of the base's head), config.json, the base's
     embedding table, and DSpark's heads. The base must return the hidden states the draft reads."""
     draft_dir, base_onnx_dir = Path(draft_dir), Path(base_onnx_dir)
-    if not draft_dir.is_dir():
-        raise KvforgeError(f"no such directory {draft_dir}", FIELD)
-    check_output_dir(output_dir, "--outputDir")
-    base = ModelConfig.from_dict(read_json(base_onnx_dir / "config.json", "--baseOnnxDir"))
+    hf, base = open_draft_export(draft_dir, base_onnx_dir, output_dir, FIELD)
     if base.is_hybrid or base.is_recurrent:
         raise KvforgeError(f"a block draft needs an attention-only base; {base.model} has recurrent layers (the "
                            "support matrix rejects hybrid DFlash/JetSpec/DSpark)", "--baseOnnxDir")
-    config = draft_config(read_json(draft_dir / "config.json", FIELD), base)
+    config = draft_config(hf, base)
     check_base_layers(base, config)
     weights, dspark = load_weights(draft_dir, config)
-    head = base_head(base_onnx_dir, base)
-    embed = np.asarray(map_tensor(base_onnx_dir / EMBEDDING_FILE, EMBEDDING_TENSOR), dtype=np.float32)
-    write_draft_dir(output_dir, build_block_draft_graph(config, weights, head), config, embed,
+    write_draft_dir(output_dir, build_block_draft_graph(config, weights, base_head(base_onnx_dir, base)), config,
+                    base_embedding(base_onnx_dir),
                     {DSPARK_HEADS_FILE: dspark} if dspark else {})
     return config
 

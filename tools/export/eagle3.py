@@ -29,19 +29,23 @@ from kvforge.contract.engine_dir import (
     D2T_FILE,
     D2T_TENSOR,
     DRAFT_HIDDEN_INPUT,
-    EMBEDDING_FILE,
-    EMBEDDING_TENSOR,
 )
 from kvforge.contract.errors import KvforgeError
-from kvforge.contract.files import check_output_dir, read_json, write_json
+from kvforge.contract.files import read_json, write_json
 from kvforge.contract.formats import EXPORT_FORMAT
 from kvforge.contract.model_config import SPEC_EAGLE3, ModelConfig
-from kvforge.contract.safetensors_map import map_tensor
 from kvforge.graph.onnx_graph import OPSET, GraphWriter, value_info
 from kvforge.graph.positions import gather_positions, hidden_states_output, logits_output
 from kvforge.graph.rope import apply_rope
 from kvforge.plugins import ops
-from kvforge.tools.export.draft_files import check_base_layers, draft_graph_inputs, write_draft_dir
+from kvforge.tools.export.draft_files import (
+    base_embedding,
+    check_base_layers,
+    draft_graph_inputs,
+    open_draft_export,
+    weight_ops,
+    write_draft_dir,
+)
 from kvforge.tools.export.hf_common import read_safetensors_header, read_tensor, safetensors_files
 from kvforge.tools.export.llama_graph import POOL_ELEM_TYPES, pool_input_name, pool_output_name, rope_inputs
 
@@ -173,11 +177,7 @@ def build_eagle3_graph(config: ModelConfig, weights: dict[str, np.ndarray]) -> o
     eps = config.rms_norm_eps
     rope_cos, rope_sin = rope_inputs(g, "inputs_embeds")
 
-    def w(name: str) -> str:
-        return g.weight(name, weights[name])
-
-    def linear(x: str, name: str) -> str:
-        return g.matmul(x, g.weight(name, np.ascontiguousarray(weights[name].T)))
+    w, linear = weight_ops(g, weights)
 
     pool = POOL_ELEM_TYPES[config.kv_cache_dtype]
     pool_shape = ["num_pages", 2, kv, "tokens_per_page", D]
@@ -216,15 +216,12 @@ def export_eagle3(draft_dir: Path, base_onnx_dir: Path, output_dir: Path) -> Mod
     """Write the draft's ONNX dir: model.onnx, config.json, d2t.safetensors, and its embedding table (its own, or
     the base's). The base's ONNX dir must return the hidden states the draft reads (llm_export --hiddenStateLayers)."""
     draft_dir, base_onnx_dir = Path(draft_dir), Path(base_onnx_dir)
-    if not draft_dir.is_dir():
-        raise KvforgeError(f"no such directory {draft_dir}", FIELD)
-    check_output_dir(output_dir, "--outputDir")
-    base = ModelConfig.from_dict(read_json(base_onnx_dir / "config.json", "--baseOnnxDir"))
-    config = draft_config(read_json(draft_dir / "config.json", FIELD), base)
+    hf, base = open_draft_export(draft_dir, base_onnx_dir, output_dir, FIELD)
+    config = draft_config(hf, base)
     check_base_layers(base, config)
     weights, d2t, embed = load_weights(draft_dir, config)
     if embed is None:
-        embed = np.asarray(map_tensor(base_onnx_dir / EMBEDDING_FILE, EMBEDDING_TENSOR), dtype=np.float32)
+        embed = base_embedding(base_onnx_dir)
     if embed.shape != (config.vocab_size, config.hidden_size):
         raise KvforgeError(f"the embedding table is {list(embed.shape)}, the draft needs "
                            f"{[config.vocab_size, config.hidden_size]} (a draft narrower than its base needs its own "

@@ -31,29 +31,31 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from kvforge.contract.engine_dir import (
     BASE_HIDDEN_INPUT,
-    BASE_NORM_EPS_TENSOR,
     BASE_NORM_FILE,
-    BASE_NORM_TENSOR,
-    EMBEDDING_FILE,
-    EMBEDDING_TENSOR,
-    ENGINE_MODEL_FILE,
     HIDDEN_STATES,
 )
 from kvforge.contract.errors import KvforgeError
-from kvforge.contract.files import check_output_dir, read_json, write_json
+from kvforge.contract.files import read_json, write_json
 from kvforge.contract.model_config import SPEC_GEMMA4_MTP, ModelConfig
-from kvforge.contract.safetensors_map import map_tensor
 from kvforge.graph.onnx_graph import FLOAT, OPSET, GraphWriter, value_info
 from kvforge.graph.positions import NUM_POSITIONS, gather_positions, logits_output
 from kvforge.graph.rope import apply_rope
 from kvforge.plugins import ops
-from kvforge.tools.export.draft_files import check_base_layers, draft_graph_inputs, write_draft_dir
+from kvforge.tools.export.draft_files import (
+    base_embedding,
+    base_final_norm,
+    check_base_layers,
+    draft_graph_inputs,
+    open_draft_export,
+    weight_ops,
+    write_draft_dir,
+)
 from kvforge.tools.export.hf_common import read_safetensors_header, read_tensor, safetensors_files
 from kvforge.tools.export.llama_graph import POOL_ELEM_TYPES, pool_input_name, rope_inputs
 
@@ -175,19 +177,6 @@ def load_weights(path: Path, config: ModelConfig) -> dict[str, np.ndarray]:
     return out
 
 
-def base_final_norm(base_onnx_dir: Path, base: ModelConfig) -> dict[str, np.ndarray]:
-    """The base's final norm (weight and eps), which turns its last layer's output into the assistant's input."""
-    model = onnx.load(str(Path(base_onnx_dir) / ENGINE_MODEL_FILE), load_external_data=False)
-    found = next((t for t in model.graph.initializer if t.name == "model.norm.weight"), None)
-    if found is None:
-        raise KvforgeError("the base graph has no model.norm.weight initializer (a kvforge base export has one)",
-                           "--baseOnnxDir")
-    if onnx.external_data_helper.uses_external_data(found):
-        onnx.external_data_helper.load_external_data_for_tensor(found, str(base_onnx_dir))
-    return {BASE_NORM_TENSOR: numpy_helper.to_array(found).astype(np.float32),
-            BASE_NORM_EPS_TENSOR: np.array([base.rms_norm_eps], dtype=np.float32)}
-
-
 def _gelu_tanh(g: GraphWriter, x: str) -> str:
     """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))): opset 19 has no Gelu."""
     cube = g.mul(g.mul(x, x), x)
@@ -204,11 +193,7 @@ def build_assistant_graph(config: ModelConfig, weights: dict[str, np.ndarray]) -
     eps = config.rms_norm_eps
     rope_cos, rope_sin = rope_inputs(g, "inputs_embeds")
 
-    def w(name: str) -> str:
-        return g.weight(name, weights[name])
-
-    def linear(x: str, name: str) -> str:
-        return g.matmul(x, g.weight(name, np.ascontiguousarray(weights[name].T)))
+    w, linear = weight_ops(g, weights)
 
     inputs = draft_graph_inputs(config)
     pool_shape = ["num_pages", 2, kv, "tokens_per_page", D]
@@ -267,15 +252,11 @@ def export_gemma4_assistant(draft_dir: Path, base_onnx_dir: Path, output_dir: Pa
     """Write the assistant's ONNX dir: model.onnx, config.json, the base's embedding table and final norm. The base
     must return its last layer's hidden state (--hiddenStateLayers N-1)."""
     draft_dir, base_onnx_dir = Path(draft_dir), Path(base_onnx_dir)
-    if not draft_dir.is_dir():
-        raise KvforgeError(f"no such directory {draft_dir}", FIELD)
-    check_output_dir(output_dir, "--outputDir")
-    base = ModelConfig.from_dict(read_json(base_onnx_dir / "config.json", "--baseOnnxDir"), "--baseOnnxDir")
-    config = assistant_config(read_json(draft_dir / "config.json", FIELD), base)
+    hf, base = open_draft_export(draft_dir, base_onnx_dir, output_dir, FIELD)
+    config = assistant_config(hf, base)
     check_base_layers(base, config)
     weights = load_weights(draft_dir, config)
-    embed = np.asarray(map_tensor(base_onnx_dir / EMBEDDING_FILE, EMBEDDING_TENSOR), dtype=np.float32)
-    write_draft_dir(output_dir, build_assistant_graph(config, weights), config, embed,
+    write_draft_dir(output_dir, build_assistant_graph(config, weights), config, base_embedding(base_onnx_dir),
                     {BASE_NORM_FILE: base_final_norm(base_onnx_dir, base)})
     return config
 

@@ -29,21 +29,26 @@ from safetensors.numpy import save_file
 
 from kvforge.contract.engine_dir import (
     BASE_HIDDEN_INPUT,
+    BASE_NORM_EPS_TENSOR,
+    BASE_NORM_TENSOR,
     DRAFT_HIDDEN_INPUT,
-    EMBEDDING_FILE,
-    EMBEDDING_TENSOR,
     HIDDEN_STATES,
 )
 from kvforge.contract.errors import KvforgeError
-from kvforge.contract.files import check_output_dir, read_json, write_json
+from kvforge.contract.files import read_json, write_json
 from kvforge.contract.model_config import SPEC_MTP, ModelConfig
-from kvforge.contract.safetensors_map import map_tensor
 from kvforge.graph.onnx_graph import FLOAT, OPSET, GraphWriter, value_info
 from kvforge.graph.positions import NUM_POSITIONS, gather_positions, logits_output
 from kvforge.plugins import ops
-from kvforge.tools.export.block_draft import base_head
-from kvforge.tools.export.draft_files import check_base_layers, draft_graph_inputs, write_draft_dir
-from kvforge.tools.export.gemma4_assistant import base_final_norm
+from kvforge.tools.export.draft_files import (
+    base_embedding,
+    base_final_norm,
+    base_head,
+    check_base_layers,
+    draft_graph_inputs,
+    open_draft_export,
+    write_draft_dir,
+)
 from kvforge.tools.export.hf_common import read_safetensors_header, read_tensor, safetensors_files
 from kvforge.tools.export.llama_graph import rope_inputs
 from kvforge.tools.export.qwen3_5_graph import centred_norm, fused_linears, gated_attention, linear
@@ -151,18 +156,14 @@ def export_mtp(draft_dir: Path, base_onnx_dir: Path, output_dir: Path) -> ModelC
     the base's head and final norm), config.json and the base's embedding table. The base must return its last
     layer's hidden state (--hiddenStateLayers N-1)."""
     draft_dir, base_onnx_dir = Path(draft_dir), Path(base_onnx_dir)
-    if not draft_dir.is_dir():
-        raise KvforgeError(f"no such directory {draft_dir}", FIELD)
-    check_output_dir(output_dir, "--outputDir")
-    base = ModelConfig.from_dict(read_json(base_onnx_dir / "config.json", "--baseOnnxDir"), "--baseOnnxDir")
-    config = mtp_config(read_json(draft_dir / "config.json", FIELD), base)
+    hf, base = open_draft_export(draft_dir, base_onnx_dir, output_dir, FIELD)
+    config = mtp_config(hf, base)
     check_base_layers(base, config)
     weights = load_weights(draft_dir, config)
     norm = base_final_norm(base_onnx_dir, base)
-    head = base_head(base_onnx_dir, base)
-    embed = np.asarray(map_tensor(base_onnx_dir / EMBEDDING_FILE, EMBEDDING_TENSOR), dtype=np.float32)
-    model = build_mtp_graph(config, weights, head, norm["norm.weight"], float(norm["norm.eps"][0]))
-    write_draft_dir(output_dir, model, config, embed, {})
+    model = build_mtp_graph(config, weights, base_head(base_onnx_dir, base), norm[BASE_NORM_TENSOR],
+                            float(norm[BASE_NORM_EPS_TENSOR][0]))
+    write_draft_dir(output_dir, model, config, base_embedding(base_onnx_dir), {})
     return config
 
 
