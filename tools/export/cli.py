@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import typer
 
 from kvforge.cli_common import EXPORT_FLAGS, console, progress_bar, run_app, run_guarded
 from kvforge.contract.errors import KvforgeError
-from kvforge.contract.model_config import KV_CACHE_DTYPES
+from kvforge.contract.model_config import KV_CACHE_DTYPES, ModelConfig
 from kvforge.tools.export.source import LoadedModel
 
 SMOLLM2_NAME = "smollm2-135m-instruct"
@@ -350,6 +352,47 @@ def random_lora(
     run_guarded(body, debug, flags=EXPORT_FLAGS)
 
 
+def _export_draft(target: str, draft_dir: Path, base_onnx_dir: Path, output_dir: Path, debug: bool,
+                  describe: Callable[[ModelConfig], str]) -> None:
+    """What every draft export command does: distinct paths, the exporter `target` ("module:function", imported
+    only now so --help stays fast), and one line saying what it wrote."""
+    def body() -> None:
+        from kvforge.contract.files import check_distinct
+        check_distinct({"--outputDir": output_dir}, {"--draftDir": draft_dir, "--baseOnnxDir": base_onnx_dir},
+                       outputs_are_dirs=True)
+        module, name = target.split(":")
+        config = getattr(importlib.import_module(module), name)(draft_dir, base_onnx_dir, output_dir)
+        console.print(f"exported {describe(config)} to {output_dir}")
+
+    run_guarded(body, debug, flags=EXPORT_FLAGS)
+
+
+def _write_random_draft(target: str, base_onnx_dir: Path, output_dir: Path, debug: bool, what: str,
+                        check: Callable[[], None] = lambda: None, **options: object) -> None:
+    """What every random-draft command does: its own `check`, distinct paths, the writer `target` ("module:function")
+    with `options`, and one line saying what it wrote."""
+    def body() -> None:
+        from kvforge.contract.files import check_distinct
+        check()
+        check_distinct({"--outputDir": output_dir}, {"--baseOnnxDir": base_onnx_dir}, outputs_are_dirs=True)
+        module, name = target.split(":")
+        getattr(importlib.import_module(module), name)(base_onnx_dir, output_dir, **options)
+        console.print(f"wrote a random {what} checkpoint to {output_dir}")
+
+    run_guarded(body, debug, flags=EXPORT_FLAGS)
+
+
+def _check_num_layers(num_layers: int) -> Callable[[], None]:
+    def check() -> None:
+        if not 1 <= num_layers <= 64:
+            raise KvforgeError(f"must be in [1, 64], got {num_layers}", "--numLayers")
+    return check
+
+
+def _assistant_logits(c: ModelConfig) -> str:
+    return f"{c.num_centroids} centroids, top {c.centroid_top_k}" if c.num_centroids else "a dense head"
+
+
 @app.command("eagle3", help=EAGLE3_HELP, short_help="Export an EAGLE3 draft for a base ONNX dir.")
 def eagle3(
     draft_dir: Path = typer.Option(..., "--draftDir", help="EAGLE3 draft checkpoint dir (config.json + safetensors)."),
@@ -358,16 +401,9 @@ def eagle3(
     output_dir: Path = typer.Option(..., "--outputDir", help="The draft's ONNX dir to write."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
-    def body() -> None:
-        from kvforge.contract.files import check_distinct
-        from kvforge.tools.export.eagle3 import export_eagle3
-        check_distinct({"--outputDir": output_dir}, {"--draftDir": draft_dir, "--baseOnnxDir": base_onnx_dir},
-                       outputs_are_dirs=True)
-        c = export_eagle3(draft_dir, base_onnx_dir, output_dir)
-        console.print(f"exported an EAGLE3 draft (hidden {c.hidden_size}, draft vocabulary {c.draft_vocab_size}, "
-                      f"reads base layers {c.eagle_hidden_state_layers}) to {output_dir}")
-
-    run_guarded(body, debug, flags=EXPORT_FLAGS)
+    _export_draft("kvforge.tools.export.eagle3:export_eagle3", draft_dir, base_onnx_dir, output_dir, debug,
+                  lambda c: f"an EAGLE3 draft (hidden {c.hidden_size}, draft vocabulary {c.draft_vocab_size}, "
+                            f"reads base layers {c.eagle_hidden_state_layers})")
 
 
 @app.command("random-eagle3", help=RANDOM_EAGLE3_HELP, short_help="Write a random EAGLE3 draft (tests, demos).")
@@ -378,14 +414,8 @@ def random_eagle3(
     seed: int = typer.Option(0, "--seed", help="Random seed."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
-    def body() -> None:
-        from kvforge.contract.files import check_distinct
-        from kvforge.tools.export.eagle3 import write_random_eagle3
-        check_distinct({"--outputDir": output_dir}, {"--baseOnnxDir": base_onnx_dir}, outputs_are_dirs=True)
-        write_random_eagle3(base_onnx_dir, output_dir, draft_vocab_size=draft_vocab, seed=seed)
-        console.print(f"wrote a random EAGLE3 draft checkpoint to {output_dir}")
-
-    run_guarded(body, debug, flags=EXPORT_FLAGS)
+    _write_random_draft("kvforge.tools.export.eagle3:write_random_eagle3", base_onnx_dir, output_dir, debug,
+                        "EAGLE3 draft", draft_vocab_size=draft_vocab, seed=seed)
 
 
 @app.command("block-draft", help=BLOCK_DRAFT_HELP, short_help="Export a DFlash or DSpark draft for a base ONNX dir.")
@@ -396,16 +426,9 @@ def block_draft(
     output_dir: Path = typer.Option(..., "--outputDir", help="The draft's ONNX dir to write."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
-    def body() -> None:
-        from kvforge.contract.files import check_distinct
-        from kvforge.tools.export.block_draft import export_block_draft
-        check_distinct({"--outputDir": output_dir}, {"--draftDir": draft_dir, "--baseOnnxDir": base_onnx_dir},
-                       outputs_are_dirs=True)
-        c = export_block_draft(draft_dir, base_onnx_dir, output_dir)
-        console.print(f"exported a {c.spec_decode_type} draft ({c.num_hidden_layers} layers, block "
-                      f"{c.dflash_block_size}, reads base layers {c.eagle_hidden_state_layers}) to {output_dir}")
-
-    run_guarded(body, debug, flags=EXPORT_FLAGS)
+    _export_draft("kvforge.tools.export.block_draft:export_block_draft", draft_dir, base_onnx_dir, output_dir,
+                  debug, lambda c: f"a {c.spec_decode_type} draft ({c.num_hidden_layers} layers, block "
+                                   f"{c.dflash_block_size}, reads base layers {c.eagle_hidden_state_layers})")
 
 
 @app.command("random-block-draft", help=RANDOM_BLOCK_DRAFT_HELP,
@@ -419,17 +442,9 @@ def random_block_draft(
     seed: int = typer.Option(0, "--seed", help="Random seed."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
-    def body() -> None:
-        from kvforge.contract.files import check_distinct
-        from kvforge.tools.export.block_draft import write_random_block_draft
-        if not 1 <= num_layers <= 64:
-            raise KvforgeError(f"must be in [1, 64], got {num_layers}", "--numLayers")
-        check_distinct({"--outputDir": output_dir}, {"--baseOnnxDir": base_onnx_dir}, outputs_are_dirs=True)
-        write_random_block_draft(base_onnx_dir, output_dir, kind=kind, seed=seed, num_layers=num_layers,
-                                 block_size=block_size)
-        console.print(f"wrote a random {kind} draft checkpoint to {output_dir}")
-
-    run_guarded(body, debug, flags=EXPORT_FLAGS)
+    _write_random_draft("kvforge.tools.export.block_draft:write_random_block_draft", base_onnx_dir, output_dir, debug,
+                        f"{kind} draft", _check_num_layers(num_layers), kind=kind, seed=seed, num_layers=num_layers,
+                        block_size=block_size)
 
 
 @app.command("gemma4-assistant", help=GEMMA4_ASSISTANT_HELP,
@@ -442,17 +457,9 @@ def gemma4_assistant(
     output_dir: Path = typer.Option(..., "--outputDir", help="The assistant's ONNX dir to write."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
-    def body() -> None:
-        from kvforge.contract.files import check_distinct
-        from kvforge.tools.export.gemma4_assistant import export_gemma4_assistant
-        check_distinct({"--outputDir": output_dir}, {"--draftDir": draft_dir, "--baseOnnxDir": base_onnx_dir},
-                       outputs_are_dirs=True)
-        c = export_gemma4_assistant(draft_dir, base_onnx_dir, output_dir)
-        logits = f"{c.num_centroids} centroids, top {c.centroid_top_k}" if c.num_centroids else "a dense head"
-        console.print(f"exported a Gemma4 assistant ({c.num_hidden_layers} layers reading base layer "
-                      f"{c.kv_shared_layers[0]}'s K/V, {logits}) to {output_dir}")
-
-    run_guarded(body, debug, flags=EXPORT_FLAGS)
+    _export_draft("kvforge.tools.export.gemma4_assistant:export_gemma4_assistant", draft_dir, base_onnx_dir,
+                  output_dir, debug, lambda c: f"a Gemma4 assistant ({c.num_hidden_layers} layers reading base layer "
+                                               f"{c.kv_shared_layers[0]}'s K/V, {_assistant_logits(c)})")
 
 
 @app.command("random-gemma4-assistant", help=RANDOM_GEMMA4_ASSISTANT_HELP,
@@ -466,17 +473,9 @@ def random_gemma4_assistant(
     seed: int = typer.Option(0, "--seed", help="Random seed."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
-    def body() -> None:
-        from kvforge.contract.files import check_distinct
-        from kvforge.tools.export.gemma4_assistant import write_random_gemma4_assistant
-        if not 1 <= num_layers <= 64:
-            raise KvforgeError(f"must be in [1, 64], got {num_layers}", "--numLayers")
-        check_distinct({"--outputDir": output_dir}, {"--baseOnnxDir": base_onnx_dir}, outputs_are_dirs=True)
-        write_random_gemma4_assistant(base_onnx_dir, output_dir, seed=seed, num_layers=num_layers,
-                                      num_centroids=num_centroids)
-        console.print(f"wrote a random Gemma4 assistant checkpoint to {output_dir}")
-
-    run_guarded(body, debug, flags=EXPORT_FLAGS)
+    _write_random_draft("kvforge.tools.export.gemma4_assistant:write_random_gemma4_assistant", base_onnx_dir,
+                        output_dir, debug, "Gemma4 assistant", _check_num_layers(num_layers), seed=seed,
+                        num_layers=num_layers, num_centroids=num_centroids)
 
 
 @app.command("mtp", help=MTP_HELP, short_help="Export a Qwen3.5 checkpoint's MTP layer for its hybrid base.")
@@ -487,16 +486,8 @@ def mtp(
     output_dir: Path = typer.Option(..., "--outputDir", help="The MTP draft's ONNX dir to write."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
-    def body() -> None:
-        from kvforge.contract.files import check_distinct
-        from kvforge.tools.export.qwen3_5_mtp import export_mtp
-        check_distinct({"--outputDir": output_dir}, {"--draftDir": draft_dir, "--baseOnnxDir": base_onnx_dir},
-                       outputs_are_dirs=True)
-        c = export_mtp(draft_dir, base_onnx_dir, output_dir)
-        console.print(f"exported an MTP draft (one layer, reads base layer {c.eagle_hidden_state_layers[0]}) to "
-                      f"{output_dir}")
-
-    run_guarded(body, debug, flags=EXPORT_FLAGS)
+    _export_draft("kvforge.tools.export.qwen3_5_mtp:export_mtp", draft_dir, base_onnx_dir, output_dir, debug,
+                  lambda c: f"an MTP draft (one layer, reads base layer {c.eagle_hidden_state_layers[0]})")
 
 
 @app.command("random-mtp", help=RANDOM_MTP_HELP, short_help="Write a random Qwen3.5 MTP layer (tests, demos).")
@@ -506,14 +497,8 @@ def random_mtp(
     seed: int = typer.Option(0, "--seed", help="Random seed."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
-    def body() -> None:
-        from kvforge.contract.files import check_distinct
-        from kvforge.tools.export.qwen3_5_mtp import write_random_mtp
-        check_distinct({"--outputDir": output_dir}, {"--baseOnnxDir": base_onnx_dir}, outputs_are_dirs=True)
-        write_random_mtp(base_onnx_dir, output_dir, seed=seed)
-        console.print(f"wrote a random MTP layer checkpoint to {output_dir}")
-
-    run_guarded(body, debug, flags=EXPORT_FLAGS)
+    _write_random_draft("kvforge.tools.export.qwen3_5_mtp:write_random_mtp", base_onnx_dir, output_dir, debug,
+                        "MTP layer", seed=seed)
 
 
 def _default_to_model(argv: list[str]) -> list[str]:
