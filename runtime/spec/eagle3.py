@@ -101,7 +101,8 @@ class Eagle3Proposer:
         `num_tokens`: drafting steps (a chain's length, a tree's depth); `top_k` > 1 drafts trees of at most
         `verify_nodes` nodes (the draft engine then needs tree attention); `rolls_back`: the base is hybrid (an MTP
         layer's), so rejected verify rows commit nothing until their kept tokens are recomputed (committed_spans);
-        `keep_hidden`: base hidden states each lease keeps (its last positions, for a checkpoint's draft tail)."""
+        `keep_hidden`: base hidden states each lease keeps while it prefills its prompt (its last positions, for the
+        draft tail of the checkpoint at the prompt's end)."""
         self.backend = backend
         self.embedding = embedding
         self.draft_to_base = np.arange(len(d2t), dtype=np.int64) + d2t
@@ -126,8 +127,10 @@ class Eagle3Proposer:
             if first < start:  # a checkpoint restore: the draft replays its tail from the record's hidden states
                 offset = seq.lease.draft_hidden_start
                 base = np.concatenate([seq.lease.draft_hidden[first - offset:start - offset], base])  # type: ignore[index]
-            if self.keep_hidden:
+            if self.keep_hidden and start < len(seq.prompt_ids):
                 self._keep(seq.lease, first, base)
+            else:  # checkpoints are prompt ends (hybrid MTP captures endpoints only): past it, nothing reads them
+                seq.lease.draft_hidden = None
             jobs.append((seq, first, following[first + 1:end + 1], base))
         if not jobs:
             return
