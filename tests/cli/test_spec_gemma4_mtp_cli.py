@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from support.cli_checks import answers, assert_one_line_error, write_spec_requests
+from support.cli_checks import answers, assert_one_line_error, build_kernel_draft, write_spec_requests
 
 TINY = ["--maxInputLen", "64", "--maxKVCacheCapacity", "256", "--tokensPerPage", "16"]
 
@@ -23,12 +23,7 @@ def test_export_build_and_run_a_gemma4_assistant(run_cli, tiny_gemma4_mtp_engine
     exported = run_cli(["llm_export", "gemma4-assistant", "--draftDir", tmp_path / "hf", "--baseOnnxDir", base_onnx,
                         "--outputDir", tmp_path / "onnx"])
     assert exported.returncode == 0 and "7 centroids" in exported.stdout + exported.stderr, exported.stderr
-    no_kernel = run_cli(["llm_build", "--onnxDir", tmp_path / "onnx", "--engineDir", tmp_path / "e", "--specDraft",
-                         "--cpuAttention", "onnx", *TINY])
-    assert_one_line_error(no_kernel, "--cpuAttention", "--cpuAttention kernel")
-    built = run_cli(["llm_build", "--onnxDir", tmp_path / "onnx", "--engineDir", tmp_path / "e", "--specDraft",
-                     "--cpuAttention", "kernel", *TINY])
-    assert built.returncode == 0, built.stderr
+    build_kernel_draft(run_cli, tmp_path / "onnx", tmp_path / "e", TINY)
 
     request_file = write_spec_requests(tmp_path / "in.json", 16)
     args = ["llm_inference", "--engineDir", base, "--inputFile", request_file, "--numThreads", "2"]

@@ -40,3 +40,12 @@ def answers(path: Path) -> list[dict]:
     """An output file's responses without their timings (what two runs of the same requests must share)."""
     data = json.loads(path.read_text())
     return [{k: v for k, v in r.items() if "ms" not in k and k != "timing"} for r in data["responses"]]
+
+
+def build_kernel_draft(run_cli, onnx_dir: Path, engine_dir: Path, geometry: list[str]) -> None:
+    """`llm_build --specDraft` of a draft that needs the CPU kernel: refused in one line with --cpuAttention onnx,
+    built with --cpuAttention kernel."""
+    args = ["llm_build", "--onnxDir", onnx_dir, "--engineDir", engine_dir, "--specDraft", *geometry]
+    assert_one_line_error(run_cli([*args, "--cpuAttention", "onnx"]), "--cpuAttention", "--cpuAttention kernel")
+    built = run_cli([*args, "--cpuAttention", "kernel"])
+    assert built.returncode == 0, built.stderr
