@@ -57,6 +57,30 @@ def run_one(engine: Engine, request: EngineRequest) -> dict[str, Any]:
             "acceptance_length": spec.get("acceptance_length", 1.0)}
 
 
+def decode_figures(run: dict[str, Any], plain: dict[str, Any]) -> dict[str, Any]:
+    """A speculative run's decode figures against the plain run of the same request (run_one's results)."""
+    return {"decode_tok_s": run["decode_tok_s"], "plain_decode_tok_s": plain["decode_tok_s"],
+            "vs_plain": run["decode_tok_s"] / plain["decode_tok_s"], "acceptance_length": run["acceptance_length"],
+            "same_tokens": run["tokens"] == plain["tokens"]}
+
+
+def ttft_figures(warm: dict[str, Any], cold: dict[str, Any]) -> dict[str, Any]:
+    """A warm run's TTFT against the cold run of the same request (run_one's results)."""
+    return {"cold_ttft_ms": cold["ttft_ms"], "warm_ttft_ms": warm["ttft_ms"],
+            "warm_over_cold": warm["ttft_ms"] / cold["ttft_ms"], "warm_same_tokens": warm["tokens"] == cold["tokens"]}
+
+
+def decode_line(row: dict[str, Any]) -> str:
+    return (f"decode {row['decode_tok_s']:.1f} tok/s vs plain {row['plain_decode_tok_s']:.1f} "
+            f"({row['vs_plain']:.2f}x), acceptance length {row['acceptance_length']:.2f}, same tokens "
+            f"{row['same_tokens']}")
+
+
+def ttft_line(row: dict[str, Any], detail: str) -> str:
+    return (f"TTFT warm {row['warm_ttft_ms']:.0f} ms vs cold {row['cold_ttft_ms']:.0f} ms "
+            f"({row['warm_over_cold']:.2f}), {detail}, same tokens {row['warm_same_tokens']}")
+
+
 def call_ms(backend: Backend, hidden_size: int, width: int, start: int, repeats: int,
             extra: dict[str, np.ndarray] | None = None, masked: bool = False, state_row: int | None = None) -> float:
     """Median ms of one call of `width` new tokens after `start` cached ones (pages 0.., values irrelevant;
@@ -122,18 +146,15 @@ def main() -> None:
                 row[f"draft_block_ms@{context}"] = call_ms(draft, H, block, context, args.repeats, extra, masked=True)
             progress(f"{method}: decoding")
             run = run_one(engine, chat_request(engine, questions[0], reuse=False))
-            row |= {"decode_tok_s": run["decode_tok_s"], "plain_decode_tok_s": base_run["decode_tok_s"],
-                    "vs_plain": run["decode_tok_s"] / base_run["decode_tok_s"],
-                    "acceptance_length": run["acceptance_length"], "same_tokens": run["tokens"] == base_run["tokens"]}
+            row |= decode_figures(run, base_run)
             progress(f"{method}: warm vs cold TTFT")
             warm_engine = Engine(root / "engine", replace(config, enable_context_reuse=True))
             run_one(warm_engine, chat_request(warm_engine, questions[0]))
             warm = run_one(warm_engine, chat_request(warm_engine, questions[1]))
             cold = run_one(warm_engine, chat_request(warm_engine, questions[1], reuse=False))
             cache = warm_engine.profile().get("context_cache", {})
-            row |= {"cold_ttft_ms": cold["ttft_ms"], "warm_ttft_ms": warm["ttft_ms"],
-                    "warm_over_cold": warm["ttft_ms"] / cold["ttft_ms"], "warm_same_tokens": warm["tokens"] ==
-                    cold["tokens"], "full_page_replays": cache.get("speculative", {}).get("full_page_replays", 0)}
+            row |= ttft_figures(warm, cold) | {
+                "full_page_replays": cache.get("speculative", {}).get("full_page_replays", 0)}
             figures[method] = row
     figures["costs"] = costs
     print(f"\nblock-draft bench: SmolLM2 from {args.onnxDir}, random 5-layer drafts, {args.threads} threads, "
@@ -146,12 +167,8 @@ def main() -> None:
         print(f"{method} (block {b}): " + ", ".join(
             f"verify {b} tokens @{c} {row[f'verify_{b}_ms@{c}']:.1f} ms = {row[f'verify_over_decode@{c}']:.2f}x "
             f"a decode step, draft call {row[f'draft_block_ms@{c}']:.1f} ms" for c in CONTEXTS))
-        print(f"   decode {row['decode_tok_s']:.1f} tok/s vs plain {row['plain_decode_tok_s']:.1f} "
-              f"({row['vs_plain']:.2f}x), acceptance length {row['acceptance_length']:.2f}, same tokens "
-              f"{row['same_tokens']}")
-        print(f"   TTFT warm {row['warm_ttft_ms']:.0f} ms vs cold {row['cold_ttft_ms']:.0f} ms "
-              f"({row['warm_over_cold']:.2f}), replays {row['full_page_replays']}, same tokens "
-              f"{row['warm_same_tokens']}")
+        print("   " + decode_line(row))
+        print("   " + ttft_line(row, f"replays {row['full_page_replays']}"))
     write_json(args.json, figures)
 
 

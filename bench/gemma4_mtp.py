@@ -23,7 +23,19 @@ from typing import Any
 
 import numpy as np
 from _common import Progress, bench_parser, write_json
-from block_draft import BUILD, CONTEXTS, DOCUMENT_TOKENS, MAX_GENERATE, call_ms, chat_request, run_one
+from block_draft import (
+    BUILD,
+    CONTEXTS,
+    DOCUMENT_TOKENS,
+    MAX_GENERATE,
+    call_ms,
+    chat_request,
+    decode_figures,
+    decode_line,
+    run_one,
+    ttft_figures,
+    ttft_line,
+)
 
 from kvforge.builder.build import build_engine
 from kvforge.contract.engine_dir import BASE_HIDDEN_INPUT
@@ -68,18 +80,14 @@ def main() -> None:
                     f"round_over_decode@{context}": (verify + DRAFT_STEP * step) / decode}
         progress("decoding")
         run = run_one(engine, chat_request(engine, questions[0], reuse=False))
-        row |= {"decode_tok_s": run["decode_tok_s"], "plain_decode_tok_s": base_run["decode_tok_s"],
-                "vs_plain": run["decode_tok_s"] / base_run["decode_tok_s"],
-                "acceptance_length": run["acceptance_length"], "same_tokens": run["tokens"] == base_run["tokens"]}
+        row |= decode_figures(run, base_run)
         progress("warm vs cold TTFT")
         warm_engine = Engine(root / "engine", replace(config, enable_context_reuse=True))
         run_one(warm_engine, chat_request(warm_engine, questions[0]))
         warm = run_one(warm_engine, chat_request(warm_engine, questions[1]))
         cold = run_one(warm_engine, chat_request(warm_engine, questions[1], reuse=False))
         pools = warm_engine.profile().get("context_cache", {}).get("resource_pools", {})
-        row |= {"cold_ttft_ms": cold["ttft_ms"], "warm_ttft_ms": warm["ttft_ms"],
-                "warm_over_cold": warm["ttft_ms"] / cold["ttft_ms"], "warm_same_tokens": warm["tokens"] ==
-                cold["tokens"], "draft_kv_pages": pools.get("draft_kv_pages", {}).get("capacity", 0)}
+        row |= ttft_figures(warm, cold) | {"draft_kv_pages": pools.get("draft_kv_pages", {}).get("capacity", 0)}
     k = DRAFT_STEP
     print(f"\nGemma4 MTP bench: SmolLM2 from {args.onnxDir}, a random 4-layer assistant (256 wide, 2,048 centroids), "
           f"{args.threads} threads, document {doc_tokens} tokens, greedy, {MAX_GENERATE} tokens; total "
@@ -89,10 +97,8 @@ def main() -> None:
               f"{row[f'verify_{k + 1}_ms@{c}']:.1f} ms = {row[f'verify_over_decode@{c}']:.2f}x, assistant step "
               f"{row[f'assistant_step_ms@{c}']:.1f} ms "
               f"(a round of {k} steps + verify = {row[f'round_over_decode@{c}']:.2f}x a decode step)")
-    print(f"decode {row['decode_tok_s']:.1f} tok/s vs plain {row['plain_decode_tok_s']:.1f} ({row['vs_plain']:.2f}x), "
-          f"acceptance length {row['acceptance_length']:.2f}, same tokens {row['same_tokens']}")
-    print(f"TTFT warm {row['warm_ttft_ms']:.0f} ms vs cold {row['cold_ttft_ms']:.0f} ms ({row['warm_over_cold']:.2f}), "
-          f"draft pool pages {row['draft_kv_pages']}, same tokens {row['warm_same_tokens']}")
+    print(decode_line(row))
+    print(ttft_line(row, f"draft pool pages {row['draft_kv_pages']}"))
     write_json(args.json, row)
 
 

@@ -26,7 +26,19 @@ from typing import Any
 
 import numpy as np
 from _common import Progress, bench_parser, median, write_json
-from block_draft import BUILD, CONTEXTS, DOCUMENT_TOKENS, MAX_GENERATE, call_ms, chat_request, run_one
+from block_draft import (
+    BUILD,
+    CONTEXTS,
+    DOCUMENT_TOKENS,
+    MAX_GENERATE,
+    call_ms,
+    chat_request,
+    decode_figures,
+    decode_line,
+    run_one,
+    ttft_figures,
+    ttft_line,
+)
 
 from kvforge.builder.build import build_engine
 from kvforge.contract.engine_dir import BASE_HIDDEN_INPUT, DRAFT_HIDDEN_INPUT
@@ -107,9 +119,7 @@ def main() -> None:
                 f"per_position_{DRAFT_STEP + 1}_states_ms": per_position_ms}
         progress("decoding")
         run = run_one(engine, chat_request(engine, questions[0], reuse=False))
-        row |= {"decode_tok_s": run["decode_tok_s"], "plain_decode_tok_s": base_run["decode_tok_s"],
-                "vs_plain": run["decode_tok_s"] / base_run["decode_tok_s"],
-                "acceptance_length": run["acceptance_length"], "same_tokens": run["tokens"] == base_run["tokens"]}
+        row |= decode_figures(run, base_run)
         progress("warm vs cold TTFT")
         warm_engine = Engine(root / "engine", EngineConfig(
             num_threads=args.threads, spec_decode="mtp", spec_draft_step=DRAFT_STEP, enable_context_reuse=True,
@@ -127,9 +137,7 @@ def main() -> None:
         warm = run_one(warm_engine, raw(second))
         cold = run_one(warm_engine, raw(second, reuse=False))
         cache = warm_engine.profile().get("context_cache", {})
-        row |= {"cold_ttft_ms": cold["ttft_ms"], "warm_ttft_ms": warm["ttft_ms"],
-                "warm_over_cold": warm["ttft_ms"] / cold["ttft_ms"], "warm_same_tokens": warm["tokens"] ==
-                cold["tokens"], "reused_tokens": cache.get("reused_tokens", 0)}
+        row |= ttft_figures(warm, cold) | {"reused_tokens": cache.get("reused_tokens", 0)}
     k = DRAFT_STEP
     print(f"\nhybrid MTP bench: small-qwen3_5 (random), a random MTP layer, {args.threads} threads, document "
           f"{doc_tokens} tokens, greedy, {MAX_GENERATE} tokens; total {progress.elapsed:.0f} s\n")
@@ -141,10 +149,8 @@ def main() -> None:
     print(f"rollback: {row['state_bytes_per_row'] / 2**20:.1f} MiB of state per row; row copy before + after "
           f"{row['row_save_and_restore_ms']:.2f} ms vs writing {k + 1} per-position states "
           f"{row[f'per_position_{k + 1}_states_ms']:.2f} ms (then no recompute)")
-    print(f"decode {row['decode_tok_s']:.1f} tok/s vs plain {row['plain_decode_tok_s']:.1f} ({row['vs_plain']:.2f}x), "
-          f"acceptance length {row['acceptance_length']:.2f}, same tokens {row['same_tokens']}")
-    print(f"TTFT warm {row['warm_ttft_ms']:.0f} ms vs cold {row['cold_ttft_ms']:.0f} ms ({row['warm_over_cold']:.2f}), "
-          f"reused {row['reused_tokens']} tokens, same tokens {row['warm_same_tokens']}")
+    print(decode_line(row))
+    print(ttft_line(row, f"reused {row['reused_tokens']} tokens"))
     write_json(args.json, row)
 
 
