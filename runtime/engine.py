@@ -13,9 +13,6 @@ from pathlib import Path
 import numpy as np
 
 from kvforge.contract.engine_dir import (
-    BASE_NORM_EPS_TENSOR,
-    BASE_NORM_FILE,
-    BASE_NORM_TENSOR,
     D2T_FILE,
     D2T_TENSOR,
     DSPARK_HEADS_FILE,
@@ -271,10 +268,7 @@ class Engine:
             from kvforge.runtime.spec.gemma4_mtp import Gemma4MtpProposer
 
             self.profiler.spec_strategy_section = MTP_GENERATION
-            norm = draft.file(BASE_NORM_FILE)
-            return Gemma4MtpProposer(self.draft_backend, table, np.asarray(map_tensor(norm, BASE_NORM_TENSOR)),
-                                     float(np.asarray(map_tensor(norm, BASE_NORM_EPS_TENSOR))[0]),
-                                     config.spec_draft_step)
+            return Gemma4MtpProposer(self.draft_backend, table, config.spec_draft_step)
         if draft.model.is_block_draft:
             return self._block_proposer(config, draft, table)
         from kvforge.runtime.spec.eagle3 import Eagle3Proposer

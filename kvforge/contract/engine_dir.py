@@ -60,10 +60,6 @@ D2T_FILE, D2T_TENSOR = "d2t.safetensors", "d2t"
 # DSpark drafts: the previous-token (Markov) head and the acceptance predictor, applied by the runtime (TensorRT
 # Edge-LLM's file name): markov_w1 [V, r], markov_w2 [V, r], accept_weight [H], accept_bias [1].
 DSPARK_HEADS_FILE = "dspark_heads.safetensors"
-# A Gemma4 MTP assistant's copy of its base's final norm (`norm.weight`, `norm.eps`): the assistant reads the base's
-# normed last hidden state, and kvforge bases return layer outputs before that norm.
-BASE_NORM_FILE = "base_norm.safetensors"
-BASE_NORM_TENSOR, BASE_NORM_EPS_TENSOR = "norm.weight", "norm.eps"
 # A graph input of block drafts [B, S, 1] float32: 1 where the token is a context position (its K/V are projections
 # of the base's hidden states), 0 in the block being drafted (K/V of the draft's own layers).
 CONTEXT_TOKEN_MASK_INPUT = "context_token_mask"
@@ -80,8 +76,6 @@ def copied_files(model: ModelConfig) -> tuple[str, ...]:
         return (*DRAFT_COPIED_FILES, D2T_FILE)
     if model.spec_decode_type == SPEC_DSPARK:
         return (*DRAFT_COPIED_FILES, DSPARK_HEADS_FILE)
-    if model.reads_base_kv:
-        return (*DRAFT_COPIED_FILES, BASE_NORM_FILE)
     return DRAFT_COPIED_FILES if model.is_draft else COPIED_FILES
 
 

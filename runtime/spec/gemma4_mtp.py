@@ -6,11 +6,12 @@ Token layout of one sequence (C = tokens whose base K/V is committed, t_C the pe
     position p:       0 ... C-1                  | C
     base K/V:         in the base's pages        | (computed by the verify call)
     round step j:     the assistant's query at C sees base K/V [0, C) only
-    step 0 input:     embed(t_C), norm(h_{C-1})  -> d_1, s_1
+    step 0 input:     embed(t_C), h_{C-1}        -> d_1, s_1
     step j input:     embed(d_j), s_j            -> d_{j+1}, s_{j+1}
 
 h_{C-1} is the base's last-layer output at the position whose logits gave t_C (`observe` keeps it after every base
-call), normed with the base's final norm; s_j is the assistant's projected state. The query stays at position C
+call; the graph applies the base's final norm to it); s_j is the assistant's projected state. The graph takes them
+through EAGLE3's two hidden inputs, zeros in the one a call does not use. The query stays at position C
 through the round (transformers' candidate generator does the same), and no step writes K/V, so rejected guesses
 leave nothing to roll back. Verification is the engine's, so outputs are lossless whatever the guesses.
 """
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvforge.contract.engine_dir import BASE_HIDDEN_INPUT
+from kvforge.contract.engine_dir import BASE_HIDDEN_INPUT, DRAFT_HIDDEN_INPUT
 from kvforge.runtime.backend import Backend, StepInputs
 from kvforge.runtime.model_executor import BatchOutput
 from kvforge.runtime.sampling import SampleResult
@@ -32,7 +33,7 @@ from kvforge.runtime.spec.proposer import DraftTree
 
 @dataclass(slots=True)
 class AssistantState:
-    """The base's normed hidden state at `position - 1`: what the round drafting after position `position` reads."""
+    """The base's last-layer output at `position - 1`: what the round drafting after position `position` reads."""
 
     position: int
     hidden: np.ndarray  # [backbone width]
@@ -41,14 +42,10 @@ class AssistantState:
 class Gemma4MtpProposer:
     owns_kv = False
 
-    def __init__(self, backend: Backend, embedding: np.ndarray, norm_weight: np.ndarray, norm_eps: float,
-                 max_draft_tokens: int) -> None:
-        """`backend`: the assistant's runner, bound to the base's pools; `embedding`: the base's token table;
-        `norm_weight`/`norm_eps`: the base's final norm."""
+    def __init__(self, backend: Backend, embedding: np.ndarray, max_draft_tokens: int) -> None:
+        """`backend`: the assistant's runner, bound to the base's pools; `embedding`: the base's token table."""
         self.backend = backend
         self.embedding = embedding
-        self.norm_weight = norm_weight
-        self.norm_eps = norm_eps
         self.max_draft_tokens = max_draft_tokens
 
     def observe(self, rows: list[ScheduledRow], output: BatchOutput, sampled: list[list[SampleResult]]) -> None:
@@ -60,10 +57,8 @@ class Gemma4MtpProposer:
                 continue
             # Row i's logits positions are its pending token, then its drafts; the last committed token's
             # successor came from position len(samples) - 1 among them.
-            last = hidden[len(samples) - 1]
-            normed = last / np.sqrt(np.mean(last * last) + self.norm_eps) * self.norm_weight
             position = row.seq.num_computed_tokens + row.num_new_tokens + len(samples) - 1
-            row.seq.draft_state = AssistantState(position, normed.astype(np.float32))
+            row.seq.draft_state = AssistantState(position, np.array(hidden[len(samples) - 1], dtype=np.float32))
 
     def propose_batch(self, seqs: list[Sequence], limits: list[int]) -> list[list[int] | DraftTree]:
         proposals: list[list[int] | DraftTree] = [[] for _ in seqs]
@@ -79,7 +74,8 @@ class Gemma4MtpProposer:
             limit_of.append(min(limit, self.max_draft_tokens))
         if not owners:
             return proposals
-        states = np.stack(hidden)
+        base = np.stack(hidden)  # the first step's input; the later steps read the assistant's own states
+        states, zeros = np.zeros_like(base), np.zeros_like(base)
         ids = np.asarray(tokens, dtype=np.int64)
         for step in range(max(limit_of)):
             active = [k for k, limit in enumerate(limit_of) if limit > step]
@@ -88,7 +84,8 @@ class Gemma4MtpProposer:
             out = self.backend.forward(StepInputs(
                 self.embedding[ids[active]][:, None, :], np.ones(len(active), dtype=np.int32), starts,
                 [seq.lease.page_ids for seq in seqs_now],  # type: ignore[union-attr]
-                extra_inputs={BASE_HIDDEN_INPUT: states[active][:, None, :]}))
+                extra_inputs={BASE_HIDDEN_INPUT: (base if step == 0 else zeros)[active][:, None, :],
+                              DRAFT_HIDDEN_INPUT: states[active][:, None, :]}))
             assert out.hidden_states is not None, "an assistant returns its projected state"
             guesses = np.argmax(out.logits, axis=-1)
             for row, k in enumerate(active):

@@ -24,7 +24,7 @@ from support.spec_checks import (
 from kvforge.builder.build import build_engine
 from kvforge.contract.engine_dir import (
     BASE_HIDDEN_INPUT,
-    BASE_NORM_FILE,
+    DRAFT_HIDDEN_INPUT,
     EMBEDDING_FILE,
     EMBEDDING_TENSOR,
     load_engine_dir,
@@ -35,6 +35,7 @@ from kvforge.contract.safetensors_map import map_tensor
 from kvforge.runtime.backend import StepInputs
 from kvforge.runtime.ort_backend import OrtBackend
 from kvforge.runtime.sequence import EngineRequest
+from kvforge.tools.export.draft_files import base_final_norm
 from kvforge.tools.export.gemma4_assistant import export_gemma4_assistant, write_random_gemma4_assistant
 
 PROMPTS = ["abc abc abc abc abc abc abc", "the cat sat on the mat, the cat sat on the", "x" * 30, "0123456789" * 3]
@@ -64,13 +65,20 @@ def test_the_assistant_matches_transformers_over_the_bases_pool(tiny_gemma4_mtp_
     C, pages = 20, [0, 1]
     out = base.forward(StepInputs(table[tokens[:C]][None], np.array([C], np.int32), np.array([0], np.int32),
                                   [pages]))
-    norm = draft_dir.file(BASE_NORM_FILE)
+    weight, eps = base_final_norm(engines["base_onnx"], base_dir.model)
     raw = out.hidden_states[0]
-    hidden = raw / np.sqrt(np.mean(raw * raw) + map_tensor(norm, "norm.eps")[0]) * map_tensor(norm, "norm.weight")
+    hidden = raw / np.sqrt(np.mean(raw * raw) + eps) * weight  # transformers' hidden_states[-1]
     shared = dict(zip(base_dir.model.attention_layer_ids, base.kv_store.layers, strict=True))
     assistant = OrtBackend(draft_dir, 2, shared_pools=shared)
-    got = assistant.forward(StepInputs(table[tokens[C:]][None], np.array([1], np.int32), np.array([C], np.int32),
-                                       [pages], extra_inputs={BASE_HIDDEN_INPUT: hidden[None, None]}))
+
+    def call(base_hidden: np.ndarray, own_hidden: np.ndarray):
+        return assistant.forward(StepInputs(table[tokens[C:]][None], np.array([1], np.int32), np.array([C], np.int32),
+                                            [pages], extra_inputs={BASE_HIDDEN_INPUT: base_hidden[None, None],
+                                                                   DRAFT_HIDDEN_INPUT: own_hidden[None, None]}))
+
+    got = call(raw, np.zeros_like(raw))  # the round's first step: the base's raw state, normed in the graph
+    # A later step's input (the assistant's own state) is used as it is: feeding the normed state there agrees.
+    np.testing.assert_allclose(call(np.zeros_like(raw), hidden).logits, got.logits, rtol=1e-4, atol=1e-4)
     pool = base.kv_store.layers[-1].astype(np.float32)  # [pages, 2, Hkv, T, D]: the layer the assistant reads
     kv = np.concatenate([pool[p] for p in pages], axis=2)[:, :, :C]
     keys, values = torch.tensor(kv[0][None]), torch.tensor(kv[1][None])

@@ -91,8 +91,8 @@ def test_the_mtp_graph_matches_transformers_qwen3_5_layers(tiny_hybrid_mtp_engin
         out = norms["mtp.norm.weight"](x)[0].numpy()
     np.testing.assert_allclose(got.hidden_states, out, rtol=1e-3, atol=1e-3)
     np.testing.assert_allclose(got.logits, out @ head.T, rtol=1e-3, atol=1e-3)
-    norm = base_final_norm(engines["base_onnx"], base)
-    normed = hidden / np.sqrt(np.mean(hidden * hidden, -1, keepdims=True) + norm["norm.eps"][0]) * norm["norm.weight"]
+    weight, eps = base_final_norm(engines["base_onnx"], base)
+    normed = hidden / np.sqrt(np.mean(hidden * hidden, -1, keepdims=True) + eps) * weight
     np.testing.assert_allclose(call(hidden, np.zeros_like(hidden)).logits, call(np.zeros_like(hidden), normed).logits,
                                rtol=1e-4, atol=1e-4)
 

@@ -15,8 +15,7 @@ from safetensors.numpy import save_file
 
 from kvforge.contract.engine_dir import (
     BASE_HIDDEN_INPUT,
-    BASE_NORM_EPS_TENSOR,
-    BASE_NORM_TENSOR,
+    DRAFT_HIDDEN_INPUT,
     EMBEDDING_FILE,
     EMBEDDING_TENSOR,
     ENGINE_MODEL_FILE,
@@ -76,14 +75,23 @@ def base_head(base_onnx_dir: Path, base: ModelConfig) -> np.ndarray:
     return np.ascontiguousarray(head)
 
 
-def base_final_norm(base_onnx_dir: Path, base: ModelConfig) -> dict[str, np.ndarray]:
-    """The base's final norm (weight and eps), which turns its last layer's output into the normed hidden state a
-    Gemma4 assistant or an MTP layer reads (kvforge bases return layer outputs before that norm)."""
+def base_final_norm(base_onnx_dir: Path, base: ModelConfig) -> tuple[np.ndarray, float]:
+    """The base's final norm (the multiplier and eps), which turns its last layer's output into the normed hidden
+    state a Gemma4 assistant or an MTP layer reads (kvforge bases return layer outputs before that norm)."""
     found = _base_initializer(base_onnx_dir, BASE_NORM_INITIALIZER)
     if found is None:
         raise KvforgeError(f"the base graph has no {BASE_NORM_INITIALIZER} initializer (a kvforge base export has "
                            "one)", BASE_FIELD)
-    return {BASE_NORM_TENSOR: found, BASE_NORM_EPS_TENSOR: np.array([base.rms_norm_eps], dtype=np.float32)}
+    return found, base.rms_norm_eps
+
+
+def normed_hidden_input(g: GraphWriter, norm: tuple[np.ndarray, float]) -> str:
+    """The hidden state an MTP-style draft reads, from EAGLE3's two inputs (a call passes zeros for the one it does
+    not use): the base's last layer output through the base's final `norm` (zeros stay zeros), plus the draft's
+    own previous output."""
+    weight, eps = norm
+    base = g.rms_norm(BASE_HIDDEN_INPUT, g.weight("base_norm.weight", weight), eps)
+    return g.add(base, DRAFT_HIDDEN_INPUT)
 
 
 def weight_ops(g: GraphWriter, weights: dict[str, np.ndarray]) -> tuple[Callable[[str], str],

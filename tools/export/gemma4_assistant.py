@@ -16,8 +16,9 @@ engine graph attends with the kvforge CPU kernel over the pool without writing (
 `hidden_states` output is the projected state [N, backbone width].
 
 The base feeds the *normed* last hidden state (transformers' hidden_states[-1]): kvforge bases return layer
-outputs before the final norm, so the base's final norm goes into `base_norm.safetensors` and the runtime applies
-it to the base's state at the round's first step.
+outputs before the final norm, so the graph keeps EAGLE3's two hidden inputs, as Qwen3.5's MTP layer does: the
+base's state (the round's first step, through a copy of the base's final norm) and the draft's own projected state
+(the later steps), zeros in the one a call does not use.
 
 What the exporter refuses (one line each): sliding-attention assistant layers (they read the base's last sliding
 layer; kvforge has no sliding-window base family), RoPE other than the base's, a query head width other than the
@@ -35,11 +36,7 @@ from onnx import helper
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from kvforge.contract.engine_dir import (
-    BASE_HIDDEN_INPUT,
-    BASE_NORM_FILE,
-    HIDDEN_STATES,
-)
+from kvforge.contract.engine_dir import DRAFT_HIDDEN_INPUT, HIDDEN_STATES
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.files import read_json, write_json
 from kvforge.contract.model_config import SPEC_GEMMA4_MTP, ModelConfig
@@ -52,6 +49,7 @@ from kvforge.tools.export.draft_files import (
     base_final_norm,
     check_base_layers,
     draft_graph_inputs,
+    normed_hidden_input,
     open_draft_export,
     weight_ops,
     write_draft_dir,
@@ -185,7 +183,8 @@ def _gelu_tanh(g: GraphWriter, x: str) -> str:
                  g.add(g.op("Tanh", [inner]), g.const(1.0, np.float32)))
 
 
-def build_assistant_graph(config: ModelConfig, weights: dict[str, np.ndarray]) -> onnx.ModelProto:
+def build_assistant_graph(config: ModelConfig, weights: dict[str, np.ndarray],
+                          base_norm: tuple[np.ndarray, float]) -> onnx.ModelProto:
     """The assistant as an engine graph (see the module docstring): logits [N, V] and the projected state [N, Hb]
     at logits_indices."""
     g = GraphWriter()
@@ -195,11 +194,11 @@ def build_assistant_graph(config: ModelConfig, weights: dict[str, np.ndarray]) -
 
     w, linear = weight_ops(g, weights)
 
-    inputs = draft_graph_inputs(config)
+    inputs = draft_graph_inputs(config, DRAFT_HIDDEN_INPUT, config.base_model_hidden_size)
     pool_shape = ["num_pages", 2, kv, "tokens_per_page", D]
     for layer in sorted(set(config.kv_shared_layers)):
         inputs.append(value_info(pool_input_name(layer), POOL_ELEM_TYPES[config.kv_cache_dtype], pool_shape))
-    h = linear(g.op("Concat", ["inputs_embeds", BASE_HIDDEN_INPUT], axis=-1), "pre_projection.weight")
+    h = linear(g.op("Concat", ["inputs_embeds", normed_hidden_input(g, base_norm)], axis=-1), "pre_projection.weight")
     for i, base_layer in enumerate(config.kv_shared_layers):
         p = f"model.layers.{i}."
         x = g.rms_norm(h, w(p + "input_layernorm.weight"), eps)
@@ -256,8 +255,8 @@ def export_gemma4_assistant(draft_dir: Path, base_onnx_dir: Path, output_dir: Pa
     config = assistant_config(hf, base)
     check_base_layers(base, config)
     weights = load_weights(draft_dir, config)
-    write_draft_dir(output_dir, build_assistant_graph(config, weights), config, base_embedding(base_onnx_dir),
-                    {BASE_NORM_FILE: base_final_norm(base_onnx_dir, base)})
+    write_draft_dir(output_dir, build_assistant_graph(config, weights, base_final_norm(base_onnx_dir, base)), config,
+                    base_embedding(base_onnx_dir), {})
     return config
 
 

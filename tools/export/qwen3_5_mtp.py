@@ -28,9 +28,6 @@ from onnx import helper
 from safetensors.numpy import save_file
 
 from kvforge.contract.engine_dir import (
-    BASE_HIDDEN_INPUT,
-    BASE_NORM_EPS_TENSOR,
-    BASE_NORM_TENSOR,
     DRAFT_HIDDEN_INPUT,
     HIDDEN_STATES,
 )
@@ -46,6 +43,7 @@ from kvforge.tools.export.draft_files import (
     base_head,
     check_base_layers,
     draft_graph_inputs,
+    normed_hidden_input,
     open_draft_export,
     write_draft_dir,
 )
@@ -121,7 +119,7 @@ def load_weights(path: Path, config: ModelConfig) -> dict[str, np.ndarray]:
 
 
 def build_mtp_graph(config: ModelConfig, weights: dict[str, np.ndarray], head: np.ndarray,
-                    base_norm: np.ndarray, base_eps: float) -> onnx.ModelProto:
+                    base_norm: tuple[np.ndarray, float]) -> onnx.ModelProto:
     """The MTP layer as an engine graph (see the module docstring): logits [N, V] and the normed output [N, H] at
     logits_indices."""
     g = GraphWriter()
@@ -129,8 +127,7 @@ def build_mtp_graph(config: ModelConfig, weights: dict[str, np.ndarray], head: n
     rope = rope_inputs(g, "inputs_embeds")
     inputs = draft_graph_inputs(config, DRAFT_HIDDEN_INPUT, H)
     outputs: list[onnx.ValueInfoProto] = []
-    base = g.rms_norm(BASE_HIDDEN_INPUT, g.weight("base_norm.weight", base_norm), base_eps)  # zeros stay zeros
-    h = g.add(base, DRAFT_HIDDEN_INPUT)
+    h = normed_hidden_input(g, base_norm)
     x = linear(g, weights, g.op("Concat", [
         g.rms_norm("inputs_embeds", centred_norm(g, weights, "mtp.pre_fc_norm_embedding.weight"), eps),
         g.rms_norm(h, centred_norm(g, weights, "mtp.pre_fc_norm_hidden.weight"), eps)], axis=-1), "mtp.fc.weight")
@@ -160,9 +157,7 @@ def export_mtp(draft_dir: Path, base_onnx_dir: Path, output_dir: Path) -> ModelC
     config = mtp_config(hf, base)
     check_base_layers(base, config)
     weights = load_weights(draft_dir, config)
-    norm = base_final_norm(base_onnx_dir, base)
-    model = build_mtp_graph(config, weights, base_head(base_onnx_dir, base), norm[BASE_NORM_TENSOR],
-                            float(norm[BASE_NORM_EPS_TENSOR][0]))
+    model = build_mtp_graph(config, weights, base_head(base_onnx_dir, base), base_final_norm(base_onnx_dir, base))
     write_draft_dir(output_dir, model, config, base_embedding(base_onnx_dir), {})
     return config
 
