@@ -38,7 +38,7 @@ from block_draft import (
 )
 
 from kvforge.builder.build import build_engine
-from kvforge.contract.engine_dir import BASE_HIDDEN_INPUT
+from kvforge.contract.engine_dir import BASE_HIDDEN_INPUT, DRAFT_HIDDEN_INPUT
 from kvforge.runtime.engine import Engine, EngineConfig
 from kvforge.tools.bench.text import fit_document, spec_messages
 from kvforge.tools.export.gemma4_assistant import export_gemma4_assistant, write_random_gemma4_assistant
@@ -74,7 +74,8 @@ def main() -> None:
             decode = call_ms(engine.backend, H, 1, context, args.repeats)
             verify = call_ms(engine.backend, H, DRAFT_STEP + 1, context, args.repeats)
             step = call_ms(assistant, H, 1, context, args.repeats,
-                           {BASE_HIDDEN_INPUT: np.zeros((1, 1, H), np.float32)})
+                           {BASE_HIDDEN_INPUT: np.zeros((1, 1, H), np.float32),
+                            DRAFT_HIDDEN_INPUT: np.zeros((1, 1, H), np.float32)})
             row |= {f"decode_ms@{context}": decode, f"verify_{DRAFT_STEP + 1}_ms@{context}": verify,
                     f"verify_over_decode@{context}": verify / decode, f"assistant_step_ms@{context}": step,
                     f"round_over_decode@{context}": (verify + DRAFT_STEP * step) / decode}
