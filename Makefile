@@ -15,7 +15,7 @@ LLM_TEST_SMOLLM2 ?= mxsl2048-mxbs2-mxil1024-mxlr8-tpp64
 LLM_TEST_TINY_RECURRENT ?= mxsl4096-mxbs4-mxil3072-tpp16
 LLM_TEST = $(BIN)/llm_test --cacheDir $(OUT)/llm_test/engines --numThreads $(THREADS)
 
-.PHONY: install demo test test-mooncake test-slow llm-test lint docs bench bench-shared-tier bench-reuse bench-lora bench-scheduling bench-spec \
+.PHONY: install demo test test-fast test-mooncake test-slow llm-test lint docs bench bench-shared-tier bench-reuse bench-lora bench-scheduling bench-spec \
 	bench-block-draft bench-gemma4-mtp bench-hybrid-mtp bench-eagle3 bench-eagle3-train bench-quality bench-peers bench-peers-install bench-decode-context bench-spec-peers clean
 
 $(VENV)/.installed: pyproject.toml
@@ -37,7 +37,7 @@ install: $(VENV)/.installed
 $(OUT)/onnx/smollm2/manifest.json: $(VENV)/.installed
 	$(BIN)/llm_export smollm2-135m-instruct --outputDir $(OUT)/onnx/smollm2
 
-# The EAGLE3 base: SmolLM2 returning the hidden states of layers 1, 14, 26 (what bench/train_eagle3.py's draft reads).
+# The EAGLE3 base: SmolLM2 returning the hidden states of layers 1, 14, 26 (what scripts/train_eagle3.py's draft reads).
 $(OUT)/onnx/smollm2-base/manifest.json: $(VENV)/.installed
 	$(BIN)/llm_export smollm2-135m-instruct --outputDir $(OUT)/onnx/smollm2-base --hiddenStateLayers 1,14,26
 
@@ -67,9 +67,18 @@ FALLBACK_TESTS ?= tests/backends/test_paged_ops.py tests/engine/test_engine.py t
 	tests/parity/test_qwen2_audio_parity.py tests/media/test_audio.py tests/parity/test_smollm2.py tests/export/test_quantization.py \
 	tests/engine/test_api.py
 
+# The quick tier (~30 s on two cores, no engine dir): layering, the cache alone, the model-free loop, sampling and
+# verification, proposer units, tier values, engine options, request checks. CI runs it before everything else.
+FAST_TESTS ?= tests/test_layering.py tests/context_cache tests/engine/test_engine_model_free.py \
+	tests/engine/test_sampling.py tests/spec/test_spec_ngram.py tests/spec/test_spec_tree.py \
+	tests/shared_tier/test_tier_values.py tests/cli/test_engine_options.py tests/engine/test_requests.py
+
+test-fast: install
+	$(BIN)/pytest -q -m "not mooncake" $(PYTEST_ARGS) $(FAST_TESTS)
+
 test: install lint
 	@echo "kvforge CPU kernel: $$($(BIN)/python -m kvforge.plugins.cpu_kernel 2>&1 || echo 'none, so the engine tests run on the pure-ONNX fallback')"
-	$(BIN)/pytest -q $(PYTEST_ARGS)
+	$(BIN)/pytest -q --durations=25 $(PYTEST_ARGS)
 	KVFORGE_CPU_KERNEL=off $(BIN)/pytest -q $(PYTEST_ARGS) $(FALLBACK_TESTS)
 	$(MAKE) --no-print-directory test-mooncake
 	$(MAKE) --no-print-directory llm-test
@@ -78,7 +87,7 @@ test: install lint
 # namespace with only loopback up (needs root, as CI has); elsewhere this says why and skips them.
 test-mooncake: install
 	@if [ "$$(id -u)" = 0 ] && unshare -n true 2>/dev/null; then \
-		unshare -n sh -c 'ip link set lo up && KVFORGE_NETNS=1 $(BIN)/pytest -q -m mooncake -rs $(PYTEST_ARGS) tests/tier'; \
+		unshare -n sh -c 'ip link set lo up && KVFORGE_NETNS=1 $(BIN)/pytest -q -m mooncake -rs $(PYTEST_ARGS) tests/shared_tier'; \
 	else echo "test-mooncake: skipped (needs root and unshare -n for a private network namespace)"; fi
 
 # Long measurements kept out of `make test` (the SmolLM2 quantization quality bar, ~7 minutes).
@@ -141,33 +150,33 @@ llm-test: $(OUT)/adapters/tiny-llama/classifier.safetensors $(OUT)/adapters/smol
 		--junitXml $(OUT)/llm_test/smollm2.xml --jsonReport $(OUT)/llm_test/smollm2.json test_cases/*.json
 
 bench: $(OUT)/onnx/smollm2/manifest.json
-	$(BIN)/python bench/paged_vs_dense.py --onnxDir $(OUT)/onnx/smollm2 --threads $(THREADS) \
+	$(BIN)/python experiments/paged_vs_dense.py --onnxDir $(OUT)/onnx/smollm2 --threads $(THREADS) \
 		--json $(OUT)/bench_paged_vs_dense.json
 
 # The shared KV tier on Redis and Mooncake (its clients listen on 0.0.0.0: a private network namespace, as root).
 bench-shared-tier: $(OUT)/onnx/smollm2/manifest.json
-	unshare -n sh -c 'ip link set lo up && KVFORGE_NETNS=1 $(BIN)/python bench/shared_tier.py \
+	unshare -n sh -c 'ip link set lo up && KVFORGE_NETNS=1 $(BIN)/python experiments/shared_tier.py \
 		--onnxDir $(OUT)/onnx/smollm2 --threads $(THREADS) --json $(OUT)/bench_shared_tier.json'
 
 bench-reuse: $(OUT)/onnx/smollm2/manifest.json
-	$(BIN)/python bench/context_reuse.py --onnxDir $(OUT)/onnx/smollm2 --threads $(THREADS) \
+	$(BIN)/python experiments/context_reuse.py --onnxDir $(OUT)/onnx/smollm2 --threads $(THREADS) \
 		--json $(OUT)/bench_context_reuse.json
 
 bench-lora: $(OUT)/onnx/smollm2/manifest.json
-	$(BIN)/python bench/lora.py --onnxDir $(OUT)/onnx/smollm2 --threads $(THREADS) --json $(OUT)/bench_lora.json
+	$(BIN)/python experiments/lora.py --onnxDir $(OUT)/onnx/smollm2 --threads $(THREADS) --json $(OUT)/bench_lora.json
 
 bench-scheduling: $(OUT)/onnx/smollm2/manifest.json
-	$(BIN)/python bench/scheduling.py --onnxDir $(OUT)/onnx/smollm2 --threads $(THREADS) \
+	$(BIN)/python experiments/scheduling.py --onnxDir $(OUT)/onnx/smollm2 --threads $(THREADS) \
 		--json $(OUT)/bench_scheduling.json
 
 bench-spec: $(OUT)/onnx/smollm2/manifest.json
-	$(BIN)/python bench/spec_decode.py --onnxDir $(OUT)/onnx/smollm2 --threads $(THREADS) \
+	$(BIN)/python experiments/spec_decode.py --onnxDir $(OUT)/onnx/smollm2 --threads $(THREADS) \
 		--json $(OUT)/bench_spec_decode.json
 
 # EAGLE3 with the draft `make bench-eagle3-train` trained, beside plain decoding and prompt lookup (and warm vs cold
 # TTFT with speculation on: the final-page replay's cost).
 bench-eagle3: $(OUT)/onnx/smollm2-base/manifest.json
-	$(BIN)/python bench/spec_decode.py --onnxDir $(OUT)/onnx/smollm2-base --eagle3Draft $(OUT)/eagle3/smollm2-draft \
+	$(BIN)/python experiments/spec_decode.py --onnxDir $(OUT)/onnx/smollm2-base --eagle3Draft $(OUT)/eagle3/smollm2-draft \
 		--threads $(THREADS) --draftSteps 4 --eagle3Steps 2 4 --eagle3TopK 1 3 --json $(OUT)/bench_eagle3.json
 
 # DFlash and DSpark with random drafts of the real shape (no public one fits SmolLM2): verify and draft call costs,
@@ -176,17 +185,17 @@ $(OUT)/onnx/smollm2-blockbase/manifest.json: $(VENV)/.installed
 	$(BIN)/llm_export smollm2-135m-instruct --outputDir $(OUT)/onnx/smollm2-blockbase --hiddenStateLayers 1,7,13,19,25
 
 bench-block-draft: $(OUT)/onnx/smollm2-blockbase/manifest.json
-	$(BIN)/python bench/block_draft.py --onnxDir $(OUT)/onnx/smollm2-blockbase --threads $(THREADS) \
+	$(BIN)/python experiments/block_draft.py --onnxDir $(OUT)/onnx/smollm2-blockbase --threads $(THREADS) \
 		--json $(OUT)/bench_block_draft.json
 
 $(OUT)/onnx/smollm2-mtpbase/manifest.json: $(VENV)/.installed
 	$(BIN)/llm_export smollm2-135m-instruct --outputDir $(OUT)/onnx/smollm2-mtpbase --hiddenStateLayers 29
 
 bench-hybrid-mtp: $(VENV)/.installed
-	$(BIN)/python bench/hybrid_mtp.py --threads $(THREADS) --json $(OUT)/bench_hybrid_mtp.json
+	$(BIN)/python experiments/hybrid_mtp.py --threads $(THREADS) --json $(OUT)/bench_hybrid_mtp.json
 
 bench-gemma4-mtp: $(OUT)/onnx/smollm2-mtpbase/manifest.json
-	$(BIN)/python bench/gemma4_mtp.py --onnxDir $(OUT)/onnx/smollm2-mtpbase --threads $(THREADS) \
+	$(BIN)/python experiments/gemma4_mtp.py --onnxDir $(OUT)/onnx/smollm2-mtpbase --threads $(THREADS) \
 		--json $(OUT)/bench_gemma4_mtp.json
 
 # Train an EAGLE3 draft for SmolLM2 from its own greedy answers (torch, transformers: the dev extra; the whole run fits EAGLE3_MINUTES,
@@ -194,7 +203,7 @@ bench-gemma4-mtp: $(OUT)/onnx/smollm2-mtpbase/manifest.json
 EAGLE3_THREADS ?= 1
 EAGLE3_MINUTES ?= 50
 bench-eagle3-train: $(OUT)/onnx/smollm2/manifest.json
-	$(BIN)/python bench/train_eagle3.py --onnxDir $(OUT)/onnx/smollm2 --outputDir $(OUT)/eagle3/smollm2-draft \
+	$(BIN)/python scripts/train_eagle3.py --onnxDir $(OUT)/onnx/smollm2 --outputDir $(OUT)/eagle3/smollm2-draft \
 		--threads $(EAGLE3_THREADS) --timeBudgetMinutes $(EAGLE3_MINUTES)
 
 # The float32 reference export (llm_export's SmolLM2 default is int4): parity work and the quality bar's baseline.
@@ -203,7 +212,7 @@ $(OUT)/onnx/smollm2-fp32/manifest.json: $(VENV)/.installed
 
 # The quantization quality bar (~10 minutes on 2 idle cores): float32 vs the int8 and int4 exports.
 bench-quality: $(OUT)/onnx/smollm2-fp32/manifest.json $(OUT)/onnx/smollm2/manifest.json
-	$(BIN)/python bench/quality.py --onnxDir $(OUT)/onnx/smollm2-fp32 --onnxDirs int4=$(OUT)/onnx/smollm2 \
+	$(BIN)/python experiments/quality.py --onnxDir $(OUT)/onnx/smollm2-fp32 --onnxDirs int4=$(OUT)/onnx/smollm2 \
 		--variants none,int8,int4 --threads $(THREADS) --workDir $(OUT)/bench_quality --json $(OUT)/bench_quality.json
 
 # llm_bench against the peers (README "llm_bench"): kvforge int4 (the SmolLM2 default) and fp32 built on the fly,
@@ -224,7 +233,7 @@ bench-peers-install: install
 	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(BIN)/pip install -q -e '.[bench]'
 
 $(OUT)/ortgenai/smollm2-int4/genai_config.json: $(VENV)/.installed
-	$(BIN)/python bench/ortgenai_model.py --outputDir $(OUT)/ortgenai/smollm2-int4 --precision int4
+	$(BIN)/python scripts/ortgenai_model.py --outputDir $(OUT)/ortgenai/smollm2-int4 --precision int4
 
 bench-peers: $(OUT)/onnx/smollm2/manifest.json $(OUT)/onnx/smollm2-fp32/manifest.json
 	$(MAKE) --no-print-directory $(OUT)/ortgenai/smollm2-int4/genai_config.json || true  # needs the peers installed

@@ -13,7 +13,7 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput", "__version__"]
 
 if TYPE_CHECKING:
     from kvforge.runtime.api import LLM
-    from kvforge.runtime.output import RequestOutput
+    from kvforge.runtime.engine.output import RequestOutput
     from kvforge.runtime.types import SamplingParams
 
 
@@ -27,7 +27,7 @@ def __getattr__(name: str) -> Any:
 
         return SamplingParams
     if name == "RequestOutput":
-        from kvforge.runtime.output import RequestOutput
+        from kvforge.runtime.engine.output import RequestOutput
 
         return RequestOutput
     raise AttributeError(f"module 'kvforge' has no attribute {name!r}")

@@ -19,7 +19,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.validation import printable
-from kvforge.runtime.engine_config import EngineConfig, engine_flags, engine_options, make_engine_config
+from kvforge.runtime.engine.config import EngineConfig, engine_flags, engine_options, make_engine_config
 
 try:  # newer typer vendors click; its usage errors are not click's classes
     from typer._click import exceptions as click_exceptions
@@ -134,7 +134,7 @@ def progress_bar(description: str, total: int | None) -> Iterator[Callable[[str]
         progress.update(task, completed=total or 0)
 
 
-# --- engine options: declared once on EngineConfig (runtime/engine_config.py); llm_inference and llm_serve offer
+# --- engine options: declared once on EngineConfig (runtime/engine/config.py); llm_inference and llm_serve offer
 # every one a CLI has with the same flag, help and default, and llm_test the ones it shares.
 
 

@@ -1,1 +1,4 @@
-"""Engine runners, KV pool and page tables, requests, sampling and profiling."""
+"""The engine, by concern: engine/ (loop), inputs/, execution/, sampling/, spec/, context_cache/, shared_tier/.
+
+The modules at this level are the vocabulary every folder speaks (types, sequence, step, adapters, media spans,
+profile) and the front ends written on the engine (`api`, `cli`, `file_loop`)."""

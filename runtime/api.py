@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvforge.runtime.engine import Engine
-from kvforge.runtime.engine_config import make_engine_config
+from kvforge.runtime.engine.config import make_engine_config
+from kvforge.runtime.engine.engine import Engine
+from kvforge.runtime.engine.output import RequestOutput
 from kvforge.runtime.file_loop import drain
-from kvforge.runtime.output import RequestOutput
-from kvforge.runtime.request_checks import parse_message
+from kvforge.runtime.inputs.checks import parse_message
 from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.types import Message, Request, SamplingParams
 
@@ -46,7 +46,7 @@ class LLM:
     def __init__(self, engine_dir: str | Path, *, lora_weights: Mapping[str, str] | None = None,
                  engine: Engine | None = None, **engine_options: Any) -> None:
         """`engine_options` are EngineConfig's fields as keywords (`num_threads=2, enable_context_reuse=True`, ...),
-        with its defaults; runtime/engine_config.py declares each with what it does. Another keyword is a TypeError,
+        with its defaults; runtime/engine/config.py declares each with what it does. Another keyword is a TypeError,
         checked even when `engine` is given."""
         config = make_engine_config(engine_options)
         self.engine = engine or Engine(engine_dir, config)

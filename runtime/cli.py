@@ -12,9 +12,9 @@ import typer
 from kvforge.cli_common import ENGINE_FLAGS, check_reuse_flags, console, run_app, run_guarded, with_engine_options
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.files import check_distinct, check_output_file
-from kvforge.runtime.engine_config import EngineConfig
+from kvforge.runtime.engine.config import EngineConfig
+from kvforge.runtime.inputs.request_file import DEFAULT_MAX_INPUT_FILE_BYTES, load_request_file
 from kvforge.runtime.profile import format_summary, write_profile
-from kvforge.runtime.request_file import DEFAULT_MAX_INPUT_FILE_BYTES, load_request_file
 
 MAX_WARMUP = 100  # unprofiled runs of one request: a few settle the caches; a huge count only hangs
 
@@ -64,7 +64,9 @@ def inference(
     """Run every request of the file on the engine loop; responses keep request order."""
 
     def body() -> None:
-        from kvforge.runtime.engine import Engine  # heavy imports after argument checks
+        from kvforge.runtime.adapters import resolve_adapter_path
+        from kvforge.runtime.engine.engine import Engine  # heavy imports after argument checks
+        from kvforge.runtime.execution.ort import set_ort_logging
         from kvforge.runtime.file_loop import (
             Scheduling,
             iter_responses,
@@ -72,8 +74,6 @@ def inference(
             warm_up,
             write_output_file,
         )
-        from kvforge.runtime.lora import resolve_adapter_path
-        from kvforge.runtime.ort_backend import set_ort_logging
 
         set_ort_logging(debug)
         if not 0 <= warmup <= MAX_WARMUP:

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.contract.files import atomic_output
-from kvforge.runtime.engine import Engine
-from kvforge.runtime.output import RequestOutput
-from kvforge.runtime.request_file import RequestFile
+from kvforge.runtime.engine.engine import Engine
+from kvforge.runtime.engine.output import RequestOutput
+from kvforge.runtime.inputs.request_file import RequestFile
 from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.types import Request
 

@@ -12,11 +12,11 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
+from kvforge.runtime.adapters import LoraAdapter
 from kvforge.runtime.context_cache.keys import KeyExtras
 from kvforge.runtime.context_cache.lease import Admission, Lease
-from kvforge.runtime.lora import LoraAdapter
-from kvforge.runtime.multimodal.spans import MediaSpan
-from kvforge.runtime.sampling import Sampler, SampleResult
+from kvforge.runtime.media_spans import MediaSpan
+from kvforge.runtime.sampling.sampler import Sampler, SampleResult
 from kvforge.runtime.types import SamplingParams
 
 

@@ -18,8 +18,8 @@ from starlette.types import Receive, Scope, Send
 
 from kvforge import __version__
 from kvforge.contract.errors import KvforgeError
-from kvforge.runtime.engine import Engine
-from kvforge.runtime.output import RequestOutput
+from kvforge.runtime.engine.engine import Engine
+from kvforge.runtime.engine.output import RequestOutput
 from kvforge.server.engine_loop import EngineLoop
 from kvforge.server.guard import DEFAULT_MAX_BODY_BYTES, LOOPBACK_HOSTS, BodyLimits, Guard, read_json
 from kvforge.server.handle import ClientGone, RequestHandle, ServerState

@@ -12,7 +12,7 @@ try:  # a second or more of imports before run_guarded catches Ctrl-C: the same 
 
     from kvforge.cli_common import ENGINE_FLAGS, check_reuse_flags, console, run_app, run_guarded, with_engine_options
     from kvforge.contract.errors import KvforgeError
-    from kvforge.runtime.engine_config import EngineConfig
+    from kvforge.runtime.engine.config import EngineConfig
 except KeyboardInterrupt:
     sys.stderr.write("error: interrupted\n")
     raise SystemExit(130) from None
@@ -97,7 +97,7 @@ def serve(
         _check_serve_extra()
         import uvicorn
 
-        from kvforge.runtime.engine import Engine
+        from kvforge.runtime.engine.engine import Engine
         from kvforge.server.app import create_app
         from kvforge.server.tenants import load_tenants
 

@@ -21,9 +21,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvforge.runtime.engine import Engine
-from kvforge.runtime.engine_core import EngineStats
-from kvforge.runtime.output import RequestOutput
+from kvforge.runtime.engine.core import EngineStats
+from kvforge.runtime.engine.engine import Engine
+from kvforge.runtime.engine.output import RequestOutput
 from kvforge.runtime.sequence import EngineRequest
 
 T = TypeVar("T")

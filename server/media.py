@@ -15,7 +15,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from kvforge.contract.validation import check_choice, check_string, fail, json_kind, one_line, printable
-from kvforge.runtime.request_checks import MediaItemParser, check_media_path
+from kvforge.runtime.inputs.checks import MediaItemParser, check_media_path
 from kvforge.runtime.types import MediaRef
 
 MAX_MEDIA_ITEM_BYTES = 20 * 2**20  # per item as sent (OpenAI's own per-image limit); decoding has its own bounds

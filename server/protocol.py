@@ -1,6 +1,6 @@
 """OpenAI request bodies → what the engine runs: checked field by field, errors naming the field as `param`.
 
-Checks reuse the request file's (`kvforge.runtime.request_file`) so a value the file refuses is refused here
+Checks reuse the request file's (`kvforge.runtime.inputs.request_file`) so a value the file refuses is refused here
 with the same words. Extensions: `reuse_context` / `cache_generated_tokens` (strict booleans, the cache
 policies), `cache_salt`, `lora_name`, `top_k`. Media content parts (`image_url`, `input_audio`) are read by
 `kvforge.server.media`.
@@ -14,8 +14,8 @@ from typing import Any, TypeVar
 
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.validation import check_int, check_string, describe, fail, get_bool, json_kind
-from kvforge.runtime.engine import Engine
-from kvforge.runtime.request_checks import (
+from kvforge.runtime.engine.engine import Engine
+from kvforge.runtime.inputs.checks import (
     check_logit_bias,
     check_seed,
     check_stop,

@@ -6,9 +6,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvforge.runtime.output import RequestOutput
-from kvforge.runtime.sampling import SampleResult
-from kvforge.runtime.tokenizer import ChatTokenizer
+from kvforge.runtime.engine.output import RequestOutput
+from kvforge.runtime.inputs.tokenizer import ChatTokenizer
+from kvforge.runtime.sampling.sampler import SampleResult
 from kvforge.server.protocol import ApiCall
 
 # end-of-sequence and stop strings both end a completion naturally; the length limit is OpenAI's "length".

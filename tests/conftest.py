@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvforge.builder.build import BuildOptions, build_engine
-from kvforge.tools.export.synthetic import synthetic_model
+from kvforge.tools.export.sources.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir
 
 # The geometry of `tiny_engine_dir`; tests that probe its limits read these instead of repeating numbers.
@@ -93,7 +93,7 @@ def tiny_eagle3_engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (a 48-token draft vocabulary, Hugging Face format through llm_export eagle3) in ENGINE/draft; read-only."""
     from dataclasses import replace
 
-    from kvforge.tools.export.eagle3 import export_eagle3, write_random_eagle3
+    from kvforge.tools.export.drafts.eagle3 import export_eagle3, write_random_eagle3
 
     root = tmp_path_factory.mktemp("tiny_eagle3")
     write_onnx_dir(synthetic_model("tiny-llama", hidden_state_layers=EAGLE3_BASE_LAYERS), root / "base_onnx")
@@ -113,7 +113,7 @@ def tiny_block_draft_engines(tmp_path_factory: pytest.TempPathFactory) -> dict[s
 
     from support.ort_support import cpu_kernel_on
 
-    from kvforge.tools.export.block_draft import export_block_draft, write_random_block_draft
+    from kvforge.tools.export.drafts.block_draft import export_block_draft, write_random_block_draft
 
     if not cpu_kernel_on():
         pytest.skip("block drafts need the kvforge CPU kernel (masked attention); this run lowers without it")
@@ -139,7 +139,7 @@ def tiny_gemma4_mtp_engines(tmp_path_factory: pytest.TempPathFactory) -> dict[st
 
     from support.ort_support import cpu_kernel_on
 
-    from kvforge.tools.export.gemma4_assistant import export_gemma4_assistant, write_random_gemma4_assistant
+    from kvforge.tools.export.drafts.gemma4_assistant import export_gemma4_assistant, write_random_gemma4_assistant
 
     if not cpu_kernel_on():
         pytest.skip("Gemma4 assistants need the kvforge CPU kernel (attention over the base's pools); this run "
@@ -163,7 +163,7 @@ def tiny_hybrid_mtp_engines(tmp_path_factory: pytest.TempPathFactory) -> dict[st
     built into ENGINE/draft: 'base', 'hf' (the MTP checkpoint), 'base_onnx'; read-only."""
     from dataclasses import replace
 
-    from kvforge.tools.export.qwen3_5_mtp import export_mtp, write_random_mtp
+    from kvforge.tools.export.drafts.qwen3_5_mtp import export_mtp, write_random_mtp
 
     root = tmp_path_factory.mktemp("tiny_hybrid_mtp")
     write_onnx_dir(synthetic_model("tiny-qwen3_5", hidden_state_layers=[3]), root / "base_onnx")

@@ -15,6 +15,22 @@ No module, and no test, takes a private name (`_name`) from another module.
 Inside the runtime, the cache core (kvforge.runtime.context_cache.*) imports only itself, kvforge.runtime.types
 and layers 0–1: no ONNX Runtime, TensorRT, CUDA or runner module.
 
+Inside the runtime, folders (and the vocabulary modules at its root) import downward only, in RUNTIME_ORDER:
+
+    front ends     api.py, cli.py            kvforge.LLM and llm_inference
+                   file_loop.py              the request-file loop they share
+    engine/        the loop, scheduler, config, stop rules
+    spec/          one module per speculative method
+    shared_tier/, inputs/
+    execution/     executor, backends, KV storage
+    step.py        what a step passes between parts
+    sequence.py
+    media_spans.py, adapters.py, sampling/
+    context_cache/
+    types.py, profile.py
+
+Places on one line never import each other (no sideways imports).
+
 Source folders map to modules through `[tool.setuptools.package-dir]` in pyproject.toml
 (`kvforge.runtime` lives in `runtime/`), so a new file is checked as soon as it is added. Every import
 counts: module level, inside functions (lazy), under `if TYPE_CHECKING`, relative ones, and
@@ -38,6 +54,13 @@ LAYER_NAMES = {0: "contract", 1: "plugins/graph", 2: "export/builder/runtime", 3
 CACHE_CORE = "kvforge.runtime.context_cache"
 CACHE_CORE_MAY_IMPORT = ("kvforge.runtime.types",)
 CACHE_CORE_FORBIDDEN_THIRD_PARTY = ("onnxruntime", "tensorrt", "cuda", "polygraphy")
+RUNTIME = "kvforge.runtime"
+RUNTIME_FOLDERS = ("engine", "inputs", "execution", "sampling", "spec", "context_cache", "shared_tier")
+# Top to bottom; a place imports only places on later lines (see the module docstring).
+RUNTIME_ORDER = (("api.py", "cli.py"), ("file_loop.py",), ("engine/",), ("spec/",), ("shared_tier/", "inputs/"),
+                 ("execution/",), ("step.py",), ("sequence.py",), ("media_spans.py", "adapters.py", "sampling/"),
+                 ("context_cache/",), ("types.py", "profile.py"))
+RUNTIME_RANK = {place: rank for rank, places in enumerate(RUNTIME_ORDER) for place in places}
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +106,29 @@ def classify(module: str) -> tuple[int, str] | None:
     return None
 
 
+def runtime_place(module: str) -> str | None:
+    """The folder (`engine/`) or root module (`types.py`) of the runtime a module lives in; None outside it and for
+    the runtime package itself."""
+    if not module.startswith(RUNTIME + "."):
+        return None
+    head = module[len(RUNTIME) + 1:].split(".")[0]
+    return head + "/" if head in RUNTIME_FOLDERS else head + ".py"
+
+
+def runtime_order_violation(importer: str, imported: str) -> str | None:
+    """The folder rule inside the runtime: a place imports only places below it in RUNTIME_ORDER."""
+    source, target = runtime_place(importer), runtime_place(imported)
+    if source is None or target is None or source == target:
+        return None
+    for place in (source, target):
+        if place not in RUNTIME_RANK:
+            return f"runtime/{place} has no place in RUNTIME_ORDER: give it one in tests/test_layering.py"
+    if RUNTIME_RANK[target] <= RUNTIME_RANK[source]:
+        return (f"runtime/{source} must not import runtime/{target}: runtime folders import downward only "
+                "(RUNTIME_ORDER)")
+    return None
+
+
 def _describe(layer_and_component: tuple[int, str]) -> str:
     layer, component = layer_and_component
     return f"layer {layer} ({component})"
@@ -112,7 +158,7 @@ def edge_violation(importer: str, imported: str) -> str | None:
     if target[0] == source[0] == 2 and target[1] != source[1]:
         return (f"{_describe(source)} must not import {_describe(target)}: export, builder and runtime "
                 "share layers 0–1 and never import each other")
-    return None
+    return runtime_order_violation(importer, imported)
 
 
 def imports_in(source: str, module: str, is_package: bool, known: set[str], filename: str = "<source>",
@@ -302,7 +348,9 @@ def private_imports_in_repository(pyproject: Path = ROOT / "pyproject.toml") -> 
     modules = source_modules(pyproject)
     known = set(modules)
     files = dict(modules)
-    files.update({f"tests.{path.stem}": path for path in sorted((pyproject.parent / "tests").glob("*.py"))})
+    tests = pyproject.parent / "tests"
+    files.update({"tests." + ".".join(path.relative_to(tests).with_suffix("").parts): path
+                  for path in sorted(tests.rglob("*.py"))})
     found = []
     for module, path in sorted(files.items()):
         for line, name in private_imports(path.read_text(encoding="utf-8"), module, path.name == "__init__.py",
@@ -321,7 +369,7 @@ def _report(violations: list[Violation]) -> str:
 def test_package_dir_mapping_covers_the_sources() -> None:
     modules = source_modules(ROOT / "pyproject.toml")
     # Spot checks that the mapping was read (a tool that ignores it sees runtime/ as a top-level package).
-    for module, path in {"kvforge.runtime.engine": "runtime/engine.py",
+    for module, path in {"kvforge.runtime.engine.engine": "runtime/engine/engine.py",
                          "kvforge.runtime.context_cache.manager": "runtime/context_cache/manager.py",
                          "kvforge.builder.cli": "builder/cli.py",
                          "kvforge.tools.export.cli": "tools/export/cli.py",
@@ -415,6 +463,29 @@ def test_checker_keeps_the_cache_core_free_of_runners() -> None:
             "the cache core") in message
     # The same imports are fine for the rest of the runtime.
     assert _rules(source, "kvforge.runtime.engine") == []
+
+
+def test_checker_keeps_the_runtime_folders_in_order() -> None:
+    """Downward imports between runtime folders pass; upward and sideways ones fail, lazy ones too."""
+    known = {"kvforge.runtime.engine.core", "kvforge.runtime.spec.eagle3", "kvforge.runtime.step",
+             "kvforge.runtime.inputs.processor", "kvforge.runtime.shared_tier.tier", "kvforge.runtime.nowhere"}
+    source = "\n".join([
+        "from kvforge.runtime.step import ScheduledRow",  # 1 ok: down
+        "from kvforge.runtime.context_cache.lease import Lease",  # 2 ok: down
+        "def f():",
+        "    from kvforge.runtime.engine.core import EngineCore",  # 4 up, lazily
+        "    from kvforge.runtime.inputs.processor import InputProcessor",  # 5 ok: down from spec/
+        "from kvforge.runtime.spec.eagle3 import Eagle3Proposer",  # 6 own folder
+        "from kvforge.runtime.nowhere import x",  # 7 a place with no rank
+    ])
+    violations = check_source(source, "kvforge.runtime.spec.ngram", known=known)
+    assert [(v.line, v.imported) for v in violations] == [(4, "kvforge.runtime.engine.core"),
+                                                          (7, "kvforge.runtime.nowhere")]
+    assert "runtime folders import downward only" in violations[0].rule
+    assert "no place in RUNTIME_ORDER" in violations[1].rule
+    sideways = check_source("from kvforge.runtime.shared_tier.tier import SharedTier\n",
+                            "kvforge.runtime.inputs.processor", known=known)
+    assert [v.imported for v in sideways] == ["kvforge.runtime.shared_tier.tier"]
 
 
 def test_checker_flags_modules_in_no_layer() -> None:

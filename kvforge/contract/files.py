@@ -163,7 +163,7 @@ def staged_dir(final: Path, flag: str = "output_dir") -> Iterator[Path]:
         check_output_dir(final, flag)
         if not final.exists():
             os.replace(staging, final)  # onto nothing (or an empty dir made meanwhile): nothing is lost
-        elif not _exchange(staging, final):
+        elif not exchange_paths(staging, final):
             shutil.rmtree(_swap_by_renames(staging, final, flag), ignore_errors=True)
     except SwapFailed:
         keep_staging = True  # the message says where both dirs are
@@ -181,7 +181,7 @@ _RENAME_EXCHANGE = 2  # linux/fs.h
 _AT_FDCWD = -100
 
 
-def _exchange(a: Path, b: Path) -> bool:
+def exchange_paths(a: Path, b: Path) -> bool:
     """Swap two paths atomically (renameat2 RENAME_EXCHANGE); False where the OS or filesystem cannot."""
     if not sys.platform.startswith("linux"):
         return False

@@ -38,14 +38,14 @@ from typing import Any
 
 import numpy as np
 
-from kvforge.runtime.backend import KVStorage
 from kvforge.runtime.context_cache.keys import tail_page_key
 from kvforge.runtime.context_cache.records import Record
-from kvforge.runtime.recurrent_state import RecurrentStates
+from kvforge.runtime.execution.backend import KVStorage
+from kvforge.runtime.execution.recurrent_state import RecurrentStates
+from kvforge.runtime.execution.snapshots import PartialKVSnapshotStore, RecurrentSnapshotStore
 from kvforge.runtime.sequence import Sequence
 from kvforge.runtime.shared_tier.store import SharedStore, StoreError
 from kvforge.runtime.shared_tier.values import Decoded, ValueKind, ValueRejected, decode, encode
-from kvforge.runtime.snapshots import PartialKVSnapshotStore, RecurrentSnapshotStore
 
 PAGE_PREFIX, CHECKPOINT_PREFIX, DIRECTORY_PREFIX = b"p", b"c", b"n"
 DIRECTORY_SLOTS = 8  # checkpoint lengths listed per anchor page; more are still stored, only not found

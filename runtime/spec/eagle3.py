@@ -36,15 +36,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvforge.contract.engine_dir import BASE_HIDDEN_INPUT, DRAFT_HIDDEN_INPUT
-from kvforge.runtime.backend import Backend, StepInputs
 from kvforge.runtime.context_cache.lease import Lease
 from kvforge.runtime.context_cache.manager import ContextCacheManager
-from kvforge.runtime.model_executor import BatchOutput
-from kvforge.runtime.sampling import SampleResult, log_softmax, top_ids
-from kvforge.runtime.scheduler import ScheduledRow
+from kvforge.runtime.execution.backend import Backend, StepInputs
+from kvforge.runtime.execution.tree_attention import ancestor_mask, causal_masks, start_positions
+from kvforge.runtime.sampling.sampler import SampleResult, log_softmax, top_ids
 from kvforge.runtime.sequence import Sequence
 from kvforge.runtime.spec.proposer import DraftTree, committed_spans
-from kvforge.runtime.tree_attention import ancestor_mask, causal_masks, start_positions
+from kvforge.runtime.step import BatchOutput, ScheduledRow
 
 
 @dataclass(slots=True)

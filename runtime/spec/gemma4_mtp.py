@@ -23,12 +23,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvforge.contract.engine_dir import BASE_HIDDEN_INPUT, DRAFT_HIDDEN_INPUT
-from kvforge.runtime.backend import Backend, StepInputs
-from kvforge.runtime.model_executor import BatchOutput
-from kvforge.runtime.sampling import SampleResult
-from kvforge.runtime.scheduler import ScheduledRow
+from kvforge.runtime.execution.backend import Backend, StepInputs
+from kvforge.runtime.sampling.sampler import SampleResult
 from kvforge.runtime.sequence import Sequence
 from kvforge.runtime.spec.proposer import DraftTree
+from kvforge.runtime.step import BatchOutput, ScheduledRow
 
 
 @dataclass(slots=True)

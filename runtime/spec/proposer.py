@@ -9,10 +9,9 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from kvforge.runtime.context_cache.lease import Lease
-    from kvforge.runtime.model_executor import BatchOutput
-    from kvforge.runtime.sampling import SampleResult
-    from kvforge.runtime.scheduler import ScheduledRow
+    from kvforge.runtime.sampling.sampler import SampleResult
     from kvforge.runtime.sequence import Sequence
+    from kvforge.runtime.step import BatchOutput, ScheduledRow
 
 
 @dataclass(slots=True)

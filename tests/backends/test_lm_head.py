@@ -12,14 +12,14 @@ from support.numpy_llama import dense_logits
 
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.engine_dir import TIED_HEAD_INPUT
-from kvforge.runtime.backend import StepInputs
 from kvforge.runtime.context_cache.manager import Admission
-from kvforge.runtime.engine import Engine, EngineConfig
+from kvforge.runtime.engine.engine import Engine, EngineConfig
+from kvforge.runtime.execution.backend import StepInputs
 from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.types import SamplingParams
 from kvforge.tools.export.quantize import EMBEDDING, LM_HEAD, set_accuracy_level
 from kvforge.tools.export.quantize_model import quantize_linears
-from kvforge.tools.export.synthetic import synthetic_model
+from kvforge.tools.export.sources.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir
 
 BUILD = BuildOptions(max_input_len=64, max_kv_cache_capacity=128, max_batch_size=2, tokens_per_page=16)
@@ -35,7 +35,7 @@ def _export(tmp_path: Path, model: str, lm_head: str, candidates: int = CANDIDAT
 
 
 def _logits(engine: Engine, ids: list[int]) -> np.ndarray:
-    """The raw logits row of one prefill call over `ids` (the engine's runner, as bench/quality.py drives it)."""
+    """The raw logits row of one prefill call over `ids` (the engine's runner, as experiments/quality.py drives it)."""
     lease = engine.cache.try_acquire(Admission(ids))
     assert lease is not None
     try:

@@ -29,13 +29,13 @@ from kvforge.contract.errors import InvalidConfig, KvforgeError
 from kvforge.contract.manifest import ENGINE_KIND, write_manifest
 from kvforge.contract.safetensors_map import map_tensor
 from kvforge.graph.onnx_graph import INT64, GraphWriter, value_info
-from kvforge.runtime.backend import StepInputs
-from kvforge.runtime.model_executor import BatchOutput, ModelExecutor
-from kvforge.runtime.ort_backend import OrtBackend
-from kvforge.runtime.recurrent_state import RecurrentStates
-from kvforge.runtime.scheduler import ScheduledRow
+from kvforge.runtime.execution.backend import StepInputs
+from kvforge.runtime.execution.executor import ModelExecutor
+from kvforge.runtime.execution.ort import OrtBackend
+from kvforge.runtime.execution.recurrent_state import RecurrentStates
+from kvforge.runtime.step import BatchOutput, ScheduledRow
 from kvforge.tools.export.cli import parse_layer_ids
-from kvforge.tools.export.synthetic import synthetic_model
+from kvforge.tools.export.sources.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir
 
 T = 16

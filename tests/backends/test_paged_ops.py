@@ -20,8 +20,8 @@ from kvforge.plugins.reference import (
     rope_table,
     to_storage,
 )
-from kvforge.runtime.kv_store import KVStore
-from kvforge.tools.export.llama_graph import POOL_ELEM_TYPES, rope_inputs
+from kvforge.runtime.execution.kv_store import KVStore
+from kvforge.tools.export.families.llama_graph import POOL_ELEM_TYPES, rope_inputs
 
 
 def op_graph(num_q: int, num_kv: int, head_dim: int, kv_cache_dtype: str):

@@ -18,8 +18,8 @@ from kvforge.contract.errors import KvforgeError
 from kvforge.contract.lora import LORA_TARGETS
 from kvforge.plugins import ops
 from kvforge.plugins import trt as trt_plugins
-from kvforge.runtime.backend import StepInputs
-from kvforge.tools.export.synthetic import synthetic_model
+from kvforge.runtime.execution.backend import StepInputs
+from kvforge.tools.export.sources.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir
 
 TRT_BUILD = BuildOptions(max_input_len=64, max_kv_cache_capacity=256, max_batch_size=4, tokens_per_page=16,
@@ -354,7 +354,7 @@ def _step(hidden: int, batch: int, seq: int, starts: list[int], lengths: list[in
 
 def test_runner_binds_profiles_page_table_and_aliased_pools(recorder: fake.Recorder, fake_cuda: fake.FakeCudaDriver,
                                                              tiny_onnx_dir: Path, tmp_path: Path) -> None:
-    from kvforge.runtime.trt_backend import DECODE_PROFILE, PREFILL_PROFILE, TrtBackend
+    from kvforge.runtime.execution.trt import DECODE_PROFILE, PREFILL_PROFILE, TrtBackend
     build_engine(tiny_onnx_dir, tmp_path / "engine", TRT_BUILD)
     engine = load_engine_dir(tmp_path / "engine")
     runner = TrtBackend(engine)
@@ -382,7 +382,7 @@ def test_runner_binds_profiles_page_table_and_aliased_pools(recorder: fake.Recor
     assert all(np.array_equal(a, b) for a, b in zip(runner.kv_store.read_tokens([11, 12], 21), rows, strict=True))
     assert runner.kv_store.read_tokens([7], 3)[0][:, 0, 0, 0].tolist() == [1, 2, 3]
     # Partial-KV snapshots of a device pool: a page captured to a slot and restored into another page.
-    from kvforge.runtime.snapshots import PartialKVSnapshotStore
+    from kvforge.runtime.execution.snapshots import PartialKVSnapshotStore
     store = PartialKVSnapshotStore(runner.kv_store, num_slots=2)
     store.capture(9, 1)
     store.restore(1, 13)
@@ -395,7 +395,7 @@ def test_runner_binds_profiles_page_table_and_aliased_pools(recorder: fake.Recor
 
 def test_runner_rejects_calls_past_the_profiles(recorder: fake.Recorder, fake_cuda: fake.FakeCudaDriver,
                                                 tiny_onnx_dir: Path, tmp_path: Path) -> None:
-    from kvforge.runtime.trt_backend import TrtBackend
+    from kvforge.runtime.execution.trt import TrtBackend
     build_engine(tiny_onnx_dir, tmp_path / "engine", TRT_BUILD)
     engine = load_engine_dir(tmp_path / "engine")
     runner = TrtBackend(engine)
@@ -404,7 +404,7 @@ def test_runner_rejects_calls_past_the_profiles(recorder: fake.Recorder, fake_cu
 
 
 def test_runner_without_tensorrt_is_one_line_error(no_tensorrt: None, tiny_engine_dir: Path) -> None:
-    from kvforge.runtime.trt_backend import TrtBackend
+    from kvforge.runtime.execution.trt import TrtBackend
     with pytest.raises(KvforgeError, match="TensorRT is not installed"):
         TrtBackend(load_engine_dir(tiny_engine_dir))
 
@@ -414,7 +414,7 @@ def test_runner_binds_rank_zero_or_per_row_adapters(recorder: fake.Recorder, fak
     from dataclasses import replace
 
     from kvforge.contract.lora import lora_inputs, target_dims
-    from kvforge.runtime.trt_backend import TrtBackend
+    from kvforge.runtime.execution.trt import TrtBackend
     build_engine(lora_onnx_dir, tmp_path / "engine", replace(TRT_BUILD, max_lora_rank=8))
     engine = load_engine_dir(tmp_path / "engine")
     runner = TrtBackend(engine)
@@ -436,7 +436,7 @@ def test_runner_binds_rank_zero_or_per_row_adapters(recorder: fake.Recorder, fak
 def test_runner_binds_logits_indices_and_returns_hidden_states(recorder: fake.Recorder, fake_cuda: fake.FakeCudaDriver,
                                                                tmp_path: Path) -> None:
     """A verify call asks for several positions of a row: N logits rows (and hidden-states rows) come back."""
-    from kvforge.runtime.trt_backend import PREFILL_PROFILE, TrtBackend
+    from kvforge.runtime.execution.trt import PREFILL_PROFILE, TrtBackend
     write_onnx_dir(synthetic_model("tiny-llama", hidden_state_layers=[1, 0]), tmp_path / "onnx")
     build_engine(tmp_path / "onnx", tmp_path / "engine", TRT_BUILD)
     assert "hidden_states" in json.loads(recorder.serialized[len(b"FAKETRT"):])["outputs"]
@@ -463,7 +463,7 @@ def test_an_engine_from_before_logits_indices_builds_and_decodes(recorder: fake.
     from test_logits_positions import legacy_copy
 
     from kvforge.contract.manifest import ONNX_KIND
-    from kvforge.runtime.trt_backend import TrtBackend
+    from kvforge.runtime.execution.trt import TrtBackend
     build_engine(legacy_copy(tiny_onnx_dir, tmp_path / "onnx", ONNX_KIND), tmp_path / "engine", TRT_BUILD)
     assert all(p["last_token_ids"] == ((1,), (4,), (4,)) and "logits_indices" not in p for p in recorder.profiles)
     engine = load_engine_dir(tmp_path / "engine")

@@ -22,13 +22,13 @@ from kvforge.builder.encoder_build import build_encoder_engine
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.multimodal import AUDIO_TRT_ENGINE_FILE, VISUAL_ENGINE_FILE, VISUAL_TRT_ENGINE_FILE
 from kvforge.plugins import trt as trt_plugins
-from kvforge.runtime.engine import Engine, EngineConfig
-from kvforge.runtime.multimodal.encoders import load_encoder
-from kvforge.runtime.multimodal.image import decode_image, idefics3_pixel_values
-from kvforge.runtime.trt_backend import TrtEncoderSession
-from kvforge.tools.export.idefics3_source import write_visual_onnx_dir
-from kvforge.tools.export.qwen2_audio_source import write_audio_onnx_dir
-from kvforge.tools.export.synthetic import synthetic_idefics3, synthetic_qwen2_audio
+from kvforge.runtime.engine.engine import Engine, EngineConfig
+from kvforge.runtime.execution.trt import TrtEncoderSession
+from kvforge.runtime.inputs.multimodal.encoders import load_encoder
+from kvforge.runtime.inputs.multimodal.image import decode_image, idefics3_pixel_values
+from kvforge.tools.export.families.idefics3_source import write_visual_onnx_dir
+from kvforge.tools.export.families.qwen2_audio_source import write_audio_onnx_dir
+from kvforge.tools.export.sources.synthetic import synthetic_idefics3, synthetic_qwen2_audio
 from kvforge.tools.export.writer import write_onnx_dir
 
 MAX_BATCH = 4
@@ -123,7 +123,7 @@ def test_runtime_runs_a_tensorrt_visual_encoder(recorder: fake.Recorder, fake_cu
 
 def test_runtime_runs_a_tensorrt_audio_encoder(recorder: fake.Recorder, fake_cuda: fake.FakeCudaDriver, onnx_dirs,
                                                tmp_path: Path) -> None:
-    from kvforge.runtime.multimodal.audio import DecodedAudio, audio_rows
+    from kvforge.runtime.inputs.multimodal.audio import DecodedAudio, audio_rows
 
     build_encoder_engine(onnx_dirs["audio"], tmp_path / "audio", "tensorrt", 1)
     encoder = load_encoder(tmp_path / "audio")

@@ -17,7 +17,7 @@ from kvforge import LLM
 from kvforge.cli_common import ENGINE_FLAGS, check_reuse_flags, with_engine_options
 from kvforge.contract.errors import KvforgeError
 from kvforge.runtime.cli import app as inference_app
-from kvforge.runtime.engine_config import OPTION, EngineConfig, EngineOption, engine_options, make_engine_config
+from kvforge.runtime.engine.config import OPTION, EngineConfig, EngineOption, engine_options, make_engine_config
 from kvforge.server.cli import app as serve_app
 from kvforge.tools.testcases.cli import app as llm_test_app
 

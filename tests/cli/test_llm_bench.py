@@ -307,7 +307,7 @@ def test_a_hybrid_engine_gets_the_snapshot_pools_it_needs(tmp_path: Path) -> Non
     them their snapshot pools (an engine without them would refuse to start), and a repeated prompt hits."""
     from kvforge.builder.build import BuildOptions, build_engine
     from kvforge.tools.bench.worker import KvforgeDriver
-    from kvforge.tools.export.synthetic import synthetic_model
+    from kvforge.tools.export.sources.synthetic import synthetic_model
     from kvforge.tools.export.writer import write_onnx_dir
 
     write_onnx_dir(synthetic_model("tiny-qwen3_5"), tmp_path / "onnx")

@@ -296,7 +296,7 @@ def test_shipped_test_cases_pass_with_their_counters(run_cli, tiny_lora_model: P
 
 @pytest.fixture(scope="module")
 def smollm2_onnx(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvforge.tools.export.gguf_source import find_smollm2_gguf, load_gguf
+    from kvforge.tools.export.sources.gguf import find_smollm2_gguf, load_gguf
     from kvforge.tools.export.writer import write_onnx_dir
     try:
         gguf_path = find_smollm2_gguf()

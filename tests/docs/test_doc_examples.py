@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 
 from kvforge.builder.build import BuildOptions, build_engine
-from kvforge.runtime.request_file import parse_request_file
+from kvforge.runtime.inputs.request_file import parse_request_file
 
 # The tiny tokenizer is byte-level (one token per byte), so prose examples need room: 2,048-token prompts.
 DOCS_BUILD = BuildOptions(max_input_len=2048, max_kv_cache_capacity=4096, max_batch_size=4, tokens_per_page=16)
@@ -310,8 +310,8 @@ def test_collector_reports_broken_examples(tmp_path: Path) -> None:
 
 # Backticked tokens that name repository paths: a top-level folder, then path characters only (no spaces,
 # placeholders like <name> or globs).
-_PATH_ROOTS = ("builder/", "runtime/", "plugins/", "server/", "kvforge/", "tools/", "tests/", "bench/", "scripts/",
-               "test_cases/", "docs/")
+_PATH_ROOTS = ("builder/", "runtime/", "plugins/", "server/", "kvforge/", "tools/", "tests/", "experiments/",
+               "scripts/", "test_cases/", "docs/")
 _BACKTICKED = re.compile(r"`([^`\s]+)`")
 _PATH_CHARS = re.compile(r"^[\w./-]+$")
 

@@ -13,11 +13,11 @@ from support.engine_driver import make_engine, run_file, top1_ids
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.engine_dir import load_engine_dir
 from kvforge.contract.errors import KvforgeError
-from kvforge.runtime.engine import Engine
-from kvforge.runtime.ort_backend import OrtBackend
-from kvforge.runtime.request_file import parse_request_file
+from kvforge.runtime.engine.engine import Engine
+from kvforge.runtime.execution.ort import OrtBackend
+from kvforge.runtime.inputs.request_file import parse_request_file
 from kvforge.runtime.types import CommitPolicy, LookupPolicy
-from kvforge.tools.export.synthetic import synthetic_model
+from kvforge.tools.export.sources.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,11 +16,11 @@ from kvforge.builder.build import BuildOptions
 from kvforge.contract.engine_dir import load_engine_dir
 from kvforge.contract.errors import PoolTooSmall
 from kvforge.contract.geometry import partial_kv_bytes_per_slot
-from kvforge.runtime.engine import Engine
+from kvforge.runtime.engine.engine import Engine
+from kvforge.runtime.engine.output import RequestOutput
+from kvforge.runtime.execution.executor import PADDING_SLACK_TOKENS, group_by_width
+from kvforge.runtime.execution.ort import OrtBackend
 from kvforge.runtime.file_loop import Scheduling
-from kvforge.runtime.model_executor import PADDING_SLACK_TOKENS, group_by_width
-from kvforge.runtime.ort_backend import OrtBackend
-from kvforge.runtime.output import RequestOutput
 from kvforge.runtime.sequence import EngineRequest, Status
 from kvforge.runtime.types import SamplingParams
 

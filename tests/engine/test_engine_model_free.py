@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from support.fake_backend import FIRST_TOKEN, ModelFreeEngine, cold_answer, model_free_engine
 
-from kvforge.runtime.sampling import Sampler
+from kvforge.runtime.engine.state import CheckpointPolicy
+from kvforge.runtime.sampling.sampler import Sampler
 from kvforge.runtime.sequence import EngineRequest, FinishReason, Sequence, Status
-from kvforge.runtime.state_manager import CheckpointPolicy
 from kvforge.runtime.types import Deployment, SamplingParams
 
 T = 4
@@ -163,7 +163,7 @@ def test_property_examples_exercised_the_loop() -> None:
 @pytest.fixture(autouse=True)
 def count_drafts(monkeypatch: pytest.MonkeyPatch) -> None:
     """Counts verified and rejected drafts through the scheduler's own RowUpdate (no behaviour changes)."""
-    from kvforge.runtime import scheduler
+    from kvforge.runtime.engine import scheduler
 
     commit = scheduler.Scheduler._commit_tokens
 

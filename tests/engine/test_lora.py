@@ -16,10 +16,10 @@ from support.numpy_llama import dense_logits
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.lora import LORA_MODULES, LORA_TARGETS, lora_inputs
-from kvforge.runtime.engine import Engine
-from kvforge.runtime.request_file import parse_request_file
+from kvforge.runtime.engine.engine import Engine
+from kvforge.runtime.inputs.request_file import parse_request_file
 from kvforge.tools.export.lora import write_converted_adapter, write_random_peft_adapter
-from kvforge.tools.export.synthetic import synthetic_model
+from kvforge.tools.export.sources.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -226,7 +226,7 @@ def test_matches_transformers_with_peft(tmp_path: Path) -> None:
                 p.normal_(0.0, 0.2)  # PEFT initialises B to zero: make the adapter matter
     model.save_pretrained(tmp_path / "peft")
 
-    from kvforge.tools.export.hf_source import load_hf_dir
+    from kvforge.tools.export.sources.hf import load_hf_dir
     loaded = load_hf_dir(tmp_path / "hf", kv_cache_dtype="fp32")
     loaded.config.lora_targets = list(LORA_TARGETS)
     write_onnx_dir(loaded, tmp_path / "onnx")
@@ -235,9 +235,9 @@ def test_matches_transformers_with_peft(tmp_path: Path) -> None:
                                                                       max_lora_rank=4))
     write_converted_adapter(tmp_path / "peft", tmp_path / "onnx", tmp_path / "adapter.safetensors")
     from kvforge.contract.engine_dir import load_engine_dir
-    from kvforge.runtime.backend import StepInputs
-    from kvforge.runtime.lora import load_adapter, lora_input_shapes, stack_adapters
-    from kvforge.runtime.ort_backend import OrtBackend
+    from kvforge.runtime.adapters import load_adapter, lora_input_shapes, stack_adapters
+    from kvforge.runtime.execution.backend import StepInputs
+    from kvforge.runtime.execution.ort import OrtBackend
     engine = load_engine_dir(tmp_path / "engine")
     adapter = load_adapter("p", tmp_path / "adapter.safetensors", engine, "test")
     runner = OrtBackend(engine, num_threads=2)

@@ -14,12 +14,12 @@ from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.engine_dir import load_engine_dir
 from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.geometry import partial_kv_bytes_per_slot
-from kvforge.runtime.engine import Engine
-from kvforge.runtime.kv_store import KVStore
-from kvforge.runtime.ort_backend import OrtBackend
-from kvforge.runtime.snapshots import PartialKVSnapshotStore
+from kvforge.runtime.engine.engine import Engine
+from kvforge.runtime.execution.kv_store import KVStore
+from kvforge.runtime.execution.ort import OrtBackend
+from kvforge.runtime.execution.snapshots import PartialKVSnapshotStore
 from kvforge.runtime.types import SamplingParams
-from kvforge.tools.export.synthetic import synthetic_model
+from kvforge.tools.export.sources.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,7 +70,7 @@ def fixture_data() -> dict:
 
 
 def prompt_ids(engine: Engine, data: dict) -> list[list[int]]:
-    from kvforge.runtime.request_file import parse_request_file
+    from kvforge.runtime.inputs.request_file import parse_request_file
 
     return [engine.inputs.process(r).prompt_ids for r in parse_request_file(data).requests]
 

@@ -15,12 +15,12 @@ from support.engine_driver import make_engine, run_file, top1_ids
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.engine_dir import load_engine_dir
 from kvforge.contract.errors import InvalidConfig
-from kvforge.runtime.engine import Engine, snapshot_budgets
-from kvforge.runtime.ort_backend import OrtBackend
-from kvforge.runtime.snapshots import RecurrentSnapshotStore
-from kvforge.runtime.state_manager import MIN_BOUNDARY_GAP
+from kvforge.runtime.engine.engine import Engine, snapshot_budgets
+from kvforge.runtime.engine.state import MIN_BOUNDARY_GAP
+from kvforge.runtime.execution.ort import OrtBackend
+from kvforge.runtime.execution.snapshots import RecurrentSnapshotStore
 from kvforge.runtime.types import SamplingParams
-from kvforge.tools.export.synthetic import synthetic_model
+from kvforge.tools.export.sources.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -295,6 +295,6 @@ def test_cli_runs_a_recurrent_engine_and_refuses_budget_flags_without_reuse(run_
 
 
 def _requests(data: dict) -> list:
-    from kvforge.runtime.request_file import parse_request_file
+    from kvforge.runtime.inputs.request_file import parse_request_file
 
     return parse_request_file(data).requests

@@ -13,12 +13,12 @@ from support.engine_driver import assert_idle, make_engine
 
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.engine_dir import load_engine_dir
-from kvforge.runtime.engine import Engine, snapshot_budgets
-from kvforge.runtime.ort_backend import OrtBackend
-from kvforge.runtime.output import RequestOutput
+from kvforge.runtime.engine.engine import Engine, snapshot_budgets
+from kvforge.runtime.engine.output import RequestOutput
+from kvforge.runtime.execution.ort import OrtBackend
 from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.types import SamplingParams
-from kvforge.tools.export.synthetic import synthetic_model
+from kvforge.tools.export.sources.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir
 
 T = 16

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvforge.contract.errors import KvforgeError
-from kvforge.runtime.request_file import RequestFile, load_request_file, parse_request_file
+from kvforge.runtime.inputs.request_file import RequestFile, load_request_file, parse_request_file
 from kvforge.runtime.types import Message, SamplingParams
 
 

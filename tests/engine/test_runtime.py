@@ -9,9 +9,9 @@ from support.numpy_llama import dense_logits
 
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.errors import KvforgeError
-from kvforge.runtime.engine import Engine
+from kvforge.runtime.engine.engine import Engine
 from kvforge.runtime.sequence import FinishReason
-from kvforge.tools.export.synthetic import synthetic_model
+from kvforge.tools.export.sources.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir
 
 PROMPTS = ["hi", "The quick brown fox jumps over the lazy dog.", "abc " * 9, "x"]
@@ -145,7 +145,7 @@ def test_the_key_chain_is_rooted_in_the_engine_fingerprint(tiny_engine_dir, tiny
 
     from kvforge.contract.engine_dir import load_engine_dir
     from kvforge.runtime.context_cache.keys import CHAIN_ROOT, KeyExtras, page_keys
-    from kvforge.runtime.engine_config import EngineConfig, resolve_engine_config
+    from kvforge.runtime.engine.config import EngineConfig, resolve_engine_config
 
     def root(path) -> bytes:
         return resolve_engine_config(EngineConfig(), load_engine_dir(path)).chain_root

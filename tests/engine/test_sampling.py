@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from kvforge.contract.errors import KvforgeError
-from kvforge.runtime.sampling import (
+from kvforge.runtime.sampling.sampler import (
     Sampler,
     SampleResult,
     greedy_tokens,

@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 
 from kvforge.contract.errors import KvforgeError
-from kvforge.tools.export import gguf_source
-from kvforge.tools.export.gguf_source import (
+from kvforge.tools.export.sources import gguf as gguf_source
+from kvforge.tools.export.sources.gguf import (
     find_smollm2_gguf,
     load_gguf,
     read_gguf_config_and_tokenizer,
     unpermute_llama_cpp_rows,
 )
-from kvforge.tools.export.hf_common import bf16_bits_to_f32
-from kvforge.tools.export.hf_source import load_hf_dir
+from kvforge.tools.export.sources.hf import load_hf_dir
+from kvforge.tools.export.sources.hf_common import bf16_bits_to_f32
 
 HIDDEN, HEADS, KV_HEADS, LAYERS, FFN = 64, 4, 2, 2, 96
 HEAD_DIM = HIDDEN // HEADS

@@ -12,10 +12,9 @@ from support.numpy_llama import dense_logits
 
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.errors import KvforgeError
-from kvforge.runtime.engine import Engine, EngineConfig
+from kvforge.runtime.engine.engine import Engine, EngineConfig
 from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.types import SamplingParams
-from kvforge.tools.export.gguf_source import unpermute_llama_cpp_rows
 from kvforge.tools.export.quantize import (
     LM_HEAD,
     from_gguf_blocks,
@@ -25,8 +24,9 @@ from kvforge.tools.export.quantize import (
     set_accuracy_level,
 )
 from kvforge.tools.export.quantize_model import quantize_linears
-from kvforge.tools.export.source import LoadedModel
-from kvforge.tools.export.synthetic import synthetic_model
+from kvforge.tools.export.sources.base import LoadedModel
+from kvforge.tools.export.sources.gguf import unpermute_llama_cpp_rows
+from kvforge.tools.export.sources.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir
 
 
@@ -199,8 +199,8 @@ def test_reuse_is_invisible_on_an_int4_engine(case: str, tmp_path: Path) -> None
 def test_prefill_sized_calls_run_int8_gemms_and_decode_keeps_the_blocks(tmp_path: Path) -> None:
     """--prefillInt8Rows: each quantized layer is an If between DynamicQuantizeMatMul over int8 columns (calls of at
     least that many rows) and its MatMulNBits blocks (smaller calls, still exactly the dequantized model)."""
-    from kvforge.runtime.backend import StepInputs
     from kvforge.runtime.context_cache.manager import Admission
+    from kvforge.runtime.execution.backend import StepInputs
 
     loaded = synthetic_model("tiny-llama", kv_cache_dtype="fp32")
     quantize_linears(loaded, "int4", 32, lm_head="float")

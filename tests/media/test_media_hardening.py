@@ -24,8 +24,8 @@ from support.server_harness import MODEL, LiveServer, idle_audit, live_server
 
 from kvforge.builder.build import BuildOptions
 from kvforge.contract.errors import KvforgeError
-from kvforge.runtime.engine import Engine, EngineConfig
-from kvforge.runtime.multimodal.encoder_cache import EncoderCache
+from kvforge.runtime.engine.engine import Engine, EngineConfig
+from kvforge.runtime.inputs.multimodal.encoder_cache import EncoderCache
 from kvforge.server.media import MediaPolicy
 
 BUILD = BuildOptions(max_input_len=384, max_kv_cache_capacity=512, max_batch_size=4, tokens_per_page=16)
@@ -99,7 +99,7 @@ def refused(engine: Engine, data: dict, field: str, fragment: str) -> KvforgeErr
 # --- the encoder cache: scoped by cache salt, locked ------------------------------------------------------
 
 def test_cache_scope_follows_the_salt() -> None:
-    from kvforge.runtime.multimodal.encoder_cache import SHARED_SCOPE, cache_scope
+    from kvforge.runtime.inputs.multimodal.encoder_cache import SHARED_SCOPE, cache_scope
 
     assert cache_scope(None) == SHARED_SCOPE
     scopes = {cache_scope(s) for s in ("", "a", "b", "tenant:a")}
@@ -180,7 +180,7 @@ def test_a_one_pixel_high_line_of_39_m_pixels_is_refused_from_its_header(vlm, tm
     # getrusage's ru_maxrss would count pytest's, carried over the exec)
     script = ("import pathlib, re, sys\n"
               "from kvforge.contract.multimodal import ImagePreprocessing\n"
-              "from kvforge.runtime.multimodal.image import decode_image\n"
+              "from kvforge.runtime.inputs.multimodal.image import decode_image\n"
               "pre = ImagePreprocessing(longest_edge=128, image_size=64)\n"
               "try:\n"
               "    decode_image(pathlib.Path(sys.argv[1]), 'image', pre)\n"
@@ -246,8 +246,8 @@ def test_audio_past_the_encoder_window_is_refused_before_decoding(audio, tmp_pat
     assert time.perf_counter() - start < 1.0
     monkeypatch.undo()
     with pytest.raises(KvforgeError, match="longer than the 0.5 s"):  # a header that understates: the stream stops
-        from kvforge.runtime.multimodal.audio import _read_stream
-        _read_stream((chunk for chunk in [np.zeros(16000, np.float32).tobytes()]), 0.5, "audio")
+        from kvforge.runtime.inputs.multimodal.audio import read_stream
+        read_stream((chunk for chunk in [np.zeros(16000, np.float32).tobytes()]), 0.5, "audio")
     out = run_file(engine, {"top_k": 1, "max_generate_length": 1, "requests": [
         {"messages": [{"role": "user", "content": [{"type": "audio", "audio": str(ok)}]}]}]})
     assert out[0]["usage"]["prompt_tokens"] > 250  # a whole window still fits

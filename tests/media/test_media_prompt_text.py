@@ -13,8 +13,8 @@ from support.media_engines import build_tiny_audio_model, build_tiny_vlm
 
 from kvforge.builder.build import BuildOptions
 from kvforge.contract.errors import KvforgeError
-from kvforge.runtime.engine import Engine, EngineConfig
-from kvforge.runtime.request_file import parse_request_file
+from kvforge.runtime.engine.engine import Engine, EngineConfig
+from kvforge.runtime.inputs.request_file import parse_request_file
 
 BUILD = BuildOptions(max_input_len=256, max_kv_cache_capacity=512, max_batch_size=2, tokens_per_page=16)
 IMAGE_ROWS = 16

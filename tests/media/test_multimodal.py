@@ -17,12 +17,12 @@ from kvforge.builder.encoder_build import build_encoder_engine
 from kvforge.contract.errors import KvforgeError
 from kvforge.runtime.context_cache.keys import KeyExtras, MediaKey, page_keys
 from kvforge.runtime.context_cache.planner import plan_reuse
-from kvforge.runtime.engine import Engine, EngineConfig
+from kvforge.runtime.engine.engine import Engine, EngineConfig
 from kvforge.runtime.file_loop import Scheduling
-from kvforge.runtime.multimodal.encoder_cache import EncoderCache
-from kvforge.runtime.multimodal.image import media_digest
-from kvforge.tools.export.idefics3_source import write_visual_onnx_dir
-from kvforge.tools.export.synthetic import synthetic_idefics3
+from kvforge.runtime.inputs.multimodal.encoder_cache import EncoderCache
+from kvforge.runtime.inputs.multimodal.image import media_digest
+from kvforge.tools.export.families.idefics3_source import write_visual_onnx_dir
+from kvforge.tools.export.sources.synthetic import synthetic_idefics3
 from kvforge.tools.export.writer import write_onnx_dir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -322,7 +322,7 @@ ITEM_TEMPLATE = (
 def test_templates_reading_content_items_get_image_items(dirs, tmp_path: Path) -> None:
     import shutil
 
-    from kvforge.runtime.request_file import parse_request_file
+    from kvforge.runtime.inputs.request_file import parse_request_file
 
     _, engine_dir, _ = dirs
     copy = tmp_path / "engine"

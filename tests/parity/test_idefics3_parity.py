@@ -23,11 +23,11 @@ from support.backends import RecordingBackend  # noqa: E402
 
 from kvforge.builder.build import BuildOptions, build_engine  # noqa: E402
 from kvforge.builder.encoder_build import build_encoder_engine  # noqa: E402
-from kvforge.runtime.engine import Engine, EngineConfig  # noqa: E402
+from kvforge.runtime.engine.engine import Engine, EngineConfig  # noqa: E402
 from kvforge.runtime.file_loop import prepare_requests  # noqa: E402
-from kvforge.runtime.request_file import parse_request_file  # noqa: E402
-from kvforge.tools.export.idefics3_source import load_idefics3_dir, write_visual_onnx_dir  # noqa: E402
-from kvforge.tools.export.synthetic import IDEFICS3_SPECIAL_TOKENS, byte_level_tokenizer  # noqa: E402
+from kvforge.runtime.inputs.request_file import parse_request_file  # noqa: E402
+from kvforge.tools.export.families.idefics3_source import load_idefics3_dir, write_visual_onnx_dir  # noqa: E402
+from kvforge.tools.export.sources.synthetic import IDEFICS3_SPECIAL_TOKENS, byte_level_tokenizer  # noqa: E402
 from kvforge.tools.export.writer import write_onnx_dir  # noqa: E402
 
 pytestmark = pytest.mark.torch

@@ -13,8 +13,13 @@ import onnxruntime as ort
 import pytest
 
 from kvforge.builder.lower_recurrent import lower_recurrent_ops
-from kvforge.runtime.backend import last_token_indices
-from kvforge.tools.export.mamba2_graph import Mamba2Geometry, build_mamba2_graph, conv_state_name, recurrent_state_name
+from kvforge.runtime.execution.backend import last_token_indices
+from kvforge.tools.export.families.mamba2_graph import (
+    Mamba2Geometry,
+    build_mamba2_graph,
+    conv_state_name,
+    recurrent_state_name,
+)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -131,7 +136,7 @@ def hf_twin(config: object) -> object:
 def exported(onnx_dir: Path) -> tuple[ort.InferenceSession, Mamba2Geometry]:
     from kvforge.contract.files import read_json
     from kvforge.contract.model_config import ModelConfig
-    from kvforge.tools.export.mamba2_source import geometry
+    from kvforge.tools.export.families.mamba2_source import geometry
 
     config = ModelConfig.from_dict(read_json(onnx_dir / "config.json", "onnx_dir"))
     lowered = lower_recurrent_ops(onnx.load(onnx_dir / "model.onnx"))
@@ -139,7 +144,7 @@ def exported(onnx_dir: Path) -> tuple[ort.InferenceSession, Mamba2Geometry]:
 
 
 def test_synthetic_tiny_mamba2_exports_and_matches_transformers(tmp_path: Path) -> None:
-    from kvforge.tools.export.synthetic import synthetic_model
+    from kvforge.tools.export.sources.synthetic import synthetic_model
     from kvforge.tools.export.writer import write_onnx_dir
 
     loaded = synthetic_model("tiny-mamba2")
@@ -159,8 +164,8 @@ def test_synthetic_tiny_mamba2_exports_and_matches_transformers(tmp_path: Path) 
 
 
 def test_hf_mamba2_checkpoint_dir_exports_and_matches_transformers(tmp_path: Path, models: tuple) -> None:
-    from kvforge.tools.export.hf_source import load_hf_dir
-    from kvforge.tools.export.synthetic import byte_level_tokenizer
+    from kvforge.tools.export.sources.hf import load_hf_dir
+    from kvforge.tools.export.sources.synthetic import byte_level_tokenizer
     from kvforge.tools.export.writer import write_onnx_dir
 
     hf = models[0]
@@ -182,7 +187,7 @@ def test_llm_build_lowers_a_recurrent_export_and_llm_inference_runs_it(
     from support.cli_checks import assert_one_line_error
 
     from kvforge.contract.geometry import recurrent_bytes_per_slot
-    from kvforge.tools.export.synthetic import synthetic_model
+    from kvforge.tools.export.sources.synthetic import synthetic_model
 
     export = run_cli(["llm_export", "--synthetic", "tiny-mamba2", "--outputDir", tmp_path / "onnx"])
     assert export.returncode == 0, export.stderr

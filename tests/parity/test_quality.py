@@ -1,4 +1,4 @@
-"""The quality bar's harness (bench/quality.py): its metrics on tiny engines, and the bar on SmolLM2 variants."""
+"""The quality bar's harness (experiments/quality.py): its metrics on tiny engines, and the bar on SmolLM2 variants."""
 
 from __future__ import annotations
 
@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 
 from kvforge.builder.build import BuildOptions, build_engine
-from kvforge.runtime.backend import StepInputs
 from kvforge.runtime.context_cache.manager import Admission
-from kvforge.runtime.engine import Engine, EngineConfig
+from kvforge.runtime.engine.engine import Engine, EngineConfig
+from kvforge.runtime.execution.backend import StepInputs
 from kvforge.tools.export.quantize import linear_weight_names
 from kvforge.tools.export.quantize_model import quantize_linears
-from kvforge.tools.export.synthetic import synthetic_model
+from kvforge.tools.export.sources.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import quality  # noqa: E402  (bench/ scripts import each other as top-level modules)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
+import quality  # noqa: E402  (experiments/ scripts import each other as top-level modules)
 
 TINY_TEXT_TOKENS = 96  # bytes of the shipped text (the tiny tokenizer is byte-level)
 TINY_PROMPTS = ["Hi", "Name a color."]
@@ -121,7 +121,7 @@ def test_recommendation_is_the_fastest_passing_variant() -> None:
 def test_quantized_smollm2_against_float32(tmp_path: Path) -> None:
     """The bar on SmolLM2's int8 and int4 exports (GGUF → ONNX → engine here); asserted for PASSING variants."""
     from kvforge.contract.errors import KvforgeError
-    from kvforge.tools.export.gguf_source import find_smollm2_gguf, load_gguf
+    from kvforge.tools.export.sources.gguf import find_smollm2_gguf, load_gguf
     try:
         gguf_path = find_smollm2_gguf()
     except KvforgeError as exc:

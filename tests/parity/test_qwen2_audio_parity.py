@@ -22,12 +22,12 @@ from support.backends import RecordingBackend  # noqa: E402
 
 from kvforge.builder.build import BuildOptions, build_engine  # noqa: E402
 from kvforge.builder.encoder_build import build_encoder_engine  # noqa: E402
-from kvforge.runtime.engine import Engine, EngineConfig  # noqa: E402
+from kvforge.runtime.engine.engine import Engine, EngineConfig  # noqa: E402
 from kvforge.runtime.file_loop import prepare_requests  # noqa: E402
-from kvforge.runtime.multimodal.audio import decode_audio, log_mel  # noqa: E402
-from kvforge.runtime.request_file import parse_request_file  # noqa: E402
-from kvforge.tools.export.qwen2_audio_source import load_qwen2_audio_dir, write_audio_onnx_dir  # noqa: E402
-from kvforge.tools.export.synthetic import QWEN2_AUDIO_SPECIAL_TOKENS, byte_level_tokenizer  # noqa: E402
+from kvforge.runtime.inputs.multimodal.audio import decode_audio, log_mel  # noqa: E402
+from kvforge.runtime.inputs.request_file import parse_request_file  # noqa: E402
+from kvforge.tools.export.families.qwen2_audio_source import load_qwen2_audio_dir, write_audio_onnx_dir  # noqa: E402
+from kvforge.tools.export.sources.synthetic import QWEN2_AUDIO_SPECIAL_TOKENS, byte_level_tokenizer  # noqa: E402
 from kvforge.tools.export.writer import write_onnx_dir  # noqa: E402
 
 pytestmark = pytest.mark.torch

@@ -19,11 +19,11 @@ from kvforge.builder.lower_ort import lower_for_onnxruntime, new_rows_name
 from kvforge.builder.lower_recurrent import lower_recurrent_ops
 from kvforge.contract.model_config import ModelConfig
 from kvforge.plugins.reference import rope_table
-from kvforge.runtime.backend import last_token_indices
-from kvforge.tools.export.llama_graph import pool_input_name
-from kvforge.tools.export.mamba2_graph import conv_state_name, recurrent_state_name
-from kvforge.tools.export.qwen3_5_graph import build_qwen3_5_graph
-from kvforge.tools.export.qwen3_5_source import config_from_hf
+from kvforge.runtime.execution.backend import last_token_indices
+from kvforge.tools.export.families.llama_graph import pool_input_name
+from kvforge.tools.export.families.mamba2_graph import conv_state_name, recurrent_state_name
+from kvforge.tools.export.families.qwen3_5_graph import build_qwen3_5_graph
+from kvforge.tools.export.families.qwen3_5_source import config_from_hf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -198,8 +198,8 @@ def exported(onnx_dir: Path) -> tuple[ModelConfig, ort.InferenceSession]:
 
 
 def test_hf_checkpoint_dir_exports_and_matches_transformers(tmp_path: Path, models: tuple) -> None:
-    from kvforge.tools.export.hf_source import load_hf_dir
-    from kvforge.tools.export.synthetic import byte_level_tokenizer
+    from kvforge.tools.export.sources.hf import load_hf_dir
+    from kvforge.tools.export.sources.synthetic import byte_level_tokenizer
     from kvforge.tools.export.writer import write_onnx_dir
 
     hf = models[0]
@@ -218,8 +218,8 @@ def test_hf_checkpoint_dir_exports_and_matches_transformers(tmp_path: Path, mode
 def test_vision_language_checkpoint_dir_exports_its_text_model(tmp_path: Path) -> None:
     """A `qwen3_5` dir (Qwen3_5ForConditionalGeneration, what Qwen ships): the text model under
     model.language_model.*, the vision tower skipped; text-only logits match the full model's."""
-    from kvforge.tools.export.hf_source import load_hf_dir
-    from kvforge.tools.export.synthetic import byte_level_tokenizer
+    from kvforge.tools.export.sources.hf import load_hf_dir
+    from kvforge.tools.export.sources.synthetic import byte_level_tokenizer
     from kvforge.tools.export.writer import write_onnx_dir
 
     vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
@@ -260,7 +260,7 @@ def hf_twin(c: ModelConfig) -> object:
 
 
 def test_synthetic_tiny_qwen3_5_matches_transformers(tmp_path: Path) -> None:
-    from kvforge.tools.export.synthetic import synthetic_model
+    from kvforge.tools.export.sources.synthetic import synthetic_model
     from kvforge.tools.export.writer import write_onnx_dir
 
     loaded = synthetic_model("tiny-qwen3_5", kv_cache_dtype="fp32")
@@ -279,7 +279,7 @@ def test_llm_export_and_llm_build_of_the_tiny_hybrid(run_cli, tmp_path: Path) ->
 
     from kvforge.contract.geometry import kv_bytes_per_page, recurrent_bytes_per_slot
     from kvforge.contract.manifest import ENGINE_KIND, verify_manifest
-    from kvforge.tools.export.synthetic import synthetic_model
+    from kvforge.tools.export.sources.synthetic import synthetic_model
 
     export = run_cli(["llm_export", "--synthetic", "tiny-qwen3_5", "--outputDir", tmp_path / "onnx"])
     assert export.returncode == 0, export.stderr
@@ -320,7 +320,7 @@ def test_llm_export_and_llm_build_of_the_tiny_hybrid(run_cli, tmp_path: Path) ->
 def test_unsupported_qwen3_5_settings_are_refused_in_one_line(run_cli, tmp_path: Path, models: tuple) -> None:
     from support.cli_checks import assert_one_line_error
 
-    from kvforge.tools.export.synthetic import byte_level_tokenizer
+    from kvforge.tools.export.sources.synthetic import byte_level_tokenizer
 
     quantized = run_cli(["llm_export", "--synthetic", "tiny-qwen3_5", "--outputDir", tmp_path / "q",
                          "--quantization", "int4"])

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory: pytest.TempPathFactory):
     from kvforge.contract.errors import KvforgeError
-    from kvforge.tools.export.gguf_source import find_smollm2_gguf, load_gguf
+    from kvforge.tools.export.sources.gguf import find_smollm2_gguf, load_gguf
     try:
         gguf_path = find_smollm2_gguf()
     except KvforgeError as exc:

@@ -1,4 +1,4 @@
-"""bench/train_eagle3.py: the checkpoint it writes is the HF EAGLE3 format, and its training forward (all unrolled
+"""scripts/train_eagle3.py: the checkpoint it writes is the HF EAGLE3 format, and its training forward (all unrolled
 steps at once) equals chained drafting with a draft KV cache, computed here in numpy from the saved file alone.
 
 A tiny synthetic llama stands in for SmolLM2 (seconds; torch is the dev extra's)."""
@@ -12,12 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvforge.tools.export.synthetic import synthetic_model
+from kvforge.tools.export.sources.synthetic import synthetic_model
 
 torch = pytest.importorskip("torch")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import train_eagle3  # noqa: E402  (bench/ scripts are top-level modules)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import train_eagle3  # noqa: E402  (scripts/ files are top-level modules)
 
 STEPS = 4
 

@@ -23,9 +23,9 @@ safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
 from kvforge.builder.build import BuildOptions, build_engine  # noqa: E402
 from kvforge.contract.engine_dir import EMBEDDING_FILE, EMBEDDING_TENSOR, load_engine_dir  # noqa: E402
-from kvforge.runtime.backend import StepInputs  # noqa: E402
-from kvforge.runtime.ort_backend import OrtBackend  # noqa: E402
-from kvforge.tools.export.hf_source import load_hf_dir  # noqa: E402
+from kvforge.runtime.execution.backend import StepInputs  # noqa: E402
+from kvforge.runtime.execution.ort import OrtBackend  # noqa: E402
+from kvforge.tools.export.sources.hf import load_hf_dir  # noqa: E402
 from kvforge.tools.export.writer import write_onnx_dir  # noqa: E402
 
 pytestmark = pytest.mark.torch

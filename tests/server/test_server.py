@@ -20,7 +20,7 @@ from support.engine_driver import lora_model_with_adapters
 from support.server_harness import MODEL, SERVER_BUILD, LiveServer, build_server_engine, idle_audit, live_server
 
 from kvforge import LLM, SamplingParams
-from kvforge.runtime.engine import Engine
+from kvforge.runtime.engine.engine import Engine
 from kvforge.server.render import TextStreamer, held_for_stop
 
 SYSTEM = "You are the assistant of the Harbor Point tidal energy array. Answer briefly and precisely. " * 2

@@ -73,8 +73,8 @@ def test_chat_page_sends_an_attached_image_and_the_next_turn_reuses_it(tmp_path:
 
     from kvforge.builder.build import build_engine
     from kvforge.builder.encoder_build import build_encoder_engine
-    from kvforge.tools.export.idefics3_source import write_visual_onnx_dir
-    from kvforge.tools.export.synthetic import synthetic_idefics3
+    from kvforge.tools.export.families.idefics3_source import write_visual_onnx_dir
+    from kvforge.tools.export.sources.synthetic import synthetic_idefics3
     from kvforge.tools.export.writer import write_onnx_dir
 
     text, visual = synthetic_idefics3()

@@ -316,7 +316,7 @@ main()
 """
 
 
-@pytest.mark.parametrize("module", ["kvforge.runtime.engine_config", "onnxruntime"],
+@pytest.mark.parametrize("module", ["kvforge.runtime.engine.config", "onnxruntime"],
                          ids=["while-importing", "while-the-engine-loads"])
 def test_ctrl_c_during_start_up_is_one_line(engine_dir: Path, module: str) -> None:
     env = {**os.environ, "NO_COLOR": "1", "TERM": "dumb", "COLUMNS": "300"}

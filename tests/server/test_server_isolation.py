@@ -23,7 +23,7 @@ from support.media_engines import build_tiny_vlm
 from support.server_harness import MODEL, LiveServer, build_server_engine, idle_audit, live_server
 
 from kvforge.builder.build import BuildOptions
-from kvforge.runtime.multimodal.visual import VisualEncoder
+from kvforge.runtime.inputs.multimodal.visual import VisualEncoder
 
 KEYS = {"key-hostile": "hostile", "key-normal": "normal"}
 QUESTIONS = ["How many turbines does the array have?", "Who chaired the review?", "When did it begin?"]

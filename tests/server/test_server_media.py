@@ -23,12 +23,12 @@ from support.server_harness import MODEL, LiveServer, idle_audit, live_server
 
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.builder.encoder_build import build_encoder_engine
-from kvforge.runtime.engine import Engine, EngineConfig
+from kvforge.runtime.engine.engine import Engine, EngineConfig
 from kvforge.server import app as server_app
 from kvforge.server.media import MediaPolicy
 from kvforge.server.protocol import ApiError, parse_call
-from kvforge.tools.export.qwen2_audio_source import write_audio_onnx_dir
-from kvforge.tools.export.synthetic import synthetic_qwen2_audio
+from kvforge.tools.export.families.qwen2_audio_source import write_audio_onnx_dir
+from kvforge.tools.export.sources.synthetic import synthetic_qwen2_audio
 from kvforge.tools.export.writer import write_onnx_dir
 
 BUILD = BuildOptions(max_input_len=384, max_kv_cache_capacity=512, max_batch_size=4, tokens_per_page=16)
@@ -275,7 +275,7 @@ def test_input_audio_is_warm_and_equals_cold(audio_engine, media_dir: Path, tmp_
 
 
 def test_inline_audio_decodes_like_the_file(media_dir: Path) -> None:
-    from kvforge.runtime.multimodal.audio import decode_audio, decode_audio_bytes
+    from kvforge.runtime.inputs.multimodal.audio import decode_audio, decode_audio_bytes
 
     path = media_dir / "tone.wav"
     from_file, inline = decode_audio(path, "f"), decode_audio_bytes(path.read_bytes(), "f")
@@ -285,7 +285,7 @@ def test_inline_audio_decodes_like_the_file(media_dir: Path) -> None:
 
 
 def test_inline_image_decodes_like_the_file(media_dir: Path) -> None:
-    from kvforge.runtime.multimodal.image import decode_image
+    from kvforge.runtime.inputs.multimodal.image import decode_image
 
     path = media_dir / "a.png"
     buffer = io.BytesIO()

@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 
 from kvforge.contract.engine_dir import load_engine_dir
-from kvforge.runtime.backend import Backend, ForwardOutput, StepInputs
-from kvforge.runtime.backends import load_backend
+from kvforge.runtime.execution.backend import Backend, ForwardOutput, StepInputs
+from kvforge.runtime.execution.load import load_backend
 
 
 class RecordingBackend:

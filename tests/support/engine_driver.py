@@ -7,14 +7,14 @@ from typing import Any
 
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.lora import LORA_TARGETS
-from kvforge.runtime.backend import Backend
-from kvforge.runtime.engine import Engine, EngineConfig
+from kvforge.runtime.engine.engine import Engine, EngineConfig
+from kvforge.runtime.engine.output import RequestOutput
+from kvforge.runtime.execution.backend import Backend
 from kvforge.runtime.file_loop import Scheduling, prepare_requests, run_request_file
-from kvforge.runtime.output import RequestOutput
-from kvforge.runtime.request_file import parse_request_file
+from kvforge.runtime.inputs.request_file import parse_request_file
 from kvforge.tools.export.lora import write_converted_adapter, write_random_peft_adapter
-from kvforge.tools.export.source import LoadedModel
-from kvforge.tools.export.synthetic import synthetic_model
+from kvforge.tools.export.sources.base import LoadedModel
+from kvforge.tools.export.sources.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir
 
 

@@ -14,14 +14,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvforge.runtime.context_cache.manager import ContextCacheManager
-from kvforge.runtime.engine_core import EngineCore
-from kvforge.runtime.model_executor import BatchOutput
-from kvforge.runtime.output import OutputProcessor
+from kvforge.runtime.engine.core import EngineCore
+from kvforge.runtime.engine.output import OutputProcessor
+from kvforge.runtime.engine.scheduler import ExternalLoader, Scheduler
+from kvforge.runtime.engine.state import CheckpointPolicy, StateManager
+from kvforge.runtime.execution.recurrent_state import RecurrentStates
+from kvforge.runtime.execution.snapshots import PartialKVSnapshotStore, RecurrentSnapshotStore
 from kvforge.runtime.profile import Profiler
-from kvforge.runtime.recurrent_state import RecurrentStates
-from kvforge.runtime.scheduler import ExternalLoader, ScheduledRow, Scheduler
-from kvforge.runtime.snapshots import PartialKVSnapshotStore, RecurrentSnapshotStore
-from kvforge.runtime.state_manager import CheckpointPolicy, StateManager
+from kvforge.runtime.step import BatchOutput, ScheduledRow
 from kvforge.runtime.types import Deployment
 
 VOCAB = 97

@@ -9,9 +9,9 @@ from typing import Any
 
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.builder.encoder_build import build_encoder_engine
-from kvforge.tools.export.idefics3_source import write_visual_onnx_dir
-from kvforge.tools.export.qwen2_audio_source import write_audio_onnx_dir
-from kvforge.tools.export.synthetic import synthetic_idefics3, synthetic_qwen2_audio
+from kvforge.tools.export.families.idefics3_source import write_visual_onnx_dir
+from kvforge.tools.export.families.qwen2_audio_source import write_audio_onnx_dir
+from kvforge.tools.export.sources.synthetic import synthetic_idefics3, synthetic_qwen2_audio
 from kvforge.tools.export.writer import write_onnx_dir
 
 

@@ -20,8 +20,8 @@ import uvicorn
 
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.engine_dir import load_engine_dir
-from kvforge.runtime.backends import load_backend
-from kvforge.runtime.engine import Engine, EngineConfig
+from kvforge.runtime.engine.engine import Engine, EngineConfig
+from kvforge.runtime.execution.load import load_backend
 from kvforge.server.app import create_app
 from kvforge.server.cli import bind_socket
 from kvforge.server.handle import ServerState

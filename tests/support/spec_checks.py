@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvforge.runtime.engine import Engine
-from kvforge.runtime.output import RequestOutput
+from kvforge.runtime.engine.engine import Engine
+from kvforge.runtime.engine.output import RequestOutput
 from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.types import SamplingParams
 
@@ -132,7 +132,7 @@ def assert_media_runs_cold(engine: Engine, text: str) -> None:
     import numpy as np
 
     from kvforge.runtime.context_cache.keys import MediaKey
-    from kvforge.runtime.multimodal.spans import MediaSpan
+    from kvforge.runtime.media_spans import MediaSpan
     from support.engine_driver import step_audited
 
     tokens = engine.tokenizer.encode(text)

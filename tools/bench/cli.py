@@ -24,7 +24,7 @@ from kvforge import __version__
 from kvforge.cli_common import console, run_app, run_guarded
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.files import atomic_write_text, check_distinct, check_output_file, check_work_dir
-from kvforge.runtime.tokenizer import ChatTokenizer
+from kvforge.runtime.inputs.tokenizer import ChatTokenizer
 from kvforge.tools.bench import report
 from kvforge.tools.bench.engines import (
     KVFORGE,

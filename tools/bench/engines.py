@@ -14,7 +14,8 @@ from kvforge.builder.build import BuildOptions
 from kvforge.contract.engine_dir import load_engine_dir
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.paging import pages_for
-from kvforge.runtime.engine_config import DRAFT_METHODS, MAX_SPEC_DRAFT_TOKENS, MAX_SPEC_DRAFT_TOP_K
+from kvforge.runtime.engine.config import MAX_SPEC_DRAFT_TOKENS, MAX_SPEC_DRAFT_TOP_K
+from kvforge.runtime.spec.methods import DRAFT_METHODS
 
 KVFORGE = "kvforge"
 TRANSFORMERS = "transformers"
@@ -134,7 +135,7 @@ def resolve(spec: EngineSpec) -> EngineSpec:
     """Check the path exists and is what the kind needs; a kvforge ONNX dir becomes a build to do."""
     path = spec.path
     if spec.kind in (TRANSFORMERS, LLAMA_CPP) and str(path) == SMOLLM2:
-        from kvforge.tools.export.gguf_source import find_smollm2_gguf
+        from kvforge.tools.export.sources.gguf import find_smollm2_gguf
 
         try:
             path = find_smollm2_gguf()

@@ -1,5 +1,5 @@
 """The English text every benchmark reads: a technical report to ask questions about, prompts unrelated to it,
-and a tutoring chat. Shared by llm_bench and the scripts in bench/ so their workloads stay the same."""
+and a tutoring chat. Shared by llm_bench and the scripts in experiments/ so their workloads stay the same."""
 
 from __future__ import annotations
 
@@ -172,8 +172,8 @@ CHAT_TURNS = [
 # (distinct first tokens) and goes on with the report's sections in another order.
 UNRELATED_OPENERS = ["Zebras", "Quietly", "Yesterday", "Pottery", "Every", "Marble", "Nobody", "Under"]
 
-# Speculative decoding's prompts (llm_bench's spec_decode workload and bench/spec_decode.py): answers that copy the
-# report word for word, a summary in its own wording, and chat that has nothing in its prompt to copy (what
+# Speculative decoding's prompts (llm_bench's spec_decode workload and experiments/spec_decode.py): answers that copy
+# the report word for word, a summary in its own wording, and chat that has nothing in its prompt to copy (what
 # speculation costs when it cannot help). Each is a user message of the chat template; the document ones start
 # with the report, cut to a token count with fit_document.
 SPEC_QUOTE_QUESTIONS = [

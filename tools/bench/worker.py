@@ -101,7 +101,7 @@ class KvforgeDriver:
     def __init__(self, path: Path, threads: int, reuse: bool, spec_decode: str = "off",
                  spec_draft_step: int | None = None, spec_draft_top_k: int | None = None) -> None:
         from kvforge.contract.engine_dir import load_engine_dir
-        from kvforge.runtime.engine import Engine, EngineConfig, snapshot_budgets
+        from kvforge.runtime.engine.engine import Engine, EngineConfig, snapshot_budgets
 
         # Recurrent and hybrid engines reuse exact checkpoints only: with reuse on they get the pools they need.
         engine_dir = load_engine_dir(path)

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvforge.contract.errors import KvforgeError
-from kvforge.runtime.request_file import load_request_file
-from kvforge.runtime.tokenizer import ChatTokenizer
+from kvforge.runtime.inputs.request_file import load_request_file
+from kvforge.runtime.inputs.tokenizer import ChatTokenizer
 from kvforge.runtime.types import Message
 from kvforge.tools.bench.text import (
     CHAT_SYSTEM,

@@ -13,7 +13,7 @@ import typer
 from kvforge.cli_common import EXPORT_FLAGS, console, progress_bar, run_app, run_guarded
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.model_config import KV_CACHE_DTYPES, ModelConfig
-from kvforge.tools.export.source import LoadedModel
+from kvforge.tools.export.sources.base import LoadedModel
 
 SMOLLM2_NAME = "smollm2-135m-instruct"
 
@@ -139,17 +139,17 @@ def load_source(source: str | None, synthetic: str | None, kv_cache_dtype: str, 
     if synthetic:
         if source:
             raise KvforgeError("give either SOURCE or --synthetic, not both", "SOURCE")
-        from kvforge.tools.export.synthetic import synthetic_model
+        from kvforge.tools.export.sources.synthetic import synthetic_model
         return synthetic_model(synthetic, kv_cache_dtype, seed)
     if not source:
         raise KvforgeError("missing: a GGUF file, an HF checkpoint dir, the name "
                            f"{SMOLLM2_NAME!r}, or --synthetic NAME", "SOURCE")
-    from kvforge.tools.export.gguf_source import find_smollm2_gguf, load_gguf
+    from kvforge.tools.export.sources.gguf import find_smollm2_gguf, load_gguf
     if source == SMOLLM2_NAME:
         return load_gguf(find_smollm2_gguf(), kv_cache_dtype, lambda i, n: step(f"tensor {i}/{n}"))
     path = Path(source)
     if path.is_dir():
-        from kvforge.tools.export.hf_source import load_hf_dir
+        from kvforge.tools.export.sources.hf import load_hf_dir
         return load_hf_dir(path, kv_cache_dtype)
     if path.is_file():
         return load_gguf(path, kv_cache_dtype, lambda i, n: step(f"tensor {i}/{n}"))
@@ -162,14 +162,14 @@ def _load_multimodal_source(source: str | None, synthetic: str | None, kv_cache_
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         return None  # load_source reports it
     if synthetic == "tiny-idefics3" and not source:
-        from kvforge.tools.export.synthetic import synthetic_idefics3
+        from kvforge.tools.export.sources.synthetic import synthetic_idefics3
         return synthetic_idefics3(kv_cache_dtype, seed)
     if synthetic == "tiny-qwen2-audio" and not source:
-        from kvforge.tools.export.synthetic import synthetic_qwen2_audio
+        from kvforge.tools.export.sources.synthetic import synthetic_qwen2_audio
         return synthetic_qwen2_audio(kv_cache_dtype, seed)
     if source and not synthetic and Path(source).is_dir():
-        from kvforge.tools.export.idefics3_source import is_idefics3_dir, load_idefics3_dir
-        from kvforge.tools.export.qwen2_audio_source import is_qwen2_audio_dir, load_qwen2_audio_dir
+        from kvforge.tools.export.families.idefics3_source import is_idefics3_dir, load_idefics3_dir
+        from kvforge.tools.export.families.qwen2_audio_source import is_qwen2_audio_dir, load_qwen2_audio_dir
         if is_idefics3_dir(Path(source)):
             return load_idefics3_dir(Path(source), kv_cache_dtype)
         if is_qwen2_audio_dir(Path(source)):
@@ -178,7 +178,7 @@ def _load_multimodal_source(source: str | None, synthetic: str | None, kv_cache_
 
 
 def _write_encoder(encoder, output_dir: Path, encoder_output_dir: Path | None) -> None:
-    from kvforge.tools.export.qwen2_audio_source import AudioExport, write_audio_onnx_dir
+    from kvforge.tools.export.families.qwen2_audio_source import AudioExport, write_audio_onnx_dir
 
     if isinstance(encoder, AudioExport):
         target = encoder_output_dir or output_dir / "audio"
@@ -187,7 +187,7 @@ def _write_encoder(encoder, output_dir: Path, encoder_output_dir: Path | None) -
         console.print(f"exported the {encoder.config.model} audio encoder (up to {encoder.config.num_frames} mel "
                       f"frames per item) to {target}")
         return
-    from kvforge.tools.export.idefics3_source import write_visual_onnx_dir
+    from kvforge.tools.export.families.idefics3_source import write_visual_onnx_dir
 
     target = encoder_output_dir or output_dir / "visual"
     with progress_bar("building vision encoder", None):
@@ -200,7 +200,7 @@ def _write_encoder(encoder, output_dir: Path, encoder_output_dir: Path | None) -
                   f"frame; {split}) to {target}")
 
 
-# The default per source: the fastest variant that passes the quality bar of bench/quality.py (top-1 agreement
+# The default per source: the fastest variant that passes the quality bar of experiments/quality.py (top-1 agreement
 # >= 98 %, perplexity within 3 %, >= 9 of 10 held answers equal to float32's). SmolLM2's GGUF holds Q4_1
 # blocks, kept exactly: int4 (with its 8-bit, rescored head) scores 99.95 % / +0.03 % / 10 of 10.
 DEFAULT_QUANTIZATION = {SMOLLM2_NAME: "int4"}
@@ -401,7 +401,7 @@ def eagle3(
     output_dir: Path = typer.Option(..., "--outputDir", help="The draft's ONNX dir to write."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
-    _export_draft("kvforge.tools.export.eagle3:export_eagle3", draft_dir, base_onnx_dir, output_dir, debug,
+    _export_draft("kvforge.tools.export.drafts.eagle3:export_eagle3", draft_dir, base_onnx_dir, output_dir, debug,
                   lambda c: f"an EAGLE3 draft (hidden {c.hidden_size}, draft vocabulary {c.draft_vocab_size}, "
                             f"reads base layers {c.eagle_hidden_state_layers})")
 
@@ -414,7 +414,7 @@ def random_eagle3(
     seed: int = typer.Option(0, "--seed", help="Random seed."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
-    _write_random_draft("kvforge.tools.export.eagle3:write_random_eagle3", base_onnx_dir, output_dir, debug,
+    _write_random_draft("kvforge.tools.export.drafts.eagle3:write_random_eagle3", base_onnx_dir, output_dir, debug,
                         "EAGLE3 draft", draft_vocab_size=draft_vocab, seed=seed)
 
 
@@ -426,7 +426,7 @@ def block_draft(
     output_dir: Path = typer.Option(..., "--outputDir", help="The draft's ONNX dir to write."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
-    _export_draft("kvforge.tools.export.block_draft:export_block_draft", draft_dir, base_onnx_dir, output_dir,
+    _export_draft("kvforge.tools.export.drafts.block_draft:export_block_draft", draft_dir, base_onnx_dir, output_dir,
                   debug, lambda c: f"a {c.spec_decode_type} draft ({c.num_hidden_layers} layers, block "
                                    f"{c.dflash_block_size}, reads base layers {c.eagle_hidden_state_layers})")
 
@@ -442,9 +442,9 @@ def random_block_draft(
     seed: int = typer.Option(0, "--seed", help="Random seed."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
-    _write_random_draft("kvforge.tools.export.block_draft:write_random_block_draft", base_onnx_dir, output_dir, debug,
-                        f"{kind} draft", _check_num_layers(num_layers), kind=kind, seed=seed, num_layers=num_layers,
-                        block_size=block_size)
+    _write_random_draft("kvforge.tools.export.drafts.block_draft:write_random_block_draft", base_onnx_dir, output_dir,
+                        debug, f"{kind} draft", _check_num_layers(num_layers), kind=kind, seed=seed,
+                        num_layers=num_layers, block_size=block_size)
 
 
 @app.command("gemma4-assistant", help=GEMMA4_ASSISTANT_HELP,
@@ -457,7 +457,7 @@ def gemma4_assistant(
     output_dir: Path = typer.Option(..., "--outputDir", help="The assistant's ONNX dir to write."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
-    _export_draft("kvforge.tools.export.gemma4_assistant:export_gemma4_assistant", draft_dir, base_onnx_dir,
+    _export_draft("kvforge.tools.export.drafts.gemma4_assistant:export_gemma4_assistant", draft_dir, base_onnx_dir,
                   output_dir, debug, lambda c: f"a Gemma4 assistant ({c.num_hidden_layers} layers reading base layer "
                                                f"{c.kv_shared_layers[0]}'s K/V, {_assistant_logits(c)})")
 
@@ -473,7 +473,7 @@ def random_gemma4_assistant(
     seed: int = typer.Option(0, "--seed", help="Random seed."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
-    _write_random_draft("kvforge.tools.export.gemma4_assistant:write_random_gemma4_assistant", base_onnx_dir,
+    _write_random_draft("kvforge.tools.export.drafts.gemma4_assistant:write_random_gemma4_assistant", base_onnx_dir,
                         output_dir, debug, "Gemma4 assistant", _check_num_layers(num_layers), seed=seed,
                         num_layers=num_layers, num_centroids=num_centroids)
 
@@ -486,7 +486,7 @@ def mtp(
     output_dir: Path = typer.Option(..., "--outputDir", help="The MTP draft's ONNX dir to write."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
-    _export_draft("kvforge.tools.export.qwen3_5_mtp:export_mtp", draft_dir, base_onnx_dir, output_dir, debug,
+    _export_draft("kvforge.tools.export.drafts.qwen3_5_mtp:export_mtp", draft_dir, base_onnx_dir, output_dir, debug,
                   lambda c: f"an MTP draft (one layer, reads base layer {c.eagle_hidden_state_layers[0]})")
 
 
@@ -497,7 +497,7 @@ def random_mtp(
     seed: int = typer.Option(0, "--seed", help="Random seed."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
-    _write_random_draft("kvforge.tools.export.qwen3_5_mtp:write_random_mtp", base_onnx_dir, output_dir, debug,
+    _write_random_draft("kvforge.tools.export.drafts.qwen3_5_mtp:write_random_mtp", base_onnx_dir, output_dir, debug,
                         "MTP layer", seed=seed)
 
 

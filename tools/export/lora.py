@@ -20,7 +20,7 @@ from kvforge.contract.lora import (
     target_dims,
 )
 from kvforge.contract.model_config import ModelConfig
-from kvforge.tools.export.hf_common import read_safetensors_header, read_tensor  # bf16-aware, shared
+from kvforge.tools.export.sources.hf_common import read_safetensors_header, read_tensor  # bf16-aware, shared
 
 FIELD = "adapter_dir"
 _MODULE_TO_TARGET = {module.split(".")[-1]: target for target, module in LORA_MODULES.items()}

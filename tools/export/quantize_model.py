@@ -15,7 +15,7 @@ from kvforge.tools.export.quantize import (
     quantize,
     resolve_lm_head,
 )
-from kvforge.tools.export.source import LoadedModel
+from kvforge.tools.export.sources.base import LoadedModel
 
 
 def quantize_linears(loaded: LoadedModel, quantization: str, block_size: int,

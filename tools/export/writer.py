@@ -15,11 +15,11 @@ from kvforge.contract.engine_dir import ENGINE_MODEL_FILE as MODEL_FILE
 from kvforge.contract.engine_dir import ENGINE_WEIGHTS_FILE as WEIGHTS_FILE
 from kvforge.contract.files import check_output_dir, staged_dir, write_json
 from kvforge.contract.manifest import ONNX_KIND, write_manifest
-from kvforge.tools.export import mamba2_source
-from kvforge.tools.export.llama_graph import build_llama_graph
-from kvforge.tools.export.mamba2_graph import build_mamba2_graph
-from kvforge.tools.export.qwen3_5_graph import build_qwen3_5_graph
-from kvforge.tools.export.source import LoadedModel
+from kvforge.tools.export.families import mamba2_source
+from kvforge.tools.export.families.llama_graph import build_llama_graph
+from kvforge.tools.export.families.mamba2_graph import build_mamba2_graph
+from kvforge.tools.export.families.qwen3_5_graph import build_qwen3_5_graph
+from kvforge.tools.export.sources.base import LoadedModel
 
 
 def write_onnx_dir(loaded: LoadedModel, output_dir: Path,

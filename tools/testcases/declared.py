@@ -10,7 +10,7 @@ from typing import Any
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.profile_schema import SECTIONS
 from kvforge.contract.validation import check_int, describe, fail, get_bool, json_kind
-from kvforge.runtime.request_file import RequestFile, load_request_file
+from kvforge.runtime.inputs.request_file import RequestFile, load_request_file
 
 CHECKS_KEY = "_checks"
 EXPECTED_PREFIX = "expected_"  # expected_context_cache, expected_prefill, ... : one per profile section

@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.contract.errors import KvforgeError
-from kvforge.runtime.backend import Backend
-from kvforge.runtime.engine import Engine, EngineConfig, snapshot_budgets
+from kvforge.runtime.engine.engine import Engine, EngineConfig, snapshot_budgets
+from kvforge.runtime.execution.backend import Backend
 from kvforge.runtime.file_loop import Scheduling, prepare_requests, run_request_file
-from kvforge.tools.export.synthetic import SYNTHETIC_MODELS
+from kvforge.tools.export.sources.synthetic import SYNTHETIC_MODELS
 from kvforge.tools.testcases.checks import FAILED, PASSED, SKIPPED, CheckOptions, CheckResult, Scorer, check_file
 from kvforge.tools.testcases.declared import CaseSpec
 

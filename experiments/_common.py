@@ -1,0 +1,100 @@
+"""Helpers shared by the engine-level benches: command line, workload text, engines, medians, progress.
+
+Imported as `_common` by the scripts in this folder (run as `python experiments/NAME.py`, which puts experiments/
+on sys.path); not part of the kvforge package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvforge.builder.build import BuildOptions, build_engine
+from kvforge.runtime.engine.engine import Engine, EngineConfig
+from kvforge.runtime.engine.output import RequestOutput
+from kvforge.runtime.execution.backend import Backend
+from kvforge.runtime.sequence import EngineRequest
+from kvforge.runtime.types import Message, Request, SamplingParams
+
+# The workload text lives in the package, where llm_bench reads it too; the scripts import it from here.
+from kvforge.tools.bench.text import DOCUMENT_SECTIONS, GLOSSARY, fit_document, text_tokens  # noqa: F401
+
+# --- command line -------------------------------------------------------------------------------------
+
+
+def bench_parser(doc: str, repeats: int = 3, onnx_dir: bool = True) -> argparse.ArgumentParser:
+    """--onnxDir (unless the bench exports its own model), --threads, --repeats and --json, which every engine-level
+    bench takes."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    if onnx_dir:
+        parser.add_argument("--onnxDir", type=Path, required=True)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    return parser
+
+
+def write_json(path: Path | None, figures: dict[str, Any]) -> None:
+    if path is not None:
+        path.write_text(json.dumps(figures, indent=2) + "\n")
+
+
+class Progress:
+    """Elapsed time and load average on stderr, so a slow run shows whether the machine was busy."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.load_start = os.getloadavg()
+
+    def __call__(self, step: str) -> None:
+        print(f"[{self.elapsed:5.0f}s, load {os.getloadavg()[0]:.2f}] {step}", file=sys.stderr)
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+# --- engines ------------------------------------------------------------------------------------------
+
+
+def build_and_open(onnx_dir: Path, engine_dir: Path, options: BuildOptions, threads: int,
+                   reuse: bool = False, runner: Backend | None = None, **config: Any) -> Engine:
+    """Build `onnx_dir` into `engine_dir` (once) and open an Engine on it."""
+    if not (engine_dir / "config.json").is_file():
+        build_engine(onnx_dir, engine_dir, options)
+    return Engine(engine_dir, EngineConfig(num_threads=threads, enable_context_reuse=reuse, **config), backend=runner)
+
+
+def greedy(max_generate_length: int, **changes: Any) -> SamplingParams:
+    """Greedy decoding (top_k 1, so no draw and no seed matters)."""
+    return SamplingParams(temperature=1.0, top_k=1, top_p=1.0, max_generate_length=max_generate_length, **changes)
+
+
+def chat_request(engine: Engine, text: str, sampling: SamplingParams) -> EngineRequest:
+    """One user message through the engine's chat template."""
+    return engine.inputs.process(Request(index=0, messages=[Message("user", text)], sampling=sampling,
+                                         apply_chat_template=True, add_generation_prompt=True))
+
+
+def run_alone(engine: Engine, request: EngineRequest) -> RequestOutput:
+    """Run one request to its end on counters reset first (so `engine.profile()` describes it alone)."""
+    engine.reset_counters()
+    request_id = engine.add_request(request)
+    output: RequestOutput | None = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == request_id and out.finished:
+                output = out
+    assert output is not None and output.timing is not None
+    return output

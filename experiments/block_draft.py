@@ -1,0 +1,176 @@
+"""Block drafts (DFlash, DSpark) on SmolLM2 with random drafts of the real shape, against plain decoding, in one run.
+
+No public DFlash or DSpark draft targets a model this small, so the drafts are random (5 qwen3 layers at SmolLM2's
+width, DFlash's block of 16, DSpark's of 7): their guesses are almost never accepted, so this measures what block
+drafting costs, not what a trained draft gains. Per method:
+
+- the cost of one base verify call of k + 1 tokens against one decode step, at 64 and 1,536 tokens of context (the
+  engine's own backend, medians); and of one draft block call there;
+- decode tok/s with the method against plain, and the acceptance length, on a question about a ~1,500-token
+  document (same tokens as plain is checked);
+- TTFT of a second question on the document, warm (reuse on, the draft's pages restored without replay) vs cold.
+
+    python experiments/block_draft.py --onnxDir out/onnx/smollm2-blockbase --threads 2
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from _common import Progress, bench_parser, median, run_alone, write_json
+from _common import chat_request as common_chat_request
+
+from kvforge.builder.build import BuildOptions, build_engine
+from kvforge.contract.engine_dir import BASE_HIDDEN_INPUT, CONTEXT_TOKEN_MASK_INPUT
+from kvforge.runtime.engine.engine import Engine, EngineConfig
+from kvforge.runtime.execution.backend import Backend, StepInputs
+from kvforge.runtime.execution.tree_attention import causal_masks, start_positions
+from kvforge.runtime.sequence import EngineRequest
+from kvforge.runtime.types import SamplingParams
+from kvforge.tools.bench.text import fit_document, spec_messages
+from kvforge.tools.export.drafts.block_draft import export_block_draft, write_random_block_draft
+
+BUILD = BuildOptions(max_input_len=2048, max_kv_cache_capacity=2304, max_batch_size=1, tokens_per_page=128)
+DOCUMENT_TOKENS = 1500
+MAX_GENERATE = 64
+CONTEXTS = (64, 1536)
+METHODS = {"dflash": 16, "dspark": 7}  # the public drafts' blocks
+
+
+def chat_request(engine: Engine, text: str, reuse: bool = True) -> EngineRequest:
+    return common_chat_request(engine, text, SamplingParams(temperature=0.0, max_generate_length=MAX_GENERATE,
+                                                            reuse_context=reuse))
+
+
+def run_one(engine: Engine, request: EngineRequest) -> dict[str, Any]:
+    output = run_alone(engine, request)
+    assert output.timing is not None
+    spec = engine.profile().get("spec_decode_generation", {})
+    generated = len(output.token_ids)
+    return {"tokens": output.token_ids, "ttft_ms": output.timing.ttft_ms,
+            "decode_tok_s": (generated - 1) * 1e3 / output.timing.decode_ms if output.timing.decode_ms else 0.0,
+            "acceptance_length": spec.get("acceptance_length", 1.0)}
+
+
+def decode_figures(run: dict[str, Any], plain: dict[str, Any]) -> dict[str, Any]:
+    """A speculative run's decode figures against the plain run of the same request (run_one's results)."""
+    return {"decode_tok_s": run["decode_tok_s"], "plain_decode_tok_s": plain["decode_tok_s"],
+            "vs_plain": run["decode_tok_s"] / plain["decode_tok_s"], "acceptance_length": run["acceptance_length"],
+            "same_tokens": run["tokens"] == plain["tokens"]}
+
+
+def ttft_figures(warm: dict[str, Any], cold: dict[str, Any]) -> dict[str, Any]:
+    """A warm run's TTFT against the cold run of the same request (run_one's results)."""
+    return {"cold_ttft_ms": cold["ttft_ms"], "warm_ttft_ms": warm["ttft_ms"],
+            "warm_over_cold": warm["ttft_ms"] / cold["ttft_ms"], "warm_same_tokens": warm["tokens"] == cold["tokens"]}
+
+
+def decode_line(row: dict[str, Any]) -> str:
+    return (f"decode {row['decode_tok_s']:.1f} tok/s vs plain {row['plain_decode_tok_s']:.1f} "
+            f"({row['vs_plain']:.2f}x), acceptance length {row['acceptance_length']:.2f}, same tokens "
+            f"{row['same_tokens']}")
+
+
+def ttft_line(row: dict[str, Any], detail: str) -> str:
+    return (f"TTFT warm {row['warm_ttft_ms']:.0f} ms vs cold {row['cold_ttft_ms']:.0f} ms "
+            f"({row['warm_over_cold']:.2f}), {detail}, same tokens {row['warm_same_tokens']}")
+
+
+def call_ms(backend: Backend, hidden_size: int, width: int, start: int, repeats: int,
+            extra: dict[str, np.ndarray] | None = None, masked: bool = False, state_row: int | None = None) -> float:
+    """Median ms of one call of `width` new tokens after `start` cached ones (pages 0.., values irrelevant;
+    `state_row`: a recurrent engine's state row)."""
+    T = backend.tokens_per_page  # type: ignore[attr-defined]
+    pages = list(range((start + width) // T + 1))
+    embeds = np.random.default_rng(0).standard_normal((1, width, hidden_size)).astype(np.float32)
+    mask = causal_masks(1, width)
+    if masked:
+        mask[:] = True
+    step = StepInputs(embeds, np.array([width], np.int32), np.array([start], np.int32), [pages],
+                      state_rows=None if state_row is None else [state_row],
+                      logits_indices=np.arange(width), extra_inputs=extra or {},
+                      position_ids=start_positions(np.array([start]), width) if masked else None,
+                      attention_mask=mask if masked else None)
+    times = []
+    for _ in range(repeats + 1):
+        began = time.perf_counter()
+        backend.forward(step)
+        times.append((time.perf_counter() - began) * 1e3)
+    return median(times[1:])
+
+
+def main() -> None:
+    parser = bench_parser(__doc__, repeats=5)
+    args = parser.parse_args()
+    progress = Progress()
+    figures: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="kvforge-block-") as tmp:
+        root = Path(tmp)
+        progress("building the base")
+        build_engine(args.onnxDir, root / "engine", replace(BUILD, spec_base=True))
+        for method, block in METHODS.items():
+            progress(f"exporting and building a random {method} draft")
+            write_random_block_draft(args.onnxDir, root / f"{method}_hf", kind=method, num_layers=5,
+                                     block_size=block, seed=1, markov_rank=256)
+            export_block_draft(root / f"{method}_hf", args.onnxDir, root / f"{method}_onnx")
+            build_engine(root / f"{method}_onnx", root / f"{method}_engine",
+                         replace(BUILD, spec_draft=True, cpu_attention="kernel"))
+        plain = Engine(root / "engine", EngineConfig(num_threads=args.threads))
+        document, doc_tokens = fit_document(plain.tokenizer.encode, DOCUMENT_TOKENS)
+        questions = next(iter(spec_messages(document).values()))
+        H = plain.engine_dir.model.hidden_size
+        progress("plain")
+        base_run = run_one(plain, chat_request(plain, questions[0], reuse=False))
+        costs: dict[str, Any] = {}
+        for context in CONTEXTS:
+            costs[f"decode_ms@{context}"] = call_ms(plain.backend, H, 1, context, args.repeats)
+        for method, block in METHODS.items():
+            progress(f"{method}: verify and draft call costs")
+            config = EngineConfig(num_threads=args.threads, spec_decode=method,
+                                  spec_draft_engine_dir=str(root / f"{method}_engine"))
+            engine = Engine(root / "engine", config)
+            row: dict[str, Any] = {"block": block}
+            draft = engine.proposer.backend  # type: ignore[union-attr]
+            width = engine.proposer.base_width  # type: ignore[union-attr]
+            for context in CONTEXTS:
+                verify = call_ms(engine.backend, H, block, context, args.repeats)
+                row[f"verify_{block}_ms@{context}"] = verify
+                row[f"verify_over_decode@{context}"] = verify / costs[f"decode_ms@{context}"]
+                extra = {BASE_HIDDEN_INPUT: np.zeros((1, block, width), np.float32),
+                         CONTEXT_TOKEN_MASK_INPUT: np.zeros((1, block, 1), np.float32)}
+                row[f"draft_block_ms@{context}"] = call_ms(draft, H, block, context, args.repeats, extra, masked=True)
+            progress(f"{method}: decoding")
+            run = run_one(engine, chat_request(engine, questions[0], reuse=False))
+            row |= decode_figures(run, base_run)
+            progress(f"{method}: warm vs cold TTFT")
+            warm_engine = Engine(root / "engine", replace(config, enable_context_reuse=True))
+            run_one(warm_engine, chat_request(warm_engine, questions[0]))
+            warm = run_one(warm_engine, chat_request(warm_engine, questions[1]))
+            cold = run_one(warm_engine, chat_request(warm_engine, questions[1], reuse=False))
+            cache = warm_engine.profile().get("context_cache", {})
+            row |= ttft_figures(warm, cold) | {
+                "full_page_replays": cache.get("speculative", {}).get("full_page_replays", 0)}
+            figures[method] = row
+    figures["costs"] = costs
+    print(f"\nblock-draft bench: SmolLM2 from {args.onnxDir}, random 5-layer drafts, {args.threads} threads, "
+          f"document {doc_tokens} tokens, greedy, {MAX_GENERATE} tokens; total {progress.elapsed:.0f} s\n")
+    print("   " + "  ".join(f"decode step @{c}: {costs[f'decode_ms@{c}']:.1f} ms" for c in CONTEXTS))
+    for method, row in figures.items():
+        if method == "costs":
+            continue
+        b = row["block"]
+        print(f"{method} (block {b}): " + ", ".join(
+            f"verify {b} tokens @{c} {row[f'verify_{b}_ms@{c}']:.1f} ms = {row[f'verify_over_decode@{c}']:.2f}x "
+            f"a decode step, draft call {row[f'draft_block_ms@{c}']:.1f} ms" for c in CONTEXTS))
+        print("   " + decode_line(row))
+        print("   " + ttft_line(row, f"replays {row['full_page_replays']}"))
+    write_json(args.json, figures)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""What a verify row costs: one backend call of S new tokens on a cached context, against a decode call (S = 1).
+
+Speculative decoding pays only if a row of k+1 positions costs much less than k+1 decode steps; this times
+`OrtBackend.forward` alone (no scheduler, no sampling) at S = 1, 2, 5, 9 and prints ONNX Runtime's per-op times of
+S = 5 against S = 1, which says where the extra cost goes.
+
+    python experiments/verify_cost.py --onnxDir out/onnx/smollm2 --threads 2 --contextTokens 1500
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from _common import bench_parser
+
+from kvforge.builder.build import BuildOptions, build_engine
+from kvforge.contract.engine_dir import EMBEDDING_FILE, EMBEDDING_TENSOR, load_engine_dir
+from kvforge.contract.safetensors_map import map_tensor
+from kvforge.runtime.execution.backend import StepInputs
+from kvforge.runtime.execution.ort import OrtBackend
+
+WIDTHS = (1, 2, 5, 9)
+
+
+def prefill(backend: OrtBackend, embedding: np.ndarray, ids: np.ndarray, pages: list[int]) -> None:
+    for start in range(0, len(ids), 512):
+        chunk = ids[start:start + 512]
+        backend.forward(StepInputs(embedding[chunk][None].astype(np.float32), np.array([len(chunk)], np.int32),
+                                   np.array([start], np.int32), [pages]))
+
+
+def call(backend: OrtBackend, embedding: np.ndarray, ids: np.ndarray, width: int, context: int,
+         pages: list[int]) -> float:
+    started = time.perf_counter()
+    backend.forward(StepInputs(embedding[ids[:width]][None].astype(np.float32), np.array([width], np.int32),
+                               np.array([context], np.int32), [pages],
+                               logits_indices=np.arange(width, dtype=np.int64)))
+    return (time.perf_counter() - started) * 1e3
+
+
+def main() -> None:
+    parser = bench_parser(__doc__, repeats=8)
+    parser.add_argument("--contextTokens", type=int, default=1500)
+    args = parser.parse_args()
+    context = args.contextTokens
+    with tempfile.TemporaryDirectory(prefix="kvforge-verify-") as tmp:
+        build = BuildOptions(max_input_len=min(512, context + 256), max_kv_cache_capacity=context + 256,
+                             max_batch_size=1, tokens_per_page=128)
+        build_engine(args.onnxDir, Path(tmp) / "engine", build)
+        engine = load_engine_dir(Path(tmp) / "engine")
+        embedding = map_tensor(engine.file(EMBEDDING_FILE), EMBEDDING_TENSOR)
+        pages = list(range(-(-(context + 16) // 128)))
+        ids = np.arange(context) % 1000 + 100
+        backend = OrtBackend(engine, args.threads, embedding)
+        prefill(backend, embedding, ids, pages)
+        print(f"backend call at {context} tokens of context, {args.threads} threads, median of {args.repeats}:")
+        base = None
+        for width in WIDTHS:
+            ms = float(np.median([call(backend, embedding, ids, width, context, pages) for _ in range(args.repeats)]))
+            base = base or ms
+            print(f"   S={width}: {ms:6.1f} ms  ({ms / base:4.2f}x a decode call; {ms / width:5.1f} ms a position)")
+        profiled = OrtBackend(engine, args.threads, embedding, profile_prefix=f"{tmp}/ort")
+        prefill(profiled, embedding, ids, pages)
+        for width in (1, 5):
+            for _ in range(5):
+                call(profiled, embedding, ids, width, context, pages)
+        trace = json.loads(Path(profiled.session.end_profiling()).read_text())
+    runs = sorted((e for e in trace if e.get("cat") == "Session" and e.get("name") == "model_run"),
+                  key=lambda e: e["ts"])[-10:]
+    print("ONNX Runtime per-op ms per call (profiling on):")
+    for label, group in (("S=1", runs[:5]), ("S=5", runs[5:])):
+        low, high = group[0]["ts"], group[-1]["ts"] + group[-1]["dur"]
+        ops: collections.Counter[str] = collections.Counter()
+        for event in trace:
+            if event.get("cat") == "Node" and str(event.get("name", "")).endswith("_kernel_time") \
+                    and low <= event["ts"] <= high:
+                ops[event["args"].get("op_name", "?")] += event["dur"] / 5 / 1e3
+        print(f"   {label}: " + ", ".join(f"{op} {ms:.1f}" for op, ms in ops.most_common(5)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,319 @@
+"""The engine loop every front end drives: add_request, step (schedule → run → postprocess), abort.
+
+`llm_inference`, the Python API (`kvforge.LLM`), the benchmarks and the tests all call `step()` until
+their requests finish; none of them re-implements batching, paging or reuse.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from kvforge.contract.engine_dir import (
+    D2T_FILE,
+    D2T_TENSOR,
+    DSPARK_HEADS_FILE,
+    EMBEDDING_FILE,
+    EMBEDDING_TENSOR,
+    EngineDir,
+    load_engine_dir,
+)
+from kvforge.contract.errors import InvalidConfig, PoolTooSmall
+from kvforge.contract.paging import pages_for
+from kvforge.contract.profile_schema import MTP_GENERATION
+from kvforge.contract.safetensors_map import map_tensor
+from kvforge.runtime.adapters import LoraRegistry, lora_input_shapes
+from kvforge.runtime.context_cache.manager import ContextCacheManager
+from kvforge.runtime.engine.config import (  # noqa: F401 - EngineConfig and the budget helper are re-exported
+    EngineConfig,
+    ResolvedConfig,
+    block_size,
+    deployment_of,
+    resolve_engine_config,
+    snapshot_budgets,
+    verify_size,
+)
+from kvforge.runtime.engine.core import EngineCore, EngineStats
+from kvforge.runtime.engine.output import OutputProcessor, RequestOutput
+from kvforge.runtime.engine.scheduler import Scheduler, SchedulerStats
+from kvforge.runtime.engine.state import StateManager
+from kvforge.runtime.execution.backend import Backend
+from kvforge.runtime.execution.executor import ModelExecutor
+from kvforge.runtime.execution.load import load_backend
+from kvforge.runtime.execution.snapshots import PartialKVSnapshotStore, RecurrentSnapshotStore
+from kvforge.runtime.execution.system_prompt_cache import SystemPromptCache
+from kvforge.runtime.inputs.processor import InputProcessor, check_prompt_length
+from kvforge.runtime.profile import Profiler
+from kvforge.runtime.sampling.sampler import Sampler
+from kvforge.runtime.sequence import EngineRequest, Sequence, Status
+from kvforge.runtime.shared_tier.stores import open_store
+from kvforge.runtime.shared_tier.tier import SharedTier
+from kvforge.runtime.spec.methods import SPEC_DSPARK, SPEC_NGRAM
+from kvforge.runtime.spec.ngram import NgramProposer
+from kvforge.runtime.spec.proposer import Proposer
+from kvforge.runtime.types import CommitPolicy, Deployment
+
+TIER_CONNECT_WAIT_S = 2.0  # Mooncake's client set-up takes ~0.1-0.5 s here; Redis a round trip
+
+
+class Engine:
+    def __init__(self, engine_dir: Path | str, config: EngineConfig = EngineConfig(),
+                 backend: Backend | None = None, profiler: Profiler | None = None, *,
+                 num_pages: int | None = None) -> None:
+        """Build every part from the engine dir and `config`, each with its collaborators as arguments (nothing is
+        completed afterwards). `backend`: one to reuse instead of loading one; `profiler`: the server's;
+        `num_pages`: run on fewer KV pages than the build allocated (tests force waiting and eviction with it)."""
+        self.config = config
+        self.engine_dir: EngineDir = load_engine_dir(Path(engine_dir))
+        build = self.engine_dir.build
+        resolved = resolve_engine_config(config, self.engine_dir, num_pages=num_pages)
+        self.deployment = resolved.deployment
+        from kvforge.runtime.inputs.tokenizer import ChatTokenizer  # after the cheap checks: loading it takes a moment
+
+        self.profiler = profiler or Profiler()
+        embedding = map_tensor(self.engine_dir.file(EMBEDDING_FILE), EMBEDDING_TENSOR)  # rows paged in as looked up
+        drafting = resolved.draft is not None  # a draft session alternates with the base on the same cores
+        self.backend = backend or load_backend(self.engine_dir, config.num_threads, embedding, shares_cores=drafting)
+        self.states = self.backend.states
+        if (self.states is None) != (self.deployment is Deployment.VANILLA):
+            raise InvalidConfig(f"config.json says {self.deployment.name.lower()} layers but the engine's graph "
+                                f"{'has no' if self.states is None else 'has'} recurrent states; rebuild it with "
+                                "llm_build", "engine_dir")
+        partial, recurrent = resolved.partial_kv_snapshot_slots, resolved.recurrent_snapshot_slots
+        self.partial_store = PartialKVSnapshotStore(self.backend.kv_store, partial) if partial else None
+        self.recurrent_store = RecurrentSnapshotStore(self.states, recurrent) \
+            if self.states is not None and recurrent else None
+        self.system_prompts = SystemPromptCache(self.backend.kv_store)
+        self.state = StateManager(tokens_per_page=build.tokens_per_page, states=self.states, partial=self.partial_store,
+                                  recurrent=self.recurrent_store, system_prompts=self.system_prompts,
+                                  checkpoints=resolved.checkpoints)
+        self.tier = self._shared_tier(config, resolved)
+        self.cache = ContextCacheManager(resolved.num_pages, build.tokens_per_page,
+                                         enabled=config.enable_context_reuse,
+                                         max_records=config.context_cache_max_records,
+                                         partial_kv_snapshot_slots=partial, recurrent_snapshot_slots=recurrent,
+                                         deployment=self.deployment, copier=self.state,
+                                         chain_root=resolved.chain_root, events=self.tier,
+                                         draft_pages=resolved.draft.build.max_kv_pool_pages
+                                         if resolved.draft and not resolved.draft.model.reads_base_kv else 0,
+                                         draft_replays=resolved.draft is None
+                                         or resolved.draft.model.kv_reads_next_token)
+        encoder = _load_encoder(config)
+        self.tokenizer = ChatTokenizer(self.engine_dir.path,
+                                       media_markers={encoder.kind: encoder.marker} if encoder is not None else {})
+        self.multimodal = _multimodal_processor(encoder, config, self.tokenizer, self.profiler,
+                                                self.engine_dir.model.hidden_size)
+        self.loras = LoraRegistry(self.engine_dir)
+        self.inputs = InputProcessor(self.tokenizer, self.loras, build.max_input_len, config.enable_context_reuse,
+                                     self.engine_dir.model.vocab_size, multimodal=self.multimodal,
+                                     message_boundaries=resolved.checkpoints.enabled
+                                     and config.snapshot_message_boundaries)
+        self.draft_backend: Backend | None = None
+        self.proposer = self._proposer(config, resolved)
+        self.executor = ModelExecutor(self.backend, embedding, lora_input_shapes(self.engine_dir),
+                                      self.state.rows if self.states is not None else None,
+                                      all_hidden=self.proposer is not None and self.proposer.owns_kv)
+        self.outputs = OutputProcessor(self.tokenizer, frozenset(self.engine_dir.model.eos_token_ids),
+                                       build.max_kv_cache_capacity)
+        self.scheduler = Scheduler(self.cache, self.state, self.outputs, max_batch_size=resolved.max_batch_size,
+                                   max_num_tokens=resolved.max_num_tokens,
+                                   prefill_chunk_tokens=resolved.prefill_chunk_tokens,
+                                   max_seq_tokens=build.max_kv_cache_capacity, loader=self.tier)
+        self.core = EngineCore(self.scheduler, self.executor, self.outputs, self.profiler, self.proposer)
+        if self.tier is not None:  # connected in the background while the rest loaded; a dead store costs this once
+            self.tier.wait_connected(TIER_CONNECT_WAIT_S)
+        self._ids = itertools.count()
+        self._arrivals = itertools.count()
+
+    # --- front-end calls ----------------------------------------------------------------------------
+
+    def load_adapters(self, available_lora_weights: dict[str, str], base_dir: Path | None = None) -> None:
+        """Load named adapters; each is identified by its weights' digest, not its name."""
+        self.loras.load(available_lora_weights, base_dir)
+        self.executor.forget_adapters()
+
+    def add_request(self, request: EngineRequest, request_id: str | None = None) -> str:
+        """Queue a request; it runs from the next step on. Returns its id."""
+        check_prompt_length(len(request.prompt_ids), self.engine_dir.build.max_input_len, "prompt")
+        # K/V is held for the prompt and every generated token but the last, up to the capacity.
+        need = min(len(request.prompt_ids) + request.sampling.max_generate_length - 1,
+                   self.engine_dir.build.max_kv_cache_capacity)
+        if not self.cache.fits_alone(need):
+            raise PoolTooSmall(f"the KV pool cannot hold this request even alone: it needs "
+                               f"{pages_for(need, self.cache.tokens_per_page)} pages and the pool has "
+                               f"{self.cache.pages.capacity}; rebuild with a larger --maxKVPoolPages",
+                               "max_kv_pool_pages")
+        if request.system_prompt_key is not None and self.states is not None:
+            raise InvalidConfig("the legacy system-prompt cache keeps K/V only, which cannot restore a recurrent "
+                                "model's state; use --enableContextReuse (exact checkpoints)",
+                                "save_system_prompt_kv_cache")
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.core.sequences:
+            raise InvalidConfig(f"request id {request_id!r} is already in flight", "request_id")
+        seq = Sequence(request_id, request, Sampler(request.sampling), arrival=next(self._arrivals))
+        if self.proposer is not None and self.draft_backend is not None and request.sampling.speculative:
+            if request.media:
+                # The support matrix: a speculative request with image or audio runs cold (no lookup, no
+                # publication) and undrafted; counted in the profile.
+                seq.request = replace(request, sampling=replace(request.sampling, reuse_context=False,
+                                                                speculative=False))
+                self.profiler.add_media_cold_request()
+            elif self.proposer.owns_kv:
+                seq.drafts_with_kv = True
+                if self.states is not None and self.cache.enabled and request.sampling.reuse_context:
+                    seq.request = self._hybrid_mtp_reuse(request)
+        self.core.add(seq)
+        return request_id
+
+    def _hybrid_mtp_reuse(self, request: EngineRequest) -> EngineRequest:
+        """The support matrix's hybrid MTP row: reuse needs a batch of one (a larger batch bypasses it, counted)
+        and publishes the prefill endpoint only (`prefill_state_only`; a request asking for more is counted)."""
+        sampling = request.sampling
+        if self.scheduler.max_batch_size > 1:
+            self.profiler.add_reuse_bypass()
+            return replace(request, sampling=replace(sampling, reuse_context=False))
+        if sampling.commit_policy is not CommitPolicy.PREFILL_STATE_ONLY:
+            self.profiler.add_prefill_only()
+            return replace(request, sampling=replace(sampling, cache_generated_tokens=False))
+        return request
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now; its pages are released and nothing of it is published. False if unknown."""
+        return self.core.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.core.has_unfinished()
+
+    def flush(self) -> bool:
+        """Wait (bounded) until what the shared tier queued is written; True without a tier or once it is."""
+        return self.tier is None or self.tier.flush()
+
+    def close(self) -> None:
+        """Let the shared tier finish saving what was committed (bounded), then release its connections. The
+        engine itself holds nothing that outlives the process; without a tier this does nothing."""
+        if self.tier is not None:
+            self.tier.close()
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule → run one engine call → sample → update (commit, stop, publish, release); the rows' outputs."""
+        return self.core.step()
+
+    # --- reporting ----------------------------------------------------------------------------------
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        return int(self.backend.kv_store.nbytes)
+
+    def reset_counters(self) -> None:
+        """Start the profile's stages and counters and the scheduler's counters from zero (benchmark phases)."""
+        self.profiler.reset()
+        self.scheduler.stats = SchedulerStats()
+
+    def stats(self) -> EngineStats:
+        """Queue depths, pool occupancy and counters at this moment, for servers and benchmarks."""
+        scheduler, pages, profiler = self.scheduler, self.cache.pages, self.profiler
+        return EngineStats(waiting=len(scheduler.waiting), running=len(scheduler.running),
+                           loading=len(scheduler.loading), pool_free=pages.num_free, pool_capacity=pages.capacity,
+                           prefill_reused_tokens=profiler.prefill_reused_tokens,
+                           prefill_computed_tokens=profiler.prefill_computed_tokens,
+                           generated_tokens=profiler.generated_tokens,
+                           spec_draft_tokens=profiler.spec_draft_tokens,
+                           spec_accepted_tokens=profiler.spec_accepted_tokens, scheduler=scheduler.stats.to_dict(),
+                           cache=self._cache_profile() if self.cache.enabled else {},
+                           encoder_cache=self.multimodal.cache.to_dict() if self.multimodal is not None else {})
+
+    def profile(self) -> dict:
+        """The profile JSON object: stages and token counters, the cache block (reuse on) and the scheduler's."""
+        self.profiler.note_peak_memory(self.kv_pool_bytes)
+        data = self.profiler.to_dict(self._cache_profile() if self.cache.enabled else None,
+                                     scheduler=self.scheduler.stats.to_dict())
+        # Which path attention took (kvforge's CPU kernel or the pure-ONNX fallback): speed depends on it.
+        data["engine"] = {"backend": self.engine_dir.build.backend, "attention": self.engine_dir.build.attention}
+        return {**data, **self.multimodal.profile()} if self.multimodal else data
+
+
+    def _cache_profile(self) -> dict:
+        """The profile's context_cache block, with the shared tier's counters under `shared_tier` when there is one."""
+        block = self.cache.profile()
+        if self.tier is not None:
+            block["shared_tier"] = self.tier.profile()
+        return block
+
+    def _shared_tier(self, config: EngineConfig, resolved: ResolvedConfig) -> SharedTier | None:
+        """The tier below the pool (--sharedCache), reading and writing this engine's pool, rows and snapshots."""
+        if not (config.shared_cache and config.enable_context_reuse):
+            return None
+        store = open_store(config.shared_cache, config.shared_cache_timeout_ms / 1e3)
+        return SharedTier(store, root=resolved.chain_root, tokens_per_page=self.engine_dir.build.tokens_per_page,
+                          kv=self.backend.kv_store if resolved.num_pages else None, states=self.states,
+                          state_rows=self.state.rows, partial=self.partial_store, recurrent=self.recurrent_store,
+                          timeout_s=config.shared_cache_timeout_ms / 1e3)
+
+    def _proposer(self, config: EngineConfig, resolved: ResolvedConfig) -> Proposer | None:
+        if config.spec_decode == SPEC_NGRAM:
+            return NgramProposer(config.spec_draft_step, config.spec_prompt_lookup_min, config.spec_prompt_lookup_max)
+        if resolved.draft is None:
+            return None
+        draft = resolved.draft
+        table = map_tensor(draft.file(EMBEDDING_FILE), EMBEDDING_TENSOR)
+        shared = None
+        if draft.model.reads_base_kv:  # the assistant attends over the base's pools, bound as they are
+            shared = dict(zip(self.engine_dir.model.attention_layer_ids, self.backend.kv_store.layers, strict=True))
+        self.draft_backend = load_backend(draft, config.num_threads, table, shares_cores=True, shared_pools=shared)
+        if draft.model.reads_base_kv:
+            from kvforge.runtime.spec.gemma4_mtp import Gemma4MtpProposer
+
+            self.profiler.spec_strategy_section = MTP_GENERATION
+            return Gemma4MtpProposer(self.draft_backend, table, config.spec_draft_step)
+        if draft.model.is_block_draft:
+            return self._block_proposer(config, draft, table)
+        from kvforge.runtime.spec.eagle3 import Eagle3Proposer
+
+        if draft.model.is_eagle3_draft:
+            d2t = np.asarray(map_tensor(draft.file(D2T_FILE), D2T_TENSOR), dtype=np.int64)
+        else:  # an MTP layer: EAGLE3's contract over the base's whole vocabulary
+            self.profiler.spec_strategy_section = MTP_GENERATION
+            d2t = np.zeros(draft.model.vocab_size, dtype=np.int64)
+        return Eagle3Proposer(self.draft_backend, table, d2t, self.cache, config.spec_draft_step,
+                              draft.model.base_model_hidden_size, top_k=config.spec_draft_top_k,
+                              verify_nodes=verify_size(config, self.engine_dir) - 1, rolls_back=self.states is not None,
+                              keep_hidden=self.cache.tokens_per_page if self.states is not None else 0)
+
+    def _block_proposer(self, config: EngineConfig, draft: EngineDir, table: np.ndarray) -> Proposer:
+        from kvforge.runtime.spec.block_draft import BlockDraftProposer, DsparkHeads
+
+        heads = None
+        if draft.model.spec_decode_type == SPEC_DSPARK:
+            tensors = {name: np.asarray(map_tensor(draft.file(DSPARK_HEADS_FILE), name), dtype=np.float32)
+                       for name in ("markov_w1", "markov_w2", "accept_weight", "accept_bias")}
+            heads = DsparkHeads(tensors["markov_w1"], tensors["markov_w2"], tensors["accept_weight"],
+                                float(tensors["accept_bias"][0]), config.dspark_scheduler,
+                                config.dspark_confidence_threshold, config.dspark_min_proposal_len,
+                                config.dspark_max_proposal_len)
+        return BlockDraftProposer(self.draft_backend, table, self.cache, block_size(config, draft),
+                                  draft.model.mask_token_id, draft.model.base_model_hidden_size, self.profiler, heads)
+
+
+def _load_encoder(config: EngineConfig):  # -> VisualEncoder | AudioEncoder | None
+    if not config.multimodal_engine_dir:
+        return None
+    from kvforge.runtime.inputs.multimodal.encoders import load_encoder  # Pillow and the encoder only when asked
+
+    return load_encoder(Path(config.multimodal_engine_dir), config.num_threads)
+
+
+def _multimodal_processor(encoder, config: EngineConfig, tokenizer, profiler: Profiler,
+                          hidden_size: int):  # -> MultimodalProcessor | None
+    if encoder is None:
+        return None
+    from kvforge.runtime.inputs.multimodal.encoder_cache import EncoderCache
+    from kvforge.runtime.inputs.multimodal.processor import MultimodalProcessor
+
+    return MultimodalProcessor(encoder, EncoderCache(config.encoder_cache_budget_bytes), tokenizer, profiler,
+                               hidden_size)
+
+
+__all__ = ["Engine", "EngineConfig", "EngineRequest", "RequestOutput", "Status", "deployment_of", "snapshot_budgets"]

@@ -1,0 +1,1 @@
+"""Requests in, sequences out: request files, checks, the tokenizer, chat templates, media and the input processor."""

@@ -1,0 +1,1 @@
+"""Choosing tokens: the sampler (`sampler`) and the verification of drafted tokens (`rejection`)."""

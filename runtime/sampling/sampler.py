@@ -1,0 +1,192 @@
+"""Picks the next token from last-token logits on the host, reproducibly, without pulling in torch."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvforge.contract.errors import KvforgeError
+from kvforge.runtime.types import SamplingParams
+
+
+@dataclass(slots=True)
+class SampleResult:
+    token_id: int
+    logprob: float  # log-probability of token_id (see Sampler.sample for which distribution)
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)  # best first, ties → lower id
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    """Log-softmax over the last axis in float64; subtracting the max keeps exp() from overflowing."""
+    x = np.asarray(x, dtype=np.float64)
+    peak = np.max(x, axis=-1, keepdims=True)
+    peak = np.where(np.isfinite(peak), peak, 0.0)  # a row of -inf stays -inf/nan instead of inf - inf
+    shifted = x - peak
+    with np.errstate(divide="ignore"):
+        return shifted - np.log(np.sum(np.exp(shifted), axis=-1, keepdims=True))
+
+
+def greedy_tokens(logits: np.ndarray) -> np.ndarray:
+    """Argmax over the last axis for a whole batch ([B, V] -> [B] int64); ties go to the lowest id."""
+    return np.argmax(np.asarray(logits), axis=-1).astype(np.int64)
+
+
+def top_ids(values: np.ndarray, count: int) -> np.ndarray:
+    """Ids of the `count` largest values, best first, ties broken by lower id (deterministic output)."""
+    count = min(count, values.shape[-1])
+    if count <= 0:
+        return np.zeros(0, dtype=np.int64)
+    # Partition to a threshold first so a 150k vocabulary is not fully sorted for a handful of ids.
+    threshold = np.partition(values, values.shape[-1] - count)[values.shape[-1] - count]
+    candidate_ids = np.flatnonzero(values >= threshold)
+    order = np.lexsort((candidate_ids, -values[candidate_ids]))
+    return candidate_ids[order[:count]].astype(np.int64)
+
+
+class Sampler:
+    """Sampling state of one sequence: its parameters and its own seeded random stream."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self.rng = np.random.default_rng(params.seed)  # seed None → fresh OS entropy
+        self._bias_ids = np.fromiter(params.logit_bias.keys(), dtype=np.int64, count=len(params.logit_bias))
+        self._bias_values = np.fromiter(params.logit_bias.values(), dtype=np.float64,
+                                        count=len(params.logit_bias))
+        # Reused float64 rows: fresh 1 MiB temporaries per token cost more in page faults than the math.
+        self._logits = np.empty(0, dtype=np.float64)
+        self._scratch = np.empty(0, dtype=np.float64)
+
+    def sample(self, logits_row: np.ndarray) -> SampleResult:
+        """Draw one token from a [V] row of logits.
+
+        Order: logit_bias, then greedy argmax or temperature -> top-k -> top-p -> draw. The reported
+        logprobs are the log-softmax of the logits after logit_bias but before temperature/top-k/top-p:
+        that is the model's own distribution as the user biased it, which is what OpenAI-style clients
+        expect, and it does not collapse to 0/-inf under greedy decoding.
+        """
+        logits = self._biased(logits_row)
+        # One log-sum-exp instead of a full log_softmax row: only a few logprobs are ever read.
+        log_total = _log_sum_exp(logits, self._scratch)
+        token_id = int(np.argmax(logits)) if self.params.is_greedy else self._draw(logits)
+        return SampleResult(token_id=token_id, logprob=float(logits[token_id] - log_total),
+                            top_logprobs=self._top_logprobs(logits, log_total))
+
+    def scored(self, logits_row: np.ndarray, token_id: int) -> SampleResult:
+        """The result for a token chosen elsewhere (an accepted draft): its logprob and top logprobs as `sample`
+        would report them for this row."""
+        logits = self._biased(logits_row)
+        log_total = _log_sum_exp(logits, self._scratch)
+        return SampleResult(token_id=token_id, logprob=float(logits[token_id] - log_total),
+                            top_logprobs=self._top_logprobs(logits, log_total))
+
+    def probs(self, logits_row: np.ndarray) -> np.ndarray:
+        """The distribution `sample` draws from for this row, as a [V] float64 vector (a copy): logit_bias, then
+        temperature, top-k and top-p, renormalized; one-hot at the argmax for greedy. Rejection sampling of draft
+        tokens compares it against the drafter's."""
+        logits = self._biased(logits_row)
+        out = np.zeros(logits.size, dtype=np.float64)
+        if self.params.is_greedy:
+            out[int(np.argmax(logits))] = 1.0
+            return out
+        candidate_ids, probs = self._candidates(logits)
+        out[candidate_ids] = probs / probs.sum()
+        return out
+
+    def draw_from(self, probs: np.ndarray) -> int:
+        """A token drawn from a [V] distribution (not necessarily normalized) with this sequence's random stream."""
+        return self._pick(np.asarray(probs, dtype=np.float64))
+
+    def _top_logprobs(self, logits: np.ndarray, log_total: float) -> list[tuple[int, float]]:
+        if self.params.num_logprobs <= 0:
+            return []
+        # Rank the reported values themselves, so logits that round to the same logprob tie by id.
+        logprobs = np.subtract(logits, log_total, out=self._scratch)
+        return [(int(i), float(logprobs[i])) for i in top_ids(logprobs, self.params.num_logprobs)]
+
+    def _biased(self, logits_row: np.ndarray) -> np.ndarray:
+        row = np.asarray(logits_row)
+        if row.ndim != 1 or row.size == 0:
+            raise ValueError(f"expected a non-empty [V] logits row, got shape {row.shape}")
+        if self._logits.size != row.size:
+            self._logits, self._scratch = np.empty(row.size), np.empty(row.size)
+        logits = self._logits
+        np.copyto(logits, row)  # a float64 copy: the caller's buffer is left alone
+        if self._bias_ids.size:
+            outside = (self._bias_ids < 0) | (self._bias_ids >= logits.size)
+            if outside.any():
+                bad_id = int(self._bias_ids[outside][0])
+                raise KvforgeError(f"token id {bad_id} is outside the vocabulary (size {logits.size})",
+                                   "logit_bias")
+            logits[self._bias_ids] += self._bias_values
+        peak = logits.max()  # NaN propagates into max, so one reduction checks the whole row
+        if np.isnan(peak) or peak == np.inf:
+            raise KvforgeError("the engine produced NaN or +inf logits", "logits")
+        if peak == -np.inf:
+            raise KvforgeError("every token is masked (all logits are -inf)", "logits")
+        return logits
+
+    def _draw(self, logits: np.ndarray) -> int:
+        candidate_ids, probs = self._candidates(logits)
+        return int(candidate_ids[self._pick(probs)])
+
+    def _candidates(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Ids that may be drawn and their (unnormalized after top-p) probabilities: temperature, top-k, top-p."""
+        params = self.params
+        # Shift before dividing: (x - max) / T is <= 0, so a tiny temperature cannot overflow to inf.
+        scaled = np.subtract(logits, logits.max(), out=self._scratch)  # scratch is free after the lse
+        scaled /= params.temperature
+        if 0 < params.top_k < scaled.size:
+            candidate_ids = top_ids(scaled, params.top_k)
+            probs = np.exp(scaled[candidate_ids])
+            probs /= probs.sum()  # renormalized over the top-k, as top-p then sees them
+        else:
+            all_probs = np.exp(scaled)
+            all_probs /= all_probs.sum()
+            candidate_ids = (_nucleus_order(scaled, all_probs, params.top_p) if params.top_p < 1
+                             else np.arange(scaled.size))  # no filtering: the order does not matter
+            probs = all_probs[candidate_ids]
+        if params.top_p < 1:
+            # Keep the shortest best-first prefix whose mass reaches top_p; the first token always stays.
+            mass_before = np.cumsum(probs) - probs
+            keep = max(int(np.count_nonzero(mass_before < params.top_p)), 1)
+            candidate_ids, probs = candidate_ids[:keep], probs[:keep]
+        return candidate_ids, probs
+
+    def _pick(self, probs: np.ndarray) -> int:
+        """Inverse-CDF draw; a zero-probability entry can never be chosen, even after rounding."""
+        cumulative = np.cumsum(probs)
+        index = int(np.searchsorted(cumulative, self.rng.random() * cumulative[-1], side="right"))
+        last_positive = int(np.flatnonzero(probs > 0)[-1])
+        return min(index, last_positive)
+
+
+def _log_sum_exp(x: np.ndarray, scratch: np.ndarray) -> float:
+    """log(sum(exp(x))) with the max subtracted first; `scratch` is a same-sized buffer to work in."""
+    peak = x.max()
+    np.subtract(x, peak, out=scratch)
+    np.exp(scratch, out=scratch)
+    return float(peak + np.log(scratch.sum()))
+
+
+def _nucleus_order(scaled: np.ndarray, probs: np.ndarray, top_p: float) -> np.ndarray:
+    """Best-first ids covering at least top_p of the mass, without sorting the whole vocabulary if possible.
+
+    The nucleus is usually tens to hundreds of tokens; a full stable argsort of 150k logits costs ~25 ms.
+    The prefix test uses cumsum, the same sum the caller cuts with, so both agree to the last bit.
+    """
+    count = 256
+    while count <= scaled.size // 8:  # past that a full sort is cheaper than another partition
+        ids = top_ids(scaled, count)
+        if np.cumsum(probs[ids])[-1] >= top_p:
+            return ids
+        count *= 8
+    return np.argsort(-scaled, kind="stable")  # stable: ties keep the lower id first
+
+
+def sample_batch(samplers: Sequence[Sampler], logits: np.ndarray) -> list[SampleResult]:
+    """Sample row b of [B, V] logits with samplers[b]; each sequence keeps its own random stream."""
+    if logits.ndim != 2 or logits.shape[0] != len(samplers):
+        raise ValueError(f"expected [{len(samplers)}, V] logits, got shape {logits.shape}")
+    return [sampler.sample(row) for sampler, row in zip(samplers, logits, strict=True)]

@@ -1,0 +1,1 @@
+"""Model families: one graph builder (and HF source) per architecture."""

