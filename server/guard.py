@@ -199,7 +199,8 @@ async def read_json(chunks: AsyncIterator[bytes], limits: BodyLimits, declared: 
 
 
 def _tenant_busy(limit: int) -> ApiError:
-    return ApiError(429, f"your tenant is already sending {limit:,} bytes of request bodies, its share of this "
+    # The words of limits.tenant_limit (which imports this module, so it cannot be imported here).
+    return ApiError(429, f"your tenant already has {limit:,} bytes of request bodies in flight, its share of this "
                     "server; retry later", kind="rate_limit_error", code="tenant_limit_exceeded")
 
 

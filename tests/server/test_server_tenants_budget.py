@@ -8,7 +8,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -189,3 +189,20 @@ def test_operator_keys_are_told_apart_by_digest(tmp_path: Path) -> None:
     assert not tenants.is_operator(None) and not tenants.is_operator("Bearer nope")
     assert load_tenants(None, None).is_operator(None)  # no keys: everyone, as before
 
+
+
+@pytest.mark.parametrize(("args", "flag"), [
+    (["--maxBodyBytesPerTenant", "0"], "--maxBodyBytesPerTenant"),
+    (["--maxBodyBytesPerTenant", str(101 * 2**20)], "--maxBodyBytesPerTenant"),  # more than the 100 MiB in flight
+    (["--maxRequestsPerTenant", "-1"], "--maxRequestsPerTenant"),
+    (["--maxConnections", "10", "--maxConnectionsPerTenant", "11"], "--maxConnectionsPerTenant"),
+    (["--apiKeys", "KEYS"], "--apiKeys"),  # an operator entry that is not true or false
+])
+def test_bad_tenant_flags_are_one_line(engine_dir: Path, run_cli: Callable[..., Any], tmp_path: Path,
+                                       args: list[str], flag: str) -> None:
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"k": {"tenant": "ops", "operator": 1}}), encoding="utf-8")
+    result = run_cli(["llm_serve", "--engineDir", engine_dir, *[str(keys) if a == "KEYS" else a for a in args]])
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {flag}"), result.stderr
