@@ -157,7 +157,7 @@ async def read_json(chunks: AsyncIterator[bytes], limits: BodyLimits, declared: 
     if declared is not None and declared > cap:
         raise too_large(cap)
     budget = limits.budget
-    share = limits.per_tenant if tenant_key is not None else None
+    share, key = (limits.per_tenant, tenant_key) if tenant_key is not None else (None, "")
     held = 0  # bytes reserved in the budget and, with `share`, in the tenant's share
     body = bytearray()
     chunks = aiter(chunks)  # one iterator: a refused body is drained from where it stopped
@@ -171,12 +171,12 @@ async def read_json(chunks: AsyncIterator[bytes], limits: BodyLimits, declared: 
                         refused = too_large(cap)
                         break
                     more = len(body) - held
-                    if share is not None and not share.take(tenant_key, more):  # type: ignore[arg-type]
+                    if share is not None and not share.take(key, more):
                         refused = _tenant_busy(share.limit)
                         break
                     if not budget.reserve(more):
                         if share is not None:
-                            share.give(tenant_key, more)  # type: ignore[arg-type]
+                            share.give(key, more)
                         refused = _busy()
                         break
                     held = len(body)
@@ -195,7 +195,7 @@ async def read_json(chunks: AsyncIterator[bytes], limits: BodyLimits, declared: 
     finally:
         budget.release(held)
         if share is not None:
-            share.give(tenant_key, held)  # type: ignore[arg-type]
+            share.give(key, held)
 
 
 def _tenant_busy(limit: int) -> ApiError:

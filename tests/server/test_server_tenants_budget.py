@@ -3,6 +3,7 @@ and open requests), and /metrics is for operator keys only; real sockets on loop
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import socket
@@ -17,7 +18,9 @@ import pytest
 from support.server_harness import MODEL, LiveServer, build_server_engine, idle_audit, live_server
 
 from kvforge.contract.errors import KvforgeError
+from kvforge.server.guard import BodyLimits, Shares, read_json
 from kvforge.server.limits import TenantLimits
+from kvforge.server.protocol import ApiError
 from kvforge.server.tenants import load_tenants
 
 KEYS: dict[str, Any] = {"key-a": "alice", "key-b": "bob", "key-ops": {"tenant": "ops", "operator": True}}
@@ -87,6 +90,28 @@ def _wait_released(server: LiveServer, key: str) -> None:
             return
         time.sleep(0.1)
     raise AssertionError(f"tenant {key}'s shares were not given back")
+
+
+def test_a_body_holds_the_bytes_it_sent_never_the_length_it_declared() -> None:
+    limits = BodyLimits.of(2 * 2**20, 4 * 2**20)  # 2 MiB bodies, 4 MiB in flight, 1 MiB per tenant
+    limits.per_tenant = Shares(2**20)
+    held: list[tuple[int, int]] = []
+
+    async def chunks(parts: list[bytes]) -> Any:
+        for part in parts:
+            held.append((limits.budget.used, limits.per_tenant.held("tenant:a")))  # type: ignore[union-attr]
+            yield part
+
+    parts = [b'{"a": ', b'"xyz"', b"}"]
+    assert asyncio.run(read_json(chunks(parts), limits, declared=2**20, tenant_key="tenant:a")) == {"a": "xyz"}
+    assert held == [(0, 0), (6, 6), (11, 11)]  # what arrived so far, in both; nothing for the 1 MiB declared
+    assert limits.budget.used == 0 and limits.per_tenant.held("tenant:a") == 0  # all given back
+    # Past the tenant's share: 429 for this tenant, and what it held is given back too.
+    big = [b'{"a": "', b"x" * (2**20 - 100), b"x" * 200]
+    with pytest.raises(ApiError) as refused:
+        asyncio.run(read_json(chunks(big), limits, tenant_key="tenant:a"))
+    assert refused.value.status == 429 and refused.value.code == "tenant_limit_exceeded"
+    assert limits.budget.used == 0 and limits.per_tenant.held("tenant:a") == 0
 
 
 def test_a_tenant_declaring_the_maximum_and_trickling_does_not_block_another(engine_dir: Path,
