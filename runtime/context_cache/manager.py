@@ -43,11 +43,9 @@ holding a recurrent snapshot and, on a hybrid with L not page-aligned, a partial
                                                                     |<- its partial-KV snapshot ------------->|
     recurrent + conv state of the sequence <- the checkpoint's recurrent snapshot (state after exactly L tokens)
 
-The lookup (recurrent_checkpoints.py) finds the longest checkpoint the index's matching pages agree with; no
-checkpoint means a cold start (the engine zeroes the state). Publication is capture: `publish(lease, tokens)` may be
-called mid-prefill at every chat-message boundary or snapshot interval and at the prefill and decode ends, each time
-with exactly the tokens the lease has computed. Nothing is indexed in flight on a checkpoint deployment (a page hit
-alone is useless), so `prefix_in_flight` is always False there.
+The longest checkpoint the index's matching pages agree with is the hit; none: a cold start (zeroed state).
+Publication is capture: `publish(lease, tokens)` runs at chat-message boundaries, snapshot intervals and the prefill
+and decode ends, each time with exactly the tokens the lease has computed. Nothing is indexed in flight there.
 """
 
 from __future__ import annotations
@@ -130,7 +128,7 @@ class ContextCacheManager:
         self.leases: set[Lease] = set()
         self.bookkeeping_nanoseconds = 0  # all calls below, for benchmarks (the profile has planning time)
         setup = CacheSetup(enabled, self.deployment, num_pages, tokens_per_page, chain_root, copier, self.records,
-                           self.metrics, options, self._reserve)
+                           self.metrics, options, self._reserve_timed)
         # The deployment picks the types (each factory decides); everything below asks the types, never the
         # deployment. A type the deployment does not use still lists its pool, empty, in the profile.
         built = [(entry.name, entry.factory(setup, entry.name)) for entry in registrations]
@@ -421,6 +419,11 @@ class ContextCacheManager:
                 self.metrics.endpoint_captures += 1
         if any(copied):
             self.metrics.capture_synchronizations += 1
+
+    @_bookkept
+    def _reserve_timed(self, demand: Demand) -> bool:
+        """`_reserve` for a type's own growth (a drafter's pages), timed like every coordinator call."""
+        return self._reserve(demand)
 
     def _reserve(self, demand: Demand) -> bool:
         """Make `demand` allocatable by evicting least recently used records; False when pins forbid it."""
