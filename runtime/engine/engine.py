@@ -277,7 +277,7 @@ class Engine:
         else:  # an MTP layer: EAGLE3's contract over the base's whole vocabulary
             self.profiler.spec_strategy_section = MTP_GENERATION
             d2t = np.zeros(draft.model.vocab_size, dtype=np.int64)
-        return Eagle3Proposer(self.draft_backend, table, d2t, self.cache, config.spec_draft_step,
+        return Eagle3Proposer(self.draft_backend, table, d2t, config.spec_draft_step,
                               draft.model.base_model_hidden_size, top_k=config.spec_draft_top_k,
                               verify_nodes=verify_size(config, self.engine_dir) - 1, rolls_back=self.states is not None,
                               keep_hidden=self.cache.tokens_per_page if self.states is not None else 0)
@@ -293,7 +293,7 @@ class Engine:
                                 float(tensors["accept_bias"][0]), config.dspark_scheduler,
                                 config.dspark_confidence_threshold, config.dspark_min_proposal_len,
                                 config.dspark_max_proposal_len)
-        return BlockDraftProposer(self.draft_backend, table, self.cache, block_size(config, draft),
+        return BlockDraftProposer(self.draft_backend, table, block_size(config, draft),
                                   draft.model.mask_token_id, draft.model.base_model_hidden_size, self.profiler, heads)
 
 
