@@ -6,10 +6,14 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
+from safetensors.numpy import load_file, save_file
+from support.engine_driver import make_engine
 from support.hardening_support import edit_engine, invoke, request_file, snapshot
 
 from kvforge.builder.build import BuildOptions, build_engine
+from kvforge.contract.engine_dir import load_engine_dir
 from kvforge.contract.errors import InvalidConfig, KvforgeError
 from kvforge.runtime.cli import app as inference_app
 from kvforge.tools.bench.engines import parse_engine
@@ -123,3 +127,75 @@ def test_a_base_build_never_replaces_a_draft(tiny_engine_dir: Path, tiny_onnx_di
     with pytest.raises(InvalidConfig, match="holds a draft engine"):
         build_engine(tiny_onnx_dir, draft, BuildOptions(spec_base=True))
     assert snapshot(draft) == before
+
+
+def _manifest_without(engine: Path, *names: str, listing_nothing: bool = False) -> None:
+    manifest = json.loads((engine / "manifest.json").read_text())
+    manifest["files"] = {} if listing_nothing else {k: v for k, v in manifest["files"].items() if k not in names}
+    (engine / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_an_engine_whose_manifest_lists_nothing_is_refused(tiny_engine_dir: Path, tmp_path: Path) -> None:
+    engine = shutil.copytree(tiny_engine_dir, tmp_path / "engine")
+    config = json.loads((engine / "tokenizer_config.json").read_text())
+    (engine / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "{{ 'edited' }}"}))
+    _manifest_without(engine, listing_nothing=True)
+    with pytest.raises(InvalidConfig, match="lists no files") as caught:
+        load_engine_dir(engine)
+    assert caught.value.field == "engine_dir"
+
+
+@pytest.mark.parametrize("edit", ["unlisted-template", "added-file"])
+def test_a_file_the_manifest_does_not_cover_is_refused(tiny_engine_dir: Path, tmp_path: Path, edit: str) -> None:
+    engine = shutil.copytree(tiny_engine_dir, tmp_path / "engine")
+    if edit == "unlisted-template":  # the edited chat template's file taken out of the manifest
+        config = json.loads((engine / "tokenizer_config.json").read_text())
+        (engine / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "{{ 'edited' }}"}))
+        _manifest_without(engine, "tokenizer_config.json")
+        needle = "tokenizer_config.json"
+    else:
+        (engine / "chat_template.jinja").write_text("{{ 'edited' }}")
+        needle = "chat_template.jinja"
+    input_file = request_file(tmp_path / "in.json")
+    invoke(inference_app, "--engineDir", engine, "--inputFile", input_file, "--outputFile",
+           tmp_path / "out.json").one_line_error("--engineDir", needle, "not in its manifest.json")
+
+
+def _eagle3_copy(tiny_eagle3_engine_dir: Path, tmp_path: Path) -> Path:
+    return shutil.copytree(tiny_eagle3_engine_dir, tmp_path / "engine")
+
+
+D2T_CASES = {
+    "outside-vocab": lambda d2t: d2t + 10_000,
+    "negative": lambda d2t: d2t - 10_000,
+    "short": lambda d2t: d2t[:-1],
+    "rank-2": lambda d2t: d2t.reshape(1, -1),
+    "float": lambda d2t: d2t.astype(np.float32),
+}
+
+
+@pytest.mark.parametrize("case", D2T_CASES)
+def test_a_bad_d2t_map_is_refused_at_load_naming_the_draft(tiny_eagle3_engine_dir: Path, tmp_path: Path,
+                                                           case: str) -> None:
+    engine = _eagle3_copy(tiny_eagle3_engine_dir, tmp_path)
+    draft = engine / "draft"
+    d2t = np.asarray(load_file(str(draft / "d2t.safetensors"))["d2t"])
+    save_file({"d2t": np.ascontiguousarray(D2T_CASES[case](d2t))}, str(draft / "d2t.safetensors"))
+    edit_engine(draft)  # a consistent manifest: the d2t check itself must catch it
+    with pytest.raises(InvalidConfig, match="d2t") as caught:
+        make_engine(engine, spec_decode="eagle3")
+    assert caught.value.field == "spec_draft_engine_dir"
+
+
+def test_the_d2t_check_passes_the_map_as_exported(tiny_eagle3_engine_dir: Path) -> None:
+    load_engine_dir(tiny_eagle3_engine_dir / "draft")  # no error: the exporter's own map is in range
+
+
+def test_a_broken_draft_graph_names_the_draft_flag(tiny_eagle3_engine_dir: Path, tmp_path: Path) -> None:
+    engine = _eagle3_copy(tiny_eagle3_engine_dir, tmp_path)
+    (engine / "draft" / "model.onnx").write_bytes(b"not a graph")
+    edit_engine(engine / "draft")
+    input_file = request_file(tmp_path / "in.json")
+    line = invoke(inference_app, "--engineDir", engine, "--inputFile", input_file, "--outputFile",
+                  tmp_path / "out.json", "--specDecode", "eagle3").one_line_error("--specDraftEngineDir")
+    assert "--engineDir" not in line
