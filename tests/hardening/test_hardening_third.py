@@ -199,3 +199,22 @@ def test_a_broken_draft_graph_names_the_draft_flag(tiny_eagle3_engine_dir: Path,
     line = invoke(inference_app, "--engineDir", engine, "--inputFile", input_file, "--outputFile",
                   tmp_path / "out.json", "--specDecode", "eagle3").one_line_error("--specDraftEngineDir")
     assert "--engineDir" not in line
+
+
+def test_random_gemma4_assistant_refuses_a_base_without_its_last_layer(tiny_onnx_dir: Path, tmp_path: Path) -> None:
+    invoke(export_app, "random-gemma4-assistant", "--baseOnnxDir", tiny_onnx_dir, "--outputDir",
+           tmp_path / "assistant").one_line_error("--baseOnnxDir", "--hiddenStateLayers 1")
+    assert not (tmp_path / "assistant").exists()  # refused before anything is written
+
+
+def test_random_gemma4_assistant_reads_a_layer_the_base_returns(tmp_path: Path) -> None:
+    from kvforge.tools.export.sources.synthetic import synthetic_model
+    from kvforge.tools.export.writer import write_onnx_dir
+
+    write_onnx_dir(synthetic_model("tiny-llama", hidden_state_layers=[1]), tmp_path / "base")
+    made = invoke(export_app, "random-gemma4-assistant", "--baseOnnxDir", tmp_path / "base", "--outputDir",
+                  tmp_path / "hf", "--numLayers", "1")
+    assert made.code == 0, made.stderr
+    exported = invoke(export_app, "gemma4-assistant", "--draftDir", tmp_path / "hf", "--baseOnnxDir",
+                      tmp_path / "base", "--outputDir", tmp_path / "onnx")
+    assert exported.code == 0, exported.stderr
