@@ -218,3 +218,25 @@ def test_random_gemma4_assistant_reads_a_layer_the_base_returns(tmp_path: Path) 
     exported = invoke(export_app, "gemma4-assistant", "--draftDir", tmp_path / "hf", "--baseOnnxDir",
                       tmp_path / "base", "--outputDir", tmp_path / "onnx")
     assert exported.code == 0, exported.stderr
+
+
+TINY_FLAGS = ["--maxInputLen", "64", "--maxKVCacheCapacity", "256", "--maxBatchSize", "4", "--tokensPerPage", "16",
+              "--backend", "onnxruntime"]
+
+
+@pytest.mark.parametrize("share", [0.85, 0.1])
+def test_a_pool_near_the_machines_memory_builds_with_a_warning(tiny_engine_dir: Path, tiny_onnx_dir: Path,
+                                                               tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               share: float) -> None:
+    from kvforge.builder.cli import app as build_app
+    from kvforge.contract import memory
+
+    engine = load_engine_dir(tiny_engine_dir)  # the same geometry as TINY_FLAGS
+    needs = engine.kv_pool_bytes + sum((tiny_engine_dir / name).stat().st_size
+                                       for name in ("model.onnx", "model.onnx.data"))
+    monkeypatch.setattr(memory, "machine_memory_bytes", lambda: int(needs / share))
+    built = invoke(build_app, "--onnxDir", tiny_onnx_dir, "--engineDir", tmp_path / "engine", *TINY_FLAGS)
+    assert built.code == 0, built.stderr
+    warned = [line for line in built.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warned) == (1 if share > 0.8 else 0), built.stderr
+    assert not warned or "of this machine's" in warned[0] and "--maxKVPoolPages" in warned[0]
