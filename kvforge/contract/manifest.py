@@ -56,9 +56,8 @@ def write_manifest(directory: Path, kind: str) -> None:
 
 
 def verify_manifest(directory: Path, kind: str, field: str, remedy: str, required: Iterable[str] = ()) -> None:
-    """Check `directory` against its manifest, which must cover every file in it (subdirectories, such as a
-    base's draft/, are checked on their own) and each of `required` (the files the reader opens). Errors name
-    `field`."""
+    """Check `directory` against its manifest, which must list at least one file and each of `required` (every
+    file the reader opens); files it does not list are never read. Errors name `field`."""
     shown = one_line(str(directory))
     if not (directory / MANIFEST_FILE).is_file():
         raise InvalidConfig(f"{shown} has no {MANIFEST_FILE}: it was not completed (an interrupted run, or written "
@@ -75,10 +74,9 @@ def verify_manifest(directory: Path, kind: str, field: str, remedy: str, require
     for name, entry in files.items():
         if not isinstance(entry, dict) or "/" in name or name in ("", ".", ".."):
             raise InvalidConfig(f"{shown}/{MANIFEST_FILE} has a malformed entry; {remedy}", field)
-    # A file it does not list was added or edited after the dir was written (a chat template, a graph): read, it
+    # A file read but not listed was added or edited after the dir was written (a chat template, a graph): it
     # would change answers that nothing vouches for.
-    unlisted = sorted({*required, *(p.name for p in directory.iterdir() if p.is_file() and TEMP_MARK not in p.name
-                                    and p.name != MANIFEST_FILE)} - set(files))
+    unlisted = sorted(set(required) - set(files))
     if unlisted:
         raise InvalidConfig(f"{shown}: {one_line(unlisted[0])} is not in its {MANIFEST_FILE} (added or edited since "
                             f"it was written); {remedy}", field)

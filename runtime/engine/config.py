@@ -236,8 +236,8 @@ def resolve_engine_config(config: EngineConfig, engine: EngineDir, *, num_pages:
     timeout_ms = config.shared_cache_timeout_ms  # nan and inf pass `> 0`; a tier that never connects says nothing
     if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int | float) or not math.isfinite(timeout_ms) \
             or not 0 < timeout_ms <= MAX_SHARED_CACHE_TIMEOUT_MS:
-        raise InvalidConfig(f"must be a finite number of milliseconds in (0, {MAX_SHARED_CACHE_TIMEOUT_MS:g}], got "
-                            f"{timeout_ms!r}", "shared_cache_timeout_ms")
+        raise InvalidConfig(f"must be a finite number of milliseconds > 0 and <= {MAX_SHARED_CACHE_TIMEOUT_MS:g}, "
+                            f"got {timeout_ms!r}", "shared_cache_timeout_ms")
     if config.shared_cache:
         if not config.enable_context_reuse:
             raise InvalidConfig("a shared tier is a second level of context reuse: it needs enable_context_reuse",

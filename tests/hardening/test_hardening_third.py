@@ -145,17 +145,16 @@ def test_an_engine_whose_manifest_lists_nothing_is_refused(tiny_engine_dir: Path
     assert caught.value.field == "engine_dir"
 
 
-@pytest.mark.parametrize("edit", ["unlisted-template", "added-file"])
-def test_a_file_the_manifest_does_not_cover_is_refused(tiny_engine_dir: Path, tmp_path: Path, edit: str) -> None:
+@pytest.mark.parametrize("edit", ["unlisted-template", "unlisted-graph"])
+def test_a_file_the_engine_reads_must_be_in_the_manifest(tiny_engine_dir: Path, tmp_path: Path, edit: str) -> None:
     engine = shutil.copytree(tiny_engine_dir, tmp_path / "engine")
     if edit == "unlisted-template":  # the edited chat template's file taken out of the manifest
         config = json.loads((engine / "tokenizer_config.json").read_text())
         (engine / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "{{ 'edited' }}"}))
-        _manifest_without(engine, "tokenizer_config.json")
         needle = "tokenizer_config.json"
     else:
-        (engine / "chat_template.jinja").write_text("{{ 'edited' }}")
-        needle = "chat_template.jinja"
+        needle = "model.onnx"
+    _manifest_without(engine, needle)
     input_file = request_file(tmp_path / "in.json")
     invoke(inference_app, "--engineDir", engine, "--inputFile", input_file, "--outputFile",
            tmp_path / "out.json").one_line_error("--engineDir", needle, "not in its manifest.json")
