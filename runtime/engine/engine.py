@@ -21,7 +21,7 @@ from kvforge.contract.engine_dir import (
     EngineDir,
     load_engine_dir,
 )
-from kvforge.contract.errors import InvalidConfig, PoolTooSmall
+from kvforge.contract.errors import InvalidConfig, KvforgeError, PoolTooSmall
 from kvforge.contract.paging import pages_for
 from kvforge.contract.profile_schema import MTP_GENERATION
 from kvforge.contract.safetensors_map import map_tensor
@@ -112,7 +112,14 @@ class Engine:
                                      message_boundaries=resolved.checkpoints.enabled
                                      and config.snapshot_message_boundaries)
         self.draft_backend: Backend | None = None
-        self.proposer = self._proposer(config, resolved)
+        try:
+            self.proposer = self._proposer(config, resolved)
+        except KvforgeError as exc:  # the draft's graph and weights are --specDraftEngineDir's, not --engineDir's
+            if resolved.draft is None or exc.field != "engine_dir" and not str(exc.field).startswith(
+                    str(resolved.draft.path)):
+                raise
+            raise InvalidConfig(f"the draft engine at {resolved.draft.path}: {exc.message}",
+                                "spec_draft_engine_dir") from None
         self.executor = ModelExecutor(self.backend, embedding, lora_input_shapes(self.engine_dir),
                                       self.state.rows if self.states is not None else None,
                                       all_hidden=self.proposer is not None and self.proposer.owns_kv)
