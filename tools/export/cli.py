@@ -75,47 +75,20 @@ def load_source(source: str | None, synthetic: str | None, kv_cache_dtype: str, 
 
 
 def _load_multimodal_source(source: str | None, synthetic: str | None, kv_cache_dtype: str, seed: int):
-    """(text model, encoder export) for an image-text or audio-text source (an Idefics3/SmolVLM or Qwen2-Audio dir,
-    tiny-idefics3, tiny-qwen2-audio), else None."""
+    """(encoder family, text model, encoder export) for an image-text or audio-text source (an Idefics3/SmolVLM or
+    Qwen2-Audio dir, tiny-idefics3, tiny-qwen2-audio), else None."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         return None  # load_source reports it
-    if synthetic == "tiny-idefics3" and not source:
-        from kvforge.tools.export.sources.synthetic import synthetic_idefics3
-        return synthetic_idefics3(kv_cache_dtype, seed)
-    if synthetic == "tiny-qwen2-audio" and not source:
-        from kvforge.tools.export.sources.synthetic import synthetic_qwen2_audio
-        return synthetic_qwen2_audio(kv_cache_dtype, seed)
-    if source and not synthetic and Path(source).is_dir():
-        from kvforge.tools.export.families.idefics3_source import is_idefics3_dir, load_idefics3_dir
-        from kvforge.tools.export.families.qwen2_audio_source import is_qwen2_audio_dir, load_qwen2_audio_dir
-        if is_idefics3_dir(Path(source)):
-            return load_idefics3_dir(Path(source), kv_cache_dtype)
-        if is_qwen2_audio_dir(Path(source)):
-            return load_qwen2_audio_dir(Path(source), kv_cache_dtype)
-    return None
+    from kvforge.tools.export.families.encoders import encoder_source
+    return encoder_source(source, synthetic, kv_cache_dtype, seed)
 
 
-def _write_encoder(encoder, output_dir: Path, encoder_output_dir: Path | None) -> None:
-    from kvforge.tools.export.families.qwen2_audio_source import AudioExport, write_audio_onnx_dir
-
-    if isinstance(encoder, AudioExport):
-        target = encoder_output_dir or output_dir / "audio"
-        with progress_bar("building audio encoder", None):
-            write_audio_onnx_dir(encoder, target)
-        console.print(f"exported the {encoder.config.model} audio encoder (up to {encoder.config.num_frames} mel "
-                      f"frames per item) to {target}")
-        return
-    from kvforge.tools.export.families.idefics3_source import write_visual_onnx_dir
-
-    target = encoder_output_dir or output_dir / "visual"
-    with progress_bar("building vision encoder", None):
-        write_visual_onnx_dir(encoder, target)
-    e = encoder.config
-    pre = e.preprocessing
-    split = (f"images split into {pre.image_size}px tiles + the global image, longest edge {pre.longest_edge}px"
-             if pre.do_image_splitting else "images unsplit")
-    console.print(f"exported the {e.model} vision encoder ({e.tokens_per_image} tokens per {pre.image_size}px "
-                  f"frame; {split}) to {target}")
+def _write_encoder(multimodal, output_dir: Path, encoder_output_dir: Path | None) -> None:
+    family, _, encoder = multimodal
+    target = encoder_output_dir or output_dir / family.subdir
+    with progress_bar(family.building, None):
+        family.write(encoder, target)
+    console.print(f"exported {family.describe(encoder)} to {target}")
 
 
 # The default per source: the fastest variant that passes the quality bar of experiments/quality.py (top-1 agreement
@@ -210,7 +183,7 @@ def export(
                                "--prefillInt8Rows")
         with progress_bar("loading weights", None) as step:
             multimodal = _load_multimodal_source(source, synthetic, kv_cache_dtype, seed)
-            loaded = multimodal[0] if multimodal else load_source(source, synthetic, kv_cache_dtype, seed, step)
+            loaded = multimodal[1] if multimodal else load_source(source, synthetic, kv_cache_dtype, seed, step)
         loaded.config.lora_targets = targets
         with progress_bar("quantizing", None) as step:
             quantize_linears(loaded, chosen, quant_block_size, step, lm_head, lm_head_candidates)
@@ -220,7 +193,7 @@ def export(
         with progress_bar("building graph", layers + 1) as step:
             write_onnx_dir(loaded, output_dir, step)
         if multimodal:
-            _write_encoder(multimodal[1], output_dir, encoder_output_dir)
+            _write_encoder(multimodal, output_dir, encoder_output_dir)
         c = loaded.config
         console.print(f"exported {c.name or c.model} ({c.model}, {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
                       f"heads {c.num_attention_heads}/{c.num_key_value_heads}, KV {c.kv_cache_dtype}, weights "

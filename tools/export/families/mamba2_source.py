@@ -6,12 +6,18 @@ the embedding, renamed `model.embed_tokens.weight` like every family's (the runt
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import onnx
 
 from kvforge.contract.model_config import ModelConfig
-from kvforge.tools.export.families.mamba2_graph import Mamba2Geometry
+from kvforge.tools.export.families.mamba2_graph import Mamba2Geometry, build_mamba2_graph
+from kvforge.tools.export.families.registry import Family, register
+
+if TYPE_CHECKING:
+    from kvforge.tools.export.sources.base import LoadedModel
 
 HF_EMBEDDING = "backbone.embeddings.weight"
 EMBEDDING = "model.embed_tokens.weight"
@@ -47,8 +53,13 @@ def _number(value: Any) -> float:
     return float(value["__float__"] if isinstance(value, dict) and "__float__" in value else value)
 
 
+def checkpoint_name(name: str) -> str | None:
+    """The embedding takes every family's name; the rest keep transformers'."""
+    return EMBEDDING if name == HF_EMBEDDING else name
+
+
 def expected_names(config: ModelConfig) -> list[str]:
-    names = [HF_EMBEDDING, "backbone.norm_f.weight"]
+    names = [EMBEDDING, "backbone.norm_f.weight"]
     for i in range(config.num_hidden_layers):
         names.append(f"backbone.layers.{i}.norm.weight")
         names += [f"backbone.layers.{i}.mixer.{t}" for t in _MIXER_TENSORS]
@@ -95,3 +106,25 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     if not config.tie_word_embeddings:
         weights["lm_head.weight"] = linear(config.vocab_size, config.hidden_size)
     return weights
+
+
+def build_graph(loaded: LoadedModel, progress: Callable[[int], None]) -> onnx.ModelProto:
+    return build_mamba2_graph(geometry(loaded.config), loaded.weights)
+
+
+FAMILY = register(Family(
+    model_types=("mamba2",),
+    config_from_hf=config_from_hf,
+    expected_names=expected_names,
+    build_graph=build_graph,
+    random_weights=random_weights,
+    architectures={"Mamba2ForCausalLM": "mamba2"},
+    # Pure recurrent: 8 SSM heads of 16 (expand 2), state 16, 2 groups, conv kernel 4.
+    synthetic={"tiny-mamba2": {"model": "mamba2", "num_attention_heads": 0, "num_key_value_heads": 0, "head_dim": 0,
+                               "intermediate_size": 128, "max_position_embeddings": UNLIMITED_POSITIONS,
+                               "rms_norm_eps": 1e-5, "layer_types": ["mamba", "mamba"],
+                               "recurrent_state_num_heads": 8, "recurrent_state_head_dim": 16,
+                               "recurrent_state_size": 16, "n_groups": 2, "conv_kernel": 4}},
+    checkpoint_name=checkpoint_name,
+    lora=False,  # no LoRA inputs on the mixers yet
+))

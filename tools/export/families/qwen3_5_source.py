@@ -9,11 +9,18 @@ head dim / key heads as recurrent_state_num_heads / recurrent_state_head_dim / r
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import onnx
 
 from kvforge.contract.model_config import ModelConfig
+from kvforge.tools.export.families.qwen3_5_graph import build_qwen3_5_graph
+from kvforge.tools.export.families.registry import Family, register
+
+if TYPE_CHECKING:
+    from kvforge.tools.export.sources.base import LoadedModel
 
 HF_LAYER_TYPES = {"linear_attention": "mamba", "full_attention": "attention"}
 # A `qwen3_5` (vision-language) dir holds the text model under this prefix; kvforge exports the text model only.
@@ -135,3 +142,36 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     if not config.tie_word_embeddings:
         weights["lm_head.weight"] = linear(config.vocab_size, hidden)
     return weights
+
+
+def build_graph(loaded: LoadedModel, progress: Callable[[int], None]) -> onnx.ModelProto:
+    return build_qwen3_5_graph(loaded.config, loaded.weights, progress=progress)
+
+
+# `qwen3_5` dirs (vision-language) export their text model; ModelConfig.model is "qwen3_5" for both.
+FAMILY = register(Family(
+    model_types=("qwen3_5", "qwen3_5_text"),
+    config_from_hf=config_from_hf,
+    expected_names=expected_names,
+    build_graph=build_graph,
+    random_weights=random_weights,
+    architectures={"Qwen3_5ForCausalLM": "qwen3_5_text", "Qwen3_5ForConditionalGeneration": "qwen3_5"},
+    synthetic={
+        # Hybrid: gated delta-net, attention, delta-net, attention; attention heads of 32 rotating 8 dims (partial
+        # rotary 0.25), output-gated; delta-nets with 2 key heads of 16 serving 4 value heads of 16.
+        "tiny-qwen3_5": {"model": "qwen3_5", "num_hidden_layers": 4, "head_dim": 32, "qk_norm": True,
+                         "partial_rotary_factor": 0.25, "layer_types": ["mamba", "attention"] * 2,
+                         "recurrent_state_num_heads": 4, "recurrent_state_head_dim": 16,
+                         "recurrent_state_size": 16, "n_groups": 2, "conv_kernel": 4},
+        # For benchmarks: Qwen3.5-0.8B's widths as we read its config (hidden 1024, 8/2 heads of 256 rotating 64,
+        # delta-nets with 16 key and 16 value heads of 128), 8 of its 24 layers in its 3:1 pattern.
+        "small-qwen3_5": {"model": "qwen3_5", "num_hidden_layers": 8, "hidden_size": 1024,
+                          "intermediate_size": 3584, "num_attention_heads": 8, "num_key_value_heads": 2,
+                          "head_dim": 256, "qk_norm": True, "partial_rotary_factor": 0.25,
+                          "layer_types": ["mamba", "mamba", "mamba", "attention"] * 2,
+                          "recurrent_state_num_heads": 16, "recurrent_state_head_dim": 128,
+                          "recurrent_state_size": 128, "n_groups": 16, "conv_kernel": 4},
+    },
+    checkpoint_name=checkpoint_name,
+    lora=False,  # no LoRA inputs on the delta-nets yet
+))
