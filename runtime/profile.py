@@ -1,4 +1,5 @@
-"""Times engine calls and counts tokens so `llm_inference` can write the profile JSON users' scripts read."""
+"""The profile JSON's writer: times engine calls and counts tokens so `llm_inference --profileOutputFile` can write
+the profile users' scripts and `llm_profile` (tools/profile/) read. Per-op timings are runtime/engine/op_timing.py."""
 
 from __future__ import annotations
 
