@@ -43,3 +43,16 @@ def test_synthetic_weights_are_the_names_the_family_expects(name: str) -> None:
         expected.add("lm_head.weight")
     assert set(loaded.weights) == expected
     assert "model.embed_tokens.weight" in loaded.weights  # the runtime's embedding table, whatever the family
+
+
+def test_every_draft_command_reaches_its_module_through_the_import_graph() -> None:
+    """llm_export's DRAFT_FORMATS imports each draft module by a literal name, so the layering test sees the edge."""
+    from test_layering import import_graph
+
+    from kvforge.tools.export.cli import DRAFT_FORMATS
+
+    edges = import_graph()["kvforge.tools.export.cli"]
+    for load, exporter, writer in DRAFT_FORMATS.values():
+        module = load()
+        assert module.__name__ in edges, module.__name__
+        assert callable(getattr(module, exporter)) and callable(getattr(module, writer))
