@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvforge.tools.export.families import Family, family_for, model_type_of, model_types, register, synthetic_models
-from kvforge.tools.export.families.llama_source import FAMILY as LLAMA
+from kvforge.tools.export.families.llama import FAMILY as LLAMA
 from kvforge.tools.export.sources.synthetic import synthetic_model
 
 

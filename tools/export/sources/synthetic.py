@@ -8,7 +8,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.model_config import ModelConfig
 from kvforge.tools.export.families import family_for, synthetic_models
-from kvforge.tools.export.families.llama_source import random_weights
+from kvforge.tools.export.families.llama import random_weights
 from kvforge.tools.export.sources.base import LoadedModel
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
