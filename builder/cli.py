@@ -174,7 +174,7 @@ def build(
                          "every recurrent layer's recurrent and conv state",
                          "--contextCacheRecurrentSnapshotPoolBytes", reuse_records)
         if profile_ops_file is not None:
-            from kvforge.runtime.engine.op_profile import format_op_profile, profile_ops
+            from kvforge.runtime.engine.op_timing import format_op_profile, profile_ops
             console.print(f"profiling ops: {profile_prompt_tokens}-token prefill, {profile_decode_tokens} decode steps")
             report = profile_ops(engine_dir, profile_prompt_tokens, profile_decode_tokens, num_threads)
             from kvforge.contract.files import atomic_write_text
