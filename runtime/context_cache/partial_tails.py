@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
+
 from kvforge.runtime.context_cache.capture import SnapshotCopier
-from kvforge.runtime.context_cache.keys import tail_page_key
+from kvforge.runtime.context_cache.keys import KeyExtras, tail_page_key
 from kvforge.runtime.context_cache.lease import Lease
 from kvforge.runtime.context_cache.planner import ReusePlan, with_snapshot
 from kvforge.runtime.context_cache.pools import ResourcePool
 from kvforge.runtime.context_cache.protocol import Lookup, Publication
 from kvforge.runtime.context_cache.records import Record
+
+
+def tail_key(keys: Sequence[bytes], tokens: Sequence[int] | np.ndarray, length: int, tokens_per_page: int,
+             extras: KeyExtras, chain_root: bytes) -> bytes:
+    """The key a tail ending at `length` (not page-aligned) is found by: chained to the last full page before it
+    (the chain root below one page). The one rule for where a tail lives, here and in the shared tier."""
+    depth = length // tokens_per_page
+    return tail_page_key(keys[depth - 1] if depth else chain_root, tokens[:length], depth * tokens_per_page, extras)
 
 
 class PartialTails:
@@ -51,7 +63,7 @@ class PartialTails:
                 continue
             if list(record.token_ids[start:]) != tokens[start:start + tail].tolist():
                 continue
-            if tail_page_key(parent or self.chain_root, tokens[:start + tail], start, lookup.extras) == record.tail_key:
+            if tail_key(lookup.keys, tokens, start + tail, T, lookup.extras, self.chain_root) == record.tail_key:
                 best = (tail, record)
         if best is None:
             return agreed

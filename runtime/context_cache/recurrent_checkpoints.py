@@ -2,13 +2,33 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
+
 from kvforge.runtime.context_cache.capture import SnapshotCopier
-from kvforge.runtime.context_cache.keys import tail_page_key
+from kvforge.runtime.context_cache.keys import KeyExtras, MediaKey
 from kvforge.runtime.context_cache.lease import Lease
+from kvforge.runtime.context_cache.partial_tails import tail_key
 from kvforge.runtime.context_cache.planner import ReusePlan, plan_checkpoint
 from kvforge.runtime.context_cache.pools import ResourcePool
 from kvforge.runtime.context_cache.protocol import Lookup, Publication
 from kvforge.runtime.context_cache.records import Record, RecordStore
+
+
+def checkpoint_key(keys: Sequence[bytes], tokens: Sequence[int] | np.ndarray, length: int, tokens_per_page: int,
+                   extras: KeyExtras, chain_root: bytes) -> bytes:
+    """The key a checkpoint of exactly `length` tokens is found by: its last full page's key when page-aligned,
+    else its tail's key (`tail_key`). The one rule, here and in the shared tier."""
+    if length % tokens_per_page:
+        return tail_key(keys, tokens, length, tokens_per_page, extras, chain_root)
+    return keys[length // tokens_per_page - 1]
+
+
+def resumable(length: int, num_tokens: int, media: Sequence[MediaKey]) -> bool:
+    """Whether an input of `num_tokens` tokens may resume after `length`: one token must still compute (for the
+    logits), and never inside a media span (its encoder output is one unit)."""
+    return length < num_tokens and not any(m.start < length < m.start + m.length for m in media)
 
 
 class RecurrentCheckpoints:
@@ -42,11 +62,9 @@ class RecurrentCheckpoints:
         for depth in range((len(tokens) - 1) // T, -1, -1):
             anchor = keys[depth - 1] if depth else None
             for length in self.lengths_after(anchor):
-                if length >= len(tokens) or any(m.start < length < m.start + m.length for m in extras.media):
-                    continue  # the whole input (one token must compute), or resuming inside a media span
-                key = tail_page_key(anchor or self.chain_root, tokens[:length], depth * T, extras) if length % T \
-                    else anchor
-                record = self.records.find(key) if key is not None else None
+                if not resumable(length, len(tokens), extras.media):
+                    continue
+                record = self.records.find(checkpoint_key(keys, tokens, length, T, extras, self.chain_root))
                 if record is None or not record.is_checkpoint or record.token_ids != tuple(tokens[:length].tolist()):
                     continue
                 if lookup.page_hits is not None and tuple(lookup.page_hits[:depth]) != record.page_ids:
