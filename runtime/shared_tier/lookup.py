@@ -65,17 +65,22 @@ class TierSearch:
         for begin in range(0, len(keys), per_batch):
             batch = keys[begin:begin + per_batch]
             store_keys = [codec.store_key(key) for key in batch]
-            ready = []
+            ready: list[tuple[int, Decoded]] = []
+            whole = True  # every page so far decoded: the load may use the next one
             for offset, value in enumerate(io.call(load, io.store.get, store_keys, max_bytes=limit)):
                 page = first + begin + offset
                 if value is None:
-                    break
+                    whole = False
+                    continue
                 try:
-                    ready.append((page, codec.decode(value, batch[offset], like=like,
-                                                     tokens=prompt[page * T:(page + 1) * T])))
+                    decoded = codec.decode(value, batch[offset], like=like, tokens=prompt[page * T:(page + 1) * T])
                 except ValueRejected:
+                    # Checked although unusable past a gap: so every bad value read here is replaced (healed).
                     io.rejected(store_keys[offset])
-                    break
+                    whole = False
+                    continue
+                if whole:
+                    ready.append((page, decoded))
             if publish:
                 io.publish(load, ready)
             pages += ready
