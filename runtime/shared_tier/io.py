@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvforge.contract.errors import KvforgeError
 from kvforge.runtime.sequence import Sequence
 from kvforge.runtime.shared_tier.layout import Layout
 from kvforge.runtime.shared_tier.store import SharedStore
@@ -242,7 +243,8 @@ class TierIO:
         if self._said_off:
             return
         self._said_off = True
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        text = exc.message if isinstance(exc, KvforgeError) else str(exc)
+        reason = (text.strip().splitlines() or [type(exc).__name__])[0].removeprefix(f"{self.store.url}: ")
         LOG.warning("kvforge: shared tier %s is off (%s); requests compute cold while it reconnects in the "
                     "background", self.store.url, reason)
 
