@@ -144,7 +144,10 @@ class TierIO:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if not self.connected.is_set():
-                return False  # nothing can be written before the store answers once: do not wait for it
+                if self._first_attempt.is_set():
+                    return False  # the store did not answer: nothing can be written, do not wait for it
+                time.sleep(0.005)  # still connecting (a slow set-up on a loaded host): its writes may yet go
+                continue
             with self.lock:
                 if self._pending_bytes == 0 and self._write_jobs.empty():
                     return True

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from support.engine_driver import make_engine, run_file, top1_ids
-from support.stores import RedisServer
+from support.stores import MooncakeServer, RedisServer
 
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.runtime.engine import engine as engine_module
@@ -45,13 +45,14 @@ class BoundedStore(MemoryStore):
         return values
 
 
-@pytest.fixture(params=[pytest.param("memory"), pytest.param("redis", marks=pytest.mark.redis)])
+@pytest.fixture(params=[pytest.param("memory"), pytest.param("redis", marks=pytest.mark.redis),
+                        pytest.param("mooncake", marks=pytest.mark.mooncake)])
 def contract_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SharedStore]:
     if request.param == "memory":
         yield MemoryStore()
         return
-    with RedisServer(tmp_path / "redis") as server:
-        store = open_store(server.url, 0.5)
+    with RedisServer(tmp_path / "redis") if request.param == "redis" else MooncakeServer(tmp_path / "mc") as server:
+        store = open_store(server.url, 2.0)
         store.connect()
         try:
             yield store

@@ -15,11 +15,12 @@ at its deadline. Its clients listen on
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
@@ -36,9 +37,10 @@ NAMES = {-704: "OBJECT_NOT_FOUND", -705: "OBJECT_ALREADY_EXISTS", -706: "OBJECT_
 
 
 def _import_client() -> Any:
-    # Its glog lines (INFO for every connection, WARNING on set-up) would bury a CLI's one-line output; the tier
-    # reports a dead store itself, in one line. GLOG_minloglevel set by the user wins.
-    os.environ.setdefault("GLOG_minloglevel", "2")
+    # Its glog lines (INFO for every connection and set-up step) would bury a CLI's one-line output; the tier
+    # reports a dead store itself, in one line. Mooncake ignores GLOG_minloglevel: its own MC_LOG_LEVEL decides
+    # (checked on 0.3.13), and a value the user set wins.
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as exc:
@@ -46,6 +48,24 @@ def _import_client() -> Any:
             "pip install 'kvforge[mooncake]'"
         raise InvalidConfig(f"the Mooncake backend cannot load its client ({exc}); {hint}", "shared_cache") from None
     return MooncakeDistributedStore
+
+
+@contextlib.contextmanager
+def _quiet_stderr(quiet: bool) -> Iterator[None]:
+    """File descriptor 2 on /dev/null for the client's set-up: even a set-up that works logs an ERROR line
+    ("Local segment descriptor not found") and glog's notice that it is not initialised, and C++ writes them
+    past Python's sys.stderr. The set-up takes milliseconds once the master answered the probe."""
+    if not quiet:
+        yield
+        return
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 class MooncakeStore:
@@ -93,8 +113,9 @@ class MooncakeStore:
         # Without it the transfer engine looks for a LAN address and finds none in a loopback-only namespace.
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", self.host)
         client = self._client_class()
-        code = client.setup(self.host, self.metadata, self.segment, self.local_buffer, self.protocol, self.device,
-                            self.master)
+        with _quiet_stderr(os.environ.get("MC_LOG_LEVEL") == "ERROR"):
+            code = client.setup(self.host, self.metadata, self.segment, self.local_buffer, self.protocol,
+                                self.device, self.master)
         if code != 0:
             raise StoreUnavailable(f"{self.url}: setup returned {code}", "shared_cache")
         self._client = client
