@@ -5,12 +5,15 @@ itself shows up in no repr, profile or error."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from support.engine_driver import make_engine, run_file, top1_ids
+from support.stores import free_port
 
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.errors import InvalidConfig
@@ -142,3 +145,24 @@ def test_a_forged_page_changes_no_answer_with_a_secret(engine_dir: Path, store: 
     ids, profile = _run(make_engine(engine_dir, reuse=True, shared_cache=URL, shared_cache_secret=SECRET))
     assert ids == cold and _tier(profile)["loaded_tokens"] == 0 and _tier(profile)["corrupt"] >= 1
     assert forged_answer != cold
+
+
+def _llm_inference(engine_dir: Path, work: Path, *flags: str) -> subprocess.CompletedProcess:
+    (work / "in.json").write_text(json.dumps(DATA))
+    return subprocess.run([str(Path(sys.executable).parent / "llm_inference"), "--engineDir", str(engine_dir),
+                           "--inputFile", str(work / "in.json"), "--outputFile", str(work / "out.json"),
+                           "--profileOutputFile", str(work / "profile.json"), "--numThreads", "2",
+                           "--enableContextReuse", "--sharedCache", f"redis://127.0.0.1:{free_port()}/0", *flags],
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_llm_inference_never_echoes_the_secret(engine_dir: Path, tmp_path: Path) -> None:
+    proc = _llm_inference(engine_dir, tmp_path, "--sharedCacheSecret", SECRET)
+    assert proc.returncode == 0, proc.stderr
+    written = (tmp_path / "out.json").read_text() + (tmp_path / "profile.json").read_text()
+    assert SECRET not in proc.stdout + proc.stderr + written
+    for flags, named in ((["--sharedCacheSecret", " "], "--sharedCacheSecret"),
+                         (["--sharedCacheEncrypt"], "--sharedCacheEncrypt")):
+        proc = _llm_inference(engine_dir, tmp_path, *flags)
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert proc.stderr.startswith(f"error: {named}:"), proc.stderr
