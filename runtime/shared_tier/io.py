@@ -84,15 +84,14 @@ class Abandoned(Exception):
 
 
 class TierIO:
-    """The threads and shared state between the engine thread and the store. `search` runs one load on a worker
-    (lookup.py); it reports through `call`, `publish`, `rejected` and `remember`."""
+    """The threads and shared state between the engine thread and the store. `search` (set by the tier) runs one
+    load on a worker (lookup.py); it reports through `call`, `publish`, `rejected` and `remember`."""
 
-    def __init__(self, store: SharedStore, layout: Layout, timeout_s: float,
-                 search: Callable[[Load], None]) -> None:
+    def __init__(self, store: SharedStore, layout: Layout, timeout_s: float) -> None:
         self.store = store
         self.layout = layout
         self.timeout_s = timeout_s
-        self.search = search
+        self.search: Callable[[Load], None] | None = None  # set by the tier before its first load
         self.counters = TierCounters()
         self.lock = threading.Lock()  # the counters the workers bump, the known keys, the back-off
         self.progress = threading.Condition(self.lock)
@@ -254,6 +253,7 @@ class TierIO:
     def _load_worker(self) -> None:
         while (load := self._load_jobs.get()) is not None:
             try:
+                assert self.search is not None
                 self.search(load)
             except (ValueRejected, Abandoned):
                 pass

@@ -55,9 +55,9 @@ class SharedTier:
         self.checkpoints = states is not None
         self.layout = Layout(root, secret)
         self._loads: dict[int, Load] = {}  # by id(seq)
-        # The workers start with the io; no load reaches them before the search below exists.
-        self.io = TierIO(store, self.layout, timeout_s, lambda load: self.search(load))
-        self.search = TierSearch(self.io, self.layout, tokens_per_page=tokens_per_page, kv=kv, states=states)
+        self.io = TierIO(store, self.layout, timeout_s)
+        # Handed to the io, not reached through this object: the worker threads hold no reference to the tier.
+        self.io.search = TierSearch(self.io, self.layout, tokens_per_page=tokens_per_page, kv=kv, states=states)
         self.counters = self.io.counters
         # A script that never calls close() still saves what it committed last (the threads are daemons).
         atexit.register(_close_at_exit, weakref.ref(self))
