@@ -49,6 +49,7 @@ from kvforge.runtime.inputs.processor import InputProcessor, check_prompt_length
 from kvforge.runtime.profile import Profiler
 from kvforge.runtime.sampling.sampler import Sampler
 from kvforge.runtime.sequence import EngineRequest, Sequence, Status
+from kvforge.runtime.shared_tier.secret import tier_secret
 from kvforge.runtime.shared_tier.stores import open_store
 from kvforge.runtime.shared_tier.tier import SharedTier
 from kvforge.runtime.spec.methods import SPEC_DSPARK, SPEC_NGRAM
@@ -257,7 +258,8 @@ class Engine:
         return SharedTier(store, root=resolved.chain_root, tokens_per_page=self.engine_dir.build.tokens_per_page,
                           kv=self.backend.kv_store if resolved.num_pages else None, states=self.states,
                           state_rows=self.state.rows, partial=self.partial_store, recurrent=self.recurrent_store,
-                          timeout_s=config.shared_cache_timeout_ms / 1e3)
+                          timeout_s=config.shared_cache_timeout_ms / 1e3,
+                          secret=tier_secret(config.shared_cache_secret, encrypt=config.shared_cache_encrypt))
 
     def _proposer(self, config: EngineConfig, resolved: ResolvedConfig) -> Proposer | None:
         if config.spec_decode == SPEC_NGRAM:

@@ -33,6 +33,7 @@ CHANGED: dict[str, Any] = {"num_threads": 3, "enable_context_reuse": True, "cont
                            "spec_prompt_lookup_min": 1, "spec_prompt_lookup_max": 5,
                            "spec_draft_engine_dir": "engines/x/draft", "spec_draft_top_k": 4, "spec_verify_size": 9,
                            "shared_cache": "redis://127.0.0.1:6390/0", "shared_cache_timeout_ms": 80.0,
+                           "shared_cache_secret": "s3cret", "shared_cache_encrypt": True,
                            "dflash_block_size": 4, "dspark_scheduler": "sps", "dspark_confidence_threshold": 0.5,
                            "dspark_min_proposal_len": 2, "dspark_max_proposal_len": 5}
 
