@@ -41,7 +41,7 @@ MAX_CONTENT_BYTES = 128 * 1024
 MAX_PATH_NAME_BYTES = 255
 MAX_PATH_BYTES = 4095
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "user", "assistant", "tool", "developer")  # developer: OpenAI's newer name for system
 MEDIA_TYPES = ("image", "audio", "video")
 CONTENT_TYPES = ("text", *MEDIA_TYPES)
 
@@ -66,6 +66,7 @@ def parse_message(raw: Any, where: str, media_items: Mapping[str, MediaItemParse
         fail(where, f"must be a {{role, content}} object, got {json_kind(raw)}")
     role = _required(raw, "role", where, f"one of {', '.join(ROLES)}")
     check_choice(role, f"{where}.role", ROLES)
+    role = "system" if role == "developer" else role  # chat templates know only system
     content = _required(raw, "content", where, "a string or an array of content items")
     text, media = _parse_content(content, f"{where}.content", media_items or {})
     return Message(role=role, content=text, media=media)
