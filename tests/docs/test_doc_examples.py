@@ -6,7 +6,8 @@ allowed between them):
 - ```python fences are executed, each in a fresh namespace; the blocks of one page run in order in one temporary
   working directory holding `engines/smollm2` (a tiny synthetic engine: maxInputLen 2048, capacity 4096, batch 4,
   16-token pages), `onnx/smollm2` (its ONNX dir), `requests.json` (a valid llm_inference request file) and
-  `adapters/` (empty). Files a block writes there are seen by the page's later blocks.
+  `adapters/` (empty). Files a block writes there are seen by the page's later blocks. A block that runs and names
+  `out/engines/smollm2` gets `make demo`'s engine there (the real SmolLM2, built once per session).
   - `<!-- docs-test: server -->` before a python block: it runs while llm_serve serves that engine as model
     `smollm2`; the text `http://127.0.0.1:8000` in the block is replaced by the live server's URL.
   - `<!-- docs-test: skip REASON -->`: not run; reported as skipped with REASON.
@@ -227,12 +228,18 @@ ALL_BLOCKS = [b for page in doc_pages() for b in parse_blocks(page)
 _WORKDIRS: dict[Path, Path] = {}  # page → its working directory, shared by the page's blocks in order
 
 
+DEMO_ENGINE = "out/engines/smollm2"  # where `make demo` builds SmolLM2
+
+
 @pytest.mark.parametrize("block", ALL_BLOCKS, ids=lambda b: f"{b.where}-{b.lang}")
-def test_doc_example(block: Block, docs_engine_dir: Path, tiny_onnx_dir: Path,
+def test_doc_example(block: Block, docs_engine_dir: Path, tiny_onnx_dir: Path, request: pytest.FixtureRequest,
                      tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     if block.page not in _WORKDIRS:
         _WORKDIRS[block.page] = make_workspace(tmp_path_factory.mktemp("docs_page"), docs_engine_dir, tiny_onnx_dir)
     workdir = _WORKDIRS[block.page]
+    if DEMO_ENGINE in block.text and block.marker not in ("skip", "needs") and not (workdir / DEMO_ENGINE).exists():
+        (workdir / DEMO_ENGINE).parent.mkdir(parents=True, exist_ok=True)
+        (workdir / DEMO_ENGINE).symlink_to(request.getfixturevalue("smollm2_demo_engine_dir"), target_is_directory=True)
     try:
         if block.marker == "server" and block.lang == "python":
             from support import server_harness
@@ -344,6 +351,17 @@ def test_path_check_reads_module_names() -> None:
     assert path_exists("runtime/context_cache/lease.py") and path_exists("tools/export/")
     assert path_exists("runtime/api.LLM") and not path_exists("runtime/api.NoSuchThing")
     assert repo_paths_named("`runtime/x.py` `<dir>/x` `out/engines` `tools/a b`") == ["runtime/x.py"]
+
+
+def test_demo_engine_fixture_builds_what_make_demo_builds() -> None:
+    """The docs run on `smollm2_demo_engine_dir` as if on `make demo`'s engine: the same llm_build flags."""
+    from conftest import DEMO_BUILD
+
+    recipe = re.search(r"--engineDir \$\(OUT\)/engines/smollm2 \\\n\s*(.*)", (REPO / "Makefile").read_text())
+    assert recipe, "the Makefile no longer builds $(OUT)/engines/smollm2"
+    flags = dict(re.findall(r"--(\w+) (\S+)", recipe.group(1)))
+    assert flags == {"maxInputLen": str(DEMO_BUILD.max_input_len), "maxKVCacheCapacity":
+                     str(DEMO_BUILD.max_kv_cache_capacity), "maxBatchSize": str(DEMO_BUILD.max_batch_size)}
 
 
 def test_readme_is_short() -> None:
