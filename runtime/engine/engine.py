@@ -21,7 +21,7 @@ from kvforge.contract.engine_dir import (
     EngineDir,
     load_engine_dir,
 )
-from kvforge.contract.errors import InvalidConfig, PoolTooSmall
+from kvforge.contract.errors import InvalidConfig, KvforgeError, PoolTooSmall
 from kvforge.contract.paging import pages_for
 from kvforge.contract.profile_schema import MTP_GENERATION
 from kvforge.contract.safetensors_map import map_tensor
@@ -112,7 +112,14 @@ class Engine:
                                      message_boundaries=resolved.checkpoints.enabled
                                      and config.snapshot_message_boundaries)
         self.draft_backend: Backend | None = None
-        self.proposer = self._proposer(config, resolved)
+        try:
+            self.proposer = self._proposer(config, resolved)
+        except KvforgeError as exc:  # the draft's graph and weights are --specDraftEngineDir's, not --engineDir's
+            if resolved.draft is None or exc.field != "engine_dir" and not str(exc.field).startswith(
+                    str(resolved.draft.path)):
+                raise
+            raise InvalidConfig(f"the draft engine at {resolved.draft.path}: {exc.message}",
+                                "spec_draft_engine_dir") from None
         self.executor = ModelExecutor(self.backend, embedding, lora_input_shapes(self.engine_dir),
                                       self.state.rows if self.states is not None else None,
                                       all_hidden=self.proposer is not None and self.proposer.owns_kv)
@@ -277,7 +284,7 @@ class Engine:
         else:  # an MTP layer: EAGLE3's contract over the base's whole vocabulary
             self.profiler.spec_strategy_section = MTP_GENERATION
             d2t = np.zeros(draft.model.vocab_size, dtype=np.int64)
-        return Eagle3Proposer(self.draft_backend, table, d2t, self.cache, config.spec_draft_step,
+        return Eagle3Proposer(self.draft_backend, table, d2t, config.spec_draft_step,
                               draft.model.base_model_hidden_size, top_k=config.spec_draft_top_k,
                               verify_nodes=verify_size(config, self.engine_dir) - 1, rolls_back=self.states is not None,
                               keep_hidden=self.cache.tokens_per_page if self.states is not None else 0)
@@ -293,7 +300,7 @@ class Engine:
                                 float(tensors["accept_bias"][0]), config.dspark_scheduler,
                                 config.dspark_confidence_threshold, config.dspark_min_proposal_len,
                                 config.dspark_max_proposal_len)
-        return BlockDraftProposer(self.draft_backend, table, self.cache, block_size(config, draft),
+        return BlockDraftProposer(self.draft_backend, table, block_size(config, draft),
                                   draft.model.mask_token_id, draft.model.base_model_hidden_size, self.profiler, heads)
 
 

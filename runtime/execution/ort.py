@@ -85,12 +85,13 @@ def make_session(model_path: str, num_threads: int = 0, profile_prefix: str | No
 
 def register_cpu_kernel(options: ort.SessionOptions, field: str = "engine_dir") -> None:
     """Register kvforge's CPU attention library (built on first use) on `options`, or say in one line why not."""
-    from kvforge.plugins.cpu_kernel import register
+    from kvforge.plugins.cpu_kernel import DAMAGED, register
 
     reason = register(options)
     if reason:
-        raise KvforgeError(f"this engine attends with the kvforge CPU kernel, which cannot be loaded here ({reason}); "
-                           "rebuild it with llm_build --cpuAttention onnx", field)
+        remedy = "" if DAMAGED in reason else "; rebuild it with llm_build --cpuAttention onnx"  # the cache's fault
+        raise KvforgeError(f"this engine attends with the kvforge CPU kernel, which cannot be loaded here ({reason})"
+                           f"{remedy}", field)
 
 
 def check_graph_inputs(session: ort.InferenceSession, engine: EngineDir) -> None:

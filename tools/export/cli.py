@@ -344,7 +344,8 @@ def random_lora(
             raise KvforgeError(f"must be in [1, {MAX_LORA_RANK}], got {rank}", "--rank")
         if not math.isfinite(alpha):
             raise KvforgeError(f"must be a finite number, got {alpha}", "--alpha")
-        from kvforge.contract.files import check_distinct
+        from kvforge.contract.files import check_distinct, check_output_dir
+        check_output_dir(output_dir, "--outputDir")  # llm_export model's rule: never over a user's files
         check_distinct({"--outputDir": output_dir}, {"--onnxDir": onnx_dir}, outputs_are_dirs=True)
         write_random_peft_adapter(onnx_dir, output_dir, rank, alpha, seed)
         console.print(f"wrote a random rank-{rank} PEFT adapter to {output_dir}")
@@ -372,8 +373,9 @@ def _write_random_draft(target: str, base_onnx_dir: Path, output_dir: Path, debu
     """What every random-draft command does: its own `check`, distinct paths, the writer `target` ("module:function")
     with `options`, and one line saying what it wrote."""
     def body() -> None:
-        from kvforge.contract.files import check_distinct
+        from kvforge.contract.files import check_distinct, check_output_dir
         check()
+        check_output_dir(output_dir, "--outputDir")  # llm_export model's rule: never over a user's files
         check_distinct({"--outputDir": output_dir}, {"--baseOnnxDir": base_onnx_dir}, outputs_are_dirs=True)
         module, name = target.split(":")
         getattr(importlib.import_module(module), name)(base_onnx_dir, output_dir, **options)
