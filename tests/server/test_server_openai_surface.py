@@ -105,6 +105,15 @@ def test_n_choices_stream_with_their_index(client: openai.OpenAI) -> None:
             texts[choice.index] += choice.text
     assert texts == [c.text for c in whole.choices]
     assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Two answers?"}], "n": 2, **GREEDY}
+    replies = ["", ""]
+    roles = set()
+    for chunk in client.chat.completions.create(**chat, stream=True):
+        for choice in chunk.choices:
+            replies[choice.index] += choice.delta.content or ""
+            roles.add((choice.index, choice.delta.role))
+    assert replies == [c.message.content for c in client.chat.completions.create(**chat).choices]
+    assert {(0, "assistant"), (1, "assistant")} <= roles  # each choice opens with its role
 
 
 def test_penalties_match_the_python_api(engine_dir: Path, client: openai.OpenAI) -> None:
