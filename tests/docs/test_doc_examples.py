@@ -16,6 +16,9 @@ allowed between them):
   - `<!-- docs-test: run -->`: executed with `bash -e` in the page's working directory, the venv's bin first on
     PATH (so `llm_inference --engineDir engines/smollm2 --inputFile requests.json ...` works), with a timeout
     (SHELL_TIMEOUT_S). In a console block only the `$ ` lines run (the rest is shown output).
+  - `<!-- docs-test: serve -->`: a command that serves until stopped (`llm_serve ...`): started in the page's
+    working directory on a free port (`--port 0` is appended), it must print uvicorn's start line within
+    SERVE_TIMEOUT_S and exit 0 on SIGTERM.
   - `<!-- docs-test: needs smollm2 -->`, `needs peer`, `needs gpu`, `needs network`, or `skip REASON`: not run,
     reported as skipped with the reason.
   An unmarked shell block fails, naming file:line.
@@ -29,8 +32,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -134,7 +139,7 @@ def check_marker(block: Block) -> None:
         if block.arg not in NEEDS:
             raise ExampleFailed(f"{block.where}: unknown `needs {block.arg}` (one of {', '.join(sorted(NEEDS))})")
         raise Skipped(f"{block.where}: needs {block.arg}")
-    if block.lang in SHELL_LANGS and block.marker != "run":
+    if block.lang in SHELL_LANGS and block.marker not in ("run", "serve"):
         what = f"marker `{block.marker}`" if block.marker else "no docs-test marker"
         raise ExampleFailed(f"{block.where}: ```{block.lang} block with {what}; precede it with "
                             "<!-- docs-test: run -->, <!-- docs-test: needs smollm2|peer|gpu|network --> "
@@ -193,6 +198,47 @@ def shell_script(block: Block) -> str:
     return "\n".join(commands) + "\n"
 
 
+SERVE_TIMEOUT_S = 120
+
+
+def run_server_command(block: Block, workdir: Path) -> None:
+    """Start the block's command, wait for the server to be up, stop it with SIGTERM: it must exit 0."""
+    env = {k: v for k, v in os.environ.items() if k != "KVFORGE_DEBUG"}
+    env.update(PATH=f"{BIN_DIR}{os.pathsep}{env.get('PATH', '')}", NO_COLOR="1", TERM="dumb", COLUMNS="300")
+    command = [line for line in shell_script(block).splitlines() if line.strip() and not line.startswith("#")]
+    if len(command) != 1:
+        raise ExampleFailed(f"{block.where}: a serve block holds one command, got {len(command)}")
+    line = command[0].split(" #")[0]  # a trailing comment would swallow the appended --port
+    process = subprocess.Popen(["bash", "-c", f"exec {line} --port 0"], cwd=workdir, env=env, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    lines: list[str] = []
+    started = threading.Event()
+
+    def read() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.append(line)
+            if "Application startup complete" in line:
+                started.set()
+        started.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        started.wait(SERVE_TIMEOUT_S)
+        up = any("Application startup complete" in line for line in lines)  # not set when output merely ended
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(SERVE_TIMEOUT_S)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    reader.join(5)
+    if not up or code != 0:
+        raise ExampleFailed(f"{block.where}: the server {'exited' if not up else f'stopped with {code}'}: "
+                            f"{''.join(lines)[-1500:]}")
+
+
 def run_shell(block: Block, workdir: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "KVFORGE_DEBUG"}
     env.update(PATH=f"{BIN_DIR}{os.pathsep}{env.get('PATH', '')}", NO_COLOR="1", TERM="dumb")
@@ -218,6 +264,8 @@ def run_block(block: Block, workdir: Path, server_url: str | None = None) -> Non
     check_marker(block)
     if block.lang == "python":
         run_python(block, workdir, server_url)
+    elif block.marker == "serve":
+        run_server_command(block, workdir)
     elif block.lang in SHELL_LANGS:
         run_shell(block, workdir)
     elif block.marker == "request-file":
@@ -375,3 +423,9 @@ def test_console_blocks_run_only_their_commands(tmp_path: Path) -> None:
     block = Block(tmp_path / "p.md", 1, "console", "$ echo one \\\n    two\none two\n$ test -d .\n", "run", "")
     assert shell_script(block) == "echo one \\\n    two\ntest -d .\n"
     run_block(block, tmp_path)  # the output line `one two` would fail as a command
+
+
+def test_a_serve_block_that_cannot_start_fails(tmp_path: Path) -> None:
+    block = Block(tmp_path / "p.md", 3, "bash", "llm_serve --engineDir engines/missing   # a comment\n", "serve", "")
+    with pytest.raises(ExampleFailed, match=r"p\.md:3: the server exited: .*--engineDir"):
+        run_block(block, tmp_path)
