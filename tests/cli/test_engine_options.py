@@ -150,9 +150,12 @@ def test_llm_accepts_every_field_as_a_keyword(monkeypatch: pytest.MonkeyPatch) -
         def __init__(self, engine_dir: object, config: EngineConfig) -> None:
             made.append(config)
 
+        def close(self) -> None:  # LLM closes the engine it made when it is collected
+            pass
+
     monkeypatch.setattr(api, "Engine", FakeEngine)
     LLM("engines/x", **{**CHANGED, "multimodal_engine_dir": Path("engines/visual")})  # a Path is fine too
-    LLM("engines/x")
+    LLM("engines/x", enable_context_reuse=False)  # reuse is on by default (tests/engine/test_api.py)
     assert made == [EngineConfig(**CHANGED), EngineConfig()]
     with pytest.raises(TypeError, match="'num_thread'"):
         LLM("engines/x", num_thread=2)
