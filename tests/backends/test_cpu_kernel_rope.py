@@ -64,7 +64,8 @@ def _session(case: Case, library: Path) -> ort.InferenceSession:
                             scale=float(d) ** -0.5)
     graph = helper.make_graph([node], "paged_attention_rope", inputs,
                               [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(ops.CPU_DOMAIN, 1)])
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(ops.CPU_DOMAIN, 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
     options = ort.SessionOptions()
     options.intra_op_num_threads = 2
     options.register_custom_ops_library(str(library))
