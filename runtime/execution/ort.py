@@ -1,4 +1,4 @@
-"""Runs a lowered engine on ONNX Runtime (CPU), scattering each call's new K/V rows into the pool."""
+"""Runs a lowered engine on ONNX Runtime (CPU): K/V rows written by the kernel in place, or scattered from outputs."""
 
 from __future__ import annotations
 
@@ -171,6 +171,9 @@ class OrtBackend:
         check_graph_inputs(self.session, engine)
         graph_inputs = {i.name: i.shape for i in self.session.get_inputs()}
         self.tokens_per_page = build.tokens_per_page
+        # The kernel's PagedAttentionRope writes each call's K/V rows into the bound pools itself (engine_dir.py
+        # kernel_kv_write); engines built before return them as new_key_values_* for _scatter.
+        self._kernel_writes = build.kernel_kv_write
         self._pool_inputs = [f"past_key_values_{i}" for i in model.attention_layer_ids]
         self.kv_store = KVStore(len(self._pool_inputs), build.max_kv_pool_pages, model.num_key_value_heads,
                            build.tokens_per_page, model.head_dim, model.kv_cache_dtype)
@@ -231,7 +234,8 @@ class OrtBackend:
             raise AssertionError("a tree call on an engine built without tree attention")
         if self._rope_value is not None:  # graphs with attention layers
             binding.bind_cpu_input("kvcache_start_index", starts)
-            binding.bind_cpu_input("kv_page_table", self._cached_page_table(step.page_ids, starts))
+            extent = starts + lengths if self._kernel_writes else starts  # the pages the graph writes, too
+            binding.bind_cpu_input("kv_page_table", self._page_table(step.page_ids, extent))
             binding.bind_ortvalue_input("rope_rotary_cos_sin", self._rope_value)
         if self._tied_head is not None:
             binding.bind_ortvalue_input(TIED_HEAD_INPUT, self._tied_head)
@@ -249,7 +253,7 @@ class OrtBackend:
             binding.bind_output(name, "cpu")
         self.session.run_with_iobinding(binding)
         outputs = dict(zip(self._output_names, binding.copy_outputs_to_cpu(), strict=True))
-        if self._pool_inputs:
+        if self._pool_inputs and not self._kernel_writes:
             self._scatter([outputs[new_rows_name(name)] for name in self._pool_inputs], step.page_ids, starts,
                           lengths)
         if self.states is not None:
@@ -264,9 +268,10 @@ class OrtBackend:
                 for name, (rows, cols) in self._lora_shapes.items()}
         return self._no_adapter[batch]
 
-    def _cached_page_table(self, page_ids: list[list[int]], starts: np.ndarray) -> np.ndarray:
-        """[B, P] covering only already-cached tokens: the graph reads the pool, never the new pages."""
-        width = pages_for(int(starts.max(initial=0)), self.tokens_per_page)
+    def _page_table(self, page_ids: list[list[int]], extent: np.ndarray) -> np.ndarray:
+        """[B, P] covering positions [0, extent[b]): the cached ones where the graph only reads the pool (the
+        new pages stay out of it), through the new ones where the kernel writes them."""
+        width = pages_for(int(extent.max(initial=0)), self.tokens_per_page)
         table = np.full((len(page_ids), width), UNUSED_PAGE, dtype=np.int32)
         for row, pages in enumerate(page_ids):
             used = pages[:width]
