@@ -9,6 +9,7 @@ from pathlib import Path
 import onnx
 
 from kvforge.builder.engine_files import load_model, write_engine_config
+from kvforge.builder.fuse_ort import fuse_for_onnxruntime
 from kvforge.builder.lower_ort import kernel_writes_kv, lower_for_onnxruntime, share_tied_head
 from kvforge.builder.lower_recurrent import lower_recurrent_ops
 from kvforge.contract.engine_dir import (
@@ -236,6 +237,7 @@ def _build_into(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometry:
                                     tokens_per_page=geometry.tokens_per_page,
                                     num_pages=geometry.max_kv_pool_pages, cpu_kernel=kernel, tree_inputs=tree,
                                     kernel_rope=kernel)
+    fuse_for_onnxruntime(lowered)  # residual + RMSNorm as one contrib op (the export keeps the reference form)
     if config.tie_word_embeddings:
         share_tied_head(lowered)
     step("lowered paged-KV ops")
@@ -260,6 +262,7 @@ def _build_recurrent(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geom
     model = load_model(onnx_dir, config, 0)
     step("loaded model.onnx")
     lowered = lower_recurrent_ops(model)
+    fuse_for_onnxruntime(lowered)
     step("lowered recurrent ops")
     _save(lowered, engine_dir)
     write_engine_config(onnx_dir, engine_dir, config, BuilderConfig.from_geometry(geometry, backend, 0, config))
@@ -291,6 +294,7 @@ def _build_hybrid(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometr
                                                         num_pages=geometry.max_kv_pool_pages,
                                                         cpu_kernel=options.cpu_attention == ATTENTION_CPU_KERNEL,
                                                         kernel_rope=True))
+    fuse_for_onnxruntime(lowered)
     if config.tie_word_embeddings:
         share_tied_head(lowered)
     step("lowered paged-KV and recurrent ops")
