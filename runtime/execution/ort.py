@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import onnxruntime as ort
@@ -171,6 +172,7 @@ class OrtBackend:
         check_graph_inputs(self.session, engine)
         graph_inputs = {i.name: i.shape for i in self.session.get_inputs()}
         self.tokens_per_page = build.tokens_per_page
+        self.onnxruntime_ns = 0  # time inside session runs, so far: the profile's engine_call_python is the rest
         # The kernel's PagedAttentionRope writes each call's K/V rows into the bound pools itself (engine_dir.py
         # kernel_kv_write); engines built before return them as new_key_values_* for _scatter.
         self._kernel_writes = build.kernel_kv_write
@@ -251,7 +253,9 @@ class OrtBackend:
                 binding.bind_cpu_input(name, value)
         for name in self._output_names:
             binding.bind_output(name, "cpu")
+        started = time.perf_counter_ns()
         self.session.run_with_iobinding(binding)
+        self.onnxruntime_ns += time.perf_counter_ns() - started
         outputs = dict(zip(self._output_names, binding.copy_outputs_to_cpu(), strict=True))
         if self._pool_inputs and not self._kernel_writes:
             self._scatter([outputs[new_rows_name(name)] for name in self._pool_inputs], step.page_ids, starts,
