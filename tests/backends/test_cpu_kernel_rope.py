@@ -199,3 +199,16 @@ def test_storage_rounding_saturates_fp8(library: Path) -> None:
     np.testing.assert_array_equal(pool, want_pool)
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out, want_out, atol=1e-3, rtol=TOLERANCE)
+
+
+def test_portable_path_matches_reference(library: Path) -> None:
+    """The scalar path (no AVX-512), built as its own variant of the library: the same output and pool bytes."""
+    portable = cpu_kernel.library_path(("-mno-avx512f",))
+    assert portable != library
+    for name in ("decode-fp8", "tree-fp16", "partial-rotary-fp8-tree", "gqa-128-hole"):
+        case = CASES[name]
+        feeds = _feeds(case)
+        out, pool = _run(_session(case, portable), feeds)
+        want_out, want_pool = _expected(case, feeds)
+        np.testing.assert_allclose(out, want_out, atol=TOLERANCE, rtol=TOLERANCE)
+        np.testing.assert_array_equal(pool, want_pool)
