@@ -12,6 +12,7 @@ import onnxruntime as ort
 import pytest
 from support.ort_support import cpu_kernel_on
 
+from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.engine_dir import load_engine_dir
 from kvforge.plugins import cpu_kernel, ops
 from kvforge.plugins.cpu_kernel import kernel_status
@@ -24,11 +25,24 @@ pytestmark = pytest.mark.skipif(not cpu_kernel_on(), reason=f"budgets of kernel 
 # issue 43 caps the llama layer at 20 (onnxruntime-genai's SmolLM2 graph has 11).
 BUDGETS = {
     "tiny_engine_dir": (ops.CPU_PAGED_ATTENTION_ROPE.name, 1, 11, 27),
+    # int4 as the default SmolLM2 engine: 4 MatMulNBits, 2 SkipSimplifiedLayerNormalization, 2 Split, QuickGelu, Mul
+    # and the kernel per layer (onnxruntime-genai's SmolLM2 layer: 11)
+    "tiny_int4_engine_dir": (ops.CPU_PAGED_ATTENTION_ROPE.name, 1, 11, 33),
     # Qwen3.5: a gated delta-net and an attention layer per period
     "tiny_hybrid_engine_dir": (ops.CPU_PAGED_ATTENTION_ROPE.name, 2, 107, 229),
     "tiny_mamba2_engine_dir": ("Softplus", 1, 70, 155),
 }
 LLAMA_LAYER_CEILING = 20
+
+
+@pytest.fixture(scope="module")
+def tiny_int4_engine_dir(tmp_path_factory: pytest.TempPathFactory, run_cli) -> Path:
+    root = tmp_path_factory.mktemp("int4")
+    proc = run_cli(["llm_export", "--synthetic", "tiny-llama", "--quantization", "int4", "--outputDir", root / "onnx"])
+    assert proc.returncode == 0, proc.stderr
+    build_engine(root / "onnx", root / "engine", BuildOptions(max_input_len=64, max_kv_cache_capacity=256,
+                                                              max_batch_size=2, tokens_per_page=16))
+    return root / "engine"
 
 
 def optimized_nodes(engine_dir: Path, out: Path) -> list[str]:
