@@ -10,7 +10,8 @@ from pathlib import Path
 import onnx
 
 from kvforge.builder.engine_files import load_model, write_engine_config
-from kvforge.builder.lower_ort import lower_for_onnxruntime, share_tied_head
+from kvforge.builder.fuse_ort import fuse_for_onnxruntime
+from kvforge.builder.lower_ort import kernel_writes_kv, lower_for_onnxruntime, share_tied_head
 from kvforge.builder.lower_recurrent import lower_recurrent_ops
 from kvforge.contract.engine_dir import (
     ATTENTION_CPU_KERNEL,
@@ -258,14 +259,17 @@ def _build_into(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometry:
                                                                                  and not config.reads_base_kv))
     lowered = lower_for_onnxruntime(model, kv_cache_dtype=config.kv_cache_dtype,
                                     tokens_per_page=geometry.tokens_per_page,
-                                    num_pages=geometry.max_kv_pool_pages, cpu_kernel=kernel, tree_inputs=tree)
+                                    num_pages=geometry.max_kv_pool_pages, cpu_kernel=kernel, tree_inputs=tree,
+                                    kernel_rope=kernel)
+    fuse_for_onnxruntime(lowered)  # residual + RMSNorm as one contrib op (the export keeps the reference form)
     if config.tie_word_embeddings:
         share_tied_head(lowered)
     step("lowered paged-KV ops")
     _save(lowered, engine_dir)
     write_engine_config(onnx_dir, engine_dir, config,
                         BuilderConfig.from_geometry(geometry, backend, options.max_lora_rank, config,
-                                                    options.cpu_attention, tree_attention=tree, **speculative))
+                                                    options.cpu_attention, tree_attention=tree,
+                                                    kernel_kv_write=kernel_writes_kv(lowered), **speculative))
 
 
 def _build_recurrent(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometry: PageGeometry, backend: str,
@@ -282,6 +286,7 @@ def _build_recurrent(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geom
     model = load_model(onnx_dir, config, 0)
     step("loaded model.onnx")
     lowered = lower_recurrent_ops(model)
+    fuse_for_onnxruntime(lowered)
     step("lowered recurrent ops")
     _save(lowered, engine_dir)
     write_engine_config(onnx_dir, engine_dir, config, BuilderConfig.from_geometry(geometry, backend, 0, config))
@@ -311,14 +316,16 @@ def _build_hybrid(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometr
     lowered = lower_recurrent_ops(lower_for_onnxruntime(model, kv_cache_dtype=config.kv_cache_dtype,
                                                         tokens_per_page=geometry.tokens_per_page,
                                                         num_pages=geometry.max_kv_pool_pages,
-                                                        cpu_kernel=options.cpu_attention == ATTENTION_CPU_KERNEL))
+                                                        cpu_kernel=options.cpu_attention == ATTENTION_CPU_KERNEL,
+                                                        kernel_rope=True))
+    fuse_for_onnxruntime(lowered)
     if config.tie_word_embeddings:
         share_tied_head(lowered)
     step("lowered paged-KV and recurrent ops")
     _save(lowered, engine_dir)
     write_engine_config(onnx_dir, engine_dir, config,
                         BuilderConfig.from_geometry(geometry, backend, 0, config, options.cpu_attention,
-                                                    **speculative))
+                                                    kernel_kv_write=kernel_writes_kv(lowered), **speculative))
 
 
 def _save(model: onnx.ModelProto, engine_dir: Path) -> None:

@@ -168,3 +168,36 @@ def paged_attention_rows(query: np.ndarray, new_kv: np.ndarray, pool: np.ndarray
         out[b, :length] = _attend(query[b, :length], keys, values, visible, num_kv_heads=num_kv_heads,
                                   head_dim=head_dim, scale=scale)
     return out
+
+
+def paged_attention_rope(query: np.ndarray, key: np.ndarray, value: np.ndarray, pool: np.ndarray,
+                         kv_page_table: np.ndarray, kvcache_start_index: np.ndarray, context_lengths: np.ndarray,
+                         cos_sin: np.ndarray, *, num_q_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                         kv_cache_dtype: str, position_ids: np.ndarray | None = None,
+                         attention_mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """kvforge.cpu.PagedAttentionRope: (attention output, the pool after the call's write). Query and key
+    [B,S,H*D] arrive un-rotated and rotate at `position_ids` [B,S] (start + i when None, clamped to the table);
+    the new rows, rounded through the storage dtype, go to positions start..start+len-1 through the page table
+    (-1 or missing pages skip the write) and attention is paged_attention_rows over them."""
+    batch, seq = query.shape[:2]
+    starts = np.asarray(kvcache_start_index, dtype=np.int64)
+    positions = (starts[:, None] + np.arange(seq)[None, :]) if position_ids is None else position_ids
+    positions = np.clip(np.asarray(positions, dtype=np.int64), 0, len(cos_sin) - 1)
+    q = apply_rope(query.reshape(batch, seq, num_q_heads, head_dim), cos_sin, positions)
+    k = apply_rope(key.reshape(batch, seq, num_kv_heads, head_dim), cos_sin, positions)
+    v = value.reshape(batch, seq, num_kv_heads, head_dim).astype(np.float32)
+    new_kv = round_to_storage(np.stack([k, v], axis=2), kv_cache_dtype)  # [B, S, 2, Hkv, D]
+    out = paged_attention_rows(q.reshape(batch, seq, -1), new_kv, pool, kv_page_table, kvcache_start_index,
+                               context_lengths, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                               head_dim=head_dim, scale=scale, kv_cache_dtype=kv_cache_dtype,
+                               attention_mask=attention_mask)
+    written = pool.copy()
+    tokens_per_page = pool.shape[3]
+    for b in range(batch):
+        for i in range(int(context_lengths[b])):
+            at = int(starts[b]) + i
+            index = at // tokens_per_page
+            page = int(kv_page_table[b, index]) if index < kv_page_table.shape[1] else UNUSED_PAGE
+            if page != UNUSED_PAGE:
+                written[page, :, :, at % tokens_per_page, :] = to_storage(new_kv[b, i], kv_cache_dtype)
+    return out, written

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvforge.contract.profile_schema import (
+    ENGINE_CALL_PYTHON_STAGE,
     SPEC_BASE_VERIFICATION_STAGE,
     SPEC_DRAFT_ACCEPT_STAGE,
     SPEC_DRAFT_PROPOSAL_STAGE,
@@ -36,6 +37,12 @@ class StepExecutor(Protocol):
         """Tree rows (paths[i] not None): move the accepted drafts' K/V to consecutive positions and their hidden
         states to the order a chain would have had. Only called when a step verified a tree."""
         ...
+
+
+def _onnxruntime_ns(executor: StepExecutor) -> int | None:
+    """The time its backend has spent inside ONNX Runtime so far (runtime/execution/ort.py counts it); None for
+    backends that do not count it (TensorRT, tests' fakes)."""
+    return getattr(getattr(executor, "backend", None), "onnxruntime_ns", None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,10 +136,14 @@ class EngineCore:
         verifies = any(row.draft_token_ids for row in batch.rows)
         try:
             with self.profiler.stage(PREFILL_STAGE if batch.has_prefill else GENERATION_STAGE):
-                run_started = time.perf_counter()
+                run_started, inside = time.perf_counter(), _onnxruntime_ns(self.executor)
                 output = self.executor.run(batch.rows)
+                run_ms = (time.perf_counter() - run_started) * 1e3
                 if verifies:
-                    self.profiler.record(SPEC_BASE_VERIFICATION_STAGE, (time.perf_counter() - run_started) * 1e3)
+                    self.profiler.record(SPEC_BASE_VERIFICATION_STAGE, run_ms)
+                if inside is not None:
+                    inside = (_onnxruntime_ns(self.executor) or 0) - inside
+                    self.profiler.record(ENGINE_CALL_PYTHON_STAGE, max(run_ms - inside / 1e6, 0.0))
         except Exception as exc:
             reason = f"the engine call failed ({type(exc).__name__}: {exc})"
             return failed + [self._fail(row.seq, reason) for row in batch.rows]
