@@ -88,7 +88,7 @@ def test_documents_are_plain_text_in_place(llm: LLM) -> None:
     assert a.token_ids == b.token_ids and a.prompt_token_ids == b.prompt_token_ids
 
 
-def merging_processor(tiny_onnx_dir: Path, tmp_path: Path) -> InputProcessor:
+def merging_processor(tiny_onnx_dir: Path, tmp_path: Path, llm: LLM) -> InputProcessor:
     """The tiny tokenizer plus one merge, "Ġ" + "T" (a space joins the letter after it), so a boundary can be
     crossed by a token; no template, so the prompt is the contents joined."""
     out = tmp_path / "merging"
@@ -98,16 +98,11 @@ def merging_processor(tiny_onnx_dir: Path, tmp_path: Path) -> InputProcessor:
     config["model"]["merges"] = ["Ġ T"]
     (out / "tokenizer.json").write_text(json.dumps(config))
     shutil.copy(tiny_onnx_dir / "tokenizer_config.json", out / "tokenizer_config.json")
-    return InputProcessor(ChatTokenizer(out), llm_loras(), 256, False, 4096)
+    return InputProcessor(ChatTokenizer(out), llm.engine.inputs.loras, 256, False, 4096)
 
 
-def llm_loras() -> Any:
-    """No adapters: the processor only asks for the one named None."""
-    return type("NoLoras", (), {"get": staticmethod(lambda name: None)})()
-
-
-def test_a_boundary_crossed_by_a_token_records_no_span(tiny_onnx_dir: Path, tmp_path: Path) -> None:
-    processor = merging_processor(tiny_onnx_dir, tmp_path)
+def test_a_boundary_crossed_by_a_token_records_no_span(tiny_onnx_dir: Path, tmp_path: Path, llm: LLM) -> None:
+    processor = merging_processor(tiny_onnx_dir, tmp_path, llm)
     messages = [Message("user", "Read: The end. The report", documents=((6, 14),)),  # " T" crosses at 6
                 Message("user", " Tail.", documents=((0, 6),))]  # " T" inside: clean
     request = processor.process(Request(0, messages, GREEDY, apply_chat_template=False), where="")
