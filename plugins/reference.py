@@ -58,6 +58,30 @@ def apply_rope(x: np.ndarray, cos_sin: np.ndarray, positions: np.ndarray) -> np.
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1).astype(np.float32)
 
 
+def rotate_keys(stored_k: np.ndarray, delta: int, cos_sin: np.ndarray, kv_cache_dtype: str,
+                rotary_dim: int | None = None) -> np.ndarray:
+    """Keys [..., D] as the pool stores them, computed at position p, moved to p + delta: RoPE rotations compose,
+    so this is one more rotate-half rotation by `delta` (the angles of `cos_sin` row |delta|; a negative delta
+    rotates back). Decoded, the first `rotary_dim` dims rotated (the table's width, as in `apply_rope`: partial
+    rotary passes the rest unchanged), encoded again; values come back in the storage dtype. Exact up to the
+    storage's rounding, since the table has no rope scaling."""
+    rotary = cos_sin.shape[-1]
+    # A table is built for its rotary dims (rope_table(capacity, rotary_dim, theta)): its frequencies are theirs.
+    if rotary_dim is not None and rotary_dim != rotary:
+        raise ValueError(f"rotary_dim {rotary_dim} does not match the rope table, built for {rotary} dims")
+    if rotary % 2 or rotary > stored_k.shape[-1]:
+        raise ValueError(f"the rope table's {rotary} dims must be even and fit the head's {stored_k.shape[-1]}")
+    if abs(delta) >= cos_sin.shape[0]:
+        raise ValueError(f"a move of {delta} positions is past the rope table's {cos_sin.shape[0]} rows")
+    half = rotary // 2
+    cos = cos_sin[abs(delta), :half]
+    sin = cos_sin[abs(delta), half:] * (1 if delta >= 0 else -1)  # rotating back: sin(-a) = -sin(a)
+    k = from_storage(stored_k, kv_cache_dtype)
+    x1, x2, rest = k[..., :half], k[..., half:rotary], k[..., rotary:]
+    rotated = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
+    return to_storage(rotated, kv_cache_dtype)
+
+
 def paged_kv_write(key: np.ndarray, value: np.ndarray, cos_sin: np.ndarray, context_lengths: np.ndarray,
                    kvcache_start_index: np.ndarray, kv_page_table: np.ndarray, pool: np.ndarray, *,
                    num_kv_heads: int, head_dim: int, kv_cache_dtype: str) -> np.ndarray:

@@ -15,7 +15,7 @@ from enum import Enum
 from kvforge.runtime.adapters import LoraAdapter
 from kvforge.runtime.context_cache.keys import KeyExtras
 from kvforge.runtime.context_cache.lease import Admission, Lease
-from kvforge.runtime.media_spans import MediaSpan
+from kvforge.runtime.media_spans import DocumentSpan, MediaSpan
 from kvforge.runtime.sampling.sampler import Sampler, SampleResult
 from kvforge.runtime.types import SamplingParams
 
@@ -47,6 +47,7 @@ class EngineRequest:
     system_prompt_key: tuple[str, str] | None = None
     media: tuple[MediaSpan, ...] = ()  # placeholder spans with their encoder rows, in prompt order
     message_boundaries: tuple[int, ...] = ()  # prompt token counts where an earlier chat message ends
+    documents: tuple[DocumentSpan, ...] = ()  # the prompt's document items whose tokens could be told apart, in order
 
 
 @dataclass(slots=True, eq=False)

@@ -17,6 +17,9 @@ CHAIN_ROOT = b"kvforge-chain-v1".ljust(KEY_BYTES, b"\0")[:KEY_BYTES]
 TAG_PARENT, TAG_TOKENS, TAG_MEDIA, TAG_ADAPTER, TAG_SALT = b"P", b"T", b"M", b"A", b"S"
 # The engine fingerprint's fields, tagged the same way (their own letters: a root never hashes like a page).
 TAG_WEIGHTS, TAG_KV_DTYPE, TAG_PAGE_SIZE, TAG_LAYOUT, TAG_CHAIN_VERSION = b"W", b"D", b"N", b"L", b"V"
+# A document's key hashes its engine root under this tag where a page hashes its parent under TAG_PARENT: the two
+# byte streams differ from their first byte, so no document key is ever a page key (issue 37).
+TAG_DOCUMENT = b"C"
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +99,22 @@ def page_keys(token_ids: Sequence[int] | np.ndarray, tokens_per_page: int, extra
         parent = page_key(parent, ids[begin:begin + tokens_per_page], encoded, media)
         keys.append(parent)
     return keys
+
+
+def document_key(token_ids: Sequence[int] | np.ndarray, extras: KeyExtras, root: bytes = CHAIN_ROOT,
+                 start: int = 0) -> bytes:
+    """The key of a document's K/V: its tokens hashed with no parent, so the same document has one key wherever it
+    sits in a prompt. `root` is the engine's chain root (`chain_root(fingerprint)`), so another engine never finds
+    it; `extras` adds the adapter digest and the cache salt (which carries the tenant: llm_serve derives each
+    tenant's salt), so neither two adapters nor two tenants share a document. Media identity is taken for prompt
+    positions [start, start + len(token_ids)) relative to `start`, so it too does not depend on the position."""
+    ids = np.asarray(token_ids, dtype=np.int32)
+    digest = hashlib.blake2b(digest_size=KEY_BYTES)
+    digest.update(_field(TAG_DOCUMENT, root))
+    digest.update(_field(TAG_TOKENS, np.ascontiguousarray(ids, dtype="<i4").tobytes()))
+    digest.update(_field(TAG_MEDIA, media_in_page(extras.media, start, start + len(ids))))
+    digest.update(extras.encoded())
+    return digest.digest()
 
 
 def tail_page_key(parent: bytes, token_ids: Sequence[int] | np.ndarray, begin: int, extras: KeyExtras) -> bytes:
