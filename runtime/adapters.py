@@ -14,7 +14,14 @@ from safetensors import safe_open
 
 from kvforge.contract.engine_dir import EngineDir
 from kvforge.contract.errors import KvforgeError
-from kvforge.contract.lora import ADAPTER_FORMAT, lora_inputs, model_fingerprint, target_dims
+from kvforge.contract.lora import (
+    ADAPTER_FORMAT,
+    INVOCATION_FIELD,
+    check_invocation_tokens,
+    lora_inputs,
+    model_fingerprint,
+    target_dims,
+)
 from kvforge.contract.tensor_header import read_tensor_header
 from kvforge.contract.validation import one_line
 
@@ -26,6 +33,8 @@ class LoraAdapter:
     rank: int
     tensors: dict[str, np.ndarray] = field(repr=False)  # engine input name -> array (missing targets: zeros)
     digest: bytes  # BLAKE2b of the converted weights (scaling folded in): the cache identity, never the name
+    # Activated LoRA (PEFT's alora_invocation_tokens): the delta applies from the last occurrence of these ids on.
+    invocation_tokens: tuple[int, ...] | None = None
 
 
 def adapter_digest(tensors: dict[str, np.ndarray]) -> bytes:
@@ -83,7 +92,20 @@ def load_adapter(name: str, path: Path, engine: EngineDir, where: str, shown: st
     tensors: dict[str, np.ndarray] = {}
     for tensor, shape in expected.items():  # targets the adapter leaves out are exact zeros
         tensors[tensor] = raw[tensor].astype(np.float32) if tensor in raw else np.zeros(shape, np.float32)
-    return LoraAdapter(name, path, rank, tensors, adapter_digest(tensors))
+    return LoraAdapter(name, path, rank, tensors, adapter_digest(tensors), _invocation(metadata, model.vocab_size,
+                                                                                       shown, where))
+
+
+def _invocation(metadata: dict[str, str], vocab_size: int, shown: str, where: str) -> tuple[int, ...] | None:
+    """The converted file's invocation ids, checked again: a file edited after conversion is refused here."""
+    text = metadata.get(INVOCATION_FIELD)
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = one_line(text)[:60]
+    return check_invocation_tokens(value, vocab_size, shown, where)
 
 
 # $VARS in adapter paths: only these names expand (an operator opts a variable in by its name); anything else
