@@ -12,7 +12,8 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
-from kvforge.runtime.adapters import LoraAdapter
+from kvforge.contract.lora import NEVER_ACTIVATED
+from kvforge.runtime.adapters import NOT_INVOKED, LoraAdapter
 from kvforge.runtime.context_cache.keys import KeyExtras
 from kvforge.runtime.context_cache.lease import Admission, Lease
 from kvforge.runtime.media_spans import MediaSpan
@@ -47,6 +48,7 @@ class EngineRequest:
     system_prompt_key: tuple[str, str] | None = None
     media: tuple[MediaSpan, ...] = ()  # placeholder spans with their encoder rows, in prompt order
     message_boundaries: tuple[int, ...] = ()  # prompt token counts where an earlier chat message ends
+    adapter_start: int = 0  # activated LoRA: first adapted position (runtime/adapters.py activation_start)
 
 
 @dataclass(slots=True, eq=False)
@@ -111,7 +113,10 @@ class Sequence:
 
     @property
     def adapter_label(self) -> str:
-        return self.request.adapter.name if self.request.adapter else "base"
+        if self.request.adapter is None:
+            return "base"
+        # An activated LoRA whose invocation is absent ran as the base model (PEFT's rule): the label says so.
+        return self.request.adapter.name + (NOT_INVOKED if self.request.adapter_start == NEVER_ACTIVATED else "")
 
     def all_token_ids(self) -> list[int]:
         return self.request.prompt_ids + self.output_ids
@@ -127,7 +132,7 @@ class Sequence:
             sampling = self.request.sampling
             adapter = self.request.adapter
             extras = KeyExtras(adapter.digest if adapter else b"", self.request.cache_salt,
-                               tuple(span.key for span in self.request.media))
+                               tuple(span.key for span in self.request.media), self.request.adapter_start)
             self.admission = Admission(tokens, extras,
                                        sampling.lookup_policy, indexable_tokens=len(self.request.prompt_ids),
                                        speculative=self.drafts_with_kv)

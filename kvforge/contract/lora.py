@@ -86,6 +86,12 @@ def model_fingerprint(config: LoraModel) -> str:
     return hashlib.blake2b(json.dumps(shape, sort_keys=True).encode(), digest_size=8).hexdigest()
 
 
+# The graph input [B] int32 naming each row's first adapted position (activated LoRA); 0 = every position, as an
+# ordinary adapter. Not `lora_*`: those are the per-row A/B matrices, and builder/lora.py strips this one with them.
+ACTIVATION_INPUT = "adapter_activation_start"
+# A row whose activated adapter found no invocation: no position takes the delta (PEFT then runs the base model).
+NEVER_ACTIVATED = 2 ** 31 - 1
+
 # PEFT's activated-LoRA field: the token ids whose last occurrence in a prompt switches the adapter on.
 INVOCATION_FIELD = "alora_invocation_tokens"
 
