@@ -223,3 +223,39 @@ def test_activated_adapter_reuses_the_base_conversation(peft_setup) -> None:
     plain = llm.generate([follow_up], GREEDY, lora_name="plain")[0]
     assert plain.cached_tokens == 0
     assert plain.token_ids == _peft_greedy(torch, models["plain"], follow_up, 6)
+
+
+class HybridView:
+    """An engine's model config seen as a hybrid (one recurrent layer): what load_adapter reads of it."""
+
+    def __init__(self, config: object) -> None:
+        self.config = config
+        self.recurrent_layer_ids = [1]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.config, name)
+
+
+def test_recurrent_engines_refuse_activated_adapters(peft_setup) -> None:
+    from types import SimpleNamespace
+
+    from kvforge.contract.engine_dir import load_engine_dir
+    from kvforge.runtime.adapters import load_adapter
+
+    _, _, _, engine_dir, paths = peft_setup
+    engine = load_engine_dir(engine_dir)
+    hybrid = SimpleNamespace(model=HybridView(engine.model), build=engine.build)
+    assert load_adapter("plain", Path(paths["plain"]), hybrid, "where").invocation_tokens is None  # type: ignore[arg-type]
+    with pytest.raises(KvforgeError, match="recurrent and hybrid engines") as info:
+        load_adapter("act", Path(paths["act"]), hybrid, "where")  # type: ignore[arg-type]
+    assert info.value.field == "where" and "\n" not in str(info.value)
+
+
+def test_graph_without_the_activation_input_refuses_an_activated_row() -> None:
+    from kvforge.runtime.execution.backend import activation_values
+
+    assert activation_values(None, 3, graph_has_input=False) is None
+    assert activation_values(np.zeros(2, np.int32), 2, graph_has_input=False) is None  # ordinary rows still run
+    assert activation_values(None, 3, graph_has_input=True).tolist() == [0, 0, 0]
+    with pytest.raises(KvforgeError, match="re-export"):
+        activation_values(np.array([0, 40], np.int32), 2, graph_has_input=False)
