@@ -200,6 +200,10 @@ def test_greedy_tokens_equal_peft_warm_and_cold(peft_setup) -> None:
     assert not_invoked.token_ids == _peft_greedy(torch, models["act"], absent, 6) == _peft_greedy(torch, base,
                                                                                                    absent, 6)
     assert not_invoked.adapter == "act" + NOT_INVOKED
+    # One engine call with both rows: each keeps its own activation start.
+    fresh = _llm(engine_dir, paths)
+    both = fresh.generate([invoked, absent], GREEDY, lora_name="act")
+    assert [o.token_ids for o in both] == [expected, not_invoked.token_ids]
 
 
 def test_activated_adapter_reuses_the_base_conversation(peft_setup) -> None:
