@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from kvforge.contract.lora import NEVER_ACTIVATED
-from kvforge.runtime.adapters import NOT_INVOKED, LoraAdapter
+from kvforge.runtime.adapters import NOT_INVOKED, LoraAdapter, activation_start
 from kvforge.runtime.context_cache.keys import KeyExtras
 from kvforge.runtime.context_cache.lease import Admission, Lease
 from kvforge.runtime.media_spans import MediaSpan
@@ -48,7 +48,13 @@ class EngineRequest:
     system_prompt_key: tuple[str, str] | None = None
     media: tuple[MediaSpan, ...] = ()  # placeholder spans with their encoder rows, in prompt order
     message_boundaries: tuple[int, ...] = ()  # prompt token counts where an earlier chat message ends
-    adapter_start: int = 0  # activated LoRA: first adapted position (runtime/adapters.py activation_start)
+    # Activated LoRA: the first adapted position, found from the adapter and the prompt when the request is made
+    # (runtime/adapters.py activation_start), so every front end and API caller gets PEFT's rule; 0 = every one.
+    adapter_start: int = -1
+
+    def __post_init__(self) -> None:
+        if self.adapter_start < 0:
+            self.adapter_start = activation_start(self.adapter, self.prompt_ids)
 
 
 @dataclass(slots=True, eq=False)

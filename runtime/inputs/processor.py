@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.validation import join_path, utf8_size
-from kvforge.runtime.adapters import LoraRegistry, activation_start
+from kvforge.runtime.adapters import LoraRegistry
 from kvforge.runtime.inputs.tokenizer import ChatTokenizer
 from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.types import MEDIA_SENTINEL, Message, Request, SamplingParams
@@ -82,8 +82,7 @@ class InputProcessor:
             if any(not 0 <= t < self.vocab_size for t in ids):
                 raise KvforgeError(f"token ids must be in [0, {self.vocab_size})", "prompt")
         check_prompt_length(len(ids), self.max_input_len, "prompt")
-        adapter = self.loras.get(lora_name)
-        return EngineRequest(ids, sampling, adapter, cache_salt, adapter_start=activation_start(adapter, ids))
+        return EngineRequest(ids, sampling, self.loras.get(lora_name), cache_salt)
 
     def prompt_text(self, request: Request, enable_thinking: bool = False) -> str:
         """The formatted prompt as outputs show it (`formatted_complete_request`): each media item as the text the
@@ -134,9 +133,8 @@ class InputProcessor:
         else:
             ids = self._encode(text, request, request.messages, where)
         check_prompt_length(len(ids), self.max_input_len, join_path(where, "messages"))
-        adapter = self.loras.get(request.lora_name)
-        engine_request = EngineRequest(ids, request.sampling, adapter, request.cache_salt, media=spans,
-                                       adapter_start=activation_start(adapter, ids))
+        engine_request = EngineRequest(ids, request.sampling, self.loras.get(request.lora_name), request.cache_salt,
+                                       media=spans)
         if self.message_boundaries and not media:
             engine_request.message_boundaries = self._message_boundaries(request, ids, enable_thinking, where)
         if request.save_system_prompt_kv_cache:
