@@ -12,7 +12,8 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
-from kvforge.runtime.adapters import LoraAdapter
+from kvforge.contract.lora import NEVER_ACTIVATED
+from kvforge.runtime.adapters import NOT_INVOKED, LoraAdapter, activation_start
 from kvforge.runtime.context_cache.keys import KeyExtras
 from kvforge.runtime.context_cache.lease import Admission, Lease
 from kvforge.runtime.media_spans import DocumentSpan, MediaSpan
@@ -48,6 +49,13 @@ class EngineRequest:
     media: tuple[MediaSpan, ...] = ()  # placeholder spans with their encoder rows, in prompt order
     message_boundaries: tuple[int, ...] = ()  # prompt token counts where an earlier chat message ends
     documents: tuple[DocumentSpan, ...] = ()  # the prompt's document items whose tokens could be told apart, in order
+    # Activated LoRA: the first adapted position, found from the adapter and the prompt when the request is made
+    # (runtime/adapters.py activation_start), so every front end and API caller gets PEFT's rule; 0 = every one.
+    adapter_start: int = -1
+
+    def __post_init__(self) -> None:
+        if self.adapter_start < 0:
+            self.adapter_start = activation_start(self.adapter, self.prompt_ids)
 
 
 @dataclass(slots=True, eq=False)
@@ -112,7 +120,10 @@ class Sequence:
 
     @property
     def adapter_label(self) -> str:
-        return self.request.adapter.name if self.request.adapter else "base"
+        if self.request.adapter is None:
+            return "base"
+        # An activated LoRA whose invocation is absent ran as the base model (PEFT's rule): the label says so.
+        return self.request.adapter.name + (NOT_INVOKED if self.request.adapter_start == NEVER_ACTIVATED else "")
 
     def all_token_ids(self) -> list[int]:
         return self.request.prompt_ids + self.output_ids
@@ -128,7 +139,7 @@ class Sequence:
             sampling = self.request.sampling
             adapter = self.request.adapter
             extras = KeyExtras(adapter.digest if adapter else b"", self.request.cache_salt,
-                               tuple(span.key for span in self.request.media))
+                               tuple(span.key for span in self.request.media), self.request.adapter_start)
             self.admission = Admission(tokens, extras,
                                        sampling.lookup_policy, indexable_tokens=len(self.request.prompt_ids),
                                        speculative=self.drafts_with_kv)

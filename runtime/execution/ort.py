@@ -24,11 +24,12 @@ from kvforge.contract.engine_dir import (
     new_rows_name,
 )
 from kvforge.contract.errors import KvforgeError
+from kvforge.contract.lora import ACTIVATION_INPUT
 from kvforge.contract.paging import pages_for
 from kvforge.contract.safetensors_map import map_tensor
 from kvforge.plugins.ops import UNUSED_PAGE
 from kvforge.plugins.reference import rope_table
-from kvforge.runtime.execution.backend import ForwardOutput, StepInputs, last_token_indices
+from kvforge.runtime.execution.backend import ForwardOutput, StepInputs, activation_values, last_token_indices
 from kvforge.runtime.execution.kv_store import KVStore
 from kvforge.runtime.execution.recurrent_state import RecurrentStates, is_state_input
 from kvforge.runtime.execution.tree_attention import start_positions
@@ -205,6 +206,7 @@ class OrtBackend:
         # calls that want each row's last token only; a verify call on one is refused with "rebuild".
         self._legacy_last_token = LEGACY_LAST_TOKEN_IDS in graph_inputs
         self._lora_names = [i.name for i in self.session.get_inputs() if i.name.startswith("lora_")]
+        self._activation_input = ACTIVATION_INPUT in graph_inputs
         self._lora_shapes = {i.name: (i.shape[1], i.shape[2]) for i in self.session.get_inputs()
                              if i.name.startswith("lora_")}
         self._no_adapter: dict[int, dict[str, np.ndarray]] = {}
@@ -250,6 +252,9 @@ class OrtBackend:
             extent = starts + lengths if self._kernel_writes else starts  # the pages the graph writes, too
             binding.bind_cpu_input("kv_page_table", self._page_table(step.page_ids, extent))
         lora = step.lora_tensors if step.lora_tensors is not None else self._rank_zero(len(lengths))
+        activation = activation_values(step.adapter_start, len(lengths), self._activation_input)
+        if activation is not None:
+            binding.bind_cpu_input(ACTIVATION_INPUT, activation)
         for name in self._lora_names:
             binding.bind_cpu_input(name, lora[name])
         if self.states is not None:
