@@ -180,12 +180,12 @@ class EngineCore:
         return self.outputs.output(seq, [])
 
     def _propose(self) -> None:
-        """Drafts for the next step: each running sequence about to decode one token, unless it opted out or carries
-        media (the support matrix runs speculative media requests cold; prompt lookup simply leaves them plain)."""
+        """Drafts for the next step: each running sequence about to decode one token, unless it is not speculative
+        (it opted out, or the speculation table's media row turned it off at admission: Engine.add_request)."""
         assert self.proposer is not None
         with self.profiler.stage(SPEC_DRAFT_PROPOSAL_STAGE):
             seqs = [seq for seq in self.scheduler.running if seq.num_pending_tokens == 1 and seq.output_ids
-                    and seq.request.sampling.speculative and not seq.request.media]
+                    and seq.request.sampling.speculative]
             if not seqs:
                 return
             proposals = self.proposer.propose_batch(seqs, [self.scheduler.draft_room(seq) for seq in seqs])

@@ -10,31 +10,18 @@ import itertools
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
-
-from kvforge.contract.engine_dir import (
-    D2T_FILE,
-    D2T_TENSOR,
-    DSPARK_HEADS_FILE,
-    EMBEDDING_FILE,
-    EMBEDDING_TENSOR,
-    EngineDir,
-    load_engine_dir,
-)
+from kvforge.contract.engine_dir import EMBEDDING_FILE, EMBEDDING_TENSOR, EngineDir, load_engine_dir
 from kvforge.contract.errors import InvalidConfig, PoolTooSmall
 from kvforge.contract.paging import pages_for
-from kvforge.contract.profile_schema import MTP_GENERATION
 from kvforge.contract.safetensors_map import map_tensor
 from kvforge.runtime.adapters import LoraRegistry, lora_input_shapes
 from kvforge.runtime.context_cache.manager import ContextCacheManager
 from kvforge.runtime.engine.config import (  # noqa: F401 - EngineConfig and the budget helper are re-exported
     EngineConfig,
     ResolvedConfig,
-    block_size,
     deployment_of,
     resolve_engine_config,
     snapshot_budgets,
-    verify_size,
 )
 from kvforge.runtime.engine.core import EngineCore, EngineStats
 from kvforge.runtime.engine.output import OutputProcessor, RequestOutput
@@ -51,8 +38,7 @@ from kvforge.runtime.sampling.sampler import Sampler
 from kvforge.runtime.sequence import EngineRequest, Sequence, Status
 from kvforge.runtime.shared_tier.stores import open_store
 from kvforge.runtime.shared_tier.tier import SharedTier
-from kvforge.runtime.spec.methods import SPEC_DSPARK, SPEC_NGRAM
-from kvforge.runtime.spec.ngram import NgramProposer
+from kvforge.runtime.spec.methods import ProposerParts
 from kvforge.runtime.spec.proposer import Proposer
 from kvforge.runtime.types import CommitPolicy, Deployment
 
@@ -91,16 +77,17 @@ class Engine:
                                   recurrent=self.recurrent_store, system_prompts=self.system_prompts,
                                   checkpoints=resolved.checkpoints)
         self.tier = self._shared_tier(config, resolved)
+        spec = resolved.spec
+        assert spec is not None  # resolve_engine_config always names the method
+        self.spec = spec
         self.cache = ContextCacheManager(resolved.num_pages, build.tokens_per_page,
                                          enabled=config.enable_context_reuse,
                                          max_records=config.context_cache_max_records,
                                          partial_kv_snapshot_slots=partial, recurrent_snapshot_slots=recurrent,
                                          deployment=self.deployment, copier=self.state,
                                          chain_root=resolved.chain_root, events=self.tier,
-                                         draft_pages=resolved.draft.build.max_kv_pool_pages
-                                         if resolved.draft and not resolved.draft.model.reads_base_kv else 0,
-                                         draft_replays=resolved.draft is None
-                                         or resolved.draft.model.kv_reads_next_token)
+                                         draft_pages=spec.draft_pages(resolved.draft),
+                                         draft_replays=resolved.draft is None or spec.support.replays_final_page)
         encoder = _load_encoder(config)
         self.tokenizer = ChatTokenizer(self.engine_dir.path,
                                        media_markers={encoder.kind: encoder.marker} if encoder is not None else {})
@@ -111,8 +98,11 @@ class Engine:
                                      self.engine_dir.model.vocab_size, multimodal=self.multimodal,
                                      message_boundaries=resolved.checkpoints.enabled
                                      and config.snapshot_message_boundaries)
-        self.draft_backend: Backend | None = None
-        self.proposer = self._proposer(config, resolved)
+        drafter = spec.build(ProposerParts(config, self.engine_dir, resolved.draft, self.backend.kv_store.layers,
+                                           self.cache, self.profiler, self.states is not None))
+        self.profiler.spec_strategy_section = spec.profile_section
+        self.proposer: Proposer | None = drafter.proposer if drafter else None
+        self.draft_backend: Backend | None = drafter.backend if drafter else None
         self.executor = ModelExecutor(self.backend, embedding, lora_input_shapes(self.engine_dir),
                                       self.state.rows if self.states is not None else None,
                                       all_hidden=self.proposer is not None and self.proposer.owns_kv)
@@ -154,21 +144,30 @@ class Engine:
         if request_id in self.core.sequences:
             raise InvalidConfig(f"request id {request_id!r} is already in flight", "request_id")
         seq = Sequence(request_id, request, Sampler(request.sampling), arrival=next(self._arrivals))
-        if self.proposer is not None and self.draft_backend is not None and request.sampling.speculative:
-            if request.media:
-                # The support matrix: a speculative request with image or audio runs cold (no lookup, no
-                # publication) and undrafted; counted in the profile.
-                seq.request = replace(request, sampling=replace(request.sampling, reuse_context=False,
-                                                                speculative=False))
-                self.profiler.add_media_cold_request()
-            elif self.proposer.owns_kv:
-                seq.drafts_with_kv = True
-                if self.states is not None and self.cache.enabled and request.sampling.reuse_context:
-                    seq.request = self._hybrid_mtp_reuse(request)
+        if self.proposer is not None and request.sampling.speculative:
+            self._apply_support_rows(seq)
         self.core.add(seq)
         return request_id
 
-    def _hybrid_mtp_reuse(self, request: EngineRequest) -> EngineRequest:
+    def _apply_support_rows(self, seq: Sequence) -> None:
+        """The speculation table's per-request rows: media requests decode undrafted (a method with a draft runs
+        them cold: no lookup, no publication; counted), a draft with its own K/V pages beside the base, and a
+        method whose reuse needs a batch of one gets it only so."""
+        request, support = seq.request, self.spec.support
+        if request.media:
+            seq.request = replace(request, sampling=replace(request.sampling, speculative=False,
+                                                            reuse_context=request.sampling.reuse_context
+                                                            and not support.media_cold))
+            if support.media_cold:
+                self.profiler.add_media_cold_request()
+            return
+        assert self.proposer is not None
+        if self.proposer.owns_kv:
+            seq.drafts_with_kv = True
+        if support.reuse_batch_of_one and self.cache.enabled and request.sampling.reuse_context:
+            seq.request = self._single_row_reuse(request)
+
+    def _single_row_reuse(self, request: EngineRequest) -> EngineRequest:
         """The support matrix's hybrid MTP row: reuse needs a batch of one (a larger batch bypasses it, counted)
         and publishes the prefill endpoint only (`prefill_state_only`; a request asking for more is counted)."""
         sampling = request.sampling
@@ -251,50 +250,6 @@ class Engine:
                           kv=self.backend.kv_store if resolved.num_pages else None, states=self.states,
                           state_rows=self.state.rows, partial=self.partial_store, recurrent=self.recurrent_store,
                           timeout_s=config.shared_cache_timeout_ms / 1e3)
-
-    def _proposer(self, config: EngineConfig, resolved: ResolvedConfig) -> Proposer | None:
-        if config.spec_decode == SPEC_NGRAM:
-            return NgramProposer(config.spec_draft_step, config.spec_prompt_lookup_min, config.spec_prompt_lookup_max)
-        if resolved.draft is None:
-            return None
-        draft = resolved.draft
-        table = map_tensor(draft.file(EMBEDDING_FILE), EMBEDDING_TENSOR)
-        shared = None
-        if draft.model.reads_base_kv:  # the assistant attends over the base's pools, bound as they are
-            shared = dict(zip(self.engine_dir.model.attention_layer_ids, self.backend.kv_store.layers, strict=True))
-        self.draft_backend = load_backend(draft, config.num_threads, table, shares_cores=True, shared_pools=shared)
-        if draft.model.reads_base_kv:
-            from kvforge.runtime.spec.gemma4_mtp import Gemma4MtpProposer
-
-            self.profiler.spec_strategy_section = MTP_GENERATION
-            return Gemma4MtpProposer(self.draft_backend, table, config.spec_draft_step)
-        if draft.model.is_block_draft:
-            return self._block_proposer(config, draft, table)
-        from kvforge.runtime.spec.eagle3 import Eagle3Proposer
-
-        if draft.model.is_eagle3_draft:
-            d2t = np.asarray(map_tensor(draft.file(D2T_FILE), D2T_TENSOR), dtype=np.int64)
-        else:  # an MTP layer: EAGLE3's contract over the base's whole vocabulary
-            self.profiler.spec_strategy_section = MTP_GENERATION
-            d2t = np.zeros(draft.model.vocab_size, dtype=np.int64)
-        return Eagle3Proposer(self.draft_backend, table, d2t, self.cache, config.spec_draft_step,
-                              draft.model.base_model_hidden_size, top_k=config.spec_draft_top_k,
-                              verify_nodes=verify_size(config, self.engine_dir) - 1, rolls_back=self.states is not None,
-                              keep_hidden=self.cache.tokens_per_page if self.states is not None else 0)
-
-    def _block_proposer(self, config: EngineConfig, draft: EngineDir, table: np.ndarray) -> Proposer:
-        from kvforge.runtime.spec.block_draft import BlockDraftProposer, DsparkHeads
-
-        heads = None
-        if draft.model.spec_decode_type == SPEC_DSPARK:
-            tensors = {name: np.asarray(map_tensor(draft.file(DSPARK_HEADS_FILE), name), dtype=np.float32)
-                       for name in ("markov_w1", "markov_w2", "accept_weight", "accept_bias")}
-            heads = DsparkHeads(tensors["markov_w1"], tensors["markov_w2"], tensors["accept_weight"],
-                                float(tensors["accept_bias"][0]), config.dspark_scheduler,
-                                config.dspark_confidence_threshold, config.dspark_min_proposal_len,
-                                config.dspark_max_proposal_len)
-        return BlockDraftProposer(self.draft_backend, table, self.cache, block_size(config, draft),
-                                  draft.model.mask_token_id, draft.model.base_model_hidden_size, self.profiler, heads)
 
 
 def _load_encoder(config: EngineConfig):  # -> VisualEncoder | AudioEncoder | None

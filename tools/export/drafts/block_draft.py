@@ -41,6 +41,7 @@ from kvforge.contract.errors import KvforgeError
 from kvforge.contract.files import read_json, write_json
 from kvforge.contract.formats import EXPORT_FORMAT
 from kvforge.contract.model_config import MAX_BLOCK_SIZE, SPEC_DFLASH, SPEC_DSPARK, ModelConfig
+from kvforge.contract.speculation import SPEC_SUPPORT, base_kind
 from kvforge.graph.onnx_graph import OPSET, GraphWriter, value_info
 from kvforge.graph.positions import gather_positions, hidden_states_output, logits_output
 from kvforge.graph.rope import apply_rope
@@ -250,7 +251,7 @@ def export_block_draft(draft_dir: Path, base_onnx_dir: Path, output_dir: Path) -
     embedding table, and DSpark's heads. The base must return the hidden states the draft reads."""
     draft_dir, base_onnx_dir = Path(draft_dir), Path(base_onnx_dir)
     hf, base = open_draft_export(draft_dir, base_onnx_dir, output_dir, FIELD)
-    if base.is_hybrid or base.is_recurrent:
+    if base_kind(base.is_recurrent, base.is_hybrid) not in SPEC_SUPPORT[SPEC_DFLASH].bases:  # the support table
         raise KvforgeError(f"a block draft needs an attention-only base; {base.model} has recurrent layers (the "
                            "support matrix rejects hybrid DFlash/JetSpec/DSpark)", "--baseOnnxDir")
     config = draft_config(hf, base)
