@@ -18,8 +18,7 @@ from starlette.types import Receive, Scope, Send
 
 from kvforge import __version__
 from kvforge.contract.errors import KvforgeError
-from kvforge.runtime.engine.engine import Engine
-from kvforge.runtime.engine.output import RequestOutput
+from kvforge.runtime.engine.engine import Engine, RequestOutput
 from kvforge.server.engine_loop import EngineLoop
 from kvforge.server.guard import DEFAULT_MAX_BODY_BYTES, LOOPBACK_HOSTS, BodyLimits, Guard, read_json
 from kvforge.server.handle import ClientGone, RequestHandle, ServerState
@@ -50,14 +49,14 @@ def create_app(engine: Engine, tenants: Tenants, *, model_name: str, max_queued_
     # Before the thread starts (from then on it owns the engine): step times, the encoder's too, go to a histogram
     # instead of a list that grows with every step; the token counters stay the profile's.
     engine.profiler.stage_sink = metrics.observe_stage
-    adapters = sorted(engine.loras.adapters)
+    info = engine.info  # the engine's public facts (limits, adapters, reuse): the server reads nothing else of it
+    adapters = list(info.adapters)
     if model_name in adapters:
         raise KvforgeError(f"an adapter is named like the served model {model_name!r}", "served_model_name")
-    build = engine.engine_dir.build
-    state = ServerState(engine_loop, engine.tokenizer, tenants, metrics,
+    state = ServerState(engine_loop, info.tokenizer, tenants, metrics,
                         models={model_name: None, **{name: name for name in adapters}},
-                        max_in_flight=engine.scheduler.max_batch_size + max_queued_requests,
-                        reuse_enabled=engine.cache.enabled, max_model_len=build.max_kv_cache_capacity,
+                        max_in_flight=info.max_batch_size + max_queued_requests,
+                        reuse_enabled=info.reuse_enabled, max_model_len=info.max_kv_cache_capacity,
                         media=media or MediaPolicy())
     metrics.in_flight.set_function(lambda: state.in_flight)
 

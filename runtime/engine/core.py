@@ -7,7 +7,7 @@ fake executor and a small cache, so the loop they test is the product's, not a c
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvforge.contract.profile_schema import (
@@ -21,7 +21,7 @@ from kvforge.runtime.profile import GENERATION_STAGE, PREFILL_STAGE, Profiler
 from kvforge.runtime.sampling.rejection import accept_tokens, accept_tree
 from kvforge.runtime.sampling.sampler import SampleResult
 from kvforge.runtime.sequence import Sequence
-from kvforge.runtime.spec.proposer import DraftTree, Proposer
+from kvforge.runtime.spec.proposer import DraftLifecycle, DraftTree, Proposer
 from kvforge.runtime.step import BatchOutput, RowUpdate, ScheduledRow, SchedulerOutput
 
 LOAD_WAIT_S = 0.005  # a step with nothing to run but shared-tier loads waits this long for one to progress
@@ -53,8 +53,10 @@ class EngineStats:
     spec_draft_tokens: int  # drafts verified (speculative decoding)
     spec_accepted_tokens: int  # drafts kept
     scheduler: dict[str, int]
-    cache: dict[str, Any]  # the profile's context_cache block; empty with reuse off
     encoder_cache: dict[str, int]  # the profile's multimodal.encoder_cache; empty without an encoder
+    # The profile's context_cache block: Engine.stats() leaves it empty (counters only); a front end that exports
+    # it (llm_serve's /metrics) adds Engine.cache_profile(), which walks the cache's records.
+    cache: dict[str, Any] = field(default_factory=dict)
 
 
 def sample_rows(rows: list[ScheduledRow], output: BatchOutput
@@ -95,6 +97,8 @@ class EngineCore:
 
     def add(self, seq: Sequence) -> None:
         self.sequences[seq.request_id] = seq
+        if isinstance(self.proposer, DraftLifecycle):
+            self.proposer.begin(seq)
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
@@ -103,7 +107,13 @@ class EngineCore:
         if seq is None:
             return False
         self.scheduler.abort(seq)
+        self._end(seq)
         return True
+
+    def _end(self, seq: Sequence) -> None:
+        """The lifecycle's end: a proposer keeping per-request state drops this request's."""
+        if isinstance(self.proposer, DraftLifecycle):
+            self.proposer.end(seq.request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -177,6 +187,7 @@ class EngineCore:
 
     def _failed(self, seq: Sequence) -> RequestOutput:
         self.sequences.pop(seq.request_id, None)
+        self._end(seq)
         return self.outputs.output(seq, [])
 
     def _propose(self) -> None:
@@ -215,5 +226,6 @@ class EngineCore:
         seq = update.seq
         if seq.is_finished:
             self.sequences.pop(seq.request_id, None)
+            self._end(seq)
             self.profiler.add_adapter_request(seq.adapter_label, seq.reused_tokens)
         return self.outputs.output(seq, update.new_token_ids)

@@ -49,7 +49,14 @@ from kvforge.contract.speculation import (  # noqa: F401 - the names are re-expo
     SpecSupport,
 )
 from kvforge.runtime.execution.load import load_backend
+from kvforge.runtime.spec.block_draft import BlockDraftProposer, DsparkHeads
+from kvforge.runtime.spec.eagle3 import Eagle3Proposer
+from kvforge.runtime.spec.gemma4_mtp import Gemma4MtpProposer
 from kvforge.runtime.spec.ngram import NgramProposer
+
+# The proposer EAGLE3 drafts and Qwen3.5's MTP layer (MtpMethod) share: a one-layer draft over the base's hidden
+# states. Its module keeps the EAGLE3 name; this one says what it drives.
+HiddenStateProposer = Eagle3Proposer
 
 if TYPE_CHECKING:
     from kvforge.runtime.context_cache.manager import ContextCacheManager
@@ -194,14 +201,12 @@ class Eagle3Method(DraftModelMethod):
     """EAGLE3, and the MTP layer (EAGLE3's contract over the base's whole vocabulary): `MtpMethod`."""
 
     def build(self, parts: ProposerParts) -> Drafter | None:
-        from kvforge.runtime.spec.eagle3 import Eagle3Proposer
-
         assert parts.draft is not None
         draft, options = parts.draft, parts.options
         backend, table = self._draft_session(parts)
         d2t = self._d2t(parts)
         verify_nodes = verify_size(options, parts.base) - 1
-        proposer = Eagle3Proposer(backend, table, d2t, parts.cache, options.spec_draft_step,
+        proposer = HiddenStateProposer(backend, table, d2t, parts.cache, options.spec_draft_step,
                                   draft.model.base_model_hidden_size, top_k=options.spec_draft_top_k,
                                   verify_nodes=verify_nodes, rolls_back=parts.recurrent,
                                   keep_hidden=parts.cache.tokens_per_page if parts.recurrent else 0)
@@ -247,8 +252,6 @@ class BlockDraftMethod(DraftModelMethod):
         return draft
 
     def build(self, parts: ProposerParts) -> Drafter | None:
-        from kvforge.runtime.spec.block_draft import BlockDraftProposer, DsparkHeads
-
         assert parts.draft is not None
         draft, options = parts.draft, parts.options
         backend, table = self._draft_session(parts)
@@ -272,8 +275,6 @@ class Gemma4MtpMethod(DraftModelMethod):
     profile_section = MTP_GENERATION
 
     def build(self, parts: ProposerParts) -> Drafter | None:
-        from kvforge.runtime.spec.gemma4_mtp import Gemma4MtpProposer
-
         shared = dict(zip(parts.base.model.attention_layer_ids, parts.base_kv_layers, strict=True))
         backend, table = self._draft_session(parts, shared)
         return Drafter(Gemma4MtpProposer(backend, table, parts.options.spec_draft_step), backend)

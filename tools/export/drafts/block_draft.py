@@ -73,7 +73,7 @@ _NEUTRAL = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit
 
 
 def block_draft_kind(path: Path) -> str | None:
-    """'dflash' or 'dspark' when `path` holds such a checkpoint, else None."""
+    """SPEC_DFLASH or SPEC_DSPARK when `path` holds such a checkpoint, else None."""
     config = Path(path) / "config.json"
     if not config.is_file():
         return None
@@ -304,7 +304,7 @@ def write_random_block_draft(base_onnx_dir: Path, output_dir: Path, *, kind: str
                     "markov_w2.weight": linear(base.vocab_size, markov_rank),
                     f"{ACCEPT_PREFIXES[0]}.weight": linear(1, H + markov_rank),
                     f"{ACCEPT_PREFIXES[0]}.bias": np.array([1.0], dtype=np.float32)}
-        extra = {"projector_type": "dspark", "markov_rank": markov_rank}
+        extra = {"projector_type": SPEC_DSPARK, "markov_rank": markov_rank}  # DSpark checkpoints name it so too
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(output_dir / "model.safetensors"))

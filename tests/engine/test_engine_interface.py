@@ -1,0 +1,52 @@
+"""The engine's public interface, what every front end reaches it through: info, prepare, stats, cache_profile."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvforge.contract.errors import KvforgeError
+from kvforge.runtime.engine import Engine, EngineConfig, EngineInfo
+from kvforge.runtime.types import Message, Request, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_engine_dir: Path) -> Engine:
+    return Engine(tiny_engine_dir, EngineConfig(num_threads=1, enable_context_reuse=True))
+
+
+def test_info_reports_the_build_and_the_switches(engine: Engine, tiny_engine_dir: Path) -> None:
+    info = engine.info
+    assert isinstance(info, EngineInfo)
+    assert info.max_input_len == info.build.max_input_len > 0
+    assert info.max_kv_cache_capacity == info.build.max_kv_cache_capacity >= info.max_input_len
+    assert 1 <= info.max_batch_size <= info.build.max_batch_size
+    assert info.reuse_enabled and info.spec_decode == "off" and info.adapters == ()
+    assert info.attention == info.build.attention
+    assert info.tokenizer.encode("hello") == engine.prepare("hello").prompt_ids
+
+
+def test_prepare_takes_chats_and_raw_prompts(engine: Engine) -> None:
+    sampling = SamplingParams(max_generate_length=3)
+    raw = engine.prepare([5, 6, 7], sampling, cache_salt="s")
+    assert raw.prompt_ids == [5, 6, 7] and raw.cache_salt == "s" and raw.sampling.max_generate_length == 3
+    chat = engine.prepare(Request(0, [Message("user", "hi")], sampling), where="")
+    assert chat.prompt_ids and chat.prompt_ids != raw.prompt_ids
+    assert "hi" in engine.prompt_text(Request(0, [Message("user", "hi")], sampling))
+    with pytest.raises(KvforgeError) as info:  # a token outside the vocabulary, named as the prompt
+        engine.prepare([engine.info.model.vocab_size], sampling)
+    assert "prompt" in (info.value.field or "")
+
+
+def test_stats_are_counters_and_the_cache_profile_comes_when_asked(engine: Engine) -> None:
+    request = engine.prepare([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], SamplingParams(max_generate_length=2))
+    request_id = engine.add_request(request)
+    while engine.has_unfinished():
+        engine.step()
+    stats = engine.stats()
+    assert stats.cache == {}  # counters only: the cache's records are not walked
+    assert stats.prefill_computed_tokens == 10 and stats.generated_tokens >= 1 and stats.waiting == stats.running == 0
+    profile = engine.cache_profile()
+    assert profile and profile == engine.profile()["context_cache"]
+    assert not engine.abort(request_id)  # finished: nothing to abort
