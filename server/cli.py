@@ -98,7 +98,7 @@ def serve(
         import uvicorn
 
         from kvforge.runtime.engine.engine import Engine
-        from kvforge.server.app import create_app
+        from kvforge.server.app import create_app, server_profiler
         from kvforge.server.tenants import load_tenants
 
         if max_queued_requests < 0:
@@ -131,7 +131,8 @@ def serve(
             if "://" not in origin:
                 raise KvforgeError(f"expected scheme://host[:port], got {origin!r}", "--allowedOrigins")
         sock = bind_socket(bind_host, port)
-        engine = Engine(engine_dir, engine_config)
+        profiler, metrics, snapshot = server_profiler()  # stage times stream to /metrics from the first call
+        engine = Engine(engine_dir, engine_config, profiler=profiler)
         try:
             engine.load_adapters({name: str(path) for name, path in adapters.items()})
         except KvforgeError as exc:  # its field names the request file's available_lora_weights
@@ -139,7 +140,8 @@ def serve(
         model_name = served_model_name or engine_dir.resolve().name
         web = create_app(engine, tenants, model_name=model_name, max_queued_requests=max_queued_requests,
                          media=media, allowed_hosts=hosts, allowed_origins=origins, max_body_bytes=max_body_bytes,
-                         body_bytes_in_flight=body_bytes_in_flight, body_timeout_s=body_timeout)
+                         body_bytes_in_flight=body_bytes_in_flight, body_timeout_s=body_timeout,
+                         observed=(metrics, snapshot))
         _announce(sock, model_name, engine_config.enable_context_reuse, tenants.required, host is not None)
         # uvicorn re-raises the signal it shut down for; exit 0 then: requests in flight were finished or cancelled.
         for stop_signal in (signal.SIGTERM, signal.SIGINT):
