@@ -53,7 +53,7 @@ class LoopSnapshot:
 def server_profiler() -> tuple[Profiler, ServerMetrics, LoopSnapshot]:
     """What llm_serve builds before its Engine: the metrics, a profiler whose stage sink is their step-time
     histogram (instead of a list that grows with every step; the token counters stay the profile's), and the
-    snapshot /metrics reads, which `create_app(metrics=...)` binds to its engine loop."""
+    snapshot /metrics reads, which `create_app(observed=...)` binds to its engine loop."""
     snapshot = LoopSnapshot()
     metrics = ServerMetrics(snapshot)
     return Profiler(stage_sink=metrics.observe_stage), metrics, snapshot
