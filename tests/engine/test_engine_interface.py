@@ -1,4 +1,5 @@
-"""The engine's public interface, what every front end reaches it through: info, prepare, stats, cache_profile."""
+"""The engine's public interface, what every front end reaches it through: info, prepare, stats, cache_profile;
+and the proposer lifecycle's begin and end as the engine loop calls them."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import pytest
 
 from kvforge.contract.errors import KvforgeError
 from kvforge.runtime.engine import Engine, EngineConfig, EngineInfo
+from kvforge.runtime.sequence import Sequence
+from kvforge.runtime.spec.proposer import DraftLifecycle, DraftStates
 from kvforge.runtime.types import Message, Request, SamplingParams
 
 
@@ -50,3 +53,47 @@ def test_stats_are_counters_and_the_cache_profile_comes_when_asked(engine: Engin
     profile = engine.cache_profile()
     assert profile and profile == engine.profile()["context_cache"]
     assert not engine.abort(request_id)  # finished: nothing to abort
+
+
+class RecordingProposer:
+    """A proposer keeping per-request state (the lifecycle's begin and end), drafting nothing."""
+
+    owns_kv = False
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str]] = []
+        self.states: DraftStates[int] = DraftStates()
+
+    def begin(self, seq: Sequence) -> None:
+        self.events.append(("begin", seq.request_id))
+        self.states.begin(seq.request_id)
+
+    def rollback(self, seq: Sequence) -> None:
+        self.events.append(("rollback", seq.request_id))
+
+    def end(self, request_id: str) -> None:
+        self.events.append(("end", request_id))
+        self.states.end(request_id)
+
+    def observe(self, rows: list, output: object, sampled: list) -> None:
+        for row in rows:
+            self.states.set(row.seq.request_id, row.seq.num_computed_tokens)
+
+    def propose_batch(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        return [[] for _ in seqs]
+
+
+def test_a_proposer_with_per_request_state_sees_begin_and_end(tiny_engine_dir: Path) -> None:
+    engine = Engine(tiny_engine_dir, EngineConfig(num_threads=1, spec_decode="ngram"))
+    proposer = RecordingProposer()
+    assert isinstance(proposer, DraftLifecycle)
+    engine.core.proposer = proposer
+    sampling = SamplingParams(max_generate_length=4)
+    done = engine.add_request(engine.prepare([3, 4, 5, 6], sampling), "done")
+    gone = engine.add_request(engine.prepare([7, 8, 9], sampling), "gone")
+    engine.step()
+    assert engine.abort(gone)
+    while engine.has_unfinished():
+        engine.step()
+    assert proposer.events == [("begin", done), ("begin", gone), ("end", gone), ("end", done)]
+    assert len(proposer.states) == 0  # nothing outlives its request
