@@ -110,6 +110,16 @@ class EngineCore:
         self._end(seq)
         return True
 
+    def _roll_back_drafters(self, updates: list[RowUpdate]) -> None:
+        """The lifecycle's rollback: on a recurrent base the scheduler restored each row that rejected a draft to
+        its state before the call; a proposer keeping per-request state drops what it drafted past it."""
+        state = self.scheduler.state
+        if not isinstance(self.proposer, DraftLifecycle) or state is None or not state.carries_rows:
+            return
+        for update in updates:
+            if update.num_rejected:
+                self.proposer.rollback(update.seq)
+
     def _end(self, seq: Sequence) -> None:
         """The lifecycle's end: a proposer keeping per-request state drops this request's."""
         if isinstance(self.proposer, DraftLifecycle):
@@ -163,6 +173,7 @@ class EngineCore:
                                  [s for row, s in zip(batch.rows, committed, strict=True) if not row.seq.is_finished])
         reused = self._reused_at_admission(batch)  # before the update moves num_computed_tokens
         updates = self.scheduler.update_from_output(batch, committed)
+        self._roll_back_drafters(updates)
         self._count(batch, updates, reused)
         outputs = failed + [self._output(update) for update in updates]
         if self.proposer is not None:

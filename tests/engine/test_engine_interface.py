@@ -97,3 +97,26 @@ def test_a_proposer_with_per_request_state_sees_begin_and_end(tiny_engine_dir: P
         engine.step()
     assert proposer.events == [("begin", done), ("begin", gone), ("end", gone), ("end", done)]
     assert len(proposer.states) == 0  # nothing outlives its request
+
+
+class WrongGuesser(RecordingProposer):
+    """Drafts one token the model is unlikely to pick, so verify rows reject it."""
+
+    def propose_batch(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        return [[(seq.output_ids[-1] + 1) % 7 + 3] if limit else [] for seq, limit in zip(seqs, limits, strict=True)]
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_rejected_drafts_roll_the_drafter_back_on_a_recurrent_base(
+        hybrid: bool, tiny_engine_dir: Path, tiny_hybrid_engine_dir: Path) -> None:
+    engine = Engine(tiny_hybrid_engine_dir if hybrid else tiny_engine_dir,
+                    EngineConfig(num_threads=1, spec_decode="ngram"))
+    proposer = WrongGuesser()
+    engine.core.proposer = proposer
+    request_id = engine.add_request(engine.prepare([3, 4, 5, 6], SamplingParams(max_generate_length=8)))
+    while engine.has_unfinished():
+        engine.step()
+    rollbacks = [rid for event, rid in proposer.events if event == "rollback"]
+    assert engine.stats().spec_draft_tokens > engine.stats().spec_accepted_tokens  # some drafts were rejected
+    # Only a recurrent state is restored (attention K/V past the kept tokens is simply overwritten).
+    assert rollbacks == ([request_id] * len(rollbacks) if hybrid else []) and (bool(rollbacks) == hybrid)
