@@ -100,7 +100,7 @@ $(OUT)/onnx/tiny-llama/manifest.json: $(VENV)/.installed
 # Two random rank-8 adapters per model for test_cases/llm_lora.json, which names $$KVFORGE_LORA_DIR/<name>.safetensors.
 $(OUT)/adapters/%/classifier.safetensors: $(OUT)/onnx/%/manifest.json
 	mkdir -p $(OUT)/adapters/$*
-	for pair in summarizer:1 classifier:2; do name=$${pair%%:*}; \
+	for pair in summarizer:1 classifier:2; do name=$${pair%%:*}; rm -rf $(OUT)/adapters/$*/peft_$$name; \
 		$(BIN)/llm_export random-lora --onnxDir $(OUT)/onnx/$* --outputDir $(OUT)/adapters/$*/peft_$$name \
 			--seed $${pair##*:} && \
 		$(BIN)/llm_export lora --adapterDir $(OUT)/adapters/$*/peft_$$name --onnxDir $(OUT)/onnx/$* \

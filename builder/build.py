@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -25,6 +26,7 @@ from kvforge.contract.engine_dir import (
 )
 from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.files import check_output_dir, overlaps, read_json, staged_dir
+from kvforge.contract.formats import MANIFEST_FILE
 from kvforge.contract.geometry import (
     DEFAULT_TOKENS_PER_PAGE,
     PageGeometry,
@@ -36,6 +38,7 @@ from kvforge.contract.manifest import ENGINE_KIND, ONNX_KIND, verify_manifest, w
 from kvforge.contract.memory import check_pool_fits_memory
 from kvforge.contract.model_config import ModelConfig
 from kvforge.contract.speculation import base_kind, draft_methods_on
+from kvforge.contract.validation import one_line
 
 BACKENDS = ("auto", "onnxruntime", "tensorrt")
 # --cpuAttention: kvforge's CPU kernel where it builds here (auto), insist on it (kernel), or stock ONNX ops (onnx)
@@ -157,6 +160,7 @@ def build_engine(onnx_dir: Path, engine_dir: Path, options: BuildOptions,
         raise InvalidConfig("is the same directory as (or overlaps) --onnxDir; the build would destroy the export",
                             "engine_dir")
     check_output_dir(engine_dir, "engine_dir")
+    check_same_role(engine_dir, options.spec_draft)
     config = read_onnx_dir(onnx_dir)
     backend = resolve_backend(options.backend)
     paged = backend == "onnxruntime" and not config.is_recurrent
@@ -177,6 +181,26 @@ def build_engine(onnx_dir: Path, engine_dir: Path, options: BuildOptions,
         write_manifest(staging, ENGINE_KIND)
     step("wrote engine dir")
     return geometry, plan
+
+
+def check_same_role(engine_dir: Path, spec_draft: bool) -> None:
+    """A rebuild in place keeps the engine's role: a draft never replaces a base (with the draft/ it holds), nor
+    a base or plain engine a draft, which a typo in --engineDir would otherwise do silently."""
+    try:
+        existing = json.loads((engine_dir / "config.json").read_bytes()) if (engine_dir / MANIFEST_FILE).is_file() \
+            else None
+    except (OSError, ValueError):
+        return  # not a readable engine: check_output_dir has judged whether it may be replaced
+    if not isinstance(existing, dict):
+        return
+    raw = existing.get("builder_config")
+    was_draft = existing.get("engine_role") == "draft" or (isinstance(raw, dict) and raw.get("spec_draft") is True)
+    if was_draft != spec_draft:
+        held = "a draft engine" if was_draft else "a base engine" if isinstance(raw, dict) and raw.get(
+            "spec_base") is True else "an engine"
+        made = "a draft engine (--specDraft)" if spec_draft else "an engine that is not a draft"
+        raise InvalidConfig(f"{one_line(str(engine_dir))} holds {held}; refusing to replace it with {made}: choose "
+                            "another dir, or delete it first", "engine_dir")
 
 
 def check_speculative_build(config: ModelConfig, options: BuildOptions) -> dict[str, bool | int]:

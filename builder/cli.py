@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import typer
@@ -28,6 +29,7 @@ Build an engine dir from an llm_export ONNX dir.
 app = typer.Typer(add_completion=False, rich_markup_mode="rich")
 DEFAULTS = BuildOptions()
 DEFAULT_REUSE_RECORDS = 64
+MEMORY_WARN_SHARE = 0.8  # above this share of RAM, a pool that fits still leaves the rest of the machine too little
 
 
 def _budget_line(kind: str, slot: int, what: str, flag: str, records: int) -> None:
@@ -37,6 +39,31 @@ def _budget_line(kind: str, slot: int, what: str, flag: str, records: int) -> No
 
 def _mib(num_bytes: int) -> str:
     return f"{num_bytes / 2**20:,.1f} MiB"
+
+
+def memory_share(engine_dir: Path, pool_bytes: int) -> tuple[int, int] | None:
+    """(pool + weights, machine memory) when together they take more than MEMORY_WARN_SHARE of this machine."""
+    from kvforge.contract.engine_dir import BACKEND_FILES
+    from kvforge.contract.memory import machine_memory_bytes
+
+    have = machine_memory_bytes()
+    weights = sum((engine_dir / name).stat().st_size for names in BACKEND_FILES.values() for name in names
+                  if (engine_dir / name).is_file())
+    needs = pool_bytes + weights
+    return (needs, have) if have and needs > MEMORY_WARN_SHARE * have else None
+
+
+def _warn_near_memory(engine_dir: Path, pool_bytes: int, forced: bool) -> None:
+    """A pool that fits but leaves the OS, the runtime's buffers and other processes almost nothing builds, with a
+    warning on stderr (above the machine's memory it is refused without --force, and forced, it warns as well)."""
+    share = memory_share(engine_dir, pool_bytes)
+    if share is None:
+        return
+    needs, have = share
+    over = " (more than it has: built because of --force)" if forced and needs > have else ""
+    print(f"warning: the KV pool and weights take {_mib(needs)}, {needs / have:.0%} of this machine's {_mib(have)}"
+          f"{over}; the runtime refuses them when that much is not available: a smaller --maxKVPoolPages leaves "
+          "room", file=sys.stderr)
 
 
 @app.command(help=HELP)
@@ -141,12 +168,13 @@ def build(
             _budget_line("partial-KV", plan.partial_kv_bytes_per_slot,
                          f"a K+V page × {plan.num_layers} attention layers", "--contextCachePartialKVSnapshotPoolBytes",
                          reuse_records)
+        _warn_near_memory(engine_dir, plan.total_bytes, force)
         if plan.recurrent_bytes_per_slot:
             _budget_line("recurrent", plan.recurrent_bytes_per_slot,
                          "every recurrent layer's recurrent and conv state",
                          "--contextCacheRecurrentSnapshotPoolBytes", reuse_records)
         if profile_ops_file is not None:
-            from kvforge.runtime.engine.op_profile import format_op_profile, profile_ops
+            from kvforge.runtime.engine.op_timing import format_op_profile, profile_ops
             console.print(f"profiling ops: {profile_prompt_tokens}-token prefill, {profile_decode_tokens} decode steps")
             report = profile_ops(engine_dir, profile_prompt_tokens, profile_decode_tokens, num_threads)
             from kvforge.contract.files import atomic_write_text

@@ -145,7 +145,7 @@ def share_tied_head(model: onnx.ModelProto, head_initializer: str = "lm_head.wei
     """A tied model's float LM head reads the runtime's embedding table: MatMul(x, W^T initializer) becomes
     Gemm(x, TIED_HEAD_INPUT, transB=1) and the initializer goes (113 MB for SmolLM2; a non-initializer B
     measured as fast as MLAS's prepacked one at one row). A quantized head's exact rescoring (Gather of its
-    candidates' rows from the float [V, H] head, llama_graph.rescore_candidates) reads the same table in place.
+    candidates' rows from the float [V, H] head, families/llama.py rescore_candidates) reads the same table in place.
     False when the graph has no float head."""
     graph = model.graph
     weight = next((t for t in graph.initializer if t.name == head_initializer), None)

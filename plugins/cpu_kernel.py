@@ -36,6 +36,8 @@ HEADERS_CACHE_NAME = "ort-headers-0.4.9"
 # vectorise. No -ffast-math: masked scores are -inf and must stay exact.
 CXX_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-fno-math-errno",
              "-Wall", "-Wextra")
+DIGEST_SUFFIX = ".sha256"  # "HEX SIZE" of the library, written by its build and checked before every load
+DAMAGED = "damaged cache entry"  # in register()'s reason when the cached library itself is what to fix
 _API_VERSION_RE = re.compile(rb"#define\s+ORT_API_VERSION\s+(\d+)")
 
 
@@ -176,6 +178,43 @@ def build_key(cxx: str, headers: Path, flags: tuple[str, ...]) -> str:
     return digest.hexdigest()[:20]
 
 
+def digest_path(library: Path) -> Path:
+    """Where the size and SHA-256 recorded when `library` was built live: beside it."""
+    return library.with_name(library.name + DIGEST_SUFFIX)
+
+
+def _file_digest(path: Path) -> tuple[int, str]:
+    with open(path, "rb") as handle:
+        return os.fstat(handle.fileno()).st_size, hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def record_digest(library: Path) -> None:
+    """Write `library`'s size and SHA-256 beside it (atomically), as its build does."""
+    size, digest = _file_digest(library)
+    record = digest_path(library)
+    partial = record.with_name(f".{record.name}.{os.getpid()}")
+    partial.write_text(f"{digest} {size}\n", encoding="ascii")
+    os.replace(partial, record)
+
+
+def library_problem(library: Path) -> str | None:
+    """None when `library` is what its build recorded; else why not. Loading a truncated library dies of SIGBUS
+    and a corrupted one of SIGSEGV, so a cached file is trusted by its recorded digest, never by its name."""
+    if not library.is_file():
+        return "not built"
+    try:
+        recorded = digest_path(library).read_text(encoding="ascii").split()
+    except (OSError, UnicodeDecodeError):
+        return f"no {digest_path(library).name} recorded beside it"
+    try:
+        size, digest = _file_digest(library)
+    except OSError as exc:
+        return f"unreadable: {exc.strerror or exc}"
+    if recorded != [digest, str(size)]:
+        return f"{size} bytes that do not match the size and digest recorded when it was built"
+    return None
+
+
 def _compile(cxx: str, headers: Path, flags: tuple[str, ...], target: Path) -> None:
     with tempfile.NamedTemporaryFile(dir=target.parent, prefix=".build-", suffix=".so", delete=False) as tmp:
         partial = Path(tmp.name)
@@ -185,22 +224,32 @@ def _compile(cxx: str, headers: Path, flags: tuple[str, ...], target: Path) -> N
         if done.returncode != 0:
             first_error = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr[-300:])
             raise KvforgeError(f"building the CPU kernel failed: {first_error.strip()}")
+        digest_path(target).unlink(missing_ok=True)  # no moment where a new library sits beside an old record
         os.replace(partial, target)  # atomic: a concurrent loader sees the old file or the complete new one
+        record_digest(target)
     finally:
         partial.unlink(missing_ok=True)
 
 
 @lru_cache(maxsize=8)
-def _built(source_mtime_ns: int, environment: tuple[str, ...], flags: tuple[str, ...]) -> Path:
+def _plan(source_mtime_ns: int, environment: tuple[str, ...], flags: tuple[str, ...]) -> tuple[str, Path, Path]:
+    """(compiler, headers, library path): memoised, a compiler's version is a subprocess."""
     del source_mtime_ns, environment  # memo key only: a changed source, header dir, cache dir or compiler rebuilds
     cxx = _compiler()
     headers = include_dir()
-    directory = cache_root() / build_key(cxx, headers, flags)
-    target = directory / LIBRARY_NAME
-    if target.is_file():
+    return cxx, headers, cache_root() / build_key(cxx, headers, flags) / LIBRARY_NAME
+
+
+def _built(cxx: str, headers: Path, flags: tuple[str, ...], target: Path) -> Path:
+    """`target` checked against its recorded digest on every use (a few ms); built, or rebuilt when damaged."""
+    if library_problem(target) is None:
         return target
-    with _locked(directory):
-        if not target.is_file():
+    with _locked(target.parent):
+        problem = library_problem(target)
+        if problem is not None:
+            if digest_path(target).is_file():  # damaged, not merely from before digests were recorded
+                print(f"kvforge: rebuilding the CPU kernel: the cached {target} is damaged ({problem})",
+                      file=sys.stderr)
             _compile(cxx, headers, flags, target)
     return target
 
@@ -213,7 +262,9 @@ def library_path(extra_flags: tuple[str, ...] = ()) -> Path:
     if not SOURCE.is_file():
         raise KvforgeError(f"kernel source missing: {SOURCE}")
     environment = tuple(os.environ.get(name, "") for name in (INCLUDE_ENV, CACHE_ENV, CXX_ENV))
-    return _built(SOURCE.stat().st_mtime_ns, environment, CXX_FLAGS + tuple(extra_flags))
+    flags = CXX_FLAGS + tuple(extra_flags)
+    cxx, headers, target = _plan(SOURCE.stat().st_mtime_ns, environment, flags)
+    return _built(cxx, headers, flags, target)
 
 
 # The kernel's vector loops step 16 floats at a time over a head (plugins/cpu/paged_attention.cc refuses others).
@@ -244,7 +295,9 @@ def register(options: object) -> str:
     try:
         options.register_custom_ops_library(str(path))  # type: ignore[attr-defined]
     except Exception as exc:  # onnxruntime raises its own Fail type
-        return f"onnxruntime refused the library: {str(exc).splitlines()[0]}"
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return (f"onnxruntime refused the library: {first}; the {DAMAGED}: delete {path.parent} and kvforge "
+                "rebuilds it on next use")
     return ""
 
 

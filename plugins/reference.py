@@ -6,6 +6,7 @@ import ml_dtypes
 import numpy as np
 
 from kvforge.contract.paging import pages_for
+from kvforge.contract.rope import rope_table as rope_table  # re-exported: the backends and tests read it here
 from kvforge.plugins.ops import UNUSED_PAGE
 
 STORAGE_DTYPES: dict[str, np.dtype] = {
@@ -44,13 +45,6 @@ def from_storage(x: np.ndarray, kv_cache_dtype: str) -> np.ndarray:
 def round_to_storage(x: np.ndarray, kv_cache_dtype: str) -> np.ndarray:
     """The value a float takes after a trip through the pool (what attention reads back)."""
     return _saturate(x, kv_cache_dtype).astype(STORAGE_DTYPES[kv_cache_dtype]).astype(np.float32)
-
-
-def rope_table(capacity: int, head_dim: int, theta: float) -> np.ndarray:
-    """[capacity, head_dim]: cos of the head_dim/2 rotate-half frequencies, then their sin."""
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    angles = np.arange(capacity, dtype=np.float64)[:, None] * inv_freq[None, :]
-    return np.concatenate([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)
 
 
 def apply_rope(x: np.ndarray, cos_sin: np.ndarray, positions: np.ndarray) -> np.ndarray:

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,10 @@ class LLM:
         checked even when `engine` is given."""
         config = make_engine_config(engine_options)
         self.engine = engine or Engine(engine_dir, config)
+        # A shared tier's worker threads hold the tier, and the tier the KV pool and the store's connections: an
+        # engine with shared_cache= is only freed once closed. So an LLM closes the engine it made when it is
+        # collected (or at exit) if nobody called close(); an engine the caller lent stays the caller's to close.
+        self._closer = weakref.finalize(self, self.engine.close) if engine is None else None
         if lora_weights:
             self.engine.load_adapters(dict(lora_weights))
 
@@ -95,8 +100,12 @@ class LLM:
             self.engine.abort(request_id)  # a consumer that stops early cancels the request (no-op when done)
 
     def close(self) -> None:
-        """Finish saving to the shared tier (with shared_cache; bounded) and release its connections."""
-        self.engine.close()
+        """Finish saving to the shared tier (with shared_cache; bounded) and release its connections. Idempotent;
+        leaving a `with` block or dropping the LLM does the same."""
+        if self._closer is not None:
+            self._closer()  # runs engine.close once, and never again at collection or exit
+        else:
+            self.engine.close()
 
     def __enter__(self) -> LLM:
         return self

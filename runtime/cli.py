@@ -14,7 +14,8 @@ from kvforge.contract.errors import KvforgeError
 from kvforge.contract.files import check_distinct, check_output_file
 from kvforge.runtime.engine.config import EngineConfig
 from kvforge.runtime.inputs.request_file import DEFAULT_MAX_INPUT_FILE_BYTES, load_request_file
-from kvforge.runtime.profile import format_summary, write_profile
+from kvforge.runtime.profile import write_profile
+from kvforge.tools.profile.summary import format_summary
 
 MAX_WARMUP = 100  # unprofiled runs of one request: a few settle the caches; a huge count only hangs
 

@@ -1,4 +1,5 @@
-"""Times engine calls and counts tokens so `llm_inference` can write the profile JSON users' scripts read."""
+"""The profile JSON's writer: times engine calls and counts tokens so `llm_inference --profileOutputFile` can write
+the profile users' scripts and `llm_profile` (tools/profile/) read. Per-op timings are runtime/engine/op_timing.py."""
 
 from __future__ import annotations
 
@@ -301,35 +302,3 @@ def write_profile(path: Path, data: dict[str, Any]) -> None:
     except OSError as exc:
         raise KvforgeError(f"cannot write {str(path)!r}: {exc.strerror or exc}",
                            "profile_output_file") from None
-
-
-def format_summary(data: dict[str, Any]) -> str:
-    """A short plain-text view of a profile dict for `--dumpProfile` and `make demo`."""
-    lines: list[str] = []
-    prefill = data.get(PREFILL)
-    if prefill:
-        lines.append(
-            f"prefill:    {prefill['total_runs']} runs, "
-            f"{prefill['reused_tokens'] + prefill['computed_tokens']} tokens "
-            f"({prefill['reused_tokens']} reused, {prefill['computed_tokens']} computed), "
-            f"{prefill['tokens_per_second']:.1f} tok/s")
-    generation = data.get(GENERATION)
-    if generation:
-        lines.append(
-            f"generation: {generation['total_runs']} runs, {generation['generated_tokens']} tokens, "
-            f"{generation['tokens_per_second']:.1f} tok/s, "
-            f"{generation['average_time_per_token_ms']:.2f} ms/token")
-    stages = data.get(STAGES) or []
-    if stages:
-        width = max(len("stage"), *(len(stage["stage_id"]) for stage in stages))
-        lines.append(f"{'stage':<{width}}  {'runs':>6}  {'mean ms':>10}  {'p95 ms':>10}")
-        for stage in stages:
-            stats = stage["gpu_time_stats"]
-            lines.append(f"{stage['stage_id']:<{width}}  {stage['total_runs']:>6}  "
-                         f"{stats['mean_ms']:>10.3f}  {stats['p95_ms']:>10.3f}")
-    if mb_key(PEAK_CPU_MEMORY) in data:
-        memory = f"peak memory: {data[mb_key(PEAK_CPU_MEMORY)]:.1f} MiB CPU"
-        if mb_key(KV_POOL) in data:
-            memory += f", KV pool {data[mb_key(KV_POOL)]:.1f} MiB"
-        lines.append(memory)
-    return "\n".join(lines) if lines else "profile: no data recorded"

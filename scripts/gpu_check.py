@@ -67,7 +67,7 @@ def import_repo_modules() -> tuple[types.ModuleType, types.ModuleType]:
 
 
 ks, nv = import_repo_modules()
-
+from kvforge.contract.rope import rope_table  # noqa: E402 (plain numpy: the runtime's own table, after the mapping)
 
 # ---------------------------------------------------------------- numpy reference (plugins/reference.py) --
 
@@ -81,12 +81,6 @@ def to_storage(x: np.ndarray, kv_cache_dtype: str) -> np.ndarray:
 
 def from_storage(raw: np.ndarray, kv_cache_dtype: str) -> np.ndarray:
     return raw.astype(np.float32) if kv_cache_dtype == "fp16" else ks.e4m3_decode(raw)
-
-
-def rope_table(capacity: int, head_dim: int, theta: float = ROPE_THETA) -> np.ndarray:
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    angles = np.arange(capacity, dtype=np.float64)[:, None] * inv_freq[None, :]
-    return np.concatenate([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)
 
 
 def ref_kv_write(key: np.ndarray, value: np.ndarray, cos_sin: np.ndarray, context_lengths: np.ndarray,
@@ -229,7 +223,7 @@ def build_inputs(case: Case, rng: np.random.Generator) -> Inputs:
     elem = pool_dtype(case.dtype)
     pool = rng.integers(0, 256, size=num_pages * 2 * hkv * t * d * elem.itemsize, dtype=np.uint8)
     pool = pool.view(elem).reshape(num_pages, 2, hkv, t, d)
-    cos_sin = rope_table(capacity, d)
+    cos_sin = rope_table(capacity, d, ROPE_THETA)
     start = np.asarray(case.starts, dtype=np.int32)
     context_lengths = np.asarray(case.lens, dtype=np.int32)
     common = {"num_kv_heads": hkv, "head_dim": d, "kv_cache_dtype": case.dtype}

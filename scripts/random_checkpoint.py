@@ -21,7 +21,8 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from kvforge.contract.model_config import ModelConfig
-from kvforge.tools.export.families import mamba2_source, qwen3_5_source
+from kvforge.tools.export.families import mamba2 as mamba2_family
+from kvforge.tools.export.families import qwen3_5 as qwen3_5_family
 
 # state-spaces/mamba2-130m's shape (vocab cut to the borrowed tokenizer's).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -43,16 +44,16 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 def mamba2(preset: dict[str, Any], vocab_size: int, seed: int) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     hf = {**preset, "vocab_size": vocab_size, "architectures": ["Mamba2ForCausalLM"]}
-    config: ModelConfig = mamba2_source.config_from_hf(hf, bos_token_id=None, eos_token_ids=[0], name="random")
-    weights = mamba2_source.random_weights(config, seed)
-    weights[mamba2_source.HF_EMBEDDING] = weights.pop(mamba2_source.EMBEDDING) * 0.02
+    config: ModelConfig = mamba2_family.config_from_hf(hf, bos_token_id=None, eos_token_ids=[0], name="random")
+    weights = mamba2_family.random_weights(config, seed)
+    weights[mamba2_family.HF_EMBEDDING] = weights.pop(mamba2_family.EMBEDDING) * 0.02
     return hf, weights
 
 
 def qwen3_5(preset: dict[str, Any], vocab_size: int, seed: int) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     hf = {**preset, "vocab_size": vocab_size, "architectures": ["Qwen3_5ForCausalLM"]}
-    config: ModelConfig = qwen3_5_source.config_from_hf(hf, bos_token_id=None, eos_token_ids=[0], name="random")
-    return hf, qwen3_5_source.random_weights(config, seed)  # transformers' names already
+    config: ModelConfig = qwen3_5_family.config_from_hf(hf, bos_token_id=None, eos_token_ids=[0], name="random")
+    return hf, qwen3_5_family.random_weights(config, seed)  # transformers' names already
 
 
 FAMILIES = {"mamba2": mamba2, "qwen3_5_text": qwen3_5}

@@ -23,6 +23,7 @@ from kvforge.runtime.profile import Profiler
 from kvforge.server.engine_loop import EngineLoop
 from kvforge.server.guard import DEFAULT_MAX_BODY_BYTES, LOOPBACK_HOSTS, BodyLimits, Guard, read_json
 from kvforge.server.handle import ClientGone, RequestHandle, ServerState
+from kvforge.server.limits import TenantGate, TenantLimits, budget_key
 from kvforge.server.media import MediaPolicy
 from kvforge.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvforge.server.protocol import ApiError, parse_call
@@ -63,10 +64,12 @@ def create_app(engine: Engine, tenants: Tenants, *, model_name: str, max_queued_
                media: MediaPolicy | None = None, allowed_hosts: frozenset[str] | None = LOOPBACK_HOSTS,
                allowed_origins: frozenset[str] = frozenset(), max_body_bytes: int | None = None,
                body_bytes_in_flight: int | None = None, body_timeout_s: float | None = None,
+               tenant_limits: TenantLimits | None = None,
                observed: tuple[ServerMetrics, LoopSnapshot] | None = None) -> FastAPI:
     """An app serving `engine` (with its adapters loaded) under `model_name`; the engine thread starts with it.
     `media`: where media content parts may come from (default: inline only). `allowed_hosts` (None: any Host),
     `allowed_origins` and the body bounds: server/guard.py (defaults: loopback names, same origin only, its sizes).
+    `tenant_limits`: each tenant's share of the bounds, server/limits.py (default: half of each).
     `observed`: `server_profiler()`'s metrics and snapshot, when the engine was built with its profiler (llm_serve);
     without them the app makes its own and points the engine's profiler at them before the thread starts."""
     engine_loop = EngineLoop(engine)
@@ -108,7 +111,11 @@ def create_app(engine: Engine, tenants: Tenants, *, model_name: str, max_queued_
     limits = BodyLimits.of(body_cap(), body_bytes_in_flight)
     if body_timeout_s is not None:
         limits.timeout_s = body_timeout_s
-    # Inside starlette's error middleware, outside routing: refusals cost no body read and no JSON parse.
+    shares = (tenant_limits or TenantLimits()).shares(limits.budget.limit, state.max_in_flight)
+    limits.per_tenant = shares.body_bytes
+    # Inside starlette's error middleware, outside routing: refusals cost no body read and no JSON parse. The guard
+    # is added last, so it runs first: a foreign Host or Origin is refused before it counts against anyone.
+    app.add_middleware(TenantGate, tenants=tenants, shares=shares)
     app.add_middleware(Guard, allowed_hosts=allowed_hosts, allowed_origins=allowed_origins, max_body_bytes=body_cap)
     _add_routes(app, state, limits, body_cap)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
@@ -135,9 +142,12 @@ def _add_routes(app: FastAPI, state: ServerState, limits: BodyLimits, body_cap: 
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        # With --apiKeys, any tenant's key: the counters show everyone's traffic and cache hit rates, a side channel
-        # between tenants. /health (ok/unavailable only) and the chat page (static files) stay open for probes.
+        # With --apiKeys, an operator key only: the counters are every tenant's traffic and cache hit rates, a side
+        # channel between tenants. /health (ok/unavailable only) and the chat page (static files) stay open for probes.
         _tenant(state, request)
+        if not state.tenants.is_operator(request.headers.get("authorization")):
+            raise ApiError(403, "/metrics needs an operator key (one marked \"operator\": true in --apiKeys)",
+                           code="operator_key_required")
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
@@ -161,7 +171,8 @@ def _add_routes(app: FastAPI, state: ServerState, limits: BodyLimits, body_cap: 
 async def _complete(state: ServerState, request: Request, limits: BodyLimits, cap: int, chat: bool) -> Response:
     tenant = _tenant(state, request)
     try:
-        call = parse_call(await json_body(request, limits, cap), chat, state.models, state.media)
+        key = budget_key(state.tenants, tenant, (request.client.host, request.client.port) if request.client else None)
+        call = parse_call(await json_body(request, limits, cap, key), chat, state.models, state.media)
     except ApiError:
         state.metrics.requests.labels("invalid").inc()
         raise
@@ -184,12 +195,14 @@ def _tenant(state: ServerState, request: Request) -> str:
     return tenant
 
 
-async def json_body(request: Request, limits: BodyLimits | None = None, cap: int | None = None) -> Any:
-    """The body as JSON, bounded in size, time and (with the app's `limits`) bytes across requests at once; parsed on
-    a worker thread, so /health and the streams go on meanwhile."""
+async def json_body(request: Request, limits: BodyLimits | None = None, cap: int | None = None,
+                    tenant_key: str | None = None) -> Any:
+    """The body as JSON, bounded in size, time and (with the app's `limits`) bytes across requests at once, the
+    tenant's (`tenant_key`, server/limits.py) among them; parsed on a worker thread, so /health and the streams go
+    on meanwhile."""
     declared = getattr(request, "headers", {}).get("content-length")
     return await read_json(request.stream(), limits or _LIMITS, int(declared) if declared else None,
-                           cap if cap is not None else MAX_BODY_BYTES)
+                           cap if cap is not None else MAX_BODY_BYTES, tenant_key)
 
 
 _LIMITS = BodyLimits()  # json_body called without an app's limits

@@ -6,6 +6,7 @@ import signal
 import socket
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 try:  # a second or more of imports before run_guarded catches Ctrl-C: the same one line and 130 here
     import typer
@@ -29,6 +30,9 @@ Serve an engine built by llm_build with OpenAI's API (/v1/chat/completions, /v1/
   llm_serve --engineDir engines/smolvlm --multimodalEngineDir engines/smolvlm-visual --enableContextReuse
   llm_serve --engineDir engines/smollm2 --allowedHosts llm.lan --allowedOrigins https://notebook.lan
 """
+if TYPE_CHECKING:  # imported when serving: llm_serve --help works without the serve extra
+    from kvforge.server.limits import TenantLimits
+
 MiB = 2**20
 KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this (uvicorn's default, stated)
 MAX_HEADER_BYTES = 16 * 1024  # a request line + headers larger than this is refused by h11 (its default, stated)
@@ -38,7 +42,8 @@ SERVE_FLAGS = {**ENGINE_FLAGS, "api_keys": "--apiKeys", "salt_secret": "--saltSe
                "allowed_media_dir": "--allowedMediaDir", "allowed_hosts": "--allowedHosts",
                "allowed_origins": "--allowedOrigins", "max_body_bytes": "--maxBodyBytes",
                "body_bytes_in_flight": "--maxBodyBytesInFlight", "body_timeout": "--bodyTimeout",
-               "max_connections": "--maxConnections"}
+               "max_connections": "--maxConnections", "body_bytes_per_tenant": "--maxBodyBytesPerTenant",
+               "requests_per_tenant": "--maxRequestsPerTenant", "connections_per_tenant": "--maxConnectionsPerTenant"}
 app = typer.Typer(add_completion=False, rich_markup_mode="rich")
 
 
@@ -89,6 +94,17 @@ def serve(
                                        help="Seconds a request body may take to arrive; a slower one gets 408."),
     max_connections: int = typer.Option(1000, "--maxConnections",
                                         help="Open connections (and requests) at once; past it uvicorn answers 503."),
+    body_bytes_per_tenant: int = typer.Option(None, "--maxBodyBytesPerTenant",
+                                              help="With --apiKeys: bytes of request bodies one tenant may be "
+                                                   "sending at once (default half of --maxBodyBytesInFlight); past "
+                                                   "it, 429."),
+    requests_per_tenant: int = typer.Option(None, "--maxRequestsPerTenant",
+                                            help="With --apiKeys: completion requests one tenant may have open, "
+                                                 "body upload included (default half of maxBatchSize + "
+                                                 "--maxQueuedRequests); past it, 429."),
+    connections_per_tenant: int = typer.Option(None, "--maxConnectionsPerTenant",
+                                               help="With --apiKeys: requests of any route one tenant may have open "
+                                                    "(default half of --maxConnections); past it, 429."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
     """Load the engine, then serve until SIGTERM or Ctrl-C."""
@@ -112,6 +128,11 @@ def serve(
         if body_bytes_in_flight is not None and body_bytes_in_flight < max_body_bytes:
             raise KvforgeError(f"must be at least --maxBodyBytes ({max_body_bytes}), got {body_bytes_in_flight}",
                                "--maxBodyBytesInFlight")
+        from kvforge.server.guard import BODY_BUDGET_FACTOR
+
+        tenant_limits = check_tenant_limits(body_bytes_per_tenant, requests_per_tenant, connections_per_tenant,
+                                            body_bytes_in_flight or BODY_BUDGET_FACTOR * max_body_bytes,
+                                            max_connections)
         from kvforge.server.guard import default_allowed_hosts, parse_origins
         from kvforge.server.media import media_policy
 
@@ -141,7 +162,7 @@ def serve(
         web = create_app(engine, tenants, model_name=model_name, max_queued_requests=max_queued_requests,
                          media=media, allowed_hosts=hosts, allowed_origins=origins, max_body_bytes=max_body_bytes,
                          body_bytes_in_flight=body_bytes_in_flight, body_timeout_s=body_timeout,
-                         observed=(metrics, snapshot))
+                         tenant_limits=tenant_limits, observed=(metrics, snapshot))
         _announce(sock, model_name, engine_config.enable_context_reuse, tenants.required, host is not None)
         # uvicorn re-raises the signal it shut down for; exit 0 then: requests in flight were finished or cancelled.
         for stop_signal in (signal.SIGTERM, signal.SIGINT):
@@ -155,6 +176,23 @@ def serve(
         uvicorn.Server(config).run(sockets=[sock])
 
     run_guarded(body, debug, SERVE_FLAGS)
+
+
+def check_tenant_limits(body_bytes: int | None, requests: int | None, connections: int | None,
+                        body_bytes_in_flight: int, max_connections: int) -> TenantLimits:
+    """The per-tenant flags, each > 0 and at most the process-wide bound it is a share of."""
+    from kvforge.server.limits import TenantLimits
+
+    for flag, value, bound, bound_flag in (
+            ("--maxBodyBytesPerTenant", body_bytes, body_bytes_in_flight, "--maxBodyBytesInFlight"),
+            ("--maxRequestsPerTenant", requests, None, None),
+            ("--maxConnectionsPerTenant", connections, max_connections, "--maxConnections")):
+        if value is not None and value <= 0:
+            raise KvforgeError(f"must be > 0, got {value}", flag)
+        if value is not None and bound is not None and value > bound:
+            raise KvforgeError(f"must be at most {bound_flag} ({bound}), got {value}: a share as large as the "
+                               "whole lets one tenant take it all", flag)
+    return TenantLimits(body_bytes, requests, connections, max_connections)
 
 
 def parse_lora_flags(values: list[str]) -> dict[str, Path]:

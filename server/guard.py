@@ -78,9 +78,9 @@ def parse_origins(values: Collection[str]) -> frozenset[str]:
 class BodyBudget:
     """Bytes of request bodies being received or parsed at once, across every connection (one event loop: no lock).
 
-    Each body reserves what it declares (Content-Length) before any byte is read, or chunk by chunk when it declares
-    nothing, and gives it back once parsed; a body that does not fit is refused, so N slow uploads cannot hold N
-    full bodies in memory."""
+    Each body reserves its bytes chunk by chunk as they arrive (never what it declares: a client that declares the
+    maximum and trickles a byte a second would hold the budget with nothing sent), and gives them back once parsed;
+    a body that does not fit is refused, so N slow uploads cannot hold N full bodies in memory."""
 
     limit: int
     used: int = 0
@@ -95,13 +95,41 @@ class BodyBudget:
         self.used -= count
 
 
+class Shares:
+    """How much of one budget each key holds now, each key at most `limit` (one event loop: no lock). Keys at zero
+    are dropped, so the table holds only the keys with something in flight."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._held: dict[str, int] = {}
+
+    def take(self, key: str, count: int = 1) -> bool:
+        held = self._held.get(key, 0)
+        if held + count > self.limit:
+            return False
+        self._held[key] = held + count
+        return True
+
+    def give(self, key: str, count: int = 1) -> None:
+        held = self._held.get(key, 0) - count
+        if held > 0:
+            self._held[key] = held
+        else:
+            self._held.pop(key, None)
+
+    def held(self, key: str) -> int:
+        return self._held.get(key, 0)
+
+
 @dataclass(slots=True)
 class BodyLimits:
-    """How request bodies are bounded: size per body (413), bytes at once process-wide (503), arrival time (408)."""
+    """How request bodies are bounded: size per body (413), bytes at once process-wide (503) and per tenant (429,
+    server/limits.py), arrival time (408)."""
 
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     budget: BodyBudget = field(default_factory=lambda: BodyBudget(BODY_BUDGET_FACTOR * DEFAULT_MAX_BODY_BYTES))
     timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    per_tenant: Shares | None = None  # None: no tenant shares (json_body called without an app's limits)
 
     @classmethod
     def of(cls, max_body_bytes: int, budget_bytes: int | None = None,
@@ -119,17 +147,18 @@ def _busy() -> ApiError:
 
 
 async def read_json(chunks: AsyncIterator[bytes], limits: BodyLimits, declared: int | None = None,
-                    max_body_bytes: int | None = None) -> Any:
-    """The body as JSON, read within the size cap, the shared budget and the deadline, parsed off the event loop.
+                    max_body_bytes: int | None = None, tenant_key: str | None = None) -> Any:
+    """The body as JSON, read within the size cap, the shared budget, the tenant's share of it (`tenant_key`, with
+    `limits.per_tenant`) and the deadline, parsed off the event loop.
 
-    `declared`: the Content-Length, reserved up front (a body longer than it declared is refused as too large)."""
+    `declared`: the Content-Length; one over the cap is refused at once, and a body longer than it declared is
+    refused as too large. Nothing is reserved for it: bytes are reserved as they arrive."""
     cap = max_body_bytes if max_body_bytes is not None else limits.max_body_bytes
     if declared is not None and declared > cap:
         raise too_large(cap)
     budget = limits.budget
-    held = declared or 0
-    if held and not budget.reserve(held):
-        raise _busy()
+    share, key = (limits.per_tenant, tenant_key) if tenant_key is not None else (None, "")
+    held = 0  # bytes reserved in the budget and, with `share`, in the tenant's share
     body = bytearray()
     chunks = aiter(chunks)  # one iterator: a refused body is drained from where it stopped
     refused: ApiError | None = None
@@ -141,11 +170,16 @@ async def read_json(chunks: AsyncIterator[bytes], limits: BodyLimits, declared: 
                     if len(body) > cap or (declared is not None and len(body) > declared):
                         refused = too_large(cap)
                         break
-                    if len(body) > held:  # undeclared (or chunked): reserve as it comes
-                        if not budget.reserve(len(body) - held):
-                            refused = _busy()
-                            break
-                        held = len(body)
+                    more = len(body) - held
+                    if share is not None and not share.take(key, more):
+                        refused = _tenant_busy(share.limit)
+                        break
+                    if not budget.reserve(more):
+                        if share is not None:
+                            share.give(key, more)
+                        refused = _busy()
+                        break
+                    held = len(body)
         except TimeoutError:
             raise ApiError(408, f"the request body did not arrive within {limits.timeout_s:g} s",
                            code="request_timeout") from None
@@ -160,6 +194,14 @@ async def read_json(chunks: AsyncIterator[bytes], limits: BodyLimits, declared: 
         return await asyncio.to_thread(_parse, data)
     finally:
         budget.release(held)
+        if share is not None:
+            share.give(key, held)
+
+
+def _tenant_busy(limit: int) -> ApiError:
+    # The words of limits.tenant_limit (which imports this module, so it cannot be imported here).
+    return ApiError(429, f"your tenant already has {limit:,} bytes of request bodies in flight, its share of this "
+                    "server; retry later", kind="rate_limit_error", code="tenant_limit_exceeded")
 
 
 async def _drain(chunks: AsyncIterator[bytes], seconds: float) -> None:
@@ -270,7 +312,7 @@ async def send_error(send: Send, error: ApiError, close: bool = False, linger: R
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if close:
         headers.append((b"connection", b"close"))
-    if error.status == 503:
+    if error.status in (429, 503):
         headers.append((b"retry-after", b"1"))
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": linger is not None})

@@ -6,6 +6,8 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.files import check_path_name, read_json
 from kvforge.contract.geometry import (
@@ -19,6 +21,7 @@ from kvforge.contract.geometry import (
 from kvforge.contract.manifest import ENGINE_KIND, verify_manifest
 from kvforge.contract.memory import check_pool_fits_memory
 from kvforge.contract.model_config import SPEC_DSPARK, ModelConfig
+from kvforge.contract.safetensors_map import map_tensor
 from kvforge.contract.tensor_header import read_tensor_header
 from kvforge.contract.validation import describe, one_line
 
@@ -195,8 +198,11 @@ def load_engine_dir(path: Path) -> EngineDir:
     for name in (*BACKEND_FILES[build.backend], *copied_files(model)):
         if not (path / name).is_file():
             raise InvalidConfig(f"engine dir {path} is missing {name}; {REBUILD}", "engine_dir")
-    verify_manifest(path, ENGINE_KIND, "engine_dir", REBUILD)
+    verify_manifest(path, ENGINE_KIND, "engine_dir", REBUILD,
+                    required=("config.json", *BACKEND_FILES[build.backend], *copied_files(model)))
     check_embedding(path / EMBEDDING_FILE, model, "engine_dir")
+    if model.is_eagle3_draft:
+        check_d2t(path / D2T_FILE, model, "engine_dir")
     engine = EngineDir(path, model, build)
     if build.backend == "onnxruntime":  # pool, RoPE table and weights live in host memory (TensorRT's on the GPU)
         check_pool_fits_memory(engine.kv_pool_bytes + engine.rope_bytes, weight_bytes=engine.weight_bytes,
@@ -264,3 +270,22 @@ def check_embedding(path: Path, model: ModelConfig, field: str) -> None:
         got = f"{info.dtype} {list(info.shape)}" if info else "no tensor named 'embedding'"
         raise InvalidConfig(f"{EMBEDDING_FILE} must hold F32 'embedding' of shape {list(expected)} (vocab_size x "
                             f"hidden_size of config.json), got {got}", field)
+
+
+def check_d2t(path: Path, model: ModelConfig, field: str) -> None:
+    """An EAGLE3 draft's d2t map: one integer offset per draft token, each landing in the vocabulary (draft id i
+    is base id i + d2t[i]). Checked at load, since a bad offset would only fail mid-run, indexing the embedding."""
+    tensors, _ = read_tensor_header(path, field)
+    info = tensors.get(D2T_TENSOR)
+    width = model.logits_width
+    if info is None or info.dtype not in ("I64", "I32") or info.shape != (width,):
+        got = f"{info.dtype} {list(info.shape)}" if info else f"no tensor named {D2T_TENSOR!r}"
+        raise InvalidConfig(f"{D2T_FILE} must hold integer {D2T_TENSOR!r} of shape [{width}] (draft_vocab_size), "
+                            f"got {got}; {REBUILD}", field)
+    d2t = np.asarray(map_tensor(path, D2T_TENSOR), dtype=np.int64)
+    targets = np.arange(width, dtype=np.int64) + d2t
+    bad = np.flatnonzero((targets < 0) | (targets >= model.vocab_size))
+    if bad.size:
+        first = int(bad[0])
+        raise InvalidConfig(f"{D2T_FILE} maps draft token {first} to {int(targets[first])}, outside the vocabulary "
+                            f"[0, {model.vocab_size}) ({bad.size} such tokens); {REBUILD}", field)

@@ -260,6 +260,34 @@ def check_writable_dir(directory: Path, flag: str) -> None:
     os.unlink(probe)
 
 
+def kvforge_dir_holding(path: Path) -> tuple[Path, str] | None:
+    """The nearest directory at or above `path` that kvforge wrote (its manifest.json is ours), with its kind;
+    None when there is none. A file put there breaks that dir: it no longer matches its manifest, is refused
+    on load and cannot be replaced by a rebuild."""
+    current = Path(path).resolve()
+    for directory in (current, *current.parents):
+        manifest = directory / MANIFEST_FILE
+        if not manifest.is_file():
+            continue
+        try:
+            data = json.loads(read_limited(manifest, MAX_CONFIG_BYTES, "manifest"))
+        except (OSError, ValueError, KvforgeError):
+            continue  # not readable as ours: a user's manifest.json (a web app's) owns nothing here
+        if isinstance(data, dict) and data.get("format") == MANIFEST_FORMAT and data.get("kind") in MANIFEST_KINDS:
+            return directory, str(data["kind"])
+    return None
+
+
+def check_not_in_kvforge_dir(path: Path, flag: str) -> None:
+    """Refuse an output of a command (a file or a work dir) inside an ONNX or engine dir: kvforge's dirs hold
+    only what their manifest lists, and the command that wrote a dir is the only one that writes into it."""
+    owner = kvforge_dir_holding(path if path.is_dir() else path.parent)
+    if owner is not None:
+        directory, kind = owner
+        raise KvforgeError(f"{one_line(str(path))} is inside {one_line(str(directory))}, a kvforge {kind} dir; "
+                           "write outside it (a file there would break it)", flag)
+
+
 def check_work_dir(path: Path, flag: str) -> None:
     """A directory a command fills as it goes (--cacheDir, --workDir, llm_test's --outputDir): a writable dir,
     or one that can be made (its nearest existing ancestor is a writable dir), so a file in the way or an
@@ -273,6 +301,7 @@ def check_work_dir(path: Path, flag: str) -> None:
         existing = existing.parent
     if not existing.is_dir():
         raise KvforgeError(f"{one_line(str(existing))} is a file, so {shown} cannot be created", flag)
+    check_not_in_kvforge_dir(path, flag)
     check_writable_dir(existing, flag)
 
 
@@ -286,6 +315,7 @@ def check_output_file(path: Path, flag: str) -> None:
     parent = path.parent
     if not parent.is_dir():
         raise KvforgeError(f"directory {one_line(str(parent))} does not exist", flag)
+    check_not_in_kvforge_dir(path, flag)
     if not os.access(parent, os.W_OK | os.X_OK):
         raise KvforgeError(f"directory {one_line(str(parent))} is not writable", flag)
     check_writable_dir(parent, flag)

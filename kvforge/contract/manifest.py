@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +55,9 @@ def write_manifest(directory: Path, kind: str) -> None:
     write_json(directory / MANIFEST_FILE, {"format": MANIFEST_FORMAT, "kind": kind, "files": files})
 
 
-def verify_manifest(directory: Path, kind: str, field: str, remedy: str) -> None:
-    """Check `directory` against its manifest; files not listed are ignored. Errors name `field`."""
+def verify_manifest(directory: Path, kind: str, field: str, remedy: str, required: Iterable[str] = ()) -> None:
+    """Check `directory` against its manifest, which must list at least one file and each of `required` (every
+    file the reader opens); files it does not list are never read. Errors name `field`."""
     shown = one_line(str(directory))
     if not (directory / MANIFEST_FILE).is_file():
         raise InvalidConfig(f"{shown} has no {MANIFEST_FILE}: it was not completed (an interrupted run, or written "
@@ -67,10 +69,19 @@ def verify_manifest(directory: Path, kind: str, field: str, remedy: str) -> None
     if data.get("kind") != kind:
         found = one_line(str(data.get("kind")))
         raise InvalidConfig(f"{shown} holds a manifest of kind {found!r}, expected {kind!r}; {remedy}", field)
+    if not files:
+        raise InvalidConfig(f"{shown}/{MANIFEST_FILE} lists no files, so it vouches for none; {remedy}", field)
     for name, entry in files.items():
-        path = directory / name
         if not isinstance(entry, dict) or "/" in name or name in ("", ".", ".."):
             raise InvalidConfig(f"{shown}/{MANIFEST_FILE} has a malformed entry; {remedy}", field)
+    # A file read but not listed was added or edited after the dir was written (a chat template, a graph): it
+    # would change answers that nothing vouches for.
+    unlisted = sorted(set(required) - set(files))
+    if unlisted:
+        raise InvalidConfig(f"{shown}: {one_line(unlisted[0])} is not in its {MANIFEST_FILE} (added or edited since "
+                            f"it was written); {remedy}", field)
+    for name, entry in files.items():
+        path = directory / name
         if not path.is_file():
             raise InvalidConfig(f"{shown} is incomplete: {one_line(name)} is missing; {remedy}", field)
         size = path.stat().st_size

@@ -2,28 +2,38 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 
 import numpy as np
 
+from kvforge.contract.paging import pages_for
 from kvforge.runtime.context_cache.index import PageIndex, page_token_bytes
-from kvforge.runtime.context_cache.lease import Lease
+from kvforge.runtime.context_cache.lease import Admission, Lease
 from kvforge.runtime.context_cache.planner import ReusePlan, plan_reuse
 from kvforge.runtime.context_cache.pools import ResourcePool
-from kvforge.runtime.context_cache.protocol import Lookup, Publication
+from kvforge.runtime.context_cache.protocol import CacheSetup, CacheTypeBase, Lookup, Publication
 from kvforge.runtime.context_cache.records import Record
 
 
-class AttentionPages:
+def build_attention_pages(setup: CacheSetup, name: str) -> AttentionPages | None:
+    """Every deployment with attention layers keeps K/V in pages; only a pure recurrent one has none."""
+    if not setup.paged:
+        return None
+    return AttentionPages(ResourcePool(name, setup.num_pages), setup.tokens_per_page,
+                          shares_in_flight=not setup.checkpoints)
+
+
+class AttentionPages(CacheTypeBase):
     """Base KV pages: full pages are content-addressed by their chain keys (first committer wins), and with
     `shares_in_flight` a page becomes findable as soon as a prefill chunk computed it, so an identical prefix
     waits for it instead of computing it twice. A checkpoint deployment does not share in flight: there a page
     is reusable only together with a recurrent checkpoint, which exists only once published."""
 
-    __slots__ = ("pool", "index", "tokens_per_page", "shares_in_flight", "_in_flight")
+    __slots__ = ("name", "pool", "index", "tokens_per_page", "shares_in_flight", "_in_flight")
 
     def __init__(self, pool: ResourcePool, tokens_per_page: int, *, shares_in_flight: bool) -> None:
+        self.name = pool.name
         self.pool = pool
         self.index = PageIndex()
         self.tokens_per_page = tokens_per_page
@@ -34,6 +44,12 @@ class AttentionPages:
     @property
     def in_flight(self) -> Mapping[bytes, Lease]:
         return MappingProxyType(self._in_flight)
+
+    def in_flight_pages(self) -> Mapping[bytes, Lease]:
+        return self.in_flight
+
+    def fits_alone(self, num_tokens: int) -> bool:
+        return pages_for(num_tokens, self.tokens_per_page) <= self.pool.capacity
 
     # --- lookup -------------------------------------------------------------------------------------
 
@@ -58,7 +74,33 @@ class AttentionPages:
     def hit_slots(self, plan: ReusePlan) -> tuple[int, ...]:
         return plan.hit_pages
 
+    # --- a lease's pages ----------------------------------------------------------------------------
+
+    def admission_slots(self, plan: ReusePlan, speculative: bool) -> int:
+        return plan.new_pages
+
+    def admit(self, lease: Lease, plan: ReusePlan, speculative: bool, slots: list[int]) -> None:
+        lease.page_ids.extend([*plan.hit_pages, *slots])
+
+    def growth_slots(self, lease: Lease, num_tokens: int) -> int:
+        return max(pages_for(num_tokens, self.tokens_per_page) - len(lease.page_ids), 0)
+
+    def grow(self, lease: Lease, slots: list[int]) -> None:
+        lease.page_ids.extend(slots)
+
+    def pinned(self, lease: Lease) -> tuple[int, ...]:
+        return tuple(lease.page_ids)
+
+    def release(self, lease: Lease) -> None:
+        self.forget_in_flight(lease)
+        self.pool.unpin(lease.page_ids)
+
     # --- in flight ----------------------------------------------------------------------------------
+
+    def on_admitted(self, lease: Lease, admission: Admission, num_tokens: int) -> None:
+        if lease.may_publish:
+            indexable = num_tokens if admission.indexable_tokens is None else admission.indexable_tokens
+            self.register_in_flight(lease, min(indexable, num_tokens))
 
     def register_in_flight(self, lease: Lease, indexable_tokens: int) -> None:
         """Announce the full pages among the lease's first `indexable_tokens` it will compute, so identical
@@ -112,14 +154,13 @@ class AttentionPages:
             pages.append(page)
         publication.page_ids = pages
 
-    def publication_slots(self, publication: Publication) -> int:
-        return 0  # a record's pages are the lease's own (or canonical ones): nothing new is allocated
+    # A record's pages are the lease's own (or canonical ones): nothing new is allocated for a publication; they
+    # were indexed by `project`, and leave the index when they return to the free list (`pool.on_free`).
 
     def held(self, record: Record) -> tuple[int, ...]:
         return record.page_ids
 
-    def on_commit(self, record: Record) -> None:
-        pass  # its pages were indexed by `project`
-
-    def on_evict(self, record: Record) -> None:
-        pass  # pages leave the index when they return to the free list (`pool.on_free`), not with a record
+    def audit(self, records: Sequence[Record], leases: Iterable[Lease]) -> None:
+        free = self.pool.free_slots()
+        for _key, entry in self.index.items():
+            assert entry.page not in free, "an index entry points at a free page"

@@ -19,18 +19,108 @@ hidden states from the last page boundary at or before L - 1 up to L (a `DraftTa
 the checkpoint with the record's draft pages below that boundary, then the draft recomputes the tail from the
 stored states with the hitting request's own successor token (the successor boundary rebuilt). A checkpoint
 without a draft tail (published by a plain request) serves speculative requests nothing.
+
+A speculative lease's part (`DraftLease`, the drafter's handle: `draft_of(lease)`) is laid out like its base pages,
+in the draft's own pool:
+
+    | draft page 0 | ... | draft page h-1 (one record's path) | private draft pages ... |
+    |<-- computed: positions p whose draft K/V (fed token p+1) is coherent -->|
+
+After a speculative checkpoint hit (hybrid MTP, checkpoint of length L) the base is restored exactly at L, but the
+draft's pages only below ((L - 1) // T) * T: the draft recomputes its last positions up to L - 1, whose K/V read
+the successor token L (this request's, not the publisher's), from the record's stored hidden states:
+
+    | draft pages (shared) | hidden: replayed first | new positions ... |
+    0                      ((L-1)//T)*T             L
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvforge.runtime.context_cache.planner import PlanKind, ReusePlan, plan_checkpoint
-from kvforge.runtime.context_cache.pools import ResourcePool
-from kvforge.runtime.context_cache.protocol import Lookup, Publication
-from kvforge.runtime.context_cache.records import DraftTail, Record, RecordStore
+from kvforge.contract.errors import InvalidConfig
+from kvforge.contract.paging import pages_for
+from kvforge.contract.profile_schema import DRAFT_KV_PAGES
+from kvforge.runtime.context_cache.lease import Lease
+from kvforge.runtime.context_cache.metrics import CacheMetrics
+from kvforge.runtime.context_cache.planner import PlanKind, ReusePlan, plan_resume
+from kvforge.runtime.context_cache.pools import Demand, ResourcePool
+from kvforge.runtime.context_cache.protocol import CacheSetup, CacheTypeBase, Lookup, Publication
+from kvforge.runtime.context_cache.records import Record, RecordStore
+
+DRAFT_OPTIONS = ("draft_pages", "draft_replays")
+
+
+@dataclass(frozen=True, slots=True)
+class DraftTail:
+    """The base's hidden states [n, H] at positions start .. start + n - 1 of a checkpoint whose draft K/V there
+    cannot be shared (hybrid MTP: the draft at a checkpoint's last position reads the token after it, the successor,
+    which differs between the publisher and a hit): a restore recomputes the draft there from these."""
+
+    start: int
+    hidden: np.ndarray = field(compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class DraftPath:
+    """A record's part (and a publication's): the draft's K/V for the first len(page_ids) full pages, computed by one
+    sequence along the same tokens (a coherent path), and a hybrid MTP checkpoint's draft tail (None: the record
+    serves speculative requests by its pages alone, or not at all on a checkpoint deployment). The tail is host
+    memory beside the record, at most a page of hidden states."""
+
+    page_ids: tuple[int, ...]
+    tail: DraftTail | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DraftHit:
+    """A speculative plan's part: the draft pages reused beside the base's hit pages, and (a checkpoint hit) the
+    tail the draft recomputes from: the draft K/V it brings covers fewer positions than the plan's reuse."""
+
+    page_ids: tuple[int, ...]
+    tail: DraftTail | None = None
+
+
+@dataclass(slots=True, eq=False)
+class DraftLease:
+    """A speculative lease's part and the drafter's handle on it: its draft pages, how many positions hold draft K/V
+    coherent with the sequence (the drafter advances `computed`), and (hybrid MTP) the base's hidden states at
+    positions [hidden_start, hidden_start + len) the drafter keeps (at most a page, up to `computed`), so a
+    checkpoint can store its draft tail; after a checkpoint restore, the record's tail, replayed before anything."""
+
+    page_ids: list[int]
+    computed: int
+    owner: DraftPaths
+    hidden: np.ndarray | None = None
+    hidden_start: int = 0
+
+    def grow(self, num_tokens: int) -> bool:
+        """Draft pages covering positions [0, num_tokens): where a drafter writes the K/V of its own proposals before
+        the base verifies them (evicting LRU records if needed). False (nothing changed) when the pool cannot."""
+        return self.owner.extend(self, num_tokens)
+
+    def replays_to(self, position: int) -> bool:
+        """Whether the draft K/V lags the base (after a hybrid checkpoint restore) and the kept hidden states reach
+        from where the draft stopped up to `position`, to replay them."""
+        hidden, first = self.hidden, self.hidden_start
+        return hidden is not None and first <= self.computed < position <= first + len(hidden)
+
+    def keep_hidden(self, first: int, base: np.ndarray, keep: int) -> None:
+        """Keep the last `keep` base hidden states through position first + len(base) - 1 (`base` starts at
+        `first`), joined to those kept already when they continue them."""
+        old, offset = self.hidden, self.hidden_start
+        if old is not None and offset <= first <= offset + len(old):
+            base, first = np.concatenate([old[:first - offset], base]), offset
+        cut = max(len(base) - keep, 0)
+        self.hidden, self.hidden_start = np.array(base[cut:], dtype=np.float32), first + cut
+
+
+def draft_of(lease: Lease | None) -> DraftLease | None:
+    """The draft part of a speculative lease (None: not speculative, or no draft pool)."""
+    return None if lease is None else lease.parts.get(DRAFT_KV_PAGES)
 
 
 def shared_draft_pages(length: int, tokens_per_page: int) -> int:
@@ -38,19 +128,45 @@ def shared_draft_pages(length: int, tokens_per_page: int) -> int:
     return (length - 1) // tokens_per_page
 
 
-class DraftPaths:
-    __slots__ = ("pool", "tokens_per_page", "replays", "records", "_boundaries", "_paths")
+def build_draft_paths(setup: CacheSetup, name: str) -> DraftPaths | None:
+    """Only with a draft that has its own KV pool (`draft_pages`); `draft_replays`: whether a hit replays its final
+    page (EAGLE3, MTP: the draft at p reads token p + 1) or not (block drafts: their K/V at p depend on p alone)."""
+    pages = int(setup.options.get("draft_pages", 0))
+    if not pages:
+        return None
+    if not setup.paged:
+        raise InvalidConfig("a draft with its own KV pool needs a base with attention layers (the support matrix "
+                            "rejects pure-recurrent speculative decoding)", "spec_decode")
+    return DraftPaths(ResourcePool(name, pages), setup.tokens_per_page,
+                      replays=bool(setup.options.get("draft_replays", True)),
+                      records=setup.records if setup.checkpoints else None, metrics=setup.metrics,
+                      reserve=setup.reserve)
+
+
+class DraftPaths(CacheTypeBase):
+    __slots__ = ("name", "pool", "tokens_per_page", "replays", "records", "metrics", "reserve", "_boundaries",
+                 "_paths")
 
     def __init__(self, pool: ResourcePool, tokens_per_page: int, *, replays: bool = True,
-                 records: RecordStore | None = None) -> None:
-        """`records`: a checkpoint deployment's records (hybrid MTP): hits are checkpoints with a draft tail."""
+                 records: RecordStore | None = None, metrics: CacheMetrics | None = None,
+                 reserve: Callable[[Demand], bool] | None = None) -> None:
+        """`records`: a checkpoint deployment's records (hybrid MTP): hits are checkpoints with a draft tail.
+        `reserve`: the coordinator's eviction, for a drafter growing its pages (`DraftLease.grow`)."""
+        self.name = pool.name
         self.pool = pool
         self.tokens_per_page = tokens_per_page
         self.replays = replays
         self.records = records
+        self.metrics = CacheMetrics() if metrics is None else metrics
+        self.reserve = reserve
         # base chain key of page j - 1 -> (record id, j): that record's draft path covers the first j pages
         self._boundaries: dict[bytes, tuple[int, int]] = {}
         self._paths: dict[int, tuple[int, ...]] = {}
+
+    def fits_alone(self, num_tokens: int) -> bool:
+        return pages_for(num_tokens, self.tokens_per_page) <= self.pool.capacity  # a speculative request's pages
+
+    # --- lookup -------------------------------------------------------------------------------------
 
     def find_longest_hit(self, lookup: Lookup, agreed: ReusePlan) -> ReusePlan:
         """A plain admission keeps `agreed`. A speculative one reuses the longest coherent path among its matching
@@ -71,67 +187,173 @@ class DraftPaths:
             record_id, covered = found
             pages = min(boundary - int(self.replays), len(agreed.hit_pages), covered)
             if pages <= 0:
-                return replace(cold, replayed_page=self.replays)
+                return cold.with_part(self.name, DraftHit(()), replayed_page=self.replays)
             path = self._paths[record_id]
-            return replace(cold, kind=PlanKind.STANDARD, reuse_tokens=pages * self.tokens_per_page,
-                           hit_pages=tuple(matched[:pages]), new_pages=cold.new_pages - pages,
-                           draft_hit_pages=path[:pages], replayed_page=self.replays)
+            return cold.with_part(self.name, DraftHit(path[:pages]), kind=PlanKind.STANDARD,
+                                  reuse_tokens=pages * self.tokens_per_page, hit_pages=tuple(matched[:pages]),
+                                  new_pages=cold.new_pages - pages, replayed_page=self.replays)
         return cold
 
     def _checkpoint_hit(self, lookup: Lookup, agreed: ReusePlan) -> ReusePlan:
         """The checkpoint the types before agreed on, with its draft pages and tail; cold without them."""
-        record = None if agreed.checkpoint_record is None or self.records is None else \
-            self.records.get(agreed.checkpoint_record)
+        record = None if agreed.resumes is None or self.records is None else self.records.get(agreed.resumes)
         if record is None:
             return agreed
         shared = shared_draft_pages(len(record.token_ids), self.tokens_per_page)
-        tail = record.draft_tail
-        if tail is None or len(record.draft_page_ids) < shared or tail.start != shared * self.tokens_per_page:
-            return plan_checkpoint(len(lookup.tokens), self.tokens_per_page, paged=True)
-        return replace(agreed, draft_hit_pages=record.draft_page_ids[:shared], draft_tail=tail)
+        path = record.parts.get(self.name)
+        tail = None if path is None else path.tail
+        if tail is None or len(path.page_ids) < shared or tail.start != shared * self.tokens_per_page:
+            return plan_resume(len(lookup.tokens), self.tokens_per_page, paged=True)
+        return agreed.with_part(self.name, DraftHit(path.page_ids[:shared], tail))
 
     def hit_slots(self, plan: ReusePlan) -> tuple[int, ...]:
-        return plan.draft_hit_pages
+        hit = plan.parts.get(self.name)
+        return () if hit is None else hit.page_ids
 
-    def project(self, draft_page_ids: list[int], draft_computed_tokens: int, publication: Publication,
-                hidden: np.ndarray | None = None, hidden_start: int = 0) -> None:
+    # --- a speculative lease's pages ----------------------------------------------------------------
+
+    def admission_slots(self, plan: ReusePlan, speculative: bool) -> int:
+        if not speculative:
+            return 0
+        hit = plan.parts.get(self.name)
+        return len(plan.hit_pages) + plan.new_pages - (0 if hit is None else len(hit.page_ids))
+
+    def admit(self, lease: Lease, plan: ReusePlan, speculative: bool, slots: list[int]) -> None:
+        if not speculative:
+            return
+        hit = plan.parts.get(self.name)
+        draft = DraftLease([*(() if hit is None else hit.page_ids), *slots], plan.reuse_tokens, self)
+        if hit is not None and hit.tail is not None:  # the drafter replays the checkpoint's tail first
+            draft.computed, draft.hidden, draft.hidden_start = hit.tail.start, hit.tail.hidden.copy(), hit.tail.start
+        lease.parts[self.name] = draft
+
+    def growth_slots(self, lease: Lease, num_tokens: int) -> int:
+        draft = lease.parts.get(self.name)
+        return 0 if draft is None else max(pages_for(num_tokens, self.tokens_per_page) - len(draft.page_ids), 0)
+
+    def grow(self, lease: Lease, slots: list[int]) -> None:
+        if slots:
+            lease.parts[self.name].page_ids.extend(slots)
+
+    def extend(self, draft: DraftLease, num_tokens: int) -> bool:
+        """Draft pages (only) for positions [0, num_tokens) of `draft` (`DraftLease.grow`)."""
+        missing = max(pages_for(num_tokens, self.tokens_per_page) - len(draft.page_ids), 0)
+        if not missing:
+            return True
+        assert self.reserve is not None, "a drafter grows its pages through the coordinator's eviction"
+        if not self.reserve({self.name: missing}):
+            return False
+        draft.page_ids.extend(self.pool.allocate(missing))
+        return True
+
+    def pinned(self, lease: Lease) -> tuple[int, ...]:
+        draft = lease.parts.get(self.name)
+        return () if draft is None else tuple(draft.page_ids)
+
+    def release(self, lease: Lease) -> None:
+        draft = lease.parts.get(self.name)
+        if draft is not None:
+            self.pool.unpin(draft.page_ids)
+
+    # --- publication --------------------------------------------------------------------------------
+
+    def project(self, lease: Lease, publication: Publication) -> None:
         """The draft path a speculative lease publishes: its draft pages over the full pages whose every position's
         draft K/V is coherent, at most one per base page the record keeps; on a checkpoint deployment also the
-        tail of the base's hidden states (`hidden` from position `hidden_start`), or no path when they do not
-        cover it."""
-        pages = min(len(publication.page_ids), draft_computed_tokens // self.tokens_per_page, len(draft_page_ids))
-        publication.draft_page_ids = draft_page_ids[:pages]
-        if self.records is None:
+        tail of the base's hidden states (kept by the drafter), or no path when they do not cover it."""
+        draft = lease.parts.get(self.name)
+        if draft is None:
             return
-        length = len(publication.tokens)
-        shared = shared_draft_pages(length, self.tokens_per_page)
-        start = shared * self.tokens_per_page
-        if hidden is None or draft_computed_tokens < length or pages < shared or hidden_start > start or \
-                hidden_start + len(hidden) < length:
-            publication.draft_page_ids = []
-            return
-        publication.draft_tail = DraftTail(start, hidden[start - hidden_start:length - hidden_start].copy())
+        pages = min(len(publication.page_ids), draft.computed // self.tokens_per_page, len(draft.page_ids))
+        path = DraftPath(tuple(draft.page_ids[:pages]))
+        if self.records is not None:
+            length = len(publication.tokens)
+            shared = shared_draft_pages(length, self.tokens_per_page)
+            start = shared * self.tokens_per_page
+            hidden, hidden_start = draft.hidden, draft.hidden_start
+            if hidden is None or draft.computed < length or pages < shared or hidden_start > start or \
+                    hidden_start + len(hidden) < length:
+                return
+            path = DraftPath(path.page_ids, DraftTail(start, hidden[start - hidden_start:length - hidden_start].copy()))
+        publication.parts[self.name] = path
 
-    def publication_slots(self, publication: Publication) -> int:
-        return 0  # the lease's own draft pages become the record's
+    def record_part(self, publication: Publication) -> DraftPath | None:
+        path = publication.parts.get(self.name)
+        if path is not None and path.page_ids:
+            self.metrics.pair_publications += 1
+        return path
+
+    def upgrade(self, existing: Record, lease: Lease) -> Record | None:
+        """A speculative publication of an endpoint already cached with a shorter draft path (base-only, or one
+        published before the draft caught up) gives the record its path: speculative requests can use it from now."""
+        if self.name not in lease.parts:
+            return None
+        probe = Publication(np.asarray(existing.token_ids, dtype=np.int32), list(existing.keys), b"", False,
+                            page_ids=list(existing.page_ids))
+        self.project(lease, probe)
+        new, old = probe.parts.get(self.name), existing.parts.get(self.name)
+        if self.records is not None:  # a checkpoint: worth a path only with its tail, which it lacked
+            if (old is not None and old.tail is not None) or new is None or new.tail is None:
+                return None
+        elif len(() if new is None else new.page_ids) <= len(() if old is None else old.page_ids):
+            return None
+        self.metrics.pair_publications += 1
+        return existing.with_part(self.name, new)
 
     def held(self, record: Record) -> tuple[int, ...]:
-        return record.draft_page_ids
+        path = record.parts.get(self.name)
+        return () if path is None else path.page_ids
 
     def on_commit(self, record: Record) -> None:
-        if not record.draft_page_ids or self.records is not None:  # checkpoints are found by their own type
+        path = record.parts.get(self.name)
+        if path is None or not path.page_ids or self.records is not None:  # checkpoints are found by their own type
             return
-        self._paths[record.record_id] = record.draft_page_ids
-        for j in range(1, len(record.draft_page_ids) + 1):  # the newest path wins a boundary
+        self._paths[record.record_id] = path.page_ids
+        for j in range(1, len(path.page_ids) + 1):  # the newest path wins a boundary
             self._boundaries[record.keys[j - 1]] = (record.record_id, j)
 
     def on_evict(self, record: Record) -> None:
-        if self._paths.pop(record.record_id, None) is None:  # (never filed on a checkpoint deployment)
+        path = self._paths.pop(record.record_id, None)
+        if path is None:  # (never filed on a checkpoint deployment)
             return
-        for key in record.keys[:len(record.draft_page_ids)]:
+        for key in record.keys[:len(path)]:
             if self._boundaries.get(key, (None,))[0] == record.record_id:
                 del self._boundaries[key]
 
     def boundaries(self) -> dict[bytes, tuple[int, int]]:
         """A copy of the boundary index (audits)."""
         return dict(self._boundaries)
+
+    def audit(self, records: Sequence[Record], leases: Iterable[Lease]) -> None:
+        T = self.tokens_per_page
+        for lease in leases:
+            draft = lease.parts.get(self.name)
+            if draft is not None:
+                assert len(draft.page_ids) * T >= draft.computed, "draft K/V past the draft pages"
+        by_id = {}
+        for record in records:
+            by_id[record.record_id] = record
+            path = record.parts.get(self.name)
+            if path is not None and path.tail is not None:  # a hybrid MTP checkpoint: the states past its pages
+                shared = (len(record.token_ids) - 1) // T
+                assert self.records is not None and record.exact and path.tail.start == shared * T
+                assert len(path.tail.hidden) == len(record.token_ids) - shared * T and len(path.page_ids) >= shared
+        for key, (record_id, covered) in self._boundaries.items():
+            record = by_id.get(record_id)
+            assert record is not None, "a draft path boundary names an evicted record"
+            assert len(self.held(record)) >= covered and record.keys[covered - 1] == key
+
+
+def _read_pages(part: DraftPath | DraftHit | DraftLease) -> tuple[int, ...] | list[int]:
+    return part.page_ids
+
+
+# Views: the old attribute names stay readable outside this type (tests, tools); only this module writes the parts.
+Record.view("draft_page_ids", DRAFT_KV_PAGES, _read_pages, ())
+Record.view("draft_tail", DRAFT_KV_PAGES, lambda path: path.tail)
+ReusePlan.view("draft_hit_pages", DRAFT_KV_PAGES, _read_pages, ())
+ReusePlan.view("draft_tail", DRAFT_KV_PAGES, lambda hit: hit.tail)
+Lease.view("draft_page_ids", DRAFT_KV_PAGES, _read_pages)
+Lease.view("draft_computed_tokens", DRAFT_KV_PAGES, lambda draft: draft.computed, 0)
+Lease.view("draft_hidden", DRAFT_KV_PAGES, lambda draft: draft.hidden)
+Lease.view("draft_hidden_start", DRAFT_KV_PAGES, lambda draft: draft.hidden_start, 0)

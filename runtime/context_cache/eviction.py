@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from kvforge.runtime.context_cache.pools import Demand, ResourcePools
+from kvforge.runtime.context_cache.pools import BASE_KV_PAGES, Demand, ResourcePools
 from kvforge.runtime.context_cache.records import Record
+
+Held = Callable[[Record], Mapping[str, Sequence[int]]]  # what a record holds, per pool: its types' answers
+
+
+def pages_held(record: Record) -> Mapping[str, Sequence[int]]:
+    """A record's base pages alone: what it holds where the pools are only a base KV pool."""
+    return {BASE_KV_PAGES: record.page_ids}
 
 
 def plan_eviction(demand: Demand, pools: ResourcePools, records_lru_first: Iterable[Record],
-                  protected: int | None = None) -> list[int] | None:
-    """The LRU-first record ids whose eviction frees enough slots of every pool for `demand`, never `protected`
-    (the record an admission resumes from: its snapshots are pinned, and it must outlive the admission).
+                  protected: int | None = None, held_by: Held = pages_held) -> list[int] | None:
+    """The LRU-first record ids whose eviction frees enough slots of every pool for `demand` (pool name -> count),
+    never `protected` (the record an admission resumes from: its snapshots are pinned, and it must outlive the
+    admission). What a record holds of each pool is `held_by`'s answer (the coordinator asks its types).
 
     A slot counts as reclaimed only when its simulated cache refs reach 0 and no request pins it
     (pin-before-evict: a request's own hits are pinned before planning, so they are never victims).
@@ -28,7 +36,7 @@ def plan_eviction(demand: Demand, pools: ResourcePools, records_lru_first: Itera
     for record in records_lru_first:
         if record.record_id == protected:
             continue
-        held = record.held()
+        held = held_by(record)
         if not any(held.get(name) for name, short in missing.items() if short > 0):
             continue
         victims.append(record.record_id)

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvforge.contract import profile_schema as schema
+from kvforge.runtime.context_cache.lease import Lease
+from kvforge.runtime.context_cache.planner import ReusePlan
 
 
 @dataclass(slots=True)
@@ -31,6 +33,24 @@ class CacheMetrics:
     full_page_replays: int = 0  # speculative hits that recomputed their final matched page in base and draft
     pair_publications: int = 0  # records committed or upgraded with a draft path beside their base pages
     reclaimed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(schema.POOL_KEYS, 0))
+
+    def count_admission(self, plan: ReusePlan, lease: Lease, lookup: bool) -> None:
+        """An admitted sequence, planned as `plan` (`lookup`: it looked the cache up)."""
+        self.admitted_sequences += 1
+        if lease.extras.media:
+            self.media_aware_sequences += 1
+        if not lookup or lease.forced_cold:
+            self.lookup_bypass_sequences += 1
+        if lease.forced_cold:
+            self.forced_cold_sequences += 1
+        if lookup:
+            self.plans[plan.kind] += 1
+            self.matched_tokens += plan.matched_tokens
+        if plan.replayed_page and not lease.forced_cold:
+            self.full_page_replays += 1
+        if lease.reuse_tokens > 0:
+            self.hit_sequences += 1
+            self.reused_tokens += lease.reuse_tokens
 
     def to_dict(self, records_current: int, resource_pools: dict[str, dict[str, int]]) -> dict[str, Any]:
         """The context_cache block; the schema's pools missing from `resource_pools` are listed empty."""

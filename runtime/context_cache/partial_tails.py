@@ -2,28 +2,69 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from kvforge.contract.errors import InvalidConfig
+from kvforge.contract.profile_schema import PARTIAL_KV_SNAPSHOTS
 from kvforge.runtime.context_cache.capture import SnapshotCopier
 from kvforge.runtime.context_cache.keys import tail_page_key
 from kvforge.runtime.context_cache.lease import Lease
-from kvforge.runtime.context_cache.planner import ReusePlan, with_snapshot
+from kvforge.runtime.context_cache.planner import PlanKind, ReusePlan
 from kvforge.runtime.context_cache.pools import ResourcePool
-from kvforge.runtime.context_cache.protocol import Lookup, Publication
-from kvforge.runtime.context_cache.records import Record
+from kvforge.runtime.context_cache.protocol import CacheSetup, CacheTypeBase, Lookup, Publication
+from kvforge.runtime.context_cache.records import Record, RecordStore
+from kvforge.runtime.types import Deployment
+
+PARTIAL_OPTIONS = ("partial_kv_snapshot_slots",)
 
 
-class PartialTails:
+@dataclass(frozen=True, slots=True)
+class SnapshotHit:
+    """A plan's and then a lease's part: snapshot `slot` holds the K/V of the `tokens` tokens after the hit pages,
+    copied into the lease's first private page (pinned from admission until `finish_restore`, then None: the lease
+    keeps how many tokens it restored)."""
+
+    slot: int | None
+    tokens: int
+
+
+# A record's part is its snapshot slot (an int); these views keep the old attribute names readable outside the type.
+Record.view("partial_slot", PARTIAL_KV_SNAPSHOTS, lambda slot: slot)
+ReusePlan.view("restore_slot", PARTIAL_KV_SNAPSHOTS, lambda hit: hit.slot)
+ReusePlan.view("restore_tokens", PARTIAL_KV_SNAPSHOTS, lambda hit: hit.tokens, 0)
+Lease.view("restore_slot", PARTIAL_KV_SNAPSHOTS, lambda hit: hit.slot)
+Lease.view("restore_tokens", PARTIAL_KV_SNAPSHOTS, lambda hit: hit.tokens, 0)
+
+
+def build_partial_tails(setup: CacheSetup, name: str) -> PartialTails | None:
+    """Paged deployments only; a budget only with reuse on. A hybrid's checkpoints ending inside a page need one."""
+    slots = int(setup.options.get("partial_kv_snapshot_slots", 0))
+    if setup.enabled and setup.deployment is Deployment.HYBRID and slots < 1:
+        raise InvalidConfig("a hybrid deployment needs at least one partial-KV snapshot slot for checkpoints that "
+                            "end inside a page", "context_cache_partial_kv_snapshot_pool_bytes")
+    if not setup.paged:
+        return None
+    return PartialTails(ResourcePool(name, slots if setup.enabled else 0), setup.tokens_per_page, setup.chain_root,
+                        setup.copier, records=setup.records if setup.checkpoints else None)
+
+
+class PartialTails(CacheTypeBase):
     """Snapshots of partial tail pages, filed by the key of the full page they follow. A snapshot is never written
     by a request: a hit copies it into the lease's own page (copy-on-partial-reuse). A checkpoint's tail belongs to
-    its checkpoint (found through it, `RecurrentCheckpoints`), so only plain records' tails are filed here."""
+    its checkpoint (found through it: with `records`, a hit is the checkpoint the types before agreed on, and this
+    type adds its tail page), so only plain records' tails are filed by parent key."""
 
-    __slots__ = ("pool", "tokens_per_page", "chain_root", "copier", "_after", "_by_slot")
+    __slots__ = ("name", "pool", "tokens_per_page", "chain_root", "copier", "records", "_after", "_by_slot")
 
     def __init__(self, pool: ResourcePool, tokens_per_page: int, chain_root: bytes,
-                 copier: SnapshotCopier | None) -> None:
+                 copier: SnapshotCopier | None, *, records: RecordStore | None = None) -> None:
+        self.name = pool.name
         self.pool = pool
         self.tokens_per_page = tokens_per_page
         self.chain_root = chain_root
         self.copier = copier
+        self.records = records  # a checkpoint deployment's records: tails come with the checkpoint they end
         self._after: dict[bytes | None, dict[int, Record]] = {}  # parent key (None: root) -> records by id
         self._by_slot: dict[int, Record] = {}  # snapshot slot -> the record holding it (a slot is never shared)
 
@@ -32,12 +73,23 @@ class PartialTails:
         """Whether a publication can keep a tail at all (a pool to hold it, an engine to copy it)."""
         return self.pool.capacity > 0 and self.copier is not None
 
+    @property
+    def keeps_tail(self) -> bool:  # type: ignore[override]
+        return self.captures
+
     def find_longest_hit(self, lookup: Lookup, agreed: ReusePlan) -> ReusePlan:
         """`agreed` extended by the longest snapshot tail that continues its hit pages along the input, leaving at
         least one token to compute (for logits). Candidates follow the last hit page's key; each is checked by its
-        tail key (adapter, salt and media included) and its token ids."""
+        tail key (adapter, salt and media included) and its token ids. On a checkpoint deployment: the tail page of
+        the checkpoint agreed on, if it ends inside a page."""
         if not self.pool.capacity:
             return agreed
+        if self.records is not None:
+            record = None if agreed.resumes is None else self.records.get(agreed.resumes)
+            slot = None if record is None else record.parts.get(self.name)
+            if slot is None:
+                return agreed
+            return agreed.with_part(self.name, SnapshotHit(slot, agreed.reuse_tokens % self.tokens_per_page))
         tokens, T = lookup.tokens, self.tokens_per_page
         base = len(agreed.hit_pages)
         start = base * T
@@ -55,38 +107,79 @@ class PartialTails:
                 best = (tail, record)
         if best is None:
             return agreed
-        assert best[1].partial_slot is not None
-        return with_snapshot(agreed, best[1].partial_slot, best[0])
+        tail, record = best
+        # A plan that found no page becomes a standard hit; the tail's record is the one this plan resumes from.
+        kind = PlanKind.STANDARD if agreed.kind is PlanKind.NO_REUSABLE_PREFIX else agreed.kind
+        reuse = agreed.reuse_tokens + tail
+        return agreed.with_part(self.name, SnapshotHit(record.parts[self.name], tail), kind=kind,
+                                matched_tokens=max(agreed.matched_tokens, reuse), reuse_tokens=reuse,
+                                resumes=record.record_id)
 
     def record_holding(self, slot: int) -> Record | None:
         return self._by_slot.get(slot)
 
+    # --- a lease's restore --------------------------------------------------------------------------
+
     def hit_slots(self, plan: ReusePlan) -> tuple[int, ...]:
-        return () if plan.restore_slot is None else (plan.restore_slot,)
+        hit = plan.parts.get(self.name)
+        return () if hit is None else (hit.slot,)
+
+    def admit(self, lease: Lease, plan: ReusePlan, speculative: bool, slots: list[int]) -> None:
+        hit = plan.parts.get(self.name)
+        if hit is not None:
+            lease.parts[self.name] = hit
+
+    def pinned(self, lease: Lease) -> tuple[int, ...]:
+        hit = lease.parts.get(self.name)
+        return () if hit is None or hit.slot is None else (hit.slot,)
+
+    def finish_restore(self, lease: Lease) -> bool:
+        hit = lease.parts.get(self.name)
+        if hit is None or hit.slot is None:
+            return False
+        self.pool.unpin([hit.slot])
+        lease.parts[self.name] = SnapshotHit(None, hit.tokens)
+        return True
+
+    def release(self, lease: Lease) -> None:
+        self.finish_restore(lease)  # admitted but never run: the snapshot was not copied
+
+    # --- publication --------------------------------------------------------------------------------
 
     def publication_slots(self, publication: Publication) -> int:
-        return int(publication.partial)
+        return int(bool(publication.tail_key))
 
-    def capture(self, lease: Lease, publication: Publication) -> None:
+    def capture(self, lease: Lease, publication: Publication) -> bool:
         """Copy the lease's tail page (the one after the publication's full pages) into the reserved slot."""
-        assert self.copier is not None and publication.partial_slot is not None
-        self.copier.capture_partial(lease.page_ids[len(publication.keys)], publication.partial_slot)
+        slots = publication.reserved.get(self.name)
+        if not slots:
+            return False
+        assert self.copier is not None
+        self.copier.capture_partial(lease.page_ids[len(publication.keys)], slots[0])
+        return True
+
+    def record_part(self, publication: Publication) -> int | None:
+        slots = publication.reserved.get(self.name)
+        return slots[0] if slots else None
 
     def held(self, record: Record) -> tuple[int, ...]:
-        return () if record.partial_slot is None else (record.partial_slot,)
+        slot = record.parts.get(self.name)
+        return () if slot is None else (slot,)
 
     def on_commit(self, record: Record) -> None:
-        if record.partial_slot is None:
+        slot = record.parts.get(self.name)
+        if slot is None:
             return
-        self._by_slot[record.partial_slot] = record
-        if not record.is_checkpoint:
+        self._by_slot[slot] = record
+        if not record.exact:
             self._after.setdefault(record.parent_key, {})[record.record_id] = record
 
     def on_evict(self, record: Record) -> None:
-        if record.partial_slot is None:
+        slot = record.parts.get(self.name)
+        if slot is None:
             return
-        del self._by_slot[record.partial_slot]
-        if not record.is_checkpoint:
+        del self._by_slot[slot]
+        if not record.exact:
             after = self._after[record.parent_key]
             del after[record.record_id]
             if not after:
@@ -94,8 +187,23 @@ class PartialTails:
 
     def filed(self, record: Record) -> bool:
         """Whether `record`'s tail is where lookups find it (the audit)."""
-        if record.partial_slot is None:
+        slot = record.parts.get(self.name)
+        if slot is None:
             return True
-        if self._by_slot.get(record.partial_slot) is not record:
+        if self._by_slot.get(slot) is not record:
             return False
-        return record.is_checkpoint or self._after.get(record.parent_key, {}).get(record.record_id) is record
+        return record.exact or self._after.get(record.parent_key, {}).get(record.record_id) is record
+
+    def audit(self, records: Sequence[Record], leases: Iterable[Lease]) -> None:
+        T = self.tokens_per_page
+        for record in records:
+            slot = record.parts.get(self.name)
+            tail = len(record.token_ids) - len(record.keys) * T
+            if self.records is not None:  # a checkpoint keeps its tail page iff it ends inside one
+                assert (slot is not None) == (tail > 0)
+            elif slot is None:
+                assert tail == 0 and not record.tail_key
+            else:
+                assert 0 < tail < T, "a snapshot holds a partial tail page"
+            if slot is not None:
+                assert self.filed(record), "a snapshot tail lookups cannot find"

@@ -2,14 +2,16 @@
 
 Attention-only plans are page-aligned, except that a partial-KV snapshot of a record's tail page can extend the
 reuse to the exact token right after the last reused full page (copy-on-partial-reuse into the lease's own page).
-Hybrid and pure recurrent plans resume from an exact checkpoint (`plan_checkpoint`) or start cold.
+Hybrid and pure recurrent plans resume from an exact checkpoint (`plan_resume`) or start cold.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from enum import Enum
+from types import MappingProxyType
+from typing import Any
 
 from kvforge.contract.paging import pages_for
 from kvforge.contract.profile_schema import (
@@ -18,7 +20,7 @@ from kvforge.contract.profile_schema import (
     PLAN_STANDARD,
 )
 from kvforge.runtime.context_cache.keys import MediaKey
-from kvforge.runtime.context_cache.records import DraftTail
+from kvforge.runtime.context_cache.parts import NO_PARTS, Parted
 
 
 class PlanKind(str, Enum):
@@ -34,21 +36,25 @@ PLAN_BYPASS = PlanKind.BYPASS
 
 
 @dataclass(frozen=True, slots=True)
-class ReusePlan:
+class ReusePlan(Parted):
+    """An admission's plan: what every type agreed it reuses. What a type adds beyond the pages (a snapshot to
+    restore, another pool's pages) is its part in `parts`."""
+
     kind: PlanKind
     matched_tokens: int  # tokens covered by matching pages in the index
     reuse_tokens: int  # where execution starts (kvcache_start_index)
     hit_pages: tuple[int, ...]  # canonical pages bound to the first reuse_tokens // tokens_per_page slots
     new_pages: int  # private pages to allocate for the rest of the input
-    restore_slot: int | None = None  # partial-KV snapshot copied into the first private page
-    restore_tokens: int = 0  # tokens that snapshot holds (reuse_tokens includes them)
-    restore_recurrent_slot: int | None = None  # recurrent snapshot copied into the sequence's state
-    checkpoint_record: int | None = None  # the record the plan resumes from (touched on admission)
-    draft_hit_pages: tuple[int, ...] = ()  # a speculative plan: the draft pages reused beside hit_pages
-    replayed_page: bool = False  # a speculative hit recomputes its final matched page (counted)
-    # A speculative checkpoint hit (hybrid MTP): the draft K/V it brings covers fewer positions than reuse_tokens,
-    # and the draft recomputes the rest from the record's stored base hidden states (`DraftTail`).
-    draft_tail: DraftTail | None = None
+    resumes: int | None = None  # the record a snapshot or checkpoint hit resumes from (touched on admission)
+    replayed_page: bool = False  # a hit that recomputes its final matched page (counted)
+    parts: Mapping[str, Any] = field(default_factory=lambda: NO_PARTS, compare=False)  # type name -> what it adds
+
+    def with_part(self, name: str, part: Any, **changes: Any) -> ReusePlan:
+        """This plan with type `name`'s part set (and `changes` to the shared fields)."""
+        return replace(self, parts=MappingProxyType({**self.parts, name: part}), **changes)
+
+    def without_parts(self) -> ReusePlan:
+        return replace(self, parts=NO_PARTS)
 
 
 def plan_reuse(num_tokens: int, tokens_per_page: int, matched_pages: Sequence[int],
@@ -83,23 +89,12 @@ def plan_cold(num_tokens: int, tokens_per_page: int, *, paged: bool = True) -> R
     return ReusePlan(PlanKind.BYPASS, 0, 0, (), pages_for(num_tokens, tokens_per_page) if paged else 0)
 
 
-def plan_checkpoint(num_tokens: int, tokens_per_page: int, *, paged: bool, length: int = 0,
-                    hit_pages: Sequence[int] = (), recurrent_slot: int | None = None, partial_slot: int | None = None,
-                    record_id: int | None = None) -> ReusePlan:
-    """Resume from an exact checkpoint of `length` tokens (hybrid: its full pages as hits, its partial page restored
-    into the first private one), or, without a recurrent slot, start cold (the engine zeroes the state)."""
+def plan_resume(num_tokens: int, tokens_per_page: int, *, paged: bool, length: int = 0,
+                hit_pages: Sequence[int] = (), record_id: int | None = None) -> ReusePlan:
+    """Resume from the exact checkpoint `record_id` of `length` tokens (its full pages as hits; the types that keep
+    more of it add their parts), or, without one, start cold (the engine zeroes any state)."""
     total_pages = pages_for(num_tokens, tokens_per_page) if paged else 0
-    if recurrent_slot is None:
+    if record_id is None:
         return ReusePlan(PlanKind.NO_REUSABLE_PREFIX, 0, 0, (), total_pages)
-    restore_tokens = length % tokens_per_page if partial_slot is not None else 0
-    return ReusePlan(PlanKind.STANDARD, length, length, tuple(hit_pages), total_pages - len(hit_pages), partial_slot,
-                     restore_tokens, recurrent_slot, record_id)
-
-
-def with_snapshot(plan: ReusePlan, slot: int, tail_tokens: int) -> ReusePlan:
-    """`plan` extended by a snapshot of `tail_tokens` tokens after its hit pages: those tokens are restored
-    into the first private page instead of computed. A plan that found no page becomes a standard hit."""
-    kind = PlanKind.STANDARD if plan.kind is PlanKind.NO_REUSABLE_PREFIX else plan.kind
-    reuse = plan.reuse_tokens + tail_tokens
-    return replace(plan, kind=kind, matched_tokens=max(plan.matched_tokens, reuse), reuse_tokens=reuse,
-                   restore_slot=slot, restore_tokens=tail_tokens)
+    return ReusePlan(PlanKind.STANDARD, length, length, tuple(hit_pages), total_pages - len(hit_pages),
+                     resumes=record_id)

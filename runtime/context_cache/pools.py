@@ -1,25 +1,19 @@
-"""Resource pools per state type (KV pages, recurrent and partial-KV snapshots) behind one planning coordinator.
+"""Resource pools, one per cache type, behind one planning coordinator: base KV pages, draft KV pages (a draft
+model's own pool), partial-KV snapshots and recurrent snapshots, and any type registered later.
 
 Every pool has the same refcount discipline: `active` refs pin a slot for an in-flight request, `cache` refs
 are held by published records, and a slot returns to its free list only when both are zero. What differs
 per type is what a slot holds (a KV page in the runner's pool, a copy of one in the snapshot store, or a copy of
-one sequence's recurrent + conv state) and who asks for it (a lease's pages, a publication's snapshots).
+one sequence's recurrent + conv state, a draft's K/V page) and who asks for it (its cache type, for a lease's pages
+or a publication's snapshots).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
-from kvforge.contract.profile_schema import (  # noqa: F401 - pool names re-exported for the cache core
-    BASE_KV_PAGES,
-    DRAFT_KV_PAGES,
-    PARTIAL_KV_SNAPSHOTS,
-    POOL_CAPACITY,
-    POOL_FREE,
-    RECURRENT_SNAPSHOTS,
-)
+from kvforge.contract.profile_schema import BASE_KV_PAGES, POOL_CAPACITY, POOL_FREE  # noqa: F401 - re-exported
 
 
 class ResourcePool:
@@ -93,37 +87,21 @@ class ResourcePool:
         return {POOL_FREE: len(self._free), POOL_CAPACITY: self.capacity}
 
 
-@dataclass(frozen=True, slots=True)
-class Demand:
-    """Free slots an action needs, per pool: what an admission, a growth or a snapshot capture asks for."""
-
-    base_kv_pages: int = 0
-    partial_kv_snapshots: int = 0
-    recurrent_snapshots: int = 0
-    draft_kv_pages: int = 0
-
-    def per_pool(self) -> dict[str, int]:
-        return {BASE_KV_PAGES: self.base_kv_pages, PARTIAL_KV_SNAPSHOTS: self.partial_kv_snapshots,
-                RECURRENT_SNAPSHOTS: self.recurrent_snapshots, DRAFT_KV_PAGES: self.draft_kv_pages}
+Demand = Mapping[str, int]  # free slots an action needs, by pool name: an admission, a growth, a capture
 
 
 class ResourcePools:
-    """The coordinator's view of every typed pool: the eviction planner and the profile walk them by name.
+    """The coordinator's view of every typed pool: the eviction planner and the profile walk them by name, and a
+    pool reads as an attribute of its name (`pools.base_kv_pages`).
 
-    A pool of capacity 0 is a type this deployment does not use (no snapshot budget): it is listed in the
-    profile with its real zeros and never asked for anything.
+    A pool of capacity 0 is a type this deployment does not use (no budget): it is listed in the profile with its
+    real zeros and never asked for anything.
     """
 
-    __slots__ = ("base_kv_pages", "partial_kv_snapshots", "recurrent_snapshots", "draft_kv_pages", "_by_name")
+    __slots__ = ("_by_name",)
 
-    def __init__(self, num_pages: int, partial_kv_snapshot_slots: int = 0, recurrent_snapshot_slots: int = 0,
-                 draft_pages: int = 0) -> None:
-        self.base_kv_pages = ResourcePool(BASE_KV_PAGES, num_pages)
-        self.partial_kv_snapshots = ResourcePool(PARTIAL_KV_SNAPSHOTS, partial_kv_snapshot_slots)
-        self.recurrent_snapshots = ResourcePool(RECURRENT_SNAPSHOTS, recurrent_snapshot_slots)
-        self.draft_kv_pages = ResourcePool(DRAFT_KV_PAGES, draft_pages)  # an EAGLE3 draft's own KV pool
-        self._by_name = {pool.name: pool for pool in (self.base_kv_pages, self.draft_kv_pages,
-                                                       self.partial_kv_snapshots, self.recurrent_snapshots)}
+    def __init__(self, *pools: ResourcePool) -> None:
+        self._by_name = {pool.name: pool for pool in pools}
 
     def __iter__(self) -> Iterator[ResourcePool]:
         return iter(self._by_name.values())
@@ -131,10 +109,17 @@ class ResourcePools:
     def __getitem__(self, name: str) -> ResourcePool:
         return self._by_name[name]
 
+    def __getattr__(self, name: str) -> ResourcePool:
+        if name.startswith("_"):  # not a pool (and never recurse before __init__ set _by_name)
+            raise AttributeError(name)
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise AttributeError(f"no resource pool named {name!r}") from None
+
     def missing(self, demand: Demand) -> dict[str, int]:
         """Slots to reclaim per pool before `demand` can be allocated (only pools that are short)."""
-        return {name: count - self[name].num_free for name, count in demand.per_pool().items()
-                if count > self[name].num_free}
+        return {name: count - self[name].num_free for name, count in demand.items() if count > self[name].num_free}
 
     def to_dict(self) -> dict[str, dict[str, int]]:
         return {pool.name: pool.to_dict() for pool in self}

@@ -1,24 +1,33 @@
 """The cache coordinator's two interfaces: one per resource type (`CacheType`), one for listeners (`CacheEvents`).
 
-A resource type owns one pool and whatever finds its hits (the page index, the snapshot tails, the checkpoint
-lengths); the coordinator (`ContextCacheManager`) owns the records, the leases and the eviction plan, and asks each
-type present in its deployment the same questions. Adding a type (draft pages, say) is one more class here, not
-one more flag in the manager.
+A resource type owns one pool, its part of every lease, record, plan and publication, and whatever finds its hits
+(the page index, the snapshot tails, the checkpoint lengths, another pool's page paths); the coordinator
+(`ContextCacheManager`) owns the records, the leases and the eviction plan, and asks each type present in its
+deployment the same questions, in registration order (registry.py). Adding a type is one module with one class
+here-shaped (`CacheTypeBase` gives every hook a do-nothing default) and one registration, not one more flag in the
+coordinator.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol
+from types import MappingProxyType
+from typing import Any, Protocol
 
 import numpy as np
 
+from kvforge.runtime.context_cache.capture import SnapshotCopier
 from kvforge.runtime.context_cache.keys import KeyExtras
+from kvforge.runtime.context_cache.lease import Admission, Lease
+from kvforge.runtime.context_cache.metrics import CacheMetrics
 from kvforge.runtime.context_cache.planner import ReusePlan
-from kvforge.runtime.context_cache.pools import ResourcePool
-from kvforge.runtime.context_cache.records import DraftTail, Record
+from kvforge.runtime.context_cache.pools import Demand, ResourcePool
+from kvforge.runtime.context_cache.records import Record, RecordStore
+from kvforge.runtime.types import Deployment
+
+_NOTHING_IN_FLIGHT: Mapping[bytes, Lease] = MappingProxyType({})
 
 
 class PublishResult(str, Enum):
@@ -39,55 +48,147 @@ class Lookup:
     # The index's matching pages before any plan rule cut them, found once by the attention type so a type that
     # must agree with the pages (a hybrid's checkpoints) compares with the same list. None: no attention type.
     page_hits: list[int] | None = None
-    speculative: bool = False  # an EAGLE3 admission: hits need a coherent draft path
+    speculative: bool = False  # a speculative admission: hits must suit every type it takes part in
 
 
 @dataclass(slots=True)
 class Publication:
-    """A record being built: the endpoint `publish` chose, then what each type commits for it."""
+    """A record being built: the endpoint `publish` chose, the slots reserved for it, then what each type keeps."""
 
     tokens: np.ndarray  # the tokens the lease has computed: the endpoint
     keys: list[bytes]  # chain keys of the full pages the record keeps
     tail_key: bytes  # the exact endpoint's key when it ends inside a page; b"" = it ends on the last full page
     exact: bool  # a checkpoint: all or nothing (never falls back to the full pages alone)
-    partial: bool  # it keeps a partial-KV snapshot of its tail page
-    recurrent: bool  # it keeps a recurrent snapshot
     page_ids: list[int] = field(default_factory=list)  # canonical pages, one per key (attention)
-    draft_page_ids: list[int] = field(default_factory=list)  # the lease's draft path over the first pages (EAGLE3)
-    draft_tail: DraftTail | None = None  # a hybrid MTP checkpoint's base hidden states past its shared draft pages
-    partial_slot: int | None = None
-    recurrent_slot: int | None = None
+    reserved: dict[str, list[int]] = field(default_factory=dict)  # pool name -> new slots reserved (pinned) for it
+    parts: dict[str, Any] = field(default_factory=dict)  # cache type name -> what that type keeps of it
 
     @property
     def terminal_key(self) -> bytes:
         return self.tail_key or self.keys[-1]
 
     def full_pages_only(self, num_pages: int | None = None) -> Publication:
-        """The same publication without its tail (no snapshot slot), or cut to its first `num_pages` (a collision)."""
+        """The same publication without its tail (nothing reserved), or cut to its first `num_pages` (a collision)."""
         keys = self.keys if num_pages is None else self.keys[:num_pages]
-        return Publication(self.tokens, keys, b"", self.exact, False, self.recurrent)
+        return Publication(self.tokens, keys, b"", self.exact)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSetup:
+    """What a type's factory may read: the deployment, the coordinator's shared state and the options it was given."""
+
+    enabled: bool
+    deployment: Deployment
+    num_pages: int  # the base KV pool's size (the engine's build)
+    tokens_per_page: int
+    chain_root: bytes
+    copier: SnapshotCopier | None
+    records: RecordStore
+    metrics: CacheMetrics
+    options: Mapping[str, Any]  # the manager's keyword options, by name
+    reserve: Callable[[Demand], bool]  # evict LRU records until `demand` is allocatable (False: pins forbid it)
+
+    @property
+    def checkpoints(self) -> bool:
+        """Reuse is by exact checkpoint only (hybrid, pure recurrent)."""
+        return self.deployment is not Deployment.VANILLA
+
+    @property
+    def paged(self) -> bool:
+        """Sequences keep K/V in pages (not on a pure recurrent engine)."""
+        return self.deployment is not Deployment.PURE_RECURRENT
 
 
 class CacheType(Protocol):
-    """One resource type behind the coordinator. Lookups are pure; the coordinator applies what they find."""
+    """One resource type behind the coordinator. Lookups are pure; the coordinator applies what they find, and every
+    other hook touches only this type's pool and its own part (`holder.parts[self.name]`) of a lease or record."""
 
+    name: str  # its part's key everywhere, and its pool's name
     pool: ResourcePool
+    keeps_tail: bool  # a publication that ends inside a page may keep that page's tail through this type
+
+    def fits_alone(self, num_tokens: int) -> bool:
+        """Whether a sequence of `num_tokens` could hold what it needs of this pool if nothing else held any."""
+        ...
 
     def find_longest_hit(self, lookup: Lookup, agreed: ReusePlan) -> ReusePlan:
         """`agreed` (what the types before this one found) narrowed or extended to the longest reuse this type can
         serve too. No side effects."""
         ...
 
+    def waits_for(self, lookup: Lookup) -> bool:
+        """Whether a running sequence is computing what this input would compute next (it should wait for it)."""
+        ...
+
     def hit_slots(self, plan: ReusePlan) -> tuple[int, ...]:
         """The slots of this pool an admission planned as `plan` reuses: pinned from admission until restored."""
+        ...
+
+    def admission_slots(self, plan: ReusePlan, speculative: bool) -> int:
+        """New slots of this pool admitting `plan` takes (allocated after any eviction they need); `speculative`: the
+        admission decodes speculatively."""
+        ...
+
+    def admit(self, lease: Lease, plan: ReusePlan, speculative: bool, slots: list[int]) -> None:
+        """Give the new lease its part: the plan's hits of this pool and the `slots` allocated for it."""
+        ...
+
+    def on_admitted(self, lease: Lease, admission: Admission, num_tokens: int) -> None:
+        """The lease of an input of `num_tokens` tokens was admitted (keys known): e.g. announce pages in flight."""
+        ...
+
+    def growth_slots(self, lease: Lease, num_tokens: int) -> int:
+        """New slots of this pool the lease needs to cover positions [0, num_tokens)."""
+        ...
+
+    def grow(self, lease: Lease, slots: list[int]) -> None:
+        """Add `slots` (allocated after `growth_slots` asked for them) to the lease's part."""
+        ...
+
+    def index_computed(self, lease: Lease, tokens: np.ndarray, upto: int) -> None:
+        """The lease computed its full pages [indexed_pages, upto) (keys known): make them findable in flight."""
+        ...
+
+    def in_flight_pages(self) -> Mapping[bytes, Lease]:
+        """What running sequences are computing, by key (audits, tests)."""
+        ...
+
+    def finish_restore(self, lease: Lease) -> bool:
+        """The engine copied the lease's snapshot of this type in: unpin it. True when there was one."""
+        ...
+
+    def release(self, lease: Lease) -> None:
+        """The lease ends: unpin everything it holds of this pool."""
+        ...
+
+    def pinned(self, lease: Lease) -> tuple[int, ...]:
+        """The slots of this pool the lease pins (one active reference each): the audit's question."""
         ...
 
     def publication_slots(self, publication: Publication) -> int:
         """New slots of this pool committing `publication` takes (reserved before anything is copied)."""
         ...
 
+    def project(self, lease: Lease, publication: Publication) -> None:
+        """Decide what the record keeps of this type (attention: its canonical pages, which may be fewer than its
+        keys after a hash collision)."""
+        ...
+
+    def capture(self, lease: Lease, publication: Publication) -> bool:
+        """Copy the lease's state into this type's reserved slots. True when it copied something."""
+        ...
+
+    def record_part(self, publication: Publication) -> Any:
+        """This type's part of the record committing `publication` (None: none)."""
+        ...
+
+    def upgrade(self, existing: Record, lease: Lease) -> Record | None:
+        """A publication found its endpoint cached already: the record with a better part of this type from the
+        lease, or None to keep it as it is."""
+        ...
+
     def held(self, record: Record) -> tuple[int, ...]:
-        """What a record holds of this type: one cache reference on each of these slots."""
+        """What a record holds of this type: one cache reference on each of these slots. The only answer to it."""
         ...
 
     def on_commit(self, record: Record) -> None:
@@ -97,6 +198,88 @@ class CacheType(Protocol):
     def on_evict(self, record: Record) -> None:
         """The record was evicted (its cache references already dropped): forget it."""
         ...
+
+    def audit(self, records: Sequence[Record], leases: Iterable[Lease]) -> None:
+        """Assert what this type alone knows about the records and leases (check_invariants calls it)."""
+        ...
+
+
+class CacheTypeBase:
+    """Every `CacheType` hook with a do-nothing answer: a type overrides the ones it needs."""
+
+    __slots__ = ()
+    name: str
+    pool: ResourcePool
+    keeps_tail = False
+
+    def fits_alone(self, num_tokens: int) -> bool:
+        return True
+
+    def find_longest_hit(self, lookup: Lookup, agreed: ReusePlan) -> ReusePlan:
+        return agreed
+
+    def waits_for(self, lookup: Lookup) -> bool:
+        return False
+
+    def hit_slots(self, plan: ReusePlan) -> tuple[int, ...]:
+        return ()
+
+    def admission_slots(self, plan: ReusePlan, speculative: bool) -> int:
+        return 0
+
+    def admit(self, lease: Lease, plan: ReusePlan, speculative: bool, slots: list[int]) -> None:
+        pass
+
+    def on_admitted(self, lease: Lease, admission: Admission, num_tokens: int) -> None:
+        pass
+
+    def growth_slots(self, lease: Lease, num_tokens: int) -> int:
+        return 0
+
+    def grow(self, lease: Lease, slots: list[int]) -> None:
+        pass
+
+    def index_computed(self, lease: Lease, tokens: np.ndarray, upto: int) -> None:
+        pass
+
+    def in_flight_pages(self) -> Mapping[bytes, Lease]:
+        return _NOTHING_IN_FLIGHT
+
+    def finish_restore(self, lease: Lease) -> bool:
+        return False
+
+    def release(self, lease: Lease) -> None:
+        pass
+
+    def pinned(self, lease: Lease) -> tuple[int, ...]:
+        return ()
+
+    def publication_slots(self, publication: Publication) -> int:
+        return 0
+
+    def project(self, lease: Lease, publication: Publication) -> None:
+        pass
+
+    def capture(self, lease: Lease, publication: Publication) -> bool:
+        return False
+
+    def record_part(self, publication: Publication) -> Any:
+        return publication.parts.get(self.name)
+
+    def upgrade(self, existing: Record, lease: Lease) -> Record | None:
+        return None
+
+    def held(self, record: Record) -> tuple[int, ...]:
+        return ()
+
+    def on_commit(self, record: Record) -> None:
+        pass
+
+    def on_evict(self, record: Record) -> None:
+        pass
+
+    def audit(self, records: Sequence[Record], leases: Iterable[Lease]) -> None:
+        pass
 
 
 class CacheEvents(Protocol):

@@ -3,33 +3,24 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-
-import numpy as np
+from types import MappingProxyType
+from typing import Any
 
 from kvforge.runtime.context_cache.keys import KeyExtras
-from kvforge.runtime.context_cache.pools import BASE_KV_PAGES, DRAFT_KV_PAGES, PARTIAL_KV_SNAPSHOTS, RECURRENT_SNAPSHOTS
+from kvforge.runtime.context_cache.parts import NO_PARTS, Parted
 
 
 @dataclass(frozen=True, slots=True)
-class DraftTail:
-    """The base's hidden states [n, H] at positions start .. start + n - 1 of a checkpoint whose draft K/V there
-    cannot be shared (hybrid MTP: the draft at a checkpoint's last position reads the token after it, the successor,
-    which differs between the publisher and a hit): a restore recomputes the draft there from these."""
+class Record(Parted):
+    """An endpoint: its full pages, and for a length that is not page-aligned the key of its exact end (`tail_key`
+    chains the tail tokens from the last full page's key, like a page key). Whatever else it keeps (a snapshot of its
+    tail page, a recurrent snapshot, a path of a second model's pages) is one part per cache type in `parts`, which
+    only that type reads; `exact` marks a checkpoint, reusable only at exactly `len(token_ids)` tokens.
 
-    start: int
-    hidden: np.ndarray = field(compare=False)
-
-
-@dataclass(frozen=True, slots=True)
-class Record:
-    """An endpoint: its full pages, and for a length that is not page-aligned optionally a snapshot of the
-    partial tail page (`tail_key` chains the tail tokens from the last full page's key, like a page key).
-
-    On a hybrid or pure recurrent deployment every record is an exact checkpoint: it also holds a recurrent
-    snapshot (`recurrent_slot`) of the state after exactly `len(token_ids)` tokens. A pure recurrent record
-    keeps the chain keys of its full blocks (content addressing) but no pages.
+    On a hybrid or pure recurrent deployment every record is an exact checkpoint. A pure recurrent record keeps the
+    chain keys of its full blocks (content addressing) but no pages.
     """
 
     record_id: int
@@ -38,14 +29,8 @@ class Record:
     token_ids: tuple[int, ...]  # the tokens it covers: full pages, then the snapshot's tail (audits, lookups)
     extras: KeyExtras
     tail_key: bytes = b""  # set when the endpoint is not page-aligned: the exact endpoint's key
-    partial_slot: int | None = None  # partial-KV snapshot slot holding the tail page's K/V
-    recurrent_slot: int | None = None  # recurrent snapshot slot: every recurrent layer's state + conv state
-    # An EAGLE3 draft's K/V for the first len(draft_page_ids) full pages, computed by one sequence along the same
-    # tokens (a coherent path; empty = a base-only record, which speculative requests never use).
-    draft_page_ids: tuple[int, ...] = ()
-    # A hybrid MTP checkpoint's draft tail (None: the record serves speculative requests by its pages alone, or not
-    # at all on a checkpoint deployment). Host memory beside the record, at most a page of hidden states.
-    draft_tail: DraftTail | None = field(default=None, compare=False)
+    exact: bool = False  # a checkpoint: reusable only at its exact length
+    parts: Mapping[str, Any] = field(default_factory=lambda: NO_PARTS, compare=False)  # type name -> what it keeps
 
     @property
     def terminal_key(self) -> bytes:
@@ -59,14 +44,12 @@ class Record:
 
     @property
     def is_checkpoint(self) -> bool:
-        return self.recurrent_slot is not None
+        return self.exact
 
-    def held(self) -> dict[str, tuple[int, ...]]:
-        """Slots this record holds a cache reference on, per pool."""
-        partial = () if self.partial_slot is None else (self.partial_slot,)
-        recurrent = () if self.recurrent_slot is None else (self.recurrent_slot,)
-        return {BASE_KV_PAGES: self.page_ids, PARTIAL_KV_SNAPSHOTS: partial, RECURRENT_SNAPSHOTS: recurrent,
-                DRAFT_KV_PAGES: self.draft_page_ids}
+    def with_part(self, name: str, part: Any) -> Record:
+        """The same record (id, endpoint) with type `name`'s part replaced."""
+        return Record(self.record_id, self.keys, self.page_ids, self.token_ids, self.extras, self.tail_key, self.exact,
+                      MappingProxyType({**self.parts, name: part}))
 
 
 class RecordStore:

@@ -2,26 +2,63 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from kvforge.contract.errors import InvalidConfig
+from kvforge.contract.profile_schema import RECURRENT_SNAPSHOTS
 from kvforge.runtime.context_cache.capture import SnapshotCopier
 from kvforge.runtime.context_cache.keys import tail_page_key
 from kvforge.runtime.context_cache.lease import Lease
-from kvforge.runtime.context_cache.planner import ReusePlan, plan_checkpoint
+from kvforge.runtime.context_cache.planner import ReusePlan, plan_resume
 from kvforge.runtime.context_cache.pools import ResourcePool
-from kvforge.runtime.context_cache.protocol import Lookup, Publication
+from kvforge.runtime.context_cache.protocol import CacheSetup, CacheTypeBase, Lookup, Publication
 from kvforge.runtime.context_cache.records import Record, RecordStore
 
+RECURRENT_OPTIONS = ("recurrent_snapshot_slots",)
 
-class RecurrentCheckpoints:
+
+@dataclass(frozen=True, slots=True)
+class CheckpointHit:
+    """A plan's and then a lease's part: the recurrent snapshot `slot` of checkpoint record `record_id`, copied into
+    the sequence's recurrent + conv state (pinned from admission until `finish_restore`)."""
+
+    slot: int
+    record_id: int
+
+
+# A record's part is its snapshot slot (an int); these views keep the old attribute names readable outside the type.
+Record.view("recurrent_slot", RECURRENT_SNAPSHOTS, lambda slot: slot)
+ReusePlan.view("restore_recurrent_slot", RECURRENT_SNAPSHOTS, lambda hit: hit.slot)
+ReusePlan.view("checkpoint_record", RECURRENT_SNAPSHOTS, lambda hit: hit.record_id)
+Lease.view("restore_recurrent_slot", RECURRENT_SNAPSHOTS, lambda hit: hit.slot)
+
+
+def build_recurrent_checkpoints(setup: CacheSetup, name: str) -> RecurrentCheckpoints | None:
+    """Hybrid and pure recurrent deployments reuse only exact checkpoints, each with a recurrent snapshot."""
+    slots = int(setup.options.get("recurrent_snapshot_slots", 0))
+    if not setup.checkpoints:
+        return None
+    # The engine checks budgets against the slot sizes first (its message names bytes); this guards the core.
+    if setup.enabled and slots < 1:
+        raise InvalidConfig(f"a {setup.deployment.value} deployment reuses only exact checkpoints and needs at least "
+                            "one recurrent snapshot slot", "context_cache_recurrent_snapshot_pool_bytes")
+    return RecurrentCheckpoints(ResourcePool(name, slots if setup.enabled else 0), setup.records,
+                                setup.tokens_per_page, setup.chain_root, with_pages=setup.paged, copier=setup.copier)
+
+
+class RecurrentCheckpoints(CacheTypeBase):
     """Recurrent snapshots (every recurrent layer's state + conv state), one per checkpoint record. A checkpoint of
     length L is filed under its anchor, the key of its last full page (None below one page), so a lookup walks the
     input's own chain keys from the deepest and hashes a tail only where a checkpoint of that length hangs off a
     page the input shares. `with_pages`: the deployment also keeps attention K/V (hybrid), so a checkpoint brings
     its full pages and must agree with the page index on them."""
 
-    __slots__ = ("pool", "records", "tokens_per_page", "chain_root", "with_pages", "copier", "_lengths")
+    __slots__ = ("name", "pool", "records", "tokens_per_page", "chain_root", "with_pages", "copier", "_lengths")
 
     def __init__(self, pool: ResourcePool, records: RecordStore, tokens_per_page: int, chain_root: bytes, *,
                  with_pages: bool, copier: SnapshotCopier | None) -> None:
+        self.name = pool.name
         self.pool = pool
         self.records = records
         self.tokens_per_page = tokens_per_page
@@ -47,28 +84,60 @@ class RecurrentCheckpoints:
                 key = tail_page_key(anchor or self.chain_root, tokens[:length], depth * T, extras) if length % T \
                     else anchor
                 record = self.records.find(key) if key is not None else None
-                if record is None or not record.is_checkpoint or record.token_ids != tuple(tokens[:length].tolist()):
+                if record is None or not record.exact or record.token_ids != tuple(tokens[:length].tolist()):
                     continue
                 if lookup.page_hits is not None and tuple(lookup.page_hits[:depth]) != record.page_ids:
                     continue  # the pages this checkpoint holds are not the ones the index serves for this input
-                return plan_checkpoint(len(tokens), T, paged=self.with_pages, length=length,
-                                       hit_pages=record.page_ids, recurrent_slot=record.recurrent_slot,
-                                       partial_slot=record.partial_slot, record_id=record.record_id)
-        return plan_checkpoint(len(tokens), T, paged=self.with_pages)
+                plan = plan_resume(len(tokens), T, paged=self.with_pages, length=length, hit_pages=record.page_ids,
+                                   record_id=record.record_id)
+                return plan.with_part(self.name, CheckpointHit(record.parts[self.name], record.record_id))
+        return plan_resume(len(tokens), T, paged=self.with_pages)
+
+    # --- a lease's restore --------------------------------------------------------------------------
 
     def hit_slots(self, plan: ReusePlan) -> tuple[int, ...]:
-        return () if plan.restore_recurrent_slot is None else (plan.restore_recurrent_slot,)
+        hit = plan.parts.get(self.name)
+        return () if hit is None else (hit.slot,)
+
+    def admit(self, lease: Lease, plan: ReusePlan, speculative: bool, slots: list[int]) -> None:
+        hit = plan.parts.get(self.name)
+        if hit is not None:
+            lease.parts[self.name] = hit
+
+    def pinned(self, lease: Lease) -> tuple[int, ...]:
+        hit = lease.parts.get(self.name)
+        return () if hit is None else (hit.slot,)
+
+    def finish_restore(self, lease: Lease) -> bool:
+        hit = lease.parts.pop(self.name, None)
+        if hit is None:
+            return False
+        self.pool.unpin([hit.slot])
+        return True
+
+    def release(self, lease: Lease) -> None:
+        self.finish_restore(lease)  # admitted but never run: the snapshot was not copied
+
+    # --- publication --------------------------------------------------------------------------------
 
     def publication_slots(self, publication: Publication) -> int:
-        return int(publication.recurrent)
+        return int(publication.exact)  # every publication here is a checkpoint
 
-    def capture(self, lease: Lease, publication: Publication) -> None:
+    def capture(self, lease: Lease, publication: Publication) -> bool:
+        slots = publication.reserved.get(self.name)
+        if not slots:
+            return False
         assert self.copier is not None, "a checkpoint deployment with reuse is built with a copier"
-        assert publication.recurrent_slot is not None
-        self.copier.capture_recurrent(lease, publication.recurrent_slot)
+        self.copier.capture_recurrent(lease, slots[0])
+        return True
+
+    def record_part(self, publication: Publication) -> int | None:
+        slots = publication.reserved.get(self.name)
+        return slots[0] if slots else None
 
     def held(self, record: Record) -> tuple[int, ...]:
-        return () if record.recurrent_slot is None else (record.recurrent_slot,)
+        slot = record.parts.get(self.name)
+        return () if slot is None else (slot,)
 
     def on_commit(self, record: Record) -> None:
         lengths = self._lengths.setdefault(record.parent_key, {})
@@ -81,3 +150,7 @@ class RecurrentCheckpoints:
             del lengths[len(record.token_ids)]
             if not lengths:
                 del self._lengths[record.parent_key]
+
+    def audit(self, records: Sequence[Record], leases: Iterable[Lease]) -> None:
+        for record in records:
+            assert len(record.token_ids) in self.lengths_after(record.parent_key)

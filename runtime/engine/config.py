@@ -7,6 +7,7 @@ with, or raises `InvalidConfig` naming the setting; nothing is allocated before 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -44,6 +45,7 @@ from kvforge.runtime.types import Deployment
 DEFAULT_PREFILL_CHUNK_TOKENS = 512
 # The default: one store round trip on a LAN is ~1 ms; a batch of 8 MiB of pages takes ~15 ms on Redis here.
 DEFAULT_SHARED_CACHE_TIMEOUT_MS = 50.0
+MAX_SHARED_CACHE_TIMEOUT_MS = 60_000.0  # one store call; a minute is already far past making a request cold
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +222,11 @@ def resolve_engine_config(config: EngineConfig, engine: EngineDir, *, num_pages:
     budget, rows = _resolve_limits(config, build.max_input_len, build.max_batch_size)
     base = Base(deployment.value)
     method = check_spec_options(config, base)
+    timeout_ms = config.shared_cache_timeout_ms  # nan and inf pass `> 0`; a tier that never connects says nothing
+    if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int | float) or not math.isfinite(timeout_ms) \
+            or not 0 < timeout_ms <= MAX_SHARED_CACHE_TIMEOUT_MS:
+        raise InvalidConfig(f"must be a finite number of milliseconds > 0 and <= {MAX_SHARED_CACHE_TIMEOUT_MS:g}, "
+                            f"got {timeout_ms!r}", "shared_cache_timeout_ms")
     if config.shared_cache:
         if not config.enable_context_reuse:
             raise InvalidConfig("a shared tier is a second level of context reuse: it needs enable_context_reuse",

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvforge.contract.engine_dir import EMBEDDING_FILE, EMBEDDING_TENSOR, BuilderConfig, EngineDir, load_engine_dir
-from kvforge.contract.errors import InvalidConfig, PoolTooSmall
+from kvforge.contract.errors import InvalidConfig, KvforgeError, PoolTooSmall
 from kvforge.contract.model_config import ModelConfig
 from kvforge.contract.paging import pages_for
 from kvforge.contract.safetensors_map import map_tensor
@@ -134,8 +134,15 @@ class Engine:
                                      self.engine_dir.model.vocab_size, multimodal=self.multimodal,
                                      message_boundaries=resolved.checkpoints.enabled
                                      and config.snapshot_message_boundaries)
-        drafter = spec.build(ProposerParts(config, self.engine_dir, resolved.draft, self.backend.kv_store.layers,
-                                           self.cache, self.profiler, self.states is not None))
+        try:
+            drafter = spec.build(ProposerParts(config, self.engine_dir, resolved.draft, self.backend.kv_store.layers,
+                                               self.cache, self.profiler, self.states is not None))
+        except KvforgeError as exc:  # the draft's graph and weights are --specDraftEngineDir's, not --engineDir's
+            if resolved.draft is None or exc.field != "engine_dir" and not str(exc.field).startswith(
+                    str(resolved.draft.path)):
+                raise
+            raise InvalidConfig(f"the draft engine at {resolved.draft.path}: {exc.message}",
+                                "spec_draft_engine_dir") from None
         self.profiler.spec_strategy_section = spec.profile_section
         self.proposer: Proposer | None = drafter.proposer if drafter else None
         self.draft_backend: Backend | None = drafter.backend if drafter else None

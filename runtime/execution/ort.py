@@ -54,7 +54,7 @@ MAX_THREADS = 1024  # ONNX Runtime starts every thread up front: a huge count ex
 def make_session(model_path: str, num_threads: int = 0, profile_prefix: str | None = None,
                  field: str = "engine_dir", cpu_kernel: bool = False, spinning: bool = True) -> ort.InferenceSession:
     """Every ONNX Runtime session of kvforge (text and encoder engines): logging, threads, one-line load errors
-    naming `field`. `profile_prefix`: write ONNX Runtime's per-node trace there (runtime/engine/op_profile.py reads it).
+    naming `field`. `profile_prefix`: write ONNX Runtime's per-node trace there (runtime/engine/op_timing.py reads it).
     `cpu_kernel`: the graph attends with kvforge.cpu.PagedAttention, so the kernel library is registered.
     `spinning=False`: the intra-op threads sleep between runs instead of spinning (ONNX Runtime's default, faster
     for one session). Where two sessions alternate on the same cores (a speculative base and its EAGLE3 draft), the
@@ -85,12 +85,13 @@ def make_session(model_path: str, num_threads: int = 0, profile_prefix: str | No
 
 def register_cpu_kernel(options: ort.SessionOptions, field: str = "engine_dir") -> None:
     """Register kvforge's CPU attention library (built on first use) on `options`, or say in one line why not."""
-    from kvforge.plugins.cpu_kernel import register
+    from kvforge.plugins.cpu_kernel import DAMAGED, register
 
     reason = register(options)
     if reason:
-        raise KvforgeError(f"this engine attends with the kvforge CPU kernel, which cannot be loaded here ({reason}); "
-                           "rebuild it with llm_build --cpuAttention onnx", field)
+        remedy = "" if DAMAGED in reason else "; rebuild it with llm_build --cpuAttention onnx"  # the cache's fault
+        raise KvforgeError(f"this engine attends with the kvforge CPU kernel, which cannot be loaded here ({reason})"
+                           f"{remedy}", field)
 
 
 def check_graph_inputs(session: ort.InferenceSession, engine: EngineDir) -> None:

@@ -4,7 +4,7 @@ Token layout of one sequence (C = tokens whose base K/V is committed, t_C the pe
 
     position p:     0 ... C-1                         | C      C+1    ...  C+b-1
     draft input:    context feature of base h_p       | t_C    MASK   ...  MASK       (the block)
-    draft K/V:      coherent (draft_computed_tokens)  | scratch: rewritten by the next call's context
+    draft K/V:      coherent (draft part's computed)  | scratch: rewritten by the next call's context
     draft output:                                     |        d_1    ...  d_{b-1}    (guesses for C+1 .. C+b-1)
 
 `observe` runs after each base call, before the commit: the positions the base just committed get their context
@@ -34,7 +34,7 @@ import numpy as np
 from kvforge.contract.engine_dir import BASE_HIDDEN_INPUT, CONTEXT_TOKEN_MASK_INPUT
 from kvforge.contract.profile_schema import BLOCK_DIFFUSION_DENOISE_STAGE
 from kvforge.contract.speculation import SCHEDULER_OFF, SCHEDULER_SPS, SCHEDULER_THRESHOLD
-from kvforge.runtime.context_cache.manager import ContextCacheManager
+from kvforge.runtime.context_cache.draft_paths import draft_of
 from kvforge.runtime.execution.backend import Backend, StepInputs
 from kvforge.runtime.execution.tree_attention import causal_masks, start_positions
 from kvforge.runtime.profile import Profiler
@@ -83,15 +83,14 @@ class _Call:
 class BlockDraftProposer:
     owns_kv = True
 
-    def __init__(self, backend: Backend, embedding: np.ndarray, cache: ContextCacheManager, block_size: int,
+    def __init__(self, backend: Backend, embedding: np.ndarray, block_size: int,
                  mask_token_id: int, base_hidden_width: int, profiler: Profiler,
                  dspark: DsparkHeads | None = None) -> None:
-        """`backend`: the draft engine's runner (its own KV pool); `embedding`: the base's token table; `cache`: the
-        coordinator whose draft pool the leases' draft pages come from; `block_size`: positions one block call
-        drafts over (the pending token and block_size - 1 masks)."""
+        """`backend`: the draft engine's runner (its own KV pool: each lease's draft part, `draft_of`, grown through
+        it); `embedding`: the base's token table; `block_size`: positions one block call drafts over (the pending
+        token and block_size - 1 masks)."""
         self.backend = backend
         self.embedding = embedding
-        self.cache = cache
         self.block_size = block_size
         self.mask_token_id = mask_token_id
         self.base_width = base_hidden_width
@@ -112,9 +111,10 @@ class BlockDraftProposer:
             return
         self._run(calls)
         for call in calls:
-            assert call.seq.lease is not None
+            draft = draft_of(call.seq.lease)
+            assert draft is not None
             end = call.start + call.context
-            call.seq.lease.draft_computed_tokens = end
+            draft.computed = end
             call.seq.draft_state = BlockState(end)
 
     # --- before the next step -------------------------------------------------------------------------
@@ -123,15 +123,15 @@ class BlockDraftProposer:
         proposals: list[list[int] | DraftTree] = [[] for _ in seqs]
         calls, owners, pending = [], [], []
         for i, (seq, limit) in enumerate(zip(seqs, limits, strict=True)):
-            state, lease = seq.draft_state, seq.lease
-            if not isinstance(state, BlockState) or lease is None or lease.draft_page_ids is None or limit <= 0:
+            state, draft = seq.draft_state, draft_of(seq.lease)
+            if not isinstance(state, BlockState) or draft is None or limit <= 0:
                 continue
             start = seq.num_computed_tokens
-            if state.position != start or lease.draft_computed_tokens != start:
+            if state.position != start or draft.computed != start:
                 continue
             width = min(self.block_size, limit + 1)
             # The block's scratch K/V at C .. C + width - 1; no pages, no proposal (drafting never preempts).
-            if not self.cache.try_grow_draft(lease, start + width):
+            if not draft.grow(start + width):
                 continue
             token = seq.all_token_ids()[start]
             ids = [token] + [self.mask_token_id] * (width - 1)
@@ -187,7 +187,7 @@ class BlockDraftProposer:
             picks.append(b * width + np.asarray(call.outputs, dtype=np.int64))
             counts.append(len(call.outputs))
         step = StepInputs(embeds, np.array([len(call.embeds) for call in calls], dtype=np.int32), starts,
-                          [call.seq.lease.draft_page_ids for call in calls],  # type: ignore[union-attr,misc]
+                          [draft_of(call.seq.lease).page_ids for call in calls],  # type: ignore[union-attr]
                           logits_indices=np.concatenate(picks),
                           extra_inputs={BASE_HIDDEN_INPUT: features, CONTEXT_TOKEN_MASK_INPUT: context},
                           position_ids=start_positions(starts, width), attention_mask=mask)

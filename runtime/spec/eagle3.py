@@ -5,7 +5,7 @@ Token layout of one sequence (C = tokens whose base K/V is committed, t_C the pe
     position p:       0      1     ...   C-1    | C      C+1   ...  C+k-2
     draft input:      t_1    t_2   ...   t_C    | d_1    d_2   ...  d_{k-1}     (the token *after* p)
     hidden input:     base h_0 ...      base h_{C-1} | draft's own output at p-1
-    draft K/V:        coherent (lease.draft_computed_tokens = C) | scratch, rewritten next round
+    draft K/V:        coherent (draft_of(lease).computed = C)    | scratch, rewritten next round
     draft output:     ...                 d_1   | d_2    d_3   ...  d_k
 
 `observe` runs after each base call, before the commit publishes anything: the draft consumes the positions the
@@ -36,8 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvforge.contract.engine_dir import BASE_HIDDEN_INPUT, DRAFT_HIDDEN_INPUT
-from kvforge.runtime.context_cache.lease import Lease
-from kvforge.runtime.context_cache.manager import ContextCacheManager
+from kvforge.runtime.context_cache.draft_paths import DraftLease, draft_of
 from kvforge.runtime.execution.backend import Backend, StepInputs
 from kvforge.runtime.execution.tree_attention import ancestor_mask, causal_masks, start_positions
 from kvforge.runtime.sampling.sampler import SampleResult, log_softmax, top_ids
@@ -95,11 +94,11 @@ class Eagle3Proposer:
 
     owns_kv = True
 
-    def __init__(self, backend: Backend, embedding: np.ndarray, d2t: np.ndarray, cache: ContextCacheManager,
-                 num_tokens: int, base_hidden_width: int, top_k: int = 1, verify_nodes: int = 0,
-                 rolls_back: bool = False, keep_hidden: int = 0) -> None:
+    def __init__(self, backend: Backend, embedding: np.ndarray, d2t: np.ndarray, num_tokens: int,
+                 base_hidden_width: int, top_k: int = 1, verify_nodes: int = 0, rolls_back: bool = False,
+                 keep_hidden: int = 0) -> None:
         """`backend`: the draft engine's runner (its own KV pool); `embedding`: the draft's token table; `d2t`: draft
-        id -> base id offsets; `cache`: the coordinator whose draft pool the leases' draft pages come from;
+        id -> base id offsets (the draft pages are each lease's draft part, `draft_of`, grown through it);
         `num_tokens`: drafting steps (a chain's length, a tree's depth); `top_k` > 1 drafts trees of at most
         `verify_nodes` nodes (the draft engine then needs tree attention); `rolls_back`: the base is hybrid (an MTP
         layer's), so rejected verify rows commit nothing until their kept tokens are recomputed (committed_spans);
@@ -108,7 +107,6 @@ class Eagle3Proposer:
         self.backend = backend
         self.embedding = embedding
         self.draft_to_base = np.arange(len(d2t), dtype=np.int64) + d2t
-        self.cache = cache
         self.num_tokens = num_tokens
         self.base_width = base_hidden_width
         self.hidden_size = embedding.shape[1]
@@ -122,37 +120,37 @@ class Eagle3Proposer:
     def observe(self, rows: list[ScheduledRow], output: BatchOutput, sampled: list[list[SampleResult]]) -> None:
         jobs = []
         for i, seq, start, end in committed_spans(rows, output, sampled, self.rolls_back):
-            assert output.hidden_states is not None and seq.lease is not None
+            draft = draft_of(seq.lease)
+            assert output.hidden_states is not None and draft is not None
             following = seq.all_token_ids() + [s.token_id for s in sampled[i]]  # token p + 1 for every position p
             base = output.hidden_states[i][:end - start]
-            first = seq.lease.draft_computed_tokens
+            first = draft.computed
             if first < start:  # a checkpoint restore: the draft replays its tail from the record's hidden states
-                offset = seq.lease.draft_hidden_start
-                base = np.concatenate([seq.lease.draft_hidden[first - offset:start - offset], base])  # type: ignore[index]
+                offset = draft.hidden_start
+                base = np.concatenate([draft.hidden[first - offset:start - offset], base])  # type: ignore[index]
             if self.keep_hidden and start < len(seq.prompt_ids):
-                self._keep(seq.lease, first, base)
+                draft.keep_hidden(first, base, self.keep_hidden)  # the lease's last base hidden states
             else:  # checkpoints are prompt ends (hybrid MTP captures endpoints only): past it, nothing reads them
-                seq.lease.draft_hidden = None
+                draft.hidden = None
             jobs.append((seq, first, following[first + 1:end + 1], base))
         if not jobs:
             return
         logits, hidden = self._run([DraftCall(seq, start, ids, base) for seq, start, ids, base in jobs])
         for (seq, start, ids, _), row_logits, row_hidden in zip(jobs, logits, hidden, strict=True):
-            assert seq.lease is not None
+            draft = draft_of(seq.lease)
+            assert draft is not None
             end = start + len(ids)
-            seq.lease.draft_computed_tokens = end
+            draft.computed = end
             state = DraftState(end, self._token(row_logits[0]), row_hidden[0])
             if self.top_k > 1:
                 state.top_ids, state.top_scores = self._top(row_logits[0])
             seq.draft_state = state
 
-    def _keep(self, lease: Lease, first: int, base: np.ndarray) -> None:
-        """The lease's last `keep_hidden` base hidden states, through position first + len(base) - 1."""
-        old, offset = lease.draft_hidden, lease.draft_hidden_start
-        if old is not None and offset <= first <= offset + len(old):
-            base, first = np.concatenate([old[:first - offset], base]), offset
-        cut = max(len(base) - self.keep_hidden, 0)
-        lease.draft_hidden, lease.draft_hidden_start = np.array(base[cut:], dtype=np.float32), first + cut
+    @staticmethod
+    def _draft(seq: Sequence) -> DraftLease:
+        draft = draft_of(seq.lease)
+        assert draft is not None, "a drafting sequence's lease has a draft part"
+        return draft
 
     # --- before the next step -------------------------------------------------------------------------
 
@@ -164,7 +162,7 @@ class Eagle3Proposer:
         for i, (seq, limit) in enumerate(zip(seqs, limits, strict=True)):
             state = seq.draft_state
             if not isinstance(state, DraftState) or state.position != seq.num_computed_tokens or limit <= 0 \
-                    or seq.lease is None or seq.lease.draft_page_ids is None:
+                    or draft_of(seq.lease) is None:
                 continue
             if self.top_k > 1 and state.top_ids is not None:
                 trees[i] = self._root(state, min(self.verify_nodes, limit))
@@ -173,7 +171,7 @@ class Eagle3Proposer:
             chains[i].append(state.first_token)
             count = min(self.num_tokens, limit)
             # The draft writes scratch K/V at positions C .. C + count - 2; no pages, no more drafts (never preempts).
-            if count > 1 and self.cache.try_grow_draft(seq.lease, state.position + count - 1):
+            if count > 1 and self._draft(seq).grow(state.position + count - 1):
                 live.append((i, seq, state))
         hidden = {i: state.hidden for i, _, state in live}
         for step in range(1, self.num_tokens):
@@ -204,7 +202,7 @@ class Eagle3Proposer:
         """k - 1 rounds; a sequence whose draft pool cannot hold the rounds' rows keeps its root's candidates."""
         rows_needed = self.top_k * (self.num_tokens - 1)
         live = {i: (seq, tree) for i, (seq, tree) in trees.items() if self.num_tokens > 1 and tree.limit > len(
-            tree.tokens) and self.cache.try_grow_draft(seq.lease, tree.state.position + rows_needed)}  # type: ignore[arg-type]
+            tree.tokens) and self._draft(seq).grow(tree.state.position + rows_needed)}
         for _ in range(1, self.num_tokens):
             live = {i: item for i, item in live.items() if item[1].frontier}
             if not live:
@@ -284,7 +282,7 @@ class Eagle3Proposer:
             picks.append(b * width + np.asarray(outputs, dtype=np.int64))
             counts.append(len(outputs))
         step = StepInputs(embeds, np.array([len(call.ids) for call in calls], dtype=np.int32), starts,
-                          [call.seq.lease.draft_page_ids for call in calls],  # type: ignore[union-attr,misc]
+                          [self._draft(call.seq).page_ids for call in calls],
                           logits_indices=np.concatenate(picks),
                           extra_inputs={BASE_HIDDEN_INPUT: base, DRAFT_HIDDEN_INPUT: own},
                           position_ids=positions, attention_mask=mask)

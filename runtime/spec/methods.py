@@ -206,7 +206,7 @@ class Eagle3Method(DraftModelMethod):
         backend, table = self._draft_session(parts)
         d2t = self._d2t(parts)
         verify_nodes = verify_size(options, parts.base) - 1
-        proposer = HiddenStateProposer(backend, table, d2t, parts.cache, options.spec_draft_step,
+        proposer = HiddenStateProposer(backend, table, d2t, options.spec_draft_step,
                                   draft.model.base_model_hidden_size, top_k=options.spec_draft_top_k,
                                   verify_nodes=verify_nodes, rolls_back=parts.recurrent,
                                   keep_hidden=parts.cache.tokens_per_page if parts.recurrent else 0)
@@ -263,7 +263,7 @@ class BlockDraftMethod(DraftModelMethod):
                                 float(tensors["accept_bias"][0]), options.dspark_scheduler,
                                 options.dspark_confidence_threshold, options.dspark_min_proposal_len,
                                 options.dspark_max_proposal_len)
-        proposer = BlockDraftProposer(backend, table, parts.cache, block_size(options, draft),
+        proposer = BlockDraftProposer(backend, table, block_size(options, draft),
                                       draft.model.mask_token_id, draft.model.base_model_hidden_size, parts.profiler,
                                       heads)
         return Drafter(proposer, backend)

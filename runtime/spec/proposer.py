@@ -7,8 +7,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, runtime_checkable
 
+from kvforge.runtime.context_cache.draft_paths import draft_of
+
 if TYPE_CHECKING:
-    from kvforge.runtime.context_cache.lease import Lease
     from kvforge.runtime.sampling.sampler import SampleResult
     from kvforge.runtime.sequence import Sequence
     from kvforge.runtime.step import BatchOutput, ScheduledRow
@@ -95,13 +96,6 @@ class DraftStates(Generic[S]):
         return len(self.states)
 
 
-def replays_to(lease: Lease, position: int) -> bool:
-    """Whether a lease whose draft K/V lags the base (after a hybrid checkpoint restore) keeps the base's hidden
-    states from where the draft stopped up to `position`, to replay them."""
-    hidden, first = lease.draft_hidden, lease.draft_hidden_start
-    return hidden is not None and first <= lease.draft_computed_tokens < position <= first + len(hidden)
-
-
 def committed_spans(rows: list[ScheduledRow], output: BatchOutput, sampled: list[list[SampleResult]],
                     rolls_back: bool = False) -> Iterator[tuple[int, Sequence, int, int]]:
     """For a drafter with its own K/V, before the commit: (row index, sequence, start, end) of the base positions
@@ -110,13 +104,13 @@ def committed_spans(rows: list[ScheduledRow], output: BatchOutput, sampled: list
     state, so a verify row that rejects a draft commits nothing this step (its state goes back to before the call
     and the kept tokens are recomputed next step, when the draft catches up on them)."""
     for i, (row, samples) in enumerate(zip(rows, sampled, strict=True)):
-        seq, lease = row.seq, row.seq.lease
-        if not seq.drafts_with_kv or lease is None or lease.draft_page_ids is None:
+        seq, draft = row.seq, draft_of(row.seq.lease)
+        if not seq.drafts_with_kv or draft is None:
             continue
         if rolls_back and max(len(samples) - 1, 0) < len(row.draft_token_ids):
             continue
         start = seq.num_computed_tokens  # the commit has not moved it yet
-        if lease.draft_computed_tokens != start and not replays_to(lease, start):
+        if draft.computed != start and not draft.replays_to(start):
             raise AssertionError("the draft K/V lags the base's committed positions")
         end = start + row.num_new_tokens + max(len(samples) - 1, 0)
         if end <= start or output.hidden_states is None or output.hidden_states[i] is None:

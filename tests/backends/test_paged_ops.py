@@ -21,7 +21,7 @@ from kvforge.plugins.reference import (
     to_storage,
 )
 from kvforge.runtime.execution.kv_store import KVStore
-from kvforge.tools.export.families.llama_graph import POOL_ELEM_TYPES, rope_inputs
+from kvforge.tools.export.families.llama import POOL_ELEM_TYPES, rope_inputs
 
 
 def op_graph(num_q: int, num_kv: int, head_dim: int, kv_cache_dtype: str):

@@ -15,15 +15,11 @@ import pytest
 from rich.console import Console
 
 from kvforge.contract.errors import KvforgeError
-from kvforge.tools.profile.report import (
-    compare_rows,
-    flatten,
-    load_profile,
-    metrics,
-    only_in,
-    plot_profile,
-    summary_tables,
-)
+from kvforge.tools.profile.compare import compare_rows, only_in
+from kvforge.tools.profile.load import load_profile
+from kvforge.tools.profile.metrics import flatten, metrics
+from kvforge.tools.profile.plot import plot_profile
+from kvforge.tools.profile.tables import summary_tables
 
 LLM_PROFILE = Path(sys.executable).parent / "llm_profile"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -157,9 +153,45 @@ def test_malformed_sections_do_not_crash() -> None:
                "eagle_generation": {"average_acceptance_rate": 0.6}, "peak_cpu_memory_bytes": 3 * 2**20}
     text = render(profile)
     assert row(text, "runs")[1] == "—"
-    assert row(text, "average_acceptance_rate")[1] == "0.600"
+    assert row(text, "acceptance rate")[1] == "60.0 %"  # Edge-LLM's per-strategy block, laid out
     assert row(text, "peak CPU memory MiB")[1] == "3.0"  # from the _bytes key
     assert compare_rows(profile, profile)
+
+
+def test_speculative_block_has_a_layout() -> None:
+    """kvforge writes spec_decode_generation and a copy under the strategy's name: one table, rows labelled."""
+    block = {"total_runs": 6, "total_iterations": 10, "total_draft_tokens": 40, "total_accepted_tokens": 30,
+             "total_generated_tokens": 40, "average_acceptance_rate": 0.75, "acceptance_length": 4.0,
+             "media_cold_requests": 1, "reuse_bypassed_requests": 0, "prefill_state_only_requests": 2,
+             "tree_width": 3}
+    profile = {**cold_profile(), "spec_decode_generation": block, "mtp_generation": dict(block)}
+    profile["stages"].append(_stage("spec_decode_draft_proposal", 10, 1.5))
+    text = render(profile)
+    assert text.count("Speculative decoding") == 1 and "spec_decode_generation" in text
+    assert row(text, "acceptance rate")[1] == "75.0 %"
+    assert row(text, "tokens per verify step")[1] == "4.00"
+    assert row(text, "prefill-state-only requests")[1] == "2"
+    assert row(text, "tree_width")[1] == "3"  # a key without a layout is still listed
+    assert row(text, "spec_decode_draft_proposal mean ms")[1] == "1.500"
+    assert "total_draft_tokens" not in text  # laid out, not listed
+
+
+def test_shared_tier_block_has_a_layout() -> None:
+    profile = warm_profile()
+    profile["context_cache"]["shared_tier"] = {"lookups": 8, "hits": 6, "loaded_tokens": 384, "load_ms": 12.0,
+                                               "writes": 5, "write_bytes": 4096, "errors": 0, "timeouts": 1,
+                                               "corrupt": 0, "skipped_lookups": 2, "dropped_writes": 0}
+    text = render(profile)
+    assert "Shared tier" in text
+    assert row(text, "hit rate")[1] == "75.0 %"  # the context cache's: 3 / 4
+    tier = text[text.index("Shared tier"):]
+    assert row(tier, "hit rate")[1] == "75.0 %"  # the tier's: 6 / 8
+    assert row(tier, "load ms per hit")[1] == "2.000"
+    assert row(tier, "skipped lookups")[1] == "2"
+    assert "shared_tier.lookups" not in text  # no longer in the cache table's loose listing
+    derived = metrics(profile)
+    assert derived["context_cache.shared_tier.hit_rate"] == 0.75
+    assert derived["context_cache.shared_tier.load_per_hit_ms"] == 2.0
 
 
 # ------------------------------------------------------------------------------------------------ loading

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from kvforge.contract.errors import KvforgeError
-from kvforge.runtime.profile import Profiler, StageTimer, format_summary, write_profile
+from kvforge.runtime.profile import Profiler, StageTimer, write_profile
+from kvforge.tools.profile.summary import format_summary
 
 STAGE_KEYS = {"stage_id", "total_runs", "total_gpu_time_ms", "average_time_per_run_ms", "gpu_time_stats"}
 STATS_KEYS = {"count", "min_ms", "max_ms", "mean_ms", "median_ms", "p95_ms", "p99_ms", "stddev_ms"}
@@ -210,3 +211,14 @@ def test_summary_mentions_stages_and_counts() -> None:
     assert "12 reused" in summary and "4 computed" in summary
     assert "tok/s" in summary
     assert "peak memory" in summary and "KV pool" in summary
+
+
+def test_summary_reads_profiles_it_did_not_write() -> None:
+    """The --dumpProfile text is read by llm_profile's metrics: missing or odd keys print "—", never raise."""
+    summary = format_summary({"prefill": {"total_runs": 2, "reused_tokens": "x"}, "generation": [],
+                              "stages": [{"stage_id": "vision_encoder"}, 7],
+                              "eagle_generation": {"average_acceptance_rate": 0.5},
+                              "peak_cpu_memory_bytes": 3 * 2**20})
+    assert "prefill:    2 runs, — tokens" in summary
+    assert "acceptance 50.0 %" in summary
+    assert "vision_encoder" in summary and "3.0 MiB CPU" in summary

@@ -26,7 +26,7 @@ from kvforge.runtime.context_cache.lease import Admission, Lease
 from kvforge.runtime.context_cache.manager import ContextCacheManager, Deployment
 from kvforge.runtime.context_cache.partial_tails import PartialTails
 from kvforge.runtime.context_cache.planner import PlanKind, ReusePlan, plan_cold, plan_reuse
-from kvforge.runtime.context_cache.pools import Demand, ResourcePool, ResourcePools
+from kvforge.runtime.context_cache.pools import ResourcePool, ResourcePools
 from kvforge.runtime.context_cache.protocol import Lookup, Publication, PublishResult
 from kvforge.runtime.context_cache.records import Record, RecordStore
 from kvforge.runtime.context_cache.recurrent_checkpoints import RecurrentCheckpoints
@@ -54,7 +54,9 @@ def record(record_id: int, ids: list[int], page_ids: tuple[int, ...] = (), *, pa
     exact = partial_slot is not None or recurrent_slot is not None
     tail_key = tail_page_key(keys[-1] if keys else CHAIN_ROOT, ids, full, extras) if exact and len(ids) > full else b""
     covered = ids if tail_key else ids[:full]
-    return Record(record_id, tuple(keys), page_ids, tuple(covered), extras, tail_key, partial_slot, recurrent_slot)
+    parts = {name: slot for name, slot in ((schema.PARTIAL_KV_SNAPSHOTS, partial_slot),
+                                           (schema.RECURRENT_SNAPSHOTS, recurrent_slot)) if slot is not None}
+    return Record(record_id, tuple(keys), page_ids, tuple(covered), extras, tail_key, recurrent_slot is not None, parts)
 
 
 class Copies:
@@ -78,11 +80,11 @@ def test_attention_pages_longest_hit_is_the_indexed_prefix_and_first_committer_w
     ids = tokens(9)
     first = lookup(ids)
     writer = lease([3, 5, 6], first.keys[:2])
-    publication = Publication(first.tokens, first.keys[:2], b"", exact=False, partial=False, recurrent=False)
+    publication = Publication(first.tokens, first.keys[:2], b"", exact=False)
     pages.project(writer, publication)
     assert publication.page_ids == [3, 5] and pages.index.key_of(5) == first.keys[1]
     # A second writer of the same content projects onto the first one's pages instead of indexing its own.
-    other = Publication(first.tokens, first.keys[:2], b"", exact=False, partial=False, recurrent=False)
+    other = Publication(first.tokens, first.keys[:2], b"", exact=False)
     pages.project(lease([1, 2, 4]), other)
     assert other.page_ids == [3, 5] and pages.index.key_of(1) == b""
     plan = pages.find_longest_hit(lookup(ids), plan_cold(len(ids), T))
@@ -98,7 +100,7 @@ def test_attention_pages_a_collision_stops_the_projection() -> None:
     pages = AttentionPages(ResourcePool(schema.BASE_KV_PAGES, 8), T, shares_in_flight=True)
     found = lookup(tokens(8))
     pages.index.insert(found.keys[1], 7, b"not these tokens")
-    publication = Publication(found.tokens, found.keys, b"", exact=False, partial=False, recurrent=False)
+    publication = Publication(found.tokens, found.keys, b"", exact=False)
     pages.project(lease([0, 1]), publication)
     assert publication.page_ids == [0]  # page 1's key holds other tokens: the record keeps the prefix only
 
@@ -152,8 +154,8 @@ def test_partial_tails_extend_the_agreed_pages_by_the_longest_matching_tail() ->
     assert tails.find_longest_hit(lookup(ids), plan_reuse(len(ids), T, ())).restore_slot is None
     tails.on_evict(long)
     assert tails.record_holding(1) is None and tails.find_longest_hit(lookup(ids), agreed).restore_slot == 0
-    publication = Publication(np.asarray(tokens(6)), [b"k"], b"t", exact=False, partial=True, recurrent=False,
-                              partial_slot=3)
+    publication = Publication(np.asarray(tokens(6)), [b"k"], b"t", exact=False,
+                              reserved={schema.PARTIAL_KV_SNAPSHOTS: [3]})
     assert tails.publication_slots(publication) == 1 and tails.held(short) == (0,)
     tails.capture(lease([8, 9]), publication)
     assert copies.calls == [("partial", 9, 3)]  # the page after the publication's full pages
@@ -233,14 +235,16 @@ def test_hybrid_checkpoints_must_agree_with_the_index_on_their_pages() -> None:
     kind.on_commit(checkpoint)
     agreeing = lookup(tokens(9))
     agreeing.page_hits = [2, 5]  # what the attention type found for this input
-    plan = kind.find_longest_hit(agreeing, plan_cold(9, T))
+    tails = PartialTails(ResourcePool(schema.PARTIAL_KV_SNAPSHOTS, 4), T, CHAIN_ROOT, copies, records=store)
+    tails.on_commit(checkpoint)  # the checkpoint's tail page is the tails type's part, added to the checkpoint's plan
+    plan = tails.find_longest_hit(agreeing, kind.find_longest_hit(agreeing, plan_cold(9, T)))
     assert (plan.reuse_tokens, plan.hit_pages, plan.restore_slot, plan.restore_tokens, plan.new_pages) == \
         (6, (2,), 0, 2, 2)
     disagreeing = lookup(tokens(9))
     disagreeing.page_hits = [4]
     assert kind.find_longest_hit(disagreeing, plan_cold(9, T)).restore_recurrent_slot is None
-    publication = Publication(agreeing.tokens, agreeing.keys[:1], b"t", exact=True, partial=True, recurrent=True,
-                              recurrent_slot=3)
+    publication = Publication(agreeing.tokens, agreeing.keys[:1], b"t", exact=True,
+                              reserved={schema.RECURRENT_SNAPSHOTS: [3]})
     running = lease([2, 7])
     kind.capture(running, publication)
     assert kind.publication_slots(publication) == 1 and copies.calls == [("recurrent", id(running), 3)]
@@ -258,13 +262,13 @@ def test_eviction_plan_that_needs_no_victim_never_reads_the_lru_order() -> None:
         read.append(True)
         yield from store.least_recent_first()
 
-    pools = ResourcePools(4)
+    pools = ResourcePools(ResourcePool(schema.BASE_KV_PAGES, 4))
     pools.base_kv_pages.allocate(1)
-    assert plan_eviction(Demand(base_kv_pages=3), pools, lru()) == [] and not read
+    assert plan_eviction({schema.BASE_KV_PAGES: 3}, pools, lru()) == [] and not read
     pools.base_kv_pages.allocate(3)
     pools.base_kv_pages.add_cache_ref([0])
     pools.base_kv_pages.unpin([0])
-    assert plan_eviction(Demand(base_kv_pages=1), pools, lru()) == [1] and read
+    assert plan_eviction({schema.BASE_KV_PAGES: 1}, pools, lru()) == [1] and read
 
 
 def test_enums_keep_the_profile_keys_and_the_old_strings() -> None:

@@ -16,7 +16,7 @@ from kvforge.runtime.context_cache.planner import (
     PLAN_STANDARD,
     plan_reuse,
 )
-from kvforge.runtime.context_cache.pools import BASE_KV_PAGES, Demand, ResourcePool, ResourcePools
+from kvforge.runtime.context_cache.pools import BASE_KV_PAGES, ResourcePool, ResourcePools
 from kvforge.runtime.context_cache.protocol import PublishResult
 from kvforge.runtime.context_cache.records import Record, RecordStore
 from kvforge.runtime.types import LookupPolicy
@@ -121,7 +121,7 @@ def _record(store: RecordStore, pages: tuple[int, ...]) -> Record:
 
 
 def test_eviction_shared_ancestor_needs_several_victims_and_plans_are_read_only() -> None:
-    pools = ResourcePools(3)
+    pools = ResourcePools(ResourcePool(BASE_KV_PAGES, 3))
     pool = pools.base_kv_pages
     pages = pool.allocate(3)
     store = RecordStore()
@@ -131,22 +131,22 @@ def test_eviction_shared_ancestor_needs_several_victims_and_plans_are_read_only(
     pool.add_cache_ref(b.page_ids)
     pool.unpin(pages)
     before = (list(pool.active), list(pool.cache), pool.num_free)
-    assert plan_eviction(Demand(1), pools, store.least_recent_first()) == [a.record_id]
-    assert plan_eviction(Demand(3), pools, store.least_recent_first()) == [a.record_id, b.record_id]
-    assert plan_eviction(Demand(4), pools, store.least_recent_first()) is None  # infeasible
+    assert plan_eviction({BASE_KV_PAGES: 1}, pools, store.least_recent_first()) == [a.record_id]
+    assert plan_eviction({BASE_KV_PAGES: 3}, pools, store.least_recent_first()) == [a.record_id, b.record_id]
+    assert plan_eviction({BASE_KV_PAGES: 4}, pools, store.least_recent_first()) is None  # infeasible
     assert (list(pool.active), list(pool.cache), pool.num_free) == before  # nothing changed
 
 
 def test_eviction_never_reclaims_pinned_pages() -> None:
-    pools = ResourcePools(2)
+    pools = ResourcePools(ResourcePool(BASE_KV_PAGES, 2))
     pool = pools.base_kv_pages
     pages = pool.allocate(2)
     store = RecordStore()
     record = _record(store, tuple(pages))
     pool.add_cache_ref(record.page_ids)
     pool.unpin([pages[1]])  # page 0 stays pinned by an in-flight request
-    assert plan_eviction(Demand(2), pools, store.least_recent_first()) is None
-    assert plan_eviction(Demand(1), pools, store.least_recent_first()) == [record.record_id]
+    assert plan_eviction({BASE_KV_PAGES: 2}, pools, store.least_recent_first()) is None
+    assert plan_eviction({BASE_KV_PAGES: 1}, pools, store.least_recent_first()) == [record.record_id]
 
 
 # --- manager ----------------------------------------------------------------------------------------

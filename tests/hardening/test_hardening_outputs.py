@@ -48,7 +48,7 @@ def test_output_inside_the_engine_dir_replacing_a_file(tiny_engine_dir: Path, tm
     input_file = request_file(tmp_path / "in.json")
     before = snapshot(tiny_engine_dir)
     inference(tiny_engine_dir, input_file, tiny_engine_dir / "config.json").one_line_error("--outputFile",
-                                                                                        "--engineDir")
+                                                                                        "kvforge engine dir")
     assert snapshot(tiny_engine_dir) == before
 
 

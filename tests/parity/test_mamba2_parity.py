@@ -14,7 +14,7 @@ import pytest
 
 from kvforge.builder.lower_recurrent import lower_recurrent_ops
 from kvforge.runtime.execution.backend import last_token_indices
-from kvforge.tools.export.families.mamba2_graph import (
+from kvforge.tools.export.families.mamba2 import (
     Mamba2Geometry,
     build_mamba2_graph,
     conv_state_name,
@@ -136,7 +136,7 @@ def hf_twin(config: object) -> object:
 def exported(onnx_dir: Path) -> tuple[ort.InferenceSession, Mamba2Geometry]:
     from kvforge.contract.files import read_json
     from kvforge.contract.model_config import ModelConfig
-    from kvforge.tools.export.families.mamba2_source import geometry
+    from kvforge.tools.export.families.mamba2 import geometry
 
     config = ModelConfig.from_dict(read_json(onnx_dir / "config.json", "onnx_dir"))
     lowered = lower_recurrent_ops(onnx.load(onnx_dir / "model.onnx"))

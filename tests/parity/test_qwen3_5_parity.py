@@ -20,10 +20,9 @@ from kvforge.builder.lower_recurrent import lower_recurrent_ops
 from kvforge.contract.model_config import ModelConfig
 from kvforge.plugins.reference import rope_table
 from kvforge.runtime.execution.backend import last_token_indices
-from kvforge.tools.export.families.llama_graph import pool_input_name
-from kvforge.tools.export.families.mamba2_graph import conv_state_name, recurrent_state_name
-from kvforge.tools.export.families.qwen3_5_graph import build_qwen3_5_graph
-from kvforge.tools.export.families.qwen3_5_source import config_from_hf
+from kvforge.tools.export.families.llama import pool_input_name
+from kvforge.tools.export.families.mamba2 import conv_state_name, recurrent_state_name
+from kvforge.tools.export.families.qwen3_5 import build_qwen3_5_graph, config_from_hf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

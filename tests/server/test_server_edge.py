@@ -172,7 +172,7 @@ def test_metrics_need_a_key_when_keys_are_required(engine_dir: Path, tmp_path: P
         status, _, reply = call(server, "GET", "/metrics")
         assert status == 401
         assert_error(reply, "invalid_api_key")
-        assert call(server, "GET", "/metrics", headers={"Authorization": "Bearer k1"})[0] == 200
+        assert call(server, "GET", "/metrics", headers={"Authorization": "Bearer k1"})[0] == 403  # operator keys only
         assert call(server, "GET", "/health")[0] == 200  # probes need no key
         assert call(server, "GET", "/")[0] == 200
 
@@ -235,10 +235,11 @@ def test_a_stalled_body_gets_408_while_health_answers(server: LiveServer) -> Non
 
 def test_uploads_beyond_the_shared_budget_are_refused_not_buffered(server: LiveServer) -> None:
     length = 900 * 1024  # each fits the 1 MiB cap; two fill the 2 MiB budget
-    slow = [raw(server, post_head(server, length), b'{"model": "') for _ in range(2)]
+    sent = b'{"model": "' + b"x" * (length - 100)  # bytes reserve the budget as they arrive, never declared ones
+    slow = [raw(server, post_head(server, length), sent) for _ in range(2)]
     try:
-        time.sleep(0.2)  # both are reading (reserved their declared length)
-        refused = raw(server, post_head(server, length), b'{"model": "')
+        time.sleep(0.2)  # both are reading (reserved what they sent)
+        refused = raw(server, post_head(server, length), sent + b"x" * 100)  # whole: nothing left to drain
         try:
             started = time.monotonic()
             status, reply = response_of(refused)

@@ -75,10 +75,10 @@ class LiveServer:
 
 
 @contextmanager
-def live_server(engine_dir: Path, tmp_path: Path, *, reuse: bool = True, api_keys: dict[str, str] | None = None,
+def live_server(engine_dir: Path, tmp_path: Path, *, reuse: bool = True, api_keys: dict[str, Any] | None = None,
                 max_queued_requests: int = 64, shutdown_timeout: float = 10.0,
                 lora_weights: dict[str, str] | None = None, media: MediaPolicy | None = None,
-                **config: Any) -> Iterator[LiveServer]:
+                app_options: dict[str, Any] | None = None, **config: Any) -> Iterator[LiveServer]:
     keys_file = None
     if api_keys is not None:
         keys_file = tmp_path / "keys.json"
@@ -90,7 +90,7 @@ def live_server(engine_dir: Path, tmp_path: Path, *, reuse: bool = True, api_key
     if lora_weights:
         engine.load_adapters(lora_weights)
     app = create_app(engine, load_tenants(keys_file, None), model_name=MODEL, max_queued_requests=max_queued_requests,
-                     media=media)
+                     media=media, **(app_options or {}))
     sock = bind_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=shutdown_timeout))

@@ -5,13 +5,8 @@ from __future__ import annotations
 import json
 import os
 import platform
-import signal
-import subprocess
 import sys
-import tempfile
-import threading
 import time
-from collections import deque
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -36,6 +31,7 @@ from kvforge.tools.bench.engines import (
     parse_engine,
 )
 from kvforge.tools.bench.engines import resolve as resolve_engine
+from kvforge.tools.bench.processes import Entry, run_engines
 from kvforge.tools.bench.text import DOCUMENT_SECTIONS
 from kvforge.tools.bench.workloads import (
     BUILTIN,
@@ -165,69 +161,6 @@ def check_context_positions(entries: list[Entry], context_tokens: tuple[int, ...
                                "give shorter contexts", "contextTokens")
 
 
-class WorkerFailed(Exception):
-    pass
-
-
-class Worker:
-    """One engine's process (kvforge.tools.bench.worker): a JSON line per command, a JSON line per reply; its
-    stderr (progress) is shown as it comes, and its last lines explain a failure."""
-
-    def __init__(self, job: dict[str, Any], work: Path) -> None:
-        self.name = job["engine"]["name"]
-        job_path = work / f"{len(list(work.iterdir()))}.job.json"
-        job_path.write_text(json.dumps(job), encoding="utf-8")
-        threads = str(job["threads"])
-        # Same thread count for every library an engine may use; no progress bars or hub lookups from peers.
-        env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
-               "TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1",
-               "TRANSFORMERS_VERBOSITY": "error"}
-        self.process = subprocess.Popen([sys.executable, "-m", "kvforge.tools.bench.worker", str(job_path)],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        text=True, env=env)
-        self.tail: deque[str] = deque(maxlen=20)
-        self.reader = threading.Thread(target=self._show_stderr, daemon=True)
-        self.reader.start()
-
-    def _show_stderr(self) -> None:
-        assert self.process.stderr is not None
-        for line in self.process.stderr:
-            if line.strip():
-                self.tail.append(line.rstrip())
-                console.print(f"  [dim]{escape(line.rstrip())}[/]")
-
-    def read(self) -> dict[str, Any]:
-        assert self.process.stdout is not None
-        line = self.process.stdout.readline()
-        if not line:
-            code = self.process.wait()
-            self.reader.join(timeout=5)
-            raise WorkerFailed(failure(code, list(self.tail)))
-        return json.loads(line)
-
-    def call(self, command: dict[str, Any]) -> dict[str, Any]:
-        assert self.process.stdin is not None
-        try:
-            self.process.stdin.write(json.dumps(command) + "\n")
-            self.process.stdin.flush()
-        except BrokenPipeError:
-            pass  # it died: read() says how
-        return self.read()
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
-
-
-def failure(code: int, tail: list[str]) -> str:
-    """One line for a worker that did not finish: the exception it raised, or how it died."""
-    if any(line.startswith("Traceback") for line in tail):
-        return tail[-1][:300]
-    how = f"crashed ({signal.Signals(-code).name})" if code < 0 else f"exited with code {code}"
-    return f"{how}{'; last output: ' + tail[-1][:200] if tail else ''}"
-
-
 @dataclass(frozen=True, slots=True)
 class Settings:
     threads: int
@@ -237,9 +170,6 @@ class Settings:
     unrelated_tokens: int
     tokens_per_page: int  # engines built from an ONNX dir
     context_tokens: tuple[int, ...] = ()  # the decode_context points (none: it does not run)
-
-
-Entry = tuple[EngineSpec, str | None]  # an engine and why it is skipped (None: it runs)
 
 
 def plan_engines(specs: list[EngineSpec], baseline: str | None) -> tuple[list[Entry], str]:
@@ -273,64 +203,6 @@ def ready_kvforge(entries: list[Entry], longest: int, must_fit: int, settings: S
             check_fits(spec, must_fit, settings.max_tokens)
         ready.append((spec, reason))
     return ready
-
-
-def run_engines(entries: list[Entry], job: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every engine in a process of its own, loaded one after another; then each repeat runs on one engine at a time,
-    engines in turn (the order rotating per repeat), so load that drifts on a shared machine weighs on all alike."""
-    results: dict[str, dict[str, Any]] = {}
-    workers: list[Worker] = []
-    with tempfile.TemporaryDirectory(prefix="llm_bench-") as tmp:
-        try:
-            for index, (spec, reason) in enumerate(entries, 1):
-                where = f"[{index}/{len(entries)}] {spec.name}"
-                base = {"name": spec.name, "kind": spec.kind, "spec": spec.to_json()}
-                if reason is not None:
-                    console.print(f"{where}: [yellow]skipped[/]: {escape(reason)}")
-                    results[spec.name] = {**base, "status": "skipped", "reason": reason}
-                    continue
-                console.print(f"{where} ({spec.kind}): loading, load average {os.getloadavg()[0]:.2f}")
-                worker = Worker({**job, "engine": spec.to_json()}, Path(tmp))
-                results[spec.name] = {**base, "status": "ok", "workloads": {w["name"]: [] for w in job["workloads"]}}
-                _step(worker, {}, results, workers)
-            for repeat in range(job["repeats"]):
-                shift = repeat % len(workers) if workers else 0
-                for worker in workers[shift:] + workers[:shift]:
-                    _step(worker, {"run": repeat}, results, workers)
-            for worker in list(workers):
-                _step(worker, {"quit": True}, results, workers)
-        finally:
-            for worker in workers:
-                worker.stop()
-    return [results[spec.name] for spec, _ in entries]
-
-
-def _step(worker: Worker, command: dict[str, Any], results: dict[str, dict[str, Any]], workers: list[Worker]) -> None:
-    """One command to a worker ({} = wait until it is ready); its reply goes into its result, and a worker that
-    fails is marked failed and dropped while the others go on."""
-    result = results[worker.name]
-    if result["status"] != "ok":
-        return
-    try:
-        reply = worker.call(command) if command else worker.read()
-    except WorkerFailed as exc:
-        console.print(f"{worker.name}: [red]failed[/]: {escape(str(exc))}")
-        results[worker.name] = {k: v for k, v in result.items() if k != "workloads"}
-        results[worker.name].update(status="failed", reason=str(exc))
-        if worker in workers:
-            workers.remove(worker)
-        worker.stop()
-        return
-    if not command:
-        workers.append(worker)
-        result.update({k: v for k, v in reply.items() if k != "ready"})
-    elif "run" in command:
-        for name, traces in reply["workloads"].items():
-            result["workloads"][name].append(traces)
-    else:
-        result["peak_rss_bytes"] = reply["peak_rss_bytes"]
-        result["skipped_points"] = reply.get("skipped_points", {})
-        worker.process.wait()
 
 
 def bench(specs: list[EngineSpec], workload_names: list[str], input_file: Path | None, settings: Settings,

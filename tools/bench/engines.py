@@ -85,8 +85,12 @@ def parse_engine(text: str) -> EngineSpec:
     if prefix.lower() in KIND_ALIASES and (sep or prefix.lower() != KVFORGE):
         kind, head = KIND_ALIASES[prefix.lower()], rest
     reuse, spec, draft_step, top_k = True, SPEC_OFF, None, None
+    seen: set[str] = set()
     for option in options:
         key, _, value = option.partition("=")
+        if key in seen:  # last-wins would hide a typo or a pasted spec: refused, as duplicate JSON keys are
+            raise KvforgeError(f"{text!r}: option {key!r} is given twice; give each option once", FIELD)
+        seen.add(key)
         if key == "reuse" and value in ("on", "off"):
             if kind != KVFORGE:
                 raise KvforgeError(f"{text!r}: reuse=on|off applies to kvforge engines only", FIELD)

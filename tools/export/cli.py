@@ -7,12 +7,25 @@ import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import typer
 
 from kvforge.cli_common import EXPORT_FLAGS, console, progress_bar, run_app, run_guarded
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.model_config import KV_CACHE_DTYPES, ModelConfig
+from kvforge.tools.export.cli_help import (
+    BLOCK_DRAFT_HELP,
+    EAGLE3_HELP,
+    GEMMA4_ASSISTANT_HELP,
+    LORA_HELP,
+    MTP_HELP,
+    RANDOM_BLOCK_DRAFT_HELP,
+    RANDOM_EAGLE3_HELP,
+    RANDOM_GEMMA4_ASSISTANT_HELP,
+    RANDOM_LORA_HELP,
+    RANDOM_MTP_HELP,
+)
 from kvforge.tools.export.sources.base import LoadedModel
 
 SMOLLM2_NAME = "smollm2-135m-instruct"
@@ -33,101 +46,6 @@ command: `llm_export SOURCE ...` means `llm_export model SOURCE ...`.
   llm_export random-lora --onnxDir onnx/smollm2 --outputDir adapters/random_peft --rank 8
   llm_export smollm2-135m-instruct --outputDir onnx/smollm2-base --hiddenStateLayers 1,14,26
   llm_export eagle3 --draftDir my_eagle3_draft --baseOnnxDir onnx/smollm2-base --outputDir onnx/smollm2-draft
-"""
-EAGLE3_HELP = """
-Export an EAGLE3 draft in the Hugging Face format (LlamaForCausalLMEagle3: fc over three base layers' hidden
-states, one decoder layer, a reduced vocabulary with its d2t map) for the base whose ONNX dir is given. The base
-must return the hidden states the draft reads: export it with --hiddenStateLayers (this command says which).
-Build both with llm_build --specBase / --specDraft into one engine dir and run llm_inference --specDecode eagle3.
-
-[bold]Example[/]
-
-  llm_export eagle3 --draftDir my_eagle3_draft --baseOnnxDir onnx/smollm2-base --outputDir onnx/smollm2-draft
-"""
-RANDOM_EAGLE3_HELP = """
-Write a random-weight EAGLE3 draft checkpoint (Hugging Face format) for the base of an ONNX dir: plumbing tests
-and demos (its proposals are rarely accepted); export it with `eagle3`.
-
-[bold]Example[/]
-
-  llm_export random-eagle3 --baseOnnxDir onnx/tiny --outputDir drafts/random_eagle3 --draftVocab 64
-"""
-BLOCK_DRAFT_HELP = """
-Export a block draft (DFlash's DFlashDraftModel or DSpark's DSparkDraftModel, Hugging Face format) for a base ONNX
-dir. The base must return the hidden states of the draft's dflash_config.target_layer_ids (llm_export
---hiddenStateLayers); the draft embeds with the base's table and scores with a float copy of the base's LM head.
-Build it with `llm_build --specDraft --cpuAttention kernel` into the base engine's draft/ folder.
-
-[bold]Example[/]
-
-  llm_export model HF/Qwen3-4B --hiddenStateLayers 1,9,17,25,33 --outputDir onnx/qwen3-4b
-  llm_export block-draft --draftDir HF/Qwen3-4B-DFlash-b16 --baseOnnxDir onnx/qwen3-4b --outputDir onnx/dflash
-"""
-RANDOM_BLOCK_DRAFT_HELP = """
-Write a random-weight DFlash or DSpark checkpoint (Hugging Face format) for the base of an ONNX dir: plumbing tests
-and demos (its proposals are rarely accepted); export it with `block-draft`.
-
-[bold]Example[/]
-
-  llm_export random-block-draft --kind dspark --baseOnnxDir onnx/tiny --outputDir drafts/random_dspark
-"""
-GEMMA4_ASSISTANT_HELP = """
-Export a Gemma4 MTP assistant (transformers' Gemma4AssistantForCausalLM, Hugging Face format) for a base ONNX dir.
-Its layers have query projections only and attend over the K/V the base wrote (no draft pool); it reads the base's
-normed last hidden state, so the base must return its last layer (llm_export --hiddenStateLayers N-1). Only
-full-attention assistant layers with the base's RoPE and head size are supported (kvforge has no sliding-window base
-family yet). Build it with `llm_build --specDraft --cpuAttention kernel` (the base's --tokensPerPage) into the base
-engine's draft/ folder and run with `llm_inference --specDecode gemma4_mtp`.
-
-[bold]Example[/]
-
-  llm_export model --synthetic tiny-llama --hiddenStateLayers 1 --outputDir onnx/tiny
-  llm_export random-gemma4-assistant --baseOnnxDir onnx/tiny --outputDir drafts/assistant
-  llm_export gemma4-assistant --draftDir drafts/assistant --baseOnnxDir onnx/tiny --outputDir onnx/assistant
-"""
-RANDOM_GEMMA4_ASSISTANT_HELP = """
-Write a random-weight Gemma4 assistant checkpoint (Hugging Face format) for the base of an ONNX dir: plumbing tests
-and demos (its guesses are rarely accepted); export it with `gemma4-assistant`.
-
-[bold]Example[/]
-
-  llm_export random-gemma4-assistant --baseOnnxDir onnx/tiny --outputDir drafts/assistant --numCentroids 7
-"""
-MTP_HELP = """
-Export the multi-token-prediction layer of a Qwen3.5 checkpoint (its `mtp.*` tensors) as a draft for that model's
-ONNX dir: standard MTP on a hybrid base. The base must return its last layer (llm_export --hiddenStateLayers N-1);
-the draft embeds with the base's table and scores with a float copy of its head. Build it with `llm_build
---specDraft` into the base engine's draft/ folder (the base with --specBase) and run `llm_inference --specDecode
-mtp`.
-
-[bold]Example[/]
-
-  llm_export model HF/Qwen3.5-0.8B --hiddenStateLayers 23 --outputDir onnx/qwen3_5
-  llm_export mtp --draftDir HF/Qwen3.5-0.8B --baseOnnxDir onnx/qwen3_5 --outputDir onnx/qwen3_5-mtp
-"""
-RANDOM_MTP_HELP = """
-Write a random Qwen3.5 MTP layer (`mtp.*` tensors and a config.json, the checkpoint's layout) for a hybrid base's
-ONNX dir: plumbing tests and demos (its guesses are rarely accepted); export it with `mtp`.
-
-[bold]Example[/]
-
-  llm_export model --synthetic tiny-qwen3_5 --hiddenStateLayers 3 --outputDir onnx/tiny-hybrid
-  llm_export random-mtp --baseOnnxDir onnx/tiny-hybrid --outputDir drafts/mtp
-"""
-LORA_HELP = """
-Convert a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) into the engine's layout
-(A as [in, r], B as [r, out], alpha/r folded into B), checking every shape against the ONNX dir's model.
-
-[bold]Example[/]
-
-  llm_export lora --adapterDir my_peft_adapter --onnxDir onnx/smollm2 --output adapters/mine.safetensors
-"""
-RANDOM_LORA_HELP = """
-Write a random PEFT adapter for the model of an ONNX dir (for tests and demos); convert it with `lora`.
-
-[bold]Example[/]
-
-  llm_export random-lora --onnxDir onnx/smollm2 --outputDir adapters/random_peft --rank 8 --seed 1
 """
 app = typer.Typer(add_completion=False, rich_markup_mode="rich", help=HELP)
 
@@ -157,47 +75,20 @@ def load_source(source: str | None, synthetic: str | None, kv_cache_dtype: str, 
 
 
 def _load_multimodal_source(source: str | None, synthetic: str | None, kv_cache_dtype: str, seed: int):
-    """(text model, encoder export) for an image-text or audio-text source (an Idefics3/SmolVLM or Qwen2-Audio dir,
-    tiny-idefics3, tiny-qwen2-audio), else None."""
+    """(encoder family, text model, encoder export) for an image-text or audio-text source (an Idefics3/SmolVLM or
+    Qwen2-Audio dir, tiny-idefics3, tiny-qwen2-audio), else None."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         return None  # load_source reports it
-    if synthetic == "tiny-idefics3" and not source:
-        from kvforge.tools.export.sources.synthetic import synthetic_idefics3
-        return synthetic_idefics3(kv_cache_dtype, seed)
-    if synthetic == "tiny-qwen2-audio" and not source:
-        from kvforge.tools.export.sources.synthetic import synthetic_qwen2_audio
-        return synthetic_qwen2_audio(kv_cache_dtype, seed)
-    if source and not synthetic and Path(source).is_dir():
-        from kvforge.tools.export.families.idefics3_source import is_idefics3_dir, load_idefics3_dir
-        from kvforge.tools.export.families.qwen2_audio_source import is_qwen2_audio_dir, load_qwen2_audio_dir
-        if is_idefics3_dir(Path(source)):
-            return load_idefics3_dir(Path(source), kv_cache_dtype)
-        if is_qwen2_audio_dir(Path(source)):
-            return load_qwen2_audio_dir(Path(source), kv_cache_dtype)
-    return None
+    from kvforge.tools.export.families.encoders import encoder_source
+    return encoder_source(source, synthetic, kv_cache_dtype, seed)
 
 
-def _write_encoder(encoder, output_dir: Path, encoder_output_dir: Path | None) -> None:
-    from kvforge.tools.export.families.qwen2_audio_source import AudioExport, write_audio_onnx_dir
-
-    if isinstance(encoder, AudioExport):
-        target = encoder_output_dir or output_dir / "audio"
-        with progress_bar("building audio encoder", None):
-            write_audio_onnx_dir(encoder, target)
-        console.print(f"exported the {encoder.config.model} audio encoder (up to {encoder.config.num_frames} mel "
-                      f"frames per item) to {target}")
-        return
-    from kvforge.tools.export.families.idefics3_source import write_visual_onnx_dir
-
-    target = encoder_output_dir or output_dir / "visual"
-    with progress_bar("building vision encoder", None):
-        write_visual_onnx_dir(encoder, target)
-    e = encoder.config
-    pre = e.preprocessing
-    split = (f"images split into {pre.image_size}px tiles + the global image, longest edge {pre.longest_edge}px"
-             if pre.do_image_splitting else "images unsplit")
-    console.print(f"exported the {e.model} vision encoder ({e.tokens_per_image} tokens per {pre.image_size}px "
-                  f"frame; {split}) to {target}")
+def _write_encoder(multimodal, output_dir: Path, encoder_output_dir: Path | None) -> None:
+    family, _, encoder = multimodal
+    target = encoder_output_dir or output_dir / family.subdir
+    with progress_bar(family.building, None):
+        family.write(encoder, target)
+    console.print(f"exported {family.describe(encoder)} to {target}")
 
 
 # The default per source: the fastest variant that passes the quality bar of experiments/quality.py (top-1 agreement
@@ -292,7 +183,7 @@ def export(
                                "--prefillInt8Rows")
         with progress_bar("loading weights", None) as step:
             multimodal = _load_multimodal_source(source, synthetic, kv_cache_dtype, seed)
-            loaded = multimodal[0] if multimodal else load_source(source, synthetic, kv_cache_dtype, seed, step)
+            loaded = multimodal[1] if multimodal else load_source(source, synthetic, kv_cache_dtype, seed, step)
         loaded.config.lora_targets = targets
         with progress_bar("quantizing", None) as step:
             quantize_linears(loaded, chosen, quant_block_size, step, lm_head, lm_head_candidates)
@@ -302,7 +193,7 @@ def export(
         with progress_bar("building graph", layers + 1) as step:
             write_onnx_dir(loaded, output_dir, step)
         if multimodal:
-            _write_encoder(multimodal[1], output_dir, encoder_output_dir)
+            _write_encoder(multimodal, output_dir, encoder_output_dir)
         c = loaded.config
         console.print(f"exported {c.name or c.model} ({c.model}, {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
                       f"heads {c.num_attention_heads}/{c.num_key_value_heads}, KV {c.kv_cache_dtype}, weights "
@@ -344,7 +235,8 @@ def random_lora(
             raise KvforgeError(f"must be in [1, {MAX_LORA_RANK}], got {rank}", "--rank")
         if not math.isfinite(alpha):
             raise KvforgeError(f"must be a finite number, got {alpha}", "--alpha")
-        from kvforge.contract.files import check_distinct
+        from kvforge.contract.files import check_distinct, check_output_dir
+        check_output_dir(output_dir, "--outputDir")  # llm_export model's rule: never over a user's files
         check_distinct({"--outputDir": output_dir}, {"--onnxDir": onnx_dir}, outputs_are_dirs=True)
         write_random_peft_adapter(onnx_dir, output_dir, rank, alpha, seed)
         console.print(f"wrote a random rank-{rank} PEFT adapter to {output_dir}")
@@ -352,31 +244,58 @@ def random_lora(
     run_guarded(body, debug, flags=EXPORT_FLAGS)
 
 
-def _export_draft(target: str, draft_dir: Path, base_onnx_dir: Path, output_dir: Path, debug: bool,
+def _eagle3() -> ModuleType:
+    return importlib.import_module("kvforge.tools.export.drafts.eagle3")
+
+
+def _block_draft() -> ModuleType:
+    return importlib.import_module("kvforge.tools.export.drafts.block_draft")
+
+
+def _gemma4_assistant() -> ModuleType:
+    return importlib.import_module("kvforge.tools.export.drafts.gemma4_assistant")
+
+
+def _qwen3_5_mtp() -> ModuleType:
+    return importlib.import_module("kvforge.tools.export.drafts.qwen3_5_mtp")
+
+
+# The draft formats: how to import the module (only when the command runs, so --help stays fast; a literal name, so
+# tests/test_layering.py's import graph sees the edge), and its exporter and random-writer functions.
+DRAFT_FORMATS: dict[str, tuple[Callable[[], ModuleType], str, str]] = {
+    "eagle3": (_eagle3, "export_eagle3", "write_random_eagle3"),
+    "block-draft": (_block_draft, "export_block_draft", "write_random_block_draft"),
+    "gemma4-assistant": (_gemma4_assistant, "export_gemma4_assistant", "write_random_gemma4_assistant"),
+    "mtp": (_qwen3_5_mtp, "export_mtp", "write_random_mtp"),
+}
+
+
+def _export_draft(draft_format: str, draft_dir: Path, base_onnx_dir: Path, output_dir: Path, debug: bool,
                   describe: Callable[[ModelConfig], str]) -> None:
-    """What every draft export command does: distinct paths, the exporter `target` ("module:function", imported
-    only now so --help stays fast), and one line saying what it wrote."""
+    """What every draft export command does: distinct paths, the format's exporter (DRAFT_FORMATS), and one line
+    saying what it wrote."""
     def body() -> None:
         from kvforge.contract.files import check_distinct
         check_distinct({"--outputDir": output_dir}, {"--draftDir": draft_dir, "--baseOnnxDir": base_onnx_dir},
                        outputs_are_dirs=True)
-        module, name = target.split(":")
-        config = getattr(importlib.import_module(module), name)(draft_dir, base_onnx_dir, output_dir)
+        load, exporter, _ = DRAFT_FORMATS[draft_format]
+        config = getattr(load(), exporter)(draft_dir, base_onnx_dir, output_dir)
         console.print(f"exported {describe(config)} to {output_dir}")
 
     run_guarded(body, debug, flags=EXPORT_FLAGS)
 
 
-def _write_random_draft(target: str, base_onnx_dir: Path, output_dir: Path, debug: bool, what: str,
+def _write_random_draft(draft_format: str, base_onnx_dir: Path, output_dir: Path, debug: bool, what: str,
                         check: Callable[[], None] = lambda: None, **options: object) -> None:
-    """What every random-draft command does: its own `check`, distinct paths, the writer `target` ("module:function")
-    with `options`, and one line saying what it wrote."""
+    """What every random-draft command does: its own `check`, distinct paths, the format's random writer
+    (DRAFT_FORMATS) with `options`, and one line saying what it wrote."""
     def body() -> None:
-        from kvforge.contract.files import check_distinct
+        from kvforge.contract.files import check_distinct, check_output_dir
         check()
+        check_output_dir(output_dir, "--outputDir")  # llm_export model's rule: never over a user's files
         check_distinct({"--outputDir": output_dir}, {"--baseOnnxDir": base_onnx_dir}, outputs_are_dirs=True)
-        module, name = target.split(":")
-        getattr(importlib.import_module(module), name)(base_onnx_dir, output_dir, **options)
+        load, _, writer = DRAFT_FORMATS[draft_format]
+        getattr(load(), writer)(base_onnx_dir, output_dir, **options)
         console.print(f"wrote a random {what} checkpoint to {output_dir}")
 
     run_guarded(body, debug, flags=EXPORT_FLAGS)
@@ -401,7 +320,7 @@ def eagle3(
     output_dir: Path = typer.Option(..., "--outputDir", help="The draft's ONNX dir to write."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
-    _export_draft("kvforge.tools.export.drafts.eagle3:export_eagle3", draft_dir, base_onnx_dir, output_dir, debug,
+    _export_draft("eagle3", draft_dir, base_onnx_dir, output_dir, debug,
                   lambda c: f"an EAGLE3 draft (hidden {c.hidden_size}, draft vocabulary {c.draft_vocab_size}, "
                             f"reads base layers {c.eagle_hidden_state_layers})")
 
@@ -414,7 +333,7 @@ def random_eagle3(
     seed: int = typer.Option(0, "--seed", help="Random seed."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
-    _write_random_draft("kvforge.tools.export.drafts.eagle3:write_random_eagle3", base_onnx_dir, output_dir, debug,
+    _write_random_draft("eagle3", base_onnx_dir, output_dir, debug,
                         "EAGLE3 draft", draft_vocab_size=draft_vocab, seed=seed)
 
 
@@ -426,7 +345,7 @@ def block_draft(
     output_dir: Path = typer.Option(..., "--outputDir", help="The draft's ONNX dir to write."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
-    _export_draft("kvforge.tools.export.drafts.block_draft:export_block_draft", draft_dir, base_onnx_dir, output_dir,
+    _export_draft("block-draft", draft_dir, base_onnx_dir, output_dir,
                   debug, lambda c: f"a {c.spec_decode_type} draft ({c.num_hidden_layers} layers, block "
                                    f"{c.dflash_block_size}, reads base layers {c.eagle_hidden_state_layers})")
 
@@ -442,7 +361,7 @@ def random_block_draft(
     seed: int = typer.Option(0, "--seed", help="Random seed."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
-    _write_random_draft("kvforge.tools.export.drafts.block_draft:write_random_block_draft", base_onnx_dir, output_dir,
+    _write_random_draft("block-draft", base_onnx_dir, output_dir,
                         debug, f"{kind} draft", _check_num_layers(num_layers), kind=kind, seed=seed,
                         num_layers=num_layers, block_size=block_size)
 
@@ -457,7 +376,7 @@ def gemma4_assistant(
     output_dir: Path = typer.Option(..., "--outputDir", help="The assistant's ONNX dir to write."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
-    _export_draft("kvforge.tools.export.drafts.gemma4_assistant:export_gemma4_assistant", draft_dir, base_onnx_dir,
+    _export_draft("gemma4-assistant", draft_dir, base_onnx_dir,
                   output_dir, debug, lambda c: f"a Gemma4 assistant ({c.num_hidden_layers} layers reading base layer "
                                                f"{c.kv_shared_layers[0]}'s K/V, {_assistant_logits(c)})")
 
@@ -473,7 +392,7 @@ def random_gemma4_assistant(
     seed: int = typer.Option(0, "--seed", help="Random seed."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
-    _write_random_draft("kvforge.tools.export.drafts.gemma4_assistant:write_random_gemma4_assistant", base_onnx_dir,
+    _write_random_draft("gemma4-assistant", base_onnx_dir,
                         output_dir, debug, "Gemma4 assistant", _check_num_layers(num_layers), seed=seed,
                         num_layers=num_layers, num_centroids=num_centroids)
 
@@ -486,7 +405,7 @@ def mtp(
     output_dir: Path = typer.Option(..., "--outputDir", help="The MTP draft's ONNX dir to write."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
-    _export_draft("kvforge.tools.export.drafts.qwen3_5_mtp:export_mtp", draft_dir, base_onnx_dir, output_dir, debug,
+    _export_draft("mtp", draft_dir, base_onnx_dir, output_dir, debug,
                   lambda c: f"an MTP draft (one layer, reads base layer {c.eagle_hidden_state_layers[0]})")
 
 
@@ -497,7 +416,7 @@ def random_mtp(
     seed: int = typer.Option(0, "--seed", help="Random seed."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
-    _write_random_draft("kvforge.tools.export.drafts.qwen3_5_mtp:write_random_mtp", base_onnx_dir, output_dir, debug,
+    _write_random_draft("mtp", base_onnx_dir, output_dir, debug,
                         "MTP layer", seed=seed)
 
 

@@ -13,12 +13,10 @@ from safetensors.numpy import save_file
 from kvforge.contract.engine_dir import EMBEDDING_FILE, EMBEDDING_TENSOR
 from kvforge.contract.engine_dir import ENGINE_MODEL_FILE as MODEL_FILE
 from kvforge.contract.engine_dir import ENGINE_WEIGHTS_FILE as WEIGHTS_FILE
+from kvforge.contract.errors import KvforgeError
 from kvforge.contract.files import check_output_dir, staged_dir, write_json
 from kvforge.contract.manifest import ONNX_KIND, write_manifest
-from kvforge.tools.export.families import mamba2_source
-from kvforge.tools.export.families.llama_graph import build_llama_graph
-from kvforge.tools.export.families.mamba2_graph import build_mamba2_graph
-from kvforge.tools.export.families.qwen3_5_graph import build_qwen3_5_graph
+from kvforge.tools.export.families import family_for
 from kvforge.tools.export.sources.base import LoadedModel
 
 
@@ -38,18 +36,13 @@ def write_onnx_dir(loaded: LoadedModel, output_dir: Path,
 def _write_files(loaded: LoadedModel, output_dir: Path, progress: Callable[[str], None] | None) -> None:
     config = loaded.config
     step = progress or (lambda _msg: None)
-    if config.is_recurrent or config.is_hybrid:
+    family = family_for(config.model)
+    if family is None:
+        raise KvforgeError(f"no exporter for model {config.model!r}", "model")
+    if not family.lora:
         # No LoRA inputs yet: --loraTargets defaults to all, so the config says what the graph really has.
         config.lora_targets = []
-    if config.is_recurrent:
-        model = build_mamba2_graph(mamba2_source.geometry(config), loaded.weights)
-    elif config.is_hybrid:
-        model = build_qwen3_5_graph(config, loaded.weights,
-                                    progress=lambda layer: step(f"layer {layer + 1}/{config.num_hidden_layers}"))
-    else:
-        model = build_llama_graph(config, loaded.weights,
-                                  progress=lambda layer: step(f"layer {layer + 1}/{config.num_hidden_layers}"),
-                                  quantized=loaded.quantized)
+    model = family.build_graph(loaded, lambda layer: step(f"layer {layer + 1}/{config.num_hidden_layers}"))
     step("saving model.onnx")
     onnx.save_model(model, output_dir / MODEL_FILE, save_as_external_data=True, all_tensors_to_one_file=True,
                     location=WEIGHTS_FILE, size_threshold=1024)

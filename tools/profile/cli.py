@@ -13,15 +13,10 @@ from rich.markup import escape
 from kvforge.cli_common import console, run_app, run_guarded
 from kvforge.contract.files import check_distinct, check_output_file
 from kvforge.contract.validation import printable
-from kvforge.tools.profile.report import (
-    compare_rows,
-    compare_table,
-    group_keys,
-    load_profile,
-    only_in,
-    plot_profile,
-    summary_tables,
-)
+from kvforge.tools.profile.compare import compare_rows, compare_table, group_keys, only_in
+from kvforge.tools.profile.load import load_profile
+from kvforge.tools.profile.plot import plot_profile
+from kvforge.tools.profile.tables import summary_tables
 
 # The tables go to stdout (pipe them to a file); status lines and errors go to stderr via `console`.
 # A pipe gets 160 columns rather than rich's 80 so the compare table's dotted keys fit on one line.

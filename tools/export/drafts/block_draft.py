@@ -55,7 +55,7 @@ from kvforge.tools.export.drafts.common import (
     weight_ops,
     write_draft_dir,
 )
-from kvforge.tools.export.families.llama_graph import POOL_ELEM_TYPES, pool_input_name, pool_output_name, rope_inputs
+from kvforge.tools.export.families.llama import POOL_ELEM_TYPES, pool_input_name, pool_output_name, rope_inputs
 from kvforge.tools.export.sources.hf_common import read_safetensors_header, read_tensor, safetensors_files
 
 ARCHITECTURES = {"DFlashDraftModel": SPEC_DFLASH, "DSparkDraftModel": SPEC_DSPARK}

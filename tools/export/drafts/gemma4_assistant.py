@@ -55,7 +55,7 @@ from kvforge.tools.export.drafts.common import (
     weight_ops,
     write_draft_dir,
 )
-from kvforge.tools.export.families.llama_graph import POOL_ELEM_TYPES, pool_input_name, rope_inputs
+from kvforge.tools.export.families.llama import POOL_ELEM_TYPES, pool_input_name, rope_inputs
 from kvforge.tools.export.sources.hf_common import read_safetensors_header, read_tensor, safetensors_files
 
 ARCHITECTURE = "Gemma4AssistantForCausalLM"
@@ -267,6 +267,11 @@ def write_random_gemma4_assistant(base_onnx_dir: Path, output_dir: Path, *, seed
     """A random-weight Gemma4 assistant in the Hugging Face format for a base's ONNX dir (tests, demos): the base's
     head geometry, `num_layers` full-attention layers, centroid-sparse logits when `num_centroids` > 0."""
     base = ModelConfig.from_dict(read_json(Path(base_onnx_dir) / "config.json", "--baseOnnxDir"), "--baseOnnxDir")
+    last = base.num_hidden_layers - 1  # an assistant reads the base's last layer (assistant_config): refused up front
+    if base.hidden_state_layers != [last]:  # rather than written and then refused by llm_export gemma4-assistant
+        raise KvforgeError(f"an assistant reads the base's last layer {last}, this base returns "
+                           f"{base.hidden_state_layers or 'none'}; re-export it with --hiddenStateLayers {last}",
+                           "--baseOnnxDir")
     rng = np.random.default_rng(seed)
     Hb, D, V = base.hidden_size, base.head_dim, base.vocab_size
     if num_centroids < 0 or (num_centroids and V % num_centroids):

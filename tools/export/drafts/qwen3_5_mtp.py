@@ -11,7 +11,7 @@ Like EAGLE3, the draft's K/V at p depend on token p + 1, so the graph keeps EAGL
 hidden state through `hidden_states_input`, the draft's own through `draft_hidden_states_input`, zeros for the one a
 call does not use) and the EAGLE3 proposer drives it. The base returns its last layer's output before the final
 norm (kvforge's hidden_state_layers convention), so the graph applies the base's final norm to that input; Qwen3.5's
-zero-centred norms (x * (1 + w)) are stored as multipliers, as in qwen3_5_graph.py.
+zero-centred norms (x * (1 + w)) are stored as multipliers, as in families/qwen3_5.py.
 
 Sources: a Qwen3.5 Hugging Face dir (its `mtp.*` tensors; text_config's `mtp_num_hidden_layers`, 1 in every
 released checkpoint), or `write_random_mtp` for a synthetic base (tests, demos).
@@ -48,9 +48,8 @@ from kvforge.tools.export.drafts.common import (
     open_draft_export,
     write_draft_dir,
 )
-from kvforge.tools.export.families.llama_graph import rope_inputs
-from kvforge.tools.export.families.qwen3_5_graph import centred_norm, fused_linears, gated_attention, linear
-from kvforge.tools.export.families.qwen3_5_source import text_config
+from kvforge.tools.export.families.llama import rope_inputs
+from kvforge.tools.export.families.qwen3_5 import centred_norm, fused_linears, gated_attention, linear, text_config
 from kvforge.tools.export.sources.hf_common import read_safetensors_header, read_tensor, safetensors_files
 
 FIELD = "--draftDir"
@@ -91,7 +90,7 @@ def mtp_config(hf: dict[str, Any], base: ModelConfig) -> ModelConfig:
 
 
 def load_weights(path: Path, config: ModelConfig) -> dict[str, np.ndarray]:
-    """The `mtp.*` tensors (of a full Qwen3.5 checkpoint, or a random one), renamed for qwen3_5_graph's layer
+    """The `mtp.*` tensors (of a full Qwen3.5 checkpoint, or a random one), renamed for families/qwen3_5.py's layer
     helpers: `mtp.layers.0.X` -> `model.layers.0.X`."""
     tensors: dict[str, tuple[Path, dict[str, Any], int]] = {}
     for file in safetensors_files(path):

@@ -12,6 +12,7 @@ import numpy as np
 
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.model_config import ModelConfig
+from kvforge.tools.export.families import gguf_architectures
 from kvforge.tools.export.quantize import BlockQuantized, from_gguf_blocks, permute_rows
 from kvforge.tools.export.sources.base import LoadedModel, layer_weight
 
@@ -117,8 +118,9 @@ def _f32(value: float) -> float:
 
 def header_model(reader: Any, path: Path, kv_cache_dtype: str) -> LoadedModel:
     arch = _meta(reader, "general.architecture")
-    if arch != "llama":
-        raise KvforgeError(f"GGUF architecture {arch!r} is not supported; only 'llama' GGUF files are", FIELD)
+    if arch not in gguf_architectures():  # the families that register a GGUF layout (families/)
+        supported = ", ".join(repr(a) for a in gguf_architectures())
+        raise KvforgeError(f"GGUF architecture {arch!r} is not supported; only {supported} GGUF files are", FIELD)
     tokens = [str(t) for t in _meta(reader, "tokenizer.ggml.tokens")]
     config = _config(reader, tokens, path, kv_cache_dtype)
     return LoadedModel(config=config, weights={}, tokenizer_json=_tokenizer_json(reader, tokens),

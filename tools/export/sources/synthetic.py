@@ -7,7 +7,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.model_config import ModelConfig
-from kvforge.tools.export.families import mamba2_source, qwen3_5_source
+from kvforge.tools.export.families import family_for, synthetic_models
+from kvforge.tools.export.families.llama import random_weights
 from kvforge.tools.export.sources.base import LoadedModel
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -18,33 +19,8 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-# name -> (family, overrides of the base tiny geometry)
-SYNTHETIC_MODELS: dict[str, tuple[str, dict]] = {
-    "tiny-llama": ("llama", {}),
-    "tiny-qwen2": ("qwen2", {"attention_bias": True, "tie_word_embeddings": True}),
-    "tiny-qwen3": ("qwen3", {"qk_norm": True, "head_dim": 32}),
-    "tiny-llama-mha": ("llama", {"num_key_value_heads": 4}),
-    # Pure recurrent: 8 SSM heads of 16 (expand 2), state 16, 2 groups, conv kernel 4.
-    "tiny-mamba2": ("mamba2", {"num_attention_heads": 0, "num_key_value_heads": 0, "head_dim": 0,
-                               "intermediate_size": 128, "max_position_embeddings": mamba2_source.UNLIMITED_POSITIONS,
-                               "rms_norm_eps": 1e-5, "layer_types": ["mamba", "mamba"],
-                               "recurrent_state_num_heads": 8, "recurrent_state_head_dim": 16,
-                               "recurrent_state_size": 16, "n_groups": 2, "conv_kernel": 4}),
-    # Hybrid (Qwen3.5): gated delta-net, attention, delta-net, attention; attention heads of 32 rotating 8 dims
-    # (partial rotary 0.25), output-gated; delta-nets with 2 key heads of 16 serving 4 value heads of 16.
-    "tiny-qwen3_5": ("qwen3_5", {"num_hidden_layers": 4, "head_dim": 32, "qk_norm": True,
-                                 "partial_rotary_factor": 0.25, "layer_types": ["mamba", "attention"] * 2,
-                                 "recurrent_state_num_heads": 4, "recurrent_state_head_dim": 16,
-                                 "recurrent_state_size": 16, "n_groups": 2, "conv_kernel": 4}),
-    # For benchmarks: Qwen3.5-0.8B's widths as we read its config (hidden 1024, 8/2 heads of 256 rotating 64, delta-nets
-    # with 16 key and 16 value heads of 128), 8 of its 24 layers in its 3:1 pattern.
-    "small-qwen3_5": ("qwen3_5", {"num_hidden_layers": 8, "hidden_size": 1024, "intermediate_size": 3584,
-                                  "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256,
-                                  "qk_norm": True, "partial_rotary_factor": 0.25,
-                                  "layer_types": ["mamba", "mamba", "mamba", "attention"] * 2,
-                                  "recurrent_state_num_heads": 16, "recurrent_state_head_dim": 128,
-                                  "recurrent_state_size": 128, "n_groups": 16, "conv_kernel": 4}),
-}
+# name -> ModelConfig fields over the tiny base geometry: each family's synthetic models (families/).
+SYNTHETIC_MODELS = synthetic_models()
 
 
 def byte_level_tokenizer() -> Tokenizer:
@@ -65,60 +41,21 @@ def synthetic_model(name: str, kv_cache_dtype: str = "fp16", seed: int = 0,
     if name not in SYNTHETIC_MODELS:
         raise KvforgeError(f"unknown synthetic model {name!r}; choose one of {sorted(SYNTHETIC_MODELS)}",
                            "synthetic")
-    family, overrides = SYNTHETIC_MODELS[name]
     tokenizer = byte_level_tokenizer()
-    fields = dict(model=family, vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=128,
+    fields = dict(vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=128,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-6,
                   kv_cache_dtype=kv_cache_dtype, bos_token_id=None, eos_token_ids=[2], pad_token_id=0,
                   name=name)
-    fields.update(overrides)
+    fields.update(SYNTHETIC_MODELS[name])
     config = ModelConfig(**fields, hidden_state_layers=list(hidden_state_layers or []))
     config.validate()
     tokenizer_config = {"chat_template": CHATML_TEMPLATE, "bos_token": None, "eos_token": "<|im_end|>",
                         "add_bos_token": False, "model_max_length": config.max_position_embeddings}
-    make_weights = {"mamba2": mamba2_source.random_weights, "qwen3_5": qwen3_5_source.random_weights}.get(
-        family, random_weights)
-    weights = make_weights(config, seed)
+    family = family_for(config.model)
+    assert family is not None, config.model  # every synthetic model comes from a registered family
+    weights = family.random_weights(config, seed)
     return LoadedModel(config, weights, tokenizer.to_str(), tokenizer_config)
-
-
-def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
-    """Scaled so activations stay O(1) through the layers and logits are far from ties."""
-    rng = np.random.default_rng(seed)
-    hidden, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
-    q_out, kv_out = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-
-    def linear(out_dim: int, in_dim: int) -> np.ndarray:
-        return (rng.standard_normal((out_dim, in_dim)) / np.sqrt(in_dim)).astype(np.float32)
-
-    def norm(dim: int) -> np.ndarray:
-        return (1.0 + 0.1 * rng.standard_normal(dim)).astype(np.float32)
-
-    weights = {"model.embed_tokens.weight": rng.standard_normal((config.vocab_size, hidden)).astype(np.float32)}
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}."
-        weights.update({
-            p + "input_layernorm.weight": norm(hidden),
-            p + "post_attention_layernorm.weight": norm(hidden),
-            p + "self_attn.q_proj.weight": linear(q_out, hidden),
-            p + "self_attn.k_proj.weight": linear(kv_out, hidden),
-            p + "self_attn.v_proj.weight": linear(kv_out, hidden),
-            p + "self_attn.o_proj.weight": linear(hidden, q_out),
-            p + "mlp.gate_proj.weight": linear(inter, hidden),
-            p + "mlp.up_proj.weight": linear(inter, hidden),
-            p + "mlp.down_proj.weight": linear(hidden, inter),
-        })
-        if config.attention_bias:
-            for proj, dim in (("q", q_out), ("k", kv_out), ("v", kv_out)):
-                weights[p + f"self_attn.{proj}_proj.bias"] = (0.1 * rng.standard_normal(dim)).astype(np.float32)
-        if config.qk_norm:
-            weights[p + "self_attn.q_norm.weight"] = norm(head_dim)
-            weights[p + "self_attn.k_norm.weight"] = norm(head_dim)
-    weights["model.norm.weight"] = norm(hidden)
-    if not config.tie_word_embeddings:
-        weights["lm_head.weight"] = linear(config.vocab_size, hidden)
-    return weights
 
 
 IDEFICS3_SPECIAL_TOKENS = ("<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>")

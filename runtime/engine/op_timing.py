@@ -1,5 +1,6 @@
-"""Where an engine's time goes: ONNX Runtime's per-node trace of one prefill and its decode steps, summed per op
-type and set beside the Python time around each call (`llm_build --profileOps`)."""
+"""Where an engine's time goes, per op type (`llm_build --profileOps`): ONNX Runtime's per-node trace of one prefill
+and its decode steps, summed per op and set beside the Python time around each call. Not the profile JSON: that is
+runtime/profile.py (written by llm_inference) and tools/profile/ (llm_profile, which reads it)."""
 
 from __future__ import annotations
 

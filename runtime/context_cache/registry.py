@@ -1,0 +1,61 @@
+"""The cache types a coordinator can build, in lookup order: adding a type is one module and one `register` call.
+
+Each registration names the type's pool and part (`name`), the keyword options of `ContextCacheManager` the type
+reads (its budget, its switches), and a factory that builds the type for one deployment or returns None when the
+deployment has no use for it (the coordinator then lists its pool empty in the profile).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvforge.contract.profile_schema import (
+    BASE_KV_PAGES,
+    DRAFT_KV_PAGES,
+    PARTIAL_KV_SNAPSHOTS,
+    RECURRENT_SNAPSHOTS,
+)
+from kvforge.runtime.context_cache.attention_pages import build_attention_pages
+from kvforge.runtime.context_cache.draft_paths import DRAFT_OPTIONS, build_draft_paths
+from kvforge.runtime.context_cache.partial_tails import PARTIAL_OPTIONS, build_partial_tails
+from kvforge.runtime.context_cache.protocol import CacheSetup, CacheType
+from kvforge.runtime.context_cache.recurrent_checkpoints import RECURRENT_OPTIONS, build_recurrent_checkpoints
+
+TypeFactory = Callable[[CacheSetup, str], CacheType | None]
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    name: str  # the pool's and the part's name
+    factory: TypeFactory
+    options: tuple[str, ...] = ()  # the manager's keyword options this type reads
+
+
+_REGISTERED: list[Registration] = []
+
+
+def register(name: str, factory: TypeFactory, options: tuple[str, ...] = ()) -> Registration:
+    """Add a type after those registered so far (it is asked last in lookups). Returns the registration."""
+    if any(entry.name == name for entry in _REGISTERED):
+        raise ValueError(f"a cache type named {name!r} is registered already")
+    entry = Registration(name, factory, options)
+    _REGISTERED.append(entry)
+    return entry
+
+
+def unregister(entry: Registration) -> None:
+    _REGISTERED.remove(entry)
+
+
+def registered() -> tuple[Registration, ...]:
+    """The registered types, in lookup order."""
+    return tuple(_REGISTERED)
+
+
+# Lookup order: each type narrows or extends the hit of the ones before it. The checkpoints decide a hybrid's hit before
+# the tails add the checkpoint's tail page; the types a speculative admission adds come last.
+register(BASE_KV_PAGES, build_attention_pages)
+register(RECURRENT_SNAPSHOTS, build_recurrent_checkpoints, RECURRENT_OPTIONS)
+register(PARTIAL_KV_SNAPSHOTS, build_partial_tails, PARTIAL_OPTIONS)
+register(DRAFT_KV_PAGES, build_draft_paths, DRAFT_OPTIONS)

@@ -1,0 +1,116 @@
+"""A cache type added by one class and one registration, here in the test alone: the coordinator needs no edit."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvforge.runtime.context_cache.lease import Admission, Lease
+from kvforge.runtime.context_cache.manager import ContextCacheManager
+from kvforge.runtime.context_cache.pools import ResourcePool
+from kvforge.runtime.context_cache.protocol import CacheSetup, CacheTypeBase, Publication, PublishResult
+from kvforge.runtime.context_cache.records import Record
+from kvforge.runtime.context_cache.registry import Registration, register, registered, unregister
+
+T = 4
+NAME = "marker_slots"  # a pool no schema lists: the coordinator must not care
+
+
+class MarkerSlots(CacheTypeBase):
+    """A trivial type: every record holds one slot of its own pool (a counter of what is kept), so the coordinator's
+    reservation, commit, eviction and audit all have something of this type to get right."""
+
+    __slots__ = ("name", "pool", "committed", "evicted")
+
+    def __init__(self, pool: ResourcePool) -> None:
+        self.name = pool.name
+        self.pool = pool
+        self.committed: list[int] = []
+        self.evicted: list[int] = []
+
+    def publication_slots(self, publication: Publication) -> int:
+        return 1
+
+    def record_part(self, publication: Publication) -> int | None:
+        slots = publication.reserved.get(self.name)
+        return slots[0] if slots else None
+
+    def held(self, record: Record) -> tuple[int, ...]:
+        slot = record.parts.get(self.name)
+        return () if slot is None else (slot,)
+
+    def on_commit(self, record: Record) -> None:
+        self.committed.append(record.record_id)
+
+    def on_evict(self, record: Record) -> None:
+        self.evicted.append(record.record_id)
+
+
+def build(setup: CacheSetup, name: str) -> MarkerSlots:
+    return MarkerSlots(ResourcePool(name, int(setup.options.get(NAME, 0)) if setup.enabled else 0))
+
+
+def marker(m: ContextCacheManager) -> MarkerSlots:
+    [kind] = [kind for kind in m.types if isinstance(kind, MarkerSlots)]
+    return kind
+
+
+def run(m: ContextCacheManager, ids: list[int]) -> tuple[Lease, PublishResult]:
+    lease = m.try_acquire(Admission(ids))
+    assert lease is not None
+    result = m.publish(lease, ids)
+    m.release(lease)
+    m.check_invariants()
+    return lease, result
+
+
+def test_a_registered_type_takes_part_in_commits_evictions_and_audits() -> None:
+    types = (*registered(), Registration(NAME, build, (NAME,)))
+    m = ContextCacheManager(16, T, enabled=True, types=types, marker_slots=2)
+    kind = marker(m)
+    assert m.profile()["resource_pools"][NAME] == {"free": 2, "capacity": 2}
+    documents = [list(range(start, start + 8)) for start in (0, 100, 200)]
+    for ids in documents:
+        assert run(m, ids)[1] is PublishResult.COMMITTED
+    # Two slots: the third publication evicted the least recently used record to reserve its marker.
+    first, second, third = 1, 2, 3  # record ids, in publication order
+    assert kind.committed == [first, second, third] and kind.evicted == [first]
+    assert [r.record_id for r in m.records.least_recent_first()] == [second, third]
+    assert sorted(kind.held(r)[0] for r in m.records.least_recent_first()) == [0, 1]
+    assert m.profile()["reclaimed_resources"][NAME] == 1
+    # Reuse answers are what they are without the type: the surviving document's pages are a hit.
+    lease, result = run(m, documents[2] + [1])
+    assert lease.reuse_tokens == 8 and result is PublishResult.EXISTING
+
+
+def test_a_type_without_a_slot_to_keep_loses_only_its_part() -> None:
+    """Capacity 0: a publication cannot reserve the type's slot, so a plain record keeps only its pages (counted)."""
+    types = (*registered(), Registration(NAME, build, (NAME,)))
+    m = ContextCacheManager(16, T, enabled=True, types=types)
+    _, result = run(m, list(range(8)))
+    assert result is PublishResult.COMMITTED and m.profile()["hybrid"]["snapshot_pressure_skips"] == 1
+    [record] = m.records.least_recent_first()
+    assert NAME not in record.parts and marker(m).held(record) == () and len(record.page_ids) == 2
+
+
+def test_register_adds_a_type_to_every_new_manager_until_unregistered() -> None:
+    entry = register(NAME, build, (NAME,))
+    try:
+        m = ContextCacheManager(16, T, enabled=True, marker_slots=1)
+        assert run(m, list(range(8)))[1] is PublishResult.COMMITTED and marker(m).committed == [1]
+        with pytest.raises(ValueError, match="registered already"):
+            register(NAME, build)
+    finally:
+        unregister(entry)
+    assert not any(isinstance(kind, MarkerSlots) for kind in ContextCacheManager(16, T, enabled=True).types)
+    with pytest.raises(TypeError, match="marker_slots"):  # an option no registered type reads
+        ContextCacheManager(16, T, enabled=True, marker_slots=1)
+
+
+def test_views_read_a_part_or_its_default_and_nothing_else() -> None:
+    m = ContextCacheManager(16, T, enabled=True, partial_kv_snapshot_slots=0)
+    lease, _ = run(m, list(range(8)))
+    assert lease.restore_slot is None and lease.restore_tokens == 0 and lease.draft_page_ids is None
+    [record] = m.records.least_recent_first()
+    assert record.partial_slot is None and record.draft_page_ids == () and record.recurrent_slot is None
+    with pytest.raises(AttributeError, match="no_such_field"):
+        _ = record.no_such_field  # type: ignore[attr-defined]
