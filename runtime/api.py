@@ -2,7 +2,7 @@
 
     from kvforge import LLM, SamplingParams
 
-    llm = LLM("engines/smollm2", enable_context_reuse=True)
+    llm = LLM("out/engines/smollm2")  # context reuse is on by default: enable_context_reuse=False turns it off
     params = SamplingParams(temperature=0, max_generate_length=32)
     [out] = llm.chat([{"role": "user", "content": "What is the capital of France?"}], params)
     print(out.text, out.cached_tokens)
@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvforge.runtime.engine.config import make_engine_config
-from kvforge.runtime.engine.engine import Engine, EngineRequest, RequestOutput
+from kvforge.contract.engine_dir import load_engine_dir
+from kvforge.runtime.engine.config import EngineConfig, make_engine_config
+from kvforge.runtime.engine.engine import Engine, EngineRequest, RequestOutput, snapshot_budgets
 from kvforge.runtime.file_loop import drain
 from kvforge.runtime.inputs.checks import parse_message
 from kvforge.runtime.types import Message, Request, SamplingParams
@@ -44,11 +45,12 @@ class LLM:
 
     def __init__(self, engine_dir: str | Path, *, lora_weights: Mapping[str, str] | None = None,
                  engine: Engine | None = None, **engine_options: Any) -> None:
-        """`engine_options` are EngineConfig's fields as keywords (`num_threads=2, enable_context_reuse=True`, ...),
-        with its defaults; runtime/engine/config.py declares each with what it does. Another keyword is a TypeError,
-        checked even when `engine` is given."""
-        config = make_engine_config(engine_options)
-        self.engine = engine or Engine(engine_dir, config)
+        """`engine_options` are EngineConfig's fields as keywords (`num_threads=2, enable_context_reuse=False`, ...),
+        with its defaults but for context reuse, which is on, with the snapshot budgets llm_build printed for the
+        engine (`with_build_budgets`) unless given (0 turns a pool off); runtime/engine/config.py declares each with
+        what it does. Another keyword is a TypeError, checked even when `engine` is given."""
+        config = make_engine_config({"enable_context_reuse": True, **engine_options})
+        self.engine = engine or Engine(engine_dir, with_build_budgets(config, engine_dir, given=set(engine_options)))
         # A shared tier's worker threads hold the tier, and the tier the KV pool and the store's connections: an
         # engine with shared_cache= is only freed once closed. So an LLM closes the engine it made when it is
         # collected (or at exit) if nobody called close(); an engine the caller lent stays the caller's to close.
@@ -137,6 +139,19 @@ class LLM:
         request = Request(0, messages, params or SamplingParams(), lora_name=lora_name, cache_salt=cache_salt,
                           parse_special_tokens=parse_special_tokens)
         return self.engine.prepare(request, enable_thinking=enable_thinking, where="")  # errors name "messages"
+
+
+def with_build_budgets(config: EngineConfig, engine_dir: str | Path, given: set[str] | None = None) -> EngineConfig:
+    """With reuse on, each snapshot pool left at 0 and not in `given` gets the budget llm_build printed for the engine
+    (64 retained contexts): partial-KV snapshots make reuse token-exact (a short chat's earlier turns are reused
+    although they end inside a page), and recurrent and hybrid engines need theirs to reuse at all."""
+    names = [name for name in ("context_cache_partial_kv_snapshot_pool_bytes",
+                               "context_cache_recurrent_snapshot_pool_bytes")
+             if not getattr(config, name) and name not in (given or set())]
+    if not config.enable_context_reuse or not names:
+        return config
+    budgets = snapshot_budgets(load_engine_dir(Path(engine_dir)), partial_kv=True)
+    return replace(config, **{name: size for name, size in budgets.items() if name in names})
 
 
 def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+import re
+from dataclasses import InitVar, dataclass, field
 from enum import Enum
 from typing import Any
+
+from kvforge.contract.validation import check_int, check_number, describe, fail, json_kind, show, utf8_size
+
+# Limits mirror TensorRT Edge-LLM's requestFileParser so a file accepted there is accepted here.
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_LOGIT_BIAS = 100.0
+MAX_STOP_WORDS = 64  # every generated token is checked against each: a bound on per-step work
+MAX_STOP_WORD_BYTES = 1024
+MAX_NUM_LOGPROBS = 50
+MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
+
+_TOKEN_ID = re.compile(r"[0-9]+")
 
 
 class LookupPolicy(str, Enum):
@@ -39,7 +53,9 @@ class SamplingParams:
     """How one request samples and stops, and how it uses the context cache.
 
     Defaults are the request file's (TensorRT Edge-LLM's). `reuse_context=False` is the lookup policy
-    `bypass`; `cache_generated_tokens=False` is the commit policy `prefill_state_only`.
+    `bypass`; `cache_generated_tokens=False` is the commit policy `prefill_state_only`. Every field is checked on
+    construction by the same functions request files and llm_serve use, so a value one refuses all refuse;
+    `stop` may be one string, and `max_tokens` (vLLM's name) sets `max_generate_length`.
     """
 
     temperature: float = 1.0
@@ -53,10 +69,34 @@ class SamplingParams:
     reuse_context: bool = True
     cache_generated_tokens: bool = True
     speculative: bool = True  # False: the request's disable_spec_decode (no drafts, plain decode rows)
+    presence_penalty: float = 0.0  # subtracted once from every token already generated (OpenAI's)
+    frequency_penalty: float = 0.0  # subtracted per occurrence of a token already generated (OpenAI's)
+    max_tokens: InitVar[int | None] = None  # vLLM's alias of max_generate_length
+
+    def __post_init__(self, max_tokens: int | None) -> None:
+        if max_tokens is not None:
+            check_int(max_tokens, "max_tokens", 1)
+            if self.max_generate_length not in (SAMPLING_DEFAULT_LENGTH, max_tokens):
+                fail("max_tokens", f"is {max_tokens} but max_generate_length is {self.max_generate_length}; give one")
+            self.max_generate_length = max_tokens
+        check_temperature(self.temperature, "temperature")
+        check_top_p(self.top_p, "top_p")
+        check_int(self.top_k, "top_k", 0)
+        check_int(self.max_generate_length, "max_generate_length", 1)
+        check_int(self.num_logprobs, "num_logprobs", 0, MAX_NUM_LOGPROBS)
+        self.logit_bias = check_logit_bias(self.logit_bias, "logit_bias")
+        self.stop = check_stop(self.stop, "stop")
+        check_seed(self.seed, "seed")
+        check_penalty(self.presence_penalty, "presence_penalty")
+        check_penalty(self.frequency_penalty, "frequency_penalty")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty)
 
     @property
     def lookup_policy(self) -> LookupPolicy:
@@ -67,6 +107,80 @@ class SamplingParams:
         if self.cache_generated_tokens:
             return CommitPolicy.INCLUDING_GENERATED_TOKENS
         return CommitPolicy.PREFILL_STATE_ONLY
+
+
+SAMPLING_DEFAULT_LENGTH = 256  # SamplingParams.max_generate_length's default, which max_tokens may replace
+
+
+# The sampling field checks: SamplingParams runs them on construction, and request files and llm_serve's bodies
+# (runtime/inputs/checks.py re-exports them) run them on the JSON first, to name the field by its JSON path.
+
+def check_temperature(value: Any, where: str) -> float:
+    number = check_number(value, where, "a finite number >= 0")
+    if number < 0:
+        fail(where, f"must be a finite number >= 0 (0 = greedy), got {show(value)}")
+    return number
+
+
+def check_top_p(value: Any, where: str) -> float:
+    number = check_number(value, where, "a number in (0, 1]")
+    if not 0 < number <= 1:
+        fail(where, f"must be a number in (0, 1], got {show(value)}")
+    return number
+
+
+def check_penalty(value: Any, where: str) -> float:
+    expected = f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]"
+    number = check_number(value, where, expected)
+    if abs(number) > MAX_PENALTY:
+        fail(where, f"must be {expected}, got {show(value)}")
+    return number
+
+
+def check_logit_bias(value: Any, where: str) -> dict[int, float]:
+    """JSON's {"token_id": bias} (string keys), or the Python API's {token_id: bias}."""
+    if not isinstance(value, dict):
+        fail(where, f'must be an object like {{"token_id": bias}}, got {json_kind(value)}')
+    if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+        fail(where, f"must have at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(value)}")
+    bias: dict[int, float] = {}
+    for key, raw in value.items():
+        entry = f"{where}[{json.dumps(key if isinstance(key, (str, int)) else str(key))}]"
+        if isinstance(key, int) and not isinstance(key, bool) and key >= 0:
+            token_id = key
+        elif isinstance(key, str) and _TOKEN_ID.fullmatch(key):
+            token_id = int(key)
+        else:
+            fail(entry, f"key must be a non-negative decimal token id, got {json.dumps(str(key))}")
+        if token_id in bias:  # "7" and "007" name the same token
+            fail(entry, f"token id {token_id} appears more than once")
+        number = check_number(raw, entry, f"a finite number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        if abs(number) > MAX_LOGIT_BIAS:
+            fail(entry, f"must be a finite number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                         f"got {show(raw)}")
+        bias[token_id] = number
+    return bias
+
+
+def check_stop(value: Any, where: str) -> tuple[str, ...]:
+    """One stop string, or an array (a list or tuple) of them."""
+    words = [value] if isinstance(value, str) else value
+    if not isinstance(words, (list, tuple)):
+        fail(where, f"must be a string or an array of strings, got {json_kind(value)}")
+    if len(words) > MAX_STOP_WORDS:
+        fail(where, f"must hold at most {MAX_STOP_WORDS} stop strings, got {len(words)}")
+    for i, word in enumerate(words):
+        item = where if isinstance(value, str) else f"{where}[{i}]"
+        # An empty stop word would match before the first token and end every generation at once.
+        if not isinstance(word, str) or not word:
+            fail(item, f"must be a non-empty string, got {describe(word)}")
+        if utf8_size(word, item) > MAX_STOP_WORD_BYTES:
+            fail(item, f"must be at most {MAX_STOP_WORD_BYTES} bytes of UTF-8")
+    return tuple(words)
+
+
+def check_seed(value: Any, where: str) -> int | None:
+    return None if value is None else check_int(value, where, 0)
 
 
 # Stands for one media item inside Message.content (U+FFFC OBJECT REPLACEMENT CHARACTER, meant for exactly this);

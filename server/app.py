@@ -8,7 +8,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
@@ -26,10 +26,12 @@ from kvforge.server.handle import ClientGone, RequestHandle, ServerState
 from kvforge.server.limits import TenantGate, TenantLimits, budget_key
 from kvforge.server.media import MediaPolicy
 from kvforge.server.metrics import CONTENT_TYPE, ServerMetrics
-from kvforge.server.protocol import ApiError, parse_call
+from kvforge.server.protocol import ApiCall, ApiError, parse_call
 from kvforge.server.render import Renderer, TextStreamer, finish_reason
 from kvforge.server.tenants import Tenants
+from kvforge.server.tokens import detokenize, tokenize, tokenize_input, tokenize_response
 
+T = TypeVar("T")
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # Per body unless create_app is given one (--maxBodyBytes); read per request. Why this size: server/guard.py.
@@ -118,6 +120,7 @@ def create_app(engine: Engine, tenants: Tenants, *, model_name: str, max_queued_
     app.add_middleware(TenantGate, tenants=tenants, shares=shares)
     app.add_middleware(Guard, allowed_hosts=allowed_hosts, allowed_origins=allowed_origins, max_body_bytes=body_cap)
     _add_routes(app, state, limits, body_cap)
+    _add_token_routes(app, state, limits, body_cap, info.model.vocab_size)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return app
 
@@ -153,11 +156,15 @@ def _add_routes(app: FastAPI, state: ServerState, limits: BodyLimits, body_cap: 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         _tenant(state, request)
-        base = next(iter(state.models))
-        data = [{"id": name, "object": "model", "created": 0, "owned_by": "kvforge",
-                 "max_model_len": state.max_model_len, "parent": base if adapter else None}
-                for name, adapter in state.models.items()]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [_model_card(state, name) for name in state.models]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> dict[str, Any]:
+        _tenant(state, request)
+        if model_id not in state.models:
+            raise ApiError(404, f"the model {model_id!r} does not exist; this server has "
+                                f"{', '.join(sorted(state.models))}", "model", code="model_not_found")
+        return _model_card(state, model_id)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -168,6 +175,48 @@ def _add_routes(app: FastAPI, state: ServerState, limits: BodyLimits, body_cap: 
         return await _complete(state, request, limits, body_cap(), chat=False)
 
 
+def _add_token_routes(app: FastAPI, state: ServerState, limits: BodyLimits, body_cap: Callable[[], int],
+                      vocab_size: int) -> None:
+    """vLLM's /tokenize and /detokenize (llama.cpp's names and fields are accepted too)."""
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> dict[str, Any]:
+        body = await json_body(request, limits, body_cap(), _budget_key(state, request))
+        what, generation = _checked(lambda: tokenize_input(body, state.models, state.media))
+        # On a preparation worker, as a request's own tokenization: a long chat template never stalls the loop.
+        future = state.engine_loop.prepare(lambda engine: tokenize(engine, what, generation))  # type: ignore
+        try:
+            ids = await asyncio.wrap_future(future)
+        except KvforgeError as exc:
+            raise ApiError(400, exc.message, exc.field) from None
+        return tokenize_response(ids, state.max_model_len)  # type: ignore[arg-type]
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> dict[str, Any]:
+        body = await json_body(request, limits, body_cap(), _budget_key(state, request))
+        return _checked(lambda: detokenize(body, state.models, state.tokenizer, vocab_size))
+
+
+def _budget_key(state: ServerState, request: Request) -> str:
+    """The caller's tenant (a 401 without a valid key) as the key of its share of the body budget."""
+    tenant = _tenant(state, request)
+    return budget_key(state.tenants, tenant, (request.client.host, request.client.port) if request.client else None)
+
+
+def _checked(fn: Callable[[], T]) -> T:
+    """`fn()`, its KvforgeError as a 400 naming the field."""
+    try:
+        return fn()
+    except KvforgeError as exc:
+        raise ApiError(400, exc.message, exc.field) from None
+
+
+def _model_card(state: ServerState, name: str) -> dict[str, Any]:
+    base = next(iter(state.models))
+    return {"id": name, "object": "model", "created": 0, "owned_by": "kvforge", "max_model_len": state.max_model_len,
+            "parent": base if state.models[name] else None}
+
+
 async def _complete(state: ServerState, request: Request, limits: BodyLimits, cap: int, chat: bool) -> Response:
     tenant = _tenant(state, request)
     try:
@@ -176,11 +225,14 @@ async def _complete(state: ServerState, request: Request, limits: BodyLimits, ca
     except ApiError:
         state.metrics.requests.labels("invalid").inc()
         raise
-    handle = RequestHandle(state, call, state.tenants.cache_salt(tenant, call.cache_salt))
+    salt = state.tenants.cache_salt(tenant, call.cache_salt)
+    if call.n > 1 or len(call.prompts) > 1:
+        return await _complete_choices(state, request, call, salt)
+    handle = RequestHandle(state, call, salt)
     await handle.start()
     renderer = Renderer(call, handle.request_id, state.tokenizer)
     if call.stream:
-        return _EventStream(_events(handle, renderer, TextStreamer(state.tokenizer, call.sampling.stop)), handle)
+        return _EventStream(_events(handle, renderer, TextStreamer(state.tokenizer, call.sampling.stop)), [handle])
     try:
         output = await _collect(handle, request)
     except ClientGone:
@@ -221,34 +273,148 @@ async def _collect(handle: RequestHandle, request: Request) -> RequestOutput:
         handle.close()
 
 
-async def _watch_disconnect(request: Request, handle: RequestHandle) -> None:
+async def _watch_disconnect(request: Request, *handles: RequestHandle) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
-    handle.queue.put_nowait(ClientGone("the client disconnected"))
+    for handle in handles:
+        handle.queue.put_nowait(ClientGone("the client disconnected"))
 
 
 async def _events(handle: RequestHandle, renderer: Renderer, streamer: TextStreamer) -> AsyncIterator[str]:
     """Server-sent events: chunks as tokens settle, the finish reason, usage if asked for, then [DONE]."""
-    call = handle.call
+    final = None
+    async for item in _chunks(handle, renderer, streamer):
+        if isinstance(item, RequestOutput):
+            final = item
+        else:
+            yield _sse(item)
+    if final is not None and handle.call.include_usage:
+        yield _sse(renderer.usage_chunk(final))
+    yield "data: [DONE]\n\n"
+
+
+async def _chunks(source: RequestHandle | Choice, renderer: Renderer,
+                  streamer: TextStreamer) -> AsyncIterator[dict[str, Any] | RequestOutput]:
+    """One choice's stream chunks (an error body ends it), then its final output (not sent: usage reads it)."""
+    call = renderer.call
     if call.chat:
-        yield _sse(renderer.chunk(None, [], None))
+        yield renderer.chunk(None, [], None)
     while True:
         try:
-            output = await handle.next_output()
+            output = await source.next_output()
         except ApiError as exc:
-            yield _sse(exc.body())
-            break
+            yield exc.body()
+            return
         first_new = len(output.token_ids) - len(output.new_token_ids)
         samples = output.samples[first_new:len(output.token_ids)] if call.logprobs else []
         if output.finished:
-            yield _sse(renderer.chunk(streamer.finish(output.text), samples, finish_reason(output)))
-            if call.include_usage:
-                yield _sse(renderer.usage_chunk(output))
-            break
+            yield renderer.chunk(streamer.finish(output.text), samples, finish_reason(output))
+            yield output
+            return
         text = streamer.push(output.token_ids)
         if text or samples:
-            yield _sse(renderer.chunk(text, samples, None))
+            yield renderer.chunk(text, samples, None)
+
+
+class Choice:
+    """One of several choices (n > 1, or several prompts): its handle, and the outputs read before they were wanted
+    (the first one, read to know its prompt is in the cache)."""
+
+    def __init__(self, handle: RequestHandle, renderer: Renderer) -> None:
+        self.handle, self.renderer = handle, renderer
+        self.read: list[RequestOutput] = []
+
+    async def prime(self) -> None:
+        self.read.append(await self.handle.next_output())
+
+    async def next_output(self) -> RequestOutput:
+        return self.read.pop(0) if self.read else await self.handle.next_output()
+
+    async def final(self) -> RequestOutput:
+        while not (output := await self.next_output()).finished:
+            pass
+        return output
+
+
+async def _complete_choices(state: ServerState, request: Request, call: ApiCall, salt: str) -> Response:
+    """n choices per prompt, `choices[i]` in order. The first of each prompt runs alone until its first token, when
+    its prompt pages are published: the other n - 1 then find them in the cache and compute only their own tokens."""
+    calls = call.choices()
+    handles = [RequestHandle(state, c, salt) for c in calls]
+    choices = [Choice(h, Renderer(c, handles[0].request_id, state.tokenizer)) for h, c in zip(handles, calls,
+                                                                                              strict=True)]
+    try:
+        for choice in choices[::call.n]:
+            await choice.handle.start()
+        for choice in choices[::call.n]:
+            await choice.prime()
+        for index, choice in enumerate(choices):
+            if index % call.n:
+                await choice.handle.start()
+    except BaseException:
+        for handle in handles:
+            handle.close()
+        raise
+    if call.stream:
+        return _EventStream(_merged_events(choices, call), handles)
+    watcher = asyncio.create_task(_watch_disconnect(request, *handles))
+    tasks = [asyncio.ensure_future(c.final()) for c in choices]
+    try:
+        outputs = await asyncio.gather(*tasks)
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    finally:
+        watcher.cancel()
+        for task in tasks:
+            task.cancel()
+        for handle in handles:
+            handle.close()
+    bodies = [c.renderer.body(o) for c, o in zip(choices, outputs, strict=True)]
+    body = {**bodies[0], "choices": [{**b["choices"][0], "index": i} for i, b in enumerate(bodies)]}
+    return JSONResponse({**body, "usage": _usage(outputs, call.n)})
+
+
+async def _merged_events(choices: list[Choice], call: ApiCall) -> AsyncIterator[str]:
+    """Every choice's chunks as they come, each with its `index`; an error ends the stream; then usage, [DONE]."""
+    queue: asyncio.Queue[tuple[int, dict[str, Any] | RequestOutput | None]] = asyncio.Queue()
+
+    async def pump(index: int, choice: Choice) -> None:
+        streamer = TextStreamer(choice.renderer.tokenizer, call.sampling.stop)
+        async for item in _chunks(choice, choice.renderer, streamer):
+            queue.put_nowait((index, item))
+        queue.put_nowait((index, None))
+
+    tasks = [asyncio.create_task(pump(i, c)) for i, c in enumerate(choices)]
+    finals: list[RequestOutput] = []
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, RequestOutput):
+                finals.append(item)
+            elif "error" in item:
+                yield _sse(item)
+                break
+            else:
+                yield _sse({**item, "choices": [{**item["choices"][0], "index": index}]})
+        else:
+            if call.include_usage:
+                yield _sse({**choices[0].renderer.usage_chunk(finals[0]), "usage": _usage(finals, call.n)})
+    finally:
+        for task in tasks:
+            task.cancel()
     yield "data: [DONE]\n\n"
+
+
+def _usage(outputs: list[RequestOutput], n: int) -> dict[str, Any]:
+    """Each prompt counted once (its n choices share it, as OpenAI counts them), every choice's tokens counted."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs[::n])
+    completion = sum(len(o.token_ids) for o in outputs)
+    cached = sum(o.cached_tokens for o in outputs[::n])
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _sse(data: dict[str, Any]) -> str:
@@ -258,12 +424,13 @@ def _sse(data: dict[str, Any]) -> str:
 class _EventStream(StreamingResponse):
     """An SSE response that closes its request however the stream ends (a client that hangs up aborts it)."""
 
-    def __init__(self, events: AsyncIterator[str], handle: RequestHandle) -> None:
+    def __init__(self, events: AsyncIterator[str], handles: list[RequestHandle]) -> None:
         super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
-        self.handle = handle
+        self.handles = handles
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.handle.close()
+            for handle in self.handles:
+                handle.close()

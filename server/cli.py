@@ -5,8 +5,9 @@ from __future__ import annotations
 import signal
 import socket
 import sys
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 try:  # a second or more of imports before run_guarded catches Ctrl-C: the same one line and 130 here
     import typer
@@ -24,10 +25,11 @@ Serve an engine built by llm_build with OpenAI's API (/v1/chat/completions, /v1/
 
 [bold]Examples[/]
 
-  llm_serve --engineDir engines/smollm2 --enableContextReuse
-  llm_serve --engineDir engines/smollm2 --enableContextReuse --apiKeys keys.json --host 0.0.0.0 --port 8000
+  llm_serve --engineDir out/engines/smollm2                  # context reuse on (token-exact), the default
+  llm_serve --engineDir out/engines/smollm2 --disableContextReuse
+  llm_serve --engineDir engines/smollm2 --apiKeys keys.json --host 0.0.0.0 --port 8000
   llm_serve --engineDir engines/smollm2-lora --loraWeights support=adapters/support.safetensors
-  llm_serve --engineDir engines/smolvlm --multimodalEngineDir engines/smolvlm-visual --enableContextReuse
+  llm_serve --engineDir engines/smolvlm --multimodalEngineDir engines/smolvlm-visual
   llm_serve --engineDir engines/smollm2 --allowedHosts llm.lan --allowedOrigins https://notebook.lan
 """
 if TYPE_CHECKING:  # imported when serving: llm_serve --help works without the serve extra
@@ -43,7 +45,8 @@ SERVE_FLAGS = {**ENGINE_FLAGS, "api_keys": "--apiKeys", "salt_secret": "--saltSe
                "allowed_origins": "--allowedOrigins", "max_body_bytes": "--maxBodyBytes",
                "body_bytes_in_flight": "--maxBodyBytesInFlight", "body_timeout": "--bodyTimeout",
                "max_connections": "--maxConnections", "body_bytes_per_tenant": "--maxBodyBytesPerTenant",
-               "requests_per_tenant": "--maxRequestsPerTenant", "connections_per_tenant": "--maxConnectionsPerTenant"}
+               "requests_per_tenant": "--maxRequestsPerTenant", "connections_per_tenant": "--maxConnectionsPerTenant",
+               "disable_context_reuse": "--disableContextReuse"}
 app = typer.Typer(add_completion=False, rich_markup_mode="rich")
 
 
@@ -105,6 +108,10 @@ def serve(
     connections_per_tenant: int = typer.Option(None, "--maxConnectionsPerTenant",
                                                help="With --apiKeys: requests of any route one tenant may have open "
                                                     "(default half of --maxConnections); past it, 429."),
+    disable_context_reuse: bool = typer.Option(
+        False, "--disableContextReuse", help="Turn context reuse off. llm_serve reuses context by default "
+        "(--enableContextReuse is implied), with the snapshot budgets llm_build printed for the engine where "
+        "--contextCache...PoolBytes are not given, so reuse is token-exact."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
     """Load the engine, then serve until SIGTERM or Ctrl-C."""
@@ -113,6 +120,7 @@ def serve(
         _check_serve_extra()
         import uvicorn
 
+        from kvforge.runtime.api import with_build_budgets
         from kvforge.runtime.engine.engine import Engine
         from kvforge.server.app import create_app, server_profiler
         from kvforge.server.tenants import load_tenants
@@ -136,8 +144,11 @@ def serve(
         from kvforge.server.guard import default_allowed_hosts, parse_origins
         from kvforge.server.media import media_policy
 
-        check_reuse_flags(engine_config)
-        if engine_config.shared_cache and salt_secret is None:
+        if disable_context_reuse and engine_config.enable_context_reuse:
+            raise KvforgeError("contradicts --enableContextReuse: give one", "--disableContextReuse")
+        config = replace(engine_config, enable_context_reuse=not disable_context_reuse)
+        check_reuse_flags(config)
+        if config.shared_cache and salt_secret is None:
             # Tenant salts are HMACs of a per-process random secret by default: servers sharing a tier would key
             # the same prompt differently, so nothing would ever be found, and a silent 0 % hit rate helps nobody.
             raise KvforgeError("--sharedCache needs --saltSecret: every server sharing the tier must derive tenant "
@@ -153,7 +164,7 @@ def serve(
                 raise KvforgeError(f"expected scheme://host[:port], got {origin!r}", "--allowedOrigins")
         sock = bind_socket(bind_host, port)
         profiler, metrics, snapshot = server_profiler()  # stage times stream to /metrics from the first call
-        engine = Engine(engine_dir, engine_config, profiler=profiler)
+        engine = Engine(engine_dir, with_build_budgets(config, engine_dir), profiler=profiler)
         try:
             engine.load_adapters({name: str(path) for name, path in adapters.items()})
         except KvforgeError as exc:  # its field names the request file's available_lora_weights
@@ -163,7 +174,10 @@ def serve(
                          media=media, allowed_hosts=hosts, allowed_origins=origins, max_body_bytes=max_body_bytes,
                          body_bytes_in_flight=body_bytes_in_flight, body_timeout_s=body_timeout,
                          tenant_limits=tenant_limits, observed=(metrics, snapshot))
-        _announce(sock, model_name, engine_config.enable_context_reuse, tenants.required, host is not None)
+        _announce(sock, model_name, _reuse_words(engine), tenants.required, host is not None)
+        if engine.info.max_batch_size == 1:
+            console.print("llm_serve: this engine was built with --maxBatchSize 1, so it runs one request at a time "
+                          "(the others wait their turn); rebuild with --maxBatchSize 4 or more to serve several")
         # uvicorn re-raises the signal it shut down for; exit 0 then: requests in flight were finished or cancelled.
         for stop_signal in (signal.SIGTERM, signal.SIGINT):
             signal.signal(stop_signal, lambda *_: sys.exit(0))
@@ -224,11 +238,18 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _announce(sock: socket.socket, model: str, reuse: bool, keys: bool, host_given: bool) -> None:
+def _reuse_words(engine: Any) -> str:
+    info = engine.info
+    if not info.reuse_enabled:
+        return "off"
+    slots = info.partial_kv_snapshot_slots
+    return f"on, token-exact ({slots} partial-KV snapshot slots)" if slots else "on, by whole pages"
+
+
+def _announce(sock: socket.socket, model: str, reuse: str, keys: bool, host_given: bool) -> None:
     address, port = sock.getsockname()[:2]
     url = f"http://{f'[{address}]' if ':' in address else address}:{port}"
-    console.print(f"llm_serve: model {model!r} at {url}/v1 (chat page {url}/), context reuse "
-                  f"{'on' if reuse else 'off'}")
+    console.print(f"llm_serve: model {model!r} at {url}/v1 (chat page {url}/), context reuse {reuse}")
     if keys:
         console.print("llm_serve: API keys required; each tenant's cache pages are salted with its own secret salt")
     elif host_given and address not in (LOOPBACK, "::1", "localhost"):

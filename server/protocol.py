@@ -3,11 +3,13 @@
 Checks reuse the request file's (`kvforge.runtime.inputs.request_file`) so a value the file refuses is refused here
 with the same words. Extensions: `reuse_context` / `cache_generated_tokens` (strict booleans, the cache
 policies), `cache_salt`, `lora_name`, `top_k`. Media content parts (`image_url`, `input_audio`) are read by
-`kvforge.server.media`.
+`kvforge.server.media`. `n` > 1 and a list of prompts (completions) become one engine request per choice
+(`ApiCall.choices`); `developer` messages are system messages.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -17,6 +19,7 @@ from kvforge.contract.validation import check_int, check_string, describe, fail,
 from kvforge.runtime.engine.engine import Engine, EngineRequest
 from kvforge.runtime.inputs.checks import (
     check_logit_bias,
+    check_penalty,
     check_seed,
     check_stop,
     check_temperature,
@@ -29,9 +32,10 @@ from kvforge.server.media import MediaPolicy
 T = TypeVar("T")
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat top_logprobs
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_CHOICES = 16  # n × prompts: each choice is a sequence in the engine, so a bound on what one body may ask
 # Known OpenAI fields this server cannot honour: refused unless they hold their neutral value.
-NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "presence_penalty": 0, "frequency_penalty": 0, "suffix": None,
-           "tools": None, "tool_choice": None, "functions": None, "response_format": None}
+NEUTRAL = {"best_of": 1, "echo": False, "suffix": None, "tools": None, "tool_choice": None, "functions": None,
+           "response_format": None}
 
 
 class ApiError(Exception):
@@ -53,7 +57,7 @@ class ApiCall:
     chat: bool
     model: str
     messages: list[Message]  # chat
-    prompt: str | list[int] | None  # completion: text or token ids
+    prompt: str | list[int] | None  # completion: text or token ids (the first, with several prompts)
     sampling: SamplingParams
     max_tokens: int | None  # None: chat runs to the KV capacity
     stream: bool
@@ -62,6 +66,18 @@ class ApiCall:
     lora_name: str | None
     cache_salt: str | None  # the client's; the server combines it with the tenant's
     parse_special_tokens: bool = False  # kvforge extension: special-token text in content becomes special tokens
+    n: int = 1  # choices per prompt
+    prompts: tuple[str | list[int], ...] = ()  # completion: every prompt, in order (choices come prompt by prompt)
+
+    def choices(self) -> list[ApiCall]:
+        """One call per choice, in the order of `choices[i]`: for each prompt, its n sequences. The j-th of n gets
+        seed + j (equal seeds would give n equal answers); each gets its own copy of the messages, which
+        engine_request empties."""
+        prompts = self.prompts or (self.prompt,)
+        seed = self.sampling.seed
+        return [replace(self, messages=list(self.messages), prompt=prompt, prompts=(), n=1,
+                        sampling=self.sampling if seed is None else replace(self.sampling, seed=seed + j))
+                for prompt in prompts for j in range(self.n)]
 
     def engine_request(self, engine: Engine, cache_salt: str) -> EngineRequest:
         """Tokenize (chat template for chat) and check against the engine; runs on a preparation worker, beside the
@@ -95,14 +111,18 @@ def _parse(body: dict[str, Any], chat: bool, models: dict[str, str | None], medi
         raise ApiError(404, f"the model {model!r} does not exist; this server has {', '.join(sorted(models))}",
                        "model", code="model_not_found")
     for name, neutral in NEUTRAL.items():
-        if body.get(name, neutral) not in (neutral, None):
-            fail(name, f"is not supported by this server (only {neutral!r})")
+        if body.get(name, neutral) not in (neutral, None):  # named in the message too: clients print only that
+            fail(name, f"{name} is not supported by this server (only {json.dumps(neutral)})")
     lora_name = _adapter(body, models[model], models)
     logprobs, top = _logprobs(body, chat)
     if chat:
         messages, prompt = parse_messages(body.get("messages"), "messages", media.parsers()), None
     else:
-        messages, prompt = [], _prompt(body.get("prompt"))
+        messages, prompt = [], None
+    prompts = () if chat else _prompts(body.get("prompt"))
+    n = _given(body, "n", lambda v, f: check_int(v, f, 1, MAX_CHOICES), 1)
+    if n * max(len(prompts), 1) > MAX_CHOICES:
+        fail("n", f"asks for {n} choices for each of {len(prompts)} prompts; at most {MAX_CHOICES} in all")
     sampling = SamplingParams(
         temperature=_given(body, "temperature", check_temperature, 1.0),
         top_p=_given(body, "top_p", check_top_p, 1.0),
@@ -113,11 +133,13 @@ def _parse(body: dict[str, Any], chat: bool, models: dict[str, str | None], medi
         seed=_given(body, "seed", check_seed, None),
         reuse_context=get_bool(body, "reuse_context", "", True),  # strict: null is refused too
         cache_generated_tokens=get_bool(body, "cache_generated_tokens", "", True),
+        presence_penalty=_given(body, "presence_penalty", check_penalty, 0.0),
+        frequency_penalty=_given(body, "frequency_penalty", check_penalty, 0.0),
     )
-    return ApiCall(chat, model, messages, prompt, sampling, _max_tokens(body, chat),
+    return ApiCall(chat, model, messages, prompts[0] if prompts else prompt, sampling, _max_tokens(body, chat),
                    _given(body, "stream", _boolean, False), _include_usage(body), logprobs, lora_name,
                    _given(body, "cache_salt", check_string, None),
-                   get_bool(body, "parse_special_tokens", "", False))
+                   get_bool(body, "parse_special_tokens", "", False), n, prompts)
 
 
 def _given(body: dict[str, Any], name: str, check: Callable[[Any, str], T], default: T) -> T:
@@ -171,15 +193,28 @@ def _include_usage(body: dict[str, Any]) -> bool:
     return _given(options, "include_usage", lambda v, f: _boolean(v, f"stream_options.{f}"), False)
 
 
-def _prompt(value: Any) -> str | list[int]:
-    """One prompt: a string or token ids, or a list holding exactly one of those (n = 1, one choice)."""
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]
+def _prompts(value: Any) -> tuple[str | list[int], ...]:
+    """The prompts: a string, token ids, or an array of either (one choice set per prompt)."""
+    if isinstance(value, str) or _token_ids(value):
+        return (_prompt(value, "prompt"),)
+    if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
+        if len(value) > MAX_CHOICES:
+            fail("prompt", f"must hold at most {MAX_CHOICES} prompts, got {len(value)}")
+        return tuple(_prompt(p, f"prompt[{i}]") for i, p in enumerate(value))
+    fail("prompt", f"must be a string, an array of token ids, or an array of those, got {json_kind(value)}")
+
+
+def _prompt(value: Any, where: str) -> str | list[int]:
     if isinstance(value, str):
-        return check_string(value, "prompt")
-    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return check_string(value, where)
+    if _token_ids(value):
         return value
-    fail("prompt", f"must be a string or an array of token ids (one prompt per request), got {json_kind(value)}")
+    fail(where, f"must be a string or a non-empty array of token ids, got {json_kind(value)}")
+
+
+def _token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                           for t in value)
 
 
 def error_from(exc: KvforgeError, chat: bool) -> ApiError:

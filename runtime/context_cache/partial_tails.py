@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.profile_schema import PARTIAL_KV_SNAPSHOTS
 from kvforge.runtime.context_cache.capture import SnapshotCopier
-from kvforge.runtime.context_cache.keys import tail_page_key
+from kvforge.runtime.context_cache.keys import KeyExtras, tail_page_key
 from kvforge.runtime.context_cache.lease import Lease
 from kvforge.runtime.context_cache.planner import PlanKind, ReusePlan
 from kvforge.runtime.context_cache.pools import ResourcePool
@@ -17,6 +19,14 @@ from kvforge.runtime.context_cache.records import Record, RecordStore
 from kvforge.runtime.types import Deployment
 
 PARTIAL_OPTIONS = ("partial_kv_snapshot_slots",)
+
+
+def tail_key(keys: Sequence[bytes], tokens: Sequence[int] | np.ndarray, length: int, tokens_per_page: int,
+             extras: KeyExtras, chain_root: bytes) -> bytes:
+    """The key a tail ending at `length` (not page-aligned) is found by: chained to the last full page before it
+    (the chain root below one page). The one rule for where a tail lives, here and in the shared tier."""
+    depth = length // tokens_per_page
+    return tail_page_key(keys[depth - 1] if depth else chain_root, tokens[:length], depth * tokens_per_page, extras)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +113,7 @@ class PartialTails(CacheTypeBase):
                 continue
             if list(record.token_ids[start:]) != tokens[start:start + tail].tolist():
                 continue
-            if tail_page_key(parent or self.chain_root, tokens[:start + tail], start, lookup.extras) == record.tail_key:
+            if tail_key(lookup.keys, tokens, start + tail, T, lookup.extras, self.chain_root) == record.tail_key:
                 best = (tail, record)
         if best is None:
             return agreed

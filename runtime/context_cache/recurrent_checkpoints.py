@@ -5,17 +5,35 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.profile_schema import RECURRENT_SNAPSHOTS
 from kvforge.runtime.context_cache.capture import SnapshotCopier
-from kvforge.runtime.context_cache.keys import tail_page_key
+from kvforge.runtime.context_cache.keys import KeyExtras, MediaKey
 from kvforge.runtime.context_cache.lease import Lease
+from kvforge.runtime.context_cache.partial_tails import tail_key
 from kvforge.runtime.context_cache.planner import ReusePlan, plan_resume
 from kvforge.runtime.context_cache.pools import ResourcePool
 from kvforge.runtime.context_cache.protocol import CacheSetup, CacheTypeBase, Lookup, Publication
 from kvforge.runtime.context_cache.records import Record, RecordStore
 
 RECURRENT_OPTIONS = ("recurrent_snapshot_slots",)
+
+
+def checkpoint_key(keys: Sequence[bytes], tokens: Sequence[int] | np.ndarray, length: int, tokens_per_page: int,
+                   extras: KeyExtras, chain_root: bytes) -> bytes:
+    """The key a checkpoint of exactly `length` tokens is found by: its last full page's key when page-aligned,
+    else its tail's key (`tail_key`). The one rule, here and in the shared tier."""
+    if length % tokens_per_page:
+        return tail_key(keys, tokens, length, tokens_per_page, extras, chain_root)
+    return keys[length // tokens_per_page - 1]
+
+
+def resumable(length: int, num_tokens: int, media: Sequence[MediaKey]) -> bool:
+    """Whether an input of `num_tokens` tokens may resume after `length`: one token must still compute (for the
+    logits), and never inside a media span (its encoder output is one unit)."""
+    return length < num_tokens and not any(m.start < length < m.start + m.length for m in media)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,11 +97,9 @@ class RecurrentCheckpoints(CacheTypeBase):
         for depth in range((len(tokens) - 1) // T, -1, -1):
             anchor = keys[depth - 1] if depth else None
             for length in self.lengths_after(anchor):
-                if length >= len(tokens) or any(m.start < length < m.start + m.length for m in extras.media):
-                    continue  # the whole input (one token must compute), or resuming inside a media span
-                key = tail_page_key(anchor or self.chain_root, tokens[:length], depth * T, extras) if length % T \
-                    else anchor
-                record = self.records.find(key) if key is not None else None
+                if not resumable(length, len(tokens), extras.media):
+                    continue
+                record = self.records.find(checkpoint_key(keys, tokens, length, T, extras, self.chain_root))
                 if record is None or not record.exact or record.token_ids != tuple(tokens[:length].tolist()):
                     continue
                 if lookup.page_hits is not None and tuple(lookup.page_hits[:depth]) != record.page_ids:

@@ -24,6 +24,7 @@ from kvforge.runtime.context_cache.keys import EngineFingerprint, chain_root
 from kvforge.runtime.context_cache.manager import DEFAULT_MAX_RECORDS
 from kvforge.runtime.engine.state import CheckpointPolicy
 from kvforge.runtime.inputs.multimodal.encoder_cache import DEFAULT_ENCODER_CACHE_BUDGET_BYTES
+from kvforge.runtime.shared_tier.secret import SECRET_ENV, check_secret
 from kvforge.runtime.shared_tier.store import check_store_url
 from kvforge.runtime.spec.methods import (  # noqa: F401 - the draft sizes are re-exported for the front ends
     DEFAULT_SPEC_DRAFT_TOKENS,
@@ -130,6 +131,14 @@ class EngineConfig:
         DEFAULT_SHARED_CACHE_TIMEOUT_MS, "--sharedCacheTimeoutMs", "With --sharedCache: how long one store call "
         "of a load may take before the request stops waiting and computes what it lacks (the store is then left "
         "alone for a back-off of 1 s, doubling up to 30 s).")
+    # The tier secret authenticates every value (a keyed MAC); never in a repr, a message or the profile.
+    shared_cache_secret: str | None = field(default=None, repr=False, metadata={OPTION: EngineOption(
+        "--sharedCacheSecret", "With --sharedCache: a secret every process sharing the tier is given; values are "
+        f"then authenticated (a forged or altered value is a miss). Prefer the {SECRET_ENV} environment variable "
+        "(a flag shows in the process list). See docs/shared-tier.md.")})
+    shared_cache_encrypt: bool = _option(
+        False, "--sharedCacheEncrypt", "With --sharedCache and a tier secret: also encrypt values (AES-GCM), so the "
+        "store holds no prompt tokens or K/V in clear. Needs the cryptography package (kvforge[tier]).")
     spec_decode: str = _option(SPEC_OFF, "--specDecode", spec_decode_help())  # one sentence per support row
     dflash_block_size: int = _option(
         0, "--dflashBlockSize", "With --specDecode dflash or dspark: positions one block call drafts over (the pending "
@@ -232,6 +241,7 @@ def resolve_engine_config(config: EngineConfig, engine: EngineDir, *, num_pages:
             raise InvalidConfig("a shared tier is a second level of context reuse: it needs enable_context_reuse",
                                 "shared_cache")
         check_store_url(config.shared_cache, config.shared_cache_timeout_ms / 1e3)
+        check_secret(config.shared_cache_secret, encrypt=config.shared_cache_encrypt)
     if config.encoder_cache_budget_bytes < 0:
         raise InvalidConfig(f"must be >= 0, got {config.encoder_cache_budget_bytes}", "encoder_cache_budget_bytes")
     partial = _partial_kv_snapshot_slots(config, engine, deployment)

@@ -40,6 +40,7 @@ from kvforge.runtime.inputs.processor import InputProcessor, check_prompt_length
 from kvforge.runtime.profile import Profiler
 from kvforge.runtime.sampling.sampler import Sampler, SampleResult
 from kvforge.runtime.sequence import EngineRequest, Sequence, Status
+from kvforge.runtime.shared_tier.secret import tier_secret
 from kvforge.runtime.shared_tier.stores import open_store
 from kvforge.runtime.shared_tier.tier import SharedTier
 from kvforge.runtime.spec.methods import ProposerParts
@@ -66,6 +67,7 @@ class EngineInfo:
     spec_decode: str
     adapters: tuple[str, ...]  # loaded adapter names, sorted
     tokenizer: ChatTokenizer
+    partial_kv_snapshot_slots: int = 0  # reuse to the exact token when > 0 (else by whole pages)
 
     @property
     def max_input_len(self) -> int:
@@ -168,7 +170,8 @@ class Engine:
         """The model, build, limits, adapters and switches a front end reads (llm_serve, kvforge.LLM, llm_test)."""
         return EngineInfo(self.engine_dir.model, self.engine_dir.build, self.deployment,
                           self.scheduler.max_batch_size, self.cache.enabled, self.config.spec_decode,
-                          tuple(sorted(self.loras.adapters)), self.tokenizer)
+                          tuple(sorted(self.loras.adapters)), self.tokenizer,
+                          self.cache.partial_snapshots.capacity if self.cache.enabled else 0)
 
     @property
     def runner(self) -> Runner:
@@ -321,7 +324,8 @@ class Engine:
         return SharedTier(store, root=resolved.chain_root, tokens_per_page=self.engine_dir.build.tokens_per_page,
                           kv=self.backend.kv_store if resolved.num_pages else None, states=self.states,
                           state_rows=self.state_manager.rows, partial=self.partial_store,
-                          recurrent=self.recurrent_store, timeout_s=config.shared_cache_timeout_ms / 1e3)
+                          recurrent=self.recurrent_store, timeout_s=config.shared_cache_timeout_ms / 1e3,
+                          secret=tier_secret(config.shared_cache_secret, encrypt=config.shared_cache_encrypt))
 
 
 def _load_encoder(config: EngineConfig):  # -> VisualEncoder | AudioEncoder | None

@@ -3,44 +3,47 @@ llm_serve's OpenAI bodies, kvforge.LLM's messages) so each field is refused with
 
 from __future__ import annotations
 
-import json
-import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvforge.contract.validation import (
     MISSING,
     check_choice,
-    check_int,
-    check_number,
     check_string,
     describe,
     fail,
     json_kind,
-    show,
     utf8_size,
 )
-from kvforge.runtime.types import MEDIA_SENTINEL, MediaRef, Message
+from kvforge.runtime.types import (  # noqa: F401  (the sampling checks, re-exported for the request parsers)
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_STOP_WORD_BYTES,
+    MAX_STOP_WORDS,
+    MEDIA_SENTINEL,
+    MediaRef,
+    Message,
+    check_logit_bias,
+    check_penalty,
+    check_seed,
+    check_stop,
+    check_temperature,
+    check_top_p,
+)
 
 # Limits mirror TensorRT Edge-LLM's requestFileParser so a file accepted there is accepted here.
-MAX_LOGIT_BIAS_ENTRIES = 1024
-MAX_LOGIT_BIAS = 100.0
 MAX_MESSAGES = 64
 MAX_CONTENT_ITEMS = 18
 MAX_CONTENT_BYTES = 128 * 1024
-MAX_STOP_WORDS = 64  # every generated token is checked against each: a bound on per-step work
-MAX_STOP_WORD_BYTES = 1024
 # What a media path may be before any file call sees it: POSIX's NAME_MAX per component and PATH_MAX overall
 # (Linux and macOS; NTFS names are 255 UTF-16 units). Past them os calls raise ENAMETOOLONG, a NUL raises
 # ValueError: both would escape as a traceback (a 500 in llm_serve) instead of an error naming the item.
 MAX_PATH_NAME_BYTES = 255
 MAX_PATH_BYTES = 4095
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "user", "assistant", "tool", "developer")  # developer: OpenAI's newer name for system
 MEDIA_TYPES = ("image", "audio", "video")
 CONTENT_TYPES = ("text", *MEDIA_TYPES)
-
-_TOKEN_ID = re.compile(r"[0-9]+")
 
 
 # A front end's own content items (llm_serve's `image_url`, `input_audio`): (item, its JSON path) -> its MediaRef.
@@ -63,6 +66,7 @@ def parse_message(raw: Any, where: str, media_items: Mapping[str, MediaItemParse
         fail(where, f"must be a {{role, content}} object, got {json_kind(raw)}")
     role = _required(raw, "role", where, f"one of {', '.join(ROLES)}")
     check_choice(role, f"{where}.role", ROLES)
+    role = "system" if role == "developer" else role  # chat templates know only system
     content = _required(raw, "content", where, "a string or an array of content items")
     text, media = _parse_content(content, f"{where}.content", media_items or {})
     return Message(role=role, content=text, media=media)
@@ -128,58 +132,3 @@ def _required(obj: dict[str, Any], key: str, where: str, expected: str) -> Any:
     if value is MISSING:
         fail(f"{where}.{key}", f"is required ({expected})")
     return value
-
-
-def check_temperature(value: Any, where: str) -> float:
-    number = check_number(value, where, "a finite number >= 0")
-    if number < 0:
-        fail(where, f"must be a finite number >= 0 (0 = greedy), got {show(value)}")
-    return number
-
-
-def check_top_p(value: Any, where: str) -> float:
-    number = check_number(value, where, "a number in (0, 1]")
-    if not 0 < number <= 1:
-        fail(where, f"must be a number in (0, 1], got {show(value)}")
-    return number
-
-
-def check_logit_bias(value: Any, where: str) -> dict[int, float]:
-    if not isinstance(value, dict):
-        fail(where, f'must be an object like {{"token_id": bias}}, got {json_kind(value)}')
-    if len(value) > MAX_LOGIT_BIAS_ENTRIES:
-        fail(where, f"must have at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(value)}")
-    bias: dict[int, float] = {}
-    for key, raw in value.items():
-        entry = f"{where}[{json.dumps(key)}]"
-        if not isinstance(key, str) or not _TOKEN_ID.fullmatch(key):
-            fail(entry, f"key must be a non-negative decimal token id, got {json.dumps(str(key))}")
-        token_id = int(key)
-        if token_id in bias:  # "7" and "007" name the same token
-            fail(entry, f"token id {token_id} appears more than once")
-        number = check_number(raw, entry, f"a finite number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
-        if abs(number) > MAX_LOGIT_BIAS:
-            fail(entry, f"must be a finite number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
-                         f"got {show(raw)}")
-        bias[token_id] = number
-    return bias
-
-
-def check_stop(value: Any, where: str) -> tuple[str, ...]:
-    words = [value] if isinstance(value, str) else value
-    if not isinstance(words, list):
-        fail(where, f"must be a string or an array of strings, got {json_kind(value)}")
-    if len(words) > MAX_STOP_WORDS:
-        fail(where, f"must hold at most {MAX_STOP_WORDS} stop strings, got {len(words)}")
-    for i, word in enumerate(words):
-        item = where if isinstance(value, str) else f"{where}[{i}]"
-        # An empty stop word would match before the first token and end every generation at once.
-        if not isinstance(word, str) or not word:
-            fail(item, f"must be a non-empty string, got {describe(word)}")
-        if utf8_size(word, item) > MAX_STOP_WORD_BYTES:
-            fail(item, f"must be at most {MAX_STOP_WORD_BYTES} bytes of UTF-8")
-    return tuple(words)
-
-
-def check_seed(value: Any, where: str) -> int | None:
-    return None if value is None else check_int(value, where, 0)

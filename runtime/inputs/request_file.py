@@ -31,6 +31,7 @@ from kvforge.runtime.inputs.checks import (
     parse_messages,
 )
 from kvforge.runtime.types import (
+    MAX_NUM_LOGPROBS,
     CommitPolicy,
     LookupPolicy,
     Request,
@@ -41,7 +42,6 @@ T = TypeVar("T")
 
 # Limits mirror TensorRT Edge-LLM's requestFileParser so a file accepted there is accepted here.
 MAX_BATCH_SIZE = 16
-MAX_NUM_LOGPROBS = 50
 LOOKUP_POLICIES = tuple(p.value for p in LookupPolicy)
 COMMIT_POLICIES = tuple(p.value for p in CommitPolicy)
 

@@ -57,12 +57,17 @@ class Sampler:
         # Reused float64 rows: fresh 1 MiB temporaries per token cost more in page faults than the math.
         self._logits = np.empty(0, dtype=np.float64)
         self._scratch = np.empty(0, dtype=np.float64)
+        # How often each token was generated, for the penalties: every token `sample` or `scored` returns is
+        # committed to the sequence (the verifiers stop at the first one they do not keep), so counting here
+        # also covers the drafts accepted earlier in the same step.
+        self._generated: dict[int, int] = {}
 
     def sample(self, logits_row: np.ndarray) -> SampleResult:
         """Draw one token from a [V] row of logits.
 
-        Order: logit_bias, then greedy argmax or temperature -> top-k -> top-p -> draw. The reported
-        logprobs are the log-softmax of the logits after logit_bias but before temperature/top-k/top-p:
+        Order: logit_bias and the penalties, then greedy argmax or temperature -> top-k -> top-p -> draw. The
+        reported logprobs are the log-softmax of the logits after logit_bias and the penalties but before
+        temperature/top-k/top-p:
         that is the model's own distribution as the user biased it, which is what OpenAI-style clients
         expect, and it does not collapse to 0/-inf under greedy decoding.
         """
@@ -70,6 +75,7 @@ class Sampler:
         # One log-sum-exp instead of a full log_softmax row: only a few logprobs are ever read.
         log_total = _log_sum_exp(logits, self._scratch)
         token_id = int(np.argmax(logits)) if self.params.is_greedy else self._draw(logits)
+        self._count(token_id)
         return SampleResult(token_id=token_id, logprob=float(logits[token_id] - log_total),
                             top_logprobs=self._top_logprobs(logits, log_total))
 
@@ -78,6 +84,7 @@ class Sampler:
         would report them for this row."""
         logits = self._biased(logits_row)
         log_total = _log_sum_exp(logits, self._scratch)
+        self._count(token_id)
         return SampleResult(token_id=token_id, logprob=float(logits[token_id] - log_total),
                             top_logprobs=self._top_logprobs(logits, log_total))
 
@@ -120,12 +127,25 @@ class Sampler:
                 raise KvforgeError(f"token id {bad_id} is outside the vocabulary (size {logits.size})",
                                    "logit_bias")
             logits[self._bias_ids] += self._bias_values
+        if self._generated and self.params.has_penalties:
+            self._penalize(logits)
         peak = logits.max()  # NaN propagates into max, so one reduction checks the whole row
         if np.isnan(peak) or peak == np.inf:
             raise KvforgeError("the engine produced NaN or +inf logits", "logits")
         if peak == -np.inf:
             raise KvforgeError("every token is masked (all logits are -inf)", "logits")
         return logits
+
+    def _count(self, token_id: int) -> None:
+        if self.params.has_penalties:  # nothing to keep otherwise: the common case costs one attribute read
+            self._generated[token_id] = self._generated.get(token_id, 0) + 1
+
+    def _penalize(self, logits: np.ndarray) -> None:
+        """OpenAI's penalties: logit -= frequency_penalty * count + presence_penalty, for each generated token."""
+        ids = np.fromiter(self._generated.keys(), dtype=np.int64, count=len(self._generated))
+        counts = np.fromiter(self._generated.values(), dtype=np.float64, count=len(self._generated))
+        inside = ids < logits.size  # a token id past the row cannot come from it; kept out of the index
+        logits[ids[inside]] -= self.params.frequency_penalty * counts[inside] + self.params.presence_penalty
 
     def _draw(self, logits: np.ndarray) -> int:
         candidate_ids, probs = self._candidates(logits)

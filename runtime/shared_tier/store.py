@@ -38,13 +38,16 @@ class SharedStore(Protocol):
         thread of its own before anything else, and again after a failure; constructing a store does no I/O."""
         ...
 
-    def put(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+    def put(self, items: Sequence[tuple[bytes, bytes]], *, replace: bool = False) -> None:
         """Store each (key, value). First writer wins: a key already present keeps its value (content addressing:
-        equal keys mean equal contents, so rewriting is wasted bandwidth)."""
+        equal keys mean equal contents, so rewriting is wasted bandwidth), unless `replace`: the tier replaces a
+        value a read rejected (damaged, truncated or forged), so the store heals."""
         ...
 
-    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        """The value of each key, None where absent (evicted, flushed or never written)."""
+    def get(self, keys: Sequence[bytes], *, max_bytes: int | None = None) -> list[bytes | None]:
+        """The value of each key, None where absent (evicted, flushed or never written). With `max_bytes`, a value
+        longer than that comes back as its first max_bytes + 1 bytes (the caller rejects it), never read whole
+        where the client allows a bounded read."""
         ...
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:

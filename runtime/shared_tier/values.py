@@ -8,13 +8,14 @@ expects; that is a miss, never a wrong answer. Layout (little-endian):
     b"KVFT" | u16 version | u8 kind | u8 0 | chain root (16) | key (16) | u32 num_tokens | u32 num_arrays
     | per array: u8 len + dtype name, u8 ndim, u32 x ndim | int32 tokens | array bytes ... | BLAKE2b-128 of all before
 
-The checksum catches corruption and truncation; it does not authenticate (anyone who can write the store can write
-a valid value): see docs/shared-tier.md on trust.
+Without a tier secret the checksum catches corruption and truncation but does not authenticate (anyone who can write
+the store can write a valid value); with one (secret.py) it is a keyed BLAKE2b-256, a MAC: see docs/shared-tier.md.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ import numpy as np
 MAGIC = b"KVFT"
 VERSION = 1
 CHECKSUM_BYTES = 16
+MAC_BYTES = 32  # the keyed digest of a tier with a secret
 _HEAD = struct.Struct("<4sHBB16s16sII")
 
 
@@ -50,9 +52,23 @@ class Decoded:
     arrays: list[np.ndarray]  # views into the value's bytes (read-only)
 
 
+def _digest(mac_key: bytes | None) -> hashlib.blake2b:
+    if mac_key is None:
+        return hashlib.blake2b(digest_size=CHECKSUM_BYTES)
+    return hashlib.blake2b(digest_size=MAC_BYTES, key=mac_key)
+
+
+def encoded_size(num_tokens: int, like: Sequence[np.ndarray], mac_key: bytes | None = None) -> int:
+    """The exact length of a value covering `num_tokens` tokens with arrays like `like`: what a read may accept."""
+    layout = sum(1 + len(a.dtype.str) + 1 + 4 * a.ndim for a in like)
+    tail = CHECKSUM_BYTES if mac_key is None else MAC_BYTES
+    return _HEAD.size + layout + 4 * num_tokens + sum(int(a.nbytes) for a in like) + tail
+
+
 def encode(kind: ValueKind, root: bytes, key: bytes, tokens: Sequence[int] | np.ndarray,
-           arrays: Sequence[np.ndarray]) -> bytes:
-    """One value. The arrays are written as they are laid out in memory (C order)."""
+           arrays: Sequence[np.ndarray], mac_key: bytes | None = None) -> bytes:
+    """One value. The arrays are written as they are laid out in memory (C order). `mac_key`: the tier secret's
+    MAC key, which replaces the checksum by a keyed digest."""
     token_bytes = np.ascontiguousarray(tokens, dtype="<i4").tobytes()
     parts = [_HEAD.pack(MAGIC, VERSION, int(kind), 0, root, key, len(token_bytes) // 4, len(arrays))]
     for array in arrays:
@@ -62,7 +78,7 @@ def encode(kind: ValueKind, root: bytes, key: bytes, tokens: Sequence[int] | np.
         parts.append(struct.pack("<B", len(name)) + name + struct.pack(f"<B{array.ndim}I", array.ndim, *array.shape))
     parts.append(token_bytes)
     parts.extend(np.ascontiguousarray(array).data.cast("B") for array in arrays)
-    digest = hashlib.blake2b(digest_size=CHECKSUM_BYTES)
+    digest = _digest(mac_key)
     for part in parts:
         digest.update(part)
     parts.append(digest.digest())
@@ -70,16 +86,22 @@ def encode(kind: ValueKind, root: bytes, key: bytes, tokens: Sequence[int] | np.
 
 
 def decode(value: bytes, *, root: bytes, key: bytes, kind: ValueKind,
-           like: Sequence[np.ndarray] | None = None, tokens: np.ndarray | None = None) -> Decoded:
+           like: Sequence[np.ndarray] | None = None, tokens: np.ndarray | None = None,
+           mac_key: bytes | None = None) -> Decoded:
     """The value's tokens and arrays, after every check: its checksum first (so a corrupt value is never parsed
     further), then that it is the `kind` written by this engine (`root`) under `key`, that its arrays have the
     dtypes and shapes of `like` (the local storage they will be copied into), and its tokens equal `tokens`."""
     view = memoryview(value)
-    if len(view) < _HEAD.size + CHECKSUM_BYTES:
+    size = CHECKSUM_BYTES if mac_key is None else MAC_BYTES
+    if len(view) < _HEAD.size + size:
         raise ValueRejected("corrupt", f"{len(view)} bytes is shorter than a header")
-    body, checksum = view[:-CHECKSUM_BYTES], view[-CHECKSUM_BYTES:]
-    if hashlib.blake2b(body, digest_size=CHECKSUM_BYTES).digest() != checksum:
-        raise ValueRejected("corrupt", "checksum mismatch")
+    body, checksum = view[:-size], view[-size:]
+    digest = _digest(mac_key)
+    digest.update(body)
+    # compare_digest: a forger learns nothing from how long the comparison took
+    if not hmac.compare_digest(digest.digest(), bytes(checksum)):
+        raise ValueRejected("corrupt", "checksum mismatch" if mac_key is None else "MAC mismatch (forged, or "
+                            "written with another tier secret)")
     magic, version, got_kind, _, got_root, got_key, num_tokens, num_arrays = _HEAD.unpack_from(body)
     if magic != MAGIC or version != VERSION:
         raise ValueRejected("corrupt", f"not a kvforge value of version {VERSION}")

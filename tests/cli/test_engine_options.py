@@ -33,6 +33,7 @@ CHANGED: dict[str, Any] = {"num_threads": 3, "enable_context_reuse": True, "cont
                            "spec_prompt_lookup_min": 1, "spec_prompt_lookup_max": 5,
                            "spec_draft_engine_dir": "engines/x/draft", "spec_draft_top_k": 4, "spec_verify_size": 9,
                            "shared_cache": "redis://127.0.0.1:6390/0", "shared_cache_timeout_ms": 80.0,
+                           "shared_cache_secret": "s3cret", "shared_cache_encrypt": True,
                            "dflash_block_size": 4, "dspark_scheduler": "sps", "dspark_confidence_threshold": 0.5,
                            "dspark_min_proposal_len": 2, "dspark_max_proposal_len": 5}
 
@@ -149,9 +150,12 @@ def test_llm_accepts_every_field_as_a_keyword(monkeypatch: pytest.MonkeyPatch) -
         def __init__(self, engine_dir: object, config: EngineConfig) -> None:
             made.append(config)
 
+        def close(self) -> None:  # LLM closes the engine it made when it is collected
+            pass
+
     monkeypatch.setattr(api, "Engine", FakeEngine)
     LLM("engines/x", **{**CHANGED, "multimodal_engine_dir": Path("engines/visual")})  # a Path is fine too
-    LLM("engines/x")
+    LLM("engines/x", enable_context_reuse=False)  # reuse is on by default (tests/engine/test_api.py)
     assert made == [EngineConfig(**CHANGED), EngineConfig()]
     with pytest.raises(TypeError, match="'num_thread'"):
         LLM("engines/x", num_thread=2)

@@ -6,14 +6,19 @@ allowed between them):
 - ```python fences are executed, each in a fresh namespace; the blocks of one page run in order in one temporary
   working directory holding `engines/smollm2` (a tiny synthetic engine: maxInputLen 2048, capacity 4096, batch 4,
   16-token pages), `onnx/smollm2` (its ONNX dir), `requests.json` (a valid llm_inference request file) and
-  `adapters/` (empty). Files a block writes there are seen by the page's later blocks.
+  `adapters/` (empty). Files a block writes there are seen by the page's later blocks. A block that runs and names
+  `out/engines/smollm2` gets `make demo`'s engine there (the real SmolLM2, built once per session).
   - `<!-- docs-test: server -->` before a python block: it runs while llm_serve serves that engine as model
     `smollm2`; the text `http://127.0.0.1:8000` in the block is replaced by the live server's URL.
+    `<!-- docs-test: server out/engines/smollm2 -->` serves `make demo`'s engine instead.
   - `<!-- docs-test: skip REASON -->`: not run; reported as skipped with REASON.
 - ```bash, ```sh, ```shell and ```console fences must carry one of:
   - `<!-- docs-test: run -->`: executed with `bash -e` in the page's working directory, the venv's bin first on
     PATH (so `llm_inference --engineDir engines/smollm2 --inputFile requests.json ...` works), with a timeout
     (SHELL_TIMEOUT_S). In a console block only the `$ ` lines run (the rest is shown output).
+  - `<!-- docs-test: serve -->`: a command that serves until stopped (`llm_serve ...`): started in the page's
+    working directory on a free port (`--port 0` is appended), it must print uvicorn's start line within
+    SERVE_TIMEOUT_S and exit 0 on SIGTERM.
   - `<!-- docs-test: needs smollm2 -->`, `needs peer`, `needs gpu`, `needs network`, or `skip REASON`: not run,
     reported as skipped with the reason.
   An unmarked shell block fails, naming file:line.
@@ -27,8 +32,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -132,7 +139,7 @@ def check_marker(block: Block) -> None:
         if block.arg not in NEEDS:
             raise ExampleFailed(f"{block.where}: unknown `needs {block.arg}` (one of {', '.join(sorted(NEEDS))})")
         raise Skipped(f"{block.where}: needs {block.arg}")
-    if block.lang in SHELL_LANGS and block.marker != "run":
+    if block.lang in SHELL_LANGS and block.marker not in ("run", "serve"):
         what = f"marker `{block.marker}`" if block.marker else "no docs-test marker"
         raise ExampleFailed(f"{block.where}: ```{block.lang} block with {what}; precede it with "
                             "<!-- docs-test: run -->, <!-- docs-test: needs smollm2|peer|gpu|network --> "
@@ -191,6 +198,47 @@ def shell_script(block: Block) -> str:
     return "\n".join(commands) + "\n"
 
 
+SERVE_TIMEOUT_S = 120
+
+
+def run_server_command(block: Block, workdir: Path) -> None:
+    """Start the block's command, wait for the server to be up, stop it with SIGTERM: it must exit 0."""
+    env = {k: v for k, v in os.environ.items() if k != "KVFORGE_DEBUG"}
+    env.update(PATH=f"{BIN_DIR}{os.pathsep}{env.get('PATH', '')}", NO_COLOR="1", TERM="dumb", COLUMNS="300")
+    command = [line for line in shell_script(block).splitlines() if line.strip() and not line.startswith("#")]
+    if len(command) != 1:
+        raise ExampleFailed(f"{block.where}: a serve block holds one command, got {len(command)}")
+    line = command[0].split(" #")[0]  # a trailing comment would swallow the appended --port
+    process = subprocess.Popen(["bash", "-c", f"exec {line} --port 0"], cwd=workdir, env=env, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    lines: list[str] = []
+    started = threading.Event()
+
+    def read() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.append(line)
+            if "Application startup complete" in line:
+                started.set()
+        started.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        started.wait(SERVE_TIMEOUT_S)
+        up = any("Application startup complete" in line for line in lines)  # not set when output merely ended
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(SERVE_TIMEOUT_S)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    reader.join(5)
+    if not up or code != 0:
+        raise ExampleFailed(f"{block.where}: the server {'exited' if not up else f'stopped with {code}'}: "
+                            f"{''.join(lines)[-1500:]}")
+
+
 def run_shell(block: Block, workdir: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "KVFORGE_DEBUG"}
     env.update(PATH=f"{BIN_DIR}{os.pathsep}{env.get('PATH', '')}", NO_COLOR="1", TERM="dumb")
@@ -216,6 +264,8 @@ def run_block(block: Block, workdir: Path, server_url: str | None = None) -> Non
     check_marker(block)
     if block.lang == "python":
         run_python(block, workdir, server_url)
+    elif block.marker == "serve":
+        run_server_command(block, workdir)
     elif block.lang in SHELL_LANGS:
         run_shell(block, workdir)
     elif block.marker == "request-file":
@@ -227,18 +277,25 @@ ALL_BLOCKS = [b for page in doc_pages() for b in parse_blocks(page)
 _WORKDIRS: dict[Path, Path] = {}  # page → its working directory, shared by the page's blocks in order
 
 
+DEMO_ENGINE = "out/engines/smollm2"  # where `make demo` builds SmolLM2
+
+
 @pytest.mark.parametrize("block", ALL_BLOCKS, ids=lambda b: f"{b.where}-{b.lang}")
-def test_doc_example(block: Block, docs_engine_dir: Path, tiny_onnx_dir: Path,
+def test_doc_example(block: Block, docs_engine_dir: Path, tiny_onnx_dir: Path, request: pytest.FixtureRequest,
                      tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     if block.page not in _WORKDIRS:
         _WORKDIRS[block.page] = make_workspace(tmp_path_factory.mktemp("docs_page"), docs_engine_dir, tiny_onnx_dir)
     workdir = _WORKDIRS[block.page]
+    names_demo = DEMO_ENGINE in block.text or (block.marker == "server" and block.arg == DEMO_ENGINE)
+    if names_demo and block.marker not in ("skip", "needs") and not (workdir / DEMO_ENGINE).exists():
+        (workdir / DEMO_ENGINE).parent.mkdir(parents=True, exist_ok=True)
+        (workdir / DEMO_ENGINE).symlink_to(request.getfixturevalue("smollm2_demo_engine_dir"), target_is_directory=True)
     try:
         if block.marker == "server" and block.lang == "python":
             from support import server_harness
 
             monkeypatch.setattr(server_harness, "MODEL", "smollm2")  # the name the pages use
-            with server_harness.live_server(workdir / "engines" / "smollm2", workdir) as live:
+            with server_harness.live_server(workdir / (block.arg or "engines/smollm2"), workdir) as live:
                 run_block(block, workdir, live.url)
         else:
             run_block(block, workdir)
@@ -346,6 +403,17 @@ def test_path_check_reads_module_names() -> None:
     assert repo_paths_named("`runtime/x.py` `<dir>/x` `out/engines` `tools/a b`") == ["runtime/x.py"]
 
 
+def test_demo_engine_fixture_builds_what_make_demo_builds() -> None:
+    """The docs run on `smollm2_demo_engine_dir` as if on `make demo`'s engine: the same llm_build flags."""
+    from conftest import DEMO_BUILD
+
+    recipe = re.search(r"--engineDir \$\(OUT\)/engines/smollm2 \\\n\s*(.*)", (REPO / "Makefile").read_text())
+    assert recipe, "the Makefile no longer builds $(OUT)/engines/smollm2"
+    flags = dict(re.findall(r"--(\w+) (\S+)", recipe.group(1)))
+    assert flags == {"maxInputLen": str(DEMO_BUILD.max_input_len), "maxKVCacheCapacity":
+                     str(DEMO_BUILD.max_kv_cache_capacity), "maxBatchSize": str(DEMO_BUILD.max_batch_size)}
+
+
 def test_readme_is_short() -> None:
     lines = (REPO / "README.md").read_text(encoding="utf-8").count("\n")
     assert lines < 250, f"README.md has {lines} lines; keep it under 250 (the details live in docs/)"
@@ -355,3 +423,9 @@ def test_console_blocks_run_only_their_commands(tmp_path: Path) -> None:
     block = Block(tmp_path / "p.md", 1, "console", "$ echo one \\\n    two\none two\n$ test -d .\n", "run", "")
     assert shell_script(block) == "echo one \\\n    two\ntest -d .\n"
     run_block(block, tmp_path)  # the output line `one two` would fail as a command
+
+
+def test_a_serve_block_that_cannot_start_fails(tmp_path: Path) -> None:
+    block = Block(tmp_path / "p.md", 3, "bash", "llm_serve --engineDir engines/missing   # a comment\n", "serve", "")
+    with pytest.raises(ExampleFailed, match=r"p\.md:3: the server exited: .*--engineDir"):
+        run_block(block, tmp_path)

@@ -79,8 +79,39 @@ def test_chat_reuses_the_context_and_policies_switch_it_off(llm: LLM) -> None:
     assert_idle(llm.engine)
 
 
+def test_reuse_is_on_by_default_and_token_exact(engine_dir: Path) -> None:
+    """A short chat (well under a page per turn) reuses its earlier turns from the second turn on, to the token."""
+    llm = LLM(engine_dir, num_threads=2)
+    assert llm.engine.cache.enabled and llm.engine.cache.partial_snapshots.capacity == 64  # llm_build's budget
+    chat: list[dict[str, str]] = []
+    cached = []
+    for question in ("Hi!", "And then?", "Why?"):
+        chat.append({"role": "user", "content": question})
+        [out] = llm.chat(chat, GREEDY)
+        chat.append({"role": "assistant", "content": out.text})
+        cached.append(out.cached_tokens)
+    assert cached[0] == 0 and 0 < cached[1] < cached[2]
+    assert cached[1] % llm.engine.engine_dir.build.tokens_per_page  # not whole pages: the exact token
+    off = LLM(engine_dir, num_threads=2, enable_context_reuse=False)
+    [cold] = off.chat(chat[:3], GREEDY)
+    assert not off.engine.cache.enabled and cold.cached_tokens == 0
+    [warm] = llm.chat(chat[:3], GREEDY)
+    assert (warm.token_ids, warm.text) == (cold.token_ids, cold.text)  # reuse never changes an answer
+    assert_idle(llm.engine)
+
+
+def test_sampling_params_refuse_bad_values_before_anything_runs(llm: LLM) -> None:
+    with pytest.raises(KvforgeError) as info:
+        llm.generate("hi", SamplingParams(temperature=-1))
+    assert info.value.field == "temperature"
+    [out] = llm.generate("The capital", SamplingParams(temperature=0, max_tokens=30, stop="a"))
+    assert "a" not in out.text and (out.finish_reason == "stop-words" or len(out.token_ids) == 30)
+    assert_idle(llm.engine)
+
+
 def test_prefill_state_only_keeps_generated_tokens_out(engine_dir: Path) -> None:
-    llm = LLM(engine_dir, num_threads=2, enable_context_reuse=True)
+    # Whole pages only (no partial-KV snapshot pool), so records end at a page boundary.
+    llm = LLM(engine_dir, num_threads=2, context_cache_partial_kv_snapshot_pool_bytes=0)
     params = SamplingParams(temperature=0.0, max_generate_length=40, cache_generated_tokens=False)
     [out] = llm.generate(DOC, params)
     tokens_per_page = llm.engine.engine_dir.build.tokens_per_page

@@ -260,3 +260,73 @@ def test_sample_batch_uses_one_sampler_per_row() -> None:
     assert [r.token_id for r in sample_batch(samplers, logits)] == [1, 2]
     with pytest.raises(ValueError):
         sample_batch(samplers[:1], logits)
+
+
+# --- presence and frequency penalties --------------------------------------------------------------------
+
+
+@given(LOGITS, SEEDS)
+def test_zero_penalties_change_nothing(row: np.ndarray, seed: int) -> None:
+    plain, zero = Sampler(params(seed=seed)), Sampler(params(seed=seed, presence_penalty=0, frequency_penalty=0.0))
+    for _ in range(4):
+        a, b = plain.sample(row), zero.sample(row)
+        assert (a.token_id, a.logprob) == (b.token_id, b.logprob)
+
+
+def test_penalties_subtract_per_generated_token() -> None:
+    row = np.array([5.0, 4.0, 3.9, 0.0])
+    # Presence: the argmax loses 1.5 once it was generated, so 1 (4.0) beats it (3.5) at the next step.
+    presence = Sampler(params(temperature=0, presence_penalty=1.5))
+    assert [presence.sample(row).token_id for _ in range(3)] == [0, 1, 2]
+    # Frequency: 0.6 per occurrence. Token 0 wins twice (5.0, then 4.4 > 4.0), then 1 (4.0 > 3.8).
+    frequency = Sampler(params(temperature=0, frequency_penalty=0.6))
+    assert [frequency.sample(row).token_id for _ in range(3)] == [0, 0, 1]
+    # A negative penalty favours repeats; `scored` (an accepted draft) counts like a sampled token.
+    repeat = Sampler(params(temperature=0, presence_penalty=-2))
+    repeat.scored(row, 3)
+    assert repeat.probs(np.array([0.0, 0, 0, -1.5]))[3] == 1.0  # -1.5 + 2 is the argmax now
+
+
+def test_penalties_leave_the_callers_row_alone() -> None:
+    row = np.array([1.0, 2.0, 3.0])
+    sampler = Sampler(params(temperature=0, frequency_penalty=2))
+    sampler.sample(row)
+    sampler.sample(row)
+    assert row.tolist() == [1.0, 2.0, 3.0]
+
+
+# --- SamplingParams checks (the request file's, in one place) --------------------------------------------
+
+
+@pytest.mark.parametrize(("overrides", "field", "words"), [
+    ({"temperature": -1}, "temperature", ">= 0"),
+    ({"temperature": float("nan")}, "temperature", "finite"),
+    ({"top_p": 5}, "top_p", "(0, 1]"),
+    ({"top_p": 0}, "top_p", "(0, 1]"),
+    ({"top_k": -3}, "top_k", ">= 0"),
+    ({"top_k": 2.0}, "top_k", "integer"),
+    ({"max_generate_length": 0}, "max_generate_length", ">= 1"),
+    ({"max_tokens": 0}, "max_tokens", ">= 1"),
+    ({"max_tokens": 5, "max_generate_length": 7}, "max_tokens", "give one"),
+    ({"num_logprobs": 51}, "num_logprobs", "0..50"),
+    ({"logit_bias": {-1: 1.0}}, "logit_bias[-1]", "token id"),
+    ({"logit_bias": {3: 101}}, "logit_bias[3]", "[-100, 100]"),
+    ({"stop": ""}, "stop", "non-empty"),
+    ({"stop": ["ok", 3]}, "stop[1]", "non-empty string"),
+    ({"seed": -1}, "seed", ">= 0"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "[-2, 2]"),
+    ({"frequency_penalty": "1"}, "frequency_penalty", "number"),
+])
+def test_sampling_params_refuse_bad_values(overrides: dict[str, object], field: str, words: str) -> None:
+    with pytest.raises(KvforgeError) as info:
+        SamplingParams(**overrides)  # type: ignore[arg-type]
+    assert info.value.field == field and words in info.value.message
+    assert "\n" not in str(info.value)
+
+
+def test_sampling_params_normalize_stop_and_max_tokens() -> None:
+    assert SamplingParams(stop="Paris").stop == ("Paris",)  # one stop string, not five characters
+    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
+    assert SamplingParams(max_tokens=12).max_generate_length == 12
+    assert SamplingParams(max_tokens=12, max_generate_length=12).max_generate_length == 12
+    assert SamplingParams(logit_bias={"7": 1}).logit_bias == {7: 1}

@@ -205,7 +205,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"model": MODEL, "messages": chat("x" * 300)}, 400, "messages"),
     ("/v1/completions", {"model": MODEL, "prompt": "x" * 300}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 10**6]}, 400, "prompt"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": chat("hi"), "n": 2}, 400, "n"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": chat("hi"), "n": 17}, 400, "n"),
     ("/v1/chat/completions", {"model": MODEL, "messages": chat("hi"), "top_logprobs": 2}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"model": MODEL, "messages": chat("hi"), "temperature": -1}, 400, "temperature"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),

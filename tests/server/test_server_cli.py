@@ -37,13 +37,16 @@ def one_line_error(result: subprocess.CompletedProcess[str], flag: str) -> None:
     (["--loraWeights", "a=/nowhere.safetensors"], "--loraWeights"),
     (["--port", "70000"], "--port"),
     (["--shutdownTimeout", "-2"], "--shutdownTimeout"),
-    (["--contextCacheRecurrentSnapshotPoolBytes", "1000000"], "--contextCacheRecurrentSnapshotPoolBytes"),
-    (["--contextCachePartialKVSnapshotPoolBytes", "1000000"], "--contextCachePartialKVSnapshotPoolBytes"),
+    (["--disableContextReuse", "--contextCacheRecurrentSnapshotPoolBytes", "1000000"],
+     "--contextCacheRecurrentSnapshotPoolBytes"),
+    (["--disableContextReuse", "--contextCachePartialKVSnapshotPoolBytes", "1000000"],
+     "--contextCachePartialKVSnapshotPoolBytes"),
+    (["--disableContextReuse", "--enableContextReuse"], "--disableContextReuse"),
     (["--enableContextReuse", "--contextCacheRecurrentSnapshotPoolBytes", "1000000"],
      "--contextCacheRecurrentSnapshotPoolBytes"),  # an attention-only engine has no recurrent state
-    (["--sharedCache", "redis://127.0.0.1:1/0"], "--sharedCache"),  # needs --enableContextReuse
+    (["--disableContextReuse", "--sharedCache", "redis://127.0.0.1:1/0"], "--sharedCache"),  # needs reuse
     # Salts from a per-process random secret would never match another server's: refused, not a silent 0 % hit.
-    (["--enableContextReuse", "--sharedCache", "redis://127.0.0.1:1/0"], "--saltSecret"),
+    (["--sharedCache", "redis://127.0.0.1:1/0"], "--saltSecret"),
 ])
 def test_bad_flags_are_one_line(engine_dir: Path, run_cli: Callable[..., Any], args: list[str], flag: str) -> None:
     one_line_error(run_cli(["llm_serve", "--engineDir", engine_dir, *args]), flag)
@@ -106,6 +109,9 @@ def test_sigterm_lets_requests_in_flight_finish(engine_dir: Path) -> None:
     try:
         stderr_start = server.stderr
         assert "listening on 127.0.0.1 only" in stderr_start  # no --apiKeys: loopback, and it says so
+        # llm_build's partial-KV budget (64 slots) came with reuse; the engine runs 4 rows, so no one-at-a-time note
+        assert "context reuse on, token-exact (64 partial-KV snapshot slots)" in stderr_start
+        assert "one request at a time" not in stderr_start
         with openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60) as client:
             model = client.models.list().data[0].id
             assert model == engine_dir.name
@@ -128,9 +134,10 @@ def test_sigterm_lets_requests_in_flight_finish(engine_dir: Path) -> None:
 def test_api_keys_change_the_start_message(engine_dir: Path, tmp_path: Path) -> None:
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps({"secret-key": "team"}))
-    server = ServeProcess(["--engineDir", str(engine_dir), "--apiKeys", str(keys), "--servedModelName", "m"])
+    server = ServeProcess(["--engineDir", str(engine_dir), "--apiKeys", str(keys), "--servedModelName", "m",
+                           "--disableContextReuse"])
     try:
-        assert "API keys required" in server.stderr
+        assert "API keys required" in server.stderr and "context reuse off" in server.stderr
         with openai.OpenAI(base_url=f"{server.url}/v1", api_key="secret-key", max_retries=0) as client:
             assert [m.id for m in client.models.list()] == ["m"]
         server.process.send_signal(signal.SIGINT)

@@ -16,7 +16,7 @@ from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.errors import InvalidConfig
 from kvforge.runtime.engine import engine as engine_module
 from kvforge.runtime.engine.engine import Engine
-from kvforge.runtime.shared_tier.tier import PAGE_PREFIX
+from kvforge.runtime.shared_tier.layout import PAGE_PREFIX
 from kvforge.runtime.shared_tier.values import ValueKind, decode, encode
 from kvforge.tools.export.sources.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir

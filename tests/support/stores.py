@@ -4,7 +4,9 @@ holder (only inside a private network namespace), and a TCP proxy that makes a s
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import re
 import shutil
 import signal
 import socket
@@ -19,6 +21,11 @@ import pytest
 START_TIMEOUT_S = 20.0
 NETNS_HINT = ("run `make test-mooncake` (Mooncake clients listen on 0.0.0.0, so its tests run in a private "
               "network namespace: unshare -n)")
+# Shared libraries (space-separated sonames) the Mooncake start check treats as missing, as if uninstalled: how
+# tests/shared_tier/test_mooncake_skip.py checks the skip without removing a system package other runs need.
+HIDE_LIBRARIES_ENV = "KVFORGE_TEST_HIDE_LIBRARIES"
+_NOT_FOUND = re.compile(r"^\s*(\S+) => not found", re.MULTILINE)
+_LOADER_ERROR = re.compile(r"error while loading shared libraries: ([^:\s]+)")
 
 
 def free_port() -> int:
@@ -109,14 +116,51 @@ def mooncake_binaries() -> Path:
     return Path(mooncake.__file__).parent
 
 
+def missing_libraries(binary: Path) -> tuple[str, ...]:
+    """Shared libraries `binary` links that the loader cannot find here (Mooncake's need libibverbs.so.1 even over
+    TCP: without it mooncake_master exits 127 before it does anything), plus those HIDE_LIBRARIES_ENV hides."""
+    hidden = set(os.environ.get(HIDE_LIBRARIES_ENV, "").split())
+    return _missing_libraries(str(binary), frozenset(hidden))
+
+
+@functools.cache
+def _missing_libraries(binary: str, hidden: frozenset[str]) -> tuple[str, ...]:
+    ldd = shutil.which("ldd")
+    if ldd is not None:
+        listing = subprocess.run([ldd, binary], capture_output=True, text=True, timeout=30).stdout
+        linked = set(re.findall(r"^\s*(\S+\.so[.\d]*)", listing, re.MULTILINE))
+        return tuple(sorted(set(_NOT_FOUND.findall(listing)) | (linked & hidden)))
+    # No ldd: start the binary once; the dynamic loader names the first library it misses and exits 127.
+    run = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=30)
+    found = _LOADER_ERROR.search(run.stderr) if run.returncode == 127 else None
+    return (found.group(1),) if found else ()
+
+
+def mooncake_start_problem(bin_dir: Path) -> str | None:
+    """Why Mooncake's master and holder cannot start here (a missing shared library, with the package that brings
+    it), or None."""
+    for name in ("mooncake_master", "mooncake_client"):
+        missing = missing_libraries(bin_dir / name)
+        if missing:
+            package = " (apt-get install libibverbs1, or `make install` as root)" if any(
+                lib.startswith("libibverbs") for lib in missing) else ""
+            return f"{name} cannot start: {', '.join(missing)} is missing{package}"
+    return None
+
+
 class MooncakeServer(_Managed):
     """A Mooncake master and one standalone holder (`mooncake_client`, which owns the memory, so values outlive the
-    processes that wrote them), P2P handshake metadata, TCP. Only in a private network namespace."""
+    processes that wrote them), P2P handshake metadata, TCP. Only in a private network namespace. Skips the test,
+    saying why, when Mooncake is not installed or its binaries cannot start (a missing libibverbs1)."""
 
     def __init__(self, work: Path, *, segment: str = "512 MB") -> None:
+        bin_dir = mooncake_binaries()
+        problem = mooncake_start_problem(bin_dir)
+        if problem:
+            pytest.skip(problem)
         if not in_private_netns():
             pytest.skip(NETNS_HINT)
-        self.bin = mooncake_binaries()
+        self.bin = bin_dir
         self.work, self.segment = work, segment
         work.mkdir(parents=True, exist_ok=True)
         self.master_port, self.holder_port, self.metrics_port = free_port(), free_port(), free_port()

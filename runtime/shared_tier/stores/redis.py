@@ -1,7 +1,8 @@
 """Redis and Valkey as a shared-tier store, over RESP with redis-py (and hiredis's parser when it is installed).
 
 Binary keys go in as they are, under a prefix (`?prefix=`, default `kvf:`) so one database can hold other data.
-`SET NX` keeps the first writer's value (content addressing), one pipelined round trip per batch. redis-py's own
+`SET NX` keeps the first writer's value (content addressing; a plain SET replaces a damaged one), and a bounded get
+is `GETRANGE` (a value past the bound never crosses the wire whole); one pipelined round trip per batch. redis-py's own
 retries are off: a dead store must fail in one timeout, not after a retry schedule of seconds; its connection
 pool reconnects on the next call by itself, so a restarted server needs nothing from us.
 """
@@ -60,21 +61,31 @@ class RedisStore:
     def connect(self) -> None:
         self._call(self.client.ping)
 
-    def put(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+    def put(self, items: Sequence[tuple[bytes, bytes]], *, replace: bool = False) -> None:
         if not items:
             return
 
         def run() -> None:
             pipe = self.client.pipeline(transaction=False)
             for key, value in items:
-                pipe.set(self.prefix + bytes(key), value, nx=True)
+                pipe.set(self.prefix + bytes(key), value, nx=not replace)
             pipe.execute()
         self._call(run)
 
-    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
+    def get(self, keys: Sequence[bytes], *, max_bytes: int | None = None) -> list[bytes | None]:
         if not keys:
             return []
-        return self._call(lambda: self.client.mget([self.prefix + bytes(key) for key in keys]))
+        names = [self.prefix + bytes(key) for key in keys]
+        if max_bytes is None:
+            return self._call(lambda: self.client.mget(names))
+
+        def run() -> list[bytes | None]:
+            pipe = self.client.pipeline(transaction=False)
+            for name in names:  # GETRANGE's end is inclusive: one byte more than allowed marks a value too large
+                pipe.getrange(name, 0, max_bytes)
+            # An absent key reads as b"", and so would an empty value: neither is a tier value, both are misses.
+            return [value or None for value in pipe.execute()]
+        return self._call(run)
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         if not keys:
