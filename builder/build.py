@@ -38,6 +38,7 @@ from kvforge.contract.geometry import (
 from kvforge.contract.manifest import ENGINE_KIND, ONNX_KIND, verify_manifest, write_manifest
 from kvforge.contract.memory import check_pool_fits_memory
 from kvforge.contract.model_config import ModelConfig
+from kvforge.contract.speculation import base_kind, draft_methods_on
 from kvforge.contract.validation import one_line
 
 BACKENDS = ("auto", "onnxruntime", "tensorrt")
@@ -222,7 +223,7 @@ def check_speculative_build(config: ModelConfig, options: BuildOptions) -> dict[
         raise InvalidConfig(f"a {config.spec_decode_type} assistant reads its base's KV pools in place, which only "
                             "the kvforge CPU kernel does; build it with --cpuAttention kernel", "cpu_attention")
     if options.spec_base:
-        if config.is_recurrent:
+        if not draft_methods_on(base_kind(config.is_recurrent, config.is_hybrid)):  # the speculation table's bases
             raise InvalidConfig(f"a speculative base has attention layers; a {config.model} model is pure recurrent "
                                 "(the support matrix rejects pure-recurrent speculative bases)", "spec_base")
         if not config.hidden_state_layers:

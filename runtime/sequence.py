@@ -84,9 +84,12 @@ class Sequence:
     # A tree proposal: spec_parents[i] is the index of draft i's parent among spec_token_ids (-1: the pending token),
     # parents before children; empty = a chain (draft i follows draft i - 1).
     spec_parents: list[int] = field(default_factory=list)
-    # An EAGLE3 sequence: its admissions take draft pages (and reuse only coherent draft paths); `draft_state` is what
-    # the drafter keeps between steps (its first proposal and hidden state at the sequence's end).
+    # A sequence whose draft owns K/V (the speculation table's "own pool" rows): its admissions take draft pages (and
+    # reuse only coherent draft paths).
     drafts_with_kv: bool = False
+    # What a drafter keeps between steps (its first proposal and hidden state at the sequence's end), opaque here;
+    # the scheduler clears it on preemption. The proposer contract's home for it is the proposer's own
+    # DraftStates keyed by request id (runtime/spec/proposer.py), which the proposers are to move to.
     draft_state: object | None = None
 
     @property

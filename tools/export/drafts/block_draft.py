@@ -41,6 +41,7 @@ from kvforge.contract.errors import KvforgeError
 from kvforge.contract.files import read_json, write_json
 from kvforge.contract.formats import EXPORT_FORMAT
 from kvforge.contract.model_config import MAX_BLOCK_SIZE, SPEC_DFLASH, SPEC_DSPARK, ModelConfig
+from kvforge.contract.speculation import SPEC_SUPPORT, base_kind
 from kvforge.graph.onnx_graph import OPSET, GraphWriter, value_info
 from kvforge.graph.positions import gather_positions, hidden_states_output, logits_output
 from kvforge.graph.rope import apply_rope
@@ -72,7 +73,7 @@ _NEUTRAL = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit
 
 
 def block_draft_kind(path: Path) -> str | None:
-    """'dflash' or 'dspark' when `path` holds such a checkpoint, else None."""
+    """SPEC_DFLASH or SPEC_DSPARK when `path` holds such a checkpoint, else None."""
     config = Path(path) / "config.json"
     if not config.is_file():
         return None
@@ -250,7 +251,7 @@ def export_block_draft(draft_dir: Path, base_onnx_dir: Path, output_dir: Path) -
     embedding table, and DSpark's heads. The base must return the hidden states the draft reads."""
     draft_dir, base_onnx_dir = Path(draft_dir), Path(base_onnx_dir)
     hf, base = open_draft_export(draft_dir, base_onnx_dir, output_dir, FIELD)
-    if base.is_hybrid or base.is_recurrent:
+    if base_kind(base.is_recurrent, base.is_hybrid) not in SPEC_SUPPORT[SPEC_DFLASH].bases:  # the support table
         raise KvforgeError(f"a block draft needs an attention-only base; {base.model} has recurrent layers (the "
                            "support matrix rejects hybrid DFlash/JetSpec/DSpark)", "--baseOnnxDir")
     config = draft_config(hf, base)
@@ -303,7 +304,7 @@ def write_random_block_draft(base_onnx_dir: Path, output_dir: Path, *, kind: str
                     "markov_w2.weight": linear(base.vocab_size, markov_rank),
                     f"{ACCEPT_PREFIXES[0]}.weight": linear(1, H + markov_rank),
                     f"{ACCEPT_PREFIXES[0]}.bias": np.array([1.0], dtype=np.float32)}
-        extra = {"projector_type": "dspark", "markov_rank": markov_rank}
+        extra = {"projector_type": SPEC_DSPARK, "markov_rank": markov_rank}  # DSpark checkpoints name it so too
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(output_dir / "model.safetensors"))
