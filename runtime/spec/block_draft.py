@@ -1,4 +1,4 @@
-"""Block drafting (DFlash, DSpark): one non-causal draft call guesses a whole block from the base's hidden states.
+"""Block drafting (DFlash, DSpark, JetSpec): one draft call guesses a whole block from the base's hidden states.
 
 Token layout of one sequence (C = tokens whose base K/V is committed, t_C the pending token, b = block size):
 
@@ -10,7 +10,9 @@ Token layout of one sequence (C = tokens whose base K/V is committed, t_C the pe
 `observe` runs after each base call, before the commit: the positions the base just committed get their context
 K/V (a function of the base's hidden state at that position alone, so a draft page is as content-addressed as the
 base page beside it and a reuse hit needs no replay). `propose_batch` then runs one call over every decoding
-sequence's block; the block sees all the context and all of itself. DFlash takes each position's argmax. DSpark
+sequence's block; the block sees all the context and all of itself (DFlash, DSpark) or, for JetSpec, whose drafts
+were trained so, block row j sees rows <= j only (the mask input is causal there). DFlash and JetSpec take each
+position's argmax (JetSpec's as a chain: the depth-j argmax). DSpark
 walks the block left to right adding its previous-token bias (`markov_w2 @ markov_w1[previous]`) before each argmax,
 and its acceptance predictor scores each guess; the scheduler proposes the prefix worth verifying:
 
@@ -85,10 +87,10 @@ class BlockDraftProposer:
 
     def __init__(self, backend: Backend, embedding: np.ndarray, cache: ContextCacheManager, block_size: int,
                  mask_token_id: int, base_hidden_width: int, profiler: Profiler,
-                 dspark: DsparkHeads | None = None) -> None:
+                 dspark: DsparkHeads | None = None, causal: bool = False) -> None:
         """`backend`: the draft engine's runner (its own KV pool); `embedding`: the base's token table; `cache`: the
         coordinator whose draft pool the leases' draft pages come from; `block_size`: positions one block call
-        drafts over (the pending token and block_size - 1 masks)."""
+        drafts over (the pending token and block_size - 1 masks); `causal`: the block sees itself causally (JetSpec)."""
         self.backend = backend
         self.embedding = embedding
         self.cache = cache
@@ -98,6 +100,7 @@ class BlockDraftProposer:
         self.hidden_size = embedding.shape[1]
         self.profiler = profiler
         self.dspark = dspark
+        self.causal = causal
 
     # --- after each base call -------------------------------------------------------------------------
 
@@ -168,8 +171,8 @@ class BlockDraftProposer:
 
     def _run(self, calls: list[_Call]) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """One draft call over ragged rows (context positions, then block positions): per row, logits [m, V] and
-        the normed last layer [m, H] at its `outputs` entries. The block sees all of itself; context rows, whose
-        queries nothing reads, see causally."""
+        the normed last layer [m, H] at its `outputs` entries. The block sees all of itself (causally for JetSpec);
+        context rows, whose queries nothing reads, see causally."""
         width = max(len(call.embeds) for call in calls)
         batch = len(calls)
         embeds = np.zeros((batch, width, self.hidden_size), dtype=np.float32)
@@ -183,7 +186,8 @@ class BlockDraftProposer:
             embeds[b, :n] = call.embeds
             features[b, :n] = call.features
             context[b, :call.context] = 1.0
-            mask[b, call.context:n, :n] = True
+            if not self.causal:  # causal_masks already gives JetSpec's view: block row j sees rows <= j
+                mask[b, call.context:n, :n] = True
             picks.append(b * width + np.asarray(call.outputs, dtype=np.int64))
             counts.append(len(call.outputs))
         step = StepInputs(embeds, np.array([len(call.embeds) for call in calls], dtype=np.int32), starts,

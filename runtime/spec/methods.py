@@ -39,6 +39,7 @@ from kvforge.contract.speculation import (  # noqa: F401 - the names are re-expo
     SPEC_DSPARK,
     SPEC_EAGLE3,
     SPEC_GEMMA4_MTP,
+    SPEC_JETSPEC,
     SPEC_METHODS,
     SPEC_MTP,
     SPEC_NGRAM,
@@ -234,13 +235,14 @@ class MtpMethod(Eagle3Method):
 
 
 class BlockDraftMethod(DraftModelMethod):
-    """DFlash and DSpark: a whole block per call; DSpark adds its heads and scheduler."""
+    """DFlash, DSpark and JetSpec: a whole block per call; DSpark adds its heads and scheduler, JetSpec drafts with a
+    causal mask inside the block."""
 
     def _check_draft_build(self, draft: EngineDir) -> None:
         if not draft.build.tree_attention:
             raise InvalidConfig(f"the {self.support.label} draft at {draft.path} was built without masked attention "
-                                "(its block is non-causal); rebuild it with llm_build --specDraft --cpuAttention "
-                                "kernel", "spec_draft_engine_dir")
+                                "(its block's mask is an input); rebuild it with llm_build --specDraft "
+                                "--cpuAttention kernel", "spec_draft_engine_dir")
 
     def resolve_draft(self, options: SpecOptions, engine: EngineDir, base: Base) -> EngineDir | None:
         draft = super().resolve_draft(options, engine, base)
@@ -265,7 +267,7 @@ class BlockDraftMethod(DraftModelMethod):
                                 options.dspark_max_proposal_len)
         proposer = BlockDraftProposer(backend, table, parts.cache, block_size(options, draft),
                                       draft.model.mask_token_id, draft.model.base_model_hidden_size, parts.profiler,
-                                      heads)
+                                      heads, causal=self.name == SPEC_JETSPEC)
         return Drafter(proposer, backend)
 
 
@@ -286,6 +288,7 @@ _REGISTRY: dict[str, SpecMethod] = {
     SPEC_EAGLE3: Eagle3Method(SPEC_SUPPORT[SPEC_EAGLE3]),
     SPEC_DFLASH: BlockDraftMethod(SPEC_SUPPORT[SPEC_DFLASH]),
     SPEC_DSPARK: BlockDraftMethod(SPEC_SUPPORT[SPEC_DSPARK]),
+    SPEC_JETSPEC: BlockDraftMethod(SPEC_SUPPORT[SPEC_JETSPEC]),
     SPEC_GEMMA4_MTP: Gemma4MtpMethod(SPEC_SUPPORT[SPEC_GEMMA4_MTP]),
     SPEC_MTP: MtpMethod(SPEC_SUPPORT[SPEC_MTP]),
 }
@@ -391,7 +394,8 @@ def _check_fits_base(draft: EngineDir, engine: EngineDir, path: Path) -> None:
 def _check_block_options(options: SpecOptions) -> None:
     """The block-draft flags: in range, and given only with a method that reads them."""
     if options.dflash_block_size and not SPEC_SUPPORT[options.spec_decode].block:
-        raise InvalidConfig("sizes a block draft's block: needs --specDecode dflash or dspark", "dflash_block_size")
+        raise InvalidConfig("sizes a block draft's block: needs --specDecode dflash or dspark or jetspec",
+                            "dflash_block_size")
     if options.dflash_block_size < 0:
         raise InvalidConfig(f"must be >= 0, got {options.dflash_block_size}", "dflash_block_size")
     if options.dspark_scheduler not in DSPARK_SCHEDULERS:
