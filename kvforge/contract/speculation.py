@@ -79,9 +79,10 @@ SPEC_SUPPORT: dict[str, SpecSupport] = {row.name: row for row in (
                 "base and draft pages; no replay",
                 "'dspark' drafts a block as 'dflash' does, verifying as many guesses as its scheduler says"),
     # A DFlash-format draft trained with a causal in-block mask (dflash_config.causal_head): row j sees rows <= j.
-    SpecSupport(SPEC_JETSPEC, "JetSpec", (Base.ATTENTION,), True, DraftKV.OWN, False, False, True, True, False, False,
-                "base and draft pages; no replay",
-                "'jetspec' drafts a block as 'dflash' does with a JetSpec draft (causal inside the block)"),
+    SpecSupport(SPEC_JETSPEC, "JetSpec", (Base.ATTENTION,), True, DraftKV.OWN, False, True, True, True, False,
+                False, "base and draft pages; no replay",
+                "'jetspec' drafts a block as 'dflash' does with a JetSpec draft (causal inside the block), as a chain "
+                "or, with --specDraftTopK above 1, a tree of each depth's top-k"),
     SpecSupport(SPEC_GEMMA4_MTP, "Gemma4 MTP", (Base.ATTENTION,), True, DraftKV.BASE, False, False, False, True,
                 False, False, "base pages only (the assistant reads them; no draft pool, no replay)",
                 "'gemma4_mtp' drafts with a Gemma4 assistant that reads the base's own K/V (no draft pool)"),

@@ -12,7 +12,12 @@ K/V (a function of the base's hidden state at that position alone, so a draft pa
 base page beside it and a reuse hit needs no replay). `propose_batch` then runs one call over every decoding
 sequence's block; the block sees all the context and all of itself (DFlash, DSpark) or, for JetSpec, whose drafts
 were trained so, block row j sees rows <= j only (the mask input is causal there). DFlash and JetSpec take each
-position's argmax (JetSpec's as a chain: the depth-j argmax). DSpark
+position's argmax (JetSpec's as a chain: the depth-j argmax). With --specDraftTopK K > 1, JetSpec grows a token tree
+from the one call's per-depth logits as its public loop does (`jetspec_tree`): best-first on the cumulative
+log-probability, a popped node gets the next depth's top K as children, until the node budget (--specVerifySize
+less the pending token). Every child of a depth carries the same candidates: the draft saw mask tokens, not the
+path. The engine verifies the tree in one base call under the ancestor mask and keeps the longest path the base
+agrees with (greedy, or its own draws with sampling: every committed token is the base's choice given the path). DSpark
 walks the block left to right adding its previous-token bias (`markov_w2 @ markov_w1[previous]`) before each argmax,
 and its acceptance predictor scores each guess; the scheduler proposes the prefix worth verifying:
 
@@ -29,6 +34,7 @@ rejection sampling against a one-hot proposal, so outputs are lossless whatever 
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import numpy as np
@@ -87,10 +93,12 @@ class BlockDraftProposer:
 
     def __init__(self, backend: Backend, embedding: np.ndarray, cache: ContextCacheManager, block_size: int,
                  mask_token_id: int, base_hidden_width: int, profiler: Profiler,
-                 dspark: DsparkHeads | None = None, causal: bool = False) -> None:
+                 dspark: DsparkHeads | None = None, causal: bool = False, top_k: int = 1,
+                 verify_nodes: int = 0) -> None:
         """`backend`: the draft engine's runner (its own KV pool); `embedding`: the base's token table; `cache`: the
         coordinator whose draft pool the leases' draft pages come from; `block_size`: positions one block call
-        drafts over (the pending token and block_size - 1 masks); `causal`: the block sees itself causally (JetSpec)."""
+        drafts over (the pending token and block_size - 1 masks); `causal`: the block sees itself causally
+        (JetSpec); `top_k` > 1: a tree of at most `verify_nodes` drafts (JetSpec)."""
         self.backend = backend
         self.embedding = embedding
         self.cache = cache
@@ -101,6 +109,8 @@ class BlockDraftProposer:
         self.profiler = profiler
         self.dspark = dspark
         self.causal = causal
+        self.top_k = top_k
+        self.verify_nodes = verify_nodes
 
     # --- after each base call -------------------------------------------------------------------------
 
@@ -124,7 +134,7 @@ class BlockDraftProposer:
 
     def propose_batch(self, seqs: list[Sequence], limits: list[int]) -> list[list[int] | DraftTree]:
         proposals: list[list[int] | DraftTree] = [[] for _ in seqs]
-        calls, owners, pending = [], [], []
+        calls, owners, pending, budgets = [], [], [], []
         for i, (seq, limit) in enumerate(zip(seqs, limits, strict=True)):
             state, lease = seq.draft_state, seq.lease
             if not isinstance(state, BlockState) or lease is None or lease.draft_page_ids is None or limit <= 0:
@@ -142,13 +152,18 @@ class BlockDraftProposer:
                                list(range(1, width))))
             owners.append(i)
             pending.append(token)
+            budgets.append(min(self.verify_nodes, limit))
         if not calls:
             return proposals
         with self.profiler.stage(BLOCK_DIFFUSION_DENOISE_STAGE):
             logits, hidden = self._run(calls)
-        for i, token, row_logits, row_hidden in zip(owners, pending, logits, hidden, strict=True):
-            proposals[i] = self._dspark(token, row_logits, row_hidden) if self.dspark is not None else \
-                [int(t) for t in np.argmax(row_logits, axis=-1)]
+        for i, token, budget, row_logits, row_hidden in zip(owners, pending, budgets, logits, hidden, strict=True):
+            if self.dspark is not None:
+                proposals[i] = self._dspark(token, row_logits, row_hidden)
+            elif self.top_k > 1:
+                proposals[i] = jetspec_tree(row_logits, self.top_k, budget)
+            else:
+                proposals[i] = [int(t) for t in np.argmax(row_logits, axis=-1)]
         return proposals
 
     def _dspark(self, pending: int, logits: np.ndarray, hidden: np.ndarray) -> list[int]:
@@ -218,3 +233,26 @@ def schedule(scores: np.ndarray, heads: DsparkHeads) -> int:
     else:
         length = longest
     return max(length, shortest)
+
+
+def jetspec_tree(logits: np.ndarray, top_k: int, budget: int) -> DraftTree:
+    """JetSpec's tree from one block call's logits [depths, V] (row d guesses depth d + 1): best-first on cumulative
+    log-probability from the pending token (score 0); a popped node at depth d gains depth d + 1's top `top_k`
+    tokens, best first, as children, until `budget` drafts. Parents come before their children."""
+    log_probs = logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)
+    log_probs -= np.log(np.exp(log_probs).sum(axis=-1, keepdims=True))
+    k = min(top_k, logits.shape[-1])
+    ranked = np.argsort(-log_probs, axis=-1, kind="stable")[:, :k]  # ties: the lower token id first
+    tokens: list[int] = []
+    parents: list[int] = []
+    heap: list[tuple[float, int, int, int]] = [(0.0, -1, -1, 0)]  # (-score, node index, node, its depth)
+    while heap and len(tokens) < budget:
+        negative, _, node, depth = heapq.heappop(heap)
+        if depth >= len(logits):
+            continue
+        for token in ranked[depth][:budget - len(tokens)]:
+            tokens.append(int(token))
+            parents.append(node)
+            child = len(tokens) - 1
+            heapq.heappush(heap, (negative - float(log_probs[depth, token]), child, child, depth + 1))
+    return DraftTree(tokens, parents)

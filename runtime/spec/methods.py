@@ -121,7 +121,8 @@ class SpecMethod:
     def check_options(self, options: SpecOptions) -> None:
         """This method's own settings, before anything is loaded (the shared ranges are checked already)."""
         if options.spec_draft_top_k > 1 and not self.support.tree:
-            raise InvalidConfig("tree drafting (a top-k above 1) needs --specDecode eagle3 (prompt lookup drafts one "
+            trees = " or ".join(name for name, row in SPEC_SUPPORT.items() if row.tree)
+            raise InvalidConfig(f"tree drafting (a top-k above 1) needs --specDecode {trees} (prompt lookup drafts one "
                                 "chain)", "spec_draft_top_k")
 
     def resolve_draft(self, options: SpecOptions, engine: EngineDir, base: Base) -> EngineDir | None:
@@ -265,9 +266,14 @@ class BlockDraftMethod(DraftModelMethod):
                                 float(tensors["accept_bias"][0]), options.dspark_scheduler,
                                 options.dspark_confidence_threshold, options.dspark_min_proposal_len,
                                 options.dspark_max_proposal_len)
-        proposer = BlockDraftProposer(backend, table, parts.cache, block_size(options, draft),
-                                      draft.model.mask_token_id, draft.model.base_model_hidden_size, parts.profiler,
-                                      heads, causal=self.name == SPEC_JETSPEC)
+        block = block_size(options, draft)
+        # JetSpec's tree: --specVerifySize counts the pending token; by default every depth's top-k (within the base).
+        nodes = options.spec_verify_size or min(options.spec_draft_top_k * (block - 1) + 1,
+                                                parts.base.build.max_verify_tree_size)
+        proposer = BlockDraftProposer(backend, table, parts.cache, block, draft.model.mask_token_id,
+                                      draft.model.base_model_hidden_size, parts.profiler, heads,
+                                      causal=self.name == SPEC_JETSPEC, top_k=options.spec_draft_top_k,
+                                      verify_nodes=nodes - 1)
         return Drafter(proposer, backend)
 
 
@@ -357,7 +363,7 @@ def check_tree(options: SpecOptions, engine: EngineDir, draft: EngineDir) -> Non
         raise InvalidConfig(f"must be in [2, the base's maxVerifyTreeSize {engine.build.max_verify_tree_size}], got "
                             f"{size}", "spec_verify_size")
     rows = options.spec_draft_top_k * (options.spec_draft_step - 1)
-    if rows > draft.build.max_draft_tree_size:
+    if rows > draft.build.max_draft_tree_size and not draft.model.is_block_draft:  # a block call drafts one block
         raise InvalidConfig(f"specDraftTopK x (specDraftStep - 1) = {rows} draft positions per step exceed the "
                             f"draft's maxDraftTreeSize {draft.build.max_draft_tree_size}; lower them or rebuild the "
                             "draft", "spec_draft_top_k")

@@ -1,6 +1,7 @@
 """JetSpec drafts (DFlash's format, causal inside the block): the exporter reads them from their public config, the
 draft graph under the causal block mask agrees with the checkpoint's forward pass rebuilt here, `--specDecode jetspec`
-is lossless (reuse, preemption, abort) without replay, and the support table's refusals hold."""
+is lossless (reuse, preemption, abort) without replay, as a chain and as a tree of per-depth top-k, and the support
+table's refusals hold."""
 
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ from kvforge.runtime.execution.backend import StepInputs
 from kvforge.runtime.execution.load import load_backend
 from kvforge.runtime.execution.tree_attention import causal_masks, start_positions
 from kvforge.runtime.sequence import EngineRequest
+from kvforge.runtime.spec.block_draft import jetspec_tree
 from kvforge.runtime.spec.methods import spec_method
+from kvforge.runtime.spec.proposer import DraftTree
 from kvforge.tools.export.drafts.block_draft import (
     block_draft_kind,
     export_block_draft,
@@ -232,7 +235,7 @@ def test_a_hit_reuses_every_matched_page_without_replay_and_drafts_as_a_cold_run
 
 
 @pytest.mark.parametrize(("config", "field", "needle"), [
-    ({"spec_draft_top_k": 2}, "spec_draft_top_k", "tree drafting"),
+    ({"spec_draft_top_k": 2, "spec_verify_size": 65}, "spec_verify_size", "in \\[2, "),
     ({"dspark_scheduler": "sps"}, "dspark_scheduler", "--specDecode dspark"),
     ({"dflash_block_size": 9}, "dflash_block_size", r"\[2, 6\]"),
 ])
@@ -243,11 +246,51 @@ def test_flags_that_do_not_apply_are_refused_naming_the_field(jetspec: dict[str,
     assert error.value.field == field
 
 
+def test_the_tree_grows_best_first_over_each_depths_top_k() -> None:
+    """Depth 1 favours token 1 (p 0.6) over 2 (0.3); depth 2 favours 3 (0.9). Best-first with k = 2 and 4 nodes:
+    the root gets 1 and 2; then 1 (log 0.6) gets 3 and the runner-up; the budget stops before 2's children."""
+    probs = np.full((3, 6), 0.01)
+    probs[0, [1, 2]] = [0.6, 0.3]
+    probs[1, [3, 4]] = [0.9, 0.05]
+    probs[2, 5] = 0.9
+    logits = np.log(probs / probs.sum(-1, keepdims=True))
+    tree = jetspec_tree(logits, 2, 4)
+    assert (tree.token_ids, tree.parents) == ([1, 2, 3, 4], [-1, -1, 0, 0])
+    # One more node: the best open node is 3 (0.6 * 0.9 = 0.54 > 0.3), whose depth-3 top candidate is 5.
+    assert jetspec_tree(logits, 2, 5) == DraftTree([1, 2, 3, 4, 5], [-1, -1, 0, 0, 2])
+    # Top-1 is the argmax chain; the depth bounds the tree whatever the budget.
+    assert jetspec_tree(logits, 1, 10) == DraftTree([1, 3, 5], [-1, 0, 1])
+    big = jetspec_tree(logits, 6, 1000)
+    assert len(big.token_ids) == 6 + 36 + 216 and all(p < i for i, p in enumerate(big.parents))
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_jetspec_trees_change_no_token_under_preemption(jetspec: dict[str, Path], reuse: bool) -> None:
+    """Trees of each depth's top 3 (at most 12 drafts) verified in one base call, with plain rows and preemption."""
+    plain = run_all(make_engine(jetspec["base"]), PROMPTS)
+    engine = engine_for(jetspec, reuse=reuse, num_pages=6, spec_draft_top_k=3, spec_verify_size=13)
+    drafts = recording(engine)
+    assert run_all(engine, PROMPTS, opt_out=frozenset({1})) == plain
+    assert run_all(engine, PROMPTS) == plain
+    trees = [p for ps in drafts.proposals.values() for p in ps if isinstance(p, DraftTree)]
+    assert trees and max(len(t.token_ids) for t in trees) == 12
+    assert any(t.parents.count(-1) == 3 for t in trees)  # the root's three candidates
+    profile = engine.profile()
+    assert profile["spec_decode_generation"]["total_draft_tokens"] > 0
+    assert engine.scheduler.stats.preemptions > 0
+    if reuse:
+        assert profile["context_cache"]["speculative"]["full_page_replays"] == 0
+
+
 def test_the_support_row_and_its_base_and_draft_refusals(jetspec: dict[str, Path]) -> None:
     row = SPEC_SUPPORT["jetspec"]
     assert (row.bases, row.draft_kv, row.replays_final_page, row.block) == ((Base.ATTENTION,), DraftKV.OWN, False,
                                                                             True)
     assert "| `jetspec` | attention-only |" in support_table_markdown()
+    # The tree is JetSpec's among the block drafts: DFlash and DSpark still refuse a top-k.
+    with pytest.raises(InvalidConfig, match="needs --specDecode eagle3 or jetspec") as error:
+        make_engine(jetspec["base"], spec_decode="dflash", spec_draft_top_k=2)
+    assert error.value.field == "spec_draft_top_k"
     options = SimpleNamespace(spec_draft_engine_dir=None)
     with pytest.raises(InvalidConfig, match="JetSpec is not supported on a hybrid engine") as error:
         spec_method("jetspec").resolve_draft(options, None, Base.HYBRID)  # type: ignore[arg-type]
@@ -278,11 +321,12 @@ _word = st.sampled_from(["ab", "cab ", "the ", "x", "01", " "])
 
 @given(prompts=st.lists(st.lists(_word, min_size=1, max_size=8).map("".join), min_size=1, max_size=4),
        reuse=st.booleans(), pages=st.sampled_from([6, 8, 64]), opt_out=st.sets(st.integers(0, 3)),
-       abort_at=st.integers(0, 12), length=st.integers(2, 24), block=st.sampled_from([0, 2, 4]))
+       abort_at=st.integers(0, 12), length=st.integers(2, 24), block=st.sampled_from([0, 2, 4]),
+       top_k=st.sampled_from([1, 2, 4]))
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_property_jetspec_is_lossless_under_preemption_and_abort(
         jetspec: dict[str, Path], prompts: list[str], reuse: bool, pages: int, opt_out: set[int], abort_at: int,
-        length: int, block: int) -> None:
-    engine = engine_for(jetspec, reuse=reuse, num_pages=pages, dflash_block_size=block)
+        length: int, block: int, top_k: int) -> None:
+    engine = engine_for(jetspec, reuse=reuse, num_pages=pages, dflash_block_size=block, spec_draft_top_k=top_k)
     assert_lossless_with_abort(engine, make_engine(jetspec["base"]), prompts, length, opt_out, abort_at)
 
