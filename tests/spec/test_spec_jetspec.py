@@ -282,6 +282,25 @@ def test_jetspec_trees_change_no_token_under_preemption(jetspec: dict[str, Path]
         assert profile["context_cache"]["speculative"]["full_page_replays"] == 0
 
 
+def test_a_sampled_tree_commits_the_base_samples_of_a_plain_run(jetspec: dict[str, Path]) -> None:
+    """At temperature 1 the walk draws the base's token at the root and at each accepted node, one draw from the
+    request's seeded stream per committed token, as plain decoding does: the same seed gives the same text."""
+    from kvforge.runtime.types import SamplingParams
+
+    def run(engine) -> list[list[int]]:
+        eos = engine.engine_dir.model.eos_token_ids[0]
+        ids = [engine.add_request(EngineRequest(engine.tokenizer.encode(text), SamplingParams(
+            temperature=1.0, seed=11 + i, max_generate_length=16, logit_bias={eos: -100.0})))
+            for i, text in enumerate(PROMPTS)]
+        finished = step_audited(engine)
+        return [finished[rid].token_ids for rid in ids]
+
+    engine = engine_for(jetspec, spec_draft_top_k=4, spec_verify_size=16)
+    assert run(engine) == run(make_engine(jetspec["base"]))
+    spec = engine.profile()["spec_decode_generation"]
+    assert spec["total_accepted_tokens"] > 0  # some draws landed on a drafted child: the walk went down the tree
+
+
 def test_the_support_row_and_its_base_and_draft_refusals(jetspec: dict[str, Path]) -> None:
     row = SPEC_SUPPORT["jetspec"]
     assert (row.bases, row.draft_kv, row.replays_final_page, row.block) == ((Base.ATTENTION,), DraftKV.OWN, False,
