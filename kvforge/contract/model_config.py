@@ -15,6 +15,7 @@ from kvforge.contract.speculation import (  # noqa: F401 - re-exported: the expo
     SPEC_DSPARK,
     SPEC_EAGLE3,
     SPEC_GEMMA4_MTP,
+    SPEC_JETSPEC,
     SPEC_MTP,
     SPEC_NONE,
     SPEC_SUPPORT,
@@ -37,8 +38,9 @@ HYBRID_FAMILIES = ("qwen3_5",)
 LAYER_TYPES = ("attention", "mamba")
 MAX_BLOCK_SIZE = 64  # the longest block a block draft proposes in one call (z-lab's drafts use 16, DSpark's 7)
 # The draft kinds (config.json's spec_decode_type) come from the speculation table. Block drafters (BLOCK_DRAFTS):
-# one non-causal call over [pending token, mask x (block - 1)] proposes a whole block from K/V that are projections
-# of the base's hidden states (DSpark adds a previous-token head and an acceptance predictor).
+# one call over [pending token, mask x (block - 1)] proposes a whole block from K/V that are projections of the base's
+# hidden states, non-causal inside the block (DFlash, DSpark: DSpark adds a previous-token head and an acceptance
+# predictor) or causal (JetSpec).
 
 
 @dataclass(slots=True)

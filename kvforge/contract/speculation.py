@@ -9,6 +9,7 @@ from enum import Enum
 # The --specDecode values. A method's name is spelled here only; every other module imports these constants.
 SPEC_OFF, SPEC_NGRAM, SPEC_EAGLE3, SPEC_DFLASH, SPEC_DSPARK = "off", "ngram", "eagle3", "dflash", "dspark"
 SPEC_GEMMA4_MTP, SPEC_MTP = "gemma4_mtp", "mtp"
+SPEC_JETSPEC = "jetspec"
 # config.json's spec_decode_type of a model that is no draft (a draft's is its method's name).
 SPEC_NONE = "none"
 DEFAULT_SPEC_DRAFT_TOKENS = 6  # TensorRT Edge-LLM's --specDraftStep default; experiments/spec_decode.py measures others
@@ -77,6 +78,11 @@ SPEC_SUPPORT: dict[str, SpecSupport] = {row.name: row for row in (
     SpecSupport(SPEC_DSPARK, "DSpark", (Base.ATTENTION,), True, DraftKV.OWN, False, False, True, True, False, False,
                 "base and draft pages; no replay",
                 "'dspark' drafts a block as 'dflash' does, verifying as many guesses as its scheduler says"),
+    # A DFlash-format draft trained with a causal in-block mask (dflash_config.causal_head): row j sees rows <= j.
+    SpecSupport(SPEC_JETSPEC, "JetSpec", (Base.ATTENTION,), True, DraftKV.OWN, False, True, True, True, False,
+                False, "base and draft pages; no replay",
+                "'jetspec' drafts a block as 'dflash' does with a JetSpec draft (causal inside the block), as a chain "
+                "or, with --specDraftTopK above 1, a tree of each depth's top-k"),
     SpecSupport(SPEC_GEMMA4_MTP, "Gemma4 MTP", (Base.ATTENTION,), True, DraftKV.BASE, False, False, False, True,
                 False, False, "base pages only (the assistant reads them; no draft pool, no replay)",
                 "'gemma4_mtp' drafts with a Gemma4 assistant that reads the base's own K/V (no draft pool)"),

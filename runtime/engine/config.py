@@ -141,9 +141,9 @@ class EngineConfig:
         "store holds no prompt tokens or K/V in clear. Needs the cryptography package (kvforge[tier]).")
     spec_decode: str = _option(SPEC_OFF, "--specDecode", spec_decode_help())  # one sentence per support row
     dflash_block_size: int = _option(
-        0, "--dflashBlockSize", "With --specDecode dflash or dspark: positions one block call drafts over (the pending "
-        "token and blockSize - 1 masks, so up to blockSize - 1 proposed tokens). 0 (default) = the block the draft "
-        "was trained on; smaller blocks verify fewer tokens. --specDraftStep does not apply to block drafts.")
+        0, "--dflashBlockSize", "With --specDecode dflash, dspark or jetspec: positions one block call drafts over "
+        "(the pending token and blockSize - 1 masks, so up to blockSize - 1 proposed tokens). 0 (default) = the block "
+        "the draft was trained on; smaller blocks verify fewer tokens. --specDraftStep does not apply to block drafts.")
     dspark_scheduler: str = _option(
         SCHEDULER_OFF, "--dsparkScheduler", "With --specDecode dspark: how many of the block's guesses to verify, "
         "from its acceptance predictor: 'off' (default) all; 'threshold' while the running product of the scores "
@@ -157,17 +157,17 @@ class EngineConfig:
     dspark_max_proposal_len: int = _option(
         0, "--dsparkMaxProposalLen", "With --specDecode dspark: propose at most this many tokens (0 = the block).")
     spec_draft_engine_dir: str | None = _option(
-        None, "--specDraftEngineDir", "With --specDecode eagle3, dflash or dspark: the draft's engine dir (default "
-        "ENGINEDIR/draft).",
+        None, "--specDraftEngineDir", "With --specDecode eagle3, dflash, dspark or jetspec: the draft's engine dir "
+        "(default ENGINEDIR/draft).",
         path=True)
     spec_draft_step: int = _option(
         DEFAULT_SPEC_DRAFT_TOKENS, "--specDraftStep", "With --specDecode: tokens proposed per step for each decoding "
         "request (the verify call computes this many more positions); with --specDraftTopK > 1, the tree's depth.")
     spec_draft_top_k: int = _option(
-        1, "--specDraftTopK", "With --specDecode eagle3: candidates per drafting step. 1 (default) drafts a chain; "
-        "k > 1 drafts a tree (each step expands the k best nodes into their k best children) and the base verifies "
-        "its best --specVerifySize - 1 nodes in one masked call. Needs engines built with --specBase/--specDraft on "
-        "the kvforge CPU kernel.")
+        1, "--specDraftTopK", "With --specDecode eagle3 or jetspec: candidates per drafting step. 1 (default) drafts "
+        "a chain; k > 1 drafts a tree (each step expands the k best nodes into their k best children) and the base "
+        "verifies its best --specVerifySize - 1 nodes in one masked call (jetspec: best-first over each depth's top k "
+        "from one block call). Needs engines built with --specBase/--specDraft on the kvforge CPU kernel.")
     spec_verify_size: int = _option(
         0, "--specVerifySize", "With --specDraftTopK > 1: positions one verify row computes (the pending token and "
         "the tree's nodes). 0 = min(specDraftTopK x specDraftStep + 1, the base's maxVerifyTreeSize).")

@@ -39,6 +39,7 @@ from kvforge.contract.speculation import (  # noqa: F401 - the names are re-expo
     SPEC_DSPARK,
     SPEC_EAGLE3,
     SPEC_GEMMA4_MTP,
+    SPEC_JETSPEC,
     SPEC_METHODS,
     SPEC_MTP,
     SPEC_NGRAM,
@@ -120,7 +121,8 @@ class SpecMethod:
     def check_options(self, options: SpecOptions) -> None:
         """This method's own settings, before anything is loaded (the shared ranges are checked already)."""
         if options.spec_draft_top_k > 1 and not self.support.tree:
-            raise InvalidConfig("tree drafting (a top-k above 1) needs --specDecode eagle3 (prompt lookup drafts one "
+            trees = " or ".join(name for name, row in SPEC_SUPPORT.items() if row.tree)
+            raise InvalidConfig(f"tree drafting (a top-k above 1) needs --specDecode {trees} (prompt lookup drafts one "
                                 "chain)", "spec_draft_top_k")
 
     def resolve_draft(self, options: SpecOptions, engine: EngineDir, base: Base) -> EngineDir | None:
@@ -234,13 +236,14 @@ class MtpMethod(Eagle3Method):
 
 
 class BlockDraftMethod(DraftModelMethod):
-    """DFlash and DSpark: a whole block per call; DSpark adds its heads and scheduler."""
+    """DFlash, DSpark and JetSpec: a whole block per call; DSpark adds its heads and scheduler, JetSpec drafts with a
+    causal mask inside the block."""
 
     def _check_draft_build(self, draft: EngineDir) -> None:
         if not draft.build.tree_attention:
             raise InvalidConfig(f"the {self.support.label} draft at {draft.path} was built without masked attention "
-                                "(its block is non-causal); rebuild it with llm_build --specDraft --cpuAttention "
-                                "kernel", "spec_draft_engine_dir")
+                                "(its block's mask is an input); rebuild it with llm_build --specDraft "
+                                "--cpuAttention kernel", "spec_draft_engine_dir")
 
     def resolve_draft(self, options: SpecOptions, engine: EngineDir, base: Base) -> EngineDir | None:
         draft = super().resolve_draft(options, engine, base)
@@ -263,9 +266,14 @@ class BlockDraftMethod(DraftModelMethod):
                                 float(tensors["accept_bias"][0]), options.dspark_scheduler,
                                 options.dspark_confidence_threshold, options.dspark_min_proposal_len,
                                 options.dspark_max_proposal_len)
-        proposer = BlockDraftProposer(backend, table, block_size(options, draft),
-                                      draft.model.mask_token_id, draft.model.base_model_hidden_size, parts.profiler,
-                                      heads)
+        block = block_size(options, draft)
+        # JetSpec's tree: --specVerifySize counts the pending token; by default every depth's top-k (within the base).
+        nodes = options.spec_verify_size or min(options.spec_draft_top_k * (block - 1) + 1,
+                                                parts.base.build.max_verify_tree_size)
+        proposer = BlockDraftProposer(backend, table, block, draft.model.mask_token_id,
+                                      draft.model.base_model_hidden_size, parts.profiler, heads,
+                                      causal=self.name == SPEC_JETSPEC, top_k=options.spec_draft_top_k,
+                                      verify_nodes=nodes - 1)
         return Drafter(proposer, backend)
 
 
@@ -286,6 +294,7 @@ _REGISTRY: dict[str, SpecMethod] = {
     SPEC_EAGLE3: Eagle3Method(SPEC_SUPPORT[SPEC_EAGLE3]),
     SPEC_DFLASH: BlockDraftMethod(SPEC_SUPPORT[SPEC_DFLASH]),
     SPEC_DSPARK: BlockDraftMethod(SPEC_SUPPORT[SPEC_DSPARK]),
+    SPEC_JETSPEC: BlockDraftMethod(SPEC_SUPPORT[SPEC_JETSPEC]),
     SPEC_GEMMA4_MTP: Gemma4MtpMethod(SPEC_SUPPORT[SPEC_GEMMA4_MTP]),
     SPEC_MTP: MtpMethod(SPEC_SUPPORT[SPEC_MTP]),
 }
@@ -354,7 +363,7 @@ def check_tree(options: SpecOptions, engine: EngineDir, draft: EngineDir) -> Non
         raise InvalidConfig(f"must be in [2, the base's maxVerifyTreeSize {engine.build.max_verify_tree_size}], got "
                             f"{size}", "spec_verify_size")
     rows = options.spec_draft_top_k * (options.spec_draft_step - 1)
-    if rows > draft.build.max_draft_tree_size:
+    if rows > draft.build.max_draft_tree_size and not draft.model.is_block_draft:  # a block call drafts one block
         raise InvalidConfig(f"specDraftTopK x (specDraftStep - 1) = {rows} draft positions per step exceed the "
                             f"draft's maxDraftTreeSize {draft.build.max_draft_tree_size}; lower them or rebuild the "
                             "draft", "spec_draft_top_k")
@@ -391,7 +400,8 @@ def _check_fits_base(draft: EngineDir, engine: EngineDir, path: Path) -> None:
 def _check_block_options(options: SpecOptions) -> None:
     """The block-draft flags: in range, and given only with a method that reads them."""
     if options.dflash_block_size and not SPEC_SUPPORT[options.spec_decode].block:
-        raise InvalidConfig("sizes a block draft's block: needs --specDecode dflash or dspark", "dflash_block_size")
+        raise InvalidConfig("sizes a block draft's block: needs --specDecode dflash or dspark or jetspec",
+                            "dflash_block_size")
     if options.dflash_block_size < 0:
         raise InvalidConfig(f"must be >= 0, got {options.dflash_block_size}", "dflash_block_size")
     if options.dspark_scheduler not in DSPARK_SCHEDULERS:

@@ -62,7 +62,7 @@ def test_rows_say_what_the_seed_matrix_says() -> None:
     assert SPEC_SUPPORT["mtp"].bases == (Base.HYBRID,)  # standard MTP is refused on attention-only bases
     # Draft pools: the Gemma4 assistant reads the base's; EAGLE3, the block drafts and MTP own one.
     assert {name for name in DRAFT_METHODS if SPEC_SUPPORT[name].draft_kv is DraftKV.OWN} == \
-        {"eagle3", "dflash", "dspark", "mtp"}
+        {"eagle3", "dflash", "dspark", "jetspec", "mtp"}
     assert SPEC_SUPPORT["gemma4_mtp"].draft_kv is DraftKV.BASE
     # The one-token future dependency: EAGLE3 and MTP replay the final matched page, the others do not.
     assert {name for name, row in SPEC_SUPPORT.items() if row.replays_final_page} == {"eagle3", "mtp"}

@@ -368,7 +368,8 @@ def block_draft(
 def random_block_draft(
     base_onnx_dir: Path = typer.Option(..., "--baseOnnxDir", help="The base model's ONNX dir."),
     output_dir: Path = typer.Option(..., "--outputDir", help="Draft checkpoint dir to write."),
-    kind: str = typer.Option("dflash", "--kind", help="dflash or dspark."),
+    kind: str = typer.Option("dflash", "--kind", help="dflash, dspark or jetspec (DFlash's format with "
+                             "dflash_config.causal_head)."),
     num_layers: int = typer.Option(2, "--numLayers", help="Decoder layers of the draft (real drafts have 5)."),
     block_size: int = typer.Option(0, "--blockSize", help="Trained block size (0 = 16 for DFlash, 7 for DSpark)."),
     seed: int = typer.Option(0, "--seed", help="Random seed."),
