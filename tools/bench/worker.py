@@ -120,7 +120,8 @@ class KvforgeDriver:
         self.spec_settings = {"draft_step": config.spec_draft_step, "draft_top_k": config.spec_draft_top_k,
                               "ngram_sizes": [
             config.spec_prompt_lookup_max, config.spec_prompt_lookup_min]} if self.speculative else None
-        self.no_eos = {token: -1e9 for token in self.engine.info.model.eos_token_ids}
+        # -100 is the bound SamplingParams checks (OpenAI's ban): far below any logit of a real model.
+        self.no_eos = {token: -100.0 for token in self.engine.info.model.eos_token_ids}
         self.salt: str | None = None
 
     def start_session(self, session: str) -> None:
