@@ -60,6 +60,7 @@ class _Lease:  # what ModelExecutor reads of a lease (hashable by identity, as t
 class _Request:
     adapter: None = None
     media: list = field(default_factory=list)
+    adapter_start: int = 0  # no activated LoRA
 
 
 @dataclass
