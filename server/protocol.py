@@ -4,7 +4,8 @@ Checks reuse the request file's (`kvforge.runtime.inputs.request_file`) so a val
 with the same words. Extensions: `reuse_context` / `cache_generated_tokens` (strict booleans, the cache
 policies), `cache_salt`, `lora_name`, `top_k`. Media content parts (`image_url`, `input_audio`) are read by
 `kvforge.server.media`. `n` > 1 and a list of prompts (completions) become one engine request per choice
-(`ApiCall.choices`); `developer` messages are system messages.
+(`ApiCall.choices`); `developer` messages are system messages. `response_format` (JSON mode, JSON schema) constrains
+the output with a grammar (`kvforge.runtime.sampling.grammar`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from kvforge.runtime.engine.engine import Engine
 from kvforge.runtime.inputs.checks import (
     check_logit_bias,
     check_penalty,
+    check_response_format,
     check_seed,
     check_stop,
     check_temperature,
@@ -35,8 +37,7 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat top_logprobs
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_CHOICES = 16  # n × prompts: each choice is a sequence in the engine, so a bound on what one body may ask
 # Known OpenAI fields this server cannot honour: refused unless they hold their neutral value.
-NEUTRAL = {"best_of": 1, "echo": False, "suffix": None, "tools": None, "tool_choice": None, "functions": None,
-           "response_format": None}
+NEUTRAL = {"best_of": 1, "echo": False, "suffix": None, "tools": None, "tool_choice": None, "functions": None}
 
 
 class ApiError(Exception):
@@ -136,6 +137,7 @@ def _parse(body: dict[str, Any], chat: bool, models: dict[str, str | None], medi
         cache_generated_tokens=get_bool(body, "cache_generated_tokens", "", True),
         presence_penalty=_given(body, "presence_penalty", check_penalty, 0.0),
         frequency_penalty=_given(body, "frequency_penalty", check_penalty, 0.0),
+        response_format=_given(body, "response_format", check_response_format, None),  # grammar-constrained
     )
     return ApiCall(chat, model, messages, prompts[0] if prompts else prompt, sampling, _max_tokens(body, chat),
                    _given(body, "stream", _boolean, False), _include_usage(body), logprobs, lora_name,

@@ -25,6 +25,7 @@ from kvforge.runtime.types import (  # noqa: F401  (the sampling checks, re-expo
     Message,
     check_logit_bias,
     check_penalty,
+    check_response_format,
     check_seed,
     check_stop,
     check_temperature,

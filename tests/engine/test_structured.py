@@ -116,3 +116,29 @@ def test_uncompilable_schema_is_refused_in_one_line(llm: LLM) -> None:
     with pytest.raises(KvforgeError) as info:
         llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_generate_length=8, response_format=bad))
     assert info.value.field == "response_format" and "\n" not in info.value.message
+
+
+def test_request_file_response_format(llm: LLM, tmp_path: Path, run_cli: Any) -> None:
+    """A request file's per-request (or top-level) response_format, run by llm_inference; errors name the request."""
+    from kvforge.runtime.inputs.request_file import parse_request_file
+
+    data = {"max_generate_length": 64, "temperature": 0.0, "response_format": SCHEMA_FORMAT, "requests": [
+        {"messages": [{"role": "user", "content": "one"}]},
+        {"messages": [{"role": "user", "content": "two"}], "response_format": {"type": "text"}}]}
+    first, second = parse_request_file(data).requests
+    assert first.sampling.response_format == SAMPLING_FORMAT and second.sampling.response_format is None
+    assert "response_format" not in first.extra
+    with pytest.raises(KvforgeError) as info:
+        parse_request_file({**data, "requests": [{"messages": [{"role": "user", "content": "x"}],
+                                                  "response_format": {"type": "xml"}}]})
+    assert info.value.field == "requests[0].response_format.type"
+    request = tmp_path / "in.json"
+    request.write_text(json.dumps({**data, "requests": data["requests"][:1]}))
+    done = run_cli(["llm_inference", "--engineDir", llm.engine.engine_dir.path, "--inputFile", request,
+                    "--outputFile", tmp_path / "out.json"])
+    assert done.returncode == 0, done.stderr
+    [response] = json.loads((tmp_path / "out.json").read_text())["responses"]
+    check_city(json.loads(response["output_text"]))
+
+
+SAMPLING_FORMAT = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": None}}
