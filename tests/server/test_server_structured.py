@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
 import openai
 import pydantic
 import pytest
-from support.server_harness import MODEL, LiveServer, build_server_engine, idle_audit, live_server
+from support.server_harness import MODEL, SERVER_BUILD, LiveServer, idle_audit, live_server
+
+from kvforge.builder.build import build_engine
 
 pytest.importorskip("llguidance")
 
@@ -33,7 +36,10 @@ class Tide(pydantic.BaseModel):
 
 @pytest.fixture(scope="module")
 def engine_dir(tiny_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_server_engine(tiny_onnx_dir, tmp_path_factory.mktemp("structured_engine"))
+    # A byte-level tokenizer: the tools' description alone is ~600 prompt tokens
+    path = tmp_path_factory.mktemp("structured_engine")
+    build_engine(tiny_onnx_dir, path, replace(SERVER_BUILD, max_input_len=1024, max_kv_cache_capacity=1280))
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +114,94 @@ def test_bad_response_format_is_a_400_naming_it(client: openai.OpenAI, value: An
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, response_format=value, max_tokens=4)
     assert refused.value.param == param
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_tide", "description": "The tide at a harbour.",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["harbour", "hours"],
+                   "properties": {"harbour": {"enum": ["Harbor Point", "Oslo"]},
+                                  "hours": {"type": "integer", "minimum": 0, "maximum": 48}}}}}
+CLOCK = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {},
+                                                                         "additionalProperties": False}}}
+
+
+def check_call(call: Any) -> None:
+    assert call.type == "function" and call.id.startswith("call_")
+    arguments = json.loads(call.function.arguments)
+    if call.function.name == "now":
+        assert arguments == {}
+    else:
+        assert call.function.name == "get_tide" and arguments["harbour"] in ("Harbor Point", "Oslo")
+        assert isinstance(arguments["hours"], int) and 0 <= arguments["hours"] <= 48
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_tide"}}])
+def test_forced_tool_call_is_returned_with_its_schema(client: openai.OpenAI, choice: Any) -> None:
+    for temperature in (0, 1.0):
+        reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER, CLOCK], n=2,
+                                               tool_choice=choice, temperature=temperature, seed=3, max_tokens=150)
+        for answer in reply.choices:
+            assert answer.finish_reason == "tool_calls" and answer.message.content is None
+            [call] = answer.message.tool_calls or []
+            check_call(call)
+            if isinstance(choice, dict):
+                assert call.function.name == "get_tide"
+
+
+def test_forced_tool_call_streamed(client: openai.OpenAI) -> None:
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER],
+                                                 tool_choice="required", stream=True, temperature=0.7, seed=9,
+                                                 max_tokens=150))
+    [last] = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert last.choices[0].finish_reason == "tool_calls"
+    [call] = last.choices[0].delta.tool_calls or []
+    assert call.index == 0
+    check_call(call)
+
+
+def test_tool_results_go_back_and_auto_or_none_answer_in_text(client: openai.OpenAI) -> None:
+    first = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER], tool_choice="required",
+                                           temperature=0, max_tokens=150)
+    [call] = first.choices[0].message.tool_calls or []
+    history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+               {"role": "tool", "tool_call_id": call.id, "content": '{"metres": 3}'}]
+    for choice in ("auto", "none"):
+        reply = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], tool_choice=choice,
+                                               temperature=0, max_tokens=8)
+        answer = reply.choices[0]  # the tiny engine writes no marked call: its text is the content
+        assert answer.finish_reason in ("stop", "length") and not answer.message.tool_calls
+        assert isinstance(answer.message.content, str)
+        assert (reply.usage.prompt_tokens if reply.usage else 0) > (first.usage.prompt_tokens if first.usage else 0)
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_bad_tools_are_a_400_naming_the_field(server: LiveServer, body: dict[str, Any], param: str) -> None:
+    status, error = server.request("POST", "/v1/chat/completions",
+                                   {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, **body})
+    assert status == 400 and error["error"]["param"] == param, error
+
+
+def test_completions_refuse_tools(server: LiveServer) -> None:
+    status, error = server.request("POST", "/v1/completions",
+                                   {"model": MODEL, "prompt": "hi", "max_tokens": 4, "tools": [WEATHER]})
+    assert status == 400 and error["error"]["param"] == "tools"
+
+
+def test_auto_reads_marked_calls_and_keeps_the_rest() -> None:
+    from kvforge.server.tools import parse_tools, read_calls
+
+    spec = parse_tools({"tools": [WEATHER], "tool_choice": "auto"})
+    assert spec is not None
+    text = ('Checking. <tool_call>{"name": "get_tide", "arguments": {"harbour": "Oslo", "hours": 2}}</tool_call>'
+            '<tool_call>not json</tool_call>')
+    content, calls = read_calls(text, spec)
+    assert content == "Checking. <tool_call>not json</tool_call>"
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"harbour": "Oslo", "hours": 2}]
+    assert read_calls("plain answer", spec) == ("plain answer", [])
