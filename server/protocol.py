@@ -28,6 +28,7 @@ from kvforge.runtime.inputs.checks import (
     check_top_p,
     parse_messages,
 )
+from kvforge.runtime.sampling.grammar import check_grammar
 from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.types import Message, Request, SamplingParams
 from kvforge.server.media import MediaPolicy
@@ -131,6 +132,7 @@ def _parse(body: dict[str, Any], chat: bool, models: dict[str, str | None], medi
         if response_format is not None:
             fail("response_format", "cannot be given with a tool_choice that forces a call (the call is the format)")
         response_format = tools.response_format()
+        check_grammar(response_format, "tools")  # a function's schema the compiler refuses: name the tools
     prompts = () if chat else _prompts(body.get("prompt"))
     n = _given(body, "n", lambda v, f: check_int(v, f, 1, MAX_CHOICES), 1)
     if n * max(len(prompts), 1) > MAX_CHOICES:

@@ -105,17 +105,27 @@ def tool_messages(raw: Any) -> Any:
     if not isinstance(raw, list):
         return raw
     out = []
-    for message in raw:
+    for i, message in enumerate(raw):
         if isinstance(message, dict) and message.get("role") == "assistant" and message.get("tool_calls"):
-            calls = message["tool_calls"]
+            where = f"messages[{i}]"
+            calls, content = message["tool_calls"], message.get("content")
             if not isinstance(calls, list):
-                fail("messages.tool_calls", f"must be an array, got {json_kind(calls)}")
-            text = "".join(CALL_OPEN + json.dumps({"name": c.get("function", {}).get("name"),
-                                                   "arguments": _arguments(c.get("function", {}))}) + CALL_CLOSE
-                           for c in calls if isinstance(c, dict))
-            message = {"role": "assistant", "content": (message.get("content") or "") + text}
+                fail(f"{where}.tool_calls", f"must be an array, got {json_kind(calls)}")
+            if content is not None and not isinstance(content, str):
+                fail(f"{where}.content", f"must be a string or null beside tool_calls, got {json_kind(content)}")
+            text = "".join(_written_call(call, f"{where}.tool_calls[{j}]") for j, call in enumerate(calls))
+            message = {"role": "assistant", "content": (content or "") + text}
         out.append(message)
     return out
+
+
+def _written_call(call: Any, where: str) -> str:
+    """One tool call of an earlier answer as the model writes it."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        fail(f"{where}.function", f"must be an object with a name, got {json_kind(function)}")
+    name = check_string(function.get("name"), f"{where}.function.name")
+    return CALL_OPEN + json.dumps({"name": name, "arguments": _arguments(function)}) + CALL_CLOSE
 
 
 def _arguments(function: dict[str, Any]) -> Any:

@@ -25,6 +25,20 @@ def grammar_for(response_format: dict[str, Any]) -> str:
     return LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
 
 
+def check_grammar(response_format: dict[str, Any], where: str) -> None:
+    """Refuse, naming `where`, a schema llguidance cannot compile (checked without a tokenizer, before any engine)."""
+    try:
+        from llguidance import LLMatcher
+    except ImportError:
+        raise KvforgeError("needs the llguidance package: pip install 'kvforge[serve]'", where) from None
+    try:
+        error = LLMatcher.validate_grammar(grammar_for(response_format))
+    except ValueError as exc:
+        error = str(exc)
+    if error and not error.startswith("WARNING"):
+        raise KvforgeError(f"the schema cannot be compiled: {error.splitlines()[0]}", where)
+
+
 class GrammarConstraint:
     """The grammar state of one sequence: masks its logits rows and advances with each token it commits.
 

@@ -180,6 +180,12 @@ def test_tool_results_go_back_and_auto_or_none_answer_in_text(client: openai.Ope
      "tool_choice.function.name"),
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/no"}}}],
+      "tool_choice": "required"}, "tools"),
+    ({"tools": [WEATHER], "messages": [{"role": "assistant", "content": None, "tool_calls": [{"function": 3}]}]},
+     "messages[0].tool_calls[0].function"),
+    ({"tools": [WEATHER], "messages": [{"role": "assistant", "content": [], "tool_calls": [{}]}]},
+     "messages[0].content"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
 ])
 def test_bad_tools_are_a_400_naming_the_field(server: LiveServer, body: dict[str, Any], param: str) -> None:
