@@ -142,3 +142,19 @@ def test_request_file_response_format(llm: LLM, tmp_path: Path, run_cli: Any) ->
 
 
 SAMPLING_FORMAT = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": None}}
+
+
+def test_constrained_request_on_a_speculative_engine(llm: LLM) -> None:
+    """With ngram drafts on, a constrained request decodes plain (no drafts verified) and still validates; its
+    answer equals the one without speculation, and a free request beside it still drafts."""
+    params = SamplingParams(temperature=0.0, max_generate_length=64, response_format=SCHEMA_FORMAT)
+    messages = [{"role": "user", "content": "Spec? " * 8}]
+    [plain] = llm.chat(messages, params)
+    with LLM(str(llm.engine.engine_dir.path), num_threads=2, spec_decode="ngram") as spec:
+        [drafted] = spec.chat(messages, params)
+        assert spec.engine.stats().spec_draft_tokens == 0
+        spec.chat([{"role": "user", "content": "ab ab ab ab ab ab ab ab"}],
+                  SamplingParams(temperature=0.0, max_generate_length=24))
+        assert spec.engine.stats().spec_draft_tokens > 0  # the engine does draft for a free request
+    assert drafted.text == plain.text
+    check_city(json.loads(drafted.text))
