@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -9,8 +10,9 @@ import numpy as np
 
 from kvforge.contract.errors import KvforgeError
 
-# One LLTokenizer per engine tokenizer: building one walks the whole vocabulary (~1 s on a 50k vocabulary).
-_LL_TOKENIZERS: dict[int, tuple[Any, Any]] = {}
+# One LLTokenizer per engine tokenizer: building one walks the whole vocabulary (~1 s on a 50k vocabulary). Weak
+# keys: a closed engine's tokenizer, and its LLTokenizer, are freed with it.
+_LL_TOKENIZERS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 def grammar_for(response_format: dict[str, Any]) -> str:
@@ -86,11 +88,10 @@ def constraint_for(response_format: dict[str, Any] | None, tokenizer: Any,
         from llguidance import LLMatcher, LLTokenizer
     except ImportError:
         raise KvforgeError("needs the llguidance package: pip install 'kvforge[serve]'", "response_format") from None
-    key = id(tokenizer)
-    if key not in _LL_TOKENIZERS:  # the tokenizer object is kept in the value, so its id is never reused
-        eos = sorted(eos_token_ids)
-        _LL_TOKENIZERS[key] = (tokenizer, LLTokenizer(tokenizer.to_str(), eos_token=eos or None))
-    ll_tokenizer = _LL_TOKENIZERS[key][1]
+    ll_tokenizer = _LL_TOKENIZERS.get(tokenizer)
+    if ll_tokenizer is None:
+        ll_tokenizer = LLTokenizer(tokenizer.to_str(), eos_token=sorted(eos_token_ids) or None)
+        _LL_TOKENIZERS[tokenizer] = ll_tokenizer
     try:
         grammar = grammar_for(response_format)
     except ValueError as exc:
