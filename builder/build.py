@@ -10,7 +10,8 @@ from pathlib import Path
 import onnx
 
 from kvforge.builder.engine_files import load_model, write_engine_config
-from kvforge.builder.lower_ort import lower_for_onnxruntime, share_tied_head
+from kvforge.builder.fuse_ort import fuse_for_onnxruntime
+from kvforge.builder.lower_ort import kernel_writes_kv, lower_for_onnxruntime, share_tied_head
 from kvforge.builder.lower_recurrent import lower_recurrent_ops
 from kvforge.contract.engine_dir import (
     ATTENTION_CPU_KERNEL,
@@ -37,6 +38,7 @@ from kvforge.contract.geometry import (
 from kvforge.contract.manifest import ENGINE_KIND, ONNX_KIND, verify_manifest, write_manifest
 from kvforge.contract.memory import check_pool_fits_memory
 from kvforge.contract.model_config import ModelConfig
+from kvforge.contract.speculation import base_kind, draft_methods_on
 from kvforge.contract.validation import one_line
 
 BACKENDS = ("auto", "onnxruntime", "tensorrt")
@@ -221,7 +223,7 @@ def check_speculative_build(config: ModelConfig, options: BuildOptions) -> dict[
         raise InvalidConfig(f"a {config.spec_decode_type} assistant reads its base's KV pools in place, which only "
                             "the kvforge CPU kernel does; build it with --cpuAttention kernel", "cpu_attention")
     if options.spec_base:
-        if config.is_recurrent:
+        if not draft_methods_on(base_kind(config.is_recurrent, config.is_hybrid)):  # the speculation table's bases
             raise InvalidConfig(f"a speculative base has attention layers; a {config.model} model is pure recurrent "
                                 "(the support matrix rejects pure-recurrent speculative bases)", "spec_base")
         if not config.hidden_state_layers:
@@ -258,14 +260,17 @@ def _build_into(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometry:
                                                                                  and not config.reads_base_kv))
     lowered = lower_for_onnxruntime(model, kv_cache_dtype=config.kv_cache_dtype,
                                     tokens_per_page=geometry.tokens_per_page,
-                                    num_pages=geometry.max_kv_pool_pages, cpu_kernel=kernel, tree_inputs=tree)
+                                    num_pages=geometry.max_kv_pool_pages, cpu_kernel=kernel, tree_inputs=tree,
+                                    kernel_rope=kernel)
+    fuse_for_onnxruntime(lowered)  # residual + RMSNorm as one contrib op (the export keeps the reference form)
     if config.tie_word_embeddings:
         share_tied_head(lowered)
     step("lowered paged-KV ops")
     _save(lowered, engine_dir)
     write_engine_config(onnx_dir, engine_dir, config,
                         BuilderConfig.from_geometry(geometry, backend, options.max_lora_rank, config,
-                                                    options.cpu_attention, tree_attention=tree, **speculative))
+                                                    options.cpu_attention, tree_attention=tree,
+                                                    kernel_kv_write=kernel_writes_kv(lowered), **speculative))
 
 
 def _build_recurrent(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometry: PageGeometry, backend: str,
@@ -282,6 +287,7 @@ def _build_recurrent(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geom
     model = load_model(onnx_dir, config, 0)
     step("loaded model.onnx")
     lowered = lower_recurrent_ops(model)
+    fuse_for_onnxruntime(lowered)
     step("lowered recurrent ops")
     _save(lowered, engine_dir)
     write_engine_config(onnx_dir, engine_dir, config, BuilderConfig.from_geometry(geometry, backend, 0, config))
@@ -311,14 +317,16 @@ def _build_hybrid(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometr
     lowered = lower_recurrent_ops(lower_for_onnxruntime(model, kv_cache_dtype=config.kv_cache_dtype,
                                                         tokens_per_page=geometry.tokens_per_page,
                                                         num_pages=geometry.max_kv_pool_pages,
-                                                        cpu_kernel=options.cpu_attention == ATTENTION_CPU_KERNEL))
+                                                        cpu_kernel=options.cpu_attention == ATTENTION_CPU_KERNEL,
+                                                        kernel_rope=True))
+    fuse_for_onnxruntime(lowered)
     if config.tie_word_embeddings:
         share_tied_head(lowered)
     step("lowered paged-KV and recurrent ops")
     _save(lowered, engine_dir)
     write_engine_config(onnx_dir, engine_dir, config,
                         BuilderConfig.from_geometry(geometry, backend, 0, config, options.cpu_attention,
-                                                    **speculative))
+                                                    kernel_kv_write=kernel_writes_kv(lowered), **speculative))
 
 
 def _save(model: onnx.ModelProto, engine_dir: Path) -> None:

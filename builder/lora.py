@@ -6,6 +6,7 @@ import onnx
 from onnx import helper
 
 from kvforge.contract.errors import InvalidConfig
+from kvforge.contract.lora import ACTIVATION_INPUT
 
 MAX_LORA_RANK = 1024
 
@@ -23,7 +24,7 @@ def check_max_lora_rank(max_lora_rank: int, model: onnx.ModelProto) -> None:
 
 
 def strip_lora(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Remove every `lora_*` branch: each `y + (x @ A) @ B` becomes `y`."""
+    """Remove every `lora_*` branch: each `y + mask * (x @ A) @ B` becomes `y`, and the activation input goes too."""
     graph = model.graph
     kept = []
     for node in graph.node:
@@ -33,7 +34,7 @@ def strip_lora(model: onnx.ModelProto) -> onnx.ModelProto:
             kept.append(node)
     del graph.node[:]
     graph.node.extend(kept)
-    inputs = [vi for vi in graph.input if not vi.name.startswith("lora_")]
+    inputs = [vi for vi in graph.input if not vi.name.startswith("lora_") and vi.name != ACTIVATION_INPUT]
     del graph.input[:]
     graph.input.extend(inputs)
     return model

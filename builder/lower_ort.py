@@ -39,12 +39,16 @@ class _Shared:
 
 def lower_for_onnxruntime(model: onnx.ModelProto, *, kv_cache_dtype: str, tokens_per_page: int,
                           num_pages: int, dense: bool = False, fused_attention: bool = True,
-                          cpu_kernel: bool = False, tree_inputs: bool = False) -> onnx.ModelProto:
+                          cpu_kernel: bool = False, tree_inputs: bool = False,
+                          kernel_rope: bool = False) -> onnx.ModelProto:
     """Replace PagedKVWrite/PagedAttention pairs. `cpu_kernel=True` attends with kvforge.cpu.PagedAttention (the
     session must register plugins/cpu_kernel.py's library). `dense=True` writes the unpaged baseline instead:
     per-layer `past_key_{i}`/`past_value_{i}` [B,Hkv,L,D] in, `present_key_{i}`/`present_value_{i}` out.
     `tree_inputs=True` (with cpu_kernel) adds tree attention: RoPE positions from TREE_POSITIONS_INPUT and the
-    kernel's mask from TREE_MASK_INPUT (see kvforge/contract/engine_dir.py)."""
+    kernel's mask from TREE_MASK_INPUT (see kvforge/contract/engine_dir.py). `kernel_rope=True` (with cpu_kernel)
+    lowers each write/attention pair to kvforge.cpu.PagedAttentionRope where the query's RoPE can be traced back:
+    the kernel rotates Q and K and writes the pool in place, so the graph has no new_key_values_* outputs
+    (kernel_writes_kv says which form a lowered graph is)."""
     if cpu_kernel and (dense or not fused_attention):
         raise ValueError("cpu_kernel lowers the paged graph; dense and op-by-op forms use standard ops only")
     if tree_inputs and not cpu_kernel:
@@ -57,6 +61,9 @@ def lower_for_onnxruntime(model: onnx.ModelProto, *, kv_cache_dtype: str, tokens
     num_q = _attr(first_attention, "num_q_heads")
     num_kv = _attr(first_attention, "num_kv_heads")
     shared = _Shared(GraphWriter(prefix="lowered/"), group=num_q // num_kv)
+    # Each layer's un-rotated query, where the whole graph's attention can take RoPE and the write inside.
+    unrotated = _unrotated_queries(graph, writes) if cpu_kernel and kernel_rope else {}
+    pending_writes: dict[str, tuple[str, str, str]] = {}  # pool output -> (key, value, pool input)
     new_nodes: list[onnx.NodeProto] = []
     new_rows: dict[str, tuple[str, str, str]] = {}  # pool output -> (pool input, new rows float, new rows out)
     shared_pools: set[str] = set()  # pools read only: another engine's, as many pages as it has
@@ -65,6 +72,16 @@ def lower_for_onnxruntime(model: onnx.ModelProto, *, kv_cache_dtype: str, tokens
     for node in graph.node:
         g = shared.g
         start = len(g.nodes)
+        if node.domain == ops.DOMAIN and node.op_type == ops.PAGED_KV_WRITE.name and unrotated:
+            key, value, _, _, _, _, pool_in = node.input
+            pending_writes[node.output[0]] = (key, value, pool_in)  # written by the attention node's kernel
+            continue
+        if node.domain == ops.DOMAIN and node.op_type == ops.PAGED_ATTENTION.name and node.input[1] in pending_writes:
+            key, value, pool_in = pending_writes[node.input[1]]
+            _kernel_rope_attention(g, unrotated[node.name], key, value, pool_in, node, num_kv, tokens_per_page,
+                                   tree_inputs)
+            new_nodes.extend(g.nodes[start:])
+            continue
         if node.domain == ops.DOMAIN and node.op_type == ops.PAGED_KV_WRITE.name:
             key, value, _, _, _, _, pool_in = node.input
             head_dim = _attr(node, "head_dim")
@@ -120,8 +137,11 @@ def lower_for_onnxruntime(model: onnx.ModelProto, *, kv_cache_dtype: str, tokens
         for vi in kept:
             if vi.name.startswith("past_key_values_"):
                 _fix_pool_shape(vi, 0 if vi.name in shared_pools else num_pages, tokens_per_page)
+    if unrotated:  # the queries' in-graph RoPE (and, with no other reader, the table's Gather) are now dead
+        new_nodes = _live_nodes(new_nodes, {o.name for o in outputs})
     if tree_inputs:
-        new_nodes = _positions_from_input(new_nodes, shared.g)
+        if not unrotated or _rope_gathers(new_nodes):  # some RoPE is still in the graph: it takes the positions too
+            new_nodes = _positions_from_input(new_nodes, shared.g)
         extra_inputs += [value_info(TREE_POSITIONS_INPUT, INT32, ["batch", "seq"]),
                          value_info(TREE_MASK_INPUT, BOOL, ["batch", "mask_rows", "mask_cols"])]
     del graph.node[:]
@@ -139,6 +159,84 @@ def lower_for_onnxruntime(model: onnx.ModelProto, *, kv_cache_dtype: str, tokens
     lowered = helper.make_model(graph, opset_imports=opsets,
                                 producer_name="kvforge-builder")
     return lowered
+
+
+def kernel_writes_kv(model: onnx.ModelProto) -> bool:
+    """Whether a lowered graph attends with kvforge.cpu.PagedAttentionRope (the kernel writes the pools in place:
+    engine_dir's BuilderConfig.kernel_kv_write)."""
+    return any(n.domain == ops.CPU_DOMAIN and n.op_type == ops.CPU_PAGED_ATTENTION_ROPE.name for n in model.graph.node)
+
+
+def _unrotated_queries(graph: onnx.GraphProto, writes: dict[str, onnx.NodeProto]) -> dict[str, str]:
+    """Attention node name -> its query before graph.rope.apply_rope, for every layer that writes its own pool; empty
+    when any such layer's query does not come out of that pattern (the graph then keeps the separate form)."""
+    producers = {out: n for n in graph.node for out in n.output}
+    found: dict[str, str] = {}
+    for node in graph.node:
+        if node.domain != ops.DOMAIN or node.op_type != ops.PAGED_ATTENTION.name or node.input[1] not in writes:
+            continue
+        source = _rope_source(producers, node.input[0])
+        if source is None:
+            return {}
+        found[node.name] = source
+    return found
+
+
+def _rope_source(producers: dict[str, onnx.NodeProto], rotated: str) -> str | None:
+    """x for rotated = apply_rope(x, ..., "rope_cos", "rope_sin"): Reshape <- Concat [<- Concat] <- Sub <- Mul(x1,
+    rope_cos), x1 from a Split [<- the partial-rotary Split] <- Reshape(x); None for anything else."""
+    def producer(name: str | None, op_type: str) -> onnx.NodeProto | None:
+        node = producers.get(name) if name is not None else None
+        return node if node is not None and node.op_type == op_type else None
+
+    def first_input(node: onnx.NodeProto | None) -> str | None:
+        return node.input[0] if node is not None and node.input else None
+
+    joined = producer(first_input(producer(rotated, "Reshape")), "Concat")
+    inner = producer(first_input(joined), "Concat")  # partial rotary: [rotated halves, passed dims]
+    mul = producer(first_input(producer(first_input(joined if inner is None else inner), "Sub")), "Mul")
+    if mul is None or list(mul.input)[1:] != ["rope_cos"]:
+        return None
+    halves = producer(mul.input[0], "Split")
+    partial = producer(first_input(halves), "Split")
+    heads = halves if partial is None else partial
+    return first_input(producer(first_input(heads), "Reshape"))
+
+
+def _kernel_rope_attention(g: GraphWriter, query: str, key: str, value: str, pool: str, node: onnx.NodeProto,
+                           num_kv: int, tokens_per_page: int, tree_inputs: bool) -> None:
+    """kvforge.cpu.PagedAttentionRope: un-rotated query and key, the table and (tree) positions; the kernel writes
+    the rounded rows into `pool` in place and attends over the cached positions and them."""
+    _, _, _, start_index, page_table = node.input
+    inputs = [query, key, value, pool, page_table, start_index, "context_lengths", "rope_rotary_cos_sin"]
+    if tree_inputs:
+        inputs += [TREE_POSITIONS_INPUT, TREE_MASK_INPUT]
+    g.op(ops.CPU_PAGED_ATTENTION_ROPE.name, inputs, outputs=[node.output[0]], domain=ops.CPU_DOMAIN,
+         num_q_heads=_attr(node, "num_q_heads"), num_kv_heads=num_kv, head_dim=_attr(node, "head_dim"),
+         tokens_per_page=tokens_per_page, scale=_attr_f(node, "scale"))
+
+
+def _rope_gathers(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
+    return [n for n in nodes if n.op_type == "Gather" and n.input[0] == "rope_rotary_cos_sin"]
+
+
+def _live_nodes(nodes: list[onnx.NodeProto], outputs: set[str]) -> list[onnx.NodeProto]:
+    """The nodes some graph output depends on (names read inside subgraphs, an If's branches, count as read)."""
+    needed, kept = set(outputs), []
+    for node in reversed(nodes):
+        if any(o in needed for o in node.output):
+            kept.append(node)
+            needed.update(_reads(node))
+    return kept[::-1]
+
+
+def _reads(node: onnx.NodeProto) -> set[str]:
+    names = set(node.input)
+    for attribute in node.attribute:
+        for sub in [attribute.g] if attribute.HasField("g") else list(attribute.graphs):
+            for inner in sub.node:
+                names |= _reads(inner)
+    return names
 
 
 def share_tied_head(model: onnx.ModelProto, head_initializer: str = "lm_head.weight") -> bool:
@@ -290,7 +388,7 @@ def _read_only_attention(g: GraphWriter, query: str, pool: str, page_table: str,
 def _positions_from_input(nodes: list[onnx.NodeProto], g: GraphWriter) -> list[onnx.NodeProto]:
     """Tree attention: the one Gather of the RoPE table (export's rope_inputs: queries and, in this lowering, keys
     rotate by it) takes TREE_POSITIONS_INPUT, clamped like the export's start + i, instead of start + i."""
-    gathers = [n for n in nodes if n.op_type == "Gather" and n.input[0] == "rope_rotary_cos_sin"]
+    gathers = _rope_gathers(nodes)
     if len(gathers) != 1:
         raise InvalidConfig(f"tree attention needs one Gather of rope_rotary_cos_sin, the graph has {len(gathers)}",
                             "model.onnx")

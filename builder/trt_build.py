@@ -23,6 +23,7 @@ from kvforge.contract.engine_dir import (
 )
 from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.geometry import PageGeometry
+from kvforge.contract.lora import ACTIVATION_INPUT
 from kvforge.contract.model_config import ModelConfig
 from kvforge.plugins import ops
 from kvforge.plugins.trt import AOT_ATTR, PLUGIN_NAMESPACE_ATTR, register_plugins, require_tensorrt
@@ -97,6 +98,7 @@ def _common_shapes(model: onnx.ModelProto, config: ModelConfig, geometry: PageGe
     shapes: Profile = {
         "context_lengths": per_row,
         "kvcache_start_index": per_row,
+        ACTIVATION_INPUT: per_row,  # activated LoRA (kvforge/contract/lora.py); unused names are skipped below
         LEGACY_LAST_TOKEN_IDS: per_row,  # an ONNX dir exported before logits_indices
         "kv_page_table": ((1, 1), (batch, pages), (batch, pages)),
         "rope_rotary_cos_sin": _fixed((geometry.max_kv_cache_capacity, config.head_dim)),

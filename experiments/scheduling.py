@@ -61,7 +61,7 @@ BURST_QUESTIONS = [
 def exact_length(engine: Engine, max_generate_length: int) -> SamplingParams:
     """Greedy with every end-of-sequence token suppressed, so the request generates exactly this many tokens;
     one logprob per token gives the chosen ids back in the response dicts (the greedy token is the top one)."""
-    no_eos = {token: -1e9 for token in engine.engine_dir.model.eos_token_ids}
+    no_eos = {token: -100.0 for token in engine.engine_dir.model.eos_token_ids}  # the checked bound
     return greedy(max_generate_length, logit_bias=no_eos, num_logprobs=1)
 
 

@@ -58,6 +58,30 @@ def apply_rope(x: np.ndarray, cos_sin: np.ndarray, positions: np.ndarray) -> np.
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1).astype(np.float32)
 
 
+def rotate_keys(stored_k: np.ndarray, delta: int, cos_sin: np.ndarray, kv_cache_dtype: str,
+                rotary_dim: int | None = None) -> np.ndarray:
+    """Keys [..., D] as the pool stores them, computed at position p, moved to p + delta: RoPE rotations compose,
+    so this is one more rotate-half rotation by `delta` (the angles of `cos_sin` row |delta|; a negative delta
+    rotates back). Decoded, the first `rotary_dim` dims rotated (the table's width, as in `apply_rope`: partial
+    rotary passes the rest unchanged), encoded again; values come back in the storage dtype. Exact up to the
+    storage's rounding, since the table has no rope scaling."""
+    rotary = cos_sin.shape[-1]
+    # A table is built for its rotary dims (rope_table(capacity, rotary_dim, theta)): its frequencies are theirs.
+    if rotary_dim is not None and rotary_dim != rotary:
+        raise ValueError(f"rotary_dim {rotary_dim} does not match the rope table, built for {rotary} dims")
+    if rotary % 2 or rotary > stored_k.shape[-1]:
+        raise ValueError(f"the rope table's {rotary} dims must be even and fit the head's {stored_k.shape[-1]}")
+    if abs(delta) >= cos_sin.shape[0]:
+        raise ValueError(f"a move of {delta} positions is past the rope table's {cos_sin.shape[0]} rows")
+    half = rotary // 2
+    cos = cos_sin[abs(delta), :half]
+    sin = cos_sin[abs(delta), half:] * (1 if delta >= 0 else -1)  # rotating back: sin(-a) = -sin(a)
+    k = from_storage(stored_k, kv_cache_dtype)
+    x1, x2, rest = k[..., :half], k[..., half:rotary], k[..., rotary:]
+    rotated = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
+    return to_storage(rotated, kv_cache_dtype)
+
+
 def paged_kv_write(key: np.ndarray, value: np.ndarray, cos_sin: np.ndarray, context_lengths: np.ndarray,
                    kvcache_start_index: np.ndarray, kv_page_table: np.ndarray, pool: np.ndarray, *,
                    num_kv_heads: int, head_dim: int, kv_cache_dtype: str) -> np.ndarray:
@@ -168,3 +192,36 @@ def paged_attention_rows(query: np.ndarray, new_kv: np.ndarray, pool: np.ndarray
         out[b, :length] = _attend(query[b, :length], keys, values, visible, num_kv_heads=num_kv_heads,
                                   head_dim=head_dim, scale=scale)
     return out
+
+
+def paged_attention_rope(query: np.ndarray, key: np.ndarray, value: np.ndarray, pool: np.ndarray,
+                         kv_page_table: np.ndarray, kvcache_start_index: np.ndarray, context_lengths: np.ndarray,
+                         cos_sin: np.ndarray, *, num_q_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                         kv_cache_dtype: str, position_ids: np.ndarray | None = None,
+                         attention_mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """kvforge.cpu.PagedAttentionRope: (attention output, the pool after the call's write). Query and key
+    [B,S,H*D] arrive un-rotated and rotate at `position_ids` [B,S] (start + i when None, clamped to the table);
+    the new rows, rounded through the storage dtype, go to positions start..start+len-1 through the page table
+    (-1 or missing pages skip the write) and attention is paged_attention_rows over them."""
+    batch, seq = query.shape[:2]
+    starts = np.asarray(kvcache_start_index, dtype=np.int64)
+    positions = (starts[:, None] + np.arange(seq)[None, :]) if position_ids is None else position_ids
+    positions = np.clip(np.asarray(positions, dtype=np.int64), 0, len(cos_sin) - 1)
+    q = apply_rope(query.reshape(batch, seq, num_q_heads, head_dim), cos_sin, positions)
+    k = apply_rope(key.reshape(batch, seq, num_kv_heads, head_dim), cos_sin, positions)
+    v = value.reshape(batch, seq, num_kv_heads, head_dim).astype(np.float32)
+    new_kv = round_to_storage(np.stack([k, v], axis=2), kv_cache_dtype)  # [B, S, 2, Hkv, D]
+    out = paged_attention_rows(q.reshape(batch, seq, -1), new_kv, pool, kv_page_table, kvcache_start_index,
+                               context_lengths, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                               head_dim=head_dim, scale=scale, kv_cache_dtype=kv_cache_dtype,
+                               attention_mask=attention_mask)
+    written = pool.copy()
+    tokens_per_page = pool.shape[3]
+    for b in range(batch):
+        for i in range(int(context_lengths[b])):
+            at = int(starts[b]) + i
+            index = at // tokens_per_page
+            page = int(kv_page_table[b, index]) if index < kv_page_table.shape[1] else UNUSED_PAGE
+            if page != UNUSED_PAGE:
+                written[page, :, :, at % tokens_per_page, :] = to_storage(new_kv[b, i], kv_cache_dtype)
+    return out, written

@@ -14,7 +14,15 @@ from safetensors import safe_open
 
 from kvforge.contract.engine_dir import EngineDir
 from kvforge.contract.errors import KvforgeError
-from kvforge.contract.lora import ADAPTER_FORMAT, lora_inputs, model_fingerprint, target_dims
+from kvforge.contract.lora import (
+    ADAPTER_FORMAT,
+    INVOCATION_FIELD,
+    NEVER_ACTIVATED,
+    check_invocation_tokens,
+    lora_inputs,
+    model_fingerprint,
+    target_dims,
+)
 from kvforge.contract.tensor_header import read_tensor_header
 from kvforge.contract.validation import one_line
 
@@ -26,6 +34,8 @@ class LoraAdapter:
     rank: int
     tensors: dict[str, np.ndarray] = field(repr=False)  # engine input name -> array (missing targets: zeros)
     digest: bytes  # BLAKE2b of the converted weights (scaling folded in): the cache identity, never the name
+    # Activated LoRA (PEFT's alora_invocation_tokens): the delta applies from the last occurrence of these ids on.
+    invocation_tokens: tuple[int, ...] | None = None
 
 
 def adapter_digest(tensors: dict[str, np.ndarray]) -> bytes:
@@ -83,7 +93,46 @@ def load_adapter(name: str, path: Path, engine: EngineDir, where: str, shown: st
     tensors: dict[str, np.ndarray] = {}
     for tensor, shape in expected.items():  # targets the adapter leaves out are exact zeros
         tensors[tensor] = raw[tensor].astype(np.float32) if tensor in raw else np.zeros(shape, np.float32)
-    return LoraAdapter(name, path, rank, tensors, adapter_digest(tensors))
+    invocation = _invocation(metadata, model.vocab_size, shown, where)
+    if invocation is not None and model.recurrent_layer_ids:
+        # A recurrent state carries the base model's history past the invocation only if it was checkpointed
+        # exactly there; kvforge does not capture such checkpoints, so the engine refuses rather than run inexactly.
+        raise KvforgeError(f"adapter {shown} is an activated LoRA (alora_invocation_tokens), which recurrent and "
+                           "hybrid engines do not run", where)
+    return LoraAdapter(name, path, rank, tensors, adapter_digest(tensors), invocation)
+
+
+# Appended to an activated adapter's name in responses and the profile's per_adapter block when its invocation was
+# absent from the prompt, so the request ran on the base model.
+NOT_INVOKED = " (not invoked)"
+
+
+def activation_start(adapter: LoraAdapter | None, prompt_ids: list[int]) -> int:
+    """The first position an adapter's delta applies to: 0 for the base model and ordinary adapters; for an
+    activated LoRA, PEFT's rule (peft.tuners.lora.variants.calculate_alora_offsets): the start of the invocation
+    sequence's last occurrence in the prompt, so the invocation tokens themselves are adapted, and every generated
+    token after them. Without an occurrence PEFT runs the base model throughout: NEVER_ACTIVATED."""
+    if adapter is None or adapter.invocation_tokens is None:
+        return 0
+    invocation = list(adapter.invocation_tokens)
+    width = len(invocation)
+    first = invocation[0]
+    for start in range(len(prompt_ids) - width, -1, -1):
+        if prompt_ids[start] == first and prompt_ids[start:start + width] == invocation:
+            return start
+    return NEVER_ACTIVATED
+
+
+def _invocation(metadata: dict[str, str], vocab_size: int, shown: str, where: str) -> tuple[int, ...] | None:
+    """The converted file's invocation ids, checked again: a file edited after conversion is refused here."""
+    text = metadata.get(INVOCATION_FIELD)
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = one_line(text)[:60]
+    return check_invocation_tokens(value, vocab_size, shown, where)
 
 
 # $VARS in adapter paths: only these names expand (an operator opts a variable in by its name); anything else

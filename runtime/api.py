@@ -20,11 +20,9 @@ from typing import Any
 
 from kvforge.contract.engine_dir import load_engine_dir
 from kvforge.runtime.engine.config import EngineConfig, make_engine_config
-from kvforge.runtime.engine.engine import Engine, snapshot_budgets
-from kvforge.runtime.engine.output import RequestOutput
+from kvforge.runtime.engine.engine import Engine, EngineRequest, RequestOutput, snapshot_budgets
 from kvforge.runtime.file_loop import drain
 from kvforge.runtime.inputs.checks import parse_message
-from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.types import Message, Request, SamplingParams
 
 Prompt = str | Sequence[int]
@@ -85,7 +83,7 @@ class LLM:
             request = self._chat_request(prompt, sampling_params, lora_name, cache_salt, False)  # type: ignore[arg-type]
         request_id = self.engine.add_request(request)
         shown = ""
-        tokenizer = self.engine.tokenizer
+        tokenizer = self.engine.info.tokenizer
         try:
             while True:
                 for output in self.engine.step():
@@ -119,7 +117,7 @@ class LLM:
 
     def context_cache_metrics(self) -> dict[str, Any]:
         """The profile's `context_cache` block: admissions, hits, reused tokens, records, pool occupancy."""
-        return self.engine.cache.profile()
+        return self.engine.cache_profile()
 
     # --- helpers ------------------------------------------------------------------------------------
 
@@ -130,7 +128,7 @@ class LLM:
 
     def _raw_request(self, prompt: Prompt, params: SamplingParams | None, lora_name: str | None,
                      cache_salt: str | None) -> EngineRequest:
-        return self.engine.inputs.process_prompt(prompt, params or SamplingParams(), lora_name, cache_salt)
+        return self.engine.prepare(prompt, params or SamplingParams(), lora_name=lora_name, cache_salt=cache_salt)
 
     def _chat_request(self, conversation: ChatMessages, params: SamplingParams | None, lora_name: str | None,
                       cache_salt: str | None, enable_thinking: bool,
@@ -140,7 +138,7 @@ class LLM:
                     else parse_message(dict(m), f"messages[{i}]") for i, m in enumerate(conversation)]
         request = Request(0, messages, params or SamplingParams(), lora_name=lora_name, cache_salt=cache_salt,
                           parse_special_tokens=parse_special_tokens)
-        return self.engine.inputs.process(request, enable_thinking, where="")  # errors name "messages"
+        return self.engine.prepare(request, enable_thinking=enable_thinking, where="")  # errors name "messages"
 
 
 def with_build_budgets(config: EngineConfig, engine_dir: str | Path, given: set[str] | None = None) -> EngineConfig:

@@ -66,8 +66,7 @@ def inference(
 
     def body() -> None:
         from kvforge.runtime.adapters import resolve_adapter_path
-        from kvforge.runtime.engine.engine import Engine  # heavy imports after argument checks
-        from kvforge.runtime.execution.ort import set_ort_logging
+        from kvforge.runtime.engine.engine import Engine, set_ort_logging  # heavy imports after argument checks
         from kvforge.runtime.file_loop import (
             Scheduling,
             iter_responses,

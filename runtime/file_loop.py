@@ -10,10 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.contract.files import atomic_output
-from kvforge.runtime.engine.engine import Engine
-from kvforge.runtime.engine.output import RequestOutput
+from kvforge.runtime.engine.engine import Engine, EngineRequest, RequestOutput
 from kvforge.runtime.inputs.request_file import RequestFile
-from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.types import Request
 
 
@@ -26,13 +24,14 @@ class Scheduling(str, Enum):
 
 def prepare_requests(engine: Engine, request_file: RequestFile, base_dir: Path | None = None) -> list[EngineRequest]:
     """Load the file's adapters and tokenize every request: all bad input fails before the first step."""
-    if request_file.batch_size > engine.engine_dir.build.max_batch_size:
+    if request_file.batch_size > engine.info.build.max_batch_size:
         from kvforge.contract.errors import KvforgeError
 
         raise KvforgeError(f"{request_file.batch_size} exceeds the engine's maxBatchSize "
-                           f"{engine.engine_dir.build.max_batch_size}", "batch_size")
+                           f"{engine.info.build.max_batch_size}", "batch_size")
     engine.load_adapters(request_file.available_lora_weights, base_dir)
-    return [engine.inputs.process(r, request_file.enable_thinking, base_dir=base_dir) for r in request_file.requests]
+    return [engine.prepare(r, enable_thinking=request_file.enable_thinking, base_dir=base_dir)
+            for r in request_file.requests]
 
 
 def run_request_file(engine: Engine, request_file: RequestFile, prepared: list[EngineRequest],
@@ -65,7 +64,7 @@ def iter_responses(engine: Engine, request_file: RequestFile, prepared: list[Eng
         ids = {engine.add_request(prepared[i]): i for i in group}
         for output in iter_finished(engine, set(ids)):
             i = ids[output.request_id]
-            text = engine.inputs.prompt_text(requests[i], request_file.enable_thinking)
+            text = engine.prompt_text(requests[i], request_file.enable_thinking)
             finished[i] = response_dict(output, requests[i], i // size, text)
             while next_index in finished:
                 yield finished.pop(next_index)

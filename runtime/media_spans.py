@@ -1,4 +1,4 @@
-"""A media item placed in a prompt (light: sequences carry these without importing decoders or encoders)."""
+"""Media items and documents placed in a prompt (light: sequences carry these without importing decoders)."""
 
 from __future__ import annotations
 
@@ -40,3 +40,16 @@ class MediaSpan:
             return
         first, last = np.searchsorted(self.offsets, [lo - self.start, hi - self.start])
         row_embeds[self.start - begin + self.offsets[first:last]] = self.embeds[first:last]
+
+
+@dataclass(frozen=True, slots=True)
+class DocumentSpan:
+    """A {"type": "document"} item's place in a prompt: its tokens are prompt tokens [start, start + length), and
+    they are exactly the document's own tokenization (so its reuse key does not depend on what surrounds it)."""
+
+    start: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length

@@ -12,10 +12,11 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
-from kvforge.runtime.adapters import LoraAdapter
+from kvforge.contract.lora import NEVER_ACTIVATED
+from kvforge.runtime.adapters import NOT_INVOKED, LoraAdapter, activation_start
 from kvforge.runtime.context_cache.keys import KeyExtras
 from kvforge.runtime.context_cache.lease import Admission, Lease
-from kvforge.runtime.media_spans import MediaSpan
+from kvforge.runtime.media_spans import DocumentSpan, MediaSpan
 from kvforge.runtime.sampling.sampler import Sampler, SampleResult
 from kvforge.runtime.types import SamplingParams
 
@@ -47,6 +48,14 @@ class EngineRequest:
     system_prompt_key: tuple[str, str] | None = None
     media: tuple[MediaSpan, ...] = ()  # placeholder spans with their encoder rows, in prompt order
     message_boundaries: tuple[int, ...] = ()  # prompt token counts where an earlier chat message ends
+    documents: tuple[DocumentSpan, ...] = ()  # the prompt's document items whose tokens could be told apart, in order
+    # Activated LoRA: the first adapted position, found from the adapter and the prompt when the request is made
+    # (runtime/adapters.py activation_start), so every front end and API caller gets PEFT's rule; 0 = every one.
+    adapter_start: int = -1
+
+    def __post_init__(self) -> None:
+        if self.adapter_start < 0:
+            self.adapter_start = activation_start(self.adapter, self.prompt_ids)
 
 
 @dataclass(slots=True, eq=False)
@@ -75,9 +84,12 @@ class Sequence:
     # A tree proposal: spec_parents[i] is the index of draft i's parent among spec_token_ids (-1: the pending token),
     # parents before children; empty = a chain (draft i follows draft i - 1).
     spec_parents: list[int] = field(default_factory=list)
-    # An EAGLE3 sequence: its admissions take draft pages (and reuse only coherent draft paths); `draft_state` is what
-    # the drafter keeps between steps (its first proposal and hidden state at the sequence's end).
+    # A sequence whose draft owns K/V (the speculation table's "own pool" rows): its admissions take draft pages (and
+    # reuse only coherent draft paths).
     drafts_with_kv: bool = False
+    # What a drafter keeps between steps (its first proposal and hidden state at the sequence's end), opaque here;
+    # the scheduler clears it on preemption. The proposer contract's home for it is the proposer's own
+    # DraftStates keyed by request id (runtime/spec/proposer.py), which the proposers are to move to.
     draft_state: object | None = None
 
     @property
@@ -111,7 +123,10 @@ class Sequence:
 
     @property
     def adapter_label(self) -> str:
-        return self.request.adapter.name if self.request.adapter else "base"
+        if self.request.adapter is None:
+            return "base"
+        # An activated LoRA whose invocation is absent ran as the base model (PEFT's rule): the label says so.
+        return self.request.adapter.name + (NOT_INVOKED if self.request.adapter_start == NEVER_ACTIVATED else "")
 
     def all_token_ids(self) -> list[int]:
         return self.request.prompt_ids + self.output_ids
@@ -127,7 +142,7 @@ class Sequence:
             sampling = self.request.sampling
             adapter = self.request.adapter
             extras = KeyExtras(adapter.digest if adapter else b"", self.request.cache_salt,
-                               tuple(span.key for span in self.request.media))
+                               tuple(span.key for span in self.request.media), self.request.adapter_start)
             self.admission = Admission(tokens, extras,
                                        sampling.lookup_policy, indexable_tokens=len(self.request.prompt_ids),
                                        speculative=self.drafts_with_kv)

@@ -247,6 +247,9 @@ class Message:
     role: str
     content: str  # text items of a content array are joined with ""; a media item is MEDIA_SENTINEL
     media: tuple[MediaRef, ...] = ()
+    # The {"type": "document"} items: (start, end) character spans in `content`, in order. Their text is in
+    # `content` like any text item's, so a prompt reads the same with or without document reuse.
+    documents: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(slots=True)

@@ -18,8 +18,8 @@ from starlette.types import Receive, Scope, Send
 
 from kvforge import __version__
 from kvforge.contract.errors import KvforgeError
-from kvforge.runtime.engine.engine import Engine
-from kvforge.runtime.engine.output import RequestOutput
+from kvforge.runtime.engine.engine import Engine, EngineStats, RequestOutput
+from kvforge.runtime.profile import Profiler
 from kvforge.server.engine_loop import EngineLoop
 from kvforge.server.guard import DEFAULT_MAX_BODY_BYTES, LOOPBACK_HOSTS, BodyLimits, Guard, read_json
 from kvforge.server.handle import ClientGone, RequestHandle, ServerState
@@ -41,28 +41,54 @@ ENGINE_STOP_TIMEOUT_S = 30.0  # the engine thread ends after its current step; o
 log = logging.getLogger("uvicorn.error")  # beside uvicorn's own start and shutdown lines
 
 
+class LoopSnapshot:
+    """The engine loop's latest stats for /metrics, bound once the loop exists: the metrics are made before the
+    engine, so that the engine's profiler streams its stage times into them from the start."""
+
+    def __init__(self) -> None:
+        self.loop: EngineLoop | None = None
+
+    def __call__(self) -> EngineStats:
+        assert self.loop is not None, "create_app binds the snapshot to its engine loop"
+        return self.loop.snapshot
+
+
+def server_profiler() -> tuple[Profiler, ServerMetrics, LoopSnapshot]:
+    """What llm_serve builds before its Engine: the metrics, a profiler whose stage sink is their step-time
+    histogram (instead of a list that grows with every step; the token counters stay the profile's), and the
+    snapshot /metrics reads, which `create_app(observed=...)` binds to its engine loop."""
+    snapshot = LoopSnapshot()
+    metrics = ServerMetrics(snapshot)
+    return Profiler(stage_sink=metrics.observe_stage), metrics, snapshot
+
+
 def create_app(engine: Engine, tenants: Tenants, *, model_name: str, max_queued_requests: int,
                media: MediaPolicy | None = None, allowed_hosts: frozenset[str] | None = LOOPBACK_HOSTS,
                allowed_origins: frozenset[str] = frozenset(), max_body_bytes: int | None = None,
                body_bytes_in_flight: int | None = None, body_timeout_s: float | None = None,
-               tenant_limits: TenantLimits | None = None) -> FastAPI:
+               tenant_limits: TenantLimits | None = None,
+               observed: tuple[ServerMetrics, LoopSnapshot] | None = None) -> FastAPI:
     """An app serving `engine` (with its adapters loaded) under `model_name`; the engine thread starts with it.
     `media`: where media content parts may come from (default: inline only). `allowed_hosts` (None: any Host),
     `allowed_origins` and the body bounds: server/guard.py (defaults: loopback names, same origin only, its sizes).
-    `tenant_limits`: each tenant's share of the bounds, server/limits.py (default: half of each)."""
+    `tenant_limits`: each tenant's share of the bounds, server/limits.py (default: half of each).
+    `observed`: `server_profiler()`'s metrics and snapshot, when the engine was built with its profiler (llm_serve);
+    without them the app makes its own and points the engine's profiler at them before the thread starts."""
     engine_loop = EngineLoop(engine)
-    metrics = ServerMetrics(lambda: engine_loop.snapshot)
-    # Before the thread starts (from then on it owns the engine): step times, the encoder's too, go to a histogram
-    # instead of a list that grows with every step; the token counters stay the profile's.
-    engine.profiler.stage_sink = metrics.observe_stage
-    adapters = sorted(engine.loras.adapters)
+    if observed is None:  # an engine built without the server's profiler (tests, embedding callers)
+        profiler, made, snapshot = server_profiler()
+        engine.profiler.stage_sink = profiler.stage_sink  # before the thread starts: from then on it owns the engine
+        observed = made, snapshot
+    metrics, snapshot = observed
+    snapshot.loop = engine_loop
+    info = engine.info  # the engine's public facts (limits, adapters, reuse): the server reads nothing else of it
+    adapters = list(info.adapters)
     if model_name in adapters:
         raise KvforgeError(f"an adapter is named like the served model {model_name!r}", "served_model_name")
-    build = engine.engine_dir.build
-    state = ServerState(engine_loop, engine.tokenizer, tenants, metrics,
+    state = ServerState(engine_loop, info.tokenizer, tenants, metrics,
                         models={model_name: None, **{name: name for name in adapters}},
-                        max_in_flight=engine.scheduler.max_batch_size + max_queued_requests,
-                        reuse_enabled=engine.cache.enabled, max_model_len=build.max_kv_cache_capacity,
+                        max_in_flight=info.max_batch_size + max_queued_requests,
+                        reuse_enabled=info.reuse_enabled, max_model_len=info.max_kv_cache_capacity,
                         media=media or MediaPolicy())
     metrics.in_flight.set_function(lambda: state.in_flight)
 
@@ -94,7 +120,7 @@ def create_app(engine: Engine, tenants: Tenants, *, model_name: str, max_queued_
     app.add_middleware(TenantGate, tenants=tenants, shares=shares)
     app.add_middleware(Guard, allowed_hosts=allowed_hosts, allowed_origins=allowed_origins, max_body_bytes=body_cap)
     _add_routes(app, state, limits, body_cap)
-    _add_token_routes(app, state, limits, body_cap, engine.inputs.vocab_size)
+    _add_token_routes(app, state, limits, body_cap, info.model.vocab_size)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return app
 

@@ -122,7 +122,7 @@ def serve(
 
         from kvforge.runtime.api import with_build_budgets
         from kvforge.runtime.engine.engine import Engine
-        from kvforge.server.app import create_app
+        from kvforge.server.app import create_app, server_profiler
         from kvforge.server.tenants import load_tenants
 
         if max_queued_requests < 0:
@@ -163,7 +163,8 @@ def serve(
             if "://" not in origin:
                 raise KvforgeError(f"expected scheme://host[:port], got {origin!r}", "--allowedOrigins")
         sock = bind_socket(bind_host, port)
-        engine = Engine(engine_dir, with_build_budgets(config, engine_dir))
+        profiler, metrics, snapshot = server_profiler()  # stage times stream to /metrics from the first call
+        engine = Engine(engine_dir, with_build_budgets(config, engine_dir), profiler=profiler)
         try:
             engine.load_adapters({name: str(path) for name, path in adapters.items()})
         except KvforgeError as exc:  # its field names the request file's available_lora_weights
@@ -172,9 +173,9 @@ def serve(
         web = create_app(engine, tenants, model_name=model_name, max_queued_requests=max_queued_requests,
                          media=media, allowed_hosts=hosts, allowed_origins=origins, max_body_bytes=max_body_bytes,
                          body_bytes_in_flight=body_bytes_in_flight, body_timeout_s=body_timeout,
-                         tenant_limits=tenant_limits)
+                         tenant_limits=tenant_limits, observed=(metrics, snapshot))
         _announce(sock, model_name, _reuse_words(engine), tenants.required, host is not None)
-        if engine.scheduler.max_batch_size == 1:
+        if engine.info.max_batch_size == 1:
             console.print("llm_serve: this engine was built with --maxBatchSize 1, so it runs one request at a time "
                           "(the others wait their turn); rebuild with --maxBatchSize 4 or more to serve several")
         # uvicorn re-raises the signal it shut down for; exit 0 then: requests in flight were finished or cancelled.
@@ -238,10 +239,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def _reuse_words(engine: Any) -> str:
-    cache = engine.cache
-    if not cache.enabled:
+    info = engine.info
+    if not info.reuse_enabled:
         return "off"
-    slots = cache.partial_snapshots.capacity
+    slots = info.partial_kv_snapshot_slots
     return f"on, token-exact ({slots} partial-KV snapshot slots)" if slots else "on, by whole pages"
 
 

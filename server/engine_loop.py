@@ -18,13 +18,10 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from kvforge.runtime.engine.core import EngineStats
-from kvforge.runtime.engine.engine import Engine
-from kvforge.runtime.engine.output import RequestOutput
-from kvforge.runtime.sequence import EngineRequest
+from kvforge.runtime.engine.engine import Engine, EngineRequest, EngineStats, RequestOutput
 
 T = TypeVar("T")
 PREPARE_WORKERS = 2  # requests prepared at once; more wait (and count as in flight) on the asyncio side
@@ -74,6 +71,7 @@ class EngineLoop:
         self._sinks: dict[str, Sink] = {}
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="kvforge-engine", daemon=True)
+        self.reuse_enabled = engine.info.reuse_enabled
         self.snapshot = self._take_snapshot()
 
     # --- called from other threads --------------------------------------------------------------------
@@ -205,4 +203,7 @@ class EngineLoop:
         self._sinks.clear()
 
     def _take_snapshot(self) -> EngineStats:
-        return self.engine.stats()
+        """The engine's counters, with the cache's profile block that /metrics exports (reuse on only: it walks
+        the cache's records, which Engine.stats() leaves out)."""
+        stats = self.engine.stats()
+        return replace(stats, cache=self.engine.cache_profile()) if self.reuse_enabled else stats

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvforge.contract.errors import KvforgeError
-from kvforge.runtime.engine.output import RequestOutput
+from kvforge.runtime.engine import RequestOutput
 from kvforge.runtime.inputs.tokenizer import ChatTokenizer
 from kvforge.server.engine_loop import Accepted, EngineFailure, EngineLoop
 from kvforge.server.media import MediaPolicy

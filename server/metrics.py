@@ -14,7 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvforge.contract import profile_schema as schema
-from kvforge.runtime.engine.core import EngineStats
+from kvforge.runtime.engine import EngineStats
 
 PREFIX = "kvforge"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

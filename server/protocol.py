@@ -17,8 +17,9 @@ from typing import Any, TypeVar
 
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.validation import check_int, check_string, describe, fail, get_bool, json_kind
-from kvforge.runtime.engine.engine import Engine
+from kvforge.runtime.engine.engine import Engine, EngineRequest
 from kvforge.runtime.inputs.checks import (
+    check_grammar,
     check_logit_bias,
     check_penalty,
     check_response_format,
@@ -28,8 +29,6 @@ from kvforge.runtime.inputs.checks import (
     check_top_p,
     parse_messages,
 )
-from kvforge.runtime.sampling.grammar import check_grammar
-from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.types import Message, Request, SamplingParams
 from kvforge.server.media import MediaPolicy
 from kvforge.server.tools import ToolSpec, parse_tools, tool_messages, with_tools
@@ -91,11 +90,11 @@ class ApiCall:
         if self.chat:
             request = Request(0, self.messages, self.sampling, lora_name=self.lora_name, cache_salt=cache_salt,
                               parse_special_tokens=self.parse_special_tokens)
-            built = engine.inputs.process(request, where="")  # errors name "messages"
+            built = engine.prepare(request, where="")  # errors name "messages"
             self.messages.clear()  # the media bytes in them are spent: a long answer must not hold them
         else:
-            built = engine.inputs.process_prompt(self.prompt or [], self.sampling, self.lora_name, cache_salt)
-        room = engine.engine_dir.build.max_kv_cache_capacity - len(built.prompt_ids)
+            built = engine.prepare(self.prompt or [], self.sampling, lora_name=self.lora_name, cache_salt=cache_salt)
+        room = engine.info.max_kv_cache_capacity - len(built.prompt_ids)
         built.sampling = replace(built.sampling, max_generate_length=max(1, self.max_tokens or room))
         return built
 

@@ -6,9 +6,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvforge.runtime.engine.output import RequestOutput
+from kvforge.runtime.engine import RequestOutput, SampleResult
 from kvforge.runtime.inputs.tokenizer import ChatTokenizer
-from kvforge.runtime.sampling.sampler import SampleResult
 from kvforge.server.protocol import ApiCall
 from kvforge.server.tools import read_calls
 

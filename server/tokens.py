@@ -33,9 +33,9 @@ def tokenize(engine: Engine, what: str | list[Message], add_generation_prompt: b
     """The ids /v1/completions (text) or /v1/chat/completions (messages, through the chat template) would run;
     on a preparation worker, like those requests' own tokenization."""
     if isinstance(what, str):
-        return engine.tokenizer.encode(what)
+        return engine.info.tokenizer.encode(what)
     request = Request(0, what, SamplingParams(), add_generation_prompt=add_generation_prompt)
-    return engine.inputs.process(request, where="").prompt_ids
+    return engine.prepare(request, where="").prompt_ids
 
 
 def tokenize_response(ids: list[int], max_model_len: int) -> dict[str, Any]:

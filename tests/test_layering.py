@@ -31,6 +31,22 @@ Inside the runtime, folders (and the vocabulary modules at its root) import down
 
 Places on one line never import each other (no sideways imports).
 
+Front ends reach the engine through its public interface only (`Engine.info`, `prepare`, `stats`,
+`cache_profile`, `add_request`, `step`, `abort`, `profile`): a front-end module (kvforge.server.*,
+kvforge.runtime.api, kvforge.runtime.cli, kvforge.runtime.file_loop, kvforge.tools.testcases.*,
+kvforge.tools.bench.*) imports of the runtime only FRONT_END_MAY_IMPORT:
+
+    kvforge.runtime.engine           the package's public names (Engine, EngineInfo, EngineRequest, EngineStats,
+                                     RequestOutput, SampleResult, ...), re-exported lazily
+    kvforge.runtime.engine.engine    Engine and the names it re-exports
+    kvforge.runtime.engine.config    EngineConfig and its options, which every front end derives its flags from
+    kvforge.runtime.inputs.*         what a request is before the engine: files, checks, templates, tokenizer
+    kvforge.runtime.types, .profile, .adapters   shared vocabulary: sampling values, the profile, adapter paths
+    the front ends themselves        kvforge.runtime.api, .cli, .file_loop
+
+Anything else (the step, scheduler and row state, execution/, context_cache/, spec/, shared_tier/, sampling/,
+sequence.py, step.py) is an engine part: importing it fails.
+
 Source folders map to modules through `[tool.setuptools.package-dir]` in pyproject.toml
 (`kvforge.runtime` lives in `runtime/`), so a new file is checked as soon as it is added. Every import
 counts: module level, inside functions (lazy), under `if TYPE_CHECKING`, relative ones, and
@@ -61,6 +77,14 @@ RUNTIME_ORDER = (("api.py", "cli.py"), ("file_loop.py",), ("engine/",), ("spec/"
                  ("execution/",), ("step.py",), ("sequence.py",), ("media_spans.py", "adapters.py", "sampling/"),
                  ("context_cache/",), ("types.py", "profile.py"))
 RUNTIME_RANK = {place: rank for rank, places in enumerate(RUNTIME_ORDER) for place in places}
+# Front ends and the engine's public interface (see the module docstring): exact modules, then packages.
+FRONT_ENDS = ("kvforge.server", "kvforge.runtime.api", "kvforge.runtime.cli", "kvforge.runtime.file_loop",
+              "kvforge.tools.testcases", "kvforge.tools.bench")
+FRONT_END_MAY_IMPORT = ("kvforge.runtime", "kvforge.runtime.engine", "kvforge.runtime.engine.engine",
+                        "kvforge.runtime.engine.config", "kvforge.runtime.types", "kvforge.runtime.profile",
+                        "kvforge.runtime.adapters", "kvforge.runtime.api", "kvforge.runtime.cli",
+                        "kvforge.runtime.file_loop")
+FRONT_END_MAY_IMPORT_PACKAGES = ("kvforge.runtime.inputs",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +153,16 @@ def runtime_order_violation(importer: str, imported: str) -> str | None:
     return None
 
 
+def front_end_violation(importer: str, imported: str) -> str | None:
+    """The engine-interface rule: a front end imports no engine part (FRONT_END_MAY_IMPORT lists what it may)."""
+    if not any(_within(importer, front) for front in FRONT_ENDS) or not _within(imported, RUNTIME):
+        return None
+    if imported in FRONT_END_MAY_IMPORT or any(_within(imported, p) for p in FRONT_END_MAY_IMPORT_PACKAGES):
+        return None
+    return (f"a front end reaches the engine through its interface (kvforge.runtime.engine: Engine.info, prepare, "
+            f"stats); {imported} is an engine part (tests/test_layering.py: FRONT_END_MAY_IMPORT)")
+
+
 def _describe(layer_and_component: tuple[int, str]) -> str:
     layer, component = layer_and_component
     return f"layer {layer} ({component})"
@@ -158,7 +192,7 @@ def edge_violation(importer: str, imported: str) -> str | None:
     if target[0] == source[0] == 2 and target[1] != source[1]:
         return (f"{_describe(source)} must not import {_describe(target)}: export, builder and runtime "
                 "share layers 0–1 and never import each other")
-    return runtime_order_violation(importer, imported)
+    return runtime_order_violation(importer, imported) or front_end_violation(importer, imported)
 
 
 def imports_in(source: str, module: str, is_package: bool, known: set[str], filename: str = "<source>",
@@ -441,6 +475,35 @@ def test_checker_allows_front_ends_everything_below() -> None:
               "from kvforge.tools.export.writer import write_onnx_dir\n")
     for module in ("kvforge.runtime.cli", "kvforge.builder.cli", "kvforge.tools.profile.report", "kvforge"):
         assert _rules(source, module, is_package=module == "kvforge") == [], module
+
+
+def test_checker_keeps_front_ends_on_the_engine_interface() -> None:
+    """A planted front end importing engine parts fails, line by line; the interface and the vocabulary pass."""
+    source = "\n".join([
+        "from kvforge.runtime.engine import Engine, EngineStats",  # 1 ok: the package's public names
+        "from kvforge.runtime.engine.engine import EngineInfo",  # 2 ok
+        "from kvforge.runtime.engine.config import EngineConfig",  # 3 ok
+        "from kvforge.runtime.inputs.checks import parse_message",  # 4 ok
+        "from kvforge.runtime.types import SamplingParams",  # 5 ok
+        "from kvforge.runtime.engine.core import EngineStats",  # 6 the step
+        "from kvforge.runtime.sequence import EngineRequest",  # 7 row state
+        "def f():",
+        "    from kvforge.runtime.context_cache.manager import ContextCacheManager",  # 9 the cache, lazily
+        "    from kvforge.runtime.spec.methods import spec_method",  # 10 speculation
+        "    from kvforge.runtime.execution.backend import Backend",  # 11 a runner
+    ])
+    known = {"kvforge.runtime.engine", "kvforge.runtime.engine.engine", "kvforge.runtime.engine.config",
+             "kvforge.runtime.engine.core", "kvforge.runtime.inputs.checks", "kvforge.runtime.types",
+             "kvforge.runtime.sequence", "kvforge.runtime.context_cache.manager", "kvforge.runtime.spec.methods",
+             "kvforge.runtime.execution.backend"}
+    for module in ("kvforge.server.app", "kvforge.runtime.api", "kvforge.runtime.cli", "kvforge.runtime.file_loop",
+                   "kvforge.tools.testcases.execute", "kvforge.tools.bench.worker"):
+        violations = check_source(source, module, known=known)
+        assert [v.line for v in violations] == [6, 7, 9, 10, 11], module
+        assert all("engine part" in v.rule for v in violations), module
+    # The engine itself, and a CLI that drives no engine (llm_build's), may import them.
+    for module in ("kvforge.runtime.engine.engine", "kvforge.builder.cli"):
+        assert check_source(source, module, known=known) == [], module
 
 
 def test_checker_keeps_the_cache_core_free_of_runners() -> None:

@@ -116,6 +116,9 @@ class BuilderConfig(PageGeometry):
     max_verify_tree_size: int = 0
     max_draft_tree_size: int = 0
     tree_attention: bool = False  # the graph takes TREE_POSITIONS_INPUT and TREE_MASK_INPUT (tree drafting)
+    # The CPU kernel's variant: PagedAttentionRope rotates Q/K and writes the pool in place (no new_key_values_*
+    # outputs to scatter). False: the rotated rows come back and the runtime scatters them (engines built before).
+    kernel_kv_write: bool = False
 
     @classmethod
     def from_geometry(cls, geometry: PageGeometry, backend: str, max_lora_rank: int,
@@ -243,7 +246,7 @@ def read_builder_config(raw: dict[str, Any], model: ModelConfig) -> BuilderConfi
         raise InvalidConfig(f"must be one of {ATTENTION_PATHS}, got {describe(attention)}; {REBUILD}",
                             f"{where}.attention")
     speculative: dict[str, Any] = {}
-    for key in ("spec_base", "spec_draft", "tree_attention"):
+    for key in ("spec_base", "spec_draft", "tree_attention", "kernel_kv_write"):
         if type(raw.get(key, False)) is not bool:
             raise InvalidConfig(f"must be true or false, got {describe(raw[key])}", f"{where}.{key}")
         speculative[key] = raw.get(key, False)

@@ -84,3 +84,30 @@ def model_fingerprint(config: LoraModel) -> str:
                                              "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                                              "head_dim")}
     return hashlib.blake2b(json.dumps(shape, sort_keys=True).encode(), digest_size=8).hexdigest()
+
+
+# The graph input [B] int32 naming each row's first adapted position (activated LoRA); 0 = every position, as an
+# ordinary adapter. Not `lora_*`: those are the per-row A/B matrices, and builder/lora.py strips this one with them.
+ACTIVATION_INPUT = "adapter_activation_start"
+# A row whose activated adapter found no invocation: no position takes the delta (PEFT then runs the base model).
+NEVER_ACTIVATED = 2 ** 31 - 1
+
+# PEFT's activated-LoRA field: the token ids whose last occurrence in a prompt switches the adapter on.
+INVOCATION_FIELD = "alora_invocation_tokens"
+
+
+def check_invocation_tokens(value: object, vocab_size: int, adapter: str, where: str) -> tuple[int, ...]:
+    """A non-empty list of token ids inside the vocabulary, or one line naming the adapter and the field."""
+    from kvforge.contract.errors import KvforgeError
+
+    def refuse(why: str) -> KvforgeError:
+        return KvforgeError(f"adapter {adapter}: {INVOCATION_FIELD} {why}", where)
+
+    if not isinstance(value, list | tuple) or not value:
+        raise refuse(f"must be a non-empty list of token ids, got {str(value)[:60]!r}")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise refuse(f"must hold integers only, got {str(list(value))[:60]!r}")
+    outside = [v for v in value if not 0 <= v < vocab_size]
+    if outside:
+        raise refuse(f"has id {outside[0]} outside the vocabulary [0, {vocab_size})")
+    return tuple(value)

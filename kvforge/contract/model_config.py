@@ -8,6 +8,19 @@ from typing import Any
 from kvforge.contract.errors import InvalidConfig, KvforgeError
 from kvforge.contract.formats import EXPORT_FORMAT
 from kvforge.contract.lora import LORA_TARGETS, is_target_list
+from kvforge.contract.speculation import (  # noqa: F401 - re-exported: the export and build steps import them here
+    BLOCK_DRAFTS,
+    SPEC_DECODE_TYPES,
+    SPEC_DFLASH,
+    SPEC_DSPARK,
+    SPEC_EAGLE3,
+    SPEC_GEMMA4_MTP,
+    SPEC_JETSPEC,
+    SPEC_MTP,
+    SPEC_NONE,
+    SPEC_SUPPORT,
+    DraftKV,
+)
 
 KV_CACHE_DTYPES = ("fp16", "fp8", "fp32")
 QUANTIZATIONS = ("none", "int8", "int4")  # linear weights: float32, or MatMulNBits blocks
@@ -24,12 +37,10 @@ HYBRID_FAMILIES = ("qwen3_5",)
 # (a Mamba2 SSM or a gated delta-net); the family says which one. HF's "linear_attention" maps to "mamba".
 LAYER_TYPES = ("attention", "mamba")
 MAX_BLOCK_SIZE = 64  # the longest block a block draft proposes in one call (z-lab's drafts use 16, DSpark's 7)
-SPEC_NONE, SPEC_EAGLE3, SPEC_DFLASH, SPEC_DSPARK = "none", "eagle3", "dflash", "dspark"
-SPEC_GEMMA4_MTP, SPEC_MTP = "gemma4_mtp", "mtp"
-SPEC_DECODE_TYPES = (SPEC_NONE, SPEC_EAGLE3, SPEC_DFLASH, SPEC_DSPARK, SPEC_GEMMA4_MTP, SPEC_MTP)
-# Block drafters: one non-causal call over [pending token, mask x (block - 1)] proposes a whole block from K/V that
-# are projections of the base's hidden states (DSpark adds a previous-token head and an acceptance predictor).
-BLOCK_DRAFTS = (SPEC_DFLASH, SPEC_DSPARK)
+# The draft kinds (config.json's spec_decode_type) come from the speculation table. Block drafters (BLOCK_DRAFTS):
+# one call over [pending token, mask x (block - 1)] proposes a whole block from K/V that are projections of the base's
+# hidden states, non-causal inside the block (DFlash, DSpark: DSpark adds a previous-token head and an acceptance
+# predictor) or causal (JetSpec).
 
 
 @dataclass(slots=True)
@@ -106,7 +117,8 @@ class ModelConfig:
     @property
     def kv_reads_next_token(self) -> bool:
         """A draft whose K/V at position p depends on token p + 1 (EAGLE3, MTP): a reuse hit replays its boundary."""
-        return self.spec_decode_type in (SPEC_EAGLE3, SPEC_MTP)
+        row = SPEC_SUPPORT.get(self.spec_decode_type)
+        return self.is_draft and row is not None and row.replays_final_page
 
     @property
     def is_block_draft(self) -> bool:
@@ -115,7 +127,8 @@ class ModelConfig:
     @property
     def reads_base_kv(self) -> bool:
         """A Gemma4 MTP assistant: attention over the base's pools (kv_shared_layers), no pool of its own."""
-        return self.spec_decode_type == SPEC_GEMMA4_MTP
+        row = SPEC_SUPPORT.get(self.spec_decode_type)
+        return self.is_draft and row is not None and row.draft_kv is DraftKV.BASE
 
     @property
     def is_draft(self) -> bool:

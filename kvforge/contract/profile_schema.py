@@ -18,6 +18,8 @@ SPEC_DRAFT_PROPOSAL_STAGE = "spec_decode_draft_proposal"  # TensorRT Edge-LLM's 
 SPEC_BASE_VERIFICATION_STAGE = "spec_decode_base_verification"  # engine calls of steps that verify drafts
 SPEC_DRAFT_ACCEPT_STAGE = "spec_decode_draft_accept"  # acceptance (greedy match or rejection sampling)
 BLOCK_DIFFUSION_DENOISE_STAGE = "block_diffusion_denoise"  # a block draft's one call over a block of masks
+# kvforge only: each engine call's wall time outside ONNX Runtime (the runner's Python: inputs, binding, outputs)
+ENGINE_CALL_PYTHON_STAGE = "engine_call_python"
 
 # ------------------------------------------------------------------------------------------ top-level sections
 

@@ -14,7 +14,7 @@ from kvforge.runtime.context_cache.keys import KeyExtras, tail_page_key
 from kvforge.runtime.context_cache.lease import Lease
 from kvforge.runtime.context_cache.planner import PlanKind, ReusePlan
 from kvforge.runtime.context_cache.pools import ResourcePool
-from kvforge.runtime.context_cache.protocol import CacheSetup, CacheTypeBase, Lookup, Publication
+from kvforge.runtime.context_cache.protocol import CacheSetup, Lookup, Publication, SnapshotRestore
 from kvforge.runtime.context_cache.records import Record, RecordStore
 from kvforge.runtime.types import Deployment
 
@@ -59,7 +59,7 @@ def build_partial_tails(setup: CacheSetup, name: str) -> PartialTails | None:
                         setup.copier, records=setup.records if setup.checkpoints else None)
 
 
-class PartialTails(CacheTypeBase):
+class PartialTails(SnapshotRestore):
     """Snapshots of partial tail pages, filed by the key of the full page they follow. A snapshot is never written
     by a request: a hit copies it into the lease's own page (copy-on-partial-reuse). A checkpoint's tail belongs to
     its checkpoint (found through it: with `records`, a hit is the checkpoint the types before agreed on, and this
@@ -130,18 +130,6 @@ class PartialTails(CacheTypeBase):
 
     # --- a lease's restore --------------------------------------------------------------------------
 
-    def hit_slots(self, plan: ReusePlan) -> tuple[int, ...]:
-        hit = plan.parts.get(self.name)
-        return () if hit is None else (hit.slot,)
-
-    def admit(self, lease: Lease, plan: ReusePlan, speculative: bool, slots: list[int]) -> None:
-        hit = plan.parts.get(self.name)
-        if hit is not None:
-            lease.parts[self.name] = hit
-
-    def pinned(self, lease: Lease) -> tuple[int, ...]:
-        hit = lease.parts.get(self.name)
-        return () if hit is None or hit.slot is None else (hit.slot,)
 
     def finish_restore(self, lease: Lease) -> bool:
         hit = lease.parts.get(self.name)

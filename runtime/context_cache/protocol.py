@@ -313,3 +313,23 @@ class NoEvents:
 
     def evicted(self, record: Record) -> None:
         pass
+
+
+class SnapshotRestore(CacheTypeBase):
+    """The restore hooks of a snapshot type: a hit's part names one slot (`.slot`, None once restored), copied into
+    the lease at admission and pinned until `finish_restore`. Partial tails and recurrent checkpoints share them."""
+
+    __slots__ = ()
+
+    def hit_slots(self, plan: ReusePlan) -> tuple[int, ...]:
+        hit = plan.parts.get(self.name)
+        return () if hit is None else (hit.slot,)
+
+    def admit(self, lease: Lease, plan: ReusePlan, speculative: bool, slots: list[int]) -> None:
+        hit = plan.parts.get(self.name)
+        if hit is not None:
+            lease.parts[self.name] = hit
+
+    def pinned(self, lease: Lease) -> tuple[int, ...]:
+        hit = lease.parts.get(self.name)
+        return () if hit is None or hit.slot is None else (hit.slot,)

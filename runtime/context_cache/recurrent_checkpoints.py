@@ -15,7 +15,7 @@ from kvforge.runtime.context_cache.lease import Lease
 from kvforge.runtime.context_cache.partial_tails import tail_key
 from kvforge.runtime.context_cache.planner import ReusePlan, plan_resume
 from kvforge.runtime.context_cache.pools import ResourcePool
-from kvforge.runtime.context_cache.protocol import CacheSetup, CacheTypeBase, Lookup, Publication
+from kvforge.runtime.context_cache.protocol import CacheSetup, Lookup, Publication, SnapshotRestore
 from kvforge.runtime.context_cache.records import Record, RecordStore
 
 RECURRENT_OPTIONS = ("recurrent_snapshot_slots",)
@@ -65,7 +65,7 @@ def build_recurrent_checkpoints(setup: CacheSetup, name: str) -> RecurrentCheckp
                                 setup.tokens_per_page, setup.chain_root, with_pages=setup.paged, copier=setup.copier)
 
 
-class RecurrentCheckpoints(CacheTypeBase):
+class RecurrentCheckpoints(SnapshotRestore):
     """Recurrent snapshots (every recurrent layer's state + conv state), one per checkpoint record. A checkpoint of
     length L is filed under its anchor, the key of its last full page (None below one page), so a lookup walks the
     input's own chain keys from the deepest and hashes a tail only where a checkpoint of that length hangs off a
@@ -111,18 +111,6 @@ class RecurrentCheckpoints(CacheTypeBase):
 
     # --- a lease's restore --------------------------------------------------------------------------
 
-    def hit_slots(self, plan: ReusePlan) -> tuple[int, ...]:
-        hit = plan.parts.get(self.name)
-        return () if hit is None else (hit.slot,)
-
-    def admit(self, lease: Lease, plan: ReusePlan, speculative: bool, slots: list[int]) -> None:
-        hit = plan.parts.get(self.name)
-        if hit is not None:
-            lease.parts[self.name] = hit
-
-    def pinned(self, lease: Lease) -> tuple[int, ...]:
-        hit = lease.parts.get(self.name)
-        return () if hit is None else (hit.slot,)
 
     def finish_restore(self, lease: Lease) -> bool:
         hit = lease.parts.pop(self.name, None)

@@ -1,18 +1,23 @@
 """The engine loop: wiring (`engine`), the step (`core`), the scheduler, stop rules, config and row state.
 
-`Engine`, `EngineConfig`, `EngineRequest` and `RequestOutput` are re-exported lazily, so
-`from kvforge.runtime.engine import Engine` works and importing `engine.scheduler` does not load the backends."""
+`Engine`, `EngineConfig`, `EngineRequest`, `RequestOutput` and the other names of `_EXPORTS` are re-exported lazily,
+so `from kvforge.runtime.engine import Engine` works and importing `engine.scheduler` does not load the backends."""
 
 from __future__ import annotations
 
 from typing import Any
 
+# The engine's public interface: front ends (llm_serve, kvforge.LLM, llm_inference, llm_test, llm_bench) import
+# these names, kvforge.runtime.engine.engine and .config, and no other engine part (tests/test_layering.py).
 _EXPORTS = {
     "Engine": "kvforge.runtime.engine.engine",
-    "EngineRequest": "kvforge.runtime.engine.engine",
-    "EngineStats": "kvforge.runtime.engine.engine",
+    "EngineInfo": "kvforge.runtime.engine.engine",
+    "EngineRequest": "kvforge.runtime.sequence",
+    "EngineStats": "kvforge.runtime.engine.core",
     "EngineConfig": "kvforge.runtime.engine.config",
     "RequestOutput": "kvforge.runtime.engine.output",
+    "SampleResult": "kvforge.runtime.sampling.sampler",
+    "FinishReason": "kvforge.runtime.sequence",
 }
 
 

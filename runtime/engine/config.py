@@ -10,40 +10,35 @@ import hashlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
-from kvforge.contract.engine_dir import DRAFT_ENGINE_SUBDIR, MAX_TREE_SIZE, EngineDir, load_engine_dir
+from kvforge.contract.engine_dir import EngineDir
 from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.files import read_json
 from kvforge.contract.formats import MANIFEST_FILE
 from kvforge.contract.geometry import snapshot_slots
 from kvforge.contract.memory import available_memory_bytes, check_fits_memory
-from kvforge.contract.model_config import MAX_BLOCK_SIZE, ModelConfig
+from kvforge.contract.model_config import ModelConfig
+from kvforge.contract.speculation import spec_decode_help
 from kvforge.runtime.context_cache.keys import EngineFingerprint, chain_root
 from kvforge.runtime.context_cache.manager import DEFAULT_MAX_RECORDS
 from kvforge.runtime.engine.state import CheckpointPolicy
 from kvforge.runtime.inputs.multimodal.encoder_cache import DEFAULT_ENCODER_CACHE_BUDGET_BYTES
 from kvforge.runtime.shared_tier.secret import SECRET_ENV, check_secret
 from kvforge.runtime.shared_tier.store import check_store_url
-from kvforge.runtime.spec.methods import (
-    DRAFT_METHODS,
-    DSPARK_SCHEDULERS,
-    METHOD_NAMES,
+from kvforge.runtime.spec.methods import (  # noqa: F401 - the draft sizes are re-exported for the front ends
+    DEFAULT_SPEC_DRAFT_TOKENS,
+    MAX_SPEC_DRAFT_TOKENS,
+    MAX_SPEC_DRAFT_TOP_K,
     SCHEDULER_OFF,
-    SPEC_DFLASH,
-    SPEC_DSPARK,
-    SPEC_EAGLE3,
-    SPEC_METHODS,
-    SPEC_MTP,
     SPEC_OFF,
+    Base,
+    DraftKV,
+    SpecMethod,
+    check_spec_options,
 )
 from kvforge.runtime.spec.ngram import DEFAULT_MAX_N, DEFAULT_MIN_N
 from kvforge.runtime.types import Deployment
-
-DEFAULT_SPEC_DRAFT_TOKENS = 6  # TensorRT Edge-LLM's --specDraftStep default; experiments/spec_decode.py measures others
-MAX_SPEC_DRAFT_TOKENS = 32
-MAX_SPEC_DRAFT_TOP_K = 16
 
 # Long prompts prefill faster in chunks on the CPU: the masked score matrix grows with the square of the
 # call's length. experiments/prefill_chunks.py measured a 1,536-token SmolLM2 prefill 1.36x faster at 512
@@ -144,19 +139,11 @@ class EngineConfig:
     shared_cache_encrypt: bool = _option(
         False, "--sharedCacheEncrypt", "With --sharedCache and a tier secret: also encrypt values (AES-GCM), so the "
         "store holds no prompt tokens or K/V in clear. Needs the cryptography package (kvforge[tier]).")
-    spec_decode: str = _option(
-        SPEC_OFF, "--specDecode", "Speculative decoding: 'ngram' drafts by prompt lookup (the tokens that followed the "
-        "last few tokens where they occurred earlier in the prompt or output; no draft model), 'eagle3' drafts with "
-        "the engine's EAGLE3 draft (ENGINEDIR/draft, or --specDraftEngineDir; built with llm_build --specDraft); "
-        "'dflash' and 'dspark' draft a whole block per call with a block draft there; 'gemma4_mtp' drafts with a "
-        "Gemma4 assistant that reads the base's own K/V (no draft pool); 'mtp' drafts with a Qwen3.5 checkpoint's "
-        "MTP layer on its hybrid base (llm_export mtp; refused on attention-only bases); the engine verifies the "
-        "drafts in one call per step; 'off' (default). Outputs are unchanged; a request opts out with "
-        "disable_spec_decode.")
+    spec_decode: str = _option(SPEC_OFF, "--specDecode", spec_decode_help())  # one sentence per support row
     dflash_block_size: int = _option(
-        0, "--dflashBlockSize", "With --specDecode dflash or dspark: positions one block call drafts over (the pending "
-        "token and blockSize - 1 masks, so up to blockSize - 1 proposed tokens). 0 (default) = the block the draft "
-        "was trained on; smaller blocks verify fewer tokens. --specDraftStep does not apply to block drafts.")
+        0, "--dflashBlockSize", "With --specDecode dflash, dspark or jetspec: positions one block call drafts over "
+        "(the pending token and blockSize - 1 masks, so up to blockSize - 1 proposed tokens). 0 (default) = the block "
+        "the draft was trained on; smaller blocks verify fewer tokens. --specDraftStep does not apply to block drafts.")
     dspark_scheduler: str = _option(
         SCHEDULER_OFF, "--dsparkScheduler", "With --specDecode dspark: how many of the block's guesses to verify, "
         "from its acceptance predictor: 'off' (default) all; 'threshold' while the running product of the scores "
@@ -170,17 +157,17 @@ class EngineConfig:
     dspark_max_proposal_len: int = _option(
         0, "--dsparkMaxProposalLen", "With --specDecode dspark: propose at most this many tokens (0 = the block).")
     spec_draft_engine_dir: str | None = _option(
-        None, "--specDraftEngineDir", "With --specDecode eagle3, dflash or dspark: the draft's engine dir (default "
-        "ENGINEDIR/draft).",
+        None, "--specDraftEngineDir", "With --specDecode eagle3, dflash, dspark or jetspec: the draft's engine dir "
+        "(default ENGINEDIR/draft).",
         path=True)
     spec_draft_step: int = _option(
         DEFAULT_SPEC_DRAFT_TOKENS, "--specDraftStep", "With --specDecode: tokens proposed per step for each decoding "
         "request (the verify call computes this many more positions); with --specDraftTopK > 1, the tree's depth.")
     spec_draft_top_k: int = _option(
-        1, "--specDraftTopK", "With --specDecode eagle3: candidates per drafting step. 1 (default) drafts a chain; "
-        "k > 1 drafts a tree (each step expands the k best nodes into their k best children) and the base verifies "
-        "its best --specVerifySize - 1 nodes in one masked call. Needs engines built with --specBase/--specDraft on "
-        "the kvforge CPU kernel.")
+        1, "--specDraftTopK", "With --specDecode eagle3 or jetspec: candidates per drafting step. 1 (default) drafts "
+        "a chain; k > 1 drafts a tree (each step expands the k best nodes into their k best children) and the base "
+        "verifies its best --specVerifySize - 1 nodes in one masked call (jetspec: best-first over each depth's top k "
+        "from one block call). Needs engines built with --specBase/--specDraft on the kvforge CPU kernel.")
     spec_verify_size: int = _option(
         0, "--specVerifySize", "With --specDraftTopK > 1: positions one verify row computes (the pending token and "
         "the tree's nodes). 0 = min(specDraftTopK x specDraftStep + 1, the base's maxVerifyTreeSize).")
@@ -232,7 +219,8 @@ class ResolvedConfig:
     recurrent_snapshot_slots: int
     checkpoints: CheckpointPolicy
     chain_root: bytes  # the engine fingerprint's root of every page key
-    draft: EngineDir | None = None  # the draft's engine dir (--specDecode eagle3, dflash or dspark)
+    draft: EngineDir | None = None  # the draft's engine dir (a method with one, see the speculation table)
+    spec: SpecMethod | None = None  # the --specDecode method, which builds the proposer
 
 
 def resolve_engine_config(config: EngineConfig, engine: EngineDir, *, num_pages: int | None = None) -> ResolvedConfig:
@@ -241,7 +229,8 @@ def resolve_engine_config(config: EngineConfig, engine: EngineDir, *, num_pages:
     build = engine.build
     deployment = deployment_of(engine.model)
     budget, rows = _resolve_limits(config, build.max_input_len, build.max_batch_size)
-    _check_speculation(config, deployment)
+    base = Base(deployment.value)
+    method = check_spec_options(config, base)
     timeout_ms = config.shared_cache_timeout_ms  # nan and inf pass `> 0`; a tier that never connects says nothing
     if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int | float) or not math.isfinite(timeout_ms) \
             or not 0 < timeout_ms <= MAX_SHARED_CACHE_TIMEOUT_MS:
@@ -266,20 +255,20 @@ def resolve_engine_config(config: EngineConfig, engine: EngineDir, *, num_pages:
     chunk = min(config.prefill_chunk_size or build.max_input_len, build.max_input_len)
     checkpoints = CheckpointPolicy(bool(recurrent), config.snapshot_message_boundaries,
                                    config.snapshot_interval_tokens)
-    if config.spec_decode == SPEC_MTP and recurrent:
+    if method.support.endpoint_capture and recurrent:
         # The support matrix's hybrid MTP row: endpoint-only capture (a prompt's end, never mid-prompt).
         if config.snapshot_interval_tokens:
-            raise InvalidConfig("hybrid MTP with reuse captures checkpoints at prompt ends only (the support "
-                                "matrix's endpoint-only capture); use 0", "snapshot_interval_tokens")
+            raise InvalidConfig(f"hybrid {method.support.label} with reuse captures checkpoints at prompt ends only "
+                                "(the support matrix's endpoint-only capture); use 0", "snapshot_interval_tokens")
         checkpoints = CheckpointPolicy(True, message_boundaries=False, interval_tokens=0)
-    draft = _resolve_draft(config, engine, deployment)
-    # Hybrid MTP checkpoints keep a draft tail (at most a page of the base's hidden states) beside each recurrent
-    # snapshot, so the recurrent budget's slots bound them.
-    tails = recurrent * build.tokens_per_page * engine.model.hidden_size * 4 if draft and config.spec_decode == \
-        SPEC_MTP else 0
+    draft = method.resolve_draft(config, engine, base)
+    # A draft with its own K/V on a recurrent base keeps a draft tail (at most a page of the base's hidden states)
+    # beside each recurrent snapshot, so the recurrent budget's slots bound them.
+    tails = recurrent * build.tokens_per_page * engine.model.hidden_size * 4 \
+        if draft and method.support.draft_kv is DraftKV.OWN and deployment is not Deployment.VANILLA else 0
     _check_memory(config, engine, draft, tails)
     return ResolvedConfig(deployment, budget, rows, chunk, pages, partial, recurrent, checkpoints,
-                          chain_root(engine_fingerprint(engine)), draft)
+                          chain_root(engine_fingerprint(engine)), draft, method)
 
 
 def _check_memory(config: EngineConfig, engine: EngineDir, draft: EngineDir | None, draft_tail_bytes: int = 0) -> None:
@@ -300,168 +289,6 @@ def _check_memory(config: EngineConfig, engine: EngineDir, draft: EngineDir | No
         check_fits_memory(needs, have, "available", largest, "give a smaller budget")
     check_fits_memory(needs, have, "available", "max_kv_pool_pages",
                       "rebuild the engine with a smaller --maxKVPoolPages, or free memory")
-
-
-def _resolve_draft(config: EngineConfig, engine: EngineDir, deployment: Deployment) -> EngineDir | None:
-    """The draft engine dir, checked against its base (the support matrix's EAGLE3 and block-draft rows)."""
-    if config.spec_decode == SPEC_MTP and deployment is not Deployment.HYBRID:
-        raise InvalidConfig("standard MTP needs a hybrid attention/recurrent base (the support matrix rejects it on an "
-                            f"{'attention-only' if deployment is Deployment.VANILLA else 'pure recurrent'} base); a "
-                            "Gemma4 assistant runs with --specDecode gemma4_mtp", "spec_decode")
-    if config.spec_decode not in DRAFT_METHODS:
-        if config.spec_draft_engine_dir:
-            raise InvalidConfig("a draft engine dir is read with --specDecode eagle3, dflash, dspark or gemma4_mtp "
-                                "only", "spec_draft_engine_dir")
-        return None
-    method = METHOD_NAMES[config.spec_decode]
-    if deployment is not Deployment.VANILLA and config.spec_decode != SPEC_MTP:
-        raise InvalidConfig(f"{method} is not supported on a {deployment.value} engine (the support matrix rejects "
-                            "hybrid EAGLE3, DFlash, JetSpec and DSpark: only hybrid MTP runs on a recurrent base)",
-                            "spec_decode")
-    base = engine.model
-    if not engine.build.spec_base:
-        raise InvalidConfig("this engine was not built as a speculative base; rebuild it with llm_build --specBase "
-                            "(from an export with --hiddenStateLayers)", "spec_decode")
-    path = Path(config.spec_draft_engine_dir) if config.spec_draft_engine_dir else engine.path / DRAFT_ENGINE_SUBDIR
-    if not path.is_dir():
-        raise InvalidConfig(f"no draft engine at {path}; build one with llm_build --specDraft --engineDir {path}",
-                            "spec_draft_engine_dir")
-    try:
-        draft = load_engine_dir(path)
-    except InvalidConfig as exc:
-        raise InvalidConfig(f"the draft engine at {path}: {exc.message}", "spec_draft_engine_dir") from None
-    model, build = draft.model, draft.build
-    if not build.spec_draft or model.spec_decode_type != config.spec_decode:
-        article = "an" if method == "EAGLE3" else "a"
-        hint = f"it holds a {model.spec_decode_type} draft: use --specDecode {model.spec_decode_type}" \
-            if build.spec_draft else "build one with llm_build --specDraft"
-        raise InvalidConfig(f"{path} is not {article} {method} draft engine; {hint}", "spec_draft_engine_dir")
-    if build.backend != "onnxruntime":
-        raise InvalidConfig(f"{method} drafts run on onnxruntime only for now; rebuild the draft with --backend "
-                            "onnxruntime", "spec_draft_engine_dir")
-    if model.is_block_draft and not build.tree_attention:
-        raise InvalidConfig(f"the {method} draft at {path} was built without masked attention (its block is "
-                            "non-causal); rebuild it with llm_build --specDraft --cpuAttention kernel",
-                            "spec_draft_engine_dir")
-    checks = [
-        (model.eagle_hidden_state_layers == base.hidden_state_layers,
-         f"the draft reads base layers {model.eagle_hidden_state_layers}, the base returns {base.hidden_state_layers}"),
-        (model.base_model_hidden_size == len(base.hidden_state_layers) * base.hidden_size,
-         f"the draft takes base hidden states {model.base_model_hidden_size} wide, the base's are "
-         f"{len(base.hidden_state_layers) * base.hidden_size}"),
-        (model.vocab_size == base.vocab_size, f"vocab_size {model.vocab_size} vs the base's {base.vocab_size}"),
-        (build.tokens_per_page == engine.build.tokens_per_page,
-         f"tokensPerPage {build.tokens_per_page} vs the base's {engine.build.tokens_per_page}"),
-        # An assistant reads the base's pools: their element type and layers are in its graph.
-        (not model.reads_base_kv or (model.kv_cache_dtype == base.kv_cache_dtype and
-                                     set(model.kv_shared_layers) <= set(base.attention_layer_ids)),
-         f"it reads layers {model.kv_shared_layers} stored as {model.kv_cache_dtype}, the base has attention layers "
-         f"{base.attention_layer_ids} stored as {base.kv_cache_dtype}"),
-        (build.max_kv_cache_capacity >= engine.build.max_kv_cache_capacity,
-         f"maxKVCacheCapacity {build.max_kv_cache_capacity} below the base's {engine.build.max_kv_cache_capacity}"),
-        (build.max_input_len >= engine.build.max_input_len,
-         f"maxInputLen {build.max_input_len} below the base's {engine.build.max_input_len}"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise InvalidConfig(f"the draft at {path} does not fit this base: {message}; rebuild it",
-                                "spec_draft_engine_dir")
-    if config.spec_draft_top_k > 1:
-        _check_tree(config, engine, draft)
-    if model.is_block_draft:
-        block = block_size(config, draft)
-        if block > engine.build.max_input_len:
-            raise InvalidConfig(f"a block of {block} exceeds the base's maxInputLen {engine.build.max_input_len}",
-                                "dflash_block_size")
-    return draft
-
-
-def block_size(config: EngineConfig, draft: EngineDir) -> int:
-    """A block draft's block: --dflashBlockSize, or the one it was trained on (never longer)."""
-    trained = draft.model.dflash_block_size
-    if config.dflash_block_size and not 2 <= config.dflash_block_size <= trained:
-        raise InvalidConfig(f"must be in [2, {trained}] (the block this draft was trained on), got "
-                            f"{config.dflash_block_size}", "dflash_block_size")
-    return config.dflash_block_size or trained
-
-
-def verify_size(config: EngineConfig, engine: EngineDir) -> int:
-    """Positions one tree verify row computes (--specVerifySize, or its default)."""
-    if config.spec_verify_size:
-        return config.spec_verify_size
-    return min(config.spec_draft_top_k * config.spec_draft_step + 1, engine.build.max_verify_tree_size)
-
-
-def _check_tree(config: EngineConfig, engine: EngineDir, draft: EngineDir) -> None:
-    """Tree drafting: both engines take tree masks, and a round's nodes fit the sizes they were built for."""
-    for role, dir_ in (("base", engine), ("draft", draft)):
-        if not dir_.build.tree_attention:
-            flag = "--specBase" if role == "base" else "--specDraft"
-            raise InvalidConfig(f"tree drafting needs a {role} engine with tree attention; rebuild it with llm_build "
-                                f"{flag} on the kvforge CPU kernel (--cpuAttention kernel), or use --specDraftTopK 1",
-                                "spec_draft_top_k")
-    size = verify_size(config, engine)
-    if not 2 <= size <= engine.build.max_verify_tree_size:
-        raise InvalidConfig(f"must be in [2, the base's maxVerifyTreeSize {engine.build.max_verify_tree_size}], got "
-                            f"{size}", "spec_verify_size")
-    rows = config.spec_draft_top_k * (config.spec_draft_step - 1)
-    if rows > draft.build.max_draft_tree_size:
-        raise InvalidConfig(f"specDraftTopK x (specDraftStep - 1) = {rows} draft positions per step exceed the "
-                            f"draft's maxDraftTreeSize {draft.build.max_draft_tree_size}; lower them or rebuild the "
-                            "draft", "spec_draft_top_k")
-
-
-def _check_speculation(config: EngineConfig, deployment: Deployment) -> None:
-    """The speculative settings, and the support matrix's rows that apply to prompt lookup."""
-    if config.spec_decode not in SPEC_METHODS:
-        raise InvalidConfig(f"must be one of {', '.join(SPEC_METHODS)}, got {config.spec_decode!r}", "spec_decode")
-    if not 1 <= config.spec_draft_step <= MAX_SPEC_DRAFT_TOKENS:
-        raise InvalidConfig(f"must be in [1, {MAX_SPEC_DRAFT_TOKENS}], got {config.spec_draft_step}", "spec_draft_step")
-    if not 1 <= config.spec_draft_top_k <= MAX_SPEC_DRAFT_TOP_K:
-        raise InvalidConfig(f"must be in [1, {MAX_SPEC_DRAFT_TOP_K}], got {config.spec_draft_top_k}",
-                            "spec_draft_top_k")
-    _check_block_options(config)
-    if config.spec_draft_top_k > 1 and config.spec_decode != SPEC_EAGLE3:
-        raise InvalidConfig("tree drafting (a top-k above 1) needs --specDecode eagle3 (prompt lookup drafts one "
-                            "chain)", "spec_draft_top_k")
-    if config.spec_verify_size and (config.spec_draft_top_k == 1 or not 2 <= config.spec_verify_size <= MAX_TREE_SIZE):
-        raise InvalidConfig(f"sizes tree drafting only (--specDraftTopK > 1), in [2, {MAX_TREE_SIZE}]; got "
-                            f"{config.spec_verify_size}", "spec_verify_size")
-    if not 1 <= config.spec_prompt_lookup_min <= config.spec_prompt_lookup_max:
-        raise InvalidConfig(f"must be in [1, specPromptLookupMax {config.spec_prompt_lookup_max}], got "
-                            f"{config.spec_prompt_lookup_min}", "spec_prompt_lookup_min")
-    if config.spec_decode != SPEC_OFF and deployment is Deployment.PURE_RECURRENT:
-        # The seed's support matrix: speculation on a pure recurrent base is rejected.
-        raise InvalidConfig("speculative decoding is not supported on a pure recurrent engine (no attention "
-                            "layers to verify drafts against cheaply; the support matrix rejects it)", "spec_decode")
-
-
-def _check_block_options(config: EngineConfig) -> None:
-    """The block-draft flags: in range, and given only with a method that reads them."""
-    if config.dflash_block_size and config.spec_decode not in (SPEC_DFLASH, SPEC_DSPARK):
-        raise InvalidConfig("sizes a block draft's block: needs --specDecode dflash or dspark", "dflash_block_size")
-    if config.dflash_block_size < 0:
-        raise InvalidConfig(f"must be >= 0, got {config.dflash_block_size}", "dflash_block_size")
-    if config.dspark_scheduler not in DSPARK_SCHEDULERS:
-        raise InvalidConfig(f"must be one of {', '.join(DSPARK_SCHEDULERS)}, got {config.dspark_scheduler!r}",
-                            "dspark_scheduler")
-    if not 0.0 <= config.dspark_confidence_threshold <= 1.0:
-        raise InvalidConfig(f"must be in [0, 1], got {config.dspark_confidence_threshold}",
-                            "dspark_confidence_threshold")
-    if not 1 <= config.dspark_min_proposal_len <= MAX_BLOCK_SIZE:
-        raise InvalidConfig(f"must be in [1, {MAX_BLOCK_SIZE}], got {config.dspark_min_proposal_len}",
-                            "dspark_min_proposal_len")
-    if config.dspark_max_proposal_len and not config.dspark_min_proposal_len <= config.dspark_max_proposal_len \
-            <= MAX_BLOCK_SIZE:
-        raise InvalidConfig(f"must be 0 or in [dsparkMinProposalLen {config.dspark_min_proposal_len}, "
-                            f"{MAX_BLOCK_SIZE}], got {config.dspark_max_proposal_len}", "dspark_max_proposal_len")
-    dspark_set = [name for name, changed in (
-        ("dspark_scheduler", config.dspark_scheduler != SCHEDULER_OFF),
-        ("dspark_confidence_threshold", config.dspark_confidence_threshold != 0.0),
-        ("dspark_min_proposal_len", config.dspark_min_proposal_len != 1),
-        ("dspark_max_proposal_len", config.dspark_max_proposal_len != 0)) if changed]
-    if dspark_set and config.spec_decode != SPEC_DSPARK:
-        raise InvalidConfig("is a DSpark scheduler setting: it needs --specDecode dspark", dspark_set[0])
 
 
 def engine_fingerprint(engine: EngineDir) -> EngineFingerprint:

@@ -7,10 +7,11 @@ fake executor and a small cache, so the loop they test is the product's, not a c
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvforge.contract.profile_schema import (
+    ENGINE_CALL_PYTHON_STAGE,
     SPEC_BASE_VERIFICATION_STAGE,
     SPEC_DRAFT_ACCEPT_STAGE,
     SPEC_DRAFT_PROPOSAL_STAGE,
@@ -21,7 +22,7 @@ from kvforge.runtime.profile import GENERATION_STAGE, PREFILL_STAGE, Profiler
 from kvforge.runtime.sampling.rejection import accept_tokens, accept_tree
 from kvforge.runtime.sampling.sampler import SampleResult
 from kvforge.runtime.sequence import Sequence
-from kvforge.runtime.spec.proposer import DraftTree, Proposer
+from kvforge.runtime.spec.proposer import DraftLifecycle, DraftTree, Proposer
 from kvforge.runtime.step import BatchOutput, RowUpdate, ScheduledRow, SchedulerOutput
 
 LOAD_WAIT_S = 0.005  # a step with nothing to run but shared-tier loads waits this long for one to progress
@@ -36,6 +37,12 @@ class StepExecutor(Protocol):
         """Tree rows (paths[i] not None): move the accepted drafts' K/V to consecutive positions and their hidden
         states to the order a chain would have had. Only called when a step verified a tree."""
         ...
+
+
+def _onnxruntime_ns(executor: StepExecutor) -> int | None:
+    """The time its backend has spent inside ONNX Runtime so far (runtime/execution/ort.py counts it); None for
+    backends that do not count it (TensorRT, tests' fakes)."""
+    return getattr(getattr(executor, "backend", None), "onnxruntime_ns", None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,8 +60,10 @@ class EngineStats:
     spec_draft_tokens: int  # drafts verified (speculative decoding)
     spec_accepted_tokens: int  # drafts kept
     scheduler: dict[str, int]
-    cache: dict[str, Any]  # the profile's context_cache block; empty with reuse off
     encoder_cache: dict[str, int]  # the profile's multimodal.encoder_cache; empty without an encoder
+    # The profile's context_cache block: Engine.stats() leaves it empty (counters only); a front end that exports
+    # it (llm_serve's /metrics) adds Engine.cache_profile(), which walks the cache's records.
+    cache: dict[str, Any] = field(default_factory=dict)
 
 
 def sample_rows(rows: list[ScheduledRow], output: BatchOutput
@@ -95,6 +104,8 @@ class EngineCore:
 
     def add(self, seq: Sequence) -> None:
         self.sequences[seq.request_id] = seq
+        if isinstance(self.proposer, DraftLifecycle):
+            self.proposer.begin(seq)
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
@@ -103,7 +114,23 @@ class EngineCore:
         if seq is None:
             return False
         self.scheduler.abort(seq)
+        self._end(seq)
         return True
+
+    def _roll_back_drafters(self, updates: list[RowUpdate]) -> None:
+        """The lifecycle's rollback: on a recurrent base the scheduler restored each row that rejected a draft to
+        its state before the call; a proposer keeping per-request state drops what it drafted past it."""
+        state = self.scheduler.state
+        if not isinstance(self.proposer, DraftLifecycle) or state is None or not state.carries_rows:
+            return
+        for update in updates:
+            if update.num_rejected:
+                self.proposer.rollback(update.seq)
+
+    def _end(self, seq: Sequence) -> None:
+        """The lifecycle's end: a proposer keeping per-request state drops this request's."""
+        if isinstance(self.proposer, DraftLifecycle):
+            self.proposer.end(seq.request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -129,10 +156,14 @@ class EngineCore:
         verifies = any(row.draft_token_ids for row in batch.rows)
         try:
             with self.profiler.stage(PREFILL_STAGE if batch.has_prefill else GENERATION_STAGE):
-                run_started = time.perf_counter()
+                run_started, inside = time.perf_counter(), _onnxruntime_ns(self.executor)
                 output = self.executor.run(batch.rows)
+                run_ms = (time.perf_counter() - run_started) * 1e3
                 if verifies:
-                    self.profiler.record(SPEC_BASE_VERIFICATION_STAGE, (time.perf_counter() - run_started) * 1e3)
+                    self.profiler.record(SPEC_BASE_VERIFICATION_STAGE, run_ms)
+                if inside is not None:
+                    inside = (_onnxruntime_ns(self.executor) or 0) - inside
+                    self.profiler.record(ENGINE_CALL_PYTHON_STAGE, max(run_ms - inside / 1e6, 0.0))
         except Exception as exc:
             reason = f"the engine call failed ({type(exc).__name__}: {exc})"
             return failed + [self._fail(row.seq, reason) for row in batch.rows]
@@ -153,6 +184,7 @@ class EngineCore:
                                  [s for row, s in zip(batch.rows, committed, strict=True) if not row.seq.is_finished])
         reused = self._reused_at_admission(batch)  # before the update moves num_computed_tokens
         updates = self.scheduler.update_from_output(batch, committed)
+        self._roll_back_drafters(updates)
         self._count(batch, updates, reused)
         outputs = failed + [self._output(update) for update in updates]
         if self.proposer is not None:
@@ -177,15 +209,16 @@ class EngineCore:
 
     def _failed(self, seq: Sequence) -> RequestOutput:
         self.sequences.pop(seq.request_id, None)
+        self._end(seq)
         return self.outputs.output(seq, [])
 
     def _propose(self) -> None:
-        """Drafts for the next step: each running sequence about to decode one token, unless it opted out or carries
-        media (the support matrix runs speculative media requests cold; prompt lookup simply leaves them plain)."""
+        """Drafts for the next step: each running sequence about to decode one token, unless it is not speculative
+        (it opted out, or the speculation table's media row turned it off at admission: Engine.add_request)."""
         assert self.proposer is not None
         with self.profiler.stage(SPEC_DRAFT_PROPOSAL_STAGE):
             seqs = [seq for seq in self.scheduler.running if seq.num_pending_tokens == 1 and seq.output_ids
-                    and seq.request.sampling.speculative and not seq.request.media]
+                    and seq.request.sampling.speculative]
             if not seqs:
                 return
             proposals = self.proposer.propose_batch(seqs, [self.scheduler.draft_room(seq) for seq in seqs])
@@ -215,5 +248,6 @@ class EngineCore:
         seq = update.seq
         if seq.is_finished:
             self.sequences.pop(seq.request_id, None)
+            self._end(seq)
             self.profiler.add_adapter_request(seq.adapter_label, seq.reused_tokens)
         return self.outputs.output(seq, update.new_token_ids)

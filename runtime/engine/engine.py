@@ -7,34 +7,24 @@ their requests finish; none of them re-implements batching, paging or reuse.
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-
-from kvforge.contract.engine_dir import (
-    D2T_FILE,
-    D2T_TENSOR,
-    DSPARK_HEADS_FILE,
-    EMBEDDING_FILE,
-    EMBEDDING_TENSOR,
-    EngineDir,
-    load_engine_dir,
-)
+from kvforge.contract.engine_dir import EMBEDDING_FILE, EMBEDDING_TENSOR, BuilderConfig, EngineDir, load_engine_dir
 from kvforge.contract.errors import InvalidConfig, KvforgeError, PoolTooSmall
+from kvforge.contract.model_config import ModelConfig
 from kvforge.contract.paging import pages_for
-from kvforge.contract.profile_schema import MTP_GENERATION
 from kvforge.contract.safetensors_map import map_tensor
 from kvforge.runtime.adapters import LoraRegistry, lora_input_shapes
 from kvforge.runtime.context_cache.manager import ContextCacheManager
 from kvforge.runtime.engine.config import (  # noqa: F401 - EngineConfig and the budget helper are re-exported
     EngineConfig,
     ResolvedConfig,
-    block_size,
     deployment_of,
     resolve_engine_config,
     snapshot_budgets,
-    verify_size,
 )
 from kvforge.runtime.engine.core import EngineCore, EngineStats
 from kvforge.runtime.engine.output import OutputProcessor, RequestOutput
@@ -43,22 +33,55 @@ from kvforge.runtime.engine.state import StateManager
 from kvforge.runtime.execution.backend import Backend
 from kvforge.runtime.execution.executor import ModelExecutor
 from kvforge.runtime.execution.load import load_backend
+from kvforge.runtime.execution.ort import set_ort_logging  # noqa: F401 - re-exported for llm_inference's --debug
 from kvforge.runtime.execution.snapshots import PartialKVSnapshotStore, RecurrentSnapshotStore
 from kvforge.runtime.execution.system_prompt_cache import SystemPromptCache
 from kvforge.runtime.inputs.processor import InputProcessor, check_prompt_length
 from kvforge.runtime.profile import Profiler
 from kvforge.runtime.sampling.grammar import constraint_for
-from kvforge.runtime.sampling.sampler import Sampler
+from kvforge.runtime.sampling.sampler import Sampler, SampleResult
 from kvforge.runtime.sequence import EngineRequest, Sequence, Status
 from kvforge.runtime.shared_tier.secret import tier_secret
 from kvforge.runtime.shared_tier.stores import open_store
 from kvforge.runtime.shared_tier.tier import SharedTier
-from kvforge.runtime.spec.methods import SPEC_DSPARK, SPEC_NGRAM
-from kvforge.runtime.spec.ngram import NgramProposer
+from kvforge.runtime.spec.methods import ProposerParts
 from kvforge.runtime.spec.proposer import Proposer
-from kvforge.runtime.types import CommitPolicy, Deployment
+from kvforge.runtime.types import CommitPolicy, Deployment, Request, SamplingParams
+
+if TYPE_CHECKING:
+    from kvforge.runtime.inputs.tokenizer import ChatTokenizer
 
 TIER_CONNECT_WAIT_S = 2.0  # Mooncake's client set-up takes ~0.1-0.5 s here; Redis a round trip
+Runner = Backend  # what llm_test hands from one Engine to the next of the same dir (Engine.runner)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What a front end may know of an engine: its model and build (contract data), the limits it runs under, the
+    loaded adapters, whether reuse is on, and the tokenizer (for rendering text). Copied at the call."""
+
+    model: ModelConfig
+    build: BuilderConfig
+    deployment: Deployment
+    max_batch_size: int  # rows one step runs (EngineConfig's, or the build's maxBatchSize)
+    reuse_enabled: bool
+    spec_decode: str
+    adapters: tuple[str, ...]  # loaded adapter names, sorted
+    tokenizer: ChatTokenizer
+    partial_kv_snapshot_slots: int = 0  # reuse to the exact token when > 0 (else by whole pages)
+
+    @property
+    def max_input_len(self) -> int:
+        return self.build.max_input_len
+
+    @property
+    def max_kv_cache_capacity(self) -> int:
+        return self.build.max_kv_cache_capacity
+
+    @property
+    def attention(self) -> str:
+        """Which path attention takes (kvforge's CPU kernel or the pure-ONNX fallback)."""
+        return self.build.attention
 
 
 class Engine:
@@ -89,20 +112,21 @@ class Engine:
         self.recurrent_store = RecurrentSnapshotStore(self.states, recurrent) \
             if self.states is not None and recurrent else None
         self.system_prompts = SystemPromptCache(self.backend.kv_store)
-        self.state = StateManager(tokens_per_page=build.tokens_per_page, states=self.states, partial=self.partial_store,
-                                  recurrent=self.recurrent_store, system_prompts=self.system_prompts,
-                                  checkpoints=resolved.checkpoints)
+        self.state_manager = StateManager(tokens_per_page=build.tokens_per_page, states=self.states,
+                                          partial=self.partial_store, recurrent=self.recurrent_store,
+                                          system_prompts=self.system_prompts, checkpoints=resolved.checkpoints)
         self.tier = self._shared_tier(config, resolved)
+        spec = resolved.spec
+        assert spec is not None  # resolve_engine_config always names the method
+        self.spec = spec
         self.cache = ContextCacheManager(resolved.num_pages, build.tokens_per_page,
                                          enabled=config.enable_context_reuse,
                                          max_records=config.context_cache_max_records,
                                          partial_kv_snapshot_slots=partial, recurrent_snapshot_slots=recurrent,
-                                         deployment=self.deployment, copier=self.state,
+                                         deployment=self.deployment, copier=self.state_manager,
                                          chain_root=resolved.chain_root, events=self.tier,
-                                         draft_pages=resolved.draft.build.max_kv_pool_pages
-                                         if resolved.draft and not resolved.draft.model.reads_base_kv else 0,
-                                         draft_replays=resolved.draft is None
-                                         or resolved.draft.model.kv_reads_next_token)
+                                         draft_pages=spec.draft_pages(resolved.draft),
+                                         draft_replays=resolved.draft is None or spec.support.replays_final_page)
         encoder = _load_encoder(config)
         self.tokenizer = ChatTokenizer(self.engine_dir.path,
                                        media_markers={encoder.kind: encoder.marker} if encoder is not None else {})
@@ -113,21 +137,24 @@ class Engine:
                                      self.engine_dir.model.vocab_size, multimodal=self.multimodal,
                                      message_boundaries=resolved.checkpoints.enabled
                                      and config.snapshot_message_boundaries)
-        self.draft_backend: Backend | None = None
         try:
-            self.proposer = self._proposer(config, resolved)
+            drafter = spec.build(ProposerParts(config, self.engine_dir, resolved.draft, self.backend.kv_store.layers,
+                                               self.cache, self.profiler, self.states is not None))
         except KvforgeError as exc:  # the draft's graph and weights are --specDraftEngineDir's, not --engineDir's
             if resolved.draft is None or exc.field != "engine_dir" and not str(exc.field).startswith(
                     str(resolved.draft.path)):
                 raise
             raise InvalidConfig(f"the draft engine at {resolved.draft.path}: {exc.message}",
                                 "spec_draft_engine_dir") from None
+        self.profiler.spec_strategy_section = spec.profile_section
+        self.proposer: Proposer | None = drafter.proposer if drafter else None
+        self.draft_backend: Backend | None = drafter.backend if drafter else None
         self.executor = ModelExecutor(self.backend, embedding, lora_input_shapes(self.engine_dir),
-                                      self.state.rows if self.states is not None else None,
+                                      self.state_manager.rows if self.states is not None else None,
                                       all_hidden=self.proposer is not None and self.proposer.owns_kv)
         self.outputs = OutputProcessor(self.tokenizer, frozenset(self.engine_dir.model.eos_token_ids),
                                        build.max_kv_cache_capacity)
-        self.scheduler = Scheduler(self.cache, self.state, self.outputs, max_batch_size=resolved.max_batch_size,
+        self.scheduler = Scheduler(self.cache, self.state_manager, self.outputs, max_batch_size=resolved.max_batch_size,
                                    max_num_tokens=resolved.max_num_tokens,
                                    prefill_chunk_tokens=resolved.prefill_chunk_tokens,
                                    max_seq_tokens=build.max_kv_cache_capacity, loader=self.tier)
@@ -137,7 +164,36 @@ class Engine:
         self._ids = itertools.count()
         self._arrivals = itertools.count()
 
-    # --- front-end calls ----------------------------------------------------------------------------
+    # --- front-end calls: every front end reaches the engine through these (tests/test_layering.py) ----------
+
+    @property
+    def info(self) -> EngineInfo:
+        """The model, build, limits, adapters and switches a front end reads (llm_serve, kvforge.LLM, llm_test)."""
+        return EngineInfo(self.engine_dir.model, self.engine_dir.build, self.deployment,
+                          self.scheduler.max_batch_size, self.cache.enabled, self.config.spec_decode,
+                          tuple(sorted(self.loras.adapters)), self.tokenizer,
+                          self.cache.partial_snapshots.capacity if self.cache.enabled else 0)
+
+    @property
+    def runner(self) -> Runner:
+        """The loaded model runner: an Engine of the same dir built next may take it (`backend=`) instead of loading
+        its weights again (llm_test builds one Engine per file, one after another)."""
+        return self.backend
+
+    def prepare(self, request: Request | str | Seq[int], sampling: SamplingParams | None = None, *,
+                lora_name: str | None = None, cache_salt: str | None = None, enable_thinking: bool = False,
+                where: str | None = None, base_dir: Path | None = None) -> EngineRequest:
+        """A request checked against this engine's limits, ready for `add_request`: a chat `Request` (the request
+        file's; `where` prefixes its errors' field names, `base_dir` resolves its media paths) through the chat
+        template, or a raw prompt (text tokenized without a template, or token ids; errors name "prompt") with its
+        `sampling`, adapter and salt. Safe beside a running step (the server prepares on other threads)."""
+        if isinstance(request, Request):
+            return self.inputs.process(request, enable_thinking, where=where, base_dir=base_dir)
+        return self.inputs.process_prompt(request, sampling or SamplingParams(), lora_name, cache_salt)
+
+    def prompt_text(self, request: Request, enable_thinking: bool = False) -> str:
+        """The formatted prompt as outputs show it (`formatted_complete_request`)."""
+        return self.inputs.prompt_text(request, enable_thinking)
 
     def load_adapters(self, available_lora_weights: dict[str, str], base_dir: Path | None = None) -> None:
         """Load named adapters; each is identified by its weights' digest, not its name."""
@@ -165,21 +221,30 @@ class Engine:
         constraint = constraint_for(request.sampling.response_format, self.tokenizer.tokenizer,
                                     self.engine_dir.model.eos_token_ids)
         seq = Sequence(request_id, request, Sampler(request.sampling, constraint), arrival=next(self._arrivals))
-        if self.proposer is not None and self.draft_backend is not None and request.sampling.speculative:
-            if request.media:
-                # The support matrix: a speculative request with image or audio runs cold (no lookup, no
-                # publication) and undrafted; counted in the profile.
-                seq.request = replace(request, sampling=replace(request.sampling, reuse_context=False,
-                                                                speculative=False))
-                self.profiler.add_media_cold_request()
-            elif self.proposer.owns_kv:
-                seq.drafts_with_kv = True
-                if self.states is not None and self.cache.enabled and request.sampling.reuse_context:
-                    seq.request = self._hybrid_mtp_reuse(request)
+        if self.proposer is not None and request.sampling.speculative:
+            self._apply_support_rows(seq)
         self.core.add(seq)
         return request_id
 
-    def _hybrid_mtp_reuse(self, request: EngineRequest) -> EngineRequest:
+    def _apply_support_rows(self, seq: Sequence) -> None:
+        """The speculation table's per-request rows: media requests decode undrafted (a method with a draft runs
+        them cold: no lookup, no publication; counted), a draft with its own K/V pages beside the base, and a
+        method whose reuse needs a batch of one gets it only so."""
+        request, support = seq.request, self.spec.support
+        if request.media:
+            seq.request = replace(request, sampling=replace(request.sampling, speculative=False,
+                                                            reuse_context=request.sampling.reuse_context
+                                                            and not support.media_cold))
+            if support.media_cold:
+                self.profiler.add_media_cold_request()
+            return
+        assert self.proposer is not None
+        if self.proposer.owns_kv:
+            seq.drafts_with_kv = True
+        if support.reuse_batch_of_one and self.cache.enabled and request.sampling.reuse_context:
+            seq.request = self._single_row_reuse(request)
+
+    def _single_row_reuse(self, request: EngineRequest) -> EngineRequest:
         """The support matrix's hybrid MTP row: reuse needs a batch of one (a larger batch bypasses it, counted)
         and publishes the prefill endpoint only (`prefill_state_only`; a request asking for more is counted)."""
         sampling = request.sampling
@@ -224,7 +289,8 @@ class Engine:
         self.scheduler.stats = SchedulerStats()
 
     def stats(self) -> EngineStats:
-        """Queue depths, pool occupancy and counters at this moment, for servers and benchmarks."""
+        """Queue depths, pool occupancy and counters at this moment (cheap: no walk over cache records), for servers
+        and benchmarks; `cache_profile()` is the cache's block when a front end exports it."""
         scheduler, pages, profiler = self.scheduler, self.cache.pages, self.profiler
         return EngineStats(waiting=len(scheduler.waiting), running=len(scheduler.running),
                            loading=len(scheduler.loading), pool_free=pages.num_free, pool_capacity=pages.capacity,
@@ -233,21 +299,21 @@ class Engine:
                            generated_tokens=profiler.generated_tokens,
                            spec_draft_tokens=profiler.spec_draft_tokens,
                            spec_accepted_tokens=profiler.spec_accepted_tokens, scheduler=scheduler.stats.to_dict(),
-                           cache=self._cache_profile() if self.cache.enabled else {},
                            encoder_cache=self.multimodal.cache.to_dict() if self.multimodal is not None else {})
 
     def profile(self) -> dict:
         """The profile JSON object: stages and token counters, the cache block (reuse on) and the scheduler's."""
         self.profiler.note_peak_memory(self.kv_pool_bytes)
-        data = self.profiler.to_dict(self._cache_profile() if self.cache.enabled else None,
-                                     scheduler=self.scheduler.stats.to_dict())
+        data = self.profiler.to_dict(self.cache_profile() or None, scheduler=self.scheduler.stats.to_dict())
         # Which path attention took (kvforge's CPU kernel or the pure-ONNX fallback): speed depends on it.
         data["engine"] = {"backend": self.engine_dir.build.backend, "attention": self.engine_dir.build.attention}
         return {**data, **self.multimodal.profile()} if self.multimodal else data
 
-
-    def _cache_profile(self) -> dict:
-        """The profile's context_cache block, with the shared tier's counters under `shared_tier` when there is one."""
+    def cache_profile(self) -> dict:
+        """The profile's context_cache block (empty with reuse off), with the shared tier's counters under
+        `shared_tier` when there is one. Built on each call (it walks the records): only when a front end asks."""
+        if not self.cache.enabled:
+            return {}
         block = self.cache.profile()
         if self.tier is not None:
             block["shared_tier"] = self.tier.profile()
@@ -260,53 +326,9 @@ class Engine:
         store = open_store(config.shared_cache, config.shared_cache_timeout_ms / 1e3)
         return SharedTier(store, root=resolved.chain_root, tokens_per_page=self.engine_dir.build.tokens_per_page,
                           kv=self.backend.kv_store if resolved.num_pages else None, states=self.states,
-                          state_rows=self.state.rows, partial=self.partial_store, recurrent=self.recurrent_store,
-                          timeout_s=config.shared_cache_timeout_ms / 1e3,
+                          state_rows=self.state_manager.rows, partial=self.partial_store,
+                          recurrent=self.recurrent_store, timeout_s=config.shared_cache_timeout_ms / 1e3,
                           secret=tier_secret(config.shared_cache_secret, encrypt=config.shared_cache_encrypt))
-
-    def _proposer(self, config: EngineConfig, resolved: ResolvedConfig) -> Proposer | None:
-        if config.spec_decode == SPEC_NGRAM:
-            return NgramProposer(config.spec_draft_step, config.spec_prompt_lookup_min, config.spec_prompt_lookup_max)
-        if resolved.draft is None:
-            return None
-        draft = resolved.draft
-        table = map_tensor(draft.file(EMBEDDING_FILE), EMBEDDING_TENSOR)
-        shared = None
-        if draft.model.reads_base_kv:  # the assistant attends over the base's pools, bound as they are
-            shared = dict(zip(self.engine_dir.model.attention_layer_ids, self.backend.kv_store.layers, strict=True))
-        self.draft_backend = load_backend(draft, config.num_threads, table, shares_cores=True, shared_pools=shared)
-        if draft.model.reads_base_kv:
-            from kvforge.runtime.spec.gemma4_mtp import Gemma4MtpProposer
-
-            self.profiler.spec_strategy_section = MTP_GENERATION
-            return Gemma4MtpProposer(self.draft_backend, table, config.spec_draft_step)
-        if draft.model.is_block_draft:
-            return self._block_proposer(config, draft, table)
-        from kvforge.runtime.spec.eagle3 import Eagle3Proposer
-
-        if draft.model.is_eagle3_draft:
-            d2t = np.asarray(map_tensor(draft.file(D2T_FILE), D2T_TENSOR), dtype=np.int64)
-        else:  # an MTP layer: EAGLE3's contract over the base's whole vocabulary
-            self.profiler.spec_strategy_section = MTP_GENERATION
-            d2t = np.zeros(draft.model.vocab_size, dtype=np.int64)
-        return Eagle3Proposer(self.draft_backend, table, d2t, config.spec_draft_step,
-                              draft.model.base_model_hidden_size, top_k=config.spec_draft_top_k,
-                              verify_nodes=verify_size(config, self.engine_dir) - 1, rolls_back=self.states is not None,
-                              keep_hidden=self.cache.tokens_per_page if self.states is not None else 0)
-
-    def _block_proposer(self, config: EngineConfig, draft: EngineDir, table: np.ndarray) -> Proposer:
-        from kvforge.runtime.spec.block_draft import BlockDraftProposer, DsparkHeads
-
-        heads = None
-        if draft.model.spec_decode_type == SPEC_DSPARK:
-            tensors = {name: np.asarray(map_tensor(draft.file(DSPARK_HEADS_FILE), name), dtype=np.float32)
-                       for name in ("markov_w1", "markov_w2", "accept_weight", "accept_bias")}
-            heads = DsparkHeads(tensors["markov_w1"], tensors["markov_w2"], tensors["accept_weight"],
-                                float(tensors["accept_bias"][0]), config.dspark_scheduler,
-                                config.dspark_confidence_threshold, config.dspark_min_proposal_len,
-                                config.dspark_max_proposal_len)
-        return BlockDraftProposer(self.draft_backend, table, block_size(config, draft),
-                                  draft.model.mask_token_id, draft.model.base_model_hidden_size, self.profiler, heads)
 
 
 def _load_encoder(config: EngineConfig):  # -> VisualEncoder | AudioEncoder | None
@@ -328,4 +350,5 @@ def _multimodal_processor(encoder, config: EngineConfig, tokenizer, profiler: Pr
                                hidden_size)
 
 
-__all__ = ["Engine", "EngineConfig", "EngineRequest", "RequestOutput", "Status", "deployment_of", "snapshot_budgets"]
+__all__ = ["Engine", "EngineConfig", "EngineInfo", "EngineRequest", "EngineStats", "RequestOutput", "Runner",
+           "SampleResult", "Status", "deployment_of", "set_ort_logging", "snapshot_budgets"]

@@ -25,6 +25,7 @@ class StepInputs:
     kvcache_start_index: np.ndarray  # [B] int32: tokens already in the pool per row
     page_ids: list[list[int]]  # per row, pages covering positions [0, start + length)
     lora_tensors: dict[str, np.ndarray] | None = None  # per-row adapters [B, in, r] / [B, r, out]; None = base
+    adapter_start: np.ndarray | None = None  # [B] int32: first adapted position (activated LoRA); None = all 0
     state_rows: list[int] | None = None  # recurrent engines: each row's recurrent state row (runtime/recurrent_state)
     logits_indices: np.ndarray | None = None  # [N] int64; None = last_token_indices(...)
     # Engines with hidden_states: the positions they come back at (flat, like logits_indices); None = logits_indices.
@@ -106,3 +107,17 @@ class Backend(Protocol):
         order, with hidden states [N, layers * H] when the engine has them. Engines built before logits_indices
         return each row's last token only and refuse calls asking for other positions."""
         ...
+
+
+def activation_values(adapter_start: np.ndarray | None, batch: int, graph_has_input: bool) -> np.ndarray | None:
+    """The [B] int32 activation input of an engine call (activated LoRA), or None for a graph without the input;
+    such a graph (exported before activated LoRA) cannot run a row whose adapter starts past position 0."""
+    if not graph_has_input:
+        if adapter_start is not None and adapter_start.any():
+            from kvforge.contract.errors import KvforgeError
+            raise KvforgeError("this engine has no adapter_activation_start input, so it cannot run an activated "
+                               "LoRA; re-export the model with llm_export and rebuild it", "engine_dir")
+        return None
+    if adapter_start is None:
+        return np.zeros(batch, dtype=np.int32)
+    return np.ascontiguousarray(adapter_start, dtype=np.int32)

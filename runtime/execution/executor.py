@@ -114,6 +114,9 @@ class ModelExecutor:
                           logits_indices=np.concatenate(positions),
                           hidden_indices=np.concatenate(every) if self.all_hidden else None,
                           position_ids=position_ids, attention_mask=mask)
+        adapter_starts = [row.seq.request.adapter_start for row in rows]
+        if any(adapter_starts):  # an activated LoRA row: its delta applies from its invocation on
+            step.adapter_start = np.array(adapter_starts, dtype=np.int32)
         if self.state_rows is not None:
             step.state_rows = [self.state_rows[row.seq.lease] for row in rows]  # type: ignore[index]
         return self.backend.forward(step)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvforge.plugins.reference import pool_numpy_dtype, to_storage
+from kvforge.plugins.reference import pool_numpy_dtype, rotate_keys, to_storage
 
 
 class KVStore:
@@ -53,6 +53,19 @@ class KVStore:
         dst_pages, dst_slots = _locate_positions(page_ids, targets, self.tokens_per_page)
         for layer in self.layers:
             layer[dst_pages, :, :, dst_slots, :] = layer[src_pages, :, :, src_slots, :]
+
+    def copy_rotated(self, src_pages: list[int], dst_pages: list[int], delta: int, cos_sin: np.ndarray) -> None:
+        """Copy whole pages src_pages[i] -> dst_pages[i], their K moved `delta` positions (a document's K/V placed
+        at another offset; `delta` a multiple of the page size keeps slots in place). V does not depend on the
+        position and is copied as stored. `cos_sin` is the engine's rope table (the pool does not know the rope).
+        Sources are read before anything is written, so the lists may overlap."""
+        if len(src_pages) != len(dst_pages):
+            raise ValueError(f"{len(src_pages)} source pages but {len(dst_pages)} destinations")
+        src, dst = np.asarray(src_pages, dtype=np.int64), np.asarray(dst_pages, dtype=np.int64)
+        for layer in self.layers:
+            pages = layer[src].copy()  # [n, 2, Hkv, T, D]
+            pages[:, 0] = rotate_keys(pages[:, 0], delta, cos_sin, self.kv_cache_dtype)
+            layer[dst] = pages
 
     def read_page(self, page: int) -> list[np.ndarray]:
         """Views of one page [2, Hkv, T, D] per layer (callers copy them before the page is written again)."""

@@ -1,8 +1,9 @@
-"""Runs a lowered engine on ONNX Runtime (CPU), scattering each call's new K/V rows into the pool."""
+"""Runs a lowered engine on ONNX Runtime (CPU): K/V rows written by the kernel in place, or scattered from outputs."""
 
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import onnxruntime as ort
@@ -23,11 +24,12 @@ from kvforge.contract.engine_dir import (
     new_rows_name,
 )
 from kvforge.contract.errors import KvforgeError
+from kvforge.contract.lora import ACTIVATION_INPUT
 from kvforge.contract.paging import pages_for
 from kvforge.contract.safetensors_map import map_tensor
 from kvforge.plugins.ops import UNUSED_PAGE
 from kvforge.plugins.reference import rope_table
-from kvforge.runtime.execution.backend import ForwardOutput, StepInputs, last_token_indices
+from kvforge.runtime.execution.backend import ForwardOutput, StepInputs, activation_values, last_token_indices
 from kvforge.runtime.execution.kv_store import KVStore
 from kvforge.runtime.execution.recurrent_state import RecurrentStates, is_state_input
 from kvforge.runtime.execution.tree_attention import start_positions
@@ -172,6 +174,10 @@ class OrtBackend:
         check_graph_inputs(self.session, engine)
         graph_inputs = {i.name: i.shape for i in self.session.get_inputs()}
         self.tokens_per_page = build.tokens_per_page
+        self.onnxruntime_ns = 0  # time inside session runs, so far: the profile's engine_call_python is the rest
+        # The kernel's PagedAttentionRope writes each call's K/V rows into the bound pools itself (engine_dir.py
+        # kernel_kv_write); engines built before return them as new_key_values_* for _scatter.
+        self._kernel_writes = build.kernel_kv_write
         self._pool_inputs = [f"past_key_values_{i}" for i in model.attention_layer_ids]
         self.kv_store = KVStore(len(self._pool_inputs), build.max_kv_pool_pages, model.num_key_value_heads,
                            build.tokens_per_page, model.head_dim, model.kv_cache_dtype)
@@ -200,6 +206,7 @@ class OrtBackend:
         # calls that want each row's last token only; a verify call on one is refused with "rebuild".
         self._legacy_last_token = LEGACY_LAST_TOKEN_IDS in graph_inputs
         self._lora_names = [i.name for i in self.session.get_inputs() if i.name.startswith("lora_")]
+        self._activation_input = ACTIVATION_INPUT in graph_inputs
         self._lora_shapes = {i.name: (i.shape[1], i.shape[2]) for i in self.session.get_inputs()
                              if i.name.startswith("lora_")}
         self._no_adapter: dict[int, dict[str, np.ndarray]] = {}
@@ -207,11 +214,21 @@ class OrtBackend:
         if TIED_HEAD_INPUT in graph_inputs:
             table = embedding if embedding is not None else map_tensor(engine.file(EMBEDDING_FILE), EMBEDDING_TENSOR)
             self._tied_head = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(table, dtype=np.float32))
+        # One binding for the backend's life: the pools, the RoPE table and the tied head are bound once (each bind
+        # of an OrtValue is validated against the session: ~50 us, 30 of them a step on SmolLM2); a call rebinds
+        # only what changes. Bound inputs persist across runs, and every other graph input is bound by each call.
+        self._binding = self.session.io_binding()
+        for name, value in zip(self._pool_inputs or self._shared_inputs, self._pool_values, strict=True):
+            self._binding.bind_ortvalue_input(name, value)
+        if self._rope_value is not None:
+            self._binding.bind_ortvalue_input("rope_rotary_cos_sin", self._rope_value)
+        if self._tied_head is not None:
+            self._binding.bind_ortvalue_input(TIED_HEAD_INPUT, self._tied_head)
 
     def forward(self, step: StepInputs) -> ForwardOutput:
         starts = step.kvcache_start_index.astype(np.int32)
         lengths = step.context_lengths.astype(np.int32)
-        binding = self.session.io_binding()
+        binding = self._binding
         binding.bind_cpu_input("inputs_embeds", np.ascontiguousarray(step.inputs_embeds, dtype=np.float32))
         binding.bind_cpu_input("context_lengths", lengths)
         positions = step.positions()
@@ -232,15 +249,14 @@ class OrtBackend:
             raise AssertionError("a tree call on an engine built without tree attention")
         if self._rope_value is not None:  # graphs with attention layers
             binding.bind_cpu_input("kvcache_start_index", starts)
-            binding.bind_cpu_input("kv_page_table", self._cached_page_table(step.page_ids, starts))
-            binding.bind_ortvalue_input("rope_rotary_cos_sin", self._rope_value)
-        if self._tied_head is not None:
-            binding.bind_ortvalue_input(TIED_HEAD_INPUT, self._tied_head)
+            extent = starts + lengths if self._kernel_writes else starts  # the pages the graph writes, too
+            binding.bind_cpu_input("kv_page_table", self._page_table(step.page_ids, extent))
         lora = step.lora_tensors if step.lora_tensors is not None else self._rank_zero(len(lengths))
+        activation = activation_values(step.adapter_start, len(lengths), self._activation_input)
+        if activation is not None:
+            binding.bind_cpu_input(ACTIVATION_INPUT, activation)
         for name in self._lora_names:
             binding.bind_cpu_input(name, lora[name])
-        for name, value in zip(self._pool_inputs or self._shared_inputs, self._pool_values, strict=True):
-            binding.bind_ortvalue_input(name, value)
         if self.states is not None:
             if step.state_rows is None or len(step.state_rows) != len(lengths):
                 raise AssertionError("a recurrent engine call needs one state row per row")
@@ -248,9 +264,11 @@ class OrtBackend:
                 binding.bind_cpu_input(name, value)
         for name in self._output_names:
             binding.bind_output(name, "cpu")
+        started = time.perf_counter_ns()
         self.session.run_with_iobinding(binding)
+        self.onnxruntime_ns += time.perf_counter_ns() - started
         outputs = dict(zip(self._output_names, binding.copy_outputs_to_cpu(), strict=True))
-        if self._pool_inputs:
+        if self._pool_inputs and not self._kernel_writes:
             self._scatter([outputs[new_rows_name(name)] for name in self._pool_inputs], step.page_ids, starts,
                           lengths)
         if self.states is not None:
@@ -265,9 +283,10 @@ class OrtBackend:
                 for name, (rows, cols) in self._lora_shapes.items()}
         return self._no_adapter[batch]
 
-    def _cached_page_table(self, page_ids: list[list[int]], starts: np.ndarray) -> np.ndarray:
-        """[B, P] covering only already-cached tokens: the graph reads the pool, never the new pages."""
-        width = pages_for(int(starts.max(initial=0)), self.tokens_per_page)
+    def _page_table(self, page_ids: list[list[int]], extent: np.ndarray) -> np.ndarray:
+        """[B, P] covering positions [0, extent[b]): the cached ones where the graph only reads the pool (the
+        new pages stay out of it), through the new ones where the kernel writes them."""
+        width = pages_for(int(extent.max(initial=0)), self.tokens_per_page)
         table = np.full((len(page_ids), width), UNUSED_PAGE, dtype=np.int32)
         for row, pages in enumerate(page_ids):
             used = pages[:width]

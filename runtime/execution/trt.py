@@ -17,10 +17,11 @@ from kvforge.contract.engine_dir import (
     EngineDir,
 )
 from kvforge.contract.errors import KvforgeError
+from kvforge.contract.lora import ACTIVATION_INPUT
 from kvforge.contract.paging import pages_for
 from kvforge.plugins.ops import UNUSED_PAGE
 from kvforge.plugins.reference import pool_numpy_dtype, rope_table
-from kvforge.runtime.execution.backend import ForwardOutput, StepInputs, last_token_indices
+from kvforge.runtime.execution.backend import ForwardOutput, StepInputs, activation_values, last_token_indices
 
 PREFILL_PROFILE, DECODE_PROFILE = 0, 1  # as built by kvforge.builder.trt_build
 
@@ -232,6 +233,8 @@ class TrtBackend:
                 hidden_rows = b.max_batch_size * b.max_input_len
                 sizes[HIDDEN_STATES_INDICES] = hidden_rows
             sizes[HIDDEN_STATES] = hidden_rows * self._hidden_width
+        if ACTIVATION_INPUT in self.inputs:
+            sizes[ACTIVATION_INPUT] = b.max_batch_size
         for name in self.inputs:
             if name.startswith("lora_"):
                 sizes[name] = int(np.prod(self.engine.get_tensor_profile_shape(name, PREFILL_PROFILE)[2]))
@@ -268,6 +271,9 @@ class TrtBackend:
             self._bind(LOGITS_INDICES, positions)
         self._bind_static("rope_rotary_cos_sin", self.rope_shape)
         self._bind_lora(step.lora_tensors)
+        activation = activation_values(step.adapter_start, batch, ACTIVATION_INPUT in self.inputs)
+        if activation is not None:
+            self._bind(ACTIVATION_INPUT, activation)
         self._bind_pools()
         # Output shapes follow the input shapes: logits [N, V], hidden_states [N, layers * H].
         logits = np.empty((len(positions), self.vocab_size), self._np_dtype("logits"))

@@ -15,6 +15,7 @@ from kvforge.contract.validation import (
     json_kind,
     utf8_size,
 )
+from kvforge.runtime.sampling.grammar import check_grammar  # noqa: F401  (for llm_serve's forced tool calls)
 from kvforge.runtime.types import (  # noqa: F401  (the sampling checks, re-exported for the request parsers)
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
@@ -44,7 +45,9 @@ MAX_PATH_BYTES = 4095
 
 ROLES = ("system", "user", "assistant", "tool", "developer")  # developer: OpenAI's newer name for system
 MEDIA_TYPES = ("image", "audio", "video")
-CONTENT_TYPES = ("text", *MEDIA_TYPES)
+CONTENT_TYPES = ("text", "document", *MEDIA_TYPES)
+# Retrieved documents are context the caller supplies, so only these roles may carry them (issue 37).
+DOCUMENT_ROLES = ("system", "user")
 
 
 # A front end's own content items (llm_serve's `image_url`, `input_audio`): (item, its JSON path) -> its MediaRef.
@@ -69,20 +72,25 @@ def parse_message(raw: Any, where: str, media_items: Mapping[str, MediaItemParse
     check_choice(role, f"{where}.role", ROLES)
     role = "system" if role == "developer" else role  # chat templates know only system
     content = _required(raw, "content", where, "a string or an array of content items")
-    text, media = _parse_content(content, f"{where}.content", media_items or {})
-    return Message(role=role, content=text, media=media)
+    text, media, documents = _parse_content(content, f"{where}.content", media_items or {}, role)
+    return Message(role=role, content=text, media=media, documents=documents)
 
 
-def _parse_content(value: Any, where: str,
-                   media_items: Mapping[str, MediaItemParser]) -> tuple[str, tuple[MediaRef, ...]]:
+def _parse_content(value: Any, where: str, media_items: Mapping[str, MediaItemParser],
+                   role: str) -> tuple[str, tuple[MediaRef, ...], tuple[tuple[int, int], ...]]:
     media: list[MediaRef] = []
+    documents: list[tuple[int, int]] = []
     if isinstance(value, str):
         text = value
     elif isinstance(value, list):
         if len(value) > MAX_CONTENT_ITEMS:
             fail(where, f"must hold at most {MAX_CONTENT_ITEMS} items, got {len(value)}")
-        text = "".join(_parse_content_item(item, f"{where}[{i}]", media, media_items)
-                       for i, item in enumerate(value))
+        text = ""
+        for i, item in enumerate(value):
+            piece = _parse_content_item(item, f"{where}[{i}]", media, media_items, role)
+            if isinstance(item, dict) and item.get("type") == "document" and "document" not in media_items:
+                documents.append((len(text), len(text) + len(piece)))  # character span of the document in content
+            text += piece
     else:
         fail(where, f"must be a string or an array of content items, got {json_kind(value)}")
     size = utf8_size(text, where)
@@ -90,11 +98,11 @@ def _parse_content(value: Any, where: str,
         fail(where, f"must be at most {MAX_CONTENT_BYTES} bytes of UTF-8, got {size}")
     if text.count(MEDIA_SENTINEL) != len(media):
         fail(where, "text must not contain U+FFFC (it stands for media items)")
-    return text, tuple(media)
+    return text, tuple(media), tuple(documents)
 
 
 def _parse_content_item(item: Any, where: str, media: list[MediaRef],
-                        media_items: Mapping[str, MediaItemParser]) -> str:
+                        media_items: Mapping[str, MediaItemParser], role: str) -> str:
     if not isinstance(item, dict):
         fail(where, f'must be an object like {{"type": "text", "text": ...}}, got {json_kind(item)}')
     types = (*CONTENT_TYPES, *(t for t in media_items if t not in CONTENT_TYPES))
@@ -110,6 +118,14 @@ def _parse_content_item(item: Any, where: str, media: list[MediaRef],
         return MEDIA_SENTINEL
     if kind in MEDIA_TYPES:
         fail(f"{where}.type", f'"{kind}" content is not supported yet; "text", "image" and "audio" items are')
+    if kind == "document":
+        if role not in DOCUMENT_ROLES:
+            fail(f"{where}.type", f'"document" items may only be in system and user messages, not in a "{role}" one')
+        text = check_string(_required(item, "text", where, 'a non-empty string, for a "document" item'),
+                            f"{where}.text")
+        if not text:
+            fail(f"{where}.text", 'must be a non-empty string, for a "document" item')
+        return text
     return check_string(_required(item, "text", where, 'a string, for a "text" item'), f"{where}.text")
 
 

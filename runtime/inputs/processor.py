@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.validation import join_path, utf8_size
 from kvforge.runtime.adapters import LoraRegistry
-from kvforge.runtime.inputs.tokenizer import ChatTokenizer
+from kvforge.runtime.inputs.tokenizer import ChatTokenizer, RenderedPrompt
+from kvforge.runtime.media_spans import DocumentSpan
 from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.types import MEDIA_SENTINEL, Message, Request, SamplingParams
 
@@ -135,6 +136,8 @@ class InputProcessor:
         check_prompt_length(len(ids), self.max_input_len, join_path(where, "messages"))
         engine_request = EngineRequest(ids, request.sampling, self.loras.get(request.lora_name), request.cache_salt,
                                        media=spans)
+        if not media:
+            engine_request.documents = self._document_spans(request, text, ids, enable_thinking, where)
         if self.message_boundaries and not media:
             engine_request.message_boundaries = self._message_boundaries(request, ids, enable_thinking, where)
         if request.save_system_prompt_kv_cache:
@@ -150,6 +153,29 @@ class InputProcessor:
                 engine_request.system_prompt_key = (system, adapter.digest.hex() if adapter else "")
         return engine_request
 
+
+    def _document_spans(self, request: Request, text: RenderedPrompt, ids: list[int], enable_thinking: bool,
+                        where: str) -> tuple[DocumentSpan, ...]:
+        """The token spans of the request's document items. The prompt was tokenized as one text (a document is
+        plain text in place), so a document's span is recorded only where its boundaries are clean: the prompt's
+        tokens begin with the tokens of the text before the document, followed by the document's own tokens.
+        Where a merge crosses a boundary (a BPE token spanning the document's edge), that document gets no span:
+        it still runs as text, it just cannot be reused on its own. Media prompts, and content holding
+        special-token text (tokenized piecewise), record no spans yet."""
+        if not any(m.documents for m in request.messages):
+            return ()
+        if not request.parse_special_tokens and text.content_spans != ():
+            return ()  # ids are not one plain encoding of `text`: the prefix comparison below would not hold
+        chars = self.tokenizer.document_spans(request.messages, text, apply_chat_template=request.apply_chat_template,
+                                              add_generation_prompt=request.add_generation_prompt,
+                                              enable_thinking=enable_thinking, where=join_path(where, "messages"))
+        spans = []
+        for start, end in chars or ():
+            before = self.tokenizer.encode(text[:start])  # BOS included, as in `ids`
+            document = self.tokenizer.tokenizer.encode(text[start:end], add_special_tokens=False).ids
+            if ids[:len(before)] == before and ids[len(before):len(before) + len(document)] == document:
+                spans.append(DocumentSpan(len(before), len(document)))
+        return tuple(spans)
 
     def _message_boundaries(self, request: Request, ids: list[int], enable_thinking: bool,
                             where: str) -> tuple[int, ...]:

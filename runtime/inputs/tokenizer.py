@@ -147,6 +147,36 @@ class ChatTokenizer:
         spans = _sentinel_spans(marked, text, *sentinels)
         return RenderedPrompt(text, None if spans is None else self._special_spans(text, spans))
 
+    def document_spans(self, messages: Sequence[Message], text: str, *, apply_chat_template: bool = True,
+                       add_generation_prompt: bool = True, enable_thinking: bool = False,
+                       where: str = "messages") -> Spans | None:
+        """Where each document item of `messages` lies in `text` (their `format`), as character spans in order;
+        None when the template moved, cut or rewrote a document so that it cannot be followed (the documents are
+        still in the prompt as plain text, they just cannot be told apart for reuse)."""
+        # Each document is marked with two characters of our own that no content nor the prompt holds, and the
+        # prompt rendered again: where the marks land is where the template put the document.
+        free = _free_characters(set("".join(m.content for m in messages)) | set(text))
+        open_, close = next(free, ""), next(free, "")
+        if not (open_ and close):
+            return None
+        marked_messages = []
+        for message in messages:
+            content, position = "", 0
+            for start, end in message.documents:
+                content += message.content[position:start] + open_ + message.content[start:end] + close
+                position = end
+            marked_messages.append(Message(message.role, content + message.content[position:], message.media))
+        try:
+            marked = self.format(marked_messages, apply_chat_template=apply_chat_template,
+                                 add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking,
+                                 where=where)
+        except KvforgeError:  # the template failed on the marked content only
+            return None
+        spans = _sentinel_spans(marked, text, open_, close)
+        expected = sum(len(m.documents) for m in messages)
+        # A template that repeats or drops content gives another count: no span can then be trusted.
+        return tuple(spans) if spans is not None and len(spans) == expected else None
+
     def _special_spans(self, text: str, spans: Sequence[tuple[int, int]]) -> Spans:
         """The spans cut at media sentinels, keeping the pieces that hold special-token text (the rest tokenizes
         with the markup around it exactly as a prompt without such content does)."""

@@ -1,4 +1,4 @@
-"""Block drafting (DFlash, DSpark): one non-causal draft call guesses a whole block from the base's hidden states.
+"""Block drafting (DFlash, DSpark, JetSpec): one draft call guesses a whole block from the base's hidden states.
 
 Token layout of one sequence (C = tokens whose base K/V is committed, t_C the pending token, b = block size):
 
@@ -10,7 +10,14 @@ Token layout of one sequence (C = tokens whose base K/V is committed, t_C the pe
 `observe` runs after each base call, before the commit: the positions the base just committed get their context
 K/V (a function of the base's hidden state at that position alone, so a draft page is as content-addressed as the
 base page beside it and a reuse hit needs no replay). `propose_batch` then runs one call over every decoding
-sequence's block; the block sees all the context and all of itself. DFlash takes each position's argmax. DSpark
+sequence's block; the block sees all the context and all of itself (DFlash, DSpark) or, for JetSpec, whose drafts
+were trained so, block row j sees rows <= j only (the mask input is causal there). DFlash and JetSpec take each
+position's argmax (JetSpec's as a chain: the depth-j argmax). With --specDraftTopK K > 1, JetSpec grows a token tree
+from the one call's per-depth logits as its public loop does (`jetspec_tree`): best-first on the cumulative
+log-probability, a popped node gets the next depth's top K as children, until the node budget (--specVerifySize
+less the pending token). Every child of a depth carries the same candidates: the draft saw mask tokens, not the
+path. The engine verifies the tree in one base call under the ancestor mask and keeps the longest path the base
+agrees with (greedy, or its own draws with sampling: every committed token is the base's choice given the path). DSpark
 walks the block left to right adding its previous-token bias (`markov_w2 @ markov_w1[previous]`) before each argmax,
 and its acceptance predictor scores each guess; the scheduler proposes the prefix worth verifying:
 
@@ -27,19 +34,20 @@ rejection sampling against a one-hot proposal, so outputs are lossless whatever 
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvforge.contract.engine_dir import BASE_HIDDEN_INPUT, CONTEXT_TOKEN_MASK_INPUT
 from kvforge.contract.profile_schema import BLOCK_DIFFUSION_DENOISE_STAGE
+from kvforge.contract.speculation import SCHEDULER_OFF, SCHEDULER_SPS, SCHEDULER_THRESHOLD
 from kvforge.runtime.context_cache.draft_paths import draft_of
 from kvforge.runtime.execution.backend import Backend, StepInputs
 from kvforge.runtime.execution.tree_attention import causal_masks, start_positions
 from kvforge.runtime.profile import Profiler
 from kvforge.runtime.sampling.sampler import SampleResult
 from kvforge.runtime.sequence import Sequence
-from kvforge.runtime.spec.methods import SCHEDULER_OFF, SCHEDULER_SPS, SCHEDULER_THRESHOLD
 from kvforge.runtime.spec.proposer import DraftTree, committed_spans
 from kvforge.runtime.step import BatchOutput, ScheduledRow
 
@@ -85,10 +93,12 @@ class BlockDraftProposer:
 
     def __init__(self, backend: Backend, embedding: np.ndarray, block_size: int,
                  mask_token_id: int, base_hidden_width: int, profiler: Profiler,
-                 dspark: DsparkHeads | None = None) -> None:
+                 dspark: DsparkHeads | None = None, causal: bool = False, top_k: int = 1,
+                 verify_nodes: int = 0) -> None:
         """`backend`: the draft engine's runner (its own KV pool: each lease's draft part, `draft_of`, grown through
         it); `embedding`: the base's token table; `block_size`: positions one block call drafts over (the pending
-        token and block_size - 1 masks)."""
+        token and block_size - 1 masks); `causal`: the block sees itself causally (JetSpec); `top_k` > 1: a tree of
+        at most `verify_nodes` drafts (JetSpec)."""
         self.backend = backend
         self.embedding = embedding
         self.block_size = block_size
@@ -97,6 +107,9 @@ class BlockDraftProposer:
         self.hidden_size = embedding.shape[1]
         self.profiler = profiler
         self.dspark = dspark
+        self.causal = causal
+        self.top_k = top_k
+        self.verify_nodes = verify_nodes
 
     # --- after each base call -------------------------------------------------------------------------
 
@@ -121,7 +134,7 @@ class BlockDraftProposer:
 
     def propose_batch(self, seqs: list[Sequence], limits: list[int]) -> list[list[int] | DraftTree]:
         proposals: list[list[int] | DraftTree] = [[] for _ in seqs]
-        calls, owners, pending = [], [], []
+        calls, owners, pending, budgets = [], [], [], []
         for i, (seq, limit) in enumerate(zip(seqs, limits, strict=True)):
             state, draft = seq.draft_state, draft_of(seq.lease)
             if not isinstance(state, BlockState) or draft is None or limit <= 0:
@@ -139,13 +152,18 @@ class BlockDraftProposer:
                                list(range(1, width))))
             owners.append(i)
             pending.append(token)
+            budgets.append(min(self.verify_nodes, limit))
         if not calls:
             return proposals
         with self.profiler.stage(BLOCK_DIFFUSION_DENOISE_STAGE):
             logits, hidden = self._run(calls)
-        for i, token, row_logits, row_hidden in zip(owners, pending, logits, hidden, strict=True):
-            proposals[i] = self._dspark(token, row_logits, row_hidden) if self.dspark is not None else \
-                [int(t) for t in np.argmax(row_logits, axis=-1)]
+        for i, token, budget, row_logits, row_hidden in zip(owners, pending, budgets, logits, hidden, strict=True):
+            if self.dspark is not None:
+                proposals[i] = self._dspark(token, row_logits, row_hidden)
+            elif self.top_k > 1:
+                proposals[i] = jetspec_tree(row_logits, self.top_k, budget)
+            else:
+                proposals[i] = [int(t) for t in np.argmax(row_logits, axis=-1)]
         return proposals
 
     def _dspark(self, pending: int, logits: np.ndarray, hidden: np.ndarray) -> list[int]:
@@ -168,8 +186,8 @@ class BlockDraftProposer:
 
     def _run(self, calls: list[_Call]) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """One draft call over ragged rows (context positions, then block positions): per row, logits [m, V] and
-        the normed last layer [m, H] at its `outputs` entries. The block sees all of itself; context rows, whose
-        queries nothing reads, see causally."""
+        the normed last layer [m, H] at its `outputs` entries. The block sees all of itself (causally for JetSpec);
+        context rows, whose queries nothing reads, see causally."""
         width = max(len(call.embeds) for call in calls)
         batch = len(calls)
         embeds = np.zeros((batch, width, self.hidden_size), dtype=np.float32)
@@ -183,7 +201,8 @@ class BlockDraftProposer:
             embeds[b, :n] = call.embeds
             features[b, :n] = call.features
             context[b, :call.context] = 1.0
-            mask[b, call.context:n, :n] = True
+            if not self.causal:  # causal_masks already gives JetSpec's view: block row j sees rows <= j
+                mask[b, call.context:n, :n] = True
             picks.append(b * width + np.asarray(call.outputs, dtype=np.int64))
             counts.append(len(call.outputs))
         step = StepInputs(embeds, np.array([len(call.embeds) for call in calls], dtype=np.int32), starts,
@@ -214,3 +233,26 @@ def schedule(scores: np.ndarray, heads: DsparkHeads) -> int:
     else:
         length = longest
     return max(length, shortest)
+
+
+def jetspec_tree(logits: np.ndarray, top_k: int, budget: int) -> DraftTree:
+    """JetSpec's tree from one block call's logits [depths, V] (row d guesses depth d + 1): best-first on cumulative
+    log-probability from the pending token (score 0); a popped node at depth d gains depth d + 1's top `top_k`
+    tokens, best first, as children, until `budget` drafts. Parents come before their children."""
+    log_probs = logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)
+    log_probs -= np.log(np.exp(log_probs).sum(axis=-1, keepdims=True))
+    k = min(top_k, logits.shape[-1])
+    ranked = np.argsort(-log_probs, axis=-1, kind="stable")[:, :k]  # ties: the lower token id first
+    tokens: list[int] = []
+    parents: list[int] = []
+    heap: list[tuple[float, int, int, int]] = [(0.0, -1, -1, 0)]  # (-score, node index, node, its depth)
+    while heap and len(tokens) < budget:
+        negative, _, node, depth = heapq.heappop(heap)
+        if depth >= len(logits):
+            continue
+        for token in ranked[depth][:budget - len(tokens)]:
+            tokens.append(int(token))
+            parents.append(node)
+            child = len(tokens) - 1
+            heapq.heappush(heap, (negative - float(log_probs[depth, token]), child, child, depth + 1))
+    return DraftTree(tokens, parents)

@@ -89,6 +89,9 @@ class _Tree:
 
 
 class Eagle3Proposer:
+    """Drafts with a one-layer draft fed the base's hidden states: an EAGLE3 draft, and also Qwen3.5's MTP layer
+    (EAGLE3's contract over the whole vocabulary; runtime/spec/methods.py names it HiddenStateProposer)."""
+
     owns_kv = True
 
     def __init__(self, backend: Backend, embedding: np.ndarray, d2t: np.ndarray, num_tokens: int,

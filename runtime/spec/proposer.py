@@ -4,8 +4,8 @@ tells one after each step (a drafter with its own K/V catches up on what the bas
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, runtime_checkable
 
 from kvforge.runtime.context_cache.draft_paths import draft_of
 
@@ -25,6 +25,18 @@ class DraftTree:
 
 
 class Proposer(Protocol):
+    """A drafter, by the lifecycle of llama.cpp's common/speculative.h as a checklist, one step per method:
+
+    begin     a generation starts (admission, or re-admission after preemption): `DraftLifecycle.begin`
+    draft     propose tokens for each decoding sequence: `propose_batch`
+    accept    the base verified them; the committed tokens (and hidden states) come back: `observe`
+    rollback  a recurrent base rejected a verify row and restored its state: `DraftLifecycle.rollback`
+    end       the request finished or was aborted; its state goes: `DraftLifecycle.end`
+
+    Every proposer has draft and accept. The per-request hooks are `DraftLifecycle`'s: a proposer that keeps its
+    state per request id (`DraftStates`) implements them; one that still keeps it on `Sequence.draft_state` (the
+    scheduler clears that on preemption) has no need to."""
+
     # Drafts with K/V of its own (EAGLE3): its sequences' admissions take draft pages and reuse only records with a
     # coherent draft path; the engine also asks the base for hidden states at every position it computes.
     owns_kv: bool
@@ -37,6 +49,51 @@ class Proposer(Protocol):
         """Draft tokens to verify after each sequence's tokens (at most `limits[i]`; none when there is no guess): a
         chain, or a tree of at most `limits[i]` nodes."""
         ...
+
+
+@runtime_checkable
+class DraftLifecycle(Protocol):
+    """The per-request steps of the lifecycle (see `Proposer`), for a proposer that keeps its own state by request
+    id: the engine calls them when a generation begins, a recurrent verify row rolls back, and a request ends."""
+
+    def begin(self, seq: Sequence) -> None:
+        """A generation starts for `seq` (from its reuse point): forget anything kept for an earlier admission."""
+        ...
+
+    def rollback(self, seq: Sequence) -> None:
+        """`seq`'s last verify row was rejected on a recurrent base: drop what was drafted past its committed
+        tokens (they are recomputed next step)."""
+        ...
+
+    def end(self, request_id: str) -> None:
+        """The request finished or was aborted: its state goes."""
+        ...
+
+
+S = TypeVar("S")
+
+
+@dataclass(slots=True)
+class DraftStates(Generic[S]):
+    """What a proposer keeps between steps, per request id (instead of an untyped field on the sequence):
+    `begin` and `end` bracket a generation, so nothing outlives its request."""
+
+    states: dict[str, S] = field(default_factory=dict)
+
+    def begin(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+
+    def get(self, request_id: str) -> S | None:
+        return self.states.get(request_id)
+
+    def set(self, request_id: str, state: S) -> None:
+        self.states[request_id] = state
+
+    def end(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self.states)
 
 
 def committed_spans(rows: list[ScheduledRow], output: BatchOutput, sampled: list[list[SampleResult]],

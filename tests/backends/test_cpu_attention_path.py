@@ -27,7 +27,8 @@ BUILD = BuildOptions(max_input_len=64, max_kv_cache_capacity=256, max_batch_size
 
 def _attention_nodes(engine_dir: Path) -> set[str]:
     graph = onnx.load(engine_dir / "model.onnx", load_external_data=False).graph
-    return {f"{n.domain}.{n.op_type}" for n in graph.node if n.op_type in ("PagedAttention", "GroupQueryAttention")}
+    return {f"{n.domain}.{n.op_type}" for n in graph.node if n.op_type in ("PagedAttention", "PagedAttentionRope",
+                                                                              "GroupQueryAttention")}
 
 
 def test_onnx_choice_lowers_stock_ops_and_records_it(tiny_onnx_dir: Path, tmp_path: Path) -> None:
@@ -46,7 +47,8 @@ def test_auto_follows_the_kernel_switch(tiny_onnx_dir: Path, tmp_path: Path) -> 
     expected = ATTENTION_CPU_KERNEL if cpu_kernel_on() else ATTENTION_ONNX_OPS
     assert load_engine_dir(tmp_path / "engine").build.attention == expected
     nodes = _attention_nodes(tmp_path / "engine")
-    assert nodes == ({f"{ops.CPU_DOMAIN}.PagedAttention"} if cpu_kernel_on() else {"com.microsoft.GroupQueryAttention"})
+    kernel = {f"{ops.CPU_DOMAIN}.{ops.CPU_PAGED_ATTENTION_ROPE.name}"}  # RoPE and the K/V write in the kernel
+    assert nodes == (kernel if cpu_kernel_on() else {"com.microsoft.GroupQueryAttention"})
 
 
 def test_kernel_choice_without_the_kernel_is_one_line(tiny_onnx_dir: Path, tmp_path: Path, run_cli,

@@ -51,7 +51,8 @@ def test_attention_runs_as_one_fused_kernel_per_layer(tiny_engine_dir: Path) -> 
     graph = onnx.load(tiny_engine_dir / "model.onnx", load_external_data=False).graph
     config = json.loads((tiny_engine_dir / "config.json").read_text())
     layers = config["num_hidden_layers"]
-    fused = "PagedAttention" if config["builder_config"]["attention"] == "kvforge-cpu-kernel" else "GroupQueryAttention"
+    kernel = "PagedAttentionRope" if config["builder_config"].get("kernel_kv_write") else "PagedAttention"
+    fused = kernel if config["builder_config"]["attention"] == "kvforge-cpu-kernel" else "GroupQueryAttention"
     assert sum(n.op_type == fused for n in graph.node) == layers
     assert not any(n.op_type in ("Softmax", "Where") for n in graph.node)
 

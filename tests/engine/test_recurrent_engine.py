@@ -151,7 +151,7 @@ def test_document_shared_by_two_questions_hits_through_a_message_boundary(engine
     first = boundaries.inputs.process(_requests(data)[0])
     # The second question diverges inside the first prompt: only a boundary checkpoint can hit, the one after the
     # document's turn (the short "Read it." turn ends within MIN_BOUNDARY_GAP of it, so no checkpoint there).
-    kept = [p for p in boundaries.state.checkpoints.positions(first) if p < len(first.prompt_ids)]
+    kept = [p for p in boundaries.state_manager.checkpoints.positions(first) if p < len(first.prompt_ids)]
     assert responses[1]["usage"]["cached_tokens"] == kept[-1] == first.message_boundaries[-2] > 0
     assert first.message_boundaries[-1] - first.message_boundaries[-2] < MIN_BOUNDARY_GAP
     endpoint_only = warm_engine(engine_dir, runner, snapshot_message_boundaries=False)
@@ -159,7 +159,7 @@ def test_document_shared_by_two_questions_hits_through_a_message_boundary(engine
     # The engine's setting decides, not the request: one tokenized by a boundary engine captures only its end here.
     request = boundaries.inputs.process(_requests(data)[1])
     assert request.message_boundaries
-    assert endpoint_only.state.checkpoints.positions(request) == (len(request.prompt_ids),)
+    assert endpoint_only.state_manager.checkpoints.positions(request) == (len(request.prompt_ids),)
 
 
 def test_interval_checkpoints_and_short_prompts_hit(engine_dir: Path, runner: OrtBackend) -> None:

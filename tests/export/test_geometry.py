@@ -65,7 +65,7 @@ def test_builder_config_records_the_resolved_numbers() -> None:
         "max_kv_pool_pages": 100, "max_pages_per_seq": 16, "minimum_active_pages": 64,
         "backend": "onnxruntime", "max_lora_rank": 8, "layer_types": (), "partial_kv_snapshot_bytes_per_slot": 0,
         "recurrent_snapshot_bytes_per_slot": 0, "attention": "onnx-ops", "spec_base": False, "spec_draft": False,
-        "max_verify_tree_size": 0, "max_draft_tree_size": 0, "tree_attention": False}
+        "max_verify_tree_size": 0, "max_draft_tree_size": 0, "tree_attention": False, "kernel_kv_write": False}
     assert BuilderConfig.from_geometry(geometry(), "tensorrt", 0, attention="kvforge-cpu-kernel").attention == \
         "tensorrt-plugin"  # a TensorRT engine attends with its plugin whatever it is asked
 
@@ -130,7 +130,8 @@ def test_engine_dir_build_is_the_recorded_geometry(tiny_engine_dir: Path, tiny_b
     model = load_engine_dir(tiny_engine_dir).model
     # The attention path follows this run's kernel switch (tests/test_cpu_attention_path.py checks which).
     assert build == BuilderConfig.from_geometry(tiny_build_options.geometry(4096), "onnxruntime", 0, model,
-                                                resolve_cpu_attention("auto", head_dim=model.head_dim))
+                                                resolve_cpu_attention("auto", head_dim=model.head_dim),
+                                                kernel_kv_write=build.attention == "kvforge-cpu-kernel")
     # The snapshot geometry: one K+V page per attention layer per partial-KV slot, no recurrent layers.
     assert build.layer_types == ("attention",) * model.num_hidden_layers
     assert build.partial_kv_snapshot_bytes_per_slot == model.num_hidden_layers * kv_bytes_per_page(

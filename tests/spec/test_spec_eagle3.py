@@ -147,7 +147,7 @@ def test_a_proposal_needs_the_drafters_state_at_the_sequences_end(tiny_eagle3_en
     step_audited(engine)
 
 
-@pytest.mark.parametrize("method", ["eagle3", "dflash", "dspark"])
+@pytest.mark.parametrize("method", ["eagle3", "dflash", "dspark", "jetspec"])
 @pytest.mark.parametrize(("fixture", "needle"), [
     ("tiny_engine_dir", "not built as a speculative base"),
     ("tiny_hybrid_engine_dir", "hybrid EAGLE3, DFlash, JetSpec and DSpark"),
@@ -167,7 +167,7 @@ def test_a_missing_or_wrong_draft_engine_is_refused_naming_the_setting(tiny_eagl
         with pytest.raises(InvalidConfig, match=needle) as error:
             make_engine(tiny_eagle3_engine_dir, spec_decode="eagle3", spec_draft_engine_dir=str(path))
         assert error.value.field == "spec_draft_engine_dir"
-    with pytest.raises(InvalidConfig, match="eagle3, dflash, dspark or gemma4_mtp only") as error:
+    with pytest.raises(InvalidConfig, match="eagle3, dflash, dspark, jetspec or gemma4_mtp only") as error:
         make_engine(tiny_eagle3_engine_dir, spec_draft_engine_dir=str(tmp_path))
     assert error.value.field == "spec_draft_engine_dir"
 

@@ -14,8 +14,14 @@ from kvforge.builder.build import BuildOptions
 from kvforge.contract.engine_dir import load_engine_dir
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.paging import pages_for
-from kvforge.runtime.engine.config import MAX_SPEC_DRAFT_TOKENS, MAX_SPEC_DRAFT_TOP_K
-from kvforge.runtime.spec.methods import DRAFT_METHODS
+from kvforge.contract.speculation import (
+    DRAFT_METHODS,
+    MAX_SPEC_DRAFT_TOKENS,
+    MAX_SPEC_DRAFT_TOP_K,
+    SPEC_EAGLE3,
+    SPEC_NGRAM,
+    SPEC_OFF,
+)
 
 KVFORGE = "kvforge"
 TRANSFORMERS = "transformers"
@@ -36,10 +42,9 @@ PEER_MODULES = {
 # Speculative decoding an engine spec can ask for (`,spec=ngram`): prompt lookup, kvforge's own (--specDecode ngram)
 # or llama-cpp-python's LlamaPromptLookupDecoding as llama.cpp's draft model. Per engine, not a global flag, so that
 # one run has the plain and the speculative engine of each kind side by side.
-SPEC_OFF = "off"
-SPEC_NGRAM = "ngram"
-SPEC_EAGLE3 = "eagle3"  # kvforge only: an engine dir built with --specBase, its draft in DIR/draft (--specDraft)
-SPEC_DRAFT_MODELS = DRAFT_METHODS  # kvforge only, like eagle3 (and block drafts: DFlash, DSpark) in DIR/draft
+# SPEC_OFF, SPEC_NGRAM and SPEC_EAGLE3 (kvforge only: an engine dir built with --specBase, its draft in DIR/draft)
+# come from the speculation table, as do the other draft methods (kvforge only, their draft in DIR/draft).
+SPEC_DRAFT_MODELS = DRAFT_METHODS
 SPEC_KINDS = (KVFORGE, LLAMA_CPP)  # the kinds that have prompt lookup
 MAX_DRAFT_STEP = MAX_SPEC_DRAFT_TOKENS  # kvforge's bound (--specDraftStep), llama.cpp's too
 MAX_DRAFT_TOP_K = MAX_SPEC_DRAFT_TOP_K  # kvforge's --specDraftTopK bound

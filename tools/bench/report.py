@@ -11,6 +11,7 @@ from typing import Any
 from rich.table import Table
 
 from kvforge.contract.errors import KvforgeError
+from kvforge.contract.speculation import SPEC_NGRAM
 from kvforge.tools.bench.text import SPEC_KINDS
 from kvforge.tools.bench.workloads import DECODE_CONTEXT, DOCUMENT_ROLES, SPEC_ROLES
 
@@ -396,7 +397,7 @@ def spec_decode_table(engines: list[dict[str, Any]], figures: dict[str, dict[str
                 high, low = settings["ngram_sizes"]
                 method += f" k={settings['draft_step']}" + (
                     f", top-{settings['draft_top_k']} tree" if settings.get("draft_top_k", 1) > 1 else "")
-                method += f", n={high}..{low}" if method.startswith("ngram") else ""
+                method += f", n={high}..{low}" if method.startswith(SPEC_NGRAM) else ""
             length, rate = row.get("acceptance_length"), row.get("acceptance_rate")
             same = row.get("same_tokens")
             table.add_row(SPEC_KINDS[role], name, method, _figure(row["decode_tok_s"]),

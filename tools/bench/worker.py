@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
+from kvforge.contract.speculation import SPEC_OFF  # the contract only: no engine part loads before the job says
+
 KVFORGE, TRANSFORMERS, LLAMA_CPP, ORT_GENAI = "kvforge", "transformers", "llama.cpp", "onnxruntime-genai"
 DECODE_CONTEXT = "decode_context"  # workloads.DECODE_CONTEXT (a worker imports no more of kvforge than it needs)
 
@@ -98,7 +100,7 @@ def peak_rss_bytes() -> int:
 
 
 class KvforgeDriver:
-    def __init__(self, path: Path, threads: int, reuse: bool, spec_decode: str = "off",
+    def __init__(self, path: Path, threads: int, reuse: bool, spec_decode: str = SPEC_OFF,
                  spec_draft_step: int | None = None, spec_draft_top_k: int | None = None) -> None:
         from kvforge.contract.engine_dir import load_engine_dir
         from kvforge.runtime.engine.engine import Engine, EngineConfig, snapshot_budgets
@@ -112,20 +114,21 @@ class KvforgeDriver:
             spec["spec_draft_step"] = spec_draft_step
         if spec_draft_top_k is not None:
             spec["spec_draft_top_k"] = spec_draft_top_k
-        self.speculative = spec_decode != "off"
+        self.speculative = spec_decode != SPEC_OFF
         config = EngineConfig(num_threads=threads, enable_context_reuse=reuse, **budgets, **spec)
         self.engine = Engine(path, config)
         self.spec_settings = {"draft_step": config.spec_draft_step, "draft_top_k": config.spec_draft_top_k,
                               "ngram_sizes": [
             config.spec_prompt_lookup_max, config.spec_prompt_lookup_min]} if self.speculative else None
-        self.no_eos = {token: -1e9 for token in self.engine.engine_dir.model.eos_token_ids}
+        # -100 is the bound SamplingParams checks (OpenAI's ban): far below any logit of a real model.
+        self.no_eos = {token: -100.0 for token in self.engine.info.model.eos_token_ids}
         self.salt: str | None = None
 
     def start_session(self, session: str) -> None:
         self.salt = session  # a salt no earlier session used: nothing it published can hit
 
     def generate(self, prompt: list[int], max_tokens: int) -> Iterator[tuple[int, int | None, float]]:
-        from kvforge.runtime.sequence import EngineRequest
+        from kvforge.runtime.engine.engine import EngineRequest
         from kvforge.runtime.types import SamplingParams
 
         params = SamplingParams(temperature=1.0, top_k=1, top_p=1.0, max_generate_length=max_tokens,
@@ -144,7 +147,7 @@ class KvforgeDriver:
                 self.engine.abort(request_id)
 
     def encode(self, text: str) -> list[int]:
-        return self.engine.tokenizer.encode(text)
+        return self.engine.info.tokenizer.encode(text)
 
     def limit(self, prompt_tokens: int, max_tokens: int) -> str | None:
         if prompt_tokens > self.build.max_input_len:
@@ -220,18 +223,18 @@ class TransformersDriver:
 
 class LlamaCppDriver:
     """llama-cpp-python's token loop (Llama.generate) with its own prompt cache: the KV of the previous call stays
-    in the context, and a prompt sharing a prefix with it computes only the rest. With spec="ngram", its own
+    in the context, and a prompt sharing a prefix with it computes only the rest. With prompt lookup asked, its own
     prompt-lookup decoding (llama_cpp.llama_speculative.LlamaPromptLookupDecoding as the draft model): generate()
     evaluates the pending token and the drafts in one call and keeps the drafts the model agrees with."""
 
-    def __init__(self, path: Path, threads: int, n_ctx: int, spec_decode: str = "off",
+    def __init__(self, path: Path, threads: int, n_ctx: int, spec_decode: str = SPEC_OFF,
                  spec_draft_step: int | None = None) -> None:
         from llama_cpp import Llama
 
         self.counter: DraftCounter | None = None
         self.spec_settings: dict[str, Any] | None = None
         draft = None
-        if spec_decode != "off":
+        if spec_decode != SPEC_OFF:
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
             lookup = LlamaPromptLookupDecoding() if spec_draft_step is None \
@@ -358,7 +361,7 @@ class OrtGenaiDriver:
 def make_driver(spec: dict[str, Any], threads: int, n_ctx: int) -> Driver:
     path = Path(spec["path"])
     kind = spec["kind"]
-    speculative = {"spec_decode": spec.get("spec_decode", "off"), "spec_draft_step": spec.get("spec_draft_step")}
+    speculative = {"spec_decode": spec.get("spec_decode", SPEC_OFF), "spec_draft_step": spec.get("spec_draft_step")}
     if kind == KVFORGE:
         return KvforgeDriver(path, threads, spec["reuse"], **speculative,
                              spec_draft_top_k=spec.get("spec_draft_top_k"))

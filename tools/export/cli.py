@@ -226,6 +226,9 @@ def random_lora(
     rank: int = typer.Option(8, "--rank", help="LoRA rank r."),
     alpha: float = typer.Option(16.0, "--alpha", help="lora_alpha (scaling = alpha / r)."),
     seed: int = typer.Option(0, "--seed", help="Random seed."),
+    invocation_tokens: str = typer.Option("", "--invocationTokens",
+                                          help="Comma list of token ids: write an activated LoRA (PEFT's "
+                                               "alora_invocation_tokens)."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
     def body() -> None:
@@ -238,7 +241,17 @@ def random_lora(
         from kvforge.contract.files import check_distinct, check_output_dir
         check_output_dir(output_dir, "--outputDir")  # llm_export model's rule: never over a user's files
         check_distinct({"--outputDir": output_dir}, {"--onnxDir": onnx_dir}, outputs_are_dirs=True)
-        write_random_peft_adapter(onnx_dir, output_dir, rank, alpha, seed)
+        invocation = None
+        if invocation_tokens.strip():
+            try:
+                invocation = [int(v) for v in invocation_tokens.split(",")]
+            except ValueError:
+                raise KvforgeError(f"must be a comma list of token ids, got {invocation_tokens[:60]!r}",
+                                   "--invocationTokens") from None
+        try:
+            write_random_peft_adapter(onnx_dir, output_dir, rank, alpha, seed, invocation_tokens=invocation)
+        except KvforgeError as exc:
+            raise exc.with_flag_names({"invocation_tokens": "--invocationTokens"}) from None
         console.print(f"wrote a random rank-{rank} PEFT adapter to {output_dir}")
 
     run_guarded(body, debug, flags=EXPORT_FLAGS)
@@ -355,7 +368,8 @@ def block_draft(
 def random_block_draft(
     base_onnx_dir: Path = typer.Option(..., "--baseOnnxDir", help="The base model's ONNX dir."),
     output_dir: Path = typer.Option(..., "--outputDir", help="Draft checkpoint dir to write."),
-    kind: str = typer.Option("dflash", "--kind", help="dflash or dspark."),
+    kind: str = typer.Option("dflash", "--kind", help="dflash, dspark or jetspec (DFlash's format with "
+                             "dflash_config.causal_head)."),
     num_layers: int = typer.Option(2, "--numLayers", help="Decoder layers of the draft (real drafts have 5)."),
     block_size: int = typer.Option(0, "--blockSize", help="Trained block size (0 = 16 for DFlash, 7 for DSpark)."),
     seed: int = typer.Option(0, "--seed", help="Random seed."),

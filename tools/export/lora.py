@@ -13,7 +13,9 @@ from kvforge.contract.errors import KvforgeError
 from kvforge.contract.files import atomic_write_bytes, atomic_write_text, check_distinct, check_output_file, read_json
 from kvforge.contract.lora import (
     ADAPTER_FORMAT,
+    INVOCATION_FIELD,
     LORA_MODULES,
+    check_invocation_tokens,
     lora_a_name,
     lora_b_name,
     model_fingerprint,
@@ -70,6 +72,10 @@ def convert_peft_adapter(adapter_dir: Path, onnx_dir: Path) -> tuple[dict[str, n
     metadata = {"format": ADAPTER_FORMAT, "rank": str(max_rank), "model_fingerprint": model_fingerprint(config),
                 "lora_alpha": str(peft.get("lora_alpha")), "scaling": repr(scaling), "configured_rank": str(rank),
                 "source": str(adapter_dir)}
+    invocation = peft.get(INVOCATION_FIELD)
+    if invocation is not None:  # an activated LoRA: PEFT applies it from the invocation's last occurrence on
+        tokens = check_invocation_tokens(invocation, config.vocab_size, str(adapter_dir), FIELD)
+        metadata[INVOCATION_FIELD] = json.dumps(list(tokens))
     return tensors, metadata
 
 
@@ -129,7 +135,8 @@ def _read_adapter_tensors(adapter_dir: Path) -> dict[str, np.ndarray]:
 
 
 def write_random_peft_adapter(onnx_dir: Path, output_dir: Path, rank: int = 8, alpha: float = 16.0, seed: int = 0,
-                              targets: list[str] | None = None, scale: float = 0.05) -> Path:
+                              targets: list[str] | None = None, scale: float = 0.05,
+                              invocation_tokens: list[int] | None = None) -> Path:
     """A random PEFT adapter (adapter_config.json + adapter_model.safetensors) for tests and demos."""
     config = ModelConfig.from_dict(read_json(onnx_dir / "config.json", "onnx_dir"), f"{onnx_dir}/config.json")
     targets = targets if targets is not None else config.lora_targets
@@ -142,11 +149,15 @@ def write_random_peft_adapter(onnx_dir: Path, output_dir: Path, rank: int = 8, a
             tensors[f"{prefix}.lora_A.weight"] = (rng.standard_normal((rank, in_dim)) / np.sqrt(in_dim)).astype(
                 np.float32)
             tensors[f"{prefix}.lora_B.weight"] = (scale * rng.standard_normal((out_dim, rank))).astype(np.float32)
+    if invocation_tokens is not None:
+        check_invocation_tokens(invocation_tokens, config.vocab_size, str(output_dir), "invocation_tokens")
     check_distinct({"output_dir": output_dir}, {"onnx_dir": onnx_dir}, outputs_are_dirs=True)
     output_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(output_dir / "adapter_model.safetensors", save(tensors))
     peft_config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "bias": "none", "use_rslora": False,
                    "target_modules": sorted({LORA_MODULES[t].split(".")[-1] for t in targets}),
                    "task_type": "CAUSAL_LM", "fan_in_fan_out": False, "lora_dropout": 0.0}
+    if invocation_tokens is not None:
+        peft_config[INVOCATION_FIELD] = list(invocation_tokens)
     atomic_write_text(output_dir / "adapter_config.json", json.dumps(peft_config, indent=2) + "\n")
     return output_dir

@@ -9,8 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.contract.errors import KvforgeError
-from kvforge.runtime.engine.engine import Engine, EngineConfig, snapshot_budgets
-from kvforge.runtime.execution.backend import Backend
+from kvforge.runtime.engine.engine import Engine, EngineConfig, Runner, snapshot_budgets
 from kvforge.runtime.file_loop import Scheduling, prepare_requests, run_request_file
 from kvforge.tools.export.sources.synthetic import SYNTHETIC_MODELS
 from kvforge.tools.testcases.checks import FAILED, PASSED, SKIPPED, CheckOptions, CheckResult, Scorer, check_file
@@ -71,7 +70,7 @@ class CaseRunner:
         self.settings = settings
         self.flags = flags
         self.scorer = scorer
-        self._runner: Backend | None = None
+        self._runner: Runner | None = None
 
     def run(self, case: CaseSpec) -> FileResult:
         reuse = self.settings.reuse or case.context_reuse or case.partial_kv_snapshots
@@ -95,7 +94,7 @@ class CaseRunner:
             num_threads=self.settings.num_threads, enable_context_reuse=result.reuse,
             multimodal_engine_dir=str(multimodal) if multimodal else None,
             **self._snapshot_budgets(case, result.reuse)), backend=self._runner)
-        self._runner = engine.backend  # fresh caches, one model: Engines may share a runner one after another
+        self._runner = engine.runner  # fresh caches, one model: Engines may share a runner one after another
         prepared = prepare_requests(engine, case.requests, case.path.resolve().parent)
         loaded = time.perf_counter()
         result.responses = run_request_file(engine, case.requests, prepared, self.settings.scheduling)
@@ -118,10 +117,11 @@ class CaseRunner:
         return {field: given[field] or value for field, value in budgets.items()}
 
     def _options(self, engine: Engine, reuse: bool) -> CheckOptions:
-        model, build = engine.engine_dir.model, engine.engine_dir.build
+        info = engine.info
+        model, build = info.model, info.build
         facts = {"model": model.name, "tokens_per_page": build.tokens_per_page, "kv_cache_dtype": model.kv_cache_dtype,
                  "max_batch_size": build.max_batch_size, "max_kv_pool_pages": build.max_kv_pool_pages,
-                 "scheduling": self.settings.scheduling.value, "deployment": engine.deployment.value}
+                 "scheduling": self.settings.scheduling.value, "deployment": info.deployment.value}
         return CheckOptions(reuse=reuse, facts=facts, synthetic=model.name in SYNTHETIC_MODELS,
                             rouge=self.settings.rouge, thresholds=self.settings.thresholds,
                             lengths_overridden=self.settings.lengths_overridden, scorer=self.scorer)

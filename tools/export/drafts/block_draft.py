@@ -1,4 +1,4 @@
-"""Block drafts (DFlash, DSpark): their public Hugging Face format to an ONNX dir that drafts a whole block per call.
+"""Block drafts (DFlash, DSpark, JetSpec): their public Hugging Face format to an ONNX dir drafting a block per call.
 
 The checkpoint (z-lab's `DFlashDraftModel`, SpecForge's `DSparkDraftModel`) is a stack of qwen3 decoder layers. Its
 `fc` projects the concatenated outputs of the base layers `dflash_config.target_layer_ids` (kvforge's
@@ -6,8 +6,8 @@ hidden_state_layers convention: the layer's output) to H, and `hidden_norm` norm
 of each position. In every layer, the keys and values of a context position are that layer's k/v projections of the
 context feature (k_norm and RoPE on the keys as usual); the positions being drafted (the block: the pending token,
 then mask tokens) run the layers normally, with queries only there. The block attends to all the context and to
-the whole block (non-causal). `norm`, then the base's LM head, give the logits of block positions 1.. (the guesses
-for the tokens after the pending one). The base's embedding table embeds the block.
+the whole block (non-causal; JetSpec's, below, causally). `norm`, then the base's LM head, give the logits of block
+positions 1.. (the guesses for the tokens after the pending one). The base's embedding table embeds the block.
 
 As an engine graph (the kvforge contract plus BASE_HIDDEN_INPUT and CONTEXT_TOKEN_MASK_INPUT): one call's row is
 new context positions followed by block positions, contiguous. Per token, the K/V source is
@@ -19,6 +19,11 @@ acceptance predictor reads it).
 DSpark adds two small heads applied by the runtime (`dspark_heads.safetensors`): a previous-token (Markov) logit bias
 `markov_w2 @ markov_w1[previous token]`, which makes the block's tokens semi-autoregressive, and an acceptance
 predictor `sigmoid(w . [h_k; markov_w1[x_{k-1}]] + b)` whose scores schedule the proposal length.
+
+JetSpec (hao-ai-lab/JetSpec) ships DFlash's class, tensors and keys, trained with a causal in-block mask: block row i
+sees the context and block rows j <= i. Its config says so with `dflash_config.causal_head: true` (or `causal`), or
+carries a top-level `jetspec_config` (the runtime config TensorRT Edge-LLM writes and accepts). The graph is DFlash's:
+the block's mask is the mask input, so the runtime passes the causal one (spec_decode_type says which).
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ from kvforge.contract.engine_dir import (
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.files import read_json, write_json
 from kvforge.contract.formats import EXPORT_FORMAT
-from kvforge.contract.model_config import MAX_BLOCK_SIZE, SPEC_DFLASH, SPEC_DSPARK, ModelConfig
+from kvforge.contract.model_config import MAX_BLOCK_SIZE, SPEC_DFLASH, SPEC_DSPARK, SPEC_JETSPEC, ModelConfig
+from kvforge.contract.speculation import SPEC_SUPPORT, base_kind
 from kvforge.graph.onnx_graph import OPSET, GraphWriter, value_info
 from kvforge.graph.positions import gather_positions, hidden_states_output, logits_output
 from kvforge.graph.rope import apply_rope
@@ -72,26 +78,45 @@ _NEUTRAL = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit
 
 
 def block_draft_kind(path: Path) -> str | None:
-    """'dflash' or 'dspark' when `path` holds such a checkpoint, else None."""
+    """SPEC_DFLASH, SPEC_DSPARK or SPEC_JETSPEC when `path` holds such a checkpoint, else None."""
     config = Path(path) / "config.json"
     if not config.is_file():
         return None
     try:
-        archs = json.loads(config.read_text()).get("architectures") or []
+        return _kind(json.loads(config.read_text()))
     except (OSError, ValueError, AttributeError):
         return None
-    return next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+
+
+def _kind(hf: dict[str, Any]) -> str | None:
+    """The method a block draft's config.json is for: a DFlash-class checkpoint with a causal head is JetSpec's."""
+    kind = next((ARCHITECTURES[a] for a in hf.get("architectures") or [] if a in ARCHITECTURES), None)
+    if kind == SPEC_DFLASH and _causal_head(hf):
+        return SPEC_JETSPEC
+    return kind
+
+
+def _causal_head(hf: dict[str, Any]) -> bool:
+    """JetSpec's marks: its own `jetspec_config` (Edge-LLM's runtime config), or DFlash's keys with `causal_head` (the
+    public checkpoints) or `causal` (vLLM's spelling) true."""
+    if isinstance(hf.get("jetspec_config"), dict):
+        return True
+    return any(_draft_value(hf, key, False) is True for key in ("causal_head", "causal"))
 
 
 def _draft_value(hf: dict[str, Any], name: str, default: Any = None) -> Any:
-    """z-lab keeps its keys in `dflash_config`, SpecForge at the top; either may hold one."""
-    nested = hf.get("dflash_config") or hf.get("dspark_config") or {}
-    return nested.get(name, hf.get(name, default))
+    """z-lab keeps its keys in `dflash_config`, SpecForge at the top, Edge-LLM in `jetspec_config`; any may hold one
+    (the first that does, in that order: jetspec_config, dflash_config, dspark_config, the top level)."""
+    for section in ("jetspec_config", "dflash_config", "dspark_config"):
+        nested = hf.get(section)
+        if isinstance(nested, dict) and name in nested:
+            return nested[name]
+    return hf.get(name, default)
 
 
 def draft_config(hf: dict[str, Any], base: ModelConfig) -> ModelConfig:
     """The draft's model config from its HF config.json, checked against the base's."""
-    kind = next((ARCHITECTURES[a] for a in hf.get("architectures") or [] if a in ARCHITECTURES), None)
+    kind = _kind(hf)
     if kind is None:
         raise KvforgeError(f"not a block draft: architectures {hf.get('architectures')} (expected one of "
                            f"{', '.join(ARCHITECTURES)})", FIELD)
@@ -99,6 +124,11 @@ def draft_config(hf: dict[str, Any], base: ModelConfig) -> ModelConfig:
         value = _draft_value(hf, key, neutral)
         if value not in (neutral, None) and not (neutral is None and not value):
             raise KvforgeError(f"the draft sets {key} = {value!r}; this exporter implements {neutral!r} only", FIELD)
+    if kind == SPEC_DSPARK and _causal_head(hf):
+        raise KvforgeError("a DSparkDraftModel sets causal_head (or a jetspec_config); JetSpec drafts are "
+                           "DFlashDraftModel checkpoints and DSpark's block is non-causal here", FIELD)
+    if _draft_value(hf, "causal_head", True) is False and isinstance(hf.get("jetspec_config"), dict):
+        raise KvforgeError("jetspec_config.causal_head is false; a JetSpec draft's block is causal", FIELD)
     vocab = int(hf.get("vocab_size", base.vocab_size))
     if vocab != base.vocab_size:
         raise KvforgeError(f"the draft's vocab_size {vocab} is not the base's {base.vocab_size}", FIELD)
@@ -114,6 +144,10 @@ def draft_config(hf: dict[str, Any], base: ModelConfig) -> ModelConfig:
     if type(mask) is not int or not 0 <= mask < vocab:
         raise KvforgeError(f"mask_token_id must be a token id in [0, {vocab}), got {mask!r}", FIELD)
     hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    target_hidden = _draft_value(hf, "target_hidden_size")
+    if target_hidden is not None and target_hidden != base.hidden_size:
+        raise KvforgeError(f"dflash_config.target_hidden_size {target_hidden} is not the base's hidden_size "
+                           f"{base.hidden_size} (the hidden-size adapter is not supported)", FIELD)
     if hidden != base.hidden_size:
         raise KvforgeError(f"the draft's hidden_size {hidden} is not the base's {base.hidden_size} (it embeds with "
                            "the base's table and scores with the base's head)", FIELD)
@@ -250,7 +284,8 @@ def export_block_draft(draft_dir: Path, base_onnx_dir: Path, output_dir: Path) -
     embedding table, and DSpark's heads. The base must return the hidden states the draft reads."""
     draft_dir, base_onnx_dir = Path(draft_dir), Path(base_onnx_dir)
     hf, base = open_draft_export(draft_dir, base_onnx_dir, output_dir, FIELD)
-    if base.is_hybrid or base.is_recurrent:
+    kind = block_draft_kind(draft_dir) or SPEC_DFLASH
+    if base_kind(base.is_recurrent, base.is_hybrid) not in SPEC_SUPPORT[kind].bases:  # the support table
         raise KvforgeError(f"a block draft needs an attention-only base; {base.model} has recurrent layers (the "
                            "support matrix rejects hybrid DFlash/JetSpec/DSpark)", "--baseOnnxDir")
     config = draft_config(hf, base)
@@ -265,10 +300,12 @@ def export_block_draft(draft_dir: Path, base_onnx_dir: Path, output_dir: Path) -
 def write_random_block_draft(base_onnx_dir: Path, output_dir: Path, *, kind: str = SPEC_DFLASH, seed: int = 0,
                              layers: list[int] | None = None, num_layers: int = 2, block_size: int = 0,
                              mask_token_id: int | None = None, markov_rank: int = 16) -> Path:
-    """A random-weight DFlash or DSpark checkpoint in the Hugging Face format for a base's ONNX dir (tests, demos):
-    the base's attention geometry, `num_layers` layers, reading `layers` (default: the base's hidden_state_layers)."""
-    if kind not in ARCHITECTURES.values():
-        raise KvforgeError(f"must be one of {', '.join(ARCHITECTURES.values())}, got {kind!r}", "--kind")
+    """A random-weight DFlash, DSpark or JetSpec checkpoint in the Hugging Face format for a base's ONNX dir (tests,
+    demos): the base's attention geometry, `num_layers` layers, reading `layers` (default: the base's
+    hidden_state_layers)."""
+    kinds = (*ARCHITECTURES.values(), SPEC_JETSPEC)
+    if kind not in kinds:
+        raise KvforgeError(f"must be one of {', '.join(kinds)}, got {kind!r}", "--kind")
     base = ModelConfig.from_dict(read_json(Path(base_onnx_dir) / "config.json", "--baseOnnxDir"))
     rng = np.random.default_rng(seed)
     H, heads, kv, D = base.hidden_size, base.num_attention_heads, base.num_key_value_heads, base.head_dim
@@ -296,14 +333,15 @@ def write_random_block_draft(base_onnx_dir: Path, output_dir: Path, *, kind: str
                     p + "mlp.gate_proj.weight": linear(base.intermediate_size, H),
                     p + "mlp.up_proj.weight": linear(base.intermediate_size, H),
                     p + "mlp.down_proj.weight": linear(H, base.intermediate_size)}
-    architecture = next(a for a, k in ARCHITECTURES.items() if k == kind)
+    # JetSpec's public checkpoints are DFlash's class with dflash_config.causal_head set.
+    architecture = next(a for a, k in ARCHITECTURES.items() if k == (SPEC_DFLASH if kind == SPEC_JETSPEC else kind))
     extra: dict[str, Any] = {}
     if kind == SPEC_DSPARK:
         tensors |= {"markov_w1.weight": (0.1 * rng.standard_normal((base.vocab_size, markov_rank))).astype(np.float32),
                     "markov_w2.weight": linear(base.vocab_size, markov_rank),
                     f"{ACCEPT_PREFIXES[0]}.weight": linear(1, H + markov_rank),
                     f"{ACCEPT_PREFIXES[0]}.bias": np.array([1.0], dtype=np.float32)}
-        extra = {"projector_type": "dspark", "markov_rank": markov_rank}
+        extra = {"projector_type": SPEC_DSPARK, "markov_rank": markov_rank}  # DSpark checkpoints name it so too
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(output_dir / "model.safetensors"))
@@ -313,5 +351,6 @@ def write_random_block_draft(base_onnx_dir: Path, output_dir: Path, *, kind: str
         "head_dim": D, "rms_norm_eps": base.rms_norm_eps, "rope_theta": base.rope_theta,
         "max_position_embeddings": base.max_position_embeddings, "vocab_size": base.vocab_size,
         "block_size": block_size, "num_target_layers": base.num_hidden_layers, "tie_word_embeddings": False,
-        "dflash_config": {"mask_token_id": mask, "target_layer_ids": list(layers)}, **extra})
+        "dflash_config": {"mask_token_id": mask, "target_layer_ids": list(layers),
+                          **({"causal_head": True} if kind == SPEC_JETSPEC else {})}, **extra})
     return output_dir

@@ -40,6 +40,7 @@ from kvforge.contract.engine_dir import DRAFT_HIDDEN_INPUT, HIDDEN_STATES
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.files import read_json, write_json
 from kvforge.contract.model_config import SPEC_GEMMA4_MTP, ModelConfig
+from kvforge.contract.speculation import SPEC_SUPPORT, base_kind
 from kvforge.graph.onnx_graph import FLOAT, OPSET, GraphWriter, value_info
 from kvforge.graph.positions import NUM_POSITIONS, gather_positions, logits_output
 from kvforge.graph.rope import apply_rope
@@ -83,7 +84,7 @@ def assistant_config(hf: dict[str, Any], base: ModelConfig) -> ModelConfig:
     text = hf.get("text_config")
     if not isinstance(text, dict):
         raise KvforgeError("config.json has no text_config object (a gemma4_assistant checkpoint has one)", FIELD)
-    if base.is_hybrid or base.is_recurrent:
+    if base_kind(base.is_recurrent, base.is_hybrid) not in SPEC_SUPPORT[SPEC_GEMMA4_MTP].bases:  # the support table
         raise KvforgeError(f"a Gemma4 assistant reads an attention-only base's K/V; {base.model} has recurrent "
                            "layers", "--baseOnnxDir")
 

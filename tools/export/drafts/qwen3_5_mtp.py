@@ -34,6 +34,7 @@ from kvforge.contract.engine_dir import (
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.files import read_json, write_json
 from kvforge.contract.model_config import SPEC_MTP, ModelConfig
+from kvforge.contract.speculation import SPEC_SUPPORT, base_kind
 from kvforge.graph.onnx_graph import FLOAT, OPSET, GraphWriter, value_info
 from kvforge.graph.positions import NUM_POSITIONS, gather_positions, logits_output
 from kvforge.plugins import ops
@@ -60,7 +61,7 @@ _LAYER = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_att
 
 
 def check_hybrid_base(base: ModelConfig) -> None:
-    if not base.is_hybrid:
+    if base_kind(base.is_recurrent, base.is_hybrid) not in SPEC_SUPPORT[SPEC_MTP].bases:  # the support table
         raise KvforgeError(f"standard MTP drafts for a hybrid (Qwen3.5) base; {base.model} is not one (the support "
                            "matrix rejects MTP on an attention-only base)", "--baseOnnxDir")
 

@@ -11,7 +11,7 @@ import onnx
 from onnx import helper
 
 from kvforge.contract.errors import KvforgeError
-from kvforge.contract.lora import lora_a_name, lora_b_name, target_dims
+from kvforge.contract.lora import ACTIVATION_INPUT, lora_a_name, lora_b_name, target_dims
 from kvforge.contract.model_config import ModelConfig
 from kvforge.graph.onnx_graph import FLOAT, FLOAT16, INT32, INT64, OPSET, UINT8, GraphWriter, value_info
 from kvforge.graph.positions import (
@@ -76,11 +76,12 @@ def build_llama_graph(config: ModelConfig, weights: dict[str, np.ndarray],
     ]
     graph_outputs = []
     layer_outputs = []
+    activation = _Activation(graph_inputs)
     for layer in range(config.num_hidden_layers):
         w = _layer_weights(g, weights, layer)
         linear = linears.for_layer(layer)  # o_proj and down_proj; q/k/v and gate/up go through linears.fused
         x = g.rms_norm(hidden, w["input_layernorm"], config.rms_norm_eps)
-        lora = _LoraInputs(config, layer, graph_inputs)
+        lora = _LoraInputs(config, layer, graph_inputs, activation)
         q, k, v = linears.fused(g, x, layer, ("q_proj", "k_proj", "v_proj"), weights)
         q, k, v = (lora.apply(g, target, x, y) for target, y in zip("qkv", (q, k, v), strict=True))
         if config.qk_norm:  # Qwen3 normalises each head before RoPE
@@ -148,17 +149,45 @@ def _head_norm(g: GraphWriter, x: str, num_heads: int, head_dim: int, weight: st
     return g.reshape(g.rms_norm(heads, weight, eps), [0, 0, num_heads * head_dim])
 
 
+class _Activation:
+    """Activated LoRA: the mask [B, S, 1] of positions at or after each row's `adapter_activation_start`, built once
+    per graph on first use. PEFT's aLoRA applies the delta from the invocation's start on, so K/V before it are the
+    base model's; a row with start 0 (every ordinary adapter, and base rows) is multiplied by exact ones."""
+
+    def __init__(self, graph_inputs: list) -> None:
+        self.graph_inputs = graph_inputs
+        self.mask: str | None = None
+
+    def get(self, g: GraphWriter) -> str:
+        if self.mask is None:
+            self.graph_inputs.append(value_info(ACTIVATION_INPUT, INT32, ["batch"]))
+            seq = g.op("Squeeze", [g.dim("inputs_embeds", 1), g.const([0])], name="lora_activation_seq")
+            steps = g.op("Range", [g.const(0), seq, g.const(1)], name="lora_activation_steps")
+            # Every node is named lora_*: strip_lora drops them all with the input for a --maxLoraRank 0 engine.
+            start = g.op("Cast", ["kvcache_start_index"], name="lora_activation_start", to=INT64)
+            positions = g.op("Add", [g.op("Unsqueeze", [start, g.const([1])], name="lora_activation_rows"),
+                                     g.op("Unsqueeze", [steps, g.const([0])], name="lora_activation_cols")],
+                             name="lora_activation_positions")  # [B, S]
+            first = g.op("Unsqueeze", [g.op("Cast", [ACTIVATION_INPUT], name="lora_activation_cast_first", to=INT64),
+                                       g.const([1])], name="lora_activation_first")
+            active = g.op("GreaterOrEqual", [positions, first], name="lora_activation_active")
+            self.mask = g.op("Unsqueeze", [g.op("Cast", [active], name="lora_activation_cast", to=FLOAT),
+                                           g.const([2])], name="lora_activation_mask")
+        return self.mask
+
+
 class _LoraInputs:
-    """Adds `y + (x @ lora_A) @ lora_B` for the exported targets with per-row adapters: lora_A is
+    """Adds `y + mask * ((x @ lora_A) @ lora_B)` for the exported targets with per-row adapters: lora_A is
     [B, in, r] and lora_B [B, r, out], so one call serves rows on different adapters (base rows hold
-    zeros); rank is a dynamic dim and 0 means no adapter in the whole call.
+    zeros); rank is a dynamic dim and 0 means no adapter in the whole call. `mask` is the activated-LoRA mask
+    (_Activation): ones for ordinary adapters.
 
     The adapter's scaling (alpha / r) is folded into lora_B when it is converted, so the graph has no
     scale input. Nodes are named `lora_*` so llm_build can strip them for a --maxLoraRank 0 engine.
     """
 
-    def __init__(self, config: ModelConfig, layer: int, graph_inputs: list) -> None:
-        self.config, self.layer, self.graph_inputs = config, layer, graph_inputs
+    def __init__(self, config: ModelConfig, layer: int, graph_inputs: list, activation: _Activation) -> None:
+        self.config, self.layer, self.graph_inputs, self.activation = config, layer, graph_inputs, activation
 
     def apply(self, g: GraphWriter, target: str, x: str, y: str) -> str:
         if target not in self.config.lora_targets:
@@ -168,7 +197,8 @@ class _LoraInputs:
         self.graph_inputs += [value_info(a, FLOAT, ["batch", in_dim, "lora_rank"]),
                               value_info(b, FLOAT, ["batch", "lora_rank", out_dim])]
         low_rank = g.op("MatMul", [g.op("MatMul", [x, a], name=f"lora_{a}"), b], name=f"lora_{b}")
-        return g.op("Add", [y, low_rank], name=f"lora_add_{self.layer}_{target}")
+        masked = g.op("Mul", [low_rank, self.activation.get(g)], name=f"lora_masked_{self.layer}_{target}")
+        return g.op("Add", [y, masked], name=f"lora_add_{self.layer}_{target}")
 
 
 class _Linears:
