@@ -71,6 +71,9 @@ class SamplingParams:
     speculative: bool = True  # False: the request's disable_spec_decode (no drafts, plain decode rows)
     presence_penalty: float = 0.0  # subtracted once from every token already generated (OpenAI's)
     frequency_penalty: float = 0.0  # subtracted per occurrence of a token already generated (OpenAI's)
+    # OpenAI's {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}: the output is
+    # constrained by a grammar (runtime/sampling/grammar.py); such a request decodes without drafts.
+    response_format: dict[str, Any] | None = None
     max_tokens: InitVar[int | None] = None  # vLLM's alias of max_generate_length
 
     def __post_init__(self, max_tokens: int | None) -> None:
@@ -89,6 +92,9 @@ class SamplingParams:
         check_seed(self.seed, "seed")
         check_penalty(self.presence_penalty, "presence_penalty")
         check_penalty(self.frequency_penalty, "frequency_penalty")
+        self.response_format = check_response_format(self.response_format, "response_format")
+        if self.response_format is not None:
+            self.speculative = False  # drafts would be verified against a grammar state one token behind
 
     @property
     def is_greedy(self) -> bool:
@@ -177,6 +183,34 @@ def check_stop(value: Any, where: str) -> tuple[str, ...]:
         if utf8_size(word, item) > MAX_STOP_WORD_BYTES:
             fail(item, f"must be at most {MAX_STOP_WORD_BYTES} bytes of UTF-8")
     return tuple(words)
+
+
+def check_response_format(value: Any, where: str) -> dict[str, Any] | None:
+    """OpenAI's response_format: {"type": "text"} (or None) means unconstrained and becomes None."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        fail(where, f'must be an object like {{"type": "json_object"}}, got {json_kind(value)}')
+    kind = value.get("type")
+    if kind not in RESPONSE_FORMATS:
+        fail(f"{where}.type", f"must be one of {', '.join(RESPONSE_FORMATS)}, got {describe(kind)}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        fail(f"{where}.json_schema", f"must be an object with a schema, got {json_kind(spec)}")
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict):
+        fail(f"{where}.json_schema.schema", f"must be a JSON Schema object, got {json_kind(schema)}")
+    name = spec.get("name", "response")
+    if not isinstance(name, str):
+        fail(f"{where}.json_schema.name", f"must be a string, got {json_kind(name)}")
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": spec.get("strict")}}
+
+
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 
 def check_seed(value: Any, where: str) -> int | None:

@@ -307,10 +307,16 @@ async def _chunks(source: RequestHandle | Choice, renderer: Renderer,
             return
         first_new = len(output.token_ids) - len(output.new_token_ids)
         samples = output.samples[first_new:len(output.token_ids)] if call.logprobs else []
+        if output.finished and renderer.reads_tool_calls:  # held to the end: calls are read from the whole text
+            yield renderer.tool_chunk(output, output.samples if call.logprobs else [])
+            yield output
+            return
         if output.finished:
             yield renderer.chunk(streamer.finish(output.text), samples, finish_reason(output))
             yield output
             return
+        if renderer.reads_tool_calls:
+            continue
         text = streamer.push(output.token_ids)
         if text or samples:
             yield renderer.chunk(text, samples, None)

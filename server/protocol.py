@@ -4,7 +4,8 @@ Checks reuse the request file's (`kvforge.runtime.inputs.request_file`) so a val
 with the same words. Extensions: `reuse_context` / `cache_generated_tokens` (strict booleans, the cache
 policies), `cache_salt`, `lora_name`, `top_k`. Media content parts (`image_url`, `input_audio`) are read by
 `kvforge.server.media`. `n` > 1 and a list of prompts (completions) become one engine request per choice
-(`ApiCall.choices`); `developer` messages are system messages.
+(`ApiCall.choices`); `developer` messages are system messages. `response_format` (JSON mode, JSON schema) constrains
+the output with a grammar (`kvforge.runtime.sampling.grammar`).
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from kvforge.contract.errors import KvforgeError
 from kvforge.contract.validation import check_int, check_string, describe, fail, get_bool, json_kind
 from kvforge.runtime.engine.engine import Engine, EngineRequest
 from kvforge.runtime.inputs.checks import (
+    check_grammar,
     check_logit_bias,
     check_penalty,
+    check_response_format,
     check_seed,
     check_stop,
     check_temperature,
@@ -28,14 +31,15 @@ from kvforge.runtime.inputs.checks import (
 )
 from kvforge.runtime.types import Message, Request, SamplingParams
 from kvforge.server.media import MediaPolicy
+from kvforge.server.tools import ToolSpec, parse_tools, tool_messages, with_tools
 
 T = TypeVar("T")
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat top_logprobs
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_CHOICES = 16  # n × prompts: each choice is a sequence in the engine, so a bound on what one body may ask
 # Known OpenAI fields this server cannot honour: refused unless they hold their neutral value.
-NEUTRAL = {"best_of": 1, "echo": False, "suffix": None, "tools": None, "tool_choice": None, "functions": None,
-           "response_format": None}
+NEUTRAL = {"best_of": 1, "echo": False, "suffix": None, "functions": None}
+COMPLETION_NEUTRAL = {"tools": None, "tool_choice": None}  # tools are chat's (server/tools.py)
 
 
 class ApiError(Exception):
@@ -68,6 +72,7 @@ class ApiCall:
     parse_special_tokens: bool = False  # kvforge extension: special-token text in content becomes special tokens
     n: int = 1  # choices per prompt
     prompts: tuple[str | list[int], ...] = ()  # completion: every prompt, in order (choices come prompt by prompt)
+    tools: ToolSpec | None = None  # chat: the tools and tool_choice; the answer's calls are read back (render.py)
 
     def choices(self) -> list[ApiCall]:
         """One call per choice, in the order of `choices[i]`: for each prompt, its n sequences. The j-th of n gets
@@ -110,15 +115,23 @@ def _parse(body: dict[str, Any], chat: bool, models: dict[str, str | None], medi
     if model not in models:
         raise ApiError(404, f"the model {model!r} does not exist; this server has {', '.join(sorted(models))}",
                        "model", code="model_not_found")
-    for name, neutral in NEUTRAL.items():
+    for name, neutral in (NEUTRAL if chat else {**NEUTRAL, **COMPLETION_NEUTRAL}).items():
         if body.get(name, neutral) not in (neutral, None):  # named in the message too: clients print only that
             fail(name, f"{name} is not supported by this server (only {json.dumps(neutral)})")
     lora_name = _adapter(body, models[model], models)
     logprobs, top = _logprobs(body, chat)
+    tools = parse_tools(body) if chat else None
     if chat:
-        messages, prompt = parse_messages(body.get("messages"), "messages", media.parsers()), None
+        messages, prompt = parse_messages(tool_messages(body.get("messages")), "messages", media.parsers()), None
+        messages = with_tools(messages, tools) if tools is not None else messages
     else:
         messages, prompt = [], None
+    response_format = _given(body, "response_format", check_response_format, None)
+    if tools is not None and tools.forced:
+        if response_format is not None:
+            fail("response_format", "cannot be given with a tool_choice that forces a call (the call is the format)")
+        response_format = tools.response_format()
+        check_grammar(response_format, "tools")  # a function's schema the compiler refuses: name the tools
     prompts = () if chat else _prompts(body.get("prompt"))
     n = _given(body, "n", lambda v, f: check_int(v, f, 1, MAX_CHOICES), 1)
     if n * max(len(prompts), 1) > MAX_CHOICES:
@@ -135,11 +148,12 @@ def _parse(body: dict[str, Any], chat: bool, models: dict[str, str | None], medi
         cache_generated_tokens=get_bool(body, "cache_generated_tokens", "", True),
         presence_penalty=_given(body, "presence_penalty", check_penalty, 0.0),
         frequency_penalty=_given(body, "frequency_penalty", check_penalty, 0.0),
+        response_format=response_format,  # grammar-constrained (a forced tool call's own, with tools)
     )
     return ApiCall(chat, model, messages, prompts[0] if prompts else prompt, sampling, _max_tokens(body, chat),
                    _given(body, "stream", _boolean, False), _include_usage(body), logprobs, lora_name,
                    _given(body, "cache_salt", check_string, None),
-                   get_bool(body, "parse_special_tokens", "", False), n, prompts)
+                   get_bool(body, "parse_special_tokens", "", False), n, prompts, tools)
 
 
 def _given(body: dict[str, Any], name: str, check: Callable[[Any, str], T], default: T) -> T:

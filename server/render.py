@@ -9,6 +9,7 @@ from typing import Any
 from kvforge.runtime.engine import RequestOutput, SampleResult
 from kvforge.runtime.inputs.tokenizer import ChatTokenizer
 from kvforge.server.protocol import ApiCall
+from kvforge.server.tools import read_calls
 
 # end-of-sequence and stop strings both end a completion naturally; the length limit is OpenAI's "length".
 FINISH_REASONS = {"end-of-sequence": "stop", "stop-words": "stop", "max-length": "length"}
@@ -29,11 +30,32 @@ class Renderer:
         """The non-streamed response."""
         choice: dict[str, Any] = {"index": 0, "logprobs": self.logprobs(output.samples)}
         if self.call.chat:
-            choice["message"] = {"role": "assistant", "content": output.text}
+            content, calls = self.tool_calls(output)
+            choice["message"] = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
         else:
-            choice["text"] = output.text
-        choice["finish_reason"] = finish_reason(output)
+            calls, choice["text"] = [], output.text
+        choice["finish_reason"] = "tool_calls" if calls else finish_reason(output)
         return {**self._head(""), "choices": [choice], "usage": usage(output)}
+
+    @property
+    def reads_tool_calls(self) -> bool:
+        """Whether the answer may hold tool calls: then a stream sends it whole at the end, calls read."""
+        return self.call.tools is not None and self.call.tools.choice != "none"
+
+    def tool_calls(self, output: RequestOutput) -> tuple[str | None, list[dict[str, Any]]]:
+        """(content, tool_calls) of a finished chat answer; calls only from an answer that ended naturally."""
+        if not self.reads_tool_calls or finish_reason(output) != "stop":
+            return output.text, []
+        assert self.call.tools is not None
+        return read_calls(output.text, self.call.tools)
+
+    def tool_chunk(self, output: RequestOutput, samples: list[SampleResult]) -> dict[str, Any]:
+        """The last chunk of a streamed answer that may hold tool calls: its content and calls at once."""
+        content, calls = self.tool_calls(output)
+        chunk = self.chunk(content or "", samples, "tool_calls" if calls else finish_reason(output))
+        if calls:
+            chunk["choices"][0]["delta"]["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+        return chunk
 
     def chunk(self, text: str | None, samples: list[SampleResult], reason: str | None) -> dict[str, Any]:
         """One streamed chunk; chat's first chunk (text None) carries the assistant role."""

@@ -38,6 +38,7 @@ from kvforge.runtime.execution.snapshots import PartialKVSnapshotStore, Recurren
 from kvforge.runtime.execution.system_prompt_cache import SystemPromptCache
 from kvforge.runtime.inputs.processor import InputProcessor, check_prompt_length
 from kvforge.runtime.profile import Profiler
+from kvforge.runtime.sampling.grammar import constraint_for
 from kvforge.runtime.sampling.sampler import Sampler, SampleResult
 from kvforge.runtime.sequence import EngineRequest, Sequence, Status
 from kvforge.runtime.shared_tier.secret import tier_secret
@@ -217,7 +218,9 @@ class Engine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.core.sequences:
             raise InvalidConfig(f"request id {request_id!r} is already in flight", "request_id")
-        seq = Sequence(request_id, request, Sampler(request.sampling), arrival=next(self._arrivals))
+        constraint = constraint_for(request.sampling.response_format, self.tokenizer.tokenizer,
+                                    self.engine_dir.model.eos_token_ids)
+        seq = Sequence(request_id, request, Sampler(request.sampling, constraint), arrival=next(self._arrivals))
         if self.proposer is not None and request.sampling.speculative:
             self._apply_support_rows(seq)
         self.core.add(seq)

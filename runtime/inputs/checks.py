@@ -15,6 +15,7 @@ from kvforge.contract.validation import (
     json_kind,
     utf8_size,
 )
+from kvforge.runtime.sampling.grammar import check_grammar  # noqa: F401  (for llm_serve's forced tool calls)
 from kvforge.runtime.types import (  # noqa: F401  (the sampling checks, re-exported for the request parsers)
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
@@ -25,6 +26,7 @@ from kvforge.runtime.types import (  # noqa: F401  (the sampling checks, re-expo
     Message,
     check_logit_bias,
     check_penalty,
+    check_response_format,
     check_seed,
     check_stop,
     check_temperature,

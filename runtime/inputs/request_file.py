@@ -24,6 +24,7 @@ from kvforge.contract.validation import (
 )
 from kvforge.runtime.inputs.checks import (
     check_logit_bias,
+    check_response_format,
     check_seed,
     check_stop,
     check_temperature,
@@ -49,7 +50,7 @@ COMMIT_POLICIES = tuple(p.value for p in CommitPolicy)
 REQUEST_KEYS = frozenset({
     "messages", "temperature", "top_p", "top_k", "max_generate_length", "num_logprobs", "logit_bias",
     "stop", "seed", "apply_chat_template", "add_generation_prompt", "lora_name",
-    "save_system_prompt_kv_cache", "cache_salt", "disable_spec_decode", "parse_special_tokens",
+    "save_system_prompt_kv_cache", "cache_salt", "disable_spec_decode", "parse_special_tokens", "response_format",
 })
 
 @dataclass(slots=True)
@@ -191,6 +192,7 @@ def _parse_sampling(obj: dict[str, Any], prefix: str, defaults: SamplingParams) 
         logit_bias=pick("logit_bias", check_logit_bias),
         stop=pick("stop", check_stop),
         seed=pick("seed", check_seed),
+        response_format=pick("response_format", check_response_format),
         reuse_context=defaults.reuse_context,  # policies are file-wide: never set per request in the file
         cache_generated_tokens=defaults.cache_generated_tokens,
     )

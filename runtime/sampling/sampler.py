@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvforge.contract.errors import KvforgeError
+from kvforge.runtime.sampling.grammar import GrammarConstraint
 from kvforge.runtime.types import SamplingParams
 
 
@@ -48,8 +49,10 @@ def top_ids(values: np.ndarray, count: int) -> np.ndarray:
 class Sampler:
     """Sampling state of one sequence: its parameters and its own seeded random stream."""
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, constraint: GrammarConstraint | None = None) -> None:
+        """`constraint`: the sequence's own grammar state (response_format), masking every row it samples."""
         self.params = params
+        self.constraint = constraint
         self.rng = np.random.default_rng(params.seed)  # seed None → fresh OS entropy
         self._bias_ids = np.fromiter(params.logit_bias.keys(), dtype=np.int64, count=len(params.logit_bias))
         self._bias_values = np.fromiter(params.logit_bias.values(), dtype=np.float64,
@@ -129,6 +132,8 @@ class Sampler:
             logits[self._bias_ids] += self._bias_values
         if self._generated and self.params.has_penalties:
             self._penalize(logits)
+        if self.constraint is not None:  # last: a bias or penalty must not lift a token the grammar refuses
+            self.constraint.mask(logits)
         peak = logits.max()  # NaN propagates into max, so one reduction checks the whole row
         if np.isnan(peak) or peak == np.inf:
             raise KvforgeError("the engine produced NaN or +inf logits", "logits")
@@ -137,6 +142,8 @@ class Sampler:
         return logits
 
     def _count(self, token_id: int) -> None:
+        if self.constraint is not None:  # every token counted here is committed: the grammar moves past it
+            self.constraint.advance(token_id)
         if self.params.has_penalties:  # nothing to keep otherwise: the common case costs one attribute read
             self._generated[token_id] = self._generated.get(token_id, 0) + 1
 
