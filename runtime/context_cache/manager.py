@@ -422,7 +422,7 @@ class ContextCacheManager:
 
     @_bookkept
     def _reserve_timed(self, demand: Demand) -> bool:
-        """`_reserve` for a type's own growth (a drafter's pages), timed like every coordinator call."""
+        """`_reserve` for a type's own growth (pages its handle asks for), timed like every coordinator call."""
         return self._reserve(demand)
 
     def _reserve(self, demand: Demand) -> bool:
