@@ -791,22 +791,39 @@ OrtStatus* check_values(const Call& c, bool writes = false) {
   return nullptr;
 }
 
-OrtStatus* gather_inputs(const Kernel& k, OrtKernelContext* ctx, Call& c) {
-  size_t count = 0;
+// The inputs of a call (`count` of them, up to N read), the first `required` present.
+template <size_t N>
+OrtStatus* read_inputs(OrtKernelContext* ctx, size_t required, const char* op, size_t& count,
+                       const OrtValue* (&v)[N], TensorInfo (&info)[N], const void* (&data)[N]) {
+  count = 0;
   KVF_TRY(g_api->KernelContext_GetInputCount(ctx, &count));
-  if (count < 6) return error("needs at least 6 inputs, got " + std::to_string(count));
-  const OrtValue* v[7] = {};
-  TensorInfo info[7];
-  const void* data[7] = {};
-  for (size_t i = 0; i < std::min<size_t>(count, 7); ++i) KVF_TRY(input(ctx, i, &v[i], &info[i], &data[i]));
-  for (size_t i = 0; i < 6; ++i)
+  if (count < required)
+    return error(std::string(op) + "needs at least " + std::to_string(required) + " inputs, got " +
+                 std::to_string(count));
+  for (size_t i = 0; i < std::min<size_t>(count, N); ++i) KVF_TRY(input(ctx, i, &v[i], &info[i], &data[i]));
+  for (size_t i = 0; i < required; ++i)
     if (!v[i]) return error("input " + std::to_string(i) + " is missing");
-  if (info[0].shape.size() != 3) return error("query must be [B,S,Hq*D], got " + shape_text(info[0].shape));
-  c.batch = info[0].shape[0];
-  c.seq = info[0].shape[1];
+  return nullptr;
+}
+
+// The query's batch geometry and the kernel's head layout, into `c`.
+OrtStatus* query_geometry(const Kernel& k, const TensorInfo& query, Call& c) {
+  if (query.shape.size() != 3) return error("query must be [B,S,Hq*D], got " + shape_text(query.shape));
+  c.batch = query.shape[0];
+  c.seq = query.shape[1];
   c.q_heads = k.q_heads, c.kv_heads = k.kv_heads, c.dim = k.dim, c.page_tokens = k.page_tokens;
   c.group_size = k.q_heads / k.kv_heads;
   c.scale = k.scale;
+  return nullptr;
+}
+
+OrtStatus* gather_inputs(const Kernel& k, OrtKernelContext* ctx, Call& c) {
+  const OrtValue* v[7] = {};
+  TensorInfo info[7];
+  const void* data[7] = {};
+  size_t count = 0;
+  KVF_TRY(read_inputs(ctx, 6, "", count, v, info, data));
+  KVF_TRY(query_geometry(k, info[0], c));
   const auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, I32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
   KVF_TRY(expect("query", info[0], F32, {c.batch, c.seq, k.q_heads * k.dim}));
   KVF_TRY(expect("new_kv", info[1], F32, {c.batch, c.seq, 2, k.kv_heads, k.dim}));
@@ -1080,21 +1097,12 @@ struct RopeCall {
 };
 
 OrtStatus* gather_rope_inputs(const Kernel& k, OrtKernelContext* ctx, Call& c, RopeCall& r) {
-  size_t count = 0;
-  KVF_TRY(g_api->KernelContext_GetInputCount(ctx, &count));
-  if (count < 8) return error("PagedAttentionRope needs at least 8 inputs, got " + std::to_string(count));
   const OrtValue* v[10] = {};
   TensorInfo info[10];
   const void* data[10] = {};
-  for (size_t i = 0; i < std::min<size_t>(count, 10); ++i) KVF_TRY(input(ctx, i, &v[i], &info[i], &data[i]));
-  for (size_t i = 0; i < 8; ++i)
-    if (!v[i]) return error("input " + std::to_string(i) + " is missing");
-  if (info[0].shape.size() != 3) return error("query must be [B,S,Hq*D], got " + shape_text(info[0].shape));
-  c.batch = info[0].shape[0];
-  c.seq = info[0].shape[1];
-  c.q_heads = k.q_heads, c.kv_heads = k.kv_heads, c.dim = k.dim, c.page_tokens = k.page_tokens;
-  c.group_size = k.q_heads / k.kv_heads;
-  c.scale = k.scale;
+  size_t count = 0;
+  KVF_TRY(read_inputs(ctx, 8, "PagedAttentionRope ", count, v, info, data));
+  KVF_TRY(query_geometry(k, info[0], c));
   const auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, I32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
   KVF_TRY(expect("query", info[0], F32, {c.batch, c.seq, k.q_heads * k.dim}));
   KVF_TRY(expect("key", info[1], F32, {c.batch, c.seq, k.kv_heads * k.dim}));
