@@ -1,8 +1,9 @@
-"""Block drafts (DFlash, DSpark) on SmolLM2 with random drafts of the real shape, against plain decoding, in one run.
+"""Block drafts (DFlash, DSpark, JetSpec) on SmolLM2 with random drafts of the real shape, against plain decoding.
 
-No public DFlash or DSpark draft targets a model this small, so the drafts are random (5 qwen3 layers at SmolLM2's
-width, DFlash's block of 16, DSpark's of 7): their guesses are almost never accepted, so this measures what block
-drafting costs, not what a trained draft gains. Per method:
+No public DFlash, DSpark or JetSpec draft targets a model this small, so the drafts are random (5 qwen3 layers at
+SmolLM2's width; DFlash's and JetSpec's block of 16, DSpark's of 7; JetSpec also as a tree of each depth's top 2):
+their guesses are almost never accepted, so this measures what block drafting costs, not what a trained draft
+gains. In one run, per row:
 
 - the cost of one base verify call of k + 1 tokens against one decode step, at 64 and 1,536 tokens of context (the
   engine's own backend, medians); and of one draft block call there;
@@ -10,7 +11,7 @@ drafting costs, not what a trained draft gains. Per method:
   document (same tokens as plain is checked);
 - TTFT of a second question on the document, warm (reuse on, the draft's pages restored without replay) vs cold.
 
-    python experiments/block_draft.py --onnxDir out/onnx/smollm2-blockbase --threads 2
+    python experiments/block_draft.py --onnxDir out/onnx/smollm2-blockbase --threads 2 [--methods jetspec,jetspec-top2]
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ BUILD = BuildOptions(max_input_len=2048, max_kv_cache_capacity=2304, max_batch_s
 DOCUMENT_TOKENS = 1500
 MAX_GENERATE = 64
 CONTEXTS = (64, 1536)
-METHODS = {"dflash": 16, "dspark": 7}  # the public drafts' blocks
+# Rows: name -> (--specDecode method, block, --specDraftTopK); the public drafts' blocks.
+METHODS = {"dflash": ("dflash", 16, 1), "dspark": ("dspark", 7, 1), "jetspec": ("jetspec", 16, 1),
+           "jetspec-top2": ("jetspec", 16, 2)}
 
 
 def chat_request(engine: Engine, text: str, reuse: bool = True) -> EngineRequest:
@@ -106,14 +109,16 @@ def call_ms(backend: Backend, hidden_size: int, width: int, start: int, repeats:
 
 def main() -> None:
     parser = bench_parser(__doc__, repeats=5)
+    parser.add_argument("--methods", default=",".join(METHODS), help="rows to run, comma-separated")
     args = parser.parse_args()
+    rows = {name: METHODS[name] for name in args.methods.split(",")}
     progress = Progress()
     figures: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="kvforge-block-") as tmp:
         root = Path(tmp)
         progress("building the base")
         build_engine(args.onnxDir, root / "engine", replace(BUILD, spec_base=True))
-        for method, block in METHODS.items():
+        for method, block in sorted({(m, b) for m, b, _ in rows.values()}):
             progress(f"exporting and building a random {method} draft")
             write_random_block_draft(args.onnxDir, root / f"{method}_hf", kind=method, num_layers=5,
                                      block_size=block, seed=1, markov_rank=256)
@@ -129,9 +134,9 @@ def main() -> None:
         costs: dict[str, Any] = {}
         for context in CONTEXTS:
             costs[f"decode_ms@{context}"] = call_ms(plain.backend, H, 1, context, args.repeats)
-        for method, block in METHODS.items():
-            progress(f"{method}: verify and draft call costs")
-            config = EngineConfig(num_threads=args.threads, spec_decode=method,
+        for name, (method, block, top_k) in rows.items():
+            progress(f"{name}: verify and draft call costs")
+            config = EngineConfig(num_threads=args.threads, spec_decode=method, spec_draft_top_k=top_k,
                                   spec_draft_engine_dir=str(root / f"{method}_engine"))
             engine = Engine(root / "engine", config)
             row: dict[str, Any] = {"block": block}
@@ -144,10 +149,10 @@ def main() -> None:
                 extra = {BASE_HIDDEN_INPUT: np.zeros((1, block, width), np.float32),
                          CONTEXT_TOKEN_MASK_INPUT: np.zeros((1, block, 1), np.float32)}
                 row[f"draft_block_ms@{context}"] = call_ms(draft, H, block, context, args.repeats, extra, masked=True)
-            progress(f"{method}: decoding")
+            progress(f"{name}: decoding")
             run = run_one(engine, chat_request(engine, questions[0], reuse=False))
             row |= decode_figures(run, base_run)
-            progress(f"{method}: warm vs cold TTFT")
+            progress(f"{name}: warm vs cold TTFT")
             warm_engine = Engine(root / "engine", replace(config, enable_context_reuse=True))
             run_one(warm_engine, chat_request(warm_engine, questions[0]))
             warm = run_one(warm_engine, chat_request(warm_engine, questions[1]))
@@ -155,7 +160,7 @@ def main() -> None:
             cache = warm_engine.profile().get("context_cache", {})
             row |= ttft_figures(warm, cold) | {
                 "full_page_replays": cache.get("speculative", {}).get("full_page_replays", 0)}
-            figures[method] = row
+            figures[name] = row
     figures["costs"] = costs
     print(f"\nblock-draft bench: SmolLM2 from {args.onnxDir}, random 5-layer drafts, {args.threads} threads, "
           f"document {doc_tokens} tokens, greedy, {MAX_GENERATE} tokens; total {progress.elapsed:.0f} s\n")
