@@ -10,33 +10,26 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from support.engine_driver import make_engine, run_file, top1_ids
 from support.stores import MooncakeServer, RedisServer, free_port
 
-from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.runtime.engine import engine as engine_module
 from kvforge.runtime.shared_tier.store import StoreUnavailable
 from kvforge.runtime.shared_tier.stores import open_store
 from kvforge.runtime.shared_tier.stores.mooncake import MooncakeStore
 from kvforge.runtime.shared_tier.tier import SharedTier
-from kvforge.tools.export.sources.synthetic import synthetic_model
-from kvforge.tools.export.writer import write_onnx_dir
 
-BUILD = BuildOptions(max_input_len=256, max_kv_cache_capacity=512, max_batch_size=4, tokens_per_page=16)
 DATA = {"temperature": 0, "max_generate_length": 4, "num_logprobs": 1,
         "requests": [{"messages": [{"role": "user", "content": "Foxes and dogs share one document. " * 3}]}]}
 
 
 @pytest.fixture(scope="module")
-def engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("tier_connect")
-    write_onnx_dir(synthetic_model("tiny-llama"), root / "onnx")
-    build_engine(root / "onnx", root / "engine", BUILD)
-    return root / "engine"
+def engine_dir(tier_engine: Callable[..., Path]) -> Path:
+    return tier_engine("tiny-llama")
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ exactly as cold, isolation carries over, and no store fault fails, changes or st
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,14 +13,11 @@ import pytest
 from support.engine_driver import assert_idle, make_engine, run_file, top1_ids
 from support.memory_store import MemoryStore
 
-from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.errors import InvalidConfig
 from kvforge.runtime.engine import engine as engine_module
 from kvforge.runtime.engine.engine import Engine
 from kvforge.runtime.shared_tier.layout import PAGE_PREFIX
 from kvforge.runtime.shared_tier.values import ValueKind, decode, encode
-from kvforge.tools.export.sources.synthetic import synthetic_model
-from kvforge.tools.export.writer import write_onnx_dir
 
 URL = "redis://in-process"  # a real scheme (checked before loading); open_store is patched to the memory store
 DOC = "Foxes and dogs share one long document that both engines read. "
@@ -32,19 +30,9 @@ CONFIGS = {"tiny-llama": {}, "tiny-qwen3_5": {**HYBRID, "snapshot_interval_token
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("tier_engines")
-    build = BuildOptions(max_input_len=256, max_kv_cache_capacity=512, max_batch_size=4, tokens_per_page=16)
-    paths = {}
-    for family in CONFIGS:
-        write_onnx_dir(synthetic_model(family), root / family / "onnx")
-        build_engine(root / family / "onnx", root / family / "engine", build)
-        paths[family] = root / family / "engine"
+def engines(tier_engine: Callable[..., Path]) -> dict[str, Path]:
     # The same family with other weights: another fingerprint.
-    write_onnx_dir(synthetic_model("tiny-llama", seed=7), root / "other" / "onnx")
-    build_engine(root / "other" / "onnx", root / "other" / "engine", build)
-    paths["other-weights"] = root / "other" / "engine"
-    return paths
+    return {family: tier_engine(family) for family in CONFIGS} | {"other-weights": tier_engine("tiny-llama", seed=7)}
 
 
 @pytest.fixture

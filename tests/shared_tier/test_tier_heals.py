@@ -4,7 +4,7 @@ whole (point 11). On the store contract (memory and Redis) and through the engin
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +12,6 @@ import pytest
 from support.engine_driver import make_engine, run_file, top1_ids
 from support.stores import MooncakeServer, RedisServer
 
-from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.runtime.engine import engine as engine_module
 from kvforge.runtime.engine.engine import Engine
 from kvforge.runtime.shared_tier.layout import CHECKPOINT_PREFIX, PAGE_PREFIX
@@ -20,8 +19,6 @@ from kvforge.runtime.shared_tier.store import SharedStore
 from kvforge.runtime.shared_tier.stores import open_store
 from kvforge.runtime.shared_tier.stores.memory import MemoryStore
 from kvforge.runtime.shared_tier.values import ValueKind, decode
-from kvforge.tools.export.sources.synthetic import synthetic_model
-from kvforge.tools.export.writer import write_onnx_dir
 
 URL = "redis://in-process"  # a real scheme (checked before loading); open_store is patched to the memory store
 DOC = "Foxes and dogs share one long document that both engines read. "
@@ -77,15 +74,8 @@ def test_a_bounded_get_never_hands_back_more_than_one_byte_past_the_bound(contra
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("tier_heals")
-    build = BuildOptions(max_input_len=256, max_kv_cache_capacity=512, max_batch_size=4, tokens_per_page=16)
-    paths = {}
-    for family in CONFIGS:
-        write_onnx_dir(synthetic_model(family), root / family / "onnx")
-        build_engine(root / family / "onnx", root / family / "engine", build)
-        paths[family] = root / family / "engine"
-    return paths
+def engines(tier_engine: Callable[..., Path]) -> dict[str, Path]:
+    return {family: tier_engine(family) for family in CONFIGS}
 
 
 @pytest.fixture

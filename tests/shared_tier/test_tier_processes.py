@@ -8,17 +8,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from support.stores import MooncakeServer, RedisServer, SlowProxy
 
-from kvforge.builder.build import BuildOptions, build_engine
-from kvforge.tools.export.sources.synthetic import synthetic_model
-from kvforge.tools.export.writer import write_onnx_dir
-
-BUILD = BuildOptions(max_input_len=256, max_kv_cache_capacity=512, max_batch_size=4, tokens_per_page=16)
 HYBRID = ["--contextCacheRecurrentSnapshotPoolBytes", str(1 << 22), "--contextCachePartialKVSnapshotPoolBytes",
           str(1 << 22), "--snapshotIntervalTokens", "16"]
 DOC = "Foxes and dogs share one long document that both processes read. " * 2
@@ -26,14 +22,8 @@ PROCESS_TIMEOUT_S = 120
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("tier_processes")
-    paths = {}
-    for family in ("tiny-llama", "tiny-qwen3_5"):
-        write_onnx_dir(synthetic_model(family), root / family / "onnx")
-        build_engine(root / family / "onnx", root / family / "engine", BUILD)
-        paths[family] = root / family / "engine"
-    return paths
+def engines(tier_engine: Callable[..., Path]) -> dict[str, Path]:
+    return {family: tier_engine(family) for family in ("tiny-llama", "tiny-qwen3_5")}
 
 
 def _request_file(path: Path, salt: str | None = None, question: str = "What jumps?") -> Path:

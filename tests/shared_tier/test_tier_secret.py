@@ -8,6 +8,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,6 @@ import pytest
 from support.engine_driver import make_engine, run_file, top1_ids
 from support.stores import free_port
 
-from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.errors import InvalidConfig
 from kvforge.runtime.engine import engine as engine_module
 from kvforge.runtime.engine.config import EngineConfig
@@ -25,8 +25,6 @@ from kvforge.runtime.shared_tier.layout import PAGE_PREFIX, Layout
 from kvforge.runtime.shared_tier.secret import SECRET_ENV, TierSecret, tier_secret
 from kvforge.runtime.shared_tier.stores.memory import MemoryStore
 from kvforge.runtime.shared_tier.values import ValueKind, ValueRejected, decode, encode
-from kvforge.tools.export.sources.synthetic import synthetic_model
-from kvforge.tools.export.writer import write_onnx_dir
 
 SECRET = "correct horse battery staple"
 URL = "redis://in-process"
@@ -91,12 +89,8 @@ def test_the_secret_shows_in_no_repr_or_error(monkeypatch: pytest.MonkeyPatch) -
 
 
 @pytest.fixture(scope="module")
-def engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("tier_secret")
-    write_onnx_dir(synthetic_model("tiny-llama"), root / "onnx")
-    build_engine(root / "onnx", root / "engine",
-                 BuildOptions(max_input_len=256, max_kv_cache_capacity=512, max_batch_size=4, tokens_per_page=16))
-    return root / "engine"
+def engine_dir(tier_engine: Callable[..., Path]) -> Path:
+    return tier_engine("tiny-llama")
 
 
 @pytest.fixture
