@@ -17,7 +17,15 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from support.engine_driver import lora_model_with_adapters
-from support.server_harness import MODEL, SERVER_BUILD, LiveServer, build_server_engine, idle_audit, live_server
+from support.server_harness import (
+    MODEL,
+    SERVER_BUILD,
+    LiveServer,
+    audited_client,
+    build_server_engine,
+    idle_audit,
+    live_server,
+)
 
 from kvforge import LLM, SamplingParams
 from kvforge.runtime.engine.engine import Engine
@@ -40,9 +48,8 @@ def server(engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 @pytest.fixture
 def client(server: LiveServer) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60) as api:
+    with audited_client(server) as api:
         yield api
-    server.on_engine(idle_audit)  # every test leaves the pool idle: no leaked page, no stray sequence
 
 
 def chat(question: str, system: str = SYSTEM) -> list[dict[str, str]]:

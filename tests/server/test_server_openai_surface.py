@@ -10,7 +10,7 @@ from pathlib import Path
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support.server_harness import MODEL, LiveServer, build_server_engine, idle_audit, live_server
+from support.server_harness import MODEL, LiveServer, audited_client, build_server_engine, live_server
 
 from kvforge import LLM, SamplingParams
 
@@ -31,9 +31,8 @@ def server(engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 @pytest.fixture
 def client(server: LiveServer) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60) as api:
+    with audited_client(server) as api:
         yield api
-    server.on_engine(idle_audit)  # no leaked page or sequence, whatever the test did
 
 
 def hits(server: LiveServer) -> float:

@@ -12,7 +12,7 @@ from typing import Any, Literal
 import openai
 import pydantic
 import pytest
-from support.server_harness import MODEL, SERVER_BUILD, LiveServer, idle_audit, live_server
+from support.server_harness import MODEL, SERVER_BUILD, LiveServer, audited_client, live_server
 
 from kvforge.builder.build import build_engine
 
@@ -50,9 +50,8 @@ def server(engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 @pytest.fixture
 def client(server: LiveServer) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60) as api:
+    with audited_client(server) as api:
         yield api
-    server.on_engine(idle_audit)  # no leaked page or sequence, whatever the test did
 
 
 def check_tide(text: str | None) -> None:

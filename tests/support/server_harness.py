@@ -115,3 +115,14 @@ def idle_audit(engine: Engine) -> dict[str, int]:
     cache = engine.cache
     cached_pages = {p for r in cache.records.least_recent_first() for p in r.page_ids}
     return {"free": cache.pages.num_free, "cached": len(cached_pages), "records": len(cache.records)}
+
+
+@contextmanager
+def audited_client(server: LiveServer) -> Iterator[Any]:
+    """The official `openai` client on `server`; afterwards the engine must be idle (no leaked page or sequence,
+    whatever the test did)."""
+    import openai
+
+    with openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60) as api:
+        yield api
+    server.on_engine(idle_audit)
