@@ -9,20 +9,12 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
+from support.ort_support import POOL_ELEM
 
 from kvforge.plugins import cpu_kernel, ops, reference
 from kvforge.plugins.reference import pool_numpy_dtype, rope_table, to_storage
 
-POOL_ELEM = {"fp16": TensorProto.FLOAT16, "fp8": TensorProto.UINT8, "fp32": TensorProto.FLOAT}
 TOLERANCE = 1e-5
-
-
-@pytest.fixture(scope="module")
-def library() -> Path:
-    path, reason = cpu_kernel.kernel_status()
-    if path is None:
-        pytest.skip(reason)
-    return path
 
 
 @dataclass

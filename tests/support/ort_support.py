@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import onnx
 import onnxruntime as ort
+from onnx import TensorProto
 
 from kvforge.plugins import ops
 from kvforge.plugins.cpu_kernel import kernel_status, register
+
+# The ONNX element type of a pool of each KV storage dtype (fp8 pools are bytes).
+POOL_ELEM = {"fp16": TensorProto.FLOAT16, "fp8": TensorProto.UINT8, "fp32": TensorProto.FLOAT}
 
 
 def cpu_kernel_on() -> bool:
