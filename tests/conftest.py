@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvforge.builder.build import BuildOptions, build_engine
+from kvforge.plugins import cpu_kernel
 from kvforge.tools.export.sources.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir
 
@@ -191,3 +192,34 @@ def tiny_hybrid_mtp_engines(tmp_path_factory: pytest.TempPathFactory) -> dict[st
     export_mtp(root / "hf", root / "base_onnx", root / "onnx")
     build_engine(root / "onnx", root / "engine" / "draft", replace(TINY_BUILD, spec_draft=True))
     return {"base": root / "engine", "hf": root / "hf", "base_onnx": root / "base_onnx"}
+
+
+# The shared-tier tests' engines (one conftest for the suite: `from conftest import ...` names this module).
+TIER_BUILD = BuildOptions(max_input_len=256, max_kv_cache_capacity=512, max_batch_size=4, tokens_per_page=16)
+
+
+@pytest.fixture(scope="session")
+def tier_engine(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`tier_engine(family, seed=0)`: the engine dir of that synthetic family and weights seed (another seed is
+    another fingerprint), built with TIER_BUILD the first time a test asks. Tests only read these dirs."""
+    root = tmp_path_factory.mktemp("tier_engines")
+    built: dict[tuple[str, int], Path] = {}
+
+    def engine(family: str, seed: int = 0) -> Path:
+        if (family, seed) not in built:
+            folder = root / f"{family}-{seed}"
+            write_onnx_dir(synthetic_model(family, seed=seed), folder / "onnx")
+            build_engine(folder / "onnx", folder / "engine", TIER_BUILD)
+            built[family, seed] = folder / "engine"
+        return built[family, seed]
+
+    return engine
+
+
+@pytest.fixture(scope="session")
+def library() -> Path:
+    """The CPU kernel's library for the kernel tests, or every such test skips saying why."""
+    path, reason = cpu_kernel.kernel_status()
+    if path is None:
+        pytest.skip(reason)
+    return path
