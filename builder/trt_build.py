@@ -62,6 +62,9 @@ def patch_for_tensorrt(model: onnx.ModelProto, config: ModelConfig, geometry: Pa
 
 def _patch_plugin_node(node: onnx.NodeProto, geometry: PageGeometry) -> None:
     values = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    if values.get("sliding_window"):  # the CUDA kernels attend over every cached position
+        raise InvalidConfig("sliding-window attention layers have no TensorRT kernel yet; build with "
+                            "--backend onnxruntime", "backend")
     values.update({"tokens_per_page": geometry.tokens_per_page, PLUGIN_NAMESPACE_ATTR: ops.DOMAIN,
                    AOT_ATTR: 1})
     del node.attribute[:]
