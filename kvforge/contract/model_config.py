@@ -29,7 +29,7 @@ QUANTIZATIONS = ("none", "int8", "int4")  # linear weights: float32, or MatMulNB
 LM_HEADS = ("float", "int8", "int4")
 # Draft-only families: gemma4_assistant, a Gemma4 MTP assistant (its layers read the base's K/V, see
 # kv_shared_layers); qwen3_5_mtp, Qwen3.5's MTP layer (one gated-attention decoder layer with its own pool).
-MODEL_FAMILIES = ("llama", "qwen2", "qwen3", "mamba2", "qwen3_5", "gemma4_assistant", "qwen3_5_mtp")
+MODEL_FAMILIES = ("llama", "qwen2", "qwen3", "mamba2", "qwen3_5", "gemma4_assistant", "qwen3_5_mtp", "gemma3")
 RECURRENT_FAMILIES = ("mamba2",)  # every layer a Mamba2 mixer: no KV cache, carried conv + recurrent states
 # Attention layers with a paged KV pool interleaved with recurrent layers (Qwen3.5: gated delta-net + gated attention).
 HYBRID_FAMILIES = ("qwen3_5",)
@@ -103,6 +103,14 @@ class ModelConfig:
     kv_shared_layers: list[int] = field(default_factory=list)
     num_centroids: int = 0
     centroid_top_k: int = 0
+    # Gemma: the layers attending over only the last `sliding_window` positions (each keeps a full-length cache
+    # for now), their RoPE base (0 = rope_theta), the query scale's denominator (0 = head_dim) and tanh softcap of
+    # the logits (0 = none).
+    sliding_window: int = 0
+    sliding_window_layers: list[int] = field(default_factory=list)
+    rope_local_theta: float = 0.0
+    query_pre_attn_scalar: float = 0.0
+    final_logit_softcapping: float = 0.0
     format: str = EXPORT_FORMAT
 
     @property
@@ -201,6 +209,13 @@ class ModelConfig:
             raise InvalidConfig(f"must be one of {LM_HEADS}, got {self.lm_head!r}", "config.lm_head")
         self._validate_hidden_state_layers()
         self._validate_draft()
+        if any(not 0 <= i < self.num_hidden_layers for i in self.sliding_window_layers) or \
+                bool(self.sliding_window_layers) != bool(self.sliding_window):
+            raise InvalidConfig(f"must name layers in [0, {self.num_hidden_layers}) exactly when sliding_window "
+                                f"({self.sliding_window}) is set", "config.sliding_window_layers")
+        for name in ("rope_local_theta", "query_pre_attn_scalar", "final_logit_softcapping"):
+            if getattr(self, name) < 0:
+                raise InvalidConfig("must be >= 0 (0: unset)", f"config.{name}")
         unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
         if unknown:
             raise InvalidConfig(f"unknown layer type {unknown[0]!r} (known: {', '.join(LAYER_TYPES)})",
@@ -397,6 +412,10 @@ CONFIG_SCHEMA: dict[str, tuple[str, float | None, float | None]] = {
     "base_model_hidden_size": ("int", 0, 2**22), "eagle_hidden_state_layers": ("ints", 0, 1024),
     "dflash_block_size": ("int", 0, 1024), "mask_token_id": ("int", 0, 2**24),
     "kv_shared_layers": ("ints", 0, 1024), "num_centroids": ("int", 0, 2**20), "centroid_top_k": ("int", 0, 2**20),
+    "sliding_window": ("int", 0, 2**28), "sliding_window_layers": ("ints", 0, 1024),
+    # Gemma's optional floats: 0 = unset, so the range's open end is below it (validate() refuses negatives).
+    "rope_local_theta": ("float", -1.0, 1e12), "query_pre_attn_scalar": ("float", -1.0, 1e9),
+    "final_logit_softcapping": ("float", -1.0, 1e9),
 }
 
 
