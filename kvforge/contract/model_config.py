@@ -104,11 +104,12 @@ class ModelConfig:
     num_centroids: int = 0
     centroid_top_k: int = 0
     # Gemma: the layers attending over only the last `sliding_window` positions (each keeps a full-length cache
-    # for now), their RoPE base (0 = rope_theta), the query scale's denominator (0 = head_dim) and tanh softcap of
-    # the logits (0 = none).
+    # for now), their RoPE base (0 = rope_theta), the other layers' linear RoPE scaling (0 = none), the query
+    # scale's denominator (0 = head_dim) and tanh softcap of the logits (0 = none).
     sliding_window: int = 0
     sliding_window_layers: list[int] = field(default_factory=list)
     rope_local_theta: float = 0.0
+    rope_linear_factor: float = 0.0
     query_pre_attn_scalar: float = 0.0
     final_logit_softcapping: float = 0.0
     format: str = EXPORT_FORMAT
@@ -213,7 +214,7 @@ class ModelConfig:
                 bool(self.sliding_window_layers) != bool(self.sliding_window):
             raise InvalidConfig(f"must name layers in [0, {self.num_hidden_layers}) exactly when sliding_window "
                                 f"({self.sliding_window}) is set", "config.sliding_window_layers")
-        for name in ("rope_local_theta", "query_pre_attn_scalar", "final_logit_softcapping"):
+        for name in ("rope_local_theta", "rope_linear_factor", "query_pre_attn_scalar", "final_logit_softcapping"):
             if getattr(self, name) < 0:
                 raise InvalidConfig("must be >= 0 (0: unset)", f"config.{name}")
         unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
@@ -414,7 +415,8 @@ CONFIG_SCHEMA: dict[str, tuple[str, float | None, float | None]] = {
     "kv_shared_layers": ("ints", 0, 1024), "num_centroids": ("int", 0, 2**20), "centroid_top_k": ("int", 0, 2**20),
     "sliding_window": ("int", 0, 2**28), "sliding_window_layers": ("ints", 0, 1024),
     # Gemma's optional floats: 0 = unset, so the range's open end is below it (validate() refuses negatives).
-    "rope_local_theta": ("float", -1.0, 1e12), "query_pre_attn_scalar": ("float", -1.0, 1e9),
+    "rope_local_theta": ("float", -1.0, 1e12), "rope_linear_factor": ("float", -1.0, 1e6),
+    "query_pre_attn_scalar": ("float", -1.0, 1e9),
     "final_logit_softcapping": ("float", -1.0, 1e9),
 }
 

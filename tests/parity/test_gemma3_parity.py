@@ -139,6 +139,22 @@ def test_chunked_prefill_and_decode_past_the_window_match_transformers(models: t
         np.testing.assert_allclose(row.step([token]), reference_logits(hf, ids), atol=2e-4, rtol=0)
 
 
+@pytest.mark.parametrize("path", ["kernel", "gqa"])
+def test_linear_rope_scaling_of_the_global_layers_matches_transformers(path: str) -> None:
+    """Gemma 3 4B/12B/27B scale their global layers' RoPE linearly (factor 8): a rotation before the table's."""
+    hf = randomised(transformers.Gemma3ForCausalLM(hf_config(rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})), seed=7)
+    config = config_from_hf(hf.config.to_dict(), kv_cache_dtype="fp32")
+    assert config.rope_linear_factor == 8.0
+    weights = {k: v.detach().numpy().astype(np.float32) for k, v in hf.state_dict().items()}
+    row = Row(config, lowered_session(build_gemma3_graph(config, weights), path),
+              hf.model.embed_tokens.weight.detach().numpy())
+    ids = prompt(120, seed=8)
+    row.step(ids[:77])
+    np.testing.assert_allclose(row.step(ids[77:]), reference_logits(hf, ids), atol=2e-4, rtol=0)
+
+
 def test_the_window_changes_the_answer(models: tuple) -> None:
     """Guard: the same weights with every layer global answer differently, so the parity above tests the window."""
     hf, config, model = models
@@ -220,8 +236,11 @@ def test_multimodal_checkpoint_dir_exports_its_text_model(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize(("change", "needle"), [
     (dict(layer_types=["sliding_attention"] * 5 + ["chunked_attention"]), "layer_types"),
-    (dict(rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+    (dict(rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 8.0, "rope_theta": 1e6},
                            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}), "rope_parameters"),
+    (dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                           "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}),
+     "rope_parameters"),
     (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping"),
     (dict(hidden_activation="relu"), "hidden_activation"),
 ])

@@ -4,10 +4,11 @@ the paged-KV ops, and its HF config mapping, weight names, synthetic model and r
 Gemma's differences from the llama graph: embeddings scaled by sqrt(hidden); zero-centred RMSNorms (x * (1 + w),
 stored as 1 + w) around both the attention and the MLP ("sandwich" norms) and on each q/k head; a GELU-tanh MLP;
 queries scaled by query_pre_attn_scalar^-0.5; logits soft-capped by tanh. Sliding layers attend over their last
-`sliding_window` positions (PagedAttention's `sliding_window` attribute) and rotate with their own RoPE base. The
-runtime feeds one RoPE table (rope_theta, the global layers'), so a sliding layer first rotates q and k by the
-difference of the two bases' angles and then by the table: rotations compose, so the result is the local RoPE, and
-every backend's K/V write and attention stay as they are. Each layer keeps a full-length KV cache for now.
+`sliding_window` positions (PagedAttention's `sliding_window` attribute) and rotate with their own RoPE base; the
+global layers may scale theirs linearly. The runtime feeds one plain RoPE table (rope_theta), so a layer whose
+frequencies differ first rotates q and k by the difference of the angles and then by the table: rotations compose,
+so the result is the layer's own RoPE, and every backend's K/V write and attention stay as they are. Each layer
+keeps a full-length KV cache for now.
 """
 
 from __future__ import annotations
@@ -35,21 +36,22 @@ if TYPE_CHECKING:
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")  # transformers' names of GELU's tanh approximation
 
 
-def rope_delta_frequencies(config: ModelConfig) -> np.ndarray | None:
-    """Per rotate-half frequency, the local base's inverse frequency minus the global's (None: the same base)."""
-    local = config.rope_local_theta or config.rope_theta
-    if local == config.rope_theta or not config.sliding_window_layers:
-        return None
+def rope_delta_frequencies(config: ModelConfig, sliding: bool) -> np.ndarray | None:
+    """Per rotate-half frequency, a layer type's inverse frequency (sliding: the local base; global: rope_theta's,
+    linearly scaled) minus the table's (None: they are the same)."""
     exponents = np.arange(0, config.head_dim, 2, dtype=np.float64) / config.head_dim
-    return (1.0 / local ** exponents - 1.0 / config.rope_theta ** exponents).astype(np.float32)
+    table = 1.0 / config.rope_theta ** exponents
+    own = 1.0 / (config.rope_local_theta or config.rope_theta) ** exponents if sliding else \
+        table / (config.rope_linear_factor or 1.0)
+    return None if np.array_equal(own, table) else (own - table).astype(np.float32)
 
 
-def _delta_rope(g: GraphWriter, embeds: str, delta: np.ndarray) -> tuple[str, str]:
-    """cos/sin [B,S,1,D/2] of positions start+i times `delta`: the extra rotation of a sliding layer."""
+def _delta_rope(g: GraphWriter, embeds: str, delta: np.ndarray, name: str) -> tuple[str, str]:
+    """cos/sin [B,S,1,D/2] of positions start+i times `delta`: a layer type's rotation before the table's."""
     seq = g.op("Squeeze", [g.dim(embeds, 1), g.const([0])])
     steps = g.op("Range", [g.const(0), seq, g.const(1)])
     positions = g.add(g.unsqueeze(g.cast("kvcache_start_index", INT64), [1]), g.unsqueeze(steps, [0]))
-    angles = g.mul(g.unsqueeze(g.cast(positions, FLOAT), [2, 3]), g.weight("rope_local_delta_inv_freq", delta))
+    angles = g.mul(g.unsqueeze(g.cast(positions, FLOAT), [2, 3]), g.weight(name, delta))
     return g.op("Cos", [angles]), g.op("Sin", [angles])
 
 
@@ -67,7 +69,7 @@ def _gelu_tanh(g: GraphWriter, x: str) -> str:
 
 
 def _attention(g: GraphWriter, config: ModelConfig, weights: dict[str, np.ndarray], layer: int, x: str,
-               rope: tuple[str, str], local: tuple[str, str] | None, inputs: list, outputs: list) -> str:
+               rope: tuple[str, str], extra: dict[bool, tuple[str, str] | None], inputs: list, outputs: list) -> str:
     p = f"model.layers.{layer}.self_attn."
     num_q, num_kv, head_dim, eps = config.num_attention_heads, config.num_key_value_heads, config.head_dim, \
         config.rms_norm_eps
@@ -75,9 +77,9 @@ def _attention(g: GraphWriter, config: ModelConfig, weights: dict[str, np.ndarra
     q = _head_norm(g, weights, q, num_q, head_dim, p + "q_norm.weight", eps)
     k = _head_norm(g, weights, k, num_kv, head_dim, p + "k_norm.weight", eps)
     sliding = layer in config.sliding_window_layers
-    if sliding and local is not None:  # the local base's extra angle; the table's rotation follows
-        q = apply_rope(g, q, num_q, head_dim, *local)
-        k = apply_rope(g, k, num_kv, head_dim, *local)
+    if extra[sliding] is not None:  # the layer type's extra angle; the table's rotation follows
+        q = apply_rope(g, q, num_q, head_dim, *extra[sliding])
+        k = apply_rope(g, k, num_kv, head_dim, *extra[sliding])
     q = apply_rope(g, q, num_q, head_dim, *rope)
     pool_in, pool_out = pool_input_name(layer), pool_output_name(layer)
     pool_shape = ["num_pages", 2, num_kv, "tokens_per_page", head_dim]
@@ -104,8 +106,10 @@ def build_gemma3_graph(config: ModelConfig, weights: dict[str, np.ndarray],
     `hidden_states`): the runtime's embedding rows come in unscaled, as the tied LM head reads them."""
     g = GraphWriter()
     rope = rope_inputs(g, "inputs_embeds")
-    delta = rope_delta_frequencies(config)
-    local = _delta_rope(g, "inputs_embeds", delta) if delta is not None else None
+    extra: dict[bool, tuple[str, str] | None] = {}
+    for sliding, name in ((True, "rope_sliding_delta_inv_freq"), (False, "rope_full_delta_inv_freq")):
+        delta = rope_delta_frequencies(config, sliding)
+        extra[sliding] = None if delta is None else _delta_rope(g, "inputs_embeds", delta, name)
     inputs = [
         value_info("inputs_embeds", FLOAT, ["batch", "seq", config.hidden_size]),
         value_info("context_lengths", INT32, ["batch"]),
@@ -122,7 +126,7 @@ def build_gemma3_graph(config: ModelConfig, weights: dict[str, np.ndarray],
     for layer in range(config.num_hidden_layers):
         p = f"model.layers.{layer}."
         x = g.rms_norm(hidden, centred_norm(g, weights, p + "input_layernorm.weight"), eps)
-        attn = _attention(g, config, weights, layer, x, rope, local, inputs, outputs)
+        attn = _attention(g, config, weights, layer, x, rope, extra, inputs, outputs)
         hidden = g.add(hidden, g.rms_norm(attn, centred_norm(g, weights, p + "post_attention_layernorm.weight"), eps))
         x = g.rms_norm(hidden, centred_norm(g, weights, p + "pre_feedforward_layernorm.weight"), eps)
         gate, up = fused_linears(g, weights, x, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
@@ -186,19 +190,22 @@ def layer_types(hf: dict[str, Any], layers: int) -> list[str]:
     return list(types)
 
 
-def rope_bases(hf: dict[str, Any]) -> tuple[float, float]:
-    """(global, local) RoPE bases from transformers 5's per-layer-type rope_parameters or the older flat fields;
-    only plain RoPE is reproduced (the runtime's table has no scaling)."""
+def rope_bases(hf: dict[str, Any]) -> tuple[float, float, float]:
+    """(global base, local base, the global layers' linear factor or 0) from transformers 5's per-layer-type
+    rope_parameters or the older flat fields; plain RoPE and linear scaling (global layers) are reproduced."""
     params = hf.get("rope_parameters") or {}
     per_type = {t: params.get(t) or {} for t in HF_LAYER_TYPES} if any(t in params for t in HF_LAYER_TYPES) else \
         {"full_attention": {**params, **(hf.get("rope_scaling") or {})}, "sliding_attention": {}}
     for kind, values in per_type.items():
         rope_type = values.get("rope_type", values.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"rope_parameters: {kind} rope_type {rope_type!r} is not supported (only default)")
-    full = per_type["full_attention"].get("rope_theta", hf.get("rope_theta", 1_000_000.0))
+        allowed = ("default", "linear") if kind == "full_attention" else ("default",)
+        if rope_type not in allowed:
+            raise ValueError(f"rope_parameters: {kind} rope_type {rope_type!r} is not supported (only "
+                             f"{' or '.join(allowed)})")
+    full = per_type["full_attention"]
+    factor = float(full.get("factor", 1.0)) if full.get("rope_type", full.get("type")) == "linear" else 0.0
     local = per_type["sliding_attention"].get("rope_theta", hf.get("rope_local_base_freq", 10_000.0))
-    return float(full), float(local)
+    return float(full.get("rope_theta", hf.get("rope_theta", 1_000_000.0))), float(local), factor
 
 
 def config_from_hf(hf: dict[str, Any], **common: Any) -> ModelConfig:
@@ -215,7 +222,7 @@ def config_from_hf(hf: dict[str, Any], **common: Any) -> ModelConfig:
     layers = int(hf["num_hidden_layers"])
     types = layer_types(hf, layers)
     sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
-    theta, local_theta = rope_bases(hf)
+    theta, local_theta, linear_factor = rope_bases(hf)
     heads = int(hf["num_attention_heads"])
     head_dim = int(hf.get("head_dim") or 256)
     return ModelConfig(
@@ -226,6 +233,7 @@ def config_from_hf(hf: dict[str, Any], **common: Any) -> ModelConfig:
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
         qk_norm=True, sliding_window=int(hf.get("sliding_window") or 4096) if sliding else 0,
         sliding_window_layers=sliding, rope_local_theta=local_theta if sliding else 0.0,
+        rope_linear_factor=0.0 if linear_factor == 1.0 else linear_factor,
         query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or head_dim),
         final_logit_softcapping=float(hf.get("final_logit_softcapping") or 0.0), **common)
 
