@@ -6,28 +6,21 @@ the ONNX Runtime lowering has (the CPU kernel, GroupQueryAttention, the op-by-op
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
-from support.ort_support import cpu_kernel_on, session_for
+from support.ort_support import cpu_kernel_on
+from support.paged_rows import CAPACITY, PATHS, Row, lowered_session
 
-from kvforge.builder.lower_ort import lower_for_onnxruntime, new_rows_name
 from kvforge.contract.model_config import ModelConfig
-from kvforge.plugins.reference import rope_table
-from kvforge.runtime.execution.backend import last_token_indices
 from kvforge.tools.export.families.gemma3 import build_gemma3_graph, config_from_hf
-from kvforge.tools.export.families.llama import pool_input_name
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-TOKENS_PER_PAGE, WINDOW, VOCAB = 16, 32, 96
-CAPACITY = 1600
+WINDOW, VOCAB = 32, 96
 LONG_PROMPT = 1500  # the issue's length, well past the window
-PATHS = ["kernel", "gqa", "op-by-op"]
 
 
 def hf_config(**overrides: object) -> object:
@@ -51,51 +44,6 @@ def randomised(hf: object, seed: int = 0) -> object:
             elif "embed_tokens" in name:
                 param.copy_(torch.randn_like(param) / param.shape[1] ** 0.5)
     return hf.eval()
-
-
-def lowered_session(model: onnx.ModelProto, path: str) -> ort.InferenceSession:
-    if path == "kernel" and not cpu_kernel_on():
-        pytest.skip("the kvforge CPU kernel does not build here")
-    lowered = lower_for_onnxruntime(onnx.ModelProto.FromString(model.SerializeToString()), kv_cache_dtype="fp32",
-                                    tokens_per_page=TOKENS_PER_PAGE, num_pages=CAPACITY // TOKENS_PER_PAGE,
-                                    cpu_kernel=path == "kernel", fused_attention=path != "op-by-op")
-    return session_for(lowered)
-
-
-@dataclass
-class Row:
-    """One sequence's pools (one per layer) and length: what a runner keeps between calls."""
-
-    config: ModelConfig
-    session: ort.InferenceSession
-    embedding: np.ndarray
-    pools: dict[int, np.ndarray] = field(default_factory=dict)
-    length: int = 0
-
-    def __post_init__(self) -> None:
-        c = self.config
-        shape = (CAPACITY // TOKENS_PER_PAGE, 2, c.num_key_value_heads, TOKENS_PER_PAGE, c.head_dim)
-        self.pools = {layer: np.zeros(shape, np.float32) for layer in range(c.num_hidden_layers)}
-
-    def step(self, ids: list[int]) -> np.ndarray:
-        """One call continuing the row by `ids`; the last token's logits."""
-        c = self.config
-        table = np.arange(CAPACITY // TOKENS_PER_PAGE, dtype=np.int32)[None]
-        feeds = {"inputs_embeds": self.embedding[ids][None].astype(np.float32),
-                 "context_lengths": np.array([len(ids)], np.int32),
-                 "kvcache_start_index": np.array([self.length], np.int32), "kv_page_table": table,
-                 "rope_rotary_cos_sin": rope_table(CAPACITY, c.rotary_dim, c.rope_theta),
-                 "logits_indices": last_token_indices([len(ids)], len(ids)),
-                 **{pool_input_name(layer): pool for layer, pool in self.pools.items()}}
-        names = [o.name for o in self.session.get_outputs()]
-        out = dict(zip(names, self.session.run(names, feeds), strict=True))
-        for layer, pool in self.pools.items():  # scatter the new K/V rows into the pages, as the runner does
-            rows = out[new_rows_name(pool_input_name(layer))][0]  # [S, 2, Hkv, D]
-            for i in range(len(ids)):
-                pos = self.length + i
-                pool[pos // TOKENS_PER_PAGE, :, :, pos % TOKENS_PER_PAGE] = rows[i]
-        self.length += len(ids)
-        return out["logits"][0]
 
 
 @pytest.fixture(scope="module")
@@ -170,12 +118,7 @@ def test_greedy_tokens_over_a_1500_token_prompt_equal_transformers(models: tuple
     expected = reference_greedy(hf, ids, 8)
     path = "kernel" if cpu_kernel_on() else "gqa"
     row = Row(config, lowered_session(model, path), hf.model.embed_tokens.weight.detach().numpy())
-    for start in range(0, len(ids) - 1, 512):  # prefill in chunks, as the scheduler does
-        logits = row.step(ids[start:start + 512])
-    tokens = [int(np.argmax(logits))]
-    while len(tokens) < len(expected):
-        tokens.append(int(np.argmax(row.step([tokens[-1]]))))
-    assert tokens == expected
+    assert row.greedy(ids, len(expected)) == expected
 
 
 # --- export: an HF checkpoint dir through llm_export's loader and writer, its chat template kept ------------------
