@@ -29,7 +29,8 @@ QUANTIZATIONS = ("none", "int8", "int4")  # linear weights: float32, or MatMulNB
 LM_HEADS = ("float", "int8", "int4")
 # Draft-only families: gemma4_assistant, a Gemma4 MTP assistant (its layers read the base's K/V, see
 # kv_shared_layers); qwen3_5_mtp, Qwen3.5's MTP layer (one gated-attention decoder layer with its own pool).
-MODEL_FAMILIES = ("llama", "qwen2", "qwen3", "mamba2", "qwen3_5", "gemma4_assistant", "qwen3_5_mtp", "gemma3")
+MODEL_FAMILIES = ("llama", "qwen2", "qwen3", "mamba2", "qwen3_5", "gemma4_assistant", "qwen3_5_mtp", "gemma3",
+                  "gemma4")
 RECURRENT_FAMILIES = ("mamba2",)  # every layer a Mamba2 mixer: no KV cache, carried conv + recurrent states
 # Attention layers with a paged KV pool interleaved with recurrent layers (Qwen3.5: gated delta-net + gated attention).
 HYBRID_FAMILIES = ("qwen3_5",)
@@ -105,11 +106,13 @@ class ModelConfig:
     centroid_top_k: int = 0
     # Gemma: the layers attending over only the last `sliding_window` positions (each keeps a full-length cache
     # for now), their RoPE base (0 = rope_theta), the other layers' linear RoPE scaling (0 = none), the query
-    # scale's denominator (0 = head_dim) and tanh softcap of the logits (0 = none).
+    # scale's denominator (0 = head_dim) and tanh softcap of the logits (0 = none). Gemma 4's global layers turn
+    # only their first rope_proportion of the rotate-half frequencies (proportional RoPE; 0 = all of them).
     sliding_window: int = 0
     sliding_window_layers: list[int] = field(default_factory=list)
     rope_local_theta: float = 0.0
     rope_linear_factor: float = 0.0
+    rope_proportion: float = 0.0
     query_pre_attn_scalar: float = 0.0
     final_logit_softcapping: float = 0.0
     format: str = EXPORT_FORMAT
@@ -214,7 +217,8 @@ class ModelConfig:
                 bool(self.sliding_window_layers) != bool(self.sliding_window):
             raise InvalidConfig(f"must name layers in [0, {self.num_hidden_layers}) exactly when sliding_window "
                                 f"({self.sliding_window}) is set", "config.sliding_window_layers")
-        for name in ("rope_local_theta", "rope_linear_factor", "query_pre_attn_scalar", "final_logit_softcapping"):
+        for name in ("rope_local_theta", "rope_linear_factor", "rope_proportion", "query_pre_attn_scalar",
+                     "final_logit_softcapping"):
             if getattr(self, name) < 0:
                 raise InvalidConfig("must be >= 0 (0: unset)", f"config.{name}")
         unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
@@ -416,6 +420,7 @@ CONFIG_SCHEMA: dict[str, tuple[str, float | None, float | None]] = {
     "sliding_window": ("int", 0, 2**28), "sliding_window_layers": ("ints", 0, 1024),
     # Gemma's optional floats: 0 = unset, so the range's open end is below it (validate() refuses negatives).
     "rope_local_theta": ("float", -1.0, 1e12), "rope_linear_factor": ("float", -1.0, 1e6),
+    "rope_proportion": ("float", -1.0, 1.0),
     "query_pre_attn_scalar": ("float", -1.0, 1e9),
     "final_logit_softcapping": ("float", -1.0, 1e9),
 }

@@ -66,11 +66,14 @@ class Row:
         self.length += len(ids)
         return out["logits"][0]
 
-    def greedy(self, prompt: list[int], count: int, chunk: int = 512) -> list[int]:
-        """Prefill `prompt` in chunks (as the scheduler does), then `count` greedy tokens."""
+    def greedy(self, prompt: list[int], count: int, banned: int, chunk: int = 512) -> list[int]:
+        """Prefill `prompt` in chunks (as the scheduler does), then `count` greedy tokens, never `banned` (end of
+        sequence: transformers' min_new_tokens suppresses it too)."""
         for start in range(0, len(prompt), chunk):
             logits = self.step(prompt[start:start + chunk])
-        tokens = [int(np.argmax(logits))]
+        tokens: list[int] = []
         while len(tokens) < count:
-            tokens.append(int(np.argmax(self.step([tokens[-1]]))))
+            if tokens:
+                logits = self.step([tokens[-1]])
+            tokens.append(int(np.argmax(np.where(np.arange(len(logits)) == banned, -np.inf, logits))))
         return tokens

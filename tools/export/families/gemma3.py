@@ -36,17 +36,26 @@ if TYPE_CHECKING:
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")  # transformers' names of GELU's tanh approximation
 
 
-def rope_delta_frequencies(config: ModelConfig, sliding: bool) -> np.ndarray | None:
-    """Per rotate-half frequency, a layer type's inverse frequency (sliding: the local base; global: rope_theta's,
-    linearly scaled) minus the table's (None: they are the same)."""
-    exponents = np.arange(0, config.head_dim, 2, dtype=np.float64) / config.head_dim
-    table = 1.0 / config.rope_theta ** exponents
-    own = 1.0 / (config.rope_local_theta or config.rope_theta) ** exponents if sliding else \
-        table / (config.rope_linear_factor or 1.0)
+def inverse_frequencies(config: ModelConfig, theta: float) -> np.ndarray:
+    """Rotate-half inverse frequencies of base `theta` over the whole head, float64 (the table's: rope_theta)."""
+    return 1.0 / theta ** (np.arange(0, config.head_dim, 2, dtype=np.float64) / config.head_dim)
+
+
+def frequency_delta(config: ModelConfig, own: np.ndarray) -> np.ndarray | None:
+    """A layer type's inverse frequencies minus the table's (None: they are the same)."""
+    table = inverse_frequencies(config, config.rope_theta)
     return None if np.array_equal(own, table) else (own - table).astype(np.float32)
 
 
-def _delta_rope(g: GraphWriter, embeds: str, delta: np.ndarray, name: str) -> tuple[str, str]:
+def rope_delta_frequencies(config: ModelConfig, sliding: bool) -> np.ndarray | None:
+    """The extra rotation of a Gemma 3 layer type: sliding layers turn with the local base, global ones with
+    rope_theta linearly scaled."""
+    if sliding:
+        return frequency_delta(config, inverse_frequencies(config, config.rope_local_theta or config.rope_theta))
+    return frequency_delta(config, inverse_frequencies(config, config.rope_theta) / (config.rope_linear_factor or 1.0))
+
+
+def delta_rope(g: GraphWriter, embeds: str, delta: np.ndarray, name: str) -> tuple[str, str]:
     """cos/sin [B,S,1,D/2] of positions start+i times `delta`: a layer type's rotation before the table's."""
     seq = g.op("Squeeze", [g.dim(embeds, 1), g.const([0])])
     steps = g.op("Range", [g.const(0), seq, g.const(1)])
@@ -61,7 +70,7 @@ def _head_norm(g: GraphWriter, weights: dict[str, np.ndarray], x: str, heads: in
     return g.reshape(normed, [0, 0, heads * head_dim])
 
 
-def _gelu_tanh(g: GraphWriter, x: str) -> str:
+def gelu_tanh(g: GraphWriter, x: str) -> str:
     # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))); ONNX's Gelu(approximate="tanh") needs opset 20.
     cube = g.mul(g.mul(x, x), x)
     inner = g.mul(g.add(x, g.mul(cube, g.const(0.044715, np.float32))), g.const(np.sqrt(2.0 / np.pi), np.float32))
@@ -109,7 +118,7 @@ def build_gemma3_graph(config: ModelConfig, weights: dict[str, np.ndarray],
     extra: dict[bool, tuple[str, str] | None] = {}
     for sliding, name in ((True, "rope_sliding_delta_inv_freq"), (False, "rope_full_delta_inv_freq")):
         delta = rope_delta_frequencies(config, sliding)
-        extra[sliding] = None if delta is None else _delta_rope(g, "inputs_embeds", delta, name)
+        extra[sliding] = None if delta is None else delta_rope(g, "inputs_embeds", delta, name)
     inputs = [
         value_info("inputs_embeds", FLOAT, ["batch", "seq", config.hidden_size]),
         value_info("context_lengths", INT32, ["batch"]),
@@ -131,7 +140,7 @@ def build_gemma3_graph(config: ModelConfig, weights: dict[str, np.ndarray],
         x = g.rms_norm(hidden, centred_norm(g, weights, p + "pre_feedforward_layernorm.weight"), eps)
         gate, up = fused_linears(g, weights, x, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
                                  p + "mlp.gate_up")
-        mlp = linear(g, weights, g.mul(_gelu_tanh(g, gate), up), p + "mlp.down_proj.weight")
+        mlp = linear(g, weights, g.mul(gelu_tanh(g, gate), up), p + "mlp.down_proj.weight")
         hidden = g.add(hidden, g.rms_norm(mlp, centred_norm(g, weights, p + "post_feedforward_layernorm.weight"), eps))
         layer_outputs.append(hidden)
         if progress:
