@@ -62,9 +62,6 @@ def patch_for_tensorrt(model: onnx.ModelProto, config: ModelConfig, geometry: Pa
 
 def _patch_plugin_node(node: onnx.NodeProto, geometry: PageGeometry) -> None:
     values = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    if values.get("sliding_window"):  # the CUDA kernels attend over every cached position
-        raise InvalidConfig("sliding-window attention layers have no TensorRT kernel yet; build with "
-                            "--backend onnxruntime", "backend")
     values.update({"tokens_per_page": geometry.tokens_per_page, PLUGIN_NAMESPACE_ATTR: ops.DOMAIN,
                    AOT_ATTR: 1})
     del node.attribute[:]
@@ -134,6 +131,9 @@ def build_tensorrt_engine(onnx_dir: Path, engine_dir: Path, config: ModelConfig,
                           step: Callable[[str], None] = lambda _m: None, *, max_lora_rank: int = 0,
                           speculative: dict[str, bool | int] | None = None) -> None:
     """The TensorRT half of build_engine: validated geometry in, a complete engine dir out."""
+    if config.sliding_window_layers:  # the CUDA kernels attend over every cached position
+        raise InvalidConfig("sliding-window attention layers (Gemma) have no TensorRT kernel yet; build with "
+                            "--backend onnxruntime", "backend")
     trt = require_tensorrt()
     if config.kv_cache_dtype not in TRT_KV_CACHE_DTYPES:
         raise InvalidConfig(f"kv_cache_dtype {config.kv_cache_dtype!r} has no TensorRT kernel; re-export with "

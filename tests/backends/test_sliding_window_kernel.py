@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
@@ -103,3 +104,25 @@ def test_reference_window_is_a_plain_masked_softmax() -> None:
 def test_negative_window_is_refused(library: Path) -> None:
     with pytest.raises(Exception, match="sliding_window"):
         _session(library, 16, -1, "fp32")
+
+
+def test_backends_without_a_window_refuse_sliding_layers_in_one_line(tmp_path: Path) -> None:
+    """TensorRT (its CUDA kernels attend over every cached position) and tree verification (a tree's positions are
+    not start + i) refuse a Gemma graph, each naming what to change."""
+    from kvforge.builder.build import BuildOptions
+    from kvforge.builder.lower_ort import lower_for_onnxruntime
+    from kvforge.builder.trt_build import build_tensorrt_engine
+    from kvforge.contract.errors import InvalidConfig
+    from kvforge.tools.export.sources.synthetic import synthetic_model
+    from kvforge.tools.export.writer import write_onnx_dir
+
+    loaded = synthetic_model("tiny-gemma3")
+    write_onnx_dir(loaded, tmp_path / "onnx")
+    geometry = BuildOptions(max_input_len=64, max_kv_cache_capacity=128).geometry(4096)
+    with pytest.raises(InvalidConfig, match="sliding-window .* --backend onnxruntime") as refused:
+        build_tensorrt_engine(tmp_path / "onnx", tmp_path / "engine", loaded.config, geometry)
+    assert refused.value.field == "backend" and not (tmp_path / "engine").exists()
+    model = onnx.load(tmp_path / "onnx" / "model.onnx")
+    with pytest.raises(InvalidConfig, match="tree attention .* sliding-window"):
+        lower_for_onnxruntime(model, kv_cache_dtype="fp16", tokens_per_page=16, num_pages=8, cpu_kernel=True,
+                              tree_inputs=True)
