@@ -9,6 +9,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from onnx import TensorProto, helper
 from support.ort_support import POOL_ELEM
 
@@ -126,3 +128,18 @@ def test_backends_without_a_window_refuse_sliding_layers_in_one_line(tmp_path: P
     with pytest.raises(InvalidConfig, match="tree attention .* sliding-window"):
         lower_for_onnxruntime(model, kv_cache_dtype="fp16", tokens_per_page=16, num_pages=8, cpu_kernel=True,
                               tree_inputs=True)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.lists(st.tuples(st.integers(0, 150), st.integers(0, 40)), min_size=1, max_size=3),
+       window=st.integers(1, 80), page=st.sampled_from([4, 16, 64]), dtype=st.sampled_from(["fp32", "fp16"]),
+       seed=st.integers(0, 2**16))
+def test_kernel_window_property(library: Path, rows: list[tuple[int, int]], window: int, page: int, dtype: str,
+                                seed: int) -> None:
+    """Any batch (rows of any cached length, chunk length 0 included), any window and page size: kernel = reference."""
+    starts, lengths = [s for s, _ in rows], [n for _, n in rows]
+    if not any(lengths):
+        lengths[0] = 1
+    feeds = _feeds(starts, lengths, page, dtype, seed)
+    got = _session(library, page, window, dtype).run(None, feeds)[0]
+    np.testing.assert_allclose(got, _reference(feeds, window, dtype), rtol=0, atol=TOLERANCE)
