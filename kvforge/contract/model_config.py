@@ -192,6 +192,13 @@ class ModelConfig:
         return int(self.head_dim * self.partial_rotary_factor) // 2 * 2
 
     @property
+    def uniform_rope(self) -> bool:
+        """Whether every layer's keys turn by the runtime's RoPE table alone: what moving stored keys to another
+        position with that table (document reuse) needs. Gemma's other bases, scalings and proportions do not."""
+        return not ((self.rope_local_theta and self.rope_local_theta != self.rope_theta and self.sliding_window_layers)
+                    or self.rope_linear_factor or self.rope_proportion)
+
+    @property
     def conv_dim(self) -> int:
         """Channels of the causal conv: the SSM input plus its B and C projections."""
         return self.recurrent_state_num_heads * self.recurrent_state_head_dim + \

@@ -54,6 +54,10 @@ def models() -> tuple[object, ModelConfig, onnx.ModelProto]:
     config.validate()
     assert config.sliding_window_layers == [0, 1, 2, 3, 4] and config.sliding_window == WINDOW
     assert (config.rope_theta, config.rope_local_theta, config.query_pre_attn_scalar) == (1e6, 1e4, 24.0)
+    assert not config.uniform_rope  # document reuse's key rotation by the table would be wrong here
+    assert config_from_hf(hf_config(rope_parameters={"full_attention": {"rope_theta": 1e4},
+                                                     "sliding_attention": {"rope_theta": 1e4}}).to_dict(),
+                          kv_cache_dtype="fp32").uniform_rope
     return hf, config, build_gemma3_graph(config, weights)
 
 

@@ -57,6 +57,7 @@ def models() -> tuple[object, ModelConfig, object]:
     hf = randomised(transformers.Gemma4ForCausalLM(hf_config()))
     config, model = exported(hf)
     assert config.sliding_window_layers == [0, 1, 2, 3, 4] and config.rope_proportion == 0.25
+    assert not config.uniform_rope  # document reuse's key rotation by the table would be wrong here
     assert (config.rope_theta, config.rope_local_theta) == (1e6, 1e4)
     return hf, config, model
 
