@@ -113,6 +113,9 @@ class ModelConfig:
     rope_local_theta: float = 0.0
     rope_linear_factor: float = 0.0
     rope_proportion: float = 0.0
+    # Gemma 4's KV sharing: per layer, the layer whose pool it attends over (itself: its own pool; an earlier layer:
+    # no pool, no K/V projections). Empty = every layer its own.
+    kv_source_layers: list[int] = field(default_factory=list)
     query_pre_attn_scalar: float = 0.0
     final_logit_softcapping: float = 0.0
     format: str = EXPORT_FORMAT
@@ -159,11 +162,12 @@ class ModelConfig:
     @property
     def attention_layer_ids(self) -> list[int]:
         """Absolute indices of the layers with a KV pool (`past_key_values_{i}`): all of them unless layer_types
-        says otherwise."""
+        says otherwise, less the layers attending over an earlier layer's pool (kv_source_layers)."""
         if self.reads_base_kv:
             return []
         if not self.layer_types:
-            return list(range(self.num_hidden_layers))
+            return [i for i in range(self.num_hidden_layers) if not self.kv_source_layers or
+                    self.kv_source_layers[i] == i]
         return [i for i, t in enumerate(self.layer_types) if t == "attention"]
 
     @property
@@ -224,6 +228,12 @@ class ModelConfig:
                 bool(self.sliding_window_layers) != bool(self.sliding_window):
             raise InvalidConfig(f"must name layers in [0, {self.num_hidden_layers}) exactly when sliding_window "
                                 f"({self.sliding_window}) is set", "config.sliding_window_layers")
+        sources = self.kv_source_layers
+        if sources and (len(sources) != self.num_hidden_layers or self.layer_types or
+                        any(not (s == i or (s < i and sources[s] == s and (s in self.sliding_window_layers) ==
+                                            (i in self.sliding_window_layers))) for i, s in enumerate(sources))):
+            raise InvalidConfig("must name, per layer, itself or an earlier layer of its kind that has its own pool",
+                                "config.kv_source_layers")
         for name in ("rope_local_theta", "rope_linear_factor", "rope_proportion", "query_pre_attn_scalar",
                      "final_logit_softcapping"):
             if getattr(self, name) < 0:
@@ -427,7 +437,7 @@ CONFIG_SCHEMA: dict[str, tuple[str, float | None, float | None]] = {
     "sliding_window": ("int", 0, 2**28), "sliding_window_layers": ("ints", 0, 1024),
     # Gemma's optional floats: 0 = unset, so the range's open end is below it (validate() refuses negatives).
     "rope_local_theta": ("float", -1.0, 1e12), "rope_linear_factor": ("float", -1.0, 1e6),
-    "rope_proportion": ("float", -1.0, 1.0),
+    "rope_proportion": ("float", -1.0, 1.0), "kv_source_layers": ("ints", 0, 1024),
     "query_pre_attn_scalar": ("float", -1.0, 1e9),
     "final_logit_softcapping": ("float", -1.0, 1e9),
 }

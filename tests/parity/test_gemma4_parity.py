@@ -105,6 +105,73 @@ def test_plain_global_rope_matches_transformers() -> None:
     np.testing.assert_allclose(row.step(ids), reference_logits(hf, ids), atol=2e-4, rtol=0)
 
 
+SHARED_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+
+
+@pytest.fixture(scope="module")
+def shared() -> tuple[object, ModelConfig, object]:
+    """The last two layers share K/V: layer 4 (sliding) reads layer 3's pool, layer 5 (global) layer 2's; their
+    MLPs are double-wide, as transformers makes the KV-shared layers' with use_double_wide_mlp."""
+    hf = randomised(transformers.Gemma4ForCausalLM(hf_config(  # the byte-level tokenizer's 259 tokens fit
+        vocab_size=320, layer_types=SHARED_TYPES, num_kv_shared_layers=2, use_double_wide_mlp=True)), seed=5)
+    config, model = exported(hf)
+    assert config.kv_source_layers == [0, 1, 2, 3, 3, 2] and config.attention_layer_ids == [0, 1, 2, 3]
+    assert hf.model.layers[5].mlp.up_proj.weight.shape[0] == 2 * hf.config.intermediate_size
+    return hf, config, model
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_kv_shared_layers_read_their_sources_pool(shared: tuple, path: str) -> None:
+    hf, config, model = shared
+    names = {i.name for i in model.graph.input}
+    assert {"past_key_values_3", "past_key_values_2"} <= names and "past_key_values_4" not in names
+    row, ids = Row(config, lowered_session(model, path), hf.model.embed_tokens.weight.detach().numpy()), prompt(80)
+    row.step(ids[:45])
+    np.testing.assert_allclose(row.step(ids[45:]), reference_logits(hf, ids), atol=2e-4, rtol=0)
+    ids = ids + [9]
+    np.testing.assert_allclose(row.step([9]), reference_logits(hf, ids), atol=2e-4, rtol=0)
+
+
+def test_kv_shared_checkpoint_runs_in_the_engine_with_reuse(tmp_path: Path, shared: tuple) -> None:
+    """The engine allocates pools for the four owning layers only; a second turn hits the first's pages and both
+    greedy answers equal transformers'."""
+    from support.engine_driver import make_engine
+
+    from kvforge.builder.build import BuildOptions, build_engine
+    from kvforge.runtime.sequence import EngineRequest
+    from kvforge.runtime.types import SamplingParams
+    from kvforge.tools.export.sources.hf import load_hf_dir
+    from kvforge.tools.export.sources.synthetic import byte_level_tokenizer
+    from kvforge.tools.export.writer import write_onnx_dir
+
+    hf = shared[0]
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    byte_level_tokenizer().save(str(tmp_path / "hf" / "tokenizer.json"))
+    write_onnx_dir(load_hf_dir(tmp_path / "hf", kv_cache_dtype="fp32"), tmp_path / "onnx")
+    build_engine(tmp_path / "onnx", tmp_path / "engine", BuildOptions(max_input_len=256, max_kv_cache_capacity=512,
+                                                                      tokens_per_page=16))
+    eos = hf.config.eos_token_id
+    first = prompt(120, seed=9)
+    with torch.no_grad():
+        expected_first = hf.generate(torch.tensor([first]), max_new_tokens=5, min_new_tokens=5,
+                                     do_sample=False)[0, len(first):].tolist()
+        second = first + expected_first + prompt(30, seed=10)
+        expected_second = hf.generate(torch.tensor([second]), max_new_tokens=5, min_new_tokens=5,
+                                      do_sample=False)[0, len(second):].tolist()
+    engine = make_engine(tmp_path / "engine", reuse=True, prefill_chunk_size=64)
+    assert len(engine.backend.kv_store.layers) == 4
+    greedy = SamplingParams(max_generate_length=5, temperature=0.0, logit_bias={eos: -100.0})
+    answers, cached = [], []
+    for ids in (first, second):
+        engine.add_request(EngineRequest(ids, greedy))
+        done = []
+        while not done:
+            done = [o for o in engine.step() if o.finished]
+        answers.append(done[0].token_ids)
+        cached.append(done[0].cached_tokens)
+    assert answers == [expected_first, expected_second] and cached[1] > 0
+
+
 def test_hf_checkpoint_dir_exports_and_matches_transformers(tmp_path: Path, models: tuple) -> None:
     from kvforge.contract.files import read_json
     from kvforge.tools.export.sources.hf import load_hf_dir
@@ -130,7 +197,7 @@ def test_hf_checkpoint_dir_exports_and_matches_transformers(tmp_path: Path, mode
 @pytest.mark.parametrize(("change", "needle"), [
     (dict(hidden_size_per_layer_input=16), "hidden_size_per_layer_input"),
     (dict(per_layer_config={"5": {"head_dim": 64}}), "global_head_dim"),
-    (dict(num_kv_shared_layers=2), "num_kv_shared_layers"),
+    (dict(num_kv_shared_layers=6), "num_kv_shared_layers"),
     (dict(attention_k_eq_v=True), "attention_k_eq_v"),
     (dict(enable_moe_block=True), "enable_moe_block"),
     (dict(layer_types=["sliding_attention"] * 5 + ["chunked_attention"]), "layer_types"),

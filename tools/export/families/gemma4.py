@@ -5,10 +5,11 @@ What differs from Gemma 3 (gemma3.py, whose RoPE pre-rotation and sliding window
 (x * w), a scale-free RMSNorm on each value head, attention without a query scale (the q/k norms replace it), a
 learned scalar multiplying each layer's output, and proportional RoPE on the global layers (only the first
 `partial_rotary_factor` of the rotate-half frequencies turn; the rest stay still, which the pre-rotation expresses
-as a negative turn of the table's angle). Refused until the runtime has them: per-layer embeddings
-(hidden_size_per_layer_input: they look up token ids the graph does not get), global layers with their own head
-size (global_head_dim: one pool shape per engine), KV shared between layers (num_kv_shared_layers), keys used as
-values (attention_k_eq_v) and the mixture-of-experts block.
+as a negative turn of the table's angle), and KV shared between layers: the last `num_kv_shared_layers` layers
+project queries only and attend over the pool of the last earlier layer of their kind (ModelConfig.kv_source_layers;
+they get no pool). Refused until the runtime has them: per-layer embeddings (hidden_size_per_layer_input: they look
+up token ids the graph does not get), global layers with their own head size (global_head_dim: one pool shape per
+engine), keys used as values (attention_k_eq_v) and the mixture-of-experts block.
 """
 
 from __future__ import annotations
@@ -68,23 +69,31 @@ def _attention(g: GraphWriter, config: ModelConfig, weights: dict[str, np.ndarra
     p = f"model.layers.{layer}.self_attn."
     num_q, num_kv, head_dim, eps = config.num_attention_heads, config.num_key_value_heads, config.head_dim, \
         config.rms_norm_eps
-    q, k, v = fused_linears(g, weights, x, [p + f"{n}_proj.weight" for n in "qkv"], p + "qkv")
-    q = _head_norm(g, q, num_q, head_dim, _weight(g, weights, p + "q_norm.weight"), eps)
-    k = _head_norm(g, k, num_kv, head_dim, _weight(g, weights, p + "k_norm.weight"), eps)
-    v = _head_norm(g, v, num_kv, head_dim, g.const(np.float32(1.0), np.float32), eps)  # v_norm has no scale
     sliding = layer in config.sliding_window_layers
+    source = config.kv_source_layers[layer] if config.kv_source_layers else layer
+    if source != layer:  # a KV-shared layer: its query attends over the source layer's pool, written this call
+        q = _head_norm(g, linear(g, weights, x, p + "q_proj.weight"), num_q, head_dim,
+                       _weight(g, weights, p + "q_norm.weight"), eps)
+    else:
+        q, k, v = fused_linears(g, weights, x, [p + f"{n}_proj.weight" for n in "qkv"], p + "qkv")
+        q = _head_norm(g, q, num_q, head_dim, _weight(g, weights, p + "q_norm.weight"), eps)
+        k = _head_norm(g, k, num_kv, head_dim, _weight(g, weights, p + "k_norm.weight"), eps)
+        v = _head_norm(g, v, num_kv, head_dim, g.const(np.float32(1.0), np.float32), eps)  # v_norm has no scale
+        if extra[sliding] is not None:
+            k = apply_rope(g, k, num_kv, head_dim, *extra[sliding])
     if extra[sliding] is not None:  # the layer type's extra angle; the table's rotation follows
         q = apply_rope(g, q, num_q, head_dim, *extra[sliding])
-        k = apply_rope(g, k, num_kv, head_dim, *extra[sliding])
     q = apply_rope(g, q, num_q, head_dim, *rope)
-    pool_in, pool_out = pool_input_name(layer), pool_output_name(layer)
-    pool_shape = ["num_pages", 2, num_kv, "tokens_per_page", head_dim]
-    inputs.append(value_info(pool_in, POOL_ELEM_TYPES[config.kv_cache_dtype], pool_shape))
-    outputs.append(value_info(pool_out, POOL_ELEM_TYPES[config.kv_cache_dtype], pool_shape))
-    g.op(ops.PAGED_KV_WRITE.name, [k, v, "rope_rotary_cos_sin", "context_lengths", "kvcache_start_index",
-                                   "kv_page_table", pool_in],
-         outputs=[pool_out], domain=ops.DOMAIN, name=f"paged_kv_write_{layer}", num_kv_heads=num_kv,
-         head_dim=head_dim, tokens_per_page=0)
+    if source == layer:
+        pool_in = pool_input_name(layer)
+        pool_shape = ["num_pages", 2, num_kv, "tokens_per_page", head_dim]
+        inputs.append(value_info(pool_in, POOL_ELEM_TYPES[config.kv_cache_dtype], pool_shape))
+        outputs.append(value_info(pool_output_name(layer), POOL_ELEM_TYPES[config.kv_cache_dtype], pool_shape))
+        g.op(ops.PAGED_KV_WRITE.name, [k, v, "rope_rotary_cos_sin", "context_lengths", "kvcache_start_index",
+                                       "kv_page_table", pool_in],
+             outputs=[pool_output_name(layer)], domain=ops.DOMAIN, name=f"paged_kv_write_{layer}",
+             num_kv_heads=num_kv, head_dim=head_dim, tokens_per_page=0)
+    pool_out = pool_output_name(source)
     window = {"sliding_window": config.sliding_window} if sliding else {}
     attn = g.op(ops.PAGED_ATTENTION.name, [q, pool_out, "context_lengths", "kvcache_start_index", "kv_page_table"],
                 domain=ops.DOMAIN, name=f"paged_attention_{layer}", num_q_heads=num_q, num_kv_heads=num_kv,
@@ -149,6 +158,21 @@ _LAYER_TENSORS = ("input_layernorm.weight", "post_attention_layernorm.weight", "
                   "self_attn.v_proj.weight", "self_attn.o_proj.weight", "self_attn.q_norm.weight",
                   "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
                   "layer_scalar")
+_OWN_KV_TENSORS = ("self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.k_norm.weight")
+
+
+def kv_sources(types: list[str], shared: int) -> list[int]:
+    """Per layer, the layer whose pool it reads: itself, or for the last `shared` layers the last earlier layer of
+    its kind (transformers' kv_sharing_modes: that layer "stores" its full-length K/V); [] when none is shared."""
+    if not shared:
+        return []
+    first = len(types) - shared
+    producers = {t: max((i for i in range(first) if types[i] == t), default=None) for t in set(types[first:])}
+    missing = sorted(t for t, i in producers.items() if i is None)
+    if missing or first <= 0:
+        raise ValueError(f"num_kv_shared_layers={shared}: no earlier {missing[0] if missing else 'layer'} layer "
+                         "to share K/V from")
+    return [i if i < first else producers[t] for i, t in enumerate(types)]
 
 
 def _global_head_dims(hf: dict[str, Any], types: list[str]) -> set[int]:
@@ -187,8 +211,6 @@ def config_from_hf(hf: dict[str, Any], **common: Any) -> ModelConfig:
                  "per-layer embeddings need the token ids, which the runtime does not feed the graph yet"),
                 ("global_head_dim", _global_head_dims({**hf, "head_dim": head_dim}, types) - {head_dim},
                  f"global layers with another head size than head_dim {head_dim} need per-layer pool shapes"),
-                ("num_kv_shared_layers", int(hf.get("num_kv_shared_layers") or 0) > 0,
-                 "KV shared between layers needs pools only for the producing layers"),
                 ("attention_k_eq_v", bool(hf.get("attention_k_eq_v")), "keys used as values are not exported"),
                 ("enable_moe_block", bool(hf.get("enable_moe_block")), "the mixture-of-experts block is not exported"),
                 ("use_bidirectional_attention", bool(hf.get("use_bidirectional_attention")), "causal only"),
@@ -210,6 +232,7 @@ def config_from_hf(hf: dict[str, Any], **common: Any) -> ModelConfig:
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
         qk_norm=True, sliding_window=int(hf.get("sliding_window") or 512) if sliding else 0,
         sliding_window_layers=sliding, rope_local_theta=local_theta if sliding else 0.0, rope_proportion=proportion,
+        kv_source_layers=kv_sources(types, int(hf.get("num_kv_shared_layers") or 0)),
         final_logit_softcapping=float(hf.get("final_logit_softcapping") or 0.0), **common)
 
 
@@ -222,8 +245,11 @@ def checkpoint_name(name: str) -> str | None:
 
 
 def expected_names(config: ModelConfig) -> list[str]:
+    """A KV-shared layer (kv_source_layers) has no k/v projections or k norm."""
     names = ["model.embed_tokens.weight", "model.norm.weight"]
-    return names + [f"model.layers.{i}.{t}" for i in range(config.num_hidden_layers) for t in _LAYER_TENSORS]
+    owners = set(config.attention_layer_ids)
+    return names + [f"model.layers.{i}.{t}" for i in range(config.num_hidden_layers) for t in _LAYER_TENSORS
+                    if i in owners or t not in _OWN_KV_TENSORS]
 
 
 def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
@@ -253,6 +279,9 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
                         p + "mlp.up_proj.weight": dense(inter, hidden),
                         p + "mlp.down_proj.weight": dense(hidden, inter),
                         p + "layer_scalar": np.array([0.5 + rng.random()], np.float32)})
+        if i not in config.attention_layer_ids:
+            for name in _OWN_KV_TENSORS:
+                del weights[p + name]
     if not config.tie_word_embeddings:
         weights["lm_head.weight"] = dense(config.vocab_size, hidden)
     return weights
