@@ -255,3 +255,11 @@ def test_synthetic_engine_answers_equal_transformers_with_and_without_reuse(tmp_
             cached.append(done[0].cached_tokens)
         assert answers == [expected_first, expected_second], reuse
         assert (cached[1] > 0) == reuse
+
+
+@pytest.mark.parametrize("synthetic", ["tiny-gemma3", "tiny-gemma4"])
+def test_quantized_gemma_exports_are_refused_in_one_line(run_cli, tmp_path: Path, synthetic: str) -> None:
+    from support.cli_checks import assert_one_line_error
+
+    export = run_cli(["llm_export", "--synthetic", synthetic, "--outputDir", tmp_path / "q", "--quantization", "int4"])
+    assert_one_line_error(export, "--quantization", "float32")
