@@ -1,7 +1,7 @@
 """The exported Gemma 4 graph (lowered for ONNX Runtime) against transformers' Gemma4ForCausalLM on tiny random
-configs the runtime can hold (one head size, no per-layer embeddings, no KV sharing): plain-weight norms, the value
-norm, no query scale, layer scalars, proportional RoPE on the global layer, sliding layers (window 32) past their
-window. The rest of Gemma 4 is refused in one line naming the field."""
+configs the runtime can hold (one head size): plain-weight norms, the value norm, no query scale, layer scalars,
+proportional RoPE on the global layer, sliding layers (window 32) past their window, KV sharing, per-layer
+embeddings. The rest of Gemma 4 is refused in one line naming the field."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 from support.ort_support import cpu_kernel_on
 from support.paged_rows import CAPACITY, PATHS, Row, lowered_session
 
+from kvforge.contract.engine_dir import PER_LAYER_INPUT
 from kvforge.contract.model_config import ModelConfig
 from kvforge.tools.export.families.gemma4 import build_gemma4_graph, config_from_hf
 
@@ -173,6 +174,97 @@ def test_kv_shared_checkpoint_runs_in_the_engine_with_reuse(tmp_path: Path, shar
     assert answers == [expected_first, expected_second] and cached[1] > 0
 
 
+PER_LAYER = dict(hidden_size_per_layer_input=16, vocab_size=320, vocab_size_per_layer_input=352)
+
+
+@pytest.fixture(scope="module")
+def per_layer() -> tuple[object, ModelConfig, object]:
+    """Per-layer embeddings 16 wide; the table has more rows than the vocabulary (the export keeps the ids' rows)
+    and entries of norm ~1, so each token's row matters."""
+    torch.manual_seed(12)  # the projections' init too: the same model whatever ran before
+    hf = randomised(transformers.Gemma4ForCausalLM(hf_config(**PER_LAYER)), seed=12)
+    with torch.no_grad():
+        hf.model.embed_tokens_per_layer.weight.normal_()
+    config, model = exported(hf)
+    assert config.hidden_size_per_layer_input == 16 and PER_LAYER_INPUT in {i.name for i in model.graph.input}
+    return hf, config, model
+
+
+def per_layer_row(hf: object, config: ModelConfig, model: object, path: str) -> Row:
+    return Row(config, lowered_session(model, path), hf.model.embed_tokens.weight.detach().numpy(),
+               per_layer=hf.model.embed_tokens_per_layer.weight.detach().numpy())
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_per_layer_embeddings_match_transformers_past_the_window(per_layer: tuple, path: str) -> None:
+    hf, config, model = per_layer
+    row, ids = per_layer_row(hf, config, model, path), prompt(90, seed=13)
+    row.step(ids[:37])
+    np.testing.assert_allclose(row.step(ids[37:]), reference_logits(hf, ids), atol=2e-4, rtol=0)
+    for token in (3, 250):
+        ids = ids + [token]
+        np.testing.assert_allclose(row.step([token]), reference_logits(hf, ids), atol=2e-4, rtol=0)
+
+
+def test_per_layer_embeddings_change_the_answer(per_layer: tuple) -> None:
+    """The per-layer rows are not a no-op: another token's rows give other logits."""
+    hf, config, model = per_layer
+    ids = prompt(40, seed=14)
+    table = hf.model.embed_tokens_per_layer.weight.detach().numpy()
+    row = per_layer_row(hf, config, model, "gqa")
+    wrong = Row(config, lowered_session(model, "gqa"), hf.model.embed_tokens.weight.detach().numpy(),
+                per_layer=np.roll(table, 1, axis=0))
+    assert np.abs(row.step(ids) - wrong.step(ids)).max() > 1e-2
+
+
+def test_per_layer_checkpoint_runs_in_the_engine_cold_and_with_reuse(tmp_path: Path, per_layer: tuple) -> None:
+    """llm_export's HF dir path writes the per-layer table (the vocabulary's rows), llm_build copies it, and the
+    engine feeds each token's rows: a 300-token prompt past the window, then a second turn extending it (a reuse
+    hit); both greedy answers equal transformers'."""
+    from safetensors.numpy import load_file
+    from support.engine_driver import make_engine
+
+    from kvforge.builder.build import BuildOptions, build_engine
+    from kvforge.contract.engine_dir import EMBEDDING_TENSOR, PER_LAYER_EMBEDDING_FILE
+    from kvforge.runtime.sequence import EngineRequest
+    from kvforge.runtime.types import SamplingParams
+    from kvforge.tools.export.sources.hf import load_hf_dir
+    from kvforge.tools.export.sources.synthetic import byte_level_tokenizer
+    from kvforge.tools.export.writer import write_onnx_dir
+
+    hf = per_layer[0]
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    byte_level_tokenizer().save(str(tmp_path / "hf" / "tokenizer.json"))
+    write_onnx_dir(load_hf_dir(tmp_path / "hf", kv_cache_dtype="fp32"), tmp_path / "onnx")
+    build_engine(tmp_path / "onnx", tmp_path / "engine", BuildOptions(max_input_len=512, max_kv_cache_capacity=1024,
+                                                                      tokens_per_page=16))
+    table = load_file(str(tmp_path / "engine" / PER_LAYER_EMBEDDING_FILE))[EMBEDDING_TENSOR]
+    np.testing.assert_array_equal(table, hf.model.embed_tokens_per_layer.weight.detach().numpy()[:320])
+    eos = hf.config.eos_token_id
+    first = prompt(300, seed=15)
+
+    def generate(ids: list[int]) -> list[int]:  # an explicit mask: a generated pad token (0) stays attended to
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                              max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        return out[0, len(ids):].tolist()
+
+    expected_first = generate(first)
+    second = first + expected_first + prompt(40, seed=16)
+    expected_second = generate(second)
+    engine = make_engine(tmp_path / "engine", reuse=True, prefill_chunk_size=64)
+    greedy = SamplingParams(max_generate_length=6, temperature=0.0, logit_bias={eos: -100.0})
+    answers, cached = [], []
+    for ids in (first, second):
+        engine.add_request(EngineRequest(ids, greedy))
+        done = []
+        while not done:
+            done = [o for o in engine.step() if o.finished]
+        answers.append(done[0].token_ids)
+        cached.append(done[0].cached_tokens)
+    assert answers == [expected_first, expected_second] and cached[1] > 0
+
+
 def test_hf_checkpoint_dir_exports_and_matches_transformers(tmp_path: Path, models: tuple) -> None:
     from kvforge.contract.files import read_json
     from kvforge.tools.export.sources.hf import load_hf_dir
@@ -196,7 +288,7 @@ def test_hf_checkpoint_dir_exports_and_matches_transformers(tmp_path: Path, mode
 
 
 @pytest.mark.parametrize(("change", "needle"), [
-    (dict(hidden_size_per_layer_input=16), "hidden_size_per_layer_input"),
+    (dict(hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB - 1), "vocab_size_per_layer_input"),
     (dict(per_layer_config={"5": {"head_dim": 64}}), "global_head_dim"),
     (dict(num_kv_shared_layers=6), "num_kv_shared_layers"),
     (dict(attention_k_eq_v=True), "attention_k_eq_v"),
