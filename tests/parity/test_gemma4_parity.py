@@ -375,3 +375,40 @@ def test_multimodal_checkpoint_dir_exports_its_text_model(tmp_path: Path) -> Non
     with torch.no_grad():
         expected = full(input_ids=torch.tensor([ids])).logits[0, -1].numpy()
     np.testing.assert_allclose(row.step(ids), expected, atol=2e-4, rtol=0)
+
+
+def test_executor_feeds_the_pad_rows_per_layer_at_media_positions() -> None:
+    """transformers' Gemma4Model looks a media placeholder up in the per-layer table as the pad token (its
+    projection part comes from the spliced media row); the executor feeds the same, chunk by chunk."""
+    from types import SimpleNamespace
+
+    from kvforge.runtime.context_cache.keys import MediaKey
+    from kvforge.runtime.execution.backend import ForwardOutput
+    from kvforge.runtime.execution.executor import ModelExecutor
+    from kvforge.runtime.media_spans import MediaSpan
+    from kvforge.runtime.step import ScheduledRow
+
+    calls = []
+
+    class Recording:
+        def forward(self, step: object) -> ForwardOutput:
+            calls.append(step)
+            return ForwardOutput(np.zeros((1, 4), np.float32))
+
+    rng = np.random.default_rng(0)
+    embedding, table = rng.standard_normal((10, 3)), rng.standard_normal((10, 6))
+    media = MediaSpan(MediaKey(2, 4, b"image"), np.full((4, 3), 7.0, np.float32))
+    ids = [1, 2, 9, 9, 9, 9, 3, 4]
+    seq = SimpleNamespace(num_computed_tokens=0, all_token_ids=lambda: ids, lease=SimpleNamespace(page_ids=[0]),
+                          request=SimpleNamespace(adapter=None, adapter_start=0, media=[media]))
+    executor = ModelExecutor(Recording(), embedding, {}, per_layer=table, media_row=5)  # type: ignore[arg-type]
+    for count in (4, 4):  # the span straddles the two chunks
+        executor.run([ScheduledRow(seq, count, True)])  # type: ignore[arg-type]
+        seq.num_computed_tokens += count
+    fed = np.concatenate([call.extra_inputs[PER_LAYER_INPUT][0] for call in calls])
+    embeds = np.concatenate([call.inputs_embeds[0] for call in calls])
+    expected = table[ids]
+    expected[2:6] = table[5]
+    np.testing.assert_array_equal(fed, expected.astype(np.float32))
+    assert (embeds[2:6] == 7.0).all()
+    np.testing.assert_array_equal(embeds[[0, 1, 6, 7]], embedding[[1, 2, 3, 4]].astype(np.float32))
