@@ -222,7 +222,7 @@ def _global_head_dims(hf: dict[str, Any], types: list[str]) -> set[int]:
     return {int(hf.get("global_head_dim", 512))} if "full_attention" in types else set()
 
 
-def _rope(hf: dict[str, Any]) -> tuple[float, float, float]:
+def rope_bases(hf: dict[str, Any]) -> tuple[float, float, float]:
     """(global base, local base, the global layers' rotating fraction or 0) from rope_parameters."""
     params = hf.get("rope_parameters") or {}
     full = params.get("full_attention") or {"rope_type": "proportional", "partial_rotary_factor": 0.25,
@@ -263,7 +263,7 @@ def config_from_hf(hf: dict[str, Any], **common: Any) -> ModelConfig:
     if activation not in GELU_TANH:
         raise ValueError(f"hidden_activation {activation!r} is not supported (only {GELU_TANH[0]})")
     sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
-    theta, local_theta, proportion = _rope(hf)
+    theta, local_theta, proportion = rope_bases(hf)
     heads = int(hf["num_attention_heads"])
     return ModelConfig(
         model="gemma4", vocab_size=vocab, hidden_size=int(hf["hidden_size"]),
