@@ -123,3 +123,19 @@ def test_an_assistant_that_does_not_fit_the_gemma4_base_is_refused(engines: dict
         with pytest.raises(KvforgeError, match=needle) as error:
             export_gemma4_assistant(hf, engines["base_onnx"], tmp_path / "refused")
         assert error.value.field == "--draftDir"
+
+
+def test_the_support_tables_sliding_window_column_decides(engines: dict[str, Path]) -> None:
+    """Prompt lookup runs on the sliding-window base and changes no token; EAGLE3 is refused in one line naming
+    --specDecode before its draft is looked for."""
+    from kvforge.contract.errors import InvalidConfig
+    from kvforge.contract.speculation import SPEC_SUPPORT
+
+    assert [name for name, row in SPEC_SUPPORT.items() if row.sliding_window_bases] == ["off", "ngram", "gemma4_mtp"]
+    plain = run_all(make_engine(engines["base"]), PROMPTS, length=24)
+    engine = make_engine(engines["base"], spec_decode="ngram", reuse=True)
+    assert run_all(engine, PROMPTS, length=24) == plain
+    assert engine.profile()["spec_decode_generation"]["total_draft_tokens"] > 0
+    with pytest.raises(InvalidConfig, match="EAGLE3 is not supported on a base with sliding-window layers") as error:
+        make_engine(engines["base"], spec_decode="eagle3")
+    assert error.value.field == "spec_decode"
