@@ -412,3 +412,26 @@ def test_executor_feeds_the_pad_rows_per_layer_at_media_positions() -> None:
     np.testing.assert_array_equal(fed, expected.astype(np.float32))
     assert (embeds[2:6] == 7.0).all()
     np.testing.assert_array_equal(embeds[[0, 1, 6, 7]], embedding[[1, 2, 3, 4]].astype(np.float32))
+
+
+def test_synthetic_per_layer_model_loads_into_transformers_and_matches() -> None:
+    """`--synthetic tiny-gemma4-ple`'s weights are a Gemma4ForCausalLM's with per-layer embeddings (no key missing
+    but the tied head, none unexpected), and the graph's logits equal its."""
+    from kvforge.tools.export.sources.synthetic import synthetic_model
+
+    loaded = synthetic_model("tiny-gemma4-ple", kv_cache_dtype="fp32")
+    c = loaded.config
+    hf = transformers.Gemma4ForCausalLM(hf_config(
+        vocab_size=c.vocab_size, vocab_size_per_layer_input=c.vocab_size, hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads, hidden_size_per_layer_input=c.hidden_size_per_layer_input,
+        rope_parameters={"full_attention": {"rope_type": "proportional", "partial_rotary_factor": c.rope_proportion,
+                                            "rope_theta": c.rope_theta},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": c.rope_local_theta}})).eval()
+    keys = hf.load_state_dict({k: torch.tensor(v) for k, v in loaded.weights.items()}, strict=False)
+    assert keys.missing_keys == ["lm_head.weight"] and not keys.unexpected_keys
+    weights = loaded.weights
+    row = Row(c, lowered_session(build_gemma4_graph(c, weights), "gqa"), weights["model.embed_tokens.weight"],
+              per_layer=weights["model.embed_tokens_per_layer.weight"])
+    ids = [int(t) for t in np.random.default_rng(17).integers(3, c.vocab_size, 70)]
+    np.testing.assert_allclose(row.step(ids), reference_logits(hf, ids), atol=2e-4, rtol=0)

@@ -38,20 +38,29 @@ PROMPTS = ["the cat sat on the mat, the cat sat on the mat, the", "abc abc abc a
            "0123456789" * 4, "a shared document: forty bytes or so, and more"]
 
 
-@pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """tiny-gemma4 as a speculative base returning its last layer's hidden state, with a random three-layer
+def speculative_engines(root: Path, synthetic: str) -> dict[str, Path]:
+    """`synthetic` as a speculative base returning its last layer's hidden state, with a random three-layer
     assistant (sliding, sliding, global) in ENGINE/draft."""
     if not cpu_kernel_on():
         pytest.skip("Gemma4 assistants need the kvforge CPU kernel (attention over the base's pools)")
-    root = tmp_path_factory.mktemp("gemma4_base_mtp")
-    write_onnx_dir(synthetic_model("tiny-gemma4", kv_cache_dtype="fp32", hidden_state_layers=[5]), root / "base_onnx")
+    write_onnx_dir(synthetic_model(synthetic, kv_cache_dtype="fp32", hidden_state_layers=[5]), root / "base_onnx")
     build_engine(root / "base_onnx", root / "engine", replace(TINY_BUILD, spec_base=True))
     write_random_gemma4_assistant(root / "base_onnx", root / "hf", seed=3, hidden_size=48, num_layers=3)
     export_gemma4_assistant(root / "hf", root / "base_onnx", root / "onnx")
     build_engine(root / "onnx", root / "engine" / "draft", replace(TINY_BUILD, spec_draft=True,
                                                                    cpu_attention="kernel"))
     return {"base": root / "engine", "hf": root / "hf", "base_onnx": root / "base_onnx"}
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return speculative_engines(tmp_path_factory.mktemp("gemma4_base_mtp"), "tiny-gemma4")
+
+
+@pytest.fixture(scope="module")
+def ple_engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The same over tiny-gemma4-ple, whose every call also takes the per-layer rows of its tokens (drafts too)."""
+    return speculative_engines(tmp_path_factory.mktemp("gemma4_ple_base_mtp"), "tiny-gemma4-ple")
 
 
 def test_the_assistant_matches_transformers_over_a_gemma4_bases_pools(engines: dict[str, Path]) -> None:
@@ -139,3 +148,14 @@ def test_the_support_tables_sliding_window_column_decides(engines: dict[str, Pat
     with pytest.raises(InvalidConfig, match="EAGLE3 is not supported on a base with sliding-window layers") as error:
         make_engine(engines["base"], spec_decode="eagle3")
     assert error.value.field == "spec_decode"
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_gemma4_mtp_on_a_base_with_per_layer_embeddings_changes_no_token(ple_engines: dict[str, Path],
+                                                                         reuse: bool) -> None:
+    plain = run_all(make_engine(ple_engines["base"]), PROMPTS, length=24)
+    engine = make_engine(ple_engines["base"], spec_decode="gemma4_mtp", reuse=reuse, num_pages=12)
+    assert run_all(engine, PROMPTS, length=24) == plain
+    with_oracle(engine, PROMPTS, plain)
+    assert run_all(engine, PROMPTS, length=24) == plain
+    assert engine.profile()["spec_decode_generation"]["total_accepted_tokens"] > 0

@@ -364,6 +364,11 @@ FAMILY = register(Family(
                         "tie_word_embeddings": True, "rope_theta": 1_000_000.0, "rope_local_theta": 10_000.0,
                         "rope_proportion": 0.25, "sliding_window": 32, "sliding_window_layers": [0, 1, 2, 3, 4],
                         "final_logit_softcapping": 30.0},
+        # The same with per-layer embeddings 8 wide (the E2B/E4B models' feature).
+        "tiny-gemma4-ple": {"model": "gemma4", "num_hidden_layers": 6, "head_dim": 32, "qk_norm": True,
+                            "tie_word_embeddings": True, "rope_theta": 1_000_000.0, "rope_local_theta": 10_000.0,
+                            "rope_proportion": 0.25, "sliding_window": 32, "sliding_window_layers": [0, 1, 2, 3, 4],
+                            "final_logit_softcapping": 30.0, "hidden_size_per_layer_input": 8},
     },
     checkpoint_name=checkpoint_name,
     lora=False,  # no LoRA inputs on Gemma's graph yet
