@@ -435,3 +435,20 @@ def test_synthetic_per_layer_model_loads_into_transformers_and_matches() -> None
               per_layer=weights["model.embed_tokens_per_layer.weight"])
     ids = [int(t) for t in np.random.default_rng(17).integers(3, c.vocab_size, 70)]
     np.testing.assert_allclose(row.step(ids), reference_logits(hf, ids), atol=2e-4, rtol=0)
+
+
+def test_tensorrt_refuses_per_layer_embeddings_in_one_line(tmp_path: Path) -> None:
+    """The TensorRT runner binds no per_layer_embeds: a Gemma 4 graph with them (here without sliding layers, which
+    TensorRT refuses first) is refused naming --backend before TensorRT is imported."""
+    from dataclasses import replace
+
+    from kvforge.builder.build import BuildOptions
+    from kvforge.builder.trt_build import build_tensorrt_engine
+    from kvforge.contract.errors import InvalidConfig
+    from kvforge.tools.export.sources.synthetic import synthetic_model
+
+    config = replace(synthetic_model("tiny-gemma4-ple").config, sliding_window=0, sliding_window_layers=[])
+    geometry = BuildOptions(max_input_len=64, max_kv_cache_capacity=128).geometry(4096)
+    with pytest.raises(InvalidConfig, match="per-layer embeddings .* --backend onnxruntime") as refused:
+        build_tensorrt_engine(tmp_path / "onnx", tmp_path / "engine", config, geometry)
+    assert refused.value.field == "backend"
