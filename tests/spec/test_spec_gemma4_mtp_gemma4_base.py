@@ -159,3 +159,20 @@ def test_gemma4_mtp_on_a_base_with_per_layer_embeddings_changes_no_token(ple_eng
     with_oracle(engine, PROMPTS, plain)
     assert run_all(engine, PROMPTS, length=24) == plain
     assert engine.profile()["spec_decode_generation"]["total_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("shared", [0, 2])
+def test_the_assistant_reads_the_layers_transformers_stores(shared: int) -> None:
+    """Per layer kind, the base layer an assistant layer reads is the one transformers' kv_sharing_modes marks
+    "store" (the last of its kind before the KV-shared layers), with and without KV sharing in the base."""
+    transformers = pytest.importorskip("transformers")
+    from kvforge.tools.export.drafts.gemma4_assistant import base_producers
+    from kvforge.tools.export.families.gemma4 import config_from_hf
+
+    hf = transformers.Gemma4TextConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, global_head_dim=32, hidden_size_per_layer_input=0, sliding_window=32,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2, num_kv_shared_layers=shared)
+    stores = {kind: i for i, (kind, mode) in enumerate(zip(hf.layer_types, hf.kv_sharing_modes, strict=True))
+              if mode == "store"}
+    assert base_producers(config_from_hf(hf.to_dict(), kv_cache_dtype="fp32")) == stores
