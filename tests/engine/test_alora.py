@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
-from support.engine_driver import lora_model_with_adapters, make_engine
+from support.engine_driver import lora_model_with_adapters, make_engine, run_file
 from support.hardening_support import invoke
 
 from kvforge.builder.build import BuildOptions, build_engine
@@ -227,6 +227,31 @@ def test_activated_adapter_reuses_the_base_conversation(peft_setup) -> None:
     plain = llm.generate([follow_up], GREEDY, lora_name="plain")[0]
     assert plain.cached_tokens == 0
     assert plain.token_ids == _peft_greedy(torch, models["plain"], follow_up, 6)
+    # The profile and /metrics count the base pages each adapter reused: the whole pages before its activation.
+    per_adapter = llm.engine.profile()["per_adapter"]
+    act_pages = (len(conversation) + len(answer.token_ids)) // PAGE
+    assert per_adapter["act"]["base_pages_reused"] == act_pages
+    assert per_adapter["act2"]["base_pages_reused"] == act_pages
+    assert per_adapter["plain"]["base_pages_reused"] == 0 and "base_pages_reused" not in per_adapter["base"]
+    from kvforge.server.metrics import ServerMetrics
+
+    scraped = ServerMetrics(llm.engine.stats).render().decode()
+    assert f"kvforge_adapter_base_pages_reused_total {float(2 * act_pages)}" in scraped
+
+
+def test_request_file_output_names_the_adapter_as_it_ran(alora_setup: Path, tmp_path: Path) -> None:
+    root = alora_setup
+    write_random_peft_adapter(root / "onnx", tmp_path / "peft", rank=4, seed=3, invocation_tokens=INVOCATION)
+    write_converted_adapter(tmp_path / "peft", root / "onnx", tmp_path / "act.safetensors")
+    request = {"messages": [{"role": "user", "content": "hello there"}], "max_generate_length": 2}
+    data = {"batch_size": 1, "temperature": 0.0, "top_k": 1,
+            "available_lora_weights": {"act": str(tmp_path / "act.safetensors"),
+                                       "plain": str(root / "plain.safetensors")},
+            "requests": [request, {**request, "lora_name": "act"}, {**request, "lora_name": "plain"}]}
+    responses = run_file(make_engine(root / "engine", num_threads=1), data)
+    assert "adapter" not in responses[0]  # a base request's entry keeps the reference tool's keys
+    assert responses[1]["adapter"] == "act" + NOT_INVOKED  # the prompt holds no invocation: the base model ran
+    assert responses[2]["adapter"] == "plain"
 
 
 class HybridView:
