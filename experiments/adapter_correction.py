@@ -208,6 +208,7 @@ def make_workload(peft_model: Any, vocab: int, args: argparse.Namespace) -> Work
 
 
 def measure(peft_model: Any, workload: Workload, ranks: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One row per (adapter role, rank): every figure averaged over the conversations."""
     import torch
 
     rows = []
@@ -217,41 +218,43 @@ def measure(peft_model: Any, workload: Workload, ranks: list[int], args: argpars
             for rank in ranks:
                 name = f"{role}-r{rank}"
                 peft_model.set_adapter(name)
-                figures: dict[str, list[float]] = {key: [] for key in (
-                    "kl_base", "kl_corrected", "top1_base", "top1_corrected", "equal_base", "equal_corrected",
-                    "exact_ms", "base_ms", "corrected_ms", "correction_ms", "changed")}
-                for conversation, (keys, values, xs) in zip(workload.conversations, bases, strict=True):
-                    suffix = workload.invocations[role]
-                    answer = greedy(peft_model, conversation + suffix, None, args.answerTokens)
-                    with peft_model.disable_adapter():
-                        figures["changed"].append(float(answer != greedy(
-                            peft_model, conversation + suffix, None, args.answerTokens)))
-                    forced = suffix + answer[:-1]
-                    exact_logits, _ = forward(peft_model, conversation + forced)
-                    exact_logits = exact_logits[len(conversation) + len(suffix) - 1:]
-                    starts = {"base": lambda k=keys, v=values: clone_cache(k, v),
-                              "corrected": lambda k=keys, v=values, x=xs: corrected_cache(peft_model, name, k, v, x)}
-                    for start, make in starts.items():
-                        logits, _ = forward(peft_model, forced, make())
-                        kl, top1 = kl_and_top1(exact_logits, logits[len(suffix) - 1:])
-                        figures[f"kl_{start}"].append(kl)
-                        figures[f"top1_{start}"].append(top1)
-                        figures[f"equal_{start}"].append(float(greedy(peft_model, suffix, make(),
-                                                                      args.answerTokens) == answer))
-                    full = conversation + suffix
-                    figures["exact_ms"].append(best_ms(lambda f=full: forward(peft_model, f), args.repeats))
-                    figures["base_ms"].append(best_ms(
-                        lambda k=keys, v=values, s=suffix: forward(peft_model, s, clone_cache(k, v)), args.repeats))
-                    figures["correction_ms"].append(best_ms(
-                        lambda k=keys, v=values, x=xs: corrected_cache(peft_model, name, k, v, x), args.repeats))
-                    figures["corrected_ms"].append(best_ms(
-                        lambda k=keys, v=values, x=xs, s=suffix: forward(
-                            peft_model, s, corrected_cache(peft_model, name, k, v, x)), args.repeats))
-                row = {"adapter": role, "rank": rank, "targets": ",".join(t.split("_")[0] for t in TARGETS[role])}
-                row.update({key: statistics.fmean(values) for key, values in figures.items()})
+                runs = [measure_one(peft_model, name, conversation, base, workload.invocations[role], args)
+                        for conversation, base in zip(workload.conversations, bases, strict=True)]
+                row: dict[str, Any] = {"adapter": role, "rank": rank,
+                                       "targets": ",".join(t.split("_")[0] for t in TARGETS[role])}
+                row.update({key: statistics.fmean(run[key] for run in runs) for key in runs[0]})
                 rows.append(row)
                 print(format_row(row), flush=True)
     return rows
+
+
+def measure_one(peft_model: Any, name: str, conversation: list[int], base: tuple[list[Any], list[Any], list[Any]],
+                suffix: list[int], args: argparse.Namespace) -> dict[str, float]:
+    """Adapter `name` invoked by `suffix` after `conversation`: each start against the exact cold prefill."""
+    keys, values, xs = base
+    figures: dict[str, float] = {}
+    answer = greedy(peft_model, conversation + suffix, None, args.answerTokens)
+    with peft_model.disable_adapter():
+        figures["changed"] = float(answer != greedy(peft_model, conversation + suffix, None, args.answerTokens))
+    forced = suffix + answer[:-1]  # teacher-forced: the distributions along the exact answer
+    exact_logits, _ = forward(peft_model, conversation + forced)
+    exact_logits = exact_logits[len(conversation) + len(suffix) - 1:]
+
+    def start_base() -> Any:
+        return clone_cache(keys, values)
+
+    def start_corrected() -> Any:
+        return corrected_cache(peft_model, name, keys, values, xs)
+
+    for start, make in (("base", start_base), ("corrected", start_corrected)):
+        logits, _ = forward(peft_model, forced, make())
+        figures[f"kl_{start}"], figures[f"top1_{start}"] = kl_and_top1(exact_logits, logits[len(suffix) - 1:])
+        figures[f"equal_{start}"] = float(greedy(peft_model, suffix, make(), args.answerTokens) == answer)
+    figures["exact_ms"] = best_ms(lambda: forward(peft_model, conversation + suffix), args.repeats)
+    figures["base_ms"] = best_ms(lambda: forward(peft_model, suffix, start_base()), args.repeats)
+    figures["correction_ms"] = best_ms(start_corrected, args.repeats)
+    figures["corrected_ms"] = best_ms(lambda: forward(peft_model, suffix, start_corrected()), args.repeats)
+    return figures
 
 
 HEADER = ("| adapter | rank | answer changed by adapter | top-1 base / corrected | KL base / corrected | "
