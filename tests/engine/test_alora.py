@@ -18,6 +18,7 @@ from kvforge.contract.errors import KvforgeError
 from kvforge.contract.lora import LORA_TARGETS, NEVER_ACTIVATED
 from kvforge.runtime.adapters import NOT_INVOKED
 from kvforge.runtime.api import LLM
+from kvforge.runtime.cli import app as inference_app
 from kvforge.runtime.context_cache.keys import KeyExtras, page_keys
 from kvforge.runtime.types import SamplingParams
 from kvforge.tools.export.cli import app as export_app
@@ -252,6 +253,16 @@ def test_request_file_output_names_the_adapter_as_it_ran(alora_setup: Path, tmp_
     assert "adapter" not in responses[0]  # a base request's entry keeps the reference tool's keys
     assert responses[1]["adapter"] == "act" + NOT_INVOKED  # the prompt holds no invocation: the base model ran
     assert responses[2]["adapter"] == "plain"
+    # llm_inference writes the same entries and shows the label with --dumpOutput.
+    (tmp_path / "in.json").write_text(json.dumps(data))
+    result = invoke(inference_app, "--engineDir", root / "engine", "--inputFile", tmp_path / "in.json",
+                    "--outputFile", tmp_path / "out.json", "--dumpOutput", "--numThreads", "1")
+    assert result.code == 0, result.stderr
+    written = json.loads((tmp_path / "out.json").read_text())["responses"]
+    assert [r.get("adapter") for r in written] == [None, "act" + NOT_INVOKED, "plain"]
+    lines = result.stdout.splitlines()
+    assert lines[1].startswith("[1] (act (not invoked)) ") and lines[2].startswith("[2] (plain) ")
+    assert lines[0].startswith("[0] ") and not lines[0].startswith("[0] (")
 
 
 class HybridView:
