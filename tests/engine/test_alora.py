@@ -115,6 +115,17 @@ def test_page_keys_drop_the_adapter_before_its_activation() -> None:
     assert page_keys(ids, 16, KeyExtras(b"adapter", adapter_start=NEVER_ACTIVATED)) == base_keys
 
 
+def test_base_pages_reused_are_the_whole_pages_before_the_activation() -> None:
+    from kvforge.runtime.adapters import LoraAdapter, base_pages_reused
+
+    adapter = LoraAdapter("a", Path("a"), 4, {}, b"digest", tuple(INVOCATION))
+    assert base_pages_reused(None, 0, 96, 16) == 0  # a base request's pages are not counted as an adapter's
+    assert base_pages_reused(adapter, 0, 96, 16) == 0  # an ordinary adapter: every page carries its digest
+    assert base_pages_reused(adapter, 40, 96, 16) == 2  # pages [0, 16) and [16, 32) end before position 40
+    assert base_pages_reused(adapter, 40, 20, 16) == 1  # only what was reused counts
+    assert base_pages_reused(adapter, NEVER_ACTIVATED, 70, 16) == 4  # not invoked: every reused page is a base page
+
+
 # --- parity with PEFT's own aLoRA on a tiny random float32 llama ------------------------------------------------
 
 PEFT_INVOCATION = [7, 42, 99]
