@@ -171,7 +171,7 @@ def demo_paths_to_link(block: Block) -> list[str]:
     """The `make demo` paths a block reads, so the harness links them in first; not the ones the block makes."""
     if block.marker in ("skip", "needs"):
         return []
-    named = [p for p in DEMO_PATHS if p in block.text]
+    named = [p for p in DEMO_PATHS if re.search(rf"(?<![\w/.-]){re.escape(p)}(?![\w.-])", block.text)]
     if block.marker == "server" and block.arg in DEMO_PATHS and block.arg not in named:
         named.append(block.arg)
     made = {p for p in named
@@ -453,6 +453,28 @@ def test_demo_engine_fixture_builds_what_make_demo_builds() -> None:
 def test_readme_is_short() -> None:
     lines = (REPO / "README.md").read_text(encoding="utf-8").count("\n")
     assert lines < 250, f"README.md has {lines} lines; keep it under 250 (the details live in docs/)"
+
+
+def test_demo_paths_are_linked_where_read_not_where_made(tmp_path: Path) -> None:
+    def block(text: str, marker: str = "run", arg: str = "") -> Block:
+        return Block(tmp_path / "p.md", 1, "bash", text, marker, arg)
+
+    made_here = "llm_export smollm2-135m-instruct --outputDir out/onnx/smollm2\n"
+    assert demo_paths_to_link(block(made_here)) == []
+    built = "llm_build --onnxDir out/onnx/smollm2 --engineDir out/engines/smollm2 --maxBatchSize 4\n"
+    assert demo_paths_to_link(block(built)) == ["out/onnx/smollm2"]
+    assert demo_paths_to_link(block("llm_inference --engineDir out/engines/smollm2-b4 --inputFile x.json\n")) == []
+    assert demo_paths_to_link(block("ls out/engines/smollm2/draft\n")) == ["out/engines/smollm2"]
+    assert demo_paths_to_link(Block(tmp_path / "p.md", 1, "python", "print(1)\n", "server", "out/engines/smollm2")) \
+        == ["out/engines/smollm2"]
+    assert demo_paths_to_link(block("ls out/engines/smollm2\n", "skip", "a reason")) == []
+
+
+def test_a_named_request_file_block_writes_the_file(tmp_path: Path) -> None:
+    text = '{"max_generate_length": 4, "requests": [{"messages": [{"role": "user", "content": "Hi"}]}]}\n'
+    run_block(Block(tmp_path / "p.md", 1, "json", text, "request-file", "requests.json"), tmp_path)
+    assert (tmp_path / "requests.json").read_text(encoding="utf-8") == text
+    run_block(Block(tmp_path / "p.md", 5, "json", text, "request-file", ""), tmp_path / "missing")  # only checked
 
 
 def test_console_blocks_run_only_their_commands(tmp_path: Path) -> None:
