@@ -152,8 +152,8 @@ class LLM:
     def _chat_request(self, conversation: ChatMessages, params: SamplingParams | None, lora_name: str | None,
                       cache_salt: str | None, enable_thinking: bool,
                       parse_special_tokens: bool = False, tools: ToolSpec | None = None) -> EngineRequest:
-        if tools is not None:  # an assistant's earlier tool_calls become the text the model wrote for them
-            conversation = tool_messages([dict(m) for m in conversation])
+        # An assistant's earlier tool_calls become the text the model wrote for them (as llm_serve reads them).
+        conversation = tool_messages([dict(m) for m in conversation])
         # Content is a string or, for media, the request file's items: [{"type": "image", "image": path}, ...].
         messages = [Message(str(m["role"]), str(m["content"])) if isinstance(m.get("content"), str)
                     else parse_message(dict(m), f"messages[{i}]") for i, m in enumerate(conversation)]

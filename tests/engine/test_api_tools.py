@@ -106,3 +106,14 @@ def test_a_forced_call_refuses_a_response_format(llm: LLM) -> None:
     with pytest.raises(KvforgeError) as caught:
         llm.chat(CHAT, params, tools=[TIDE], tool_choice="required")
     assert caught.value.field == "response_format"
+
+
+def test_a_history_with_tool_calls_reads_without_tools(llm: LLM) -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_tide", "arguments": '{"harbour": "Lima"}'}}
+    history = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "high"}]
+    [reply] = llm.chat(history, SamplingParams(temperature=0, max_generate_length=4))
+    assert reply.tool_calls == []  # no tools given: nothing is read back
+    prompt = llm.engine.info.tokenizer.decode(reply.prompt_token_ids)
+    assert '<tool_call>{"name": "get_tide", "arguments": {"harbour": "Lima"}}</tool_call>' in prompt
+    assert "You may call these functions" not in prompt
