@@ -15,6 +15,7 @@ allowed between them):
   - `<!-- docs-test: server -->` before a python block: it runs while llm_serve serves `engines/tiny` as model
     `tiny`; the text `http://127.0.0.1:8000` in the block is replaced by the live server's URL.
     `<!-- docs-test: server out/engines/smollm2 -->` serves `make demo`'s engine instead, as model `smollm2`.
+    The server blocks of a page share one server per engine, started by the first of them.
   - `<!-- docs-test: skip REASON -->`: not run; reported as skipped with REASON.
 - ```bash, ```sh, ```shell and ```console fences must carry one of:
   - `<!-- docs-test: run -->`: executed with `bash -e` in the page's working directory, the venv's bin first on
@@ -42,9 +43,10 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -297,6 +299,35 @@ ALL_BLOCKS = [b for page in doc_pages() for b in parse_blocks(page)
               if b.lang == "python" or b.lang in SHELL_LANGS or b.marker is not None]
 _WORKDIRS: dict[Path, Path] = {}  # page → its working directory, shared by the page's blocks in order
 _DONE: set[Block] = set()  # blocks already run in their page's working directory
+# The server blocks of a page share one live server per engine (an engine load each, not one per block); a page's
+# servers stop when the next page starts, and the last ones with the module.
+_SERVERS: dict[tuple[Path, Path], Any] = {}
+_SERVER_STACKS: dict[Path, ExitStack] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_servers() -> Iterator[None]:
+    yield
+    for stack in _SERVER_STACKS.values():
+        stack.close()
+    _SERVER_STACKS.clear()
+    _SERVERS.clear()
+
+
+def page_server(block: Block, engine: Path, workdir: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The live server of `engine` for the block's page, started on first use (other pages' servers stop)."""
+    from support import server_harness
+
+    for page in [p for p in _SERVER_STACKS if p != block.page]:
+        _SERVER_STACKS.pop(page).close()
+        for key in [k for k in _SERVERS if k[0] == page]:
+            del _SERVERS[key]
+    if (block.page, engine) not in _SERVERS:
+        with monkeypatch.context() as patch:
+            patch.setattr(server_harness, "MODEL", engine.name)  # as llm_serve names it: the engine folder
+            stack = _SERVER_STACKS.setdefault(block.page, ExitStack())
+            _SERVERS[(block.page, engine)] = stack.enter_context(server_harness.live_server(engine, workdir))
+    return _SERVERS[(block.page, engine)]
 
 
 def run_in_page(block: Block, workdir: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -309,12 +340,7 @@ def run_in_page(block: Block, workdir: Path, request: pytest.FixtureRequest, mon
             (workdir / path).parent.mkdir(parents=True, exist_ok=True)
             (workdir / path).symlink_to(demo[path](), target_is_directory=True)
     if block.marker == "server" and block.lang == "python":
-        from support import server_harness
-
-        engine = workdir / (block.arg or TINY)
-        monkeypatch.setattr(server_harness, "MODEL", engine.name)  # as llm_serve names it: the engine folder
-        with server_harness.live_server(engine, workdir) as live:
-            run_block(block, workdir, live.url)
+        run_block(block, workdir, page_server(block, workdir / (block.arg or TINY), workdir, monkeypatch).url)
     else:
         run_block(block, workdir)
 
