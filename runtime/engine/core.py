@@ -89,6 +89,12 @@ def sample_rows(rows: list[ScheduledRow], output: BatchOutput
     return sampled, paths
 
 
+def _visible(seq: Sequence) -> bool:
+    """Whether a sequence's outputs go to the front end: not a document's standalone prefill, which the scheduler
+    queued itself (issue 37); its tokens are counted in the profile like any prefill, its output is dropped."""
+    return not seq.request.produces_document
+
+
 class EngineCore:
     __slots__ = ("scheduler", "executor", "outputs", "profiler", "proposer", "sequences")
 
@@ -143,7 +149,7 @@ class EngineCore:
         raises, which row caused it cannot be known: every row of that call fails with the reason, while the
         requests not in it (waiting ones) go on; a broken backend thus fails each request once, never hangs one."""
         batch = self.scheduler.schedule()
-        failed = [self._failed(seq) for seq in batch.failed]
+        failed = [self._failed(seq) for seq in batch.failed if _visible(seq)]
         if not batch.rows:
             if not failed and (self.scheduler.running or (self.scheduler.waiting and not self.scheduler.loading)):
                 raise AssertionError("nothing schedulable while requests wait (a scheduler bug)")
@@ -166,7 +172,8 @@ class EngineCore:
                     self.profiler.record(ENGINE_CALL_PYTHON_STAGE, max(run_ms - inside / 1e6, 0.0))
         except Exception as exc:
             reason = f"the engine call failed ({type(exc).__name__}: {exc})"
-            return failed + [self._fail(row.seq, reason) for row in batch.rows]
+            outputs = [(row.seq, self._fail(row.seq, reason)) for row in batch.rows]
+            return failed + [output for seq, output in outputs if _visible(seq)]
         if verifies:
             with self.profiler.stage(SPEC_DRAFT_ACCEPT_STAGE):
                 sampled, paths = sample_rows(batch.rows, output)
@@ -186,7 +193,7 @@ class EngineCore:
         updates = self.scheduler.update_from_output(batch, committed)
         self._roll_back_drafters(updates)
         self._count(batch, updates, reused)
-        outputs = failed + [self._output(update) for update in updates]
+        outputs = failed + [self._output(update) for update in updates if _visible(update.seq)]
         if self.proposer is not None:
             self._propose()
         return outputs
@@ -197,7 +204,9 @@ class EngineCore:
         committed: list[list[SampleResult]] = []
         for row, samples in zip(batch.rows, sampled, strict=True):
             if isinstance(samples, Exception):
-                failed.append(self._fail(row.seq, f"sampling failed ({type(samples).__name__}: {samples})"))
+                output = self._fail(row.seq, f"sampling failed ({type(samples).__name__}: {samples})")
+                if _visible(row.seq):
+                    failed.append(output)
                 samples = []
             committed.append(samples)
         return committed
