@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvforge import LLM
 from kvforge.contract.engine_dir import load_engine_dir
 from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.rope import rope_table
@@ -195,3 +196,19 @@ def test_restored_documents_sit_where_a_cold_run_computes_them(tiny_engine_dir: 
     warm_rows = first_layer_rows(warm, SECOND)
     assert documents(warm)["reused_tokens"] == len(DOC_A) + len(DOC_B)
     np.testing.assert_allclose(warm_rows, cold_rows, atol=4e-3, rtol=2e-3)
+
+
+def test_the_api_takes_the_options(tiny_engine_dir: Path) -> None:
+    """kvforge.LLM(document_reuse=..., document_repair=...): a chat's document part, asked about twice behind another
+    system prompt, is restored the second time and counted in cached_tokens."""
+    llm = LLM(str(tiny_engine_dir), num_threads=1, document_reuse=True, document_repair="none")
+    report = {"type": "document", "text": "Pump 3 stopped at noon."}
+
+    def ask(system: str) -> RequestOutput:
+        [output] = llm.chat([{"role": "system", "content": system},
+                             {"role": "user", "content": [report, {"type": "text", "text": "Why?"}]}], GREEDY)
+        return output
+
+    ask("t=1")
+    assert ask("t=22").cached_tokens >= len("Pump 3 stopped at noon.")
+    assert llm.context_cache_metrics()["documents"]["document_hits"] == 2
