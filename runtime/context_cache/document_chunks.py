@@ -42,7 +42,7 @@ from kvforge.runtime.context_cache.planner import ReusePlan
 from kvforge.runtime.context_cache.pools import ResourcePool
 from kvforge.runtime.context_cache.protocol import CacheSetup, CacheTypeBase, Lookup, Publication
 from kvforge.runtime.context_cache.records import Record, RecordStore
-from kvforge.runtime.types import Deployment
+from kvforge.runtime.types import Deployment, LookupPolicy
 
 DOCUMENT_OPTIONS = ("document_reuse", "document_repair", "document_store")
 REPAIR_NONE, REPAIR_FIRST_PAGE, REPAIR_FULL = "none", "first-page", "full"
@@ -168,7 +168,8 @@ class DocumentChunks(CacheTypeBase):
     def wanted(self, admission: Admission) -> list[tuple[bytes, int, int]]:
         """The spans of `admission` whose document has no stored form and no standalone prefill running: the
         scheduler queues one for each (first come: a span whose key it queued already it skips)."""
-        if admission.produces_document or not admission.documents:
+        if admission.produces_document or not admission.documents or admission.lookup_policy is not \
+                LookupPolicy.USE_CACHE:
             return []
         tokens = np.asarray(admission.token_ids, dtype=np.int32)
         return [(key, start, length) for key, start, length in
