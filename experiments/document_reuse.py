@@ -151,7 +151,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--reports", type=int, default=8, help="reports to draw from (n)")
     parser.add_argument("--shown", type=int, default=3, help="reports per request (k)")
-    parser.add_argument("--filler", type=int, default=3, help="filler paragraphs per report (its length)")
+    parser.add_argument("--filler", type=int, default=6, help="filler paragraphs per report (its length; 6: about "
+                        "270 SmolLM2 tokens, two of make demo's 128-token pages)")
     parser.add_argument("--maxTokens", type=int, default=AGREEMENT_TOKENS)
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated; cold is always run")
     parser.add_argument("--seed", type=int, default=0)
