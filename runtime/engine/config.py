@@ -21,7 +21,10 @@ from kvforge.contract.memory import available_memory_bytes, check_fits_memory
 from kvforge.contract.model_config import ModelConfig
 from kvforge.contract.rope import rope_table
 from kvforge.contract.speculation import spec_decode_help
-from kvforge.runtime.context_cache.document_chunks import DEFAULT_REPAIR, REPAIR_POLICIES
+from kvforge.runtime.context_cache.document_chunks import (  # noqa: F401 - REPAIR_POLICIES is re-exported
+    DEFAULT_REPAIR,
+    REPAIR_POLICIES,
+)
 from kvforge.runtime.context_cache.keys import EngineFingerprint, chain_root
 from kvforge.runtime.context_cache.manager import DEFAULT_MAX_RECORDS
 from kvforge.runtime.engine.state import CheckpointPolicy

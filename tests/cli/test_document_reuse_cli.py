@@ -55,3 +55,14 @@ def test_an_unknown_repair_policy_is_one_line_and_writes_nothing(run_cli, tiny_e
                     output_file, "--documentReuse", "--documentRepair", "most"])
     assert_one_line_error(proc, "--documentRepair", "none, first-page, full", "most")
     assert not output_file.exists()
+
+
+def test_llm_test_takes_the_options(run_cli, tiny_engine_dir: Path, input_file: Path, tmp_path: Path) -> None:
+    out = tmp_path / "outputs"
+    proc = run_cli(["llm_test", "--engineDir", tiny_engine_dir, "--documentReuse", "--documentRepair", "none",
+                    "--outputDir", out, input_file])
+    assert proc.returncode == 0, proc.stderr
+    profile = json.loads((out / "in.profile.json").read_text())
+    assert profile["context_cache"]["documents"]["document_hits"] == 4
+    bad = run_cli(["llm_test", "--engineDir", tiny_engine_dir, "--documentRepair", "most", input_file])
+    assert_one_line_error(bad, "--documentRepair", "none, first-page, full")
