@@ -96,8 +96,12 @@ class DocumentPart:
 
     hits: tuple[DocumentHit, ...] = ()
     produces: bytes = b""
-    length: int = 0
+    tokens: tuple[int, ...] = ()  # a producer's document
     slots: tuple[int, ...] = ()  # a producer's slots (pinned by its lease until released)
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
 
     @property
     def restored_spans(self) -> tuple[tuple[int, int], ...]:
@@ -195,7 +199,7 @@ class DocumentChunks(CacheTypeBase):
             slots = pages_for(len(tokens), T)
             if len(tokens) < T or key in self._by_key or slots > self.pool.capacity or lookup.extras.adapter_start:
                 return agreed
-            return agreed.with_part(self.name, DocumentPart(produces=key, length=len(tokens)))
+            return agreed.with_part(self.name, DocumentPart(produces=key, tokens=tuple(tokens.tolist())))
         hits = []
         for key, start, length in self.eligible(tokens, lookup.documents, lookup.extras, agreed.reuse_tokens):
             record = self._by_key.get(key)
@@ -235,7 +239,7 @@ class DocumentChunks(CacheTypeBase):
         if part is None:
             return
         if part.produces:
-            lease.parts[self.name] = DocumentPart(produces=part.produces, length=part.length, slots=tuple(slots))
+            lease.parts[self.name] = DocumentPart(produces=part.produces, tokens=part.tokens, slots=tuple(slots))
             return
         lease.parts[self.name] = part
         for hit in part.hits:
@@ -273,32 +277,32 @@ class DocumentChunks(CacheTypeBase):
 
     # --- publication: a standalone prefill's prompt becomes the stored form ---------------------------
 
-    def _producer(self, lease: Lease, tokens: np.ndarray) -> DocumentPart | None:
+    def _producer(self, lease: Lease) -> DocumentPart | None:
         part = lease.parts.get(self.name)
-        if part is None or not part.produces or len(tokens) != part.length or not part.slots:
-            return None
-        return part
+        return part if part is not None and part.produces and part.slots else None
 
     def capture(self, lease: Lease, publication: Publication) -> bool:
-        part = self._producer(lease, publication.tokens)
-        if part is None:
+        part = self._producer(lease)
+        if part is None or len(publication.tokens) != part.length:  # only the whole document at once
             return False
-        publication.parts[self.name] = self._store(lease, part, publication.tokens)
+        publication.parts[self.name] = self._store(lease, part)
         return True
 
     def upgrade(self, existing: Record, lease: Lease) -> Record | None:
-        """The document's tokens were a published prefix already (a prompt that began with them): the record
-        takes the stored form too."""
-        part = self._producer(lease, np.asarray(existing.token_ids))
-        if part is None or self.name in existing.parts:
+        """The document's full pages were a record already (its pages loaded from a shared tier, or a prompt that
+        began with them), so publishing the standalone prefill found that record: it takes the stored form too.
+        The producer publishes only once its whole prompt, the document, is computed."""
+        part = self._producer(lease)
+        if part is None or self.name in existing.parts or self._by_key.get(part.produces) is not None \
+                or part.tokens[:len(existing.token_ids)] != existing.token_ids:
             return None
-        return existing.with_part(self.name, self._store(lease, part, np.asarray(existing.token_ids)))
+        return existing.with_part(self.name, self._store(lease, part))
 
-    def _store(self, lease: Lease, part: DocumentPart, tokens: np.ndarray) -> StoredDocument:
+    def _store(self, lease: Lease, part: DocumentPart) -> StoredDocument:
         if self.copier is not None:
             self.copier.capture(lease.page_ids[:len(part.slots)], list(part.slots))
         self.metrics[schema.DOCUMENTS_PRODUCED] += 1
-        return StoredDocument(part.produces, tuple(np.asarray(tokens).tolist()), part.slots)
+        return StoredDocument(part.produces, part.tokens, part.slots)
 
     def held(self, record: Record) -> tuple[int, ...]:
         stored = record.parts.get(self.name)
