@@ -7,7 +7,7 @@ one report it shows. Every policy runs the same requests in the same order on it
 
 - cold: no reuse at all (the reference: full prefill);
 - prefix: --enableContextReuse only (the timestamp and the shuffling leave it almost nothing);
-- none, first-page, full: --documentReuse with that --documentRepair.
+- none, first-page, overlap, full: --documentReuse with that --documentRepair.
 
 Per policy: cached tokens / prompt tokens, median TTFT and its ratio to cold's, answers right (the fact's word
 among the answer's first tokens), and top-1 agreement with cold over the first 16 generated tokens (the share of
@@ -31,7 +31,7 @@ from typing import Any
 
 from kvforge import LLM, SamplingParams
 
-POLICIES = ("cold", "prefix", "none", "first-page", "full")
+POLICIES = ("cold", "prefix", "none", "first-page", "overlap", "full")
 AGREEMENT_TOKENS = 16
 MACHINES = ["pump", "boiler", "crane", "compressor", "generator", "turbine", "conveyor", "furnace", "mixer", "press",
             "chiller", "winch"]

@@ -45,8 +45,8 @@ from kvforge.runtime.context_cache.records import Record, RecordStore
 from kvforge.runtime.types import Deployment, LookupPolicy
 
 DOCUMENT_OPTIONS = ("document_reuse", "document_repair", "document_store")
-REPAIR_NONE, REPAIR_FIRST_PAGE, REPAIR_FULL = "none", "first-page", "full"
-REPAIR_POLICIES = (REPAIR_NONE, REPAIR_FIRST_PAGE, REPAIR_FULL)
+REPAIR_NONE, REPAIR_FIRST_PAGE, REPAIR_OVERLAP, REPAIR_FULL = "none", "first-page", "overlap", "full"
+REPAIR_POLICIES = (REPAIR_NONE, REPAIR_FIRST_PAGE, REPAIR_OVERLAP, REPAIR_FULL)
 # Not yet measured against the others on SmolLM2 (experiments/document_reuse.py); the cheapest repair that keeps the
 # attention sink of each document's first tokens in context.
 DEFAULT_REPAIR = REPAIR_FIRST_PAGE
@@ -208,9 +208,25 @@ class DocumentChunks(CacheTypeBase):
             stored: StoredDocument = record.parts[self.name]
             if list(stored.tokens) != tokens[start:start + length].tolist():
                 continue  # a hash collision: compute it
-            repair = {REPAIR_NONE: 0, REPAIR_FIRST_PAGE: min(T, length), REPAIR_FULL: length}[self.repair]
+            repair = {REPAIR_NONE: 0, REPAIR_FULL: length}.get(self.repair, min(T, length))
             hits.append(DocumentHit(start, length, repair, record.record_id, stored.slots))
+        if hits and self.repair == REPAIR_OVERLAP:
+            hits = self._repair_closest(hits, tokens, lookup.documents)
         return agreed.with_part(self.name, DocumentPart(hits=tuple(hits))) if hits else agreed
+
+    @staticmethod
+    def _repair_closest(hits: list[DocumentHit], tokens: np.ndarray,
+                        documents: Sequence[tuple[int, int]]) -> list[DocumentHit]:
+        """`overlap`: besides each document's first page, recompute the whole document that shares the most distinct
+        token ids with the question (the prompt after its last document). A lexical stand-in for the document the
+        question attends to most, which the engine's outputs do not expose."""
+        question = set(tokens[max(start + length for start, length in documents):].tolist())
+        scores = [len(question & set(tokens[hit.start:hit.start + hit.length].tolist())) for hit in hits]
+        best = max(range(len(hits)), key=lambda i: (scores[i], -i))
+        if not scores[best]:
+            return hits
+        return [DocumentHit(h.start, h.length, h.length, h.record_id, h.slots) if i == best else h
+                for i, h in enumerate(hits)]
 
     def waits_for(self, lookup: Lookup) -> bool:
         """A request whose document is being produced waits for it (then restores it instead of computing it)."""

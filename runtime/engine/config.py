@@ -154,7 +154,8 @@ class EngineConfig:
     document_repair: str = _option(
         DEFAULT_REPAIR, "--documentRepair", f"With --documentReuse: the tokens of each reused document recomputed "
         f"in place: {REPAIR_POLICIES[0]} (reuse the stored K/V as it is), {REPAIR_POLICIES[1]} (the first page of "
-        f"each document; default) or {REPAIR_POLICIES[2]} (every document token: exactly a cold run's answer).")
+        f"each document; default), {REPAIR_POLICIES[2]} (that, and the whole document sharing the most tokens with "
+        f"the question) or {REPAIR_POLICIES[3]} (every document token: exactly a cold run's answer).")
     spec_decode: str = _option(SPEC_OFF, "--specDecode", spec_decode_help())  # one sentence per support row
     dflash_block_size: int = _option(
         0, "--dflashBlockSize", "With --specDecode dflash, dspark or jetspec: positions one block call drafts over "

@@ -53,7 +53,7 @@ def test_an_unknown_repair_policy_is_one_line_and_writes_nothing(run_cli, tiny_e
     output_file = tmp_path / "out.json"
     proc = run_cli(["llm_inference", "--engineDir", tiny_engine_dir, "--inputFile", input_file, "--outputFile",
                     output_file, "--documentReuse", "--documentRepair", "most"])
-    assert_one_line_error(proc, "--documentRepair", "none, first-page, full", "most")
+    assert_one_line_error(proc, "--documentRepair", "none, first-page, overlap, full", "most")
     assert not output_file.exists()
 
 
@@ -65,4 +65,4 @@ def test_llm_test_takes_the_options(run_cli, tiny_engine_dir: Path, input_file: 
     profile = json.loads((out / "in.profile.json").read_text())
     assert profile["context_cache"]["documents"]["document_hits"] == 4
     bad = run_cli(["llm_test", "--engineDir", tiny_engine_dir, "--documentRepair", "most", input_file])
-    assert_one_line_error(bad, "--documentRepair", "none, first-page, full")
+    assert_one_line_error(bad, "--documentRepair", "none, first-page, overlap, full")

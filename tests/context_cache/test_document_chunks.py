@@ -96,6 +96,14 @@ def test_first_page_repairs_one_page_per_document(tiny_engine_dir: Path) -> None
     assert documents(engine)["repaired_tokens"] == 2 * T
 
 
+def test_overlap_recomputes_the_document_closest_to_the_question(tiny_engine_dir: Path) -> None:
+    engine = engine_with(tiny_engine_dir, "overlap")
+    asks_about_b = prompt([1, 2, 3, 4, 6], [DOC_A, DOC_B], [12, DOC_B[5], DOC_B[9], 15])
+    output = run(engine, asks_about_b)
+    assert output.cached_tokens == len(DOC_A) - T  # DOC_A: all but its first page; DOC_B: recomputed whole
+    assert documents(engine)["repaired_tokens"] == T + len(DOC_B)
+
+
 def test_approximate_kv_is_never_found_under_exact_prefix_keys(tiny_engine_dir: Path) -> None:
     engine = engine_with(tiny_engine_dir, "none")
     run(engine, SECOND)
@@ -160,7 +168,7 @@ def refusal(engine_dir: Path, **options: object) -> InvalidConfig:
 
 def test_an_unknown_repair_policy_is_refused(tiny_engine_dir: Path) -> None:
     error = refusal(tiny_engine_dir, document_repair="most")
-    assert error.field == "document_repair" and "none, first-page, full" in error.message
+    assert error.field == "document_repair" and "none, first-page, overlap, full" in error.message
 
 
 def test_a_draft_model_is_refused(tiny_eagle3_engine_dir: Path) -> None:
