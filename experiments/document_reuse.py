@@ -179,6 +179,11 @@ def main() -> None:
         print(f"{policy:<11} {row['token_hit_rate']:>8.1%} {row['median_ttft_ms']:>8.1f} {row['ttft_vs_cold']:>7.2f}"
               f" {row['answers_right']:>2}/{args.requests:<2} {row['top1_agreement']:>6.2f}"
               f" {row['identical_16']:>3}/{args.requests:<3} {budget:>6}")
+    curve = sorted((row["repair_budget"], row["top1_agreement"], policy) for policy, row in summary.items()
+                   if row["repair_budget"] is not None)
+    print("\nagreement against repair budget (share of document tokens recomputed):")
+    for budget, agree, policy in curve:
+        print(f"  {budget:5.2f} {'#' * round(agree * 40):<40} {agree:.2f} {policy}")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"settings": vars(args) | {"engineDir": str(args.engineDir), "json": None},
