@@ -69,7 +69,9 @@ def workload(docs: list[Report], requests: int, k: int, seed: int) -> list[tuple
         shown = rng.sample([j for j in range(len(docs)) if j != asked], k - 1) + [asked]
         rng.shuffle(shown)
         system = f"Current time: 2026-12-05 10:{i:02d}:{rng.randrange(60):02d}. Answer from the reports only."
-        content = [{"type": "document", "text": docs[j].text + "\n\n"} for j in shown]
+        content: list[dict[str, str]] = []
+        for j in shown:  # BPE merges a run of whitespace with the text around it: one newline between
+            content += [{"type": "document", "text": docs[j].text}, {"type": "text", "text": "\n"}]
         content.append({"type": "text", "text": docs[asked].question})
         out.append(([{"role": "system", "content": system}, {"role": "user", "content": content}], docs[asked].answer))
     return out

@@ -14,8 +14,8 @@ Decisions, written down as the issue asks:
   below its start, so tokens before a document never see it.
 - **Repair recomputes the first tokens of each document in place** (`first-page`: one page of tokens; `overlap`:
   that, and all of the document closest to the question; `full`: all of them, which must give exactly a cold run's
-  tokens; `none`: nothing). Repair is contiguous, so it is plain causal attention with today's kernel. The scheduler ends a chunk where a restored range begins and moves
-  `num_computed_tokens` past it.
+  tokens; `none`: nothing). Repair is contiguous, so it is plain causal attention with today's kernel. The
+  scheduler ends a chunk where a restored range begins and moves `num_computed_tokens` past it.
 - **Approximate K/V never becomes findable under exact keys.** `lease.exact_tokens` is set to the first restored
   position: nothing from there on is indexed in flight or published. Exact prefix reuse before it works as before.
 - Documents shorter than one page, documents overlapping media, documents holding the prompt's last token (it must
