@@ -220,3 +220,28 @@ def test_the_api_takes_the_options(tiny_engine_dir: Path) -> None:
     ask("t=1")
     assert ask("t=22").cached_tokens >= len("Pump 3 stopped at noon.")
     assert llm.context_cache_metrics()["documents"]["document_hits"] == 2
+
+
+@pytest.mark.parametrize("repair", ["full", "none"])
+def test_a_tight_pool_preempts_and_full_still_answers_as_cold(tiny_engine_dir: Path, repair: str) -> None:
+    """Both requests at once, with their standalone prefills, in 8 pages: a request that grows preempts the other,
+    which is recomputed (restoring its documents again); the cache stays consistent after every step, and `full`
+    still gives the cold tokens."""
+    long = SamplingParams(temperature=0, max_generate_length=30)
+    requests = [EngineRequest(r.prompt_ids, long, documents=r.documents) for r in (FIRST, SECOND)]
+    reference = Engine(tiny_engine_dir, EngineConfig(num_threads=1))
+    cold_tokens = [run(reference, request).token_ids for request in requests]
+    engine = Engine(tiny_engine_dir, EngineConfig(num_threads=1, document_reuse=True, document_repair=repair),
+                    num_pages=8)
+    ids = [engine.add_request(request) for request in requests]
+    finals: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            assert output.request_id in ids
+            if output.finished:
+                finals[output.request_id] = output.token_ids
+        engine.cache.check_invariants()
+    assert engine.scheduler.stats.preemptions > 0
+    assert len(finals) == 2
+    if repair == "full":
+        assert [finals[i] for i in ids] == cold_tokens
