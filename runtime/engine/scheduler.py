@@ -217,7 +217,7 @@ class Scheduler:
             seq.lease = lease
             seq.num_computed_tokens = lease.reuse_tokens
             if seq.num_preemptions == 0:
-                seq.reused_tokens = _cached_tokens(seq)
+                seq.reused_tokens = cached_tokens(seq)
             if self.state is not None:
                 self.state.on_admit(seq)
                 self.cache.finish_restore(lease)  # the copies are done (a no-op without restores)
@@ -251,7 +251,7 @@ class Scheduler:
             self.loading.remove(seq)
             seq.num_computed_tokens += loaded
             if seq.num_preemptions == 0:
-                seq.reused_tokens = _cached_tokens(seq)
+                seq.reused_tokens = cached_tokens(seq)
             if loaded and self.state is not None:
                 seq.checkpoints = self.state.checkpoints.positions(seq.request, seq.num_computed_tokens)
             seq.status = Status.RUNNING
@@ -380,9 +380,9 @@ class Scheduler:
             self.state.on_release(lease)
 
 
-def _cached_tokens(seq: Sequence) -> int:
+def cached_tokens(seq: Sequence) -> int:
     """The prompt tokens a sequence starts with from a cache: those before its computing starts (pages, snapshots,
     a shared tier's load) and the restored document tokens after them (issue 37)."""
     start = seq.num_computed_tokens
-    assert seq.lease is not None
-    return start + sum(max(end - max(begin, start), 0) for begin, end in seq.lease.restored_spans)
+    spans = seq.lease.restored_spans if seq.lease is not None else ()
+    return start + sum(max(end - max(begin, start), 0) for begin, end in spans)

@@ -245,3 +245,12 @@ def test_a_tight_pool_preempts_and_full_still_answers_as_cold(tiny_engine_dir: P
     assert len(finals) == 2
     if repair == "full":
         assert [finals[i] for i in ids] == cold_tokens
+
+
+def test_the_profile_counts_restored_documents_as_reused_prefill(tiny_engine_dir: Path) -> None:
+    engine = engine_with(tiny_engine_dir, "none")
+    run(engine, SECOND)
+    prefill = engine.profile()["prefill"]
+    assert prefill["reused_tokens"] == len(DOC_A) + len(DOC_B)  # the request's restored documents
+    # Computed: the documents alone (their standalone prefills), then the request's other tokens.
+    assert prefill["computed_tokens"] == len(SECOND.prompt_ids)
