@@ -202,7 +202,10 @@ class DocumentChunks(CacheTypeBase):
                 return agreed
             return agreed.with_part(self.name, DocumentPart(produces=key, tokens=tuple(tokens.tolist())))
         hits = []
-        for key, start, length in self.eligible(tokens, lookup.documents, lookup.extras, agreed.reuse_tokens):
+        # After the agreed hit's last page: a partial-KV snapshot hit is restored over its whole page, after this
+        # type's copies, so a document starting inside that page is computed.
+        after = pages_for(agreed.reuse_tokens, T) * T
+        for key, start, length in self.eligible(tokens, lookup.documents, lookup.extras, after):
             record = self._by_key.get(key)
             if record is None:
                 continue

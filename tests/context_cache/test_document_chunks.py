@@ -254,3 +254,20 @@ def test_the_profile_counts_restored_documents_as_reused_prefill(tiny_engine_dir
     assert prefill["reused_tokens"] == len(DOC_A) + len(DOC_B)  # the request's restored documents
     # Computed: the documents alone (their standalone prefills), then the request's other tokens.
     assert prefill["computed_tokens"] == len(SECOND.prompt_ids)
+
+
+def test_a_partial_snapshot_hit_and_a_document_in_its_page_do_not_overlap(tiny_engine_dir: Path) -> None:
+    """A prompt extending a published one to inside a page restores that page from a partial-KV snapshot; a document
+    starting in the same page is computed there, not restored (the snapshot's copy would overwrite it)."""
+    budget = Engine(tiny_engine_dir, EngineConfig(num_threads=1)).engine_dir.build.partial_kv_snapshot_bytes_per_slot
+    engine = Engine(tiny_engine_dir, EngineConfig(num_threads=1, document_reuse=True, document_repair="full",
+                                                  context_cache_partial_kv_snapshot_pool_bytes=16 * budget))
+    system = list(range(100, 120))  # 20 tokens: a page and 4 of the next
+    run(engine, EngineRequest(system, GREEDY))
+    reference = Engine(tiny_engine_dir, EngineConfig(num_threads=1))
+    request = prompt(system, [DOC_A], [9, 10])
+    run(engine, prompt([1, 2, 3], [DOC_A], [9]))  # stores DOC_A
+    output = run(engine, request)
+    assert output.token_ids == run(reference, request).token_ids
+    assert documents(engine)["document_hits"] == 1  # only the second prompt's DOC_A (the third's starts at 20)
+    assert output.cached_tokens == len(system)  # the page and the snapshot's 4 tokens
