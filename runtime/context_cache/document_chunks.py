@@ -20,8 +20,7 @@ Decisions, written down as the issue asks:
   position: nothing from there on is indexed in flight or published. Exact prefix reuse before it works as before.
 - Documents shorter than one page, documents overlapping media, documents holding the prompt's last token (it must
   be computed for logits), requests with an activated LoRA and documents starting inside the exact hit (or its
-  snapshot-restored page) are computed
-  as ordinary prompt tokens.
+  snapshot-restored page) are computed as ordinary prompt tokens.
 """
 
 from __future__ import annotations
