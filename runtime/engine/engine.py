@@ -328,7 +328,8 @@ class Engine:
             return {}
         model, build = self.engine_dir.model, self.engine_dir.build
         store = DocumentKVStore(self.backend.kv_store, resolved.num_pages,
-                                rope_table(build.max_kv_cache_capacity, model.rotary_dim, model.rope_theta))
+                                rope_table(build.max_kv_cache_capacity, model.rotary_dim, model.rope_theta),
+                                model.kv_cache_dtype)
         return {"document_reuse": True, "document_repair": config.document_repair, "document_store": store}
 
     def _shared_tier(self, config: EngineConfig, resolved: ResolvedConfig) -> SharedTier | None:

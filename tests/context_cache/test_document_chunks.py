@@ -134,7 +134,7 @@ def test_restore_moves_keys_to_their_new_positions() -> None:
     heads, dim, length, start = 2, 8, 20, 21
     cos_sin = rope_table(256, dim, 10000.0)
     kv = KVStore(1, 8, heads, T, dim, "fp16")
-    store = DocumentKVStore(kv, 4, cos_sin)
+    store = DocumentKVStore(kv, 4, cos_sin, "fp16")
     raw_k = rng.standard_normal((length, heads, dim)).astype(np.float32)
     values = rng.standard_normal((length, heads, dim)).astype(np.float32)
     at_0 = apply_rope(raw_k, cos_sin, np.arange(length))
