@@ -63,6 +63,9 @@ def lower_for_onnxruntime(model: onnx.ModelProto, *, kv_cache_dtype: str, tokens
     shared = _Shared(GraphWriter(prefix="lowered/"), group=num_q // num_kv)
     # Each layer's un-rotated query, where the whole graph's attention can take RoPE and the write inside.
     unrotated = _unrotated_queries(graph, writes) if cpu_kernel and kernel_rope else {}
+    if tree_inputs and any(_attr(n, "sliding_window", 0) for n in graph.node if n.op_type == ops.PAGED_ATTENTION.name):
+        raise InvalidConfig("tree attention (speculative verification) is not supported on a model with "
+                            "sliding-window layers yet", "spec_decode")
     pending_writes: dict[str, tuple[str, str, str]] = {}  # pool output -> (key, value, pool input)
     new_nodes: list[onnx.NodeProto] = []
     new_rows: dict[str, tuple[str, str, str]] = {}  # pool output -> (pool input, new rows float, new rows out)
@@ -119,12 +122,13 @@ def lower_for_onnxruntime(model: onnx.ModelProto, *, kv_cache_dtype: str, tokens
                                   tokens_per_page, TREE_MASK_INPUT if tree_inputs else "")
             elif fused_attention:
                 _group_query_attention(g, shared, query, pool_in, page_table, rows, start_index, kv_cache_dtype,
-                                       num_kv, head_dim, _attr_f(node, "scale"), node.output[0])
+                                       num_kv, head_dim, _attr_f(node, "scale"), node.output[0],
+                                       _attr(node, "sliding_window", 0))
             else:
                 cached = _gather_pages(g, pool_in, page_table, rows, kv_cache_dtype, shared, num_kv, head_dim)
             if dense or not fused_attention:
                 _attend(g, shared, query, cached, start_index, num_kv, head_dim, _attr_f(node, "scale"),
-                        node.output[0])
+                        node.output[0], _attr(node, "sliding_window", 0))
         else:
             new_nodes.append(node)
             continue
@@ -213,7 +217,13 @@ def _kernel_rope_attention(g: GraphWriter, query: str, key: str, value: str, poo
         inputs += [TREE_POSITIONS_INPUT, TREE_MASK_INPUT]
     g.op(ops.CPU_PAGED_ATTENTION_ROPE.name, inputs, outputs=[node.output[0]], domain=ops.CPU_DOMAIN,
          num_q_heads=_attr(node, "num_q_heads"), num_kv_heads=num_kv, head_dim=_attr(node, "head_dim"),
-         tokens_per_page=tokens_per_page, scale=_attr_f(node, "scale"))
+         tokens_per_page=tokens_per_page, scale=_attr_f(node, "scale"), **_window_attribute(node))
+
+
+def _window_attribute(node: onnx.NodeProto) -> dict[str, int]:
+    """The kernel's sliding_window attribute where the export's PagedAttention has one (Gemma's local layers)."""
+    window = _attr(node, "sliding_window", 0)
+    return {"sliding_window": window} if window else {}
 
 
 def _rope_gathers(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
@@ -334,11 +344,12 @@ def _gather_pages(g: GraphWriter, pool: str, page_table: str, rows: str, kv_cach
 
 def _group_query_attention(g: GraphWriter, shared: _Shared, query: str, pool: str, page_table: str, rows: str,
                            start_index: str, kv_cache_dtype: str, num_kv: int, head_dim: int, scale: float,
-                           output: str) -> None:
+                           output: str, sliding_window: int = 0) -> None:
     """Attention as ONNX Runtime's fused GroupQueryAttention: the row's gathered pages are the BNSH past (its
     first kvcache_start_index[b] slots valid), the new rows are right-padded chunks (`query_seqlens`), so
     masking, GQA head sharing, scaling and softmax run in one kernel instead of a dozen nodes per layer.
-    Queries and keys arrive rotated (the export applies RoPE), so do_rotary stays 0."""
+    Queries and keys arrive rotated (the export applies RoPE), so do_rotary stays 0. A sliding window is its
+    local_window_size (the same count: tests/parity/test_gemma3_parity.py pins it against transformers)."""
     cached = _cached_pages(g, pool, page_table, kv_cache_dtype, shared, num_kv, head_dim)
     if kv_cache_dtype == "fp16":
         cached = g.cast(cached, FLOAT)
@@ -359,7 +370,8 @@ def _group_query_attention(g: GraphWriter, shared: _Shared, query: str, pool: st
          [query, new_k, new_v, past_k, past_v, shared.masks["gqa_seqlens_k"], shared.masks["gqa_total"],
           "", "", "", "", "", "", "", "", "", shared.masks["gqa_lengths"]],
          n_out=3, outputs=[output, g.fresh("gqa_present_key"), g.fresh("gqa_present_value")],
-         domain="com.microsoft", num_heads=num_kv * shared.group, kv_num_heads=num_kv, scale=scale)
+         domain="com.microsoft", num_heads=num_kv * shared.group, kv_num_heads=num_kv, scale=scale,
+         **({"local_window_size": sliding_window} if sliding_window else {}))
 
 
 def _kernel_attention(g: GraphWriter, query: str, rows: str, pool: str, page_table: str, start_index: str,
@@ -370,7 +382,8 @@ def _kernel_attention(g: GraphWriter, query: str, rows: str, pool: str, page_tab
     inputs = [query, rows, pool, page_table, start_index, "context_lengths"] + ([mask] if mask else [])
     g.op(ops.CPU_PAGED_ATTENTION.name, inputs,
          outputs=[node.output[0]], domain=ops.CPU_DOMAIN, num_q_heads=_attr(node, "num_q_heads"),
-         num_kv_heads=num_kv, head_dim=head_dim, tokens_per_page=tokens_per_page, scale=_attr_f(node, "scale"))
+         num_kv_heads=num_kv, head_dim=head_dim, tokens_per_page=tokens_per_page, scale=_attr_f(node, "scale"),
+         **_window_attribute(node))
 
 
 def _read_only_attention(g: GraphWriter, query: str, pool: str, page_table: str, start_index: str,
@@ -439,8 +452,28 @@ def _masks(g: GraphWriter, shared: _Shared, query: str, keys: str, start_index: 
     return mask
 
 
+def _window_mask(g: GraphWriter, shared: _Shared, query: str, keys: str, start_index: str, window: int) -> str:
+    """The causal mask narrowed to a sliding window: query token s (position start + s) sees key slot c (position c:
+    cached slots, then the new tokens at start + j) iff c > start + s - window. Built once per window size."""
+    if f"window_{window}" not in shared.masks:
+        seq, total = (g.op("Squeeze", [g.dim(x, axis), g.const([0])]) for x, axis in ((query, 1), (keys, 3)))
+        rows = g.op("Mul", [seq, g.const(shared.group)])
+        row_token = g.op("Div", [g.op("Range", [g.const(0), rows, g.const(1)]), g.const(shared.group)])  # [SG]
+        start = g.unsqueeze(g.cast(start_index, INT64), [1, 2])  # [B, 1, 1]
+        slots, cached_len = g.op("Range", [g.const(0), total, g.const(1)]), g.op("Sub", [total, seq])
+        # Slot c >= cached_len is new token c - cached_len, at position start + c - cached_len.
+        positions = g.op("Where", [g.unsqueeze(g.op("GreaterOrEqual", [slots, cached_len]), [0, 1]),
+                                   g.add(start, g.unsqueeze(g.op("Sub", [slots, cached_len]), [0, 1])),
+                                   g.unsqueeze(slots, [0, 1])])  # [B, 1, C + S]
+        first = g.op("Sub", [g.add(start, g.unsqueeze(row_token, [0, 2])), g.const(window - 1)])  # [B, SG, 1]
+        inside = g.op("GreaterOrEqual", [positions, first])  # [B, SG, C + S]
+        causal = _masks(g, shared, query, keys, start_index)
+        shared.masks[f"window_{window}"] = g.op("And", [causal, g.unsqueeze(inside, [1])])
+    return shared.masks[f"window_{window}"]
+
+
 def _attend(g: GraphWriter, shared: _Shared, query: str, keys_values: str, start_index: str, num_kv: int,
-            head_dim: int, scale: float, output: str) -> None:
+            head_dim: int, scale: float, output: str, sliding_window: int = 0) -> None:
     group = shared.group
     q = g.transpose(g.reshape(query, [0, 0, num_kv, group, head_dim]), [0, 2, 1, 3, 4])  # [B,Hkv,S,G,D]
     q = g.reshape(q, [0, num_kv, -1, head_dim])  # rows ordered (s, g)
@@ -448,7 +481,8 @@ def _attend(g: GraphWriter, shared: _Shared, query: str, keys_values: str, start
     k = g.op("Squeeze", [k, g.const([1])])
     v = g.op("Squeeze", [v, g.const([1])])
     scores = g.mul(g.matmul(q, g.transpose(k, [0, 1, 3, 2])), g.const(scale, np.float32))
-    mask = _masks(g, shared, query, keys_values, start_index)
+    mask = _window_mask(g, shared, query, keys_values, start_index, sliding_window) if sliding_window else \
+        _masks(g, shared, query, keys_values, start_index)
     scores = g.op("Where", [mask, scores, g.const(np.finfo(np.float32).min, np.float32)])
     attn = g.matmul(g.op("Softmax", [scores], axis=-1), v)  # [B, Hkv, S*G, D]
     attn = g.transpose(g.reshape(attn, [0, num_kv, -1, group, head_dim]), [0, 2, 1, 3, 4])

@@ -131,6 +131,9 @@ def build_tensorrt_engine(onnx_dir: Path, engine_dir: Path, config: ModelConfig,
                           step: Callable[[str], None] = lambda _m: None, *, max_lora_rank: int = 0,
                           speculative: dict[str, bool | int] | None = None) -> None:
     """The TensorRT half of build_engine: validated geometry in, a complete engine dir out."""
+    if config.sliding_window_layers:  # the CUDA kernels attend over every cached position
+        raise InvalidConfig("sliding-window attention layers (Gemma) have no TensorRT kernel yet; build with "
+                            "--backend onnxruntime", "backend")
     trt = require_tensorrt()
     if config.kv_cache_dtype not in TRT_KV_CACHE_DTYPES:
         raise InvalidConfig(f"kv_cache_dtype {config.kv_cache_dtype!r} has no TensorRT kernel; re-export with "

@@ -44,7 +44,9 @@ PAGED_ATTENTION = OpSchema(
     attributes=("num_q_heads", "num_kv_heads", "head_dim", "tokens_per_page", "scale"),
     doc="Grouped-query attention of the rotated queries [B,S,Hq*D] over the cached and new keys of each "
         "row with bottom-right causal alignment: query i sees positions 0..start+i. Serves chunked "
-        "prefill (S>1 over cached pages) and decode (S=1). Output rows past context_lengths[b] are 0.",
+        "prefill (S>1 over cached pages) and decode (S=1). Output rows past context_lengths[b] are 0. Optional "
+        "attribute sliding_window W (Gemma's local layers; absent or 0 = none): query at position p sees only "
+        "positions p-W+1..p.",
 )
 
 SCHEMAS = {s.name: s for s in (PAGED_KV_WRITE, PAGED_ATTENTION)}
@@ -70,7 +72,8 @@ CPU_PAGED_ATTENTION = OpSchema(
         "Cached position p is page table[b, p // T], slot p % T, visible to every query unless its page is -1 or "
         "beyond W. GQA: q head h reads kv head h // (Hq/Hkv). Output [B,S,Hq*D] float32, rows past "
         "context_lengths[b] (and queries that see nothing) are 0; fp32 online softmax. head_dim must be a "
-        "multiple of 16 up to 256. Semantics: reference.paged_attention_rows.",
+        "multiple of 16 up to 256. Optional attribute sliding_window as PAGED_ATTENTION's. "
+        "Semantics: reference.paged_attention_rows.",
 )
 
 CPU_PAGED_ATTENTION_ROPE = OpSchema(

@@ -133,6 +133,16 @@ def _new_visibility(length: int, mask: np.ndarray | None) -> np.ndarray:
     return np.arange(length)[None, :] <= np.arange(length)[:, None]
 
 
+def _window(visible: np.ndarray, start: int, sliding_window: int) -> np.ndarray:
+    """`visible` [L, C] (C = start + L key positions) narrowed to a sliding window: query i, at position start + i,
+    sees the keys at positions start + i - sliding_window + 1 and later (0 = no window)."""
+    if not sliding_window:
+        return visible
+    length, keys = visible.shape
+    first = start + np.arange(length)[:, None] - sliding_window + 1
+    return visible & (np.arange(keys)[None, :] >= first)
+
+
 def _attend(query: np.ndarray, keys: np.ndarray, values: np.ndarray, visible: np.ndarray, *, num_kv_heads: int,
             head_dim: int, scale: float) -> np.ndarray:
     """The one softmax of both forms: queries [L, Hq*D] over keys/values [Hkv, C, D] where visible [L, C];
@@ -153,10 +163,11 @@ def _attend(query: np.ndarray, keys: np.ndarray, values: np.ndarray, visible: np
 def paged_attention(query: np.ndarray, pool: np.ndarray, context_lengths: np.ndarray,
                     kvcache_start_index: np.ndarray, kv_page_table: np.ndarray, *, num_q_heads: int,
                     num_kv_heads: int, head_dim: int, scale: float, kv_cache_dtype: str,
-                    attention_mask: np.ndarray | None = None) -> np.ndarray:
+                    attention_mask: np.ndarray | None = None, sliding_window: int = 0) -> np.ndarray:
     """PagedAttention over a pool that already holds the new tokens: query i of row b sees the cached positions
-    0..start-1 and the new ones per `attention_mask` [B,S,S] (bottom-right causal when None); positions
-    without a page (-1, or past the table's width) are invisible."""
+    0..start-1 and the new ones per `attention_mask` [B,S,S] (bottom-right causal when None), only the last
+    `sliding_window` positions up to its own when that is set; positions without a page (-1, or past the table's
+    width) are invisible."""
     batch, seq = query.shape[:2]
     out = np.zeros((batch, seq, num_q_heads * head_dim), dtype=np.float32)
     for b in range(batch):
@@ -166,7 +177,8 @@ def paged_attention(query: np.ndarray, pool: np.ndarray, context_lengths: np.nda
         keys, values, valid = _paged_kv(pool, kv_page_table[b], start + length, kv_cache_dtype)
         mask = None if attention_mask is None else attention_mask[b]
         visible = np.concatenate([np.ones((length, start), dtype=bool), _new_visibility(length, mask)], axis=1)
-        out[b, :length] = _attend(query[b, :length], keys, values, visible & valid[None, :],
+        visible = _window(visible & valid[None, :], start, sliding_window)
+        out[b, :length] = _attend(query[b, :length], keys, values, visible,
                                   num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale)
     return out
 
@@ -174,9 +186,10 @@ def paged_attention(query: np.ndarray, pool: np.ndarray, context_lengths: np.nda
 def paged_attention_rows(query: np.ndarray, new_kv: np.ndarray, pool: np.ndarray, kv_page_table: np.ndarray,
                          kvcache_start_index: np.ndarray, context_lengths: np.ndarray, *, num_q_heads: int,
                          num_kv_heads: int, head_dim: int, scale: float, kv_cache_dtype: str,
-                         attention_mask: np.ndarray | None = None) -> np.ndarray:
+                         attention_mask: np.ndarray | None = None, sliding_window: int = 0) -> np.ndarray:
     """kvforge.cpu.PagedAttention (the lowered form): the pool holds only the cached positions 0..start-1 and
-    this call's keys/values come as new_kv [B,S,2,Hkv,D] (float32, already rounded through the storage dtype)."""
+    this call's keys/values come as new_kv [B,S,2,Hkv,D] (float32, already rounded through the storage dtype);
+    `sliding_window` as in paged_attention."""
     batch, seq = query.shape[:2]
     out = np.zeros((batch, seq, num_q_heads * head_dim), dtype=np.float32)
     for b in range(batch):
@@ -189,6 +202,7 @@ def paged_attention_rows(query: np.ndarray, new_kv: np.ndarray, pool: np.ndarray
         values = np.concatenate([cached_v, new[1]], axis=1)
         mask = None if attention_mask is None else attention_mask[b]
         visible = np.concatenate([np.broadcast_to(valid, (length, start)), _new_visibility(length, mask)], axis=1)
+        visible = _window(visible, start, sliding_window)
         out[b, :length] = _attend(query[b, :length], keys, values, visible, num_kv_heads=num_kv_heads,
                                   head_dim=head_dim, scale=scale)
     return out
@@ -198,7 +212,8 @@ def paged_attention_rope(query: np.ndarray, key: np.ndarray, value: np.ndarray, 
                          kv_page_table: np.ndarray, kvcache_start_index: np.ndarray, context_lengths: np.ndarray,
                          cos_sin: np.ndarray, *, num_q_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                          kv_cache_dtype: str, position_ids: np.ndarray | None = None,
-                         attention_mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                         attention_mask: np.ndarray | None = None,
+                         sliding_window: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """kvforge.cpu.PagedAttentionRope: (attention output, the pool after the call's write). Query and key
     [B,S,H*D] arrive un-rotated and rotate at `position_ids` [B,S] (start + i when None, clamped to the table);
     the new rows, rounded through the storage dtype, go to positions start..start+len-1 through the page table
@@ -214,7 +229,7 @@ def paged_attention_rope(query: np.ndarray, key: np.ndarray, value: np.ndarray, 
     out = paged_attention_rows(q.reshape(batch, seq, -1), new_kv, pool, kv_page_table, kvcache_start_index,
                                context_lengths, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                                head_dim=head_dim, scale=scale, kv_cache_dtype=kv_cache_dtype,
-                               attention_mask=attention_mask)
+                               attention_mask=attention_mask, sliding_window=sliding_window)
     written = pool.copy()
     tokens_per_page = pool.shape[3]
     for b in range(batch):

@@ -78,6 +78,8 @@ class _EngineCollector(Collector):
         yield _counter("prefill_reused_tokens", "Prompt tokens served from a cache instead of computed.",
                        s.prefill_reused_tokens)
         yield _counter("prefill_computed_tokens", "Prompt tokens run through the engine.", s.prefill_computed_tokens)
+        yield _counter("adapter_base_pages_reused", "Base-model pages reused by adapter requests (activated LoRA "
+                       "before its invocation).", s.adapter_base_pages)
         for key, help_text in (("preemptions", "Sequences preempted because the pool was full."),
                                ("steps", "Engine steps."),
                                ("inflight_prefix_waits", "Times a request waited for a prefix another computed.")):

@@ -29,7 +29,8 @@ QUANTIZATIONS = ("none", "int8", "int4")  # linear weights: float32, or MatMulNB
 LM_HEADS = ("float", "int8", "int4")
 # Draft-only families: gemma4_assistant, a Gemma4 MTP assistant (its layers read the base's K/V, see
 # kv_shared_layers); qwen3_5_mtp, Qwen3.5's MTP layer (one gated-attention decoder layer with its own pool).
-MODEL_FAMILIES = ("llama", "qwen2", "qwen3", "mamba2", "qwen3_5", "gemma4_assistant", "qwen3_5_mtp")
+MODEL_FAMILIES = ("llama", "qwen2", "qwen3", "mamba2", "qwen3_5", "gemma4_assistant", "qwen3_5_mtp", "gemma3",
+                  "gemma4")
 RECURRENT_FAMILIES = ("mamba2",)  # every layer a Mamba2 mixer: no KV cache, carried conv + recurrent states
 # Attention layers with a paged KV pool interleaved with recurrent layers (Qwen3.5: gated delta-net + gated attention).
 HYBRID_FAMILIES = ("qwen3_5",)
@@ -67,6 +68,7 @@ class ModelConfig:
     lora_targets: list[str] = field(default_factory=list)  # linears with lora_A/lora_B inputs (q, k, ..., down)
     quantization: str = "none"  # requested weight format; GGUF blocks that map exactly keep their own bits
     quant_block_size: int = 0  # MatMulNBits block size of re-quantized weights (0 = not quantized)
+    int4_scheme: str = ""  # 4-bit blocks: asymmetric or symmetric (tools/export/quantize.py); "" = older exports
     lm_head: str = ""  # one of LM_HEADS; "" = not recorded (older exports)
     lm_head_candidates: int = 0  # top-k of a quantized head rescored against the float head (0 = none)
     prefill_int8_rows: int = 0  # calls of at least this many rows run quantized layers as int8 GEMMs (0 = never)
@@ -103,6 +105,20 @@ class ModelConfig:
     kv_shared_layers: list[int] = field(default_factory=list)
     num_centroids: int = 0
     centroid_top_k: int = 0
+    # Gemma: the layers attending over only the last `sliding_window` positions (each keeps a full-length cache
+    # for now), their RoPE base (0 = rope_theta), the other layers' linear RoPE scaling (0 = none), the query
+    # scale's denominator (0 = head_dim) and tanh softcap of the logits (0 = none). Gemma 4's global layers turn
+    # only their first rope_proportion of the rotate-half frequencies (proportional RoPE; 0 = all of them).
+    sliding_window: int = 0
+    sliding_window_layers: list[int] = field(default_factory=list)
+    rope_local_theta: float = 0.0
+    rope_linear_factor: float = 0.0
+    rope_proportion: float = 0.0
+    # Gemma 4's KV sharing: per layer, the layer whose pool it attends over (itself: its own pool; an earlier layer:
+    # no pool, no K/V projections). Empty = every layer its own.
+    kv_source_layers: list[int] = field(default_factory=list)
+    query_pre_attn_scalar: float = 0.0
+    final_logit_softcapping: float = 0.0
     format: str = EXPORT_FORMAT
 
     @property
@@ -147,11 +163,12 @@ class ModelConfig:
     @property
     def attention_layer_ids(self) -> list[int]:
         """Absolute indices of the layers with a KV pool (`past_key_values_{i}`): all of them unless layer_types
-        says otherwise."""
+        says otherwise, less the layers attending over an earlier layer's pool (kv_source_layers)."""
         if self.reads_base_kv:
             return []
         if not self.layer_types:
-            return list(range(self.num_hidden_layers))
+            return [i for i in range(self.num_hidden_layers) if not self.kv_source_layers or
+                    self.kv_source_layers[i] == i]
         return [i for i, t in enumerate(self.layer_types) if t == "attention"]
 
     @property
@@ -180,6 +197,13 @@ class ModelConfig:
         return int(self.head_dim * self.partial_rotary_factor) // 2 * 2
 
     @property
+    def uniform_rope(self) -> bool:
+        """Whether every layer's keys turn by the runtime's RoPE table alone: what moving stored keys to another
+        position with that table (document reuse) needs. Gemma's other bases, scalings and proportions do not."""
+        return not ((self.rope_local_theta and self.rope_local_theta != self.rope_theta and self.sliding_window_layers)
+                    or self.rope_linear_factor or self.rope_proportion)
+
+    @property
     def conv_dim(self) -> int:
         """Channels of the causal conv: the SSM input plus its B and C projections."""
         return self.recurrent_state_num_heads * self.recurrent_state_head_dim + \
@@ -201,6 +225,20 @@ class ModelConfig:
             raise InvalidConfig(f"must be one of {LM_HEADS}, got {self.lm_head!r}", "config.lm_head")
         self._validate_hidden_state_layers()
         self._validate_draft()
+        if any(not 0 <= i < self.num_hidden_layers for i in self.sliding_window_layers) or \
+                bool(self.sliding_window_layers) != bool(self.sliding_window):
+            raise InvalidConfig(f"must name layers in [0, {self.num_hidden_layers}) exactly when sliding_window "
+                                f"({self.sliding_window}) is set", "config.sliding_window_layers")
+        sources = self.kv_source_layers
+        if sources and (len(sources) != self.num_hidden_layers or self.layer_types or
+                        any(not (s == i or (s < i and sources[s] == s and (s in self.sliding_window_layers) ==
+                                            (i in self.sliding_window_layers))) for i, s in enumerate(sources))):
+            raise InvalidConfig("must name, per layer, itself or an earlier layer of its kind that has its own pool",
+                                "config.kv_source_layers")
+        for name in ("rope_local_theta", "rope_linear_factor", "rope_proportion", "query_pre_attn_scalar",
+                     "final_logit_softcapping"):
+            if getattr(self, name) < 0:
+                raise InvalidConfig("must be >= 0 (0: unset)", f"config.{name}")
         unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
         if unknown:
             raise InvalidConfig(f"unknown layer type {unknown[0]!r} (known: {', '.join(LAYER_TYPES)})",
@@ -386,6 +424,7 @@ CONFIG_SCHEMA: dict[str, tuple[str, float | None, float | None]] = {
     "bos_token_id": ("token?", None, None), "eos_token_ids": ("tokens", None, None),
     "pad_token_id": ("token?", None, None), "name": ("str", None, None), "lora_targets": ("strs", None, None),
     "quantization": ("str", None, None), "quant_block_size": ("int", 0, 2**16), "format": ("str", None, None),
+    "int4_scheme": ("str", None, None),
     "lm_head": ("str", None, None), "lm_head_candidates": ("int", 0, 2**20),
     "prefill_int8_rows": ("int", 0, 2**30),
     # Recurrent (Mamba2) fields; 0 on attention-only models. validate() checks them per family.
@@ -397,6 +436,12 @@ CONFIG_SCHEMA: dict[str, tuple[str, float | None, float | None]] = {
     "base_model_hidden_size": ("int", 0, 2**22), "eagle_hidden_state_layers": ("ints", 0, 1024),
     "dflash_block_size": ("int", 0, 1024), "mask_token_id": ("int", 0, 2**24),
     "kv_shared_layers": ("ints", 0, 1024), "num_centroids": ("int", 0, 2**20), "centroid_top_k": ("int", 0, 2**20),
+    "sliding_window": ("int", 0, 2**28), "sliding_window_layers": ("ints", 0, 1024),
+    # Gemma's optional floats: 0 = unset, so the range's open end is below it (validate() refuses negatives).
+    "rope_local_theta": ("float", -1.0, 1e12), "rope_linear_factor": ("float", -1.0, 1e6),
+    "rope_proportion": ("float", -1.0, 1.0), "kv_source_layers": ("ints", 0, 1024),
+    "query_pre_attn_scalar": ("float", -1.0, 1e9),
+    "final_logit_softcapping": ("float", -1.0, 1e9),
 }
 
 

@@ -28,6 +28,8 @@ CONTEXT_CACHE = "context_cache"
 GENERATION = "generation"
 SCHEDULER = "scheduler"
 PER_ADAPTER = "per_adapter"  # kvforge only; llm_profile also finds it inside context_cache
+# per_adapter[name] counter: whole base pages (no adapter identity) an adapter's requests reused
+ADAPTER_BASE_PAGES = "base_pages_reused"
 STAGES = "stages"
 KVFORGE_SECTIONS = (PREFILL, CONTEXT_CACHE, GENERATION, SCHEDULER, PER_ADAPTER, STAGES)
 

@@ -509,6 +509,7 @@ struct Group {
 
 struct Call {
   int64_t batch, seq, q_heads, kv_heads, dim, page_tokens, width, num_pages, group_size;
+  int64_t window;  // sliding window: query at position p sees keys p - window + 1..p (0 = every position)
   float scale;
   const float* query;
   const float* new_kv;
@@ -536,12 +537,22 @@ size_t head_offset(const Call& c, int64_t b, int64_t i, int64_t q_head) {
   return static_cast<size_t>(((b * c.seq + i) * c.q_heads + q_head) * c.dim);
 }
 
+// Bits [0, m) of a tile: the keys below a sliding window's first visible one (m clamped to [0, 64]).
+uint64_t low_bits(int64_t m) {
+  if (m <= 0) return 0;
+  return m >= 64 ? ~uint64_t{0} : (uint64_t{1} << m) - 1;
+}
+
 template <typename E>
 void attend_cached(const Call& c, const Item& it, Scratch& s, int rows) {
   const E* pool = static_cast<const E*>(c.pool);
   const E* keys[kTile];
   const E* values[kTile];
+  int64_t at[kTile];  // each tile key's position: pages without an entry are skipped, so not contiguous
+  const int64_t g = c.group_size;
   int64_t pos = it.c0;
+  // A sliding window: nothing before the block's first query's window is visible to any of its queries.
+  if (c.window > 0) pos = std::max<int64_t>(pos, c.start[it.b] + it.q0 - c.window + 1);
   while (pos < it.c1) {
     int n = 0;
     while (n < kTile && pos < it.c1) {
@@ -557,14 +568,26 @@ void attend_cached(const Call& c, const Item& it, Scratch& s, int rows) {
       for (int64_t k = 0; k < take; ++k) {
         keys[n + k] = pool + pool_offset(c, page, 0, it.h, slot + k);
         values[n + k] = pool + pool_offset(c, page, 1, it.h, slot + k);
+        at[n + k] = pos + k;
       }
       n += static_cast<int>(take);
       pos += take;
     }
     if (n > 0) {
       const uint64_t all = n == 64 ? ~uint64_t{0} : ((uint64_t{1} << n) - 1);
-      for (int r = 0; r < rows; ++r) s.visible[r] = all;
-      attend_tile<E>(s, keys, values, n, rows, static_cast<int>(c.dim));
+      bool any = true;
+      if (c.window > 0) {  // positions rise through the tile: each row hides the keys before its window
+        any = false;
+        for (int r = 0; r < rows; ++r) {
+          const int64_t first = c.start[it.b] + it.q0 + r / g - c.window + 1;
+          const int64_t hidden = std::lower_bound(at, at + n, first) - at;
+          s.visible[r] = all & ~low_bits(hidden);
+          any = any || s.visible[r] != 0;
+        }
+      } else {
+        for (int r = 0; r < rows; ++r) s.visible[r] = all;
+      }
+      if (any) attend_tile<E>(s, keys, values, n, rows, static_cast<int>(c.dim));
     }
   }
 }
@@ -598,6 +621,7 @@ void attend_new(const Call& c, const Item& it, Scratch& s, int rows) {
     for (int r = 0; r < rows; ++r) {
       const int64_t i = it.q0 + r / g;
       s.visible[r] = c.mask ? mask_bits(c.mask + (it.b * c.seq + i) * c.seq + j0, n) : causal_bits(i - j0, n);
+      if (c.window > 0) s.visible[r] &= ~low_bits(i - c.window + 1 - j0);  // new key j: i - j < window
       any = any || s.visible[r] != 0;
     }
     if (any) attend_tile<float>(s, keys, values, n, rows, static_cast<int>(c.dim));
@@ -714,6 +738,7 @@ void plan(Call& c) {
 
 struct Kernel {
   int64_t q_heads, kv_heads, dim, page_tokens;
+  int64_t window;
   float scale;
 };
 
@@ -813,6 +838,7 @@ OrtStatus* query_geometry(const Kernel& k, const TensorInfo& query, Call& c) {
   c.seq = query.shape[1];
   c.q_heads = k.q_heads, c.kv_heads = k.kv_heads, c.dim = k.dim, c.page_tokens = k.page_tokens;
   c.group_size = k.q_heads / k.kv_heads;
+  c.window = k.window;
   c.scale = k.scale;
   return nullptr;
 }
@@ -904,6 +930,11 @@ OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const O
     g_api->ReleaseStatus(st);  // absent: the usual 1/sqrt(head_dim)
     k.scale = k.dim > 0 ? 1.0f / std::sqrt(static_cast<float>(k.dim)) : 1.0f;
   }
+  if (OrtStatus* st = g_api->KernelInfoGetAttribute_int64(info, "sliding_window", &k.window)) {
+    g_api->ReleaseStatus(st);  // absent: every cached position is visible
+    k.window = 0;
+  }
+  if (k.window < 0) return error("sliding_window must be >= 0, got " + std::to_string(k.window));
   if (k.q_heads <= 0 || k.kv_heads <= 0 || k.q_heads % k.kv_heads != 0)
     return error("num_q_heads (" + std::to_string(k.q_heads) + ") must be a positive multiple of num_kv_heads (" +
                  std::to_string(k.kv_heads) + ")");

@@ -370,7 +370,7 @@ def snapshot_budgets(engine: EngineDir, slots: int = DEFAULT_SNAPSHOT_SLOTS,
 def deployment_of(model: ModelConfig) -> Deployment:
     """Attention layers only, recurrent layers only, or both (what the cache may reuse follows from it)."""
     attention = len(model.attention_layer_ids)
-    if attention == model.num_hidden_layers:
+    if attention == model.num_hidden_layers or (attention and not model.recurrent_layer_ids):  # Gemma 4 KV sharing
         return Deployment.VANILLA
     return Deployment.PURE_RECURRENT if attention == 0 else Deployment.HYBRID
 

@@ -302,6 +302,7 @@ class Engine:
                            generated_tokens=profiler.generated_tokens,
                            spec_draft_tokens=profiler.spec_draft_tokens,
                            spec_accepted_tokens=profiler.spec_accepted_tokens, scheduler=scheduler.stats.to_dict(),
+                           adapter_base_pages=profiler.adapter_base_pages,
                            encoder_cache=self.multimodal.cache.to_dict() if self.multimodal is not None else {})
 
     def profile(self) -> dict:

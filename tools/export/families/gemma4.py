@@ -1,0 +1,314 @@
+"""Gemma 4 (HF `gemma4_text`, and the text model of a multimodal `gemma4` dir), registered once: the part of its
+decoder the runtime can hold today as an ONNX graph, and one-line refusals naming the fields of the rest."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from kvforge.contract.errors import KvforgeError
+from kvforge.contract.model_config import ModelConfig
+from kvforge.graph.onnx_graph import FLOAT, INT32, OPSET, GraphWriter, value_info
+from kvforge.graph.positions import attach_hidden_states, gather_positions, logits_indices_input, logits_output
+from kvforge.graph.rope import apply_rope
+from kvforge.plugins import ops
+from kvforge.tools.export.families import gemma3
+from kvforge.tools.export.families.gemma3 import (
+    GELU_TANH,
+    delta_rope,
+    frequency_delta,
+    gelu_tanh,
+    inverse_frequencies,
+    layer_types,
+    text_config,
+)
+from kvforge.tools.export.families.llama import POOL_ELEM_TYPES, pool_input_name, pool_output_name, rope_inputs
+from kvforge.tools.export.families.qwen3_5 import fused_linears, linear
+from kvforge.tools.export.families.registry import Family, register
+
+if TYPE_CHECKING:
+    from kvforge.tools.export.sources.base import LoadedModel
+
+
+# What differs from Gemma 3 (gemma3.py, whose RoPE pre-rotation and sliding windows it shares): plain-weight RMSNorms
+# (x * w), a scale-free RMSNorm on each value head, attention without a query scale (the q/k norms replace it), a
+# learned scalar multiplying each layer's output, proportional RoPE on the global layers (only the first
+# `partial_rotary_factor` of the rotate-half frequencies turn; the rest stay still, which the pre-rotation expresses
+# as a negative turn of the table's angle), and KV shared between layers: the last `num_kv_shared_layers` layers
+# project queries only and attend over the pool of the last earlier layer of their kind (ModelConfig.
+# kv_source_layers; they get no pool). Refused until the runtime has them: per-layer embeddings
+# (hidden_size_per_layer_input: they look up token ids the graph does not get), global layers with their own head
+# size (global_head_dim: one pool shape per engine), keys used as values (attention_k_eq_v) and the
+# mixture-of-experts block.
+
+
+def rope_delta_frequencies(config: ModelConfig, sliding: bool) -> np.ndarray | None:
+    """The extra rotation of a Gemma 4 layer type: sliding layers turn with the local base; global layers with
+    rope_theta on their first rope_proportion of frequencies (proportional RoPE: the others do not turn)."""
+    if sliding:
+        return frequency_delta(config, inverse_frequencies(config, config.rope_local_theta or config.rope_theta))
+    own = inverse_frequencies(config, config.rope_theta)
+    if config.rope_proportion:
+        own[int(config.rope_proportion * config.head_dim // 2):] = 0.0  # transformers' int(p * D // 2) turning
+    return frequency_delta(config, own)
+
+
+def _weight(g: GraphWriter, weights: dict[str, np.ndarray], name: str) -> str:
+    return g.weight(name, weights[name].astype(np.float32))
+
+
+def _head_norm(g: GraphWriter, x: str, heads: int, head_dim: int, weight: str, eps: float) -> str:
+    return g.reshape(g.rms_norm(g.reshape(x, [0, 0, heads, head_dim]), weight, eps), [0, 0, heads * head_dim])
+
+
+def _attention(g: GraphWriter, config: ModelConfig, weights: dict[str, np.ndarray], layer: int, x: str,
+               rope: tuple[str, str], extra: dict[bool, tuple[str, str] | None], inputs: list, outputs: list) -> str:
+    p = f"model.layers.{layer}.self_attn."
+    num_q, num_kv, head_dim, eps = config.num_attention_heads, config.num_key_value_heads, config.head_dim, \
+        config.rms_norm_eps
+    sliding = layer in config.sliding_window_layers
+    source = config.kv_source_layers[layer] if config.kv_source_layers else layer
+    if source != layer:  # a KV-shared layer: its query attends over the source layer's pool, written this call
+        q = _head_norm(g, linear(g, weights, x, p + "q_proj.weight"), num_q, head_dim,
+                       _weight(g, weights, p + "q_norm.weight"), eps)
+    else:
+        q, k, v = fused_linears(g, weights, x, [p + f"{n}_proj.weight" for n in "qkv"], p + "qkv")
+        q = _head_norm(g, q, num_q, head_dim, _weight(g, weights, p + "q_norm.weight"), eps)
+        k = _head_norm(g, k, num_kv, head_dim, _weight(g, weights, p + "k_norm.weight"), eps)
+        v = _head_norm(g, v, num_kv, head_dim, g.const(np.float32(1.0), np.float32), eps)  # v_norm has no scale
+        if extra[sliding] is not None:
+            k = apply_rope(g, k, num_kv, head_dim, *extra[sliding])
+    if extra[sliding] is not None:  # the layer type's extra angle; the table's rotation follows
+        q = apply_rope(g, q, num_q, head_dim, *extra[sliding])
+    q = apply_rope(g, q, num_q, head_dim, *rope)
+    if source == layer:
+        pool_in = pool_input_name(layer)
+        pool_shape = ["num_pages", 2, num_kv, "tokens_per_page", head_dim]
+        inputs.append(value_info(pool_in, POOL_ELEM_TYPES[config.kv_cache_dtype], pool_shape))
+        outputs.append(value_info(pool_output_name(layer), POOL_ELEM_TYPES[config.kv_cache_dtype], pool_shape))
+        g.op(ops.PAGED_KV_WRITE.name, [k, v, "rope_rotary_cos_sin", "context_lengths", "kvcache_start_index",
+                                       "kv_page_table", pool_in],
+             outputs=[pool_output_name(layer)], domain=ops.DOMAIN, name=f"paged_kv_write_{layer}",
+             num_kv_heads=num_kv, head_dim=head_dim, tokens_per_page=0)
+    pool_out = pool_output_name(source)
+    window = {"sliding_window": config.sliding_window} if sliding else {}
+    attn = g.op(ops.PAGED_ATTENTION.name, [q, pool_out, "context_lengths", "kvcache_start_index", "kv_page_table"],
+                domain=ops.DOMAIN, name=f"paged_attention_{layer}", num_q_heads=num_q, num_kv_heads=num_kv,
+                head_dim=head_dim, tokens_per_page=0, scale=1.0, **window)
+    return linear(g, weights, attn, p + "o_proj.weight")
+
+
+def build_gemma4_graph(config: ModelConfig, weights: dict[str, np.ndarray],
+                       progress: Callable[[int], None] | None = None) -> onnx.ModelProto:
+    """The llama graph's contract, as gemma3.build_gemma3_graph (embedding rows come in unscaled)."""
+    g = GraphWriter()
+    rope = rope_inputs(g, "inputs_embeds")
+    extra: dict[bool, tuple[str, str] | None] = {}
+    for sliding, name in ((True, "rope_sliding_delta_inv_freq"), (False, "rope_full_delta_inv_freq")):
+        delta = rope_delta_frequencies(config, sliding)
+        extra[sliding] = None if delta is None else delta_rope(g, "inputs_embeds", delta, name)
+    inputs = [
+        value_info("inputs_embeds", FLOAT, ["batch", "seq", config.hidden_size]),
+        value_info("context_lengths", INT32, ["batch"]),
+        value_info("kvcache_start_index", INT32, ["batch"]),
+        value_info("kv_page_table", INT32, ["batch", "pages_per_seq"]),
+        value_info("rope_rotary_cos_sin", FLOAT, ["capacity", config.head_dim]),
+        logits_indices_input(),
+    ]
+    outputs = [logits_output(config.vocab_size)]
+    hidden = g.mul("inputs_embeds", g.const(np.float32(config.hidden_size ** 0.5), np.float32))
+    layer_outputs = []
+    eps = config.rms_norm_eps
+    for layer in range(config.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        x = g.rms_norm(hidden, _weight(g, weights, p + "input_layernorm.weight"), eps)
+        attn = _attention(g, config, weights, layer, x, rope, extra, inputs, outputs)
+        hidden = g.add(hidden, g.rms_norm(attn, _weight(g, weights, p + "post_attention_layernorm.weight"), eps))
+        x = g.rms_norm(hidden, _weight(g, weights, p + "pre_feedforward_layernorm.weight"), eps)
+        gate, up = fused_linears(g, weights, x, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+                                 p + "mlp.gate_up")
+        mlp = linear(g, weights, g.mul(gelu_tanh(g, gate), up), p + "mlp.down_proj.weight")
+        hidden = g.add(hidden, g.rms_norm(mlp, _weight(g, weights, p + "post_feedforward_layernorm.weight"), eps))
+        hidden = g.mul(hidden, _weight(g, weights, p + "layer_scalar"))
+        layer_outputs.append(hidden)
+        if progress:
+            progress(layer)
+    last = gather_positions(g, hidden, config.hidden_size)  # [N, H]
+    normed = g.rms_norm(last, _weight(g, weights, "model.norm.weight"), eps)
+    head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])  # tied: the embedding
+    logits = g.matmul(normed, g.weight("lm_head.weight", np.ascontiguousarray(head.T, dtype=np.float32)))
+    if config.final_logit_softcapping:
+        cap = config.final_logit_softcapping
+        logits = g.mul(g.op("Tanh", [g.mul(logits, g.const(np.float32(1.0 / cap), np.float32))]),
+                       g.const(np.float32(cap), np.float32))
+    g.op("Identity", [logits], outputs=["logits"])
+    attach_hidden_states(g, layer_outputs, config.hidden_state_layers, config.hidden_size, inputs, outputs)
+    graph = helper.make_graph(g.nodes, "kvforge_gemma4", inputs, outputs, g.initializers)
+    return helper.make_model(graph, producer_name="kvforge", opset_imports=[
+        helper.make_opsetid("", OPSET), helper.make_opsetid(ops.DOMAIN, ops.OPSET_VERSION)])
+
+
+# ---------------------------------------------------------------------------------------------------- the family
+
+_LAYER_TENSORS = ("input_layernorm.weight", "post_attention_layernorm.weight", "pre_feedforward_layernorm.weight",
+                  "post_feedforward_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                  "self_attn.v_proj.weight", "self_attn.o_proj.weight", "self_attn.q_norm.weight",
+                  "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+                  "layer_scalar")
+_OWN_KV_TENSORS = ("self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.k_norm.weight")
+
+
+def kv_sources(types: list[str], shared: int) -> list[int]:
+    """Per layer, the layer whose pool it reads: itself, or for the last `shared` layers the last earlier layer of
+    its kind (transformers' kv_sharing_modes: that layer "stores" its full-length K/V); [] when none is shared."""
+    if not shared:
+        return []
+    first = len(types) - shared
+    producers = {t: max((i for i in range(first) if types[i] == t), default=None) for t in set(types[first:])}
+    missing = sorted(t for t, i in producers.items() if i is None)
+    if missing or first <= 0:
+        raise ValueError(f"num_kv_shared_layers={shared}: no earlier {missing[0] if missing else 'layer'} layer "
+                         "to share K/V from")
+    return [i if i < first else producers[t] for i, t in enumerate(types)]
+
+
+def _global_head_dims(hf: dict[str, Any], types: list[str]) -> set[int]:
+    """Head sizes of the global layers: transformers' saved per_layer_config, else global_head_dim (default 512)."""
+    per_layer = hf.get("per_layer_config")
+    if isinstance(per_layer, dict):
+        sizes = {int(v.get("head_dim", hf["head_dim"])) for v in per_layer.values() if isinstance(v, dict)}
+        return sizes or {int(hf["head_dim"])}
+    return {int(hf.get("global_head_dim", 512))} if "full_attention" in types else set()
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, float, float]:
+    """(global base, local base, the global layers' rotating fraction or 0) from rope_parameters."""
+    params = hf.get("rope_parameters") or {}
+    full = params.get("full_attention") or {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                            "rope_theta": 1_000_000.0}
+    local = params.get("sliding_attention") or {"rope_type": "default", "rope_theta": 10_000.0}
+    for kind, values, allowed in (("full_attention", full, ("default", "proportional")),
+                                  ("sliding_attention", local, ("default",))):
+        rope_type = values.get("rope_type", "default")
+        if rope_type not in allowed or float(values.get("factor", 1.0)) != 1.0:
+            raise ValueError(f"rope_parameters: {kind} rope_type {rope_type!r} (factor {values.get('factor', 1.0)})"
+                             f" is not supported (only {' or '.join(allowed)}, unscaled)")
+    proportion = float(full.get("partial_rotary_factor", 1.0)) if full.get("rope_type") == "proportional" else 0.0
+    return float(full.get("rope_theta", 1_000_000.0)), float(local.get("rope_theta", 10_000.0)), \
+        0.0 if proportion == 1.0 else proportion
+
+
+def config_from_hf(hf: dict[str, Any], **common: Any) -> ModelConfig:
+    """ModelConfig of an HF Gemma 4 text config (`common`: tokens, name, kv dtype: what every family shares)."""
+    hf = text_config(hf)
+    layers = int(hf["num_hidden_layers"])
+    types = layer_types(hf, layers)
+    head_dim = int(hf.get("head_dim") or 256)
+    refusals = (("hidden_size_per_layer_input", int(hf.get("hidden_size_per_layer_input", 256) or 0) > 0,
+                 "per-layer embeddings need the token ids, which the runtime does not feed the graph yet"),
+                ("global_head_dim", _global_head_dims({**hf, "head_dim": head_dim}, types) - {head_dim},
+                 f"global layers with another head size than head_dim {head_dim} need per-layer pool shapes"),
+                ("attention_k_eq_v", bool(hf.get("attention_k_eq_v")), "keys used as values are not exported"),
+                ("enable_moe_block", bool(hf.get("enable_moe_block")), "the mixture-of-experts block is not exported"),
+                ("use_bidirectional_attention", bool(hf.get("use_bidirectional_attention")), "causal only"),
+                ("attention_bias", bool(hf.get("attention_bias")), "no projection biases"))
+    for name, refused, why in refusals:
+        if refused:
+            raise ValueError(f"{name}={hf.get(name)!r} is not supported yet ({why})")
+    activation = hf.get("hidden_activation") or GELU_TANH[0]
+    if activation not in GELU_TANH:
+        raise ValueError(f"hidden_activation {activation!r} is not supported (only {GELU_TANH[0]})")
+    sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    theta, local_theta, proportion = _rope(hf)
+    heads = int(hf["num_attention_heads"])
+    return ModelConfig(
+        model="gemma4", vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf["intermediate_size"]), num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=int(hf.get("num_key_value_heads") or heads), head_dim=head_dim,
+        max_position_embeddings=int(hf.get("max_position_embeddings", 131072)), rope_theta=theta,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        qk_norm=True, sliding_window=int(hf.get("sliding_window") or 512) if sliding else 0,
+        sliding_window_layers=sliding, rope_local_theta=local_theta if sliding else 0.0, rope_proportion=proportion,
+        kv_source_layers=kv_sources(types, int(hf.get("num_kv_shared_layers") or 0)),
+        final_logit_softcapping=float(hf.get("final_logit_softcapping") or 0.0), **common)
+
+
+_SKIPPED_PREFIXES = ("model.audio_tower.", "model.embed_vision.", "model.embed_audio.")  # beside gemma3's vision tower
+
+
+def checkpoint_name(name: str) -> str | None:
+    """The kvforge weight name of a checkpoint tensor (None: the vision and audio towers and their embedders)."""
+    return None if name.startswith(_SKIPPED_PREFIXES) else gemma3.checkpoint_name(name)
+
+
+def expected_names(config: ModelConfig) -> list[str]:
+    """A KV-shared layer (kv_source_layers) has no k/v projections or k norm."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    owners = set(config.attention_layer_ids)
+    return names + [f"model.layers.{i}.{t}" for i in range(config.num_hidden_layers) for t in _LAYER_TENSORS
+                    if i in owners or t not in _OWN_KV_TENSORS]
+
+
+def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """Tiny random Gemma 4 weights in transformers' layout, scaled so activations stay O(1)."""
+    rng = np.random.default_rng(seed)
+    hidden, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
+    q_out, kv_out = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+
+    def dense(out_dim: int, in_dim: int) -> np.ndarray:
+        return (rng.standard_normal((out_dim, in_dim)) / np.sqrt(in_dim)).astype(np.float32)
+
+    def norm(dim: int) -> np.ndarray:  # plain weights: the graph multiplies by w
+        return (1.0 + 0.1 * rng.standard_normal(dim)).astype(np.float32)
+
+    weights = {"model.embed_tokens.weight": (rng.standard_normal((config.vocab_size, hidden))
+                                             / np.sqrt(hidden)).astype(np.float32),
+               "model.norm.weight": norm(hidden)}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        weights.update({p + n: norm(hidden) for n in _LAYER_TENSORS[:4]})
+        weights.update({p + "self_attn.q_proj.weight": dense(q_out, hidden),
+                        p + "self_attn.k_proj.weight": dense(kv_out, hidden),
+                        p + "self_attn.v_proj.weight": dense(kv_out, hidden),
+                        p + "self_attn.o_proj.weight": dense(hidden, q_out),
+                        p + "self_attn.q_norm.weight": norm(head_dim), p + "self_attn.k_norm.weight": norm(head_dim),
+                        p + "mlp.gate_proj.weight": dense(inter, hidden),
+                        p + "mlp.up_proj.weight": dense(inter, hidden),
+                        p + "mlp.down_proj.weight": dense(hidden, inter),
+                        p + "layer_scalar": np.array([0.5 + rng.random()], np.float32)})
+        if i not in config.attention_layer_ids:
+            for name in _OWN_KV_TENSORS:
+                del weights[p + name]
+    if not config.tie_word_embeddings:
+        weights["lm_head.weight"] = dense(config.vocab_size, hidden)
+    return weights
+
+
+def build_graph(loaded: LoadedModel, progress: Callable[[int], None]) -> onnx.ModelProto:
+    if loaded.quantized:
+        raise KvforgeError(f"{loaded.config.model} exports float32 weights only for now; use --quantization none",
+                           "--quantization")
+    return build_gemma4_graph(loaded.config, loaded.weights, progress=progress)
+
+
+FAMILY = register(Family(
+    model_types=("gemma4_text", "gemma4"),
+    config_from_hf=config_from_hf,
+    expected_names=expected_names,
+    build_graph=build_graph,
+    random_weights=random_weights,
+    architectures={"Gemma4ForCausalLM": "gemma4_text", "Gemma4ForConditionalGeneration": "gemma4"},
+    synthetic={
+        # Gemma 4's 5:1 sliding (window 32) and global layers, global RoPE turning a quarter of its frequencies.
+        "tiny-gemma4": {"model": "gemma4", "num_hidden_layers": 6, "head_dim": 32, "qk_norm": True,
+                        "tie_word_embeddings": True, "rope_theta": 1_000_000.0, "rope_local_theta": 10_000.0,
+                        "rope_proportion": 0.25, "sliding_window": 32, "sliding_window_layers": [0, 1, 2, 3, 4],
+                        "final_logit_softcapping": 30.0},
+    },
+    checkpoint_name=checkpoint_name,
+    lora=False,  # no LoRA inputs on Gemma's graph yet
+))
