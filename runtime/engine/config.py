@@ -312,6 +312,10 @@ def _check_document_reuse(config: EngineConfig, engine: EngineDir, deployment: D
         raise InvalidConfig(f"document reuse does not combine with --specDecode {config.spec_decode}: its draft "
                             "model has no stored documents; use --specDecode ngram or none", "document_reuse")
     model = engine.model
+    if not model.uniform_rope:
+        raise InvalidConfig("this engine's layers rotate keys with other RoPE bases, scalings or proportions than the "
+                            "runtime's table (Gemma), so a document's keys cannot be moved; document reuse is refused",
+                            "document_reuse")
     table = rope_table(min(engine.build.max_kv_cache_capacity, 4096), model.rotary_dim, model.rope_theta)
     error = check_rotation(table, model.head_dim)
     if not error <= ROTATION_CHECK_TOLERANCE:

@@ -4,6 +4,7 @@ keys, and the deployments the rotation cannot serve are refused."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -271,3 +272,9 @@ def test_a_partial_snapshot_hit_and_a_document_in_its_page_do_not_overlap(tiny_e
     assert output.token_ids == run(reference, request).token_ids
     assert documents(engine)["document_hits"] == 1  # only the second prompt's DOC_A (the third's starts at 20)
     assert output.cached_tokens == len(system)  # the page and the snapshot's 4 tokens
+
+
+def test_layers_with_their_own_rope_are_refused(tier_engine: Callable[..., Path]) -> None:
+    """Gemma's local layers turn keys by another base than the runtime's table: moving them by it would be wrong."""
+    error = refusal(tier_engine("tiny-gemma3"), document_reuse=True)
+    assert error.field == "document_reuse" and "RoPE" in error.message
