@@ -104,6 +104,9 @@ class _EngineCollector(Collector):
             yield _counter("context_cache_records_evicted", "Cache records evicted.", records[schema.RECORDS_EVICTED])
             for key in (schema.ADMITTED_SEQUENCES, schema.HIT_SEQUENCES, schema.MATCHED_TOKENS):
                 yield _counter(f"context_cache_{key}", f"The profile's context_cache.{key}.", s.cache[key])
+            if any(s.cache[schema.DOCUMENTS].values()):  # --documentReuse, once a request carried a document
+                for key, value in s.cache[schema.DOCUMENTS].items():
+                    yield _counter(f"documents_{key}", f"The profile's context_cache.documents.{key}.", value)
             for key, value in s.cache.get("shared_tier", {}).items():  # --sharedCache
                 yield _counter(f"shared_tier_{key}", f"The profile's context_cache.shared_tier.{key}.", value)
 
