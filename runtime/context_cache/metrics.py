@@ -33,6 +33,7 @@ class CacheMetrics:
     full_page_replays: int = 0  # speculative hits that recomputed their final matched page in base and draft
     pair_publications: int = 0  # records committed or upgraded with a draft path beside their base pages
     reclaimed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(schema.POOL_KEYS, 0))
+    documents: dict[str, int] = field(default_factory=lambda: dict.fromkeys(schema.DOCUMENT_KEYS, 0))  # issue 37
 
     def count_admission(self, plan: ReusePlan, lease: Lease, lookup: bool) -> None:
         """An admitted sequence, planned as `plan` (`lookup`: it looked the cache up)."""
@@ -76,6 +77,7 @@ class CacheMetrics:
             },
             schema.SPECULATIVE: {schema.FULL_PAGE_REPLAYS: self.full_page_replays,
                                  schema.PAIR_PUBLICATIONS: self.pair_publications},
+            schema.DOCUMENTS: dict(self.documents),
             schema.PLANNING_NANOSECONDS: self.planning_nanoseconds,
             schema.RECORDS: {schema.RECORDS_CURRENT: records_current, schema.RECORDS_EVICTED: self.records_evicted},
             # Schema order first (every pool TensorRT Edge-LLM lists, zeros for types this deployment lacks).
