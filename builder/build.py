@@ -255,9 +255,9 @@ def _build_into(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometry:
     # Speculative roles on the kernel take tree inputs (tree drafting and verification); the fallback lowering has
     # no masked attention, so its engines draft linearly (the runtime says so for --specDraftTopK > 1).
     # (An assistant reading the base's pools drafts one token per call: no tree inputs.)
-    # (Nor does a hybrid base: a recurrence verifies chains only.)
-    tree = kernel and not config.is_hybrid and bool(speculative["spec_base"] or (speculative["spec_draft"]
-                                                                                 and not config.reads_base_kv))
+    # (Nor does a hybrid base: a recurrence verifies chains only; nor, for now, a base with sliding windows.)
+    tree = kernel and not config.is_hybrid and not config.sliding_window and bool(
+        speculative["spec_base"] or (speculative["spec_draft"] and not config.reads_base_kv))
     lowered = lower_for_onnxruntime(model, kv_cache_dtype=config.kv_cache_dtype,
                                     tokens_per_page=geometry.tokens_per_page,
                                     num_pages=geometry.max_kv_pool_pages, cpu_kernel=kernel, tree_inputs=tree,

@@ -134,6 +134,9 @@ def build_tensorrt_engine(onnx_dir: Path, engine_dir: Path, config: ModelConfig,
     if config.sliding_window_layers:  # the CUDA kernels attend over every cached position
         raise InvalidConfig("sliding-window attention layers (Gemma) have no TensorRT kernel yet; build with "
                             "--backend onnxruntime", "backend")
+    if config.hidden_size_per_layer_input:  # the TensorRT runner binds no per_layer_embeds input
+        raise InvalidConfig("per-layer embeddings (Gemma 4) are fed by the ONNX Runtime runner only; build with "
+                            "--backend onnxruntime", "backend")
     trt = require_tensorrt()
     if config.kv_cache_dtype not in TRT_KV_CACHE_DTYPES:
         raise InvalidConfig(f"kv_cache_dtype {config.kv_cache_dtype!r} has no TensorRT kernel; re-export with "

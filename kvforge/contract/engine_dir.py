@@ -34,6 +34,9 @@ TRT_ENGINE_FILE = "llm.engine"  # backend "tensorrt": the serialized TensorRT en
 BACKEND_FILES = {"onnxruntime": (ENGINE_MODEL_FILE, ENGINE_WEIGHTS_FILE), "tensorrt": (TRT_ENGINE_FILE,)}
 EMBEDDING_FILE = "embedding.safetensors"
 EMBEDDING_TENSOR = "embedding"
+# Gemma 4's per-layer embeddings (model_config.hidden_size_per_layer_input): the table [vocab, layers * width]
+# (tensor EMBEDDING_TENSOR) the runtime looks each token up in, and the graph input [B, S, layers * width] it feeds.
+PER_LAYER_EMBEDDING_FILE, PER_LAYER_INPUT = "per_layer_embedding.safetensors", "per_layer_embeds"
 # ONNX Runtime engines of tied models take the LM head as this input [vocab, hidden] float32 and the runtime binds
 # the (memory-mapped) embedding table to it: one copy of the largest weight instead of two.
 TIED_HEAD_INPUT = "lm_head_weight"
@@ -79,7 +82,9 @@ def copied_files(model: ModelConfig) -> tuple[str, ...]:
         return (*DRAFT_COPIED_FILES, D2T_FILE)
     if model.spec_decode_type == SPEC_DSPARK:
         return (*DRAFT_COPIED_FILES, DSPARK_HEADS_FILE)
-    return DRAFT_COPIED_FILES if model.is_draft else COPIED_FILES
+    if model.is_draft:
+        return DRAFT_COPIED_FILES
+    return (*COPIED_FILES, PER_LAYER_EMBEDDING_FILE) if model.hidden_size_per_layer_input else COPIED_FILES
 
 
 def engine_role(model: ModelConfig, spec_base: bool) -> str:

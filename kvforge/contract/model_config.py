@@ -119,6 +119,9 @@ class ModelConfig:
     kv_source_layers: list[int] = field(default_factory=list)
     query_pre_attn_scalar: float = 0.0
     final_logit_softcapping: float = 0.0
+    # Gemma 4's per-layer embeddings: each layer's input width (0 = none); the runtime feeds each token's row of the
+    # per-layer table (engine_dir.PER_LAYER_EMBEDDING_FILE) beside its embedding row (media: the pad token's row).
+    hidden_size_per_layer_input: int = 0
     format: str = EXPORT_FORMAT
 
     @property
@@ -441,7 +444,7 @@ CONFIG_SCHEMA: dict[str, tuple[str, float | None, float | None]] = {
     "rope_local_theta": ("float", -1.0, 1e12), "rope_linear_factor": ("float", -1.0, 1e6),
     "rope_proportion": ("float", -1.0, 1.0), "kv_source_layers": ("ints", 0, 1024),
     "query_pre_attn_scalar": ("float", -1.0, 1e9),
-    "final_logit_softcapping": ("float", -1.0, 1e9),
+    "final_logit_softcapping": ("float", -1.0, 1e9), "hidden_size_per_layer_input": ("int", 0, 2**16),
 }
 
 

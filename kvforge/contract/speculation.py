@@ -50,6 +50,8 @@ class SpecSupport:
     endpoint_capture: bool  # with reuse: checkpoints at prompt ends only, prefill_state_only publication
     reuse: str  # what context reuse keeps for its requests, in words
     help: str  # the --specDecode help's sentence for it
+    # Runs on a base with sliding-window layers (Gemma 3/4), whose engine verifies chains without tree inputs.
+    sliding_window_bases: bool = False
 
     @property
     def tier(self) -> str:
@@ -64,11 +66,11 @@ _SAME = "as without speculation"
 
 SPEC_SUPPORT: dict[str, SpecSupport] = {row.name: row for row in (
     SpecSupport(SPEC_OFF, "plain decoding", _ALL, False, DraftKV.NONE, False, False, False, False, False, False,
-                _SAME, "no drafts"),
+                _SAME, "no drafts", sliding_window_bases=True),
     SpecSupport(SPEC_NGRAM, "prompt lookup", (Base.ATTENTION, Base.HYBRID), False, DraftKV.NONE, False, False, False,
                 False, False, False, _SAME,
                 "'ngram' drafts by prompt lookup (the tokens that followed the last few tokens where they occurred "
-                "earlier in the prompt or output; no draft model)"),
+                "earlier in the prompt or output; no draft model)", sliding_window_bases=True),
     SpecSupport(SPEC_EAGLE3, "EAGLE3", (Base.ATTENTION,), True, DraftKV.OWN, True, True, False, True, False, False,
                 "base and draft pages; a hit replays the final matched page (the one-token future dependency)",
                 "'eagle3' drafts with the engine's EAGLE3 draft (ENGINEDIR/draft, or --specDraftEngineDir; built with "
@@ -85,7 +87,8 @@ SPEC_SUPPORT: dict[str, SpecSupport] = {row.name: row for row in (
                 "or, with --specDraftTopK above 1, a tree of each depth's top-k"),
     SpecSupport(SPEC_GEMMA4_MTP, "Gemma4 MTP", (Base.ATTENTION,), True, DraftKV.BASE, False, False, False, True,
                 False, False, "base pages only (the assistant reads them; no draft pool, no replay)",
-                "'gemma4_mtp' drafts with a Gemma4 assistant that reads the base's own K/V (no draft pool)"),
+                "'gemma4_mtp' drafts with a Gemma4 assistant that reads the base's own K/V (no draft pool; over a "
+                "llama-style or a Gemma 4 base)", sliding_window_bases=True),
     SpecSupport(SPEC_MTP, "MTP", (Base.HYBRID,), True, DraftKV.OWN, True, False, False, True, True, True,
                 "both snapshot pools; a restore rebuilds the successor boundary",
                 "'mtp' drafts with a Qwen3.5 checkpoint's MTP layer on its hybrid base (llm_export mtp; refused on "
@@ -130,12 +133,14 @@ def spec_decode_help() -> str:
 
 def support_table_markdown() -> str:
     """The support matrix as a Markdown table (docs/commands/llm_inference.md embeds it; a docs test compares)."""
-    lines = ["| `--specDecode` | bases | draft dir | draft K/V | replays final page | tree | media request | reuse | "
-             "batch with reuse | shared tier serves |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| `--specDecode` | bases | sliding-window base | draft dir | draft K/V | replays final page | tree | "
+             "media request | reuse | batch with reuse | shared tier serves |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in SPEC_SUPPORT.values():
         media = "runs cold, undrafted" if row.media_cold else "undrafted"
         reuse = row.reuse + ("; endpoint-only capture, prefill_state_only publication" if row.endpoint_capture else "")
-        cells = [f"`{row.name}`", ", ".join(BASE_WORDS[b] for b in row.bases), _yes(row.draft_dir), row.draft_kv.value,
+        cells = [f"`{row.name}`", ", ".join(BASE_WORDS[b] for b in row.bases), _yes(row.sliding_window_bases),
+                 _yes(row.draft_dir), row.draft_kv.value,
                  _yes(row.replays_final_page), _yes(row.tree), media, reuse,
                  "one row" if row.reuse_batch_of_one else "any", row.tier]
         lines.append("| " + " | ".join(cells) + " |")

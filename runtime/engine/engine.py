@@ -12,7 +12,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvforge.contract.engine_dir import EMBEDDING_FILE, EMBEDDING_TENSOR, BuilderConfig, EngineDir, load_engine_dir
+from kvforge.contract.engine_dir import (
+    EMBEDDING_FILE,
+    EMBEDDING_TENSOR,
+    PER_LAYER_EMBEDDING_FILE,
+    BuilderConfig,
+    EngineDir,
+    load_engine_dir,
+)
 from kvforge.contract.errors import InvalidConfig, KvforgeError, PoolTooSmall
 from kvforge.contract.model_config import ModelConfig
 from kvforge.contract.paging import pages_for
@@ -152,9 +159,13 @@ class Engine:
         self.profiler.spec_strategy_section = spec.profile_section
         self.proposer: Proposer | None = drafter.proposer if drafter else None
         self.draft_backend: Backend | None = drafter.backend if drafter else None
+        model = self.engine_dir.model
+        per_layer = map_tensor(self.engine_dir.file(PER_LAYER_EMBEDDING_FILE), EMBEDDING_TENSOR) \
+            if model.hidden_size_per_layer_input else None  # Gemma 4's second table, looked up as the first
         self.executor = ModelExecutor(self.backend, embedding, lora_input_shapes(self.engine_dir),
                                       self.state_manager.rows if self.states is not None else None,
-                                      all_hidden=self.proposer is not None and self.proposer.owns_kv)
+                                      all_hidden=self.proposer is not None and self.proposer.owns_kv,
+                                      per_layer=per_layer, media_row=model.pad_token_id or 0)
         self.outputs = OutputProcessor(self.tokenizer, frozenset(self.engine_dir.model.eos_token_ids),
                                        build.max_kv_cache_capacity)
         self.scheduler = Scheduler(self.cache, self.state_manager, self.outputs, max_batch_size=resolved.max_batch_size,

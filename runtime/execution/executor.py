@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
+from kvforge.contract.engine_dir import PER_LAYER_INPUT
 from kvforge.runtime.adapters import LoraAdapter, stack_adapters
 from kvforge.runtime.context_cache.lease import Lease
 from kvforge.runtime.execution.backend import Backend, ForwardOutput, StepInputs
@@ -39,14 +42,20 @@ def group_by_width(lengths: list[int]) -> list[list[int]]:
 class ModelExecutor:
     """Owns what an engine call needs besides the pool: the embedding table and the stacked adapters."""
 
-    __slots__ = ("backend", "embedding", "state_rows", "all_hidden", "_lora_shapes", "_lora_stacks")
+    __slots__ = ("backend", "embedding", "state_rows", "all_hidden", "per_layer", "media_row", "_lora_shapes",
+                 "_lora_stacks")
 
     def __init__(self, runner: Backend, embedding: np.ndarray, lora_shapes: dict[str, tuple[int, int]],
-                 state_rows: dict[Lease, int] | None = None, all_hidden: bool = False) -> None:
+                 state_rows: dict[Lease, int] | None = None, all_hidden: bool = False,
+                 per_layer: np.ndarray | None = None, media_row: int = 0) -> None:
         """`state_rows`: the engine's recurrent state row of each running lease (recurrent engines only).
-        `all_hidden`: hidden states at every computed position, not only the logits ones."""
+        `all_hidden`: hidden states at every computed position, not only the logits ones. `per_layer`: Gemma 4's
+        per-layer table, fed as PER_LAYER_INPUT beside the embedding rows; a media position gets its row
+        `media_row` (the pad token's: transformers looks media placeholders up as padding there)."""
         self.backend = runner
         self.embedding = np.asarray(embedding)  # a plain view of a memmap: its __getitem__ costs ~11 us a lookup
+        self.per_layer = None if per_layer is None else np.asarray(per_layer)
+        self.media_row = media_row
         self.state_rows = state_rows
         self.all_hidden = all_hidden
         self._lora_shapes = lora_shapes
@@ -95,10 +104,15 @@ class ModelExecutor:
     def _call(self, rows: list[ScheduledRow], new_ids: list[list[int]]) -> ForwardOutput:
         width = max(len(ids) for ids in new_ids)
         embeds = np.zeros((len(rows), width, self.embedding.shape[1]), dtype=np.float32)
+        per_layer = None if self.per_layer is None else np.zeros((len(rows), width, self.per_layer.shape[1]),
+                                                                 dtype=np.float32)
         positions, every = [], []
         for i, ids in enumerate(new_ids):
             embeds[i, :len(ids)] = self.embedding[ids]
             _splice_media(embeds[i], rows[i].seq, len(ids))
+            if per_layer is not None:
+                per_layer[i, :len(ids)] = self.per_layer[ids]  # type: ignore[index]
+                _pad_media(per_layer[i], self.per_layer[self.media_row], rows[i].seq, len(ids))  # type: ignore[index]
             # The last pending token and every draft: len(ids) - 1 - drafts .. len(ids) - 1 within row i.
             first = len(ids) - 1 - len(rows[i].draft_token_ids)
             positions.append(i * width + np.arange(first, len(ids), dtype=np.int64))
@@ -114,6 +128,8 @@ class ModelExecutor:
                           logits_indices=np.concatenate(positions),
                           hidden_indices=np.concatenate(every) if self.all_hidden else None,
                           position_ids=position_ids, attention_mask=mask)
+        if per_layer is not None:
+            step.extra_inputs = {PER_LAYER_INPUT: per_layer}
         adapter_starts = [row.seq.request.adapter_start for row in rows]
         if any(adapter_starts):  # an activated LoRA row: its delta applies from its invocation on
             step.adapter_start = np.array(adapter_starts, dtype=np.int32)
@@ -168,3 +184,11 @@ def _splice_media(row_embeds: np.ndarray, seq: Sequence, num_new: int) -> None:
     begin = seq.num_computed_tokens
     for span in seq.request.media:
         span.splice(row_embeds, begin, begin + num_new)
+
+
+def _pad_media(row_inputs: np.ndarray, pad_row: np.ndarray, seq: Sequence, num_new: int) -> None:
+    """Overwrite the placeholder positions among this call's tokens with `pad_row` (per-layer inputs)."""
+    begin = seq.num_computed_tokens
+    for span in seq.request.media:
+        padded = replace(span, embeds=np.broadcast_to(pad_row, (len(span.embeds), len(pad_row))))
+        padded.splice(row_inputs, begin, begin + num_new)

@@ -154,6 +154,9 @@ class DraftModelMethod(SpecMethod):
     def resolve_draft(self, options: SpecOptions, engine: EngineDir, base: Base) -> EngineDir | None:
         self._check_base(base)
         method = self.support.label
+        if engine.model.sliding_window and not self.support.sliding_window_bases:  # the support matrix's column
+            raise InvalidConfig(f"{method} is not supported on a base with sliding-window layers yet (the support "
+                                "matrix runs gemma4_mtp and ngram there)", "spec_decode")
         if not engine.build.spec_base:
             raise InvalidConfig("this engine was not built as a speculative base; rebuild it with llm_build --specBase "
                                 "(from an export with --hiddenStateLayers)", "spec_decode")

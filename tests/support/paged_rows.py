@@ -11,6 +11,7 @@ import onnxruntime as ort
 import pytest
 
 from kvforge.builder.lower_ort import lower_for_onnxruntime, new_rows_name
+from kvforge.contract.engine_dir import PER_LAYER_INPUT
 from kvforge.contract.model_config import ModelConfig
 from kvforge.plugins.reference import rope_table
 from kvforge.runtime.execution.backend import last_token_indices
@@ -40,6 +41,7 @@ class Row:
     embedding: np.ndarray
     pools: dict[int, np.ndarray] = field(default_factory=dict)
     length: int = 0
+    per_layer: np.ndarray | None = None  # Gemma 4's per-layer table, looked up as the runtime does
 
     def __post_init__(self) -> None:
         c = self.config
@@ -56,6 +58,8 @@ class Row:
                  "rope_rotary_cos_sin": rope_table(CAPACITY, c.rotary_dim, c.rope_theta),
                  "logits_indices": last_token_indices([len(ids)], len(ids)),
                  **{pool_input_name(layer): pool for layer, pool in self.pools.items()}}
+        if self.per_layer is not None:
+            feeds[PER_LAYER_INPUT] = self.per_layer[ids][None].astype(np.float32)
         names = [o.name for o in self.session.get_outputs()]
         out = dict(zip(names, self.session.run(names, feeds), strict=True))
         for layer, pool in self.pools.items():  # scatter the new K/V rows into the pages, as the runner does

@@ -40,10 +40,11 @@ and demos (its proposals are rarely accepted); export it with `block-draft`.
 GEMMA4_ASSISTANT_HELP = """
 Export a Gemma4 MTP assistant (transformers' Gemma4AssistantForCausalLM, Hugging Face format) for a base ONNX dir.
 Its layers have query projections only and attend over the K/V the base wrote (no draft pool); it reads the base's
-normed last hidden state, so the base must return its last layer (llm_export --hiddenStateLayers N-1). Only
-full-attention assistant layers with the base's RoPE and head size are supported (kvforge has no sliding-window base
-family yet). Build it with `llm_build --specDraft --cpuAttention kernel` (the base's --tokensPerPage) into the base
-engine's draft/ folder and run with `llm_inference --specDecode gemma4_mtp`.
+normed last hidden state, so the base must return its last layer (llm_export --hiddenStateLayers N-1). Over a
+Gemma 4 base its sliding and global layers read the base's last sliding and global layers; over a llama-style base
+it has full-attention layers only; RoPE, window and head size must be the base's. Build it with `llm_build
+--specDraft --cpuAttention kernel` (the base's --tokensPerPage) into the base engine's draft/ folder and run with
+`llm_inference --specDecode gemma4_mtp`.
 
 [bold]Example[/]
 

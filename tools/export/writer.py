@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 from safetensors.numpy import save_file
 
-from kvforge.contract.engine_dir import EMBEDDING_FILE, EMBEDDING_TENSOR
+from kvforge.contract.engine_dir import EMBEDDING_FILE, EMBEDDING_TENSOR, PER_LAYER_EMBEDDING_FILE
 from kvforge.contract.engine_dir import ENGINE_MODEL_FILE as MODEL_FILE
 from kvforge.contract.engine_dir import ENGINE_WEIGHTS_FILE as WEIGHTS_FILE
 from kvforge.contract.errors import KvforgeError
@@ -49,6 +49,10 @@ def _write_files(loaded: LoadedModel, output_dir: Path, progress: Callable[[str]
     save_file({EMBEDDING_TENSOR: np.ascontiguousarray(loaded.weights["model.embed_tokens.weight"],
                                                       dtype=np.float32)},
               str(output_dir / EMBEDDING_FILE))
+    if config.hidden_size_per_layer_input:  # Gemma 4: looked up by token id beside the embedding, as it is
+        table = loaded.weights["model.embed_tokens_per_layer.weight"][:config.vocab_size]  # ids index both tables
+        save_file({EMBEDDING_TENSOR: np.ascontiguousarray(table, dtype=np.float32)},
+                  str(output_dir / PER_LAYER_EMBEDDING_FILE))
     write_json(output_dir / "config.json", config.to_dict())
     (output_dir / "tokenizer.json").write_text(loaded.tokenizer_json, encoding="utf-8")
     (output_dir / "tokenizer_config.json").write_text(json.dumps(loaded.tokenizer_config, indent=2) + "\n",

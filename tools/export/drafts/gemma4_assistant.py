@@ -20,9 +20,14 @@ outputs before the final norm, so the graph keeps EAGLE3's two hidden inputs, as
 base's state (the round's first step, through a copy of the base's final norm) and the draft's own projected state
 (the later steps), zeros in the one a call does not use.
 
-What the exporter refuses (one line each): sliding-attention assistant layers (they read the base's last sliding
-layer; kvforge has no sliding-window base family), RoPE other than the base's, a query head width other than the
-base's head_dim, per-layer inputs, MoE and double-wide MLPs.
+Over a Gemma 4 base (tools/export/families/gemma4.py) the assistant's layers are of both kinds, as the base's: a
+sliding layer reads the base's last sliding layer that has its own pool, a global layer the last global one
+(transformers' kv_sharing_modes "store"); each turns its query by the base's RoPE of its kind, and the base's
+embedding rows are scaled by sqrt(backbone width) as Gemma's embedding is. A sliding layer's window is
+transformers' bidirectional one seen from the query's side: the last sliding_window + 1 positions before C.
+
+What the exporter refuses (one line each): a layer kind the base has no layer of, RoPE or a window other than the
+base's, a query head width other than the base's head_dim, per-layer inputs, MoE and double-wide MLPs.
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ from kvforge.tools.export.drafts.common import (
     weight_ops,
     write_draft_dir,
 )
+from kvforge.tools.export.families import gemma4
+from kvforge.tools.export.families.gemma3 import delta_rope
 from kvforge.tools.export.families.llama import POOL_ELEM_TYPES, pool_input_name, rope_inputs
 from kvforge.tools.export.sources.hf_common import read_safetensors_header, read_tensor, safetensors_files
 
@@ -79,6 +86,32 @@ def is_gemma4_assistant(path: Path) -> bool:
     return hf.get("model_type") == MODEL_TYPE or ARCHITECTURE in (hf.get("architectures") or [])
 
 
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def base_producers(base: ModelConfig) -> dict[str, int]:
+    """Per layer kind, the base layer an assistant layer of that kind reads: the last one with its own pool."""
+    sliding = set(base.sliding_window_layers)
+    return {SLIDING if layer in sliding else FULL: layer for layer in base.attention_layer_ids}
+
+
+def _rope_fits(text: dict[str, Any], base: ModelConfig, kinds: set[str]) -> tuple[bool, str]:
+    """Whether the assistant turns queries as the base does on each kind of layer it has (and why not)."""
+    if base.model != "gemma4":
+        rope = (text.get("rope_parameters") or {}).get(FULL) or {}
+        return (rope.get("rope_type", "default") == "default" and float(rope.get("rope_theta", -1)) == base.rope_theta
+                and base.partial_rotary_factor == 1.0,
+                f"full-attention RoPE {rope or 'unset'} vs the base's (default, theta {base.rope_theta})")
+    try:
+        theta, local, proportion = gemma4.rope_bases(text)
+    except ValueError as exc:
+        return False, str(exc)
+    ok = (theta, proportion) == (base.rope_theta, base.rope_proportion) and \
+        (SLIDING not in kinds or local == base.rope_local_theta)
+    return ok, (f"RoPE (global {theta}, local {local}, proportion {proportion}) vs the base's (global "
+                f"{base.rope_theta}, local {base.rope_local_theta}, proportion {base.rope_proportion})")
+
+
 def assistant_config(hf: dict[str, Any], base: ModelConfig) -> ModelConfig:
     """The assistant's ModelConfig over `base`, every Gemma4 feature the graph does not implement refused."""
     text = hf.get("text_config")
@@ -94,22 +127,27 @@ def assistant_config(hf: dict[str, Any], base: ModelConfig) -> ModelConfig:
         return where[name]
 
     layers = int(need("num_hidden_layers"))
-    types = text.get("layer_types") or ["full_attention"] * layers
-    if any(t != "full_attention" for t in types):
-        raise KvforgeError("sliding-attention assistant layers read a sliding-window base layer, which kvforge's "
-                           "base families do not have; only full_attention layers are supported", FIELD)
-    head_dim = int(text.get("global_head_dim") or need("head_dim"))
-    rope = (text.get("rope_parameters") or {}).get("full_attention") or {}
+    types = text.get("layer_types") or [FULL] * layers
+    producers = base_producers(base)
+    missing = [t for t in types if t not in producers]
+    if missing or len(types) != layers:
+        kind = missing[0] if missing else f"{len(types)} layer_types for {layers} layers"
+        raise KvforgeError(f"{str(kind).replace('_', '-')} assistant layers read the base's last layer of that kind, "
+                           f"and this {base.model} base has none (its kinds: {', '.join(sorted(producers))})", FIELD)
+    dims = {int(need("head_dim")) if t == SLIDING else int(text.get("global_head_dim") or need("head_dim"))
+            for t in types}
+    rope_ok, rope_why = _rope_fits(text, base, set(types))
+    window = int(text.get("sliding_window") or 0)
     checks = [
         (int(need("backbone_hidden_size", hf)) == base.hidden_size,
          f"backbone_hidden_size {hf.get('backbone_hidden_size')} vs the base's hidden_size {base.hidden_size}"),
         (int(need("vocab_size")) == base.vocab_size, f"vocab_size {text.get('vocab_size')} vs {base.vocab_size}"),
-        (head_dim == base.head_dim, f"head_dim {head_dim} vs the base's {base.head_dim}"),
+        (dims == {base.head_dim}, f"head_dim {sorted(dims)} vs the base's {base.head_dim}"),
         (int(need("num_attention_heads")) % base.num_key_value_heads == 0,
          f"{text.get('num_attention_heads')} query heads over the base's {base.num_key_value_heads} K/V heads"),
-        (rope.get("rope_type", "default") == "default" and float(rope.get("rope_theta", -1)) == base.rope_theta
-         and base.partial_rotary_factor == 1.0,
-         f"full-attention RoPE {rope or 'unset'} vs the base's (default, theta {base.rope_theta})"),
+        (rope_ok, rope_why),
+        (SLIDING not in types or window == base.sliding_window,
+         f"sliding_window {window} vs the base's {base.sliding_window}"),
         (text.get("hidden_activation", "gelu_pytorch_tanh") in _GELU_TANH,
          f"hidden_activation {text.get('hidden_activation')!r} (a GELU-tanh MLP)"),
         (not text.get("hidden_size_per_layer_input") and not text.get("enable_moe_block")
@@ -130,7 +168,7 @@ def assistant_config(hf: dict[str, Any], base: ModelConfig) -> ModelConfig:
         pad_token_id=base.pad_token_id, name=str(hf.get("_name_or_path", "")),
         hidden_state_layers=[layers - 1], spec_decode_type=SPEC_GEMMA4_MTP,
         base_model_hidden_size=base.hidden_size, eagle_hidden_state_layers=[base.num_hidden_layers - 1],
-        kv_shared_layers=[base.attention_layer_ids[-1]] * layers, num_centroids=centroids,
+        kv_shared_layers=[producers[t] for t in types], num_centroids=centroids,
         centroid_top_k=int(hf.get("centroid_intermediate_top_k", 0)) if centroids else 0)
     config.validate()
     return config
@@ -185,10 +223,17 @@ def _gelu_tanh(g: GraphWriter, x: str) -> str:
 
 
 def build_assistant_graph(config: ModelConfig, weights: dict[str, np.ndarray],
-                          base_norm: tuple[np.ndarray, float]) -> onnx.ModelProto:
+                          base_norm: tuple[np.ndarray, float], base: ModelConfig | None = None) -> onnx.ModelProto:
     """The assistant as an engine graph (see the module docstring): logits [N, V] and the projected state [N, Hb]
-    at logits_indices."""
+    at logits_indices. `base`: the base's config, which a Gemma 4 base's RoPE, windows and embedding scale need."""
     g = GraphWriter()
+    gemma_base = base is not None and base.model == "gemma4"
+    sliding_layers = set(base.sliding_window_layers) if base is not None else set()
+    extra: dict[bool, tuple[str, str] | None] = {True: None, False: None}
+    if gemma_base:  # the base's extra turn of each layer kind, before the table's (gemma4.build_gemma4_graph)
+        for sliding, name in ((True, "rope_sliding_delta_inv_freq"), (False, "rope_full_delta_inv_freq")):
+            delta = gemma4.rope_delta_frequencies(base, sliding)  # type: ignore[arg-type]
+            extra[sliding] = None if delta is None else delta_rope(g, "inputs_embeds", delta, name)
     H, heads, kv, D = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
     eps = config.rms_norm_eps
     rope_cos, rope_sin = rope_inputs(g, "inputs_embeds")
@@ -199,18 +244,26 @@ def build_assistant_graph(config: ModelConfig, weights: dict[str, np.ndarray],
     pool_shape = ["num_pages", 2, kv, "tokens_per_page", D]
     for layer in sorted(set(config.kv_shared_layers)):
         inputs.append(value_info(pool_input_name(layer), POOL_ELEM_TYPES[config.kv_cache_dtype], pool_shape))
-    h = linear(g.op("Concat", ["inputs_embeds", normed_hidden_input(g, base_norm)], axis=-1), "pre_projection.weight")
+    embeds = "inputs_embeds"
+    if gemma_base:  # transformers hands the assistant the base's scaled embedding
+        embeds = g.mul(embeds, g.const(np.float32(config.base_model_hidden_size ** 0.5), np.float32))
+    h = linear(g.op("Concat", [embeds, normed_hidden_input(g, base_norm)], axis=-1), "pre_projection.weight")
     for i, base_layer in enumerate(config.kv_shared_layers):
         p = f"model.layers.{i}."
+        sliding = base_layer in sliding_layers
         x = g.rms_norm(h, w(p + "input_layernorm.weight"), eps)
         q = linear(x, p + "self_attn.q_proj.weight")
         q = g.reshape(g.rms_norm(g.reshape(q, [0, 0, heads, D]), w(p + "self_attn.q_norm.weight"), eps),
                       [0, 0, heads * D])
+        if extra[sliding] is not None:
+            q = apply_rope(g, q, heads, D, *extra[sliding])  # type: ignore[misc]
         q = apply_rope(g, q, heads, D, rope_cos, rope_sin)
+        # transformers sees the last window + 1 keys before C; a window here also counts C, which holds no key: + 2.
+        window = {"sliding_window": base.sliding_window + 2} if sliding else {}  # type: ignore[union-attr]
         attn = g.op(ops.PAGED_ATTENTION.name, [q, pool_input_name(base_layer), "context_lengths",
                                                "kvcache_start_index", "kv_page_table"],
                     domain=ops.DOMAIN, name=f"paged_attention_{i}", num_q_heads=heads, num_kv_heads=kv, head_dim=D,
-                    tokens_per_page=0, scale=1.0)  # Gemma4: q_norm and k_norm instead of 1/sqrt(D)
+                    tokens_per_page=0, scale=1.0, **window)  # Gemma4: q_norm and k_norm instead of 1/sqrt(D)
         h = g.add(h, g.rms_norm(linear(attn, p + "self_attn.o_proj.weight"),
                                 w(p + "post_attention_layernorm.weight"), eps))
         x = g.rms_norm(h, w(p + "pre_feedforward_layernorm.weight"), eps)
@@ -256,8 +309,8 @@ def export_gemma4_assistant(draft_dir: Path, base_onnx_dir: Path, output_dir: Pa
     config = assistant_config(hf, base)
     check_base_layers(base, config)
     weights = load_weights(draft_dir, config)
-    write_draft_dir(output_dir, build_assistant_graph(config, weights, base_final_norm(base_onnx_dir, base)), config,
-                    base_embedding(base_onnx_dir), {})
+    graph = build_assistant_graph(config, weights, base_final_norm(base_onnx_dir, base), base)
+    write_draft_dir(output_dir, graph, config, base_embedding(base_onnx_dir), {})
     return config
 
 
@@ -265,7 +318,8 @@ def write_random_gemma4_assistant(base_onnx_dir: Path, output_dir: Path, *, seed
                                   hidden_size: int = 0, num_heads: int = 0, num_centroids: int = 0,
                                   centroid_top_k: int = 2) -> Path:
     """A random-weight Gemma4 assistant in the Hugging Face format for a base's ONNX dir (tests, demos): the base's
-    head geometry, `num_layers` full-attention layers, centroid-sparse logits when `num_centroids` > 0."""
+    head geometry, `num_layers` layers (full-attention; over a base with sliding layers, sliding ones but the last,
+    as Google's assistants), centroid-sparse logits when `num_centroids` > 0."""
     base = ModelConfig.from_dict(read_json(Path(base_onnx_dir) / "config.json", "--baseOnnxDir"), "--baseOnnxDir")
     last = base.num_hidden_layers - 1  # an assistant reads the base's last layer (assistant_config): refused up front
     if base.hidden_state_layers != [last]:  # rather than written and then refused by llm_export gemma4-assistant
@@ -304,6 +358,14 @@ def write_random_gemma4_assistant(base_onnx_dir: Path, output_dir: Path, *, seed
     output_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(output_dir / "model.safetensors"))
     rope = {"rope_type": "default", "rope_theta": base.rope_theta}
+    ropes = {FULL: rope, SLIDING: rope}
+    types = [FULL] * num_layers
+    if base.model == "gemma4":  # the base's own RoPE of each kind
+        ropes = {FULL: {"rope_type": "proportional", "partial_rotary_factor": base.rope_proportion,
+                        "rope_theta": base.rope_theta} if base.rope_proportion else rope,
+                 SLIDING: {"rope_type": "default", "rope_theta": base.rope_local_theta or base.rope_theta}}
+        if base.sliding_window_layers:
+            types = [SLIDING] * (num_layers - 1) + [FULL]
     write_json(output_dir / "config.json", {
         "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE, "backbone_hidden_size": Hb,
         "use_ordered_embeddings": bool(num_centroids), "num_centroids": num_centroids or 2048,
@@ -313,8 +375,8 @@ def write_random_gemma4_assistant(base_onnx_dir: Path, output_dir: Path, *, seed
             "num_hidden_layers": num_layers, "num_attention_heads": heads,
             "num_key_value_heads": base.num_key_value_heads, "head_dim": D, "global_head_dim": D,
             "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": base.rms_norm_eps,
-            "max_position_embeddings": base.max_position_embeddings, "layer_types": ["full_attention"] * num_layers,
-            "rope_parameters": {"full_attention": rope, "sliding_attention": rope}, "hidden_size_per_layer_input": 0,
+            "max_position_embeddings": base.max_position_embeddings, "layer_types": types,
+            "sliding_window": base.sliding_window or 512, "rope_parameters": ropes, "hidden_size_per_layer_input": 0,
             "vocab_size_per_layer_input": 0, "num_kv_shared_layers": num_layers, "tie_word_embeddings": True,
             "attention_bias": False, "enable_moe_block": False, "use_double_wide_mlp": False}})
     return output_dir

@@ -10,6 +10,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from kvforge.contract.engine_dir import PER_LAYER_INPUT
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.model_config import ModelConfig
 from kvforge.graph.onnx_graph import FLOAT, INT32, OPSET, GraphWriter, value_info
@@ -38,12 +39,13 @@ if TYPE_CHECKING:
 # (x * w), a scale-free RMSNorm on each value head, attention without a query scale (the q/k norms replace it), a
 # learned scalar multiplying each layer's output, proportional RoPE on the global layers (only the first
 # `partial_rotary_factor` of the rotate-half frequencies turn; the rest stay still, which the pre-rotation expresses
-# as a negative turn of the table's angle), and KV shared between layers: the last `num_kv_shared_layers` layers
+# as a negative turn of the table's angle), KV shared between layers: the last `num_kv_shared_layers` layers
 # project queries only and attend over the pool of the last earlier layer of their kind (ModelConfig.
-# kv_source_layers; they get no pool). Refused until the runtime has them: per-layer embeddings
-# (hidden_size_per_layer_input: they look up token ids the graph does not get), global layers with their own head
-# size (global_head_dim: one pool shape per engine), keys used as values (attention_k_eq_v) and the
-# mixture-of-experts block.
+# kv_source_layers; they get no pool), and per-layer embeddings (hidden_size_per_layer_input): each layer adds a
+# gated projection of its slice of a per-layer input, the mean of the token's row of a second table (fed by the
+# runtime as PER_LAYER_INPUT, since the graph gets embedding rows, not token ids) and a projection of its
+# embedding. Refused until the runtime has them: global layers with their own head size (global_head_dim: one pool
+# shape per engine), keys used as values (attention_k_eq_v) and the mixture-of-experts block.
 
 
 def rope_delta_frequencies(config: ModelConfig, sliding: bool) -> np.ndarray | None:
@@ -102,6 +104,31 @@ def _attention(g: GraphWriter, config: ModelConfig, weights: dict[str, np.ndarra
     return linear(g, weights, attn, p + "o_proj.weight")
 
 
+def _per_layer_inputs(g: GraphWriter, config: ModelConfig, weights: dict[str, np.ndarray], embeds: str) -> list[str]:
+    """Each layer's per-layer input [B, S, P]: (RMSNorm(embeds @ W / sqrt(H)) + row * sqrt(P)) / sqrt(2), per layer
+    (transformers' project_per_layer_inputs over get_per_layer_inputs); `embeds` are the scaled embeddings."""
+    layers, width = config.num_hidden_layers, config.hidden_size_per_layer_input
+    packed = [0, 0, layers, width]
+    projected = linear(g, weights, embeds, "model.per_layer_model_projection.weight")
+    projected = g.mul(projected, g.const(np.float32(config.hidden_size ** -0.5), np.float32))
+    projected = g.rms_norm(g.reshape(projected, packed), _weight(g, weights, "model.per_layer_projection_norm.weight"),
+                           config.rms_norm_eps)
+    rows = g.reshape(g.mul(PER_LAYER_INPUT, g.const(np.float32(width ** 0.5), np.float32)), packed)
+    combined = g.mul(g.add(projected, rows), g.const(np.float32(2.0 ** -0.5), np.float32))
+    slices = g.op("Split", [combined], n_out=layers, axis=2, num_outputs=layers) if layers > 1 else [combined]
+    return [g.op("Squeeze", [part, g.const([2])]) for part in slices]
+
+
+def _per_layer_block(g: GraphWriter, config: ModelConfig, weights: dict[str, np.ndarray], layer: int, hidden: str,
+                     per_layer: str) -> str:
+    """A decoder layer's last residual: RMSNorm(gelu(h @ gate) * per_layer @ projection), added to h."""
+    p = f"model.layers.{layer}."
+    gated = g.mul(gelu_tanh(g, linear(g, weights, hidden, p + "per_layer_input_gate.weight")), per_layer)
+    projected = linear(g, weights, gated, p + "per_layer_projection.weight")
+    return g.add(hidden, g.rms_norm(projected, _weight(g, weights, p + "post_per_layer_input_norm.weight"),
+                                    config.rms_norm_eps))
+
+
 def build_gemma4_graph(config: ModelConfig, weights: dict[str, np.ndarray],
                        progress: Callable[[int], None] | None = None) -> onnx.ModelProto:
     """The llama graph's contract, as gemma3.build_gemma3_graph (embedding rows come in unscaled)."""
@@ -121,6 +148,11 @@ def build_gemma4_graph(config: ModelConfig, weights: dict[str, np.ndarray],
     ]
     outputs = [logits_output(config.vocab_size)]
     hidden = g.mul("inputs_embeds", g.const(np.float32(config.hidden_size ** 0.5), np.float32))
+    per_layer: list[str] = []
+    if config.hidden_size_per_layer_input:
+        inputs.append(value_info(PER_LAYER_INPUT, FLOAT, ["batch", "seq", config.num_hidden_layers *
+                                                          config.hidden_size_per_layer_input]))
+        per_layer = _per_layer_inputs(g, config, weights, hidden)
     layer_outputs = []
     eps = config.rms_norm_eps
     for layer in range(config.num_hidden_layers):
@@ -133,6 +165,8 @@ def build_gemma4_graph(config: ModelConfig, weights: dict[str, np.ndarray],
                                  p + "mlp.gate_up")
         mlp = linear(g, weights, g.mul(gelu_tanh(g, gate), up), p + "mlp.down_proj.weight")
         hidden = g.add(hidden, g.rms_norm(mlp, _weight(g, weights, p + "post_feedforward_layernorm.weight"), eps))
+        if per_layer:
+            hidden = _per_layer_block(g, config, weights, layer, hidden, per_layer[layer])
         hidden = g.mul(hidden, _weight(g, weights, p + "layer_scalar"))
         layer_outputs.append(hidden)
         if progress:
@@ -160,6 +194,9 @@ _LAYER_TENSORS = ("input_layernorm.weight", "post_attention_layernorm.weight", "
                   "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
                   "layer_scalar")
 _OWN_KV_TENSORS = ("self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.k_norm.weight")
+_PER_LAYER_TENSORS = ("per_layer_input_gate.weight", "per_layer_projection.weight", "post_per_layer_input_norm.weight")
+_PER_LAYER_MODEL_TENSORS = ("model.embed_tokens_per_layer.weight", "model.per_layer_model_projection.weight",
+                            "model.per_layer_projection_norm.weight")
 
 
 def kv_sources(types: list[str], shared: int) -> list[int]:
@@ -185,7 +222,7 @@ def _global_head_dims(hf: dict[str, Any], types: list[str]) -> set[int]:
     return {int(hf.get("global_head_dim", 512))} if "full_attention" in types else set()
 
 
-def _rope(hf: dict[str, Any]) -> tuple[float, float, float]:
+def rope_bases(hf: dict[str, Any]) -> tuple[float, float, float]:
     """(global base, local base, the global layers' rotating fraction or 0) from rope_parameters."""
     params = hf.get("rope_parameters") or {}
     full = params.get("full_attention") or {"rope_type": "proportional", "partial_rotary_factor": 0.25,
@@ -208,8 +245,11 @@ def config_from_hf(hf: dict[str, Any], **common: Any) -> ModelConfig:
     layers = int(hf["num_hidden_layers"])
     types = layer_types(hf, layers)
     head_dim = int(hf.get("head_dim") or 256)
-    refusals = (("hidden_size_per_layer_input", int(hf.get("hidden_size_per_layer_input", 256) or 0) > 0,
-                 "per-layer embeddings need the token ids, which the runtime does not feed the graph yet"),
+    per_layer = int(hf.get("hidden_size_per_layer_input", 256) or 0)
+    vocab = int(hf["vocab_size"])
+    per_layer_vocab = int(hf.get("vocab_size_per_layer_input") or vocab)
+    refusals = (("vocab_size_per_layer_input", per_layer and per_layer_vocab < vocab,
+                 f"the per-layer table is looked up by every token id of the embedding's {vocab}"),
                 ("global_head_dim", _global_head_dims({**hf, "head_dim": head_dim}, types) - {head_dim},
                  f"global layers with another head size than head_dim {head_dim} need per-layer pool shapes"),
                 ("attention_k_eq_v", bool(hf.get("attention_k_eq_v")), "keys used as values are not exported"),
@@ -223,10 +263,10 @@ def config_from_hf(hf: dict[str, Any], **common: Any) -> ModelConfig:
     if activation not in GELU_TANH:
         raise ValueError(f"hidden_activation {activation!r} is not supported (only {GELU_TANH[0]})")
     sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
-    theta, local_theta, proportion = _rope(hf)
+    theta, local_theta, proportion = rope_bases(hf)
     heads = int(hf["num_attention_heads"])
     return ModelConfig(
-        model="gemma4", vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
+        model="gemma4", vocab_size=vocab, hidden_size=int(hf["hidden_size"]),
         intermediate_size=int(hf["intermediate_size"]), num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=int(hf.get("num_key_value_heads") or heads), head_dim=head_dim,
         max_position_embeddings=int(hf.get("max_position_embeddings", 131072)), rope_theta=theta,
@@ -234,7 +274,8 @@ def config_from_hf(hf: dict[str, Any], **common: Any) -> ModelConfig:
         qk_norm=True, sliding_window=int(hf.get("sliding_window") or 512) if sliding else 0,
         sliding_window_layers=sliding, rope_local_theta=local_theta if sliding else 0.0, rope_proportion=proportion,
         kv_source_layers=kv_sources(types, int(hf.get("num_kv_shared_layers") or 0)),
-        final_logit_softcapping=float(hf.get("final_logit_softcapping") or 0.0), **common)
+        final_logit_softcapping=float(hf.get("final_logit_softcapping") or 0.0), hidden_size_per_layer_input=per_layer,
+        **common)
 
 
 _SKIPPED_PREFIXES = ("model.audio_tower.", "model.embed_vision.", "model.embed_audio.")  # beside gemma3's vision tower
@@ -249,7 +290,10 @@ def expected_names(config: ModelConfig) -> list[str]:
     """A KV-shared layer (kv_source_layers) has no k/v projections or k norm."""
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     owners = set(config.attention_layer_ids)
-    return names + [f"model.layers.{i}.{t}" for i in range(config.num_hidden_layers) for t in _LAYER_TENSORS
+    layer_tensors = _LAYER_TENSORS + (_PER_LAYER_TENSORS if config.hidden_size_per_layer_input else ())
+    if config.hidden_size_per_layer_input:
+        names += _PER_LAYER_MODEL_TENSORS
+    return names + [f"model.layers.{i}.{t}" for i in range(config.num_hidden_layers) for t in layer_tensors
                     if i in owners or t not in _OWN_KV_TENSORS]
 
 
@@ -283,6 +327,18 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
         if i not in config.attention_layer_ids:
             for name in _OWN_KV_TENSORS:
                 del weights[p + name]
+        if config.hidden_size_per_layer_input:
+            width = config.hidden_size_per_layer_input
+            weights.update({p + "per_layer_input_gate.weight": dense(width, hidden),
+                            p + "per_layer_projection.weight": dense(hidden, width),
+                            p + "post_per_layer_input_norm.weight": norm(hidden)})
+    if config.hidden_size_per_layer_input:
+        packed = config.num_hidden_layers * config.hidden_size_per_layer_input
+        weights.update({"model.embed_tokens_per_layer.weight": (rng.standard_normal((config.vocab_size, packed))
+                                                                / np.sqrt(config.hidden_size_per_layer_input))
+                        .astype(np.float32),
+                        "model.per_layer_model_projection.weight": dense(packed, hidden),
+                        "model.per_layer_projection_norm.weight": norm(config.hidden_size_per_layer_input)})
     if not config.tie_word_embeddings:
         weights["lm_head.weight"] = dense(config.vocab_size, hidden)
     return weights
@@ -308,6 +364,11 @@ FAMILY = register(Family(
                         "tie_word_embeddings": True, "rope_theta": 1_000_000.0, "rope_local_theta": 10_000.0,
                         "rope_proportion": 0.25, "sliding_window": 32, "sliding_window_layers": [0, 1, 2, 3, 4],
                         "final_logit_softcapping": 30.0},
+        # The same with per-layer embeddings 8 wide (the E2B/E4B models' feature).
+        "tiny-gemma4-ple": {"model": "gemma4", "num_hidden_layers": 6, "head_dim": 32, "qk_norm": True,
+                            "tie_word_embeddings": True, "rope_theta": 1_000_000.0, "rope_local_theta": 10_000.0,
+                            "rope_proportion": 0.25, "sliding_window": 32, "sliding_window_layers": [0, 1, 2, 3, 4],
+                            "final_logit_softcapping": 30.0, "hidden_size_per_layer_input": 8},
     },
     checkpoint_name=checkpoint_name,
     lora=False,  # no LoRA inputs on Gemma's graph yet
