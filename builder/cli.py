@@ -37,6 +37,17 @@ def _budget_line(kind: str, slot: int, what: str, flag: str, records: int) -> No
                   f"{flag} {slot * records} ({_mib(slot * records)}) with --enableContextReuse")
 
 
+def _group_lines(built: dict, bytes_per_page: int) -> None:
+    """Each page group's size: the global layers' pool and the sliding layers' window group (--slidingWindowPool)."""
+    global_bytes, sliding_bytes = built["kv_pool_bytes_global"], built["kv_pool_bytes_sliding"]
+    window = built["window_pool_pages"]
+    pages = built["max_kv_pool_pages"]
+    console.print(f"  group global: {pages} pages × {global_bytes // max(pages * bytes_per_page, 1)} layers = "
+                  f"{_mib(global_bytes)}")
+    console.print(f"  group sliding-window: {window} pages × {sliding_bytes // max(window * bytes_per_page, 1)} "
+                  f"layers = {_mib(sliding_bytes)} (KV pool in all: {_mib(global_bytes + sliding_bytes)})")
+
+
 def _mib(num_bytes: int) -> str:
     return f"{num_bytes / 2**20:,.1f} MiB"
 
@@ -118,6 +129,11 @@ def build(
                                              help="With --specBase: the most positions one verify row holds."),
     max_draft_tree_size: int = typer.Option(DEFAULTS.max_draft_tree_size, "--maxDraftTreeSize",
                                             help="With --specDraft: the most tokens one drafting round proposes."),
+    sliding_window_pool: bool = typer.Option(False, "--slidingWindowPool",
+                                             help="Give a model's sliding-window layers (Gemma's local layers) "
+                                                  "their own page group sized for the window, not for "
+                                                  "--maxKVCacheCapacity (context reuse is refused on such an "
+                                                  "engine for now)."),
     force: bool = typer.Option(False, "--force", help="Build even when the KV pool (--maxKVPoolPages) needs more "
                                                       "memory than this machine has."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
@@ -127,7 +143,8 @@ def build(
                            max_kv_pool_pages=max_kv_pool_pages, max_batch_size=max_batch_size,
                            tokens_per_page=tokens_per_page, backend=backend, max_lora_rank=max_lora_rank,
                            force=force, cpu_attention=cpu_attention, spec_base=spec_base, spec_draft=spec_draft,
-                           max_verify_tree_size=max_verify_tree_size, max_draft_tree_size=max_draft_tree_size)
+                           max_verify_tree_size=max_verify_tree_size, max_draft_tree_size=max_draft_tree_size,
+                           sliding_window_pool=sliding_window_pool)
 
     def body() -> None:
         from kvforge.contract.files import check_path_name
@@ -165,6 +182,8 @@ def build(
             console.print(f"  KV pool: {plan.bytes_per_page_per_layer:,} bytes per page per layer; "
                           f"{_mib(plan.pool_bytes_per_layer)} per layer × {plan.num_layers} layers "
                           f"= {_mib(plan.total_bytes)} in total")
+            if built.get("window_pool_pages"):
+                _group_lines(built, plan.bytes_per_page_per_layer)
             _budget_line("partial-KV", plan.partial_kv_bytes_per_slot,
                          f"a K+V page × {plan.num_layers} attention layers", "--contextCachePartialKVSnapshotPoolBytes",
                          reuse_records)

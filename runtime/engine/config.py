@@ -20,6 +20,7 @@ from kvforge.contract.geometry import snapshot_slots
 from kvforge.contract.memory import available_memory_bytes, check_fits_memory
 from kvforge.contract.model_config import ModelConfig
 from kvforge.contract.speculation import spec_decode_help
+from kvforge.contract.window_pool import window_call_tokens
 from kvforge.runtime.context_cache.keys import EngineFingerprint, chain_root
 from kvforge.runtime.context_cache.manager import DEFAULT_MAX_RECORDS
 from kvforge.runtime.engine.state import CheckpointPolicy
@@ -244,6 +245,9 @@ def resolve_engine_config(config: EngineConfig, engine: EngineDir, *, num_pages:
         check_secret(config.shared_cache_secret, encrypt=config.shared_cache_encrypt)
     if config.encoder_cache_budget_bytes < 0:
         raise InvalidConfig(f"must be >= 0, got {config.encoder_cache_budget_bytes}", "encoder_cache_budget_bytes")
+    if build.window_pool_pages and (config.enable_context_reuse or config.spec_decode != SPEC_OFF):
+        raise InvalidConfig("is not served on an engine built with --slidingWindowPool yet (rebuild without it)",
+                            "enable_context_reuse" if config.enable_context_reuse else "spec_decode")
     partial = _partial_kv_snapshot_slots(config, engine, deployment)
     recurrent = _recurrent_snapshot_slots(config, engine, deployment)
     pages = build.max_kv_pool_pages if num_pages is None else num_pages
@@ -253,6 +257,8 @@ def resolve_engine_config(config: EngineConfig, engine: EngineDir, *, num_pages:
     # A pure recurrent engine keeps no pages (its geometry's page count sizes nothing).
     pages = 0 if deployment is Deployment.PURE_RECURRENT else pages
     chunk = min(config.prefill_chunk_size or build.max_input_len, build.max_input_len)
+    if build.window_pool_pages:  # the group is sized for calls of at most this many tokens per row
+        chunk = min(chunk, window_call_tokens(engine.model.sliding_window, build.tokens_per_page, build.max_input_len))
     checkpoints = CheckpointPolicy(bool(recurrent), config.snapshot_message_boundaries,
                                    config.snapshot_interval_tokens)
     if method.support.endpoint_capture and recurrent:

@@ -17,6 +17,7 @@ from kvforge.contract.errors import InvalidConfig, KvforgeError, PoolTooSmall
 from kvforge.contract.model_config import ModelConfig
 from kvforge.contract.paging import pages_for
 from kvforge.contract.safetensors_map import map_tensor
+from kvforge.contract.window_pool import window_call_tokens
 from kvforge.runtime.adapters import LoraRegistry, lora_input_shapes
 from kvforge.runtime.context_cache.manager import ContextCacheManager
 from kvforge.runtime.engine.config import (  # noqa: F401 - EngineConfig and the budget helper are re-exported
@@ -126,7 +127,8 @@ class Engine:
                                          deployment=self.deployment, copier=self.state_manager,
                                          chain_root=resolved.chain_root, events=self.tier,
                                          draft_pages=spec.draft_pages(resolved.draft),
-                                         draft_replays=resolved.draft is None or spec.support.replays_final_page)
+                                         draft_replays=resolved.draft is None or spec.support.replays_final_page,
+                                         **_window_group(self.engine_dir))
         encoder = _load_encoder(config)
         self.tokenizer = ChatTokenizer(self.engine_dir.path,
                                        media_markers={encoder.kind: encoder.marker} if encoder is not None else {})
@@ -352,3 +354,12 @@ def _multimodal_processor(encoder, config: EngineConfig, tokenizer, profiler: Pr
 
 __all__ = ["Engine", "EngineConfig", "EngineInfo", "EngineRequest", "EngineStats", "RequestOutput", "Runner",
            "SampleResult", "Status", "deployment_of", "set_ort_logging", "snapshot_budgets"]
+
+
+def _window_group(engine: EngineDir) -> dict[str, int]:
+    """The sliding-window page group's options for the cache (none on an engine built without one)."""
+    if not engine.build.window_pool_pages:
+        return {}
+    return {"sliding_window": engine.model.sliding_window, "sliding_window_pages": engine.build.window_pool_pages,
+            "sliding_window_call_tokens": window_call_tokens(engine.model.sliding_window, engine.build.tokens_per_page,
+                                                             engine.build.max_input_len)}

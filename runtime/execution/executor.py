@@ -6,6 +6,7 @@ import numpy as np
 
 from kvforge.runtime.adapters import LoraAdapter, stack_adapters
 from kvforge.runtime.context_cache.lease import Lease
+from kvforge.runtime.context_cache.sliding_window import window_table
 from kvforge.runtime.execution.backend import Backend, ForwardOutput, StepInputs
 from kvforge.runtime.execution.tree_attention import ancestor_mask, causal_masks, start_positions
 from kvforge.runtime.sequence import Sequence
@@ -113,7 +114,8 @@ class ModelExecutor:
                           self._lora_inputs([row.seq.request.adapter for row in rows]),
                           logits_indices=np.concatenate(positions),
                           hidden_indices=np.concatenate(every) if self.all_hidden else None,
-                          position_ids=position_ids, attention_mask=mask)
+                          position_ids=position_ids, attention_mask=mask,
+                          window_page_ids=_window_tables(rows))
         adapter_starts = [row.seq.request.adapter_start for row in rows]
         if any(adapter_starts):  # an activated LoRA row: its delta applies from its invocation on
             step.adapter_start = np.array(adapter_starts, dtype=np.int32)
@@ -168,3 +170,9 @@ def _splice_media(row_embeds: np.ndarray, seq: Sequence, num_new: int) -> None:
     begin = seq.num_computed_tokens
     for span in seq.request.media:
         span.splice(row_embeds, begin, begin + num_new)
+
+
+def _window_tables(rows: list[ScheduledRow]) -> list[list[int]] | None:
+    """Each row's sliding-window table, or None on an engine without a sliding-window page group."""
+    tables = [window_table(row.seq.lease) for row in rows]
+    return None if tables[0] is None else tables  # type: ignore[return-value]

@@ -10,15 +10,19 @@ from kvforge.plugins.reference import pool_numpy_dtype, rotate_keys, to_storage
 class KVStore:
     """Per-layer pools [num_pages, 2, Hkv, tokens_per_page, D] in the storage dtype (FP8 as raw bytes)."""
 
-    __slots__ = ("layers", "tokens_per_page", "kv_cache_dtype")
+    __slots__ = ("layers", "tokens_per_page", "kv_cache_dtype", "windowed")
 
     def __init__(self, num_layers: int, num_pages: int, num_kv_heads: int, tokens_per_page: int, head_dim: int,
-                 kv_cache_dtype: str) -> None:
+                 kv_cache_dtype: str, *, windowed: frozenset[int] = frozenset(), window_pages: int = 0) -> None:
+        """`windowed`: the layer indices (into `layers`) of the sliding-window page group, `window_pages` pages
+        each, addressed through a row's window table; every other layer has `num_pages`."""
         self.tokens_per_page = tokens_per_page
         self.kv_cache_dtype = kv_cache_dtype
-        shape = (num_pages, 2, num_kv_heads, tokens_per_page, head_dim)
+        self.windowed = windowed
+        dtype = pool_numpy_dtype(kv_cache_dtype)
         # np.zeros maps untouched pages lazily, so a large pool costs memory only as it fills.
-        self.layers = [np.zeros(shape, dtype=pool_numpy_dtype(kv_cache_dtype)) for _ in range(num_layers)]
+        self.layers = [np.zeros((window_pages if i in windowed else num_pages, 2, num_kv_heads, tokens_per_page,
+                                 head_dim), dtype=dtype) for i in range(num_layers)]
 
     @property
     def nbytes(self) -> int:

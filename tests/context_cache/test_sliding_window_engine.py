@@ -1,0 +1,106 @@
+"""The sliding-window page group end to end on tiny-gemma3 (5 sliding layers, window 32, 1 global layer): llm_build
+sizes the group for the window and records each layer type's pool bytes, and the engine's greedy tokens equal the
+all-full-pool engine's on every attention path (a second table bound to the sliding layers)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from support.engine_driver import make_engine
+
+from kvforge.builder.build import BuildOptions, build_engine
+from kvforge.contract.errors import InvalidConfig
+from kvforge.contract.profile_schema import SLIDING_WINDOW_PAGES
+from kvforge.runtime.context_cache.sliding_window import NO_PAGE, window_table
+from kvforge.runtime.sequence import EngineRequest
+from kvforge.runtime.types import SamplingParams
+from kvforge.tools.export.sources.synthetic import synthetic_model
+from kvforge.tools.export.writer import write_onnx_dir
+
+BUILD = BuildOptions(max_input_len=256, max_kv_cache_capacity=512, max_batch_size=2, tokens_per_page=16)
+
+
+@pytest.fixture(scope="module")
+def onnx_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny_gemma3") / "onnx"
+    write_onnx_dir(synthetic_model("tiny-gemma3", kv_cache_dtype="fp32"), folder)
+    return folder
+
+
+@pytest.fixture(scope="module", params=["kernel", "onnx"])
+def engines(request: pytest.FixtureRequest, onnx_dir: Path) -> tuple[Path, Path]:
+    """(all-full-pool engine, sliding-window group engine) on one attention path."""
+    if request.param == "kernel":
+        request.getfixturevalue("library")  # skips where the kernel cannot be built
+    root = onnx_dir.parent / f"engines-{request.param}"
+    full, windowed = root / "full", root / "window"
+    options = BuildOptions(**{**{f: getattr(BUILD, f) for f in BUILD.__dataclass_fields__},
+                              "cpu_attention": request.param})
+    build_engine(onnx_dir, full, options)
+    build_engine(onnx_dir, windowed, BuildOptions(**{**{f: getattr(options, f) for f in options.__dataclass_fields__},
+                                                     "sliding_window_pool": True}))
+    return full, windowed
+
+
+def builder_config(engine: Path) -> dict:
+    return json.loads((engine / "config.json").read_text())["builder_config"]
+
+
+def test_config_records_each_layer_types_pool_bytes_at_most_0_4x(engines: tuple[Path, Path]) -> None:
+    full, windowed = (builder_config(e) for e in engines)
+    assert full["window_pool_pages"] == 0 and full["kv_pool_bytes_sliding"] == 0
+    all_global = full["kv_pool_bytes_global"]
+    assert windowed["window_pool_pages"] == 2 * (-(-(32 - 1 + 32) // 16) + 1)  # 2 rows: window + a 32-token call
+    total = windowed["kv_pool_bytes_global"] + windowed["kv_pool_bytes_sliding"]
+    assert windowed["kv_pool_bytes_global"] == all_global // 6  # the one global layer keeps its full pool
+    assert total <= 0.4 * all_global
+
+
+def generate(engine_dir: Path, prompts: list[list[int]], count: int) -> tuple[list[list[int]], int]:
+    """Greedy answers of `prompts` run together (chunked prefill of 24 tokens), auditing the cache every step;
+    also the most sliding-window pages any row held."""
+    engine = make_engine(engine_dir, prefill_chunk_size=24)
+    window_pages = builder_config(engine_dir)["window_pool_pages"]
+    pools = [len(layer) for layer in engine.backend.kv_store.layers]
+    assert pools == ([window_pages] * 5 + [512 // 16 * 2] if window_pages else [512 // 16 * 2] * 6)
+    greedy = SamplingParams(max_generate_length=count, temperature=0.0,
+                            logit_bias={engine.engine_dir.model.eos_token_ids[0]: -100.0})
+    for ids in prompts:
+        engine.add_request(EngineRequest(ids, greedy))
+    answers: dict[int, list[int]] = {}
+    most = 0
+    order = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                answers[out.request_id] = out.token_ids
+                order.append(out.request_id)
+        engine.cache.check_invariants()
+        for lease in engine.cache.leases:
+            table = window_table(lease) or []
+            most = max(most, sum(slot != NO_PAGE for slot in table))
+    pool = engine.cache.pools[SLIDING_WINDOW_PAGES]
+    assert pool.num_free == pool.capacity  # every row gave its window back
+    return [answers[k] for k in sorted(answers)], most
+
+
+def test_greedy_tokens_equal_the_all_full_pool_engine(engines: tuple[Path, Path]) -> None:
+    rng = np.random.default_rng(3)
+    vocab = synthetic_model("tiny-gemma3", kv_cache_dtype="fp32").config.vocab_size
+    prompts = [[int(t) for t in rng.integers(3, vocab, n)] for n in (150, 70, 9)]
+    expected, _ = generate(engines[0], prompts, 40)
+    answers, most = generate(engines[1], prompts, 40)
+    assert answers == expected
+    assert 0 < most <= -(-(32 - 1 + 32) // 16) + 1  # never more than one call's window per row
+
+
+def test_reuse_and_speculation_are_refused_in_one_line(engines: tuple[Path, Path]) -> None:
+    with pytest.raises(InvalidConfig) as caught:
+        make_engine(engines[1], reuse=True)
+    assert caught.value.field == "enable_context_reuse" and "--slidingWindowPool" in caught.value.message
+    with pytest.raises(InvalidConfig) as caught:
+        make_engine(engines[1], spec_decode="ngram")
+    assert caught.value.field == "spec_decode"

@@ -1,0 +1,103 @@
+"""The sliding-window page group as a cache type, no model: a row's window table covers exactly what its next call
+reads and writes, pages out of the window go back to the group, and the audit agrees with the pools."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvforge.contract.errors import InvalidConfig
+from kvforge.contract.paging import pages_for
+from kvforge.contract.profile_schema import RESOURCE_POOLS, SLIDING_WINDOW_PAGES
+from kvforge.runtime.context_cache.manager import Admission, ContextCacheManager
+from kvforge.runtime.context_cache.sliding_window import NO_PAGE, window_table
+
+T, WINDOW, CALL = 4, 10, 8  # tokens per page, the window, the most new tokens of a row per call
+
+
+def manager(window_pages: int, num_pages: int = 64) -> ContextCacheManager:
+    return ContextCacheManager(num_pages, T, enabled=False, sliding_window=WINDOW, sliding_window_pages=window_pages,
+                               sliding_window_call_tokens=CALL)
+
+
+def needed(computed: int, extent: int) -> set[int]:
+    """Logical pages a call computing [computed, extent) reads or writes: the window before it, then its own."""
+    first = max(computed - WINDOW + 1, 0)
+    return set(range(first // T, pages_for(extent, T)))
+
+
+def run_row(cache: ContextCacheManager, prompt: int, chunks: list[int]) -> tuple[object, int]:
+    """Admit a row and compute its first call, then each chunk as the scheduler would (grow, then run)."""
+    lease = cache.try_acquire(Admission(list(range(prompt))))
+    assert lease is not None
+    computed = min(prompt, CALL)
+    table = window_table(lease)
+    assert table is not None and all(p != NO_PAGE for p in table[:pages_for(computed, T)])
+    for step, count in enumerate(chunks):
+        assert cache.try_grow(lease, computed + count)
+        table = window_table(lease)
+        held = {p for p, slot in enumerate(table) if slot != NO_PAGE}
+        # Exactly the call's pages: after the first growth the row's position is known; at the first, the type
+        # knows only that the call gives it at most CALL tokens.
+        known = computed if step else max(computed + count - CALL, 0)
+        assert needed(computed, computed + count) <= held == needed(known, computed + count)
+        computed += count
+        cache.check_invariants()
+    return lease, computed
+
+
+def test_decode_holds_only_the_window_and_gives_pages_back() -> None:
+    cache = manager(window_pages=8)
+    lease, computed = run_row(cache, 8, [1] * 60)
+    held = [slot for slot in window_table(lease) if slot != NO_PAGE]
+    assert len(held) <= pages_for(WINDOW, T) + 1  # the issue's ceil(window / page) + 1 once decoding
+    assert cache.pools[SLIDING_WINDOW_PAGES].num_free == 8 - len(held)
+    cache.release(lease)
+    cache.check_invariants()
+    assert cache.pools[SLIDING_WINDOW_PAGES].num_free == 8
+    assert cache.profile()[RESOURCE_POOLS][SLIDING_WINDOW_PAGES] == {"free": 8, "capacity": 8}
+
+
+def test_a_row_never_needs_more_than_the_built_group() -> None:
+    """Two rows at their worst (a full call each) fit in the group llm_build sizes for two rows."""
+    per_row = pages_for(WINDOW - 1 + CALL, T) + 1
+    cache = manager(window_pages=2 * per_row)
+    first = cache.try_acquire(Admission(list(range(40))))
+    second = cache.try_acquire(Admission(list(range(40))))
+    assert first is not None and second is not None
+    for computed in range(CALL, 40 - CALL, CALL):
+        assert cache.try_grow(first, computed + CALL) and cache.try_grow(second, computed + CALL)
+        cache.check_invariants()
+
+
+def test_reuse_is_refused_in_one_line_naming_the_flag() -> None:
+    with pytest.raises(InvalidConfig) as caught:
+        ContextCacheManager(64, T, enabled=True, sliding_window=WINDOW, sliding_window_pages=8,
+                            sliding_window_call_tokens=CALL)
+    assert caught.value.field == "enable_context_reuse" and "\n" not in caught.value.message
+
+
+def test_no_group_without_window_pages() -> None:
+    cache = ContextCacheManager(64, T, enabled=False)
+    lease = cache.try_acquire(Admission(list(range(12))))
+    assert lease is not None and window_table(lease) is None
+    assert cache.profile()[RESOURCE_POOLS][SLIDING_WINDOW_PAGES] == {"free": 0, "capacity": 0}
+
+
+@settings(max_examples=60, deadline=None)
+@given(prompt=st.integers(1, 40), chunks=st.lists(st.integers(1, CALL), max_size=30),
+       others=st.lists(st.tuples(st.integers(1, 30), st.lists(st.integers(1, CALL), max_size=8)), max_size=3))
+def test_any_schedule_keeps_the_window_and_the_audit(prompt: int, chunks: list[int],
+                                                     others: list[tuple[int, list[int]]]) -> None:
+    """Rows admitted and grown in any chunks (each at most one call's tokens): every call's pages are there, every
+    page outside the rows' windows is free, and releasing every row empties the group."""
+    per_row = pages_for(WINDOW - 1 + CALL, T) + 1
+    cache = manager(window_pages=(len(others) + 1) * per_row)
+    leases = [run_row(cache, prompt, chunks)[0]]
+    leases += [run_row(cache, length, steps)[0] for length, steps in others]
+    for lease in leases:
+        assert len([s for s in window_table(lease) if s != NO_PAGE]) <= per_row
+        cache.release(lease)
+    cache.check_invariants()
+    assert cache.pools[SLIDING_WINDOW_PAGES].num_free == cache.pools[SLIDING_WINDOW_PAGES].capacity
