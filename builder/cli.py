@@ -40,12 +40,14 @@ def _budget_line(kind: str, slot: int, what: str, flag: str, records: int) -> No
 def _group_lines(built: dict, bytes_per_page: int) -> None:
     """Each page group's size: the global layers' pool and the sliding layers' window group (--slidingWindowPool)."""
     global_bytes, sliding_bytes = built["kv_pool_bytes_global"], built["kv_pool_bytes_sliding"]
-    window = built["window_pool_pages"]
-    pages = built["max_kv_pool_pages"]
-    console.print(f"  group global: {pages} pages × {global_bytes // max(pages * bytes_per_page, 1)} layers = "
+    window, pages = built["window_pool_pages"], built["max_kv_pool_pages"]
+    console.print(f"  KV pool: {bytes_per_page:,} bytes per page per layer, two page groups = "
+                  f"{_mib(global_bytes + sliding_bytes)} in total")
+    console.print(f"    global layers: {pages} pages × {global_bytes // (pages * bytes_per_page)} layers = "
                   f"{_mib(global_bytes)}")
-    console.print(f"  group sliding-window: {window} pages × {sliding_bytes // max(window * bytes_per_page, 1)} "
-                  f"layers = {_mib(sliding_bytes)} (KV pool in all: {_mib(global_bytes + sliding_bytes)})")
+    console.print(f"    sliding-window layers: {window} pages × {sliding_bytes // (window * bytes_per_page)} layers = "
+                  f"{_mib(sliding_bytes)} (the window of each of {built['max_batch_size']} rows and one call)")
+    console.print("  context reuse: not served on this engine yet (--enableContextReuse is refused)")
 
 
 def _mib(num_bytes: int) -> str:
@@ -178,16 +180,17 @@ def build(
             console.print(f"  note: the pool holds fewer pages than {geometry.max_batch_size} sequences of "
                           f"{geometry.max_kv_cache_capacity} tokens need; rows will wait or be preempted when the "
                           "pool is full")
-        if plan.num_layers:  # attention layers: a KV pool and partial-KV snapshots
+        if built.get("window_pool_pages"):  # two page groups; reuse (and so its snapshot budget) refused
+            _group_lines(built, plan.bytes_per_page_per_layer)
+        elif plan.num_layers:  # attention layers: a KV pool and partial-KV snapshots
             console.print(f"  KV pool: {plan.bytes_per_page_per_layer:,} bytes per page per layer; "
                           f"{_mib(plan.pool_bytes_per_layer)} per layer × {plan.num_layers} layers "
                           f"= {_mib(plan.total_bytes)} in total")
-            if built.get("window_pool_pages"):
-                _group_lines(built, plan.bytes_per_page_per_layer)
             _budget_line("partial-KV", plan.partial_kv_bytes_per_slot,
                          f"a K+V page × {plan.num_layers} attention layers", "--contextCachePartialKVSnapshotPoolBytes",
                          reuse_records)
-        _warn_near_memory(engine_dir, plan.total_bytes, force)
+        _warn_near_memory(engine_dir, built["kv_pool_bytes_global"] + built["kv_pool_bytes_sliding"]
+                          if built.get("window_pool_pages") else plan.total_bytes, force)
         if plan.recurrent_bytes_per_slot:
             _budget_line("recurrent", plan.recurrent_bytes_per_slot,
                          "every recurrent layer's recurrent and conv state",

@@ -104,3 +104,17 @@ def test_reuse_and_speculation_are_refused_in_one_line(engines: tuple[Path, Path
     with pytest.raises(InvalidConfig) as caught:
         make_engine(engines[1], spec_decode="ngram")
     assert caught.value.field == "spec_decode"
+
+
+def test_llm_build_prints_each_group_and_refuses_what_has_none(run_cli, onnx_dir: Path, tiny_onnx_dir: Path,
+                                                               tmp_path: Path) -> None:
+    built = run_cli(["llm_build", "--onnxDir", onnx_dir, "--engineDir", tmp_path / "engine", "--tokensPerPage", "16",
+                     "--maxKVCacheCapacity", "512", "--maxInputLen", "256", "--maxBatchSize", "2",
+                     "--cpuAttention", "onnx", "--slidingWindowPool"])
+    assert built.returncode == 0, built.stderr
+    printed = built.stdout + built.stderr  # the console writes to stderr
+    assert "global layers: 64 pages × 1 layers" in printed and "sliding-window layers: 10 pages × 5 layers" in printed
+    refused = run_cli(["llm_build", "--onnxDir", tiny_onnx_dir, "--engineDir", tmp_path / "llama",
+                       "--slidingWindowPool"])
+    assert refused.returncode == 2 and refused.stderr.startswith("error: --slidingWindowPool: ")
+    assert len(refused.stderr.strip().splitlines()) == 1
