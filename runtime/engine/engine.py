@@ -217,6 +217,9 @@ class Engine:
             raise InvalidConfig("the legacy system-prompt cache keeps K/V only, which cannot restore a recurrent "
                                 "model's state; use --enableContextReuse (exact checkpoints)",
                                 "save_system_prompt_kv_cache")
+        if request.system_prompt_key is not None and self.engine_dir.build.window_pool_pages:
+            raise InvalidConfig("the legacy system-prompt cache copies every layer through one page table, which an "
+                                "engine built with --slidingWindowPool does not have", "save_system_prompt_kv_cache")
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.core.sequences:
             raise InvalidConfig(f"request id {request_id!r} is already in flight", "request_id")

@@ -104,6 +104,11 @@ def test_reuse_and_speculation_are_refused_in_one_line(engines: tuple[Path, Path
     with pytest.raises(InvalidConfig) as caught:
         make_engine(engines[1], spec_decode="ngram")
     assert caught.value.field == "spec_decode"
+    legacy = EngineRequest([5, 6, 7, 8], SamplingParams(max_generate_length=2))
+    legacy.system_prompt_ids, legacy.system_prompt_key = [5, 6], ("system", "")
+    with pytest.raises(InvalidConfig) as caught:
+        make_engine(engines[1]).add_request(legacy)
+    assert caught.value.field == "save_system_prompt_kv_cache"
 
 
 def test_llm_build_prints_each_group_and_refuses_what_has_none(run_cli, onnx_dir: Path, tiny_onnx_dir: Path,
