@@ -12,6 +12,7 @@ from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.files import check_path_name, read_json
 from kvforge.contract.geometry import (
     INT32_MAX,
+    MAX_KV_POOL_PAGES,
     PageGeometry,
     kv_bytes_per_page,
     partial_kv_bytes_per_slot,
@@ -267,9 +268,8 @@ def read_builder_config(raw: dict[str, Any], model: ModelConfig) -> BuilderConfi
             raise InvalidConfig(f"must be an integer in [0, {MAX_TREE_SIZE}], got {describe(value)}", f"{where}.{key}")
         speculative[key] = value
     window = raw.get("window_pool_pages", 0)
-    if window and (type(window) is not int or not 0 < window <= geometry.max_kv_pool_pages
-                   or not window_pool_layers(model)):
-        raise InvalidConfig(f"must be 0, or a page count in [1, {geometry.max_kv_pool_pages}] on a model with "
+    if window and (type(window) is not int or not 0 < window <= MAX_KV_POOL_PAGES or not window_pool_layers(model)):
+        raise InvalidConfig(f"must be 0, or a page count in [1, {MAX_KV_POOL_PAGES}] on a model with "
                             f"sliding-window layers, got {describe(window)}; {REBUILD}", f"{where}.window_pool_pages")
     speculative["window_pool_pages"] = window
     if speculative["spec_draft"] != model.is_draft:

@@ -107,6 +107,12 @@ PAIR_PUBLICATIONS = "pair_publications"
 SPECULATIVE_KEYS = (FULL_PAGE_REPLAYS, PAIR_PUBLICATIONS)
 SPECULATIVE_BLOCK: Mapping[str, int] = MappingProxyType(dict.fromkeys(SPECULATIVE_KEYS, 0))
 
+# Sliding-window checkpoints (engines built with --slidingWindowPool): hits that took a record's window pages, and
+# records published without one (the lease had freed part of it).
+SLIDING_WINDOW = "sliding_window"
+WINDOW_HITS = "hits"
+WINDOW_SKIPS = "skips"
+
 PLANNING_NANOSECONDS = "planning_nanoseconds"
 
 RECORDS = "records"

@@ -19,10 +19,18 @@ def window_pool_layers(model: ModelConfig) -> list[int]:
 
 
 def window_pages_per_row(window: int, tokens_per_page: int, call_tokens: int, max_pages_per_seq: int) -> int:
-    """The most pages of the group one row holds at once: a call of up to `call_tokens` new tokens from position c
-    needs the keys of [c - window + 1, c + n), which span at most ceil((window - 1 + n) / T) + 1 pages; pages
-    wholly before that are back in the group. Never more than the row has logical pages."""
-    return min(pages_for(window - 1 + call_tokens, tokens_per_page) + 1, max_pages_per_seq)
+    """The most pages of the group one row holds at once. A row keeps the window before the last page boundary at
+    or before its position c (what a checkpoint there needs: `checkpoint_pages`), then the pages of a call of up to
+    `call_tokens` new tokens from c: at most ceil((W - 1) / T) + ceil((T - 1 + n) / T) pages; pages wholly before
+    that are back in the group. Never more than the row has logical pages."""
+    return min(checkpoint_pages(window, tokens_per_page) + pages_for(tokens_per_page - 1 + call_tokens,
+                                                                     tokens_per_page), max_pages_per_seq)
+
+
+def checkpoint_pages(window: int, tokens_per_page: int) -> int:
+    """Pages a window checkpoint at a page boundary P keeps: the sliding layers' keys [P - W + 1, P), which the
+    first position after a hit at P attends over (besides its own)."""
+    return pages_for(window - 1, tokens_per_page)
 
 
 def window_call_tokens(window: int, tokens_per_page: int, max_input_len: int) -> int:
@@ -32,12 +40,14 @@ def window_call_tokens(window: int, tokens_per_page: int, max_input_len: int) ->
     return min(max_input_len, pages_for(window, tokens_per_page) * tokens_per_page)
 
 
-def window_pool_pages(model: ModelConfig, geometry: PageGeometry) -> int:
-    """Pages of the sliding-window group: every row of a full batch at its worst, at least one row's worth."""
+def window_pool_pages(model: ModelConfig, geometry: PageGeometry, records: int = 0) -> int:
+    """Pages of the sliding-window group: every row of a full batch at its worst (at least one row's worth), plus
+    `records` window checkpoints kept for reuse beyond what idle rows leave free."""
     per_call = window_call_tokens(model.sliding_window, geometry.tokens_per_page, geometry.max_input_len)
     per_row = window_pages_per_row(model.sliding_window, geometry.tokens_per_page, per_call,
                                    geometry.max_pages_per_seq)
-    return max(min(geometry.max_batch_size * per_row, geometry.max_kv_pool_pages), per_row)
+    rows = max(min(geometry.max_batch_size * per_row, geometry.max_kv_pool_pages), per_row)
+    return rows + records * checkpoint_pages(model.sliding_window, geometry.tokens_per_page)
 
 
 def pool_bytes_by_layer_type(model: ModelConfig, geometry: PageGeometry, window_pages: int) -> tuple[int, int]:

@@ -245,9 +245,13 @@ def resolve_engine_config(config: EngineConfig, engine: EngineDir, *, num_pages:
         check_secret(config.shared_cache_secret, encrypt=config.shared_cache_encrypt)
     if config.encoder_cache_budget_bytes < 0:
         raise InvalidConfig(f"must be >= 0, got {config.encoder_cache_budget_bytes}", "encoder_cache_budget_bytes")
-    if build.window_pool_pages and (config.enable_context_reuse or config.spec_decode != SPEC_OFF):
-        raise InvalidConfig("is not served on an engine built with --slidingWindowPool yet (rebuild without it)",
-                            "enable_context_reuse" if config.enable_context_reuse else "spec_decode")
+    if build.window_pool_pages:  # what keeps or reads K/V through the global page table alone
+        for option, value in (("spec_decode", config.spec_decode != SPEC_OFF), ("shared_cache", config.shared_cache),
+                             ("context_cache_partial_kv_snapshot_pool_bytes",
+                              config.context_cache_partial_kv_snapshot_pool_bytes)):
+            if value:
+                raise InvalidConfig("is not served on an engine built with --slidingWindowPool yet (rebuild without "
+                                    "it)", option)
     partial = _partial_kv_snapshot_slots(config, engine, deployment)
     recurrent = _recurrent_snapshot_slots(config, engine, deployment)
     pages = build.max_kv_pool_pages if num_pages is None else num_pages

@@ -97,13 +97,44 @@ def test_greedy_tokens_equal_the_all_full_pool_engine(engines: tuple[Path, Path]
     assert 0 < most <= -(-(32 - 1 + 32) // 16) + 1  # never more than one call's window per row
 
 
-def test_reuse_and_speculation_are_refused_in_one_line(engines: tuple[Path, Path]) -> None:
-    with pytest.raises(InvalidConfig) as caught:
-        make_engine(engines[1], reuse=True)
-    assert caught.value.field == "enable_context_reuse" and "--slidingWindowPool" in caught.value.message
+def chat(engine_dir: Path, turns: int, reuse: bool) -> tuple[list[list[int]], list[int]]:
+    """A multi-turn chat (each turn's prompt extends the last with its answer and new tokens), one request at a
+    time, prefill chunks of 24: each turn's greedy answer and cached tokens."""
+    engine = make_engine(engine_dir, reuse=reuse, prefill_chunk_size=24)
+    greedy = SamplingParams(max_generate_length=7, temperature=0.0,
+                            logit_bias={engine.engine_dir.model.eos_token_ids[0]: -100.0})
+    rng, history = np.random.default_rng(5), []
+    answers, cached = [], []
+    for _ in range(turns):
+        ids = history + [int(t) for t in rng.integers(3, 200, 37)]
+        engine.add_request(EngineRequest(ids, greedy))
+        done = []
+        while not done:
+            done = [o for o in engine.step() if o.finished]
+            engine.cache.check_invariants()
+        answers.append(done[0].token_ids)
+        cached.append(done[0].cached_tokens)
+        history = ids + done[0].token_ids
+    return answers, cached
+
+
+def test_multi_turn_chat_reuses_and_every_answer_equals_a_cold_run(engines: tuple[Path, Path]) -> None:
+    """Reuse on the sliding-window engine: later turns hit the previous turn's pages and window (reused tokens >
+    0), and every answer equals the cold (no reuse) run's, and the all-full-pool engine's with reuse."""
+    cold, _ = chat(engines[1], 4, reuse=False)
+    warm, cached = chat(engines[1], 4, reuse=True)
+    full, _ = chat(engines[0], 4, reuse=True)
+    assert warm == cold == full
+    assert cached[0] == 0 and all(n > 0 for n in cached[1:])
+
+
+def test_what_reads_one_page_table_is_refused_in_one_line(engines: tuple[Path, Path]) -> None:
     with pytest.raises(InvalidConfig) as caught:
         make_engine(engines[1], spec_decode="ngram")
-    assert caught.value.field == "spec_decode"
+    assert caught.value.field == "spec_decode" and "--slidingWindowPool" in caught.value.message
+    with pytest.raises(InvalidConfig) as caught:
+        make_engine(engines[1], reuse=True, context_cache_partial_kv_snapshot_pool_bytes=1 << 20)
+    assert caught.value.field == "context_cache_partial_kv_snapshot_pool_bytes"
     legacy = EngineRequest([5, 6, 7, 8], SamplingParams(max_generate_length=2))
     legacy.system_prompt_ids, legacy.system_prompt_key = [5, 6], ("system", "")
     with pytest.raises(InvalidConfig) as caught:

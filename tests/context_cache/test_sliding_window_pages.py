@@ -3,13 +3,12 @@ reads and writes, pages out of the window go back to the group, and the audit ag
 
 from __future__ import annotations
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.paging import pages_for
 from kvforge.contract.profile_schema import RESOURCE_POOLS, SLIDING_WINDOW_PAGES
+from kvforge.contract.window_pool import window_pages_per_row
 from kvforge.runtime.context_cache.manager import Admission, ContextCacheManager
 from kvforge.runtime.context_cache.sliding_window import NO_PAGE, window_table
 
@@ -27,6 +26,13 @@ def needed(computed: int, extent: int) -> set[int]:
     return set(range(first // T, pages_for(extent, T)))
 
 
+def kept(computed: int, extent: int) -> set[int]:
+    """What the type keeps for that call: from the window of the last page boundary at or before `computed` (what a
+    checkpoint there needs), through the call's own pages."""
+    boundary = computed // T * T
+    return set(range(max(boundary - WINDOW + 1, 0) // T, pages_for(extent, T)))
+
+
 def run_row(cache: ContextCacheManager, prompt: int, chunks: list[int]) -> tuple[object, int]:
     """Admit a row and compute its first call, then each chunk as the scheduler would (grow, then run)."""
     lease = cache.try_acquire(Admission(list(range(prompt))))
@@ -41,7 +47,7 @@ def run_row(cache: ContextCacheManager, prompt: int, chunks: list[int]) -> tuple
         # Exactly the call's pages: after the first growth the row's position is known; at the first, the type
         # knows only that the call gives it at most CALL tokens.
         known = computed if step else max(computed + count - CALL, 0)
-        assert needed(computed, computed + count) <= held == needed(known, computed + count)
+        assert needed(computed, computed + count) <= held == kept(known, computed + count)
         computed += count
         cache.check_invariants()
     return lease, computed
@@ -61,7 +67,7 @@ def test_decode_holds_only_the_window_and_gives_pages_back() -> None:
 
 def test_a_row_never_needs_more_than_the_built_group() -> None:
     """Two rows at their worst (a full call each) fit in the group llm_build sizes for two rows."""
-    per_row = pages_for(WINDOW - 1 + CALL, T) + 1
+    per_row = window_pages_per_row(WINDOW, T, CALL, 1 << 30)
     cache = manager(window_pages=2 * per_row)
     first = cache.try_acquire(Admission(list(range(40))))
     second = cache.try_acquire(Admission(list(range(40))))
@@ -69,13 +75,6 @@ def test_a_row_never_needs_more_than_the_built_group() -> None:
     for computed in range(CALL, 40 - CALL, CALL):
         assert cache.try_grow(first, computed + CALL) and cache.try_grow(second, computed + CALL)
         cache.check_invariants()
-
-
-def test_reuse_is_refused_in_one_line_naming_the_flag() -> None:
-    with pytest.raises(InvalidConfig) as caught:
-        ContextCacheManager(64, T, enabled=True, sliding_window=WINDOW, sliding_window_pages=8,
-                            sliding_window_call_tokens=CALL)
-    assert caught.value.field == "enable_context_reuse" and "\n" not in caught.value.message
 
 
 def test_no_group_without_window_pages() -> None:
@@ -92,7 +91,7 @@ def test_any_schedule_keeps_the_window_and_the_audit(prompt: int, chunks: list[i
                                                      others: list[tuple[int, list[int]]]) -> None:
     """Rows admitted and grown in any chunks (each at most one call's tokens): every call's pages are there, every
     page outside the rows' windows is free, and releasing every row empties the group."""
-    per_row = pages_for(WINDOW - 1 + CALL, T) + 1
+    per_row = window_pages_per_row(WINDOW, T, CALL, 1 << 30)
     cache = manager(window_pages=(len(others) + 1) * per_row)
     leases = [run_row(cache, prompt, chunks)[0]]
     leases += [run_row(cache, length, steps)[0] for length, steps in others]
@@ -101,3 +100,88 @@ def test_any_schedule_keeps_the_window_and_the_audit(prompt: int, chunks: list[i
         cache.release(lease)
     cache.check_invariants()
     assert cache.pools[SLIDING_WINDOW_PAGES].num_free == cache.pools[SLIDING_WINDOW_PAGES].capacity
+
+
+# --- reuse: records keep the window before their endpoint ------------------------------------------------------
+
+
+class WindowStore:
+    """The sliding pool's contents: (slot, offset) -> the token whose K/V is there. A call checks that every key it
+    reads (the window before its first position) is the input's own token at that position: a hit is exact
+    exactly when this holds."""
+
+    def __init__(self) -> None:
+        self.cells: dict[tuple[int, int], int] = {}
+
+    def compute(self, lease: object, ids: list[int], start: int, end: int) -> None:
+        table = window_table(lease)
+        for pos in range(max(start - WINDOW + 1, 0), end):
+            slot = table[pos // T]
+            assert slot != NO_PAGE, f"position {pos}'s page is not in the row's window table"
+            if pos < start:
+                assert self.cells.get((slot, pos % T)) == ids[pos], f"position {pos} holds another token"
+            else:
+                self.cells[slot, pos % T] = ids[pos]
+
+
+def serve(cache: ContextCacheManager, store: WindowStore, ids: list[int], generate: list[int]) -> int:
+    """One request as the scheduler runs it: admit, compute in calls of at most CALL tokens, publish the prompt,
+    decode `generate` one token a call, publish the whole sequence, release. Returns the tokens reused."""
+    lease = cache.try_acquire(Admission(list(ids)))
+    assert lease is not None
+    computed = lease.reuse_tokens
+    first = min(len(ids) - computed, CALL)
+    store.compute(lease, ids, computed, computed + first)
+    computed += first
+    while computed < len(ids):
+        count = min(len(ids) - computed, CALL)
+        assert cache.try_grow(lease, computed + count)
+        store.compute(lease, ids, computed, computed + count)
+        computed += count
+        cache.check_invariants()
+    cache.publish(lease, ids)
+    whole = list(ids)
+    for token in generate:
+        whole.append(token)
+        assert cache.try_grow(lease, computed + 1)
+        store.compute(lease, whole, computed, computed + 1)
+        computed += 1
+    cache.publish(lease, whole)
+    cache.release(lease)
+    cache.check_invariants()
+    return lease.reuse_tokens
+
+
+def reuse_manager(window_pages: int) -> ContextCacheManager:
+    return ContextCacheManager(64, T, enabled=True, sliding_window=WINDOW, sliding_window_pages=window_pages,
+                               sliding_window_call_tokens=CALL)
+
+
+def test_multi_turn_chat_hits_the_previous_turns_window() -> None:
+    cache, store = reuse_manager(window_pages=3 * window_pages_per_row(WINDOW, T, CALL, 1 << 30)), WindowStore()
+    first = list(range(100, 130))
+    assert serve(cache, store, first, [7, 8, 9, 10, 11]) == 0
+    second = first + [7, 8, 9, 10, 11] + list(range(200, 215))
+    reused = serve(cache, store, second, [12, 13])
+    assert reused == 32  # the deepest page boundary with a window: the first turn's end (35 tokens) rounded down
+    profile = cache.profile()
+    assert profile["sliding_window"]["hits"] == 1 and profile["hit_sequences"] == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(turns=st.lists(st.tuples(st.integers(1, 25), st.integers(0, 6), st.booleans()), min_size=1, max_size=6),
+       spare=st.integers(0, 6))
+def test_any_conversation_reuses_only_exact_windows(turns: list[tuple[int, int, bool]], spare: int) -> None:
+    """Conversations that extend (or restart) in any way, in a group with little room besides one row: every
+    key a call reads is its own input's, and the audit holds after every step (evictions included)."""
+    cache = reuse_manager(window_pages=window_pages_per_row(WINDOW, T, CALL, 1 << 30) + spare)
+    store, history, salt = WindowStore(), [], 1000
+    for new, generated, restart in turns:
+        if restart:
+            history, salt = [], salt + 100
+        ids = history + [salt + i for i in range(new)]
+        answer = [salt + 50 + i for i in range(generated)]
+        serve(cache, store, ids, answer)
+        history = ids + answer
+    reclaimed = cache.profile()["reclaimed_resources"][SLIDING_WINDOW_PAGES]
+    assert reclaimed >= 0
