@@ -5,6 +5,7 @@ all-full-pool engine's on every attention path (a second table bound to the slid
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ from kvforge.contract.profile_schema import SLIDING_WINDOW_PAGES
 from kvforge.runtime.context_cache.sliding_window import NO_PAGE, window_table
 from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.types import SamplingParams
+from kvforge.server.metrics import ServerMetrics
 from kvforge.tools.export.sources.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir
 
@@ -97,7 +99,7 @@ def test_greedy_tokens_equal_the_all_full_pool_engine(engines: tuple[Path, Path]
     assert 0 < most <= -(-(32 - 1 + 32) // 16) + 1  # never more than one call's window per row
 
 
-def chat(engine_dir: Path, turns: int, reuse: bool) -> tuple[list[list[int]], list[int]]:
+def chat(engine_dir: Path, turns: int, reuse: bool) -> tuple[list[list[int]], list[int], str]:
     """A multi-turn chat (each turn's prompt extends the last with its answer and new tokens), one request at a
     time, prefill chunks of 24: each turn's greedy answer and cached tokens."""
     engine = make_engine(engine_dir, reuse=reuse, prefill_chunk_size=24)
@@ -115,17 +117,21 @@ def chat(engine_dir: Path, turns: int, reuse: bool) -> tuple[list[list[int]], li
         answers.append(done[0].token_ids)
         cached.append(done[0].cached_tokens)
         history = ids + done[0].token_ids
-    return answers, cached
+    stats = replace(engine.stats(), cache=engine.cache_profile() if reuse else {})
+    return answers, cached, ServerMetrics(lambda: stats).render().decode()
 
 
 def test_multi_turn_chat_reuses_and_every_answer_equals_a_cold_run(engines: tuple[Path, Path]) -> None:
     """Reuse on the sliding-window engine: later turns hit the previous turn's pages and window (reused tokens >
     0), and every answer equals the cold (no reuse) run's, and the all-full-pool engine's with reuse."""
-    cold, _ = chat(engines[1], 4, reuse=False)
-    warm, cached = chat(engines[1], 4, reuse=True)
-    full, _ = chat(engines[0], 4, reuse=True)
+    cold, _, _ = chat(engines[1], 4, reuse=False)
+    warm, cached, metrics = chat(engines[1], 4, reuse=True)
+    full, _, full_metrics = chat(engines[0], 4, reuse=True)
     assert warm == cold == full
     assert cached[0] == 0 and all(n > 0 for n in cached[1:])
+    # /metrics shows the group's pages and its hits (one per later turn); an engine without a group shows none.
+    assert "kvforge_sliding_window_hits_total 3.0" in metrics and "kvforge_sliding_window_pages_total 10.0" in metrics
+    assert "sliding_window" not in full_metrics
 
 
 def test_what_reads_one_page_table_is_refused_in_one_line(engines: tuple[Path, Path]) -> None:
