@@ -68,6 +68,7 @@ class BuildOptions:
     max_verify_tree_size: int = DEFAULT_TREE_SIZE  # the most positions one verify row holds (base)
     max_draft_tree_size: int = DEFAULT_TREE_SIZE  # the most tokens one drafting round proposes (draft)
     sliding_window_pool: bool = False  # sliding layers get their own page group, sized for the window
+    sliding_window_records: int = 0  # window checkpoints the group keeps beyond its rows' pages (reuse)
 
     def geometry(self, max_position_embeddings: int) -> PageGeometry:
         """The validated geometry for a model with `max_position_embeddings` (InvalidConfig otherwise)."""
@@ -178,6 +179,11 @@ def build_engine(onnx_dir: Path, engine_dir: Path, options: BuildOptions,
                       if (onnx_dir / name).is_file())  # the export's graph and weights: at most what the engine loads
         check_pool_fits_memory(plan.total_bytes, hint=" (or --force to build it anyway)", weight_bytes=weights)
     speculative = check_speculative_build(config, options)
+    if options.sliding_window_records and not options.sliding_window_pool:
+        raise InvalidConfig("sizes the sliding-window page group: add --slidingWindowPool", "sliding_window_records")
+    if not 0 <= options.sliding_window_records <= 1 << 20:
+        raise InvalidConfig(f"must be in [0, {1 << 20}], got {options.sliding_window_records}",
+                            "sliding_window_records")
     if options.sliding_window_pool:
         check_window_build(config, backend, speculative)
     step("validated geometry" + (f"; attention: {attention}" if paged else ""))
@@ -254,7 +260,8 @@ def _build_into(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometry:
         build_tensorrt_engine(onnx_dir, engine_dir, config, geometry, step, max_lora_rank=options.max_lora_rank,
                               speculative=speculative)
         return
-    window_pages = window_pool_pages(config, geometry) if options.sliding_window_pool else 0
+    window_pages = window_pool_pages(config, geometry, options.sliding_window_records) \
+        if options.sliding_window_pool else 0
     model = load_model(onnx_dir, config, options.max_lora_rank)
     step("loaded model.onnx")
     if window_pages:

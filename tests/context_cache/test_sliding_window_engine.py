@@ -156,6 +156,11 @@ def test_llm_build_prints_each_group_and_refuses_what_has_none(run_cli, onnx_dir
     assert built.returncode == 0, built.stderr
     printed = built.stdout + built.stderr  # the console writes to stderr
     assert "global layers: 64 pages × 1 layers" in printed and "sliding-window layers: 10 pages × 5 layers" in printed
+    assert "sliding-window checkpoint: 2 pages × 5 layers = 81,920 bytes per reuse record" in printed
+    more = run_cli(["llm_build", "--onnxDir", onnx_dir, "--engineDir", tmp_path / "more", "--tokensPerPage", "16",
+                    "--maxKVCacheCapacity", "512", "--maxInputLen", "256", "--maxBatchSize", "2",
+                    "--cpuAttention", "onnx", "--slidingWindowPool", "--slidingWindowRecords", "4"])
+    assert more.returncode == 0 and builder_config(tmp_path / "more")["window_pool_pages"] == 10 + 4 * 2
     refused = run_cli(["llm_build", "--onnxDir", tiny_onnx_dir, "--engineDir", tmp_path / "llama",
                        "--slidingWindowPool"])
     assert refused.returncode == 2 and refused.stderr.startswith("error: --slidingWindowPool: ")
