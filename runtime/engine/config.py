@@ -324,7 +324,9 @@ def snapshot_budgets(engine: EngineDir, slots: int = DEFAULT_SNAPSHOT_SLOTS,
     budgets = {}
     if build.recurrent_snapshot_bytes_per_slot:
         budgets["context_cache_recurrent_snapshot_pool_bytes"] = slots * build.recurrent_snapshot_bytes_per_slot
-    if build.partial_kv_snapshot_bytes_per_slot and (partial_kv or build.recurrent_snapshot_bytes_per_slot):
+    # A sliding-window group engine keeps no partial-KV snapshots (its reuse is by window checkpoints).
+    if build.partial_kv_snapshot_bytes_per_slot and (partial_kv or build.recurrent_snapshot_bytes_per_slot) \
+            and not build.window_pool_pages:
         budgets["context_cache_partial_kv_snapshot_pool_bytes"] = slots * build.partial_kv_snapshot_bytes_per_slot
     return budgets
 

@@ -165,3 +165,12 @@ def test_llm_build_prints_each_group_and_refuses_what_has_none(run_cli, onnx_dir
                        "--slidingWindowPool"])
     assert refused.returncode == 2 and refused.stderr.startswith("error: --slidingWindowPool: ")
     assert len(refused.stderr.strip().splitlines()) == 1
+
+
+def test_the_python_api_serves_it_with_reuse(engines: tuple[Path, Path]) -> None:
+    """LLM's default budgets (partial-KV snapshots with reuse) leave out what such an engine refuses."""
+    from kvforge.contract.engine_dir import load_engine_dir
+    from kvforge.runtime.engine.engine import snapshot_budgets
+
+    assert snapshot_budgets(load_engine_dir(engines[1]), partial_kv=True) == {}
+    assert snapshot_budgets(load_engine_dir(engines[0]), partial_kv=True)
