@@ -174,3 +174,51 @@ def test_the_python_api_serves_it_with_reuse(engines: tuple[Path, Path]) -> None
 
     assert snapshot_budgets(load_engine_dir(engines[1]), partial_kv=True) == {}
     assert snapshot_budgets(load_engine_dir(engines[0]), partial_kv=True)
+
+
+def test_answers_with_reuse_equal_transformers(tmp_path: Path) -> None:
+    """A random Gemma 3 checkpoint (window 32) built with --slidingWindowPool: two chat turns well past the window,
+    the second reusing the first, answer as transformers' Gemma3ForCausalLM does."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from kvforge.tools.export.sources.hf import load_hf_dir
+    from kvforge.tools.export.sources.synthetic import byte_level_tokenizer
+
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        vocab_size=260, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=512, sliding_window=32,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"], query_pre_attn_scalar=24,
+        final_logit_softcapping=30.0, rms_norm_eps=1e-6, tie_word_embeddings=True, eos_token_id=1,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})).eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if "norm" in name:
+                param.copy_(0.3 * torch.randn_like(param))
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    byte_level_tokenizer().save(str(tmp_path / "hf" / "tokenizer.json"))
+    write_onnx_dir(load_hf_dir(tmp_path / "hf", kv_cache_dtype="fp32"), tmp_path / "onnx")
+    build_engine(tmp_path / "onnx", tmp_path / "engine", BuildOptions(
+        max_input_len=256, max_kv_cache_capacity=512, max_batch_size=2, tokens_per_page=16, cpu_attention="onnx",
+        sliding_window_pool=True))
+    rng = np.random.default_rng(9)
+    first = [int(t) for t in rng.integers(3, 250, 90)]
+
+    def reference(ids: list[int]) -> list[int]:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=5, min_new_tokens=5, do_sample=False)
+        return out[0, len(ids):].tolist()
+
+    engine = make_engine(tmp_path / "engine", reuse=True, prefill_chunk_size=24)
+    greedy = SamplingParams(max_generate_length=5, temperature=0.0, logit_bias={1: -100.0})
+    ids, cached = first, []
+    for turn in range(2):
+        engine.add_request(EngineRequest(ids, greedy))
+        done = []
+        while not done:
+            done = [o for o in engine.step() if o.finished]
+        assert done[0].token_ids == reference(ids), f"turn {turn}"
+        cached.append(done[0].cached_tokens)
+        ids = ids + done[0].token_ids + [int(t) for t in rng.integers(3, 250, 30)]
+    assert cached[0] == 0 and cached[1] > 0
