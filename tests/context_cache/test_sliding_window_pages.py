@@ -3,6 +3,7 @@ reads and writes, pages out of the window go back to the group, and the audit ag
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -11,6 +12,7 @@ from kvforge.contract.profile_schema import RESOURCE_POOLS, SLIDING_WINDOW_PAGES
 from kvforge.contract.window_pool import window_pages_per_row
 from kvforge.runtime.context_cache.manager import Admission, ContextCacheManager
 from kvforge.runtime.context_cache.sliding_window import NO_PAGE, window_table
+from kvforge.runtime.execution.kv_store import KVStore
 
 T, WINDOW, CALL = 4, 10, 8  # tokens per page, the window, the most new tokens of a row per call
 
@@ -185,3 +187,15 @@ def test_any_conversation_reuses_only_exact_windows(turns: list[tuple[int, int, 
         history = ids + answer
     reclaimed = cache.profile()["reclaimed_resources"][SLIDING_WINDOW_PAGES]
     assert reclaimed >= 0
+
+
+def test_the_pool_refuses_one_table_copies_over_a_window_group() -> None:
+    """A snapshot, tier or tree copy addresses every layer with one row of page ids: wrong for a window group."""
+    store = KVStore(3, 8, 1, T, 4, "fp32", windowed=frozenset({0, 1}), window_pages=3)
+    assert [len(layer) for layer in store.layers] == [3, 3, 8]
+    for copy in (lambda: store.read_tokens([0], 2), lambda: store.read_page(0),
+                 lambda: store.copy_positions([0], [1], [0])):
+        with pytest.raises(AssertionError, match="sliding-window"):
+            copy()
+    plain = KVStore(2, 8, 1, T, 4, "fp32")
+    assert len(plain.read_page(1)) == 2
