@@ -61,10 +61,11 @@ def test_config_records_each_layer_types_pool_bytes_at_most_0_4x(engines: tuple[
     assert total <= 0.4 * all_global
 
 
-def generate(engine_dir: Path, prompts: list[list[int]], count: int) -> tuple[list[list[int]], int]:
+def generate(engine_dir: Path, prompts: list[list[int]], count: int,
+             reuse: bool = False) -> tuple[list[list[int]], int, int]:
     """Greedy answers of `prompts` run together (chunked prefill of 24 tokens), auditing the cache every step;
-    also the most sliding-window pages any row held."""
-    engine = make_engine(engine_dir, prefill_chunk_size=24)
+    also the most sliding-window pages any row held, and the tokens reused in all."""
+    engine = make_engine(engine_dir, reuse=reuse, prefill_chunk_size=24)
     window_pages = builder_config(engine_dir)["window_pool_pages"]
     pools = [len(layer) for layer in engine.backend.kv_store.layers]
     assert pools == ([window_pages] * 5 + [512 // 16 * 2] if window_pages else [512 // 16 * 2] * 6)
@@ -73,30 +74,43 @@ def generate(engine_dir: Path, prompts: list[list[int]], count: int) -> tuple[li
     for ids in prompts:
         engine.add_request(EngineRequest(ids, greedy))
     answers: dict[int, list[int]] = {}
-    most = 0
-    order = []
+    most = reused = 0
     while engine.has_unfinished():
         for out in engine.step():
             if out.finished:
                 answers[out.request_id] = out.token_ids
-                order.append(out.request_id)
+                reused += out.cached_tokens
         engine.cache.check_invariants()
         for lease in engine.cache.leases:
             table = window_table(lease) or []
             most = max(most, sum(slot != NO_PAGE for slot in table))
     pool = engine.cache.pools[SLIDING_WINDOW_PAGES]
-    assert pool.num_free == pool.capacity  # every row gave its window back
-    return [answers[k] for k in sorted(answers)], most
+    kept = {slot for record in engine.cache.records.least_recent_first() for slot in
+            (record.parts[SLIDING_WINDOW_PAGES].slots if SLIDING_WINDOW_PAGES in record.parts else ())}
+    assert pool.num_free == pool.capacity - len(kept)  # every row gave its window back; records keep theirs
+    return [answers[k] for k in sorted(answers)], most, reused
 
 
 def test_greedy_tokens_equal_the_all_full_pool_engine(engines: tuple[Path, Path]) -> None:
     rng = np.random.default_rng(3)
     vocab = synthetic_model("tiny-gemma3", kv_cache_dtype="fp32").config.vocab_size
     prompts = [[int(t) for t in rng.integers(3, vocab, n)] for n in (150, 70, 9)]
-    expected, _ = generate(engines[0], prompts, 40)
-    answers, most = generate(engines[1], prompts, 40)
+    expected, _, _ = generate(engines[0], prompts, 40)
+    answers, most, _ = generate(engines[1], prompts, 40)
     assert answers == expected
     assert 0 < most <= -(-(32 - 1 + 32) // 16) + 1  # never more than one call's window per row
+
+
+def test_concurrent_requests_sharing_prefixes_answer_as_without_reuse(engines: tuple[Path, Path]) -> None:
+    """Requests that extend each other, running at once and one after another (hits on records, waits on
+    prefixes in flight, evictions from the window group), answer as the engine without reuse does."""
+    rng = np.random.default_rng(11)
+    base = [int(t) for t in rng.integers(3, 200, 120)]
+    prompts = [base, base + [int(t) for t in rng.integers(3, 200, 20)], [int(t) for t in rng.integers(3, 200, 60)],
+               base[:100] + [int(t) for t in rng.integers(3, 200, 9)], base + [7, 8, 9]]
+    expected, _, _ = generate(engines[1], prompts, 12)
+    answers, _, reused = generate(engines[1], prompts, 12, reuse=True)
+    assert answers == expected and reused >= 2 * 112  # two of them hit the first prompt's end (120 -> 112)
 
 
 def chat(engine_dir: Path, turns: int, reuse: bool) -> tuple[list[list[int]], list[int], str]:
