@@ -236,3 +236,27 @@ def test_answers_with_reuse_equal_transformers(tmp_path: Path) -> None:
         cached.append(done[0].cached_tokens)
         ids = ids + done[0].token_ids + [int(t) for t in rng.integers(3, 250, 30)]
     assert cached[0] == 0 and cached[1] > 0
+
+
+def test_a_window_group_the_graph_or_model_lacks_is_refused(engines: tuple[Path, Path], tiny_engine_dir: Path,
+                                                             tmp_path: Path) -> None:
+    """config.json's window_pool_pages is checked against the model (sliding layers) and the graph (pool shapes)."""
+    import shutil
+
+    from kvforge.contract.engine_dir import load_engine_dir
+    from kvforge.contract.manifest import ENGINE_KIND, write_manifest
+
+    def tampered(source: Path, name: str, pages: int) -> Path:
+        target = tmp_path / name
+        shutil.copytree(source, target)
+        config = json.loads((target / "config.json").read_text())
+        config["builder_config"]["window_pool_pages"] = pages
+        (target / "config.json").write_text(json.dumps(config))
+        write_manifest(target, ENGINE_KIND)
+        return target
+
+    with pytest.raises(InvalidConfig) as caught:
+        load_engine_dir(tampered(tiny_engine_dir, "llama", 8))  # no sliding layers
+    assert caught.value.field == "builder_config.window_pool_pages"
+    with pytest.raises(Exception, match="rebuild it with llm_build"):
+        make_engine(tampered(engines[1], "other", 11))  # the graph's sliding pools hold 10 pages
