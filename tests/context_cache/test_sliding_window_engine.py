@@ -260,3 +260,39 @@ def test_a_window_group_the_graph_or_model_lacks_is_refused(engines: tuple[Path,
     assert caught.value.field == "builder_config.window_pool_pages"
     with pytest.raises(Exception, match="rebuild it with llm_build"):
         make_engine(tampered(engines[1], "other", 11))  # the graph's sliding pools hold 10 pages
+
+
+def test_gemma4_kv_shared_layers_read_the_window_group(tmp_path: Path) -> None:
+    """Gemma 4's KV-shared layers (a sliding one reads an earlier sliding layer's pool, through the window table)
+    on an engine with a window group: two turns, the second reusing the first, answer as transformers does."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from parity.test_gemma4_parity import SHARED_TYPES, hf_config, prompt, randomised
+
+    from kvforge.tools.export.sources.hf import load_hf_dir
+    from kvforge.tools.export.sources.synthetic import byte_level_tokenizer
+
+    hf = randomised(transformers.Gemma4ForCausalLM(hf_config(
+        vocab_size=320, layer_types=SHARED_TYPES, num_kv_shared_layers=2, use_double_wide_mlp=True)), seed=5)
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    byte_level_tokenizer().save(str(tmp_path / "hf" / "tokenizer.json"))
+    write_onnx_dir(load_hf_dir(tmp_path / "hf", kv_cache_dtype="fp32"), tmp_path / "onnx")
+    build_engine(tmp_path / "onnx", tmp_path / "engine", BuildOptions(
+        max_input_len=256, max_kv_cache_capacity=512, tokens_per_page=16, sliding_window_pool=True))
+    engine = make_engine(tmp_path / "engine", reuse=True, prefill_chunk_size=64)
+    window_pages = builder_config(tmp_path / "engine")["window_pool_pages"]
+    assert [len(layer) for layer in engine.backend.kv_store.layers] == [window_pages] * 2 + [128, window_pages]
+    greedy = SamplingParams(max_generate_length=5, temperature=0.0, logit_bias={hf.config.eos_token_id: -100.0})
+    ids, cached = prompt(120, seed=9), []
+    for turn in range(2):
+        with torch.no_grad():
+            expected = hf.generate(torch.tensor([ids]), max_new_tokens=5, min_new_tokens=5,
+                                   do_sample=False)[0, len(ids):].tolist()
+        engine.add_request(EngineRequest(ids, greedy))
+        done = []
+        while not done:
+            done = [o for o in engine.step() if o.finished]
+        assert done[0].token_ids == expected, f"turn {turn}"
+        cached.append(done[0].cached_tokens)
+        ids = ids + expected + prompt(30, seed=10 + turn)
+    assert cached[0] == 0 and cached[1] > 0
