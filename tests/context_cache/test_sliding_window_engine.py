@@ -198,7 +198,7 @@ def test_answers_with_reuse_equal_transformers(tmp_path: Path) -> None:
     from kvforge.tools.export.sources.hf import load_hf_dir
     from kvforge.tools.export.sources.synthetic import byte_level_tokenizer
 
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # every weight comes from the global generator
     hf = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
         vocab_size=260, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, max_position_embeddings=512, sliding_window=32,
@@ -220,9 +220,7 @@ def test_answers_with_reuse_equal_transformers(tmp_path: Path) -> None:
     first = [int(t) for t in rng.integers(3, 250, 90)]
 
     def reference(ids: list[int]) -> list[int]:
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([ids]), max_new_tokens=5, min_new_tokens=5, do_sample=False)
-        return out[0, len(ids):].tolist()
+        return full_forward_greedy(hf, ids, 5, banned=1)
 
     engine = make_engine(tmp_path / "engine", reuse=True, prefill_chunk_size=24)
     greedy = SamplingParams(max_generate_length=5, temperature=0.0, logit_bias={1: -100.0})
@@ -272,6 +270,7 @@ def test_gemma4_kv_shared_layers_read_the_window_group(tmp_path: Path) -> None:
     from kvforge.tools.export.sources.hf import load_hf_dir
     from kvforge.tools.export.sources.synthetic import byte_level_tokenizer
 
+    torch.manual_seed(0)  # the weights randomised leaves alone come from the global generator
     hf = randomised(transformers.Gemma4ForCausalLM(hf_config(
         vocab_size=320, layer_types=SHARED_TYPES, num_kv_shared_layers=2, use_double_wide_mlp=True)), seed=5)
     hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
@@ -285,9 +284,7 @@ def test_gemma4_kv_shared_layers_read_the_window_group(tmp_path: Path) -> None:
     greedy = SamplingParams(max_generate_length=5, temperature=0.0, logit_bias={hf.config.eos_token_id: -100.0})
     ids, cached = prompt(120, seed=9), []
     for turn in range(2):
-        with torch.no_grad():
-            expected = hf.generate(torch.tensor([ids]), max_new_tokens=5, min_new_tokens=5,
-                                   do_sample=False)[0, len(ids):].tolist()
+        expected = full_forward_greedy(hf, ids, 5, banned=hf.config.eos_token_id)
         engine.add_request(EngineRequest(ids, greedy))
         done = []
         while not done:
@@ -296,3 +293,17 @@ def test_gemma4_kv_shared_layers_read_the_window_group(tmp_path: Path) -> None:
         cached.append(done[0].cached_tokens)
         ids = ids + expected + prompt(30, seed=10 + turn)
     assert cached[0] == 0 and cached[1] > 0
+
+
+def full_forward_greedy(hf: object, ids: list[int], count: int, banned: int) -> list[int]:
+    """transformers' greedy tokens by a whole forward pass per token (no generation cache, whose state earlier tests
+    in the session can change), `banned` never chosen."""
+    import torch
+
+    tokens = list(ids)
+    with torch.no_grad():
+        for _ in range(count):
+            logits = hf(torch.tensor([tokens])).logits[0, -1]
+            logits[banned] = -float("inf")
+            tokens.append(int(logits.argmax()))
+    return tokens[len(ids):]
