@@ -2,9 +2,16 @@
 
 Speculative decoding pays only if a row of k+1 positions costs much less than k+1 decode steps; this times
 `OrtBackend.forward` alone (no scheduler, no sampling) at S = 1, 2, 5, 9 and prints ONNX Runtime's per-op times of
-S = 5 against S = 1, which says where the extra cost goes.
+S = 5 against S = 1, which says where the extra cost goes. Widths are timed in interleaved rounds (S = 1, 2, 5, 9,
+then again), so a machine whose load drifts moves them alike; the k = 4 line is issue 43's figure: a verify call of 4
+drafts (S = 5) against a 1-row decode call, target at most 1.3x.
+
+With --specBase (an ONNX dir exported with --hiddenStateLayers, e.g. out/onnx/smollm2-base) the engine is built as
+an EAGLE3 base: it returns hidden states and takes tree inputs, as the verify calls of --specDecode eagle3 do, and a
+k = 4 row shaped as a tree (two branches of two drafts) is timed too.
 
     python experiments/verify_cost.py --onnxDir out/onnx/smollm2 --threads 2 --contextTokens 1500
+    python experiments/verify_cost.py --onnxDir out/onnx/smollm2-base --specBase --threads 2 --json out/verify.json
 """
 
 from __future__ import annotations
@@ -16,15 +23,19 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import bench_parser
+from _common import bench_parser, write_json
 
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.engine_dir import EMBEDDING_FILE, EMBEDDING_TENSOR, load_engine_dir
 from kvforge.contract.safetensors_map import map_tensor
 from kvforge.runtime.execution.backend import StepInputs
 from kvforge.runtime.execution.ort import OrtBackend
+from kvforge.runtime.execution.tree_attention import ancestor_mask
 
 WIDTHS = (1, 2, 5, 9)
+VERIFY_WIDTH = 5  # k = 4 drafts and the pending token
+TARGET_RATIO = 1.3  # issue 43: a k = 4 verify call costs at most this many decode calls
+TREE_PARENTS = [-1, 0, 1, 0, 3]  # the pending token (node 0) and two branches of two drafts
 
 
 def prefill(backend: OrtBackend, embedding: np.ndarray, ids: np.ndarray, pages: list[int]) -> None:
@@ -35,22 +46,31 @@ def prefill(backend: OrtBackend, embedding: np.ndarray, ids: np.ndarray, pages: 
 
 
 def call(backend: OrtBackend, embedding: np.ndarray, ids: np.ndarray, width: int, context: int,
-         pages: list[int]) -> float:
+         pages: list[int], tree: bool = False) -> float:
+    """One verify-shaped call of `width` new tokens at `context`, logits at each; `tree`: TREE_PARENTS' shape (RoPE
+    positions by depth, each node seeing its ancestors) instead of a chain."""
+    position_ids = mask = None
+    if tree:
+        nodes = ancestor_mask(TREE_PARENTS)
+        position_ids = (context + nodes.sum(axis=1) - 1).astype(np.int32)[None]
+        mask = nodes[None]
     started = time.perf_counter()
     backend.forward(StepInputs(embedding[ids[:width]][None].astype(np.float32), np.array([width], np.int32),
                                np.array([context], np.int32), [pages],
-                               logits_indices=np.arange(width, dtype=np.int64)))
+                               logits_indices=np.arange(width, dtype=np.int64),
+                               position_ids=position_ids, attention_mask=mask))
     return (time.perf_counter() - started) * 1e3
 
 
 def main() -> None:
     parser = bench_parser(__doc__, repeats=8)
     parser.add_argument("--contextTokens", type=int, default=1500)
+    parser.add_argument("--specBase", action="store_true", help="build an EAGLE3 base (tree inputs, hidden states)")
     args = parser.parse_args()
     context = args.contextTokens
     with tempfile.TemporaryDirectory(prefix="kvforge-verify-") as tmp:
         build = BuildOptions(max_input_len=min(512, context + 256), max_kv_cache_capacity=context + 256,
-                             max_batch_size=1, tokens_per_page=128)
+                             max_batch_size=1, tokens_per_page=128, spec_base=args.specBase)
         build_engine(args.onnxDir, Path(tmp) / "engine", build)
         engine = load_engine_dir(Path(tmp) / "engine")
         embedding = map_tensor(engine.file(EMBEDDING_FILE), EMBEDDING_TENSOR)
@@ -59,11 +79,25 @@ def main() -> None:
         backend = OrtBackend(engine, args.threads, embedding)
         prefill(backend, embedding, ids, pages)
         print(f"backend call at {context} tokens of context, {args.threads} threads, median of {args.repeats}:")
-        base = None
-        for width in WIDTHS:
-            ms = float(np.median([call(backend, embedding, ids, width, context, pages) for _ in range(args.repeats)]))
-            base = base or ms
-            print(f"   S={width}: {ms:6.1f} ms  ({ms / base:4.2f}x a decode call; {ms / width:5.1f} ms a position)")
+        shapes = [(f"S={width}", width, False) for width in WIDTHS]
+        if backend.tree_attention:
+            shapes.append((f"S={VERIFY_WIDTH} tree", VERIFY_WIDTH, True))
+        times: dict[str, list[float]] = {label: [] for label, _, _ in shapes}
+        for _ in range(args.repeats):  # interleaved rounds: load drift moves every width alike
+            for label, width, tree in shapes:
+                times[label].append(call(backend, embedding, ids, width, context, pages, tree))
+        medians = {label: float(np.median(values)) for label, values in times.items()}
+        base = medians["S=1"]
+        for label, width, _ in shapes:
+            ms = medians[label]
+            print(f"   {label}: {ms:6.1f} ms  ({ms / base:4.2f}x a decode call; {ms / width:5.1f} ms a position)")
+        ratios = {label: medians[label] / base for label, width, _ in shapes if width == VERIFY_WIDTH}
+        for label, ratio in ratios.items():
+            verdict = "met" if ratio <= TARGET_RATIO else "missed"
+            print(f"k=4 verify ({label}) / decode: {ratio:.2f}x (issue 43 target <= {TARGET_RATIO}x: {verdict})")
+        write_json(args.json, {"context_tokens": context, "threads": args.threads, "repeats": args.repeats,
+                               "spec_base": args.specBase, "median_ms": medians, "k4_ratio": ratios,
+                               "target_ratio": TARGET_RATIO})
         profiled = OrtBackend(engine, args.threads, embedding, profile_prefix=f"{tmp}/ort")
         prefill(profiled, embedding, ids, pages)
         for width in (1, 5):

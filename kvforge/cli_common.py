@@ -68,6 +68,7 @@ EXPORT_FLAGS = {
     "synthetic": "--synthetic",
     "output": "--output",
     "quant_block_size": "--quantBlockSize",
+    "int4_scheme": "--int4Scheme",
 }
 
 

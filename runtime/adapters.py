@@ -123,6 +123,15 @@ def activation_start(adapter: LoraAdapter | None, prompt_ids: list[int]) -> int:
     return NEVER_ACTIVATED
 
 
+def base_pages_reused(adapter: LoraAdapter | None, start: int, reused_tokens: int, tokens_per_page: int) -> int:
+    """Whole pages an adapter request reused that carry no adapter identity (base pages): those ending at or before
+    its activation start (runtime/context_cache/keys.py drops the digest there). 0 for base requests and ordinary
+    adapters, whose every page carries the digest; all reused pages for an activated adapter never invoked."""
+    if adapter is None or tokens_per_page <= 0:
+        return 0
+    return min(reused_tokens, start) // tokens_per_page
+
+
 def _invocation(metadata: dict[str, str], vocab_size: int, shown: str, where: str) -> tuple[int, ...] | None:
     """The converted file's invocation ids, checked again: a file edited after conversion is refused here."""
     text = metadata.get(INVOCATION_FIELD)

@@ -23,6 +23,7 @@ from kvforge.runtime.engine.config import EngineConfig, make_engine_config
 from kvforge.runtime.engine.engine import Engine, EngineRequest, RequestOutput, snapshot_budgets
 from kvforge.runtime.file_loop import drain
 from kvforge.runtime.inputs.checks import parse_message
+from kvforge.runtime.inputs.tools import ToolSpec, answer_calls, forced_format, parse_tools, tool_messages, with_tools
 from kvforge.runtime.types import Message, Request, SamplingParams
 
 Prompt = str | Sequence[int]
@@ -66,13 +67,31 @@ class LLM:
 
     def chat(self, messages: ChatMessages | Sequence[ChatMessages], sampling_params: SamplingParams | None = None,
              *, lora_name: str | None = None, cache_salt: str | None = None,
-             enable_thinking: bool = False, parse_special_tokens: bool = False) -> list[RequestOutput]:
+             enable_thinking: bool = False, parse_special_tokens: bool = False,
+             tools: Sequence[Mapping[str, Any]] | None = None,
+             tool_choice: str | Mapping[str, Any] | None = None) -> list[RequestOutput]:
         """Answer one conversation (a list of {role, content}) or several, through the engine's chat template.
-        Content is plain text unless `parse_special_tokens` (then `<|im_start|>` in content is a special token)."""
+        Content is plain text unless `parse_special_tokens` (then `<|im_start|>` in content is a special token).
+
+        `tools` (OpenAI function tools) and `tool_choice` ("auto", the default; "none"; "required"; or
+        {"type": "function", "function": {"name": ...}}) work as in llm_serve's generic format: the tools are
+        described in the system message; "required" or a named function constrains the answer to one call whose
+        arguments follow the function's schema. The calls read from an answer that ended by itself are in
+        `RequestOutput.tool_calls` (OpenAI's shape, `arguments` a JSON string); `text` stays what the model wrote.
+        An assistant message may carry `tool_calls` and a `tool` message a result, as OpenAI's messages do."""
+        spec = parse_tools({"tools": None if tools is None else list(tools),
+                            "tool_choice": dict(tool_choice) if isinstance(tool_choice, Mapping) else tool_choice})
+        params = sampling_params or SamplingParams()
+        if spec is not None:
+            params = replace(params, response_format=forced_format(spec, params.response_format))
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
-        requests = [self._chat_request(c, sampling_params, lora_name, cache_salt, enable_thinking,
-                                       parse_special_tokens) for c in conversations]  # type: ignore[arg-type]
-        return self._run(requests)
+        requests = [self._chat_request(c, params, lora_name, cache_salt, enable_thinking, parse_special_tokens,
+                                       spec) for c in conversations]  # type: ignore[arg-type]
+        outputs = self._run(requests)
+        if spec is not None:
+            for output in outputs:
+                output.tool_calls = answer_calls(output.text, output.finish_reason, spec)
+        return outputs
 
     def stream(self, prompt: Prompt | ChatMessages, sampling_params: SamplingParams | None = None, *,
                lora_name: str | None = None, cache_salt: str | None = None) -> Iterator[StreamDelta]:
@@ -132,10 +151,13 @@ class LLM:
 
     def _chat_request(self, conversation: ChatMessages, params: SamplingParams | None, lora_name: str | None,
                       cache_salt: str | None, enable_thinking: bool,
-                      parse_special_tokens: bool = False) -> EngineRequest:
+                      parse_special_tokens: bool = False, tools: ToolSpec | None = None) -> EngineRequest:
+        # An assistant's earlier tool_calls become the text the model wrote for them (as llm_serve reads them).
+        conversation = tool_messages([dict(m) for m in conversation])
         # Content is a string or, for media, the request file's items: [{"type": "image", "image": path}, ...].
         messages = [Message(str(m["role"]), str(m["content"])) if isinstance(m.get("content"), str)
                     else parse_message(dict(m), f"messages[{i}]") for i, m in enumerate(conversation)]
+        messages = with_tools(messages, tools) if tools is not None else messages
         request = Request(0, messages, params or SamplingParams(), lora_name=lora_name, cache_salt=cache_salt,
                           parse_special_tokens=parse_special_tokens)
         return self.engine.prepare(request, enable_thinking=enable_thinking, where="")  # errors name "messages"

@@ -104,7 +104,8 @@ def inference(
         def shown(responses: Iterator[dict]) -> Iterator[dict]:
             for response in responses:
                 if dump_output:
-                    typer.echo(f"[{response['request_idx']}] {response['output_text']}")
+                    adapter = f" ({response['adapter']})" if "adapter" in response else ""  # "NAME (not invoked)"
+                    typer.echo(f"[{response['request_idx']}]{adapter} {response['output_text']}")
                 yield response
 
         def finish() -> None:  # before the output file is renamed into place: a failure here leaves neither

@@ -120,6 +120,8 @@ def response_dict(output: RequestOutput, request: Request, batch_idx: int, forma
         "timing": {"ttft_ms": round(timing.ttft_ms, 3), "prefill_ms": round(timing.prefill_ms, 3),
                    "decode_ms": round(timing.decode_ms, 3)} if timing else {},
     }
+    if request.lora_name:  # the adapter as it ran: an activated one whose invocation was absent says "(not invoked)"
+        response["adapter"] = output.adapter
     if output.error is not None:  # finish_reason "error": the engine failed this request alone
         response["error"] = output.error
     if output.logprobs is not None:

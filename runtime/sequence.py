@@ -49,6 +49,9 @@ class EngineRequest:
     media: tuple[MediaSpan, ...] = ()  # placeholder spans with their encoder rows, in prompt order
     message_boundaries: tuple[int, ...] = ()  # prompt token counts where an earlier chat message ends
     documents: tuple[DocumentSpan, ...] = ()  # the prompt's document items whose tokens could be told apart, in order
+    # An internal request the scheduler queued: a document's standalone prefill at position 0, whose published
+    # prompt becomes the document's stored form (runtime/context_cache/document_chunks.py). Never a front end's.
+    produces_document: bool = False
     # Activated LoRA: the first adapted position, found from the adapter and the prompt when the request is made
     # (runtime/adapters.py activation_start), so every front end and API caller gets PEFT's rule; 0 = every one.
     adapter_start: int = -1
@@ -145,5 +148,7 @@ class Sequence:
                                tuple(span.key for span in self.request.media), self.request.adapter_start)
             self.admission = Admission(tokens, extras,
                                        sampling.lookup_policy, indexable_tokens=len(self.request.prompt_ids),
-                                       speculative=self.drafts_with_kv)
+                                       speculative=self.drafts_with_kv,
+                                       documents=tuple((d.start, d.length) for d in self.request.documents),
+                                       produces_document=self.request.produces_document)
         return self.admission

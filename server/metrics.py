@@ -78,6 +78,8 @@ class _EngineCollector(Collector):
         yield _counter("prefill_reused_tokens", "Prompt tokens served from a cache instead of computed.",
                        s.prefill_reused_tokens)
         yield _counter("prefill_computed_tokens", "Prompt tokens run through the engine.", s.prefill_computed_tokens)
+        yield _counter("adapter_base_pages_reused", "Base-model pages reused by adapter requests (activated LoRA "
+                       "before its invocation).", s.adapter_base_pages)
         for key, help_text in (("preemptions", "Sequences preempted because the pool was full."),
                                ("steps", "Engine steps."),
                                ("inflight_prefix_waits", "Times a request waited for a prefix another computed.")):
@@ -102,6 +104,9 @@ class _EngineCollector(Collector):
             yield _counter("context_cache_records_evicted", "Cache records evicted.", records[schema.RECORDS_EVICTED])
             for key in (schema.ADMITTED_SEQUENCES, schema.HIT_SEQUENCES, schema.MATCHED_TOKENS):
                 yield _counter(f"context_cache_{key}", f"The profile's context_cache.{key}.", s.cache[key])
+            if any(s.cache[schema.DOCUMENTS].values()):  # --documentReuse, once a request carried a document
+                for key, value in s.cache[schema.DOCUMENTS].items():
+                    yield _counter(f"documents_{key}", f"The profile's context_cache.documents.{key}.", value)
             window = s.cache[schema.RESOURCE_POOLS].get(schema.SLIDING_WINDOW_PAGES, {})
             if window.get(schema.POOL_CAPACITY):  # an engine built with --slidingWindowPool
                 yield _gauge("sliding_window_pages_free", "Free pages of the sliding layers' page group.",

@@ -19,7 +19,6 @@ from kvforge.contract.errors import KvforgeError
 from kvforge.contract.validation import check_int, check_string, describe, fail, get_bool, json_kind
 from kvforge.runtime.engine.engine import Engine, EngineRequest
 from kvforge.runtime.inputs.checks import (
-    check_grammar,
     check_logit_bias,
     check_penalty,
     check_response_format,
@@ -29,9 +28,9 @@ from kvforge.runtime.inputs.checks import (
     check_top_p,
     parse_messages,
 )
+from kvforge.runtime.inputs.tools import ToolSpec, forced_format, parse_tools, tool_messages, with_tools
 from kvforge.runtime.types import Message, Request, SamplingParams
 from kvforge.server.media import MediaPolicy
-from kvforge.server.tools import ToolSpec, parse_tools, tool_messages, with_tools
 
 T = TypeVar("T")
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat top_logprobs
@@ -39,7 +38,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_CHOICES = 16  # n × prompts: each choice is a sequence in the engine, so a bound on what one body may ask
 # Known OpenAI fields this server cannot honour: refused unless they hold their neutral value.
 NEUTRAL = {"best_of": 1, "echo": False, "suffix": None, "functions": None}
-COMPLETION_NEUTRAL = {"tools": None, "tool_choice": None}  # tools are chat's (server/tools.py)
+COMPLETION_NEUTRAL = {"tools": None, "tool_choice": None}  # tools are chat's (runtime/inputs/tools.py)
 
 
 class ApiError(Exception):
@@ -126,12 +125,7 @@ def _parse(body: dict[str, Any], chat: bool, models: dict[str, str | None], medi
         messages = with_tools(messages, tools) if tools is not None else messages
     else:
         messages, prompt = [], None
-    response_format = _given(body, "response_format", check_response_format, None)
-    if tools is not None and tools.forced:
-        if response_format is not None:
-            fail("response_format", "cannot be given with a tool_choice that forces a call (the call is the format)")
-        response_format = tools.response_format()
-        check_grammar(response_format, "tools")  # a function's schema the compiler refuses: name the tools
+    response_format = forced_format(tools, _given(body, "response_format", check_response_format, None))
     prompts = () if chat else _prompts(body.get("prompt"))
     n = _given(body, "n", lambda v, f: check_int(v, f, 1, MAX_CHOICES), 1)
     if n * max(len(prompts), 1) > MAX_CHOICES:

@@ -8,8 +8,8 @@ from typing import Any
 
 from kvforge.runtime.engine import RequestOutput, SampleResult
 from kvforge.runtime.inputs.tokenizer import ChatTokenizer
+from kvforge.runtime.inputs.tools import read_calls
 from kvforge.server.protocol import ApiCall
-from kvforge.server.tools import read_calls
 
 # end-of-sequence and stop strings both end a completion naturally; the length limit is OpenAI's "length".
 FINISH_REASONS = {"end-of-sequence": "stop", "stop-words": "stop", "max-length": "length"}

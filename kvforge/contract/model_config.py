@@ -68,6 +68,7 @@ class ModelConfig:
     lora_targets: list[str] = field(default_factory=list)  # linears with lora_A/lora_B inputs (q, k, ..., down)
     quantization: str = "none"  # requested weight format; GGUF blocks that map exactly keep their own bits
     quant_block_size: int = 0  # MatMulNBits block size of re-quantized weights (0 = not quantized)
+    int4_scheme: str = ""  # 4-bit blocks: asymmetric or symmetric (tools/export/quantize.py); "" = older exports
     lm_head: str = ""  # one of LM_HEADS; "" = not recorded (older exports)
     lm_head_candidates: int = 0  # top-k of a quantized head rescored against the float head (0 = none)
     prefill_int8_rows: int = 0  # calls of at least this many rows run quantized layers as int8 GEMMs (0 = never)
@@ -423,6 +424,7 @@ CONFIG_SCHEMA: dict[str, tuple[str, float | None, float | None]] = {
     "bos_token_id": ("token?", None, None), "eos_token_ids": ("tokens", None, None),
     "pad_token_id": ("token?", None, None), "name": ("str", None, None), "lora_targets": ("strs", None, None),
     "quantization": ("str", None, None), "quant_block_size": ("int", 0, 2**16), "format": ("str", None, None),
+    "int4_scheme": ("str", None, None),
     "lm_head": ("str", None, None), "lm_head_candidates": ("int", 0, 2**20),
     "prefill_int8_rows": ("int", 0, 2**30),
     # Recurrent (Mamba2) fields; 0 on attention-only models. validate() checks them per family.

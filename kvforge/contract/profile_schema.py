@@ -28,6 +28,8 @@ CONTEXT_CACHE = "context_cache"
 GENERATION = "generation"
 SCHEDULER = "scheduler"
 PER_ADAPTER = "per_adapter"  # kvforge only; llm_profile also finds it inside context_cache
+# per_adapter[name] counter: whole base pages (no adapter identity) an adapter's requests reused
+ADAPTER_BASE_PAGES = "base_pages_reused"
 STAGES = "stages"
 KVFORGE_SECTIONS = (PREFILL, CONTEXT_CACHE, GENERATION, SCHEDULER, PER_ADAPTER, STAGES)
 
@@ -107,6 +109,19 @@ PAIR_PUBLICATIONS = "pair_publications"
 SPECULATIVE_KEYS = (FULL_PAGE_REPLAYS, PAIR_PUBLICATIONS)
 SPECULATIVE_BLOCK: Mapping[str, int] = MappingProxyType(dict.fromkeys(SPECULATIVE_KEYS, 0))
 
+# `documents` counts document reuse (issue 37, --documentReuse): document spans admitted requests carried, how many
+# were restored from a stored form, the tokens restored (reused) and recomputed in place (repaired), the pages' worth
+# of stored K/V rotated into requests, and the standalone prefills that produced stored forms. All zero without it.
+DOCUMENTS = "documents"
+DOCUMENTS_SEEN = "documents_seen"
+DOCUMENT_HITS = "document_hits"
+DOCUMENT_REUSED_TOKENS = "reused_tokens"
+DOCUMENT_REPAIRED_TOKENS = "repaired_tokens"
+DOCUMENT_ROTATED_PAGES = "rotated_pages"
+DOCUMENTS_PRODUCED = "documents_produced"
+DOCUMENT_KEYS = (DOCUMENTS_SEEN, DOCUMENT_HITS, DOCUMENT_REUSED_TOKENS, DOCUMENT_REPAIRED_TOKENS,
+                 DOCUMENT_ROTATED_PAGES, DOCUMENTS_PRODUCED)
+
 # Sliding-window checkpoints (engines built with --slidingWindowPool): hits that took a record's window pages, and
 # records published without one (the lease had freed part of it).
 SLIDING_WINDOW = "sliding_window"
@@ -130,8 +145,10 @@ BASE_KV_PAGES = "base_kv_pages"
 DRAFT_KV_PAGES = "draft_kv_pages"
 RECURRENT_SNAPSHOTS = "recurrent_snapshots"
 PARTIAL_KV_SNAPSHOTS = "partial_kv_snapshots"
+DOCUMENT_KV_PAGES = "document_kv_pages"  # kvforge only: stored documents' pages (capacity 0 without document reuse)
 SLIDING_WINDOW_PAGES = "sliding_window_pages"  # the sliding layers' own pages (engines built with --slidingWindowPool)
-POOL_KEYS = (BASE_KV_PAGES, DRAFT_KV_PAGES, RECURRENT_SNAPSHOTS, PARTIAL_KV_SNAPSHOTS, SLIDING_WINDOW_PAGES)
+POOL_KEYS = (BASE_KV_PAGES, DRAFT_KV_PAGES, RECURRENT_SNAPSHOTS, PARTIAL_KV_SNAPSHOTS, DOCUMENT_KV_PAGES,
+             SLIDING_WINDOW_PAGES)
 POOL_FREE = "free"
 POOL_CAPACITY = "capacity"
 EMPTY_POOL: Mapping[str, int] = MappingProxyType({POOL_FREE: 0, POOL_CAPACITY: 0})

@@ -100,7 +100,7 @@ class AttentionPages(CacheTypeBase):
     def on_admitted(self, lease: Lease, admission: Admission, num_tokens: int) -> None:
         if lease.may_publish:
             indexable = num_tokens if admission.indexable_tokens is None else admission.indexable_tokens
-            self.register_in_flight(lease, min(indexable, num_tokens))
+            self.register_in_flight(lease, min(indexable, num_tokens, lease.exact_tokens))
 
     def register_in_flight(self, lease: Lease, indexable_tokens: int) -> None:
         """Announce the full pages among the lease's first `indexable_tokens` it will compute, so identical

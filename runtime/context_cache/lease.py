@@ -27,6 +27,10 @@ class Admission:
     # A request that decodes speculatively: the types a speculative decoder needs take part in its admission (and may
     # narrow its hit to what they can serve too).
     speculative: bool = False
+    # Document spans (start, length) of the prompt, for the document type's lookup (issue 37), and whether this
+    # admission is a document's standalone prefill at position 0 (its stored form is captured when it publishes).
+    documents: tuple[tuple[int, int], ...] = ()
+    produces_document: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -59,4 +63,7 @@ class Lease(Parted):
     indexable_pages: int = 0
     inflight_keys: list[bytes] = field(default_factory=list)  # keys this lease registered as being computed
     released: bool = False
+    # Positions from here on may hold approximate K/V (a restored document, issue 37): nothing from there is
+    # indexed in flight or published under exact prefix keys.
+    exact_tokens: int = 1 << 62
     parts: dict[str, Any] = field(default_factory=dict)  # cache type name -> what that type holds for the sequence

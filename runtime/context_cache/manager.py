@@ -222,7 +222,8 @@ class ContextCacheManager:
         if admission.keys is None:
             admission.keys = page_keys(admission.token_ids, self.tokens_per_page, admission.extras,
                                        parent=self.chain_root)
-        return Lookup(tokens, admission.keys, admission.extras, speculative=admission.speculative)
+        return Lookup(tokens, admission.keys, admission.extras, speculative=admission.speculative,
+                      documents=admission.documents, produces_document=admission.produces_document)
 
     def _cold(self, num_tokens: int) -> ReusePlan:
         return plan_cold(num_tokens, self.tokens_per_page, paged=self.paged)
@@ -319,7 +320,7 @@ class ContextCacheManager:
         """
         if not (self.enabled and lease.may_publish):
             return PublishResult.SKIPPED
-        tokens = np.asarray(token_ids, dtype=np.int32)
+        tokens = np.asarray(token_ids, dtype=np.int32)[:lease.exact_tokens]  # approximate K/V is never published
         publication = self._endpoint(lease, tokens)
         if publication is None:
             return PublishResult.SKIPPED

@@ -49,6 +49,8 @@ class Lookup:
     # must agree with the pages (a hybrid's checkpoints) compares with the same list. None: no attention type.
     page_hits: list[int] | None = None
     speculative: bool = False  # a speculative admission: hits must suit every type it takes part in
+    documents: tuple[tuple[int, int], ...] = ()  # the admission's document spans (start, length)
+    produces_document: bool = False  # the admission is a document's standalone prefill
 
 
 @dataclass(slots=True)

@@ -12,12 +12,14 @@ from dataclasses import dataclass
 
 from kvforge.contract.profile_schema import (
     BASE_KV_PAGES,
+    DOCUMENT_KV_PAGES,
     DRAFT_KV_PAGES,
     PARTIAL_KV_SNAPSHOTS,
     RECURRENT_SNAPSHOTS,
     SLIDING_WINDOW_PAGES,
 )
 from kvforge.runtime.context_cache.attention_pages import build_attention_pages
+from kvforge.runtime.context_cache.document_chunks import DOCUMENT_OPTIONS, build_document_chunks
 from kvforge.runtime.context_cache.draft_paths import DRAFT_OPTIONS, build_draft_paths
 from kvforge.runtime.context_cache.partial_tails import PARTIAL_OPTIONS, build_partial_tails
 from kvforge.runtime.context_cache.protocol import CacheSetup, CacheType
@@ -56,9 +58,11 @@ def registered() -> tuple[Registration, ...]:
 
 
 # Lookup order: each type narrows or extends the hit of the ones before it. The checkpoints decide a hybrid's hit before
-# the tails add the checkpoint's tail page; the types a speculative admission adds come last.
+# the tails add the checkpoint's tail page; the types a speculative admission adds come next, and documents (whose hits
+# lie after the prefix every other type agreed on) last.
 register(BASE_KV_PAGES, build_attention_pages)
 register(RECURRENT_SNAPSHOTS, build_recurrent_checkpoints, RECURRENT_OPTIONS)
 register(PARTIAL_KV_SNAPSHOTS, build_partial_tails, PARTIAL_OPTIONS)
 register(DRAFT_KV_PAGES, build_draft_paths, DRAFT_OPTIONS)
+register(DOCUMENT_KV_PAGES, build_document_chunks, DOCUMENT_OPTIONS)
 register(SLIDING_WINDOW_PAGES, build_sliding_window, SLIDING_WINDOW_OPTIONS)

@@ -19,11 +19,17 @@ from kvforge.contract.formats import MANIFEST_FILE
 from kvforge.contract.geometry import snapshot_slots
 from kvforge.contract.memory import available_memory_bytes, check_fits_memory
 from kvforge.contract.model_config import ModelConfig
+from kvforge.contract.rope import rope_table
 from kvforge.contract.speculation import spec_decode_help
 from kvforge.contract.window_pool import window_call_tokens
+from kvforge.runtime.context_cache.document_chunks import (  # noqa: F401 - REPAIR_POLICIES is re-exported
+    DEFAULT_REPAIR,
+    REPAIR_POLICIES,
+)
 from kvforge.runtime.context_cache.keys import EngineFingerprint, chain_root
 from kvforge.runtime.context_cache.manager import DEFAULT_MAX_RECORDS
 from kvforge.runtime.engine.state import CheckpointPolicy
+from kvforge.runtime.execution.kv_store import ROTATION_CHECK_TOLERANCE, check_rotation
 from kvforge.runtime.inputs.multimodal.encoder_cache import DEFAULT_ENCODER_CACHE_BUDGET_BYTES
 from kvforge.runtime.shared_tier.secret import SECRET_ENV, check_secret
 from kvforge.runtime.shared_tier.store import check_store_url
@@ -140,6 +146,17 @@ class EngineConfig:
     shared_cache_encrypt: bool = _option(
         False, "--sharedCacheEncrypt", "With --sharedCache and a tier secret: also encrypt values (AES-GCM), so the "
         "store holds no prompt tokens or K/V in clear. Needs the cryptography package (kvforge[tier]).")
+    # Position-independent reuse of {"type": "document"} items (issue 37, docs/document-reuse.md).
+    document_reuse: bool = _option(
+        False, "--documentReuse", "Reuse a document item's K/V wherever it appears in a prompt (behind another "
+        "system prompt, in another order): each document is computed once alone and restored with its keys "
+        "re-rotated. Implies --enableContextReuse. Approximate unless --documentRepair full; attention-only "
+        "engines, no draft model.")
+    document_repair: str = _option(
+        DEFAULT_REPAIR, "--documentRepair", f"With --documentReuse: the tokens of each reused document recomputed "
+        f"in place: {REPAIR_POLICIES[0]} (reuse the stored K/V as it is), {REPAIR_POLICIES[1]} (the first page of "
+        f"each document; default), {REPAIR_POLICIES[2]} (that, and the whole document sharing the most tokens with "
+        f"the question) or {REPAIR_POLICIES[3]} (every document token: exactly a cold run's answer).")
     spec_decode: str = _option(SPEC_OFF, "--specDecode", spec_decode_help())  # one sentence per support row
     dflash_block_size: int = _option(
         0, "--dflashBlockSize", "With --specDecode dflash, dspark or jetspec: positions one block call drafts over "
@@ -176,6 +193,10 @@ class EngineConfig:
         DEFAULT_MIN_N, "--specPromptLookupMin", "With --specDecode ngram: the shortest n-gram that may match.")
     spec_prompt_lookup_max: int = _option(
         DEFAULT_MAX_N, "--specPromptLookupMax", "With --specDecode ngram: the longest n-gram tried first.")
+
+    def __post_init__(self) -> None:
+        if self.document_reuse and not self.enable_context_reuse:  # documents are a kind of context reuse
+            object.__setattr__(self, "enable_context_reuse", True)
 
 
 # Snapshot slots a front end sizes each pool with when it sizes them for the user (llm_test, llm_bench): enough
@@ -245,10 +266,13 @@ def resolve_engine_config(config: EngineConfig, engine: EngineDir, *, num_pages:
         check_secret(config.shared_cache_secret, encrypt=config.shared_cache_encrypt)
     if config.encoder_cache_budget_bytes < 0:
         raise InvalidConfig(f"must be >= 0, got {config.encoder_cache_budget_bytes}", "encoder_cache_budget_bytes")
+    # Before the snapshot budgets: a recurrent engine's missing budget is not what stops document reuse there.
+    _check_document_reuse(config, engine, deployment, method, base)
     if build.window_pool_pages:  # what keeps or reads K/V through the global page table alone
         for option, value in (("spec_decode", config.spec_decode != SPEC_OFF), ("shared_cache", config.shared_cache),
-                             ("context_cache_partial_kv_snapshot_pool_bytes",
-                              config.context_cache_partial_kv_snapshot_pool_bytes)):
+                              ("document_reuse", config.document_reuse),
+                              ("context_cache_partial_kv_snapshot_pool_bytes",
+                               config.context_cache_partial_kv_snapshot_pool_bytes)):
             if value:
                 raise InvalidConfig("is not served on an engine built with --slidingWindowPool yet (rebuild without "
                                     "it)", option)
@@ -279,6 +303,35 @@ def resolve_engine_config(config: EngineConfig, engine: EngineDir, *, num_pages:
     _check_memory(config, engine, draft, tails)
     return ResolvedConfig(deployment, budget, rows, chunk, pages, partial, recurrent, checkpoints,
                           chain_root(engine_fingerprint(engine)), draft, method)
+
+
+def _check_document_reuse(config: EngineConfig, engine: EngineDir, deployment: Deployment, method: SpecMethod,
+                          base: Base) -> None:
+    """The refusals of document reuse (issue 37), before anything is loaded: a repair policy it knows, an
+    attention-only engine, no draft model, and a rope table whose keys a re-rotation moves exactly (checked
+    numerically against the reference, so a rope variant the rotation cannot reproduce is refused)."""
+    if config.document_repair not in REPAIR_POLICIES:
+        raise InvalidConfig(f"must be one of {', '.join(REPAIR_POLICIES)}, got {config.document_repair!r}",
+                            "document_repair")
+    if not config.document_reuse:
+        return
+    if deployment is not Deployment.VANILLA:
+        raise InvalidConfig(f"document reuse needs an attention-only engine; this one is "
+                            f"{deployment.name.lower().replace('_', ' ')} (a recurrent state depends on the whole "
+                            "prefix, so a document's state cannot be moved)", "document_reuse")
+    if method.resolve_draft(config, engine, base) is not None:
+        raise InvalidConfig(f"document reuse does not combine with --specDecode {config.spec_decode}: its draft "
+                            "model has no stored documents; use --specDecode ngram or none", "document_reuse")
+    model = engine.model
+    if not model.uniform_rope:
+        raise InvalidConfig("this engine's layers rotate keys with other RoPE bases, scalings or proportions than the "
+                            "runtime's table (Gemma), so a document's keys cannot be moved; document reuse is refused",
+                            "document_reuse")
+    table = rope_table(min(engine.build.max_kv_cache_capacity, 4096), model.rotary_dim, model.rope_theta)
+    error = check_rotation(table, model.head_dim)
+    if not error <= ROTATION_CHECK_TOLERANCE:
+        raise InvalidConfig(f"this engine's rotary embedding cannot be moved by re-rotating keys (a check was off by "
+                            f"{error:.3g}); document reuse is refused", "document_reuse")
 
 
 def _check_memory(config: EngineConfig, engine: EngineDir, draft: EngineDir | None, draft_tail_bytes: int = 0) -> None:

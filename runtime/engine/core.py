@@ -16,8 +16,9 @@ from kvforge.contract.profile_schema import (
     SPEC_DRAFT_ACCEPT_STAGE,
     SPEC_DRAFT_PROPOSAL_STAGE,
 )
+from kvforge.runtime.adapters import base_pages_reused
 from kvforge.runtime.engine.output import OutputProcessor, RequestOutput
-from kvforge.runtime.engine.scheduler import Scheduler
+from kvforge.runtime.engine.scheduler import Scheduler, cached_tokens
 from kvforge.runtime.profile import GENERATION_STAGE, PREFILL_STAGE, Profiler
 from kvforge.runtime.sampling.rejection import accept_tokens, accept_tree
 from kvforge.runtime.sampling.sampler import SampleResult
@@ -64,6 +65,7 @@ class EngineStats:
     # The profile's context_cache block: Engine.stats() leaves it empty (counters only); a front end that exports
     # it (llm_serve's /metrics) adds Engine.cache_profile(), which walks the cache's records.
     cache: dict[str, Any] = field(default_factory=dict)
+    adapter_base_pages: int = 0  # base pages reused by adapter requests (the profile's per_adapter, summed)
 
 
 def sample_rows(rows: list[ScheduledRow], output: BatchOutput
@@ -87,6 +89,12 @@ def sample_rows(rows: list[ScheduledRow], output: BatchOutput
         sampled.append(samples)
         paths.append(path)
     return sampled, paths
+
+
+def _visible(seq: Sequence) -> bool:
+    """Whether a sequence's outputs go to the front end: not a document's standalone prefill, which the scheduler
+    queued itself (issue 37); its tokens are counted in the profile like any prefill, its output is dropped."""
+    return not seq.request.produces_document
 
 
 class EngineCore:
@@ -143,7 +151,7 @@ class EngineCore:
         raises, which row caused it cannot be known: every row of that call fails with the reason, while the
         requests not in it (waiting ones) go on; a broken backend thus fails each request once, never hangs one."""
         batch = self.scheduler.schedule()
-        failed = [self._failed(seq) for seq in batch.failed]
+        failed = [self._failed(seq) for seq in batch.failed if _visible(seq)]
         if not batch.rows:
             if not failed and (self.scheduler.running or (self.scheduler.waiting and not self.scheduler.loading)):
                 raise AssertionError("nothing schedulable while requests wait (a scheduler bug)")
@@ -166,7 +174,8 @@ class EngineCore:
                     self.profiler.record(ENGINE_CALL_PYTHON_STAGE, max(run_ms - inside / 1e6, 0.0))
         except Exception as exc:
             reason = f"the engine call failed ({type(exc).__name__}: {exc})"
-            return failed + [self._fail(row.seq, reason) for row in batch.rows]
+            outputs = [(row.seq, self._fail(row.seq, reason)) for row in batch.rows]
+            return failed + [output for seq, output in outputs if _visible(seq)]
         if verifies:
             with self.profiler.stage(SPEC_DRAFT_ACCEPT_STAGE):
                 sampled, paths = sample_rows(batch.rows, output)
@@ -186,7 +195,7 @@ class EngineCore:
         updates = self.scheduler.update_from_output(batch, committed)
         self._roll_back_drafters(updates)
         self._count(batch, updates, reused)
-        outputs = failed + [self._output(update) for update in updates]
+        outputs = failed + [self._output(update) for update in updates if _visible(update.seq)]
         if self.proposer is not None:
             self._propose()
         return outputs
@@ -197,7 +206,9 @@ class EngineCore:
         committed: list[list[SampleResult]] = []
         for row, samples in zip(batch.rows, sampled, strict=True):
             if isinstance(samples, Exception):
-                failed.append(self._fail(row.seq, f"sampling failed ({type(samples).__name__}: {samples})"))
+                output = self._fail(row.seq, f"sampling failed ({type(samples).__name__}: {samples})")
+                if _visible(row.seq):
+                    failed.append(output)
                 samples = []
             committed.append(samples)
         return committed
@@ -229,9 +240,10 @@ class EngineCore:
                     seq.spec_token_ids, seq.spec_parents = proposal, []
 
     def _reused_at_admission(self, batch: SchedulerOutput) -> int:
-        """Tokens a sequence starts with at admission were served from a cache (pages or the legacy copy)."""
+        """Tokens a sequence starts with at admission were served from a cache (pages, the legacy copy, a shared
+        tier's load, and restored documents further on)."""
         admitted = {id(seq) for seq in batch.admitted}
-        return sum(row.seq.num_computed_tokens for row in batch.rows if id(row.seq) in admitted)
+        return sum(cached_tokens(row.seq) for row in batch.rows if id(row.seq) in admitted)
 
     def _count(self, batch: SchedulerOutput, updates: list[RowUpdate], reused: int) -> None:
         if batch.has_prefill or batch.admitted:
@@ -249,5 +261,7 @@ class EngineCore:
         if seq.is_finished:
             self.sequences.pop(seq.request_id, None)
             self._end(seq)
-            self.profiler.add_adapter_request(seq.adapter_label, seq.reused_tokens)
+            base_pages = base_pages_reused(seq.request.adapter, seq.request.adapter_start, seq.reused_tokens,
+                                           self.scheduler.cache.tokens_per_page)
+            self.profiler.add_adapter_request(seq.adapter_label, seq.reused_tokens, base_pages)
         return self.outputs.output(seq, update.new_token_ids)

@@ -16,6 +16,7 @@ from kvforge.contract.engine_dir import EMBEDDING_FILE, EMBEDDING_TENSOR, Builde
 from kvforge.contract.errors import InvalidConfig, KvforgeError, PoolTooSmall
 from kvforge.contract.model_config import ModelConfig
 from kvforge.contract.paging import pages_for
+from kvforge.contract.rope import rope_table
 from kvforge.contract.safetensors_map import map_tensor
 from kvforge.contract.window_pool import window_call_tokens
 from kvforge.runtime.adapters import LoraRegistry, lora_input_shapes
@@ -33,6 +34,7 @@ from kvforge.runtime.engine.scheduler import Scheduler, SchedulerStats
 from kvforge.runtime.engine.state import StateManager
 from kvforge.runtime.execution.backend import Backend
 from kvforge.runtime.execution.executor import ModelExecutor
+from kvforge.runtime.execution.kv_store import DocumentKVStore
 from kvforge.runtime.execution.load import load_backend
 from kvforge.runtime.execution.ort import set_ort_logging  # noqa: F401 - re-exported for llm_inference's --debug
 from kvforge.runtime.execution.snapshots import PartialKVSnapshotStore, RecurrentSnapshotStore
@@ -128,6 +130,7 @@ class Engine:
                                          chain_root=resolved.chain_root, events=self.tier,
                                          draft_pages=spec.draft_pages(resolved.draft),
                                          draft_replays=resolved.draft is None or spec.support.replays_final_page,
+                                         **self._document_options(config, resolved),
                                          **_window_group(self.engine_dir))
         encoder = _load_encoder(config)
         self.tokenizer = ChatTokenizer(self.engine_dir.path,
@@ -304,6 +307,7 @@ class Engine:
                            generated_tokens=profiler.generated_tokens,
                            spec_draft_tokens=profiler.spec_draft_tokens,
                            spec_accepted_tokens=profiler.spec_accepted_tokens, scheduler=scheduler.stats.to_dict(),
+                           adapter_base_pages=profiler.adapter_base_pages,
                            encoder_cache=self.multimodal.cache.to_dict() if self.multimodal is not None else {})
 
     def profile(self) -> dict:
@@ -323,6 +327,16 @@ class Engine:
         if self.tier is not None:
             block["shared_tier"] = self.tier.profile()
         return block
+
+    def _document_options(self, config: EngineConfig, resolved: ResolvedConfig) -> dict:
+        """The document type's options (issue 37): its switch, repair policy and the store its K/V lives in."""
+        if not config.document_reuse:
+            return {}
+        model, build = self.engine_dir.model, self.engine_dir.build
+        store = DocumentKVStore(self.backend.kv_store, resolved.num_pages,
+                                rope_table(build.max_kv_cache_capacity, model.rotary_dim, model.rope_theta),
+                                model.kv_cache_dtype)
+        return {"document_reuse": True, "document_repair": config.document_repair, "document_store": store}
 
     def _shared_tier(self, config: EngineConfig, resolved: ResolvedConfig) -> SharedTier | None:
         """The tier below the pool (--sharedCache), reading and writing this engine's pool, rows and snapshots."""

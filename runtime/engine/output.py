@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvforge.runtime.inputs.tokenizer import ChatTokenizer
 from kvforge.runtime.sampling.sampler import SampleResult
@@ -43,6 +44,7 @@ class RequestOutput:
     adapter: str = "base"
     samples: list[SampleResult] = field(default_factory=list, repr=False)
     error: str | None = None  # finish_reason "error": why the engine failed this request alone
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # LLM.chat with tools: OpenAI tool calls
 
 
 class OutputProcessor:

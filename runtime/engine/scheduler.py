@@ -24,13 +24,18 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvforge.contract.profile_schema import SCHEDULER_KEYS
+from kvforge.runtime.context_cache.document_chunks import DocumentChunks
 from kvforge.runtime.context_cache.lease import Lease
 from kvforge.runtime.context_cache.manager import ContextCacheManager
 from kvforge.runtime.engine.state import StateManager
-from kvforge.runtime.sampling.sampler import SampleResult
-from kvforge.runtime.sequence import FinishReason, Sequence, Status
+from kvforge.runtime.sampling.sampler import Sampler, SampleResult
+from kvforge.runtime.sequence import EngineRequest, FinishReason, Sequence, Status
 from kvforge.runtime.step import RowUpdate, ScheduledRow, SchedulerOutput
-from kvforge.runtime.types import CommitPolicy, Deployment
+from kvforge.runtime.types import CommitPolicy, Deployment, SamplingParams
+
+# A document's standalone prefill samples one token nobody reads (greedy, no drafts, its prompt alone published).
+_PRODUCER_SAMPLING = SamplingParams(temperature=0.0, top_k=1, max_generate_length=1, cache_generated_tokens=False,
+                                    speculative=False)
 
 
 class StopRules(Protocol):
@@ -92,9 +97,32 @@ class Scheduler:
         self.loading: list[Sequence] = []  # WAITING_FOR_REMOTE: admitted, pages held, an external load running
         self.running: list[Sequence] = []  # arrival order: the last is preempted first
         self.stats = SchedulerStats()
+        # Document reuse (issue 37): the type that stores documents, and the standalone prefills queued or running.
+        self.documents = next((kind for kind in cache.types if isinstance(kind, DocumentChunks)), None)
+        self.producers: dict[bytes, Sequence] = {}
 
     def add(self, seq: Sequence) -> None:
+        """Queue a request; with document reuse, first a standalone prefill of each of its documents that has no
+        stored form yet (the request then waits for them and restores them)."""
+        if self.documents is not None and seq.request.documents:
+            try:
+                wanted = self.documents.wanted(seq.next_admission())
+            except Exception:  # the request's own admission fails it later, with its reason
+                wanted = []
+            for key, start, length in wanted:
+                if key not in self.producers:
+                    self.producers[key] = producer = self._producer(seq, start, length)
+                    self.waiting.append(producer)
         self.waiting.append(seq)
+
+    @staticmethod
+    def _producer(seq: Sequence, start: int, length: int) -> Sequence:
+        """The standalone prefill of `seq`'s document at [start, start + length): its tokens alone, from position 0,
+        with the request's adapter and salt (they are part of the document's key)."""
+        request = EngineRequest(seq.prompt_ids[start:start + length], _PRODUCER_SAMPLING, seq.request.adapter,
+                                seq.request.cache_salt, produces_document=True)
+        return Sequence(f"{seq.request_id}/document@{start}", request, Sampler(_PRODUCER_SAMPLING),
+                        arrival=seq.arrival)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.loading)
@@ -129,8 +157,19 @@ class Scheduler:
         return out
 
     def _tokens_for(self, seq: Sequence, budget: int) -> int:
-        """A chunk ends at the sequence's next checkpoint, so its state there can be captured after the call."""
-        return min(seq.num_pending_tokens, budget, self.prefill_chunk_tokens, seq.tokens_to_next_checkpoint())
+        """A chunk ends at the sequence's next checkpoint, so its state there can be captured after the call, and
+        where a restored document range begins; a sequence at the start of one moves past it (its K/V is in place)."""
+        count = min(seq.num_pending_tokens, budget, self.prefill_chunk_tokens, seq.tokens_to_next_checkpoint())
+        if seq.lease is None:
+            return count
+        for start, end in seq.lease.restored_spans:
+            if start <= seq.num_computed_tokens < end:
+                seq.num_computed_tokens = end
+                count = min(seq.num_pending_tokens, budget, self.prefill_chunk_tokens,
+                            seq.tokens_to_next_checkpoint())
+            elif seq.num_computed_tokens < start:
+                return min(count, start - seq.num_computed_tokens)
+        return count
 
     def draft_room(self, seq: Sequence) -> int:
         """How many draft tokens `seq` could verify after its next token: within the KV capacity and the tokens it
@@ -178,7 +217,7 @@ class Scheduler:
             seq.lease = lease
             seq.num_computed_tokens = lease.reuse_tokens
             if seq.num_preemptions == 0:
-                seq.reused_tokens = lease.reuse_tokens
+                seq.reused_tokens = cached_tokens(seq)
             if self.state is not None:
                 self.state.on_admit(seq)
                 self.cache.finish_restore(lease)  # the copies are done (a no-op without restores)
@@ -212,7 +251,7 @@ class Scheduler:
             self.loading.remove(seq)
             seq.num_computed_tokens += loaded
             if seq.num_preemptions == 0:
-                seq.reused_tokens = seq.num_computed_tokens
+                seq.reused_tokens = cached_tokens(seq)
             if loaded and self.state is not None:
                 seq.checkpoints = self.state.checkpoints.positions(seq.request, seq.num_computed_tokens)
             seq.status = Status.RUNNING
@@ -332,8 +371,18 @@ class Scheduler:
             self._release(seq.lease)
             seq.lease = None
         seq.status = Status.FINISHED
+        if seq.request.produces_document:
+            self.producers = {key: other for key, other in self.producers.items() if other is not seq}
 
     def _release(self, lease: Lease) -> None:
         self.cache.release(lease)
         if self.state is not None:
             self.state.on_release(lease)
+
+
+def cached_tokens(seq: Sequence) -> int:
+    """The prompt tokens a sequence starts with from a cache: those before its computing starts (pages, snapshots,
+    a shared tier's load) and the restored document tokens after them (issue 37)."""
+    start = seq.num_computed_tokens
+    spans = seq.lease.restored_spans if seq.lease is not None else ()
+    return start + sum(max(end - max(begin, start), 0) for begin, end in spans)

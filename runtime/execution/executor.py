@@ -47,7 +47,7 @@ class ModelExecutor:
         """`state_rows`: the engine's recurrent state row of each running lease (recurrent engines only).
         `all_hidden`: hidden states at every computed position, not only the logits ones."""
         self.backend = runner
-        self.embedding = embedding
+        self.embedding = np.asarray(embedding)  # a plain view of a memmap: its __getitem__ costs ~11 us a lookup
         self.state_rows = state_rows
         self.all_hidden = all_hidden
         self._lora_shapes = lora_shapes

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvforge.plugins.reference import pool_numpy_dtype, rotate_keys, to_storage
+from kvforge.plugins.reference import apply_rope, pool_numpy_dtype, rotate_keys, to_storage
+from kvforge.runtime.execution.backend import KVStorage
+
+ROTATION_CHECK_TOLERANCE = 1e-3  # float32 rotations of unit-scale keys agree to ~1e-6; a wrong table is off by O(1)
 
 
 class KVStore:
@@ -91,6 +94,76 @@ class KVStore:
         self._one_table()
         for layer, rows in zip(self.layers, stored, strict=True):
             layer[page] = rows
+
+
+class DocumentKVStore:
+    """Documents' stored K/V beside the pool (issue 37): slots shaped like pool pages, each holding one page of a
+    document computed alone at position 0. Copies go by token rows, so a document restored at any position lands in
+    whatever pages and slots that position maps to, partly filled pages included. It moves bytes through the pool's
+    page reads and writes (`KVStorage`), so a device pool works as a host one does. Preallocated with np.zeros, so
+    an unused slot costs no memory."""
+
+    __slots__ = ("kv", "cos_sin", "kv_cache_dtype", "tokens_per_page", "layers")
+
+    def __init__(self, kv: KVStorage, num_slots: int, cos_sin: np.ndarray, kv_cache_dtype: str) -> None:
+        self.kv = kv
+        self.cos_sin = cos_sin  # the engine's rope table: K moves by rotating with it
+        self.kv_cache_dtype = kv_cache_dtype
+        pages = kv.read_page(0)
+        self.tokens_per_page = pages[0].shape[2] if pages else 0
+        self.layers = [np.zeros((num_slots, *page.shape), dtype=page.dtype) for page in pages]
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.layers[0]) if self.layers else 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+    def capture(self, page_ids: list[int], slots: list[int]) -> None:
+        """Copy a document's pool pages (its sequence's first pages, the last one possibly partial) into `slots`."""
+        for page, slot in zip(page_ids, slots, strict=True):
+            for stored, rows in zip(self.layers, self.kv.read_page(page), strict=True):
+                stored[slot] = rows
+
+    def restore(self, slots: list[int], page_ids: list[int], start: int, first: int, last: int) -> None:
+        """Write the document's token rows [first, last) at sequence positions start+first .. start+last-1 of the
+        page-table row `page_ids`, each K rotated by `start` (computed at p, it now sits at start + p). Each
+        destination page is read, its rows replaced and written back, so the rows around them stay as they were."""
+        if first >= last:
+            return
+        T = self.tokens_per_page
+        rows = np.arange(first, last)
+        src_slots, src_rows = np.asarray(slots, dtype=np.int64)[rows // T], rows % T
+        positions = start + rows
+        dst_pages, dst_rows = np.asarray(page_ids, dtype=np.int64)[positions // T], positions % T
+        moved = []
+        for stored in self.layers:
+            layer_rows = stored[src_slots, :, :, src_rows, :]  # [n, 2, Hkv, D]
+            layer_rows[:, 0] = rotate_keys(layer_rows[:, 0], start, self.cos_sin, self.kv_cache_dtype)
+            moved.append(layer_rows)
+        for page in dict.fromkeys(dst_pages.tolist()):
+            here = dst_pages == page
+            pages = [np.array(layer) for layer in self.kv.read_page(page)]  # copies: read_page may give views
+            for layer, layer_rows in zip(pages, moved, strict=True):
+                layer[:, :, dst_rows[here], :] = np.moveaxis(layer_rows[here], 0, 2)
+            self.kv.write_page(page, pages)
+
+
+def check_rotation(cos_sin: np.ndarray, head_dim: int, shift: int = 37) -> float:
+    """The largest difference between keys rotated to p and then moved by `shift` (`rotate_keys`) and the same keys
+    rotated to p + shift directly (`apply_rope`), in float32 over the table's positions; a table the rotation cannot
+    reproduce (rope scaling, a rotary variant) is refused by its caller when this is above ROTATION_CHECK_TOLERANCE.
+    Like LMCache's start-up check of its fused rope against the reference."""
+    capacity = cos_sin.shape[0]
+    shift = min(shift, capacity - 1)
+    positions = np.arange(0, capacity - shift, max((capacity - shift) // 16, 1))
+    keys = np.random.default_rng(0).standard_normal((len(positions), 1, head_dim)).astype(np.float32)
+    at_p = apply_rope(keys, cos_sin, positions)
+    moved = rotate_keys(at_p, shift, cos_sin, "fp32")
+    direct = apply_rope(keys, cos_sin, positions + shift)
+    return float(np.max(np.abs(moved - direct)))
 
 
 def _locate_positions(page_ids: list[int], positions: list[int], tokens_per_page: int) -> tuple[np.ndarray, np.ndarray]:

@@ -32,6 +32,7 @@ from kvforge.plugins.ops import UNUSED_PAGE
 from kvforge.plugins.reference import rope_table
 from kvforge.runtime.execution.backend import ForwardOutput, StepInputs, activation_values, last_token_indices
 from kvforge.runtime.execution.kv_store import KVStore
+from kvforge.runtime.execution.output_buffers import OutputBuffers
 from kvforge.runtime.execution.recurrent_state import RecurrentStates, is_state_input
 from kvforge.runtime.execution.tree_attention import start_positions
 
@@ -51,6 +52,7 @@ ort.set_default_logger_severity(QUIET_SEVERITY)
 log = logging.getLogger("kvforge.runtime")
 
 
+LOGITS = "logits"
 MAX_THREADS = 1024  # ONNX Runtime starts every thread up front: a huge count exhausts the process
 
 
@@ -234,6 +236,9 @@ class OrtBackend:
             self._binding.bind_ortvalue_input("rope_rotary_cos_sin", self._rope_value)
         if self._tied_head is not None:
             self._binding.bind_ortvalue_input(TIED_HEAD_INPUT, self._tied_head)
+        # Logits (and hidden states) go straight into arrays kept across calls; None: an output of another form
+        # (recurrent states, legacy new_key_values) makes every call bind its outputs afresh and copy them out.
+        self.output_buffers = OutputBuffers.for_session(self.session, (LOGITS, HIDDEN_STATES))
 
     def forward(self, step: StepInputs) -> ForwardOutput:
         starts = step.kvcache_start_index.astype(np.int32)
@@ -247,8 +252,11 @@ class OrtBackend:
             binding.bind_cpu_input(LEGACY_LAST_TOKEN_IDS, (lengths - 1).astype(np.int64))
         else:
             binding.bind_cpu_input(LOGITS_INDICES, np.ascontiguousarray(positions))
+        hidden_rows = len(positions)
         if self._hidden_indices:
-            binding.bind_cpu_input(HIDDEN_STATES_INDICES, step.hidden_positions())
+            hidden = step.hidden_positions()
+            hidden_rows = len(hidden)
+            binding.bind_cpu_input(HIDDEN_STATES_INDICES, hidden)
         for name, value in (step.extra_inputs or {}).items():
             binding.bind_cpu_input(name, np.ascontiguousarray(value, dtype=np.float32))
         if self.tree_attention:
@@ -276,18 +284,23 @@ class OrtBackend:
                 raise AssertionError("a recurrent engine call needs one state row per row")
             for name, value in self.states.gather(step.state_rows).items():
                 binding.bind_cpu_input(name, value)
-        for name in self._output_names:
-            binding.bind_output(name, "cpu")
+        buffers = self.output_buffers
+        if buffers is not None:
+            outputs = buffers.arrays(binding, {LOGITS: len(positions), HIDDEN_STATES: hidden_rows})
+        else:
+            for name in self._output_names:
+                binding.bind_output(name, "cpu")
         started = time.perf_counter_ns()
         self.session.run_with_iobinding(binding)
         self.onnxruntime_ns += time.perf_counter_ns() - started
-        outputs = dict(zip(self._output_names, binding.copy_outputs_to_cpu(), strict=True))
+        if buffers is None:
+            outputs = dict(zip(self._output_names, binding.copy_outputs_to_cpu(), strict=True))
         if self._pool_inputs and not self._kernel_writes:
             self._scatter([outputs[new_rows_name(name)] for name in self._pool_inputs], step.page_ids, starts,
                           lengths, step.window_page_ids)
         if self.states is not None:
             self.states.scatter(step.state_rows, outputs)  # type: ignore[arg-type]
-        return ForwardOutput(outputs["logits"], outputs.get(HIDDEN_STATES))
+        return ForwardOutput(outputs[LOGITS], outputs.get(HIDDEN_STATES))
 
     def _rank_zero(self, batch: int) -> dict[str, np.ndarray]:
         """Rank-0 LoRA inputs for a call without adapters: (x @ [B, in, 0]) @ [B, 0, out] adds exact zeros."""

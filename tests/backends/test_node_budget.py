@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 from pathlib import Path
 
+import gguf
 import onnx
 import onnxruntime as ort
 import pytest
@@ -16,6 +17,10 @@ from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.engine_dir import load_engine_dir
 from kvforge.plugins import cpu_kernel, ops
 from kvforge.plugins.cpu_kernel import kernel_status
+from kvforge.tools.export.quantize import from_gguf_blocks, linear_weight_names
+from kvforge.tools.export.quantize_model import quantize_linears
+from kvforge.tools.export.sources.synthetic import synthetic_model
+from kvforge.tools.export.writer import write_onnx_dir
 
 pytestmark = pytest.mark.skipif(not cpu_kernel_on(), reason=f"budgets of kernel engines: {kernel_status()[1]}")
 
@@ -28,6 +33,11 @@ BUDGETS = {
     # int4 as the default SmolLM2 engine: 4 MatMulNBits, 2 SkipSimplifiedLayerNormalization, 2 Split, QuickGelu, Mul
     # and the kernel per layer (onnxruntime-genai's SmolLM2 layer: 11)
     "tiny_int4_engine_dir": (ops.CPU_PAGED_ATTENTION_ROPE.name, 1, 11, 33),
+    # SmolLM2's own shape: its GGUF's Q4_1 blocks kept exactly (--int4Scheme asymmetric) add a block-sum MatMul, an
+    # offsets MatMul and an Add to each of the 4 MatMulNBits (SmolLM2: 23 per layer, 701 in all)
+    "tiny_q4_1_engine_dir": (ops.CPU_PAGED_ATTENTION_ROPE.name, 1, 23, 57),
+    # ... and the same blocks quantized again symmetric (--int4Scheme symmetric): back to 11 (SmolLM2: 341 in all)
+    "tiny_q4_1_symmetric_engine_dir": (ops.CPU_PAGED_ATTENTION_ROPE.name, 1, 11, 33),
     # Qwen3.5: a gated delta-net and an attention layer per period
     "tiny_hybrid_engine_dir": (ops.CPU_PAGED_ATTENTION_ROPE.name, 2, 107, 229),
     "tiny_mamba2_engine_dir": ("Softplus", 1, 70, 155),
@@ -43,6 +53,30 @@ def tiny_int4_engine_dir(tmp_path_factory: pytest.TempPathFactory, run_cli) -> P
     build_engine(root / "onnx", root / "engine", BuildOptions(max_input_len=64, max_kv_cache_capacity=256,
                                                               max_batch_size=2, tokens_per_page=16))
     return root / "engine"
+
+
+def _q4_1_engine(root: Path, int4_scheme: str) -> Path:
+    """tiny-llama with a GGUF's Q4_1 blocks in every layer linear, as SmolLM2's file holds them."""
+    loaded = synthetic_model("tiny-llama")
+    for name in linear_weight_names(loaded.config)[:-1]:
+        weight = loaded.weights[name]
+        raw = gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q4_1)
+        loaded.exact_blocks[name] = from_gguf_blocks("Q4_1", raw, weight.shape[1])
+    quantize_linears(loaded, "int4", 32, int4_scheme=int4_scheme)
+    write_onnx_dir(loaded, root / "onnx")
+    build_engine(root / "onnx", root / "engine", BuildOptions(max_input_len=64, max_kv_cache_capacity=256,
+                                                              max_batch_size=2, tokens_per_page=16))
+    return root / "engine"
+
+
+@pytest.fixture(scope="module")
+def tiny_q4_1_engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _q4_1_engine(tmp_path_factory.mktemp("q4_1"), "asymmetric")
+
+
+@pytest.fixture(scope="module")
+def tiny_q4_1_symmetric_engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _q4_1_engine(tmp_path_factory.mktemp("q4_1_symmetric"), "symmetric")
 
 
 def optimized_nodes(engine_dir: Path, out: Path) -> list[str]:

@@ -134,6 +134,10 @@ def test_per_adapter_at_top_level() -> None:
     profile = cold_profile()
     profile["per_adapter"] = {"a": {"requests": 4, "reused_tokens": 10}}
     assert row(render(profile), "a") == ["a", "4", "10", "2.5"]
+    profile["per_adapter"] = {"base": {"requests": 1, "reused_tokens": 0},
+                              "act": {"requests": 2, "reused_tokens": 96, "base_pages_reused": 5}}
+    assert row(render(profile), "act") == ["act", "2", "96", "48.0", "5"]
+    assert row(render(profile), "base") == ["base", "1", "0", "0.0", "—"]  # base requests reuse their own pages
 
 
 @pytest.mark.parametrize("drop", ["prefill", "generation", "stages", "context_cache", "peak_cpu_memory_bytes",

@@ -3,26 +3,32 @@
 Convention (what a page writer marks; the marker is an HTML comment on the line before the fence, blank lines
 allowed between them):
 
-- ```python fences are executed, each in a fresh namespace; the blocks of one page run in order in one temporary
-  working directory holding `engines/smollm2` (a tiny synthetic engine: maxInputLen 2048, capacity 4096, batch 4,
-  16-token pages), `onnx/smollm2` (its ONNX dir), `requests.json` (a valid llm_inference request file) and
-  `adapters/` (empty). Files a block writes there are seen by the page's later blocks. A block that runs and names
-  `out/engines/smollm2` gets `make demo`'s engine there (the real SmolLM2, built once per session).
-  - `<!-- docs-test: server -->` before a python block: it runs while llm_serve serves that engine as model
-    `smollm2`; the text `http://127.0.0.1:8000` in the block is replaced by the live server's URL.
-    `<!-- docs-test: server out/engines/smollm2 -->` serves `make demo`'s engine instead.
+- The blocks of one page run in page order in one temporary working directory, which stands for the root of a
+  checkout after `make demo`. It holds `engines/tiny` (a tiny synthetic engine: byte-level tokenizer, maxInputLen
+  2048, capacity 4096, batch 4, 16-token pages), `onnx/tiny` (its ONNX dir), an empty `adapters/` and the
+  repository's `test_cases/`; no request files: a page writes the ones it uses. A block that names
+  `out/engines/smollm2` or `out/onnx/smollm2` gets `make demo`'s engine or ONNX dir there (the real SmolLM2,
+  built once per session), unless the block makes that path itself (`llm_export ... --outputDir PATH`,
+  `llm_build ... --engineDir PATH`). Files a block writes are seen by the page's later blocks; a block selected
+  on its own (`-k`) first runs the blocks above it on its page.
+- ```python fences are executed, each in a fresh namespace.
+  - `<!-- docs-test: server -->` before a python block: it runs while llm_serve serves `engines/tiny` as model
+    `tiny`; the text `http://127.0.0.1:8000` in the block is replaced by the live server's URL.
+    `<!-- docs-test: server out/engines/smollm2 -->` serves `make demo`'s engine instead, as model `smollm2`.
+    The server blocks of a page share one server per engine, started by the first of them.
   - `<!-- docs-test: skip REASON -->`: not run; reported as skipped with REASON.
 - ```bash, ```sh, ```shell and ```console fences must carry one of:
   - `<!-- docs-test: run -->`: executed with `bash -e` in the page's working directory, the venv's bin first on
-    PATH (so `llm_inference --engineDir engines/smollm2 --inputFile requests.json ...` works), with a timeout
+    PATH (so `llm_inference --engineDir engines/tiny --inputFile requests.json ...` works), with a timeout
     (SHELL_TIMEOUT_S). In a console block only the `$ ` lines run (the rest is shown output).
   - `<!-- docs-test: serve -->`: a command that serves until stopped (`llm_serve ...`): started in the page's
     working directory on a free port (`--port 0` is appended), it must print uvicorn's start line within
     SERVE_TIMEOUT_S and exit 0 on SIGTERM.
-  - `<!-- docs-test: needs smollm2 -->`, `needs peer`, `needs gpu`, `needs network`, or `skip REASON`: not run,
-    reported as skipped with the reason.
+  - `<!-- docs-test: needs peer -->`, `needs gpu`, `needs network`, or `skip REASON`: not run, reported as
+    skipped with the reason.
   An unmarked shell block fails, naming file:line.
-- ```json preceded by `<!-- docs-test: request-file -->` is parsed as an llm_inference request file.
+- ```json preceded by `<!-- docs-test: request-file -->` is parsed as an llm_inference request file;
+  `<!-- docs-test: request-file NAME -->` also writes it to NAME in the page's working directory.
 - Other fences (```json, ```text, ```jinja, ...) are not executed.
 """
 
@@ -37,9 +43,10 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -52,7 +59,7 @@ DOCS_BUILD = BuildOptions(max_input_len=2048, max_kv_cache_capacity=4096, max_ba
 
 @pytest.fixture(scope="session")
 def docs_engine_dir(tiny_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The engine `engines/smollm2` of every example's working directory; built once per session (defined here,
+    """The engine `engines/tiny` of every example's working directory; built once per session (defined here,
     not in a tests/docs/conftest.py, which would shadow tests/conftest.py for `from conftest import ...`)."""
     path = tmp_path_factory.mktemp("docs_engine")
     build_engine(tiny_onnx_dir, path, DOCS_BUILD)
@@ -64,13 +71,12 @@ BIN_DIR = Path(sys.executable).parent
 SHELL_TIMEOUT_S = 120
 DOC_URL = "http://127.0.0.1:8000"
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
-NEEDS = {"smollm2", "peer", "gpu", "network"}
+# No `needs smollm2`: the blocks that need SmolLM2 run on `make demo`'s engine (the smollm2_demo_engine_dir fixture).
+NEEDS = {"peer", "gpu", "network"}
 _FENCE = re.compile(r"^(?P<indent>\s*)(?P<ticks>`{3,}|~{3,})\s*(?P<lang>[\w+-]*)")
 _MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*(?P<kind>[\w-]+)(?:\s+(?P<arg>.*?))?\s*-->\s*$")
-REQUESTS = {
-    "max_generate_length": 8,
-    "requests": [{"messages": [{"role": "user", "content": "What is the capital of France?"}]}],
-}
+TINY = "engines/tiny"  # the tiny synthetic engine's path in every page's working directory
+DEMO_PATHS = ("out/engines/smollm2", "out/onnx/smollm2")  # where `make demo` builds SmolLM2 (the Makefile's paths)
 
 
 @dataclass(frozen=True)
@@ -142,24 +148,38 @@ def check_marker(block: Block) -> None:
     if block.lang in SHELL_LANGS and block.marker not in ("run", "serve"):
         what = f"marker `{block.marker}`" if block.marker else "no docs-test marker"
         raise ExampleFailed(f"{block.where}: ```{block.lang} block with {what}; precede it with "
-                            "<!-- docs-test: run -->, <!-- docs-test: needs smollm2|peer|gpu|network --> "
+                            "<!-- docs-test: run -->, <!-- docs-test: needs peer|gpu|network --> "
                             "or <!-- docs-test: skip REASON -->")
     if block.lang == "python" and block.marker not in (None, "server", "run"):
         raise ExampleFailed(f"{block.where}: python block with unknown marker `{block.marker}`")
 
 
 def make_workspace(path: Path, engine_dir: Path, onnx_dir: Path) -> Path:
-    """A page's working directory: the fixtures its examples name by relative path."""
+    """A page's working directory: what a checkout's root holds (test_cases/) plus the tiny engine; no request files."""
     (path / "engines").mkdir(parents=True, exist_ok=True)
     (path / "onnx").mkdir(exist_ok=True)
     (path / "adapters").mkdir(exist_ok=True)
-    # Copies, not links: an example may write into an engine dir (an adapter, a rebuilt engine).
-    if not (path / "engines" / "smollm2").exists():
-        shutil.copytree(engine_dir, path / "engines" / "smollm2")
-    if not (path / "onnx" / "smollm2").exists():
-        (path / "onnx" / "smollm2").symlink_to(onnx_dir, target_is_directory=True)  # large, read-only in practice
-    (path / "requests.json").write_text(json.dumps(REQUESTS, indent=2), encoding="utf-8")
+    # Copies, not links (both are small): an example may write into them (the README exports and builds its own).
+    if not (path / TINY).exists():
+        shutil.copytree(engine_dir, path / TINY)
+    if not (path / "onnx" / "tiny").exists():
+        shutil.copytree(onnx_dir, path / "onnx" / "tiny")
+    if not (path / "test_cases").exists():
+        (path / "test_cases").symlink_to(REPO / "test_cases", target_is_directory=True)  # tracked files, read-only
     return path
+
+
+def demo_paths_to_link(block: Block) -> list[str]:
+    """The `make demo` paths a block reads, so the harness links them in first; not the ones the block makes."""
+    if block.marker in ("skip", "needs"):
+        return []
+    named = [p for p in DEMO_PATHS if re.search(rf"(?<![\w/.-]){re.escape(p)}(?![\w.-])", block.text)]
+    if block.marker == "server" and block.arg in DEMO_PATHS and block.arg not in named:
+        named.append(block.arg)
+    made = {p for p in named
+            if re.search(rf"(?:llm_export\b[^\n]*--outputDir|llm_build\b[^\n]*--engineDir)\s+{re.escape(p)}(?:\s|$)",
+                         block.text)}
+    return [p for p in named if p not in made]
 
 
 @contextmanager
@@ -252,11 +272,14 @@ def run_shell(block: Block, workdir: Path) -> None:
         raise ExampleFailed(f"{block.where}: exit {result.returncode}: {tail}")
 
 
-def check_request_file(block: Block) -> None:
+def check_request_file(block: Block, workdir: Path) -> None:
+    """Parse the block as a request file; with a file name after the marker, write it there for later blocks."""
     try:
         parse_request_file(json.loads(block.text), source=block.where)
     except Exception as exc:
         raise ExampleFailed(f"{block.where}: not a valid request file: {exc}") from exc
+    if block.arg:
+        (workdir / block.arg).write_text(block.text, encoding="utf-8")
 
 
 def run_block(block: Block, workdir: Path, server_url: str | None = None) -> None:
@@ -269,15 +292,57 @@ def run_block(block: Block, workdir: Path, server_url: str | None = None) -> Non
     elif block.lang in SHELL_LANGS:
         run_shell(block, workdir)
     elif block.marker == "request-file":
-        check_request_file(block)
+        check_request_file(block, workdir)
 
 
 ALL_BLOCKS = [b for page in doc_pages() for b in parse_blocks(page)
               if b.lang == "python" or b.lang in SHELL_LANGS or b.marker is not None]
 _WORKDIRS: dict[Path, Path] = {}  # page → its working directory, shared by the page's blocks in order
+_DONE: set[Block] = set()  # blocks already run in their page's working directory
+# The server blocks of a page share one live server per engine (an engine load each, not one per block); a page's
+# servers stop when the next page starts, and the last ones with the module.
+_SERVERS: dict[tuple[Path, Path], Any] = {}
+_SERVER_STACKS: dict[Path, ExitStack] = {}
 
 
-DEMO_ENGINE = "out/engines/smollm2"  # where `make demo` builds SmolLM2
+@pytest.fixture(scope="module", autouse=True)
+def _stop_servers() -> Iterator[None]:
+    yield
+    for stack in _SERVER_STACKS.values():
+        stack.close()
+    _SERVER_STACKS.clear()
+    _SERVERS.clear()
+
+
+def page_server(block: Block, engine: Path, workdir: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The live server of `engine` for the block's page, started on first use (other pages' servers stop)."""
+    from support import server_harness
+
+    for page in [p for p in _SERVER_STACKS if p != block.page]:
+        _SERVER_STACKS.pop(page).close()
+        for key in [k for k in _SERVERS if k[0] == page]:
+            del _SERVERS[key]
+    if (block.page, engine) not in _SERVERS:
+        with monkeypatch.context() as patch:
+            patch.setattr(server_harness, "MODEL", engine.name)  # as llm_serve names it: the engine folder
+            stack = _SERVER_STACKS.setdefault(block.page, ExitStack())
+            _SERVERS[(block.page, engine)] = stack.enter_context(server_harness.live_server(engine, workdir))
+    return _SERVERS[(block.page, engine)]
+
+
+def run_in_page(block: Block, workdir: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run a block in its page's working directory: link the `make demo` paths it reads, serve for server blocks."""
+    _DONE.add(block)
+    demo = {"out/engines/smollm2": lambda: request.getfixturevalue("smollm2_demo_engine_dir"),
+            "out/onnx/smollm2": lambda: request.getfixturevalue("smollm2_demo_engine_dir").parent / "onnx"}
+    for path in demo_paths_to_link(block):
+        if not (workdir / path).exists():
+            (workdir / path).parent.mkdir(parents=True, exist_ok=True)
+            (workdir / path).symlink_to(demo[path](), target_is_directory=True)
+    if block.marker == "server" and block.lang == "python":
+        run_block(block, workdir, page_server(block, workdir / (block.arg or TINY), workdir, monkeypatch).url)
+    else:
+        run_block(block, workdir)
 
 
 @pytest.mark.parametrize("block", ALL_BLOCKS, ids=lambda b: f"{b.where}-{b.lang}")
@@ -286,19 +351,16 @@ def test_doc_example(block: Block, docs_engine_dir: Path, tiny_onnx_dir: Path, r
     if block.page not in _WORKDIRS:
         _WORKDIRS[block.page] = make_workspace(tmp_path_factory.mktemp("docs_page"), docs_engine_dir, tiny_onnx_dir)
     workdir = _WORKDIRS[block.page]
-    names_demo = DEMO_ENGINE in block.text or (block.marker == "server" and block.arg == DEMO_ENGINE)
-    if names_demo and block.marker not in ("skip", "needs") and not (workdir / DEMO_ENGINE).exists():
-        (workdir / DEMO_ENGINE).parent.mkdir(parents=True, exist_ok=True)
-        (workdir / DEMO_ENGINE).symlink_to(request.getfixturevalue("smollm2_demo_engine_dir"), target_is_directory=True)
     try:
-        if block.marker == "server" and block.lang == "python":
-            from support import server_harness
-
-            monkeypatch.setattr(server_harness, "MODEL", "smollm2")  # the name the pages use
-            with server_harness.live_server(workdir / (block.arg or "engines/smollm2"), workdir) as live:
-                run_block(block, workdir, live.url)
-        else:
-            run_block(block, workdir)
+        # Page order: a block may use what the blocks above it wrote, so those run first when not run yet.
+        for earlier in [b for b in ALL_BLOCKS if b.page == block.page and b.line < block.line and b not in _DONE]:
+            try:
+                run_in_page(earlier, workdir, request, monkeypatch)
+            except Skipped:
+                pass
+            except ExampleFailed as exc:
+                raise ExampleFailed(f"{block.where}: an earlier block of the page failed: {exc}") from exc
+        run_in_page(block, workdir, request, monkeypatch)
     except Skipped as exc:
         pytest.skip(str(exc))
     except ExampleFailed as exc:
@@ -417,6 +479,28 @@ def test_demo_engine_fixture_builds_what_make_demo_builds() -> None:
 def test_readme_is_short() -> None:
     lines = (REPO / "README.md").read_text(encoding="utf-8").count("\n")
     assert lines < 250, f"README.md has {lines} lines; keep it under 250 (the details live in docs/)"
+
+
+def test_demo_paths_are_linked_where_read_not_where_made(tmp_path: Path) -> None:
+    def block(text: str, marker: str = "run", arg: str = "") -> Block:
+        return Block(tmp_path / "p.md", 1, "bash", text, marker, arg)
+
+    made_here = "llm_export smollm2-135m-instruct --outputDir out/onnx/smollm2\n"
+    assert demo_paths_to_link(block(made_here)) == []
+    built = "llm_build --onnxDir out/onnx/smollm2 --engineDir out/engines/smollm2 --maxBatchSize 4\n"
+    assert demo_paths_to_link(block(built)) == ["out/onnx/smollm2"]
+    assert demo_paths_to_link(block("llm_inference --engineDir out/engines/smollm2-b4 --inputFile x.json\n")) == []
+    assert demo_paths_to_link(block("ls out/engines/smollm2/draft\n")) == ["out/engines/smollm2"]
+    assert demo_paths_to_link(Block(tmp_path / "p.md", 1, "python", "print(1)\n", "server", "out/engines/smollm2")) \
+        == ["out/engines/smollm2"]
+    assert demo_paths_to_link(block("ls out/engines/smollm2\n", "skip", "a reason")) == []
+
+
+def test_a_named_request_file_block_writes_the_file(tmp_path: Path) -> None:
+    text = '{"max_generate_length": 4, "requests": [{"messages": [{"role": "user", "content": "Hi"}]}]}\n'
+    run_block(Block(tmp_path / "p.md", 1, "json", text, "request-file", "requests.json"), tmp_path)
+    assert (tmp_path / "requests.json").read_text(encoding="utf-8") == text
+    run_block(Block(tmp_path / "p.md", 5, "json", text, "request-file", ""), tmp_path / "missing")  # only checked
 
 
 def test_console_blocks_run_only_their_commands(tmp_path: Path) -> None:

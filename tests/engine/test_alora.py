@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
-from support.engine_driver import lora_model_with_adapters, make_engine
+from support.engine_driver import lora_model_with_adapters, make_engine, run_file
 from support.hardening_support import invoke
 
 from kvforge.builder.build import BuildOptions, build_engine
@@ -18,6 +18,7 @@ from kvforge.contract.errors import KvforgeError
 from kvforge.contract.lora import LORA_TARGETS, NEVER_ACTIVATED
 from kvforge.runtime.adapters import NOT_INVOKED
 from kvforge.runtime.api import LLM
+from kvforge.runtime.cli import app as inference_app
 from kvforge.runtime.context_cache.keys import KeyExtras, page_keys
 from kvforge.runtime.types import SamplingParams
 from kvforge.tools.export.cli import app as export_app
@@ -112,6 +113,17 @@ def test_page_keys_drop_the_adapter_before_its_activation() -> None:
     salted = page_keys(ids, 16, KeyExtras(b"adapter", "tenant", adapter_start=40))
     assert not set(salted) & set(keys)  # the salt stays in every key, base pages included
     assert page_keys(ids, 16, KeyExtras(b"adapter", adapter_start=NEVER_ACTIVATED)) == base_keys
+
+
+def test_base_pages_reused_are_the_whole_pages_before_the_activation() -> None:
+    from kvforge.runtime.adapters import LoraAdapter, base_pages_reused
+
+    adapter = LoraAdapter("a", Path("a"), 4, {}, b"digest", tuple(INVOCATION))
+    assert base_pages_reused(None, 0, 96, 16) == 0  # a base request's pages are not counted as an adapter's
+    assert base_pages_reused(adapter, 0, 96, 16) == 0  # an ordinary adapter: every page carries its digest
+    assert base_pages_reused(adapter, 40, 96, 16) == 2  # pages [0, 16) and [16, 32) end before position 40
+    assert base_pages_reused(adapter, 40, 20, 16) == 1  # only what was reused counts
+    assert base_pages_reused(adapter, NEVER_ACTIVATED, 70, 16) == 4  # not invoked: every reused page is a base page
 
 
 # --- parity with PEFT's own aLoRA on a tiny random float32 llama ------------------------------------------------
@@ -227,6 +239,41 @@ def test_activated_adapter_reuses_the_base_conversation(peft_setup) -> None:
     plain = llm.generate([follow_up], GREEDY, lora_name="plain")[0]
     assert plain.cached_tokens == 0
     assert plain.token_ids == _peft_greedy(torch, models["plain"], follow_up, 6)
+    # The profile and /metrics count the base pages each adapter reused: the whole pages before its activation.
+    per_adapter = llm.engine.profile()["per_adapter"]
+    act_pages = (len(conversation) + len(answer.token_ids)) // PAGE
+    assert per_adapter["act"]["base_pages_reused"] == act_pages
+    assert per_adapter["act2"]["base_pages_reused"] == act_pages
+    assert per_adapter["plain"]["base_pages_reused"] == 0 and "base_pages_reused" not in per_adapter["base"]
+    from kvforge.server.metrics import ServerMetrics
+
+    scraped = ServerMetrics(llm.engine.stats).render().decode()
+    assert f"kvforge_adapter_base_pages_reused_total {float(2 * act_pages)}" in scraped
+
+
+def test_request_file_output_names_the_adapter_as_it_ran(alora_setup: Path, tmp_path: Path) -> None:
+    root = alora_setup
+    write_random_peft_adapter(root / "onnx", tmp_path / "peft", rank=4, seed=3, invocation_tokens=INVOCATION)
+    write_converted_adapter(tmp_path / "peft", root / "onnx", tmp_path / "act.safetensors")
+    request = {"messages": [{"role": "user", "content": "hello there"}], "max_generate_length": 2}
+    data = {"batch_size": 1, "temperature": 0.0, "top_k": 1,
+            "available_lora_weights": {"act": str(tmp_path / "act.safetensors"),
+                                       "plain": str(root / "plain.safetensors")},
+            "requests": [request, {**request, "lora_name": "act"}, {**request, "lora_name": "plain"}]}
+    responses = run_file(make_engine(root / "engine", num_threads=1), data)
+    assert "adapter" not in responses[0]  # a base request's entry keeps the reference tool's keys
+    assert responses[1]["adapter"] == "act" + NOT_INVOKED  # the prompt holds no invocation: the base model ran
+    assert responses[2]["adapter"] == "plain"
+    # llm_inference writes the same entries and shows the label with --dumpOutput.
+    (tmp_path / "in.json").write_text(json.dumps(data))
+    result = invoke(inference_app, "--engineDir", root / "engine", "--inputFile", tmp_path / "in.json",
+                    "--outputFile", tmp_path / "out.json", "--dumpOutput", "--numThreads", "1")
+    assert result.code == 0, result.stderr
+    written = json.loads((tmp_path / "out.json").read_text())["responses"]
+    assert [r.get("adapter") for r in written] == [None, "act" + NOT_INVOKED, "plain"]
+    lines = result.stdout.splitlines()
+    assert lines[1].startswith("[1] (act (not invoked)) ") and lines[2].startswith("[2] (plain) ")
+    assert lines[0].startswith("[0] ") and not lines[0].startswith("[0] (")
 
 
 class HybridView:

@@ -159,8 +159,8 @@ def test_hf_checkpoint_dir_exports_with_its_chat_template(tmp_path: Path, models
 def test_multimodal_checkpoint_dir_exports_its_text_model(tmp_path: Path) -> None:
     """A `gemma3` dir (Gemma3ForConditionalGeneration, what Google ships): the text model under
     model.language_model.*, the vision tower and projector skipped; logits match Gemma3ForCausalLM over those
-    weights (transformers' multimodal forward itself differs from its text model's by ~1e-2 here, even on
-    prompts inside the window, so it is not the reference)."""
+    weights (transformers' multimodal forward never applies the text config's final_logit_softcapping, 30 here;
+    Google's multimodal checkpoints leave it unset, where the two agree)."""
     from kvforge.tools.export.sources.hf import load_hf_dir
 
     vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=16,
@@ -255,3 +255,24 @@ def test_synthetic_engine_answers_equal_transformers_with_and_without_reuse(tmp_
             cached.append(done[0].cached_tokens)
         assert answers == [expected_first, expected_second], reuse
         assert (cached[1] > 0) == reuse
+
+
+@pytest.mark.parametrize("synthetic", ["tiny-gemma3", "tiny-gemma4"])
+def test_quantized_gemma_exports_are_refused_in_one_line(run_cli, tmp_path: Path, synthetic: str) -> None:
+    from support.cli_checks import assert_one_line_error
+
+    export = run_cli(["llm_export", "--synthetic", synthetic, "--outputDir", tmp_path / "q", "--quantization", "int4"])
+    assert_one_line_error(export, "--quantization", "float32")
+
+
+def test_older_config_fields_map_like_rope_parameters() -> None:
+    """Gemma 3 configs written before transformers 5 (Google's own): flat rope_theta, rope_local_base_freq,
+    rope_scaling and sliding_window_pattern instead of rope_parameters and layer_types."""
+    old = dict(model_type="gemma3_text", vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=12,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=WINDOW,
+               sliding_window_pattern=6, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+               rope_scaling={"rope_type": "linear", "factor": 8.0}, query_pre_attn_scalar=32)
+    config = config_from_hf(old, kv_cache_dtype="fp32")
+    assert config.sliding_window_layers == [0, 1, 2, 3, 4, 6, 7, 8, 9, 10]
+    assert (config.rope_theta, config.rope_local_theta, config.rope_linear_factor) == (1e6, 1e4, 8.0)
+    assert config_from_hf({**old, "rope_scaling": None}, kv_cache_dtype="fp32").rope_linear_factor == 0.0

@@ -40,8 +40,9 @@ def randomised(hf: object, seed: int = 0) -> object:
                 param.copy_(1.0 + 0.3 * torch.randn_like(param))
             elif "embed_tokens" in name:
                 param.copy_(torch.randn_like(param) / param.shape[1] ** 0.5)
-        for layer in hf.model.layers:
-            layer.layer_scalar.copy_(0.5 + torch.rand(1))
+        for name, buffer in hf.named_buffers():
+            if name.endswith("layer_scalar"):
+                buffer.copy_(0.5 + torch.rand(1))
     return hf.eval()
 
 
@@ -262,3 +263,23 @@ def test_synthetic_engine_answers_equal_transformers_with_reuse(tmp_path: Path) 
         answers.append(done[0].token_ids)
         cached.append(done[0].cached_tokens)
     assert answers == [expected_first, expected_second] and cached[1] > 0
+
+
+def test_multimodal_checkpoint_dir_exports_its_text_model(tmp_path: Path) -> None:
+    """A `gemma4` dir (Gemma4ForConditionalGeneration): the text model under model.language_model.*, its logits."""
+    from kvforge.tools.export.sources.hf import load_hf_dir
+    from kvforge.tools.export.sources.synthetic import byte_level_tokenizer
+
+    full = transformers.Gemma4ForConditionalGeneration(transformers.Gemma4Config(
+        text_config=hf_config().to_dict(), vision_config=None, audio_config=None))
+    full = randomised(full, seed=6)
+    full.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    byte_level_tokenizer().save(str(tmp_path / "hf" / "tokenizer.json"))
+    loaded = load_hf_dir(tmp_path / "hf", kv_cache_dtype="fp32")
+    assert loaded.config.model == "gemma4" and all(n.startswith(("model.", "lm_head")) for n in loaded.weights)
+    row = Row(loaded.config, lowered_session(build_gemma4_graph(loaded.config, loaded.weights), "gqa"),
+              loaded.weights["model.embed_tokens.weight"])
+    ids = prompt(60, seed=11)
+    with torch.no_grad():
+        expected = full(input_ids=torch.tensor([ids])).logits[0, -1].numpy()
+    np.testing.assert_allclose(row.step(ids), expected, atol=2e-4, rtol=0)

@@ -200,7 +200,7 @@ def test_completions_refuse_tools(server: LiveServer) -> None:
 
 
 def test_auto_reads_marked_calls_and_keeps_the_rest() -> None:
-    from kvforge.server.tools import parse_tools, read_calls
+    from kvforge.runtime.inputs.tools import parse_tools, read_calls
 
     spec = parse_tools({"tools": [WEATHER], "tool_choice": "auto"})
     assert spec is not None

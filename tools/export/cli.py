@@ -26,6 +26,7 @@ from kvforge.tools.export.cli_help import (
     RANDOM_LORA_HELP,
     RANDOM_MTP_HELP,
 )
+from kvforge.tools.export.quantize import DEFAULT_INT4_SCHEME, INT4_SCHEMES
 from kvforge.tools.export.sources.base import LoadedModel
 
 SMOLLM2_NAME = "smollm2-135m-instruct"
@@ -133,6 +134,11 @@ def export(
                                           "Q8_0/Q4_0/Q4_1 blocks are kept exactly as stored."),
     quant_block_size: int = typer.Option(32, "--quantBlockSize",
                                          help="Weights per quantization block (a power of two >= 16)."),
+    int4_scheme: str = typer.Option(DEFAULT_INT4_SCHEME, "--int4Scheme",
+                                    help="4-bit blocks: asymmetric (zero points; a GGUF's Q4_1 kept exactly, with "
+                                         "block-sum corrections) or symmetric (no zero points, int8 activations: "
+                                         "Q4_1 and float weights quantized again, no correction matmuls). A GGUF's "
+                                         "Q4_0/Q8_0 blocks stay exact either way."),
     lm_head: str = typer.Option("auto", "--lmHead",
                                 help="LM head: float, or int8/int4 MatMulNBits blocks that score the whole "
                                      "vocabulary approximately while the --lmHeadCandidates best are rescored "
@@ -175,6 +181,8 @@ def export(
             raise KvforgeError(f"must be auto or one of {', '.join(QUANTIZATIONS)}, got {quantization!r}",
                                "--quantization")
         resolve_lm_head(chosen, lm_head)  # bad values fail before the weights load
+        if int4_scheme not in INT4_SCHEMES:
+            raise KvforgeError(f"must be one of {', '.join(INT4_SCHEMES)}, got {int4_scheme!r}", "--int4Scheme")
         layer_ids = parse_layer_ids(hidden_state_layers)
         if lm_head_candidates < 0:
             raise KvforgeError(f"must be >= 0, got {lm_head_candidates}", "--lmHeadCandidates")
@@ -186,7 +194,7 @@ def export(
             loaded = multimodal[1] if multimodal else load_source(source, synthetic, kv_cache_dtype, seed, step)
         loaded.config.lora_targets = targets
         with progress_bar("quantizing", None) as step:
-            quantize_linears(loaded, chosen, quant_block_size, step, lm_head, lm_head_candidates)
+            quantize_linears(loaded, chosen, quant_block_size, step, lm_head, lm_head_candidates, int4_scheme)
         loaded.config.prefill_int8_rows = prefill_int8_rows
         loaded.config.hidden_state_layers = layer_ids  # checked against the model by write_onnx_dir's validate()
         layers = loaded.config.num_hidden_layers

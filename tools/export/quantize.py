@@ -14,6 +14,10 @@ an integer zero point) shifts every block by up to d/2, which cost SmolLM2 a qua
 So the blocks are kept with zero point z = round(-m/d) and the exact remainder r = m + d*z per block goes to
 `offsets`: W = d * (q - z) + r, and x @ W = MatMulNBits(x) + blocksum(x) @ R, where blocksum sums x over
 each block of K (a [K/32, N] float matmul, 1/8 of the 4-bit layer's bytes).
+
+The symmetric int4 scheme (`--int4Scheme symmetric`) trades that exactness for a cheaper graph: every 4-bit weight
+without an exact symmetric form (Q4_1 blocks, float checkpoints) is quantized again by ONNX Runtime's quantizer with
+no zero points, and runs at accuracy level 4 (int8 activations), so no correction matmuls are left in the layer.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ class BlockQuantized:
     scales: np.ndarray  # float32 [N * K / block_size]
     zero_points: np.ndarray | None  # uint8 [N, ceil(blocks * bits / 8)] packed; None = symmetric
     offsets: np.ndarray | None = None  # float32 [K / block_size, N] added per block (Q4_1's exact remainder)
+    accuracy_level: int | None = None  # MatMulNBits' accuracy_level; None = the family's default for `bits`
 
     def dequantize(self) -> np.ndarray:
         """W [K, N] float32, exactly as MatMulNBits reads it (the reference for tests and the embedding)."""
@@ -73,10 +78,19 @@ def unpack(packed: np.ndarray, bits: int) -> np.ndarray:
     return np.stack([low, high], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
-def quantize(weight_out_in: np.ndarray, bits: int, block_size: int) -> BlockQuantized:
+INT4_SCHEMES = ("asymmetric", "symmetric")
+# What new int4 exports use (see the module docstring and docs/benchmarks.md "Symmetric int4").
+DEFAULT_INT4_SCHEME = "asymmetric"
+# Symmetric 4-bit blocks run with int8 activations: MLAS's fastest 4-bit kernel, and the form onnxruntime-genai's
+# int4 models take.
+SYMMETRIC_ACCURACY_LEVEL = 4
+
+
+def quantize(weight_out_in: np.ndarray, bits: int, block_size: int, symmetric: bool = False) -> BlockQuantized:
     """Quantize a float Linear weight [out, in] with ONNX Runtime's own block quantizer, asymmetric (uint8 zero
-    points) at both widths: its symmetric 8-bit mode clips each block's positive maximum by one step, a bias
-    that flipped SmolLM2's first answer token."""
+    points) at both widths by default: its symmetric 8-bit mode clips each block's positive maximum by one step, a
+    bias that flipped SmolLM2's first answer token. `symmetric` (4-bit only): no zero points (the implicit 8), at
+    SYMMETRIC_ACCURACY_LEVEL."""
     from onnxruntime.quantization.matmul_nbits_quantizer import (
         DefaultWeightOnlyQuantConfig,
         DefaultWeightOnlyQuantizer,
@@ -84,11 +98,15 @@ def quantize(weight_out_in: np.ndarray, bits: int, block_size: int) -> BlockQuan
 
     n, k = weight_out_in.shape
     check_block_size(block_size, k)
-    config = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=False, bits=bits)
+    if symmetric and bits != 4:
+        raise InvalidConfig(f"symmetric blocks are 4-bit only, got {bits} bits", "--int4Scheme")
+    config = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=symmetric, bits=bits)
     packed, scales, zero_points = DefaultWeightOnlyQuantizer(config).qbits_block_quant(
         np.ascontiguousarray(weight_out_in.T, dtype=np.float32))
-    return BlockQuantized(bits, block_size, k, n, packed, np.ascontiguousarray(scales.reshape(-1), np.float32),
-                          zero_points)
+    scales = np.ascontiguousarray(scales.reshape(-1), np.float32)
+    if symmetric:  # the quantizer's zero points are all the implicit 2^(bits-1): MatMulNBits then takes none
+        return BlockQuantized(bits, block_size, k, n, packed, scales, None, None, SYMMETRIC_ACCURACY_LEVEL)
+    return BlockQuantized(bits, block_size, k, n, packed, scales, zero_points)
 
 
 def check_block_size(block_size: int, k: int) -> None:
@@ -145,16 +163,18 @@ def permute_rows(blocks: BlockQuantized, order: np.ndarray) -> BlockQuantized:
     zero = None if blocks.zero_points is None else blocks.zero_points[order]
     offsets = None if blocks.offsets is None else np.ascontiguousarray(blocks.offsets[:, order])
     return BlockQuantized(blocks.bits, blocks.block_size, blocks.k, blocks.n, blocks.packed[order],
-                          np.ascontiguousarray(per_column[order].reshape(-1)), zero, offsets)
+                          np.ascontiguousarray(per_column[order].reshape(-1)), zero, offsets, blocks.accuracy_level)
 
 
 def concat_columns(parts: list[BlockQuantized | None]) -> BlockQuantized | None:
     """Weights of one input side by side (W = [W0 | W1 | ...], N summed); None unless every part is quantized
-    alike (bits, block size, K). Missing zero points become the implicit 2^(bits-1) so parts can mix."""
+    alike (bits, block size, K, accuracy level). Missing zero points become the implicit 2^(bits-1) so parts can
+    mix."""
     if any(p is None for p in parts):
         return None
     first = parts[0]
-    if any((p.bits, p.block_size, p.k) != (first.bits, first.block_size, first.k) for p in parts):
+    if any((p.bits, p.block_size, p.k, p.accuracy_level) != (first.bits, first.block_size, first.k,
+                                                              first.accuracy_level) for p in parts):
         return None
     zero_points = None
     if any(p.zero_points is not None for p in parts):
@@ -169,7 +189,7 @@ def concat_columns(parts: list[BlockQuantized | None]) -> BlockQuantized | None:
                                   else np.zeros((first.k // first.block_size, p.n), np.float32) for p in parts], axis=1)
     return BlockQuantized(first.bits, first.block_size, first.k, sum(p.n for p in parts),
                           np.concatenate([p.packed for p in parts]), np.concatenate([p.scales for p in parts]),
-                          zero_points, offsets)
+                          zero_points, offsets, first.accuracy_level)
 
 
 def linear_weight_names(config: ModelConfig) -> list[str]:

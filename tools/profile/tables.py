@@ -233,11 +233,13 @@ def _adapter_table(data: Mapping[str, Any]) -> Table | None:
         return None
     table = Table(title="Per adapter", title_justify="left", title_style="bold")
     table.add_column("adapter")
-    for column in ("requests", "reused tokens", "reused per request"):
+    base_pages = any(isinstance(e, Mapping) and schema.ADAPTER_BASE_PAGES in e for e in adapters.values())
+    for column in ("requests", "reused tokens", "reused per request") + (("base pages reused",) if base_pages else ()):
         table.add_column(column, justify="right")
     for name, entry in adapters.items():
         requests, reused = get(entry, "requests"), get(entry, "reused_tokens")
-        table.add_row(escape(str(name)), fmt(requests), fmt(reused), fmt(ratio(reused, requests), 1))
+        cells = [fmt(requests), fmt(reused), fmt(ratio(reused, requests), 1)]
+        table.add_row(escape(str(name)), *cells, *([fmt(get(entry, schema.ADAPTER_BASE_PAGES))] if base_pages else []))
     return table
 
 

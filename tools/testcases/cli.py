@@ -14,6 +14,7 @@ from rich.console import Console
 from kvforge.cli_common import ENGINE_FLAGS, console, engine_option, progress_bar, run_app, run_guarded
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.files import atomic_output, check_distinct, check_output_file, check_work_dir
+from kvforge.runtime.engine.config import REPAIR_POLICIES
 from kvforge.tools.testcases.checks import FAILED, ROUGE_MODES, SEED_ROUGE_THRESHOLDS
 from kvforge.tools.testcases.config_string import CONFIG_FLAG, TOKENS, ResolvedConfig, named_test_case, parse_config
 from kvforge.tools.testcases.report import json_report, junit_xml, print_table, write_json
@@ -64,6 +65,8 @@ def test(
                                         help="Where a config string's last token finds <name>.json."),
     enable_context_reuse: bool = engine_option("enable_context_reuse", help="Reuse on for every file (files with "
                                                "_checks.context_reuse run with it anyway)."),
+    document_reuse: bool = engine_option("document_reuse"),
+    document_repair: str = engine_option("document_repair"),
     scheduling: str = typer.Option("static", "--scheduling", help="static or continuous, as llm_inference."),
     max_generate_length: int = typer.Option(-1, "--maxGenerateLength",
                                             help="Override every max_generate_length (-1 keeps the files'); "
@@ -93,6 +96,7 @@ def test(
         started = time.perf_counter()
         _check_choice(scheduling, "--scheduling", tuple(s.value for s in Scheduling))
         _check_choice(rouge, "--rouge", ROUGE_MODES)
+        _check_choice(document_repair, "--documentRepair", REPAIR_POLICIES)
         thresholds = _thresholds(rouge_thresholds)
         outputs = {"--jsonReport": json_report_file, "--junitXml": junit_file}
         for flag, path in outputs.items():
@@ -119,7 +123,7 @@ def test(
         settings = RunSettings(engine, num_threads, resolved.context_reuse or enable_context_reuse,
                                Scheduling(scheduling), rouge, thresholds, max_generate_length not in (None, -1),
                                multimodal_engine_dir, resolved.partial_kv_snapshot_pool_bytes,
-                               resolved.recurrent_snapshot_pool_bytes)
+                               resolved.recurrent_snapshot_pool_bytes, document_reuse, document_repair)
         runner = CaseRunner(settings, TEST_FLAGS)
         results = []
         with progress_bar("llm_test", len(cases)) as step:

@@ -34,6 +34,8 @@ class RunSettings:
     # Recurrent and hybrid engines with reuse (ccrsb); 0 = snapshot_budgets' default slots. Attention-only engines
     # ignore it.
     recurrent_snapshot_pool_bytes: int = 0
+    document_reuse: bool = ENGINE_DEFAULTS.document_reuse  # --documentReuse for every file (issue 37)
+    document_repair: str = ENGINE_DEFAULTS.document_repair
 
 
 @dataclass(slots=True)
@@ -93,6 +95,7 @@ class CaseRunner:
         engine = Engine(self.settings.engine_dir, EngineConfig(
             num_threads=self.settings.num_threads, enable_context_reuse=result.reuse,
             multimodal_engine_dir=str(multimodal) if multimodal else None,
+            document_reuse=self.settings.document_reuse, document_repair=self.settings.document_repair,
             **self._snapshot_budgets(case, result.reuse)), backend=self._runner)
         self._runner = engine.runner  # fresh caches, one model: Engines may share a runner one after another
         prepared = prepare_requests(engine, case.requests, case.path.resolve().parent)

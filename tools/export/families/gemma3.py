@@ -1,15 +1,5 @@
-"""Gemma 3 (HF `gemma3_text`, and the text model of a multimodal `gemma3` dir): its decoder as an ONNX graph over
-the paged-KV ops, and its HF config mapping, weight names, synthetic model and random weights.
-
-Gemma's differences from the llama graph: embeddings scaled by sqrt(hidden); zero-centred RMSNorms (x * (1 + w),
-stored as 1 + w) around both the attention and the MLP ("sandwich" norms) and on each q/k head; a GELU-tanh MLP;
-queries scaled by query_pre_attn_scalar^-0.5; logits soft-capped by tanh. Sliding layers attend over their last
-`sliding_window` positions (PagedAttention's `sliding_window` attribute) and rotate with their own RoPE base; the
-global layers may scale theirs linearly. The runtime feeds one plain RoPE table (rope_theta), so a layer whose
-frequencies differ first rotates q and k by the difference of the angles and then by the table: rotations compose,
-so the result is the layer's own RoPE, and every backend's K/V write and attention stay as they are. Each layer
-keeps a full-length KV cache for now.
-"""
+"""Gemma 3 (HF `gemma3_text`, and the text model of a multimodal `gemma3` dir), registered once: its decoder as an
+ONNX graph over the paged-KV ops with sliding-window layers, and its HF config mapping, weights and synthetic model."""
 
 from __future__ import annotations
 
@@ -32,6 +22,15 @@ from kvforge.tools.export.families.registry import Family, register
 
 if TYPE_CHECKING:
     from kvforge.tools.export.sources.base import LoadedModel
+
+# Gemma's differences from the llama graph: embeddings scaled by sqrt(hidden); zero-centred RMSNorms (x * (1 + w),
+# stored as 1 + w) around both the attention and the MLP ("sandwich" norms) and on each q/k head; a GELU-tanh MLP;
+# queries scaled by query_pre_attn_scalar^-0.5; logits soft-capped by tanh. Sliding layers attend over their last
+# `sliding_window` positions (PagedAttention's `sliding_window` attribute) and rotate with their own RoPE base; the
+# global layers may scale theirs linearly. The runtime feeds one plain RoPE table (rope_theta), so a layer whose
+# frequencies differ first rotates q and k by the difference of the angles and then by the table: rotations
+# compose, so the result is the layer's own RoPE, and every backend's K/V write and attention stay as they are.
+# Each layer keeps a full-length KV cache for now.
 
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")  # transformers' names of GELU's tanh approximation
 

@@ -1,16 +1,5 @@
-"""Gemma 4 (HF `gemma4_text`, and the text model of a multimodal `gemma4` dir): the part of its decoder the runtime
-can hold today, as an ONNX graph over the paged-KV ops, with one-line refusals for the rest.
-
-What differs from Gemma 3 (gemma3.py, whose RoPE pre-rotation and sliding windows it shares): plain-weight RMSNorms
-(x * w), a scale-free RMSNorm on each value head, attention without a query scale (the q/k norms replace it), a
-learned scalar multiplying each layer's output, and proportional RoPE on the global layers (only the first
-`partial_rotary_factor` of the rotate-half frequencies turn; the rest stay still, which the pre-rotation expresses
-as a negative turn of the table's angle), and KV shared between layers: the last `num_kv_shared_layers` layers
-project queries only and attend over the pool of the last earlier layer of their kind (ModelConfig.kv_source_layers;
-they get no pool). Refused until the runtime has them: per-layer embeddings (hidden_size_per_layer_input: they look
-up token ids the graph does not get), global layers with their own head size (global_head_dim: one pool shape per
-engine), keys used as values (attention_k_eq_v) and the mixture-of-experts block.
-"""
+"""Gemma 4 (HF `gemma4_text`, and the text model of a multimodal `gemma4` dir), registered once: the part of its
+decoder the runtime can hold today as an ONNX graph, and one-line refusals naming the fields of the rest."""
 
 from __future__ import annotations
 
@@ -43,6 +32,18 @@ from kvforge.tools.export.families.registry import Family, register
 
 if TYPE_CHECKING:
     from kvforge.tools.export.sources.base import LoadedModel
+
+
+# What differs from Gemma 3 (gemma3.py, whose RoPE pre-rotation and sliding windows it shares): plain-weight RMSNorms
+# (x * w), a scale-free RMSNorm on each value head, attention without a query scale (the q/k norms replace it), a
+# learned scalar multiplying each layer's output, proportional RoPE on the global layers (only the first
+# `partial_rotary_factor` of the rotate-half frequencies turn; the rest stay still, which the pre-rotation expresses
+# as a negative turn of the table's angle), and KV shared between layers: the last `num_kv_shared_layers` layers
+# project queries only and attend over the pool of the last earlier layer of their kind (ModelConfig.
+# kv_source_layers; they get no pool). Refused until the runtime has them: per-layer embeddings
+# (hidden_size_per_layer_input: they look up token ids the graph does not get), global layers with their own head
+# size (global_head_dim: one pool shape per engine), keys used as values (attention_k_eq_v) and the
+# mixture-of-experts block.
 
 
 def rope_delta_frequencies(config: ModelConfig, sliding: bool) -> np.ndarray | None:

@@ -272,6 +272,8 @@ class _Linears:
 
     def _nbits(self, g: GraphWriter, x: str, name: str, blocks: BlockQuantized, accuracy_level: int | None,
                cache: bool = True) -> str:
+        if accuracy_level is None:  # symmetric int4 blocks carry their own level (quantize.py)
+            accuracy_level = blocks.accuracy_level
         level = ACCURACY_LEVELS[blocks.bits] if accuracy_level is None else accuracy_level
         inputs = [x, g.weight(f"{name}.qweight", blocks.packed), g.weight(f"{name}.scales", blocks.scales)]
         if blocks.zero_points is not None:

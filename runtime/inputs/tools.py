@@ -1,4 +1,5 @@
-"""OpenAI `tools` / `tool_choice` in the generic format: the tools described in a system message, calls read back.
+"""OpenAI `tools` / `tool_choice` in the generic format, for llm_serve and kvforge.LLM: the tools described in a system
+message, calls read back.
 
 SmolLM2's ChatML template has no tool format, so every engine gets this one: the model calls a function by writing
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`. With `tool_choice` "required" or a named function the
@@ -16,11 +17,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvforge.contract.validation import check_string, fail, json_kind
+from kvforge.runtime.sampling.grammar import check_grammar
+from kvforge.runtime.sequence import FinishReason
 from kvforge.runtime.types import Message
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALLS = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
 MAX_TOOLS = 64
+NATURAL_ENDS = frozenset({FinishReason.EOS.value, FinishReason.STOP.value})  # an answer that ended by itself
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +75,18 @@ def parse_tools(body: dict[str, Any]) -> ToolSpec | None:
             fail("tool_choice.function.name", f"names {name!r}, which is not among the tools")
         return ToolSpec(functions, "function", name)
     fail("tool_choice", 'must be "auto", "none", "required" or {"type": "function", "function": {"name": ...}}')
+
+
+def forced_format(spec: ToolSpec | None, response_format: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The response_format a chat decodes under: a forced call's own grammar (a schema the compiler refuses names
+    `tools`), else the one given; both at once is refused."""
+    if spec is None or not spec.forced:
+        return response_format
+    if response_format is not None:
+        fail("response_format", "cannot be given with a tool_choice that forces a call (the call is the format)")
+    grammar = spec.response_format()
+    check_grammar(grammar, "tools")
+    return grammar
 
 
 def _function(tool: Any, where: str) -> dict[str, Any]:
@@ -161,3 +177,11 @@ def read_calls(text: str, spec: ToolSpec) -> tuple[str | None, list[dict[str, An
     else:  # a marked call that does not parse stays in the content, as written
         rest = _CALLS.sub(lambda match: "" if take(match.group(1)) else match.group(0), text).strip()
     return (rest or None, found) if found else (text, [])
+
+
+def answer_calls(text: str, finish_reason: str | None, spec: ToolSpec) -> list[dict[str, Any]]:
+    """The tool calls of a finished answer (kvforge.LLM): read only from one that ended by itself, since a call
+    cut off by the length limit is not a call; none with tool_choice "none"."""
+    if finish_reason not in NATURAL_ENDS:
+        return []
+    return read_calls(text, spec)[1]
