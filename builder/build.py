@@ -13,6 +13,7 @@ from kvforge.builder.engine_files import load_model, write_engine_config
 from kvforge.builder.fuse_ort import fuse_for_onnxruntime
 from kvforge.builder.lower_ort import kernel_writes_kv, lower_for_onnxruntime, share_tied_head
 from kvforge.builder.lower_recurrent import lower_recurrent_ops
+from kvforge.builder.window_pool import bind_window_table, check_window_build, size_window_pools
 from kvforge.contract.engine_dir import (
     ATTENTION_CPU_KERNEL,
     ATTENTION_ONNX_OPS,
@@ -40,6 +41,7 @@ from kvforge.contract.memory import check_pool_fits_memory
 from kvforge.contract.model_config import ModelConfig
 from kvforge.contract.speculation import base_kind, draft_methods_on
 from kvforge.contract.validation import one_line
+from kvforge.contract.window_pool import window_pool_pages
 
 BACKENDS = ("auto", "onnxruntime", "tensorrt")
 # --cpuAttention: kvforge's CPU kernel where it builds here (auto), insist on it (kernel), or stock ONNX ops (onnx)
@@ -65,6 +67,8 @@ class BuildOptions:
     spec_draft: bool = False  # an EAGLE3 draft (its ONNX dir from llm_export eagle3)
     max_verify_tree_size: int = DEFAULT_TREE_SIZE  # the most positions one verify row holds (base)
     max_draft_tree_size: int = DEFAULT_TREE_SIZE  # the most tokens one drafting round proposes (draft)
+    sliding_window_pool: bool = False  # sliding layers get their own page group, sized for the window
+    sliding_window_records: int = 0  # window checkpoints the group keeps beyond its rows' pages (reuse)
 
     def geometry(self, max_position_embeddings: int) -> PageGeometry:
         """The validated geometry for a model with `max_position_embeddings` (InvalidConfig otherwise)."""
@@ -175,6 +179,13 @@ def build_engine(onnx_dir: Path, engine_dir: Path, options: BuildOptions,
                       if (onnx_dir / name).is_file())  # the export's graph and weights: at most what the engine loads
         check_pool_fits_memory(plan.total_bytes, hint=" (or --force to build it anyway)", weight_bytes=weights)
     speculative = check_speculative_build(config, options)
+    if options.sliding_window_records and not options.sliding_window_pool:
+        raise InvalidConfig("sizes the sliding-window page group: add --slidingWindowPool", "sliding_window_records")
+    if not 0 <= options.sliding_window_records <= 1 << 20:
+        raise InvalidConfig(f"must be in [0, {1 << 20}], got {options.sliding_window_records}",
+                            "sliding_window_records")
+    if options.sliding_window_pool:
+        check_window_build(config, backend, speculative)
     step("validated geometry" + (f"; attention: {attention}" if paged else ""))
     with staged_dir(engine_dir, "engine_dir") as staging:
         build = _build_recurrent if config.is_recurrent else _build_hybrid if config.is_hybrid else _build_into
@@ -249,8 +260,12 @@ def _build_into(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometry:
         build_tensorrt_engine(onnx_dir, engine_dir, config, geometry, step, max_lora_rank=options.max_lora_rank,
                               speculative=speculative)
         return
+    window_pages = window_pool_pages(config, geometry, options.sliding_window_records) \
+        if options.sliding_window_pool else 0
     model = load_model(onnx_dir, config, options.max_lora_rank)
     step("loaded model.onnx")
+    if window_pages:
+        bind_window_table(model, config)
     kernel = options.cpu_attention == ATTENTION_CPU_KERNEL
     # Speculative roles on the kernel take tree inputs (tree drafting and verification); the fallback lowering has
     # no masked attention, so its engines draft linearly (the runtime says so for --specDraftTopK > 1).
@@ -262,6 +277,8 @@ def _build_into(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometry:
                                     tokens_per_page=geometry.tokens_per_page,
                                     num_pages=geometry.max_kv_pool_pages, cpu_kernel=kernel, tree_inputs=tree,
                                     kernel_rope=kernel)
+    if window_pages:
+        size_window_pools(lowered, config, window_pages)
     fuse_for_onnxruntime(lowered)  # residual + RMSNorm as one contrib op (the export keeps the reference form)
     if config.tie_word_embeddings:
         share_tied_head(lowered)
@@ -270,7 +287,8 @@ def _build_into(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometry:
     write_engine_config(onnx_dir, engine_dir, config,
                         BuilderConfig.from_geometry(geometry, backend, options.max_lora_rank, config,
                                                     options.cpu_attention, tree_attention=tree,
-                                                    kernel_kv_write=kernel_writes_kv(lowered), **speculative))
+                                                    kernel_kv_write=kernel_writes_kv(lowered),
+                                                    window_pool_pages=window_pages, **speculative))
 
 
 def _build_recurrent(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometry: PageGeometry, backend: str,
@@ -326,7 +344,8 @@ def _build_hybrid(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometr
     _save(lowered, engine_dir)
     write_engine_config(onnx_dir, engine_dir, config,
                         BuilderConfig.from_geometry(geometry, backend, 0, config, options.cpu_attention,
-                                                    kernel_kv_write=kernel_writes_kv(lowered), **speculative))
+                                                    kernel_kv_write=kernel_writes_kv(lowered),
+                                                    **speculative))
 
 
 def _save(model: onnx.ModelProto, engine_dir: Path) -> None:

@@ -11,6 +11,7 @@ import typer
 from kvforge.builder.build import STEPS, BuildOptions, build_engine
 from kvforge.cli_common import BUILD_FLAGS, console, progress_bar, run_app, run_guarded
 from kvforge.contract.errors import KvforgeError
+from kvforge.contract.window_pool import checkpoint_pages
 
 # The help text goes on the command: typer drops a Typer(help=...) when the app has one command.
 HELP = """
@@ -35,6 +36,23 @@ MEMORY_WARN_SHARE = 0.8  # above this share of RAM, a pool that fits still leave
 def _budget_line(kind: str, slot: int, what: str, flag: str, records: int) -> None:
     console.print(f"  {kind} snapshot slot: {slot:,} bytes ({what}); for {records} retained contexts: "
                   f"{flag} {slot * records} ({_mib(slot * records)}) with --enableContextReuse")
+
+
+def _group_lines(built: dict, bytes_per_page: int, window_size: int) -> None:
+    """Each page group's size: the global layers' pool and the sliding layers' window group (--slidingWindowPool)."""
+    global_bytes, sliding_bytes = built["kv_pool_bytes_global"], built["kv_pool_bytes_sliding"]
+    window, pages = built["window_pool_pages"], built["max_kv_pool_pages"]
+    console.print(f"  KV pool: {bytes_per_page:,} bytes per page per layer, two page groups = "
+                  f"{_mib(global_bytes + sliding_bytes)} in total")
+    console.print(f"    global layers: {pages} pages × {global_bytes // (pages * bytes_per_page)} layers = "
+                  f"{_mib(global_bytes)}")
+    layers = sliding_bytes // (window * bytes_per_page)
+    console.print(f"    sliding-window layers: {window} pages × {layers} layers = {_mib(sliding_bytes)} (the window "
+                  f"of each of {built['max_batch_size']} rows and one call, plus --slidingWindowRecords)")
+    pages = checkpoint_pages(window_size, built["tokens_per_page"])
+    console.print(f"  sliding-window checkpoint: {pages} pages × {layers} layers = {pages * layers * bytes_per_page:,} "
+                  "bytes per reuse record, kept in the group's free pages (--slidingWindowRecords N adds N "
+                  "records' worth)")
 
 
 def _mib(num_bytes: int) -> str:
@@ -118,6 +136,14 @@ def build(
                                              help="With --specBase: the most positions one verify row holds."),
     max_draft_tree_size: int = typer.Option(DEFAULTS.max_draft_tree_size, "--maxDraftTreeSize",
                                             help="With --specDraft: the most tokens one drafting round proposes."),
+    sliding_window_pool: bool = typer.Option(False, "--slidingWindowPool",
+                                             help="Give a model's sliding-window layers (Gemma's local layers) "
+                                                  "their own page group sized for the window, not for "
+                                                  "--maxKVCacheCapacity; reuse keeps the window at each "
+                                                  "record's end."),
+    sliding_window_records: int = typer.Option(0, "--slidingWindowRecords",
+                                               help="With --slidingWindowPool: window checkpoints (reuse records) "
+                                                    "the group keeps beyond the pages its rows leave free."),
     force: bool = typer.Option(False, "--force", help="Build even when the KV pool (--maxKVPoolPages) needs more "
                                                       "memory than this machine has."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
@@ -127,7 +153,8 @@ def build(
                            max_kv_pool_pages=max_kv_pool_pages, max_batch_size=max_batch_size,
                            tokens_per_page=tokens_per_page, backend=backend, max_lora_rank=max_lora_rank,
                            force=force, cpu_attention=cpu_attention, spec_base=spec_base, spec_draft=spec_draft,
-                           max_verify_tree_size=max_verify_tree_size, max_draft_tree_size=max_draft_tree_size)
+                           max_verify_tree_size=max_verify_tree_size, max_draft_tree_size=max_draft_tree_size,
+                           sliding_window_pool=sliding_window_pool, sliding_window_records=sliding_window_records)
 
     def body() -> None:
         from kvforge.contract.files import check_path_name
@@ -152,7 +179,8 @@ def build(
             raise KvforgeError(f"must be >= 0, got {reuse_records}", "--reuseRecords")
         with progress_bar("building engine", STEPS) as step:
             geometry, plan = build_engine(onnx_dir, engine_dir, options, step)
-        built = json.loads((engine_dir / "config.json").read_text(encoding="utf-8"))["builder_config"]
+        written = json.loads((engine_dir / "config.json").read_text(encoding="utf-8"))
+        built = written["builder_config"]
         console.print(f"engine written to {engine_dir} (backend {built['backend']}, attention {built['attention']})")
         console.print(f"  pages: {geometry.max_kv_pool_pages} × {geometry.tokens_per_page} tokens "
                       f"({geometry.max_pages_per_seq} per sequence, {geometry.full_batch_pages} for a full batch of "
@@ -161,14 +189,17 @@ def build(
             console.print(f"  note: the pool holds fewer pages than {geometry.max_batch_size} sequences of "
                           f"{geometry.max_kv_cache_capacity} tokens need; rows will wait or be preempted when the "
                           "pool is full")
-        if plan.num_layers:  # attention layers: a KV pool and partial-KV snapshots
+        if built.get("window_pool_pages"):  # two page groups; window checkpoints instead of partial-KV snapshots
+            _group_lines(built, plan.bytes_per_page_per_layer, written["sliding_window"])
+        elif plan.num_layers:  # attention layers: a KV pool and partial-KV snapshots
             console.print(f"  KV pool: {plan.bytes_per_page_per_layer:,} bytes per page per layer; "
                           f"{_mib(plan.pool_bytes_per_layer)} per layer × {plan.num_layers} layers "
                           f"= {_mib(plan.total_bytes)} in total")
             _budget_line("partial-KV", plan.partial_kv_bytes_per_slot,
                          f"a K+V page × {plan.num_layers} attention layers", "--contextCachePartialKVSnapshotPoolBytes",
                          reuse_records)
-        _warn_near_memory(engine_dir, plan.total_bytes, force)
+        _warn_near_memory(engine_dir, built["kv_pool_bytes_global"] + built["kv_pool_bytes_sliding"]
+                          if built.get("window_pool_pages") else plan.total_bytes, force)
         if plan.recurrent_bytes_per_slot:
             _budget_line("recurrent", plan.recurrent_bytes_per_slot,
                          "every recurrent layer's recurrent and conv state",

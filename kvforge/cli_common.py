@@ -41,6 +41,8 @@ _ENGINE_BUILD_FLAGS = {  # what an engine is built with; llm_inference names the
     "max_kv_pool_pages": "--maxKVPoolPages",
     "max_lora_rank": "--maxLoraRank",
     "cpu_attention": "--cpuAttention",
+    "sliding_window_pool": "--slidingWindowPool",
+    "sliding_window_records": "--slidingWindowRecords",
 }
 BUILD_FLAGS = {**_ENGINE_BUILD_FLAGS, "onnx_dir": "--onnxDir", "engine_dir": "--engineDir", "spec_base": "--specBase",
                "spec_draft": "--specDraft", "max_verify_tree_size": "--maxVerifyTreeSize",

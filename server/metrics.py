@@ -107,6 +107,16 @@ class _EngineCollector(Collector):
             if any(s.cache[schema.DOCUMENTS].values()):  # --documentReuse, once a request carried a document
                 for key, value in s.cache[schema.DOCUMENTS].items():
                     yield _counter(f"documents_{key}", f"The profile's context_cache.documents.{key}.", value)
+            window = s.cache[schema.RESOURCE_POOLS].get(schema.SLIDING_WINDOW_PAGES, {})
+            if window.get(schema.POOL_CAPACITY):  # an engine built with --slidingWindowPool
+                yield _gauge("sliding_window_pages_free", "Free pages of the sliding layers' page group.",
+                             window[schema.POOL_FREE])
+                yield _gauge("sliding_window_pages_total", "Pages of the sliding layers' page group.",
+                             window[schema.POOL_CAPACITY])
+                yield _counter("sliding_window_hits", "Admissions that took a record's sliding-window pages.",
+                               s.cache[schema.SLIDING_WINDOW][schema.WINDOW_HITS])
+                yield _counter("sliding_window_evicted_pages", "Sliding-window pages freed by evicting records.",
+                               s.cache[schema.RECLAIMED_RESOURCES].get(schema.SLIDING_WINDOW_PAGES, 0))
             for key, value in s.cache.get("shared_tier", {}).items():  # --sharedCache
                 yield _counter(f"shared_tier_{key}", f"The profile's context_cache.shared_tier.{key}.", value)
 

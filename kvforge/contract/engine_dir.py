@@ -12,6 +12,7 @@ from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.files import check_path_name, read_json
 from kvforge.contract.geometry import (
     INT32_MAX,
+    MAX_KV_POOL_PAGES,
     PageGeometry,
     kv_bytes_per_page,
     partial_kv_bytes_per_slot,
@@ -24,6 +25,7 @@ from kvforge.contract.model_config import SPEC_DSPARK, ModelConfig
 from kvforge.contract.safetensors_map import map_tensor
 from kvforge.contract.tensor_header import read_tensor_header
 from kvforge.contract.validation import describe, one_line
+from kvforge.contract.window_pool import pool_bytes_by_layer_type, window_pool_layers
 
 MAX_LORA_RANK = 1024
 MAX_TREE_SIZE = 128  # tokens one verify row or drafting round may hold (TensorRT Edge-LLM's kMAX_EAGLE_DECODING_TOKENS)
@@ -124,6 +126,11 @@ class BuilderConfig(PageGeometry):
     # The CPU kernel's variant: PagedAttentionRope rotates Q/K and writes the pool in place (no new_key_values_*
     # outputs to scatter). False: the rotated rows come back and the runtime scatters them (engines built before).
     kernel_kv_write: bool = False
+    # The sliding layers' own page group (llm_build --slidingWindowPool; 0 = each keeps a full-length pool) and the
+    # KV pool bytes of each layer type (recomputed from the model on load, like the snapshot sizes).
+    window_pool_pages: int = 0
+    kv_pool_bytes_global: int = 0
+    kv_pool_bytes_sliding: int = 0
 
     @classmethod
     def from_geometry(cls, geometry: PageGeometry, backend: str, max_lora_rank: int,
@@ -141,6 +148,9 @@ class BuilderConfig(PageGeometry):
                 "recurrent_snapshot_bytes_per_slot": recurrent_bytes_per_slot(
                     recurrent, model.recurrent_state_num_heads, model.recurrent_state_head_dim,
                     model.recurrent_state_size, model.conv_dim, model.conv_kernel) if recurrent else 0}
+            window_pages = int(speculative.get("window_pool_pages", 0))
+            snapshots["kv_pool_bytes_global"], snapshots["kv_pool_bytes_sliding"] = pool_bytes_by_layer_type(
+                model, geometry, window_pages)
         if backend == "tensorrt":
             attention = ATTENTION_TRT_PLUGIN
         return cls(**resolved, backend=backend, max_lora_rank=max_lora_rank, attention=attention, **snapshots,
@@ -167,6 +177,8 @@ class EngineDir:
     def kv_pool_bytes(self) -> int:
         per_page = kv_bytes_per_page(self.model.num_key_value_heads, self.model.head_dim, self.build.tokens_per_page,
                                      self.model.kv_cache_dtype)
+        if self.build.window_pool_pages:
+            return self.build.kv_pool_bytes_global + self.build.kv_pool_bytes_sliding
         return per_page * self.build.max_kv_pool_pages * self.model.num_attention_layers
 
     @property
@@ -260,6 +272,11 @@ def read_builder_config(raw: dict[str, Any], model: ModelConfig) -> BuilderConfi
         if type(value) is not int or not 0 <= value <= MAX_TREE_SIZE:
             raise InvalidConfig(f"must be an integer in [0, {MAX_TREE_SIZE}], got {describe(value)}", f"{where}.{key}")
         speculative[key] = value
+    window = raw.get("window_pool_pages", 0)
+    if window and (type(window) is not int or not 0 < window <= MAX_KV_POOL_PAGES or not window_pool_layers(model)):
+        raise InvalidConfig(f"must be 0, or a page count in [1, {MAX_KV_POOL_PAGES}] on a model with "
+                            f"sliding-window layers, got {describe(window)}; {REBUILD}", f"{where}.window_pool_pages")
+    speculative["window_pool_pages"] = window
     if speculative["spec_draft"] != model.is_draft:
         raise InvalidConfig(f"spec_draft is {speculative['spec_draft']} but config.json's spec_decode_type is "
                             f"{model.spec_decode_type!r}; {REBUILD}", f"{where}.spec_draft")

@@ -122,6 +122,12 @@ DOCUMENTS_PRODUCED = "documents_produced"
 DOCUMENT_KEYS = (DOCUMENTS_SEEN, DOCUMENT_HITS, DOCUMENT_REUSED_TOKENS, DOCUMENT_REPAIRED_TOKENS,
                  DOCUMENT_ROTATED_PAGES, DOCUMENTS_PRODUCED)
 
+# Sliding-window checkpoints (engines built with --slidingWindowPool): hits that took a record's window pages, and
+# records published without one (the lease had freed part of it).
+SLIDING_WINDOW = "sliding_window"
+WINDOW_HITS = "hits"
+WINDOW_SKIPS = "skips"
+
 PLANNING_NANOSECONDS = "planning_nanoseconds"
 
 RECORDS = "records"
@@ -140,7 +146,9 @@ DRAFT_KV_PAGES = "draft_kv_pages"
 RECURRENT_SNAPSHOTS = "recurrent_snapshots"
 PARTIAL_KV_SNAPSHOTS = "partial_kv_snapshots"
 DOCUMENT_KV_PAGES = "document_kv_pages"  # kvforge only: stored documents' pages (capacity 0 without document reuse)
-POOL_KEYS = (BASE_KV_PAGES, DRAFT_KV_PAGES, RECURRENT_SNAPSHOTS, PARTIAL_KV_SNAPSHOTS, DOCUMENT_KV_PAGES)
+SLIDING_WINDOW_PAGES = "sliding_window_pages"  # the sliding layers' own pages (engines built with --slidingWindowPool)
+POOL_KEYS = (BASE_KV_PAGES, DRAFT_KV_PAGES, RECURRENT_SNAPSHOTS, PARTIAL_KV_SNAPSHOTS, DOCUMENT_KV_PAGES,
+             SLIDING_WINDOW_PAGES)
 POOL_FREE = "free"
 POOL_CAPACITY = "capacity"
 EMPTY_POOL: Mapping[str, int] = MappingProxyType({POOL_FREE: 0, POOL_CAPACITY: 0})

@@ -32,6 +32,8 @@ class CacheMetrics:
     records_evicted: int = 0
     full_page_replays: int = 0  # speculative hits that recomputed their final matched page in base and draft
     pair_publications: int = 0  # records committed or upgraded with a draft path beside their base pages
+    window_hits: int = 0  # admissions that took a record's sliding-window pages
+    window_skips: int = 0  # records published without a window (the lease no longer held it all)
     reclaimed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(schema.POOL_KEYS, 0))
     documents: dict[str, int] = field(default_factory=lambda: dict.fromkeys(schema.DOCUMENT_KEYS, 0))  # issue 37
 
@@ -78,6 +80,7 @@ class CacheMetrics:
             schema.SPECULATIVE: {schema.FULL_PAGE_REPLAYS: self.full_page_replays,
                                  schema.PAIR_PUBLICATIONS: self.pair_publications},
             schema.DOCUMENTS: dict(self.documents),
+            schema.SLIDING_WINDOW: {schema.WINDOW_HITS: self.window_hits, schema.WINDOW_SKIPS: self.window_skips},
             schema.PLANNING_NANOSECONDS: self.planning_nanoseconds,
             schema.RECORDS: {schema.RECORDS_CURRENT: records_current, schema.RECORDS_EVICTED: self.records_evicted},
             # Schema order first (every pool TensorRT Edge-LLM lists, zeros for types this deployment lacks).

@@ -16,6 +16,7 @@ from kvforge.contract.profile_schema import (
     DRAFT_KV_PAGES,
     PARTIAL_KV_SNAPSHOTS,
     RECURRENT_SNAPSHOTS,
+    SLIDING_WINDOW_PAGES,
 )
 from kvforge.runtime.context_cache.attention_pages import build_attention_pages
 from kvforge.runtime.context_cache.document_chunks import DOCUMENT_OPTIONS, build_document_chunks
@@ -23,6 +24,7 @@ from kvforge.runtime.context_cache.draft_paths import DRAFT_OPTIONS, build_draft
 from kvforge.runtime.context_cache.partial_tails import PARTIAL_OPTIONS, build_partial_tails
 from kvforge.runtime.context_cache.protocol import CacheSetup, CacheType
 from kvforge.runtime.context_cache.recurrent_checkpoints import RECURRENT_OPTIONS, build_recurrent_checkpoints
+from kvforge.runtime.context_cache.sliding_window import SLIDING_WINDOW_OPTIONS, build_sliding_window
 
 TypeFactory = Callable[[CacheSetup, str], CacheType | None]
 
@@ -63,3 +65,4 @@ register(RECURRENT_SNAPSHOTS, build_recurrent_checkpoints, RECURRENT_OPTIONS)
 register(PARTIAL_KV_SNAPSHOTS, build_partial_tails, PARTIAL_OPTIONS)
 register(DRAFT_KV_PAGES, build_draft_paths, DRAFT_OPTIONS)
 register(DOCUMENT_KV_PAGES, build_document_chunks, DOCUMENT_OPTIONS)
+register(SLIDING_WINDOW_PAGES, build_sliding_window, SLIDING_WINDOW_OPTIONS)

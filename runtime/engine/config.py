@@ -21,6 +21,7 @@ from kvforge.contract.memory import available_memory_bytes, check_fits_memory
 from kvforge.contract.model_config import ModelConfig
 from kvforge.contract.rope import rope_table
 from kvforge.contract.speculation import spec_decode_help
+from kvforge.contract.window_pool import window_call_tokens
 from kvforge.runtime.context_cache.document_chunks import (  # noqa: F401 - REPAIR_POLICIES is re-exported
     DEFAULT_REPAIR,
     REPAIR_POLICIES,
@@ -267,6 +268,14 @@ def resolve_engine_config(config: EngineConfig, engine: EngineDir, *, num_pages:
         raise InvalidConfig(f"must be >= 0, got {config.encoder_cache_budget_bytes}", "encoder_cache_budget_bytes")
     # Before the snapshot budgets: a recurrent engine's missing budget is not what stops document reuse there.
     _check_document_reuse(config, engine, deployment, method, base)
+    if build.window_pool_pages:  # what keeps or reads K/V through the global page table alone
+        for option, value in (("spec_decode", config.spec_decode != SPEC_OFF), ("shared_cache", config.shared_cache),
+                              ("document_reuse", config.document_reuse),
+                              ("context_cache_partial_kv_snapshot_pool_bytes",
+                               config.context_cache_partial_kv_snapshot_pool_bytes)):
+            if value:
+                raise InvalidConfig("is not served on an engine built with --slidingWindowPool yet (rebuild without "
+                                    "it)", option)
     partial = _partial_kv_snapshot_slots(config, engine, deployment)
     recurrent = _recurrent_snapshot_slots(config, engine, deployment)
     pages = build.max_kv_pool_pages if num_pages is None else num_pages
@@ -276,6 +285,8 @@ def resolve_engine_config(config: EngineConfig, engine: EngineDir, *, num_pages:
     # A pure recurrent engine keeps no pages (its geometry's page count sizes nothing).
     pages = 0 if deployment is Deployment.PURE_RECURRENT else pages
     chunk = min(config.prefill_chunk_size or build.max_input_len, build.max_input_len)
+    if build.window_pool_pages:  # the group is sized for calls of at most this many tokens per row
+        chunk = min(chunk, window_call_tokens(engine.model.sliding_window, build.tokens_per_page, build.max_input_len))
     checkpoints = CheckpointPolicy(bool(recurrent), config.snapshot_message_boundaries,
                                    config.snapshot_interval_tokens)
     if method.support.endpoint_capture and recurrent:
@@ -366,7 +377,9 @@ def snapshot_budgets(engine: EngineDir, slots: int = DEFAULT_SNAPSHOT_SLOTS,
     budgets = {}
     if build.recurrent_snapshot_bytes_per_slot:
         budgets["context_cache_recurrent_snapshot_pool_bytes"] = slots * build.recurrent_snapshot_bytes_per_slot
-    if build.partial_kv_snapshot_bytes_per_slot and (partial_kv or build.recurrent_snapshot_bytes_per_slot):
+    # A sliding-window group engine keeps no partial-KV snapshots (its reuse is by window checkpoints).
+    if build.partial_kv_snapshot_bytes_per_slot and (partial_kv or build.recurrent_snapshot_bytes_per_slot) \
+            and not build.window_pool_pages:
         budgets["context_cache_partial_kv_snapshot_pool_bytes"] = slots * build.partial_kv_snapshot_bytes_per_slot
     return budgets
 

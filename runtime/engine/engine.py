@@ -25,6 +25,7 @@ from kvforge.contract.model_config import ModelConfig
 from kvforge.contract.paging import pages_for
 from kvforge.contract.rope import rope_table
 from kvforge.contract.safetensors_map import map_tensor
+from kvforge.contract.window_pool import window_call_tokens
 from kvforge.runtime.adapters import LoraRegistry, lora_input_shapes
 from kvforge.runtime.context_cache.manager import ContextCacheManager
 from kvforge.runtime.engine.config import (  # noqa: F401 - EngineConfig and the budget helper are re-exported
@@ -136,7 +137,8 @@ class Engine:
                                          chain_root=resolved.chain_root, events=self.tier,
                                          draft_pages=spec.draft_pages(resolved.draft),
                                          draft_replays=resolved.draft is None or spec.support.replays_final_page,
-                                         **self._document_options(config, resolved))
+                                         **self._document_options(config, resolved),
+                                         **_window_group(self.engine_dir))
         encoder = _load_encoder(config)
         self.tokenizer = ChatTokenizer(self.engine_dir.path,
                                        media_markers={encoder.kind: encoder.marker} if encoder is not None else {})
@@ -229,6 +231,9 @@ class Engine:
             raise InvalidConfig("the legacy system-prompt cache keeps K/V only, which cannot restore a recurrent "
                                 "model's state; use --enableContextReuse (exact checkpoints)",
                                 "save_system_prompt_kv_cache")
+        if request.system_prompt_key is not None and self.engine_dir.build.window_pool_pages:
+            raise InvalidConfig("the legacy system-prompt cache copies every layer through one page table, which an "
+                                "engine built with --slidingWindowPool does not have", "save_system_prompt_kv_cache")
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.core.sequences:
             raise InvalidConfig(f"request id {request_id!r} is already in flight", "request_id")
@@ -377,3 +382,12 @@ def _multimodal_processor(encoder, config: EngineConfig, tokenizer, profiler: Pr
 
 __all__ = ["Engine", "EngineConfig", "EngineInfo", "EngineRequest", "EngineStats", "RequestOutput", "Runner",
            "SampleResult", "Status", "deployment_of", "set_ort_logging", "snapshot_budgets"]
+
+
+def _window_group(engine: EngineDir) -> dict[str, int]:
+    """The sliding-window page group's options for the cache (none on an engine built without one)."""
+    if not engine.build.window_pool_pages:
+        return {}
+    return {"sliding_window": engine.model.sliding_window, "sliding_window_pages": engine.build.window_pool_pages,
+            "sliding_window_call_tokens": window_call_tokens(engine.model.sliding_window, engine.build.tokens_per_page,
+                                                             engine.build.max_input_len)}

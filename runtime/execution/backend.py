@@ -36,6 +36,7 @@ class StepInputs:
     # + i) and which new tokens each new token sees [B, S, S] bool (None = causal). K/V is still written at start + i.
     position_ids: np.ndarray | None = None
     attention_mask: np.ndarray | None = None
+    window_page_ids: list[list[int]] | None = None  # sliding-window group: per row, its table (-1: out of window)
 
     def positions(self) -> np.ndarray:
         """The call's logits_indices as int64 [N], the default resolved."""

@@ -9,6 +9,7 @@ import numpy as np
 from kvforge.contract.engine_dir import PER_LAYER_INPUT
 from kvforge.runtime.adapters import LoraAdapter, stack_adapters
 from kvforge.runtime.context_cache.lease import Lease
+from kvforge.runtime.context_cache.sliding_window import window_table
 from kvforge.runtime.execution.backend import Backend, ForwardOutput, StepInputs
 from kvforge.runtime.execution.tree_attention import ancestor_mask, causal_masks, start_positions
 from kvforge.runtime.sequence import Sequence
@@ -127,7 +128,8 @@ class ModelExecutor:
                           self._lora_inputs([row.seq.request.adapter for row in rows]),
                           logits_indices=np.concatenate(positions),
                           hidden_indices=np.concatenate(every) if self.all_hidden else None,
-                          position_ids=position_ids, attention_mask=mask)
+                          position_ids=position_ids, attention_mask=mask,
+                          window_page_ids=_window_tables(rows))
         if per_layer is not None:
             step.extra_inputs = {PER_LAYER_INPUT: per_layer}
         adapter_starts = [row.seq.request.adapter_start for row in rows]
@@ -192,3 +194,9 @@ def _pad_media(row_inputs: np.ndarray, pad_row: np.ndarray, seq: Sequence, num_n
     for span in seq.request.media:
         padded = replace(span, embeds=np.broadcast_to(pad_row, (len(span.embeds), len(pad_row))))
         padded.splice(row_inputs, begin, begin + num_new)
+
+
+def _window_tables(rows: list[ScheduledRow]) -> list[list[int]] | None:
+    """Each row's sliding-window table, or None on an engine without a sliding-window page group."""
+    tables = [window_table(row.seq.lease) for row in rows]
+    return None if tables[0] is None else tables  # type: ignore[return-value]

@@ -13,15 +13,26 @@ ROTATION_CHECK_TOLERANCE = 1e-3  # float32 rotations of unit-scale keys agree to
 class KVStore:
     """Per-layer pools [num_pages, 2, Hkv, tokens_per_page, D] in the storage dtype (FP8 as raw bytes)."""
 
-    __slots__ = ("layers", "tokens_per_page", "kv_cache_dtype")
+    __slots__ = ("layers", "tokens_per_page", "kv_cache_dtype", "windowed")
 
     def __init__(self, num_layers: int, num_pages: int, num_kv_heads: int, tokens_per_page: int, head_dim: int,
-                 kv_cache_dtype: str) -> None:
+                 kv_cache_dtype: str, *, windowed: frozenset[int] = frozenset(), window_pages: int = 0) -> None:
+        """`windowed`: the layer indices (into `layers`) of the sliding-window page group, `window_pages` pages
+        each, addressed through a row's window table; every other layer has `num_pages`."""
         self.tokens_per_page = tokens_per_page
         self.kv_cache_dtype = kv_cache_dtype
-        shape = (num_pages, 2, num_kv_heads, tokens_per_page, head_dim)
+        self.windowed = windowed
+        dtype = pool_numpy_dtype(kv_cache_dtype)
         # np.zeros maps untouched pages lazily, so a large pool costs memory only as it fills.
-        self.layers = [np.zeros(shape, dtype=pool_numpy_dtype(kv_cache_dtype)) for _ in range(num_layers)]
+        self.layers = [np.zeros((window_pages if i in windowed else num_pages, 2, num_kv_heads, tokens_per_page,
+                                 head_dim), dtype=dtype) for i in range(num_layers)]
+
+    def _one_table(self) -> None:
+        """What addresses every layer through one row of page ids cannot serve a sliding-window group (its layers
+        have their own page ids): the engine refuses the features that would ask (snapshots, the shared tier,
+        speculation, the legacy system-prompt cache); this guards the pool."""
+        if self.windowed:
+            raise AssertionError("a copy through one page table on a pool with a sliding-window page group")
 
     @property
     def nbytes(self) -> int:
@@ -40,11 +51,13 @@ class KVStore:
 
     def read_tokens(self, page_ids: list[int], num_tokens: int) -> list[np.ndarray]:
         """Stored rows [n, 2, Hkv, D] of positions [0, num_tokens) per layer (copies, storage dtype)."""
+        self._one_table()
         pages, slots = self.locate(page_ids, 0, num_tokens)
         return [layer[pages, :, :, slots, :] for layer in self.layers]
 
     def write_tokens(self, page_ids: list[int], stored_rows: list[np.ndarray]) -> None:
         """Write rows previously returned by read_tokens back at positions [0, n)."""
+        self._one_table()
         pages, slots = self.locate(page_ids, 0, len(stored_rows[0]))
         for layer, rows in zip(self.layers, stored_rows, strict=True):
             layer[pages, :, :, slots, :] = rows
@@ -52,6 +65,7 @@ class KVStore:
     def copy_positions(self, page_ids: list[int], sources: list[int], targets: list[int]) -> None:
         """Move K/V rows within one sequence: position sources[i] to targets[i] (a tree verify's accepted path to
         consecutive positions). Sources are read before anything is written, so the lists may overlap."""
+        self._one_table()
         src_pages, src_slots = _locate_positions(page_ids, sources, self.tokens_per_page)
         dst_pages, dst_slots = _locate_positions(page_ids, targets, self.tokens_per_page)
         for layer in self.layers:
@@ -62,6 +76,7 @@ class KVStore:
         at another offset; `delta` a multiple of the page size keeps slots in place). V does not depend on the
         position and is copied as stored. `cos_sin` is the engine's rope table (the pool does not know the rope).
         Sources are read before anything is written, so the lists may overlap."""
+        self._one_table()
         if len(src_pages) != len(dst_pages):
             raise ValueError(f"{len(src_pages)} source pages but {len(dst_pages)} destinations")
         src, dst = np.asarray(src_pages, dtype=np.int64), np.asarray(dst_pages, dtype=np.int64)
@@ -72,9 +87,11 @@ class KVStore:
 
     def read_page(self, page: int) -> list[np.ndarray]:
         """Views of one page [2, Hkv, T, D] per layer (callers copy them before the page is written again)."""
+        self._one_table()
         return [layer[page] for layer in self.layers]
 
     def write_page(self, page: int, stored: list[np.ndarray]) -> None:
+        self._one_table()
         for layer, rows in zip(self.layers, stored, strict=True):
             layer[page] = rows
 

@@ -27,6 +27,7 @@ from kvforge.contract.errors import KvforgeError
 from kvforge.contract.lora import ACTIVATION_INPUT
 from kvforge.contract.paging import pages_for
 from kvforge.contract.safetensors_map import map_tensor
+from kvforge.contract.window_pool import WINDOW_PAGE_TABLE, window_pool_layers
 from kvforge.plugins.ops import UNUSED_PAGE
 from kvforge.plugins.reference import rope_table
 from kvforge.runtime.execution.backend import ForwardOutput, StepInputs, activation_values, last_token_indices
@@ -121,8 +122,13 @@ def check_graph_inputs(session: ort.InferenceSession, engine: EngineDir) -> None
                                "engine_dir")
     # A KV-shared assistant's pools are its base's: their page count is the base's (symbolic in its graph).
     pages = -1 if model.reads_base_kv else build.max_kv_pool_pages
-    expected = [pages, 2, model.num_key_value_heads, build.tokens_per_page, model.head_dim]
+    windowed = {f"past_key_values_{i}" for i in window_pool_layers(model)} if build.window_pool_pages else set()
+    if windowed and WINDOW_PAGE_TABLE not in inputs:
+        raise KvforgeError(f"config.json gives the sliding layers a page group but the graph has no "
+                           f"{WINDOW_PAGE_TABLE} input; rebuild it with llm_build", "engine_dir")
     for name in pools:
+        expected = [build.window_pool_pages if name in windowed else pages, 2, model.num_key_value_heads,
+                    build.tokens_per_page, model.head_dim]
         shape = inputs[name]
         if len(shape) != len(expected) or any(isinstance(d, int) and e >= 0 and d != e for d, e in zip(shape, expected,
                                                                                             strict=False)):
@@ -181,8 +187,12 @@ class OrtBackend:
         # kernel_kv_write); engines built before return them as new_key_values_* for _scatter.
         self._kernel_writes = build.kernel_kv_write
         self._pool_inputs = [f"past_key_values_{i}" for i in model.attention_layer_ids]
+        windowed = set(window_pool_layers(model)) if build.window_pool_pages else set()
         self.kv_store = KVStore(len(self._pool_inputs), build.max_kv_pool_pages, model.num_key_value_heads,
-                           build.tokens_per_page, model.head_dim, model.kv_cache_dtype)
+                                build.tokens_per_page, model.head_dim, model.kv_cache_dtype,
+                                windowed=frozenset(k for k, i in enumerate(model.attention_layer_ids) if i in windowed),
+                                window_pages=build.window_pool_pages)
+        self._window_table = bool(windowed)
         pools = list(self.kv_store.layers)
         if model.reads_base_kv:  # its pool inputs are the base's layers; it owns none and writes none
             if shared_pools is None or any(i not in shared_pools for i in model.pool_layer_ids):
@@ -259,6 +269,10 @@ class OrtBackend:
             binding.bind_cpu_input("kvcache_start_index", starts)
             extent = starts + lengths if self._kernel_writes else starts  # the pages the graph writes, too
             binding.bind_cpu_input("kv_page_table", self._page_table(step.page_ids, extent))
+            if self._window_table:
+                if step.window_page_ids is None:
+                    raise AssertionError("a call on a sliding-window group engine without the rows' window tables")
+                binding.bind_cpu_input(WINDOW_PAGE_TABLE, self._page_table(step.window_page_ids, extent))
         lora = step.lora_tensors if step.lora_tensors is not None else self._rank_zero(len(lengths))
         activation = activation_values(step.adapter_start, len(lengths), self._activation_input)
         if activation is not None:
@@ -283,7 +297,7 @@ class OrtBackend:
             outputs = dict(zip(self._output_names, binding.copy_outputs_to_cpu(), strict=True))
         if self._pool_inputs and not self._kernel_writes:
             self._scatter([outputs[new_rows_name(name)] for name in self._pool_inputs], step.page_ids, starts,
-                          lengths)
+                          lengths, step.window_page_ids)
         if self.states is not None:
             self.states.scatter(step.state_rows, outputs)  # type: ignore[arg-type]
         return ForwardOutput(outputs[LOGITS], outputs.get(HIDDEN_STATES))
@@ -307,7 +321,19 @@ class OrtBackend:
         return table
 
     def _scatter(self, new_rows: list[np.ndarray], page_ids: list[list[int]], starts: np.ndarray,
-                 lengths: np.ndarray) -> None:
+                 lengths: np.ndarray, window_page_ids: list[list[int]] | None = None) -> None:
+        b_idx, t_idx, page_idx, slot_idx = self._targets(page_ids, starts, lengths)
+        window = self._targets(window_page_ids, starts, lengths) if window_page_ids is not None else None
+        for layer, new in enumerate(new_rows):
+            if layer in self.kv_store.windowed:
+                assert window is not None, "a sliding-window group layer needs the rows' window tables"
+                self.kv_store.scatter(layer, new[window[0], window[1]], window[2], window[3])
+            else:
+                self.kv_store.scatter(layer, new[b_idx, t_idx], page_idx, slot_idx)
+
+    def _targets(self, page_ids: list[list[int]], starts: np.ndarray,
+                 lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(row, token, page, slot) of every new token of the call through the rows' tables."""
         rows, tokens, pages, slots = [], [], [], []
         for b, (start, length) in enumerate(zip(starts.tolist(), lengths.tolist(), strict=True)):
             row_pages, row_slots = self.kv_store.locate(page_ids[b], start, start + length)
@@ -315,7 +341,4 @@ class OrtBackend:
             tokens.append(np.arange(length))
             pages.append(row_pages)
             slots.append(row_slots)
-        b_idx, t_idx = np.concatenate(rows), np.concatenate(tokens)
-        page_idx, slot_idx = np.concatenate(pages), np.concatenate(slots)
-        for layer, new in enumerate(new_rows):
-            self.kv_store.scatter(layer, new[b_idx, t_idx], page_idx, slot_idx)
+        return np.concatenate(rows), np.concatenate(tokens), np.concatenate(pages), np.concatenate(slots)
