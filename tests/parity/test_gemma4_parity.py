@@ -399,7 +399,8 @@ def test_executor_feeds_the_pad_rows_per_layer_at_media_positions() -> None:
     embedding, table = rng.standard_normal((10, 3)), rng.standard_normal((10, 6))
     media = MediaSpan(MediaKey(2, 4, b"image"), np.full((4, 3), 7.0, np.float32))
     ids = [1, 2, 9, 9, 9, 9, 3, 4]
-    seq = SimpleNamespace(num_computed_tokens=0, all_token_ids=lambda: ids, lease=SimpleNamespace(page_ids=[0], parts={}),
+    seq = SimpleNamespace(num_computed_tokens=0, all_token_ids=lambda: ids,
+                          lease=SimpleNamespace(page_ids=[0], parts={}),
                           request=SimpleNamespace(adapter=None, adapter_start=0, media=[media]))
     executor = ModelExecutor(Recording(), embedding, {}, per_layer=table, media_row=5)  # type: ignore[arg-type]
     for count in (4, 4):  # the span straddles the two chunks

@@ -293,10 +293,15 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     return weights
 
 
-def build_graph(loaded: LoadedModel, progress: Callable[[int], None]) -> onnx.ModelProto:
+def refuse_quantized(loaded: LoadedModel) -> None:
+    """The Gemma graphs take float32 weights only (their int4 blocks are not written yet)."""
     if loaded.quantized:
         raise KvforgeError(f"{loaded.config.model} exports float32 weights only for now; use --quantization none",
                            "--quantization")
+
+
+def build_graph(loaded: LoadedModel, progress: Callable[[int], None]) -> onnx.ModelProto:
+    refuse_quantized(loaded)
     return build_gemma3_graph(loaded.config, loaded.weights, progress=progress)
 
 

@@ -11,7 +11,6 @@ import onnx
 from onnx import helper
 
 from kvforge.contract.engine_dir import PER_LAYER_INPUT
-from kvforge.contract.errors import KvforgeError
 from kvforge.contract.model_config import ModelConfig
 from kvforge.graph.onnx_graph import FLOAT, INT32, OPSET, GraphWriter, value_info
 from kvforge.graph.positions import attach_hidden_states, gather_positions, logits_indices_input, logits_output
@@ -25,6 +24,7 @@ from kvforge.tools.export.families.gemma3 import (
     gelu_tanh,
     inverse_frequencies,
     layer_types,
+    refuse_quantized,
     text_config,
 )
 from kvforge.tools.export.families.llama import POOL_ELEM_TYPES, pool_input_name, pool_output_name, rope_inputs
@@ -345,9 +345,7 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def build_graph(loaded: LoadedModel, progress: Callable[[int], None]) -> onnx.ModelProto:
-    if loaded.quantized:
-        raise KvforgeError(f"{loaded.config.model} exports float32 weights only for now; use --quantization none",
-                           "--quantization")
+    refuse_quantized(loaded)
     return build_gemma4_graph(loaded.config, loaded.weights, progress=progress)
 
 
