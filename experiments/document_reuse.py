@@ -77,16 +77,18 @@ def workload(docs: list[Report], requests: int, k: int, seed: int) -> list[tuple
     return out
 
 
-def engine_options(policy: str, threads: int) -> dict[str, Any]:
+def engine_options(policy: str, threads: int, shared_cache: str | None = None) -> dict[str, Any]:
     options: dict[str, Any] = {"num_threads": threads, "enable_context_reuse": policy != "cold"}
     if policy not in ("cold", "prefix"):
         options.update(document_reuse=True, document_repair=policy)
+    if shared_cache and policy != "cold":
+        options["shared_cache"] = shared_cache
     return options
 
 
 def run_policy(engine_dir: Path, policy: str, requests: list[tuple[list[dict[str, Any]], str]], threads: int,
-               max_tokens: int) -> dict[str, Any]:
-    llm = LLM(str(engine_dir), **engine_options(policy, threads))
+               max_tokens: int, shared_cache: str | None = None) -> dict[str, Any]:
+    llm = LLM(str(engine_dir), **engine_options(policy, threads, shared_cache))
     sampling = SamplingParams(temperature=0, max_generate_length=max_tokens)
     results = []
     try:
@@ -175,6 +177,9 @@ def main() -> None:
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated; cold is always run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--sharedCache", help="a KV tier (redis://HOST:PORT/DB) for the reusing policies: run the "
+                        "script twice with one policy (--policies none), and the second process's hit rate is what "
+                        "it reused of what the first computed")
     args = parser.parse_args()
     policies = ["cold", *[p for p in args.policies.split(",") if p and p != "cold"]]
     unknown = set(policies) - set(POLICIES)
@@ -188,7 +193,8 @@ def main() -> None:
         else:
             engine_dir = args.engineDir
         requests = workload(reports(args.reports, args.filler), args.requests, args.shown, args.seed)
-        runs = {policy: run_policy(engine_dir, policy, requests, args.threads, args.maxTokens) for policy in policies}
+        runs = {policy: run_policy(engine_dir, policy, requests, args.threads, args.maxTokens, args.sharedCache)
+                for policy in policies}
     summary = summarize(runs)
     print(f"{'policy':<11} {'hit rate':>8} {'TTFT ms':>8} {'vs cold':>7} {'right':>5} {'top-1':>6} {'same 16':>7}"
           f" {'repair':>6}")
