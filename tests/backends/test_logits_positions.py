@@ -53,6 +53,7 @@ HIDDEN, VOCAB = 64, 259  # every tiny model's
 @dataclass
 class _Lease:  # what ModelExecutor reads of a lease (hashable by identity, as the engine's are)
     page_ids: list[int]
+    parts: dict = field(default_factory=dict)  # no sliding-window part: one page table
     __hash__ = object.__hash__
 
 
