@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import hashlib
 import os
@@ -12,10 +13,12 @@ import sys
 import tarfile
 import tempfile
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
+
+import numpy as np
 
 from kvforge.contract.errors import KvforgeError
 
@@ -284,6 +287,47 @@ def kernel_status() -> tuple[Path | None, str]:
         return None, str(exc).splitlines()[0]
     except Exception as exc:  # a network, disk or subprocess failure: fall back, with the reason
         return None, f"CPU kernel unavailable: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+# kvforge_rotate_keys's dtype codes (the kernel's PoolType order) and the numpy dtype each storage arrives in.
+ROTATE_DTYPES = {"fp16": (0, np.dtype(np.float16)), "fp8": (1, np.dtype(np.uint8)), "fp32": (2, np.dtype(np.float32))}
+
+
+@lru_cache(maxsize=4)
+def _rotate_function(source_mtime_ns: int, environment: tuple[str, ...]) -> Callable[..., int] | None:
+    """kvforge_rotate_keys from the built library, loaded once (ctypes; the library links no ONNX Runtime)."""
+    del source_mtime_ns, environment  # memo key only, as in _plan
+    path, _ = kernel_status()
+    if path is None:
+        return None
+    function = ctypes.CDLL(str(path)).kvforge_rotate_keys
+    function.restype = ctypes.c_int
+    function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                         ctypes.c_int, ctypes.c_int]
+    return function
+
+
+def rotate_keys(stored_k: np.ndarray, delta: int, cos_sin: np.ndarray, kv_cache_dtype: str) -> np.ndarray | None:
+    """The kernel library's reference.rotate_keys (the same bytes, a new array), or None when the kernel is off or
+    unavailable or the arguments are ones it does not take: the caller then runs the numpy reference, which also
+    gives the errors for a bad table or delta."""
+    if os.environ.get(SWITCH_ENV, "").lower() == "off" or kv_cache_dtype not in ROTATE_DTYPES:
+        return None
+    code, storage = ROTATE_DTYPES[kv_cache_dtype]
+    rotary, head_dim = cos_sin.shape[-1], stored_k.shape[-1]
+    if (cos_sin.dtype != np.float32 or stored_k.dtype != storage or cos_sin.ndim != 2 or rotary % 2
+            or rotary > head_dim or stored_k.size == 0 or abs(delta) >= cos_sin.shape[0] or not SOURCE.is_file()):
+        return None
+    environment = tuple(os.environ.get(name, "") for name in (INCLUDE_ENV, CACHE_ENV, CXX_ENV))
+    function = _rotate_function(SOURCE.stat().st_mtime_ns, environment)
+    if function is None:
+        return None
+    moved = np.array(stored_k, order="C", copy=True)  # rotated in place: the caller's array stays as it was
+    row = np.ascontiguousarray(cos_sin[abs(delta)])
+    if function(moved.ctypes.data, moved.size // head_dim, head_dim, rotary, row.ctypes.data,
+                1 if delta >= 0 else -1, code) != 0:
+        raise KvforgeError(f"kvforge_rotate_keys refused a {kv_cache_dtype} rotation of {rotary} of {head_dim} dims")
+    return moved
 
 
 def register(options: object) -> str:

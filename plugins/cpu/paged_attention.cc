@@ -67,6 +67,12 @@ void init_fp8_table() {
   }
 }
 
+// The table once per process, whichever comes first: RegisterCustomOps or a ctypes call of kvforge_rotate_keys.
+void ensure_fp8_table() {
+  static const bool table_ready = (init_fp8_table(), true);
+  (void)table_ready;
+}
+
 [[maybe_unused]] float half_to_float(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
   const uint32_t exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
@@ -1271,7 +1277,54 @@ OrtCustomOp make_rope_op() {
 OrtCustomOp g_paged_attention = make_op();
 OrtCustomOp g_paged_attention_rope = make_rope_op();
 
+// One stored key row decoded to float32 (scalar: any head width, and exact like the vector decode).
+void decode_any(PoolType type, const void* src, float* dst, int64_t n) {
+  switch (type) {
+    case PoolType::kF32:
+      std::memcpy(dst, src, sizeof(float) * n);
+      break;
+    case PoolType::kF16:
+      for (int64_t d = 0; d < n; ++d) dst[d] = half_to_float(static_cast<const uint16_t*>(src)[d]);
+      break;
+    case PoolType::kFp8:
+      for (int64_t d = 0; d < n; ++d) dst[d] = g_fp8_table[static_cast<const uint8_t*>(src)[d]];
+      break;
+  }
+}
+
 }  // namespace
+
+// Document reuse (issue 37) moves a document's stored keys by `delta` positions: one more rotate-half rotation.
+// In place on `rows` contiguous rows of `head_dim` elements in the storage type (`dtype`: 0 fp16, 1 fp8 E4M3FN,
+// 2 fp32, PoolType's order): decoded to float32, the first `rotary` dims rotated with `cos_sin_row` (the rope
+// table's row |delta|: rotary/2 cosines then rotary/2 sines; `sign` -1 negates the sines to rotate back), encoded
+// with the KV write's rounding. Byte for byte reference.rotate_keys. Returns 0, or -1 for arguments it refuses.
+extern "C" __attribute__((visibility("default"))) int kvforge_rotate_keys(void* keys, int64_t rows, int64_t head_dim,
+                                                                          int64_t rotary, const float* cos_sin_row,
+                                                                          int sign, int dtype) {
+  if (!keys || !cos_sin_row || rows < 0 || head_dim <= 0 || rotary < 0 || rotary % 2 || rotary > head_dim ||
+      (sign != 1 && sign != -1) || dtype < 0 || dtype > 2) {
+    return -1;
+  }
+  ensure_fp8_table();
+  const PoolType type = static_cast<PoolType>(dtype);
+  const int64_t half = rotary / 2;
+  std::vector<float> table(static_cast<size_t>(rotary));
+  for (int64_t j = 0; j < half; ++j) {
+    table[j] = cos_sin_row[j];
+    table[half + j] = sign < 0 ? -cos_sin_row[half + j] : cos_sin_row[half + j];  // sin(-a) = -sin(a), exact
+  }
+  std::vector<float> decoded(static_cast<size_t>(head_dim)), rotated(static_cast<size_t>(head_dim));
+  const size_t row_bytes = pool_element_bytes(type) * static_cast<size_t>(head_dim);
+  uint8_t* base = static_cast<uint8_t*>(keys);
+  for (int64_t r = 0; r < rows; ++r) {
+    void* row = base + static_cast<size_t>(r) * row_bytes;
+    decode_any(type, row, decoded.data(), head_dim);
+    rotate_head(decoded.data(), table.data(), rotary, head_dim, rotated.data());
+    store_row(type, rotated.data(), row, head_dim);
+  }
+  return 0;
+}
 
 extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL
 RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
@@ -1283,8 +1336,7 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
                                 ", this runtime is " + api_base->GetVersionString();
     return oldest ? oldest->CreateStatus(ORT_FAIL, message.c_str()) : nullptr;
   }
-  static const bool table_ready = (init_fp8_table(), true);
-  (void)table_ready;
+  ensure_fp8_table();
   OrtCustomOpDomain* domain = nullptr;  // must outlive every session using it, so it is never released
   KVF_TRY(g_api->CreateCustomOpDomain("kvforge.cpu", &domain));
   KVF_TRY(g_api->CustomOpDomain_Add(domain, &g_paged_attention));

@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvforge.plugins import cpu_kernel
 from kvforge.plugins.reference import apply_rope, pool_numpy_dtype, rotate_keys, to_storage
 from kvforge.runtime.execution.backend import KVStorage
 
 ROTATION_CHECK_TOLERANCE = 1e-3  # float32 rotations of unit-scale keys agree to ~1e-6; a wrong table is off by O(1)
+
+
+def moved_keys(stored_k: np.ndarray, delta: int, cos_sin: np.ndarray, kv_cache_dtype: str) -> np.ndarray:
+    """`rotate_keys` through the CPU kernel library when it is built (the same bytes, without numpy's temporaries),
+    else the numpy reference itself (KVFORGE_CPU_KERNEL=off, no compiler)."""
+    moved = cpu_kernel.rotate_keys(stored_k, delta, cos_sin, kv_cache_dtype)
+    return moved if moved is not None else rotate_keys(stored_k, delta, cos_sin, kv_cache_dtype)
 
 
 class KVStore:
@@ -82,7 +90,7 @@ class KVStore:
         src, dst = np.asarray(src_pages, dtype=np.int64), np.asarray(dst_pages, dtype=np.int64)
         for layer in self.layers:
             pages = layer[src].copy()  # [n, 2, Hkv, T, D]
-            pages[:, 0] = rotate_keys(pages[:, 0], delta, cos_sin, self.kv_cache_dtype)
+            pages[:, 0] = moved_keys(pages[:, 0], delta, cos_sin, self.kv_cache_dtype)
             layer[dst] = pages
 
     def read_page(self, page: int) -> list[np.ndarray]:
@@ -141,7 +149,7 @@ class DocumentKVStore:
         moved = []
         for stored in self.layers:
             layer_rows = stored[src_slots, :, :, src_rows, :]  # [n, 2, Hkv, D]
-            layer_rows[:, 0] = rotate_keys(layer_rows[:, 0], start, self.cos_sin, self.kv_cache_dtype)
+            layer_rows[:, 0] = moved_keys(layer_rows[:, 0], start, self.cos_sin, self.kv_cache_dtype)
             moved.append(layer_rows)
         for page in dict.fromkeys(dst_pages.tolist()):
             here = dst_pages == page
