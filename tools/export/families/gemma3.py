@@ -108,15 +108,20 @@ def query_scalar(config: ModelConfig) -> float:
     return config.query_pre_attn_scalar or float(config.head_dim)
 
 
-def build_gemma3_graph(config: ModelConfig, weights: dict[str, np.ndarray],
-                       progress: Callable[[int], None] | None = None) -> onnx.ModelProto:
-    """The llama graph's contract (`inputs_embeds`, paged-KV inputs, `logits` at `logits_indices`, optional
-    `hidden_states`): the runtime's embedding rows come in unscaled, as the tied LM head reads them."""
-    g = GraphWriter()
+NormWeight = Callable[[GraphWriter, dict[str, np.ndarray], str], str]  # a norm's weight as the graph multiplies
+RopeDeltas = Callable[[ModelConfig, bool], "np.ndarray | None"]  # a layer type's rotation beyond the table's
+Attend = Callable[[str], str]  # a layer's normed input -> its attention output
+
+
+def graph_start(g: GraphWriter, config: ModelConfig, rope_deltas: RopeDeltas
+                ) -> tuple[tuple[str, str], dict[bool, tuple[str, str] | None], list, list, str]:
+    """What both Gemma graphs start with: the table's rope, each layer type's extra rotation, the llama graph's
+    inputs and `logits` output, and the embedding rows scaled by sqrt(hidden) (transformers rounds that factor to
+    the weights' dtype, float32 here)."""
     rope = rope_inputs(g, "inputs_embeds")
     extra: dict[bool, tuple[str, str] | None] = {}
     for sliding, name in ((True, "rope_sliding_delta_inv_freq"), (False, "rope_full_delta_inv_freq")):
-        delta = rope_delta_frequencies(config, sliding)
+        delta = rope_deltas(config, sliding)
         extra[sliding] = None if delta is None else delta_rope(g, "inputs_embeds", delta, name)
     inputs = [
         value_info("inputs_embeds", FLOAT, ["batch", "seq", config.hidden_size]),
@@ -127,40 +132,54 @@ def build_gemma3_graph(config: ModelConfig, weights: dict[str, np.ndarray],
         logits_indices_input(),
     ]
     outputs = [logits_output(config.vocab_size)]
-    # transformers multiplies by sqrt(hidden) rounded to the weights' dtype (float32 here).
     hidden = g.mul("inputs_embeds", g.const(np.float32(config.hidden_size ** 0.5), np.float32))
-    layer_outputs = []
-    eps = config.rms_norm_eps
-    for layer in range(config.num_hidden_layers):
-        p = f"model.layers.{layer}."
-        x = g.rms_norm(hidden, centred_norm(g, weights, p + "input_layernorm.weight"), eps)
-        attn = _attention(g, config, weights, layer, x, rope, extra, inputs, outputs)
-        hidden = g.add(hidden, g.rms_norm(attn, centred_norm(g, weights, p + "post_attention_layernorm.weight"), eps))
-        x = g.rms_norm(hidden, centred_norm(g, weights, p + "pre_feedforward_layernorm.weight"), eps)
-        gate, up = fused_linears(g, weights, x, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
-                                 p + "mlp.gate_up")
-        mlp = linear(g, weights, g.mul(gelu_tanh(g, gate), up), p + "mlp.down_proj.weight")
-        hidden = g.add(hidden, g.rms_norm(mlp, centred_norm(g, weights, p + "post_feedforward_layernorm.weight"), eps))
-        layer_outputs.append(hidden)
-        if progress:
-            progress(layer)
-    g.op("Identity", [_position_logits(g, config, weights, hidden)], outputs=["logits"])
+    return rope, extra, inputs, outputs, hidden
+
+
+def sandwich_layer(g: GraphWriter, config: ModelConfig, weights: dict[str, np.ndarray], layer: int, hidden: str,
+                   norm: NormWeight, attend: Attend) -> str:
+    """One Gemma decoder layer: attention and the GELU-tanh MLP, each between a pre- and a post-norm."""
+    p, eps = f"model.layers.{layer}.", config.rms_norm_eps
+    attn = attend(g.rms_norm(hidden, norm(g, weights, p + "input_layernorm.weight"), eps))
+    hidden = g.add(hidden, g.rms_norm(attn, norm(g, weights, p + "post_attention_layernorm.weight"), eps))
+    x = g.rms_norm(hidden, norm(g, weights, p + "pre_feedforward_layernorm.weight"), eps)
+    gate, up = fused_linears(g, weights, x, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], p + "mlp.gate_up")
+    mlp = linear(g, weights, g.mul(gelu_tanh(g, gate), up), p + "mlp.down_proj.weight")
+    return g.add(hidden, g.rms_norm(mlp, norm(g, weights, p + "post_feedforward_layernorm.weight"), eps))
+
+
+def graph_end(g: GraphWriter, config: ModelConfig, weights: dict[str, np.ndarray], hidden: str,
+              layer_outputs: list[str], inputs: list, outputs: list, norm: NormWeight, name: str) -> onnx.ModelProto:
+    """The logits at `logits_indices` (final norm, the LM head or the tied embedding, soft-capping), the optional
+    hidden states, and the model."""
+    last = gather_positions(g, hidden, config.hidden_size)  # [N, H]
+    normed = g.rms_norm(last, norm(g, weights, "model.norm.weight"), config.rms_norm_eps)
+    head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])  # tied: the embedding
+    logits = g.matmul(normed, g.weight("lm_head.weight", np.ascontiguousarray(head.T, dtype=np.float32)))
+    if cap := config.final_logit_softcapping:
+        logits = g.mul(g.op("Tanh", [g.mul(logits, g.const(np.float32(1.0 / cap), np.float32))]),
+                       g.const(np.float32(cap), np.float32))
+    g.op("Identity", [logits], outputs=["logits"])
     attach_hidden_states(g, layer_outputs, config.hidden_state_layers, config.hidden_size, inputs, outputs)
-    graph = helper.make_graph(g.nodes, "kvforge_gemma3", inputs, outputs, g.initializers)
+    graph = helper.make_graph(g.nodes, name, inputs, outputs, g.initializers)
     return helper.make_model(graph, producer_name="kvforge", opset_imports=[
         helper.make_opsetid("", OPSET), helper.make_opsetid(ops.DOMAIN, ops.OPSET_VERSION)])
 
 
-def _position_logits(g: GraphWriter, config: ModelConfig, weights: dict[str, np.ndarray], hidden: str) -> str:
-    last = gather_positions(g, hidden, config.hidden_size)  # [N, H]
-    normed = g.rms_norm(last, centred_norm(g, weights, "model.norm.weight"), config.rms_norm_eps)
-    head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])  # tied: the embedding
-    logits = g.matmul(normed, g.weight("lm_head.weight", np.ascontiguousarray(head.T, dtype=np.float32)))
-    cap = config.final_logit_softcapping
-    if not cap:
-        return logits
-    return g.mul(g.op("Tanh", [g.mul(logits, g.const(np.float32(1.0 / cap), np.float32))]),
-                 g.const(np.float32(cap), np.float32))
+def build_gemma3_graph(config: ModelConfig, weights: dict[str, np.ndarray],
+                       progress: Callable[[int], None] | None = None) -> onnx.ModelProto:
+    """The llama graph's contract (`inputs_embeds`, paged-KV inputs, `logits` at `logits_indices`, optional
+    `hidden_states`): the runtime's embedding rows come in unscaled, as the tied LM head reads them."""
+    g = GraphWriter()
+    rope, extra, inputs, outputs, hidden = graph_start(g, config, rope_delta_frequencies)
+    layer_outputs = []
+    for layer in range(config.num_hidden_layers):
+        hidden = sandwich_layer(g, config, weights, layer, hidden, centred_norm, lambda x, layer=layer: _attention(
+            g, config, weights, layer, x, rope, extra, inputs, outputs))
+        layer_outputs.append(hidden)
+        if progress:
+            progress(layer)
+    return graph_end(g, config, weights, hidden, layer_outputs, inputs, outputs, centred_norm, "kvforge_gemma3")
 
 
 # ---------------------------------------------------------------------------------------------------- the family

@@ -8,26 +8,26 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
-from onnx import helper
 
 from kvforge.contract.engine_dir import PER_LAYER_INPUT
 from kvforge.contract.model_config import ModelConfig
-from kvforge.graph.onnx_graph import FLOAT, INT32, OPSET, GraphWriter, value_info
-from kvforge.graph.positions import attach_hidden_states, gather_positions, logits_indices_input, logits_output
+from kvforge.graph.onnx_graph import FLOAT, GraphWriter, value_info
 from kvforge.graph.rope import apply_rope
 from kvforge.plugins import ops
 from kvforge.tools.export.families import gemma3
 from kvforge.tools.export.families.gemma3 import (
     GELU_TANH,
-    delta_rope,
     frequency_delta,
     gelu_tanh,
+    graph_end,
+    graph_start,
     inverse_frequencies,
     layer_types,
     refuse_quantized,
+    sandwich_layer,
     text_config,
 )
-from kvforge.tools.export.families.llama import POOL_ELEM_TYPES, pool_input_name, pool_output_name, rope_inputs
+from kvforge.tools.export.families.llama import POOL_ELEM_TYPES, pool_input_name, pool_output_name
 from kvforge.tools.export.families.qwen3_5 import fused_linears, linear
 from kvforge.tools.export.families.registry import Family, register
 
@@ -133,57 +133,23 @@ def build_gemma4_graph(config: ModelConfig, weights: dict[str, np.ndarray],
                        progress: Callable[[int], None] | None = None) -> onnx.ModelProto:
     """The llama graph's contract, as gemma3.build_gemma3_graph (embedding rows come in unscaled)."""
     g = GraphWriter()
-    rope = rope_inputs(g, "inputs_embeds")
-    extra: dict[bool, tuple[str, str] | None] = {}
-    for sliding, name in ((True, "rope_sliding_delta_inv_freq"), (False, "rope_full_delta_inv_freq")):
-        delta = rope_delta_frequencies(config, sliding)
-        extra[sliding] = None if delta is None else delta_rope(g, "inputs_embeds", delta, name)
-    inputs = [
-        value_info("inputs_embeds", FLOAT, ["batch", "seq", config.hidden_size]),
-        value_info("context_lengths", INT32, ["batch"]),
-        value_info("kvcache_start_index", INT32, ["batch"]),
-        value_info("kv_page_table", INT32, ["batch", "pages_per_seq"]),
-        value_info("rope_rotary_cos_sin", FLOAT, ["capacity", config.head_dim]),
-        logits_indices_input(),
-    ]
-    outputs = [logits_output(config.vocab_size)]
-    hidden = g.mul("inputs_embeds", g.const(np.float32(config.hidden_size ** 0.5), np.float32))
+    rope, extra, inputs, outputs, hidden = graph_start(g, config, rope_delta_frequencies)
     per_layer: list[str] = []
     if config.hidden_size_per_layer_input:
         inputs.append(value_info(PER_LAYER_INPUT, FLOAT, ["batch", "seq", config.num_hidden_layers *
                                                           config.hidden_size_per_layer_input]))
         per_layer = _per_layer_inputs(g, config, weights, hidden)
     layer_outputs = []
-    eps = config.rms_norm_eps
     for layer in range(config.num_hidden_layers):
-        p = f"model.layers.{layer}."
-        x = g.rms_norm(hidden, _weight(g, weights, p + "input_layernorm.weight"), eps)
-        attn = _attention(g, config, weights, layer, x, rope, extra, inputs, outputs)
-        hidden = g.add(hidden, g.rms_norm(attn, _weight(g, weights, p + "post_attention_layernorm.weight"), eps))
-        x = g.rms_norm(hidden, _weight(g, weights, p + "pre_feedforward_layernorm.weight"), eps)
-        gate, up = fused_linears(g, weights, x, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
-                                 p + "mlp.gate_up")
-        mlp = linear(g, weights, g.mul(gelu_tanh(g, gate), up), p + "mlp.down_proj.weight")
-        hidden = g.add(hidden, g.rms_norm(mlp, _weight(g, weights, p + "post_feedforward_layernorm.weight"), eps))
+        hidden = sandwich_layer(g, config, weights, layer, hidden, _weight, lambda x, layer=layer: _attention(
+            g, config, weights, layer, x, rope, extra, inputs, outputs))
         if per_layer:
             hidden = _per_layer_block(g, config, weights, layer, hidden, per_layer[layer])
-        hidden = g.mul(hidden, _weight(g, weights, p + "layer_scalar"))
+        hidden = g.mul(hidden, _weight(g, weights, f"model.layers.{layer}.layer_scalar"))
         layer_outputs.append(hidden)
         if progress:
             progress(layer)
-    last = gather_positions(g, hidden, config.hidden_size)  # [N, H]
-    normed = g.rms_norm(last, _weight(g, weights, "model.norm.weight"), eps)
-    head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])  # tied: the embedding
-    logits = g.matmul(normed, g.weight("lm_head.weight", np.ascontiguousarray(head.T, dtype=np.float32)))
-    if config.final_logit_softcapping:
-        cap = config.final_logit_softcapping
-        logits = g.mul(g.op("Tanh", [g.mul(logits, g.const(np.float32(1.0 / cap), np.float32))]),
-                       g.const(np.float32(cap), np.float32))
-    g.op("Identity", [logits], outputs=["logits"])
-    attach_hidden_states(g, layer_outputs, config.hidden_state_layers, config.hidden_size, inputs, outputs)
-    graph = helper.make_graph(g.nodes, "kvforge_gemma4", inputs, outputs, g.initializers)
-    return helper.make_model(graph, producer_name="kvforge", opset_imports=[
-        helper.make_opsetid("", OPSET), helper.make_opsetid(ops.DOMAIN, ops.OPSET_VERSION)])
+    return graph_end(g, config, weights, hidden, layer_outputs, inputs, outputs, _weight, "kvforge_gemma4")
 
 
 # ---------------------------------------------------------------------------------------------------- the family
