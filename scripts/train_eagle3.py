@@ -182,12 +182,18 @@ def generate(args: argparse.Namespace, prompts: list[str], clock: Clock) -> list
 # ------------------------------------------------------------------------------------------------ target
 
 def load_target() -> tuple[Any, dict[str, np.ndarray], Any]:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from kvforge.tools.export.sources.gguf import find_smollm2_gguf, load_gguf
 
     loaded = load_gguf(find_smollm2_gguf())
+    return torch_llama(loaded), loaded.weights, loaded.config
+
+
+def torch_llama(loaded: Any) -> Any:
+    """transformers' float32 LlamaForCausalLM holding a loaded GGUF's weights (kvforge's own loader; also used by
+    experiments/adapter_correction.py), refusing weights that do not fit the model."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     c = loaded.config
     config = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
                          num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
@@ -203,7 +209,7 @@ def load_target() -> tuple[Any, dict[str, np.ndarray], Any]:
         raise SystemExit(f"weights do not fit the torch model: missing {missing[:4]}, unexpected {unexpected[:4]}")
     if c.tie_word_embeddings:
         model.tie_weights()
-    return model, loaded.weights, c
+    return model
 
 
 def target_features(model: Any, samples: list[Sample], clock: Clock, prompt_labels: bool,
