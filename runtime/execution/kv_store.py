@@ -7,6 +7,7 @@ import numpy as np
 from kvforge.plugins import cpu_kernel
 from kvforge.plugins.reference import apply_rope, pool_numpy_dtype, rotate_keys, to_storage
 from kvforge.runtime.execution.backend import KVStorage
+from kvforge.runtime.execution.snapshots import PageSlots
 
 ROTATION_CHECK_TOLERANCE = 1e-3  # float32 rotations of unit-scale keys agree to ~1e-6; a wrong table is off by O(1)
 
@@ -104,36 +105,23 @@ class KVStore:
             layer[page] = rows
 
 
-class DocumentKVStore:
+class DocumentKVStore(PageSlots):
     """Documents' stored K/V beside the pool (issue 37): slots shaped like pool pages, each holding one page of a
     document computed alone at position 0. Copies go by token rows, so a document restored at any position lands in
-    whatever pages and slots that position maps to, partly filled pages included. It moves bytes through the pool's
-    page reads and writes (`KVStorage`), so a device pool works as a host one does. Preallocated with np.zeros, so
-    an unused slot costs no memory."""
+    whatever pages and slots that position maps to, partly filled pages included."""
 
-    __slots__ = ("kv", "cos_sin", "kv_cache_dtype", "tokens_per_page", "layers")
+    __slots__ = ("cos_sin", "kv_cache_dtype", "tokens_per_page")
 
     def __init__(self, kv: KVStorage, num_slots: int, cos_sin: np.ndarray, kv_cache_dtype: str) -> None:
-        self.kv = kv
+        super().__init__(kv, num_slots)
         self.cos_sin = cos_sin  # the engine's rope table: K moves by rotating with it
         self.kv_cache_dtype = kv_cache_dtype
-        pages = kv.read_page(0)
-        self.tokens_per_page = pages[0].shape[2] if pages else 0
-        self.layers = [np.zeros((num_slots, *page.shape), dtype=page.dtype) for page in pages]
-
-    @property
-    def num_slots(self) -> int:
-        return len(self.layers[0]) if self.layers else 0
-
-    @property
-    def nbytes(self) -> int:
-        return sum(layer.nbytes for layer in self.layers)
+        self.tokens_per_page = self.layers[0].shape[3] if self.layers else 0  # [slots, 2, Hkv, T, D]
 
     def capture(self, page_ids: list[int], slots: list[int]) -> None:
         """Copy a document's pool pages (its sequence's first pages, the last one possibly partial) into `slots`."""
         for page, slot in zip(page_ids, slots, strict=True):
-            for stored, rows in zip(self.layers, self.kv.read_page(page), strict=True):
-                stored[slot] = rows
+            self.store_page(page, slot)
 
     def restore(self, slots: list[int], page_ids: list[int], start: int, first: int, last: int) -> None:
         """Write the document's token rows [first, last) at sequence positions start+first .. start+last-1 of the
@@ -153,10 +141,10 @@ class DocumentKVStore:
             moved.append(layer_rows)
         for page in dict.fromkeys(dst_pages.tolist()):
             here = dst_pages == page
-            pages = [np.array(layer) for layer in self.kv.read_page(page)]  # copies: read_page may give views
+            pages = [np.array(layer) for layer in self.storage.read_page(page)]  # copies: read_page may give views
             for layer, layer_rows in zip(pages, moved, strict=True):
                 layer[:, :, dst_rows[here], :] = np.moveaxis(layer_rows[here], 0, 2)
-            self.kv.write_page(page, pages)
+            self.storage.write_page(page, pages)
 
 
 def check_rotation(cos_sin: np.ndarray, head_dim: int, shift: int = 37) -> float:

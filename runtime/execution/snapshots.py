@@ -15,7 +15,10 @@ from kvforge.runtime.execution.backend import KVStorage
 from kvforge.runtime.execution.recurrent_state import RecurrentStates
 
 
-class PartialKVSnapshotStore:
+class PageSlots:
+    """Slots shaped like pool pages, one array per layer, filled through the pool's page reads (`KVStorage`, so a
+    device pool works as a host one does). Preallocated with np.zeros, so an unused slot costs no memory."""
+
     __slots__ = ("storage", "layers")
 
     def __init__(self, storage: KVStorage, num_slots: int) -> None:
@@ -30,10 +33,18 @@ class PartialKVSnapshotStore:
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
 
-    def capture(self, page: int, slot: int) -> None:
-        """Copy a whole pool page (the valid tail tokens and whatever follows them) into `slot`."""
+    def store_page(self, page: int, slot: int) -> None:
+        """Copy a whole pool page into `slot`."""
         for layer, rows in zip(self.layers, self.storage.read_page(page), strict=True):
             layer[slot] = rows
+
+
+class PartialKVSnapshotStore(PageSlots):
+    __slots__ = ()
+
+    def capture(self, page: int, slot: int) -> None:
+        """Copy a whole pool page (the valid tail tokens and whatever follows them) into `slot`."""
+        self.store_page(page, slot)
 
     def restore(self, slot: int, page: int) -> None:
         """Copy `slot` into a request's own page; the snapshot stays as it was (copy-on-partial-reuse)."""
