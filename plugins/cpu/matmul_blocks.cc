@@ -41,8 +41,7 @@ const OrtApi* g_api = nullptr;
 constexpr int64_t kBlock = 32;          // weights per block (GGUF's Q4_0 / Q4_1)
 constexpr int64_t kBlockBytes = 16;     // two 4-bit weights per byte
 constexpr int64_t kDirectRows = 16;     // up to this many rows: the row-invariant direct kernel
-constexpr int64_t kRowGroup = 4;        // rows sharing one decoded block in registers
-constexpr int64_t kColumnGroup = 4;     // columns decoded side by side (independent FMA chains)
+constexpr int64_t kRowGroup = 8;        // the most rows sharing one decoded block in registers
 constexpr int64_t kColumnsPerItem = 32; // one parallel work item
 
 #define KVF_MM_TRY(expr)                  \
@@ -92,21 +91,27 @@ void deinterleave(const float* a, int64_t rows, int64_t k, float* out) {
 template <int NC, int NR>
 void dot_group(const Call& c, int64_t c0, int64_t r0) {
   const int64_t k = c.kernel->k, n = c.kernel->n, blocks = k / kBlock;
-  const __m512i low = _mm512_set1_epi32(0xF);
+  const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   __m512 acc[NC][NR];
   for (int j = 0; j < NC; ++j)
     for (int r = 0; r < NR; ++r) acc[j][r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
+    __m512 even[NC], odd[NC];
     for (int j = 0; j < NC; ++j) {
       const int64_t at = (c0 + j) * blocks + b;
       const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c.q + at * kBlockBytes)));
-      const __m512 d = _mm512_set1_ps(c.scale[at]), m = _mm512_set1_ps(c.min[at]);
-      const __m512 even = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low)), d, m);
-      const __m512 odd = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), d, m);
-      for (int r = 0; r < NR; ++r) {
-        const float* x = c.x + (r0 + r) * k + b * kBlock;
-        acc[j][r] = _mm512_fmadd_ps(even, _mm512_loadu_ps(x), acc[j][r]);
-        acc[j][r] = _mm512_fmadd_ps(odd, _mm512_loadu_ps(x + 16), acc[j][r]);
+      // The block's 16 possible weights scale * q + min (each rounded once, as the portable path's fma), then
+      // looked up by nibble: vpermps reads only an index's low 4 bits, so the low nibble needs no mask.
+      const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(c.scale[at]), _mm512_set1_ps(c.min[at]));
+      even[j] = _mm512_permutexvar_ps(v, table);
+      odd[j] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+    }
+    for (int r = 0; r < NR; ++r) {  // each row's 32 activations loaded once for all NC columns
+      const float* x = c.x + (r0 + r) * k + b * kBlock;
+      const __m512 xe = _mm512_loadu_ps(x), xo = _mm512_loadu_ps(x + 16);
+      for (int j = 0; j < NC; ++j) {
+        acc[j][r] = _mm512_fmadd_ps(even[j], xe, acc[j][r]);
+        acc[j][r] = _mm512_fmadd_ps(odd[j], xo, acc[j][r]);
       }
     }
   }
@@ -139,29 +144,36 @@ void dot_group(const Call& c, int64_t c0, int64_t r0) {
 }
 #endif
 
-template <int NC>
-void dot_rows(const Call& c, int64_t c0) {
-  int64_t r0 = 0;
-  for (; r0 + kRowGroup <= c.rows; r0 += kRowGroup) dot_group<NC, kRowGroup>(c, c0, r0);
-  switch (c.rows - r0) {
-    case 3: dot_group<NC, 3>(c, c0, r0); break;
-    case 2: dot_group<NC, 2>(c, c0, r0); break;
-    case 1: dot_group<NC, 1>(c, c0, r0); break;
-    default: break;
-  }
+// One pass over a column group's blocks serves as many rows as the registers hold: NC x NR accumulators plus the
+// NC decoded pairs stay within the 32 vector registers (4 x 5, 3 x 6, 2 x 8).
+template <int NC, int NR>
+void dot_columns(const Call& c, int64_t begin, int64_t end, int64_t r0) {
+  int64_t c0 = begin;
+  for (; c0 + NC <= end; c0 += NC) dot_group<NC, NR>(c, c0, r0);
+  for (; c0 < end; ++c0) dot_group<1, NR>(c, c0, r0);
+}
+
+template <int NR>
+void dot_rows(const Call& c, int64_t begin, int64_t end, int64_t r0) {
+  constexpr int kColumns = NR <= 5 ? 4 : NR == 6 ? 3 : 2;
+  dot_columns<kColumns, NR>(c, begin, end, r0);
 }
 
 void direct_item(void* data, size_t item) {
   const Call& c = *static_cast<const Call*>(data);
   const int64_t begin = static_cast<int64_t>(item) * kColumnsPerItem;
   const int64_t end = std::min(begin + kColumnsPerItem, c.kernel->n);
-  int64_t c0 = begin;
-  for (; c0 + kColumnGroup <= end; c0 += kColumnGroup) dot_rows<kColumnGroup>(c, c0);
-  switch (end - c0) {
-    case 3: dot_rows<3>(c, c0); break;
-    case 2: dot_rows<2>(c, c0); break;
-    case 1: dot_rows<1>(c, c0); break;
-    default: break;
+  for (int64_t r0 = 0; r0 < c.rows; r0 += kRowGroup) {
+    switch (std::min<int64_t>(c.rows - r0, kRowGroup)) {
+      case 1: dot_rows<1>(c, begin, end, r0); break;
+      case 2: dot_rows<2>(c, begin, end, r0); break;
+      case 3: dot_rows<3>(c, begin, end, r0); break;
+      case 4: dot_rows<4>(c, begin, end, r0); break;
+      case 5: dot_rows<5>(c, begin, end, r0); break;
+      case 6: dot_rows<6>(c, begin, end, r0); break;
+      case 7: dot_rows<7>(c, begin, end, r0); break;
+      default: dot_rows<8>(c, begin, end, r0); break;
+    }
   }
 }
 
