@@ -145,7 +145,7 @@ void dot_group(const Call& c, int64_t c0, int64_t r0) {
 #endif
 
 // One pass over a column group's blocks serves as many rows as the registers hold: NC x NR accumulators plus the
-// NC decoded pairs stay within the 32 vector registers (4 x 5, 3 x 6, 2 x 8).
+// NC decoded pairs stay within the 32 vector registers without spilling (4 x 4, 3 x 5, 2 x 8).
 template <int NC, int NR>
 void dot_columns(const Call& c, int64_t begin, int64_t end, int64_t r0) {
   int64_t c0 = begin;
@@ -155,7 +155,7 @@ void dot_columns(const Call& c, int64_t begin, int64_t end, int64_t r0) {
 
 template <int NR>
 void dot_rows(const Call& c, int64_t begin, int64_t end, int64_t r0) {
-  constexpr int kColumns = NR <= 5 ? 4 : NR == 6 ? 3 : 2;
+  constexpr int kColumns = NR <= 4 ? 4 : NR == 5 ? 3 : 2;
   dot_columns<kColumns, NR>(c, begin, end, r0);
 }
 
