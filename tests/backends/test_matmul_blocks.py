@@ -162,3 +162,23 @@ def test_build_refuses_an_unknown_matmul_choice(tmp_path: Path) -> None:
     with pytest.raises(InvalidConfig) as info:
         build_engine(tmp_path / "onnx", tmp_path / "engine", BuildOptions(cpu_matmul="fast"))
     assert info.value.field == "cpu_matmul"
+
+
+def test_the_portable_build_agrees_with_the_vector_one(library: Path) -> None:
+    """The library built without AVX-512 (-mno-avx512f: the scalar loops) against the reference and the vector path;
+    its rows are row-count invariant too."""
+    from kvforge.plugins import cpu_kernel
+
+    portable = cpu_kernel.library_path(("-mno-avx512f",))
+    k, n = 128, 21
+    rng = np.random.default_rng(5)
+    packed, scales, mins = _random_blocks(rng, k, n)
+    model = _blocks_model(k, n, packed, scales, mins)
+    a = rng.standard_normal((1, 6, k)).astype(np.float32)
+    scalar = _session(model, portable).run(None, {"a": a})[0]
+    vector = _session(model, library).run(None, {"a": a})[0]
+    expected = reference.matmul_blocks(a, packed, scales, mins)
+    np.testing.assert_allclose(scalar, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+    np.testing.assert_allclose(scalar, vector, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+    alone = _session(model, portable).run(None, {"a": a[:, 2:3]})[0][0, 0]
+    assert np.array_equal(scalar[0, 2], alone)
