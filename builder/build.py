@@ -11,6 +11,7 @@ import onnx
 
 from kvforge.builder.engine_files import load_model, write_engine_config
 from kvforge.builder.fuse_ort import fuse_for_onnxruntime
+from kvforge.builder.lower_matmul import lower_block_matmuls
 from kvforge.builder.lower_ort import kernel_writes_kv, lower_for_onnxruntime, share_tied_head
 from kvforge.builder.lower_recurrent import lower_recurrent_ops
 from kvforge.builder.window_pool import bind_window_table, check_window_build, size_window_pools
@@ -46,6 +47,8 @@ from kvforge.contract.window_pool import window_pool_pages
 BACKENDS = ("auto", "onnxruntime", "tensorrt")
 # --cpuAttention: kvforge's CPU kernel where it builds here (auto), insist on it (kernel), or stock ONNX ops (onnx)
 CPU_ATTENTION_CHOICES = ("auto", "kernel", "onnx")
+# --cpuMatmul: on kernel-attention engines, 4-bit blocks run kvforge's MatMulBlocks (kernel) or MatMulNBits (onnx)
+CPU_MATMUL_CHOICES = ("kernel", "onnx")
 STEPS = 4
 DEFAULT_TREE_SIZE = 60  # TensorRT Edge-LLM's --maxVerifyTreeSize / --maxDraftTreeSize defaults
 
@@ -69,6 +72,7 @@ class BuildOptions:
     max_draft_tree_size: int = DEFAULT_TREE_SIZE  # the most tokens one drafting round proposes (draft)
     sliding_window_pool: bool = False  # sliding layers get their own page group, sized for the window
     sliding_window_records: int = 0  # window checkpoints the group keeps beyond its rows' pages (reuse)
+    cpu_matmul: str = "kernel"  # a CPU_MATMUL_CHOICES entry; only engines attending with the kernel take it
 
     def geometry(self, max_position_embeddings: int) -> PageGeometry:
         """The validated geometry for a model with `max_position_embeddings` (InvalidConfig otherwise)."""
@@ -161,6 +165,8 @@ def build_engine(onnx_dir: Path, engine_dir: Path, options: BuildOptions,
                  step: Callable[[str], None] = lambda _m: None) -> tuple[PageGeometry, MemoryPlan]:
     """Build into a staging dir next to `engine_dir` and swap it in when complete (manifest written last), so
     an interrupted or failed build leaves `engine_dir` as it was and nothing the runtime accepts."""
+    if options.cpu_matmul not in CPU_MATMUL_CHOICES:
+        raise InvalidConfig(f"must be one of {CPU_MATMUL_CHOICES}, got {options.cpu_matmul!r}", "cpu_matmul")
     if overlaps(engine_dir, onnx_dir):
         raise InvalidConfig("is the same directory as (or overlaps) --onnxDir; the build would destroy the export",
                             "engine_dir")
@@ -280,6 +286,7 @@ def _build_into(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometry:
     if window_pages:
         size_window_pools(lowered, config, window_pages)
     fuse_for_onnxruntime(lowered)  # residual + RMSNorm as one contrib op (the export keeps the reference form)
+    matmuls = lower_block_matmuls(lowered) if kernel and options.cpu_matmul == "kernel" else 0
     if config.tie_word_embeddings:
         share_tied_head(lowered)
     step("lowered paged-KV ops")
@@ -288,6 +295,7 @@ def _build_into(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometry:
                         BuilderConfig.from_geometry(geometry, backend, options.max_lora_rank, config,
                                                     options.cpu_attention, tree_attention=tree,
                                                     kernel_kv_write=kernel_writes_kv(lowered),
+                                                    kernel_matmul=matmuls > 0,
                                                     window_pool_pages=window_pages, **speculative))
 
 
@@ -338,6 +346,8 @@ def _build_hybrid(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometr
                                                         cpu_kernel=options.cpu_attention == ATTENTION_CPU_KERNEL,
                                                         kernel_rope=True))
     fuse_for_onnxruntime(lowered)
+    kernel = options.cpu_attention == ATTENTION_CPU_KERNEL
+    matmuls = lower_block_matmuls(lowered) if kernel and options.cpu_matmul == "kernel" else 0
     if config.tie_word_embeddings:
         share_tied_head(lowered)
     step("lowered paged-KV and recurrent ops")
@@ -345,7 +355,7 @@ def _build_hybrid(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometr
     write_engine_config(onnx_dir, engine_dir, config,
                         BuilderConfig.from_geometry(geometry, backend, 0, config, options.cpu_attention,
                                                     kernel_kv_write=kernel_writes_kv(lowered),
-                                                    **speculative))
+                                                    kernel_matmul=matmuls > 0, **speculative))
 
 
 def _save(model: onnx.ModelProto, engine_dir: Path) -> None:

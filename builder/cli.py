@@ -113,6 +113,11 @@ def build(
                                            "needs a C++ compiler), onnx (stock ONNX Runtime ops over pages "
                                            "gathered each call: slower as the context grows) or auto (the kernel "
                                            "where it builds here, else onnx; KVFORGE_CPU_KERNEL=off forces onnx)."),
+    cpu_matmul: str = typer.Option(DEFAULTS.cpu_matmul, "--cpuMatmul",
+                                   help="How an engine attending with the kvforge CPU kernel runs 4-bit block "
+                                        "weights: kernel (kvforge's MatMulBlocks: one node per matmul, and a "
+                                        "verification row gets exactly its decode row's logits) or onnx (ONNX "
+                                        "Runtime's MatMulNBits plus the export's Q4_1 correction)."),
     reuse_records: int = typer.Option(DEFAULT_REUSE_RECORDS, "--reuseRecords",
                                       help="Retained contexts to size the printed snapshot budget for (a record "
                                            "whose length is not page-aligned keeps one partial-KV snapshot slot)."),
@@ -152,7 +157,8 @@ def build(
     options = BuildOptions(max_input_len=max_input_len, max_kv_cache_capacity=max_kv_cache_capacity,
                            max_kv_pool_pages=max_kv_pool_pages, max_batch_size=max_batch_size,
                            tokens_per_page=tokens_per_page, backend=backend, max_lora_rank=max_lora_rank,
-                           force=force, cpu_attention=cpu_attention, spec_base=spec_base, spec_draft=spec_draft,
+                           force=force, cpu_attention=cpu_attention, cpu_matmul=cpu_matmul, spec_base=spec_base,
+                           spec_draft=spec_draft,
                            max_verify_tree_size=max_verify_tree_size, max_draft_tree_size=max_draft_tree_size,
                            sliding_window_pool=sliding_window_pool, sliding_window_records=sliding_window_records)
 

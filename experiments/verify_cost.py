@@ -11,6 +11,9 @@ an EAGLE3 base: it returns hidden states and takes tree inputs, as the verify ca
 k = 4 row shaped as a tree (two branches of two drafts) is timed too.
 
     python experiments/verify_cost.py --onnxDir out/onnx/smollm2 --threads 2 --contextTokens 1500
+
+Both 4-bit matmuls (llm_build --cpuMatmul kernel and onnx) are built and timed in the same rounds unless
+--cpuMatmul picks one; the per-op profile is the first one's.
     python experiments/verify_cost.py --onnxDir out/onnx/smollm2-base --specBase --threads 2 --json out/verify.json
 """
 
@@ -66,38 +69,55 @@ def main() -> None:
     parser = bench_parser(__doc__, repeats=8)
     parser.add_argument("--contextTokens", type=int, default=1500)
     parser.add_argument("--specBase", action="store_true", help="build an EAGLE3 base (tree inputs, hidden states)")
+    parser.add_argument("--cpuMatmul", choices=("kernel", "onnx", "both"), default="both",
+                        help="the 4-bit matmul of the engine (llm_build --cpuMatmul); both: time both engines in "
+                             "the same interleaved rounds")
     args = parser.parse_args()
     context = args.contextTokens
+    matmuls = ("kernel", "onnx") if args.cpuMatmul == "both" else (args.cpuMatmul,)
     with tempfile.TemporaryDirectory(prefix="kvforge-verify-") as tmp:
-        build = BuildOptions(max_input_len=min(512, context + 256), max_kv_cache_capacity=context + 256,
-                             max_batch_size=1, tokens_per_page=128, spec_base=args.specBase)
-        build_engine(args.onnxDir, Path(tmp) / "engine", build)
-        engine = load_engine_dir(Path(tmp) / "engine")
-        embedding = map_tensor(engine.file(EMBEDDING_FILE), EMBEDDING_TENSOR)
+        backends: dict[str, OrtBackend] = {}
+        for matmul in matmuls:
+            build = BuildOptions(max_input_len=min(512, context + 256), max_kv_cache_capacity=context + 256,
+                                 max_batch_size=1, tokens_per_page=128, spec_base=args.specBase, cpu_matmul=matmul)
+            build_engine(args.onnxDir, Path(tmp) / matmul, build)
+            engine = load_engine_dir(Path(tmp) / matmul)
+            embedding = map_tensor(engine.file(EMBEDDING_FILE), EMBEDDING_TENSOR)
+            backends[matmul] = OrtBackend(engine, args.threads, embedding)
         pages = list(range(-(-(context + 16) // 128)))
         ids = np.arange(context) % 1000 + 100
-        backend = OrtBackend(engine, args.threads, embedding)
-        prefill(backend, embedding, ids, pages)
+        for backend in backends.values():
+            prefill(backend, embedding, ids, pages)
         print(f"backend call at {context} tokens of context, {args.threads} threads, median of {args.repeats}:")
         shapes = [(f"S={width}", width, False) for width in WIDTHS]
-        if backend.tree_attention:
+        if backends[matmuls[0]].tree_attention:
             shapes.append((f"S={VERIFY_WIDTH} tree", VERIFY_WIDTH, True))
-        times: dict[str, list[float]] = {label: [] for label, _, _ in shapes}
-        for _ in range(args.repeats):  # interleaved rounds: load drift moves every width alike
-            for label, width, tree in shapes:
-                times[label].append(call(backend, embedding, ids, width, context, pages, tree))
-        medians = {label: float(np.median(values)) for label, values in times.items()}
-        base = medians["S=1"]
-        for label, width, _ in shapes:
-            ms = medians[label]
-            print(f"   {label}: {ms:6.1f} ms  ({ms / base:4.2f}x a decode call; {ms / width:5.1f} ms a position)")
-        ratios = {label: medians[label] / base for label, width, _ in shapes if width == VERIFY_WIDTH}
-        for label, ratio in ratios.items():
-            verdict = "met" if ratio <= TARGET_RATIO else "missed"
-            print(f"k=4 verify ({label}) / decode: {ratio:.2f}x (issue 43 target <= {TARGET_RATIO}x: {verdict})")
+        times = {(m, label): [] for m in matmuls for label, _, _ in shapes}
+        for _ in range(args.repeats):  # interleaved rounds: load drift moves every width and engine alike
+            for matmul, backend in backends.items():
+                for label, width, tree in shapes:
+                    times[matmul, label].append(call(backend, embedding, ids, width, context, pages, tree))
+        medians = {key: float(np.median(values)) for key, values in times.items()}
+        ratios: dict[str, dict[str, float]] = {}
+        for matmul in matmuls:
+            base = medians[matmul, "S=1"]
+            print(f" --cpuMatmul {matmul}:")
+            for label, width, _ in shapes:
+                ms = medians[matmul, label]
+                print(f"   {label}: {ms:6.1f} ms  ({ms / base:4.2f}x a decode call; {ms / width:5.1f} ms a position)")
+            ratios[matmul] = {label: medians[matmul, label] / base for label, width, _ in shapes
+                              if width == VERIFY_WIDTH}
+            for label, ratio in ratios[matmul].items():
+                verdict = "met" if ratio <= TARGET_RATIO else "missed"
+                print(f"   k=4 verify ({label}) / decode: {ratio:.2f}x (issue 43 target <= {TARGET_RATIO}x: {verdict})")
+        if len(matmuls) == 2:
+            for label, _, _ in shapes:
+                print(f" {label}: kernel / onnx = {medians['kernel', label] / medians['onnx', label]:.2f}x")
         write_json(args.json, {"context_tokens": context, "threads": args.threads, "repeats": args.repeats,
-                               "spec_base": args.specBase, "median_ms": medians, "k4_ratio": ratios,
-                               "target_ratio": TARGET_RATIO})
+                               "spec_base": args.specBase,
+                               "median_ms": {f"{m} {label}": v for (m, label), v in medians.items()},
+                               "k4_ratio": ratios, "target_ratio": TARGET_RATIO})
+        engine = load_engine_dir(Path(tmp) / matmuls[0])
         profiled = OrtBackend(engine, args.threads, embedding, profile_prefix=f"{tmp}/ort")
         prefill(profiled, embedding, ids, pages)
         for width in (1, 5):

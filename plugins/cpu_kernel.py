@@ -22,7 +22,9 @@ import numpy as np
 
 from kvforge.contract.errors import KvforgeError
 
-SOURCE = Path(__file__).resolve().with_name("cpu") / "paged_attention.cc"
+SOURCE = Path(__file__).resolve().with_name("cpu") / "paged_attention.cc"  # holds RegisterCustomOps
+# Every translation unit of the library, compiled together: the attention ops, then the block-quantized matmul.
+SOURCES = (SOURCE, SOURCE.with_name("matmul_blocks.cc"))
 LIBRARY_NAME = "libkvforge_cpu_ops.so"
 SWITCH_ENV = "KVFORGE_CPU_KERNEL"  # "off" forces the pure-ONNX fallback
 CACHE_ENV = "KVFORGE_CACHE_DIR"
@@ -175,7 +177,8 @@ def _cpu_flags() -> str:
 
 def build_key(cxx: str, headers: Path, flags: tuple[str, ...]) -> str:
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), _compiler_version(cxx).encode(), _cpu_flags().encode(),
+    sources = tuple(source.read_bytes() for source in SOURCES)
+    for part in (*sources, _compiler_version(cxx).encode(), _cpu_flags().encode(),
                  str(header_api_version(headers)).encode(), " ".join(flags).encode()):
         digest.update(len(part).to_bytes(8, "little") + part)
     return digest.hexdigest()[:20]
@@ -222,7 +225,7 @@ def _compile(cxx: str, headers: Path, flags: tuple[str, ...], target: Path) -> N
     with tempfile.NamedTemporaryFile(dir=target.parent, prefix=".build-", suffix=".so", delete=False) as tmp:
         partial = Path(tmp.name)
     try:
-        command = [cxx, *flags, f"-I{headers}", str(SOURCE), "-o", str(partial)]
+        command = [cxx, *flags, f"-I{headers}", *map(str, SOURCES), "-o", str(partial)]
         done = subprocess.run(command, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             first_error = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr[-300:])
@@ -257,16 +260,21 @@ def _built(cxx: str, headers: Path, flags: tuple[str, ...], target: Path) -> Pat
     return target
 
 
+def _sources_mtime_ns() -> int:
+    return max(source.stat().st_mtime_ns for source in SOURCES)
+
+
 def library_path(extra_flags: tuple[str, ...] = ()) -> Path:
     """The compiled library, built on first use; raises KvforgeError saying why it cannot be built.
     `extra_flags` builds a variant (the tests build the portable path with -mno-avx512f)."""
     if os.environ.get(SWITCH_ENV, "").lower() == "off":
         raise KvforgeError(f"{SWITCH_ENV}=off: using the pure-ONNX attention fallback")
-    if not SOURCE.is_file():
-        raise KvforgeError(f"kernel source missing: {SOURCE}")
+    missing = [source for source in SOURCES if not source.is_file()]
+    if missing:
+        raise KvforgeError(f"kernel source missing: {missing[0]}")
     environment = tuple(os.environ.get(name, "") for name in (INCLUDE_ENV, CACHE_ENV, CXX_ENV))
     flags = CXX_FLAGS + tuple(extra_flags)
-    cxx, headers, target = _plan(SOURCE.stat().st_mtime_ns, environment, flags)
+    cxx, headers, target = _plan(_sources_mtime_ns(), environment, flags)
     return _built(cxx, headers, flags, target)
 
 
@@ -316,10 +324,11 @@ def rotate_keys(stored_k: np.ndarray, delta: int, cos_sin: np.ndarray, kv_cache_
     code, storage = ROTATE_DTYPES[kv_cache_dtype]
     rotary, head_dim = cos_sin.shape[-1], stored_k.shape[-1]
     if (cos_sin.dtype != np.float32 or stored_k.dtype != storage or cos_sin.ndim != 2 or rotary % 2
-            or rotary > head_dim or stored_k.size == 0 or abs(delta) >= cos_sin.shape[0] or not SOURCE.is_file()):
+            or rotary > head_dim or stored_k.size == 0 or abs(delta) >= cos_sin.shape[0]
+            or not all(source.is_file() for source in SOURCES)):
         return None
     environment = tuple(os.environ.get(name, "") for name in (INCLUDE_ENV, CACHE_ENV, CXX_ENV))
-    function = _rotate_function(SOURCE.stat().st_mtime_ns, environment)
+    function = _rotate_function(_sources_mtime_ns(), environment)
     if function is None:
         return None
     moved = np.array(stored_k, order="C", copy=True)  # rotated in place: the caller's array stays as it was

@@ -240,3 +240,12 @@ def paged_attention_rope(query: np.ndarray, key: np.ndarray, value: np.ndarray, 
             if page != UNUSED_PAGE:
                 written[page, :, :, at % tokens_per_page, :] = to_storage(new_kv[b, i], kv_cache_dtype)
     return out, written
+
+
+def matmul_blocks(a: np.ndarray, packed: np.ndarray, scales: np.ndarray, mins: np.ndarray) -> np.ndarray:
+    """CPU_MATMUL_BLOCKS in float64: A [..., K] @ W, where W[k, n] = scale[n, b] * q + min[n, b] (b = k // 32; q the
+    4-bit value of element k in MatMulNBits' packing: element 2i in the low nibble of byte i, 2i + 1 in the high)."""
+    n, blocks, _ = packed.shape
+    q = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(n, blocks, 32).astype(np.float64)
+    w = q * scales.reshape(n, blocks, 1).astype(np.float64) + mins.reshape(n, blocks, 1).astype(np.float64)
+    return a.astype(np.float64) @ w.reshape(n, blocks * 32).T

@@ -126,6 +126,10 @@ class BuilderConfig(PageGeometry):
     # The CPU kernel's variant: PagedAttentionRope rotates Q/K and writes the pool in place (no new_key_values_*
     # outputs to scatter). False: the rotated rows come back and the runtime scatters them (engines built before).
     kernel_kv_write: bool = False
+    # 4-bit block matmuls run as kvforge.cpu.MatMulBlocks (builder/lower_matmul.py; informational: the graph says it,
+    # and the kernel library is loaded for the attention anyway). False: MatMulNBits (engines built before, --cpuMatmul
+    # onnx, the fallback attention).
+    kernel_matmul: bool = False
     # The sliding layers' own page group (llm_build --slidingWindowPool; 0 = each keeps a full-length pool) and the
     # KV pool bytes of each layer type (recomputed from the model on load, like the snapshot sizes).
     window_pool_pages: int = 0
@@ -263,7 +267,7 @@ def read_builder_config(raw: dict[str, Any], model: ModelConfig) -> BuilderConfi
         raise InvalidConfig(f"must be one of {ATTENTION_PATHS}, got {describe(attention)}; {REBUILD}",
                             f"{where}.attention")
     speculative: dict[str, Any] = {}
-    for key in ("spec_base", "spec_draft", "tree_attention", "kernel_kv_write"):
+    for key in ("spec_base", "spec_draft", "tree_attention", "kernel_kv_write", "kernel_matmul"):
         if type(raw.get(key, False)) is not bool:
             raise InvalidConfig(f"must be true or false, got {describe(raw[key])}", f"{where}.{key}")
         speculative[key] = raw.get(key, False)

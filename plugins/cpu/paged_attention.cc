@@ -35,6 +35,10 @@
 #define KVFORGE_AVX512 0
 #endif
 
+namespace kvforge_matmul {
+OrtStatus* add_ops(OrtCustomOpDomain* domain, const OrtApi* api);  // matmul_blocks.cc
+}
+
 namespace {
 
 const OrtApi* g_api = nullptr;
@@ -1341,5 +1345,6 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
   KVF_TRY(g_api->CreateCustomOpDomain("kvforge.cpu", &domain));
   KVF_TRY(g_api->CustomOpDomain_Add(domain, &g_paged_attention));
   KVF_TRY(g_api->CustomOpDomain_Add(domain, &g_paged_attention_rope));
+  KVF_TRY(kvforge_matmul::add_ops(domain, g_api));
   return g_api->AddCustomOpDomain(options, domain);
 }

@@ -30,12 +30,14 @@ pytestmark = pytest.mark.skipif(not cpu_kernel_on(), reason=f"budgets of kernel 
 # issue 43 caps the llama layer at 20 (onnxruntime-genai's SmolLM2 graph has 11).
 BUDGETS = {
     "tiny_engine_dir": (ops.CPU_PAGED_ATTENTION_ROPE.name, 1, 11, 27),
-    # int4 as the default SmolLM2 engine: 4 MatMulNBits, 2 SkipSimplifiedLayerNormalization, 2 Split, QuickGelu, Mul
+    # int4 as the default SmolLM2 engine: 4 MatMulBlocks, 2 SkipSimplifiedLayerNormalization, 2 Split, QuickGelu, Mul
     # and the kernel per layer (onnxruntime-genai's SmolLM2 layer: 11)
     "tiny_int4_engine_dir": (ops.CPU_PAGED_ATTENTION_ROPE.name, 1, 11, 33),
-    # SmolLM2's own shape: its GGUF's Q4_1 blocks kept exactly (--int4Scheme asymmetric) add a block-sum MatMul, an
-    # offsets MatMul and an Add to each of the 4 MatMulNBits (SmolLM2: 23 per layer, 701 in all)
-    "tiny_q4_1_engine_dir": (ops.CPU_PAGED_ATTENTION_ROPE.name, 1, 23, 57),
+    # SmolLM2's own shape: its GGUF's Q4_1 blocks kept exactly (--int4Scheme asymmetric). As MatMulNBits they add a
+    # block-sum MatMul, an offsets MatMul and an Add to each of the 4 matmuls (--cpuMatmul onnx; SmolLM2: 23 per
+    # layer, 701 in all); kvforge's MatMulBlocks takes the blocks as they are (the default: SmolLM2 11, 341 in all)
+    "tiny_q4_1_engine_dir": (ops.CPU_PAGED_ATTENTION_ROPE.name, 1, 11, 33),
+    "tiny_q4_1_onnx_matmul_engine_dir": (ops.CPU_PAGED_ATTENTION_ROPE.name, 1, 23, 57),
     # ... and the same blocks quantized again symmetric (--int4Scheme symmetric): back to 11 (SmolLM2: 341 in all)
     "tiny_q4_1_symmetric_engine_dir": (ops.CPU_PAGED_ATTENTION_ROPE.name, 1, 11, 33),
     # Qwen3.5: a gated delta-net and an attention layer per period
@@ -55,7 +57,7 @@ def tiny_int4_engine_dir(tmp_path_factory: pytest.TempPathFactory, run_cli) -> P
     return root / "engine"
 
 
-def _q4_1_engine(root: Path, int4_scheme: str) -> Path:
+def _q4_1_engine(root: Path, int4_scheme: str, cpu_matmul: str = "kernel") -> Path:
     """tiny-llama with a GGUF's Q4_1 blocks in every layer linear, as SmolLM2's file holds them."""
     loaded = synthetic_model("tiny-llama")
     for name in linear_weight_names(loaded.config)[:-1]:
@@ -65,8 +67,14 @@ def _q4_1_engine(root: Path, int4_scheme: str) -> Path:
     quantize_linears(loaded, "int4", 32, int4_scheme=int4_scheme)
     write_onnx_dir(loaded, root / "onnx")
     build_engine(root / "onnx", root / "engine", BuildOptions(max_input_len=64, max_kv_cache_capacity=256,
-                                                              max_batch_size=2, tokens_per_page=16))
+                                                              max_batch_size=2, tokens_per_page=16,
+                                                              cpu_matmul=cpu_matmul))
     return root / "engine"
+
+
+@pytest.fixture(scope="module")
+def tiny_q4_1_onnx_matmul_engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _q4_1_engine(tmp_path_factory.mktemp("q4_1_onnx"), "asymmetric", cpu_matmul="onnx")
 
 
 @pytest.fixture(scope="module")

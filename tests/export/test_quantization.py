@@ -9,6 +9,7 @@ import numpy as np
 import onnx
 import pytest
 from support.numpy_llama import dense_logits
+from support.ort_support import cpu_kernel_on
 
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.errors import KvforgeError
@@ -30,12 +31,16 @@ from kvforge.tools.export.sources.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir
 
 
-def _built_graph(loaded: LoadedModel, tmp_path: Path) -> onnx.GraphProto:
-    """Export `loaded` and build a one-row engine of it under tmp_path; the lowered graph (weights not loaded)."""
-    write_onnx_dir(loaded, tmp_path / "onnx")
-    build_engine(tmp_path / "onnx", tmp_path / "engine", BuildOptions(max_input_len=64, max_kv_cache_capacity=128,
-                                                                      max_batch_size=1, tokens_per_page=16))
-    return onnx.load(tmp_path / "engine" / "model.onnx", load_external_data=False).graph
+def _built_graph(loaded: LoadedModel, tmp_path: Path, cpu_matmul: str = "onnx",
+                 engine: str = "engine") -> onnx.GraphProto:
+    """Export `loaded` and build a one-row engine of it under tmp_path; the lowered graph (weights not loaded).
+    MatMulNBits by default (the export's form); `cpu_matmul="kernel"` takes kvforge's MatMulBlocks for 4-bit."""
+    if not (tmp_path / "onnx").is_dir():
+        write_onnx_dir(loaded, tmp_path / "onnx")
+    build_engine(tmp_path / "onnx", tmp_path / engine, BuildOptions(max_input_len=64, max_kv_cache_capacity=128,
+                                                                    max_batch_size=1, tokens_per_page=16,
+                                                                    cpu_matmul=cpu_matmul))
+    return onnx.load(tmp_path / engine / "model.onnx", load_external_data=False).graph
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
@@ -113,6 +118,16 @@ def test_quantized_engine_equals_the_dequantized_reference(model: str, quantizat
         if level == 0:
             assert [t for t, _ in got] == np.argsort(-log_probs)[:5].tolist()
         np.testing.assert_allclose([lp for _, lp in got], log_probs[[t for t, _ in got]], rtol=rtol, atol=atol)
+    if quantization == "int4" and cpu_kernel_on():  # kvforge's MatMulBlocks: the same blocks, float activations
+        graph = _built_graph(loaded, tmp_path, cpu_matmul="kernel", engine="kernel-engine")
+        assert sum(n.op_type == "MatMulBlocks" for n in graph.node) == 4 * loaded.config.num_hidden_layers
+        set_accuracy_level(tmp_path / "kernel-engine", 0)  # the head keeps its own MatMulNBits level (4): exact here
+        engine = Engine(tmp_path / "kernel-engine", EngineConfig(num_threads=2))
+        engine.add_request(EngineRequest(ids, SamplingParams(temperature=0.0, max_generate_length=1, num_logprobs=5)))
+        [output] = engine.step()
+        got = [(t, lp) for t, lp in output.samples[0].top_logprobs]
+        assert [t for t, _ in got] == np.argsort(-log_probs)[:5].tolist()
+        np.testing.assert_allclose([lp for _, lp in got], log_probs[[t for t, _ in got]], rtol=1e-5, atol=1e-4)
 
 
 def test_lm_head_of_a_tied_model_comes_from_the_embedding() -> None:

@@ -1,0 +1,148 @@
+"""Rewrites the exported 4-bit block matmuls into kvforge's CPU kernel op, whose rows do not depend on the row count.
+
+The export's reference form of a GGUF Q4_1 weight is ONNX Runtime's MatMulNBits plus an exact-remainder correction
+(tools/export/quantize.py): `Add(MatMulNBits(x, q, scales, zero_points), MatMul(MatMul(x, block_sum), offsets))`.
+On engines that attend with the CPU kernel (the library is loaded anyway), each such group, and each 4-bit
+MatMulNBits without one (Q4_0, ONNX Runtime's own asymmetric blocks), becomes one `kvforge.cpu.MatMulBlocks` over the
+same packed values and scales and a `mins` initializer: weight = scale * q + min, with min = remainder - scale *
+zero_point (zero point 8 when absent), computed in float64 once here. Why (measured in docs/benchmark-log.md): three
+nodes fewer per matmul, and a verification call of k + 1 rows costs far less than k + 1 decode calls while giving
+each row exactly the decode call's logits (plugins/cpu/matmul_blocks.cc). Only accuracy level 0 blocks (float
+activations) are taken: a level-4 weight (`--int4Scheme symmetric`, the int8 LM head) keeps ONNX Runtime's int8
+arithmetic, which is what its export chose. Nodes inside If branches (`--prefillInt8Rows`) are left as they are.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from kvforge.plugins.ops import CPU_DOMAIN
+
+MATMUL_BLOCKS = "MatMulBlocks"
+BLOCK = 32  # the kernel's block: GGUF's Q4_0 / Q4_1
+
+
+def lower_block_matmuls(model: onnx.ModelProto) -> int:
+    """Every eligible MatMulNBits (with its correction, if any) -> MatMulBlocks, in place; returns how many."""
+    graph = model.graph
+    initializers = {t.name: t for t in graph.initializer}
+    producers = {out: n for n in graph.node for out in n.output}
+    consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+    for node in graph.node:
+        for name in node.input:
+            consumers[name].append(node)
+    graph_outputs = {o.name for o in graph.output}
+    replaced: dict[int, onnx.NodeProto] = {}
+    removed: set[int] = set()
+    new_initializers: list[onnx.TensorProto] = []
+    for node in graph.node:
+        if not _eligible(node, initializers):
+            continue
+        correction = _correction(node, producers, consumers, initializers, graph_outputs)
+        k, n = _attr(node, "K"), _attr(node, "N")
+        scales = numpy_helper.to_array(initializers[node.input[2]]).astype(np.float64).reshape(n, k // BLOCK)
+        zero_points = _zero_points(initializers, node, n, k // BLOCK)
+        remainder = np.zeros_like(scales)
+        output = node.output[0]
+        if correction is not None:
+            add, offsets_name, dropped = correction
+            remainder = numpy_helper.to_array(initializers[offsets_name]).astype(np.float64).T
+            output = add.output[0]
+            removed.update(id(d) for d in dropped)
+            removed.add(id(add))
+        mins_name = f"{node.input[1]}.mins"
+        new_initializers.append(numpy_helper.from_array((remainder - scales * zero_points).astype(np.float32),
+                                                        mins_name))
+        fused = helper.make_node(MATMUL_BLOCKS, [node.input[0], node.input[1], node.input[2], mins_name], [output],
+                                 name=f"blocks/{node.name or output}", domain=CPU_DOMAIN, K=k, N=n)
+        # At the correction's Add (or the MatMulNBits itself): every input exists there and every reader comes later.
+        replaced[id(correction[0] if correction else node)] = fused
+        if correction is not None:
+            removed.add(id(node))
+    if not replaced:
+        return 0
+    kept = [replaced.get(id(n), n) for n in graph.node if id(n) not in removed or id(n) in replaced]
+    del graph.node[:]
+    graph.node.extend(kept)
+    graph.initializer.extend(new_initializers)
+    _drop_unread_initializers(graph)
+    if all(op.domain != CPU_DOMAIN for op in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(CPU_DOMAIN, 1))
+    return len(replaced)
+
+
+def _attr(node: onnx.NodeProto, name: str, default: int | None = None) -> int:
+    for attribute in node.attribute:
+        if attribute.name == name:
+            return attribute.i
+    if default is None:
+        raise KeyError(name)
+    return default
+
+
+def _eligible(node: onnx.NodeProto, initializers: dict[str, onnx.TensorProto]) -> bool:
+    if node.op_type != "MatMulNBits" or len(node.input) < 3 or len(node.input) > 4:
+        return False
+    if _attr(node, "bits") != 4 or _attr(node, "block_size") != BLOCK or _attr(node, "accuracy_level", 0) != 0:
+        return False
+    k = _attr(node, "K")
+    return k % BLOCK == 0 and all(name in initializers for name in node.input[1:])
+
+
+def _zero_points(initializers: dict[str, onnx.TensorProto], node: onnx.NodeProto, n: int, blocks: int) -> np.ndarray:
+    """[N, blocks] float64 zero points: MatMulNBits' packed uint8 (even block in the low nibble), else 8."""
+    if len(node.input) < 4 or not node.input[3]:
+        return np.full((n, blocks), 8.0)
+    packed = numpy_helper.to_array(initializers[node.input[3]]).reshape(n, -1)
+    values = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(n, -1)[:, :blocks]
+    return values.astype(np.float64)
+
+
+def _correction(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto],
+                consumers: dict[str, list[onnx.NodeProto]], initializers: dict[str, onnx.TensorProto],
+                graph_outputs: set[str]) -> tuple[onnx.NodeProto, str, list[onnx.NodeProto]] | None:
+    """For y = MatMulNBits(x) read only by Add(y, MatMul(MatMul(x, block_sum), offsets)): (the Add, the offsets
+    initializer, the two MatMuls when nothing else reads them, else only the offsets one); None otherwise."""
+    y, x = node.output[0], node.input[0]
+    readers = consumers.get(y, [])
+    if y in graph_outputs or len(readers) != 1 or readers[0].op_type != "Add":
+        return None
+    add = readers[0]
+    other = add.input[1] if add.input[0] == y else add.input[0]
+    offsets_matmul = producers.get(other)
+    if offsets_matmul is None or offsets_matmul.op_type != "MatMul" or offsets_matmul.input[1] not in initializers:
+        return None
+    sums = producers.get(offsets_matmul.input[0])
+    if sums is None or sums.op_type != "MatMul" or sums.input[0] != x or sums.input[1] not in initializers:
+        return None
+    k, n = _attr(node, "K"), _attr(node, "N")
+    offsets = initializers[offsets_matmul.input[1]]
+    if tuple(offsets.dims) != (k // BLOCK, n) or len(consumers.get(other, [])) != 1 or other in graph_outputs:
+        return None
+    dropped = [offsets_matmul]
+    if len(consumers.get(sums.output[0], [])) == 1 and sums.output[0] not in graph_outputs:
+        dropped.append(sums)
+    return add, offsets_matmul.input[1], dropped
+
+
+def _drop_unread_initializers(graph: onnx.GraphProto) -> None:
+    """Zero points, offsets and block-sum matrices no node reads any more (If branches read outer names too)."""
+    read: set[str] = {o.name for o in graph.output}
+
+    def collect(g: onnx.GraphProto) -> None:
+        for node in g.node:
+            read.update(node.input)
+            for attribute in node.attribute:
+                if attribute.type == onnx.AttributeProto.GRAPH:
+                    collect(attribute.g)
+                for sub in attribute.graphs:
+                    collect(sub)
+    collect(graph)
+    kept = [t for t in graph.initializer if t.name in read]
+    if len(kept) != len(graph.initializer):
+        del graph.initializer[:]
+        graph.initializer.extend(kept)

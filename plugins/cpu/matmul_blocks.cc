@@ -1,0 +1,392 @@
+// kvforge.cpu.MatMulBlocks: a 4-bit block-quantized matmul whose rows do not change with the call's row count.
+//
+// The contract is plugins/ops.py CPU_MATMUL_BLOCKS; the semantics are plugins/reference.py matmul_blocks.
+// Y [..., N] = A [..., K] @ W, where weight k of output column n is scale[n, b] * q + min[n, b] (b = k / 32, q the
+// 4-bit value, packed as MatMulNBits packs it: element 2i in the low nibble of byte i, 2i + 1 in the high one).
+// That is a GGUF Q4_1 block exactly (a Q4_0 block has min = -8 * scale), so the exact-remainder correction the
+// stock form needs (a block-sum MatMul, an offsets MatMul and an Add beside MatMulNBits) is gone.
+//
+// Why not ONNX Runtime's MatMulNBits: at more than one row its float path dequantizes the whole weight and runs
+// SGEMM, so a verification call of 5 rows cost 2.7x a decode call, and its rounding differs from the one-row
+// call's, so a verified token's logits were not the decoded token's. Here, up to kDirectRows rows, each block is
+// decoded once into float32 (one FMA per weight: scale * q + min, rounded once) and dotted with every row; an
+// output element is summed in the same order whatever the row count, the column split or the thread, so
+// verification rows equal decode rows bit for bit. More rows (prefill chunks) dequantize W once into float32
+// [N, K] and run ONNX Runtime's own Gemm on it (InvokeOp), as MatMulNBits' float path does internally.
+
+#include <onnxruntime_c_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__AVX512F__)
+// gcc 12 reports its own _mm512_undefined_* (inside the intrinsics) as uninitialized.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#include <immintrin.h>
+#define KVFORGE_MATMUL_AVX512 1
+#else
+#define KVFORGE_MATMUL_AVX512 0
+#endif
+
+namespace kvforge_matmul {
+namespace {
+
+const OrtApi* g_api = nullptr;
+
+constexpr int64_t kBlock = 32;          // weights per block (GGUF's Q4_0 / Q4_1)
+constexpr int64_t kBlockBytes = 16;     // two 4-bit weights per byte
+constexpr int64_t kDirectRows = 16;     // up to this many rows: the row-invariant direct kernel
+constexpr int64_t kRowGroup = 8;        // the most rows sharing one decoded block in registers
+constexpr int64_t kColumnsPerItem = 32; // one parallel work item
+
+#define KVF_MM_TRY(expr)                  \
+  do {                                    \
+    if (OrtStatus* _st = (expr)) return _st; \
+  } while (0)
+
+OrtStatus* error(const std::string& message) {
+  return g_api->CreateStatus(ORT_INVALID_ARGUMENT, ("kvforge.cpu.MatMulBlocks: " + message).c_str());
+}
+
+struct Kernel {
+  int64_t k = 0;
+  int64_t n = 0;
+  OrtOp* gemm = nullptr;  // ONNX Runtime's Gemm (transB = 1) for calls of many rows
+  OrtMemoryInfo* cpu = nullptr;
+};
+
+struct Call {
+  const Kernel* kernel;
+  int64_t rows;
+  const float* x;        // [rows, K] with each block's 32 values reordered: its 16 even elements, then its 16 odd
+  const uint8_t* q;      // [N, K / 32, 16]
+  const float* scale;    // [N, K / 32]
+  const float* min;      // [N, K / 32]
+  float* y;              // [rows, N]
+  float* dequantized;    // [N, K] (the many-rows path)
+};
+
+// Even elements of each block first, then the odd ones: the order the nibbles unpack in (low nibbles = even).
+void deinterleave(const float* a, int64_t rows, int64_t k, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < k; b += kBlock) {
+      const float* src = a + r * k + b;
+      float* dst = out + r * k + b;
+      for (int64_t i = 0; i < kBlock / 2; ++i) {
+        dst[i] = src[2 * i];
+        dst[kBlock / 2 + i] = src[2 * i + 1];
+      }
+    }
+  }
+}
+
+#if KVFORGE_MATMUL_AVX512
+// Columns c0..c0+NC-1 against rows r0..r0+NR-1: one accumulator per (column, row), summed block by block in
+// order, lane by lane, then reduced by one fixed tree: the same arithmetic for any NC, NR or row count.
+template <int NC, int NR>
+void dot_group(const Call& c, int64_t c0, int64_t r0) {
+  const int64_t k = c.kernel->k, n = c.kernel->n, blocks = k / kBlock;
+  const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  __m512 acc[NC][NR];
+  for (int j = 0; j < NC; ++j)
+    for (int r = 0; r < NR; ++r) acc[j][r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512 even[NC], odd[NC];
+    for (int j = 0; j < NC; ++j) {
+      const int64_t at = (c0 + j) * blocks + b;
+      const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c.q + at * kBlockBytes)));
+      // The block's 16 possible weights scale * q + min (each rounded once, as the portable path's fma), then
+      // looked up by nibble: vpermps reads only an index's low 4 bits, so the low nibble needs no mask.
+      const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(c.scale[at]), _mm512_set1_ps(c.min[at]));
+      even[j] = _mm512_permutexvar_ps(v, table);
+      odd[j] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+    }
+    for (int r = 0; r < NR; ++r) {  // each row's 32 activations loaded once for all NC columns
+      const float* x = c.x + (r0 + r) * k + b * kBlock;
+      const __m512 xe = _mm512_loadu_ps(x), xo = _mm512_loadu_ps(x + 16);
+      for (int j = 0; j < NC; ++j) {
+        acc[j][r] = _mm512_fmadd_ps(even[j], xe, acc[j][r]);
+        acc[j][r] = _mm512_fmadd_ps(odd[j], xo, acc[j][r]);
+      }
+    }
+  }
+  for (int j = 0; j < NC; ++j)
+    for (int r = 0; r < NR; ++r) c.y[(r0 + r) * n + c0 + j] = _mm512_reduce_add_ps(acc[j][r]);
+}
+#else
+// The portable path: the same per-element order as the vector one (16 lanes, then a pairwise tree).
+template <int NC, int NR>
+void dot_group(const Call& c, int64_t c0, int64_t r0) {
+  const int64_t k = c.kernel->k, n = c.kernel->n, blocks = k / kBlock;
+  for (int j = 0; j < NC; ++j) {
+    for (int r = 0; r < NR; ++r) {
+      float lanes[16] = {};
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t at = (c0 + j) * blocks + b;
+        const float d = c.scale[at], m = c.min[at];
+        const float* x = c.x + (r0 + r) * k + b * kBlock;
+        for (int i = 0; i < 16; ++i) {
+          const uint8_t byte = c.q[at * kBlockBytes + i];
+          lanes[i] = std::fma(std::fma(static_cast<float>(byte & 0xF), d, m), x[i], lanes[i]);
+          lanes[i] = std::fma(std::fma(static_cast<float>(byte >> 4), d, m), x[16 + i], lanes[i]);
+        }
+      }
+      for (int width = 8; width >= 1; width /= 2)
+        for (int i = 0; i < width; ++i) lanes[i] += lanes[i + width];
+      c.y[(r0 + r) * n + c0 + j] = lanes[0];
+    }
+  }
+}
+#endif
+
+// One pass over a column group's blocks serves as many rows as the registers hold: NC x NR accumulators plus the
+// NC decoded pairs stay within the 32 vector registers without spilling (4 x 4, 3 x 5, 2 x 8).
+template <int NC, int NR>
+void dot_columns(const Call& c, int64_t begin, int64_t end, int64_t r0) {
+  int64_t c0 = begin;
+  for (; c0 + NC <= end; c0 += NC) dot_group<NC, NR>(c, c0, r0);
+  for (; c0 < end; ++c0) dot_group<1, NR>(c, c0, r0);
+}
+
+template <int NR>
+void dot_rows(const Call& c, int64_t begin, int64_t end, int64_t r0) {
+  constexpr int kColumns = NR <= 4 ? 4 : NR == 5 ? 3 : 2;
+  dot_columns<kColumns, NR>(c, begin, end, r0);
+}
+
+void direct_item(void* data, size_t item) {
+  const Call& c = *static_cast<const Call*>(data);
+  const int64_t begin = static_cast<int64_t>(item) * kColumnsPerItem;
+  const int64_t end = std::min(begin + kColumnsPerItem, c.kernel->n);
+  for (int64_t r0 = 0; r0 < c.rows; r0 += kRowGroup) {
+    switch (std::min<int64_t>(c.rows - r0, kRowGroup)) {
+      case 1: dot_rows<1>(c, begin, end, r0); break;
+      case 2: dot_rows<2>(c, begin, end, r0); break;
+      case 3: dot_rows<3>(c, begin, end, r0); break;
+      case 4: dot_rows<4>(c, begin, end, r0); break;
+      case 5: dot_rows<5>(c, begin, end, r0); break;
+      case 6: dot_rows<6>(c, begin, end, r0); break;
+      case 7: dot_rows<7>(c, begin, end, r0); break;
+      default: dot_rows<8>(c, begin, end, r0); break;
+    }
+  }
+}
+
+// W^T [N, K] in float32, in the original element order, for ONNX Runtime's Gemm.
+void dequantize_item(void* data, size_t item) {
+  const Call& c = *static_cast<const Call*>(data);
+  const int64_t k = c.kernel->k, blocks = k / kBlock;
+  const int64_t begin = static_cast<int64_t>(item) * kColumnsPerItem;
+  const int64_t end = std::min(begin + kColumnsPerItem, c.kernel->n);
+  for (int64_t col = begin; col < end; ++col) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t at = col * blocks + b;
+      const float d = c.scale[at], m = c.min[at];
+      float* out = c.dequantized + col * k + b * kBlock;
+      for (int64_t i = 0; i < kBlockBytes; ++i) {
+        const uint8_t byte = c.q[at * kBlockBytes + i];
+        out[2 * i] = std::fma(static_cast<float>(byte & 0xF), d, m);
+        out[2 * i + 1] = std::fma(static_cast<float>(byte >> 4), d, m);
+      }
+    }
+  }
+}
+
+struct TensorInfo {
+  std::vector<int64_t> shape;
+  ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+};
+
+OrtStatus* describe(const OrtValue* value, TensorInfo& out) {
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  KVF_MM_TRY(g_api->GetTensorTypeAndShape(value, &info));
+  size_t rank = 0;
+  OrtStatus* st = g_api->GetDimensionsCount(info, &rank);
+  if (!st) {
+    out.shape.resize(rank);
+    st = g_api->GetDimensions(info, out.shape.data(), rank);
+  }
+  if (!st) st = g_api->GetTensorElementType(info, &out.type);
+  g_api->ReleaseTensorTypeAndShapeInfo(info);
+  return st;
+}
+
+int64_t elements(const std::vector<int64_t>& shape) {
+  int64_t total = 1;
+  for (int64_t d : shape) total *= d;
+  return total;
+}
+
+OrtStatus* run_gemm(const Kernel& kernel, OrtKernelContext* ctx, const float* a, int64_t rows, float* weights,
+                    float* y) {
+  const int64_t a_shape[2] = {rows, kernel.k}, w_shape[2] = {kernel.n, kernel.k}, y_shape[2] = {rows, kernel.n};
+  OrtValue* values[3] = {nullptr, nullptr, nullptr};
+  OrtStatus* st = g_api->CreateTensorWithDataAsOrtValue(kernel.cpu, const_cast<float*>(a),
+                                                        sizeof(float) * rows * kernel.k, a_shape, 2,
+                                                        ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, &values[0]);
+  if (!st) st = g_api->CreateTensorWithDataAsOrtValue(kernel.cpu, weights, sizeof(float) * kernel.n * kernel.k,
+                                                      w_shape, 2, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, &values[1]);
+  if (!st) st = g_api->CreateTensorWithDataAsOrtValue(kernel.cpu, y, sizeof(float) * rows * kernel.n, y_shape, 2,
+                                                      ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, &values[2]);
+  if (!st) {
+    const OrtValue* inputs[2] = {values[0], values[1]};
+    st = g_api->InvokeOp(ctx, kernel.gemm, inputs, 2, &values[2], 1);
+  }
+  for (OrtValue* v : values)
+    if (v) g_api->ReleaseValue(v);
+  return st;
+}
+
+OrtStatus* ORT_API_CALL compute(void* kernel_data, OrtKernelContext* ctx) {
+  const Kernel& kernel = *static_cast<const Kernel*>(kernel_data);
+  const OrtValue* inputs[4] = {nullptr, nullptr, nullptr, nullptr};
+  TensorInfo info[4];
+  for (size_t i = 0; i < 4; ++i) {
+    KVF_MM_TRY(g_api->KernelContext_GetInput(ctx, i, &inputs[i]));
+    if (!inputs[i]) return error("input " + std::to_string(i) + " is missing");
+    KVF_MM_TRY(describe(inputs[i], info[i]));
+  }
+  const int64_t k = kernel.k, n = kernel.n, blocks = k / kBlock;
+  if (info[0].shape.empty() || info[0].shape.back() != k)
+    return error("input A's last dimension must be K = " + std::to_string(k));
+  if (info[1].shape != std::vector<int64_t>{n, blocks, kBlockBytes})
+    return error("qweight must be [N, K / 32, 16] uint8");
+  if (elements(info[2].shape) != n * blocks || elements(info[3].shape) != n * blocks)
+    return error("scales and mins must hold N * K / 32 floats");
+  const int64_t rows = elements(info[0].shape) / k;
+  std::vector<int64_t> out_shape(info[0].shape);
+  out_shape.back() = n;
+  OrtValue* out_value = nullptr;
+  KVF_MM_TRY(g_api->KernelContext_GetOutput(ctx, 0, out_shape.data(), out_shape.size(), &out_value));
+  void* y = nullptr;
+  KVF_MM_TRY(g_api->GetTensorMutableData(out_value, &y));
+  if (rows == 0) return nullptr;
+  const void* data[4];
+  for (size_t i = 0; i < 4; ++i) KVF_MM_TRY(g_api->GetTensorData(inputs[i], &data[i]));
+  Call c{&kernel, rows, nullptr, static_cast<const uint8_t*>(data[1]), static_cast<const float*>(data[2]),
+         static_cast<const float*>(data[3]), static_cast<float*>(y), nullptr};
+  const size_t items = static_cast<size_t>((n + kColumnsPerItem - 1) / kColumnsPerItem);
+  thread_local std::vector<float> scratch;  // the calling thread's: reused call after call, never shrunk
+  if (rows <= kDirectRows) {
+    scratch.resize(static_cast<size_t>(rows * k));
+    deinterleave(static_cast<const float*>(data[0]), rows, k, scratch.data());
+    c.x = scratch.data();
+    return g_api->KernelContext_ParallelFor(ctx, direct_item, items, 0, &c);
+  }
+  scratch.resize(static_cast<size_t>(n * k));
+  c.dequantized = scratch.data();
+  KVF_MM_TRY(g_api->KernelContext_ParallelFor(ctx, dequantize_item, items, 0, &c));
+  return run_gemm(kernel, ctx, static_cast<const float*>(data[0]), rows, c.dequantized, static_cast<float*>(y));
+}
+
+OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** out) {
+  Kernel kernel;
+  for (auto [name, target] : {std::pair<const char*, int64_t*>{"K", &kernel.k}, {"N", &kernel.n}}) {
+    if (OrtStatus* st = g_api->KernelInfoGetAttribute_int64(info, name, target)) {
+      g_api->ReleaseStatus(st);
+      return error(std::string("missing int attribute ") + name);
+    }
+  }
+  if (kernel.k <= 0 || kernel.k % kBlock != 0 || kernel.n <= 0)
+    return error("K must be a positive multiple of 32 and N positive, got K = " + std::to_string(kernel.k) +
+                 ", N = " + std::to_string(kernel.n));
+  // Gemm's kernel reads every attribute at creation: Y = A @ W^T (transB), alpha 1, beta 1 (no C is given).
+  const int64_t trans_a = 0, trans_b = 1;
+  const float one = 1.0f;
+  OrtOpAttr* attrs[4] = {nullptr, nullptr, nullptr, nullptr};
+  OrtStatus* st = g_api->CreateOpAttr("transA", &trans_a, 1, ORT_OP_ATTR_INT, &attrs[0]);
+  if (!st) st = g_api->CreateOpAttr("transB", &trans_b, 1, ORT_OP_ATTR_INT, &attrs[1]);
+  if (!st) st = g_api->CreateOpAttr("alpha", &one, 1, ORT_OP_ATTR_FLOAT, &attrs[2]);
+  if (!st) st = g_api->CreateOpAttr("beta", &one, 1, ORT_OP_ATTR_FLOAT, &attrs[3]);
+  const char* type_names[1] = {"T"};
+  const ONNXTensorElementDataType types[1] = {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT};
+  if (!st) st = g_api->CreateOp(info, "Gemm", "", 13, type_names, types, 1, attrs, 4, 2, 1, &kernel.gemm);
+  for (OrtOpAttr* attr : attrs)
+    if (attr) g_api->ReleaseOpAttr(attr);
+  if (st) return st;
+  st = g_api->CreateCpuMemoryInfo(OrtDeviceAllocator, OrtMemTypeDefault, &kernel.cpu);
+  if (st) {
+    g_api->ReleaseOp(kernel.gemm);
+    return st;
+  }
+  *out = new Kernel(kernel);
+  return nullptr;
+}
+
+void ORT_API_CALL destroy_kernel(void* data) {
+  Kernel* kernel = static_cast<Kernel*>(data);
+  if (kernel->gemm) g_api->ReleaseOp(kernel->gemm);
+  if (kernel->cpu) g_api->ReleaseMemoryInfo(kernel->cpu);
+  delete kernel;
+}
+
+const char* ORT_API_CALL op_name(const OrtCustomOp*) { return "MatMulBlocks"; }
+const char* ORT_API_CALL op_provider(const OrtCustomOp*) { return "CPUExecutionProvider"; }
+size_t ORT_API_CALL input_count(const OrtCustomOp*) { return 4; }
+size_t ORT_API_CALL output_count(const OrtCustomOp*) { return 1; }
+ONNXTensorElementDataType ORT_API_CALL input_type(const OrtCustomOp*, size_t index) {
+  return index == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+ONNXTensorElementDataType ORT_API_CALL output_type(const OrtCustomOp*, size_t) {
+  return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+OrtCustomOpInputOutputCharacteristic ORT_API_CALL required(const OrtCustomOp*, size_t) {
+  return INPUT_OUTPUT_REQUIRED;
+}
+OrtMemType ORT_API_CALL input_memory(const OrtCustomOp*, size_t) { return OrtMemTypeDefault; }
+int ORT_API_CALL variadic_arity(const OrtCustomOp*) { return 1; }
+int ORT_API_CALL variadic_homogeneity(const OrtCustomOp*) { return 0; }
+int ORT_API_CALL start_version(const OrtCustomOp*) { return 1; }
+int ORT_API_CALL end_version(const OrtCustomOp*) { return 1 << 30; }
+size_t ORT_API_CALL no_alias(int** inputs, int** outputs) {
+  *inputs = nullptr;
+  *outputs = nullptr;
+  return 0;
+}
+void ORT_API_CALL release_alias(int*, int*) {}
+
+OrtCustomOp make_op() {
+  OrtCustomOp op;
+  std::memset(&op, 0, sizeof op);
+  op.version = ORT_API_VERSION;
+  op.GetName = op_name;
+  op.GetExecutionProviderType = op_provider;
+  op.GetInputType = input_type;
+  op.GetInputTypeCount = input_count;
+  op.GetOutputType = output_type;
+  op.GetOutputTypeCount = output_count;
+  op.KernelDestroy = destroy_kernel;
+  op.GetInputCharacteristic = required;
+  op.GetOutputCharacteristic = required;
+  op.GetInputMemoryType = input_memory;
+  op.GetVariadicInputMinArity = variadic_arity;
+  op.GetVariadicInputHomogeneity = variadic_homogeneity;
+  op.GetVariadicOutputMinArity = variadic_arity;
+  op.GetVariadicOutputHomogeneity = variadic_homogeneity;
+  op.CreateKernelV2 = create_kernel;
+  op.KernelComputeV2 = compute;
+  op.GetStartVersion = start_version;
+  op.GetEndVersion = end_version;
+  op.GetMayInplace = no_alias;
+  op.ReleaseMayInplace = release_alias;
+  op.GetAliasMap = no_alias;
+  op.ReleaseAliasMap = release_alias;
+  return op;
+}
+
+OrtCustomOp g_matmul_blocks = make_op();
+
+}  // namespace
+
+// Called by RegisterCustomOps (paged_attention.cc) with the API table it resolved.
+OrtStatus* add_ops(OrtCustomOpDomain* domain, const OrtApi* api) {
+  g_api = api;
+  return api->CustomOpDomain_Add(domain, &g_matmul_blocks);
+}
+
+}  // namespace kvforge_matmul

@@ -1,0 +1,184 @@
+"""kvforge.cpu.MatMulBlocks (plugins/cpu/matmul_blocks.cc) and its lowering (builder/lower_matmul.py): the 4-bit
+block matmul that replaces MatMulNBits and the Q4_1 correction on kernel engines, against the float64 reference, with
+each row's result independent of the call's row count (what makes verification rows equal decode rows)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from kvforge.builder.build import BuildOptions, build_engine
+from kvforge.builder.lower_matmul import MATMUL_BLOCKS, lower_block_matmuls
+from kvforge.contract.engine_dir import load_engine_dir
+from kvforge.contract.errors import InvalidConfig
+from kvforge.plugins import reference
+from kvforge.plugins.ops import CPU_DOMAIN
+from kvforge.runtime.api import LLM
+from kvforge.runtime.types import SamplingParams
+from kvforge.tools.export.quantize import BlockQuantized, from_gguf_blocks, quantize
+from kvforge.tools.export.quantize_model import quantize_linears
+from kvforge.tools.export.sources.synthetic import synthetic_model
+from kvforge.tools.export.writer import write_onnx_dir
+
+OPSETS = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1), helper.make_opsetid(CPU_DOMAIN, 1)]
+
+
+def _session(model: onnx.ModelProto, library: Path, threads: int = 2) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.register_custom_ops_library(str(library))
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _random_blocks(rng: np.random.Generator, k: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    q = rng.integers(0, 16, size=(n, k // 32, 32)).astype(np.uint8)
+    packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+    scales = (rng.random((n, k // 32)) * 0.05 + 0.001).astype(np.float32)
+    mins = (-rng.random((n, k // 32)) * 0.4).astype(np.float32)
+    return packed, scales, mins
+
+
+def _blocks_model(k: int, n: int, packed: np.ndarray, scales: np.ndarray, mins: np.ndarray) -> onnx.ModelProto:
+    node = helper.make_node(MATMUL_BLOCKS, ["a", "q", "s", "m"], ["y"], domain=CPU_DOMAIN, K=k, N=n)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("a", TensorProto.FLOAT, [None, None, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, None, n])],
+                              [numpy_helper.from_array(packed, "q"), numpy_helper.from_array(scales.reshape(-1), "s"),
+                               numpy_helper.from_array(mins, "m")])
+    return helper.make_model(graph, opset_imports=OPSETS)
+
+
+@pytest.mark.parametrize(("k", "n"), [(64, 7), (96, 33), (256, 70)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 40])
+def test_it_matches_the_float64_reference(library: Path, k: int, n: int, rows: int) -> None:
+    rng = np.random.default_rng(k * 1000 + n + rows)
+    packed, scales, mins = _random_blocks(rng, k, n)
+    a = rng.standard_normal((1, rows, k)).astype(np.float32)
+    y = _session(_blocks_model(k, n, packed, scales, mins), library).run(None, {"a": a})[0]
+    expected = reference.matmul_blocks(a, packed, scales, mins)
+    assert y.shape == (1, rows, n)
+    np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
+def test_a_row_is_the_same_bits_whatever_the_row_count(library: Path) -> None:
+    k, n = 192, 45
+    rng = np.random.default_rng(7)
+    packed, scales, mins = _random_blocks(rng, k, n)
+    session = _session(_blocks_model(k, n, packed, scales, mins), library)
+    a = rng.standard_normal((1, 16, k)).astype(np.float32)
+    alone = np.stack([session.run(None, {"a": a[:, i:i + 1]})[0][0, 0] for i in range(16)])
+    for rows in range(1, 17):  # up to 16 rows: a verify call of 4 drafts is 5, a 4-deep tree of 16 at most
+        together = session.run(None, {"a": a[:, :rows]})[0][0]
+        assert np.array_equal(together, alone[:rows]), f"{rows} rows"
+    one_thread = _session(_blocks_model(k, n, packed, scales, mins), library, threads=1)
+    assert np.array_equal(one_thread.run(None, {"a": a[:, :5]})[0][0], alone[:5])
+
+
+def _nbits_with_correction(blocks: BlockQuantized) -> onnx.ModelProto:
+    """The export's reference form of a Q4_1 weight (tools/export/families/llama.py _Linears._nbits)."""
+    ones = np.kron(np.eye(blocks.k // 32, dtype=np.float32), np.ones((32, 1), dtype=np.float32))
+    nodes = [helper.make_node("MatMulNBits", ["x", "w", "s", "z"], ["y0"], domain="com.microsoft", K=blocks.k,
+                              N=blocks.n, bits=4, block_size=32, accuracy_level=0, name="nbits"),
+             helper.make_node("MatMul", ["x", "ones"], ["sums"]), helper.make_node("MatMul", ["sums", "r"], ["c"]),
+             helper.make_node("Add", ["y0", "c"], ["y"]), helper.make_node("Relu", ["y"], ["out"])]
+    initializers = [numpy_helper.from_array(blocks.packed, "w"), numpy_helper.from_array(blocks.scales, "s"),
+                    numpy_helper.from_array(blocks.zero_points, "z"), numpy_helper.from_array(ones, "ones"),
+                    numpy_helper.from_array(blocks.offsets, "r")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, blocks.k])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, [None, blocks.n])],
+                              initializers)
+    return helper.make_model(graph, opset_imports=OPSETS[:2])
+
+
+def test_the_lowering_folds_the_q4_1_correction_into_the_mins(library: Path) -> None:
+    rng = np.random.default_rng(11)
+    weight = rng.standard_normal((40, 128)).astype(np.float32)  # [out, in]
+    blocks = from_gguf_blocks("Q4_1", gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q4_1), 128)
+    assert blocks.offsets is not None and blocks.zero_points is not None
+    model = _nbits_with_correction(blocks)
+    x = rng.standard_normal((6, 128)).astype(np.float32)
+    before = _session(model, library).run(None, {"x": x})[0]
+    assert lower_block_matmuls(model) == 1
+    assert [n.op_type for n in model.graph.node] == [MATMUL_BLOCKS, "Relu"]
+    assert {t.name for t in model.graph.initializer} == {"w", "s", "w.mins"}  # zero points, offsets, 0/1 sums: gone
+    after = _session(model, library).run(None, {"x": x})[0]
+    expected = np.maximum(x.astype(np.float64) @ blocks.dequantize().astype(np.float64), 0)
+    scale = np.abs(expected).max()
+    np.testing.assert_allclose(after, expected, atol=2e-6 * scale)
+    np.testing.assert_allclose(after, before, atol=2e-5 * scale)
+    # The mins are the GGUF blocks' own m = remainder - d * zero point (Q4_1: d * q + m), to float32 rounding.
+    raw = gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q4_1).reshape(40, 4, 20)
+    m = raw[..., 2:4].copy().view(np.float16).astype(np.float32).reshape(40, 4)
+    mins = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "w.mins"))
+    np.testing.assert_allclose(mins, m, rtol=0, atol=1e-7)
+
+
+def test_level_4_and_8_bit_blocks_stay_with_onnx_runtime() -> None:
+    rng = np.random.default_rng(2)
+    for blocks in (quantize(rng.standard_normal((16, 64)).astype(np.float32), 4, 32, symmetric=True),
+                   quantize(rng.standard_normal((16, 64)).astype(np.float32), 8, 32)):
+        node = helper.make_node("MatMulNBits", ["x", "w", "s"], ["y"], domain="com.microsoft", K=64, N=16,
+                                bits=blocks.bits, block_size=32, accuracy_level=blocks.accuracy_level or 4)
+        graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 64])],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 16])],
+                                  [numpy_helper.from_array(blocks.packed, "w"),
+                                   numpy_helper.from_array(blocks.scales, "s")])
+        model = helper.make_model(graph, opset_imports=OPSETS[:2])
+        assert lower_block_matmuls(model) == 0
+        assert model.graph.node[0].op_type == "MatMulNBits"
+
+
+def test_kernel_and_onnx_matmul_engines_agree(library: Path, tmp_path: Path) -> None:
+    del library  # the kernel engine needs it
+    loaded = synthetic_model("tiny-llama")
+    quantize_linears(loaded, "int4", 32)
+    write_onnx_dir(loaded, tmp_path / "onnx")
+    runs, counts = {}, {}
+    prompt = [5, 17, 33, 2, 81, 40, 12, 9, 77, 64]
+    for matmul in ("kernel", "onnx"):
+        engine_dir = tmp_path / f"engine-{matmul}"
+        build_engine(tmp_path / "onnx", engine_dir, BuildOptions(max_input_len=64, max_kv_cache_capacity=256,
+                                                                 max_batch_size=1, tokens_per_page=16,
+                                                                 cpu_matmul=matmul))
+        assert load_engine_dir(engine_dir).build.kernel_matmul is (matmul == "kernel")
+        ops = [n.op_type for n in onnx.load(engine_dir / "model.onnx", load_external_data=False).graph.node]
+        counts[matmul] = (ops.count(MATMUL_BLOCKS), ops.count("MatMulNBits"))
+        params = SamplingParams(temperature=0.0, top_k=1, max_generate_length=12, num_logprobs=1,
+                                logit_bias={loaded.config.eos_token_ids[0]: -100.0})
+        out = LLM(engine_dir).generate([prompt], params)[0]
+        runs[matmul] = (out.token_ids, [[lp.logprob for lp in step] for step in out.logprobs])
+    # Every layer's 4-bit matmul moved (the LM head's level-4 MatMulNBits, if any, stays).
+    assert counts["onnx"][0] == 0 and counts["kernel"][0] == counts["onnx"][1] - counts["kernel"][1] >= 4
+    assert runs["kernel"][0] == runs["onnx"][0]
+    np.testing.assert_allclose(runs["kernel"][1], runs["onnx"][1], atol=1e-3)
+
+
+def test_build_refuses_an_unknown_matmul_choice(tmp_path: Path) -> None:
+    with pytest.raises(InvalidConfig) as info:
+        build_engine(tmp_path / "onnx", tmp_path / "engine", BuildOptions(cpu_matmul="fast"))
+    assert info.value.field == "cpu_matmul"
+
+
+def test_the_portable_build_agrees_with_the_vector_one(library: Path) -> None:
+    """The library built without AVX-512 (-mno-avx512f: the scalar loops) against the reference and the vector path;
+    its rows are row-count invariant too."""
+    from kvforge.plugins import cpu_kernel
+
+    portable = cpu_kernel.library_path(("-mno-avx512f",))
+    k, n = 128, 21
+    rng = np.random.default_rng(5)
+    packed, scales, mins = _random_blocks(rng, k, n)
+    model = _blocks_model(k, n, packed, scales, mins)
+    a = rng.standard_normal((1, 6, k)).astype(np.float32)
+    scalar = _session(model, portable).run(None, {"a": a})[0]
+    vector = _session(model, library).run(None, {"a": a})[0]
+    expected = reference.matmul_blocks(a, packed, scales, mins)
+    np.testing.assert_allclose(scalar, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+    np.testing.assert_allclose(scalar, vector, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+    alone = _session(model, portable).run(None, {"a": a[:, 2:3]})[0][0, 0]
+    assert np.array_equal(scalar[0, 2], alone)
