@@ -105,10 +105,11 @@ class ModelConfig:
     kv_shared_layers: list[int] = field(default_factory=list)
     num_centroids: int = 0
     centroid_top_k: int = 0
-    # Gemma: the layers attending over only the last `sliding_window` positions (each keeps a full-length cache
-    # for now), their RoPE base (0 = rope_theta), the other layers' linear RoPE scaling (0 = none), the query
-    # scale's denominator (0 = head_dim) and tanh softcap of the logits (0 = none). Gemma 4's global layers turn
-    # only their first rope_proportion of the rotate-half frequencies (proportional RoPE; 0 = all of them).
+    # Gemma: the layers attending over only the last `sliding_window` positions, their RoPE base (0 = rope_theta),
+    # the other layers' linear RoPE scaling (0 = none), the query scale's denominator (0 = head_dim) and tanh softcap
+    # of the logits (0 = none). Gemma 4's global layers turn only their first rope_proportion of the rotate-half
+    # frequencies (proportional RoPE; 0 = all of them) and may have heads of their own size, global_head_dim (0 =
+    # head_dim; their pools are that wide: layer_head_dim).
     sliding_window: int = 0
     sliding_window_layers: list[int] = field(default_factory=list)
     rope_local_theta: float = 0.0
@@ -122,6 +123,7 @@ class ModelConfig:
     # Gemma 4's per-layer embeddings: each layer's input width (0 = none); the runtime feeds each token's row of the
     # per-layer table (engine_dir.PER_LAYER_EMBEDDING_FILE) beside its embedding row (media: the pad token's row).
     hidden_size_per_layer_input: int = 0
+    global_head_dim: int = 0
     format: str = EXPORT_FORMAT
 
     @property
@@ -194,6 +196,11 @@ class ModelConfig:
     def num_attention_layers(self) -> int:
         return len(self.attention_layer_ids)
 
+    def layer_head_dim(self, layer: int) -> int:
+        """Head size of decoder layer `layer`'s queries, keys and values, the last axis of its pool."""
+        sliding = layer in self.sliding_window_layers
+        return self.global_head_dim if self.global_head_dim and not sliding else self.head_dim
+
     @property
     def rotary_dim(self) -> int:
         """Dims of each head RoPE rotates (even); `rope_rotary_cos_sin` is [capacity, rotary_dim]."""
@@ -238,6 +245,10 @@ class ModelConfig:
                                             (i in self.sliding_window_layers))) for i, s in enumerate(sources))):
             raise InvalidConfig("must name, per layer, itself or an earlier layer of its kind that has its own pool",
                                 "config.kv_source_layers")
+        if self.global_head_dim and (self.global_head_dim % 2 or self.global_head_dim < self.rotary_dim or
+                                     self.model != "gemma4" or not self.sliding_window_layers):
+            raise InvalidConfig(f"must be 0 or an even head size of at least the RoPE table's {self.rotary_dim} dims, "
+                                "on a gemma4 model with sliding layers", "config.global_head_dim")
         for name in ("rope_local_theta", "rope_linear_factor", "rope_proportion", "query_pre_attn_scalar",
                      "final_logit_softcapping"):
             if getattr(self, name) < 0:
@@ -445,5 +456,6 @@ CONFIG_SCHEMA: dict[str, tuple[str, float | None, float | None]] = {
     "rope_proportion": ("float", -1.0, 1.0), "kv_source_layers": ("ints", 0, 1024),
     "query_pre_attn_scalar": ("float", -1.0, 1e9),
     "final_logit_softcapping": ("float", -1.0, 1e9), "hidden_size_per_layer_input": ("int", 0, 2**16),
+    "global_head_dim": ("int", 0, 4096),
 }
 
