@@ -1,9 +1,11 @@
 """Gemma 4 global layers with heads of their own size (global_head_dim 32 over head_dim 16, as released checkpoints'
-512 over 256): the exported graph against transformers on each attention path, and the table-order RoPE on its
-own."""
+512 over 256): the exported graph against transformers on each attention path, the table-order RoPE on its own, and
+the engine (one pool width per layer) cold and with a reuse hit, with and without the sliding-window page group,
+on the CPU kernel and on the fallback."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -83,6 +85,71 @@ def test_config_records_the_global_head_size_and_older_configs_load(wide: tuple)
         assert refused.value.field == "config.global_head_dim"
 
 
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory, wide: tuple) -> tuple[Path, list[list[int]], list, int]:
+    """The HF dir through llm_export's checkpoint path, two turns (the second extends the first), transformers'
+    greedy answers to each, and the end-of-sequence token they never produce (min_new_tokens)."""
+    from kvforge.tools.export.sources.hf import load_hf_dir
+    from kvforge.tools.export.sources.synthetic import byte_level_tokenizer
+    from kvforge.tools.export.writer import write_onnx_dir
+
+    hf, root = wide[0], tmp_path_factory.mktemp("gemma4_wide")
+    hf.save_pretrained(root / "hf", safe_serialization=True)
+    byte_level_tokenizer().save(str(root / "hf" / "tokenizer.json"))
+    write_onnx_dir(load_hf_dir(root / "hf", kv_cache_dtype="fp32"), root / "onnx")
+    assert json.loads((root / "onnx" / "config.json").read_text())["global_head_dim"] == 32
+
+    def generate(ids: list[int]) -> list[int]:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                              max_new_tokens=5, min_new_tokens=5, do_sample=False)
+        return out[0, len(ids):].tolist()
+
+    first = prompt(120, seed=23)
+    answer = generate(first)
+    second = first + answer + prompt(30, seed=24)
+    return root / "onnx", [first, second], [answer, generate(second)], hf.config.eos_token_id
+
+
+@pytest.mark.parametrize("window_pool", [False, True])
+@pytest.mark.parametrize("attention", ["kernel", "onnx"])
+def test_engine_answers_equal_transformers_cold_and_with_reuse(request: pytest.FixtureRequest, checkpoint: tuple,
+                                                               attention: str, window_pool: bool) -> None:
+    """Each pool is as wide as its layer's heads; the first turn runs cold, the second hits its pages; both greedy
+    answers equal transformers'. With the sliding-window page group the sliding pools hold the window only."""
+    from support.engine_driver import make_engine
+
+    from kvforge.builder.build import BuildOptions, build_engine
+    from kvforge.runtime.sequence import EngineRequest
+    from kvforge.runtime.types import SamplingParams
+
+    if attention == "kernel":
+        request.getfixturevalue("library")  # skips where the kernel cannot be built
+    onnx_dir, prompts, expected, eos = checkpoint
+    engine_dir = onnx_dir.parent / f"engine-{attention}-{window_pool}"
+    build_engine(onnx_dir, engine_dir, BuildOptions(max_input_len=256, max_kv_cache_capacity=512, tokens_per_page=16,
+                                                    cpu_attention=attention, sliding_window_pool=window_pool))
+    built = json.loads((engine_dir / "config.json").read_text())["builder_config"]
+    assert built["kernel_kv_write"] == (attention == "kernel")  # the kernel's fused RoPE + write + attention
+    page = 2 * 2 * 16 * 16 * 4  # K+V, 2 KV heads, 16 tokens, 16 dims, fp32: a sliding layer's page
+    assert built["partial_kv_snapshot_bytes_per_slot"] == page * (5 + 2)  # the global layer's page is twice as big
+    assert built["kv_pool_bytes_global"] == (2 if window_pool else 5 + 2) * page * built["max_kv_pool_pages"]
+    engine = make_engine(engine_dir, reuse=True, prefill_chunk_size=64)
+    assert [layer.shape[-1] for layer in engine.backend.kv_store.layers] == [16] * 5 + [32]
+    assert engine.engine_dir.kv_pool_bytes == sum(layer.nbytes for layer in engine.backend.kv_store.layers)
+    greedy = SamplingParams(max_generate_length=5, temperature=0.0, logit_bias={eos: -100.0})
+    answers, cached = [], []
+    for ids in prompts:
+        engine.add_request(EngineRequest(ids, greedy))
+        done = []
+        while not done:
+            done = [o for o in engine.step() if o.finished]
+        answers.append(done[0].token_ids)
+        cached.append(done[0].cached_tokens)
+    engine.cache.check_invariants()
+    assert answers == expected and cached[0] == 0 and cached[1] > 0
+
+
 def test_an_assistant_over_a_base_with_wider_global_heads_is_refused_in_one_line(tmp_path: Path) -> None:
     """An assistant's global layers read the base's last global pool with heads of head_dim: they would not fit the
     wider global heads (nor their table order), so the assistant export names the mismatch."""
@@ -97,3 +164,24 @@ def test_an_assistant_over_a_base_with_wider_global_heads_is_refused_in_one_line
     write_random_gemma4_assistant(tmp_path / "base_onnx", tmp_path / "hf", seed=3, hidden_size=48, num_layers=3)
     with pytest.raises(KvforgeError, match=r"does not fit the base: head_dim \[16\] vs the base's 16 \(global: 32\)"):
         export_gemma4_assistant(tmp_path / "hf", tmp_path / "base_onnx", tmp_path / "onnx")
+
+
+def test_llm_build_prints_the_wider_global_pools(run_cli, tmp_path: Path) -> None:
+    """The plan llm_build prints adds the global layer's wider pages up, with and without the sliding-window group."""
+    from kvforge.tools.export.sources.synthetic import synthetic_model
+    from kvforge.tools.export.writer import write_onnx_dir
+
+    write_onnx_dir(synthetic_model("tiny-gemma4-wide"), tmp_path / "onnx")  # fp16 K/V: 2,048-byte sliding pages
+    printed = {}
+    for window in (False, True):
+        built = run_cli(["llm_build", "--onnxDir", tmp_path / "onnx", "--engineDir", tmp_path / f"engine{window}",
+                         "--tokensPerPage", "16", "--maxKVCacheCapacity", "512", "--maxInputLen", "256",
+                         "--maxBatchSize", "2", "--cpuAttention", "onnx", *(["--slidingWindowPool"] if window else [])])
+        assert built.returncode == 0, built.stderr
+        printed[window] = built.stdout + built.stderr  # the console writes to stderr
+    assert "KV pool: 2,048 bytes per page per layer; 0.1 MiB per layer × 5 layers + 0.2 MiB × 1 layers with wider " \
+           "heads = 0.9 MiB in total" in printed[False]
+    assert "partial-KV snapshot slot: 14,336 bytes" in printed[False]  # 5 × 2,048 + 4,096
+    assert "2,048 bytes per page per layer (4,096 on the global layers)" in printed[True]
+    assert "global layers: 64 pages × 1 layers = 0.2 MiB" in printed[True]
+    assert "sliding-window checkpoint: 2 pages × 5 layers = 20,480 bytes" in printed[True]
