@@ -134,7 +134,9 @@ def test_engine_answers_equal_transformers_cold_and_with_reuse(request: pytest.F
     page = 2 * 2 * 16 * 16 * 4  # K+V, 2 KV heads, 16 tokens, 16 dims, fp32: a sliding layer's page
     assert built["partial_kv_snapshot_bytes_per_slot"] == page * (5 + 2)  # the global layer's page is twice as big
     assert built["kv_pool_bytes_global"] == (2 if window_pool else 5 + 2) * page * built["max_kv_pool_pages"]
-    engine = make_engine(engine_dir, reuse=True, prefill_chunk_size=64)
+    # Without the window group, partial-KV snapshots (a page of every layer, each its own width) keep the tails too.
+    snapshots = {} if window_pool else {"context_cache_partial_kv_snapshot_pool_bytes": 8 * (5 + 2) * page}
+    engine = make_engine(engine_dir, reuse=True, prefill_chunk_size=64, **snapshots)
     assert [layer.shape[-1] for layer in engine.backend.kv_store.layers] == [16] * 5 + [32]
     assert engine.engine_dir.kv_pool_bytes == sum(layer.nbytes for layer in engine.backend.kv_store.layers)
     greedy = SamplingParams(max_generate_length=5, temperature=0.0, logit_bias={eos: -100.0})
@@ -148,6 +150,8 @@ def test_engine_answers_equal_transformers_cold_and_with_reuse(request: pytest.F
         cached.append(done[0].cached_tokens)
     engine.cache.check_invariants()
     assert answers == expected and cached[0] == 0 and cached[1] > 0
+    if not window_pool:  # the first turn's tail page came back from its snapshot: a hit past the last full page
+        assert cached[1] % 16 and [layer.shape[-1] for layer in engine.partial_store.layers] == [16] * 5 + [32]
 
 
 def test_an_assistant_over_a_base_with_wider_global_heads_is_refused_in_one_line(tmp_path: Path) -> None:
@@ -185,3 +189,33 @@ def test_llm_build_prints_the_wider_global_pools(run_cli, tmp_path: Path) -> Non
     assert "2,048 bytes per page per layer (4,096 on the global layers)" in printed[True]
     assert "global layers: 64 pages × 1 layers = 0.2 MiB" in printed[True]
     assert "sliding-window checkpoint: 2 pages × 5 layers = 20,480 bytes" in printed[True]
+
+
+def test_a_second_engine_answers_from_the_shared_tier_as_transformers(checkpoint: tuple, monkeypatch) -> None:
+    """The shared tier stores and loads each layer's pages at their own width: a second engine's hit on the first's
+    pages (an in-process store) answers as transformers does."""
+    from support.engine_driver import make_engine
+    from support.memory_store import MemoryStore
+
+    from kvforge.builder.build import BuildOptions, build_engine
+    from kvforge.runtime.engine import engine as engine_module
+    from kvforge.runtime.sequence import EngineRequest
+    from kvforge.runtime.types import SamplingParams
+
+    onnx_dir, prompts, expected, eos = checkpoint
+    engine_dir = onnx_dir.parent / "engine-tier"
+    build_engine(onnx_dir, engine_dir, BuildOptions(max_input_len=256, max_kv_cache_capacity=512, tokens_per_page=16))
+    shared = MemoryStore()
+    monkeypatch.setattr(engine_module, "open_store", lambda url, timeout_s: shared)
+    greedy = SamplingParams(max_generate_length=5, temperature=0.0, logit_bias={eos: -100.0})
+    cached = []
+    for _ in range(2):
+        engine = make_engine(engine_dir, reuse=True, shared_cache="redis://in-process")
+        engine.add_request(EngineRequest(prompts[0], greedy))
+        done = []
+        while not done:
+            done = [o for o in engine.step() if o.finished]
+        engine.close()
+        assert done[0].token_ids == expected[0]
+        cached.append(done[0].cached_tokens)
+    assert cached[0] == 0 and cached[1] >= 112  # the second engine loaded the first's 7 full pages
