@@ -226,12 +226,12 @@ def global_head_dim(hf: dict[str, Any], types: list[str], head_dim: int, kv_head
         for i, kind in enumerate(types):
             override = per_layer.get(str(i), {})
             if not isinstance(override, dict) or set(override) - {"head_dim", "num_key_value_heads"} or \
-                    int(override.get("num_key_value_heads", kv_heads)) != kv_heads or \
-                    (kind != "full_attention" and int(override.get("head_dim", head_dim)) != head_dim):
+                    int(override.get("num_key_value_heads") or kv_heads) != kv_heads or \
+                    (kind != "full_attention" and int(override.get("head_dim") or head_dim) != head_dim):
                 raise ValueError(f"per_layer_config: layer {i}'s {override!r} is not supported (only the global "
                                  "layers' head_dim may differ)")
             if kind == "full_attention":
-                sizes.add(int(override.get("head_dim", head_dim)))
+                sizes.add(int(override.get("head_dim") or head_dim))
     if len(sizes) > 1 or min(sizes, default=head_dim) < head_dim:
         raise ValueError(f"global_head_dim={sorted(sizes)} is not supported (one global head size, at least head_dim "
                          f"{head_dim})")
