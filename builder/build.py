@@ -42,7 +42,7 @@ from kvforge.contract.memory import check_pool_fits_memory
 from kvforge.contract.model_config import ModelConfig
 from kvforge.contract.speculation import base_kind, draft_methods_on
 from kvforge.contract.validation import one_line
-from kvforge.contract.window_pool import window_pool_pages
+from kvforge.contract.window_pool import layer_page_bytes, window_pool_pages
 
 BACKENDS = ("auto", "onnxruntime", "tensorrt")
 # --cpuAttention: kvforge's CPU kernel where it builds here (auto), insist on it (kernel), or stock ONNX ops (onnx)
@@ -84,15 +84,18 @@ class BuildOptions:
 
 @dataclass(frozen=True, slots=True)
 class MemoryPlan:
-    bytes_per_page_per_layer: int
+    bytes_per_page_per_layer: int  # a layer of head_dim heads
     pool_bytes_per_layer: int
     num_layers: int
     partial_kv_bytes_per_slot: int  # --contextCachePartialKVSnapshotPoolBytes buys whole slots of this size
     recurrent_bytes_per_slot: int = 0  # --contextCacheRecurrentSnapshotPoolBytes (recurrent layers only)
+    wide_layers: int = 0  # of num_layers, those with wider heads (Gemma 4's global_head_dim), each pool this big:
+    wide_pool_bytes_per_layer: int = 0
 
     @property
     def total_bytes(self) -> int:
-        return self.pool_bytes_per_layer * self.num_layers
+        return self.pool_bytes_per_layer * (self.num_layers - self.wide_layers) + \
+            self.wide_pool_bytes_per_layer * self.wide_layers
 
 
 def read_onnx_dir(onnx_dir: Path) -> ModelConfig:
@@ -157,8 +160,10 @@ def memory_plan(config: ModelConfig, geometry: PageGeometry) -> MemoryPlan:
         return MemoryPlan(0, 0, 0, 0, recurrent)
     per_page = kv_bytes_per_page(config.num_key_value_heads, config.head_dim, geometry.tokens_per_page,
                                  config.kv_cache_dtype)
-    layers = config.num_attention_layers
-    return MemoryPlan(per_page, per_page * geometry.max_kv_pool_pages, layers, per_page * layers, recurrent)
+    by_layer = layer_page_bytes(config, geometry.tokens_per_page)
+    wide = [b for b in by_layer.values() if b != per_page]  # one wider size at most: the global layers'
+    return MemoryPlan(per_page, per_page * geometry.max_kv_pool_pages, len(by_layer), sum(by_layer.values()),
+                      recurrent, len(wide), max(wide, default=0) * geometry.max_kv_pool_pages)
 
 
 def build_engine(onnx_dir: Path, engine_dir: Path, options: BuildOptions,
@@ -176,7 +181,8 @@ def build_engine(onnx_dir: Path, engine_dir: Path, options: BuildOptions,
     backend = resolve_backend(options.backend)
     paged = backend == "onnxruntime" and not config.is_recurrent
     # The kernel is built now, before any work.
-    attention = resolve_cpu_attention(options.cpu_attention, head_dim=config.head_dim, paged=paged)
+    attention = resolve_cpu_attention(options.cpu_attention, head_dim=max(config.head_dim, config.global_head_dim),
+                                      paged=paged)
     options = replace(options, cpu_attention=attention)
     geometry = options.geometry(config.max_position_embeddings)
     plan = memory_plan(config, geometry)

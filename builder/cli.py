@@ -38,13 +38,15 @@ def _budget_line(kind: str, slot: int, what: str, flag: str, records: int) -> No
                   f"{flag} {slot * records} ({_mib(slot * records)}) with --enableContextReuse")
 
 
-def _group_lines(built: dict, bytes_per_page: int, window_size: int) -> None:
-    """Each page group's size: the global layers' pool and the sliding layers' window group (--slidingWindowPool)."""
+def _group_lines(built: dict, bytes_per_page: int, window_size: int, global_bytes_per_page: int) -> None:
+    """Each page group's size: the global layers' pool and the sliding layers' window group (--slidingWindowPool);
+    `global_bytes_per_page`: a global layer's page (more than the others' where Gemma 4's global heads are wider)."""
     global_bytes, sliding_bytes = built["kv_pool_bytes_global"], built["kv_pool_bytes_sliding"]
     window, pages = built["window_pool_pages"], built["max_kv_pool_pages"]
-    console.print(f"  KV pool: {bytes_per_page:,} bytes per page per layer, two page groups = "
+    wider = f" ({global_bytes_per_page:,} on the global layers)" if global_bytes_per_page != bytes_per_page else ""
+    console.print(f"  KV pool: {bytes_per_page:,} bytes per page per layer{wider}, two page groups = "
                   f"{_mib(global_bytes + sliding_bytes)} in total")
-    console.print(f"    global layers: {pages} pages × {global_bytes // (pages * bytes_per_page)} layers = "
+    console.print(f"    global layers: {pages} pages × {global_bytes // (pages * global_bytes_per_page)} layers = "
                   f"{_mib(global_bytes)}")
     layers = sliding_bytes // (window * bytes_per_page)
     console.print(f"    sliding-window layers: {window} pages × {layers} layers = {_mib(sliding_bytes)} (the window "
@@ -196,11 +198,14 @@ def build(
                           f"{geometry.max_kv_cache_capacity} tokens need; rows will wait or be preempted when the "
                           "pool is full")
         if built.get("window_pool_pages"):  # two page groups; window checkpoints instead of partial-KV snapshots
-            _group_lines(built, plan.bytes_per_page_per_layer, written["sliding_window"])
+            _group_lines(built, plan.bytes_per_page_per_layer, written["sliding_window"],
+                         plan.wide_pool_bytes_per_layer // geometry.max_kv_pool_pages or plan.bytes_per_page_per_layer)
         elif plan.num_layers:  # attention layers: a KV pool and partial-KV snapshots
+            wide = f" + {_mib(plan.wide_pool_bytes_per_layer)} × {plan.wide_layers} layers with wider heads" \
+                if plan.wide_layers else ""
             console.print(f"  KV pool: {plan.bytes_per_page_per_layer:,} bytes per page per layer; "
-                          f"{_mib(plan.pool_bytes_per_layer)} per layer × {plan.num_layers} layers "
-                          f"= {_mib(plan.total_bytes)} in total")
+                          f"{_mib(plan.pool_bytes_per_layer)} per layer × {plan.num_layers - plan.wide_layers} layers"
+                          f"{wide} = {_mib(plan.total_bytes)} in total")
             _budget_line("partial-KV", plan.partial_kv_bytes_per_slot,
                          f"a K+V page × {plan.num_layers} attention layers", "--contextCachePartialKVSnapshotPoolBytes",
                          reuse_records)

@@ -14,8 +14,6 @@ from kvforge.contract.geometry import (
     INT32_MAX,
     MAX_KV_POOL_PAGES,
     PageGeometry,
-    kv_bytes_per_page,
-    partial_kv_bytes_per_slot,
     recurrent_bytes_per_slot,
     resolve_geometry,
 )
@@ -25,7 +23,7 @@ from kvforge.contract.model_config import SPEC_DSPARK, ModelConfig
 from kvforge.contract.safetensors_map import map_tensor
 from kvforge.contract.tensor_header import read_tensor_header
 from kvforge.contract.validation import describe, one_line
-from kvforge.contract.window_pool import pool_bytes_by_layer_type, window_pool_layers
+from kvforge.contract.window_pool import layer_page_bytes, pool_bytes_by_layer_type, window_pool_layers
 
 MAX_LORA_RANK = 1024
 MAX_TREE_SIZE = 128  # tokens one verify row or drafting round may hold (TensorRT Edge-LLM's kMAX_EAGLE_DECODING_TOKENS)
@@ -143,12 +141,11 @@ class BuilderConfig(PageGeometry):
         resolved = {f.name: getattr(geometry, f.name) for f in fields(PageGeometry)}
         snapshots: dict[str, Any] = {}
         if model is not None:
-            attention_layers, recurrent = model.num_attention_layers, len(model.recurrent_layer_ids)
+            recurrent = len(model.recurrent_layer_ids)
             snapshots = {
                 "layer_types": tuple(model.layer_types) or ("attention",) * model.num_hidden_layers,
-                "partial_kv_snapshot_bytes_per_slot": partial_kv_bytes_per_slot(
-                    attention_layers, model.num_key_value_heads, model.head_dim, geometry.tokens_per_page,
-                    model.kv_cache_dtype) if attention_layers else 0,
+                # A K+V page of every attention layer, each of its own head size.
+                "partial_kv_snapshot_bytes_per_slot": sum(layer_page_bytes(model, geometry.tokens_per_page).values()),
                 "recurrent_snapshot_bytes_per_slot": recurrent_bytes_per_slot(
                     recurrent, model.recurrent_state_num_heads, model.recurrent_state_head_dim,
                     model.recurrent_state_size, model.conv_dim, model.conv_kernel) if recurrent else 0}
@@ -179,11 +176,9 @@ class EngineDir:
 
     @property
     def kv_pool_bytes(self) -> int:
-        per_page = kv_bytes_per_page(self.model.num_key_value_heads, self.model.head_dim, self.build.tokens_per_page,
-                                     self.model.kv_cache_dtype)
         if self.build.window_pool_pages:
             return self.build.kv_pool_bytes_global + self.build.kv_pool_bytes_sliding
-        return per_page * self.build.max_kv_pool_pages * self.model.num_attention_layers
+        return sum(layer_page_bytes(self.model, self.build.tokens_per_page).values()) * self.build.max_kv_pool_pages
 
     @property
     def rope_bytes(self) -> int:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
+from kvforge.contract.config_fields import check_field
 from kvforge.contract.errors import InvalidConfig, KvforgeError
 from kvforge.contract.formats import EXPORT_FORMAT
-from kvforge.contract.lora import LORA_TARGETS, is_target_list
 from kvforge.contract.speculation import (  # noqa: F401 - re-exported: the export and build steps import them here
     BLOCK_DRAFTS,
     SPEC_DECODE_TYPES,
@@ -105,10 +105,11 @@ class ModelConfig:
     kv_shared_layers: list[int] = field(default_factory=list)
     num_centroids: int = 0
     centroid_top_k: int = 0
-    # Gemma: the layers attending over only the last `sliding_window` positions (each keeps a full-length cache
-    # for now), their RoPE base (0 = rope_theta), the other layers' linear RoPE scaling (0 = none), the query
-    # scale's denominator (0 = head_dim) and tanh softcap of the logits (0 = none). Gemma 4's global layers turn
-    # only their first rope_proportion of the rotate-half frequencies (proportional RoPE; 0 = all of them).
+    # Gemma: the layers attending over only the last `sliding_window` positions, their RoPE base (0 = rope_theta),
+    # the other layers' linear RoPE scaling (0 = none), the query scale's denominator (0 = head_dim) and tanh softcap
+    # of the logits (0 = none). Gemma 4's global layers turn only their first rope_proportion of the rotate-half
+    # frequencies (proportional RoPE; 0 = all of them) and may have heads of their own size, global_head_dim (0 =
+    # head_dim; their pools are that wide: layer_head_dim).
     sliding_window: int = 0
     sliding_window_layers: list[int] = field(default_factory=list)
     rope_local_theta: float = 0.0
@@ -122,6 +123,7 @@ class ModelConfig:
     # Gemma 4's per-layer embeddings: each layer's input width (0 = none); the runtime feeds each token's row of the
     # per-layer table (engine_dir.PER_LAYER_EMBEDDING_FILE) beside its embedding row (media: the pad token's row).
     hidden_size_per_layer_input: int = 0
+    global_head_dim: int = 0
     format: str = EXPORT_FORMAT
 
     @property
@@ -194,6 +196,11 @@ class ModelConfig:
     def num_attention_layers(self) -> int:
         return len(self.attention_layer_ids)
 
+    def layer_head_dim(self, layer: int) -> int:
+        """Head size of decoder layer `layer`'s queries, keys and values, the last axis of its pool."""
+        sliding = layer in self.sliding_window_layers
+        return self.global_head_dim if self.global_head_dim and not sliding else self.head_dim
+
     @property
     def rotary_dim(self) -> int:
         """Dims of each head RoPE rotates (even); `rope_rotary_cos_sin` is [capacity, rotary_dim]."""
@@ -238,6 +245,10 @@ class ModelConfig:
                                             (i in self.sliding_window_layers))) for i, s in enumerate(sources))):
             raise InvalidConfig("must name, per layer, itself or an earlier layer of its kind that has its own pool",
                                 "config.kv_source_layers")
+        if self.global_head_dim and (self.global_head_dim % 2 or self.global_head_dim < self.rotary_dim or
+                                     self.model != "gemma4" or not self.sliding_window_layers):
+            raise InvalidConfig(f"must be 0 or an even head size of at least the RoPE table's {self.rotary_dim} dims, "
+                                "on a gemma4 model with sliding layers", "config.global_head_dim")
         for name in ("rope_local_theta", "rope_linear_factor", "rope_proportion", "query_pre_attn_scalar",
                      "final_logit_softcapping"):
             if getattr(self, name) < 0:
@@ -445,56 +456,6 @@ CONFIG_SCHEMA: dict[str, tuple[str, float | None, float | None]] = {
     "rope_proportion": ("float", -1.0, 1.0), "kv_source_layers": ("ints", 0, 1024),
     "query_pre_attn_scalar": ("float", -1.0, 1e9),
     "final_logit_softcapping": ("float", -1.0, 1e9), "hidden_size_per_layer_input": ("int", 0, 2**16),
+    "global_head_dim": ("int", 0, 4096),
 }
-
-
-def check_field(spec: tuple[str, float | None, float | None], value: Any, field_name: str, where: str) -> Any:
-    """`value` checked against a CONFIG_SCHEMA entry; InvalidConfig on `field_name` otherwise."""
-    import math
-
-    from kvforge.contract.validation import describe
-
-    kind, low, high = spec
-
-    def bad(expected: str) -> InvalidConfig:
-        return InvalidConfig(f"must be {expected} in {where}, got {describe(value)}", field_name)
-
-    def is_int(v: Any) -> bool:
-        return type(v) is int
-
-    if kind == "int":
-        if not is_int(value) or not low <= value <= high:  # type: ignore[operator]
-            raise bad(f"an integer in [{low}, {high}]")
-    elif kind == "float":
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                or not low < value <= high:  # type: ignore[operator]
-            raise bad(f"a finite number in ({low:g}, {high:g}]")
-        value = float(value)
-    elif kind == "bool":
-        if not isinstance(value, bool):
-            raise bad("true or false")
-    elif kind == "str":
-        if not isinstance(value, str):
-            raise bad("a string")
-    elif kind == "token?":
-        if value is not None and not (is_int(value) and value >= 0):
-            raise bad("null or a non-negative integer token id")
-    elif kind == "tokens":
-        if not isinstance(value, list) or len(value) > 64 or not all(is_int(v) and v >= 0 for v in value):
-            raise bad("an array of at most 64 non-negative integer token ids")
-        value = list(value)
-    elif kind == "layers":  # the names themselves are checked by validate() against LAYER_TYPES
-        if not isinstance(value, list) or len(value) > 1024 or not all(isinstance(v, str) for v in value):
-            raise bad("an array of at most 1024 layer type names")
-        value = list(value)
-    elif kind == "ints":  # small non-negative integers (layer ids), at most `high` of them
-        if not isinstance(value, list) or len(value) > high or \
-                not all(is_int(v) and low <= v < high for v in value):  # type: ignore[operator]
-            raise bad(f"an array of at most {high:g} integers in [{low:g}, {high:g})")
-        value = list(value)
-    elif kind == "strs":
-        if not is_target_list(value):
-            raise bad(f"an array of LoRA targets ({', '.join(LORA_TARGETS)})")
-        value = list(value)
-    return value
 

@@ -50,11 +50,17 @@ def window_pool_pages(model: ModelConfig, geometry: PageGeometry, records: int =
     return rows + records * checkpoint_pages(model.sliding_window, geometry.tokens_per_page)
 
 
+def layer_page_bytes(model: ModelConfig, tokens_per_page: int) -> dict[int, int]:
+    """Bytes of one K+V page of each of the engine's own pools, by layer id: each layer's heads are its own size
+    (Gemma 4's global layers may be wider, ModelConfig.layer_head_dim)."""
+    return {i: kv_bytes_per_page(model.num_key_value_heads, model.layer_head_dim(i), tokens_per_page,
+                                 model.kv_cache_dtype) for i in model.attention_layer_ids}
+
+
 def pool_bytes_by_layer_type(model: ModelConfig, geometry: PageGeometry, window_pages: int) -> tuple[int, int]:
     """(global layers' KV pool bytes, sliding layers' KV pool bytes); sliding layers count as global when the engine
     has no window group (`window_pages` 0: each keeps a full-length pool)."""
-    per_page = kv_bytes_per_page(model.num_key_value_heads, model.head_dim, geometry.tokens_per_page,
-                                 model.kv_cache_dtype)
-    windowed = len(window_pool_layers(model)) if window_pages else 0
-    full = len(model.attention_layer_ids) - windowed
-    return per_page * geometry.max_kv_pool_pages * full, per_page * window_pages * windowed
+    windowed = set(window_pool_layers(model)) if window_pages else set()
+    per_page = layer_page_bytes(model, geometry.tokens_per_page)
+    return (sum(b for i, b in per_page.items() if i not in windowed) * geometry.max_kv_pool_pages,
+            sum(b for i, b in per_page.items() if i in windowed) * window_pages)

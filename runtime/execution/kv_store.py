@@ -25,16 +25,18 @@ class KVStore:
     __slots__ = ("layers", "tokens_per_page", "kv_cache_dtype", "windowed")
 
     def __init__(self, num_layers: int, num_pages: int, num_kv_heads: int, tokens_per_page: int, head_dim: int,
-                 kv_cache_dtype: str, *, windowed: frozenset[int] = frozenset(), window_pages: int = 0) -> None:
+                 kv_cache_dtype: str, *, windowed: frozenset[int] = frozenset(), window_pages: int = 0,
+                 head_dims: tuple[int, ...] = ()) -> None:
         """`windowed`: the layer indices (into `layers`) of the sliding-window page group, `window_pages` pages
-        each, addressed through a row's window table; every other layer has `num_pages`."""
+        each, addressed through a row's window table; every other layer has `num_pages`. `head_dims`: each layer's
+        head size where they differ (Gemma 4's wider global heads), else every layer's is `head_dim`."""
         self.tokens_per_page = tokens_per_page
         self.kv_cache_dtype = kv_cache_dtype
         self.windowed = windowed
         dtype = pool_numpy_dtype(kv_cache_dtype)
         # np.zeros maps untouched pages lazily, so a large pool costs memory only as it fills.
         self.layers = [np.zeros((window_pages if i in windowed else num_pages, 2, num_kv_heads, tokens_per_page,
-                                 head_dim), dtype=dtype) for i in range(num_layers)]
+                                 head_dims[i] if head_dims else head_dim), dtype=dtype) for i in range(num_layers)]
 
     def _one_table(self) -> None:
         """What addresses every layer through one row of page ids cannot serve a sliding-window group (its layers

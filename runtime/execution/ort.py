@@ -128,7 +128,7 @@ def check_graph_inputs(session: ort.InferenceSession, engine: EngineDir) -> None
                            f"{WINDOW_PAGE_TABLE} input; rebuild it with llm_build", "engine_dir")
     for name in pools:
         expected = [build.window_pool_pages if name in windowed else pages, 2, model.num_key_value_heads,
-                    build.tokens_per_page, model.head_dim]
+                    build.tokens_per_page, model.layer_head_dim(int(name.rsplit("_", 1)[1]))]
         shape = inputs[name]
         if len(shape) != len(expected) or any(isinstance(d, int) and e >= 0 and d != e for d, e in zip(shape, expected,
                                                                                             strict=False)):
@@ -191,7 +191,8 @@ class OrtBackend:
         self.kv_store = KVStore(len(self._pool_inputs), build.max_kv_pool_pages, model.num_key_value_heads,
                                 build.tokens_per_page, model.head_dim, model.kv_cache_dtype,
                                 windowed=frozenset(k for k, i in enumerate(model.attention_layer_ids) if i in windowed),
-                                window_pages=build.window_pool_pages)
+                                window_pages=build.window_pool_pages,
+                                head_dims=tuple(model.layer_head_dim(i) for i in model.attention_layer_ids))
         self._window_table = bool(windowed)
         pools = list(self.kv_store.layers)
         if model.reads_base_kv:  # its pool inputs are the base's layers; it owns none and writes none

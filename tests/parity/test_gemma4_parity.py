@@ -1,7 +1,7 @@
 """The exported Gemma 4 graph (lowered for ONNX Runtime) against transformers' Gemma4ForCausalLM on tiny random
-configs the runtime can hold (one head size): plain-weight norms, the value norm, no query scale, layer scalars,
-proportional RoPE on the global layer, sliding layers (window 32) past their window, KV sharing, per-layer
-embeddings. The rest of Gemma 4 is refused in one line naming the field."""
+configs: plain-weight norms, the value norm, no query scale, layer scalars, proportional RoPE on the global layer,
+sliding layers (window 32) past their window, KV sharing, per-layer embeddings (global layers with wider heads:
+test_gemma4_global_head_dim.py). What the runtime cannot hold yet is refused in one line naming the field."""
 
 from __future__ import annotations
 
@@ -289,7 +289,9 @@ def test_hf_checkpoint_dir_exports_and_matches_transformers(tmp_path: Path, mode
 
 @pytest.mark.parametrize(("change", "needle"), [
     (dict(hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB - 1), "vocab_size_per_layer_input"),
-    (dict(per_layer_config={"5": {"head_dim": 64}}), "global_head_dim"),
+    (dict(per_layer_config={"5": {"head_dim": 16}}), "global_head_dim"),  # narrower than the sliding heads
+    (dict(per_layer_config={"5": {"head_dim": 64, "num_key_value_heads": 1}}), "per_layer_config"),
+    (dict(per_layer_config={"0": {"head_dim": 64}}), "per_layer_config"),  # a sliding layer's
     (dict(num_kv_shared_layers=6), "num_kv_shared_layers"),
     (dict(attention_k_eq_v=True), "attention_k_eq_v"),
     (dict(enable_moe_block=True), "enable_moe_block"),

@@ -45,8 +45,8 @@ class Row:
 
     def __post_init__(self) -> None:
         c = self.config
-        shape = (CAPACITY // TOKENS_PER_PAGE, 2, c.num_key_value_heads, TOKENS_PER_PAGE, c.head_dim)
-        self.pools = {layer: np.zeros(shape, np.float32) for layer in c.attention_layer_ids}
+        shape = (CAPACITY // TOKENS_PER_PAGE, 2, c.num_key_value_heads, TOKENS_PER_PAGE)
+        self.pools = {layer: np.zeros((*shape, c.layer_head_dim(layer)), np.float32) for layer in c.attention_layer_ids}
 
     def step(self, ids: list[int]) -> np.ndarray:
         """One call continuing the row by `ids`; the last token's logits."""

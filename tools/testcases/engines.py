@@ -38,7 +38,8 @@ def cached_engine(onnx_dir: Path, options: BuildOptions, cache_dir: Path,
     config = read_onnx_dir(onnx_dir)  # one-line errors for a missing or foreign ONNX dir before anything is written
     # Resolved so the key tells a kernel engine from a fallback one (KVFORGE_CPU_KERNEL=off builds the other).
     options = replace(options, backend=resolve_backend(options.backend),
-                      cpu_attention=resolve_cpu_attention(options.cpu_attention, head_dim=config.head_dim))
+                      cpu_attention=resolve_cpu_attention(options.cpu_attention,
+                                                          head_dim=max(config.head_dim, config.global_head_dim)))
     key = engine_key(onnx_dir, options)
     digest = hashlib.blake2b(json.dumps(key, sort_keys=True).encode(), digest_size=8).hexdigest()
     engine_dir = cache_dir / f"{onnx_dir.resolve().name}-{digest}"

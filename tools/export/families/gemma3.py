@@ -35,9 +35,11 @@ if TYPE_CHECKING:
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")  # transformers' names of GELU's tanh approximation
 
 
-def inverse_frequencies(config: ModelConfig, theta: float) -> np.ndarray:
-    """Rotate-half inverse frequencies of base `theta` over the whole head, float64 (the table's: rope_theta)."""
-    return 1.0 / theta ** (np.arange(0, config.head_dim, 2, dtype=np.float64) / config.head_dim)
+def inverse_frequencies(config: ModelConfig, theta: float, head_dim: int = 0) -> np.ndarray:
+    """Rotate-half inverse frequencies of base `theta` over a whole head of `head_dim` (0: config.head_dim, the
+    table's with rope_theta), float64."""
+    dim = head_dim or config.head_dim
+    return 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
 
 
 def frequency_delta(config: ModelConfig, own: np.ndarray) -> np.ndarray | None:

@@ -1,5 +1,6 @@
-"""Gemma 4 (HF `gemma4_text`, and the text model of a multimodal `gemma4` dir), registered once: the part of its
-decoder the runtime can hold today as an ONNX graph, and one-line refusals naming the fields of the rest."""
+"""Gemma 4 (HF `gemma4_text`, and the text model of a multimodal `gemma4` dir), registered once: its decoder as an
+ONNX graph over the paged-KV ops, global layers with heads of their own size included, and one-line refusals naming
+the fields of what the runtime cannot hold yet."""
 
 from __future__ import annotations
 
@@ -44,8 +45,20 @@ if TYPE_CHECKING:
 # kv_source_layers; they get no pool), and per-layer embeddings (hidden_size_per_layer_input): each layer adds a
 # gated projection of its slice of a per-layer input, the mean of the token's row of a second table (fed by the
 # runtime as PER_LAYER_INPUT, since the graph gets embedding rows, not token ids) and a projection of its
-# embedding. Refused until the runtime has them: global layers with their own head size (global_head_dim: one pool
-# shape per engine), keys used as values (attention_k_eq_v) and the mixture-of-experts block.
+# embedding. Refused until the runtime has them: keys used as values (attention_k_eq_v) and the mixture-of-experts
+# block.
+#
+# Global layers with heads of their own size (global_head_dim G, wider than the sliding layers' head_dim D; released
+# checkpoints: 512 and 256) get pools of their own width: the pool is one array per layer already, so each layer's
+# array takes its layer's head size (ModelConfig.layer_head_dim) and page copies, snapshots and the shared tier,
+# which go layer by layer, carry them as they are; nothing is padded. (Padding every head to G would have cost the
+# sliding layers twice their KV memory and attention work.) What needs care is RoPE: the runtime's one table is
+# [capacity, D], and the K/V write (and the CPU kernel's fused PagedAttentionRope) rotates a head's first D dims
+# as rotate-half pairs (i, i + D/2), while a G-wide head pairs (j, j + G/2). So a global layer's q and k are first
+# turned in the graph by their own angle minus the table's (the pre-rotation above, over all G/2 pairs), then their
+# dims are put in table order (table_order: the first D/2 pairs' two halves first, the other pairs after), where
+# the table's turn lands on the right pairs (the write op's rotary_dim D passes the rest). q and k share that
+# order, so every q . k is unchanged; values keep theirs, so the attention output needs no undoing.
 
 
 def rope_delta_frequencies(config: ModelConfig, sliding: bool) -> np.ndarray | None:
@@ -53,10 +66,28 @@ def rope_delta_frequencies(config: ModelConfig, sliding: bool) -> np.ndarray | N
     rope_theta on their first rope_proportion of frequencies (proportional RoPE: the others do not turn)."""
     if sliding:
         return frequency_delta(config, inverse_frequencies(config, config.rope_local_theta or config.rope_theta))
-    own = inverse_frequencies(config, config.rope_theta)
+    size = config.global_head_dim or config.head_dim
+    own = inverse_frequencies(config, config.rope_theta, size)
     if config.rope_proportion:
-        own[int(config.rope_proportion * config.head_dim // 2):] = 0.0  # transformers' int(p * D // 2) turning
-    return frequency_delta(config, own)
+        own[int(config.rope_proportion * size // 2):] = 0.0  # transformers' int(p * D // 2) turning
+    if size == config.head_dim:
+        return frequency_delta(config, own)
+    table = np.zeros_like(own)  # a wider head: the table turns its first rotary_dim / 2 pairs only (table_order)
+    table[:config.rotary_dim // 2] = inverse_frequencies(config, config.rope_theta)[:config.rotary_dim // 2]
+    return (own - table).astype(np.float32)
+
+
+def table_order(head_dim: int, table_dims: int) -> np.ndarray:
+    """The dim order of a head wider than the RoPE table: the rotate-half pairs (j, j + head_dim/2) the table turns
+    (j < table_dims/2) as the table's pairs (i, i + table_dims/2) over the first table_dims dims, the others after."""
+    half, turned = head_dim // 2, table_dims // 2
+    return np.concatenate([np.arange(turned), half + np.arange(turned), np.arange(turned, half),
+                           half + np.arange(turned, half)])
+
+
+def _in_table_order(g: GraphWriter, x: str, heads: int, head_dim: int, table_dims: int) -> str:
+    order = g.const(table_order(head_dim, table_dims))
+    return g.reshape(g.op("Gather", [g.reshape(x, [0, 0, heads, head_dim]), order], axis=3), [0, 0, heads * head_dim])
 
 
 def _weight(g: GraphWriter, weights: dict[str, np.ndarray], name: str) -> str:
@@ -70,23 +101,26 @@ def _head_norm(g: GraphWriter, x: str, heads: int, head_dim: int, weight: str, e
 def _attention(g: GraphWriter, config: ModelConfig, weights: dict[str, np.ndarray], layer: int, x: str,
                rope: tuple[str, str], extra: dict[bool, tuple[str, str] | None], inputs: list, outputs: list) -> str:
     p = f"model.layers.{layer}.self_attn."
-    num_q, num_kv, head_dim, eps = config.num_attention_heads, config.num_key_value_heads, config.head_dim, \
-        config.rms_norm_eps
+    num_q, num_kv, head_dim, eps = config.num_attention_heads, config.num_key_value_heads, \
+        config.layer_head_dim(layer), config.rms_norm_eps
     sliding = layer in config.sliding_window_layers
+    # A global head wider than the table: q and k in table order, the table turning their first rotary_dim dims.
+    table_dims = config.rotary_dim if head_dim != config.head_dim else 0
     source = config.kv_source_layers[layer] if config.kv_source_layers else layer
+
+    def own_rotation(x: str, heads: int) -> str:  # the layer type's extra angle; the table's rotation follows
+        x = x if extra[sliding] is None else apply_rope(g, x, heads, head_dim, *extra[sliding])
+        return _in_table_order(g, x, heads, head_dim, table_dims) if table_dims else x
+
     if source != layer:  # a KV-shared layer: its query attends over the source layer's pool, written this call
         q = _head_norm(g, linear(g, weights, x, p + "q_proj.weight"), num_q, head_dim,
                        _weight(g, weights, p + "q_norm.weight"), eps)
     else:
         q, k, v = fused_linears(g, weights, x, [p + f"{n}_proj.weight" for n in "qkv"], p + "qkv")
         q = _head_norm(g, q, num_q, head_dim, _weight(g, weights, p + "q_norm.weight"), eps)
-        k = _head_norm(g, k, num_kv, head_dim, _weight(g, weights, p + "k_norm.weight"), eps)
+        k = own_rotation(_head_norm(g, k, num_kv, head_dim, _weight(g, weights, p + "k_norm.weight"), eps), num_kv)
         v = _head_norm(g, v, num_kv, head_dim, g.const(np.float32(1.0), np.float32), eps)  # v_norm has no scale
-        if extra[sliding] is not None:
-            k = apply_rope(g, k, num_kv, head_dim, *extra[sliding])
-    if extra[sliding] is not None:  # the layer type's extra angle; the table's rotation follows
-        q = apply_rope(g, q, num_q, head_dim, *extra[sliding])
-    q = apply_rope(g, q, num_q, head_dim, *rope)
+    q = apply_rope(g, own_rotation(q, num_q), num_q, head_dim, *rope, rotary_dim=table_dims)
     if source == layer:
         pool_in = pool_input_name(layer)
         pool_shape = ["num_pages", 2, num_kv, "tokens_per_page", head_dim]
@@ -95,7 +129,8 @@ def _attention(g: GraphWriter, config: ModelConfig, weights: dict[str, np.ndarra
         g.op(ops.PAGED_KV_WRITE.name, [k, v, "rope_rotary_cos_sin", "context_lengths", "kvcache_start_index",
                                        "kv_page_table", pool_in],
              outputs=[pool_output_name(layer)], domain=ops.DOMAIN, name=f"paged_kv_write_{layer}",
-             num_kv_heads=num_kv, head_dim=head_dim, tokens_per_page=0)
+             num_kv_heads=num_kv, head_dim=head_dim, tokens_per_page=0,
+             **({"rotary_dim": table_dims} if table_dims else {}))
     pool_out = pool_output_name(source)
     window = {"sliding_window": config.sliding_window} if sliding else {}
     attn = g.op(ops.PAGED_ATTENTION.name, [q, pool_out, "context_lengths", "kvcache_start_index", "kv_page_table"],
@@ -179,13 +214,28 @@ def kv_sources(types: list[str], shared: int) -> list[int]:
     return [i if i < first else producers[t] for i, t in enumerate(types)]
 
 
-def _global_head_dims(hf: dict[str, Any], types: list[str]) -> set[int]:
-    """Head sizes of the global layers: transformers' saved per_layer_config, else global_head_dim (default 512)."""
+def global_head_dim(hf: dict[str, Any], types: list[str], head_dim: int, kv_heads: int) -> int:
+    """The global layers' head size: from transformers' saved per_layer_config (per-layer overrides, which it
+    prefers), else the flat global_head_dim (default 512). What the export cannot hold is refused: global layers of
+    several sizes or narrower than head_dim, and any other per-layer override."""
     per_layer = hf.get("per_layer_config")
-    if isinstance(per_layer, dict):
-        sizes = {int(v.get("head_dim", hf["head_dim"])) for v in per_layer.values() if isinstance(v, dict)}
-        return sizes or {int(hf["head_dim"])}
-    return {int(hf.get("global_head_dim", 512))} if "full_attention" in types else set()
+    if not isinstance(per_layer, dict):
+        sizes = {int(hf.get("global_head_dim") or 512)} if "full_attention" in types else set()
+    else:
+        sizes = set()
+        for i, kind in enumerate(types):
+            override = per_layer.get(str(i), {})
+            if not isinstance(override, dict) or set(override) - {"head_dim", "num_key_value_heads"} or \
+                    int(override.get("num_key_value_heads") or kv_heads) != kv_heads or \
+                    (kind != "full_attention" and int(override.get("head_dim") or head_dim) != head_dim):
+                raise ValueError(f"per_layer_config: layer {i}'s {override!r} is not supported (only the global "
+                                 "layers' head_dim may differ)")
+            if kind == "full_attention":
+                sizes.add(int(override.get("head_dim") or head_dim))
+    if len(sizes) > 1 or min(sizes, default=head_dim) < head_dim:
+        raise ValueError(f"global_head_dim={sorted(sizes)} is not supported (one global head size, at least head_dim "
+                         f"{head_dim})")
+    return sizes.pop() if sizes else head_dim
 
 
 def rope_bases(hf: dict[str, Any]) -> tuple[float, float, float]:
@@ -216,8 +266,6 @@ def config_from_hf(hf: dict[str, Any], **common: Any) -> ModelConfig:
     per_layer_vocab = int(hf.get("vocab_size_per_layer_input") or vocab)
     refusals = (("vocab_size_per_layer_input", per_layer and per_layer_vocab < vocab,
                  f"the per-layer table is looked up by every token id of the embedding's {vocab}"),
-                ("global_head_dim", _global_head_dims({**hf, "head_dim": head_dim}, types) - {head_dim},
-                 f"global layers with another head size than head_dim {head_dim} need per-layer pool shapes"),
                 ("attention_k_eq_v", bool(hf.get("attention_k_eq_v")), "keys used as values are not exported"),
                 ("enable_moe_block", bool(hf.get("enable_moe_block")), "the mixture-of-experts block is not exported"),
                 ("use_bidirectional_attention", bool(hf.get("use_bidirectional_attention")), "causal only"),
@@ -231,14 +279,17 @@ def config_from_hf(hf: dict[str, Any], **common: Any) -> ModelConfig:
     sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
     theta, local_theta, proportion = rope_bases(hf)
     heads = int(hf["num_attention_heads"])
+    kv_heads = int(hf.get("num_key_value_heads") or heads)
+    global_dim = global_head_dim(hf, types, head_dim, kv_heads)
     return ModelConfig(
         model="gemma4", vocab_size=vocab, hidden_size=int(hf["hidden_size"]),
         intermediate_size=int(hf["intermediate_size"]), num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=int(hf.get("num_key_value_heads") or heads), head_dim=head_dim,
+        num_key_value_heads=kv_heads, head_dim=head_dim,
         max_position_embeddings=int(hf.get("max_position_embeddings", 131072)), rope_theta=theta,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
         qk_norm=True, sliding_window=int(hf.get("sliding_window") or 512) if sliding else 0,
         sliding_window_layers=sliding, rope_local_theta=local_theta if sliding else 0.0, rope_proportion=proportion,
+        global_head_dim=global_dim if global_dim != head_dim else 0,
         kv_source_layers=kv_sources(types, int(hf.get("num_kv_shared_layers") or 0)),
         final_logit_softcapping=float(hf.get("final_logit_softcapping") or 0.0), hidden_size_per_layer_input=per_layer,
         **common)
@@ -266,8 +317,7 @@ def expected_names(config: ModelConfig) -> list[str]:
 def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     """Tiny random Gemma 4 weights in transformers' layout, scaled so activations stay O(1)."""
     rng = np.random.default_rng(seed)
-    hidden, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
-    q_out, kv_out = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    hidden, inter = config.hidden_size, config.intermediate_size
 
     def dense(out_dim: int, in_dim: int) -> np.ndarray:
         return (rng.standard_normal((out_dim, in_dim)) / np.sqrt(in_dim)).astype(np.float32)
@@ -279,7 +329,8 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
                                              / np.sqrt(hidden)).astype(np.float32),
                "model.norm.weight": norm(hidden)}
     for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}."
+        p, head_dim = f"model.layers.{i}.", config.layer_head_dim(i)
+        q_out, kv_out = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
         weights.update({p + n: norm(hidden) for n in _LAYER_TENSORS[:4]})
         weights.update({p + "self_attn.q_proj.weight": dense(q_out, hidden),
                         p + "self_attn.k_proj.weight": dense(kv_out, hidden),
@@ -333,6 +384,11 @@ FAMILY = register(Family(
                             "tie_word_embeddings": True, "rope_theta": 1_000_000.0, "rope_local_theta": 10_000.0,
                             "rope_proportion": 0.25, "sliding_window": 32, "sliding_window_layers": [0, 1, 2, 3, 4],
                             "final_logit_softcapping": 30.0, "hidden_size_per_layer_input": 8},
+        # The global layer's heads twice as wide as the sliding ones' (released checkpoints: 512 and 256).
+        "tiny-gemma4-wide": {"model": "gemma4", "num_hidden_layers": 6, "head_dim": 16, "global_head_dim": 32,
+                             "qk_norm": True, "tie_word_embeddings": True, "rope_theta": 1_000_000.0,
+                             "rope_local_theta": 10_000.0, "rope_proportion": 0.25, "sliding_window": 32,
+                             "sliding_window_layers": [0, 1, 2, 3, 4], "final_logit_softcapping": 30.0},
     },
     checkpoint_name=checkpoint_name,
     lora=False,  # no LoRA inputs on Gemma's graph yet
