@@ -279,7 +279,7 @@ def library_path(extra_flags: tuple[str, ...] = ()) -> Path:
 
 
 # The kernel's vector loops step 16 floats at a time over a head (plugins/cpu/paged_attention.cc refuses others).
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 512  # Gemma 4's global layers
 
 
 def supports_head_dim(head_dim: int) -> bool:

@@ -72,7 +72,7 @@ CPU_PAGED_ATTENTION = OpSchema(
         "Cached position p is page table[b, p // T], slot p % T, visible to every query unless its page is -1 or "
         "beyond W. GQA: q head h reads kv head h // (Hq/Hkv). Output [B,S,Hq*D] float32, rows past "
         "context_lengths[b] (and queries that see nothing) are 0; fp32 online softmax. head_dim must be a "
-        "multiple of 16 up to 256. Optional attribute sliding_window as PAGED_ATTENTION's. "
+        "multiple of 16 up to 512. Optional attribute sliding_window as PAGED_ATTENTION's. "
         "Semantics: reference.paged_attention_rows.",
 )
 

@@ -132,6 +132,9 @@ CASES = {
     "head-dim-80": Case(starts=[45, 12], lengths=[3, 2], seq=3, num_q=4, num_kv=2, head_dim=80, dtype="fp8"),
     "gqa-64-head-dim-16": Case(starts=[40], lengths=[3], seq=3, num_q=64, num_kv=1, head_dim=16),
     "head-dim-128": Case(starts=[45], lengths=[2], seq=2, num_q=4, num_kv=1, head_dim=128),
+    # Gemma 4's global layers: 512-wide heads (the widest the kernel takes), prefill rows and a split decode row
+    "head-dim-512": Case(starts=[45, 12], lengths=[3, 2], seq=3, num_q=4, num_kv=2, head_dim=512),
+    "decode-head-dim-512-fp8": Case(starts=[700], lengths=[1], seq=1, num_q=2, num_kv=1, head_dim=512, dtype="fp8"),
     "page-size-64": Case(starts=[130, 64], lengths=[7, 1], seq=7, tokens_per_page=64),
     "tree-mask-verify": Case(starts=[33, 50], lengths=[6, 4], seq=6, tree_mask=True),
     "tree-mask-fp8-gqa-4": Case(starts=[8], lengths=[9], seq=9, num_q=8, num_kv=2, tree_mask=True, dtype="fp8"),

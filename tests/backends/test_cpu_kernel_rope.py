@@ -136,6 +136,8 @@ CASES = {
     "partial-rotary-fp16": Case(starts=[17], lengths=[3], seq=3, rotary=16),
     "partial-rotary-fp8-tree": Case(starts=[17], lengths=[4], seq=4, dtype="fp8", rotary=32, tree=True),
     "gqa-128-hole": Case(starts=[30], lengths=[5], seq=5, num_q=8, num_kv=1, head_dim=128, rotary=128, hole=True),
+    # Gemma 4's global layers: 512-wide heads turned by a 256-wide table (the runtime's one table, partial rotary)
+    "gemma4-global-512": Case(starts=[17, 2], lengths=[3, 1], seq=3, num_q=2, num_kv=1, head_dim=512, rotary=256),
 }
 
 
