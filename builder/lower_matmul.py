@@ -4,10 +4,10 @@ The export's reference form of a GGUF Q4_1 weight is ONNX Runtime's MatMulNBits 
 (tools/export/quantize.py): `Add(MatMulNBits(x, q, scales, zero_points), MatMul(MatMul(x, block_sum), offsets))`.
 On engines that attend with the CPU kernel (the library is loaded anyway), each such group, and each 4-bit
 MatMulNBits without one (Q4_0, ONNX Runtime's own asymmetric blocks), becomes one `kvforge.cpu.MatMulBlocks` over the
-same packed values and scales and a `mins` initializer: weight = scale * q + min, with min = remainder - scale *
-zero_point (zero point 8 when absent), computed in float64 once here. Why (measured in docs/benchmark-log.md): three
-nodes fewer per matmul, and a verification call of k + 1 rows costs far less than k + 1 decode calls while giving
-each row exactly the decode call's logits (plugins/cpu/matmul_blocks.cc). Only accuracy level 0 blocks (float
+same values and scales and their mins, weight = scale * q + min with min = remainder - scale * zero_point (zero point
+8 when absent, computed in float64 once here), packed as the kernel streams them (`pack_blocks`). Why (measured in
+docs/benchmark-log.md): three nodes fewer per matmul, a cheaper decode call, and a verification call of k + 1 rows
+that gives each row exactly the decode call's logits (plugins/cpu/matmul_blocks.cc). Only accuracy level 0 blocks (float
 activations) are taken: a level-4 weight (`--int4Scheme symmetric`, the int8 LM head) keeps ONNX Runtime's int8
 arithmetic, which is what its export chose. Nodes inside If branches (`--prefillInt8Rows`) are left as they are.
 """
@@ -54,10 +54,13 @@ def lower_block_matmuls(model: onnx.ModelProto) -> int:
             output = add.output[0]
             removed.update(id(d) for d in dropped)
             removed.add(id(add))
-        mins_name = f"{node.input[1]}.mins"
-        new_initializers.append(numpy_helper.from_array((remainder - scales * zero_points).astype(np.float32),
-                                                        mins_name))
-        fused = helper.make_node(MATMUL_BLOCKS, [node.input[0], node.input[1], node.input[2], mins_name], [output],
+        blocks_name = f"{node.input[1]}.blocks"
+        packed = numpy_helper.to_array(initializers[node.input[1]]).reshape(n, k // BLOCK, BLOCK // 2)
+        values = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(n, k // BLOCK, BLOCK)
+        new_initializers.append(numpy_helper.from_array(
+            pack_blocks(values, scales.astype(np.float32), (remainder - scales * zero_points).astype(np.float32)),
+            blocks_name))
+        fused = helper.make_node(MATMUL_BLOCKS, [node.input[0], blocks_name], [output],
                                  name=f"blocks/{node.name or output}", domain=CPU_DOMAIN, K=k, N=n)
         # At the correction's Add (or the MatMulNBits itself): every input exists there and every reader comes later.
         replaced[id(correction[0] if correction else node)] = fused
@@ -73,6 +76,16 @@ def lower_block_matmuls(model: onnx.ModelProto) -> int:
     if all(op.domain != CPU_DOMAIN for op in model.opset_import):
         model.opset_import.append(helper.make_opsetid(CPU_DOMAIN, 1))
     return len(replaced)
+
+
+def pack_blocks(values: np.ndarray, scales: np.ndarray, mins: np.ndarray) -> np.ndarray:
+    """MatMulBlocks' weight: uint8 [N, K/32, 24] from the 4-bit values [N, K/32, 32] (uint8 0..15) and float32 scales
+    and mins [N, K/32]: per block 16 bytes (byte j: element j in the low nibble, element j + 16 in the high one),
+    then the scale and the min as float32 (little-endian, as the kernel reads them)."""
+    n, blocks, _ = values.shape
+    nibbles = (values[..., :16] | (values[..., 16:] << 4)).astype(np.uint8)
+    floats = np.stack([scales, mins], axis=-1).astype("<f4").reshape(n, blocks, 2).view(np.uint8)
+    return np.ascontiguousarray(np.concatenate([nibbles, floats], axis=-1))
 
 
 def _attr(node: onnx.NodeProto, name: str, default: int | None = None) -> int:

@@ -95,13 +95,14 @@ CPU_PAGED_ATTENTION_ROPE = OpSchema(
 
 CPU_MATMUL_BLOCKS = OpSchema(
     name="MatMulBlocks",
-    inputs=("A", "qweight", "scales", "mins"),
+    inputs=("A", "blocks"),
     outputs=("Y",),
     attributes=("K", "N"),
-    doc="Y [..., N] = A [..., K] @ W for 4-bit weights in blocks of 32 along K: W[k, n] = scales[n, b] * q + "
-        "mins[n, b] with b = k // 32 and q element k of column n in qweight [N, K/32, 16] uint8 (MatMulNBits' "
-        "packing: element 2i in the low nibble of byte i); scales and mins float32 [N, K/32] (any shape of that "
-        "size). A GGUF Q4_1 block as it is, Q4_0 with mins = -8 * scales. Up to 16 rows of A, each output element is "
-        "summed in one fixed order whatever the row count (a verification row equals its decode row bit for bit); "
-        "more rows dequantize W once and run ONNX Runtime's Gemm. Semantics: reference.matmul_blocks.",
+    doc="Y [..., N] = A [..., K] @ W for 4-bit weights in blocks of 32 along K: W[k, n] = scale * q + min of column "
+        "n's block b = k // 32. blocks uint8 [N, K/32, 24]: per block 16 bytes of values (byte j: element j in the "
+        "low nibble, element j + 16 in the high one), then scale and min as little-endian float32 "
+        "(builder/lower_matmul.pack_blocks). A GGUF Q4_1 block as it is, Q4_0 with min = -8 * scale. Up to 16 rows "
+        "of A, each output element is summed in one fixed order whatever the row count (a verification row equals "
+        "its decode row bit for bit); more rows dequantize W once and run ONNX Runtime's Gemm. Semantics: "
+        "reference.matmul_blocks.",
 )

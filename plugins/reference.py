@@ -242,10 +242,12 @@ def paged_attention_rope(query: np.ndarray, key: np.ndarray, value: np.ndarray, 
     return out, written
 
 
-def matmul_blocks(a: np.ndarray, packed: np.ndarray, scales: np.ndarray, mins: np.ndarray) -> np.ndarray:
-    """CPU_MATMUL_BLOCKS in float64: A [..., K] @ W, where W[k, n] = scale[n, b] * q + min[n, b] (b = k // 32; q the
-    4-bit value of element k in MatMulNBits' packing: element 2i in the low nibble of byte i, 2i + 1 in the high)."""
-    n, blocks, _ = packed.shape
-    q = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(n, blocks, 32).astype(np.float64)
-    w = q * scales.reshape(n, blocks, 1).astype(np.float64) + mins.reshape(n, blocks, 1).astype(np.float64)
-    return a.astype(np.float64) @ w.reshape(n, blocks * 32).T
+def matmul_blocks(a: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+    """CPU_MATMUL_BLOCKS in float64: A [..., K] @ W, where W[k, n] = scale * q + min of k's block b = k // 32 of
+    column n; blocks uint8 [N, K/32, 24]: 16 bytes of 4-bit values (byte j: element j low, element j + 16 high),
+    then the block's scale and min as little-endian float32."""
+    n, count, _ = blocks.shape
+    values = np.concatenate([blocks[..., :16] & 0xF, blocks[..., :16] >> 4], axis=-1).astype(np.float64)
+    floats = np.ascontiguousarray(blocks[..., 16:]).view("<f4").astype(np.float64)  # [N, K/32, 2]
+    w = values * floats[..., :1] + floats[..., 1:]
+    return a.astype(np.float64) @ w.reshape(n, count * 32).T

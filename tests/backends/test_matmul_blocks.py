@@ -14,7 +14,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from kvforge.builder.build import BuildOptions, build_engine
-from kvforge.builder.lower_matmul import MATMUL_BLOCKS, lower_block_matmuls
+from kvforge.builder.lower_matmul import MATMUL_BLOCKS, lower_block_matmuls, pack_blocks
 from kvforge.contract.engine_dir import load_engine_dir
 from kvforge.contract.errors import InvalidConfig
 from kvforge.plugins import reference
@@ -36,20 +36,18 @@ def _session(model: onnx.ModelProto, library: Path, threads: int = 2) -> ort.Inf
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-def _random_blocks(rng: np.random.Generator, k: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    q = rng.integers(0, 16, size=(n, k // 32, 32)).astype(np.uint8)
-    packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+def _random_blocks(rng: np.random.Generator, k: int, n: int) -> np.ndarray:
+    values = rng.integers(0, 16, size=(n, k // 32, 32)).astype(np.uint8)
     scales = (rng.random((n, k // 32)) * 0.05 + 0.001).astype(np.float32)
     mins = (-rng.random((n, k // 32)) * 0.4).astype(np.float32)
-    return packed, scales, mins
+    return pack_blocks(values, scales, mins)
 
 
-def _blocks_model(k: int, n: int, packed: np.ndarray, scales: np.ndarray, mins: np.ndarray) -> onnx.ModelProto:
-    node = helper.make_node(MATMUL_BLOCKS, ["a", "q", "s", "m"], ["y"], domain=CPU_DOMAIN, K=k, N=n)
+def _blocks_model(k: int, n: int, blocks: np.ndarray) -> onnx.ModelProto:
+    node = helper.make_node(MATMUL_BLOCKS, ["a", "w"], ["y"], domain=CPU_DOMAIN, K=k, N=n)
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("a", TensorProto.FLOAT, [None, None, k])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, None, n])],
-                              [numpy_helper.from_array(packed, "q"), numpy_helper.from_array(scales.reshape(-1), "s"),
-                               numpy_helper.from_array(mins, "m")])
+                              [numpy_helper.from_array(blocks, "w")])
     return helper.make_model(graph, opset_imports=OPSETS)
 
 
@@ -57,10 +55,10 @@ def _blocks_model(k: int, n: int, packed: np.ndarray, scales: np.ndarray, mins: 
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 40])
 def test_it_matches_the_float64_reference(library: Path, k: int, n: int, rows: int) -> None:
     rng = np.random.default_rng(k * 1000 + n + rows)
-    packed, scales, mins = _random_blocks(rng, k, n)
+    blocks = _random_blocks(rng, k, n)
     a = rng.standard_normal((1, rows, k)).astype(np.float32)
-    y = _session(_blocks_model(k, n, packed, scales, mins), library).run(None, {"a": a})[0]
-    expected = reference.matmul_blocks(a, packed, scales, mins)
+    y = _session(_blocks_model(k, n, blocks), library).run(None, {"a": a})[0]
+    expected = reference.matmul_blocks(a, blocks)
     assert y.shape == (1, rows, n)
     np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
 
@@ -68,14 +66,14 @@ def test_it_matches_the_float64_reference(library: Path, k: int, n: int, rows: i
 def test_a_row_is_the_same_bits_whatever_the_row_count(library: Path) -> None:
     k, n = 192, 45
     rng = np.random.default_rng(7)
-    packed, scales, mins = _random_blocks(rng, k, n)
-    session = _session(_blocks_model(k, n, packed, scales, mins), library)
+    blocks = _random_blocks(rng, k, n)
+    session = _session(_blocks_model(k, n, blocks), library)
     a = rng.standard_normal((1, 16, k)).astype(np.float32)
     alone = np.stack([session.run(None, {"a": a[:, i:i + 1]})[0][0, 0] for i in range(16)])
     for rows in range(1, 17):  # up to 16 rows: a verify call of 4 drafts is 5, a 4-deep tree of 16 at most
         together = session.run(None, {"a": a[:, :rows]})[0][0]
         assert np.array_equal(together, alone[:rows]), f"{rows} rows"
-    one_thread = _session(_blocks_model(k, n, packed, scales, mins), library, threads=1)
+    one_thread = _session(_blocks_model(k, n, blocks), library, threads=1)
     assert np.array_equal(one_thread.run(None, {"a": a[:, :5]})[0][0], alone[:5])
 
 
@@ -105,7 +103,7 @@ def test_the_lowering_folds_the_q4_1_correction_into_the_mins(library: Path) -> 
     before = _session(model, library).run(None, {"x": x})[0]
     assert lower_block_matmuls(model) == 1
     assert [n.op_type for n in model.graph.node] == [MATMUL_BLOCKS, "Relu"]
-    assert {t.name for t in model.graph.initializer} == {"w", "s", "w.mins"}  # zero points, offsets, 0/1 sums: gone
+    assert {t.name for t in model.graph.initializer} == {"w.blocks"}  # values, scales and mins in one; the rest gone
     after = _session(model, library).run(None, {"x": x})[0]
     expected = np.maximum(x.astype(np.float64) @ blocks.dequantize().astype(np.float64), 0)
     scale = np.abs(expected).max()
@@ -114,8 +112,11 @@ def test_the_lowering_folds_the_q4_1_correction_into_the_mins(library: Path) -> 
     # The mins are the GGUF blocks' own m = remainder - d * zero point (Q4_1: d * q + m), to float32 rounding.
     raw = gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q4_1).reshape(40, 4, 20)
     m = raw[..., 2:4].copy().view(np.float16).astype(np.float32).reshape(40, 4)
-    mins = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "w.mins"))
-    np.testing.assert_allclose(mins, m, rtol=0, atol=1e-7)
+    packed = numpy_helper.to_array(model.graph.initializer[0])
+    floats = np.ascontiguousarray(packed[..., 16:]).view("<f4")
+    np.testing.assert_allclose(floats[..., 1], m, rtol=0, atol=1e-7)
+    d = raw[..., 0:2].copy().view(np.float16).astype(np.float32).reshape(40, 4)
+    np.testing.assert_array_equal(floats[..., 0], d)
 
 
 def test_level_4_and_8_bit_blocks_stay_with_onnx_runtime() -> None:
@@ -172,12 +173,12 @@ def test_the_portable_build_agrees_with_the_vector_one(library: Path) -> None:
     portable = cpu_kernel.library_path(("-mno-avx512f",))
     k, n = 128, 21
     rng = np.random.default_rng(5)
-    packed, scales, mins = _random_blocks(rng, k, n)
-    model = _blocks_model(k, n, packed, scales, mins)
+    blocks = _random_blocks(rng, k, n)
+    model = _blocks_model(k, n, blocks)
     a = rng.standard_normal((1, 6, k)).astype(np.float32)
     scalar = _session(model, portable).run(None, {"a": a})[0]
     vector = _session(model, library).run(None, {"a": a})[0]
-    expected = reference.matmul_blocks(a, packed, scales, mins)
+    expected = reference.matmul_blocks(a, blocks)
     np.testing.assert_allclose(scalar, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
     np.testing.assert_allclose(scalar, vector, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
     alone = _session(model, portable).run(None, {"a": a[:, 2:3]})[0][0, 0]
