@@ -143,11 +143,11 @@ def run(engine: Engine, ids: list[int], adapter: str | None, count: int) -> tupl
     return out.token_ids, np.array([[e.logprob for e in step] for step in out.logprobs]), out.cached_tokens
 
 
-def check_parity_and_isolation(setup: Setup) -> None:
+def check_parity_and_isolation(setup: Setup, engine_dir: str = "engine") -> None:
     """Past the window: base, adapter, base again on one prompt with reuse on. The adapter's tokens and
     log-probabilities are PEFT's, the base's are the base model's each time; the adapter reuses none of the base's
     pages, and the second base run reuses them."""
-    engine = make_engine(setup.root / "engine", reuse=True)
+    engine = make_engine(setup.root / engine_dir, reuse=True)
     engine.load_adapters({"peft": str(setup.adapter)})
     ids, count = prompt(40, seed=7), 6
     runs = [run(engine, ids, name, count) for name in (None, "peft", None)]
@@ -169,6 +169,15 @@ def test_gemma3_adapter_equals_peft_and_stays_apart_from_the_base(gemma3_setup: 
 def test_gemma4_adapter_equals_peft_and_stays_apart_from_the_base(gemma4_setup: Setup) -> None:
     """Wide global heads (per-layer LoRA shapes) and KV-shared layers (q/o only) included."""
     check_parity_and_isolation(gemma4_setup)
+
+
+def test_gemma4_adapter_with_the_sliding_window_pool(gemma4_setup: Setup) -> None:
+    """The same with the sliding layers on their own page group and window records (llm_build
+    --slidingWindowPool): the window pages a reuse hit restores are keyed by the adapter too."""
+    build_engine(gemma4_setup.root / "onnx", gemma4_setup.root / "engine_window", BuildOptions(
+        max_input_len=128, max_kv_cache_capacity=256, max_batch_size=2, tokens_per_page=T, max_lora_rank=4,
+        sliding_window_pool=True, sliding_window_records=8))
+    check_parity_and_isolation(gemma4_setup, "engine_window")
 
 
 def test_gemma4_kv_shared_layers_take_q_and_o_only(gemma4_setup: Setup, tmp_path: Path) -> None:
