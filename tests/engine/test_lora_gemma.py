@@ -160,6 +160,21 @@ def check_parity_and_isolation(setup: Setup, engine_dir: str = "engine") -> None
     (base, _, cold), (adapted, _, adapter_hit), (again, _, warm) = runs
     assert adapted != base and again == base  # the adapter matters; the base model's answer is unchanged
     assert cold == 0 and adapter_hit == 0 and warm > 0  # pages keyed by the adapter's digest
+    # One engine call with a base row and an adapter row (per-row LoRA inputs): each answers as alone.
+    fresh = make_engine(setup.root / engine_dir)
+    fresh.load_adapters({"peft": str(setup.adapter)})
+    assert together(fresh, [(ids, None), (ids, "peft")], count) == [base, adapted]
+
+
+def together(engine: Engine, rows: list[tuple[list[int], str | None]], count: int) -> list[list[int]]:
+    """Greedy tokens of requests queued before the first step, so they share engine calls."""
+    request_ids = [engine.add_request(EngineRequest(ids, SamplingParams(max_generate_length=count, temperature=0.0),
+                                                    adapter=engine.loras.get(name))) for ids, name in rows]
+    finished = {}
+    while len(finished) < len(rows):
+        finished.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    assert_idle(engine)
+    return [finished[r] for r in request_ids]
 
 
 def test_gemma3_adapter_equals_peft_and_stays_apart_from_the_base(gemma3_setup: Setup) -> None:
@@ -178,6 +193,42 @@ def test_gemma4_adapter_with_the_sliding_window_pool(gemma4_setup: Setup) -> Non
         max_input_len=128, max_kv_cache_capacity=256, max_batch_size=2, tokens_per_page=T, max_lora_rank=4,
         sliding_window_pool=True, sliding_window_records=8))
     check_parity_and_isolation(gemma4_setup, "engine_window")
+
+
+INVOCATION = [290, 291, 292]  # ids the prompts below never draw
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
+def test_activated_adapter_equals_peft_and_reuses_the_base_pages(family: str, request: pytest.FixtureRequest,
+                                                                   tmp_path: Path) -> None:
+    """PEFT's activated LoRA (alora_invocation_tokens) on Gemma: after the base model answers a conversation, the
+    adapter invoked over it reuses the whole pages before its invocation and answers with PEFT's own tokens."""
+    setup: Setup = request.getfixturevalue(f"{family}_setup")
+    fresh = type(setup.peft_model.get_base_model()).from_pretrained(setup.root / "hf").eval()
+    activated = peft.LoraConfig(r=4, lora_alpha=12, target_modules=PEFT_MODULES, task_type="CAUSAL_LM",
+                                alora_invocation_tokens=INVOCATION)  # PEFT applies aLoRA to causal LMs only
+    model = peft.get_peft_model(fresh, activated).eval()
+    torch.manual_seed(6)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.3)
+    model.save_pretrained(tmp_path / "peft")
+    write_converted_adapter(tmp_path / "peft", setup.root / "onnx", tmp_path / "act.safetensors")
+    engine = make_engine(setup.root / "engine", reuse=True)
+    engine.load_adapters({"act": str(tmp_path / "act.safetensors")})
+    conversation = prompt(44, seed=11)
+    answer, _, _ = run(engine, conversation, None, 4)
+    follow_up = conversation + answer + INVOCATION + [40, 41]
+    tokens, _, cached = run(engine, follow_up, "act", 6)
+    assert_idle(engine)
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([follow_up]), max_new_tokens=6, min_new_tokens=6,
+                             do_sample=False, attention_mask=torch.ones(1, len(follow_up), dtype=torch.long))
+    assert tokens == out[0, len(follow_up):].tolist()
+    assert tokens != together(make_engine(setup.root / "engine"), [(follow_up, None)], 6)[0]  # the adapter matters
+    # Every whole page of the base run's K/V (its last token's was never computed), all before the invocation.
+    assert cached == (len(conversation) + len(answer) - 1) // T * T == 32
 
 
 def test_gemma4_kv_shared_layers_take_q_and_o_only(gemma4_setup: Setup, tmp_path: Path) -> None:
