@@ -70,8 +70,8 @@ def load_adapter(name: str, path: Path, engine: EngineDir, where: str, shown: st
     if rank > limit:
         raise KvforgeError(f"adapter rank {rank} exceeds the engine's --maxLoraRank {limit}", where)
     expected: dict[str, tuple[int, int]] = {}
-    for a_name, b_name, _layer, target in lora_inputs(model):
-        in_dim, out_dim = target_dims(model, target)
+    for a_name, b_name, layer, target in lora_inputs(model):
+        in_dim, out_dim = target_dims(model, target, layer)
         expected[a_name], expected[b_name] = (in_dim, rank), (rank, out_dim)
     extra = sorted(set(header) - set(expected))
     if extra:
@@ -191,8 +191,8 @@ def stack_adapters(adapters: list[LoraAdapter | None], shapes: dict[str, tuple[i
 def lora_input_shapes(engine: EngineDir) -> dict[str, tuple[int, int]]:
     """Engine input name -> (rows, cols) of one adapter's matrix, rank left out: A is (in, r), B is (r, out)."""
     shapes = {}
-    for a_name, b_name, _layer, target in lora_inputs(engine.model):
-        in_dim, out_dim = target_dims(engine.model, target)
+    for a_name, b_name, layer, target in lora_inputs(engine.model):
+        in_dim, out_dim = target_dims(engine.model, target, layer)
         shapes[a_name], shapes[b_name] = (in_dim, 0), (0, out_dim)
     return shapes
 

@@ -18,6 +18,9 @@ class LoraModel(Protocol):
     num_key_value_heads: int
     head_dim: int
     lora_targets: list[str]
+    kv_source_layers: list[int]
+
+    def layer_head_dim(self, layer: int) -> int: ...
 
 
 # Short target names (the --loraTargets flag) and the Hugging Face / PEFT module each one adapts.
@@ -41,19 +44,24 @@ def lora_b_name(layer: int, target: str) -> str:
     return f"lora_B_{layer}_{target}"
 
 
-def target_dims(config: LoraModel, target: str) -> tuple[int, int]:
-    """(in_features, out_features) of the adapted linear."""
+def target_dims(config: LoraModel, target: str, layer: int | None = None) -> tuple[int, int]:
+    """(in_features, out_features) of the adapted linear (of `layer`: Gemma 4's global layers have wider heads)."""
     hidden, inter = config.hidden_size, config.intermediate_size
-    q_out = config.num_attention_heads * config.head_dim
-    kv_out = config.num_key_value_heads * config.head_dim
+    head_dim = config.head_dim if layer is None else config.layer_head_dim(layer)
+    q_out = config.num_attention_heads * head_dim
+    kv_out = config.num_key_value_heads * head_dim
     return {"q": (hidden, q_out), "k": (hidden, kv_out), "v": (hidden, kv_out), "o": (q_out, hidden),
             "gate": (hidden, inter), "up": (hidden, inter), "down": (inter, hidden)}[target]
 
 
 def lora_inputs(config: LoraModel) -> list[tuple[str, str, int, str]]:
-    """(A name, B name, layer, target) for every adapted linear of the exported graph."""
+    """(A name, B name, layer, target) for every adapted linear of the exported graph. A layer reading another
+    layer's K/V (Gemma 4's kv_source_layers) has no k/v projections, so PEFT adapts none there and neither does
+    the graph."""
+    sources = config.kv_source_layers
     return [(lora_a_name(layer, t), lora_b_name(layer, t), layer, t)
-            for layer in range(config.num_hidden_layers) for t in config.lora_targets]
+            for layer in range(config.num_hidden_layers) for t in config.lora_targets
+            if not (t in ("k", "v") and sources and sources[layer] != layer)]
 
 
 def parse_targets(text: str) -> list[str]:

@@ -18,6 +18,7 @@ from kvforge.contract.lora import (
     check_invocation_tokens,
     lora_a_name,
     lora_b_name,
+    lora_inputs,
     model_fingerprint,
     target_dims,
 )
@@ -36,6 +37,7 @@ def convert_peft_adapter(adapter_dir: Path, onnx_dir: Path) -> tuple[dict[str, n
     rank, scaling = _rank_and_scaling(peft)
     raw = _read_adapter_tensors(adapter_dir)
     pairs: dict[tuple[int, str], dict[str, np.ndarray]] = {}
+    graph_linears = {(layer, target) for _, _, layer, target in lora_inputs(config)}
     for name, array in raw.items():
         match = _KEY.match(name)
         if match is None:
@@ -51,6 +53,9 @@ def convert_peft_adapter(adapter_dir: Path, onnx_dir: Path) -> tuple[dict[str, n
         if target not in config.lora_targets:
             raise KvforgeError(f"adapter targets {target} ({module}) but the ONNX dir was exported with "
                                f"--loraTargets {','.join(config.lora_targets) or 'none'}", FIELD)
+        if (layer, target) not in graph_linears:  # Gemma 4's KV-shared layers have no k/v projection
+            raise KvforgeError(f"adapter adapts layer {layer} {module}, which this model's layer {layer} does not have "
+                               f"(it reads layer {config.kv_source_layers[layer]}'s K/V)", FIELD)
         pairs.setdefault((layer, target), {})[side] = array
     if not pairs:
         raise KvforgeError("adapter_model.safetensors holds no LoRA tensors", FIELD)
@@ -59,7 +64,7 @@ def convert_peft_adapter(adapter_dir: Path, onnx_dir: Path) -> tuple[dict[str, n
     for (layer, target), sides in sorted(pairs.items()):
         if set(sides) != {"A", "B"}:
             raise KvforgeError(f"layer {layer} {target}: lora_A and lora_B must both be present", FIELD)
-        in_dim, out_dim = target_dims(config, target)
+        in_dim, out_dim = target_dims(config, target, layer)
         a, b = sides["A"], sides["B"]  # PEFT: A [r, in], B [out, r]
         if a.ndim != 2 or b.ndim != 2 or a.shape[1] != in_dim or b.shape[0] != out_dim or a.shape[0] != b.shape[1]:
             raise KvforgeError(f"layer {layer} {target}: lora_A {list(a.shape)} / lora_B {list(b.shape)} do not fit "
@@ -144,7 +149,9 @@ def write_random_peft_adapter(onnx_dir: Path, output_dir: Path, rank: int = 8, a
     tensors = {}
     for layer in range(config.num_hidden_layers):
         for target in targets:
-            in_dim, out_dim = target_dims(config, target)
+            if target in ("k", "v") and config.kv_source_layers and config.kv_source_layers[layer] != layer:
+                continue  # a KV-shared layer has no k/v projection (PEFT adapts none there)
+            in_dim, out_dim = target_dims(config, target, layer)
             prefix = f"base_model.model.model.layers.{layer}.{LORA_MODULES[target]}"
             tensors[f"{prefix}.lora_A.weight"] = (rng.standard_normal((rank, in_dim)) / np.sqrt(in_dim)).astype(
                 np.float32)

@@ -16,7 +16,14 @@ from kvforge.graph.onnx_graph import FLOAT, INT32, INT64, OPSET, GraphWriter, va
 from kvforge.graph.positions import attach_hidden_states, gather_positions, logits_indices_input, logits_output
 from kvforge.graph.rope import apply_rope
 from kvforge.plugins import ops
-from kvforge.tools.export.families.llama import POOL_ELEM_TYPES, pool_input_name, pool_output_name, rope_inputs
+from kvforge.tools.export.families.llama import (
+    POOL_ELEM_TYPES,
+    LoraActivation,
+    LoraInputs,
+    pool_input_name,
+    pool_output_name,
+    rope_inputs,
+)
 from kvforge.tools.export.families.qwen3_5 import centred_norm, fused_linears, linear
 from kvforge.tools.export.families.registry import Family, register
 
@@ -30,7 +37,9 @@ if TYPE_CHECKING:
 # global layers may scale theirs linearly. The runtime feeds one plain RoPE table (rope_theta), so a layer whose
 # frequencies differ first rotates q and k by the difference of the angles and then by the table: rotations
 # compose, so the result is the layer's own RoPE, and every backend's K/V write and attention stay as they are.
-# Each layer keeps a full-length KV cache for now.
+# Each layer keeps a full-length KV cache for now. LoRA inputs sit on the seven linears as on llama's graph (its
+# LoraInputs: q/k/v before the head norms, o on the attention output, gate/up/down around the GELU), where PEFT wraps
+# the same nn.Linear modules.
 
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")  # transformers' names of GELU's tanh approximation
 
@@ -79,11 +88,13 @@ def gelu_tanh(g: GraphWriter, x: str) -> str:
 
 
 def _attention(g: GraphWriter, config: ModelConfig, weights: dict[str, np.ndarray], layer: int, x: str,
-               rope: tuple[str, str], extra: dict[bool, tuple[str, str] | None], inputs: list, outputs: list) -> str:
+               rope: tuple[str, str], extra: dict[bool, tuple[str, str] | None], inputs: list, outputs: list,
+               lora: LoraInputs) -> str:
     p = f"model.layers.{layer}.self_attn."
     num_q, num_kv, head_dim, eps = config.num_attention_heads, config.num_key_value_heads, config.head_dim, \
         config.rms_norm_eps
     q, k, v = fused_linears(g, weights, x, [p + f"{n}_proj.weight" for n in "qkv"], p + "qkv")
+    q, k, v = (lora.apply(g, target, x, y) for target, y in zip("qkv", (q, k, v), strict=True))
     q = _head_norm(g, weights, q, num_q, head_dim, p + "q_norm.weight", eps)
     k = _head_norm(g, weights, k, num_kv, head_dim, p + "k_norm.weight", eps)
     sliding = layer in config.sliding_window_layers
@@ -103,7 +114,7 @@ def _attention(g: GraphWriter, config: ModelConfig, weights: dict[str, np.ndarra
     attn = g.op(ops.PAGED_ATTENTION.name, [q, pool_out, "context_lengths", "kvcache_start_index", "kv_page_table"],
                 domain=ops.DOMAIN, name=f"paged_attention_{layer}", num_q_heads=num_q, num_kv_heads=num_kv,
                 head_dim=head_dim, tokens_per_page=0, scale=float(query_scalar(config) ** -0.5), **window)
-    return linear(g, weights, attn, p + "o_proj.weight")
+    return lora.apply(g, "o", attn, linear(g, weights, attn, p + "o_proj.weight"))
 
 
 def query_scalar(config: ModelConfig) -> float:
@@ -139,14 +150,17 @@ def graph_start(g: GraphWriter, config: ModelConfig, rope_deltas: RopeDeltas
 
 
 def sandwich_layer(g: GraphWriter, config: ModelConfig, weights: dict[str, np.ndarray], layer: int, hidden: str,
-                   norm: NormWeight, attend: Attend) -> str:
-    """One Gemma decoder layer: attention and the GELU-tanh MLP, each between a pre- and a post-norm."""
+                   norm: NormWeight, attend: Attend, lora: LoraInputs) -> str:
+    """One Gemma decoder layer: attention and the GELU-tanh MLP, each between a pre- and a post-norm; `lora` adds
+    the layer's gate/up/down adapters (attend adds q/k/v/o)."""
     p, eps = f"model.layers.{layer}.", config.rms_norm_eps
     attn = attend(g.rms_norm(hidden, norm(g, weights, p + "input_layernorm.weight"), eps))
     hidden = g.add(hidden, g.rms_norm(attn, norm(g, weights, p + "post_attention_layernorm.weight"), eps))
     x = g.rms_norm(hidden, norm(g, weights, p + "pre_feedforward_layernorm.weight"), eps)
     gate, up = fused_linears(g, weights, x, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], p + "mlp.gate_up")
-    mlp = linear(g, weights, g.mul(gelu_tanh(g, gate), up), p + "mlp.down_proj.weight")
+    gate, up = lora.apply(g, "gate", x, gate), lora.apply(g, "up", x, up)
+    gated = g.mul(gelu_tanh(g, gate), up)
+    mlp = lora.apply(g, "down", gated, linear(g, weights, gated, p + "mlp.down_proj.weight"))
     return g.add(hidden, g.rms_norm(mlp, norm(g, weights, p + "post_feedforward_layernorm.weight"), eps))
 
 
@@ -174,10 +188,12 @@ def build_gemma3_graph(config: ModelConfig, weights: dict[str, np.ndarray],
     `hidden_states`): the runtime's embedding rows come in unscaled, as the tied LM head reads them."""
     g = GraphWriter()
     rope, extra, inputs, outputs, hidden = graph_start(g, config, rope_delta_frequencies)
+    activation = LoraActivation(inputs)  # adds its input only when a LoRA target is exported
     layer_outputs = []
     for layer in range(config.num_hidden_layers):
-        hidden = sandwich_layer(g, config, weights, layer, hidden, centred_norm, lambda x, layer=layer: _attention(
-            g, config, weights, layer, x, rope, extra, inputs, outputs))
+        lora = LoraInputs(config, layer, inputs, activation)
+        hidden = sandwich_layer(g, config, weights, layer, hidden, centred_norm, lambda x, layer=layer, lora=lora:
+                                _attention(g, config, weights, layer, x, rope, extra, inputs, outputs, lora), lora)
         layer_outputs.append(hidden)
         if progress:
             progress(layer)
@@ -342,5 +358,4 @@ FAMILY = register(Family(
                         "query_pre_attn_scalar": 24.0, "final_logit_softcapping": 30.0},
     },
     checkpoint_name=checkpoint_name,
-    lora=False,  # no LoRA inputs on Gemma's graph yet
 ))

@@ -28,7 +28,13 @@ from kvforge.tools.export.families.gemma3 import (
     sandwich_layer,
     text_config,
 )
-from kvforge.tools.export.families.llama import POOL_ELEM_TYPES, pool_input_name, pool_output_name
+from kvforge.tools.export.families.llama import (
+    POOL_ELEM_TYPES,
+    LoraActivation,
+    LoraInputs,
+    pool_input_name,
+    pool_output_name,
+)
 from kvforge.tools.export.families.qwen3_5 import fused_linears, linear
 from kvforge.tools.export.families.registry import Family, register
 
@@ -99,7 +105,8 @@ def _head_norm(g: GraphWriter, x: str, heads: int, head_dim: int, weight: str, e
 
 
 def _attention(g: GraphWriter, config: ModelConfig, weights: dict[str, np.ndarray], layer: int, x: str,
-               rope: tuple[str, str], extra: dict[bool, tuple[str, str] | None], inputs: list, outputs: list) -> str:
+               rope: tuple[str, str], extra: dict[bool, tuple[str, str] | None], inputs: list, outputs: list,
+               lora: LoraInputs) -> str:
     p = f"model.layers.{layer}.self_attn."
     num_q, num_kv, head_dim, eps = config.num_attention_heads, config.num_key_value_heads, \
         config.layer_head_dim(layer), config.rms_norm_eps
@@ -113,10 +120,11 @@ def _attention(g: GraphWriter, config: ModelConfig, weights: dict[str, np.ndarra
         return _in_table_order(g, x, heads, head_dim, table_dims) if table_dims else x
 
     if source != layer:  # a KV-shared layer: its query attends over the source layer's pool, written this call
-        q = _head_norm(g, linear(g, weights, x, p + "q_proj.weight"), num_q, head_dim,
+        q = _head_norm(g, lora.apply(g, "q", x, linear(g, weights, x, p + "q_proj.weight")), num_q, head_dim,
                        _weight(g, weights, p + "q_norm.weight"), eps)
     else:
         q, k, v = fused_linears(g, weights, x, [p + f"{n}_proj.weight" for n in "qkv"], p + "qkv")
+        q, k, v = (lora.apply(g, target, x, y) for target, y in zip("qkv", (q, k, v), strict=True))
         q = _head_norm(g, q, num_q, head_dim, _weight(g, weights, p + "q_norm.weight"), eps)
         k = own_rotation(_head_norm(g, k, num_kv, head_dim, _weight(g, weights, p + "k_norm.weight"), eps), num_kv)
         v = _head_norm(g, v, num_kv, head_dim, g.const(np.float32(1.0), np.float32), eps)  # v_norm has no scale
@@ -136,7 +144,7 @@ def _attention(g: GraphWriter, config: ModelConfig, weights: dict[str, np.ndarra
     attn = g.op(ops.PAGED_ATTENTION.name, [q, pool_out, "context_lengths", "kvcache_start_index", "kv_page_table"],
                 domain=ops.DOMAIN, name=f"paged_attention_{layer}", num_q_heads=num_q, num_kv_heads=num_kv,
                 head_dim=head_dim, tokens_per_page=0, scale=1.0, **window)
-    return linear(g, weights, attn, p + "o_proj.weight")
+    return lora.apply(g, "o", attn, linear(g, weights, attn, p + "o_proj.weight"))
 
 
 def _per_layer_inputs(g: GraphWriter, config: ModelConfig, weights: dict[str, np.ndarray], embeds: str) -> list[str]:
@@ -174,10 +182,12 @@ def build_gemma4_graph(config: ModelConfig, weights: dict[str, np.ndarray],
         inputs.append(value_info(PER_LAYER_INPUT, FLOAT, ["batch", "seq", config.num_hidden_layers *
                                                           config.hidden_size_per_layer_input]))
         per_layer = _per_layer_inputs(g, config, weights, hidden)
+    activation = LoraActivation(inputs)  # adds its input only when a LoRA target is exported
     layer_outputs = []
     for layer in range(config.num_hidden_layers):
-        hidden = sandwich_layer(g, config, weights, layer, hidden, _weight, lambda x, layer=layer: _attention(
-            g, config, weights, layer, x, rope, extra, inputs, outputs))
+        lora = LoraInputs(config, layer, inputs, activation)  # KV-shared layers: q and o only (lora_inputs)
+        hidden = sandwich_layer(g, config, weights, layer, hidden, _weight, lambda x, layer=layer, lora=lora:
+                                _attention(g, config, weights, layer, x, rope, extra, inputs, outputs, lora), lora)
         if per_layer:
             hidden = _per_layer_block(g, config, weights, layer, hidden, per_layer[layer])
         hidden = g.mul(hidden, _weight(g, weights, f"model.layers.{layer}.layer_scalar"))
@@ -361,9 +371,20 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     return weights
 
 
+MLP_TARGETS = ("gate", "up", "down")
+
+
 def build_graph(loaded: LoadedModel, progress: Callable[[int], None]) -> onnx.ModelProto:
     refuse_quantized(loaded)
-    return build_gemma4_graph(loaded.config, loaded.weights, progress=progress)
+    config = loaded.config
+    double_wide = [i for i in range(config.num_hidden_layers)
+                   if loaded.weights[f"model.layers.{i}.mlp.up_proj.weight"].shape[0] != config.intermediate_size]
+    if double_wide and set(config.lora_targets) & set(MLP_TARGETS):
+        # use_double_wide_mlp doubles the KV-shared layers' MLPs, a width config.json does not record, so the LoRA
+        # contract (target_dims) cannot size their gate/up/down inputs: those targets are left out of the export
+        # (as the writer leaves a family without LoRA inputs), and an adapter for them is refused at conversion.
+        config.lora_targets = [t for t in config.lora_targets if t not in MLP_TARGETS]
+    return build_gemma4_graph(config, loaded.weights, progress=progress)
 
 
 FAMILY = register(Family(
@@ -391,5 +412,4 @@ FAMILY = register(Family(
                              "sliding_window_layers": [0, 1, 2, 3, 4], "final_logit_softcapping": 30.0},
     },
     checkpoint_name=checkpoint_name,
-    lora=False,  # no LoRA inputs on Gemma's graph yet
 ))

@@ -76,12 +76,12 @@ def build_llama_graph(config: ModelConfig, weights: dict[str, np.ndarray],
     ]
     graph_outputs = []
     layer_outputs = []
-    activation = _Activation(graph_inputs)
+    activation = LoraActivation(graph_inputs)
     for layer in range(config.num_hidden_layers):
         w = _layer_weights(g, weights, layer)
         linear = linears.for_layer(layer)  # o_proj and down_proj; q/k/v and gate/up go through linears.fused
         x = g.rms_norm(hidden, w["input_layernorm"], config.rms_norm_eps)
-        lora = _LoraInputs(config, layer, graph_inputs, activation)
+        lora = LoraInputs(config, layer, graph_inputs, activation)
         q, k, v = linears.fused(g, x, layer, ("q_proj", "k_proj", "v_proj"), weights)
         q, k, v = (lora.apply(g, target, x, y) for target, y in zip("qkv", (q, k, v), strict=True))
         if config.qk_norm:  # Qwen3 normalises each head before RoPE
@@ -149,7 +149,7 @@ def _head_norm(g: GraphWriter, x: str, num_heads: int, head_dim: int, weight: st
     return g.reshape(g.rms_norm(heads, weight, eps), [0, 0, num_heads * head_dim])
 
 
-class _Activation:
+class LoraActivation:
     """Activated LoRA: the mask [B, S, 1] of positions at or after each row's `adapter_activation_start`, built once
     per graph on first use. PEFT's aLoRA applies the delta from the invocation's start on, so K/V before it are the
     base model's; a row with start 0 (every ordinary adapter, and base rows) is multiplied by exact ones."""
@@ -176,23 +176,23 @@ class _Activation:
         return self.mask
 
 
-class _LoraInputs:
+class LoraInputs:
     """Adds `y + mask * ((x @ lora_A) @ lora_B)` for the exported targets with per-row adapters: lora_A is
     [B, in, r] and lora_B [B, r, out], so one call serves rows on different adapters (base rows hold
     zeros); rank is a dynamic dim and 0 means no adapter in the whole call. `mask` is the activated-LoRA mask
-    (_Activation): ones for ordinary adapters.
+    (LoraActivation): ones for ordinary adapters.
 
     The adapter's scaling (alpha / r) is folded into lora_B when it is converted, so the graph has no
     scale input. Nodes are named `lora_*` so llm_build can strip them for a --maxLoraRank 0 engine.
     """
 
-    def __init__(self, config: ModelConfig, layer: int, graph_inputs: list, activation: _Activation) -> None:
+    def __init__(self, config: ModelConfig, layer: int, graph_inputs: list, activation: LoraActivation) -> None:
         self.config, self.layer, self.graph_inputs, self.activation = config, layer, graph_inputs, activation
 
     def apply(self, g: GraphWriter, target: str, x: str, y: str) -> str:
         if target not in self.config.lora_targets:
             return y
-        in_dim, out_dim = target_dims(self.config, target)
+        in_dim, out_dim = target_dims(self.config, target, self.layer)
         a, b = lora_a_name(self.layer, target), lora_b_name(self.layer, target)
         self.graph_inputs += [value_info(a, FLOAT, ["batch", in_dim, "lora_rank"]),
                               value_info(b, FLOAT, ["batch", "lora_rank", out_dim])]
