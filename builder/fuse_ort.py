@@ -9,6 +9,7 @@ sum as its fourth output, so one node does both.
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
@@ -18,20 +19,41 @@ ORT_DOMAIN = "com.microsoft"
 SKIP_RMS_NORM = "SkipSimplifiedLayerNormalization"
 
 
+@dataclass(frozen=True, slots=True)
+class GraphIndex:
+    """Who makes and who reads each tensor of a graph: what a pattern rewrite asks before it replaces nodes."""
+
+    initializers: dict[str, onnx.TensorProto]
+    producers: dict[str, onnx.NodeProto]
+    consumers: dict[str, list[onnx.NodeProto]]
+    outputs: set[str]
+
+    @classmethod
+    def of(cls, graph: onnx.GraphProto) -> GraphIndex:
+        consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+        for node in graph.node:
+            for name in node.input:
+                consumers[name].append(node)
+        return cls({t.name: t for t in graph.initializer}, {out: n for n in graph.node for out in n.output},
+                   consumers, {o.name for o in graph.output})
+
+
+def splice(graph: onnx.GraphProto, replaced: dict[int, onnx.NodeProto], removed: set[int]) -> None:
+    """Each node whose id is in `replaced` gives way to its replacement (at its place, so the order stays
+    topological); the others in `removed` go."""
+    kept = [replaced.get(id(n), n) for n in graph.node if id(n) in replaced or id(n) not in removed]
+    del graph.node[:]
+    graph.node.extend(kept)
+
+
 def fuse_for_onnxruntime(model: onnx.ModelProto) -> int:
     """Residual Add + RMSNorm -> SkipSimplifiedLayerNormalization, in place; returns how many were fused."""
     graph = model.graph
-    initializers = {t.name: t for t in graph.initializer}
-    producers = {out: n for n in graph.node for out in n.output}
-    consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
-    for node in graph.node:
-        for name in node.input:
-            consumers[name].append(node)
-    graph_outputs = {o.name for o in graph.output}
+    index = GraphIndex.of(graph)
     replaced: dict[int, onnx.NodeProto] = {}  # id(residual Add) -> the fused node taking its place
     removed: set[int] = set()
     for node in graph.node:
-        match = _rms_norm_after_add(node, producers, consumers, initializers, graph_outputs)
+        match = _rms_norm_after_add(node, index)
         if match is None:
             continue
         residual, norm_nodes, eps = match
@@ -44,19 +66,18 @@ def fuse_for_onnxruntime(model: onnx.ModelProto) -> int:
         removed.update(id(n) for n in (*norm_nodes, node))
     if not replaced:
         return 0
-    kept = [replaced.get(id(n), n) for n in graph.node if id(n) not in removed]
-    del graph.node[:]
-    graph.node.extend(kept)
+    splice(graph, replaced, removed)
     if all(op.domain != ORT_DOMAIN for op in model.opset_import):
         model.opset_import.append(helper.make_opsetid(ORT_DOMAIN, 1))
     return len(replaced)
 
 
-def _rms_norm_after_add(scale: onnx.NodeProto, producers: dict[str, onnx.NodeProto],
-                        consumers: dict[str, list[onnx.NodeProto]], initializers: dict[str, onnx.TensorProto],
-                        graph_outputs: set[str]) -> tuple[onnx.NodeProto, list[onnx.NodeProto], float] | None:
+def _rms_norm_after_add(scale: onnx.NodeProto,
+                        index: GraphIndex) -> tuple[onnx.NodeProto, list[onnx.NodeProto], float] | None:
     """For `scale` = Mul(Div(x, Sqrt(Add(ReduceMean(Pow(x, 2), [-1]), eps))), w) with x = Add(a, b) of two
     activations and w a 1-D initializer: (the residual Add, the norm's other nodes, eps); else None."""
+    producers, consumers, initializers, graph_outputs = index.producers, index.consumers, index.initializers, \
+        index.outputs
     if scale.op_type != "Mul" or scale.domain or len(scale.input) != 2:
         return None
     weight = initializers.get(scale.input[1])

@@ -14,12 +14,11 @@ arithmetic, which is what its export chose. Nodes inside If branches (`--prefill
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from kvforge.builder.fuse_ort import GraphIndex, splice
 from kvforge.plugins.ops import CPU_DOMAIN
 
 MATMUL_BLOCKS = "MatMulBlocks"
@@ -29,20 +28,15 @@ BLOCK = 32  # the kernel's block: GGUF's Q4_0 / Q4_1
 def lower_block_matmuls(model: onnx.ModelProto) -> int:
     """Every eligible MatMulNBits (with its correction, if any) -> MatMulBlocks, in place; returns how many."""
     graph = model.graph
-    initializers = {t.name: t for t in graph.initializer}
-    producers = {out: n for n in graph.node for out in n.output}
-    consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
-    for node in graph.node:
-        for name in node.input:
-            consumers[name].append(node)
-    graph_outputs = {o.name for o in graph.output}
+    index = GraphIndex.of(graph)
+    initializers = index.initializers
     replaced: dict[int, onnx.NodeProto] = {}
     removed: set[int] = set()
     new_initializers: list[onnx.TensorProto] = []
     for node in graph.node:
         if not _eligible(node, initializers):
             continue
-        correction = _correction(node, producers, consumers, initializers, graph_outputs)
+        correction = _correction(node, index)
         k, n = _attr(node, "K"), _attr(node, "N")
         scales = numpy_helper.to_array(initializers[node.input[2]]).astype(np.float64).reshape(n, k // BLOCK)
         zero_points = _zero_points(initializers, node, n, k // BLOCK)
@@ -68,9 +62,7 @@ def lower_block_matmuls(model: onnx.ModelProto) -> int:
             removed.add(id(node))
     if not replaced:
         return 0
-    kept = [replaced.get(id(n), n) for n in graph.node if id(n) not in removed or id(n) in replaced]
-    del graph.node[:]
-    graph.node.extend(kept)
+    splice(graph, replaced, removed)
     graph.initializer.extend(new_initializers)
     _drop_unread_initializers(graph)
     if all(op.domain != CPU_DOMAIN for op in model.opset_import):
@@ -115,11 +107,11 @@ def _zero_points(initializers: dict[str, onnx.TensorProto], node: onnx.NodeProto
     return values.astype(np.float64)
 
 
-def _correction(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto],
-                consumers: dict[str, list[onnx.NodeProto]], initializers: dict[str, onnx.TensorProto],
-                graph_outputs: set[str]) -> tuple[onnx.NodeProto, str, list[onnx.NodeProto]] | None:
+def _correction(node: onnx.NodeProto, index: GraphIndex) -> tuple[onnx.NodeProto, str, list[onnx.NodeProto]] | None:
     """For y = MatMulNBits(x) read only by Add(y, MatMul(MatMul(x, block_sum), offsets)): (the Add, the offsets
     initializer, the two MatMuls when nothing else reads them, else only the offsets one); None otherwise."""
+    producers, consumers, initializers = index.producers, index.consumers, index.initializers
+    graph_outputs = index.outputs
     y, x = node.output[0], node.input[0]
     readers = consumers.get(y, [])
     if y in graph_outputs or len(readers) != 1 or readers[0].op_type != "Add":

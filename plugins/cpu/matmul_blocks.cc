@@ -18,6 +18,8 @@
 
 #include <onnxruntime_c_api.h>
 
+#include "ort_op.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -312,7 +314,6 @@ void ORT_API_CALL destroy_kernel(void* data) {
 }
 
 const char* ORT_API_CALL op_name(const OrtCustomOp*) { return "MatMulBlocks"; }
-const char* ORT_API_CALL op_provider(const OrtCustomOp*) { return "CPUExecutionProvider"; }
 size_t ORT_API_CALL input_count(const OrtCustomOp*) { return 2; }
 size_t ORT_API_CALL output_count(const OrtCustomOp*) { return 1; }
 ONNXTensorElementDataType ORT_API_CALL input_type(const OrtCustomOp*, size_t index) {
@@ -324,24 +325,10 @@ ONNXTensorElementDataType ORT_API_CALL output_type(const OrtCustomOp*, size_t) {
 OrtCustomOpInputOutputCharacteristic ORT_API_CALL required(const OrtCustomOp*, size_t) {
   return INPUT_OUTPUT_REQUIRED;
 }
-OrtMemType ORT_API_CALL input_memory(const OrtCustomOp*, size_t) { return OrtMemTypeDefault; }
-int ORT_API_CALL variadic_arity(const OrtCustomOp*) { return 1; }
-int ORT_API_CALL variadic_homogeneity(const OrtCustomOp*) { return 0; }
-int ORT_API_CALL start_version(const OrtCustomOp*) { return 1; }
-int ORT_API_CALL end_version(const OrtCustomOp*) { return 1 << 30; }
-size_t ORT_API_CALL no_alias(int** inputs, int** outputs) {
-  *inputs = nullptr;
-  *outputs = nullptr;
-  return 0;
-}
-void ORT_API_CALL release_alias(int*, int*) {}
 
 OrtCustomOp make_op() {
-  OrtCustomOp op;
-  std::memset(&op, 0, sizeof op);
-  op.version = ORT_API_VERSION;
+  OrtCustomOp op = kvforge_ort::base_op();
   op.GetName = op_name;
-  op.GetExecutionProviderType = op_provider;
   op.GetInputType = input_type;
   op.GetInputTypeCount = input_count;
   op.GetOutputType = output_type;
@@ -349,19 +336,8 @@ OrtCustomOp make_op() {
   op.KernelDestroy = destroy_kernel;
   op.GetInputCharacteristic = required;
   op.GetOutputCharacteristic = required;
-  op.GetInputMemoryType = input_memory;
-  op.GetVariadicInputMinArity = variadic_arity;
-  op.GetVariadicInputHomogeneity = variadic_homogeneity;
-  op.GetVariadicOutputMinArity = variadic_arity;
-  op.GetVariadicOutputHomogeneity = variadic_homogeneity;
   op.CreateKernelV2 = create_kernel;
   op.KernelComputeV2 = compute;
-  op.GetStartVersion = start_version;
-  op.GetEndVersion = end_version;
-  op.GetMayInplace = no_alias;
-  op.ReleaseMayInplace = release_alias;
-  op.GetAliasMap = no_alias;
-  op.ReleaseAliasMap = release_alias;
   return op;
 }
 

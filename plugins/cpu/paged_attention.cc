@@ -15,6 +15,8 @@
 
 #include <onnxruntime_c_api.h>
 
+#include "ort_op.h"
+
 #include <algorithm>
 #include <atomic>
 #include <climits>
@@ -959,7 +961,6 @@ OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const O
 void ORT_API_CALL destroy_kernel(void* kernel) { delete static_cast<Kernel*>(kernel); }
 
 const char* ORT_API_CALL op_name(const OrtCustomOp*) { return "PagedAttention"; }
-const char* ORT_API_CALL op_provider(const OrtCustomOp*) { return "CPUExecutionProvider"; }
 size_t ORT_API_CALL input_count(const OrtCustomOp*) { return 7; }
 size_t ORT_API_CALL output_count(const OrtCustomOp*) { return 1; }
 
@@ -983,17 +984,6 @@ OrtCustomOpInputOutputCharacteristic ORT_API_CALL input_characteristic(const Ort
 OrtCustomOpInputOutputCharacteristic ORT_API_CALL output_characteristic(const OrtCustomOp*, size_t) {
   return INPUT_OUTPUT_REQUIRED;
 }
-OrtMemType ORT_API_CALL input_memory(const OrtCustomOp*, size_t) { return OrtMemTypeDefault; }
-int ORT_API_CALL variadic_arity(const OrtCustomOp*) { return 1; }
-int ORT_API_CALL variadic_homogeneity(const OrtCustomOp*) { return 0; }
-int ORT_API_CALL start_version(const OrtCustomOp*) { return 1; }
-int ORT_API_CALL end_version(const OrtCustomOp*) { return INT_MAX; }
-size_t ORT_API_CALL no_alias(int** inputs, int** outputs) {
-  *inputs = nullptr;
-  *outputs = nullptr;
-  return 0;
-}
-void ORT_API_CALL release_alias(int*, int*) {}
 
 // The output has the query's type and shape (the info belongs to the context: not released here). A dim the
 // graph leaves wholly unknown (no value, no name) comes back as -1 and would be written as a negative value, which
@@ -1014,11 +1004,8 @@ OrtStatus* ORT_API_CALL infer_shape(const OrtCustomOp*, OrtShapeInferContext* ct
 }
 
 OrtCustomOp make_op() {
-  OrtCustomOp op;
-  std::memset(&op, 0, sizeof op);
-  op.version = ORT_API_VERSION;
+  OrtCustomOp op = kvforge_ort::base_op();
   op.GetName = op_name;
-  op.GetExecutionProviderType = op_provider;
   op.GetInputType = input_type;
   op.GetInputTypeCount = input_count;
   op.GetOutputType = output_type;
@@ -1026,20 +1013,9 @@ OrtCustomOp make_op() {
   op.KernelDestroy = destroy_kernel;
   op.GetInputCharacteristic = input_characteristic;
   op.GetOutputCharacteristic = output_characteristic;
-  op.GetInputMemoryType = input_memory;
-  op.GetVariadicInputMinArity = variadic_arity;
-  op.GetVariadicInputHomogeneity = variadic_homogeneity;
-  op.GetVariadicOutputMinArity = variadic_arity;
-  op.GetVariadicOutputHomogeneity = variadic_homogeneity;
   op.CreateKernelV2 = create_kernel;
   op.KernelComputeV2 = compute;
   op.InferOutputShapeFn = infer_shape;
-  op.GetStartVersion = start_version;
-  op.GetEndVersion = end_version;
-  op.GetMayInplace = no_alias;
-  op.ReleaseMayInplace = release_alias;
-  op.GetAliasMap = no_alias;
-  op.ReleaseAliasMap = release_alias;
   return op;
 }
 
