@@ -12,8 +12,8 @@ k = 4 row shaped as a tree (two branches of two drafts) is timed too.
 
     python experiments/verify_cost.py --onnxDir out/onnx/smollm2 --threads 2 --contextTokens 1500
 
-Both 4-bit matmuls (llm_build --cpuMatmul kernel and onnx) are built and timed in the same rounds unless
---cpuMatmul picks one; the per-op profile is the first one's.
+Both 4-bit matmuls (llm_build --cpuMatmul kernel and onnx) are built and timed in the same run, one engine after
+the other, unless --cpuMatmul picks one; the per-op profile is the first one's.
     python experiments/verify_cost.py --onnxDir out/onnx/smollm2-base --specBase --threads 2 --json out/verify.json
 """
 
@@ -71,7 +71,7 @@ def main() -> None:
     parser.add_argument("--specBase", action="store_true", help="build an EAGLE3 base (tree inputs, hidden states)")
     parser.add_argument("--cpuMatmul", choices=("kernel", "onnx", "both"), default="both",
                         help="the 4-bit matmul of the engine (llm_build --cpuMatmul); both: time both engines in "
-                             "the same interleaved rounds")
+                             "the same run, one after the other")
     args = parser.parse_args()
     context = args.contextTokens
     matmuls = ("kernel", "onnx") if args.cpuMatmul == "both" else (args.cpuMatmul,)
@@ -93,12 +93,13 @@ def main() -> None:
         if backends[matmuls[0]].tree_attention:
             shapes.append((f"S={VERIFY_WIDTH} tree", VERIFY_WIDTH, True))
         times = {(m, label): [] for m in matmuls for label, _, _ in shapes}
-        for _ in range(args.repeats):  # interleaved rounds: load drift moves every width and engine alike
-            for matmul, backend in backends.items():
-                # Untimed calls first: the other engine's intra-op threads keep spinning a while after its last
-                # run and would steal the cores from this engine's first timed calls.
-                for _ in range(3):
-                    call(backend, embedding, ids, 1, context, pages)
+        # One engine after the other (an idle session's intra-op threads keep spinning a while after its last run
+        # and steal the cores from the other's calls: interleaving engines inflated whichever width came first),
+        # each in interleaved rounds of the widths, so load drift moves every width alike.
+        for matmul, backend in backends.items():
+            for _ in range(3):
+                call(backend, embedding, ids, 1, context, pages)
+            for _ in range(args.repeats):
                 for label, width, tree in shapes:
                     times[matmul, label].append(call(backend, embedding, ids, width, context, pages, tree))
         medians = {key: float(np.median(values)) for key, values in times.items()}
