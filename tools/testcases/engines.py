@@ -23,11 +23,29 @@ def default_cache_dir() -> Path:
     return Path(base) / "kvforge" / "llm_test"
 
 
+def lowering_sources() -> list[Path]:
+    """The files whose content decides what a build writes: the builder, the op schemas and the CPU kernel's
+    sources (the ops an engine's graph names must be the ones the library registers)."""
+    import kvforge.builder
+    from kvforge.plugins import cpu_kernel, ops
+
+    builder = sorted(Path(kvforge.builder.__file__).parent.glob("*.py"))
+    return [*builder, Path(ops.__file__), *cpu_kernel.SOURCES, *cpu_kernel.HEADERS]
+
+
+def lowering_digest() -> str:
+    digest = hashlib.blake2b(digest_size=8)
+    for path in lowering_sources():
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
 def engine_key(onnx_dir: Path, options: BuildOptions) -> dict[str, object]:
     """What a cached engine depends on: the ONNX dir (config.json, every file's size and mtime), the resolved
-    build options and the kvforge version (lowering may change between versions)."""
+    build options, the kvforge version and a digest of the lowering's sources (within one development version an
+    op's inputs can change: an engine built before would no longer load)."""
     files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in onnx_dir.iterdir() if p.is_file())
-    return {"kvforge": __version__, "onnx_dir": str(onnx_dir.resolve()),
+    return {"kvforge": __version__, "lowering": lowering_digest(), "onnx_dir": str(onnx_dir.resolve()),
             "onnx_config": json.loads((onnx_dir / "config.json").read_text(encoding="utf-8")),
             "files": files, "build": asdict(options)}
 
