@@ -994,6 +994,9 @@ OrtStatus* ORT_API_CALL infer_shape(const OrtCustomOp*, OrtShapeInferContext* ct
   KVF_TRY(g_api->ShapeInferContext_GetInputTypeShape(ctx, 0, &query));
   size_t rank = 0;
   KVF_TRY(g_api->GetDimensionsCount(query, &rank));
+  // A query whose shape the graph does not know reads as rank 0 here: left unknown, not inferred as a scalar
+  // (a LoRA MatMul after the attention refused to load when it was).
+  if (rank != 3) return nullptr;
   std::vector<int64_t> dims(rank);
   std::vector<const char*> names(rank, nullptr);
   KVF_TRY(g_api->GetDimensions(query, dims.data(), rank));

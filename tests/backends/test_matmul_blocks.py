@@ -17,6 +17,7 @@ from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.builder.lower_matmul import MATMUL_BLOCKS, lower_block_matmuls, pack_blocks
 from kvforge.contract.engine_dir import load_engine_dir
 from kvforge.contract.errors import InvalidConfig
+from kvforge.contract.lora import LORA_TARGETS
 from kvforge.plugins import reference
 from kvforge.plugins.ops import CPU_DOMAIN
 from kvforge.runtime.api import LLM
@@ -183,3 +184,23 @@ def test_the_portable_build_agrees_with_the_vector_one(library: Path) -> None:
     np.testing.assert_allclose(scalar, vector, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
     alone = _session(model, portable).run(None, {"a": a[:, 2:3]})[0][0, 0]
     assert np.array_equal(scalar[0, 2], alone)
+
+
+def test_a_lora_engine_with_block_matmuls_loads_and_answers_as_the_onnx_one(library: Path, tmp_path: Path) -> None:
+    """LoRA's MatMul after the attention needs the shapes the custom ops infer: with MatMulBlocks' output shape
+    unknown, the attention's inference once made a scalar of it and the engine refused to load (llm_test found it)."""
+    del library
+    loaded = synthetic_model("tiny-llama")
+    loaded.config.lora_targets = list(LORA_TARGETS)  # LoRA inputs on every linear, o_proj after the attention too
+    quantize_linears(loaded, "int4", 32)
+    write_onnx_dir(loaded, tmp_path / "onnx")
+    answers = {}
+    for matmul in ("kernel", "onnx"):
+        engine_dir = tmp_path / f"engine-{matmul}"
+        build_engine(tmp_path / "onnx", engine_dir, BuildOptions(max_input_len=64, max_kv_cache_capacity=256,
+                                                                 max_batch_size=1, tokens_per_page=16,
+                                                                 max_lora_rank=4, cpu_matmul=matmul))
+        params = SamplingParams(temperature=0.0, top_k=1, max_generate_length=6,
+                                logit_bias={loaded.config.eos_token_ids[0]: -100.0})
+        answers[matmul] = LLM(engine_dir).generate([[5, 17, 33, 2, 81]], params)[0].token_ids
+    assert answers["kernel"] == answers["onnx"]
