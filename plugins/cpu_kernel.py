@@ -26,6 +26,7 @@ SOURCE = Path(__file__).resolve().with_name("cpu") / "paged_attention.cc"  # hol
 # Every translation unit of the library, compiled together: the attention ops, then the block-quantized matmul.
 SOURCES = (SOURCE, SOURCE.with_name("matmul_blocks.cc"))
 HEADERS = (SOURCE.with_name("ort_op.h"),)  # included by the sources: part of the build key, never compiled alone
+KERNEL_FILES = (*SOURCES, *HEADERS)  # what the library is built from: its key, its freshness, its presence
 LIBRARY_NAME = "libkvforge_cpu_ops.so"
 SWITCH_ENV = "KVFORGE_CPU_KERNEL"  # "off" forces the pure-ONNX fallback
 CACHE_ENV = "KVFORGE_CACHE_DIR"
@@ -178,7 +179,7 @@ def _cpu_flags() -> str:
 
 def build_key(cxx: str, headers: Path, flags: tuple[str, ...]) -> str:
     digest = hashlib.sha256()
-    sources = tuple(source.read_bytes() for source in (*SOURCES, *HEADERS))
+    sources = tuple(source.read_bytes() for source in KERNEL_FILES)
     for part in (*sources, _compiler_version(cxx).encode(), _cpu_flags().encode(),
                  str(header_api_version(headers)).encode(), " ".join(flags).encode()):
         digest.update(len(part).to_bytes(8, "little") + part)
@@ -262,7 +263,7 @@ def _built(cxx: str, headers: Path, flags: tuple[str, ...], target: Path) -> Pat
 
 
 def _sources_mtime_ns() -> int:
-    return max(source.stat().st_mtime_ns for source in (*SOURCES, *HEADERS))
+    return max(source.stat().st_mtime_ns for source in KERNEL_FILES)
 
 
 def library_path(extra_flags: tuple[str, ...] = ()) -> Path:
@@ -270,7 +271,7 @@ def library_path(extra_flags: tuple[str, ...] = ()) -> Path:
     `extra_flags` builds a variant (the tests build the portable path with -mno-avx512f)."""
     if os.environ.get(SWITCH_ENV, "").lower() == "off":
         raise KvforgeError(f"{SWITCH_ENV}=off: using the pure-ONNX attention fallback")
-    missing = [source for source in (*SOURCES, *HEADERS) if not source.is_file()]
+    missing = [source for source in KERNEL_FILES if not source.is_file()]
     if missing:
         raise KvforgeError(f"kernel source missing: {missing[0]}")
     environment = tuple(os.environ.get(name, "") for name in (INCLUDE_ENV, CACHE_ENV, CXX_ENV))

@@ -30,7 +30,7 @@ def lowering_sources() -> list[Path]:
     from kvforge.plugins import cpu_kernel, ops
 
     builder = sorted(Path(kvforge.builder.__file__).parent.glob("*.py"))
-    return [*builder, Path(ops.__file__), *cpu_kernel.SOURCES, *cpu_kernel.HEADERS]
+    return [*builder, Path(ops.__file__), *cpu_kernel.KERNEL_FILES]
 
 
 def lowering_digest() -> str:
