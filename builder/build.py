@@ -14,6 +14,7 @@ from kvforge.builder.fuse_ort import fuse_for_onnxruntime
 from kvforge.builder.lower_matmul import lower_block_matmuls
 from kvforge.builder.lower_ort import kernel_writes_kv, lower_for_onnxruntime, share_tied_head
 from kvforge.builder.lower_recurrent import lower_recurrent_ops
+from kvforge.builder.lower_swiglu import lower_swiglu
 from kvforge.builder.window_pool import bind_window_table, check_window_build, size_window_pools
 from kvforge.contract.engine_dir import (
     ATTENTION_CPU_KERNEL,
@@ -293,6 +294,8 @@ def _build_into(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometry:
         size_window_pools(lowered, config, window_pages)
     fuse_for_onnxruntime(lowered)  # residual + RMSNorm as one contrib op (the export keeps the reference form)
     matmuls = lower_block_matmuls(lowered) if kernel and options.cpu_matmul == "kernel" else 0
+    if kernel:
+        lower_swiglu(lowered)  # the library is loaded anyway: a gated MLP's activation as one node
     if config.tie_word_embeddings:
         share_tied_head(lowered)
     step("lowered paged-KV ops")
@@ -354,6 +357,8 @@ def _build_hybrid(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometr
     fuse_for_onnxruntime(lowered)
     kernel = options.cpu_attention == ATTENTION_CPU_KERNEL
     matmuls = lower_block_matmuls(lowered) if kernel and options.cpu_matmul == "kernel" else 0
+    if kernel:
+        lower_swiglu(lowered)
     if config.tie_word_embeddings:
         share_tied_head(lowered)
     step("lowered paged-KV and recurrent ops")

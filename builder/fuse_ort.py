@@ -8,42 +8,14 @@ sum as its fourth output, so one node does both.
 
 from __future__ import annotations
 
-from collections import defaultdict
-from dataclasses import dataclass
-
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from kvforge.builder.graph_edit import GraphIndex, int_attribute, splice
+
 ORT_DOMAIN = "com.microsoft"
 SKIP_RMS_NORM = "SkipSimplifiedLayerNormalization"
-
-
-@dataclass(frozen=True, slots=True)
-class GraphIndex:
-    """Who makes and who reads each tensor of a graph: what a pattern rewrite asks before it replaces nodes."""
-
-    initializers: dict[str, onnx.TensorProto]
-    producers: dict[str, onnx.NodeProto]
-    consumers: dict[str, list[onnx.NodeProto]]
-    outputs: set[str]
-
-    @classmethod
-    def of(cls, graph: onnx.GraphProto) -> GraphIndex:
-        consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
-        for node in graph.node:
-            for name in node.input:
-                consumers[name].append(node)
-        return cls({t.name: t for t in graph.initializer}, {out: n for n in graph.node for out in n.output},
-                   consumers, {o.name for o in graph.output})
-
-
-def splice(graph: onnx.GraphProto, replaced: dict[int, onnx.NodeProto], removed: set[int]) -> None:
-    """Each node whose id is in `replaced` gives way to its replacement (at its place, so the order stays
-    topological); the others in `removed` go."""
-    kept = [replaced.get(id(n), n) for n in graph.node if id(n) in replaced or id(n) not in removed]
-    del graph.node[:]
-    graph.node.extend(kept)
 
 
 def fuse_for_onnxruntime(model: onnx.ModelProto) -> int:
@@ -95,7 +67,7 @@ def _rms_norm_after_add(scale: onnx.NodeProto,
         return None
     if not _is_value(initializers, power.input[1], 2.0):
         return None
-    if len(mean.input) < 2 or not _is_value(initializers, mean.input[1], -1) or _attribute(mean, "keepdims", 1) != 1:
+    if len(mean.input) < 2 or not _is_value(initializers, mean.input[1], -1) or int_attribute(mean, "keepdims", 1) != 1:
         return None
     residual = producers.get(x)
     if residual is None or residual.op_type != "Add" or residual.domain:
@@ -117,8 +89,3 @@ def _is_value(initializers: dict[str, onnx.TensorProto], name: str, value: float
         return False
     array = numpy_helper.to_array(tensor)
     return array.size == 1 and bool(np.isclose(float(array.reshape(-1)[0]), value))
-
-
-def _attribute(node: onnx.NodeProto, name: str, default: int) -> int:
-    return next((a.i for a in node.attribute if a.name == name), default)
-

@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from kvforge.builder.fuse_ort import GraphIndex, splice
+from kvforge.builder.graph_edit import GraphIndex, int_attribute, splice
 from kvforge.plugins.ops import CPU_DOMAIN
 
 MATMUL_BLOCKS = "MatMulBlocks"
@@ -37,7 +37,7 @@ def lower_block_matmuls(model: onnx.ModelProto) -> int:
         if not _eligible(node, initializers):
             continue
         correction = _correction(node, index)
-        k, n = _attr(node, "K"), _attr(node, "N")
+        k, n = int_attribute(node, "K"), int_attribute(node, "N")
         scales = numpy_helper.to_array(initializers[node.input[2]]).astype(np.float64).reshape(n, k // BLOCK)
         zero_points = _zero_points(initializers, node, n, k // BLOCK)
         remainder = np.zeros_like(scales)
@@ -80,21 +80,13 @@ def pack_blocks(values: np.ndarray, scales: np.ndarray, mins: np.ndarray) -> np.
     return np.ascontiguousarray(np.concatenate([nibbles, floats], axis=-1))
 
 
-def _attr(node: onnx.NodeProto, name: str, default: int | None = None) -> int:
-    for attribute in node.attribute:
-        if attribute.name == name:
-            return attribute.i
-    if default is None:
-        raise KeyError(name)
-    return default
-
-
 def _eligible(node: onnx.NodeProto, initializers: dict[str, onnx.TensorProto]) -> bool:
     if node.op_type != "MatMulNBits" or len(node.input) < 3 or len(node.input) > 4:
         return False
-    if _attr(node, "bits") != 4 or _attr(node, "block_size") != BLOCK or _attr(node, "accuracy_level", 0) != 0:
+    if (int_attribute(node, "bits") != 4 or int_attribute(node, "block_size") != BLOCK
+            or int_attribute(node, "accuracy_level", 0) != 0):
         return False
-    k = _attr(node, "K")
+    k = int_attribute(node, "K")
     return k % BLOCK == 0 and all(name in initializers for name in node.input[1:])
 
 
@@ -124,7 +116,7 @@ def _correction(node: onnx.NodeProto, index: GraphIndex) -> tuple[onnx.NodeProto
     sums = producers.get(offsets_matmul.input[0])
     if sums is None or sums.op_type != "MatMul" or sums.input[0] != x or sums.input[1] not in initializers:
         return None
-    k, n = _attr(node, "K"), _attr(node, "N")
+    k, n = int_attribute(node, "K"), int_attribute(node, "N")
     offsets = initializers[offsets_matmul.input[1]]
     if tuple(offsets.dims) != (k // BLOCK, n) or len(consumers.get(other, [])) != 1 or other in graph_outputs:
         return None

@@ -19,6 +19,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from kvforge.builder.graph_edit import int_attribute
 from kvforge.contract.engine_dir import TIED_HEAD_INPUT, TREE_MASK_INPUT, TREE_POSITIONS_INPUT, new_rows_name
 from kvforge.contract.errors import InvalidConfig
 from kvforge.graph.onnx_graph import BOOL, FLOAT, FLOAT8E4M3FN, FLOAT16, INT32, INT64, GraphWriter, value_info
@@ -58,12 +59,13 @@ def lower_for_onnxruntime(model: onnx.ModelProto, *, kv_cache_dtype: str, tokens
     if not any(n.domain == ops.DOMAIN and n.op_type == ops.PAGED_ATTENTION.name for n in graph.node):
         raise InvalidConfig("graph has no kvforge.PagedAttention nodes; was it exported by llm_export?", "model.onnx")
     first_attention = next(n for n in graph.node if n.op_type == ops.PAGED_ATTENTION.name)
-    num_q = _attr(first_attention, "num_q_heads")
-    num_kv = _attr(first_attention, "num_kv_heads")
+    num_q = int_attribute(first_attention, "num_q_heads")
+    num_kv = int_attribute(first_attention, "num_kv_heads")
     shared = _Shared(GraphWriter(prefix="lowered/"), group=num_q // num_kv)
     # Each layer's un-rotated query, where the whole graph's attention can take RoPE and the write inside.
     unrotated = _unrotated_queries(graph, writes) if cpu_kernel and kernel_rope else {}
-    if tree_inputs and any(_attr(n, "sliding_window", 0) for n in graph.node if n.op_type == ops.PAGED_ATTENTION.name):
+    if tree_inputs and any(int_attribute(n, "sliding_window", 0)
+                           for n in graph.node if n.op_type == ops.PAGED_ATTENTION.name):
         raise InvalidConfig("tree attention (speculative verification) is not supported on a model with "
                             "sliding-window layers yet", "spec_decode")
     pending_writes: dict[str, tuple[str, str, str]] = {}  # pool output -> (key, value, pool input)
@@ -87,8 +89,8 @@ def lower_for_onnxruntime(model: onnx.ModelProto, *, kv_cache_dtype: str, tokens
             continue
         if node.domain == ops.DOMAIN and node.op_type == ops.PAGED_KV_WRITE.name:
             key, value, _, _, _, _, pool_in = node.input
-            head_dim = _attr(node, "head_dim")
-            rows = _lower_write(g, key, value, num_kv, head_dim, kv_cache_dtype, _attr(node, "rotary_dim", 0))
+            head_dim = int_attribute(node, "head_dim")
+            rows = _lower_write(g, key, value, num_kv, head_dim, kv_cache_dtype, int_attribute(node, "rotary_dim", 0))
             rows_out = rows_float = rows
             if not dense:
                 rows_out = g.op("Identity", [_to_storage_output(g, rows, kv_cache_dtype)],
@@ -99,7 +101,7 @@ def lower_for_onnxruntime(model: onnx.ModelProto, *, kv_cache_dtype: str, tokens
             new_rows[node.output[0]] = (pool_in, rows_float, rows_out)
         elif node.domain == ops.DOMAIN and node.op_type == ops.PAGED_ATTENTION.name:
             query, pool_out, _, start_index, page_table = node.input
-            head_dim = _attr(node, "head_dim")
+            head_dim = int_attribute(node, "head_dim")
             if pool_out not in new_rows:  # a KV-shared layer (Gemma4 MTP): reads a pool it does not write
                 if not cpu_kernel:
                     raise InvalidConfig("a layer reading another engine's KV pool needs the kvforge CPU kernel; "
@@ -123,12 +125,12 @@ def lower_for_onnxruntime(model: onnx.ModelProto, *, kv_cache_dtype: str, tokens
             elif fused_attention:
                 _group_query_attention(g, shared, query, pool_in, page_table, rows, start_index, kv_cache_dtype,
                                        num_kv, head_dim, _attr_f(node, "scale"), node.output[0],
-                                       _attr(node, "sliding_window", 0))
+                                       int_attribute(node, "sliding_window", 0))
             else:
                 cached = _gather_pages(g, pool_in, page_table, rows, kv_cache_dtype, shared, num_kv, head_dim)
             if dense or not fused_attention:
                 _attend(g, shared, query, cached, start_index, num_kv, head_dim, _attr_f(node, "scale"),
-                        node.output[0], _attr(node, "sliding_window", 0))
+                        node.output[0], int_attribute(node, "sliding_window", 0))
         else:
             new_nodes.append(node)
             continue
@@ -216,13 +218,13 @@ def _kernel_rope_attention(g: GraphWriter, query: str, key: str, value: str, poo
     if tree_inputs:
         inputs += [TREE_POSITIONS_INPUT, TREE_MASK_INPUT]
     g.op(ops.CPU_PAGED_ATTENTION_ROPE.name, inputs, outputs=[node.output[0]], domain=ops.CPU_DOMAIN,
-         num_q_heads=_attr(node, "num_q_heads"), num_kv_heads=num_kv, head_dim=_attr(node, "head_dim"),
+         num_q_heads=int_attribute(node, "num_q_heads"), num_kv_heads=num_kv, head_dim=int_attribute(node, "head_dim"),
          tokens_per_page=tokens_per_page, scale=_attr_f(node, "scale"), **_window_attribute(node))
 
 
 def _window_attribute(node: onnx.NodeProto) -> dict[str, int]:
     """The kernel's sliding_window attribute where the export's PagedAttention has one (Gemma's local layers)."""
-    window = _attr(node, "sliding_window", 0)
+    window = int_attribute(node, "sliding_window", 0)
     return {"sliding_window": window} if window else {}
 
 
@@ -276,12 +278,6 @@ def share_tied_head(model: onnx.ModelProto, head_initializer: str = "lm_head.wei
     graph.initializer.remove(weight)
     graph.input.append(value_info(TIED_HEAD_INPUT, FLOAT, [vocab, hidden]))
     return True
-
-
-def _attr(node: onnx.NodeProto, name: str, default: int | None = None) -> int:
-    """An int attribute; `default` where the attribute is optional (PagedKVWrite's rotary_dim)."""
-    values = [a.i for a in node.attribute if a.name == name]
-    return values[0] if values or default is None else default
 
 
 def _attr_f(node: onnx.NodeProto, name: str) -> float:
@@ -381,7 +377,7 @@ def _kernel_attention(g: GraphWriter, query: str, rows: str, pool: str, page_tab
     (a tree) says. The page size is the build's (export leaves the attribute 0)."""
     inputs = [query, rows, pool, page_table, start_index, "context_lengths"] + ([mask] if mask else [])
     g.op(ops.CPU_PAGED_ATTENTION.name, inputs,
-         outputs=[node.output[0]], domain=ops.CPU_DOMAIN, num_q_heads=_attr(node, "num_q_heads"),
+         outputs=[node.output[0]], domain=ops.CPU_DOMAIN, num_q_heads=int_attribute(node, "num_q_heads"),
          num_kv_heads=num_kv, head_dim=head_dim, tokens_per_page=tokens_per_page, scale=_attr_f(node, "scale"),
          **_window_attribute(node))
 

@@ -21,6 +21,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from kvforge.builder.graph_edit import int_attribute
 from kvforge.graph.onnx_graph import FLOAT, INT64, GraphWriter, value_info
 from kvforge.plugins import ops, recurrent
 
@@ -28,10 +29,6 @@ from kvforge.plugins import ops, recurrent
 # triangular inverse doubles blocks).
 DELTA_CHUNK = 64
 SCAN_CHUNK = 64
-
-
-def _attr(node: onnx.NodeProto, name: str) -> int:
-    return next(int(a.i) for a in node.attribute if a.name == name)
 
 
 def lower_recurrent_ops(model: onnx.ModelProto, delta_chunk: int = DELTA_CHUNK,
@@ -68,7 +65,7 @@ def _valid(g: GraphWriter, like: str, context_lengths: str) -> str:
 def lower_causal_conv(g: GraphWriter, node: onnx.NodeProto) -> None:
     x, weight, bias, context_lengths, conv_state = node.input
     y_out, state_out = node.output
-    kernel = _attr(node, "kernel_size")
+    kernel = int_attribute(node, "kernel_size")
     window = g.op("Concat", [conv_state, g.transpose(x, [0, 2, 1])], axis=2)  # [B, C, K-1+S]
     # Depthwise conv as K shifted slices (K is 4 in Mamba2): no Conv `group` attribute, which would need the
     # channel count at lowering time.
@@ -92,8 +89,8 @@ def lower_selective_scan(g: GraphWriter, node: onnx.NodeProto, chunk_size: int =
     every call when chunk_size is 0) the per-token Scan."""
     x, dt, b, c, a_log, d, dt_bias, context_lengths, state = node.input
     y_out, state_out = node.output
-    heads, head_dim = _attr(node, "num_heads"), _attr(node, "head_dim")
-    groups, size = _attr(node, "n_groups"), _attr(node, "state_size")
+    heads, head_dim = int_attribute(node, "num_heads"), int_attribute(node, "head_dim")
+    groups, size = int_attribute(node, "n_groups"), int_attribute(node, "state_size")
     valid = _valid(g, x, context_lengths)  # [B, S]
     step = g.op("Softplus", [g.add(dt, dt_bias)])  # [B, S, H]
     log_decay = g.mul(step, g.op("Neg", [g.op("Exp", [a_log])]))
@@ -236,8 +233,8 @@ def lower_gated_delta_rule(g: GraphWriter, node: onnx.NodeProto, chunk_size: int
     chunks of `chunk_size` tokens); shorter calls (decode), or any call with chunk_size 0, run the per-token Scan."""
     q, k, v, log_decay, beta, context_lengths, state = node.input
     y_out, state_out = node.output
-    shape = DeltaShape(_attr(node, "num_k_heads"), _attr(node, "num_v_heads"), _attr(node, "k_head_dim"),
-                       _attr(node, "v_head_dim"))
+    shape = DeltaShape(int_attribute(node, "num_k_heads"), int_attribute(node, "num_v_heads"),
+                       int_attribute(node, "k_head_dim"), int_attribute(node, "v_head_dim"))
     valid = g.unsqueeze(_valid(g, q, context_lengths), [2])  # [B, S, 1]
     # Padding gets log decay 0 (the state is kept) and beta 0 (nothing is written into it).
     log_decay = g.op("Where", [valid, log_decay, g.const(0.0, np.float32)])

@@ -24,8 +24,9 @@ from kvforge.contract.errors import KvforgeError
 
 SOURCE = Path(__file__).resolve().with_name("cpu") / "paged_attention.cc"  # holds RegisterCustomOps
 # Every translation unit of the library, compiled together: the attention ops, then the block-quantized matmul.
-SOURCES = (SOURCE, SOURCE.with_name("matmul_blocks.cc"))
-HEADERS = (SOURCE.with_name("ort_op.h"),)  # included by the sources: part of the build key, never compiled alone
+SOURCES = (SOURCE, SOURCE.with_name("matmul_blocks.cc"), SOURCE.with_name("swiglu.cc"))
+# Included by the sources: part of the build key, never compiled alone.
+HEADERS = (SOURCE.with_name("ort_op.h"), SOURCE.with_name("vector_exp.h"))
 KERNEL_FILES = (*SOURCES, *HEADERS)  # what the library is built from: its key, its freshness, its presence
 LIBRARY_NAME = "libkvforge_cpu_ops.so"
 SWITCH_ENV = "KVFORGE_CPU_KERNEL"  # "off" forces the pure-ONNX fallback

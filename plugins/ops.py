@@ -106,3 +106,13 @@ CPU_MATMUL_BLOCKS = OpSchema(
         "its decode row bit for bit); more rows dequantize W once and run ONNX Runtime's Gemm. Semantics: "
         "reference.matmul_blocks.",
 )
+
+CPU_SWIGLU = OpSchema(
+    name="SwiGLU",
+    inputs=("X",),
+    outputs=("Y",),
+    attributes=(),
+    doc="Y [..., I] = silu(X[..., :I]) * X[..., I:] for X [..., 2I] (a gated MLP's packed gate/up projection), "
+        "silu(g) = g * sigmoid(g), computed (g * sigmoid(g)) * u element by element, so a row's result does not "
+        "depend on the row count. Semantics: reference.swiglu.",
+)

@@ -251,3 +251,9 @@ def matmul_blocks(a: np.ndarray, blocks: np.ndarray) -> np.ndarray:
     floats = np.ascontiguousarray(blocks[..., 16:]).view("<f4").astype(np.float64)  # [N, K/32, 2]
     w = values * floats[..., :1] + floats[..., 1:]
     return a.astype(np.float64) @ w.reshape(n, count * 32).T
+
+
+def swiglu(x: np.ndarray) -> np.ndarray:
+    """CPU_SWIGLU in float64: silu(gate) * up for X [..., 2I] = [gate | up]."""
+    gate, up = np.split(x.astype(np.float64), 2, axis=-1)
+    return gate / (1.0 + np.exp(-gate)) * up

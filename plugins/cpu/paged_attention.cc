@@ -16,6 +16,7 @@
 #include <onnxruntime_c_api.h>
 
 #include "ort_op.h"
+#include "vector_exp.h"
 
 #include <algorithm>
 #include <atomic>
@@ -39,6 +40,9 @@
 
 namespace kvforge_matmul {
 OrtStatus* add_ops(OrtCustomOpDomain* domain, const OrtApi* api);  // matmul_blocks.cc
+}
+namespace kvforge_swiglu {
+OrtStatus* add_ops(OrtCustomOpDomain* domain, const OrtApi* api);  // swiglu.cc
 }
 
 namespace {
@@ -221,24 +225,7 @@ void load_keys_transposed(const E* const* keys, int n, int dim, float* kt) {
 }
 
 #if KVFORGE_AVX512
-// exp with a degree-6 polynomial on the reduced argument and scalef for 2^n (about 1 ulp). Results that would
-// be subnormal are flushed to 0, so the FMAs that consume probabilities never take the slow subnormal path.
-inline __m512 exp512(__m512 x) {
-  const __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.0f)), _mm512_set1_ps(88.7f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_maskz_mov_ps(normal, _mm512_scalef_ps(p, n));
-}
+using kvforge_simd::exp512;
 
 // RB rows (<= kRowBlock) against NB 16-token blocks: RB x NB accumulators stay in registers over the dims.
 template <int RB, int NB>
@@ -1325,5 +1312,6 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
   KVF_TRY(g_api->CustomOpDomain_Add(domain, &g_paged_attention));
   KVF_TRY(g_api->CustomOpDomain_Add(domain, &g_paged_attention_rope));
   KVF_TRY(kvforge_matmul::add_ops(domain, g_api));
+  KVF_TRY(kvforge_swiglu::add_ops(domain, g_api));
   return g_api->AddCustomOpDomain(options, domain);
 }

@@ -1,0 +1,46 @@
+"""What every pattern rewrite of the builder shares: an index of a graph's producers and readers, the splice that
+swaps nodes in place, and attribute reads."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import onnx
+
+
+@dataclass(frozen=True, slots=True)
+class GraphIndex:
+    """Who makes and who reads each tensor of a graph: what a pattern rewrite asks before it replaces nodes."""
+
+    initializers: dict[str, onnx.TensorProto]
+    producers: dict[str, onnx.NodeProto]
+    consumers: dict[str, list[onnx.NodeProto]]
+    outputs: set[str]
+
+    @classmethod
+    def of(cls, graph: onnx.GraphProto) -> GraphIndex:
+        consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+        for node in graph.node:
+            for name in node.input:
+                consumers[name].append(node)
+        return cls({t.name: t for t in graph.initializer}, {out: n for n in graph.node for out in n.output},
+                   consumers, {o.name for o in graph.output})
+
+
+def int_attribute(node: onnx.NodeProto, name: str, default: int | None = None) -> int:
+    """A node's int attribute; `default` where the attribute is optional (absent and no default: KeyError)."""
+    for attribute in node.attribute:
+        if attribute.name == name:
+            return attribute.i
+    if default is None:
+        raise KeyError(f"{node.op_type} {node.name!r} has no attribute {name!r}")
+    return default
+
+
+def splice(graph: onnx.GraphProto, replaced: dict[int, onnx.NodeProto], removed: set[int]) -> None:
+    """Each node whose id is in `replaced` gives way to its replacement (at its place, so the order stays
+    topological); the others in `removed` go."""
+    kept = [replaced.get(id(n), n) for n in graph.node if id(n) in replaced or id(n) not in removed]
+    del graph.node[:]
+    graph.node.extend(kept)
