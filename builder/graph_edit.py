@@ -38,6 +38,18 @@ def int_attribute(node: onnx.NodeProto, name: str, default: int | None = None) -
     return default
 
 
+def names_read(graph: onnx.GraphProto) -> set[str]:
+    """Every tensor name a node reads, in `graph` and in the subgraphs of its nodes (If and Loop branches read the
+    outer graph's initializers)."""
+    read: set[str] = set()
+    for node in graph.node:
+        read.update(node.input)
+        for attribute in node.attribute:
+            for sub in (*([attribute.g] if attribute.HasField("g") else []), *attribute.graphs):
+                read |= names_read(sub)
+    return read
+
+
 def splice(graph: onnx.GraphProto, replaced: dict[int, onnx.NodeProto], removed: set[int]) -> None:
     """Each node whose id is in `replaced` gives way to its replacement (at its place, so the order stays
     topological); the others in `removed` go."""

@@ -96,6 +96,7 @@ def test_the_lowering_replaces_the_pattern_and_keeps_the_values(library: Path) -
     before = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     assert lower_swiglu(model) == 1
     assert [n.op_type for n in model.graph.node] == ["MatMul", CPU_SWIGLU.name]
+    assert [t.name for t in model.graph.initializer] == ["w"]  # the Split's sizes went with it
     options = ort.SessionOptions()
     options.register_custom_ops_library(str(library))
     after = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(
@@ -107,6 +108,7 @@ def test_an_intermediate_read_elsewhere_keeps_the_layer_as_it_is() -> None:
     model = _gated_graph(output_silu=True)
     assert lower_swiglu(model) == 0
     assert [n.op_type for n in model.graph.node] == ["MatMul", "Split", "Sigmoid", "Mul", "Mul"]
+    assert [t.name for t in model.graph.initializer] == ["w", "sizes"]
 
 
 def _tiny_onnx(tmp_path: Path, lora: bool = False) -> tuple[Path, int]:
