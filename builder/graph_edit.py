@@ -50,6 +50,15 @@ def names_read(graph: onnx.GraphProto) -> set[str]:
     return read
 
 
+def drop_unread_initializers(graph: onnx.GraphProto) -> None:
+    """Initializers neither a node (subgraphs included) nor a graph output reads: what a rewrite left behind."""
+    read = names_read(graph) | {o.name for o in graph.output}
+    kept = [t for t in graph.initializer if t.name in read]
+    if len(kept) != len(graph.initializer):
+        del graph.initializer[:]
+        graph.initializer.extend(kept)
+
+
 def splice(graph: onnx.GraphProto, replaced: dict[int, onnx.NodeProto], removed: set[int]) -> None:
     """Each node whose id is in `replaced` gives way to its replacement (at its place, so the order stays
     topological); the others in `removed` go."""

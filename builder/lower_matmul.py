@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from kvforge.builder.graph_edit import GraphIndex, int_attribute, splice
+from kvforge.builder.graph_edit import GraphIndex, drop_unread_initializers, int_attribute, splice
 from kvforge.plugins.ops import CPU_DOMAIN
 
 MATMUL_BLOCKS = "MatMulBlocks"
@@ -64,7 +64,7 @@ def lower_block_matmuls(model: onnx.ModelProto) -> int:
         return 0
     splice(graph, replaced, removed)
     graph.initializer.extend(new_initializers)
-    _drop_unread_initializers(graph)
+    drop_unread_initializers(graph)  # zero points, offsets and block-sum matrices
     if all(op.domain != CPU_DOMAIN for op in model.opset_import):
         model.opset_import.append(helper.make_opsetid(CPU_DOMAIN, 1))
     return len(replaced)
@@ -124,22 +124,3 @@ def _correction(node: onnx.NodeProto, index: GraphIndex) -> tuple[onnx.NodeProto
     if len(consumers.get(sums.output[0], [])) == 1 and sums.output[0] not in graph_outputs:
         dropped.append(sums)
     return add, offsets_matmul.input[1], dropped
-
-
-def _drop_unread_initializers(graph: onnx.GraphProto) -> None:
-    """Zero points, offsets and block-sum matrices no node reads any more (If branches read outer names too)."""
-    read: set[str] = {o.name for o in graph.output}
-
-    def collect(g: onnx.GraphProto) -> None:
-        for node in g.node:
-            read.update(node.input)
-            for attribute in node.attribute:
-                if attribute.type == onnx.AttributeProto.GRAPH:
-                    collect(attribute.g)
-                for sub in attribute.graphs:
-                    collect(sub)
-    collect(graph)
-    kept = [t for t in graph.initializer if t.name in read]
-    if len(kept) != len(graph.initializer):
-        del graph.initializer[:]
-        graph.initializer.extend(kept)

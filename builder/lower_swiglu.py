@@ -13,7 +13,7 @@ from __future__ import annotations
 import onnx
 from onnx import helper, numpy_helper
 
-from kvforge.builder.graph_edit import GraphIndex, int_attribute, names_read, splice
+from kvforge.builder.graph_edit import GraphIndex, drop_unread_initializers, int_attribute, splice
 from kvforge.plugins.ops import CPU_DOMAIN, CPU_SWIGLU
 
 
@@ -23,7 +23,6 @@ def lower_swiglu(model: onnx.ModelProto) -> int:
     index = GraphIndex.of(graph)
     replaced: dict[int, onnx.NodeProto] = {}
     removed: set[int] = set()
-    split_sizes: set[str] = set()
     for node in graph.node:
         match = _gated_activation(node, index)
         if match is None:
@@ -31,16 +30,11 @@ def lower_swiglu(model: onnx.ModelProto) -> int:
         product, pattern = match
         fused = helper.make_node(CPU_SWIGLU.name, [node.input[0]], [product.output[0]],
                                  name=f"swiglu/{node.name or product.output[0]}", domain=CPU_DOMAIN)
-        split_sizes.update(node.input[1:2])
         replaced[id(node)] = fused  # at the Split's place: its input exists there, every reader comes later
         removed.update(id(n) for n in pattern)
-    splice(graph, replaced, removed)
-    # The Splits' size constants, where nothing else reads them (ONNX Runtime would warn at every load that it drops
-    # them).
-    read = names_read(graph)
-    dropped = [t for t in graph.initializer if t.name in split_sizes and t.name not in read]
-    for tensor in dropped:
-        graph.initializer.remove(tensor)
+    if replaced:
+        splice(graph, replaced, removed)
+        drop_unread_initializers(graph)  # the Splits' sizes (ONNX Runtime would warn at every load that it drops them)
     return len(replaced)
 
 
