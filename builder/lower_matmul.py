@@ -1,15 +1,20 @@
-"""Rewrites the exported 4-bit block matmuls into kvforge's CPU kernel op, whose rows do not depend on the row count.
+"""Rewrites the exported 4- and 8-bit block matmuls into kvforge's CPU kernel op, whose rows do not depend on the row
+count.
 
 The export's reference form of a GGUF Q4_1 weight is ONNX Runtime's MatMulNBits plus an exact-remainder correction
 (tools/export/quantize.py): `Add(MatMulNBits(x, q, scales, zero_points), MatMul(MatMul(x, block_sum), offsets))`.
 On engines that attend with the CPU kernel (the library is loaded anyway), each such group, and each 4-bit
 MatMulNBits without one (Q4_0, ONNX Runtime's own asymmetric blocks), becomes one `kvforge.cpu.MatMulBlocks` over the
 same values and scales and their mins, weight = scale * q + min with min = remainder - scale * zero_point (zero point
-8 when absent, computed in float64 once here), packed as the kernel streams them (`pack_blocks`). Why (measured in
-docs/benchmark-log.md): three nodes fewer per matmul, a cheaper decode call, and a verification call of k + 1 rows
-that gives each row exactly the decode call's logits (plugins/cpu/matmul_blocks.cc). Only accuracy level 0 blocks (float
-activations) are taken: a level-4 weight (`--int4Scheme symmetric`, the int8 LM head) keeps ONNX Runtime's int8
-arithmetic, which is what its export chose. Nodes inside If branches (`--prefillInt8Rows`) are left as they are.
+2^(bits - 1) when absent, computed in float64 once here), packed as the kernel streams them (`pack_blocks`). Why
+(measured in docs/benchmark-log.md): three nodes fewer per matmul, a cheaper decode call, and a verification call of
+k + 1 rows that gives each row exactly the decode call's logits (plugins/cpu/matmul_blocks.cc).
+
+The 8-bit LM head (Q8_0, exported at accuracy level 4) is taken too, with float activations: ONNX Runtime prepacks a
+level-4 weight into a second copy at load (41 MB of SmolLM2's peak RSS) and rounds its one-row and many-row calls
+differently; the kernel reads the blocks in place and gives a verification row its decode row's logits. A 4-bit
+level-4 weight (`--int4Scheme symmetric`) keeps ONNX Runtime's int8 arithmetic, which is what its export chose. Nodes
+inside If branches (`--prefillInt8Rows`) are left as they are.
 """
 
 from __future__ import annotations
@@ -36,10 +41,11 @@ def lower_block_matmuls(model: onnx.ModelProto) -> int:
     for node in graph.node:
         if not _eligible(node, initializers):
             continue
-        correction = _correction(node, index)
+        bits = int_attribute(node, "bits")
+        correction = _correction(node, index) if bits == 4 else None
         k, n = int_attribute(node, "K"), int_attribute(node, "N")
         scales = numpy_helper.to_array(initializers[node.input[2]]).astype(np.float64).reshape(n, k // BLOCK)
-        zero_points = _zero_points(initializers, node, n, k // BLOCK)
+        zero_points = _zero_points(initializers, node, n, k // BLOCK, bits)
         remainder = np.zeros_like(scales)
         output = node.output[0]
         if correction is not None:
@@ -49,13 +55,16 @@ def lower_block_matmuls(model: onnx.ModelProto) -> int:
             removed.update(id(d) for d in dropped)
             removed.add(id(add))
         blocks_name = f"{node.input[1]}.blocks"
-        packed = numpy_helper.to_array(initializers[node.input[1]]).reshape(n, k // BLOCK, BLOCK // 2)
-        values = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(n, k // BLOCK, BLOCK)
+        if bits == 4:
+            packed = numpy_helper.to_array(initializers[node.input[1]]).reshape(n, k // BLOCK, BLOCK // 2)
+            values = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(n, k // BLOCK, BLOCK)
+        else:
+            values = numpy_helper.to_array(initializers[node.input[1]]).reshape(n, k // BLOCK, BLOCK)
         new_initializers.append(numpy_helper.from_array(
-            pack_blocks(values, scales.astype(np.float32), (remainder - scales * zero_points).astype(np.float32)),
-            blocks_name))
+            pack_blocks(values, scales.astype(np.float32), (remainder - scales * zero_points).astype(np.float32),
+                        bits), blocks_name))
         fused = helper.make_node(MATMUL_BLOCKS, [node.input[0], blocks_name], [output],
-                                 name=f"blocks/{node.name or output}", domain=CPU_DOMAIN, K=k, N=n)
+                                 name=f"blocks/{node.name or output}", domain=CPU_DOMAIN, K=k, N=n, bits=bits)
         # At the correction's Add (or the MatMulNBits itself): every input exists there and every reader comes later.
         replaced[id(correction[0] if correction else node)] = fused
         if correction is not None:
@@ -70,31 +79,39 @@ def lower_block_matmuls(model: onnx.ModelProto) -> int:
     return len(replaced)
 
 
-def pack_blocks(values: np.ndarray, scales: np.ndarray, mins: np.ndarray) -> np.ndarray:
-    """MatMulBlocks' weight: uint8 [N, K/32, 24] from the 4-bit values [N, K/32, 32] (uint8 0..15) and float32 scales
-    and mins [N, K/32]: per block 16 bytes (byte j: element j in the low nibble, element j + 16 in the high one),
-    then the scale and the min as float32 (little-endian, as the kernel reads them)."""
+def pack_blocks(values: np.ndarray, scales: np.ndarray, mins: np.ndarray, bits: int = 4) -> np.ndarray:
+    """MatMulBlocks' weight from the values [N, K/32, 32] (uint8, 0..15 for 4 bits) and float32 scales and mins
+    [N, K/32]. 4 bits: uint8 [N, K/32, 24], per block 16 bytes (byte j: element j in the low nibble, element j + 16
+    in the high one); 8 bits: [N, K/32, 40], the 32 values as bytes. Then the scale and the min as float32
+    (little-endian, as the kernel reads them)."""
     n, blocks, _ = values.shape
-    nibbles = (values[..., :16] | (values[..., 16:] << 4)).astype(np.uint8)
+    stored = (values[..., :16] | (values[..., 16:] << 4)) if bits == 4 else values
+    stored = stored.astype(np.uint8)
     floats = np.stack([scales, mins], axis=-1).astype("<f4").reshape(n, blocks, 2).view(np.uint8)
-    return np.ascontiguousarray(np.concatenate([nibbles, floats], axis=-1))
+    return np.ascontiguousarray(np.concatenate([stored, floats], axis=-1))
 
 
 def _eligible(node: onnx.NodeProto, initializers: dict[str, onnx.TensorProto]) -> bool:
     if node.op_type != "MatMulNBits" or len(node.input) < 3 or len(node.input) > 4:
         return False
-    if (int_attribute(node, "bits") != 4 or int_attribute(node, "block_size") != BLOCK
-            or int_attribute(node, "accuracy_level", 0) != 0):
+    bits = int_attribute(node, "bits")
+    if int_attribute(node, "block_size") != BLOCK or bits not in (4, 8):
+        return False
+    if bits == 4 and int_attribute(node, "accuracy_level", 0) != 0:
         return False
     k = int_attribute(node, "K")
     return k % BLOCK == 0 and all(name in initializers for name in node.input[1:])
 
 
-def _zero_points(initializers: dict[str, onnx.TensorProto], node: onnx.NodeProto, n: int, blocks: int) -> np.ndarray:
-    """[N, blocks] float64 zero points: MatMulNBits' packed uint8 (even block in the low nibble), else 8."""
+def _zero_points(initializers: dict[str, onnx.TensorProto], node: onnx.NodeProto, n: int, blocks: int,
+                 bits: int) -> np.ndarray:
+    """[N, blocks] float64 zero points: MatMulNBits' uint8 ones (4 bits: packed, even block in the low nibble),
+    else its default 2^(bits - 1)."""
     if len(node.input) < 4 or not node.input[3]:
-        return np.full((n, blocks), 8.0)
+        return np.full((n, blocks), float(2 ** (bits - 1)))
     packed = numpy_helper.to_array(initializers[node.input[3]]).reshape(n, -1)
+    if bits == 8:
+        return packed[:, :blocks].astype(np.float64)
     values = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(n, -1)[:, :blocks]
     return values.astype(np.float64)
 

@@ -244,11 +244,15 @@ def paged_attention_rope(query: np.ndarray, key: np.ndarray, value: np.ndarray, 
 
 def matmul_blocks(a: np.ndarray, blocks: np.ndarray) -> np.ndarray:
     """CPU_MATMUL_BLOCKS in float64: A [..., K] @ W, where W[k, n] = scale * q + min of k's block b = k // 32 of
-    column n; blocks uint8 [N, K/32, 24]: 16 bytes of 4-bit values (byte j: element j low, element j + 16 high),
-    then the block's scale and min as little-endian float32."""
-    n, count, _ = blocks.shape
-    values = np.concatenate([blocks[..., :16] & 0xF, blocks[..., :16] >> 4], axis=-1).astype(np.float64)
-    floats = np.ascontiguousarray(blocks[..., 16:]).view("<f4").astype(np.float64)  # [N, K/32, 2]
+    column n; blocks uint8 [N, K/32, 24] (4 bits: 16 bytes of values, byte j: element j low, element j + 16 high) or
+    [N, K/32, 40] (8 bits: 32 bytes, one a value), then the block's scale and min as little-endian float32."""
+    n, count, width = blocks.shape
+    stored = blocks[..., :width - 8]
+    if width == 24:
+        values = np.concatenate([stored & 0xF, stored >> 4], axis=-1).astype(np.float64)
+    else:
+        values = stored.astype(np.float64)
+    floats = np.ascontiguousarray(blocks[..., width - 8:]).view("<f4").astype(np.float64)  # [N, K/32, 2]
     w = values * floats[..., :1] + floats[..., 1:]
     return a.astype(np.float64) @ w.reshape(n, count * 32).T
 

@@ -43,8 +43,11 @@ namespace {
 const OrtApi* g_api = nullptr;
 
 constexpr int64_t kBlock = 32;          // weights per block (GGUF's Q4_0 / Q4_1)
-constexpr int64_t kValueBytes = 16;     // two 4-bit weights per byte
-constexpr int64_t kBlockBytes = 24;     // the values, then scale and min (float32)
+// A block's bytes: the 32 values (two 4-bit values a byte, or one 8-bit value), then scale and min (float32).
+template <int BITS>
+constexpr int64_t kValueBytes = BITS == 4 ? 16 : 32;
+template <int BITS>
+constexpr int64_t kBlockBytes = kValueBytes<BITS> + 8;
 constexpr int64_t kDirectRows = 16;     // up to this many rows: the row-invariant direct kernel
 constexpr int64_t kRowGroup = 8;        // the most rows sharing one decoded block in registers
 constexpr int64_t kColumnsPerItem = 32; // one parallel work item
@@ -61,6 +64,7 @@ OrtStatus* error(const std::string& message) {
 struct Kernel {
   int64_t k = 0;
   int64_t n = 0;
+  int64_t bits = 4;  // 4 (GGUF Q4_0 / Q4_1) or 8 (Q8_0, the LM head)
   OrtOp* gemm = nullptr;  // ONNX Runtime's Gemm (transB = 1) for calls of many rows
   OrtMemoryInfo* cpu = nullptr;
 };
@@ -69,7 +73,7 @@ struct Call {
   const Kernel* kernel;
   int64_t rows;
   const float* x;         // [rows, K]
-  const uint8_t* blocks;  // [N, K / 32, 24]
+  const uint8_t* blocks;  // [N, K / 32, 24] (4-bit) or [N, K / 32, 40] (8-bit)
   float* y;               // [rows, N]
   float* dequantized;     // [N, K] (the many-rows path)
 };
@@ -83,8 +87,9 @@ inline float block_float(const uint8_t* block, int64_t offset) {
 #if KVFORGE_MATMUL_AVX512
 // Columns c0..c0+NC-1 against rows r0..r0+NR-1: one accumulator per (column, row), summed block by block in
 // order, lane by lane, then reduced by one fixed tree: the same arithmetic for any NC, NR or row count.
-template <int NC, int NR>
+template <int BITS, int NC, int NR>
 void dot_group(const Call& c, int64_t c0, int64_t r0) {
+  constexpr int64_t kBytes = kBlockBytes<BITS>, kValues = kValueBytes<BITS>;
   const int64_t k = c.kernel->k, n = c.kernel->n, blocks = k / kBlock;
   const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   __m512 acc[NC][NR];
@@ -96,24 +101,32 @@ void dot_group(const Call& c, int64_t c0, int64_t r0) {
   // cores. The group ahead is contiguous (columns are consecutive), so step b covers its bytes [b, b + 1) * NC * 24;
   // the last group of an item prefetches the next item's first, which another thread may be reading.
   const bool prefetch = c0 + 2 * NC <= n;
-  const char* ahead = reinterpret_cast<const char*>(c.blocks + (prefetch ? (c0 + NC) * blocks * kBlockBytes : 0));
+  const char* ahead = reinterpret_cast<const char*>(c.blocks + (prefetch ? (c0 + NC) * blocks * kBytes : 0));
   for (int64_t b = 0; b < blocks; ++b) {
     if (prefetch) {
-      const char* line = ahead + b * NC * kBlockBytes;
+      const char* line = ahead + b * NC * kBytes;
       _mm_prefetch(line, _MM_HINT_T0);
       _mm_prefetch(line + 64, _MM_HINT_T0);
-      _mm_prefetch(line + NC * kBlockBytes - 1, _MM_HINT_T0);
+      if (NC * kBytes > 128) _mm_prefetch(line + 128, _MM_HINT_T0);
+      _mm_prefetch(line + NC * kBytes - 1, _MM_HINT_T0);
     }
     __m512 low[NC], high[NC];  // elements 0..15 and 16..31 of each column's block
     for (int j = 0; j < NC; ++j) {
-      const uint8_t* block = c.blocks + ((c0 + j) * blocks + b) * kBlockBytes;
+      const uint8_t* block = c.blocks + ((c0 + j) * blocks + b) * kBytes;
+      const __m512 scale = _mm512_set1_ps(block_float(block, kValues));
+      const __m512 min = _mm512_set1_ps(block_float(block, kValues + 4));
       const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
-      // The block's 16 possible weights scale * q + min (each rounded once, as the portable path's fma), then
-      // looked up by nibble: vpermps reads only an index's low 4 bits, so the low nibble needs no mask.
-      const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(block_float(block, kValueBytes)),
-                                           _mm512_set1_ps(block_float(block, kValueBytes + 4)));
-      low[j] = _mm512_permutexvar_ps(v, table);
-      high[j] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+      if constexpr (BITS == 4) {
+        // The block's 16 possible weights scale * q + min (each rounded once, as the portable path's fma), then
+        // looked up by nibble: vpermps reads only an index's low 4 bits, so the low nibble needs no mask.
+        const __m512 table = _mm512_fmadd_ps(iota, scale, min);
+        low[j] = _mm512_permutexvar_ps(v, table);
+        high[j] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+      } else {  // one byte a weight: scale * q + min, rounded once, as the table's entries are
+        const __m512i v_high = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16)));
+        low[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), scale, min);
+        high[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v_high), scale, min);
+      }
     }
     for (int r = 0; r < NR; ++r) {  // each row's 32 activations loaded once for all NC columns
       const float* x = c.x + (r0 + r) * k + b * kBlock;
@@ -128,21 +141,27 @@ void dot_group(const Call& c, int64_t c0, int64_t r0) {
     for (int r = 0; r < NR; ++r) c.y[(r0 + r) * n + c0 + j] = _mm512_reduce_add_ps(acc[j][r]);
 }
 #else
+// Value i (0..31) of a block: the low nibble of byte i, the high nibble of byte i - 16, or byte i.
+template <int BITS>
+inline float block_value(const uint8_t* block, int i) {
+  if constexpr (BITS == 4) return static_cast<float>(i < 16 ? block[i] & 0xF : block[i - 16] >> 4);
+  return static_cast<float>(block[i]);
+}
+
 // The portable path: the same per-element order as the vector one (16 lanes, then a pairwise tree).
-template <int NC, int NR>
+template <int BITS, int NC, int NR>
 void dot_group(const Call& c, int64_t c0, int64_t r0) {
   const int64_t k = c.kernel->k, n = c.kernel->n, blocks = k / kBlock;
   for (int j = 0; j < NC; ++j) {
     for (int r = 0; r < NR; ++r) {
       float lanes[16] = {};
       for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* block = c.blocks + ((c0 + j) * blocks + b) * kBlockBytes;
-        const float d = block_float(block, kValueBytes), m = block_float(block, kValueBytes + 4);
+        const uint8_t* block = c.blocks + ((c0 + j) * blocks + b) * kBlockBytes<BITS>;
+        const float d = block_float(block, kValueBytes<BITS>), m = block_float(block, kValueBytes<BITS> + 4);
         const float* x = c.x + (r0 + r) * k + b * kBlock;
         for (int i = 0; i < 16; ++i) {
-          const uint8_t byte = block[i];
-          lanes[i] = std::fma(std::fma(static_cast<float>(byte & 0xF), d, m), x[i], lanes[i]);
-          lanes[i] = std::fma(std::fma(static_cast<float>(byte >> 4), d, m), x[16 + i], lanes[i]);
+          lanes[i] = std::fma(std::fma(block_value<BITS>(block, i), d, m), x[i], lanes[i]);
+          lanes[i] = std::fma(std::fma(block_value<BITS>(block, 16 + i), d, m), x[16 + i], lanes[i]);
         }
       }
       for (int width = 8; width >= 1; width /= 2)
@@ -155,38 +174,40 @@ void dot_group(const Call& c, int64_t c0, int64_t r0) {
 
 // One pass over a column group's blocks serves as many rows as the registers hold: NC x NR accumulators plus the
 // NC decoded pairs stay within the 32 vector registers without spilling (4 x 4, 3 x 5, 2 x 8).
-template <int NC, int NR>
+template <int BITS, int NC, int NR>
 void dot_columns(const Call& c, int64_t begin, int64_t end, int64_t r0) {
   int64_t c0 = begin;
-  for (; c0 + NC <= end; c0 += NC) dot_group<NC, NR>(c, c0, r0);
-  for (; c0 < end; ++c0) dot_group<1, NR>(c, c0, r0);
+  for (; c0 + NC <= end; c0 += NC) dot_group<BITS, NC, NR>(c, c0, r0);
+  for (; c0 < end; ++c0) dot_group<BITS, 1, NR>(c, c0, r0);
 }
 
-template <int NR>
+template <int BITS, int NR>
 void dot_rows(const Call& c, int64_t begin, int64_t end, int64_t r0) {
   constexpr int kColumns = NR <= 4 ? 4 : NR == 5 ? 3 : 2;
-  dot_columns<kColumns, NR>(c, begin, end, r0);
+  dot_columns<BITS, kColumns, NR>(c, begin, end, r0);
 }
 
+template <int BITS>
 void direct_item(void* data, size_t item) {
   const Call& c = *static_cast<const Call*>(data);
   const int64_t begin = static_cast<int64_t>(item) * kColumnsPerItem;
   const int64_t end = std::min(begin + kColumnsPerItem, c.kernel->n);
   for (int64_t r0 = 0; r0 < c.rows; r0 += kRowGroup) {
     switch (std::min<int64_t>(c.rows - r0, kRowGroup)) {
-      case 1: dot_rows<1>(c, begin, end, r0); break;
-      case 2: dot_rows<2>(c, begin, end, r0); break;
-      case 3: dot_rows<3>(c, begin, end, r0); break;
-      case 4: dot_rows<4>(c, begin, end, r0); break;
-      case 5: dot_rows<5>(c, begin, end, r0); break;
-      case 6: dot_rows<6>(c, begin, end, r0); break;
-      case 7: dot_rows<7>(c, begin, end, r0); break;
-      default: dot_rows<8>(c, begin, end, r0); break;
+      case 1: dot_rows<BITS, 1>(c, begin, end, r0); break;
+      case 2: dot_rows<BITS, 2>(c, begin, end, r0); break;
+      case 3: dot_rows<BITS, 3>(c, begin, end, r0); break;
+      case 4: dot_rows<BITS, 4>(c, begin, end, r0); break;
+      case 5: dot_rows<BITS, 5>(c, begin, end, r0); break;
+      case 6: dot_rows<BITS, 6>(c, begin, end, r0); break;
+      case 7: dot_rows<BITS, 7>(c, begin, end, r0); break;
+      default: dot_rows<BITS, 8>(c, begin, end, r0); break;
     }
   }
 }
 
-// W^T [N, K] in float32, in the original element order, for ONNX Runtime's Gemm.
+// W^T [N, K] in float32, in the original element order, for ONNX Runtime's Gemm (4-bit weights only: an 8-bit
+// weight is the LM head, whose many-row calls are rare and whose float copy would be 4x its blocks).
 void dequantize_item(void* data, size_t item) {
   const Call& c = *static_cast<const Call*>(data);
   const int64_t k = c.kernel->k, blocks = k / kBlock;
@@ -194,12 +215,12 @@ void dequantize_item(void* data, size_t item) {
   const int64_t end = std::min(begin + kColumnsPerItem, c.kernel->n);
   for (int64_t col = begin; col < end; ++col) {
     for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* block = c.blocks + (col * blocks + b) * kBlockBytes;
-      const float d = block_float(block, kValueBytes), m = block_float(block, kValueBytes + 4);
+      const uint8_t* block = c.blocks + (col * blocks + b) * kBlockBytes<4>;
+      const float d = block_float(block, kValueBytes<4>), m = block_float(block, kValueBytes<4> + 4);
       float* out = c.dequantized + col * k + b * kBlock;
-      for (int64_t i = 0; i < kValueBytes; ++i) {
+      for (int64_t i = 0; i < kValueBytes<4>; ++i) {
         out[i] = std::fma(static_cast<float>(block[i] & 0xF), d, m);
-        out[kValueBytes + i] = std::fma(static_cast<float>(block[i] >> 4), d, m);
+        out[kValueBytes<4> + i] = std::fma(static_cast<float>(block[i] >> 4), d, m);
       }
     }
   }
@@ -262,8 +283,10 @@ OrtStatus* ORT_API_CALL compute(void* kernel_data, OrtKernelContext* ctx) {
   const int64_t k = kernel.k, n = kernel.n, blocks = k / kBlock;
   if (info[0].shape.empty() || info[0].shape.back() != k)
     return error("input A's last dimension must be K = " + std::to_string(k));
-  if (info[1].shape != std::vector<int64_t>{n, blocks, kBlockBytes})
-    return error("blocks must be [N, K / 32, 24] uint8");
+  const int64_t block_bytes = kernel.bits == 4 ? kBlockBytes<4> : kBlockBytes<8>;
+  if (info[1].shape != std::vector<int64_t>{n, blocks, block_bytes})
+    return error("blocks must be [N, K / 32, " + std::to_string(block_bytes) + "] uint8 for bits = " +
+                 std::to_string(kernel.bits));
   const int64_t rows = elements(info[0].shape) / k;
   std::vector<int64_t> out_shape(info[0].shape);
   out_shape.back() = n;
@@ -277,7 +300,8 @@ OrtStatus* ORT_API_CALL compute(void* kernel_data, OrtKernelContext* ctx) {
   Call c{&kernel, rows, static_cast<const float*>(data[0]), static_cast<const uint8_t*>(data[1]),
          static_cast<float*>(y), nullptr};
   const size_t items = static_cast<size_t>((n + kColumnsPerItem - 1) / kColumnsPerItem);
-  if (rows <= kDirectRows) return g_api->KernelContext_ParallelFor(ctx, direct_item, items, 0, &c);
+  if (kernel.bits == 8) return g_api->KernelContext_ParallelFor(ctx, direct_item<8>, items, 0, &c);
+  if (rows <= kDirectRows) return g_api->KernelContext_ParallelFor(ctx, direct_item<4>, items, 0, &c);
   thread_local std::vector<float> scratch;  // the calling thread's: reused call after call, never shrunk
   scratch.resize(static_cast<size_t>(n * k));
   c.dequantized = scratch.data();
@@ -296,6 +320,12 @@ OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const O
   if (kernel.k <= 0 || kernel.k % kBlock != 0 || kernel.n <= 0)
     return error("K must be a positive multiple of 32 and N positive, got K = " + std::to_string(kernel.k) +
                  ", N = " + std::to_string(kernel.n));
+  if (OrtStatus* st = g_api->KernelInfoGetAttribute_int64(info, "bits", &kernel.bits)) {
+    g_api->ReleaseStatus(st);  // optional: 4 when absent (engines built before 8-bit blocks)
+    kernel.bits = 4;
+  }
+  if (kernel.bits != 4 && kernel.bits != 8)
+    return error("bits must be 4 or 8, got " + std::to_string(kernel.bits));
   // Gemm's kernel reads every attribute at creation: Y = A @ W^T (transB), alpha 1, beta 1 (no C is given).
   const int64_t trans_a = 0, trans_b = 1;
   const float one = 1.0f;

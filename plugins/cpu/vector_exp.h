@@ -3,6 +3,8 @@
 #pragma once
 
 #if defined(__AVX512F__)
+// gcc 12 reports its own _mm512_undefined_ps() (inside the intrinsics) as maybe-uninitialized.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 
 namespace kvforge_simd {

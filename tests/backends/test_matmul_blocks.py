@@ -44,8 +44,8 @@ def _random_blocks(rng: np.random.Generator, k: int, n: int) -> np.ndarray:
     return pack_blocks(values, scales, mins)
 
 
-def _blocks_model(k: int, n: int, blocks: np.ndarray) -> onnx.ModelProto:
-    node = helper.make_node(MATMUL_BLOCKS, ["a", "w"], ["y"], domain=CPU_DOMAIN, K=k, N=n)
+def _blocks_model(k: int, n: int, blocks: np.ndarray, bits: int = 4) -> onnx.ModelProto:
+    node = helper.make_node(MATMUL_BLOCKS, ["a", "w"], ["y"], domain=CPU_DOMAIN, K=k, N=n, bits=bits)
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("a", TensorProto.FLOAT, [None, None, k])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, None, n])],
                               [numpy_helper.from_array(blocks, "w")])
@@ -120,19 +120,47 @@ def test_the_lowering_folds_the_q4_1_correction_into_the_mins(library: Path) -> 
     np.testing.assert_array_equal(floats[..., 0], d)
 
 
-def test_level_4_and_8_bit_blocks_stay_with_onnx_runtime() -> None:
-    rng = np.random.default_rng(2)
-    for blocks in (quantize(rng.standard_normal((16, 64)).astype(np.float32), 4, 32, symmetric=True),
-                   quantize(rng.standard_normal((16, 64)).astype(np.float32), 8, 32)):
-        node = helper.make_node("MatMulNBits", ["x", "w", "s"], ["y"], domain="com.microsoft", K=64, N=16,
-                                bits=blocks.bits, block_size=32, accuracy_level=blocks.accuracy_level or 4)
-        graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 64])],
-                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 16])],
-                                  [numpy_helper.from_array(blocks.packed, "w"),
-                                   numpy_helper.from_array(blocks.scales, "s")])
-        model = helper.make_model(graph, opset_imports=OPSETS[:2])
-        assert lower_block_matmuls(model) == 0
-        assert model.graph.node[0].op_type == "MatMulNBits"
+def _nbits_model(blocks: BlockQuantized, zero_points: bool = False) -> onnx.ModelProto:
+    inputs = ["x", "w", "s"] + (["z"] if zero_points else [])
+    node = helper.make_node("MatMulNBits", inputs, ["y"], domain="com.microsoft", K=blocks.k, N=blocks.n,
+                            bits=blocks.bits, block_size=32, accuracy_level=blocks.accuracy_level or 4)
+    initializers = [numpy_helper.from_array(blocks.packed, "w"), numpy_helper.from_array(blocks.scales, "s")]
+    if zero_points:
+        initializers.append(numpy_helper.from_array(blocks.zero_points, "z"))
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, blocks.k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, blocks.n])], initializers)
+    return helper.make_model(graph, opset_imports=OPSETS[:2])
+
+
+def test_level_4_four_bit_blocks_stay_with_onnx_runtime() -> None:
+    """`--int4Scheme symmetric` chose ONNX Runtime's int8 arithmetic: kept."""
+    blocks = quantize(np.random.default_rng(2).standard_normal((16, 64)).astype(np.float32), 4, 32, symmetric=True)
+    model = _nbits_model(blocks)
+    assert lower_block_matmuls(model) == 0
+    assert model.graph.node[0].op_type == "MatMulNBits"
+
+
+@pytest.mark.parametrize("zero_points", [False, True])
+def test_8_bit_blocks_are_lowered_with_their_zero_points(library: Path, zero_points: bool) -> None:
+    """The LM head's Q8_0 (level 4): one MatMulBlocks of 40-byte blocks, weight = scale * (q - zero point), at any
+    row count with each row independent of the others (no many-row Gemm path for 8 bits)."""
+    rng = np.random.default_rng(3)
+    blocks = quantize(rng.standard_normal((70, 96)).astype(np.float32), 8, 32)
+    model = _nbits_model(blocks, zero_points)
+    assert lower_block_matmuls(model) == 1
+    node = model.graph.node[0]
+    assert node.op_type == MATMUL_BLOCKS and {a.name: a.i for a in node.attribute}["bits"] == 8
+    stored = numpy_helper.to_array(model.graph.initializer[0])
+    assert stored.shape == (70, 3, 40)
+    q = blocks.packed.reshape(70, 3, 32).astype(np.float64)
+    zp = blocks.zero_points.reshape(70, 3, 1).astype(np.float64) if zero_points else 128.0
+    w = ((q - zp) * blocks.scales.reshape(70, 3, 1).astype(np.float64)).reshape(70, 96)
+    a = rng.standard_normal((1, 21, 96)).astype(np.float32)
+    session = _session(model, library)
+    y = session.run(None, {"x": a[0]})[0]
+    np.testing.assert_allclose(y, a[0].astype(np.float64) @ w.T, rtol=1e-4, atol=1e-4 * np.abs(y).max())
+    np.testing.assert_allclose(y, reference.matmul_blocks(a[0], stored), rtol=1e-5, atol=1e-5 * np.abs(y).max())
+    assert np.array_equal(session.run(None, {"x": a[0, 17:18]})[0][0], y[17])
 
 
 def test_kernel_and_onnx_matmul_engines_agree(library: Path, tmp_path: Path) -> None:
@@ -184,6 +212,16 @@ def test_the_portable_build_agrees_with_the_vector_one(library: Path) -> None:
     np.testing.assert_allclose(scalar, vector, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
     alone = _session(model, portable).run(None, {"a": a[:, 2:3]})[0][0, 0]
     assert np.array_equal(scalar[0, 2], alone)
+    # 8-bit blocks (the LM head's) through the scalar loops too
+    values = rng.integers(0, 256, size=(n, k // 32, 32)).astype(np.uint8)
+    scales = (rng.random((n, k // 32)) * 0.01 + 0.001).astype(np.float32)
+    blocks8 = pack_blocks(values, scales, (-128 * scales).astype(np.float32), bits=8)
+    model8 = _blocks_model(k, n, blocks8, bits=8)
+    scalar8 = _session(model8, portable).run(None, {"a": a})[0]
+    expected8 = reference.matmul_blocks(a, blocks8)
+    np.testing.assert_allclose(scalar8, expected8, rtol=1e-4, atol=1e-4 * np.abs(expected8).max())
+    np.testing.assert_allclose(scalar8, _session(model8, library).run(None, {"a": a})[0], rtol=1e-5,
+                               atol=1e-5 * np.abs(expected8).max())
 
 
 def test_a_lora_engine_with_block_matmuls_loads_and_answers_as_the_onnx_one(library: Path, tmp_path: Path) -> None:
