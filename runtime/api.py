@@ -56,8 +56,8 @@ class LLM:
         # engine with shared_cache= is only freed once closed. So an LLM closes the engine it made when it is
         # collected (or at exit) if nobody called close(); an engine the caller lent stays the caller's to close.
         self._closer = weakref.finalize(self, self.engine.close) if engine is None else None
-        if lora_weights or engine_options.get("lora_corrections"):  # corrections name loaded adapters: checked here
-            self.engine.load_adapters(dict(lora_weights or {}))
+        if lora_weights:
+            self.engine.load_adapters(dict(lora_weights))
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | None = None, *,
                  lora_name: str | None = None, cache_salt: str | None = None) -> list[RequestOutput]:

@@ -257,3 +257,11 @@ def test_llm_inference_flag(setup: Setup, tmp_path: Path) -> None:
     ok = invoke(inference_app, *common, "--loraCorrection", "checker")
     assert ok.code == 0, ok.stderr
     assert len(json.loads((tmp_path / "out.json").read_text())["responses"]) == 2
+
+
+def test_llm_serve_flag_names_itself(setup: Setup) -> None:
+    from kvforge.server.cli import app as serve_app
+
+    result = invoke(serve_app, "--engineDir", setup.engine, "--loraWeights", f"checker={setup.paths['checker']}",
+                    "--loraCorrection", "nope", "--enableContextReuse", "--numThreads", "1", "--port", "0")
+    result.one_line_error("--loraCorrection", "'nope'")
