@@ -163,6 +163,9 @@ class EngineConfig:
         "cached pages plus a low-rank K/V correction instead of a full prefill. Approximate: it changes answers. "
         "Needs --enableContextReuse and an engine exported with --hiddenStateLayers 0..L-2 (llama).",
         requires_reuse=True)
+    lora_correction_pages: int = _option(
+        0, "--loraCorrectionPages", "With --loraCorrection: factor slots (one per corrected adapter and base page); "
+        "when full, new pages are cached without factors. 0 = the KV pool's pages times the corrected adapters.")
     spec_decode: str = _option(SPEC_OFF, "--specDecode", spec_decode_help())  # one sentence per support row
     dflash_block_size: int = _option(
         0, "--dflashBlockSize", "With --specDecode dflash, dspark or jetspec: positions one block call drafts over "

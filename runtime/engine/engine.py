@@ -23,6 +23,7 @@ from kvforge.contract.engine_dir import (
 from kvforge.contract.errors import InvalidConfig, KvforgeError, PoolTooSmall
 from kvforge.contract.model_config import ModelConfig
 from kvforge.contract.paging import pages_for
+from kvforge.contract.profile_schema import ADAPTER_CORRECTIONS
 from kvforge.contract.rope import rope_table
 from kvforge.contract.safetensors_map import map_tensor
 from kvforge.contract.window_pool import window_call_tokens
@@ -146,7 +147,7 @@ class Engine:
                                          draft_pages=spec.draft_pages(resolved.draft),
                                          draft_replays=resolved.draft is None or spec.support.replays_final_page,
                                          **self._document_options(config, resolved),
-                                         **({"adapter_corrections": self.corrector} if self.corrector else {}),
+                                         **self._correction_options(config),
                                          **_window_group(self.engine_dir))
         encoder = _load_encoder(config)
         self.tokenizer = ChatTokenizer(self.engine_dir.path,
@@ -350,6 +351,9 @@ class Engine:
         block = self.cache.profile()
         if self.tier is not None:
             block["shared_tier"] = self.tier.profile()
+        for kind in self.cache.types:  # corrected adapters' counters (lora_corrections)
+            if kind.name == ADAPTER_CORRECTIONS:
+                block[ADAPTER_CORRECTIONS] = dict(kind.counters)  # type: ignore[attr-defined]
         return block
 
     def _document_options(self, config: EngineConfig, resolved: ResolvedConfig) -> dict:
@@ -361,6 +365,15 @@ class Engine:
                                 rope_table(build.max_kv_cache_capacity, model.rotary_dim, model.rope_theta),
                                 model.kv_cache_dtype)
         return {"document_reuse": True, "document_repair": config.document_repair, "document_store": store}
+
+    def _correction_options(self, config: EngineConfig) -> dict:
+        """The adapter_corrections type's options: the engine side and its budget (0: the type's default)."""
+        if self.corrector is None:
+            return {}
+        if config.lora_correction_pages < 0:
+            raise InvalidConfig(f"must be >= 0, got {config.lora_correction_pages}", "lora_correction_pages")
+        budget = {"adapter_correction_pages": config.lora_correction_pages} if config.lora_correction_pages else {}
+        return {"adapter_corrections": self.corrector, **budget}
 
     def _corrector(self, config: EngineConfig) -> AdapterCorrector | None:
         """Corrected adapters' engine side (issue 39), only when `lora_corrections` names some; refused in one line

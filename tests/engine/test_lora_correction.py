@@ -202,6 +202,9 @@ def test_corrected_adapter_reuses_the_base_conversation_and_is_counted(setup: Se
     again = llm.generate([follow], GREEDY, lora_name="checker")[0]
     assert again.cached_tokens == corrected.cached_tokens and again.token_ids == corrected.token_ids
     assert llm.engine.profile()["per_adapter"]["checker"]["corrected_pages"] == 2 * pages
+    counters = llm.engine.profile()["context_cache"]["adapter_corrections"]
+    assert counters["corrected_pages"] == 2 * pages and counters["skipped_pages"] == 0
+    assert counters["stored_pages"] >= 2 * pages  # both corrected adapters' factors of every whole base page
     llm.engine.cache.check_invariants()
 
 
@@ -265,3 +268,18 @@ def test_llm_serve_flag_names_itself(setup: Setup) -> None:
     result = invoke(serve_app, "--engineDir", setup.engine, "--loraWeights", f"checker={setup.paths['checker']}",
                     "--loraCorrection", "nope", "--enableContextReuse", "--numThreads", "1", "--port", "0")
     result.one_line_error("--loraCorrection", "'nope'")
+
+
+def test_a_full_factor_pool_leaves_pages_uncorrected(setup: Setup) -> None:
+    """A budget of 2 slots keeps factors for the first 2 pages only: the adapter starts from those 2 and computes
+    the rest; the pages without factors are counted."""
+    llm = LLM(setup.engine, lora_weights={"checker": setup.paths["checker"]}, lora_corrections=("checker",),
+              lora_correction_pages=2, num_threads=1)
+    conversation = _conversation(4, 70)
+    answer = llm.generate([conversation], GREEDY)[0]
+    corrected = llm.generate([conversation + answer.token_ids + [3]], GREEDY, lora_name="checker")[0]
+    assert corrected.cached_tokens == 2 * PAGE
+    counters = llm.engine.profile()["context_cache"]["adapter_corrections"]
+    assert counters["stored_pages"] == 2 and counters["skipped_pages"] > 0
+    assert llm.engine.profile()["context_cache"]["resource_pools"]["adapter_corrections"] == {"free": 0,
+                                                                                              "capacity": 2}
