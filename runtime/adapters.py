@@ -1,4 +1,4 @@
-"""LoRA adapters at run time: load converted files, check them against the engine, identify them by digest."""
+"""LoRA adapters at run time: load, check against the engine, identify by digest; corrected adapters' products."""
 
 from __future__ import annotations
 
