@@ -380,6 +380,9 @@ class Engine:
         on an engine the correction cannot serve."""
         if not config.lora_corrections:
             return None
+        if not config.enable_context_reuse:
+            raise InvalidConfig("corrected adapters start from cached base pages: they need enable_context_reuse",
+                                "lora_corrections")
         if config.spec_decode != SPEC_OFF:
             raise InvalidConfig("corrected adapters run without speculative decoding; use --specDecode none",
                                 "lora_corrections")

@@ -241,6 +241,12 @@ def test_refusals_are_one_line(setup: Setup, tier_engine: Callable[..., Path]) -
     assert "recurrent and hybrid" in recurrent.message
     family = _refusal(lambda: LLM(tier_engine("tiny-gemma3"), lora_corrections=("checker",), num_threads=1))
     assert "llama family only" in family.message
+    no_reuse = _refusal(lambda: LLM(setup.engine, lora_corrections=("checker",), enable_context_reuse=False,
+                                    num_threads=1))
+    assert "enable_context_reuse" in no_reuse.message
+    speculative = _refusal(lambda: LLM(setup.engine, lora_corrections=("checker",), spec_decode="ngram",
+                                       num_threads=1))
+    assert "speculative decoding" in speculative.message
 
 
 def test_llm_inference_flag(setup: Setup, tmp_path: Path) -> None:
