@@ -202,6 +202,12 @@ def test_corrected_adapter_reuses_the_base_conversation_and_is_counted(setup: Se
     again = llm.generate([follow], GREEDY, lora_name="checker")[0]
     assert again.cached_tokens == corrected.cached_tokens and again.token_ids == corrected.token_ids
     assert llm.engine.profile()["per_adapter"]["checker"]["corrected_pages"] == 2 * pages
+    # Nothing corrected was published: every record is the base model's, and a base request over the same tokens
+    # answers as a base request on a fresh engine.
+    records = list(llm.engine.cache.records.least_recent_first())
+    assert records and all(not r.extras.corrected and not r.extras.adapter_digest for r in records)
+    fresh = _llm(setup).generate([follow], GREEDY)[0]
+    assert llm.generate([follow], GREEDY)[0].token_ids == fresh.token_ids
     counters = llm.engine.profile()["context_cache"]["adapter_corrections"]
     assert counters["corrected_pages"] == 2 * pages and counters["skipped_pages"] == 0
     assert counters["stored_pages"] >= 2 * pages  # both corrected adapters' factors of every whole base page
