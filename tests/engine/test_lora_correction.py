@@ -295,3 +295,37 @@ def test_a_full_factor_pool_leaves_pages_uncorrected(setup: Setup) -> None:
     assert counters["stored_pages"] == 2 and counters["skipped_pages"] > 0
     assert llm.engine.profile()["context_cache"]["resource_pools"]["adapter_corrections"] == {"free": 0,
                                                                                               "capacity": 2}
+
+
+def test_correct_rounds_to_the_pool_dtype_and_reads_sources_first() -> None:
+    """The copy on an fp16 pool: destination = round(base + delta) with K's delta rotated at the page's positions,
+    also when a source page is one of the destinations (a base page evicted for the admission and handed back to
+    it as a fresh page): every source is read before anything is written."""
+    from kvforge.contract.rope import rope_table
+    from kvforge.plugins.reference import apply_rope, round_to_storage
+    from kvforge.runtime.adapters import FoldedCorrection, LoraAdapter
+    from kvforge.runtime.execution.corrections import AdapterCorrector
+    from kvforge.runtime.execution.kv_store import KVStore
+
+    rng = np.random.default_rng(0)
+    heads, dim, tokens, rank = 2, 8, 4, 3
+    kv = KVStore(1, 5, heads, tokens, dim, "fp16")
+    kv.layers[0][:] = rng.standard_normal(kv.layers[0].shape).astype(np.float16)
+    cos_sin = rope_table(32, dim, 10000.0)
+    corrector = AdapterCorrector(kv, cos_sin, "fp16", heads, dim, np.ones((1, 16), np.float32), 1e-6, ("a",))
+    b_k, b_v = (rng.standard_normal((rank, heads * dim)).astype(np.float32) for _ in range(2))
+    tensors = {"lora_A_0_k": np.zeros((16, rank), np.float32), "lora_A_0_v": np.zeros((16, rank), np.float32),
+               "lora_B_0_k": b_k, "lora_B_0_v": b_v}
+    corrector.register([LoraAdapter("a", Path("a"), rank, tensors, b"a")])
+    folded = FoldedCorrection(b"a", rank, np.zeros((1, 2, 16, rank), np.float32), np.stack([b_k, b_v])[None], True)
+    factors = [rng.standard_normal((tokens, 1, 2, rank)).astype(np.float32) for _ in range(2)]
+    before = kv.layers[0].astype(np.float32)
+    corrector.correct(b"a", [1, 2], [2, 3], factors)  # page 2 is both a source and a destination
+    for i, (src, dst) in enumerate(((1, 2), (2, 3))):
+        positions = np.arange(i * tokens, (i + 1) * tokens)
+        dk = apply_rope((factors[i][:, 0, 0] @ folded.b[0, 0]).reshape(tokens, heads, dim), cos_sin, positions)
+        dv = (factors[i][:, 0, 1] @ folded.b[0, 1]).reshape(tokens, heads, dim)
+        np.testing.assert_array_equal(kv.layers[0][dst, 0], round_to_storage(before[src, 0] + dk.transpose(1, 0, 2),
+                                                                              "fp16"))
+        np.testing.assert_array_equal(kv.layers[0][dst, 1], round_to_storage(before[src, 1] + dv.transpose(1, 0, 2),
+                                                                              "fp16"))
