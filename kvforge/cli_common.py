@@ -169,6 +169,7 @@ def with_engine_options(command: Callable[..., T]) -> Callable[..., T]:
         for name in offered:
             # typer reads the type from the annotation: a path option shows PATH, as the CLIs did before.
             annotation = Path if engine_options()[name][1].path else field_types[name]
+            annotation = list[str] if annotation == tuple[str, ...] else annotation  # a repeatable flag
             parameters.append(inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
                                                 default=engine_option(name), annotation=annotation))
 

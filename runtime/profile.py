@@ -20,6 +20,7 @@ from kvforge.contract.errors import KvforgeError
 from kvforge.contract.files import atomic_write_text
 from kvforge.contract.profile_schema import (
     ADAPTER_BASE_PAGES,
+    ADAPTER_CORRECTED_PAGES,
     CONTEXT_CACHE,
     GENERATION,
     GENERATION_STAGE,
@@ -121,6 +122,7 @@ class Profiler:
     kv_pool_bytes: int | None = None
     per_adapter: dict[str, dict[str, int]] = field(default_factory=dict)  # adapter name ("base") -> counts
     adapter_base_pages: int = 0  # base pages reused by adapter requests, all adapters together (/metrics)
+    adapter_corrected_pages: int = 0  # base pages corrected adapters started from, all together (/metrics)
     spec_verify_rows: int = 0  # rows that verified drafts
     spec_draft_tokens: int = 0  # drafts verified
     spec_accepted_tokens: int = 0  # drafts kept
@@ -172,7 +174,8 @@ class Profiler:
         self.prefill_reused_tokens += int(reused_tokens)
         self.prefill_computed_tokens += int(computed_tokens)
 
-    def add_adapter_request(self, adapter: str, reused_tokens: int, base_pages: int = 0) -> None:
+    def add_adapter_request(self, adapter: str, reused_tokens: int, base_pages: int = 0,
+                            corrected_pages: int = 0) -> None:
         """Count one request served with `adapter` ("base" for none), its prompt tokens reused and, for an adapter,
         the base pages among them (pages the base model computed, shared before an activated adapter's start)."""
         if not self.enabled:
@@ -183,6 +186,9 @@ class Profiler:
         if adapter != "base":
             counts[ADAPTER_BASE_PAGES] = counts.get(ADAPTER_BASE_PAGES, 0) + int(base_pages)
             self.adapter_base_pages += int(base_pages)
+            if corrected_pages:  # a corrected adapter (lora_corrections): its copies of base pages
+                counts[ADAPTER_CORRECTED_PAGES] = counts.get(ADAPTER_CORRECTED_PAGES, 0) + int(corrected_pages)
+                self.adapter_corrected_pages += int(corrected_pages)
 
     def add_speculation(self, drafts: int, accepted: int, committed: int) -> None:
         """Count one row that verified `drafts` draft tokens, kept `accepted` and committed `committed` tokens."""

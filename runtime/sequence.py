@@ -144,8 +144,10 @@ class Sequence:
         if self.admission is None or len(self.admission.token_ids) != len(tokens):
             sampling = self.request.sampling
             adapter = self.request.adapter
+            corrected = adapter is not None and adapter.corrected  # keyed as base pages: see KeyExtras.corrected
             extras = KeyExtras(adapter.digest if adapter else b"", self.request.cache_salt,
-                               tuple(span.key for span in self.request.media), self.request.adapter_start)
+                               tuple(span.key for span in self.request.media),
+                               NEVER_ACTIVATED if corrected else self.request.adapter_start, corrected)
             self.admission = Admission(tokens, extras,
                                        sampling.lookup_policy, indexable_tokens=len(self.request.prompt_ids),
                                        speculative=self.drafts_with_kv,

@@ -168,7 +168,7 @@ def serve(
         try:
             engine.load_adapters({name: str(path) for name, path in adapters.items()})
         except KvforgeError as exc:  # its field names the request file's available_lora_weights
-            raise KvforgeError(exc.message, "--loraWeights") from None
+            raise KvforgeError(exc.message, ENGINE_FLAGS.get(exc.field, "--loraWeights")) from None
         model_name = served_model_name or engine_dir.resolve().name
         web = create_app(engine, tenants, model_name=model_name, max_queued_requests=max_queued_requests,
                          media=media, allowed_hosts=hosts, allowed_origins=origins, max_body_bytes=max_body_bytes,

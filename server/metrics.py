@@ -80,6 +80,8 @@ class _EngineCollector(Collector):
         yield _counter("prefill_computed_tokens", "Prompt tokens run through the engine.", s.prefill_computed_tokens)
         yield _counter("adapter_base_pages_reused", "Base-model pages reused by adapter requests (activated LoRA "
                        "before its invocation).", s.adapter_base_pages)
+        yield _counter("adapter_corrected_pages", "Base-model pages corrected adapters started from (copied, then "
+                       "corrected: --loraCorrection).", s.adapter_corrected_pages)
         for key, help_text in (("preemptions", "Sequences preempted because the pool was full."),
                                ("steps", "Engine steps."),
                                ("inflight_prefix_waits", "Times a request waited for a prefix another computed.")):

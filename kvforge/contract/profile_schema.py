@@ -30,6 +30,8 @@ SCHEDULER = "scheduler"
 PER_ADAPTER = "per_adapter"  # kvforge only; llm_profile also finds it inside context_cache
 # per_adapter[name] counter: whole base pages (no adapter identity) an adapter's requests reused
 ADAPTER_BASE_PAGES = "base_pages_reused"
+# per_adapter[name] counter: whole base pages a corrected adapter's requests started from (copied, then corrected)
+ADAPTER_CORRECTED_PAGES = "corrected_pages"
 STAGES = "stages"
 KVFORGE_SECTIONS = (PREFILL, CONTEXT_CACHE, GENERATION, SCHEDULER, PER_ADAPTER, STAGES)
 
@@ -147,8 +149,10 @@ RECURRENT_SNAPSHOTS = "recurrent_snapshots"
 PARTIAL_KV_SNAPSHOTS = "partial_kv_snapshots"
 DOCUMENT_KV_PAGES = "document_kv_pages"  # kvforge only: stored documents' pages (capacity 0 without document reuse)
 SLIDING_WINDOW_PAGES = "sliding_window_pages"  # the sliding layers' own pages (engines built with --slidingWindowPool)
+# kvforge only: corrected adapters' factors, one slot per (adapter, base page) (capacity 0 without lora_corrections)
+ADAPTER_CORRECTIONS = "adapter_corrections"
 POOL_KEYS = (BASE_KV_PAGES, DRAFT_KV_PAGES, RECURRENT_SNAPSHOTS, PARTIAL_KV_SNAPSHOTS, DOCUMENT_KV_PAGES,
-             SLIDING_WINDOW_PAGES)
+             SLIDING_WINDOW_PAGES, ADAPTER_CORRECTIONS)
 POOL_FREE = "free"
 POOL_CAPACITY = "capacity"
 EMPTY_POOL: Mapping[str, int] = MappingProxyType({POOL_FREE: 0, POOL_CAPACITY: 0})

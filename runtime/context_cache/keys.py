@@ -69,6 +69,9 @@ class KeyExtras:
     cache_salt: str | None = None  # tenant isolation; None and "" are distinct from any salt
     media: tuple[MediaKey, ...] = ()
     adapter_start: int = 0  # first adapted position: 0 for an ordinary adapter (every page carries its digest)
+    # A corrected adapter (lora_corrections): keyed as base pages (adapter_start past every page) so its lookup finds
+    # the base model's; the adapter_corrections type copies and corrects them, and such a lease never publishes.
+    corrected: bool = False
 
     def encoded(self, end: int | None = None) -> bytes:
         """The identity of a page ending at position `end` (exclusive; None: a page past the activation)."""

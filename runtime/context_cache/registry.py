@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvforge.contract.profile_schema import (
+    ADAPTER_CORRECTIONS,
     BASE_KV_PAGES,
     DOCUMENT_KV_PAGES,
     DRAFT_KV_PAGES,
@@ -18,6 +19,7 @@ from kvforge.contract.profile_schema import (
     RECURRENT_SNAPSHOTS,
     SLIDING_WINDOW_PAGES,
 )
+from kvforge.runtime.context_cache.adapter_corrections import CORRECTION_OPTIONS, build_adapter_corrections
 from kvforge.runtime.context_cache.attention_pages import build_attention_pages
 from kvforge.runtime.context_cache.document_chunks import DOCUMENT_OPTIONS, build_document_chunks
 from kvforge.runtime.context_cache.draft_paths import DRAFT_OPTIONS, build_draft_paths
@@ -66,3 +68,5 @@ register(PARTIAL_KV_SNAPSHOTS, build_partial_tails, PARTIAL_OPTIONS)
 register(DRAFT_KV_PAGES, build_draft_paths, DRAFT_OPTIONS)
 register(DOCUMENT_KV_PAGES, build_document_chunks, DOCUMENT_OPTIONS)
 register(SLIDING_WINDOW_PAGES, build_sliding_window, SLIDING_WINDOW_OPTIONS)
+# Last: a corrected adapter's plan replaces whatever the others agreed with copies of the base pages it has factors for.
+register(ADAPTER_CORRECTIONS, build_adapter_corrections, CORRECTION_OPTIONS)

@@ -157,6 +157,15 @@ class EngineConfig:
         f"in place: {REPAIR_POLICIES[0]} (reuse the stored K/V as it is), {REPAIR_POLICIES[1]} (the first page of "
         f"each document; default), {REPAIR_POLICIES[2]} (that, and the whole document sharing the most tokens with "
         f"the question) or {REPAIR_POLICIES[3]} (every document token: exactly a cold run's answer).")
+    # Corrected adapters (issue 39, docs/lora.md): approximate, so off unless named.
+    lora_corrections: tuple[str, ...] = _option(
+        (), "--loraCorrection", "An ordinary adapter (repeatable, by name) whose requests start from the base model's "
+        "cached pages plus a low-rank K/V correction instead of a full prefill. Approximate: it changes answers. "
+        "Needs --enableContextReuse and an engine exported with --hiddenStateLayers 0..L-2 (llama).",
+        requires_reuse=True)
+    lora_correction_pages: int = _option(
+        0, "--loraCorrectionPages", "With --loraCorrection: factor slots (one per corrected adapter and base page); "
+        "when full, new pages are cached without factors. 0 = the KV pool's pages times the corrected adapters.")
     spec_decode: str = _option(SPEC_OFF, "--specDecode", spec_decode_help())  # one sentence per support row
     dflash_block_size: int = _option(
         0, "--dflashBlockSize", "With --specDecode dflash, dspark or jetspec: positions one block call drafts over "
@@ -223,7 +232,8 @@ def make_engine_config(options: Mapping[str, Any]) -> EngineConfig:
     if unknown:
         raise TypeError(f"unexpected engine option(s) {', '.join(map(repr, unknown))}: expected some of "
                         f"{', '.join(declared)}")
-    values = {name: (str(value) if value else None) if declared[name][1].path else value
+    values = {name: (str(value) if value else None) if declared[name][1].path else
+              tuple(value) if isinstance(value, list) else value  # a repeatable flag's list
               for name, value in options.items()}
     return EngineConfig(**values)
 

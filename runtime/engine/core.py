@@ -16,7 +16,7 @@ from kvforge.contract.profile_schema import (
     SPEC_DRAFT_ACCEPT_STAGE,
     SPEC_DRAFT_PROPOSAL_STAGE,
 )
-from kvforge.runtime.adapters import base_pages_reused
+from kvforge.runtime.adapters import base_pages_reused, corrected_pages_reused
 from kvforge.runtime.engine.output import OutputProcessor, RequestOutput
 from kvforge.runtime.engine.scheduler import Scheduler, cached_tokens
 from kvforge.runtime.profile import GENERATION_STAGE, PREFILL_STAGE, Profiler
@@ -66,6 +66,7 @@ class EngineStats:
     # it (llm_serve's /metrics) adds Engine.cache_profile(), which walks the cache's records.
     cache: dict[str, Any] = field(default_factory=dict)
     adapter_base_pages: int = 0  # base pages reused by adapter requests (the profile's per_adapter, summed)
+    adapter_corrected_pages: int = 0  # base pages corrected adapters started from (per_adapter, summed)
 
 
 def sample_rows(rows: list[ScheduledRow], output: BatchOutput
@@ -263,5 +264,7 @@ class EngineCore:
             self._end(seq)
             base_pages = base_pages_reused(seq.request.adapter, seq.request.adapter_start, seq.reused_tokens,
                                            self.scheduler.cache.tokens_per_page)
-            self.profiler.add_adapter_request(seq.adapter_label, seq.reused_tokens, base_pages)
+            corrected = corrected_pages_reused(seq.request.adapter, seq.reused_tokens,
+                                               self.scheduler.cache.tokens_per_page)
+            self.profiler.add_adapter_request(seq.adapter_label, seq.reused_tokens, base_pages, corrected)
         return self.outputs.output(seq, update.new_token_ids)

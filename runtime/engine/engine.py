@@ -23,10 +23,17 @@ from kvforge.contract.engine_dir import (
 from kvforge.contract.errors import InvalidConfig, KvforgeError, PoolTooSmall
 from kvforge.contract.model_config import ModelConfig
 from kvforge.contract.paging import pages_for
+from kvforge.contract.profile_schema import ADAPTER_CORRECTIONS
 from kvforge.contract.rope import rope_table
 from kvforge.contract.safetensors_map import map_tensor
 from kvforge.contract.window_pool import window_call_tokens
-from kvforge.runtime.adapters import LoraRegistry, lora_input_shapes
+from kvforge.runtime.adapters import (
+    LoraRegistry,
+    check_correction_engine,
+    load_attention_norms,
+    lora_input_shapes,
+    mark_corrected,
+)
 from kvforge.runtime.context_cache.manager import ContextCacheManager
 from kvforge.runtime.engine.config import (  # noqa: F401 - EngineConfig and the budget helper are re-exported
     EngineConfig,
@@ -40,8 +47,9 @@ from kvforge.runtime.engine.output import OutputProcessor, RequestOutput
 from kvforge.runtime.engine.scheduler import Scheduler, SchedulerStats
 from kvforge.runtime.engine.state import StateManager
 from kvforge.runtime.execution.backend import Backend
+from kvforge.runtime.execution.corrections import AdapterCorrector
 from kvforge.runtime.execution.executor import ModelExecutor
-from kvforge.runtime.execution.kv_store import DocumentKVStore
+from kvforge.runtime.execution.kv_store import DocumentKVStore, KVStore
 from kvforge.runtime.execution.load import load_backend
 from kvforge.runtime.execution.ort import set_ort_logging  # noqa: F401 - re-exported for llm_inference's --debug
 from kvforge.runtime.execution.snapshots import PartialKVSnapshotStore, RecurrentSnapshotStore
@@ -54,7 +62,7 @@ from kvforge.runtime.sequence import EngineRequest, Sequence, Status
 from kvforge.runtime.shared_tier.secret import tier_secret
 from kvforge.runtime.shared_tier.stores import open_store
 from kvforge.runtime.shared_tier.tier import SharedTier
-from kvforge.runtime.spec.methods import ProposerParts
+from kvforge.runtime.spec.methods import SPEC_OFF, ProposerParts
 from kvforge.runtime.spec.proposer import Proposer
 from kvforge.runtime.types import CommitPolicy, Deployment, Request, SamplingParams
 
@@ -129,6 +137,7 @@ class Engine:
         spec = resolved.spec
         assert spec is not None  # resolve_engine_config always names the method
         self.spec = spec
+        self.corrector = self._corrector(config)
         self.cache = ContextCacheManager(resolved.num_pages, build.tokens_per_page,
                                          enabled=config.enable_context_reuse,
                                          max_records=config.context_cache_max_records,
@@ -138,6 +147,7 @@ class Engine:
                                          draft_pages=spec.draft_pages(resolved.draft),
                                          draft_replays=resolved.draft is None or spec.support.replays_final_page,
                                          **self._document_options(config, resolved),
+                                         **self._correction_options(config),
                                          **_window_group(self.engine_dir))
         encoder = _load_encoder(config)
         self.tokenizer = ChatTokenizer(self.engine_dir.path,
@@ -167,7 +177,8 @@ class Engine:
         self.executor = ModelExecutor(self.backend, embedding, lora_input_shapes(self.engine_dir),
                                       self.state_manager.rows if self.states is not None else None,
                                       all_hidden=self.proposer is not None and self.proposer.owns_kv,
-                                      per_layer=per_layer, media_row=model.pad_token_id or 0)
+                                      per_layer=per_layer, media_row=model.pad_token_id or 0,
+                                      corrector=self.corrector)
         self.outputs = OutputProcessor(self.tokenizer, frozenset(self.engine_dir.model.eos_token_ids),
                                        build.max_kv_cache_capacity)
         self.scheduler = Scheduler(self.cache, self.state_manager, self.outputs, max_batch_size=resolved.max_batch_size,
@@ -214,6 +225,8 @@ class Engine:
     def load_adapters(self, available_lora_weights: dict[str, str], base_dir: Path | None = None) -> None:
         """Load named adapters; each is identified by its weights' digest, not its name."""
         self.loras.load(available_lora_weights, base_dir)
+        if self.corrector is not None:  # the option names adapters of this set: refused here if it lacks one
+            self.corrector.register(mark_corrected(self.loras, self.config.lora_corrections))
         self.executor.forget_adapters()
 
     def add_request(self, request: EngineRequest, request_id: str | None = None) -> str:
@@ -319,6 +332,7 @@ class Engine:
                            spec_draft_tokens=profiler.spec_draft_tokens,
                            spec_accepted_tokens=profiler.spec_accepted_tokens, scheduler=scheduler.stats.to_dict(),
                            adapter_base_pages=profiler.adapter_base_pages,
+                           adapter_corrected_pages=profiler.adapter_corrected_pages,
                            encoder_cache=self.multimodal.cache.to_dict() if self.multimodal is not None else {})
 
     def profile(self) -> dict:
@@ -337,6 +351,9 @@ class Engine:
         block = self.cache.profile()
         if self.tier is not None:
             block["shared_tier"] = self.tier.profile()
+        for kind in self.cache.types:  # corrected adapters' counters (lora_corrections)
+            if kind.name == ADAPTER_CORRECTIONS:
+                block[ADAPTER_CORRECTIONS] = dict(kind.counters)  # type: ignore[attr-defined]
         return block
 
     def _document_options(self, config: EngineConfig, resolved: ResolvedConfig) -> dict:
@@ -348,6 +365,36 @@ class Engine:
                                 rope_table(build.max_kv_cache_capacity, model.rotary_dim, model.rope_theta),
                                 model.kv_cache_dtype)
         return {"document_reuse": True, "document_repair": config.document_repair, "document_store": store}
+
+    def _correction_options(self, config: EngineConfig) -> dict:
+        """The adapter_corrections type's options: the engine side and its budget (0: the type's default)."""
+        if self.corrector is None:
+            return {}
+        if config.lora_correction_pages < 0:
+            raise InvalidConfig(f"must be >= 0, got {config.lora_correction_pages}", "lora_correction_pages")
+        budget = {"adapter_correction_pages": config.lora_correction_pages} if config.lora_correction_pages else {}
+        return {"adapter_corrections": self.corrector, **budget}
+
+    def _corrector(self, config: EngineConfig) -> AdapterCorrector | None:
+        """Corrected adapters' engine side (issue 39), only when `lora_corrections` names some; refused in one line
+        on an engine the correction cannot serve."""
+        if not config.lora_corrections:
+            return None
+        if not config.enable_context_reuse:
+            raise InvalidConfig("corrected adapters start from cached base pages: they need enable_context_reuse",
+                                "lora_corrections")
+        if config.spec_decode != SPEC_OFF:
+            raise InvalidConfig("corrected adapters run without speculative decoding; use --specDecode none",
+                                "lora_corrections")
+        check_correction_engine(self.engine_dir, self.deployment is Deployment.VANILLA)
+        if not isinstance(self.backend.kv_store, KVStore):
+            raise InvalidConfig("corrected adapters need the onnxruntime backend's host KV pool", "lora_corrections")
+        model, build = self.engine_dir.model, self.engine_dir.build
+        norms, eps = load_attention_norms(self.engine_dir)
+        return AdapterCorrector(self.backend.kv_store, rope_table(build.max_kv_cache_capacity, model.rotary_dim,
+                                                                  model.rope_theta),
+                                model.kv_cache_dtype, model.num_key_value_heads, model.head_dim, norms, eps,
+                                tuple(config.lora_corrections))
 
     def _shared_tier(self, config: EngineConfig, resolved: ResolvedConfig) -> SharedTier | None:
         """The tier below the pool (--sharedCache), reading and writing this engine's pool, rows and snapshots."""

@@ -11,6 +11,7 @@ from kvforge.runtime.adapters import LoraAdapter, stack_adapters
 from kvforge.runtime.context_cache.lease import Lease
 from kvforge.runtime.context_cache.sliding_window import window_table
 from kvforge.runtime.execution.backend import Backend, ForwardOutput, StepInputs
+from kvforge.runtime.execution.corrections import AdapterCorrector
 from kvforge.runtime.execution.tree_attention import ancestor_mask, causal_masks, start_positions
 from kvforge.runtime.sequence import Sequence
 from kvforge.runtime.step import BatchOutput, ScheduledRow
@@ -43,22 +44,25 @@ def group_by_width(lengths: list[int]) -> list[list[int]]:
 class ModelExecutor:
     """Owns what an engine call needs besides the pool: the embedding table and the stacked adapters."""
 
-    __slots__ = ("backend", "embedding", "state_rows", "all_hidden", "per_layer", "media_row", "_lora_shapes",
-                 "_lora_stacks")
+    __slots__ = ("backend", "embedding", "state_rows", "all_hidden", "per_layer", "media_row", "corrector",
+                 "_lora_shapes", "_lora_stacks")
 
     def __init__(self, runner: Backend, embedding: np.ndarray, lora_shapes: dict[str, tuple[int, int]],
                  state_rows: dict[Lease, int] | None = None, all_hidden: bool = False,
-                 per_layer: np.ndarray | None = None, media_row: int = 0) -> None:
+                 per_layer: np.ndarray | None = None, media_row: int = 0,
+                 corrector: AdapterCorrector | None = None) -> None:
         """`state_rows`: the engine's recurrent state row of each running lease (recurrent engines only).
         `all_hidden`: hidden states at every computed position, not only the logits ones. `per_layer`: Gemma 4's
         per-layer table, fed as PER_LAYER_INPUT beside the embedding rows; a media position gets its row
-        `media_row` (the pad token's: transformers looks media placeholders up as padding there)."""
+        `media_row` (the pad token's: transformers looks media placeholders up as padding there). `corrector`:
+        corrected adapters' factors are computed from every call's hidden states (all positions)."""
         self.backend = runner
         self.embedding = np.asarray(embedding)  # a plain view of a memmap: its __getitem__ costs ~11 us a lookup
         self.per_layer = None if per_layer is None else np.asarray(per_layer)
         self.media_row = media_row
         self.state_rows = state_rows
-        self.all_hidden = all_hidden
+        self.corrector = corrector
+        self.all_hidden = all_hidden or corrector is not None
         self._lora_shapes = lora_shapes
         # Stacked inputs per adapter composition; a step with two calls alternates two compositions.
         self._lora_stacks: dict[tuple[int, ...], dict[str, np.ndarray]] = {}
@@ -100,6 +104,8 @@ class ModelExecutor:
                 offset += count
                 hidden_offset += hidden_count
         has_hidden = any(h is not None for h in hidden)
+        if self.corrector is not None and has_hidden:
+            self.corrector.observe(rows, new_ids, hidden, self.embedding)
         return BatchOutput(logits, hidden if has_hidden else None)  # type: ignore[arg-type]
 
     def _call(self, rows: list[ScheduledRow], new_ids: list[list[int]]) -> ForwardOutput:

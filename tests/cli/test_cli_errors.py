@@ -320,7 +320,7 @@ def test_reuse_profile_has_context_cache_counters(run_cli, tiny_engine_dir: Path
     assert set(cache["publications"]) == {"attempts", "committed", "existing", "successful_endpoints"}
     assert set(cache["resource_pools"]) == set(cache["reclaimed_resources"]) == {
         "base_kv_pages", "draft_kv_pages", "recurrent_snapshots", "partial_kv_snapshots", "document_kv_pages",
-        "sliding_window_pages"}
+        "sliding_window_pages", "adapter_corrections"}
     assert cache["admitted_sequences"] == 3 and cache["lookup_bypass_sequences"] == 1  # the warmup bypassed
     assert cache["hit_sequences"] == 1 and cache["reused_tokens"] > 0
     responses = json.loads((tmp_path / "out.json").read_text())["responses"]

@@ -36,7 +36,8 @@ CHANGED: dict[str, Any] = {"num_threads": 3, "enable_context_reuse": True, "cont
                            "shared_cache_secret": "s3cret", "shared_cache_encrypt": True,
                            "dflash_block_size": 4, "dspark_scheduler": "sps", "dspark_confidence_threshold": 0.5,
                            "dspark_min_proposal_len": 2, "dspark_max_proposal_len": 5,
-                           "document_reuse": True, "document_repair": "none"}
+                           "document_reuse": True, "document_repair": "none", "lora_corrections": ("checker",),
+                           "lora_correction_pages": 12}
 
 
 def _params(app: typer.Typer) -> dict[str, click.Parameter]:
@@ -126,6 +127,8 @@ def test_parsed_flags_become_one_engine_config() -> None:
             continue
         if isinstance(value, bool):
             args.append(option.flag if value else option.off_flag)
+        elif isinstance(value, tuple):  # a repeatable flag
+            args += [arg for item in value for arg in (option.flag, item)]
         else:
             args += [option.flag, str(value)]
     result = CliRunner().invoke(app, args)

