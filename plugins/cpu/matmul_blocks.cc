@@ -369,35 +369,14 @@ OrtCustomOpInputOutputCharacteristic ORT_API_CALL required(const OrtCustomOp*, s
   return INPUT_OUTPUT_REQUIRED;
 }
 
-// Y has A's shape with the last dimension N. Left unknown where A's is (rank 0 here) or where a dimension is wholly
-// unknown (no value, no name: written as -1 it would break inference downstream, as in paged_attention.cc).
+// Y has A's shape with the last dimension N (kvforge_ort::infer_last_dim says where it stays unknown).
 OrtStatus* ORT_API_CALL infer_shape(const OrtCustomOp*, OrtShapeInferContext* ctx) {
-  OrtTensorTypeAndShapeInfo* a = nullptr;
-  KVF_MM_TRY(g_api->ShapeInferContext_GetInputTypeShape(ctx, 0, &a));
-  size_t rank = 0;
-  KVF_MM_TRY(g_api->GetDimensionsCount(a, &rank));
-  if (rank == 0) return nullptr;
-  std::vector<int64_t> dims(rank);
-  std::vector<const char*> names(rank, nullptr);
-  KVF_MM_TRY(g_api->GetDimensions(a, dims.data(), rank));
-  KVF_MM_TRY(g_api->GetSymbolicDimensions(a, names.data(), rank));
-  for (size_t i = 0; i + 1 < rank; ++i)
-    if (dims[i] < 0 && (names[i] == nullptr || names[i][0] == '\0')) return nullptr;
   const OrtOpAttr* attr = nullptr;
   KVF_MM_TRY(g_api->ShapeInferContext_GetAttribute(ctx, "N", &attr));
   int64_t n = 0;
   size_t written = 0;
   KVF_MM_TRY(g_api->ReadOpAttr(attr, ORT_OP_ATTR_INT, &n, sizeof n, &written));
-  dims[rank - 1] = n;
-  names[rank - 1] = "";
-  OrtTensorTypeAndShapeInfo* y = nullptr;
-  KVF_MM_TRY(g_api->CreateTensorTypeAndShapeInfo(&y));
-  OrtStatus* st = g_api->SetTensorElementType(y, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
-  if (!st) st = g_api->SetDimensions(y, dims.data(), rank);
-  if (!st) st = g_api->SetSymbolicDimensions(y, names.data(), rank);
-  if (!st) st = g_api->ShapeInferContext_SetOutputTypeShape(ctx, 0, y);
-  g_api->ReleaseTensorTypeAndShapeInfo(y);
-  return st;
+  return kvforge_ort::infer_last_dim(g_api, ctx, [n](int64_t) { return n; });
 }
 
 OrtCustomOp make_op() {

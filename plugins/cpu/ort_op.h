@@ -5,7 +5,9 @@
 #include <onnxruntime_c_api.h>
 
 #include <climits>
+#include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace kvforge_ort {
 
@@ -40,6 +42,37 @@ inline OrtCustomOp base_op() {
   op.GetAliasMap = no_alias;
   op.ReleaseAliasMap = release_alias;
   return op;
+}
+
+// Output 0's type and shape for an op whose output is input 0's shape (float) but for the last dimension,
+// `last(input's last dimension)`. Left unknown where input 0's rank is 0, a leading dimension is wholly unknown (no
+// value, no name: written as -1 it would break inference downstream, as in paged_attention.cc), or `last` returns a
+// negative value.
+template <typename LastDim>
+OrtStatus* infer_last_dim(const OrtApi* api, OrtShapeInferContext* ctx, LastDim last) {
+  OrtTensorTypeAndShapeInfo* input = nullptr;
+  if (OrtStatus* st = api->ShapeInferContext_GetInputTypeShape(ctx, 0, &input)) return st;
+  size_t rank = 0;
+  if (OrtStatus* st = api->GetDimensionsCount(input, &rank)) return st;
+  if (rank == 0) return nullptr;
+  std::vector<int64_t> dims(rank);
+  std::vector<const char*> names(rank, nullptr);
+  if (OrtStatus* st = api->GetDimensions(input, dims.data(), rank)) return st;
+  if (OrtStatus* st = api->GetSymbolicDimensions(input, names.data(), rank)) return st;
+  for (size_t i = 0; i + 1 < rank; ++i)
+    if (dims[i] < 0 && (names[i] == nullptr || names[i][0] == '\0')) return nullptr;
+  const int64_t width = last(dims[rank - 1]);
+  if (width < 0) return nullptr;
+  dims[rank - 1] = width;
+  names[rank - 1] = "";
+  OrtTensorTypeAndShapeInfo* output = nullptr;
+  if (OrtStatus* st = api->CreateTensorTypeAndShapeInfo(&output)) return st;
+  OrtStatus* st = api->SetTensorElementType(output, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+  if (!st) st = api->SetDimensions(output, dims.data(), rank);
+  if (!st) st = api->SetSymbolicDimensions(output, names.data(), rank);
+  if (!st) st = api->ShapeInferContext_SetOutputTypeShape(ctx, 0, output);
+  api->ReleaseTensorTypeAndShapeInfo(output);
+  return st;
 }
 
 }  // namespace kvforge_ort

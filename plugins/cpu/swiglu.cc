@@ -118,28 +118,7 @@ OrtCustomOpInputOutputCharacteristic ORT_API_CALL required(const OrtCustomOp*, s
 
 // Y has X's shape with the last dimension halved; left unknown where X's last dimension is not a known even number.
 OrtStatus* ORT_API_CALL infer_shape(const OrtCustomOp*, OrtShapeInferContext* ctx) {
-  OrtTensorTypeAndShapeInfo* x = nullptr;
-  KVF_SG_TRY(g_api->ShapeInferContext_GetInputTypeShape(ctx, 0, &x));
-  size_t rank = 0;
-  KVF_SG_TRY(g_api->GetDimensionsCount(x, &rank));
-  if (rank == 0) return nullptr;
-  std::vector<int64_t> dims(rank);
-  std::vector<const char*> names(rank, nullptr);
-  KVF_SG_TRY(g_api->GetDimensions(x, dims.data(), rank));
-  KVF_SG_TRY(g_api->GetSymbolicDimensions(x, names.data(), rank));
-  for (size_t i = 0; i + 1 < rank; ++i)
-    if (dims[i] < 0 && (names[i] == nullptr || names[i][0] == '\0')) return nullptr;
-  if (dims[rank - 1] < 0 || dims[rank - 1] % 2 != 0) return nullptr;
-  dims[rank - 1] /= 2;
-  names[rank - 1] = "";
-  OrtTensorTypeAndShapeInfo* y = nullptr;
-  KVF_SG_TRY(g_api->CreateTensorTypeAndShapeInfo(&y));
-  OrtStatus* st = g_api->SetTensorElementType(y, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
-  if (!st) st = g_api->SetDimensions(y, dims.data(), rank);
-  if (!st) st = g_api->SetSymbolicDimensions(y, names.data(), rank);
-  if (!st) st = g_api->ShapeInferContext_SetOutputTypeShape(ctx, 0, y);
-  g_api->ReleaseTensorTypeAndShapeInfo(y);
-  return st;
+  return kvforge_ort::infer_last_dim(g_api, ctx, [](int64_t width) { return width % 2 == 0 ? width / 2 : -1; });
 }
 
 OrtCustomOp make_op() {

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.peft_support import randomize_lora_b
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
 import adapter_correction as experiment  # noqa: E402  (experiments/ scripts are top-level modules)
@@ -31,10 +32,7 @@ def test_correction_is_exact_where_the_base_input_is_the_adapters(torch_model) -
                              lora_dropout=0.0)
     wrapped = peft.get_peft_model(model, config, adapter_name="kv0").eval()
     try:
-        with torch.no_grad():
-            for name, p in wrapped.named_parameters():
-                if "lora_B" in name:
-                    p.normal_(0.0, 0.2)
+        randomize_lora_b(wrapped, 0.2)
         ids = list(range(3, 60))
         with torch.inference_mode():
             keys, values, xs = experiment.base_prefill(wrapped, ids)

@@ -12,6 +12,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 from support.engine_driver import lora_model_with_adapters, make_engine, run_file
 from support.hardening_support import invoke
+from support.peft_support import randomize_lora_b
 
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.errors import KvforgeError
@@ -159,11 +160,7 @@ def peft_setup(tmp_path_factory: pytest.TempPathFactory):
         lora_config = peft.LoraConfig(r=4, lora_alpha=12, target_modules=modules, task_type="CAUSAL_LM",
                                       alora_invocation_tokens=invocation)
         model = peft.get_peft_model(fresh, lora_config).eval()
-        torch.manual_seed(seed)
-        with torch.no_grad():
-            for param_name, p in model.named_parameters():
-                if "lora_B" in param_name:
-                    p.normal_(0.0, 0.3)  # PEFT initialises B to zero: make the adapter matter
+        randomize_lora_b(model, 0.3, seed)
         model.save_pretrained(root / f"peft_{name}")
         models_by_name[name] = model
     loaded = load_hf_dir(root / "hf", kv_cache_dtype="fp32")

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 from support.hardening_support import invoke
+from support.peft_support import randomize_lora_b
 
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.engine_dir import load_engine_dir
@@ -74,11 +75,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Setup:
         lora = peft.LoraConfig(r=4, lora_alpha=12, target_modules=targets, task_type="CAUSAL_LM",
                                alora_invocation_tokens=invocation)
         model = peft.get_peft_model(fresh, lora).eval()
-        torch.manual_seed(seed)
-        with torch.no_grad():
-            for param_name, p in model.named_parameters():
-                if "lora_B" in param_name:
-                    p.normal_(0.0, 0.3)  # PEFT initialises B to zero: make the adapter matter
+        randomize_lora_b(model, 0.3, seed)
         model.save_pretrained(root / f"peft_{name}")
         peft_models[name] = model
     for folder, layers in (("", list(range(LAYERS - 1))), ("plain_", [])):

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 from support.engine_driver import assert_idle, make_engine
+from support.peft_support import randomize_lora_b
 
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.errors import KvforgeError
@@ -88,11 +89,7 @@ def export_with_adapter(root: Path, hf: object, seed: int) -> Setup:
     build_engine(root / "onnx", root / "engine", BuildOptions(max_input_len=128, max_kv_cache_capacity=256,
                                                               max_batch_size=2, tokens_per_page=T, max_lora_rank=4))
     model = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=12, target_modules=PEFT_MODULES)).eval()
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0.0, 0.2)
+    randomize_lora_b(model, 0.2, seed)
     model.save_pretrained(root / "peft")
     write_converted_adapter(root / "peft", root / "onnx", root / "adapter.safetensors")
     return Setup(model, loaded.config, root, root / "adapter.safetensors")
@@ -208,11 +205,7 @@ def test_activated_adapter_equals_peft_and_reuses_the_base_pages(family: str, re
     activated = peft.LoraConfig(r=4, lora_alpha=12, target_modules=PEFT_MODULES, task_type="CAUSAL_LM",
                                 alora_invocation_tokens=INVOCATION)  # PEFT applies aLoRA to causal LMs only
     model = peft.get_peft_model(fresh, activated).eval()
-    torch.manual_seed(6)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0.0, 0.3)
+    randomize_lora_b(model, 0.3, 6)
     model.save_pretrained(tmp_path / "peft")
     write_converted_adapter(tmp_path / "peft", setup.root / "onnx", tmp_path / "act.safetensors")
     engine = make_engine(setup.root / "engine", reuse=True)
