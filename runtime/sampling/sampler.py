@@ -74,6 +74,10 @@ class Sampler:
         that is the model's own distribution as the user biased it, which is what OpenAI-style clients
         expect, and it does not collapse to 0/-inf under greedy decoding.
         """
+        if self.params.is_greedy and self.constraint is None and not self.params.has_penalties:
+            fast = self._greedy(np.asarray(logits_row))
+            if fast is not None:
+                return fast
         logits = self._biased(logits_row)
         # One log-sum-exp instead of a full log_softmax row: only a few logprobs are ever read.
         log_total = _log_sum_exp(logits, self._scratch)
@@ -114,6 +118,39 @@ class Sampler:
         # Rank the reported values themselves, so logits that round to the same logprob tie by id.
         logprobs = np.subtract(logits, log_total, out=self._scratch)
         return [(int(i), float(logprobs[i])) for i in top_ids(logprobs, self.params.num_logprobs)]
+
+    def _greedy(self, row: np.ndarray) -> SampleResult | None:
+        """Greedy decoding with nothing but logit_bias to apply, without the float64 copy of the row that `_biased`
+        makes (a decode step's sampling was ~0.3 ms of SmolLM2's ~6 ms, mostly that copy and the passes over it):
+        the same token and the same logprobs to the last bit, from the same float64 operations on the same values.
+        None where the slow path must decide: a non-finite best logit (it raises or masks), a biased best token (the
+        best of the rest is then needed), a bias id outside the row (it raises)."""
+        if row.ndim != 1 or row.size == 0 or row.dtype.kind != "f":
+            return None
+        best = int(np.argmax(row))  # the first NaN where there is one
+        value = float(row[best])
+        ids = self._bias_ids
+        if not np.isfinite(value) or (ids.size and ((ids < 0) | (ids >= row.size) | (ids == best)).any()):
+            return None
+        biased = row[ids].astype(np.float64) + self._bias_values  # as `_biased` adds them, in float64
+        token_id, peak = best, value
+        for bias_id, biased_value in zip(ids.tolist(), biased.tolist(), strict=True):
+            if biased_value > peak or (biased_value == peak and bias_id < token_id):
+                token_id, peak = bias_id, biased_value
+        if self._scratch.size != row.size:
+            self._logits, self._scratch = np.empty(row.size), np.empty(row.size)
+        shifted = np.subtract(row, peak, out=self._scratch, dtype=np.float64)
+        shifted[ids] = biased - peak
+        np.exp(shifted, out=shifted)
+        log_total = float(peak + np.log(shifted.sum()))
+        chosen = float(biased[ids.tolist().index(token_id)]) if token_id != best else value
+        self._count(token_id)
+        top: list[tuple[int, float]] = []
+        if self.params.num_logprobs > 0:
+            logprobs = np.subtract(row, log_total, out=self._scratch, dtype=np.float64)
+            logprobs[ids] = biased - log_total
+            top = [(int(i), float(logprobs[i])) for i in top_ids(logprobs, self.params.num_logprobs)]
+        return SampleResult(token_id=token_id, logprob=chosen - log_total, top_logprobs=top)
 
     def _biased(self, logits_row: np.ndarray) -> np.ndarray:
         row = np.asarray(logits_row)

@@ -335,3 +335,40 @@ def test_sampling_params_normalize_stop_and_max_tokens() -> None:
     assert SamplingParams(max_tokens=12).max_generate_length == 12
     assert SamplingParams(max_tokens=12, max_generate_length=12).max_generate_length == 12
     assert SamplingParams(logit_bias={"7": 1}).logit_bias == {7: 1}
+
+
+# --- greedy without the float64 row copy -------------------------------------------------------------------
+
+
+def slow_greedy(row: np.ndarray, bias: dict[int, float],
+                num_logprobs: int) -> tuple[int, float, list[tuple[int, float]]]:
+    """Greedy sampling as the general path computes it: a float64 copy, the bias added, one log-sum-exp."""
+    logits = row.astype(np.float64)
+    for token_id, value in bias.items():
+        logits[token_id] += value
+    peak = logits.max()
+    log_total = float(peak + np.log(np.exp(logits - peak).sum()))
+    token_id = int(np.argmax(logits))
+    logprobs = logits - log_total
+    top = sorted(range(row.size), key=lambda i: (-logprobs[i], i))[:num_logprobs]
+    return token_id, float(logits[token_id] - log_total), [(i, float(logprobs[i])) for i in top]
+
+
+BIASES = st.dictionaries(st.integers(0, 39), st.sampled_from([-100.0, -1.5, 0.25, 3.0, 40.0]), max_size=4)
+
+
+@given(LOGITS, BIASES, st.integers(0, 3))
+@example(np.array([1.0, 5.0, 5.0, 2.0], np.float32), {2: 0.0}, 2)  # a biased token tied with the best: lower id
+@example(np.array([1.0, 5.0, 4.0, 2.0], np.float32), {1: -100.0}, 1)  # the best is biased away: the slow path
+@example(np.array([1.0, 2.0, 7.0, 2.0], np.float32), {3: 5.0}, 1)  # a bias lifts another token to tie the best
+def test_greedy_equals_the_general_path_to_the_last_bit(row: np.ndarray, bias: dict[int, float],
+                                                         num_logprobs: int) -> None:
+    """Greedy rows skip the float64 copy of the row (runtime/sampling/sampler.py `sample`): the token, its logprob
+    and the top logprobs must be what the general computation gives, bit for bit."""
+    bias = {token_id: value for token_id, value in bias.items() if token_id < row.size}
+    sampler = Sampler(params(temperature=0, num_logprobs=num_logprobs, logit_bias=bias))
+    result = sampler.sample(row)
+    token_id, logprob, top = slow_greedy(row, bias, num_logprobs)
+    assert (result.token_id, result.logprob) == (token_id, logprob)
+    assert result.top_logprobs == top
+    assert sampler.sample(row).logprob == logprob  # its buffers reused: the same again
