@@ -10,11 +10,11 @@ same values and scales and their mins, weight = scale * q + min with min = remai
 (measured in docs/benchmark-log.md): three nodes fewer per matmul, a cheaper decode call, and a verification call of
 k + 1 rows that gives each row exactly the decode call's logits (plugins/cpu/matmul_blocks.cc).
 
-The 8-bit LM head (Q8_0, exported at accuracy level 4) is taken too, with float activations: ONNX Runtime prepacks a
-level-4 weight into a second copy at load (41 MB of SmolLM2's peak RSS) and rounds its one-row and many-row calls
-differently; the kernel reads the blocks in place and gives a verification row its decode row's logits. A 4-bit
-level-4 weight (`--int4Scheme symmetric`) keeps ONNX Runtime's int8 arithmetic, which is what its export chose. Nodes
-inside If branches (`--prefillInt8Rows`) are left as they are.
+The 8-bit LM head (Q8_0, exported at accuracy level 4) is taken too, with float activations: ONNX Runtime prepacks
+a level-4 weight into a second copy at load (SmolLM2 holds 16 MiB less without it) and rounds its one-row and
+many-row calls differently; the kernel reads the blocks in place and gives a verification row its decode row's
+logits. A 4-bit level-4 weight (`--int4Scheme symmetric`) keeps ONNX Runtime's int8 arithmetic, which is what its
+export chose. Nodes inside If branches (`--prefillInt8Rows`) are left as they are.
 """
 
 from __future__ import annotations
