@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 from support.engine_driver import lora_model_with_adapters, make_engine, run_file
 from support.hardening_support import invoke
-from support.peft_support import randomize_lora_b
+from support.peft_support import save_peft_adapter, save_tiny_llama
 
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.errors import KvforgeError
@@ -137,32 +137,16 @@ PAGE = 16
 @pytest.fixture(scope="module")
 def peft_setup(tmp_path_factory: pytest.TempPathFactory):
     torch = pytest.importorskip("torch", reason="PEFT parity needs torch")
-    transformers = pytest.importorskip("transformers", reason="PEFT parity needs transformers")
-    peft = pytest.importorskip("peft", reason="PEFT parity needs peft")
-    from tokenizers import Tokenizer, models
-
+    pytest.importorskip("transformers", reason="PEFT parity needs transformers")
+    pytest.importorskip("peft", reason="PEFT parity needs peft")
     from kvforge.tools.export.sources.hf import load_hf_dir
 
     root = tmp_path_factory.mktemp("alora_peft")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    base = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in base.parameters():
-            p.normal_(0.0, 0.2)
-    base.save_pretrained(root / "hf", safe_serialization=True)
-    Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")).save(str(root / "hf" / "tokenizer.json"))
+    base = save_tiny_llama(root / "hf", VOCAB, 2)
     modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    models_by_name = {}
-    for name, invocation, seed in (("act", PEFT_INVOCATION, 1), ("act2", [5, 6], 2), ("plain", None, 3)):
-        fresh = transformers.LlamaForCausalLM.from_pretrained(root / "hf").eval()
-        lora_config = peft.LoraConfig(r=4, lora_alpha=12, target_modules=modules, task_type="CAUSAL_LM",
-                                      alora_invocation_tokens=invocation)
-        model = peft.get_peft_model(fresh, lora_config).eval()
-        randomize_lora_b(model, 0.3, seed)
-        model.save_pretrained(root / f"peft_{name}")
-        models_by_name[name] = model
+    models_by_name = {name: save_peft_adapter(root / "hf", root / f"peft_{name}", modules, invocation, seed)
+                      for name, invocation, seed in (("act", PEFT_INVOCATION, 1), ("act2", [5, 6], 2),
+                                                     ("plain", None, 3))}
     loaded = load_hf_dir(root / "hf", kv_cache_dtype="fp32")
     loaded.config.lora_targets = list(LORA_TARGETS)
     write_onnx_dir(loaded, root / "onnx")

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 from support.hardening_support import invoke
-from support.peft_support import randomize_lora_b
+from support.peft_support import save_peft_adapter, save_tiny_llama
 
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.engine_dir import load_engine_dir
@@ -50,34 +50,17 @@ class Setup:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Setup:
     torch = pytest.importorskip("torch", reason="the reference is PEFT's")
-    transformers = pytest.importorskip("transformers", reason="the reference is PEFT's")
-    peft = pytest.importorskip("peft", reason="the reference is PEFT's")
-    from tokenizers import Tokenizer, models
-
+    pytest.importorskip("transformers", reason="the reference is PEFT's")
+    pytest.importorskip("peft", reason="the reference is PEFT's")
     from kvforge.tools.export.sources.hf import load_hf_dir
 
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("lora_correction")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=256)
-    base = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in base.parameters():
-            p.normal_(0.0, 0.2)
-    base.save_pretrained(root / "hf", safe_serialization=True)
-    Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")).save(str(root / "hf" / "tokenizer.json"))
+    save_tiny_llama(root / "hf", VOCAB, LAYERS)
     peft_models, paths = {}, {}
     for name, targets, invocation, seed in (("checker", ALL, None, 1), ("qo", ["q_proj", "o_proj"], None, 2),
                                             ("act", ALL, [7, 42, 99], 3)):
-        fresh = transformers.LlamaForCausalLM.from_pretrained(root / "hf").eval()
-        lora = peft.LoraConfig(r=4, lora_alpha=12, target_modules=targets, task_type="CAUSAL_LM",
-                               alora_invocation_tokens=invocation)
-        model = peft.get_peft_model(fresh, lora).eval()
-        randomize_lora_b(model, 0.3, seed)
-        model.save_pretrained(root / f"peft_{name}")
-        peft_models[name] = model
+        peft_models[name] = save_peft_adapter(root / "hf", root / f"peft_{name}", targets, invocation, seed)
     for folder, layers in (("", list(range(LAYERS - 1))), ("plain_", [])):
         loaded = load_hf_dir(root / "hf", kv_cache_dtype="fp32")
         loaded.config.lora_targets = list(LORA_TARGETS)
