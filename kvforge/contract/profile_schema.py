@@ -130,6 +130,13 @@ SLIDING_WINDOW = "sliding_window"
 WINDOW_HITS = "hits"
 WINDOW_SKIPS = "skips"
 
+# `adapter_corrections` counts corrected adapters (lora_corrections, issue 39): base pages copied and corrected for
+# their requests, factor slots written, and pages published without factors because the pool was full. All zero
+# without the option.
+CORRECTION_STORED_PAGES = "stored_pages"
+CORRECTION_SKIPPED_PAGES = "skipped_pages"
+CORRECTION_KEYS = (ADAPTER_CORRECTED_PAGES, CORRECTION_STORED_PAGES, CORRECTION_SKIPPED_PAGES)
+
 PLANNING_NANOSECONDS = "planning_nanoseconds"
 
 RECORDS = "records"

@@ -29,6 +29,7 @@ from typing import Protocol
 
 import numpy as np
 
+from kvforge.contract import profile_schema as schema
 from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.paging import pages_for
 from kvforge.runtime.context_cache.lease import Admission, Lease
@@ -128,7 +129,8 @@ def build_adapter_corrections(setup: CacheSetup, name: str) -> AdapterCorrection
     budget = setup.num_pages * max(copier.num_adapters, 1) if budget is None else budget
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
         raise InvalidConfig(f"must be an integer >= 0, got {budget!r}", "adapter_correction_pages")
-    return AdapterCorrections(ResourcePool(name, budget), setup.tokens_per_page, copier)
+    return AdapterCorrections(ResourcePool(name, budget), setup.tokens_per_page, copier,
+                              setup.metrics.adapter_corrections)
 
 
 class AdapterCorrections(CacheTypeBase):
@@ -136,14 +138,13 @@ class AdapterCorrections(CacheTypeBase):
 
     __slots__ = ("name", "pool", "tokens_per_page", "copier", "counters", "_by_key", "_key_of", "_data")
 
-    def __init__(self, pool: ResourcePool, tokens_per_page: int, copier: CorrectionCopier) -> None:
+    def __init__(self, pool: ResourcePool, tokens_per_page: int, copier: CorrectionCopier,
+                 counters: dict[str, int]) -> None:
         self.name = pool.name
         self.pool = pool
         self.tokens_per_page = tokens_per_page
         self.copier = copier
-        # corrected_pages: pages copied and corrected; stored_pages: factor slots written; skipped_pages: pages
-        # published without factors because the pool was full.
-        self.counters = {"corrected_pages": 0, "stored_pages": 0, "skipped_pages": 0}
+        self.counters = counters  # the cache metrics' adapter_corrections block (profile_schema.CORRECTION_KEYS)
         self._by_key: dict[tuple[bytes, bytes], int] = {}
         self._key_of: dict[int, tuple[bytes, bytes]] = {}
         self._data: dict[int, np.ndarray] = {}  # slot -> factors [T, L, 2, r]
@@ -200,7 +201,7 @@ class AdapterCorrections(CacheTypeBase):
             return
         factors = [self._data[slot] for slot in hit.slots]
         self.copier.correct(hit.digest, list(hit.base_pages), lease.page_ids[:len(hit.base_pages)], factors)
-        self.counters["corrected_pages"] += len(hit.base_pages)
+        self.counters[schema.ADAPTER_CORRECTED_PAGES] += len(hit.base_pages)
         self.pool.unpin(hit.slots)
 
     def on_admitted(self, lease: Lease, admission: Admission, num_tokens: int) -> None:
@@ -228,14 +229,14 @@ class AdapterCorrections(CacheTypeBase):
                     if values is None:
                         continue
                     if not self.pool.can_allocate(1):
-                        self.counters["skipped_pages"] += 1
+                        self.counters[schema.CORRECTION_SKIPPED_PAGES] += 1
                         continue
                     slot = self.pool.allocate(1)[0]
                     self._data[slot] = values.copy()
                     self._key_of[slot] = (digest, key)
                     self._by_key[(digest, key)] = slot
                     new.append(slot)
-                    self.counters["stored_pages"] += 1
+                    self.counters[schema.CORRECTION_STORED_PAGES] += 1
                 entries.append((digest, key, slot))
         if new:
             publication.reserved.setdefault(self.name, []).extend(new)  # the commit unpins them

@@ -36,6 +36,8 @@ class CacheMetrics:
     window_skips: int = 0  # records published without a window (the lease no longer held it all)
     reclaimed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(schema.POOL_KEYS, 0))
     documents: dict[str, int] = field(default_factory=lambda: dict.fromkeys(schema.DOCUMENT_KEYS, 0))  # issue 37
+    adapter_corrections: dict[str, int] = field(  # issue 39
+        default_factory=lambda: dict.fromkeys(schema.CORRECTION_KEYS, 0))
 
     def count_admission(self, plan: ReusePlan, lease: Lease, lookup: bool) -> None:
         """An admitted sequence, planned as `plan` (`lookup`: it looked the cache up)."""
@@ -80,6 +82,7 @@ class CacheMetrics:
             schema.SPECULATIVE: {schema.FULL_PAGE_REPLAYS: self.full_page_replays,
                                  schema.PAIR_PUBLICATIONS: self.pair_publications},
             schema.DOCUMENTS: dict(self.documents),
+            schema.ADAPTER_CORRECTIONS: dict(self.adapter_corrections),
             schema.SLIDING_WINDOW: {schema.WINDOW_HITS: self.window_hits, schema.WINDOW_SKIPS: self.window_skips},
             schema.PLANNING_NANOSECONDS: self.planning_nanoseconds,
             schema.RECORDS: {schema.RECORDS_CURRENT: records_current, schema.RECORDS_EVICTED: self.records_evicted},

@@ -23,7 +23,6 @@ from kvforge.contract.engine_dir import (
 from kvforge.contract.errors import InvalidConfig, KvforgeError, PoolTooSmall
 from kvforge.contract.model_config import ModelConfig
 from kvforge.contract.paging import pages_for
-from kvforge.contract.profile_schema import ADAPTER_CORRECTIONS
 from kvforge.contract.rope import rope_table
 from kvforge.contract.safetensors_map import map_tensor
 from kvforge.contract.window_pool import window_call_tokens
@@ -351,9 +350,6 @@ class Engine:
         block = self.cache.profile()
         if self.tier is not None:
             block["shared_tier"] = self.tier.profile()
-        for kind in self.cache.types:  # corrected adapters' counters (lora_corrections)
-            if kind.name == ADAPTER_CORRECTIONS:
-                block[ADAPTER_CORRECTIONS] = dict(kind.counters)  # type: ignore[attr-defined]
         return block
 
     def _document_options(self, config: EngineConfig, resolved: ResolvedConfig) -> dict:
