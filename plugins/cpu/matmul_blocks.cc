@@ -98,17 +98,17 @@ void dot_group(const Call& c, int64_t c0, int64_t r0) {
   // The next column group's blocks, one block step ahead per step: a column's stream is only K / 32 blocks (7 to 18
   // cache lines here), too short for the hardware prefetchers to lock on, and a decode call is 120 such matmuls
   // streaming 80 MB. Prefetching the group ahead took SmolLM2's 120 one-row matmuls from ~5.2 to ~3.3 ms on two
-  // cores. The group ahead is contiguous (columns are consecutive), so step b covers its bytes [b, b + 1) * NC * 24;
-  // the last group of an item prefetches the next item's first, which another thread may be reading.
+  // cores. The group ahead is contiguous (columns are consecutive), so step b covers its bytes [b, b + 1) * span: an
+  // address every cache line and the span's last byte reach each line it touches. The last group of an item
+  // prefetches the next item's first, which another thread may be reading.
+  constexpr int64_t span = NC * kBytes;
   const bool prefetch = c0 + 2 * NC <= n;
   const char* ahead = reinterpret_cast<const char*>(c.blocks + (prefetch ? (c0 + NC) * blocks * kBytes : 0));
   for (int64_t b = 0; b < blocks; ++b) {
     if (prefetch) {
-      const char* line = ahead + b * NC * kBytes;
-      _mm_prefetch(line, _MM_HINT_T0);
-      _mm_prefetch(line + 64, _MM_HINT_T0);
-      if (NC * kBytes > 128) _mm_prefetch(line + 128, _MM_HINT_T0);
-      _mm_prefetch(line + NC * kBytes - 1, _MM_HINT_T0);
+      const char* group = ahead + b * span;
+      for (int64_t offset = 0; offset < span; offset += 64) _mm_prefetch(group + offset, _MM_HINT_T0);
+      _mm_prefetch(group + span - 1, _MM_HINT_T0);
     }
     __m512 low[NC], high[NC];  // elements 0..15 and 16..31 of each column's block
     for (int j = 0; j < NC; ++j) {
