@@ -293,9 +293,7 @@ def _build_into(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometry:
     if window_pages:
         size_window_pools(lowered, config, window_pages)
     fuse_for_onnxruntime(lowered)  # residual + RMSNorm as one contrib op (the export keeps the reference form)
-    matmuls = lower_block_matmuls(lowered) if kernel and options.cpu_matmul == "kernel" else 0
-    if kernel:
-        lower_swiglu(lowered)  # the library is loaded anyway: a gated MLP's activation as one node
+    matmuls = _lower_kernel_ops(lowered, options) if kernel else 0
     if config.tie_word_embeddings:
         share_tied_head(lowered)
     step("lowered paged-KV ops")
@@ -356,9 +354,7 @@ def _build_hybrid(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometr
                                                         kernel_rope=True))
     fuse_for_onnxruntime(lowered)
     kernel = options.cpu_attention == ATTENTION_CPU_KERNEL
-    matmuls = lower_block_matmuls(lowered) if kernel and options.cpu_matmul == "kernel" else 0
-    if kernel:
-        lower_swiglu(lowered)
+    matmuls = _lower_kernel_ops(lowered, options) if kernel else 0
     if config.tie_word_embeddings:
         share_tied_head(lowered)
     step("lowered paged-KV and recurrent ops")
@@ -367,6 +363,14 @@ def _build_hybrid(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometr
                         BuilderConfig.from_geometry(geometry, backend, 0, config, options.cpu_attention,
                                                     kernel_kv_write=kernel_writes_kv(lowered),
                                                     kernel_matmul=matmuls > 0, **speculative))
+
+
+def _lower_kernel_ops(model: onnx.ModelProto, options: BuildOptions) -> int:
+    """The kvforge.cpu ops besides attention, on an engine that loads the kernel library anyway: block matmuls
+    (unless --cpuMatmul onnx) and a gated MLP's activation as one SwiGLU node. Returns how many matmuls moved."""
+    matmuls = lower_block_matmuls(model) if options.cpu_matmul == "kernel" else 0
+    lower_swiglu(model)
+    return matmuls
 
 
 def _save(model: onnx.ModelProto, engine_dir: Path) -> None:

@@ -142,15 +142,14 @@ class Sampler:
         shifted = np.subtract(row, peak, out=self._scratch, dtype=np.float64)
         shifted[ids] = biased - peak
         np.exp(shifted, out=shifted)
-        log_total = float(peak + np.log(shifted.sum()))
-        chosen = float(biased[ids.tolist().index(token_id)]) if token_id != best else value
+        log_total = float(peak + np.log(shifted.sum()))  # peak is also the chosen token's biased logit
         self._count(token_id)
         top: list[tuple[int, float]] = []
         if self.params.num_logprobs > 0:
             logprobs = np.subtract(row, log_total, out=self._scratch, dtype=np.float64)
             logprobs[ids] = biased - log_total
             top = [(int(i), float(logprobs[i])) for i in top_ids(logprobs, self.params.num_logprobs)]
-        return SampleResult(token_id=token_id, logprob=chosen - log_total, top_logprobs=top)
+        return SampleResult(token_id=token_id, logprob=peak - log_total, top_logprobs=top)
 
     def _biased(self, logits_row: np.ndarray) -> np.ndarray:
         row = np.asarray(logits_row)
