@@ -27,6 +27,8 @@ from kvforge.contract.lora import (
 )
 from kvforge.contract.tensor_header import read_tensor_header
 from kvforge.contract.validation import one_line
+from kvforge.runtime.context_cache.adapter_corrections import check_deployment
+from kvforge.runtime.types import Deployment
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -258,12 +260,11 @@ class FoldedCorrection:
     adapts_kv: bool  # False: no k/v target, so the corrected pages are the base pages as they are
 
 
-def check_correction_engine(engine: EngineDir, deployment_vanilla: bool) -> None:
-    """Refuse, in one line naming `lora_corrections`, an engine the correction cannot serve."""
+def check_correction_engine(engine: EngineDir, deployment: Deployment) -> None:
+    """Refuse, in one line naming `lora_corrections`, an engine the correction cannot serve (the deployment first,
+    as the cache type checks it)."""
     model = engine.model
-    if not deployment_vanilla or model.recurrent_layer_ids:
-        raise KvforgeError("recurrent and hybrid engines cannot correct adapters: their state past the conversation "
-                           "is the adapter's own", CORRECTION_FIELD)
+    check_deployment(deployment)
     if model.model != "llama":
         raise KvforgeError(f"corrected adapters are implemented for the llama family only, not {model.model}",
                            CORRECTION_FIELD)

@@ -117,14 +117,20 @@ class StoredFactors:
         return tuple(slot for _, _, slot in self.entries)
 
 
+def check_deployment(deployment: Deployment) -> None:
+    """Attention-only deployments: a recurrent layer's state past the conversation is the adapter's own, and no
+    correction of base pages reaches it (refused in one line naming `lora_corrections`)."""
+    if deployment is not Deployment.VANILLA:
+        raise InvalidConfig("recurrent and hybrid engines cannot correct adapters: their state past the conversation "
+                            "is the adapter's own", "lora_corrections")
+
+
 def build_adapter_corrections(setup: CacheSetup, name: str) -> AdapterCorrections | None:
     """Only with context reuse on and an engine that opted in (`lora_corrections`)."""
     copier: CorrectionCopier | None = setup.options.get("adapter_corrections")
     if not setup.enabled or copier is None:
         return None
-    if setup.deployment is not Deployment.VANILLA:
-        raise InvalidConfig("recurrent and hybrid engines cannot correct adapters: their state past the conversation "
-                            "is the adapter's own", "lora_corrections")
+    check_deployment(setup.deployment)
     budget = setup.options.get("adapter_correction_pages")
     budget = setup.num_pages * max(copier.num_adapters, 1) if budget is None else budget
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:

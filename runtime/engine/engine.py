@@ -382,7 +382,7 @@ class Engine:
         if config.spec_decode != SPEC_OFF:
             raise InvalidConfig("corrected adapters run without speculative decoding; use --specDecode none",
                                 "lora_corrections")
-        check_correction_engine(self.engine_dir, self.deployment is Deployment.VANILLA)
+        check_correction_engine(self.engine_dir, self.deployment)
         if not isinstance(self.backend.kv_store, KVStore):
             raise InvalidConfig("corrected adapters need the onnxruntime backend's host KV pool", "lora_corrections")
         model, build = self.engine_dir.model, self.engine_dir.build
