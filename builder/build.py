@@ -50,6 +50,9 @@ BACKENDS = ("auto", "onnxruntime", "tensorrt")
 CPU_ATTENTION_CHOICES = ("auto", "kernel", "onnx")
 # --cpuMatmul: on kernel-attention engines, 4-bit blocks run kvforge's MatMulBlocks (kernel) or MatMulNBits (onnx)
 CPU_MATMUL_CHOICES = ("kernel", "onnx")
+# --cpuPrefillMatmul: MatMulBlocks' calls of more than 16 rows (prefill chunks) in bfloat16 where the CPU has
+# AVX512_BF16 (float32 sums; twice SGEMM's rate), or always float32 (SGEMM on the dequantized weight)
+CPU_PREFILL_MATMUL_CHOICES = ("bf16", "fp32")
 STEPS = 4
 DEFAULT_TREE_SIZE = 60  # TensorRT Edge-LLM's --maxVerifyTreeSize / --maxDraftTreeSize defaults
 
@@ -74,6 +77,7 @@ class BuildOptions:
     sliding_window_pool: bool = False  # sliding layers get their own page group, sized for the window
     sliding_window_records: int = 0  # window checkpoints the group keeps beyond its rows' pages (reuse)
     cpu_matmul: str = "kernel"  # a CPU_MATMUL_CHOICES entry; only engines attending with the kernel take it
+    cpu_prefill_matmul: str = "bf16"  # a CPU_PREFILL_MATMUL_CHOICES entry; only MatMulBlocks takes it
 
     def geometry(self, max_position_embeddings: int) -> PageGeometry:
         """The validated geometry for a model with `max_position_embeddings` (InvalidConfig otherwise)."""
@@ -173,6 +177,9 @@ def build_engine(onnx_dir: Path, engine_dir: Path, options: BuildOptions,
     an interrupted or failed build leaves `engine_dir` as it was and nothing the runtime accepts."""
     if options.cpu_matmul not in CPU_MATMUL_CHOICES:
         raise InvalidConfig(f"must be one of {CPU_MATMUL_CHOICES}, got {options.cpu_matmul!r}", "cpu_matmul")
+    if options.cpu_prefill_matmul not in CPU_PREFILL_MATMUL_CHOICES:
+        raise InvalidConfig(f"must be one of {CPU_PREFILL_MATMUL_CHOICES}, got {options.cpu_prefill_matmul!r}",
+                            "cpu_prefill_matmul")
     if overlaps(engine_dir, onnx_dir):
         raise InvalidConfig("is the same directory as (or overlaps) --onnxDir; the build would destroy the export",
                             "engine_dir")
@@ -368,7 +375,8 @@ def _build_hybrid(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometr
 def _lower_kernel_ops(model: onnx.ModelProto, options: BuildOptions) -> int:
     """The kvforge.cpu ops besides attention, on an engine that loads the kernel library anyway: block matmuls
     (unless --cpuMatmul onnx) and a gated MLP's activation as one SwiGLU node. Returns how many matmuls moved."""
-    matmuls = lower_block_matmuls(model) if options.cpu_matmul == "kernel" else 0
+    bf16 = options.cpu_prefill_matmul == "bf16"
+    matmuls = lower_block_matmuls(model, prefill_bf16=bf16) if options.cpu_matmul == "kernel" else 0
     lower_swiglu(model)
     return matmuls
 

@@ -120,6 +120,11 @@ def build(
                                         "weights: kernel (kvforge's MatMulBlocks: one node per matmul, and a "
                                         "verification row gets exactly its decode row's logits) or onnx (ONNX "
                                         "Runtime's MatMulNBits plus the export's Q4_1 correction)."),
+    cpu_prefill_matmul: str = typer.Option(DEFAULTS.cpu_prefill_matmul, "--cpuPrefillMatmul",
+                                           help="How MatMulBlocks runs calls of more than 16 rows (prefill chunks): "
+                                                "bf16 (activations and weights rounded to bfloat16, float32 sums, on "
+                                                "CPUs with AVX512_BF16; float32 elsewhere) or fp32 (always float32). "
+                                                "Decode and verification rows are float32 either way."),
     reuse_records: int = typer.Option(DEFAULT_REUSE_RECORDS, "--reuseRecords",
                                       help="Retained contexts to size the printed snapshot budget for (a record "
                                            "whose length is not page-aligned keeps one partial-KV snapshot slot)."),
@@ -159,7 +164,8 @@ def build(
     options = BuildOptions(max_input_len=max_input_len, max_kv_cache_capacity=max_kv_cache_capacity,
                            max_kv_pool_pages=max_kv_pool_pages, max_batch_size=max_batch_size,
                            tokens_per_page=tokens_per_page, backend=backend, max_lora_rank=max_lora_rank,
-                           force=force, cpu_attention=cpu_attention, cpu_matmul=cpu_matmul, spec_base=spec_base,
+                           force=force, cpu_attention=cpu_attention, cpu_matmul=cpu_matmul,
+                           cpu_prefill_matmul=cpu_prefill_matmul, spec_base=spec_base,
                            spec_draft=spec_draft,
                            max_verify_tree_size=max_verify_tree_size, max_draft_tree_size=max_draft_tree_size,
                            sliding_window_pool=sliding_window_pool, sliding_window_records=sliding_window_records)

@@ -30,8 +30,9 @@ MATMUL_BLOCKS = "MatMulBlocks"
 BLOCK = 32  # the kernel's block: GGUF's Q4_0 / Q4_1
 
 
-def lower_block_matmuls(model: onnx.ModelProto) -> int:
-    """Every eligible MatMulNBits (with its correction, if any) -> MatMulBlocks, in place; returns how many."""
+def lower_block_matmuls(model: onnx.ModelProto, prefill_bf16: bool = False) -> int:
+    """Every eligible MatMulNBits (with its correction, if any) -> MatMulBlocks, in place; returns how many.
+    `prefill_bf16`: the 4-bit nodes' calls of more than 16 rows run in bfloat16 where the CPU has AVX512_BF16."""
     graph = model.graph
     index = GraphIndex.of(graph)
     initializers = index.initializers
@@ -65,6 +66,8 @@ def lower_block_matmuls(model: onnx.ModelProto) -> int:
                         bits), blocks_name))
         fused = helper.make_node(MATMUL_BLOCKS, [node.input[0], blocks_name], [output],
                                  name=f"blocks/{node.name or output}", domain=CPU_DOMAIN, K=k, N=n, bits=bits)
+        if prefill_bf16 and bits == 4:
+            fused.attribute.append(helper.make_attribute("bf16", 1))
         # At the correction's Add (or the MatMulNBits itself): every input exists there and every reader comes later.
         replaced[id(correction[0] if correction else node)] = fused
         if correction is not None:

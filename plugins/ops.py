@@ -97,7 +97,7 @@ CPU_MATMUL_BLOCKS = OpSchema(
     name="MatMulBlocks",
     inputs=("A", "blocks"),
     outputs=("Y",),
-    attributes=("K", "N", "bits"),
+    attributes=("K", "N", "bits", "bf16"),
     doc="Y [..., N] = A [..., K] @ W for 4- or 8-bit weights in blocks of 32 along K: W[k, n] = scale * q + min of "
         "column n's block b = k // 32. bits 4 (the default when absent): blocks uint8 [N, K/32, 24], per block 16 "
         "bytes of values (byte j: element j in the low nibble, element j + 16 in the high one); bits 8: [N, K/32, "
@@ -105,7 +105,8 @@ CPU_MATMUL_BLOCKS = OpSchema(
         "A GGUF Q4_1 block as it is, Q4_0 with min = -8 * scale, Q8_0 with min = -128 * scale over q + 128. Up to "
         "16 rows of A (any row count for 8 bits), each output element is summed in one fixed order whatever the row "
         "count (a verification row equals its decode row bit for bit); more rows of a 4-bit weight dequantize W once "
-        "and run ONNX Runtime's Gemm. Semantics: reference.matmul_blocks.",
+        "and run ONNX Runtime's Gemm, or with bf16 = 1 (absent: 0) on a CPU with AVX512_BF16 round A and W to "
+        "bfloat16 and sum their products in float32 (VDPBF16PS). Semantics: reference.matmul_blocks.",
 )
 
 

@@ -242,10 +242,19 @@ def paged_attention_rope(query: np.ndarray, key: np.ndarray, value: np.ndarray, 
     return out, written
 
 
-def matmul_blocks(a: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+def to_bfloat16(x: np.ndarray) -> np.ndarray:
+    """float32 values rounded to bfloat16 (nearest even, as VCVTNE2PS2BF16), returned as float32."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return rounded.astype(np.uint32).view(np.float32)
+
+
+def matmul_blocks(a: np.ndarray, blocks: np.ndarray, bf16: bool = False) -> np.ndarray:
     """CPU_MATMUL_BLOCKS in float64: A [..., K] @ W, where W[k, n] = scale * q + min of k's block b = k // 32 of
     column n; blocks uint8 [N, K/32, 24] (4 bits: 16 bytes of values, byte j: element j low, element j + 16 high) or
-    [N, K/32, 40] (8 bits: 32 bytes, one a value), then the block's scale and min as little-endian float32."""
+    [N, K/32, 40] (8 bits: 32 bytes, one a value), then the block's scale and min as little-endian float32.
+    `bf16`: the many-row bfloat16 path (attribute bf16, more than 16 rows, AVX512_BF16): A and the float32 weights
+    (scale * q + min, rounded once) each rounded to bfloat16 before the products."""
     n, count, width = blocks.shape
     stored = blocks[..., :width - 8]
     if width == 24:
@@ -254,7 +263,9 @@ def matmul_blocks(a: np.ndarray, blocks: np.ndarray) -> np.ndarray:
         values = stored.astype(np.float64)
     floats = np.ascontiguousarray(blocks[..., width - 8:]).view("<f4").astype(np.float64)  # [N, K/32, 2]
     w = values * floats[..., :1] + floats[..., 1:]
-    return a.astype(np.float64) @ w.reshape(n, count * 32).T
+    if bf16:
+        a, w = to_bfloat16(a), to_bfloat16(w.astype(np.float32))
+    return a.astype(np.float64) @ w.reshape(n, count * 32).astype(np.float64).T
 
 
 def swiglu(x: np.ndarray) -> np.ndarray:

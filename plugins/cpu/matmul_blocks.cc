@@ -36,6 +36,11 @@
 #else
 #define KVFORGE_MATMUL_AVX512 0
 #endif
+#if KVFORGE_MATMUL_AVX512 && defined(__AVX512BF16__)
+#define KVFORGE_MATMUL_BF16 1
+#else
+#define KVFORGE_MATMUL_BF16 0
+#endif
 
 namespace kvforge_matmul {
 namespace {
@@ -65,6 +70,7 @@ struct Kernel {
   int64_t k = 0;
   int64_t n = 0;
   int64_t bits = 4;  // 4 (GGUF Q4_0 / Q4_1) or 8 (Q8_0, the LM head)
+  bool bf16 = false;  // many-row calls of 4-bit weights in bfloat16 where the CPU has it (attribute `bf16`)
   OrtOp* gemm = nullptr;  // ONNX Runtime's Gemm (transB = 1) for calls of many rows
   OrtMemoryInfo* cpu = nullptr;
 };
@@ -226,6 +232,120 @@ void dequantize_item(void* data, size_t item) {
   }
 }
 
+#if KVFORGE_MATMUL_BF16
+// ---- many rows in bfloat16: A and W rounded to bf16 (nearest even), products summed in float32 by VDPBF16PS ----
+//
+// W is dequantized a panel of 32 columns at a time (scale * q + min in float32, as every path rounds it, then to
+// bf16) into the thread's panel [K/2][32] of bf16 pairs: dword (p, j) holds weights 2p and 2p + 1 of column j, the
+// layout VDPBF16PS pairs with a broadcast dword of two activations. A register block of kPanelRows rows then runs
+// over the whole panel with 2 x kPanelRows accumulators; the panel (K x 64 bytes) stays in L2 for all the rows.
+constexpr int64_t kPanel = 32;      // columns per panel: two vectors of 16
+constexpr int kPanelRows = 12;      // rows per register block: 24 accumulators, 2 weight vectors, a broadcast
+constexpr int64_t kPackRows = 16;   // rows rounded to bf16 per work item
+
+struct Bf16Call {
+  const Kernel* kernel;
+  int64_t rows;
+  const float* x;         // [rows, K]
+  uint16_t* a;            // [rows, K] bf16 (x rounded)
+  const uint8_t* blocks;  // [N, K / 32, 24]
+  float* y;               // [rows, N]
+};
+
+void round_rows_item(void* data, size_t item) {
+  const Bf16Call& c = *static_cast<const Bf16Call*>(data);
+  const int64_t k = c.kernel->k, begin = static_cast<int64_t>(item) * kPackRows;
+  const int64_t end = std::min(begin + kPackRows, c.rows);
+  for (int64_t i = begin * k; i < end * k; i += kBlock) {  // K is a multiple of 32
+    const __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(c.x + i + 16), _mm512_loadu_ps(c.x + i));
+    _mm512_storeu_si512(c.a + i, reinterpret_cast<const __m512i&>(pairs));
+  }
+}
+
+// Columns n0..n0+31 of W into `panel` as bf16 pairs; columns past N are zero.
+void dequantize_panel(const Bf16Call& c, int64_t n0, uint32_t* panel) {
+  const int64_t k = c.kernel->k, n = c.kernel->n, blocks = k / kBlock;
+  const int64_t columns = std::min(kPanel, n - n0);
+  const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  // Dword l of a block's 32 rounded weights is pair b * 16 + l: scattered down the panel at a stride of 32 dwords.
+  const __m512i stride = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(static_cast<int>(kPanel)));
+  for (int64_t j = 0; j < columns; ++j) {
+    const uint8_t* column = c.blocks + (n0 + j) * blocks * kBlockBytes<4>;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* block = column + b * kBlockBytes<4>;
+      const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(block_float(block, kValueBytes<4>)),
+                                           _mm512_set1_ps(block_float(block, kValueBytes<4> + 4)));
+      const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
+      const __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table),
+                                                 _mm512_permutexvar_ps(v, table));
+      _mm512_i32scatter_epi32(panel + b * 16 * kPanel + j, stride, reinterpret_cast<const __m512i&>(pairs), 4);
+    }
+  }
+  for (int64_t p = 0; columns < kPanel && p < k / 2; ++p)
+    std::memset(panel + p * kPanel + columns, 0, sizeof(uint32_t) * (kPanel - columns));
+}
+
+// Rows r0..r0+MR-1 against the panel's 32 columns; the columns past N are not stored.
+template <int MR>
+void panel_rows(const Bf16Call& c, const uint32_t* panel, int64_t n0, int64_t r0) {
+  const int64_t pairs = c.kernel->k / 2, n = c.kernel->n;
+  const uint32_t* a = reinterpret_cast<const uint32_t*>(c.a) + r0 * pairs;
+  __m512 low[MR], high[MR];
+  for (int r = 0; r < MR; ++r) low[r] = high[r] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const __m512i w0 = _mm512_loadu_si512(panel + p * kPanel), w1 = _mm512_loadu_si512(panel + p * kPanel + 16);
+    for (int r = 0; r < MR; ++r) {
+      const __m512i x = _mm512_set1_epi32(static_cast<int>(a[r * pairs + p]));
+      low[r] = _mm512_dpbf16_ps(low[r], reinterpret_cast<const __m512bh&>(x), reinterpret_cast<const __m512bh&>(w0));
+      high[r] = _mm512_dpbf16_ps(high[r], reinterpret_cast<const __m512bh&>(x), reinterpret_cast<const __m512bh&>(w1));
+    }
+  }
+  const int64_t columns = std::min(kPanel, n - n0);
+  const __mmask16 low_mask = columns >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << columns) - 1);
+  const __mmask16 high_mask = columns >= 32 ? 0xFFFF : columns <= 16 ? 0 : static_cast<__mmask16>((1u << (columns - 16)) - 1);
+  for (int r = 0; r < MR; ++r) {
+    float* y = c.y + (r0 + r) * n + n0;
+    _mm512_mask_storeu_ps(y, low_mask, low[r]);
+    _mm512_mask_storeu_ps(y + 16, high_mask, high[r]);
+  }
+}
+
+void bf16_item(void* data, size_t item) {
+  const Bf16Call& c = *static_cast<const Bf16Call*>(data);
+  thread_local std::vector<uint32_t> panel;  // this thread's: reused call after call
+  panel.resize(static_cast<size_t>(c.kernel->k / 2 * kPanel));
+  const int64_t n0 = static_cast<int64_t>(item) * kPanel;
+  dequantize_panel(c, n0, panel.data());
+  int64_t r0 = 0;
+  for (; r0 + kPanelRows <= c.rows; r0 += kPanelRows) panel_rows<kPanelRows>(c, panel.data(), n0, r0);
+  switch (c.rows - r0) {
+    case 0: break;
+    case 1: panel_rows<1>(c, panel.data(), n0, r0); break;
+    case 2: panel_rows<2>(c, panel.data(), n0, r0); break;
+    case 3: panel_rows<3>(c, panel.data(), n0, r0); break;
+    case 4: panel_rows<4>(c, panel.data(), n0, r0); break;
+    case 5: panel_rows<5>(c, panel.data(), n0, r0); break;
+    case 6: panel_rows<6>(c, panel.data(), n0, r0); break;
+    case 7: panel_rows<7>(c, panel.data(), n0, r0); break;
+    case 8: panel_rows<8>(c, panel.data(), n0, r0); break;
+    case 9: panel_rows<9>(c, panel.data(), n0, r0); break;
+    case 10: panel_rows<10>(c, panel.data(), n0, r0); break;
+    default: panel_rows<11>(c, panel.data(), n0, r0); break;
+  }
+}
+
+OrtStatus* run_bf16(OrtKernelContext* ctx, const Call& call) {
+  thread_local std::vector<uint16_t> rounded;  // the calling thread's A in bf16, never shrunk
+  rounded.resize(static_cast<size_t>(call.rows * call.kernel->k));
+  Bf16Call c{call.kernel, call.rows, call.x, rounded.data(), call.blocks, call.y};
+  const size_t row_items = static_cast<size_t>((call.rows + kPackRows - 1) / kPackRows);
+  KVF_MM_TRY(g_api->KernelContext_ParallelFor(ctx, round_rows_item, row_items, 0, &c));
+  const size_t panels = static_cast<size_t>((call.kernel->n + kPanel - 1) / kPanel);
+  return g_api->KernelContext_ParallelFor(ctx, bf16_item, panels, 0, &c);
+}
+#endif
+
 struct TensorInfo {
   std::vector<int64_t> shape;
   ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
@@ -302,6 +422,9 @@ OrtStatus* ORT_API_CALL compute(void* kernel_data, OrtKernelContext* ctx) {
   const size_t items = static_cast<size_t>((n + kColumnsPerItem - 1) / kColumnsPerItem);
   if (kernel.bits == 8) return g_api->KernelContext_ParallelFor(ctx, direct_item<8>, items, 0, &c);
   if (rows <= kDirectRows) return g_api->KernelContext_ParallelFor(ctx, direct_item<4>, items, 0, &c);
+#if KVFORGE_MATMUL_BF16
+  if (kernel.bf16) return run_bf16(ctx, c);
+#endif
   thread_local std::vector<float> scratch;  // the calling thread's: reused call after call, never shrunk
   scratch.resize(static_cast<size_t>(n * k));
   c.dequantized = scratch.data();
@@ -326,6 +449,12 @@ OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const O
   }
   if (kernel.bits != 4 && kernel.bits != 8)
     return error("bits must be 4 or 8, got " + std::to_string(kernel.bits));
+  int64_t bf16 = 0;
+  if (OrtStatus* st = g_api->KernelInfoGetAttribute_int64(info, "bf16", &bf16)) {
+    g_api->ReleaseStatus(st);  // optional: float32 when absent (engines built before it, `--cpuPrefillMatmul fp32`)
+    bf16 = 0;
+  }
+  kernel.bf16 = bf16 != 0;
   // Gemm's kernel reads every attribute at creation: Y = A @ W^T (transB), alpha 1, beta 1 (no C is given).
   const int64_t trans_a = 0, trans_b = 1;
   const float one = 1.0f;
@@ -398,6 +527,10 @@ OrtCustomOp make_op() {
 OrtCustomOp g_matmul_blocks = make_op();
 
 }  // namespace
+
+// Whether many-row calls with `bf16` set run in bfloat16 here (1) or fall back to float32 SGEMM (0): the library is
+// built with -march=native, so this is the build machine's AVX512_BF16. Read by tests and `llm_build` (ctypes).
+extern "C" __attribute__((visibility("default"))) int kvforge_matmul_bf16() { return KVFORGE_MATMUL_BF16; }
 
 // Called by RegisterCustomOps (paged_attention.cc) with the API table it resolved.
 OrtStatus* add_ops(OrtCustomOpDomain* domain, const OrtApi* api) {

@@ -4,6 +4,7 @@ each row's result independent of the call's row count (what makes verification r
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import gguf
@@ -44,8 +45,8 @@ def _random_blocks(rng: np.random.Generator, k: int, n: int) -> np.ndarray:
     return pack_blocks(values, scales, mins)
 
 
-def _blocks_model(k: int, n: int, blocks: np.ndarray, bits: int = 4) -> onnx.ModelProto:
-    node = helper.make_node(MATMUL_BLOCKS, ["a", "w"], ["y"], domain=CPU_DOMAIN, K=k, N=n, bits=bits)
+def _blocks_model(k: int, n: int, blocks: np.ndarray, bits: int = 4, **attributes: int) -> onnx.ModelProto:
+    node = helper.make_node(MATMUL_BLOCKS, ["a", "w"], ["y"], domain=CPU_DOMAIN, K=k, N=n, bits=bits, **attributes)
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("a", TensorProto.FLOAT, [None, None, k])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, None, n])],
                               [numpy_helper.from_array(blocks, "w")])
@@ -76,6 +77,55 @@ def test_a_row_is_the_same_bits_whatever_the_row_count(library: Path) -> None:
         assert np.array_equal(together, alone[:rows]), f"{rows} rows"
     one_thread = _session(_blocks_model(k, n, blocks), library, threads=1)
     assert np.array_equal(one_thread.run(None, {"a": a[:, :5]})[0][0], alone[:5])
+
+
+def _has_bf16(library: Path) -> bool:
+    """Whether this library's many-row calls with bf16 = 1 run in bfloat16 (built with AVX512_BF16)."""
+    return ctypes.CDLL(str(library)).kvforge_matmul_bf16() == 1
+
+
+@pytest.mark.parametrize(("k", "n"), [(64, 7), (96, 33), (256, 70)])
+@pytest.mark.parametrize("rows", [17, 29, 40])
+def test_many_rows_with_bf16_match_the_bfloat16_reference(library: Path, k: int, n: int, rows: int) -> None:
+    """bf16 = 1 (llm_build's default): a call of more than 16 rows rounds A and W to bfloat16 and sums the products in
+    float32 where the CPU has AVX512_BF16, and is the float32 call elsewhere; up to 16 rows nothing changes."""
+    rng = np.random.default_rng(k + n * 100 + rows)
+    blocks = _random_blocks(rng, k, n)
+    a = rng.standard_normal((1, rows, k)).astype(np.float32)
+    bf16 = _session(_blocks_model(k, n, blocks, bf16=1), library)
+    fp32 = _session(_blocks_model(k, n, blocks), library)
+    y = bf16.run(None, {"a": a})[0]
+    if _has_bf16(library):
+        expected = reference.matmul_blocks(a, blocks, bf16=True)
+        scale = np.abs(expected).max()
+        np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-6 * scale)
+        # the rounding is visible: this is not the float32 product
+        assert np.abs(y - reference.matmul_blocks(a, blocks)).max() > 1e-5 * scale
+    else:
+        print("this CPU has no AVX512_BF16: bf16 = 1 runs the float32 path, checked equal to it")
+        assert np.array_equal(y, fp32.run(None, {"a": a})[0])
+    few = a[:, :16]
+    assert np.array_equal(bf16.run(None, {"a": few})[0], fp32.run(None, {"a": few})[0])
+
+
+def test_the_bfloat16_rounding_is_nearest_even() -> None:
+    values = np.array([1.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8, 1.0 + 2**-8 + 2**-20, -2.5, 65792.0], dtype=np.float32)
+    rounded = reference.to_bfloat16(values)
+    assert rounded.tolist() == [1.0, 1.0, 1.0 + 2**-6, 1.0 + 2**-7, -2.5, 65536.0]  # ties to the even mantissa
+
+
+def test_the_lowering_asks_for_bf16_prefill_unless_told_fp32(tmp_path: Path) -> None:
+    blocks = from_gguf_blocks("Q4_1", gguf.quants.quantize(
+        np.random.default_rng(1).standard_normal((8, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q4_1), 64)
+    for prefill_bf16 in (True, False):
+        model = _nbits_with_correction(blocks)
+        assert lower_block_matmuls(model, prefill_bf16=prefill_bf16) == 1
+        attributes = {a.name: helper.get_attribute_value(a) for a in model.graph.node[0].attribute}
+        assert attributes.get("bf16", 0) == int(prefill_bf16)
+    assert BuildOptions().cpu_prefill_matmul == "bf16"
+    with pytest.raises(InvalidConfig) as info:
+        build_engine(tmp_path / "onnx", tmp_path / "engine", BuildOptions(cpu_prefill_matmul="fp16"))
+    assert info.value.field == "cpu_prefill_matmul"
 
 
 def _nbits_with_correction(blocks: BlockQuantized) -> onnx.ModelProto:

@@ -32,14 +32,16 @@ from kvforge.tools.export.writer import write_onnx_dir
 
 
 def _built_graph(loaded: LoadedModel, tmp_path: Path, cpu_matmul: str = "onnx",
-                 engine: str = "engine") -> onnx.GraphProto:
+                 engine: str = "engine", prefill: str = "fp32") -> onnx.GraphProto:
     """Export `loaded` and build a one-row engine of it under tmp_path; the lowered graph (weights not loaded).
-    MatMulNBits by default (the export's form); `cpu_matmul="kernel"` takes kvforge's MatMulBlocks for 4-bit."""
+    MatMulNBits by default (the export's form); `cpu_matmul="kernel"` takes kvforge's MatMulBlocks for 4-bit, whose
+    prompt rows run in float32 unless `prefill="bf16"` (llm_build's default)."""
     if not (tmp_path / "onnx").is_dir():
         write_onnx_dir(loaded, tmp_path / "onnx")
     build_engine(tmp_path / "onnx", tmp_path / engine, BuildOptions(max_input_len=64, max_kv_cache_capacity=128,
                                                                     max_batch_size=1, tokens_per_page=16,
-                                                                    cpu_matmul=cpu_matmul))
+                                                                    cpu_matmul=cpu_matmul,
+                                                                    cpu_prefill_matmul=prefill))
     return onnx.load(tmp_path / engine / "model.onnx", load_external_data=False).graph
 
 
@@ -128,6 +130,15 @@ def test_quantized_engine_equals_the_dequantized_reference(model: str, quantizat
         got = [(t, lp) for t, lp in output.samples[0].top_logprobs]
         assert [t for t, _ in got] == np.argsort(-log_probs)[:5].tolist()
         np.testing.assert_allclose([lp for _, lp in got], log_probs[[t for t, _ in got]], rtol=1e-5, atol=1e-4)
+        # The default bfloat16 prompt rows (24 here): the same best token, logprobs within bfloat16's rounding.
+        _built_graph(loaded, tmp_path, cpu_matmul="kernel", engine="bf16-engine", prefill="bf16")
+        set_accuracy_level(tmp_path / "bf16-engine", 0)
+        engine = Engine(tmp_path / "bf16-engine", EngineConfig(num_threads=2))
+        engine.add_request(EngineRequest(ids, SamplingParams(temperature=0.0, max_generate_length=1, num_logprobs=5)))
+        [output] = engine.step()
+        got = [(t, lp) for t, lp in output.samples[0].top_logprobs]
+        assert got[0][0] == int(np.argmax(log_probs))
+        np.testing.assert_allclose([lp for _, lp in got], log_probs[[t for t, _ in got]], rtol=1e-2, atol=2e-2)
 
 
 def test_lm_head_of_a_tied_model_comes_from_the_embedding() -> None:
