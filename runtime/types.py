@@ -63,6 +63,9 @@ class SamplingParams:
     top_k: int = 50  # 0 = disabled, 1 = greedy
     max_generate_length: int = 256
     num_logprobs: int = 0
+    # Each sampled token's own logprob (SampleResult.logprob, OpenAI's logprobs=true) even with num_logprobs 0;
+    # otherwise it is NaN there: the log-sum-exp over the vocabulary was ~40 % of a greedy step's sampling.
+    token_logprob: bool = False
     logit_bias: dict[int, float] = field(default_factory=dict)
     stop: tuple[str, ...] = ()
     seed: int | None = None  # None = fresh entropy per run

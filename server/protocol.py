@@ -135,6 +135,7 @@ def _parse(body: dict[str, Any], chat: bool, models: dict[str, str | None], medi
         top_p=_given(body, "top_p", check_top_p, 1.0),
         top_k=_given(body, "top_k", lambda v, f: check_int(v, f, 0), 0),
         num_logprobs=top,
+        token_logprob=logprobs,
         logit_bias=_given(body, "logit_bias", check_logit_bias, {}),
         stop=_given(body, "stop", check_stop, ()),
         seed=_given(body, "seed", check_seed, None),

@@ -99,7 +99,7 @@ def _visible(seq: Sequence) -> bool:
 
 
 class EngineCore:
-    __slots__ = ("scheduler", "executor", "outputs", "profiler", "proposer", "sequences")
+    __slots__ = ("scheduler", "executor", "outputs", "profiler", "_proposer", "lifecycle", "sequences")
 
     def __init__(self, scheduler: Scheduler, executor: StepExecutor, outputs: OutputProcessor,
                  profiler: Profiler, proposer: Proposer | None = None) -> None:
@@ -111,10 +111,20 @@ class EngineCore:
         self.proposer = proposer
         self.sequences: dict[str, Sequence] = {}
 
+    @property
+    def proposer(self) -> Proposer | None:
+        return self._proposer
+
+    @proposer.setter
+    def proposer(self, proposer: Proposer | None) -> None:
+        self._proposer = proposer
+        # Checked once: isinstance against a runtime-checkable Protocol walks its members (~10 us, every step).
+        self.lifecycle: DraftLifecycle | None = proposer if isinstance(proposer, DraftLifecycle) else None
+
     def add(self, seq: Sequence) -> None:
         self.sequences[seq.request_id] = seq
-        if isinstance(self.proposer, DraftLifecycle):
-            self.proposer.begin(seq)
+        if self.lifecycle is not None:
+            self.lifecycle.begin(seq)
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
@@ -130,16 +140,16 @@ class EngineCore:
         """The lifecycle's rollback: on a recurrent base the scheduler restored each row that rejected a draft to
         its state before the call; a proposer keeping per-request state drops what it drafted past it."""
         state = self.scheduler.state
-        if not isinstance(self.proposer, DraftLifecycle) or state is None or not state.carries_rows:
+        if self.lifecycle is None or state is None or not state.carries_rows:
             return
         for update in updates:
             if update.num_rejected:
-                self.proposer.rollback(update.seq)
+                self.lifecycle.rollback(update.seq)
 
     def _end(self, seq: Sequence) -> None:
         """The lifecycle's end: a proposer keeping per-request state drops this request's."""
-        if isinstance(self.proposer, DraftLifecycle):
-            self.proposer.end(seq.request_id)
+        if self.lifecycle is not None:
+            self.lifecycle.end(seq.request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -15,7 +16,7 @@ from kvforge.runtime.types import SamplingParams
 @dataclass(slots=True)
 class SampleResult:
     token_id: int
-    logprob: float  # log-probability of token_id (see Sampler.sample for which distribution)
+    logprob: float  # log-probability of token_id (see Sampler.sample); NaN unless token_logprob or num_logprobs
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)  # best first, ties → lower id
 
 
@@ -64,6 +65,7 @@ class Sampler:
         # committed to the sequence (the verifiers stop at the first one they do not keep), so counting here
         # also covers the drafts accepted earlier in the same step.
         self._generated: dict[int, int] = {}
+        self._logprobs_wanted = params.token_logprob or params.num_logprobs > 0
 
     def sample(self, logits_row: np.ndarray) -> SampleResult:
         """Draw one token from a [V] row of logits.
@@ -79,10 +81,15 @@ class Sampler:
             if fast is not None:
                 return fast
         logits = self._biased(logits_row)
-        # One log-sum-exp instead of a full log_softmax row: only a few logprobs are ever read.
-        log_total = _log_sum_exp(logits, self._scratch)
         token_id = int(np.argmax(logits)) if self.params.is_greedy else self._draw(logits)
         self._count(token_id)
+        return self._result(logits, token_id)
+
+    def _result(self, logits: np.ndarray, token_id: int) -> SampleResult:
+        if not self._logprobs_wanted:
+            return SampleResult(token_id=token_id, logprob=math.nan)
+        # One log-sum-exp instead of a full log_softmax row: only a few logprobs are ever read.
+        log_total = _log_sum_exp(logits, self._scratch)
         return SampleResult(token_id=token_id, logprob=float(logits[token_id] - log_total),
                             top_logprobs=self._top_logprobs(logits, log_total))
 
@@ -90,10 +97,8 @@ class Sampler:
         """The result for a token chosen elsewhere (an accepted draft): its logprob and top logprobs as `sample`
         would report them for this row."""
         logits = self._biased(logits_row)
-        log_total = _log_sum_exp(logits, self._scratch)
         self._count(token_id)
-        return SampleResult(token_id=token_id, logprob=float(logits[token_id] - log_total),
-                            top_logprobs=self._top_logprobs(logits, log_total))
+        return self._result(logits, token_id)
 
     def probs(self, logits_row: np.ndarray) -> np.ndarray:
         """The distribution `sample` draws from for this row, as a [V] float64 vector (a copy): logit_bias, then
@@ -137,6 +142,9 @@ class Sampler:
         for bias_id, biased_value in zip(ids.tolist(), biased.tolist(), strict=True):
             if biased_value > peak or (biased_value == peak and bias_id < token_id):
                 token_id, peak = bias_id, biased_value
+        if not self._logprobs_wanted:
+            self._count(token_id)
+            return SampleResult(token_id=token_id, logprob=math.nan)
         if self._scratch.size != row.size:
             self._logits, self._scratch = np.empty(row.size), np.empty(row.size)
         shifted = np.subtract(row, peak, out=self._scratch, dtype=np.float64)

@@ -26,7 +26,8 @@ SEEDS = st.integers(0, 2**32)
 
 
 def params(**overrides: object) -> SamplingParams:
-    return SamplingParams(**{"temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": 0, **overrides})
+    return SamplingParams(**{"temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": 0, "token_logprob": True,
+                             **overrides})
 
 
 def reference_log_softmax(row: np.ndarray) -> np.ndarray:
@@ -372,3 +373,18 @@ def test_greedy_equals_the_general_path_to_the_last_bit(row: np.ndarray, bias: d
     assert (result.token_id, result.logprob) == (token_id, logprob)
     assert result.top_logprobs == top
     assert sampler.sample(row).logprob == logprob  # its buffers reused: the same again
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_a_token_logprob_is_computed_only_when_asked(greedy: bool) -> None:
+    """Without token_logprob or num_logprobs the sampled token is the same and its logprob is NaN (no log-sum-exp
+    over the vocabulary); either one brings back the value of the full computation."""
+    row = np.random.default_rng(3).standard_normal(1000).astype(np.float32)
+    temperature = 0.0 if greedy else 1.0
+    asked = Sampler(params(temperature=temperature)).sample(row)
+    plain = Sampler(params(temperature=temperature, token_logprob=False)).sample(row)
+    top = Sampler(params(temperature=temperature, token_logprob=False, num_logprobs=2)).sample(row)
+    assert plain.token_id == asked.token_id == top.token_id
+    assert np.isnan(plain.logprob) and plain.top_logprobs == []
+    assert top.logprob == asked.logprob and not np.isnan(asked.logprob)
+    assert SamplingParams().token_logprob is False
