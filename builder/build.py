@@ -15,6 +15,7 @@ from kvforge.builder.lower_matmul import lower_block_matmuls
 from kvforge.builder.lower_ort import kernel_writes_kv, lower_for_onnxruntime, share_tied_head
 from kvforge.builder.lower_recurrent import lower_recurrent_ops
 from kvforge.builder.lower_swiglu import lower_swiglu
+from kvforge.builder.pack_qkv import pack_attention_inputs
 from kvforge.builder.window_pool import bind_window_table, check_window_build, size_window_pools
 from kvforge.contract.engine_dir import (
     ATTENTION_CPU_KERNEL,
@@ -374,10 +375,12 @@ def _build_hybrid(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometr
 
 def _lower_kernel_ops(model: onnx.ModelProto, options: BuildOptions) -> int:
     """The kvforge.cpu ops besides attention, on an engine that loads the kernel library anyway: block matmuls
-    (unless --cpuMatmul onnx) and a gated MLP's activation as one SwiGLU node. Returns how many matmuls moved."""
+    (unless --cpuMatmul onnx), a gated MLP's activation as one SwiGLU node, and the attention reading the packed
+    q/k/v projection (no Split). Returns how many matmuls moved."""
     bf16 = options.cpu_prefill_matmul == "bf16"
     matmuls = lower_block_matmuls(model, prefill_bf16=bf16) if options.cpu_matmul == "kernel" else 0
     lower_swiglu(model)
+    pack_attention_inputs(model)
     return matmuls
 
 

@@ -81,16 +81,17 @@ CPU_PAGED_ATTENTION_ROPE = OpSchema(
     inputs=("query", "key", "value", "pool", "kv_page_table", "kvcache_start_index", "context_lengths",
             "rope_rotary_cos_sin", "position_ids", "attention_mask"),
     outputs=("attention_output",),
-    attributes=("num_q_heads", "num_kv_heads", "head_dim", "tokens_per_page", "scale"),
+    attributes=("num_q_heads", "num_kv_heads", "head_dim", "tokens_per_page", "scale", "packed_qkv"),
     doc="PagedAttention with RoPE and the K/V write inside: query [B,S,Hq*D], key and value [B,S,Hkv*D] float32, "
-        "un-rotated; rope_rotary_cos_sin [capacity, R] (R even, <= head_dim: partial rotary rotates each head's "
-        "first R dims); optional position_ids [B,S] int32 (a tree's RoPE positions; absent or empty = start + i), "
-        "clamped to the table. The rotated keys and the values are rounded through the pool's storage dtype and "
-        "written IN PLACE into `pool` (the input is aliased: ONNX Runtime has no in-place input, so the runtime "
-        "binds its own pool memory and reads the write back there) at positions start..start+len-1 through "
-        "kv_page_table, which here covers those positions too (-1 or missing pages: not written). Attention is "
-        "then CPU_PAGED_ATTENTION's over the cached positions and the rounded new rows. No new_key_values output. "
-        "Semantics: reference.paged_attention_rope.",
+        "un-rotated (packed_qkv = 1, absent 0: query is the packed projection [B,S,(Hq+2Hkv)*D], each token's q "
+        "then k then v, and key and value are that same tensor again); rope_rotary_cos_sin [capacity, R] (R even, "
+        "<= head_dim: partial rotary rotates each head's first R dims); optional position_ids [B,S] int32 (a tree's "
+        "RoPE positions; absent or empty = start + i), clamped to the table. The rotated keys and the values are "
+        "rounded through the pool's storage dtype and written IN PLACE into `pool` (the input is aliased: ONNX "
+        "Runtime has no in-place input, so the runtime binds its own pool memory and reads the write back there) at "
+        "positions start..start+len-1 through kv_page_table, which here covers those positions too (-1 or missing "
+        "pages: not written). Attention is then CPU_PAGED_ATTENTION's over the cached positions and the rounded new "
+        "rows. No new_key_values output. Semantics: reference.paged_attention_rope.",
 )
 
 CPU_MATMUL_BLOCKS = OpSchema(

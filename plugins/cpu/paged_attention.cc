@@ -739,6 +739,9 @@ struct Kernel {
   int64_t q_heads, kv_heads, dim, page_tokens;
   int64_t window;
   float scale;
+  // PagedAttentionRope only: input 0 is the packed projection [B,S,(Hq+2Hkv)*D] (q, then k, then v of each token)
+  // and inputs 1 and 2 repeat it (builder/pack_qkv.py), so no Split runs between the matmul and the attention.
+  int64_t packed_qkv;
 };
 
 OrtStatus* error(const std::string& message) {
@@ -941,6 +944,10 @@ OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const O
     return error("head_dim " + std::to_string(k.dim) + " is not supported: it must be a multiple of 16 up to " +
                  std::to_string(kMaxHeadDim));
   if (k.page_tokens <= 0) return error("tokens_per_page must be positive, got " + std::to_string(k.page_tokens));
+  if (OrtStatus* st = g_api->KernelInfoGetAttribute_int64(info, "packed_qkv", &k.packed_qkv)) {
+    g_api->ReleaseStatus(st);  // absent: separate query, key and value (engines built before)
+    k.packed_qkv = 0;
+  }
   *kernel = new Kernel(k);
   return nullptr;
 }
@@ -1095,8 +1102,10 @@ __attribute__((optimize("fp-contract=off"))) void rotate_head(const float* x, co
 }
 
 struct RopeCall {
+  const float* query;
   const float* key;
   const float* value;
+  int64_t q_stride, kv_stride;  // floats from one token's query (key, value) row to the next
   const float* cos_sin;
   int64_t capacity, rotary;
   const int32_t* positions;  // [B, S] or null: start + i
@@ -1111,9 +1120,27 @@ OrtStatus* gather_rope_inputs(const Kernel& k, OrtKernelContext* ctx, Call& c, R
   KVF_TRY(read_inputs(ctx, 8, "PagedAttentionRope ", count, v, info, data));
   KVF_TRY(query_geometry(k, info[0], c));
   const auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, I32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
-  KVF_TRY(expect("query", info[0], F32, {c.batch, c.seq, k.q_heads * k.dim}));
-  KVF_TRY(expect("key", info[1], F32, {c.batch, c.seq, k.kv_heads * k.dim}));
-  KVF_TRY(expect("value", info[2], F32, {c.batch, c.seq, k.kv_heads * k.dim}));
+  const int64_t q_width = k.q_heads * k.dim, kv_width = k.kv_heads * k.dim;
+  if (k.packed_qkv) {
+    const int64_t packed = q_width + 2 * kv_width;
+    KVF_TRY(expect("qkv", info[0], F32, {c.batch, c.seq, packed}));
+    if (data[1] != data[0] || data[2] != data[0])
+      return error("with packed_qkv, inputs 1 and 2 must be the packed qkv tensor of input 0");
+    const float* qkv = static_cast<const float*>(data[0]);
+    r.query = qkv;
+    r.key = qkv + q_width;
+    r.value = qkv + q_width + kv_width;
+    r.q_stride = r.kv_stride = packed;
+  } else {
+    KVF_TRY(expect("query", info[0], F32, {c.batch, c.seq, q_width}));
+    KVF_TRY(expect("key", info[1], F32, {c.batch, c.seq, kv_width}));
+    KVF_TRY(expect("value", info[2], F32, {c.batch, c.seq, kv_width}));
+    r.query = static_cast<const float*>(data[0]);
+    r.key = static_cast<const float*>(data[1]);
+    r.value = static_cast<const float*>(data[2]);
+    r.q_stride = q_width;
+    r.kv_stride = kv_width;
+  }
   KVF_TRY(expect("pool", info[3], ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, {-1, 2, k.kv_heads, k.page_tokens, k.dim}));
   KVF_TRY(expect("kv_page_table", info[4], I32, {c.batch, -1}));
   KVF_TRY(expect("kvcache_start_index", info[5], I32, {c.batch}));
@@ -1153,8 +1180,6 @@ OrtStatus* gather_rope_inputs(const Kernel& k, OrtKernelContext* ctx, Call& c, R
   c.page_table = static_cast<const int32_t*>(data[4]);
   c.start = static_cast<const int32_t*>(data[5]);
   c.length = static_cast<const int32_t*>(data[6]);
-  r.key = static_cast<const float*>(data[1]);
-  r.value = static_cast<const float*>(data[2]);
   r.cos_sin = static_cast<const float*>(data[7]);
   return check_values(c, true);
 }
@@ -1162,7 +1187,7 @@ OrtStatus* gather_rope_inputs(const Kernel& k, OrtKernelContext* ctx, Call& c, R
 // Rotates the rows' queries and keys, rounds keys and values through the storage type and writes them into the
 // pool (a position without a page, -1 or past the table's width, is not written); `rotated_query` and `new_kv`
 // [B,S,2,Hkv,D] receive what attention reads.
-void rotate_and_write(const Call& c, const RopeCall& r, const float* query, float* rotated_query, float* new_kv) {
+void rotate_and_write(const Call& c, const RopeCall& r, float* rotated_query, float* new_kv) {
   const int64_t dim = c.dim, hq = c.q_heads, hkv = c.kv_heads;
   const size_t elem = pool_element_bytes(c.pool_type);
   char* pool = static_cast<char*>(r.pool);
@@ -1174,15 +1199,16 @@ void rotate_and_write(const Call& c, const RopeCall& r, const float* query, floa
       const float* table = r.cos_sin + pos * r.rotary;
       const size_t token = static_cast<size_t>(b * c.seq + i);
       for (int64_t h = 0; h < hq; ++h)
-        rotate_head(query + (token * hq + h) * dim, table, r.rotary, dim, rotated_query + (token * hq + h) * dim);
+        rotate_head(r.query + token * r.q_stride + h * dim, table, r.rotary, dim,
+                    rotated_query + (token * hq + h) * dim);
       const int64_t index = slot_pos / c.page_tokens;
       const int32_t page = index < c.width ? c.page_table[b * c.width + index] : -1;
       const int64_t slot = slot_pos % c.page_tokens;
       for (int64_t h = 0; h < hkv; ++h) {
         float* k_out = new_kv + ((token * 2 + 0) * hkv + h) * dim;
         float* v_out = new_kv + ((token * 2 + 1) * hkv + h) * dim;
-        rotate_head(r.key + (token * hkv + h) * dim, table, r.rotary, dim, k_out);
-        std::memcpy(v_out, r.value + (token * hkv + h) * dim, sizeof(float) * dim);
+        rotate_head(r.key + token * r.kv_stride + h * dim, table, r.rotary, dim, k_out);
+        std::memcpy(v_out, r.value + token * r.kv_stride + h * dim, sizeof(float) * dim);
         float scratch[kMaxHeadDim];
         char* k_dst = page >= 0 ? pool + pool_offset(c, page, 0, h, slot) * elem : nullptr;
         char* v_dst = page >= 0 ? pool + pool_offset(c, page, 1, h, slot) * elem : nullptr;
@@ -1205,14 +1231,10 @@ OrtStatus* ORT_API_CALL compute_rope(void* kernel, OrtKernelContext* ctx) {
   void* out = nullptr;
   KVF_TRY(g_api->GetTensorMutableData(out_value, &out));
   c.out = static_cast<float*>(out);
-  const OrtValue* query_value = nullptr;
-  const void* query = nullptr;
-  KVF_TRY(g_api->KernelContext_GetInput(ctx, 0, &query_value));
-  KVF_TRY(g_api->GetTensorData(query_value, &query));
   const size_t tokens = static_cast<size_t>(c.batch * c.seq);
   std::vector<float> rotated(tokens * static_cast<size_t>(k.q_heads * k.dim), 0.0f);
   std::vector<float> new_kv(tokens * static_cast<size_t>(2 * k.kv_heads * k.dim), 0.0f);
-  rotate_and_write(c, r, static_cast<const float*>(query), rotated.data(), new_kv.data());
+  rotate_and_write(c, r, rotated.data(), new_kv.data());
   c.query = rotated.data();
   c.new_kv = new_kv.data();
   return attend(ctx, c);
@@ -1234,8 +1256,33 @@ OrtCustomOpInputOutputCharacteristic ORT_API_CALL rope_input_characteristic(cons
   return index >= 8 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
 }
 
+// An int attribute in shape inference, `fallback` where the node does not have it.
+int64_t shape_attribute(OrtShapeInferContext* ctx, const char* name, int64_t fallback) {
+  const OrtOpAttr* attr = nullptr;
+  if (OrtStatus* st = g_api->ShapeInferContext_GetAttribute(ctx, name, &attr)) {
+    g_api->ReleaseStatus(st);
+    return fallback;
+  }
+  int64_t value = fallback;
+  size_t written = 0;
+  if (!attr) return fallback;
+  if (OrtStatus* st = g_api->ReadOpAttr(attr, ORT_OP_ATTR_INT, &value, sizeof value, &written)) {
+    g_api->ReleaseStatus(st);
+    return fallback;
+  }
+  return value;
+}
+
+// PagedAttentionRope's output: the query's shape, or with packed_qkv the packed input's with the last dim Hq * D.
+OrtStatus* ORT_API_CALL infer_rope_shape(const OrtCustomOp* op, OrtShapeInferContext* ctx) {
+  if (!shape_attribute(ctx, "packed_qkv", 0)) return infer_shape(op, ctx);
+  const int64_t width = shape_attribute(ctx, "num_q_heads", -1) * shape_attribute(ctx, "head_dim", -1);
+  return kvforge_ort::infer_last_dim(g_api, ctx, [width](int64_t) { return width > 0 ? width : -1; });
+}
+
 OrtCustomOp make_rope_op() {
   OrtCustomOp op = make_op();
+  op.InferOutputShapeFn = infer_rope_shape;
   op.GetName = rope_op_name;
   op.GetInputType = rope_input_type;
   op.GetInputTypeCount = rope_input_count;
