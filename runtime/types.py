@@ -63,9 +63,6 @@ class SamplingParams:
     top_k: int = 50  # 0 = disabled, 1 = greedy
     max_generate_length: int = 256
     num_logprobs: int = 0
-    # Each sampled token's own logprob (SampleResult.logprob, OpenAI's logprobs=true) even with num_logprobs 0;
-    # otherwise it is NaN there: the log-sum-exp over the vocabulary was ~40 % of a greedy step's sampling.
-    token_logprob: bool = False
     logit_bias: dict[int, float] = field(default_factory=dict)
     stop: tuple[str, ...] = ()
     seed: int | None = None  # None = fresh entropy per run
@@ -77,6 +74,9 @@ class SamplingParams:
     # OpenAI's {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}: the output is
     # constrained by a grammar (runtime/sampling/grammar.py); such a request decodes without drafts.
     response_format: dict[str, Any] | None = None
+    # Each sampled token's own logprob (SampleResult.logprob, OpenAI's logprobs=true) even with num_logprobs 0;
+    # otherwise it is NaN there: the log-sum-exp over the vocabulary was ~40 % of a greedy step's sampling.
+    token_logprob: bool = False  # last: positional construction keeps the fields before it
     max_tokens: InitVar[int | None] = None  # vLLM's alias of max_generate_length
 
     def __post_init__(self, max_tokens: int | None) -> None:
