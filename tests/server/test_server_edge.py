@@ -299,8 +299,11 @@ def test_a_request_cancelled_by_shutdown_gets_503(engine_dir: Path, tmp_path: Pa
 
 # Runs llm_serve's entry point with SIGINT raised when the named module is first imported: at a known point of
 # the start-up, whatever the machine's speed.
+# SIGINT back to Python's handler first: a shell's background job (pytest run with `&`) starts with SIGINT ignored,
+# and the child would inherit that and never see the interrupt.
 INTERRUPTED_START = """
 import importlib.abc, os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
 target = sys.argv.pop(1)
 
 class Interrupt(importlib.abc.MetaPathFinder):
