@@ -443,18 +443,11 @@ OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const O
   if (kernel.k <= 0 || kernel.k % kBlock != 0 || kernel.n <= 0)
     return error("K must be a positive multiple of 32 and N positive, got K = " + std::to_string(kernel.k) +
                  ", N = " + std::to_string(kernel.n));
-  if (OrtStatus* st = g_api->KernelInfoGetAttribute_int64(info, "bits", &kernel.bits)) {
-    g_api->ReleaseStatus(st);  // optional: 4 when absent (engines built before 8-bit blocks)
-    kernel.bits = 4;
-  }
+  kernel.bits = kvforge_ort::optional_int(g_api, info, "bits", 4);  // absent: engines built before 8-bit blocks
   if (kernel.bits != 4 && kernel.bits != 8)
     return error("bits must be 4 or 8, got " + std::to_string(kernel.bits));
-  int64_t bf16 = 0;
-  if (OrtStatus* st = g_api->KernelInfoGetAttribute_int64(info, "bf16", &bf16)) {
-    g_api->ReleaseStatus(st);  // optional: float32 when absent (engines built before it, `--cpuPrefillMatmul fp32`)
-    bf16 = 0;
-  }
-  kernel.bf16 = bf16 != 0;
+  // Absent: float32 (engines built before it, `--cpuPrefillMatmul fp32`).
+  kernel.bf16 = kvforge_ort::optional_int(g_api, info, "bf16", 0) != 0;
   // Gemm's kernel reads every attribute at creation: Y = A @ W^T (transB), alpha 1, beta 1 (no C is given).
   const int64_t trans_a = 0, trans_b = 1;
   const float one = 1.0f;
@@ -529,7 +522,7 @@ OrtCustomOp g_matmul_blocks = make_op();
 }  // namespace
 
 // Whether many-row calls with `bf16` set run in bfloat16 here (1) or fall back to float32 SGEMM (0): the library is
-// built with -march=native, so this is the build machine's AVX512_BF16. Read by tests and `llm_build` (ctypes).
+// built with -march=native, so this is the build machine's AVX512_BF16. Read by the tests (ctypes).
 extern "C" __attribute__((visibility("default"))) int kvforge_matmul_bf16() { return KVFORGE_MATMUL_BF16; }
 
 // Called by RegisterCustomOps (paged_attention.cc) with the API table it resolved.

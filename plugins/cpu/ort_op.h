@@ -44,6 +44,16 @@ inline OrtCustomOp base_op() {
   return op;
 }
 
+// An optional int attribute of a kernel's node: `fallback` where the node does not have it.
+inline int64_t optional_int(const OrtApi* api, const OrtKernelInfo* info, const char* name, int64_t fallback) {
+  int64_t value = fallback;
+  if (OrtStatus* st = api->KernelInfoGetAttribute_int64(info, name, &value)) {
+    api->ReleaseStatus(st);
+    return fallback;
+  }
+  return value;
+}
+
 // Output 0's type and shape for an op whose output is input 0's shape (float) but for the last dimension,
 // `last(input's last dimension)`. Left unknown where input 0's rank is 0, a leading dimension is wholly unknown (no
 // value, no name: written as -1 it would break inference downstream, as in paged_attention.cc), or `last` returns a

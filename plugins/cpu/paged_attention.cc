@@ -932,10 +932,7 @@ OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const O
     g_api->ReleaseStatus(st);  // absent: the usual 1/sqrt(head_dim)
     k.scale = k.dim > 0 ? 1.0f / std::sqrt(static_cast<float>(k.dim)) : 1.0f;
   }
-  if (OrtStatus* st = g_api->KernelInfoGetAttribute_int64(info, "sliding_window", &k.window)) {
-    g_api->ReleaseStatus(st);  // absent: every cached position is visible
-    k.window = 0;
-  }
+  k.window = kvforge_ort::optional_int(g_api, info, "sliding_window", 0);  // absent: every position is visible
   if (k.window < 0) return error("sliding_window must be >= 0, got " + std::to_string(k.window));
   if (k.q_heads <= 0 || k.kv_heads <= 0 || k.q_heads % k.kv_heads != 0)
     return error("num_q_heads (" + std::to_string(k.q_heads) + ") must be a positive multiple of num_kv_heads (" +
@@ -944,10 +941,8 @@ OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const O
     return error("head_dim " + std::to_string(k.dim) + " is not supported: it must be a multiple of 16 up to " +
                  std::to_string(kMaxHeadDim));
   if (k.page_tokens <= 0) return error("tokens_per_page must be positive, got " + std::to_string(k.page_tokens));
-  if (OrtStatus* st = g_api->KernelInfoGetAttribute_int64(info, "packed_qkv", &k.packed_qkv)) {
-    g_api->ReleaseStatus(st);  // absent: separate query, key and value (engines built before)
-    k.packed_qkv = 0;
-  }
+  // Absent: separate query, key and value (engines built before).
+  k.packed_qkv = kvforge_ort::optional_int(g_api, info, "packed_qkv", 0);
   *kernel = new Kernel(k);
   return nullptr;
 }

@@ -142,8 +142,8 @@ class Sampler:
         for bias_id, biased_value in zip(ids.tolist(), biased.tolist(), strict=True):
             if biased_value > peak or (biased_value == peak and bias_id < token_id):
                 token_id, peak = bias_id, biased_value
+        self._count(token_id)
         if not self._logprobs_wanted:
-            self._count(token_id)
             return SampleResult(token_id=token_id, logprob=math.nan)
         if self._scratch.size != row.size:
             self._logits, self._scratch = np.empty(row.size), np.empty(row.size)
@@ -151,7 +151,6 @@ class Sampler:
         shifted[ids] = biased - peak
         np.exp(shifted, out=shifted)
         log_total = float(peak + np.log(shifted.sum()))  # peak is also the chosen token's biased logit
-        self._count(token_id)
         top: list[tuple[int, float]] = []
         if self.params.num_logprobs > 0:
             logprobs = np.subtract(row, log_total, out=self._scratch, dtype=np.float64)
