@@ -1,7 +1,7 @@
 """Per-step attention time of 30 SmolLM2-shaped layers: the in-place CPU kernel vs today's gather + GQA lowering.
 
 Each graph holds only the attention of 30 layers (one pool per layer, bound zero-copy as an OrtValue with IO
-binding, outputs preallocated): `kernel` is 30 kvforge.cpu.PagedAttention nodes; `gqa` is builder/lower_ort.py's
+binding, outputs preallocated): `kernel` is 30 kvforge.cpu.PagedAttention nodes; `gqa` is kvforge/builder/lower_ort.py's
 GroupQueryAttention lowering (gather the row's pages, cast fp16 -> fp32, GroupQueryAttention) for the same
 inputs. The page table is as narrow as the context allows, which favours the gather. Run:
 `python experiments/cpu_attention.py --threads 2`.
@@ -57,7 +57,7 @@ def kernel_model(dtype: str, tokens_per_page: int) -> onnx.ModelProto:
 
 
 def gqa_model(dtype: str, tokens_per_page: int) -> onnx.ModelProto:
-    """Today's lowering of the same attention, node for node (builder/lower_ort.py)."""
+    """Today's lowering of the same attention, node for node (kvforge/builder/lower_ort.py)."""
     shared = _Shared(GraphWriter(prefix="lowered/"), group=NUM_Q // NUM_KV)
     for i in range(LAYERS):
         _group_query_attention(shared.g, shared, "query", f"past_key_values_{i}", "kv_page_table", "new_kv",

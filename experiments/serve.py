@@ -196,7 +196,7 @@ def report(figures: dict[str, Any], levels: list[int]) -> None:
     print(f"\nshared system prompt {figures['system_prompt_tokens']} tokens, {figures['max_tokens']} generated "
           f"per request, {figures['threads']} threads")
     print("| path | reuse | clients | requests | tok/s | TTFT p50 ms | TTFT p95 ms | cached tokens | "
-          "server/static tok/s |")
+          "kvforge/server/static tok/s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for mode in ("reuse_off", "reuse_on"):
         for clients in levels:

@@ -139,8 +139,8 @@ def progress_bar(description: str, total: int | None) -> Iterator[Callable[[str]
         progress.update(task, completed=total or 0)
 
 
-# --- engine options: declared once on EngineConfig (runtime/engine/config.py); llm_inference and llm_serve offer
-# every one a CLI has with the same flag, help and default, and llm_test the ones it shares.
+# --- engine options: declared once on EngineConfig (kvforge/runtime/engine/config.py); llm_inference and llm_serve
+# offer every one a CLI has with the same flag, help and default, and llm_test the ones it shares.
 
 
 def engine_option(name: str, help: str | None = None) -> typer.models.OptionInfo:

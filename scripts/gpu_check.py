@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 
 # The GPU machine has Python, numpy and cuda-bindings but neither kvforge installed nor ml_dtypes, so this
-# script imports the checkout's plugins/nvrtc.py and plugins/kernel_specs.py by path and carries its own
+# script imports the checkout's kvforge/plugins/nvrtc.py and kvforge/plugins/kernel_specs.py by path and carries its own
 # numpy reference (FP8 through kernel_specs' bit-exact E4M3 twins; tests/test_kernels_compile.py holds that
-# reference against plugins/reference.py and ml_dtypes on a CPU machine). --emulate runs the same checks on
-# the CPU with the kernels compiled as C++ (plugins/kernels/emulation), for development without a GPU.
+# reference against kvforge/plugins/reference.py and ml_dtypes on a CPU machine). --emulate runs the same checks on
+# the CPU with the kernels compiled as C++ (kvforge/plugins/kernels/emulation), for development without a GPU.
 #
 # Pass criteria:
 #  * kv_write: the pool bytes equal the reference's exactly, FP16 and FP8 alike (the rotation is evaluated
@@ -57,7 +57,8 @@ def import_repo_modules() -> tuple[types.ModuleType, types.ModuleType]:
         pass
     # Map the package names onto the repo's folders without running setup or any __init__: nvrtc and
     # kernel_specs need only kvforge.contract.errors, which is plain Python.
-    for name, folder in (("kvforge", "kvforge"), ("kvforge.plugins", "plugins"), ("kvforge.runtime", "runtime")):
+    for name, folder in (("kvforge", "kvforge"), ("kvforge.plugins", "kvforge/plugins"),
+                         ("kvforge.runtime", "kvforge/runtime")):
         package = types.ModuleType(name)
         package.__path__ = [str(ROOT / folder)]
         sys.modules[name] = package
@@ -69,7 +70,7 @@ def import_repo_modules() -> tuple[types.ModuleType, types.ModuleType]:
 ks, nv = import_repo_modules()
 from kvforge.contract.rope import rope_table  # noqa: E402 (plain numpy: the runtime's own table, after the mapping)
 
-# ---------------------------------------------------------------- numpy reference (plugins/reference.py) --
+# ---------------------------------------------------------------- numpy reference (kvforge/plugins/reference.py) --
 
 def pool_dtype(kv_cache_dtype: str) -> np.dtype:
     return np.dtype(np.float16) if kv_cache_dtype == "fp16" else np.dtype(np.uint8)
@@ -384,7 +385,7 @@ class Gpu:
 
 
 class EmulatedGpu:
-    """Gpu's interface over plugins/kernels/emulation: the same kernel sources compiled as C++ and run on the
+    """Gpu's interface over kvforge/plugins/kernels/emulation: the same kernel sources compiled as C++ and run on the
     CPU, one fiber per CUDA thread. Checks indexing, masking and synchronisation without a GPU; says nothing
     about speed (time_ms is 0) nor about NVRTC/PTX. Buffers carry guard bytes that are checked after every
     launch, so an out-of-bounds write fails the launch."""
@@ -446,7 +447,7 @@ class EmulatedGpu:
 
 
 def build_emulator(cache_dir: Path | None = None) -> Path:
-    """Compile plugins/kernels/emulation/kernels_host.cpp with the kernels into a shared library (cached by
+    """Compile kvforge/plugins/kernels/emulation/kernels_host.cpp with the kernels into a shared library (cached by
     the sha256 of every source)."""
     import hashlib
     import shutil
@@ -455,7 +456,7 @@ def build_emulator(cache_dir: Path | None = None) -> Path:
     compiler = shutil.which(os.environ.get("CXX", "g++"))
     if compiler is None:
         raise NoGpu("--emulate needs a C++17 compiler (g++ or $CXX)")
-    kernels = ROOT / "plugins" / "kernels"
+    kernels = ROOT / "kvforge" / "plugins" / "kernels"
     sources = sorted([*kernels.glob("*.cu"), *kernels.glob("*.cuh"), *(kernels / "emulation").glob("*")])
     flags = ["-std=c++17", "-O1", "-ffp-contract=off", "-fno-strict-aliasing", "-Wno-unknown-pragmas", "-shared",
              "-fPIC", f"-I{kernels}"]
@@ -617,7 +618,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--cases", default="", help="regular expression selecting cases by name")
     parser.add_argument("--iters", type=int, default=20, help="timed launches per kernel (default 20)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--ptx", type=Path, help="load this PTX (from `python plugins/nvrtc.py --out`) "
+    parser.add_argument("--ptx", type=Path, help="load this PTX (from `python kvforge/plugins/nvrtc.py --out`) "
                                                  "instead of compiling with the local NVRTC")
     parser.add_argument("--emulate", action="store_true",
                         help="no GPU: run the same checks on the kernels compiled as C++ for the CPU (needs g++; "
@@ -680,7 +681,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = {"device": gpu.name, "arch": gpu.arch, "sms": gpu.sms, "driver": gpu.driver_version,
               "nvrtc": why, "python": platform.python_version(), "numpy": np.__version__}
     if not available and args.ptx is None:
-        print(f"gpu_check: {why}; or prebuild with `python plugins/nvrtc.py --arch {gpu.arch} --out k.ptx` "
+        print(f"gpu_check: {why}; or prebuild with `python kvforge/plugins/nvrtc.py --arch {gpu.arch} --out k.ptx` "
               "and pass --ptx k.ptx", file=sys.stderr)
         return EXIT_FAILED
     try:

@@ -47,8 +47,8 @@ kvforge.tools.bench.*) imports of the runtime only FRONT_END_MAY_IMPORT:
 Anything else (the step, scheduler and row state, execution/, context_cache/, spec/, shared_tier/, sampling/,
 sequence.py, step.py) is an engine part: importing it fails.
 
-Source folders map to modules through `[tool.setuptools.package-dir]` in pyproject.toml
-(`kvforge.runtime` lives in `runtime/`), so a new file is checked as soon as it is added. Every import
+Every source lives under kvforge/ and its import path is its file path (`kvforge.runtime` is
+`kvforge/runtime/`), so a new file is checked as soon as it is added. Every import
 counts: module level, inside functions (lazy), under `if TYPE_CHECKING`, relative ones, and
 `importlib.import_module("kvforge.…")` with a literal name.
 """
@@ -58,11 +58,6 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass
 from pathlib import Path
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10: pytest itself depends on tomli there
-    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -285,25 +280,15 @@ def check_source(source: str, module: str, path: str = "<source>", *, is_package
     return violations
 
 
-def package_dirs(pyproject: Path) -> dict[str, Path]:
-    """`[tool.setuptools.package-dir]`: dotted package → its folder."""
-    config = tomllib.loads(pyproject.read_text(encoding="utf-8"))
-    mapping = config["tool"]["setuptools"]["package-dir"]
-    return {package: (pyproject.parent / folder).resolve() for package, folder in mapping.items()}
-
-
 def source_modules(pyproject: Path) -> dict[str, Path]:
-    """Every .py file under a mapped folder → its dotted module name (via the nearest mapped folder)."""
-    dirs = package_dirs(pyproject)
-    by_dir = {folder: package for package, folder in dirs.items()}
+    """Every .py file under kvforge/ beside `pyproject` → its dotted module name: the import path is the file path."""
+    root = pyproject.parent
     modules: dict[str, Path] = {}
-    for folder in dirs.values():
-        for path in sorted(folder.rglob("*.py")):
-            owner = max((d for d in by_dir if path.is_relative_to(d)), key=lambda d: len(d.parts))
-            rel = path.relative_to(owner).with_suffix("").parts
-            if rel[-1] == "__init__":
-                rel = rel[:-1]
-            modules[".".join([by_dir[owner], *rel])] = path
+    for path in sorted((root / "kvforge").rglob("*.py")):
+        rel = path.relative_to(root).with_suffix("").parts
+        if rel[-1] == "__init__":
+            rel = rel[:-1]
+        modules[".".join(rel)] = path.resolve()
     return modules
 
 
@@ -400,16 +385,16 @@ def _report(violations: list[Violation]) -> str:
 # --- the repository ---------------------------------------------------------------------------------
 
 
-def test_package_dir_mapping_covers_the_sources() -> None:
+def test_every_source_is_a_module_in_a_layer() -> None:
     modules = source_modules(ROOT / "pyproject.toml")
-    # Spot checks that the mapping was read (a tool that ignores it sees runtime/ as a top-level package).
-    for module, path in {"kvforge.runtime.engine.engine": "runtime/engine/engine.py",
-                         "kvforge.runtime.context_cache.manager": "runtime/context_cache/manager.py",
-                         "kvforge.builder.cli": "builder/cli.py",
-                         "kvforge.tools.export.cli": "tools/export/cli.py",
+    # Spot checks that file paths name modules.
+    for module, path in {"kvforge.runtime.engine.engine": "kvforge/runtime/engine/engine.py",
+                         "kvforge.runtime.context_cache.manager": "kvforge/runtime/context_cache/manager.py",
+                         "kvforge.builder.cli": "kvforge/builder/cli.py",
+                         "kvforge.tools.export.cli": "kvforge/tools/export/cli.py",
                          "kvforge.contract.errors": "kvforge/contract/errors.py",
                          "kvforge.graph.rope": "kvforge/graph/rope.py",
-                         "kvforge.plugins.reference": "plugins/reference.py",
+                         "kvforge.plugins.reference": "kvforge/plugins/reference.py",
                          "kvforge": "kvforge/__init__.py"}.items():
         assert modules.get(module) == (ROOT / path).resolve(), module
     unclassified = sorted(m for m in modules if classify(m) is None)
@@ -517,13 +502,14 @@ def test_checker_keeps_the_cache_core_free_of_runners() -> None:
         "    from kvforge.runtime import ort_backend",  # 7 a runner
         "    import tensorrt",  # 8 backend
     ])
-    violations = check_source(source, "kvforge.runtime.context_cache.manager", "runtime/context_cache/manager.py",
+    violations = check_source(source, "kvforge.runtime.context_cache.manager",
+                              "kvforge/runtime/context_cache/manager.py",
                               known={"kvforge.runtime.engine", "kvforge.runtime.ort_backend"})
     assert [(v.line, v.imported) for v in violations] == [
         (4, "onnxruntime"), (6, "kvforge.runtime.engine"), (7, "kvforge.runtime.ort_backend"), (8, "tensorrt")]
     message = _report(violations)
-    assert ("runtime/context_cache/manager.py:6: kvforge.runtime.context_cache.manager → kvforge.runtime.engine: "
-            "the cache core") in message
+    assert ("kvforge/runtime/context_cache/manager.py:6: kvforge.runtime.context_cache.manager → "
+            "kvforge.runtime.engine: the cache core") in message
     # The same imports are fine for the rest of the runtime.
     assert _rules(source, "kvforge.runtime.engine") == []
 
@@ -558,18 +544,17 @@ def test_checker_flags_modules_in_no_layer() -> None:
 
 def test_checker_reads_the_mapping_of_a_planted_tree(tmp_path: Path) -> None:
     """End to end on a throwaway tree: pyproject mapping → files → modules → violations with file:line."""
-    (tmp_path / "pyproject.toml").write_text(
-        '[tool.setuptools.package-dir]\n"kvforge" = "kvforge"\n"kvforge.contract" = "kvforge/contract"\n'
-        '"kvforge.runtime" = "rt"\n"kvforge.runtime.context_cache" = "rt/context_cache"\n', encoding="utf-8")
+    (tmp_path / "pyproject.toml").write_text("", encoding="utf-8")
     files = {
         "kvforge/__init__.py": "from kvforge.runtime.engine import Engine\n",  # ok: the package is a front end
         "kvforge/cli_common.py": "",
         "kvforge/contract/__init__.py": "",
         "kvforge/contract/errors.py": "def f():\n    from kvforge.runtime import engine\n",  # upward, lazy
-        "rt/__init__.py": "",
-        "rt/engine.py": "from kvforge.contract.errors import KvforgeError\nfrom kvforge.cli_common import fail\n",
-        "rt/context_cache/__init__.py": "",
-        "rt/context_cache/manager.py": "from ..engine import Engine\n",  # relative: kvforge.runtime.engine
+        "kvforge/runtime/__init__.py": "",
+        "kvforge/runtime/engine.py": ("from kvforge.contract.errors import KvforgeError\n"
+                                      "from kvforge.cli_common import fail\n"),
+        "kvforge/runtime/context_cache/__init__.py": "",
+        "kvforge/runtime/context_cache/manager.py": "from ..engine import Engine\n",  # relative: kvforge.runtime.engine
     }
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -578,20 +563,19 @@ def test_checker_reads_the_mapping_of_a_planted_tree(tmp_path: Path) -> None:
         "kvforge", "kvforge.cli_common", "kvforge.contract", "kvforge.contract.errors", "kvforge.runtime",
         "kvforge.runtime.context_cache", "kvforge.runtime.context_cache.manager", "kvforge.runtime.engine"]
     assert [str(v).split(": ")[0] for v in check_repository(tmp_path / "pyproject.toml")] == [
-        "kvforge/contract/errors.py:2", "rt/context_cache/manager.py:1", "rt/engine.py:2"]
+        "kvforge/contract/errors.py:2", "kvforge/runtime/context_cache/manager.py:1", "kvforge/runtime/engine.py:2"]
 
 
 def test_cycle_check_flags_a_planted_cycle(tmp_path: Path) -> None:
     """Two modules importing each other (one lazily, one under TYPE_CHECKING) are a cycle; a third that only
     imports them is not part of it, and a tree without the back edge has none."""
-    (tmp_path / "pyproject.toml").write_text(
-        '[tool.setuptools.package-dir]\n"kvforge" = "kvforge"\n"kvforge.runtime" = "rt"\n', encoding="utf-8")
+    (tmp_path / "pyproject.toml").write_text("", encoding="utf-8")
     files = {
         "kvforge/__init__.py": "",
-        "rt/__init__.py": "",
-        "rt/a.py": "def f():\n    from kvforge.runtime import b\n",  # lazy
-        "rt/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import f\n",
-        "rt/c.py": "from kvforge.runtime.a import f\nimport kvforge.runtime.b\n",
+        "kvforge/runtime/__init__.py": "",
+        "kvforge/runtime/a.py": "def f():\n    from kvforge.runtime import b\n",  # lazy
+        "kvforge/runtime/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import f\n",
+        "kvforge/runtime/c.py": "from kvforge.runtime.a import f\nimport kvforge.runtime.b\n",
     }
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -602,7 +586,7 @@ def test_cycle_check_flags_a_planted_cycle(tmp_path: Path) -> None:
     message = _report_cycles(cycles, graph)
     assert "kvforge.runtime.a ↔ kvforge.runtime.b" in message
     assert "kvforge.runtime.a:2 → kvforge.runtime.b" in message and "kvforge.runtime.b:3 → kvforge.runtime.a" in message
-    (tmp_path / "rt/b.py").write_text("", encoding="utf-8")
+    (tmp_path / "kvforge/runtime/b.py").write_text("", encoding="utf-8")
     assert import_cycles(import_graph(tmp_path / "pyproject.toml")) == []
 
 
@@ -634,18 +618,17 @@ def test_private_check_flags_private_names_taken_from_other_modules() -> None:
 
 def test_private_check_reads_a_planted_tree(tmp_path: Path) -> None:
     """End to end: a source module and a test file taking private names are reported with path:line."""
-    (tmp_path / "pyproject.toml").write_text(
-        '[tool.setuptools.package-dir]\n"kvforge" = "kvforge"\n"kvforge.runtime" = "rt"\n', encoding="utf-8")
+    (tmp_path / "pyproject.toml").write_text("", encoding="utf-8")
     files = {
         "kvforge/__init__.py": "",
-        "rt/__init__.py": "",
-        "rt/a.py": "def _check(): ...\ndef public(): ...\n",
-        "rt/b.py": "from kvforge.runtime.a import public\n\nfrom kvforge.runtime.a import _check\n",
+        "kvforge/runtime/__init__.py": "",
+        "kvforge/runtime/a.py": "def _check(): ...\ndef public(): ...\n",
+        "kvforge/runtime/b.py": "from kvforge.runtime.a import public\n\nfrom kvforge.runtime.a import _check\n",
         "tests/test_a.py": "from kvforge.runtime import a\n\ndef test():\n    a._check()\n",
     }
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text, encoding="utf-8")
     assert private_imports_in_repository(tmp_path / "pyproject.toml") == [
-        "rt/b.py:3: kvforge.runtime.b takes kvforge.runtime.a._check",
+        "kvforge/runtime/b.py:3: kvforge.runtime.b takes kvforge.runtime.a._check",
         "tests/test_a.py:4: tests.test_a takes kvforge.runtime.a._check"]

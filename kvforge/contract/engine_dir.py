@@ -124,7 +124,8 @@ class BuilderConfig(PageGeometry):
     # The CPU kernel's variant: PagedAttentionRope rotates Q/K and writes the pool in place (no new_key_values_*
     # outputs to scatter). False: the rotated rows come back and the runtime scatters them (engines built before).
     kernel_kv_write: bool = False
-    # 4-bit block matmuls run as kvforge.cpu.MatMulBlocks (builder/lower_matmul.py; informational: the graph says it,
+    # 4-bit block matmuls run as kvforge.cpu.MatMulBlocks (kvforge/builder/lower_matmul.py; informational: the graph
+    # says it,
     # and the kernel library is loaded for the attention anyway). False: MatMulNBits (engines built before, --cpuMatmul
     # onnx, the fallback attention).
     kernel_matmul: bool = False

@@ -95,7 +95,8 @@ def model_fingerprint(config: LoraModel) -> str:
 
 
 # The graph input [B] int32 naming each row's first adapted position (activated LoRA); 0 = every position, as an
-# ordinary adapter. Not `lora_*`: those are the per-row A/B matrices, and builder/lora.py strips this one with them.
+# ordinary adapter. Not `lora_*`: those are the per-row A/B matrices, and kvforge/builder/lora.py strips this one with
+# them.
 ACTIVATION_INPUT = "adapter_activation_start"
 # A row whose activated adapter found no invocation: no position takes the delta (PEFT then runs the base model).
 NEVER_ACTIVATED = 2 ** 31 - 1

@@ -68,7 +68,8 @@ class ModelConfig:
     lora_targets: list[str] = field(default_factory=list)  # linears with lora_A/lora_B inputs (q, k, ..., down)
     quantization: str = "none"  # requested weight format; GGUF blocks that map exactly keep their own bits
     quant_block_size: int = 0  # MatMulNBits block size of re-quantized weights (0 = not quantized)
-    int4_scheme: str = ""  # 4-bit blocks: asymmetric or symmetric (tools/export/quantize.py); "" = older exports
+    # 4-bit blocks: asymmetric or symmetric (kvforge/tools/export/quantize.py); "" = older exports
+    int4_scheme: str = ""
     lm_head: str = ""  # one of LM_HEADS; "" = not recorded (older exports)
     lm_head_candidates: int = 0  # top-k of a quantized head rescored against the float head (0 = none)
     prefill_int8_rows: int = 0  # calls of at least this many rows run quantized layers as int8 GEMMs (0 = never)

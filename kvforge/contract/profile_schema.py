@@ -2,7 +2,8 @@
 
 # Names follow TensorRT Edge-LLM's profile (examples/utils/profileFormatter.cpp, tensorrt-edge-llm.md §2.4) so
 # scripts written for that tool read kvforge profiles unchanged. Field names inside the prefill, generation and
-# stages entries are spelled where they are written (runtime/profile.py) and read (tools/profile/report.py).
+# stages entries are spelled where they are written (kvforge/runtime/profile.py) and read
+# (kvforge/tools/profile/report.py).
 
 from __future__ import annotations
 

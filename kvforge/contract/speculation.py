@@ -151,6 +151,7 @@ def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
 
 
-# DSpark's proposal-length schedulers (TensorRT Edge-LLM's --dsparkScheduler values; runtime/spec/block_draft.py).
+# DSpark's proposal-length schedulers (TensorRT Edge-LLM's --dsparkScheduler values;
+# kvforge/runtime/spec/block_draft.py).
 SCHEDULER_OFF, SCHEDULER_THRESHOLD, SCHEDULER_SPS = "off", "threshold", "sps"
 DSPARK_SCHEDULERS = (SCHEDULER_OFF, SCHEDULER_THRESHOLD, SCHEDULER_SPS)

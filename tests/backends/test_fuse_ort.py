@@ -1,4 +1,5 @@
-"""builder/fuse_ort.py: residual Add + RMSNorm as ONNX Runtime's SkipSimplifiedLayerNormalization, same results."""
+"""kvforge/builder/fuse_ort.py: residual Add + RMSNorm as ONNX Runtime's SkipSimplifiedLayerNormalization, same
+results."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from kvforge.plugins import reference
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU_CHECK = ROOT / "scripts" / "gpu_check.py"
-KERNELS = ROOT / "plugins" / "kernels"
+KERNELS = ROOT / "kvforge" / "plugins" / "kernels"
 PTX_ARCHS = ("sm_80", "sm_89", "sm_90")
 E4M3 = ml_dtypes.float8_e4m3fn
 
@@ -133,7 +133,7 @@ def test_broken_source_gives_one_line_naming_file_and_line(modules: dict, tmp_pa
         nv.compile_kernels("sm_90", kernel_dir=broken, cache_dir=tmp_path / "cache")
     message = str(info.value)
     assert "\n" not in message
-    assert message.startswith(f"plugins/kernels/decode.cu:{at + 2}: ")
+    assert message.startswith(f"kvforge/plugins/kernels/decode.cu:{at + 2}: ")
     assert "paged_decode" in message and "undefined_symbol" in message
 
 

@@ -1,4 +1,5 @@
-"""kvforge.cpu.MatMulBlocks (plugins/cpu/matmul_blocks.cc) and its lowering (builder/lower_matmul.py): the 4-bit
+"""kvforge.cpu.MatMulBlocks (kvforge/plugins/cpu/matmul_blocks.cc) and its lowering (kvforge/builder/lower_matmul.py):
+the 4-bit
 block matmul that replaces MatMulNBits and the Q4_1 correction on kernel engines, against the float64 reference, with
 each row's result independent of the call's row count (what makes verification rows equal decode rows)."""
 
@@ -129,7 +130,7 @@ def test_the_lowering_asks_for_bf16_prefill_unless_told_fp32(tmp_path: Path) -> 
 
 
 def _nbits_with_correction(blocks: BlockQuantized) -> onnx.ModelProto:
-    """The export's reference form of a Q4_1 weight (tools/export/families/llama.py _Linears._nbits)."""
+    """The export's reference form of a Q4_1 weight (kvforge/tools/export/families/llama.py _Linears._nbits)."""
     ones = np.kron(np.eye(blocks.k // 32, dtype=np.float32), np.ones((32, 1), dtype=np.float32))
     nodes = [helper.make_node("MatMulNBits", ["x", "w", "s", "z"], ["y0"], domain="com.microsoft", K=blocks.k,
                               N=blocks.n, bits=4, block_size=32, accuracy_level=0, name="nbits"),

@@ -25,10 +25,11 @@ from kvforge.tools.export.writer import write_onnx_dir
 pytestmark = pytest.mark.skipif(not cpu_kernel_on(), reason=f"budgets of kernel engines: {kernel_status()[1]}")
 
 # family fixture -> (anchor op occurring once per period, layers per period, per-period budget, whole-graph budget).
-# Measured with RoPE and the K/V write in the kernel, residual + RMSNorm fused (builder/fuse_ort.py) and the gated
-# MLP's Split, Sigmoid, Mul, Mul as one kvforge.cpu.SwiGLU (builder/lower_swiglu.py) and the attention reading the
-# packed q/k/v projection (builder/pack_qkv.py); tiny-llama was 38 per layer before (96 in all), 13 with the kernel
-# change alone, 11 before SwiGLU, 9 before the packed q/k/v.
+# Measured with RoPE and the K/V write in the kernel, residual + RMSNorm fused (kvforge/builder/fuse_ort.py) and the
+# gated MLP's Split, Sigmoid, Mul, Mul as one kvforge.cpu.SwiGLU (kvforge/builder/lower_swiglu.py) and the attention
+# reading the
+# packed q/k/v projection (kvforge/builder/pack_qkv.py); tiny-llama was 38 per layer before (96 in all), 13 with the
+# kernel change alone, 11 before SwiGLU, 9 before the packed q/k/v.
 # issue 43 caps the llama layer at 20 (onnxruntime-genai's SmolLM2 graph has 11).
 BUDGETS = {
     "tiny_engine_dir": (ops.CPU_PAGED_ATTENTION_ROPE.name, 1, 8, 21),

@@ -1,5 +1,5 @@
-"""Outputs bound once (runtime/execution/output_buffers.py): decode steps allocate and bind no output, the answers
-equal those of per-call outputs, and an array a caller still holds is never written over."""
+"""Outputs bound once (kvforge/runtime/execution/output_buffers.py): decode steps allocate and bind no output, the
+answers equal those of per-call outputs, and an array a caller still holds is never written over."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""PagedAttentionRope reading the packed q/k/v projection (builder/pack_qkv.py, attribute packed_qkv) against the
-engines built before (a Split hands it q, k and v): one node less a layer, the same pools and logits bit for bit."""
+"""PagedAttentionRope reading the packed q/k/v projection (kvforge/builder/pack_qkv.py, attribute packed_qkv) against
+the engines built before (a Split hands it q, k and v): one node less a layer, the same pools and logits bit for bit."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""kvforge.cpu.SwiGLU (plugins/cpu/swiglu.cc) and its lowering (builder/lower_swiglu.py): a gated MLP's Split,
+"""kvforge.cpu.SwiGLU (kvforge/plugins/cpu/swiglu.cc) and its lowering (kvforge/builder/lower_swiglu.py): a gated
+MLP's Split,
 Sigmoid, Mul and Mul as one node on kernel engines, against the float64 reference and against the unfused engine."""
 
 from __future__ import annotations

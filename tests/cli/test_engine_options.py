@@ -92,13 +92,14 @@ def test_llm_test_takes_flags_and_defaults_from_the_declaration() -> None:
 def test_no_front_end_declares_an_engine_flag_itself() -> None:
     """A typer.Option naming a declared flag would be a second declaration (and a second default)."""
     declared = {option.flag for _, option in engine_options().values() if option.flag}
-    for path in ("runtime/cli.py", "server/cli.py", "tools/testcases/cli.py", "tools/bench/cli.py"):
+    for path in ("kvforge/runtime/cli.py", "kvforge/server/cli.py", "kvforge/tools/testcases/cli.py",
+                 "kvforge/tools/bench/cli.py"):
         tree = ast.parse((ROOT / path).read_text(encoding="utf-8"))
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "Option":
                 names = {a.value.split("/")[0] for a in node.args[1:] if isinstance(a, ast.Constant)}
                 # llm_bench's --numThreads is its own: every engine's threads, its peers' too (default 2, min 1).
-                if path == "tools/bench/cli.py":
+                if path == "kvforge/tools/bench/cli.py":
                     names.discard("--numThreads")
                 assert not names & declared, f"{path}:{node.lineno} declares {names & declared}"
 

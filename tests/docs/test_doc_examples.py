@@ -429,8 +429,7 @@ def test_collector_reports_broken_examples(tmp_path: Path) -> None:
 
 # Backticked tokens that name repository paths: a top-level folder, then path characters only (no spaces,
 # placeholders like <name> or globs).
-_PATH_ROOTS = ("builder/", "runtime/", "plugins/", "server/", "kvforge/", "tools/", "tests/", "experiments/",
-               "scripts/", "test_cases/", "docs/")
+_PATH_ROOTS = ("kvforge/", "tests/", "experiments/", "scripts/", "test_cases/", "docs/")
 _BACKTICKED = re.compile(r"`([^`\s]+)`")
 _PATH_CHARS = re.compile(r"^[\w./-]+$")
 
@@ -460,9 +459,10 @@ def test_named_repo_paths_exist(page: str) -> None:
 
 
 def test_path_check_reads_module_names() -> None:
-    assert path_exists("runtime/context_cache/lease.py") and path_exists("tools/export/")
-    assert path_exists("runtime/api.LLM") and not path_exists("runtime/api.NoSuchThing")
-    assert repo_paths_named("`runtime/x.py` `<dir>/x` `out/engines` `tools/a b`") == ["runtime/x.py"]
+    assert path_exists("kvforge/runtime/context_cache/lease.py") and path_exists("kvforge/tools/export/")
+    assert path_exists("kvforge/runtime/api.LLM") and not path_exists("kvforge/runtime/api.NoSuchThing")
+    named = repo_paths_named("`kvforge/runtime/x.py` `<dir>/x` `out/engines` `kvforge/tools/a b`")
+    assert named == ["kvforge/runtime/x.py"]
 
 
 def test_demo_engine_fixture_builds_what_make_demo_builds() -> None:

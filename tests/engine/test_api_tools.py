@@ -1,5 +1,5 @@
 """`kvforge.LLM.chat(tools=..., tool_choice=...)` on the tiny synthetic engine: random weights write garbage, so a
-call that parses and follows its schema comes only from the shared tool grammar (runtime/inputs/tools.py)."""
+call that parses and follows its schema comes only from the shared tool grammar (kvforge/runtime/inputs/tools.py)."""
 
 from __future__ import annotations
 

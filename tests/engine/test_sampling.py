@@ -364,8 +364,8 @@ BIASES = st.dictionaries(st.integers(0, 39), st.sampled_from([-100.0, -1.5, 0.25
 @example(np.array([1.0, 2.0, 7.0, 2.0], np.float32), {3: 5.0}, 1)  # a bias lifts another token to tie the best
 def test_greedy_equals_the_general_path_to_the_last_bit(row: np.ndarray, bias: dict[int, float],
                                                          num_logprobs: int) -> None:
-    """Greedy rows skip the float64 copy of the row (runtime/sampling/sampler.py `sample`): the token, its logprob
-    and the top logprobs must be what the general computation gives, bit for bit."""
+    """Greedy rows skip the float64 copy of the row (kvforge/runtime/sampling/sampler.py `sample`): the token, its
+    logprob and the top logprobs must be what the general computation gives, bit for bit."""
     bias = {token_id: value for token_id, value in bias.items() if token_id < row.size}
     sampler = Sampler(params(temperature=0, num_logprobs=num_logprobs, logit_bias=bias))
     result = sampler.sample(row)

@@ -1,5 +1,5 @@
-"""The model-family registry (tools/export/families/): every family registered once, and what each declares agrees
-with what it builds."""
+"""The model-family registry (kvforge/tools/export/families/): every family registered once, and what each declares
+agrees with what it builds."""
 
 from __future__ import annotations
 

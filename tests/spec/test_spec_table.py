@@ -31,8 +31,8 @@ from kvforge.runtime.types import Deployment
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "commands" / "llm_inference.md"
-# The package's source folders (pyproject's package-dir); tests/, docs/ and the experiment scripts are left out.
-SOURCE_DIRS = ("kvforge", "runtime", "builder", "tools", "server", "plugins")
+# The package's sources; tests/, docs/ and the experiment scripts are left out.
+SOURCE_DIRS = ("kvforge",)
 MAX_FILES_SPELLING_A_METHOD = 3
 
 

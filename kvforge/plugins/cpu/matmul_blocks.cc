@@ -1,0 +1,534 @@
+// kvforge.cpu.MatMulBlocks: a 4-bit block-quantized matmul whose rows do not change with the call's row count.
+//
+// The contract is kvforge/plugins/ops.py CPU_MATMUL_BLOCKS; the semantics are kvforge/plugins/reference.py matmul_blocks.
+// Y [..., N] = A [..., K] @ W, where weight k of output column n is scale[n, b] * q + min[n, b] (b = k / 32, q the
+// 4-bit value). That is a GGUF Q4_1 block exactly (a Q4_0 block has min = -8 * scale), so the exact-remainder
+// correction the stock form needs (a block-sum MatMul, an offsets MatMul and an Add beside MatMulNBits) is gone.
+// Each block is 24 bytes, a column's blocks one after another: 16 bytes of values (byte j: element j in the low
+// nibble, element j + 16 in the high one, GGUF's order, so the activations are read as they are), then the scale
+// and the min as float32. One contiguous stream per column is what the hardware prefetchers follow best.
+//
+// Why not ONNX Runtime's MatMulNBits: at more than one row its float path dequantizes the whole weight and runs
+// SGEMM, so a verification call of 5 rows cost 2.7x a decode call, and its rounding differs from the one-row
+// call's, so a verified token's logits were not the decoded token's. Here, up to kDirectRows rows, each block is
+// decoded once into float32 (one FMA per weight: scale * q + min, rounded once) and dotted with every row; an
+// output element is summed in the same order whatever the row count, the column split or the thread, so
+// verification rows equal decode rows bit for bit. More rows (prefill chunks) dequantize W once into float32
+// [N, K] and run ONNX Runtime's own Gemm on it (InvokeOp), as MatMulNBits' float path does internally.
+
+#include <onnxruntime_c_api.h>
+
+#include "ort_op.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__AVX512F__)
+// gcc 12 reports its own _mm512_undefined_* (inside the intrinsics) as uninitialized.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#include <immintrin.h>
+#define KVFORGE_MATMUL_AVX512 1
+#else
+#define KVFORGE_MATMUL_AVX512 0
+#endif
+#if KVFORGE_MATMUL_AVX512 && defined(__AVX512BF16__)
+#define KVFORGE_MATMUL_BF16 1
+#else
+#define KVFORGE_MATMUL_BF16 0
+#endif
+
+namespace kvforge_matmul {
+namespace {
+
+const OrtApi* g_api = nullptr;
+
+constexpr int64_t kBlock = 32;          // weights per block (GGUF's Q4_0 / Q4_1)
+// A block's bytes: the 32 values (two 4-bit values a byte, or one 8-bit value), then scale and min (float32).
+template <int BITS>
+constexpr int64_t kValueBytes = BITS == 4 ? 16 : 32;
+template <int BITS>
+constexpr int64_t kBlockBytes = kValueBytes<BITS> + 8;
+constexpr int64_t kDirectRows = 16;     // up to this many rows: the row-invariant direct kernel
+constexpr int64_t kRowGroup = 8;        // the most rows sharing one decoded block in registers
+constexpr int64_t kColumnsPerItem = 32; // one parallel work item
+
+#define KVF_MM_TRY(expr)                  \
+  do {                                    \
+    if (OrtStatus* _st = (expr)) return _st; \
+  } while (0)
+
+OrtStatus* error(const std::string& message) {
+  return g_api->CreateStatus(ORT_INVALID_ARGUMENT, ("kvforge.cpu.MatMulBlocks: " + message).c_str());
+}
+
+struct Kernel {
+  int64_t k = 0;
+  int64_t n = 0;
+  int64_t bits = 4;  // 4 (GGUF Q4_0 / Q4_1) or 8 (Q8_0, the LM head)
+  bool bf16 = false;  // many-row calls of 4-bit weights in bfloat16 where the CPU has it (attribute `bf16`)
+  OrtOp* gemm = nullptr;  // ONNX Runtime's Gemm (transB = 1) for calls of many rows
+  OrtMemoryInfo* cpu = nullptr;
+};
+
+struct Call {
+  const Kernel* kernel;
+  int64_t rows;
+  const float* x;         // [rows, K]
+  const uint8_t* blocks;  // [N, K / 32, 24] (4-bit) or [N, K / 32, 40] (8-bit)
+  float* y;               // [rows, N]
+  float* dequantized;     // [N, K] (the many-rows path)
+};
+
+inline float block_float(const uint8_t* block, int64_t offset) {
+  float value;
+  std::memcpy(&value, block + offset, sizeof value);
+  return value;
+}
+
+#if KVFORGE_MATMUL_AVX512
+// Columns c0..c0+NC-1 against rows r0..r0+NR-1: one accumulator per (column, row), summed block by block in
+// order, lane by lane, then reduced by one fixed tree: the same arithmetic for any NC, NR or row count.
+template <int BITS, int NC, int NR>
+void dot_group(const Call& c, int64_t c0, int64_t r0) {
+  constexpr int64_t kBytes = kBlockBytes<BITS>, kValues = kValueBytes<BITS>;
+  const int64_t k = c.kernel->k, n = c.kernel->n, blocks = k / kBlock;
+  const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  __m512 acc[NC][NR];
+  for (int j = 0; j < NC; ++j)
+    for (int r = 0; r < NR; ++r) acc[j][r] = _mm512_setzero_ps();
+  // The next column group's blocks, one block step ahead per step: a column's stream is only K / 32 blocks (7 to 18
+  // cache lines here), too short for the hardware prefetchers to lock on, and a decode call is 120 such matmuls
+  // streaming 80 MB. Prefetching the group ahead took SmolLM2's 120 one-row matmuls from ~5.2 to ~3.3 ms on two
+  // cores. The group ahead is contiguous (columns are consecutive), so step b covers its bytes [b, b + 1) * span: an
+  // address every cache line and the span's last byte reach each line it touches. The last group of an item
+  // prefetches the next item's first, which another thread may be reading.
+  constexpr int64_t span = NC * kBytes;
+  const bool prefetch = c0 + 2 * NC <= n;
+  const char* ahead = reinterpret_cast<const char*>(c.blocks + (prefetch ? (c0 + NC) * blocks * kBytes : 0));
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (prefetch) {
+      const char* group = ahead + b * span;
+      for (int64_t offset = 0; offset < span; offset += 64) _mm_prefetch(group + offset, _MM_HINT_T0);
+      _mm_prefetch(group + span - 1, _MM_HINT_T0);
+    }
+    __m512 low[NC], high[NC];  // elements 0..15 and 16..31 of each column's block
+    for (int j = 0; j < NC; ++j) {
+      const uint8_t* block = c.blocks + ((c0 + j) * blocks + b) * kBytes;
+      const __m512 scale = _mm512_set1_ps(block_float(block, kValues));
+      const __m512 min = _mm512_set1_ps(block_float(block, kValues + 4));
+      const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
+      if constexpr (BITS == 4) {
+        // The block's 16 possible weights scale * q + min (each rounded once, as the portable path's fma), then
+        // looked up by nibble: vpermps reads only an index's low 4 bits, so the low nibble needs no mask.
+        const __m512 table = _mm512_fmadd_ps(iota, scale, min);
+        low[j] = _mm512_permutexvar_ps(v, table);
+        high[j] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+      } else {  // one byte a weight: scale * q + min, rounded once, as the table's entries are
+        const __m512i v_high = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16)));
+        low[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), scale, min);
+        high[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v_high), scale, min);
+      }
+    }
+    for (int r = 0; r < NR; ++r) {  // each row's 32 activations loaded once for all NC columns
+      const float* x = c.x + (r0 + r) * k + b * kBlock;
+      const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
+      for (int j = 0; j < NC; ++j) {
+        acc[j][r] = _mm512_fmadd_ps(low[j], x0, acc[j][r]);
+        acc[j][r] = _mm512_fmadd_ps(high[j], x1, acc[j][r]);
+      }
+    }
+  }
+  for (int j = 0; j < NC; ++j)
+    for (int r = 0; r < NR; ++r) c.y[(r0 + r) * n + c0 + j] = _mm512_reduce_add_ps(acc[j][r]);
+}
+#else
+// Value i (0..31) of a block: the low nibble of byte i, the high nibble of byte i - 16, or byte i.
+template <int BITS>
+inline float block_value(const uint8_t* block, int i) {
+  if constexpr (BITS == 4) return static_cast<float>(i < 16 ? block[i] & 0xF : block[i - 16] >> 4);
+  return static_cast<float>(block[i]);
+}
+
+// The portable path: the same per-element order as the vector one (16 lanes, then a pairwise tree).
+template <int BITS, int NC, int NR>
+void dot_group(const Call& c, int64_t c0, int64_t r0) {
+  const int64_t k = c.kernel->k, n = c.kernel->n, blocks = k / kBlock;
+  for (int j = 0; j < NC; ++j) {
+    for (int r = 0; r < NR; ++r) {
+      float lanes[16] = {};
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* block = c.blocks + ((c0 + j) * blocks + b) * kBlockBytes<BITS>;
+        const float d = block_float(block, kValueBytes<BITS>), m = block_float(block, kValueBytes<BITS> + 4);
+        const float* x = c.x + (r0 + r) * k + b * kBlock;
+        for (int i = 0; i < 16; ++i) {
+          lanes[i] = std::fma(std::fma(block_value<BITS>(block, i), d, m), x[i], lanes[i]);
+          lanes[i] = std::fma(std::fma(block_value<BITS>(block, 16 + i), d, m), x[16 + i], lanes[i]);
+        }
+      }
+      for (int width = 8; width >= 1; width /= 2)
+        for (int i = 0; i < width; ++i) lanes[i] += lanes[i + width];
+      c.y[(r0 + r) * n + c0 + j] = lanes[0];
+    }
+  }
+}
+#endif
+
+// One pass over a column group's blocks serves as many rows as the registers hold: NC x NR accumulators plus the
+// NC decoded pairs stay within the 32 vector registers without spilling (4 x 4, 3 x 5, 2 x 8).
+template <int BITS, int NC, int NR>
+void dot_columns(const Call& c, int64_t begin, int64_t end, int64_t r0) {
+  int64_t c0 = begin;
+  for (; c0 + NC <= end; c0 += NC) dot_group<BITS, NC, NR>(c, c0, r0);
+  for (; c0 < end; ++c0) dot_group<BITS, 1, NR>(c, c0, r0);
+}
+
+template <int BITS, int NR>
+void dot_rows(const Call& c, int64_t begin, int64_t end, int64_t r0) {
+  constexpr int kColumns = NR <= 4 ? 4 : NR == 5 ? 3 : 2;
+  dot_columns<BITS, kColumns, NR>(c, begin, end, r0);
+}
+
+template <int BITS>
+void direct_item(void* data, size_t item) {
+  const Call& c = *static_cast<const Call*>(data);
+  const int64_t begin = static_cast<int64_t>(item) * kColumnsPerItem;
+  const int64_t end = std::min(begin + kColumnsPerItem, c.kernel->n);
+  for (int64_t r0 = 0; r0 < c.rows; r0 += kRowGroup) {
+    switch (std::min<int64_t>(c.rows - r0, kRowGroup)) {
+      case 1: dot_rows<BITS, 1>(c, begin, end, r0); break;
+      case 2: dot_rows<BITS, 2>(c, begin, end, r0); break;
+      case 3: dot_rows<BITS, 3>(c, begin, end, r0); break;
+      case 4: dot_rows<BITS, 4>(c, begin, end, r0); break;
+      case 5: dot_rows<BITS, 5>(c, begin, end, r0); break;
+      case 6: dot_rows<BITS, 6>(c, begin, end, r0); break;
+      case 7: dot_rows<BITS, 7>(c, begin, end, r0); break;
+      default: dot_rows<BITS, 8>(c, begin, end, r0); break;
+    }
+  }
+}
+
+// W^T [N, K] in float32, in the original element order, for ONNX Runtime's Gemm (4-bit weights only: an 8-bit
+// weight is the LM head, whose many-row calls are rare and whose float copy would be 4x its blocks).
+void dequantize_item(void* data, size_t item) {
+  const Call& c = *static_cast<const Call*>(data);
+  const int64_t k = c.kernel->k, blocks = k / kBlock;
+  const int64_t begin = static_cast<int64_t>(item) * kColumnsPerItem;
+  const int64_t end = std::min(begin + kColumnsPerItem, c.kernel->n);
+  for (int64_t col = begin; col < end; ++col) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* block = c.blocks + (col * blocks + b) * kBlockBytes<4>;
+      const float d = block_float(block, kValueBytes<4>), m = block_float(block, kValueBytes<4> + 4);
+      float* out = c.dequantized + col * k + b * kBlock;
+      for (int64_t i = 0; i < kValueBytes<4>; ++i) {
+        out[i] = std::fma(static_cast<float>(block[i] & 0xF), d, m);
+        out[kValueBytes<4> + i] = std::fma(static_cast<float>(block[i] >> 4), d, m);
+      }
+    }
+  }
+}
+
+#if KVFORGE_MATMUL_BF16
+// ---- many rows in bfloat16: A and W rounded to bf16 (nearest even), products summed in float32 by VDPBF16PS ----
+//
+// W is dequantized a panel of 32 columns at a time (scale * q + min in float32, as every path rounds it, then to
+// bf16) into the thread's panel [K/2][32] of bf16 pairs: dword (p, j) holds weights 2p and 2p + 1 of column j, the
+// layout VDPBF16PS pairs with a broadcast dword of two activations. A register block of kPanelRows rows then runs
+// over the whole panel with 2 x kPanelRows accumulators; the panel (K x 64 bytes) stays in L2 for all the rows.
+constexpr int64_t kPanel = 32;      // columns per panel: two vectors of 16
+constexpr int kPanelRows = 12;      // rows per register block: 24 accumulators, 2 weight vectors, a broadcast
+constexpr int64_t kPackRows = 16;   // rows rounded to bf16 per work item
+
+struct Bf16Call {
+  const Kernel* kernel;
+  int64_t rows;
+  const float* x;         // [rows, K]
+  uint16_t* a;            // [rows, K] bf16 (x rounded)
+  const uint8_t* blocks;  // [N, K / 32, 24]
+  float* y;               // [rows, N]
+};
+
+void round_rows_item(void* data, size_t item) {
+  const Bf16Call& c = *static_cast<const Bf16Call*>(data);
+  const int64_t k = c.kernel->k, begin = static_cast<int64_t>(item) * kPackRows;
+  const int64_t end = std::min(begin + kPackRows, c.rows);
+  for (int64_t i = begin * k; i < end * k; i += kBlock) {  // K is a multiple of 32
+    const __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(c.x + i + 16), _mm512_loadu_ps(c.x + i));
+    _mm512_storeu_si512(c.a + i, reinterpret_cast<const __m512i&>(pairs));
+  }
+}
+
+// Columns n0..n0+31 of W into `panel` as bf16 pairs; columns past N are zero.
+void dequantize_panel(const Bf16Call& c, int64_t n0, uint32_t* panel) {
+  const int64_t k = c.kernel->k, n = c.kernel->n, blocks = k / kBlock;
+  const int64_t columns = std::min(kPanel, n - n0);
+  const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  // Dword l of a block's 32 rounded weights is pair b * 16 + l: scattered down the panel at a stride of 32 dwords.
+  const __m512i stride = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(static_cast<int>(kPanel)));
+  for (int64_t j = 0; j < columns; ++j) {
+    const uint8_t* column = c.blocks + (n0 + j) * blocks * kBlockBytes<4>;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* block = column + b * kBlockBytes<4>;
+      const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(block_float(block, kValueBytes<4>)),
+                                           _mm512_set1_ps(block_float(block, kValueBytes<4> + 4)));
+      const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
+      const __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table),
+                                                 _mm512_permutexvar_ps(v, table));
+      _mm512_i32scatter_epi32(panel + b * 16 * kPanel + j, stride, reinterpret_cast<const __m512i&>(pairs), 4);
+    }
+  }
+  for (int64_t p = 0; columns < kPanel && p < k / 2; ++p)
+    std::memset(panel + p * kPanel + columns, 0, sizeof(uint32_t) * (kPanel - columns));
+}
+
+// Rows r0..r0+MR-1 against the panel's 32 columns; the columns past N are not stored.
+template <int MR>
+void panel_rows(const Bf16Call& c, const uint32_t* panel, int64_t n0, int64_t r0) {
+  const int64_t pairs = c.kernel->k / 2, n = c.kernel->n;
+  const uint32_t* a = reinterpret_cast<const uint32_t*>(c.a) + r0 * pairs;
+  __m512 low[MR], high[MR];
+  for (int r = 0; r < MR; ++r) low[r] = high[r] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const __m512i w0 = _mm512_loadu_si512(panel + p * kPanel), w1 = _mm512_loadu_si512(panel + p * kPanel + 16);
+    for (int r = 0; r < MR; ++r) {
+      const __m512i x = _mm512_set1_epi32(static_cast<int>(a[r * pairs + p]));
+      low[r] = _mm512_dpbf16_ps(low[r], reinterpret_cast<const __m512bh&>(x), reinterpret_cast<const __m512bh&>(w0));
+      high[r] = _mm512_dpbf16_ps(high[r], reinterpret_cast<const __m512bh&>(x), reinterpret_cast<const __m512bh&>(w1));
+    }
+  }
+  const int64_t columns = std::min(kPanel, n - n0);
+  const __mmask16 low_mask = columns >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << columns) - 1);
+  const __mmask16 high_mask = columns >= 32 ? 0xFFFF : columns <= 16 ? 0 : static_cast<__mmask16>((1u << (columns - 16)) - 1);
+  for (int r = 0; r < MR; ++r) {
+    float* y = c.y + (r0 + r) * n + n0;
+    _mm512_mask_storeu_ps(y, low_mask, low[r]);
+    _mm512_mask_storeu_ps(y + 16, high_mask, high[r]);
+  }
+}
+
+void bf16_item(void* data, size_t item) {
+  const Bf16Call& c = *static_cast<const Bf16Call*>(data);
+  thread_local std::vector<uint32_t> panel;  // this thread's: reused call after call
+  panel.resize(static_cast<size_t>(c.kernel->k / 2 * kPanel));
+  const int64_t n0 = static_cast<int64_t>(item) * kPanel;
+  dequantize_panel(c, n0, panel.data());
+  int64_t r0 = 0;
+  for (; r0 + kPanelRows <= c.rows; r0 += kPanelRows) panel_rows<kPanelRows>(c, panel.data(), n0, r0);
+  switch (c.rows - r0) {
+    case 0: break;
+    case 1: panel_rows<1>(c, panel.data(), n0, r0); break;
+    case 2: panel_rows<2>(c, panel.data(), n0, r0); break;
+    case 3: panel_rows<3>(c, panel.data(), n0, r0); break;
+    case 4: panel_rows<4>(c, panel.data(), n0, r0); break;
+    case 5: panel_rows<5>(c, panel.data(), n0, r0); break;
+    case 6: panel_rows<6>(c, panel.data(), n0, r0); break;
+    case 7: panel_rows<7>(c, panel.data(), n0, r0); break;
+    case 8: panel_rows<8>(c, panel.data(), n0, r0); break;
+    case 9: panel_rows<9>(c, panel.data(), n0, r0); break;
+    case 10: panel_rows<10>(c, panel.data(), n0, r0); break;
+    default: panel_rows<11>(c, panel.data(), n0, r0); break;
+  }
+}
+
+OrtStatus* run_bf16(OrtKernelContext* ctx, const Call& call) {
+  thread_local std::vector<uint16_t> rounded;  // the calling thread's A in bf16, never shrunk
+  rounded.resize(static_cast<size_t>(call.rows * call.kernel->k));
+  Bf16Call c{call.kernel, call.rows, call.x, rounded.data(), call.blocks, call.y};
+  const size_t row_items = static_cast<size_t>((call.rows + kPackRows - 1) / kPackRows);
+  KVF_MM_TRY(g_api->KernelContext_ParallelFor(ctx, round_rows_item, row_items, 0, &c));
+  const size_t panels = static_cast<size_t>((call.kernel->n + kPanel - 1) / kPanel);
+  return g_api->KernelContext_ParallelFor(ctx, bf16_item, panels, 0, &c);
+}
+#endif
+
+struct TensorInfo {
+  std::vector<int64_t> shape;
+  ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+};
+
+OrtStatus* describe(const OrtValue* value, TensorInfo& out) {
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  KVF_MM_TRY(g_api->GetTensorTypeAndShape(value, &info));
+  size_t rank = 0;
+  OrtStatus* st = g_api->GetDimensionsCount(info, &rank);
+  if (!st) {
+    out.shape.resize(rank);
+    st = g_api->GetDimensions(info, out.shape.data(), rank);
+  }
+  if (!st) st = g_api->GetTensorElementType(info, &out.type);
+  g_api->ReleaseTensorTypeAndShapeInfo(info);
+  return st;
+}
+
+int64_t elements(const std::vector<int64_t>& shape) {
+  int64_t total = 1;
+  for (int64_t d : shape) total *= d;
+  return total;
+}
+
+OrtStatus* run_gemm(const Kernel& kernel, OrtKernelContext* ctx, const float* a, int64_t rows, float* weights,
+                    float* y) {
+  const int64_t a_shape[2] = {rows, kernel.k}, w_shape[2] = {kernel.n, kernel.k}, y_shape[2] = {rows, kernel.n};
+  OrtValue* values[3] = {nullptr, nullptr, nullptr};
+  OrtStatus* st = g_api->CreateTensorWithDataAsOrtValue(kernel.cpu, const_cast<float*>(a),
+                                                        sizeof(float) * rows * kernel.k, a_shape, 2,
+                                                        ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, &values[0]);
+  if (!st) st = g_api->CreateTensorWithDataAsOrtValue(kernel.cpu, weights, sizeof(float) * kernel.n * kernel.k,
+                                                      w_shape, 2, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, &values[1]);
+  if (!st) st = g_api->CreateTensorWithDataAsOrtValue(kernel.cpu, y, sizeof(float) * rows * kernel.n, y_shape, 2,
+                                                      ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, &values[2]);
+  if (!st) {
+    const OrtValue* inputs[2] = {values[0], values[1]};
+    st = g_api->InvokeOp(ctx, kernel.gemm, inputs, 2, &values[2], 1);
+  }
+  for (OrtValue* v : values)
+    if (v) g_api->ReleaseValue(v);
+  return st;
+}
+
+OrtStatus* ORT_API_CALL compute(void* kernel_data, OrtKernelContext* ctx) {
+  const Kernel& kernel = *static_cast<const Kernel*>(kernel_data);
+  const OrtValue* inputs[2] = {nullptr, nullptr};
+  TensorInfo info[2];
+  for (size_t i = 0; i < 2; ++i) {
+    KVF_MM_TRY(g_api->KernelContext_GetInput(ctx, i, &inputs[i]));
+    if (!inputs[i]) return error("input " + std::to_string(i) + " is missing");
+    KVF_MM_TRY(describe(inputs[i], info[i]));
+  }
+  const int64_t k = kernel.k, n = kernel.n, blocks = k / kBlock;
+  if (info[0].shape.empty() || info[0].shape.back() != k)
+    return error("input A's last dimension must be K = " + std::to_string(k));
+  const int64_t block_bytes = kernel.bits == 4 ? kBlockBytes<4> : kBlockBytes<8>;
+  if (info[1].shape != std::vector<int64_t>{n, blocks, block_bytes})
+    return error("blocks must be [N, K / 32, " + std::to_string(block_bytes) + "] uint8 for bits = " +
+                 std::to_string(kernel.bits));
+  const int64_t rows = elements(info[0].shape) / k;
+  std::vector<int64_t> out_shape(info[0].shape);
+  out_shape.back() = n;
+  OrtValue* out_value = nullptr;
+  KVF_MM_TRY(g_api->KernelContext_GetOutput(ctx, 0, out_shape.data(), out_shape.size(), &out_value));
+  void* y = nullptr;
+  KVF_MM_TRY(g_api->GetTensorMutableData(out_value, &y));
+  if (rows == 0) return nullptr;
+  const void* data[2];
+  for (size_t i = 0; i < 2; ++i) KVF_MM_TRY(g_api->GetTensorData(inputs[i], &data[i]));
+  Call c{&kernel, rows, static_cast<const float*>(data[0]), static_cast<const uint8_t*>(data[1]),
+         static_cast<float*>(y), nullptr};
+  const size_t items = static_cast<size_t>((n + kColumnsPerItem - 1) / kColumnsPerItem);
+  if (kernel.bits == 8) return g_api->KernelContext_ParallelFor(ctx, direct_item<8>, items, 0, &c);
+  if (rows <= kDirectRows) return g_api->KernelContext_ParallelFor(ctx, direct_item<4>, items, 0, &c);
+#if KVFORGE_MATMUL_BF16
+  if (kernel.bf16) return run_bf16(ctx, c);
+#endif
+  thread_local std::vector<float> scratch;  // the calling thread's: reused call after call, never shrunk
+  scratch.resize(static_cast<size_t>(n * k));
+  c.dequantized = scratch.data();
+  KVF_MM_TRY(g_api->KernelContext_ParallelFor(ctx, dequantize_item, items, 0, &c));
+  return run_gemm(kernel, ctx, c.x, rows, c.dequantized, static_cast<float*>(y));
+}
+
+OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** out) {
+  Kernel kernel;
+  for (auto [name, target] : {std::pair<const char*, int64_t*>{"K", &kernel.k}, {"N", &kernel.n}}) {
+    if (OrtStatus* st = g_api->KernelInfoGetAttribute_int64(info, name, target)) {
+      g_api->ReleaseStatus(st);
+      return error(std::string("missing int attribute ") + name);
+    }
+  }
+  if (kernel.k <= 0 || kernel.k % kBlock != 0 || kernel.n <= 0)
+    return error("K must be a positive multiple of 32 and N positive, got K = " + std::to_string(kernel.k) +
+                 ", N = " + std::to_string(kernel.n));
+  kernel.bits = kvforge_ort::optional_int(g_api, info, "bits", 4);  // absent: engines built before 8-bit blocks
+  if (kernel.bits != 4 && kernel.bits != 8)
+    return error("bits must be 4 or 8, got " + std::to_string(kernel.bits));
+  // Absent: float32 (engines built before it, `--cpuPrefillMatmul fp32`).
+  kernel.bf16 = kvforge_ort::optional_int(g_api, info, "bf16", 0) != 0;
+  // Gemm's kernel reads every attribute at creation: Y = A @ W^T (transB), alpha 1, beta 1 (no C is given).
+  const int64_t trans_a = 0, trans_b = 1;
+  const float one = 1.0f;
+  OrtOpAttr* attrs[4] = {nullptr, nullptr, nullptr, nullptr};
+  OrtStatus* st = g_api->CreateOpAttr("transA", &trans_a, 1, ORT_OP_ATTR_INT, &attrs[0]);
+  if (!st) st = g_api->CreateOpAttr("transB", &trans_b, 1, ORT_OP_ATTR_INT, &attrs[1]);
+  if (!st) st = g_api->CreateOpAttr("alpha", &one, 1, ORT_OP_ATTR_FLOAT, &attrs[2]);
+  if (!st) st = g_api->CreateOpAttr("beta", &one, 1, ORT_OP_ATTR_FLOAT, &attrs[3]);
+  const char* type_names[1] = {"T"};
+  const ONNXTensorElementDataType types[1] = {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT};
+  if (!st) st = g_api->CreateOp(info, "Gemm", "", 13, type_names, types, 1, attrs, 4, 2, 1, &kernel.gemm);
+  for (OrtOpAttr* attr : attrs)
+    if (attr) g_api->ReleaseOpAttr(attr);
+  if (st) return st;
+  st = g_api->CreateCpuMemoryInfo(OrtDeviceAllocator, OrtMemTypeDefault, &kernel.cpu);
+  if (st) {
+    g_api->ReleaseOp(kernel.gemm);
+    return st;
+  }
+  *out = new Kernel(kernel);
+  return nullptr;
+}
+
+void ORT_API_CALL destroy_kernel(void* data) {
+  Kernel* kernel = static_cast<Kernel*>(data);
+  if (kernel->gemm) g_api->ReleaseOp(kernel->gemm);
+  if (kernel->cpu) g_api->ReleaseMemoryInfo(kernel->cpu);
+  delete kernel;
+}
+
+const char* ORT_API_CALL op_name(const OrtCustomOp*) { return "MatMulBlocks"; }
+size_t ORT_API_CALL input_count(const OrtCustomOp*) { return 2; }
+size_t ORT_API_CALL output_count(const OrtCustomOp*) { return 1; }
+ONNXTensorElementDataType ORT_API_CALL input_type(const OrtCustomOp*, size_t index) {
+  return index == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+ONNXTensorElementDataType ORT_API_CALL output_type(const OrtCustomOp*, size_t) {
+  return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+OrtCustomOpInputOutputCharacteristic ORT_API_CALL required(const OrtCustomOp*, size_t) {
+  return INPUT_OUTPUT_REQUIRED;
+}
+
+// Y has A's shape with the last dimension N (kvforge_ort::infer_last_dim says where it stays unknown).
+OrtStatus* ORT_API_CALL infer_shape(const OrtCustomOp*, OrtShapeInferContext* ctx) {
+  const OrtOpAttr* attr = nullptr;
+  KVF_MM_TRY(g_api->ShapeInferContext_GetAttribute(ctx, "N", &attr));
+  int64_t n = 0;
+  size_t written = 0;
+  KVF_MM_TRY(g_api->ReadOpAttr(attr, ORT_OP_ATTR_INT, &n, sizeof n, &written));
+  return kvforge_ort::infer_last_dim(g_api, ctx, [n](int64_t) { return n; });
+}
+
+OrtCustomOp make_op() {
+  OrtCustomOp op = kvforge_ort::base_op();
+  op.GetName = op_name;
+  op.GetInputType = input_type;
+  op.GetInputTypeCount = input_count;
+  op.GetOutputType = output_type;
+  op.GetOutputTypeCount = output_count;
+  op.KernelDestroy = destroy_kernel;
+  op.GetInputCharacteristic = required;
+  op.GetOutputCharacteristic = required;
+  op.CreateKernelV2 = create_kernel;
+  op.KernelComputeV2 = compute;
+  op.InferOutputShapeFn = infer_shape;
+  return op;
+}
+
+OrtCustomOp g_matmul_blocks = make_op();
+
+}  // namespace
+
+// Whether many-row calls with `bf16` set run in bfloat16 here (1) or fall back to float32 SGEMM (0): the library is
+// built with -march=native, so this is the build machine's AVX512_BF16. Read by the tests (ctypes).
+extern "C" __attribute__((visibility("default"))) int kvforge_matmul_bf16() { return KVFORGE_MATMUL_BF16; }
+
+// Called by RegisterCustomOps (paged_attention.cc) with the API table it resolved.
+OrtStatus* add_ops(OrtCustomOpDomain* domain, const OrtApi* api) {
+  g_api = api;
+  return api->CustomOpDomain_Add(domain, &g_matmul_blocks);
+}
+
+}  // namespace kvforge_matmul

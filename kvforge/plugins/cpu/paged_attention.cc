@@ -1,0 +1,1359 @@
+// kvforge.cpu.PagedAttention: an ONNX Runtime CPU custom op that reads the paged KV pool in place.
+//
+// The contract is kvforge/plugins/ops.py CPU_PAGED_ATTENTION; the semantics are kvforge/plugins/reference.py
+// paged_attention_rows. The library links no libonnxruntime: RegisterCustomOps receives the API table.
+//
+// Work is cut into items (row b, kv head h, block of queries, split of the cached range), run on ORT's
+// intra-op pool (KernelContext_ParallelFor), longest first. An item streams its K/V through tiles of up to
+// kTile positions, read through the page table straight from the pool (fp16, fp8 or fp32 pages) or from the
+// new rows, and each tile serves every query row of the item: the block's queries times the whole GQA group.
+// With many rows (prefill chunks, verify rows) K is decoded once into a transposed float32 tile, so q.K^T is
+// broadcast FMAs with no horizontal sums, and V is staged once; with one register block of rows (decode) K
+// and V are decoded inside the FMA loops and one reduction tree per 16 tokens sums the dot products. Each item
+// keeps an online softmax (max, sum, acc) per row; when the cached range is split across threads (decode),
+// the last split of a group to finish merges the partials (flash decoding).
+
+#include <onnxruntime_c_api.h>
+
+#include "ort_op.h"
+#include "vector_exp.h"
+
+#include <algorithm>
+#include <atomic>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__F16C__)
+// gcc 12 reports its own _mm512_undefined_ps() (inside the shuffle intrinsics) as maybe-uninitialized.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#define KVFORGE_AVX512 1
+#else
+#define KVFORGE_AVX512 0
+#endif
+
+namespace kvforge_matmul {
+OrtStatus* add_ops(OrtCustomOpDomain* domain, const OrtApi* api);  // matmul_blocks.cc
+}
+namespace kvforge_swiglu {
+OrtStatus* add_ops(OrtCustomOpDomain* domain, const OrtApi* api);  // swiglu.cc
+}
+
+namespace {
+
+const OrtApi* g_api = nullptr;
+
+constexpr int kTile = 64;          // positions decoded per tile (4 vectors of 16)
+constexpr int kRowBlock = 4;       // query rows per register block
+constexpr int kMaxRows = 48;       // query rows (queries x group) per item: 16 queries of a group of 3
+constexpr int kMaxHeadDim = 512;  // Gemma 4's global layers are 512 wide
+constexpr int kSplitTokens = 256;  // cached positions per split when the range is split
+constexpr int kMaxSplits = 64;
+constexpr int kEnoughGroups = 16;  // this many (row, head, query block) groups keep the threads busy unsplit
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+enum class PoolType { kF16, kFp8, kF32 };
+
+float g_fp8_table[256];  // E4M3FN bit pattern -> float; NaN patterns decode to 0 (never written)
+
+void init_fp8_table() {
+  for (int bits = 0; bits < 256; ++bits) {
+    const int exponent = (bits >> 3) & 0xf, mantissa = bits & 0x7;
+    float magnitude;
+    if (exponent == 0xf && mantissa == 0x7) {
+      magnitude = 0.0f;
+    } else if (exponent == 0) {
+      magnitude = std::ldexp(static_cast<float>(mantissa), -9);
+    } else {
+      magnitude = std::ldexp(1.0f + mantissa / 8.0f, exponent - 7);
+    }
+    g_fp8_table[bits] = (bits & 0x80) ? -magnitude : magnitude;
+  }
+}
+
+// The table once per process, whichever comes first: RegisterCustomOps or a ctypes call of kvforge_rotate_keys.
+void ensure_fp8_table() {
+  static const bool table_ready = (init_fp8_table(), true);
+  (void)table_ready;
+}
+
+[[maybe_unused]] float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+  uint32_t bits;
+  if (exponent == 0) {
+    const float sub = std::ldexp(static_cast<float>(mantissa), -24);
+    std::memcpy(&bits, &sub, sizeof bits);
+    bits |= sign;
+  } else if (exponent == 0x1f) {
+    bits = sign | 0x7f800000u | (mantissa << 13);
+  } else {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  }
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+// ---- decoding one stored row of head_dim elements into float32 ----
+
+void decode_row(const float* src, float* dst, int dim) { std::memcpy(dst, src, sizeof(float) * dim); }
+
+void decode_row(const uint16_t* src, float* dst, int dim) {
+#if KVFORGE_AVX512
+  for (int d = 0; d < dim; d += 16) {
+    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d));
+    _mm512_storeu_ps(dst + d, _mm512_cvtph_ps(half));
+  }
+#else
+  for (int d = 0; d < dim; ++d) dst[d] = half_to_float(src[d]);
+#endif
+}
+
+
+#if KVFORGE_AVX512
+// 16 consecutive elements of a stored row as float32 lanes.
+inline __m512 decode16(const float* src) { return _mm512_loadu_ps(src); }
+inline __m512 decode16(const uint16_t* src) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+}
+// E4M3 by bit arithmetic (a gather from the table costs a load per lane): a normal e.m byte is the float32
+// with exponent e - 7 + 127 and the top mantissa bits m; a subnormal (e = 0) is m * 2^-9; NaN (0x7F) reads 0.
+inline __m512 decode16(const uint8_t* src) {
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  const __m512i magnitude = _mm512_and_si512(bytes, _mm512_set1_epi32(0x7F));
+  const __m512 normal = _mm512_castsi512_ps(
+      _mm512_add_epi32(_mm512_slli_epi32(magnitude, 20), _mm512_set1_epi32(120 << 23)));
+  const __m512 subnormal = _mm512_mul_ps(_mm512_cvtepi32_ps(magnitude), _mm512_set1_ps(1.0f / 512.0f));
+  const __mmask16 is_subnormal = _mm512_cmplt_epi32_mask(magnitude, _mm512_set1_epi32(8));
+  const __mmask16 is_nan = _mm512_cmpeq_epi32_mask(magnitude, _mm512_set1_epi32(0x7F));
+  const __m512 value = _mm512_maskz_mov_ps(static_cast<__mmask16>(~is_nan),
+                                           _mm512_mask_blend_ps(is_subnormal, normal, subnormal));
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(bytes, _mm512_set1_epi32(0x80)), 24);
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(value), sign));
+}
+#endif
+
+void decode_row(const uint8_t* src, float* dst, int dim) {
+#if KVFORGE_AVX512
+  for (int d = 0; d < dim; d += 16) _mm512_storeu_ps(dst + d, decode16(src + d));
+#else
+  for (int d = 0; d < dim; ++d) dst[d] = g_fp8_table[src[d]];
+#endif
+}
+
+// ---- per-thread scratch of one item ----
+
+struct Scratch {
+  std::vector<float> q, kt, vf, scores, probs, acc, max, sum, alpha, old_max, tile_sum;
+  std::vector<uint64_t> visible;
+
+  void reserve(int rows, int dim) {
+    const size_t padded = static_cast<size_t>((rows + kRowBlock - 1) / kRowBlock * kRowBlock);
+    q.assign(padded * dim, 0.0f);
+    kt.resize(static_cast<size_t>(kTile) * dim);
+    vf.resize(static_cast<size_t>(kTile) * dim);
+    scores.resize(padded * kTile);
+    probs.assign(padded * kTile, 0.0f);  // padding rows stay 0
+    acc.assign(padded * dim, 0.0f);
+    max.assign(padded, kNegInf);
+    sum.assign(padded, 0.0f);
+    alpha.assign(padded, 1.0f);
+    old_max.resize(padded);
+    tile_sum.resize(padded);
+    visible.assign(padded, 0);
+  }
+};
+
+// kt[d][t] = key t's element d, decoded straight from its stored row, for t < n; zeros for the rest of the
+// 16-blocks the scores read. Transposed so q.K^T is broadcast FMAs over 16 tokens at once.
+template <typename E>
+void load_keys_transposed(const E* const* keys, int n, int dim, float* kt) {
+  const int blocks = (n + 15) / 16;
+#if KVFORGE_AVX512
+  for (int tb = 0; tb < blocks; ++tb) {
+    for (int d0 = 0; d0 < dim; d0 += 16) {
+      __m512 r[16];
+      for (int i = 0; i < 16; ++i) {
+        const int t = tb * 16 + i;
+        r[i] = t < n ? decode16(keys[t] + d0) : _mm512_setzero_ps();
+      }
+      __m512 t2[16];
+      for (int i = 0; i < 8; ++i) {
+        t2[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t2[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+      }
+      __m512 u[16];  // u[4i+j], 128-bit lane L: column 4L+j of rows 4i..4i+3
+      for (int i = 0; i < 4; ++i) {
+        const __m512d a = _mm512_castps_pd(t2[4 * i]), b = _mm512_castps_pd(t2[4 * i + 1]);
+        const __m512d c = _mm512_castps_pd(t2[4 * i + 2]), e = _mm512_castps_pd(t2[4 * i + 3]);
+        u[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, e));
+        u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, e));
+      }
+      for (int j = 0; j < 4; ++j) {
+        const __m512 v0 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x44);
+        const __m512 v1 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x44);
+        const __m512 v2 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xEE);
+        const __m512 v3 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xEE);
+        float* base = kt + tb * 16;
+        _mm512_storeu_ps(base + static_cast<size_t>(d0 + j) * kTile, _mm512_shuffle_f32x4(v0, v1, 0x88));
+        _mm512_storeu_ps(base + static_cast<size_t>(d0 + 4 + j) * kTile, _mm512_shuffle_f32x4(v0, v1, 0xDD));
+        _mm512_storeu_ps(base + static_cast<size_t>(d0 + 8 + j) * kTile, _mm512_shuffle_f32x4(v2, v3, 0x88));
+        _mm512_storeu_ps(base + static_cast<size_t>(d0 + 12 + j) * kTile, _mm512_shuffle_f32x4(v2, v3, 0xDD));
+      }
+    }
+  }
+#else
+  float row[kMaxHeadDim];
+  for (int t = 0; t < blocks * 16; ++t) {
+    if (t < n) {
+      decode_row(keys[t], row, dim);
+    } else {
+      std::fill(row, row + dim, 0.0f);
+    }
+    for (int d = 0; d < dim; ++d) kt[static_cast<size_t>(d) * kTile + t] = row[d];
+  }
+#endif
+}
+
+#if KVFORGE_AVX512
+using kvforge_simd::exp512;
+
+// RB rows (<= kRowBlock) against NB 16-token blocks: RB x NB accumulators stay in registers over the dims.
+template <int RB, int NB>
+void scores_block(const float* q, int dim, const float* kt, float* scores) {
+  __m512 acc[RB][NB];
+  for (int i = 0; i < RB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int d = 0; d < dim; ++d) {
+    __m512 k[NB];
+    for (int j = 0; j < NB; ++j) k[j] = _mm512_loadu_ps(kt + static_cast<size_t>(d) * kTile + 16 * j);
+    for (int i = 0; i < RB; ++i) {
+      const __m512 qb = _mm512_set1_ps(q[static_cast<size_t>(i) * dim + d]);
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(qb, k[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < RB; ++i)
+    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(scores + i * kTile + 16 * j, acc[i][j]);
+}
+
+// RB rows x NV 16-dim vectors of the accumulators stay in registers over the tile's tokens; V rows are read
+// through pointers, either straight from the pool (decoded in the FMA loop) or from the staged float32 tile.
+template <typename V, int RB, int NV>
+void pv_block(const float* probs, const float* alpha, const V* const* vrows, int n, int dim, int d0, float* acc) {
+  __m512 a[RB][NV];
+  for (int i = 0; i < RB; ++i) {
+    const __m512 scale = _mm512_set1_ps(alpha[i]);
+    const float* row = acc + static_cast<size_t>(i) * dim + d0;
+    for (int k = 0; k < NV; ++k) a[i][k] = _mm512_mul_ps(_mm512_loadu_ps(row + 16 * k), scale);
+  }
+  for (int t = 0; t < n; ++t) {
+    __m512 v[NV];
+    for (int k = 0; k < NV; ++k) v[k] = decode16(vrows[t] + d0 + 16 * k);
+    for (int i = 0; i < RB; ++i) {
+      const __m512 p = _mm512_set1_ps(probs[i * kTile + t]);
+      for (int k = 0; k < NV; ++k) a[i][k] = _mm512_fmadd_ps(p, v[k], a[i][k]);
+    }
+  }
+  for (int i = 0; i < RB; ++i)
+    for (int k = 0; k < NV; ++k) _mm512_storeu_ps(acc + static_cast<size_t>(i) * dim + d0 + 16 * k, a[i][k]);
+}
+
+template <int RB>
+void scores_rows(const float* q, int dim, const float* kt, float* out, int blocks) {
+  switch (blocks) {
+    case 1: scores_block<RB, 1>(q, dim, kt, out); break;
+    case 2: scores_block<RB, 2>(q, dim, kt, out); break;
+    case 3: scores_block<RB, 3>(q, dim, kt, out); break;
+    default: scores_block<RB, 4>(q, dim, kt, out); break;
+  }
+}
+
+template <typename V, int RB>
+void pv_rows(const float* probs, const float* alpha, const V* const* vrows, int n, int dim, int d0, float* acc,
+             int vectors) {
+  switch (vectors) {
+    case 1: pv_block<V, RB, 1>(probs, alpha, vrows, n, dim, d0, acc); break;
+    case 2: pv_block<V, RB, 2>(probs, alpha, vrows, n, dim, d0, acc); break;
+    case 3: pv_block<V, RB, 3>(probs, alpha, vrows, n, dim, d0, acc); break;
+    default: pv_block<V, RB, 4>(probs, alpha, vrows, n, dim, d0, acc); break;
+  }
+}
+
+// Lane t of the result = the horizontal sum of v[t]: a reduction tree whose shuffles also put token t in lane t.
+inline __m512 reduce16(const __m512 v[16]) {
+  __m512 w[8], u[4];
+  for (int i = 0; i < 8; ++i)  // 128-bit lane: [t0, t1, t0, t1] partials of tokens 2i, 2i+1
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int j = 0; j < 4; ++j) {  // 128-bit lane: tokens 4j..4j+3, each summed over that lane's 4 elements
+    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(w[2 * j]), _mm512_castps_pd(w[2 * j + 1]));
+    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(w[2 * j]), _mm512_castps_pd(w[2 * j + 1]));
+    u[j] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+  }
+  const __m512 g01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
+  const __m512 g23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(g01, g23, 0x88), _mm512_shuffle_f32x4(g01, g23, 0xDD));
+}
+
+// Scores of a few rows (decode: one GQA group) straight from the stored keys: each key row is decoded once and
+// dotted with every row, and one reduction tree per row and 16 tokens replaces transposing the tile.
+template <typename E, int RB>
+void scores_direct(const float* q, int dim, const E* const* keys, int n, float* scores) {
+  for (int t0 = 0; t0 < n; t0 += 16) {
+    __m512 part[RB][16];
+    for (int t = 0; t < 16; ++t) {
+      __m512 acc[RB];
+      for (int i = 0; i < RB; ++i) acc[i] = _mm512_setzero_ps();
+      if (t0 + t < n) {
+        for (int d = 0; d < dim; d += 16) {
+          const __m512 k = decode16(keys[t0 + t] + d);
+          for (int i = 0; i < RB; ++i)
+            acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + static_cast<size_t>(i) * dim + d), k, acc[i]);
+        }
+      }
+      for (int i = 0; i < RB; ++i) part[i][t] = acc[i];
+    }
+    for (int i = 0; i < RB; ++i) _mm512_storeu_ps(scores + i * kTile + t0, reduce16(part[i]));
+  }
+}
+
+template <typename E>
+void scores_few_rows(const Scratch& s, int rows, const E* const* keys, int n, int dim, float* scores) {
+  switch (rows) {
+    case 1: scores_direct<E, 1>(s.q.data(), dim, keys, n, scores); break;
+    case 2: scores_direct<E, 2>(s.q.data(), dim, keys, n, scores); break;
+    case 3: scores_direct<E, 3>(s.q.data(), dim, keys, n, scores); break;
+    default: scores_direct<E, kRowBlock>(s.q.data(), dim, keys, n, scores); break;
+  }
+}
+#endif
+
+// scores[r][t] = q_r . k_t for the (padded) rows and the tile's 16-blocks.
+void compute_scores(const Scratch& s, int rows, int n, int dim, float* scores) {
+  const int blocks = (n + 15) / 16;
+#if KVFORGE_AVX512
+  for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
+    const float* q = s.q.data() + static_cast<size_t>(r0) * dim;
+    float* out = scores + r0 * kTile;
+    switch (std::min(kRowBlock, rows - r0)) {
+      case 1: scores_rows<1>(q, dim, s.kt.data(), out, blocks); break;
+      case 2: scores_rows<2>(q, dim, s.kt.data(), out, blocks); break;
+      case 3: scores_rows<3>(q, dim, s.kt.data(), out, blocks); break;
+      default: scores_rows<kRowBlock>(q, dim, s.kt.data(), out, blocks); break;
+    }
+  }
+#else
+  for (int r = 0; r < rows; ++r) {
+    for (int t = 0; t < blocks * 16; ++t) {
+      const float* q = s.q.data() + static_cast<size_t>(r) * dim;
+      float dot = 0.0f;
+      for (int d = 0; d < dim; ++d) dot += q[d] * s.kt[static_cast<size_t>(d) * kTile + t];
+      scores[r * kTile + t] = dot;
+    }
+  }
+#endif
+}
+
+// Online-softmax step of each row over the tile: new running max, rescale factor, probabilities, sum.
+#if KVFORGE_AVX512
+void softmax_update(Scratch& s, int rows, int n) {
+  const int blocks = (n + 15) / 16;
+  float* old = s.old_max.data();
+  float* tile_sum = s.tile_sum.data();
+  for (int r = 0; r < rows; ++r) {
+    const uint64_t seen = s.visible[r];
+    float* p = s.probs.data() + r * kTile;
+    const float* x = s.scores.data() + r * kTile;
+    old[r] = s.max[r];
+    if (seen == 0) {  // nothing visible in this tile: the row's state is unchanged
+      for (int j = 0; j < blocks; ++j) _mm512_storeu_ps(p + 16 * j, _mm512_setzero_ps());
+      tile_sum[r] = 0.0f;
+      continue;
+    }
+    __m512 peak = _mm512_set1_ps(kNegInf);
+    for (int j = 0; j < blocks; ++j)
+      peak = _mm512_mask_max_ps(peak, static_cast<__mmask16>(seen >> (16 * j)), peak, _mm512_loadu_ps(x + 16 * j));
+    const float running = std::max(s.max[r], _mm512_reduce_max_ps(peak));
+    const __m512 m = _mm512_set1_ps(running);
+    __m512 total = _mm512_setzero_ps();
+    for (int j = 0; j < blocks; ++j) {
+      const __mmask16 lanes = static_cast<__mmask16>(seen >> (16 * j));
+      const __m512 e = _mm512_maskz_mov_ps(lanes, exp512(_mm512_sub_ps(_mm512_loadu_ps(x + 16 * j), m)));
+      _mm512_storeu_ps(p + 16 * j, e);
+      total = _mm512_add_ps(total, e);
+    }
+    tile_sum[r] = _mm512_reduce_add_ps(total);
+    s.max[r] = running;
+  }
+  // Rescale factors exp(old - new) for 16 rows at a time; a row that saw nothing before has nothing to rescale.
+  for (int r0 = 0; r0 < rows; r0 += 16) {
+    const __mmask16 live = static_cast<__mmask16>(rows - r0 >= 16 ? 0xffff : (1u << (rows - r0)) - 1);
+    const __m512 before = _mm512_maskz_loadu_ps(live, old + r0);
+    const __m512 now = _mm512_maskz_loadu_ps(live, s.max.data() + r0);
+    const __mmask16 started = _mm512_mask_cmp_ps_mask(live, before, _mm512_set1_ps(kNegInf), _CMP_NEQ_OQ);
+    const __m512 alpha = _mm512_maskz_mov_ps(started, exp512(_mm512_sub_ps(before, now)));
+    const __m512 sum = _mm512_maskz_loadu_ps(live, s.sum.data() + r0);
+    _mm512_mask_storeu_ps(s.alpha.data() + r0, live, alpha);
+    _mm512_mask_storeu_ps(s.sum.data() + r0, live,
+                          _mm512_fmadd_ps(sum, alpha, _mm512_maskz_loadu_ps(live, tile_sum + r0)));
+  }
+}
+#else
+void softmax_update(Scratch& s, int rows, int n) {
+  for (int r = 0; r < rows; ++r) {
+    const uint64_t seen = s.visible[r];
+    float* p = s.probs.data() + r * kTile;
+    const float* x = s.scores.data() + r * kTile;
+    if (seen == 0) {
+      std::fill(p, p + kTile, 0.0f);
+      s.alpha[r] = 1.0f;
+      continue;
+    }
+    float tile_max = kNegInf;
+    for (int t = 0; t < n; ++t)
+      if ((seen >> t) & 1) tile_max = std::max(tile_max, x[t]);
+    const float running = std::max(s.max[r], tile_max);
+    const float alpha = s.max[r] == kNegInf ? 0.0f : std::exp(s.max[r] - running);
+    float total = 0.0f;
+    for (int t = 0; t < n; ++t) {
+      p[t] = ((seen >> t) & 1) ? std::exp(x[t] - running) : 0.0f;
+      total += p[t];
+    }
+    s.alpha[r] = alpha;
+    s.sum[r] = s.sum[r] * alpha + total;
+    s.max[r] = running;
+  }
+}
+#endif
+
+// acc[r] = acc[r] * alpha[r] + sum_t probs[r][t] * v_t (the portable path reads staged float32 rows only)
+template <typename V>
+void accumulate_values(Scratch& s, const V* const* vrows, int rows, int n, int dim) {
+#if KVFORGE_AVX512
+  for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
+    const float* p = s.probs.data() + r0 * kTile;
+    const float* alpha = s.alpha.data() + r0;
+    float* acc = s.acc.data() + static_cast<size_t>(r0) * dim;
+    for (int d0 = 0; d0 < dim; d0 += 64) {
+      const int vectors = std::min(4, (dim - d0) / 16);
+      switch (std::min(kRowBlock, rows - r0)) {
+        case 1: pv_rows<V, 1>(p, alpha, vrows, n, dim, d0, acc, vectors); break;
+        case 2: pv_rows<V, 2>(p, alpha, vrows, n, dim, d0, acc, vectors); break;
+        case 3: pv_rows<V, 3>(p, alpha, vrows, n, dim, d0, acc, vectors); break;
+        default: pv_rows<V, kRowBlock>(p, alpha, vrows, n, dim, d0, acc, vectors); break;
+      }
+    }
+  }
+#else
+  for (int r = 0; r < rows; ++r) {
+    float* acc = s.acc.data() + static_cast<size_t>(r) * dim;
+    for (int d = 0; d < dim; ++d) acc[d] *= s.alpha[r];
+    for (int t = 0; t < n; ++t) {
+      const float w = s.probs[r * kTile + t];
+      if (w == 0.0f) continue;
+      const V* v = vrows[t];
+      for (int d = 0; d < dim; ++d) acc[d] += w * v[d];
+    }
+  }
+#endif
+}
+
+// One tile. When one register block of rows reads it (decode), K and V are decoded inside the FMA loops straight
+// from their rows; otherwise K is decoded once into the transposed tile and V staged once as float32, and every
+// row of the item is attended over them.
+template <typename E>
+void attend_tile(Scratch& s, const E* const* keys, const E* const* values, int n, int rows, int dim) {
+#if KVFORGE_AVX512
+  if (rows <= kRowBlock) {
+    scores_few_rows<E>(s, rows, keys, n, dim, s.scores.data());
+    softmax_update(s, rows, n);
+    accumulate_values<E>(s, values, rows, n, dim);
+    return;
+  }
+#endif
+  load_keys_transposed(keys, n, dim, s.kt.data());
+  compute_scores(s, rows, n, dim, s.scores.data());
+  softmax_update(s, rows, n);
+  const float* staged[kTile];
+  for (int t = 0; t < n; ++t) {
+    staged[t] = s.vf.data() + static_cast<size_t>(t) * dim;
+    decode_row(values[t], s.vf.data() + static_cast<size_t>(t) * dim, dim);
+  }
+  accumulate_values<float>(s, staged, rows, n, dim);
+}
+
+// ---- the call: validated geometry, the work plan, and the items ----
+
+struct Item {
+  int32_t b, h, q0, q1;  // row, kv head, queries [q0, q1)
+  int32_t c0, c1;        // cached positions [c0, c1)
+  bool with_new;         // this item also attends over the call's new rows
+  int32_t group;         // index into Call::groups
+  int32_t split;         // index of this split within its group
+};
+
+struct Group {
+  int32_t b, h, q0, q1;
+  int32_t splits;
+  int64_t partial;  // offset of the group's partials (splits x rows x (dim + 2))
+};
+
+struct Call {
+  int64_t batch, seq, q_heads, kv_heads, dim, page_tokens, width, num_pages, group_size;
+  int64_t window;  // sliding window: query at position p sees keys p - window + 1..p (0 = every position)
+  float scale;
+  const float* query;
+  const float* new_kv;
+  const void* pool;
+  PoolType pool_type;
+  const int32_t* page_table;
+  const int32_t* start;
+  const int32_t* length;
+  const bool* mask;
+  float* out;
+  std::vector<Item> items;
+  std::vector<Group> groups;
+  mutable std::vector<float> partials;  // written by the items of split groups
+  std::unique_ptr<std::atomic<int32_t>[]> pending;  // items of each group still running
+};
+
+thread_local Scratch t_scratch;
+
+size_t pool_offset(const Call& c, int64_t page, int kv, int64_t head, int64_t slot) {
+  return static_cast<size_t>((((page * 2 + kv) * c.kv_heads + head) * c.page_tokens + slot) * c.dim);
+}
+
+// Offset of (row b, token i, q head) in query and output [B, S, Hq * D].
+size_t head_offset(const Call& c, int64_t b, int64_t i, int64_t q_head) {
+  return static_cast<size_t>(((b * c.seq + i) * c.q_heads + q_head) * c.dim);
+}
+
+// Bits [0, m) of a tile: the keys below a sliding window's first visible one (m clamped to [0, 64]).
+uint64_t low_bits(int64_t m) {
+  if (m <= 0) return 0;
+  return m >= 64 ? ~uint64_t{0} : (uint64_t{1} << m) - 1;
+}
+
+template <typename E>
+void attend_cached(const Call& c, const Item& it, Scratch& s, int rows) {
+  const E* pool = static_cast<const E*>(c.pool);
+  const E* keys[kTile];
+  const E* values[kTile];
+  int64_t at[kTile];  // each tile key's position: pages without an entry are skipped, so not contiguous
+  const int64_t g = c.group_size;
+  int64_t pos = it.c0;
+  // A sliding window: nothing before the block's first query's window is visible to any of its queries.
+  if (c.window > 0) pos = std::max<int64_t>(pos, c.start[it.b] + it.q0 - c.window + 1);
+  while (pos < it.c1) {
+    int n = 0;
+    while (n < kTile && pos < it.c1) {
+      const int64_t index = pos / c.page_tokens;
+      const int64_t segment_end = std::min<int64_t>(it.c1, (index + 1) * c.page_tokens);
+      const int32_t page = index < c.width ? c.page_table[it.b * c.width + index] : -1;
+      if (page < 0) {  // no page: these positions are not visible
+        pos = segment_end;
+        continue;
+      }
+      const int64_t take = std::min<int64_t>(segment_end - pos, kTile - n);
+      const int64_t slot = pos % c.page_tokens;
+      for (int64_t k = 0; k < take; ++k) {
+        keys[n + k] = pool + pool_offset(c, page, 0, it.h, slot + k);
+        values[n + k] = pool + pool_offset(c, page, 1, it.h, slot + k);
+        at[n + k] = pos + k;
+      }
+      n += static_cast<int>(take);
+      pos += take;
+    }
+    if (n > 0) {
+      const uint64_t all = n == 64 ? ~uint64_t{0} : ((uint64_t{1} << n) - 1);
+      bool any = true;
+      if (c.window > 0) {  // positions rise through the tile: each row hides the keys before its window
+        any = false;
+        for (int r = 0; r < rows; ++r) {
+          const int64_t first = c.start[it.b] + it.q0 + r / g - c.window + 1;
+          const int64_t hidden = std::lower_bound(at, at + n, first) - at;
+          s.visible[r] = all & ~low_bits(hidden);
+          any = any || s.visible[r] != 0;
+        }
+      } else {
+        for (int r = 0; r < rows; ++r) s.visible[r] = all;
+      }
+      if (any) attend_tile<E>(s, keys, values, n, rows, static_cast<int>(c.dim));
+    }
+  }
+}
+
+// Bit t set iff a query sees new key j0 + t: from a row of the tree mask, or causally (t <= offset = i - j0).
+uint64_t mask_bits(const bool* row, int n) {
+  uint64_t bits = 0;
+  for (int t = 0; t < n; ++t) bits |= static_cast<uint64_t>(row[t]) << t;
+  return bits;
+}
+
+uint64_t causal_bits(int64_t offset, int n) {
+  const uint64_t tile = n == 64 ? ~uint64_t{0} : (uint64_t{1} << n) - 1;
+  if (offset < 0) return 0;
+  return offset >= 63 ? tile : ((uint64_t{1} << (offset + 1)) - 1) & tile;
+}
+
+void attend_new(const Call& c, const Item& it, Scratch& s, int rows) {
+  const int64_t g = c.group_size;
+  const int64_t limit = c.mask ? c.length[it.b] : it.q1;  // causal: no query of the block sees past q1 - 1
+  const float* keys[kTile];
+  const float* values[kTile];
+  for (int64_t j0 = 0; j0 < limit; j0 += kTile) {
+    const int n = static_cast<int>(std::min<int64_t>(kTile, limit - j0));
+    for (int t = 0; t < n; ++t) {
+      const int64_t base = ((it.b * c.seq + j0 + t) * 2) * c.kv_heads + it.h;
+      keys[t] = c.new_kv + static_cast<size_t>(base * c.dim);
+      values[t] = c.new_kv + static_cast<size_t>((base + c.kv_heads) * c.dim);
+    }
+    bool any = false;
+    for (int r = 0; r < rows; ++r) {
+      const int64_t i = it.q0 + r / g;
+      s.visible[r] = c.mask ? mask_bits(c.mask + (it.b * c.seq + i) * c.seq + j0, n) : causal_bits(i - j0, n);
+      if (c.window > 0) s.visible[r] &= ~low_bits(i - c.window + 1 - j0);  // new key j: i - j < window
+      any = any || s.visible[r] != 0;
+    }
+    if (any) attend_tile<float>(s, keys, values, n, rows, static_cast<int>(c.dim));
+  }
+}
+
+void merge_group(const Call& c, const Group& grp);
+
+void run_item(const Call& c, size_t index) {
+  const Item& it = c.items[index];
+  const int64_t g = c.group_size, dim = c.dim;
+  const int rows = static_cast<int>((it.q1 - it.q0) * g);
+  Scratch& s = t_scratch;
+  s.reserve(rows, static_cast<int>(dim));
+  for (int r = 0; r < rows; ++r) {  // row r = (query q0 + r / g, q head h * g + r % g), pre-scaled
+    const float* q = c.query + head_offset(c, it.b, it.q0 + r / g, it.h * g + r % g);
+    for (int64_t d = 0; d < dim; ++d) s.q[static_cast<size_t>(r) * dim + d] = q[d] * c.scale;
+  }
+  switch (c.pool_type) {
+    case PoolType::kF16: attend_cached<uint16_t>(c, it, s, rows); break;
+    case PoolType::kFp8: attend_cached<uint8_t>(c, it, s, rows); break;
+    case PoolType::kF32: attend_cached<float>(c, it, s, rows); break;
+  }
+  if (it.with_new) attend_new(c, it, s, rows);
+  const Group& grp = c.groups[it.group];
+  if (grp.splits == 1) {
+    for (int r = 0; r < rows; ++r) {
+      float* out = c.out + head_offset(c, it.b, it.q0 + r / g, it.h * g + r % g);
+      const float inv = s.sum[r] > 0.0f ? 1.0f / s.sum[r] : 0.0f;
+      for (int64_t d = 0; d < dim; ++d) out[d] = s.acc[static_cast<size_t>(r) * dim + d] * inv;
+    }
+    return;
+  }
+  // A split's partial: (max, sum, acc) per row; the group's last item to finish merges them, so no second
+  // parallel pass (and thread wake-up) is needed. acq_rel publishes every split's partial to that item.
+  float* part = c.partials.data() + grp.partial +
+                static_cast<int64_t>(it.split) * rows * (dim + 2);
+  for (int r = 0; r < rows; ++r) {
+    float* slot = part + static_cast<int64_t>(r) * (dim + 2);
+    slot[0] = s.max[r];
+    slot[1] = s.sum[r];
+    std::memcpy(slot + 2, s.acc.data() + static_cast<size_t>(r) * dim, sizeof(float) * dim);
+  }
+  if (c.pending[it.group].fetch_sub(1, std::memory_order_acq_rel) == 1) merge_group(c, grp);
+}
+
+void merge_group(const Call& c, const Group& grp) {
+  const int64_t g = c.group_size, dim = c.dim;
+  const int64_t rows = (grp.q1 - grp.q0) * g;
+  for (int64_t r = 0; r < rows; ++r) {
+    float peak = kNegInf;
+    for (int sp = 0; sp < grp.splits; ++sp)
+      peak = std::max(peak, c.partials[grp.partial + (sp * rows + r) * (dim + 2)]);
+    float* out = c.out + head_offset(c, grp.b, grp.q0 + r / g, grp.h * g + r % g);
+    std::fill(out, out + dim, 0.0f);
+    if (peak == kNegInf) continue;  // this query sees nothing
+    float total = 0.0f;
+    for (int sp = 0; sp < grp.splits; ++sp) {
+      const float* slot = c.partials.data() + grp.partial + (sp * rows + r) * (dim + 2);
+      if (slot[0] == kNegInf) continue;
+      const float w = std::exp(slot[0] - peak);
+      total += slot[1] * w;
+      for (int64_t d = 0; d < dim; ++d) out[d] += slot[2 + d] * w;
+    }
+    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+    for (int64_t d = 0; d < dim; ++d) out[d] *= inv;
+  }
+}
+
+void plan(Call& c) {
+  const int64_t g = c.group_size;
+  const int64_t block = std::max<int64_t>(1, kMaxRows / g);
+  int64_t groups = 0;
+  for (int64_t b = 0; b < c.batch; ++b) groups += c.kv_heads * ((c.length[b] + block - 1) / block);
+  int64_t partial = 0;
+  for (int64_t b = 0; b < c.batch; ++b) {
+    const int64_t len = c.length[b];
+    const int64_t cached = std::min<int64_t>(c.start[b], c.width * c.page_tokens);  // past W nothing is visible
+    // Splits cover whole tiles (kSplitTokens or more, a multiple of kTile), so only the last one is ragged.
+    int64_t splits = 1, chunk = std::max<int64_t>(cached, 1);
+    if (groups < kEnoughGroups && cached > kSplitTokens) {
+      chunk = std::max<int64_t>(kSplitTokens, (cached + kMaxSplits - 1) / kMaxSplits);
+      chunk = (chunk + kTile - 1) / kTile * kTile;
+      splits = (cached + chunk - 1) / chunk;
+    }
+    for (int64_t h = 0; h < c.kv_heads; ++h) {
+      for (int64_t q0 = 0; q0 < len; q0 += block) {
+        const int64_t q1 = std::min(len, q0 + block);
+        Group grp{static_cast<int32_t>(b), static_cast<int32_t>(h), static_cast<int32_t>(q0),
+                  static_cast<int32_t>(q1), static_cast<int32_t>(splits), partial};
+        if (splits > 1) partial += splits * (q1 - q0) * g * (c.dim + 2);
+        for (int64_t sp = 0; sp < splits; ++sp) {
+          c.items.push_back(Item{grp.b, grp.h, grp.q0, grp.q1, static_cast<int32_t>(std::min(cached, sp * chunk)),
+                                 static_cast<int32_t>(std::min(cached, (sp + 1) * chunk)), sp == splits - 1,
+                                 static_cast<int32_t>(c.groups.size()), static_cast<int32_t>(sp)});
+        }
+        c.groups.push_back(grp);
+      }
+    }
+  }
+  // Threads take items in order, so the longest go first (a long decode row next to a prefill chunk is not
+  // left to the end, alone on one thread).
+  const auto cost = [&c](const Item& it) {
+    const int64_t keys = (it.c1 - it.c0) + (it.with_new ? (c.mask ? c.length[it.b] : it.q1) : 0);
+    return keys * (it.q1 - it.q0);
+  };
+  std::stable_sort(c.items.begin(), c.items.end(), [&cost](const Item& a, const Item& b) { return cost(a) > cost(b); });
+  c.partials.assign(static_cast<size_t>(partial), 0.0f);
+  c.pending.reset(new std::atomic<int32_t>[c.groups.size()]);
+  for (size_t i = 0; i < c.groups.size(); ++i) c.pending[i].store(c.groups[i].splits, std::memory_order_relaxed);
+}
+
+// ---- ORT plumbing: the kernel, validation and registration ----
+
+struct Kernel {
+  int64_t q_heads, kv_heads, dim, page_tokens;
+  int64_t window;
+  float scale;
+  // PagedAttentionRope only: input 0 is the packed projection [B,S,(Hq+2Hkv)*D] (q, then k, then v of each token)
+  // and inputs 1 and 2 repeat it (kvforge/builder/pack_qkv.py), so no Split runs between the matmul and the attention.
+  int64_t packed_qkv;
+};
+
+OrtStatus* error(const std::string& message) {
+  return g_api->CreateStatus(ORT_INVALID_ARGUMENT, ("kvforge.cpu.PagedAttention: " + message).c_str());
+}
+
+#define KVF_TRY(expr)                     \
+  do {                                    \
+    if (OrtStatus* _st = (expr)) return _st; \
+  } while (0)
+
+struct TensorInfo {
+  ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  std::vector<int64_t> shape;
+};
+
+OrtStatus* describe(const OrtValue* value, TensorInfo* info) {
+  OrtTensorTypeAndShapeInfo* raw = nullptr;
+  KVF_TRY(g_api->GetTensorTypeAndShape(value, &raw));
+  size_t rank = 0;
+  OrtStatus* st = g_api->GetTensorElementType(raw, &info->type);
+  if (!st) st = g_api->GetDimensionsCount(raw, &rank);
+  if (!st) {
+    info->shape.resize(rank);
+    st = g_api->GetDimensions(raw, info->shape.data(), rank);
+  }
+  g_api->ReleaseTensorTypeAndShapeInfo(raw);
+  return st;
+}
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string text = "[";
+  for (size_t i = 0; i < shape.size(); ++i) text += (i ? "," : "") + std::to_string(shape[i]);
+  return text + "]";
+}
+
+OrtStatus* expect(const char* name, const TensorInfo& info, ONNXTensorElementDataType type,
+                  const std::vector<int64_t>& shape) {
+  if (type != ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED && info.type != type)
+    return error(std::string(name) + " has element type " + std::to_string(info.type) + ", expected " +
+                 std::to_string(type));
+  bool same = info.shape.size() == shape.size();
+  for (size_t i = 0; same && i < shape.size(); ++i) same = shape[i] < 0 || info.shape[i] == shape[i];
+  if (!same)
+    return error(std::string(name) + " has shape " + shape_text(info.shape) + ", expected " + shape_text(shape) +
+                 " (-1: any)");
+  return nullptr;
+}
+
+OrtStatus* input(OrtKernelContext* ctx, size_t index, const OrtValue** value, TensorInfo* info, const void** data) {
+  KVF_TRY(g_api->KernelContext_GetInput(ctx, index, value));
+  if (!*value) return nullptr;
+  KVF_TRY(describe(*value, info));
+  return g_api->GetTensorData(*value, data);
+}
+
+// `writes`: PagedAttentionRope also writes positions start..start+len-1, so their pages are checked too.
+OrtStatus* check_values(const Call& c, bool writes = false) {
+  for (int64_t b = 0; b < c.batch; ++b) {
+    if (c.length[b] < 0 || c.length[b] > c.seq)
+      return error("context_lengths[" + std::to_string(b) + "]=" + std::to_string(c.length[b]) +
+                   " is outside [0, S=" + std::to_string(c.seq) + "]");
+    if (c.start[b] < 0) return error("kvcache_start_index[" + std::to_string(b) + "] is negative");
+    const int64_t extent = static_cast<int64_t>(c.start[b]) + (writes ? c.length[b] : 0);
+    const int64_t pages = (extent + c.page_tokens - 1) / c.page_tokens;
+    const int64_t used = std::min<int64_t>(c.width, pages);  // entries past the cached positions are not read
+    for (int64_t w = 0; w < used; ++w) {
+      const int32_t page = c.page_table[b * c.width + w];
+      if (page < -1 || page >= c.num_pages)
+        return error("kv_page_table[" + std::to_string(b) + "," + std::to_string(w) + "]=" + std::to_string(page) +
+                     " is outside [-1, num_pages=" + std::to_string(c.num_pages) + ")");
+    }
+  }
+  return nullptr;
+}
+
+// The inputs of a call (`count` of them, up to N read), the first `required` present.
+template <size_t N>
+OrtStatus* read_inputs(OrtKernelContext* ctx, size_t required, const char* op, size_t& count,
+                       const OrtValue* (&v)[N], TensorInfo (&info)[N], const void* (&data)[N]) {
+  count = 0;
+  KVF_TRY(g_api->KernelContext_GetInputCount(ctx, &count));
+  if (count < required)
+    return error(std::string(op) + "needs at least " + std::to_string(required) + " inputs, got " +
+                 std::to_string(count));
+  for (size_t i = 0; i < std::min<size_t>(count, N); ++i) KVF_TRY(input(ctx, i, &v[i], &info[i], &data[i]));
+  for (size_t i = 0; i < required; ++i)
+    if (!v[i]) return error("input " + std::to_string(i) + " is missing");
+  return nullptr;
+}
+
+// The query's batch geometry and the kernel's head layout, into `c`.
+OrtStatus* query_geometry(const Kernel& k, const TensorInfo& query, Call& c) {
+  if (query.shape.size() != 3) return error("query must be [B,S,Hq*D], got " + shape_text(query.shape));
+  c.batch = query.shape[0];
+  c.seq = query.shape[1];
+  c.q_heads = k.q_heads, c.kv_heads = k.kv_heads, c.dim = k.dim, c.page_tokens = k.page_tokens;
+  c.group_size = k.q_heads / k.kv_heads;
+  c.window = k.window;
+  c.scale = k.scale;
+  return nullptr;
+}
+
+OrtStatus* gather_inputs(const Kernel& k, OrtKernelContext* ctx, Call& c) {
+  const OrtValue* v[7] = {};
+  TensorInfo info[7];
+  const void* data[7] = {};
+  size_t count = 0;
+  KVF_TRY(read_inputs(ctx, 6, "", count, v, info, data));
+  KVF_TRY(query_geometry(k, info[0], c));
+  const auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, I32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+  KVF_TRY(expect("query", info[0], F32, {c.batch, c.seq, k.q_heads * k.dim}));
+  KVF_TRY(expect("new_kv", info[1], F32, {c.batch, c.seq, 2, k.kv_heads, k.dim}));
+  KVF_TRY(expect("pool", info[2], ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, {-1, 2, k.kv_heads, k.page_tokens, k.dim}));
+  KVF_TRY(expect("kv_page_table", info[3], I32, {c.batch, -1}));
+  KVF_TRY(expect("kvcache_start_index", info[4], I32, {c.batch}));
+  KVF_TRY(expect("context_lengths", info[5], I32, {c.batch}));
+  switch (info[2].type) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: c.pool_type = PoolType::kF16; break;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8: c.pool_type = PoolType::kFp8; break;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT: c.pool_type = PoolType::kF32; break;
+    default:
+      return error("pool element type " + std::to_string(info[2].type) +
+                   " is not float16, uint8 (FP8 E4M3) or float32");
+  }
+  c.mask = nullptr;
+  // A mask with no elements ([B,0,0]) means causal: a graph with tree inputs runs its plain calls mask-free.
+  const bool has_mask = count > 6 && v[6] && !info[6].shape.empty() &&
+                        std::none_of(info[6].shape.begin(), info[6].shape.end(), [](int64_t d) { return d == 0; });
+  if (has_mask) {
+    KVF_TRY(expect("attention_mask", info[6], ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL, {c.batch, c.seq, c.seq}));
+    c.mask = static_cast<const bool*>(data[6]);
+  }
+  c.num_pages = info[2].shape[0];
+  c.width = info[3].shape[1];
+  c.query = static_cast<const float*>(data[0]);
+  c.new_kv = static_cast<const float*>(data[1]);
+  c.pool = data[2];
+  c.page_table = static_cast<const int32_t*>(data[3]);
+  c.start = static_cast<const int32_t*>(data[4]);
+  c.length = static_cast<const int32_t*>(data[5]);
+  return check_values(c);
+}
+
+void run_item_trampoline(void* data, size_t index) { run_item(*static_cast<const Call*>(data), index); }
+
+// The attention of a gathered call into c.out: padding rows zero, the items on ORT's intra-op pool.
+OrtStatus* attend(OrtKernelContext* ctx, Call& c) {
+  const size_t row_floats = static_cast<size_t>(c.q_heads * c.dim);
+  for (int64_t b = 0; b < c.batch; ++b) {  // padding rows are zero
+    const int64_t len = c.length[b];
+    std::fill(c.out + (b * c.seq + len) * row_floats, c.out + (b + 1) * c.seq * row_floats, 0.0f);
+  }
+  plan(c);
+  if (c.items.empty()) return nullptr;
+  KVF_TRY(g_api->KernelContext_ParallelFor(ctx, run_item_trampoline, c.items.size(), 0, &c));
+  return nullptr;
+}
+
+OrtStatus* ORT_API_CALL compute(void* kernel, OrtKernelContext* ctx) {
+  const Kernel& k = *static_cast<const Kernel*>(kernel);
+  Call c;
+  KVF_TRY(gather_inputs(k, ctx, c));
+  const int64_t out_shape[3] = {c.batch, c.seq, k.q_heads * k.dim};
+  OrtValue* out_value = nullptr;
+  KVF_TRY(g_api->KernelContext_GetOutput(ctx, 0, out_shape, 3, &out_value));
+  void* out = nullptr;
+  KVF_TRY(g_api->GetTensorMutableData(out_value, &out));
+  c.out = static_cast<float*>(out);
+  return attend(ctx, c);
+}
+
+OrtStatus* attribute_int(const OrtKernelInfo* info, const char* name, int64_t* value) {
+  if (OrtStatus* st = g_api->KernelInfoGetAttribute_int64(info, name, value)) {
+    g_api->ReleaseStatus(st);
+    return error(std::string("missing int attribute ") + name);
+  }
+  return nullptr;
+}
+
+OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {
+  Kernel k{};
+  KVF_TRY(attribute_int(info, "num_q_heads", &k.q_heads));
+  KVF_TRY(attribute_int(info, "num_kv_heads", &k.kv_heads));
+  KVF_TRY(attribute_int(info, "head_dim", &k.dim));
+  KVF_TRY(attribute_int(info, "tokens_per_page", &k.page_tokens));
+  if (OrtStatus* st = g_api->KernelInfoGetAttribute_float(info, "scale", &k.scale)) {
+    g_api->ReleaseStatus(st);  // absent: the usual 1/sqrt(head_dim)
+    k.scale = k.dim > 0 ? 1.0f / std::sqrt(static_cast<float>(k.dim)) : 1.0f;
+  }
+  k.window = kvforge_ort::optional_int(g_api, info, "sliding_window", 0);  // absent: every position is visible
+  if (k.window < 0) return error("sliding_window must be >= 0, got " + std::to_string(k.window));
+  if (k.q_heads <= 0 || k.kv_heads <= 0 || k.q_heads % k.kv_heads != 0)
+    return error("num_q_heads (" + std::to_string(k.q_heads) + ") must be a positive multiple of num_kv_heads (" +
+                 std::to_string(k.kv_heads) + ")");
+  if (k.dim <= 0 || k.dim % 16 != 0 || k.dim > kMaxHeadDim)
+    return error("head_dim " + std::to_string(k.dim) + " is not supported: it must be a multiple of 16 up to " +
+                 std::to_string(kMaxHeadDim));
+  if (k.page_tokens <= 0) return error("tokens_per_page must be positive, got " + std::to_string(k.page_tokens));
+  // Absent: separate query, key and value (engines built before).
+  k.packed_qkv = kvforge_ort::optional_int(g_api, info, "packed_qkv", 0);
+  *kernel = new Kernel(k);
+  return nullptr;
+}
+
+void ORT_API_CALL destroy_kernel(void* kernel) { delete static_cast<Kernel*>(kernel); }
+
+const char* ORT_API_CALL op_name(const OrtCustomOp*) { return "PagedAttention"; }
+size_t ORT_API_CALL input_count(const OrtCustomOp*) { return 7; }
+size_t ORT_API_CALL output_count(const OrtCustomOp*) { return 1; }
+
+ONNXTensorElementDataType ORT_API_CALL input_type(const OrtCustomOp*, size_t index) {
+  switch (index) {
+    case 0: case 1: return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    case 2: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;  // float16, uint8 or float32: checked per call
+    case 6: return ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL;
+    default: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+  }
+}
+
+ONNXTensorElementDataType ORT_API_CALL output_type(const OrtCustomOp*, size_t) {
+  return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+
+OrtCustomOpInputOutputCharacteristic ORT_API_CALL input_characteristic(const OrtCustomOp*, size_t index) {
+  return index == 6 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+}
+
+OrtCustomOpInputOutputCharacteristic ORT_API_CALL output_characteristic(const OrtCustomOp*, size_t) {
+  return INPUT_OUTPUT_REQUIRED;
+}
+
+// The output has the query's type and shape (the info belongs to the context: not released here). A dim the
+// graph leaves wholly unknown (no value, no name) comes back as -1 and would be written as a negative value, which
+// breaks shape inference downstream (tiny-qwen3_5's engine refused to load at a Concat after the optimizer's
+// rewrites; tests/test_recurrent_engine.py): then the output's shape is left unknown instead.
+OrtStatus* ORT_API_CALL infer_shape(const OrtCustomOp*, OrtShapeInferContext* ctx) {
+  OrtTensorTypeAndShapeInfo* query = nullptr;
+  KVF_TRY(g_api->ShapeInferContext_GetInputTypeShape(ctx, 0, &query));
+  size_t rank = 0;
+  KVF_TRY(g_api->GetDimensionsCount(query, &rank));
+  // A query whose shape the graph does not know reads as rank 0 here: left unknown, not inferred as a scalar
+  // (a LoRA MatMul after the attention refused to load when it was).
+  if (rank != 3) return nullptr;
+  std::vector<int64_t> dims(rank);
+  std::vector<const char*> names(rank, nullptr);
+  KVF_TRY(g_api->GetDimensions(query, dims.data(), rank));
+  KVF_TRY(g_api->GetSymbolicDimensions(query, names.data(), rank));
+  for (size_t i = 0; i < rank; ++i)
+    if (dims[i] < 0 && (names[i] == nullptr || names[i][0] == '\0')) return nullptr;
+  return g_api->ShapeInferContext_SetOutputTypeShape(ctx, 0, query);
+}
+
+OrtCustomOp make_op() {
+  OrtCustomOp op = kvforge_ort::base_op();
+  op.GetName = op_name;
+  op.GetInputType = input_type;
+  op.GetInputTypeCount = input_count;
+  op.GetOutputType = output_type;
+  op.GetOutputTypeCount = output_count;
+  op.KernelDestroy = destroy_kernel;
+  op.GetInputCharacteristic = input_characteristic;
+  op.GetOutputCharacteristic = output_characteristic;
+  op.CreateKernelV2 = create_kernel;
+  op.KernelComputeV2 = compute;
+  op.InferOutputShapeFn = infer_shape;
+  return op;
+}
+
+// ---- kvforge.cpu.PagedAttentionRope: RoPE and the K/V write inside the call ----
+//
+// Takes the un-rotated query, key and value of the call's rows, rotates query and key by the rows' positions
+// (rotate-half over the table's R leading dims of each head, the rest passed: partial rotary), rounds the new
+// keys and values through the pool's storage type and writes them into the pool at slots start..start+len-1
+// through the page table: the pool input is ALIASED and updated in place (ONNX Runtime only ever sees it as an
+// input; the runtime binds its own numpy pool zero-copy, so the write lands in the runtime's memory). The
+// attention that follows is PagedAttention's, over the cached positions and the rounded new rows.
+
+// float32 -> IEEE half, round to nearest even (numpy's astype(float16)).
+uint16_t float_to_half(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, sizeof x);
+  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000);
+  x &= 0x7fffffffu;
+  if (x >= 0x7f800000u) return sign | 0x7c00 | (x > 0x7f800000u ? 0x200 : 0);  // inf, NaN
+  if (x >= 0x477ff000u) return sign | 0x7c00;  // from 65520 on rounds to inf
+  if (x < 0x38800000u) {  // below 2^-14: a half subnormal, m * 2^-24 (m = 1024 is the smallest normal)
+    float a;
+    std::memcpy(&a, &x, sizeof a);
+    return sign | static_cast<uint16_t>(std::nearbyint(a * 16777216.0f));
+  }
+  x += 0xfffu + ((x >> 13) & 1u);
+  return sign | static_cast<uint16_t>((x >> 13) - (112u << 10));
+}
+
+// float32 -> E4M3FN bits, saturating to +-448 (reference.to_storage), round to nearest even.
+uint8_t float_to_e4m3(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, sizeof x);
+  const uint8_t sign = static_cast<uint8_t>((x >> 24) & 0x80);
+  if (std::isnan(f)) return sign | 0x7f;
+  const float a = std::min(std::fabs(f), 448.0f);
+  if (a < 0.015625f) return sign | static_cast<uint8_t>(std::nearbyint(a * 512.0f));  // subnormal: m * 2^-9
+  uint32_t bits;
+  std::memcpy(&bits, &a, sizeof bits);
+  bits += 0x7ffffu + ((bits >> 20) & 1u);
+  return sign | static_cast<uint8_t>((bits >> 20) - (120u << 3));
+}
+
+// Store n floats in the pool's type and return what attention reads back from them (in place in `values`).
+void store_row(PoolType type, float* values, void* dst, int64_t n) {
+  switch (type) {
+    case PoolType::kF32:
+      std::memcpy(dst, values, sizeof(float) * n);
+      break;
+    case PoolType::kF16: {
+      uint16_t* out = static_cast<uint16_t*>(dst);
+      for (int64_t d = 0; d < n; ++d) {
+        out[d] = float_to_half(values[d]);
+        values[d] = half_to_float(out[d]);
+      }
+      break;
+    }
+    case PoolType::kFp8: {
+      uint8_t* out = static_cast<uint8_t*>(dst);
+      for (int64_t d = 0; d < n; ++d) {
+        out[d] = float_to_e4m3(values[d]);
+        values[d] = g_fp8_table[out[d]];
+      }
+      break;
+    }
+  }
+}
+
+size_t pool_element_bytes(PoolType type) {
+  return type == PoolType::kF16 ? 2 : type == PoolType::kFp8 ? 1 : 4;
+}
+
+// Rotate-half of one head: x1*cos - x2*sin, x2*cos + x1*sin over the first `rotary` dims, the rest copied. Kept
+// free of FMA contraction so the products round as the exported graph's Mul/Sub/Add (and numpy) round them.
+__attribute__((optimize("fp-contract=off"))) void rotate_head(const float* x, const float* cos_sin, int64_t rotary,
+                                                             int64_t dim, float* out) {
+  const int64_t half = rotary / 2;
+  const float* cosv = cos_sin;
+  const float* sinv = cos_sin + half;
+  for (int64_t j = 0; j < half; ++j) {
+    const float x1 = x[j], x2 = x[j + half];
+    const float a = x1 * cosv[j], b = x2 * sinv[j], c = x2 * cosv[j], d = x1 * sinv[j];
+    out[j] = a - b;
+    out[j + half] = c + d;
+  }
+  for (int64_t j = rotary; j < dim; ++j) out[j] = x[j];
+}
+
+struct RopeCall {
+  const float* query;
+  const float* key;
+  const float* value;
+  int64_t q_stride, kv_stride;  // floats from one token's query (key, value) row to the next
+  const float* cos_sin;
+  int64_t capacity, rotary;
+  const int32_t* positions;  // [B, S] or null: start + i
+  void* pool;                // the aliased pool, written in place
+};
+
+OrtStatus* gather_rope_inputs(const Kernel& k, OrtKernelContext* ctx, Call& c, RopeCall& r) {
+  const OrtValue* v[10] = {};
+  TensorInfo info[10];
+  const void* data[10] = {};
+  size_t count = 0;
+  KVF_TRY(read_inputs(ctx, 8, "PagedAttentionRope ", count, v, info, data));
+  KVF_TRY(query_geometry(k, info[0], c));
+  const auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, I32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+  const int64_t q_width = k.q_heads * k.dim, kv_width = k.kv_heads * k.dim;
+  if (k.packed_qkv) {
+    const int64_t packed = q_width + 2 * kv_width;
+    KVF_TRY(expect("qkv", info[0], F32, {c.batch, c.seq, packed}));
+    if (data[1] != data[0] || data[2] != data[0])
+      return error("with packed_qkv, inputs 1 and 2 must be the packed qkv tensor of input 0");
+    const float* qkv = static_cast<const float*>(data[0]);
+    r.query = qkv;
+    r.key = qkv + q_width;
+    r.value = qkv + q_width + kv_width;
+    r.q_stride = r.kv_stride = packed;
+  } else {
+    KVF_TRY(expect("query", info[0], F32, {c.batch, c.seq, q_width}));
+    KVF_TRY(expect("key", info[1], F32, {c.batch, c.seq, kv_width}));
+    KVF_TRY(expect("value", info[2], F32, {c.batch, c.seq, kv_width}));
+    r.query = static_cast<const float*>(data[0]);
+    r.key = static_cast<const float*>(data[1]);
+    r.value = static_cast<const float*>(data[2]);
+    r.q_stride = q_width;
+    r.kv_stride = kv_width;
+  }
+  KVF_TRY(expect("pool", info[3], ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, {-1, 2, k.kv_heads, k.page_tokens, k.dim}));
+  KVF_TRY(expect("kv_page_table", info[4], I32, {c.batch, -1}));
+  KVF_TRY(expect("kvcache_start_index", info[5], I32, {c.batch}));
+  KVF_TRY(expect("context_lengths", info[6], I32, {c.batch}));
+  KVF_TRY(expect("rope_rotary_cos_sin", info[7], F32, {-1, -1}));
+  switch (info[3].type) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: c.pool_type = PoolType::kF16; break;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8: c.pool_type = PoolType::kFp8; break;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT: c.pool_type = PoolType::kF32; break;
+    default:
+      return error("pool element type " + std::to_string(info[3].type) +
+                   " is not float16, uint8 (FP8 E4M3) or float32");
+  }
+  r.capacity = info[7].shape[0];
+  r.rotary = info[7].shape[1];
+  if (r.capacity <= 0 || r.rotary <= 0 || r.rotary % 2 != 0 || r.rotary > k.dim)
+    return error("rope_rotary_cos_sin must be [capacity>0, R] with R even and <= head_dim, got " +
+                 shape_text(info[7].shape));
+  const auto present = [&](size_t i) {  // an optional input given with elements ([B,0] / [B,0,0] = absent)
+    return count > i && v[i] && !info[i].shape.empty() &&
+           std::none_of(info[i].shape.begin(), info[i].shape.end(), [](int64_t d) { return d == 0; });
+  };
+  r.positions = nullptr;
+  if (present(8)) {
+    KVF_TRY(expect("position_ids", info[8], I32, {c.batch, c.seq}));
+    r.positions = static_cast<const int32_t*>(data[8]);
+  }
+  c.mask = nullptr;
+  if (present(9)) {
+    KVF_TRY(expect("attention_mask", info[9], ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL, {c.batch, c.seq, c.seq}));
+    c.mask = static_cast<const bool*>(data[9]);
+  }
+  c.num_pages = info[3].shape[0];
+  c.width = info[4].shape[1];
+  c.pool = data[3];
+  r.pool = const_cast<void*>(data[3]);  // the documented alias: this op writes its pool input
+  c.page_table = static_cast<const int32_t*>(data[4]);
+  c.start = static_cast<const int32_t*>(data[5]);
+  c.length = static_cast<const int32_t*>(data[6]);
+  r.cos_sin = static_cast<const float*>(data[7]);
+  return check_values(c, true);
+}
+
+// Rotates the rows' queries and keys, rounds keys and values through the storage type and writes them into the
+// pool (a position without a page, -1 or past the table's width, is not written); `rotated_query` and `new_kv`
+// [B,S,2,Hkv,D] receive what attention reads.
+void rotate_and_write(const Call& c, const RopeCall& r, float* rotated_query, float* new_kv) {
+  const int64_t dim = c.dim, hq = c.q_heads, hkv = c.kv_heads;
+  const size_t elem = pool_element_bytes(c.pool_type);
+  char* pool = static_cast<char*>(r.pool);
+  for (int64_t b = 0; b < c.batch; ++b) {
+    for (int64_t i = 0; i < c.length[b]; ++i) {
+      const int64_t slot_pos = static_cast<int64_t>(c.start[b]) + i;
+      int64_t pos = r.positions ? r.positions[b * c.seq + i] : slot_pos;
+      pos = std::min<int64_t>(std::max<int64_t>(pos, 0), r.capacity - 1);  // as the export's clamped Gather
+      const float* table = r.cos_sin + pos * r.rotary;
+      const size_t token = static_cast<size_t>(b * c.seq + i);
+      for (int64_t h = 0; h < hq; ++h)
+        rotate_head(r.query + token * r.q_stride + h * dim, table, r.rotary, dim,
+                    rotated_query + (token * hq + h) * dim);
+      const int64_t index = slot_pos / c.page_tokens;
+      const int32_t page = index < c.width ? c.page_table[b * c.width + index] : -1;
+      const int64_t slot = slot_pos % c.page_tokens;
+      for (int64_t h = 0; h < hkv; ++h) {
+        float* k_out = new_kv + ((token * 2 + 0) * hkv + h) * dim;
+        float* v_out = new_kv + ((token * 2 + 1) * hkv + h) * dim;
+        rotate_head(r.key + token * r.kv_stride + h * dim, table, r.rotary, dim, k_out);
+        std::memcpy(v_out, r.value + token * r.kv_stride + h * dim, sizeof(float) * dim);
+        float scratch[kMaxHeadDim];
+        char* k_dst = page >= 0 ? pool + pool_offset(c, page, 0, h, slot) * elem : nullptr;
+        char* v_dst = page >= 0 ? pool + pool_offset(c, page, 1, h, slot) * elem : nullptr;
+        // Without a page the rows are still rounded (attention reads the same values either way).
+        store_row(c.pool_type, k_out, k_dst ? static_cast<void*>(k_dst) : static_cast<void*>(scratch), dim);
+        store_row(c.pool_type, v_out, v_dst ? static_cast<void*>(v_dst) : static_cast<void*>(scratch), dim);
+      }
+    }
+  }
+}
+
+OrtStatus* ORT_API_CALL compute_rope(void* kernel, OrtKernelContext* ctx) {
+  const Kernel& k = *static_cast<const Kernel*>(kernel);
+  Call c;
+  RopeCall r{};
+  KVF_TRY(gather_rope_inputs(k, ctx, c, r));
+  const int64_t out_shape[3] = {c.batch, c.seq, k.q_heads * k.dim};
+  OrtValue* out_value = nullptr;
+  KVF_TRY(g_api->KernelContext_GetOutput(ctx, 0, out_shape, 3, &out_value));
+  void* out = nullptr;
+  KVF_TRY(g_api->GetTensorMutableData(out_value, &out));
+  c.out = static_cast<float*>(out);
+  const size_t tokens = static_cast<size_t>(c.batch * c.seq);
+  std::vector<float> rotated(tokens * static_cast<size_t>(k.q_heads * k.dim), 0.0f);
+  std::vector<float> new_kv(tokens * static_cast<size_t>(2 * k.kv_heads * k.dim), 0.0f);
+  rotate_and_write(c, r, rotated.data(), new_kv.data());
+  c.query = rotated.data();
+  c.new_kv = new_kv.data();
+  return attend(ctx, c);
+}
+
+const char* ORT_API_CALL rope_op_name(const OrtCustomOp*) { return "PagedAttentionRope"; }
+size_t ORT_API_CALL rope_input_count(const OrtCustomOp*) { return 10; }
+
+ONNXTensorElementDataType ORT_API_CALL rope_input_type(const OrtCustomOp*, size_t index) {
+  switch (index) {
+    case 0: case 1: case 2: case 7: return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    case 3: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;  // float16, uint8 or float32: checked per call
+    case 9: return ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL;
+    default: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+  }
+}
+
+OrtCustomOpInputOutputCharacteristic ORT_API_CALL rope_input_characteristic(const OrtCustomOp*, size_t index) {
+  return index >= 8 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+}
+
+// An int attribute in shape inference, `fallback` where the node does not have it.
+int64_t shape_attribute(OrtShapeInferContext* ctx, const char* name, int64_t fallback) {
+  const OrtOpAttr* attr = nullptr;
+  if (OrtStatus* st = g_api->ShapeInferContext_GetAttribute(ctx, name, &attr)) {
+    g_api->ReleaseStatus(st);
+    return fallback;
+  }
+  int64_t value = fallback;
+  size_t written = 0;
+  if (!attr) return fallback;
+  if (OrtStatus* st = g_api->ReadOpAttr(attr, ORT_OP_ATTR_INT, &value, sizeof value, &written)) {
+    g_api->ReleaseStatus(st);
+    return fallback;
+  }
+  return value;
+}
+
+// PagedAttentionRope's output: the query's shape, or with packed_qkv the packed input's with the last dim Hq * D.
+OrtStatus* ORT_API_CALL infer_rope_shape(const OrtCustomOp* op, OrtShapeInferContext* ctx) {
+  if (!shape_attribute(ctx, "packed_qkv", 0)) return infer_shape(op, ctx);
+  const int64_t width = shape_attribute(ctx, "num_q_heads", -1) * shape_attribute(ctx, "head_dim", -1);
+  return kvforge_ort::infer_last_dim(g_api, ctx, [width](int64_t) { return width > 0 ? width : -1; });
+}
+
+OrtCustomOp make_rope_op() {
+  OrtCustomOp op = make_op();
+  op.InferOutputShapeFn = infer_rope_shape;
+  op.GetName = rope_op_name;
+  op.GetInputType = rope_input_type;
+  op.GetInputTypeCount = rope_input_count;
+  op.GetInputCharacteristic = rope_input_characteristic;
+  op.KernelComputeV2 = compute_rope;
+  return op;
+}
+
+OrtCustomOp g_paged_attention = make_op();
+OrtCustomOp g_paged_attention_rope = make_rope_op();
+
+// One stored key row decoded to float32 (scalar: any head width, and exact like the vector decode).
+void decode_any(PoolType type, const void* src, float* dst, int64_t n) {
+  switch (type) {
+    case PoolType::kF32:
+      std::memcpy(dst, src, sizeof(float) * n);
+      break;
+    case PoolType::kF16:
+      for (int64_t d = 0; d < n; ++d) dst[d] = half_to_float(static_cast<const uint16_t*>(src)[d]);
+      break;
+    case PoolType::kFp8:
+      for (int64_t d = 0; d < n; ++d) dst[d] = g_fp8_table[static_cast<const uint8_t*>(src)[d]];
+      break;
+  }
+}
+
+}  // namespace
+
+// Document reuse (issue 37) moves a document's stored keys by `delta` positions: one more rotate-half rotation.
+// In place on `rows` contiguous rows of `head_dim` elements in the storage type (`dtype`: 0 fp16, 1 fp8 E4M3FN,
+// 2 fp32, PoolType's order): decoded to float32, the first `rotary` dims rotated with `cos_sin_row` (the rope
+// table's row |delta|: rotary/2 cosines then rotary/2 sines; `sign` -1 negates the sines to rotate back), encoded
+// with the KV write's rounding. Byte for byte reference.rotate_keys. Returns 0, or -1 for arguments it refuses.
+extern "C" __attribute__((visibility("default"))) int kvforge_rotate_keys(void* keys, int64_t rows, int64_t head_dim,
+                                                                          int64_t rotary, const float* cos_sin_row,
+                                                                          int sign, int dtype) {
+  if (!keys || !cos_sin_row || rows < 0 || head_dim <= 0 || rotary < 0 || rotary % 2 || rotary > head_dim ||
+      (sign != 1 && sign != -1) || dtype < 0 || dtype > 2) {
+    return -1;
+  }
+  ensure_fp8_table();
+  const PoolType type = static_cast<PoolType>(dtype);
+  const int64_t half = rotary / 2;
+  std::vector<float> table(static_cast<size_t>(rotary));
+  for (int64_t j = 0; j < half; ++j) {
+    table[j] = cos_sin_row[j];
+    table[half + j] = sign < 0 ? -cos_sin_row[half + j] : cos_sin_row[half + j];  // sin(-a) = -sin(a), exact
+  }
+  std::vector<float> decoded(static_cast<size_t>(head_dim)), rotated(static_cast<size_t>(head_dim));
+  const size_t row_bytes = pool_element_bytes(type) * static_cast<size_t>(head_dim);
+  uint8_t* base = static_cast<uint8_t*>(keys);
+  for (int64_t r = 0; r < rows; ++r) {
+    void* row = base + static_cast<size_t>(r) * row_bytes;
+    decode_any(type, row, decoded.data(), head_dim);
+    rotate_head(decoded.data(), table.data(), rotary, head_dim, rotated.data());
+    store_row(type, rotated.data(), row, head_dim);
+  }
+  return 0;
+}
+
+extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL
+RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
+  g_api = api_base->GetApi(ORT_API_VERSION);
+  if (!g_api) {
+    // An older runtime: its version-1 table (the C API only ever appends) still builds the error status.
+    const OrtApi* oldest = api_base->GetApi(1);
+    const std::string message = "kvforge.cpu needs ONNX Runtime C API version " + std::to_string(ORT_API_VERSION) +
+                                ", this runtime is " + api_base->GetVersionString();
+    return oldest ? oldest->CreateStatus(ORT_FAIL, message.c_str()) : nullptr;
+  }
+  ensure_fp8_table();
+  OrtCustomOpDomain* domain = nullptr;  // must outlive every session using it, so it is never released
+  KVF_TRY(g_api->CreateCustomOpDomain("kvforge.cpu", &domain));
+  KVF_TRY(g_api->CustomOpDomain_Add(domain, &g_paged_attention));
+  KVF_TRY(g_api->CustomOpDomain_Add(domain, &g_paged_attention_rope));
+  KVF_TRY(kvforge_matmul::add_ops(domain, g_api));
+  KVF_TRY(kvforge_swiglu::add_ops(domain, g_api));
+  return g_api->AddCustomOpDomain(options, domain);
+}

@@ -1,0 +1,351 @@
+"""Documents as a cache type: a retrieved document's K/V, stored once, restored wherever the document lands (issue 37).
+
+Decisions, written down as the issue asks:
+
+- **The stored form is a standalone prefill at position 0.** K/V computed inside a request depends on what preceded
+  the document there, so it is never stored. The scheduler queues one short internal request per document that has
+  no stored form yet (its prompt is exactly the document's tokens); when that request publishes its prompt, this
+  type copies its pages into its own pool (`document_kv_pages`) and files them under `document_key`. The same
+  record keeps the document's pages as an ordinary, exact prefix record too.
+- **Restoring is a per-token-row copy with K rotated.** A document rarely starts on a page boundary, and rotation
+  moves positions, not slots: token i of the stored form goes to position start + i of the request, whatever page
+  and slot that is (a page the prefix filled partly included), its K rotated by `start` (`DocumentKVStore`). The
+  copy is made at admission, before the request computes anything; the kernel reads a row's cached positions only
+  below its start, so tokens before a document never see it.
+- **Repair recomputes the first tokens of each document in place** (`first-page`: one page of tokens; `overlap`:
+  that, and all of the document closest to the question; `full`: all of them, which must give exactly a cold run's
+  tokens; `none`: nothing). Repair is contiguous, so it is plain causal attention with today's kernel. The
+  scheduler ends a chunk where a restored range begins and moves `num_computed_tokens` past it.
+- **Approximate K/V never becomes findable under exact keys.** `lease.exact_tokens` is set to the first restored
+  position: nothing from there on is indexed in flight or published. Exact prefix reuse before it works as before.
+- Documents shorter than one page, documents overlapping media, documents holding the prompt's last token (it must
+  be computed for logits), requests with an activated LoRA and documents starting inside the exact hit (or its
+  snapshot-restored page) are computed as ordinary prompt tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Protocol
+
+import numpy as np
+
+from kvforge.contract import profile_schema as schema
+from kvforge.contract.errors import InvalidConfig
+from kvforge.contract.paging import pages_for
+from kvforge.runtime.context_cache.keys import KeyExtras, document_key, media_in_page
+from kvforge.runtime.context_cache.lease import Admission, Lease
+from kvforge.runtime.context_cache.metrics import CacheMetrics
+from kvforge.runtime.context_cache.planner import ReusePlan
+from kvforge.runtime.context_cache.pools import ResourcePool
+from kvforge.runtime.context_cache.protocol import CacheSetup, CacheTypeBase, Lookup, Publication
+from kvforge.runtime.context_cache.records import Record, RecordStore
+from kvforge.runtime.types import Deployment, LookupPolicy
+
+DOCUMENT_OPTIONS = ("document_reuse", "document_repair", "document_store")
+REPAIR_NONE, REPAIR_FIRST_PAGE, REPAIR_OVERLAP, REPAIR_FULL = "none", "first-page", "overlap", "full"
+REPAIR_POLICIES = (REPAIR_NONE, REPAIR_FIRST_PAGE, REPAIR_OVERLAP, REPAIR_FULL)
+# experiments/document_reuse.py on SmolLM2 (16 requests, 3 of 8 reports each): first-page answered 8/16 right against
+# full prefill's 9/16 with 42 % of prompt tokens cached and a quarter of the TTFT; none 2/16; overlap no better than
+# first-page for more recomputation (docs/document-reuse.md).
+DEFAULT_REPAIR = REPAIR_FIRST_PAGE
+
+
+class DocumentCopier(Protocol):
+    """Moves document K/V bytes (kvforge/runtime/execution/kv_store.py `DocumentKVStore`): this module never touches
+    them."""
+
+    def capture(self, page_ids: list[int], slots: list[int]) -> None: ...
+
+    def restore(self, slots: list[int], page_ids: list[int], start: int, first: int, last: int) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class StoredDocument:
+    """A record's part: the document's tokens and the slots of this pool holding its K/V at positions 0..n-1."""
+
+    key: bytes
+    tokens: tuple[int, ...]
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class DocumentHit:
+    """One document span of a request served from a stored form: tokens [start, start + repair) are recomputed,
+    [start + repair, start + length) restored from `slots` (rotated by `start`)."""
+
+    start: int
+    length: int
+    repair: int
+    record_id: int
+    slots: tuple[int, ...]
+
+    @property
+    def restored(self) -> tuple[int, int]:
+        return self.start + self.repair, self.start + self.length
+
+    @property
+    def reused_tokens(self) -> int:
+        return self.length - self.repair
+
+
+@dataclass(frozen=True, slots=True)
+class DocumentPart:
+    """This type's part of a plan and a lease: the hits of a request, or (a standalone prefill) the key it produces
+    and the slots reserved for its stored form."""
+
+    hits: tuple[DocumentHit, ...] = ()
+    produces: bytes = b""
+    tokens: tuple[int, ...] = ()  # a producer's document
+    slots: tuple[int, ...] = ()  # a producer's slots (pinned by its lease until released)
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def restored_spans(self) -> tuple[tuple[int, int], ...]:
+        return tuple(hit.restored for hit in self.hits if hit.reused_tokens)
+
+    @property
+    def reused_tokens(self) -> int:
+        return sum(hit.reused_tokens for hit in self.hits)
+
+
+Lease.view("restored_spans", schema.DOCUMENT_KV_PAGES, lambda part: part.restored_spans, ())
+Lease.view("document_reused_tokens", schema.DOCUMENT_KV_PAGES, lambda part: part.reused_tokens, 0)
+
+
+def build_document_chunks(setup: CacheSetup, name: str) -> DocumentChunks | None:
+    """Only with document reuse on (and context reuse, which it implies); attention-only deployments only."""
+    if not (setup.enabled and setup.options.get("document_reuse")):
+        return None
+    if setup.deployment is not Deployment.VANILLA:
+        raise InvalidConfig("document reuse needs an attention-only engine: a recurrent state depends on the whole "
+                            "prefix, so a document's state cannot be moved", "document_reuse")
+    repair = setup.options.get("document_repair", DEFAULT_REPAIR)
+    if repair not in REPAIR_POLICIES:
+        raise InvalidConfig(f"must be one of {', '.join(REPAIR_POLICIES)}, got {repair!r}", "document_repair")
+    # The stored forms get as many slots as the pool has pages (the store maps a slot's memory only when written).
+    return DocumentChunks(ResourcePool(name, setup.num_pages), setup.tokens_per_page, setup.chain_root, repair,
+                          setup.options.get("document_store"), setup.records, setup.metrics)
+
+
+class DocumentChunks(CacheTypeBase):
+    """Stored documents, found by `document_key` wherever a request places them. Each stored form is a record's part
+    (the record of its standalone prefill), so the coordinator's LRU evicts documents like any record."""
+
+    __slots__ = ("name", "pool", "tokens_per_page", "chain_root", "repair", "copier", "records", "metrics",
+                 "_by_key", "_producing")
+
+    def __init__(self, pool: ResourcePool, tokens_per_page: int, chain_root: bytes, repair: str,
+                 copier: DocumentCopier | None, records: RecordStore, metrics: CacheMetrics) -> None:
+        self.name = pool.name
+        self.pool = pool
+        self.tokens_per_page = tokens_per_page
+        self.chain_root = chain_root
+        self.repair = repair
+        self.copier = copier  # None: bookkeeping only (the cache's own tests)
+        self.records = records
+        self.metrics = metrics.documents
+        self._by_key: dict[bytes, Record] = {}  # document key -> the record holding its stored form
+        self._producing: dict[bytes, Lease] = {}  # document key -> the running standalone prefill producing it
+
+    # --- which spans are documents to reuse ----------------------------------------------------------
+
+    def eligible(self, tokens: np.ndarray, documents: Iterable[tuple[int, int]], extras: KeyExtras,
+                 after: int = 0) -> list[tuple[bytes, int, int]]:
+        """(key, start, length) of the spans this type may serve: a page long at least, wholly after `after`, not
+        holding the last token, without media, and not under an activated LoRA (its positions before the
+        invocation are base K/V, which a standalone prefill of the document would not reproduce)."""
+        if extras.adapter_start:
+            return []
+        found = []
+        for start, length in documents:
+            end = start + length
+            if length < self.tokens_per_page or start < after or end >= len(tokens) \
+                    or media_in_page(extras.media, start, end):
+                continue
+            found.append((document_key(tokens[start:end], extras, self.chain_root, start), start, length))
+        return found
+
+    def wanted(self, admission: Admission) -> list[tuple[bytes, int, int]]:
+        """The spans of `admission` whose document has no stored form and no standalone prefill running: the
+        scheduler queues one for each (first come: a span whose key it queued already it skips)."""
+        if admission.produces_document or not admission.documents or admission.lookup_policy is not \
+                LookupPolicy.USE_CACHE:
+            return []
+        tokens = np.asarray(admission.token_ids, dtype=np.int32)
+        return [(key, start, length) for key, start, length in
+                self.eligible(tokens, admission.documents, admission.extras)
+                if key not in self._by_key and key not in self._producing and length <= self._capacity_tokens]
+
+    @property
+    def _capacity_tokens(self) -> int:
+        return self.pool.capacity * self.tokens_per_page
+
+    def stored(self, key: bytes) -> bool:
+        return key in self._by_key
+
+    # --- lookup -------------------------------------------------------------------------------------
+
+    def find_longest_hit(self, lookup: Lookup, agreed: ReusePlan) -> ReusePlan:
+        """A standalone prefill reserves slots for its stored form; any other request gets a hit per stored
+        document placed after the exact prefix the types before agreed on. Pages and reuse point stay as agreed:
+        document hits are not a prefix."""
+        tokens, T = lookup.tokens, self.tokens_per_page
+        if lookup.produces_document:
+            key = document_key(tokens, lookup.extras, self.chain_root)
+            slots = pages_for(len(tokens), T)
+            if len(tokens) < T or key in self._by_key or slots > self.pool.capacity or lookup.extras.adapter_start:
+                return agreed
+            return agreed.with_part(self.name, DocumentPart(produces=key, tokens=tuple(tokens.tolist())))
+        hits = []
+        # After the agreed hit's last page: a partial-KV snapshot hit is restored over its whole page, after this
+        # type's copies, so a document starting inside that page is computed.
+        after = pages_for(agreed.reuse_tokens, T) * T
+        for key, start, length in self.eligible(tokens, lookup.documents, lookup.extras, after):
+            record = self._by_key.get(key)
+            if record is None:
+                continue
+            stored: StoredDocument = record.parts[self.name]
+            if list(stored.tokens) != tokens[start:start + length].tolist():
+                continue  # a hash collision: compute it
+            repair = {REPAIR_NONE: 0, REPAIR_FULL: length}.get(self.repair, min(T, length))
+            hits.append(DocumentHit(start, length, repair, record.record_id, stored.slots))
+        if hits and self.repair == REPAIR_OVERLAP:
+            hits = self._repair_closest(hits, tokens, lookup.documents)
+        return agreed.with_part(self.name, DocumentPart(hits=tuple(hits))) if hits else agreed
+
+    @staticmethod
+    def _repair_closest(hits: list[DocumentHit], tokens: np.ndarray,
+                        documents: Sequence[tuple[int, int]]) -> list[DocumentHit]:
+        """`overlap`: besides each document's first page, recompute the whole document that shares the most distinct
+        token ids with the question (the prompt after its last document). A lexical stand-in for the document the
+        question attends to most, which the engine's outputs do not expose."""
+        question = set(tokens[max(start + length for start, length in documents):].tolist())
+        scores = [len(question & set(tokens[hit.start:hit.start + hit.length].tolist())) for hit in hits]
+        best = max(range(len(hits)), key=lambda i: (scores[i], -i))
+        if not scores[best]:
+            return hits
+        return [DocumentHit(h.start, h.length, h.length, h.record_id, h.slots) if i == best else h
+                for i, h in enumerate(hits)]
+
+    def waits_for(self, lookup: Lookup) -> bool:
+        """A request whose document is being produced waits for it (then restores it instead of computing it)."""
+        if not self._producing or lookup.produces_document:
+            return False
+        return any(key in self._producing for key, _, _ in self.eligible(lookup.tokens, lookup.documents,
+                                                                          lookup.extras))
+
+    def in_flight_pages(self) -> Mapping[bytes, Lease]:
+        return MappingProxyType(self._producing)
+
+    def hit_slots(self, plan: ReusePlan) -> tuple[int, ...]:
+        part = plan.parts.get(self.name)
+        return () if part is None else tuple(s for hit in part.hits if hit.reused_tokens for s in hit.slots)
+
+    # --- a lease's part ------------------------------------------------------------------------------
+
+    def admission_slots(self, plan: ReusePlan, speculative: bool) -> int:
+        part = plan.parts.get(self.name)
+        return pages_for(part.length, self.tokens_per_page) if part is not None and part.produces else 0
+
+    def admit(self, lease: Lease, plan: ReusePlan, speculative: bool, slots: list[int]) -> None:
+        """A producer keeps its reserved slots; a request with hits gets its documents copied in now (the pages
+        are allocated: the attention type admitted first), and the hits' slots are unpinned again."""
+        part = plan.parts.get(self.name)
+        if part is None:
+            return
+        if part.produces:
+            lease.parts[self.name] = DocumentPart(produces=part.produces, tokens=part.tokens, slots=tuple(slots))
+            return
+        lease.parts[self.name] = part
+        for hit in part.hits:
+            self.metrics[schema.DOCUMENT_HITS] += 1
+            self.metrics[schema.DOCUMENT_REPAIRED_TOKENS] += hit.repair
+            self.metrics[schema.DOCUMENT_REUSED_TOKENS] += hit.reused_tokens
+            if self.records.get(hit.record_id) is not None:  # (its eviction for this admission's pages is allowed)
+                self.records.touch(hit.record_id)  # a reused document stays resident longest
+            if not hit.reused_tokens:
+                continue
+            if self.copier is not None:
+                self.copier.restore(list(hit.slots), lease.page_ids, hit.start, hit.repair, hit.length)
+            self.metrics[schema.DOCUMENT_ROTATED_PAGES] += pages_for(hit.reused_tokens, self.tokens_per_page)
+            lease.exact_tokens = min(lease.exact_tokens, hit.restored[0])
+            self.pool.unpin(hit.slots)  # copied: the record alone keeps them
+
+    def on_admitted(self, lease: Lease, admission: Admission, num_tokens: int) -> None:
+        part = lease.parts.get(self.name)
+        if part is not None and part.produces:
+            self._producing.setdefault(part.produces, lease)
+        elif admission.documents and not admission.produces_document:
+            self.metrics[schema.DOCUMENTS_SEEN] += len(admission.documents)
+
+    def pinned(self, lease: Lease) -> tuple[int, ...]:
+        part = lease.parts.get(self.name)
+        return () if part is None else part.slots
+
+    def release(self, lease: Lease) -> None:
+        part = lease.parts.get(self.name)
+        if part is None or not part.produces:
+            return
+        if self._producing.get(part.produces) is lease:
+            del self._producing[part.produces]
+        self.pool.unpin(part.slots)  # a captured stored form stays with its record's cache reference
+
+    # --- publication: a standalone prefill's prompt becomes the stored form ---------------------------
+
+    def _producer(self, lease: Lease) -> DocumentPart | None:
+        part = lease.parts.get(self.name)
+        return part if part is not None and part.produces and part.slots else None
+
+    def capture(self, lease: Lease, publication: Publication) -> bool:
+        part = self._producer(lease)
+        if part is None or len(publication.tokens) != part.length:  # only the whole document at once
+            return False
+        publication.parts[self.name] = self._store(lease, part)
+        return True
+
+    def upgrade(self, existing: Record, lease: Lease) -> Record | None:
+        """The document's full pages were a record already (its pages loaded from a shared tier, or a prompt that
+        began with them), so publishing the standalone prefill found that record: it takes the stored form too.
+        The producer publishes only once its whole prompt, the document, is computed."""
+        part = self._producer(lease)
+        if part is None or self.name in existing.parts or self._by_key.get(part.produces) is not None \
+                or part.tokens[:len(existing.token_ids)] != existing.token_ids:
+            return None
+        return existing.with_part(self.name, self._store(lease, part))
+
+    def _store(self, lease: Lease, part: DocumentPart) -> StoredDocument:
+        if self.copier is not None:
+            self.copier.capture(lease.page_ids[:len(part.slots)], list(part.slots))
+        self.metrics[schema.DOCUMENTS_PRODUCED] += 1
+        return StoredDocument(part.produces, part.tokens, part.slots)
+
+    def held(self, record: Record) -> tuple[int, ...]:
+        stored = record.parts.get(self.name)
+        return () if stored is None else stored.slots
+
+    def on_commit(self, record: Record) -> None:
+        stored = record.parts.get(self.name)
+        if stored is not None:
+            self._by_key[stored.key] = record
+            self._producing.pop(stored.key, None)  # requests waiting for it may restore it now
+
+    def on_evict(self, record: Record) -> None:
+        stored = record.parts.get(self.name)
+        if stored is not None and self._by_key.get(stored.key) is record:
+            del self._by_key[stored.key]
+
+    def audit(self, records: Sequence[Record], leases: Iterable[Lease]) -> None:
+        for record in records:
+            stored = record.parts.get(self.name)
+            if stored is None:
+                continue
+            assert self._by_key.get(stored.key) is record, "a stored document lookups cannot find"
+            assert len(stored.slots) == pages_for(len(stored.tokens), self.tokens_per_page)
+        assert all(self.records.get(record.record_id) is record for record in self._by_key.values()), \
+            "a stored document of an evicted record"
