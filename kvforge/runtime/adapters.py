@@ -27,7 +27,7 @@ from kvforge.contract.lora import (
 )
 from kvforge.contract.tensor_header import read_tensor_header
 from kvforge.contract.validation import one_line
-from kvforge.runtime.context_cache.adapter_corrections import check_deployment
+from kvforge.runtime.context_cache.types.adapter_corrections import check_deployment
 from kvforge.runtime.types import Deployment
 
 

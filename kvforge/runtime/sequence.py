@@ -50,7 +50,8 @@ class EngineRequest:
     message_boundaries: tuple[int, ...] = ()  # prompt token counts where an earlier chat message ends
     documents: tuple[DocumentSpan, ...] = ()  # the prompt's document items whose tokens could be told apart, in order
     # An internal request the scheduler queued: a document's standalone prefill at position 0, whose published
-    # prompt becomes the document's stored form (kvforge/runtime/context_cache/document_chunks.py). Never a front end's.
+    # prompt becomes the document's stored form (kvforge/runtime/context_cache/types/document_chunks.py). Never a
+    # front end's.
     produces_document: bool = False
     # Activated LoRA: the first adapted position, found from the adapter and the prompt when the request is made
     # (kvforge/runtime/adapters.py activation_start), so every front end and API caller gets PEFT's rule; 0 = every one.

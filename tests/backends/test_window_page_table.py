@@ -41,7 +41,7 @@ def kernel_session(library: Path, tokens_per_page: int, window: int) -> ort.Infe
 
 def window_table(table: np.ndarray, starts: list[int], tokens_per_page: int, window: int) -> np.ndarray:
     """`table` with the pages the group frees for a row at each start: wholly before the window of its last page
-    boundary (kvforge/runtime/context_cache/sliding_window.py keep_from), and garbage where they were."""
+    boundary (kvforge/runtime/context_cache/types/sliding_window.py keep_from), and garbage where they were."""
     out = table.copy()
     for row, start in enumerate(starts):
         boundary = start // tokens_per_page * tokens_per_page

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from kvforge.contract import profile_schema as schema
-from kvforge.runtime.context_cache.attention_pages import AttentionPages
 from kvforge.runtime.context_cache.eviction import plan_eviction
 from kvforge.runtime.context_cache.keys import (
     CHAIN_ROOT,
@@ -24,12 +23,13 @@ from kvforge.runtime.context_cache.keys import (
 )
 from kvforge.runtime.context_cache.lease import Admission, Lease
 from kvforge.runtime.context_cache.manager import ContextCacheManager, Deployment
-from kvforge.runtime.context_cache.partial_tails import PartialTails
 from kvforge.runtime.context_cache.planner import PlanKind, ReusePlan, plan_cold, plan_reuse
 from kvforge.runtime.context_cache.pools import ResourcePool, ResourcePools
 from kvforge.runtime.context_cache.protocol import Lookup, Publication, PublishResult
 from kvforge.runtime.context_cache.records import Record, RecordStore
-from kvforge.runtime.context_cache.recurrent_checkpoints import RecurrentCheckpoints
+from kvforge.runtime.context_cache.types.attention_pages import AttentionPages
+from kvforge.runtime.context_cache.types.partial_tails import PartialTails
+from kvforge.runtime.context_cache.types.recurrent_checkpoints import RecurrentCheckpoints
 
 T = 4
 

@@ -15,7 +15,7 @@ from support.engine_driver import make_engine
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.profile_schema import SLIDING_WINDOW_PAGES
-from kvforge.runtime.context_cache.sliding_window import NO_PAGE, window_table
+from kvforge.runtime.context_cache.types.sliding_window import NO_PAGE, window_table
 from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.types import SamplingParams
 from kvforge.server.metrics import ServerMetrics

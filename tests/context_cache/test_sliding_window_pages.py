@@ -11,7 +11,7 @@ from kvforge.contract.paging import pages_for
 from kvforge.contract.profile_schema import RESOURCE_POOLS, SLIDING_WINDOW_PAGES
 from kvforge.contract.window_pool import window_pages_per_row
 from kvforge.runtime.context_cache.manager import Admission, ContextCacheManager
-from kvforge.runtime.context_cache.sliding_window import NO_PAGE, window_table
+from kvforge.runtime.context_cache.types.sliding_window import NO_PAGE, window_table
 from kvforge.runtime.execution.kv_store import KVStore
 
 T, WINDOW, CALL = 4, 10, 8  # tokens per page, the window, the most new tokens of a row per call

@@ -60,7 +60,6 @@ import numpy as np
 from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.paging import pages_for
 from kvforge.contract.profile_schema import BASE_KV_PAGES, PARTIAL_KV_SNAPSHOTS, RECURRENT_SNAPSHOTS
-from kvforge.runtime.context_cache.attention_pages import AttentionPages
 from kvforge.runtime.context_cache.audit import check_invariants
 from kvforge.runtime.context_cache.capture import SnapshotCopier
 from kvforge.runtime.context_cache.eviction import plan_eviction
@@ -81,6 +80,7 @@ from kvforge.runtime.context_cache.protocol import (
 )
 from kvforge.runtime.context_cache.records import Record, RecordStore
 from kvforge.runtime.context_cache.registry import Registration, registered
+from kvforge.runtime.context_cache.types.attention_pages import AttentionPages
 from kvforge.runtime.types import Deployment, LookupPolicy  # Deployment is re-exported for the engine
 
 DEFAULT_MAX_RECORDS = 1024

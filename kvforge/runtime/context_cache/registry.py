@@ -19,14 +19,14 @@ from kvforge.contract.profile_schema import (
     RECURRENT_SNAPSHOTS,
     SLIDING_WINDOW_PAGES,
 )
-from kvforge.runtime.context_cache.adapter_corrections import CORRECTION_OPTIONS, build_adapter_corrections
-from kvforge.runtime.context_cache.attention_pages import build_attention_pages
-from kvforge.runtime.context_cache.document_chunks import DOCUMENT_OPTIONS, build_document_chunks
-from kvforge.runtime.context_cache.draft_paths import DRAFT_OPTIONS, build_draft_paths
-from kvforge.runtime.context_cache.partial_tails import PARTIAL_OPTIONS, build_partial_tails
 from kvforge.runtime.context_cache.protocol import CacheSetup, CacheType
-from kvforge.runtime.context_cache.recurrent_checkpoints import RECURRENT_OPTIONS, build_recurrent_checkpoints
-from kvforge.runtime.context_cache.sliding_window import SLIDING_WINDOW_OPTIONS, build_sliding_window
+from kvforge.runtime.context_cache.types.adapter_corrections import CORRECTION_OPTIONS, build_adapter_corrections
+from kvforge.runtime.context_cache.types.attention_pages import build_attention_pages
+from kvforge.runtime.context_cache.types.document_chunks import DOCUMENT_OPTIONS, build_document_chunks
+from kvforge.runtime.context_cache.types.draft_paths import DRAFT_OPTIONS, build_draft_paths
+from kvforge.runtime.context_cache.types.partial_tails import PARTIAL_OPTIONS, build_partial_tails
+from kvforge.runtime.context_cache.types.recurrent_checkpoints import RECURRENT_OPTIONS, build_recurrent_checkpoints
+from kvforge.runtime.context_cache.types.sliding_window import SLIDING_WINDOW_OPTIONS, build_sliding_window
 
 TypeFactory = Callable[[CacheSetup, str], CacheType | None]
 

@@ -22,12 +22,12 @@ from kvforge.contract.model_config import ModelConfig
 from kvforge.contract.rope import rope_table
 from kvforge.contract.speculation import spec_decode_help
 from kvforge.contract.window_pool import window_call_tokens
-from kvforge.runtime.context_cache.document_chunks import (  # noqa: F401 - REPAIR_POLICIES is re-exported
+from kvforge.runtime.context_cache.keys import EngineFingerprint, chain_root
+from kvforge.runtime.context_cache.manager import DEFAULT_MAX_RECORDS
+from kvforge.runtime.context_cache.types.document_chunks import (  # noqa: F401 - REPAIR_POLICIES is re-exported
     DEFAULT_REPAIR,
     REPAIR_POLICIES,
 )
-from kvforge.runtime.context_cache.keys import EngineFingerprint, chain_root
-from kvforge.runtime.context_cache.manager import DEFAULT_MAX_RECORDS
 from kvforge.runtime.engine.state import CheckpointPolicy
 from kvforge.runtime.execution.kv_store import ROTATION_CHECK_TOLERANCE, check_rotation
 from kvforge.runtime.inputs.multimodal.encoder_cache import DEFAULT_ENCODER_CACHE_BUDGET_BYTES

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvforge.contract.profile_schema import SCHEDULER_KEYS
-from kvforge.runtime.context_cache.document_chunks import DocumentChunks
 from kvforge.runtime.context_cache.lease import Lease
 from kvforge.runtime.context_cache.manager import ContextCacheManager
+from kvforge.runtime.context_cache.types.document_chunks import DocumentChunks
 from kvforge.runtime.engine.state import StateManager
 from kvforge.runtime.sampling.sampler import Sampler, SampleResult
 from kvforge.runtime.sequence import EngineRequest, FinishReason, Sequence, Status

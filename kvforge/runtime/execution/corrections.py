@@ -13,7 +13,7 @@ from kvforge.runtime.adapters import (
     fold_correction,
     normed_inputs,
 )
-from kvforge.runtime.context_cache.adapter_corrections import FactorCapture
+from kvforge.runtime.context_cache.types.adapter_corrections import FactorCapture
 from kvforge.runtime.execution.kv_store import KVStore
 from kvforge.runtime.step import ScheduledRow
 

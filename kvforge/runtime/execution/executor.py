@@ -9,7 +9,7 @@ import numpy as np
 from kvforge.contract.engine_dir import PER_LAYER_INPUT
 from kvforge.runtime.adapters import LoraAdapter, stack_adapters
 from kvforge.runtime.context_cache.lease import Lease
-from kvforge.runtime.context_cache.sliding_window import window_table
+from kvforge.runtime.context_cache.types.sliding_window import window_table
 from kvforge.runtime.execution.backend import Backend, ForwardOutput, StepInputs
 from kvforge.runtime.execution.corrections import AdapterCorrector
 from kvforge.runtime.execution.tree_attention import ancestor_mask, causal_masks, start_positions

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvforge.runtime.context_cache.partial_tails import tail_key
-from kvforge.runtime.context_cache.recurrent_checkpoints import checkpoint_key, resumable
+from kvforge.runtime.context_cache.types.partial_tails import tail_key
+from kvforge.runtime.context_cache.types.recurrent_checkpoints import checkpoint_key, resumable
 from kvforge.runtime.execution.backend import KVStorage
 from kvforge.runtime.execution.recurrent_state import RecurrentStates
 from kvforge.runtime.shared_tier.io import BATCH_BYTES, Load, TierIO

@@ -42,7 +42,7 @@ import numpy as np
 from kvforge.contract.engine_dir import BASE_HIDDEN_INPUT, CONTEXT_TOKEN_MASK_INPUT
 from kvforge.contract.profile_schema import BLOCK_DIFFUSION_DENOISE_STAGE
 from kvforge.contract.speculation import SCHEDULER_OFF, SCHEDULER_SPS, SCHEDULER_THRESHOLD
-from kvforge.runtime.context_cache.draft_paths import draft_of
+from kvforge.runtime.context_cache.types.draft_paths import draft_of
 from kvforge.runtime.execution.backend import Backend, StepInputs
 from kvforge.runtime.execution.tree_attention import causal_masks, start_positions
 from kvforge.runtime.profile import Profiler

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvforge.contract.engine_dir import BASE_HIDDEN_INPUT, DRAFT_HIDDEN_INPUT
-from kvforge.runtime.context_cache.draft_paths import DraftLease, draft_of
+from kvforge.runtime.context_cache.types.draft_paths import DraftLease, draft_of
 from kvforge.runtime.execution.backend import Backend, StepInputs
 from kvforge.runtime.execution.tree_attention import ancestor_mask, causal_masks, start_positions
 from kvforge.runtime.sampling.sampler import SampleResult, log_softmax, top_ids

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, runtime_checkable
 
-from kvforge.runtime.context_cache.draft_paths import draft_of
+from kvforge.runtime.context_cache.types.draft_paths import draft_of
 
 if TYPE_CHECKING:
     from kvforge.runtime.sampling.sampler import SampleResult

@@ -12,11 +12,11 @@ from kvforge.contract.profile_schema import RECURRENT_SNAPSHOTS
 from kvforge.runtime.context_cache.capture import SnapshotCopier
 from kvforge.runtime.context_cache.keys import KeyExtras, MediaKey
 from kvforge.runtime.context_cache.lease import Lease
-from kvforge.runtime.context_cache.partial_tails import tail_key
 from kvforge.runtime.context_cache.planner import ReusePlan, plan_resume
 from kvforge.runtime.context_cache.pools import ResourcePool
 from kvforge.runtime.context_cache.protocol import CacheSetup, Lookup, Publication, SnapshotRestore
 from kvforge.runtime.context_cache.records import Record, RecordStore
+from kvforge.runtime.context_cache.types.partial_tails import tail_key
 
 RECURRENT_OPTIONS = ("recurrent_snapshot_slots",)
 
