@@ -30,6 +30,7 @@ from kvforge.server.protocol import ApiCall, ApiError, parse_call
 from kvforge.server.render import Renderer, TextStreamer, finish_reason
 from kvforge.server.tenants import Tenants
 from kvforge.server.tokens import detokenize, tokenize, tokenize_input, tokenize_response
+from kvforge.server.vllm_metrics import VllmCollector
 
 T = TypeVar("T")
 STATIC_DIR = Path(__file__).resolve().parent / "static"
@@ -91,6 +92,8 @@ def create_app(engine: Engine, tenants: Tenants, *, model_name: str, max_queued_
                         reuse_enabled=info.reuse_enabled, max_model_len=info.max_kv_cache_capacity,
                         media=media or MediaPolicy())
     metrics.in_flight.set_function(lambda: state.in_flight)
+    # vLLM's series names beside ours, for the routers' load monitors (docs/scale-out.md).
+    metrics.registry.register(VllmCollector(snapshot, metrics.cache_queries, metrics.cache_hits, model_name))
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -142,6 +145,12 @@ def _add_routes(app: FastAPI, state: ServerState, limits: BodyLimits, body_cap: 
     async def health() -> JSONResponse:
         ok = state.engine_loop.alive and not state.shutting_down
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        # Open like /health: routers probe it to identify the engine before they hold any key, and it says only
+        # which kvforge answers.
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -213,8 +222,10 @@ def _checked(fn: Callable[[], T]) -> T:
 
 def _model_card(state: ServerState, name: str) -> dict[str, Any]:
     base = next(iter(state.models))
-    return {"id": name, "object": "model", "created": 0, "owned_by": "kvforge", "max_model_len": state.max_model_len,
-            "parent": base if state.models[name] else None}
+    # `root`: the served model the entry runs on (vLLM's field; routers group adapters by it). The served name,
+    # never the engine dir's path: a tenant learns nothing of the server's file system.
+    return {"id": name, "object": "model", "created": 0, "owned_by": "kvforge", "root": base,
+            "max_model_len": state.max_model_len, "parent": base if state.models[name] else None}
 
 
 async def _complete(state: ServerState, request: Request, limits: BodyLimits, cap: int, chat: bool) -> Response:
