@@ -21,7 +21,7 @@ Inside the runtime, folders (and the vocabulary modules at its root) import down
                    file_loop.py              the request-file loop they share
     engine/        the loop, scheduler, config, stop rules
     spec/          one module per speculative method
-    shared_tier/, inputs/
+    shared_tier/, inputs/, kv_events.py
     execution/     executor, backends, KV storage
     step.py        what a step passes between parts
     sequence.py
@@ -68,7 +68,8 @@ CACHE_CORE_FORBIDDEN_THIRD_PARTY = ("onnxruntime", "tensorrt", "cuda", "polygrap
 RUNTIME = "kvforge.runtime"
 RUNTIME_FOLDERS = ("engine", "inputs", "execution", "sampling", "spec", "context_cache", "shared_tier")
 # Top to bottom; a place imports only places on later lines (see the module docstring).
-RUNTIME_ORDER = (("api.py", "cli.py"), ("file_loop.py",), ("engine/",), ("spec/",), ("shared_tier/", "inputs/"),
+RUNTIME_ORDER = (("api.py", "cli.py"), ("file_loop.py",), ("engine/",), ("spec/",),
+                 ("shared_tier/", "inputs/", "kv_events.py"),
                  ("execution/",), ("step.py",), ("sequence.py",), ("media_spans.py", "adapters.py", "sampling/"),
                  ("context_cache/",), ("types.py", "profile.py"))
 RUNTIME_RANK = {place: rank for rank, places in enumerate(RUNTIME_ORDER) for place in places}

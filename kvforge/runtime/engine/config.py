@@ -146,6 +146,16 @@ class EngineConfig:
     shared_cache_encrypt: bool = _option(
         False, "--sharedCacheEncrypt", "With --sharedCache and a tier secret: also encrypt values (AES-GCM), so the "
         "store holds no prompt tokens or K/V in clear. Needs the cryptography package (kvforge[tier]).")
+    # KV events for cache-aware routers (issue 54, kvforge/runtime/kv_events.py, docs/scale-out.md).
+    kv_events_endpoint: str | None = _option(
+        None, "--kvEventsEndpoint", "Publish vLLM-format KV events (BlockStored/BlockRemoved/AllBlocksCleared) for "
+        "the pages the context cache stores and evicts on a ZMQ PUB socket bound here, e.g. tcp://127.0.0.1:5557, "
+        "for routers that index exact pages (vllm-router kv_aware, llm-d, Dynamo). Events carry every tenant's "
+        "prompt tokens: bind it where only the operator's router can connect. Needs pyzmq and msgspec "
+        "(kvforge[cluster]).", requires_reuse=True)
+    kv_events_topic: str = _option(
+        "", "--kvEventsTopic", "With --kvEventsEndpoint: the topic frame of every message (default: empty, which "
+        "every subscriber receives).")
     # Position-independent reuse of {"type": "document"} items (issue 37, docs/document-reuse.md).
     document_reuse: bool = _option(
         False, "--documentReuse", "Reuse a document item's K/V wherever it appears in a prompt (behind another "

@@ -54,6 +54,7 @@ from kvforge.runtime.execution.ort import set_ort_logging  # noqa: F401 - re-exp
 from kvforge.runtime.execution.snapshots import PartialKVSnapshotStore, RecurrentSnapshotStore
 from kvforge.runtime.execution.system_prompt_cache import SystemPromptCache
 from kvforge.runtime.inputs.processor import InputProcessor, check_prompt_length
+from kvforge.runtime.kv_events import KvEventPublisher, listeners
 from kvforge.runtime.profile import Profiler
 from kvforge.runtime.sampling.grammar import constraint_for
 from kvforge.runtime.sampling.sampler import Sampler, SampleResult
@@ -133,6 +134,7 @@ class Engine:
                                           partial=self.partial_store, recurrent=self.recurrent_store,
                                           system_prompts=self.system_prompts, checkpoints=resolved.checkpoints)
         self.tier = self._shared_tier(config, resolved)
+        self.kv_events = self._kv_events(config, build.tokens_per_page)
         spec = resolved.spec
         assert spec is not None  # resolve_engine_config always names the method
         self.spec = spec
@@ -142,7 +144,7 @@ class Engine:
                                          max_records=config.context_cache_max_records,
                                          partial_kv_snapshot_slots=partial, recurrent_snapshot_slots=recurrent,
                                          deployment=self.deployment, copier=self.state_manager,
-                                         chain_root=resolved.chain_root, events=self.tier,
+                                         chain_root=resolved.chain_root, events=listeners(self.tier, self.kv_events),
                                          draft_pages=spec.draft_pages(resolved.draft),
                                          draft_replays=resolved.draft is None or spec.support.replays_final_page,
                                          **self._document_options(config, resolved),
@@ -303,6 +305,8 @@ class Engine:
         engine itself holds nothing that outlives the process; without a tier this does nothing."""
         if self.tier is not None:
             self.tier.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def step(self) -> list[RequestOutput]:
         """Schedule → run one engine call → sample → update (commit, stop, publish, release); the rows' outputs."""
@@ -391,6 +395,18 @@ class Engine:
                                                                   model.rope_theta),
                                 model.kv_cache_dtype, model.num_key_value_heads, model.head_dim, norms, eps,
                                 tuple(config.lora_corrections))
+
+    def _kv_events(self, config: EngineConfig, tokens_per_page: int) -> KvEventPublisher | None:
+        """The KV event publisher (--kvEventsEndpoint); LoRA names are looked up when an event is built, so adapters
+        loaded later are named."""
+        if not (config.kv_events_endpoint and config.enable_context_reuse):
+            return None
+
+        def lora_name(digest: bytes) -> str | None:
+            return next((name for name, a in self.loras.adapters.items() if a.digest == digest), None)
+
+        return KvEventPublisher(config.kv_events_endpoint, tokens_per_page=tokens_per_page,
+                                topic=config.kv_events_topic, lora_name=lora_name)
 
     def _shared_tier(self, config: EngineConfig, resolved: ResolvedConfig) -> SharedTier | None:
         """The tier below the pool (--sharedCache), reading and writing this engine's pool, rows and snapshots."""
