@@ -16,7 +16,7 @@ LLM_TEST_SMOLLM2 ?= mxsl2048-mxbs2-mxil1024-mxlr8-tpp64
 LLM_TEST_TINY_RECURRENT ?= mxsl4096-mxbs4-mxil3072-tpp16
 LLM_TEST = $(BIN)/llm_test --cacheDir $(OUT)/llm_test/engines --numThreads $(THREADS)
 
-.PHONY: install system-packages demo-install demo test test-fast test-mooncake test-slow llm-test lint docs bench bench-shared-tier bench-reuse bench-lora bench-scheduling bench-spec \
+.PHONY: install system-packages demo-install demo cluster test test-fast test-mooncake test-slow llm-test lint docs bench bench-shared-tier bench-reuse bench-lora bench-scheduling bench-spec \
 	bench-block-draft bench-gemma4-mtp bench-hybrid-mtp bench-eagle3 bench-eagle3-train bench-quality bench-peers bench-peers-install bench-decode-context bench-spec-peers clean
 
 # What the demo needs: kvforge with the server (no torch, transformers, PEFT, Playwright or MkDocs), SmolLM2's GGUF
@@ -80,6 +80,30 @@ demo: $(OUT)/engines/smollm2/manifest.json
 	$(BIN)/llm_inference --engineDir $(OUT)/engines/smollm2 --inputFile test_cases/llm_basic.json \
 		--outputFile $(OUT)/llm_basic.output.json --profileOutputFile $(OUT)/llm_basic.profile.json \
 		--numThreads $(THREADS) --dumpOutput --dumpProfile
+
+# `make cluster`: REPLICAS llm_serve replicas of CLUSTER_ENGINE on 127.0.0.1 ports CLUSTER_PORT+1.., with Shepherd
+# Model Gateway (kvforge[cluster]) in front on 127.0.0.1:CLUSTER_PORT with --policy cache_aware, its own metrics on
+# 127.0.0.1:CLUSTER_METRICS_PORT (never its default 0.0.0.0:29000). SHARED_CACHE=redis://HOST:PORT/DB adds the shared
+# tier (with SALT_SECRET=FILE, which every replica needs then). Ctrl-C stops them all. docs/scale-out.md.
+REPLICAS ?= 2
+CLUSTER_PORT ?= 8000
+CLUSTER_METRICS_PORT ?= 29100
+CLUSTER_ENGINE ?= $(OUT)/engines/smollm2
+SHARED_CACHE ?=
+SALT_SECRET ?=
+cluster: $(CLUSTER_ENGINE)/manifest.json
+	@pids=""; urls=""; trap 'kill $$pids 2>/dev/null; wait' EXIT INT TERM; \
+	for i in $$(seq 1 $(REPLICAS)); do \
+		port=$$(( $(CLUSTER_PORT) + i )); \
+		$(BIN)/llm_serve --engineDir $(CLUSTER_ENGINE) --host 127.0.0.1 --port $$port --enableContextReuse \
+			--numThreads $(THREADS) $(if $(SHARED_CACHE),--sharedCache $(SHARED_CACHE) --saltSecret $(SALT_SECRET)) & \
+		pids="$$pids $$!"; urls="$$urls http://127.0.0.1:$$port"; \
+	done; \
+	for url in $$urls; do for t in $$(seq 600); do \
+		$(BIN)/python -c "import sys, urllib.request as u; u.urlopen(sys.argv[1] + '/health', timeout=2)" $$url \
+			2>/dev/null && break; sleep 0.5; done; done; \
+	$(BIN)/smg launch --host 127.0.0.1 --port $(CLUSTER_PORT) --policy cache_aware --worker-urls $$urls \
+		--prometheus-host 127.0.0.1 --prometheus-port $(CLUSTER_METRICS_PORT) & pids="$$pids $$!"; wait
 
 lint: install
 	$(BIN)/ruff check .
