@@ -23,7 +23,15 @@ from kvforge.runtime.engine.config import EngineConfig, make_engine_config
 from kvforge.runtime.engine.engine import Engine, EngineRequest, RequestOutput, snapshot_budgets
 from kvforge.runtime.file_loop import drain
 from kvforge.runtime.inputs.checks import parse_message
-from kvforge.runtime.inputs.tools import ToolSpec, answer_calls, forced_format, parse_tools, tool_messages, with_tools
+from kvforge.runtime.inputs.tools import (
+    ToolSpec,
+    answer_calls,
+    forced_format,
+    grammar_field,
+    parse_tools,
+    tool_messages,
+    with_tools,
+)
 from kvforge.runtime.types import Message, Request, SamplingParams
 
 Prompt = str | Sequence[int]
@@ -85,6 +93,8 @@ class LLM:
         params = sampling_params or SamplingParams()
         if spec is not None:
             params = replace(params, response_format=forced_format(spec, params.response_format))
+            if params.response_format is not None:  # refused naming `tools`; add_request then finds it cached
+                self.engine.grammars.compile(params.response_format, grammar_field(spec))
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         requests = [self._chat_request(c, params, lora_name, cache_salt, enable_thinking, parse_special_tokens,
                                        spec) for c in conversations]  # type: ignore[arg-type]

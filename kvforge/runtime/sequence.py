@@ -17,6 +17,7 @@ from kvforge.runtime.adapters import NOT_INVOKED, LoraAdapter, activation_start
 from kvforge.runtime.context_cache.keys import KeyExtras
 from kvforge.runtime.context_cache.lease import Admission, Lease
 from kvforge.runtime.media_spans import DocumentSpan, MediaSpan
+from kvforge.runtime.sampling.grammar import CompiledGrammar
 from kvforge.runtime.sampling.sampler import Sampler, SampleResult
 from kvforge.runtime.types import SamplingParams
 
@@ -56,6 +57,9 @@ class EngineRequest:
     # Activated LoRA: the first adapted position, found from the adapter and the prompt when the request is made
     # (kvforge/runtime/adapters.py activation_start), so every front end and API caller gets PEFT's rule; 0 = every one.
     adapter_start: int = -1
+    # The response_format's compiled grammar (kvforge/runtime/sampling/grammar.py), when compiled before the request
+    # reached the engine (llm_serve compiles off the engine thread); None: add_request compiles it, through the cache.
+    grammar: CompiledGrammar | None = None
 
     def __post_init__(self) -> None:
         if self.adapter_start < 0:

@@ -10,11 +10,14 @@ import asyncio
 import contextlib
 import secrets
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvforge.contract.errors import KvforgeError
 from kvforge.runtime.engine import RequestOutput
 from kvforge.runtime.inputs.tokenizer import ChatTokenizer
+from kvforge.runtime.sampling.grammar import CompiledGrammar
 from kvforge.server.engine_loop import Accepted, EngineFailure, EngineLoop
 from kvforge.server.media import MediaPolicy
 from kvforge.server.metrics import ServerMetrics
@@ -73,14 +76,18 @@ class RequestHandle:
             with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody is waiting any more
                 loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
-        prepared = state.engine_loop.prepare(lambda engine: self.call.engine_request(engine, self.cache_salt))
+        prepared: Future[Any] | None = None
         try:
+            grammar = await self._grammar()
+            prepared = state.engine_loop.prepare(lambda engine: self.call.engine_request(engine, self.cache_salt,
+                                                                                         grammar))
             request = await asyncio.wrap_future(prepared)
         except asyncio.CancelledError:  # client gone while preparing: nothing reached the engine, nothing to abort
-            prepared.cancel()  # still queued for a worker: never runs
+            if prepared is not None:
+                prepared.cancel()  # still queued for a worker: never runs
             self.finished = True
             self.close()
-            if prepared.cancelled() and not state.engine_loop.alive:  # the pool was shut down under it
+            if prepared is not None and prepared.cancelled() and not state.engine_loop.alive:  # pool shut down
                 raise ApiError(503, "the server is shutting down", kind="server_error", code="unavailable") from None
             raise
         except Exception as exc:  # KvforgeError: the request's fault (400)
@@ -100,6 +107,16 @@ class RequestHandle:
         assert isinstance(item, Accepted)
         state.metrics.prompt_tokens.inc(item.prompt_tokens)
         return item.prompt_tokens
+
+    async def _grammar(self) -> CompiledGrammar | None:
+        """The request's grammar, compiled on the engine's grammar worker (never on this event loop nor the engine
+        thread), once per schema: the n choices of one body, and later requests with the same schema, share it.
+        A refused schema is a KvforgeError naming `response_format` (or `tools`)."""
+        response_format = self.call.sampling.response_format
+        if response_format is None:
+            return None
+        compiled = self.state.engine_loop.engine.grammars.submit(response_format, self.call.grammar_field)
+        return await asyncio.wrap_future(compiled)
 
     async def next_output(self) -> RequestOutput:
         """The request's next step output; the last one has `finished` set (and its text, logprobs, timing)."""

@@ -28,7 +28,15 @@ from kvforge.runtime.inputs.checks import (
     check_top_p,
     parse_messages,
 )
-from kvforge.runtime.inputs.tools import ToolSpec, forced_format, parse_tools, tool_messages, with_tools
+from kvforge.runtime.inputs.tools import (
+    ToolSpec,
+    forced_format,
+    grammar_field,
+    parse_tools,
+    tool_messages,
+    with_tools,
+)
+from kvforge.runtime.sampling.grammar import CompiledGrammar
 from kvforge.runtime.types import Message, Request, SamplingParams
 from kvforge.server.media import MediaPolicy
 
@@ -83,9 +91,15 @@ class ApiCall:
                         sampling=self.sampling if seed is None else replace(self.sampling, seed=seed + j))
                 for prompt in prompts for j in range(self.n)]
 
-    def engine_request(self, engine: Engine, cache_salt: str) -> EngineRequest:
+    @property
+    def grammar_field(self) -> str:
+        """The field a refused grammar names: `tools` for a forced call's grammar, else `response_format`."""
+        return grammar_field(self.tools)
+
+    def engine_request(self, engine: Engine, cache_salt: str, grammar: CompiledGrammar | None = None) -> EngineRequest:
         """Tokenize (chat template for chat) and check against the engine; runs on a preparation worker, beside the
-        engine thread's steps (EngineLoop.prepare), so it reads only the engine's immutable parts."""
+        engine thread's steps (EngineLoop.prepare), so it reads only the engine's immutable parts. `grammar`: the
+        response_format's, compiled beforehand on the engine's grammar worker (RequestHandle.start)."""
         if self.chat:
             request = Request(0, self.messages, self.sampling, lora_name=self.lora_name, cache_salt=cache_salt,
                               parse_special_tokens=self.parse_special_tokens)
@@ -95,6 +109,7 @@ class ApiCall:
             built = engine.prepare(self.prompt or [], self.sampling, lora_name=self.lora_name, cache_salt=cache_salt)
         room = engine.info.max_kv_cache_capacity - len(built.prompt_ids)
         built.sampling = replace(built.sampling, max_generate_length=max(1, self.max_tokens or room))
+        built.grammar = grammar
         return built
 
 

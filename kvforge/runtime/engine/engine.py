@@ -55,7 +55,7 @@ from kvforge.runtime.execution.snapshots import PartialKVSnapshotStore, Recurren
 from kvforge.runtime.execution.system_prompt_cache import SystemPromptCache
 from kvforge.runtime.inputs.processor import InputProcessor, check_prompt_length
 from kvforge.runtime.profile import Profiler
-from kvforge.runtime.sampling.grammar import constraint_for
+from kvforge.runtime.sampling.grammar import GrammarCompiler
 from kvforge.runtime.sampling.sampler import Sampler, SampleResult
 from kvforge.runtime.sequence import EngineRequest, Sequence, Status
 from kvforge.runtime.shared_tier.secret import tier_secret
@@ -153,6 +153,8 @@ class Engine:
                                        media_markers={encoder.kind: encoder.marker} if encoder is not None else {})
         self.multimodal = _multimodal_processor(encoder, config, self.tokenizer, self.profiler,
                                                 self.engine_dir.model.hidden_size)
+        # response_format and forced-tool grammars compile here, on a worker of their own (cached by schema)
+        self.grammars = GrammarCompiler(self.tokenizer.tokenizer, self.engine_dir.model.eos_token_ids)
         self.loras = LoraRegistry(self.engine_dir)
         self.inputs = InputProcessor(self.tokenizer, self.loras, build.max_input_len, config.enable_context_reuse,
                                      self.engine_dir.model.vocab_size, multimodal=self.multimodal,
@@ -249,8 +251,10 @@ class Engine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.core.sequences:
             raise InvalidConfig(f"request id {request_id!r} is already in flight", "request_id")
-        constraint = constraint_for(request.sampling.response_format, self.tokenizer.tokenizer,
-                                    self.engine_dir.model.eos_token_ids)
+        constraint = None
+        if request.sampling.response_format is not None:  # compiled beforehand (llm_serve) or here, once per schema
+            grammar = request.grammar or self.grammars.compile(request.sampling.response_format)
+            constraint = grammar.constraint()
         seq = Sequence(request_id, request, Sampler(request.sampling, constraint), arrival=next(self._arrivals))
         if self.proposer is not None and request.sampling.speculative:
             self._apply_support_rows(seq)
@@ -301,6 +305,7 @@ class Engine:
     def close(self) -> None:
         """Let the shared tier finish saving what was committed (bounded), then release its connections. The
         engine itself holds nothing that outlives the process; without a tier this does nothing."""
+        self.grammars.close()
         if self.tier is not None:
             self.tier.close()
 
