@@ -79,6 +79,18 @@ def test_a_compile_over_the_time_budget_is_refused_and_the_refusal_cached(llm: L
     assert llm.engine.grammars.compiles == before + 1
 
 
+def test_a_token_mask_over_its_budget_ends_only_that_request(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(grammar, "MASK_BUDGET_S", -1.0)  # every mask is over it
+    constrained = SamplingParams(temperature=0, max_generate_length=8,
+                                 response_format=schema_format({"type": "object"}))
+    plain = SamplingParams(temperature=0, max_generate_length=8)
+    requests = [llm._chat_request(CHAT, constrained, None, None, False), llm._chat_request(CHAT, plain, None, None,
+                                                                                            False)]
+    hostile, other = llm._run(requests)
+    assert hostile.finish_reason == "error" and "to mask one token" in (hostile.error or ""), hostile
+    assert other.finish_reason in ("max-length", "end-of-sequence") and other.error is None
+
+
 def test_the_defaults_close_objects_and_cap_digits() -> None:
     schema = with_defaults({"type": "object", "properties": {"n": {"type": "integer"}, "x": {"type": "number"},
                                                              "free": {"type": "object"},

@@ -39,6 +39,10 @@ CACHE_ENTRIES = 64  # compiled grammars (or refusals) kept, least recently used 
 # token whose mask would be, ends in an error naming the field instead of a stall.
 LIMITS = {"max_items_in_row": 2000, "initial_lexer_fuel": 1_000_000, "step_lexer_fuel": 200_000,
           "step_max_items": 50_000, "max_lexer_states": 250_000, "max_grammar_size": 500_000}
+# One token's mask, on the engine thread, wall clock: past it the sequence ends with an error (`finish_reason`
+# "error") instead of stalling every other stream a token at a time. The fuel above bounds the work to ~15 ms
+# (a 49k vocabulary); this catches whatever that misses, timed after the fact (a mask cannot be interrupted).
+MASK_BUDGET_S = 0.25
 NEEDS = "needs the llguidance package: pip install 'kvforge[serve]'"
 
 
@@ -97,8 +101,13 @@ class GrammarConstraint:
         """A [vocab_size] bool vector: the tokens the grammar accepts next (EOS once it is complete)."""
         from llguidance.numpy import fill_next_token_bitmask
 
+        start = time.perf_counter()
         fill_next_token_bitmask(self.matcher, self._bitmask)
         self._check()
+        elapsed = time.perf_counter() - start
+        if elapsed > MASK_BUDGET_S:
+            raise KvforgeError(f"the grammar took {elapsed:.2f} s to mask one token; the budget is "
+                               f"{MASK_BUDGET_S:g} s", "response_format")
         return np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")[: self.vocab_size].astype(bool)
 
     def mask(self, logits: np.ndarray) -> None:
