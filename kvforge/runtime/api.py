@@ -94,7 +94,7 @@ class LLM:
         if spec is not None:
             params = replace(params, response_format=forced_format(spec, params.response_format))
             if params.response_format is not None:  # refused naming `tools`; add_request then finds it cached
-                self.engine.grammars.compile(params.response_format, grammar_field(spec))
+                self.engine.grammars.compile(params.response_format, grammar_field(params.response_format, spec.forced))
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         requests = [self._chat_request(c, params, lora_name, cache_salt, enable_thinking, parse_special_tokens,
                                        spec) for c in conversations]  # type: ignore[arg-type]

@@ -71,8 +71,9 @@ class SamplingParams:
     speculative: bool = True  # False: the request's disable_spec_decode (no drafts, plain decode rows)
     presence_penalty: float = 0.0  # subtracted once from every token already generated (OpenAI's)
     frequency_penalty: float = 0.0  # subtracted per occurrence of a token already generated (OpenAI's)
-    # OpenAI's {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}: the output is
-    # constrained by a grammar (kvforge/runtime/sampling/grammar.py); such a request decodes without drafts.
+    # OpenAI's {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}, or kvforge's
+    # {"type": "grammar", "grammar": GBNF or Lark text}: the output is constrained by a grammar
+    # (kvforge/runtime/sampling/grammar.py); such a request decodes without drafts.
     response_format: dict[str, Any] | None = None
     # Each sampled token's own logprob (SampleResult.logprob, OpenAI's logprobs=true) even with num_logprobs 0;
     # otherwise it is NaN there: the log-sum-exp over the vocabulary was ~40 % of a greedy step's sampling.
@@ -201,6 +202,11 @@ def check_response_format(value: Any, where: str) -> dict[str, Any] | None:
         return None
     if kind == "json_object":
         return {"type": "json_object"}
+    if kind == "grammar":  # kvforge's: a GBNF (llama.cpp) or Lark grammar, which llm_serve's `grammar` field becomes
+        text = value.get("grammar")
+        if not isinstance(text, str) or not text.strip():
+            fail(f"{where}.grammar", f"must be a GBNF or Lark grammar text, got {json_kind(text)}")
+        return {"type": "grammar", "grammar": text}
     spec = value.get("json_schema")
     if not isinstance(spec, dict):
         fail(f"{where}.json_schema", f"must be an object with a schema, got {json_kind(spec)}")
@@ -213,7 +219,7 @@ def check_response_format(value: Any, where: str) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": spec.get("strict")}}
 
 
-RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+RESPONSE_FORMATS = ("text", "json_object", "json_schema", "grammar")
 
 
 def check_seed(value: Any, where: str) -> int | None:

@@ -16,8 +16,8 @@ from typing import Any
 
 from kvforge.contract.errors import KvforgeError
 from kvforge.runtime.engine import RequestOutput
+from kvforge.runtime.engine.engine import CompiledGrammar
 from kvforge.runtime.inputs.tokenizer import ChatTokenizer
-from kvforge.runtime.sampling.grammar import CompiledGrammar
 from kvforge.server.engine_loop import Accepted, EngineFailure, EngineLoop
 from kvforge.server.media import MediaPolicy
 from kvforge.server.metrics import ServerMetrics

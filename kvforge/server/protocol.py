@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.validation import check_int, check_string, describe, fail, get_bool, json_kind
-from kvforge.runtime.engine.engine import Engine, EngineRequest
+from kvforge.runtime.engine.engine import CompiledGrammar, Engine, EngineRequest
 from kvforge.runtime.inputs.checks import (
     check_logit_bias,
     check_penalty,
@@ -36,7 +36,6 @@ from kvforge.runtime.inputs.tools import (
     tool_messages,
     with_tools,
 )
-from kvforge.runtime.sampling.grammar import CompiledGrammar
 from kvforge.runtime.types import Message, Request, SamplingParams
 from kvforge.server.media import MediaPolicy
 
@@ -93,8 +92,9 @@ class ApiCall:
 
     @property
     def grammar_field(self) -> str:
-        """The field a refused grammar names: `tools` for a forced call's grammar, else `response_format`."""
-        return grammar_field(self.tools)
+        """The field a refused grammar names: `tools` for a forced call's, `grammar` for GBNF, else
+        `response_format`."""
+        return grammar_field(self.sampling.response_format, self.tools is not None and self.tools.forced)
 
     def engine_request(self, engine: Engine, cache_salt: str, grammar: CompiledGrammar | None = None) -> EngineRequest:
         """Tokenize (chat template for chat) and check against the engine; runs on a preparation worker, beside the
@@ -140,7 +140,7 @@ def _parse(body: dict[str, Any], chat: bool, models: dict[str, str | None], medi
         messages = with_tools(messages, tools) if tools is not None else messages
     else:
         messages, prompt = [], None
-    response_format = forced_format(tools, _given(body, "response_format", check_response_format, None))
+    response_format = forced_format(tools, _output_format(body))
     prompts = () if chat else _prompts(body.get("prompt"))
     n = _given(body, "n", lambda v, f: check_int(v, f, 1, MAX_CHOICES), 1)
     if n * max(len(prompts), 1) > MAX_CHOICES:
@@ -164,6 +164,25 @@ def _parse(body: dict[str, Any], chat: bool, models: dict[str, str | None], medi
                    _given(body, "stream", _boolean, False), _include_usage(body), logprobs, lora_name,
                    _given(body, "cache_salt", check_string, None),
                    get_bool(body, "parse_special_tokens", "", False), n, prompts, tools)
+
+
+def _output_format(body: dict[str, Any]) -> dict[str, Any] | None:
+    """`response_format`, or llama-server's `grammar` (GBNF; Lark too, as llguidance reads it): one of them; a
+    `response_format` of type "grammar" is the Python API's and request files' spelling, not the body's."""
+    response_format = _given(body, "response_format", check_response_format, None)
+    if response_format is not None and response_format["type"] == "grammar":
+        fail("response_format.type", 'must be "text", "json_object" or "json_schema" (a GBNF grammar goes in the '
+             '"grammar" field)')
+    text = body.get("grammar")
+    if text is None:
+        return response_format
+    if not isinstance(text, str) or not text.strip():
+        fail("grammar", f"must be a GBNF grammar text, got {json_kind(text)}")
+    if response_format is not None:
+        fail("grammar", "cannot be given with a response_format other than text (both constrain the answer)")
+    if body.get("tool_choice") not in (None, "none", "auto"):
+        fail("grammar", "cannot be given with a tool_choice that forces a call (the call is the format)")
+    return {"type": "grammar", "grammar": text}
 
 
 def _given(body: dict[str, Any], name: str, check: Callable[[Any, str], T], default: T) -> T:

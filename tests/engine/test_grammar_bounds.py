@@ -97,10 +97,14 @@ def test_the_defaults_close_objects_and_cap_digits() -> None:
                                                              "open": {"type": "object", "properties": {},
                                                                       "additionalProperties": True}}})
     assert schema["additionalProperties"] is False
-    assert schema["properties"]["n"] == {"type": "integer", "minimum": -INTEGER_LIMIT, "maximum": INTEGER_LIMIT}
-    assert schema["properties"]["x"]["multipleOf"] == 1e-10
+    assert schema["properties"]["n"] == {"$ref": "#/$defs/kvforge_integer"}  # bare: one shared bounded definition
+    assert schema["$defs"]["kvforge_integer"] == {"type": "integer", "minimum": -INTEGER_LIMIT,
+                                                  "maximum": INTEGER_LIMIT}
+    assert schema["$defs"]["kvforge_number"]["multipleOf"] == 1e-10
+    assert schema["properties"]["x"] == {"$ref": "#/$defs/kvforge_number"}
     assert schema["properties"]["free"] == {"type": "object"}  # no properties named: any object, as JSON mode
     assert schema["properties"]["open"]["additionalProperties"] is True  # an explicit keyword wins
+    assert with_defaults({"type": ["integer", "null"]})["maximum"] == INTEGER_LIMIT
     given = {"type": "integer", "exclusiveMinimum": 0}
     assert with_defaults(given) == {**given, "maximum": INTEGER_LIMIT} and given == {"type": "integer",
                                                                                        "exclusiveMinimum": 0}

@@ -4,6 +4,7 @@ and `beta.chat.completions.parse`, on the tiny synthetic engine whose unconstrai
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -113,6 +114,46 @@ def test_bad_response_format_is_a_400_naming_it(client: openai.OpenAI, value: An
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, response_format=value, max_tokens=4)
     assert refused.value.param == param
+
+
+def test_a_gbnf_grammar_constrains_the_answer(server: LiveServer) -> None:
+    """llama-server's `grammar` field (GBNF, which llguidance converts to its Lark), on chat and completions."""
+    for path, extra in (("/v1/chat/completions", {"messages": MESSAGES}), ("/v1/completions", {"prompt": "Tide: "})):
+        body = {"model": MODEL, "grammar": 'root ::= ("high" | "low") " tide, " [1-9] [0-9]? " metres"',
+                "max_tokens": 40, "temperature": 1.0, "seed": 3, **extra}
+        status, reply = server.request("POST", path, body)
+        assert status == 200, reply
+        choice = reply["choices"][0]
+        text = choice["message"]["content"] if "message" in choice else choice["text"]
+        assert re.fullmatch(r"(high|low) tide, [1-9][0-9]? metres", text) and choice["finish_reason"] == "stop"
+
+
+def test_a_stop_string_cuts_a_grammar_only_where_it_may_end(server: LiveServer) -> None:
+    """A stop counts where the text before it is a whole answer (OpenAI promises a constrained answer whole)."""
+    body = {"model": MODEL, "messages": MESSAGES, "grammar": 'root ::= "x" "y"* "z"', "stop": ["y", "z"],
+            "max_tokens": 12, "temperature": 1.0, "seed": 1}
+    status, reply = server.request("POST", "/v1/chat/completions", body)
+    assert status == 200, reply
+    text = reply["choices"][0]["message"]["content"]
+    assert re.fullmatch(r"xy*z", text), text  # no text before a "y" or "z" is a whole answer: neither stop cuts
+    for seed in range(4):  # "[a-c]+" is whole after any letter: a "c" past the first ends the answer before it
+        body = {"model": MODEL, "messages": MESSAGES, "grammar": "root ::= [a-c]+", "stop": ["c"], "max_tokens": 24,
+                "temperature": 1.0, "seed": seed}
+        status, reply = server.request("POST", "/v1/chat/completions", body)
+        text = reply["choices"][0]["message"]["content"]
+        assert status == 200 and re.fullmatch(r"[a-c][ab]*", text), text
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"grammar": 'root ::= "unclosed'}, "grammar"),
+    ({"grammar": 7}, "grammar"),
+    ({"grammar": 'root ::= "a"', "response_format": {"type": "json_object"}}, "grammar"),
+    ({"response_format": {"type": "grammar", "grammar": 'root ::= "a"'}}, "response_format.type"),
+])
+def test_bad_grammar_is_a_400_naming_it(server: LiveServer, extra: dict[str, Any], param: str) -> None:
+    status, reply = server.request("POST", "/v1/chat/completions",
+                                   {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, **extra})
+    assert status == 400 and reply["error"]["param"] == param, reply
 
 
 WEATHER = {"type": "function", "function": {

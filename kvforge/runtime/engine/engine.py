@@ -55,7 +55,7 @@ from kvforge.runtime.execution.snapshots import PartialKVSnapshotStore, Recurren
 from kvforge.runtime.execution.system_prompt_cache import SystemPromptCache
 from kvforge.runtime.inputs.processor import InputProcessor, check_prompt_length
 from kvforge.runtime.profile import Profiler
-from kvforge.runtime.sampling.grammar import GrammarCompiler
+from kvforge.runtime.sampling.grammar import CompiledGrammar, GrammarCompiler
 from kvforge.runtime.sampling.sampler import Sampler, SampleResult
 from kvforge.runtime.sequence import EngineRequest, Sequence, Status
 from kvforge.runtime.shared_tier.secret import tier_secret
@@ -428,8 +428,8 @@ def _multimodal_processor(encoder, config: EngineConfig, tokenizer, profiler: Pr
                                hidden_size)
 
 
-__all__ = ["Engine", "EngineConfig", "EngineInfo", "EngineRequest", "EngineStats", "RequestOutput", "Runner",
-           "SampleResult", "Status", "deployment_of", "set_ort_logging", "snapshot_budgets"]
+__all__ = ["CompiledGrammar", "Engine", "EngineConfig", "EngineInfo", "EngineRequest", "EngineStats", "RequestOutput",
+           "Runner", "SampleResult", "Status", "deployment_of", "set_ort_logging", "snapshot_budgets"]
 
 
 def _window_group(engine: EngineDir) -> dict[str, int]:

@@ -79,7 +79,7 @@ def parse_tools(body: dict[str, Any]) -> ToolSpec | None:
 def forced_format(spec: ToolSpec | None, response_format: dict[str, Any] | None) -> dict[str, Any] | None:
     """The response_format a chat decodes under: a forced call's own grammar, else the one given; both at once is
     refused. Nothing is compiled here (this runs on llm_serve's event loop): the engine's grammar worker compiles
-    it and refuses a schema naming `grammar_field(spec)`."""
+    it and refuses a schema naming `tools`."""
     if spec is None or not spec.forced:
         return response_format
     if response_format is not None:
@@ -87,9 +87,12 @@ def forced_format(spec: ToolSpec | None, response_format: dict[str, Any] | None)
     return spec.response_format()
 
 
-def grammar_field(spec: ToolSpec | None) -> str:
-    """The request field a refused grammar names: `tools` for a forced call's, else `response_format`."""
-    return "tools" if spec is not None and spec.forced else "response_format"
+def grammar_field(response_format: dict[str, Any] | None, forced_call: bool) -> str:
+    """The request field a refused grammar names: `tools` for a forced call's, `grammar` for llm_serve's GBNF field,
+    else `response_format`."""
+    if forced_call:
+        return "tools"
+    return "grammar" if response_format is not None and response_format["type"] == "grammar" else "response_format"
 
 
 def _function(tool: Any, where: str) -> dict[str, Any]:

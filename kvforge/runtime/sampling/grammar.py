@@ -49,8 +49,10 @@ NEEDS = "needs the llguidance package: pip install 'kvforge[serve]'"
 def grammar_for(response_format: dict[str, Any]) -> str:
     """llguidance's grammar text for a checked response_format (see kvforge/runtime/types.py's
     check_response_format), with the grammar defaults (kvforge/runtime/sampling/schema_defaults.py)."""
-    from llguidance import LLMatcher
+    from llguidance import LLMatcher, grammar_from
 
+    if response_format["type"] == "grammar":  # GBNF, converted to llguidance's Lark (Lark text passes as it is)
+        return grammar_from("gbnf", response_format["grammar"])
     if response_format["type"] == "json_object":
         schema: dict[str, Any] = {"type": "object"}  # any JSON object, as OpenAI's JSON mode promises
     else:
@@ -72,7 +74,7 @@ def check_grammar(response_format: dict[str, Any], where: str) -> None:
     except ValueError as exc:
         error = str(exc)
     if error and not error.startswith("WARNING"):
-        raise KvforgeError(f"the schema cannot be compiled: {error.splitlines()[0]}", where)
+        raise KvforgeError(f"the {_noun(response_format)} cannot be compiled: {error.splitlines()[0]}", where)
 
 
 def _check_size(response_format: dict[str, Any], where: str) -> str:
@@ -80,8 +82,13 @@ def _check_size(response_format: dict[str, Any], where: str) -> str:
     text = json.dumps(response_format, separators=(",", ":"), ensure_ascii=False)
     size = len(text.encode("utf-8", "surrogatepass"))
     if size > MAX_SCHEMA_BYTES:
-        raise KvforgeError(f"the schema is {size} bytes as JSON; at most {MAX_SCHEMA_BYTES} are compiled", where)
+        raise KvforgeError(f"the {_noun(response_format)} is {size} bytes as JSON; at most {MAX_SCHEMA_BYTES} are "
+                           "compiled", where)
     return text
+
+
+def _noun(response_format: dict[str, Any]) -> str:
+    return "grammar" if response_format["type"] == "grammar" else "schema"
 
 
 class GrammarConstraint:
@@ -207,7 +214,7 @@ class GrammarCompiler:
         try:
             grammar = grammar_for(response_format)
         except ValueError as exc:
-            return f"the schema cannot be compiled: {str(exc).splitlines()[0]}"
+            return f"the {_noun(response_format)} cannot be compiled: {str(exc).splitlines()[0]}"
         matcher = LLMatcher(ll_tokenizer, grammar, log_level=0, limits=LLParserLimits(**LIMITS))
         if not matcher.is_error():  # the first mask is computed here too: a grammar that fails at once is refused
             probe = matcher.deep_copy()
@@ -216,10 +223,11 @@ class GrammarCompiler:
                 matcher = probe
         if matcher.is_error():
             message = matcher.get_error().splitlines()[0] if matcher.get_error() else "unknown error"
-            return f"the schema cannot be compiled: {message}"
+            return f"the {_noun(response_format)} cannot be compiled: {message}"
         elapsed = time.perf_counter() - start
         if elapsed > COMPILE_BUDGET_S:
-            return f"the schema took {elapsed:.1f} s to compile; the budget is {COMPILE_BUDGET_S:g} s"
+            return (f"the {_noun(response_format)} took {elapsed:.1f} s to compile; the budget is "
+                    f"{COMPILE_BUDGET_S:g} s")
         return CompiledGrammar(matcher, ll_tokenizer.vocab_size)
 
     def _ll_tokenizer(self) -> Any:

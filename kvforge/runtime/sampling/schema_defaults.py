@@ -9,7 +9,8 @@ field closes these doors, and so do we (docs/serving.md "Grammar defaults"):
   `patternProperties`, `unevaluatedProperties`) takes no other key: llama.cpp's json-schema-to-grammar and xgrammar's
   strict mode (vLLM's default) read a missing `additionalProperties` as false, and OpenAI's strict mode requires it.
   An object without `properties` (`{"type": "object"}`, JSON mode) stays open: it names no key to keep to;
-- an integer has at most 16 digits (llama.cpp's cap): bounds of ±(10^16 - 1) where the schema gives none;
+- an integer has at most 16 digits (llama.cpp's cap): bounds of ±(10^16 - 1) where the schema gives none (a bare
+  `{"type": "integer"}` refers to one shared bounded definition, which compiles once);
 - a number has at most 16 digits before the point and 10 after it (llama.cpp allows 16; llguidance's `multipleOf`,
   which carries the cap, takes no finer step than 1e-10), and no exponent.
 
@@ -31,23 +32,51 @@ _MANY = ("anyOf", "oneOf", "allOf", "prefixItems")
 _NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
+# A bare number schema (a type and annotations only, the common case) becomes a reference to one bounded definition:
+# llguidance compiles bounds into a lexeme per use, ~1 ms each, but a shared definition once (500 bounded integer
+# properties: 615 ms inline, 48 ms shared, 42 ms unbounded; on SmolLM2's vocabulary).
+SHARED = {"integer": ("kvforge_integer", {"type": "integer", "minimum": -INTEGER_LIMIT, "maximum": INTEGER_LIMIT}),
+          "number": ("kvforge_number", {"type": "number", "minimum": -NUMBER_LIMIT, "maximum": NUMBER_LIMIT,
+                                        "multipleOf": NUMBER_STEP})}
+_ANNOTATIONS = frozenset({"type", "title", "description", "default", "examples", "$comment", "deprecated",
+                          "readOnly", "writeOnly"})
+
+
 def with_defaults(schema: Any) -> Any:
     """A copy of `schema` with the grammar defaults applied to it and every subschema."""
+    if not isinstance(schema, dict):
+        return schema
+    defs = schema.get("$defs")
+    taken = set(defs) if isinstance(defs, dict) else set()
+    used: set[str] = set()
+    out = _defaults(schema, taken, used, root=True)
+    if used:
+        out["$defs"] = {**(out.get("$defs") or {}), **{name: body for name, body in SHARED.values() if name in used}}
+    return out
+
+
+def _defaults(schema: Any, taken: set[str], used: set[str], root: bool = False) -> Any:
     if not isinstance(schema, dict):
         return schema
     out: dict[str, Any] = {}
     for key, value in schema.items():
         if key in _ONE:
-            out[key] = [with_defaults(v) for v in value] if isinstance(value, list) else with_defaults(value)
+            out[key] = ([_defaults(v, taken, used) for v in value] if isinstance(value, list)
+                        else _defaults(value, taken, used))
         elif key in _MANY and isinstance(value, list):
-            out[key] = [with_defaults(v) for v in value]
+            out[key] = [_defaults(v, taken, used) for v in value]
         elif key in _NAMED and isinstance(value, dict):
-            out[key] = {name: with_defaults(v) for name, v in value.items()}
+            out[key] = {name: _defaults(v, taken, used) for name, v in value.items()}
         else:
             out[key] = value
     kinds = _types(out)
     if "properties" in out and not any(k in out for k in _EXTRA_KEYS):
         out["additionalProperties"] = False
+    kind = out.get("type")
+    shared = SHARED.get(kind) if isinstance(kind, str) else None
+    if shared is not None and not root and set(out) <= _ANNOTATIONS and shared[0] not in taken:
+        used.add(shared[0])
+        return {**{k: v for k, v in out.items() if k != "type"}, "$ref": f"#/$defs/{shared[0]}"}
     if "integer" in kinds and "number" not in kinds:
         _bound(out, INTEGER_LIMIT)
     elif "number" in kinds:
