@@ -3,8 +3,8 @@ another client's stream (the engine thread) nor /health (the event loop) while i
 
 The hostile schemas are made to compile (the size and time budgets raised) where the test is about where a compile
 runs, and left at the defaults where it is about the refusal. The bounds on delay are generous for a loaded 2-core
-machine; the old code (compiles on the engine thread, once per choice; validation on the event loop) stalls for
-seconds.
+machine (0.7 s and 0.2 s measured at load average 8); the old code (compiles on the engine thread, once per choice;
+validation on the event loop) stalled 12.5 s and 4.1 s.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from kvforge.runtime.sampling import grammar
 
 pytest.importorskip("llguidance")
 
-MAX_DELAY_S = 1.5  # for another client's short chat (4 tokens) while the hostile request compiles
-MAX_HEALTH_S = 0.5  # for one /health while a hostile forced call is parsed, compiled or refused
+MAX_DELAY_S = 3.0  # for another client's short chat (4 tokens) while the hostile request compiles
+MAX_HEALTH_S = 1.0  # for one /health while a hostile forced call is parsed, compiled or refused
 MESSAGES = [{"role": "user", "content": "Tell me about the tides at Harbor Point."}]
 
 
