@@ -116,6 +116,18 @@ def test_bad_response_format_is_a_400_naming_it(client: openai.OpenAI, value: An
     assert refused.value.param == param
 
 
+def test_n_choices_and_a_second_request_compile_the_schema_once(server: LiveServer) -> None:
+    schema = {"type": "object", "properties": {"once": {"type": "boolean"}}, "required": ["once"]}
+    body = {"model": MODEL, "messages": MESSAGES, "n": 4, "max_tokens": 12, "temperature": 1.0, "seed": 2,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "once", "schema": schema}}}
+    grammars = server.state.engine_loop.engine.grammars
+    before = grammars.compiles
+    for _ in range(2):
+        status, reply = server.request("POST", "/v1/chat/completions", body)
+        assert status == 200 and len(reply["choices"]) == 4, reply
+    assert grammars.compiles == before + 1
+
+
 def test_a_gbnf_grammar_constrains_the_answer(server: LiveServer) -> None:
     """llama-server's `grammar` field (GBNF, which llguidance converts to its Lark), on chat and completions."""
     for path, extra in (("/v1/chat/completions", {"messages": MESSAGES}), ("/v1/completions", {"prompt": "Tide: "})):

@@ -15,7 +15,6 @@ from kvforge.contract.validation import (
     json_kind,
     utf8_size,
 )
-from kvforge.runtime.sampling.grammar import check_grammar  # noqa: F401  (for llm_serve's forced tool calls)
 from kvforge.runtime.types import (  # noqa: F401  (the sampling checks, re-exported for the request parsers)
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,

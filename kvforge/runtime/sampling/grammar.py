@@ -38,7 +38,8 @@ CACHE_ENTRIES = 64  # compiled grammars (or refusals) kept, least recently used 
 # lexer work (~50k/ms building, ~14k/ms while masking), items are Earley items (~20k/ms). A compile past them, or a
 # token whose mask would be, ends in an error naming the field instead of a stall.
 LIMITS = {"max_items_in_row": 2000, "initial_lexer_fuel": 1_000_000, "step_lexer_fuel": 200_000,
-          "step_max_items": 50_000, "max_lexer_states": 250_000, "max_grammar_size": 500_000}
+          "step_max_items": 50_000, "max_lexer_states": 250_000, "max_grammar_size": 500_000,
+          "verbose_errors": False}  # an error is one line, without the parser state (another tenant's schema)
 # One token's mask, on the engine thread, wall clock: past it the sequence ends with an error (`finish_reason`
 # "error") instead of stalling every other stream a token at a time. The fuel above bounds the work to ~15 ms
 # (a 49k vocabulary); this catches whatever that misses, timed after the fact (a mask cannot be interrupted).
@@ -59,22 +60,6 @@ def grammar_for(response_format: dict[str, Any]) -> str:
         schema = with_defaults(response_format["json_schema"]["schema"])
     # Compact separators: a model that cannot stop emitting whitespace must still end its object.
     return LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
-
-
-def check_grammar(response_format: dict[str, Any], where: str) -> None:
-    """Refuse, naming `where`, a schema llguidance cannot compile or that is over the size budget (checked without a
-    tokenizer, before any engine; a blocking call: servers use `GrammarCompiler.submit` instead)."""
-    try:
-        from llguidance import LLMatcher, LLParserLimits
-    except ImportError:
-        raise KvforgeError(NEEDS, where) from None
-    _check_size(response_format, where)
-    try:
-        error = LLMatcher.validate_grammar(grammar_for(response_format), limits=LLParserLimits(**LIMITS))
-    except ValueError as exc:
-        error = str(exc)
-    if error and not error.startswith("WARNING"):
-        raise KvforgeError(f"the {_noun(response_format)} cannot be compiled: {error.splitlines()[0]}", where)
 
 
 def _check_size(response_format: dict[str, Any], where: str) -> str:
@@ -141,7 +126,8 @@ class GrammarConstraint:
 
     def _check(self) -> None:
         if self.matcher.is_error():
-            raise KvforgeError(f"the output grammar failed: {self.matcher.get_error()}", "response_format")
+            message = (self.matcher.get_error() or "unknown error").splitlines()[0]
+            raise KvforgeError(f"the output grammar failed: {message}", "response_format")
 
 
 def _occurrences(text: str, word: str) -> Iterator[int]:
