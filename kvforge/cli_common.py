@@ -95,7 +95,11 @@ HELP_FLAG_WIDTH = 26
 
 def _option_flags(param: Any, ctx: Any) -> Text:
     """`--port <int>`, `--enableContextReuse / --disableContextReuse`: every spelling of an option, whole."""
-    flags = ", ".join(sorted(param.opts, key=lambda opt: not opt.startswith("--")))
+    if param.param_type_name == "argument":  # its metavar (A.json), as typer shows it
+        flags = getattr(param, "display_name_raw", None) or param.human_readable_name
+        flags += "..." if param.metavar is None and param.nargs != 1 else ""
+    else:
+        flags = ", ".join(sorted(param.opts, key=lambda opt: not opt.startswith("--")))
     text = Text("* " if param.required else "", style="red")
     text.append(flags, style="bold cyan")
     if param.secondary_opts:

@@ -80,6 +80,9 @@ def test_subcommand_help_at_80_columns(script: str) -> None:
         result = CliRunner().invoke(app, [*argv, "--help"], env={"COLUMNS": str(WIDTH), "TERMINAL_WIDTH": None})
         assert result.exit_code == 0, result.output
         _check(result.output, _flags(command), f"{script} {' '.join(argv)}")
+        for param in command.params:  # an argument by the name its help gives it (A.json), not its variable's
+            if param.param_type_name == "argument" and param.metavar:
+                assert param.metavar in result.output, f"{script} {' '.join(argv)}: {param.metavar} not shown"
 
 
 def test_engine_flags_are_grouped() -> None:
