@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 from kvforge.builder.build import STEPS, BuildOptions, build_engine
-from kvforge.cli_common import BUILD_FLAGS, console, progress_bar, run_app, run_guarded
+from kvforge.cli_common import BUILD_FLAGS, console, progress_bar, run_app, run_guarded, set_help_panels
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.window_pool import checkpoint_pages
 
@@ -231,6 +231,18 @@ def build(
             console.print(f"op profile written to {profile_ops_file}")
 
     run_guarded(body, debug, flags=BUILD_FLAGS)
+
+
+# Where --help lists this command's own flags (kvforge.cli_common.set_help_panels; engine options carry theirs).
+HELP_PANELS = {
+    "Sizes": ("--maxInputLen", "--maxKVCacheCapacity", "--maxKVPoolPages", "--maxBatchSize", "--tokensPerPage",
+              "--maxLoraRank", "--reuseRecords"),
+    "CPU kernels": ("--backend", "--cpuAttention", "--cpuMatmul", "--cpuPrefillMatmul"),
+    "Profiling": ("--profileOps", "--profilePromptTokens", "--profileDecodeTokens", "--numThreads"),
+    "Speculative decoding": ("--specBase", "--specDraft", "--maxVerifyTreeSize", "--maxDraftTreeSize"),
+    "Sliding window": ("--slidingWindowPool", "--slidingWindowRecords"),
+}
+set_help_panels(app, HELP_PANELS)
 
 
 def main() -> None:

@@ -9,7 +9,15 @@ from pathlib import Path
 
 import typer
 
-from kvforge.cli_common import ENGINE_FLAGS, check_reuse_flags, console, run_app, run_guarded, with_engine_options
+from kvforge.cli_common import (
+    ENGINE_FLAGS,
+    check_reuse_flags,
+    console,
+    run_app,
+    run_guarded,
+    set_help_panels,
+    with_engine_options,
+)
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.files import check_distinct, check_output_file
 from kvforge.runtime.engine.config import EngineConfig
@@ -132,6 +140,14 @@ def _show_info_logs(name: str) -> None:
         handler.setFormatter(logging.Formatter("[%(levelname)s] %(message)s"))
         logger.addHandler(handler)
     logger.setLevel(logging.INFO)
+
+
+# Where --help lists this command's own flags (kvforge.cli_common.set_help_panels; engine options carry theirs).
+HELP_PANELS = {
+    "Input and output": ("--inputFile", "--outputFile", "--profileOutputFile", "--dumpProfile", "--dumpOutput",
+                         "--maxInputFileBytes", "--parseSpecialTokens"),
+}
+set_help_panels(app, HELP_PANELS)
 
 
 def main() -> None:

@@ -138,6 +138,10 @@ def _add_routes(app: FastAPI, state: ServerState, limits: BodyLimits, body_cap: 
     async def chat_page() -> FileResponse:
         return FileResponse(STATIC_DIR / "index.html")
 
+    @app.get("/favicon.ico", include_in_schema=False)
+    async def favicon() -> FileResponse:  # browsers ask for it on every page; a 404 is noise in their console
+        return FileResponse(STATIC_DIR / "favicon.ico", media_type="image/x-icon")
+
     @app.get("/health")
     async def health() -> JSONResponse:
         ok = state.engine_loop.alive and not state.shutting_down
@@ -214,7 +218,9 @@ def _checked(fn: Callable[[], T]) -> T:
 def _model_card(state: ServerState, name: str) -> dict[str, Any]:
     base = next(iter(state.models))
     return {"id": name, "object": "model", "created": 0, "owned_by": "kvforge", "max_model_len": state.max_model_len,
-            "parent": base if state.models[name] else None}
+            "parent": base if state.models[name] else None,
+            # what requests may hold: the chat page shows Attach only when there is more than text
+            "input_modalities": ["text", *sorted(state.tokenizer.media_markers)]}
 
 
 async def _complete(state: ServerState, request: Request, limits: BodyLimits, cap: int, chat: bool) -> Response:

@@ -12,7 +12,15 @@ from typing import TYPE_CHECKING, Any
 try:  # a second or more of imports before run_guarded catches Ctrl-C: the same one line and 130 here
     import typer
 
-    from kvforge.cli_common import ENGINE_FLAGS, check_reuse_flags, console, run_app, run_guarded, with_engine_options
+    from kvforge.cli_common import (
+        ENGINE_FLAGS,
+        check_reuse_flags,
+        console,
+        run_app,
+        run_guarded,
+        set_help_panels,
+        with_engine_options,
+    )
     from kvforge.contract.errors import KvforgeError
     from kvforge.runtime.engine.config import EngineConfig
 except KeyboardInterrupt:
@@ -267,6 +275,16 @@ def _check_serve_extra() -> None:
     except ImportError as exc:
         raise KvforgeError(f"llm_serve needs the serve extra ({exc.name} is missing): "
                            "pip install 'kvforge[serve]'") from None
+
+
+# Where --help lists this command's own flags (kvforge.cli_common.set_help_panels; engine options carry theirs).
+HELP_PANELS = {
+    "Tenants and access": ("--apiKeys", "--saltSecret", "--allowedHosts", "--allowedOrigins", "--allowedMediaDir"),
+    "Limits": ("--maxQueuedRequests", "--maxBodyBytes", "--maxBodyBytesInFlight", "--bodyTimeout", "--maxConnections",
+               "--maxBodyBytesPerTenant", "--maxRequestsPerTenant", "--maxConnectionsPerTenant", "--shutdownTimeout"),
+    "Context reuse": ("--disableContextReuse",),
+}
+set_help_panels(app, HELP_PANELS)
 
 
 def main() -> None:

@@ -224,6 +224,27 @@ def engine_flags() -> dict[str, str]:
     return {name: option.flag for name, (_, option) in engine_options().items() if option.flag}
 
 
+# The --help panel (typer's rich_help_panel) each CLI flag of EngineConfig is listed under; fields not named here
+# (the engine basics: threads, chunking, encoders) stay in the command's own "Options" panel.
+ENGINE_OPTION_PANELS: dict[str, tuple[str, ...]] = {
+    "Context reuse": ("enable_context_reuse", "context_cache_max_records",
+                      "context_cache_partial_kv_snapshot_pool_bytes", "context_cache_recurrent_snapshot_pool_bytes",
+                      "snapshot_message_boundaries", "snapshot_interval_tokens"),
+    "Shared KV tier": ("shared_cache", "shared_cache_timeout_ms", "shared_cache_secret", "shared_cache_encrypt"),
+    "Documents and adapter corrections": ("document_reuse", "document_repair", "lora_corrections",
+                                          "lora_correction_pages"),
+    "Speculative decoding": ("spec_decode", "dflash_block_size", "dspark_scheduler", "dspark_confidence_threshold",
+                             "dspark_min_proposal_len", "dspark_max_proposal_len", "spec_draft_engine_dir",
+                             "spec_draft_step", "spec_draft_top_k", "spec_verify_size", "spec_prompt_lookup_min",
+                             "spec_prompt_lookup_max"),
+}
+
+
+def engine_option_panel(name: str) -> str | None:
+    """The --help panel EngineConfig field `name`'s flag is listed under (None: the command's "Options")."""
+    return next((panel for panel, names in ENGINE_OPTION_PANELS.items() if name in names), None)
+
+
 def make_engine_config(options: Mapping[str, Any]) -> EngineConfig:
     """An EngineConfig from front-end values keyed by field name (a path option may be a Path); a name that is no
     field is a TypeError, as for any keyword argument."""
