@@ -260,7 +260,12 @@ LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F1
 	-DGGML_AVX512_VNNI=$(call cpu_has,avx512_vnni) -DGGML_AVX512_BF16=$(call cpu_has,avx512_bf16) \
 	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF
 
+# torch for the transformers peer from PyTorch's CPU index (PyPI's Linux wheel is the CUDA build, 5.6 GB more), then
+# accelerate (it requires torch, which is then satisfied), then the [bench] extra (nothing in it depends on torch).
+BENCH_TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 bench-peers-install: install
+	$(BIN)/pip install -q torch --index-url $(BENCH_TORCH_INDEX)
+	$(BIN)/pip install -q 'accelerate>=1.0'
 	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(BIN)/pip install -q -e '.[bench]'
 
 $(OUT)/ortgenai/smollm2-int4/genai_config.json: $(VENV)/.installed
