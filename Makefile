@@ -71,10 +71,12 @@ $(OUT)/onnx/smollm2/manifest.json: | $(VENV)/.demo-installed
 $(OUT)/onnx/smollm2-base/manifest.json: $(VENV)/.installed
 	$(BIN)/llm_export smollm2-135m-instruct --outputDir $(OUT)/onnx/smollm2-base --hiddenStateLayers 1,14,26
 
-# Built for serving: llm_serve runs up to 4 requests at once on it (the docs' examples run on this engine).
+# Built for serving: llm_serve runs up to 4 requests at once on it (the docs' examples run on this engine). Pages of
+# 16 tokens: prompts that share a prefix reuse it in 16-token blocks, as vLLM's (128-token pages reused nothing of a
+# short shared system prompt); decode measured within the noise of 128-token pages (docs/benchmarks.md "Page size").
 $(OUT)/engines/smollm2/manifest.json: $(OUT)/onnx/smollm2/manifest.json
 	$(BIN)/llm_build --onnxDir $(OUT)/onnx/smollm2 --engineDir $(OUT)/engines/smollm2 \
-		--maxInputLen 1024 --maxKVCacheCapacity 2048 --maxBatchSize 4
+		--maxInputLen 1024 --maxKVCacheCapacity 2048 --maxBatchSize 4 --tokensPerPage 16
 
 demo: $(OUT)/engines/smollm2/manifest.json
 	$(BIN)/llm_inference --engineDir $(OUT)/engines/smollm2 --inputFile test_cases/llm_basic.json \
