@@ -76,7 +76,7 @@ EXPORT_FLAGS = {
 
 def version_line(name: str) -> str:
     """`NAME kvforge X.Y.Z`: what every console script's `--version` prints."""
-    from kvforge import __version__
+    from kvforge.contract.version import __version__
 
     return f"{name} kvforge {__version__}"
 

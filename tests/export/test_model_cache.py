@@ -55,7 +55,7 @@ def test_llm_inference_takes_a_gguf_file_exports_and_builds_it_once(tmp_path: Pa
 @pytest.mark.parametrize("args, says", [
     (["--inputFile", "hi.json", "--outputFile", "out.json"], "missing: a GGUF file"),
     (["x.gguf", "--engineDir", "e", "--inputFile", "hi.json", "--outputFile", "out.json"], "not both"),
-    (["no/such.gguf", "--inputFile", "hi.json", "--outputFile", "out.json"], "is neither a file, a directory"),
+    (["no/such.gguf", "--inputFile", "hi.json", "--outputFile", "out.json"], "is neither a GGUF file, an HF"),
 ])
 def test_a_bad_model_argument_is_one_line_exit_2(tmp_path: Path, args: list[str], says: str) -> None:
     (tmp_path / "hi.json").write_text(json.dumps(HI))
@@ -105,3 +105,21 @@ def test_llm_serve_takes_a_model_and_names_it_after_the_file(tiny_onnx_dir: Path
             process.kill()
             process.wait()
     assert process.returncode == 0, "".join(lines)[-1500:]
+
+
+def test_kvforge_llm_takes_a_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kvforge.LLM(MODEL) as llm_serve MODEL: exported and built into the same cache; an engine dir, or a path that
+    is no model (the runtime's own error then), is left as it is."""
+    from kvforge import LLM, SamplingParams
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "c"))
+    gguf = tmp_path / "tiny.gguf"
+    write_tiny_gguf(gguf, _tiny_hf_weights(tied=True))
+    llm = LLM(gguf, num_threads=1)
+    [out] = llm.generate("hello", SamplingParams(temperature=0, max_generate_length=2))
+    assert len(out.token_ids) == 2
+    built = list((tmp_path / "c" / "kvforge" / "models" / "engines").iterdir())
+    assert len(built) == 1 and models.model_engine(built[0]) == built[0]
+    assert models.model_engine(tmp_path / "nothing") == tmp_path / "nothing"
+    with pytest.raises(KvforgeError, match="is neither a GGUF file"):
+        models.model_engine(tmp_path / "nothing", strict=True)

@@ -15,13 +15,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from kvforge import __version__
 from kvforge.builder.build import BuildOptions
 from kvforge.cli_common import console, progress_bar
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.formats import MANIFEST_FILE
 from kvforge.contract.geometry import kv_bytes_per_page
 from kvforge.contract.model_config import ModelConfig
+from kvforge.contract.version import __version__
 from kvforge.tools.testcases.engines import cached_engine, default_cache_dir
 
 FIELD = "MODEL"
@@ -158,15 +158,30 @@ def choose_limits(config: ModelConfig, memory: int | None = None) -> tuple[Build
     return options, why
 
 
-def model_engine(model: str | Path, cache_dir: Path | None = None) -> Path:
+def is_model_source(model: str) -> bool:
+    """A GGUF file, an HF checkpoint dir (config.json and safetensors) or the bundled name: something to export."""
+    from kvforge.tools.export.cli import SMOLLM2_NAME
+
+    path = Path(model)
+    return model == SMOLLM2_NAME or path.is_file() or (
+        (path / "config.json").is_file() and any(path.glob("*.safetensors")))
+
+
+def model_engine(model: str | Path, cache_dir: Path | None = None, strict: bool = False) -> Path:
     """The engine dir to run for MODEL: an engine dir as it is; an ONNX dir built; a GGUF file, HF dir or bundled
-    name exported, then built, each cached and found again on the next run. Prints what it did."""
+    name exported, then built, each cached and found again on the next run. Prints what it did. Anything else is
+    returned as it is for the runtime's engine-dir checks to name, or with `strict` (a CLI's MODEL) refused here."""
     from kvforge.builder.build import read_onnx_dir
 
     cache_dir = cache_dir or model_cache_dir()
     text = str(model)
     kind = engine_kind(Path(text))
     if kind == "engine":
+        return Path(text)
+    if kind is None and not is_model_source(text):
+        if strict:
+            raise KvforgeError(f"{text} is neither a GGUF file, an HF checkpoint dir (config.json and safetensors), "
+                               "smollm2-135m-instruct, an ONNX dir nor an engine dir", FIELD)
         return Path(text)
     if kind == "onnx":
         onnx_dir, made = Path(text), False
@@ -188,4 +203,4 @@ def engine_dir_of(model: str | None, engine_dir: Path | None) -> Path:
     if model is None and engine_dir is None:
         raise KvforgeError("missing: a GGUF file, an HF checkpoint dir, smollm2-135m-instruct, an ONNX dir or an "
                            "engine dir (or --engineDir)", FIELD)
-    return engine_dir if engine_dir is not None else model_engine(str(model))
+    return engine_dir if engine_dir is not None else model_engine(str(model), strict=True)
