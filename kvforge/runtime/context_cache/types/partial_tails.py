@@ -117,10 +117,16 @@ class PartialTails(SnapshotRestore):
         start = base * T
         parent = lookup.keys[base - 1] if base else None
         best: tuple[int, Record] | None = None
+        # A restored page is copied over whole, after any document's pages, so a document starting in it would be
+        # computed: a few shared tail tokens are not worth a document's pages (the whole-tail extension of a record,
+        # as a chat's next turn, is kept as before).
+        document_in_page = any(start <= begin < start + T for begin, _ in lookup.documents)
         for record in self._after.get(parent, {}).values():
             stored = record.token_ids[start:]
             tail = _shared_prefix(stored, tokens[start:len(tokens) - 1])  # one input token is left to compute
             if tail < 1 or (best is not None and tail <= best[0]) or record.page_ids != agreed.hit_pages:
+                continue
+            if tail < len(stored) and document_in_page:
                 continue
             if tail_key(lookup.keys, record.token_ids, len(record.token_ids), T, lookup.extras,
                         self.chain_root) == record.tail_key:
