@@ -176,8 +176,9 @@ class LLM:
 
 def with_build_budgets(config: EngineConfig, engine_dir: str | Path, given: set[str] | None = None) -> EngineConfig:
     """With reuse on, each snapshot pool left at 0 and not in `given` gets the budget llm_build printed for the engine
-    (64 retained contexts): partial-KV snapshots make reuse token-exact (a short chat's earlier turns are reused
-    although they end inside a page), and recurrent and hybrid engines need theirs to reuse at all."""
+    (64 retained contexts): partial-KV snapshots reuse a cached prompt's last page to the token (a short chat's
+    earlier turns are reused although they end inside a page), and recurrent and hybrid engines need theirs to reuse
+    at all."""
     names = [name for name in ("context_cache_partial_kv_snapshot_pool_bytes",
                                "context_cache_recurrent_snapshot_pool_bytes")
              if not getattr(config, name) and name not in (given or set())]

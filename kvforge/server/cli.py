@@ -252,7 +252,8 @@ def _reuse_words(engine: Any) -> str:
     if not info.reuse_enabled:
         return "off"
     slots = info.partial_kv_snapshot_slots
-    return f"on, token-exact ({slots} partial-KV snapshot slots)" if slots else "on, by whole pages"
+    # Not "token-exact": to the token only inside a cached prompt's last page, by whole pages elsewhere.
+    return f"on, to the token in cached tails ({slots} partial-KV snapshot slots)" if slots else "on, by whole pages"
 
 
 def _announce(sock: socket.socket, model: str, reuse: str, keys: bool, host_given: bool) -> None:
