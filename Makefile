@@ -71,10 +71,12 @@ $(OUT)/onnx/smollm2/manifest.json: | $(VENV)/.demo-installed
 $(OUT)/onnx/smollm2-base/manifest.json: $(VENV)/.installed
 	$(BIN)/llm_export smollm2-135m-instruct --outputDir $(OUT)/onnx/smollm2-base --hiddenStateLayers 1,14,26
 
-# Built for serving: llm_serve runs up to 4 requests at once on it (the docs' examples run on this engine).
+# Built for serving: llm_serve runs up to 4 requests at once on it (the docs' examples run on this engine). Pages of
+# 16 tokens: prompts that share a prefix reuse it in 16-token blocks, as vLLM's (128-token pages reused nothing of a
+# short shared system prompt); decode measured within the noise of 128-token pages (docs/benchmarks.md "Page size").
 $(OUT)/engines/smollm2/manifest.json: $(OUT)/onnx/smollm2/manifest.json
 	$(BIN)/llm_build --onnxDir $(OUT)/onnx/smollm2 --engineDir $(OUT)/engines/smollm2 \
-		--maxInputLen 1024 --maxKVCacheCapacity 2048 --maxBatchSize 4
+		--maxInputLen 1024 --maxKVCacheCapacity 2048 --maxBatchSize 4 --tokensPerPage 16
 
 demo: $(OUT)/engines/smollm2/manifest.json
 	$(BIN)/llm_inference --engineDir $(OUT)/engines/smollm2 --inputFile test_cases/llm_basic.json \
@@ -260,7 +262,12 @@ LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F1
 	-DGGML_AVX512_VNNI=$(call cpu_has,avx512_vnni) -DGGML_AVX512_BF16=$(call cpu_has,avx512_bf16) \
 	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF
 
+# torch for the transformers peer from PyTorch's CPU index (PyPI's Linux wheel is the CUDA build, 5.6 GB more), then
+# accelerate (it requires torch, which is then satisfied), then the [bench] extra (nothing in it depends on torch).
+BENCH_TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 bench-peers-install: install
+	$(BIN)/pip install -q torch --index-url $(BENCH_TORCH_INDEX)
+	$(BIN)/pip install -q 'accelerate>=1.0'
 	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(BIN)/pip install -q -e '.[bench]'
 
 $(OUT)/ortgenai/smollm2-int4/genai_config.json: $(VENV)/.installed

@@ -168,7 +168,7 @@ def set_help_panels(app: typer.Typer, panels: Mapping[str, tuple[str, ...]]) -> 
 
 def version_line(name: str) -> str:
     """`NAME kvforge X.Y.Z`: what every console script's `--version` prints."""
-    from kvforge import __version__
+    from kvforge.contract.version import __version__
 
     return f"{name} kvforge {__version__}"
 

@@ -19,7 +19,7 @@ from kvforge.tools.export.writer import write_onnx_dir
 # The geometry of `tiny_engine_dir`; tests that probe its limits read these instead of repeating numbers.
 TINY_BUILD = BuildOptions(max_input_len=64, max_kv_cache_capacity=256, max_batch_size=4, tokens_per_page=16)
 # What `make demo` builds (the Makefile's llm_build flags for out/engines/smollm2; tests/docs checks they agree).
-DEMO_BUILD = BuildOptions(max_input_len=1024, max_kv_cache_capacity=2048, max_batch_size=4)
+DEMO_BUILD = BuildOptions(max_input_len=1024, max_kv_cache_capacity=2048, max_batch_size=4, tokens_per_page=16)
 CLI_TIMEOUT_S = 120
 BIN_DIR = Path(sys.executable).parent  # the console scripts sit next to the venv's python
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")

@@ -34,6 +34,7 @@ Run the requests of a JSON file on an engine built by llm_build.
 [bold]Examples[/]
 
   llm_inference --engineDir engines/smollm2 --inputFile test_cases/llm_basic.json --outputFile out.json
+  llm_inference model.Q4_1.gguf --inputFile in.json --outputFile out.json   # exported and built once
   llm_inference --engineDir engines/smollm2 --inputFile in.json --outputFile out.json \\
       --profileOutputFile profile.json --dumpProfile --warmup 1
   llm_inference --engineDir engines/smollm2 --inputFile in.json --outputFile out.json \\
@@ -45,7 +46,10 @@ app = typer.Typer(add_completion=False, rich_markup_mode="rich")
 @app.command(help=HELP)
 @with_engine_options
 def inference(
-    engine_dir: Path = typer.Option(..., "--engineDir", help="Engine dir written by llm_build."),
+    model: str = typer.Argument(None, metavar="[MODEL]", help="A GGUF file, HF checkpoint dir, "
+                                "smollm2-135m-instruct, ONNX dir or engine dir: exported and built once into "
+                                "~/.cache/kvforge/models, as llm_serve MODEL does. Or --engineDir."),
+    engine_dir: Path = typer.Option(None, "--engineDir", help="Engine dir written by llm_build (or give MODEL)."),
     input_file: Path = typer.Option(..., "--inputFile", help="Request JSON (requests[].messages, sampling, ...)."),
     output_file: Path = typer.Option(..., "--outputFile", help="Where to write the responses JSON."),
     profile_output_file: Path = typer.Option(None, "--profileOutputFile",
@@ -94,7 +98,11 @@ def inference(
         for flag, path in outputs.items():
             if path is not None:
                 check_output_file(path, flag)
-        inputs = {"--inputFile": input_file, "--engineDir": engine_dir}
+        if (model is None) == (engine_dir is None):
+            from kvforge.tools.testcases.models import engine_dir_of
+
+            engine_dir_of(model, engine_dir)  # the one-line error: both or neither
+        inputs = {"--inputFile": input_file, "--engineDir": engine_dir or Path(model or ".")}
         check_distinct(outputs, inputs)
         requests = load_request_file(input_file, max_input_file_bytes)
         requests.apply_overrides(batch_size, max_generate_length, num_logprobs)
@@ -105,7 +113,9 @@ def inference(
         check_distinct(outputs, {f"available_lora_weights[{json.dumps(name)}]":
                                  resolve_adapter_path(path, base_dir, f"available_lora_weights[{json.dumps(name)}]")
                                  for name, path in requests.available_lora_weights.items()})
-        engine = Engine(engine_dir, engine_config)
+        from kvforge.tools.testcases.models import engine_dir_of
+
+        engine = Engine(engine_dir_of(model, engine_dir), engine_config)
         prepared = prepare_requests(engine, requests, base_dir)
         warm_up(engine, prepared[0], warmup)
 

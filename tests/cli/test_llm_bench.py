@@ -116,6 +116,24 @@ def test_an_engine_that_fails_is_listed_with_its_last_line_and_the_others_run(be
     assert [e["status"] for e in figures["engines"]] == ["ok", "ok", "skipped", "failed"]
 
 
+def test_no_engine_ran_exits_1_and_writes_no_plot(tiny_onnx_dir: Path, tmp_path: Path) -> None:
+    """Every engine failed (as every one did in a checkout's root before the sources moved under kvforge/): exit 1
+    and no chart, not exit 0 and a blank PNG; the JSON still says why each engine did not run."""
+    broken = tmp_path / "broken"
+    build_engine(tiny_onnx_dir, broken, BuildOptions(max_input_len=256, max_kv_cache_capacity=512, max_batch_size=1,
+                                                     tokens_per_page=16))
+    (broken / "model.onnx.data").write_bytes(b"cut short")
+    from kvforge.contract.manifest import ENGINE_KIND, write_manifest
+    write_manifest(broken, ENGINE_KIND)
+    result = CliRunner().invoke(cli.app, ["--engine", f"broken={broken}", "--workload", "document", "--repeats", "1",
+                                          *SMALL, "--outputFile", str(tmp_path / "b.json"),
+                                          "--plot", str(tmp_path / "b.png")])
+    assert result.exit_code == cli.EXIT_NOTHING_RAN == 1, result.output
+    assert not (tmp_path / "b.png").exists()
+    assert "no engine ran" in strip_ansi(result.output) and "no plot written" in strip_ansi(result.output)
+    assert [e["status"] for e in json.loads((tmp_path / "b.json").read_text())["engines"]] == ["failed"]
+
+
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not installed")
 def test_plot_writes_a_chart(bench_run: tuple[str, dict], tmp_path: Path) -> None:
     from kvforge.tools.bench.report import plot
@@ -541,3 +559,27 @@ def test_llama_cpp_prompt_lookup_runs_on_the_smollm2_gguf(tiny_onnx_dir: Path, t
     assert sum(t["spec"]["draft_tokens"] for t in traces) > 0
     quote = lookup["spec_decode"]["spec_quote"]
     assert quote["plain"] == "llama.cpp" and quote["vs_llama_cpp_plain"] is not None and "targets" not in quote
+
+
+def test_the_bench_extra_is_cpu_only_and_the_install_step_completes_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """[bench] names nothing that pulls PyPI's CUDA torch (torch itself, or accelerate, which requires it); make
+    bench-peers-install puts the CPU torch from PyTorch's index first, then accelerate, then the extra; and a
+    transformers peer without accelerate is skipped, naming that step (it used to fail as it loaded)."""
+    import tomllib
+
+    repo = Path(__file__).resolve().parents[2]
+    extra = tomllib.loads((repo / "pyproject.toml").read_text())["project"]["optional-dependencies"]["bench"]
+    names = {re.split(r"[<>=!~\[ ]", requirement)[0].lower() for requirement in extra}
+    assert names.isdisjoint({"torch", "accelerate"}) and {"transformers", "llama-cpp-python"} <= names, names
+    makefile = (repo / "Makefile").read_text()
+    recipe = re.search(r"^bench-peers-install:.*\n((?:\t.*\n)+)", makefile, re.MULTILINE)
+    assert recipe, "the Makefile has no bench-peers-install recipe"
+    steps = recipe.group(1).splitlines()
+    torch_step = next(i for i, s in enumerate(steps) if "pip install -q torch --index-url" in s)
+    assert re.search(r"^BENCH_TORCH_INDEX \?= https://download\.pytorch\.org/whl/cpu$", makefile, re.MULTILINE)
+    assert torch_step < next(i for i, s in enumerate(steps) if "accelerate" in s) \
+        < next(i for i, s in enumerate(steps) if ".[bench]" in s), steps
+    monkeypatch.setitem(engines.PEER_MODULES, TRANSFORMERS,
+                        (("json", "torch"), ("kvforge_no_such_module", "accelerate"), ("json", "transformers")))
+    reason = engines.missing_peer(TRANSFORMERS)
+    assert reason and reason.startswith("accelerate not installed") and "whl/cpu" in reason, reason

@@ -148,8 +148,18 @@ def test_partial_tails_extend_the_agreed_pages_by_the_longest_matching_tail() ->
     plan = tails.find_longest_hit(lookup(ids), agreed)
     assert (plan.reuse_tokens, plan.restore_slot, plan.restore_tokens, plan.hit_pages) == (7, 1, 3, (3,))
     assert tails.hit_slots(plan) == (1,) and tails.record_holding(1) is long
-    # One token must compute: an input that is exactly the long tail resumes from the short one.
-    assert tails.find_longest_hit(lookup(tokens(7)), plan_reuse(7, T, (3,))).reuse_tokens == 5
+    # One token must compute: an input that is exactly the long tail restores all of it but its last token.
+    exact = tails.find_longest_hit(lookup(tokens(7)), plan_reuse(7, T, (3,)))
+    assert (exact.reuse_tokens, exact.restore_slot, exact.restore_tokens) == (6, 1, 2)
+    # A snapshot serves the prefix of its tail an input shares (here 1 token of `other`'s and the long one's).
+    shared = tails.find_longest_hit(lookup(tokens(5) + [7, 7]), plan_reuse(7, T, (3,)))
+    assert (shared.reuse_tokens, shared.restore_tokens) == (5, 1)
+    # ... unless a document starts in that page (restored over whole, it would cost the document's pages): then
+    # only a whole tail the input extends serves, as before (here `short`'s 1 token instead of 2 of `long`'s).
+    ids = tokens(6) + [7]
+    assert tails.find_longest_hit(lookup(ids), plan_reuse(7, T, (3,))).restore_tokens == 2
+    with_document = dataclasses.replace(lookup(ids), documents=((6, 1),))
+    assert tails.find_longest_hit(with_document, plan_reuse(7, T, (3,))).restore_tokens == 1
     # A tail follows only the pages agreed on: none after a page the plan does not reuse.
     assert tails.find_longest_hit(lookup(ids), plan_reuse(len(ids), T, ())).restore_slot is None
     tails.on_evict(long)

