@@ -12,11 +12,21 @@
 // and V are decoded inside the FMA loops and one reduction tree per 16 tokens sums the dot products. Each item
 // keeps an online softmax (max, sum, acc) per row; when the cached range is split across threads (decode),
 // the last split of a group to finish merges the partials (flash decoding).
+//
+// Compiled per target (Highway's foreach_target; cpu_target.h says which runs): AVX-512 keeps its intrinsics (16-lane
+// tiles, a transposing decode of K, a shuffle tree per 16 tokens), every other target (AVX2, SSE4, NEON, SVE,
+// EMU128) runs one Highway source over N <= 16 lanes: fp16 and fp8 rows decoded a vector at a time (PromoteTo,
+// F16C on AVX2), Highway lane sums, vector_exp.h's Exp. Results are exact within a target, not across targets.
+
+#ifndef KVFORGE_ATTENTION_COMMON
+#define KVFORGE_ATTENTION_COMMON
+// gcc 12 reports its own _mm512_undefined_ps() (inside the shuffle intrinsics) as maybe-uninitialized.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
 #include <onnxruntime_c_api.h>
 
+#include "cpu_target.h"
 #include "ort_op.h"
-#include "vector_exp.h"
 
 #include <algorithm>
 #include <atomic>
@@ -28,15 +38,6 @@
 #include <memory>
 #include <string>
 #include <vector>
-
-#if defined(__AVX512F__) && defined(__F16C__)
-// gcc 12 reports its own _mm512_undefined_ps() (inside the shuffle intrinsics) as maybe-uninitialized.
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#define KVFORGE_AVX512 1
-#else
-#define KVFORGE_AVX512 0
-#endif
 
 namespace kvforge_matmul {
 OrtStatus* add_ops(OrtCustomOpDomain* domain, const OrtApi* api);  // matmul_blocks.cc
@@ -101,23 +102,180 @@ void ensure_fp8_table() {
   return out;
 }
 
+// ---- the call: validated geometry, the work plan, and the items ----
+
+struct Item {
+  int32_t b, h, q0, q1;  // row, kv head, queries [q0, q1)
+  int32_t c0, c1;        // cached positions [c0, c1)
+  bool with_new;         // this item also attends over the call's new rows
+  int32_t group;         // index into Call::groups
+  int32_t split;         // index of this split within its group
+};
+
+struct Group {
+  int32_t b, h, q0, q1;
+  int32_t splits;
+  int64_t partial;  // offset of the group's partials (splits x rows x (dim + 2))
+};
+
+struct Call {
+  int64_t batch, seq, q_heads, kv_heads, dim, page_tokens, width, num_pages, group_size;
+  int64_t window;  // sliding window: query at position p sees keys p - window + 1..p (0 = every position)
+  float scale;
+  const float* query;
+  const float* new_kv;
+  const void* pool;
+  PoolType pool_type;
+  const int32_t* page_table;
+  const int32_t* start;
+  const int32_t* length;
+  const bool* mask;
+  float* out;
+  std::vector<Item> items;
+  std::vector<Group> groups;
+  mutable std::vector<float> partials;  // written by the items of split groups
+  std::unique_ptr<std::atomic<int32_t>[]> pending;  // items of each group still running
+};
+
+
+size_t pool_offset(const Call& c, int64_t page, int kv, int64_t head, int64_t slot) {
+  return static_cast<size_t>((((page * 2 + kv) * c.kv_heads + head) * c.page_tokens + slot) * c.dim);
+}
+
+// Offset of (row b, token i, q head) in query and output [B, S, Hq * D].
+size_t head_offset(const Call& c, int64_t b, int64_t i, int64_t q_head) {
+  return static_cast<size_t>(((b * c.seq + i) * c.q_heads + q_head) * c.dim);
+}
+
+// Bits [0, m) of a tile: the keys below a sliding window's first visible one (m clamped to [0, 64]).
+uint64_t low_bits(int64_t m) {
+  if (m <= 0) return 0;
+  return m >= 64 ? ~uint64_t{0} : (uint64_t{1} << m) - 1;
+}
+
+// Bit t set iff a query sees new key j0 + t: from a row of the tree mask, or causally (t <= offset = i - j0).
+uint64_t mask_bits(const bool* row, int n) {
+  uint64_t bits = 0;
+  for (int t = 0; t < n; ++t) bits |= static_cast<uint64_t>(row[t]) << t;
+  return bits;
+}
+
+uint64_t causal_bits(int64_t offset, int n) {
+  const uint64_t tile = n == 64 ? ~uint64_t{0} : (uint64_t{1} << n) - 1;
+  if (offset < 0) return 0;
+  return offset >= 63 ? tile : ((uint64_t{1} << (offset + 1)) - 1) & tile;
+}
+
+void merge_group(const Call& c, const Group& grp) {
+  const int64_t g = c.group_size, dim = c.dim;
+  const int64_t rows = (grp.q1 - grp.q0) * g;
+  for (int64_t r = 0; r < rows; ++r) {
+    float peak = kNegInf;
+    for (int sp = 0; sp < grp.splits; ++sp)
+      peak = std::max(peak, c.partials[grp.partial + (sp * rows + r) * (dim + 2)]);
+    float* out = c.out + head_offset(c, grp.b, grp.q0 + r / g, grp.h * g + r % g);
+    std::fill(out, out + dim, 0.0f);
+    if (peak == kNegInf) continue;  // this query sees nothing
+    float total = 0.0f;
+    for (int sp = 0; sp < grp.splits; ++sp) {
+      const float* slot = c.partials.data() + grp.partial + (sp * rows + r) * (dim + 2);
+      if (slot[0] == kNegInf) continue;
+      const float w = std::exp(slot[0] - peak);
+      total += slot[1] * w;
+      for (int64_t d = 0; d < dim; ++d) out[d] += slot[2 + d] * w;
+    }
+    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+    for (int64_t d = 0; d < dim; ++d) out[d] *= inv;
+  }
+}
+
+void plan(Call& c) {
+  const int64_t g = c.group_size;
+  const int64_t block = std::max<int64_t>(1, kMaxRows / g);
+  int64_t groups = 0;
+  for (int64_t b = 0; b < c.batch; ++b) groups += c.kv_heads * ((c.length[b] + block - 1) / block);
+  int64_t partial = 0;
+  for (int64_t b = 0; b < c.batch; ++b) {
+    const int64_t len = c.length[b];
+    const int64_t cached = std::min<int64_t>(c.start[b], c.width * c.page_tokens);  // past W nothing is visible
+    // Splits cover whole tiles (kSplitTokens or more, a multiple of kTile), so only the last one is ragged.
+    int64_t splits = 1, chunk = std::max<int64_t>(cached, 1);
+    if (groups < kEnoughGroups && cached > kSplitTokens) {
+      chunk = std::max<int64_t>(kSplitTokens, (cached + kMaxSplits - 1) / kMaxSplits);
+      chunk = (chunk + kTile - 1) / kTile * kTile;
+      splits = (cached + chunk - 1) / chunk;
+    }
+    for (int64_t h = 0; h < c.kv_heads; ++h) {
+      for (int64_t q0 = 0; q0 < len; q0 += block) {
+        const int64_t q1 = std::min(len, q0 + block);
+        Group grp{static_cast<int32_t>(b), static_cast<int32_t>(h), static_cast<int32_t>(q0),
+                  static_cast<int32_t>(q1), static_cast<int32_t>(splits), partial};
+        if (splits > 1) partial += splits * (q1 - q0) * g * (c.dim + 2);
+        for (int64_t sp = 0; sp < splits; ++sp) {
+          c.items.push_back(Item{grp.b, grp.h, grp.q0, grp.q1, static_cast<int32_t>(std::min(cached, sp * chunk)),
+                                 static_cast<int32_t>(std::min(cached, (sp + 1) * chunk)), sp == splits - 1,
+                                 static_cast<int32_t>(c.groups.size()), static_cast<int32_t>(sp)});
+        }
+        c.groups.push_back(grp);
+      }
+    }
+  }
+  // Threads take items in order, so the longest go first (a long decode row next to a prefill chunk is not
+  // left to the end, alone on one thread).
+  const auto cost = [&c](const Item& it) {
+    const int64_t keys = (it.c1 - it.c0) + (it.with_new ? (c.mask ? c.length[it.b] : it.q1) : 0);
+    return keys * (it.q1 - it.q0);
+  };
+  std::stable_sort(c.items.begin(), c.items.end(), [&cost](const Item& a, const Item& b) { return cost(a) > cost(b); });
+  c.partials.assign(static_cast<size_t>(partial), 0.0f);
+  c.pending.reset(new std::atomic<int32_t>[c.groups.size()]);
+  for (size_t i = 0; i < c.groups.size(); ++i) c.pending[i].store(c.groups[i].splits, std::memory_order_relaxed);
+}
+
+}  // namespace
+#endif  // KVFORGE_ATTENTION_COMMON
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "paged_attention.cc"
+#include <hwy/foreach_target.h>  // re-includes this file once per target
+#include <hwy/highway.h>
+
+#include "vector_exp.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace kvforge_attention {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+#undef KVF_AVX512
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+#define KVF_AVX512 1  // Highway has included <immintrin.h>
+#else
+#define KVF_AVX512 0
+#endif
+
 // ---- decoding one stored row of head_dim elements into float32 ----
+
+#if !KVF_AVX512
+template <typename E>
+void decode_row_any(const E* src, float* dst, int dim);
+#endif
 
 void decode_row(const float* src, float* dst, int dim) { std::memcpy(dst, src, sizeof(float) * dim); }
 
 void decode_row(const uint16_t* src, float* dst, int dim) {
-#if KVFORGE_AVX512
+#if KVF_AVX512
   for (int d = 0; d < dim; d += 16) {
     const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d));
     _mm512_storeu_ps(dst + d, _mm512_cvtph_ps(half));
   }
 #else
-  for (int d = 0; d < dim; ++d) dst[d] = half_to_float(src[d]);
+  decode_row_any(src, dst, dim);
 #endif
 }
 
 
-#if KVFORGE_AVX512
+#if KVF_AVX512
 // 16 consecutive elements of a stored row as float32 lanes.
 inline __m512 decode16(const float* src) { return _mm512_loadu_ps(src); }
 inline __m512 decode16(const uint16_t* src) {
@@ -140,11 +298,57 @@ inline __m512 decode16(const uint8_t* src) {
 }
 #endif
 
+
+#if !KVF_AVX512
+// Every other target: N = 4, 8 or 16 float lanes (head widths are multiples of 16), one Highway source.
+using DF = hn::CappedTag<float, 16>;
+using VF = hn::Vec<DF>;
+HWY_INLINE VF load_f(DF d, const float* src) { return hn::LoadU(d, src); }
+// fp16 by Highway's PromoteTo (F16C's vcvtph2ps on AVX2), never a scalar conversion per element.
+HWY_INLINE VF load_f(DF d, const uint16_t* src) {
+  const hn::Rebind<hwy::float16_t, DF> dh;
+  return hn::PromoteTo(d, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(src)));
+}
+// E4M3 by the AVX-512 path's bit arithmetic (see decode16 above).
+HWY_INLINE VF load_f(DF d, const uint8_t* src) {
+  const hn::RebindToSigned<DF> di;
+  const hn::Rebind<uint8_t, DF> d8;
+  const auto bytes = hn::PromoteTo(di, hn::LoadU(d8, src));
+  const auto magnitude = hn::And(bytes, hn::Set(di, 0x7F));
+  const auto normal = hn::BitCast(d, hn::Add(hn::ShiftLeft<20>(magnitude), hn::Set(di, 120 << 23)));
+  const auto subnormal = hn::Mul(hn::ConvertTo(d, magnitude), hn::Set(d, 1.0f / 512.0f));
+  const auto is_subnormal = hn::RebindMask(d, hn::Lt(magnitude, hn::Set(di, 8)));
+  const auto is_nan = hn::RebindMask(d, hn::Eq(magnitude, hn::Set(di, 0x7F)));
+  const auto value = hn::IfThenZeroElse(is_nan, hn::IfThenElse(is_subnormal, subnormal, normal));
+  const auto sign = hn::ShiftLeft<24>(hn::And(bytes, hn::Set(di, 0x80)));
+  return hn::BitCast(d, hn::Or(hn::BitCast(di, value), sign));
+}
+
+template <typename E>
+void decode_row_any(const E* src, float* dst, int dim) {
+  const DF d;
+  const int N = static_cast<int>(hn::Lanes(d));
+  for (int x = 0; x < dim; x += N) hn::StoreU(load_f(d, src + x), d, dst + x);
+}
+
+// The mask of lanes j*N..j*N+N-1 of a tile's visibility bits.
+HWY_INLINE hn::Mask<DF> lanes_seen(DF d, uint64_t seen, int j) {
+  const hn::RebindToUnsigned<DF> du;
+  alignas(64) static constexpr uint32_t kBit[16] = {1u << 0, 1u << 1, 1u << 2, 1u << 3, 1u << 4, 1u << 5,
+                                                     1u << 6, 1u << 7, 1u << 8, 1u << 9, 1u << 10, 1u << 11,
+                                                     1u << 12, 1u << 13, 1u << 14, 1u << 15};
+  const int N = static_cast<int>(hn::Lanes(d));
+  const uint32_t chunk = static_cast<uint32_t>((seen >> (N * j)) & ((uint64_t{1} << N) - 1));
+  const auto bits = hn::And(hn::Set(du, chunk), hn::LoadU(du, kBit));
+  return hn::RebindMask(d, hn::Ne(bits, hn::Zero(du)));
+}
+#endif
+
 void decode_row(const uint8_t* src, float* dst, int dim) {
-#if KVFORGE_AVX512
+#if KVF_AVX512
   for (int d = 0; d < dim; d += 16) _mm512_storeu_ps(dst + d, decode16(src + d));
 #else
-  for (int d = 0; d < dim; ++d) dst[d] = g_fp8_table[src[d]];
+  decode_row_any(src, dst, dim);
 #endif
 }
 
@@ -176,7 +380,7 @@ struct Scratch {
 template <typename E>
 void load_keys_transposed(const E* const* keys, int n, int dim, float* kt) {
   const int blocks = (n + 15) / 16;
-#if KVFORGE_AVX512
+#if KVF_AVX512
   for (int tb = 0; tb < blocks; ++tb) {
     for (int d0 = 0; d0 < dim; d0 += 16) {
       __m512 r[16];
@@ -224,8 +428,8 @@ void load_keys_transposed(const E* const* keys, int n, int dim, float* kt) {
 #endif
 }
 
-#if KVFORGE_AVX512
-using kvforge_simd::exp512;
+#if KVF_AVX512
+using kvforge_simd::HWY_NAMESPACE::exp512;
 
 // RB rows (<= kRowBlock) against NB 16-token blocks: RB x NB accumulators stay in registers over the dims.
 template <int RB, int NB>
@@ -334,12 +538,79 @@ void scores_few_rows(const Scratch& s, int rows, const E* const* keys, int n, in
     default: scores_direct<E, kRowBlock>(s.q.data(), dim, keys, n, scores); break;
   }
 }
+#else
+// Scores of a few rows (decode) straight from the stored keys: each key row decoded once (N lanes at a time) and
+// dotted with every row, one Highway lane sum per row and token.
+template <typename E, int RB>
+void scores_direct(const float* q, int dim, const E* const* keys, int n, float* scores) {
+  const DF d;
+  const int N = static_cast<int>(hn::Lanes(d));
+  const int padded = (n + 15) / 16 * 16;
+  for (int t = 0; t < padded; ++t) {
+    if (t >= n) {
+      for (int i = 0; i < RB; ++i) scores[i * kTile + t] = 0.0f;
+      continue;
+    }
+    VF acc[RB];
+    for (int i = 0; i < RB; ++i) acc[i] = hn::Zero(d);
+    const E* key = keys[t];
+    for (int x = 0; x < dim; x += N) {
+      const VF k = load_f(d, key + x);
+      for (int i = 0; i < RB; ++i) acc[i] = hn::MulAdd(hn::LoadU(d, q + static_cast<size_t>(i) * dim + x), k, acc[i]);
+    }
+    for (int i = 0; i < RB; ++i) scores[i * kTile + t] = hn::GetLane(hn::SumOfLanes(d, acc[i]));
+  }
+}
+
+template <typename E>
+void scores_few_rows(const Scratch& s, int rows, const E* const* keys, int n, int dim, float* scores) {
+  switch (rows) {
+    case 1: scores_direct<E, 1>(s.q.data(), dim, keys, n, scores); break;
+    case 2: scores_direct<E, 2>(s.q.data(), dim, keys, n, scores); break;
+    case 3: scores_direct<E, 3>(s.q.data(), dim, keys, n, scores); break;
+    default: scores_direct<E, kRowBlock>(s.q.data(), dim, keys, n, scores); break;
+  }
+}
+
+// RB rows x NV vectors of the accumulators in registers over the tile's tokens (V read from the pool or staged).
+template <typename V, int RB, int NV>
+void pv_block(const float* probs, const float* alpha, const V* const* vrows, int n, int dim, int d0, float* acc) {
+  const DF d;
+  const int N = static_cast<int>(hn::Lanes(d));
+  VF a[RB][NV];
+  for (int i = 0; i < RB; ++i) {
+    const VF scale = hn::Set(d, alpha[i]);
+    const float* row = acc + static_cast<size_t>(i) * dim + d0;
+    for (int k = 0; k < NV; ++k) a[i][k] = hn::Mul(hn::LoadU(d, row + N * k), scale);
+  }
+  for (int t = 0; t < n; ++t) {
+    VF v[NV];
+    for (int k = 0; k < NV; ++k) v[k] = load_f(d, vrows[t] + d0 + N * k);
+    for (int i = 0; i < RB; ++i) {
+      const VF p = hn::Set(d, probs[i * kTile + t]);
+      for (int k = 0; k < NV; ++k) a[i][k] = hn::MulAdd(p, v[k], a[i][k]);
+    }
+  }
+  for (int i = 0; i < RB; ++i)
+    for (int k = 0; k < NV; ++k) hn::StoreU(a[i][k], d, acc + static_cast<size_t>(i) * dim + d0 + N * k);
+}
+
+template <typename V, int RB>
+void pv_rows(const float* probs, const float* alpha, const V* const* vrows, int n, int dim, int d0, float* acc,
+             int vectors) {
+  switch (vectors) {
+    case 1: pv_block<V, RB, 1>(probs, alpha, vrows, n, dim, d0, acc); break;
+    case 2: pv_block<V, RB, 2>(probs, alpha, vrows, n, dim, d0, acc); break;
+    case 3: pv_block<V, RB, 3>(probs, alpha, vrows, n, dim, d0, acc); break;
+    default: pv_block<V, RB, 4>(probs, alpha, vrows, n, dim, d0, acc); break;
+  }
+}
 #endif
 
 // scores[r][t] = q_r . k_t for the (padded) rows and the tile's 16-blocks.
 void compute_scores(const Scratch& s, int rows, int n, int dim, float* scores) {
   const int blocks = (n + 15) / 16;
-#if KVFORGE_AVX512
+#if KVF_AVX512
   for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
     const float* q = s.q.data() + static_cast<size_t>(r0) * dim;
     float* out = scores + r0 * kTile;
@@ -351,19 +622,40 @@ void compute_scores(const Scratch& s, int rows, int n, int dim, float* scores) {
     }
   }
 #else
+  const DF d;
+  const int N = static_cast<int>(hn::Lanes(d));
+  const int padded = blocks * 16;
   for (int r = 0; r < rows; ++r) {
-    for (int t = 0; t < blocks * 16; ++t) {
-      const float* q = s.q.data() + static_cast<size_t>(r) * dim;
-      float dot = 0.0f;
-      for (int d = 0; d < dim; ++d) dot += q[d] * s.kt[static_cast<size_t>(d) * kTile + t];
-      scores[r * kTile + t] = dot;
+    const float* q = s.q.data() + static_cast<size_t>(r) * dim;
+    float* out = scores + r * kTile;
+    int t0 = 0;
+    for (; t0 + 4 * N <= padded; t0 += 4 * N) {  // four independent FMA chains over the dims
+      VF a0 = hn::Zero(d), a1 = hn::Zero(d), a2 = hn::Zero(d), a3 = hn::Zero(d);
+      for (int x = 0; x < dim; ++x) {
+        const VF qb = hn::Set(d, q[x]);
+        const float* k = s.kt.data() + static_cast<size_t>(x) * kTile + t0;
+        a0 = hn::MulAdd(qb, hn::LoadU(d, k), a0);
+        a1 = hn::MulAdd(qb, hn::LoadU(d, k + N), a1);
+        a2 = hn::MulAdd(qb, hn::LoadU(d, k + 2 * N), a2);
+        a3 = hn::MulAdd(qb, hn::LoadU(d, k + 3 * N), a3);
+      }
+      hn::StoreU(a0, d, out + t0);
+      hn::StoreU(a1, d, out + t0 + N);
+      hn::StoreU(a2, d, out + t0 + 2 * N);
+      hn::StoreU(a3, d, out + t0 + 3 * N);
+    }
+    for (; t0 < padded; t0 += N) {
+      VF a = hn::Zero(d);
+      for (int x = 0; x < dim; ++x)
+        a = hn::MulAdd(hn::Set(d, q[x]), hn::LoadU(d, s.kt.data() + static_cast<size_t>(x) * kTile + t0), a);
+      hn::StoreU(a, d, out + t0);
     }
   }
 #endif
 }
 
 // Online-softmax step of each row over the tile: new running max, rescale factor, probabilities, sum.
-#if KVFORGE_AVX512
+#if KVF_AVX512
 void softmax_update(Scratch& s, int rows, int n) {
   const int blocks = (n + 15) / 16;
   float* old = s.old_max.data();
@@ -408,28 +700,41 @@ void softmax_update(Scratch& s, int rows, int n) {
 }
 #else
 void softmax_update(Scratch& s, int rows, int n) {
+  const DF d;
+  const int N = static_cast<int>(hn::Lanes(d));
+  const int vectors = (n + 15) / 16 * 16 / N;
   for (int r = 0; r < rows; ++r) {
     const uint64_t seen = s.visible[r];
     float* p = s.probs.data() + r * kTile;
     const float* x = s.scores.data() + r * kTile;
-    if (seen == 0) {
-      std::fill(p, p + kTile, 0.0f);
-      s.alpha[r] = 1.0f;
+    s.old_max[r] = s.max[r];
+    if (seen == 0) {  // nothing visible in this tile: the row's state is unchanged
+      for (int j = 0; j < vectors; ++j) hn::StoreU(hn::Zero(d), d, p + N * j);
+      s.tile_sum[r] = 0.0f;
       continue;
     }
-    float tile_max = kNegInf;
-    for (int t = 0; t < n; ++t)
-      if ((seen >> t) & 1) tile_max = std::max(tile_max, x[t]);
-    const float running = std::max(s.max[r], tile_max);
-    const float alpha = s.max[r] == kNegInf ? 0.0f : std::exp(s.max[r] - running);
-    float total = 0.0f;
-    for (int t = 0; t < n; ++t) {
-      p[t] = ((seen >> t) & 1) ? std::exp(x[t] - running) : 0.0f;
-      total += p[t];
+    VF peak = hn::Set(d, kNegInf);
+    for (int j = 0; j < vectors; ++j)
+      peak = hn::IfThenElse(lanes_seen(d, seen, j), hn::Max(peak, hn::LoadU(d, x + N * j)), peak);
+    const float running = std::max(s.max[r], hn::GetLane(hn::MaxOfLanes(d, peak)));
+    const VF m = hn::Set(d, running);
+    VF total = hn::Zero(d);
+    for (int j = 0; j < vectors; ++j) {
+      const VF e = hn::IfThenElseZero(lanes_seen(d, seen, j),
+                                      kvforge_simd::HWY_NAMESPACE::Exp(d, hn::Sub(hn::LoadU(d, x + N * j), m)));
+      hn::StoreU(e, d, p + N * j);
+      total = hn::Add(total, e);
     }
-    s.alpha[r] = alpha;
-    s.sum[r] = s.sum[r] * alpha + total;
+    s.tile_sum[r] = hn::GetLane(hn::SumOfLanes(d, total));
     s.max[r] = running;
+  }
+  // Rescale factors exp(old - new); a row that saw nothing before has nothing to rescale.
+  for (int r = 0; r < rows; ++r) {
+    const float before = s.old_max[r];
+    const float alpha = before == kNegInf ? 0.0f
+                                          : hn::GetLane(kvforge_simd::HWY_NAMESPACE::Exp(d, hn::Set(d, before - s.max[r])));
+    s.alpha[r] = alpha;
+    s.sum[r] = std::fma(s.sum[r], alpha, s.tile_sum[r]);
   }
 }
 #endif
@@ -437,7 +742,7 @@ void softmax_update(Scratch& s, int rows, int n) {
 // acc[r] = acc[r] * alpha[r] + sum_t probs[r][t] * v_t (the portable path reads staged float32 rows only)
 template <typename V>
 void accumulate_values(Scratch& s, const V* const* vrows, int rows, int n, int dim) {
-#if KVFORGE_AVX512
+#if KVF_AVX512
   for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
     const float* p = s.probs.data() + r0 * kTile;
     const float* alpha = s.alpha.data() + r0;
@@ -453,14 +758,22 @@ void accumulate_values(Scratch& s, const V* const* vrows, int rows, int n, int d
     }
   }
 #else
-  for (int r = 0; r < rows; ++r) {
-    float* acc = s.acc.data() + static_cast<size_t>(r) * dim;
-    for (int d = 0; d < dim; ++d) acc[d] *= s.alpha[r];
-    for (int t = 0; t < n; ++t) {
-      const float w = s.probs[r * kTile + t];
-      if (w == 0.0f) continue;
-      const V* v = vrows[t];
-      for (int d = 0; d < dim; ++d) acc[d] += w * v[d];
+  const int N = static_cast<int>(hn::Lanes(DF()));
+  for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
+    const float* p = s.probs.data() + r0 * kTile;
+    const float* alpha = s.alpha.data() + r0;
+    float* acc = s.acc.data() + static_cast<size_t>(r0) * dim;
+    const int rb = std::min(kRowBlock, rows - r0);
+    const int most = rb <= 2 ? 4 : 2;  // accumulators + decoded V within 16 registers
+    for (int d0 = 0; d0 < dim;) {
+      const int vectors = std::min(most, (dim - d0) / N);
+      switch (rb) {
+        case 1: pv_rows<V, 1>(p, alpha, vrows, n, dim, d0, acc, vectors); break;
+        case 2: pv_rows<V, 2>(p, alpha, vrows, n, dim, d0, acc, vectors); break;
+        case 3: pv_rows<V, 3>(p, alpha, vrows, n, dim, d0, acc, vectors); break;
+        default: pv_rows<V, kRowBlock>(p, alpha, vrows, n, dim, d0, acc, vectors); break;
+      }
+      d0 += vectors * N;
     }
   }
 #endif
@@ -471,14 +784,12 @@ void accumulate_values(Scratch& s, const V* const* vrows, int rows, int n, int d
 // row of the item is attended over them.
 template <typename E>
 void attend_tile(Scratch& s, const E* const* keys, const E* const* values, int n, int rows, int dim) {
-#if KVFORGE_AVX512
   if (rows <= kRowBlock) {
     scores_few_rows<E>(s, rows, keys, n, dim, s.scores.data());
     softmax_update(s, rows, n);
     accumulate_values<E>(s, values, rows, n, dim);
     return;
   }
-#endif
   load_keys_transposed(keys, n, dim, s.kt.data());
   compute_scores(s, rows, n, dim, s.scores.data());
   softmax_update(s, rows, n);
@@ -490,57 +801,7 @@ void attend_tile(Scratch& s, const E* const* keys, const E* const* values, int n
   accumulate_values<float>(s, staged, rows, n, dim);
 }
 
-// ---- the call: validated geometry, the work plan, and the items ----
-
-struct Item {
-  int32_t b, h, q0, q1;  // row, kv head, queries [q0, q1)
-  int32_t c0, c1;        // cached positions [c0, c1)
-  bool with_new;         // this item also attends over the call's new rows
-  int32_t group;         // index into Call::groups
-  int32_t split;         // index of this split within its group
-};
-
-struct Group {
-  int32_t b, h, q0, q1;
-  int32_t splits;
-  int64_t partial;  // offset of the group's partials (splits x rows x (dim + 2))
-};
-
-struct Call {
-  int64_t batch, seq, q_heads, kv_heads, dim, page_tokens, width, num_pages, group_size;
-  int64_t window;  // sliding window: query at position p sees keys p - window + 1..p (0 = every position)
-  float scale;
-  const float* query;
-  const float* new_kv;
-  const void* pool;
-  PoolType pool_type;
-  const int32_t* page_table;
-  const int32_t* start;
-  const int32_t* length;
-  const bool* mask;
-  float* out;
-  std::vector<Item> items;
-  std::vector<Group> groups;
-  mutable std::vector<float> partials;  // written by the items of split groups
-  std::unique_ptr<std::atomic<int32_t>[]> pending;  // items of each group still running
-};
-
 thread_local Scratch t_scratch;
-
-size_t pool_offset(const Call& c, int64_t page, int kv, int64_t head, int64_t slot) {
-  return static_cast<size_t>((((page * 2 + kv) * c.kv_heads + head) * c.page_tokens + slot) * c.dim);
-}
-
-// Offset of (row b, token i, q head) in query and output [B, S, Hq * D].
-size_t head_offset(const Call& c, int64_t b, int64_t i, int64_t q_head) {
-  return static_cast<size_t>(((b * c.seq + i) * c.q_heads + q_head) * c.dim);
-}
-
-// Bits [0, m) of a tile: the keys below a sliding window's first visible one (m clamped to [0, 64]).
-uint64_t low_bits(int64_t m) {
-  if (m <= 0) return 0;
-  return m >= 64 ? ~uint64_t{0} : (uint64_t{1} << m) - 1;
-}
 
 template <typename E>
 void attend_cached(const Call& c, const Item& it, Scratch& s, int rows) {
@@ -591,19 +852,6 @@ void attend_cached(const Call& c, const Item& it, Scratch& s, int rows) {
   }
 }
 
-// Bit t set iff a query sees new key j0 + t: from a row of the tree mask, or causally (t <= offset = i - j0).
-uint64_t mask_bits(const bool* row, int n) {
-  uint64_t bits = 0;
-  for (int t = 0; t < n; ++t) bits |= static_cast<uint64_t>(row[t]) << t;
-  return bits;
-}
-
-uint64_t causal_bits(int64_t offset, int n) {
-  const uint64_t tile = n == 64 ? ~uint64_t{0} : (uint64_t{1} << n) - 1;
-  if (offset < 0) return 0;
-  return offset >= 63 ? tile : ((uint64_t{1} << (offset + 1)) - 1) & tile;
-}
-
 void attend_new(const Call& c, const Item& it, Scratch& s, int rows) {
   const int64_t g = c.group_size;
   const int64_t limit = c.mask ? c.length[it.b] : it.q1;  // causal: no query of the block sees past q1 - 1
@@ -627,7 +875,6 @@ void attend_new(const Call& c, const Item& it, Scratch& s, int rows) {
   }
 }
 
-void merge_group(const Call& c, const Group& grp);
 
 void run_item(const Call& c, size_t index) {
   const Item& it = c.items[index];
@@ -667,71 +914,23 @@ void run_item(const Call& c, size_t index) {
   if (c.pending[it.group].fetch_sub(1, std::memory_order_acq_rel) == 1) merge_group(c, grp);
 }
 
-void merge_group(const Call& c, const Group& grp) {
-  const int64_t g = c.group_size, dim = c.dim;
-  const int64_t rows = (grp.q1 - grp.q0) * g;
-  for (int64_t r = 0; r < rows; ++r) {
-    float peak = kNegInf;
-    for (int sp = 0; sp < grp.splits; ++sp)
-      peak = std::max(peak, c.partials[grp.partial + (sp * rows + r) * (dim + 2)]);
-    float* out = c.out + head_offset(c, grp.b, grp.q0 + r / g, grp.h * g + r % g);
-    std::fill(out, out + dim, 0.0f);
-    if (peak == kNegInf) continue;  // this query sees nothing
-    float total = 0.0f;
-    for (int sp = 0; sp < grp.splits; ++sp) {
-      const float* slot = c.partials.data() + grp.partial + (sp * rows + r) * (dim + 2);
-      if (slot[0] == kNegInf) continue;
-      const float w = std::exp(slot[0] - peak);
-      total += slot[1] * w;
-      for (int64_t d = 0; d < dim; ++d) out[d] += slot[2 + d] * w;
-    }
-    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-    for (int64_t d = 0; d < dim; ++d) out[d] *= inv;
-  }
+void run_item_trampoline(void* data, size_t index) { run_item(*static_cast<const Call*>(data), index); }
+
+// The call's planned items on ORT's intra-op pool.
+OrtStatus* RunItems(OrtKernelContext* ctx, const Call* c) {
+  return g_api->KernelContext_ParallelFor(ctx, run_item_trampoline, c->items.size(), 0, const_cast<Call*>(c));
 }
 
-void plan(Call& c) {
-  const int64_t g = c.group_size;
-  const int64_t block = std::max<int64_t>(1, kMaxRows / g);
-  int64_t groups = 0;
-  for (int64_t b = 0; b < c.batch; ++b) groups += c.kv_heads * ((c.length[b] + block - 1) / block);
-  int64_t partial = 0;
-  for (int64_t b = 0; b < c.batch; ++b) {
-    const int64_t len = c.length[b];
-    const int64_t cached = std::min<int64_t>(c.start[b], c.width * c.page_tokens);  // past W nothing is visible
-    // Splits cover whole tiles (kSplitTokens or more, a multiple of kTile), so only the last one is ragged.
-    int64_t splits = 1, chunk = std::max<int64_t>(cached, 1);
-    if (groups < kEnoughGroups && cached > kSplitTokens) {
-      chunk = std::max<int64_t>(kSplitTokens, (cached + kMaxSplits - 1) / kMaxSplits);
-      chunk = (chunk + kTile - 1) / kTile * kTile;
-      splits = (cached + chunk - 1) / chunk;
-    }
-    for (int64_t h = 0; h < c.kv_heads; ++h) {
-      for (int64_t q0 = 0; q0 < len; q0 += block) {
-        const int64_t q1 = std::min(len, q0 + block);
-        Group grp{static_cast<int32_t>(b), static_cast<int32_t>(h), static_cast<int32_t>(q0),
-                  static_cast<int32_t>(q1), static_cast<int32_t>(splits), partial};
-        if (splits > 1) partial += splits * (q1 - q0) * g * (c.dim + 2);
-        for (int64_t sp = 0; sp < splits; ++sp) {
-          c.items.push_back(Item{grp.b, grp.h, grp.q0, grp.q1, static_cast<int32_t>(std::min(cached, sp * chunk)),
-                                 static_cast<int32_t>(std::min(cached, (sp + 1) * chunk)), sp == splits - 1,
-                                 static_cast<int32_t>(c.groups.size()), static_cast<int32_t>(sp)});
-        }
-        c.groups.push_back(grp);
-      }
-    }
-  }
-  // Threads take items in order, so the longest go first (a long decode row next to a prefill chunk is not
-  // left to the end, alone on one thread).
-  const auto cost = [&c](const Item& it) {
-    const int64_t keys = (it.c1 - it.c0) + (it.with_new ? (c.mask ? c.length[it.b] : it.q1) : 0);
-    return keys * (it.q1 - it.q0);
-  };
-  std::stable_sort(c.items.begin(), c.items.end(), [&cost](const Item& a, const Item& b) { return cost(a) > cost(b); });
-  c.partials.assign(static_cast<size_t>(partial), 0.0f);
-  c.pending.reset(new std::atomic<int32_t>[c.groups.size()]);
-  for (size_t i = 0; i < c.groups.size(); ++i) c.pending[i].store(c.groups[i].splits, std::memory_order_relaxed);
-}
+}  // namespace HWY_NAMESPACE
+}  // namespace kvforge_attention
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace kvforge_attention {
+HWY_EXPORT(RunItems);
+}  // namespace kvforge_attention
+
+namespace {
 
 // ---- ORT plumbing: the kernel, validation and registration ----
 
@@ -886,8 +1085,6 @@ OrtStatus* gather_inputs(const Kernel& k, OrtKernelContext* ctx, Call& c) {
   return check_values(c);
 }
 
-void run_item_trampoline(void* data, size_t index) { run_item(*static_cast<const Call*>(data), index); }
-
 // The attention of a gathered call into c.out: padding rows zero, the items on ORT's intra-op pool.
 OrtStatus* attend(OrtKernelContext* ctx, Call& c) {
   const size_t row_floats = static_cast<size_t>(c.q_heads * c.dim);
@@ -897,12 +1094,13 @@ OrtStatus* attend(OrtKernelContext* ctx, Call& c) {
   }
   plan(c);
   if (c.items.empty()) return nullptr;
-  KVF_TRY(g_api->KernelContext_ParallelFor(ctx, run_item_trampoline, c.items.size(), 0, &c));
+  KVF_TRY(HWY_DYNAMIC_DISPATCH(kvforge_attention::RunItems)(ctx, &c));
   return nullptr;
 }
 
 OrtStatus* ORT_API_CALL compute(void* kernel, OrtKernelContext* ctx) {
   const Kernel& k = *static_cast<const Kernel*>(kernel);
+  if (const char* why = kvforge_cpu::forced_target_problem()) return error(why);
   Call c;
   KVF_TRY(gather_inputs(k, ctx, c));
   const int64_t out_shape[3] = {c.batch, c.seq, k.q_heads * k.dim};
@@ -1217,6 +1415,7 @@ void rotate_and_write(const Call& c, const RopeCall& r, float* rotated_query, fl
 
 OrtStatus* ORT_API_CALL compute_rope(void* kernel, OrtKernelContext* ctx) {
   const Kernel& k = *static_cast<const Kernel*>(kernel);
+  if (const char* why = kvforge_cpu::forced_target_problem()) return error(why);
   Call c;
   RopeCall r{};
   KVF_TRY(gather_rope_inputs(k, ctx, c, r));
@@ -1357,3 +1556,4 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
   KVF_TRY(kvforge_swiglu::add_ops(domain, g_api));
   return g_api->AddCustomOpDomain(options, domain);
 }
+#endif  // HWY_ONCE
