@@ -383,6 +383,37 @@ def rotate_keys(stored_k: np.ndarray, delta: int, cos_sin: np.ndarray, kv_cache_
     return moved
 
 
+# The SIMD features a figure's reader needs to place the CPU (the rest of /proc/cpuinfo's flags say nothing of speed).
+SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+              "avx_vnni", "amx_tile", "amx_bf16", "amx_int8", "asimd", "asimddp", "asimdhp", "sve", "sve2", "i8mm",
+              "bf16")
+
+
+def cpu_description() -> dict[str, object]:
+    """What a figure came from: the CPU's model name, its SIMD features and the kernel target that runs (None when
+    the kernel is unavailable here, with `kernel_reason` saying why). Never raises."""
+    model, flags = os.uname().machine, set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("model name", "Model", "CPU part") and model == os.uname().machine:
+                model = value.strip()
+            elif key in ("flags", "Features") and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    path, reason = kernel_status()
+    target = None
+    if path is not None:
+        try:
+            target = chosen_target(path) or None
+        except (OSError, AttributeError) as exc:
+            reason = f"the library reports no target: {exc}"
+    return {"cpu_model": model, "simd": [flag for flag in SIMD_FLAGS if flag in flags], "kernel_target": target,
+            "kernel_reason": reason}
+
+
 def register(options: object) -> str:
     """Registers the library on an onnxruntime.SessionOptions: "" when done, else the one-line reason it is not
     (unavailable here, or this ONNX Runtime refuses it: too old for the headers' API version)."""
