@@ -207,21 +207,33 @@ void dot_group(const Call& c, int64_t c0, int64_t r0) {
       scale[j] = hn::Set(d, block_float(block[j], kValues));
       min[j] = hn::Set(d, block_float(block[j], kValues + 4));
     }
-    for (int64_t e = 0; e < kBlock; e += N) {  // elements e..e+N-1 of the block
-      V w[NC];
-      for (int j = 0; j < NC; ++j) {
-        hn::Vec<decltype(di)> q;
-        if constexpr (BITS == 4) {  // element i < 16: byte i's low nibble; element i >= 16: byte i - 16's high one
-          q = hn::PromoteTo(di, hn::LoadU(d8, block[j] + (e & 15)));
-          q = e < 16 ? hn::And(q, nibble) : hn::ShiftRight<4>(q);
-        } else {
-          q = hn::PromoteTo(di, hn::LoadU(d8, block[j] + e));
+    if constexpr (BITS == 4) {
+      // Bytes e..e+N-1 hold elements e..e+N-1 (low nibbles) and 16+e.. (high ones): loaded and widened once for both.
+      for (int64_t e = 0; e < kBlock / 2; e += N) {
+        V low[NC], high[NC];
+        for (int j = 0; j < NC; ++j) {
+          const auto q = hn::PromoteTo(di, hn::LoadU(d8, block[j] + e));
+          low[j] = hn::MulAdd(hn::ConvertTo(d, hn::And(q, nibble)), scale[j], min[j]);
+          high[j] = hn::MulAdd(hn::ConvertTo(d, hn::ShiftRight<4>(q)), scale[j], min[j]);
         }
-        w[j] = hn::MulAdd(hn::ConvertTo(d, q), scale[j], min[j]);
+        for (int r = 0; r < NR; ++r) {
+          const float* x = c.x + (r0 + r) * k + b * kBlock + e;
+          const V x0 = hn::LoadU(d, x), x1 = hn::LoadU(d, x + kBlock / 2);
+          for (int j = 0; j < NC; ++j) {
+            acc[j][r] = hn::MulAdd(low[j], x0, acc[j][r]);
+            acc[j][r] = hn::MulAdd(high[j], x1, acc[j][r]);
+          }
+        }
       }
-      for (int r = 0; r < NR; ++r) {
-        const V x = hn::LoadU(d, c.x + (r0 + r) * k + b * kBlock + e);
-        for (int j = 0; j < NC; ++j) acc[j][r] = hn::MulAdd(w[j], x, acc[j][r]);
+    } else {
+      for (int64_t e = 0; e < kBlock; e += N) {  // one byte a weight
+        V w[NC];
+        for (int j = 0; j < NC; ++j)
+          w[j] = hn::MulAdd(hn::ConvertTo(d, hn::PromoteTo(di, hn::LoadU(d8, block[j] + e))), scale[j], min[j]);
+        for (int r = 0; r < NR; ++r) {
+          const V x = hn::LoadU(d, c.x + (r0 + r) * k + b * kBlock + e);
+          for (int j = 0; j < NC; ++j) acc[j][r] = hn::MulAdd(w[j], x, acc[j][r]);
+        }
       }
     }
   }
@@ -241,8 +253,8 @@ void dot_columns(const Call& c, int64_t begin, int64_t end, int64_t r0) {
 
 template <int BITS, int NR>
 void dot_rows(const Call& c, int64_t begin, int64_t end, int64_t r0) {
-  // AVX-512 has 32 registers; the other x86 targets 16 (NC x NR accumulators + NC decoded chunks + a row's).
-  constexpr int kColumns = KVF_AVX512 ? (NR <= 4 ? 4 : NR == 5 ? 3 : 2) : (NR <= 2 ? 4 : NR == 3 ? 3 : NR <= 6 ? 2 : 1);
+  // AVX-512 has 32 registers; the other x86 targets 16: NC x NR accumulators, 2 NC decoded chunks, a row's two.
+  constexpr int kColumns = KVF_AVX512 ? (NR <= 4 ? 4 : NR == 5 ? 3 : 2) : (NR <= 2 ? 3 : NR <= 4 ? 2 : 1);
   dot_columns<BITS, kColumns, NR>(c, begin, end, r0);
 }
 

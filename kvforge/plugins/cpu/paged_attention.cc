@@ -539,6 +539,40 @@ void scores_few_rows(const Scratch& s, int rows, const E* const* keys, int n, in
   }
 }
 #else
+#if HWY_TARGET == HWY_AVX2
+// Lane t of the result = the horizontal sum of v[t]: 8 tokens' dot products in one hadd tree (reduce16's AVX2 form).
+inline __m256 reduce8(const __m256 v[8]) {
+  const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 ce = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(ab, ce, 0x20), _mm256_permute2f128_ps(ab, ce, 0x31));
+}
+
+// Scores of a few rows (decode) straight from the stored keys: each key row decoded once (8 lanes at a time, F16C
+// for fp16) and dotted with every row; one hadd tree per row and 8 tokens.
+template <typename E, int RB>
+void scores_direct(const float* q, int dim, const E* const* keys, int n, float* scores) {
+  const DF d;
+  for (int t0 = 0; t0 < n; t0 += 8) {
+    __m256 part[RB][8];
+    for (int t = 0; t < 8; ++t) {
+      VF acc[RB];
+      for (int i = 0; i < RB; ++i) acc[i] = hn::Zero(d);
+      if (t0 + t < n) {
+        const E* key = keys[t0 + t];
+        for (int x = 0; x < dim; x += 8) {
+          const VF k = load_f(d, key + x);
+          for (int i = 0; i < RB; ++i)
+            acc[i] = hn::MulAdd(hn::LoadU(d, q + static_cast<size_t>(i) * dim + x), k, acc[i]);
+        }
+      }
+      for (int i = 0; i < RB; ++i) part[i][t] = acc[i].raw;
+    }
+    for (int i = 0; i < RB; ++i) _mm256_storeu_ps(scores + i * kTile + t0, reduce8(part[i]));
+  }
+  for (int t = (n + 7) / 8 * 8; t < (n + 15) / 16 * 16; ++t)  // the rest of the last 16-block reads as 0
+    for (int i = 0; i < RB; ++i) scores[i * kTile + t] = 0.0f;
+}
+#else
 // Scores of a few rows (decode) straight from the stored keys: each key row decoded once (N lanes at a time) and
 // dotted with every row, one Highway lane sum per row and token.
 template <typename E, int RB>
@@ -561,6 +595,8 @@ void scores_direct(const float* q, int dim, const E* const* keys, int n, float* 
     for (int i = 0; i < RB; ++i) scores[i * kTile + t] = hn::GetLane(hn::SumOfLanes(d, acc[i]));
   }
 }
+
+#endif
 
 template <typename E>
 void scores_few_rows(const Scratch& s, int rows, const E* const* keys, int n, int dim, float* scores) {
