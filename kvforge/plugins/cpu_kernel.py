@@ -392,9 +392,10 @@ SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "av
               "bf16")
 
 
-def cpu_description() -> dict[str, object]:
+def cpu_description(with_kernel: bool = True) -> dict[str, object]:
     """What a figure came from: the CPU's model name, its SIMD features and the kernel target that runs (None when
-    the kernel is unavailable here, with `kernel_reason` saying why). Never raises."""
+    the kernel is unavailable here, with `kernel_reason` saying why; not asked, and never built, without
+    `with_kernel`). Never raises."""
     model, flags = os.uname().machine, set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -406,7 +407,7 @@ def cpu_description() -> dict[str, object]:
                 flags = set(value.split())
     except OSError:
         pass
-    path, reason = kernel_status()
+    path, reason = kernel_status() if with_kernel else (None, "not used")
     target = None
     if path is not None:
         try:
@@ -415,6 +416,13 @@ def cpu_description() -> dict[str, object]:
             reason = f"the library reports no target: {exc}"
     return {"cpu_model": model, "simd": [flag for flag in SIMD_FLAGS if flag in flags], "kernel_target": target,
             "kernel_reason": reason}
+
+
+def describe_cpu(description: dict[str, object]) -> str:
+    """cpu_description's one line: "AMD EPYC; SIMD avx2 fma f16c; kernel target avx2"."""
+    target = description.get("kernel_target") or f"none ({description.get('kernel_reason')})"
+    simd = " ".join(str(flag) for flag in description.get("simd") or []) or "none listed"  # type: ignore[union-attr]
+    return f"{description.get('cpu_model')}; SIMD {simd}; kernel target {target}"
 
 
 def register(options: object) -> str:
