@@ -5,7 +5,9 @@ attention reads of 30 layers over an fp16 (and fp8) pool at a long context.
 Each compiled target this CPU runs is forced in turn (KVFORGE_CPU_TARGET, applied by the library on each call), so
 `scalar`, `sse4`, `avx2` and AVX-512 are measured side by side on one machine; the load average is printed beside
 the figures (a shared machine's absolute times are noisy, the ratios within the run less so). Run:
-`python experiments/cpu_targets.py --threads 2 [--context 1500] [--json out.json]`.
+`python experiments/cpu_targets.py --threads 2 [--context 1500] [--json out.json]`. `--compare LIB` also times
+another build of the library in the same run (for example main's before issue 50, built with -march=native
+-mno-avx512f: what an AVX2 CPU ran then), without forcing anything in it.
 """
 
 from __future__ import annotations
@@ -64,12 +66,13 @@ def matmul_models(rng: np.random.Generator) -> tuple[onnx.ModelProto, onnx.Model
                               opset_imports=opsets))
 
 
-def _session(model: onnx.ModelProto, threads: int) -> ort.InferenceSession:
+def _session(model: onnx.ModelProto, threads: int, library: Path | None = None) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
-    reason = cpu_kernel.register(options)
-    if reason:
+    if library is not None:
+        options.register_custom_ops_library(str(library))
+    elif reason := cpu_kernel.register(options):
         raise SystemExit(f"CPU kernel not available: {reason}")
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
@@ -91,6 +94,7 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=1500, help="cached tokens the attention reads")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--compare", type=Path, default=None, help="another build of the library to time beside")
     args = parser.parse_args()
     library = cpu_kernel.library_path()
     targets = cpu_kernel.runnable_targets(library)
@@ -119,6 +123,15 @@ def main() -> int:
         print(f"{target:>8} {row['matmul_ms']:16.2f} {nbits_ms / row['matmul_ms']:14.2f}x "
               f"{row['attention_fp16_ms']:13.2f} {row['attention_fp8_ms']:12.2f}", flush=True)
     os.environ.pop(cpu_kernel.TARGET_ENV, None)
+    if args.compare is not None:
+        other = _session(blocks_model, args.threads, args.compare)
+        row = {"matmul_ms": _time(lambda: other.run(None, x), args.repeats)}
+        for dtype, (_, feeds) in attention.items():
+            row[f"attention_{dtype}_ms"] = _time(_timer(_session(kernel_model(dtype, 64), args.threads, args.compare),
+                                                        feeds)[0], args.repeats)
+        results[f"compare:{args.compare.name}"] = row
+        print(f"{args.compare.name:>8} {row['matmul_ms']:16.2f} {nbits_ms / row['matmul_ms']:14.2f}x "
+              f"{row['attention_fp16_ms']:13.2f} {row['attention_fp8_ms']:12.2f}")
     print(f"{'MatMulNBits':>8} {nbits_ms:16.2f}   (ONNX Runtime {ort.__version__}, MLAS's own dispatch)")
     print(f"loadavg after: {Path('/proc/loadavg').read_text().strip()}")
     if args.json:
