@@ -22,13 +22,13 @@ import numpy as np
 
 from kvforge.contract.errors import KvforgeError
 
-SOURCE = Path(__file__).resolve().with_name("cpu") / "paged_attention.cc"  # holds RegisterCustomOps
-# Every translation unit of the library, compiled together: the attention ops, the block-quantized matmul, SwiGLU and
-# the run-time choice of target (each op's file is compiled once per Highway target inside, foreach_target.h).
-SOURCES = (SOURCE, SOURCE.with_name("matmul_blocks.cc"), SOURCE.with_name("swiglu.cc"),
-           SOURCE.with_name("cpu_target.cc"))
+SOURCE = Path(__file__).resolve().with_name("cpu") / "register.cc"  # holds RegisterCustomOps
+# Every translation unit of the library, compiled together: one file per op (each per-target op is compiled once per
+# Highway target inside, foreach_target.h), the registration and the run-time choice of target.
+SOURCES = (SOURCE, *(SOURCE.with_name(name) for name in ("paged_attention.cc", "paged_attention_rope.cc",
+                                                          "matmul_blocks.cc", "swiglu.cc", "cpu_target.cc")))
 # Included by the sources: part of the build key, never compiled alone.
-HEADERS = (SOURCE.with_name("ort_op.h"), SOURCE.with_name("vector_exp.h"), SOURCE.with_name("cpu_target.h"))
+HEADERS = tuple(SOURCE.with_name(name) for name in ("attention.h", "ort_op.h", "vector_exp.h", "cpu_target.h"))
 KERNEL_FILES = (*SOURCES, *HEADERS)  # what the library is built from: its key, its freshness, its presence
 LIBRARY_NAME = "libkvforge_cpu_ops.so"
 SWITCH_ENV = "KVFORGE_CPU_KERNEL"  # "off" forces the pure-ONNX fallback
