@@ -47,8 +47,10 @@ HEADERS_CACHE_NAME = "ort-headers-0.4.9"
 # vectorise. No -ffast-math: masked scores are -inf and must stay exact. No -march=native: Google Highway (Debian
 # libhwy-dev) compiles each kernel for every target in TARGET_FLAGS and picks the best this CPU runs at load, so a
 # library built on one x86-64 machine runs at full speed on any other.
+# SSSE3 is left out (SSE4 covers every x86-64 CPU still sold: one build less), and so is SVE for now: the kernels
+# keep register blocks as arrays of vectors, which SVE's sizeless types cannot be (aarch64 gets NEON).
 TARGET_FLAGS = ("-DHWY_WANT_AVX3_DL",  # AVX3_DL (Ice Lake, Zen 4 on): its AVX512_BF16 prefill panels
-                "-DHWY_DISABLED_TARGETS=HWY_SSSE3")  # SSE4 covers every x86-64 CPU still sold; one build less
+                "-DHWY_DISABLED_TARGETS=(HWY_SSSE3|HWY_SVE|HWY_SVE2|HWY_SVE_256|HWY_SVE2_128)")
 CXX_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-fno-math-errno", "-Wall", "-Wextra",
              *TARGET_FLAGS, f"-I{SOURCE.parent}")
 LINK_FLAGS = ("-lhwy",)  # hwy::SupportedTargets and the chosen-target state

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -197,6 +198,26 @@ def test_a_forced_target_runs_and_a_bad_one_is_refused_in_one_line(library: Path
         assert "this CPU cannot run it" in cpu_kernel.kernel_status()[1]
     monkeypatch.delenv(cpu_kernel.TARGET_ENV)
     assert cpu_kernel.chosen_target(library) == cpu_kernel.runnable_targets(library)[0]
+
+
+def test_the_sources_cross_compile_for_aarch64(library: Path, tmp_path: Path) -> None:
+    """The ARM build (NEON, and the scalar fallback) compiles from the same sources with the same flags; linking and
+    running it needs an arm64 libhwy and ONNX Runtime, which this test does not have (docs/architecture.md)."""
+    cxx = shutil.which("aarch64-linux-gnu-g++")
+    if cxx is None:
+        pytest.skip("no aarch64 cross compiler: apt-get install g++-aarch64-linux-gnu")
+    highway = tmp_path / "include"
+    highway.mkdir()
+    (highway / "hwy").symlink_to(Path("/usr/include/hwy"))  # header-only for compiling; the same on every arch
+    flags = [flag for flag in cpu_kernel.CXX_FLAGS if flag != "-shared"]
+    for source in cpu_kernel.SOURCES:
+        done = subprocess.run([cxx, *flags, "-c", f"-I{cpu_kernel.include_dir()}", f"-I{highway}", str(source), "-o",
+                               str(tmp_path / (source.stem + ".o"))], capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, f"{source.name}: {done.stderr[-2000:]}"
+    objects = sorted(path.name for path in tmp_path.glob("*.o"))
+    assert len(objects) == len(cpu_kernel.SOURCES)
+    with open(tmp_path / "paged_attention.o", "rb") as handle:
+        assert handle.read(20)[18] == 183  # ELF e_machine 183: EM_AARCH64
 
 
 def test_missing_highway_is_a_reason(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
