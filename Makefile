@@ -35,11 +35,12 @@ demo-install: $(VENV)/.demo-installed
 # System packages the tests use, installed when run as root on Debian/Ubuntu: redis-server for the shared-tier tests
 # (they start their own on loopback ports, never the system service), libibverbs1 for Mooncake's binaries (even over
 # TCP: without it mooncake_master exits 127) and iproute2 for test-mooncake's private namespace. Elsewhere the tests
-# that need them skip and print why.
-SYSTEM_PACKAGES ?= redis-server libibverbs1 iproute2
+# that need them skip and print why. libhwy-dev (Google Highway) builds the CPU kernels for every SIMD target; without
+# it the engines take the pure-ONNX path and say why.
+SYSTEM_PACKAGES ?= redis-server libibverbs1 iproute2 libhwy-dev
 system-packages:
 	@if command -v redis-server >/dev/null 2>&1 && ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 \
-		&& command -v ip >/dev/null 2>&1; then :; \
+		&& command -v ip >/dev/null 2>&1 && [ -f /usr/include/hwy/highway.h ]; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 		echo "installing $(SYSTEM_PACKAGES)"; \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SYSTEM_PACKAGES) >/dev/null) \

@@ -69,6 +69,7 @@ def bench_run(tiny_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 def test_two_kvforge_engines_give_sane_figures_and_ratios(bench_run: tuple[str, dict]) -> None:
     output, figures = bench_run
+    assert figures["machine"]["cpu"]["cpu_model"] and "cpu: " in output  # which CPU, SIMD and kernel target (issue 50)
     by_name = {e["name"]: e for e in figures["engines"]}
     on, off = by_name["on"], by_name["off"]
     assert on["status"] == off["status"] == "ok"

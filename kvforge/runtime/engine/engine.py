@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvforge.contract.engine_dir import (
+    ATTENTION_CPU_KERNEL,
     EMBEDDING_FILE,
     EMBEDDING_TENSOR,
     PER_LAYER_EMBEDDING_FILE,
@@ -26,6 +27,7 @@ from kvforge.contract.paging import pages_for
 from kvforge.contract.rope import rope_table
 from kvforge.contract.safetensors_map import map_tensor
 from kvforge.contract.window_pool import window_call_tokens
+from kvforge.plugins.cpu_kernel import cpu_description
 from kvforge.runtime.adapters import (
     LoraRegistry,
     check_correction_engine,
@@ -345,6 +347,9 @@ class Engine:
         data = self.profiler.to_dict(self.cache_profile() or None, scheduler=self.scheduler.stats.to_dict())
         # Which path attention took (kvforge's CPU kernel or the pure-ONNX fallback): speed depends on it.
         data["engine"] = {"backend": self.engine_dir.build.backend, "attention": self.engine_dir.build.attention}
+        build = self.engine_dir.build
+        if build.backend == "onnxruntime":  # the CPU, its SIMD features and the kernel target that ran
+            data["engine"]["cpu"] = cpu_description(with_kernel=build.attention == ATTENTION_CPU_KERNEL)
         return {**data, **self.multimodal.profile()} if self.multimodal else data
 
     def cache_profile(self) -> dict:

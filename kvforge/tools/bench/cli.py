@@ -19,6 +19,7 @@ from kvforge import __version__
 from kvforge.cli_common import console, run_app, run_guarded
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.files import atomic_write_text, check_distinct, check_output_file, check_work_dir
+from kvforge.plugins.cpu_kernel import cpu_description, describe_cpu
 from kvforge.runtime.inputs.tokenizer import ChatTokenizer
 from kvforge.tools.bench import report
 from kvforge.tools.bench.engines import (
@@ -245,7 +246,8 @@ def bench(specs: list[EngineSpec], workload_names: list[str], input_file: Path |
     return {"kvforge": __version__, "baseline": baseline, "baseline_ran": base is not None,
             "settings": {**asdict(settings), "tokenizer_of": reference.name,
                          "decoding": "greedy, end of sequence suppressed"},
-            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_average_start": load_start,
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "cpu": cpu_description(),
+                        "load_average_start": load_start,
                         "load_average_end": os.getloadavg(), "seconds": time.perf_counter() - started},
             "legend": report.LEGEND, "roles": ROLES, "workloads": workloads_json,
             "decode_context": _decode_context_json(points, settings),
@@ -289,6 +291,8 @@ def print_report(figures: dict[str, Any]) -> None:
     out.print(f"llm_bench: {settings['threads']} threads, {settings['max_tokens']} greedy tokens per request, medians "
               f"of {settings['repeats']}; load average {machine['load_average_start'][0]:.2f} at the start, "
               f"{machine['load_average_end'][0]:.2f} at the end ({machine['cpus']} CPUs), {machine['seconds']:.0f} s")
+    if machine.get("cpu"):
+        out.print(f"cpu: {describe_cpu(machine['cpu'])}")
     for workload in figures["workloads"]:
         lengths = sorted({r["prompt_tokens"] for r in workload["requests"]})
         out.print(f"  {workload['name']}: {workload['description']} (prompts of {lengths[0]}–{lengths[-1]} tokens)")
