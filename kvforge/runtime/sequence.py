@@ -72,6 +72,9 @@ class Sequence:
     lease: Lease | None = None
     num_computed_tokens: int = 0
     reused_tokens: int = 0  # prompt tokens served from a cache at the first admission
+    # Ends of the document spans that had no stored form when the request arrived: their K/V is the request's own
+    # work (its standalone prefills, or ones queued just before it), so restoring them is not "cached" (issue 52).
+    fresh_documents: frozenset[int] = frozenset()
     num_preemptions: int = 0
     output_ids: list[int] = field(default_factory=list)
     samples: list[SampleResult] = field(default_factory=list)

@@ -23,8 +23,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from kvforge.contract.profile_schema import SCHEDULER_KEYS
-from kvforge.runtime.context_cache.lease import Lease
+from kvforge.runtime.context_cache.lease import Admission, Lease
 from kvforge.runtime.context_cache.manager import ContextCacheManager
 from kvforge.runtime.context_cache.types.document_chunks import DocumentChunks
 from kvforge.runtime.engine.state import StateManager
@@ -106,7 +108,9 @@ class Scheduler:
         stored form yet (the request then waits for them and restores them)."""
         if self.documents is not None and seq.request.documents:
             try:
-                wanted = self.documents.wanted(seq.next_admission())
+                admission = seq.next_admission()
+                wanted = self.documents.wanted(admission)
+                seq.fresh_documents = self._fresh_documents(admission)
             except Exception:  # the request's own admission fails it later, with its reason
                 wanted = []
             for key, start, length in wanted:
@@ -114,6 +118,14 @@ class Scheduler:
                     self.producers[key] = producer = self._producer(seq, start, length)
                     self.waiting.append(producer)
         self.waiting.append(seq)
+
+    def _fresh_documents(self, admission: Admission) -> frozenset[int]:
+        """The ends of the spans whose document has no stored form now, as the request arrives."""
+        assert self.documents is not None
+        tokens = np.asarray(admission.token_ids, dtype=np.int32)
+        return frozenset(start + length for key, start, length in
+                         self.documents.eligible(tokens, admission.documents, admission.extras)
+                         if not self.documents.stored(key))
 
     @staticmethod
     def _producer(seq: Sequence, start: int, length: int) -> Sequence:
@@ -382,7 +394,8 @@ class Scheduler:
 
 def cached_tokens(seq: Sequence) -> int:
     """The prompt tokens a sequence starts with from a cache: those before its computing starts (pages, snapshots,
-    a shared tier's load) and the restored document tokens after them (issue 37)."""
+    a shared tier's load) and the restored document tokens after them (issue 37), except documents that had no
+    stored form when the request arrived: those were computed for it, by standalone prefills (issue 52 item 3)."""
     start = seq.num_computed_tokens
     spans = seq.lease.restored_spans if seq.lease is not None else ()
-    return start + sum(max(end - max(begin, start), 0) for begin, end in spans)
+    return start + sum(max(end - max(begin, start), 0) for begin, end in spans if end not in seq.fresh_documents)
