@@ -110,22 +110,23 @@ class Scheduler:
             try:
                 admission = seq.next_admission()
                 wanted = self.documents.wanted(admission)
-                seq.fresh_documents = self._fresh_documents(admission)
+                fresh = self._fresh_documents(admission)
             except Exception:  # the request's own admission fails it later, with its reason
-                wanted = []
+                wanted, fresh = [], {}
             for key, start, length in wanted:
                 if key not in self.producers:
                     self.producers[key] = producer = self._producer(seq, start, length)
                     self.waiting.append(producer)
+            seq.fresh_documents = {end: self.producers.get(key) for end, key in fresh.items()}
         self.waiting.append(seq)
 
-    def _fresh_documents(self, admission: Admission) -> frozenset[int]:
-        """The ends of the spans whose document has no stored form now, as the request arrives."""
+    def _fresh_documents(self, admission: Admission) -> dict[int, bytes]:
+        """The spans whose document has no stored form now, as the request arrives: their ends and keys."""
         assert self.documents is not None
         tokens = np.asarray(admission.token_ids, dtype=np.int32)
-        return frozenset(start + length for key, start, length in
-                         self.documents.eligible(tokens, admission.documents, admission.extras)
-                         if not self.documents.stored(key))
+        return {start + length: key for key, start, length in
+                self.documents.eligible(tokens, admission.documents, admission.extras)
+                if not self.documents.stored(key)}
 
     @staticmethod
     def _producer(seq: Sequence, start: int, length: int) -> Sequence:
@@ -394,8 +395,16 @@ class Scheduler:
 
 def cached_tokens(seq: Sequence) -> int:
     """The prompt tokens a sequence starts with from a cache: those before its computing starts (pages, snapshots,
-    a shared tier's load) and the restored document tokens after them (issue 37), except documents that had no
-    stored form when the request arrived: those were computed for it, by standalone prefills (issue 52 item 3)."""
+    a shared tier's load) and the restored document tokens after them (issue 37), except the tokens of documents
+    that had no stored form when the request arrived which their standalone prefill computed: those were computed
+    for it (issue 52 item 3); what that prefill loaded from a cache (a shared tier) existed before and counts."""
     start = seq.num_computed_tokens
     spans = seq.lease.restored_spans if seq.lease is not None else ()
-    return start + sum(max(end - max(begin, start), 0) for begin, end in spans if end not in seq.fresh_documents)
+    total = start
+    for begin, end in spans:
+        until = end
+        if end in seq.fresh_documents:  # only what its standalone prefill found in a cache existed before
+            producer = seq.fresh_documents[end]
+            until = end - len(producer.request.prompt_ids) + producer.reused_tokens if producer is not None else 0
+        total += max(min(end, until) - max(begin, start), 0)
+    return total
