@@ -11,8 +11,10 @@ import typer
 
 from kvforge.cli_common import (
     ENGINE_FLAGS,
+    EXIT_INTERNAL_ERROR,
     check_reuse_flags,
     console,
+    fail,
     run_app,
     run_guarded,
     set_help_panels,
@@ -76,7 +78,7 @@ def inference(
 ) -> None:
     """Run every request of the file on the engine loop; responses keep request order."""
 
-    def body() -> None:
+    def body() -> list[tuple[int, str]]:
         from kvforge.runtime.adapters import resolve_adapter_path
         from kvforge.runtime.engine.engine import Engine, set_ort_logging  # heavy imports after argument checks
         from kvforge.runtime.file_loop import (
@@ -119,8 +121,12 @@ def inference(
         prepared = prepare_requests(engine, requests, base_dir)
         warm_up(engine, prepared[0], warmup)
 
+        failed: list[tuple[int, str]] = []  # (request index, reason) of responses with finish_reason "error"
+
         def shown(responses: Iterator[dict]) -> Iterator[dict]:
             for response in responses:
+                if response.get("finish_reason") == "error":
+                    failed.append((response["request_idx"], str(response.get("error", ""))))
                 if dump_output:
                     adapter = f" ({response['adapter']})" if "adapter" in response else ""  # "NAME (not invoked)"
                     typer.echo(f"[{response['request_idx']}]{adapter} {response['output_text']}")
@@ -139,8 +145,13 @@ def inference(
                               shown(iter_responses(engine, requests, prepared, Scheduling(scheduling))), finish)
         finally:
             engine.close()  # with --sharedCache: the pages committed last are saved before the process ends
+        return failed
 
-    run_guarded(body, debug, ENGINE_FLAGS)
+    failed = run_guarded(body, debug, ENGINE_FLAGS)
+    if failed:  # every response was written (the others' answers are kept); the run still did not succeed
+        index, reason = failed[0]
+        fail(f"{len(failed)} of the file's requests failed in the engine (request {index}: {reason[:200]}); "
+             f'{output_file} holds every response, the failed ones with finish_reason "error"', EXIT_INTERNAL_ERROR)
 
 
 def _show_info_logs(name: str) -> None:

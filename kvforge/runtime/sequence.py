@@ -76,6 +76,10 @@ class Sequence:
     lease: Lease | None = None
     num_computed_tokens: int = 0
     reused_tokens: int = 0  # prompt tokens served from a cache at the first admission
+    # The document spans that had no stored form when the request arrived, by their end, with the standalone
+    # prefill producing each: restoring them counts as cached only as far as that prefill found its tokens in a cache
+    # (a shared tier's pages); the rest was computed for this request (issue 52 item 3).
+    fresh_documents: dict[int, Sequence | None] = field(default_factory=dict)
     num_preemptions: int = 0
     output_ids: list[int] = field(default_factory=list)
     samples: list[SampleResult] = field(default_factory=list)

@@ -17,6 +17,7 @@ MAX_STOP_WORDS = 64  # every generated token is checked against each: a bound on
 MAX_STOP_WORD_BYTES = 1024
 MAX_NUM_LOGPROBS = 50
 MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
+MAX_REPETITION_PENALTY = 10.0  # vLLM's and llama.cpp's multiplicative penalty; 1 = off, past ~2 text degrades anyway
 
 _TOKEN_ID = re.compile(r"[0-9]+")
 
@@ -77,7 +78,12 @@ class SamplingParams:
     response_format: dict[str, Any] | None = None
     # Each sampled token's own logprob (SampleResult.logprob, OpenAI's logprobs=true) even with num_logprobs 0;
     # otherwise it is NaN there: the log-sum-exp over the vocabulary was ~40 % of a greedy step's sampling.
-    token_logprob: bool = False  # last: positional construction keeps the fields before it
+    token_logprob: bool = False  # positional construction keeps the fields before it
+    # vLLM's and llama.cpp's min_p: after temperature, tokens below min_p x the best token's probability are dropped.
+    min_p: float = 0.0
+    # vLLM's (HF's) repetition_penalty: every token of the prompt or the output has a positive logit divided by it,
+    # a negative one multiplied; 1 = off.
+    repetition_penalty: float = 1.0
     max_tokens: InitVar[int | None] = None  # vLLM's alias of max_generate_length
 
     def __post_init__(self, max_tokens: int | None) -> None:
@@ -96,6 +102,8 @@ class SamplingParams:
         check_seed(self.seed, "seed")
         check_penalty(self.presence_penalty, "presence_penalty")
         check_penalty(self.frequency_penalty, "frequency_penalty")
+        check_min_p(self.min_p, "min_p")
+        check_repetition_penalty(self.repetition_penalty, "repetition_penalty")
         self.response_format = check_response_format(self.response_format, "response_format")
         if self.response_format is not None:
             self.speculative = False  # drafts would be verified against a grammar state one token behind
@@ -106,7 +114,7 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty)
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
 
     @property
     def lookup_policy(self) -> LookupPolicy:
@@ -143,6 +151,21 @@ def check_penalty(value: Any, where: str) -> float:
     expected = f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]"
     number = check_number(value, where, expected)
     if abs(number) > MAX_PENALTY:
+        fail(where, f"must be {expected}, got {show(value)}")
+    return number
+
+
+def check_min_p(value: Any, where: str) -> float:
+    number = check_number(value, where, "a number in [0, 1]")
+    if not 0 <= number <= 1:
+        fail(where, f"must be a number in [0, 1] (0 = off), got {show(value)}")
+    return number
+
+
+def check_repetition_penalty(value: Any, where: str) -> float:
+    expected = f"a number in (0, {MAX_REPETITION_PENALTY:g}] (1 = off)"
+    number = check_number(value, where, expected)
+    if not 0 < number <= MAX_REPETITION_PENALTY:
         fail(where, f"must be {expected}, got {show(value)}")
     return number
 

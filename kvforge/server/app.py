@@ -353,7 +353,7 @@ async def _complete_choices(state: ServerState, request: Request, call: ApiCall,
     """n choices per prompt, `choices[i]` in order. The first of each prompt runs alone until its first token, when
     its prompt pages are published: the other n - 1 then find them in the cache and compute only their own tokens."""
     calls = call.choices()
-    handles = [RequestHandle(state, c, salt) for c in calls]
+    handles = [RequestHandle(state, c, salt, counts_cache=i % call.n == 0) for i, c in enumerate(calls)]
     choices = [Choice(h, Renderer(c, handles[0].request_id, state.tokenizer)) for h, c in zip(handles, calls,
                                                                                               strict=True)]
     try:

@@ -48,10 +48,13 @@ class ClientGone(Exception):
 
 
 class RequestHandle:
-    def __init__(self, state: ServerState, call: ApiCall, cache_salt: str) -> None:
+    def __init__(self, state: ServerState, call: ApiCall, cache_salt: str, counts_cache: bool = True) -> None:
+        """`counts_cache`: whether its prompt's cache lookup counts in /metrics; False for choices 2..n of a prompt,
+        which read the pages the first choice computed for the same call (usage counts each prompt once too)."""
         self.state = state
         self.call = call
         self.cache_salt = cache_salt
+        self.counts_cache = counts_cache
         self.request_id = f"{'chatcmpl' if call.chat else 'cmpl'}-{secrets.token_hex(12)}"
         self.queue: asyncio.Queue[Accepted | RequestOutput | Exception] = asyncio.Queue()
         self.arrival = time.perf_counter()
@@ -149,7 +152,7 @@ class RequestHandle:
         metrics, now = self.state.metrics, time.perf_counter()
         if self.last_token_time is None:
             metrics.ttft.observe(now - self.arrival)
-            if self.state.reuse_enabled and self.call.sampling.reuse_context:
+            if self.state.reuse_enabled and self.call.sampling.reuse_context and self.counts_cache:
                 metrics.cache_queries.inc(len(output.prompt_token_ids))
                 metrics.cache_hits.inc(output.cached_tokens)
         else:

@@ -20,7 +20,9 @@ from kvforge.contract.validation import check_int, check_string, describe, fail,
 from kvforge.runtime.engine.engine import CompiledGrammar, Engine, EngineRequest
 from kvforge.runtime.inputs.checks import (
     check_logit_bias,
+    check_min_p,
     check_penalty,
+    check_repetition_penalty,
     check_response_format,
     check_seed,
     check_stop,
@@ -43,8 +45,15 @@ T = TypeVar("T")
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat top_logprobs
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_CHOICES = 16  # n × prompts: each choice is a sequence in the engine, so a bound on what one body may ask
-# Known OpenAI fields this server cannot honour: refused unless they hold their neutral value.
-NEUTRAL = {"best_of": 1, "echo": False, "suffix": None, "functions": None}
+# Known OpenAI fields this server cannot honour: refused unless they hold their neutral value. Fields this module
+# does not read at all are ignored, as vLLM and llama-server ignore them (docs/serving.md, "Unknown fields"): they
+# are either metadata (`user`, `metadata`, `store`, `service_tier`) or another server's extensions.
+NEUTRAL = {"best_of": 1, "echo": False, "suffix": None, "functions": None,
+           # Output this server cannot produce (audio out, predicted outputs, web search): a silent text-only
+           # answer would look like the model ignored the request.
+           "audio": None, "prediction": None, "web_search_options": None}
+MAX_TEMPERATURE = 2.0  # OpenAI's range: [0, 2]
+MODALITIES = ("text",)  # output modalities this server produces
 COMPLETION_NEUTRAL = {"tools": None, "tool_choice": None}  # tools are chat's (kvforge/runtime/inputs/tools.py)
 
 
@@ -125,6 +134,8 @@ def parse_call(body: Any, chat: bool, models: dict[str, str | None], media: Medi
 
 
 def _parse(body: dict[str, Any], chat: bool, models: dict[str, str | None], media: MediaPolicy) -> ApiCall:
+    if body.get("model") is None:  # named plainly: "must be a string, got null" left clients guessing which field
+        fail("model", f"model is required: the id of the model to use ({', '.join(sorted(models))})")
     model = check_string(body.get("model"), "model")
     if model not in models:
         raise ApiError(404, f"the model {model!r} does not exist; this server has {', '.join(sorted(models))}",
@@ -132,6 +143,7 @@ def _parse(body: dict[str, Any], chat: bool, models: dict[str, str | None], medi
     for name, neutral in (NEUTRAL if chat else {**NEUTRAL, **COMPLETION_NEUTRAL}).items():
         if body.get(name, neutral) not in (neutral, None):  # named in the message too: clients print only that
             fail(name, f"{name} is not supported by this server (only {json.dumps(neutral)})")
+    _modalities(body)
     lora_name = _adapter(body, models[model], models)
     logprobs, top = _logprobs(body, chat)
     tools = parse_tools(body) if chat else None
@@ -146,7 +158,7 @@ def _parse(body: dict[str, Any], chat: bool, models: dict[str, str | None], medi
     if n * max(len(prompts), 1) > MAX_CHOICES:
         fail("n", f"asks for {n} choices for each of {len(prompts)} prompts; at most {MAX_CHOICES} in all")
     sampling = SamplingParams(
-        temperature=_given(body, "temperature", check_temperature, 1.0),
+        temperature=_given(body, "temperature", _temperature, 1.0),
         top_p=_given(body, "top_p", check_top_p, 1.0),
         top_k=_given(body, "top_k", lambda v, f: check_int(v, f, 0), 0),
         num_logprobs=top,
@@ -159,6 +171,8 @@ def _parse(body: dict[str, Any], chat: bool, models: dict[str, str | None], medi
         presence_penalty=_given(body, "presence_penalty", check_penalty, 0.0),
         frequency_penalty=_given(body, "frequency_penalty", check_penalty, 0.0),
         response_format=response_format,  # grammar-constrained (a forced tool call's own, with tools)
+        min_p=_given(body, "min_p", check_min_p, 0.0),  # vLLM's and llama-server's extensions
+        repetition_penalty=_given(body, "repetition_penalty", check_repetition_penalty, 1.0),
     )
     return ApiCall(chat, model, messages, prompts[0] if prompts else prompt, sampling, _max_tokens(body, chat),
                    _given(body, "stream", _boolean, False), _include_usage(body), logprobs, lora_name,
@@ -189,6 +203,27 @@ def _given(body: dict[str, Any], name: str, check: Callable[[Any, str], T], defa
     """A standard OpenAI field: absent or null means its default."""
     value = body.get(name)
     return default if value is None else check(value, name)
+
+
+def _temperature(value: Any, where: str) -> float:
+    """OpenAI's range, [0, 2]: a client sending 5 meant something the API does not offer."""
+    number = check_temperature(value, where)
+    if number > MAX_TEMPERATURE:
+        fail(where, f"must be a number in [0, {MAX_TEMPERATURE:g}] (OpenAI's range), got {number:g}")
+    return number
+
+
+def _modalities(body: dict[str, Any]) -> None:
+    """OpenAI's output modalities: this server answers with text only, so ["audio"] is refused, not ignored."""
+    value = body.get("modalities")
+    if value is None:
+        return
+    if not isinstance(value, list) or not all(isinstance(m, str) for m in value):
+        fail("modalities", f'must be an array of strings like ["text"], got {json_kind(value)}')
+    other = [m for m in value if m not in MODALITIES]
+    if other:
+        fail("modalities", f"modalities {json.dumps(other)} are not supported by this server: it answers with text "
+                           'only (["text"])')
 
 
 def _boolean(value: Any, where: str) -> bool:

@@ -31,7 +31,7 @@ from kvforge.runtime.context_cache.types.document_chunks import (  # noqa: F401 
 from kvforge.runtime.engine.state import CheckpointPolicy
 from kvforge.runtime.execution.kv_store import ROTATION_CHECK_TOLERANCE, check_rotation
 from kvforge.runtime.inputs.multimodal.encoder_cache import DEFAULT_ENCODER_CACHE_BUDGET_BYTES
-from kvforge.runtime.shared_tier.secret import SECRET_ENV, check_secret
+from kvforge.runtime.shared_tier.secret import READ_SECRETS_ENV, SECRET_ENV, check_secret
 from kvforge.runtime.shared_tier.store import check_store_url
 from kvforge.runtime.spec.methods import (  # noqa: F401 - the draft sizes are re-exported for the front ends
     DEFAULT_SPEC_DRAFT_TOKENS,
@@ -142,7 +142,12 @@ class EngineConfig:
     shared_cache_secret: str | None = field(default=None, repr=False, metadata={OPTION: EngineOption(
         "--sharedCacheSecret", "With --sharedCache: a secret every process sharing the tier is given; values are "
         f"then authenticated (a forged or altered value is a miss). Prefer the {SECRET_ENV} environment variable "
-        "(a flag shows in the process list). See docs/shared-tier.md.")})
+        "(a flag shows in the process list). At least 16 bytes. See docs/shared-tier.md.")})
+    # Rotation: secrets values are also read with (never written with); a value one of them opens is not replaced.
+    shared_cache_read_secrets: tuple[str, ...] = field(default=(), repr=False, metadata={OPTION: EngineOption(
+        "--sharedCacheReadSecret", "With --sharedCacheSecret: another secret values are also read with (repeatable; "
+        f"or {READ_SECRETS_ENV}, comma-separated), never written with: rotate by adding the new secret here on "
+        "every process, then making it the --sharedCacheSecret, then dropping the old one. See docs/shared-tier.md.")})
     shared_cache_encrypt: bool = _option(
         False, "--sharedCacheEncrypt", "With --sharedCache and a tier secret: also encrypt values (AES-GCM), so the "
         "store holds no prompt tokens or K/V in clear. Needs the cryptography package (kvforge[tier]).")
@@ -294,7 +299,8 @@ def resolve_engine_config(config: EngineConfig, engine: EngineDir, *, num_pages:
             raise InvalidConfig("a shared tier is a second level of context reuse: it needs enable_context_reuse",
                                 "shared_cache")
         check_store_url(config.shared_cache, config.shared_cache_timeout_ms / 1e3)
-        check_secret(config.shared_cache_secret, encrypt=config.shared_cache_encrypt)
+        check_secret(config.shared_cache_secret, encrypt=config.shared_cache_encrypt,
+                     read_secrets=config.shared_cache_read_secrets)
     if config.encoder_cache_budget_bytes < 0:
         raise InvalidConfig(f"must be >= 0, got {config.encoder_cache_budget_bytes}", "encoder_cache_budget_bytes")
     # Before the snapshot budgets: a recurrent engine's missing budget is not what stops document reuse there.

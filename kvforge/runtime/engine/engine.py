@@ -148,7 +148,7 @@ class Engine:
                                          draft_pages=spec.draft_pages(resolved.draft),
                                          draft_replays=resolved.draft is None or spec.support.replays_final_page,
                                          **self._document_options(config, resolved),
-                                         **self._correction_options(config),
+                                         **self._correction_options(config, resolved.num_pages),
                                          **_window_group(self.engine_dir))
         encoder = _load_encoder(config)
         self.tokenizer = ChatTokenizer(self.engine_dir.path,
@@ -257,7 +257,8 @@ class Engine:
         if request.sampling.response_format is not None:  # compiled beforehand (llm_serve) or here, once per schema
             grammar = request.grammar or self.grammars.compile(request.sampling.response_format)
             constraint = grammar.constraint()
-        seq = Sequence(request_id, request, Sampler(request.sampling, constraint), arrival=next(self._arrivals))
+        sampler = Sampler(request.sampling, constraint, request.prompt_ids)  # the prompt: repetition_penalty's
+        seq = Sequence(request_id, request, sampler, arrival=next(self._arrivals))
         if self.proposer is not None and request.sampling.speculative:
             self._apply_support_rows(seq)
         self.core.add(seq)
@@ -372,12 +373,19 @@ class Engine:
                                 model.kv_cache_dtype)
         return {"document_reuse": True, "document_repair": config.document_repair, "document_store": store}
 
-    def _correction_options(self, config: EngineConfig) -> dict:
+    def _correction_options(self, config: EngineConfig, num_pages: int) -> dict:
         """The adapter_corrections type's options: the engine side and its budget (0: the type's default)."""
         if self.corrector is None:
             return {}
         if config.lora_correction_pages < 0:
             raise InvalidConfig(f"must be >= 0, got {config.lora_correction_pages}", "lora_correction_pages")
+        # One slot per corrected adapter and base page: more can never be filled, and the pool's bookkeeping is
+        # allocated up front (10^12 slots ended in a MemoryError).
+        adapters = len(config.lora_corrections)
+        if config.lora_correction_pages > num_pages * adapters:
+            raise InvalidConfig(f"must be at most the KV pool's {num_pages} pages x {adapters} corrected adapters = "
+                                f"{num_pages * adapters} (one slot per adapter and base page; 0 = that), got "
+                                f"{config.lora_correction_pages}", "lora_correction_pages")
         budget = {"adapter_correction_pages": config.lora_correction_pages} if config.lora_correction_pages else {}
         return {"adapter_corrections": self.corrector, **budget}
 
@@ -386,6 +394,9 @@ class Engine:
         on an engine the correction cannot serve."""
         if not config.lora_corrections:
             return None
+        repeated = sorted({name for name in config.lora_corrections if config.lora_corrections.count(name) > 1})
+        if repeated:
+            raise InvalidConfig(f"names adapter {repeated[0][:60]!r} more than once", "lora_corrections")
         if not config.enable_context_reuse:
             raise InvalidConfig("corrected adapters start from cached base pages: they need enable_context_reuse",
                                 "lora_corrections")
@@ -411,7 +422,8 @@ class Engine:
                           kv=self.backend.kv_store if resolved.num_pages else None, states=self.states,
                           state_rows=self.state_manager.rows, partial=self.partial_store,
                           recurrent=self.recurrent_store, timeout_s=config.shared_cache_timeout_ms / 1e3,
-                          secret=tier_secret(config.shared_cache_secret, encrypt=config.shared_cache_encrypt))
+                          secret=tier_secret(config.shared_cache_secret, encrypt=config.shared_cache_encrypt,
+                                             read_secrets=config.shared_cache_read_secrets))
 
 
 def _load_encoder(config: EngineConfig):  # -> VisualEncoder | AudioEncoder | None

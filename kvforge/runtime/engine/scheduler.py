@@ -23,8 +23,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from kvforge.contract.profile_schema import SCHEDULER_KEYS
-from kvforge.runtime.context_cache.lease import Lease
+from kvforge.runtime.context_cache.lease import Admission, Lease
 from kvforge.runtime.context_cache.manager import ContextCacheManager
 from kvforge.runtime.context_cache.types.document_chunks import DocumentChunks
 from kvforge.runtime.engine.state import StateManager
@@ -106,14 +108,25 @@ class Scheduler:
         stored form yet (the request then waits for them and restores them)."""
         if self.documents is not None and seq.request.documents:
             try:
-                wanted = self.documents.wanted(seq.next_admission())
+                admission = seq.next_admission()
+                wanted = self.documents.wanted(admission)
+                fresh = self._fresh_documents(admission)
             except Exception:  # the request's own admission fails it later, with its reason
-                wanted = []
+                wanted, fresh = [], {}
             for key, start, length in wanted:
                 if key not in self.producers:
                     self.producers[key] = producer = self._producer(seq, start, length)
                     self.waiting.append(producer)
+            seq.fresh_documents = {end: self.producers.get(key) for end, key in fresh.items()}
         self.waiting.append(seq)
+
+    def _fresh_documents(self, admission: Admission) -> dict[int, bytes]:
+        """The spans whose document has no stored form now, as the request arrives: their ends and keys."""
+        assert self.documents is not None
+        tokens = np.asarray(admission.token_ids, dtype=np.int32)
+        return {start + length: key for key, start, length in
+                self.documents.eligible(tokens, admission.documents, admission.extras)
+                if not self.documents.stored(key)}
 
     @staticmethod
     def _producer(seq: Sequence, start: int, length: int) -> Sequence:
@@ -382,7 +395,16 @@ class Scheduler:
 
 def cached_tokens(seq: Sequence) -> int:
     """The prompt tokens a sequence starts with from a cache: those before its computing starts (pages, snapshots,
-    a shared tier's load) and the restored document tokens after them (issue 37)."""
+    a shared tier's load) and the restored document tokens after them (issue 37), except the tokens of documents
+    that had no stored form when the request arrived which their standalone prefill computed: those were computed
+    for it (issue 52 item 3); what that prefill loaded from a cache (a shared tier) existed before and counts."""
     start = seq.num_computed_tokens
     spans = seq.lease.restored_spans if seq.lease is not None else ()
-    return start + sum(max(end - max(begin, start), 0) for begin, end in spans)
+    total = start
+    for begin, end in spans:
+        until = end
+        if end in seq.fresh_documents:  # only what its standalone prefill found in a cache existed before
+            producer = seq.fresh_documents[end]
+            until = end - len(producer.request.prompt_ids) + producer.reused_tokens if producer is not None else 0
+        total += max(min(end, until) - max(begin, start), 0)
+    return total
