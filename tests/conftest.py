@@ -47,6 +47,33 @@ def run_cli() -> Callable[..., subprocess.CompletedProcess[str]]:
 
 
 @pytest.fixture(scope="session")
+def run_cli_inprocess() -> Callable[..., subprocess.CompletedProcess[str]]:
+    """`run_cli`'s contract without the process: the console script's entry point runs in this one (argv, exit
+    code, fd-level stdout/stderr). For tests where the process is not the point; see support/inprocess.py."""
+    from support.inprocess import run_cli_inprocess as run
+
+    return run
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark `engine`, `cli` and `torch` by rule (support/tiers.py): `make test-fast` runs the complement."""
+    from support.tiers import Classifier
+
+    classifier = Classifier(items)
+    for item in items:
+        for tier in sorted(classifier.tiers(item)):
+            item.add_marker(tier)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A run that deselects `torch` must not have imported it: a test that does is missing from the rule."""
+    if "not torch" in (session.config.getoption("markexpr") or "") and "torch" in sys.modules:
+        session.config.get_terminal_writer().line(
+            "error: a run without `torch` tests imported torch; extend TORCH_NAMES in tests/support/tiers.py", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture(scope="session")
 def tiny_onnx_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`llm_export --synthetic tiny-llama` (fp16 KV, byte-level tokenizer: one token per byte), exported once."""
     path = tmp_path_factory.mktemp("tiny_onnx")

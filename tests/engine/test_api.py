@@ -13,6 +13,8 @@ from kvforge import LLM, SamplingParams
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.errors import KvforgeError
 
+pytestmark = pytest.mark.attention_path  # assertions that depend on the attention lowering: run again on the fallback
+
 ROOT = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(temperature=0.0, max_generate_length=6, num_logprobs=2)
 DOC = "A shared document of several pages about harbours and tides. " * 2

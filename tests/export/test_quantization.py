@@ -30,6 +30,8 @@ from kvforge.tools.export.sources.gguf import unpermute_llama_cpp_rows
 from kvforge.tools.export.sources.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir
 
+pytestmark = pytest.mark.attention_path  # assertions that depend on the attention lowering: run again on the fallback
+
 
 def _built_graph(loaded: LoadedModel, tmp_path: Path, cpu_matmul: str = "onnx",
                  engine: str = "engine", prefill: str = "fp32") -> onnx.GraphProto:

@@ -15,7 +15,7 @@ from support.numpy_llama import dense_logits
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.tools.export.writer import write_onnx_dir
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.attention_path]  # run again on the fallback
 ROOT = Path(__file__).resolve().parents[2]
 
 
