@@ -40,9 +40,14 @@ def run_cli_command(args: list[str], cwd: Path | None = None) -> subprocess.Comp
                           errors="replace", timeout=CLI_TIMEOUT_S, env=env, cwd=cwd, check=False)
 
 
-@pytest.fixture(scope="session")
-def run_cli() -> Callable[..., subprocess.CompletedProcess[str]]:
-    """`run_cli(["llm_build", "--onnxDir", ...])` → CompletedProcess (never raises on a non-zero exit)."""
+@pytest.fixture(scope="module")
+def run_cli(request: pytest.FixtureRequest) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """`run_cli(["llm_build", "--onnxDir", ...])` → CompletedProcess (never raises on a non-zero exit): a real process,
+    or, in a module marked `in_process`, the same entry point run in this one (support/inprocess.py)."""
+    if request.node.get_closest_marker("in_process") is not None:
+        from support.inprocess import run_cli_inprocess
+
+        return run_cli_inprocess
     return run_cli_command
 
 

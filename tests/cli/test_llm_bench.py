@@ -19,6 +19,8 @@ from kvforge.contract.errors import KvforgeError
 from kvforge.tools.bench import cli, engines
 from kvforge.tools.bench.engines import KVFORGE, LLAMA_CPP, ORT_GENAI, TRANSFORMERS, parse_engine
 
+pytestmark = pytest.mark.in_process  # run_cli in this process: the process is not the point here
+
 # Short prompts (the tiny model's tokenizer has a token per byte: the questions are ~50 tokens, the document
 # ~70) and pages of 16 tokens, so the document fills 4 pages.
 BASIC_FILE = Path(__file__).resolve().parents[2] / "test_cases" / "llm_basic.json"

@@ -26,6 +26,8 @@ from kvforge.tools.testcases.checks import (
 )
 from kvforge.tools.testcases.config_string import check_engine, named_test_case, parse_config
 
+pytestmark = pytest.mark.in_process  # run_cli in this process: the process is not the point here
+
 ROOT = Path(__file__).resolve().parents[2]
 TEST_CASES = ROOT / "test_cases"
 SEED_BUILD = "mxsl1024-mxbs1-mxil1024-mxkvp64"  # the seed's tests/python-unittests/test_pipeline_context_reuse.py

@@ -12,6 +12,8 @@ from kvforge import LLM, SamplingParams
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.errors import KvforgeError
 
+pytestmark = pytest.mark.in_process  # run_cli in this process: the process is not the point here
+
 pytest.importorskip("llguidance")
 
 SCHEMA: dict[str, Any] = {

@@ -30,7 +30,7 @@ from kvforge.tools.export.sources.gguf import unpermute_llama_cpp_rows
 from kvforge.tools.export.sources.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir
 
-pytestmark = pytest.mark.attention_path  # assertions that depend on the attention lowering: run again on the fallback
+pytestmark = [pytest.mark.attention_path, pytest.mark.in_process]  # fallback rerun; run_cli in process
 
 
 def _built_graph(loaded: LoadedModel, tmp_path: Path, cpu_matmul: str = "onnx",

@@ -25,7 +25,7 @@ from kvforge.tools.export.families.idefics3_source import write_visual_onnx_dir
 from kvforge.tools.export.sources.synthetic import synthetic_idefics3
 from kvforge.tools.export.writer import write_onnx_dir
 
-pytestmark = pytest.mark.attention_path  # assertions that depend on the attention lowering: run again on the fallback
+pytestmark = [pytest.mark.attention_path, pytest.mark.in_process]  # fallback rerun; run_cli in process
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "test_cases" / "vlm_context_reuse.json"

@@ -18,6 +18,8 @@ from support.paged_rows import CAPACITY, PATHS, Row, lowered_session
 from kvforge.contract.model_config import ModelConfig
 from kvforge.tools.export.families.gemma3 import build_gemma3_graph, config_from_hf
 
+pytestmark = pytest.mark.in_process  # run_cli in this process: the process is not the point here
+
 torch = LazyModule("torch")
 transformers = LazyModule("transformers")
 WINDOW, VOCAB = 32, 96

@@ -19,6 +19,8 @@ from kvforge.contract.model_config import ModelConfig
 from kvforge.plugins.reference import apply_rope, rope_table
 from kvforge.tools.export.families.gemma4 import table_order
 
+pytestmark = pytest.mark.in_process  # run_cli in this process: the process is not the point here
+
 torch = LazyModule("torch")
 transformers = LazyModule("transformers")
 

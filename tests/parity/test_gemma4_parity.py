@@ -18,6 +18,8 @@ from kvforge.contract.engine_dir import PER_LAYER_INPUT
 from kvforge.contract.model_config import ModelConfig
 from kvforge.tools.export.families.gemma4 import build_gemma4_graph, config_from_hf
 
+pytestmark = pytest.mark.in_process  # run_cli in this process: the process is not the point here
+
 torch = LazyModule("torch")
 transformers = LazyModule("transformers")
 WINDOW, VOCAB = 32, 96

@@ -22,6 +22,8 @@ from kvforge.tools.export.families.mamba2 import (
     recurrent_state_name,
 )
 
+pytestmark = pytest.mark.in_process  # run_cli in this process: the process is not the point here
+
 torch = LazyModule("torch")
 transformers = LazyModule("transformers")
 TOL = 1e-4

@@ -25,7 +25,7 @@ from kvforge.tools.export.families.llama import pool_input_name
 from kvforge.tools.export.families.mamba2 import conv_state_name, recurrent_state_name
 from kvforge.tools.export.families.qwen3_5 import build_qwen3_5_graph, config_from_hf
 
-pytestmark = pytest.mark.attention_path  # assertions that depend on the attention lowering: run again on the fallback
+pytestmark = [pytest.mark.attention_path, pytest.mark.in_process]  # fallback rerun; run_cli in process
 
 torch = LazyModule("torch")
 transformers = LazyModule("transformers")

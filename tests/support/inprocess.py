@@ -88,12 +88,14 @@ def _exit_code(exc: SystemExit) -> int:
     return 1
 
 
-def run_cli_inprocess(args: list, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def run_cli_inprocess(args: list, cwd: Path | None = None,
+                      env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """`run_cli_command`'s contract in process: `args[0]` names a console script; never raises on a non-zero exit.
-    An uncaught exception is a traceback on stderr and exit 1, as the interpreter would report it."""
+    An uncaught exception is a traceback on stderr and exit 1, as the interpreter would report it. `env` adds
+    variables for this run only."""
     argv = [str(a) for a in args]
     main = _entry_point(argv[0])
-    env = mock.patch.dict(os.environ, _ENV)
+    env = mock.patch.dict(os.environ, {**_ENV, **(env or {})})
     with env, mock.patch.object(sys, "argv", [str(BIN_DIR / argv[0]), *argv[1:]]), _logging_restored():
         os.environ.pop("KVFORGE_DEBUG", None)  # restored with the rest of the environment
         here = Path.cwd()
