@@ -98,3 +98,21 @@ def run_alone(engine: Engine, request: EngineRequest) -> RequestOutput:
                 output = out
     assert output is not None and output.timing is not None
     return output
+
+
+# --- models in torch (imported inside: a bench that never asks for one needs no torch) ----------------------
+
+def tiny_llama(seed: int) -> Any:
+    """A 4-layer float32 llama with weights large enough for peaked next-token distributions."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.1)
+    return model

@@ -173,16 +173,22 @@ def version_line(name: str) -> str:
     return f"{name} kvforge {__version__}"
 
 
-def run_app(app: typer.Typer) -> None:
-    """Entry point of a typer app whose usage errors (missing or malformed flags) are one line too."""
+def run_app(app: typer.Typer, argv: list[str] | None = None) -> None:
+    """Entry point of a typer app whose usage errors (missing or malformed flags) are one line too.
+
+    `argv` is the whole command line, program name first (default `sys.argv`), so a test or another program can run
+    a CLI in process: it returns on success and raises `SystemExit` with the exit code otherwise.
+    """
+    prog_name = None if argv is None else Path(argv[0]).name  # None: click names it as it was started
+    argv = list(sys.argv if argv is None else argv)
     # Handled before typer sees argv so it works at the top level of every app, subcommands or not, and needs no
     # required flag (typer would demand --engineDir first).
-    if sys.argv[1:2] == ["--version"]:
-        print(version_line(Path(sys.argv[0]).name))
+    if argv[1:2] == ["--version"]:
+        print(version_line(prog_name or Path(argv[0]).name))
         raise SystemExit(0)
     command = typer.main.get_command(app)
     try:
-        code = command.main(standalone_mode=False)
+        code = command.main(args=argv[1:], prog_name=prog_name, standalone_mode=False)
     except click_exceptions.UsageError as exc:
         hint = f" (see {exc.ctx.command_path} --help)" if exc.ctx else ""
         fail(f"{exc.format_message()}{hint}")

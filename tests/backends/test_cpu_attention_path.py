@@ -22,6 +22,8 @@ from kvforge.contract.errors import InvalidConfig
 from kvforge.plugins import cpu_kernel, ops
 from kvforge.plugins.cpu_kernel import kernel_status
 
+pytestmark = pytest.mark.in_process  # run_cli in this process: the process is not the point here
+
 BUILD = BuildOptions(max_input_len=64, max_kv_cache_capacity=256, max_batch_size=2, tokens_per_page=16)
 
 

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from support.cli_checks import assert_one_line_error
 
+pytestmark = pytest.mark.in_process  # run_cli in this process: the process is not the point here
+
 REPORTS = ["Pump 3 stopped at noon.", "The north gate is shut."]  # 23 and 23 bytes: a page and more each
 
 

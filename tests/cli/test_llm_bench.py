@@ -19,6 +19,8 @@ from kvforge.contract.errors import KvforgeError
 from kvforge.tools.bench import cli, engines
 from kvforge.tools.bench.engines import KVFORGE, LLAMA_CPP, ORT_GENAI, TRANSFORMERS, parse_engine
 
+pytestmark = pytest.mark.in_process  # run_cli in this process: the process is not the point here
+
 # Short prompts (the tiny model's tokenizer has a token per byte: the questions are ~50 tokens, the document
 # ~70) and pages of 16 tokens, so the document fills 4 pages.
 BASIC_FILE = Path(__file__).resolve().parents[2] / "test_cases" / "llm_basic.json"
@@ -370,6 +372,23 @@ def test_engine_specs_take_speculative_options_and_name_the_engine_after_them() 
     assert (parse_engine("e,spec=dflash").name, parse_engine("e,spec=dflash").spec_decode) == ("e+dflash", "dflash")
     tree = parse_engine("e,spec=eagle3,draftStep=4,draftTopK=3")
     assert (tree.name, tree.spec_draft_top_k) == ("e+eagle3-k4-top3", 3)
+
+
+def test_the_speculation_table_gives_the_spec_values_the_tree_rule_and_the_help() -> None:
+    """A method added to kvforge/contract/speculation.py is an llm_bench option with no edit here (JetSpec was not)."""
+    from kvforge.contract.speculation import SPEC_METHODS, TREE_METHODS
+    from kvforge.tools.bench.cli import APP_HELP
+
+    assert engines.SPEC_CHOICES.split("|") == [method for method in SPEC_METHODS if method != "off"]
+    jet = parse_engine("e,spec=jetspec,draftStep=4,draftTopK=3")  # a tree method: the table's row says so
+    assert (jet.name, jet.spec_decode, jet.spec_draft_top_k) == ("e+jetspec-k4-top3", "jetspec", 3)
+    assert "jetspec" in TREE_METHODS
+    with pytest.raises(KvforgeError, match=re.escape("needs spec=eagle3 or spec=jetspec")):
+        parse_engine("e,spec=dflash,draftTopK=2")
+    with pytest.raises(KvforgeError, match=re.escape(f"options: reuse=on|off, spec={engines.SPEC_CHOICES}|off")):
+        parse_engine("e,spec=eagle")
+    assert engines.ENGINE_SYNTAX in APP_HELP and "{" not in APP_HELP.split("[bold]Engines")[1].split("Workloads")[0]
+    assert "dflash, dspark, jetspec, gemma4_mtp or mtp" in APP_HELP
 
 
 def test_an_eagle3_engine_must_be_a_built_base_with_its_draft(tiny_eagle3_engine_dir: Path, tiny_onnx_dir: Path,

@@ -13,9 +13,8 @@ from typing import Any, Literal
 import openai
 import pydantic
 import pytest
+from support.engine_driver import build_once
 from support.server_harness import MODEL, SERVER_BUILD, LiveServer, audited_client, live_server
-
-from kvforge.builder.build import build_engine
 
 pytest.importorskip("llguidance")
 
@@ -39,8 +38,7 @@ class Tide(pydantic.BaseModel):
 def engine_dir(tiny_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     # A byte-level tokenizer: the tools' description alone is ~600 prompt tokens
     path = tmp_path_factory.mktemp("structured_engine")
-    build_engine(tiny_onnx_dir, path, replace(SERVER_BUILD, max_input_len=1024, max_kv_cache_capacity=1280))
-    return path
+    return build_once(tiny_onnx_dir, path, replace(SERVER_BUILD, max_input_len=1024, max_kv_cache_capacity=1280))
 
 
 @pytest.fixture(scope="module")

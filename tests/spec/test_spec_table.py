@@ -133,3 +133,13 @@ def test_a_method_name_is_spelled_in_few_source_files() -> None:
     assert len(spelling) <= MAX_FILES_SPELLING_A_METHOD, (
         f"a speculative method's name is spelled as a literal in {spelling}: import it from "
         "kvforge/contract/speculation.py")
+
+
+def test_rows_name_every_field() -> None:
+    """A row passes its booleans by name: positional rows (seven booleans in a row) are refused."""
+    from kvforge.contract.speculation import SPEC_SUPPORT, SpecSupport, in_words
+
+    row = SPEC_SUPPORT["eagle3"]
+    with pytest.raises(TypeError):
+        SpecSupport("x", "X", row.bases, True, row.draft_kv, False, False, False, False, False, False, "", "")  # type: ignore[misc]
+    assert in_words(("a",)) == "a" and in_words(("a", "b", "c")) == "a, b or c"

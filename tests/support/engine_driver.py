@@ -17,6 +17,19 @@ from kvforge.tools.export.sources.base import LoadedModel
 from kvforge.tools.export.sources.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir
 
+_BUILT: dict[tuple[str, BuildOptions], Path] = {}
+
+
+def build_once(onnx_dir: Path, engine_dir: Path, build: BuildOptions) -> Path:
+    """`build_engine` once per session for an ONNX dir and a geometry: the first caller's `engine_dir`, returned to
+    every later caller whatever dir it names (the same engine is built at a dozen sites otherwise). Tests only read
+    these dirs; copy one to change it."""
+    key = (str(Path(onnx_dir).resolve()), build)
+    if key not in _BUILT:
+        build_engine(onnx_dir, engine_dir, build)
+        _BUILT[key] = Path(engine_dir)
+    return _BUILT[key]
+
 
 def make_engine(engine_dir: Path, runner: Backend | None = None, *, reuse: bool = False,
                 num_pages: int | None = None, **config: Any) -> Engine:

@@ -20,7 +20,7 @@ from kvforge.contract.geometry import snapshot_slots
 from kvforge.contract.memory import available_memory_bytes, check_fits_memory
 from kvforge.contract.model_config import ModelConfig
 from kvforge.contract.rope import rope_table
-from kvforge.contract.speculation import spec_decode_help
+from kvforge.contract.speculation import BLOCK_DRAFTS, DRAFT_METHODS, TREE_METHODS, in_words, spec_decode_help
 from kvforge.contract.window_pool import window_call_tokens
 from kvforge.runtime.context_cache.keys import EngineFingerprint, chain_root
 from kvforge.runtime.context_cache.manager import DEFAULT_MAX_RECORDS
@@ -173,7 +173,7 @@ class EngineConfig:
         "when full, new pages are cached without factors. 0 = the KV pool's pages times the corrected adapters.")
     spec_decode: str = _option(SPEC_OFF, "--specDecode", spec_decode_help())  # one sentence per support row
     dflash_block_size: int = _option(
-        0, "--dflashBlockSize", "With --specDecode dflash, dspark or jetspec: positions one block call drafts over "
+        0, "--dflashBlockSize", f"With --specDecode {in_words(BLOCK_DRAFTS)}: positions one block call drafts over "
         "(the pending token and blockSize - 1 masks, so up to blockSize - 1 proposed tokens). 0 (default) = the block "
         "the draft was trained on; smaller blocks verify fewer tokens. --specDraftStep does not apply to block drafts.")
     dspark_scheduler: str = _option(
@@ -189,14 +189,15 @@ class EngineConfig:
     dspark_max_proposal_len: int = _option(
         0, "--dsparkMaxProposalLen", "With --specDecode dspark: propose at most this many tokens (0 = the block).")
     spec_draft_engine_dir: str | None = _option(
-        None, "--specDraftEngineDir", "With --specDecode eagle3, dflash, dspark or jetspec: the draft's engine dir "
+        None, "--specDraftEngineDir", f"With --specDecode {in_words(DRAFT_METHODS)}: the draft's engine dir "
         "(default ENGINEDIR/draft).",
         path=True)
     spec_draft_step: int = _option(
         DEFAULT_SPEC_DRAFT_TOKENS, "--specDraftStep", "With --specDecode: tokens proposed per step for each decoding "
         "request (the verify call computes this many more positions); with --specDraftTopK > 1, the tree's depth.")
     spec_draft_top_k: int = _option(
-        1, "--specDraftTopK", "With --specDecode eagle3 or jetspec: candidates per drafting step. 1 (default) drafts "
+        1, "--specDraftTopK", f"With --specDecode {in_words(TREE_METHODS)}: candidates per drafting step. 1 (default) "
+        "drafts "
         "a chain; k > 1 drafts a tree (each step expands the k best nodes into their k best children) and the base "
         "verifies its best --specVerifySize - 1 nodes in one masked call (jetspec: best-first over each depth's top k "
         "from one block call). Needs engines built with --specBase/--specDraft on the kvforge CPU kernel.")

@@ -19,10 +19,12 @@ from kvforge import __version__
 from kvforge.cli_common import console, run_app, run_guarded
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.files import atomic_write_text, check_distinct, check_output_file, check_work_dir
+from kvforge.contract.speculation import DRAFT_METHODS, TREE_METHODS, in_words
 from kvforge.plugins.cpu_kernel import cpu_description, describe_cpu
 from kvforge.runtime.inputs.tokenizer import ChatTokenizer
 from kvforge.tools.bench import report
 from kvforge.tools.bench.engines import (
+    ENGINE_SYNTAX,
     KVFORGE,
     EngineSpec,
     build_options,
@@ -63,15 +65,15 @@ template), decodes exactly --maxTokens greedy tokens (end of sequence suppressed
 --repeats times from an empty cache; figures are medians.
 
 [bold]Engines[/] (--engine, repeatable): \
-[bold][NAME=][KIND:]PATH[,reuse=on|off][,spec=ngram|eagle3|dflash|dspark|gemma4_mtp|mtp][,draftStep=N][,draftTopK=K][/]
+[bold]{ENGINE_SYNTAX}[/]
 
   DIR                    a kvforge engine dir, or an ONNX dir (built on the fly into --workDir)
   DIR,reuse=off          the same without context reuse
   DIR,spec=ngram         the same with prompt-lookup speculative decoding (llm_inference --specDecode ngram;
                          draftStep=N is its --specDraftStep, default 6); named DIR+ngram unless NAME= is given
-  DIR,spec=eagle3        an engine dir built with llm_build --specBase, drafting with its EAGLE3 draft in DIR/draft
-                         (llm_inference --specDecode eagle3); named DIR+eagle3; draftTopK=K drafts trees
-                         (--specDraftTopK), named DIR+eagle3-topK
+  DIR,spec=METHOD        an engine dir built with llm_build --specBase, drafting with its draft in DIR/draft
+                         (llm_inference --specDecode METHOD: {DRAFT_METHODS}); named DIR+METHOD;
+                         draftTopK=K drafts trees (--specDraftTopK; {TREE_METHODS}), named DIR+METHOD-topK
   llama.cpp,spec=ngram   llama.cpp with its own prompt lookup (llama-cpp-python's LlamaPromptLookupDecoding as the
                          draft model; draftStep=N is its num_pred_tokens, default 10); named llama.cpp+ngram
   transformers[:PATH]    transformers, float32, on a GGUF file or an HF checkpoint dir
@@ -107,7 +109,8 @@ package is not installed is listed as skipped with the reason (pip install 'kvfo
       --contextTokens 64,512,1536,4096 --maxTokens 32 --baseline llama.cpp --plot decode.png
   llm_bench --engine int4=out/onnx/smollm2 --engine int4+ngram=out/onnx/smollm2,spec=ngram \\
       --engine llama.cpp --engine llama.cpp,spec=ngram --workload spec_decode --maxTokens 128 --baseline llama.cpp
-"""
+""".replace("{ENGINE_SYNTAX}", ENGINE_SYNTAX).replace(
+    "{DRAFT_METHODS}", in_words(DRAFT_METHODS)).replace("{TREE_METHODS}", in_words(TREE_METHODS))  # the table's
 
 
 def _split(values: list[str] | None) -> list[str]:
@@ -355,8 +358,7 @@ app = typer.Typer(add_completion=False, rich_markup_mode="rich", help=APP_HELP)
 @app.command(help=APP_HELP)
 def main_command(
     engine: list[str] | None = typer.Option(None, "--engine",
-                                            metavar="[NAME=][KIND:]PATH[,reuse=on|off][,spec=ngram|eagle3|dflash|dspark|gemma4_mtp|mtp][,draftStep=N]"
-                                            "[,draftTopK=K]",
+                                            metavar=ENGINE_SYNTAX,
                                             help="An engine to measure (repeatable); see above, e.g. --engine "
                                             "out/onnx/smollm2,spec=ngram or --engine llama.cpp,spec=ngram."),
     onnx_dir: list[Path] | None = typer.Option(None, "--onnxDir", help="A kvforge ONNX dir to build on the fly and "
