@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+from typing import Any
+
 import pytest
 
 from kvforge.runtime.context_cache.lease import Admission, Lease
 from kvforge.runtime.context_cache.manager import ContextCacheManager
+from kvforge.runtime.context_cache.metrics import CounterBlock, Sample
 from kvforge.runtime.context_cache.pools import ResourcePool
 from kvforge.runtime.context_cache.protocol import CacheSetup, CacheTypeBase, Publication, PublishResult
 from kvforge.runtime.context_cache.records import Record
@@ -13,19 +17,31 @@ from kvforge.runtime.context_cache.registry import Registration, register, regis
 
 T = 4
 NAME = "marker_slots"  # a pool no schema lists: the coordinator must not care
+BLOCK = "markers"  # its counters' profile block, which no schema lists either
+
+
+def marker_samples(cache: Mapping[str, Any]) -> Iterator[Sample]:
+    yield Sample("counter", "markers_kept", "Records that kept a marker slot.", cache[BLOCK]["kept"])
+
+
+COUNTERS = CounterBlock(BLOCK, ("kept", "dropped"), marker_samples)
 
 
 class MarkerSlots(CacheTypeBase):
     """A trivial type: every record holds one slot of its own pool (a counter of what is kept), so the coordinator's
     reservation, commit, eviction and audit all have something of this type to get right."""
 
-    __slots__ = ("name", "pool", "committed", "evicted")
+    __slots__ = ("name", "pool", "committed", "evicted", "counts")
 
     def __init__(self, pool: ResourcePool) -> None:
         self.name = pool.name
         self.pool = pool
         self.committed: list[int] = []
         self.evicted: list[int] = []
+        self.counts = COUNTERS.zeros()
+
+    def counters(self) -> dict[str, int]:
+        return self.counts
 
     def publication_slots(self, publication: Publication) -> int:
         return 1
@@ -40,9 +56,11 @@ class MarkerSlots(CacheTypeBase):
 
     def on_commit(self, record: Record) -> None:
         self.committed.append(record.record_id)
+        self.counts["kept"] += NAME in record.parts
 
     def on_evict(self, record: Record) -> None:
         self.evicted.append(record.record_id)
+        self.counts["dropped"] += 1
 
 
 def build(setup: CacheSetup, name: str) -> MarkerSlots:
@@ -64,7 +82,7 @@ def run(m: ContextCacheManager, ids: list[int]) -> tuple[Lease, PublishResult]:
 
 
 def test_a_registered_type_takes_part_in_commits_evictions_and_audits() -> None:
-    types = (*registered(), Registration(NAME, build, (NAME,)))
+    types = (*registered(), Registration(NAME, build, (NAME,), COUNTERS))
     m = ContextCacheManager(16, T, enabled=True, types=types, marker_slots=2)
     kind = marker(m)
     assert m.profile()["resource_pools"][NAME] == {"free": 2, "capacity": 2}
@@ -77,6 +95,7 @@ def test_a_registered_type_takes_part_in_commits_evictions_and_audits() -> None:
     assert [r.record_id for r in m.records.least_recent_first()] == [second, third]
     assert sorted(kind.held(r)[0] for r in m.records.least_recent_first()) == [0, 1]
     assert m.profile()["reclaimed_resources"][NAME] == 1
+    assert m.profile()[BLOCK] == {"kept": 3, "dropped": 1}  # its own counters, as its own profile block
     # Reuse answers are what they are without the type: the surviving document's pages are a hit.
     lease, result = run(m, documents[2] + [1])
     assert lease.reuse_tokens == 8 and result is PublishResult.EXISTING
@@ -93,10 +112,16 @@ def test_a_type_without_a_slot_to_keep_loses_only_its_part() -> None:
 
 
 def test_register_adds_a_type_to_every_new_manager_until_unregistered() -> None:
-    entry = register(NAME, build, (NAME,))
+    from kvforge.runtime.engine import cache_samples  # what llm_serve's /metrics iterates
+
+    entry = register(NAME, build, (NAME,), counters=COUNTERS)
     try:
         m = ContextCacheManager(16, T, enabled=True, marker_slots=1)
         assert run(m, list(range(8)))[1] is PublishResult.COMMITTED and marker(m).committed == [1]
+        assert [s.name for s in cache_samples(m.profile())][-1] == "markers_kept"
+        # A deployment whose factory builds no such type still lists its block, as zeros.
+        assert ContextCacheManager(16, T, enabled=True, types=(*registered()[:-1], Registration(
+            NAME, lambda setup, name: None, (), COUNTERS))).profile()[BLOCK] == {"kept": 0, "dropped": 0}
         with pytest.raises(ValueError, match="registered already"):
             register(NAME, build)
     finally:

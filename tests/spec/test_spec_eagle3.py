@@ -132,7 +132,7 @@ def test_an_upgrade_gives_a_base_only_record_its_draft_path(tiny_eagle3_engine_d
         step_audited(engine)
     records = list(engine.cache.records.least_recent_first())
     assert len(records) == 1 and len(records[0].draft_page_ids) == len(tokens) // engine.cache.tokens_per_page
-    assert engine.cache.metrics.pair_publications == 1
+    assert engine.cache.profile()["speculative"]["pair_publications"] == 1
 
 
 def test_a_proposal_needs_the_drafters_state_at_the_sequences_end(tiny_eagle3_engine_dir: Path) -> None:

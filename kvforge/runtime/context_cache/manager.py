@@ -25,13 +25,11 @@ before it agreed on), one commit tail (`_commit`) and one eviction point (`_evic
 listener given at construction (an external tier), once per event. Keys chain from `chain_root` (keys.py: an
 engine fingerprint's digest, or CHAIN_ROOT within one process).
 
-With a partial-KV snapshot pool (`partial_kv_snapshot_slots` > 0) a publication whose length is not page-aligned
-also keeps a copy of its partial tail page, and an admission that extends that exact prefix gets a snapshot to
-restore (the tails' part of its lease): the engine copies it into the lease's first private page (the
-`SnapshotCopier` given at construction and the engine's restore do the copies; this module never touches K/V bytes)
-and calls `finish_restore`. A capture that finds no slot, even after evicting records that hold snapshots, is
-skipped and counted (`snapshot_pressure_skips`); the publication then keeps only the full pages. None of the calls
-raises for a full pool: only a request that cannot fit alone in empty pools is an error (the engine's `fits_alone`).
+With a partial-KV snapshot pool a publication that is not page-aligned also keeps a copy of its tail page, and an
+admission extending that exact prefix restores it into its first private page (the types' copiers move the bytes;
+this module never touches K/V) before `finish_restore`. A capture that finds no slot, even after evicting, is
+skipped and counted (`snapshot_pressure_skips`): the record keeps its full pages only. No call raises for a full
+pool: only a request that cannot fit alone in empty pools is an error (the engine's `fits_alone`).
 
 Hybrid and pure recurrent deployments reuse ONLY exact checkpoints: a recurrent layer's state after L tokens cannot
 be rebuilt from KV pages, so a page hit without the state is worthless. A checkpoint is a record of exactly L tokens
@@ -131,9 +129,11 @@ class ContextCacheManager:
                            self.metrics, options, self._reserve_timed)
         # The deployment picks the types (each factory decides); everything below asks the types, never the
         # deployment. A type the deployment does not use still lists its pool, empty, in the profile.
-        built = [(entry.name, entry.factory(setup, entry.name)) for entry in registrations]
-        self.types: tuple[CacheType, ...] = tuple(kind for _name, kind in built if kind is not None)
-        self.pools = ResourcePools(*(ResourcePool(name, 0) if kind is None else kind.pool for name, kind in built))
+        built = [(entry, entry.factory(setup, entry.name)) for entry in registrations]
+        self.types: tuple[CacheType, ...] = tuple(kind for _entry, kind in built if kind is not None)
+        self.pools = ResourcePools(*(ResourcePool(entry.name, 0) if kind is None else kind.pool
+                                     for entry, kind in built))
+        self._counted = [(entry.counters, kind) for entry, kind in built if entry.counters]  # absent: zeros
         # The page table's type, if any: its index answers the audits and which record a page hit ends on.
         self.attention = next((kind for kind in self.types if isinstance(kind, AttentionPages)), None)
         self.index = PageIndex() if self.attention is None else self.attention.index
@@ -163,10 +163,7 @@ class ContextCacheManager:
     @property
     def in_flight(self) -> Mapping[bytes, Lease]:
         """Read-only view of the pages running sequences are computing: page key -> the lease computing it."""
-        merged: dict[bytes, Lease] = {}
-        for kind in self.types:
-            merged.update(kind.in_flight_pages())
-        return merged
+        return {key: lease for kind in self.types for key, lease in kind.in_flight_pages().items()}
 
     # --- questions (no side effects beyond caching an admission's keys) -----------------------------
 
@@ -493,7 +490,8 @@ class ContextCacheManager:
     # --- reporting and audits -----------------------------------------------------------------------
 
     def profile(self) -> dict:
-        return self.metrics.to_dict(len(self.records), self.pools.to_dict())
+        blocks = {block.name: block.zeros() if kind is None else kind.counters() for block, kind in self._counted}
+        return self.metrics.to_dict(len(self.records), self.pools.to_dict(), blocks)
 
     def check_invariants(self) -> None:
         """Audit every refcount, index entry and in-flight key from scratch (tests call this after each step)."""

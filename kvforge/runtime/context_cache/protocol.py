@@ -28,6 +28,7 @@ from kvforge.runtime.context_cache.records import Record, RecordStore
 from kvforge.runtime.types import Deployment
 
 _NOTHING_IN_FLIGHT: Mapping[bytes, Lease] = MappingProxyType({})
+_NO_COUNTERS: Mapping[str, int] = MappingProxyType({})
 
 
 class PublishResult(str, Enum):
@@ -205,6 +206,10 @@ class CacheType(Protocol):
         """Assert what this type alone knows about the records and leases (check_invariants calls it)."""
         ...
 
+    def counters(self) -> Mapping[str, int]:
+        """This type's counters, cumulative: the profile's block its registration names (`CounterBlock`)."""
+        ...
+
 
 class CacheTypeBase:
     """Every `CacheType` hook with a do-nothing answer: a type overrides the ones it needs."""
@@ -282,6 +287,9 @@ class CacheTypeBase:
 
     def audit(self, records: Sequence[Record], leases: Iterable[Lease]) -> None:
         pass
+
+    def counters(self) -> Mapping[str, int]:
+        return _NO_COUNTERS
 
 
 class CacheEvents(Protocol):

@@ -33,6 +33,7 @@ from kvforge.contract import profile_schema as schema
 from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.paging import pages_for
 from kvforge.runtime.context_cache.lease import Admission, Lease
+from kvforge.runtime.context_cache.metrics import CounterBlock
 from kvforge.runtime.context_cache.planner import PlanKind, ReusePlan
 from kvforge.runtime.context_cache.pools import ResourcePool
 from kvforge.runtime.context_cache.protocol import CacheSetup, CacheTypeBase, Lookup, Publication
@@ -118,6 +119,11 @@ class StoredFactors:
         return tuple(slot for _, _, slot in self.entries)
 
 
+# The profile's `adapter_corrections` block: base pages copied and corrected for corrected adapters' requests, factor
+# slots written, pages published without factors (the pool was full). /metrics reads the per-adapter profile instead.
+CORRECTION_COUNTERS = CounterBlock(schema.ADAPTER_CORRECTIONS, schema.CORRECTION_KEYS)
+
+
 def check_deployment(deployment: Deployment) -> None:
     """Attention-only deployments: a recurrent layer's state past the conversation is the adapter's own, and no
     correction of base pages reaches it (refused in one line naming `lora_corrections`)."""
@@ -136,22 +142,20 @@ def build_adapter_corrections(setup: CacheSetup, name: str) -> AdapterCorrection
     budget = setup.num_pages * max(copier.num_adapters, 1) if budget is None else budget
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
         raise InvalidConfig(f"must be an integer >= 0, got {budget!r}", "adapter_correction_pages")
-    return AdapterCorrections(ResourcePool(name, budget), setup.tokens_per_page, copier,
-                              setup.metrics.adapter_corrections)
+    return AdapterCorrections(ResourcePool(name, budget), setup.tokens_per_page, copier)
 
 
 class AdapterCorrections(CacheTypeBase):
     """Factor slots by (adapter digest, base page key); corrected admissions copy base pages and add corrections."""
 
-    __slots__ = ("name", "pool", "tokens_per_page", "copier", "counters", "_by_key", "_key_of", "_data")
+    __slots__ = ("name", "pool", "tokens_per_page", "copier", "counts", "_by_key", "_key_of", "_data")
 
-    def __init__(self, pool: ResourcePool, tokens_per_page: int, copier: CorrectionCopier,
-                 counters: dict[str, int]) -> None:
+    def __init__(self, pool: ResourcePool, tokens_per_page: int, copier: CorrectionCopier) -> None:
         self.name = pool.name
         self.pool = pool
         self.tokens_per_page = tokens_per_page
         self.copier = copier
-        self.counters = counters  # the cache metrics' adapter_corrections block (profile_schema.CORRECTION_KEYS)
+        self.counts = CORRECTION_COUNTERS.zeros()
         self._by_key: dict[tuple[bytes, bytes], int] = {}
         self._key_of: dict[int, tuple[bytes, bytes]] = {}
         self._data: dict[int, np.ndarray] = {}  # slot -> factors [T, L, 2, r]
@@ -208,7 +212,7 @@ class AdapterCorrections(CacheTypeBase):
             return
         factors = [self._data[slot] for slot in hit.slots]
         self.copier.correct(hit.digest, list(hit.base_pages), lease.page_ids[:len(hit.base_pages)], factors)
-        self.counters[schema.ADAPTER_CORRECTED_PAGES] += len(hit.base_pages)
+        self.counts[schema.ADAPTER_CORRECTED_PAGES] += len(hit.base_pages)
         self.pool.unpin(hit.slots)
 
     def on_admitted(self, lease: Lease, admission: Admission, num_tokens: int) -> None:
@@ -236,20 +240,23 @@ class AdapterCorrections(CacheTypeBase):
                     if values is None:
                         continue
                     if not self.pool.can_allocate(1):
-                        self.counters[schema.CORRECTION_SKIPPED_PAGES] += 1
+                        self.counts[schema.CORRECTION_SKIPPED_PAGES] += 1
                         continue
                     slot = self.pool.allocate(1)[0]
                     self._data[slot] = values.copy()
                     self._key_of[slot] = (digest, key)
                     self._by_key[(digest, key)] = slot
                     new.append(slot)
-                    self.counters[schema.CORRECTION_STORED_PAGES] += 1
+                    self.counts[schema.CORRECTION_STORED_PAGES] += 1
                 entries.append((digest, key, slot))
         if new:
             publication.reserved.setdefault(self.name, []).extend(new)  # the commit unpins them
         if entries:
             publication.parts[self.name] = StoredFactors(tuple(entries))
         return False
+
+    def counters(self) -> dict[str, int]:
+        return self.counts
 
     def held(self, record: Record) -> tuple[int, ...]:
         stored = record.parts.get(self.name)

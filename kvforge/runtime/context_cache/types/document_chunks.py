@@ -37,7 +37,7 @@ from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.paging import pages_for
 from kvforge.runtime.context_cache.keys import KeyExtras, document_key, media_in_page
 from kvforge.runtime.context_cache.lease import Admission, Lease
-from kvforge.runtime.context_cache.metrics import CacheMetrics
+from kvforge.runtime.context_cache.metrics import CounterBlock, Sample
 from kvforge.runtime.context_cache.planner import ReusePlan
 from kvforge.runtime.context_cache.pools import ResourcePool
 from kvforge.runtime.context_cache.protocol import CacheSetup, CacheTypeBase, Lookup, Publication
@@ -51,6 +51,19 @@ REPAIR_POLICIES = (REPAIR_NONE, REPAIR_FIRST_PAGE, REPAIR_OVERLAP, REPAIR_FULL)
 # full prefill's 9/16 with 42 % of prompt tokens cached and a quarter of the TTFT; none 2/16; overlap no better than
 # first-page for more recomputation (docs/document-reuse.md).
 DEFAULT_REPAIR = REPAIR_FIRST_PAGE
+
+
+def _samples(cache: Mapping[str, object]) -> Iterable[Sample]:
+    """/metrics: `documents_<key>` for each counter, once a request carried a document (--documentReuse)."""
+    block = cache.get(schema.DOCUMENTS)
+    if isinstance(block, Mapping) and any(block.values()):
+        for key, value in block.items():
+            yield Sample("counter", f"documents_{key}", f"The profile's context_cache.documents.{key}.", value)
+
+
+# The profile's `documents` block: spans admitted requests carried, spans restored, tokens restored and recomputed,
+# pages of stored K/V rotated into requests, standalone prefills that produced a stored form (profile_schema).
+DOCUMENT_COUNTERS = CounterBlock(schema.DOCUMENTS, schema.DOCUMENT_KEYS, _samples)
 
 
 class DocumentCopier(Protocol):
@@ -130,7 +143,7 @@ def build_document_chunks(setup: CacheSetup, name: str) -> DocumentChunks | None
         raise InvalidConfig(f"must be one of {', '.join(REPAIR_POLICIES)}, got {repair!r}", "document_repair")
     # The stored forms get as many slots as the pool has pages (the store maps a slot's memory only when written).
     return DocumentChunks(ResourcePool(name, setup.num_pages), setup.tokens_per_page, setup.chain_root, repair,
-                          setup.options.get("document_store"), setup.records, setup.metrics)
+                          setup.options.get("document_store"), setup.records)
 
 
 class DocumentChunks(CacheTypeBase):
@@ -141,7 +154,7 @@ class DocumentChunks(CacheTypeBase):
                  "_by_key", "_producing")
 
     def __init__(self, pool: ResourcePool, tokens_per_page: int, chain_root: bytes, repair: str,
-                 copier: DocumentCopier | None, records: RecordStore, metrics: CacheMetrics) -> None:
+                 copier: DocumentCopier | None, records: RecordStore) -> None:
         self.name = pool.name
         self.pool = pool
         self.tokens_per_page = tokens_per_page
@@ -149,7 +162,7 @@ class DocumentChunks(CacheTypeBase):
         self.repair = repair
         self.copier = copier  # None: bookkeeping only (the cache's own tests)
         self.records = records
-        self.metrics = metrics.documents
+        self.metrics = DOCUMENT_COUNTERS.zeros()
         self._by_key: dict[bytes, Record] = {}  # document key -> the record holding its stored form
         self._producing: dict[bytes, Lease] = {}  # document key -> the running standalone prefill producing it
 
@@ -339,6 +352,9 @@ class DocumentChunks(CacheTypeBase):
         stored = record.parts.get(self.name)
         if stored is not None and self._by_key.get(stored.key) is record:
             del self._by_key[stored.key]
+
+    def counters(self) -> dict[str, int]:
+        return self.metrics
 
     def audit(self, records: Sequence[Record], leases: Iterable[Lease]) -> None:
         for record in records:

@@ -43,15 +43,19 @@ import numpy as np
 
 from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.paging import pages_for
-from kvforge.contract.profile_schema import DRAFT_KV_PAGES
+from kvforge.contract.profile_schema import DRAFT_KV_PAGES, FULL_PAGE_REPLAYS, PAIR_PUBLICATIONS, SPECULATIVE_KEYS
+from kvforge.contract.profile_schema import SPECULATIVE as SPECULATIVE_BLOCK
 from kvforge.runtime.context_cache.lease import Lease
-from kvforge.runtime.context_cache.metrics import CacheMetrics
+from kvforge.runtime.context_cache.metrics import CounterBlock
 from kvforge.runtime.context_cache.planner import PlanKind, ReusePlan, plan_resume
 from kvforge.runtime.context_cache.pools import Demand, ResourcePool
 from kvforge.runtime.context_cache.protocol import CacheSetup, CacheTypeBase, Lookup, Publication
 from kvforge.runtime.context_cache.records import Record, RecordStore
 
 DRAFT_OPTIONS = ("draft_pages", "draft_replays")
+# The profile's `speculative` block (TensorRT Edge-LLM's keys): speculative hits that replayed their final matched
+# page, and records committed or upgraded with a draft path beside their base pages. No /metrics series.
+DRAFT_COUNTERS = CounterBlock(SPECULATIVE_BLOCK, SPECULATIVE_KEYS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,17 +143,15 @@ def build_draft_paths(setup: CacheSetup, name: str) -> DraftPaths | None:
                             "rejects pure-recurrent speculative decoding)", "spec_decode")
     return DraftPaths(ResourcePool(name, pages), setup.tokens_per_page,
                       replays=bool(setup.options.get("draft_replays", True)),
-                      records=setup.records if setup.checkpoints else None, metrics=setup.metrics,
-                      reserve=setup.reserve)
+                      records=setup.records if setup.checkpoints else None, reserve=setup.reserve)
 
 
 class DraftPaths(CacheTypeBase):
-    __slots__ = ("name", "pool", "tokens_per_page", "replays", "records", "metrics", "reserve", "_boundaries",
+    __slots__ = ("name", "pool", "tokens_per_page", "replays", "records", "counts", "reserve", "_boundaries",
                  "_paths")
 
     def __init__(self, pool: ResourcePool, tokens_per_page: int, *, replays: bool = True,
-                 records: RecordStore | None = None, metrics: CacheMetrics | None = None,
-                 reserve: Callable[[Demand], bool] | None = None) -> None:
+                 records: RecordStore | None = None, reserve: Callable[[Demand], bool] | None = None) -> None:
         """`records`: a checkpoint deployment's records (hybrid MTP): hits are checkpoints with a draft tail.
         `reserve`: the coordinator's eviction, for a drafter growing its pages (`DraftLease.grow`)."""
         self.name = pool.name
@@ -157,7 +159,7 @@ class DraftPaths(CacheTypeBase):
         self.tokens_per_page = tokens_per_page
         self.replays = replays
         self.records = records
-        self.metrics = CacheMetrics() if metrics is None else metrics
+        self.counts = DRAFT_COUNTERS.zeros()
         self.reserve = reserve
         # base chain key of page j - 1 -> (record id, j): that record's draft path covers the first j pages
         self._boundaries: dict[bytes, tuple[int, int]] = {}
@@ -219,6 +221,8 @@ class DraftPaths(CacheTypeBase):
         return len(plan.hit_pages) + plan.new_pages - (0 if hit is None else len(hit.page_ids))
 
     def admit(self, lease: Lease, plan: ReusePlan, speculative: bool, slots: list[int]) -> None:
+        if plan.replayed_page:  # (a forced-cold retry admits a cold plan: nothing replayed)
+            self.counts[FULL_PAGE_REPLAYS] += 1
         if not speculative:
             return
         hit = plan.parts.get(self.name)
@@ -280,7 +284,7 @@ class DraftPaths(CacheTypeBase):
     def record_part(self, publication: Publication) -> DraftPath | None:
         path = publication.parts.get(self.name)
         if path is not None and path.page_ids:
-            self.metrics.pair_publications += 1
+            self.counts[PAIR_PUBLICATIONS] += 1
         return path
 
     def upgrade(self, existing: Record, lease: Lease) -> Record | None:
@@ -297,7 +301,7 @@ class DraftPaths(CacheTypeBase):
                 return None
         elif len(() if new is None else new.page_ids) <= len(() if old is None else old.page_ids):
             return None
-        self.metrics.pair_publications += 1
+        self.counts[PAIR_PUBLICATIONS] += 1
         return existing.with_part(self.name, new)
 
     def held(self, record: Record) -> tuple[int, ...]:
@@ -319,6 +323,9 @@ class DraftPaths(CacheTypeBase):
         for key in record.keys[:len(path)]:
             if self._boundaries.get(key, (None,))[0] == record.record_id:
                 del self._boundaries[key]
+
+    def counters(self) -> dict[str, int]:
+        return self.counts
 
     def boundaries(self) -> dict[bytes, tuple[int, int]]:
         """A copy of the boundary index (audits)."""

@@ -22,16 +22,18 @@ read only: the lease writes from P on, into pages of its own).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from kvforge.contract import profile_schema as schema
 from kvforge.contract.paging import pages_for
 from kvforge.contract.profile_schema import SLIDING_WINDOW_PAGES
 from kvforge.contract.window_pool import checkpoint_pages, window_pages_per_row
 from kvforge.runtime.context_cache.lease import Lease
-from kvforge.runtime.context_cache.metrics import CacheMetrics
+from kvforge.runtime.context_cache.metrics import CounterBlock, Sample
 from kvforge.runtime.context_cache.planner import PlanKind, ReusePlan, media_safe_pages
 from kvforge.runtime.context_cache.pools import ResourcePool
 from kvforge.runtime.context_cache.protocol import CacheSetup, CacheTypeBase, Lookup, Publication
@@ -73,6 +75,26 @@ def window_table(lease: Lease | None) -> list[int] | None:
     return None if part is None else part.table
 
 
+def _samples(cache: Mapping[str, Any]) -> Iterable[Sample]:
+    """/metrics: the group's pages and hits, on an engine built with --slidingWindowPool."""
+    pool = cache.get(schema.RESOURCE_POOLS, {}).get(SLIDING_WINDOW_PAGES, {})
+    if not pool.get(schema.POOL_CAPACITY):
+        return
+    yield Sample("gauge", "sliding_window_pages_free", "Free pages of the sliding layers' page group.",
+                 pool[schema.POOL_FREE])
+    yield Sample("gauge", "sliding_window_pages_total", "Pages of the sliding layers' page group.",
+                 pool[schema.POOL_CAPACITY])
+    yield Sample("counter", "sliding_window_hits", "Admissions that took a record's sliding-window pages.",
+                 cache[schema.SLIDING_WINDOW][schema.WINDOW_HITS])
+    yield Sample("counter", "sliding_window_evicted_pages", "Sliding-window pages freed by evicting records.",
+                 cache.get(schema.RECLAIMED_RESOURCES, {}).get(SLIDING_WINDOW_PAGES, 0))
+
+
+# The profile's `sliding_window` block: admissions that took a record's window pages, records published without one
+# (the lease had freed part of it).
+SLIDING_WINDOW_COUNTERS = CounterBlock(schema.SLIDING_WINDOW, (schema.WINDOW_HITS, schema.WINDOW_SKIPS), _samples)
+
+
 def build_sliding_window(setup: CacheSetup, name: str) -> SlidingWindowPages | None:
     """Only an engine built with a sliding-window group has one."""
     pages = int(setup.options.get("sliding_window_pages", 0))
@@ -81,19 +103,18 @@ def build_sliding_window(setup: CacheSetup, name: str) -> SlidingWindowPages | N
     window, per_call = int(setup.options["sliding_window"]), int(setup.options["sliding_window_call_tokens"])
     if window <= 0 or per_call <= 0:
         raise ValueError(f"a sliding-window group needs a window and a call size, got {window} and {per_call}")
-    return SlidingWindowPages(ResourcePool(name, pages), setup.records, setup.metrics, setup.tokens_per_page, window,
-                              per_call)
+    return SlidingWindowPages(ResourcePool(name, pages), setup.records, setup.tokens_per_page, window, per_call)
 
 
 class SlidingWindowPages(CacheTypeBase):
     __slots__ = ("name", "pool", "records", "metrics", "tokens_per_page", "window", "per_call")
 
-    def __init__(self, pool: ResourcePool, records: RecordStore, metrics: CacheMetrics, tokens_per_page: int,
-                 window: int, per_call: int) -> None:
+    def __init__(self, pool: ResourcePool, records: RecordStore, tokens_per_page: int, window: int,
+                 per_call: int) -> None:
         self.name = pool.name
         self.pool = pool
         self.records = records
-        self.metrics = metrics
+        self.metrics = SLIDING_WINDOW_COUNTERS.zeros()
         self.tokens_per_page = tokens_per_page
         self.window = window
         self.per_call = per_call
@@ -147,7 +168,7 @@ class SlidingWindowPages(CacheTypeBase):
         if hit is None:
             lease.parts[self.name] = WindowPages(list(slots))
             return
-        self.metrics.window_hits += 1
+        self.metrics[schema.WINDOW_HITS] += 1
         table = [NO_PAGE] * hit.first + list(hit.slots) + list(slots)
         lease.parts[self.name] = WindowPages(table, computed=hit.end, freed=hit.first)
 
@@ -200,7 +221,7 @@ class SlidingWindowPages(CacheTypeBase):
         if len(slots) == end // self.tokens_per_page - first and NO_PAGE not in slots:
             publication.parts[self.name] = WindowCheckpoint(end, first, slots)
         else:
-            self.metrics.window_skips += 1
+            self.metrics[schema.WINDOW_SKIPS] += 1
 
     def upgrade(self, existing: Record, lease: Lease) -> Record | None:
         """An endpoint cached without a window (its publisher had freed part of it) takes this lease's."""
@@ -210,6 +231,9 @@ class SlidingWindowPages(CacheTypeBase):
         self.project(lease, probe)
         kept = probe.parts.get(self.name)
         return None if kept is None else existing.with_part(self.name, kept)
+
+    def counters(self) -> dict[str, int]:
+        return self.metrics
 
     def held(self, record: Record) -> tuple[int, ...]:
         part: WindowCheckpoint | None = record.parts.get(self.name)
