@@ -7,11 +7,12 @@ from typing import Any
 
 import pytest
 
-from kvforge.runtime.context_cache.lease import Admission, Lease
+from kvforge.runtime.context_cache.lease import Admission, Lease, Prerequisite
 from kvforge.runtime.context_cache.manager import ContextCacheManager
 from kvforge.runtime.context_cache.metrics import CounterBlock, Sample
+from kvforge.runtime.context_cache.planner import ReusePlan, plan_resume
 from kvforge.runtime.context_cache.pools import ResourcePool
-from kvforge.runtime.context_cache.protocol import CacheSetup, CacheTypeBase, Publication, PublishResult
+from kvforge.runtime.context_cache.protocol import CacheSetup, CacheTypeBase, Lookup, Publication, PublishResult
 from kvforge.runtime.context_cache.records import Record
 from kvforge.runtime.context_cache.registry import Registration, register, registered, unregister
 
@@ -42,6 +43,16 @@ class MarkerSlots(CacheTypeBase):
 
     def counters(self) -> dict[str, int]:
         return self.counts
+
+    # Its request input (`inputs[NAME]`, a dict here): "cold" refuses every hit; "first" asks for the input's first
+    # tokens to be computed alone beforehand (a prerequisite, as documents ask for their standalone prefills).
+    def find_longest_hit(self, lookup: Lookup, agreed: ReusePlan) -> ReusePlan:
+        cold = lookup.inputs.get(NAME, {}).get("cold")
+        return plan_resume(len(lookup.tokens), T, paged=True) if cold else agreed
+
+    def prerequisites(self, admission: Admission) -> list[Prerequisite]:
+        first = admission.inputs.get(NAME, {}).get("first", 0)
+        return [Prerequisite(bytes(admission.token_ids[:first]), 0, first, {NAME: {"produced": True}})] if first else []
 
     def publication_slots(self, publication: Publication) -> int:
         return 1
@@ -139,3 +150,28 @@ def test_views_read_a_part_or_its_default_and_nothing_else() -> None:
     assert record.partial_slot is None and record.draft_page_ids == () and record.recurrent_slot is None
     with pytest.raises(AttributeError, match="no_such_field"):
         _ = record.no_such_field  # type: ignore[attr-defined]
+
+
+def test_a_type_reads_its_own_request_input_and_queues_its_prerequisites() -> None:
+    """The scheduler queues what the type asks for ahead of the request, and the request reaches the type's lookup."""
+    from kvforge.runtime.engine.scheduler import Scheduler
+    from kvforge.runtime.sampling.sampler import Sampler
+    from kvforge.runtime.sequence import EngineRequest, Sequence
+    from kvforge.runtime.types import SamplingParams
+
+    types = (*registered(), Registration(NAME, build, (NAME,), COUNTERS))
+    m = ContextCacheManager(16, T, enabled=True, types=types, marker_slots=4)
+    ids = list(range(8))
+    run(m, ids)
+    assert m.try_acquire(Admission(ids + [1])).reuse_tokens == 8  # type: ignore[union-attr]
+    assert m.try_acquire(Admission(ids + [1], inputs={NAME: {"cold": True}})).reuse_tokens == 0  # type: ignore[union-attr]
+    scheduler = Scheduler(m, max_batch_size=4, max_num_tokens=64, prefill_chunk_tokens=64)
+    sampling = SamplingParams(temperature=0.0, max_generate_length=1)
+    request = EngineRequest([5, 6, 7, 8, 9, 10], sampling, cache_inputs={NAME: {"first": 4}})
+    seq = Sequence("r", request, Sampler(sampling), arrival=0)
+    scheduler.add(seq)
+    scheduler.add(Sequence("again", request, Sampler(sampling), arrival=1))  # the same key: queued once
+    producer, first, second = scheduler.waiting
+    assert (first, second.request_id) == (seq, "again") and producer.internal
+    assert producer.prompt_ids == [5, 6, 7, 8] and producer.request.cache_inputs == {NAME: {"produced": True}}
+    assert producer.next_admission().inputs[NAME] == {"produced": True}

@@ -1,19 +1,19 @@
 """The context-cache coordinator: sole owner of the KV pages; admission asks before it changes anything.
 
 With reuse disabled it is a plain page allocator (no lookup, no index, no records), so both modes run
-the same code path. The scheduler talks to it through five calls:
+the same code path. The scheduler talks to it through six calls:
 
+    prerequisites(admission) -> list        requests the types need computed first (a document's prefill)
     prefix_in_flight(admission) -> bool     another running sequence is computing this prefix: wait for it
     try_acquire(admission) -> Lease | None  pages for a new sequence, or None when the pool cannot hold it now
     try_grow(lease, num_tokens) -> bool     more pages for a running sequence, or False (the caller preempts)
     index_computed(lease, tokens, n)        pages finished by a prefill chunk become findable at once
     publish(lease, tokens) / release(lease) a record for a finished sequence; return the lease's pages
 
-The coordinator knows records, leases and eviction; what each kind of state is, how its hits are found and what a
-lease or record holds of it lives in one class per resource type behind the `CacheType` protocol (protocol.py),
-registered in registry.py; each keeps its own part of every lease, record, plan and publication. The coordinator
-loops over the types present; each registered factory decides from the `Deployment` (and the keyword options it
-reads) whether its type is:
+The coordinator knows records, leases and eviction; what each kind of state is, how its hits are found, what a lease
+or record holds of it, its request input and its counters live in one class per type behind the `CacheType`
+protocol (protocol.py), registered in registry.py. Each registered factory decides from the `Deployment` (and the
+keyword options it reads) whether its type is:
 
     VANILLA         AttentionPages (page index, in-flight sharing) + PartialTails (snapshots of tail pages)
     HYBRID          AttentionPages + RecurrentCheckpoints + PartialTails (a checkpoint's tail page)
@@ -63,7 +63,7 @@ from kvforge.runtime.context_cache.capture import SnapshotCopier
 from kvforge.runtime.context_cache.eviction import plan_eviction
 from kvforge.runtime.context_cache.index import PageIndex
 from kvforge.runtime.context_cache.keys import CHAIN_ROOT, KeyExtras, page_keys, tail_page_key
-from kvforge.runtime.context_cache.lease import Admission, Lease
+from kvforge.runtime.context_cache.lease import NO_INPUTS, Admission, Inputs, Lease, Prerequisite
 from kvforge.runtime.context_cache.metrics import CacheMetrics
 from kvforge.runtime.context_cache.planner import ReusePlan, plan_cold
 from kvforge.runtime.context_cache.pools import Demand, ResourcePool, ResourcePools
@@ -180,6 +180,11 @@ class ContextCacheManager:
         lookup = self._lookup(admission, np.asarray(admission.token_ids, dtype=np.int32))
         return any(kind.waits_for(lookup) for kind in self.types)
 
+    def prerequisites(self, admission: Admission) -> list[Prerequisite]:
+        """What the types need computed before `admission` can use it (the scheduler queues these first)."""
+        return [need for kind in self.types for need in kind.prerequisites(admission)] if self._looks_up(
+            admission) else []
+
     # --- acquire ------------------------------------------------------------------------------------
 
     @_bookkept
@@ -196,10 +201,10 @@ class ContextCacheManager:
             plan = self._find_longest_hit(found)
         else:
             plan = self._cold(len(tokens))
-        lease = self._try_acquire(plan, admission.extras, lookup, admission.speculative)
+        lease = self._try_acquire(plan, admission.extras, lookup, admission.inputs)
         if lease is None and plan.hit_pages:
             # Pinned hits can leave too little to evict; a cold run may still fit (evicting those records).
-            lease = self._try_acquire(self._cold(len(tokens)), admission.extras, False, admission.speculative)
+            lease = self._try_acquire(self._cold(len(tokens)), admission.extras, False, admission.inputs)
             if lease is not None:
                 lease.forced_cold = True
         if lease is not None:
@@ -219,8 +224,7 @@ class ContextCacheManager:
         if admission.keys is None:
             admission.keys = page_keys(admission.token_ids, self.tokens_per_page, admission.extras,
                                        parent=self.chain_root)
-        return Lookup(tokens, admission.keys, admission.extras, speculative=admission.speculative,
-                      documents=admission.documents, produces_document=admission.produces_document)
+        return Lookup(tokens, admission.keys, admission.extras, inputs=admission.inputs)
 
     def _cold(self, num_tokens: int) -> ReusePlan:
         return plan_cold(num_tokens, self.tokens_per_page, paged=self.paged)
@@ -235,12 +239,12 @@ class ContextCacheManager:
         return plan
 
     def _try_acquire(self, plan: ReusePlan, extras: KeyExtras, may_publish: bool,
-                     speculative: bool = False) -> Lease | None:
+                     inputs: Inputs = NO_INPUTS) -> Lease | None:
         reused = [(kind.pool, kind.hit_slots(plan)) for kind in self.types]
         for pool, slots in reused:
             pool.pin(slots)  # pin before evicting: the plan's own hits are never victims
         # The record a snapshot or checkpoint hit resumes from is never a victim of its own admission.
-        needs = [kind.admission_slots(plan, speculative) for kind in self.types]
+        needs = [kind.admission_slots(plan, inputs) for kind in self.types]
         victims = plan_eviction({kind.name: n for kind, n in zip(self.types, needs, strict=True) if n}, self.pools,
                                 self.records.least_recent_first(), protected=plan.resumes, held_by=self._held)
         if victims is None:
@@ -250,7 +254,7 @@ class ContextCacheManager:
         self._evict(victims)
         lease = Lease(extras, [], plan.reuse_tokens, plan.matched_tokens, plan.kind, may_publish)
         for kind, n in zip(self.types, needs, strict=True):
-            kind.admit(lease, plan, speculative, kind.pool.allocate(n))
+            kind.admit(lease, plan, inputs, kind.pool.allocate(n))
         if plan.resumes is not None:  # the checkpoint or snapshot this request resumes from stays resident longest
             self.records.touch(plan.resumes)
         elif plan.hit_pages:  # a hit refreshes the record it ends on, so reused documents stay resident
@@ -311,9 +315,8 @@ class ContextCacheManager:
         recompute after preemption crossing the prompt's end) must not publish that point: the live state would
         be filed under a shorter key. `boundary` marks a mid-sequence capture (metrics only).
 
-        Snapshot slots are reserved first (evicting LRU records that hold some), so the eviction can never free a
-        canonical page this record is about to reference. No slot: a checkpoint is skipped, a plain record keeps
-        only its full pages; both are counted, never an error.
+        Snapshot slots are reserved first (evicting LRU records), so no eviction frees a page this record is about
+        to reference. No slot: a checkpoint is skipped, a plain record keeps its full pages (counted, no error).
         """
         if not (self.enabled and lease.may_publish):
             return PublishResult.SKIPPED
@@ -402,9 +405,8 @@ class ContextCacheManager:
         return True
 
     def _drop_reserved(self, publication: Publication) -> None:
-        for name, slots in publication.reserved.items():
-            self.pools[name].unpin(slots)
-        publication.reserved.clear()
+        for name in list(publication.reserved):
+            self.pools[name].unpin(publication.reserved.pop(name))
 
     def _capture(self, lease: Lease, publication: Publication, boundary: bool) -> None:
         """Copy the reserved snapshots, type by type (a checkpoint's recurrent state first). One wait for the call

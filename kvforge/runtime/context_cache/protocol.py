@@ -20,7 +20,7 @@ import numpy as np
 
 from kvforge.runtime.context_cache.capture import SnapshotCopier
 from kvforge.runtime.context_cache.keys import KeyExtras
-from kvforge.runtime.context_cache.lease import Admission, Lease
+from kvforge.runtime.context_cache.lease import Admission, Inputs, Lease, Prerequisite
 from kvforge.runtime.context_cache.metrics import CacheMetrics
 from kvforge.runtime.context_cache.planner import ReusePlan
 from kvforge.runtime.context_cache.pools import Demand, ResourcePool
@@ -49,9 +49,7 @@ class Lookup:
     # The index's matching pages before any plan rule cut them, found once by the attention type so a type that
     # must agree with the pages (a hybrid's checkpoints) compares with the same list. None: no attention type.
     page_hits: list[int] | None = None
-    speculative: bool = False  # a speculative admission: hits must suit every type it takes part in
-    documents: tuple[tuple[int, int], ...] = ()  # the admission's document spans (start, length)
-    produces_document: bool = False  # the admission is a document's standalone prefill
+    inputs: Inputs = field(default_factory=dict)  # the admission's per-type inputs (lease.py `Inputs`)
 
 
 @dataclass(slots=True)
@@ -127,13 +125,18 @@ class CacheType(Protocol):
         """The slots of this pool an admission planned as `plan` reuses: pinned from admission until restored."""
         ...
 
-    def admission_slots(self, plan: ReusePlan, speculative: bool) -> int:
-        """New slots of this pool admitting `plan` takes (allocated after any eviction they need); `speculative`: the
-        admission decodes speculatively."""
+    def admission_slots(self, plan: ReusePlan, inputs: Inputs) -> int:
+        """New slots of this pool admitting `plan` takes (allocated after any eviction they need); `inputs`: the
+        admission's per-type inputs (this type reads its own entry)."""
         ...
 
-    def admit(self, lease: Lease, plan: ReusePlan, speculative: bool, slots: list[int]) -> None:
+    def admit(self, lease: Lease, plan: ReusePlan, inputs: Inputs, slots: list[int]) -> None:
         """Give the new lease its part: the plan's hits of this pool and the `slots` allocated for it."""
+        ...
+
+    def prerequisites(self, admission: Admission) -> Sequence[Prerequisite]:
+        """Requests to compute before `admission` (queued by the scheduler ahead of it), e.g. a document's
+        standalone prefill when it has no stored form yet. No side effects."""
         ...
 
     def on_admitted(self, lease: Lease, admission: Admission, num_tokens: int) -> None:
@@ -231,11 +234,14 @@ class CacheTypeBase:
     def hit_slots(self, plan: ReusePlan) -> tuple[int, ...]:
         return ()
 
-    def admission_slots(self, plan: ReusePlan, speculative: bool) -> int:
+    def admission_slots(self, plan: ReusePlan, inputs: Inputs) -> int:
         return 0
 
-    def admit(self, lease: Lease, plan: ReusePlan, speculative: bool, slots: list[int]) -> None:
+    def admit(self, lease: Lease, plan: ReusePlan, inputs: Inputs, slots: list[int]) -> None:
         pass
+
+    def prerequisites(self, admission: Admission) -> Sequence[Prerequisite]:
+        return ()
 
     def on_admitted(self, lease: Lease, admission: Admission, num_tokens: int) -> None:
         pass
@@ -335,7 +341,7 @@ class SnapshotRestore(CacheTypeBase):
         hit = plan.parts.get(self.name)
         return () if hit is None else (hit.slot,)
 
-    def admit(self, lease: Lease, plan: ReusePlan, speculative: bool, slots: list[int]) -> None:
+    def admit(self, lease: Lease, plan: ReusePlan, inputs: Inputs, slots: list[int]) -> None:
         hit = plan.parts.get(self.name)
         if hit is not None:
             lease.parts[self.name] = hit

@@ -24,16 +24,16 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvforge.contract.profile_schema import SCHEDULER_KEYS
-from kvforge.runtime.context_cache.lease import Lease
+from kvforge.runtime.context_cache.lease import Lease, Prerequisite
 from kvforge.runtime.context_cache.manager import ContextCacheManager
-from kvforge.runtime.context_cache.types.document_chunks import DocumentChunks
 from kvforge.runtime.engine.state import StateManager
 from kvforge.runtime.sampling.sampler import Sampler, SampleResult
 from kvforge.runtime.sequence import EngineRequest, FinishReason, Sequence, Status
 from kvforge.runtime.step import RowUpdate, ScheduledRow, SchedulerOutput
 from kvforge.runtime.types import CommitPolicy, Deployment, SamplingParams
 
-# A document's standalone prefill samples one token nobody reads (greedy, no drafts, its prompt alone published).
+# A prerequisite (a document's standalone prefill) samples one token nobody reads (greedy, no drafts, its prompt alone
+# published).
 _PRODUCER_SAMPLING = SamplingParams(temperature=0.0, top_k=1, max_generate_length=1, cache_generated_tokens=False,
                                     speculative=False)
 
@@ -97,32 +97,31 @@ class Scheduler:
         self.loading: list[Sequence] = []  # WAITING_FOR_REMOTE: admitted, pages held, an external load running
         self.running: list[Sequence] = []  # arrival order: the last is preempted first
         self.stats = SchedulerStats()
-        # Document reuse (issue 37): the type that stores documents, and the standalone prefills queued or running.
-        self.documents = next((kind for kind in cache.types if isinstance(kind, DocumentChunks)), None)
+        # Requests the cache types need computed first (documents' standalone prefills), queued or running, by key.
         self.producers: dict[bytes, Sequence] = {}
 
     def add(self, seq: Sequence) -> None:
-        """Queue a request; with document reuse, first a standalone prefill of each of its documents that has no
-        stored form yet (the request then waits for them and restores them)."""
-        if self.documents is not None and seq.request.documents:
-            try:
-                wanted = self.documents.wanted(seq.next_admission())
-            except Exception:  # the request's own admission fails it later, with its reason
-                wanted = []
-            for key, start, length in wanted:
-                if key not in self.producers:
-                    self.producers[key] = producer = self._producer(seq, start, length)
-                    self.waiting.append(producer)
+        """Queue a request, after what the cache types need computed for it first (`prerequisites`: with document
+        reuse, a standalone prefill of each of its documents without a stored form; the request then waits for
+        them and restores them)."""
+        try:
+            needs = self.cache.prerequisites(seq.next_admission())
+        except Exception:  # the request's own admission fails it later, with its reason
+            needs = []
+        for need in needs:
+            if need.key not in self.producers:
+                self.producers[need.key] = producer = self._producer(seq, need)
+                self.waiting.append(producer)
         self.waiting.append(seq)
 
     @staticmethod
-    def _producer(seq: Sequence, start: int, length: int) -> Sequence:
-        """The standalone prefill of `seq`'s document at [start, start + length): its tokens alone, from position 0,
-        with the request's adapter and salt (they are part of the document's key)."""
-        request = EngineRequest(seq.prompt_ids[start:start + length], _PRODUCER_SAMPLING, seq.request.adapter,
-                                seq.request.cache_salt, produces_document=True)
-        return Sequence(f"{seq.request_id}/document@{start}", request, Sampler(_PRODUCER_SAMPLING),
-                        arrival=seq.arrival)
+    def _producer(seq: Sequence, need: Prerequisite) -> Sequence:
+        """The request `need` asks for: `seq`'s tokens [start, start + length) alone, from position 0, with the
+        request's adapter and salt (they are part of what it produces' key) and the inputs the type gave it."""
+        request = EngineRequest(seq.prompt_ids[need.start:need.start + need.length], _PRODUCER_SAMPLING,
+                                seq.request.adapter, seq.request.cache_salt, cache_inputs=need.inputs)
+        return Sequence(f"{seq.request_id}/prerequisite@{need.start}", request, Sampler(_PRODUCER_SAMPLING),
+                        arrival=seq.arrival, internal=True)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.loading)
@@ -371,7 +370,7 @@ class Scheduler:
             self._release(seq.lease)
             seq.lease = None
         seq.status = Status.FINISHED
-        if seq.request.produces_document:
+        if seq.internal:
             self.producers = {key: other for key, other in self.producers.items() if other is not seq}
 
     def _release(self, lease: Lease) -> None:

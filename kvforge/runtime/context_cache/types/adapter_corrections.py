@@ -32,12 +32,14 @@ import numpy as np
 from kvforge.contract import profile_schema as schema
 from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.paging import pages_for
-from kvforge.runtime.context_cache.lease import Admission, Lease
+from kvforge.runtime.context_cache.lease import Admission, Inputs, Lease
 from kvforge.runtime.context_cache.metrics import CounterBlock
 from kvforge.runtime.context_cache.planner import PlanKind, ReusePlan
 from kvforge.runtime.context_cache.pools import ResourcePool
 from kvforge.runtime.context_cache.protocol import CacheSetup, CacheTypeBase, Lookup, Publication
 from kvforge.runtime.context_cache.records import Record
+from kvforge.runtime.context_cache.types.document_chunks import documents_of
+from kvforge.runtime.context_cache.types.draft_paths import is_speculative
 from kvforge.runtime.types import Deployment
 
 CORRECTION_OPTIONS = ("adapter_corrections", "adapter_correction_pages")
@@ -181,7 +183,7 @@ class AdapterCorrections(CacheTypeBase):
         digest, T = lookup.extras.adapter_digest, self.tokens_per_page
         total = pages_for(len(lookup.tokens), T)
         base, slots = [], []
-        if not (lookup.speculative or lookup.produces_document):
+        if not (is_speculative(lookup.inputs) or documents_of(lookup.inputs).produces):
             for index, page in enumerate(agreed.hit_pages):
                 slot = self._by_key.get((digest, lookup.keys[index]))
                 if slot is None:
@@ -200,7 +202,7 @@ class AdapterCorrections(CacheTypeBase):
 
     # --- a lease's part ------------------------------------------------------------------------------
 
-    def admit(self, lease: Lease, plan: ReusePlan, speculative: bool, slots: list[int]) -> None:
+    def admit(self, lease: Lease, plan: ReusePlan, inputs: Inputs, slots: list[int]) -> None:
         """A corrected lease never publishes; with a hit, its first pages become corrected copies of the base pages
         now (the attention type admitted first: the pages are allocated), and the factor slots are unpinned. The
         base pages were not pinned: were one evicted for this admission, its bytes are still there, since nothing

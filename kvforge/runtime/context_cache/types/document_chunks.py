@@ -36,13 +36,13 @@ from kvforge.contract import profile_schema as schema
 from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.paging import pages_for
 from kvforge.runtime.context_cache.keys import KeyExtras, document_key, media_in_page
-from kvforge.runtime.context_cache.lease import Admission, Lease
+from kvforge.runtime.context_cache.lease import Admission, Inputs, Lease, Prerequisite
 from kvforge.runtime.context_cache.metrics import CounterBlock, Sample
 from kvforge.runtime.context_cache.planner import ReusePlan
 from kvforge.runtime.context_cache.pools import ResourcePool
 from kvforge.runtime.context_cache.protocol import CacheSetup, CacheTypeBase, Lookup, Publication
 from kvforge.runtime.context_cache.records import Record, RecordStore
-from kvforge.runtime.types import Deployment, LookupPolicy
+from kvforge.runtime.types import Deployment
 
 DOCUMENT_OPTIONS = ("document_reuse", "document_repair", "document_store")
 REPAIR_NONE, REPAIR_FIRST_PAGE, REPAIR_OVERLAP, REPAIR_FULL = "none", "first-page", "overlap", "full"
@@ -73,6 +73,28 @@ class DocumentCopier(Protocol):
     def capture(self, page_ids: list[int], slots: list[int]) -> None: ...
 
     def restore(self, slots: list[int], page_ids: list[int], start: int, first: int, last: int) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class DocumentInput:
+    """A request's input to this type: its prompt's document spans (start, length), or (`produces`) that the request
+    is a document's standalone prefill at position 0, whose published prompt becomes the stored form."""
+
+    spans: tuple[tuple[int, int], ...] = ()
+    produces: bool = False
+
+
+NO_DOCUMENTS = DocumentInput()
+
+
+def document_input(spans: Iterable[tuple[int, int]] = (), produces: bool = False) -> Inputs:
+    """The per-type input entry of a request with these document spans (or a producer); empty without either."""
+    entry = DocumentInput(tuple(spans), produces)
+    return {schema.DOCUMENT_KV_PAGES: entry} if entry != NO_DOCUMENTS else {}
+
+
+def documents_of(inputs: Inputs) -> DocumentInput:
+    return inputs.get(schema.DOCUMENT_KV_PAGES, NO_DOCUMENTS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,15 +206,16 @@ class DocumentChunks(CacheTypeBase):
             found.append((document_key(tokens[start:end], extras, self.chain_root, start), start, length))
         return found
 
-    def wanted(self, admission: Admission) -> list[tuple[bytes, int, int]]:
-        """The spans of `admission` whose document has no stored form and no standalone prefill running: the
-        scheduler queues one for each (first come: a span whose key it queued already it skips)."""
-        if admission.produces_document or not admission.documents or admission.lookup_policy is not \
-                LookupPolicy.USE_CACHE:
+    def prerequisites(self, admission: Admission) -> list[Prerequisite]:
+        """A standalone prefill of each span of `admission` whose document has no stored form and no standalone
+        prefill running: the scheduler queues one for each (first come: a span whose key it queued already it
+        skips)."""
+        documents = documents_of(admission.inputs)
+        if documents.produces or not documents.spans:
             return []
         tokens = np.asarray(admission.token_ids, dtype=np.int32)
-        return [(key, start, length) for key, start, length in
-                self.eligible(tokens, admission.documents, admission.extras)
+        return [Prerequisite(key, start, length, document_input(produces=True)) for key, start, length in
+                self.eligible(tokens, documents.spans, admission.extras)
                 if key not in self._by_key and key not in self._producing and length <= self._capacity_tokens]
 
     @property
@@ -209,7 +232,8 @@ class DocumentChunks(CacheTypeBase):
         document placed after the exact prefix the types before agreed on. Pages and reuse point stay as agreed:
         document hits are not a prefix."""
         tokens, T = lookup.tokens, self.tokens_per_page
-        if lookup.produces_document:
+        documents = documents_of(lookup.inputs)
+        if documents.produces:
             key = document_key(tokens, lookup.extras, self.chain_root)
             slots = pages_for(len(tokens), T)
             if len(tokens) < T or key in self._by_key or slots > self.pool.capacity or lookup.extras.adapter_start:
@@ -219,7 +243,7 @@ class DocumentChunks(CacheTypeBase):
         # After the agreed hit's last page: a partial-KV snapshot hit is restored over its whole page, after this
         # type's copies, so a document starting inside that page is computed.
         after = pages_for(agreed.reuse_tokens, T) * T
-        for key, start, length in self.eligible(tokens, lookup.documents, lookup.extras, after):
+        for key, start, length in self.eligible(tokens, documents.spans, lookup.extras, after):
             record = self._by_key.get(key)
             if record is None:
                 continue
@@ -229,7 +253,7 @@ class DocumentChunks(CacheTypeBase):
             repair = {REPAIR_NONE: 0, REPAIR_FULL: length}.get(self.repair, min(T, length))
             hits.append(DocumentHit(start, length, repair, record.record_id, stored.slots))
         if hits and self.repair == REPAIR_OVERLAP:
-            hits = self._repair_closest(hits, tokens, lookup.documents)
+            hits = self._repair_closest(hits, tokens, documents.spans)
         return agreed.with_part(self.name, DocumentPart(hits=tuple(hits))) if hits else agreed
 
     @staticmethod
@@ -248,9 +272,10 @@ class DocumentChunks(CacheTypeBase):
 
     def waits_for(self, lookup: Lookup) -> bool:
         """A request whose document is being produced waits for it (then restores it instead of computing it)."""
-        if not self._producing or lookup.produces_document:
+        documents = documents_of(lookup.inputs)
+        if not self._producing or documents.produces:
             return False
-        return any(key in self._producing for key, _, _ in self.eligible(lookup.tokens, lookup.documents,
+        return any(key in self._producing for key, _, _ in self.eligible(lookup.tokens, documents.spans,
                                                                           lookup.extras))
 
     def in_flight_pages(self) -> Mapping[bytes, Lease]:
@@ -262,11 +287,11 @@ class DocumentChunks(CacheTypeBase):
 
     # --- a lease's part ------------------------------------------------------------------------------
 
-    def admission_slots(self, plan: ReusePlan, speculative: bool) -> int:
+    def admission_slots(self, plan: ReusePlan, inputs: Inputs) -> int:
         part = plan.parts.get(self.name)
         return pages_for(part.length, self.tokens_per_page) if part is not None and part.produces else 0
 
-    def admit(self, lease: Lease, plan: ReusePlan, speculative: bool, slots: list[int]) -> None:
+    def admit(self, lease: Lease, plan: ReusePlan, inputs: Inputs, slots: list[int]) -> None:
         """A producer keeps its reserved slots; a request with hits gets its documents copied in now (the pages
         are allocated: the attention type admitted first), and the hits' slots are unpinned again."""
         part = plan.parts.get(self.name)
@@ -294,8 +319,8 @@ class DocumentChunks(CacheTypeBase):
         part = lease.parts.get(self.name)
         if part is not None and part.produces:
             self._producing.setdefault(part.produces, lease)
-        elif admission.documents and not admission.produces_document:
-            self.metrics[schema.DOCUMENTS_SEEN] += len(admission.documents)
+        elif (documents := documents_of(admission.inputs)).spans and not documents.produces:
+            self.metrics[schema.DOCUMENTS_SEEN] += len(documents.spans)
 
     def pinned(self, lease: Lease) -> tuple[int, ...]:
         part = lease.parts.get(self.name)

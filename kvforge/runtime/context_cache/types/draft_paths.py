@@ -45,7 +45,7 @@ from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.paging import pages_for
 from kvforge.contract.profile_schema import DRAFT_KV_PAGES, FULL_PAGE_REPLAYS, PAIR_PUBLICATIONS, SPECULATIVE_KEYS
 from kvforge.contract.profile_schema import SPECULATIVE as SPECULATIVE_BLOCK
-from kvforge.runtime.context_cache.lease import Lease
+from kvforge.runtime.context_cache.lease import Inputs, Lease
 from kvforge.runtime.context_cache.metrics import CounterBlock
 from kvforge.runtime.context_cache.planner import PlanKind, ReusePlan, plan_resume
 from kvforge.runtime.context_cache.pools import Demand, ResourcePool
@@ -122,6 +122,16 @@ class DraftLease:
         self.hidden, self.hidden_start = np.array(base[cut:], dtype=np.float32), first + cut
 
 
+def speculative_input(speculative: bool) -> Inputs:
+    """The request input of a sequence whose draft owns K/V (the table's "own pool" rows): it takes draft pages, and
+    reuses only coherent draft paths."""
+    return {DRAFT_KV_PAGES: True} if speculative else {}
+
+
+def is_speculative(inputs: Inputs) -> bool:
+    return bool(inputs.get(DRAFT_KV_PAGES))
+
+
 def draft_of(lease: Lease | None) -> DraftLease | None:
     """The draft part of a speculative lease (None: not speculative, or no draft pool)."""
     return None if lease is None else lease.parts.get(DRAFT_KV_PAGES)
@@ -175,7 +185,7 @@ class DraftPaths(CacheTypeBase):
         pages minus its final page (none less without replay), never more than `agreed` (media spans, the
         full-input rewind) and never a snapshot tail (the draft has none): a cold start when no record with a path
         matches."""
-        if not lookup.speculative:
+        if not is_speculative(lookup.inputs):
             return agreed
         if self.records is not None:
             return self._checkpoint_hit(lookup, agreed)
@@ -214,16 +224,16 @@ class DraftPaths(CacheTypeBase):
 
     # --- a speculative lease's pages ----------------------------------------------------------------
 
-    def admission_slots(self, plan: ReusePlan, speculative: bool) -> int:
-        if not speculative:
+    def admission_slots(self, plan: ReusePlan, inputs: Inputs) -> int:
+        if not is_speculative(inputs):
             return 0
         hit = plan.parts.get(self.name)
         return len(plan.hit_pages) + plan.new_pages - (0 if hit is None else len(hit.page_ids))
 
-    def admit(self, lease: Lease, plan: ReusePlan, speculative: bool, slots: list[int]) -> None:
+    def admit(self, lease: Lease, plan: ReusePlan, inputs: Inputs, slots: list[int]) -> None:
         if plan.replayed_page:  # (a forced-cold retry admits a cold plan: nothing replayed)
             self.counts[FULL_PAGE_REPLAYS] += 1
-        if not speculative:
+        if not is_speculative(inputs):
             return
         hit = plan.parts.get(self.name)
         draft = DraftLease([*(() if hit is None else hit.page_ids), *slots], plan.reuse_tokens, self)

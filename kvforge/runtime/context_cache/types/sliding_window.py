@@ -32,7 +32,7 @@ from kvforge.contract import profile_schema as schema
 from kvforge.contract.paging import pages_for
 from kvforge.contract.profile_schema import SLIDING_WINDOW_PAGES
 from kvforge.contract.window_pool import checkpoint_pages, window_pages_per_row
-from kvforge.runtime.context_cache.lease import Lease
+from kvforge.runtime.context_cache.lease import Inputs, Lease
 from kvforge.runtime.context_cache.metrics import CounterBlock, Sample
 from kvforge.runtime.context_cache.planner import PlanKind, ReusePlan, media_safe_pages
 from kvforge.runtime.context_cache.pools import ResourcePool
@@ -158,12 +158,12 @@ class SlidingWindowPages(CacheTypeBase):
 
     # --- a lease's pages ----------------------------------------------------------------------------
 
-    def admission_slots(self, plan: ReusePlan, speculative: bool) -> int:
+    def admission_slots(self, plan: ReusePlan, inputs: Inputs) -> int:
         # The first call computes at most per_call tokens from the (page-aligned) reuse point: its pages now, the
         # rest as the row grows.
         return min(plan.new_pages, pages_for(self.per_call, self.tokens_per_page))
 
-    def admit(self, lease: Lease, plan: ReusePlan, speculative: bool, slots: list[int]) -> None:
+    def admit(self, lease: Lease, plan: ReusePlan, inputs: Inputs, slots: list[int]) -> None:
         hit: WindowCheckpoint | None = plan.parts.get(self.name)
         if hit is None:
             lease.parts[self.name] = WindowPages(list(slots))
