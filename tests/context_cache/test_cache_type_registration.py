@@ -15,6 +15,9 @@ from kvforge.runtime.context_cache.pools import ResourcePool
 from kvforge.runtime.context_cache.protocol import CacheSetup, CacheTypeBase, Lookup, Publication, PublishResult
 from kvforge.runtime.context_cache.records import Record
 from kvforge.runtime.context_cache.registry import Registration, register, registered, unregister
+from kvforge.runtime.context_cache.types.draft_paths import draft_page_ids
+from kvforge.runtime.context_cache.types.partial_tails import partial_slot, restore_slot, restore_tokens
+from kvforge.runtime.context_cache.types.recurrent_checkpoints import recurrent_slot
 
 T = 4
 NAME = "marker_slots"  # a pool no schema lists: the coordinator must not care
@@ -142,14 +145,15 @@ def test_register_adds_a_type_to_every_new_manager_until_unregistered() -> None:
         ContextCacheManager(16, T, enabled=True, marker_slots=1)
 
 
-def test_views_read_a_part_or_its_default_and_nothing_else() -> None:
+def test_typed_handles_read_a_part_or_its_default_and_holders_have_no_views() -> None:
     m = ContextCacheManager(16, T, enabled=True, partial_kv_snapshot_slots=0)
     lease, _ = run(m, list(range(8)))
-    assert lease.restore_slot is None and lease.restore_tokens == 0 and lease.draft_page_ids is None
+    assert restore_slot(lease) is None and restore_tokens(lease) == 0 and draft_page_ids(lease) == ()
     [record] = m.records.least_recent_first()
-    assert record.partial_slot is None and record.draft_page_ids == () and record.recurrent_slot is None
-    with pytest.raises(AttributeError, match="no_such_field"):
-        _ = record.no_such_field  # type: ignore[attr-defined]
+    assert partial_slot(record) is None and draft_page_ids(record) == () and recurrent_slot(record) is None
+    for holder, attr in ((record, "partial_slot"), (lease, "restore_slot"), (lease, "draft_page_ids")):
+        with pytest.raises(AttributeError, match=attr):  # a part is read through its type's handle only
+            getattr(holder, attr)
 
 
 def test_a_type_reads_its_own_request_input_and_queues_its_prerequisites() -> None:
@@ -175,3 +179,38 @@ def test_a_type_reads_its_own_request_input_and_queues_its_prerequisites() -> No
     assert (first, second.request_id) == (seq, "again") and producer.internal
     assert producer.prompt_ids == [5, 6, 7, 8] and producer.request.cache_inputs == {NAME: {"produced": True}}
     assert producer.next_admission().inputs[NAME] == {"produced": True}
+
+
+def test_a_type_exports_its_own_tier_value() -> None:
+    """A record's marker slot is saved in its shared-tier endpoint value, read from the storage the value names."""
+    import numpy as np
+
+    from kvforge.runtime.context_cache.keys import CHAIN_ROOT
+    from kvforge.runtime.context_cache.registry import tier_values
+    from kvforge.runtime.context_cache.types.partial_tails import TierValue
+    from kvforge.runtime.shared_tier.layout import Layout
+    from kvforge.runtime.shared_tier.tier import record_values
+
+    def marker_value(record: Record) -> TierValue | None:
+        slot = record.parts.get(NAME)
+        return None if slot is None else TierValue(NAME, slot)
+
+    entry = register(NAME, build, (NAME,), tier_value=marker_value)
+    try:
+        m = ContextCacheManager(16, T, enabled=True, marker_slots=2)
+        run(m, list(range(8)))
+        [record] = m.records.least_recent_first()
+        assert tier_values(record) == [TierValue(NAME, record.parts[NAME])]
+        layout = Layout(CHAIN_ROOT, None)
+        endpoint = layout.checkpoint.store_key(record.terminal_key)
+        storage = {NAME: lambda slot: [np.full(3, 10 + slot, dtype=np.int32)]}
+        job = record_values(record, layout, T, kv=None, sources=storage, known=lambda key: key != endpoint)
+    finally:
+        unregister(entry)
+    assert job is not None and [key for key, _ in job.items] == [endpoint]
+    encoded = job.items[0][1]
+    value = layout.checkpoint.decode(encoded() if callable(encoded) else encoded, record.terminal_key,
+                                     like=[np.zeros(3, dtype=np.int32)],
+                                     tokens=np.asarray(record.token_ids, dtype=np.int32))
+    assert [a.tolist() for a in value.arrays] == [[10 + record.parts[NAME]] * 3]
+    assert tier_values(record) == []  # unregistered: a plain record saves only its pages

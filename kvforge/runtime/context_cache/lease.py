@@ -8,7 +8,6 @@ from types import MappingProxyType
 from typing import Any
 
 from kvforge.runtime.context_cache.keys import KeyExtras
-from kvforge.runtime.context_cache.parts import Parted
 from kvforge.runtime.context_cache.planner import PlanKind
 from kvforge.runtime.types import LookupPolicy
 
@@ -48,7 +47,7 @@ class Admission:
 
 
 @dataclass(slots=True, eq=False)
-class Lease(Parted):
+class Lease:
     """One sequence's hold on the pool. Token layout of its page-table row (T tokens per page):
 
         |<-- reuse_tokens: hit pages (shared, pinned) -->|<-- computed here: private pages ---------->|

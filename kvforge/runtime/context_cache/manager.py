@@ -1,7 +1,7 @@
 """The context-cache coordinator: sole owner of the KV pages; admission asks before it changes anything.
 
 With reuse disabled it is a plain page allocator (no lookup, no index, no records), so both modes run
-the same code path. The scheduler talks to it through six calls:
+the same code path. The scheduler talks to it through these calls:
 
     prerequisites(admission) -> list        requests the types need computed first (a document's prefill)
     prefix_in_flight(admission) -> bool     another running sequence is computing this prefix: wait for it
@@ -9,6 +9,7 @@ the same code path. The scheduler talks to it through six calls:
     try_grow(lease, num_tokens) -> bool     more pages for a running sequence, or False (the caller preempts)
     index_computed(lease, tokens, n)        pages finished by a prefill chunk become findable at once
     publish(lease, tokens) / release(lease) a record for a finished sequence; return the lease's pages
+    restore(lease) / finish_restore(lease)  copy an admitted lease's hits in (each type's copier), then unpin them
 
 The coordinator knows records, leases and eviction; what each kind of state is, how its hits are found, what a lease
 or record holds of it, its request input and its counters live in one class per type behind the `CacheType`
@@ -31,19 +32,8 @@ this module never touches K/V) before `finish_restore`. A capture that finds no 
 skipped and counted (`snapshot_pressure_skips`): the record keeps its full pages only. No call raises for a full
 pool: only a request that cannot fit alone in empty pools is an error (the engine's `fits_alone`).
 
-Hybrid and pure recurrent deployments reuse ONLY exact checkpoints: a recurrent layer's state after L tokens cannot
-be rebuilt from KV pages, so a page hit without the state is worthless. A checkpoint is a record of exactly L tokens
-holding a recurrent snapshot and, on a hybrid with L not page-aligned, a partial-KV snapshot of its tail page, plus
-(hybrid) cache refs on its floor(L/T) full pages. Token layout of a hybrid lease resuming from L = h*T + r tokens:
-
-    |<-- reuse_tokens = L ----------------------------------------->|
-    | page 0 | ... | page h-1 (hits: the checkpoint's canonical pages)| page h: r restored tokens, computing ->| ... |
-                                                                    |<- its partial-KV snapshot ------------->|
-    recurrent + conv state of the sequence <- the checkpoint's recurrent snapshot (state after exactly L tokens)
-
-The longest checkpoint the index's matching pages agree with is the hit; none: a cold start (zeroed state).
-Publication is capture: `publish(lease, tokens)` runs at chat-message boundaries, snapshot intervals and the prefill
-and decode ends, each time with exactly the tokens the lease has computed. Nothing is indexed in flight there.
+Hybrid and pure recurrent deployments reuse ONLY exact checkpoints (a recurrent state cannot be rebuilt from
+pages): every publication there is one, of exactly the tokens the lease computed (types/recurrent_checkpoints.py).
 """
 
 from __future__ import annotations
@@ -59,7 +49,7 @@ from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.paging import pages_for
 from kvforge.contract.profile_schema import BASE_KV_PAGES, PARTIAL_KV_SNAPSHOTS, RECURRENT_SNAPSHOTS
 from kvforge.runtime.context_cache.audit import check_invariants
-from kvforge.runtime.context_cache.capture import SnapshotCopier
+from kvforge.runtime.context_cache.capture import Copiers, SnapshotCopier, snapshot_copiers
 from kvforge.runtime.context_cache.eviction import plan_eviction
 from kvforge.runtime.context_cache.index import PageIndex
 from kvforge.runtime.context_cache.keys import CHAIN_ROOT, KeyExtras, page_keys, tail_page_key
@@ -100,10 +90,11 @@ def _bookkept(method: F) -> F:
 class ContextCacheManager:
     def __init__(self, num_pages: int, tokens_per_page: int, *, enabled: bool,
                  max_records: int = DEFAULT_MAX_RECORDS, deployment: Deployment = Deployment.VANILLA,
-                 copier: SnapshotCopier | None = None, chain_root: bytes = CHAIN_ROOT,
+                 copier: SnapshotCopier | None = None, copiers: Copiers | None = None, chain_root: bytes = CHAIN_ROOT,
                  events: CacheEvents | None = None, types: Sequence[Registration] | None = None,
                  **options: Any) -> None:
-        """`copier` moves snapshot bytes (the engine's state manager); without one no snapshot is ever captured.
+        """`copiers`: what moves each type's bytes, by type name; `copier` is the snapshot types' (the engine's state
+        manager): without one no snapshot is ever captured.
         `chain_root` roots every key (keys.chain_root of an engine fingerprint); `events` hears lookups, commits
         and evictions (an external tier). `types`: the cache types to build (default: every registered one);
         `options`: what those types read (their budgets, e.g. `partial_kv_snapshot_slots`,
@@ -121,11 +112,12 @@ class ContextCacheManager:
         self.chain_root = chain_root
         self.events: CacheEvents = NoEvents() if events is None else events
         self.copier = copier
+        copiers = {**snapshot_copiers(copier), **(copiers or {})}
         self.records = RecordStore()
         self.metrics = CacheMetrics()
         self.leases: set[Lease] = set()
         self.bookkeeping_nanoseconds = 0  # all calls below, for benchmarks (the profile has planning time)
-        setup = CacheSetup(enabled, self.deployment, num_pages, tokens_per_page, chain_root, copier, self.records,
+        setup = CacheSetup(enabled, self.deployment, num_pages, tokens_per_page, chain_root, copiers, self.records,
                            self.metrics, options, self._reserve_timed)
         # The deployment picks the types (each factory decides); everything below asks the types, never the
         # deployment. A type the deployment does not use still lists its pool, empty, in the profile.
@@ -265,9 +257,15 @@ class ContextCacheManager:
         return lease
 
     @_bookkept
+    def restore(self, lease: Lease) -> None:
+        """Copy the lease's hits in, type by type through each one's copier (the scheduler calls it once the
+        sequence holds its pages and state row), then `finish_restore`."""
+        for kind in self.types:
+            kind.restore(lease)
+
+    @_bookkept
     def finish_restore(self, lease: Lease) -> None:
-        """The engine copied the lease's snapshots (partial page, recurrent state) in: unpin them (their record
-        keeps them). One restore per request, whatever it copied."""
+        """The lease's snapshots were copied in: unpin them (their record keeps them). One restore per request."""
         if any([kind.finish_restore(lease) for kind in self.types]):  # a list: every type unpins
             self.metrics.restores += 1
 

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvforge.runtime.context_cache.capture import SnapshotCopier
+from kvforge.runtime.context_cache.capture import Copiers
 from kvforge.runtime.context_cache.keys import KeyExtras
 from kvforge.runtime.context_cache.lease import Admission, Inputs, Lease, Prerequisite
 from kvforge.runtime.context_cache.metrics import CacheMetrics
@@ -83,11 +83,15 @@ class CacheSetup:
     num_pages: int  # the base KV pool's size (the engine's build)
     tokens_per_page: int
     chain_root: bytes
-    copier: SnapshotCopier | None
+    copiers: Copiers  # cache type name -> what moves its bytes (each type's module names the protocol)
     records: RecordStore
     metrics: CacheMetrics
     options: Mapping[str, Any]  # the manager's keyword options, by name
     reserve: Callable[[Demand], bool]  # evict LRU records until `demand` is allocatable (False: pins forbid it)
+
+    def copier(self, name: str) -> Any:
+        """Type `name`'s copier, or None (bookkeeping only: the cache's own tests)."""
+        return self.copiers.get(name)
 
     @property
     def checkpoints(self) -> bool:
@@ -159,8 +163,13 @@ class CacheType(Protocol):
         """What running sequences are computing, by key (audits, tests)."""
         ...
 
+    def restore(self, lease: Lease) -> None:
+        """Copy the lease's hit of this type in through this type's copier (a snapshot into its first private page,
+        a checkpoint into its state), once the sequence holds what it is copied into."""
+        ...
+
     def finish_restore(self, lease: Lease) -> bool:
-        """The engine copied the lease's snapshot of this type in: unpin it. True when there was one."""
+        """The lease's snapshot of this type was copied in: unpin it. True when there was one."""
         ...
 
     def release(self, lease: Lease) -> None:
@@ -258,6 +267,9 @@ class CacheTypeBase:
     def in_flight_pages(self) -> Mapping[bytes, Lease]:
         return _NOTHING_IN_FLIGHT
 
+    def restore(self, lease: Lease) -> None:
+        pass
+
     def finish_restore(self, lease: Lease) -> bool:
         return False
 
@@ -332,10 +344,19 @@ class NoEvents:
 
 
 class SnapshotRestore(CacheTypeBase):
-    """The restore hooks of a snapshot type: a hit's part names one slot (`.slot`, None once restored), copied into
-    the lease at admission and pinned until `finish_restore`. Partial tails and recurrent checkpoints share them."""
+    """The hooks of a snapshot type: a hit's part names one slot (`.slot`, None once restored), copied into the lease
+    at admission and pinned until `finish_restore`; a record's part is the one slot reserved for it. Partial tails
+    and recurrent checkpoints share them."""
 
     __slots__ = ()
+
+    def record_part(self, publication: Publication) -> int | None:
+        slots = publication.reserved.get(self.name)
+        return slots[0] if slots else None
+
+    def held(self, record: Record) -> tuple[int, ...]:
+        slot = record.parts.get(self.name)
+        return () if slot is None else (slot,)
 
     def hit_slots(self, plan: ReusePlan) -> tuple[int, ...]:
         hit = plan.parts.get(self.name)

@@ -3,7 +3,8 @@
 Each registration names the type's pool and part (`name`), the keyword options of `ContextCacheManager` the type
 reads (its budget, its switches), a factory that builds the type for one deployment or returns None when the
 deployment has no use for it (the coordinator then lists its pool empty in the profile), and what the type exports:
-its counters' block (`counters`: the profile's block and the /metrics series read from it).
+its counters' block (`counters`: the profile's block and the /metrics series read from it) and what a record saves
+of it in a shared tier (`tier_value`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from kvforge.contract.profile_schema import (
 )
 from kvforge.runtime.context_cache.metrics import CounterBlock, Sample
 from kvforge.runtime.context_cache.protocol import CacheSetup, CacheType
+from kvforge.runtime.context_cache.records import Record
 from kvforge.runtime.context_cache.types.adapter_corrections import (
     CORRECTION_COUNTERS,
     CORRECTION_OPTIONS,
@@ -35,8 +37,17 @@ from kvforge.runtime.context_cache.types.document_chunks import (
     build_document_chunks,
 )
 from kvforge.runtime.context_cache.types.draft_paths import DRAFT_COUNTERS, DRAFT_OPTIONS, build_draft_paths
-from kvforge.runtime.context_cache.types.partial_tails import PARTIAL_OPTIONS, build_partial_tails
-from kvforge.runtime.context_cache.types.recurrent_checkpoints import RECURRENT_OPTIONS, build_recurrent_checkpoints
+from kvforge.runtime.context_cache.types.partial_tails import (
+    PARTIAL_OPTIONS,
+    TierValue,
+    build_partial_tails,
+    tail_tier_value,
+)
+from kvforge.runtime.context_cache.types.recurrent_checkpoints import (
+    RECURRENT_OPTIONS,
+    build_recurrent_checkpoints,
+    checkpoint_tier_value,
+)
 from kvforge.runtime.context_cache.types.sliding_window import (
     SLIDING_WINDOW_COUNTERS,
     SLIDING_WINDOW_OPTIONS,
@@ -44,6 +55,7 @@ from kvforge.runtime.context_cache.types.sliding_window import (
 )
 
 TypeFactory = Callable[[CacheSetup, str], CacheType | None]
+TierExport = Callable[[Record], TierValue | None]  # what a record saves of one type in a shared tier (None: nothing)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,17 +64,18 @@ class Registration:
     factory: TypeFactory
     options: tuple[str, ...] = ()  # the manager's keyword options this type reads
     counters: CounterBlock | None = None  # its counters' profile block and /metrics series (None: it counts nothing)
+    tier_value: TierExport | None = None  # what a record saves of it in a shared tier's endpoint value
 
 
 _REGISTERED: list[Registration] = []
 
 
 def register(name: str, factory: TypeFactory, options: tuple[str, ...] = (), *,
-             counters: CounterBlock | None = None) -> Registration:
+             counters: CounterBlock | None = None, tier_value: TierExport | None = None) -> Registration:
     """Add a type after those registered so far (it is asked last in lookups). Returns the registration."""
     if any(entry.name == name for entry in _REGISTERED):
         raise ValueError(f"a cache type named {name!r} is registered already")
-    entry = Registration(name, factory, options, counters)
+    entry = Registration(name, factory, options, counters, tier_value)
     _REGISTERED.append(entry)
     return entry
 
@@ -84,12 +97,19 @@ def cache_samples(cache: Mapping[str, Any]) -> Iterator[Sample]:
             yield from entry.counters.samples(cache)
 
 
+def tier_values(record: Record) -> list[TierValue]:
+    """What a committed record saves in a shared tier's endpoint value, type by type in registration order (the
+    tier reads each one's slot from the storage it names)."""
+    return [value for entry in _REGISTERED if entry.tier_value is not None
+            and (value := entry.tier_value(record)) is not None]
+
+
 # Lookup order: each type narrows or extends the hit of the ones before it. The checkpoints decide a hybrid's hit before
 # the tails add the checkpoint's tail page; the types a speculative admission adds come next, and documents (whose hits
 # lie after the prefix every other type agreed on) last.
 register(BASE_KV_PAGES, build_attention_pages)
-register(RECURRENT_SNAPSHOTS, build_recurrent_checkpoints, RECURRENT_OPTIONS)
-register(PARTIAL_KV_SNAPSHOTS, build_partial_tails, PARTIAL_OPTIONS)
+register(RECURRENT_SNAPSHOTS, build_recurrent_checkpoints, RECURRENT_OPTIONS, tier_value=checkpoint_tier_value)
+register(PARTIAL_KV_SNAPSHOTS, build_partial_tails, PARTIAL_OPTIONS, tier_value=tail_tier_value)
 register(DRAFT_KV_PAGES, build_draft_paths, DRAFT_OPTIONS, counters=DRAFT_COUNTERS)
 register(DOCUMENT_KV_PAGES, build_document_chunks, DOCUMENT_OPTIONS, counters=DOCUMENT_COUNTERS)
 register(SLIDING_WINDOW_PAGES, build_sliding_window, SLIDING_WINDOW_OPTIONS, counters=SLIDING_WINDOW_COUNTERS)

@@ -23,6 +23,7 @@ from kvforge.contract.engine_dir import (
 from kvforge.contract.errors import InvalidConfig, KvforgeError, PoolTooSmall
 from kvforge.contract.model_config import ModelConfig
 from kvforge.contract.paging import pages_for
+from kvforge.contract.profile_schema import ADAPTER_CORRECTIONS, DOCUMENT_KV_PAGES
 from kvforge.contract.rope import rope_table
 from kvforge.contract.safetensors_map import map_tensor
 from kvforge.contract.window_pool import window_call_tokens
@@ -142,10 +143,11 @@ class Engine:
                                          max_records=config.context_cache_max_records,
                                          partial_kv_snapshot_slots=partial, recurrent_snapshot_slots=recurrent,
                                          deployment=self.deployment, copier=self.state_manager,
+                                         copiers=self._copiers(config, resolved),
                                          chain_root=resolved.chain_root, events=self.tier,
                                          draft_pages=spec.draft_pages(resolved.draft),
                                          draft_replays=resolved.draft is None or spec.support.replays_final_page,
-                                         **self._document_options(config, resolved),
+                                         **self._document_options(config),
                                          **self._correction_options(config),
                                          **_window_group(self.engine_dir))
         encoder = _load_encoder(config)
@@ -352,24 +354,31 @@ class Engine:
             block["shared_tier"] = self.tier.profile()
         return block
 
-    def _document_options(self, config: EngineConfig, resolved: ResolvedConfig) -> dict:
-        """The document type's options (issue 37): its switch, repair policy and the store its K/V lives in."""
-        if not config.document_reuse:
-            return {}
-        model, build = self.engine_dir.model, self.engine_dir.build
-        store = DocumentKVStore(self.backend.kv_store, resolved.num_pages,
-                                rope_table(build.max_kv_cache_capacity, model.rotary_dim, model.rope_theta),
-                                model.kv_cache_dtype)
-        return {"document_reuse": True, "document_repair": config.document_repair, "document_store": store}
+    def _copiers(self, config: EngineConfig, resolved: ResolvedConfig) -> dict[str, object]:
+        """What moves each cache type's bytes besides the snapshots (the state manager's, `copier`): the document
+        store (issue 37) and the corrected adapters' engine side (issue 39), when those types are on."""
+        copiers: dict[str, object] = {}
+        if config.document_reuse:
+            model, build = self.engine_dir.model, self.engine_dir.build
+            copiers[DOCUMENT_KV_PAGES] = DocumentKVStore(
+                self.backend.kv_store, resolved.num_pages,
+                rope_table(build.max_kv_cache_capacity, model.rotary_dim, model.rope_theta), model.kv_cache_dtype)
+        if self.corrector is not None:
+            copiers[ADAPTER_CORRECTIONS] = self.corrector
+        return copiers
+
+    @staticmethod
+    def _document_options(config: EngineConfig) -> dict:
+        """The document type's options (issue 37): its switch and repair policy."""
+        return {"document_reuse": True, "document_repair": config.document_repair} if config.document_reuse else {}
 
     def _correction_options(self, config: EngineConfig) -> dict:
-        """The adapter_corrections type's options: the engine side and its budget (0: the type's default)."""
+        """The adapter_corrections type's budget (0: the type's default)."""
         if self.corrector is None:
             return {}
         if config.lora_correction_pages < 0:
             raise InvalidConfig(f"must be >= 0, got {config.lora_correction_pages}", "lora_correction_pages")
-        budget = {"adapter_correction_pages": config.lora_correction_pages} if config.lora_correction_pages else {}
-        return {"adapter_corrections": self.corrector, **budget}
+        return {"adapter_correction_pages": config.lora_correction_pages} if config.lora_correction_pages else {}
 
     def _corrector(self, config: EngineConfig) -> AdapterCorrector | None:
         """Corrected adapters' engine side (issue 39), only when `lora_corrections` names some; refused in one line

@@ -26,6 +26,7 @@ from typing import Protocol
 from kvforge.contract.profile_schema import SCHEDULER_KEYS
 from kvforge.runtime.context_cache.lease import Lease, Prerequisite
 from kvforge.runtime.context_cache.manager import ContextCacheManager
+from kvforge.runtime.context_cache.types.document_chunks import restored_spans
 from kvforge.runtime.engine.state import StateManager
 from kvforge.runtime.sampling.sampler import Sampler, SampleResult
 from kvforge.runtime.sequence import EngineRequest, FinishReason, Sequence, Status
@@ -161,7 +162,7 @@ class Scheduler:
         count = min(seq.num_pending_tokens, budget, self.prefill_chunk_tokens, seq.tokens_to_next_checkpoint())
         if seq.lease is None:
             return count
-        for start, end in seq.lease.restored_spans:
+        for start, end in restored_spans(seq.lease):
             if start <= seq.num_computed_tokens < end:
                 seq.num_computed_tokens = end
                 count = min(seq.num_pending_tokens, budget, self.prefill_chunk_tokens,
@@ -219,6 +220,7 @@ class Scheduler:
                 seq.reused_tokens = cached_tokens(seq)
             if self.state is not None:
                 self.state.on_admit(seq)
+                self.cache.restore(lease)  # each type copies its hit in, through its copier
                 self.cache.finish_restore(lease)  # the copies are done (a no-op without restores)
             if self.loader is not None and self.loader.start(seq):
                 seq.status = Status.WAITING_FOR_REMOTE
@@ -383,5 +385,5 @@ def cached_tokens(seq: Sequence) -> int:
     """The prompt tokens a sequence starts with from a cache: those before its computing starts (pages, snapshots,
     a shared tier's load) and the restored document tokens after them (issue 37)."""
     start = seq.num_computed_tokens
-    spans = seq.lease.restored_spans if seq.lease is not None else ()
+    spans = restored_spans(seq.lease)
     return start + sum(max(end - max(begin, start), 0) for begin, end in spans)

@@ -42,7 +42,7 @@ from kvforge.runtime.context_cache.types.document_chunks import documents_of
 from kvforge.runtime.context_cache.types.draft_paths import is_speculative
 from kvforge.runtime.types import Deployment
 
-CORRECTION_OPTIONS = ("adapter_corrections", "adapter_correction_pages")
+CORRECTION_OPTIONS = ("adapter_correction_pages",)
 
 
 class CorrectionCopier(Protocol):
@@ -136,7 +136,7 @@ def check_deployment(deployment: Deployment) -> None:
 
 def build_adapter_corrections(setup: CacheSetup, name: str) -> AdapterCorrections | None:
     """Only with context reuse on and an engine that opted in (`lora_corrections`)."""
-    copier: CorrectionCopier | None = setup.options.get("adapter_corrections")
+    copier: CorrectionCopier | None = setup.copier(name)
     if not setup.enabled or copier is None:
         return None
     check_deployment(setup.deployment)

@@ -44,7 +44,7 @@ from kvforge.runtime.context_cache.protocol import CacheSetup, CacheTypeBase, Lo
 from kvforge.runtime.context_cache.records import Record, RecordStore
 from kvforge.runtime.types import Deployment
 
-DOCUMENT_OPTIONS = ("document_reuse", "document_repair", "document_store")
+DOCUMENT_OPTIONS = ("document_reuse", "document_repair")
 REPAIR_NONE, REPAIR_FIRST_PAGE, REPAIR_OVERLAP, REPAIR_FULL = "none", "first-page", "overlap", "full"
 REPAIR_POLICIES = (REPAIR_NONE, REPAIR_FIRST_PAGE, REPAIR_OVERLAP, REPAIR_FULL)
 # experiments/document_reuse.py on SmolLM2 (16 requests, 3 of 8 reports each): first-page answered 8/16 right against
@@ -67,8 +67,8 @@ DOCUMENT_COUNTERS = CounterBlock(schema.DOCUMENTS, schema.DOCUMENT_KEYS, _sample
 
 
 class DocumentCopier(Protocol):
-    """Moves document K/V bytes (kvforge/runtime/execution/kv_store.py `DocumentKVStore`): this module never touches
-    them."""
+    """Moves document K/V bytes (kvforge/runtime/execution/kv_store.py `DocumentKVStore`, the setup's copier for
+    this type): this module never touches them."""
 
     def capture(self, page_ids: list[int], slots: list[int]) -> None: ...
 
@@ -149,8 +149,16 @@ class DocumentPart:
         return sum(hit.reused_tokens for hit in self.hits)
 
 
-Lease.view("restored_spans", schema.DOCUMENT_KV_PAGES, lambda part: part.restored_spans, ())
-Lease.view("document_reused_tokens", schema.DOCUMENT_KV_PAGES, lambda part: part.reused_tokens, 0)
+def restored_spans(lease: Lease | None) -> tuple[tuple[int, int], ...]:
+    """The lease's restored document ranges [start, end): the scheduler moves its computing past them (typed
+    handle: the only reading of this type's part outside it)."""
+    part = None if lease is None else lease.parts.get(schema.DOCUMENT_KV_PAGES)
+    return () if part is None else part.restored_spans
+
+
+def document_reused_tokens(lease: Lease) -> int:
+    part = lease.parts.get(schema.DOCUMENT_KV_PAGES)
+    return 0 if part is None else part.reused_tokens
 
 
 def build_document_chunks(setup: CacheSetup, name: str) -> DocumentChunks | None:
@@ -165,7 +173,7 @@ def build_document_chunks(setup: CacheSetup, name: str) -> DocumentChunks | None
         raise InvalidConfig(f"must be one of {', '.join(REPAIR_POLICIES)}, got {repair!r}", "document_repair")
     # The stored forms get as many slots as the pool has pages (the store maps a slot's memory only when written).
     return DocumentChunks(ResourcePool(name, setup.num_pages), setup.tokens_per_page, setup.chain_root, repair,
-                          setup.options.get("document_store"), setup.records)
+                          setup.copier(name), setup.records)
 
 
 class DocumentChunks(CacheTypeBase):

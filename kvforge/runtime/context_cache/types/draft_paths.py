@@ -361,16 +361,22 @@ class DraftPaths(CacheTypeBase):
             assert len(self.held(record)) >= covered and record.keys[covered - 1] == key
 
 
-def _read_pages(part: DraftPath | DraftHit | DraftLease) -> tuple[int, ...] | list[int]:
-    return part.page_ids
+# Typed handles besides `draft_of`: a record's or plan's draft part, read outside this type (tests, tools).
+def draft_path(record: Record) -> DraftPath | None:
+    return record.parts.get(DRAFT_KV_PAGES)
 
 
-# Views: the old attribute names stay readable outside this type (tests, tools); only this module writes the parts.
-Record.view("draft_page_ids", DRAFT_KV_PAGES, _read_pages, ())
-Record.view("draft_tail", DRAFT_KV_PAGES, lambda path: path.tail)
-ReusePlan.view("draft_hit_pages", DRAFT_KV_PAGES, _read_pages, ())
-ReusePlan.view("draft_tail", DRAFT_KV_PAGES, lambda hit: hit.tail)
-Lease.view("draft_page_ids", DRAFT_KV_PAGES, _read_pages)
-Lease.view("draft_computed_tokens", DRAFT_KV_PAGES, lambda draft: draft.computed, 0)
-Lease.view("draft_hidden", DRAFT_KV_PAGES, lambda draft: draft.hidden)
-Lease.view("draft_hidden_start", DRAFT_KV_PAGES, lambda draft: draft.hidden_start, 0)
+def draft_page_ids(holder: Record | ReusePlan | Lease) -> tuple[int, ...]:
+    """The draft pages a record's path, a plan's hit or a speculative lease holds (none: empty)."""
+    part = holder.parts.get(DRAFT_KV_PAGES)
+    return () if part is None else tuple(part.page_ids)
+
+
+def draft_tail(holder: Record | ReusePlan) -> DraftTail | None:
+    part = holder.parts.get(DRAFT_KV_PAGES)
+    return None if part is None else part.tail
+
+
+def draft_computed_tokens(lease: Lease) -> int:
+    draft = draft_of(lease)
+    return 0 if draft is None else draft.computed
