@@ -27,13 +27,7 @@ from kvforge.contract.profile_schema import ADAPTER_CORRECTIONS, DOCUMENT_KV_PAG
 from kvforge.contract.rope import rope_table
 from kvforge.contract.safetensors_map import map_tensor
 from kvforge.contract.window_pool import window_call_tokens
-from kvforge.runtime.adapters import (
-    LoraRegistry,
-    check_correction_engine,
-    load_attention_norms,
-    lora_input_shapes,
-    mark_corrected,
-)
+from kvforge.runtime.adapters import LoraRegistry, lora_input_shapes, mark_corrected
 from kvforge.runtime.context_cache.manager import ContextCacheManager
 from kvforge.runtime.engine.config import (  # noqa: F401 - EngineConfig and the budget helper are re-exported
     EngineConfig,
@@ -47,7 +41,7 @@ from kvforge.runtime.engine.output import OutputProcessor, RequestOutput
 from kvforge.runtime.engine.scheduler import Scheduler, SchedulerStats
 from kvforge.runtime.engine.state import StateManager
 from kvforge.runtime.execution.backend import Backend
-from kvforge.runtime.execution.corrections import AdapterCorrector
+from kvforge.runtime.execution.corrections import AdapterCorrector, check_correction_engine, load_attention_norms
 from kvforge.runtime.execution.executor import ModelExecutor
 from kvforge.runtime.execution.kv_store import DocumentKVStore, KVStore
 from kvforge.runtime.execution.load import load_backend
