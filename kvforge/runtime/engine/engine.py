@@ -56,7 +56,7 @@ from kvforge.runtime.sequence import EngineRequest, Sequence, Status
 from kvforge.runtime.shared_tier.secret import tier_secret
 from kvforge.runtime.shared_tier.stores import open_store
 from kvforge.runtime.shared_tier.tier import SharedTier
-from kvforge.runtime.spec.methods import SPEC_OFF, ProposerParts
+from kvforge.runtime.spec.methods import ProposerParts
 from kvforge.runtime.spec.proposer import Proposer
 from kvforge.runtime.types import CommitPolicy, Deployment, Request, SamplingParams
 
@@ -377,14 +377,8 @@ class Engine:
     def _corrector(self, config: EngineConfig) -> AdapterCorrector | None:
         """Corrected adapters' engine side (issue 39), only when `lora_corrections` names some; refused in one line
         on an engine the correction cannot serve."""
-        if not config.lora_corrections:
+        if not config.lora_corrections:  # its support row's refusals (reuse, engines, speculation) came first
             return None
-        if not config.enable_context_reuse:
-            raise InvalidConfig("corrected adapters start from cached base pages: they need enable_context_reuse",
-                                "lora_corrections")
-        if config.spec_decode != SPEC_OFF:
-            raise InvalidConfig("corrected adapters run without speculative decoding; use --specDecode none",
-                                "lora_corrections")
         check_correction_engine(self.engine_dir, self.deployment)
         if not isinstance(self.backend.kv_store, KVStore):
             raise InvalidConfig("corrected adapters need the onnxruntime backend's host KV pool", "lora_corrections")

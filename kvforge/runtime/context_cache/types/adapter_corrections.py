@@ -38,6 +38,7 @@ from kvforge.runtime.context_cache.planner import PlanKind, ReusePlan
 from kvforge.runtime.context_cache.pools import ResourcePool
 from kvforge.runtime.context_cache.protocol import CacheSetup, CacheTypeBase, Lookup, Publication
 from kvforge.runtime.context_cache.records import Record
+from kvforge.runtime.context_cache.support import PLAIN_DECODING, CacheSupport, ReuseOff, Tier, refusal
 from kvforge.runtime.context_cache.types.document_chunks import documents_of
 from kvforge.runtime.context_cache.types.draft_paths import is_speculative
 from kvforge.runtime.types import Deployment
@@ -126,12 +127,24 @@ class StoredFactors:
 CORRECTION_COUNTERS = CounterBlock(schema.ADAPTER_CORRECTIONS, schema.CORRECTION_KEYS)
 
 
+# Its row of the support matrix: cached base pages to start from (reuse on), attention-only engines (a recurrent
+# layer's state past the conversation is the adapter's own), plain decoding; the tier saves the base pages only.
+CORRECTION_SUPPORT = CacheSupport(
+    "adapter corrections", "lora_corrections", (Deployment.VANILLA,), PLAIN_DECODING, window_group=True,
+    tier=Tier.NOT_SAVED, reuse_off=ReuseOff.REFUSED, refusals={
+        "reuse": "corrected adapters start from cached base pages: they need enable_context_reuse",
+        "deployment": "recurrent and hybrid engines cannot correct adapters: their state past the conversation is "
+                      "the adapter's own",
+        "spec": "corrected adapters run without speculative decoding; use --specDecode none"},
+    note="llama-family engines exported with every layer's hidden states")
+
+
 def check_deployment(deployment: Deployment) -> None:
-    """Attention-only deployments: a recurrent layer's state past the conversation is the adapter's own, and no
-    correction of base pages reaches it (refused in one line naming `lora_corrections`)."""
-    if deployment is not Deployment.VANILLA:
-        raise InvalidConfig("recurrent and hybrid engines cannot correct adapters: their state past the conversation "
-                            "is the adapter's own", "lora_corrections")
+    """The support row's deployments (refused in one line naming `lora_corrections`)."""
+    found = refusal(CORRECTION_SUPPORT, deployment=deployment, spec_decode=PLAIN_DECODING[0], reuse=True,
+                    window_group=False, shared_cache=False)
+    if found is not None:
+        raise found
 
 
 def build_adapter_corrections(setup: CacheSetup, name: str) -> AdapterCorrections | None:

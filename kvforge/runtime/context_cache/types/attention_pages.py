@@ -14,6 +14,13 @@ from kvforge.runtime.context_cache.planner import ReusePlan, plan_reuse
 from kvforge.runtime.context_cache.pools import ResourcePool
 from kvforge.runtime.context_cache.protocol import CacheSetup, CacheTypeBase, Lookup, Publication
 from kvforge.runtime.context_cache.records import Record
+from kvforge.runtime.context_cache.support import ALL_METHODS, CacheSupport, ReuseOff, Tier
+from kvforge.runtime.types import Deployment
+
+# Its row of the support matrix: the page table every paged engine has (informational: nothing turns it on).
+ATTENTION_SUPPORT = CacheSupport(
+    "base pages", "", (Deployment.VANILLA, Deployment.HYBRID), ALL_METHODS, window_group=True, tier=Tier.SAVED,
+    reuse_off=ReuseOff.RUNS, on=lambda config, build: False, note="a plain page allocator with reuse off")
 
 
 def build_attention_pages(setup: CacheSetup, name: str) -> AttentionPages | None:

@@ -42,6 +42,7 @@ from kvforge.runtime.context_cache.planner import ReusePlan
 from kvforge.runtime.context_cache.pools import ResourcePool
 from kvforge.runtime.context_cache.protocol import CacheSetup, CacheTypeBase, Lookup, Publication
 from kvforge.runtime.context_cache.records import Record, RecordStore
+from kvforge.runtime.context_cache.support import WITHOUT_DRAFT_MODEL, CacheSupport, ReuseOff, Tier
 from kvforge.runtime.types import Deployment
 
 DOCUMENT_OPTIONS = ("document_reuse", "document_repair")
@@ -64,6 +65,17 @@ def _samples(cache: Mapping[str, object]) -> Iterable[Sample]:
 # The profile's `documents` block: spans admitted requests carried, spans restored, tokens restored and recomputed,
 # pages of stored K/V rotated into requests, standalone prefills that produced a stored form (profile_schema).
 DOCUMENT_COUNTERS = CounterBlock(schema.DOCUMENTS, schema.DOCUMENT_KEYS, _samples)
+# Its row of the support matrix: attention-only engines (a recurrent state depends on the whole prefix), no draft
+# model (a draft has no stored documents), not beside a sliding-window group; the tier saves its records' pages but
+# not the stored forms. The rope check (keys must re-rotate exactly) is the engine config's, numerically.
+DOCUMENT_SUPPORT = CacheSupport(
+    "documents", "document_reuse", (Deployment.VANILLA,), WITHOUT_DRAFT_MODEL, window_group=False,
+    tier=Tier.NOT_SAVED, reuse_off=ReuseOff.IMPLIES, refusals={
+        "deployment": "document reuse needs an attention-only engine; this one is {deployment} (a recurrent state "
+                      "depends on the whole prefix, so a document's state cannot be moved)",
+        "spec": "document reuse does not combine with --specDecode {method}: its draft model has no stored "
+                "documents; use --specDecode ngram or none"},
+    note="a rope that re-rotates exactly (refused on Gemma's mixed rope)")
 
 
 class DocumentCopier(Protocol):

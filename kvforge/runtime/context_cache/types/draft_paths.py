@@ -45,12 +45,15 @@ from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.paging import pages_for
 from kvforge.contract.profile_schema import DRAFT_KV_PAGES, FULL_PAGE_REPLAYS, PAIR_PUBLICATIONS, SPECULATIVE_KEYS
 from kvforge.contract.profile_schema import SPECULATIVE as SPECULATIVE_BLOCK
+from kvforge.contract.speculation import SPEC_SUPPORT, DraftKV
 from kvforge.runtime.context_cache.lease import Inputs, Lease
 from kvforge.runtime.context_cache.metrics import CounterBlock
 from kvforge.runtime.context_cache.planner import PlanKind, ReusePlan, plan_resume
 from kvforge.runtime.context_cache.pools import Demand, ResourcePool
 from kvforge.runtime.context_cache.protocol import CacheSetup, CacheTypeBase, Lookup, Publication
 from kvforge.runtime.context_cache.records import Record, RecordStore
+from kvforge.runtime.context_cache.support import CacheSupport, ReuseOff, Tier
+from kvforge.runtime.types import Deployment
 
 DRAFT_OPTIONS = ("draft_pages", "draft_replays")
 # The profile's `speculative` block (TensorRT Edge-LLM's keys): speculative hits that replayed their final matched
@@ -120,6 +123,14 @@ class DraftLease:
             base, first = np.concatenate([old[:first - offset], base]), offset
         cut = max(len(base) - keep, 0)
         self.hidden, self.hidden_start = np.array(base[cut:], dtype=np.float32), first + cut
+
+
+# Its row of the support matrix (informational: the speculation table's rows refuse what it cannot serve).
+DRAFT_SUPPORT = CacheSupport(
+    "draft pages", "spec_decode", (Deployment.VANILLA, Deployment.HYBRID),
+    tuple(name for name, row in SPEC_SUPPORT.items() if row.draft_kv is DraftKV.OWN), window_group=False,
+    tier=Tier.NOT_SAVED, reuse_off=ReuseOff.RUNS, on=lambda config, build: False,
+    note="the speculation table's own-pool drafts")
 
 
 def speculative_input(speculative: bool) -> Inputs:

@@ -31,7 +31,9 @@ from kvforge.runtime.context_cache.planner import ReusePlan, plan_resume
 from kvforge.runtime.context_cache.pools import ResourcePool
 from kvforge.runtime.context_cache.protocol import CacheSetup, Lookup, Publication, SnapshotRestore
 from kvforge.runtime.context_cache.records import Record, RecordStore
+from kvforge.runtime.context_cache.support import ALL_METHODS, CacheSupport, ReuseOff, Tier
 from kvforge.runtime.context_cache.types.partial_tails import TierValue, tail_key
+from kvforge.runtime.types import Deployment
 
 RECURRENT_OPTIONS = ("recurrent_snapshot_slots",)
 
@@ -93,6 +95,14 @@ def checkpoint_tier_value(record: Record) -> TierValue | None:
     """A checkpoint's recurrent state, saved first in its endpoint value."""
     slot = recurrent_slot(record)
     return None if slot is None else TierValue(RECURRENT_SNAPSHOTS, slot)
+
+
+# Its row of the support matrix (informational: the engine config sizes its budget, and recurrent engines have no
+# sliding-window group); the speculation table says which methods run on a recurrent base.
+RECURRENT_SUPPORT = CacheSupport(
+    "recurrent checkpoints", "context_cache_recurrent_snapshot_pool_bytes",
+    (Deployment.HYBRID, Deployment.PURE_RECURRENT), ALL_METHODS, window_group=True, tier=Tier.SAVED,
+    reuse_off=ReuseOff.UNUSED, on=lambda config, build: False, note="every publication is an exact checkpoint")
 
 
 def build_recurrent_checkpoints(setup: CacheSetup, name: str) -> RecurrentCheckpoints | None:

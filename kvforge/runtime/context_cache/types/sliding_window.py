@@ -38,6 +38,8 @@ from kvforge.runtime.context_cache.planner import PlanKind, ReusePlan, media_saf
 from kvforge.runtime.context_cache.pools import ResourcePool
 from kvforge.runtime.context_cache.protocol import CacheSetup, CacheTypeBase, Lookup, Publication
 from kvforge.runtime.context_cache.records import Record, RecordStore
+from kvforge.runtime.context_cache.support import PLAIN_DECODING, CacheSupport, ReuseOff, Tier
+from kvforge.runtime.types import Deployment
 
 # sliding_window: the window W; sliding_window_pages: the group's pages (0 = the engine has no group);
 # sliding_window_call_tokens: the most new tokens one engine call gives a row.
@@ -93,6 +95,14 @@ def _samples(cache: Mapping[str, Any]) -> Iterable[Sample]:
 # The profile's `sliding_window` block: admissions that took a record's window pages, records published without one
 # (the lease had freed part of it).
 SLIDING_WINDOW_COUNTERS = CounterBlock(schema.SLIDING_WINDOW, (schema.WINDOW_HITS, schema.WINDOW_SKIPS), _samples)
+
+
+# Its row of the support matrix: an engine built with --slidingWindowPool serves neither speculation nor a shared
+# tier yet (both read or keep K/V through the global page table alone); each refusal names the other's setting.
+SLIDING_WINDOW_SUPPORT = CacheSupport(
+    "sliding-window pages", "", (Deployment.VANILLA,), PLAIN_DECODING, window_group=True, tier=Tier.REFUSED,
+    reuse_off=ReuseOff.RUNS, on=lambda config, build: bool(build.window_pool_pages),
+    note="turned on by llm_build --slidingWindowPool (Gemma 3/4)")
 
 
 def build_sliding_window(setup: CacheSetup, name: str) -> SlidingWindowPages | None:
