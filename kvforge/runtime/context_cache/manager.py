@@ -266,15 +266,14 @@ class ContextCacheManager:
     @_bookkept
     def finish_restore(self, lease: Lease) -> None:
         """The lease's snapshots were copied in: unpin them (their record keeps them). One restore per request."""
-        if any([kind.finish_restore(lease) for kind in self.types]):  # a list: every type unpins
-            self.metrics.restores += 1
+        self.metrics.restores += any([kind.finish_restore(lease) for kind in self.types])  # a list: every type
 
     # --- grow ---------------------------------------------------------------------------------------
 
     @_bookkept
     def try_grow(self, lease: Lease, num_tokens: int) -> bool:
-        """Make the lease's slots cover positions [0, num_tokens), evicting records if needed; False (and
-        nothing changed) when the pools cannot, so the scheduler can preempt another sequence and retry."""
+        """Make the lease's slots cover positions [0, num_tokens), evicting records if needed; False (nothing
+        changed) when the pools cannot: the scheduler preempts another sequence and retries."""
         needs = [kind.growth_slots(lease, num_tokens) for kind in self.types]
         if not any(needs):
             return True
@@ -290,10 +289,9 @@ class ContextCacheManager:
 
     @_bookkept
     def index_computed(self, lease: Lease, token_ids: list[int] | np.ndarray, num_computed: int) -> None:
-        """Index the lease's full pages among its first `num_computed` tokens (up to its indexable limit), so
-        a request arriving mid-prefill hits the chunks already done. No record: the pages stay pinned by
-        the lease, and a lease released without publishing takes them back with it. Nothing on a checkpoint
-        deployment: there a page is indexed on publication, with its checkpoint (no page is indexable)."""
+        """Index the lease's full pages among its first `num_computed` tokens (up to its indexable limit), so a
+        request arriving mid-prefill hits the chunks already done (no record: the lease pins them). Nothing on a
+        checkpoint deployment: there a page is indexed on publication, with its checkpoint."""
         if not (self.enabled and lease.may_publish):
             return
         upto = min(num_computed // self.tokens_per_page, lease.indexable_pages, len(lease.page_ids))
@@ -488,6 +486,10 @@ class ContextCacheManager:
             self.events.evicted(record)
 
     # --- reporting and audits -----------------------------------------------------------------------
+
+    def page_tables(self, lease: Lease) -> dict[str, list[int]]:
+        """The lease's tables of the page groups beside the global one, each from the type that owns it."""
+        return {group: table for kind in self.types for group, table in kind.page_tables(lease).items()}
 
     def profile(self) -> dict:
         blocks = {block.name: block.zeros() if kind is None else kind.counters() for block, kind in self._counted}

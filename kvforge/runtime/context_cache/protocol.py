@@ -29,6 +29,7 @@ from kvforge.runtime.types import Deployment
 
 _NOTHING_IN_FLIGHT: Mapping[bytes, Lease] = MappingProxyType({})
 _NO_COUNTERS: Mapping[str, int] = MappingProxyType({})
+_NO_TABLES: Mapping[str, list[int]] = MappingProxyType({})
 
 
 class PublishResult(str, Enum):
@@ -218,6 +219,11 @@ class CacheType(Protocol):
         """Assert what this type alone knows about the records and leases (check_invariants calls it)."""
         ...
 
+    def page_tables(self, lease: Lease) -> Mapping[str, list[int]]:
+        """The lease's tables of the page groups this type owns, by group (contract/paging.py PageGroup): what the
+        executor binds beside the global table. Empty: it owns none."""
+        ...
+
     def counters(self) -> Mapping[str, int]:
         """This type's counters, cumulative: the profile's block its registration names (`CounterBlock`)."""
         ...
@@ -305,6 +311,9 @@ class CacheTypeBase:
 
     def audit(self, records: Sequence[Record], leases: Iterable[Lease]) -> None:
         pass
+
+    def page_tables(self, lease: Lease) -> Mapping[str, list[int]]:
+        return _NO_TABLES
 
     def counters(self) -> Mapping[str, int]:
         return _NO_COUNTERS

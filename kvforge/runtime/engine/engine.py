@@ -173,7 +173,7 @@ class Engine:
                                       self.state_manager.rows if self.states is not None else None,
                                       all_hidden=self.proposer is not None and self.proposer.owns_kv,
                                       per_layer=per_layer, media_row=model.pad_token_id or 0,
-                                      corrector=self.corrector)
+                                      corrector=self.corrector, page_tables=self.cache.page_tables)
         self.outputs = OutputProcessor(self.tokenizer, frozenset(self.engine_dir.model.eos_token_ids),
                                        build.max_kv_cache_capacity)
         self.scheduler = Scheduler(self.cache, self.state_manager, self.outputs, max_batch_size=resolved.max_batch_size,

@@ -31,7 +31,7 @@ import numpy as np
 from kvforge.contract import profile_schema as schema
 from kvforge.contract.paging import pages_for
 from kvforge.contract.profile_schema import SLIDING_WINDOW_PAGES
-from kvforge.contract.window_pool import checkpoint_pages, window_pages_per_row
+from kvforge.contract.window_pool import WINDOW_GROUP, checkpoint_pages, window_pages_per_row
 from kvforge.runtime.context_cache.lease import Inputs, Lease
 from kvforge.runtime.context_cache.metrics import CounterBlock, Sample
 from kvforge.runtime.context_cache.planner import PlanKind, ReusePlan, media_safe_pages
@@ -244,6 +244,11 @@ class SlidingWindowPages(CacheTypeBase):
 
     def counters(self) -> dict[str, int]:
         return self.metrics
+
+    def page_tables(self, lease: Lease) -> dict[str, list[int]]:
+        """The sliding layers' page group's table of the lease (-1 where a page fell out of the window)."""
+        part: WindowPages | None = lease.parts.get(self.name)
+        return {} if part is None else {WINDOW_GROUP: part.table}
 
     def held(self, record: Record) -> tuple[int, ...]:
         part: WindowCheckpoint | None = record.parts.get(self.name)
