@@ -53,9 +53,11 @@ class CacheSupport:
     window_group: bool  # served on an engine built with --slidingWindowPool
     tier: Tier
     reuse_off: ReuseOff
-    # The one-line refusals: "deployment" ({deployment}: the engine's, in words), "spec" ({method}), "reuse"; a
-    # refused window group or tier has NOT_ON_WINDOW_GROUP. A column refused without a message here cannot come up.
+    # The one-line refusals by column: "reuse", "deployment" ({deployment}: the engine's, in words), "spec"
+    # ({method}), "window", "tier". A column without a message is informational here: where it matters, another
+    # check refuses it first (the engine config's budgets, the speculation table).
     refusals: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    spec_field: str = ""  # the setting a speculation refusal names ("": `option`)
     # Whether the type is on for an engine config and its build (None: `option`'s value is the switch).
     on: Callable[[Any, Any], bool] | None = None
     note: str = ""  # what the matrix adds in words (a check the row cannot express)
@@ -69,20 +71,18 @@ class CacheSupport:
 def refusal(row: CacheSupport, *, deployment: Deployment, spec_decode: str, reuse: bool, window_group: bool,
             shared_cache: bool) -> InvalidConfig | None:
     """The row's refusal of this combination, in the order reuse, deployment, speculation, window group, tier, or
-    None when the type runs with it."""
-    if not reuse and row.reuse_off is ReuseOff.REFUSED:
-        return InvalidConfig(row.refusals["reuse"], row.option)
-    if deployment not in row.deployments:
-        words = DEPLOYMENT_WORDS[deployment]
-        return InvalidConfig(row.refusals["deployment"].format(deployment=words), row.option)
-    if spec_decode not in row.spec_methods:
-        message = row.refusals.get("spec")
-        return InvalidConfig(message.format(method=spec_decode) if message else NOT_ON_WINDOW_GROUP,
-                             row.option if message else "spec_decode")
-    if window_group and not row.window_group:
-        return InvalidConfig(NOT_ON_WINDOW_GROUP, row.option)
-    if shared_cache and row.tier is Tier.REFUSED:
-        return InvalidConfig(NOT_ON_WINDOW_GROUP, "shared_cache")
+    None when the type runs with it (or leaves the refusal to another check: no message)."""
+    messages = row.refusals
+    if not reuse and row.reuse_off is ReuseOff.REFUSED and "reuse" in messages:
+        return InvalidConfig(messages["reuse"], row.option)
+    if deployment not in row.deployments and "deployment" in messages:
+        return InvalidConfig(messages["deployment"].format(deployment=DEPLOYMENT_WORDS[deployment]), row.option)
+    if spec_decode not in row.spec_methods and "spec" in messages:
+        return InvalidConfig(messages["spec"].format(method=spec_decode), row.spec_field or row.option)
+    if window_group and not row.window_group and "window" in messages:
+        return InvalidConfig(messages["window"], row.option)
+    if shared_cache and row.tier is Tier.REFUSED and "tier" in messages:
+        return InvalidConfig(messages["tier"], "shared_cache")
     return None
 
 

@@ -42,7 +42,13 @@ from kvforge.runtime.context_cache.planner import ReusePlan
 from kvforge.runtime.context_cache.pools import ResourcePool
 from kvforge.runtime.context_cache.protocol import CacheSetup, CacheTypeBase, Lookup, Publication
 from kvforge.runtime.context_cache.records import Record, RecordStore
-from kvforge.runtime.context_cache.support import WITHOUT_DRAFT_MODEL, CacheSupport, ReuseOff, Tier
+from kvforge.runtime.context_cache.support import (
+    NOT_ON_WINDOW_GROUP,
+    WITHOUT_DRAFT_MODEL,
+    CacheSupport,
+    ReuseOff,
+    Tier,
+)
 from kvforge.runtime.types import Deployment
 
 DOCUMENT_OPTIONS = ("document_reuse", "document_repair")
@@ -74,7 +80,8 @@ DOCUMENT_SUPPORT = CacheSupport(
         "deployment": "document reuse needs an attention-only engine; this one is {deployment} (a recurrent state "
                       "depends on the whole prefix, so a document's state cannot be moved)",
         "spec": "document reuse does not combine with --specDecode {method}: its draft model has no stored "
-                "documents; use --specDecode ngram or none"},
+                "documents; use --specDecode ngram or none",
+        "window": NOT_ON_WINDOW_GROUP},
     note="a rope that re-rotates exactly (refused on Gemma's mixed rope)")
 
 

@@ -16,7 +16,7 @@ from kvforge.runtime.context_cache.planner import PlanKind, ReusePlan
 from kvforge.runtime.context_cache.pools import ResourcePool
 from kvforge.runtime.context_cache.protocol import CacheSetup, Lookup, Publication, SnapshotRestore
 from kvforge.runtime.context_cache.records import Record, RecordStore
-from kvforge.runtime.context_cache.support import ALL_METHODS, CacheSupport, ReuseOff, Tier
+from kvforge.runtime.context_cache.support import ALL_METHODS, NOT_ON_WINDOW_GROUP, CacheSupport, ReuseOff, Tier
 from kvforge.runtime.types import Deployment
 
 PARTIAL_OPTIONS = ("partial_kv_snapshot_slots",)
@@ -89,7 +89,8 @@ def tail_tier_value(record: Record) -> TierValue | None:
 # sliding-window group yet; a hybrid's checkpoints ending inside a page need it.
 PARTIAL_SUPPORT = CacheSupport(
     "partial-KV snapshots", "context_cache_partial_kv_snapshot_pool_bytes", (Deployment.VANILLA, Deployment.HYBRID),
-    ALL_METHODS, window_group=False, tier=Tier.SAVED, reuse_off=ReuseOff.UNUSED)
+    ALL_METHODS, window_group=False, tier=Tier.SAVED, reuse_off=ReuseOff.UNUSED,
+    refusals={"window": NOT_ON_WINDOW_GROUP})
 
 
 def build_partial_tails(setup: CacheSetup, name: str) -> PartialTails | None:

@@ -38,7 +38,7 @@ from kvforge.runtime.context_cache.planner import PlanKind, ReusePlan, media_saf
 from kvforge.runtime.context_cache.pools import ResourcePool
 from kvforge.runtime.context_cache.protocol import CacheSetup, CacheTypeBase, Lookup, Publication
 from kvforge.runtime.context_cache.records import Record, RecordStore
-from kvforge.runtime.context_cache.support import PLAIN_DECODING, CacheSupport, ReuseOff, Tier
+from kvforge.runtime.context_cache.support import NOT_ON_WINDOW_GROUP, PLAIN_DECODING, CacheSupport, ReuseOff, Tier
 from kvforge.runtime.types import Deployment
 
 # sliding_window: the window W; sliding_window_pages: the group's pages (0 = the engine has no group);
@@ -102,6 +102,7 @@ SLIDING_WINDOW_COUNTERS = CounterBlock(schema.SLIDING_WINDOW, (schema.WINDOW_HIT
 SLIDING_WINDOW_SUPPORT = CacheSupport(
     "sliding-window pages", "", (Deployment.VANILLA,), PLAIN_DECODING, window_group=True, tier=Tier.REFUSED,
     reuse_off=ReuseOff.RUNS, on=lambda config, build: bool(build.window_pool_pages),
+    refusals={"spec": NOT_ON_WINDOW_GROUP, "tier": NOT_ON_WINDOW_GROUP}, spec_field="spec_decode",
     note="turned on by llm_build --slidingWindowPool (Gemma 3/4)")
 
 
