@@ -14,6 +14,7 @@ from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.engine_dir import load_engine_dir
 from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.geometry import partial_kv_bytes_per_slot
+from kvforge.runtime.context_cache.types.partial_tails import partial_slot
 from kvforge.runtime.engine.engine import Engine
 from kvforge.runtime.execution.kv_store import KVStore
 from kvforge.runtime.execution.ort import OrtBackend
@@ -194,7 +195,7 @@ def test_restored_page_holds_the_snapshot_tokens(engine_dir: Path, runner: OrtBa
             "requests": [{"messages": [{"role": "user", "content": prompt}]}]}
     run_file(warm, data)
     [record] = [r for r in warm.cache.records.least_recent_first() if len(r.token_ids) == len(prompt)]
-    assert record.partial_slot is not None
+    assert partial_slot(record) is not None
     tail = len(prompt) % T
     extended = warm.tokenizer.encode(prompt + "seven, eight, nine.")
     sampling = SamplingParams(temperature=0.0, max_generate_length=3)
@@ -205,7 +206,7 @@ def test_restored_page_holds_the_snapshot_tokens(engine_dir: Path, runner: OrtBa
     page = seq.lease.page_ids[len(prompt) // T]  # its own page: the record's pages hold none of its tokens
     assert page not in record.page_ids
     for pool_page, slot in zip(warm.backend.kv_store.read_page(page), warm.partial_store.layers, strict=True):
-        assert pool_page[:, :, :tail].tobytes() == slot[record.partial_slot][:, :, :tail].tobytes()
+        assert pool_page[:, :, :tail].tobytes() == slot[partial_slot(record)][:, :, :tail].tobytes()
     while warm.has_unfinished():
         warm.step()
     assert_idle(warm)
@@ -218,7 +219,7 @@ def test_eviction_frees_snapshot_slots_with_their_records(engine_dir: Path, runn
                          for i in range(6)]}
     run_file(warm, data)
     cache = warm.cache
-    held = [r.partial_slot for r in cache.records.least_recent_first() if r.partial_slot is not None]
+    held = [partial_slot(r) for r in cache.records.least_recent_first() if partial_slot(r) is not None]
     assert len(cache.records) <= 3 and cache.partial_snapshots.num_free == 2 - len(held)
     profile = warm.profile()["context_cache"]
     assert profile["reclaimed_resources"]["partial_kv_snapshots"] > 0

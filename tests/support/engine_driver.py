@@ -7,6 +7,7 @@ from typing import Any
 
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.lora import LORA_TARGETS
+from kvforge.runtime.context_cache.types.partial_tails import partial_slot
 from kvforge.runtime.engine.engine import Engine, EngineConfig
 from kvforge.runtime.engine.output import RequestOutput
 from kvforge.runtime.execution.backend import Backend
@@ -55,7 +56,7 @@ def assert_idle(engine: Engine) -> None:
     assert not cache.leases and not engine.has_unfinished()
     cached_pages = {p for r in cache.records.least_recent_first() for p in r.page_ids}
     assert cache.pages.num_free == cache.pages.capacity - len(cached_pages)  # nothing leaked
-    snapshots = [r.partial_slot for r in cache.records.least_recent_first() if r.partial_slot is not None]
+    snapshots = [partial_slot(r) for r in cache.records.least_recent_first() if partial_slot(r) is not None]
     assert cache.partial_snapshots.num_free == cache.partial_snapshots.capacity - len(snapshots)
 
 

@@ -24,6 +24,8 @@ from kvforge.contract.speculation import BLOCK_DRAFTS, DRAFT_METHODS, TREE_METHO
 from kvforge.contract.window_pool import window_call_tokens
 from kvforge.runtime.context_cache.keys import EngineFingerprint, chain_root
 from kvforge.runtime.context_cache.manager import DEFAULT_MAX_RECORDS
+from kvforge.runtime.context_cache.registry import support_rows
+from kvforge.runtime.context_cache.support import check_support
 from kvforge.runtime.context_cache.types.document_chunks import (  # noqa: F401 - REPAIR_POLICIES is re-exported
     DEFAULT_REPAIR,
     REPAIR_POLICIES,
@@ -304,16 +306,11 @@ def resolve_engine_config(config: EngineConfig, engine: EngineDir, *, num_pages:
                      read_secrets=config.shared_cache_read_secrets)
     if config.encoder_cache_budget_bytes < 0:
         raise InvalidConfig(f"must be >= 0, got {config.encoder_cache_budget_bytes}", "encoder_cache_budget_bytes")
-    # Before the snapshot budgets: a recurrent engine's missing budget is not what stops document reuse there.
-    _check_document_reuse(config, engine, deployment, method, base)
-    if build.window_pool_pages:  # what keeps or reads K/V through the global page table alone
-        for option, value in (("spec_decode", config.spec_decode != SPEC_OFF), ("shared_cache", config.shared_cache),
-                              ("document_reuse", config.document_reuse),
-                              ("context_cache_partial_kv_snapshot_pool_bytes",
-                               config.context_cache_partial_kv_snapshot_pool_bytes)):
-            if value:
-                raise InvalidConfig("is not served on an engine built with --slidingWindowPool yet (rebuild without "
-                                    "it)", option)
+    # Before the snapshot budgets: a recurrent engine's missing budget is not what stops document reuse there. The
+    # cache types' support rows refuse what each one turned on cannot run with (engines, speculation, a
+    # sliding-window group, a shared tier, reuse off: context_cache/support.py).
+    check_support(support_rows(), config, build, deployment)
+    _check_document_reuse(config, engine)
     partial = _partial_kv_snapshot_slots(config, engine, deployment)
     recurrent = _recurrent_snapshot_slots(config, engine, deployment)
     pages = build.max_kv_pool_pages if num_pages is None else num_pages
@@ -343,23 +340,15 @@ def resolve_engine_config(config: EngineConfig, engine: EngineDir, *, num_pages:
                           chain_root(engine_fingerprint(engine)), draft, method)
 
 
-def _check_document_reuse(config: EngineConfig, engine: EngineDir, deployment: Deployment, method: SpecMethod,
-                          base: Base) -> None:
-    """The refusals of document reuse (issue 37), before anything is loaded: a repair policy it knows, an
-    attention-only engine, no draft model, and a rope table whose keys a re-rotation moves exactly (checked
-    numerically against the reference, so a rope variant the rotation cannot reproduce is refused)."""
+def _check_document_reuse(config: EngineConfig, engine: EngineDir) -> None:
+    """The refusals of document reuse (issue 37) its support row cannot express, before anything is loaded: a
+    repair policy it knows, and a rope table whose keys a re-rotation moves exactly (checked numerically against
+    the reference, so a rope variant the rotation cannot reproduce is refused)."""
     if config.document_repair not in REPAIR_POLICIES:
         raise InvalidConfig(f"must be one of {', '.join(REPAIR_POLICIES)}, got {config.document_repair!r}",
                             "document_repair")
     if not config.document_reuse:
         return
-    if deployment is not Deployment.VANILLA:
-        raise InvalidConfig(f"document reuse needs an attention-only engine; this one is "
-                            f"{deployment.name.lower().replace('_', ' ')} (a recurrent state depends on the whole "
-                            "prefix, so a document's state cannot be moved)", "document_reuse")
-    if method.resolve_draft(config, engine, base) is not None:
-        raise InvalidConfig(f"document reuse does not combine with --specDecode {config.spec_decode}: its draft "
-                            "model has no stored documents; use --specDecode ngram or none", "document_reuse")
     model = engine.model
     if not model.uniform_rope:
         raise InvalidConfig("this engine's layers rotate keys with other RoPE bases, scalings or proportions than the "

@@ -93,9 +93,10 @@ def sample_rows(rows: list[ScheduledRow], output: BatchOutput
 
 
 def _visible(seq: Sequence) -> bool:
-    """Whether a sequence's outputs go to the front end: not a document's standalone prefill, which the scheduler
-    queued itself (issue 37); its tokens are counted in the profile like any prefill, its output is dropped."""
-    return not seq.request.produces_document
+    """Whether a sequence's outputs go to the front end: not a request the scheduler queued itself for a cache type
+    (a document's standalone prefill, issue 37); its tokens are counted in the profile like any prefill, its output
+    is dropped."""
+    return not (seq.internal or seq.request.produces_document)
 
 
 class EngineCore:

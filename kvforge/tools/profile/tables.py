@@ -232,11 +232,17 @@ def _context_cache_table(data: Mapping[str, Any]) -> Table | None:
         table.add_row("planning total ms", fmt(None if planning_ns is None else planning_ns / 1e6, 3), "")
         table.add_row("planning µs per admitted", fmt(planning_us_per_admitted(data), 2),
                       "planning_nanoseconds / admitted_sequences")
-    others = [(key, value) for top, item in cache.items() if top not in _CACHE_LAID_OUT and applies(data, str(top))
-              for key, value in flat_numbers(item, str(top))]
-    if others:
-        table.add_section()
-        for key, value in others:
+    # Every other block is a cache type's counters (documents, sliding_window, adapter_corrections, a new type's):
+    # one section each, in the profile's order, so a type's block shows up without an edit here; only the blocks
+    # that apply to this profile (`applies`).
+    scalars = [(key, value) for top, item in cache.items() if top not in _CACHE_LAID_OUT and applies(data, str(top))
+               and not isinstance(item, Mapping) for key, value in flat_numbers(item, str(top))]
+    blocks = [list(flat_numbers(item, str(top))) for top, item in cache.items() if top not in _CACHE_LAID_OUT
+              and applies(data, str(top)) and isinstance(item, Mapping)]
+    for rows in (scalars, *blocks):
+        if rows:
+            table.add_section()
+        for key, value in rows:
             table.add_row(escape(key), fmt(value, 3), "")
     return table if table.row_count else None
 

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.profile_schema import PARTIAL_KV_SNAPSHOTS
-from kvforge.runtime.context_cache.capture import SnapshotCopier
 from kvforge.runtime.context_cache.keys import KeyExtras, tail_page_key
 from kvforge.runtime.context_cache.lease import Lease
 from kvforge.runtime.context_cache.planner import PlanKind, ReusePlan
 from kvforge.runtime.context_cache.pools import ResourcePool
 from kvforge.runtime.context_cache.protocol import CacheSetup, Lookup, Publication, SnapshotRestore
 from kvforge.runtime.context_cache.records import Record, RecordStore
+from kvforge.runtime.context_cache.support import ALL_METHODS, NOT_ON_WINDOW_GROUP, CacheSupport, ReuseOff, Tier
 from kvforge.runtime.types import Deployment
 
 PARTIAL_OPTIONS = ("partial_kv_snapshot_slots",)
@@ -36,6 +37,23 @@ def _shared_prefix(stored: Sequence[int], tokens: np.ndarray) -> int:
     return int(differ[0]) if differ.size else n
 
 
+class TailCopier(Protocol):
+    """Moves tail-page bytes (the engine's state manager): `setup.copier(PARTIAL_KV_SNAPSHOTS)`."""
+
+    def capture_partial(self, page: int, slot: int) -> None: ...
+
+    def restore_partial(self, slot: int, page: int) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class TierValue:
+    """What a record saves to a shared tier for one type: slot `slot` of the engine storage named `source` (a pool
+    name), saved in the record's endpoint value in registration order (a checkpoint's state, then its tail page)."""
+
+    source: str
+    slot: int
+
+
 @dataclass(frozen=True, slots=True)
 class SnapshotHit:
     """A plan's and then a lease's part: snapshot `slot` holds the K/V of the `tokens` tokens after the hit pages,
@@ -46,12 +64,40 @@ class SnapshotHit:
     tokens: int
 
 
-# A record's part is its snapshot slot (an int); these views keep the old attribute names readable outside the type.
-Record.view("partial_slot", PARTIAL_KV_SNAPSHOTS, lambda slot: slot)
-ReusePlan.view("restore_slot", PARTIAL_KV_SNAPSHOTS, lambda hit: hit.slot)
-ReusePlan.view("restore_tokens", PARTIAL_KV_SNAPSHOTS, lambda hit: hit.tokens, 0)
-Lease.view("restore_slot", PARTIAL_KV_SNAPSHOTS, lambda hit: hit.slot)
-Lease.view("restore_tokens", PARTIAL_KV_SNAPSHOTS, lambda hit: hit.tokens, 0)
+# Typed handles: a plan's or lease's hit, and a record's slot, read outside this type (the engine, the tier, tests).
+def tail_hit(holder: Lease | ReusePlan) -> SnapshotHit | None:
+    return holder.parts.get(PARTIAL_KV_SNAPSHOTS)
+
+
+def restore_slot(holder: Lease | ReusePlan) -> int | None:
+    """The snapshot slot a plan or lease restores (None: none, or restored already)."""
+    hit = tail_hit(holder)
+    return None if hit is None else hit.slot
+
+
+def restore_tokens(holder: Lease | ReusePlan) -> int:
+    """How many tokens past the hit pages a plan or lease restores from a snapshot."""
+    hit = tail_hit(holder)
+    return 0 if hit is None else hit.tokens
+
+
+def partial_slot(record: Record) -> int | None:
+    """The snapshot slot holding a record's tail page (None: it ends on a page boundary, or kept none)."""
+    return record.parts.get(PARTIAL_KV_SNAPSHOTS)
+
+
+def tail_tier_value(record: Record) -> TierValue | None:
+    """A record's tail page, saved after any checkpoint state in its endpoint value."""
+    slot = partial_slot(record)
+    return None if slot is None else TierValue(PARTIAL_KV_SNAPSHOTS, slot)
+
+
+# Its row of the support matrix: the tail page is copied through the global page table, so not beside a
+# sliding-window group yet; a hybrid's checkpoints ending inside a page need it.
+PARTIAL_SUPPORT = CacheSupport(
+    "partial-KV snapshots", "context_cache_partial_kv_snapshot_pool_bytes", (Deployment.VANILLA, Deployment.HYBRID),
+    ALL_METHODS, window_group=False, tier=Tier.SAVED, reuse_off=ReuseOff.UNUSED,
+    refusals={"window": NOT_ON_WINDOW_GROUP})
 
 
 def build_partial_tails(setup: CacheSetup, name: str) -> PartialTails | None:
@@ -63,7 +109,7 @@ def build_partial_tails(setup: CacheSetup, name: str) -> PartialTails | None:
     if not setup.paged:
         return None
     return PartialTails(ResourcePool(name, slots if setup.enabled else 0), setup.tokens_per_page, setup.chain_root,
-                        setup.copier, records=setup.records if setup.checkpoints else None)
+                        setup.copier(name), records=setup.records if setup.checkpoints else None)
 
 
 class PartialTails(SnapshotRestore):
@@ -75,7 +121,7 @@ class PartialTails(SnapshotRestore):
     __slots__ = ("name", "pool", "tokens_per_page", "chain_root", "copier", "records", "_after", "_by_slot")
 
     def __init__(self, pool: ResourcePool, tokens_per_page: int, chain_root: bytes,
-                 copier: SnapshotCopier | None, *, records: RecordStore | None = None) -> None:
+                 copier: TailCopier | None, *, records: RecordStore | None = None) -> None:
         self.name = pool.name
         self.pool = pool
         self.tokens_per_page = tokens_per_page
@@ -146,6 +192,13 @@ class PartialTails(SnapshotRestore):
 
     # --- a lease's restore --------------------------------------------------------------------------
 
+    def restore(self, lease: Lease) -> None:
+        """Copy-on-partial-reuse: the snapshot goes into the lease's own page after the hit pages, which it then
+        extends."""
+        slot = restore_slot(lease)
+        if slot is not None:
+            assert self.copier is not None, "a snapshot hit without a snapshot store"
+            self.copier.restore_partial(slot, lease.page_ids[lease.reuse_tokens // self.tokens_per_page])
 
     def finish_restore(self, lease: Lease) -> bool:
         hit = lease.parts.get(self.name)
@@ -171,14 +224,6 @@ class PartialTails(SnapshotRestore):
         assert self.copier is not None
         self.copier.capture_partial(lease.page_ids[len(publication.keys)], slots[0])
         return True
-
-    def record_part(self, publication: Publication) -> int | None:
-        slots = publication.reserved.get(self.name)
-        return slots[0] if slots else None
-
-    def held(self, record: Record) -> tuple[int, ...]:
-        slot = record.parts.get(self.name)
-        return () if slot is None else (slot,)
 
     def on_commit(self, record: Record) -> None:
         slot = record.parts.get(self.name)
