@@ -28,6 +28,7 @@ from kvforge.runtime.context_cache.pools import ResourcePool, ResourcePools
 from kvforge.runtime.context_cache.protocol import Lookup, Publication, PublishResult
 from kvforge.runtime.context_cache.records import Record, RecordStore
 from kvforge.runtime.context_cache.types.attention_pages import AttentionPages
+from kvforge.runtime.context_cache.types.document_chunks import document_input
 from kvforge.runtime.context_cache.types.partial_tails import PartialTails, restore_slot, restore_tokens
 from kvforge.runtime.context_cache.types.recurrent_checkpoints import (
     RecurrentCheckpoints,
@@ -154,16 +155,16 @@ def test_partial_tails_extend_the_agreed_pages_by_the_longest_matching_tail() ->
     assert tails.hit_slots(plan) == (1,) and tails.record_holding(1) is long
     # One token must compute: an input that is exactly the long tail restores all of it but its last token.
     exact = tails.find_longest_hit(lookup(tokens(7)), plan_reuse(7, T, (3,)))
-    assert (exact.reuse_tokens, exact.restore_slot, exact.restore_tokens) == (6, 1, 2)
+    assert (exact.reuse_tokens, restore_slot(exact), restore_tokens(exact)) == (6, 1, 2)
     # A snapshot serves the prefix of its tail an input shares (here 1 token of `other`'s and the long one's).
     shared = tails.find_longest_hit(lookup(tokens(5) + [7, 7]), plan_reuse(7, T, (3,)))
-    assert (shared.reuse_tokens, shared.restore_tokens) == (5, 1)
+    assert (shared.reuse_tokens, restore_tokens(shared)) == (5, 1)
     # ... unless a document starts in that page (restored over whole, it would cost the document's pages): then
     # only a whole tail the input extends serves, as before (here `short`'s 1 token instead of 2 of `long`'s).
     ids = tokens(6) + [7]
-    assert tails.find_longest_hit(lookup(ids), plan_reuse(7, T, (3,))).restore_tokens == 2
-    with_document = dataclasses.replace(lookup(ids), documents=((6, 1),))
-    assert tails.find_longest_hit(with_document, plan_reuse(7, T, (3,))).restore_tokens == 1
+    assert restore_tokens(tails.find_longest_hit(lookup(ids), plan_reuse(7, T, (3,)))) == 2
+    with_document = dataclasses.replace(lookup(ids), inputs=document_input([(6, 1)]))
+    assert restore_tokens(tails.find_longest_hit(with_document, plan_reuse(7, T, (3,)))) == 1
     # A tail follows only the pages agreed on: none after a page the plan does not reuse.
     assert restore_slot(tails.find_longest_hit(lookup(ids), plan_reuse(len(ids), T, ()))) is None
     tails.on_evict(long)

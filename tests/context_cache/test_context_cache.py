@@ -421,7 +421,7 @@ def test_a_snapshot_serves_the_prefix_an_input_shares_and_restores_the_page() ->
     assert isinstance(copies, SnapshotCopies)
     [(slot, _)] = copies.captured.items()
     second = acquire(manager, tokens(5) + [40, 41, 42])  # page 0 and 1 of the tail's 3 tokens shared
-    assert (second.reuse_tokens, second.restore_slot, second.restore_tokens) == (5, slot, 1)
+    assert (second.reuse_tokens, restore_slot(second), restore_tokens(second)) == (5, slot, 1)
     assert second.page_ids[0] == first.page_ids[0] and second.page_ids[1] != first.page_ids[1]  # its own tail page
     manager.finish_restore(second)
     manager.release(second)

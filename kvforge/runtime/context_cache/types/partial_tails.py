@@ -17,6 +17,7 @@ from kvforge.runtime.context_cache.pools import ResourcePool
 from kvforge.runtime.context_cache.protocol import CacheSetup, Lookup, Publication, SnapshotRestore
 from kvforge.runtime.context_cache.records import Record, RecordStore
 from kvforge.runtime.context_cache.support import ALL_METHODS, NOT_ON_WINDOW_GROUP, CacheSupport, ReuseOff, Tier
+from kvforge.runtime.context_cache.types.document_chunks import documents_of
 from kvforge.runtime.types import Deployment
 
 PARTIAL_OPTIONS = ("partial_kv_snapshot_slots",)
@@ -166,7 +167,7 @@ class PartialTails(SnapshotRestore):
         # A restored page is copied over whole, after any document's pages, so a document starting in it would be
         # computed: a few shared tail tokens are not worth a document's pages (the whole-tail extension of a record,
         # as a chat's next turn, is kept as before).
-        document_in_page = any(start <= begin < start + T for begin, _ in lookup.documents)
+        document_in_page = any(start <= begin < start + T for begin, _ in documents_of(lookup.inputs).spans)
         for record in self._after.get(parent, {}).values():
             stored = record.token_ids[start:]
             tail = _shared_prefix(stored, tokens[start:len(tokens) - 1])  # one input token is left to compute
