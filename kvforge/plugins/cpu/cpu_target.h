@@ -1,5 +1,5 @@
 // Which compiled target the kvforge.cpu kernels run: Highway picks the best one this CPU supports, and
-// KVFORGE_CPU_TARGET (a lower-case Highway target name: emu128, sse4, avx2, avx3, avx3_dl, neon, sve...) forces one.
+// KVFORGE_CPU_TARGET (a lower-case Highway target name: scalar, sse4, avx2, avx3, avx3_dl; neon on ARM) forces one.
 #pragma once
 
 namespace kvforge_cpu {

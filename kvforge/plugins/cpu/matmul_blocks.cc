@@ -17,8 +17,7 @@
 // [N, K] and run ONNX Runtime's own Gemm on it (InvokeOp), as MatMulNBits' float path does internally.
 //
 // One source, many targets (Google Highway's foreach_target): the block below the common part is compiled once per
-// target (AVX3_DL with AVX512_BF16 for the bfloat16 panels, AVX3 = AVX-512, AVX2, SSE4, EMU128 on x86; NEON and SVE
-// on ARM) and the best one this CPU runs is chosen at run time (KVFORGE_CPU_TARGET forces one: cpu_target.cc).
+// target (AVX3_DL with AVX512_BF16 for the bfloat16 panels, AVX3 = AVX-512, AVX2, SSE4, scalar on x86; NEON on ARM) and the best one this CPU runs is chosen at run time (KVFORGE_CPU_TARGET forces one: cpu_target.cc).
 // AVX-512 keeps its intrinsics (a 16-entry vpermps table per block); the other targets share one Highway loop.
 
 #ifndef KVFORGE_MATMUL_COMMON
@@ -151,7 +150,7 @@ void dot_group(const Call& c, int64_t c0, int64_t r0) {
       const __m512 min = _mm512_set1_ps(block_float(block, kValues + 4));
       const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
       if constexpr (BITS == 4) {
-        // The block's 16 possible weights scale * q + min (each rounded once, as the portable path's fma), then
+        // The block's 16 possible weights scale * q + min (each rounded once, as the other targets decode them), then
         // looked up by nibble: vpermps reads only an index's low 4 bits, so the low nibble needs no mask.
         const __m512 table = _mm512_fmadd_ps(iota, scale, min);
         low[j] = _mm512_permutexvar_ps(v, table);
@@ -175,9 +174,9 @@ void dot_group(const Call& c, int64_t c0, int64_t r0) {
     for (int r = 0; r < NR; ++r) c.y[(r0 + r) * n + c0 + j] = _mm512_reduce_add_ps(acc[j][r]);
 }
 #else
-// Every other target (SSE4, AVX2, NEON, SVE, EMU128), one Highway source: lanes of N <= 16 floats, the block's
-// 32 weights decoded as scale * q + min (one FMA, the AVX-512 table's rounding) N at a time, summed element chunk by
-// element chunk in order, then Highway's fixed lane reduction: the same arithmetic for any NC, NR or row count.
+// Every other target (AVX2, SSE4, NEON, scalar), one Highway source: lanes of N <= 16 floats, the block's
+// 32 weights decoded as scale * q + min (one FMA, the AVX-512 table's rounding) N at a time, summed chunk by chunk
+// in a fixed order, then Highway's fixed lane reduction: the same arithmetic for any NC, NR or row count.
 template <int BITS, int NC, int NR>
 void dot_group(const Call& c, int64_t c0, int64_t r0) {
   const hn::CappedTag<float, 16> d;

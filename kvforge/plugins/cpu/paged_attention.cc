@@ -14,8 +14,8 @@
 // the last split of a group to finish merges the partials (flash decoding).
 //
 // Compiled per target (Highway's foreach_target; cpu_target.h says which runs): AVX-512 keeps its intrinsics (16-lane
-// tiles, a transposing decode of K, a shuffle tree per 16 tokens), every other target (AVX2, SSE4, NEON, SVE,
-// EMU128) runs one Highway source over N <= 16 lanes: fp16 and fp8 rows decoded a vector at a time (PromoteTo,
+// tiles, a transposing decode of K, a shuffle tree per 16 tokens), every other target (AVX2, SSE4, NEON,
+// scalar) runs one Highway source over N <= 16 lanes: fp16 and fp8 rows decoded a vector at a time (PromoteTo,
 // F16C on AVX2), Highway lane sums, vector_exp.h's Exp. Results are exact within a target, not across targets.
 
 #ifndef KVFORGE_ATTENTION_COMMON
@@ -565,7 +565,7 @@ void softmax_update(Scratch& s, int rows, int n) {
 }
 #endif
 
-// acc[r] = acc[r] * alpha[r] + sum_t probs[r][t] * v_t (the portable path reads staged float32 rows only)
+// acc[r] = acc[r] * alpha[r] + sum_t probs[r][t] * v_t (V read from the pool rows or the staged float32 tile)
 template <typename V>
 void accumulate_values(Scratch& s, const V* const* vrows, int rows, int n, int dim) {
 #if KVF_AVX512

@@ -40,7 +40,7 @@ inline __m512 exp512(__m512 x) {
 
 // The same exp on any target: the same clamps, reduction and polynomial; 2^n applied as two exact power-of-two
 // products (2^(n>>1) then 2^(n - (n>>1)), each a normal float), so the only rounding is the last product's, as
-// scalef's. Each target's own MulAdd (EMU128 and SSE4 have no FMA instruction), so results may differ by target.
+// scalef's. Each target's own MulAdd (scalar and SSE4 have no FMA instruction), so results may differ by target.
 template <class D>
 HWY_INLINE hn::Vec<D> Exp(D d, hn::Vec<D> x) {
   const hn::RebindToSigned<D> di;
