@@ -104,10 +104,6 @@ class Sequence:
     # A sequence whose draft owns K/V (the speculation table's "own pool" rows): its admissions take draft pages (and
     # reuse only coherent draft paths).
     drafts_with_kv: bool = False
-    # What a drafter keeps between steps (its first proposal and hidden state at the sequence's end), opaque here;
-    # the scheduler clears it on preemption. The proposer contract's home for it is the proposer's own
-    # DraftStates keyed by request id (kvforge/runtime/spec/proposer.py), which the proposers are to move to.
-    draft_state: object | None = None
     # A request the scheduler queued itself because a cache type needs it first (a document's standalone prefill):
     # its output goes to no front end.
     internal: bool = False

@@ -141,11 +141,13 @@ def test_a_proposal_needs_the_drafters_state_at_the_sequences_end(tiny_eagle3_en
     engine.add_request(EngineRequest(engine.tokenizer.encode("abc abc"), sampling(engine, 8)), "a")
     engine.step()
     [seq] = engine.scheduler.running
-    assert isinstance(seq.draft_state, DraftState) and seq.draft_state.position == seq.num_computed_tokens
+    state = engine.proposer.states.get(seq.request_id)
+    assert isinstance(state, DraftState) and state.position == seq.num_computed_tokens
     assert len(seq.spec_token_ids) == 4 and draft_computed_tokens(seq.lease) == seq.num_computed_tokens
-    seq.draft_state.position -= 1  # stale: what it drafted from is not the sequence's end any more
+    state.position -= 1  # stale: what it drafted from is not the sequence's end any more
     assert engine.proposer.propose_batch([seq], [4]) == [[]]
     step_audited(engine)
+    assert len(engine.proposer.states) == 0  # the request's end took its state (no Sequence field to outlive it)
 
 
 @pytest.mark.parametrize("method", ["eagle3", "dflash", "dspark", "jetspec"])

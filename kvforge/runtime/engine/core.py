@@ -163,6 +163,9 @@ class EngineCore:
         raises, which row caused it cannot be known: every row of that call fails with the reason, while the
         requests not in it (waiting ones) go on; a broken backend thus fails each request once, never hangs one."""
         batch = self.scheduler.schedule()
+        if self.lifecycle is not None:
+            for seq in batch.preempted:  # recomputed from scratch later: what was drafted from goes
+                self.lifecycle.begin(seq)
         failed = [self._failed(seq) for seq in batch.failed if _visible(seq)]
         if not batch.rows:
             if not failed and (self.scheduler.running or (self.scheduler.waiting and not self.scheduler.loading)):

@@ -338,7 +338,6 @@ class Scheduler:
         seq.lease, seq.status = None, Status.WAITING
         seq.num_computed_tokens = 0
         seq.spec_token_ids, seq.spec_parents = [], []
-        seq.draft_state = None
         seq.num_preemptions += 1
         self.stats.preemptions += 1
         self.waiting.appendleft(seq)
