@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvforge.runtime.context_cache.types.document_chunks import DocumentChunks
+from kvforge.contract.profile_schema import DOCUMENT_KV_PAGES
+from kvforge.runtime.context_cache.lease import Prerequisite
+from kvforge.runtime.context_cache.types.document_chunks import document_input, documents_of
 from kvforge.runtime.engine.scheduler import Scheduler
 from kvforge.runtime.media_spans import DocumentSpan
 from kvforge.runtime.sampling.sampler import Sampler, SampleResult
@@ -16,11 +18,20 @@ from kvforge.runtime.types import Deployment, SamplingParams
 PAGE = 4
 
 
+@dataclass(frozen=True)
+class StubDocumentPart:
+    restored_spans: tuple[tuple[int, int], ...] = ()
+
+
 @dataclass(eq=False)
 class StubLease:
     pages: int
     reuse_tokens: int = 0
     restored_spans: tuple[tuple[int, int], ...] = ()
+    parts: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:  # the document type's part, as its `restored_spans` handle reads it
+        self.parts[DOCUMENT_KV_PAGES] = StubDocumentPart(self.restored_spans)
 
 
 @dataclass
@@ -28,7 +39,7 @@ class StubCache:
     """Pages counted, not stored: `try_acquire` takes the admission's tokens' pages, `try_grow` the difference."""
 
     free: int
-    types: list = field(default_factory=list)
+    wanted: list[tuple[bytes, int, int]] = field(default_factory=list)  # documents without a stored form
     deployment: Deployment = Deployment.VANILLA
     reuse_tokens: int = 0
     restored_spans: tuple[tuple[int, int], ...] = ()
@@ -55,6 +66,15 @@ class StubCache:
         self.free -= max(need, 0)
         lease.pages += max(need, 0)
         return True
+
+    def prerequisites(self, admission) -> list[Prerequisite]:
+        """The document type's answer: a standalone prefill of each wanted span, none for a producer itself."""
+        if documents_of(admission.inputs).produces:
+            return []
+        return [Prerequisite(key, start, length, document_input(produces=True)) for key, start, length in self.wanted]
+
+    def restore(self, lease: StubLease) -> None:
+        pass
 
     def finish_restore(self, lease: StubLease) -> None:
         pass
@@ -102,16 +122,6 @@ class RowState:
 
     def on_prompt_computed(self, seq: Sequence) -> None:
         pass
-
-
-class StubDocuments(DocumentChunks):
-    """The document type as the scheduler sees it: which spans of an admission have no stored form yet."""
-
-    def __init__(self, wanted: list[tuple[bytes, int, int]]) -> None:  # noqa: D107 - no pool behind it
-        self._wanted = wanted
-
-    def wanted(self, admission) -> list[tuple[bytes, int, int]]:
-        return [] if admission.produces_document else self._wanted
 
 
 def seq_of(request_id: str, prompt: list[int], arrival: int, max_tokens: int = 4, **request) -> Sequence:
@@ -163,15 +173,15 @@ def test_a_restored_document_span_is_skipped_and_counted_as_reused() -> None:
 
 def test_document_producers_are_queued_once_ahead_of_their_requests() -> None:
     key = b"doc"
-    sched = scheduler(StubCache(free=32, types=[StubDocuments([(key, 3, 5)])]))
+    sched = scheduler(StubCache(free=32, wanted=[(key, 3, 5)]))
     first = seq_of("a", list(range(10)), 0, documents=(DocumentSpan(3, 5),))
     second = seq_of("b", list(range(20, 30)), 1, documents=(DocumentSpan(3, 5),))
     sched.add(first)
     sched.add(second)
     producer = sched.producers[key]
     assert list(sched.waiting) == [producer, first, second]  # one producer for the key, before the first request
-    assert producer.prompt_ids == list(range(3, 8)) and producer.request.produces_document
-    assert producer.request_id == "a/document@3"
+    assert producer.prompt_ids == list(range(3, 8)) and documents_of(producer.request.cache_inputs).produces
+    assert producer.request_id == "a/prerequisite@3" and producer.internal
     while producer.status is not Status.FINISHED:
         run_step(sched)
     assert sched.producers == {}  # a finished producer is forgotten: a later request may queue the key again
