@@ -35,11 +35,12 @@ demo-install: $(VENV)/.demo-installed
 # System packages the tests use, installed when run as root on Debian/Ubuntu: redis-server for the shared-tier tests
 # (they start their own on loopback ports, never the system service), libibverbs1 for Mooncake's binaries (even over
 # TCP: without it mooncake_master exits 127) and iproute2 for test-mooncake's private namespace. Elsewhere the tests
-# that need them skip and print why.
-SYSTEM_PACKAGES ?= redis-server libibverbs1 iproute2
+# that need them skip and print why. libhwy-dev (Google Highway) builds the CPU kernels for every SIMD target; without
+# it the engines take the pure-ONNX path and say why.
+SYSTEM_PACKAGES ?= redis-server libibverbs1 iproute2 libhwy-dev
 system-packages:
 	@if command -v redis-server >/dev/null 2>&1 && ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 \
-		&& command -v ip >/dev/null 2>&1; then :; \
+		&& command -v ip >/dev/null 2>&1 && [ -f /usr/include/hwy/highway.h ]; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 		echo "installing $(SYSTEM_PACKAGES)"; \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SYSTEM_PACKAGES) >/dev/null) \
@@ -71,10 +72,12 @@ $(OUT)/onnx/smollm2/manifest.json: | $(VENV)/.demo-installed
 $(OUT)/onnx/smollm2-base/manifest.json: $(VENV)/.installed
 	$(BIN)/llm_export smollm2-135m-instruct --outputDir $(OUT)/onnx/smollm2-base --hiddenStateLayers 1,14,26
 
-# Built for serving: llm_serve runs up to 4 requests at once on it (the docs' examples run on this engine).
+# Built for serving: llm_serve runs up to 4 requests at once on it (the docs' examples run on this engine). Pages of
+# 16 tokens: prompts that share a prefix reuse it in 16-token blocks, as vLLM's (128-token pages reused nothing of a
+# short shared system prompt); decode measured within the noise of 128-token pages (docs/benchmarks.md "Page size").
 $(OUT)/engines/smollm2/manifest.json: $(OUT)/onnx/smollm2/manifest.json
 	$(BIN)/llm_build --onnxDir $(OUT)/onnx/smollm2 --engineDir $(OUT)/engines/smollm2 \
-		--maxInputLen 1024 --maxKVCacheCapacity 2048 --maxBatchSize 4
+		--maxInputLen 1024 --maxKVCacheCapacity 2048 --maxBatchSize 4 --tokensPerPage 16
 
 demo: $(OUT)/engines/smollm2/manifest.json
 	$(BIN)/llm_inference --engineDir $(OUT)/engines/smollm2 --inputFile test_cases/llm_basic.json \
@@ -114,27 +117,27 @@ lint: install
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir $(OUT)/site
 
-# Tests that build or run engines with attention layers run twice: on the CPU kernel (the default path) and on the
-# pure-ONNX fallback (KVFORGE_CPU_KERNEL=off), so both paths keep every parity, reuse, LoRA, hybrid and media check.
-FALLBACK_TESTS ?= tests/backends/test_paged_ops.py tests/engine/test_engine.py tests/engine/test_runtime.py \
-	tests/engine/test_context_reuse.py tests/engine/test_partial_reuse.py tests/engine/test_lora.py tests/engine/test_recurrent_engine.py \
-	tests/parity/test_qwen3_5_parity.py tests/parity/test_transformers_parity.py tests/media/test_multimodal.py tests/parity/test_idefics3_parity.py \
-	tests/parity/test_qwen2_audio_parity.py tests/media/test_audio.py tests/parity/test_smollm2.py tests/export/test_quantization.py \
-	tests/engine/test_api.py
+# The tiers are set by rule (tests/conftest.py, tests/support/tiers.py): a test that builds, exports or loads a model
+# or compiles a kernel is `engine`, one that runs a console script is `cli`, one that imports torch is `torch`. The
+# quick tier is the complement over the whole tree, so a new unit test anywhere lands in it without a list.
+FAST_MARKS = not slow and not mooncake and not engine and not cli and not torch
+FULL_MARKS = not slow and (mooncake or engine or cli or torch)
+# Tests whose assertions depend on the attention lowering (token/logit equality, parity, reuse exactness) carry the
+# `attention_path` marker and run again on the pure-ONNX fallback (KVFORGE_CPU_KERNEL=off): a test that never reaches
+# attention cannot fail differently there.
+FALLBACK_MARKS = attention_path and (engine or cli)
 
-# The quick tier (~30 s on two cores, no engine dir): layering, the cache alone, the model-free loop, sampling and
-# verification, proposer units, tier values, engine options, request checks. CI runs it before everything else.
-FAST_TESTS ?= tests/test_layering.py tests/context_cache tests/engine/test_engine_model_free.py \
-	tests/engine/test_sampling.py tests/spec/test_spec_ngram.py tests/spec/test_spec_tree.py \
-	tests/shared_tier/test_tier_values.py tests/cli/test_engine_options.py tests/engine/test_requests.py
-
+# The quick tier (under a minute on two cores: no engine, no console script, no torch). Run it after every change.
 test-fast: install
-	$(BIN)/pytest -q -m "not mooncake" $(PYTEST_ARGS) $(FAST_TESTS)
+	$(BIN)/pytest -q -m "$(FAST_MARKS)" $(PYTEST_ARGS)
 
+# Every test once: the quick tier first (a broken layer or cache fails in a minute), then the rest, then the
+# attention-dependent tests on the fallback path.
 test: install lint
 	@echo "kvforge CPU kernel: $$($(BIN)/python -m kvforge.plugins.cpu_kernel 2>&1 || echo 'none, so the engine tests run on the pure-ONNX fallback')"
-	$(BIN)/pytest -q --durations=25 $(PYTEST_ARGS)
-	KVFORGE_CPU_KERNEL=off $(BIN)/pytest -q $(PYTEST_ARGS) $(FALLBACK_TESTS)
+	$(BIN)/pytest -q -m "$(FAST_MARKS)" $(PYTEST_ARGS)
+	$(BIN)/pytest -q --durations=25 -m "$(FULL_MARKS)" $(PYTEST_ARGS)
+	KVFORGE_CPU_KERNEL=off $(BIN)/pytest -q -m "$(FALLBACK_MARKS)" $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-mooncake
 	$(MAKE) --no-print-directory llm-test
 
@@ -284,7 +287,12 @@ LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F1
 	-DGGML_AVX512_VNNI=$(call cpu_has,avx512_vnni) -DGGML_AVX512_BF16=$(call cpu_has,avx512_bf16) \
 	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF
 
+# torch for the transformers peer from PyTorch's CPU index (PyPI's Linux wheel is the CUDA build, 5.6 GB more), then
+# accelerate (it requires torch, which is then satisfied), then the [bench] extra (nothing in it depends on torch).
+BENCH_TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 bench-peers-install: install
+	$(BIN)/pip install -q torch --index-url $(BENCH_TORCH_INDEX)
+	$(BIN)/pip install -q 'accelerate>=1.0'
 	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(BIN)/pip install -q -e '.[bench]'
 
 $(OUT)/ortgenai/smollm2-int4/genai_config.json: $(VENV)/.installed

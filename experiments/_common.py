@@ -9,8 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import signal
 import statistics
+import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -98,3 +102,59 @@ def run_alone(engine: Engine, request: EngineRequest) -> RequestOutput:
                 output = out
     assert output is not None and output.timing is not None
     return output
+
+
+# --- models in torch (imported inside: a bench that never asks for one needs no torch) ----------------------
+
+def tiny_llama(seed: int) -> Any:
+    """A 4-layer float32 llama with weights large enough for peaked next-token distributions."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.1)
+    return model
+
+
+# --- a live llm_serve process (serve.py, server_load.py, shared_tier.py) -----------------------------------
+
+START_TIMEOUT_S = 300
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+class Server:
+    def __init__(self, engine_dir: Path, threads: int, reuse: bool, extra_args: list[str] | None = None) -> None:
+        args = [str(Path(sys.executable).parent / "llm_serve"), "--engineDir", str(engine_dir), "--port", "0",
+                "--numThreads", str(threads), "--servedModelName", "smollm2", "--maxQueuedRequests", "64",
+                *(extra_args or [])]
+        self.process = subprocess.Popen(args + (["--enableContextReuse"] if reuse else []), stderr=subprocess.PIPE,
+                                        stdout=subprocess.DEVNULL, text=True, env={**os.environ, "NO_COLOR": "1"})
+        self.url: str | None = None
+        ready = threading.Event()
+
+        def read() -> None:
+            assert self.process.stderr is not None
+            for line in self.process.stderr:
+                found = re.search(r"at (http://\S+/v1) ", line)
+                self.url = found.group(1) if found else self.url
+                if "startup complete" in line:
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not ready.wait(START_TIMEOUT_S) or self.url is None:
+            raise SystemExit("llm_serve did not start")
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        self.process.wait(60)

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _common import tiny_llama  # shared with adapter_correction_engine.py, which no longer imports this script
 
 from kvforge.contract.errors import KvforgeError
 from kvforge.tools.bench.text import text_tokens
@@ -50,22 +51,6 @@ TARGETS = {
 class Workload:
     conversations: list[list[int]]  # the base model's conversations (prompt + its own greedy answer)
     invocations: dict[str, list[int]]  # per adapter: the tokens that invoke it after the conversation
-
-
-def tiny_llama(seed: int) -> Any:
-    """A 4-layer float32 llama with weights large enough for peaked next-token distributions."""
-    import torch
-    import transformers
-
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0.0, 0.1)
-    return model
 
 
 def smollm2() -> tuple[Any, Callable[[str], list[int]]]:

@@ -29,7 +29,7 @@ ENGINE_HEADER = ("| adapter | rank | answers equal corrected | first token equal
 def build(peft_model: Any, ranks: list[int], names: list[str], args: argparse.Namespace, root: Path) -> dict[str, str]:
     """The base model exported with every LoRA target and hidden states of layers 0..L-2, built to root/engine;
     each PEFT adapter converted. Returns the converted paths by adapter name."""
-    from adapter_correction import tiny_llama
+    from _common import tiny_llama
     from tokenizers import Tokenizer, models
 
     from kvforge.builder.build import BuildOptions, build_engine

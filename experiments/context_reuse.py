@@ -40,6 +40,7 @@ from kvforge.builder.build import BuildOptions
 from kvforge.contract.profile_schema import PREFILL_STAGE
 from kvforge.runtime.context_cache.keys import KeyExtras
 from kvforge.runtime.context_cache.manager import Admission
+from kvforge.runtime.context_cache.types.partial_tails import restore_slot
 from kvforge.runtime.engine.engine import Engine
 from kvforge.runtime.engine.output import RequestOutput
 from kvforge.runtime.execution.backend import StepInputs
@@ -130,8 +131,8 @@ def engine_floor(engine: Engine, request: EngineRequest) -> tuple[float, int]:
     assert lease is not None, "the pool is idle between requests: the floor lease must fit"
     try:
         start = lease.reuse_tokens
-        if lease.restore_slot is not None and engine.partial_store is not None:
-            engine.partial_store.restore(lease.restore_slot, lease.page_ids[start // engine.cache.tokens_per_page])
+        if restore_slot(lease) is not None and engine.partial_store is not None:
+            engine.partial_store.restore(restore_slot(lease), lease.page_ids[start // engine.cache.tokens_per_page])
             engine.cache.finish_restore(lease)
         suffix = request.prompt_ids[start:]
         step = StepInputs(engine.executor.embedding[suffix][None], np.array([len(suffix)], dtype=np.int32),

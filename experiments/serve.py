@@ -21,19 +21,13 @@ server idles while the static path runs), so both see the same load from whateve
 from __future__ import annotations
 
 import asyncio
-import os
-import re
-import signal
 import statistics
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import openai
-from _common import Progress, bench_parser, fit_document, greedy, write_json
+from _common import Progress, Server, bench_parser, fit_document, greedy, percentile, write_json
 
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.engine_dir import load_engine_dir
@@ -46,7 +40,6 @@ from kvforge.runtime.types import Message, Request
 BUILD = BuildOptions(max_input_len=1792, max_kv_cache_capacity=2048, max_batch_size=16, tokens_per_page=128)
 SYSTEM_TOKENS = 1500
 CONCURRENCY = (1, 4, 16)
-START_TIMEOUT_S = 300
 
 
 def requests_for(clients: int) -> int:
@@ -57,45 +50,12 @@ def question(i: int) -> str:
     return f"Question {i}: in one sentence, what does section {i % 10 + 1} of the report say about the array?"
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
-
-
 def summary(ttfts_ms: list[float], tokens: int, seconds: float, cached: int) -> dict[str, float]:
     return {"requests": len(ttfts_ms), "tokens_per_s": tokens / seconds, "ttft_p50_ms": statistics.median(ttfts_ms),
             "ttft_p95_ms": percentile(ttfts_ms, 95), "wall_s": seconds, "cached_tokens": cached}
 
 
 # --- the server, driven by openai clients ---------------------------------------------------------------
-
-
-class Server:
-    def __init__(self, engine_dir: Path, threads: int, reuse: bool, extra_args: list[str] | None = None) -> None:
-        args = [str(Path(sys.executable).parent / "llm_serve"), "--engineDir", str(engine_dir), "--port", "0",
-                "--numThreads", str(threads), "--servedModelName", "smollm2", "--maxQueuedRequests", "64",
-                *(extra_args or [])]
-        self.process = subprocess.Popen(args + (["--enableContextReuse"] if reuse else []), stderr=subprocess.PIPE,
-                                        stdout=subprocess.DEVNULL, text=True, env={**os.environ, "NO_COLOR": "1"})
-        self.url: str | None = None
-        ready = threading.Event()
-
-        def read() -> None:
-            assert self.process.stderr is not None
-            for line in self.process.stderr:
-                found = re.search(r"at (http://\S+/v1) ", line)
-                self.url = found.group(1) if found else self.url
-                if "startup complete" in line:
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(START_TIMEOUT_S) or self.url is None:
-            raise SystemExit("llm_serve did not start")
-
-    def stop(self) -> None:
-        self.process.send_signal(signal.SIGTERM)
-        self.process.wait(60)
 
 
 async def one_request(api: openai.AsyncOpenAI, system: str, i: int, max_tokens: int, eos: dict[str, int],

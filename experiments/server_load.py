@@ -21,9 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import openai
-from _common import Progress, bench_parser, write_json
+from _common import Progress, Server, bench_parser, percentile, write_json
 from prometheus_client.parser import text_string_to_metric_families
-from serve import Server, percentile
 
 from kvforge.builder.build import BuildOptions, build_engine
 

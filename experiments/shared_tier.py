@@ -36,8 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
-from _common import Progress, bench_parser, greedy, write_json
-from serve import Server, percentile
+from _common import Progress, Server, bench_parser, greedy, percentile, write_json
 
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.tools.bench.text import fit_document, text_tokens

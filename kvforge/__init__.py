@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.2.0"
+from kvforge.contract.version import __version__
+
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "__version__"]
 
 if TYPE_CHECKING:
@@ -19,9 +20,11 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str) -> Any:
     if name == "LLM":
-        from kvforge.runtime.api import LLM
+        from kvforge.runtime import api
 
-        return LLM
+        if api.MODEL_RESOLVER is None:  # kvforge.LLM takes a MODEL as llm_serve does (exported and built once)
+            api.MODEL_RESOLVER = _model_engine
+        return api.LLM
     if name == "SamplingParams":
         from kvforge.runtime.types import SamplingParams
 
@@ -31,3 +34,10 @@ def __getattr__(name: str) -> Any:
 
         return RequestOutput
     raise AttributeError(f"module 'kvforge' has no attribute {name!r}")
+
+
+def _model_engine(model: Any) -> Any:
+    """kvforge.tools.testcases.models.model_engine, imported only when an LLM is made (it brings the exporter)."""
+    from kvforge.tools.testcases.models import model_engine
+
+    return model_engine(model)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import textwrap
 
 from kvforge.cli_common import version_line
 
@@ -21,7 +22,9 @@ COMMANDS = [
 def summary() -> str:
     width = max(len(name) for name, _ in COMMANDS)
     lines = [version_line("kvforge"), "", "Commands (each takes --help and --version):"]
-    lines += [f"  {name:<{width}}  {text}" for name, text in COMMANDS]
+    indent = " " * (width + 4)  # 80 columns, as a pipe or a default terminal shows it
+    lines += [textwrap.fill(text, 80, initial_indent=f"  {name:<{width}}  ", subsequent_indent=indent)
+              for name, text in COMMANDS]
     lines += ["", "Python API: from kvforge import LLM, SamplingParams"]
     return "\n".join(lines)
 

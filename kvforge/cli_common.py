@@ -13,13 +13,24 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import typer
-from rich.console import Console
+import typer.rich_utils
+from rich.console import Console, Group, RenderableType
 from rich.markup import escape
+from rich.padding import Padding
+from rich.panel import Panel
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from rich.text import Text
 
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.validation import printable
-from kvforge.runtime.engine.config import EngineConfig, engine_flags, engine_options, make_engine_config
+from kvforge.runtime.engine.config import (
+    EngineConfig,
+    engine_flags,
+    engine_option_panel,
+    engine_options,
+    make_engine_config,
+)
 
 try:  # newer typer vendors click; its usage errors are not click's classes
     from typer._click import exceptions as click_exceptions
@@ -74,23 +85,110 @@ EXPORT_FLAGS = {
 }
 
 
+# --- --help at 80 columns. typer lays an options panel out as a six-column table (flag, short flag, off flag, its
+# short flag, type, help); at 80 columns rich then cuts long flag names ("--enableContextR…") and wraps the help
+# into a narrow column, so llm_serve's help was 634 lines with 47 names cut. Each option here is the flag line (the
+# off flag and the type beside it) with its help to the right when the flags fit HELP_FLAG_WIDTH, and otherwise
+# on the lines under it, indented by that width: a name is never cut, the help keeps most of the width.
+HELP_FLAG_WIDTH = 26
+
+
+def _option_flags(param: Any, ctx: Any) -> Text:
+    """`--port <int>`, `--enableContextReuse / --disableContextReuse`: every spelling of an option, whole."""
+    if param.param_type_name == "argument":  # its metavar (A.json), as typer shows it
+        flags = getattr(param, "display_name_raw", None) or param.human_readable_name
+        flags += "..." if param.metavar is None and param.nargs != 1 else ""
+    else:
+        flags = ", ".join(sorted(param.opts, key=lambda opt: not opt.startswith("--")))
+    text = Text("* " if param.required else "", style="red")
+    text.append(flags, style="bold cyan")
+    if param.secondary_opts:
+        text.append(" / " + ", ".join(param.secondary_opts), style="bold magenta")
+    if not getattr(param, "is_flag", False):
+        kind = param.display_type_rich(ctx=ctx) if hasattr(param, "display_type_rich") else param.make_metavar(ctx)
+        if kind:
+            text.append(f" {kind}", style="yellow")
+    return text
+
+
+def _joined(columns: Any) -> RenderableType:
+    """typer's help as one paragraph: its Columns put "[default: 0]" on a line of its own in a narrow column."""
+    parts = getattr(columns, "renderables", None)
+    if not parts or not all(isinstance(part, Text) for part in parts):
+        return columns  # markdown help: leave it to rich
+    text = Text(" ").join(parts)
+    text.overflow = "fold"  # a long default (a path, a cache key) folds onto the next line instead of being cut
+    return text
+
+
+def _print_options_panel(*, name: str, params: list[Any], ctx: Any, markup_mode: Any, console: Console) -> None:
+    """typer's options panel (its `rich_help_panel` groups), laid out so flag names stay whole at any width."""
+    if not params:
+        return
+    rows: list[RenderableType] = []
+    for param in params:
+        flags = _option_flags(param, ctx)
+        help_text = _joined(typer.rich_utils._get_parameter_help(param=param, ctx=ctx, markup_mode=markup_mode))
+        if flags.cell_len <= HELP_FLAG_WIDTH:
+            row = Table.grid(padding=(0, 1), expand=True)
+            row.add_column(width=HELP_FLAG_WIDTH, no_wrap=True)
+            row.add_column(ratio=1)
+            row.add_row(flags, help_text)
+            rows.append(row)
+        else:  # on its own line (folded, never cut, should a flag outgrow the terminal), the help under it
+            flags.overflow = "fold"
+            rows.extend([flags, Padding(help_text, (0, 0, 0, HELP_FLAG_WIDTH + 1))])
+    console.print(Panel(Group(*rows), title=name, title_align="left", border_style="dim"))
+
+
+# typer looks the panel printer up in its module at each --help; replacing it keeps typer's usage line, command
+# help, command panels and epilog (and its rich_help_panel grouping) while fixing the one table that cut names.
+typer.rich_utils._print_options_panel = _print_options_panel  # type: ignore[assignment]
+
+
+def set_help_panels(app: typer.Typer, panels: Mapping[str, tuple[str, ...]]) -> None:
+    """List each named flag of `app`'s commands under its --help panel (typer's rich_help_panel): a CLI module
+    names its groups in one table instead of on every option. A flag no command has is a ValueError (at import)."""
+    wanted = {flag: panel for panel, flags in panels.items() for flag in flags}
+    seen: set[str] = set()
+    for command in app.registered_commands:
+        for parameter in inspect.signature(command.callback).parameters.values():  # type: ignore[arg-type]
+            info = parameter.default
+            if not isinstance(info, typer.models.OptionInfo):
+                continue
+            for decl in info.param_decls or ():
+                flag = decl.split("/")[0]
+                if flag in wanted:
+                    info.rich_help_panel = wanted[flag]
+                    seen.add(flag)
+    missing = sorted(set(wanted) - seen)
+    if missing:
+        raise ValueError(f"help panels name flags no command has: {', '.join(missing)}")
+
+
 def version_line(name: str) -> str:
     """`NAME kvforge X.Y.Z`: what every console script's `--version` prints."""
-    from kvforge import __version__
+    from kvforge.contract.version import __version__
 
     return f"{name} kvforge {__version__}"
 
 
-def run_app(app: typer.Typer) -> None:
-    """Entry point of a typer app whose usage errors (missing or malformed flags) are one line too."""
+def run_app(app: typer.Typer, argv: list[str] | None = None) -> None:
+    """Entry point of a typer app whose usage errors (missing or malformed flags) are one line too.
+
+    `argv` is the whole command line, program name first (default `sys.argv`), so a test or another program can run
+    a CLI in process: it returns on success and raises `SystemExit` with the exit code otherwise.
+    """
+    prog_name = None if argv is None else Path(argv[0]).name  # None: click names it as it was started
+    argv = list(sys.argv if argv is None else argv)
     # Handled before typer sees argv so it works at the top level of every app, subcommands or not, and needs no
     # required flag (typer would demand --engineDir first).
-    if sys.argv[1:2] == ["--version"]:
-        print(version_line(Path(sys.argv[0]).name))
+    if argv[1:2] == ["--version"]:
+        print(version_line(prog_name or Path(argv[0]).name))
         raise SystemExit(0)
     command = typer.main.get_command(app)
     try:
-        code = command.main(standalone_mode=False)
+        code = command.main(args=argv[1:], prog_name=prog_name, standalone_mode=False)
     except click_exceptions.UsageError as exc:
         hint = f" (see {exc.ctx.command_path} --help)" if exc.ctx else ""
         fail(f"{exc.format_message()}{hint}")
@@ -150,7 +248,7 @@ def engine_option(name: str, help: str | None = None) -> typer.models.OptionInfo
     if option.flag is None:
         raise ValueError(f"EngineConfig.{name} has no CLI flag")
     decls = f"{option.flag}/{option.off_flag}" if option.off_flag else option.flag
-    return typer.Option(default, decls, help=help or option.help)
+    return typer.Option(default, decls, help=help or option.help, rich_help_panel=engine_option_panel(name))
 
 
 def with_engine_options(command: Callable[..., T]) -> Callable[..., T]:

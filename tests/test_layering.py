@@ -419,6 +419,27 @@ def test_no_private_name_crosses_modules() -> None:
                        "it where both can import it):\n" + "\n".join(f"  {f}" for f in found))
 
 
+MAX_MODULE_LINES = 500  # the project's rule: a module a reader takes in at one sitting (docs/architecture.md)
+
+
+def oversized_modules(modules: dict[str, Path], limit: int = MAX_MODULE_LINES) -> list[str]:
+    """`module (N lines)` for each package module over `limit` lines, longest first."""
+    sizes = {module: len(path.read_text(encoding="utf-8").splitlines()) for module, path in modules.items()}
+    return [f"{module} ({n} lines)" for module, n in sorted(sizes.items(), key=lambda item: -item[1]) if n > limit]
+
+
+def test_no_package_module_is_over_500_lines() -> None:
+    found = oversized_modules(source_modules(ROOT / "pyproject.toml"))
+    assert not found, f"package modules over {MAX_MODULE_LINES} lines (split them by concern): " + ", ".join(found)
+
+
+def test_size_check_flags_a_planted_long_module(tmp_path: Path) -> None:
+    short, long = tmp_path / "short.py", tmp_path / "long.py"
+    short.write_text("x = 1\n" * MAX_MODULE_LINES)
+    long.write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    assert oversized_modules({"pkg.short": short, "pkg.long": long}) == [f"pkg.long ({MAX_MODULE_LINES + 1} lines)"]
+
+
 # --- the checker catches what it should (planted violations) -------------------------------------------
 
 

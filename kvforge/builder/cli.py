@@ -9,7 +9,8 @@ from pathlib import Path
 import typer
 
 from kvforge.builder.build import STEPS, BuildOptions, build_engine
-from kvforge.cli_common import BUILD_FLAGS, console, progress_bar, run_app, run_guarded
+from kvforge.cli_common import BUILD_FLAGS, console, progress_bar, run_app, run_guarded, set_help_panels
+from kvforge.contract.engine_dir import ATTENTION_CPU_KERNEL
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.window_pool import checkpoint_pages
 
@@ -196,6 +197,9 @@ def build(
         written = json.loads((engine_dir / "config.json").read_text(encoding="utf-8"))
         built = written["builder_config"]
         console.print(f"engine written to {engine_dir} (backend {built['backend']}, attention {built['attention']})")
+        if built["attention"] == ATTENTION_CPU_KERNEL:  # whose speed the engine's figures are
+            from kvforge.plugins.cpu_kernel import cpu_description, describe_cpu
+            console.print(f"  CPU: {describe_cpu(cpu_description())}")
         console.print(f"  pages: {geometry.max_kv_pool_pages} × {geometry.tokens_per_page} tokens "
                       f"({geometry.max_pages_per_seq} per sequence, {geometry.full_batch_pages} for a full batch of "
                       f"{geometry.max_batch_size})")
@@ -231,6 +235,18 @@ def build(
             console.print(f"op profile written to {profile_ops_file}")
 
     run_guarded(body, debug, flags=BUILD_FLAGS)
+
+
+# Where --help lists this command's own flags (kvforge.cli_common.set_help_panels; engine options carry theirs).
+HELP_PANELS = {
+    "Sizes": ("--maxInputLen", "--maxKVCacheCapacity", "--maxKVPoolPages", "--maxBatchSize", "--tokensPerPage",
+              "--maxLoraRank", "--reuseRecords"),
+    "CPU kernels": ("--backend", "--cpuAttention", "--cpuMatmul", "--cpuPrefillMatmul"),
+    "Profiling": ("--profileOps", "--profilePromptTokens", "--profileDecodeTokens", "--numThreads"),
+    "Speculative decoding": ("--specBase", "--specDraft", "--maxVerifyTreeSize", "--maxDraftTreeSize"),
+    "Sliding window": ("--slidingWindowPool", "--slidingWindowRecords"),
+}
+set_help_panels(app, HELP_PANELS)
 
 
 def main() -> None:

@@ -52,14 +52,31 @@ def reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return obj
 
 
-def loads_json(text: str | bytes, where: str, what: str = "") -> Any:
+class NonStandardConstant(ValueError):
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
+def _reject_constant(name: str) -> Any:
+    """`parse_constant` refusing NaN, Infinity and -Infinity, which RFC 8259 does not have (Python's json does)."""
+    raise NonStandardConstant(name)
+
+
+def loads_json(text: str | bytes, where: str, what: str = "", *, standard: bool = False) -> Any:
     """Parse JSON strictly (duplicate keys refused); every failure is one KvforgeError on `where`.
 
-    `what` names the document in messages (a file path), defaulting to "JSON".
+    `what` names the document in messages (a file path), defaulting to "JSON". `standard` also refuses NaN and
+    Infinity (llm_serve's bodies: no other JSON parser a client knows accepts them; files kvforge wrote itself may
+    hold NaN logprobs, so readers of those keep Python's reading).
     """
     shown = f" in {one_line(what)}" if what else ""
     try:
-        return json.loads(text, object_pairs_hook=reject_duplicate_keys)
+        return json.loads(text, object_pairs_hook=reject_duplicate_keys,
+                          parse_constant=_reject_constant if standard else None)
+    except NonStandardConstant as exc:
+        raise KvforgeError(f"{exc.name}{shown} is not JSON (RFC 8259 has no NaN or Infinity): send a number or "
+                           "null", where) from None
     except DuplicateKey as exc:
         raise KvforgeError(f"duplicate key {json.dumps(exc.key, ensure_ascii=True)}{shown}: every key may appear "
                            "once per object", where) from None

@@ -33,7 +33,7 @@ class DraftKV(str, Enum):
     BASE = "reads base"  # a read-only assistant attending over the base's own pools (no draft pages)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)  # rows spell every field by name
 class SpecSupport:
     """One method's row of the support matrix (the seed's "Support Matrix" and DESIGN.md "Speculative decoding")."""
 
@@ -65,40 +65,52 @@ _ALL = (Base.ATTENTION, Base.HYBRID, Base.RECURRENT)
 _SAME = "as without speculation"
 
 SPEC_SUPPORT: dict[str, SpecSupport] = {row.name: row for row in (
-    SpecSupport(SPEC_OFF, "plain decoding", _ALL, False, DraftKV.NONE, False, False, False, False, False, False,
-                _SAME, "no drafts", sliding_window_bases=True),
-    SpecSupport(SPEC_NGRAM, "prompt lookup", (Base.ATTENTION, Base.HYBRID), False, DraftKV.NONE, False, False, False,
-                False, False, False, _SAME,
-                "'ngram' drafts by prompt lookup (the tokens that followed the last few tokens where they occurred "
-                "earlier in the prompt or output; no draft model)", sliding_window_bases=True),
-    SpecSupport(SPEC_EAGLE3, "EAGLE3", (Base.ATTENTION,), True, DraftKV.OWN, True, True, False, True, False, False,
-                "base and draft pages; a hit replays the final matched page (the one-token future dependency)",
-                "'eagle3' drafts with the engine's EAGLE3 draft (ENGINEDIR/draft, or --specDraftEngineDir; built with "
-                "llm_build --specDraft)"),
-    SpecSupport(SPEC_DFLASH, "DFlash", (Base.ATTENTION,), True, DraftKV.OWN, False, False, True, True, False, False,
-                "base and draft pages; no replay", "'dflash' drafts a whole block per call with a block draft there"),
-    SpecSupport(SPEC_DSPARK, "DSpark", (Base.ATTENTION,), True, DraftKV.OWN, False, False, True, True, False, False,
-                "base and draft pages; no replay",
-                "'dspark' drafts a block as 'dflash' does, verifying as many guesses as its scheduler says"),
+    SpecSupport(name=SPEC_OFF, label="plain decoding", bases=_ALL, draft_dir=False, draft_kv=DraftKV.NONE,
+                replays_final_page=False, tree=False, block=False, media_cold=False, reuse_batch_of_one=False,
+                endpoint_capture=False, reuse=_SAME, help="no drafts", sliding_window_bases=True),
+    SpecSupport(name=SPEC_NGRAM, label="prompt lookup", bases=(Base.ATTENTION, Base.HYBRID), draft_dir=False,
+                draft_kv=DraftKV.NONE, replays_final_page=False, tree=False, block=False, media_cold=False,
+                reuse_batch_of_one=False, endpoint_capture=False, reuse=_SAME,
+                help="'ngram' drafts by prompt lookup (the tokens that followed the last few tokens where they "
+                "occurred earlier in the prompt or output; no draft model)", sliding_window_bases=True),
+    SpecSupport(name=SPEC_EAGLE3, label="EAGLE3", bases=(Base.ATTENTION,), draft_dir=True, draft_kv=DraftKV.OWN,
+                replays_final_page=True, tree=True, block=False, media_cold=True, reuse_batch_of_one=False,
+                endpoint_capture=False,
+                reuse="base and draft pages; a hit replays the final matched page (the one-token future dependency)",
+                help="'eagle3' drafts with the engine's EAGLE3 draft (ENGINEDIR/draft, or --specDraftEngineDir; "
+                "built with llm_build --specDraft)"),
+    SpecSupport(name=SPEC_DFLASH, label="DFlash", bases=(Base.ATTENTION,), draft_dir=True, draft_kv=DraftKV.OWN,
+                replays_final_page=False, tree=False, block=True, media_cold=True, reuse_batch_of_one=False,
+                endpoint_capture=False, reuse="base and draft pages; no replay",
+                help="'dflash' drafts a whole block per call with a block draft there"),
+    SpecSupport(name=SPEC_DSPARK, label="DSpark", bases=(Base.ATTENTION,), draft_dir=True, draft_kv=DraftKV.OWN,
+                replays_final_page=False, tree=False, block=True, media_cold=True, reuse_batch_of_one=False,
+                endpoint_capture=False, reuse="base and draft pages; no replay",
+                help="'dspark' drafts a block as 'dflash' does, verifying as many guesses as its scheduler says"),
     # A DFlash-format draft trained with a causal in-block mask (dflash_config.causal_head): row j sees rows <= j.
-    SpecSupport(SPEC_JETSPEC, "JetSpec", (Base.ATTENTION,), True, DraftKV.OWN, False, True, True, True, False,
-                False, "base and draft pages; no replay",
-                "'jetspec' drafts a block as 'dflash' does with a JetSpec draft (causal inside the block), as a chain "
-                "or, with --specDraftTopK above 1, a tree of each depth's top-k"),
-    SpecSupport(SPEC_GEMMA4_MTP, "Gemma4 MTP", (Base.ATTENTION,), True, DraftKV.BASE, False, False, False, True,
-                False, False, "base pages only (the assistant reads them; no draft pool, no replay)",
-                "'gemma4_mtp' drafts with a Gemma4 assistant that reads the base's own K/V (no draft pool; over a "
-                "llama-style or a Gemma 4 base)", sliding_window_bases=True),
-    SpecSupport(SPEC_MTP, "MTP", (Base.HYBRID,), True, DraftKV.OWN, True, False, False, True, True, True,
-                "both snapshot pools; a restore rebuilds the successor boundary",
-                "'mtp' drafts with a Qwen3.5 checkpoint's MTP layer on its hybrid base (llm_export mtp; refused on "
-                "attention-only bases)"),
+    SpecSupport(name=SPEC_JETSPEC, label="JetSpec", bases=(Base.ATTENTION,), draft_dir=True, draft_kv=DraftKV.OWN,
+                replays_final_page=False, tree=True, block=True, media_cold=True, reuse_batch_of_one=False,
+                endpoint_capture=False, reuse="base and draft pages; no replay",
+                help="'jetspec' drafts a block as 'dflash' does with a JetSpec draft (causal inside the block), as a "
+                "chain or, with --specDraftTopK above 1, a tree of each depth's top-k"),
+    SpecSupport(name=SPEC_GEMMA4_MTP, label="Gemma4 MTP", bases=(Base.ATTENTION,), draft_dir=True,
+                draft_kv=DraftKV.BASE, replays_final_page=False, tree=False, block=False, media_cold=True,
+                reuse_batch_of_one=False, endpoint_capture=False,
+                reuse="base pages only (the assistant reads them; no draft pool, no replay)",
+                help="'gemma4_mtp' drafts with a Gemma4 assistant that reads the base's own K/V (no draft pool; "
+                "over a llama-style or a Gemma 4 base)", sliding_window_bases=True),
+    SpecSupport(name=SPEC_MTP, label="MTP", bases=(Base.HYBRID,), draft_dir=True, draft_kv=DraftKV.OWN,
+                replays_final_page=True, tree=False, block=False, media_cold=True, reuse_batch_of_one=True,
+                endpoint_capture=True, reuse="both snapshot pools; a restore rebuilds the successor boundary",
+                help="'mtp' drafts with a Qwen3.5 checkpoint's MTP layer on its hybrid base (llm_export mtp; "
+                "refused on attention-only bases)"),
 )}
 SPEC_METHODS = tuple(SPEC_SUPPORT)
 # Methods with a draft engine dir; a draft's config.json spec_decode_type is one of them or SPEC_NONE.
 DRAFT_METHODS = tuple(name for name, row in SPEC_SUPPORT.items() if row.draft_dir)
 SPEC_DECODE_TYPES = (SPEC_NONE, *DRAFT_METHODS)
 BLOCK_DRAFTS = tuple(name for name, row in SPEC_SUPPORT.items() if row.block)
+TREE_METHODS = tuple(name for name, row in SPEC_SUPPORT.items() if row.tree)  # --specDraftTopK > 1 accepted
 METHOD_NAMES = {name: row.label for name, row in SPEC_SUPPORT.items() if row.draft_dir}
 
 BASE_WORDS = {Base.ATTENTION: "attention-only", Base.HYBRID: "hybrid", Base.RECURRENT: "pure recurrent"}
@@ -122,6 +134,11 @@ def support(method: str) -> SpecSupport:
 def bases_of(method: str) -> str:
     """The bases a method runs on, in words ("attention-only or hybrid")."""
     return " or ".join(BASE_WORDS[base] for base in SPEC_SUPPORT[method].bases)
+
+
+def in_words(methods: tuple[str, ...], joint: str = "or") -> str:
+    """`("a", "b", "c")` → "a, b or c": how help texts and messages list a table column's methods."""
+    return methods[0] if len(methods) == 1 else f"{', '.join(methods[:-1])} {joint} {methods[-1]}"
 
 
 def spec_decode_help() -> str:

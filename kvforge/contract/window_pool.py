@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from kvforge.contract.geometry import PageGeometry, kv_bytes_per_page
 from kvforge.contract.model_config import ModelConfig
-from kvforge.contract.paging import pages_for
+from kvforge.contract.paging import PageGroup, pages_for
 
 # The graph input the sliding layers read their pages through (the global layers keep kv_page_table): a row's
 # logical pages, -1 where a page fell wholly out of the window and went back to the group.
 WINDOW_PAGE_TABLE = "kv_page_table_window"
+WINDOW_GROUP = "window"  # the sliding layers' page group (its cache type: context_cache/types/sliding_window.py)
 
 
 def window_pool_layers(model: ModelConfig) -> list[int]:
@@ -16,6 +17,14 @@ def window_pool_layers(model: ModelConfig) -> list[int]:
     pool has that layer's type)."""
     sliding = set(model.sliding_window_layers)
     return [i for i in model.attention_layer_ids if i in sliding]
+
+
+def page_groups(model: ModelConfig, window_pool_pages: int) -> tuple[PageGroup, ...]:
+    """The engine's page groups beside the global one: the sliding layers' when it was built with one. A third
+    group (chunked-local attention, say) is one more entry here and the cache type that fills its tables."""
+    if not window_pool_pages:
+        return ()
+    return (PageGroup(WINDOW_GROUP, tuple(window_pool_layers(model)), window_pool_pages, WINDOW_PAGE_TABLE),)
 
 
 def window_pages_per_row(window: int, tokens_per_page: int, call_tokens: int, max_pages_per_seq: int) -> int:

@@ -22,14 +22,17 @@ import numpy as np
 
 from kvforge.contract.errors import KvforgeError
 
-SOURCE = Path(__file__).resolve().with_name("cpu") / "paged_attention.cc"  # holds RegisterCustomOps
-# Every translation unit of the library, compiled together: the attention ops, then the block-quantized matmul.
-SOURCES = (SOURCE, SOURCE.with_name("matmul_blocks.cc"), SOURCE.with_name("swiglu.cc"))
+SOURCE = Path(__file__).resolve().with_name("cpu") / "register.cc"  # holds RegisterCustomOps
+# Every translation unit of the library, compiled together: one file per op (each per-target op is compiled once per
+# Highway target inside, foreach_target.h), the registration and the run-time choice of target.
+SOURCES = (SOURCE, *(SOURCE.with_name(name) for name in ("paged_attention.cc", "paged_attention_rope.cc",
+                                                          "matmul_blocks.cc", "swiglu.cc", "cpu_target.cc")))
 # Included by the sources: part of the build key, never compiled alone.
-HEADERS = (SOURCE.with_name("ort_op.h"), SOURCE.with_name("vector_exp.h"))
+HEADERS = tuple(SOURCE.with_name(name) for name in ("attention.h", "ort_op.h", "vector_exp.h", "cpu_target.h"))
 KERNEL_FILES = (*SOURCES, *HEADERS)  # what the library is built from: its key, its freshness, its presence
 LIBRARY_NAME = "libkvforge_cpu_ops.so"
 SWITCH_ENV = "KVFORGE_CPU_KERNEL"  # "off" forces the pure-ONNX fallback
+TARGET_ENV = "KVFORGE_CPU_TARGET"  # a compiled Highway target's name (avx2, sse4...) forces it; unset: the best here
 CACHE_ENV = "KVFORGE_CACHE_DIR"
 INCLUDE_ENV = "KVFORGE_ORT_INCLUDE_DIR"
 CXX_ENV = "CXX"
@@ -40,10 +43,18 @@ HEADERS_TARBALL_URL = ("https://registry.npmjs.org/com.github.asus4.onnxruntime/
 HEADERS_MEMBER_DIR = ("package/Plugins/iOS~/onnxruntime.xcframework/ios-arm64_x86_64-simulator/"
                       "onnxruntime.framework/Headers/")
 HEADERS_CACHE_NAME = "ort-headers-0.4.9"
-# -fvisibility=hidden: only RegisterCustomOps is exported; -fno-math-errno lets std::exp in the scalar path
-# vectorise. No -ffast-math: masked scores are -inf and must stay exact.
-CXX_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-fno-math-errno",
-             "-Wall", "-Wextra")
+# -fvisibility=hidden: only RegisterCustomOps is exported; -fno-math-errno lets std::exp in the scalar tails
+# vectorise. No -ffast-math: masked scores are -inf and must stay exact. No -march=native: Google Highway (Debian
+# libhwy-dev) compiles each kernel for every target in TARGET_FLAGS and picks the best this CPU runs at load, so a
+# library built on one x86-64 machine runs at full speed on any other.
+# SSSE3 is left out (SSE4 covers every x86-64 CPU still sold: one build less), and so is SVE for now: the kernels
+# keep register blocks as arrays of vectors, which SVE's sizeless types cannot be (aarch64 gets NEON).
+TARGET_FLAGS = ("-DHWY_WANT_AVX3_DL",  # AVX3_DL (Ice Lake, Zen 4 on): its AVX512_BF16 prefill panels
+                "-DHWY_DISABLED_TARGETS=(HWY_SSSE3|HWY_SVE|HWY_SVE2|HWY_SVE_256|HWY_SVE2_128)")
+CXX_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-fno-math-errno", "-Wall", "-Wextra",
+             *TARGET_FLAGS, f"-I{SOURCE.parent}")
+LINK_FLAGS = ("-lhwy",)  # hwy::SupportedTargets and the chosen-target state
+HIGHWAY_PACKAGE = "libhwy-dev"
 DIGEST_SUFFIX = ".sha256"  # "HEX SIZE" of the library, written by its build and checked before every load
 DAMAGED = "damaged cache entry"  # in register()'s reason when the cached library itself is what to fix
 _API_VERSION_RE = re.compile(rb"#define\s+ORT_API_VERSION\s+(\d+)")
@@ -167,21 +178,22 @@ def _compiler_version(cxx: str) -> str:
     return done.stdout.splitlines()[0] if done.returncode == 0 and done.stdout else cxx
 
 
-def _cpu_flags() -> str:
-    # -march=native output depends on the CPU, so the cache key must too (a shared home on another machine).
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return " ".join(sorted(line.split(":", 1)[1].split()))
-    except OSError:
-        pass
-    return os.uname().machine
+def _highway_version(cxx: str) -> str:
+    """Highway's version as the compiler sees it (part of the build key); raises when its headers are missing."""
+    probe = "#include <hwy/highway.h>\nHWY_MAJOR HWY_MINOR HWY_PATCH\n"
+    done = subprocess.run([cxx, "-E", "-P", "-x", "c++", "-"], input=probe, capture_output=True, text=True, timeout=60)
+    if done.returncode != 0:
+        raise KvforgeError(f"no Google Highway headers (hwy/highway.h) for {cxx}: install the Debian package "
+                           f"{HIGHWAY_PACKAGE} (`make system-packages` as root)")
+    return done.stdout.strip().splitlines()[-1]
 
 
 def build_key(cxx: str, headers: Path, flags: tuple[str, ...]) -> str:
     digest = hashlib.sha256()
     sources = tuple(source.read_bytes() for source in KERNEL_FILES)
-    for part in (*sources, _compiler_version(cxx).encode(), _cpu_flags().encode(),
+    # The compiled targets (TARGET_FLAGS within `flags`, Highway's version, the architecture), never the build host's
+    # CPU: the library chooses among them at run time.
+    for part in (*sources, _compiler_version(cxx).encode(), _highway_version(cxx).encode(), os.uname().machine.encode(),
                  str(header_api_version(headers)).encode(), " ".join(flags).encode()):
         digest.update(len(part).to_bytes(8, "little") + part)
     return digest.hexdigest()[:20]
@@ -228,10 +240,12 @@ def _compile(cxx: str, headers: Path, flags: tuple[str, ...], target: Path) -> N
     with tempfile.NamedTemporaryFile(dir=target.parent, prefix=".build-", suffix=".so", delete=False) as tmp:
         partial = Path(tmp.name)
     try:
-        command = [cxx, *flags, f"-I{headers}", *map(str, SOURCES), "-o", str(partial)]
+        command = [cxx, *flags, f"-I{headers}", *map(str, SOURCES), *LINK_FLAGS, "-o", str(partial)]
         done = subprocess.run(command, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             first_error = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr[-300:])
+            if "-lhwy" in first_error or "hwy/" in first_error:
+                first_error += f" (Google Highway: install the Debian package {HIGHWAY_PACKAGE})"
             raise KvforgeError(f"building the CPU kernel failed: {first_error.strip()}")
         digest_path(target).unlink(missing_ok=True)  # no moment where a new library sits beside an old record
         os.replace(partial, target)  # atomic: a concurrent loader sees the old file or the complete new one
@@ -268,8 +282,8 @@ def _sources_mtime_ns() -> int:
 
 
 def library_path(extra_flags: tuple[str, ...] = ()) -> Path:
-    """The compiled library, built on first use; raises KvforgeError saying why it cannot be built.
-    `extra_flags` builds a variant (the tests build the portable path with -mno-avx512f)."""
+    """The compiled library, built on first use; raises KvforgeError saying why it cannot be built or why
+    KVFORGE_CPU_TARGET's value is refused. `extra_flags` builds a variant (a test's)."""
     if os.environ.get(SWITCH_ENV, "").lower() == "off":
         raise KvforgeError(f"{SWITCH_ENV}=off: using the pure-ONNX attention fallback")
     missing = [source for source in KERNEL_FILES if not source.is_file()]
@@ -278,7 +292,38 @@ def library_path(extra_flags: tuple[str, ...] = ()) -> Path:
     environment = tuple(os.environ.get(name, "") for name in (INCLUDE_ENV, CACHE_ENV, CXX_ENV))
     flags = CXX_FLAGS + tuple(extra_flags)
     cxx, headers, target = _plan(_sources_mtime_ns(), environment, flags)
-    return _built(cxx, headers, flags, target)
+    built = _built(cxx, headers, flags, target)
+    # A forced target is checked against the library's own list (loading it: only then, since a loaded file that a
+    # later write damages in place kills the process); ONNX Runtime loads the same copy next.
+    if os.environ.get(TARGET_ENV):
+        problem = _call_str(built, "kvforge_cpu_target_problem")
+        if problem:
+            raise KvforgeError(problem)
+    return built
+
+
+def _call_str(library: Path, name: str) -> str:
+    """One of the library's `const char* f(void)` entries (ctypes: it links no ONNX Runtime); the same loaded copy
+    as ONNX Runtime's, so what it reports is what the ops run."""
+    function = getattr(ctypes.CDLL(str(library)), name)
+    function.restype = ctypes.c_char_p
+    function.argtypes = []
+    return (function() or b"").decode()
+
+
+def compiled_targets(library: Path) -> list[str]:
+    """The Highway targets compiled into `library`, best first (x86: avx3_dl avx3 avx2 sse4 emu128)."""
+    return _call_str(library, "kvforge_cpu_compiled_targets").split()
+
+
+def runnable_targets(library: Path) -> list[str]:
+    """The compiled targets this CPU runs, best first: what KVFORGE_CPU_TARGET may name here."""
+    return _call_str(library, "kvforge_cpu_runnable_targets").split()
+
+
+def chosen_target(library: Path) -> str:
+    """The target the kernels run now: KVFORGE_CPU_TARGET's, else the best this CPU runs ("" when refused)."""
+    return _call_str(library, "kvforge_cpu_chosen_target")
 
 
 # The kernel's vector loops step 16 floats at a time over a head (kvforge/plugins/cpu/paged_attention.cc refuses
@@ -341,6 +386,45 @@ def rotate_keys(stored_k: np.ndarray, delta: int, cos_sin: np.ndarray, kv_cache_
                 1 if delta >= 0 else -1, code) != 0:
         raise KvforgeError(f"kvforge_rotate_keys refused a {kv_cache_dtype} rotation of {rotary} of {head_dim} dims")
     return moved
+
+
+# The SIMD features a figure's reader needs to place the CPU (the rest of /proc/cpuinfo's flags say nothing of speed).
+SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+              "avx_vnni", "amx_tile", "amx_bf16", "amx_int8", "asimd", "asimddp", "asimdhp", "sve", "sve2", "i8mm",
+              "bf16")
+
+
+def cpu_description(with_kernel: bool = True) -> dict[str, object]:
+    """What a figure came from: the CPU's model name, its SIMD features and the kernel target that runs (None when
+    the kernel is unavailable here, with `kernel_reason` saying why; not asked, and never built, without
+    `with_kernel`). Never raises."""
+    model, flags = os.uname().machine, set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("model name", "Model", "CPU part") and model == os.uname().machine:
+                model = value.strip()
+            elif key in ("flags", "Features") and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    path, reason = kernel_status() if with_kernel else (None, "not used")
+    target = None
+    if path is not None:
+        try:
+            target = chosen_target(path) or None
+        except (OSError, AttributeError) as exc:
+            reason = f"the library reports no target: {exc}"
+    return {"cpu_model": model, "simd": [flag for flag in SIMD_FLAGS if flag in flags], "kernel_target": target,
+            "kernel_reason": reason}
+
+
+def describe_cpu(description: dict[str, object]) -> str:
+    """cpu_description's one line: "AMD EPYC; SIMD avx2 fma f16c; kernel target avx2"."""
+    target = description.get("kernel_target") or f"none ({description.get('kernel_reason')})"
+    simd = " ".join(str(flag) for flag in description.get("simd") or []) or "none listed"  # type: ignore[union-attr]
+    return f"{description.get('cpu_model')}; SIMD {simd}; kernel target {target}"
 
 
 def register(options: object) -> str:

@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,15 @@ from kvforge.runtime.engine.config import EngineConfig, make_engine_config
 from kvforge.runtime.engine.engine import Engine, EngineRequest, RequestOutput, snapshot_budgets
 from kvforge.runtime.file_loop import drain
 from kvforge.runtime.inputs.checks import parse_message
-from kvforge.runtime.inputs.tools import ToolSpec, answer_calls, forced_format, parse_tools, tool_messages, with_tools
+from kvforge.runtime.inputs.tools import (
+    ToolSpec,
+    answer_calls,
+    forced_format,
+    grammar_field,
+    parse_tools,
+    tool_messages,
+    with_tools,
+)
 from kvforge.runtime.types import Message, Request, SamplingParams
 
 Prompt = str | Sequence[int]
@@ -41,17 +49,27 @@ class StreamDelta:
     output: RequestOutput  # the full state; text, logprobs and timing are final when finished
 
 
+# Turns a MODEL that is not an engine dir (a GGUF file, an HF dir, a bundled name, an ONNX dir) into one. The runtime
+# loads engine dirs only; `kvforge.LLM` (the package's front door, a front end) installs the exporter-and-builder
+# resolver here (kvforge.tools.testcases.models.model_engine), which layering keeps out of the runtime's imports.
+MODEL_RESOLVER: Callable[[str | Path], Path] | None = None
+
+
 class LLM:
     """An engine dir loaded for generation. Every call drives the same step loop as llm_inference."""
 
     def __init__(self, engine_dir: str | Path, *, lora_weights: Mapping[str, str] | None = None,
                  engine: Engine | None = None, **engine_options: Any) -> None:
-        """`engine_options` are EngineConfig's fields as keywords (`num_threads=2, enable_context_reuse=False`, ...),
-        with its defaults but for context reuse, which is on, with the snapshot budgets llm_build printed for the
-        engine (`with_build_budgets`) unless given (0 turns a pool off); kvforge/runtime/engine/config.py declares
-        each with
-        what it does. Another keyword is a TypeError, checked even when `engine` is given."""
+        """`engine_dir`: an engine dir or, through `kvforge.LLM`, a MODEL as `llm_serve MODEL` takes it (a GGUF
+        file, an HF checkpoint dir, `smollm2-135m-instruct`, an ONNX dir), exported and built once into
+        ~/.cache/kvforge/models. `engine_options` are EngineConfig's fields as keywords (`num_threads=2,
+        enable_context_reuse=False`, ...), with its defaults but for context reuse, which is on, with the snapshot
+        budgets llm_build printed for the engine (`with_build_budgets`) unless given (0 turns a pool off);
+        kvforge/runtime/engine/config.py declares each with what it does. Another keyword is a TypeError, checked
+        even when `engine` is given."""
         config = make_engine_config({"enable_context_reuse": True, **engine_options})
+        if engine is None and MODEL_RESOLVER is not None:
+            engine_dir = MODEL_RESOLVER(engine_dir)
         self.engine = engine or Engine(engine_dir, with_build_budgets(config, engine_dir, given=set(engine_options)))
         # A shared tier's worker threads hold the tier, and the tier the KV pool and the store's connections: an
         # engine with shared_cache= is only freed once closed. So an LLM closes the engine it made when it is
@@ -85,6 +103,8 @@ class LLM:
         params = sampling_params or SamplingParams()
         if spec is not None:
             params = replace(params, response_format=forced_format(spec, params.response_format))
+            if params.response_format is not None:  # refused naming `tools`; add_request then finds it cached
+                self.engine.grammars.compile(params.response_format, grammar_field(params.response_format, spec.forced))
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         requests = [self._chat_request(c, params, lora_name, cache_salt, enable_thinking, parse_special_tokens,
                                        spec) for c in conversations]  # type: ignore[arg-type]
@@ -166,8 +186,9 @@ class LLM:
 
 def with_build_budgets(config: EngineConfig, engine_dir: str | Path, given: set[str] | None = None) -> EngineConfig:
     """With reuse on, each snapshot pool left at 0 and not in `given` gets the budget llm_build printed for the engine
-    (64 retained contexts): partial-KV snapshots make reuse token-exact (a short chat's earlier turns are reused
-    although they end inside a page), and recurrent and hybrid engines need theirs to reuse at all."""
+    (64 retained contexts): partial-KV snapshots reuse a cached prompt's last page to the token (a short chat's
+    earlier turns are reused although they end inside a page), and recurrent and hybrid engines need theirs to reuse
+    at all."""
     names = [name for name in ("context_cache_partial_kv_snapshot_pool_bytes",
                                "context_cache_recurrent_snapshot_pool_bytes")
              if not getattr(config, name) and name not in (given or set())]

@@ -9,7 +9,17 @@ from pathlib import Path
 
 import typer
 
-from kvforge.cli_common import ENGINE_FLAGS, check_reuse_flags, console, run_app, run_guarded, with_engine_options
+from kvforge.cli_common import (
+    ENGINE_FLAGS,
+    EXIT_INTERNAL_ERROR,
+    check_reuse_flags,
+    console,
+    fail,
+    run_app,
+    run_guarded,
+    set_help_panels,
+    with_engine_options,
+)
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.files import check_distinct, check_output_file
 from kvforge.runtime.engine.config import EngineConfig
@@ -26,6 +36,7 @@ Run the requests of a JSON file on an engine built by llm_build.
 [bold]Examples[/]
 
   llm_inference --engineDir engines/smollm2 --inputFile test_cases/llm_basic.json --outputFile out.json
+  llm_inference model.Q4_1.gguf --inputFile in.json --outputFile out.json   # exported and built once
   llm_inference --engineDir engines/smollm2 --inputFile in.json --outputFile out.json \\
       --profileOutputFile profile.json --dumpProfile --warmup 1
   llm_inference --engineDir engines/smollm2 --inputFile in.json --outputFile out.json \\
@@ -37,7 +48,10 @@ app = typer.Typer(add_completion=False, rich_markup_mode="rich")
 @app.command(help=HELP)
 @with_engine_options
 def inference(
-    engine_dir: Path = typer.Option(..., "--engineDir", help="Engine dir written by llm_build."),
+    model: str = typer.Argument(None, metavar="[MODEL]", help="A GGUF file, HF checkpoint dir, "
+                                "smollm2-135m-instruct, ONNX dir or engine dir: exported and built once into "
+                                "~/.cache/kvforge/models, as llm_serve MODEL does. Or --engineDir."),
+    engine_dir: Path = typer.Option(None, "--engineDir", help="Engine dir written by llm_build (or give MODEL)."),
     input_file: Path = typer.Option(..., "--inputFile", help="Request JSON (requests[].messages, sampling, ...)."),
     output_file: Path = typer.Option(..., "--outputFile", help="Where to write the responses JSON."),
     profile_output_file: Path = typer.Option(None, "--profileOutputFile",
@@ -64,7 +78,7 @@ def inference(
 ) -> None:
     """Run every request of the file on the engine loop; responses keep request order."""
 
-    def body() -> None:
+    def body() -> list[tuple[int, str]]:
         from kvforge.runtime.adapters import resolve_adapter_path
         from kvforge.runtime.engine.engine import Engine, set_ort_logging  # heavy imports after argument checks
         from kvforge.runtime.file_loop import (
@@ -86,7 +100,11 @@ def inference(
         for flag, path in outputs.items():
             if path is not None:
                 check_output_file(path, flag)
-        inputs = {"--inputFile": input_file, "--engineDir": engine_dir}
+        if (model is None) == (engine_dir is None):
+            from kvforge.tools.testcases.models import engine_dir_of
+
+            engine_dir_of(model, engine_dir)  # the one-line error: both or neither
+        inputs = {"--inputFile": input_file, "--engineDir": engine_dir or Path(model or ".")}
         check_distinct(outputs, inputs)
         requests = load_request_file(input_file, max_input_file_bytes)
         requests.apply_overrides(batch_size, max_generate_length, num_logprobs)
@@ -97,12 +115,18 @@ def inference(
         check_distinct(outputs, {f"available_lora_weights[{json.dumps(name)}]":
                                  resolve_adapter_path(path, base_dir, f"available_lora_weights[{json.dumps(name)}]")
                                  for name, path in requests.available_lora_weights.items()})
-        engine = Engine(engine_dir, engine_config)
+        from kvforge.tools.testcases.models import engine_dir_of
+
+        engine = Engine(engine_dir_of(model, engine_dir), engine_config)
         prepared = prepare_requests(engine, requests, base_dir)
         warm_up(engine, prepared[0], warmup)
 
+        failed: list[tuple[int, str]] = []  # (request index, reason) of responses with finish_reason "error"
+
         def shown(responses: Iterator[dict]) -> Iterator[dict]:
             for response in responses:
+                if response.get("finish_reason") == "error":
+                    failed.append((response["request_idx"], str(response.get("error", ""))))
                 if dump_output:
                     adapter = f" ({response['adapter']})" if "adapter" in response else ""  # "NAME (not invoked)"
                     typer.echo(f"[{response['request_idx']}]{adapter} {response['output_text']}")
@@ -121,8 +145,13 @@ def inference(
                               shown(iter_responses(engine, requests, prepared, Scheduling(scheduling))), finish)
         finally:
             engine.close()  # with --sharedCache: the pages committed last are saved before the process ends
+        return failed
 
-    run_guarded(body, debug, ENGINE_FLAGS)
+    failed = run_guarded(body, debug, ENGINE_FLAGS)
+    if failed:  # every response was written (the others' answers are kept); the run still did not succeed
+        index, reason = failed[0]
+        fail(f"{len(failed)} of the file's requests failed in the engine (request {index}: {reason[:200]}); "
+             f'{output_file} holds every response, the failed ones with finish_reason "error"', EXIT_INTERNAL_ERROR)
 
 
 def _show_info_logs(name: str) -> None:
@@ -132,6 +161,14 @@ def _show_info_logs(name: str) -> None:
         handler.setFormatter(logging.Formatter("[%(levelname)s] %(message)s"))
         logger.addHandler(handler)
     logger.setLevel(logging.INFO)
+
+
+# Where --help lists this command's own flags (kvforge.cli_common.set_help_panels; engine options carry theirs).
+HELP_PANELS = {
+    "Input and output": ("--inputFile", "--outputFile", "--profileOutputFile", "--dumpProfile", "--dumpOutput",
+                         "--maxInputFileBytes", "--parseSpecialTokens"),
+}
+set_help_panels(app, HELP_PANELS)
 
 
 def main() -> None:

@@ -15,8 +15,11 @@ from enum import Enum
 from kvforge.contract.lora import NEVER_ACTIVATED
 from kvforge.runtime.adapters import NOT_INVOKED, LoraAdapter, activation_start
 from kvforge.runtime.context_cache.keys import KeyExtras
-from kvforge.runtime.context_cache.lease import Admission, Lease
+from kvforge.runtime.context_cache.lease import Admission, Inputs, Lease
+from kvforge.runtime.context_cache.types.document_chunks import document_input
+from kvforge.runtime.context_cache.types.draft_paths import speculative_input
 from kvforge.runtime.media_spans import DocumentSpan, MediaSpan
+from kvforge.runtime.sampling.grammar import CompiledGrammar
 from kvforge.runtime.sampling.sampler import Sampler, SampleResult
 from kvforge.runtime.types import SamplingParams
 
@@ -56,6 +59,12 @@ class EngineRequest:
     # Activated LoRA: the first adapted position, found from the adapter and the prompt when the request is made
     # (kvforge/runtime/adapters.py activation_start), so every front end and API caller gets PEFT's rule; 0 = every one.
     adapter_start: int = -1
+    # The response_format's compiled grammar (kvforge/runtime/sampling/grammar.py), when compiled before the request
+    # reached the engine (llm_serve compiles off the engine thread); None: add_request compiles it, through the cache.
+    grammar: CompiledGrammar | None = None
+    # Inputs to cache types beyond the fields above, by type name (a request a type queued for itself carries what
+    # that type gave it: kvforge/runtime/context_cache/lease.py Prerequisite). Never a front end's.
+    cache_inputs: Inputs = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.adapter_start < 0:
@@ -72,6 +81,10 @@ class Sequence:
     lease: Lease | None = None
     num_computed_tokens: int = 0
     reused_tokens: int = 0  # prompt tokens served from a cache at the first admission
+    # The spans requests queued for this one produce (its cache types' prerequisites: documents' standalone
+    # prefills), by their end: restoring them counts as cached only as far as that request found its tokens in a
+    # cache (a shared tier's pages); the rest was computed for this request (issue 52 item 3).
+    produced_for: dict[int, Sequence] = field(default_factory=dict)
     num_preemptions: int = 0
     output_ids: list[int] = field(default_factory=list)
     samples: list[SampleResult] = field(default_factory=list)
@@ -91,10 +104,9 @@ class Sequence:
     # A sequence whose draft owns K/V (the speculation table's "own pool" rows): its admissions take draft pages (and
     # reuse only coherent draft paths).
     drafts_with_kv: bool = False
-    # What a drafter keeps between steps (its first proposal and hidden state at the sequence's end), opaque here;
-    # the scheduler clears it on preemption. The proposer contract's home for it is the proposer's own
-    # DraftStates keyed by request id (kvforge/runtime/spec/proposer.py), which the proposers are to move to.
-    draft_state: object | None = None
+    # A request the scheduler queued itself because a cache type needs it first (a document's standalone prefill):
+    # its output goes to no front end.
+    internal: bool = False
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -149,9 +161,10 @@ class Sequence:
             extras = KeyExtras(adapter.digest if adapter else b"", self.request.cache_salt,
                                tuple(span.key for span in self.request.media),
                                NEVER_ACTIVATED if corrected else self.request.adapter_start, corrected)
-            self.admission = Admission(tokens, extras,
-                                       sampling.lookup_policy, indexable_tokens=len(self.request.prompt_ids),
-                                       speculative=self.drafts_with_kv,
-                                       documents=tuple((d.start, d.length) for d in self.request.documents),
-                                       produces_document=self.request.produces_document)
+            inputs = {**speculative_input(self.drafts_with_kv),
+                      **document_input(((d.start, d.length) for d in self.request.documents),
+                                       self.request.produces_document),
+                      **self.request.cache_inputs}
+            self.admission = Admission(tokens, extras, sampling.lookup_policy,
+                                       indexable_tokens=len(self.request.prompt_ids), inputs=inputs)
         return self.admission

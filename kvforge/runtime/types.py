@@ -17,6 +17,7 @@ MAX_STOP_WORDS = 64  # every generated token is checked against each: a bound on
 MAX_STOP_WORD_BYTES = 1024
 MAX_NUM_LOGPROBS = 50
 MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
+MAX_REPETITION_PENALTY = 10.0  # vLLM's and llama.cpp's multiplicative penalty; 1 = off, past ~2 text degrades anyway
 
 _TOKEN_ID = re.compile(r"[0-9]+")
 
@@ -71,12 +72,18 @@ class SamplingParams:
     speculative: bool = True  # False: the request's disable_spec_decode (no drafts, plain decode rows)
     presence_penalty: float = 0.0  # subtracted once from every token already generated (OpenAI's)
     frequency_penalty: float = 0.0  # subtracted per occurrence of a token already generated (OpenAI's)
-    # OpenAI's {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}: the output is
-    # constrained by a grammar (kvforge/runtime/sampling/grammar.py); such a request decodes without drafts.
+    # OpenAI's {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}, or kvforge's
+    # {"type": "grammar", "grammar": GBNF or Lark text}: the output is constrained by a grammar
+    # (kvforge/runtime/sampling/grammar.py); such a request decodes without drafts.
     response_format: dict[str, Any] | None = None
     # Each sampled token's own logprob (SampleResult.logprob, OpenAI's logprobs=true) even with num_logprobs 0;
     # otherwise it is NaN there: the log-sum-exp over the vocabulary was ~40 % of a greedy step's sampling.
-    token_logprob: bool = False  # last: positional construction keeps the fields before it
+    token_logprob: bool = False  # positional construction keeps the fields before it
+    # vLLM's and llama.cpp's min_p: after temperature, tokens below min_p x the best token's probability are dropped.
+    min_p: float = 0.0
+    # vLLM's (HF's) repetition_penalty: every token of the prompt or the output has a positive logit divided by it,
+    # a negative one multiplied; 1 = off.
+    repetition_penalty: float = 1.0
     max_tokens: InitVar[int | None] = None  # vLLM's alias of max_generate_length
 
     def __post_init__(self, max_tokens: int | None) -> None:
@@ -95,6 +102,8 @@ class SamplingParams:
         check_seed(self.seed, "seed")
         check_penalty(self.presence_penalty, "presence_penalty")
         check_penalty(self.frequency_penalty, "frequency_penalty")
+        check_min_p(self.min_p, "min_p")
+        check_repetition_penalty(self.repetition_penalty, "repetition_penalty")
         self.response_format = check_response_format(self.response_format, "response_format")
         if self.response_format is not None:
             self.speculative = False  # drafts would be verified against a grammar state one token behind
@@ -105,7 +114,7 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty)
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
 
     @property
     def lookup_policy(self) -> LookupPolicy:
@@ -142,6 +151,21 @@ def check_penalty(value: Any, where: str) -> float:
     expected = f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]"
     number = check_number(value, where, expected)
     if abs(number) > MAX_PENALTY:
+        fail(where, f"must be {expected}, got {show(value)}")
+    return number
+
+
+def check_min_p(value: Any, where: str) -> float:
+    number = check_number(value, where, "a number in [0, 1]")
+    if not 0 <= number <= 1:
+        fail(where, f"must be a number in [0, 1] (0 = off), got {show(value)}")
+    return number
+
+
+def check_repetition_penalty(value: Any, where: str) -> float:
+    expected = f"a number in (0, {MAX_REPETITION_PENALTY:g}] (1 = off)"
+    number = check_number(value, where, expected)
+    if not 0 < number <= MAX_REPETITION_PENALTY:
         fail(where, f"must be {expected}, got {show(value)}")
     return number
 
@@ -201,6 +225,11 @@ def check_response_format(value: Any, where: str) -> dict[str, Any] | None:
         return None
     if kind == "json_object":
         return {"type": "json_object"}
+    if kind == "grammar":  # kvforge's: a GBNF (llama.cpp) or Lark grammar, which llm_serve's `grammar` field becomes
+        text = value.get("grammar")
+        if not isinstance(text, str) or not text.strip():
+            fail(f"{where}.grammar", f"must be a GBNF or Lark grammar text, got {json_kind(text)}")
+        return {"type": "grammar", "grammar": text}
     spec = value.get("json_schema")
     if not isinstance(spec, dict):
         fail(f"{where}.json_schema", f"must be an object with a schema, got {json_kind(spec)}")
@@ -213,7 +242,7 @@ def check_response_format(value: Any, where: str) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": spec.get("strict")}}
 
 
-RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+RESPONSE_FORMATS = ("text", "json_object", "json_schema", "grammar")
 
 
 def check_seed(value: Any, where: str) -> int | None:

@@ -141,6 +141,10 @@ def _add_routes(app: FastAPI, state: ServerState, limits: BodyLimits, body_cap: 
     async def chat_page() -> FileResponse:
         return FileResponse(STATIC_DIR / "index.html")
 
+    @app.get("/favicon.ico", include_in_schema=False)
+    async def favicon() -> FileResponse:  # browsers ask for it on every page; a 404 is noise in their console
+        return FileResponse(STATIC_DIR / "favicon.ico", media_type="image/x-icon")
+
     @app.get("/health")
     async def health() -> JSONResponse:
         ok = state.engine_loop.alive and not state.shutting_down
@@ -225,7 +229,9 @@ def _model_card(state: ServerState, name: str) -> dict[str, Any]:
     # `root`: the served model the entry runs on (vLLM's field; routers group adapters by it). The served name,
     # never the engine dir's path: a tenant learns nothing of the server's file system.
     return {"id": name, "object": "model", "created": 0, "owned_by": "kvforge", "root": base,
-            "max_model_len": state.max_model_len, "parent": base if state.models[name] else None}
+            "max_model_len": state.max_model_len, "parent": base if state.models[name] else None,
+            # what requests may hold: the chat page shows Attach only when there is more than text
+            "input_modalities": ["text", *sorted(state.tokenizer.media_markers)]}
 
 
 async def _complete(state: ServerState, request: Request, limits: BodyLimits, cap: int, chat: bool) -> Response:
@@ -358,7 +364,7 @@ async def _complete_choices(state: ServerState, request: Request, call: ApiCall,
     """n choices per prompt, `choices[i]` in order. The first of each prompt runs alone until its first token, when
     its prompt pages are published: the other n - 1 then find them in the cache and compute only their own tokens."""
     calls = call.choices()
-    handles = [RequestHandle(state, c, salt) for c in calls]
+    handles = [RequestHandle(state, c, salt, counts_cache=i % call.n == 0) for i, c in enumerate(calls)]
     choices = [Choice(h, Renderer(c, handles[0].request_id, state.tokenizer)) for h, c in zip(handles, calls,
                                                                                               strict=True)]
     try:

@@ -12,7 +12,15 @@ from typing import TYPE_CHECKING, Any
 try:  # a second or more of imports before run_guarded catches Ctrl-C: the same one line and 130 here
     import typer
 
-    from kvforge.cli_common import ENGINE_FLAGS, check_reuse_flags, console, run_app, run_guarded, with_engine_options
+    from kvforge.cli_common import (
+        ENGINE_FLAGS,
+        check_reuse_flags,
+        console,
+        run_app,
+        run_guarded,
+        set_help_panels,
+        with_engine_options,
+    )
     from kvforge.contract.errors import KvforgeError
     from kvforge.runtime.engine.config import EngineConfig
 except KeyboardInterrupt:
@@ -25,7 +33,8 @@ Serve an engine built by llm_build with OpenAI's API (/v1/chat/completions, /v1/
 
 [bold]Examples[/]
 
-  llm_serve --engineDir out/engines/smollm2                  # context reuse on (token-exact), the default
+  llm_serve smollm2-135m-instruct        # MODEL: a GGUF file, HF dir or bundled name, exported and built once
+  llm_serve --engineDir out/engines/smollm2                  # context reuse on, the default
   llm_serve --engineDir out/engines/smollm2 --disableContextReuse
   llm_serve --engineDir engines/smollm2 --apiKeys keys.json --host 0.0.0.0 --port 8000
   llm_serve --engineDir engines/smollm2-lora --loraWeights support=adapters/support.safetensors
@@ -53,7 +62,11 @@ app = typer.Typer(add_completion=False, rich_markup_mode="rich")
 @app.command(help=HELP)
 @with_engine_options
 def serve(
-    engine_dir: Path = typer.Option(..., "--engineDir", help="Engine dir written by llm_build."),
+    model: str = typer.Argument(None, metavar="[MODEL]", help="A GGUF file, HF checkpoint dir, "
+                                "smollm2-135m-instruct, ONNX dir or engine dir: exported and built once into "
+                                "~/.cache/kvforge/models (keyed by the source, the flags and the kernel version), "
+                                "limits chosen from the model and this machine and printed. Or --engineDir."),
+    engine_dir: Path = typer.Option(None, "--engineDir", help="Engine dir written by llm_build (or give MODEL)."),
     host: str = typer.Option(None, "--host", help=f"Address to listen on (default {LOOPBACK}: this machine only)."),
     port: int = typer.Option(8000, "--port", help="TCP port (0 = any free port)."),
     api_keys: Path = typer.Option(None, "--apiKeys", help='JSON file {"API_KEY": "TENANT", ...}: every /v1 call then '
@@ -162,14 +175,18 @@ def serve(
         for origin in origins - {"*", "null"}:
             if "://" not in origin:
                 raise KvforgeError(f"expected scheme://host[:port], got {origin!r}", "--allowedOrigins")
+        from kvforge.tools.testcases.models import engine_dir_of
+
+        served_dir = engine_dir_of(model, engine_dir)
         sock = bind_socket(bind_host, port)
         profiler, metrics, snapshot = server_profiler()  # stage times stream to /metrics from the first call
-        engine = Engine(engine_dir, with_build_budgets(config, engine_dir), profiler=profiler)
+        engine = Engine(served_dir, with_build_budgets(config, served_dir), profiler=profiler)
         try:
             engine.load_adapters({name: str(path) for name, path in adapters.items()})
         except KvforgeError as exc:  # its field names the request file's available_lora_weights
             raise KvforgeError(exc.message, ENGINE_FLAGS.get(exc.field, "--loraWeights")) from None
-        model_name = served_model_name or engine_dir.resolve().name
+        model_name = served_model_name or (Path(model).name.removesuffix(".gguf") if model and engine_dir is None
+                                           and served_dir != Path(model) else served_dir.resolve().name)
         web = create_app(engine, tenants, model_name=model_name, max_queued_requests=max_queued_requests,
                          media=media, allowed_hosts=hosts, allowed_origins=origins, max_body_bytes=max_body_bytes,
                          body_bytes_in_flight=body_bytes_in_flight, body_timeout_s=body_timeout,
@@ -243,7 +260,8 @@ def _reuse_words(engine: Any) -> str:
     if not info.reuse_enabled:
         return "off"
     slots = info.partial_kv_snapshot_slots
-    return f"on, token-exact ({slots} partial-KV snapshot slots)" if slots else "on, by whole pages"
+    # Not "token-exact": to the token only inside a cached prompt's last page, by whole pages elsewhere.
+    return f"on, to the token in cached tails ({slots} partial-KV snapshot slots)" if slots else "on, by whole pages"
 
 
 def _announce(sock: socket.socket, model: str, reuse: str, keys: bool, host_given: bool) -> None:
@@ -267,6 +285,16 @@ def _check_serve_extra() -> None:
     except ImportError as exc:
         raise KvforgeError(f"llm_serve needs the serve extra ({exc.name} is missing): "
                            "pip install 'kvforge[serve]'") from None
+
+
+# Where --help lists this command's own flags (kvforge.cli_common.set_help_panels; engine options carry theirs).
+HELP_PANELS = {
+    "Tenants and access": ("--apiKeys", "--saltSecret", "--allowedHosts", "--allowedOrigins", "--allowedMediaDir"),
+    "Limits": ("--maxQueuedRequests", "--maxBodyBytes", "--maxBodyBytesInFlight", "--bodyTimeout", "--maxConnections",
+               "--maxBodyBytesPerTenant", "--maxRequestsPerTenant", "--maxConnectionsPerTenant", "--shutdownTimeout"),
+    "Context reuse": ("--disableContextReuse",),
+}
+set_help_panels(app, HELP_PANELS)
 
 
 def main() -> None:

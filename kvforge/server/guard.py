@@ -217,7 +217,7 @@ def _parse(data: bytes) -> Any:
         raise ApiError(413, f"the request body holds more than {MAX_JSON_SEPARATORS:,} JSON values",
                        code="body_too_large")
     try:
-        return loads_json(data, "body")  # duplicate keys refused, naming the key
+        return loads_json(data, "body", standard=True)  # duplicate keys, NaN and Infinity refused, named
     except KvforgeError as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc.message}") from None
 

@@ -10,10 +10,13 @@ import asyncio
 import contextlib
 import secrets
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvforge.contract.errors import KvforgeError
 from kvforge.runtime.engine import RequestOutput
+from kvforge.runtime.engine.engine import CompiledGrammar
 from kvforge.runtime.inputs.tokenizer import ChatTokenizer
 from kvforge.server.engine_loop import Accepted, EngineFailure, EngineLoop
 from kvforge.server.media import MediaPolicy
@@ -45,10 +48,13 @@ class ClientGone(Exception):
 
 
 class RequestHandle:
-    def __init__(self, state: ServerState, call: ApiCall, cache_salt: str) -> None:
+    def __init__(self, state: ServerState, call: ApiCall, cache_salt: str, counts_cache: bool = True) -> None:
+        """`counts_cache`: whether its prompt's cache lookup counts in /metrics; False for choices 2..n of a prompt,
+        which read the pages the first choice computed for the same call (usage counts each prompt once too)."""
         self.state = state
         self.call = call
         self.cache_salt = cache_salt
+        self.counts_cache = counts_cache
         self.request_id = f"{'chatcmpl' if call.chat else 'cmpl'}-{secrets.token_hex(12)}"
         self.queue: asyncio.Queue[Accepted | RequestOutput | Exception] = asyncio.Queue()
         self.arrival = time.perf_counter()
@@ -73,14 +79,18 @@ class RequestHandle:
             with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody is waiting any more
                 loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
-        prepared = state.engine_loop.prepare(lambda engine: self.call.engine_request(engine, self.cache_salt))
+        prepared: Future[Any] | None = None
         try:
+            grammar = await self._grammar()
+            prepared = state.engine_loop.prepare(lambda engine: self.call.engine_request(engine, self.cache_salt,
+                                                                                         grammar))
             request = await asyncio.wrap_future(prepared)
         except asyncio.CancelledError:  # client gone while preparing: nothing reached the engine, nothing to abort
-            prepared.cancel()  # still queued for a worker: never runs
+            if prepared is not None:
+                prepared.cancel()  # still queued for a worker: never runs
             self.finished = True
             self.close()
-            if prepared.cancelled() and not state.engine_loop.alive:  # the pool was shut down under it
+            if prepared is not None and prepared.cancelled() and not state.engine_loop.alive:  # pool shut down
                 raise ApiError(503, "the server is shutting down", kind="server_error", code="unavailable") from None
             raise
         except Exception as exc:  # KvforgeError: the request's fault (400)
@@ -100,6 +110,16 @@ class RequestHandle:
         assert isinstance(item, Accepted)
         state.metrics.prompt_tokens.inc(item.prompt_tokens)
         return item.prompt_tokens
+
+    async def _grammar(self) -> CompiledGrammar | None:
+        """The request's grammar, compiled on the engine's grammar worker (never on this event loop nor the engine
+        thread), once per schema: the n choices of one body, and later requests with the same schema, share it.
+        A refused schema is a KvforgeError naming `response_format` (or `tools`)."""
+        response_format = self.call.sampling.response_format
+        if response_format is None:
+            return None
+        compiled = self.state.engine_loop.engine.grammars.submit(response_format, self.call.grammar_field)
+        return await asyncio.wrap_future(compiled)
 
     async def next_output(self) -> RequestOutput:
         """The request's next step output; the last one has `finished` set (and its text, logprobs, timing)."""
@@ -132,7 +152,7 @@ class RequestHandle:
         metrics, now = self.state.metrics, time.perf_counter()
         if self.last_token_time is None:
             metrics.ttft.observe(now - self.arrival)
-            if self.state.reuse_enabled and self.call.sampling.reuse_context:
+            if self.state.reuse_enabled and self.call.sampling.reuse_context and self.counts_cache:
                 metrics.cache_queries.inc(len(output.prompt_token_ids))
                 metrics.cache_hits.inc(output.cached_tokens)
         else:

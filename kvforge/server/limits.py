@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvforge.contract.errors import KvforgeError
 from kvforge.server.guard import Shares, send_error
 from kvforge.server.protocol import ApiError
 from kvforge.server.tenants import Tenants
@@ -38,8 +39,15 @@ class TenantLimits:
     max_connections: int = DEFAULT_MAX_CONNECTIONS
 
     def shares(self, body_bytes_in_flight: int, max_in_flight: int) -> TenantShares:
+        """Each share; a request share above the requests the server holds (the engine's maxBatchSize +
+        --maxQueuedRequests, known once the engine is loaded) is refused, as the other shares are by the CLI."""
         def half(value: int) -> int:
             return max(1, value // 2)
+
+        if self.requests is not None and self.requests > max_in_flight:
+            raise KvforgeError(f"must be at most the engine's maxBatchSize + --maxQueuedRequests ({max_in_flight}), "
+                               f"got {self.requests}: a share as large as the whole lets one tenant take it all",
+                               "--maxRequestsPerTenant")
 
         return TenantShares(Shares(self.body_bytes or half(body_bytes_in_flight)),
                             Shares(self.requests or half(max_in_flight)),

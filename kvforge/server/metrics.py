@@ -14,7 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvforge.contract import profile_schema as schema
-from kvforge.runtime.engine import EngineStats
+from kvforge.runtime.engine import EngineStats, cache_samples
 
 PREFIX = "kvforge"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -106,19 +106,9 @@ class _EngineCollector(Collector):
             yield _counter("context_cache_records_evicted", "Cache records evicted.", records[schema.RECORDS_EVICTED])
             for key in (schema.ADMITTED_SEQUENCES, schema.HIT_SEQUENCES, schema.MATCHED_TOKENS):
                 yield _counter(f"context_cache_{key}", f"The profile's context_cache.{key}.", s.cache[key])
-            if any(s.cache[schema.DOCUMENTS].values()):  # --documentReuse, once a request carried a document
-                for key, value in s.cache[schema.DOCUMENTS].items():
-                    yield _counter(f"documents_{key}", f"The profile's context_cache.documents.{key}.", value)
-            window = s.cache[schema.RESOURCE_POOLS].get(schema.SLIDING_WINDOW_PAGES, {})
-            if window.get(schema.POOL_CAPACITY):  # an engine built with --slidingWindowPool
-                yield _gauge("sliding_window_pages_free", "Free pages of the sliding layers' page group.",
-                             window[schema.POOL_FREE])
-                yield _gauge("sliding_window_pages_total", "Pages of the sliding layers' page group.",
-                             window[schema.POOL_CAPACITY])
-                yield _counter("sliding_window_hits", "Admissions that took a record's sliding-window pages.",
-                               s.cache[schema.SLIDING_WINDOW][schema.WINDOW_HITS])
-                yield _counter("sliding_window_evicted_pages", "Sliding-window pages freed by evicting records.",
-                               s.cache[schema.RECLAIMED_RESOURCES].get(schema.SLIDING_WINDOW_PAGES, 0))
+            for sample in cache_samples(s.cache):  # each cache type's series, from its own module
+                family = _counter if sample.kind == "counter" else _gauge
+                yield family(sample.name, sample.help, sample.value)
             for key, value in s.cache.get("shared_tier", {}).items():  # --sharedCache
                 yield _counter(f"shared_tier_{key}", f"The profile's context_cache.shared_tier.{key}.", value)
 

@@ -17,10 +17,12 @@ from typing import Any, TypeVar
 
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.validation import check_int, check_string, describe, fail, get_bool, json_kind
-from kvforge.runtime.engine.engine import Engine, EngineRequest
+from kvforge.runtime.engine.engine import CompiledGrammar, Engine, EngineRequest
 from kvforge.runtime.inputs.checks import (
     check_logit_bias,
+    check_min_p,
     check_penalty,
+    check_repetition_penalty,
     check_response_format,
     check_seed,
     check_stop,
@@ -28,7 +30,14 @@ from kvforge.runtime.inputs.checks import (
     check_top_p,
     parse_messages,
 )
-from kvforge.runtime.inputs.tools import ToolSpec, forced_format, parse_tools, tool_messages, with_tools
+from kvforge.runtime.inputs.tools import (
+    ToolSpec,
+    forced_format,
+    grammar_field,
+    parse_tools,
+    tool_messages,
+    with_tools,
+)
 from kvforge.runtime.types import Message, Request, SamplingParams
 from kvforge.server.media import MediaPolicy
 
@@ -36,8 +45,15 @@ T = TypeVar("T")
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat top_logprobs
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_CHOICES = 16  # n × prompts: each choice is a sequence in the engine, so a bound on what one body may ask
-# Known OpenAI fields this server cannot honour: refused unless they hold their neutral value.
-NEUTRAL = {"best_of": 1, "echo": False, "suffix": None, "functions": None}
+# Known OpenAI fields this server cannot honour: refused unless they hold their neutral value. Fields this module
+# does not read at all are ignored, as vLLM and llama-server ignore them (docs/serving.md, "Unknown fields"): they
+# are either metadata (`user`, `metadata`, `store`, `service_tier`) or another server's extensions.
+NEUTRAL = {"best_of": 1, "echo": False, "suffix": None, "functions": None,
+           # Output this server cannot produce (audio out, predicted outputs, web search): a silent text-only
+           # answer would look like the model ignored the request.
+           "audio": None, "prediction": None, "web_search_options": None}
+MAX_TEMPERATURE = 2.0  # OpenAI's range: [0, 2]
+MODALITIES = ("text",)  # output modalities this server produces
 COMPLETION_NEUTRAL = {"tools": None, "tool_choice": None}  # tools are chat's (kvforge/runtime/inputs/tools.py)
 
 
@@ -83,9 +99,16 @@ class ApiCall:
                         sampling=self.sampling if seed is None else replace(self.sampling, seed=seed + j))
                 for prompt in prompts for j in range(self.n)]
 
-    def engine_request(self, engine: Engine, cache_salt: str) -> EngineRequest:
+    @property
+    def grammar_field(self) -> str:
+        """The field a refused grammar names: `tools` for a forced call's, `grammar` for GBNF, else
+        `response_format`."""
+        return grammar_field(self.sampling.response_format, self.tools is not None and self.tools.forced)
+
+    def engine_request(self, engine: Engine, cache_salt: str, grammar: CompiledGrammar | None = None) -> EngineRequest:
         """Tokenize (chat template for chat) and check against the engine; runs on a preparation worker, beside the
-        engine thread's steps (EngineLoop.prepare), so it reads only the engine's immutable parts."""
+        engine thread's steps (EngineLoop.prepare), so it reads only the engine's immutable parts. `grammar`: the
+        response_format's, compiled beforehand on the engine's grammar worker (RequestHandle.start)."""
         if self.chat:
             request = Request(0, self.messages, self.sampling, lora_name=self.lora_name, cache_salt=cache_salt,
                               parse_special_tokens=self.parse_special_tokens)
@@ -95,6 +118,7 @@ class ApiCall:
             built = engine.prepare(self.prompt or [], self.sampling, lora_name=self.lora_name, cache_salt=cache_salt)
         room = engine.info.max_kv_cache_capacity - len(built.prompt_ids)
         built.sampling = replace(built.sampling, max_generate_length=max(1, self.max_tokens or room))
+        built.grammar = grammar
         return built
 
 
@@ -110,6 +134,8 @@ def parse_call(body: Any, chat: bool, models: dict[str, str | None], media: Medi
 
 
 def _parse(body: dict[str, Any], chat: bool, models: dict[str, str | None], media: MediaPolicy) -> ApiCall:
+    if body.get("model") is None:  # named plainly: "must be a string, got null" left clients guessing which field
+        fail("model", f"model is required: the id of the model to use ({', '.join(sorted(models))})")
     model = check_string(body.get("model"), "model")
     if model not in models:
         raise ApiError(404, f"the model {model!r} does not exist; this server has {', '.join(sorted(models))}",
@@ -117,6 +143,7 @@ def _parse(body: dict[str, Any], chat: bool, models: dict[str, str | None], medi
     for name, neutral in (NEUTRAL if chat else {**NEUTRAL, **COMPLETION_NEUTRAL}).items():
         if body.get(name, neutral) not in (neutral, None):  # named in the message too: clients print only that
             fail(name, f"{name} is not supported by this server (only {json.dumps(neutral)})")
+    _modalities(body)
     lora_name = _adapter(body, models[model], models)
     logprobs, top = _logprobs(body, chat)
     tools = parse_tools(body) if chat else None
@@ -125,13 +152,13 @@ def _parse(body: dict[str, Any], chat: bool, models: dict[str, str | None], medi
         messages = with_tools(messages, tools) if tools is not None else messages
     else:
         messages, prompt = [], None
-    response_format = forced_format(tools, _given(body, "response_format", check_response_format, None))
+    response_format = forced_format(tools, _output_format(body))
     prompts = () if chat else _prompts(body.get("prompt"))
     n = _given(body, "n", lambda v, f: check_int(v, f, 1, MAX_CHOICES), 1)
     if n * max(len(prompts), 1) > MAX_CHOICES:
         fail("n", f"asks for {n} choices for each of {len(prompts)} prompts; at most {MAX_CHOICES} in all")
     sampling = SamplingParams(
-        temperature=_given(body, "temperature", check_temperature, 1.0),
+        temperature=_given(body, "temperature", _temperature, 1.0),
         top_p=_given(body, "top_p", check_top_p, 1.0),
         top_k=_given(body, "top_k", lambda v, f: check_int(v, f, 0), 0),
         num_logprobs=top,
@@ -144,6 +171,8 @@ def _parse(body: dict[str, Any], chat: bool, models: dict[str, str | None], medi
         presence_penalty=_given(body, "presence_penalty", check_penalty, 0.0),
         frequency_penalty=_given(body, "frequency_penalty", check_penalty, 0.0),
         response_format=response_format,  # grammar-constrained (a forced tool call's own, with tools)
+        min_p=_given(body, "min_p", check_min_p, 0.0),  # vLLM's and llama-server's extensions
+        repetition_penalty=_given(body, "repetition_penalty", check_repetition_penalty, 1.0),
     )
     return ApiCall(chat, model, messages, prompts[0] if prompts else prompt, sampling, _max_tokens(body, chat),
                    _given(body, "stream", _boolean, False), _include_usage(body), logprobs, lora_name,
@@ -151,10 +180,50 @@ def _parse(body: dict[str, Any], chat: bool, models: dict[str, str | None], medi
                    get_bool(body, "parse_special_tokens", "", False), n, prompts, tools)
 
 
+def _output_format(body: dict[str, Any]) -> dict[str, Any] | None:
+    """`response_format`, or llama-server's `grammar` (GBNF; Lark too, as llguidance reads it): one of them; a
+    `response_format` of type "grammar" is the Python API's and request files' spelling, not the body's."""
+    response_format = _given(body, "response_format", check_response_format, None)
+    if response_format is not None and response_format["type"] == "grammar":
+        fail("response_format.type", 'must be "text", "json_object" or "json_schema" (a GBNF grammar goes in the '
+             '"grammar" field)')
+    text = body.get("grammar")
+    if text is None:
+        return response_format
+    if not isinstance(text, str) or not text.strip():
+        fail("grammar", f"must be a GBNF grammar text, got {json_kind(text)}")
+    if response_format is not None:
+        fail("grammar", "cannot be given with a response_format other than text (both constrain the answer)")
+    if body.get("tool_choice") not in (None, "none", "auto"):
+        fail("grammar", "cannot be given with a tool_choice that forces a call (the call is the format)")
+    return {"type": "grammar", "grammar": text}
+
+
 def _given(body: dict[str, Any], name: str, check: Callable[[Any, str], T], default: T) -> T:
     """A standard OpenAI field: absent or null means its default."""
     value = body.get(name)
     return default if value is None else check(value, name)
+
+
+def _temperature(value: Any, where: str) -> float:
+    """OpenAI's range, [0, 2]: a client sending 5 meant something the API does not offer."""
+    number = check_temperature(value, where)
+    if number > MAX_TEMPERATURE:
+        fail(where, f"must be a number in [0, {MAX_TEMPERATURE:g}] (OpenAI's range), got {number:g}")
+    return number
+
+
+def _modalities(body: dict[str, Any]) -> None:
+    """OpenAI's output modalities: this server answers with text only, so ["audio"] is refused, not ignored."""
+    value = body.get("modalities")
+    if value is None:
+        return
+    if not isinstance(value, list) or not all(isinstance(m, str) for m in value):
+        fail("modalities", f'must be an array of strings like ["text"], got {json_kind(value)}')
+    other = [m for m in value if m not in MODALITIES]
+    if other:
+        fail("modalities", f"modalities {json.dumps(other)} are not supported by this server: it answers with text "
+                           'only (["text"])')
 
 
 def _boolean(value: Any, where: str) -> bool:

@@ -5,7 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from kvforge.contract.profile_schema import ENGINE_CALL_PYTHON_STAGE, GENERATION_STAGE, PREFILL_STAGE
+
+pytestmark = pytest.mark.in_process  # run_cli in this process: the process is not the point here
 
 
 def test_each_engine_call_reports_its_python(tiny_engine_dir: Path, tmp_path: Path, run_cli) -> None:

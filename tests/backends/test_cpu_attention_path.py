@@ -19,8 +19,10 @@ from support.ort_support import cpu_kernel_on
 from kvforge.builder.build import BuildOptions, build_engine, resolve_cpu_attention
 from kvforge.contract.engine_dir import ATTENTION_CPU_KERNEL, ATTENTION_ONNX_OPS, load_engine_dir
 from kvforge.contract.errors import InvalidConfig
-from kvforge.plugins import ops
+from kvforge.plugins import cpu_kernel, ops
 from kvforge.plugins.cpu_kernel import kernel_status
+
+pytestmark = pytest.mark.in_process  # run_cli in this process: the process is not the point here
 
 BUILD = BuildOptions(max_input_len=64, max_kv_cache_capacity=256, max_batch_size=2, tokens_per_page=16)
 
@@ -70,6 +72,17 @@ def test_build_cli_prints_the_path(tiny_onnx_dir: Path, tmp_path: Path, run_cli)
                     "onnx", "--maxInputLen", "64", "--maxKVCacheCapacity", "256"])
     assert proc.returncode == 0, proc.stderr
     assert f"attention {ATTENTION_ONNX_OPS}" in " ".join((proc.stdout + proc.stderr).split())
+    assert "kernel target" not in proc.stdout + proc.stderr  # no kernel in this engine: no kernel line
+
+
+@pytest.mark.skipif(not cpu_kernel_on(), reason=f"kvforge CPU kernel unavailable: {kernel_status()[1]}")
+def test_build_cli_names_the_cpu_and_kernel_target(tiny_onnx_dir: Path, tmp_path: Path, run_cli,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_kernel.TARGET_ENV, "sse4")  # every x86-64 CPU kvforge runs on has SSE4
+    proc = run_cli(["llm_build", "--onnxDir", tiny_onnx_dir, "--engineDir", tmp_path / "engine", "--cpuAttention",
+                    "kernel", "--maxInputLen", "64", "--maxKVCacheCapacity", "256"])
+    assert proc.returncode == 0, proc.stderr
+    assert "; kernel target sse4" in " ".join((proc.stdout + proc.stderr).split())
 
 
 def test_profile_names_the_path(tiny_engine_dir: Path, tmp_path: Path, run_cli) -> None:
@@ -77,11 +90,18 @@ def test_profile_names_the_path(tiny_engine_dir: Path, tmp_path: Path, run_cli) 
     request.write_text(json.dumps({"requests": [{"messages": [{"role": "user", "content": "hi"}],
                                                  "max_generate_length": 2}]}))
     proc = run_cli(["llm_inference", "--engineDir", tiny_engine_dir, "--inputFile", request, "--outputFile",
-                    tmp_path / "out.json", "--profileOutputFile", tmp_path / "profile.json"])
+                    tmp_path / "out.json", "--profileOutputFile", tmp_path / "profile.json", "--dumpProfile"])
     assert proc.returncode == 0, proc.stderr
     profile = json.loads((tmp_path / "profile.json").read_text())
-    assert profile["engine"] == {"backend": "onnxruntime",
-                                 "attention": load_engine_dir(tiny_engine_dir).build.attention}
+    attention = load_engine_dir(tiny_engine_dir).build.attention
+    cpu = profile["engine"].pop("cpu")
+    assert profile["engine"] == {"backend": "onnxruntime", "attention": attention}
+    # The CPU the figures came from: its model, SIMD features and the kernel target that ran (issue 50).
+    assert cpu["cpu_model"] and isinstance(cpu["simd"], list)
+    if attention == ATTENTION_CPU_KERNEL:
+        library = kernel_status()[0]
+        assert library is not None and cpu["kernel_target"] == cpu_kernel.runnable_targets(library)[0]
+        assert f"kernel target {cpu['kernel_target']}" in " ".join((proc.stdout + proc.stderr).split())
 
 
 @pytest.mark.skipif(not cpu_kernel_on(), reason=f"kvforge CPU kernel unavailable: {kernel_status()[1]}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -163,13 +164,72 @@ def test_single_thread_matches_reference(library: Path) -> None:
     _check(CASES["ragged-batch-with-padding-rows"], library, threads=1)
 
 
-def test_portable_path_matches_reference(library: Path) -> None:
-    """The scalar path (no AVX-512), built as its own variant of the library."""
-    portable = cpu_kernel.library_path(("-mno-avx512f",))
-    assert portable != library
-    for name in ("ragged-batch-with-padding-rows", "chunk-mid-page", "tree-mask-verify", "split-kv-batch-fp8",
-                 "head-dim-32"):
-        _check(CASES[name], portable)
+def test_every_runnable_target_matches_reference(library: Path, each_target) -> None:
+    """Each compiled target this CPU runs, forced in turn (KVFORGE_CPU_TARGET): the decode path (pool rows read in
+    the FMA loops), the tiled one (chunks, verify rows, trees), fp16, fp8 and fp32 pools, split ranges."""
+    outputs = {}
+    for target in each_target():
+        for name in ("decode-fp16", "ragged-batch-with-padding-rows", "chunk-mid-page", "tree-mask-verify",
+                     "split-kv-batch-fp8", "split-kv-decode-1600", "head-dim-32", "decode-fp8", "decode-fp32",
+                     "decode-gqa-2-head-dim-80", "decode-head-dim-512-fp8", "mixed-chunk-and-long-decode-unsplit"):
+            _check(CASES[name], library)
+        case = CASES["split-kv-decode-1600"]
+        feeds = _inputs(case)
+        outputs[target] = _session(_model(case, False), library).run(None, feeds)[0]
+    # The targets share no code path: AVX-512 runs its intrinsics, the others Highway's loops, so the results are
+    # each target's own rounding (all within the reference's tolerance above).
+    assert len(outputs) >= 2
+
+
+def test_a_forced_target_runs_and_a_bad_one_is_refused_in_one_line(library: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    compiled = cpu_kernel.compiled_targets(library)
+    assert "-march=native" not in cpu_kernel.CXX_FLAGS
+    if os.uname().machine == "x86_64":
+        assert {"avx3_dl", "avx3", "avx2", "sse4"} <= set(compiled)
+    monkeypatch.setenv(cpu_kernel.TARGET_ENV, "avx9000")
+    path, reason = cpu_kernel.kernel_status()
+    assert path is None and reason.startswith("KVFORGE_CPU_TARGET=avx9000 is not a compiled target")
+    assert "\n" not in reason and "avx2" in reason
+    assert cpu_kernel.register(ort.SessionOptions()) == reason  # the engines fall back, with this reason
+    missing = [name for name in compiled if name not in cpu_kernel.runnable_targets(library)]
+    if missing:  # a compiled target this CPU lacks (AVX-512 on an AVX2 machine)
+        monkeypatch.setenv(cpu_kernel.TARGET_ENV, missing[0])
+        assert "this CPU cannot run it" in cpu_kernel.kernel_status()[1]
+    monkeypatch.delenv(cpu_kernel.TARGET_ENV)
+    assert cpu_kernel.chosen_target(library) == cpu_kernel.runnable_targets(library)[0]
+
+
+def test_the_sources_cross_compile_for_aarch64(library: Path, tmp_path: Path) -> None:
+    """The ARM build (NEON, and the scalar fallback) compiles from the same sources with the same flags; linking and
+    running it needs an arm64 libhwy and ONNX Runtime, which this test does not have (docs/architecture.md)."""
+    cxx = shutil.which("aarch64-linux-gnu-g++")
+    if cxx is None:
+        pytest.skip("no aarch64 cross compiler: apt-get install g++-aarch64-linux-gnu")
+    highway = tmp_path / "include"
+    highway.mkdir()
+    (highway / "hwy").symlink_to(Path("/usr/include/hwy"))  # header-only for compiling; the same on every arch
+    flags = [flag for flag in cpu_kernel.CXX_FLAGS if flag != "-shared"]
+    for source in cpu_kernel.SOURCES:
+        done = subprocess.run([cxx, *flags, "-c", f"-I{cpu_kernel.include_dir()}", f"-I{highway}", str(source), "-o",
+                               str(tmp_path / (source.stem + ".o"))], capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, f"{source.name}: {done.stderr[-2000:]}"
+    objects = sorted(path.name for path in tmp_path.glob("*.o"))
+    assert len(objects) == len(cpu_kernel.SOURCES)
+    with open(tmp_path / "paged_attention.o", "rb") as handle:
+        assert handle.read(20)[18] == 183  # ELF e_machine 183: EM_AARCH64
+
+
+def test_missing_highway_is_a_reason(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A compiler that finds no hwy/highway.h (libhwy-dev not installed): the one-line reason names the package."""
+    fake = tmp_path / "g++"
+    fake.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = -E ] && { echo "fatal error: hwy/highway.h: No such '
+                    'file or directory" >&2; exit 1; }; done\nexec g++ "$@"\n')
+    fake.chmod(0o755)
+    monkeypatch.delenv(cpu_kernel.SWITCH_ENV, raising=False)
+    monkeypatch.setenv(cpu_kernel.CXX_ENV, str(fake))
+    path, reason = cpu_kernel.kernel_status()
+    assert path is None and "libhwy-dev" in reason and "\n" not in reason
 
 
 def test_fp8_nan_patterns_decode_as_zero(library: Path) -> None:

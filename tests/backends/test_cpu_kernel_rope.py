@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, helper
 from support.ort_support import POOL_ELEM
 
-from kvforge.plugins import cpu_kernel, ops, reference
+from kvforge.plugins import ops, reference
 from kvforge.plugins.reference import pool_numpy_dtype, rope_table, to_storage
 
 TOLERANCE = 1e-5
@@ -195,14 +195,13 @@ def test_storage_rounding_saturates_fp8(library: Path) -> None:
     np.testing.assert_allclose(out, want_out, atol=1e-3, rtol=TOLERANCE)
 
 
-def test_portable_path_matches_reference(library: Path) -> None:
-    """The scalar path (no AVX-512), built as its own variant of the library: the same output and pool bytes."""
-    portable = cpu_kernel.library_path(("-mno-avx512f",))
-    assert portable != library
-    for name in ("decode-fp8", "tree-fp16", "partial-rotary-fp8-tree", "gqa-128-hole"):
-        case = CASES[name]
-        feeds = _feeds(case)
-        out, pool = _run(_session(case, portable), feeds)
-        want_out, want_pool = _expected(case, feeds)
-        np.testing.assert_allclose(out, want_out, atol=TOLERANCE, rtol=TOLERANCE)
-        np.testing.assert_array_equal(pool, want_pool)
+def test_every_runnable_target_matches_reference(library: Path, each_target) -> None:
+    """Each compiled target this CPU runs, forced in turn: the same output (to tolerance) and pool bytes."""
+    for target in each_target():
+        for name in ("decode-fp8", "tree-fp16", "partial-rotary-fp8-tree", "gqa-128-hole"):
+            case = CASES[name]
+            feeds = _feeds(case)
+            out, pool = _run(_session(case, library), feeds)
+            want_out, want_pool = _expected(case, feeds)
+            np.testing.assert_allclose(out, want_out, atol=TOLERANCE, rtol=TOLERANCE, err_msg=f"{target} {name}")
+            np.testing.assert_array_equal(pool, want_pool)

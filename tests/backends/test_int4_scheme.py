@@ -27,6 +27,8 @@ from kvforge.tools.export.quantize import (
 from kvforge.tools.export.quantize_model import quantize_linears
 from kvforge.tools.export.sources.synthetic import synthetic_model
 
+pytestmark = pytest.mark.in_process  # run_cli in this process: the process is not the point here
+
 
 def _matmul_nbits(x: np.ndarray, blocks: BlockQuantized, level: int) -> np.ndarray:
     """One MatMulNBits node over `blocks`, run by ONNX Runtime."""

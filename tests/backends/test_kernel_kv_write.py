@@ -21,7 +21,8 @@ from kvforge.plugins.cpu_kernel import kernel_status
 from kvforge.runtime.execution.backend import StepInputs
 from kvforge.runtime.execution.ort import OrtBackend
 
-pytestmark = pytest.mark.skipif(not cpu_kernel_on(), reason=f"kvforge CPU kernel unavailable: {kernel_status()[1]}")
+pytestmark = [pytest.mark.skipif(not cpu_kernel_on(), reason=f"kvforge CPU kernel unavailable: {kernel_status()[1]}"),
+              pytest.mark.in_process]  # run_cli in this process: the process is not the point here
 
 BUILD = BuildOptions(max_input_len=64, max_kv_cache_capacity=256, max_batch_size=2, tokens_per_page=16,
                      cpu_attention="kernel")

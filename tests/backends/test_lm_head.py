@@ -22,6 +22,8 @@ from kvforge.tools.export.quantize_model import quantize_linears
 from kvforge.tools.export.sources.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir
 
+pytestmark = pytest.mark.in_process  # run_cli in this process: the process is not the point here
+
 # Float32 prefill: these compare logits with a float reference to 1e-5 (bf16 prefill rounds to ~3e-3).
 BUILD = BuildOptions(max_input_len=64, max_kv_cache_capacity=128, max_batch_size=2, tokens_per_page=16,
                      cpu_prefill_matmul="fp32")

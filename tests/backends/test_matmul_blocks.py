@@ -245,34 +245,38 @@ def test_build_refuses_an_unknown_matmul_choice(tmp_path: Path) -> None:
     assert info.value.field == "cpu_matmul"
 
 
-def test_the_portable_build_agrees_with_the_vector_one(library: Path) -> None:
-    """The library built without AVX-512 (-mno-avx512f: the scalar loops) against the reference and the vector path;
-    its rows are row-count invariant too."""
-    from kvforge.plugins import cpu_kernel
-
-    portable = cpu_kernel.library_path(("-mno-avx512f",))
+def test_every_runnable_target_matches_the_reference_and_is_row_invariant(library: Path, each_target) -> None:
+    """Each compiled target this CPU runs, forced in turn: 4-bit and 8-bit blocks against the reference, and within
+    the target a row alone (a decode row) equals the same row among 6 or 16 (verify rows), bit for bit."""
     k, n = 128, 21
     rng = np.random.default_rng(5)
     blocks = _random_blocks(rng, k, n)
-    model = _blocks_model(k, n, blocks)
-    a = rng.standard_normal((1, 6, k)).astype(np.float32)
-    scalar = _session(model, portable).run(None, {"a": a})[0]
-    vector = _session(model, library).run(None, {"a": a})[0]
-    expected = reference.matmul_blocks(a, blocks)
-    np.testing.assert_allclose(scalar, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
-    np.testing.assert_allclose(scalar, vector, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
-    alone = _session(model, portable).run(None, {"a": a[:, 2:3]})[0][0, 0]
-    assert np.array_equal(scalar[0, 2], alone)
-    # 8-bit blocks (the LM head's) through the scalar loops too
     values = rng.integers(0, 256, size=(n, k // 32, 32)).astype(np.uint8)
     scales = (rng.random((n, k // 32)) * 0.01 + 0.001).astype(np.float32)
     blocks8 = pack_blocks(values, scales, (-128 * scales).astype(np.float32), bits=8)
-    model8 = _blocks_model(k, n, blocks8, bits=8)
-    scalar8 = _session(model8, portable).run(None, {"a": a})[0]
-    expected8 = reference.matmul_blocks(a, blocks8)
-    np.testing.assert_allclose(scalar8, expected8, rtol=1e-4, atol=1e-4 * np.abs(expected8).max())
-    np.testing.assert_allclose(scalar8, _session(model8, library).run(None, {"a": a})[0], rtol=1e-5,
-                               atol=1e-5 * np.abs(expected8).max())
+    a = rng.standard_normal((1, 16, k)).astype(np.float32)
+    results = {}
+    for target in each_target():
+        for packed, bits in ((blocks, 4), (blocks8, 8)):
+            session = _session(_blocks_model(k, n, packed, bits=bits), library)
+            expected = reference.matmul_blocks(a, packed)
+            many = session.run(None, {"a": a})[0]
+            np.testing.assert_allclose(many, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max(),
+                                       err_msg=f"{target} {bits}-bit")
+            six = session.run(None, {"a": a[:, :6]})[0]
+            for row in (0, 2, 5):
+                alone = session.run(None, {"a": a[:, row:row + 1]})[0][0, 0]
+                assert np.array_equal(six[0, row], alone), f"{target} {bits}-bit row {row} of 6"
+                assert np.array_equal(many[0, row], alone), f"{target} {bits}-bit row {row} of 16"
+            results[target, bits] = many
+        assert _has_bf16(library) == (target == "avx3_dl" and _cpu_has("avx512_bf16"))
+    best = next(iter(results))[0]
+    print("largest difference from", best, {key: float(np.abs(y - results[best, key[1]]).max())
+                                             for key, y in results.items()})
+
+
+def _cpu_has(flag: str) -> bool:
+    return flag in Path("/proc/cpuinfo").read_text().split()
 
 
 def test_a_lora_engine_with_block_matmuls_loads_and_answers_as_the_onnx_one(library: Path, tmp_path: Path) -> None:

@@ -22,7 +22,8 @@ from kvforge.tools.export.quantize_model import quantize_linears
 from kvforge.tools.export.sources.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir
 
-pytestmark = pytest.mark.skipif(not cpu_kernel_on(), reason=f"budgets of kernel engines: {kernel_status()[1]}")
+pytestmark = [pytest.mark.skipif(not cpu_kernel_on(), reason=f"budgets of kernel engines: {kernel_status()[1]}"),
+              pytest.mark.in_process]  # run_cli in this process: the process is not the point here
 
 # family fixture -> (anchor op occurring once per period, layers per period, per-period budget, whole-graph budget).
 # Measured with RoPE and the K/V write in the kernel, residual + RMSNorm fused (kvforge/builder/fuse_ort.py) and the

@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from support.cli_checks import assert_one_line_error
+
+pytestmark = pytest.mark.in_process  # run_cli in this process: the process is not the point here
 
 
 def test_profile_ops_writes_both_phases(run_cli, tiny_onnx_dir: Path, tmp_path: Path) -> None:

@@ -23,6 +23,8 @@ from kvforge.plugins.reference import (
 from kvforge.runtime.execution.kv_store import KVStore
 from kvforge.tools.export.families.llama import POOL_ELEM_TYPES, rope_inputs
 
+pytestmark = pytest.mark.attention_path  # assertions that depend on the attention lowering: run again on the fallback
+
 
 def op_graph(num_q: int, num_kv: int, head_dim: int, kv_cache_dtype: str):
     """PagedKVWrite followed by PagedAttention, as export writes them for one layer."""

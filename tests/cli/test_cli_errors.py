@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from support.cli_checks import ANSI, assert_one_line_error
 
+pytestmark = pytest.mark.in_process  # run_cli in this process: the process is not the point here
+
 HI = {"role": "user", "content": "hi"}
 
 

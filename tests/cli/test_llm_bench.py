@@ -19,6 +19,8 @@ from kvforge.contract.errors import KvforgeError
 from kvforge.tools.bench import cli, engines
 from kvforge.tools.bench.engines import KVFORGE, LLAMA_CPP, ORT_GENAI, TRANSFORMERS, parse_engine
 
+pytestmark = pytest.mark.in_process  # run_cli in this process: the process is not the point here
+
 # Short prompts (the tiny model's tokenizer has a token per byte: the questions are ~50 tokens, the document
 # ~70) and pages of 16 tokens, so the document fills 4 pages.
 BASIC_FILE = Path(__file__).resolve().parents[2] / "test_cases" / "llm_basic.json"
@@ -69,6 +71,7 @@ def bench_run(tiny_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 def test_two_kvforge_engines_give_sane_figures_and_ratios(bench_run: tuple[str, dict]) -> None:
     output, figures = bench_run
+    assert figures["machine"]["cpu"]["cpu_model"] and "cpu: " in output  # which CPU, SIMD and kernel target (issue 50)
     by_name = {e["name"]: e for e in figures["engines"]}
     on, off = by_name["on"], by_name["off"]
     assert on["status"] == off["status"] == "ok"
@@ -114,6 +117,24 @@ def test_an_engine_that_fails_is_listed_with_its_last_line_and_the_others_run(be
     assert broken["status"] == "failed" and "\n" not in broken["reason"] and broken["reason"], broken
     assert f"failed: broken (kvforge): {broken['reason']}" in output.replace("\n", "")
     assert [e["status"] for e in figures["engines"]] == ["ok", "ok", "skipped", "failed"]
+
+
+def test_no_engine_ran_exits_1_and_writes_no_plot(tiny_onnx_dir: Path, tmp_path: Path) -> None:
+    """Every engine failed (as every one did in a checkout's root before the sources moved under kvforge/): exit 1
+    and no chart, not exit 0 and a blank PNG; the JSON still says why each engine did not run."""
+    broken = tmp_path / "broken"
+    build_engine(tiny_onnx_dir, broken, BuildOptions(max_input_len=256, max_kv_cache_capacity=512, max_batch_size=1,
+                                                     tokens_per_page=16))
+    (broken / "model.onnx.data").write_bytes(b"cut short")
+    from kvforge.contract.manifest import ENGINE_KIND, write_manifest
+    write_manifest(broken, ENGINE_KIND)
+    result = CliRunner().invoke(cli.app, ["--engine", f"broken={broken}", "--workload", "document", "--repeats", "1",
+                                          *SMALL, "--outputFile", str(tmp_path / "b.json"),
+                                          "--plot", str(tmp_path / "b.png")])
+    assert result.exit_code == cli.EXIT_NOTHING_RAN == 1, result.output
+    assert not (tmp_path / "b.png").exists()
+    assert "no engine ran" in strip_ansi(result.output) and "no plot written" in strip_ansi(result.output)
+    assert [e["status"] for e in json.loads((tmp_path / "b.json").read_text())["engines"]] == ["failed"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not installed")
@@ -353,6 +374,23 @@ def test_engine_specs_take_speculative_options_and_name_the_engine_after_them() 
     assert (tree.name, tree.spec_draft_top_k) == ("e+eagle3-k4-top3", 3)
 
 
+def test_the_speculation_table_gives_the_spec_values_the_tree_rule_and_the_help() -> None:
+    """A method added to kvforge/contract/speculation.py is an llm_bench option with no edit here (JetSpec was not)."""
+    from kvforge.contract.speculation import SPEC_METHODS, TREE_METHODS
+    from kvforge.tools.bench.cli import APP_HELP
+
+    assert engines.SPEC_CHOICES.split("|") == [method for method in SPEC_METHODS if method != "off"]
+    jet = parse_engine("e,spec=jetspec,draftStep=4,draftTopK=3")  # a tree method: the table's row says so
+    assert (jet.name, jet.spec_decode, jet.spec_draft_top_k) == ("e+jetspec-k4-top3", "jetspec", 3)
+    assert "jetspec" in TREE_METHODS
+    with pytest.raises(KvforgeError, match=re.escape("needs spec=eagle3 or spec=jetspec")):
+        parse_engine("e,spec=dflash,draftTopK=2")
+    with pytest.raises(KvforgeError, match=re.escape(f"options: reuse=on|off, spec={engines.SPEC_CHOICES}|off")):
+        parse_engine("e,spec=eagle")
+    assert engines.ENGINE_SYNTAX in APP_HELP and "{" not in APP_HELP.split("[bold]Engines")[1].split("Workloads")[0]
+    assert "dflash, dspark, jetspec, gemma4_mtp or mtp" in APP_HELP
+
+
 def test_an_eagle3_engine_must_be_a_built_base_with_its_draft(tiny_eagle3_engine_dir: Path, tiny_onnx_dir: Path,
                                                               tiny_engine_dir: Path) -> None:
     assert engines.resolve(parse_engine(f"{tiny_eagle3_engine_dir},spec=eagle3")).path == tiny_eagle3_engine_dir
@@ -541,3 +579,27 @@ def test_llama_cpp_prompt_lookup_runs_on_the_smollm2_gguf(tiny_onnx_dir: Path, t
     assert sum(t["spec"]["draft_tokens"] for t in traces) > 0
     quote = lookup["spec_decode"]["spec_quote"]
     assert quote["plain"] == "llama.cpp" and quote["vs_llama_cpp_plain"] is not None and "targets" not in quote
+
+
+def test_the_bench_extra_is_cpu_only_and_the_install_step_completes_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """[bench] names nothing that pulls PyPI's CUDA torch (torch itself, or accelerate, which requires it); make
+    bench-peers-install puts the CPU torch from PyTorch's index first, then accelerate, then the extra; and a
+    transformers peer without accelerate is skipped, naming that step (it used to fail as it loaded)."""
+    import tomllib
+
+    repo = Path(__file__).resolve().parents[2]
+    extra = tomllib.loads((repo / "pyproject.toml").read_text())["project"]["optional-dependencies"]["bench"]
+    names = {re.split(r"[<>=!~\[ ]", requirement)[0].lower() for requirement in extra}
+    assert names.isdisjoint({"torch", "accelerate"}) and {"transformers", "llama-cpp-python"} <= names, names
+    makefile = (repo / "Makefile").read_text()
+    recipe = re.search(r"^bench-peers-install:.*\n((?:\t.*\n)+)", makefile, re.MULTILINE)
+    assert recipe, "the Makefile has no bench-peers-install recipe"
+    steps = recipe.group(1).splitlines()
+    torch_step = next(i for i, s in enumerate(steps) if "pip install -q torch --index-url" in s)
+    assert re.search(r"^BENCH_TORCH_INDEX \?= https://download\.pytorch\.org/whl/cpu$", makefile, re.MULTILINE)
+    assert torch_step < next(i for i, s in enumerate(steps) if "accelerate" in s) \
+        < next(i for i, s in enumerate(steps) if ".[bench]" in s), steps
+    monkeypatch.setitem(engines.PEER_MODULES, TRANSFORMERS,
+                        (("json", "torch"), ("kvforge_no_such_module", "accelerate"), ("json", "transformers")))
+    reason = engines.missing_peer(TRANSFORMERS)
+    assert reason and reason.startswith("accelerate not installed") and "whl/cpu" in reason, reason

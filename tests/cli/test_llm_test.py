@@ -26,6 +26,8 @@ from kvforge.tools.testcases.checks import (
 )
 from kvforge.tools.testcases.config_string import check_engine, named_test_case, parse_config
 
+pytestmark = pytest.mark.in_process  # run_cli in this process: the process is not the point here
+
 ROOT = Path(__file__).resolve().parents[2]
 TEST_CASES = ROOT / "test_cases"
 SEED_BUILD = "mxsl1024-mxbs1-mxil1024-mxkvp64"  # the seed's tests/python-unittests/test_pipeline_context_reuse.py
@@ -294,24 +296,11 @@ def test_shipped_test_cases_pass_with_their_counters(run_cli, tiny_lora_model: P
 
 # --- SmolLM2 ----------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def smollm2_onnx(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvforge.tools.export.sources.gguf import find_smollm2_gguf, load_gguf
-    from kvforge.tools.export.writer import write_onnx_dir
-    try:
-        gguf_path = find_smollm2_gguf()
-    except KvforgeError as exc:
-        pytest.skip(f"SmolLM2 GGUF unavailable: {exc}")
-    path = tmp_path_factory.mktemp("smollm2_onnx")
-    write_onnx_dir(load_gguf(gguf_path), path)
-    return path
-
-
 @pytest.mark.model
-def test_smollm2_passes_rouge_and_the_seed_reuse_string(run_cli, smollm2_onnx: Path, tmp_path: Path) -> None:
+def test_smollm2_passes_rouge_and_the_seed_reuse_string(run_cli, smollm2_onnx_dir: Path, tmp_path: Path) -> None:
     """A real model meets the seed's ROUGE thresholds; a seed-style string with a trailing test case runs it."""
     result, report, _ = _report(run_cli, [
-        "--onnxDir", smollm2_onnx, "--config", "mxsl2048-mxbs2-mxil1024-tpp64-ctxreuse-llm_context_reuse",
+        "--onnxDir", smollm2_onnx_dir, "--config", "mxsl2048-mxbs2-mxil1024-tpp64-ctxreuse-llm_context_reuse",
         "--testCasesDir", TEST_CASES, "--cacheDir", tmp_path / "cache", "--numThreads", "2",
         TEST_CASES / "llm_basic.json"], tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -28,8 +28,13 @@ from kvforge.runtime.context_cache.pools import ResourcePool, ResourcePools
 from kvforge.runtime.context_cache.protocol import Lookup, Publication, PublishResult
 from kvforge.runtime.context_cache.records import Record, RecordStore
 from kvforge.runtime.context_cache.types.attention_pages import AttentionPages
-from kvforge.runtime.context_cache.types.partial_tails import PartialTails
-from kvforge.runtime.context_cache.types.recurrent_checkpoints import RecurrentCheckpoints
+from kvforge.runtime.context_cache.types.document_chunks import document_input
+from kvforge.runtime.context_cache.types.partial_tails import PartialTails, restore_slot, restore_tokens
+from kvforge.runtime.context_cache.types.recurrent_checkpoints import (
+    RecurrentCheckpoints,
+    checkpoint_record,
+    restore_recurrent_slot,
+)
 
 T = 4
 
@@ -146,14 +151,24 @@ def test_partial_tails_extend_the_agreed_pages_by_the_longest_matching_tail() ->
     ids = tokens(10)
     agreed = plan_reuse(len(ids), T, (3,))
     plan = tails.find_longest_hit(lookup(ids), agreed)
-    assert (plan.reuse_tokens, plan.restore_slot, plan.restore_tokens, plan.hit_pages) == (7, 1, 3, (3,))
+    assert (plan.reuse_tokens, restore_slot(plan), restore_tokens(plan), plan.hit_pages) == (7, 1, 3, (3,))
     assert tails.hit_slots(plan) == (1,) and tails.record_holding(1) is long
-    # One token must compute: an input that is exactly the long tail resumes from the short one.
-    assert tails.find_longest_hit(lookup(tokens(7)), plan_reuse(7, T, (3,))).reuse_tokens == 5
+    # One token must compute: an input that is exactly the long tail restores all of it but its last token.
+    exact = tails.find_longest_hit(lookup(tokens(7)), plan_reuse(7, T, (3,)))
+    assert (exact.reuse_tokens, restore_slot(exact), restore_tokens(exact)) == (6, 1, 2)
+    # A snapshot serves the prefix of its tail an input shares (here 1 token of `other`'s and the long one's).
+    shared = tails.find_longest_hit(lookup(tokens(5) + [7, 7]), plan_reuse(7, T, (3,)))
+    assert (shared.reuse_tokens, restore_tokens(shared)) == (5, 1)
+    # ... unless a document starts in that page (restored over whole, it would cost the document's pages): then
+    # only a whole tail the input extends serves, as before (here `short`'s 1 token instead of 2 of `long`'s).
+    ids = tokens(6) + [7]
+    assert restore_tokens(tails.find_longest_hit(lookup(ids), plan_reuse(7, T, (3,)))) == 2
+    with_document = dataclasses.replace(lookup(ids), inputs=document_input([(6, 1)]))
+    assert restore_tokens(tails.find_longest_hit(with_document, plan_reuse(7, T, (3,)))) == 1
     # A tail follows only the pages agreed on: none after a page the plan does not reuse.
-    assert tails.find_longest_hit(lookup(ids), plan_reuse(len(ids), T, ())).restore_slot is None
+    assert restore_slot(tails.find_longest_hit(lookup(ids), plan_reuse(len(ids), T, ()))) is None
     tails.on_evict(long)
-    assert tails.record_holding(1) is None and tails.find_longest_hit(lookup(ids), agreed).restore_slot == 0
+    assert tails.record_holding(1) is None and restore_slot(tails.find_longest_hit(lookup(ids), agreed)) == 0
     publication = Publication(np.asarray(tokens(6)), [b"k"], b"t", exact=False,
                               reserved={schema.PARTIAL_KV_SNAPSHOTS: [3]})
     assert tails.publication_slots(publication) == 1 and tails.held(short) == (0,)
@@ -174,7 +189,7 @@ def test_partial_tails_file_a_checkpoints_tail_by_slot_only() -> None:
     checkpoint = record(1, tokens(6), (0,), partial_slot=0, recurrent_slot=0)
     tails.on_commit(checkpoint)
     assert tails.filed(checkpoint) and tails.record_holding(0) is checkpoint
-    assert tails.find_longest_hit(lookup(tokens(9)), plan_reuse(9, T, (0,))).restore_slot is None
+    assert restore_slot(tails.find_longest_hit(lookup(tokens(9)), plan_reuse(9, T, (0,)))) is None
     tails.on_evict(checkpoint)
     assert tails.record_holding(0) is None
 
@@ -201,12 +216,12 @@ def test_recurrent_checkpoints_hit_only_an_exact_checkpoint_shorter_than_the_inp
         return kind.find_longest_hit(lookup(ids, extras), plan_cold(len(ids), T, paged=False))
 
     plan = hit(tokens(12))
-    assert (plan.kind, plan.reuse_tokens, plan.restore_recurrent_slot, plan.checkpoint_record) == \
+    assert (plan.kind, plan.reuse_tokens, restore_recurrent_slot(plan), checkpoint_record(plan)) == \
         (PlanKind.STANDARD, 8, 1, 2)
     assert (plan.hit_pages, plan.new_pages) == ((), 0)  # no KV pages on a pure recurrent deployment
     assert hit(tokens(8)).reuse_tokens == 6  # one token must compute
     assert hit(tokens(7) + [99]).reuse_tokens == 6  # the 8-token checkpoint's tokens differ
-    assert hit(tokens(12), KeyExtras(cache_salt="x")).restore_recurrent_slot is None  # another tenant: cold
+    assert restore_recurrent_slot(hit(tokens(12), KeyExtras(cache_salt="x"))) is None  # another tenant: cold
     media = KeyExtras(media=(MediaKey(5, 4, b"img"),))
     assert hit(tokens(12), media).reuse_tokens == 3  # 6 falls inside the span; the page before it has no media
     assert kind.hit_slots(plan) == (1,)
@@ -238,11 +253,11 @@ def test_hybrid_checkpoints_must_agree_with_the_index_on_their_pages() -> None:
     tails = PartialTails(ResourcePool(schema.PARTIAL_KV_SNAPSHOTS, 4), T, CHAIN_ROOT, copies, records=store)
     tails.on_commit(checkpoint)  # the checkpoint's tail page is the tails type's part, added to the checkpoint's plan
     plan = tails.find_longest_hit(agreeing, kind.find_longest_hit(agreeing, plan_cold(9, T)))
-    assert (plan.reuse_tokens, plan.hit_pages, plan.restore_slot, plan.restore_tokens, plan.new_pages) == \
+    assert (plan.reuse_tokens, plan.hit_pages, restore_slot(plan), restore_tokens(plan), plan.new_pages) == \
         (6, (2,), 0, 2, 2)
     disagreeing = lookup(tokens(9))
     disagreeing.page_hits = [4]
-    assert kind.find_longest_hit(disagreeing, plan_cold(9, T)).restore_recurrent_slot is None
+    assert restore_recurrent_slot(kind.find_longest_hit(disagreeing, plan_cold(9, T))) is None
     publication = Publication(agreeing.tokens, agreeing.keys[:1], b"t", exact=True,
                               reserved={schema.RECURRENT_SNAPSHOTS: [3]})
     running = lease([2, 7])

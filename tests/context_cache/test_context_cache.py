@@ -19,6 +19,7 @@ from kvforge.runtime.context_cache.planner import (
 from kvforge.runtime.context_cache.pools import BASE_KV_PAGES, ResourcePool, ResourcePools
 from kvforge.runtime.context_cache.protocol import PublishResult
 from kvforge.runtime.context_cache.records import Record, RecordStore
+from kvforge.runtime.context_cache.types.partial_tails import restore_slot, restore_tokens
 from kvforge.runtime.types import LookupPolicy
 
 T = 4  # tokens per page
@@ -369,7 +370,7 @@ def test_the_snapshot_an_admission_extends_is_never_its_own_eviction_victim() ->
     run_restoring(manager, tokens(10))  # A: 2 full pages + a snapshot tail, the least recently used record
     run_restoring(manager, tokens(8, offset=100))  # B: 2 more pages; 2 of 6 free
     lease = acquire(manager, tokens(10) + [99] * 11)  # 6 pages: A's 2 hits + 4 new
-    assert lease.reuse_tokens == 10 and lease.restore_slot is not None
+    assert lease.reuse_tokens == 10 and restore_slot(lease) is not None
     assert manager.metrics.records_evicted == 1 and len(manager.records) == 1  # B, not A
     manager.finish_restore(lease)
     manager.release(lease)
@@ -384,7 +385,8 @@ def test_snapshot_extends_reuse_to_the_exact_token() -> None:
     [(slot, page)] = copies.captured.items()
     assert page == first.page_ids[2]  # the page that held the tail
     second = acquire(manager, tokens(10) + [50, 51])
-    assert (second.reuse_tokens, second.matched_tokens, second.restore_slot, second.restore_tokens) == (10, 10, slot, 2)
+    assert (second.reuse_tokens, second.matched_tokens) == (10, 10)
+    assert (restore_slot(second), restore_tokens(second)) == (slot, 2)
     assert second.page_ids[:2] == first.page_ids[:2] and second.page_ids[2] != first.page_ids[2]  # its own page
     assert manager.partial_snapshots.active[slot] == 1  # pinned until the engine copied it
     manager.finish_restore(second)
@@ -404,8 +406,25 @@ def test_snapshot_of_a_prompt_shorter_than_a_page_and_its_isolation() -> None:
     assert run_restoring(manager, tokens(3) + [9]).reuse_tokens == 3
     assert run_restoring(manager, tokens(3) + [9], salt="tenant").reuse_tokens == 0  # salt: another chain
     assert run_restoring(manager, [1, 1, 2, 7]).reuse_tokens == 0  # different tokens
-    assert run_restoring(manager, tokens(3)).reuse_tokens == 0  # the whole input: one token must compute
-    assert run_restoring(manager, tokens(2) + [9]).reuse_tokens == 0  # shorter tails are not kept
+    assert run_restoring(manager, tokens(3)).reuse_tokens == 2  # the whole input: all but the token to compute
+    assert run_restoring(manager, tokens(2) + [9]).reuse_tokens == 2  # the tail's prefix it shares, to the token
+    assert run_restoring(manager, tokens(2) + [9], salt="tenant").reuse_tokens == 0  # a prefix is isolated too
+    manager.check_invariants()
+
+
+def test_a_snapshot_serves_the_prefix_an_input_shares_and_restores_the_page() -> None:
+    """A shared system prompt: the first request's tail snapshot holds it and its own question; the second request
+    shares only the system prompt's tokens and restores exactly those (the rest of the page is computed over)."""
+    manager = snapshot_manager(slots=2)
+    first = run_restoring(manager, tokens(7))  # 1 full page + a 3-token tail: captured
+    copies = manager.copier
+    assert isinstance(copies, SnapshotCopies)
+    [(slot, _)] = copies.captured.items()
+    second = acquire(manager, tokens(5) + [40, 41, 42])  # page 0 and 1 of the tail's 3 tokens shared
+    assert (second.reuse_tokens, restore_slot(second), restore_tokens(second)) == (5, slot, 1)
+    assert second.page_ids[0] == first.page_ids[0] and second.page_ids[1] != first.page_ids[1]  # its own tail page
+    manager.finish_restore(second)
+    manager.release(second)
     manager.check_invariants()
 
 
@@ -414,7 +433,7 @@ def test_page_aligned_fully_matched_input_rewinds_into_a_snapshot() -> None:
     run_restoring(manager, tokens(6))  # page 0 + 2-token tail
     run_restoring(manager, tokens(8))  # both pages indexed
     lease = acquire(manager, tokens(8))  # aligned and fully matched: rewind page 1, then restore its tail
-    assert (lease.plan_kind, lease.reuse_tokens, lease.restore_tokens) == (PLAN_FULL_INPUT_REWIND, 6, 2)
+    assert (lease.plan_kind, lease.reuse_tokens, restore_tokens(lease)) == (PLAN_FULL_INPUT_REWIND, 6, 2)
     manager.finish_restore(lease)
     manager.release(lease)
     manager.check_invariants()

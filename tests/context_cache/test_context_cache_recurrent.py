@@ -15,6 +15,8 @@ from kvforge.contract.profile_schema import PLAN_NO_REUSABLE_PREFIX, PLAN_STANDA
 from kvforge.runtime.context_cache.keys import KeyExtras, MediaKey
 from kvforge.runtime.context_cache.manager import Admission, ContextCacheManager, Deployment, Lease
 from kvforge.runtime.context_cache.protocol import PublishResult
+from kvforge.runtime.context_cache.types.partial_tails import partial_slot, restore_slot, restore_tokens
+from kvforge.runtime.context_cache.types.recurrent_checkpoints import recurrent_slot, restore_recurrent_slot
 from kvforge.runtime.types import LookupPolicy
 
 T = 4  # tokens per page
@@ -51,21 +53,21 @@ class FakeStates:
         assert lease is not None
         n, m = lease.reuse_tokens, self.manager
         assert n < len(ids), "at least one token must compute (its logits give the next token)"
-        if lease.restore_recurrent_slot is None:
+        if restore_recurrent_slot(lease) is None:
             assert n == 0, "reuse without a recurrent snapshot would resume from a zero state"
             state: tuple[int, ...] = ()
         else:
-            state = self.recurrent[lease.restore_recurrent_slot]
+            state = self.recurrent[restore_recurrent_slot(lease)]
         assert state == tuple(ids[:n])
         if m.paged:
             assert len(lease.page_ids) == -(-len(ids) // T)
             for i in range(n // T):
                 assert self.pages[lease.page_ids[i]] == tuple(ids[i * T:(i + 1) * T])
             if n % T:
-                assert lease.restore_slot is not None and lease.restore_tokens == n % T
-                self.pages[lease.page_ids[n // T]] = self.partial[lease.restore_slot]
+                assert restore_slot(lease) is not None and restore_tokens(lease) == n % T
+                self.pages[lease.page_ids[n // T]] = self.partial[restore_slot(lease)]
         else:
-            assert lease.page_ids == [] and lease.restore_slot is None
+            assert lease.page_ids == [] and restore_slot(lease) is None
         self.computed[id(lease)] = state
         m.check_invariants()
         m.finish_restore(lease)
@@ -142,26 +144,26 @@ def test_hybrid_never_uses_a_base_only_page_hit() -> None:
     m, fake = manager(HYBRID)
     fake.run(tokens(10))  # pages 0 and 1 are indexed, but the only checkpoint is at 10
     lease = fake.admit(tokens(8) + [99, 98])  # shares two full pages, diverges inside the third
-    assert (lease.reuse_tokens, lease.restore_recurrent_slot, lease.plan_kind) == (0, None, PLAN_NO_REUSABLE_PREFIX)
+    assert (lease.reuse_tokens, restore_recurrent_slot(lease), lease.plan_kind) == (0, None, PLAN_NO_REUSABLE_PREFIX)
     vanilla = ContextCacheManager(32, T, enabled=True)  # the same pages would be a hit for an attention-only model
     first = vanilla.try_acquire(Admission(tokens(10)))
     assert first is not None and vanilla.publish(first, tokens(10)) == PublishResult.COMMITTED
     again = vanilla.try_acquire(Admission(tokens(8) + [99, 98]))
-    assert again is not None and again.reuse_tokens == 8 and again.restore_recurrent_slot is None
+    assert again is not None and again.reuse_tokens == 8 and restore_recurrent_slot(again) is None
 
 
 def test_hybrid_checkpoint_holds_a_partial_snapshot_iff_unaligned() -> None:
     m, fake = manager(HYBRID)
     fake.run(tokens(11), at=(6, 8))
     by_length = {len(r.token_ids): r for r in m.records.least_recent_first()}
-    assert by_length[8].partial_slot is None and by_length[8].recurrent_slot is not None
-    assert by_length[6].partial_slot is not None and by_length[11].partial_slot is not None
-    assert fake.partial[by_length[6].partial_slot] == (4, 5)  # the tail page's two valid tokens
+    assert partial_slot(by_length[8]) is None and recurrent_slot(by_length[8]) is not None
+    assert partial_slot(by_length[6]) is not None and partial_slot(by_length[11]) is not None
+    assert fake.partial[partial_slot(by_length[6])] == (4, 5)  # the tail page's two valid tokens
     lease = fake.admit(tokens(6) + [99])
-    assert (lease.reuse_tokens, lease.restore_tokens) == (6, 2)
+    assert (lease.reuse_tokens, restore_tokens(lease)) == (6, 2)
     assert lease.page_ids[0] == by_length[6].page_ids[0] and lease.page_ids[1] not in by_length[6].page_ids
     aligned = fake.admit(tokens(8) + [99])
-    assert (aligned.reuse_tokens, aligned.restore_slot, aligned.restore_tokens) == (8, None, 0)
+    assert (aligned.reuse_tokens, restore_slot(aligned), restore_tokens(aligned)) == (8, None, 0)
 
 
 @both
@@ -231,7 +233,7 @@ def test_pure_recurrent_leases_hold_no_pages_and_always_fit() -> None:
     fake.compute(lease, tokens(50), 50)
     assert m.publish(lease, tokens(50)) == PublishResult.COMMITTED
     record = next(m.records.least_recent_first())
-    assert record.page_ids == () and len(record.keys) == 12 and record.partial_slot is None  # keys of 12 blocks
+    assert record.page_ids == () and len(record.keys) == 12 and partial_slot(record) is None  # keys of 12 blocks
     m.release(lease)
     m.check_invariants()
 
@@ -255,7 +257,7 @@ def test_capture_with_every_slot_pinned_is_skipped_and_counted(deployment: Deplo
     m, fake = manager(deployment, recurrent=1, partial=1)
     fake.run(tokens(6))
     pending = m.try_acquire(Admission(tokens(6) + [7]))  # restores the only slot: pinned until finish_restore
-    assert pending is not None and pending.restore_recurrent_slot is not None
+    assert pending is not None and restore_recurrent_slot(pending) is not None
     other = fake.admit(tokens(5, 100))
     fake.compute(other, tokens(5, 100), 5)
     assert m.publish(other, tokens(5, 100)) == PublishResult.SKIPPED  # never an error
@@ -273,7 +275,7 @@ def test_hybrid_unaligned_capture_needs_a_partial_slot_but_aligned_does_not() ->
     m, fake = manager(HYBRID, recurrent=4, partial=1)
     fake.run(tokens(6))  # holds the only partial slot
     pending = m.try_acquire(Admission(tokens(6) + [7]))  # pins it
-    assert pending is not None and pending.restore_slot is not None
+    assert pending is not None and restore_slot(pending) is not None
     _, unaligned = fake.run(tokens(6, 100))
     _, aligned = fake.run(tokens(8, 200))
     assert (unaligned, aligned) == ([PublishResult.SKIPPED], [PublishResult.COMMITTED])
@@ -336,7 +338,7 @@ def test_hybrid_checkpoint_projects_onto_the_canonical_pages() -> None:
     assert m.publish(a, tokens(10)) == PublishResult.COMMITTED and m.publish(b, tokens(9)) == PublishResult.COMMITTED
     rec_a, rec_b = sorted(m.records.least_recent_first(), key=lambda r: len(r.token_ids), reverse=True)
     assert rec_b.page_ids == rec_a.page_ids == tuple(a.page_ids[:2])  # first committer's pages
-    assert fake.partial[rec_b.partial_slot] == (8,)  # captured from b's own tail page
+    assert fake.partial[partial_slot(rec_b)] == (8,)  # captured from b's own tail page
     m.release(a)
     m.release(b)
     m.check_invariants()
@@ -362,6 +364,6 @@ def test_vanilla_records_hold_no_recurrent_slot() -> None:
     assert m.recurrent_snapshots.capacity == 0 and m.deployment is Deployment.VANILLA and not m.checkpoints
     lease = m.try_acquire(Admission(tokens(9)))
     assert lease is not None and m.publish(lease, np.asarray(tokens(9))) == PublishResult.COMMITTED
-    assert next(m.records.least_recent_first()).recurrent_slot is None
+    assert recurrent_slot(next(m.records.least_recent_first())) is None
     m.release(lease)
     m.check_invariants()

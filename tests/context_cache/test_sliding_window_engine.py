@@ -22,6 +22,8 @@ from kvforge.server.metrics import ServerMetrics
 from kvforge.tools.export.sources.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir
 
+pytestmark = pytest.mark.in_process  # run_cli in this process: the process is not the point here
+
 BUILD = BuildOptions(max_input_len=256, max_kv_cache_capacity=512, max_batch_size=2, tokens_per_page=16)
 
 

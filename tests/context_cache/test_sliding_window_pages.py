@@ -191,11 +191,24 @@ def test_any_conversation_reuses_only_exact_windows(turns: list[tuple[int, int, 
 
 def test_the_pool_refuses_one_table_copies_over_a_window_group() -> None:
     """A snapshot, tier or tree copy addresses every layer with one row of page ids: wrong for a window group."""
-    store = KVStore(3, 8, 1, T, 4, "fp32", windowed=frozenset({0, 1}), window_pages=3)
+    store = KVStore(3, 8, 1, T, 4, "fp32", groups={"window": ({0, 1}, 3)})
     assert [len(layer) for layer in store.layers] == [3, 3, 8]
     for copy in (lambda: store.read_tokens([0], 2), lambda: store.read_page(0),
                  lambda: store.copy_positions([0], [1], [0])):
-        with pytest.raises(AssertionError, match="sliding-window"):
+        with pytest.raises(AssertionError, match=r"another page group \(window\)"):
             copy()
     plain = KVStore(2, 8, 1, T, 4, "fp32")
     assert len(plain.read_page(1)) == 2
+
+
+def test_page_groups_are_data_a_third_group_included() -> None:
+    """The pool sizes each group's layers by its entry, and the cache hands each group's table from its owner."""
+    store = KVStore(4, 8, 1, T, 4, "fp32", groups={"window": ([0], 3), "chunked": ([2, 3], 5)})
+    assert [len(layer) for layer in store.layers] == [3, 8, 5, 5]
+    assert store.layer_group == ["window", None, "chunked", "chunked"]
+    with pytest.raises(AssertionError, match=r"another page group \(chunked, window\)"):
+        store.read_page(0)
+    cache = manager(window_pages=8)
+    lease = cache.try_acquire(Admission(list(range(12))))
+    assert lease is not None and cache.page_tables(lease) == {"window": window_table(lease)}
+    assert ContextCacheManager(8, T, enabled=False).page_tables(lease) == {}  # no type owns a group there

@@ -473,7 +473,8 @@ def test_demo_engine_fixture_builds_what_make_demo_builds() -> None:
     assert recipe, "the Makefile no longer builds $(OUT)/engines/smollm2"
     flags = dict(re.findall(r"--(\w+) (\S+)", recipe.group(1)))
     assert flags == {"maxInputLen": str(DEMO_BUILD.max_input_len), "maxKVCacheCapacity":
-                     str(DEMO_BUILD.max_kv_cache_capacity), "maxBatchSize": str(DEMO_BUILD.max_batch_size)}
+                     str(DEMO_BUILD.max_kv_cache_capacity), "maxBatchSize": str(DEMO_BUILD.max_batch_size),
+                     "tokensPerPage": str(DEMO_BUILD.tokens_per_page)}
 
 
 def test_readme_is_short() -> None:

@@ -6,12 +6,14 @@ from pathlib import Path
 
 import pytest
 import tomllib
-from support.engine_driver import assert_idle
+from support.engine_driver import assert_idle, build_once
 
 import kvforge
 from kvforge import LLM, SamplingParams
-from kvforge.builder.build import BuildOptions, build_engine
+from kvforge.builder.build import BuildOptions
 from kvforge.contract.errors import KvforgeError
+
+pytestmark = pytest.mark.attention_path  # assertions that depend on the attention lowering: run again on the fallback
 
 ROOT = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(temperature=0.0, max_generate_length=6, num_logprobs=2)
@@ -21,9 +23,8 @@ DOC = "A shared document of several pages about harbours and tides. " * 2
 @pytest.fixture(scope="module")
 def engine_dir(tiny_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("api_engine")
-    build_engine(tiny_onnx_dir, path, BuildOptions(max_input_len=256, max_kv_cache_capacity=512, max_batch_size=4,
-                                                   tokens_per_page=16))
-    return path
+    return build_once(tiny_onnx_dir, path, BuildOptions(max_input_len=256, max_kv_cache_capacity=512,
+                                                        max_batch_size=4, tokens_per_page=16))
 
 
 @pytest.fixture(scope="module")

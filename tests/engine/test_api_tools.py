@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.engine_driver import build_once
 
 from kvforge import LLM, SamplingParams
-from kvforge.builder.build import BuildOptions, build_engine
+from kvforge.builder.build import BuildOptions
 from kvforge.contract.errors import KvforgeError
 from kvforge.runtime.inputs.tools import answer_calls, parse_tools
 
@@ -30,8 +31,8 @@ CHAT = [{"role": "user", "content": "Tide at Oslo?"}]
 def llm(tiny_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> LLM:
     # Byte-level tokenizer: the tools' description alone is several hundred prompt tokens.
     path = tmp_path_factory.mktemp("api_tools_engine")
-    build_engine(tiny_onnx_dir, path, BuildOptions(max_input_len=1024, max_kv_cache_capacity=1280, max_batch_size=4,
-                                                   tokens_per_page=16))
+    path = build_once(tiny_onnx_dir, path, BuildOptions(max_input_len=1024, max_kv_cache_capacity=1280,
+                                                        max_batch_size=4, tokens_per_page=16))
     return LLM(str(path), num_threads=2)
 
 

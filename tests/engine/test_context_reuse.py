@@ -20,6 +20,8 @@ from kvforge.runtime.types import CommitPolicy, LookupPolicy
 from kvforge.tools.export.sources.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir
 
+pytestmark = pytest.mark.attention_path  # assertions that depend on the attention lowering: run again on the fallback
+
 ROOT = Path(__file__).resolve().parents[2]
 T = 16
 

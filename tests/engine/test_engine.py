@@ -24,6 +24,8 @@ from kvforge.runtime.file_loop import Scheduling
 from kvforge.runtime.sequence import EngineRequest, Status
 from kvforge.runtime.types import SamplingParams
 
+pytestmark = pytest.mark.attention_path  # assertions that depend on the attention lowering: run again on the fallback
+
 ROOT = Path(__file__).resolve().parents[2]
 T = 16
 GREEDY = SamplingParams(temperature=0.0, num_logprobs=1)
@@ -296,6 +298,7 @@ def partial_slot_bytes(setup: Setup) -> int:
                                      build.tokens_per_page, model.kv_cache_dtype)
 
 
+@pytest.mark.engine  # reads SEEN, which the engine test above fills: the tier rule cannot see that
 def test_property_examples_exercised_preemption_and_waiting() -> None:
     """Guards the property test's strategy: it must keep reaching preemption, in-flight waits, snapshot
     restores and snapshot slots reclaimed by eviction."""

@@ -22,6 +22,8 @@ from kvforge.tools.export.lora import write_converted_adapter, write_random_peft
 from kvforge.tools.export.sources.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir
 
+pytestmark = pytest.mark.attention_path  # assertions that depend on the attention lowering: run again on the fallback
+
 ROOT = Path(__file__).resolve().parents[2]
 T = 16
 

@@ -20,9 +20,14 @@ from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.engine_dir import load_engine_dir
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.lora import LORA_TARGETS
-from kvforge.runtime.adapters import correction_factors, fold_correction, load_attention_norms, normed_inputs
 from kvforge.runtime.api import LLM
 from kvforge.runtime.cli import app as inference_app
+from kvforge.runtime.execution.corrections import (
+    correction_factors,
+    fold_correction,
+    load_attention_norms,
+    normed_inputs,
+)
 from kvforge.runtime.types import SamplingParams
 from kvforge.server.metrics import ServerMetrics
 from kvforge.tools.export.lora import write_converted_adapter
@@ -283,8 +288,8 @@ def test_correct_rounds_to_the_pool_dtype_and_reads_sources_first() -> None:
     it as a fresh page): every source is read before anything is written."""
     from kvforge.contract.rope import rope_table
     from kvforge.plugins.reference import apply_rope, round_to_storage
-    from kvforge.runtime.adapters import FoldedCorrection, LoraAdapter
-    from kvforge.runtime.execution.corrections import AdapterCorrector
+    from kvforge.runtime.adapters import LoraAdapter
+    from kvforge.runtime.execution.corrections import AdapterCorrector, FoldedCorrection
     from kvforge.runtime.execution.kv_store import KVStore
 
     rng = np.random.default_rng(0)

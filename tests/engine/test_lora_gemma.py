@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 from support.engine_driver import assert_idle, make_engine
+from support.lazy_import import LazyModule
 from support.peft_support import randomize_lora_b
 
 from kvforge.builder.build import BuildOptions, build_engine
@@ -26,9 +27,10 @@ from kvforge.tools.export.sources.hf import load_hf_dir
 from kvforge.tools.export.sources.synthetic import byte_level_tokenizer
 from kvforge.tools.export.writer import write_onnx_dir
 
-torch = pytest.importorskip("torch", reason="PEFT parity needs torch")
-transformers = pytest.importorskip("transformers", reason="PEFT parity needs transformers")
-peft = pytest.importorskip("peft", reason="PEFT parity needs peft")
+# Imported on first use (collecting this file stays torch-free); a missing one skips the test with the reason.
+torch = LazyModule("torch", reason="PEFT parity needs torch")
+transformers = LazyModule("transformers", reason="PEFT parity needs transformers")
+peft = LazyModule("peft", reason="PEFT parity needs peft")
 pytestmark = pytest.mark.torch
 
 VOCAB, WINDOW, T = 320, 16, 16  # the byte-level tokenizer's 259 tokens fit the vocabulary

@@ -14,6 +14,7 @@ from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.engine_dir import load_engine_dir
 from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.geometry import partial_kv_bytes_per_slot
+from kvforge.runtime.context_cache.types.partial_tails import partial_slot
 from kvforge.runtime.engine.engine import Engine
 from kvforge.runtime.execution.kv_store import KVStore
 from kvforge.runtime.execution.ort import OrtBackend
@@ -21,6 +22,8 @@ from kvforge.runtime.execution.snapshots import PartialKVSnapshotStore
 from kvforge.runtime.types import SamplingParams
 from kvforge.tools.export.sources.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir
+
+pytestmark = pytest.mark.attention_path  # assertions that depend on the attention lowering: run again on the fallback
 
 ROOT = Path(__file__).resolve().parents[2]
 T = 16
@@ -122,6 +125,32 @@ def test_prompts_shorter_than_two_pages_reuse_their_cached_prefix(engine_dir: Pa
     assert pages_only.profile()["prefill"]["reused_tokens"] == 0  # what page-granular reuse gives here
 
 
+def test_a_shared_system_prompt_and_an_identical_prompt_reuse_to_the_token(engine_dir: Path, runner: OrtBackend,
+                                                                           cold_runner: OrtBackend) -> None:
+    """Issue 51: a snapshot serves the prefix of its tail a later prompt shares, not only a prompt that extends all of
+    it: a shared system prompt whose end lies in the first request's tail page (then different questions) reuses
+    exactly its shared tokens, and the same prompt again reuses all but its last token. A prefix that ends inside an
+    earlier request's full page reuses the whole pages before it. Every answer equals the cold engine's."""
+    system = {"role": "system", "content": "Harbor Point: fourteen turbines."}
+    chats = [[system, {"role": "user", "content": q}] for q in ("How many?", "How long?", "How long?")]
+    chats.append([{"role": "system", "content": "Harbor Point: 14"}, {"role": "user", "content": "How many?"}])
+    data = {"temperature": 0.0, "num_logprobs": 1, "max_generate_length": 4, "apply_chat_template": False,
+            "context_cache_commit_policy": "prefill_state_only", "requests": [{"messages": c} for c in chats]}
+    warm = warm_engine(engine_dir, runner)
+    responses = run_file(warm, data)
+    assert answers(responses) == answers(run_file(make_engine(engine_dir, cold_runner), data))
+    first, second, third, fourth = prompt_ids(warm, data)
+
+    def shared(a: list[int], b: list[int]) -> int:
+        return next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+
+    # The divergence lies in the first prompt's tail page; the fourth's inside its (and the others') full pages.
+    assert len(first) // T * T < shared(first, second) and shared(first, second) % T and second == third
+    assert shared(first, fourth) < len(first) // T * T and shared(first, fourth) % T
+    assert [r["usage"]["cached_tokens"] for r in responses] == \
+        [0, shared(first, second), len(third) - 1, shared(first, fourth) // T * T]
+
+
 def test_decode_end_snapshot_serves_the_next_turn(engine_dir: Path, runner: OrtBackend,
                                                   cold_runner: OrtBackend) -> None:
     """The decode-end record (prompt + answer) keeps its tail too: feeding the answer back hits past it."""
@@ -166,7 +195,7 @@ def test_restored_page_holds_the_snapshot_tokens(engine_dir: Path, runner: OrtBa
             "requests": [{"messages": [{"role": "user", "content": prompt}]}]}
     run_file(warm, data)
     [record] = [r for r in warm.cache.records.least_recent_first() if len(r.token_ids) == len(prompt)]
-    assert record.partial_slot is not None
+    assert partial_slot(record) is not None
     tail = len(prompt) % T
     extended = warm.tokenizer.encode(prompt + "seven, eight, nine.")
     sampling = SamplingParams(temperature=0.0, max_generate_length=3)
@@ -177,7 +206,7 @@ def test_restored_page_holds_the_snapshot_tokens(engine_dir: Path, runner: OrtBa
     page = seq.lease.page_ids[len(prompt) // T]  # its own page: the record's pages hold none of its tokens
     assert page not in record.page_ids
     for pool_page, slot in zip(warm.backend.kv_store.read_page(page), warm.partial_store.layers, strict=True):
-        assert pool_page[:, :, :tail].tobytes() == slot[record.partial_slot][:, :, :tail].tobytes()
+        assert pool_page[:, :, :tail].tobytes() == slot[partial_slot(record)][:, :, :tail].tobytes()
     while warm.has_unfinished():
         warm.step()
     assert_idle(warm)
@@ -190,7 +219,7 @@ def test_eviction_frees_snapshot_slots_with_their_records(engine_dir: Path, runn
                          for i in range(6)]}
     run_file(warm, data)
     cache = warm.cache
-    held = [r.partial_slot for r in cache.records.least_recent_first() if r.partial_slot is not None]
+    held = [partial_slot(r) for r in cache.records.least_recent_first() if partial_slot(r) is not None]
     assert len(cache.records) <= 3 and cache.partial_snapshots.num_free == 2 - len(held)
     profile = warm.profile()["context_cache"]
     assert profile["reclaimed_resources"]["partial_kv_snapshots"] > 0

@@ -23,6 +23,8 @@ from kvforge.runtime.types import SamplingParams
 from kvforge.tools.export.sources.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir
 
+pytestmark = [pytest.mark.attention_path, pytest.mark.in_process]  # fallback rerun; run_cli in process
+
 ROOT = Path(__file__).resolve().parents[2]
 T = 16
 SLOTS = 16

@@ -112,6 +112,7 @@ def test_hybrid_engine_matches_each_request_alone(hybrid: tuple, arrivals: list[
     SEEN["pressure"] += engine.cache.metrics.reclaimed["recurrent_snapshots"]
 
 
+@pytest.mark.engine  # reads SEEN, which the engine test above fills: the tier rule cannot see that
 def test_property_examples_reached_preemption_restores_and_eviction() -> None:
     """Guards the strategy above: it must keep reaching preemption, checkpoint restores and slots reclaimed."""
     if not any(SEEN.values()):

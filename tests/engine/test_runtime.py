@@ -14,6 +14,8 @@ from kvforge.runtime.sequence import FinishReason
 from kvforge.tools.export.sources.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir
 
+pytestmark = pytest.mark.attention_path  # assertions that depend on the attention lowering: run again on the fallback
+
 PROMPTS = ["hi", "The quick brown fox jumps over the lazy dog.", "abc " * 9, "x"]
 
 

@@ -7,10 +7,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.engine_driver import build_once
 
 from kvforge import LLM, SamplingParams
-from kvforge.builder.build import BuildOptions, build_engine
+from kvforge.builder.build import BuildOptions
 from kvforge.contract.errors import KvforgeError
+
+pytestmark = pytest.mark.in_process  # run_cli in this process: the process is not the point here
 
 pytest.importorskip("llguidance")
 
@@ -31,8 +34,8 @@ DOC = "A shared document of several pages about harbours and tides. " * 2
 @pytest.fixture(scope="module")
 def llm(tiny_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> LLM:
     path = tmp_path_factory.mktemp("structured_engine")
-    build_engine(tiny_onnx_dir, path, BuildOptions(max_input_len=256, max_kv_cache_capacity=512, max_batch_size=4,
-                                                   tokens_per_page=16))
+    path = build_once(tiny_onnx_dir, path, BuildOptions(max_input_len=256, max_kv_cache_capacity=512,
+                                                        max_batch_size=4, tokens_per_page=16))
     return LLM(str(path), num_threads=2, enable_context_reuse=True)
 
 

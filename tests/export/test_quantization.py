@@ -30,6 +30,8 @@ from kvforge.tools.export.sources.gguf import unpermute_llama_cpp_rows
 from kvforge.tools.export.sources.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir
 
+pytestmark = [pytest.mark.attention_path, pytest.mark.in_process]  # fallback rerun; run_cli in process
+
 
 def _built_graph(loaded: LoadedModel, tmp_path: Path, cpu_matmul: str = "onnx",
                  engine: str = "engine", prefill: str = "fp32") -> onnx.GraphProto:

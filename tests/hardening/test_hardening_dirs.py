@@ -13,6 +13,8 @@ from support.hardening_support import copy_engine, edit_engine, invoke, request_
 from kvforge.builder.cli import app as build_app
 from kvforge.runtime.cli import app as inference_app
 
+pytestmark = pytest.mark.in_process  # run_cli in this process: the process is not the point here
+
 
 def run(engine: Path, tmp_path: Path):
     return invoke(inference_app, "--engineDir", engine, "--inputFile", request_file(tmp_path / "in.json"),

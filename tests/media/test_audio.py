@@ -18,6 +18,8 @@ from kvforge.contract.errors import KvforgeError
 from kvforge.runtime.engine.engine import Engine, EngineConfig
 from kvforge.runtime.inputs.multimodal.audio import audio_rows
 
+pytestmark = [pytest.mark.attention_path, pytest.mark.in_process]  # fallback rerun; run_cli in process
+
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "test_cases" / "audio_context_reuse.json"
 T = 16

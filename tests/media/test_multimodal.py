@@ -25,6 +25,8 @@ from kvforge.tools.export.families.idefics3_source import write_visual_onnx_dir
 from kvforge.tools.export.sources.synthetic import synthetic_idefics3
 from kvforge.tools.export.writer import write_onnx_dir
 
+pytestmark = [pytest.mark.attention_path, pytest.mark.in_process]  # fallback rerun; run_cli in process
+
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "test_cases" / "vlm_context_reuse.json"
 T = 16  # tokens per page the fixture's counters are for

@@ -11,14 +11,17 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from support.lazy_import import LazyModule
 from support.ort_support import cpu_kernel_on
 from support.paged_rows import CAPACITY, PATHS, Row, lowered_session
 
 from kvforge.contract.model_config import ModelConfig
 from kvforge.tools.export.families.gemma3 import build_gemma3_graph, config_from_hf
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.in_process  # run_cli in this process: the process is not the point here
+
+torch = LazyModule("torch")
+transformers = LazyModule("transformers")
 WINDOW, VOCAB = 32, 96
 LONG_PROMPT = 1500  # the length, well past the window
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from parity.test_gemma4_parity import exported, hf_config, prompt, randomised, reference_logits
+from support.lazy_import import LazyModule
 from support.paged_rows import PATHS, Row, lowered_session
 
 from kvforge.contract.errors import InvalidConfig
@@ -18,8 +19,10 @@ from kvforge.contract.model_config import ModelConfig
 from kvforge.plugins.reference import apply_rope, rope_table
 from kvforge.tools.export.families.gemma4 import table_order
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.in_process  # run_cli in this process: the process is not the point here
+
+torch = LazyModule("torch")
+transformers = LazyModule("transformers")
 
 WIDE = dict(head_dim=16, global_head_dim=32, vocab_size=320)  # the byte-level tokenizer's 259 tokens fit
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.lazy_import import LazyModule
 from support.ort_support import cpu_kernel_on
 from support.paged_rows import CAPACITY, PATHS, Row, lowered_session
 
@@ -17,8 +18,10 @@ from kvforge.contract.engine_dir import PER_LAYER_INPUT
 from kvforge.contract.model_config import ModelConfig
 from kvforge.tools.export.families.gemma4 import build_gemma4_graph, config_from_hf
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.in_process  # run_cli in this process: the process is not the point here
+
+torch = LazyModule("torch")
+transformers = LazyModule("transformers")
 WINDOW, VOCAB = 32, 96
 
 

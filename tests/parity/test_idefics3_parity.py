@@ -13,24 +13,23 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
+from support.backends import RecordingBackend
+from support.lazy_import import LazyModule
 
-torch = pytest.importorskip("torch", reason="transformers parity needs torch (pip install 'kvforge[dev]')")
-transformers = pytest.importorskip("transformers",
-                                   reason="transformers parity needs transformers (pip install 'kvforge[dev]')")
+from kvforge.builder.build import BuildOptions, build_engine
+from kvforge.builder.encoder_build import build_encoder_engine
+from kvforge.runtime.engine.engine import Engine, EngineConfig
+from kvforge.runtime.file_loop import prepare_requests
+from kvforge.runtime.inputs.request_file import parse_request_file
+from kvforge.tools.export.families.idefics3_source import load_idefics3_dir, write_visual_onnx_dir
+from kvforge.tools.export.sources.synthetic import IDEFICS3_SPECIAL_TOKENS, byte_level_tokenizer
+from kvforge.tools.export.writer import write_onnx_dir
 
-from PIL import Image  # noqa: E402
-from support.backends import RecordingBackend  # noqa: E402
-
-from kvforge.builder.build import BuildOptions, build_engine  # noqa: E402
-from kvforge.builder.encoder_build import build_encoder_engine  # noqa: E402
-from kvforge.runtime.engine.engine import Engine, EngineConfig  # noqa: E402
-from kvforge.runtime.file_loop import prepare_requests  # noqa: E402
-from kvforge.runtime.inputs.request_file import parse_request_file  # noqa: E402
-from kvforge.tools.export.families.idefics3_source import load_idefics3_dir, write_visual_onnx_dir  # noqa: E402
-from kvforge.tools.export.sources.synthetic import IDEFICS3_SPECIAL_TOKENS, byte_level_tokenizer  # noqa: E402
-from kvforge.tools.export.writer import write_onnx_dir  # noqa: E402
-
-pytestmark = pytest.mark.torch
+torch = LazyModule("torch", reason="transformers parity needs torch (pip install 'kvforge[dev]')")
+transformers = LazyModule("transformers",
+                          reason="transformers parity needs transformers (pip install 'kvforge[dev]')")
+pytestmark = [pytest.mark.torch, pytest.mark.attention_path]  # run again on the fallback
 TOL = 1e-4
 PROMPT_BEFORE, PROMPT_AFTER = "<|im_start|>User:", "Describe it.<end_of_utterance>\nAssistant:"
 

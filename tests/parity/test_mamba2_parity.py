@@ -11,6 +11,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from support.lazy_import import LazyModule
 
 from kvforge.builder.lower_recurrent import lower_recurrent_ops
 from kvforge.runtime.execution.backend import last_token_indices
@@ -21,8 +22,10 @@ from kvforge.tools.export.families.mamba2 import (
     recurrent_state_name,
 )
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.in_process  # run_cli in this process: the process is not the point here
+
+torch = LazyModule("torch")
+transformers = LazyModule("transformers")
 TOL = 1e-4
 
 

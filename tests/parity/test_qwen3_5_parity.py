@@ -13,6 +13,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from support.lazy_import import LazyModule
 from support.ort_support import cpu_kernel_on, session_for
 
 from kvforge.builder.lower_ort import lower_for_onnxruntime, new_rows_name
@@ -24,8 +25,10 @@ from kvforge.tools.export.families.llama import pool_input_name
 from kvforge.tools.export.families.mamba2 import conv_state_name, recurrent_state_name
 from kvforge.tools.export.families.qwen3_5 import build_qwen3_5_graph, config_from_hf
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+pytestmark = [pytest.mark.attention_path, pytest.mark.in_process]  # fallback rerun; run_cli in process
+
+torch = LazyModule("torch")
+transformers = LazyModule("transformers")
 TOL = 1e-4
 TOKENS_PER_PAGE, NUM_PAGES, CAPACITY = 4, 64, 128
 LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]

@@ -13,30 +13,22 @@ from support.engine_driver import make_engine, run_file
 from support.numpy_llama import dense_logits
 
 from kvforge.builder.build import BuildOptions, build_engine
-from kvforge.tools.export.writer import write_onnx_dir
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.attention_path]  # run again on the fallback
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory: pytest.TempPathFactory):
-    from kvforge.contract.errors import KvforgeError
-    from kvforge.tools.export.sources.gguf import find_smollm2_gguf, load_gguf
-    try:
-        gguf_path = find_smollm2_gguf()
-    except KvforgeError as exc:
-        pytest.skip(f"SmolLM2 GGUF unavailable: {exc}")
+def smollm2(smollm2_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2's engine in this file's geometry, from the session's one export (conftest's smollm2_onnx_dir)."""
     root = tmp_path_factory.mktemp("smollm2")
-    loaded = load_gguf(gguf_path)
-    write_onnx_dir(loaded, root / "onnx")
-    build_engine(root / "onnx", root / "engine", BuildOptions(max_input_len=640, max_kv_cache_capacity=704,
-                                                              max_batch_size=3, tokens_per_page=64))
-    return loaded, root / "engine"
+    build_engine(smollm2_onnx_dir, root / "engine", BuildOptions(max_input_len=640, max_kv_cache_capacity=704,
+                                                                 max_batch_size=3, tokens_per_page=64))
+    return root / "engine"
 
 
 def test_capital_of_france_through_the_cli(smollm2, tmp_path: Path) -> None:
-    engine = smollm2[1]
+    engine = smollm2
     output, profile = tmp_path / "out.json", tmp_path / "profile.json"
     script = Path(sys.executable).parent / "llm_inference"
     result = subprocess.run([str(script), "--engineDir", str(engine), "--inputFile",
@@ -54,7 +46,9 @@ def test_capital_of_france_through_the_cli(smollm2, tmp_path: Path) -> None:
 
 def test_logits_match_numpy_reference(smollm2) -> None:
     """GGUF weights through export, lowering and the paged runner equal a dense numpy forward."""
-    loaded, engine = smollm2
+    from kvforge.tools.export.sources.gguf import find_smollm2_gguf, load_gguf
+
+    loaded, engine = load_gguf(find_smollm2_gguf()), smollm2  # the weights the dense reference reads
     runtime = make_engine(engine)
     ids = runtime.tokenizer.encode("The Eiffel Tower is located in the city of")
     response = run_file(runtime, {"temperature": 0.0, "max_generate_length": 4, "num_logprobs": 5,
@@ -73,7 +67,7 @@ def test_logits_match_numpy_reference(smollm2) -> None:
 
 
 def test_ragged_batch_equals_each_alone(smollm2) -> None:
-    runtime = make_engine(smollm2[1])
+    runtime = make_engine(smollm2)
     prompts = ["Name three colors.", "What is 2 + 2? Answer with one number only please.", "Hi"]
     data = {"temperature": 0.0, "max_generate_length": 12, "num_logprobs": 1, "batch_size": 3,
             "requests": [{"messages": [{"role": "user", "content": p}]} for p in prompts]}
@@ -85,7 +79,7 @@ def test_ragged_batch_equals_each_alone(smollm2) -> None:
 
 def test_context_reuse_case_is_token_identical(smollm2) -> None:
     """test_cases/llm_context_reuse.json: request 2 reuses P (and P+Q) and matches request 0 exactly."""
-    runtime = make_engine(smollm2[1], reuse=True)
+    runtime = make_engine(smollm2, reuse=True)
     responses = run_file(runtime, json.loads((ROOT / "test_cases" / "llm_context_reuse.json").read_text()))
     first, last = responses[0], responses[2]
     assert (first["output_text"], first["finish_reason"]) == (last["output_text"], last["finish_reason"])

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.lazy_import import LazyModule
 
 from kvforge.tools.export.sources.synthetic import synthetic_model
 
-torch = pytest.importorskip("torch")
+torch = LazyModule("torch")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import train_eagle3  # noqa: E402  (scripts/ files are top-level modules)

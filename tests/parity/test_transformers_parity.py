@@ -14,9 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.lazy_import import LazyModule
 
-torch = pytest.importorskip("torch", reason="transformers parity needs torch (pip install 'kvforge[dev]')")
-transformers = pytest.importorskip("transformers",
+torch = LazyModule("torch", reason="transformers parity needs torch (pip install 'kvforge[dev]')")
+transformers = LazyModule("transformers",
                                    reason="transformers parity needs transformers (pip install 'kvforge[dev]')")
 tokenizers = pytest.importorskip("tokenizers")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
@@ -28,7 +29,7 @@ from kvforge.runtime.execution.ort import OrtBackend  # noqa: E402
 from kvforge.tools.export.sources.hf import load_hf_dir  # noqa: E402
 from kvforge.tools.export.writer import write_onnx_dir  # noqa: E402
 
-pytestmark = pytest.mark.torch
+pytestmark = [pytest.mark.torch, pytest.mark.attention_path]  # run again on the fallback
 
 VOCAB, HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 256, 64, 128, 2, 4, 2
 BUILD = BuildOptions(max_input_len=64, max_kv_cache_capacity=128, max_batch_size=2, tokens_per_page=16)

@@ -400,6 +400,27 @@ def test_an_engine_failure_fails_its_requests_and_the_server_goes_on(server: Liv
 # --- the other endpoints ----------------------------------------------------------------------------------
 
 
+def test_chat_page_assets_favicon_and_modalities(server: LiveServer) -> None:
+    """What the chat page needs besides a browser (issue 51 item 13): its markdown renderer, a favicon rather than a
+    404, the model card's input_modalities (Attach shows only with media), and nothing fetched from elsewhere."""
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(f"{server.url}/favicon.ico", timeout=30) as response:
+        assert response.status == 200 and response.headers["content-type"] == "image/x-icon"
+        assert response.read()[:4] == b"\x00\x00\x01\x00"  # an ICO file
+    status, card = server.request("GET", f"/v1/models/{MODEL}")
+    assert status == 200 and card["input_modalities"] == ["text"]  # the tiny engine has no encoder
+    status, page = server.request("GET", "/")
+    assert status == 200 and all(f'id="{name}"' in page for name in ("stop", "new-chat", "attach-label"))
+    assets = re.findall(r'(?:src|href)="([^"]+)"', page)
+    assert "/static/markdown.js" in assets and "/favicon.ico" in assets
+    for asset in assets:
+        assert asset.startswith("/"), f"the chat page loads {asset} from elsewhere"  # offline: no CDN
+    status, script = server.request("GET", "/static/markdown.js")
+    assert status == 200 and "innerHTML" not in script and "textContent" in script  # builds text nodes only
+
+
 def test_models_health_page_and_metrics(server: LiveServer, client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list()] == [MODEL]
     assert server.request("GET", "/health") == (200, {"status": "ok"})

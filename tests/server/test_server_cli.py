@@ -110,7 +110,7 @@ def test_sigterm_lets_requests_in_flight_finish(engine_dir: Path) -> None:
         stderr_start = server.stderr
         assert "listening on 127.0.0.1 only" in stderr_start  # no --apiKeys: loopback, and it says so
         # llm_build's partial-KV budget (64 slots) came with reuse; the engine runs 4 rows, so no one-at-a-time note
-        assert "context reuse on, token-exact (64 partial-KV snapshot slots)" in stderr_start
+        assert "context reuse on, to the token in cached tails (64 partial-KV snapshot slots)" in stderr_start
         assert "one request at a time" not in stderr_start
         with openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60) as client:
             model = client.models.list().data[0].id

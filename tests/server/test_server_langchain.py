@@ -11,9 +11,8 @@ from typing import Literal
 
 import pydantic
 import pytest
+from support.engine_driver import build_once
 from support.server_harness import MODEL, SERVER_BUILD, LiveServer, live_server
-
-from kvforge.builder.build import build_engine
 
 pytest.importorskip("llguidance")
 langchain_openai = pytest.importorskip("langchain_openai")
@@ -38,8 +37,8 @@ QUESTION = [("system", "Answer with the tool or in JSON."), ("user", "What is th
 @pytest.fixture(scope="module")
 def server(tiny_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     # Byte-level tokenizer: the tool and schema descriptions take several hundred prompt tokens.
-    engine_dir = tmp_path_factory.mktemp("langchain_engine")
-    build_engine(tiny_onnx_dir, engine_dir, replace(SERVER_BUILD, max_input_len=1024, max_kv_cache_capacity=1280))
+    engine_dir = build_once(tiny_onnx_dir, tmp_path_factory.mktemp("langchain_engine"),
+                            replace(SERVER_BUILD, max_input_len=1024, max_kv_cache_capacity=1280))
     with live_server(engine_dir, tmp_path_factory.mktemp("langchain")) as live:
         yield live
 

@@ -4,6 +4,7 @@ and `beta.chat.completions.parse`, on the tiny synthetic engine whose unconstrai
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -12,9 +13,8 @@ from typing import Any, Literal
 import openai
 import pydantic
 import pytest
+from support.engine_driver import build_once
 from support.server_harness import MODEL, SERVER_BUILD, LiveServer, audited_client, live_server
-
-from kvforge.builder.build import build_engine
 
 pytest.importorskip("llguidance")
 
@@ -38,8 +38,7 @@ class Tide(pydantic.BaseModel):
 def engine_dir(tiny_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     # A byte-level tokenizer: the tools' description alone is ~600 prompt tokens
     path = tmp_path_factory.mktemp("structured_engine")
-    build_engine(tiny_onnx_dir, path, replace(SERVER_BUILD, max_input_len=1024, max_kv_cache_capacity=1280))
-    return path
+    return build_once(tiny_onnx_dir, path, replace(SERVER_BUILD, max_input_len=1024, max_kv_cache_capacity=1280))
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +112,58 @@ def test_bad_response_format_is_a_400_naming_it(client: openai.OpenAI, value: An
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, response_format=value, max_tokens=4)
     assert refused.value.param == param
+
+
+def test_n_choices_and_a_second_request_compile_the_schema_once(server: LiveServer) -> None:
+    schema = {"type": "object", "properties": {"once": {"type": "boolean"}}, "required": ["once"]}
+    body = {"model": MODEL, "messages": MESSAGES, "n": 4, "max_tokens": 12, "temperature": 1.0, "seed": 2,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "once", "schema": schema}}}
+    grammars = server.state.engine_loop.engine.grammars
+    before = grammars.compiles
+    for _ in range(2):
+        status, reply = server.request("POST", "/v1/chat/completions", body)
+        assert status == 200 and len(reply["choices"]) == 4, reply
+    assert grammars.compiles == before + 1
+
+
+def test_a_gbnf_grammar_constrains_the_answer(server: LiveServer) -> None:
+    """llama-server's `grammar` field (GBNF, which llguidance converts to its Lark), on chat and completions."""
+    for path, extra in (("/v1/chat/completions", {"messages": MESSAGES}), ("/v1/completions", {"prompt": "Tide: "})):
+        body = {"model": MODEL, "grammar": 'root ::= ("high" | "low") " tide, " [1-9] [0-9]? " metres"',
+                "max_tokens": 40, "temperature": 1.0, "seed": 3, **extra}
+        status, reply = server.request("POST", path, body)
+        assert status == 200, reply
+        choice = reply["choices"][0]
+        text = choice["message"]["content"] if "message" in choice else choice["text"]
+        assert re.fullmatch(r"(high|low) tide, [1-9][0-9]? metres", text) and choice["finish_reason"] == "stop"
+
+
+def test_a_stop_string_cuts_a_grammar_only_where_it_may_end(server: LiveServer) -> None:
+    """A stop counts where the text before it is a whole answer (OpenAI promises a constrained answer whole)."""
+    body = {"model": MODEL, "messages": MESSAGES, "grammar": 'root ::= "x" "y"* "z"', "stop": ["y", "z"],
+            "max_tokens": 12, "temperature": 1.0, "seed": 1}
+    status, reply = server.request("POST", "/v1/chat/completions", body)
+    assert status == 200, reply
+    text = reply["choices"][0]["message"]["content"]
+    assert re.fullmatch(r"xy*z", text), text  # no text before a "y" or "z" is a whole answer: neither stop cuts
+    for seed in range(4):  # "[a-c]+" is whole after any letter: a "c" past the first ends the answer before it
+        body = {"model": MODEL, "messages": MESSAGES, "grammar": "root ::= [a-c]+", "stop": ["c"], "max_tokens": 24,
+                "temperature": 1.0, "seed": seed}
+        status, reply = server.request("POST", "/v1/chat/completions", body)
+        text = reply["choices"][0]["message"]["content"]
+        assert status == 200 and re.fullmatch(r"[a-c][ab]*", text), text
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"grammar": 'root ::= "unclosed'}, "grammar"),
+    ({"grammar": 7}, "grammar"),
+    ({"grammar": 'root ::= "a"', "response_format": {"type": "json_object"}}, "grammar"),
+    ({"response_format": {"type": "grammar", "grammar": 'root ::= "a"'}}, "response_format.type"),
+])
+def test_bad_grammar_is_a_400_naming_it(server: LiveServer, extra: dict[str, Any], param: str) -> None:
+    status, reply = server.request("POST", "/v1/chat/completions",
+                                   {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, **extra})
+    assert status == 400 and reply["error"]["param"] == param, reply
 
 
 WEATHER = {"type": "function", "function": {

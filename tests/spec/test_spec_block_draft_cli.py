@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from support.cli_checks import answers, assert_one_line_error, build_kernel_draft, write_spec_requests
+
+pytestmark = pytest.mark.in_process  # run_cli in this process: the process is not the point here
 
 TINY = ["--maxInputLen", "64", "--maxKVCacheCapacity", "256", "--tokensPerPage", "16"]
 

@@ -17,6 +17,7 @@ from support.spec_checks import recording, run_all, sampling, step_with_abort
 
 from kvforge.contract.engine_dir import BASE_HIDDEN_INPUT, DRAFT_HIDDEN_INPUT, load_engine_dir
 from kvforge.contract.errors import InvalidConfig
+from kvforge.runtime.context_cache.types.draft_paths import draft_computed_tokens, draft_page_ids
 from kvforge.runtime.execution.backend import StepInputs
 from kvforge.runtime.execution.load import load_backend
 from kvforge.runtime.sequence import EngineRequest
@@ -109,10 +110,10 @@ def test_base_only_records_serve_plain_requests_never_speculative_ones(tiny_eagl
         return engine.cache.metrics.reused_tokens
 
     before = run("plain", False)  # publishes base pages only (no draft ran)
-    assert before == 0 and all(not r.draft_page_ids for r in engine.cache.records.least_recent_first())
+    assert before == 0 and all(not draft_page_ids(r) for r in engine.cache.records.least_recent_first())
     spec = run("spec", True)
     assert spec == before, "a speculative request must not use a base-only record"
-    assert any(r.draft_page_ids for r in engine.cache.records.least_recent_first())  # published or upgraded a path
+    assert any(draft_page_ids(r) for r in engine.cache.records.least_recent_first())  # published or upgraded a path
     plain_again = run("plain2", False)
     assert plain_again > spec  # plain requests use any record's base pages
     spec_again = run("spec2", True)
@@ -131,8 +132,8 @@ def test_an_upgrade_gives_a_base_only_record_its_draft_path(tiny_eagle3_engine_d
                                                                  cache_generated_tokens=False)), request_id)
         step_audited(engine)
     records = list(engine.cache.records.least_recent_first())
-    assert len(records) == 1 and len(records[0].draft_page_ids) == len(tokens) // engine.cache.tokens_per_page
-    assert engine.cache.metrics.pair_publications == 1
+    assert len(records) == 1 and len(draft_page_ids(records[0])) == len(tokens) // engine.cache.tokens_per_page
+    assert engine.cache.profile()["speculative"]["pair_publications"] == 1
 
 
 def test_a_proposal_needs_the_drafters_state_at_the_sequences_end(tiny_eagle3_engine_dir: Path) -> None:
@@ -140,11 +141,13 @@ def test_a_proposal_needs_the_drafters_state_at_the_sequences_end(tiny_eagle3_en
     engine.add_request(EngineRequest(engine.tokenizer.encode("abc abc"), sampling(engine, 8)), "a")
     engine.step()
     [seq] = engine.scheduler.running
-    assert isinstance(seq.draft_state, DraftState) and seq.draft_state.position == seq.num_computed_tokens
-    assert len(seq.spec_token_ids) == 4 and seq.lease.draft_computed_tokens == seq.num_computed_tokens
-    seq.draft_state.position -= 1  # stale: what it drafted from is not the sequence's end any more
+    state = engine.proposer.states.get(seq.request_id)
+    assert isinstance(state, DraftState) and state.position == seq.num_computed_tokens
+    assert len(seq.spec_token_ids) == 4 and draft_computed_tokens(seq.lease) == seq.num_computed_tokens
+    state.position -= 1  # stale: what it drafted from is not the sequence's end any more
     assert engine.proposer.propose_batch([seq], [4]) == [[]]
     step_audited(engine)
+    assert len(engine.proposer.states) == 0  # the request's end took its state (no Sequence field to outlive it)
 
 
 @pytest.mark.parametrize("method", ["eagle3", "dflash", "dspark", "jetspec"])

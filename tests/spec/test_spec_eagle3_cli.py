@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from support.cli_checks import answers, assert_one_line_error, write_spec_requests
 from support.ort_support import cpu_kernel_on
+
+pytestmark = pytest.mark.in_process  # run_cli in this process: the process is not the point here
 
 TINY = ["--maxInputLen", "64", "--maxKVCacheCapacity", "256", "--tokensPerPage", "16"]
 

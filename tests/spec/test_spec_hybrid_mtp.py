@@ -22,6 +22,7 @@ from kvforge.contract.engine_dir import (
 )
 from kvforge.contract.errors import InvalidConfig, KvforgeError
 from kvforge.contract.safetensors_map import map_tensor
+from kvforge.runtime.context_cache.types.draft_paths import draft_computed_tokens, draft_page_ids, draft_tail
 from kvforge.runtime.execution.backend import StepInputs
 from kvforge.runtime.execution.load import load_backend
 from kvforge.runtime.sequence import EngineRequest
@@ -154,7 +155,7 @@ def test_a_checkpoint_hit_rebuilds_the_successor_boundary_and_drafts_as_a_cold_r
     engine.step()  # admission: base restored at the checkpoint, draft behind it by its last page's positions
     T = engine.cache.tokens_per_page
     seq = engine.core.sequences["q"]
-    assert seq.lease is not None and seq.lease.draft_computed_tokens == len(question)  # replayed, then caught up
+    assert seq.lease is not None and draft_computed_tokens(seq.lease) == len(question)  # replayed, then caught up
     warm = step_audited(engine)["q"]
     assert (warm.token_ids, [s[0].token_id for s in warm.logprobs]) == \
         (cold.token_ids, [s[0].token_id for s in cold.logprobs])
@@ -163,8 +164,8 @@ def test_a_checkpoint_hit_rebuilds_the_successor_boundary_and_drafts_as_a_cold_r
     cache = profile["context_cache"]
     assert cache["reused_tokens"] == length  # the exact checkpoint
     record = next(r for r in engine.cache.records.least_recent_first() if len(r.token_ids) == length)
-    assert record.draft_tail is not None and record.draft_tail.start == (length - 1) // T * T
-    assert len(record.draft_page_ids) == length // T
+    assert draft_tail(record) is not None and draft_tail(record).start == (length - 1) // T * T
+    assert len(draft_page_ids(record)) == length // T
     spec = profile["spec_decode_generation"]
     assert spec["prefill_state_only_requests"] == 2 and spec["reuse_bypassed_requests"] == 0
     # prefill_state_only: no decode-end checkpoint was published.
@@ -180,7 +181,7 @@ def test_a_checkpoint_a_plain_request_published_serves_speculative_requests_once
     engine.add_request(EngineRequest(document, sampling(engine, 4, speculative=False)), "plain")
     step_audited(engine)
     record = next(iter(engine.cache.records.least_recent_first()))
-    assert record.draft_tail is None and not record.draft_page_ids
+    assert draft_tail(record) is None and not draft_page_ids(record)
     cold = engine.profile()["context_cache"]["reused_tokens"]
     engine.add_request(EngineRequest(document + engine.tokenizer.encode(" a"), sampling(engine, 4)), "a")
     step_audited(engine)  # the checkpoint has no draft tail: a speculative request computes cold
@@ -188,7 +189,7 @@ def test_a_checkpoint_a_plain_request_published_serves_speculative_requests_once
     engine.add_request(EngineRequest(document, sampling(engine, 4)), "again")
     step_audited(engine)  # a speculative publication of the same endpoint gives the record its draft path and tail
     upgraded = engine.cache.records.get(record.record_id)
-    assert upgraded is not None and upgraded.draft_tail is not None
+    assert upgraded is not None and draft_tail(upgraded) is not None
     engine.add_request(EngineRequest(document + engine.tokenizer.encode(" b"), sampling(engine, 4)), "b")
     step_audited(engine)
     assert engine.profile()["context_cache"]["reused_tokens"] == cold + len(document)

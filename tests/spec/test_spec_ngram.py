@@ -18,6 +18,8 @@ from kvforge.runtime.sequence import EngineRequest
 from kvforge.runtime.spec.ngram import NgramProposer
 from kvforge.runtime.types import SamplingParams
 
+pytestmark = pytest.mark.in_process  # run_cli in this process: the process is not the point here
+
 # Repetitive text, so the tiny random model's outputs and prompts share n-grams and drafts get proposed.
 PROMPTS = ["abc abc abc abc abc abc abc", "the cat sat on the mat, the cat sat on the", "x" * 30, "0123456789" * 3]
 

@@ -119,6 +119,33 @@ def test_draft_states_live_and_die_with_their_request() -> None:
     assert states.get("b") is None and len(states) == 0
 
 
+def test_proposers_keep_their_state_per_request_and_the_lifecycle_drops_it() -> None:
+    """Every proposer that drafts from a model keeps its state in DraftStates (Sequence has no draft_state) and is
+    a DraftLifecycle, so the engine core begins (admission, preemption), rolls back and ends it."""
+    from types import SimpleNamespace
+
+    from kvforge.runtime.sequence import Sequence
+    from kvforge.runtime.spec.block_draft import BlockDraftProposer
+    from kvforge.runtime.spec.eagle3 import Eagle3Proposer
+    from kvforge.runtime.spec.gemma4_mtp import Gemma4MtpProposer
+    from kvforge.runtime.spec.proposer import DraftLifecycle, KeepsDraftStates
+
+    assert "draft_state" not in Sequence.__dataclass_fields__
+    for proposer in (Eagle3Proposer, BlockDraftProposer, Gemma4MtpProposer):
+        assert issubclass(proposer, KeepsDraftStates)
+    keeper = KeepsDraftStates()
+    keeper.states = DraftStates()
+    assert isinstance(keeper, DraftLifecycle)
+    seq = SimpleNamespace(request_id="a")
+    for drop in (keeper.begin, keeper.rollback):
+        keeper.states.set("a", 1)
+        drop(seq)  # type: ignore[arg-type]
+        assert keeper.states.get("a") is None
+    keeper.states.set("a", 1)
+    keeper.end("a")
+    assert len(keeper.states) == 0
+
+
 def test_the_hidden_state_proposer_is_named_for_what_it_drives() -> None:
     # One class drives EAGLE3 drafts and Qwen3.5's MTP layer; its docstring says so.
     assert "MTP" in (HiddenStateProposer.__doc__ or "")
@@ -133,3 +160,13 @@ def test_a_method_name_is_spelled_in_few_source_files() -> None:
     assert len(spelling) <= MAX_FILES_SPELLING_A_METHOD, (
         f"a speculative method's name is spelled as a literal in {spelling}: import it from "
         "kvforge/contract/speculation.py")
+
+
+def test_rows_name_every_field() -> None:
+    """A row passes its booleans by name: positional rows (seven booleans in a row) are refused."""
+    from kvforge.contract.speculation import SPEC_SUPPORT, SpecSupport, in_words
+
+    row = SPEC_SUPPORT["eagle3"]
+    with pytest.raises(TypeError):
+        SpecSupport("x", "X", row.bases, True, row.draft_kv, False, False, False, False, False, False, "", "")  # type: ignore[misc]
+    assert in_words(("a",)) == "a" and in_words(("a", "b", "c")) == "a, b or c"

@@ -7,6 +7,7 @@ from typing import Any
 
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.lora import LORA_TARGETS
+from kvforge.runtime.context_cache.types.partial_tails import partial_slot
 from kvforge.runtime.engine.engine import Engine, EngineConfig
 from kvforge.runtime.engine.output import RequestOutput
 from kvforge.runtime.execution.backend import Backend
@@ -16,6 +17,19 @@ from kvforge.tools.export.lora import write_converted_adapter, write_random_peft
 from kvforge.tools.export.sources.base import LoadedModel
 from kvforge.tools.export.sources.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir
+
+_BUILT: dict[tuple[str, BuildOptions], Path] = {}
+
+
+def build_once(onnx_dir: Path, engine_dir: Path, build: BuildOptions) -> Path:
+    """`build_engine` once per session for an ONNX dir and a geometry: the first caller's `engine_dir`, returned to
+    every later caller whatever dir it names (the same engine is built at a dozen sites otherwise). Tests only read
+    these dirs; copy one to change it."""
+    key = (str(Path(onnx_dir).resolve()), build)
+    if key not in _BUILT:
+        build_engine(onnx_dir, engine_dir, build)
+        _BUILT[key] = Path(engine_dir)
+    return _BUILT[key]
 
 
 def make_engine(engine_dir: Path, runner: Backend | None = None, *, reuse: bool = False,
@@ -42,7 +56,7 @@ def assert_idle(engine: Engine) -> None:
     assert not cache.leases and not engine.has_unfinished()
     cached_pages = {p for r in cache.records.least_recent_first() for p in r.page_ids}
     assert cache.pages.num_free == cache.pages.capacity - len(cached_pages)  # nothing leaked
-    snapshots = [r.partial_slot for r in cache.records.least_recent_first() if r.partial_slot is not None]
+    snapshots = [partial_slot(r) for r in cache.records.least_recent_first() if partial_slot(r) is not None]
     assert cache.partial_snapshots.num_free == cache.partial_snapshots.capacity - len(snapshots)
 
 

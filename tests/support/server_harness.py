@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import uvicorn
 
-from kvforge.builder.build import BuildOptions, build_engine
+from kvforge.builder.build import BuildOptions
 from kvforge.contract.engine_dir import load_engine_dir
 from kvforge.runtime.engine.engine import Engine, EngineConfig
 from kvforge.runtime.execution.load import load_backend
@@ -28,7 +28,7 @@ from kvforge.server.handle import ServerState
 from kvforge.server.media import MediaPolicy
 from kvforge.server.tenants import load_tenants
 from support.backends import FlakyBackend
-from support.engine_driver import assert_idle
+from support.engine_driver import assert_idle, build_once
 
 T = TypeVar("T")
 # Byte-level tokenizer (one token per byte): 256 input tokens hold a chat template and a few sentences.
@@ -39,8 +39,8 @@ MODEL = "tiny"
 
 
 def build_server_engine(onnx_dir: Path, engine_dir: Path) -> Path:
-    build_engine(onnx_dir, engine_dir, SERVER_BUILD)
-    return engine_dir
+    """The server tests' engine of `onnx_dir`, built once per session (support.engine_driver.build_once); read-only."""
+    return build_once(onnx_dir, engine_dir, SERVER_BUILD)
 
 
 class LiveServer:

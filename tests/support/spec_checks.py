@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvforge.runtime.context_cache.types.draft_paths import draft_page_ids
 from kvforge.runtime.engine.engine import Engine
 from kvforge.runtime.engine.output import RequestOutput
 from kvforge.runtime.sequence import EngineRequest
@@ -32,7 +33,7 @@ def step_with_abort(engine: Engine, ids: list[str], abort_at: int) -> tuple[dict
         steps += 1
     assert not engine.cache.leases
     draft_pool = engine.cache.pools.draft_kv_pages
-    held = {p for r in engine.cache.records.least_recent_first() for p in r.draft_page_ids}
+    held = {p for r in engine.cache.records.least_recent_first() for p in draft_page_ids(r)}
     assert draft_pool.num_free == draft_pool.capacity - len(held)
     return finished, aborted
 

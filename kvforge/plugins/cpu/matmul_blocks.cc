@@ -15,9 +15,20 @@
 // output element is summed in the same order whatever the row count, the column split or the thread, so
 // verification rows equal decode rows bit for bit. More rows (prefill chunks) dequantize W once into float32
 // [N, K] and run ONNX Runtime's own Gemm on it (InvokeOp), as MatMulNBits' float path does internally.
+//
+// One source, many targets (Google Highway's foreach_target): the block below the common part is compiled once per
+// target (AVX3_DL with AVX512_BF16 for the bfloat16 panels, AVX3 = AVX-512, AVX2, SSE4, scalar on x86; NEON on ARM) and the best one this CPU runs is chosen at run time (KVFORGE_CPU_TARGET forces one: cpu_target.cc).
+// AVX-512 keeps its intrinsics (a 16-entry vpermps table per block); the other targets share one Highway loop.
+
+#ifndef KVFORGE_MATMUL_COMMON
+#define KVFORGE_MATMUL_COMMON
+// gcc 12 reports its own _mm512_undefined_* (inside the intrinsics) as uninitialized.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 
 #include <onnxruntime_c_api.h>
 
+#include "cpu_target.h"
 #include "ort_op.h"
 
 #include <algorithm>
@@ -26,21 +37,6 @@
 #include <cstring>
 #include <string>
 #include <vector>
-
-#if defined(__AVX512F__)
-// gcc 12 reports its own _mm512_undefined_* (inside the intrinsics) as uninitialized.
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#include <immintrin.h>
-#define KVFORGE_MATMUL_AVX512 1
-#else
-#define KVFORGE_MATMUL_AVX512 0
-#endif
-#if KVFORGE_MATMUL_AVX512 && defined(__AVX512BF16__)
-#define KVFORGE_MATMUL_BF16 1
-#else
-#define KVFORGE_MATMUL_BF16 0
-#endif
 
 namespace kvforge_matmul {
 namespace {
@@ -90,7 +86,38 @@ inline float block_float(const uint8_t* block, int64_t offset) {
   return value;
 }
 
-#if KVFORGE_MATMUL_AVX512
+}  // namespace
+}  // namespace kvforge_matmul
+#endif  // KVFORGE_MATMUL_COMMON
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "matmul_blocks.cc"
+#include <hwy/foreach_target.h>  // re-includes this file once per target
+#include <hwy/highway.h>
+#include <hwy/cache_control.h>
+
+HWY_BEFORE_NAMESPACE();
+namespace kvforge_matmul {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+#undef KVF_AVX512
+#undef KVF_BF16
+#undef KVF_BF16_ATTR
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+#define KVF_AVX512 1  // Highway has included <immintrin.h>
+#else
+#define KVF_AVX512 0
+#endif
+#if HWY_TARGET == HWY_AVX3_DL
+#define KVF_BF16 1
+#define KVF_BF16_ATTR __attribute__((target("avx512bf16")))
+#else
+#define KVF_BF16 0
+#define KVF_BF16_ATTR
+#endif
+
+#if KVF_AVX512
 // Columns c0..c0+NC-1 against rows r0..r0+NR-1: one accumulator per (column, row), summed block by block in
 // order, lane by lane, then reduced by one fixed tree: the same arithmetic for any NC, NR or row count.
 template <int BITS, int NC, int NR>
@@ -123,7 +150,7 @@ void dot_group(const Call& c, int64_t c0, int64_t r0) {
       const __m512 min = _mm512_set1_ps(block_float(block, kValues + 4));
       const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
       if constexpr (BITS == 4) {
-        // The block's 16 possible weights scale * q + min (each rounded once, as the portable path's fma), then
+        // The block's 16 possible weights scale * q + min (each rounded once, as the other targets decode them), then
         // looked up by nibble: vpermps reads only an index's low 4 bits, so the low nibble needs no mask.
         const __m512 table = _mm512_fmadd_ps(iota, scale, min);
         low[j] = _mm512_permutexvar_ps(v, table);
@@ -147,34 +174,70 @@ void dot_group(const Call& c, int64_t c0, int64_t r0) {
     for (int r = 0; r < NR; ++r) c.y[(r0 + r) * n + c0 + j] = _mm512_reduce_add_ps(acc[j][r]);
 }
 #else
-// Value i (0..31) of a block: the low nibble of byte i, the high nibble of byte i - 16, or byte i.
-template <int BITS>
-inline float block_value(const uint8_t* block, int i) {
-  if constexpr (BITS == 4) return static_cast<float>(i < 16 ? block[i] & 0xF : block[i - 16] >> 4);
-  return static_cast<float>(block[i]);
-}
-
-// The portable path: the same per-element order as the vector one (16 lanes, then a pairwise tree).
+// Every other target (AVX2, SSE4, NEON, scalar), one Highway source: lanes of N <= 16 floats, the block's
+// 32 weights decoded as scale * q + min (one FMA, the AVX-512 table's rounding) N at a time, summed chunk by chunk
+// in a fixed order, then Highway's fixed lane reduction: the same arithmetic for any NC, NR or row count.
 template <int BITS, int NC, int NR>
 void dot_group(const Call& c, int64_t c0, int64_t r0) {
+  const hn::CappedTag<float, 16> d;
+  const hn::Rebind<int32_t, decltype(d)> di;
+  const hn::Rebind<uint8_t, decltype(d)> d8;
+  using V = hn::Vec<decltype(d)>;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  constexpr int64_t kBytes = kBlockBytes<BITS>, kValues = kValueBytes<BITS>;
   const int64_t k = c.kernel->k, n = c.kernel->n, blocks = k / kBlock;
-  for (int j = 0; j < NC; ++j) {
-    for (int r = 0; r < NR; ++r) {
-      float lanes[16] = {};
-      for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* block = c.blocks + ((c0 + j) * blocks + b) * kBlockBytes<BITS>;
-        const float d = block_float(block, kValueBytes<BITS>), m = block_float(block, kValueBytes<BITS> + 4);
-        const float* x = c.x + (r0 + r) * k + b * kBlock;
-        for (int i = 0; i < 16; ++i) {
-          lanes[i] = std::fma(std::fma(block_value<BITS>(block, i), d, m), x[i], lanes[i]);
-          lanes[i] = std::fma(std::fma(block_value<BITS>(block, 16 + i), d, m), x[16 + i], lanes[i]);
+  V acc[NC][NR];
+  for (int j = 0; j < NC; ++j)
+    for (int r = 0; r < NR; ++r) acc[j][r] = hn::Zero(d);
+  constexpr int64_t span = NC * kBytes;  // the next column group, prefetched a block step ahead (see the AVX-512 path)
+  const bool prefetch = c0 + 2 * NC <= n;
+  const char* ahead = reinterpret_cast<const char*>(c.blocks + (prefetch ? (c0 + NC) * blocks * kBytes : 0));
+  const auto nibble = hn::Set(di, 0xF);
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (prefetch) {
+      const char* group = ahead + b * span;
+      for (int64_t offset = 0; offset < span; offset += 64) hwy::Prefetch(group + offset);
+      hwy::Prefetch(group + span - 1);
+    }
+    const uint8_t* block[NC];
+    V scale[NC], min[NC];
+    for (int j = 0; j < NC; ++j) {
+      block[j] = c.blocks + ((c0 + j) * blocks + b) * kBytes;
+      scale[j] = hn::Set(d, block_float(block[j], kValues));
+      min[j] = hn::Set(d, block_float(block[j], kValues + 4));
+    }
+    if constexpr (BITS == 4) {
+      // Bytes e..e+N-1 hold elements e..e+N-1 (low nibbles) and 16+e.. (high ones): loaded and widened once for both.
+      for (int64_t e = 0; e < kBlock / 2; e += N) {
+        V low[NC], high[NC];
+        for (int j = 0; j < NC; ++j) {
+          const auto q = hn::PromoteTo(di, hn::LoadU(d8, block[j] + e));
+          low[j] = hn::MulAdd(hn::ConvertTo(d, hn::And(q, nibble)), scale[j], min[j]);
+          high[j] = hn::MulAdd(hn::ConvertTo(d, hn::ShiftRight<4>(q)), scale[j], min[j]);
+        }
+        for (int r = 0; r < NR; ++r) {
+          const float* x = c.x + (r0 + r) * k + b * kBlock + e;
+          const V x0 = hn::LoadU(d, x), x1 = hn::LoadU(d, x + kBlock / 2);
+          for (int j = 0; j < NC; ++j) {
+            acc[j][r] = hn::MulAdd(low[j], x0, acc[j][r]);
+            acc[j][r] = hn::MulAdd(high[j], x1, acc[j][r]);
+          }
         }
       }
-      for (int width = 8; width >= 1; width /= 2)
-        for (int i = 0; i < width; ++i) lanes[i] += lanes[i + width];
-      c.y[(r0 + r) * n + c0 + j] = lanes[0];
+    } else {
+      for (int64_t e = 0; e < kBlock; e += N) {  // one byte a weight
+        V w[NC];
+        for (int j = 0; j < NC; ++j)
+          w[j] = hn::MulAdd(hn::ConvertTo(d, hn::PromoteTo(di, hn::LoadU(d8, block[j] + e))), scale[j], min[j]);
+        for (int r = 0; r < NR; ++r) {
+          const V x = hn::LoadU(d, c.x + (r0 + r) * k + b * kBlock + e);
+          for (int j = 0; j < NC; ++j) acc[j][r] = hn::MulAdd(w[j], x, acc[j][r]);
+        }
+      }
     }
   }
+  for (int j = 0; j < NC; ++j)
+    for (int r = 0; r < NR; ++r) c.y[(r0 + r) * n + c0 + j] = hn::GetLane(hn::SumOfLanes(d, acc[j][r]));
 }
 #endif
 
@@ -189,7 +252,8 @@ void dot_columns(const Call& c, int64_t begin, int64_t end, int64_t r0) {
 
 template <int BITS, int NR>
 void dot_rows(const Call& c, int64_t begin, int64_t end, int64_t r0) {
-  constexpr int kColumns = NR <= 4 ? 4 : NR == 5 ? 3 : 2;
+  // AVX-512 has 32 registers; the other x86 targets 16: NC x NR accumulators, 2 NC decoded chunks, a row's two.
+  constexpr int kColumns = KVF_AVX512 ? (NR <= 4 ? 4 : NR == 5 ? 3 : 2) : (NR <= 2 ? 3 : NR <= 4 ? 2 : 1);
   dot_columns<BITS, kColumns, NR>(c, begin, end, r0);
 }
 
@@ -232,7 +296,7 @@ void dequantize_item(void* data, size_t item) {
   }
 }
 
-#if KVFORGE_MATMUL_BF16
+#if KVF_BF16
 // ---- many rows in bfloat16: A and W rounded to bf16 (nearest even), products summed in float32 by VDPBF16PS ----
 //
 // W is dequantized a panel of 32 columns at a time (scale * q + min in float32, as every path rounds it, then to
@@ -252,7 +316,7 @@ struct Bf16Call {
   float* y;               // [rows, N]
 };
 
-void round_rows_item(void* data, size_t item) {
+KVF_BF16_ATTR void round_rows_item(void* data, size_t item) {
   const Bf16Call& c = *static_cast<const Bf16Call*>(data);
   const int64_t k = c.kernel->k, begin = static_cast<int64_t>(item) * kPackRows;
   const int64_t end = std::min(begin + kPackRows, c.rows);
@@ -263,7 +327,7 @@ void round_rows_item(void* data, size_t item) {
 }
 
 // Columns n0..n0+31 of W into `panel` as bf16 pairs; columns past N are zero.
-void dequantize_panel(const Bf16Call& c, int64_t n0, uint32_t* panel) {
+KVF_BF16_ATTR void dequantize_panel(const Bf16Call& c, int64_t n0, uint32_t* panel) {
   const int64_t k = c.kernel->k, n = c.kernel->n, blocks = k / kBlock;
   const int64_t columns = std::min(kPanel, n - n0);
   const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
@@ -288,7 +352,7 @@ void dequantize_panel(const Bf16Call& c, int64_t n0, uint32_t* panel) {
 
 // Rows r0..r0+MR-1 against the panel's 32 columns; the columns past N are not stored.
 template <int MR>
-void panel_rows(const Bf16Call& c, const uint32_t* panel, int64_t n0, int64_t r0) {
+KVF_BF16_ATTR void panel_rows(const Bf16Call& c, const uint32_t* panel, int64_t n0, int64_t r0) {
   const int64_t pairs = c.kernel->k / 2, n = c.kernel->n;
   const uint32_t* a = reinterpret_cast<const uint32_t*>(c.a) + r0 * pairs;
   __m512 low[MR], high[MR];
@@ -311,7 +375,7 @@ void panel_rows(const Bf16Call& c, const uint32_t* panel, int64_t n0, int64_t r0
   }
 }
 
-void bf16_item(void* data, size_t item) {
+KVF_BF16_ATTR void bf16_item(void* data, size_t item) {
   const Bf16Call& c = *static_cast<const Bf16Call*>(data);
   thread_local std::vector<uint32_t> panel;  // this thread's: reused call after call
   panel.resize(static_cast<size_t>(c.kernel->k / 2 * kPanel));
@@ -335,7 +399,7 @@ void bf16_item(void* data, size_t item) {
   }
 }
 
-OrtStatus* run_bf16(OrtKernelContext* ctx, const Call& call) {
+KVF_BF16_ATTR OrtStatus* run_bf16(OrtKernelContext* ctx, const Call& call) {
   thread_local std::vector<uint16_t> rounded;  // the calling thread's A in bf16, never shrunk
   rounded.resize(static_cast<size_t>(call.rows * call.kernel->k));
   Bf16Call c{call.kernel, call.rows, call.x, rounded.data(), call.blocks, call.y};
@@ -345,6 +409,50 @@ OrtStatus* run_bf16(OrtKernelContext* ctx, const Call& call) {
   return g_api->KernelContext_ParallelFor(ctx, bf16_item, panels, 0, &c);
 }
 #endif
+
+// ---- the entries dispatched at run time (HWY_EXPORT below) ----
+
+OrtStatus* RunDirect(OrtKernelContext* ctx, const Call* c) {
+  const size_t items = static_cast<size_t>((c->kernel->n + kColumnsPerItem - 1) / kColumnsPerItem);
+  return g_api->KernelContext_ParallelFor(ctx, c->kernel->bits == 8 ? direct_item<8> : direct_item<4>, items, 0,
+                                          const_cast<Call*>(c));
+}
+
+OrtStatus* RunDequantize(OrtKernelContext* ctx, const Call* c) {
+  const size_t items = static_cast<size_t>((c->kernel->n + kColumnsPerItem - 1) / kColumnsPerItem);
+  return g_api->KernelContext_ParallelFor(ctx, dequantize_item, items, 0, const_cast<Call*>(c));
+}
+
+// Whether this target runs many-row calls in bfloat16: the AVX3_DL target on a CPU with AVX512_BF16.
+int HasBf16() {
+#if KVF_BF16
+  return __builtin_cpu_supports("avx512bf16") ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
+OrtStatus* RunBf16(OrtKernelContext* ctx, const Call* c) {
+#if KVF_BF16
+  return run_bf16(ctx, *c);
+#else
+  (void)ctx;
+  (void)c;
+  return nullptr;  // never called: HasBf16() is 0 on this target
+#endif
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace kvforge_matmul
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace kvforge_matmul {
+HWY_EXPORT(RunDirect);
+HWY_EXPORT(RunDequantize);
+HWY_EXPORT(HasBf16);
+HWY_EXPORT(RunBf16);
+namespace {
 
 struct TensorInfo {
   std::vector<int64_t> shape;
@@ -393,6 +501,7 @@ OrtStatus* run_gemm(const Kernel& kernel, OrtKernelContext* ctx, const float* a,
 
 OrtStatus* ORT_API_CALL compute(void* kernel_data, OrtKernelContext* ctx) {
   const Kernel& kernel = *static_cast<const Kernel*>(kernel_data);
+  if (const char* why = kvforge_cpu::forced_target_problem()) return error(why);
   const OrtValue* inputs[2] = {nullptr, nullptr};
   TensorInfo info[2];
   for (size_t i = 0; i < 2; ++i) {
@@ -419,16 +528,12 @@ OrtStatus* ORT_API_CALL compute(void* kernel_data, OrtKernelContext* ctx) {
   for (size_t i = 0; i < 2; ++i) KVF_MM_TRY(g_api->GetTensorData(inputs[i], &data[i]));
   Call c{&kernel, rows, static_cast<const float*>(data[0]), static_cast<const uint8_t*>(data[1]),
          static_cast<float*>(y), nullptr};
-  const size_t items = static_cast<size_t>((n + kColumnsPerItem - 1) / kColumnsPerItem);
-  if (kernel.bits == 8) return g_api->KernelContext_ParallelFor(ctx, direct_item<8>, items, 0, &c);
-  if (rows <= kDirectRows) return g_api->KernelContext_ParallelFor(ctx, direct_item<4>, items, 0, &c);
-#if KVFORGE_MATMUL_BF16
-  if (kernel.bf16) return run_bf16(ctx, c);
-#endif
+  if (kernel.bits == 8 || rows <= kDirectRows) return HWY_DYNAMIC_DISPATCH(RunDirect)(ctx, &c);
+  if (kernel.bf16 && HWY_DYNAMIC_DISPATCH(HasBf16)()) return HWY_DYNAMIC_DISPATCH(RunBf16)(ctx, &c);
   thread_local std::vector<float> scratch;  // the calling thread's: reused call after call, never shrunk
   scratch.resize(static_cast<size_t>(n * k));
   c.dequantized = scratch.data();
-  KVF_MM_TRY(g_api->KernelContext_ParallelFor(ctx, dequantize_item, items, 0, &c));
+  KVF_MM_TRY(HWY_DYNAMIC_DISPATCH(RunDequantize)(ctx, &c));
   return run_gemm(kernel, ctx, c.x, rows, c.dequantized, static_cast<float*>(y));
 }
 
@@ -521,9 +626,12 @@ OrtCustomOp g_matmul_blocks = make_op();
 
 }  // namespace
 
-// Whether many-row calls with `bf16` set run in bfloat16 here (1) or fall back to float32 SGEMM (0): the library is
-// built with -march=native, so this is the build machine's AVX512_BF16. Read by the tests (ctypes).
-extern "C" __attribute__((visibility("default"))) int kvforge_matmul_bf16() { return KVFORGE_MATMUL_BF16; }
+// Whether many-row calls with `bf16` set run in bfloat16 here (1) or fall back to float32 SGEMM (0): the target
+// chosen now (KVFORGE_CPU_TARGET applied) is AVX3_DL and this CPU has AVX512_BF16. Read by the tests (ctypes).
+extern "C" __attribute__((visibility("default"))) int kvforge_matmul_bf16() {
+  if (kvforge_cpu::forced_target_problem()) return 0;
+  return HWY_DYNAMIC_DISPATCH(HasBf16)();
+}
 
 // Called by RegisterCustomOps (paged_attention.cc) with the API table it resolved.
 OrtStatus* add_ops(OrtCustomOpDomain* domain, const OrtApi* api) {
@@ -532,3 +640,4 @@ OrtStatus* add_ops(OrtCustomOpDomain* domain, const OrtApi* api) {
 }
 
 }  // namespace kvforge_matmul
+#endif  // HWY_ONCE

@@ -12,112 +12,60 @@
 // and V are decoded inside the FMA loops and one reduction tree per 16 tokens sums the dot products. Each item
 // keeps an online softmax (max, sum, acc) per row; when the cached range is split across threads (decode),
 // the last split of a group to finish merges the partials (flash decoding).
+//
+// Compiled per target (Highway's foreach_target; cpu_target.h says which runs): AVX-512 keeps its intrinsics (16-lane
+// tiles, a transposing decode of K, a shuffle tree per 16 tokens), every other target (AVX2, SSE4, NEON,
+// scalar) runs one Highway source over N <= 16 lanes: fp16 and fp8 rows decoded a vector at a time (PromoteTo,
+// F16C on AVX2), Highway lane sums, vector_exp.h's Exp. Results are exact within a target, not across targets.
 
-#include <onnxruntime_c_api.h>
-
-#include "ort_op.h"
-#include "vector_exp.h"
-
-#include <algorithm>
-#include <atomic>
-#include <climits>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <limits>
-#include <memory>
-#include <string>
-#include <vector>
-
-#if defined(__AVX512F__) && defined(__F16C__)
+#ifndef KVFORGE_ATTENTION_COMMON
+#define KVFORGE_ATTENTION_COMMON
 // gcc 12 reports its own _mm512_undefined_ps() (inside the shuffle intrinsics) as maybe-uninitialized.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#define KVFORGE_AVX512 1
+#include "attention.h"
+#endif  // KVFORGE_ATTENTION_COMMON
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "paged_attention.cc"
+#include <hwy/foreach_target.h>  // re-includes this file once per target
+#include <hwy/highway.h>
+
+#include "vector_exp.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace kvforge_attention {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+#undef KVF_AVX512
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+#define KVF_AVX512 1  // Highway has included <immintrin.h>
 #else
-#define KVFORGE_AVX512 0
+#define KVF_AVX512 0
 #endif
 
-namespace kvforge_matmul {
-OrtStatus* add_ops(OrtCustomOpDomain* domain, const OrtApi* api);  // matmul_blocks.cc
-}
-namespace kvforge_swiglu {
-OrtStatus* add_ops(OrtCustomOpDomain* domain, const OrtApi* api);  // swiglu.cc
-}
-
-namespace {
-
-const OrtApi* g_api = nullptr;
-
-constexpr int kTile = 64;          // positions decoded per tile (4 vectors of 16)
-constexpr int kRowBlock = 4;       // query rows per register block
-constexpr int kMaxRows = 48;       // query rows (queries x group) per item: 16 queries of a group of 3
-constexpr int kMaxHeadDim = 512;  // Gemma 4's global layers are 512 wide
-constexpr int kSplitTokens = 256;  // cached positions per split when the range is split
-constexpr int kMaxSplits = 64;
-constexpr int kEnoughGroups = 16;  // this many (row, head, query block) groups keep the threads busy unsplit
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-enum class PoolType { kF16, kFp8, kF32 };
-
-float g_fp8_table[256];  // E4M3FN bit pattern -> float; NaN patterns decode to 0 (never written)
-
-void init_fp8_table() {
-  for (int bits = 0; bits < 256; ++bits) {
-    const int exponent = (bits >> 3) & 0xf, mantissa = bits & 0x7;
-    float magnitude;
-    if (exponent == 0xf && mantissa == 0x7) {
-      magnitude = 0.0f;
-    } else if (exponent == 0) {
-      magnitude = std::ldexp(static_cast<float>(mantissa), -9);
-    } else {
-      magnitude = std::ldexp(1.0f + mantissa / 8.0f, exponent - 7);
-    }
-    g_fp8_table[bits] = (bits & 0x80) ? -magnitude : magnitude;
-  }
-}
-
-// The table once per process, whichever comes first: RegisterCustomOps or a ctypes call of kvforge_rotate_keys.
-void ensure_fp8_table() {
-  static const bool table_ready = (init_fp8_table(), true);
-  (void)table_ready;
-}
-
-[[maybe_unused]] float half_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
-  const uint32_t exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
-  uint32_t bits;
-  if (exponent == 0) {
-    const float sub = std::ldexp(static_cast<float>(mantissa), -24);
-    std::memcpy(&bits, &sub, sizeof bits);
-    bits |= sign;
-  } else if (exponent == 0x1f) {
-    bits = sign | 0x7f800000u | (mantissa << 13);
-  } else {
-    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-  }
-  float out;
-  std::memcpy(&out, &bits, sizeof out);
-  return out;
-}
-
 // ---- decoding one stored row of head_dim elements into float32 ----
+
+#if !KVF_AVX512
+template <typename E>
+void decode_row_any(const E* src, float* dst, int dim);
+#endif
 
 void decode_row(const float* src, float* dst, int dim) { std::memcpy(dst, src, sizeof(float) * dim); }
 
 void decode_row(const uint16_t* src, float* dst, int dim) {
-#if KVFORGE_AVX512
+#if KVF_AVX512
   for (int d = 0; d < dim; d += 16) {
     const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d));
     _mm512_storeu_ps(dst + d, _mm512_cvtph_ps(half));
   }
 #else
-  for (int d = 0; d < dim; ++d) dst[d] = half_to_float(src[d]);
+  decode_row_any(src, dst, dim);
 #endif
 }
 
 
-#if KVFORGE_AVX512
+#if KVF_AVX512
 // 16 consecutive elements of a stored row as float32 lanes.
 inline __m512 decode16(const float* src) { return _mm512_loadu_ps(src); }
 inline __m512 decode16(const uint16_t* src) {
@@ -140,11 +88,57 @@ inline __m512 decode16(const uint8_t* src) {
 }
 #endif
 
+
+#if !KVF_AVX512
+// Every other target: N = 4, 8 or 16 float lanes (head widths are multiples of 16), one Highway source.
+using DF = hn::CappedTag<float, 16>;
+using VF = hn::Vec<DF>;
+HWY_INLINE VF load_f(DF d, const float* src) { return hn::LoadU(d, src); }
+// fp16 by Highway's PromoteTo (F16C's vcvtph2ps on AVX2), never a scalar conversion per element.
+HWY_INLINE VF load_f(DF d, const uint16_t* src) {
+  const hn::Rebind<hwy::float16_t, DF> dh;
+  return hn::PromoteTo(d, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(src)));
+}
+// E4M3 by the AVX-512 path's bit arithmetic (see decode16 above).
+HWY_INLINE VF load_f(DF d, const uint8_t* src) {
+  const hn::RebindToSigned<DF> di;
+  const hn::Rebind<uint8_t, DF> d8;
+  const auto bytes = hn::PromoteTo(di, hn::LoadU(d8, src));
+  const auto magnitude = hn::And(bytes, hn::Set(di, 0x7F));
+  const auto normal = hn::BitCast(d, hn::Add(hn::ShiftLeft<20>(magnitude), hn::Set(di, 120 << 23)));
+  const auto subnormal = hn::Mul(hn::ConvertTo(d, magnitude), hn::Set(d, 1.0f / 512.0f));
+  const auto is_subnormal = hn::RebindMask(d, hn::Lt(magnitude, hn::Set(di, 8)));
+  const auto is_nan = hn::RebindMask(d, hn::Eq(magnitude, hn::Set(di, 0x7F)));
+  const auto value = hn::IfThenZeroElse(is_nan, hn::IfThenElse(is_subnormal, subnormal, normal));
+  const auto sign = hn::ShiftLeft<24>(hn::And(bytes, hn::Set(di, 0x80)));
+  return hn::BitCast(d, hn::Or(hn::BitCast(di, value), sign));
+}
+
+template <typename E>
+void decode_row_any(const E* src, float* dst, int dim) {
+  const DF d;
+  const int N = static_cast<int>(hn::Lanes(d));
+  for (int x = 0; x < dim; x += N) hn::StoreU(load_f(d, src + x), d, dst + x);
+}
+
+// The mask of lanes j*N..j*N+N-1 of a tile's visibility bits.
+HWY_INLINE hn::Mask<DF> lanes_seen(DF d, uint64_t seen, int j) {
+  const hn::RebindToUnsigned<DF> du;
+  alignas(64) static constexpr uint32_t kBit[16] = {1u << 0, 1u << 1, 1u << 2, 1u << 3, 1u << 4, 1u << 5,
+                                                     1u << 6, 1u << 7, 1u << 8, 1u << 9, 1u << 10, 1u << 11,
+                                                     1u << 12, 1u << 13, 1u << 14, 1u << 15};
+  const int N = static_cast<int>(hn::Lanes(d));
+  const uint32_t chunk = static_cast<uint32_t>((seen >> (N * j)) & ((uint64_t{1} << N) - 1));
+  const auto bits = hn::And(hn::Set(du, chunk), hn::LoadU(du, kBit));
+  return hn::RebindMask(d, hn::Ne(bits, hn::Zero(du)));
+}
+#endif
+
 void decode_row(const uint8_t* src, float* dst, int dim) {
-#if KVFORGE_AVX512
+#if KVF_AVX512
   for (int d = 0; d < dim; d += 16) _mm512_storeu_ps(dst + d, decode16(src + d));
 #else
-  for (int d = 0; d < dim; ++d) dst[d] = g_fp8_table[src[d]];
+  decode_row_any(src, dst, dim);
 #endif
 }
 
@@ -176,7 +170,7 @@ struct Scratch {
 template <typename E>
 void load_keys_transposed(const E* const* keys, int n, int dim, float* kt) {
   const int blocks = (n + 15) / 16;
-#if KVFORGE_AVX512
+#if KVF_AVX512
   for (int tb = 0; tb < blocks; ++tb) {
     for (int d0 = 0; d0 < dim; d0 += 16) {
       __m512 r[16];
@@ -224,8 +218,8 @@ void load_keys_transposed(const E* const* keys, int n, int dim, float* kt) {
 #endif
 }
 
-#if KVFORGE_AVX512
-using kvforge_simd::exp512;
+#if KVF_AVX512
+using kvforge_simd::HWY_NAMESPACE::exp512;
 
 // RB rows (<= kRowBlock) against NB 16-token blocks: RB x NB accumulators stay in registers over the dims.
 template <int RB, int NB>
@@ -334,12 +328,115 @@ void scores_few_rows(const Scratch& s, int rows, const E* const* keys, int n, in
     default: scores_direct<E, kRowBlock>(s.q.data(), dim, keys, n, scores); break;
   }
 }
+#else
+#if HWY_TARGET == HWY_AVX2
+// Lane t of the result = the horizontal sum of v[t]: 8 tokens' dot products in one hadd tree (reduce16's AVX2 form).
+inline __m256 reduce8(const __m256 v[8]) {
+  const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 ce = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(ab, ce, 0x20), _mm256_permute2f128_ps(ab, ce, 0x31));
+}
+
+// Scores of a few rows (decode) straight from the stored keys: each key row decoded once (8 lanes at a time, F16C
+// for fp16) and dotted with every row; one hadd tree per row and 8 tokens.
+template <typename E, int RB>
+void scores_direct(const float* q, int dim, const E* const* keys, int n, float* scores) {
+  const DF d;
+  for (int t0 = 0; t0 < n; t0 += 8) {
+    __m256 part[RB][8];
+    for (int t = 0; t < 8; ++t) {
+      VF acc[RB];
+      for (int i = 0; i < RB; ++i) acc[i] = hn::Zero(d);
+      if (t0 + t < n) {
+        const E* key = keys[t0 + t];
+        for (int x = 0; x < dim; x += 8) {
+          const VF k = load_f(d, key + x);
+          for (int i = 0; i < RB; ++i)
+            acc[i] = hn::MulAdd(hn::LoadU(d, q + static_cast<size_t>(i) * dim + x), k, acc[i]);
+        }
+      }
+      for (int i = 0; i < RB; ++i) part[i][t] = acc[i].raw;
+    }
+    for (int i = 0; i < RB; ++i) _mm256_storeu_ps(scores + i * kTile + t0, reduce8(part[i]));
+  }
+  for (int t = (n + 7) / 8 * 8; t < (n + 15) / 16 * 16; ++t)  // the rest of the last 16-block reads as 0
+    for (int i = 0; i < RB; ++i) scores[i * kTile + t] = 0.0f;
+}
+#else
+// Scores of a few rows (decode) straight from the stored keys: each key row decoded once (N lanes at a time) and
+// dotted with every row, one Highway lane sum per row and token.
+template <typename E, int RB>
+void scores_direct(const float* q, int dim, const E* const* keys, int n, float* scores) {
+  const DF d;
+  const int N = static_cast<int>(hn::Lanes(d));
+  const int padded = (n + 15) / 16 * 16;
+  for (int t = 0; t < padded; ++t) {
+    if (t >= n) {
+      for (int i = 0; i < RB; ++i) scores[i * kTile + t] = 0.0f;
+      continue;
+    }
+    VF acc[RB];
+    for (int i = 0; i < RB; ++i) acc[i] = hn::Zero(d);
+    const E* key = keys[t];
+    for (int x = 0; x < dim; x += N) {
+      const VF k = load_f(d, key + x);
+      for (int i = 0; i < RB; ++i) acc[i] = hn::MulAdd(hn::LoadU(d, q + static_cast<size_t>(i) * dim + x), k, acc[i]);
+    }
+    for (int i = 0; i < RB; ++i) scores[i * kTile + t] = hn::GetLane(hn::SumOfLanes(d, acc[i]));
+  }
+}
+
+#endif
+
+template <typename E>
+void scores_few_rows(const Scratch& s, int rows, const E* const* keys, int n, int dim, float* scores) {
+  switch (rows) {
+    case 1: scores_direct<E, 1>(s.q.data(), dim, keys, n, scores); break;
+    case 2: scores_direct<E, 2>(s.q.data(), dim, keys, n, scores); break;
+    case 3: scores_direct<E, 3>(s.q.data(), dim, keys, n, scores); break;
+    default: scores_direct<E, kRowBlock>(s.q.data(), dim, keys, n, scores); break;
+  }
+}
+
+// RB rows x NV vectors of the accumulators in registers over the tile's tokens (V read from the pool or staged).
+template <typename V, int RB, int NV>
+void pv_block(const float* probs, const float* alpha, const V* const* vrows, int n, int dim, int d0, float* acc) {
+  const DF d;
+  const int N = static_cast<int>(hn::Lanes(d));
+  VF a[RB][NV];
+  for (int i = 0; i < RB; ++i) {
+    const VF scale = hn::Set(d, alpha[i]);
+    const float* row = acc + static_cast<size_t>(i) * dim + d0;
+    for (int k = 0; k < NV; ++k) a[i][k] = hn::Mul(hn::LoadU(d, row + N * k), scale);
+  }
+  for (int t = 0; t < n; ++t) {
+    VF v[NV];
+    for (int k = 0; k < NV; ++k) v[k] = load_f(d, vrows[t] + d0 + N * k);
+    for (int i = 0; i < RB; ++i) {
+      const VF p = hn::Set(d, probs[i * kTile + t]);
+      for (int k = 0; k < NV; ++k) a[i][k] = hn::MulAdd(p, v[k], a[i][k]);
+    }
+  }
+  for (int i = 0; i < RB; ++i)
+    for (int k = 0; k < NV; ++k) hn::StoreU(a[i][k], d, acc + static_cast<size_t>(i) * dim + d0 + N * k);
+}
+
+template <typename V, int RB>
+void pv_rows(const float* probs, const float* alpha, const V* const* vrows, int n, int dim, int d0, float* acc,
+             int vectors) {
+  switch (vectors) {
+    case 1: pv_block<V, RB, 1>(probs, alpha, vrows, n, dim, d0, acc); break;
+    case 2: pv_block<V, RB, 2>(probs, alpha, vrows, n, dim, d0, acc); break;
+    case 3: pv_block<V, RB, 3>(probs, alpha, vrows, n, dim, d0, acc); break;
+    default: pv_block<V, RB, 4>(probs, alpha, vrows, n, dim, d0, acc); break;
+  }
+}
 #endif
 
 // scores[r][t] = q_r . k_t for the (padded) rows and the tile's 16-blocks.
 void compute_scores(const Scratch& s, int rows, int n, int dim, float* scores) {
   const int blocks = (n + 15) / 16;
-#if KVFORGE_AVX512
+#if KVF_AVX512
   for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
     const float* q = s.q.data() + static_cast<size_t>(r0) * dim;
     float* out = scores + r0 * kTile;
@@ -351,19 +448,40 @@ void compute_scores(const Scratch& s, int rows, int n, int dim, float* scores) {
     }
   }
 #else
+  const DF d;
+  const int N = static_cast<int>(hn::Lanes(d));
+  const int padded = blocks * 16;
   for (int r = 0; r < rows; ++r) {
-    for (int t = 0; t < blocks * 16; ++t) {
-      const float* q = s.q.data() + static_cast<size_t>(r) * dim;
-      float dot = 0.0f;
-      for (int d = 0; d < dim; ++d) dot += q[d] * s.kt[static_cast<size_t>(d) * kTile + t];
-      scores[r * kTile + t] = dot;
+    const float* q = s.q.data() + static_cast<size_t>(r) * dim;
+    float* out = scores + r * kTile;
+    int t0 = 0;
+    for (; t0 + 4 * N <= padded; t0 += 4 * N) {  // four independent FMA chains over the dims
+      VF a0 = hn::Zero(d), a1 = hn::Zero(d), a2 = hn::Zero(d), a3 = hn::Zero(d);
+      for (int x = 0; x < dim; ++x) {
+        const VF qb = hn::Set(d, q[x]);
+        const float* k = s.kt.data() + static_cast<size_t>(x) * kTile + t0;
+        a0 = hn::MulAdd(qb, hn::LoadU(d, k), a0);
+        a1 = hn::MulAdd(qb, hn::LoadU(d, k + N), a1);
+        a2 = hn::MulAdd(qb, hn::LoadU(d, k + 2 * N), a2);
+        a3 = hn::MulAdd(qb, hn::LoadU(d, k + 3 * N), a3);
+      }
+      hn::StoreU(a0, d, out + t0);
+      hn::StoreU(a1, d, out + t0 + N);
+      hn::StoreU(a2, d, out + t0 + 2 * N);
+      hn::StoreU(a3, d, out + t0 + 3 * N);
+    }
+    for (; t0 < padded; t0 += N) {
+      VF a = hn::Zero(d);
+      for (int x = 0; x < dim; ++x)
+        a = hn::MulAdd(hn::Set(d, q[x]), hn::LoadU(d, s.kt.data() + static_cast<size_t>(x) * kTile + t0), a);
+      hn::StoreU(a, d, out + t0);
     }
   }
 #endif
 }
 
 // Online-softmax step of each row over the tile: new running max, rescale factor, probabilities, sum.
-#if KVFORGE_AVX512
+#if KVF_AVX512
 void softmax_update(Scratch& s, int rows, int n) {
   const int blocks = (n + 15) / 16;
   float* old = s.old_max.data();
@@ -408,36 +526,49 @@ void softmax_update(Scratch& s, int rows, int n) {
 }
 #else
 void softmax_update(Scratch& s, int rows, int n) {
+  const DF d;
+  const int N = static_cast<int>(hn::Lanes(d));
+  const int vectors = (n + 15) / 16 * 16 / N;
   for (int r = 0; r < rows; ++r) {
     const uint64_t seen = s.visible[r];
     float* p = s.probs.data() + r * kTile;
     const float* x = s.scores.data() + r * kTile;
-    if (seen == 0) {
-      std::fill(p, p + kTile, 0.0f);
-      s.alpha[r] = 1.0f;
+    s.old_max[r] = s.max[r];
+    if (seen == 0) {  // nothing visible in this tile: the row's state is unchanged
+      for (int j = 0; j < vectors; ++j) hn::StoreU(hn::Zero(d), d, p + N * j);
+      s.tile_sum[r] = 0.0f;
       continue;
     }
-    float tile_max = kNegInf;
-    for (int t = 0; t < n; ++t)
-      if ((seen >> t) & 1) tile_max = std::max(tile_max, x[t]);
-    const float running = std::max(s.max[r], tile_max);
-    const float alpha = s.max[r] == kNegInf ? 0.0f : std::exp(s.max[r] - running);
-    float total = 0.0f;
-    for (int t = 0; t < n; ++t) {
-      p[t] = ((seen >> t) & 1) ? std::exp(x[t] - running) : 0.0f;
-      total += p[t];
+    VF peak = hn::Set(d, kNegInf);
+    for (int j = 0; j < vectors; ++j)
+      peak = hn::IfThenElse(lanes_seen(d, seen, j), hn::Max(peak, hn::LoadU(d, x + N * j)), peak);
+    const float running = std::max(s.max[r], hn::GetLane(hn::MaxOfLanes(d, peak)));
+    const VF m = hn::Set(d, running);
+    VF total = hn::Zero(d);
+    for (int j = 0; j < vectors; ++j) {
+      const VF e = hn::IfThenElseZero(lanes_seen(d, seen, j),
+                                      kvforge_simd::HWY_NAMESPACE::Exp(d, hn::Sub(hn::LoadU(d, x + N * j), m)));
+      hn::StoreU(e, d, p + N * j);
+      total = hn::Add(total, e);
     }
-    s.alpha[r] = alpha;
-    s.sum[r] = s.sum[r] * alpha + total;
+    s.tile_sum[r] = hn::GetLane(hn::SumOfLanes(d, total));
     s.max[r] = running;
+  }
+  // Rescale factors exp(old - new); a row that saw nothing before has nothing to rescale.
+  for (int r = 0; r < rows; ++r) {
+    const float before = s.old_max[r];
+    const float alpha = before == kNegInf ? 0.0f
+                                          : hn::GetLane(kvforge_simd::HWY_NAMESPACE::Exp(d, hn::Set(d, before - s.max[r])));
+    s.alpha[r] = alpha;
+    s.sum[r] = std::fma(s.sum[r], alpha, s.tile_sum[r]);
   }
 }
 #endif
 
-// acc[r] = acc[r] * alpha[r] + sum_t probs[r][t] * v_t (the portable path reads staged float32 rows only)
+// acc[r] = acc[r] * alpha[r] + sum_t probs[r][t] * v_t (V read from the pool rows or the staged float32 tile)
 template <typename V>
 void accumulate_values(Scratch& s, const V* const* vrows, int rows, int n, int dim) {
-#if KVFORGE_AVX512
+#if KVF_AVX512
   for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
     const float* p = s.probs.data() + r0 * kTile;
     const float* alpha = s.alpha.data() + r0;
@@ -453,14 +584,22 @@ void accumulate_values(Scratch& s, const V* const* vrows, int rows, int n, int d
     }
   }
 #else
-  for (int r = 0; r < rows; ++r) {
-    float* acc = s.acc.data() + static_cast<size_t>(r) * dim;
-    for (int d = 0; d < dim; ++d) acc[d] *= s.alpha[r];
-    for (int t = 0; t < n; ++t) {
-      const float w = s.probs[r * kTile + t];
-      if (w == 0.0f) continue;
-      const V* v = vrows[t];
-      for (int d = 0; d < dim; ++d) acc[d] += w * v[d];
+  const int N = static_cast<int>(hn::Lanes(DF()));
+  for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
+    const float* p = s.probs.data() + r0 * kTile;
+    const float* alpha = s.alpha.data() + r0;
+    float* acc = s.acc.data() + static_cast<size_t>(r0) * dim;
+    const int rb = std::min(kRowBlock, rows - r0);
+    const int most = rb <= 2 ? 4 : 2;  // accumulators + decoded V within 16 registers
+    for (int d0 = 0; d0 < dim;) {
+      const int vectors = std::min(most, (dim - d0) / N);
+      switch (rb) {
+        case 1: pv_rows<V, 1>(p, alpha, vrows, n, dim, d0, acc, vectors); break;
+        case 2: pv_rows<V, 2>(p, alpha, vrows, n, dim, d0, acc, vectors); break;
+        case 3: pv_rows<V, 3>(p, alpha, vrows, n, dim, d0, acc, vectors); break;
+        default: pv_rows<V, kRowBlock>(p, alpha, vrows, n, dim, d0, acc, vectors); break;
+      }
+      d0 += vectors * N;
     }
   }
 #endif
@@ -471,14 +610,12 @@ void accumulate_values(Scratch& s, const V* const* vrows, int rows, int n, int d
 // row of the item is attended over them.
 template <typename E>
 void attend_tile(Scratch& s, const E* const* keys, const E* const* values, int n, int rows, int dim) {
-#if KVFORGE_AVX512
   if (rows <= kRowBlock) {
     scores_few_rows<E>(s, rows, keys, n, dim, s.scores.data());
     softmax_update(s, rows, n);
     accumulate_values<E>(s, values, rows, n, dim);
     return;
   }
-#endif
   load_keys_transposed(keys, n, dim, s.kt.data());
   compute_scores(s, rows, n, dim, s.scores.data());
   softmax_update(s, rows, n);
@@ -490,57 +627,7 @@ void attend_tile(Scratch& s, const E* const* keys, const E* const* values, int n
   accumulate_values<float>(s, staged, rows, n, dim);
 }
 
-// ---- the call: validated geometry, the work plan, and the items ----
-
-struct Item {
-  int32_t b, h, q0, q1;  // row, kv head, queries [q0, q1)
-  int32_t c0, c1;        // cached positions [c0, c1)
-  bool with_new;         // this item also attends over the call's new rows
-  int32_t group;         // index into Call::groups
-  int32_t split;         // index of this split within its group
-};
-
-struct Group {
-  int32_t b, h, q0, q1;
-  int32_t splits;
-  int64_t partial;  // offset of the group's partials (splits x rows x (dim + 2))
-};
-
-struct Call {
-  int64_t batch, seq, q_heads, kv_heads, dim, page_tokens, width, num_pages, group_size;
-  int64_t window;  // sliding window: query at position p sees keys p - window + 1..p (0 = every position)
-  float scale;
-  const float* query;
-  const float* new_kv;
-  const void* pool;
-  PoolType pool_type;
-  const int32_t* page_table;
-  const int32_t* start;
-  const int32_t* length;
-  const bool* mask;
-  float* out;
-  std::vector<Item> items;
-  std::vector<Group> groups;
-  mutable std::vector<float> partials;  // written by the items of split groups
-  std::unique_ptr<std::atomic<int32_t>[]> pending;  // items of each group still running
-};
-
 thread_local Scratch t_scratch;
-
-size_t pool_offset(const Call& c, int64_t page, int kv, int64_t head, int64_t slot) {
-  return static_cast<size_t>((((page * 2 + kv) * c.kv_heads + head) * c.page_tokens + slot) * c.dim);
-}
-
-// Offset of (row b, token i, q head) in query and output [B, S, Hq * D].
-size_t head_offset(const Call& c, int64_t b, int64_t i, int64_t q_head) {
-  return static_cast<size_t>(((b * c.seq + i) * c.q_heads + q_head) * c.dim);
-}
-
-// Bits [0, m) of a tile: the keys below a sliding window's first visible one (m clamped to [0, 64]).
-uint64_t low_bits(int64_t m) {
-  if (m <= 0) return 0;
-  return m >= 64 ? ~uint64_t{0} : (uint64_t{1} << m) - 1;
-}
 
 template <typename E>
 void attend_cached(const Call& c, const Item& it, Scratch& s, int rows) {
@@ -591,19 +678,6 @@ void attend_cached(const Call& c, const Item& it, Scratch& s, int rows) {
   }
 }
 
-// Bit t set iff a query sees new key j0 + t: from a row of the tree mask, or causally (t <= offset = i - j0).
-uint64_t mask_bits(const bool* row, int n) {
-  uint64_t bits = 0;
-  for (int t = 0; t < n; ++t) bits |= static_cast<uint64_t>(row[t]) << t;
-  return bits;
-}
-
-uint64_t causal_bits(int64_t offset, int n) {
-  const uint64_t tile = n == 64 ? ~uint64_t{0} : (uint64_t{1} << n) - 1;
-  if (offset < 0) return 0;
-  return offset >= 63 ? tile : ((uint64_t{1} << (offset + 1)) - 1) & tile;
-}
-
 void attend_new(const Call& c, const Item& it, Scratch& s, int rows) {
   const int64_t g = c.group_size;
   const int64_t limit = c.mask ? c.length[it.b] : it.q1;  // causal: no query of the block sees past q1 - 1
@@ -627,7 +701,6 @@ void attend_new(const Call& c, const Item& it, Scratch& s, int rows) {
   }
 }
 
-void merge_group(const Call& c, const Group& grp);
 
 void run_item(const Call& c, size_t index) {
   const Item& it = c.items[index];
@@ -667,183 +740,20 @@ void run_item(const Call& c, size_t index) {
   if (c.pending[it.group].fetch_sub(1, std::memory_order_acq_rel) == 1) merge_group(c, grp);
 }
 
-void merge_group(const Call& c, const Group& grp) {
-  const int64_t g = c.group_size, dim = c.dim;
-  const int64_t rows = (grp.q1 - grp.q0) * g;
-  for (int64_t r = 0; r < rows; ++r) {
-    float peak = kNegInf;
-    for (int sp = 0; sp < grp.splits; ++sp)
-      peak = std::max(peak, c.partials[grp.partial + (sp * rows + r) * (dim + 2)]);
-    float* out = c.out + head_offset(c, grp.b, grp.q0 + r / g, grp.h * g + r % g);
-    std::fill(out, out + dim, 0.0f);
-    if (peak == kNegInf) continue;  // this query sees nothing
-    float total = 0.0f;
-    for (int sp = 0; sp < grp.splits; ++sp) {
-      const float* slot = c.partials.data() + grp.partial + (sp * rows + r) * (dim + 2);
-      if (slot[0] == kNegInf) continue;
-      const float w = std::exp(slot[0] - peak);
-      total += slot[1] * w;
-      for (int64_t d = 0; d < dim; ++d) out[d] += slot[2 + d] * w;
-    }
-    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-    for (int64_t d = 0; d < dim; ++d) out[d] *= inv;
-  }
+void run_item_trampoline(void* data, size_t index) { run_item(*static_cast<const Call*>(data), index); }
+
+// The call's planned items on ORT's intra-op pool.
+OrtStatus* RunItems(OrtKernelContext* ctx, const Call* c) {
+  return g_api->KernelContext_ParallelFor(ctx, run_item_trampoline, c->items.size(), 0, const_cast<Call*>(c));
 }
 
-void plan(Call& c) {
-  const int64_t g = c.group_size;
-  const int64_t block = std::max<int64_t>(1, kMaxRows / g);
-  int64_t groups = 0;
-  for (int64_t b = 0; b < c.batch; ++b) groups += c.kv_heads * ((c.length[b] + block - 1) / block);
-  int64_t partial = 0;
-  for (int64_t b = 0; b < c.batch; ++b) {
-    const int64_t len = c.length[b];
-    const int64_t cached = std::min<int64_t>(c.start[b], c.width * c.page_tokens);  // past W nothing is visible
-    // Splits cover whole tiles (kSplitTokens or more, a multiple of kTile), so only the last one is ragged.
-    int64_t splits = 1, chunk = std::max<int64_t>(cached, 1);
-    if (groups < kEnoughGroups && cached > kSplitTokens) {
-      chunk = std::max<int64_t>(kSplitTokens, (cached + kMaxSplits - 1) / kMaxSplits);
-      chunk = (chunk + kTile - 1) / kTile * kTile;
-      splits = (cached + chunk - 1) / chunk;
-    }
-    for (int64_t h = 0; h < c.kv_heads; ++h) {
-      for (int64_t q0 = 0; q0 < len; q0 += block) {
-        const int64_t q1 = std::min(len, q0 + block);
-        Group grp{static_cast<int32_t>(b), static_cast<int32_t>(h), static_cast<int32_t>(q0),
-                  static_cast<int32_t>(q1), static_cast<int32_t>(splits), partial};
-        if (splits > 1) partial += splits * (q1 - q0) * g * (c.dim + 2);
-        for (int64_t sp = 0; sp < splits; ++sp) {
-          c.items.push_back(Item{grp.b, grp.h, grp.q0, grp.q1, static_cast<int32_t>(std::min(cached, sp * chunk)),
-                                 static_cast<int32_t>(std::min(cached, (sp + 1) * chunk)), sp == splits - 1,
-                                 static_cast<int32_t>(c.groups.size()), static_cast<int32_t>(sp)});
-        }
-        c.groups.push_back(grp);
-      }
-    }
-  }
-  // Threads take items in order, so the longest go first (a long decode row next to a prefill chunk is not
-  // left to the end, alone on one thread).
-  const auto cost = [&c](const Item& it) {
-    const int64_t keys = (it.c1 - it.c0) + (it.with_new ? (c.mask ? c.length[it.b] : it.q1) : 0);
-    return keys * (it.q1 - it.q0);
-  };
-  std::stable_sort(c.items.begin(), c.items.end(), [&cost](const Item& a, const Item& b) { return cost(a) > cost(b); });
-  c.partials.assign(static_cast<size_t>(partial), 0.0f);
-  c.pending.reset(new std::atomic<int32_t>[c.groups.size()]);
-  for (size_t i = 0; i < c.groups.size(); ++i) c.pending[i].store(c.groups[i].splits, std::memory_order_relaxed);
-}
+}  // namespace HWY_NAMESPACE
+}  // namespace kvforge_attention
+HWY_AFTER_NAMESPACE();
 
-// ---- ORT plumbing: the kernel, validation and registration ----
-
-struct Kernel {
-  int64_t q_heads, kv_heads, dim, page_tokens;
-  int64_t window;
-  float scale;
-  // PagedAttentionRope only: input 0 is the packed projection [B,S,(Hq+2Hkv)*D] (q, then k, then v of each token)
-  // and inputs 1 and 2 repeat it (kvforge/builder/pack_qkv.py), so no Split runs between the matmul and the attention.
-  int64_t packed_qkv;
-};
-
-OrtStatus* error(const std::string& message) {
-  return g_api->CreateStatus(ORT_INVALID_ARGUMENT, ("kvforge.cpu.PagedAttention: " + message).c_str());
-}
-
-#define KVF_TRY(expr)                     \
-  do {                                    \
-    if (OrtStatus* _st = (expr)) return _st; \
-  } while (0)
-
-struct TensorInfo {
-  ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
-  std::vector<int64_t> shape;
-};
-
-OrtStatus* describe(const OrtValue* value, TensorInfo* info) {
-  OrtTensorTypeAndShapeInfo* raw = nullptr;
-  KVF_TRY(g_api->GetTensorTypeAndShape(value, &raw));
-  size_t rank = 0;
-  OrtStatus* st = g_api->GetTensorElementType(raw, &info->type);
-  if (!st) st = g_api->GetDimensionsCount(raw, &rank);
-  if (!st) {
-    info->shape.resize(rank);
-    st = g_api->GetDimensions(raw, info->shape.data(), rank);
-  }
-  g_api->ReleaseTensorTypeAndShapeInfo(raw);
-  return st;
-}
-
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::string text = "[";
-  for (size_t i = 0; i < shape.size(); ++i) text += (i ? "," : "") + std::to_string(shape[i]);
-  return text + "]";
-}
-
-OrtStatus* expect(const char* name, const TensorInfo& info, ONNXTensorElementDataType type,
-                  const std::vector<int64_t>& shape) {
-  if (type != ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED && info.type != type)
-    return error(std::string(name) + " has element type " + std::to_string(info.type) + ", expected " +
-                 std::to_string(type));
-  bool same = info.shape.size() == shape.size();
-  for (size_t i = 0; same && i < shape.size(); ++i) same = shape[i] < 0 || info.shape[i] == shape[i];
-  if (!same)
-    return error(std::string(name) + " has shape " + shape_text(info.shape) + ", expected " + shape_text(shape) +
-                 " (-1: any)");
-  return nullptr;
-}
-
-OrtStatus* input(OrtKernelContext* ctx, size_t index, const OrtValue** value, TensorInfo* info, const void** data) {
-  KVF_TRY(g_api->KernelContext_GetInput(ctx, index, value));
-  if (!*value) return nullptr;
-  KVF_TRY(describe(*value, info));
-  return g_api->GetTensorData(*value, data);
-}
-
-// `writes`: PagedAttentionRope also writes positions start..start+len-1, so their pages are checked too.
-OrtStatus* check_values(const Call& c, bool writes = false) {
-  for (int64_t b = 0; b < c.batch; ++b) {
-    if (c.length[b] < 0 || c.length[b] > c.seq)
-      return error("context_lengths[" + std::to_string(b) + "]=" + std::to_string(c.length[b]) +
-                   " is outside [0, S=" + std::to_string(c.seq) + "]");
-    if (c.start[b] < 0) return error("kvcache_start_index[" + std::to_string(b) + "] is negative");
-    const int64_t extent = static_cast<int64_t>(c.start[b]) + (writes ? c.length[b] : 0);
-    const int64_t pages = (extent + c.page_tokens - 1) / c.page_tokens;
-    const int64_t used = std::min<int64_t>(c.width, pages);  // entries past the cached positions are not read
-    for (int64_t w = 0; w < used; ++w) {
-      const int32_t page = c.page_table[b * c.width + w];
-      if (page < -1 || page >= c.num_pages)
-        return error("kv_page_table[" + std::to_string(b) + "," + std::to_string(w) + "]=" + std::to_string(page) +
-                     " is outside [-1, num_pages=" + std::to_string(c.num_pages) + ")");
-    }
-  }
-  return nullptr;
-}
-
-// The inputs of a call (`count` of them, up to N read), the first `required` present.
-template <size_t N>
-OrtStatus* read_inputs(OrtKernelContext* ctx, size_t required, const char* op, size_t& count,
-                       const OrtValue* (&v)[N], TensorInfo (&info)[N], const void* (&data)[N]) {
-  count = 0;
-  KVF_TRY(g_api->KernelContext_GetInputCount(ctx, &count));
-  if (count < required)
-    return error(std::string(op) + "needs at least " + std::to_string(required) + " inputs, got " +
-                 std::to_string(count));
-  for (size_t i = 0; i < std::min<size_t>(count, N); ++i) KVF_TRY(input(ctx, i, &v[i], &info[i], &data[i]));
-  for (size_t i = 0; i < required; ++i)
-    if (!v[i]) return error("input " + std::to_string(i) + " is missing");
-  return nullptr;
-}
-
-// The query's batch geometry and the kernel's head layout, into `c`.
-OrtStatus* query_geometry(const Kernel& k, const TensorInfo& query, Call& c) {
-  if (query.shape.size() != 3) return error("query must be [B,S,Hq*D], got " + shape_text(query.shape));
-  c.batch = query.shape[0];
-  c.seq = query.shape[1];
-  c.q_heads = k.q_heads, c.kv_heads = k.kv_heads, c.dim = k.dim, c.page_tokens = k.page_tokens;
-  c.group_size = k.q_heads / k.kv_heads;
-  c.window = k.window;
-  c.scale = k.scale;
-  return nullptr;
-}
+#if HWY_ONCE
+namespace kvforge_attention {
+HWY_EXPORT(RunItems);
 
 OrtStatus* gather_inputs(const Kernel& k, OrtKernelContext* ctx, Call& c) {
   const OrtValue* v[7] = {};
@@ -886,8 +796,6 @@ OrtStatus* gather_inputs(const Kernel& k, OrtKernelContext* ctx, Call& c) {
   return check_values(c);
 }
 
-void run_item_trampoline(void* data, size_t index) { run_item(*static_cast<const Call*>(data), index); }
-
 // The attention of a gathered call into c.out: padding rows zero, the items on ORT's intra-op pool.
 OrtStatus* attend(OrtKernelContext* ctx, Call& c) {
   const size_t row_floats = static_cast<size_t>(c.q_heads * c.dim);
@@ -897,12 +805,13 @@ OrtStatus* attend(OrtKernelContext* ctx, Call& c) {
   }
   plan(c);
   if (c.items.empty()) return nullptr;
-  KVF_TRY(g_api->KernelContext_ParallelFor(ctx, run_item_trampoline, c.items.size(), 0, &c));
+  KVF_TRY(HWY_DYNAMIC_DISPATCH(RunItems)(ctx, &c));
   return nullptr;
 }
 
 OrtStatus* ORT_API_CALL compute(void* kernel, OrtKernelContext* ctx) {
   const Kernel& k = *static_cast<const Kernel*>(kernel);
+  if (const char* why = kvforge_cpu::forced_target_problem()) return error(why);
   Call c;
   KVF_TRY(gather_inputs(k, ctx, c));
   const int64_t out_shape[3] = {c.batch, c.seq, k.q_heads * k.dim};
@@ -1011,349 +920,12 @@ OrtCustomOp make_op() {
   return op;
 }
 
-// ---- kvforge.cpu.PagedAttentionRope: RoPE and the K/V write inside the call ----
-//
-// Takes the un-rotated query, key and value of the call's rows, rotates query and key by the rows' positions
-// (rotate-half over the table's R leading dims of each head, the rest passed: partial rotary), rounds the new
-// keys and values through the pool's storage type and writes them into the pool at slots start..start+len-1
-// through the page table: the pool input is ALIASED and updated in place (ONNX Runtime only ever sees it as an
-// input; the runtime binds its own numpy pool zero-copy, so the write lands in the runtime's memory). The
-// attention that follows is PagedAttention's, over the cached positions and the rounded new rows.
-
-// float32 -> IEEE half, round to nearest even (numpy's astype(float16)).
-uint16_t float_to_half(float f) {
-  uint32_t x;
-  std::memcpy(&x, &f, sizeof x);
-  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000);
-  x &= 0x7fffffffu;
-  if (x >= 0x7f800000u) return sign | 0x7c00 | (x > 0x7f800000u ? 0x200 : 0);  // inf, NaN
-  if (x >= 0x477ff000u) return sign | 0x7c00;  // from 65520 on rounds to inf
-  if (x < 0x38800000u) {  // below 2^-14: a half subnormal, m * 2^-24 (m = 1024 is the smallest normal)
-    float a;
-    std::memcpy(&a, &x, sizeof a);
-    return sign | static_cast<uint16_t>(std::nearbyint(a * 16777216.0f));
-  }
-  x += 0xfffu + ((x >> 13) & 1u);
-  return sign | static_cast<uint16_t>((x >> 13) - (112u << 10));
-}
-
-// float32 -> E4M3FN bits, saturating to +-448 (reference.to_storage), round to nearest even.
-uint8_t float_to_e4m3(float f) {
-  uint32_t x;
-  std::memcpy(&x, &f, sizeof x);
-  const uint8_t sign = static_cast<uint8_t>((x >> 24) & 0x80);
-  if (std::isnan(f)) return sign | 0x7f;
-  const float a = std::min(std::fabs(f), 448.0f);
-  if (a < 0.015625f) return sign | static_cast<uint8_t>(std::nearbyint(a * 512.0f));  // subnormal: m * 2^-9
-  uint32_t bits;
-  std::memcpy(&bits, &a, sizeof bits);
-  bits += 0x7ffffu + ((bits >> 20) & 1u);
-  return sign | static_cast<uint8_t>((bits >> 20) - (120u << 3));
-}
-
-// Store n floats in the pool's type and return what attention reads back from them (in place in `values`).
-void store_row(PoolType type, float* values, void* dst, int64_t n) {
-  switch (type) {
-    case PoolType::kF32:
-      std::memcpy(dst, values, sizeof(float) * n);
-      break;
-    case PoolType::kF16: {
-      uint16_t* out = static_cast<uint16_t*>(dst);
-      for (int64_t d = 0; d < n; ++d) {
-        out[d] = float_to_half(values[d]);
-        values[d] = half_to_float(out[d]);
-      }
-      break;
-    }
-    case PoolType::kFp8: {
-      uint8_t* out = static_cast<uint8_t*>(dst);
-      for (int64_t d = 0; d < n; ++d) {
-        out[d] = float_to_e4m3(values[d]);
-        values[d] = g_fp8_table[out[d]];
-      }
-      break;
-    }
-  }
-}
-
-size_t pool_element_bytes(PoolType type) {
-  return type == PoolType::kF16 ? 2 : type == PoolType::kFp8 ? 1 : 4;
-}
-
-// Rotate-half of one head: x1*cos - x2*sin, x2*cos + x1*sin over the first `rotary` dims, the rest copied. Kept
-// free of FMA contraction so the products round as the exported graph's Mul/Sub/Add (and numpy) round them.
-__attribute__((optimize("fp-contract=off"))) void rotate_head(const float* x, const float* cos_sin, int64_t rotary,
-                                                             int64_t dim, float* out) {
-  const int64_t half = rotary / 2;
-  const float* cosv = cos_sin;
-  const float* sinv = cos_sin + half;
-  for (int64_t j = 0; j < half; ++j) {
-    const float x1 = x[j], x2 = x[j + half];
-    const float a = x1 * cosv[j], b = x2 * sinv[j], c = x2 * cosv[j], d = x1 * sinv[j];
-    out[j] = a - b;
-    out[j + half] = c + d;
-  }
-  for (int64_t j = rotary; j < dim; ++j) out[j] = x[j];
-}
-
-struct RopeCall {
-  const float* query;
-  const float* key;
-  const float* value;
-  int64_t q_stride, kv_stride;  // floats from one token's query (key, value) row to the next
-  const float* cos_sin;
-  int64_t capacity, rotary;
-  const int32_t* positions;  // [B, S] or null: start + i
-  void* pool;                // the aliased pool, written in place
-};
-
-OrtStatus* gather_rope_inputs(const Kernel& k, OrtKernelContext* ctx, Call& c, RopeCall& r) {
-  const OrtValue* v[10] = {};
-  TensorInfo info[10];
-  const void* data[10] = {};
-  size_t count = 0;
-  KVF_TRY(read_inputs(ctx, 8, "PagedAttentionRope ", count, v, info, data));
-  KVF_TRY(query_geometry(k, info[0], c));
-  const auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, I32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
-  const int64_t q_width = k.q_heads * k.dim, kv_width = k.kv_heads * k.dim;
-  if (k.packed_qkv) {
-    const int64_t packed = q_width + 2 * kv_width;
-    KVF_TRY(expect("qkv", info[0], F32, {c.batch, c.seq, packed}));
-    if (data[1] != data[0] || data[2] != data[0])
-      return error("with packed_qkv, inputs 1 and 2 must be the packed qkv tensor of input 0");
-    const float* qkv = static_cast<const float*>(data[0]);
-    r.query = qkv;
-    r.key = qkv + q_width;
-    r.value = qkv + q_width + kv_width;
-    r.q_stride = r.kv_stride = packed;
-  } else {
-    KVF_TRY(expect("query", info[0], F32, {c.batch, c.seq, q_width}));
-    KVF_TRY(expect("key", info[1], F32, {c.batch, c.seq, kv_width}));
-    KVF_TRY(expect("value", info[2], F32, {c.batch, c.seq, kv_width}));
-    r.query = static_cast<const float*>(data[0]);
-    r.key = static_cast<const float*>(data[1]);
-    r.value = static_cast<const float*>(data[2]);
-    r.q_stride = q_width;
-    r.kv_stride = kv_width;
-  }
-  KVF_TRY(expect("pool", info[3], ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, {-1, 2, k.kv_heads, k.page_tokens, k.dim}));
-  KVF_TRY(expect("kv_page_table", info[4], I32, {c.batch, -1}));
-  KVF_TRY(expect("kvcache_start_index", info[5], I32, {c.batch}));
-  KVF_TRY(expect("context_lengths", info[6], I32, {c.batch}));
-  KVF_TRY(expect("rope_rotary_cos_sin", info[7], F32, {-1, -1}));
-  switch (info[3].type) {
-    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: c.pool_type = PoolType::kF16; break;
-    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8: c.pool_type = PoolType::kFp8; break;
-    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT: c.pool_type = PoolType::kF32; break;
-    default:
-      return error("pool element type " + std::to_string(info[3].type) +
-                   " is not float16, uint8 (FP8 E4M3) or float32");
-  }
-  r.capacity = info[7].shape[0];
-  r.rotary = info[7].shape[1];
-  if (r.capacity <= 0 || r.rotary <= 0 || r.rotary % 2 != 0 || r.rotary > k.dim)
-    return error("rope_rotary_cos_sin must be [capacity>0, R] with R even and <= head_dim, got " +
-                 shape_text(info[7].shape));
-  const auto present = [&](size_t i) {  // an optional input given with elements ([B,0] / [B,0,0] = absent)
-    return count > i && v[i] && !info[i].shape.empty() &&
-           std::none_of(info[i].shape.begin(), info[i].shape.end(), [](int64_t d) { return d == 0; });
-  };
-  r.positions = nullptr;
-  if (present(8)) {
-    KVF_TRY(expect("position_ids", info[8], I32, {c.batch, c.seq}));
-    r.positions = static_cast<const int32_t*>(data[8]);
-  }
-  c.mask = nullptr;
-  if (present(9)) {
-    KVF_TRY(expect("attention_mask", info[9], ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL, {c.batch, c.seq, c.seq}));
-    c.mask = static_cast<const bool*>(data[9]);
-  }
-  c.num_pages = info[3].shape[0];
-  c.width = info[4].shape[1];
-  c.pool = data[3];
-  r.pool = const_cast<void*>(data[3]);  // the documented alias: this op writes its pool input
-  c.page_table = static_cast<const int32_t*>(data[4]);
-  c.start = static_cast<const int32_t*>(data[5]);
-  c.length = static_cast<const int32_t*>(data[6]);
-  r.cos_sin = static_cast<const float*>(data[7]);
-  return check_values(c, true);
-}
-
-// Rotates the rows' queries and keys, rounds keys and values through the storage type and writes them into the
-// pool (a position without a page, -1 or past the table's width, is not written); `rotated_query` and `new_kv`
-// [B,S,2,Hkv,D] receive what attention reads.
-void rotate_and_write(const Call& c, const RopeCall& r, float* rotated_query, float* new_kv) {
-  const int64_t dim = c.dim, hq = c.q_heads, hkv = c.kv_heads;
-  const size_t elem = pool_element_bytes(c.pool_type);
-  char* pool = static_cast<char*>(r.pool);
-  for (int64_t b = 0; b < c.batch; ++b) {
-    for (int64_t i = 0; i < c.length[b]; ++i) {
-      const int64_t slot_pos = static_cast<int64_t>(c.start[b]) + i;
-      int64_t pos = r.positions ? r.positions[b * c.seq + i] : slot_pos;
-      pos = std::min<int64_t>(std::max<int64_t>(pos, 0), r.capacity - 1);  // as the export's clamped Gather
-      const float* table = r.cos_sin + pos * r.rotary;
-      const size_t token = static_cast<size_t>(b * c.seq + i);
-      for (int64_t h = 0; h < hq; ++h)
-        rotate_head(r.query + token * r.q_stride + h * dim, table, r.rotary, dim,
-                    rotated_query + (token * hq + h) * dim);
-      const int64_t index = slot_pos / c.page_tokens;
-      const int32_t page = index < c.width ? c.page_table[b * c.width + index] : -1;
-      const int64_t slot = slot_pos % c.page_tokens;
-      for (int64_t h = 0; h < hkv; ++h) {
-        float* k_out = new_kv + ((token * 2 + 0) * hkv + h) * dim;
-        float* v_out = new_kv + ((token * 2 + 1) * hkv + h) * dim;
-        rotate_head(r.key + token * r.kv_stride + h * dim, table, r.rotary, dim, k_out);
-        std::memcpy(v_out, r.value + token * r.kv_stride + h * dim, sizeof(float) * dim);
-        float scratch[kMaxHeadDim];
-        char* k_dst = page >= 0 ? pool + pool_offset(c, page, 0, h, slot) * elem : nullptr;
-        char* v_dst = page >= 0 ? pool + pool_offset(c, page, 1, h, slot) * elem : nullptr;
-        // Without a page the rows are still rounded (attention reads the same values either way).
-        store_row(c.pool_type, k_out, k_dst ? static_cast<void*>(k_dst) : static_cast<void*>(scratch), dim);
-        store_row(c.pool_type, v_out, v_dst ? static_cast<void*>(v_dst) : static_cast<void*>(scratch), dim);
-      }
-    }
-  }
-}
-
-OrtStatus* ORT_API_CALL compute_rope(void* kernel, OrtKernelContext* ctx) {
-  const Kernel& k = *static_cast<const Kernel*>(kernel);
-  Call c;
-  RopeCall r{};
-  KVF_TRY(gather_rope_inputs(k, ctx, c, r));
-  const int64_t out_shape[3] = {c.batch, c.seq, k.q_heads * k.dim};
-  OrtValue* out_value = nullptr;
-  KVF_TRY(g_api->KernelContext_GetOutput(ctx, 0, out_shape, 3, &out_value));
-  void* out = nullptr;
-  KVF_TRY(g_api->GetTensorMutableData(out_value, &out));
-  c.out = static_cast<float*>(out);
-  const size_t tokens = static_cast<size_t>(c.batch * c.seq);
-  std::vector<float> rotated(tokens * static_cast<size_t>(k.q_heads * k.dim), 0.0f);
-  std::vector<float> new_kv(tokens * static_cast<size_t>(2 * k.kv_heads * k.dim), 0.0f);
-  rotate_and_write(c, r, rotated.data(), new_kv.data());
-  c.query = rotated.data();
-  c.new_kv = new_kv.data();
-  return attend(ctx, c);
-}
-
-const char* ORT_API_CALL rope_op_name(const OrtCustomOp*) { return "PagedAttentionRope"; }
-size_t ORT_API_CALL rope_input_count(const OrtCustomOp*) { return 10; }
-
-ONNXTensorElementDataType ORT_API_CALL rope_input_type(const OrtCustomOp*, size_t index) {
-  switch (index) {
-    case 0: case 1: case 2: case 7: return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
-    case 3: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;  // float16, uint8 or float32: checked per call
-    case 9: return ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL;
-    default: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
-  }
-}
-
-OrtCustomOpInputOutputCharacteristic ORT_API_CALL rope_input_characteristic(const OrtCustomOp*, size_t index) {
-  return index >= 8 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
-}
-
-// An int attribute in shape inference, `fallback` where the node does not have it.
-int64_t shape_attribute(OrtShapeInferContext* ctx, const char* name, int64_t fallback) {
-  const OrtOpAttr* attr = nullptr;
-  if (OrtStatus* st = g_api->ShapeInferContext_GetAttribute(ctx, name, &attr)) {
-    g_api->ReleaseStatus(st);
-    return fallback;
-  }
-  int64_t value = fallback;
-  size_t written = 0;
-  if (!attr) return fallback;
-  if (OrtStatus* st = g_api->ReadOpAttr(attr, ORT_OP_ATTR_INT, &value, sizeof value, &written)) {
-    g_api->ReleaseStatus(st);
-    return fallback;
-  }
-  return value;
-}
-
-// PagedAttentionRope's output: the query's shape, or with packed_qkv the packed input's with the last dim Hq * D.
-OrtStatus* ORT_API_CALL infer_rope_shape(const OrtCustomOp* op, OrtShapeInferContext* ctx) {
-  if (!shape_attribute(ctx, "packed_qkv", 0)) return infer_shape(op, ctx);
-  const int64_t width = shape_attribute(ctx, "num_q_heads", -1) * shape_attribute(ctx, "head_dim", -1);
-  return kvforge_ort::infer_last_dim(g_api, ctx, [width](int64_t) { return width > 0 ? width : -1; });
-}
-
-OrtCustomOp make_rope_op() {
-  OrtCustomOp op = make_op();
-  op.InferOutputShapeFn = infer_rope_shape;
-  op.GetName = rope_op_name;
-  op.GetInputType = rope_input_type;
-  op.GetInputTypeCount = rope_input_count;
-  op.GetInputCharacteristic = rope_input_characteristic;
-  op.KernelComputeV2 = compute_rope;
-  return op;
-}
-
+namespace {
 OrtCustomOp g_paged_attention = make_op();
-OrtCustomOp g_paged_attention_rope = make_rope_op();
-
-// One stored key row decoded to float32 (scalar: any head width, and exact like the vector decode).
-void decode_any(PoolType type, const void* src, float* dst, int64_t n) {
-  switch (type) {
-    case PoolType::kF32:
-      std::memcpy(dst, src, sizeof(float) * n);
-      break;
-    case PoolType::kF16:
-      for (int64_t d = 0; d < n; ++d) dst[d] = half_to_float(static_cast<const uint16_t*>(src)[d]);
-      break;
-    case PoolType::kFp8:
-      for (int64_t d = 0; d < n; ++d) dst[d] = g_fp8_table[static_cast<const uint8_t*>(src)[d]];
-      break;
-  }
-}
-
 }  // namespace
 
-// Document reuse (issue 37) moves a document's stored keys by `delta` positions: one more rotate-half rotation.
-// In place on `rows` contiguous rows of `head_dim` elements in the storage type (`dtype`: 0 fp16, 1 fp8 E4M3FN,
-// 2 fp32, PoolType's order): decoded to float32, the first `rotary` dims rotated with `cos_sin_row` (the rope
-// table's row |delta|: rotary/2 cosines then rotary/2 sines; `sign` -1 negates the sines to rotate back), encoded
-// with the KV write's rounding. Byte for byte reference.rotate_keys. Returns 0, or -1 for arguments it refuses.
-extern "C" __attribute__((visibility("default"))) int kvforge_rotate_keys(void* keys, int64_t rows, int64_t head_dim,
-                                                                          int64_t rotary, const float* cos_sin_row,
-                                                                          int sign, int dtype) {
-  if (!keys || !cos_sin_row || rows < 0 || head_dim <= 0 || rotary < 0 || rotary % 2 || rotary > head_dim ||
-      (sign != 1 && sign != -1) || dtype < 0 || dtype > 2) {
-    return -1;
-  }
-  ensure_fp8_table();
-  const PoolType type = static_cast<PoolType>(dtype);
-  const int64_t half = rotary / 2;
-  std::vector<float> table(static_cast<size_t>(rotary));
-  for (int64_t j = 0; j < half; ++j) {
-    table[j] = cos_sin_row[j];
-    table[half + j] = sign < 0 ? -cos_sin_row[half + j] : cos_sin_row[half + j];  // sin(-a) = -sin(a), exact
-  }
-  std::vector<float> decoded(static_cast<size_t>(head_dim)), rotated(static_cast<size_t>(head_dim));
-  const size_t row_bytes = pool_element_bytes(type) * static_cast<size_t>(head_dim);
-  uint8_t* base = static_cast<uint8_t*>(keys);
-  for (int64_t r = 0; r < rows; ++r) {
-    void* row = base + static_cast<size_t>(r) * row_bytes;
-    decode_any(type, row, decoded.data(), head_dim);
-    rotate_head(decoded.data(), table.data(), rotary, head_dim, rotated.data());
-    store_row(type, rotated.data(), row, head_dim);
-  }
-  return 0;
-}
+// Called by RegisterCustomOps (register.cc).
+OrtStatus* add_ops(OrtCustomOpDomain* domain) { return g_api->CustomOpDomain_Add(domain, &g_paged_attention); }
 
-extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL
-RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
-  g_api = api_base->GetApi(ORT_API_VERSION);
-  if (!g_api) {
-    // An older runtime: its version-1 table (the C API only ever appends) still builds the error status.
-    const OrtApi* oldest = api_base->GetApi(1);
-    const std::string message = "kvforge.cpu needs ONNX Runtime C API version " + std::to_string(ORT_API_VERSION) +
-                                ", this runtime is " + api_base->GetVersionString();
-    return oldest ? oldest->CreateStatus(ORT_FAIL, message.c_str()) : nullptr;
-  }
-  ensure_fp8_table();
-  OrtCustomOpDomain* domain = nullptr;  // must outlive every session using it, so it is never released
-  KVF_TRY(g_api->CreateCustomOpDomain("kvforge.cpu", &domain));
-  KVF_TRY(g_api->CustomOpDomain_Add(domain, &g_paged_attention));
-  KVF_TRY(g_api->CustomOpDomain_Add(domain, &g_paged_attention_rope));
-  KVF_TRY(kvforge_matmul::add_ops(domain, g_api));
-  KVF_TRY(kvforge_swiglu::add_ops(domain, g_api));
-  return g_api->AddCustomOpDomain(options, domain);
-}
+}  // namespace kvforge_attention
+#endif  // HWY_ONCE

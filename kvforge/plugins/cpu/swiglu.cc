@@ -7,11 +7,18 @@
 // ~340 node launches per layer and the round trips of the split halves. Element by element, so a row's result is
 // the same whatever the row count (verification rows equal decode rows). sigmoid(g) = 1 / (1 + exp(-g)) with the
 // attention kernel's exp (vector_exp.h), then (g * sigmoid(g)) * u, the graph's order of products.
+//
+// Compiled per target (Highway's foreach_target, cpu_target.h says which runs): AVX-512 keeps its intrinsics, the
+// other targets share one Highway loop with vector_exp.h's Exp. A tail shorter than a vector uses std::exp.
+
+#ifndef KVFORGE_SWIGLU_COMMON
+#define KVFORGE_SWIGLU_COMMON
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
 #include <onnxruntime_c_api.h>
 
+#include "cpu_target.h"
 #include "ort_op.h"
-#include "vector_exp.h"
 
 #include <algorithm>
 #include <cmath>
@@ -39,17 +46,43 @@ struct Call {
   const float* x;  // [rows, 2 * width]
   float* y;        // [rows, width]
   int64_t width;
+  int64_t rows;
 };
+
+}  // namespace
+}  // namespace kvforge_swiglu
+#endif  // KVFORGE_SWIGLU_COMMON
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "swiglu.cc"
+#include <hwy/foreach_target.h>  // re-includes this file once per target
+#include <hwy/highway.h>
+
+#include "vector_exp.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace kvforge_swiglu {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
 
 void swiglu_row(const float* gate, const float* up, float* out, int64_t width) {
   int64_t i = 0;
-#if defined(__AVX512F__)
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
   const __m512 one = _mm512_set1_ps(1.0f);
   for (; i + 16 <= width; i += 16) {
     const __m512 g = _mm512_loadu_ps(gate + i);
-    const __m512 e = kvforge_simd::exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    const __m512 e = kvforge_simd::HWY_NAMESPACE::exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
     const __m512 sigmoid = _mm512_div_ps(one, _mm512_add_ps(one, e));
     _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), _mm512_loadu_ps(up + i)));
+  }
+#else
+  const hn::CappedTag<float, 16> d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  const auto one = hn::Set(d, 1.0f);
+  for (; i + N <= width; i += N) {
+    const auto g = hn::LoadU(d, gate + i);
+    const auto sigmoid = hn::Div(one, hn::Add(one, kvforge_simd::HWY_NAMESPACE::Exp(d, hn::Neg(g))));
+    hn::StoreU(hn::Mul(hn::Mul(g, sigmoid), hn::LoadU(d, up + i)), d, out + i);
   }
 #endif
   for (; i < width; ++i) {
@@ -64,7 +97,25 @@ void row_item(void* data, size_t row) {
   swiglu_row(x, x + c.width, c.y + static_cast<int64_t>(row) * c.width, c.width);
 }
 
+OrtStatus* Run(OrtKernelContext* ctx, const Call* call) {
+  Call& c = *const_cast<Call*>(call);
+  if (c.rows > 1 && c.rows * c.width >= kParallelElements)
+    return g_api->KernelContext_ParallelFor(ctx, row_item, static_cast<size_t>(c.rows), 0, &c);
+  for (int64_t row = 0; row < c.rows; ++row) row_item(&c, static_cast<size_t>(row));
+  return nullptr;
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace kvforge_swiglu
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace kvforge_swiglu {
+HWY_EXPORT(Run);
+namespace {
+
 OrtStatus* ORT_API_CALL compute(void*, OrtKernelContext* ctx) {
+  if (const char* why = kvforge_cpu::forced_target_problem()) return error(why);
   const OrtValue* input = nullptr;
   KVF_SG_TRY(g_api->KernelContext_GetInput(ctx, 0, &input));
   if (!input) return error("input X is missing");
@@ -93,11 +144,8 @@ OrtStatus* ORT_API_CALL compute(void*, OrtKernelContext* ctx) {
   const void* x = nullptr;
   KVF_SG_TRY(g_api->GetTensorData(input, &x));
   if (rows == 0 || width == 0) return nullptr;
-  Call c{static_cast<const float*>(x), static_cast<float*>(y), width};
-  if (rows > 1 && rows * width >= kParallelElements)
-    return g_api->KernelContext_ParallelFor(ctx, row_item, static_cast<size_t>(rows), 0, &c);
-  for (int64_t row = 0; row < rows; ++row) row_item(&c, static_cast<size_t>(row));
-  return nullptr;
+  Call c{static_cast<const float*>(x), static_cast<float*>(y), width, rows};
+  return HWY_DYNAMIC_DISPATCH(Run)(ctx, &c);
 }
 
 OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo*, void** kernel) {
@@ -148,3 +196,4 @@ OrtStatus* add_ops(OrtCustomOpDomain* domain, const OrtApi* api) {
 }
 
 }  // namespace kvforge_swiglu
+#endif  // HWY_ONCE

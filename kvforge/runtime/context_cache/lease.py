@@ -2,13 +2,32 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from kvforge.runtime.context_cache.keys import KeyExtras
-from kvforge.runtime.context_cache.parts import Parted
 from kvforge.runtime.context_cache.planner import PlanKind
 from kvforge.runtime.types import LookupPolicy
+
+# A request's input to the cache types, one entry per type that reads one (keyed by the type's name; each type's
+# module defines what its entry is and the helper that reads it): speculative decoding with a draft pool, document
+# spans, a document's standalone prefill, a new type's own input. A type without an entry reads its default.
+Inputs = Mapping[str, Any]
+NO_INPUTS: Inputs = MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
+class Prerequisite:
+    """A request a type needs computed before an admission can use what it produces (a document's stored form): the
+    admission's tokens [start, start + length) alone, from position 0, admitted with `inputs`. `key` names what it
+    produces: the scheduler queues one request per key."""
+
+    key: bytes
+    start: int
+    length: int
+    inputs: Inputs = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -24,17 +43,11 @@ class Admission:
     lookup_policy: LookupPolicy = LookupPolicy.USE_CACHE
     indexable_tokens: int | None = None  # None = all of token_ids
     keys: list[bytes] | None = None
-    # A request that decodes speculatively: the types a speculative decoder needs take part in its admission (and may
-    # narrow its hit to what they can serve too).
-    speculative: bool = False
-    # Document spans (start, length) of the prompt, for the document type's lookup (issue 37), and whether this
-    # admission is a document's standalone prefill at position 0 (its stored form is captured when it publishes).
-    documents: tuple[tuple[int, int], ...] = ()
-    produces_document: bool = False
+    inputs: Inputs = field(default_factory=dict)  # cache type name -> that type's input (see `Inputs`)
 
 
 @dataclass(slots=True, eq=False)
-class Lease(Parted):
+class Lease:
     """One sequence's hold on the pool. Token layout of its page-table row (T tokens per page):
 
         |<-- reuse_tokens: hit pages (shared, pinned) -->|<-- computed here: private pages ---------->|

@@ -1,19 +1,20 @@
 """The context-cache coordinator: sole owner of the KV pages; admission asks before it changes anything.
 
 With reuse disabled it is a plain page allocator (no lookup, no index, no records), so both modes run
-the same code path. The scheduler talks to it through five calls:
+the same code path. The scheduler talks to it through these calls:
 
+    prerequisites(admission) -> list        requests the types need computed first (a document's prefill)
     prefix_in_flight(admission) -> bool     another running sequence is computing this prefix: wait for it
     try_acquire(admission) -> Lease | None  pages for a new sequence, or None when the pool cannot hold it now
     try_grow(lease, num_tokens) -> bool     more pages for a running sequence, or False (the caller preempts)
     index_computed(lease, tokens, n)        pages finished by a prefill chunk become findable at once
     publish(lease, tokens) / release(lease) a record for a finished sequence; return the lease's pages
+    restore(lease) / finish_restore(lease)  copy an admitted lease's hits in (each type's copier), then unpin them
 
-The coordinator knows records, leases and eviction; what each kind of state is, how its hits are found and what a
-lease or record holds of it lives in one class per resource type behind the `CacheType` protocol (protocol.py),
-registered in registry.py; each keeps its own part of every lease, record, plan and publication. The coordinator
-loops over the types present; each registered factory decides from the `Deployment` (and the keyword options it
-reads) whether its type is:
+The coordinator knows records, leases and eviction; what each kind of state is, how its hits are found, what a lease
+or record holds of it, its request input and its counters live in one class per type behind the `CacheType`
+protocol (protocol.py), registered in registry.py. Each registered factory decides from the `Deployment` (and the
+keyword options it reads) whether its type is:
 
     VANILLA         AttentionPages (page index, in-flight sharing) + PartialTails (snapshots of tail pages)
     HYBRID          AttentionPages + RecurrentCheckpoints + PartialTails (a checkpoint's tail page)
@@ -25,27 +26,14 @@ before it agreed on), one commit tail (`_commit`) and one eviction point (`_evic
 listener given at construction (an external tier), once per event. Keys chain from `chain_root` (keys.py: an
 engine fingerprint's digest, or CHAIN_ROOT within one process).
 
-With a partial-KV snapshot pool (`partial_kv_snapshot_slots` > 0) a publication whose length is not page-aligned
-also keeps a copy of its partial tail page, and an admission that extends that exact prefix gets a snapshot to
-restore (the tails' part of its lease): the engine copies it into the lease's first private page (the
-`SnapshotCopier` given at construction and the engine's restore do the copies; this module never touches K/V bytes)
-and calls `finish_restore`. A capture that finds no slot, even after evicting records that hold snapshots, is
-skipped and counted (`snapshot_pressure_skips`); the publication then keeps only the full pages. None of the calls
-raises for a full pool: only a request that cannot fit alone in empty pools is an error (the engine's `fits_alone`).
+With a partial-KV snapshot pool a publication that is not page-aligned also keeps a copy of its tail page, and an
+admission extending that exact prefix restores it into its first private page (the types' copiers move the bytes;
+this module never touches K/V) before `finish_restore`. A capture that finds no slot, even after evicting, is
+skipped and counted (`snapshot_pressure_skips`): the record keeps its full pages only. No call raises for a full
+pool: only a request that cannot fit alone in empty pools is an error (the engine's `fits_alone`).
 
-Hybrid and pure recurrent deployments reuse ONLY exact checkpoints: a recurrent layer's state after L tokens cannot
-be rebuilt from KV pages, so a page hit without the state is worthless. A checkpoint is a record of exactly L tokens
-holding a recurrent snapshot and, on a hybrid with L not page-aligned, a partial-KV snapshot of its tail page, plus
-(hybrid) cache refs on its floor(L/T) full pages. Token layout of a hybrid lease resuming from L = h*T + r tokens:
-
-    |<-- reuse_tokens = L ----------------------------------------->|
-    | page 0 | ... | page h-1 (hits: the checkpoint's canonical pages)| page h: r restored tokens, computing ->| ... |
-                                                                    |<- its partial-KV snapshot ------------->|
-    recurrent + conv state of the sequence <- the checkpoint's recurrent snapshot (state after exactly L tokens)
-
-The longest checkpoint the index's matching pages agree with is the hit; none: a cold start (zeroed state).
-Publication is capture: `publish(lease, tokens)` runs at chat-message boundaries, snapshot intervals and the prefill
-and decode ends, each time with exactly the tokens the lease has computed. Nothing is indexed in flight there.
+Hybrid and pure recurrent deployments reuse ONLY exact checkpoints (a recurrent state cannot be rebuilt from
+pages): every publication there is one, of exactly the tokens the lease computed (types/recurrent_checkpoints.py).
 """
 
 from __future__ import annotations
@@ -61,11 +49,11 @@ from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.paging import pages_for
 from kvforge.contract.profile_schema import BASE_KV_PAGES, PARTIAL_KV_SNAPSHOTS, RECURRENT_SNAPSHOTS
 from kvforge.runtime.context_cache.audit import check_invariants
-from kvforge.runtime.context_cache.capture import SnapshotCopier
+from kvforge.runtime.context_cache.capture import Copiers, SnapshotCopier, snapshot_copiers
 from kvforge.runtime.context_cache.eviction import plan_eviction
 from kvforge.runtime.context_cache.index import PageIndex
 from kvforge.runtime.context_cache.keys import CHAIN_ROOT, KeyExtras, page_keys, tail_page_key
-from kvforge.runtime.context_cache.lease import Admission, Lease
+from kvforge.runtime.context_cache.lease import NO_INPUTS, Admission, Inputs, Lease, Prerequisite
 from kvforge.runtime.context_cache.metrics import CacheMetrics
 from kvforge.runtime.context_cache.planner import ReusePlan, plan_cold
 from kvforge.runtime.context_cache.pools import Demand, ResourcePool, ResourcePools
@@ -102,10 +90,11 @@ def _bookkept(method: F) -> F:
 class ContextCacheManager:
     def __init__(self, num_pages: int, tokens_per_page: int, *, enabled: bool,
                  max_records: int = DEFAULT_MAX_RECORDS, deployment: Deployment = Deployment.VANILLA,
-                 copier: SnapshotCopier | None = None, chain_root: bytes = CHAIN_ROOT,
+                 copier: SnapshotCopier | None = None, copiers: Copiers | None = None, chain_root: bytes = CHAIN_ROOT,
                  events: CacheEvents | None = None, types: Sequence[Registration] | None = None,
                  **options: Any) -> None:
-        """`copier` moves snapshot bytes (the engine's state manager); without one no snapshot is ever captured.
+        """`copiers`: what moves each type's bytes, by type name; `copier` is the snapshot types' (the engine's state
+        manager): without one no snapshot is ever captured.
         `chain_root` roots every key (keys.chain_root of an engine fingerprint); `events` hears lookups, commits
         and evictions (an external tier). `types`: the cache types to build (default: every registered one);
         `options`: what those types read (their budgets, e.g. `partial_kv_snapshot_slots`,
@@ -123,17 +112,20 @@ class ContextCacheManager:
         self.chain_root = chain_root
         self.events: CacheEvents = NoEvents() if events is None else events
         self.copier = copier
+        copiers = {**snapshot_copiers(copier), **(copiers or {})}
         self.records = RecordStore()
         self.metrics = CacheMetrics()
         self.leases: set[Lease] = set()
         self.bookkeeping_nanoseconds = 0  # all calls below, for benchmarks (the profile has planning time)
-        setup = CacheSetup(enabled, self.deployment, num_pages, tokens_per_page, chain_root, copier, self.records,
+        setup = CacheSetup(enabled, self.deployment, num_pages, tokens_per_page, chain_root, copiers, self.records,
                            self.metrics, options, self._reserve_timed)
         # The deployment picks the types (each factory decides); everything below asks the types, never the
         # deployment. A type the deployment does not use still lists its pool, empty, in the profile.
-        built = [(entry.name, entry.factory(setup, entry.name)) for entry in registrations]
-        self.types: tuple[CacheType, ...] = tuple(kind for _name, kind in built if kind is not None)
-        self.pools = ResourcePools(*(ResourcePool(name, 0) if kind is None else kind.pool for name, kind in built))
+        built = [(entry, entry.factory(setup, entry.name)) for entry in registrations]
+        self.types: tuple[CacheType, ...] = tuple(kind for _entry, kind in built if kind is not None)
+        self.pools = ResourcePools(*(ResourcePool(entry.name, 0) if kind is None else kind.pool
+                                     for entry, kind in built))
+        self._counted = [(entry.counters, kind) for entry, kind in built if entry.counters]  # absent: zeros
         # The page table's type, if any: its index answers the audits and which record a page hit ends on.
         self.attention = next((kind for kind in self.types if isinstance(kind, AttentionPages)), None)
         self.index = PageIndex() if self.attention is None else self.attention.index
@@ -163,10 +155,7 @@ class ContextCacheManager:
     @property
     def in_flight(self) -> Mapping[bytes, Lease]:
         """Read-only view of the pages running sequences are computing: page key -> the lease computing it."""
-        merged: dict[bytes, Lease] = {}
-        for kind in self.types:
-            merged.update(kind.in_flight_pages())
-        return merged
+        return {key: lease for kind in self.types for key, lease in kind.in_flight_pages().items()}
 
     # --- questions (no side effects beyond caching an admission's keys) -----------------------------
 
@@ -182,6 +171,11 @@ class ContextCacheManager:
             return False
         lookup = self._lookup(admission, np.asarray(admission.token_ids, dtype=np.int32))
         return any(kind.waits_for(lookup) for kind in self.types)
+
+    def prerequisites(self, admission: Admission) -> list[Prerequisite]:
+        """What the types need computed before `admission` can use it (the scheduler queues these first)."""
+        return [need for kind in self.types for need in kind.prerequisites(admission)] if self._looks_up(
+            admission) else []
 
     # --- acquire ------------------------------------------------------------------------------------
 
@@ -199,10 +193,10 @@ class ContextCacheManager:
             plan = self._find_longest_hit(found)
         else:
             plan = self._cold(len(tokens))
-        lease = self._try_acquire(plan, admission.extras, lookup, admission.speculative)
+        lease = self._try_acquire(plan, admission.extras, lookup, admission.inputs)
         if lease is None and plan.hit_pages:
             # Pinned hits can leave too little to evict; a cold run may still fit (evicting those records).
-            lease = self._try_acquire(self._cold(len(tokens)), admission.extras, False, admission.speculative)
+            lease = self._try_acquire(self._cold(len(tokens)), admission.extras, False, admission.inputs)
             if lease is not None:
                 lease.forced_cold = True
         if lease is not None:
@@ -222,8 +216,7 @@ class ContextCacheManager:
         if admission.keys is None:
             admission.keys = page_keys(admission.token_ids, self.tokens_per_page, admission.extras,
                                        parent=self.chain_root)
-        return Lookup(tokens, admission.keys, admission.extras, speculative=admission.speculative,
-                      documents=admission.documents, produces_document=admission.produces_document)
+        return Lookup(tokens, admission.keys, admission.extras, inputs=admission.inputs)
 
     def _cold(self, num_tokens: int) -> ReusePlan:
         return plan_cold(num_tokens, self.tokens_per_page, paged=self.paged)
@@ -238,12 +231,12 @@ class ContextCacheManager:
         return plan
 
     def _try_acquire(self, plan: ReusePlan, extras: KeyExtras, may_publish: bool,
-                     speculative: bool = False) -> Lease | None:
+                     inputs: Inputs = NO_INPUTS) -> Lease | None:
         reused = [(kind.pool, kind.hit_slots(plan)) for kind in self.types]
         for pool, slots in reused:
             pool.pin(slots)  # pin before evicting: the plan's own hits are never victims
         # The record a snapshot or checkpoint hit resumes from is never a victim of its own admission.
-        needs = [kind.admission_slots(plan, speculative) for kind in self.types]
+        needs = [kind.admission_slots(plan, inputs) for kind in self.types]
         victims = plan_eviction({kind.name: n for kind, n in zip(self.types, needs, strict=True) if n}, self.pools,
                                 self.records.least_recent_first(), protected=plan.resumes, held_by=self._held)
         if victims is None:
@@ -253,7 +246,7 @@ class ContextCacheManager:
         self._evict(victims)
         lease = Lease(extras, [], plan.reuse_tokens, plan.matched_tokens, plan.kind, may_publish)
         for kind, n in zip(self.types, needs, strict=True):
-            kind.admit(lease, plan, speculative, kind.pool.allocate(n))
+            kind.admit(lease, plan, inputs, kind.pool.allocate(n))
         if plan.resumes is not None:  # the checkpoint or snapshot this request resumes from stays resident longest
             self.records.touch(plan.resumes)
         elif plan.hit_pages:  # a hit refreshes the record it ends on, so reused documents stay resident
@@ -264,18 +257,23 @@ class ContextCacheManager:
         return lease
 
     @_bookkept
+    def restore(self, lease: Lease) -> None:
+        """Copy the lease's hits in, type by type through each one's copier (the scheduler calls it once the
+        sequence holds its pages and state row), then `finish_restore`."""
+        for kind in self.types:
+            kind.restore(lease)
+
+    @_bookkept
     def finish_restore(self, lease: Lease) -> None:
-        """The engine copied the lease's snapshots (partial page, recurrent state) in: unpin them (their record
-        keeps them). One restore per request, whatever it copied."""
-        if any([kind.finish_restore(lease) for kind in self.types]):  # a list: every type unpins
-            self.metrics.restores += 1
+        """The lease's snapshots were copied in: unpin them (their record keeps them). One restore per request."""
+        self.metrics.restores += any([kind.finish_restore(lease) for kind in self.types])  # a list: every type
 
     # --- grow ---------------------------------------------------------------------------------------
 
     @_bookkept
     def try_grow(self, lease: Lease, num_tokens: int) -> bool:
-        """Make the lease's slots cover positions [0, num_tokens), evicting records if needed; False (and
-        nothing changed) when the pools cannot, so the scheduler can preempt another sequence and retry."""
+        """Make the lease's slots cover positions [0, num_tokens), evicting records if needed; False (nothing
+        changed) when the pools cannot: the scheduler preempts another sequence and retries."""
         needs = [kind.growth_slots(lease, num_tokens) for kind in self.types]
         if not any(needs):
             return True
@@ -291,10 +289,9 @@ class ContextCacheManager:
 
     @_bookkept
     def index_computed(self, lease: Lease, token_ids: list[int] | np.ndarray, num_computed: int) -> None:
-        """Index the lease's full pages among its first `num_computed` tokens (up to its indexable limit), so
-        a request arriving mid-prefill hits the chunks already done. No record: the pages stay pinned by
-        the lease, and a lease released without publishing takes them back with it. Nothing on a checkpoint
-        deployment: there a page is indexed on publication, with its checkpoint (no page is indexable)."""
+        """Index the lease's full pages among its first `num_computed` tokens (up to its indexable limit), so a
+        request arriving mid-prefill hits the chunks already done (no record: the lease pins them). Nothing on a
+        checkpoint deployment: there a page is indexed on publication, with its checkpoint."""
         if not (self.enabled and lease.may_publish):
             return
         upto = min(num_computed // self.tokens_per_page, lease.indexable_pages, len(lease.page_ids))
@@ -314,9 +311,8 @@ class ContextCacheManager:
         recompute after preemption crossing the prompt's end) must not publish that point: the live state would
         be filed under a shorter key. `boundary` marks a mid-sequence capture (metrics only).
 
-        Snapshot slots are reserved first (evicting LRU records that hold some), so the eviction can never free a
-        canonical page this record is about to reference. No slot: a checkpoint is skipped, a plain record keeps
-        only its full pages; both are counted, never an error.
+        Snapshot slots are reserved first (evicting LRU records), so no eviction frees a page this record is about
+        to reference. No slot: a checkpoint is skipped, a plain record keeps its full pages (counted, no error).
         """
         if not (self.enabled and lease.may_publish):
             return PublishResult.SKIPPED
@@ -405,9 +401,8 @@ class ContextCacheManager:
         return True
 
     def _drop_reserved(self, publication: Publication) -> None:
-        for name, slots in publication.reserved.items():
-            self.pools[name].unpin(slots)
-        publication.reserved.clear()
+        for name in list(publication.reserved):
+            self.pools[name].unpin(publication.reserved.pop(name))
 
     def _capture(self, lease: Lease, publication: Publication, boundary: bool) -> None:
         """Copy the reserved snapshots, type by type (a checkpoint's recurrent state first). One wait for the call
@@ -492,8 +487,13 @@ class ContextCacheManager:
 
     # --- reporting and audits -----------------------------------------------------------------------
 
+    def page_tables(self, lease: Lease) -> dict[str, list[int]]:
+        """The lease's tables of the page groups beside the global one, each from the type that owns it."""
+        return {group: table for kind in self.types for group, table in kind.page_tables(lease).items()}
+
     def profile(self) -> dict:
-        return self.metrics.to_dict(len(self.records), self.pools.to_dict())
+        blocks = {block.name: block.zeros() if kind is None else kind.counters() for block, kind in self._counted}
+        return self.metrics.to_dict(len(self.records), self.pools.to_dict(), blocks)
 
     def check_invariants(self) -> None:
         """Audit every refcount, index entry and in-flight key from scratch (tests call this after each step)."""

@@ -1,13 +1,47 @@
-"""Context-cache counters, cumulative over the process (warmup included), for the profile's context_cache block."""
+"""Context-cache counters, cumulative over the process (warmup included), for the profile's context_cache block.
+
+The coordinator's counters are fields here; a cache type's own counters are its block (`CounterBlock`, declared at
+its registration): the type counts into it, the profile lists it as `context_cache.<block>` (zeros where the
+deployment has no such type) and /metrics exports the series its `samples` read, so a type's counters are read and
+written in its own module.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from kvforge.contract import profile_schema as schema
 from kvforge.runtime.context_cache.lease import Lease
 from kvforge.runtime.context_cache.planner import ReusePlan
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One Prometheus series a type exports from the profile (`name` without the server's `kvforge_` prefix)."""
+
+    kind: Literal["counter", "gauge"]
+    name: str
+    help: str
+    value: float
+
+
+def no_samples(cache: Mapping[str, Any]) -> Iterable[Sample]:
+    return ()
+
+
+@dataclass(frozen=True, slots=True)
+class CounterBlock:
+    """A cache type's counters: the profile's `context_cache.<name>` block with these `keys` (in this order), and
+    the /metrics series `samples` reads from a whole context_cache block (the type's, its pool's, ...)."""
+
+    name: str
+    keys: tuple[str, ...]
+    samples: Callable[[Mapping[str, Any]], Iterable[Sample]] = no_samples
+
+    def zeros(self) -> dict[str, int]:
+        return dict.fromkeys(self.keys, 0)
 
 
 @dataclass(slots=True)
@@ -30,14 +64,7 @@ class CacheMetrics:
     boundary_captures: int = 0  # checkpoints captured mid-sequence (chat-message boundary, interval): benchmarks only
     endpoint_captures: int = 0  # checkpoints captured at a prefill or decode end: benchmarks only
     records_evicted: int = 0
-    full_page_replays: int = 0  # speculative hits that recomputed their final matched page in base and draft
-    pair_publications: int = 0  # records committed or upgraded with a draft path beside their base pages
-    window_hits: int = 0  # admissions that took a record's sliding-window pages
-    window_skips: int = 0  # records published without a window (the lease no longer held it all)
     reclaimed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(schema.POOL_KEYS, 0))
-    documents: dict[str, int] = field(default_factory=lambda: dict.fromkeys(schema.DOCUMENT_KEYS, 0))  # issue 37
-    adapter_corrections: dict[str, int] = field(  # issue 39
-        default_factory=lambda: dict.fromkeys(schema.CORRECTION_KEYS, 0))
 
     def count_admission(self, plan: ReusePlan, lease: Lease, lookup: bool) -> None:
         """An admitted sequence, planned as `plan` (`lookup`: it looked the cache up)."""
@@ -51,14 +78,14 @@ class CacheMetrics:
         if lookup:
             self.plans[plan.kind] += 1
             self.matched_tokens += plan.matched_tokens
-        if plan.replayed_page and not lease.forced_cold:
-            self.full_page_replays += 1
         if lease.reuse_tokens > 0:
             self.hit_sequences += 1
             self.reused_tokens += lease.reuse_tokens
 
-    def to_dict(self, records_current: int, resource_pools: dict[str, dict[str, int]]) -> dict[str, Any]:
-        """The context_cache block; the schema's pools missing from `resource_pools` are listed empty."""
+    def to_dict(self, records_current: int, resource_pools: dict[str, dict[str, int]],
+                blocks: Mapping[str, Mapping[str, int]]) -> dict[str, Any]:
+        """The context_cache block: the coordinator's counters, then each type's `blocks` by name; the schema's pools
+        missing from `resource_pools` are listed empty."""
         return {
             schema.ADMITTED_SEQUENCES: self.admitted_sequences,
             schema.HIT_SEQUENCES: self.hit_sequences,
@@ -79,11 +106,7 @@ class CacheMetrics:
                 schema.SNAPSHOT_PRESSURE_SKIPS: self.snapshot_pressure_skips,
                 schema.CAPTURE_SYNCHRONIZATIONS: self.capture_synchronizations,
             },
-            schema.SPECULATIVE: {schema.FULL_PAGE_REPLAYS: self.full_page_replays,
-                                 schema.PAIR_PUBLICATIONS: self.pair_publications},
-            schema.DOCUMENTS: dict(self.documents),
-            schema.ADAPTER_CORRECTIONS: dict(self.adapter_corrections),
-            schema.SLIDING_WINDOW: {schema.WINDOW_HITS: self.window_hits, schema.WINDOW_SKIPS: self.window_skips},
+            **{name: dict(block) for name, block in blocks.items()},
             schema.PLANNING_NANOSECONDS: self.planning_nanoseconds,
             schema.RECORDS: {schema.RECORDS_CURRENT: records_current, schema.RECORDS_EVICTED: self.records_evicted},
             # Schema order first (every pool TensorRT Edge-LLM lists, zeros for types this deployment lacks).

@@ -20,7 +20,7 @@ from kvforge.contract.profile_schema import (
     PLAN_STANDARD,
 )
 from kvforge.runtime.context_cache.keys import MediaKey
-from kvforge.runtime.context_cache.parts import NO_PARTS, Parted
+from kvforge.runtime.context_cache.parts import NO_PARTS
 
 
 class PlanKind(str, Enum):
@@ -36,7 +36,7 @@ PLAN_BYPASS = PlanKind.BYPASS
 
 
 @dataclass(frozen=True, slots=True)
-class ReusePlan(Parted):
+class ReusePlan:
     """An admission's plan: what every type agreed it reuses. What a type adds beyond the pages (a snapshot to
     restore, another pool's pages) is its part in `parts`."""
 

@@ -18,9 +18,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvforge.runtime.context_cache.capture import SnapshotCopier
+from kvforge.runtime.context_cache.capture import Copiers
 from kvforge.runtime.context_cache.keys import KeyExtras
-from kvforge.runtime.context_cache.lease import Admission, Lease
+from kvforge.runtime.context_cache.lease import Admission, Inputs, Lease, Prerequisite
 from kvforge.runtime.context_cache.metrics import CacheMetrics
 from kvforge.runtime.context_cache.planner import ReusePlan
 from kvforge.runtime.context_cache.pools import Demand, ResourcePool
@@ -28,6 +28,8 @@ from kvforge.runtime.context_cache.records import Record, RecordStore
 from kvforge.runtime.types import Deployment
 
 _NOTHING_IN_FLIGHT: Mapping[bytes, Lease] = MappingProxyType({})
+_NO_COUNTERS: Mapping[str, int] = MappingProxyType({})
+_NO_TABLES: Mapping[str, list[int]] = MappingProxyType({})
 
 
 class PublishResult(str, Enum):
@@ -48,9 +50,7 @@ class Lookup:
     # The index's matching pages before any plan rule cut them, found once by the attention type so a type that
     # must agree with the pages (a hybrid's checkpoints) compares with the same list. None: no attention type.
     page_hits: list[int] | None = None
-    speculative: bool = False  # a speculative admission: hits must suit every type it takes part in
-    documents: tuple[tuple[int, int], ...] = ()  # the admission's document spans (start, length)
-    produces_document: bool = False  # the admission is a document's standalone prefill
+    inputs: Inputs = field(default_factory=dict)  # the admission's per-type inputs (lease.py `Inputs`)
 
 
 @dataclass(slots=True)
@@ -84,11 +84,15 @@ class CacheSetup:
     num_pages: int  # the base KV pool's size (the engine's build)
     tokens_per_page: int
     chain_root: bytes
-    copier: SnapshotCopier | None
+    copiers: Copiers  # cache type name -> what moves its bytes (each type's module names the protocol)
     records: RecordStore
     metrics: CacheMetrics
     options: Mapping[str, Any]  # the manager's keyword options, by name
     reserve: Callable[[Demand], bool]  # evict LRU records until `demand` is allocatable (False: pins forbid it)
+
+    def copier(self, name: str) -> Any:
+        """Type `name`'s copier, or None (bookkeeping only: the cache's own tests)."""
+        return self.copiers.get(name)
 
     @property
     def checkpoints(self) -> bool:
@@ -126,13 +130,18 @@ class CacheType(Protocol):
         """The slots of this pool an admission planned as `plan` reuses: pinned from admission until restored."""
         ...
 
-    def admission_slots(self, plan: ReusePlan, speculative: bool) -> int:
-        """New slots of this pool admitting `plan` takes (allocated after any eviction they need); `speculative`: the
-        admission decodes speculatively."""
+    def admission_slots(self, plan: ReusePlan, inputs: Inputs) -> int:
+        """New slots of this pool admitting `plan` takes (allocated after any eviction they need); `inputs`: the
+        admission's per-type inputs (this type reads its own entry)."""
         ...
 
-    def admit(self, lease: Lease, plan: ReusePlan, speculative: bool, slots: list[int]) -> None:
+    def admit(self, lease: Lease, plan: ReusePlan, inputs: Inputs, slots: list[int]) -> None:
         """Give the new lease its part: the plan's hits of this pool and the `slots` allocated for it."""
+        ...
+
+    def prerequisites(self, admission: Admission) -> Sequence[Prerequisite]:
+        """Requests to compute before `admission` (queued by the scheduler ahead of it), e.g. a document's
+        standalone prefill when it has no stored form yet. No side effects."""
         ...
 
     def on_admitted(self, lease: Lease, admission: Admission, num_tokens: int) -> None:
@@ -155,8 +164,13 @@ class CacheType(Protocol):
         """What running sequences are computing, by key (audits, tests)."""
         ...
 
+    def restore(self, lease: Lease) -> None:
+        """Copy the lease's hit of this type in through this type's copier (a snapshot into its first private page,
+        a checkpoint into its state), once the sequence holds what it is copied into."""
+        ...
+
     def finish_restore(self, lease: Lease) -> bool:
-        """The engine copied the lease's snapshot of this type in: unpin it. True when there was one."""
+        """The lease's snapshot of this type was copied in: unpin it. True when there was one."""
         ...
 
     def release(self, lease: Lease) -> None:
@@ -205,6 +219,15 @@ class CacheType(Protocol):
         """Assert what this type alone knows about the records and leases (check_invariants calls it)."""
         ...
 
+    def page_tables(self, lease: Lease) -> Mapping[str, list[int]]:
+        """The lease's tables of the page groups this type owns, by group (contract/paging.py PageGroup): what the
+        executor binds beside the global table. Empty: it owns none."""
+        ...
+
+    def counters(self) -> Mapping[str, int]:
+        """This type's counters, cumulative: the profile's block its registration names (`CounterBlock`)."""
+        ...
+
 
 class CacheTypeBase:
     """Every `CacheType` hook with a do-nothing answer: a type overrides the ones it needs."""
@@ -226,11 +249,14 @@ class CacheTypeBase:
     def hit_slots(self, plan: ReusePlan) -> tuple[int, ...]:
         return ()
 
-    def admission_slots(self, plan: ReusePlan, speculative: bool) -> int:
+    def admission_slots(self, plan: ReusePlan, inputs: Inputs) -> int:
         return 0
 
-    def admit(self, lease: Lease, plan: ReusePlan, speculative: bool, slots: list[int]) -> None:
+    def admit(self, lease: Lease, plan: ReusePlan, inputs: Inputs, slots: list[int]) -> None:
         pass
+
+    def prerequisites(self, admission: Admission) -> Sequence[Prerequisite]:
+        return ()
 
     def on_admitted(self, lease: Lease, admission: Admission, num_tokens: int) -> None:
         pass
@@ -246,6 +272,9 @@ class CacheTypeBase:
 
     def in_flight_pages(self) -> Mapping[bytes, Lease]:
         return _NOTHING_IN_FLIGHT
+
+    def restore(self, lease: Lease) -> None:
+        pass
 
     def finish_restore(self, lease: Lease) -> bool:
         return False
@@ -283,6 +312,12 @@ class CacheTypeBase:
     def audit(self, records: Sequence[Record], leases: Iterable[Lease]) -> None:
         pass
 
+    def page_tables(self, lease: Lease) -> Mapping[str, list[int]]:
+        return _NO_TABLES
+
+    def counters(self) -> Mapping[str, int]:
+        return _NO_COUNTERS
+
 
 class CacheEvents(Protocol):
     """What an external tier (a shared store below the in-process pool) listens to: the one lookup point, the one
@@ -318,16 +353,25 @@ class NoEvents:
 
 
 class SnapshotRestore(CacheTypeBase):
-    """The restore hooks of a snapshot type: a hit's part names one slot (`.slot`, None once restored), copied into
-    the lease at admission and pinned until `finish_restore`. Partial tails and recurrent checkpoints share them."""
+    """The hooks of a snapshot type: a hit's part names one slot (`.slot`, None once restored), copied into the lease
+    at admission and pinned until `finish_restore`; a record's part is the one slot reserved for it. Partial tails
+    and recurrent checkpoints share them."""
 
     __slots__ = ()
+
+    def record_part(self, publication: Publication) -> int | None:
+        slots = publication.reserved.get(self.name)
+        return slots[0] if slots else None
+
+    def held(self, record: Record) -> tuple[int, ...]:
+        slot = record.parts.get(self.name)
+        return () if slot is None else (slot,)
 
     def hit_slots(self, plan: ReusePlan) -> tuple[int, ...]:
         hit = plan.parts.get(self.name)
         return () if hit is None else (hit.slot,)
 
-    def admit(self, lease: Lease, plan: ReusePlan, speculative: bool, slots: list[int]) -> None:
+    def admit(self, lease: Lease, plan: ReusePlan, inputs: Inputs, slots: list[int]) -> None:
         hit = plan.parts.get(self.name)
         if hit is not None:
             lease.parts[self.name] = hit

@@ -9,11 +9,11 @@ from types import MappingProxyType
 from typing import Any
 
 from kvforge.runtime.context_cache.keys import KeyExtras
-from kvforge.runtime.context_cache.parts import NO_PARTS, Parted
+from kvforge.runtime.context_cache.parts import NO_PARTS
 
 
 @dataclass(frozen=True, slots=True)
-class Record(Parted):
+class Record:
     """An endpoint: its full pages, and for a length that is not page-aligned the key of its exact end (`tail_key`
     chains the tail tokens from the last full page's key, like a page key). Whatever else it keeps (a snapshot of its
     tail page, a recurrent snapshot, a path of a second model's pages) is one part per cache type in `parts`, which

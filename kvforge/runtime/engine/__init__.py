@@ -18,6 +18,7 @@ _EXPORTS = {
     "RequestOutput": "kvforge.runtime.engine.output",
     "SampleResult": "kvforge.runtime.sampling.sampler",
     "FinishReason": "kvforge.runtime.sequence",
+    "cache_samples": "kvforge.runtime.context_cache.registry",  # /metrics: each cache type's series
 }
 
 

@@ -20,10 +20,12 @@ from kvforge.contract.geometry import snapshot_slots
 from kvforge.contract.memory import available_memory_bytes, check_fits_memory
 from kvforge.contract.model_config import ModelConfig
 from kvforge.contract.rope import rope_table
-from kvforge.contract.speculation import spec_decode_help
+from kvforge.contract.speculation import BLOCK_DRAFTS, DRAFT_METHODS, TREE_METHODS, in_words, spec_decode_help
 from kvforge.contract.window_pool import window_call_tokens
 from kvforge.runtime.context_cache.keys import EngineFingerprint, chain_root
 from kvforge.runtime.context_cache.manager import DEFAULT_MAX_RECORDS
+from kvforge.runtime.context_cache.registry import support_rows
+from kvforge.runtime.context_cache.support import check_support
 from kvforge.runtime.context_cache.types.document_chunks import (  # noqa: F401 - REPAIR_POLICIES is re-exported
     DEFAULT_REPAIR,
     REPAIR_POLICIES,
@@ -31,7 +33,7 @@ from kvforge.runtime.context_cache.types.document_chunks import (  # noqa: F401 
 from kvforge.runtime.engine.state import CheckpointPolicy
 from kvforge.runtime.execution.kv_store import ROTATION_CHECK_TOLERANCE, check_rotation
 from kvforge.runtime.inputs.multimodal.encoder_cache import DEFAULT_ENCODER_CACHE_BUDGET_BYTES
-from kvforge.runtime.shared_tier.secret import SECRET_ENV, check_secret
+from kvforge.runtime.shared_tier.secret import READ_SECRETS_ENV, SECRET_ENV, check_secret
 from kvforge.runtime.shared_tier.store import check_store_url
 from kvforge.runtime.spec.methods import (  # noqa: F401 - the draft sizes are re-exported for the front ends
     DEFAULT_SPEC_DRAFT_TOKENS,
@@ -142,7 +144,12 @@ class EngineConfig:
     shared_cache_secret: str | None = field(default=None, repr=False, metadata={OPTION: EngineOption(
         "--sharedCacheSecret", "With --sharedCache: a secret every process sharing the tier is given; values are "
         f"then authenticated (a forged or altered value is a miss). Prefer the {SECRET_ENV} environment variable "
-        "(a flag shows in the process list). See docs/shared-tier.md.")})
+        "(a flag shows in the process list). At least 16 bytes. See docs/shared-tier.md.")})
+    # Rotation: secrets values are also read with (never written with); a value one of them opens is not replaced.
+    shared_cache_read_secrets: tuple[str, ...] = field(default=(), repr=False, metadata={OPTION: EngineOption(
+        "--sharedCacheReadSecret", "With --sharedCacheSecret: another secret values are also read with (repeatable; "
+        f"or {READ_SECRETS_ENV}, comma-separated), never written with: rotate by adding the new secret here on "
+        "every process, then making it the --sharedCacheSecret, then dropping the old one. See docs/shared-tier.md.")})
     shared_cache_encrypt: bool = _option(
         False, "--sharedCacheEncrypt", "With --sharedCache and a tier secret: also encrypt values (AES-GCM), so the "
         "store holds no prompt tokens or K/V in clear. Needs the cryptography package (kvforge[tier]).")
@@ -178,7 +185,7 @@ class EngineConfig:
         "when full, new pages are cached without factors. 0 = the KV pool's pages times the corrected adapters.")
     spec_decode: str = _option(SPEC_OFF, "--specDecode", spec_decode_help())  # one sentence per support row
     dflash_block_size: int = _option(
-        0, "--dflashBlockSize", "With --specDecode dflash, dspark or jetspec: positions one block call drafts over "
+        0, "--dflashBlockSize", f"With --specDecode {in_words(BLOCK_DRAFTS)}: positions one block call drafts over "
         "(the pending token and blockSize - 1 masks, so up to blockSize - 1 proposed tokens). 0 (default) = the block "
         "the draft was trained on; smaller blocks verify fewer tokens. --specDraftStep does not apply to block drafts.")
     dspark_scheduler: str = _option(
@@ -194,14 +201,15 @@ class EngineConfig:
     dspark_max_proposal_len: int = _option(
         0, "--dsparkMaxProposalLen", "With --specDecode dspark: propose at most this many tokens (0 = the block).")
     spec_draft_engine_dir: str | None = _option(
-        None, "--specDraftEngineDir", "With --specDecode eagle3, dflash, dspark or jetspec: the draft's engine dir "
+        None, "--specDraftEngineDir", f"With --specDecode {in_words(DRAFT_METHODS)}: the draft's engine dir "
         "(default ENGINEDIR/draft).",
         path=True)
     spec_draft_step: int = _option(
         DEFAULT_SPEC_DRAFT_TOKENS, "--specDraftStep", "With --specDecode: tokens proposed per step for each decoding "
         "request (the verify call computes this many more positions); with --specDraftTopK > 1, the tree's depth.")
     spec_draft_top_k: int = _option(
-        1, "--specDraftTopK", "With --specDecode eagle3 or jetspec: candidates per drafting step. 1 (default) drafts "
+        1, "--specDraftTopK", f"With --specDecode {in_words(TREE_METHODS)}: candidates per drafting step. 1 (default) "
+        "drafts "
         "a chain; k > 1 drafts a tree (each step expands the k best nodes into their k best children) and the base "
         "verifies its best --specVerifySize - 1 nodes in one masked call (jetspec: best-first over each depth's top k "
         "from one block call). Needs engines built with --specBase/--specDraft on the kvforge CPU kernel.")
@@ -232,6 +240,28 @@ def engine_options() -> dict[str, tuple[Any, EngineOption]]:
 def engine_flags() -> dict[str, str]:
     """Field name → CLI flag, for the fields a CLI offers (error messages name the flag, not the field)."""
     return {name: option.flag for name, (_, option) in engine_options().items() if option.flag}
+
+
+# The --help panel (typer's rich_help_panel) each CLI flag of EngineConfig is listed under; fields not named here
+# (the engine basics: threads, chunking, encoders) stay in the command's own "Options" panel.
+ENGINE_OPTION_PANELS: dict[str, tuple[str, ...]] = {
+    "Context reuse": ("enable_context_reuse", "context_cache_max_records",
+                      "context_cache_partial_kv_snapshot_pool_bytes", "context_cache_recurrent_snapshot_pool_bytes",
+                      "snapshot_message_boundaries", "snapshot_interval_tokens"),
+    "Shared KV tier": ("shared_cache", "shared_cache_timeout_ms", "shared_cache_secret", "shared_cache_encrypt"),
+    "Routers (KV events)": ("kv_events_endpoint", "kv_events_topic"),
+    "Documents and adapter corrections": ("document_reuse", "document_repair", "lora_corrections",
+                                          "lora_correction_pages"),
+    "Speculative decoding": ("spec_decode", "dflash_block_size", "dspark_scheduler", "dspark_confidence_threshold",
+                             "dspark_min_proposal_len", "dspark_max_proposal_len", "spec_draft_engine_dir",
+                             "spec_draft_step", "spec_draft_top_k", "spec_verify_size", "spec_prompt_lookup_min",
+                             "spec_prompt_lookup_max"),
+}
+
+
+def engine_option_panel(name: str) -> str | None:
+    """The --help panel EngineConfig field `name`'s flag is listed under (None: the command's "Options")."""
+    return next((panel for panel, names in ENGINE_OPTION_PANELS.items() if name in names), None)
 
 
 def make_engine_config(options: Mapping[str, Any]) -> EngineConfig:
@@ -283,19 +313,15 @@ def resolve_engine_config(config: EngineConfig, engine: EngineDir, *, num_pages:
             raise InvalidConfig("a shared tier is a second level of context reuse: it needs enable_context_reuse",
                                 "shared_cache")
         check_store_url(config.shared_cache, config.shared_cache_timeout_ms / 1e3)
-        check_secret(config.shared_cache_secret, encrypt=config.shared_cache_encrypt)
+        check_secret(config.shared_cache_secret, encrypt=config.shared_cache_encrypt,
+                     read_secrets=config.shared_cache_read_secrets)
     if config.encoder_cache_budget_bytes < 0:
         raise InvalidConfig(f"must be >= 0, got {config.encoder_cache_budget_bytes}", "encoder_cache_budget_bytes")
-    # Before the snapshot budgets: a recurrent engine's missing budget is not what stops document reuse there.
-    _check_document_reuse(config, engine, deployment, method, base)
-    if build.window_pool_pages:  # what keeps or reads K/V through the global page table alone
-        for option, value in (("spec_decode", config.spec_decode != SPEC_OFF), ("shared_cache", config.shared_cache),
-                              ("document_reuse", config.document_reuse),
-                              ("context_cache_partial_kv_snapshot_pool_bytes",
-                               config.context_cache_partial_kv_snapshot_pool_bytes)):
-            if value:
-                raise InvalidConfig("is not served on an engine built with --slidingWindowPool yet (rebuild without "
-                                    "it)", option)
+    # Before the snapshot budgets: a recurrent engine's missing budget is not what stops document reuse there. The
+    # cache types' support rows refuse what each one turned on cannot run with (engines, speculation, a
+    # sliding-window group, a shared tier, reuse off: context_cache/support.py).
+    check_support(support_rows(), config, build, deployment)
+    _check_document_reuse(config, engine)
     partial = _partial_kv_snapshot_slots(config, engine, deployment)
     recurrent = _recurrent_snapshot_slots(config, engine, deployment)
     pages = build.max_kv_pool_pages if num_pages is None else num_pages
@@ -325,23 +351,15 @@ def resolve_engine_config(config: EngineConfig, engine: EngineDir, *, num_pages:
                           chain_root(engine_fingerprint(engine)), draft, method)
 
 
-def _check_document_reuse(config: EngineConfig, engine: EngineDir, deployment: Deployment, method: SpecMethod,
-                          base: Base) -> None:
-    """The refusals of document reuse (issue 37), before anything is loaded: a repair policy it knows, an
-    attention-only engine, no draft model, and a rope table whose keys a re-rotation moves exactly (checked
-    numerically against the reference, so a rope variant the rotation cannot reproduce is refused)."""
+def _check_document_reuse(config: EngineConfig, engine: EngineDir) -> None:
+    """The refusals of document reuse (issue 37) its support row cannot express, before anything is loaded: a
+    repair policy it knows, and a rope table whose keys a re-rotation moves exactly (checked numerically against
+    the reference, so a rope variant the rotation cannot reproduce is refused)."""
     if config.document_repair not in REPAIR_POLICIES:
         raise InvalidConfig(f"must be one of {', '.join(REPAIR_POLICIES)}, got {config.document_repair!r}",
                             "document_repair")
     if not config.document_reuse:
         return
-    if deployment is not Deployment.VANILLA:
-        raise InvalidConfig(f"document reuse needs an attention-only engine; this one is "
-                            f"{deployment.name.lower().replace('_', ' ')} (a recurrent state depends on the whole "
-                            "prefix, so a document's state cannot be moved)", "document_reuse")
-    if method.resolve_draft(config, engine, base) is not None:
-        raise InvalidConfig(f"document reuse does not combine with --specDecode {config.spec_decode}: its draft "
-                            "model has no stored documents; use --specDecode ngram or none", "document_reuse")
     model = engine.model
     if not model.uniform_rope:
         raise InvalidConfig("this engine's layers rotate keys with other RoPE bases, scalings or proportions than the "

@@ -93,9 +93,10 @@ def sample_rows(rows: list[ScheduledRow], output: BatchOutput
 
 
 def _visible(seq: Sequence) -> bool:
-    """Whether a sequence's outputs go to the front end: not a document's standalone prefill, which the scheduler
-    queued itself (issue 37); its tokens are counted in the profile like any prefill, its output is dropped."""
-    return not seq.request.produces_document
+    """Whether a sequence's outputs go to the front end: not a request the scheduler queued itself for a cache type
+    (a document's standalone prefill, issue 37); its tokens are counted in the profile like any prefill, its output
+    is dropped."""
+    return not (seq.internal or seq.request.produces_document)
 
 
 class EngineCore:
@@ -162,6 +163,9 @@ class EngineCore:
         raises, which row caused it cannot be known: every row of that call fails with the reason, while the
         requests not in it (waiting ones) go on; a broken backend thus fails each request once, never hangs one."""
         batch = self.scheduler.schedule()
+        if self.lifecycle is not None:
+            for seq in batch.preempted:  # recomputed from scratch later: what was drafted from goes
+                self.lifecycle.begin(seq)
         failed = [self._failed(seq) for seq in batch.failed if _visible(seq)]
         if not batch.rows:
             if not failed and (self.scheduler.running or (self.scheduler.waiting and not self.scheduler.loading)):

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvforge.contract.engine_dir import (
+    ATTENTION_CPU_KERNEL,
     EMBEDDING_FILE,
     EMBEDDING_TENSOR,
     PER_LAYER_EMBEDDING_FILE,
@@ -23,16 +24,12 @@ from kvforge.contract.engine_dir import (
 from kvforge.contract.errors import InvalidConfig, KvforgeError, PoolTooSmall
 from kvforge.contract.model_config import ModelConfig
 from kvforge.contract.paging import pages_for
+from kvforge.contract.profile_schema import ADAPTER_CORRECTIONS, DOCUMENT_KV_PAGES
 from kvforge.contract.rope import rope_table
 from kvforge.contract.safetensors_map import map_tensor
 from kvforge.contract.window_pool import window_call_tokens
-from kvforge.runtime.adapters import (
-    LoraRegistry,
-    check_correction_engine,
-    load_attention_norms,
-    lora_input_shapes,
-    mark_corrected,
-)
+from kvforge.plugins.cpu_kernel import cpu_description
+from kvforge.runtime.adapters import LoraRegistry, lora_input_shapes, mark_corrected
 from kvforge.runtime.context_cache.manager import ContextCacheManager
 from kvforge.runtime.engine.config import (  # noqa: F401 - EngineConfig and the budget helper are re-exported
     EngineConfig,
@@ -46,7 +43,7 @@ from kvforge.runtime.engine.output import OutputProcessor, RequestOutput
 from kvforge.runtime.engine.scheduler import Scheduler, SchedulerStats
 from kvforge.runtime.engine.state import StateManager
 from kvforge.runtime.execution.backend import Backend
-from kvforge.runtime.execution.corrections import AdapterCorrector
+from kvforge.runtime.execution.corrections import AdapterCorrector, check_correction_engine, load_attention_norms
 from kvforge.runtime.execution.executor import ModelExecutor
 from kvforge.runtime.execution.kv_store import DocumentKVStore, KVStore
 from kvforge.runtime.execution.load import load_backend
@@ -56,13 +53,13 @@ from kvforge.runtime.execution.system_prompt_cache import SystemPromptCache
 from kvforge.runtime.inputs.processor import InputProcessor, check_prompt_length
 from kvforge.runtime.kv_events import KvEventPublisher, listeners
 from kvforge.runtime.profile import Profiler
-from kvforge.runtime.sampling.grammar import constraint_for
+from kvforge.runtime.sampling.grammar import CompiledGrammar, GrammarCompiler
 from kvforge.runtime.sampling.sampler import Sampler, SampleResult
 from kvforge.runtime.sequence import EngineRequest, Sequence, Status
 from kvforge.runtime.shared_tier.secret import tier_secret
 from kvforge.runtime.shared_tier.stores import open_store
 from kvforge.runtime.shared_tier.tier import SharedTier
-from kvforge.runtime.spec.methods import SPEC_OFF, ProposerParts
+from kvforge.runtime.spec.methods import ProposerParts
 from kvforge.runtime.spec.proposer import Proposer
 from kvforge.runtime.types import CommitPolicy, Deployment, Request, SamplingParams
 
@@ -144,17 +141,20 @@ class Engine:
                                          max_records=config.context_cache_max_records,
                                          partial_kv_snapshot_slots=partial, recurrent_snapshot_slots=recurrent,
                                          deployment=self.deployment, copier=self.state_manager,
+                                         copiers=self._copiers(config, resolved),
                                          chain_root=resolved.chain_root, events=listeners(self.tier, self.kv_events),
                                          draft_pages=spec.draft_pages(resolved.draft),
                                          draft_replays=resolved.draft is None or spec.support.replays_final_page,
-                                         **self._document_options(config, resolved),
-                                         **self._correction_options(config),
+                                         **self._document_options(config),
+                                         **self._correction_options(config, resolved.num_pages),
                                          **_window_group(self.engine_dir))
         encoder = _load_encoder(config)
         self.tokenizer = ChatTokenizer(self.engine_dir.path,
                                        media_markers={encoder.kind: encoder.marker} if encoder is not None else {})
         self.multimodal = _multimodal_processor(encoder, config, self.tokenizer, self.profiler,
                                                 self.engine_dir.model.hidden_size)
+        # response_format and forced-tool grammars compile here, on a worker of their own (cached by schema)
+        self.grammars = GrammarCompiler(self.tokenizer.tokenizer, self.engine_dir.model.eos_token_ids)
         self.loras = LoraRegistry(self.engine_dir)
         self.inputs = InputProcessor(self.tokenizer, self.loras, build.max_input_len, config.enable_context_reuse,
                                      self.engine_dir.model.vocab_size, multimodal=self.multimodal,
@@ -179,7 +179,7 @@ class Engine:
                                       self.state_manager.rows if self.states is not None else None,
                                       all_hidden=self.proposer is not None and self.proposer.owns_kv,
                                       per_layer=per_layer, media_row=model.pad_token_id or 0,
-                                      corrector=self.corrector)
+                                      corrector=self.corrector, page_tables=self.cache.page_tables)
         self.outputs = OutputProcessor(self.tokenizer, frozenset(self.engine_dir.model.eos_token_ids),
                                        build.max_kv_cache_capacity)
         self.scheduler = Scheduler(self.cache, self.state_manager, self.outputs, max_batch_size=resolved.max_batch_size,
@@ -251,9 +251,12 @@ class Engine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.core.sequences:
             raise InvalidConfig(f"request id {request_id!r} is already in flight", "request_id")
-        constraint = constraint_for(request.sampling.response_format, self.tokenizer.tokenizer,
-                                    self.engine_dir.model.eos_token_ids)
-        seq = Sequence(request_id, request, Sampler(request.sampling, constraint), arrival=next(self._arrivals))
+        constraint = None
+        if request.sampling.response_format is not None:  # compiled beforehand (llm_serve) or here, once per schema
+            grammar = request.grammar or self.grammars.compile(request.sampling.response_format)
+            constraint = grammar.constraint()
+        sampler = Sampler(request.sampling, constraint, request.prompt_ids)  # the prompt: repetition_penalty's
+        seq = Sequence(request_id, request, sampler, arrival=next(self._arrivals))
         if self.proposer is not None and request.sampling.speculative:
             self._apply_support_rows(seq)
         self.core.add(seq)
@@ -303,6 +306,7 @@ class Engine:
     def close(self) -> None:
         """Let the shared tier finish saving what was committed (bounded), then release its connections. The
         engine itself holds nothing that outlives the process; without a tier this does nothing."""
+        self.grammars.close()
         if self.tier is not None:
             self.tier.close()
         if self.kv_events is not None:
@@ -344,6 +348,9 @@ class Engine:
         data = self.profiler.to_dict(self.cache_profile() or None, scheduler=self.scheduler.stats.to_dict())
         # Which path attention took (kvforge's CPU kernel or the pure-ONNX fallback): speed depends on it.
         data["engine"] = {"backend": self.engine_dir.build.backend, "attention": self.engine_dir.build.attention}
+        build = self.engine_dir.build
+        if build.backend == "onnxruntime":  # the CPU, its SIMD features and the kernel target that ran
+            data["engine"]["cpu"] = cpu_description(with_kernel=build.attention == ATTENTION_CPU_KERNEL)
         return {**data, **self.multimodal.profile()} if self.multimodal else data
 
     def cache_profile(self) -> dict:
@@ -356,36 +363,47 @@ class Engine:
             block["shared_tier"] = self.tier.profile()
         return block
 
-    def _document_options(self, config: EngineConfig, resolved: ResolvedConfig) -> dict:
-        """The document type's options (issue 37): its switch, repair policy and the store its K/V lives in."""
-        if not config.document_reuse:
-            return {}
-        model, build = self.engine_dir.model, self.engine_dir.build
-        store = DocumentKVStore(self.backend.kv_store, resolved.num_pages,
-                                rope_table(build.max_kv_cache_capacity, model.rotary_dim, model.rope_theta),
-                                model.kv_cache_dtype)
-        return {"document_reuse": True, "document_repair": config.document_repair, "document_store": store}
+    def _copiers(self, config: EngineConfig, resolved: ResolvedConfig) -> dict[str, object]:
+        """What moves each cache type's bytes besides the snapshots (the state manager's, `copier`): the document
+        store (issue 37) and the corrected adapters' engine side (issue 39), when those types are on."""
+        copiers: dict[str, object] = {}
+        if config.document_reuse:
+            model, build = self.engine_dir.model, self.engine_dir.build
+            copiers[DOCUMENT_KV_PAGES] = DocumentKVStore(
+                self.backend.kv_store, resolved.num_pages,
+                rope_table(build.max_kv_cache_capacity, model.rotary_dim, model.rope_theta), model.kv_cache_dtype)
+        if self.corrector is not None:
+            copiers[ADAPTER_CORRECTIONS] = self.corrector
+        return copiers
 
-    def _correction_options(self, config: EngineConfig) -> dict:
-        """The adapter_corrections type's options: the engine side and its budget (0: the type's default)."""
+    @staticmethod
+    def _document_options(config: EngineConfig) -> dict:
+        """The document type's options (issue 37): its switch and repair policy."""
+        return {"document_reuse": True, "document_repair": config.document_repair} if config.document_reuse else {}
+
+    def _correction_options(self, config: EngineConfig, num_pages: int) -> dict:
+        """The adapter_corrections type's budget (0: the type's default), bounded by what the pool can use."""
         if self.corrector is None:
             return {}
         if config.lora_correction_pages < 0:
             raise InvalidConfig(f"must be >= 0, got {config.lora_correction_pages}", "lora_correction_pages")
-        budget = {"adapter_correction_pages": config.lora_correction_pages} if config.lora_correction_pages else {}
-        return {"adapter_corrections": self.corrector, **budget}
+        # One slot per corrected adapter and base page: more can never be filled, and the pool's bookkeeping is
+        # allocated up front (10^12 slots ended in a MemoryError).
+        adapters = len(config.lora_corrections)
+        if config.lora_correction_pages > num_pages * adapters:
+            raise InvalidConfig(f"must be at most the KV pool's {num_pages} pages x {adapters} corrected adapters = "
+                                f"{num_pages * adapters} (one slot per adapter and base page; 0 = that), got "
+                                f"{config.lora_correction_pages}", "lora_correction_pages")
+        return {"adapter_correction_pages": config.lora_correction_pages} if config.lora_correction_pages else {}
 
     def _corrector(self, config: EngineConfig) -> AdapterCorrector | None:
         """Corrected adapters' engine side (issue 39), only when `lora_corrections` names some; refused in one line
         on an engine the correction cannot serve."""
-        if not config.lora_corrections:
+        if not config.lora_corrections:  # its support row's refusals (reuse, engines, speculation) came first
             return None
-        if not config.enable_context_reuse:
-            raise InvalidConfig("corrected adapters start from cached base pages: they need enable_context_reuse",
-                                "lora_corrections")
-        if config.spec_decode != SPEC_OFF:
-            raise InvalidConfig("corrected adapters run without speculative decoding; use --specDecode none",
-                                "lora_corrections")
+        repeated = sorted({name for name in config.lora_corrections if config.lora_corrections.count(name) > 1})
+        if repeated:
+            raise InvalidConfig(f"names adapter {repeated[0][:60]!r} more than once", "lora_corrections")
         check_correction_engine(self.engine_dir, self.deployment)
         if not isinstance(self.backend.kv_store, KVStore):
             raise InvalidConfig("corrected adapters need the onnxruntime backend's host KV pool", "lora_corrections")
@@ -417,7 +435,8 @@ class Engine:
                           kv=self.backend.kv_store if resolved.num_pages else None, states=self.states,
                           state_rows=self.state_manager.rows, partial=self.partial_store,
                           recurrent=self.recurrent_store, timeout_s=config.shared_cache_timeout_ms / 1e3,
-                          secret=tier_secret(config.shared_cache_secret, encrypt=config.shared_cache_encrypt))
+                          secret=tier_secret(config.shared_cache_secret, encrypt=config.shared_cache_encrypt,
+                                             read_secrets=config.shared_cache_read_secrets))
 
 
 def _load_encoder(config: EngineConfig):  # -> VisualEncoder | AudioEncoder | None
@@ -439,8 +458,8 @@ def _multimodal_processor(encoder, config: EngineConfig, tokenizer, profiler: Pr
                                hidden_size)
 
 
-__all__ = ["Engine", "EngineConfig", "EngineInfo", "EngineRequest", "EngineStats", "RequestOutput", "Runner",
-           "SampleResult", "Status", "deployment_of", "set_ort_logging", "snapshot_budgets"]
+__all__ = ["CompiledGrammar", "Engine", "EngineConfig", "EngineInfo", "EngineRequest", "EngineStats", "RequestOutput",
+           "Runner", "SampleResult", "Status", "deployment_of", "set_ort_logging", "snapshot_budgets"]
 
 
 def _window_group(engine: EngineDir) -> dict[str, int]:

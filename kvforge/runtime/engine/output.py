@@ -69,9 +69,14 @@ class OutputProcessor:
         stops = seq.request.sampling.stop
         if stops:
             text = self.tokenizer.decode(seq.output_ids)
-            hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-            if hits:
-                seq.output_text = text[:min(hits)]
+            constraint = seq.sampler.constraint
+            if constraint is None:
+                hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+                cut = min(hits) if hits else None
+            else:  # stops apply only where the grammar may end (kvforge/runtime/sampling/grammar.py)
+                cut = constraint.stop_at(text, stops, lambda k: len(self.tokenizer.decode(seq.output_ids[:k])))
+            if cut is not None:
+                seq.output_text = text[:cut]
                 seq.finish_reason = FinishReason.STOP
                 return
         if len(seq.output_ids) >= seq.request.sampling.max_generate_length or seq.num_tokens > self.capacity:

@@ -24,16 +24,17 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvforge.contract.profile_schema import SCHEDULER_KEYS
-from kvforge.runtime.context_cache.lease import Lease
+from kvforge.runtime.context_cache.lease import Lease, Prerequisite
 from kvforge.runtime.context_cache.manager import ContextCacheManager
-from kvforge.runtime.context_cache.types.document_chunks import DocumentChunks
+from kvforge.runtime.context_cache.types.document_chunks import restored_spans
 from kvforge.runtime.engine.state import StateManager
 from kvforge.runtime.sampling.sampler import Sampler, SampleResult
 from kvforge.runtime.sequence import EngineRequest, FinishReason, Sequence, Status
 from kvforge.runtime.step import RowUpdate, ScheduledRow, SchedulerOutput
 from kvforge.runtime.types import CommitPolicy, Deployment, SamplingParams
 
-# A document's standalone prefill samples one token nobody reads (greedy, no drafts, its prompt alone published).
+# A prerequisite (a document's standalone prefill) samples one token nobody reads (greedy, no drafts, its prompt alone
+# published).
 _PRODUCER_SAMPLING = SamplingParams(temperature=0.0, top_k=1, max_generate_length=1, cache_generated_tokens=False,
                                     speculative=False)
 
@@ -97,32 +98,32 @@ class Scheduler:
         self.loading: list[Sequence] = []  # WAITING_FOR_REMOTE: admitted, pages held, an external load running
         self.running: list[Sequence] = []  # arrival order: the last is preempted first
         self.stats = SchedulerStats()
-        # Document reuse (issue 37): the type that stores documents, and the standalone prefills queued or running.
-        self.documents = next((kind for kind in cache.types if isinstance(kind, DocumentChunks)), None)
+        # Requests the cache types need computed first (documents' standalone prefills), queued or running, by key.
         self.producers: dict[bytes, Sequence] = {}
 
     def add(self, seq: Sequence) -> None:
-        """Queue a request; with document reuse, first a standalone prefill of each of its documents that has no
-        stored form yet (the request then waits for them and restores them)."""
-        if self.documents is not None and seq.request.documents:
-            try:
-                wanted = self.documents.wanted(seq.next_admission())
-            except Exception:  # the request's own admission fails it later, with its reason
-                wanted = []
-            for key, start, length in wanted:
-                if key not in self.producers:
-                    self.producers[key] = producer = self._producer(seq, start, length)
-                    self.waiting.append(producer)
+        """Queue a request, after what the cache types need computed for it first (`prerequisites`: with document
+        reuse, a standalone prefill of each of its documents without a stored form; the request then waits for
+        them and restores them). The spans those requests produce for it are its own work, not cached tokens."""
+        try:
+            needs = self.cache.prerequisites(seq.next_admission())
+        except Exception:  # the request's own admission fails it later, with its reason
+            needs = []
+        for need in needs:
+            if need.key not in self.producers:
+                self.producers[need.key] = producer = self._producer(seq, need)
+                self.waiting.append(producer)
+        seq.produced_for = {need.start + need.length: self.producers[need.key] for need in needs}
         self.waiting.append(seq)
 
     @staticmethod
-    def _producer(seq: Sequence, start: int, length: int) -> Sequence:
-        """The standalone prefill of `seq`'s document at [start, start + length): its tokens alone, from position 0,
-        with the request's adapter and salt (they are part of the document's key)."""
-        request = EngineRequest(seq.prompt_ids[start:start + length], _PRODUCER_SAMPLING, seq.request.adapter,
-                                seq.request.cache_salt, produces_document=True)
-        return Sequence(f"{seq.request_id}/document@{start}", request, Sampler(_PRODUCER_SAMPLING),
-                        arrival=seq.arrival)
+    def _producer(seq: Sequence, need: Prerequisite) -> Sequence:
+        """The request `need` asks for: `seq`'s tokens [start, start + length) alone, from position 0, with the
+        request's adapter and salt (they are part of what it produces' key) and the inputs the type gave it."""
+        request = EngineRequest(seq.prompt_ids[need.start:need.start + need.length], _PRODUCER_SAMPLING,
+                                seq.request.adapter, seq.request.cache_salt, cache_inputs=need.inputs)
+        return Sequence(f"{seq.request_id}/prerequisite@{need.start}", request, Sampler(_PRODUCER_SAMPLING),
+                        arrival=seq.arrival, internal=True)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.loading)
@@ -162,7 +163,7 @@ class Scheduler:
         count = min(seq.num_pending_tokens, budget, self.prefill_chunk_tokens, seq.tokens_to_next_checkpoint())
         if seq.lease is None:
             return count
-        for start, end in seq.lease.restored_spans:
+        for start, end in restored_spans(seq.lease):
             if start <= seq.num_computed_tokens < end:
                 seq.num_computed_tokens = end
                 count = min(seq.num_pending_tokens, budget, self.prefill_chunk_tokens,
@@ -220,6 +221,7 @@ class Scheduler:
                 seq.reused_tokens = cached_tokens(seq)
             if self.state is not None:
                 self.state.on_admit(seq)
+                self.cache.restore(lease)  # each type copies its hit in, through its copier
                 self.cache.finish_restore(lease)  # the copies are done (a no-op without restores)
             if self.loader is not None and self.loader.start(seq):
                 seq.status = Status.WAITING_FOR_REMOTE
@@ -336,7 +338,6 @@ class Scheduler:
         seq.lease, seq.status = None, Status.WAITING
         seq.num_computed_tokens = 0
         seq.spec_token_ids, seq.spec_parents = [], []
-        seq.draft_state = None
         seq.num_preemptions += 1
         self.stats.preemptions += 1
         self.waiting.appendleft(seq)
@@ -371,7 +372,7 @@ class Scheduler:
             self._release(seq.lease)
             seq.lease = None
         seq.status = Status.FINISHED
-        if seq.request.produces_document:
+        if seq.internal:
             self.producers = {key: other for key, other in self.producers.items() if other is not seq}
 
     def _release(self, lease: Lease) -> None:
@@ -382,7 +383,17 @@ class Scheduler:
 
 def cached_tokens(seq: Sequence) -> int:
     """The prompt tokens a sequence starts with from a cache: those before its computing starts (pages, snapshots,
-    a shared tier's load) and the restored document tokens after them (issue 37)."""
+    a shared tier's load) and the restored document tokens after them (issue 37), except the tokens the requests
+    queued for it (`prerequisites`, a document's standalone prefill) computed: those were computed for it (issue 52
+    item 3); what such a request loaded from a cache (a shared tier) existed before and counts. A document another
+    request's prefill was already computing when this one arrived counts as cached, as a prefix in flight does."""
     start = seq.num_computed_tokens
-    spans = seq.lease.restored_spans if seq.lease is not None else ()
-    return start + sum(max(end - max(begin, start), 0) for begin, end in spans)
+    spans = restored_spans(seq.lease)
+    total = start
+    for begin, end in spans:
+        until = end
+        producer = seq.produced_for.get(end)
+        if producer is not None:  # only what its producer found in a cache (a shared tier) existed before
+            until = end - len(producer.request.prompt_ids) + producer.reused_tokens
+        total += max(min(end, until) - max(begin, start), 0)
+    return total

@@ -1,7 +1,7 @@
 """A sequence's state beside its KV pages: recurrent state rows, snapshot restores at admission, captures on publish.
 
-The scheduler calls `on_admit` / `on_release`; the cache calls `capture_partial` / `capture_recurrent` (this is
-its `SnapshotCopier`); the model runner reads `rows`. One object built with everything it moves bytes through,
+The scheduler calls `on_admit` / `on_release`; the cache's snapshot types call `capture_*` / `restore_*` (this is
+their copier: `SnapshotCopier`); the model runner reads `rows`. One object built with everything it moves bytes through,
 instead of callbacks set on three collaborators after they were built.
 """
 
@@ -71,20 +71,14 @@ class StateManager:
     # --- the scheduler's calls -----------------------------------------------------------------------
 
     def on_admit(self, seq: Sequence) -> None:
-        """Give an admitted sequence its state: a zeroed or restored recurrent row, a restored partial page, the
-        legacy system prompt's K/V. The scheduler then tells the cache the restores are done."""
+        """Give an admitted sequence its state: a zeroed recurrent row and the legacy system prompt's K/V. The
+        scheduler then has the cache restore its hits (each type through its copier: this object for the
+        snapshots) and tells it the restores are done."""
         lease = seq.lease
         assert lease is not None
         seq.checkpoints = self.checkpoints.positions(seq.request, seq.num_computed_tokens)
         if self.states is not None:
-            row = self.rows[lease] = self.states.allocate()  # zeroed: the state before any token
-            if lease.restore_recurrent_slot is not None:
-                assert self.recurrent is not None, "a checkpoint hit without a recurrent snapshot store"
-                self.recurrent.restore(lease.restore_recurrent_slot, row)
-        if lease.restore_slot is not None:
-            assert self.partial is not None, "a snapshot hit without a snapshot store"
-            # Copy-on-partial-reuse: the snapshot goes into the sequence's own page, which it then extends.
-            self.partial.restore(lease.restore_slot, lease.page_ids[lease.reuse_tokens // self.tokens_per_page])
+            self.rows[lease] = self.states.allocate()  # zeroed: the state before any token
         self._restore_system_prompt(seq)
 
     def on_release(self, lease: Lease) -> None:
@@ -116,15 +110,23 @@ class StateManager:
         assert self.states is not None
         self.states.rollback(self.rows[lease])
 
-    # --- the cache's SnapshotCopier ------------------------------------------------------------------
+    # --- the snapshot types' copier (context_cache/capture.py SnapshotCopier) ------------------------------
 
     def capture_partial(self, page: int, slot: int) -> None:
         assert self.partial is not None, "a partial-KV capture without a snapshot store"
         self.partial.capture(page, slot)
 
+    def restore_partial(self, slot: int, page: int) -> None:
+        assert self.partial is not None, "a snapshot hit without a snapshot store"
+        self.partial.restore(slot, page)
+
     def capture_recurrent(self, lease: Lease, slot: int) -> None:
         assert self.recurrent is not None, "a checkpoint capture without a recurrent snapshot store"
         self.recurrent.capture(self.rows[lease], slot)
+
+    def restore_recurrent(self, slot: int, lease: Lease) -> None:
+        assert self.recurrent is not None, "a checkpoint hit without a recurrent snapshot store"
+        self.recurrent.restore(slot, self.rows[lease])
 
     def _restore_system_prompt(self, seq: Sequence) -> None:
         key = seq.request.system_prompt_key

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -37,7 +37,9 @@ class StepInputs:
     # + i) and which new tokens each new token sees [B, S, S] bool (None = causal). K/V is still written at start + i.
     position_ids: np.ndarray | None = None
     attention_mask: np.ndarray | None = None
-    window_page_ids: list[list[int]] | None = None  # sliding-window group: per row, its table (-1: out of window)
+    # Page groups beside the global one (`page_ids`), by group name: per row, that group's table (the sliding-window
+    # group's: -1 where a page fell out of the window). Filled from the cache type that owns each group.
+    page_tables: dict[str, list[list[int]]] = field(default_factory=dict)
 
     def positions(self) -> np.ndarray:
         """The call's logits_indices as int64 [N], the default resolved."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 import numpy as np
@@ -9,7 +10,6 @@ import numpy as np
 from kvforge.contract.engine_dir import PER_LAYER_INPUT
 from kvforge.runtime.adapters import LoraAdapter, stack_adapters
 from kvforge.runtime.context_cache.lease import Lease
-from kvforge.runtime.context_cache.types.sliding_window import window_table
 from kvforge.runtime.execution.backend import Backend, ForwardOutput, StepInputs
 from kvforge.runtime.execution.corrections import AdapterCorrector
 from kvforge.runtime.execution.tree_attention import ancestor_mask, causal_masks, start_positions
@@ -45,23 +45,26 @@ class ModelExecutor:
     """Owns what an engine call needs besides the pool: the embedding table and the stacked adapters."""
 
     __slots__ = ("backend", "embedding", "state_rows", "all_hidden", "per_layer", "media_row", "corrector",
-                 "_lora_shapes", "_lora_stacks")
+                 "page_tables", "_lora_shapes", "_lora_stacks")
 
     def __init__(self, runner: Backend, embedding: np.ndarray, lora_shapes: dict[str, tuple[int, int]],
                  state_rows: dict[Lease, int] | None = None, all_hidden: bool = False,
                  per_layer: np.ndarray | None = None, media_row: int = 0,
-                 corrector: AdapterCorrector | None = None) -> None:
+                 corrector: AdapterCorrector | None = None,
+                 page_tables: Callable[[Lease], Mapping[str, list[int]]] | None = None) -> None:
         """`state_rows`: the engine's recurrent state row of each running lease (recurrent engines only).
         `all_hidden`: hidden states at every computed position, not only the logits ones. `per_layer`: Gemma 4's
         per-layer table, fed as PER_LAYER_INPUT beside the embedding rows; a media position gets its row
         `media_row` (the pad token's: transformers looks media placeholders up as padding there). `corrector`:
-        corrected adapters' factors are computed from every call's hidden states (all positions)."""
+        corrected adapters' factors are computed from every call's hidden states (all positions). `page_tables`: a
+        lease's tables of the page groups beside the global one, by group (the cache's: each from its type)."""
         self.backend = runner
         self.embedding = np.asarray(embedding)  # a plain view of a memmap: its __getitem__ costs ~11 us a lookup
         self.per_layer = None if per_layer is None else np.asarray(per_layer)
         self.media_row = media_row
         self.state_rows = state_rows
         self.corrector = corrector
+        self.page_tables = page_tables
         self.all_hidden = all_hidden or corrector is not None
         self._lora_shapes = lora_shapes
         # Stacked inputs per adapter composition; a step with two calls alternates two compositions.
@@ -135,7 +138,7 @@ class ModelExecutor:
                           logits_indices=np.concatenate(positions),
                           hidden_indices=np.concatenate(every) if self.all_hidden else None,
                           position_ids=position_ids, attention_mask=mask,
-                          window_page_ids=_window_tables(rows))
+                          page_tables=self._group_tables(rows))
         if per_layer is not None:
             step.extra_inputs = {PER_LAYER_INPUT: per_layer}
         adapter_starts = [row.seq.request.adapter_start for row in rows]
@@ -173,6 +176,13 @@ class ModelExecutor:
             stacked = self._lora_stacks[key] = stack_adapters(adapters, self._lora_shapes)
         return stacked
 
+    def _group_tables(self, rows: list[ScheduledRow]) -> dict[str, list[list[int]]]:
+        """Each page group's tables of the call's rows, by group (none on an engine with only the global group)."""
+        if self.page_tables is None:
+            return {}
+        per_row = [self.page_tables(row.seq.lease) for row in rows]  # type: ignore[arg-type]
+        return {group: [tables[group] for tables in per_row] for group in per_row[0]}
+
 
 def tree_inputs(rows: list[ScheduledRow], starts: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
     """RoPE positions [B, S] and the attention mask [B, S, S] of a call holding tree rows: a draft sits at its
@@ -193,16 +203,9 @@ def _splice_media(row_embeds: np.ndarray, seq: Sequence, num_new: int) -> None:
     for span in seq.request.media:
         span.splice(row_embeds, begin, begin + num_new)
 
-
 def _pad_media(row_inputs: np.ndarray, pad_row: np.ndarray, seq: Sequence, num_new: int) -> None:
     """Overwrite the placeholder positions among this call's tokens with `pad_row` (per-layer inputs)."""
     begin = seq.num_computed_tokens
     for span in seq.request.media:
         padded = replace(span, embeds=np.broadcast_to(pad_row, (len(span.embeds), len(pad_row))))
         padded.splice(row_inputs, begin, begin + num_new)
-
-
-def _window_tables(rows: list[ScheduledRow]) -> list[list[int]] | None:
-    """Each row's sliding-window table, or None on an engine without a sliding-window page group."""
-    tables = [window_table(row.seq.lease) for row in rows]
-    return None if tables[0] is None else tables  # type: ignore[return-value]

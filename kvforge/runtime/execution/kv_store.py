@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 import numpy as np
 
 from kvforge.plugins import cpu_kernel
@@ -22,28 +24,35 @@ def moved_keys(stored_k: np.ndarray, delta: int, cos_sin: np.ndarray, kv_cache_d
 class KVStore:
     """Per-layer pools [num_pages, 2, Hkv, tokens_per_page, D] in the storage dtype (FP8 as raw bytes)."""
 
-    __slots__ = ("layers", "tokens_per_page", "kv_cache_dtype", "windowed")
+    __slots__ = ("layers", "tokens_per_page", "kv_cache_dtype", "layer_group")
 
     def __init__(self, num_layers: int, num_pages: int, num_kv_heads: int, tokens_per_page: int, head_dim: int,
-                 kv_cache_dtype: str, *, windowed: frozenset[int] = frozenset(), window_pages: int = 0,
+                 kv_cache_dtype: str, *, groups: Mapping[str, tuple[Iterable[int], int]] | None = None,
                  head_dims: tuple[int, ...] = ()) -> None:
-        """`windowed`: the layer indices (into `layers`) of the sliding-window page group, `window_pages` pages
-        each, addressed through a row's window table; every other layer has `num_pages`. `head_dims`: each layer's
-        head size where they differ (Gemma 4's wider global heads), else every layer's is `head_dim`."""
+        """`groups`: page groups beside the global one, by name: (their layer indices into `layers`, pages each),
+        addressed through the rows' tables of that group; every other layer has `num_pages`. `head_dims`: each
+        layer's head size where they differ (Gemma 4's wider global heads), else every layer's is `head_dim`."""
         self.tokens_per_page = tokens_per_page
         self.kv_cache_dtype = kv_cache_dtype
-        self.windowed = windowed
+        # Each layer's page group (None: the global one) and that group's page count.
+        self.layer_group: list[str | None] = [None] * num_layers
+        pages = [num_pages] * num_layers
+        for name, (layers, group_pages) in (groups or {}).items():
+            for layer in layers:
+                self.layer_group[layer], pages[layer] = name, group_pages
         dtype = pool_numpy_dtype(kv_cache_dtype)
         # np.zeros maps untouched pages lazily, so a large pool costs memory only as it fills.
-        self.layers = [np.zeros((window_pages if i in windowed else num_pages, 2, num_kv_heads, tokens_per_page,
-                                 head_dims[i] if head_dims else head_dim), dtype=dtype) for i in range(num_layers)]
+        self.layers = [np.zeros((pages[i], 2, num_kv_heads, tokens_per_page, head_dims[i] if head_dims else head_dim),
+                                dtype=dtype) for i in range(num_layers)]
 
     def _one_table(self) -> None:
-        """What addresses every layer through one row of page ids cannot serve a sliding-window group (its layers
-        have their own page ids): the engine refuses the features that would ask (snapshots, the shared tier,
-        speculation, the legacy system-prompt cache); this guards the pool."""
-        if self.windowed:
-            raise AssertionError("a copy through one page table on a pool with a sliding-window page group")
+        """What addresses every layer through one row of page ids cannot serve another page group (its layers have
+        their own page ids): the support rows refuse the features that would ask (snapshots, the shared tier,
+        speculation; the engine the legacy system-prompt cache); this guards the pool."""
+        groups = sorted({group for group in self.layer_group if group is not None})
+        if groups:
+            raise AssertionError(f"a copy through one page table on a pool with another page group "
+                                 f"({', '.join(groups)})")
 
     @property
     def nbytes(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 
 import numpy as np
 import onnxruntime as ort
@@ -25,9 +26,9 @@ from kvforge.contract.engine_dir import (
 )
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.lora import ACTIVATION_INPUT
-from kvforge.contract.paging import pages_for
+from kvforge.contract.paging import GLOBAL_PAGE_TABLE, pages_for
 from kvforge.contract.safetensors_map import map_tensor
-from kvforge.contract.window_pool import WINDOW_PAGE_TABLE, window_pool_layers
+from kvforge.contract.window_pool import page_groups
 from kvforge.plugins.ops import UNUSED_PAGE
 from kvforge.plugins.reference import rope_table
 from kvforge.runtime.execution.backend import ForwardOutput, StepInputs, activation_values, last_token_indices
@@ -123,12 +124,15 @@ def check_graph_inputs(session: ort.InferenceSession, engine: EngineDir) -> None
                                "engine_dir")
     # A KV-shared assistant's pools are its base's: their page count is the base's (symbolic in its graph).
     pages = -1 if model.reads_base_kv else build.max_kv_pool_pages
-    windowed = {f"past_key_values_{i}" for i in window_pool_layers(model)} if build.window_pool_pages else set()
-    if windowed and WINDOW_PAGE_TABLE not in inputs:
-        raise KvforgeError(f"config.json gives the sliding layers a page group but the graph has no "
-                           f"{WINDOW_PAGE_TABLE} input; rebuild it with llm_build", "engine_dir")
+    grouped = {}  # pool input -> its page group's pages (the global group's: `pages`)
+    for group in page_groups(model, build.window_pool_pages):
+        if group.table_input not in inputs:
+            raise KvforgeError(f"config.json gives layers {','.join(map(str, group.layers))} the {group.name} page "
+                               f"group but the graph has no {group.table_input} input; rebuild it with llm_build",
+                               "engine_dir")
+        grouped.update({f"past_key_values_{i}": group.pages for i in group.layers})
     for name in pools:
-        expected = [build.window_pool_pages if name in windowed else pages, 2, model.num_key_value_heads,
+        expected = [grouped.get(name, pages), 2, model.num_key_value_heads,
                     build.tokens_per_page, model.layer_head_dim(int(name.rsplit("_", 1)[1]))]
         shape = inputs[name]
         if len(shape) != len(expected) or any(isinstance(d, int) and e >= 0 and d != e for d, e in zip(shape, expected,
@@ -188,13 +192,13 @@ class OrtBackend:
         # kernel_kv_write); engines built before return them as new_key_values_* for _scatter.
         self._kernel_writes = build.kernel_kv_write
         self._pool_inputs = [f"past_key_values_{i}" for i in model.attention_layer_ids]
-        windowed = set(window_pool_layers(model)) if build.window_pool_pages else set()
+        groups = page_groups(model, build.window_pool_pages)
         self.kv_store = KVStore(len(self._pool_inputs), build.max_kv_pool_pages, model.num_key_value_heads,
                                 build.tokens_per_page, model.head_dim, model.kv_cache_dtype,
-                                windowed=frozenset(k for k, i in enumerate(model.attention_layer_ids) if i in windowed),
-                                window_pages=build.window_pool_pages,
+                                groups={g.name: ([k for k, i in enumerate(model.attention_layer_ids) if i in g.layers],
+                                                 g.pages) for g in groups},
                                 head_dims=tuple(model.layer_head_dim(i) for i in model.attention_layer_ids))
-        self._window_table = bool(windowed)
+        self._group_tables = {g.name: g.table_input for g in groups}  # page group -> its table's graph input
         pools = list(self.kv_store.layers)
         if model.reads_base_kv:  # its pool inputs are the base's layers; it owns none and writes none
             if shared_pools is None or any(i not in shared_pools for i in model.pool_layer_ids):
@@ -270,11 +274,11 @@ class OrtBackend:
         if self._rope_value is not None:  # graphs with attention layers
             binding.bind_cpu_input("kvcache_start_index", starts)
             extent = starts + lengths if self._kernel_writes else starts  # the pages the graph writes, too
-            binding.bind_cpu_input("kv_page_table", self._page_table(step.page_ids, extent))
-            if self._window_table:
-                if step.window_page_ids is None:
-                    raise AssertionError("a call on a sliding-window group engine without the rows' window tables")
-                binding.bind_cpu_input(WINDOW_PAGE_TABLE, self._page_table(step.window_page_ids, extent))
+            binding.bind_cpu_input(GLOBAL_PAGE_TABLE, self._page_table(step.page_ids, extent))
+            for group, table_input in self._group_tables.items():
+                if group not in step.page_tables:
+                    raise AssertionError(f"a call on an engine with a {group} page group without the rows' tables")
+                binding.bind_cpu_input(table_input, self._page_table(step.page_tables[group], extent))
         lora = step.lora_tensors if step.lora_tensors is not None else self._rank_zero(len(lengths))
         activation = activation_values(step.adapter_start, len(lengths), self._activation_input)
         if activation is not None:
@@ -299,7 +303,7 @@ class OrtBackend:
             outputs = dict(zip(self._output_names, binding.copy_outputs_to_cpu(), strict=True))
         if self._pool_inputs and not self._kernel_writes:
             self._scatter([outputs[new_rows_name(name)] for name in self._pool_inputs], step.page_ids, starts,
-                          lengths, step.window_page_ids)
+                          lengths, step.page_tables)
         if self.states is not None:
             self.states.scatter(step.state_rows, outputs)  # type: ignore[arg-type]
         return ForwardOutput(outputs[LOGITS], outputs.get(HIDDEN_STATES))
@@ -323,15 +327,16 @@ class OrtBackend:
         return table
 
     def _scatter(self, new_rows: list[np.ndarray], page_ids: list[list[int]], starts: np.ndarray,
-                 lengths: np.ndarray, window_page_ids: list[list[int]] | None = None) -> None:
-        b_idx, t_idx, page_idx, slot_idx = self._targets(page_ids, starts, lengths)
-        window = self._targets(window_page_ids, starts, lengths) if window_page_ids is not None else None
+                 lengths: np.ndarray, page_tables: Mapping[str, list[list[int]]] | None = None) -> None:
+        """Write each layer's new rows through its page group's tables (the global group's: `page_ids`)."""
+        targets = {None: self._targets(page_ids, starts, lengths)}
         for layer, new in enumerate(new_rows):
-            if layer in self.kv_store.windowed:
-                assert window is not None, "a sliding-window group layer needs the rows' window tables"
-                self.kv_store.scatter(layer, new[window[0], window[1]], window[2], window[3])
-            else:
-                self.kv_store.scatter(layer, new[b_idx, t_idx], page_idx, slot_idx)
+            group = self.kv_store.layer_group[layer]
+            if group not in targets:
+                assert page_tables and group in page_tables, f"a {group} page group layer needs the rows' tables"
+                targets[group] = self._targets(page_tables[group], starts, lengths)
+            rows, tokens, pages, slots = targets[group]
+            self.kv_store.scatter(layer, new[rows, tokens], pages, slots)
 
     def _targets(self, page_ids: list[list[int]], starts: np.ndarray,
                  lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -15,7 +15,6 @@ from kvforge.contract.validation import (
     json_kind,
     utf8_size,
 )
-from kvforge.runtime.sampling.grammar import check_grammar  # noqa: F401  (for llm_serve's forced tool calls)
 from kvforge.runtime.types import (  # noqa: F401  (the sampling checks, re-exported for the request parsers)
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
@@ -25,7 +24,9 @@ from kvforge.runtime.types import (  # noqa: F401  (the sampling checks, re-expo
     MediaRef,
     Message,
     check_logit_bias,
+    check_min_p,
     check_penalty,
+    check_repetition_penalty,
     check_response_format,
     check_seed,
     check_stop,
@@ -33,9 +34,11 @@ from kvforge.runtime.types import (  # noqa: F401  (the sampling checks, re-expo
     check_top_p,
 )
 
-# Limits mirror TensorRT Edge-LLM's requestFileParser so a file accepted there is accepted here.
+# Limits mirror TensorRT Edge-LLM's requestFileParser so a file accepted there is accepted here; the content items
+# go past its 18 (issue 52 item 9): a retrieval prompt holds dozens of passages, one item each, and the message's
+# bytes (MAX_CONTENT_BYTES) bound the work whatever the count.
 MAX_MESSAGES = 64
-MAX_CONTENT_ITEMS = 18
+MAX_CONTENT_ITEMS = 256
 MAX_CONTENT_BYTES = 128 * 1024
 # What a media path may be before any file call sees it: POSIX's NAME_MAX per component and PATH_MAX overall
 # (Linux and macOS; NTFS names are 255 UTF-16 units). Past them os calls raise ENAMETOOLONG, a NUL raises

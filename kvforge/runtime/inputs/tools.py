@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvforge.contract.validation import check_string, fail, json_kind
-from kvforge.runtime.sampling.grammar import check_grammar
 from kvforge.runtime.sequence import FinishReason
 from kvforge.runtime.types import Message
 
@@ -78,15 +77,22 @@ def parse_tools(body: dict[str, Any]) -> ToolSpec | None:
 
 
 def forced_format(spec: ToolSpec | None, response_format: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The response_format a chat decodes under: a forced call's own grammar (a schema the compiler refuses names
-    `tools`), else the one given; both at once is refused."""
+    """The response_format a chat decodes under: a forced call's own grammar, else the one given; both at once is
+    refused. Nothing is compiled here (this runs on llm_serve's event loop): the engine's grammar worker compiles
+    it and refuses a schema naming `tools`."""
     if spec is None or not spec.forced:
         return response_format
     if response_format is not None:
         fail("response_format", "cannot be given with a tool_choice that forces a call (the call is the format)")
-    grammar = spec.response_format()
-    check_grammar(grammar, "tools")
-    return grammar
+    return spec.response_format()
+
+
+def grammar_field(response_format: dict[str, Any] | None, forced_call: bool) -> str:
+    """The request field a refused grammar names: `tools` for a forced call's, `grammar` for llm_serve's GBNF field,
+    else `response_format`."""
+    if forced_call:
+        return "tools"
+    return "grammar" if response_format is not None and response_format["type"] == "grammar" else "response_format"
 
 
 def _function(tool: Any, where: str) -> dict[str, Any]:

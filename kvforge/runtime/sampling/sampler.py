@@ -50,8 +50,10 @@ def top_ids(values: np.ndarray, count: int) -> np.ndarray:
 class Sampler:
     """Sampling state of one sequence: its parameters and its own seeded random stream."""
 
-    def __init__(self, params: SamplingParams, constraint: GrammarConstraint | None = None) -> None:
-        """`constraint`: the sequence's own grammar state (response_format), masking every row it samples."""
+    def __init__(self, params: SamplingParams, constraint: GrammarConstraint | None = None,
+                 prompt_ids: Sequence[int] = ()) -> None:
+        """`constraint`: the sequence's own grammar state (response_format), masking every row it samples;
+        `prompt_ids`: the prompt, which repetition_penalty also penalizes (vLLM's and HF's rule)."""
         self.params = params
         self.constraint = constraint
         self.rng = np.random.default_rng(params.seed)  # seed None → fresh OS entropy
@@ -66,6 +68,8 @@ class Sampler:
         # also covers the drafts accepted earlier in the same step.
         self._generated: dict[int, int] = {}
         self._logprobs_wanted = params.token_logprob or params.num_logprobs > 0
+        self._prompt_ids = np.unique(np.asarray(prompt_ids, dtype=np.int64)) if params.repetition_penalty != 1 \
+            else np.zeros(0, dtype=np.int64)
 
     def sample(self, logits_row: np.ndarray) -> SampleResult:
         """Draw one token from a [V] row of logits.
@@ -173,7 +177,7 @@ class Sampler:
                 raise KvforgeError(f"token id {bad_id} is outside the vocabulary (size {logits.size})",
                                    "logit_bias")
             logits[self._bias_ids] += self._bias_values
-        if self._generated and self.params.has_penalties:
+        if (self._generated or self._prompt_ids.size) and self.params.has_penalties:
             self._penalize(logits)
         if self.constraint is not None:  # last: a bias or penalty must not lift a token the grammar refuses
             self.constraint.mask(logits)
@@ -191,10 +195,18 @@ class Sampler:
             self._generated[token_id] = self._generated.get(token_id, 0) + 1
 
     def _penalize(self, logits: np.ndarray) -> None:
-        """OpenAI's penalties: logit -= frequency_penalty * count + presence_penalty, for each generated token."""
+        """repetition_penalty first (vLLM's order): a positive logit of every prompt or generated token divided by it,
+        a negative one multiplied; then OpenAI's: logit -= frequency_penalty * count + presence_penalty, for each
+        generated token."""
         ids = np.fromiter(self._generated.keys(), dtype=np.int64, count=len(self._generated))
         counts = np.fromiter(self._generated.values(), dtype=np.float64, count=len(self._generated))
         inside = ids < logits.size  # a token id past the row cannot come from it; kept out of the index
+        penalty = self.params.repetition_penalty
+        if penalty != 1:
+            seen = np.union1d(self._prompt_ids, ids)
+            seen = seen[(seen >= 0) & (seen < logits.size)]
+            values = logits[seen]
+            logits[seen] = np.where(values > 0, values / penalty, values * penalty)
         logits[ids[inside]] -= self.params.frequency_penalty * counts[inside] + self.params.presence_penalty
 
     def _draw(self, logits: np.ndarray) -> int:
@@ -202,11 +214,14 @@ class Sampler:
         return int(candidate_ids[self._pick(probs)])
 
     def _candidates(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Ids that may be drawn and their (unnormalized after top-p) probabilities: temperature, top-k, top-p."""
+        """Ids that may be drawn and their (unnormalized after top-p) probabilities: temperature, min-p, top-k,
+        top-p."""
         params = self.params
         # Shift before dividing: (x - max) / T is <= 0, so a tiny temperature cannot overflow to inf.
         scaled = np.subtract(logits, logits.max(), out=self._scratch)  # scratch is free after the lse
         scaled /= params.temperature
+        if params.min_p > 0:  # log(p / p_best) of each token is `scaled` itself: the best token always stays
+            scaled[scaled < math.log(params.min_p)] = -np.inf
         if 0 < params.top_k < scaled.size:
             candidate_ids = top_ids(scaled, params.top_k)
             probs = np.exp(scaled[candidate_ids])

@@ -57,10 +57,18 @@ class Codec:
         limit = self.max_bytes(int(tokens.size) if tokens is not None else (num_tokens or 0), like)
         if len(value) > limit:
             raise ValueRejected("corrupt", f"{len(value)} bytes, more than the {limit} a value of this type holds")
-        if self.secret is not None:
-            value = self.secret.open(self.store_key(key), value)
-        return decode(value, root=self.root, key=key, kind=self.kind, like=like or None, tokens=tokens,
-                      mac_key=self.secret.mac_key if self.secret is not None else None)
+        if self.secret is None:
+            return decode(value, root=self.root, key=key, kind=self.kind, like=like or None, tokens=tokens)
+        first: ValueRejected | None = None
+        for secret in self.secret.readers:  # the writing secret first, then those a rotation also reads with
+            try:
+                opened = secret.open(self.store_key(key), value)
+                return decode(opened, root=self.root, key=key, kind=self.kind, like=like or None, tokens=tokens,
+                              mac_key=secret.mac_key)
+            except ValueRejected as exc:
+                first = first or exc
+        assert first is not None
+        raise first
 
 
 class Layout:

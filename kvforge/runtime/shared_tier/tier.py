@@ -14,12 +14,14 @@ from __future__ import annotations
 import atexit
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
+from kvforge.contract.profile_schema import PARTIAL_KV_SNAPSHOTS, RECURRENT_SNAPSHOTS
 from kvforge.runtime.context_cache.records import Record
+from kvforge.runtime.context_cache.registry import tier_values
 from kvforge.runtime.execution.backend import KVStorage
 from kvforge.runtime.execution.recurrent_state import RecurrentStates
 from kvforge.runtime.execution.snapshots import PartialKVSnapshotStore, RecurrentSnapshotStore
@@ -49,8 +51,12 @@ class SharedTier:
         self.kv = kv
         self.states = states
         self.state_rows = state_rows
-        self.partial = partial
-        self.recurrent = recurrent
+        # The storage each type's tier values are read from (TierValue.source): a copy of one slot's arrays.
+        self.sources: dict[str, Callable[[int], list[np.ndarray]]] = {}
+        if recurrent is not None:
+            self.sources[RECURRENT_SNAPSHOTS] = lambda slot: [np.array(array[slot]) for array in recurrent.arrays]
+        if partial is not None:
+            self.sources[PARTIAL_KV_SNAPSHOTS] = lambda slot: [np.array(layer[slot]) for layer in partial.layers]
         self.timeout_s = timeout_s
         self.checkpoints = states is not None
         self.layout = Layout(root, secret)
@@ -161,8 +167,8 @@ class SharedTier:
         if self.io.backing_off() or self.io.closed:
             self.io.count(dropped_writes=1)
             return
-        job = record_values(record, self.layout, self.tokens_per_page, kv=self.kv, partial=self.partial,
-                            recurrent=self.recurrent, known=self.io.is_known)
+        job = record_values(record, self.layout, self.tokens_per_page, kv=self.kv, sources=self.sources,
+                            known=self.io.is_known)
         if job is not None:
             self.io.submit_write(job)
 
@@ -187,11 +193,12 @@ class SharedTier:
 
 
 def record_values(record: Record, layout: Layout, tokens_per_page: int, *, kv: KVStorage | None,
-                  partial: PartialKVSnapshotStore | None, recurrent: RecurrentSnapshotStore | None,
+                  sources: Mapping[str, Callable[[int], list[np.ndarray]]],
                   known: Callable[[bytes], bool]) -> Write | None:
-    """What a committed record saves, and the only place that reads a record's per-type fields: each full page the
-    store is not `known` to hold, and its endpoint (recurrent state and/or partial tail page) with the directory
-    entry that finds it. None when there is nothing to save."""
+    """What a committed record saves: each full page the store is not `known` to hold, and its endpoint (what each
+    cache type exports for it, `tier_values`: a checkpoint's recurrent state, then its partial tail page) with the
+    directory entry that finds it, each value's arrays copied from its `sources` storage. None when there is
+    nothing to save."""
     T, tokens = tokens_per_page, np.asarray(record.token_ids, dtype=np.int32)
     items: list[tuple[bytes, bytes | Callable[[], bytes]]] = []
     nbytes = 0
@@ -204,15 +211,10 @@ def record_values(record: Record, layout: Layout, tokens_per_page: int, *, kv: K
                                                            arrays)))
         nbytes += sum(a.nbytes for a in arrays)
     directory = None
-    endpoint = record.is_checkpoint or record.partial_slot is not None  # a state or a tail page to save
-    if endpoint and not known(layout.checkpoint.store_key(record.terminal_key)):
-        arrays = []
-        if record.is_checkpoint:
-            assert recurrent is not None and record.recurrent_slot is not None
-            arrays = [np.array(array[record.recurrent_slot]) for array in recurrent.arrays]
-        if record.partial_slot is not None:
-            assert partial is not None
-            arrays += [np.array(layer[record.partial_slot]) for layer in partial.layers]
+    values = tier_values(record)
+    assert values or not record.is_checkpoint, "a checkpoint without its recurrent state"
+    if values and not known(layout.checkpoint.store_key(record.terminal_key)):
+        arrays = [array for value in values for array in sources[value.source](value.slot)]
         items.append((layout.checkpoint.store_key(record.terminal_key),
                       _encoder(layout.checkpoint, record.terminal_key, tokens, arrays)))
         nbytes += sum(a.nbytes for a in arrays)

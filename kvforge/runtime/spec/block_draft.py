@@ -48,7 +48,7 @@ from kvforge.runtime.execution.tree_attention import causal_masks, start_positio
 from kvforge.runtime.profile import Profiler
 from kvforge.runtime.sampling.sampler import SampleResult
 from kvforge.runtime.sequence import Sequence
-from kvforge.runtime.spec.proposer import DraftTree, committed_spans
+from kvforge.runtime.spec.proposer import DraftStates, DraftTree, KeepsDraftStates, committed_spans
 from kvforge.runtime.step import BatchOutput, ScheduledRow
 
 # In decode steps, SmolLM2 on two cores (experiments/block_draft.py, 2026-12-03): a verify call of 7 tokens cost 2.6-2.7
@@ -88,7 +88,7 @@ class _Call:
     outputs: list[int]
 
 
-class BlockDraftProposer:
+class BlockDraftProposer(KeepsDraftStates[BlockState]):
     owns_kv = True
 
     def __init__(self, backend: Backend, embedding: np.ndarray, block_size: int,
@@ -99,6 +99,7 @@ class BlockDraftProposer:
         it); `embedding`: the base's token table; `block_size`: positions one block call drafts over (the pending
         token and block_size - 1 masks); `causal`: the block sees itself causally (JetSpec); `top_k` > 1: a tree of
         at most `verify_nodes` drafts (JetSpec)."""
+        self.states: DraftStates[BlockState] = DraftStates()  # what each request's next proposal starts from
         self.backend = backend
         self.embedding = embedding
         self.block_size = block_size
@@ -128,7 +129,7 @@ class BlockDraftProposer:
             assert draft is not None
             end = call.start + call.context
             draft.computed = end
-            call.seq.draft_state = BlockState(end)
+            self.states.set(call.seq.request_id, BlockState(end))
 
     # --- before the next step -------------------------------------------------------------------------
 
@@ -136,7 +137,7 @@ class BlockDraftProposer:
         proposals: list[list[int] | DraftTree] = [[] for _ in seqs]
         calls, owners, pending, budgets = [], [], [], []
         for i, (seq, limit) in enumerate(zip(seqs, limits, strict=True)):
-            state, draft = seq.draft_state, draft_of(seq.lease)
+            state, draft = self.states.get(seq.request_id), draft_of(seq.lease)
             if not isinstance(state, BlockState) or draft is None or limit <= 0:
                 continue
             start = seq.num_computed_tokens

@@ -41,7 +41,7 @@ from kvforge.runtime.execution.backend import Backend, StepInputs
 from kvforge.runtime.execution.tree_attention import ancestor_mask, causal_masks, start_positions
 from kvforge.runtime.sampling.sampler import SampleResult, log_softmax, top_ids
 from kvforge.runtime.sequence import Sequence
-from kvforge.runtime.spec.proposer import DraftTree, committed_spans
+from kvforge.runtime.spec.proposer import DraftStates, DraftTree, KeepsDraftStates, committed_spans
 from kvforge.runtime.step import BatchOutput, ScheduledRow
 
 
@@ -88,7 +88,7 @@ class _Tree:
     hidden: dict[int, np.ndarray]  # node -> the draft's output at it (its children's hidden input)
 
 
-class Eagle3Proposer:
+class Eagle3Proposer(KeepsDraftStates[DraftState]):
     """Drafts with a one-layer draft fed the base's hidden states: an EAGLE3 draft, and also Qwen3.5's MTP layer
     (EAGLE3's contract over the whole vocabulary; kvforge/runtime/spec/methods.py names it HiddenStateProposer)."""
 
@@ -104,6 +104,7 @@ class Eagle3Proposer:
         layer's), so rejected verify rows commit nothing until their kept tokens are recomputed (committed_spans);
         `keep_hidden`: base hidden states each lease keeps while it prefills its prompt (its last positions, for the
         draft tail of the checkpoint at the prompt's end)."""
+        self.states: DraftStates[DraftState] = DraftStates()  # what each request's next proposal starts from
         self.backend = backend
         self.embedding = embedding
         self.draft_to_base = np.arange(len(d2t), dtype=np.int64) + d2t
@@ -144,7 +145,7 @@ class Eagle3Proposer:
             state = DraftState(end, self._token(row_logits[0]), row_hidden[0])
             if self.top_k > 1:
                 state.top_ids, state.top_scores = self._top(row_logits[0])
-            seq.draft_state = state
+            self.states.set(seq.request_id, state)
 
     @staticmethod
     def _draft(seq: Sequence) -> DraftLease:
@@ -160,7 +161,7 @@ class Eagle3Proposer:
         live: list[tuple[int, Sequence, DraftState]] = []
         trees: dict[int, _Tree] = {}
         for i, (seq, limit) in enumerate(zip(seqs, limits, strict=True)):
-            state = seq.draft_state
+            state = self.states.get(seq.request_id)
             if not isinstance(state, DraftState) or state.position != seq.num_computed_tokens or limit <= 0 \
                     or draft_of(seq.lease) is None:
                 continue

@@ -26,7 +26,7 @@ from kvforge.contract.engine_dir import BASE_HIDDEN_INPUT, DRAFT_HIDDEN_INPUT
 from kvforge.runtime.execution.backend import Backend, StepInputs
 from kvforge.runtime.sampling.sampler import SampleResult
 from kvforge.runtime.sequence import Sequence
-from kvforge.runtime.spec.proposer import DraftTree
+from kvforge.runtime.spec.proposer import DraftStates, DraftTree, KeepsDraftStates
 from kvforge.runtime.step import BatchOutput, ScheduledRow
 
 
@@ -38,11 +38,12 @@ class AssistantState:
     hidden: np.ndarray  # [backbone width]
 
 
-class Gemma4MtpProposer:
+class Gemma4MtpProposer(KeepsDraftStates[AssistantState]):
     owns_kv = False
 
     def __init__(self, backend: Backend, embedding: np.ndarray, max_draft_tokens: int) -> None:
         """`backend`: the assistant's runner, bound to the base's pools; `embedding`: the base's token table."""
+        self.states: DraftStates[AssistantState] = DraftStates()  # what each request's next proposal starts from
         self.backend = backend
         self.embedding = embedding
         self.max_draft_tokens = max_draft_tokens
@@ -57,13 +58,14 @@ class Gemma4MtpProposer:
             # Row i's logits positions are its pending token, then its drafts; the last committed token's
             # successor came from position len(samples) - 1 among them.
             position = row.seq.num_computed_tokens + row.num_new_tokens + len(samples) - 1
-            row.seq.draft_state = AssistantState(position, np.array(hidden[len(samples) - 1], dtype=np.float32))
+            self.states.set(row.seq.request_id,
+                            AssistantState(position, np.array(hidden[len(samples) - 1], dtype=np.float32)))
 
     def propose_batch(self, seqs: list[Sequence], limits: list[int]) -> list[list[int] | DraftTree]:
         proposals: list[list[int] | DraftTree] = [[] for _ in seqs]
         owners, tokens, hidden, limit_of = [], [], [], []
         for i, (seq, limit) in enumerate(zip(seqs, limits, strict=True)):
-            state = seq.draft_state
+            state = self.states.get(seq.request_id)
             if not isinstance(state, AssistantState) or seq.lease is None or limit <= 0 or \
                     state.position != seq.num_computed_tokens:
                 continue

@@ -33,9 +33,8 @@ class Proposer(Protocol):
     rollback  a recurrent base rejected a verify row and restored its state: `DraftLifecycle.rollback`
     end       the request finished or was aborted; its state goes: `DraftLifecycle.end`
 
-    Every proposer has draft and accept. The per-request hooks are `DraftLifecycle`'s: a proposer that keeps its
-    state per request id (`DraftStates`) implements them; one that still keeps it on `Sequence.draft_state` (the
-    scheduler clears that on preemption) has no need to."""
+    Every proposer has draft and accept. The per-request hooks are `DraftLifecycle`'s: a proposer that keeps state
+    between steps keeps it per request id in a `DraftStates` and inherits them from `KeepsDraftStates`."""
 
     # Drafts with K/V of its own (EAGLE3): its sequences' admissions take draft pages and reuse only records with a
     # coherent draft path; the engine also asks the base for hidden states at every position it computes.
@@ -94,6 +93,22 @@ class DraftStates(Generic[S]):
 
     def __len__(self) -> int:
         return len(self.states)
+
+
+class KeepsDraftStates(Generic[S]):
+    """`DraftLifecycle` over a proposer's `states`: a generation's begin (admission, and preemption, after which it
+    is recomputed) and a recurrent rollback drop what was drafted from; the request's end drops it for good."""
+
+    states: DraftStates[S]
+
+    def begin(self, seq: Sequence) -> None:
+        self.states.begin(seq.request_id)
+
+    def rollback(self, seq: Sequence) -> None:
+        self.states.begin(seq.request_id)  # drafted past the committed tokens, which are recomputed next step
+
+    def end(self, request_id: str) -> None:
+        self.states.end(request_id)
 
 
 def committed_spans(rows: list[ScheduledRow], output: BatchOutput, sampled: list[list[SampleResult]],

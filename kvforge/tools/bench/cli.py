@@ -19,9 +19,12 @@ from kvforge import __version__
 from kvforge.cli_common import console, run_app, run_guarded
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.files import atomic_write_text, check_distinct, check_output_file, check_work_dir
+from kvforge.contract.speculation import DRAFT_METHODS, TREE_METHODS, in_words
+from kvforge.plugins.cpu_kernel import cpu_description, describe_cpu
 from kvforge.runtime.inputs.tokenizer import ChatTokenizer
 from kvforge.tools.bench import report
 from kvforge.tools.bench.engines import (
+    ENGINE_SYNTAX,
     KVFORGE,
     EngineSpec,
     build_options,
@@ -45,6 +48,7 @@ from kvforge.tools.bench.workloads import (
 )
 from kvforge.tools.testcases.engines import cached_engine, default_cache_dir
 
+EXIT_NOTHING_RAN = 1  # every engine was skipped or failed: no figures (bad input is 2, an internal failure 3)
 out = Console(highlight=False, width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 200)
 # Fields of the errors raised here and below → the flag to fix (an engine's dir comes from --engine or --onnxDir).
 FLAGS = {"engine": "--engine", "engine_dir": "--engine", "onnx_dir": "--engine/--onnxDir", "inputFile": "--inputFile",
@@ -61,15 +65,15 @@ template), decodes exactly --maxTokens greedy tokens (end of sequence suppressed
 --repeats times from an empty cache; figures are medians.
 
 [bold]Engines[/] (--engine, repeatable): \
-[bold][NAME=][KIND:]PATH[,reuse=on|off][,spec=ngram|eagle3|dflash|dspark|gemma4_mtp|mtp][,draftStep=N][,draftTopK=K][/]
+[bold]{ENGINE_SYNTAX}[/]
 
   DIR                    a kvforge engine dir, or an ONNX dir (built on the fly into --workDir)
   DIR,reuse=off          the same without context reuse
   DIR,spec=ngram         the same with prompt-lookup speculative decoding (llm_inference --specDecode ngram;
                          draftStep=N is its --specDraftStep, default 6); named DIR+ngram unless NAME= is given
-  DIR,spec=eagle3        an engine dir built with llm_build --specBase, drafting with its EAGLE3 draft in DIR/draft
-                         (llm_inference --specDecode eagle3); named DIR+eagle3; draftTopK=K drafts trees
-                         (--specDraftTopK), named DIR+eagle3-topK
+  DIR,spec=METHOD        an engine dir built with llm_build --specBase, drafting with its draft in DIR/draft
+                         (llm_inference --specDecode METHOD: {DRAFT_METHODS}); named DIR+METHOD;
+                         draftTopK=K drafts trees (--specDraftTopK; {TREE_METHODS}), named DIR+METHOD-topK
   llama.cpp,spec=ngram   llama.cpp with its own prompt lookup (llama-cpp-python's LlamaPromptLookupDecoding as the
                          draft model; draftStep=N is its num_pred_tokens, default 10); named llama.cpp+ngram
   transformers[:PATH]    transformers, float32, on a GGUF file or an HF checkpoint dir
@@ -105,7 +109,8 @@ package is not installed is listed as skipped with the reason (pip install 'kvfo
       --contextTokens 64,512,1536,4096 --maxTokens 32 --baseline llama.cpp --plot decode.png
   llm_bench --engine int4=out/onnx/smollm2 --engine int4+ngram=out/onnx/smollm2,spec=ngram \\
       --engine llama.cpp --engine llama.cpp,spec=ngram --workload spec_decode --maxTokens 128 --baseline llama.cpp
-"""
+""".replace("{ENGINE_SYNTAX}", ENGINE_SYNTAX).replace(
+    "{DRAFT_METHODS}", in_words(DRAFT_METHODS)).replace("{TREE_METHODS}", in_words(TREE_METHODS))  # the table's
 
 
 def _split(values: list[str] | None) -> list[str]:
@@ -244,7 +249,8 @@ def bench(specs: list[EngineSpec], workload_names: list[str], input_file: Path |
     return {"kvforge": __version__, "baseline": baseline, "baseline_ran": base is not None,
             "settings": {**asdict(settings), "tokenizer_of": reference.name,
                          "decoding": "greedy, end of sequence suppressed"},
-            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_average_start": load_start,
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "cpu": cpu_description(),
+                        "load_average_start": load_start,
                         "load_average_end": os.getloadavg(), "seconds": time.perf_counter() - started},
             "legend": report.LEGEND, "roles": ROLES, "workloads": workloads_json,
             "decode_context": _decode_context_json(points, settings),
@@ -288,6 +294,8 @@ def print_report(figures: dict[str, Any]) -> None:
     out.print(f"llm_bench: {settings['threads']} threads, {settings['max_tokens']} greedy tokens per request, medians "
               f"of {settings['repeats']}; load average {machine['load_average_start'][0]:.2f} at the start, "
               f"{machine['load_average_end'][0]:.2f} at the end ({machine['cpus']} CPUs), {machine['seconds']:.0f} s")
+    if machine.get("cpu"):
+        out.print(f"cpu: {describe_cpu(machine['cpu'])}")
     for workload in figures["workloads"]:
         lengths = sorted({r["prompt_tokens"] for r in workload["requests"]})
         out.print(f"  {workload['name']}: {workload['description']} (prompts of {lengths[0]}–{lengths[-1]} tokens)")
@@ -350,8 +358,7 @@ app = typer.Typer(add_completion=False, rich_markup_mode="rich", help=APP_HELP)
 @app.command(help=APP_HELP)
 def main_command(
     engine: list[str] | None = typer.Option(None, "--engine",
-                                            metavar="[NAME=][KIND:]PATH[,reuse=on|off][,spec=ngram|eagle3|dflash|dspark|gemma4_mtp|mtp][,draftStep=N]"
-                                            "[,draftTopK=K]",
+                                            metavar=ENGINE_SYNTAX,
                                             help="An engine to measure (repeatable); see above, e.g. --engine "
                                             "out/onnx/smollm2,spec=ngram or --engine llama.cpp,spec=ngram."),
     onnx_dir: list[Path] | None = typer.Option(None, "--onnxDir", help="A kvforge ONNX dir to build on the fly and "
@@ -389,7 +396,7 @@ def main_command(
                                          "reused (default: ~/.cache/kvforge/llm_bench)."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
-    def body() -> None:
+    def body() -> bool:
         names = check_workloads(_split(workload) or ([] if input_file else list(DEFAULT_WORKLOADS)))
         contexts = parse_context_tokens(context_tokens, names)
         if input_file is not None and not input_file.is_file():
@@ -415,9 +422,14 @@ def main_command(
                             contexts)
         figures = bench(specs, names, input_file, settings, baseline, bench_dir)
         print_report(figures)
-        if output_file is not None:
+        if output_file is not None:  # written even when nothing ran: it says why each engine was skipped or failed
             atomic_write_text(output_file, json.dumps(figures, indent=1) + "\n")
             console.print(f"figures written to {escape(str(output_file))}")
+        if not any(e["status"] == "ok" for e in figures["engines"]):
+            # A run with no figures is a failure a script must see (it used to exit 0 with a blank chart).
+            console.print(f"error: no engine ran ({len(figures['engines'])} skipped or failed, reasons above)"
+                          + ("; no plot written" if plot is not None else ""))
+            return False
         if plot is not None:
             shown_baseline = figures["baseline"] if figures["baseline_ran"] else None
             report.plot(figures["engines"], shown_baseline, plot)
@@ -425,8 +437,10 @@ def main_command(
             if figures["decode_context"] is not None:
                 report.plot_decode_context(figures["engines"], shown_baseline, report.context_plot_path(plot))
                 console.print(f"decode_context plot written to {escape(str(report.context_plot_path(plot)))}")
+        return True
 
-    run_guarded(body, debug, FLAGS)
+    if not run_guarded(body, debug, FLAGS):
+        raise typer.Exit(EXIT_NOTHING_RAN)  # outside run_guarded, which reads any exception as an internal error
 
 
 def main() -> None:

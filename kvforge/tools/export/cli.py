@@ -99,8 +99,18 @@ DEFAULT_QUANTIZATION = {SMOLLM2_NAME: "int4"}
 
 
 def default_quantization(source: str | None, synthetic: str | None) -> str:
-    """What `--quantization auto` means for this source: measured winners only, float32 everywhere else."""
-    return "none" if synthetic else DEFAULT_QUANTIZATION.get(source or "", "none")
+    """What `--quantization auto` means for this source: the measured winner of a bundled name; for a GGUF file what
+    it stores (its blocks kept, whatever names the file: by path the SmolLM2 file is int4 as by name); float32 for
+    synthetic models and HF dirs."""
+    if synthetic or not source:
+        return "none"
+    if source in DEFAULT_QUANTIZATION:
+        return DEFAULT_QUANTIZATION[source]
+    if Path(source).is_file():
+        from kvforge.tools.export.sources.gguf import gguf_quantization
+
+        return gguf_quantization(Path(source))
+    return "none"
 
 
 def parse_layer_ids(text: str) -> list[int]:
@@ -130,8 +140,9 @@ def export(
     quantization: str = typer.Option("auto", "--quantization",
                                      help="Linear weights (LM head included): none (float32), int8 or int4 "
                                           "MatMulNBits blocks; auto = int4 for smollm2-135m-instruct (it passes "
-                                          "the quality bar, README 'Quantization'), none otherwise. GGUF "
-                                          "Q8_0/Q4_0/Q4_1 blocks are kept exactly as stored."),
+                                          "the quality bar, README 'Quantization'), what a GGUF file stores (int4 "
+                                          "for 4-bit blocks, int8 for 5- to 8-bit, none for float), none "
+                                          "otherwise. GGUF Q8_0/Q4_0/Q4_1 blocks are kept exactly as stored."),
     quant_block_size: int = typer.Option(32, "--quantBlockSize",
                                          help="Weights per quantization block (a power of two >= 16)."),
     int4_scheme: str = typer.Option(DEFAULT_INT4_SCHEME, "--int4Scheme",

@@ -13,7 +13,14 @@ from rich.markup import escape
 from kvforge.cli_common import console, run_app, run_guarded
 from kvforge.contract.files import check_distinct, check_output_file
 from kvforge.contract.validation import printable
-from kvforge.tools.profile.compare import compare_rows, compare_table, group_keys, only_in
+from kvforge.tools.profile.compare import (
+    PER_REQUEST_LABELS,
+    compare_rows,
+    compare_table,
+    group_keys,
+    only_in,
+    per_request_rows,
+)
 from kvforge.tools.profile.load import load_profile
 from kvforge.tools.profile.plot import plot_profile
 from kvforge.tools.profile.tables import summary_tables
@@ -36,7 +43,9 @@ profile, or a comparison of two. [bold]llm_profile PROFILE.json[/] is short for 
 SHOW_HELP = """
 Summarize one profile: prefill (reused vs computed tokens, reuse ratio, tok/s, TTFT-ish latency of \
 the llm_prefill calls), generation (tok/s, ms/token), a stage table, peak memory and, when present, \
-the context_cache counters, resource pools and per-adapter reuse. Missing sections are skipped.
+the context_cache counters, resource pools and per-adapter reuse. Only what applies is shown: missing \
+sections, and the blocks of features the engine did not use (documents, sliding window, adapter corrections, \
+speculation, snapshots: all zero with no pool capacity), are left out.
 
 [bold]Examples[/]
 
@@ -44,16 +53,24 @@ the context_cache counters, resource pools and per-adapter reuse. Missing sectio
   llm_profile profile.json --plot profile.png
 """
 COMPARE_HELP = """
-Compare two profiles: every numeric field present in both (dotted keys such as \
-prefill.tokens_per_second, context_cache.reused_tokens, stages.llm_prefill.mean_ms, plus the derived \
-prefill.reuse_ratio and context_cache.hit_rate) with A, B, B−A and B/A. Changes of at least \
---threshold percent are marked better / worse (by the field's meaning) or changed.
+Compare two profiles. First what one request cost in each (TTFT as prefill time per request, decode and \
+engine time, prompt tokens computed and reused, reuse ratio, hit rate), then every numeric field present in \
+both (dotted keys such as prefill.tokens_per_second, context_cache.reused_tokens, stages.llm_prefill.mean_ms) \
+with A, B, B−A and B/A. A profile run without reuse counts as reusing nothing. Changes of at least \
+--threshold percent are marked better / worse (by the field's meaning) or changed; a timing change smaller \
+than twice its standard error (from the calls' spread) is marked within noise, and per-call times of a stage \
+that ran a different number of calls are marked per call.
 
 [bold]Examples[/]
 
   llm_profile compare cold.json warm.json
   llm_profile compare cold.json warm.json --changedOnly --threshold 5 --plot cold_vs_warm.png
 """
+NOISE_NOTE = ("≈ noise: a change smaller than twice its standard error, estimated from each run's own "
+              "call-to-call spread. A and B are single runs: rerun both (or use llm_bench --repeats) before "
+              "trusting it.")
+PER_CALL_NOTE = ("● per call: the stage ran a different number of calls in A and B, so a time per call compares "
+                 "nothing; read the per-request table.")
 PLOT_HELP = "Also write a chart (PNG, or any format matplotlib knows from the suffix); needs kvforge\\[plot]."
 COMMANDS = ("show", "compare")
 
@@ -100,6 +117,13 @@ def compare(
         label_a, label_b = printable(profile_a.name), printable(profile_b.name)
         if label_a == label_b:
             label_a, label_b = printable(str(profile_a)), printable(str(profile_b))
+        headline = per_request_rows(data_a, data_b, threshold / 100.0)
+        if headline:  # what a request cost: the comparison a cold/warm or before/after run is about
+            out.print(compare_table(headline, label_a, label_b, title=f"Per request   A = {label_a}   B = {label_b}",
+                                    labels=PER_REQUEST_LABELS))
+            out.print()
+        else:
+            out.print("no per-request figures: a profile counts no requests (no per_adapter or context_cache block)")
         rows = compare_rows(data_a, data_b, threshold / 100.0)
         out.print(compare_table(rows, label_a, label_b, changed_only))
         marked = sum(row.notable for row in rows)
@@ -107,6 +131,11 @@ def compare(
         for name, keys in zip((f"A ({label_a})", f"B ({label_b})"), only_in(data_a, data_b), strict=True):
             if keys:
                 out.print(f"only in {name}: {group_keys(keys)}")
+        verdicts = {row.verdict for row in (*headline, *rows)}
+        if "noise" in verdicts:
+            out.print(NOISE_NOTE)
+        if "per call" in verdicts:
+            out.print(PER_CALL_NOTE)
         if plot is not None:
             plot_profile([(f"A: {label_a}", data_a), (f"B: {label_b}", data_b)], plot)
             console.print(f"plot written to {escape(str(plot))}")

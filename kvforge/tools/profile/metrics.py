@@ -243,3 +243,73 @@ def metrics(data: Mapping[str, Any]) -> dict[str, float | int]:
             ordered.update({name: value for name, value in derived.items() if name.split(".")[0] == top})
     ordered.update({name: value for name, value in derived.items() if name not in ordered})
     return ordered
+
+
+# ------------------------------------------------------------------------------------------------ per request
+
+PER_REQUEST = "per_request"
+
+
+def request_count(data: Mapping[str, Any]) -> int | None:
+    """Requests the profile covers: per_adapter's requests summed (kvforge counts every request there), else the
+    context cache's admitted sequences; None when the profile has neither."""
+    counts = [get(entry, "requests") for entry in per_adapter(data).values()]
+    if counts and all(count is not None for count in counts):
+        return int(sum(counts))  # type: ignore[arg-type]
+    admitted = get(section(data, schema.CONTEXT_CACHE), schema.ADMITTED_SEQUENCES)
+    return None if admitted is None else int(admitted)
+
+
+def stage_total_ms(data: Mapping[str, Any], stage_ids: tuple[str, ...] | None = None) -> float | None:
+    """The summed wall time of the stages named (all of them when None); None when one named is missing."""
+    stages = stages_by_id(data)
+    chosen = list(stages) if stage_ids is None else list(stage_ids)
+    if not chosen or any(stage_id not in stages for stage_id in chosen):
+        return None
+    return total(*(get(stages[stage_id], "total_gpu_time_ms") for stage_id in chosen))
+
+
+def stage_spread_ms(data: Mapping[str, Any], stage_ids: tuple[str, ...] | None = None) -> float | None:
+    """One standard error of `stage_total_ms` from the calls' own spread: sqrt(Σ count · stddev²). A single run's
+    estimate of how much its total would move on a rerun (None without stddev_ms and count)."""
+    stages = stages_by_id(data)
+    chosen = list(stages) if stage_ids is None else list(stage_ids)
+    variance = 0.0
+    for stage_id in chosen:
+        count, stddev = stage_stat(stages.get(stage_id), "count"), stage_stat(stages.get(stage_id), "stddev_ms")
+        if count is None or stddev is None:
+            return None
+        variance += count * stddev * stddev
+    return math.sqrt(variance) if chosen else None
+
+
+# The per-request figures `compare` leads with: (key, stages timed or None for every stage, label). Prefill time
+# per request is what a request waits for its first token on an idle engine (TTFT without queueing); comparing
+# it, not the mean time per llm_prefill call, keeps reuse (fewer computed tokens, often fewer but longer calls)
+# from reading as slower.
+PER_REQUEST_TIMES = (
+    ("ttft_ms", (schema.PREFILL_STAGE,), "TTFT ms (prefill time per request)"),
+    ("decode_ms", (schema.GENERATION_STAGE,), "decode ms per request"),
+    ("engine_ms", None, "engine ms per request (all stages)"),
+)
+
+
+def per_request(data: Mapping[str, Any]) -> dict[str, float]:
+    """`per_request.*`: the stage times and prompt tokens of one request on average (empty without a request
+    count)."""
+    requests = request_count(data)
+    if not requests:
+        return {}
+    prefill = section(data, schema.PREFILL)
+    values = {f"{PER_REQUEST}.requests": float(requests)}
+    for key, stage_ids, _ in PER_REQUEST_TIMES:
+        values[f"{PER_REQUEST}.{key}"] = ratio(stage_total_ms(data, stage_ids), requests)  # type: ignore[assignment]
+    for key in ("computed_tokens", "reused_tokens"):
+        values[f"{PER_REQUEST}.{key}"] = ratio(get(prefill, key), requests)  # type: ignore[assignment]
+    return {key: value for key, value in values.items() if value is not None}
+
+
+def per_request_spread_ms(data: Mapping[str, Any], key: str) -> float | None:
+    """One standard error of the per-request time `key` (a PER_REQUEST_TIMES key)."""
+    stage_ids = next(ids for name, ids, _ in PER_REQUEST_TIMES if name == key)
+    return ratio(stage_spread_ms(data, stage_ids), request_count(data))

@@ -9,7 +9,17 @@ from typing import Any
 from kvforge.contract import profile_schema as schema
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.files import atomic_output
-from kvforge.tools.profile.metrics import fmt_pct, get, hit_rate, reuse_ratio, section, stage_stat, stages_by_id
+from kvforge.tools.profile.metrics import (
+    fmt_pct,
+    get,
+    hit_rate,
+    request_count,
+    reuse_ratio,
+    section,
+    stage_spread_ms,
+    stage_total_ms,
+    stages_by_id,
+)
 
 
 def _import_pyplot() -> Any:
@@ -38,7 +48,7 @@ def _label_bars(ax: Any, bars: Any, values: Sequence[float], fmt_value: str = "{
 
 
 def plot_profile(profiles: Sequence[tuple[str, Mapping[str, Any]]], out: Path) -> Path:
-    """Draw stage mean times (grouped bars per profile) and, when present, the reuse counters; write `out`.
+    """Draw stage times per request (grouped bars per profile) and, when present, the reuse counters; write `out`.
 
     `profiles` is [(label, profile)], one for `show`, two (A, B) for `compare`.
     """
@@ -68,19 +78,30 @@ def plot_profile(profiles: Sequence[tuple[str, Mapping[str, Any]]], out: Path) -
 
     for ax, panel in zip(axes[0], panels, strict=True):
         if panel == "stages":
+            # Time per request, not per call: reuse computes fewer tokens, often in fewer calls of another length,
+            # so a mean per call can grow while every request gets faster. Whiskers: twice the standard error
+            # from the run's own call spread (what a rerun of a single run may move by).
             positions = range(len(stage_ids))
+            requests = [request_count(data) for _, data in profiles]
+            per_request = all(requests)
             for index, (label, data) in enumerate(profiles):
-                stages = stages_by_id(data)
-                means = [stage_stat(stages.get(stage_id), "mean_ms") for stage_id in stage_ids]
-                present = [(p, mean) for p, mean in zip(positions, means, strict=True) if mean is not None]
-                offsets = [p + (index - (len(profiles) - 1) / 2) * bar_width for p, _ in present]
-                values = [mean for _, mean in present]
-                bars = ax.bar(offsets, values, bar_width, label=label, color=colors[index % len(colors)])
+                divisor = requests[index] if per_request else 1
+                times = [stage_total_ms(data, (stage_id,)) for stage_id in stage_ids]
+                spreads = [stage_spread_ms(data, (stage_id,)) for stage_id in stage_ids]
+                present = [(p, time / divisor, 2 * (spread or 0.0) / divisor)  # type: ignore[operator]
+                           for p, time, spread in zip(positions, times, spreads, strict=True) if time is not None]
+                offsets = [p + (index - (len(profiles) - 1) / 2) * bar_width for p, _, _ in present]
+                values = [value for _, value, _ in present]
+                bars = ax.bar(offsets, values, bar_width, yerr=[error for _, _, error in present], capsize=3,
+                              error_kw={"elinewidth": 0.8, "alpha": 0.6}, color=colors[index % len(colors)],
+                              label=f"{label} ({requests[index]} requests)" if per_request else label)
                 _label_bars(ax, bars, values, "{:,.2f}")
             ax.set_xticks(list(positions), stage_ids, rotation=20 if len(stage_ids) > 3 else 0, ha="center")
-            ax.set_ylabel("mean time per call (ms)")
-            ax.set_title("Stage mean time per call")
+            ax.set_ylabel("time per request (ms)" if per_request else "total time (ms)")
+            ax.set_title(("Stage time per request" if per_request else "Stage total time (no request count)")
+                         + "; whiskers ±2 SE", fontsize=10)
             ax.margins(y=0.15)
+            ax.set_ylim(bottom=0)
             if len(profiles) > 1:
                 ax.legend(fontsize=8)
         elif panel == "tokens":

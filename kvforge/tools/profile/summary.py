@@ -48,4 +48,8 @@ def format_summary(data: Mapping[str, Any]) -> str:
     if cpu is not None:
         pool = memory_mib(data, schema.KV_POOL)
         lines.append(f"peak memory: {cpu:.1f} MiB CPU" + (f", KV pool {pool:.1f} MiB" if pool is not None else ""))
+    cpu_block = (data.get("engine") or {}).get("cpu")
+    if lines and cpu_block:
+        from kvforge.plugins.cpu_kernel import describe_cpu
+        lines.append(f"cpu: {describe_cpu(cpu_block)}")
     return "\n".join(lines) if lines else "profile: no data recorded"

@@ -79,6 +79,33 @@ _TIER_ROWS = (
 )
 
 
+# Context-cache blocks of features an engine may not have, and the pools that say it has them: a block is shown when
+# it counted something or one of its pools has capacity (the feature is on), so a plain engine's summary is not a
+# wall of zeros for documents, sliding windows, adapter corrections, speculation and snapshots it never used.
+_OPTIONAL_BLOCKS = {
+    schema.HYBRID: (schema.RECURRENT_SNAPSHOTS, schema.PARTIAL_KV_SNAPSHOTS),
+    schema.SPECULATIVE: (schema.DRAFT_KV_PAGES,),
+    schema.DOCUMENTS: (schema.DOCUMENT_KV_PAGES,),
+    schema.SLIDING_WINDOW: (schema.SLIDING_WINDOW_PAGES,),
+    schema.ADAPTER_CORRECTIONS: (schema.ADAPTER_CORRECTIONS,),
+}
+
+
+def _pool_in_use(row: Mapping[str, Any]) -> bool:
+    """A pool the engine has (capacity > 0) or that reclaimed something; None counts as unknown, so shown."""
+    return any(row[key] is None or row[key] != 0 for key in ("capacity", "free", "reclaimed"))
+
+
+def applies(data: Mapping[str, Any], block: str) -> bool:
+    """Whether context_cache's `block` belongs in the summary: not one of _OPTIONAL_BLOCKS, or it counted something
+    (any non-zero number), or a pool of its feature has capacity."""
+    if block not in _OPTIONAL_BLOCKS:
+        return True
+    if any(value != 0 for _, value in flat_numbers(section(data, schema.CONTEXT_CACHE).get(block), "")):
+        return True
+    return any((get(row, "capacity") or 0) > 0 for row in pool_rows(data) if row["name"] in _OPTIONAL_BLOCKS[block])
+
+
 def _kv_table(title: str) -> Table:
     table = Table(title=title, title_justify="left", title_style="bold")
     table.add_column("metric")
@@ -193,7 +220,7 @@ def _context_cache_table(data: Mapping[str, Any]) -> Table | None:
             table.add_row(_counter_label(key), fmt(get(cache, key)), "")
     for group, keys in _CACHE_GROUPS:
         block = cache.get(group)
-        if not isinstance(block, Mapping):
+        if not isinstance(block, Mapping) or not applies(data, group):
             continue
         table.add_section()
         for key in (*keys, *(extra for extra in block if extra not in keys)):
@@ -205,17 +232,23 @@ def _context_cache_table(data: Mapping[str, Any]) -> Table | None:
         table.add_row("planning total ms", fmt(None if planning_ns is None else planning_ns / 1e6, 3), "")
         table.add_row("planning µs per admitted", fmt(planning_us_per_admitted(data), 2),
                       "planning_nanoseconds / admitted_sequences")
-    others = [(key, value) for top, item in cache.items() if top not in _CACHE_LAID_OUT
-              for key, value in flat_numbers(item, str(top))]
-    if others:
-        table.add_section()
-        for key, value in others:
+    # Every other block is a cache type's counters (documents, sliding_window, adapter_corrections, a new type's):
+    # one section each, in the profile's order, so a type's block shows up without an edit here; only the blocks
+    # that apply to this profile (`applies`).
+    scalars = [(key, value) for top, item in cache.items() if top not in _CACHE_LAID_OUT and applies(data, str(top))
+               and not isinstance(item, Mapping) for key, value in flat_numbers(item, str(top))]
+    blocks = [list(flat_numbers(item, str(top))) for top, item in cache.items() if top not in _CACHE_LAID_OUT
+              and applies(data, str(top)) and isinstance(item, Mapping)]
+    for rows in (scalars, *blocks):
+        if rows:
+            table.add_section()
+        for key, value in rows:
             table.add_row(escape(key), fmt(value, 3), "")
     return table if table.row_count else None
 
 
 def _pools_table(data: Mapping[str, Any]) -> Table | None:
-    rows = pool_rows(data)
+    rows = [row for row in pool_rows(data) if _pool_in_use(row)]  # a pool of capacity 0: the engine has none
     if not rows:
         return None
     table = Table(title="Context-cache resource pools", title_justify="left", title_style="bold")

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import typer
 from rich.console import Console
 
-from kvforge.cli_common import ENGINE_FLAGS, console, engine_option, progress_bar, run_app, run_guarded
+from kvforge.cli_common import ENGINE_FLAGS, console, engine_option, progress_bar, run_app, run_guarded, set_help_panels
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.files import atomic_output, check_distinct, check_output_file, check_work_dir
 from kvforge.runtime.engine.config import REPAIR_POLICIES
@@ -201,6 +201,13 @@ def _thresholds(text: str) -> tuple[float, float]:
         raise KvforgeError(f"must be two numbers in [0, 1] as ROUGE1,ROUGEL (e.g. 0.25,0.2), got {text!r}",
                            "--rougeThresholds")
     return values[0], values[1]
+
+
+# Where --help lists this command's own flags (kvforge.cli_common.set_help_panels; engine options carry theirs).
+HELP_PANELS = {
+    "Reports": ("--rouge", "--rougeThresholds", "--jsonReport", "--junitXml", "--outputDir"),
+}
+set_help_panels(app, HELP_PANELS)
 
 
 def main() -> None:

@@ -11,9 +11,9 @@ from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from kvforge import __version__
 from kvforge.builder.build import BuildOptions, build_engine, read_onnx_dir, resolve_backend, resolve_cpu_attention
 from kvforge.contract.formats import MANIFEST_FILE
+from kvforge.contract.version import __version__
 
 KEY_FILE = "llm_test_key.json"  # what the digest covers, written beside the engine for people to read
 

@@ -32,14 +32,18 @@ import numpy as np
 from kvforge.contract import profile_schema as schema
 from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.paging import pages_for
-from kvforge.runtime.context_cache.lease import Admission, Lease
+from kvforge.runtime.context_cache.lease import Admission, Inputs, Lease
+from kvforge.runtime.context_cache.metrics import CounterBlock
 from kvforge.runtime.context_cache.planner import PlanKind, ReusePlan
 from kvforge.runtime.context_cache.pools import ResourcePool
 from kvforge.runtime.context_cache.protocol import CacheSetup, CacheTypeBase, Lookup, Publication
 from kvforge.runtime.context_cache.records import Record
+from kvforge.runtime.context_cache.support import PLAIN_DECODING, CacheSupport, ReuseOff, Tier, refusal
+from kvforge.runtime.context_cache.types.document_chunks import documents_of
+from kvforge.runtime.context_cache.types.draft_paths import is_speculative
 from kvforge.runtime.types import Deployment
 
-CORRECTION_OPTIONS = ("adapter_corrections", "adapter_correction_pages")
+CORRECTION_OPTIONS = ("adapter_correction_pages",)
 
 
 class CorrectionCopier(Protocol):
@@ -118,17 +122,34 @@ class StoredFactors:
         return tuple(slot for _, _, slot in self.entries)
 
 
+# The profile's `adapter_corrections` block: base pages copied and corrected for corrected adapters' requests, factor
+# slots written, pages published without factors (the pool was full). /metrics reads the per-adapter profile instead.
+CORRECTION_COUNTERS = CounterBlock(schema.ADAPTER_CORRECTIONS, schema.CORRECTION_KEYS)
+
+
+# Its row of the support matrix: cached base pages to start from (reuse on), attention-only engines (a recurrent
+# layer's state past the conversation is the adapter's own), plain decoding; the tier saves the base pages only.
+CORRECTION_SUPPORT = CacheSupport(
+    "adapter corrections", "lora_corrections", (Deployment.VANILLA,), PLAIN_DECODING, window_group=True,
+    tier=Tier.NOT_SAVED, reuse_off=ReuseOff.REFUSED, refusals={
+        "reuse": "corrected adapters start from cached base pages: they need enable_context_reuse",
+        "deployment": "recurrent and hybrid engines cannot correct adapters: their state past the conversation is "
+                      "the adapter's own",
+        "spec": "corrected adapters run without speculative decoding; use --specDecode none"},
+    note="llama-family engines exported with every layer's hidden states")
+
+
 def check_deployment(deployment: Deployment) -> None:
-    """Attention-only deployments: a recurrent layer's state past the conversation is the adapter's own, and no
-    correction of base pages reaches it (refused in one line naming `lora_corrections`)."""
-    if deployment is not Deployment.VANILLA:
-        raise InvalidConfig("recurrent and hybrid engines cannot correct adapters: their state past the conversation "
-                            "is the adapter's own", "lora_corrections")
+    """The support row's deployments (refused in one line naming `lora_corrections`)."""
+    found = refusal(CORRECTION_SUPPORT, deployment=deployment, spec_decode=PLAIN_DECODING[0], reuse=True,
+                    window_group=False, shared_cache=False)
+    if found is not None:
+        raise found
 
 
 def build_adapter_corrections(setup: CacheSetup, name: str) -> AdapterCorrections | None:
     """Only with context reuse on and an engine that opted in (`lora_corrections`)."""
-    copier: CorrectionCopier | None = setup.options.get("adapter_corrections")
+    copier: CorrectionCopier | None = setup.copier(name)
     if not setup.enabled or copier is None:
         return None
     check_deployment(setup.deployment)
@@ -136,22 +157,20 @@ def build_adapter_corrections(setup: CacheSetup, name: str) -> AdapterCorrection
     budget = setup.num_pages * max(copier.num_adapters, 1) if budget is None else budget
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
         raise InvalidConfig(f"must be an integer >= 0, got {budget!r}", "adapter_correction_pages")
-    return AdapterCorrections(ResourcePool(name, budget), setup.tokens_per_page, copier,
-                              setup.metrics.adapter_corrections)
+    return AdapterCorrections(ResourcePool(name, budget), setup.tokens_per_page, copier)
 
 
 class AdapterCorrections(CacheTypeBase):
     """Factor slots by (adapter digest, base page key); corrected admissions copy base pages and add corrections."""
 
-    __slots__ = ("name", "pool", "tokens_per_page", "copier", "counters", "_by_key", "_key_of", "_data")
+    __slots__ = ("name", "pool", "tokens_per_page", "copier", "counts", "_by_key", "_key_of", "_data")
 
-    def __init__(self, pool: ResourcePool, tokens_per_page: int, copier: CorrectionCopier,
-                 counters: dict[str, int]) -> None:
+    def __init__(self, pool: ResourcePool, tokens_per_page: int, copier: CorrectionCopier) -> None:
         self.name = pool.name
         self.pool = pool
         self.tokens_per_page = tokens_per_page
         self.copier = copier
-        self.counters = counters  # the cache metrics' adapter_corrections block (profile_schema.CORRECTION_KEYS)
+        self.counts = CORRECTION_COUNTERS.zeros()
         self._by_key: dict[tuple[bytes, bytes], int] = {}
         self._key_of: dict[int, tuple[bytes, bytes]] = {}
         self._data: dict[int, np.ndarray] = {}  # slot -> factors [T, L, 2, r]
@@ -177,7 +196,7 @@ class AdapterCorrections(CacheTypeBase):
         digest, T = lookup.extras.adapter_digest, self.tokens_per_page
         total = pages_for(len(lookup.tokens), T)
         base, slots = [], []
-        if not (lookup.speculative or lookup.produces_document):
+        if not (is_speculative(lookup.inputs) or documents_of(lookup.inputs).produces):
             for index, page in enumerate(agreed.hit_pages):
                 slot = self._by_key.get((digest, lookup.keys[index]))
                 if slot is None:
@@ -196,7 +215,7 @@ class AdapterCorrections(CacheTypeBase):
 
     # --- a lease's part ------------------------------------------------------------------------------
 
-    def admit(self, lease: Lease, plan: ReusePlan, speculative: bool, slots: list[int]) -> None:
+    def admit(self, lease: Lease, plan: ReusePlan, inputs: Inputs, slots: list[int]) -> None:
         """A corrected lease never publishes; with a hit, its first pages become corrected copies of the base pages
         now (the attention type admitted first: the pages are allocated), and the factor slots are unpinned. The
         base pages were not pinned: were one evicted for this admission, its bytes are still there, since nothing
@@ -208,7 +227,7 @@ class AdapterCorrections(CacheTypeBase):
             return
         factors = [self._data[slot] for slot in hit.slots]
         self.copier.correct(hit.digest, list(hit.base_pages), lease.page_ids[:len(hit.base_pages)], factors)
-        self.counters[schema.ADAPTER_CORRECTED_PAGES] += len(hit.base_pages)
+        self.counts[schema.ADAPTER_CORRECTED_PAGES] += len(hit.base_pages)
         self.pool.unpin(hit.slots)
 
     def on_admitted(self, lease: Lease, admission: Admission, num_tokens: int) -> None:
@@ -236,20 +255,23 @@ class AdapterCorrections(CacheTypeBase):
                     if values is None:
                         continue
                     if not self.pool.can_allocate(1):
-                        self.counters[schema.CORRECTION_SKIPPED_PAGES] += 1
+                        self.counts[schema.CORRECTION_SKIPPED_PAGES] += 1
                         continue
                     slot = self.pool.allocate(1)[0]
                     self._data[slot] = values.copy()
                     self._key_of[slot] = (digest, key)
                     self._by_key[(digest, key)] = slot
                     new.append(slot)
-                    self.counters[schema.CORRECTION_STORED_PAGES] += 1
+                    self.counts[schema.CORRECTION_STORED_PAGES] += 1
                 entries.append((digest, key, slot))
         if new:
             publication.reserved.setdefault(self.name, []).extend(new)  # the commit unpins them
         if entries:
             publication.parts[self.name] = StoredFactors(tuple(entries))
         return False
+
+    def counters(self) -> dict[str, int]:
+        return self.counts
 
     def held(self, record: Record) -> tuple[int, ...]:
         stored = record.parts.get(self.name)

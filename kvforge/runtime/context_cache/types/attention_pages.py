@@ -9,11 +9,18 @@ import numpy as np
 
 from kvforge.contract.paging import pages_for
 from kvforge.runtime.context_cache.index import PageIndex, page_token_bytes
-from kvforge.runtime.context_cache.lease import Admission, Lease
+from kvforge.runtime.context_cache.lease import Admission, Inputs, Lease
 from kvforge.runtime.context_cache.planner import ReusePlan, plan_reuse
 from kvforge.runtime.context_cache.pools import ResourcePool
 from kvforge.runtime.context_cache.protocol import CacheSetup, CacheTypeBase, Lookup, Publication
 from kvforge.runtime.context_cache.records import Record
+from kvforge.runtime.context_cache.support import ALL_METHODS, CacheSupport, ReuseOff, Tier
+from kvforge.runtime.types import Deployment
+
+# Its row of the support matrix: the page table every paged engine has (informational: nothing turns it on).
+ATTENTION_SUPPORT = CacheSupport(
+    "base pages", "", (Deployment.VANILLA, Deployment.HYBRID), ALL_METHODS, window_group=True, tier=Tier.SAVED,
+    reuse_off=ReuseOff.RUNS, on=lambda config, build: False, note="a plain page allocator with reuse off")
 
 
 def build_attention_pages(setup: CacheSetup, name: str) -> AttentionPages | None:
@@ -76,10 +83,10 @@ class AttentionPages(CacheTypeBase):
 
     # --- a lease's pages ----------------------------------------------------------------------------
 
-    def admission_slots(self, plan: ReusePlan, speculative: bool) -> int:
+    def admission_slots(self, plan: ReusePlan, inputs: Inputs) -> int:
         return plan.new_pages
 
-    def admit(self, lease: Lease, plan: ReusePlan, speculative: bool, slots: list[int]) -> None:
+    def admit(self, lease: Lease, plan: ReusePlan, inputs: Inputs, slots: list[int]) -> None:
         lease.page_ids.extend([*plan.hit_pages, *slots])
 
     def growth_slots(self, lease: Lease, num_tokens: int) -> int:

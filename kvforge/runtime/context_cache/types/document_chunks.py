@@ -36,15 +36,22 @@ from kvforge.contract import profile_schema as schema
 from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.paging import pages_for
 from kvforge.runtime.context_cache.keys import KeyExtras, document_key, media_in_page
-from kvforge.runtime.context_cache.lease import Admission, Lease
-from kvforge.runtime.context_cache.metrics import CacheMetrics
+from kvforge.runtime.context_cache.lease import Admission, Inputs, Lease, Prerequisite
+from kvforge.runtime.context_cache.metrics import CounterBlock, Sample
 from kvforge.runtime.context_cache.planner import ReusePlan
 from kvforge.runtime.context_cache.pools import ResourcePool
 from kvforge.runtime.context_cache.protocol import CacheSetup, CacheTypeBase, Lookup, Publication
 from kvforge.runtime.context_cache.records import Record, RecordStore
-from kvforge.runtime.types import Deployment, LookupPolicy
+from kvforge.runtime.context_cache.support import (
+    NOT_ON_WINDOW_GROUP,
+    WITHOUT_DRAFT_MODEL,
+    CacheSupport,
+    ReuseOff,
+    Tier,
+)
+from kvforge.runtime.types import Deployment
 
-DOCUMENT_OPTIONS = ("document_reuse", "document_repair", "document_store")
+DOCUMENT_OPTIONS = ("document_reuse", "document_repair")
 REPAIR_NONE, REPAIR_FIRST_PAGE, REPAIR_OVERLAP, REPAIR_FULL = "none", "first-page", "overlap", "full"
 REPAIR_POLICIES = (REPAIR_NONE, REPAIR_FIRST_PAGE, REPAIR_OVERLAP, REPAIR_FULL)
 # experiments/document_reuse.py on SmolLM2 (16 requests, 3 of 8 reports each): first-page answered 8/16 right against
@@ -53,13 +60,60 @@ REPAIR_POLICIES = (REPAIR_NONE, REPAIR_FIRST_PAGE, REPAIR_OVERLAP, REPAIR_FULL)
 DEFAULT_REPAIR = REPAIR_FIRST_PAGE
 
 
+def _samples(cache: Mapping[str, object]) -> Iterable[Sample]:
+    """/metrics: `documents_<key>` for each counter, once a request carried a document (--documentReuse)."""
+    block = cache.get(schema.DOCUMENTS)
+    if isinstance(block, Mapping) and any(block.values()):
+        for key, value in block.items():
+            yield Sample("counter", f"documents_{key}", f"The profile's context_cache.documents.{key}.", value)
+
+
+# The profile's `documents` block: spans admitted requests carried, spans restored, tokens restored and recomputed,
+# pages of stored K/V rotated into requests, standalone prefills that produced a stored form (profile_schema).
+DOCUMENT_COUNTERS = CounterBlock(schema.DOCUMENTS, schema.DOCUMENT_KEYS, _samples)
+# Its row of the support matrix: attention-only engines (a recurrent state depends on the whole prefix), no draft
+# model (a draft has no stored documents), not beside a sliding-window group; the tier saves its records' pages but
+# not the stored forms. The rope check (keys must re-rotate exactly) is the engine config's, numerically.
+DOCUMENT_SUPPORT = CacheSupport(
+    "documents", "document_reuse", (Deployment.VANILLA,), WITHOUT_DRAFT_MODEL, window_group=False,
+    tier=Tier.NOT_SAVED, reuse_off=ReuseOff.IMPLIES, refusals={
+        "deployment": "document reuse needs an attention-only engine; this one is {deployment} (a recurrent state "
+                      "depends on the whole prefix, so a document's state cannot be moved)",
+        "spec": "document reuse does not combine with --specDecode {method}: its draft model has no stored "
+                "documents; use --specDecode ngram or none",
+        "window": NOT_ON_WINDOW_GROUP},
+    note="a rope that re-rotates exactly (refused on Gemma's mixed rope)")
+
+
 class DocumentCopier(Protocol):
-    """Moves document K/V bytes (kvforge/runtime/execution/kv_store.py `DocumentKVStore`): this module never touches
-    them."""
+    """Moves document K/V bytes (kvforge/runtime/execution/kv_store.py `DocumentKVStore`, the setup's copier for
+    this type): this module never touches them."""
 
     def capture(self, page_ids: list[int], slots: list[int]) -> None: ...
 
     def restore(self, slots: list[int], page_ids: list[int], start: int, first: int, last: int) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class DocumentInput:
+    """A request's input to this type: its prompt's document spans (start, length), or (`produces`) that the request
+    is a document's standalone prefill at position 0, whose published prompt becomes the stored form."""
+
+    spans: tuple[tuple[int, int], ...] = ()
+    produces: bool = False
+
+
+NO_DOCUMENTS = DocumentInput()
+
+
+def document_input(spans: Iterable[tuple[int, int]] = (), produces: bool = False) -> Inputs:
+    """The per-type input entry of a request with these document spans (or a producer); empty without either."""
+    entry = DocumentInput(tuple(spans), produces)
+    return {schema.DOCUMENT_KV_PAGES: entry} if entry != NO_DOCUMENTS else {}
+
+
+def documents_of(inputs: Inputs) -> DocumentInput:
+    return inputs.get(schema.DOCUMENT_KV_PAGES, NO_DOCUMENTS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,8 +168,16 @@ class DocumentPart:
         return sum(hit.reused_tokens for hit in self.hits)
 
 
-Lease.view("restored_spans", schema.DOCUMENT_KV_PAGES, lambda part: part.restored_spans, ())
-Lease.view("document_reused_tokens", schema.DOCUMENT_KV_PAGES, lambda part: part.reused_tokens, 0)
+def restored_spans(lease: Lease | None) -> tuple[tuple[int, int], ...]:
+    """The lease's restored document ranges [start, end): the scheduler moves its computing past them (typed
+    handle: the only reading of this type's part outside it)."""
+    part = None if lease is None else lease.parts.get(schema.DOCUMENT_KV_PAGES)
+    return () if part is None else part.restored_spans
+
+
+def document_reused_tokens(lease: Lease) -> int:
+    part = lease.parts.get(schema.DOCUMENT_KV_PAGES)
+    return 0 if part is None else part.reused_tokens
 
 
 def build_document_chunks(setup: CacheSetup, name: str) -> DocumentChunks | None:
@@ -130,7 +192,7 @@ def build_document_chunks(setup: CacheSetup, name: str) -> DocumentChunks | None
         raise InvalidConfig(f"must be one of {', '.join(REPAIR_POLICIES)}, got {repair!r}", "document_repair")
     # The stored forms get as many slots as the pool has pages (the store maps a slot's memory only when written).
     return DocumentChunks(ResourcePool(name, setup.num_pages), setup.tokens_per_page, setup.chain_root, repair,
-                          setup.options.get("document_store"), setup.records, setup.metrics)
+                          setup.copier(name), setup.records)
 
 
 class DocumentChunks(CacheTypeBase):
@@ -141,7 +203,7 @@ class DocumentChunks(CacheTypeBase):
                  "_by_key", "_producing")
 
     def __init__(self, pool: ResourcePool, tokens_per_page: int, chain_root: bytes, repair: str,
-                 copier: DocumentCopier | None, records: RecordStore, metrics: CacheMetrics) -> None:
+                 copier: DocumentCopier | None, records: RecordStore) -> None:
         self.name = pool.name
         self.pool = pool
         self.tokens_per_page = tokens_per_page
@@ -149,7 +211,7 @@ class DocumentChunks(CacheTypeBase):
         self.repair = repair
         self.copier = copier  # None: bookkeeping only (the cache's own tests)
         self.records = records
-        self.metrics = metrics.documents
+        self.metrics = DOCUMENT_COUNTERS.zeros()
         self._by_key: dict[bytes, Record] = {}  # document key -> the record holding its stored form
         self._producing: dict[bytes, Lease] = {}  # document key -> the running standalone prefill producing it
 
@@ -171,15 +233,16 @@ class DocumentChunks(CacheTypeBase):
             found.append((document_key(tokens[start:end], extras, self.chain_root, start), start, length))
         return found
 
-    def wanted(self, admission: Admission) -> list[tuple[bytes, int, int]]:
-        """The spans of `admission` whose document has no stored form and no standalone prefill running: the
-        scheduler queues one for each (first come: a span whose key it queued already it skips)."""
-        if admission.produces_document or not admission.documents or admission.lookup_policy is not \
-                LookupPolicy.USE_CACHE:
+    def prerequisites(self, admission: Admission) -> list[Prerequisite]:
+        """A standalone prefill of each span of `admission` whose document has no stored form and no standalone
+        prefill running: the scheduler queues one for each (first come: a span whose key it queued already it
+        skips)."""
+        documents = documents_of(admission.inputs)
+        if documents.produces or not documents.spans:
             return []
         tokens = np.asarray(admission.token_ids, dtype=np.int32)
-        return [(key, start, length) for key, start, length in
-                self.eligible(tokens, admission.documents, admission.extras)
+        return [Prerequisite(key, start, length, document_input(produces=True)) for key, start, length in
+                self.eligible(tokens, documents.spans, admission.extras)
                 if key not in self._by_key and key not in self._producing and length <= self._capacity_tokens]
 
     @property
@@ -196,7 +259,8 @@ class DocumentChunks(CacheTypeBase):
         document placed after the exact prefix the types before agreed on. Pages and reuse point stay as agreed:
         document hits are not a prefix."""
         tokens, T = lookup.tokens, self.tokens_per_page
-        if lookup.produces_document:
+        documents = documents_of(lookup.inputs)
+        if documents.produces:
             key = document_key(tokens, lookup.extras, self.chain_root)
             slots = pages_for(len(tokens), T)
             if len(tokens) < T or key in self._by_key or slots > self.pool.capacity or lookup.extras.adapter_start:
@@ -206,7 +270,7 @@ class DocumentChunks(CacheTypeBase):
         # After the agreed hit's last page: a partial-KV snapshot hit is restored over its whole page, after this
         # type's copies, so a document starting inside that page is computed.
         after = pages_for(agreed.reuse_tokens, T) * T
-        for key, start, length in self.eligible(tokens, lookup.documents, lookup.extras, after):
+        for key, start, length in self.eligible(tokens, documents.spans, lookup.extras, after):
             record = self._by_key.get(key)
             if record is None:
                 continue
@@ -216,7 +280,7 @@ class DocumentChunks(CacheTypeBase):
             repair = {REPAIR_NONE: 0, REPAIR_FULL: length}.get(self.repair, min(T, length))
             hits.append(DocumentHit(start, length, repair, record.record_id, stored.slots))
         if hits and self.repair == REPAIR_OVERLAP:
-            hits = self._repair_closest(hits, tokens, lookup.documents)
+            hits = self._repair_closest(hits, tokens, documents.spans)
         return agreed.with_part(self.name, DocumentPart(hits=tuple(hits))) if hits else agreed
 
     @staticmethod
@@ -235,9 +299,10 @@ class DocumentChunks(CacheTypeBase):
 
     def waits_for(self, lookup: Lookup) -> bool:
         """A request whose document is being produced waits for it (then restores it instead of computing it)."""
-        if not self._producing or lookup.produces_document:
+        documents = documents_of(lookup.inputs)
+        if not self._producing or documents.produces:
             return False
-        return any(key in self._producing for key, _, _ in self.eligible(lookup.tokens, lookup.documents,
+        return any(key in self._producing for key, _, _ in self.eligible(lookup.tokens, documents.spans,
                                                                           lookup.extras))
 
     def in_flight_pages(self) -> Mapping[bytes, Lease]:
@@ -249,11 +314,11 @@ class DocumentChunks(CacheTypeBase):
 
     # --- a lease's part ------------------------------------------------------------------------------
 
-    def admission_slots(self, plan: ReusePlan, speculative: bool) -> int:
+    def admission_slots(self, plan: ReusePlan, inputs: Inputs) -> int:
         part = plan.parts.get(self.name)
         return pages_for(part.length, self.tokens_per_page) if part is not None and part.produces else 0
 
-    def admit(self, lease: Lease, plan: ReusePlan, speculative: bool, slots: list[int]) -> None:
+    def admit(self, lease: Lease, plan: ReusePlan, inputs: Inputs, slots: list[int]) -> None:
         """A producer keeps its reserved slots; a request with hits gets its documents copied in now (the pages
         are allocated: the attention type admitted first), and the hits' slots are unpinned again."""
         part = plan.parts.get(self.name)
@@ -281,8 +346,8 @@ class DocumentChunks(CacheTypeBase):
         part = lease.parts.get(self.name)
         if part is not None and part.produces:
             self._producing.setdefault(part.produces, lease)
-        elif admission.documents and not admission.produces_document:
-            self.metrics[schema.DOCUMENTS_SEEN] += len(admission.documents)
+        elif (documents := documents_of(admission.inputs)).spans and not documents.produces:
+            self.metrics[schema.DOCUMENTS_SEEN] += len(documents.spans)
 
     def pinned(self, lease: Lease) -> tuple[int, ...]:
         part = lease.parts.get(self.name)
@@ -339,6 +404,9 @@ class DocumentChunks(CacheTypeBase):
         stored = record.parts.get(self.name)
         if stored is not None and self._by_key.get(stored.key) is record:
             del self._by_key[stored.key]
+
+    def counters(self) -> dict[str, int]:
+        return self.metrics
 
     def audit(self, records: Sequence[Record], leases: Iterable[Lease]) -> None:
         for record in records:

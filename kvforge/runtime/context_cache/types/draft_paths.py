@@ -43,15 +43,22 @@ import numpy as np
 
 from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.paging import pages_for
-from kvforge.contract.profile_schema import DRAFT_KV_PAGES
-from kvforge.runtime.context_cache.lease import Lease
-from kvforge.runtime.context_cache.metrics import CacheMetrics
+from kvforge.contract.profile_schema import DRAFT_KV_PAGES, FULL_PAGE_REPLAYS, PAIR_PUBLICATIONS, SPECULATIVE_KEYS
+from kvforge.contract.profile_schema import SPECULATIVE as SPECULATIVE_BLOCK
+from kvforge.contract.speculation import SPEC_SUPPORT, DraftKV
+from kvforge.runtime.context_cache.lease import Inputs, Lease
+from kvforge.runtime.context_cache.metrics import CounterBlock
 from kvforge.runtime.context_cache.planner import PlanKind, ReusePlan, plan_resume
 from kvforge.runtime.context_cache.pools import Demand, ResourcePool
 from kvforge.runtime.context_cache.protocol import CacheSetup, CacheTypeBase, Lookup, Publication
 from kvforge.runtime.context_cache.records import Record, RecordStore
+from kvforge.runtime.context_cache.support import CacheSupport, ReuseOff, Tier
+from kvforge.runtime.types import Deployment
 
 DRAFT_OPTIONS = ("draft_pages", "draft_replays")
+# The profile's `speculative` block (TensorRT Edge-LLM's keys): speculative hits that replayed their final matched
+# page, and records committed or upgraded with a draft path beside their base pages. No /metrics series.
+DRAFT_COUNTERS = CounterBlock(SPECULATIVE_BLOCK, SPECULATIVE_KEYS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +125,24 @@ class DraftLease:
         self.hidden, self.hidden_start = np.array(base[cut:], dtype=np.float32), first + cut
 
 
+# Its row of the support matrix (informational: the speculation table's rows refuse what it cannot serve).
+DRAFT_SUPPORT = CacheSupport(
+    "draft pages", "spec_decode", (Deployment.VANILLA, Deployment.HYBRID),
+    tuple(name for name, row in SPEC_SUPPORT.items() if row.draft_kv is DraftKV.OWN), window_group=False,
+    tier=Tier.NOT_SAVED, reuse_off=ReuseOff.RUNS, on=lambda config, build: False,
+    note="the speculation table's own-pool drafts")
+
+
+def speculative_input(speculative: bool) -> Inputs:
+    """The request input of a sequence whose draft owns K/V (the table's "own pool" rows): it takes draft pages, and
+    reuses only coherent draft paths."""
+    return {DRAFT_KV_PAGES: True} if speculative else {}
+
+
+def is_speculative(inputs: Inputs) -> bool:
+    return bool(inputs.get(DRAFT_KV_PAGES))
+
+
 def draft_of(lease: Lease | None) -> DraftLease | None:
     """The draft part of a speculative lease (None: not speculative, or no draft pool)."""
     return None if lease is None else lease.parts.get(DRAFT_KV_PAGES)
@@ -139,17 +164,15 @@ def build_draft_paths(setup: CacheSetup, name: str) -> DraftPaths | None:
                             "rejects pure-recurrent speculative decoding)", "spec_decode")
     return DraftPaths(ResourcePool(name, pages), setup.tokens_per_page,
                       replays=bool(setup.options.get("draft_replays", True)),
-                      records=setup.records if setup.checkpoints else None, metrics=setup.metrics,
-                      reserve=setup.reserve)
+                      records=setup.records if setup.checkpoints else None, reserve=setup.reserve)
 
 
 class DraftPaths(CacheTypeBase):
-    __slots__ = ("name", "pool", "tokens_per_page", "replays", "records", "metrics", "reserve", "_boundaries",
+    __slots__ = ("name", "pool", "tokens_per_page", "replays", "records", "counts", "reserve", "_boundaries",
                  "_paths")
 
     def __init__(self, pool: ResourcePool, tokens_per_page: int, *, replays: bool = True,
-                 records: RecordStore | None = None, metrics: CacheMetrics | None = None,
-                 reserve: Callable[[Demand], bool] | None = None) -> None:
+                 records: RecordStore | None = None, reserve: Callable[[Demand], bool] | None = None) -> None:
         """`records`: a checkpoint deployment's records (hybrid MTP): hits are checkpoints with a draft tail.
         `reserve`: the coordinator's eviction, for a drafter growing its pages (`DraftLease.grow`)."""
         self.name = pool.name
@@ -157,7 +180,7 @@ class DraftPaths(CacheTypeBase):
         self.tokens_per_page = tokens_per_page
         self.replays = replays
         self.records = records
-        self.metrics = CacheMetrics() if metrics is None else metrics
+        self.counts = DRAFT_COUNTERS.zeros()
         self.reserve = reserve
         # base chain key of page j - 1 -> (record id, j): that record's draft path covers the first j pages
         self._boundaries: dict[bytes, tuple[int, int]] = {}
@@ -173,7 +196,7 @@ class DraftPaths(CacheTypeBase):
         pages minus its final page (none less without replay), never more than `agreed` (media spans, the
         full-input rewind) and never a snapshot tail (the draft has none): a cold start when no record with a path
         matches."""
-        if not lookup.speculative:
+        if not is_speculative(lookup.inputs):
             return agreed
         if self.records is not None:
             return self._checkpoint_hit(lookup, agreed)
@@ -212,14 +235,16 @@ class DraftPaths(CacheTypeBase):
 
     # --- a speculative lease's pages ----------------------------------------------------------------
 
-    def admission_slots(self, plan: ReusePlan, speculative: bool) -> int:
-        if not speculative:
+    def admission_slots(self, plan: ReusePlan, inputs: Inputs) -> int:
+        if not is_speculative(inputs):
             return 0
         hit = plan.parts.get(self.name)
         return len(plan.hit_pages) + plan.new_pages - (0 if hit is None else len(hit.page_ids))
 
-    def admit(self, lease: Lease, plan: ReusePlan, speculative: bool, slots: list[int]) -> None:
-        if not speculative:
+    def admit(self, lease: Lease, plan: ReusePlan, inputs: Inputs, slots: list[int]) -> None:
+        if plan.replayed_page:  # (a forced-cold retry admits a cold plan: nothing replayed)
+            self.counts[FULL_PAGE_REPLAYS] += 1
+        if not is_speculative(inputs):
             return
         hit = plan.parts.get(self.name)
         draft = DraftLease([*(() if hit is None else hit.page_ids), *slots], plan.reuse_tokens, self)
@@ -280,7 +305,7 @@ class DraftPaths(CacheTypeBase):
     def record_part(self, publication: Publication) -> DraftPath | None:
         path = publication.parts.get(self.name)
         if path is not None and path.page_ids:
-            self.metrics.pair_publications += 1
+            self.counts[PAIR_PUBLICATIONS] += 1
         return path
 
     def upgrade(self, existing: Record, lease: Lease) -> Record | None:
@@ -297,7 +322,7 @@ class DraftPaths(CacheTypeBase):
                 return None
         elif len(() if new is None else new.page_ids) <= len(() if old is None else old.page_ids):
             return None
-        self.metrics.pair_publications += 1
+        self.counts[PAIR_PUBLICATIONS] += 1
         return existing.with_part(self.name, new)
 
     def held(self, record: Record) -> tuple[int, ...]:
@@ -319,6 +344,9 @@ class DraftPaths(CacheTypeBase):
         for key in record.keys[:len(path)]:
             if self._boundaries.get(key, (None,))[0] == record.record_id:
                 del self._boundaries[key]
+
+    def counters(self) -> dict[str, int]:
+        return self.counts
 
     def boundaries(self) -> dict[bytes, tuple[int, int]]:
         """A copy of the boundary index (audits)."""
@@ -344,16 +372,22 @@ class DraftPaths(CacheTypeBase):
             assert len(self.held(record)) >= covered and record.keys[covered - 1] == key
 
 
-def _read_pages(part: DraftPath | DraftHit | DraftLease) -> tuple[int, ...] | list[int]:
-    return part.page_ids
+# Typed handles besides `draft_of`: a record's or plan's draft part, read outside this type (tests, tools).
+def draft_path(record: Record) -> DraftPath | None:
+    return record.parts.get(DRAFT_KV_PAGES)
 
 
-# Views: the old attribute names stay readable outside this type (tests, tools); only this module writes the parts.
-Record.view("draft_page_ids", DRAFT_KV_PAGES, _read_pages, ())
-Record.view("draft_tail", DRAFT_KV_PAGES, lambda path: path.tail)
-ReusePlan.view("draft_hit_pages", DRAFT_KV_PAGES, _read_pages, ())
-ReusePlan.view("draft_tail", DRAFT_KV_PAGES, lambda hit: hit.tail)
-Lease.view("draft_page_ids", DRAFT_KV_PAGES, _read_pages)
-Lease.view("draft_computed_tokens", DRAFT_KV_PAGES, lambda draft: draft.computed, 0)
-Lease.view("draft_hidden", DRAFT_KV_PAGES, lambda draft: draft.hidden)
-Lease.view("draft_hidden_start", DRAFT_KV_PAGES, lambda draft: draft.hidden_start, 0)
+def draft_page_ids(holder: Record | ReusePlan | Lease) -> tuple[int, ...]:
+    """The draft pages a record's path, a plan's hit or a speculative lease holds (none: empty)."""
+    part = holder.parts.get(DRAFT_KV_PAGES)
+    return () if part is None else tuple(part.page_ids)
+
+
+def draft_tail(holder: Record | ReusePlan) -> DraftTail | None:
+    part = holder.parts.get(DRAFT_KV_PAGES)
+    return None if part is None else part.tail
+
+
+def draft_computed_tokens(lease: Lease) -> int:
+    draft = draft_of(lease)
+    return 0 if draft is None else draft.computed

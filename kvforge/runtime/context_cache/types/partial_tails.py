@@ -4,18 +4,20 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.profile_schema import PARTIAL_KV_SNAPSHOTS
-from kvforge.runtime.context_cache.capture import SnapshotCopier
 from kvforge.runtime.context_cache.keys import KeyExtras, tail_page_key
 from kvforge.runtime.context_cache.lease import Lease
 from kvforge.runtime.context_cache.planner import PlanKind, ReusePlan
 from kvforge.runtime.context_cache.pools import ResourcePool
 from kvforge.runtime.context_cache.protocol import CacheSetup, Lookup, Publication, SnapshotRestore
 from kvforge.runtime.context_cache.records import Record, RecordStore
+from kvforge.runtime.context_cache.support import ALL_METHODS, NOT_ON_WINDOW_GROUP, CacheSupport, ReuseOff, Tier
+from kvforge.runtime.context_cache.types.document_chunks import documents_of
 from kvforge.runtime.types import Deployment
 
 PARTIAL_OPTIONS = ("partial_kv_snapshot_slots",)
@@ -29,6 +31,30 @@ def tail_key(keys: Sequence[bytes], tokens: Sequence[int] | np.ndarray, length: 
     return tail_page_key(keys[depth - 1] if depth else chain_root, tokens[:length], depth * tokens_per_page, extras)
 
 
+def _shared_prefix(stored: Sequence[int], tokens: np.ndarray) -> int:
+    """How many leading tokens of a snapshot's tail the input repeats."""
+    n = min(len(stored), len(tokens))
+    differ = np.flatnonzero(np.asarray(stored[:n], dtype=np.int64) != tokens[:n])
+    return int(differ[0]) if differ.size else n
+
+
+class TailCopier(Protocol):
+    """Moves tail-page bytes (the engine's state manager): `setup.copier(PARTIAL_KV_SNAPSHOTS)`."""
+
+    def capture_partial(self, page: int, slot: int) -> None: ...
+
+    def restore_partial(self, slot: int, page: int) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class TierValue:
+    """What a record saves to a shared tier for one type: slot `slot` of the engine storage named `source` (a pool
+    name), saved in the record's endpoint value in registration order (a checkpoint's state, then its tail page)."""
+
+    source: str
+    slot: int
+
+
 @dataclass(frozen=True, slots=True)
 class SnapshotHit:
     """A plan's and then a lease's part: snapshot `slot` holds the K/V of the `tokens` tokens after the hit pages,
@@ -39,12 +65,40 @@ class SnapshotHit:
     tokens: int
 
 
-# A record's part is its snapshot slot (an int); these views keep the old attribute names readable outside the type.
-Record.view("partial_slot", PARTIAL_KV_SNAPSHOTS, lambda slot: slot)
-ReusePlan.view("restore_slot", PARTIAL_KV_SNAPSHOTS, lambda hit: hit.slot)
-ReusePlan.view("restore_tokens", PARTIAL_KV_SNAPSHOTS, lambda hit: hit.tokens, 0)
-Lease.view("restore_slot", PARTIAL_KV_SNAPSHOTS, lambda hit: hit.slot)
-Lease.view("restore_tokens", PARTIAL_KV_SNAPSHOTS, lambda hit: hit.tokens, 0)
+# Typed handles: a plan's or lease's hit, and a record's slot, read outside this type (the engine, the tier, tests).
+def tail_hit(holder: Lease | ReusePlan) -> SnapshotHit | None:
+    return holder.parts.get(PARTIAL_KV_SNAPSHOTS)
+
+
+def restore_slot(holder: Lease | ReusePlan) -> int | None:
+    """The snapshot slot a plan or lease restores (None: none, or restored already)."""
+    hit = tail_hit(holder)
+    return None if hit is None else hit.slot
+
+
+def restore_tokens(holder: Lease | ReusePlan) -> int:
+    """How many tokens past the hit pages a plan or lease restores from a snapshot."""
+    hit = tail_hit(holder)
+    return 0 if hit is None else hit.tokens
+
+
+def partial_slot(record: Record) -> int | None:
+    """The snapshot slot holding a record's tail page (None: it ends on a page boundary, or kept none)."""
+    return record.parts.get(PARTIAL_KV_SNAPSHOTS)
+
+
+def tail_tier_value(record: Record) -> TierValue | None:
+    """A record's tail page, saved after any checkpoint state in its endpoint value."""
+    slot = partial_slot(record)
+    return None if slot is None else TierValue(PARTIAL_KV_SNAPSHOTS, slot)
+
+
+# Its row of the support matrix: the tail page is copied through the global page table, so not beside a
+# sliding-window group yet; a hybrid's checkpoints ending inside a page need it.
+PARTIAL_SUPPORT = CacheSupport(
+    "partial-KV snapshots", "context_cache_partial_kv_snapshot_pool_bytes", (Deployment.VANILLA, Deployment.HYBRID),
+    ALL_METHODS, window_group=False, tier=Tier.SAVED, reuse_off=ReuseOff.UNUSED,
+    refusals={"window": NOT_ON_WINDOW_GROUP})
 
 
 def build_partial_tails(setup: CacheSetup, name: str) -> PartialTails | None:
@@ -56,7 +110,7 @@ def build_partial_tails(setup: CacheSetup, name: str) -> PartialTails | None:
     if not setup.paged:
         return None
     return PartialTails(ResourcePool(name, slots if setup.enabled else 0), setup.tokens_per_page, setup.chain_root,
-                        setup.copier, records=setup.records if setup.checkpoints else None)
+                        setup.copier(name), records=setup.records if setup.checkpoints else None)
 
 
 class PartialTails(SnapshotRestore):
@@ -68,7 +122,7 @@ class PartialTails(SnapshotRestore):
     __slots__ = ("name", "pool", "tokens_per_page", "chain_root", "copier", "records", "_after", "_by_slot")
 
     def __init__(self, pool: ResourcePool, tokens_per_page: int, chain_root: bytes,
-                 copier: SnapshotCopier | None, *, records: RecordStore | None = None) -> None:
+                 copier: TailCopier | None, *, records: RecordStore | None = None) -> None:
         self.name = pool.name
         self.pool = pool
         self.tokens_per_page = tokens_per_page
@@ -88,10 +142,15 @@ class PartialTails(SnapshotRestore):
         return self.captures
 
     def find_longest_hit(self, lookup: Lookup, agreed: ReusePlan) -> ReusePlan:
-        """`agreed` extended by the longest snapshot tail that continues its hit pages along the input, leaving at
-        least one token to compute (for logits). Candidates follow the last hit page's key; each is checked by its
-        tail key (adapter, salt and media included) and its token ids. On a checkpoint deployment: the tail page of
-        the checkpoint agreed on, if it ends inside a page."""
+        """`agreed` extended by the longest run of snapshot-tail tokens the input shares after its hit pages,
+        leaving at least one token to compute (for logits). A snapshot serves any prefix of its tail, not only an
+        input that extends all of it: the K/V of a position depends only on the tokens up to it, so the first k
+        restored positions are exact and the positions after them are overwritten as the request computes them (an
+        identical prompt reuses all but its last token, a shared system prompt reuses to the token). Candidates
+        follow the last hit page's key; each is checked by its tail key over its own tokens under the input's
+        identity (adapter, salt and media included: equal only when they are the record's on the whole tail) and by
+        its token ids. On a checkpoint deployment: the tail page of the checkpoint agreed on, if it ends inside a
+        page (a checkpoint is exact state after all of its tokens, so only a whole checkpoint serves)."""
         if not self.pool.capacity:
             return agreed
         if self.records is not None:
@@ -105,15 +164,19 @@ class PartialTails(SnapshotRestore):
         start = base * T
         parent = lookup.keys[base - 1] if base else None
         best: tuple[int, Record] | None = None
+        # A restored page is copied over whole, after any document's pages, so a document starting in it would be
+        # computed: a few shared tail tokens are not worth a document's pages (the whole-tail extension of a record,
+        # as a chat's next turn, is kept as before).
+        document_in_page = any(start <= begin < start + T for begin, _ in documents_of(lookup.inputs).spans)
         for record in self._after.get(parent, {}).values():
-            tail = len(record.token_ids) - start
-            if not 0 < tail < len(tokens) - start or (best is not None and tail <= best[0]):
+            stored = record.token_ids[start:]
+            tail = _shared_prefix(stored, tokens[start:len(tokens) - 1])  # one input token is left to compute
+            if tail < 1 or (best is not None and tail <= best[0]) or record.page_ids != agreed.hit_pages:
                 continue
-            if record.page_ids != agreed.hit_pages:
+            if tail < len(stored) and document_in_page:
                 continue
-            if list(record.token_ids[start:]) != tokens[start:start + tail].tolist():
-                continue
-            if tail_key(lookup.keys, tokens, start + tail, T, lookup.extras, self.chain_root) == record.tail_key:
+            if tail_key(lookup.keys, record.token_ids, len(record.token_ids), T, lookup.extras,
+                        self.chain_root) == record.tail_key:
                 best = (tail, record)
         if best is None:
             return agreed
@@ -130,6 +193,13 @@ class PartialTails(SnapshotRestore):
 
     # --- a lease's restore --------------------------------------------------------------------------
 
+    def restore(self, lease: Lease) -> None:
+        """Copy-on-partial-reuse: the snapshot goes into the lease's own page after the hit pages, which it then
+        extends."""
+        slot = restore_slot(lease)
+        if slot is not None:
+            assert self.copier is not None, "a snapshot hit without a snapshot store"
+            self.copier.restore_partial(slot, lease.page_ids[lease.reuse_tokens // self.tokens_per_page])
 
     def finish_restore(self, lease: Lease) -> bool:
         hit = lease.parts.get(self.name)
@@ -155,14 +225,6 @@ class PartialTails(SnapshotRestore):
         assert self.copier is not None
         self.copier.capture_partial(lease.page_ids[len(publication.keys)], slots[0])
         return True
-
-    def record_part(self, publication: Publication) -> int | None:
-        slots = publication.reserved.get(self.name)
-        return slots[0] if slots else None
-
-    def held(self, record: Record) -> tuple[int, ...]:
-        slot = record.parts.get(self.name)
-        return () if slot is None else (slot,)
 
     def on_commit(self, record: Record) -> None:
         slot = record.parts.get(self.name)

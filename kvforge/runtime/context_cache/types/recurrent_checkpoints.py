@@ -1,22 +1,39 @@
-"""Recurrent checkpoints as a cache type: the state after exactly L tokens, reusable only at exactly L."""
+"""Recurrent checkpoints as a cache type: the state after exactly L tokens, reusable only at exactly L.
+
+Hybrid and pure recurrent deployments reuse ONLY exact checkpoints: a recurrent layer's state after L tokens cannot
+be rebuilt from KV pages, so a page hit without the state is worthless. A checkpoint is a record of exactly L tokens
+holding a recurrent snapshot and, on a hybrid with L not page-aligned, a partial-KV snapshot of its tail page, plus
+(hybrid) cache refs on its floor(L/T) full pages. Token layout of a hybrid lease resuming from L = h*T + r tokens:
+
+    |<-- reuse_tokens = L ----------------------------------------->|
+    | page 0 | ... | page h-1 (hits: the checkpoint's canonical pages)| page h: r restored tokens, computing ->| ... |
+                                                                    |<- its partial-KV snapshot ------------->|
+    recurrent + conv state of the sequence <- the checkpoint's recurrent snapshot (state after exactly L tokens)
+
+The longest checkpoint the index's matching pages agree with is the hit; none: a cold start (zeroed state).
+Publication is capture: `publish(lease, tokens)` runs at chat-message boundaries, snapshot intervals and the prefill
+and decode ends, each time with exactly the tokens the lease has computed. Nothing is indexed in flight there.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.profile_schema import RECURRENT_SNAPSHOTS
-from kvforge.runtime.context_cache.capture import SnapshotCopier
 from kvforge.runtime.context_cache.keys import KeyExtras, MediaKey
 from kvforge.runtime.context_cache.lease import Lease
 from kvforge.runtime.context_cache.planner import ReusePlan, plan_resume
 from kvforge.runtime.context_cache.pools import ResourcePool
 from kvforge.runtime.context_cache.protocol import CacheSetup, Lookup, Publication, SnapshotRestore
 from kvforge.runtime.context_cache.records import Record, RecordStore
-from kvforge.runtime.context_cache.types.partial_tails import tail_key
+from kvforge.runtime.context_cache.support import ALL_METHODS, CacheSupport, ReuseOff, Tier
+from kvforge.runtime.context_cache.types.partial_tails import TierValue, tail_key
+from kvforge.runtime.types import Deployment
 
 RECURRENT_OPTIONS = ("recurrent_snapshot_slots",)
 
@@ -36,6 +53,14 @@ def resumable(length: int, num_tokens: int, media: Sequence[MediaKey]) -> bool:
     return length < num_tokens and not any(m.start < length < m.start + m.length for m in media)
 
 
+class CheckpointCopier(Protocol):
+    """Moves recurrent state bytes (the engine's state manager): `setup.copier(RECURRENT_SNAPSHOTS)`."""
+
+    def capture_recurrent(self, lease: Lease, slot: int) -> None: ...
+
+    def restore_recurrent(self, slot: int, lease: Lease) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class CheckpointHit:
     """A plan's and then a lease's part: the recurrent snapshot `slot` of checkpoint record `record_id`, copied into
@@ -45,11 +70,39 @@ class CheckpointHit:
     record_id: int
 
 
-# A record's part is its snapshot slot (an int); these views keep the old attribute names readable outside the type.
-Record.view("recurrent_slot", RECURRENT_SNAPSHOTS, lambda slot: slot)
-ReusePlan.view("restore_recurrent_slot", RECURRENT_SNAPSHOTS, lambda hit: hit.slot)
-ReusePlan.view("checkpoint_record", RECURRENT_SNAPSHOTS, lambda hit: hit.record_id)
-Lease.view("restore_recurrent_slot", RECURRENT_SNAPSHOTS, lambda hit: hit.slot)
+# Typed handles: a plan's or lease's hit, and a record's slot, read outside this type (the engine, the tier, tests).
+def checkpoint_hit(holder: Lease | ReusePlan) -> CheckpointHit | None:
+    return holder.parts.get(RECURRENT_SNAPSHOTS)
+
+
+def restore_recurrent_slot(holder: Lease | ReusePlan) -> int | None:
+    """The recurrent snapshot a plan or lease restores (None: a cold start, or restored already)."""
+    hit = checkpoint_hit(holder)
+    return None if hit is None else hit.slot
+
+
+def checkpoint_record(plan: ReusePlan) -> int | None:
+    hit = checkpoint_hit(plan)
+    return None if hit is None else hit.record_id
+
+
+def recurrent_slot(record: Record) -> int | None:
+    """The recurrent snapshot slot of a checkpoint record (None: not a checkpoint, or it kept none)."""
+    return record.parts.get(RECURRENT_SNAPSHOTS)
+
+
+def checkpoint_tier_value(record: Record) -> TierValue | None:
+    """A checkpoint's recurrent state, saved first in its endpoint value."""
+    slot = recurrent_slot(record)
+    return None if slot is None else TierValue(RECURRENT_SNAPSHOTS, slot)
+
+
+# Its row of the support matrix (informational: the engine config sizes its budget, and recurrent engines have no
+# sliding-window group); the speculation table says which methods run on a recurrent base.
+RECURRENT_SUPPORT = CacheSupport(
+    "recurrent checkpoints", "context_cache_recurrent_snapshot_pool_bytes",
+    (Deployment.HYBRID, Deployment.PURE_RECURRENT), ALL_METHODS, window_group=True, tier=Tier.SAVED,
+    reuse_off=ReuseOff.UNUSED, on=lambda config, build: False, note="every publication is an exact checkpoint")
 
 
 def build_recurrent_checkpoints(setup: CacheSetup, name: str) -> RecurrentCheckpoints | None:
@@ -62,7 +115,8 @@ def build_recurrent_checkpoints(setup: CacheSetup, name: str) -> RecurrentCheckp
         raise InvalidConfig(f"a {setup.deployment.value} deployment reuses only exact checkpoints and needs at least "
                             "one recurrent snapshot slot", "context_cache_recurrent_snapshot_pool_bytes")
     return RecurrentCheckpoints(ResourcePool(name, slots if setup.enabled else 0), setup.records,
-                                setup.tokens_per_page, setup.chain_root, with_pages=setup.paged, copier=setup.copier)
+                                setup.tokens_per_page, setup.chain_root, with_pages=setup.paged,
+                                copier=setup.copier(name))
 
 
 class RecurrentCheckpoints(SnapshotRestore):
@@ -75,7 +129,7 @@ class RecurrentCheckpoints(SnapshotRestore):
     __slots__ = ("name", "pool", "records", "tokens_per_page", "chain_root", "with_pages", "copier", "_lengths")
 
     def __init__(self, pool: ResourcePool, records: RecordStore, tokens_per_page: int, chain_root: bytes, *,
-                 with_pages: bool, copier: SnapshotCopier | None) -> None:
+                 with_pages: bool, copier: CheckpointCopier | None) -> None:
         self.name = pool.name
         self.pool = pool
         self.records = records
@@ -111,6 +165,12 @@ class RecurrentCheckpoints(SnapshotRestore):
 
     # --- a lease's restore --------------------------------------------------------------------------
 
+    def restore(self, lease: Lease) -> None:
+        """The checkpoint's state into the sequence's state row (allocated zeroed before: a cold start keeps it)."""
+        slot = restore_recurrent_slot(lease)
+        if slot is not None:
+            assert self.copier is not None, "a checkpoint hit without a recurrent snapshot store"
+            self.copier.restore_recurrent(slot, lease)
 
     def finish_restore(self, lease: Lease) -> bool:
         hit = lease.parts.pop(self.name, None)
@@ -134,14 +194,6 @@ class RecurrentCheckpoints(SnapshotRestore):
         assert self.copier is not None, "a checkpoint deployment with reuse is built with a copier"
         self.copier.capture_recurrent(lease, slots[0])
         return True
-
-    def record_part(self, publication: Publication) -> int | None:
-        slots = publication.reserved.get(self.name)
-        return slots[0] if slots else None
-
-    def held(self, record: Record) -> tuple[int, ...]:
-        slot = record.parts.get(self.name)
-        return () if slot is None else (slot,)
 
     def on_commit(self, record: Record) -> None:
         lengths = self._lengths.setdefault(record.parent_key, {})

@@ -22,20 +22,24 @@ read only: the lease writes from P on, into pages of its own).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from kvforge.contract import profile_schema as schema
 from kvforge.contract.paging import pages_for
 from kvforge.contract.profile_schema import SLIDING_WINDOW_PAGES
-from kvforge.contract.window_pool import checkpoint_pages, window_pages_per_row
-from kvforge.runtime.context_cache.lease import Lease
-from kvforge.runtime.context_cache.metrics import CacheMetrics
+from kvforge.contract.window_pool import WINDOW_GROUP, checkpoint_pages, window_pages_per_row
+from kvforge.runtime.context_cache.lease import Inputs, Lease
+from kvforge.runtime.context_cache.metrics import CounterBlock, Sample
 from kvforge.runtime.context_cache.planner import PlanKind, ReusePlan, media_safe_pages
 from kvforge.runtime.context_cache.pools import ResourcePool
 from kvforge.runtime.context_cache.protocol import CacheSetup, CacheTypeBase, Lookup, Publication
 from kvforge.runtime.context_cache.records import Record, RecordStore
+from kvforge.runtime.context_cache.support import NOT_ON_WINDOW_GROUP, PLAIN_DECODING, CacheSupport, ReuseOff, Tier
+from kvforge.runtime.types import Deployment
 
 # sliding_window: the window W; sliding_window_pages: the group's pages (0 = the engine has no group);
 # sliding_window_call_tokens: the most new tokens one engine call gives a row.
@@ -73,6 +77,35 @@ def window_table(lease: Lease | None) -> list[int] | None:
     return None if part is None else part.table
 
 
+def _samples(cache: Mapping[str, Any]) -> Iterable[Sample]:
+    """/metrics: the group's pages and hits, on an engine built with --slidingWindowPool."""
+    pool = cache.get(schema.RESOURCE_POOLS, {}).get(SLIDING_WINDOW_PAGES, {})
+    if not pool.get(schema.POOL_CAPACITY):
+        return
+    yield Sample("gauge", "sliding_window_pages_free", "Free pages of the sliding layers' page group.",
+                 pool[schema.POOL_FREE])
+    yield Sample("gauge", "sliding_window_pages_total", "Pages of the sliding layers' page group.",
+                 pool[schema.POOL_CAPACITY])
+    yield Sample("counter", "sliding_window_hits", "Admissions that took a record's sliding-window pages.",
+                 cache[schema.SLIDING_WINDOW][schema.WINDOW_HITS])
+    yield Sample("counter", "sliding_window_evicted_pages", "Sliding-window pages freed by evicting records.",
+                 cache.get(schema.RECLAIMED_RESOURCES, {}).get(SLIDING_WINDOW_PAGES, 0))
+
+
+# The profile's `sliding_window` block: admissions that took a record's window pages, records published without one
+# (the lease had freed part of it).
+SLIDING_WINDOW_COUNTERS = CounterBlock(schema.SLIDING_WINDOW, (schema.WINDOW_HITS, schema.WINDOW_SKIPS), _samples)
+
+
+# Its row of the support matrix: an engine built with --slidingWindowPool serves neither speculation nor a shared
+# tier yet (both read or keep K/V through the global page table alone); each refusal names the other's setting.
+SLIDING_WINDOW_SUPPORT = CacheSupport(
+    "sliding-window pages", "", (Deployment.VANILLA,), PLAIN_DECODING, window_group=True, tier=Tier.REFUSED,
+    reuse_off=ReuseOff.RUNS, on=lambda config, build: bool(build.window_pool_pages),
+    refusals={"spec": NOT_ON_WINDOW_GROUP, "tier": NOT_ON_WINDOW_GROUP}, spec_field="spec_decode",
+    note="turned on by llm_build --slidingWindowPool (Gemma 3/4)")
+
+
 def build_sliding_window(setup: CacheSetup, name: str) -> SlidingWindowPages | None:
     """Only an engine built with a sliding-window group has one."""
     pages = int(setup.options.get("sliding_window_pages", 0))
@@ -81,19 +114,18 @@ def build_sliding_window(setup: CacheSetup, name: str) -> SlidingWindowPages | N
     window, per_call = int(setup.options["sliding_window"]), int(setup.options["sliding_window_call_tokens"])
     if window <= 0 or per_call <= 0:
         raise ValueError(f"a sliding-window group needs a window and a call size, got {window} and {per_call}")
-    return SlidingWindowPages(ResourcePool(name, pages), setup.records, setup.metrics, setup.tokens_per_page, window,
-                              per_call)
+    return SlidingWindowPages(ResourcePool(name, pages), setup.records, setup.tokens_per_page, window, per_call)
 
 
 class SlidingWindowPages(CacheTypeBase):
     __slots__ = ("name", "pool", "records", "metrics", "tokens_per_page", "window", "per_call")
 
-    def __init__(self, pool: ResourcePool, records: RecordStore, metrics: CacheMetrics, tokens_per_page: int,
-                 window: int, per_call: int) -> None:
+    def __init__(self, pool: ResourcePool, records: RecordStore, tokens_per_page: int, window: int,
+                 per_call: int) -> None:
         self.name = pool.name
         self.pool = pool
         self.records = records
-        self.metrics = metrics
+        self.metrics = SLIDING_WINDOW_COUNTERS.zeros()
         self.tokens_per_page = tokens_per_page
         self.window = window
         self.per_call = per_call
@@ -137,17 +169,17 @@ class SlidingWindowPages(CacheTypeBase):
 
     # --- a lease's pages ----------------------------------------------------------------------------
 
-    def admission_slots(self, plan: ReusePlan, speculative: bool) -> int:
+    def admission_slots(self, plan: ReusePlan, inputs: Inputs) -> int:
         # The first call computes at most per_call tokens from the (page-aligned) reuse point: its pages now, the
         # rest as the row grows.
         return min(plan.new_pages, pages_for(self.per_call, self.tokens_per_page))
 
-    def admit(self, lease: Lease, plan: ReusePlan, speculative: bool, slots: list[int]) -> None:
+    def admit(self, lease: Lease, plan: ReusePlan, inputs: Inputs, slots: list[int]) -> None:
         hit: WindowCheckpoint | None = plan.parts.get(self.name)
         if hit is None:
             lease.parts[self.name] = WindowPages(list(slots))
             return
-        self.metrics.window_hits += 1
+        self.metrics[schema.WINDOW_HITS] += 1
         table = [NO_PAGE] * hit.first + list(hit.slots) + list(slots)
         lease.parts[self.name] = WindowPages(table, computed=hit.end, freed=hit.first)
 
@@ -200,7 +232,7 @@ class SlidingWindowPages(CacheTypeBase):
         if len(slots) == end // self.tokens_per_page - first and NO_PAGE not in slots:
             publication.parts[self.name] = WindowCheckpoint(end, first, slots)
         else:
-            self.metrics.window_skips += 1
+            self.metrics[schema.WINDOW_SKIPS] += 1
 
     def upgrade(self, existing: Record, lease: Lease) -> Record | None:
         """An endpoint cached without a window (its publisher had freed part of it) takes this lease's."""
@@ -210,6 +242,14 @@ class SlidingWindowPages(CacheTypeBase):
         self.project(lease, probe)
         kept = probe.parts.get(self.name)
         return None if kept is None else existing.with_part(self.name, kept)
+
+    def counters(self) -> dict[str, int]:
+        return self.metrics
+
+    def page_tables(self, lease: Lease) -> dict[str, list[int]]:
+        """The sliding layers' page group's table of the lease (-1 where a page fell out of the window)."""
+        part: WindowPages | None = lease.parts.get(self.name)
+        return {} if part is None else {WINDOW_GROUP: part.table}
 
     def held(self, record: Record) -> tuple[int, ...]:
         part: WindowCheckpoint | None = record.parts.get(self.name)

@@ -3,6 +3,7 @@ ONNX graph over the paged-KV ops with sliding-window layers, and its HF config m
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -235,6 +236,40 @@ def layer_types(hf: dict[str, Any], layers: int) -> list[str]:
     return list(types)
 
 
+# transformers' rope types (ROPE_INIT_FUNCTIONS): a type outside them is a typo or a newer model, refused by name.
+HF_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional")
+
+
+def check_hf_fields(hf: dict[str, Any], sliding: bool, supported_rope_scaling: tuple[str, ...]) -> None:
+    """Fields transformers refuses, refused here by name instead of replaced by a default (issue 52 item 5): a
+    sliding window that is 0, null or fractional (with sliding layers), num_key_value_heads 0 or not dividing the
+    heads, query_pre_attn_scalar 0, and a rope_scaling type transformers does not know or this export does not
+    reproduce (`supported_rope_scaling`)."""
+    window = hf.get("sliding_window", 1)
+    if sliding and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"sliding_window must be a whole number of positions >= 1 for the sliding layers, got "
+                         f"{window!r}")
+    heads = hf.get("num_attention_heads")
+    kv_heads = hf.get("num_key_value_heads")
+    if kv_heads is not None and (isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1
+                                 or (isinstance(heads, int) and heads % kv_heads)):
+        raise ValueError(f"num_key_value_heads must be a whole number >= 1 dividing num_attention_heads ({heads}), "
+                         f"got {kv_heads!r}")
+    scalar = hf.get("query_pre_attn_scalar")
+    if scalar is not None and (isinstance(scalar, bool) or not isinstance(scalar, int | float)
+                               or not math.isfinite(scalar) or scalar <= 0):
+        raise ValueError(f"query_pre_attn_scalar must be a finite number > 0, got {scalar!r}")
+    scaling = hf.get("rope_scaling")
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+        if kind not in HF_ROPE_TYPES:
+            raise ValueError(f"rope_scaling must be an object with a rope_type transformers knows "
+                             f"({', '.join(HF_ROPE_TYPES)}), got {scaling!r}")
+        if kind not in supported_rope_scaling:
+            raise ValueError(f"rope_scaling type {kind!r} is not supported by this export (only "
+                             f"{' or '.join(supported_rope_scaling) or 'none'})")
+
+
 def rope_bases(hf: dict[str, Any]) -> tuple[float, float, float]:
     """(global base, local base, the global layers' linear factor or 0) from transformers 5's per-layer-type
     rope_parameters or the older flat fields; plain RoPE and linear scaling (global layers) are reproduced."""
@@ -267,6 +302,9 @@ def config_from_hf(hf: dict[str, Any], **common: Any) -> ModelConfig:
     layers = int(hf["num_hidden_layers"])
     types = layer_types(hf, layers)
     sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    # rope_scaling is read (merged into the global layers' parameters) only without per-type rope_parameters.
+    per_type = any(t in (hf.get("rope_parameters") or {}) for t in HF_LAYER_TYPES)
+    check_hf_fields(hf, bool(sliding), ("default",) if per_type else ("default", "linear"))
     theta, local_theta, linear_factor = rope_bases(hf)
     heads = int(hf["num_attention_heads"])
     head_dim = int(hf.get("head_dim") or 256)

@@ -18,6 +18,7 @@ from kvforge.plugins import ops
 from kvforge.tools.export.families import gemma3
 from kvforge.tools.export.families.gemma3 import (
     GELU_TANH,
+    check_hf_fields,
     frequency_delta,
     gelu_tanh,
     graph_end,
@@ -287,6 +288,7 @@ def config_from_hf(hf: dict[str, Any], **common: Any) -> ModelConfig:
     if activation not in GELU_TANH:
         raise ValueError(f"hidden_activation {activation!r} is not supported (only {GELU_TANH[0]})")
     sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    check_hf_fields(hf, bool(sliding), ("default",))  # rope_parameters alone carries Gemma 4's RoPE
     theta, local_theta, proportion = rope_bases(hf)
     heads = int(hf["num_attention_heads"])
     kv_heads = int(hf.get("num_key_value_heads") or heads)

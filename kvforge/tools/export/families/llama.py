@@ -486,5 +486,5 @@ FAMILY = register(Family(
         "tiny-qwen3": {"model": "qwen3", "qk_norm": True, "head_dim": 32},
         "tiny-llama-mha": {"model": "llama", "num_key_value_heads": 4},
     },
-    gguf_architecture="llama",
+    gguf_architectures=("llama", "qwen2", "qwen3"),  # Ollama's most served families with this graph
 ))

