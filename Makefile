@@ -208,33 +208,33 @@ llm-test: $(OUT)/adapters/tiny-llama/classifier.safetensors $(OUT)/adapters/smol
 		--junitXml $(OUT)/llm_test/smollm2.xml --jsonReport $(OUT)/llm_test/smollm2.json test_cases/*.json
 
 bench: $(OUT)/onnx/smollm2/manifest.json
-	$(BIN)/python experiments/paged_vs_dense.py --onnxDir $(OUT)/onnx/smollm2 --threads $(THREADS) \
+	$(BIN)/python -m experiments.kernels.paged_vs_dense --onnxDir $(OUT)/onnx/smollm2 --threads $(THREADS) \
 		--json $(OUT)/bench_paged_vs_dense.json
 
 # The shared KV tier on Redis and Mooncake (its clients listen on 0.0.0.0: a private network namespace, as root).
 bench-shared-tier: $(OUT)/onnx/smollm2/manifest.json
-	unshare -n sh -c 'ip link set lo up && KVFORGE_NETNS=1 $(BIN)/python experiments/shared_tier.py \
+	unshare -n sh -c 'ip link set lo up && KVFORGE_NETNS=1 $(BIN)/python -m experiments.reuse.shared_tier \
 		--onnxDir $(OUT)/onnx/smollm2 --threads $(THREADS) --json $(OUT)/bench_shared_tier.json'
 
 bench-reuse: $(OUT)/onnx/smollm2/manifest.json
-	$(BIN)/python experiments/context_reuse.py --onnxDir $(OUT)/onnx/smollm2 --threads $(THREADS) \
+	$(BIN)/python -m experiments.reuse.context_reuse --onnxDir $(OUT)/onnx/smollm2 --threads $(THREADS) \
 		--json $(OUT)/bench_context_reuse.json
 
 bench-lora: $(OUT)/onnx/smollm2/manifest.json
-	$(BIN)/python experiments/lora.py --onnxDir $(OUT)/onnx/smollm2 --threads $(THREADS) --json $(OUT)/bench_lora.json
+	$(BIN)/python -m experiments.adapters.lora --onnxDir $(OUT)/onnx/smollm2 --threads $(THREADS) --json $(OUT)/bench_lora.json
 
 bench-scheduling: $(OUT)/onnx/smollm2/manifest.json
-	$(BIN)/python experiments/scheduling.py --onnxDir $(OUT)/onnx/smollm2 --threads $(THREADS) \
+	$(BIN)/python -m experiments.engine.scheduling --onnxDir $(OUT)/onnx/smollm2 --threads $(THREADS) \
 		--json $(OUT)/bench_scheduling.json
 
 bench-spec: $(OUT)/onnx/smollm2/manifest.json
-	$(BIN)/python experiments/spec_decode.py --onnxDir $(OUT)/onnx/smollm2 --threads $(THREADS) \
+	$(BIN)/python -m experiments.spec.spec_decode --onnxDir $(OUT)/onnx/smollm2 --threads $(THREADS) \
 		--json $(OUT)/bench_spec_decode.json
 
 # EAGLE3 with the draft `make bench-eagle3-train` trained, beside plain decoding and prompt lookup (and warm vs cold
 # TTFT with speculation on: the final-page replay's cost).
 bench-eagle3: $(OUT)/onnx/smollm2-base/manifest.json
-	$(BIN)/python experiments/spec_decode.py --onnxDir $(OUT)/onnx/smollm2-base --eagle3Draft $(OUT)/eagle3/smollm2-draft \
+	$(BIN)/python -m experiments.spec.spec_decode --onnxDir $(OUT)/onnx/smollm2-base --eagle3Draft $(OUT)/eagle3/smollm2-draft \
 		--threads $(THREADS) --draftSteps 4 --eagle3Steps 2 4 --eagle3TopK 1 3 --json $(OUT)/bench_eagle3.json
 
 # DFlash and DSpark with random drafts of the real shape (no public one fits SmolLM2): verify and draft call costs,
@@ -243,17 +243,17 @@ $(OUT)/onnx/smollm2-blockbase/manifest.json: $(VENV)/.installed
 	$(BIN)/llm_export smollm2-135m-instruct --outputDir $(OUT)/onnx/smollm2-blockbase --hiddenStateLayers 1,7,13,19,25
 
 bench-block-draft: $(OUT)/onnx/smollm2-blockbase/manifest.json
-	$(BIN)/python experiments/block_draft.py --onnxDir $(OUT)/onnx/smollm2-blockbase --threads $(THREADS) \
+	$(BIN)/python -m experiments.spec.block_draft --onnxDir $(OUT)/onnx/smollm2-blockbase --threads $(THREADS) \
 		--json $(OUT)/bench_block_draft.json
 
 $(OUT)/onnx/smollm2-mtpbase/manifest.json: $(VENV)/.installed
 	$(BIN)/llm_export smollm2-135m-instruct --outputDir $(OUT)/onnx/smollm2-mtpbase --hiddenStateLayers 29
 
 bench-hybrid-mtp: $(VENV)/.installed
-	$(BIN)/python experiments/hybrid_mtp.py --threads $(THREADS) --json $(OUT)/bench_hybrid_mtp.json
+	$(BIN)/python -m experiments.spec.hybrid_mtp --threads $(THREADS) --json $(OUT)/bench_hybrid_mtp.json
 
 bench-gemma4-mtp: $(OUT)/onnx/smollm2-mtpbase/manifest.json
-	$(BIN)/python experiments/gemma4_mtp.py --onnxDir $(OUT)/onnx/smollm2-mtpbase --threads $(THREADS) \
+	$(BIN)/python -m experiments.spec.gemma4_mtp --onnxDir $(OUT)/onnx/smollm2-mtpbase --threads $(THREADS) \
 		--json $(OUT)/bench_gemma4_mtp.json
 
 # Train an EAGLE3 draft for SmolLM2 from its own greedy answers (torch, transformers: the dev extra; the whole run fits EAGLE3_MINUTES,
@@ -270,7 +270,7 @@ $(OUT)/onnx/smollm2-fp32/manifest.json: $(VENV)/.installed
 
 # The quantization quality bar (~10 minutes on 2 idle cores): float32 vs the int8 and int4 exports.
 bench-quality: $(OUT)/onnx/smollm2-fp32/manifest.json $(OUT)/onnx/smollm2/manifest.json
-	$(BIN)/python experiments/quality.py --onnxDir $(OUT)/onnx/smollm2-fp32 --onnxDirs int4=$(OUT)/onnx/smollm2 \
+	$(BIN)/python -m experiments.quality.quality --onnxDir $(OUT)/onnx/smollm2-fp32 --onnxDirs int4=$(OUT)/onnx/smollm2 \
 		--variants none,int8,int4 --threads $(THREADS) --workDir $(OUT)/bench_quality --json $(OUT)/bench_quality.json
 
 # llm_bench against the peers (README "llm_bench"): kvforge int4 (the SmolLM2 default) and fp32 built on the fly,

@@ -1,7 +1,8 @@
 """Helpers shared by the engine-level benches: command line, workload text, engines, medians, progress.
 
-Imported as `_common` by the scripts in this folder (run as `python experiments/NAME.py`, which puts experiments/
-on sys.path); not part of the kvforge package.
+Imported as `experiments._common` by the scripts of every topic folder (run from the repository root as
+`python -m experiments.TOPIC.NAME`, which puts the root on sys.path); not part of the kvforge package. Helpers one
+topic shares live in that folder's `_common.py`; a script never imports another script.
 """
 
 from __future__ import annotations
@@ -102,6 +103,20 @@ def run_alone(engine: Engine, request: EngineRequest) -> RequestOutput:
                 output = out
     assert output is not None and output.timing is not None
     return output
+
+
+# --- a script that runs itself again in a fresh process (quality.py's variants, shared_tier.py's workers) -----
+
+ROOT = Path(__file__).resolve().parents[1]  # the repository root, above experiments/
+
+
+def rerun_command(module: str) -> tuple[list[str], dict[str, str]]:
+    """(argv, env) that run script module `module` (its `__spec__.name`, e.g. `experiments.quality.quality`) in a
+    fresh interpreter: `python -m`, with the repository root first on PYTHONPATH so `experiments` imports from any
+    working directory."""
+    path = os.environ.get("PYTHONPATH")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *([path] if path else [])])}
+    return [sys.executable, "-m", module], env
 
 
 # --- models in torch (imported inside: a bench that never asks for one needs no torch) ----------------------

@@ -6,8 +6,8 @@ embed_tokens: the draft shares the target's embedding table), plus train_metrics
 
 Phases (one run, all on `--threads` CPU threads):
  1. data: chat questions and questions/summaries on documents (experiments/data/quality_text.txt windows, synthetic
-    prompts; not the technical report experiments/spec_decode.py measures on), answered greedily by kvforge's own engine
-    built from `--onnxDir` (the default int4 export, which is what a draft will be verified against);
+    prompts; not the technical report experiments/spec/spec_decode.py measures on), answered greedily by kvforge's own
+    engine built from `--onnxDir` (the default int4 export, which is what a draft will be verified against);
  2. target features: a float32 torch LlamaForCausalLM on the GGUF weights (kvforge's loader) is run teacher-forced
     over prompt+answer: the outputs of decoder layers 1, 14, 26 (0-based; vLLM's capture ids 2, 15, 27) at every
     position, and the target's greedy next token at prompt positions (answer positions use the engine's tokens);
@@ -190,7 +190,7 @@ def load_target() -> tuple[Any, dict[str, np.ndarray], Any]:
 
 def torch_llama(loaded: Any) -> Any:
     """transformers' float32 LlamaForCausalLM holding a loaded GGUF's weights (kvforge's own loader; also used by
-    experiments/adapter_correction.py), refusing weights that do not fit the model."""
+    experiments/adapters/adapter_correction.py), refusing weights that do not fit the model."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -11,7 +11,7 @@
 
 Nothing below layer 3 imports a front end. No module imports itself back through others: the import graph
 has no cycle (a strongly connected component of two or more modules), lazy and TYPE_CHECKING edges included.
-No module, and no test, takes a private name (`_name`) from another module.
+No module, no test and no experiment (experiments/) takes a private name (`_name`) from another module.
 Inside the runtime, the cache core (kvforge.runtime.context_cache.*) imports only itself, kvforge.runtime.types
 and layers 0–1: no ONNX Runtime, TensorRT, CUDA or runner module.
 
@@ -363,14 +363,16 @@ def _report_cycles(cycles: list[list[str]], graph: dict[str, dict[str, int]]) ->
 
 
 def private_imports_in_repository(pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
-    """`path:line: module takes other._name` for every private name crossing modules, the tests' files included
-    (a test that needs a helper makes it public; nothing is allow-listed)."""
+    """`path:line: module takes other._name` for every private name crossing modules, the tests' and the
+    measurement scripts' (experiments/) files included (one that needs a helper makes it public; nothing is
+    allow-listed)."""
     modules = source_modules(pyproject)
     known = set(modules)
     files = dict(modules)
-    tests = pyproject.parent / "tests"
-    files.update({"tests." + ".".join(path.relative_to(tests).with_suffix("").parts): path
-                  for path in sorted(tests.rglob("*.py"))})
+    for folder in ("tests", "experiments"):
+        root = pyproject.parent / folder
+        files.update({f"{folder}." + ".".join(path.relative_to(root).with_suffix("").parts): path
+                      for path in sorted(root.rglob("*.py"))})
     found = []
     for module, path in sorted(files.items()):
         for line, name in private_imports(path.read_text(encoding="utf-8"), module, path.name == "__init__.py",
@@ -647,10 +649,12 @@ def test_private_check_reads_a_planted_tree(tmp_path: Path) -> None:
         "kvforge/runtime/a.py": "def _check(): ...\ndef public(): ...\n",
         "kvforge/runtime/b.py": "from kvforge.runtime.a import public\n\nfrom kvforge.runtime.a import _check\n",
         "tests/test_a.py": "from kvforge.runtime import a\n\ndef test():\n    a._check()\n",
+        "experiments/reuse/x.py": "from kvforge.runtime.a import _check as check\n",
     }
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text, encoding="utf-8")
     assert private_imports_in_repository(tmp_path / "pyproject.toml") == [
+        "experiments/reuse/x.py:1: experiments.reuse.x takes kvforge.runtime.a._check",
         "kvforge/runtime/b.py:3: kvforge.runtime.b takes kvforge.runtime.a._check",
         "tests/test_a.py:4: tests.test_a takes kvforge.runtime.a._check"]

@@ -29,7 +29,7 @@ NEW_ROWS_ELEM_TYPES = {"fp16": FLOAT16, "fp8": FLOAT, "fp32": FLOAT}
 
 
 @dataclass(slots=True)
-class _Shared:
+class Shared:
     """Tensors every layer needs once: masks depend only on lengths and the page-table width."""
 
     g: GraphWriter
@@ -61,7 +61,7 @@ def lower_for_onnxruntime(model: onnx.ModelProto, *, kv_cache_dtype: str, tokens
     first_attention = next(n for n in graph.node if n.op_type == ops.PAGED_ATTENTION.name)
     num_q = int_attribute(first_attention, "num_q_heads")
     num_kv = int_attribute(first_attention, "num_kv_heads")
-    shared = _Shared(GraphWriter(prefix="lowered/"), group=num_q // num_kv)
+    shared = Shared(GraphWriter(prefix="lowered/"), group=num_q // num_kv)
     # Each layer's un-rotated query, where the whole graph's attention can take RoPE and the write inside.
     unrotated = _unrotated_queries(graph, writes) if cpu_kernel and kernel_rope else {}
     if tree_inputs and any(int_attribute(n, "sliding_window", 0)
@@ -123,7 +123,7 @@ def lower_for_onnxruntime(model: onnx.ModelProto, *, kv_cache_dtype: str, tokens
                 _kernel_attention(g, query, rows, pool_in, page_table, start_index, node, num_kv, head_dim,
                                   tokens_per_page, TREE_MASK_INPUT if tree_inputs else "")
             elif fused_attention:
-                _group_query_attention(g, shared, query, pool_in, page_table, rows, start_index, kv_cache_dtype,
+                group_query_attention(g, shared, query, pool_in, page_table, rows, start_index, kv_cache_dtype,
                                        num_kv, head_dim, _attr_f(node, "scale"), node.output[0],
                                        int_attribute(node, "sliding_window", 0))
             else:
@@ -308,7 +308,7 @@ def _round_through_storage(g: GraphWriter, rows: str, kv_cache_dtype: str) -> st
     return g.cast(g.cast(rows, storage), FLOAT)
 
 
-def _fp8_table(g: GraphWriter, shared: _Shared) -> str:
+def _fp8_table(g: GraphWriter, shared: Shared) -> str:
     """float32 value of each E4M3 bit pattern: dequantising a uint8 pool is one Gather."""
     if shared.fp8_table is None:
         table = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
@@ -317,7 +317,7 @@ def _fp8_table(g: GraphWriter, shared: _Shared) -> str:
     return shared.fp8_table
 
 
-def _cached_pages(g: GraphWriter, pool: str, page_table: str, kv_cache_dtype: str, shared: _Shared, num_kv: int,
+def _cached_pages(g: GraphWriter, pool: str, page_table: str, kv_cache_dtype: str, shared: Shared, num_kv: int,
                   head_dim: int) -> str:
     """[B, 2, Hkv, P*T, D]: each row's pages in order, fp16 still fp16 (fp8 decoded to float32 by table)."""
     safe_pages = g.op("Max", [page_table, g.const(0, np.int32)])  # -1 entries are masked out later
@@ -328,7 +328,7 @@ def _cached_pages(g: GraphWriter, pool: str, page_table: str, kv_cache_dtype: st
 
 
 def _gather_pages(g: GraphWriter, pool: str, page_table: str, rows: str, kv_cache_dtype: str,
-                  shared: _Shared, num_kv: int, head_dim: int) -> str:
+                  shared: Shared, num_kv: int, head_dim: int) -> str:
     """[B, 2, Hkv, P*T + S, D] float32: the row's cached pages followed by its new rows."""
     cached = _cached_pages(g, pool, page_table, kv_cache_dtype, shared, num_kv, head_dim)
     new = g.transpose(rows, [0, 2, 3, 1, 4])  # [B, 2, Hkv, S, D]
@@ -338,7 +338,7 @@ def _gather_pages(g: GraphWriter, pool: str, page_table: str, rows: str, kv_cach
     return g.op("Concat", [cached, new], axis=3)
 
 
-def _group_query_attention(g: GraphWriter, shared: _Shared, query: str, pool: str, page_table: str, rows: str,
+def group_query_attention(g: GraphWriter, shared: Shared, query: str, pool: str, page_table: str, rows: str,
                            start_index: str, kv_cache_dtype: str, num_kv: int, head_dim: int, scale: float,
                            output: str, sliding_window: int = 0) -> None:
     """Attention as ONNX Runtime's fused GroupQueryAttention: the row's gathered pages are the BNSH past (its
@@ -421,7 +421,7 @@ def _dense_cache(g: GraphWriter, rows: str, layer: str) -> tuple[str, tuple[str,
     return both, (present_k, present_v)
 
 
-def _masks(g: GraphWriter, shared: _Shared, query: str, keys: str, start_index: str) -> str:
+def _masks(g: GraphWriter, shared: Shared, query: str, keys: str, start_index: str) -> str:
     """Bool [B, 1, S*G, C+S]: cached slot c visible iff c < start[b]; new key j visible iff j <= query s.
 
     Query rows are ordered (s, g) so a row's token is row // G. Built once and reused by every layer.
@@ -448,7 +448,7 @@ def _masks(g: GraphWriter, shared: _Shared, query: str, keys: str, start_index: 
     return mask
 
 
-def _window_mask(g: GraphWriter, shared: _Shared, query: str, keys: str, start_index: str, window: int) -> str:
+def _window_mask(g: GraphWriter, shared: Shared, query: str, keys: str, start_index: str, window: int) -> str:
     """The causal mask narrowed to a sliding window: query token s (position start + s) sees key slot c (position c:
     cached slots, then the new tokens at start + j) iff c > start + s - window. Built once per window size."""
     if f"window_{window}" not in shared.masks:
@@ -468,7 +468,7 @@ def _window_mask(g: GraphWriter, shared: _Shared, query: str, keys: str, start_i
     return shared.masks[f"window_{window}"]
 
 
-def _attend(g: GraphWriter, shared: _Shared, query: str, keys_values: str, start_index: str, num_kv: int,
+def _attend(g: GraphWriter, shared: Shared, query: str, keys_values: str, start_index: str, num_kv: int,
             head_dim: int, scale: float, output: str, sliding_window: int = 0) -> None:
     group = shared.group
     q = g.transpose(g.reshape(query, [0, 0, num_kv, group, head_dim]), [0, 2, 1, 3, 4])  # [B,Hkv,S,G,D]

@@ -9,7 +9,7 @@ same way (padding gets decay 1 and beta 0, which leaves the state as it was).
 
 Both recurrences also have a chunked form for prefill (an If on the call's length picks it): the sequence is cut
 into chunks whose intra-chunk part is batched matrix products for all chunks at once, and a Scan over chunks, not
-tokens, carries the state (experiments/recurrent_prefill.py measures the two).
+tokens, carries the state (experiments/kernels/recurrent_prefill.py measures the two).
 """
 
 from __future__ import annotations
@@ -197,8 +197,8 @@ Form = Callable[[GraphWriter], tuple[str, str]]  # writes one lowering into a wr
 def _either_form(g: GraphWriter, like: str, name: str, chunk_size: int, per_token: Form, chunked: Form,
                  shapes: tuple[list, list]) -> tuple[str, str]:
     """The per-token form inline when chunk_size is 0; else an If on the call's length: calls of a quarter chunk or
-    more (16 tokens at 64) take the chunked branch, the break-even measured by experiments/recurrent_prefill.py (a chunk
-    costs about as much as 16 per-token steps). Each branch writes under a prefix of this node's own."""
+    more (16 tokens at 64) take the chunked branch, the break-even measured by experiments/kernels/recurrent_prefill.py
+    (a chunk costs about as much as 16 per-token steps). Each branch writes under a prefix of this node's own."""
     base = g.fresh(name)
     token = GraphWriter(prefix=f"{base}/token/")
     token_outputs = per_token(token)

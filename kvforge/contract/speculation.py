@@ -12,7 +12,7 @@ SPEC_GEMMA4_MTP, SPEC_MTP = "gemma4_mtp", "mtp"
 SPEC_JETSPEC = "jetspec"
 # config.json's spec_decode_type of a model that is no draft (a draft's is its method's name).
 SPEC_NONE = "none"
-DEFAULT_SPEC_DRAFT_TOKENS = 6  # TensorRT Edge-LLM's --specDraftStep default; experiments/spec_decode.py measures others
+DEFAULT_SPEC_DRAFT_TOKENS = 6  # TensorRT Edge-LLM's --specDraftStep default; experiments/spec/spec_decode.py tries more
 MAX_SPEC_DRAFT_TOKENS = 32  # --specDraftStep's bound
 MAX_SPEC_DRAFT_TOP_K = 16  # --specDraftTopK's bound
 

@@ -39,7 +39,8 @@ def _export(tmp_path: Path, model: str, lm_head: str, candidates: int = CANDIDAT
 
 
 def _logits(engine: Engine, ids: list[int]) -> np.ndarray:
-    """The raw logits row of one prefill call over `ids` (the engine's runner, as experiments/quality.py drives it)."""
+    """The raw logits row of one prefill call over `ids` (the engine's runner, as experiments/quality/quality.py
+    drives it)."""
     lease = engine.cache.try_acquire(Admission(ids))
     assert lease is not None
     try:

@@ -1,17 +1,16 @@
-"""The adapter-correction experiment's arithmetic (experiments/adapter_correction.py): the low-rank K/V correction
-reproduces an adapter's exact cache where its assumption holds, and brings a full adapter closer than base K/V."""
+"""The adapter-correction experiment's arithmetic (experiments/adapters/adapter_correction.py): the low-rank K/V
+correction reproduces an adapter's exact cache where its assumption holds, and brings a full adapter closer than
+base K/V."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import pytest
 from support.peft_support import randomize_lora_b
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
-import adapter_correction as experiment  # noqa: E402  (experiments/ scripts are top-level modules)
+from experiments.adapters import adapter_correction as experiment  # the repository root is on pytest's pythonpath
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +82,7 @@ def test_smollm2_without_its_package_is_one_line(torch_model, monkeypatch: pytes
 
 def test_engine_mode_measures_through_lora_corrections(torch_model) -> None:
     """--engine: the same workload through the engine path; every corrected request starts from base pages."""
-    import adapter_correction_engine as engine_mode
+    from experiments.adapters import adapter_correction_engine as engine_mode
 
     torch, model = torch_model
     wrapped = experiment.add_adapters(model, [4], lora_std=0.05)

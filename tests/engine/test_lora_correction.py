@@ -5,7 +5,6 @@ and the one-line refusals. The answers are approximate by design: no test assert
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 from support.hardening_support import invoke
 from support.peft_support import save_peft_adapter, save_tiny_llama
 
+from experiments.adapters import adapter_correction as experiment  # the repository root is on pytest's pythonpath
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.engine_dir import load_engine_dir
 from kvforge.contract.errors import KvforgeError
@@ -32,9 +32,6 @@ from kvforge.runtime.types import SamplingParams
 from kvforge.server.metrics import ServerMetrics
 from kvforge.tools.export.lora import write_converted_adapter
 from kvforge.tools.export.writer import write_onnx_dir
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
-import adapter_correction as experiment  # noqa: E402  (experiments/ scripts are top-level modules)
 
 VOCAB, PAGE, LAYERS = 128, 16, 3
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -1,14 +1,15 @@
-"""The quality bar's harness (experiments/quality.py): its metrics on tiny engines, and the bar on SmolLM2 variants."""
+"""The quality bar's harness (experiments/quality/quality.py): its metrics on tiny engines, and
+the bar on SmolLM2 variants."""
 
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from experiments.quality import quality  # the repository root is on pytest's pythonpath
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.runtime.context_cache.manager import Admission
 from kvforge.runtime.engine.engine import Engine, EngineConfig
@@ -17,9 +18,6 @@ from kvforge.tools.export.quantize import linear_weight_names
 from kvforge.tools.export.quantize_model import quantize_linears
 from kvforge.tools.export.sources.synthetic import synthetic_model
 from kvforge.tools.export.writer import write_onnx_dir
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
-import quality  # noqa: E402  (experiments/ scripts import each other as top-level modules)
 
 TINY_TEXT_TOKENS = 96  # bytes of the shipped text (the tiny tokenizer is byte-level)
 TINY_PROMPTS = ["Hi", "Name a color."]

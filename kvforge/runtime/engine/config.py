@@ -50,7 +50,7 @@ from kvforge.runtime.spec.ngram import DEFAULT_MAX_N, DEFAULT_MIN_N
 from kvforge.runtime.types import Deployment
 
 # Long prompts prefill faster in chunks on the CPU: the masked score matrix grows with the square of the
-# call's length. experiments/prefill_chunks.py measured a 1,536-token SmolLM2 prefill 1.36x faster at 512
+# call's length. experiments/engine/prefill_chunks.py measured a 1,536-token SmolLM2 prefill 1.36x faster at 512
 # (1.43x at 256, which would split more of the short prompts that gain nothing).
 DEFAULT_PREFILL_CHUNK_TOKENS = 512
 # The default: one store round trip on a LAN is ~1 ms; a batch of 8 MiB of pages takes ~15 ms on Redis here.

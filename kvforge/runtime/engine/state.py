@@ -15,8 +15,9 @@ from kvforge.runtime.execution.snapshots import PartialKVSnapshotStore, Recurren
 from kvforge.runtime.execution.system_prompt_cache import SystemPromptCache
 from kvforge.runtime.sequence import EngineRequest, Sequence
 
-# Message-boundary checkpoints closer than this to the previous one are skipped: experiments/recurrent_reuse.py measured
-# a chat turn on Mamba2-130m at 2x the TTFT when the boundary 5 tokens past its restored checkpoint split the call.
+# Message-boundary checkpoints closer than this to the previous one are skipped: experiments/reuse/recurrent_reuse.py
+# measured a chat turn on Mamba2-130m at 2x the TTFT when the boundary 5 tokens past its restored checkpoint split the
+# call.
 MIN_BOUNDARY_GAP = 32
 
 

@@ -26,7 +26,7 @@ and its acceptance predictor scores each guess; the scheduler proposes the prefi
 - `sps`: the length L maximising (1 + expected accepted tokens) / cost(L), the expected count being the sum of the
   running products, cost(0) = 1 decode step and cost(L) = 1 + VERIFY_CALL_COST + VERIFY_TOKEN_COST x L: a verify
   call is dearer than a decode step before its first extra token (a GEMM instead of a GEMV over every weight), and
-  each extra token adds a little (experiments/block_draft.py measured both on SmolLM2, two cores).
+  each extra token adds a little (experiments/spec/block_draft.py measured both on SmolLM2, two cores).
 
 Both bounded by --dsparkMinProposalLen / --dsparkMaxProposalLen. Verification is the engine's: greedy match, or
 rejection sampling against a one-hot proposal, so outputs are lossless whatever the draft guesses.
@@ -51,8 +51,8 @@ from kvforge.runtime.sequence import Sequence
 from kvforge.runtime.spec.proposer import DraftStates, DraftTree, KeepsDraftStates, committed_spans
 from kvforge.runtime.step import BatchOutput, ScheduledRow
 
-# In decode steps, SmolLM2 on two cores (experiments/block_draft.py, 2026-12-03): a verify call of 7 tokens cost 2.6-2.7
-# steps and one of 16 tokens 3.8-3.9, so about 0.9 for the call and 0.13 per verified token.
+# In decode steps, SmolLM2 on two cores (experiments/spec/block_draft.py, 2026-12-03): a verify call of 7 tokens cost
+# 2.6-2.7 steps and one of 16 tokens 3.8-3.9, so about 0.9 for the call and 0.13 per verified token.
 VERIFY_CALL_COST = 0.9
 VERIFY_TOKEN_COST = 0.13
 

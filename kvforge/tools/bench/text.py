@@ -172,10 +172,10 @@ CHAT_TURNS = [
 # (distinct first tokens) and goes on with the report's sections in another order.
 UNRELATED_OPENERS = ["Zebras", "Quietly", "Yesterday", "Pottery", "Every", "Marble", "Nobody", "Under"]
 
-# Speculative decoding's prompts (llm_bench's spec_decode workload and experiments/spec_decode.py): answers that copy
-# the report word for word, a summary in its own wording, and chat that has nothing in its prompt to copy (what
-# speculation costs when it cannot help). Each is a user message of the chat template; the document ones start
-# with the report, cut to a token count with fit_document.
+# Speculative decoding's prompts (llm_bench's spec_decode workload and experiments/spec/spec_decode.py): answers that
+# copy the report word for word, a summary in its own wording, and chat that has nothing in its prompt to copy (what
+# speculation costs when it cannot help). Each is a user message of the chat template; the document ones start with the
+# report, cut to a token count with fit_document.
 SPEC_QUOTE_QUESTIONS = [
     "Copy, word for word, the paragraph of the report that describes the turbine blades.",
     "Quote exactly the sentences of the report about the review board.",

@@ -92,8 +92,8 @@ def _write_encoder(multimodal, output_dir: Path, encoder_output_dir: Path | None
     console.print(f"exported {family.describe(encoder)} to {target}")
 
 
-# The default per source: the fastest variant that passes the quality bar of experiments/quality.py (top-1 agreement
-# >= 98 %, perplexity within 3 %, >= 9 of 10 held answers equal to float32's). SmolLM2's GGUF holds Q4_1
+# The default per source: the fastest variant that passes the quality bar of experiments/quality/quality.py (top-1
+# agreement >= 98 %, perplexity within 3 %, >= 9 of 10 held answers equal to float32's). SmolLM2's GGUF holds Q4_1
 # blocks, kept exactly: int4 (with its 8-bit, rescored head) scores 99.95 % / +0.03 % / 10 of 10.
 DEFAULT_QUANTIZATION = {SMOLLM2_NAME: "int4"}
 

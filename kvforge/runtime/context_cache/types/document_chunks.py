@@ -54,9 +54,9 @@ from kvforge.runtime.types import Deployment
 DOCUMENT_OPTIONS = ("document_reuse", "document_repair")
 REPAIR_NONE, REPAIR_FIRST_PAGE, REPAIR_OVERLAP, REPAIR_FULL = "none", "first-page", "overlap", "full"
 REPAIR_POLICIES = (REPAIR_NONE, REPAIR_FIRST_PAGE, REPAIR_OVERLAP, REPAIR_FULL)
-# experiments/document_reuse.py on SmolLM2 (16 requests, 3 of 8 reports each): first-page answered 8/16 right against
-# full prefill's 9/16 with 42 % of prompt tokens cached and a quarter of the TTFT; none 2/16; overlap no better than
-# first-page for more recomputation (docs/document-reuse.md).
+# experiments/reuse/document_reuse.py on SmolLM2 (16 requests, 3 of 8 reports each): first-page answered 8/16 right
+# against full prefill's 9/16 with 42 % of prompt tokens cached and a quarter of the TTFT; none 2/16; overlap no better
+# than first-page for more recomputation (docs/document-reuse.md).
 DEFAULT_REPAIR = REPAIR_FIRST_PAGE
 
 

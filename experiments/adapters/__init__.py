@@ -1,0 +1,1 @@
+"""LoRA adapters: their cost, and the corrected-adapter experiment."""

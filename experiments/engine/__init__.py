@@ -1,0 +1,1 @@
+"""The engine loop: scheduling and batching, prefill chunk size, what hardening costs."""

@@ -1,0 +1,1 @@
+"""Images and audio: encoder reuse and TTFT."""

@@ -1,0 +1,1 @@
+"""Context reuse: the context cache, partial-KV snapshots, recurrent checkpoints, documents, the shared tier."""

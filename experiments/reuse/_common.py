@@ -1,0 +1,109 @@
+"""What the context-reuse scripts share: a request, one request run alone with its costs, the engine-call floor,
+and the 8-turn chat over a document that partial_reuse.py and recurrent_reuse.py both hold.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from experiments._common import greedy
+from kvforge.contract.profile_schema import PREFILL_STAGE
+from kvforge.runtime.context_cache.keys import KeyExtras
+from kvforge.runtime.context_cache.manager import Admission
+from kvforge.runtime.context_cache.types.partial_tails import restore_slot
+from kvforge.runtime.engine.engine import Engine
+from kvforge.runtime.engine.output import RequestOutput
+from kvforge.runtime.execution.backend import StepInputs
+from kvforge.runtime.file_loop import drain
+from kvforge.runtime.sequence import EngineRequest
+from kvforge.runtime.types import LookupPolicy, Message, Request
+
+# The chat over a ~1,550-token document: the first turn shares it, the rest ask about it.
+SYSTEM = "You answer questions about the report the user shares. Be brief and factual."
+QUESTIONS = [
+    "Here is a report.\n\n{document}\n\nWhat does the report describe, in one sentence?",
+    "How many turbines does the array have?",
+    "Why was the Harbor Point channel chosen?",
+    "What went wrong with availability?",
+    "How were the frames installed?",
+    "What did the environmental monitoring find?",
+    "What did the project cost?",
+    "Which recommendation matters most?",
+]
+
+
+def make_request(engine: Engine, messages: list[dict[str, str]], *, max_generate_length: int, chat: bool,
+                 salt: str | None = None, num_logprobs: int = 1) -> EngineRequest:
+    """A greedy request, tokenized by the engine (chat template or the raw concatenation)."""
+    request = Request(0, [Message(m["role"], m["content"]) for m in messages],
+                      greedy(max_generate_length, num_logprobs=num_logprobs), apply_chat_template=chat,
+                      add_generation_prompt=chat, cache_salt=salt)
+    return engine.inputs.process(request)
+
+
+@dataclass(slots=True)
+class Run:
+    """One request run alone, with what the engine loop spent on it."""
+
+    output: RequestOutput
+    wall_ms: float  # add_request to the end of the last step
+    bookkeeping_us: float  # the context-cache manager's calls
+    prefill_ms: float  # the engine calls that computed prompt tokens (the profile's llm_prefill stage)
+
+    @property
+    def ttft_ms(self) -> float:
+        assert self.output.timing is not None
+        return self.output.timing.ttft_ms
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.output.cached_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.output.token_ids
+
+
+class Bench:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def run(self, request: EngineRequest, reuse: bool) -> Run:
+        """One request alone (reuse=False is the lookup bypass), timed from add_request to its last step."""
+        engine = self.engine
+        request = replace(request, sampling=replace(request.sampling, reuse_context=reuse))
+        book = engine.cache.bookkeeping_nanoseconds
+        prefill = engine.profiler.stage_ms(PREFILL_STAGE)
+        started = time.perf_counter()
+        [output] = drain(engine, {engine.add_request(request)})
+        wall_ms = (time.perf_counter() - started) * 1e3
+        return Run(output, wall_ms, (engine.cache.bookkeeping_nanoseconds - book) / 1e3,
+                   engine.profiler.stage_ms(PREFILL_STAGE) - prefill)
+
+
+def engine_floor(engine: Engine, request: EngineRequest) -> tuple[float, int]:
+    """(ms, reused tokens): the engine call alone for the uncached suffix, on top of the cached context.
+
+    A use_cache lease gives the same hit pages (and partial-KV snapshot, when the engine keeps them) the warm
+    request got; a snapshot is restored first, untimed; only runner.forward is timed (no scheduling, sampling,
+    publication or output), and nothing is published, so the cache is unchanged.
+    """
+    lease = engine.cache.try_acquire(Admission(request.prompt_ids, KeyExtras(cache_salt=request.cache_salt),
+                                               LookupPolicy.USE_CACHE))
+    assert lease is not None, "the pool is idle between requests: the floor lease must fit"
+    try:
+        start = lease.reuse_tokens
+        if restore_slot(lease) is not None and engine.partial_store is not None:
+            engine.partial_store.restore(restore_slot(lease), lease.page_ids[start // engine.cache.tokens_per_page])
+            engine.cache.finish_restore(lease)
+        suffix = request.prompt_ids[start:]
+        step = StepInputs(engine.executor.embedding[suffix][None], np.array([len(suffix)], dtype=np.int32),
+                          np.array([start], dtype=np.int32), [lease.page_ids])
+        started = time.perf_counter()
+        engine.backend.forward(step)
+        return (time.perf_counter() - started) * 1e3, start
+    finally:
+        engine.cache.release(lease)

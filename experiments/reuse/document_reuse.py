@@ -1,0 +1,222 @@
+"""Document reuse on a retrieval workload (issue 37): token hit rate, TTFT against cold, and agreement with full
+prefill for each repair policy.
+
+The workload: N short reports, each with one fact (which machine, which site, which colour). Each request shows K
+of them in a shuffled order behind a system prompt with a fresh timestamp, as documents, then asks about the fact of
+one report it shows. Every policy runs the same requests in the same order on its own engine (batch of one):
+
+- cold: no reuse at all (the reference: full prefill);
+- prefix: --enableContextReuse only (the timestamp and the shuffling leave it almost nothing);
+- none, first-page, overlap, full: --documentReuse with that --documentRepair.
+
+Per policy: cached tokens / prompt tokens, median TTFT and its ratio to cold's, answers right (the fact's word
+among the answer's first tokens), and top-1 agreement with cold over the first 16 generated tokens (the share of
+positions holding cold's token, and the requests whose 16 tokens are all cold's). The agreement against the
+policies' repair budget (tokens recomputed / document tokens) is the issue's curve: one point per policy.
+
+    python -m experiments.reuse.document_reuse --engineDir out/engines/smollm2 --threads 2 \\
+        --json out/document_reuse.json
+    python -m experiments.reuse.document_reuse --quick   # a tiny random engine: checks the script, measures nothing
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvforge import LLM, SamplingParams
+
+POLICIES = ("cold", "prefix", "none", "first-page", "overlap", "full")
+AGREEMENT_TOKENS = 16
+MACHINES = ["pump", "boiler", "crane", "compressor", "generator", "turbine", "conveyor", "furnace", "mixer", "press",
+            "chiller", "winch"]
+SITES = ["Harbor Point", "North Ridge", "Elm Yard", "Quarry Four", "Salt Flats", "Mill Lane", "Cedar Dock",
+         "Iron Gate", "Lake Shore", "Old Depot", "Fox Hill", "West Basin"]
+COLOURS = ["red", "blue", "green", "yellow", "orange", "purple", "white", "black", "grey", "brown", "pink", "gold"]
+FILLER = ("The crew logged the readings every hour and filed them with the site office. Maintenance was on schedule "
+          "and no injuries were reported. The next inspection is due at the end of the quarter. ")
+
+
+@dataclass(frozen=True)
+class Report:
+    text: str
+    question: str
+    answer: str
+
+
+def reports(n: int, filler: int) -> list[Report]:
+    """N reports, each stating one fact that no other report states."""
+    out = []
+    for i in range(n):
+        machine, site, colour = MACHINES[i % len(MACHINES)], SITES[i % len(SITES)], COLOURS[i % len(COLOURS)]
+        text = (f"Report {i + 1}: the {machine} at {site} was painted {colour} last week. " + FILLER * filler).strip()
+        out.append(Report(text, f"What colour was the {machine} at {site} painted? Answer with one word.", colour))
+    return out
+
+
+def workload(docs: list[Report], requests: int, k: int, seed: int) -> list[tuple[list[dict[str, Any]], str]]:
+    """(messages, expected answer) per request: k reports shuffled (the asked one among them), a timestamped system
+    prompt, the question."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(requests):
+        asked = rng.randrange(len(docs))
+        shown = rng.sample([j for j in range(len(docs)) if j != asked], k - 1) + [asked]
+        rng.shuffle(shown)
+        system = f"Current time: 2026-12-05 10:{i:02d}:{rng.randrange(60):02d}. Answer from the reports only."
+        content: list[dict[str, str]] = []
+        for j in shown:  # BPE merges a run of whitespace with the text around it: one newline between
+            content += [{"type": "document", "text": docs[j].text}, {"type": "text", "text": "\n"}]
+        content.append({"type": "text", "text": docs[asked].question})
+        out.append(([{"role": "system", "content": system}, {"role": "user", "content": content}], docs[asked].answer))
+    return out
+
+
+def engine_options(policy: str, threads: int, shared_cache: str | None = None) -> dict[str, Any]:
+    options: dict[str, Any] = {"num_threads": threads, "enable_context_reuse": policy != "cold"}
+    if policy not in ("cold", "prefix"):
+        options.update(document_reuse=True, document_repair=policy)
+    if shared_cache and policy != "cold":
+        options["shared_cache"] = shared_cache
+    return options
+
+
+def run_policy(engine_dir: Path, policy: str, requests: list[tuple[list[dict[str, Any]], str]], threads: int,
+               max_tokens: int, shared_cache: str | None = None) -> dict[str, Any]:
+    llm = LLM(str(engine_dir), **engine_options(policy, threads, shared_cache))
+    sampling = SamplingParams(temperature=0, max_generate_length=max_tokens)
+    results = []
+    try:
+        for messages, answer in requests:
+            [output] = llm.chat(messages, sampling)
+            assert output.timing is not None
+            results.append({"tokens": output.token_ids, "text": output.text, "prompt": len(output.prompt_token_ids),
+                            "cached": output.cached_tokens, "ttft_ms": output.timing.ttft_ms,
+                            "right": answer in output.text.lower()})
+        documents = llm.context_cache_metrics().get("documents", {}) if policy != "cold" else {}
+    finally:
+        llm.close()
+    return {"results": results, "documents": documents}
+
+
+def agreement(tokens: list[int], reference: list[int]) -> float:
+    """The share of the reference's first tokens (up to AGREEMENT_TOKENS) this answer holds at the same position."""
+    reference = reference[:AGREEMENT_TOKENS]
+    if not reference:
+        return 1.0
+    return sum(a == b for a, b in zip(tokens, reference, strict=False)) / len(reference)
+
+
+def summarize(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    cold = runs["cold"]["results"]
+    cold_ttft = statistics.median(r["ttft_ms"] for r in cold)
+    summary = {}
+    for policy, run in runs.items():
+        results, documents = run["results"], run["documents"]
+        agree = [agreement(r["tokens"], c["tokens"]) for r, c in zip(results, cold, strict=True)]
+        document_tokens = documents.get("reused_tokens", 0) + documents.get("repaired_tokens", 0)
+        ttft = statistics.median(r["ttft_ms"] for r in results)
+        summary[policy] = {
+            "token_hit_rate": sum(r["cached"] for r in results) / sum(r["prompt"] for r in results),
+            "median_ttft_ms": ttft,
+            "ttft_vs_cold": ttft / cold_ttft,
+            "answers_right": sum(r["right"] for r in results),
+            "top1_agreement": statistics.mean(agree),
+            "identical_16": sum(r["tokens"][:AGREEMENT_TOKENS] == c["tokens"][:AGREEMENT_TOKENS]
+                                for r, c in zip(results, cold, strict=True)),
+            "repair_budget": documents.get("repaired_tokens", 0) / document_tokens if document_tokens else None,
+            "documents": documents,
+        }
+    return summary
+
+
+def issue_targets(summary: dict[str, Any]) -> dict[str, bool]:
+    """Issue 37's targets on this workload, for the policies that ran (on SmolLM2 they are the issue's numbers)."""
+    out = {}
+    if "none" in summary:
+        none = summary["none"]
+        out["none: cached >= 70 % of prompt tokens and median TTFT <= 0.4x cold"] = \
+            none["token_hit_rate"] >= 0.7 and none["ttft_vs_cold"] <= 0.4
+    if "first-page" in summary:  # the default policy
+        default, cold = summary["first-page"], summary["cold"]
+        out["first-page (default): at most one answer fewer than full prefill, cached >= 40 %"] = \
+            default["answers_right"] >= cold["answers_right"] - 1 and default["token_hit_rate"] >= 0.4
+    if "full" in summary:
+        out["full: token-exact with cold"] = summary["full"]["identical_16"] == summary["cold"]["identical_16"]
+    return out
+
+
+def quick_engine(root: Path) -> Path:
+    """The tiny random llama, built for prompts of a few hundred tokens: checks the script end to end in seconds."""
+    from kvforge.builder.build import BuildOptions, build_engine
+    from kvforge.tools.export.sources.synthetic import synthetic_model
+    from kvforge.tools.export.writer import write_onnx_dir
+
+    write_onnx_dir(synthetic_model("tiny-llama"), root / "onnx")
+    build_engine(root / "onnx", root / "engine",
+                 BuildOptions(max_input_len=1024, max_kv_cache_capacity=2048, max_batch_size=1, tokens_per_page=16))
+    return root / "engine"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engineDir", type=Path, help="the engine (make demo builds out/engines/smollm2)")
+    parser.add_argument("--quick", action="store_true", help="a tiny random engine and a short workload")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--reports", type=int, default=8, help="reports to draw from (n)")
+    parser.add_argument("--shown", type=int, default=3, help="reports per request (k)")
+    parser.add_argument("--filler", type=int, default=6, help="filler paragraphs per report (its length; 6: about "
+                        "270 SmolLM2 tokens, two of make demo's 128-token pages)")
+    parser.add_argument("--maxTokens", type=int, default=AGREEMENT_TOKENS)
+    parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated; cold is always run")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--sharedCache", help="a KV tier (redis://HOST:PORT/DB) for the reusing policies: run the "
+                        "script twice with one policy (--policies none), and the second process's hit rate is what "
+                        "it reused of what the first computed")
+    args = parser.parse_args()
+    policies = ["cold", *[p for p in args.policies.split(",") if p and p != "cold"]]
+    unknown = set(policies) - set(POLICIES)
+    if unknown or (args.engineDir is None) == (not args.quick):
+        parser.error(f"give --engineDir or --quick; policies are {', '.join(POLICIES)}" +
+                     (f" (not {', '.join(sorted(unknown))})" if unknown else ""))
+    with tempfile.TemporaryDirectory() as scratch:
+        if args.quick:
+            engine_dir = quick_engine(Path(scratch))
+            args.requests, args.filler = min(args.requests, 6), min(args.filler, 1)
+        else:
+            engine_dir = args.engineDir
+        requests = workload(reports(args.reports, args.filler), args.requests, args.shown, args.seed)
+        runs = {policy: run_policy(engine_dir, policy, requests, args.threads, args.maxTokens, args.sharedCache)
+                for policy in policies}
+    summary = summarize(runs)
+    print(f"{'policy':<11} {'hit rate':>8} {'TTFT ms':>8} {'vs cold':>7} {'right':>5} {'top-1':>6} {'same 16':>7}"
+          f" {'repair':>6}")
+    for policy, row in summary.items():
+        budget = "-" if row["repair_budget"] is None else f"{row['repair_budget']:.2f}"
+        print(f"{policy:<11} {row['token_hit_rate']:>8.1%} {row['median_ttft_ms']:>8.1f} {row['ttft_vs_cold']:>7.2f}"
+              f" {row['answers_right']:>2}/{args.requests:<2} {row['top1_agreement']:>6.2f}"
+              f" {row['identical_16']:>3}/{args.requests:<3} {budget:>6}")
+    curve = sorted((row["repair_budget"], row["top1_agreement"], policy) for policy, row in summary.items()
+                   if row["repair_budget"] is not None)
+    print("\nagreement against repair budget (share of document tokens recomputed):")
+    for budget, agree, policy in curve:
+        print(f"  {budget:5.2f} {'#' * round(agree * 40):<40} {agree:.2f} {policy}")
+    targets = issue_targets(summary)
+    for name, met in targets.items():
+        print(f"{'met ' if met else 'MISSED'} {name}")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"settings": vars(args) | {"engineDir": str(args.engineDir), "json": None},
+                                         "summary": summary, "targets": targets}, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
