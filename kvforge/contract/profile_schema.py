@@ -122,8 +122,14 @@ DOCUMENT_REUSED_TOKENS = "reused_tokens"
 DOCUMENT_REPAIRED_TOKENS = "repaired_tokens"
 DOCUMENT_ROTATED_PAGES = "rotated_pages"
 DOCUMENTS_PRODUCED = "documents_produced"
+# Document parts that could not be reused, by reason (issue 53): shorter than a page, tokens not told apart from
+# their neighbours' (a tokenizer that cannot encode the parts on their own), or refused (the template moved it, a
+# media prompt, under an activated LoRA, holding the prompt's last token, longer than the document pool).
+SKIP_TOO_SHORT, SKIP_EDGE_MERGE, SKIP_REFUSED = "too_short", "edge_merge", "refused"
+SKIP_REASONS = (SKIP_TOO_SHORT, SKIP_EDGE_MERGE, SKIP_REFUSED)
+DOCUMENTS_SKIPPED = {reason: f"skipped_{reason}" for reason in SKIP_REASONS}
 DOCUMENT_KEYS = (DOCUMENTS_SEEN, DOCUMENT_HITS, DOCUMENT_REUSED_TOKENS, DOCUMENT_REPAIRED_TOKENS,
-                 DOCUMENT_ROTATED_PAGES, DOCUMENTS_PRODUCED)
+                 DOCUMENT_ROTATED_PAGES, DOCUMENTS_PRODUCED, *DOCUMENTS_SKIPPED.values())
 
 # Sliding-window checkpoints (engines built with --slidingWindowPool): hits that took a record's window pages, and
 # records published without one (the lease had freed part of it).

@@ -20,6 +20,7 @@ from kvforge.cli_common import (
     set_help_panels,
     with_engine_options,
 )
+from kvforge.contract import profile_schema as schema
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.files import check_distinct, check_output_file
 from kvforge.runtime.engine.config import EngineConfig
@@ -139,6 +140,9 @@ def inference(
                 write_profile(profile_output_file, profile)
             if dump_profile:
                 console.print(format_summary(profile))
+            note = skipped_documents_note(profile)
+            if note:
+                typer.echo(note, err=True)
 
         try:
             write_output_file(output_file, str(input_file),
@@ -152,6 +156,17 @@ def inference(
         index, reason = failed[0]
         fail(f"{len(failed)} of the file's requests failed in the engine (request {index}: {reason[:200]}); "
              f'{output_file} holds every response, the failed ones with finish_reason "error"', EXIT_INTERNAL_ERROR)
+
+
+def skipped_documents_note(profile: dict) -> str:
+    """One stderr line when document items could not be reused (--documentReuse), by reason; "" otherwise."""
+    documents = profile.get("context_cache", {}).get(schema.DOCUMENTS) or {}
+    counts = {reason: documents.get(key, 0) for reason, key in schema.DOCUMENTS_SKIPPED.items()}
+    if not any(counts.values()):
+        return ""
+    reasons = ", ".join(f"{count} {reason}" for reason, count in counts.items() if count)
+    return (f"note: {sum(counts.values())} of {documents.get(schema.DOCUMENTS_SEEN, 0)} document parts were not "
+            f"reused ({reasons}); see docs/document-reuse.md")
 
 
 def _show_info_logs(name: str) -> None:

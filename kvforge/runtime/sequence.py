@@ -52,6 +52,7 @@ class EngineRequest:
     media: tuple[MediaSpan, ...] = ()  # placeholder spans with their encoder rows, in prompt order
     message_boundaries: tuple[int, ...] = ()  # prompt token counts where an earlier chat message ends
     documents: tuple[DocumentSpan, ...] = ()  # the prompt's document items whose tokens could be told apart, in order
+    documents_skipped: tuple[str, ...] = ()  # why each other document item has no span (profile_schema.SKIP_REASONS)
     # An internal request the scheduler queued: a document's standalone prefill at position 0, whose published
     # prompt becomes the document's stored form (kvforge/runtime/context_cache/types/document_chunks.py). Never a
     # front end's.
@@ -163,7 +164,7 @@ class Sequence:
                                NEVER_ACTIVATED if corrected else self.request.adapter_start, corrected)
             inputs = {**speculative_input(self.drafts_with_kv),
                       **document_input(((d.start, d.length) for d in self.request.documents),
-                                       self.request.produces_document),
+                                       self.request.produces_document, self.request.documents_skipped),
                       **self.request.cache_inputs}
             self.admission = Admission(tokens, extras, sampling.lookup_policy,
                                        indexable_tokens=len(self.request.prompt_ids), inputs=inputs)

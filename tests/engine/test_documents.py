@@ -16,7 +16,6 @@ from kvforge.runtime.inputs.checks import parse_messages
 from kvforge.runtime.inputs.processor import InputProcessor
 from kvforge.runtime.inputs.request_file import parse_request_file
 from kvforge.runtime.inputs.tokenizer import ChatTokenizer
-from kvforge.runtime.media_spans import DocumentSpan
 from kvforge.runtime.types import Message, Request
 from kvforge.server.protocol import ApiError, parse_call
 
@@ -101,13 +100,23 @@ def merging_processor(tiny_onnx_dir: Path, tmp_path: Path, llm: LLM) -> InputPro
     return InputProcessor(ChatTokenizer(out), llm.engine.inputs.loras, 256, False, 4096)
 
 
-def test_a_boundary_crossed_by_a_token_records_no_span(tiny_onnx_dir: Path, tmp_path: Path, llm: LLM) -> None:
+def test_a_boundary_crossed_by_a_token_cuts_the_prompt_at_the_documents(tiny_onnx_dir: Path, tmp_path: Path,
+                                                                         llm: LLM) -> None:
+    """Issue 53: where a token crosses a document's edge, the prompt is tokenized part by part, so each document
+    keeps its own tokens (the whole prompt's tokens would have given it no span); a clean prompt keeps the whole
+    prompt's tokens."""
     processor = merging_processor(tiny_onnx_dir, tmp_path, llm)
+    raw = processor.tokenizer.tokenizer
     messages = [Message("user", "Read: The end. The report", documents=((6, 14),)),  # " T" crosses at 6
                 Message("user", " Tail.", documents=((0, 6),))]  # " T" inside: clean
     request = processor.process(Request(0, messages, GREEDY, apply_chat_template=False), where="")
-    plain = processor.tokenizer.encode("Read: The end. The report Tail.")
-    assert request.prompt_ids == plain  # the documents never change the prompt's tokens
-    [span] = request.documents
-    assert span == DocumentSpan(len(processor.tokenizer.encode("Read: The end. The report")), 5)
-    assert request.prompt_ids[span.start:span.end] == processor.tokenizer.tokenizer.encode(" Tail.").ids
+    parts = ["Read: ", "The end.", " The report", " Tail."]
+    assert request.prompt_ids == processor.tokenizer.encode_ids(
+        [token for part in parts for token in raw.encode(part, add_special_tokens=False).ids])
+    assert request.prompt_ids != processor.tokenizer.encode("".join(parts))
+    assert [request.prompt_ids[span.start:span.end] for span in request.documents] == [
+        raw.encode(parts[1]).ids, raw.encode(parts[3]).ids] and request.documents_skipped == ()
+    clean = [Message("user", "Read:\nThe end. The report", documents=((6, 14),)), messages[1]]
+    request = processor.process(Request(0, clean, GREEDY, apply_chat_template=False), where="")
+    assert request.prompt_ids == processor.tokenizer.encode("Read:\nThe end. The report Tail.")
+    assert len(request.documents) == 2

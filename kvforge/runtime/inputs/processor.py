@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvforge.contract.errors import KvforgeError
+from kvforge.contract.profile_schema import SKIP_EDGE_MERGE, SKIP_REFUSED
 from kvforge.contract.validation import join_path, utf8_size
 from kvforge.runtime.adapters import LoraRegistry
 from kvforge.runtime.inputs.tokenizer import ChatTokenizer, RenderedPrompt
@@ -123,7 +124,7 @@ class InputProcessor:
             self.multimodal.check_kinds(media)
         text = self._rendered(request, enable_thinking)
         self.check_text_size(text, join_path(where, "messages"))
-        spans = ()
+        spans, documents, skipped = (), (), ()
         if media:
             assert self.multimodal is not None
             # The plain-text rule of tokenizer.py holds for the text parts of media prompts too: the formatted
@@ -131,13 +132,12 @@ class InputProcessor:
             plain = None if request.parse_special_tokens else text
             ids, spans = self.multimodal.tokenize(text, media, base_dir, self.max_input_len,
                                                   join_path(where, "messages"), plain, cache_salt=request.cache_salt)
+            skipped = (SKIP_REFUSED,) * sum(len(m.documents) for m in request.messages)  # no spans in media prompts yet
         else:
-            ids = self._encode(text, request, request.messages, where)
+            ids, documents, skipped = self._encode_with_documents(request, text, enable_thinking, where)
         check_prompt_length(len(ids), self.max_input_len, join_path(where, "messages"))
         engine_request = EngineRequest(ids, request.sampling, self.loras.get(request.lora_name), request.cache_salt,
-                                       media=spans)
-        if not media:
-            engine_request.documents = self._document_spans(request, text, ids, enable_thinking, where)
+                                       media=spans, documents=documents, documents_skipped=skipped)
         if self.message_boundaries and not media:
             engine_request.message_boundaries = self._message_boundaries(request, ids, enable_thinking, where)
         if request.save_system_prompt_kv_cache:
@@ -154,28 +154,64 @@ class InputProcessor:
         return engine_request
 
 
-    def _document_spans(self, request: Request, text: RenderedPrompt, ids: list[int], enable_thinking: bool,
-                        where: str) -> tuple[DocumentSpan, ...]:
-        """The token spans of the request's document items. The prompt was tokenized as one text (a document is
-        plain text in place), so a document's span is recorded only where its boundaries are clean: the prompt's
-        tokens begin with the tokens of the text before the document, followed by the document's own tokens.
-        Where a merge crosses a boundary (a BPE token spanning the document's edge), that document gets no span:
-        it still runs as text, it just cannot be reused on its own. Media prompts, and content holding
-        special-token text (tokenized piecewise), record no spans yet."""
-        if not any(m.documents for m in request.messages):
-            return ()
+    def _encode_with_documents(self, request: Request, text: RenderedPrompt, enable_thinking: bool,
+                               where: str) -> tuple[list[int], tuple[DocumentSpan, ...], tuple[str, ...]]:
+        """The prompt's token ids, its document items' token spans, and why each other document item has none
+        (profile_schema.SKIP_REASONS).
+
+        A document's span must hold exactly its own tokenization, so its key does not depend on what surrounds it.
+        The whole prompt's tokens are kept when every document's own tokens lie in them, starting at a token that
+        begins where the document does. Where a BPE
+        token crosses a document's edge (whitespace ending a document merges with the next part's first token:
+        "report. " + "Report 2" gives " Report"), the prompt is tokenized part by part instead (issue 53): the text
+        before the first document, each document, the text between, the text after, each encoded on its own and
+        the ids joined. Part-wise ids are used only when they decode back to the prompt text: a tokenizer that
+        adds text to each piece it encodes (a Metaspace prefix) or rewrites it (a normalizer) keeps the whole
+        prompt's ids, and a document whose edge a token crosses there gets no span (`edge_merge`). Content holding
+        special-token text (tokenized piecewise) and a template that moved or rewrote a document give no spans
+        (`refused`)."""
+        ids = self._encode(text, request, request.messages, where)
+        count = sum(len(m.documents) for m in request.messages)
+        if not count:
+            return ids, (), ()
         if not request.parse_special_tokens and text.content_spans != ():
-            return ()  # ids are not one plain encoding of `text`: the prefix comparison below would not hold
+            return ids, (), (SKIP_REFUSED,) * count  # ids are not one plain encoding of `text`
         chars = self.tokenizer.document_spans(request.messages, text, apply_chat_template=request.apply_chat_template,
                                               add_generation_prompt=request.add_generation_prompt,
                                               enable_thinking=enable_thinking, where=join_path(where, "messages"))
-        spans = []
-        for start, end in chars or ():
-            before = self.tokenizer.encode(text[:start])  # BOS included, as in `ids`
-            document = self.tokenizer.tokenizer.encode(text[start:end], add_special_tokens=False).ids
-            if ids[:len(before)] == before and ids[len(before):len(before) + len(document)] == document:
-                spans.append(DocumentSpan(len(before), len(document)))
-        return tuple(spans)
+        if chars is None:
+            return ids, (), (SKIP_REFUSED,) * count
+        raw = self.tokenizer.tokenizer
+        whole = raw.encode(text, add_special_tokens=False)
+        shift = len(ids) - len(whole.ids)  # BOS
+        # The token that begins at each character: a document's candidate start (offsets only locate it, the
+        # comparison with the document's own tokens decides).
+        first = {}
+        for index, (start, _) in enumerate(whole.offsets):
+            first.setdefault(start, index + shift)
+        clean: list[DocumentSpan | None] = []
+        for start, end in chars:
+            document = raw.encode(text[start:end], add_special_tokens=False).ids
+            at = first.get(start, -1)
+            clean.append(DocumentSpan(at, len(document)) if at >= 0 and ids[at:at + len(document)] == document
+                         and whole.ids == ids[shift:] else None)
+        if None not in clean:
+            return ids, tuple(span for span in clean if span is not None), ()
+        # No content holds special-token text here (or the request parses it): each part is encoded as `encode`
+        # reads the whole prompt, the markup's special tokens parsed.
+        bounds = [0, *(position for span in chars for position in span), len(text)]
+        pieces: list[int] = []
+        offsets = [0]  # token index where each part begins, then the end
+        for start, end in zip(bounds, bounds[1:], strict=False):
+            pieces += raw.encode(text[start:end], add_special_tokens=False).ids if end > start else []
+            offsets.append(len(pieces))
+        if raw.decode(pieces, skip_special_tokens=False) == text:
+            part_wise = self.tokenizer.encode_ids(pieces)
+            shift = len(part_wise) - len(pieces)  # BOS
+            return part_wise, tuple(DocumentSpan(offsets[i] + shift, offsets[i + 1] - offsets[i])
+                                    for i in range(1, len(bounds) - 1, 2)), ()
+        return (ids, tuple(span for span in clean if span is not None),
+                (SKIP_EDGE_MERGE,) * clean.count(None))
 
     def _message_boundaries(self, request: Request, ids: list[int], enable_thinking: bool,
                             where: str) -> tuple[int, ...]:

@@ -250,6 +250,10 @@ class ChatTokenizer:
             self._literal = literal
         return self._literal
 
+    def encode_ids(self, ids: list[int]) -> list[int]:
+        """Ids encoded elsewhere (a prompt tokenized part by part) as `encode` would return them: BOS first."""
+        return self._with_bos(ids)
+
     def _with_bos(self, ids: list[int]) -> list[int]:
         if self.add_bos_token and self.bos_token:
             bos = self.tokenizer.token_to_id(self.bos_token)

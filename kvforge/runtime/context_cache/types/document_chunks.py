@@ -21,6 +21,9 @@ Decisions, written down as the issue asks:
 - Documents shorter than one page, documents overlapping media, documents holding the prompt's last token (it must
   be computed for logits), requests with an activated LoRA and documents starting inside the exact hit (or its
   snapshot-restored page) are computed as ordinary prompt tokens.
+- **What is not reused is counted by reason** (issue 53): `skipped_too_short` (under a page), `skipped_edge_merge`
+  (the input processor could not tell the document's tokens apart: kvforge/runtime/inputs/processor.py),
+  `skipped_refused` (every other reason above but the exact hit, which reuses the document as prefix pages).
 """
 
 from __future__ import annotations
@@ -61,15 +64,17 @@ DEFAULT_REPAIR = REPAIR_FIRST_PAGE
 
 
 def _samples(cache: Mapping[str, object]) -> Iterable[Sample]:
-    """/metrics: `documents_<key>` for each counter, once a request carried a document (--documentReuse)."""
+    """/metrics: `documents_<key>` for each counter (`documents_skipped_<reason>` for the skips), once a request
+    carried a document (--documentReuse)."""
     block = cache.get(schema.DOCUMENTS)
     if isinstance(block, Mapping) and any(block.values()):
         for key, value in block.items():
             yield Sample("counter", f"documents_{key}", f"The profile's context_cache.documents.{key}.", value)
 
 
-# The profile's `documents` block: spans admitted requests carried, spans restored, tokens restored and recomputed,
-# pages of stored K/V rotated into requests, standalone prefills that produced a stored form (profile_schema).
+# The profile's `documents` block: document items admitted requests carried, spans restored, tokens restored and
+# recomputed, pages of stored K/V rotated into requests, standalone prefills that produced a stored form, and the
+# items that could not be reused, by reason (profile_schema).
 DOCUMENT_COUNTERS = CounterBlock(schema.DOCUMENTS, schema.DOCUMENT_KEYS, _samples)
 # Its row of the support matrix: attention-only engines (a recurrent state depends on the whole prefix), no draft
 # model (a draft has no stored documents), not beside a sliding-window group; the tier saves its records' pages but
@@ -101,14 +106,16 @@ class DocumentInput:
 
     spans: tuple[tuple[int, int], ...] = ()
     produces: bool = False
+    skipped: tuple[str, ...] = ()  # the reasons of the document items the input processor could give no span
 
 
 NO_DOCUMENTS = DocumentInput()
 
 
-def document_input(spans: Iterable[tuple[int, int]] = (), produces: bool = False) -> Inputs:
+def document_input(spans: Iterable[tuple[int, int]] = (), produces: bool = False,
+                   skipped: Iterable[str] = ()) -> Inputs:
     """The per-type input entry of a request with these document spans (or a producer); empty without either."""
-    entry = DocumentInput(tuple(spans), produces)
+    entry = DocumentInput(tuple(spans), produces, tuple(skipped))
     return {schema.DOCUMENT_KV_PAGES: entry} if entry != NO_DOCUMENTS else {}
 
 
@@ -222,16 +229,22 @@ class DocumentChunks(CacheTypeBase):
         """(key, start, length) of the spans this type may serve: a page long at least, wholly after `after`, not
         holding the last token, without media, and not under an activated LoRA (its positions before the
         invocation are base K/V, which a standalone prefill of the document would not reproduce)."""
-        if extras.adapter_start:
-            return []
         found = []
         for start, length in documents:
-            end = start + length
-            if length < self.tokens_per_page or start < after or end >= len(tokens) \
-                    or media_in_page(extras.media, start, end):
+            if start < after or self.skip_reason(len(tokens), start, length, extras):
                 continue
-            found.append((document_key(tokens[start:end], extras, self.chain_root, start), start, length))
+            found.append((document_key(tokens[start:start + length], extras, self.chain_root, start), start, length))
         return found
+
+    def skip_reason(self, num_tokens: int, start: int, length: int, extras: KeyExtras) -> str:
+        """Why this type cannot serve the span (profile_schema.SKIP_REASONS), or "" when it can."""
+        end = start + length
+        if length < self.tokens_per_page:
+            return schema.SKIP_TOO_SHORT
+        if extras.adapter_start or end >= num_tokens or media_in_page(extras.media, start, end) \
+                or length > self._capacity_tokens:
+            return schema.SKIP_REFUSED
+        return ""
 
     def prerequisites(self, admission: Admission) -> list[Prerequisite]:
         """A standalone prefill of each span of `admission` whose document has no stored form and no standalone
@@ -243,7 +256,7 @@ class DocumentChunks(CacheTypeBase):
         tokens = np.asarray(admission.token_ids, dtype=np.int32)
         return [Prerequisite(key, start, length, document_input(produces=True)) for key, start, length in
                 self.eligible(tokens, documents.spans, admission.extras)
-                if key not in self._by_key and key not in self._producing and length <= self._capacity_tokens]
+                if key not in self._by_key and key not in self._producing]
 
     @property
     def _capacity_tokens(self) -> int:
@@ -346,8 +359,13 @@ class DocumentChunks(CacheTypeBase):
         part = lease.parts.get(self.name)
         if part is not None and part.produces:
             self._producing.setdefault(part.produces, lease)
-        elif (documents := documents_of(admission.inputs)).spans and not documents.produces:
-            self.metrics[schema.DOCUMENTS_SEEN] += len(documents.spans)
+        elif not (documents := documents_of(admission.inputs)).produces:
+            # Every document item counts as seen; those that cannot be reused count by reason, once per request.
+            self.metrics[schema.DOCUMENTS_SEEN] += len(documents.spans) + len(documents.skipped)
+            reasons = [*documents.skipped, *(self.skip_reason(len(admission.token_ids), start, length, admission.extras)
+                                            for start, length in documents.spans)]
+            for reason in filter(None, reasons):
+                self.metrics[schema.DOCUMENTS_SKIPPED[reason]] += 1
 
     def pinned(self, lease: Lease) -> tuple[int, ...]:
         part = lease.parts.get(self.name)
