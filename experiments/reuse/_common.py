@@ -4,8 +4,10 @@ and the 8-turn chat over a document that partial_reuse.py and recurrent_reuse.py
 
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -107,3 +109,49 @@ def engine_floor(engine: Engine, request: EngineRequest) -> tuple[float, int]:
         return (time.perf_counter() - started) * 1e3, start
     finally:
         engine.cache.release(lease)
+
+
+# --- the retrieval workload (document_reuse.py, document_edges.py) ---------------------------------------------
+
+MACHINES = ["pump", "boiler", "crane", "compressor", "generator", "turbine", "conveyor", "furnace", "mixer", "press",
+            "chiller", "winch"]
+SITES = ["Harbor Point", "North Ridge", "Elm Yard", "Quarry Four", "Salt Flats", "Mill Lane", "Cedar Dock",
+         "Iron Gate", "Lake Shore", "Old Depot", "Fox Hill", "West Basin"]
+COLOURS = ["red", "blue", "green", "yellow", "orange", "purple", "white", "black", "grey", "brown", "pink", "gold"]
+FILLER = ("The crew logged the readings every hour and filed them with the site office. Maintenance was on schedule "
+          "and no injuries were reported. The next inspection is due at the end of the quarter. ")
+
+
+@dataclass(frozen=True)
+class Report:
+    text: str
+    question: str
+    answer: str
+
+
+def reports(n: int, filler: int) -> list[Report]:
+    """N reports, each stating one fact that no other report states."""
+    out = []
+    for i in range(n):
+        machine, site, colour = MACHINES[i % len(MACHINES)], SITES[i % len(SITES)], COLOURS[i % len(COLOURS)]
+        text = (f"Report {i + 1}: the {machine} at {site} was painted {colour} last week. " + FILLER * filler).strip()
+        out.append(Report(text, f"What colour was the {machine} at {site} painted? Answer with one word.", colour))
+    return out
+
+
+def workload(docs: list[Report], requests: int, k: int, seed: int) -> list[tuple[list[dict[str, Any]], str]]:
+    """(messages, expected answer) per request: k reports shuffled (the asked one among them), a timestamped system
+    prompt, the question."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(requests):
+        asked = rng.randrange(len(docs))
+        shown = rng.sample([j for j in range(len(docs)) if j != asked], k - 1) + [asked]
+        rng.shuffle(shown)
+        system = f"Current time: 2026-12-05 10:{i:02d}:{rng.randrange(60):02d}. Answer from the reports only."
+        content: list[dict[str, str]] = []
+        for j in shown:  # BPE merges a run of whitespace with the text around it: one newline between
+            content += [{"type": "document", "text": docs[j].text}, {"type": "text", "text": "\n"}]
+        content.append({"type": "text", "text": docs[asked].question})
+        out.append(([{"role": "system", "content": system}, {"role": "user", "content": content}], docs[asked].answer))
+    return out

@@ -10,7 +10,8 @@ prompt), with each report ending with a space and the reports adjacent (as chunk
 - `--documentRepair none` on the spaced workload and on the original one (no trailing spaces, a newline between
   reports): cached tokens / prompt tokens, and the profile's documents block (skips by reason).
 
-    python experiments/document_edges.py --engineDir out/engines/smollm2 --threads 2 --json out/document_edges.json
+    python -m experiments.reuse.document_edges --engineDir out/engines/smollm2 --threads 2 \
+        --json out/document_edges.json
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from document_reuse import reports, workload  # experiments/ is on sys.path when run as a script
-
+from experiments.reuse._common import reports, workload
 from kvforge import LLM, SamplingParams
 from kvforge.runtime.engine.engine import EngineRequest
 from kvforge.runtime.inputs.checks import parse_messages
