@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -170,11 +171,16 @@ def skipped_documents_note(profile: dict) -> str:
 
 
 def _show_info_logs(name: str) -> None:
+    """`name`'s INFO lines on this run's stderr: one handler of ours per logger, pointed at the current sys.stderr
+    each run (a caller that runs the CLI in process may have swapped it since the handler was made)."""
     logger = logging.getLogger(name)
-    if not logger.handlers:
+    handler = next((h for h in logger.handlers if getattr(h, "kvforge_cli", False)), None)
+    if handler is None:
         handler = logging.StreamHandler()
+        handler.kvforge_cli = True  # type: ignore[attr-defined]
         handler.setFormatter(logging.Formatter("[%(levelname)s] %(message)s"))
         logger.addHandler(handler)
+    handler.setStream(sys.stderr)
     logger.setLevel(logging.INFO)
 
 
