@@ -5,11 +5,8 @@ request."""
 
 from __future__ import annotations
 
-import http.client
-import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -18,7 +15,8 @@ from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support.server_harness import build_server_engine
+from support.server_harness import build_server_engine, http_call
+from support.stores import free_port
 
 SMG = shutil.which("smg") or str(Path(sys.executable).with_name("smg"))
 if not Path(SMG).exists():
@@ -32,31 +30,12 @@ DOCS = ["Harbor Point tidal array, survey of the turbine foundations and export 
         "Minutes of the review board: budget, schedule, grid connection and the permit. " * 2]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def call(port: int, path: str, body: dict | None = None) -> tuple[int, str]:
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    try:
-        if body is None:
-            connection.request("GET", path)
-        else:
-            connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-        response = connection.getresponse()
-        return response.status, response.read().decode()
-    finally:
-        connection.close()
-
-
 def wait_ready(port: int, path: str, process: subprocess.Popen, log: Path) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
         assert process.poll() is None, log.read_text()
         try:
-            if call(port, path)[0] == 200:
+            if http_call(port, path)[0] == 200:
                 return
         except OSError:
             pass
@@ -65,7 +44,7 @@ def wait_ready(port: int, path: str, process: subprocess.Popen, log: Path) -> No
 
 
 def counters(port: int) -> dict[str, float]:
-    _, text = call(port, "/metrics")
+    _, text = http_call(port, "/metrics")
     return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels
             or s.name.startswith("vllm:")}
 
@@ -110,7 +89,7 @@ def cluster(engine_dir: Path, tmp_path: Path) -> Iterator[tuple[int, list[int], 
 
 
 def ask(gateway: int, doc: str, question: str) -> None:
-    status, reply = call(gateway, "/v1/completions", {"model": "tiny", "prompt": doc + question, "max_tokens": 2,
+    status, reply = http_call(gateway, "/v1/completions", {"model": "tiny", "prompt": doc + question, "max_tokens": 2,
                                                       "temperature": 0})
     assert status == 200, reply
 

@@ -4,11 +4,8 @@
 
 from __future__ import annotations
 
-import http.client
-import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -16,7 +13,8 @@ from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support.server_harness import MODEL, build_server_engine, live_server
+from support.server_harness import MODEL, build_server_engine, http_call, live_server
+from support.stores import free_port
 
 pytest.importorskip("zmq", reason="KV events need pyzmq: pip install 'kvforge[cluster]'")
 ROUTER = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
@@ -28,27 +26,8 @@ START_TIMEOUT_S = 60
 PREFIX = "The Harbor Point tidal array report, section one: turbines, cables and the review board. " * 2
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def get(port: int, path: str, body: dict | None = None) -> tuple[int, str]:
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    try:
-        if body is None:
-            connection.request("GET", path)
-        else:
-            connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-        response = connection.getresponse()
-        return response.status, response.read().decode()
-    finally:
-        connection.close()
-
-
 def lookups(port: int) -> dict[str, float]:
-    _, text = get(port, "/metrics")
+    _, text = http_call(port, "/metrics")
     return {s.labels["result"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
             if s.name == "vllm_router_kv_placement_lookups_total"}
 
@@ -73,7 +52,7 @@ def test_vllm_router_kv_aware_credits_the_published_pages(engine_dir: Path, tmp_
             while True:
                 assert router.poll() is None, (tmp_path / "router.log").read_text()
                 try:
-                    if get(port, "/health")[0] == 200:
+                    if http_call(port, "/health")[0] == 200:
                         break
                 except OSError:
                     pass
@@ -81,11 +60,11 @@ def test_vllm_router_kv_aware_credits_the_published_pages(engine_dir: Path, tmp_
                 time.sleep(0.2)
             time.sleep(1.0)  # the router's SUB socket joins after its HTTP side is up (ZMQ's slow joiner)
             body = {"model": MODEL, "max_tokens": 2, "temperature": 0}
-            assert get(port, "/v1/completions", {**body, "prompt": PREFIX + "How many turbines?"})[0] == 200
+            assert http_call(port, "/v1/completions", {**body, "prompt": PREFIX + "How many turbines?"})[0] == 200
             assert lookups(metrics_port).get("hit", 0) == 0  # nothing published yet when it routed
             deadline = time.monotonic() + 20
             while lookups(metrics_port).get("hit", 0) == 0:  # the events reach the router's index asynchronously
-                status, _ = get(port, "/v1/completions", {**body, "prompt": PREFIX + "Who chaired the review?"})
+                status, _ = http_call(port, "/v1/completions", {**body, "prompt": PREFIX + "Who chaired the review?"})
                 assert status == 200 and time.monotonic() < deadline, (tmp_path / "router.log").read_text()
                 time.sleep(0.3)
         finally:

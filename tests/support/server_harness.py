@@ -126,3 +126,18 @@ def audited_client(server: LiveServer) -> Iterator[Any]:
     with openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60) as api:
         yield api
     server.on_engine(idle_audit)
+
+
+def http_call(port: int, path: str, body: dict | None = None, timeout: float = 120) -> tuple[int, str]:
+    """(status, body text) of a GET (no `body`) or a JSON POST to 127.0.0.1:`port`: a server the test started
+    as a process (a router, a replica), outside `live_server`."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        if body is None:
+            connection.request("GET", path)
+        else:
+            connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        return response.status, response.read().decode()
+    finally:
+        connection.close()
