@@ -13,6 +13,7 @@ import typer
 
 from kvforge.cli_common import EXPORT_FLAGS, console, progress_bar, run_app, run_guarded
 from kvforge.contract.errors import KvforgeError
+from kvforge.contract.manifest import ONNX_KIND, write_manifest
 from kvforge.contract.model_config import KV_CACHE_DTYPES, ModelConfig
 from kvforge.tools.export.cli_help import (
     BLOCK_DRAFT_HELP,
@@ -89,6 +90,9 @@ def _write_encoder(multimodal, output_dir: Path, encoder_output_dir: Path | None
     target = encoder_output_dir or output_dir / family.subdir
     with progress_bar(family.building, None):
         family.write(encoder, target)
+        # Its own manifest, so the dir is provably kvforge's: a second export into the same --outputDir replaces it
+        # instead of refusing it as the user's (it had none, and re-exports of media models were refused).
+        write_manifest(target, ONNX_KIND)
     console.print(f"exported {family.describe(encoder)} to {target}")
 
 
