@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.engine_driver import document_prompt
 
 from kvforge import LLM
 from kvforge.contract.engine_dir import load_engine_dir
@@ -19,7 +20,6 @@ from kvforge.runtime.context_cache.keys import KeyExtras, page_keys
 from kvforge.runtime.engine.config import resolve_engine_config
 from kvforge.runtime.engine.engine import Engine, EngineConfig, EngineRequest, RequestOutput
 from kvforge.runtime.execution.kv_store import ROTATION_CHECK_TOLERANCE, DocumentKVStore, KVStore, check_rotation
-from kvforge.runtime.media_spans import DocumentSpan
 from kvforge.runtime.types import SamplingParams
 
 T = 16  # the tiny engine's page
@@ -29,12 +29,7 @@ DOC_B = list(range(70, 88))  # 18 tokens
 
 
 def prompt(system: list[int], docs: list[list[int]], question: list[int]) -> EngineRequest:
-    """A prompt of `system`, the documents in order, then `question`, with each document's span recorded."""
-    ids, spans = list(system), []
-    for doc in docs:
-        spans.append(DocumentSpan(len(ids), len(doc)))
-        ids += doc
-    return EngineRequest(ids + question, GREEDY, documents=tuple(spans))
+    return document_prompt(system, docs, question, GREEDY)
 
 
 FIRST = prompt([1, 2, 3, 4, 5], [DOC_A, DOC_B], [9, 10, 11])

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from support.engine_driver import document_prompt
 from support.server_harness import MODEL, LiveServer, build_server_engine, live_server
 
 from kvforge import LLM
 from kvforge.runtime.engine.engine import Engine, EngineConfig, EngineRequest, RequestOutput
-from kvforge.runtime.media_spans import DocumentSpan
 from kvforge.runtime.types import SamplingParams
 
 T = 16  # the tiny engine's page
@@ -25,11 +25,7 @@ REPORTS = ["Pump 3 stopped at noon after the seal failed; the crew replaced it."
 
 
 def prompt(system: list[int], docs: list[list[int]], question: list[int]) -> EngineRequest:
-    ids, spans = list(system), []
-    for doc in docs:
-        spans.append(DocumentSpan(len(ids), len(doc)))
-        ids += doc
-    return EngineRequest(ids + question, GREEDY, documents=tuple(spans))
+    return document_prompt(system, docs, question, GREEDY)
 
 
 def drain(engine: Engine, ids: list[str]) -> dict[str, RequestOutput]:

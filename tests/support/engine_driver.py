@@ -8,11 +8,13 @@ from typing import Any
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.lora import LORA_TARGETS
 from kvforge.runtime.context_cache.types.partial_tails import partial_slot
-from kvforge.runtime.engine.engine import Engine, EngineConfig
+from kvforge.runtime.engine.engine import Engine, EngineConfig, EngineRequest
 from kvforge.runtime.engine.output import RequestOutput
 from kvforge.runtime.execution.backend import Backend
 from kvforge.runtime.file_loop import Scheduling, prepare_requests, run_request_file
 from kvforge.runtime.inputs.request_file import parse_request_file
+from kvforge.runtime.media_spans import DocumentSpan
+from kvforge.runtime.types import SamplingParams
 from kvforge.tools.export.lora import write_converted_adapter, write_random_peft_adapter
 from kvforge.tools.export.sources.base import LoadedModel
 from kvforge.tools.export.sources.synthetic import synthetic_model
@@ -91,3 +93,13 @@ def step_audited(engine: Engine) -> dict[str, RequestOutput]:
         engine.cache.check_invariants()
     assert_idle(engine)
     return finished
+
+
+def document_prompt(system: list[int], docs: list[list[int]], question: list[int],
+                    sampling: SamplingParams) -> EngineRequest:
+    """A prompt of `system`, the documents in order, then `question`, with each document's span recorded."""
+    ids, spans = list(system), []
+    for doc in docs:
+        spans.append(DocumentSpan(len(ids), len(doc)))
+        ids += doc
+    return EngineRequest(ids + question, sampling, documents=tuple(spans))
