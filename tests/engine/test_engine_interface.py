@@ -14,6 +14,13 @@ from kvforge.runtime.spec.proposer import DraftLifecycle, DraftStates
 from kvforge.runtime.types import Message, Request, SamplingParams
 
 
+def steady(engine: Engine, length: int) -> SamplingParams:
+    """Greedy with the end tokens banned: every request runs its full length (random sampling that drew an end
+    token first left nothing generated, a flake CI met)."""
+    return SamplingParams(top_k=1, max_generate_length=length,
+                          logit_bias={eos: -100.0 for eos in engine.info.model.eos_token_ids})
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_engine_dir: Path) -> Engine:
     return Engine(tiny_engine_dir, EngineConfig(num_threads=1, enable_context_reuse=True))
@@ -43,7 +50,7 @@ def test_prepare_takes_chats_and_raw_prompts(engine: Engine) -> None:
 
 
 def test_stats_are_counters_and_the_cache_profile_comes_when_asked(engine: Engine) -> None:
-    request = engine.prepare([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], SamplingParams(max_generate_length=2))
+    request = engine.prepare([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], steady(engine, 2))
     request_id = engine.add_request(request)
     while engine.has_unfinished():
         engine.step()
@@ -88,7 +95,7 @@ def test_a_proposer_with_per_request_state_sees_begin_and_end(tiny_engine_dir: P
     proposer = RecordingProposer()
     assert isinstance(proposer, DraftLifecycle)
     engine.core.proposer = proposer
-    sampling = SamplingParams(max_generate_length=4)
+    sampling = steady(engine, 4)
     done = engine.add_request(engine.prepare([3, 4, 5, 6], sampling), "done")
     gone = engine.add_request(engine.prepare([7, 8, 9], sampling), "gone")
     engine.step()
@@ -113,7 +120,7 @@ def test_rejected_drafts_roll_the_drafter_back_on_a_recurrent_base(
                     EngineConfig(num_threads=1, spec_decode="ngram"))
     proposer = WrongGuesser()
     engine.core.proposer = proposer
-    request_id = engine.add_request(engine.prepare([3, 4, 5, 6], SamplingParams(max_generate_length=8)))
+    request_id = engine.add_request(engine.prepare([3, 4, 5, 6], steady(engine, 8)))
     while engine.has_unfinished():
         engine.step()
     rollbacks = [rid for event, rid in proposer.events if event == "rollback"]
