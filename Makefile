@@ -17,7 +17,7 @@ LLM_TEST_TINY_RECURRENT ?= mxsl4096-mxbs4-mxil3072-tpp16
 LLM_TEST = $(BIN)/llm_test --cacheDir $(OUT)/llm_test/engines --numThreads $(THREADS)
 
 .PHONY: install system-packages demo-install demo cluster test test-fast test-mooncake test-slow llm-test lint docs bench bench-shared-tier bench-reuse bench-lora bench-scheduling bench-spec \
-	bench-block-draft bench-gemma4-mtp bench-hybrid-mtp bench-eagle3 bench-eagle3-train bench-quality bench-peers bench-peers-install bench-decode-context bench-spec-peers clean
+	bench-block-draft bench-gemma4-mtp bench-hybrid-mtp bench-eagle3 bench-eagle3-train bench-quality bench-peers bench-peers-install bench-peers-install-avx2 bench-peers-avx2 bench-decode-context bench-spec-peers clean
 
 # What the demo needs: kvforge with the server (no torch, transformers, PEFT, Playwright or MkDocs), SmolLM2's GGUF
 # and the CPU kernel. A plain (not editable) install; in a venv `make test` made, kvforge is already there, editable.
@@ -278,6 +278,7 @@ bench-quality: $(OUT)/onnx/smollm2-fp32/manifest.json $(OUT)/onnx/smollm2/manife
 # on the same GGUF, onnxruntime-genai int4; ratios to llama.cpp. `make bench-peers-install` first (minutes: it
 # compiles llama.cpp); a peer that is not installed is skipped with the reason.
 BENCH_FLAGS ?= --repeats 3 --maxTokens 16 --promptTokens 1550
+BENCH_PEERS_NAME ?= bench_peers
 # No AMX kernels: llama.cpp's AMX path crashed (SIGSEGV in decode) on the Xeon of our development machines. The
 # AVX-512 kernels only where this CPU has them (/proc/cpuinfo): built in on a CPU without them, every llama.cpp
 # engine died of SIGILL as it loaded.
@@ -295,6 +296,19 @@ bench-peers-install: install
 	$(BIN)/pip install -q 'accelerate>=1.0'
 	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(BIN)/pip install -q -e '.[bench]'
 
+# The AVX2 class on any x86-64 machine (issue 50): llama.cpp built without AVX-512 into $(OUT)/peers/llama-avx2 (a
+# second copy beside the venv's), then bench-peers with kvforge's avx2 target and torch's AVX2 kernels forced.
+# ONNX Runtime's MLAS cannot be forced and runs this CPU's best kernels. docs/benchmarks.md "Per CPU class".
+LLAMA_CPP_AVX2_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF \
+	-DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF
+bench-peers-install-avx2: bench-peers-install
+	CMAKE_ARGS="$(LLAMA_CPP_AVX2_ARGS)" $(BIN)/pip install -q --no-deps --no-cache-dir \
+		--target $(OUT)/peers/llama-avx2 'llama-cpp-python>=0.3'
+
+bench-peers-avx2:
+	KVFORGE_CPU_TARGET=avx2 ATEN_CPU_CAPABILITY=avx2 PYTHONPATH=$(abspath $(OUT)/peers/llama-avx2) \
+		$(MAKE) --no-print-directory bench-peers BENCH_PEERS_NAME=bench_peers_avx2
+
 $(OUT)/ortgenai/smollm2-int4/genai_config.json: $(VENV)/.installed
 	$(BIN)/python scripts/ortgenai_model.py --outputDir $(OUT)/ortgenai/smollm2-int4 --precision int4
 
@@ -303,7 +317,7 @@ bench-peers: $(OUT)/onnx/smollm2/manifest.json $(OUT)/onnx/smollm2-fp32/manifest
 	$(BIN)/llm_bench --engine int4=$(OUT)/onnx/smollm2 --engine fp32=$(OUT)/onnx/smollm2-fp32 \
 		--engine transformers --engine llama.cpp --engine ortgenai-int4=onnxruntime-genai:$(OUT)/ortgenai/smollm2-int4 \
 		--baseline llama.cpp --numThreads $(THREADS) $(BENCH_FLAGS) --workDir $(OUT)/llm_bench/engines \
-		--outputFile $(OUT)/bench_peers.json --plot $(OUT)/bench_peers.png
+		--outputFile $(OUT)/$(BENCH_PEERS_NAME).json --plot $(OUT)/$(BENCH_PEERS_NAME).png
 
 # Decode tok/s vs context (issue 19; llm_bench's decode_context workload): the engines of bench-peers, each point a
 # prompt of that many tokens then --maxTokens greedy tokens; kvforge engines are built for the longest point plus
