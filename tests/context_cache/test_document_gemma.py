@@ -176,3 +176,14 @@ def test_a_uniform_engine_moves_keys_by_its_table() -> None:
     table = rope_table(512, config.rotary_dim, config.rope_theta)
     assert np.array_equal(rotation.move(keys, 301, "fp16"), moved_keys(keys, 301, table, "fp16"))
     assert np.array_equal(rotation.move(keys, -301, "fp16"), moved_keys(keys, -301, table, "fp16"))
+
+
+@pytest.mark.parametrize("name", ["gemma3-local", "gemma3-global-linear", "gemma4-global-proportional"])
+def test_the_runtime_table_alone_would_move_gemma_keys_wrongly(name: str) -> None:
+    """Why the rotation is per layer: layer 0's keys moved by the runtime's one table (what document reuse did on
+    every engine) land off by O(1) from where that layer's own RoPE puts them."""
+    _, config = variant_config(name)
+    keys = np.random.default_rng(5).standard_normal((4, 2, config.head_dim)).astype(np.float32)
+    own = layer_rotations(config)[0].move(keys, 40, "fp32")
+    table = moved_keys(keys, 40, rope_table(64, config.rotary_dim, config.rope_theta), "fp32")
+    assert np.abs(own - table).max() > 0.1
