@@ -19,7 +19,6 @@ from kvforge.contract.formats import MANIFEST_FILE
 from kvforge.contract.geometry import snapshot_slots
 from kvforge.contract.memory import available_memory_bytes, check_fits_memory
 from kvforge.contract.model_config import ModelConfig
-from kvforge.contract.rope import rope_table
 from kvforge.contract.speculation import BLOCK_DRAFTS, DRAFT_METHODS, TREE_METHODS, in_words, spec_decode_help
 from kvforge.contract.window_pool import window_call_tokens
 from kvforge.runtime.context_cache.keys import EngineFingerprint, chain_root
@@ -31,7 +30,8 @@ from kvforge.runtime.context_cache.types.document_chunks import (  # noqa: F401 
     REPAIR_POLICIES,
 )
 from kvforge.runtime.engine.state import CheckpointPolicy
-from kvforge.runtime.execution.kv_store import ROTATION_CHECK_TOLERANCE, check_rotation
+from kvforge.runtime.execution.key_rotation import layer_rotations
+from kvforge.runtime.execution.kv_store import ROTATION_CHECK_TOLERANCE, rotation_error
 from kvforge.runtime.inputs.multimodal.encoder_cache import DEFAULT_ENCODER_CACHE_BUDGET_BYTES
 from kvforge.runtime.shared_tier.secret import READ_SECRETS_ENV, SECRET_ENV, check_secret
 from kvforge.runtime.shared_tier.store import check_store_url
@@ -353,20 +353,17 @@ def resolve_engine_config(config: EngineConfig, engine: EngineDir, *, num_pages:
 
 def _check_document_reuse(config: EngineConfig, engine: EngineDir) -> None:
     """The refusals of document reuse (issue 37) its support row cannot express, before anything is loaded: a
-    repair policy it knows, and a rope table whose keys a re-rotation moves exactly (checked numerically against
-    the reference, so a rope variant the rotation cannot reproduce is refused)."""
+    repair policy it knows, and layer rotations that move keys exactly (checked numerically against the reference,
+    so a rope variant the rotation cannot reproduce is refused)."""
     if config.document_repair not in REPAIR_POLICIES:
         raise InvalidConfig(f"must be one of {', '.join(REPAIR_POLICIES)}, got {config.document_repair!r}",
                             "document_repair")
     if not config.document_reuse:
         return
-    model = engine.model
-    if not model.uniform_rope:
-        raise InvalidConfig("this engine's layers rotate keys with other RoPE bases, scalings or proportions than the "
-                            "runtime's table (Gemma), so a document's keys cannot be moved; document reuse is refused",
-                            "document_reuse")
-    table = rope_table(min(engine.build.max_kv_cache_capacity, 4096), model.rotary_dim, model.rope_theta)
-    error = check_rotation(table, model.head_dim)
+    # Each pool layer's keys move by its own RoPE (Gemma's layer types: their bases, linear scaling, proportional
+    # and wider heads; key_rotation.py), each checked like the table of a plain engine.
+    rotations = layer_rotations(engine.model)
+    error = rotation_error(rotations, min(engine.build.max_kv_cache_capacity, 4096))
     if not error <= ROTATION_CHECK_TOLERANCE:
         raise InvalidConfig(f"this engine's rotary embedding cannot be moved by re-rotating keys (a check was off by "
                             f"{error:.3g}); document reuse is refused", "document_reuse")

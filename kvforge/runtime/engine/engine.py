@@ -45,6 +45,7 @@ from kvforge.runtime.engine.state import StateManager
 from kvforge.runtime.execution.backend import Backend
 from kvforge.runtime.execution.corrections import AdapterCorrector, check_correction_engine, load_attention_norms
 from kvforge.runtime.execution.executor import ModelExecutor
+from kvforge.runtime.execution.key_rotation import layer_rotations
 from kvforge.runtime.execution.kv_store import DocumentKVStore, KVStore
 from kvforge.runtime.execution.load import load_backend
 from kvforge.runtime.execution.ort import set_ort_logging  # noqa: F401 - re-exported for llm_inference's --debug
@@ -368,10 +369,9 @@ class Engine:
         store (issue 37) and the corrected adapters' engine side (issue 39), when those types are on."""
         copiers: dict[str, object] = {}
         if config.document_reuse:
-            model, build = self.engine_dir.model, self.engine_dir.build
-            copiers[DOCUMENT_KV_PAGES] = DocumentKVStore(
-                self.backend.kv_store, resolved.num_pages,
-                rope_table(build.max_kv_cache_capacity, model.rotary_dim, model.rope_theta), model.kv_cache_dtype)
+            model = self.engine_dir.model  # each pool layer's keys move by its own RoPE (issue 53: Gemma)
+            copiers[DOCUMENT_KV_PAGES] = DocumentKVStore(self.backend.kv_store, resolved.num_pages,
+                                                         layer_rotations(model), model.kv_cache_dtype)
         if self.corrector is not None:
             copiers[ADAPTER_CORRECTIONS] = self.corrector
         return copiers

@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from kvforge.plugins import cpu_kernel
 from kvforge.plugins.reference import apply_rope, pool_numpy_dtype, rotate_keys, to_storage
 from kvforge.runtime.execution.backend import KVStorage
+from kvforge.runtime.execution.key_rotation import KeyRotation, moved_keys
 from kvforge.runtime.execution.snapshots import PageSlots
 
 ROTATION_CHECK_TOLERANCE = 1e-3  # float32 rotations of unit-scale keys agree to ~1e-6; a wrong table is off by O(1)
-
-
-def moved_keys(stored_k: np.ndarray, delta: int, cos_sin: np.ndarray, kv_cache_dtype: str) -> np.ndarray:
-    """`rotate_keys` through the CPU kernel library when it is built (the same bytes, without numpy's temporaries),
-    else the numpy reference itself (KVFORGE_CPU_KERNEL=off, no compiler)."""
-    moved = cpu_kernel.rotate_keys(stored_k, delta, cos_sin, kv_cache_dtype)
-    return moved if moved is not None else rotate_keys(stored_k, delta, cos_sin, kv_cache_dtype)
 
 
 class KVStore:
@@ -121,11 +114,18 @@ class DocumentKVStore(PageSlots):
     document computed alone at position 0. Copies go by token rows, so a document restored at any position lands in
     whatever pages and slots that position maps to, partly filled pages included."""
 
-    __slots__ = ("cos_sin", "kv_cache_dtype", "tokens_per_page")
+    __slots__ = ("rotations", "kv_cache_dtype", "tokens_per_page")
 
-    def __init__(self, kv: KVStorage, num_slots: int, cos_sin: np.ndarray, kv_cache_dtype: str) -> None:
+    def __init__(self, kv: KVStorage, num_slots: int, rotations: np.ndarray | Sequence[KeyRotation],
+                 kv_cache_dtype: str) -> None:
+        """`rotations`: each pool layer's RoPE (key_rotation.layer_rotations), or one rope table every layer turns
+        by."""
         super().__init__(kv, num_slots)
-        self.cos_sin = cos_sin  # the engine's rope table: K moves by rotating with it
+        # K moves by each layer's own rotation (issue 53: Gemma's layer types turn by their own bases and scalings).
+        self.rotations: list[np.ndarray | KeyRotation] = [rotations] * len(self.layers) \
+            if isinstance(rotations, np.ndarray) else list(rotations)
+        if len(self.rotations) != len(self.layers):
+            raise ValueError(f"{len(self.rotations)} layer rotations for {len(self.layers)} pool layers")
         self.kv_cache_dtype = kv_cache_dtype
         self.tokens_per_page = self.layers[0].shape[3] if self.layers else 0  # [slots, 2, Hkv, T, D]
 
@@ -136,8 +136,9 @@ class DocumentKVStore(PageSlots):
 
     def restore(self, slots: list[int], page_ids: list[int], start: int, first: int, last: int) -> None:
         """Write the document's token rows [first, last) at sequence positions start+first .. start+last-1 of the
-        page-table row `page_ids`, each K rotated by `start` (computed at p, it now sits at start + p). Each
-        destination page is read, its rows replaced and written back, so the rows around them stay as they were."""
+        page-table row `page_ids`, each K rotated by `start` with its layer's RoPE (computed at p, it now sits at
+        start + p). Each destination page is read, its rows replaced and written back, so the rows around them stay
+        as they were."""
         if first >= last:
             return
         T = self.tokens_per_page
@@ -146,9 +147,11 @@ class DocumentKVStore(PageSlots):
         positions = start + rows
         dst_pages, dst_rows = np.asarray(page_ids, dtype=np.int64)[positions // T], positions % T
         moved = []
-        for stored in self.layers:
+        for stored, rotation in zip(self.layers, self.rotations, strict=True):
             layer_rows = stored[src_slots, :, :, src_rows, :]  # [n, 2, Hkv, D]
-            layer_rows[:, 0] = moved_keys(layer_rows[:, 0], start, self.cos_sin, self.kv_cache_dtype)
+            layer_rows[:, 0] = rotation.move(layer_rows[:, 0], start, self.kv_cache_dtype) \
+                if isinstance(rotation, KeyRotation) else moved_keys(layer_rows[:, 0], start, rotation,
+                                                                    self.kv_cache_dtype)
             moved.append(layer_rows)
         for page in dict.fromkeys(dst_pages.tolist()):
             here = dst_pages == page
@@ -176,3 +179,15 @@ def check_rotation(cos_sin: np.ndarray, head_dim: int, shift: int = 37) -> float
 def _locate_positions(page_ids: list[int], positions: list[int], tokens_per_page: int) -> tuple[np.ndarray, np.ndarray]:
     at = np.asarray(positions, dtype=np.int64)
     return np.asarray(page_ids, dtype=np.int64)[at // tokens_per_page], at % tokens_per_page
+
+
+def rotation_error(rotations: Sequence[KeyRotation], capacity: int) -> float:
+    """The largest `check_rotation` error over the distinct segments of the layers' rotations (tables of
+    `capacity` rows)."""
+    worst, seen = 0.0, set()
+    for rotation in rotations:
+        for (first, freq), table in zip(rotation.segments, rotation.tables(capacity), strict=True):
+            if (first, freq.tobytes()) not in seen:
+                seen.add((first, freq.tobytes()))
+                worst = max(worst, check_rotation(table, table.shape[1]))
+    return worst

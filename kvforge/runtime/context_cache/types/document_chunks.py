@@ -77,8 +77,10 @@ def _samples(cache: Mapping[str, object]) -> Iterable[Sample]:
 # items that could not be reused, by reason (profile_schema).
 DOCUMENT_COUNTERS = CounterBlock(schema.DOCUMENTS, schema.DOCUMENT_KEYS, _samples)
 # Its row of the support matrix: attention-only engines (a recurrent state depends on the whole prefix), no draft
-# model (a draft has no stored documents), not beside a sliding-window group; the tier saves its records' pages but
-# not the stored forms. The rope check (keys must re-rotate exactly) is the engine config's, numerically.
+# model (a draft has no stored documents), not beside a sliding-window group (its sliding layers' rows live in pages
+# a row allocates as it grows, which a restore at admission cannot reach); the tier saves its records' pages but not
+# the stored forms. Keys re-rotate by each pool layer's own RoPE (Gemma's layer types included: issue 53); the
+# engine config checks the rotations numerically.
 DOCUMENT_SUPPORT = CacheSupport(
     "documents", "document_reuse", (Deployment.VANILLA,), WITHOUT_DRAFT_MODEL, window_group=False,
     tier=Tier.NOT_SAVED, reuse_off=ReuseOff.IMPLIES, refusals={
@@ -87,7 +89,7 @@ DOCUMENT_SUPPORT = CacheSupport(
         "spec": "document reuse does not combine with --specDecode {method}: its draft model has no stored "
                 "documents; use --specDecode ngram or none",
         "window": NOT_ON_WINDOW_GROUP},
-    note="a rope that re-rotates exactly (refused on Gemma's mixed rope)")
+    note="keys move by each layer's own RoPE (Gemma 3/4 included)")
 
 
 class DocumentCopier(Protocol):
