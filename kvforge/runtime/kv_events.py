@@ -28,7 +28,10 @@ from kvforge.runtime.context_cache.records import Record
 
 log = logging.getLogger(__name__)
 
-MEDIUM_CPU = "CPU"  # vLLM says "GPU" for its device pool; kvforge's pool is in host memory
+# vLLM says "GPU" for its device pool; kvforge's pool is in host memory. Never the shared tier's name: a page there is
+# every replica's, its writes land asynchronously (or are dropped) and the store evicts without telling anyone, so
+# no BlockRemoved could ever match (docs/scale-out.md#kv-events).
+MEDIUM_CPU = "CPU"
 SCHEMES = ("tcp://", "ipc://", "inproc://")
 CLOSE_TIMEOUT_S = 2.0  # queued batches still sent at close, at most this long
 
