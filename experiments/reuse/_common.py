@@ -129,12 +129,17 @@ class Report:
     answer: str
 
 
-def reports(n: int, filler: int) -> list[Report]:
-    """N reports, each stating one fact that no other report states."""
+def reports(n: int, filler: int, sentences: int | None = None) -> list[Report]:
+    """N reports, each stating one fact that no other report states, then `filler` times FILLER, or (`sentences`)
+    that many of FILLER's sentences in turn (finer lengths: 4 make a 67-token SmolLM2 report)."""
     out = []
+    pad = FILLER * filler
+    if sentences is not None:
+        parts = [sentence.strip() + "." for sentence in FILLER.split(".") if sentence.strip()]
+        pad = " ".join(parts[j % len(parts)] for j in range(sentences))
     for i in range(n):
         machine, site, colour = MACHINES[i % len(MACHINES)], SITES[i % len(SITES)], COLOURS[i % len(COLOURS)]
-        text = (f"Report {i + 1}: the {machine} at {site} was painted {colour} last week. " + FILLER * filler).strip()
+        text = (f"Report {i + 1}: the {machine} at {site} was painted {colour} last week. " + pad).strip()
         out.append(Report(text, f"What colour was the {machine} at {site} painted? Answer with one word.", colour))
     return out
 

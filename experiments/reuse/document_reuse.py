@@ -17,6 +17,12 @@ policies' repair budget (tokens recomputed / document tokens) is the issue's cur
     python -m experiments.reuse.document_reuse --engineDir out/engines/smollm2 --threads 2 \\
         --json out/document_reuse.json
     python -m experiments.reuse.document_reuse --quick   # a tiny random engine: checks the script, measures nothing
+
+`--form plain` sends the same requests as plain text, the way RAG clients do (the reports and the question in one
+user message, joined by blank lines, no document parts), with `--documentSegments paragraphs` on for the reusing
+policies (issue 53 item 5); `--form both` runs the marked and the plain form and prints the plain form's cached share
+against the marked form's, policy by policy. Each form is compared with its own cold run (their prompts differ by the
+separators).
 """
 
 from __future__ import annotations
@@ -33,18 +39,36 @@ from kvforge import LLM, SamplingParams
 
 POLICIES = ("cold", "prefix", "none", "first-page", "overlap", "full")
 AGREEMENT_TOKENS = 16
-def engine_options(policy: str, threads: int, shared_cache: str | None = None) -> dict[str, Any]:
+FORMS = ("marked", "plain", "both")
+Requests = list[tuple[list[dict[str, Any]], str]]
+
+
+def plain_text(requests: Requests) -> Requests:
+    """The requests as a client that does not mark documents sends them: each user message's parts as one text, the
+    reports and the question joined by blank lines."""
+    out = []
+    for messages, answer in requests:
+        system, user = messages
+        texts = [part["text"] for part in user["content"] if part["text"].strip()]
+        out.append(([system, {"role": "user", "content": "\n\n".join(text.strip() for text in texts)}], answer))
+    return out
+
+
+def engine_options(policy: str, threads: int, shared_cache: str | None = None,
+                   segments: bool = False) -> dict[str, Any]:
     options: dict[str, Any] = {"num_threads": threads, "enable_context_reuse": policy != "cold"}
     if policy not in ("cold", "prefix"):
         options.update(document_reuse=True, document_repair=policy)
+        if segments:
+            options["document_segments"] = "paragraphs"
     if shared_cache and policy != "cold":
         options["shared_cache"] = shared_cache
     return options
 
 
-def run_policy(engine_dir: Path, policy: str, requests: list[tuple[list[dict[str, Any]], str]], threads: int,
-               max_tokens: int, shared_cache: str | None = None) -> dict[str, Any]:
-    llm = LLM(str(engine_dir), **engine_options(policy, threads, shared_cache))
+def run_policy(engine_dir: Path, policy: str, requests: Requests, threads: int, max_tokens: int,
+               shared_cache: str | None = None, segments: bool = False) -> dict[str, Any]:
+    llm = LLM(str(engine_dir), **engine_options(policy, threads, shared_cache, segments))
     sampling = SamplingParams(temperature=0, max_generate_length=max_tokens)
     results = []
     try:
@@ -119,6 +143,16 @@ def quick_engine(root: Path) -> Path:
     return root / "engine"
 
 
+def print_summary(summary: dict[str, Any], requests: int) -> None:
+    print(f"{'policy':<11} {'hit rate':>8} {'TTFT ms':>8} {'vs cold':>7} {'right':>5} {'top-1':>6} {'same 16':>7}"
+          f" {'repair':>6}")
+    for policy, row in summary.items():
+        budget = "-" if row["repair_budget"] is None else f"{row['repair_budget']:.2f}"
+        print(f"{policy:<11} {row['token_hit_rate']:>8.1%} {row['median_ttft_ms']:>8.1f} {row['ttft_vs_cold']:>7.2f}"
+              f" {row['answers_right']:>2}/{requests:<2} {row['top1_agreement']:>6.2f}"
+              f" {row['identical_16']:>3}/{requests:<3} {budget:>6}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engineDir", type=Path, help="the engine (make demo builds out/engines/smollm2)")
@@ -129,9 +163,13 @@ def main() -> None:
     parser.add_argument("--shown", type=int, default=3, help="reports per request (k)")
     parser.add_argument("--filler", type=int, default=6, help="filler paragraphs per report (its length; 6: about "
                         "270 SmolLM2 tokens, two of make demo's 128-token pages)")
+    parser.add_argument("--fillerSentences", type=int, help="instead of --filler: this many filler sentences (4: "
+                        "about 67 SmolLM2 tokens, half of a 128-token page: the short documents of issue 53)")
     parser.add_argument("--maxTokens", type=int, default=AGREEMENT_TOKENS)
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated; cold is always run")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--form", choices=FORMS, default="marked", help="documents as parts (marked), as plain text "
+                        "with --documentSegments paragraphs (plain), or both, compared")
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--sharedCache", help="a KV tier (redis://HOST:PORT/DB) for the reusing policies: run the "
                         "script twice with one policy (--policies none), and the second process's hit rate is what "
@@ -142,35 +180,53 @@ def main() -> None:
     if unknown or (args.engineDir is None) == (not args.quick):
         parser.error(f"give --engineDir or --quick; policies are {', '.join(POLICIES)}" +
                      (f" (not {', '.join(sorted(unknown))})" if unknown else ""))
+    forms = ["marked", "plain"] if args.form == "both" else [args.form]
+    summaries = {}
     with tempfile.TemporaryDirectory() as scratch:
         if args.quick:
             engine_dir = quick_engine(Path(scratch))
             args.requests, args.filler = min(args.requests, 6), min(args.filler, 1)
         else:
             engine_dir = args.engineDir
-        requests = workload(reports(args.reports, args.filler), args.requests, args.shown, args.seed)
-        runs = {policy: run_policy(engine_dir, policy, requests, args.threads, args.maxTokens, args.sharedCache)
-                for policy in policies}
-    summary = summarize(runs)
-    print(f"{'policy':<11} {'hit rate':>8} {'TTFT ms':>8} {'vs cold':>7} {'right':>5} {'top-1':>6} {'same 16':>7}"
-          f" {'repair':>6}")
-    for policy, row in summary.items():
-        budget = "-" if row["repair_budget"] is None else f"{row['repair_budget']:.2f}"
-        print(f"{policy:<11} {row['token_hit_rate']:>8.1%} {row['median_ttft_ms']:>8.1f} {row['ttft_vs_cold']:>7.2f}"
-              f" {row['answers_right']:>2}/{args.requests:<2} {row['top1_agreement']:>6.2f}"
-              f" {row['identical_16']:>3}/{args.requests:<3} {budget:>6}")
+        requests = workload(reports(args.reports, args.filler, args.fillerSentences), args.requests, args.shown,
+                            args.seed)
+        for form in forms:
+            sent = plain_text(requests) if form == "plain" else requests
+            runs = {policy: run_policy(engine_dir, policy, sent, args.threads, args.maxTokens, args.sharedCache,
+                                       segments=form == "plain") for policy in policies}
+            summaries[form] = summarize(runs)
+    for form, summary in summaries.items():
+        print(f"\n{form} form" + (" (--documentSegments paragraphs)" if form == "plain" else ""))
+        print_summary(summary, args.requests)
+    summary = summaries[forms[0]]
     curve = sorted((row["repair_budget"], row["top1_agreement"], policy) for policy, row in summary.items()
                    if row["repair_budget"] is not None)
-    print("\nagreement against repair budget (share of document tokens recomputed):")
+    print(f"\nagreement against repair budget ({forms[0]} form; share of document tokens recomputed):")
     for budget, agree, policy in curve:
         print(f"  {budget:5.2f} {'#' * round(agree * 40):<40} {agree:.2f} {policy}")
+    segmentation: dict[str, dict[str, Any]] = {}
+    if len(forms) == 2:
+        print("\nplain text with segmentation against marked documents (cached share, answers right):")
+        for policy in [p for p in policies if p not in ("cold", "prefix")]:
+            marked_row, plain_row = summaries["marked"][policy], summaries["plain"][policy]
+            ratio = plain_row["token_hit_rate"] / marked_row["token_hit_rate"] if marked_row["token_hit_rate"] else None
+            segmentation[policy] = {"cached_ratio": ratio, "answers_right_marked": marked_row["answers_right"],
+                                    "answers_right_plain": plain_row["answers_right"]}
+            shown = "-" if ratio is None else f"{ratio:.2f}x"
+            print(f"  {policy:<11} {shown:>6}  right {plain_row['answers_right']}/{args.requests} plain, "
+                  f"{marked_row['answers_right']}/{args.requests} marked")
     targets = issue_targets(summary)
+    if segmentation:
+        targets["plain text with segmentation: cached >= 0.9x the marked form's, each reusing policy"] = all(
+            row["cached_ratio"] >= 0.9 for row in segmentation.values() if row["cached_ratio"] is not None)
     for name, met in targets.items():
         print(f"{'met ' if met else 'MISSED'} {name}")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"settings": vars(args) | {"engineDir": str(args.engineDir), "json": None},
-                                         "summary": summary, "targets": targets}, indent=2, default=str))
+                                         "summary": summary, "forms": summaries, "segmentation": segmentation,
+                                         "targets": targets, "loadavg": Path("/proc/loadavg").read_text().strip()},
+                                        indent=2, default=str))
 
 
 if __name__ == "__main__":

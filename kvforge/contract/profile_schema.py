@@ -122,7 +122,7 @@ DOCUMENT_REUSED_TOKENS = "reused_tokens"
 DOCUMENT_REPAIRED_TOKENS = "repaired_tokens"
 DOCUMENT_ROTATED_PAGES = "rotated_pages"
 DOCUMENTS_PRODUCED = "documents_produced"
-# Document parts that could not be reused, by reason (issue 53): shorter than a page, tokens not told apart from
+# Document parts that could not be reused, by reason (issue 53): shorter than 16 tokens, tokens not told apart from
 # their neighbours' (a tokenizer that cannot encode the parts on their own), or refused (the template moved it, a
 # media prompt, under an activated LoRA, holding the prompt's last token, longer than the document pool).
 SKIP_TOO_SHORT, SKIP_EDGE_MERGE, SKIP_REFUSED = "too_short", "edge_merge", "refused"

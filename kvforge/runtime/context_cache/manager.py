@@ -357,7 +357,7 @@ class ContextCacheManager:
             return Publication(tokens, keys, self._tail_key(keys, tokens, lease.extras) if tail else b"", exact=True)
         full = min(len(tokens) // T, len(lease.page_ids))
         tail = len(tokens) - full * T if len(lease.page_ids) > full else 0
-        partial = 0 < tail < T and any(kind.keeps_tail for kind in self.types)
+        partial = 0 < tail < T and any(kind.keeps_tail or kind.keeps_tail_of(lease) for kind in self.types)
         if full == 0 and not partial:
             return None
         keys = self._extend_keys(lease, tokens, full)

@@ -113,6 +113,11 @@ class CacheType(Protocol):
     pool: ResourcePool
     keeps_tail: bool  # a publication that ends inside a page may keep that page's tail through this type
 
+    def keeps_tail_of(self, lease: Lease) -> bool:
+        """Whether this lease's publication that ends inside a page must keep that tail even where `keeps_tail` is
+        False: a document shorter than a page has no full page, and its stored form is that tail (issue 53)."""
+        ...
+
     def fits_alone(self, num_tokens: int) -> bool:
         """Whether a sequence of `num_tokens` could hold what it needs of this pool if nothing else held any."""
         ...
@@ -236,6 +241,9 @@ class CacheTypeBase:
     name: str
     pool: ResourcePool
     keeps_tail = False
+
+    def keeps_tail_of(self, lease: Lease) -> bool:
+        return False
 
     def fits_alone(self, num_tokens: int) -> bool:
         return True

@@ -33,6 +33,7 @@ from kvforge.runtime.engine.state import CheckpointPolicy
 from kvforge.runtime.execution.key_rotation import layer_rotations
 from kvforge.runtime.execution.kv_store import ROTATION_CHECK_TOLERANCE, rotation_error
 from kvforge.runtime.inputs.multimodal.encoder_cache import DEFAULT_ENCODER_CACHE_BUDGET_BYTES
+from kvforge.runtime.inputs.segments import DEFAULT_SEGMENT_MIN_TOKENS, SEGMENTS_OFF, check_segment_options
 from kvforge.runtime.shared_tier.secret import READ_SECRETS_ENV, SECRET_ENV, check_secret
 from kvforge.runtime.shared_tier.store import check_store_url
 from kvforge.runtime.spec.methods import (  # noqa: F401 - the draft sizes are re-exported for the front ends
@@ -174,6 +175,10 @@ class EngineConfig:
         f"in place: {REPAIR_POLICIES[0]} (reuse the stored K/V as it is), {REPAIR_POLICIES[1]} (the first page of "
         f"each document; default), {REPAIR_POLICIES[2]} (that, and the whole document sharing the most tokens with "
         f"the question) or {REPAIR_POLICIES[3]} (every document token: exactly a cold run's answer).")
+    document_segments: str = _option(SEGMENTS_OFF, "--documentSegments", "With --documentReuse: 'paragraphs' makes "
+        "each block of system or user text between blank lines a document (RAG clients' plain-text passages); 'off'.")
+    document_segment_min_tokens: int = _option(DEFAULT_SEGMENT_MIN_TOKENS, "--documentSegmentMinTokens", "With "
+        "--documentSegments paragraphs: the fewest tokens a block needs to be a document (instructions are shorter).")
     # Corrected adapters (issue 39, docs/lora.md): approximate, so off unless named.
     lora_corrections: tuple[str, ...] = _option(
         (), "--loraCorrection", "An ordinary adapter (repeatable, by name) whose requests start from the base model's "
@@ -250,8 +255,8 @@ ENGINE_OPTION_PANELS: dict[str, tuple[str, ...]] = {
                       "snapshot_message_boundaries", "snapshot_interval_tokens"),
     "Shared KV tier": ("shared_cache", "shared_cache_timeout_ms", "shared_cache_secret", "shared_cache_encrypt"),
     "Routers (KV events)": ("kv_events_endpoint", "kv_events_topic"),
-    "Documents and adapter corrections": ("document_reuse", "document_repair", "lora_corrections",
-                                          "lora_correction_pages"),
+    "Documents and adapter corrections": ("document_reuse", "document_repair", "document_segments",
+                                          "document_segment_min_tokens", "lora_corrections", "lora_correction_pages"),
     "Speculative decoding": ("spec_decode", "dflash_block_size", "dspark_scheduler", "dspark_confidence_threshold",
                              "dspark_min_proposal_len", "dspark_max_proposal_len", "spec_draft_engine_dir",
                              "spec_draft_step", "spec_draft_top_k", "spec_verify_size", "spec_prompt_lookup_min",
@@ -358,6 +363,7 @@ def _check_document_reuse(config: EngineConfig, engine: EngineDir) -> None:
     if config.document_repair not in REPAIR_POLICIES:
         raise InvalidConfig(f"must be one of {', '.join(REPAIR_POLICIES)}, got {config.document_repair!r}",
                             "document_repair")
+    check_segment_options(config.document_segments, config.document_segment_min_tokens, config.document_reuse)
     if not config.document_reuse:
         return
     # Each pool layer's keys move by its own RoPE (Gemma's layer types: their bases, linear scaling, proportional

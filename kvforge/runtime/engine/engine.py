@@ -52,6 +52,7 @@ from kvforge.runtime.execution.ort import set_ort_logging  # noqa: F401 - re-exp
 from kvforge.runtime.execution.snapshots import PartialKVSnapshotStore, RecurrentSnapshotStore
 from kvforge.runtime.execution.system_prompt_cache import SystemPromptCache
 from kvforge.runtime.inputs.processor import InputProcessor, check_prompt_length
+from kvforge.runtime.inputs.segments import SEGMENTS_OFF
 from kvforge.runtime.kv_events import KvEventPublisher, listeners
 from kvforge.runtime.profile import Profiler
 from kvforge.runtime.sampling.grammar import CompiledGrammar, GrammarCompiler
@@ -160,7 +161,9 @@ class Engine:
         self.inputs = InputProcessor(self.tokenizer, self.loras, build.max_input_len, config.enable_context_reuse,
                                      self.engine_dir.model.vocab_size, multimodal=self.multimodal,
                                      message_boundaries=resolved.checkpoints.enabled
-                                     and config.snapshot_message_boundaries)
+                                     and config.snapshot_message_boundaries,
+                                     segment_min_tokens=config.document_segment_min_tokens
+                                     if config.document_segments != SEGMENTS_OFF else 0)
         try:
             drafter = spec.build(ProposerParts(config, self.engine_dir, resolved.draft, self.backend.kv_store.layers,
                                                self.cache, self.profiler, self.states is not None))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -11,6 +12,7 @@ from kvforge.contract.errors import KvforgeError
 from kvforge.contract.profile_schema import SKIP_EDGE_MERGE, SKIP_REFUSED
 from kvforge.contract.validation import join_path, utf8_size
 from kvforge.runtime.adapters import LoraRegistry
+from kvforge.runtime.inputs.segments import segment_messages
 from kvforge.runtime.inputs.tokenizer import ChatTokenizer, RenderedPrompt
 from kvforge.runtime.media_spans import DocumentSpan
 from kvforge.runtime.sequence import EngineRequest
@@ -25,13 +27,15 @@ if TYPE_CHECKING:
 
 class InputProcessor:
     __slots__ = ("tokenizer", "loras", "max_input_len", "reuse_enabled", "vocab_size", "multimodal",
-                 "message_boundaries", "max_text_bytes")
+                 "message_boundaries", "max_text_bytes", "segment_min_tokens")
 
     def __init__(self, tokenizer: ChatTokenizer, loras: LoraRegistry, max_input_len: int, reuse_enabled: bool,
                  vocab_size: int, *, multimodal: MultimodalProcessor | None = None,
-                 message_boundaries: bool = False) -> None:
+                 message_boundaries: bool = False, segment_min_tokens: int = 0) -> None:
         """`multimodal`: the engine's encoder front (media requests); `message_boundaries`: recurrent engines that
-        capture checkpoints where chat messages end want those positions on each request."""
+        capture checkpoints where chat messages end want those positions on each request; `segment_min_tokens`:
+        blocks of system and user text between blank lines at least this many tokens long are documents
+        (--documentSegments paragraphs, segments.py; 0: off)."""
         self.tokenizer = tokenizer
         self.loras = loras
         self.max_input_len = max_input_len
@@ -39,6 +43,7 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.multimodal = multimodal
         self.message_boundaries = message_boundaries
+        self.segment_min_tokens = segment_min_tokens
         # A tokenizer that can emit ids past the embedding would fail inside the engine call instead of here.
         tokenizer_size = tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
         if tokenizer_size > vocab_size:
@@ -116,6 +121,11 @@ class InputProcessor:
         self.check_text_bytes(sum(utf8_size(m.content, join_path(where, "messages")) for m in request.messages),
                               join_path(where, "messages"))
         media = [ref for message in request.messages for ref in message.media]
+        if self.segment_min_tokens and not media:  # media prompts give documents no spans yet
+            raw = self.tokenizer.tokenizer
+            request = replace(request, messages=segment_messages(
+                request.messages, lambda text: len(raw.encode(text, add_special_tokens=False).ids),
+                self.segment_min_tokens))
         if media and self.multimodal is None:
             raise KvforgeError(f'"{media[0].kind}" input needs a multimodal engine with an encoder '
                                "(--multimodalEngineDir); this engine runs text only", media[0].where)

@@ -18,11 +18,15 @@ Decisions, written down as the issue asks:
   scheduler ends a chunk where a restored range begins and moves `num_computed_tokens` past it.
 - **Approximate K/V never becomes findable under exact keys.** `lease.exact_tokens` is set to the first restored
   position: nothing from there on is indexed in flight or published. Exact prefix reuse before it works as before.
-- Documents shorter than one page, documents overlapping media, documents holding the prompt's last token (it must
-  be computed for logits), requests with an activated LoRA and documents starting inside the exact hit (or its
-  snapshot-restored page) are computed as ordinary prompt tokens.
-- **What is not reused is counted by reason** (issue 53): `skipped_too_short` (under a page), `skipped_edge_merge`
-  (the input processor could not tell the document's tokens apart: kvforge/runtime/inputs/processor.py),
+- **Short documents** (issue 53): a document of at least `MIN_DOCUMENT_TOKENS` tokens is reusable whatever the page
+  size, because the store keeps rows, not pages: a document shorter than a page is stored as its standalone
+  prefill's one partial page (its publication keeps that tail: `keeps_tail_of`), and restored row by row into
+  whatever page its position maps to, like any document's last partial page.
+- Documents shorter than `MIN_DOCUMENT_TOKENS`, documents overlapping media, documents holding the prompt's last
+  token (it must be computed for logits), requests with an activated LoRA and documents starting inside the exact
+  hit (or its snapshot-restored page) are computed as ordinary prompt tokens.
+- **What is not reused is counted by reason** (issue 53): `skipped_too_short` (under `MIN_DOCUMENT_TOKENS`),
+  `skipped_edge_merge` (the input processor could not tell the document's tokens apart: inputs/processor.py),
   `skipped_refused` (every other reason above but the exact hit, which reuses the document as prefix pages).
 """
 
@@ -61,6 +65,9 @@ REPAIR_POLICIES = (REPAIR_NONE, REPAIR_FIRST_PAGE, REPAIR_OVERLAP, REPAIR_FULL)
 # against full prefill's 9/16 with 42 % of prompt tokens cached and a quarter of the TTFT; none 2/16; overlap no better
 # than first-page for more recomputation (docs/document-reuse.md).
 DEFAULT_REPAIR = REPAIR_FIRST_PAGE
+# The shortest document reused: below it a document's standalone prefill, lookup and row copy cost more than the
+# few tokens it saves (issue 53: "a document of at least 16 tokens is reusable whatever the page size").
+MIN_DOCUMENT_TOKENS = 16
 
 
 def _samples(cache: Mapping[str, object]) -> Iterable[Sample]:
@@ -228,7 +235,7 @@ class DocumentChunks(CacheTypeBase):
 
     def eligible(self, tokens: np.ndarray, documents: Iterable[tuple[int, int]], extras: KeyExtras,
                  after: int = 0) -> list[tuple[bytes, int, int]]:
-        """(key, start, length) of the spans this type may serve: a page long at least, wholly after `after`, not
+        """(key, start, length) of the spans this type may serve: MIN_DOCUMENT_TOKENS long, wholly after `after`, not
         holding the last token, without media, and not under an activated LoRA (its positions before the
         invocation are base K/V, which a standalone prefill of the document would not reproduce)."""
         found = []
@@ -241,7 +248,7 @@ class DocumentChunks(CacheTypeBase):
     def skip_reason(self, num_tokens: int, start: int, length: int, extras: KeyExtras) -> str:
         """Why this type cannot serve the span (profile_schema.SKIP_REASONS), or "" when it can."""
         end = start + length
-        if length < self.tokens_per_page:
+        if length < MIN_DOCUMENT_TOKENS:
             return schema.SKIP_TOO_SHORT
         if extras.adapter_start or end >= num_tokens or media_in_page(extras.media, start, end) \
                 or length > self._capacity_tokens:
@@ -278,7 +285,8 @@ class DocumentChunks(CacheTypeBase):
         if documents.produces:
             key = document_key(tokens, lookup.extras, self.chain_root)
             slots = pages_for(len(tokens), T)
-            if len(tokens) < T or key in self._by_key or slots > self.pool.capacity or lookup.extras.adapter_start:
+            if len(tokens) < MIN_DOCUMENT_TOKENS or key in self._by_key or slots > self.pool.capacity \
+                    or lookup.extras.adapter_start:
                 return agreed
             return agreed.with_part(self.name, DocumentPart(produces=key, tokens=tuple(tokens.tolist())))
         hits = []
@@ -311,6 +319,12 @@ class DocumentChunks(CacheTypeBase):
             return hits
         return [DocumentHit(h.start, h.length, h.length, h.record_id, h.slots) if i == best else h
                 for i, h in enumerate(hits)]
+
+    def keeps_tail_of(self, lease: Lease) -> bool:
+        """A standalone prefill of a document shorter than a page publishes its one partial page: that is the
+        stored form (the record has no full page; its tail key makes it one of its own)."""
+        part = self._producer(lease)
+        return part is not None and part.length < self.tokens_per_page
 
     def waits_for(self, lookup: Lookup) -> bool:
         """A request whose document is being produced waits for it (then restores it instead of computing it)."""

@@ -215,7 +215,8 @@ class PartialTails(SnapshotRestore):
     # --- publication --------------------------------------------------------------------------------
 
     def publication_slots(self, publication: Publication) -> int:
-        return int(bool(publication.tail_key))
+        # Without a pool, a tail another type keeps (a short document's stored form) takes no snapshot slot here.
+        return int(bool(publication.tail_key) and self.captures)
 
     def capture(self, lease: Lease, publication: Publication) -> bool:
         """Copy the lease's tail page (the one after the publication's full pages) into the reserved slot."""
