@@ -36,17 +36,28 @@ demo-install: $(VENV)/.demo-installed
 # (they start their own on loopback ports, never the system service), libibverbs1 for Mooncake's binaries (even over
 # TCP: without it mooncake_master exits 127) and iproute2 for test-mooncake's private namespace. Elsewhere the tests
 # that need them skip and print why. libhwy-dev (Google Highway) builds the CPU kernels for every SIMD target; without
-# it the engines take the pure-ONNX path and say why.
-SYSTEM_PACKAGES ?= redis-server libibverbs1 iproute2 libhwy-dev
+# it the engines take the pure-ONNX path and say why. g++-aarch64-linux-gnu and qemu-user cross-compile the kernels
+# for aarch64 and run their NEON target (tests/backends/test_cpu_kernel_arm.py), linked with Highway's arm64 runtime
+# (ARM_SYSTEM_PACKAGES, Debian multiarch: the arm64 architecture is added for it, best effort, in a second step so
+# that a distribution without arm64 archives still gets the rest; without it that test skips and says why).
+SYSTEM_PACKAGES ?= redis-server libibverbs1 iproute2 libhwy-dev g++-aarch64-linux-gnu qemu-user
+ARM_SYSTEM_PACKAGES ?= libhwy-dev:arm64
 system-packages:
 	@if command -v redis-server >/dev/null 2>&1 && ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 \
-		&& command -v ip >/dev/null 2>&1 && [ -f /usr/include/hwy/highway.h ]; then :; \
+		&& command -v ip >/dev/null 2>&1 && [ -f /usr/include/hwy/highway.h ] && command -v qemu-aarch64 >/dev/null \
+		&& command -v aarch64-linux-gnu-g++ >/dev/null; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 		echo "installing $(SYSTEM_PACKAGES)"; \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SYSTEM_PACKAGES) >/dev/null) \
 			|| echo "warning: could not install $(SYSTEM_PACKAGES); the tests that need them skip and say why"; \
 	else echo "note: redis-server or libibverbs1 is missing and this is not root with apt-get: the shared-tier tests" \
 		"that need them skip and say why (apt-get install $(SYSTEM_PACKAGES))"; fi
+	@if [ ! -f /usr/lib/aarch64-linux-gnu/libhwy.so ] && [ "$$(id -u)" = 0 ] && command -v dpkg >/dev/null 2>&1; then \
+		echo "installing $(ARM_SYSTEM_PACKAGES)"; \
+		(dpkg --add-architecture arm64 && apt-get update -qq \
+			&& DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(ARM_SYSTEM_PACKAGES) \
+			>/dev/null) || { dpkg --remove-architecture arm64 2>/dev/null; \
+			echo "warning: could not install $(ARM_SYSTEM_PACKAGES); the ARM kernel test skips and says why"; }; fi
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -52,7 +52,7 @@ _ENGINE_BUILD_FLAGS = {  # what an engine is built with; llm_inference names the
     "max_kv_pool_pages": "--maxKVPoolPages",
     "max_lora_rank": "--maxLoraRank",
     "cpu_attention": "--cpuAttention",
-    "cpu_matmul": "--cpuMatmul",
+    "cpu_matmul": "--linearKernel",
     "cpu_prefill_matmul": "--cpuPrefillMatmul",
     "sliding_window_pool": "--slidingWindowPool",
     "sliding_window_records": "--slidingWindowRecords",

@@ -40,9 +40,14 @@ def _weights(rng: np.random.Generator, k: int, n: int) -> tuple[np.ndarray, np.n
     return values, scales, (-8 * scales).astype(np.float32)
 
 
-def matmul_models(rng: np.random.Generator) -> tuple[onnx.ModelProto, onnx.ModelProto]:
-    """(MatMulBlocks graph, MatMulNBits graph) of the 30 layers' linears, each reading the same input row."""
+def matmul_models(rng: np.random.Generator) -> tuple[onnx.ModelProto, onnx.ModelProto, onnx.ModelProto]:
+    """(MatMulBlocks graph, MatMulNBits graph, MatMulNBits graph in the engine's Q4_1 form) of the 30 layers'
+    linears, each reading the same input row. The Q4_1 form is what an engine built with `--linearKernel mlas` runs
+    for a GGUF Q4_1 export: MatMulNBits with zero points at accuracy level 4 (int8 activations: MLAS's path whose
+    rows do not depend on the row count) plus the exact-remainder correction,
+    Add(MatMulNBits(x), MatMul(MatMul(x, block_sum), offsets)) (kvforge/tools/export/quantize.py)."""
     blocks_nodes, nbits_nodes, blocks_init, nbits_init, outputs = [], [], [], [], []
+    q41_nodes, q41_init = [], []
     for layer in range(LAYERS):
         for j, (k, n) in enumerate(LINEARS):
             name = f"l{layer}_{j}"
@@ -56,6 +61,20 @@ def matmul_models(rng: np.random.Generator) -> tuple[onnx.ModelProto, onnx.Model
                            numpy_helper.from_array(scales.reshape(-1), f"{name}_s")]
             nbits_nodes.append(helper.make_node("MatMulNBits", [f"x{k}", f"{name}_q", f"{name}_s"], [name],
                                                 domain="com.microsoft", K=k, N=n, bits=4, block_size=BLOCK))
+            blocks = k // BLOCK
+            zero = np.full((n, (blocks + 1) // 2), 0x88, dtype=np.uint8)  # zero point 8 in both nibbles
+            block_sum = np.kron(np.eye(blocks, dtype=np.float32), np.ones((BLOCK, 1), dtype=np.float32))  # [K, K/32]
+            q41_init += [numpy_helper.from_array(packed, f"{name}_q"), numpy_helper.from_array(scales.reshape(-1),
+                                                                                               f"{name}_s"),
+                         numpy_helper.from_array(zero.reshape(-1), f"{name}_z"),
+                         numpy_helper.from_array(block_sum, f"{name}_bs"),
+                         numpy_helper.from_array((rng.random((blocks, n)) * 0.01).astype(np.float32), f"{name}_o")]
+            q41_nodes += [helper.make_node("MatMulNBits", [f"x{k}", f"{name}_q", f"{name}_s", f"{name}_z"],
+                                           [f"{name}_y"], domain="com.microsoft", K=k, N=n, bits=4,
+                                           block_size=BLOCK, accuracy_level=4),
+                          helper.make_node("MatMul", [f"x{k}", f"{name}_bs"], [f"{name}_sums"]),
+                          helper.make_node("MatMul", [f"{name}_sums", f"{name}_o"], [f"{name}_r"]),
+                          helper.make_node("Add", [f"{name}_y", f"{name}_r"], [name])]
             outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, n]))
     inputs = [helper.make_tensor_value_info(f"x{k}", TensorProto.FLOAT, [1, k]) for k in (HIDDEN, INTERMEDIATE)]
     opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1),
@@ -63,6 +82,8 @@ def matmul_models(rng: np.random.Generator) -> tuple[onnx.ModelProto, onnx.Model
     return (helper.make_model(helper.make_graph(blocks_nodes, "blocks", inputs, outputs, blocks_init),
                               opset_imports=opsets),
             helper.make_model(helper.make_graph(nbits_nodes, "nbits", inputs, outputs, nbits_init),
+                              opset_imports=opsets),
+            helper.make_model(helper.make_graph(q41_nodes, "nbits_q4_1", inputs, outputs, q41_init),
                               opset_imports=opsets))
 
 
@@ -103,7 +124,7 @@ def main() -> int:
           f"{' '.join(cpu_kernel.compiled_targets(library))}; runnable here: {' '.join(targets)}")
     print(f"loadavg before: {Path('/proc/loadavg').read_text().strip()}")
     rng = np.random.default_rng(0)
-    blocks_model, nbits_model = matmul_models(rng)
+    blocks_model, nbits_model, q41_model = matmul_models(rng)
     x = {f"x{k}": rng.standard_normal((1, k)).astype(np.float32) for k in (HIDDEN, INTERMEDIATE)}
     blocks, nbits = _session(blocks_model, args.threads), _session(nbits_model, args.threads)
     attention = {dtype: (_session(kernel_model(dtype, 64), args.threads), attention_feeds(args.context, 1, dtype, 64))
@@ -111,6 +132,14 @@ def main() -> int:
     runners = {dtype: bound_timer(session, feeds)[0] for dtype, (session, feeds) in attention.items()}
     results: dict[str, dict[str, float]] = {}
     nbits_ms = _time(lambda: nbits.run(None, x), args.repeats)
+    q41 = _session(q41_model, args.threads)
+    q41_ms = _time(lambda: q41.run(None, x), args.repeats)
+    int8_model = onnx.ModelProto()
+    int8_model.CopyFrom(nbits_model)
+    for node in int8_model.graph.node:  # accuracy level 4: int8 activations (a row's result independent of the rows)
+        node.attribute.append(helper.make_attribute("accuracy_level", 4))
+    int8 = _session(int8_model, args.threads)
+    int8_ms = _time(lambda: int8.run(None, x), args.repeats)
     print(f"{'target':>8} {'matmul 1 row ms':>16} {'vs MatMulNBits':>15} {'attn fp16 ms':>13} {'attn fp8 ms':>12}")
     for target in targets:
         os.environ[cpu_kernel.TARGET_ENV] = target
@@ -133,10 +162,15 @@ def main() -> int:
         print(f"{args.compare.name:>8} {row['matmul_ms']:16.2f} {nbits_ms / row['matmul_ms']:14.2f}x "
               f"{row['attention_fp16_ms']:13.2f} {row['attention_fp8_ms']:12.2f}")
     print(f"{'MatMulNBits':>8} {nbits_ms:16.2f}   (ONNX Runtime {ort.__version__}, MLAS's own dispatch)")
+    print(f"MatMulNBits level 4 + Q4_1 correction {q41_ms:.2f}   (what an --linearKernel mlas engine runs for a GGUF "
+          "Q4_1 export)")
+    print(f"MatMulNBits level 4 {int8_ms:.2f}   (int8 activations; --linearKernel mlas on a plain 4-bit export)")
     print(f"loadavg after: {Path('/proc/loadavg').read_text().strip()}")
     if args.json:
         write_json(args.json, {"cpu": cpu, "threads": args.threads, "context": args.context, "targets": results,
-                               "matmulnbits_ms": nbits_ms, "loadavg": Path("/proc/loadavg").read_text().split()[:3]})
+                               "matmulnbits_ms": nbits_ms,
+                               "matmulnbits_q4_1_level4_ms": q41_ms, "matmulnbits_level4_ms": int8_ms,
+                               "loadavg": Path("/proc/loadavg").read_text().split()[:3]})
     return 0
 
 

@@ -11,7 +11,9 @@ import onnx
 
 from kvforge.builder.engine_files import load_model, write_engine_config
 from kvforge.builder.fuse_ort import fuse_for_onnxruntime
-from kvforge.builder.lower_matmul import lower_block_matmuls
+from kvforge.builder.linear_choice import CHOICES as LINEAR_CHOICES
+from kvforge.builder.linear_choice import EXPORT_FORM, MLAS, LinearChoice, canonical, choose_linear_kernel
+from kvforge.builder.lower_matmul import has_q4_1_corrections, lower_block_matmuls, run_on_mlas
 from kvforge.builder.lower_ort import kernel_writes_kv, lower_for_onnxruntime, share_tied_head
 from kvforge.builder.lower_recurrent import lower_recurrent_ops
 from kvforge.builder.lower_swiglu import lower_swiglu
@@ -49,8 +51,10 @@ from kvforge.contract.window_pool import layer_page_bytes, window_pool_pages
 BACKENDS = ("auto", "onnxruntime", "tensorrt")
 # --cpuAttention: kvforge's CPU kernel where it builds here (auto), insist on it (kernel), or stock ONNX ops (onnx)
 CPU_ATTENTION_CHOICES = ("auto", "kernel", "onnx")
-# --cpuMatmul: on kernel-attention engines, 4-bit blocks run kvforge's MatMulBlocks (kernel) or MatMulNBits (onnx)
-CPU_MATMUL_CHOICES = ("kernel", "onnx")
+# --linearKernel (--cpuMatmul): on kernel-attention engines, 4-bit blocks run kvforge's MatMulBlocks (kvforge), MLAS's
+# MatMulNBits at accuracy level 4 (mlas), whichever the measurement table says is faster on this CPU class (auto;
+# kvforge/builder/linear_choice.py), or the export's MatMulNBits as they are (onnx); kernel is kvforge's older name
+CPU_MATMUL_CHOICES = LINEAR_CHOICES
 # --cpuPrefillMatmul: MatMulBlocks' calls of more than 16 rows (prefill chunks) in bfloat16 where the CPU has
 # AVX512_BF16 (float32 sums; twice SGEMM's rate), or always float32 (SGEMM on the dequantized weight)
 CPU_PREFILL_MATMUL_CHOICES = ("bf16", "fp32")
@@ -77,7 +81,9 @@ class BuildOptions:
     max_draft_tree_size: int = DEFAULT_TREE_SIZE  # the most tokens one drafting round proposes (draft)
     sliding_window_pool: bool = False  # sliding layers get their own page group, sized for the window
     sliding_window_records: int = 0  # window checkpoints the group keeps beyond its rows' pages (reuse)
-    cpu_matmul: str = "kernel"  # a CPU_MATMUL_CHOICES entry; only engines attending with the kernel take it
+    # A CPU_MATMUL_CHOICES entry; only engines attending with the kernel take it. The CLI defaults to "auto" (per
+    # CPU class); the API stays explicit so tests do not depend on the build host's CPU.
+    cpu_matmul: str = "kvforge"
     cpu_prefill_matmul: str = "bf16"  # a CPU_PREFILL_MATMUL_CHOICES entry; only MatMulBlocks takes it
 
     def geometry(self, max_position_embeddings: int) -> PageGeometry:
@@ -156,6 +162,19 @@ def resolve_cpu_attention(choice: str, *, head_dim: int, paged: bool = True) -> 
     return ATTENTION_CPU_KERNEL if library is not None else ATTENTION_ONNX_OPS
 
 
+def resolve_linear_kernel(choice: str, q4_1: bool) -> LinearChoice:
+    """The op of an engine's 4-bit block linears (`q4_1`: they carry the export's Q4_1 correction, which the MLAS
+    form runs as two more MatMuls and an Add) for the kernel target the library runs on this host
+    (KVFORGE_CPU_TARGET forces one)."""
+    if canonical(choice) is None:
+        raise InvalidConfig(f"must be one of {LINEAR_CHOICES[:4]}, got {choice!r}", "cpu_matmul")
+    from kvforge.plugins.cpu_kernel import chosen_target, kernel_status
+
+    library, _ = kernel_status()
+    target = chosen_target(library) if library is not None else ""
+    return choose_linear_kernel(choice, target or None, q4_1)
+
+
 def memory_plan(config: ModelConfig, geometry: PageGeometry) -> MemoryPlan:
     """The KV pool over the attention layers (none on a pure recurrent model) and the snapshot slot sizes: a
     partial-KV slot is a K+V page per attention layer, a recurrent slot every recurrent layer's states."""
@@ -176,8 +195,8 @@ def build_engine(onnx_dir: Path, engine_dir: Path, options: BuildOptions,
                  step: Callable[[str], None] = lambda _m: None) -> tuple[PageGeometry, MemoryPlan]:
     """Build into a staging dir next to `engine_dir` and swap it in when complete (manifest written last), so
     an interrupted or failed build leaves `engine_dir` as it was and nothing the runtime accepts."""
-    if options.cpu_matmul not in CPU_MATMUL_CHOICES:
-        raise InvalidConfig(f"must be one of {CPU_MATMUL_CHOICES}, got {options.cpu_matmul!r}", "cpu_matmul")
+    if canonical(options.cpu_matmul) is None:
+        raise InvalidConfig(f"must be one of {LINEAR_CHOICES[:4]}, got {options.cpu_matmul!r}", "cpu_matmul")
     if options.cpu_prefill_matmul not in CPU_PREFILL_MATMUL_CHOICES:
         raise InvalidConfig(f"must be one of {CPU_PREFILL_MATMUL_CHOICES}, got {options.cpu_prefill_matmul!r}",
                             "cpu_prefill_matmul")
@@ -301,7 +320,8 @@ def _build_into(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometry:
     if window_pages:
         size_window_pools(lowered, config, window_pages)
     fuse_for_onnxruntime(lowered)  # residual + RMSNorm as one contrib op (the export keeps the reference form)
-    matmuls = _lower_kernel_ops(lowered, options) if kernel else 0
+    linear = _linear_choice(lowered, options) if kernel else None
+    matmuls = _lower_kernel_ops(lowered, options, linear) if kernel else 0
     if config.tie_word_embeddings:
         share_tied_head(lowered)
     step("lowered paged-KV ops")
@@ -311,7 +331,8 @@ def _build_into(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometry:
                                                     options.cpu_attention, tree_attention=tree,
                                                     kernel_kv_write=kernel_writes_kv(lowered),
                                                     kernel_matmul=matmuls > 0,
-                                                    window_pool_pages=window_pages, **speculative))
+                                                    window_pool_pages=window_pages, **_linear_record(linear),
+                                                    **speculative))
 
 
 def _build_recurrent(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometry: PageGeometry, backend: str,
@@ -362,7 +383,8 @@ def _build_hybrid(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometr
                                                         kernel_rope=True))
     fuse_for_onnxruntime(lowered)
     kernel = options.cpu_attention == ATTENTION_CPU_KERNEL
-    matmuls = _lower_kernel_ops(lowered, options) if kernel else 0
+    linear = _linear_choice(lowered, options) if kernel else None
+    matmuls = _lower_kernel_ops(lowered, options, linear) if kernel else 0
     if config.tie_word_embeddings:
         share_tied_head(lowered)
     step("lowered paged-KV and recurrent ops")
@@ -370,18 +392,37 @@ def _build_hybrid(onnx_dir: Path, engine_dir: Path, config: ModelConfig, geometr
     write_engine_config(onnx_dir, engine_dir, config,
                         BuilderConfig.from_geometry(geometry, backend, 0, config, options.cpu_attention,
                                                     kernel_kv_write=kernel_writes_kv(lowered),
-                                                    kernel_matmul=matmuls > 0, **speculative))
+                                                    kernel_matmul=matmuls > 0, **_linear_record(linear),
+                                                    **speculative))
 
 
-def _lower_kernel_ops(model: onnx.ModelProto, options: BuildOptions) -> int:
+def _linear_choice(model: onnx.ModelProto, options: BuildOptions) -> LinearChoice | None:
+    """The op of the graph's 4-bit block linears on this CPU (--linearKernel), or None where it has none."""
+    q4_1 = has_q4_1_corrections(model)
+    return None if q4_1 is None else resolve_linear_kernel(options.cpu_matmul, q4_1)
+
+
+def _linear_record(linear: LinearChoice | None) -> dict[str, str]:
+    """builder_config's linear_kernel and its reason (none where the graph had no choice to make)."""
+    return {} if linear is None else {"linear_kernel": linear.kernel, "linear_kernel_reason": linear.reason}
+
+
+def _lower_kernel_ops(model: onnx.ModelProto, options: BuildOptions, linear: LinearChoice | None) -> int:
     """The kvforge.cpu ops besides attention, on an engine that loads the kernel library anyway: block matmuls
-    (unless --cpuMatmul onnx), a gated MLP's activation as one SwiGLU node, and the attention reading the packed
-    q/k/v projection (no Split). Returns how many matmuls moved."""
+    (unless the linears run MLAS: --linearKernel), a gated MLP's activation as one SwiGLU node, and the attention
+    reading the packed q/k/v projection (no Split). Returns how many matmuls moved (none when the 4-bit ones stay
+    on MLAS)."""
     bf16 = options.cpu_prefill_matmul == "bf16"
-    matmuls = lower_block_matmuls(model, prefill_bf16=bf16) if options.cpu_matmul == "kernel" else 0
+    # On MLAS the 4-bit linears stay MatMulNBits (at accuracy level 4: exact rows) and the 8-bit head still moves;
+    # the export's form (onnx) keeps every MatMulNBits as it is.
+    choice = linear.kernel if linear is not None else canonical(options.cpu_matmul)
+    if choice == MLAS:
+        run_on_mlas(model)
+    matmuls = 0 if choice == EXPORT_FORM else lower_block_matmuls(model, prefill_bf16=bf16,
+                                                                   bits=(8,) if choice == MLAS else (4, 8))
     lower_swiglu(model)
     pack_attention_inputs(model)
-    return matmuls
+    return 0 if choice == MLAS else matmuls
 
 
 def _save(model: onnx.ModelProto, engine_dir: Path) -> None:

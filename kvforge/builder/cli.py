@@ -116,11 +116,17 @@ def build(
                                            "needs a C++ compiler), onnx (stock ONNX Runtime ops over pages "
                                            "gathered each call: slower as the context grows) or auto (the kernel "
                                            "where it builds here, else onnx; KVFORGE_CPU_KERNEL=off forces onnx)."),
-    cpu_matmul: str = typer.Option(DEFAULTS.cpu_matmul, "--cpuMatmul",
-                                   help="How an engine attending with the kvforge CPU kernel runs 4-bit block "
-                                        "weights: kernel (kvforge's MatMulBlocks: one node per matmul, and a "
-                                        "verification row gets exactly its decode row's logits) or onnx (ONNX "
-                                        "Runtime's MatMulNBits plus the export's Q4_1 correction)."),
+    cpu_matmul: str = typer.Option("auto", "--linearKernel", "--cpuMatmul",
+                                   help="Which op runs the 4-bit block weights of an engine attending with the "
+                                        "kvforge CPU kernel: kvforge (MatMulBlocks: one node per matmul, and a "
+                                        "verification row gets exactly its decode row's logits), mlas (ONNX "
+                                        "Runtime's MatMulNBits at accuracy level 4, whose rows are exact too, plus "
+                                        "the export's Q4_1 correction; the 8-bit head stays MatMulBlocks), auto (the "
+                                        "faster of the two on this CPU's kernel target, from the measurement table "
+                                        "in kvforge/builder/linear_choice.py; KVFORGE_CPU_TARGET forces the target) "
+                                        "or onnx (the export's MatMulNBits as they are: verification rows not "
+                                        "exact). kernel is the older name of kvforge. The build prints which and "
+                                        "why."),
     cpu_prefill_matmul: str = typer.Option(DEFAULTS.cpu_prefill_matmul, "--cpuPrefillMatmul",
                                            help="How MatMulBlocks runs calls of more than 16 rows (prefill chunks): "
                                                 "bf16 (activations and weights rounded to bfloat16, float32 sums, on "
@@ -200,6 +206,9 @@ def build(
         if built["attention"] == ATTENTION_CPU_KERNEL:  # whose speed the engine's figures are
             from kvforge.plugins.cpu_kernel import cpu_description, describe_cpu
             console.print(f"  CPU: {describe_cpu(cpu_description())}")
+        if built.get("linear_kernel"):
+            console.print(f"  linears: {built['linear_kernel']}: {built['linear_kernel_reason']}", markup=False,
+                          highlight=False)
         console.print(f"  pages: {geometry.max_kv_pool_pages} × {geometry.tokens_per_page} tokens "
                       f"({geometry.max_pages_per_seq} per sequence, {geometry.full_batch_pages} for a full batch of "
                       f"{geometry.max_batch_size})")
@@ -241,7 +250,7 @@ def build(
 HELP_PANELS = {
     "Sizes": ("--maxInputLen", "--maxKVCacheCapacity", "--maxKVPoolPages", "--maxBatchSize", "--tokensPerPage",
               "--maxLoraRank", "--reuseRecords"),
-    "CPU kernels": ("--backend", "--cpuAttention", "--cpuMatmul", "--cpuPrefillMatmul"),
+    "CPU kernels": ("--backend", "--cpuAttention", "--linearKernel", "--cpuPrefillMatmul"),
     "Profiling": ("--profileOps", "--profilePromptTokens", "--profileDecodeTokens", "--numThreads"),
     "Speculative decoding": ("--specBase", "--specDraft", "--maxVerifyTreeSize", "--maxDraftTreeSize"),
     "Sliding window": ("--slidingWindowPool", "--slidingWindowRecords"),

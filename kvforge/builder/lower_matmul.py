@@ -30,17 +30,19 @@ MATMUL_BLOCKS = "MatMulBlocks"
 BLOCK = 32  # the kernel's block: GGUF's Q4_0 / Q4_1
 
 
-def lower_block_matmuls(model: onnx.ModelProto, prefill_bf16: bool = False) -> int:
-    """Every eligible MatMulNBits (with its correction, if any) -> MatMulBlocks, in place; returns how many.
-    `prefill_bf16`: the 4-bit nodes' calls of more than 16 rows run in bfloat16 where the CPU has AVX512_BF16."""
+def lower_block_matmuls(model: onnx.ModelProto, prefill_bf16: bool = False, bits: tuple[int, ...] = (4, 8)) -> int:
+    """Every eligible MatMulNBits of `bits` (with its correction, if any) -> MatMulBlocks, in place; returns how
+    many. `prefill_bf16`: the 4-bit nodes' calls of more than 16 rows run in bfloat16 where the CPU has
+    AVX512_BF16."""
     graph = model.graph
     index = GraphIndex.of(graph)
     initializers = index.initializers
     replaced: dict[int, onnx.NodeProto] = {}
     removed: set[int] = set()
     new_initializers: list[onnx.TensorProto] = []
+    wanted = bits
     for node in graph.node:
-        if not _eligible(node, initializers):
+        if not _eligible(node, initializers) or int_attribute(node, "bits") not in wanted:
             continue
         bits = int_attribute(node, "bits")
         correction = _correction(node, index) if bits == 4 else None
@@ -80,6 +82,31 @@ def lower_block_matmuls(model: onnx.ModelProto, prefill_bf16: bool = False) -> i
     if all(op.domain != CPU_DOMAIN for op in model.opset_import):
         model.opset_import.append(helper.make_opsetid(CPU_DOMAIN, 1))
     return len(replaced)
+
+
+def run_on_mlas(model: onnx.ModelProto) -> int:
+    """The 4-bit block matmuls the kernel would take, left to MLAS in its form whose rows do not depend on the row
+    count: accuracy level 4 (int8 activations per block; MLAS's float32 path rounds a one-row call and a many-row call
+    differently, so a verification row would not be its decode row). Returns how many; the 8-bit head is
+    MatMulBlocks' (lower_block_matmuls(bits=(8,))), whose rows are exact at any row count."""
+    initializers = GraphIndex.of(model.graph).initializers
+    moved = 0
+    for node in model.graph.node:
+        if _eligible(node, initializers) and int_attribute(node, "bits") == 4:
+            kept = [a for a in node.attribute if a.name != "accuracy_level"]  # none, or 0 (_eligible)
+            del node.attribute[:]
+            node.attribute.extend([*kept, helper.make_attribute("accuracy_level", 4)])
+            moved += 1
+    return moved
+
+
+def has_q4_1_corrections(model: onnx.ModelProto) -> bool | None:
+    """Whether the graph's 4-bit block matmuls carry the export's Q4_1 correction (True), are plain MatMulNBits
+    (False), or there are none the kernel would take (None): which of MLAS's measured forms an engine would run."""
+    index = GraphIndex.of(model.graph)
+    forms = {_correction(node, index) is not None for node in model.graph.node
+             if _eligible(node, index.initializers) and int_attribute(node, "bits") == 4}
+    return None if not forms else True in forms
 
 
 def pack_blocks(values: np.ndarray, scales: np.ndarray, mins: np.ndarray, bits: int = 4) -> np.ndarray:

@@ -95,6 +95,7 @@ def engine_role(model: ModelConfig, spec_base: bool) -> str:
 # cannot be built; engine dirs from before the kernel), or the TensorRT plugin.
 ATTENTION_CPU_KERNEL, ATTENTION_ONNX_OPS, ATTENTION_TRT_PLUGIN = "kvforge-cpu-kernel", "onnx-ops", "tensorrt-plugin"
 ATTENTION_PATHS = (ATTENTION_CPU_KERNEL, ATTENTION_ONNX_OPS, ATTENTION_TRT_PLUGIN)
+LINEAR_KERNELS = ("", "kvforge", "mlas", "onnx")  # builder_config.linear_kernel's values ("": not chosen)
 
 
 def new_rows_name(pool_input: str) -> str:
@@ -129,6 +130,12 @@ class BuilderConfig(PageGeometry):
     # and the kernel library is loaded for the attention anyway). False: MatMulNBits (engines built before, --cpuMatmul
     # onnx, the fallback attention).
     kernel_matmul: bool = False
+    # Which op the block-quantized linears run, chosen per CPU class at build (kvforge/builder/linear_choice.py):
+    # "kvforge" (MatMulBlocks), "mlas" (MatMulNBits at level 4) or "onnx" (the export's MatMulNBits as they are),
+    # and the one line that says why; "" where there is no choice
+    # (no such linears, the fallback attention, engines built before).
+    linear_kernel: str = ""
+    linear_kernel_reason: str = ""
     # The sliding layers' own page group (llm_build --slidingWindowPool; 0 = each keeps a full-length pool) and the
     # KV pool bytes of each layer type (recomputed from the model on load, like the snapshot sizes).
     window_pool_pages: int = 0
@@ -272,6 +279,14 @@ def read_builder_config(raw: dict[str, Any], model: ModelConfig) -> BuilderConfi
         if type(value) is not int or not 0 <= value <= MAX_TREE_SIZE:
             raise InvalidConfig(f"must be an integer in [0, {MAX_TREE_SIZE}], got {describe(value)}", f"{where}.{key}")
         speculative[key] = value
+    if raw.get("linear_kernel", "") not in LINEAR_KERNELS:
+        raise InvalidConfig(f"must be one of {LINEAR_KERNELS}, got {describe(raw['linear_kernel'])}",
+                            f"{where}.linear_kernel")
+    if not isinstance(raw.get("linear_kernel_reason", ""), str):
+        raise InvalidConfig(f"must be a string, got {describe(raw['linear_kernel_reason'])}",
+                            f"{where}.linear_kernel_reason")
+    speculative["linear_kernel"] = raw.get("linear_kernel", "")
+    speculative["linear_kernel_reason"] = raw.get("linear_kernel_reason", "")
     window = raw.get("window_pool_pages", 0)
     if window and (type(window) is not int or not 0 < window <= MAX_KV_POOL_PAGES or not window_pool_layers(model)):
         raise InvalidConfig(f"must be 0, or a page count in [1, {MAX_KV_POOL_PAGES}] on a model with "

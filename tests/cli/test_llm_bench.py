@@ -109,6 +109,10 @@ def test_a_peer_that_is_not_installed_is_skipped_with_the_reason(bench_run: tupl
     [peer] = [e for e in figures["engines"] if e["name"] == "llama.cpp"]
     assert peer["status"] == "skipped" and "llama-cpp-python not installed" in peer["reason"]
     assert "skipped: llama.cpp (llama.cpp): llama-cpp-python not installed (pip install 'kvforge[bench]')" in output
+    # Its SIMD level too, beside ours and ONNX Runtime's (issue 50): the line and the JSON say it is not installed.
+    levels = figures["machine"]["simd_levels"]
+    assert levels["llama.cpp"]["level"] == "not installed" and levels["kvforge"]["level"]
+    assert "simd: kvforge " in output and "llama.cpp not installed" in output and "onnxruntime " in output
 
 
 def test_an_engine_that_fails_is_listed_with_its_last_line_and_the_others_run(bench_run: tuple[str, dict]) -> None:

@@ -66,7 +66,7 @@ def test_builder_config_records_the_resolved_numbers() -> None:
         "backend": "onnxruntime", "max_lora_rank": 8, "layer_types": (), "partial_kv_snapshot_bytes_per_slot": 0,
         "recurrent_snapshot_bytes_per_slot": 0, "attention": "onnx-ops", "spec_base": False, "spec_draft": False,
         "max_verify_tree_size": 0, "max_draft_tree_size": 0, "tree_attention": False, "kernel_kv_write": False,
-        "kernel_matmul": False,
+        "kernel_matmul": False, "linear_kernel": "", "linear_kernel_reason": "",
         "window_pool_pages": 0, "kv_pool_bytes_global": 0, "kv_pool_bytes_sliding": 0}
     assert BuilderConfig.from_geometry(geometry(), "tensorrt", 0, attention="kvforge-cpu-kernel").attention == \
         "tensorrt-plugin"  # a TensorRT engine attends with its plugin whatever it is asked

@@ -35,6 +35,7 @@ from kvforge.tools.bench.engines import (
 )
 from kvforge.tools.bench.engines import resolve as resolve_engine
 from kvforge.tools.bench.processes import Entry, run_engines
+from kvforge.tools.bench.simd import describe_levels, peer_levels
 from kvforge.tools.bench.text import DOCUMENT_SECTIONS
 from kvforge.tools.bench.workloads import (
     BUILTIN,
@@ -230,6 +231,7 @@ def bench(specs: list[EngineSpec], workload_names: list[str], input_file: Path |
            "check_ids": tokenizer.encode(check_text),
            "warmup": [_request_json(r) for r in warmup(tokenizer, warm_tokens)],
            "workloads": [{"name": w.name, "requests": [_request_json(r) for r in w.requests]} for w in workloads]}
+    simd = peer_levels({spec.kind: reason for spec, reason in entries})  # before the run: no load of its own
     load_start, started = os.getloadavg(), time.perf_counter()
     engines = run_engines(entries, job)
     base = next((e for e in engines if e["name"] == baseline and e["status"] == "ok"), None)
@@ -250,6 +252,7 @@ def bench(specs: list[EngineSpec], workload_names: list[str], input_file: Path |
             "settings": {**asdict(settings), "tokenizer_of": reference.name,
                          "decoding": "greedy, end of sequence suppressed"},
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "cpu": cpu_description(),
+                        "simd_levels": simd,
                         "load_average_start": load_start,
                         "load_average_end": os.getloadavg(), "seconds": time.perf_counter() - started},
             "legend": report.LEGEND, "roles": ROLES, "workloads": workloads_json,
@@ -296,6 +299,8 @@ def print_report(figures: dict[str, Any]) -> None:
               f"{machine['load_average_end'][0]:.2f} at the end ({machine['cpus']} CPUs), {machine['seconds']:.0f} s")
     if machine.get("cpu"):
         out.print(f"cpu: {describe_cpu(machine['cpu'])}")
+    if machine.get("simd_levels"):
+        out.print(describe_levels(machine["simd_levels"]), markup=False)
     for workload in figures["workloads"]:
         lengths = sorted({r["prompt_tokens"] for r in workload["requests"]})
         out.print(f"  {workload['name']}: {workload['description']} (prompts of {lengths[0]}–{lengths[-1]} tokens)")
