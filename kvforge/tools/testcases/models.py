@@ -84,7 +84,7 @@ def stage(what: str, total: int | None = None) -> Iterator[Callable[[str], None]
     started = time.perf_counter()
     if not console.is_terminal:
         console.print(f"{what}…")
-    with progress_bar(what, total) as step:
+    with progress_bar(what, total, lines=False) as step:
         yield step
     if not console.is_terminal:
         console.print(f"{what}: done in {time.perf_counter() - started:.1f} s")
