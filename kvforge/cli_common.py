@@ -1,4 +1,5 @@
-"""Shared CLI plumbing: one-line errors with a non-zero exit, progress bars, console output, engine options."""
+"""Shared CLI plumbing: one-line errors with a non-zero exit, progress (bars or lines), console output, engine
+options."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import functools
 import inspect
 import os
 import sys
+import time
 import typing
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -207,6 +209,7 @@ def run_guarded(fn: Callable[[], T], debug: bool = False, flags: Mapping[str, st
 
     `flags` maps the domain names errors carry (`max_kv_pool_pages`) to this CLI's flags (`--maxKVPoolPages`).
     """
+    global _progress_mode
     try:
         return fn()
     except KvforgeError as exc:
@@ -219,15 +222,55 @@ def run_guarded(fn: Callable[[], T], debug: bool = False, flags: Mapping[str, st
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         fail(f"internal error ({type(exc).__name__}: {first}); rerun with --debug for the traceback",
              EXIT_INTERNAL_ERROR)
+    finally:
+        _progress_mode = None  # a command's --progress ends with it (CLIs also run in one process, as in tests)
     raise AssertionError("unreachable")
 
 
+# How stages report progress (llm_export/llm_build --progress, else KVFORGE_PROGRESS): bars redraw on stderr; lines
+# print one line per finished stage with its elapsed time on stdout, for logs and CI. Lines go to stdout so that a
+# failed run's stderr stays its one `error:` line (the contract every CLI test asserts), and a stage prints when it
+# ends, so with 2>&1 the error is still the last line. auto: bars when stderr is a terminal, lines otherwise.
+PROGRESS_MODES = ("auto", "bars", "lines", "off")
+PROGRESS_ENV = "KVFORGE_PROGRESS"
+_progress_mode: str | None = None  # set by a CLI's --progress; None: the environment's, else auto
+
+
+def set_progress_mode(mode: str | None, flag: str = "--progress") -> None:
+    """Use `mode` for this process's progress (None: KVFORGE_PROGRESS or auto); a bad value names `flag`."""
+    global _progress_mode
+    if mode is not None and mode not in PROGRESS_MODES:
+        raise KvforgeError(f"must be one of {', '.join(PROGRESS_MODES)}, got {mode!r}", flag)
+    _progress_mode = mode
+
+
+def progress_mode() -> str:
+    """bars, lines or off: the --progress given, else KVFORGE_PROGRESS, else auto resolved for this stderr."""
+    mode = _progress_mode or os.environ.get(PROGRESS_ENV) or "auto"
+    if mode not in PROGRESS_MODES:
+        raise KvforgeError(f"must be one of {', '.join(PROGRESS_MODES)}, got {mode!r}", PROGRESS_ENV)
+    if mode == "auto":
+        return "bars" if sys.stderr.isatty() else "lines"
+    return mode
+
+
+def program_name() -> str:
+    return Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "kvforge"
+
+
 @contextmanager
-def progress_bar(description: str, total: int | None) -> Iterator[Callable[[str], None]]:
-    """A progress bar on stderr (hidden when stderr is not a terminal); yields `step(message)`."""
-    enabled = sys.stderr.isatty()
+def progress_bar(description: str, total: int | None, lines: bool = True) -> Iterator[Callable[[str], None]]:
+    """A stage's progress as progress_mode() says; yields `step(message)`. `lines=False`: a caller that prints its
+    own stage lines (the model cache's service log) gets bars only."""
+    mode = progress_mode()
+    if mode == "lines":
+        started = time.perf_counter()
+        yield lambda message: None
+        if lines:  # only once the stage ended: a failure inside it leaves no line behind
+            print(f"{program_name()}: {description} {time.perf_counter() - started:.1f} s", flush=True)
+        return
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[note]}"),
-                  TimeElapsedColumn(), console=console, disable=not enabled, transient=False) as progress:
+                  TimeElapsedColumn(), console=console, disable=mode != "bars", transient=False) as progress:
         task = progress.add_task(description, total=total, note="")
 
         def step(message: str) -> None:

@@ -9,7 +9,15 @@ from pathlib import Path
 import typer
 
 from kvforge.builder.build import STEPS, BuildOptions, build_engine
-from kvforge.cli_common import BUILD_FLAGS, console, progress_bar, run_app, run_guarded, set_help_panels
+from kvforge.cli_common import (
+    BUILD_FLAGS,
+    console,
+    progress_bar,
+    run_app,
+    run_guarded,
+    set_help_panels,
+    set_progress_mode,
+)
 from kvforge.contract.engine_dir import ATTENTION_CPU_KERNEL
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.window_pool import checkpoint_pages
@@ -165,6 +173,10 @@ def build(
                                                     "the group keeps beyond the pages its rows leave free."),
     force: bool = typer.Option(False, "--force", help="Build even when the KV pool (--maxKVPoolPages) needs more "
                                                       "memory than this machine has."),
+    progress: str = typer.Option(None, "--progress", show_default=False,
+                                 help="Progress: bars (redrawn on stderr), lines (one line per finished stage with "
+                                      "its seconds, on stdout, for logs), off, or auto (the default, also set by "
+                                      "KVFORGE_PROGRESS: bars on a terminal, lines otherwise)."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
     """Validate geometry, lower the paged-KV ops for the backend and write the engine dir."""
@@ -180,6 +192,7 @@ def build(
     def body() -> None:
         from kvforge.contract.files import check_path_name
         from kvforge.contract.multimodal import is_encoder_dir
+        set_progress_mode(progress)
         check_path_name(onnx_dir, "--onnxDir")
         check_path_name(engine_dir, "--engineDir")
         if is_encoder_dir(onnx_dir):

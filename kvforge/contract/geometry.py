@@ -9,7 +9,9 @@ from kvforge.contract.paging import pages_for
 
 INT32_MAX = 2**31 - 1
 MAX_KV_POOL_PAGES = INT32_MAX // 2  # K and V page ids (and 2 * pages in kernels) must fit in int32
-DEFAULT_TOKENS_PER_PAGE = 128
+# 16-token pages: a shared prefix reuses to a 16-token block by default, as vLLM's blocks (issue 51 item 3); decode
+# cost measured in docs/benchmarks.md "Page size". llm_build, llm_bench and llm_serve MODEL all build with it.
+DEFAULT_TOKENS_PER_PAGE = 16
 MAX_TOKENS_PER_PAGE = 2**16
 
 

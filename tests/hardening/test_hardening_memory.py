@@ -15,11 +15,12 @@ from support.hardening_support import invoke, request_file
 
 from kvforge.builder.cli import app as build_app
 from kvforge.contract.errors import KvforgeError
+from kvforge.contract.geometry import DEFAULT_TOKENS_PER_PAGE
 from kvforge.contract.lora import ADAPTER_FORMAT, lora_inputs, model_fingerprint, target_dims
 from kvforge.contract.memory import machine_memory_bytes
 from kvforge.runtime.cli import app as inference_app
 
-HUGE_POOL = str(2**29)  # pages: 16 KiB per page per layer on the tiny model, 16 TiB in all
+HUGE_POOL = str(2**29)  # pages: 2 KiB per page per layer on the tiny model (16-token pages), 2 TiB in all
 
 
 def test_build_refuses_a_pool_larger_than_the_machine(tiny_onnx_dir: Path, tmp_path: Path) -> None:
@@ -27,7 +28,8 @@ def test_build_refuses_a_pool_larger_than_the_machine(tiny_onnx_dir: Path, tmp_p
     engine = tmp_path / "engine"
     line = invoke(build_app, "--onnxDir", tiny_onnx_dir, "--engineDir", engine, "--backend", "onnxruntime",
                   "--maxKVPoolPages", HUGE_POOL).one_line_error("--maxKVPoolPages", "bytes", "--force")
-    per_page = 2 * 2 * 128 * 16 * 2  # K and V, 2 KV heads, 128 tokens (the default page), head_dim 16, fp16
+    # K and V, 2 KV heads, the default page's tokens, head_dim 16, fp16
+    per_page = 2 * 2 * DEFAULT_TOKENS_PER_PAGE * 16 * 2
     assert f"KV pool {per_page * 2 * 2**29 / 2**30:,.1f} GiB" in line  # the pool (2 layers) beside the weights
     assert "weights" in line
     assert not engine.exists()
@@ -168,5 +170,5 @@ def test_build_counts_the_weights_beside_the_pool(tiny_onnx_dir: Path, tmp_path:
     weights = (tiny_onnx_dir / "model.onnx.data").stat().st_size
     monkeypatch.setattr(memory, "machine_memory_bytes", lambda: weights // 2)  # the pool fits, pool + weights not
     invoke(build_app, "--onnxDir", tiny_onnx_dir, "--engineDir", tmp_path / "engine", "--backend", "onnxruntime",
-           "--maxKVPoolPages", "1", "--maxInputLen", "16", "--maxKVCacheCapacity", "128").one_line_error(
+           "--maxKVPoolPages", "1", "--maxInputLen", "16", "--maxKVCacheCapacity", "16").one_line_error(
         "--maxKVPoolPages", "weights")

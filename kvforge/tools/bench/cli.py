@@ -19,6 +19,7 @@ from kvforge import __version__
 from kvforge.cli_common import console, run_app, run_guarded
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.files import atomic_write_text, check_distinct, check_output_file, check_work_dir
+from kvforge.contract.geometry import DEFAULT_TOKENS_PER_PAGE
 from kvforge.contract.speculation import DRAFT_METHODS, TREE_METHODS, in_words
 from kvforge.plugins.cpu_kernel import cpu_description, describe_cpu
 from kvforge.runtime.inputs.tokenizer import ChatTokenizer
@@ -387,8 +388,9 @@ def main_command(
                                               "64,512,1536,4096): at each, a prompt of N tokens, then --maxTokens "
                                               "greedy tokens, e.g. --workload decode_context --contextTokens "
                                               "64,512,1536,4096 --maxTokens 32."),
-    tokens_per_page: int = typer.Option(128, "--tokensPerPage", min=1, help="Page size of kvforge engines built "
-                                        "from an ONNX dir (a power of two)."),
+    tokens_per_page: int = typer.Option(DEFAULT_TOKENS_PER_PAGE, "--tokensPerPage", min=1,
+                                        help="Page size of kvforge engines built from an ONNX dir (a power of two; "
+                                             "llm_build's default)."),
     baseline: str | None = typer.Option(None, "--baseline", help="The engine ratios are taken to (default: the "
                                         "first engine)."),
     output_file: Path | None = typer.Option(None, "--outputFile", help="Write every figure, ratio and raw timing "

@@ -11,7 +11,7 @@ from types import ModuleType
 
 import typer
 
-from kvforge.cli_common import EXPORT_FLAGS, console, progress_bar, run_app, run_guarded
+from kvforge.cli_common import EXPORT_FLAGS, console, progress_bar, run_app, run_guarded, set_progress_mode
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.manifest import ONNX_KIND, write_manifest
 from kvforge.contract.model_config import KV_CACHE_DTYPES, ModelConfig
@@ -177,6 +177,10 @@ def export(
                                             help="Where an image- or audio-text checkpoint's encoder ONNX dir goes "
                                                  "(default: OUTPUTDIR/visual or OUTPUTDIR/audio); build it with "
                                                  "llm_build."),
+    progress: str = typer.Option(None, "--progress", show_default=False,
+                                 help="Progress: bars (redrawn on stderr), lines (one line per finished stage with "
+                                      "its seconds, on stdout, for logs), off, or auto (the default, also set by "
+                                      "KVFORGE_PROGRESS: bars on a terminal, lines otherwise)."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
 ) -> None:
     def body() -> None:
@@ -187,6 +191,7 @@ def export(
         from kvforge.tools.export.quantize_model import quantize_linears
         from kvforge.tools.export.writer import write_onnx_dir
 
+        set_progress_mode(progress)
         check_output_dir(output_dir, "output_dir")  # before the expensive part; checked again when written
         if source and Path(source).exists():
             check_distinct({"--outputDir": output_dir}, {"SOURCE": Path(source)}, outputs_are_dirs=True)

@@ -19,16 +19,16 @@ from kvforge.builder.build import BuildOptions
 from kvforge.cli_common import console, progress_bar
 from kvforge.contract.errors import KvforgeError
 from kvforge.contract.formats import MANIFEST_FILE
-from kvforge.contract.geometry import kv_bytes_per_page
+from kvforge.contract.geometry import DEFAULT_TOKENS_PER_PAGE, kv_bytes_per_page
 from kvforge.contract.model_config import ModelConfig
 from kvforge.contract.version import __version__
 from kvforge.tools.testcases.engines import cached_engine, default_cache_dir
 
 FIELD = "MODEL"
 KEY_FILE = "model_key.json"  # what an exported ONNX dir's digest covers, beside it for people to read
-# 16-token pages: reuse at vLLM's block granularity (to the token within a cached tail page); decode measured within
-# the noise of 128-token pages on SmolLM2 (docs/benchmarks.md, "Page size").
-TOKENS_PER_PAGE = 16
+# llm_build's default, 16-token pages: reuse at vLLM's block granularity (to the token within a cached tail page);
+# decode measured against 128-token pages on SmolLM2 (docs/benchmarks.md, "Page size").
+TOKENS_PER_PAGE = DEFAULT_TOKENS_PER_PAGE
 MAX_BATCH_SIZE = 4  # requests at once, as make demo's engine
 CPU_CONTEXT_CAP = 8192  # tokens per sequence: beyond this, prefill on a CPU takes minutes
 KV_MEMORY_SHARE = 8  # the KV pool takes at most 1/8 of the machine's memory
@@ -84,7 +84,7 @@ def stage(what: str, total: int | None = None) -> Iterator[Callable[[str], None]
     started = time.perf_counter()
     if not console.is_terminal:
         console.print(f"{what}…")
-    with progress_bar(what, total) as step:
+    with progress_bar(what, total, lines=False) as step:
         yield step
     if not console.is_terminal:
         console.print(f"{what}: done in {time.perf_counter() - started:.1f} s")

@@ -396,4 +396,6 @@ FAMILY = register(Family(
                         "query_pre_attn_scalar": 24.0, "final_logit_softcapping": 30.0},
     },
     checkpoint_name=checkpoint_name,
+    gguf_architectures=("gemma3",),  # llama.cpp's text-only Gemma 3 files (sources/gguf.py maps the implicit fields)
+    takes_blocks=False,
 ))

