@@ -261,7 +261,7 @@ bench-gemma4-mtp: $(OUT)/onnx/smollm2-mtpbase/manifest.json
 EAGLE3_THREADS ?= 1
 EAGLE3_MINUTES ?= 50
 bench-eagle3-train: $(OUT)/onnx/smollm2/manifest.json
-	$(BIN)/python scripts/train_eagle3.py --onnxDir $(OUT)/onnx/smollm2 --outputDir $(OUT)/eagle3/smollm2-draft \
+	$(BIN)/python -m scripts.train_eagle3 --onnxDir $(OUT)/onnx/smollm2 --outputDir $(OUT)/eagle3/smollm2-draft \
 		--threads $(EAGLE3_THREADS) --timeBudgetMinutes $(EAGLE3_MINUTES)
 
 # The float32 reference export (llm_export's SmolLM2 default is int4): parity work and the quality bar's baseline.
