@@ -137,6 +137,12 @@ FULL_MARKS = not slow and (mooncake or engine or cli or torch)
 # `attention_path` marker and run again on the pure-ONNX fallback (KVFORGE_CPU_KERNEL=off): a test that never reaches
 # attention cannot fail differently there.
 FALLBACK_MARKS = attention_path and (engine or cli)
+# The engine tier runs on XDIST_WORKERS processes (pytest-xdist). `--dist loadfile` keeps a module on one worker, so
+# its module-scoped engines are built once; session-scoped ones are built once per worker, each in that worker's own
+# temp dir (tmp_path_factory), so two workers never write one dir. Ports (bound to 0), redis-servers and XDG caches
+# are per test. Tests marked `serial` (a wall-clock bound a busy second worker could break) run afterwards, alone.
+XDIST_WORKERS ?= 2
+XDIST = -n $(XDIST_WORKERS) --dist loadfile
 
 # The quick tier (under a minute on two cores: no engine, no console script, no torch). Run it after every change.
 test-fast: install
@@ -147,8 +153,10 @@ test-fast: install
 test: install lint
 	@echo "kvforge CPU kernel: $$($(BIN)/python -m kvforge.plugins.cpu_kernel 2>&1 || echo 'none, so the engine tests run on the pure-ONNX fallback')"
 	$(BIN)/pytest -q -m "$(FAST_MARKS)" $(PYTEST_ARGS)
-	$(BIN)/pytest -q --durations=25 -m "$(FULL_MARKS)" $(PYTEST_ARGS)
-	KVFORGE_CPU_KERNEL=off $(BIN)/pytest -q -m "$(FALLBACK_MARKS)" $(PYTEST_ARGS)
+	$(BIN)/pytest -q --durations=25 $(XDIST) -m "($(FULL_MARKS)) and not serial" $(PYTEST_ARGS)
+	$(BIN)/pytest -q -m "($(FULL_MARKS)) and serial" $(PYTEST_ARGS)
+	KVFORGE_CPU_KERNEL=off $(BIN)/pytest -q $(XDIST) -m "($(FALLBACK_MARKS)) and not serial" $(PYTEST_ARGS)
+	KVFORGE_CPU_KERNEL=off $(BIN)/pytest -q -m "($(FALLBACK_MARKS)) and serial" $(PYTEST_ARGS) || [ $$? = 5 ]  # 5: none
 	$(MAKE) --no-print-directory test-mooncake
 	$(MAKE) --no-print-directory llm-test
 
@@ -272,7 +280,7 @@ bench-gemma4-mtp: $(OUT)/onnx/smollm2-mtpbase/manifest.json
 EAGLE3_THREADS ?= 1
 EAGLE3_MINUTES ?= 50
 bench-eagle3-train: $(OUT)/onnx/smollm2/manifest.json
-	$(BIN)/python scripts/train_eagle3.py --onnxDir $(OUT)/onnx/smollm2 --outputDir $(OUT)/eagle3/smollm2-draft \
+	$(BIN)/python -m scripts.train_eagle3 --onnxDir $(OUT)/onnx/smollm2 --outputDir $(OUT)/eagle3/smollm2-draft \
 		--threads $(EAGLE3_THREADS) --timeBudgetMinutes $(EAGLE3_MINUTES)
 
 # The float32 reference export (llm_export's SmolLM2 default is int4): parity work and the quality bar's baseline.

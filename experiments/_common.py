@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.runtime.engine.engine import Engine, EngineConfig
 from kvforge.runtime.engine.output import RequestOutput
@@ -134,6 +136,31 @@ def tiny_llama(seed: int) -> Any:
         for name, p in model.named_parameters():
             if "norm" not in name:
                 p.normal_(0.0, 0.1)
+    return model
+
+
+def torch_llama(loaded: Any) -> Any:
+    """transformers' float32 LlamaForCausalLM holding a loaded model's weights (kvforge's own loader, e.g. the
+    SmolLM2 GGUF: scripts/train_eagle3.py's target, experiments.adapters.adapter_correction's reference), refusing
+    weights that do not fit the model."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    c = loaded.config
+    config = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                         num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+                         num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                         max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
+                         tie_word_embeddings=c.tie_word_embeddings,
+                         rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta})
+    model = LlamaForCausalLM(config).eval()
+    state = {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)) for k, v in loaded.weights.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (c.tie_word_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise SystemExit(f"weights do not fit the torch model: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    if c.tie_word_embeddings:
+        model.tie_weights()
     return model
 
 

@@ -23,7 +23,7 @@ Phases (one run, all on `--threads` CPU threads):
 EAGLE shift: the draft at position p takes embed(token p+1) and the target hidden state at p, predicts token p+2,
 with RoPE position p (step k: p+k).
 
-    python scripts/train_eagle3.py --onnxDir out/onnx/smollm2 --outputDir out/eagle3/smollm2-draft \\
+    python -m scripts.train_eagle3 --onnxDir out/onnx/smollm2 --outputDir out/eagle3/smollm2-draft \\
         --timeBudgetMinutes 50
 
 `--timeBudgetMinutes` bounds the whole run (generation, features and training; training stops so that the final
@@ -182,34 +182,11 @@ def generate(args: argparse.Namespace, prompts: list[str], clock: Clock) -> list
 # ------------------------------------------------------------------------------------------------ target
 
 def load_target() -> tuple[Any, dict[str, np.ndarray], Any]:
+    from experiments._common import torch_llama
     from kvforge.tools.export.sources.gguf import find_smollm2_gguf, load_gguf
 
     loaded = load_gguf(find_smollm2_gguf())
     return torch_llama(loaded), loaded.weights, loaded.config
-
-
-def torch_llama(loaded: Any) -> Any:
-    """transformers' float32 LlamaForCausalLM holding a loaded GGUF's weights (kvforge's own loader; also used by
-    experiments/adapters/adapter_correction.py), refusing weights that do not fit the model."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    c = loaded.config
-    config = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                         num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-                         num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
-                         max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
-                         tie_word_embeddings=c.tie_word_embeddings,
-                         rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta})
-    model = LlamaForCausalLM(config).eval()
-    state = {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)) for k, v in loaded.weights.items()}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not (c.tie_word_embeddings and m == "lm_head.weight")]
-    if missing or unexpected:
-        raise SystemExit(f"weights do not fit the torch model: missing {missing[:4]}, unexpected {unexpected[:4]}")
-    if c.tie_word_embeddings:
-        model.tie_weights()
-    return model
 
 
 def target_features(model: Any, samples: list[Sample], clock: Clock, prompt_labels: bool,

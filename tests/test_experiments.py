@@ -95,6 +95,36 @@ def test_the_check_flags_planted_script_imports(tmp_path: Path) -> None:
     ]
 
 
+def sys_path_edits(source: str) -> list[int]:
+    """The lines that change `sys.path` (insert, append, assignment, `+=`, a slice): what an import needs must be
+    importable from the repository root as it is (`experiments._common`, `tests.support`), not by a path hack."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            targets = [node.func.value]
+        elif isinstance(node, (ast.Assign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        targets = [t.value if isinstance(t, ast.Subscript) else t for t in targets]  # sys.path[:0] = [...]
+        if any(isinstance(t, ast.Attribute) and t.attr == "path" and isinstance(t.value, ast.Name)
+               and t.value.id == "sys" for t in targets):
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_no_experiment_edits_sys_path() -> None:
+    found = [f"{path.relative_to(ROOT)}:{line}" for path in sorted(EXPERIMENTS.rglob("*.py"))
+             for line in sys_path_edits(path.read_text(encoding="utf-8"))]
+    assert not found, "experiments edit sys.path (import shared code from experiments._common):\n  " + "\n  ".join(
+        found)
+
+
+def test_the_check_flags_planted_sys_path_edits() -> None:
+    source = ("import sys\nsys.path.insert(0, 'scripts')\nsys.path.append('x')\nsys.path = ['y']\n"
+              "sys.path += ['z']\nsys.path[:0] = ['w']\npath = sys.path\nsys.modules.get('a')\n")
+    assert sys_path_edits(source) == [2, 3, 4, 5, 6]
+
+
 def test_every_script_sits_in_a_topic_folder() -> None:
     top = sorted(p.name for p in EXPERIMENTS.glob("*.py") if p.name not in ("__init__.py", "_common.py"))
     assert not top, f"scripts at experiments/ top level (give each a topic folder): {top}"

@@ -26,7 +26,6 @@ import argparse
 import importlib.util
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ import numpy as np
 
 from experiments._common import (
     tiny_llama,  # shared with adapter_correction_engine.py, which no longer imports this script
+    torch_llama,  # the float32 SmolLM2 scripts/train_eagle3.py trains against, the same model
 )
 from kvforge.contract.errors import KvforgeError
 from kvforge.tools.bench.text import text_tokens
@@ -61,8 +61,6 @@ def smollm2() -> tuple[Any, Callable[[str], list[int]]]:
 
     from kvforge.tools.export.sources.gguf import find_smollm2_gguf, load_gguf
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-    from train_eagle3 import torch_llama  # the EAGLE3 trainer's float32 SmolLM2, the same model
 
     loaded = load_gguf(find_smollm2_gguf())
     tokenizer = Tokenizer.from_str(loaded.tokenizer_json)

@@ -29,7 +29,6 @@ import os
 import random
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -40,9 +39,7 @@ import openai
 from experiments._common import Progress, Server, bench_parser, greedy, percentile, rerun_command, write_json
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.tools.bench.text import fit_document, text_tokens
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
-from support.stores import MooncakeServer, RedisServer, in_private_netns  # noqa: E402
+from tests.support.stores import MooncakeServer, RedisServer, in_private_netns  # the tests' store harness
 
 BUILD = BuildOptions(max_input_len=2048, max_kv_cache_capacity=2304, max_batch_size=4, tokens_per_page=128)
 DOC_TOKENS = 1500

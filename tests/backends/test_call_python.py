@@ -15,7 +15,7 @@ pytestmark = pytest.mark.in_process  # run_cli in this process: the process is n
 def test_each_engine_call_reports_its_python(tiny_engine_dir: Path, tmp_path: Path, run_cli) -> None:
     request = tmp_path / "in.json"
     request.write_text(json.dumps({"requests": [{"messages": [{"role": "user", "content": "hi there"}],
-                                                 "max_generate_length": 6}]}))
+                                                 "max_generate_length": 6}], "temperature": 0}))
     proc = run_cli(["llm_inference", "--engineDir", tiny_engine_dir, "--inputFile", request, "--outputFile",
                     tmp_path / "out.json", "--profileOutputFile", tmp_path / "profile.json"])
     assert proc.returncode == 0, proc.stderr

@@ -88,7 +88,7 @@ def test_build_cli_names_the_cpu_and_kernel_target(tiny_onnx_dir: Path, tmp_path
 def test_profile_names_the_path(tiny_engine_dir: Path, tmp_path: Path, run_cli) -> None:
     request = tmp_path / "in.json"
     request.write_text(json.dumps({"requests": [{"messages": [{"role": "user", "content": "hi"}],
-                                                 "max_generate_length": 2}]}))
+                                                 "max_generate_length": 2}], "temperature": 0}))
     proc = run_cli(["llm_inference", "--engineDir", tiny_engine_dir, "--inputFile", request, "--outputFile",
                     tmp_path / "out.json", "--profileOutputFile", tmp_path / "profile.json", "--dumpProfile"])
     assert proc.returncode == 0, proc.stderr

@@ -281,7 +281,7 @@ def test_cli_runs_a_recurrent_engine_and_refuses_budget_flags_without_reuse(run_
     from kvforge.cli_common import ENGINE_FLAGS
 
     request = tmp_path / "in.json"
-    request.write_text(json.dumps({"max_generate_length": 3, "requests": [
+    request.write_text(json.dumps({"max_generate_length": 3, "temperature": 0, "requests": [
         {"messages": [{"role": "user", "content": "hi there"}]}, {"messages": [{"role": "user", "content": "hi"}]}]}))
     flags = [f"{ENGINE_FLAGS[field]}={value}" for field, value in budgets(engine_dir, 4).items()]
     ok = run_cli(["llm_inference", "--engineDir", engine_dir, "--inputFile", request, "--outputFile",

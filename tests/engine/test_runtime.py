@@ -159,7 +159,7 @@ def test_the_key_chain_is_rooted_in_the_engine_fingerprint(tiny_engine_dir, tiny
     roots = [root(tiny_engine_dir), root(tiny_engine_dir), root(tmp_path / "weights"), root(tmp_path / "pages")]
     assert roots[0] == roots[1] and len(set(roots)) == 3 and CHAIN_ROOT not in roots
     engine = make_engine(tiny_engine_dir, reuse=True)
-    run_file(engine, {"requests": [{"messages": [{"role": "user", "content": "a" * 40}]}],
+    run_file(engine, {"requests": [{"messages": [{"role": "user", "content": "a" * 40}]}], "temperature": 0,
                       "max_generate_length": 2, "apply_chat_template": False})
     [record, *_] = engine.cache.records.least_recent_first()
     tokens = list(record.token_ids)

@@ -4,9 +4,11 @@ here, so they are checked here without an engine (the engine tests check them en
 
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from kvforge.contract.profile_schema import DOCUMENT_KV_PAGES
+import kvforge.runtime.engine.scheduler as scheduler_module
 from kvforge.runtime.context_cache.lease import Prerequisite
 from kvforge.runtime.context_cache.types.document_chunks import document_input, documents_of
 from kvforge.runtime.engine.scheduler import Scheduler
@@ -18,20 +20,11 @@ from kvforge.runtime.types import Deployment, SamplingParams
 PAGE = 4
 
 
-@dataclass(frozen=True)
-class StubDocumentPart:
-    restored_spans: tuple[tuple[int, int], ...] = ()
-
-
 @dataclass(eq=False)
 class StubLease:
     pages: int
     reuse_tokens: int = 0
-    restored_spans: tuple[tuple[int, int], ...] = ()
-    parts: dict = field(default_factory=dict)
-
-    def __post_init__(self) -> None:  # the document type's part, as its `restored_spans` handle reads it
-        self.parts[DOCUMENT_KV_PAGES] = StubDocumentPart(self.restored_spans)
+    spans: tuple[tuple[int, int], ...] = ()  # what the cache types restored in place (a document's K/V)
 
 
 @dataclass
@@ -42,7 +35,7 @@ class StubCache:
     wanted: list[tuple[bytes, int, int]] = field(default_factory=list)  # documents without a stored form
     deployment: Deployment = Deployment.VANILLA
     reuse_tokens: int = 0
-    restored_spans: tuple[tuple[int, int], ...] = ()
+    spans: tuple[tuple[int, int], ...] = ()  # restored in place at admission (the document type's, say)
     in_flight: set[int] = field(default_factory=set)  # first prompt tokens whose prefix another sequence computes
     published: list[list[int]] = field(default_factory=list)
     released: list[StubLease] = field(default_factory=list)
@@ -57,7 +50,7 @@ class StubCache:
         if need > self.free:
             return None
         self.free -= need
-        return StubLease(need, self.reuse_tokens, self.restored_spans)
+        return StubLease(need, self.reuse_tokens, self.spans)
 
     def try_grow(self, lease: StubLease, tokens: int) -> bool:
         need = -(-tokens // PAGE) - lease.pages
@@ -72,6 +65,9 @@ class StubCache:
         if documents_of(admission.inputs).produces:
             return []
         return [Prerequisite(key, start, length, document_input(produces=True)) for key, start, length in self.wanted]
+
+    def restored_spans(self, lease: StubLease) -> list[tuple[int, int]]:
+        return list(lease.spans)
 
     def restore(self, lease: StubLease) -> None:
         pass
@@ -160,7 +156,7 @@ def test_a_prompt_runs_in_chunks_then_decodes_and_gives_its_pages_back() -> None
 
 
 def test_a_restored_document_span_is_skipped_and_counted_as_reused() -> None:
-    cache = StubCache(free=8, reuse_tokens=2, restored_spans=((4, 8),))
+    cache = StubCache(free=8, reuse_tokens=2, spans=((4, 8),))
     sched = scheduler(cache)
     seq = seq_of("a", list(range(12)), 0)
     sched.add(seq)
@@ -169,6 +165,15 @@ def test_a_restored_document_span_is_skipped_and_counted_as_reused() -> None:
     assert seq.reused_tokens == 2 + 4
     batch, _ = run_step(sched)
     assert seq.num_computed_tokens == 12 and [row.num_new_tokens for row in batch.rows] == [4]  # 8..12: past it
+
+
+def test_the_scheduler_imports_no_cache_type() -> None:
+    """What a type restores or needs first reaches the scheduler through the coordinator's hooks
+    (`restored_spans`, `prerequisites`), so a new type never edits it: it imports no type's module or handle."""
+    tree = ast.parse(Path(scheduler_module.__file__).read_text(encoding="utf-8"))
+    imported = [node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module]
+    imported += [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
+    assert not [name for name in imported if name.startswith("kvforge.runtime.context_cache.types")], imported
 
 
 def test_document_producers_are_queued_once_ahead_of_their_requests() -> None:

@@ -129,6 +129,7 @@ class CountingTokenizer:
         return counted
 
 
+@pytest.mark.serial  # a wall-clock bound: run alone, not beside another worker
 def test_a_12_mib_completion_prompt_is_refused_without_tokenizing(engine: Engine,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     counting = CountingTokenizer(engine, monkeypatch)
@@ -139,6 +140,7 @@ def test_a_12_mib_completion_prompt_is_refused_without_tokenizing(engine: Engine
     assert time.perf_counter() - started < 1.0 and counting.sizes == []
 
 
+@pytest.mark.serial  # a wall-clock bound: run alone, not beside another worker
 def test_64_large_chat_messages_are_refused_before_templating(engine: Engine, tiny_engine_dir: Path,
                                                              tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     messages = [{"role": "user" if i % 2 else "assistant", "content": "tide " * 26_000} for i in range(64)]

@@ -95,6 +95,7 @@ def test_adapter_shapes_are_checked_before_any_tensor_is_read(lora_setup, tmp_pa
     assert info.value.field == 'available_lora_weights["w"]'
 
 
+@pytest.mark.serial  # a wall-clock bound: run alone, not beside another worker
 def test_forged_adapter_header_claiming_gigabytes(lora_setup, tmp_path: Path) -> None:
     _root, engine, _good = lora_setup
     a_name = lora_inputs(engine.engine_dir.model)[0][0]

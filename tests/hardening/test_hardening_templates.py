@@ -232,6 +232,7 @@ BUILDERS = {
 }
 
 
+@pytest.mark.serial  # a wall-clock bound: run alone, not beside another worker
 @pytest.mark.parametrize("source", BUILDERS.values(), ids=BUILDERS.keys())
 def test_large_building_operations_are_refused_before_building(source: str) -> None:
     template = BoundedTemplate(source)
@@ -248,6 +249,7 @@ def test_large_building_operations_are_refused_before_building(source: str) -> N
     assert info.value.field == "chat_template" and "\n" not in info.value.message
 
 
+@pytest.mark.serial  # a wall-clock bound: run alone, not beside another worker
 def test_sort_and_unique_chain_stops_at_the_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
     # One expression: no template line runs between the filters, and each is Python-level work on 100k items.
     monkeypatch.setattr(chat_template, "TIME_LIMIT_S", 0.5)

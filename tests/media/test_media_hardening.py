@@ -169,6 +169,7 @@ def test_tenants_do_not_share_encoder_outputs_in_llm_serve(vlm, tmp_path: Path) 
 
 # --- images bounded before decoding -----------------------------------------------------------------------
 
+@pytest.mark.serial  # a wall-clock bound: run alone, not beside another worker
 def test_a_one_pixel_high_line_of_39_m_pixels_is_refused_from_its_header(vlm, tmp_path: Path) -> None:
     line = zero_png(tmp_path / "line.png", 39_000_000, 1)
     assert line.stat().st_size < 64 * 1024
@@ -223,6 +224,7 @@ def test_decompression_bombs_are_one_line_errors(vlm, tmp_path: Path, run_cli) -
 
 # --- audio bounded before decoding ------------------------------------------------------------------------
 
+@pytest.mark.serial  # a wall-clock bound: run alone, not beside another worker
 def test_audio_past_the_encoder_window_is_refused_before_decoding(audio, tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     import miniaudio

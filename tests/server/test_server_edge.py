@@ -214,6 +214,7 @@ def test_a_body_with_too_many_values_is_refused_unparsed(roomy: LiveServer) -> N
     assert status == 413 and "JSON values" in reply["error"]["message"]
 
 
+@pytest.mark.serial  # a wall-clock bound: run alone, not beside another worker
 def test_a_stalled_body_gets_408_while_health_answers(server: LiveServer) -> None:
     sock = raw(server, post_head(server, 1000), b'{"model": ')  # then nothing
     try:

@@ -22,6 +22,8 @@ from support.server_harness import MODEL, SERVER_BUILD, LiveServer, live_server
 from kvforge.builder.build import build_engine
 from kvforge.runtime.sampling import grammar
 
+pytestmark = pytest.mark.serial  # wall-clock bounds (another request's delay and /health within seconds): run alone
+
 pytest.importorskip("llguidance")
 
 MAX_DELAY_S = 3.0  # for another client's short chat (4 tokens) while the hostile request compiles

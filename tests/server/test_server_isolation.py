@@ -25,6 +25,8 @@ from support.server_harness import MODEL, LiveServer, build_server_engine, idle_
 from kvforge.builder.build import BuildOptions
 from kvforge.runtime.inputs.multimodal.visual import VisualEncoder
 
+pytestmark = pytest.mark.serial  # wall-clock bounds (streams' gaps and refusals within a second): run alone
+
 KEYS = {"key-hostile": "hostile", "key-normal": "normal"}
 QUESTIONS = ["How many turbines does the array have?", "Who chaired the review?", "When did it begin?"]
 HUGE_PROMPT = "tide " * (12 * 2**20 // 5)  # 12 MiB

@@ -127,6 +127,7 @@ def test_a_tenant_declaring_the_maximum_and_trickling_does_not_block_another(eng
         server.on_engine(idle_audit)
 
 
+@pytest.mark.serial  # a wall-clock bound: run alone, not beside another worker
 def test_a_tenant_past_its_request_slots_gets_429_and_the_others_are_served(engine_dir: Path, tmp_path: Path) -> None:
     limits = TenantLimits(requests=2, connections=8)
     with live_server(engine_dir, tmp_path, api_keys=KEYS, app_options={"tenant_limits": limits}) as server:

@@ -93,6 +93,7 @@ class SlowSetupClient:
         pass
 
 
+@pytest.mark.serial  # a wall-clock bound: run alone, not beside another worker
 def test_a_dead_mooncake_master_fails_fast_without_the_client_set_up() -> None:
     SlowSetupClient.setups = 0
     store = MooncakeStore(f"mooncake://127.0.0.1:{free_port()}", 0.05, client_class=SlowSetupClient)
@@ -114,6 +115,7 @@ def test_a_listening_mooncake_master_gets_the_client_set_up() -> None:
     assert QuickClient.setups == 1
 
 
+@pytest.mark.serial  # a wall-clock bound: run alone, not beside another worker
 def test_an_engine_with_a_dead_mooncake_master_starts_within_two_seconds(engine_dir: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     url = f"mooncake://127.0.0.1:{free_port()}"

@@ -156,6 +156,7 @@ def test_a_dead_store_makes_requests_cold_never_failed(engines: dict[str, Path],
     assert data_calls() == calls and _tier(engine)["skipped_lookups"] >= 1 and _tier(engine)["dropped_writes"] >= 1
 
 
+@pytest.mark.serial  # a wall-clock bound: run alone, not beside another worker
 def test_a_slow_store_times_out_and_the_request_computes(engines: dict[str, Path], store: MemoryStore) -> None:
     path, data = engines["tiny-llama"], _requests()
     _fill(path, "tiny-llama", data)

@@ -10,6 +10,7 @@ the same code path. The scheduler talks to it through these calls:
     index_computed(lease, tokens, n)        pages finished by a prefill chunk become findable at once
     publish(lease, tokens) / release(lease) a record for a finished sequence; return the lease's pages
     restore(lease) / finish_restore(lease)  copy an admitted lease's hits in (each type's copier), then unpin them
+    restored_spans(lease) -> list           prompt ranges restored in place (a document's): computing skips them
 
 The coordinator knows records, leases and eviction; what each kind of state is, how its hits are found, what a lease
 or record holds of it, its request input and its counters live in one class per type behind the `CacheType`
@@ -94,16 +95,14 @@ class ContextCacheManager:
                  events: CacheEvents | None = None, types: Sequence[Registration] | None = None,
                  **options: Any) -> None:
         """`copiers`: what moves each type's bytes, by type name; `copier` is the snapshot types' (the engine's state
-        manager): without one no snapshot is ever captured.
-        `chain_root` roots every key (keys.chain_root of an engine fingerprint); `events` hears lookups, commits
-        and evictions (an external tier). `types`: the cache types to build (default: every registered one);
-        `options`: what those types read (their budgets, e.g. `partial_kv_snapshot_slots`,
-        `recurrent_snapshot_slots`: see each type's module); a name no type reads is an error."""
+        manager): without one no snapshot is ever captured. `chain_root` roots every key (keys.chain_root of an
+        engine fingerprint); `events` hears lookups, commits and evictions (an external tier). `types`: the cache
+        types to build (default: every registered one); `options`: what they read (budgets such as
+        `partial_kv_snapshot_slots`: see each type's module); a name no type reads is an error."""
         if max_records < 0:
             raise InvalidConfig(f"must be >= 0, got {max_records}", "context_cache_max_records")
         registrations = registered() if types is None else tuple(types)
-        unknown = set(options) - {name for entry in registrations for name in entry.options}
-        if unknown:
+        if unknown := set(options) - {name for entry in registrations for name in entry.options}:
             raise TypeError(f"ContextCacheManager got options no cache type reads: {sorted(unknown)}")
         self.enabled = enabled
         self.tokens_per_page = tokens_per_page
@@ -268,8 +267,6 @@ class ContextCacheManager:
         """The lease's snapshots were copied in: unpin them (their record keeps them). One restore per request."""
         self.metrics.restores += any([kind.finish_restore(lease) for kind in self.types])  # a list: every type
 
-    # --- grow ---------------------------------------------------------------------------------------
-
     @_bookkept
     def try_grow(self, lease: Lease, num_tokens: int) -> bool:
         """Make the lease's slots cover positions [0, num_tokens), evicting records if needed; False (nothing
@@ -364,8 +361,7 @@ class ContextCacheManager:
         return Publication(tokens, keys, self._tail_key(keys, tokens, lease.extras) if partial else b"", exact=False)
 
     def _touch_existing(self, terminal_key: bytes, lease: Lease) -> bool:
-        existing = self.records.find(terminal_key)
-        if existing is None:
+        if (existing := self.records.find(terminal_key)) is None:
             return False
         self.records.touch(existing.record_id)
         self.metrics.publications_existing += 1
@@ -485,7 +481,11 @@ class ContextCacheManager:
             self.metrics.records_evicted += 1
             self.events.evicted(record)
 
-    # --- reporting and audits -----------------------------------------------------------------------
+    # --- reporting, audits and the types' views of a lease ------------------------------------------
+
+    def restored_spans(self, lease: Lease) -> list[tuple[int, int]]:
+        """The prompt ranges the types restored in place at admission (a document's K/V): computing skips them."""
+        return sorted(span for kind in self.types for span in kind.restored_spans(lease))
 
     def page_tables(self, lease: Lease) -> dict[str, list[int]]:
         """The lease's tables of the page groups beside the global one, each from the type that owns it."""

@@ -149,6 +149,11 @@ class CacheType(Protocol):
         standalone prefill when it has no stored form yet. No side effects."""
         ...
 
+    def restored_spans(self, lease: Lease) -> Sequence[tuple[int, int]]:
+        """Prompt ranges [start, end) this type restored into the lease's pages at admission, past its reuse point
+        (a document's K/V): the scheduler moves the sequence's computing past them. No side effects."""
+        ...
+
     def on_admitted(self, lease: Lease, admission: Admission, num_tokens: int) -> None:
         """The lease of an input of `num_tokens` tokens was admitted (keys known): e.g. announce pages in flight."""
         ...
@@ -264,6 +269,9 @@ class CacheTypeBase:
         pass
 
     def prerequisites(self, admission: Admission) -> Sequence[Prerequisite]:
+        return ()
+
+    def restored_spans(self, lease: Lease) -> Sequence[tuple[int, int]]:
         return ()
 
     def on_admitted(self, lease: Lease, admission: Admission, num_tokens: int) -> None:

@@ -18,7 +18,7 @@ from kvforge.contract.profile_schema import (
 )
 from kvforge.runtime.adapters import base_pages_reused, corrected_pages_reused
 from kvforge.runtime.engine.output import OutputProcessor, RequestOutput
-from kvforge.runtime.engine.scheduler import Scheduler, cached_tokens
+from kvforge.runtime.engine.scheduler import Scheduler
 from kvforge.runtime.profile import GENERATION_STAGE, PREFILL_STAGE, Profiler
 from kvforge.runtime.sampling.rejection import accept_tokens, accept_tree
 from kvforge.runtime.sampling.sampler import SampleResult
@@ -258,7 +258,7 @@ class EngineCore:
         """Tokens a sequence starts with at admission were served from a cache (pages, the legacy copy, a shared
         tier's load, and restored documents further on)."""
         admitted = {id(seq) for seq in batch.admitted}
-        return sum(cached_tokens(row.seq) for row in batch.rows if id(row.seq) in admitted)
+        return sum(self.scheduler.cached_tokens(row.seq) for row in batch.rows if id(row.seq) in admitted)
 
     def _count(self, batch: SchedulerOutput, updates: list[RowUpdate], reused: int) -> None:
         if batch.has_prefill or batch.admitted:

@@ -26,7 +26,6 @@ from typing import Protocol
 from kvforge.contract.profile_schema import SCHEDULER_KEYS
 from kvforge.runtime.context_cache.lease import Lease, Prerequisite
 from kvforge.runtime.context_cache.manager import ContextCacheManager
-from kvforge.runtime.context_cache.types.document_chunks import restored_spans
 from kvforge.runtime.engine.state import StateManager
 from kvforge.runtime.sampling.sampler import Sampler, SampleResult
 from kvforge.runtime.sequence import EngineRequest, FinishReason, Sequence, Status
@@ -163,7 +162,7 @@ class Scheduler:
         count = min(seq.num_pending_tokens, budget, self.prefill_chunk_tokens, seq.tokens_to_next_checkpoint())
         if seq.lease is None:
             return count
-        for start, end in restored_spans(seq.lease):
+        for start, end in self.cache.restored_spans(seq.lease):
             if start <= seq.num_computed_tokens < end:
                 seq.num_computed_tokens = end
                 count = min(seq.num_pending_tokens, budget, self.prefill_chunk_tokens,
@@ -171,6 +170,22 @@ class Scheduler:
             elif seq.num_computed_tokens < start:
                 return min(count, start - seq.num_computed_tokens)
         return count
+
+    def cached_tokens(self, seq: Sequence) -> int:
+        """The prompt tokens a sequence starts with from a cache: those before its computing starts (pages,
+        snapshots, a shared tier's load) and the restored spans after them (a document's K/V, issue 37), except the
+        tokens the requests queued for it (`prerequisites`, a document's standalone prefill) computed: those were
+        computed for it (issue 52 item 3); what such a request loaded from a cache (a shared tier) existed before and
+        counts. A document another request's prefill was already computing when this one arrived counts as cached,
+        as a prefix in flight does."""
+        start = total = seq.num_computed_tokens
+        for begin, end in () if seq.lease is None else self.cache.restored_spans(seq.lease):
+            until = end
+            producer = seq.produced_for.get(end)
+            if producer is not None:  # only what its producer found in a cache (a shared tier) existed before
+                until = end - len(producer.request.prompt_ids) + producer.reused_tokens
+            total += max(min(end, until) - max(begin, start), 0)
+        return total
 
     def draft_room(self, seq: Sequence) -> int:
         """How many draft tokens `seq` could verify after its next token: within the KV capacity and the tokens it
@@ -218,7 +233,7 @@ class Scheduler:
             seq.lease = lease
             seq.num_computed_tokens = lease.reuse_tokens
             if seq.num_preemptions == 0:
-                seq.reused_tokens = cached_tokens(seq)
+                seq.reused_tokens = self.cached_tokens(seq)
             if self.state is not None:
                 self.state.on_admit(seq)
                 self.cache.restore(lease)  # each type copies its hit in, through its copier
@@ -253,7 +268,7 @@ class Scheduler:
             self.loading.remove(seq)
             seq.num_computed_tokens += loaded
             if seq.num_preemptions == 0:
-                seq.reused_tokens = cached_tokens(seq)
+                seq.reused_tokens = self.cached_tokens(seq)
             if loaded and self.state is not None:
                 seq.checkpoints = self.state.checkpoints.positions(seq.request, seq.num_computed_tokens)
             seq.status = Status.RUNNING
@@ -380,20 +395,3 @@ class Scheduler:
         if self.state is not None:
             self.state.on_release(lease)
 
-
-def cached_tokens(seq: Sequence) -> int:
-    """The prompt tokens a sequence starts with from a cache: those before its computing starts (pages, snapshots,
-    a shared tier's load) and the restored document tokens after them (issue 37), except the tokens the requests
-    queued for it (`prerequisites`, a document's standalone prefill) computed: those were computed for it (issue 52
-    item 3); what such a request loaded from a cache (a shared tier) existed before and counts. A document another
-    request's prefill was already computing when this one arrived counts as cached, as a prefix in flight does."""
-    start = seq.num_computed_tokens
-    spans = restored_spans(seq.lease)
-    total = start
-    for begin, end in spans:
-        until = end
-        producer = seq.produced_for.get(end)
-        if producer is not None:  # only what its producer found in a cache (a shared tier) existed before
-            until = end - len(producer.request.prompt_ids) + producer.reused_tokens
-        total += max(min(end, until) - max(begin, start), 0)
-    return total

@@ -184,13 +184,6 @@ class DocumentPart:
         return sum(hit.reused_tokens for hit in self.hits)
 
 
-def restored_spans(lease: Lease | None) -> tuple[tuple[int, int], ...]:
-    """The lease's restored document ranges [start, end): the scheduler moves its computing past them (typed
-    handle: the only reading of this type's part outside it)."""
-    part = None if lease is None else lease.parts.get(schema.DOCUMENT_KV_PAGES)
-    return () if part is None else part.restored_spans
-
-
 def document_reused_tokens(lease: Lease) -> int:
     part = lease.parts.get(schema.DOCUMENT_KV_PAGES)
     return 0 if part is None else part.reused_tokens
@@ -266,6 +259,11 @@ class DocumentChunks(CacheTypeBase):
         return [Prerequisite(key, start, length, document_input(produces=True)) for key, start, length in
                 self.eligible(tokens, documents.spans, admission.extras)
                 if key not in self._by_key and key not in self._producing]
+
+    def restored_spans(self, lease: Lease) -> tuple[tuple[int, int], ...]:
+        """The lease's restored document ranges [start, end): the scheduler moves its computing past them."""
+        part = lease.parts.get(self.name)
+        return () if part is None else part.restored_spans
 
     @property
     def _capacity_tokens(self) -> int:
