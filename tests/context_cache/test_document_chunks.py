@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support.engine_driver import document_prompt
+from support.engine_driver import document_prompt, first_layer_rows
 
 from kvforge import LLM
 from kvforge.contract.engine_dir import load_engine_dir
@@ -182,19 +182,6 @@ def test_a_draft_model_is_refused(tiny_eagle3_engine_dir: Path) -> None:
 def test_recurrent_and_hybrid_engines_are_refused(tiny_hybrid_engine_dir: Path) -> None:
     error = refusal(tiny_hybrid_engine_dir, document_reuse=True)
     assert error.field == "document_reuse" and "attention-only" in error.message
-
-
-def first_layer_rows(engine: Engine, request: EngineRequest) -> np.ndarray:
-    """Layer 0's stored K/V rows of `request`'s prompt once it is computed (they depend on each token alone)."""
-    request_id = engine.add_request(request)
-    seq = engine.core.sequences[request_id]
-    while not seq.output_ids:
-        engine.step()
-    assert seq.lease is not None
-    rows = engine.backend.kv_store.read_tokens(seq.lease.page_ids, len(request.prompt_ids))[0].astype(np.float32)
-    while engine.has_unfinished():
-        engine.step()
-    return rows
 
 
 def test_restored_documents_sit_where_a_cold_run_computes_them(tiny_engine_dir: Path) -> None:

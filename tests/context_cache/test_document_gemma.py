@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support.engine_driver import document_prompt
+from support.engine_driver import document_prompt, first_layer_rows
 
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.model_config import ModelConfig
@@ -81,19 +81,6 @@ def run(engine: Engine, request: EngineRequest) -> RequestOutput:
 
 def documents_engine(engine_dir: Path, repair: str) -> Engine:
     return Engine(engine_dir, EngineConfig(num_threads=1, document_reuse=True, document_repair=repair))
-
-
-def first_layer_rows(engine: Engine, request: EngineRequest) -> np.ndarray:
-    """Layer 0's stored K/V rows of `request`'s prompt once it is computed."""
-    request_id = engine.add_request(request)
-    seq = engine.core.sequences[request_id]
-    while not seq.output_ids:
-        engine.step()
-    assert seq.lease is not None
-    rows = engine.backend.kv_store.read_tokens(seq.lease.page_ids, len(request.prompt_ids))[0].astype(np.float32)
-    while engine.has_unfinished():
-        engine.step()
-    return rows
 
 
 def test_full_equals_cold_and_none_reuses_the_documents(gemma_engine: Path) -> None:

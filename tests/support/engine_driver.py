@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.lora import LORA_TARGETS
 from kvforge.runtime.context_cache.types.partial_tails import partial_slot
@@ -103,3 +105,16 @@ def document_prompt(system: list[int], docs: list[list[int]], question: list[int
         spans.append(DocumentSpan(len(ids), len(doc)))
         ids += doc
     return EngineRequest(ids + question, sampling, documents=tuple(spans))
+
+
+def first_layer_rows(engine: Engine, request: EngineRequest) -> np.ndarray:
+    """Layer 0's stored K/V rows of `request`'s prompt once it is computed (they depend on each token alone)."""
+    request_id = engine.add_request(request)
+    seq = engine.core.sequences[request_id]
+    while not seq.output_ids:
+        engine.step()
+    assert seq.lease is not None
+    rows = engine.backend.kv_store.read_tokens(seq.lease.page_ids, len(request.prompt_ids))[0].astype(np.float32)
+    while engine.has_unfinished():
+        engine.step()
+    return rows
