@@ -26,16 +26,13 @@ import argparse
 import json
 import statistics
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from experiments._common import rerun_command
 from experiments.reuse._common import reports, workload
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
-from support.stores import RedisServer  # noqa: E402
+from tests.support.stores import RedisServer  # the tests' store harness
 
 PHASES = ("cold", "local", "tier")
 WORKER_TIMEOUT_S = 900
