@@ -44,6 +44,9 @@ def randomised(hf: object, seed: int = 0) -> object:
                 param.copy_(1.0 + 0.3 * torch.randn_like(param))
             elif "embed_tokens" in name:
                 param.copy_(torch.randn_like(param) / param.shape[1] ** 0.5)
+            elif param.dim() >= 2:  # the projections too: the constructor drew them from torch's global generator,
+                # whose state depends on what ran before in the process (under xdist, on which files a worker took)
+                param.normal_(0.0, hf.config.initializer_range)
         for name, buffer in hf.named_buffers():
             if name.endswith("layer_scalar"):
                 buffer.copy_(0.5 + torch.rand(1))

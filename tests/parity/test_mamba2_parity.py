@@ -208,8 +208,9 @@ def test_llm_build_lowers_a_recurrent_export_and_llm_inference_runs_it(
     assert "KV pool" not in text  # no attention layers, no pool
     lowered = onnx.load(tmp_path / "engine" / "model.onnx")
     assert not any(n.domain == "kvforge" for n in lowered.graph.node)
+    # A pool that would hold a sequence (64 pages of 128 tokens), so the retained-pages gate is what refuses it.
     pages = run_cli(["llm_build", "--onnxDir", tmp_path / "onnx", "--engineDir", tmp_path / "engine2",
-                     "--maxKVPoolPages", "64"])
+                     "--tokensPerPage", "128", "--maxKVPoolPages", "64"])
     assert_one_line_error(pages, "--maxKVPoolPages", "no attention layers")  # the seed's retained-pages gate
     request = tmp_path / "in.json"
     request.write_text(json.dumps({"requests": [{"messages": [{"role": "user", "content": "hi"}]}]}))
