@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support.engine_driver import document_prompt, first_layer_rows
+from support.engine_driver import document_prompt, first_layer_rows, run_alone
 
 from kvforge import LLM
 from kvforge.contract.engine_dir import load_engine_dir
@@ -37,18 +37,6 @@ FIRST = prompt([1, 2, 3, 4, 5], [DOC_A, DOC_B], [9, 10, 11])
 SECOND = prompt([1, 2, 3, 4, 6, 7, 8], [DOC_B, DOC_A], [12, 13, 14, 15])
 
 
-def run(engine: Engine, request: EngineRequest) -> RequestOutput:
-    request_id = engine.add_request(request)
-    final = None
-    while engine.has_unfinished():
-        for output in engine.step():
-            assert output.request_id == request_id, "a standalone prefill's output reached the caller"
-            final = output
-        engine.cache.check_invariants()
-    assert final is not None and final.finished
-    return final
-
-
 def documents(engine: Engine) -> dict[str, int]:
     return engine.profile()["context_cache"]["documents"]
 
@@ -56,7 +44,7 @@ def documents(engine: Engine) -> dict[str, int]:
 @pytest.fixture(scope="module")
 def cold(tiny_engine_dir: Path) -> list[list[int]]:
     engine = Engine(tiny_engine_dir, EngineConfig(num_threads=1))
-    return [run(engine, request).token_ids for request in (FIRST, SECOND)]
+    return [run_alone(engine, request).token_ids for request in (FIRST, SECOND)]
 
 
 def engine_with(tiny_engine_dir: Path, repair: str) -> Engine:
@@ -66,7 +54,7 @@ def engine_with(tiny_engine_dir: Path, repair: str) -> Engine:
 def test_full_repair_gives_the_cold_tokens(tiny_engine_dir: Path, cold: list[list[int]]) -> None:
     engine = engine_with(tiny_engine_dir, "full")
     assert engine.cache.enabled  # document reuse implies context reuse
-    assert [run(engine, request).token_ids for request in (FIRST, SECOND)] == cold
+    assert [run_alone(engine, request).token_ids for request in (FIRST, SECOND)] == cold
     counts = documents(engine)
     assert counts["documents_produced"] == 2 and counts["document_hits"] == 4  # both requests hit both documents
     assert counts["reused_tokens"] == 0 and counts["repaired_tokens"] == 2 * (len(DOC_A) + len(DOC_B))
@@ -74,7 +62,7 @@ def test_full_repair_gives_the_cold_tokens(tiny_engine_dir: Path, cold: list[lis
 
 def test_none_reuses_every_document_token_and_reports_it(tiny_engine_dir: Path) -> None:
     engine = engine_with(tiny_engine_dir, "none")
-    first, second = run(engine, FIRST), run(engine, SECOND)
+    first, second = run_alone(engine, FIRST), run_alone(engine, SECOND)
     # The documents were produced alone before the first request ran, so it restores them too; but they were
     # computed for it, so they are not cached for it (issue 52 item 3). The second finds them stored.
     assert (first.cached_tokens, second.cached_tokens) == (0, len(DOC_A) + len(DOC_B))
@@ -88,9 +76,9 @@ def test_none_reuses_every_document_token_and_reports_it(tiny_engine_dir: Path) 
 
 def test_first_page_repairs_one_page_per_document(tiny_engine_dir: Path) -> None:
     engine = engine_with(tiny_engine_dir, "first-page")
-    run(engine, FIRST)  # stores both documents
+    run_alone(engine, FIRST)  # stores both documents
     before = documents(engine)["repaired_tokens"]
-    output = run(engine, SECOND)
+    output = run_alone(engine, SECOND)
     assert output.cached_tokens == len(DOC_A) + len(DOC_B) - 2 * T
     assert documents(engine)["repaired_tokens"] - before == 2 * T
 
@@ -98,16 +86,16 @@ def test_first_page_repairs_one_page_per_document(tiny_engine_dir: Path) -> None
 def test_overlap_recomputes_the_document_closest_to_the_question(tiny_engine_dir: Path) -> None:
     engine = engine_with(tiny_engine_dir, "overlap")
     asks_about_b = prompt([1, 2, 3, 4, 6], [DOC_A, DOC_B], [12, DOC_B[5], DOC_B[9], 15])
-    run(engine, FIRST)  # stores both documents
+    run_alone(engine, FIRST)  # stores both documents
     before = documents(engine)["repaired_tokens"]
-    output = run(engine, asks_about_b)
+    output = run_alone(engine, asks_about_b)
     assert output.cached_tokens == len(DOC_A) - T  # DOC_A: all but its first page; DOC_B: recomputed whole
     assert documents(engine)["repaired_tokens"] - before == T + len(DOC_B)
 
 
 def test_approximate_kv_is_never_found_under_exact_prefix_keys(tiny_engine_dir: Path) -> None:
     engine = engine_with(tiny_engine_dir, "none")
-    run(engine, SECOND)
+    run_alone(engine, SECOND)
     first_document = SECOND.documents[0].start
     keys = page_keys(SECOND.prompt_ids, T, KeyExtras(), parent=engine.cache.chain_root)
     indexed = [engine.cache.index.contains(key) for key in keys]
@@ -115,7 +103,7 @@ def test_approximate_kv_is_never_found_under_exact_prefix_keys(tiny_engine_dir: 
     assert indexed == [page < first_document // T for page in range(len(keys))]
     # The same prompt again: its exact prefix hit stops before the first document, which it restores again.
     before = engine.profile()["context_cache"]["reused_tokens"]
-    again = run(engine, SECOND)
+    again = run_alone(engine, SECOND)
     assert engine.profile()["context_cache"]["reused_tokens"] - before <= first_document // T * T
     assert again.cached_tokens >= len(DOC_A) + len(DOC_B)
 
@@ -123,8 +111,8 @@ def test_approximate_kv_is_never_found_under_exact_prefix_keys(tiny_engine_dir: 
 def test_exact_prefix_reuse_before_the_first_document_still_works(tiny_engine_dir: Path) -> None:
     engine = engine_with(tiny_engine_dir, "full")
     system = list(range(100, 120))  # a page and more of system prompt before the documents
-    run(engine, prompt(system, [DOC_A], [9]))
-    output = run(engine, prompt(system, [DOC_B], [9]))
+    run_alone(engine, prompt(system, [DOC_A], [9]))
+    output = run_alone(engine, prompt(system, [DOC_B], [9]))
     assert output.cached_tokens >= T  # the system prompt's full page, found by its exact key
 
 
@@ -218,7 +206,7 @@ def test_a_tight_pool_preempts_and_full_still_answers_as_cold(tiny_engine_dir: P
     long = SamplingParams(temperature=0, max_generate_length=30)
     requests = [EngineRequest(r.prompt_ids, long, documents=r.documents) for r in (FIRST, SECOND)]
     reference = Engine(tiny_engine_dir, EngineConfig(num_threads=1))
-    cold_tokens = [run(reference, request).token_ids for request in requests]
+    cold_tokens = [run_alone(reference, request).token_ids for request in requests]
     engine = Engine(tiny_engine_dir, EngineConfig(num_threads=1, document_reuse=True, document_repair=repair),
                     num_pages=8)
     ids = [engine.add_request(request) for request in requests]
@@ -237,12 +225,12 @@ def test_a_tight_pool_preempts_and_full_still_answers_as_cold(tiny_engine_dir: P
 
 def test_the_profile_counts_restored_documents_as_reused_prefill(tiny_engine_dir: Path) -> None:
     engine = engine_with(tiny_engine_dir, "none")
-    run(engine, SECOND)
+    run_alone(engine, SECOND)
     prefill = engine.profile()["prefill"]
     assert prefill["reused_tokens"] == 0  # its documents were computed for it (issue 52 item 3)
     # Computed: the documents alone (their standalone prefills), then the request's other tokens.
     assert prefill["computed_tokens"] == len(SECOND.prompt_ids)
-    run(engine, FIRST)
+    run_alone(engine, FIRST)
     assert engine.profile()["prefill"]["reused_tokens"] == len(DOC_A) + len(DOC_B)  # stored before it arrived
 
 
@@ -253,12 +241,12 @@ def test_a_partial_snapshot_hit_and_a_document_in_its_page_do_not_overlap(tiny_e
     engine = Engine(tiny_engine_dir, EngineConfig(num_threads=1, document_reuse=True, document_repair="full",
                                                   context_cache_partial_kv_snapshot_pool_bytes=16 * budget))
     system = list(range(100, 120))  # 20 tokens: a page and 4 of the next
-    run(engine, EngineRequest(system, GREEDY))
+    run_alone(engine, EngineRequest(system, GREEDY))
     reference = Engine(tiny_engine_dir, EngineConfig(num_threads=1))
     request = prompt(system, [DOC_A], [9, 10])
-    run(engine, prompt([1, 2, 3], [DOC_A], [9]))  # stores DOC_A
-    output = run(engine, request)
-    assert output.token_ids == run(reference, request).token_ids
+    run_alone(engine, prompt([1, 2, 3], [DOC_A], [9]))  # stores DOC_A
+    output = run_alone(engine, request)
+    assert output.token_ids == run_alone(reference, request).token_ids
     assert documents(engine)["document_hits"] == 1  # only the second prompt's DOC_A (the third's starts at 20)
     assert output.cached_tokens == len(system)  # the page and the snapshot's 4 tokens
 

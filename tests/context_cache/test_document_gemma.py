@@ -10,13 +10,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support.engine_driver import document_prompt, first_layer_rows
+from support.engine_driver import document_prompt, first_layer_rows, run_alone
 
 from kvforge.builder.build import BuildOptions, build_engine
 from kvforge.contract.model_config import ModelConfig
 from kvforge.contract.rope import rope_table
 from kvforge.plugins.reference import apply_rope
-from kvforge.runtime.engine.engine import Engine, EngineConfig, EngineRequest, RequestOutput
+from kvforge.runtime.engine.engine import Engine, EngineConfig
 from kvforge.runtime.execution.key_rotation import KeyRotation, layer_rotations, moved_keys
 from kvforge.runtime.types import SamplingParams
 from kvforge.tools.export.families import gemma3, gemma4
@@ -67,31 +67,19 @@ def gemma_engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
     return root / "engine"
 
 
-def run(engine: Engine, request: EngineRequest) -> RequestOutput:
-    request_id = engine.add_request(request)
-    final = None
-    while engine.has_unfinished():
-        for output in engine.step():
-            assert output.request_id == request_id, "a standalone prefill's output reached the caller"
-            final = output
-        engine.cache.check_invariants()
-    assert final is not None and final.finished
-    return final
-
-
 def documents_engine(engine_dir: Path, repair: str) -> Engine:
     return Engine(engine_dir, EngineConfig(num_threads=1, document_reuse=True, document_repair=repair))
 
 
 def test_full_equals_cold_and_none_reuses_the_documents(gemma_engine: Path) -> None:
     cold = Engine(gemma_engine, EngineConfig(num_threads=1))
-    expected = [run(cold, request).token_ids for request in (FIRST, SECOND)]
+    expected = [run_alone(cold, request).token_ids for request in (FIRST, SECOND)]
     full = documents_engine(gemma_engine, "full")
-    assert [run(full, request).token_ids for request in (FIRST, SECOND)] == expected
+    assert [run_alone(full, request).token_ids for request in (FIRST, SECOND)] == expected
     assert full.profile()["context_cache"]["documents"]["document_hits"] == 4
     none = documents_engine(gemma_engine, "none")
-    run(none, FIRST)  # stores both documents
-    assert run(none, SECOND).cached_tokens == len(DOC_A) + len(DOC_B)
+    run_alone(none, FIRST)  # stores both documents
+    assert run_alone(none, SECOND).cached_tokens == len(DOC_A) + len(DOC_B)
 
 
 def test_restored_rows_sit_where_a_cold_run_computes_them(gemma_engine: Path) -> None:
@@ -99,7 +87,7 @@ def test_restored_rows_sit_where_a_cold_run_computes_them(gemma_engine: Path) ->
     run's within float32 rounding of the rotations, whatever that layer's kind of RoPE."""
     cold_rows = first_layer_rows(Engine(gemma_engine, EngineConfig(num_threads=1)), SECOND)
     warm = documents_engine(gemma_engine, "none")
-    run(warm, FIRST)
+    run_alone(warm, FIRST)
     warm_rows = first_layer_rows(warm, SECOND)
     assert warm.profile()["context_cache"]["documents"]["reused_tokens"] >= 2 * (len(DOC_A) + len(DOC_B))
     np.testing.assert_allclose(warm_rows, cold_rows, atol=2e-4, rtol=1e-4)

@@ -118,3 +118,17 @@ def first_layer_rows(engine: Engine, request: EngineRequest) -> np.ndarray:
     while engine.has_unfinished():
         engine.step()
     return rows
+
+
+def run_alone(engine: Engine, request: EngineRequest) -> RequestOutput:
+    """Runs one request to its end, checking the cache's invariants each step and that no other output (a
+    document's standalone prefill) reaches the caller."""
+    request_id = engine.add_request(request)
+    final = None
+    while engine.has_unfinished():
+        for output in engine.step():
+            assert output.request_id == request_id, "a standalone prefill's output reached the caller"
+            final = output
+        engine.cache.check_invariants()
+    assert final is not None and final.finished
+    return final
