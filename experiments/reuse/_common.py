@@ -113,11 +113,15 @@ def engine_floor(engine: Engine, request: EngineRequest) -> tuple[float, int]:
 
 # --- the retrieval workload (document_reuse.py, document_edges.py) ---------------------------------------------
 
+# Sixteen of each, so 16 reports state 16 different facts (issue 53's workload); the first twelve are the ones the
+# earlier figures used, in the same order, so those runs reproduce.
 MACHINES = ["pump", "boiler", "crane", "compressor", "generator", "turbine", "conveyor", "furnace", "mixer", "press",
-            "chiller", "winch"]
+            "chiller", "winch", "lathe", "forklift", "kiln", "dryer"]
 SITES = ["Harbor Point", "North Ridge", "Elm Yard", "Quarry Four", "Salt Flats", "Mill Lane", "Cedar Dock",
-         "Iron Gate", "Lake Shore", "Old Depot", "Fox Hill", "West Basin"]
-COLOURS = ["red", "blue", "green", "yellow", "orange", "purple", "white", "black", "grey", "brown", "pink", "gold"]
+         "Iron Gate", "Lake Shore", "Old Depot", "Fox Hill", "West Basin", "Pine Hollow", "Stone Bridge", "Red Cliff",
+         "Bay Terminal"]
+COLOURS = ["red", "blue", "green", "yellow", "orange", "purple", "white", "black", "grey", "brown", "pink", "gold",
+           "silver", "violet", "beige", "navy"]
 FILLER = ("The crew logged the readings every hour and filed them with the site office. Maintenance was on schedule "
           "and no injuries were reported. The next inspection is due at the end of the quarter. ")
 
@@ -144,16 +148,19 @@ def reports(n: int, filler: int, sentences: int | None = None) -> list[Report]:
     return out
 
 
-def workload(docs: list[Report], requests: int, k: int, seed: int) -> list[tuple[list[dict[str, Any]], str]]:
-    """(messages, expected answer) per request: k reports shuffled (the asked one among them), a timestamped system
-    prompt, the question."""
+def workload(docs: list[Report], requests: int, k: int | tuple[int, int],
+             seed: int) -> list[tuple[list[dict[str, Any]], str]]:
+    """(messages, expected answer) per request: k reports shuffled (the asked one among them; k drawn per request
+    when it is a (low, high) range), a timestamped system prompt, the question."""
     rng = random.Random(seed)
     out = []
     for i in range(requests):
+        shown_count = rng.randint(*k) if isinstance(k, tuple) else k
         asked = rng.randrange(len(docs))
-        shown = rng.sample([j for j in range(len(docs)) if j != asked], k - 1) + [asked]
+        shown = rng.sample([j for j in range(len(docs)) if j != asked], shown_count - 1) + [asked]
         rng.shuffle(shown)
-        system = f"Current time: 2026-12-05 10:{i:02d}:{rng.randrange(60):02d}. Answer from the reports only."
+        system = (f"Current time: 2026-12-05 {10 + i // 60:02d}:{i % 60:02d}:{rng.randrange(60):02d}. "
+                  "Answer from the reports only.")
         content: list[dict[str, str]] = []
         for j in shown:  # BPE merges a run of whitespace with the text around it: one newline between
             content += [{"type": "document", "text": docs[j].text}, {"type": "text", "text": "\n"}]
