@@ -135,3 +135,33 @@ def test_the_audit_holds_through_releases_and_evictions(window_engine: Path) -> 
     cache.check_invariants()
     for name in (DOCUMENT_KV_PAGES, SLIDING_WINDOW_PAGES):
         assert cache.pools[name].num_free == cache.pools[name].capacity, name
+
+
+def run_together(engine: Engine, requests: tuple[EngineRequest, ...]) -> list[list[int]]:
+    """The requests added at once (two rows at a time, their documents' producers queued among them), auditing the
+    cache every step: each one's tokens."""
+    ids = [engine.add_request(request) for request in requests]
+    answers: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            if output.finished:
+                assert output.error is None, output.error
+                answers[output.request_id] = output.token_ids
+        engine.cache.check_invariants()
+    return [answers[request_id] for request_id in ids]
+
+
+def test_rows_running_together_answer_as_cold(window_engine: Path) -> None:
+    """Documents restored into rows that grow side by side (and producers running beside them): `full` answers as
+    cold, `none` reuses the stored documents, and every row's window pages go back."""
+    requests = (FIRST, SECOND, PRIME, AT_REUSE)
+    expected = run_together(Engine(window_engine, EngineConfig(num_threads=1)), requests)
+    assert run_together(documents_engine(window_engine, "full"), requests) == expected
+    none = documents_engine(window_engine, "none")
+    run_together(none, requests)
+    # (Fewer than one per document: built without --slidingWindowRecords, new rows evict document records.)
+    assert none.profile()["context_cache"]["documents"]["document_hits"] > 0
+    pool = none.cache.pools[SLIDING_WINDOW_PAGES]
+    kept = {slot for record in none.cache.records.least_recent_first()
+            for slot in (record.parts[SLIDING_WINDOW_PAGES].slots if SLIDING_WINDOW_PAGES in record.parts else ())}
+    assert pool.num_free == pool.capacity - len(kept)
