@@ -64,9 +64,12 @@ def test_refusals_come_from_the_rows_with_their_messages() -> None:
     assert refused(config(lora_corrections=("a",), spec_decode="ngram")).message == CORRECTION_SUPPORT.refusals["spec"]
     partial = "context_cache_partial_kv_snapshot_pool_bytes"
     for cfg, field in ((config(spec_decode="ngram"), "spec_decode"), (config(shared_cache="redis://x"), "shared_cache"),
-                       (config(document_reuse=True), "document_reuse"), (config(**{partial: 1}), partial)):
+                       (config(**{partial: 1}), partial)):
         window = refused(cfg, window=8)
         assert (window.field, window.message) == (field, NOT_ON_WINDOW_GROUP)
+    # Documents run beside a sliding-window group (issue 53); with ngram the group's own row still refuses.
+    check_support(support_rows(), config(document_reuse=True), build(window=8), Deployment.VANILLA)
+    assert refused(config(document_reuse=True, spec_decode="ngram"), window=8).field == "spec_decode"
     # What the rows allow passes: ngram with documents, anything without a type that refuses it.
     check_support(support_rows(), config(document_reuse=True, spec_decode="ngram"), build(), Deployment.VANILLA)
     check_support(support_rows(), config(spec_decode="eagle3", shared_cache="redis://x"), build(), Deployment.HYBRID)

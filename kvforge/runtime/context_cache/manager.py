@@ -117,7 +117,7 @@ class ContextCacheManager:
         self.leases: set[Lease] = set()
         self.bookkeeping_nanoseconds = 0  # all calls below, for benchmarks (the profile has planning time)
         setup = CacheSetup(enabled, self.deployment, num_pages, tokens_per_page, chain_root, copiers, self.records,
-                           self.metrics, options, self._reserve_timed)
+                           self.metrics, options, self._reserve_timed, self.page_tables)
         # The deployment picks the types (each factory decides); everything below asks the types, never the
         # deployment. A type the deployment does not use still lists its pool, empty, in the profile.
         built = [(entry, entry.factory(setup, entry.name)) for entry in registrations]
@@ -280,6 +280,8 @@ class ContextCacheManager:
         for kind, n in zip(self.types, needs, strict=True):
             if n:
                 kind.grow(lease, kind.pool.allocate(n))
+        for kind in self.types:
+            kind.on_grown(lease)  # e.g. a restored document's rows into the new window pages
         return True
 
     # --- in-flight indexing and publication ---------------------------------------------------------
@@ -342,9 +344,8 @@ class ContextCacheManager:
         return self._commit(lease, publication)
 
     def _endpoint(self, lease: Lease, tokens: np.ndarray) -> Publication | None:
-        """What publishing `tokens` keeps, or None when there is nothing to keep. With checkpoints the endpoint
-        is exact (the lease must hold every token's page); otherwise its full pages, plus its tail page when a
-        type can keep one."""
+        """What publishing `tokens` keeps, or None when there is nothing to keep. With checkpoints the endpoint is
+        exact (the lease must hold every token's page); else its full pages, and its tail page if a type keeps one."""
         T = self.tokens_per_page
         if self.checkpoints:
             full, tail = divmod(len(tokens), T)
@@ -401,8 +402,7 @@ class ContextCacheManager:
             self.pools[name].unpin(publication.reserved.pop(name))
 
     def _capture(self, lease: Lease, publication: Publication, boundary: bool) -> None:
-        """Copy the reserved snapshots, type by type (a checkpoint's recurrent state first). One wait for the call
-        that wrote them, whatever it copies."""
+        """Copy the reserved snapshots, type by type (a checkpoint's recurrent state first): one wait."""
         copied = [kind.capture(lease, publication) for kind in self.types]  # a list: every type copies
         if publication.exact and any(copied):
             if boundary:

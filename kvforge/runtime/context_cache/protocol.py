@@ -89,6 +89,9 @@ class CacheSetup:
     metrics: CacheMetrics
     options: Mapping[str, Any]  # the manager's keyword options, by name
     reserve: Callable[[Demand], bool]  # evict LRU records until `demand` is allocatable (False: pins forbid it)
+    # A lease's tables of the page groups beside the global one, from the types that own them (the coordinator's
+    # `page_tables`): what a type that copies K/V into every group reads them through.
+    page_tables: Callable[[Lease], Mapping[str, list[int]]] = lambda lease: _NO_TABLES
 
     def copier(self, name: str) -> Any:
         """Type `name`'s copier, or None (bookkeeping only: the cache's own tests)."""
@@ -164,6 +167,11 @@ class CacheType(Protocol):
 
     def grow(self, lease: Lease, slots: list[int]) -> None:
         """Add `slots` (allocated after `growth_slots` asked for them) to the lease's part."""
+        ...
+
+    def on_grown(self, lease: Lease) -> None:
+        """Some type gave the lease new slots (`grow`), before the call that reads them: e.g. copy restored rows
+        into pages a page group allocates only as the row reaches them (a document's window rows, issue 53)."""
         ...
 
     def index_computed(self, lease: Lease, tokens: np.ndarray, upto: int) -> None:
@@ -281,6 +289,9 @@ class CacheTypeBase:
         return 0
 
     def grow(self, lease: Lease, slots: list[int]) -> None:
+        pass
+
+    def on_grown(self, lease: Lease) -> None:
         pass
 
     def index_computed(self, lease: Lease, tokens: np.ndarray, upto: int) -> None:

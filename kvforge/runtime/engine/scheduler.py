@@ -246,6 +246,11 @@ class Scheduler:
             self.running.append(seq)
             out.admitted.append(seq)
             count = self._tokens_for(seq, budget)
+            # A first call that moved past a restored document needs pages a group allocates only as the row grows
+            # (a sliding-window group's, issue 53); without them now, the next step grows it (or preempts).
+            if seq.num_computed_tokens != lease.reuse_tokens \
+                    and not self.cache.try_grow(lease, seq.num_computed_tokens + count):
+                continue
             out.rows.append(ScheduledRow(seq, count, seq.is_prefilling))
             budget -= count
         self.waiting.extendleft(reversed(skipped))  # they keep their place in the queue

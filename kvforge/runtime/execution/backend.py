@@ -77,6 +77,10 @@ class KVStorage(Protocol):
     """The KV pool as the runner holds it (host numpy arrays, or device memory). Only the runner and the
     stores it hands this to (the legacy system-prompt cache, the partial-KV snapshot store) touch K/V bytes."""
 
+    # Each layer's page group (None: the global one, addressed by the lease's page ids; another: by the rows' table
+    # of that group, e.g. the sliding layers' window group).
+    layer_group: list[str | None]
+
     @property
     def nbytes(self) -> int: ...
 
@@ -98,6 +102,14 @@ class KVStorage(Protocol):
 
     def write_page(self, page: int, stored: list[np.ndarray]) -> None:
         """Overwrite one whole page in every layer with what read_page returned (a snapshot restore)."""
+        ...
+
+    def read_group_page(self, page: int, group: str | None) -> list[np.ndarray]:
+        """One page [2, Hkv, T, D] of each layer of page group `group` (a store with more than one group)."""
+        ...
+
+    def write_group_page(self, page: int, stored: list[np.ndarray], group: str | None) -> None:
+        """Overwrite one page of each layer of `group` with what read_group_page returned."""
         ...
 
 

@@ -9,7 +9,6 @@ import numpy as np
 from kvforge.plugins.reference import apply_rope, pool_numpy_dtype, rotate_keys, to_storage
 from kvforge.runtime.execution.backend import KVStorage
 from kvforge.runtime.execution.key_rotation import KeyRotation, moved_keys
-from kvforge.runtime.execution.snapshots import PageSlots
 
 ROTATION_CHECK_TOLERANCE = 1e-3  # float32 rotations of unit-scale keys agree to ~1e-6; a wrong table is off by O(1)
 
@@ -108,19 +107,46 @@ class KVStore:
         for layer, rows in zip(self.layers, stored, strict=True):
             layer[page] = rows
 
+    def read_group_page(self, page: int, group: str | None) -> list[np.ndarray]:
+        """Views of page `page` of each layer of page group `group` (None: the global one), in pool order: a group's
+        page ids are its own, so a copy through a row's tables goes group by group (a document's rows, issue 53)."""
+        return [layer[page] for layer, own in zip(self.layers, self.layer_group, strict=True) if own == group]
 
-class DocumentKVStore(PageSlots):
+    def write_group_page(self, page: int, stored: list[np.ndarray], group: str | None) -> None:
+        """Overwrite page `page` of each layer of `group` with what read_group_page returned."""
+        layers = [layer for layer, own in zip(self.layers, self.layer_group, strict=True) if own == group]
+        for layer, rows in zip(layers, stored, strict=True):
+            layer[page] = rows
+
+
+class DocumentKVStore:
     """Documents' stored K/V beside the pool (issue 37): slots shaped like pool pages, each holding one page of a
     document computed alone at position 0. Copies go by token rows, so a document restored at any position lands in
-    whatever pages and slots that position maps to, partly filled pages included."""
+    whatever pages and slots that position maps to, partly filled pages included.
 
-    __slots__ = ("rotations", "kv_cache_dtype", "tokens_per_page")
+    Page groups (issue 53): on an engine built with --slidingWindowPool the sliding layers' pages are the window
+    group's, addressed by the row's window table. A slot keeps, for each pool layer, the document's logical page of
+    that layer's group; a group page the producer no longer held (behind its window) is not captured, and its rows
+    are never restored (nothing reads them: only the last window of a document is read after it)."""
+
+    __slots__ = ("storage", "layers", "groups", "captured", "rotations", "kv_cache_dtype", "tokens_per_page")
 
     def __init__(self, kv: KVStorage, num_slots: int, rotations: np.ndarray | Sequence[KeyRotation],
                  kv_cache_dtype: str) -> None:
         """`rotations`: each pool layer's RoPE (key_rotation.layer_rotations), or one rope table every layer turns
         by."""
-        super().__init__(kv, num_slots)
+        self.storage = kv
+        # Each page group's pool layers (None: the global group, the lease's page ids).
+        self.groups: dict[str | None, list[int]] = {}
+        for layer, group in enumerate(kv.layer_group):
+            self.groups.setdefault(group, []).append(layer)
+        self.layers: list[np.ndarray] = [np.empty(0)] * len(kv.layer_group)
+        for group, members in self.groups.items():
+            for layer, page in zip(members, self._read(0, group), strict=True):
+                # np.zeros maps a slot's memory only when it is written.
+                self.layers[layer] = np.zeros((num_slots, *page.shape), dtype=page.dtype)
+        # Per group beside the global one: which slots hold that group's page of their document.
+        self.captured = {group: np.zeros(num_slots, dtype=bool) for group in self.groups if group is not None}
         # K moves by each layer's own rotation (issue 53: Gemma's layer types turn by their own bases and scalings).
         self.rotations: list[np.ndarray | KeyRotation] = [rotations] * len(self.layers) \
             if isinstance(rotations, np.ndarray) else list(rotations)
@@ -129,36 +155,81 @@ class DocumentKVStore(PageSlots):
         self.kv_cache_dtype = kv_cache_dtype
         self.tokens_per_page = self.layers[0].shape[3] if self.layers else 0  # [slots, 2, Hkv, T, D]
 
-    def capture(self, page_ids: list[int], slots: list[int]) -> None:
-        """Copy a document's pool pages (its sequence's first pages, the last one possibly partial) into `slots`."""
-        for page, slot in zip(page_ids, slots, strict=True):
-            self.store_page(page, slot)
+    @property
+    def num_slots(self) -> int:
+        return len(self.layers[0]) if self.layers else 0
 
-    def restore(self, slots: list[int], page_ids: list[int], start: int, first: int, last: int) -> None:
-        """Write the document's token rows [first, last) at sequence positions start+first .. start+last-1 of the
-        page-table row `page_ids`, each K rotated by `start` with its layer's RoPE (computed at p, it now sits at
-        start + p). Each destination page is read, its rows replaced and written back, so the rows around them stay
-        as they were."""
-        if first >= last:
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+    def _read(self, page: int, group: str | None) -> list[np.ndarray]:
+        if len(self.groups) == 1:  # one page table (a device pool has no other group)
+            return self.storage.read_page(page)
+        return self.storage.read_group_page(page, group)
+
+    def _write(self, page: int, stored: list[np.ndarray], group: str | None) -> None:
+        if len(self.groups) == 1:
+            self.storage.write_page(page, stored)
+        else:
+            self.storage.write_group_page(page, stored, group)
+
+    def capture(self, page_ids: list[int], slots: list[int], tables: Mapping[str, Sequence[int]] | None = None) -> None:
+        """Copy a document's pool pages (its sequence's first pages, the last one possibly partial) into `slots`:
+        logical page i from `page_ids[i]` in the global group, from `tables[group][i]` in another group (a negative
+        entry, or none: that group's page is not captured)."""
+        if len(page_ids) != len(slots):
+            raise ValueError(f"{len(page_ids)} pages for {len(slots)} slots")
+        for group, members in self.groups.items():
+            table = page_ids if group is None else (tables or {}).get(group, ())
+            for index, slot in enumerate(slots):
+                page = int(table[index]) if index < len(table) else -1
+                if group is not None:
+                    self.captured[group][slot] = page >= 0
+                if page < 0:
+                    continue
+                for layer, rows in zip(members, self._read(page, group), strict=True):
+                    self.layers[layer][slot] = rows
+
+    def restore(self, slots: list[int], page_ids: Sequence[int], start: int, first: int, last: int,
+                group: str | None = None) -> None:
+        """Write the document's token rows [first, last) at sequence positions start+first .. start+last-1 into the
+        layers of page group `group` (None: the global one) through that group's page-table row `page_ids`, each K
+        rotated by `start` with its layer's RoPE (computed at p, it now sits at start + p). Rows whose page is
+        negative or past the row's table, or that the group did not capture, are left alone. Each destination page is
+        read, its rows replaced and written back, so the rows around them stay as they were."""
+        members = self.groups.get(group, [])
+        if first >= last or not members:
             return
         T = self.tokens_per_page
         rows = np.arange(first, last)
-        src_slots, src_rows = np.asarray(slots, dtype=np.int64)[rows // T], rows % T
-        positions = start + rows
-        dst_pages, dst_rows = np.asarray(page_ids, dtype=np.int64)[positions // T], positions % T
+        src_slots = np.asarray(slots, dtype=np.int64)[rows // T]
+        logical = (start + rows) // T
+        table = np.asarray(page_ids, dtype=np.int64)
+        wanted = logical < len(table)
+        dst_pages = np.full(len(rows), -1, dtype=np.int64)
+        dst_pages[wanted] = table[logical[wanted]]
+        wanted &= dst_pages >= 0
+        if group is not None:
+            wanted &= self.captured[group][src_slots]
+        if not wanted.any():
+            return
+        rows, src_slots, dst_pages = rows[wanted], src_slots[wanted], dst_pages[wanted]
+        src_rows, dst_rows = rows % T, (start + rows) % T
         moved = []
-        for stored, rotation in zip(self.layers, self.rotations, strict=True):
-            layer_rows = stored[src_slots, :, :, src_rows, :]  # [n, 2, Hkv, D]
+        for layer in members:
+            rotation = self.rotations[layer]
+            layer_rows = self.layers[layer][src_slots, :, :, src_rows, :]  # [n, 2, Hkv, D]
             layer_rows[:, 0] = rotation.move(layer_rows[:, 0], start, self.kv_cache_dtype) \
                 if isinstance(rotation, KeyRotation) else moved_keys(layer_rows[:, 0], start, rotation,
                                                                     self.kv_cache_dtype)
             moved.append(layer_rows)
         for page in dict.fromkeys(dst_pages.tolist()):
             here = dst_pages == page
-            pages = [np.array(layer) for layer in self.storage.read_page(page)]  # copies: read_page may give views
+            pages = [np.array(layer) for layer in self._read(page, group)]  # copies: a read may give views
             for layer, layer_rows in zip(pages, moved, strict=True):
                 layer[:, :, dst_rows[here], :] = np.moveaxis(layer_rows[here], 0, 2)
-            self.storage.write_page(page, pages)
+            self._write(page, pages, group)
 
 
 def check_rotation(cos_sin: np.ndarray, head_dim: int, shift: int = 37) -> float:

@@ -85,6 +85,7 @@ class DeviceKVStore:
         self.page_bytes = int(np.prod(self.page_shape)) * self.dtype.itemsize
         self.layer_bytes = self.page_bytes * num_pages
         self.layers = [cuda.alloc(self.layer_bytes) for _ in range(num_layers)]  # device pointers
+        self.layer_group: list[str | None] = [None] * num_layers  # one page group: no sliding-window group here
         for ptr in self.layers:
             cuda.zero(ptr, self.layer_bytes)  # like the numpy pool: unwritten slots read as zeros
         cuda.synchronize()

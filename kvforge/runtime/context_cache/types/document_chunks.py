@@ -12,6 +12,12 @@ Decisions, written down as the issue asks:
   and slot that is (a page the prefix filled partly included), its K rotated by `start` (`DocumentKVStore`). The
   copy is made at admission, before the request computes anything; the kernel reads a row's cached positions only
   below its start, so tokens before a document never see it.
+- **On a sliding-window group** (`--slidingWindowPool`, issue 53) the sliding layers' rows live in window pages a
+  row allocates as it grows and frees behind its window. The stored form keeps each layer's page of its own group
+  (the producer still holds its last window: all a later position reads of a document). At admission the global
+  rows are copied; each window page of a restored range is written when the row gets it (`on_grown`, before the call
+  that reads it), and a page behind the window is never allocated, read or written. The hits' slots stay pinned
+  until then.
 - **Repair recomputes the first tokens of each document in place** (`first-page`: one page of tokens; `overlap`:
   that, and all of the document closest to the question; `full`: all of them, which must give exactly a cold run's
   tokens; `none`: nothing). Repair is contiguous, so it is plain causal attention with today's kernel. The
@@ -32,8 +38,8 @@ Decisions, written down as the issue asks:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Protocol
 
@@ -49,13 +55,7 @@ from kvforge.runtime.context_cache.planner import ReusePlan
 from kvforge.runtime.context_cache.pools import ResourcePool
 from kvforge.runtime.context_cache.protocol import CacheSetup, CacheTypeBase, Lookup, Publication
 from kvforge.runtime.context_cache.records import Record, RecordStore
-from kvforge.runtime.context_cache.support import (
-    NOT_ON_WINDOW_GROUP,
-    WITHOUT_DRAFT_MODEL,
-    CacheSupport,
-    ReuseOff,
-    Tier,
-)
+from kvforge.runtime.context_cache.support import WITHOUT_DRAFT_MODEL, CacheSupport, ReuseOff, Tier
 from kvforge.runtime.types import Deployment
 
 DOCUMENT_OPTIONS = ("document_reuse", "document_repair")
@@ -84,28 +84,29 @@ def _samples(cache: Mapping[str, object]) -> Iterable[Sample]:
 # items that could not be reused, by reason (profile_schema).
 DOCUMENT_COUNTERS = CounterBlock(schema.DOCUMENTS, schema.DOCUMENT_KEYS, _samples)
 # Its row of the support matrix: attention-only engines (a recurrent state depends on the whole prefix), no draft
-# model (a draft has no stored documents), not beside a sliding-window group (its sliding layers' rows live in pages
-# a row allocates as it grows, which a restore at admission cannot reach); the tier saves its records' pages but not
+# model (a draft has no stored documents); beside a sliding-window group too (issue 53: a document's sliding-layer
+# rows go into the window pages as the row allocates them, `on_grown`); the tier saves its records' pages but not
 # the stored forms. Keys re-rotate by each pool layer's own RoPE (Gemma's layer types included: issue 53); the
 # engine config checks the rotations numerically.
 DOCUMENT_SUPPORT = CacheSupport(
-    "documents", "document_reuse", (Deployment.VANILLA,), WITHOUT_DRAFT_MODEL, window_group=False,
+    "documents", "document_reuse", (Deployment.VANILLA,), WITHOUT_DRAFT_MODEL, window_group=True,
     tier=Tier.NOT_SAVED, reuse_off=ReuseOff.IMPLIES, refusals={
         "deployment": "document reuse needs an attention-only engine; this one is {deployment} (a recurrent state "
                       "depends on the whole prefix, so a document's state cannot be moved)",
         "spec": "document reuse does not combine with --specDecode {method}: its draft model has no stored "
-                "documents; use --specDecode ngram or none",
-        "window": NOT_ON_WINDOW_GROUP},
-    note="keys move by each layer's own RoPE (Gemma 3/4 included)")
+                "documents; use --specDecode ngram or none"},
+    note="keys move by each layer's own RoPE (Gemma 3/4 included); on a sliding-window group its sliding layers "
+         "get the rows their window reads, and that group's refusals (`ngram`, a shared tier) still apply")
 
 
 class DocumentCopier(Protocol):
     """Moves document K/V bytes (kvforge/runtime/execution/kv_store.py `DocumentKVStore`, the setup's copier for
     this type): this module never touches them."""
 
-    def capture(self, page_ids: list[int], slots: list[int]) -> None: ...
+    def capture(self, page_ids: list[int], slots: list[int], tables: Mapping[str, Sequence[int]]) -> None: ...
 
-    def restore(self, slots: list[int], page_ids: list[int], start: int, first: int, last: int) -> None: ...
+    def restore(self, slots: list[int], page_ids: Sequence[int], start: int, first: int, last: int,
+                group: str | None = None) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +170,11 @@ class DocumentPart:
     hits: tuple[DocumentHit, ...] = ()
     produces: bytes = b""
     tokens: tuple[int, ...] = ()  # a producer's document
-    slots: tuple[int, ...] = ()  # a producer's slots (pinned by its lease until released)
+    # The slots the lease pins: a producer's (until released), or its hits' until every page group has their rows.
+    slots: tuple[int, ...] = ()
+    # A lease's logical pages, per page group beside the global one, holding restored rows that group has no page
+    # for yet (a window group allocates them as the row reaches them: they are copied then, `on_grown`).
+    waiting: dict[str, set[int]] = field(default_factory=dict, compare=False)
 
     @property
     def length(self) -> int:
@@ -201,7 +206,7 @@ def build_document_chunks(setup: CacheSetup, name: str) -> DocumentChunks | None
         raise InvalidConfig(f"must be one of {', '.join(REPAIR_POLICIES)}, got {repair!r}", "document_repair")
     # The stored forms get as many slots as the pool has pages (the store maps a slot's memory only when written).
     return DocumentChunks(ResourcePool(name, setup.num_pages), setup.tokens_per_page, setup.chain_root, repair,
-                          setup.copier(name), setup.records)
+                          setup.copier(name), setup.records, setup.page_tables)
 
 
 class DocumentChunks(CacheTypeBase):
@@ -209,10 +214,11 @@ class DocumentChunks(CacheTypeBase):
     (the record of its standalone prefill), so the coordinator's LRU evicts documents like any record."""
 
     __slots__ = ("name", "pool", "tokens_per_page", "chain_root", "repair", "copier", "records", "metrics",
-                 "_by_key", "_producing")
+                 "group_tables", "_by_key", "_producing")
 
     def __init__(self, pool: ResourcePool, tokens_per_page: int, chain_root: bytes, repair: str,
-                 copier: DocumentCopier | None, records: RecordStore) -> None:
+                 copier: DocumentCopier | None, records: RecordStore,
+                 group_tables: Callable[[Lease], Mapping[str, list[int]]] = lambda lease: {}) -> None:
         self.name = pool.name
         self.pool = pool
         self.tokens_per_page = tokens_per_page
@@ -220,6 +226,7 @@ class DocumentChunks(CacheTypeBase):
         self.repair = repair
         self.copier = copier  # None: bookkeeping only (the cache's own tests)
         self.records = records
+        self.group_tables = group_tables  # a lease's other page groups' tables (a window group's: issue 53)
         self.metrics = DOCUMENT_COUNTERS.zeros()
         self._by_key: dict[bytes, Record] = {}  # document key -> the record holding its stored form
         self._producing: dict[bytes, Lease] = {}  # document key -> the running standalone prefill producing it
@@ -346,8 +353,9 @@ class DocumentChunks(CacheTypeBase):
         return pages_for(part.length, self.tokens_per_page) if part is not None and part.produces else 0
 
     def admit(self, lease: Lease, plan: ReusePlan, inputs: Inputs, slots: list[int]) -> None:
-        """A producer keeps its reserved slots; a request with hits gets its documents copied in now (the pages
-        are allocated: the attention type admitted first), and the hits' slots are unpinned again."""
+        """A producer keeps its reserved slots; a request with hits gets its documents copied into its global pages
+        now (allocated: the attention type admitted first); the hits' slots stay pinned until every other page
+        group has their rows too (`on_grown`)."""
         part = plan.parts.get(self.name)
         if part is None:
             return
@@ -367,10 +375,19 @@ class DocumentChunks(CacheTypeBase):
                 self.copier.restore(list(hit.slots), lease.page_ids, hit.start, hit.repair, hit.length)
             self.metrics[schema.DOCUMENT_ROTATED_PAGES] += pages_for(hit.reused_tokens, self.tokens_per_page)
             lease.exact_tokens = min(lease.exact_tokens, hit.restored[0])
-            self.pool.unpin(hit.slots)  # copied: the record alone keeps them
+        lease.parts[self.name] = replace(part, slots=self.hit_slots(plan))  # pinned by _try_acquire
 
     def on_admitted(self, lease: Lease, admission: Admission, num_tokens: int) -> None:
         part = lease.parts.get(self.name)
+        if part is not None and part.hits:
+            # The global rows were copied in `admit`; each other page group's rows go into its pages once it has
+            # them: those the admission gave it now, the rest as the row grows (every type has admitted by now).
+            T = self.tokens_per_page
+            pages = {page for hit in part.hits if hit.reused_tokens
+                     for page in range(hit.restored[0] // T, pages_for(hit.restored[1], T))}
+            groups = self.group_tables(lease) if self.copier is not None else {}
+            lease.parts[self.name] = part = replace(part, waiting={group: set(pages) for group in groups})
+            self.on_grown(lease)
         if part is not None and part.produces:
             self._producing.setdefault(part.produces, lease)
         elif not (documents := documents_of(admission.inputs)).produces:
@@ -381,15 +398,36 @@ class DocumentChunks(CacheTypeBase):
             for reason in filter(None, reasons):
                 self.metrics[schema.DOCUMENTS_SKIPPED[reason]] += 1
 
+    def on_grown(self, lease: Lease) -> None:
+        """Restored rows whose pages another group (a window group) just gave the lease are copied into them now,
+        before the call that reads them. A group's table reaches the row's extent: a page inside it without a slot
+        (negative) fell behind the row's window, is never read and is never copied. Once no page waits, the hits'
+        slots are unpinned (the record alone keeps them)."""
+        part = lease.parts.get(self.name)
+        if part is None or part.produces or not part.slots:
+            return
+        for group, table in self.group_tables(lease).items():
+            waiting = part.waiting.get(group, set())
+            ready = {page for page in waiting if page < len(table) and table[page] >= 0}
+            waiting.difference_update({page for page in waiting if page < len(table)})
+            if ready and self.copier is not None:
+                only = [slot if page in ready else -1 for page, slot in enumerate(table)]
+                for hit in part.hits:
+                    if hit.reused_tokens:
+                        self.copier.restore(list(hit.slots), only, hit.start, hit.repair, hit.length, group)
+        if not any(part.waiting.values()):
+            self.pool.unpin(part.slots)
+            lease.parts[self.name] = replace(part, slots=())
+
     def pinned(self, lease: Lease) -> tuple[int, ...]:
         part = lease.parts.get(self.name)
         return () if part is None else part.slots
 
     def release(self, lease: Lease) -> None:
         part = lease.parts.get(self.name)
-        if part is None or not part.produces:
+        if part is None:
             return
-        if self._producing.get(part.produces) is lease:
+        if part.produces and self._producing.get(part.produces) is lease:
             del self._producing[part.produces]
         self.pool.unpin(part.slots)  # a captured stored form stays with its record's cache reference
 
@@ -418,7 +456,7 @@ class DocumentChunks(CacheTypeBase):
 
     def _store(self, lease: Lease, part: DocumentPart) -> StoredDocument:
         if self.copier is not None:
-            self.copier.capture(lease.page_ids[:len(part.slots)], list(part.slots))
+            self.copier.capture(lease.page_ids[:len(part.slots)], list(part.slots), self.group_tables(lease))
         self.metrics[schema.DOCUMENTS_PRODUCED] += 1
         return StoredDocument(part.produces, part.tokens, part.slots)
 

@@ -147,7 +147,8 @@ class SlidingWindowPages(CacheTypeBase):
 
     def find_longest_hit(self, lookup: Lookup, agreed: ReusePlan) -> ReusePlan:
         """`agreed` narrowed to its deepest page boundary where a record keeps the window (same tokens, same
-        pages), not inside a media span; else no reuse."""
+        pages), not inside a media span; else no reuse. The other types' parts stay (a document's hits lie after
+        the agreed prefix, so after the narrowed one too)."""
         T, tokens = self.tokens_per_page, lookup.tokens
         total = len(agreed.hit_pages) + agreed.new_pages
         for depth in range(len(agreed.hit_pages), 0, -1):
@@ -159,9 +160,9 @@ class SlidingWindowPages(CacheTypeBase):
                     or record.page_ids != tuple(agreed.hit_pages[:depth]):
                 continue
             return ReusePlan(PlanKind.STANDARD, agreed.matched_tokens, depth * T, agreed.hit_pages[:depth],
-                             total - depth, resumes=record.record_id).with_part(self.name, part)
+                             total - depth, resumes=record.record_id, parts=agreed.parts).with_part(self.name, part)
         kind = PlanKind.NO_REUSABLE_PREFIX if agreed.hit_pages else agreed.kind
-        return ReusePlan(kind, agreed.matched_tokens, 0, (), total)
+        return ReusePlan(kind, agreed.matched_tokens, 0, (), total, parts=agreed.parts)
 
     def hit_slots(self, plan: ReusePlan) -> tuple[int, ...]:
         hit: WindowCheckpoint | None = plan.parts.get(self.name)
