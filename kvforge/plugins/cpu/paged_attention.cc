@@ -565,52 +565,87 @@ void attend_tile(Scratch& s, const E* const* keys, const E* const* values, int n
 
 thread_local Scratch t_scratch;
 
+// A tile of an item's cached range: its K and V rows in the pool and their positions.
 template <typename E>
-void attend_cached(const Call& c, const Item& it, Scratch& s, int rows) {
-  const E* pool = static_cast<const E*>(c.pool);
+struct Tile {
   const E* keys[kTile];
   const E* values[kTile];
-  int64_t at[kTile];  // each tile key's position: pages without an entry are skipped, so not contiguous
+  int64_t at[kTile];  // each key's position: pages without an entry are skipped, so not contiguous
+  int n = 0;
+};
+
+// Fills `tile` with the positions from `pos` on (up to kTile of them, none past it.c1) and returns the position
+// after it; a tile with n = 0 means the range is done.
+template <typename E>
+int64_t fill_tile(const Call& c, const Item& it, int64_t pos, Tile<E>& tile) {
+  const E* pool = static_cast<const E*>(c.pool);
+  int n = 0;
+  while (n < kTile && pos < it.c1) {
+    const int64_t index = pos / c.page_tokens;
+    const int64_t segment_end = std::min<int64_t>(it.c1, (index + 1) * c.page_tokens);
+    const int32_t page = index < c.width ? c.page_table[it.b * c.width + index] : -1;
+    if (page < 0) {  // no page: these positions are not visible
+      pos = segment_end;
+      continue;
+    }
+    const int64_t take = std::min<int64_t>(segment_end - pos, kTile - n);
+    const int64_t slot = pos % c.page_tokens;
+    for (int64_t k = 0; k < take; ++k) {
+      tile.keys[n + k] = pool + pool_offset(c, page, 0, it.h, slot + k);
+      tile.values[n + k] = pool + pool_offset(c, page, 1, it.h, slot + k);
+      tile.at[n + k] = pos + k;
+    }
+    n += static_cast<int>(take);
+    pos += take;
+  }
+  tile.n = n;
+  return pos;
+}
+
+// Asks for a tile's K and V rows while the tile before it is attended: its pages are scattered through the pool,
+// so the hardware prefetcher meets a new stream at every page (16 tokens by default) and starts each one late.
+// Measured (cpu_attention's graph, AVX-512, quiet): a decode step at 1,500 tokens 4.1 -> 2.7 ms, verify 7.8 -> 6.3.
+template <typename E>
+void prefetch_tile(const Tile<E>& tile, int dim) {
+  const int bytes = dim * static_cast<int>(sizeof(E));
+  for (int t = 0; t < tile.n; ++t) {
+    const char* k = reinterpret_cast<const char*>(tile.keys[t]);
+    const char* v = reinterpret_cast<const char*>(tile.values[t]);
+    for (int at = 0; at < bytes; at += 64) {
+      __builtin_prefetch(k + at, 0, 3);
+      __builtin_prefetch(v + at, 0, 3);
+    }
+  }
+}
+
+template <typename E>
+void attend_cached(const Call& c, const Item& it, Scratch& s, int rows) {
   const int64_t g = c.group_size;
   int64_t pos = it.c0;
   // A sliding window: nothing before the block's first query's window is visible to any of its queries.
   if (c.window > 0) pos = std::max<int64_t>(pos, c.start[it.b] + it.q0 - c.window + 1);
-  while (pos < it.c1) {
-    int n = 0;
-    while (n < kTile && pos < it.c1) {
-      const int64_t index = pos / c.page_tokens;
-      const int64_t segment_end = std::min<int64_t>(it.c1, (index + 1) * c.page_tokens);
-      const int32_t page = index < c.width ? c.page_table[it.b * c.width + index] : -1;
-      if (page < 0) {  // no page: these positions are not visible
-        pos = segment_end;
-        continue;
+  Tile<E> tiles[2];  // the tile attended and the next one, whose rows are on their way meanwhile
+  int current = 0;
+  pos = fill_tile(c, it, pos, tiles[0]);
+  for (; tiles[current].n > 0; current ^= 1) {
+    const Tile<E>& tile = tiles[current];
+    pos = fill_tile(c, it, pos, tiles[current ^ 1]);
+    prefetch_tile(tiles[current ^ 1], static_cast<int>(c.dim));
+    const int n = tile.n;
+    const uint64_t all = n == 64 ? ~uint64_t{0} : ((uint64_t{1} << n) - 1);
+    bool any = true;
+    if (c.window > 0) {  // positions rise through the tile: each row hides the keys before its window
+      any = false;
+      for (int r = 0; r < rows; ++r) {
+        const int64_t first = c.start[it.b] + it.q0 + r / g - c.window + 1;
+        const int64_t hidden = std::lower_bound(tile.at, tile.at + n, first) - tile.at;
+        s.visible[r] = all & ~low_bits(hidden);
+        any = any || s.visible[r] != 0;
       }
-      const int64_t take = std::min<int64_t>(segment_end - pos, kTile - n);
-      const int64_t slot = pos % c.page_tokens;
-      for (int64_t k = 0; k < take; ++k) {
-        keys[n + k] = pool + pool_offset(c, page, 0, it.h, slot + k);
-        values[n + k] = pool + pool_offset(c, page, 1, it.h, slot + k);
-        at[n + k] = pos + k;
-      }
-      n += static_cast<int>(take);
-      pos += take;
+    } else {
+      for (int r = 0; r < rows; ++r) s.visible[r] = all;
     }
-    if (n > 0) {
-      const uint64_t all = n == 64 ? ~uint64_t{0} : ((uint64_t{1} << n) - 1);
-      bool any = true;
-      if (c.window > 0) {  // positions rise through the tile: each row hides the keys before its window
-        any = false;
-        for (int r = 0; r < rows; ++r) {
-          const int64_t first = c.start[it.b] + it.q0 + r / g - c.window + 1;
-          const int64_t hidden = std::lower_bound(at, at + n, first) - at;
-          s.visible[r] = all & ~low_bits(hidden);
-          any = any || s.visible[r] != 0;
-        }
-      } else {
-        for (int r = 0; r < rows; ++r) s.visible[r] = all;
-      }
-      if (any) attend_tile<E>(s, keys, values, n, rows, static_cast<int>(c.dim));
-    }
+    if (any) attend_tile<E>(s, tile.keys, tile.values, n, rows, static_cast<int>(c.dim));
   }
 }
 
