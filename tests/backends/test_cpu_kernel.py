@@ -181,6 +181,35 @@ def test_every_runnable_target_matches_reference(library: Path, each_target) -> 
     assert len(outputs) >= 2
 
 
+# A decode row and the verify call that starts with it (the same query, new key and cache; drafts after it):
+# unsplit and split cached ranges, each pool type, a GQA group of 4, a tree, two rows of a batch.
+VERIFY_CASES = {
+    "short-fp16": Case(starts=[37], lengths=[5], seq=5),
+    "split-fp16": Case(starts=[1500], lengths=[5], seq=5),
+    "split-fp8-holes": Case(starts=[1600], lengths=[4], seq=4, tokens_per_page=32, dtype="fp8", holes={0: [3]}),
+    "fp32-gqa-4": Case(starts=[300], lengths=[6], seq=6, num_q=8, num_kv=2, dtype="fp32"),
+    "tree": Case(starts=[700], lengths=[5], seq=5, tree_mask=True),
+    "batch": Case(starts=[900, 40], lengths=[5, 5], seq=5, tokens_per_page=64),
+}
+
+
+def test_a_verify_row_is_its_decode_row_bit_for_bit(library: Path, each_target) -> None:
+    """Within a target, row 0 of a verify call (a decode row and its drafts) equals the same row decoded alone, bit
+    for bit: both read K and V on the direct path, whose arithmetic per row does not depend on the rows beside it
+    (before issue 50's change the verify call's rows took the transposed tile and differed in the last bits)."""
+    for target in each_target():
+        for name, case in VERIFY_CASES.items():
+            feeds = _inputs(case)
+            verify = _session(_model(case, "attention_mask" in feeds), library).run(None, feeds)[0]
+            alone = dict(feeds, query=feeds["query"][:, :1], new_kv=feeds["new_kv"][:, :1],
+                         context_lengths=np.minimum(feeds["context_lengths"], 1))
+            alone.pop("attention_mask", None)
+            decode = _session(_model(case, False), library).run(None, alone)[0]
+            np.testing.assert_allclose(verify, _expected(case, feeds), rtol=0, atol=TOLERANCE)
+            assert np.array_equal(verify[:, 0], decode[:, 0]), f"{target} {name}: " \
+                f"max |diff| {np.abs(verify[:, 0] - decode[:, 0]).max():.3g}"
+
+
 def test_a_forced_target_runs_and_a_bad_one_is_refused_in_one_line(library: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     compiled = cpu_kernel.compiled_targets(library)

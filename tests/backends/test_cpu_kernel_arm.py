@@ -1,8 +1,8 @@
 """The kvforge.cpu kernels on ARM (issue 50, item 2): the library's sources cross-compiled for aarch64 with
 tests/backends/cpu_op_runner.cc (the ONNX Runtime API the ops call, without ONNX Runtime) and run under qemu-user,
-each compiled target in turn (NEON), against the float64 numpy reference, and within a target a matmul's or
-SwiGLU's decode row equals the same row of a many-row call bit for bit. Correctness only: qemu's timings say
-nothing of an ARM CPU's speed, and SVE is not compiled (kvforge/plugins/cpu_kernel.py TARGET_FLAGS).
+each compiled target in turn (NEON), against the float64 numpy reference, and within a target a matmul's,
+SwiGLU's or the attention's decode row equals the same row of a many-row call bit for bit. Correctness only: qemu's
+timings say nothing of an ARM CPU's speed, and SVE is not compiled (kvforge/plugins/cpu_kernel.py TARGET_FLAGS).
 
 Highway's dynamic dispatch needs its runtime (hwy/targets.cc, in libhwy), not only its headers: the runner links
 Debian's arm64 libhwy (libhwy-dev:arm64, multiarch) and qemu-aarch64 finds it and the arm64 C library where
@@ -113,9 +113,9 @@ def _matmul_cases(rng: np.random.Generator, bits: int) -> list[OpCase]:
 
 def _attention_cases(rng: np.random.Generator, dtype: str) -> list[OpCase]:
     """A sequence with 37 cached tokens (pages of 16, in a shuffled pool): a decode row, then the same row as the
-    first of a 5-row call. Against the reference only: PagedAttention's one-row and many-row paths sum in different
-    orders (row 0 of the 5 differs from the decode row by ~1e-7 under NEON), and the x86 suite does not claim them
-    equal either."""
+    first of a 5-row call (a verify call). Both take the direct path (every item does on NEON), so row 0 of the 5
+    equals the decode row bit for bit (it differed by ~1e-7 before issue 50's change), as on x86
+    (tests/backends/test_cpu_kernel.py)."""
     num_q, num_kv, d, t, start = 8, 2, 64, 16, 37
     pages = -(-start // t)
     pool = to_storage(rng.standard_normal((pages + 3, 2, num_kv, t, d)).astype(np.float32), dtype)
@@ -131,7 +131,7 @@ def _attention_cases(rng: np.random.Generator, dtype: str) -> list[OpCase]:
                  np.array([rows], np.int32)]
         expected = reference.paged_attention_rows(*feeds, num_q_heads=num_q, num_kv_heads=num_kv, head_dim=d,
                                                   scale=float(d) ** -0.5, kv_cache_dtype=dtype)
-        cases.append(OpCase("PagedAttention", attributes, [*feeds, None], [expected], [1e-5]))
+        cases.append(OpCase("PagedAttention", attributes, [*feeds, None], [expected], [1e-5], f"attention {dtype}"))
     return cases
 
 

@@ -26,6 +26,7 @@ inline const OrtApi* g_api = nullptr;  // set by RegisterCustomOps (register.cc)
 constexpr int kTile = 64;          // positions decoded per tile (4 vectors of 16)
 constexpr int kRowBlock = 4;       // query rows per register block
 constexpr int kMaxRows = 48;       // query rows (queries x group) per item: 16 queries of a group of 3
+constexpr int kDirectQueries = 8;  // AVX-512: items of up to this many queries (verify rows) take the direct path
 constexpr int kMaxHeadDim = 512;  // Gemma 4's global layers are 512 wide
 constexpr int kSplitTokens = 256;  // cached positions per split when the range is split
 constexpr int kMaxSplits = 64;
