@@ -99,6 +99,7 @@ def test_budget_one_gives_full_repairs_tokens(kernel_engine_dir: Path, cold: lis
     assert output.cached_tokens == 0  # every restored token was taken back
     counts = counters(engine)
     assert counts["attention_passes"] == 2  # FIRST restored its documents too (its own standalone prefills')
+    assert counts["documents_seen"] == 4 and counts["document_hits"] == 4
     assert counts["attention_repaired_tokens"] == 2 * (len(DOC_A) + len(DOC_B) - 2 * T)
 
 

@@ -400,12 +400,6 @@ class DocumentChunks(CacheTypeBase):
         part = lease.parts.get(self.name)
         if part is not None and part.produces:
             self._producing.setdefault(part.produces, lease)
-        elif part is not None and part.reused_tokens and self.repair == REPAIR_ATTENTION:
-            # The question: the prompt after its last document (as `overlap` reads it).
-            question = max(start + length for start, length in documents_of(admission.inputs).spans)
-            watched = start_pass(self.meter, lease.page_ids, self.tokens_per_page, question, num_tokens)
-            if watched is not None:
-                lease.parts[self.name] = replace(part, question=watched)
         elif not (documents := documents_of(admission.inputs)).produces:
             # Every document item counts as seen; those that cannot be reused count by reason, once per request.
             self.metrics[schema.DOCUMENTS_SEEN] += len(documents.spans) + len(documents.skipped)
@@ -413,6 +407,12 @@ class DocumentChunks(CacheTypeBase):
                                             for start, length in documents.spans)]
             for reason in filter(None, reasons):
                 self.metrics[schema.DOCUMENTS_SKIPPED[reason]] += 1
+            if part is not None and part.reused_tokens and self.repair == REPAIR_ATTENTION:
+                # The question: the prompt after its last document (as `overlap` reads it).
+                question = max(start + length for start, length in documents.spans)
+                watched = start_pass(self.meter, lease.page_ids, self.tokens_per_page, question, num_tokens)
+                if watched is not None:
+                    lease.parts[self.name] = replace(part, question=watched)
 
     def pinned(self, lease: Lease) -> tuple[int, ...]:
         part = lease.parts.get(self.name)
