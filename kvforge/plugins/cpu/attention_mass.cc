@@ -13,14 +13,78 @@
 // visible positions (the cached ones through the page table, the call's new rows causally or through the tree
 // mask, within a sliding window), softmax, p added. One work item per (watch, row, kv head) on ORT's intra-op
 // pool, each into its own partial buffer; the partials are added in item order after, so the sums do not race and
-// do not depend on the thread count. Not per target: the scores are a loop over keys per dim that the compiler
-// vectorises for the baseline ISA (no reassociation needed); the numpy reference is reference.attention_mass.
+// do not depend on the thread count. Compiled per target (Highway's foreach_target; KVFORGE_CPU_TARGET forces one):
+// the scores of four queries at a time against keys transposed to [dim][keys], and vector_exp.h's Exp; the rest is
+// scalar. The numpy reference is reference.attention_mass.
 
+#ifndef KVFORGE_ATTENTION_MASS_COMMON
+#define KVFORGE_ATTENTION_MASS_COMMON
 #include "attention.h"
 
 #include <mutex>
+#endif  // KVFORGE_ATTENTION_MASS_COMMON
 
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "attention_mass.cc"
+#include <hwy/foreach_target.h>  // re-includes this file once per target
+#include <hwy/highway.h>
+
+#include "vector_exp.h"
+
+HWY_BEFORE_NAMESPACE();
 namespace kvforge_attention {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+// out[i * keys + t] = scale * sum_j q[i][j] * kt[j * keys + t] for the 4 queries (duplicates fill a short block).
+void MassScores(const float* const* q, const float* kt, int64_t keys, int64_t dim, float scale, float* out) {
+  const hn::ScalableTag<float> d;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
+  int64_t t = 0;
+  for (; t + lanes <= keys; t += lanes) {
+    auto a0 = hn::Zero(d), a1 = hn::Zero(d), a2 = hn::Zero(d), a3 = hn::Zero(d);
+    for (int64_t j = 0; j < dim; ++j) {
+      const auto k = hn::LoadU(d, kt + j * keys + t);
+      a0 = hn::MulAdd(hn::Set(d, q[0][j]), k, a0);
+      a1 = hn::MulAdd(hn::Set(d, q[1][j]), k, a1);
+      a2 = hn::MulAdd(hn::Set(d, q[2][j]), k, a2);
+      a3 = hn::MulAdd(hn::Set(d, q[3][j]), k, a3);
+    }
+    const auto s = hn::Set(d, scale);
+    hn::StoreU(hn::Mul(a0, s), d, out + t);
+    hn::StoreU(hn::Mul(a1, s), d, out + keys + t);
+    hn::StoreU(hn::Mul(a2, s), d, out + 2 * keys + t);
+    hn::StoreU(hn::Mul(a3, s), d, out + 3 * keys + t);
+  }
+  for (; t < keys; ++t) {
+    for (int i = 0; i < 4; ++i) {
+      float acc = 0.0f;
+      for (int64_t j = 0; j < dim; ++j) acc += q[i][j] * kt[j * keys + t];
+      out[i * keys + t] = acc * scale;
+    }
+  }
+}
+
+// x[t] = exp(x[t] - peak) in place over [0, n): -inf (an invisible position) gives 0.
+void MassExp(float* x, int64_t n, float peak) {
+  const hn::ScalableTag<float> d;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
+  const auto p = hn::Set(d, peak);
+  int64_t t = 0;
+  for (; t + lanes <= n; t += lanes)
+    hn::StoreU(kvforge_simd::HWY_NAMESPACE::Exp(d, hn::Sub(hn::LoadU(d, x + t), p)), d, x + t);
+  for (; t < n; ++t) x[t] = std::exp(x[t] - peak);
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace kvforge_attention
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace kvforge_attention {
+
+HWY_EXPORT(MassScores);
+HWY_EXPORT(MassExp);
 
 namespace {
 
@@ -93,34 +157,37 @@ void run_mass_item(const MassCall& m, size_t index) {
     }
     for (int64_t d = 0; d < dim; ++d) kt[d * keys + t] = row[d];
   }
-  std::vector<float> scores(static_cast<size_t>(keys));
-  for (int64_t i = it.first_row; i < length; ++i) {
-    const int64_t position = start + i;
-    const int64_t first = c.window > 0 ? std::max<int64_t>(0, position - c.window + 1) : 0;
-    for (int64_t g = 0; g < c.group_size; ++g) {
-      const float* q = c.query + head_offset(c, b, i, it.kv_head * c.group_size + g);
-      std::fill(scores.begin(), scores.end(), 0.0f);
-      for (int64_t d = 0; d < dim; ++d) {
-        const float qd = q[d];
-        const float* kd = kt.data() + d * keys;
-        for (int64_t t = 0; t < keys; ++t) scores[t] += qd * kd[t];
-      }
+  // The (row, query head) pairs of this kv head, four at a time: their scores, then each one's softmax.
+  std::vector<std::pair<int64_t, int64_t>> queries;
+  for (int64_t i = it.first_row; i < length; ++i)
+    for (int64_t g = 0; g < c.group_size; ++g) queries.emplace_back(i, g);
+  std::vector<float> scores(static_cast<size_t>(4 * keys));
+  for (size_t block = 0; block < queries.size(); block += 4) {
+    const size_t count = std::min<size_t>(4, queries.size() - block);
+    const float* q[4];
+    for (size_t k = 0; k < 4; ++k) {
+      const auto& [i, g] = queries[block + std::min(k, count - 1)];
+      q[k] = c.query + head_offset(c, b, i, it.kv_head * c.group_size + g);
+    }
+    HWY_DYNAMIC_DISPATCH(MassScores)(q, kt.data(), keys, dim, c.scale, scores.data());
+    for (size_t k = 0; k < count; ++k) {
+      const int64_t i = queries[block + k].first, position = start + i;
+      const int64_t first = c.window > 0 ? std::max<int64_t>(0, position - c.window + 1) : 0;
+      float* s = scores.data() + k * keys;
       float peak = kNegInf;
-      for (int64_t t = first; t < keys; ++t) {
-        const bool visible = t < start ? has_page[t] != 0
-                                       : (c.mask ? c.mask[(b * c.seq + i) * c.seq + (t - start)] : t <= position);
-        scores[t] = visible ? scores[t] * c.scale : kNegInf;
-        peak = std::max(peak, scores[t]);
+      for (int64_t t = 0; t < keys; ++t) {
+        const bool visible = t >= first && (t < start ? has_page[t] != 0
+                                            : (c.mask ? c.mask[(b * c.seq + i) * c.seq + (t - start)] : t <= position));
+        s[t] = visible ? s[t] : kNegInf;
+        peak = std::max(peak, s[t]);
       }
       if (peak == kNegInf) continue;
+      HWY_DYNAMIC_DISPATCH(MassExp)(s, keys, peak);
       float total = 0.0f;
-      for (int64_t t = first; t < keys; ++t) {
-        scores[t] = scores[t] == kNegInf ? 0.0f : std::exp(scores[t] - peak);
-        total += scores[t];
-      }
+      for (int64_t t = 0; t < keys; ++t) total += s[t];
       const float inv = 1.0f / total;
       const int64_t upto = std::min(keys, w.positions);
-      for (int64_t t = first; t < upto; ++t) partial[t] += scores[t] * inv;
+      for (int64_t t = 0; t < upto; ++t) partial[t] += s[t] * inv;
     }
   }
 }
@@ -200,3 +267,5 @@ extern "C" __attribute__((visibility("default"))) int64_t kvforge_attention_mass
   g_armed.fetch_sub(1, std::memory_order_relaxed);
   return rows;
 }
+
+#endif  // HWY_ONCE
