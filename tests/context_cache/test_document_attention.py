@@ -226,3 +226,19 @@ def test_without_the_kernel_attention_is_refused_naming_the_flag(monkeypatch: py
     with pytest.raises(InvalidConfig, match="KVFORGE_CPU_KERNEL=off") as info:
         check_attention_mass("kvforge-cpu-kernel", True)
     assert info.value.field == "document_repair"
+
+
+def test_llm_inference_without_the_kernel_refuses_attention_at_start(run_cli, tiny_engine_dir: Path,
+                                                                      tmp_path: Path) -> None:
+    """The refusal at engine start, in one line naming the flag: in the KVFORGE_CPU_KERNEL=off run (make test runs
+    the engine tests both ways), where the tiny engine attends with plain ONNX ops."""
+    _, reason = cpu_kernel.kernel_status()
+    if not reason:
+        pytest.skip("this run attends with the CPU kernel; the refusal runs with KVFORGE_CPU_KERNEL=off")
+    input_file, output_file = tmp_path / "in.json", tmp_path / "out.json"
+    input_file.write_text(json.dumps({"apply_chat_template": False, "max_generate_length": 2,
+                                      "requests": [{"messages": [{"role": "user", "content": "hi"}]}]}))
+    proc = run_cli(["llm_inference", "--engineDir", tiny_engine_dir, "--inputFile", input_file, "--outputFile",
+                    output_file, "--documentReuse", "--documentRepair", "attention"])
+    assert_one_line_error(proc, "--documentRepair", "first-page")
+    assert not output_file.exists()
