@@ -122,6 +122,9 @@ DOCUMENT_REUSED_TOKENS = "reused_tokens"
 DOCUMENT_REPAIRED_TOKENS = "repaired_tokens"
 DOCUMENT_ROTATED_PAGES = "rotated_pages"
 DOCUMENTS_PRODUCED = "documents_produced"
+# `--documentRepair attention` (issue 53): question passes whose attention mass was read, and the tokens they chose
+DOCUMENT_ATTENTION_PASSES = "attention_passes"
+DOCUMENT_ATTENTION_REPAIRED_TOKENS = "attention_repaired_tokens"
 # Document parts that could not be reused, by reason (issue 53): shorter than 16 tokens, tokens not told apart from
 # their neighbours' (a tokenizer that cannot encode the parts on their own), or refused (the template moved it, a
 # media prompt, under an activated LoRA, holding the prompt's last token, longer than the document pool).
@@ -129,7 +132,8 @@ SKIP_TOO_SHORT, SKIP_EDGE_MERGE, SKIP_REFUSED = "too_short", "edge_merge", "refu
 SKIP_REASONS = (SKIP_TOO_SHORT, SKIP_EDGE_MERGE, SKIP_REFUSED)
 DOCUMENTS_SKIPPED = {reason: f"skipped_{reason}" for reason in SKIP_REASONS}
 DOCUMENT_KEYS = (DOCUMENTS_SEEN, DOCUMENT_HITS, DOCUMENT_REUSED_TOKENS, DOCUMENT_REPAIRED_TOKENS,
-                 DOCUMENT_ROTATED_PAGES, DOCUMENTS_PRODUCED, *DOCUMENTS_SKIPPED.values())
+                 DOCUMENT_ROTATED_PAGES, DOCUMENTS_PRODUCED, *DOCUMENTS_SKIPPED.values(), DOCUMENT_ATTENTION_PASSES,
+                 DOCUMENT_ATTENTION_REPAIRED_TOKENS)
 
 # Sliding-window checkpoints (engines built with --slidingWindowPool): hits that took a record's window pages, and
 # records published without one (the lease had freed part of it).

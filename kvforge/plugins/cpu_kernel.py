@@ -26,7 +26,8 @@ SOURCE = Path(__file__).resolve().with_name("cpu") / "register.cc"  # holds Regi
 # Every translation unit of the library, compiled together: one file per op (each per-target op is compiled once per
 # Highway target inside, foreach_target.h), the registration and the run-time choice of target.
 SOURCES = (SOURCE, *(SOURCE.with_name(name) for name in ("paged_attention.cc", "paged_attention_rope.cc",
-                                                          "matmul_blocks.cc", "swiglu.cc", "cpu_target.cc")))
+                                                          "attention_mass.cc", "matmul_blocks.cc", "swiglu.cc",
+                                                          "cpu_target.cc")))
 # Included by the sources: part of the build key, never compiled alone.
 HEADERS = tuple(SOURCE.with_name(name) for name in ("attention.h", "ort_op.h", "vector_exp.h", "cpu_target.h"))
 KERNEL_FILES = (*SOURCES, *HEADERS)  # what the library is built from: its key, its freshness, its presence

@@ -148,6 +148,15 @@ def _attend(query: np.ndarray, keys: np.ndarray, values: np.ndarray, visible: np
     """The one softmax of both forms: queries [L, Hq*D] over keys/values [Hkv, C, D] where visible [L, C];
     q head h reads kv head h // group; a query that sees nothing gets zeros."""
     length = query.shape[0]
+    probs = _probabilities(query, keys, visible, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale)
+    attn = np.einsum("hgst,htd->shgd", probs, values.astype(np.float64))
+    return attn.reshape(length, -1)
+
+
+def _probabilities(query: np.ndarray, keys: np.ndarray, visible: np.ndarray, *, num_kv_heads: int, head_dim: int,
+                   scale: float) -> np.ndarray:
+    """The softmax [Hkv, group, L, C] of queries [L, Hq*D] over keys [Hkv, C, D] where visible [L, C] (float64)."""
+    length = query.shape[0]
     group = query.shape[1] // (num_kv_heads * head_dim)
     q = query.reshape(length, num_kv_heads, group, head_dim).astype(np.float64)
     scores = np.einsum("shgd,htd->hgst", q, keys.astype(np.float64)) * scale
@@ -155,9 +164,7 @@ def _attend(query: np.ndarray, keys: np.ndarray, values: np.ndarray, visible: np
     peak = scores.max(axis=-1, keepdims=True)
     probs = np.exp(scores - np.where(np.isfinite(peak), peak, 0.0))
     total = probs.sum(axis=-1, keepdims=True)
-    probs = np.divide(probs, total, out=np.zeros_like(probs), where=total > 0)
-    attn = np.einsum("hgst,htd->shgd", probs, values.astype(np.float64))
-    return attn.reshape(length, num_kv_heads * group * head_dim)
+    return np.divide(probs, total, out=np.zeros_like(probs), where=total > 0)
 
 
 def paged_attention(query: np.ndarray, pool: np.ndarray, context_lengths: np.ndarray,
@@ -240,6 +247,42 @@ def paged_attention_rope(query: np.ndarray, key: np.ndarray, value: np.ndarray, 
             if page != UNUSED_PAGE:
                 written[page, :, :, at % tokens_per_page, :] = to_storage(new_kv[b, i], kv_cache_dtype)
     return out, written
+
+
+def attention_mass(query: np.ndarray, key: np.ndarray, pool: np.ndarray, kv_page_table: np.ndarray,
+                   kvcache_start_index: np.ndarray, context_lengths: np.ndarray, cos_sin: np.ndarray,
+                   query_from: np.ndarray, positions: int, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                   scale: float, kv_cache_dtype: str, position_ids: np.ndarray | None = None,
+                   attention_mask: np.ndarray | None = None, sliding_window: int = 0) -> np.ndarray:
+    """PagedAttentionRope's attention-mass output (issue 53; kernel: cpu/attention_mass.cc) for one call, [B,
+    positions]: for row b, the softmax probabilities its query rows at positions >= query_from[b] give each key
+    position (below `positions`), summed over query heads. `pool` is the pool before the call; the inputs are
+    paged_attention_rope's (values do not enter the probabilities). The kernel adds this into a watch's buffer
+    on every layer's call."""
+    batch, seq = query.shape[:2]
+    starts = np.asarray(kvcache_start_index, dtype=np.int64)
+    rotary_at = (starts[:, None] + np.arange(seq)[None, :]) if position_ids is None else position_ids
+    rotary_at = np.clip(np.asarray(rotary_at, dtype=np.int64), 0, len(cos_sin) - 1)
+    q = apply_rope(query.reshape(batch, seq, num_q_heads, head_dim), cos_sin, rotary_at).reshape(batch, seq, -1)
+    k = round_to_storage(apply_rope(key.reshape(batch, seq, num_kv_heads, head_dim), cos_sin, rotary_at),
+                         kv_cache_dtype)
+    mass = np.zeros((batch, positions), dtype=np.float64)
+    for b in range(batch):
+        start, length = int(starts[b]), int(context_lengths[b])
+        first = max(int(query_from[b]) - start, 0)
+        if first >= length:
+            continue
+        cached_k, _, valid = _paged_kv(pool, kv_page_table[b], start, kv_cache_dtype)
+        keys = np.concatenate([cached_k, k[b, :length].transpose(1, 0, 2)], axis=1)
+        mask = None if attention_mask is None else attention_mask[b]
+        visible = np.concatenate([np.broadcast_to(valid, (length, start)), _new_visibility(length, mask)], axis=1)
+        visible = _window(visible, start, sliding_window)
+        probs = _probabilities(q[b, first:length], keys, visible[first:], num_kv_heads=num_kv_heads,
+                               head_dim=head_dim, scale=scale)
+        summed = probs.sum(axis=(0, 1, 2))
+        upto = min(positions, len(summed))
+        mass[b, :upto] = summed[:upto]
+    return mass.astype(np.float32)
 
 
 def to_bfloat16(x: np.ndarray) -> np.ndarray:

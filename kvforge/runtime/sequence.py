@@ -16,7 +16,7 @@ from kvforge.contract.lora import NEVER_ACTIVATED
 from kvforge.runtime.adapters import NOT_INVOKED, LoraAdapter, activation_start
 from kvforge.runtime.context_cache.keys import KeyExtras
 from kvforge.runtime.context_cache.lease import Admission, Inputs, Lease
-from kvforge.runtime.context_cache.types.document_chunks import document_input
+from kvforge.runtime.context_cache.types.document_inputs import document_input
 from kvforge.runtime.context_cache.types.draft_paths import speculative_input
 from kvforge.runtime.media_spans import DocumentSpan, MediaSpan
 from kvforge.runtime.sampling.grammar import CompiledGrammar

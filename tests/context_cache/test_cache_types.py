@@ -28,7 +28,7 @@ from kvforge.runtime.context_cache.pools import ResourcePool, ResourcePools
 from kvforge.runtime.context_cache.protocol import Lookup, Publication, PublishResult
 from kvforge.runtime.context_cache.records import Record, RecordStore
 from kvforge.runtime.context_cache.types.attention_pages import AttentionPages
-from kvforge.runtime.context_cache.types.document_chunks import document_input
+from kvforge.runtime.context_cache.types.document_inputs import document_input
 from kvforge.runtime.context_cache.types.partial_tails import PartialTails, restore_slot, restore_tokens
 from kvforge.runtime.context_cache.types.recurrent_checkpoints import (
     RecurrentCheckpoints,

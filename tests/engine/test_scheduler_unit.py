@@ -10,7 +10,7 @@ from pathlib import Path
 
 import kvforge.runtime.engine.scheduler as scheduler_module
 from kvforge.runtime.context_cache.lease import Prerequisite
-from kvforge.runtime.context_cache.types.document_chunks import document_input, documents_of
+from kvforge.runtime.context_cache.types.document_inputs import document_input, documents_of
 from kvforge.runtime.engine.scheduler import Scheduler
 from kvforge.runtime.media_spans import DocumentSpan
 from kvforge.runtime.sampling.sampler import Sampler, SampleResult
@@ -39,6 +39,8 @@ class StubCache:
     in_flight: set[int] = field(default_factory=set)  # first prompt tokens whose prefix another sequence computes
     published: list[list[int]] = field(default_factory=list)
     released: list[StubLease] = field(default_factory=list)
+    # A type's second pass (issue 53): (its first pass ends here, then it takes back these spans and resumes there).
+    second_pass: tuple[int, tuple[tuple[int, int], ...], int] | None = None
 
     def prefix_in_flight(self, admission) -> bool:
         return admission.token_ids[0] in self.in_flight
@@ -68,6 +70,15 @@ class StubCache:
 
     def restored_spans(self, lease: StubLease) -> list[tuple[int, int]]:
         return list(lease.spans)
+
+    def repair_pass(self, lease: StubLease, computed: int) -> tuple[int, int]:
+        if self.second_pass is None:
+            return computed, 0
+        end, spans, resume = self.second_pass
+        if computed < end:
+            return computed, end
+        self.second_pass, lease.spans = None, spans
+        return resume, 0
 
     def restore(self, lease: StubLease) -> None:
         pass
@@ -165,6 +176,20 @@ def test_a_restored_document_span_is_skipped_and_counted_as_reused() -> None:
     assert seq.reused_tokens == 2 + 4
     batch, _ = run_step(sched)
     assert seq.num_computed_tokens == 12 and [row.num_new_tokens for row in batch.rows] == [4]  # 8..12: past it
+
+
+def test_a_second_pass_ends_its_chunk_then_moves_the_sequence_back_and_uncounts_what_it_took_back() -> None:
+    """The first pass stops before the last token (nothing sampled); the type then repairs part of a restored span
+    and the sequence computes again from there, skipping what stays restored."""
+    cache = StubCache(free=8, reuse_tokens=2, spans=((4, 8),), second_pass=(11, ((6, 8),), 4))
+    sched = scheduler(cache)
+    seq = seq_of("a", list(range(12)), 0)
+    sched.add(seq)
+    counts = [[row.num_new_tokens for row in run_step(sched)[0].rows] for _ in range(3)]
+    assert counts[:2] == [[2], [3]]  # 2..4, then 8..11: the first pass ends before the last token, unsampled
+    assert seq.reused_tokens == 2 + 2  # 4..6 is no longer restored
+    assert counts[2] == [2] and seq.num_computed_tokens == 6  # back at 4: 4..6, then past the span left
+    assert [row.num_new_tokens for row in run_step(sched)[0].rows] == [4] and seq.output_ids == [7]  # 8..12
 
 
 def test_the_scheduler_imports_no_cache_type() -> None:

@@ -5,6 +5,11 @@
 #include "attention.h"
 
 namespace kvforge_attention {
+
+// attention_mass.cc: whether a watch is armed (one relaxed atomic load), and the pass that fills the watches.
+bool attention_mass_armed();
+OrtStatus* add_attention_mass(OrtKernelContext* ctx, const Call& c);
+
 namespace {
 
 // Takes the un-rotated query, key and value of the call's rows, rotates query and key by the rows' positions
@@ -227,7 +232,8 @@ OrtStatus* ORT_API_CALL compute_rope(void* kernel, OrtKernelContext* ctx) {
   rotate_and_write(c, r, rotated.data(), new_kv.data());
   c.query = rotated.data();
   c.new_kv = new_kv.data();
-  return attend(ctx, c);
+  KVF_TRY(attend(ctx, c));
+  return attention_mass_armed() ? add_attention_mass(ctx, c) : nullptr;  // issue 53: attention_mass.cc
 }
 
 const char* ORT_API_CALL rope_op_name(const OrtCustomOp*) { return "PagedAttentionRope"; }

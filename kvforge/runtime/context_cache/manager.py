@@ -481,20 +481,20 @@ class ContextCacheManager:
             self.metrics.records_evicted += 1
             self.events.evicted(record)
 
-    # --- reporting, audits and the types' views of a lease ------------------------------------------
+    # --- reporting, audits, the types' views of a lease (their second pass: protocol.py, issue 53) ---------
 
-    def restored_spans(self, lease: Lease) -> list[tuple[int, int]]:
-        """The prompt ranges the types restored in place at admission (a document's K/V): computing skips them."""
+    def restored_spans(self, lease: Lease) -> list[tuple[int, int]]:  # restored at admission: computing skips them
         return sorted(span for kind in self.types for span in kind.restored_spans(lease))
 
-    def page_tables(self, lease: Lease) -> dict[str, list[int]]:
-        """The lease's tables of the page groups beside the global one, each from the type that owns it."""
+    def repair_pass(self, lease: Lease, computed: int) -> tuple[int, int]:
+        return min((kind.repair_pass(lease, computed) for kind in self.types), key=lambda p: (not p[1], p))
+
+    def page_tables(self, lease: Lease) -> dict[str, list[int]]:  # the groups beside the global one, by owner
         return {group: table for kind in self.types for group, table in kind.page_tables(lease).items()}
 
     def profile(self) -> dict:
         blocks = {block.name: block.zeros() if kind is None else kind.counters() for block, kind in self._counted}
         return self.metrics.to_dict(len(self.records), self.pools.to_dict(), blocks)
 
-    def check_invariants(self) -> None:
-        """Audit every refcount, index entry and in-flight key from scratch (tests call this after each step)."""
-        check_invariants(self)
+    # Audit every refcount, index entry and in-flight key from scratch (tests call this after each step).
+    check_invariants = check_invariants

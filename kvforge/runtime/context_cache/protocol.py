@@ -157,6 +157,12 @@ class CacheType(Protocol):
         (a document's K/V): the scheduler moves the sequence's computing past them. No side effects."""
         ...
 
+    def repair_pass(self, lease: Lease, computed: int) -> tuple[int, int]:
+        """A second pass over the prompt (issue 53: documents' `attention` repair), asked before each chunk of the
+        lease is scheduled, `computed` tokens in: (where computing resumes: `computed`, or earlier once the pass
+        ended and chose more to recompute; where the next chunk must end, 0 for anywhere)."""
+        ...
+
     def on_admitted(self, lease: Lease, admission: Admission, num_tokens: int) -> None:
         """The lease of an input of `num_tokens` tokens was admitted (keys known): e.g. announce pages in flight."""
         ...
@@ -281,6 +287,9 @@ class CacheTypeBase:
 
     def restored_spans(self, lease: Lease) -> Sequence[tuple[int, int]]:
         return ()
+
+    def repair_pass(self, lease: Lease, computed: int) -> tuple[int, int]:
+        return computed, 0
 
     def on_admitted(self, lease: Lease, admission: Admission, num_tokens: int) -> None:
         pass

@@ -29,6 +29,7 @@ from kvforge.runtime.context_cache.types.document_chunks import (  # noqa: F401 
     DEFAULT_REPAIR,
     REPAIR_POLICIES,
 )
+from kvforge.runtime.context_cache.types.document_repair import DEFAULT_REPAIR_BUDGET, check_budget
 from kvforge.runtime.engine.state import CheckpointPolicy
 from kvforge.runtime.execution.key_rotation import layer_rotations
 from kvforge.runtime.execution.kv_store import ROTATION_CHECK_TOLERANCE, rotation_error
@@ -172,9 +173,11 @@ class EngineConfig:
         "engines, no draft model.")
     document_repair: str = _option(
         DEFAULT_REPAIR, "--documentRepair", f"With --documentReuse: the tokens of each reused document recomputed "
-        f"in place: {REPAIR_POLICIES[0]} (reuse the stored K/V as it is), {REPAIR_POLICIES[1]} (the first page of "
-        f"each document; default), {REPAIR_POLICIES[2]} (that, and the whole document sharing the most tokens with "
-        f"the question) or {REPAIR_POLICIES[3]} (every document token: exactly a cold run's answer).")
+        f"in place: {REPAIR_POLICIES[0]} (none), {REPAIR_POLICIES[1]} (its first page; default), {REPAIR_POLICIES[2]} "
+        f"(that, and the document sharing most tokens with the question), {REPAIR_POLICIES[3]} (all: a cold run's "
+        f"answer) or {REPAIR_POLICIES[4]} (the first page, then the documents the question attends to most).")
+    document_repair_budget: float = _option(DEFAULT_REPAIR_BUDGET, "--documentRepairBudget", "With --documentRepair "
+        "attention: the fraction (0-1) of a request's document tokens it may recompute beyond the first pages.")
     document_segments: str = _option(SEGMENTS_OFF, "--documentSegments", "With --documentReuse: 'paragraphs' makes "
         "each block of system or user text between blank lines a document (RAG clients' plain-text passages); 'off'.")
     document_segment_min_tokens: int = _option(DEFAULT_SEGMENT_MIN_TOKENS, "--documentSegmentMinTokens", "With "
@@ -255,8 +258,9 @@ ENGINE_OPTION_PANELS: dict[str, tuple[str, ...]] = {
                       "snapshot_message_boundaries", "snapshot_interval_tokens"),
     "Shared KV tier": ("shared_cache", "shared_cache_timeout_ms", "shared_cache_secret", "shared_cache_encrypt"),
     "Routers (KV events)": ("kv_events_endpoint", "kv_events_topic"),
-    "Documents and adapter corrections": ("document_reuse", "document_repair", "document_segments",
-                                          "document_segment_min_tokens", "lora_corrections", "lora_correction_pages"),
+    "Documents and adapter corrections": ("document_reuse", "document_repair", "document_repair_budget",
+                                          "document_segments", "document_segment_min_tokens", "lora_corrections",
+                                          "lora_correction_pages"),
     "Speculative decoding": ("spec_decode", "dflash_block_size", "dspark_scheduler", "dspark_confidence_threshold",
                              "dspark_min_proposal_len", "dspark_max_proposal_len", "spec_draft_engine_dir",
                              "spec_draft_step", "spec_draft_top_k", "spec_verify_size", "spec_prompt_lookup_min",
@@ -364,6 +368,7 @@ def _check_document_reuse(config: EngineConfig, engine: EngineDir) -> None:
         raise InvalidConfig(f"must be one of {', '.join(REPAIR_POLICIES)}, got {config.document_repair!r}",
                             "document_repair")
     check_segment_options(config.document_segments, config.document_segment_min_tokens, config.document_reuse)
+    check_budget(config.document_repair_budget)
     if not config.document_reuse:
         return
     # Each pool layer's keys move by its own RoPE (Gemma's layer types: their bases, linear scaling, proportional

@@ -28,9 +28,12 @@ from kvforge.contract.profile_schema import ADAPTER_CORRECTIONS, DOCUMENT_KV_PAG
 from kvforge.contract.rope import rope_table
 from kvforge.contract.safetensors_map import map_tensor
 from kvforge.contract.window_pool import window_call_tokens
+from kvforge.plugins.attention_mass import check_attention_mass
 from kvforge.plugins.cpu_kernel import cpu_description
 from kvforge.runtime.adapters import LoraRegistry, lora_input_shapes, mark_corrected
 from kvforge.runtime.context_cache.manager import ContextCacheManager
+from kvforge.runtime.context_cache.types.document_chunks import REPAIR_ATTENTION
+from kvforge.runtime.context_cache.types.document_repair import ATTENTION_METER
 from kvforge.runtime.engine.config import (  # noqa: F401 - EngineConfig and the budget helper are re-exported
     EngineConfig,
     ResolvedConfig,
@@ -375,6 +378,9 @@ class Engine:
             model = self.engine_dir.model  # each pool layer's keys move by its own RoPE (issue 53: Gemma)
             copiers[DOCUMENT_KV_PAGES] = DocumentKVStore(self.backend.kv_store, resolved.num_pages,
                                                          layer_rotations(model), model.kv_cache_dtype)
+            if config.document_repair == REPAIR_ATTENTION:  # the kernel's mass output, or a one-line refusal
+                build = self.engine_dir.build
+                copiers[ATTENTION_METER] = check_attention_mass(build.attention, build.kernel_kv_write)
         if self.corrector is not None:
             copiers[ADAPTER_CORRECTIONS] = self.corrector
         return copiers
@@ -382,7 +388,8 @@ class Engine:
     @staticmethod
     def _document_options(config: EngineConfig) -> dict:
         """The document type's options (issue 37): its switch and repair policy."""
-        return {"document_reuse": True, "document_repair": config.document_repair} if config.document_reuse else {}
+        return {"document_reuse": True, "document_repair": config.document_repair,
+                "document_repair_budget": config.document_repair_budget} if config.document_reuse else {}
 
     def _correction_options(self, config: EngineConfig, num_pages: int) -> dict:
         """The adapter_corrections type's budget (0: the type's default), bounded by what the pool can use."""

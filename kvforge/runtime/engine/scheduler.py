@@ -158,28 +158,52 @@ class Scheduler:
 
     def _tokens_for(self, seq: Sequence, budget: int) -> int:
         """A chunk ends at the sequence's next checkpoint, so its state there can be captured after the call, and
-        where a restored document range begins; a sequence at the start of one moves past it (its K/V is in place)."""
-        count = min(seq.num_pending_tokens, budget, self.prefill_chunk_tokens, seq.tokens_to_next_checkpoint())
+        where a restored document range begins; a sequence at the start of one moves past it (its K/V is in place).
+        A cache type's second pass (`repair_pass`) may end the chunk earlier or move the sequence back."""
+        stop = self._repair_pass(seq) if seq.lease is not None and not seq.output_ids else 0  # prompts only
+        count = self._chunk(seq, budget, stop)
         if seq.lease is None:
             return count
         for start, end in self.cache.restored_spans(seq.lease):
             if start <= seq.num_computed_tokens < end:
                 seq.num_computed_tokens = end
-                count = min(seq.num_pending_tokens, budget, self.prefill_chunk_tokens,
-                            seq.tokens_to_next_checkpoint())
+                count = self._chunk(seq, budget, stop)
             elif seq.num_computed_tokens < start:
                 return min(count, start - seq.num_computed_tokens)
         return count
 
-    def cached_tokens(self, seq: Sequence) -> int:
+    def _chunk(self, seq: Sequence, budget: int, stop: int) -> int:
+        count = min(seq.num_pending_tokens, budget, self.prefill_chunk_tokens, seq.tokens_to_next_checkpoint())
+        return min(count, stop - seq.num_computed_tokens) if stop > seq.num_computed_tokens else count
+
+    def _repair_pass(self, seq: Sequence) -> int:
+        """Ask the cache whether a second pass over the prompt moves `seq` back (issue 53: documents' `attention`
+        repair reads where the question looked, then recomputes the documents it chose and the question): the
+        tokens it takes back from the restored ones are no longer cached. Returns where its next chunk must end
+        (0: anywhere)."""
+        assert seq.lease is not None
+        spans = self.cache.restored_spans(seq.lease)
+        resume, stop = self.cache.repair_pass(seq.lease, seq.num_computed_tokens)
+        if resume < seq.num_computed_tokens:
+            if seq.num_preemptions == 0:
+                base = seq.lease.reuse_tokens
+                seq.reused_tokens -= self.cached_tokens(seq, base, spans) - self.cached_tokens(seq, base)
+            seq.num_computed_tokens = resume
+        return stop
+
+    def cached_tokens(self, seq: Sequence, start: int | None = None,
+                      spans: list[tuple[int, int]] | None = None) -> int:
         """The prompt tokens a sequence starts with from a cache: those before its computing starts (pages,
         snapshots, a shared tier's load) and the restored spans after them (a document's K/V, issue 37), except the
         tokens the requests queued for it (`prerequisites`, a document's standalone prefill) computed: those were
         computed for it (issue 52 item 3); what such a request loaded from a cache (a shared tier) existed before and
         counts. A document another request's prefill was already computing when this one arrived counts as cached,
-        as a prefix in flight does."""
-        start = total = seq.num_computed_tokens
-        for begin, end in () if seq.lease is None else self.cache.restored_spans(seq.lease):
+        as a prefix in flight does. `start` and `spans` (the sequence's computing point and restored spans by default)
+        ask what another point or set of spans would count."""
+        start = total = seq.num_computed_tokens if start is None else start
+        if spans is None:
+            spans = [] if seq.lease is None else self.cache.restored_spans(seq.lease)
+        for begin, end in spans:
             until = end
             producer = seq.produced_for.get(end)
             if producer is not None:  # only what its producer found in a cache (a shared tier) existed before

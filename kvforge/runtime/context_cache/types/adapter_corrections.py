@@ -39,7 +39,7 @@ from kvforge.runtime.context_cache.pools import ResourcePool
 from kvforge.runtime.context_cache.protocol import CacheSetup, CacheTypeBase, Lookup, Publication
 from kvforge.runtime.context_cache.records import Record
 from kvforge.runtime.context_cache.support import PLAIN_DECODING, CacheSupport, ReuseOff, Tier, refusal
-from kvforge.runtime.context_cache.types.document_chunks import documents_of
+from kvforge.runtime.context_cache.types.document_inputs import documents_of
 from kvforge.runtime.context_cache.types.draft_paths import is_speculative
 from kvforge.runtime.types import Deployment
 

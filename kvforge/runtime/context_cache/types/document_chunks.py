@@ -19,9 +19,11 @@ Decisions, written down as the issue asks:
   that reads it), and a page behind the window is never allocated, read or written. The hits' slots stay pinned
   until then.
 - **Repair recomputes the first tokens of each document in place** (`first-page`: one page of tokens; `overlap`:
-  that, and all of the document closest to the question; `full`: all of them, which must give exactly a cold run's
-  tokens; `none`: nothing). Repair is contiguous, so it is plain causal attention with today's kernel. The
-  scheduler ends a chunk where a restored range begins and moves `num_computed_tokens` past it.
+  that, and all of the document closest to the question; `attention`: that, and the documents the question's
+  attention falls on, within a budget, chosen in a first pass over the question (types/document_repair.py);
+  `full`: all of them, which must give exactly a cold run's tokens; `none`: nothing). Repair is contiguous, so
+  it is plain causal attention with today's kernel. The scheduler ends a chunk where a restored range begins and
+  moves `num_computed_tokens` past it.
 - **Approximate K/V never becomes findable under exact keys.** `lease.exact_tokens` is set to the first restored
   position: nothing from there on is indexed in flight or published. Exact prefix reuse before it works as before.
 - **Short documents** (issue 53): a document of at least `MIN_DOCUMENT_TOKENS` tokens is reusable whatever the page
@@ -56,11 +58,28 @@ from kvforge.runtime.context_cache.pools import ResourcePool
 from kvforge.runtime.context_cache.protocol import CacheSetup, CacheTypeBase, Lookup, Publication
 from kvforge.runtime.context_cache.records import Record, RecordStore
 from kvforge.runtime.context_cache.support import WITHOUT_DRAFT_MODEL, CacheSupport, ReuseOff, Tier
+from kvforge.runtime.context_cache.types.document_inputs import (
+    DocumentHit,
+    StoredDocument,
+    document_input,
+    documents_of,
+)
+from kvforge.runtime.context_cache.types.document_repair import (
+    ATTENTION_METER,
+    DEFAULT_REPAIR_BUDGET,
+    MassMeter,
+    QuestionPass,
+    check_budget,
+    chosen_repairs,
+    closest_to_question,
+    start_pass,
+)
 from kvforge.runtime.types import Deployment
 
-DOCUMENT_OPTIONS = ("document_reuse", "document_repair")
+DOCUMENT_OPTIONS = ("document_reuse", "document_repair", "document_repair_budget")
 REPAIR_NONE, REPAIR_FIRST_PAGE, REPAIR_OVERLAP, REPAIR_FULL = "none", "first-page", "overlap", "full"
-REPAIR_POLICIES = (REPAIR_NONE, REPAIR_FIRST_PAGE, REPAIR_OVERLAP, REPAIR_FULL)
+REPAIR_ATTENTION = "attention"  # first-page, then what the question's attention reads (issue 53)
+REPAIR_POLICIES = (REPAIR_NONE, REPAIR_FIRST_PAGE, REPAIR_OVERLAP, REPAIR_FULL, REPAIR_ATTENTION)
 # experiments/reuse/document_reuse.py on SmolLM2 (16 requests, 3 of 8 reports each): first-page answered 8/16 right
 # against full prefill's 9/16 with 42 % of prompt tokens cached and a quarter of the TTFT; none 2/16; overlap no better
 # than first-page for more recomputation (docs/document-reuse.md).
@@ -110,59 +129,6 @@ class DocumentCopier(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class DocumentInput:
-    """A request's input to this type: its prompt's document spans (start, length), or (`produces`) that the request
-    is a document's standalone prefill at position 0, whose published prompt becomes the stored form."""
-
-    spans: tuple[tuple[int, int], ...] = ()
-    produces: bool = False
-    skipped: tuple[str, ...] = ()  # the reasons of the document items the input processor could give no span
-
-
-NO_DOCUMENTS = DocumentInput()
-
-
-def document_input(spans: Iterable[tuple[int, int]] = (), produces: bool = False,
-                   skipped: Iterable[str] = ()) -> Inputs:
-    """The per-type input entry of a request with these document spans (or a producer); empty without either."""
-    entry = DocumentInput(tuple(spans), produces, tuple(skipped))
-    return {schema.DOCUMENT_KV_PAGES: entry} if entry != NO_DOCUMENTS else {}
-
-
-def documents_of(inputs: Inputs) -> DocumentInput:
-    return inputs.get(schema.DOCUMENT_KV_PAGES, NO_DOCUMENTS)
-
-
-@dataclass(frozen=True, slots=True)
-class StoredDocument:
-    """A record's part: the document's tokens and the slots of this pool holding its K/V at positions 0..n-1."""
-
-    key: bytes
-    tokens: tuple[int, ...]
-    slots: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class DocumentHit:
-    """One document span of a request served from a stored form: tokens [start, start + repair) are recomputed,
-    [start + repair, start + length) restored from `slots` (rotated by `start`)."""
-
-    start: int
-    length: int
-    repair: int
-    record_id: int
-    slots: tuple[int, ...]
-
-    @property
-    def restored(self) -> tuple[int, int]:
-        return self.start + self.repair, self.start + self.length
-
-    @property
-    def reused_tokens(self) -> int:
-        return self.length - self.repair
-
-
-@dataclass(frozen=True, slots=True)
 class DocumentPart:
     """This type's part of a plan and a lease: the hits of a request, or (a standalone prefill) the key it produces
     and the slots reserved for its stored form."""
@@ -175,6 +141,7 @@ class DocumentPart:
     # A lease's logical pages, per page group beside the global one, holding restored rows that group has no page
     # for yet (a window group allocates them as the row reaches them: they are copied then, `on_grown`).
     waiting: dict[str, set[int]] = field(default_factory=dict, compare=False)
+    question: QuestionPass | None = None  # `attention`: the first pass over the question, while it runs
 
     @property
     def length(self) -> int:
@@ -204,9 +171,11 @@ def build_document_chunks(setup: CacheSetup, name: str) -> DocumentChunks | None
     repair = setup.options.get("document_repair", DEFAULT_REPAIR)
     if repair not in REPAIR_POLICIES:
         raise InvalidConfig(f"must be one of {', '.join(REPAIR_POLICIES)}, got {repair!r}", "document_repair")
+    budget = check_budget(setup.options.get("document_repair_budget", DEFAULT_REPAIR_BUDGET))
     # The stored forms get as many slots as the pool has pages (the store maps a slot's memory only when written).
     return DocumentChunks(ResourcePool(name, setup.num_pages), setup.tokens_per_page, setup.chain_root, repair,
-                          setup.copier(name), setup.records, setup.page_tables)
+                          setup.copier(name), setup.records, setup.page_tables, budget,
+                          setup.copier(ATTENTION_METER) if repair == REPAIR_ATTENTION else None)
 
 
 class DocumentChunks(CacheTypeBase):
@@ -214,11 +183,12 @@ class DocumentChunks(CacheTypeBase):
     (the record of its standalone prefill), so the coordinator's LRU evicts documents like any record."""
 
     __slots__ = ("name", "pool", "tokens_per_page", "chain_root", "repair", "copier", "records", "metrics",
-                 "group_tables", "_by_key", "_producing")
+                 "group_tables", "_by_key", "_producing", "budget", "meter")
 
     def __init__(self, pool: ResourcePool, tokens_per_page: int, chain_root: bytes, repair: str,
                  copier: DocumentCopier | None, records: RecordStore,
-                 group_tables: Callable[[Lease], Mapping[str, list[int]]] = lambda lease: {}) -> None:
+                 group_tables: Callable[[Lease], Mapping[str, list[int]]] = lambda lease: {},
+                 budget: float = DEFAULT_REPAIR_BUDGET, meter: MassMeter | None = None) -> None:
         self.name = pool.name
         self.pool = pool
         self.tokens_per_page = tokens_per_page
@@ -230,6 +200,8 @@ class DocumentChunks(CacheTypeBase):
         self.metrics = DOCUMENT_COUNTERS.zeros()
         self._by_key: dict[bytes, Record] = {}  # document key -> the record holding its stored form
         self._producing: dict[bytes, Lease] = {}  # document key -> the running standalone prefill producing it
+        self.budget = budget  # `attention`: the fraction of a request's document tokens its pass may recompute
+        self.meter = meter  # `attention`: the attention kernel's mass output (None: it stays first-page)
 
     # --- which spans are documents to reuse ----------------------------------------------------------
 
@@ -272,6 +244,28 @@ class DocumentChunks(CacheTypeBase):
         part = lease.parts.get(self.name)
         return () if part is None else part.restored_spans
 
+    def repair_pass(self, lease: Lease, computed: int) -> tuple[int, int]:
+        """`attention`: the first pass ends before the prompt's last token; there the question's mass per document
+        is read, the budget spent (document_repair.py) and computing resumes at the first newly repaired token."""
+        part = lease.parts.get(self.name)
+        if part is None or part.question is None:
+            return computed, 0
+        if computed < part.question.end:
+            return computed, part.question.end
+        reading = self.meter.read(part.question.watch)  # type: ignore[union-attr]
+        self.metrics[schema.DOCUMENT_ATTENTION_PASSES] += reading.rows > 0
+        hits = chosen_repairs(reading, part.hits, self.budget)
+        lease.parts[self.name] = replace(part, hits=hits, question=None)
+        resume = computed
+        for old, new in zip(part.hits, hits, strict=True):
+            if new.repair > old.repair:
+                extra = new.repair - old.repair
+                self.metrics[schema.DOCUMENT_ATTENTION_REPAIRED_TOKENS] += extra
+                self.metrics[schema.DOCUMENT_REPAIRED_TOKENS] += extra
+                self.metrics[schema.DOCUMENT_REUSED_TOKENS] -= extra
+                resume = min(resume, old.start + old.repair)
+        return resume, 0
+
     @property
     def _capacity_tokens(self) -> int:
         return self.pool.capacity * self.tokens_per_page
@@ -308,22 +302,8 @@ class DocumentChunks(CacheTypeBase):
             repair = {REPAIR_NONE: 0, REPAIR_FULL: length}.get(self.repair, min(T, length))
             hits.append(DocumentHit(start, length, repair, record.record_id, stored.slots))
         if hits and self.repair == REPAIR_OVERLAP:
-            hits = self._repair_closest(hits, tokens, documents.spans)
+            hits = closest_to_question(hits, tokens, documents.spans)
         return agreed.with_part(self.name, DocumentPart(hits=tuple(hits))) if hits else agreed
-
-    @staticmethod
-    def _repair_closest(hits: list[DocumentHit], tokens: np.ndarray,
-                        documents: Sequence[tuple[int, int]]) -> list[DocumentHit]:
-        """`overlap`: besides each document's first page, recompute the whole document that shares the most distinct
-        token ids with the question (the prompt after its last document). A lexical stand-in for the document the
-        question attends to most, which the engine's outputs do not expose."""
-        question = set(tokens[max(start + length for start, length in documents):].tolist())
-        scores = [len(question & set(tokens[hit.start:hit.start + hit.length].tolist())) for hit in hits]
-        best = max(range(len(hits)), key=lambda i: (scores[i], -i))
-        if not scores[best]:
-            return hits
-        return [DocumentHit(h.start, h.length, h.length, h.record_id, h.slots) if i == best else h
-                for i, h in enumerate(hits)]
 
     def keeps_tail_of(self, lease: Lease) -> bool:
         """A standalone prefill of a document shorter than a page publishes its one partial page: that is the
@@ -386,8 +366,9 @@ class DocumentChunks(CacheTypeBase):
             pages = {page for hit in part.hits if hit.reused_tokens
                      for page in range(hit.restored[0] // T, pages_for(hit.restored[1], T))}
             groups = self.group_tables(lease) if self.copier is not None else {}
-            lease.parts[self.name] = part = replace(part, waiting={group: set(pages) for group in groups})
+            lease.parts[self.name] = replace(part, waiting={group: set(pages) for group in groups})
             self.on_grown(lease)
+            part = lease.parts[self.name]  # on_grown may have unpinned the hits' slots: never keep a stale part
         if part is not None and part.produces:
             self._producing.setdefault(part.produces, lease)
         elif not (documents := documents_of(admission.inputs)).produces:
@@ -397,6 +378,12 @@ class DocumentChunks(CacheTypeBase):
                                             for start, length in documents.spans)]
             for reason in filter(None, reasons):
                 self.metrics[schema.DOCUMENTS_SKIPPED[reason]] += 1
+            if part is not None and part.reused_tokens and self.repair == REPAIR_ATTENTION:
+                # The question: the prompt after its last document (as `overlap` reads it).
+                question = max(start + length for start, length in documents.spans)
+                watched = start_pass(self.meter, lease.page_ids, self.tokens_per_page, question, num_tokens)
+                if watched is not None:
+                    lease.parts[self.name] = replace(part, question=watched)
 
     def on_grown(self, lease: Lease) -> None:
         """Restored rows whose pages another group (a window group) just gave the lease are copied into them now,
@@ -425,6 +412,8 @@ class DocumentChunks(CacheTypeBase):
 
     def release(self, lease: Lease) -> None:
         part = lease.parts.get(self.name)
+        if part is not None and part.question is not None:
+            self.meter.read(part.question.watch)  # type: ignore[union-attr]  # disarmed: its pages go back
         if part is None:
             return
         if part.produces and self._producing.get(part.produces) is lease:

@@ -17,7 +17,7 @@ from kvforge.runtime.context_cache.pools import ResourcePool
 from kvforge.runtime.context_cache.protocol import CacheSetup, Lookup, Publication, SnapshotRestore
 from kvforge.runtime.context_cache.records import Record, RecordStore
 from kvforge.runtime.context_cache.support import ALL_METHODS, NOT_ON_WINDOW_GROUP, CacheSupport, ReuseOff, Tier
-from kvforge.runtime.context_cache.types.document_chunks import documents_of
+from kvforge.runtime.context_cache.types.document_inputs import documents_of
 from kvforge.runtime.types import Deployment
 
 PARTIAL_OPTIONS = ("partial_kv_snapshot_slots",)
