@@ -308,29 +308,31 @@ void direct_item(void* data, size_t item) {
 // and the min terms added a chunk of blocks at a time: a row's arithmetic depends on K alone, never on the row
 // count, the column split or the thread, so verification rows still equal decode rows bit for bit.
 
-// Row r of x into the call's int8 buffers (plain C++, compiled per target like the rest: the same rounding on each).
-void quantize_row(const float* x, int64_t blocks, int64_t padded, int8_t* xq, float* dx, float* xs) {
-  for (int64_t b = 0; b < padded; ++b) {
-    float amax = 0.0f, sum = 0.0f;
-    const float* in = x + b * kBlock;
-    if (b < blocks) {
-      for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(in[i]));
-      for (int64_t i = 0; i < kBlock; ++i) sum += in[i];  // in order: no -ffast-math, so never reassociated
-    }
-    const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
-    for (int64_t i = 0; i < kBlock; ++i)
-      xq[b * kBlock + i] = b < blocks ? static_cast<int8_t>(std::nearbyint(in[i] * inverse)) : 0;
-    for (int i = 0; i < 8; ++i) dx[b * 8 + i] = amax / 127.0f;
-    xs[b] = sum;
-  }
-}
-
 #if KVF_AVX512
 using IVec = __m512i;
 using FVec = __m512;
 constexpr int64_t kStep = 2;    // blocks a vector holds
 constexpr int64_t kChunk = 16;  // blocks whose min terms are added at once (a vector of xs)
 
+#if HWY_TARGET == HWY_AVX3_DL
+// Blocks b and b + 1 of a column (b + 1 < blocks when `two`) from one masked load of their 48 bytes, spread by
+// one VPERMB into the interleaved order quantize_row writes the activations in: bytes 0..15 elements 0..15 of block
+// b, 16..31 those of block b + 1, 32..63 elements 16..31 of each (the high nibbles); the scales to match, by
+// VPERMPS (lanes 0..3 and 8..11 d_b, 4..7 and 12..15 d_(b+1)).
+constexpr bool kInterleaved = true;
+inline void load_step(const uint8_t* block, bool two, IVec& w, FVec& d) {
+  const __m512i spread = _mm512_set_epi8(
+      39, 38, 37, 36, 35, 34, 33, 32, 31, 30, 29, 28, 27, 26, 25, 24, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2,
+      1, 0, 39, 38, 37, 36, 35, 34, 33, 32, 31, 30, 29, 28, 27, 26, 25, 24, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3,
+      2, 1, 0);
+  const __m512i raw = _mm512_maskz_loadu_epi8(two ? 0xFFFFFFFFFFFFull : 0xFFFFFFull, block);
+  const __m512i values = _mm512_permutexvar_epi8(spread, raw);
+  w = _mm512_and_si512(_mm512_mask_srli_epi16(values, 0xFFFF0000u, values, 4), _mm512_set1_epi8(0x0F));
+  d = _mm512_permutexvar_ps(_mm512_set_epi32(10, 10, 10, 10, 4, 4, 4, 4, 10, 10, 10, 10, 4, 4, 4, 4),
+                            _mm512_castsi512_ps(raw));
+}
+#else
+constexpr bool kInterleaved = false;
 // Blocks b and b + 1 of a column (b + 1 < blocks when `two`): the 4-bit values as bytes 0..63 in element order
 // (block b's 32, then block b + 1's), and the scales to match (lanes 0..7 d_b, 8..15 d_(b+1)).
 inline void load_step(const uint8_t* block, bool two, IVec& w, FVec& d) {
@@ -342,6 +344,7 @@ inline void load_step(const uint8_t* block, bool two, IVec& w, FVec& d) {
   d = _mm512_insertf32x8(_mm512_set1_ps(block_float(block, kValueBytes<4>)),
                          _mm256_set1_ps(two ? block_float(block + kBlockBytes<4>, kValueBytes<4>) : 0.0f), 1);
 }
+#endif
 inline IVec dot_bytes(IVec w, IVec xq) {  // lane l: the sum of 4 products (AVX3_DL) or of 4 products in 2 pairs
 #if HWY_TARGET == HWY_AVX3_DL
   return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xq);
@@ -359,6 +362,7 @@ inline float lane_sum(FVec v) { return _mm512_reduce_add_ps(v); }
 #else  // AVX2
 using IVec = __m256i;
 using FVec = __m256;
+constexpr bool kInterleaved = false;
 constexpr int64_t kStep = 1;
 constexpr int64_t kChunk = 8;
 
@@ -380,6 +384,28 @@ inline float lane_sum(FVec v) {  // one fixed tree
   return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
 }
 #endif
+
+// Row x into the call's int8 buffers (plain C++, compiled per target like the rest: the same rounding on each). With
+// kInterleaved (AVX3_DL), each pair of blocks in load_step's order: element i of block 2p + h at byte 64p + 32 (i /
+// 16) + 16h + i % 16, its scale in lanes 4h..4h+3 and 8+4h..8+4h+3 of the pair's 16.
+void quantize_row(const float* x, int64_t blocks, int64_t padded, int8_t* xq, float* dx, float* xs) {
+  for (int64_t b = 0; b < padded; ++b) {
+    float amax = 0.0f, sum = 0.0f;
+    const float* in = x + b * kBlock;
+    if (b < blocks) {
+      for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(in[i]));
+      for (int64_t i = 0; i < kBlock; ++i) sum += in[i];  // in order: no -ffast-math, so never reassociated
+    }
+    const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const int64_t h = b % 2, pair = b - h;
+    for (int64_t i = 0; i < kBlock; ++i) {
+      const int64_t at = kInterleaved ? pair * kBlock + (i / 16) * 32 + h * 16 + i % 16 : b * kBlock + i;
+      xq[at] = b < blocks ? static_cast<int8_t>(std::nearbyint(in[i] * inverse)) : 0;
+    }
+    for (int i = 0; i < 8; ++i) dx[kInterleaved ? pair * 8 + (i / 4) * 8 + h * 4 + i % 4 : b * 8 + i] = amax / 127.0f;
+    xs[b] = sum;
+  }
+}
 
 // Columns c0..c0+NC-1 against rows r0..r0+NR-1, each block decoded once for all the rows.
 template <int NC, int NR>
