@@ -78,14 +78,13 @@ struct Call {
   const uint8_t* blocks;  // [N, K / 32, 24] (4-bit) or [N, K / 32, 40] (8-bit)
   float* y;               // [rows, N]
   float* dequantized;     // [N, K] (the many-rows path)
-  // The int8 decode rows (quantize_rows): per row, blocks padded to kPadBlocks, zeros past K / 32.
-  const int8_t* xq = nullptr;  // [rows, padded * 32] the activations in int8, one symmetric scale per block
+  // AVX2's int16 decode rows (run_int16): per row, blocks padded to a multiple of 8, zeros past K / 32.
+  const int16_t* xq = nullptr;  // [rows, padded * 32] the activations in int16, one symmetric scale per block
   const float* dx = nullptr;   // [rows, padded * 8] each block's scale, repeated 8 times (a vector's lanes)
   const float* xs = nullptr;   // [rows, padded] each block's float32 sum of the activations (for the mins)
   int64_t padded = 0;          // blocks per row in those buffers
 };
 
-constexpr int64_t kPadBlocks = 16;  // the int8 buffers' blocks are padded to a multiple of this (a 16-lane vector)
 
 inline float block_float(const uint8_t* block, int64_t offset) {
   float value;
@@ -283,112 +282,32 @@ void direct_item(void* data, size_t item) {
   }
 }
 
-#undef KVF_INT8
-#if HWY_TARGET == HWY_AVX2 || KVF_AVX512
-#define KVF_INT8 1  // 4-bit decode and verify rows in integers (the targets below keep the float path)
+#undef KVF_INT16
+#if HWY_TARGET == HWY_AVX2
+#define KVF_INT16 1  // 4-bit decode and verify rows in integers (every other target keeps the float path)
 #else
-#define KVF_INT8 0
+#define KVF_INT16 0
 #endif
 
-#if KVF_INT8
-#if HWY_TARGET == HWY_AVX3_DL
-// Highway 1.0.3's AVX3_DL attributes name AVX-VNNI but not AVX512_VNNI, which its run-time check requires of the
-// target (every CPU it picks AVX3_DL on has it): added for this section's VPDPBUSD.
-#pragma GCC push_options
-#pragma GCC target("avx512vnni")
-#endif
-// ---- decode and verify rows in int8 (4-bit blocks): llama.cpp's Q4_1 x Q8_0 arithmetic ----
+#if KVF_INT16
+// ---- AVX2 decode and verify rows in int16 (4-bit blocks) ----
 //
-// Each activation row is quantized once per call, block by block: scale dx = max |x| / 127 and xq = x * (127 /
-// max |x|) rounded to nearest even (|xq| <= 127), and the block's float32 sum s of x is kept. A block's dot product
-// with a column's block (scale d, min m, 4-bit q) is then d * dx * sum(q * xq) + m * s: the sum of products is
-// exact in int32 (VPMADDUBSW + VPMADDWD: |q * xq| <= 1905, a pair <= 3810, no saturation; VPDPBUSD on AVX3_DL), so
-// the only new error is xq's rounding, at most dx / 2 an element, and the min term keeps the exact activations.
-// Per row and block: one integer dot, one conversion, one scale product and one FMA, lane by lane in block order,
-// and the min terms added a chunk of blocks at a time: a row's arithmetic depends on K alone, never on the row
-// count, the column split or the thread, so verification rows still equal decode rows bit for bit.
+// The float path spends most of an AVX2 decode row decoding weights (widen, convert, one FMA per 8 weights) for 4
+// FMAs of use per block. Here each activation row is quantized once per call, block by block: scale dx = max |x| /
+// 32767 and xq = x * (32767 / max |x|) rounded to nearest even, and the block's float32 sum s of x is kept. A block's
+// dot product with a column's block (scale d, min m, 4-bit q) is d * dx * sum(q * xq) + m * s: the 4-bit values
+// widen to int16 in one instruction, VPMADDWD sums their products exactly in int32 (|q * xq| <= 15 * 32767), and the
+// only new error is xq's rounding, at most dx / 2 an element (1 / 65534 of the block's largest activation); the min
+// term keeps the exact activations. int8 activations (llama.cpp's Q8_0, VPMADDUBSW) were tried and failed the int4
+// quality bar on SmolLM2 (top-1 agreement 92.5 %, 2 of 10 answers equal; docs/benchmarks.md), as they did on AVX-512
+// with VPDPBUSD, which besides gained nothing there: AVX-512 keeps its float table path.
+// Per row and block: two VPMADDWD, an add, one conversion, one scale product and one FMA, lane by lane in block
+// order, and the min terms added 8 blocks at a time: a row's arithmetic depends on K alone, never on the row count,
+// the column split or the thread, so verification rows still equal decode rows bit for bit.
+constexpr int64_t kChunk = 8;  // blocks whose min terms are added at once (a vector of xs)
 
-#if KVF_AVX512
-using IVec = __m512i;
-using FVec = __m512;
-constexpr int64_t kStep = 2;    // blocks a vector holds
-constexpr int64_t kChunk = 16;  // blocks whose min terms are added at once (a vector of xs)
-
-#if HWY_TARGET == HWY_AVX3_DL
-// Blocks b and b + 1 of a column (b + 1 < blocks when `two`) from one masked load of their 48 bytes, spread by
-// one VPERMB into the interleaved order quantize_row writes the activations in: bytes 0..15 elements 0..15 of block
-// b, 16..31 those of block b + 1, 32..63 elements 16..31 of each (the high nibbles); the scales to match, by
-// VPERMPS (lanes 0..3 and 8..11 d_b, 4..7 and 12..15 d_(b+1)).
-constexpr bool kInterleaved = true;
-inline void load_step(const uint8_t* block, bool two, IVec& w, FVec& d) {
-  const __m512i spread = _mm512_set_epi8(
-      39, 38, 37, 36, 35, 34, 33, 32, 31, 30, 29, 28, 27, 26, 25, 24, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2,
-      1, 0, 39, 38, 37, 36, 35, 34, 33, 32, 31, 30, 29, 28, 27, 26, 25, 24, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3,
-      2, 1, 0);
-  const __m512i raw = _mm512_maskz_loadu_epi8(two ? 0xFFFFFFFFFFFFull : 0xFFFFFFull, block);
-  const __m512i values = _mm512_permutexvar_epi8(spread, raw);
-  w = _mm512_and_si512(_mm512_mask_srli_epi16(values, 0xFFFF0000u, values, 4), _mm512_set1_epi8(0x0F));
-  d = _mm512_permutexvar_ps(_mm512_set_epi32(10, 10, 10, 10, 4, 4, 4, 4, 10, 10, 10, 10, 4, 4, 4, 4),
-                            _mm512_castsi512_ps(raw));
-}
-#else
-constexpr bool kInterleaved = false;
-// Blocks b and b + 1 of a column (b + 1 < blocks when `two`): the 4-bit values as bytes 0..63 in element order
-// (block b's 32, then block b + 1's), and the scales to match (lanes 0..7 d_b, 8..15 d_(b+1)).
-inline void load_step(const uint8_t* block, bool two, IVec& w, FVec& d) {
-  const __m128i v0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block));
-  const __m128i v1 = two ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kBlockBytes<4>))
-                         : _mm_setzero_si128();
-  const __m256i lo = _mm256_set_m128i(_mm_srli_epi16(v0, 4), v0), hi = _mm256_set_m128i(_mm_srli_epi16(v1, 4), v1);
-  w = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), _mm512_set1_epi8(0x0F));
-  d = _mm512_insertf32x8(_mm512_set1_ps(block_float(block, kValueBytes<4>)),
-                         _mm256_set1_ps(two ? block_float(block + kBlockBytes<4>, kValueBytes<4>) : 0.0f), 1);
-}
-#endif
-inline IVec dot_bytes(IVec w, IVec xq) {  // lane l: the sum of 4 products (AVX3_DL) or of 4 products in 2 pairs
-#if HWY_TARGET == HWY_AVX3_DL
-  return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xq);
-#else
-  return _mm512_madd_epi16(_mm512_maddubs_epi16(w, xq), _mm512_set1_epi16(1));
-#endif
-}
-inline IVec load_q(const int8_t* p) { return _mm512_loadu_si512(p); }
-inline FVec load_f(const float* p) { return _mm512_loadu_ps(p); }
-inline FVec fzero() { return _mm512_setzero_ps(); }
-inline FVec convert(IVec v) { return _mm512_cvtepi32_ps(v); }
-inline FVec mul(FVec a, FVec b) { return _mm512_mul_ps(a, b); }
-inline FVec mul_add(FVec a, FVec b, FVec c) { return _mm512_fmadd_ps(a, b, c); }
-inline float lane_sum(FVec v) { return _mm512_reduce_add_ps(v); }
-#else  // AVX2
-using IVec = __m256i;
-using FVec = __m256;
-constexpr bool kInterleaved = false;
-constexpr int64_t kStep = 1;
-constexpr int64_t kChunk = 8;
-
-inline void load_step(const uint8_t* block, bool, IVec& w, FVec& d) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block));
-  w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
-  d = _mm256_set1_ps(block_float(block, kValueBytes<4>));
-}
-inline IVec dot_bytes(IVec w, IVec xq) { return _mm256_madd_epi16(_mm256_maddubs_epi16(w, xq), _mm256_set1_epi16(1)); }
-inline IVec load_q(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-inline FVec load_f(const float* p) { return _mm256_loadu_ps(p); }
-inline FVec fzero() { return _mm256_setzero_ps(); }
-inline FVec convert(IVec v) { return _mm256_cvtepi32_ps(v); }
-inline FVec mul(FVec a, FVec b) { return _mm256_mul_ps(a, b); }
-inline FVec mul_add(FVec a, FVec b, FVec c) { return _mm256_fmadd_ps(a, b, c); }
-inline float lane_sum(FVec v) {  // one fixed tree
-  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
-  return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
-}
-#endif
-
-// Row x into the call's int8 buffers (plain C++, compiled per target like the rest: the same rounding on each). With
-// kInterleaved (AVX3_DL), each pair of blocks in load_step's order: element i of block 2p + h at byte 64p + 32 (i /
-// 16) + 16h + i % 16, its scale in lanes 4h..4h+3 and 8+4h..8+4h+3 of the pair's 16.
-void quantize_row(const float* x, int64_t blocks, int64_t padded, int8_t* xq, float* dx, float* xs) {
+// Row x into the call's buffers (plain C++, compiled for this target alone).
+void quantize_row(const float* x, int64_t blocks, int64_t padded, int16_t* xq, float* dx, float* xs) {
   for (int64_t b = 0; b < padded; ++b) {
     float amax = 0.0f, sum = 0.0f;
     const float* in = x + b * kBlock;
@@ -396,58 +315,67 @@ void quantize_row(const float* x, int64_t blocks, int64_t padded, int8_t* xq, fl
       for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(in[i]));
       for (int64_t i = 0; i < kBlock; ++i) sum += in[i];  // in order: no -ffast-math, so never reassociated
     }
-    const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
-    const int64_t h = b % 2, pair = b - h;
-    for (int64_t i = 0; i < kBlock; ++i) {
-      const int64_t at = kInterleaved ? pair * kBlock + (i / 16) * 32 + h * 16 + i % 16 : b * kBlock + i;
-      xq[at] = b < blocks ? static_cast<int8_t>(std::nearbyint(in[i] * inverse)) : 0;
-    }
-    for (int i = 0; i < 8; ++i) dx[kInterleaved ? pair * 8 + (i / 4) * 8 + h * 4 + i % 4 : b * 8 + i] = amax / 127.0f;
+    const float inverse = amax > 0.0f ? 32767.0f / amax : 0.0f;
+    for (int64_t i = 0; i < kBlock; ++i)
+      xq[b * kBlock + i] = b < blocks ? static_cast<int16_t>(std::nearbyint(in[i] * inverse)) : 0;
+    for (int i = 0; i < 8; ++i) dx[b * 8 + i] = amax / 32767.0f;
     xs[b] = sum;
   }
 }
 
+inline float lane_sum(__m256 v) {  // one fixed tree
+  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+}
+
 // Columns c0..c0+NC-1 against rows r0..r0+NR-1, each block decoded once for all the rows.
 template <int NC, int NR>
-void int8_group(const Call& c, int64_t c0, int64_t r0) {
+void int16_group(const Call& c, int64_t c0, int64_t r0) {
   constexpr int64_t kBytes = kBlockBytes<4>;
   const int64_t k = c.kernel->k, n = c.kernel->n, blocks = k / kBlock, padded = c.padded;
-  FVec acc[NC][NR];
+  __m256 acc[NC][NR];
   for (int j = 0; j < NC; ++j)
-    for (int r = 0; r < NR; ++r) acc[j][r] = fzero();
+    for (int r = 0; r < NR; ++r) acc[j][r] = _mm256_setzero_ps();
   constexpr int64_t span = NC * kBytes;  // the next column group, prefetched a block step ahead (see dot_group)
   const bool prefetch = c0 + 2 * NC <= n;
   const char* ahead = reinterpret_cast<const char*>(c.blocks + (prefetch ? (c0 + NC) * blocks * kBytes : 0));
-  alignas(64) float mins[NC][kChunk];
+  const __m256i nibble = _mm256_set1_epi16(0x0F);
+  alignas(32) float mins[NC][kChunk];
   for (int64_t b0 = 0; b0 < blocks; b0 += kChunk) {
     const int64_t end = std::min(b0 + kChunk, blocks);
-    for (int64_t b = b0; b < end; b += kStep) {
+    for (int64_t b = b0; b < end; ++b) {
       if (prefetch) {
         const char* group = ahead + b * span;
-        for (int64_t offset = 0; offset < kStep * span; offset += 64) hwy::Prefetch(group + offset);
-        hwy::Prefetch(group + kStep * span - 1);
+        for (int64_t offset = 0; offset < span; offset += 64) hwy::Prefetch(group + offset);
+        hwy::Prefetch(group + span - 1);
       }
-      const bool two = b + 1 < end;
-      IVec w[NC];
-      FVec d[NC];
+      __m256i low[NC], high[NC];  // elements 0..15 and 16..31 as int16
+      __m256 d[NC];
       for (int j = 0; j < NC; ++j) {
         const uint8_t* block = c.blocks + ((c0 + j) * blocks + b) * kBytes;
-        load_step(block, two, w[j], d[j]);
+        const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
+        low[j] = _mm256_and_si256(v, nibble);
+        high[j] = _mm256_srli_epi16(v, 4);
+        d[j] = _mm256_set1_ps(block_float(block, kValueBytes<4>));
         mins[j][b - b0] = block_float(block, kValueBytes<4> + 4);
-        if (kStep == 2) mins[j][b - b0 + 1] = two ? block_float(block + kBytes, kValueBytes<4> + 4) : 0.0f;
       }
       for (int r = 0; r < NR; ++r) {
-        const int64_t row = r0 + r;
-        const IVec xq = load_q(c.xq + (row * padded + b) * kBlock);
-        const FVec dx = load_f(c.dx + (row * padded + b) * 8);
-        for (int j = 0; j < NC; ++j) acc[j][r] = mul_add(convert(dot_bytes(w[j], xq)), mul(d[j], dx), acc[j][r]);
+        const int16_t* xq = c.xq + ((r0 + r) * padded + b) * kBlock;
+        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 16));
+        const __m256 dx = _mm256_loadu_ps(c.dx + ((r0 + r) * padded + b) * 8);
+        for (int j = 0; j < NC; ++j) {
+          const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(low[j], x0), _mm256_madd_epi16(high[j], x1));
+          acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d[j], dx), acc[j][r]);
+        }
       }
     }
     for (int j = 0; j < NC; ++j)
       for (int64_t b = end; b < b0 + kChunk; ++b) mins[j][b - b0] = 0.0f;  // past K / 32
     for (int r = 0; r < NR; ++r) {  // the chunk's m * s, lane by lane (xs is zero past the row's blocks)
-      const FVec xs = load_f(c.xs + (r0 + r) * padded + b0);
-      for (int j = 0; j < NC; ++j) acc[j][r] = mul_add(load_f(mins[j]), xs, acc[j][r]);
+      const __m256 xs = _mm256_loadu_ps(c.xs + (r0 + r) * padded + b0);
+      for (int j = 0; j < NC; ++j) acc[j][r] = _mm256_fmadd_ps(_mm256_load_ps(mins[j]), xs, acc[j][r]);
     }
   }
   for (int j = 0; j < NC; ++j)
@@ -455,37 +383,36 @@ void int8_group(const Call& c, int64_t c0, int64_t r0) {
 }
 
 template <int NR>
-void int8_rows(const Call& c, int64_t begin, int64_t end, int64_t r0) {
-  // NC x NR accumulators, NC decoded blocks and their scales, and temporaries within the registers (32 on AVX-512,
-  // 16 on AVX2).
-  constexpr int kColumns = KVF_AVX512 ? (NR <= 4 ? 4 : NR <= 6 ? 3 : 2) : (NR == 1 ? 4 : NR == 2 ? 3 : NR <= 4 ? 2 : 1);
+void int16_rows(const Call& c, int64_t begin, int64_t end, int64_t r0) {
+  // 16 registers: NC x NR accumulators, 2 NC decoded halves and NC scales, a row's two halves and its scales.
+  constexpr int kColumns = NR == 1 ? 3 : NR <= 3 ? 2 : 1;
   int64_t c0 = begin;
-  for (; c0 + kColumns <= end; c0 += kColumns) int8_group<kColumns, NR>(c, c0, r0);
-  for (; c0 < end; ++c0) int8_group<1, NR>(c, c0, r0);
+  for (; c0 + kColumns <= end; c0 += kColumns) int16_group<kColumns, NR>(c, c0, r0);
+  for (; c0 < end; ++c0) int16_group<1, NR>(c, c0, r0);
 }
 
-void int8_item(void* data, size_t item) {
+void int16_item(void* data, size_t item) {
   const Call& c = *static_cast<const Call*>(data);
   const int64_t begin = static_cast<int64_t>(item) * kColumnsPerItem;
   const int64_t end = std::min(begin + kColumnsPerItem, c.kernel->n);
   for (int64_t r0 = 0; r0 < c.rows; r0 += kRowGroup) {
     switch (std::min<int64_t>(c.rows - r0, kRowGroup)) {
-      case 1: int8_rows<1>(c, begin, end, r0); break;
-      case 2: int8_rows<2>(c, begin, end, r0); break;
-      case 3: int8_rows<3>(c, begin, end, r0); break;
-      case 4: int8_rows<4>(c, begin, end, r0); break;
-      case 5: int8_rows<5>(c, begin, end, r0); break;
-      case 6: int8_rows<6>(c, begin, end, r0); break;
-      case 7: int8_rows<7>(c, begin, end, r0); break;
-      default: int8_rows<8>(c, begin, end, r0); break;
+      case 1: int16_rows<1>(c, begin, end, r0); break;
+      case 2: int16_rows<2>(c, begin, end, r0); break;
+      case 3: int16_rows<3>(c, begin, end, r0); break;
+      case 4: int16_rows<4>(c, begin, end, r0); break;
+      case 5: int16_rows<5>(c, begin, end, r0); break;
+      case 6: int16_rows<6>(c, begin, end, r0); break;
+      case 7: int16_rows<7>(c, begin, end, r0); break;
+      default: int16_rows<8>(c, begin, end, r0); break;
     }
   }
 }
 
-OrtStatus* run_int8(OrtKernelContext* ctx, const Call& call) {
+OrtStatus* run_int16(OrtKernelContext* ctx, const Call& call) {
   const int64_t k = call.kernel->k, blocks = k / kBlock;
-  const int64_t padded = (blocks + kPadBlocks - 1) / kPadBlocks * kPadBlocks;
-  thread_local std::vector<int8_t> xq;  // the calling thread's: reused call after call, never shrunk
+  const int64_t padded = (blocks + kChunk - 1) / kChunk * kChunk;
+  thread_local std::vector<int16_t> xq;  // the calling thread's: reused call after call, never shrunk
   thread_local std::vector<float> scales;
   xq.resize(static_cast<size_t>(call.rows * padded * kBlock));
   scales.resize(static_cast<size_t>(call.rows * padded * 9));
@@ -500,12 +427,9 @@ OrtStatus* run_int8(OrtKernelContext* ctx, const Call& call) {
   c.xs = xs;
   c.padded = padded;
   const size_t items = static_cast<size_t>((c.kernel->n + kColumnsPerItem - 1) / kColumnsPerItem);
-  return g_api->KernelContext_ParallelFor(ctx, int8_item, items, 0, &c);
+  return g_api->KernelContext_ParallelFor(ctx, int16_item, items, 0, &c);
 }
-#if HWY_TARGET == HWY_AVX3_DL
-#pragma GCC pop_options
-#endif
-#endif  // KVF_INT8
+#endif  // KVF_INT16
 
 // W^T [N, K] in float32, in the original element order, for ONNX Runtime's Gemm (4-bit weights only: an 8-bit
 // weight is the LM head, whose many-row calls are rare and whose float copy would be 4x its blocks).
@@ -644,8 +568,8 @@ KVF_BF16_ATTR OrtStatus* run_bf16(OrtKernelContext* ctx, const Call& call) {
 // ---- the entries dispatched at run time (HWY_EXPORT below) ----
 
 OrtStatus* RunDirect(OrtKernelContext* ctx, const Call* c) {
-#if KVF_INT8
-  if (c->kernel->bits == 4) return run_int8(ctx, *c);
+#if KVF_INT16
+  if (c->kernel->bits == 4) return run_int16(ctx, *c);
 #endif
   const size_t items = static_cast<size_t>((c->kernel->n + kColumnsPerItem - 1) / kColumnsPerItem);
   return g_api->KernelContext_ParallelFor(ctx, c->kernel->bits == 8 ? direct_item<8> : direct_item<4>, items, 0,
