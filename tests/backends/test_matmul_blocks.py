@@ -343,3 +343,34 @@ def test_a_lora_engine_with_block_matmuls_loads_and_answers_as_the_onnx_one(libr
                                 logit_bias={loaded.config.eos_token_ids[0]: -100.0})
         answers[matmul] = LLM(engine_dir).generate([[5, 17, 33, 2, 81]], params)[0].token_ids
     assert answers["kernel"] == answers["onnx"]
+
+
+def test_reuse_stays_token_exact_with_int16_rows(library: Path, each_target, tmp_path: Path) -> None:
+    """On the int16 targets, an int4 kernel engine answers a prompt that extends an earlier one (its first pages
+    reused, the rest prefilled in few rows: int16 rows, where the cold prefill ran Gemm) as a cold engine does."""
+    loaded = synthetic_model("tiny-llama")
+    quantize_linears(loaded, "int4", 32)
+    write_onnx_dir(loaded, tmp_path / "onnx")
+    engine_dir = tmp_path / "engine"
+    build_engine(tmp_path / "onnx", engine_dir, BuildOptions(max_input_len=128, max_kv_cache_capacity=256,
+                                                             max_batch_size=1, tokens_per_page=16, cpu_matmul="kernel"))
+    params = SamplingParams(temperature=0.0, top_k=1, max_generate_length=16,
+                            logit_bias={loaded.config.eos_token_ids[0]: -100.0})
+    checked = []
+    for target in each_target():
+        if target not in INT16_TARGETS:
+            continue
+        for seed in range(3):
+            rng = np.random.default_rng(seed)
+            prefix = [int(t) for t in rng.integers(3, 200, size=37)]
+            full = prefix + [int(t) for t in rng.integers(3, 200, size=5)]
+            warm = LLM(engine_dir, num_threads=2)
+            warm.generate([prefix], params)
+            [reused] = warm.generate([full], params)
+            [cold] = LLM(engine_dir, num_threads=2, enable_context_reuse=False).generate([full], params)
+            assert reused.cached_tokens > 0 and cold.cached_tokens == 0
+            assert reused.token_ids == cold.token_ids, (target, seed)
+        checked.append(target)
+    if not checked:
+        print(f"no int16 target ({', '.join(INT16_TARGETS)}) runs on this CPU: nothing checked")
+    del library
