@@ -13,7 +13,8 @@
 // call's, so a verified token's logits were not the decoded token's. Here, up to kDirectRows rows, each block is
 // decoded once into float32 (one FMA per weight: scale * q + min, rounded once) and dotted with every row; an
 // output element is summed in the same order whatever the row count, the column split or the thread, so
-// verification rows equal decode rows bit for bit. More rows (prefill chunks) dequantize W once into float32
+// verification rows equal decode rows bit for bit (on AVX2 the rows run in int16 instead, run_int16 below, with the
+// same property). More rows (prefill chunks) dequantize W once into float32
 // [N, K] and run ONNX Runtime's own Gemm on it (InvokeOp), as MatMulNBits' float path does internally.
 //
 // One source, many targets (Google Highway's foreach_target): the block below the common part is compiled once per
@@ -300,7 +301,7 @@ void direct_item(void* data, size_t item) {
 // only new error is xq's rounding, at most dx / 2 an element (1 / 65534 of the block's largest activation); the min
 // term keeps the exact activations. int8 activations (llama.cpp's Q8_0, VPMADDUBSW) were tried and failed the int4
 // quality bar on SmolLM2 (top-1 agreement 92.5 %, 2 of 10 answers equal; docs/benchmarks.md), as they did on AVX-512
-// with VPDPBUSD, which besides gained nothing there: AVX-512 keeps its float table path.
+// with VPDPBUSD, where they were slower at one row besides: AVX-512 keeps its float table path.
 // Per row and block: two VPMADDWD, an add, one conversion, one scale product and one FMA, lane by lane in block
 // order, and the min terms added 8 blocks at a time: a row's arithmetic depends on K alone, never on the row count,
 // the column split or the thread, so verification rows still equal decode rows bit for bit.
