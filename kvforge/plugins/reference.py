@@ -292,12 +292,23 @@ def to_bfloat16(x: np.ndarray) -> np.ndarray:
     return rounded.astype(np.uint32).view(np.float32)
 
 
-def matmul_blocks(a: np.ndarray, blocks: np.ndarray, bf16: bool = False) -> np.ndarray:
+def quantize_int16(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The int16 decode rows' activations (MatMulBlocks on AVX2, 4-bit blocks, up to 16 rows): per block of 32,
+    xq = round-half-even(x * float32(32767 / max |x|)) and the scale max |x| / 32767, both in float32."""
+    x = a.astype(np.float32).reshape(*a.shape[:-1], -1, 32)
+    amax = np.abs(x).max(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inverse = np.where(amax > 0, np.float32(32767) / amax, np.float32(0)).astype(np.float32)
+    return np.rint(x * inverse).astype(np.int16), (amax / np.float32(32767)).astype(np.float32)
+
+
+def matmul_blocks(a: np.ndarray, blocks: np.ndarray, bf16: bool = False, int16: bool = False) -> np.ndarray:
     """CPU_MATMUL_BLOCKS in float64: A [..., K] @ W, where W[k, n] = scale * q + min of k's block b = k // 32 of
     column n; blocks uint8 [N, K/32, 24] (4 bits: 16 bytes of values, byte j: element j low, element j + 16 high) or
     [N, K/32, 40] (8 bits: 32 bytes, one a value), then the block's scale and min as little-endian float32.
     `bf16`: the many-row bfloat16 path (attribute bf16, more than 16 rows, AVX512_BF16): A and the float32 weights
-    (scale * q + min, rounded once) each rounded to bfloat16 before the products."""
+    (scale * q + min, rounded once) each rounded to bfloat16 before the products.
+    `int16`: AVX2's int16 decode rows (4 bits): scale * dx * sum(q * xq) + min * sum(x) per block (quantize_int16)."""
     n, count, width = blocks.shape
     stored = blocks[..., :width - 8]
     if width == 24:
@@ -306,6 +317,12 @@ def matmul_blocks(a: np.ndarray, blocks: np.ndarray, bf16: bool = False) -> np.n
         values = stored.astype(np.float64)
     floats = np.ascontiguousarray(blocks[..., width - 8:]).view("<f4").astype(np.float64)  # [N, K/32, 2]
     w = values * floats[..., :1] + floats[..., 1:]
+    if int16:
+        xq, dx = quantize_int16(a)  # [..., K/32, 32], [..., K/32, 1]
+        sums = np.einsum("...bi,nbi->...nb", xq.astype(np.float64), values)  # exact integers
+        scaled = sums * dx[..., 0].astype(np.float64)[..., None, :] * floats[..., 0]
+        mins = a.astype(np.float32).reshape(xq.shape).astype(np.float64).sum(-1)[..., None, :] * floats[..., 1]
+        return (scaled + mins).sum(-1)
     if bf16:
         a, w = to_bfloat16(a), to_bfloat16(w.astype(np.float32))
     return a.astype(np.float64) @ w.reshape(n, count * 32).astype(np.float64).T

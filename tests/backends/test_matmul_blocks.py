@@ -20,7 +20,7 @@ from kvforge.builder.lower_matmul import MATMUL_BLOCKS, lower_block_matmuls, pac
 from kvforge.contract.engine_dir import load_engine_dir
 from kvforge.contract.errors import InvalidConfig
 from kvforge.contract.lora import LORA_TARGETS
-from kvforge.plugins import reference
+from kvforge.plugins import cpu_kernel, reference
 from kvforge.plugins.ops import CPU_DOMAIN
 from kvforge.runtime.api import LLM
 from kvforge.runtime.types import SamplingParams
@@ -54,6 +54,38 @@ def _blocks_model(k: int, n: int, blocks: np.ndarray, bits: int = 4, **attribute
     return helper.make_model(graph, opset_imports=OPSETS)
 
 
+# The targets whose 4-bit decode and verify rows (up to 16) run in int16 (matmul_blocks.cc KVF_INT16).
+INT16_TARGETS = ("avx2",)
+
+
+def _int16_rows(library: Path, bits: int, rows: int) -> bool:
+    return bits == 4 and rows <= 16 and cpu_kernel.chosen_target(library) in INT16_TARGETS
+
+
+def _quantization_bound(a: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+    """How far the int16 rows may be from the float64 product: rounding x to dx * xq moves each activation by at
+    most dx / 2 (dx = max |x| / 32767 of its block), and the min term uses the exact activations, so |error| <= sum
+    over blocks of d * sum(q) * dx / 2 (float32 rounding aside)."""
+    q = np.concatenate([blocks[..., :16] & 0xF, blocks[..., :16] >> 4], axis=-1).astype(np.float64)  # [N, B, 32]
+    d = np.ascontiguousarray(blocks[..., 16:20]).view("<f4")[..., 0].astype(np.float64)  # [N, B]
+    _, dx = reference.quantize_int16(a)
+    return np.einsum("...b,nb->...n", dx[..., 0].astype(np.float64) / 2, np.abs(d) * q.sum(-1))
+
+
+def _check_rows(y: np.ndarray, a: np.ndarray, blocks: np.ndarray, int16: bool, message: str = "") -> None:
+    """Against the float64 reference of the arithmetic the target runs (1e-4 of the largest output, as before; the
+    int16 rows within 2e-6, well inside their ~1e-5 distance from the float product), and the int16 rows also within
+    the quantization bound of the float product and visibly not it (so this fails if the float path ran)."""
+    expected = reference.matmul_blocks(a, blocks, int16=int16)
+    scale = np.abs(expected).max()
+    np.testing.assert_allclose(y, expected, rtol=0 if int16 else 1e-4, atol=(2e-6 if int16 else 1e-4) * scale,
+                               err_msg=message)
+    if int16:
+        exact = reference.matmul_blocks(a, blocks)
+        assert np.all(np.abs(y - exact) <= _quantization_bound(a, blocks) + 2e-6 * scale), message
+        assert np.abs(y - exact).max() > 4e-6 * scale, message
+
+
 @pytest.mark.parametrize(("k", "n"), [(64, 7), (96, 33), (256, 70)])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 40])
 def test_it_matches_the_float64_reference(library: Path, k: int, n: int, rows: int) -> None:
@@ -61,9 +93,24 @@ def test_it_matches_the_float64_reference(library: Path, k: int, n: int, rows: i
     blocks = _random_blocks(rng, k, n)
     a = rng.standard_normal((1, rows, k)).astype(np.float32)
     y = _session(_blocks_model(k, n, blocks), library).run(None, {"a": a})[0]
-    expected = reference.matmul_blocks(a, blocks)
     assert y.shape == (1, rows, n)
-    np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+    _check_rows(y, a, blocks, _int16_rows(library, 4, rows))
+
+
+def test_int16_rows_handle_zero_blocks_and_long_rows(library: Path, each_target) -> None:
+    """A block of zero activations (scale 0), one with a single large outlier, and K = 1568 (49 blocks: six 8-block
+    chunks of min terms and a partial one), on every target."""
+    k, n = 1568, 37
+    rng = np.random.default_rng(17)
+    blocks = _random_blocks(rng, k, n)
+    a = rng.standard_normal((1, 5, k)).astype(np.float32)
+    a[0, 1, 32:64] = 0.0
+    a[0, 2, 100] = 300.0
+    for target in each_target():
+        session = _session(_blocks_model(k, n, blocks), library)
+        y = session.run(None, {"a": a})[0]
+        _check_rows(y, a, blocks, _int16_rows(library, 4, 5), target)
+        assert np.array_equal(session.run(None, {"a": a[:, 1:2]})[0][0, 0], y[0, 1]), target
 
 
 def test_a_row_is_the_same_bits_whatever_the_row_count(library: Path) -> None:
@@ -246,8 +293,9 @@ def test_build_refuses_an_unknown_matmul_choice(tmp_path: Path) -> None:
 
 
 def test_every_runnable_target_matches_the_reference_and_is_row_invariant(library: Path, each_target) -> None:
-    """Each compiled target this CPU runs, forced in turn: 4-bit and 8-bit blocks against the reference, and within
-    the target a row alone (a decode row) equals the same row among 6 or 16 (verify rows), bit for bit."""
+    """Each compiled target this CPU runs, forced in turn: 4-bit and 8-bit blocks against the reference (the int16
+    one for AVX2's 4-bit rows), and within the target a row alone (a decode row) equals the same row
+    among 6 or 16 (verify rows), bit for bit."""
     k, n = 128, 21
     rng = np.random.default_rng(5)
     blocks = _random_blocks(rng, k, n)
@@ -259,10 +307,8 @@ def test_every_runnable_target_matches_the_reference_and_is_row_invariant(librar
     for target in each_target():
         for packed, bits in ((blocks, 4), (blocks8, 8)):
             session = _session(_blocks_model(k, n, packed, bits=bits), library)
-            expected = reference.matmul_blocks(a, packed)
             many = session.run(None, {"a": a})[0]
-            np.testing.assert_allclose(many, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max(),
-                                       err_msg=f"{target} {bits}-bit")
+            _check_rows(many, a, packed, _int16_rows(library, bits, 16), f"{target} {bits}-bit")
             six = session.run(None, {"a": a[:, :6]})[0]
             for row in (0, 2, 5):
                 alone = session.run(None, {"a": a[:, row:row + 1]})[0][0, 0]
@@ -297,3 +343,34 @@ def test_a_lora_engine_with_block_matmuls_loads_and_answers_as_the_onnx_one(libr
                                 logit_bias={loaded.config.eos_token_ids[0]: -100.0})
         answers[matmul] = LLM(engine_dir).generate([[5, 17, 33, 2, 81]], params)[0].token_ids
     assert answers["kernel"] == answers["onnx"]
+
+
+def test_reuse_stays_token_exact_with_int16_rows(library: Path, each_target, tmp_path: Path) -> None:
+    """On the int16 targets, an int4 kernel engine answers a prompt that extends an earlier one (its first pages
+    reused, the rest prefilled in few rows: int16 rows, where the cold prefill ran Gemm) as a cold engine does."""
+    loaded = synthetic_model("tiny-llama")
+    quantize_linears(loaded, "int4", 32)
+    write_onnx_dir(loaded, tmp_path / "onnx")
+    engine_dir = tmp_path / "engine"
+    build_engine(tmp_path / "onnx", engine_dir, BuildOptions(max_input_len=128, max_kv_cache_capacity=256,
+                                                             max_batch_size=1, tokens_per_page=16, cpu_matmul="kernel"))
+    params = SamplingParams(temperature=0.0, top_k=1, max_generate_length=16,
+                            logit_bias={loaded.config.eos_token_ids[0]: -100.0})
+    checked = []
+    for target in each_target():
+        if target not in INT16_TARGETS:
+            continue
+        for seed in range(3):
+            rng = np.random.default_rng(seed)
+            prefix = [int(t) for t in rng.integers(3, 200, size=37)]
+            full = prefix + [int(t) for t in rng.integers(3, 200, size=5)]
+            warm = LLM(engine_dir, num_threads=2)
+            warm.generate([prefix], params)
+            [reused] = warm.generate([full], params)
+            [cold] = LLM(engine_dir, num_threads=2, enable_context_reuse=False).generate([full], params)
+            assert reused.cached_tokens > 0 and cold.cached_tokens == 0
+            assert reused.token_ids == cold.token_ids, (target, seed)
+        checked.append(target)
+    if not checked:
+        print(f"no int16 target ({', '.join(INT16_TARGETS)}) runs on this CPU: nothing checked")
+    del library

@@ -13,7 +13,8 @@
 // call's, so a verified token's logits were not the decoded token's. Here, up to kDirectRows rows, each block is
 // decoded once into float32 (one FMA per weight: scale * q + min, rounded once) and dotted with every row; an
 // output element is summed in the same order whatever the row count, the column split or the thread, so
-// verification rows equal decode rows bit for bit. More rows (prefill chunks) dequantize W once into float32
+// verification rows equal decode rows bit for bit (on AVX2 the rows run in int16 instead, run_int16 below, with the
+// same property). More rows (prefill chunks) dequantize W once into float32
 // [N, K] and run ONNX Runtime's own Gemm on it (InvokeOp), as MatMulNBits' float path does internally.
 //
 // One source, many targets (Google Highway's foreach_target): the block below the common part is compiled once per
@@ -78,7 +79,13 @@ struct Call {
   const uint8_t* blocks;  // [N, K / 32, 24] (4-bit) or [N, K / 32, 40] (8-bit)
   float* y;               // [rows, N]
   float* dequantized;     // [N, K] (the many-rows path)
+  // AVX2's int16 decode rows (run_int16): per row, blocks padded to a multiple of 8, zeros past K / 32.
+  const int16_t* xq = nullptr;  // [rows, padded * 32] the activations in int16, one symmetric scale per block
+  const float* dx = nullptr;   // [rows, padded * 8] each block's scale, repeated 8 times (a vector's lanes)
+  const float* xs = nullptr;   // [rows, padded] each block's float32 sum of the activations (for the mins)
+  int64_t padded = 0;          // blocks per row in those buffers
 };
+
 
 inline float block_float(const uint8_t* block, int64_t offset) {
   float value;
@@ -276,6 +283,155 @@ void direct_item(void* data, size_t item) {
   }
 }
 
+#undef KVF_INT16
+#if HWY_TARGET == HWY_AVX2
+#define KVF_INT16 1  // 4-bit decode and verify rows in integers (every other target keeps the float path)
+#else
+#define KVF_INT16 0
+#endif
+
+#if KVF_INT16
+// ---- AVX2 decode and verify rows in int16 (4-bit blocks) ----
+//
+// The float path spends most of an AVX2 decode row decoding weights (widen, convert, one FMA per 8 weights) for 4
+// FMAs of use per block. Here each activation row is quantized once per call, block by block: scale dx = max |x| /
+// 32767 and xq = x * (32767 / max |x|) rounded to nearest even, and the block's float32 sum s of x is kept. A block's
+// dot product with a column's block (scale d, min m, 4-bit q) is d * dx * sum(q * xq) + m * s: the 4-bit values
+// widen to int16 in one instruction, VPMADDWD sums their products exactly in int32 (|q * xq| <= 15 * 32767), and the
+// only new error is xq's rounding, at most dx / 2 an element (1 / 65534 of the block's largest activation); the min
+// term keeps the exact activations. int8 activations (llama.cpp's Q8_0, VPMADDUBSW) were tried and failed the int4
+// quality bar on SmolLM2 (top-1 agreement 92.5 %, 2 of 10 answers equal; docs/benchmarks.md), as they did on AVX-512
+// with VPDPBUSD, where they were slower at one row besides: AVX-512 keeps its float table path.
+// Per row and block: two VPMADDWD, an add, one conversion, one scale product and one FMA, lane by lane in block
+// order, and the min terms added 8 blocks at a time: a row's arithmetic depends on K alone, never on the row count,
+// the column split or the thread, so verification rows still equal decode rows bit for bit.
+constexpr int64_t kChunk = 8;  // blocks whose min terms are added at once (a vector of xs)
+
+// Row x into the call's buffers (plain C++, compiled for this target alone).
+void quantize_row(const float* x, int64_t blocks, int64_t padded, int16_t* xq, float* dx, float* xs) {
+  for (int64_t b = 0; b < padded; ++b) {
+    float amax = 0.0f, sum = 0.0f;
+    const float* in = x + b * kBlock;
+    if (b < blocks) {
+      for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(in[i]));
+      for (int64_t i = 0; i < kBlock; ++i) sum += in[i];  // in order: no -ffast-math, so never reassociated
+    }
+    const float inverse = amax > 0.0f ? 32767.0f / amax : 0.0f;
+    for (int64_t i = 0; i < kBlock; ++i)
+      xq[b * kBlock + i] = b < blocks ? static_cast<int16_t>(std::nearbyint(in[i] * inverse)) : 0;
+    for (int i = 0; i < 8; ++i) dx[b * 8 + i] = amax / 32767.0f;
+    xs[b] = sum;
+  }
+}
+
+inline float lane_sum(__m256 v) {  // one fixed tree
+  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+}
+
+// Columns c0..c0+NC-1 against rows r0..r0+NR-1, each block decoded once for all the rows.
+template <int NC, int NR>
+void int16_group(const Call& c, int64_t c0, int64_t r0) {
+  constexpr int64_t kBytes = kBlockBytes<4>;
+  const int64_t k = c.kernel->k, n = c.kernel->n, blocks = k / kBlock, padded = c.padded;
+  __m256 acc[NC][NR];
+  for (int j = 0; j < NC; ++j)
+    for (int r = 0; r < NR; ++r) acc[j][r] = _mm256_setzero_ps();
+  constexpr int64_t span = NC * kBytes;  // the next column group, prefetched a block step ahead (see dot_group)
+  const bool prefetch = c0 + 2 * NC <= n;
+  const char* ahead = reinterpret_cast<const char*>(c.blocks + (prefetch ? (c0 + NC) * blocks * kBytes : 0));
+  const __m256i nibble = _mm256_set1_epi16(0x0F);
+  alignas(32) float mins[NC][kChunk];
+  for (int64_t b0 = 0; b0 < blocks; b0 += kChunk) {
+    const int64_t end = std::min(b0 + kChunk, blocks);
+    for (int64_t b = b0; b < end; ++b) {
+      if (prefetch) {
+        const char* group = ahead + b * span;
+        for (int64_t offset = 0; offset < span; offset += 64) hwy::Prefetch(group + offset);
+        hwy::Prefetch(group + span - 1);
+      }
+      __m256i low[NC], high[NC];  // elements 0..15 and 16..31 as int16
+      __m256 d[NC];
+      for (int j = 0; j < NC; ++j) {
+        const uint8_t* block = c.blocks + ((c0 + j) * blocks + b) * kBytes;
+        const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
+        low[j] = _mm256_and_si256(v, nibble);
+        high[j] = _mm256_srli_epi16(v, 4);
+        d[j] = _mm256_set1_ps(block_float(block, kValueBytes<4>));
+        mins[j][b - b0] = block_float(block, kValueBytes<4> + 4);
+      }
+      for (int r = 0; r < NR; ++r) {
+        const int16_t* xq = c.xq + ((r0 + r) * padded + b) * kBlock;
+        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 16));
+        const __m256 dx = _mm256_loadu_ps(c.dx + ((r0 + r) * padded + b) * 8);
+        for (int j = 0; j < NC; ++j) {
+          const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(low[j], x0), _mm256_madd_epi16(high[j], x1));
+          acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d[j], dx), acc[j][r]);
+        }
+      }
+    }
+    for (int j = 0; j < NC; ++j)
+      for (int64_t b = end; b < b0 + kChunk; ++b) mins[j][b - b0] = 0.0f;  // past K / 32
+    for (int r = 0; r < NR; ++r) {  // the chunk's m * s, lane by lane (xs is zero past the row's blocks)
+      const __m256 xs = _mm256_loadu_ps(c.xs + (r0 + r) * padded + b0);
+      for (int j = 0; j < NC; ++j) acc[j][r] = _mm256_fmadd_ps(_mm256_load_ps(mins[j]), xs, acc[j][r]);
+    }
+  }
+  for (int j = 0; j < NC; ++j)
+    for (int r = 0; r < NR; ++r) c.y[(r0 + r) * n + c0 + j] = lane_sum(acc[j][r]);
+}
+
+template <int NR>
+void int16_rows(const Call& c, int64_t begin, int64_t end, int64_t r0) {
+  // 16 registers: NC x NR accumulators, 2 NC decoded halves and NC scales, a row's two halves and its scales.
+  constexpr int kColumns = NR == 1 ? 3 : NR <= 3 ? 2 : 1;
+  int64_t c0 = begin;
+  for (; c0 + kColumns <= end; c0 += kColumns) int16_group<kColumns, NR>(c, c0, r0);
+  for (; c0 < end; ++c0) int16_group<1, NR>(c, c0, r0);
+}
+
+void int16_item(void* data, size_t item) {
+  const Call& c = *static_cast<const Call*>(data);
+  const int64_t begin = static_cast<int64_t>(item) * kColumnsPerItem;
+  const int64_t end = std::min(begin + kColumnsPerItem, c.kernel->n);
+  for (int64_t r0 = 0; r0 < c.rows; r0 += kRowGroup) {
+    switch (std::min<int64_t>(c.rows - r0, kRowGroup)) {
+      case 1: int16_rows<1>(c, begin, end, r0); break;
+      case 2: int16_rows<2>(c, begin, end, r0); break;
+      case 3: int16_rows<3>(c, begin, end, r0); break;
+      case 4: int16_rows<4>(c, begin, end, r0); break;
+      case 5: int16_rows<5>(c, begin, end, r0); break;
+      case 6: int16_rows<6>(c, begin, end, r0); break;
+      case 7: int16_rows<7>(c, begin, end, r0); break;
+      default: int16_rows<8>(c, begin, end, r0); break;
+    }
+  }
+}
+
+OrtStatus* run_int16(OrtKernelContext* ctx, const Call& call) {
+  const int64_t k = call.kernel->k, blocks = k / kBlock;
+  const int64_t padded = (blocks + kChunk - 1) / kChunk * kChunk;
+  thread_local std::vector<int16_t> xq;  // the calling thread's: reused call after call, never shrunk
+  thread_local std::vector<float> scales;
+  xq.resize(static_cast<size_t>(call.rows * padded * kBlock));
+  scales.resize(static_cast<size_t>(call.rows * padded * 9));
+  float* dx = scales.data();
+  float* xs = dx + call.rows * padded * 8;
+  for (int64_t r = 0; r < call.rows; ++r)
+    quantize_row(call.x + r * k, blocks, padded, xq.data() + r * padded * kBlock, dx + r * padded * 8,
+                 xs + r * padded);
+  Call c = call;
+  c.xq = xq.data();
+  c.dx = dx;
+  c.xs = xs;
+  c.padded = padded;
+  const size_t items = static_cast<size_t>((c.kernel->n + kColumnsPerItem - 1) / kColumnsPerItem);
+  return g_api->KernelContext_ParallelFor(ctx, int16_item, items, 0, &c);
+}
+#endif  // KVF_INT16
+
 // W^T [N, K] in float32, in the original element order, for ONNX Runtime's Gemm (4-bit weights only: an 8-bit
 // weight is the LM head, whose many-row calls are rare and whose float copy would be 4x its blocks).
 void dequantize_item(void* data, size_t item) {
@@ -413,6 +569,9 @@ KVF_BF16_ATTR OrtStatus* run_bf16(OrtKernelContext* ctx, const Call& call) {
 // ---- the entries dispatched at run time (HWY_EXPORT below) ----
 
 OrtStatus* RunDirect(OrtKernelContext* ctx, const Call* c) {
+#if KVF_INT16
+  if (c->kernel->bits == 4) return run_int16(ctx, *c);
+#endif
   const size_t items = static_cast<size_t>((c->kernel->n + kColumnsPerItem - 1) / kColumnsPerItem);
   return g_api->KernelContext_ParallelFor(ctx, c->kernel->bits == 8 ? direct_item<8> : direct_item<4>, items, 0,
                                           const_cast<Call*>(c));
