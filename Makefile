@@ -149,16 +149,17 @@ test-fast: install
 	$(BIN)/pytest -q -m "$(FAST_MARKS)" $(PYTEST_ARGS)
 
 # Every test once: the quick tier first (a broken layer or cache fails in a minute), then the rest, then the
-# attention-dependent tests on the fallback path.
+# attention-dependent tests on the fallback path. The quick tier is one process, and llm-test's exports, builds and
+# runs are one process at a time: they run side by side on the two cores (-j2; --output-sync keeps each one's lines
+# together), and a failure of either stops `make test` once the other's current step ends.
 test: install lint
 	@echo "kvforge CPU kernel: $$($(BIN)/python -m kvforge.plugins.cpu_kernel 2>&1 || echo 'none, so the engine tests run on the pure-ONNX fallback')"
-	$(BIN)/pytest -q -m "$(FAST_MARKS)" $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-fast llm-test
 	$(BIN)/pytest -q --durations=25 $(XDIST) -m "($(FULL_MARKS)) and not serial" $(PYTEST_ARGS)
 	$(BIN)/pytest -q -m "($(FULL_MARKS)) and serial" $(PYTEST_ARGS)
 	KVFORGE_CPU_KERNEL=off $(BIN)/pytest -q $(XDIST) -m "($(FALLBACK_MARKS)) and not serial" $(PYTEST_ARGS)
 	KVFORGE_CPU_KERNEL=off $(BIN)/pytest -q -m "($(FALLBACK_MARKS)) and serial" $(PYTEST_ARGS) || [ $$? = 5 ]  # 5: none
 	$(MAKE) --no-print-directory test-mooncake
-	$(MAKE) --no-print-directory llm-test
 
 # Mooncake Store's clients listen on 0.0.0.0 whatever host they get, so its tests run in a private network
 # namespace with only loopback up (needs root, as CI has); elsewhere this says why and skips them.
