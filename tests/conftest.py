@@ -77,10 +77,24 @@ def pytest_configure(config: pytest.Config) -> None:
             os.environ["COLUMNS"] = workerinput["columns"]
 
 
+def serial_tests_in_unsaid_files(items: list[pytest.Item]) -> list[str]:
+    """The files holding a `serial` test that do not say the word: `make test`'s serial passes collect only the
+    files that do (SERIAL_FILES, a grep), so a test there would run in no pass."""
+    said: dict[Path, bool] = {}
+    for item in items:
+        if item.get_closest_marker("serial") is not None and item.path not in said:
+            said[item.path] = re.search(r"\bserial\b", item.path.read_text(encoding="utf-8")) is not None
+    return sorted(str(path) for path, found in said.items() if not found)
+
+
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark `engine`, `cli` and `torch` by rule (support/tiers.py): `make test-fast` runs the complement."""
     from support.tiers import Classifier
 
+    unsaid = serial_tests_in_unsaid_files(items)
+    if unsaid:
+        raise pytest.UsageError(f"`serial` tests in files that never say `serial` (make test would run them in no "
+                                f"pass): {unsaid}")
     classifier = Classifier(items)
     for item in items:
         for tier in sorted(classifier.tiers(item)):

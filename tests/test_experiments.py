@@ -112,11 +112,17 @@ def sys_path_edits(source: str) -> list[int]:
     return sorted(lines)
 
 
-def test_no_experiment_edits_sys_path() -> None:
-    found = [f"{path.relative_to(ROOT)}:{line}" for path in sorted(EXPERIMENTS.rglob("*.py"))
+# Where the rule holds: the measurement scripts, the scripts/ tools (run as `python -m scripts.NAME`) and the tests,
+# which import both as packages from the repository root (pyproject's pytest `pythonpath`).
+NO_SYS_PATH_EDITS = ("experiments", "scripts", "tests")
+
+
+def test_no_experiment_script_or_test_edits_sys_path() -> None:
+    found = [f"{path.relative_to(ROOT)}:{line}" for folder in NO_SYS_PATH_EDITS
+             for path in sorted((ROOT / folder).rglob("*.py"))
              for line in sys_path_edits(path.read_text(encoding="utf-8"))]
-    assert not found, "experiments edit sys.path (import shared code from experiments._common):\n  " + "\n  ".join(
-        found)
+    assert not found, ("sys.path edited (import from the repository root instead: experiments._common, "
+                       "scripts.NAME, tests' support.NAME):\n  " + "\n  ".join(found))
 
 
 def test_the_check_flags_planted_sys_path_edits() -> None:

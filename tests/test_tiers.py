@@ -89,3 +89,20 @@ def test_collection_leaves_a_lazy_module_unimported() -> None:
     lazy = LazyModule("a_module_that_is_not_installed")
     for probe in ("pytestmark", "__test__", "_pytestfixturefunction"):
         assert getattr(lazy, probe, None) is None
+
+
+def test_a_serial_test_in_a_file_that_never_says_so_is_named(tmp_path) -> None:
+    """make test's serial passes collect only the files a grep finds saying `serial`: conftest refuses a run in
+    which a serial test sits in another file (there it would run in no pass)."""
+    from conftest import serial_tests_in_unsaid_files
+
+    said, unsaid = tmp_path / "test_said.py", tmp_path / "test_unsaid.py"
+    said.write_text("@pytest.mark.serial\ndef test_a(): ...\n")
+    unsaid.write_text("@SLOW_ALONE  # a marker made elsewhere; 'serialized' is no mention\ndef test_b(): ...\n")
+
+    def item(path, serial: bool) -> SimpleNamespace:
+        return SimpleNamespace(path=path, get_closest_marker=lambda name: object() if serial else None)
+
+    items = [item(said, True), item(unsaid, True), item(unsaid, True), item(tmp_path / "test_other.py", False)]
+    assert serial_tests_in_unsaid_files(items) == [str(unsaid)]
+    assert serial_tests_in_unsaid_files(items[:1]) == []

@@ -374,11 +374,17 @@ def test_failed_build_is_a_reason(library: Path) -> None:
         cpu_kernel.library_path(("-fkvforge-no-such-option",))
 
 
+# A variant of the library that compiles in seconds (one target, unoptimised; the full build is ~25 s of one core):
+# for tests of the cache around the build, not of the code built.
+QUICK_BUILD = ("-O0", "-DHWY_COMPILE_ONLY_STATIC=1")
+
+
 def test_concurrent_first_builds_share_one_library(library: Path, tmp_path: Path) -> None:
     """Two processes building into an empty cache at once: one compiles, both get the same complete file."""
     headers = cpu_kernel.include_dir()
     env = dict(os.environ, **{cpu_kernel.CACHE_ENV: str(tmp_path), cpu_kernel.INCLUDE_ENV: str(headers)})
-    command = [sys.executable, "-m", "kvforge.plugins.cpu_kernel"]
+    command = [sys.executable, "-c", "import sys; from kvforge.plugins import cpu_kernel; "
+               "print(cpu_kernel.library_path(tuple(sys.argv[1:])))", *QUICK_BUILD]
     procs = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)]
     paths = {proc.communicate(timeout=300)[0].strip() for proc in procs}
     assert all(proc.returncode == 0 for proc in procs) and len(paths) == 1

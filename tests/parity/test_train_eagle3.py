@@ -6,7 +6,6 @@ A tiny synthetic llama stands in for SmolLM2 (seconds; torch is the dev extra's)
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,8 +16,7 @@ from kvforge.tools.export.sources.synthetic import synthetic_model
 
 torch = LazyModule("torch")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import train_eagle3  # noqa: E402  (scripts/ files are top-level modules)
+from scripts import train_eagle3  # noqa: E402  (as `python -m scripts.train_eagle3` runs it; after the skip above)
 
 STEPS = 4
 
