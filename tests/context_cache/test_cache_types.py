@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvforge.contract import profile_schema as schema
-from kvforge.runtime.context_cache.eviction import plan_eviction
+from kvforge.runtime.context_cache.eviction import Victim, plan_eviction
 from kvforge.runtime.context_cache.keys import (
     CHAIN_ROOT,
     KEY_BYTES,
@@ -283,7 +283,7 @@ def test_eviction_plan_that_needs_no_victim_never_reads_the_lru_order() -> None:
     pools.base_kv_pages.allocate(3)
     pools.base_kv_pages.add_cache_ref([0])
     pools.base_kv_pages.unpin([0])
-    assert plan_eviction({schema.BASE_KV_PAGES: 1}, pools, lru()) == [1] and read
+    assert plan_eviction({schema.BASE_KV_PAGES: 1}, pools, lru()) == [Victim(1)] and read
 
 
 def test_enums_keep_the_profile_keys_and_the_old_strings() -> None:

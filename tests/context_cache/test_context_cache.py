@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvforge.contract.errors import KvforgeError
-from kvforge.runtime.context_cache.eviction import plan_eviction
+from kvforge.runtime.context_cache.eviction import Victim, plan_eviction
 from kvforge.runtime.context_cache.index import PageIndex
 from kvforge.runtime.context_cache.keys import KeyExtras, page_keys
 from kvforge.runtime.context_cache.manager import Admission, ContextCacheManager, Lease
@@ -132,10 +132,34 @@ def test_eviction_shared_ancestor_needs_several_victims_and_plans_are_read_only(
     pool.add_cache_ref(b.page_ids)
     pool.unpin(pages)
     before = (list(pool.active), list(pool.cache), pool.num_free)
-    assert plan_eviction({BASE_KV_PAGES: 1}, pools, store.least_recent_first()) == [a.record_id]
-    assert plan_eviction({BASE_KV_PAGES: 3}, pools, store.least_recent_first()) == [a.record_id, b.record_id]
+    assert plan_eviction({BASE_KV_PAGES: 1}, pools, store.least_recent_first()) == [Victim(a.record_id)]
+    assert plan_eviction({BASE_KV_PAGES: 3}, pools, store.least_recent_first()) == [
+        Victim(a.record_id), Victim(b.record_id)]
     assert plan_eviction({BASE_KV_PAGES: 4}, pools, store.least_recent_first()) is None  # infeasible
     assert (list(pool.active), list(pool.cache), pool.num_free) == before  # nothing changed
+
+
+def test_eviction_takes_only_the_parts_a_type_lets_go_alone() -> None:
+    """Issue 53: where every short pool a record holds may lose its part alone (a window checkpoint), the plan takes
+    only that part; a record also short of base pages goes whole, and without `alone` every victim is whole."""
+    window = "sliding_window_pages"
+    pools = ResourcePools(ResourcePool(BASE_KV_PAGES, 2), ResourcePool(window, 2))
+    store = RecordStore()
+    record = _record(store, tuple(pools[BASE_KV_PAGES].allocate(2)))
+    checkpoint = pools[window].allocate(2)
+    for name, slots in ((BASE_KV_PAGES, record.page_ids), (window, checkpoint)):
+        pools[name].add_cache_ref(slots)
+        pools[name].unpin(slots)
+
+    def held(r: Record) -> dict[str, tuple[int, ...]]:
+        return {BASE_KV_PAGES: r.page_ids, window: tuple(checkpoint)}
+
+    lru = store.least_recent_first
+    assert plan_eviction({window: 1}, pools, lru(), held_by=held, alone={window}) == [
+        Victim(record.record_id, frozenset({window}))]
+    assert plan_eviction({window: 1}, pools, lru(), held_by=held) == [Victim(record.record_id)]
+    assert plan_eviction({window: 1, BASE_KV_PAGES: 1}, pools, lru(), held_by=held, alone={window}) == [
+        Victim(record.record_id)]
 
 
 def test_eviction_never_reclaims_pinned_pages() -> None:
@@ -147,7 +171,7 @@ def test_eviction_never_reclaims_pinned_pages() -> None:
     pool.add_cache_ref(record.page_ids)
     pool.unpin([pages[1]])  # page 0 stays pinned by an in-flight request
     assert plan_eviction({BASE_KV_PAGES: 2}, pools, store.least_recent_first()) is None
-    assert plan_eviction({BASE_KV_PAGES: 1}, pools, store.least_recent_first()) == [record.record_id]
+    assert plan_eviction({BASE_KV_PAGES: 1}, pools, store.least_recent_first()) == [Victim(record.record_id)]
 
 
 # --- manager ----------------------------------------------------------------------------------------

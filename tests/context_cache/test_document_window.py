@@ -5,6 +5,7 @@ Gemma 3 and Gemma 4 (window 32, 16-token pages), documents longer and shorter th
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,13 @@ import pytest
 from support.engine_driver import document_prompt, run_alone
 
 from kvforge.builder.build import BuildOptions, build_engine
-from kvforge.contract.profile_schema import DOCUMENT_KV_PAGES, SLIDING_WINDOW_PAGES
+from kvforge.contract.profile_schema import (
+    DOCUMENT_KV_PAGES,
+    RECLAIMED_RESOURCES,
+    RECORDS,
+    RECORDS_EVICTED,
+    SLIDING_WINDOW_PAGES,
+)
 from kvforge.contract.window_pool import WINDOW_GROUP
 from kvforge.runtime.context_cache.types.sliding_window import window_table
 from kvforge.runtime.engine.engine import Engine, EngineConfig
@@ -78,6 +85,32 @@ def test_full_equals_cold_and_none_reuses_the_documents(window_engine: Path) -> 
     assert run_alone(none, SECOND).cached_tokens == DOCUMENT_TOKENS
     run_alone(none, PRIME)
     assert run_alone(none, AT_REUSE).cached_tokens == len(SYSTEM) + len(DOC_LONG) + len(DOC_SHORT)
+
+
+@pytest.fixture(scope="module")
+def one_row_engine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny Gemma 3 with a window group sized for one row and no record (`--slidingWindowRecords 0`, the default)."""
+    root = tmp_path_factory.mktemp("tiny-gemma3-one-row")
+    write_onnx_dir(synthetic_model("tiny-gemma3", kv_cache_dtype="fp32"), root / "onnx")
+    build_engine(root / "onnx", root / "engine", replace(BUILD, max_batch_size=1))
+    return root / "engine"
+
+
+def test_default_records_keep_the_documents(one_row_engine: Path) -> None:
+    """Issue 53: a group with no room for records takes each record's window checkpoint for the next row, but only
+    that: the documents' records stay, so the second request restores the three documents the first produced (the
+    old eviction took whole records and every document was produced again: 0 cached). The audit holds every step."""
+    engine = documents_engine(one_row_engine, "none")
+    run_alone(engine, FIRST)
+    assert engine.profile()["context_cache"]["documents"]["documents_produced"] == 3
+    second = run_alone(engine, SECOND)
+    assert second.cached_tokens == DOCUMENT_TOKENS
+    documents = engine.profile()["context_cache"]["documents"]
+    assert documents["documents_produced"] == 3 and documents["document_hits"] == 3 + 3  # (the first restores too)
+    # Window pages went back to the group under pressure, and no record was evicted whole to free them.
+    cache = engine.profile()["context_cache"]
+    assert cache[RECLAIMED_RESOURCES][SLIDING_WINDOW_PAGES] > 0 and cache[RECORDS][RECORDS_EVICTED] == 0
+    assert sum(DOCUMENT_KV_PAGES in record.parts for record in engine.cache.records.least_recent_first()) == 3
 
 
 def window_rows(engine: Engine, request: EngineRequest) -> dict[int, np.ndarray]:
@@ -159,8 +192,9 @@ def test_rows_running_together_answer_as_cold(window_engine: Path) -> None:
     assert run_together(documents_engine(window_engine, "full"), requests) == expected
     none = documents_engine(window_engine, "none")
     run_together(none, requests)
-    # (Fewer than one per document: built without --slidingWindowRecords, new rows evict document records.)
-    assert none.profile()["context_cache"]["documents"]["document_hits"] > 0
+    # One per document, built without --slidingWindowRecords: new rows take only the records' window checkpoints,
+    # never a stored document (issue 53; whole-record eviction left fewer).
+    assert none.profile()["context_cache"]["documents"]["document_hits"] == 3 + 3 + 0 + 2
     pool = none.cache.pools[SLIDING_WINDOW_PAGES]
     kept = {slot for record in none.cache.records.least_recent_first()
             for slot in (record.parts[SLIDING_WINDOW_PAGES].slots if SLIDING_WINDOW_PAGES in record.parts else ())}

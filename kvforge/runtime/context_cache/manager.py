@@ -51,7 +51,7 @@ from kvforge.contract.paging import pages_for
 from kvforge.contract.profile_schema import BASE_KV_PAGES, PARTIAL_KV_SNAPSHOTS, RECURRENT_SNAPSHOTS
 from kvforge.runtime.context_cache.audit import check_invariants
 from kvforge.runtime.context_cache.capture import Copiers, SnapshotCopier, snapshot_copiers
-from kvforge.runtime.context_cache.eviction import plan_eviction
+from kvforge.runtime.context_cache.eviction import Victim, plan_eviction, refile
 from kvforge.runtime.context_cache.index import PageIndex
 from kvforge.runtime.context_cache.keys import CHAIN_ROOT, KeyExtras, page_keys, tail_page_key
 from kvforge.runtime.context_cache.lease import NO_INPUTS, Admission, Inputs, Lease, Prerequisite
@@ -128,6 +128,7 @@ class ContextCacheManager:
         # The page table's type, if any: its index answers the audits and which record a page hit ends on.
         self.attention = next((kind for kind in self.types if isinstance(kind, AttentionPages)), None)
         self.index = PageIndex() if self.attention is None else self.attention.index
+        self._alone = frozenset(kind.name for kind in self.types if kind.part_drops_alone)  # see plan_eviction
 
     @property
     def pages(self) -> ResourcePool:
@@ -237,7 +238,8 @@ class ContextCacheManager:
         # The record a snapshot or checkpoint hit resumes from is never a victim of its own admission.
         needs = [kind.admission_slots(plan, inputs) for kind in self.types]
         victims = plan_eviction({kind.name: n for kind, n in zip(self.types, needs, strict=True) if n}, self.pools,
-                                self.records.least_recent_first(), protected=plan.resumes, held_by=self._held)
+                                self.records.least_recent_first(), protected=plan.resumes, held_by=self._held,
+                                alone=self._alone)
         if victims is None:
             for pool, slots in reused:
                 pool.unpin(slots)
@@ -375,16 +377,8 @@ class ContextCacheManager:
         record = existing
         for kind in self.types:
             record = kind.upgrade(record, lease) or record
-        if record is existing:
-            return
-        for kind in self.types:
-            kind.pool.add_cache_ref(kind.held(record))  # first: a slot both hold never touches zero
-            kind.pool.drop_cache_ref(kind.held(existing))
-        for kind in self.types:
-            kind.on_evict(existing)
-        self.records.replace(record)
-        for kind in self.types:
-            kind.on_commit(record)
+        if record is not existing:
+            refile(self.types, self.records, existing, record)
 
     def _reserve_slots(self, publication: Publication) -> bool:
         """Free (evicting LRU records) and pin the snapshot slots `publication` needs; False when pins forbid it."""
@@ -419,7 +413,8 @@ class ContextCacheManager:
 
     def _reserve(self, demand: Demand) -> bool:
         """Make `demand` allocatable by evicting least recently used records; False when pins forbid it."""
-        victims = plan_eviction(demand, self.pools, self.records.least_recent_first(), held_by=self._held)
+        victims = plan_eviction(demand, self.pools, self.records.least_recent_first(), held_by=self._held,
+                                alone=self._alone)
         if victims is None:
             return False
         self._evict(victims)
@@ -444,7 +439,7 @@ class ContextCacheManager:
         self.metrics.publications_committed += 1
         self.events.committed(record)
         while len(self.records) > self.max_records:  # max_records == 0 evicts the new record right away
-            self._evict([self.records.oldest_id()])
+            self._evict([Victim(self.records.oldest_id())])
         return PublishResult.COMMITTED
 
     def _extend_keys(self, lease: Lease, tokens: np.ndarray, num_pages: int) -> list[bytes]:
@@ -470,16 +465,21 @@ class ContextCacheManager:
         for kind in self.types:
             kind.release(lease)
 
-    def _evict(self, record_ids: list[int]) -> None:
-        """The one eviction point: each type drops the record's cache references and forgets it."""
-        for record_id in record_ids:
-            record = self.records.remove(record_id)
-            for kind in self.types:
-                freed = kind.pool.drop_cache_ref(kind.held(record))
-                self.metrics.reclaimed[kind.name] = self.metrics.reclaimed.get(kind.name, 0) + freed
-                kind.on_evict(record)
-            self.metrics.records_evicted += 1
-            self.events.evicted(record)
+    def _evict(self, victims: Sequence[Victim | int]) -> None:
+        """The one eviction point: each type drops its references (a victim's `parts` alone: the record stays)."""
+        for victim in victims:
+            record_id, parts = victim if isinstance(victim, Victim) else Victim(victim)
+            if parts and (record := self.records.get(record_id)) is not None:  # refiled: no eviction event
+                freed = refile(self.types, self.records, record, record.without(parts))
+            else:
+                record = self.records.remove(record_id)
+                freed = {kind.name: kind.pool.drop_cache_ref(kind.held(record)) for kind in self.types}
+                for kind in self.types:
+                    kind.on_evict(record)
+                self.metrics.records_evicted += 1
+                self.events.evicted(record)
+            for name, count in freed.items():
+                self.metrics.reclaimed[name] = self.metrics.reclaimed.get(name, 0) + count
 
     # --- reporting, audits, the types' views of a lease (their second pass: protocol.py, issue 53) ---------
 

@@ -115,6 +115,7 @@ class CacheType(Protocol):
     name: str  # its part's key everywhere, and its pool's name
     pool: ResourcePool
     keeps_tail: bool  # a publication that ends inside a page may keep that page's tail through this type
+    part_drops_alone: bool  # a record stays valid without this type's part: pressure on its pool takes the part alone
 
     def keeps_tail_of(self, lease: Lease) -> bool:
         """Whether this lease's publication that ends inside a page must keep that tail even where `keeps_tail` is
@@ -260,6 +261,7 @@ class CacheTypeBase:
     name: str
     pool: ResourcePool
     keeps_tail = False
+    part_drops_alone = False
 
     def keeps_tail_of(self, lease: Lease) -> bool:
         return False

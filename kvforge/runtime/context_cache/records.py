@@ -51,6 +51,11 @@ class Record:
         return Record(self.record_id, self.keys, self.page_ids, self.token_ids, self.extras, self.tail_key, self.exact,
                       MappingProxyType({**self.parts, name: part}))
 
+    def without(self, names: frozenset[str]) -> Record:
+        """The same record (id, endpoint) without these types' parts (an eviction that takes only them)."""
+        return Record(self.record_id, self.keys, self.page_ids, self.token_ids, self.extras, self.tail_key, self.exact,
+                      MappingProxyType({name: part for name, part in self.parts.items() if name not in names}))
+
 
 class RecordStore:
     """The records by terminal key (exact endpoints) in record-level LRU order (first = least recently used).

@@ -17,7 +17,8 @@ Decisions, written down as the issue asks:
   (the producer still holds its last window: all a later position reads of a document). At admission the global
   rows are copied; each window page of a restored range is written when the row gets it (`on_grown`, before the call
   that reads it), and a page behind the window is never allocated, read or written. The hits' slots stay pinned
-  until then.
+  until then. The record's window checkpoint is the group's to take back alone (`part_drops_alone`): the stored form
+  outlives it, so a group sized for its rows alone still reuses documents.
 - **Repair recomputes the first tokens of each document in place** (`first-page`: one page of tokens; `overlap`:
   that, and all of the document closest to the question; `attention`: that, and the documents the question's
   attention falls on, within a budget, chosen in a first pass over the question (types/document_repair.py);

@@ -119,6 +119,10 @@ def build_sliding_window(setup: CacheSetup, name: str) -> SlidingWindowPages | N
 
 class SlidingWindowPages(CacheTypeBase):
     __slots__ = ("name", "pool", "records", "metrics", "tokens_per_page", "window", "per_call")
+    # A record without its window checkpoint is what `project` publishes when the lease had freed part of the window:
+    # valid, its global pages and other parts intact, just no exact hit here until `upgrade` gives it one again. So
+    # pressure on the group takes only the checkpoint: a document's record keeps its stored form (issue 53).
+    part_drops_alone = True
 
     def __init__(self, pool: ResourcePool, records: RecordStore, tokens_per_page: int, window: int,
                  per_call: int) -> None:
