@@ -37,7 +37,8 @@ CHANGED: dict[str, Any] = {"num_threads": 3, "enable_context_reuse": True, "cont
                            "shared_cache_encrypt": True,
                            "dflash_block_size": 4, "dspark_scheduler": "sps", "dspark_confidence_threshold": 0.5,
                            "dspark_min_proposal_len": 2, "dspark_max_proposal_len": 5,
-                           "document_reuse": True, "document_repair": "none", "document_segments": "paragraphs",
+                           "document_reuse": True, "document_repair": "none", "document_repair_budget": 0.25,
+                           "document_segments": "paragraphs",
                            "document_segment_min_tokens": 32, "lora_corrections": ("checker",),
                            "lora_correction_pages": 12, "kv_events_endpoint": "tcp://127.0.0.1:5599",
                            "kv_events_topic": "kv"}
