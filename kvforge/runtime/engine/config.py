@@ -172,12 +172,11 @@ class EngineConfig:
         "re-rotated. Implies --enableContextReuse. Approximate unless --documentRepair full; attention-only "
         "engines, no draft model.")
     document_repair: str = _option(
-        DEFAULT_REPAIR, "--documentRepair", f"With --documentReuse: the tokens of each reused document recomputed "
-        f"in place: {REPAIR_POLICIES[0]} (none), {REPAIR_POLICIES[1]} (its first page; default), {REPAIR_POLICIES[2]} "
-        f"(that, and the document sharing most tokens with the question), {REPAIR_POLICIES[3]} (all: a cold run's "
-        f"answer) or {REPAIR_POLICIES[4]} (the first page, then the documents the question attends to most).")
-    document_repair_budget: float = _option(DEFAULT_REPAIR_BUDGET, "--documentRepairBudget", "With --documentRepair "
-        "attention: the fraction (0-1) of a request's document tokens it may recompute beyond the first pages.")
+        DEFAULT_REPAIR, "--documentRepair", f"With --documentReuse, what each reused document recomputes: "
+        f"{REPAIR_POLICIES[0]}, {REPAIR_POLICIES[1]} (default), {REPAIR_POLICIES[2]} (+ the document nearest the "
+        f"question), {REPAIR_POLICIES[3]} (= cold) or {REPAIR_POLICIES[4]} (+ what the question reads most).")
+    document_repair_budget: float = _option(DEFAULT_REPAIR_BUDGET, "--documentRepairBudget", "With "
+        "--documentRepair attention: the share (0-1) of document tokens to redo.")
     document_segments: str = _option(SEGMENTS_OFF, "--documentSegments", "With --documentReuse: 'paragraphs' makes "
         "each block of system or user text between blank lines a document (RAG clients' plain-text passages); 'off'.")
     document_segment_min_tokens: int = _option(DEFAULT_SEGMENT_MIN_TOKENS, "--documentSegmentMinTokens", "With "
