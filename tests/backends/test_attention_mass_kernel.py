@@ -9,10 +9,9 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper
-from support.ort_support import POOL_ELEM
+from support.ort_support import rope_attention_session
 
-from kvforge.plugins import ops, reference
+from kvforge.plugins import reference
 from kvforge.plugins.attention_mass import AttentionMassMeter, attention_mass_meter
 from kvforge.plugins.reference import pool_numpy_dtype, rope_table, to_storage
 
@@ -46,33 +45,8 @@ CASES = {
 
 
 def _session(case: Case, library: Path) -> ort.InferenceSession:
-    d, hq, hkv = case.head_dim, case.num_q, case.num_kv
-    inputs = [
-        helper.make_tensor_value_info("query", TensorProto.FLOAT, ["B", "S", hq * d]),
-        helper.make_tensor_value_info("key", TensorProto.FLOAT, ["B", "S", hkv * d]),
-        helper.make_tensor_value_info("value", TensorProto.FLOAT, ["B", "S", hkv * d]),
-        helper.make_tensor_value_info("pool", POOL_ELEM[case.dtype], ["N", 2, hkv, case.tokens_per_page, d]),
-        helper.make_tensor_value_info("kv_page_table", TensorProto.INT32, ["B", "W"]),
-        helper.make_tensor_value_info("kvcache_start_index", TensorProto.INT32, ["B"]),
-        helper.make_tensor_value_info("context_lengths", TensorProto.INT32, ["B"]),
-        helper.make_tensor_value_info("rope_rotary_cos_sin", TensorProto.FLOAT, ["C", d]),
-        helper.make_tensor_value_info("position_ids", TensorProto.INT32, ["B", "S"]),
-        helper.make_tensor_value_info("attention_mask", TensorProto.BOOL, ["B", "S", "S"]),
-    ]
-    names = [i.name for i in inputs]
-    if not case.tree:
-        names, inputs = names[:8], inputs[:8]
-    node = helper.make_node(ops.CPU_PAGED_ATTENTION_ROPE.name, names, ["out"], domain=ops.CPU_DOMAIN,
-                            num_q_heads=hq, num_kv_heads=hkv, head_dim=d, tokens_per_page=case.tokens_per_page,
-                            scale=float(d) ** -0.5)
-    graph = helper.make_graph([node], "attention_mass", inputs,
-                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
-                                                    helper.make_opsetid(ops.CPU_DOMAIN, 1)])
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 2
-    options.register_custom_ops_library(str(library))
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return rope_attention_session(library, num_q=case.num_q, num_kv=case.num_kv, head_dim=case.head_dim,
+                                  tokens_per_page=case.tokens_per_page, dtype=case.dtype, tree=case.tree)
 
 
 def _feeds(case: Case) -> dict[str, np.ndarray]:
