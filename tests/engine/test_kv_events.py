@@ -66,6 +66,9 @@ class Subscriber:
     def __init__(self, endpoint: str, topic: bytes = b"") -> None:
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.SUB)
+        # Linger 0: a subscriber that is garbage-collected unclosed (a failed fixture) must not block its context's
+        # term() forever on a subscription message to a publisher that has gone (it hung an xdist worker once).
+        self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.SUBSCRIBE, topic)
         self.socket.connect(endpoint)
         self.frames: list[list[bytes]] = []
@@ -106,9 +109,11 @@ def llm(tiny_engine_dir: Path) -> Any:
 @pytest.fixture
 def subscriber(llm: LLM) -> Any:
     sub = Subscriber(llm.engine.kv_events.endpoint, b"kv")
-    sub.join(llm)
-    yield sub
-    sub.close()
+    try:
+        sub.join(llm)
+        yield sub
+    finally:
+        sub.close()
 
 
 def run(llm: LLM, prompt: list[int], salt: str | None = None) -> list[int]:
