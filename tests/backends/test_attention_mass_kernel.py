@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
-from support.ort_support import rope_attention_session
+from support.ort_support import random_tree, rope_attention_session
 
 from kvforge.plugins import reference
 from kvforge.plugins.attention_mass import AttentionMassMeter, attention_mass_meter
@@ -75,17 +75,7 @@ def _feeds(case: Case) -> dict[str, np.ndarray]:
         "rope_rotary_cos_sin": rope_table(max(case.starts) + case.seq + 8, d, 10000.0),
     }
     if case.tree:
-        mask = np.zeros((batch, case.seq, case.seq), dtype=bool)
-        depth = np.zeros((batch, case.seq), dtype=np.int32)
-        for b in range(batch):
-            for i in range(case.seq):
-                mask[b, i, i] = True
-                if i:
-                    parent = int(rng.integers(0, i))
-                    mask[b, i] |= mask[b, parent]
-                    depth[b, i] = depth[b, parent] + 1
-        feeds["attention_mask"] = mask
-        feeds["position_ids"] = (depth + np.array(case.starts, dtype=np.int32)[:, None]).astype(np.int32)
+        feeds.update(random_tree(rng, case.starts, case.seq))
     return feeds
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
-from support.ort_support import rope_attention_session
+from support.ort_support import random_tree, rope_attention_session
 
 from kvforge.plugins import reference
 from kvforge.plugins.reference import pool_numpy_dtype, rope_table, to_storage
@@ -63,17 +63,7 @@ def _feeds(case: Case) -> dict[str, np.ndarray]:
         "rope_rotary_cos_sin": rope_table(max(case.starts) + case.seq + 8, case.rotary, 10000.0),
     }
     if case.tree:  # each node's parent comes before it; its RoPE position is start + its depth - 1
-        mask = np.zeros((batch, case.seq, case.seq), dtype=bool)
-        depth = np.zeros((batch, case.seq), dtype=np.int32)
-        for b in range(batch):
-            for i in range(case.seq):
-                mask[b, i, i] = True
-                if i:
-                    parent = int(rng.integers(0, i))
-                    mask[b, i] |= mask[b, parent]
-                    depth[b, i] = depth[b, parent] + 1
-        feeds["attention_mask"] = mask
-        feeds["position_ids"] = (depth + np.array(case.starts, dtype=np.int32)[:, None]).astype(np.int32)
+        feeds.update(random_tree(rng, case.starts, case.seq))
     return feeds
 
 

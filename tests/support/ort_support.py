@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
@@ -67,3 +68,20 @@ def rope_attention_session(library: Path, *, num_q: int, num_kv: int, head_dim: 
     options.intra_op_num_threads = 2
     options.register_custom_ops_library(str(library))
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def random_tree(rng: np.random.Generator, starts: list[int], seq: int) -> dict[str, np.ndarray]:
+    """A random draft tree per row for PagedAttentionRope's tree inputs: each node's parent comes before it, it sees
+    itself and its ancestors, and its RoPE position is the row's start + its depth."""
+    batch = len(starts)
+    mask = np.zeros((batch, seq, seq), dtype=bool)
+    depth = np.zeros((batch, seq), dtype=np.int32)
+    for b in range(batch):
+        for i in range(seq):
+            mask[b, i, i] = True
+            if i:
+                parent = int(rng.integers(0, i))
+                mask[b, i] |= mask[b, parent]
+                depth[b, i] = depth[b, parent] + 1
+    positions = (depth + np.array(starts, dtype=np.int32)[:, None]).astype(np.int32)
+    return {"attention_mask": mask, "position_ids": positions}
